@@ -1,0 +1,67 @@
+// Fused Adam / AdamW step on the CPU: one pass over memory per tensor.
+//
+// For every element it reads the gradient (fp32, bf16 or fp16), the fp32 weight and the fp32
+// moments, and writes the weight and moments back, plus, optionally, a low-precision copy of the
+// new weight (the bf16 parameter that goes back to the GPU, or the bf16 parameter whose fp32
+// master this is). The arithmetic follows torch.optim.Adam/AdamW's order of operations
+// (no FMA contraction, true division and sqrt) so results agree with torch to rounding.
+// AVX-512, AVX2 and scalar paths share one templated body (adam_impl.h); the path is chosen
+// at run time (core/util/cpu_features.h) and the work is split across ThreadPool::global().
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/util/cpu_features.h"
+#include "core/util/dtype.h"
+
+namespace tierlift {
+
+struct AdamHyper {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  int64_t step = 1;         // the step number being taken (1 for the first step)
+  bool decoupled = true;    // AdamW (true) or Adam with L2 penalty (false)
+  bool amsgrad = false;
+  bool maximize = false;
+};
+
+struct AdamTensor {
+  float* param = nullptr;           // fp32 weights (or fp32 master weights), updated in place
+  const void* grad = nullptr;
+  DType grad_type = DType::kFloat32;
+  float* exp_avg = nullptr;
+  float* exp_avg_sq = nullptr;
+  float* max_exp_avg_sq = nullptr;  // required when amsgrad
+  void* param_copy = nullptr;       // optional: receives the updated weight in copy_type
+  DType copy_type = DType::kNone;
+  int64_t numel = 0;
+};
+
+// Scalars derived once per step in double precision, rounded to float as torch does.
+struct AdamScalars {
+  float beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay;
+  float decay;           // 1 - lr * weight_decay (AdamW)
+  float neg_step_size;   // -lr / (1 - beta1^step)
+  float bc2_sqrt;        // sqrt(1 - beta2^step)
+  bool decoupled, amsgrad, maximize;
+};
+
+AdamScalars adam_scalars(const AdamHyper& h);
+
+// Throws std::invalid_argument on inconsistent input (null pointers, amsgrad without buffer).
+void adam_step(const AdamHyper& hyper, const AdamTensor* tensors, size_t count);
+
+// Same, on an explicit SIMD level and without threading (used by tests and benchmarks).
+void adam_step_range(SimdLevel level, const AdamScalars& s, const AdamTensor& t, int64_t begin,
+                     int64_t end);
+
+// Per-ISA entry points (adam_scalar.cc, adam_avx2.cc, adam_avx512.cc).
+void adam_range_scalar(const AdamScalars& s, const AdamTensor& t, int64_t begin, int64_t end);
+void adam_range_avx2(const AdamScalars& s, const AdamTensor& t, int64_t begin, int64_t end);
+void adam_range_avx512(const AdamScalars& s, const AdamTensor& t, int64_t begin, int64_t end);
+
+}  // namespace tierlift

@@ -1,0 +1,55 @@
+// AVX2 + FMA + F16C path: 8 fp32 lanes. The target pragma compiles just this file for those
+// instructions; cpu_features decides at run time whether it may be called.
+#pragma GCC target("avx2,fma,f16c")
+#include <immintrin.h>
+
+#include "core/optim/adam_impl.h"
+
+namespace tierlift {
+namespace {
+
+struct Avx2Vec {
+  using R = __m256;
+  static constexpr int kWidth = 8;
+  static R load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, R x) { _mm256_storeu_ps(p, x); }
+  static R load_bf16(const uint16_t* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  static void store_bf16(uint16_t* p, R x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+    r = _mm256_srli_epi32(r, 16);
+    const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+    r = _mm256_castps_si256(
+        _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc0)), nan));
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  }
+  static R load_f16(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static void store_f16(uint16_t* p, R x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  static R set1(float x) { return _mm256_set1_ps(x); }
+  static R add(R a, R b) { return _mm256_add_ps(a, b); }
+  static R sub(R a, R b) { return _mm256_sub_ps(a, b); }
+  static R mul(R a, R b) { return _mm256_mul_ps(a, b); }
+  static R div(R a, R b) { return _mm256_div_ps(a, b); }
+  static R fmadd(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }
+  static R sqrt(R a) { return _mm256_sqrt_ps(a); }
+  static R max(R a, R b) { return _mm256_max_ps(b, a); }  // a < b ? b : a, as ScalarVec
+  static R neg(R a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.0f)); }
+};
+
+}  // namespace
+
+void adam_range_avx2(const AdamScalars& s, const AdamTensor& t, int64_t begin, int64_t end) {
+  adam_detail::dispatch<Avx2Vec, adam_detail::ScalarVec>(s, t, begin, end);
+}
+
+}  // namespace tierlift

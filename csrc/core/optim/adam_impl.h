@@ -1,0 +1,137 @@
+// The Adam element update written once over a small vector interface V (see adam_scalar.cc,
+// adam_avx2.cc, adam_avx512.cc for the three V's). Included only by those files, each compiled
+// for its own instruction set.
+//
+// Per element, in torch's order of operations:
+//   g = maximize ? -grad : grad;            g = fma(wd, p, g)  (Adam, L2 penalty)
+//   p *= 1 - lr * wd                         (AdamW)
+//   m = lerp(m, g, 1 - beta1)                (fused multiply-add, like torch's vectorized lerp)
+//   v = v * beta2 + (1 - beta2) * g * g
+//   vmax = max(vmax, v)                      (amsgrad)
+//   p = p + (-step_size * m) / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+#pragma once
+
+#include "core/optim/adam.h"
+
+namespace tierlift {
+namespace adam_detail {
+// Anonymous: each ISA file gets its own copies, compiled for its own target (see dtype.h).
+namespace {
+
+template <class V>
+struct Consts {
+  typename V::R beta2, one_minus_beta1, one_minus_beta2, eps, wd, decay, neg_step_size, bc2_sqrt;
+  explicit Consts(const AdamScalars& s)
+      : beta2(V::set1(s.beta2)),
+        one_minus_beta1(V::set1(s.one_minus_beta1)),
+        one_minus_beta2(V::set1(s.one_minus_beta2)),
+        eps(V::set1(s.eps)),
+        wd(V::set1(s.weight_decay)),
+        decay(V::set1(s.decay)),
+        neg_step_size(V::set1(s.neg_step_size)),
+        bc2_sqrt(V::set1(s.bc2_sqrt)) {}
+};
+
+template <class V, DType kT>
+inline typename V::R load_as_f32(const void* base, int64_t i) {
+  if constexpr (kT == DType::kFloat32) return V::load(static_cast<const float*>(base) + i);
+  if constexpr (kT == DType::kBFloat16) return V::load_bf16(static_cast<const uint16_t*>(base) + i);
+  if constexpr (kT == DType::kFloat16) return V::load_f16(static_cast<const uint16_t*>(base) + i);
+}
+
+template <class V, DType kT>
+inline void store_from_f32(void* base, int64_t i, typename V::R x) {
+  if constexpr (kT == DType::kFloat32) V::store(static_cast<float*>(base) + i, x);
+  if constexpr (kT == DType::kBFloat16) V::store_bf16(static_cast<uint16_t*>(base) + i, x);
+  if constexpr (kT == DType::kFloat16) V::store_f16(static_cast<uint16_t*>(base) + i, x);
+}
+
+template <class V, DType kGrad, DType kCopy>
+inline void update(const AdamScalars& s, const Consts<V>& c, const AdamTensor& t, int64_t i) {
+  using R = typename V::R;
+  R g = load_as_f32<V, kGrad>(t.grad, i);
+  if (s.maximize) g = V::neg(g);
+  R p = V::load(t.param + i);
+  if (s.decoupled) {
+    p = V::mul(p, c.decay);
+  } else if (s.weight_decay != 0.0f) {
+    g = V::fmadd(c.wd, p, g);  // torch's add(alpha=) is a fused multiply-add
+  }
+  R m = V::load(t.exp_avg + i);
+  m = V::fmadd(c.one_minus_beta1, V::sub(g, m), m);
+  R v = V::mul(V::load(t.exp_avg_sq + i), c.beta2);
+  v = V::add(v, V::mul(V::mul(c.one_minus_beta2, g), g));
+  V::store(t.exp_avg + i, m);
+  V::store(t.exp_avg_sq + i, v);
+  if (s.amsgrad) {
+    v = V::max(V::load(t.max_exp_avg_sq + i), v);
+    V::store(t.max_exp_avg_sq + i, v);
+  }
+  const R denom = V::add(V::div(V::sqrt(v), c.bc2_sqrt), c.eps);
+  p = V::add(p, V::div(V::mul(c.neg_step_size, m), denom));
+  V::store(t.param + i, p);
+  if constexpr (kCopy != DType::kNone) store_from_f32<V, kCopy>(t.param_copy, i, p);
+}
+
+// Vector body plus a scalar tail (S is the scalar V, so tails round exactly like the body).
+template <class V, class S, DType kGrad, DType kCopy>
+void range(const AdamScalars& s, const AdamTensor& t, int64_t begin, int64_t end) {
+  const Consts<V> c(s);
+  int64_t i = begin;
+  for (; i + V::kWidth <= end; i += V::kWidth) update<V, kGrad, kCopy>(s, c, t, i);
+  if (i < end) {
+    const Consts<S> cs(s);
+    for (; i < end; ++i) update<S, kGrad, kCopy>(s, cs, t, i);
+  }
+}
+
+template <class V, class S, DType kGrad>
+void dispatch_copy(const AdamScalars& s, const AdamTensor& t, int64_t begin, int64_t end) {
+  switch (t.copy_type) {
+    case DType::kFloat32:
+      return range<V, S, kGrad, DType::kFloat32>(s, t, begin, end);
+    case DType::kBFloat16:
+      return range<V, S, kGrad, DType::kBFloat16>(s, t, begin, end);
+    case DType::kFloat16:
+      return range<V, S, kGrad, DType::kFloat16>(s, t, begin, end);
+    default:
+      return range<V, S, kGrad, DType::kNone>(s, t, begin, end);
+  }
+}
+
+template <class V, class S>
+void dispatch(const AdamScalars& s, const AdamTensor& t, int64_t begin, int64_t end) {
+  switch (t.grad_type) {
+    case DType::kBFloat16:
+      return dispatch_copy<V, S, DType::kBFloat16>(s, t, begin, end);
+    case DType::kFloat16:
+      return dispatch_copy<V, S, DType::kFloat16>(s, t, begin, end);
+    default:
+      return dispatch_copy<V, S, DType::kFloat32>(s, t, begin, end);
+  }
+}
+
+// Plain C++ lanes of width 1; every ISA file uses it for its tails.
+struct ScalarVec {
+  using R = float;
+  static constexpr int kWidth = 1;
+  static R load(const float* p) { return *p; }
+  static void store(float* p, R x) { *p = x; }
+  static R load_bf16(const uint16_t* p) { return bf16_to_f32(*p); }
+  static void store_bf16(uint16_t* p, R x) { *p = f32_to_bf16(x); }
+  static R load_f16(const uint16_t* p) { return f16_to_f32(*p); }
+  static void store_f16(uint16_t* p, R x) { *p = f32_to_f16(x); }
+  static R set1(float x) { return x; }
+  static R add(R a, R b) { return a + b; }
+  static R sub(R a, R b) { return a - b; }
+  static R mul(R a, R b) { return a * b; }
+  static R div(R a, R b) { return a / b; }
+  static R fmadd(R a, R b, R c) { return __builtin_fmaf(a, b, c); }
+  static R sqrt(R a) { return __builtin_sqrtf(a); }
+  static R max(R a, R b) { return a < b ? b : a; }
+  static R neg(R a) { return -a; }
+};
+
+}  // namespace
+}  // namespace adam_detail
+}  // namespace tierlift

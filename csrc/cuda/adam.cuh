@@ -1,0 +1,33 @@
+// Multi-tensor fused Adam/AdamW on the GPU, torch-free. The host side packs up to
+// kMaxTensors tensor descriptors and a block -> (tensor, chunk) map into one kernel argument
+// struct and launches once per pack, so a model with hundreds of parameters costs a handful of
+// launches, as apex/torch's fused optimizers do. Arithmetic matches the CPU kernel
+// (core/optim/adam_impl.h) operation for operation, with explicitly rounded intrinsics so nvcc
+// cannot contract them into FMAs.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/optim/adam.h"
+
+namespace tierlift {
+namespace cuda {
+
+struct AdamTensorPtrs {
+  float* param;
+  const void* grad;
+  float* exp_avg;
+  float* exp_avg_sq;
+  float* max_exp_avg_sq;  // null unless amsgrad
+  void* param_copy;       // null when no copy is written
+  int64_t numel;
+};
+
+// All tensors in one call share grad_type and copy_type (the caller groups them).
+cudaError_t adam_step(const AdamTensorPtrs* tensors, int count, DType grad_type, DType copy_type,
+                      const AdamScalars& s, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace tierlift

@@ -1,0 +1,23 @@
+// The one place where every tierlift op's schema is declared. Backend files add only their
+// implementations (TORCH_LIBRARY_IMPL(tierlift, CPU/CUDA, m)); fake kernels live in
+// python/tierlift/ops.py. Keep each op family in its own block.
+#include <torch/library.h>
+
+TORCH_LIBRARY(tierlift, m) {
+  // ---- optim: fused Adam/AdamW over lists of tensors (csrc/torch/optim_ops.cpp) ----
+  // params are fp32 (weights or master weights), updated in place with their moments.
+  // param_copies is empty or one tensor per param that receives the new weight in its dtype.
+  m.def(
+      "adam_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
+      "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] param_copies, "
+      "float lr, float beta1, float beta2, float eps, float weight_decay, int step, "
+      "bool decoupled, bool amsgrad, bool maximize) -> ()");
+
+  // ---- io ----
+
+  // ---- gather ----
+
+  // ---- lowp ----
+
+  // ---- zero ----
+}

@@ -1,0 +1,22 @@
+"""Command line: `python -m tierlift info` prints what this build and machine can do."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tierlift")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="build and machine capabilities as JSON")
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        import tierlift
+
+        print(json.dumps(tierlift.build_info(), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

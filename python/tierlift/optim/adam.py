@@ -1,0 +1,174 @@
+"""tierlift.optim.Adam / AdamW: drop-in torch.optim.Optimizer subclasses backed by the fused
+SIMD CPU kernel (csrc/core/optim) and the fused multi-tensor CUDA kernel (csrc/cuda/adam.cu).
+
+Same constructor as torch's, same param-group keys and the same state_dict layout
+(state: step, exp_avg, exp_avg_sq[, max_exp_avg_sq]), so checkpoints move between torch's
+optimizer and ours in both directions. Differences, all deliberate:
+  * optimizer state is always fp32; a bf16/fp16 parameter also gets an fp32 master copy
+    (state key "master") and receives the rounded update, written by the same fused pass;
+  * foreach/fused/capturable are accepted for compatibility and ignored (ours is always fused);
+    differentiable=True is refused.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+from torch.optim import Optimizer
+
+from tierlift import ops
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def _finite(name: str, value) -> float:
+    v = float(value.item() if isinstance(value, torch.Tensor) else value)
+    if not math.isfinite(v):
+        raise ValueError(f"{name} must be finite, got {v}")
+    return v
+
+
+def _check_hyper(lr, betas, eps, weight_decay) -> None:
+    lr_v = _finite("lr", lr)
+    if lr_v < 0:
+        raise ValueError(f"lr must be >= 0, got {lr_v}")
+    if len(betas) != 2:
+        raise ValueError(f"betas must be a pair, got {betas!r}")
+    for i, b in enumerate(betas):
+        if not 0.0 <= _finite(f"betas[{i}]", b) < 1.0:
+            raise ValueError(f"betas[{i}] must be in [0, 1), got {b}")
+    if _finite("eps", eps) < 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    if _finite("weight_decay", weight_decay) < 0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+
+
+class Adam(Optimizer):
+    """Adam (weight decay as an L2 penalty; `decoupled_weight_decay=True` makes it AdamW)."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 amsgrad=False, *, foreach=None, maximize=False, capturable=False,
+                 differentiable=False, fused=None, decoupled_weight_decay=False):
+        _check_hyper(lr, betas, eps, weight_decay)
+        if differentiable:
+            raise ValueError("tierlift optimizers do not support differentiable=True; "
+                             "use torch.optim for differentiating through the step")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                        foreach=foreach, maximize=maximize, capturable=capturable,
+                        differentiable=differentiable, fused=fused,
+                        decoupled_weight_decay=decoupled_weight_decay)
+        super().__init__(params, defaults)
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if p.is_complex():
+                    raise TypeError(f"param_groups[{gi}]['params'][{pi}] is complex "
+                                    f"({p.dtype}); tierlift's Adam supports real tensors only")
+                if not p.is_floating_point():
+                    raise TypeError(f"param_groups[{gi}]['params'][{pi}] has dtype {p.dtype}; "
+                                    "expected a floating-point parameter")
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("decoupled_weight_decay", False)
+            group.setdefault("maximize", False)
+            group.setdefault("amsgrad", False)
+
+    def _init_state(self, p: torch.Tensor, amsgrad: bool) -> dict:
+        state = self.state[p]
+        if len(state) == 0 or "exp_avg" not in state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32,
+                                                memory_format=torch.contiguous_format)
+            state["exp_avg_sq"] = torch.zeros_like(state["exp_avg"])
+        # State loaded from a torch checkpoint may be in the parameter's dtype: bring it to fp32.
+        for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master"):
+            if key in state and (state[key].dtype != torch.float32 or
+                                 not state[key].is_contiguous()):
+                state[key] = state[key].to(torch.float32).contiguous()
+        if amsgrad and "max_exp_avg_sq" not in state:
+            state["max_exp_avg_sq"] = torch.zeros_like(state["exp_avg"])
+        if p.dtype in _LOW_PRECISION and "master" not in state:
+            state["master"] = p.detach().to(torch.float32).contiguous()
+        return state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for gi, group in enumerate(self.param_groups):
+            self._step_group(gi, group)
+        return loss
+
+    def _step_group(self, gi: int, group: dict) -> None:
+        beta1, beta2 = group["betas"]
+        _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        lr = float(group["lr"])
+        # (device, step) -> lists for one fused call; params that skipped steps keep their count.
+        buckets: dict = defaultdict(lambda: defaultdict(list))
+        device = None
+        for pi, p in enumerate(group["params"]):
+            if p.grad is None:
+                continue
+            name = f"param_groups[{gi}]['params'][{pi}]"
+            grad = p.grad
+            if grad.is_sparse:
+                raise RuntimeError(f"{name} has a sparse gradient; tierlift's Adam needs dense "
+                                   "gradients (use torch.optim.SparseAdam)")
+            if device is not None and p.device != device:
+                raise RuntimeError(f"{name} is on {p.device} but earlier parameters of the same "
+                                   f"group are on {device}; put each device in its own group")
+            device = p.device
+            if grad.dtype not in (torch.float32, *_LOW_PRECISION):
+                raise TypeError(f"{name}.grad has dtype {grad.dtype}; expected float32, "
+                                "bfloat16 or float16")
+            state = self._init_state(p, group["amsgrad"])
+            state["step"] += 1
+            master = state.get("master")
+            if master is None and (p.dtype != torch.float32 or not p.is_contiguous()):
+                raise TypeError(f"{name} has dtype {p.dtype} with layout that the fused kernel "
+                                "cannot update in place; make it contiguous")
+            b = buckets[(p.device, int(state["step"].item()))]
+            b["params"].append(master if master is not None else p)
+            b["copies"].append(p if master is not None else None)
+            b["grads"].append(grad.contiguous())
+            b["exp_avgs"].append(state["exp_avg"])
+            b["exp_avg_sqs"].append(state["exp_avg_sq"])
+            if group["amsgrad"]:
+                b["max_exp_avg_sqs"].append(state["max_exp_avg_sq"])
+        decoupled = self._decoupled(group)
+        for (_, step), b in buckets.items():
+            with_copies = any(c is not None for c in b["copies"])
+            if with_copies:
+                # Params without their own copy write into themselves (a no-op copy is cheaper
+                # than a second call, and keeps one launch per bucket).
+                copies = [c if c is not None else p for c, p in zip(b["copies"], b["params"])]
+            else:
+                copies = []
+            ops.adam_step_(b["params"], b["grads"], b["exp_avgs"], b["exp_avg_sqs"],
+                           b["max_exp_avg_sqs"], copies, lr=lr, beta1=beta1, beta2=beta2,
+                           eps=group["eps"], weight_decay=group["weight_decay"], step=step,
+                           decoupled=decoupled, amsgrad=group["amsgrad"],
+                           maximize=group["maximize"])
+
+    def _decoupled(self, group: dict) -> bool:
+        return bool(group.get("decoupled_weight_decay", False))
+
+
+class AdamW(Adam):
+    """AdamW: Adam with decoupled weight decay (Loshchilov & Hutter), like torch.optim.AdamW."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 amsgrad=False, *, maximize=False, foreach=None, capturable=False,
+                 differentiable=False, fused=None):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         amsgrad=amsgrad, foreach=foreach, maximize=maximize,
+                         capturable=capturable, differentiable=differentiable, fused=fused,
+                         decoupled_weight_decay=True)
+
+    def _decoupled(self, group: dict) -> bool:
+        return True

@@ -1,0 +1,53 @@
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <stdexcept>
+#include <vector>
+
+#include "core/util/thread_pool.h"
+
+namespace tierlift {
+namespace {
+
+TEST(ThreadPool, CoversEveryIndexExactlyOnce) {
+  ThreadPool pool(4);
+  for (int64_t n : {1, 7, 64, 1000, 12345}) {
+    std::vector<std::atomic<int>> hits(n);
+    pool.parallel_for(n, 16, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) hits[i]++;
+    });
+    for (int64_t i = 0; i < n; ++i) ASSERT_EQ(hits[i].load(), 1) << "n=" << n << " i=" << i;
+  }
+}
+
+TEST(ThreadPool, RangesStartOnGrainBoundaries) {
+  ThreadPool pool(3);
+  pool.parallel_for(1000, 64, [&](int64_t b, int64_t) { EXPECT_EQ(b % 64, 0); });
+}
+
+TEST(ThreadPool, RethrowsWorkerException) {
+  ThreadPool pool(2);
+  EXPECT_THROW(pool.parallel_for(100, 1,
+                                 [&](int64_t b, int64_t) {
+                                   if (b > 0) throw std::runtime_error("boom");
+                                 }),
+               std::runtime_error);
+  // The pool still works afterwards.
+  std::atomic<int64_t> sum{0};
+  pool.parallel_for(100, 1, [&](int64_t b, int64_t e) { sum += e - b; });
+  EXPECT_EQ(sum.load(), 100);
+}
+
+TEST(ThreadPool, NestedCallRunsInline) {
+  ThreadPool pool(2);
+  std::atomic<int64_t> sum{0};
+  pool.parallel_for(4, 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      pool.parallel_for(10, 1, [&](int64_t b2, int64_t e2) { sum += e2 - b2; });
+    }
+  });
+  EXPECT_EQ(sum.load(), 40);
+}
+
+}  // namespace
+}  // namespace tierlift

@@ -1,0 +1,33 @@
+import os
+
+import pytest
+import torch
+
+import tierlift
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(params=["scalar", "avx2", "avx512"])
+def simd_path(request, monkeypatch):
+    """Runs a test once per SIMD path (skipping paths this CPU lacks)."""
+    order = ["scalar", "avx2", "avx512"]
+    if not tierlift._extension.available():
+        pytest.skip("compiled extension not loaded")
+    best = tierlift._extension._C.cpu_simd_level()
+    if order.index(request.param) > order.index(best):
+        pytest.skip(f"CPU lacks {request.param}")
+    monkeypatch.setenv("TIERLIFT_SIMD", request.param)
+    assert tierlift._extension._C.active_simd_level() == request.param
+    yield request.param
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    os.environ.setdefault("TIERLIFT_NUM_THREADS", "2")

@@ -1,0 +1,285 @@
+"""tierlift.optim.Adam/AdamW against torch.optim.Adam/AdamW.
+
+What limits exactness: the kernels follow torch's operation order (bias corrections in double,
+then fp32 tensor math) but update m with a fused multiply-add as torch's vectorized lerp does,
+while torch's scalar tail and other code paths may not; so single elements can differ by an ulp
+per step, and 100 steps keep the weights within 1e-6 relative (plus 1e-6 * max|w| absolute for
+weights that pass near zero, where relative error is meaningless).
+"""
+
+import copy
+
+import pytest
+import torch
+
+import tierlift
+from tierlift.optim import Adam, AdamW
+
+SHAPES = [(1,), (7,), (16,), (17,), (33, 65), (1000, 3), (4099,)]
+
+
+def make_params(dtype=torch.float32):
+    return [torch.nn.Parameter(torch.randn(s).to(dtype)) for s in SHAPES]
+
+
+def grads_for(params, steps, dtype):
+    g = torch.Generator().manual_seed(1)
+    return [[torch.randn(p.shape, generator=g).to(dtype) * 0.1 for p in params]
+            for _ in range(steps)]
+
+
+def assert_close_rel(actual, expected):
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6 * max(scale, 1.0))
+
+
+CONFIGS = [
+    dict(cls="AdamW", weight_decay=0.1),
+    dict(cls="AdamW", weight_decay=0.0),
+    dict(cls="Adam", weight_decay=0.0),
+    dict(cls="Adam", weight_decay=0.05),
+    dict(cls="AdamW", weight_decay=0.1, amsgrad=True),
+    dict(cls="Adam", weight_decay=0.05, amsgrad=True, maximize=True),
+    dict(cls="AdamW", weight_decay=0.1, maximize=True, betas=(0.8, 0.99), eps=1e-6),
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_matches_torch_over_100_steps(simd_path, config, dtype):
+    config = dict(config)
+    cls_name = config.pop("cls")
+    ours_cls = {"Adam": Adam, "AdamW": AdamW}[cls_name]
+    torch_cls = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}[cls_name]
+    params = make_params(dtype)
+    ref_params = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
+    ours = ours_cls(params, lr=1e-2, **config)
+    ref = torch_cls(ref_params, lr=1e-2, foreach=False, **config)
+    for step_grads in grads_for(params, 100, dtype):
+        for p, r, g in zip(params, ref_params, step_grads):
+            p.grad = g
+            r.grad = g.float()
+        ours.step()
+        ref.step()
+    for p, r in zip(params, ref_params):
+        master = ours.state[p].get("master", p)
+        assert master.dtype == torch.float32
+        assert_close_rel(master, r.detach())
+        if dtype != torch.float32:
+            # The low-precision weight is the master rounded once, in the same fused pass.
+            torch.testing.assert_close(p.detach(), master.to(dtype), rtol=0, atol=0)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert_close_rel(ours.state[p][key], ref.state[r][key])
+
+
+def test_simd_paths_agree_bitwise(monkeypatch):
+    results = {}
+    for path in ("scalar", "avx2", "avx512"):
+        monkeypatch.setenv("TIERLIFT_SIMD", path)
+        torch.manual_seed(0)
+        params = make_params()
+        opt = AdamW(params, lr=1e-2, amsgrad=True)
+        for step_grads in grads_for(params, 5, torch.float32):
+            for p, g in zip(params, step_grads):
+                p.grad = g
+            opt.step()
+        results[tierlift._extension._C.active_simd_level()] = [p.detach().clone() for p in params]
+    first = next(iter(results.values()))
+    for other in results.values():
+        for a, b in zip(first, other):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("copy_dtype", [None, torch.bfloat16, torch.float16, torch.float32])
+def test_op_matches_reference(simd_path, grad_dtype, copy_dtype):
+    n = 1037
+    base = [torch.randn(n), torch.randn(n).to(grad_dtype), torch.randn(n) * 0.1,
+            torch.rand(n) * 0.01, torch.rand(n) * 0.02]
+    copies = lambda: [torch.empty(n, dtype=copy_dtype)] if copy_dtype else []
+    ours = [t.clone() for t in base] + [copies()]
+    ref = [t.clone() for t in base] + [copies()]
+    kw = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=3,
+              decoupled=True, amsgrad=True, maximize=False)
+    for args, fn in ((ours, tierlift.ops.adam_step_), (ref, tierlift.reference.adam_step_)):
+        p, g, m, v, vmax, cp = args
+        if fn is tierlift.reference.adam_step_:
+            fn([p], [g], [m], [v], [vmax], cp, *kw.values())
+        else:
+            fn([p], [g], [m], [v], [vmax], cp, **kw)
+    for a, b in zip(ours[:5], ref[:5]):
+        torch.testing.assert_close(a, b, rtol=2e-7, atol=1e-9)
+    if copy_dtype:
+        torch.testing.assert_close(ours[5][0], ours[0].to(copy_dtype), rtol=0, atol=0)
+
+
+def test_opcheck():
+    n = 300
+    args = ([torch.randn(n)], [torch.randn(n, dtype=torch.bfloat16)], [torch.zeros(n)],
+            [torch.zeros(n)], [], [torch.empty(n, dtype=torch.bfloat16)],
+            1e-3, 0.9, 0.999, 1e-8, 0.01, 1, True, False, False)
+    torch.library.opcheck(torch.ops.tierlift.adam_step_.default, args)
+
+
+def test_state_dict_roundtrip_with_torch():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    twin = copy.deepcopy(model)
+    x, y = torch.randn(32, 8), torch.randn(32, 4)
+
+    def train(m, opt, steps):
+        for _ in range(steps):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(m(x), y).backward()
+            opt.step()
+
+    torch_opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, torch_opt, 3)
+    # torch -> tierlift: continue training from torch's state.
+    twin.load_state_dict(model.state_dict())
+    ours = AdamW(twin.parameters(), lr=1e-2)
+    ours.load_state_dict(copy.deepcopy(torch_opt.state_dict()))  # as after torch.save/load
+    train(model, torch_opt, 5)
+    train(twin, ours, 5)
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert_close_rel(b.detach(), a.detach())
+    # tierlift -> torch: same keys, same tensors.
+    back = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    back.load_state_dict(copy.deepcopy(ours.state_dict()))
+    sd_ours, sd_back = ours.state_dict(), back.state_dict()
+    assert sd_ours["param_groups"] == sd_back["param_groups"]
+    for k, st in sd_ours["state"].items():
+        assert set(st) == set(sd_back["state"][k])
+        for key in st:
+            torch.testing.assert_close(st[key], sd_back["state"][k][key])
+
+
+def test_scheduler_closure_zero_grad_and_tensor_lr():
+    model = torch.nn.Linear(4, 1)
+    opt = AdamW(model.parameters(), lr=torch.tensor(0.1))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+
+    def closure():
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    losses = []
+    for _ in range(5):
+        losses.append(opt.step(closure).item())
+        sched.step()
+    assert losses[-1] < losses[0]
+    assert float(opt.param_groups[0]["lr"]) == pytest.approx(0.1 * 0.5**5)
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_param_groups_with_different_hyperparameters():
+    a, b = torch.nn.Parameter(torch.ones(10)), torch.nn.Parameter(torch.ones(10))
+    opt = AdamW([{"params": [a], "lr": 0.1}, {"params": [b], "lr": 0.0}])
+    a.grad, b.grad = torch.ones(10), torch.ones(10)
+    opt.step()
+    assert torch.all(a < 1) and torch.equal(b.detach(), torch.ones(10) * (1 - 0.0 * 0.01))
+
+
+def test_params_without_grad_are_skipped_and_keep_their_step():
+    a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    opt = AdamW([a, b])
+    a.grad = torch.ones(3)
+    opt.step()
+    b.grad = torch.ones(3)
+    opt.step()
+    assert opt.state[a]["step"].item() == 2 and opt.state[b]["step"].item() == 1
+
+
+def test_rejects_sparse_gradients():
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = AdamW([p])
+    p.grad = torch.ones(4).to_sparse()
+    with pytest.raises(RuntimeError, match=r"params'\]\[0\] has a sparse gradient"):
+        opt.step()
+
+
+def test_rejects_complex_parameters():
+    with pytest.raises(TypeError, match="complex"):
+        AdamW([torch.nn.Parameter(torch.ones(2, dtype=torch.complex64))])
+
+
+def test_rejects_mixed_devices_in_one_group():
+    a = torch.nn.Parameter(torch.ones(2))
+    b = torch.nn.Parameter(torch.ones(2, device="meta"))
+    opt = AdamW([a, b])
+    a.grad = torch.ones(2)
+    b.grad = torch.ones(2, device="meta")
+    with pytest.raises(RuntimeError, match=r"\['params'\]\[1\] is on meta"):
+        opt.step()
+    assert torch.equal(a.detach(), torch.ones(2)), "nothing is updated when the group is invalid"
+
+
+@pytest.mark.parametrize("kwargs", [dict(lr=float("nan")), dict(eps=float("inf")),
+                                    dict(betas=(0.9, float("nan"))), dict(weight_decay=-1.0),
+                                    dict(betas=(1.0, 0.999))])
+def test_rejects_bad_hyperparameters(kwargs):
+    with pytest.raises(ValueError):
+        AdamW([torch.nn.Parameter(torch.ones(2))], **kwargs)
+
+
+def test_nan_lr_set_later_is_caught_before_any_update():
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = AdamW([p])
+    opt.param_groups[0]["lr"] = float("nan")
+    p.grad = torch.ones(2)
+    with pytest.raises(ValueError, match="lr must be finite"):
+        opt.step()
+    assert torch.equal(p.detach(), torch.ones(2))
+
+
+def test_op_rejects_bad_tensors():
+    n = 8
+    good = lambda: ([torch.zeros(n)], [torch.zeros(n)], [torch.zeros(n)], [torch.zeros(n)], [], [])
+    kw = (1e-3, 0.9, 0.999, 1e-8, 0.0, 1, True, False, False)
+    p, g, m, v, mx, cp = good()
+    with pytest.raises(TypeError, match=r"grads\[0\] must be float32, bfloat16 or float16|grads"):
+        torch.ops.tierlift.adam_step_(p, [torch.zeros(n, dtype=torch.int32)], m, v, mx, cp, *kw)
+    with pytest.raises(ValueError, match=r"exp_avgs\[0\] has 7 elements"):
+        torch.ops.tierlift.adam_step_(p, g, [torch.zeros(7)], v, mx, cp, *kw)
+    with pytest.raises(TypeError, match=r"params\[0\] must be float32"):
+        torch.ops.tierlift.adam_step_([torch.zeros(n, dtype=torch.float64)], g, m, v, mx, cp, *kw)
+    with pytest.raises(ValueError, match="amsgrad needs"):
+        torch.ops.tierlift.adam_step_(p, g, m, v, [], cp, *kw[:7], True, False)
+    with pytest.raises(ValueError, match="contiguous"):
+        torch.ops.tierlift.adam_step_([torch.zeros(4, 2).t()], [torch.zeros(2, 4)],
+                                      [torch.zeros(2, 4)], [torch.zeros(2, 4)], mx, cp, *kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_kernel_matches_cpu_kernel(dtype):
+    params = make_params(dtype)
+    gpu_params = [torch.nn.Parameter(p.detach().cuda()) for p in params]
+    cpu_opt, gpu_opt = AdamW(params, lr=1e-2, amsgrad=True), AdamW(gpu_params, lr=1e-2, amsgrad=True)
+    for step_grads in grads_for(params, 20, dtype):
+        for p, q, g in zip(params, gpu_params, step_grads):
+            p.grad, q.grad = g, g.cuda()
+        cpu_opt.step()
+        gpu_opt.step()
+    for p, q in zip(params, gpu_params):
+        # Same operation order with explicitly rounded intrinsics: bit-identical.
+        assert torch.equal(p.detach(), q.detach().cpu())
+        assert torch.equal(cpu_opt.state[p]["exp_avg"], gpu_opt.state[q]["exp_avg"].cpu())
+
+
+@pytest.mark.gpu
+def test_cuda_kernel_many_tensors_across_packs():
+    # More tensors and chunks than one kernel pack holds (24 tensors, 320 blocks).
+    params = [torch.nn.Parameter(torch.randn(n, device="cuda")) for n in [1, 70000] * 20 + [5_000_000]]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    ours, theirs = AdamW(params, lr=1e-2), torch.optim.AdamW(ref, lr=1e-2, foreach=False)
+    for p, r in zip(params, ref):
+        p.grad = torch.randn_like(p)
+        r.grad = p.grad.clone()
+    ours.step()
+    theirs.step()
+    for p, r in zip(params, ref):
+        assert_close_rel(p.detach(), r.detach())
