@@ -1,0 +1,183 @@
+"""CPU AdamW step throughput: tierlift vs torch (foreach, fused) vs DeepSpeedCPUAdam, against the
+memory-bandwidth roofline of the same machine, measured in the same run.
+
+    python benchmarks/bench_optim.py                       # 10M, 100M, 1B parameters
+    python benchmarks/bench_optim.py --sizes 1e7,1e8 --repeats 3
+
+Two cases, where every contender does the same work:
+  fp32   fp32 params, grads and state.
+  mixed  bf16 gradients in, fp32 master weights and state, updated bf16 weights out. tierlift does
+         it in one fused pass; the peers need grad.float() before and weight.copy_() after.
+Roofline: bytes the step must move (fp32: 28 B/param; mixed: 30 B/param) divided by the memory
+bandwidth measured here, in the same run: the larger of torch copy_ (read + write counted; it
+also pays the write-allocate read, so it understates) and an in-place a.add_(b) stream (read a
+and b, write a back: the same access pattern as the Adam step). The larger bandwidth gives the
+stricter roofline. Ratios are what count on a shared machine; each time is the median of
+--repeats steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine, median_time, mem_available_bytes, print_table, write_json  # noqa: E402
+
+import tierlift  # noqa: E402
+
+BYTES_PER_PARAM = {"fp32": 28, "mixed": 30}
+HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+
+
+def memory_bandwidth(nbytes: int = 1 << 30) -> dict:
+    """Bytes/s of a copy_ and of an in-place add_ stream over `nbytes` tensors."""
+    a, b = torch.ones(nbytes // 4), torch.ones(nbytes // 4)
+    copy_bw = 2 * nbytes / median_time(lambda: a.copy_(b), repeats=5)
+    add_bw = 3 * nbytes / median_time(lambda: a.add_(b), repeats=5)
+    return {"copy": copy_bw, "inplace_add": add_bw, "roofline": max(copy_bw, add_bw)}
+
+
+def deepspeed_adam():
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        return DeepSpeedCPUAdam, None
+    except Exception as exc:  # noqa: BLE001 - report whatever stopped it
+        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+
+
+def make_contender(name: str, case: str, n: int):
+    """Returns (step_fn, cleanup) for one contender doing one full step of the case's work."""
+    g = torch.randn(n) * 1e-3
+    if case == "fp32":
+        p = torch.nn.Parameter(torch.randn(n))
+        p.grad = g
+        if name == "tierlift":
+            opt = tierlift.optim.AdamW([p], **HYPER)
+        elif name == "torch-foreach":
+            opt = torch.optim.AdamW([p], foreach=True, **HYPER)
+        elif name == "torch-fused":
+            opt = torch.optim.AdamW([p], fused=True, **HYPER)
+        else:
+            opt = DS_ADAM([p], adamw_mode=True, **HYPER)
+        return opt.step
+    # mixed precision
+    g16 = g.to(torch.bfloat16)
+    del g
+    if name == "tierlift":
+        p16 = torch.nn.Parameter(torch.randn(n).to(torch.bfloat16))
+        p16.grad = g16
+        opt = tierlift.optim.AdamW([p16], **HYPER)
+        return opt.step
+    master = torch.nn.Parameter(torch.randn(n))
+    p16 = torch.empty(n, dtype=torch.bfloat16)
+    if name == "torch-foreach":
+        opt = torch.optim.AdamW([master], foreach=True, **HYPER)
+    elif name == "torch-fused":
+        opt = torch.optim.AdamW([master], fused=True, **HYPER)
+    else:
+        opt = DS_ADAM([master], adamw_mode=True, **HYPER)
+
+    def step():
+        master.grad = g16.float()
+        opt.step()
+        p16.copy_(master.detach())
+
+    return step
+
+
+def cuda_rows(sizes, repeats: int) -> list[dict]:
+    """On a GPU: the fused multi-tensor CUDA step vs torch's fused CUDA AdamW (fp32 and bf16
+    params), over a GPT-like list of tensors (many sizes, not one flat buffer)."""
+    rows = []
+    sync = torch.cuda.synchronize
+    for n in sizes:
+        shapes = [(n // 64,)] * 48 + [(1024,)] * 16
+        for dtype in (torch.float32, torch.bfloat16):
+            times = {}
+            for name in ("tierlift", "torch-fused"):
+                ps = [torch.nn.Parameter(torch.randn(s, device="cuda", dtype=dtype)) for s in shapes]
+                for p in ps:
+                    p.grad = torch.randn_like(p) * 1e-3
+                opt = (tierlift.optim.AdamW(ps, **HYPER) if name == "tierlift"
+                       else torch.optim.AdamW(ps, fused=True, **HYPER))
+                times[name] = median_time(opt.step, repeats=repeats, warmup=2, sync=sync)
+                del ps, opt
+                torch.cuda.empty_cache()
+            numel = sum(s[0] for s in shapes)
+            rows.append({"case": f"cuda-{str(dtype)[6:]}", "params": f"{numel:.0e}",
+                         "tierlift Mparam/s": numel / times["tierlift"] / 1e6,
+                         "vs torch-fused": times["torch-fused"] / times["tierlift"]})
+    return rows
+
+
+def needed_bytes(name: str, case: str, n: int) -> int:
+    base = {"fp32": 16, "mixed": 16 if name == "tierlift" else 24}[case]
+    extra = 8 if name == "torch-foreach" else 0  # foreach keeps temporaries of the whole list
+    return (base + extra) * n
+
+
+DS_ADAM, DS_ERROR = None, None
+
+
+def main() -> None:
+    global DS_ADAM, DS_ERROR
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--sizes", default="1e7,1e8,1e9", help="parameter counts, comma separated")
+    ap.add_argument("--cases", default="fp32,mixed")
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    DS_ADAM, DS_ERROR = deepspeed_adam()
+    contenders = ["tierlift", "torch-foreach", "torch-fused"] + (["deepspeed"] if DS_ADAM else [])
+    bws = memory_bandwidth()
+    bw = bws["roofline"]
+    info = tierlift.build_info()
+    print(f"machine: {machine()}")
+    print(f"tierlift SIMD path: {info.get('active_simd')}, threads: {info.get('cpu_threads')}; "
+          f"memory bandwidth: copy_ {bws['copy'] / 1e9:.1f} GB/s, in-place add_ "
+          f"{bws['inplace_add'] / 1e9:.1f} GB/s (roofline uses {bw / 1e9:.1f})")
+    if DS_ERROR:
+        print(f"DeepSpeedCPUAdam: not available ({DS_ERROR})")
+    rows = []
+    for case in args.cases.split(","):
+        for n in (int(float(s)) for s in args.sizes.split(",")):
+            roofline_s = BYTES_PER_PARAM[case] * n / bw
+            times = {}
+            for name in contenders:
+                if needed_bytes(name, case, n) > 0.85 * mem_available_bytes():
+                    print(f"  skip {name} {case} n={n:.0e}: needs "
+                          f"{needed_bytes(name, case, n) / 2**30:.1f} GiB")
+                    continue
+                step = make_contender(name, case, n)
+                repeats = max(2, args.repeats if n <= 2e8 else args.repeats // 2)
+                times[name] = median_time(step, repeats=repeats)
+                del step
+                gc.collect()
+            if "tierlift" not in times:
+                continue
+            ours = times["tierlift"]
+            row = {"case": case, "params": f"{n:.0e}", "tierlift Mparam/s": n / ours / 1e6,
+                   "% roofline": 100 * roofline_s / ours}
+            for name, t in times.items():
+                if name != "tierlift":
+                    row[f"vs {name}"] = t / ours
+            rows.append(row)
+            print(f"  {case} n={n:.0e}: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in
+                                                      times.items()), flush=True)
+    if torch.cuda.is_available() and tierlift._extension.has_cuda_kernels():
+        # bf16 params on GPU: ours keeps an fp32 master (more bytes), torch's works in bf16.
+        rows += cuda_rows([int(1e7), int(1e8)], args.repeats)
+    columns = ["case", "params", "tierlift Mparam/s", "% roofline"] + \
+        [f"vs {c}" for c in contenders if c != "tierlift"]
+    print_table(rows, columns, "AdamW step (\"vs X\" = X's time / tierlift's time; >1 = faster)")
+    write_json("bench_optim", {"bandwidth_GBps": {k: v / 1e9 for k, v in bws.items()}, "deepspeed": DS_ERROR or "ok",
+                               "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""Train a small GPT on the Python standard library's own source code (on every machine, no
+download) with tierlift's optimizer.
+
+    python examples/train_gpt.py                          # CPU or GPU, 200 steps
+    python examples/train_gpt.py --steps 500 --layers 6 --dim 256 --device cuda --dtype bf16
+    python examples/train_gpt.py --optim torch            # the same run with torch.optim.AdamW
+
+Flags are grouped: model, data, training, and tierlift features (one flag per capability, each
+applied in build_training() in a fixed order). It prints a progress bar with loss and tokens/s,
+the validation loss, and a line comparing tierlift's optimizer step time with torch's on this
+model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpt_model import GPT, GPTConfig  # noqa: E402
+
+import tierlift  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    m = ap.add_argument_group("model")
+    m.add_argument("--layers", type=int, default=4)
+    m.add_argument("--dim", type=int, default=128)
+    m.add_argument("--heads", type=int, default=4)
+    m.add_argument("--seq-len", type=int, default=128)
+    d = ap.add_argument_group("data")
+    d.add_argument("--data-mb", type=float, default=8.0,
+                   help="MB of standard-library source to read (byte-level tokens)")
+    t = ap.add_argument_group("training")
+    t.add_argument("--steps", type=int, default=200)
+    t.add_argument("--batch-size", type=int, default=16)
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--weight-decay", type=float, default=0.1)
+    t.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    t.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="parameter dtype; with bf16 the optimizer keeps fp32 master weights")
+    t.add_argument("--seed", type=int, default=0)
+    f = ap.add_argument_group("tierlift features")
+    f.add_argument("--optim", default="tierlift", choices=["tierlift", "torch"],
+                   help="tierlift.optim.AdamW (SIMD CPU / fused CUDA) or torch.optim.AdamW")
+    f.add_argument("--compare-steps", type=int, default=10,
+                   help="optimizer steps timed for the tierlift-vs-torch line (0: skip)")
+    return ap.parse_args(argv)
+
+
+def load_corpus(megabytes: float) -> torch.Tensor:
+    """Bytes of the installed standard library's .py files, in a fixed order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    budget, chunks = int(megabytes * 1e6), []
+    for path in sorted(root.rglob("*.py")):
+        if "site-packages" in path.parts:
+            continue
+        try:
+            chunks.append(path.read_bytes())
+        except OSError:
+            continue
+        budget -= len(chunks[-1])
+        if budget <= 0:
+            break
+    data = b"".join(chunks)[: int(megabytes * 1e6)]
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+
+
+def batches(data: torch.Tensor, batch_size: int, seq_len: int, gen: torch.Generator, device):
+    while True:
+        idx = torch.randint(len(data) - seq_len - 1, (batch_size,), generator=gen)
+        x = torch.stack([data[i: i + seq_len] for i in idx])
+        y = torch.stack([data[i + 1: i + 1 + seq_len] for i in idx])
+        yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+
+
+def make_optimizer(kind: str, model: torch.nn.Module, args) -> torch.optim.Optimizer:
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": args.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    if kind == "tierlift":
+        return tierlift.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
+
+
+def build_training(args, device):
+    """Model, then each tierlift feature in a fixed order, then the optimizer."""
+    torch.manual_seed(args.seed)
+    cfg = GPTConfig(seq_len=args.seq_len, n_layer=args.layers, n_head=args.heads, dim=args.dim)
+    model = GPT(cfg).to(device)
+    if args.dtype == "bf16":
+        model = model.to(torch.bfloat16)
+    optimizer = make_optimizer(args.optim, model, args)
+    return model, optimizer
+
+
+@torch.no_grad()
+def evaluate(model, data, args, device, batches_n: int = 8) -> float:
+    model.eval()
+    gen = torch.Generator().manual_seed(1234)
+    it = batches(data, args.batch_size, args.seq_len, gen, device)
+    losses = [model(*next(it)).item() for _ in range(batches_n)]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def compare_optimizer_step(model, args, device) -> str:
+    """Median step time of tierlift's and torch's AdamW on copies of this model, same grads."""
+    times = {}
+    for kind in ("tierlift", "torch"):
+        twin = copy.deepcopy(model)
+        for p in twin.parameters():
+            p.grad = torch.randn_like(p) * 1e-3
+        opt = make_optimizer(kind, twin, args)
+        samples = []
+        for _ in range(args.compare_steps + 1):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            opt.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            samples.append(time.perf_counter() - t0)
+        times[kind] = statistics.median(samples[1:])
+    n = sum(p.numel() for p in model.parameters())
+    return (f"optimizer step on {n / 1e6:.2f}M params ({device.type}, {args.dtype}): tierlift "
+            f"{times['tierlift'] * 1e3:.2f} ms, torch.optim.AdamW {times['torch'] * 1e3:.2f} ms "
+            f"-> {times['torch'] / times['tierlift']:.2f}x")
+
+
+def main(argv=None) -> None:
+    from tqdm import tqdm
+
+    args = parse_args(argv)
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
+                          else ("cpu" if args.device == "auto" else args.device))
+    data = load_corpus(args.data_mb)
+    split = int(0.95 * len(data))
+    train, val = data[:split], data[split:]
+    model, optimizer = build_training(args, device)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"tierlift {tierlift.__version__} | {tierlift.build_info()}")
+    print(f"data: {len(data) / 1e6:.1f} MB of stdlib source | model: {n_params / 1e6:.2f}M params "
+          f"| optimizer: {type(optimizer).__module__}.{type(optimizer).__name__} | {device}")
+    gen = torch.Generator().manual_seed(args.seed)
+    it = batches(train, args.batch_size, args.seq_len, gen, device)
+    tokens_per_step = args.batch_size * args.seq_len
+    first_loss, t_start = None, time.perf_counter()
+    bar = tqdm(range(args.steps), desc="train", dynamic_ncols=True, mininterval=0.5)
+    for step in bar:
+        x, y = next(it)
+        loss = model(x, y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if step % 10 == 0 or step == args.steps - 1:
+            value = loss.item()
+            first_loss = value if first_loss is None else first_loss
+            elapsed = time.perf_counter() - t_start
+            bar.set_postfix(loss=f"{value:.3f}", tok_s=f"{tokens_per_step * (step + 1) / elapsed:,.0f}")
+    elapsed = time.perf_counter() - t_start
+    print(f"loss {first_loss:.3f} -> {loss.item():.3f} | val loss {evaluate(model, val, args, device):.3f}"
+          f" | {tokens_per_step * args.steps / elapsed:,.0f} tokens/s")
+    if args.compare_steps > 0:
+        print(compare_optimizer_step(model, args, device))
+
+
+if __name__ == "__main__":
+    main()

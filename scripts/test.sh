@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Sets up a fresh machine (scripts/setup.sh), then runs every test: lint, GoogleTest (plain and
+# under AddressSanitizer + UBSan) and pytest. This is what CI runs (.ci/run).
+#
+#   bash scripts/test.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+start=$(date +%s)
+bash scripts/setup.sh
+PY=${PYTHON:-python3}
+jobs=$(nproc)
+
+echo "== lint (ruff)"
+$PY -m ruff check python tests benchmarks examples scripts
+
+echo "== GoogleTest"
+cmake -S . -B build/cmake -G Ninja -DTIERLIFT_BENCHMARKS=ON >/dev/null
+cmake --build build/cmake -j "$jobs"
+./build/cmake/tierlift_tests --gtest_brief=1
+
+echo "== GoogleTest under AddressSanitizer + UndefinedBehaviorSanitizer"
+cmake -S . -B build/asan -G Ninja -DTIERLIFT_SANITIZE=ON >/dev/null
+cmake --build build/asan -j "$jobs"
+ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ./build/asan/tierlift_tests --gtest_brief=1
+
+echo "== pytest ($(( $(date +%s) - start )) s so far)"
+$PY -m pytest -q -ra tests/python "$@"
