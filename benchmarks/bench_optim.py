@@ -26,9 +26,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, median_time, mem_available_bytes, print_table, write_json  # noqa: E402
-
 import tierlift  # noqa: E402
+from common import machine, median_time, mem_available_bytes, print_table, write_json  # noqa: E402
 
 BYTES_PER_PARAM = {"fp32": 28, "mixed": 30}
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
@@ -45,6 +44,7 @@ def memory_bandwidth(nbytes: int = 1 << 30) -> dict:
 def deepspeed_adam():
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
+
         return DeepSpeedCPUAdam, None
     except Exception as exc:  # noqa: BLE001 - report whatever stopped it
         return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
@@ -100,18 +100,28 @@ def cuda_rows(sizes, repeats: int) -> list[dict]:
         for dtype in (torch.float32, torch.bfloat16):
             times = {}
             for name in ("tierlift", "torch-fused"):
-                ps = [torch.nn.Parameter(torch.randn(s, device="cuda", dtype=dtype)) for s in shapes]
+                ps = [
+                    torch.nn.Parameter(torch.randn(s, device="cuda", dtype=dtype)) for s in shapes
+                ]
                 for p in ps:
                     p.grad = torch.randn_like(p) * 1e-3
-                opt = (tierlift.optim.AdamW(ps, **HYPER) if name == "tierlift"
-                       else torch.optim.AdamW(ps, fused=True, **HYPER))
+                opt = (
+                    tierlift.optim.AdamW(ps, **HYPER)
+                    if name == "tierlift"
+                    else torch.optim.AdamW(ps, fused=True, **HYPER)
+                )
                 times[name] = median_time(opt.step, repeats=repeats, warmup=2, sync=sync)
                 del ps, opt
                 torch.cuda.empty_cache()
             numel = sum(s[0] for s in shapes)
-            rows.append({"case": f"cuda-{str(dtype)[6:]}", "params": f"{numel:.0e}",
-                         "tierlift Mparam/s": numel / times["tierlift"] / 1e6,
-                         "vs torch-fused": times["torch-fused"] / times["tierlift"]})
+            rows.append(
+                {
+                    "case": f"cuda-{str(dtype)[6:]}",
+                    "params": f"{numel:.0e}",
+                    "tierlift Mparam/s": numel / times["tierlift"] / 1e6,
+                    "vs torch-fused": times["torch-fused"] / times["tierlift"],
+                }
+            )
     return rows
 
 
@@ -138,9 +148,11 @@ def main() -> None:
     bw = bws["roofline"]
     info = tierlift.build_info()
     print(f"machine: {machine()}")
-    print(f"tierlift SIMD path: {info.get('active_simd')}, threads: {info.get('cpu_threads')}; "
-          f"memory bandwidth: copy_ {bws['copy'] / 1e9:.1f} GB/s, in-place add_ "
-          f"{bws['inplace_add'] / 1e9:.1f} GB/s (roofline uses {bw / 1e9:.1f})")
+    print(
+        f"tierlift SIMD path: {info.get('active_simd')}, threads: {info.get('cpu_threads')}; "
+        f"memory bandwidth: copy_ {bws['copy'] / 1e9:.1f} GB/s, in-place add_ "
+        f"{bws['inplace_add'] / 1e9:.1f} GB/s (roofline uses {bw / 1e9:.1f})"
+    )
     if DS_ERROR:
         print(f"DeepSpeedCPUAdam: not available ({DS_ERROR})")
     rows = []
@@ -150,8 +162,10 @@ def main() -> None:
             times = {}
             for name in contenders:
                 if needed_bytes(name, case, n) > 0.85 * mem_available_bytes():
-                    print(f"  skip {name} {case} n={n:.0e}: needs "
-                          f"{needed_bytes(name, case, n) / 2**30:.1f} GiB")
+                    print(
+                        f"  skip {name} {case} n={n:.0e}: needs "
+                        f"{needed_bytes(name, case, n) / 2**30:.1f} GiB"
+                    )
                     continue
                 step = make_contender(name, case, n)
                 repeats = max(2, args.repeats if n <= 2e8 else args.repeats // 2)
@@ -161,22 +175,36 @@ def main() -> None:
             if "tierlift" not in times:
                 continue
             ours = times["tierlift"]
-            row = {"case": case, "params": f"{n:.0e}", "tierlift Mparam/s": n / ours / 1e6,
-                   "% roofline": 100 * roofline_s / ours}
+            row = {
+                "case": case,
+                "params": f"{n:.0e}",
+                "tierlift Mparam/s": n / ours / 1e6,
+                "% roofline": 100 * roofline_s / ours,
+            }
             for name, t in times.items():
                 if name != "tierlift":
                     row[f"vs {name}"] = t / ours
             rows.append(row)
-            print(f"  {case} n={n:.0e}: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in
-                                                      times.items()), flush=True)
+            print(
+                f"  {case} n={n:.0e}: "
+                + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in times.items()),
+                flush=True,
+            )
     if torch.cuda.is_available() and tierlift._extension.has_cuda_kernels():
         # bf16 params on GPU: ours keeps an fp32 master (more bytes), torch's works in bf16.
         rows += cuda_rows([int(1e7), int(1e8)], args.repeats)
-    columns = ["case", "params", "tierlift Mparam/s", "% roofline"] + \
-        [f"vs {c}" for c in contenders if c != "tierlift"]
+    columns = ["case", "params", "tierlift Mparam/s", "% roofline"] + [
+        f"vs {c}" for c in contenders if c != "tierlift"
+    ]
     print_table(rows, columns, "AdamW step (\"vs X\" = X's time / tierlift's time; >1 = faster)")
-    write_json("bench_optim", {"bandwidth_GBps": {k: v / 1e9 for k, v in bws.items()}, "deepspeed": DS_ERROR or "ok",
-                               "rows": rows})
+    write_json(
+        "bench_optim",
+        {
+            "bandwidth_GBps": {k: v / 1e9 for k, v in bws.items()},
+            "deepspeed": DS_ERROR or "ok",
+            "rows": rows,
+        },
+    )
 
 
 if __name__ == "__main__":

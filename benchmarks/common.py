@@ -24,8 +24,12 @@ def machine() -> dict:
                     break
     except OSError:
         pass
-    info = {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads()}
+    info = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+    }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info
@@ -68,8 +72,11 @@ def print_table(rows: list[dict], columns: list[str], title: str = "") -> None:
 
 def write_json(name: str, payload: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    tag = "gpu-" + torch.cuda.get_device_name().replace(" ", "_") if torch.cuda.is_available() \
+    tag = (
+        "gpu-" + torch.cuda.get_device_name().replace(" ", "_")
+        if torch.cuda.is_available()
         else "cpu"
+    )
     path = RESULTS / f"{name}-{tag}.json"
     path.write_text(json.dumps({"machine": machine(), **payload}, indent=2))
     print(f"\nwrote {path}")

@@ -24,9 +24,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpt_model import GPT, GPTConfig  # noqa: E402
-
 import tierlift  # noqa: E402
+from gpt_model import GPT, GPTConfig  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -37,22 +36,38 @@ def parse_args(argv=None) -> argparse.Namespace:
     m.add_argument("--heads", type=int, default=4)
     m.add_argument("--seq-len", type=int, default=128)
     d = ap.add_argument_group("data")
-    d.add_argument("--data-mb", type=float, default=8.0,
-                   help="MB of standard-library source to read (byte-level tokens)")
+    d.add_argument(
+        "--data-mb",
+        type=float,
+        default=8.0,
+        help="MB of standard-library source to read (byte-level tokens)",
+    )
     t = ap.add_argument_group("training")
     t.add_argument("--steps", type=int, default=200)
     t.add_argument("--batch-size", type=int, default=16)
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--weight-decay", type=float, default=0.1)
     t.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    t.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
-                   help="parameter dtype; with bf16 the optimizer keeps fp32 master weights")
+    t.add_argument(
+        "--dtype",
+        default="fp32",
+        choices=["fp32", "bf16"],
+        help="parameter dtype; with bf16 the optimizer keeps fp32 master weights",
+    )
     t.add_argument("--seed", type=int, default=0)
     f = ap.add_argument_group("tierlift features")
-    f.add_argument("--optim", default="tierlift", choices=["tierlift", "torch"],
-                   help="tierlift.optim.AdamW (SIMD CPU / fused CUDA) or torch.optim.AdamW")
-    f.add_argument("--compare-steps", type=int, default=10,
-                   help="optimizer steps timed for the tierlift-vs-torch line (0: skip)")
+    f.add_argument(
+        "--optim",
+        default="tierlift",
+        choices=["tierlift", "torch"],
+        help="tierlift.optim.AdamW (SIMD CPU / fused CUDA) or torch.optim.AdamW",
+    )
+    f.add_argument(
+        "--compare-steps",
+        type=int,
+        default=10,
+        help="optimizer steps timed for the tierlift-vs-torch line (0: skip)",
+    )
     return ap.parse_args(argv)
 
 
@@ -77,16 +92,18 @@ def load_corpus(megabytes: float) -> torch.Tensor:
 def batches(data: torch.Tensor, batch_size: int, seq_len: int, gen: torch.Generator, device):
     while True:
         idx = torch.randint(len(data) - seq_len - 1, (batch_size,), generator=gen)
-        x = torch.stack([data[i: i + seq_len] for i in idx])
-        y = torch.stack([data[i + 1: i + 1 + seq_len] for i in idx])
+        x = torch.stack([data[i : i + seq_len] for i in idx])
+        y = torch.stack([data[i + 1 : i + 1 + seq_len] for i in idx])
         yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
 
 def make_optimizer(kind: str, model: torch.nn.Module, args) -> torch.optim.Optimizer:
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": args.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    groups = [
+        {"params": decay, "weight_decay": args.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
     if kind == "tierlift":
         return tierlift.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
@@ -132,25 +149,32 @@ def compare_optimizer_step(model, args, device) -> str:
             samples.append(time.perf_counter() - t0)
         times[kind] = statistics.median(samples[1:])
     n = sum(p.numel() for p in model.parameters())
-    return (f"optimizer step on {n / 1e6:.2f}M params ({device.type}, {args.dtype}): tierlift "
-            f"{times['tierlift'] * 1e3:.2f} ms, torch.optim.AdamW {times['torch'] * 1e3:.2f} ms "
-            f"-> {times['torch'] / times['tierlift']:.2f}x")
+    return (
+        f"optimizer step on {n / 1e6:.2f}M params ({device.type}, {args.dtype}): tierlift "
+        f"{times['tierlift'] * 1e3:.2f} ms, torch.optim.AdamW {times['torch'] * 1e3:.2f} ms "
+        f"-> {times['torch'] / times['tierlift']:.2f}x"
+    )
 
 
 def main(argv=None) -> None:
     from tqdm import tqdm
 
     args = parse_args(argv)
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
-                          else ("cpu" if args.device == "auto" else args.device))
+    device = torch.device(
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else ("cpu" if args.device == "auto" else args.device)
+    )
     data = load_corpus(args.data_mb)
     split = int(0.95 * len(data))
     train, val = data[:split], data[split:]
     model, optimizer = build_training(args, device)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"tierlift {tierlift.__version__} | {tierlift.build_info()}")
-    print(f"data: {len(data) / 1e6:.1f} MB of stdlib source | model: {n_params / 1e6:.2f}M params "
-          f"| optimizer: {type(optimizer).__module__}.{type(optimizer).__name__} | {device}")
+    print(
+        f"data: {len(data) / 1e6:.1f} MB of stdlib source | model: {n_params / 1e6:.2f}M params "
+        f"| optimizer: {type(optimizer).__module__}.{type(optimizer).__name__} | {device}"
+    )
     gen = torch.Generator().manual_seed(args.seed)
     it = batches(train, args.batch_size, args.seq_len, gen, device)
     tokens_per_step = args.batch_size * args.seq_len
@@ -166,10 +190,15 @@ def main(argv=None) -> None:
             value = loss.item()
             first_loss = value if first_loss is None else first_loss
             elapsed = time.perf_counter() - t_start
-            bar.set_postfix(loss=f"{value:.3f}", tok_s=f"{tokens_per_step * (step + 1) / elapsed:,.0f}")
+            bar.set_postfix(
+                loss=f"{value:.3f}", tok_s=f"{tokens_per_step * (step + 1) / elapsed:,.0f}"
+            )
     elapsed = time.perf_counter() - t_start
-    print(f"loss {first_loss:.3f} -> {loss.item():.3f} | val loss {evaluate(model, val, args, device):.3f}"
-          f" | {tokens_per_step * args.steps / elapsed:,.0f} tokens/s")
+    val_loss = evaluate(model, val, args, device)
+    print(
+        f"loss {first_loss:.3f} -> {loss.item():.3f} | val loss {val_loss:.3f}"
+        f" | {tokens_per_step * args.steps / elapsed:,.0f} tokens/s"
+    )
     if args.compare_steps > 0:
         print(compare_optimizer_step(model, args, device))
 

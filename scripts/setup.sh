@@ -9,7 +9,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-APT_PACKAGES=(build-essential cmake ninja-build ccache liburing-dev libgtest-dev libbenchmark-dev fio)
+APT_PACKAGES=(build-essential cmake ninja-build ccache clang-format liburing-dev libgtest-dev
+  libbenchmark-dev fio)
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
   dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")

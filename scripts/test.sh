@@ -10,8 +10,9 @@ bash scripts/setup.sh
 PY=${PYTHON:-python3}
 jobs=$(nproc)
 
-echo "== lint (ruff)"
-$PY -m ruff check python tests benchmarks examples scripts
+echo "== lint (ruff, clang-format)"
+$PY -m ruff check python tests benchmarks examples
+git ls-files '*.h' '*.cc' '*.cpp' '*.cu' '*.cuh' | xargs clang-format --dry-run -Werror
 
 echo "== GoogleTest"
 cmake -S . -B build/cmake -G Ninja -DTIERLIFT_BENCHMARKS=ON >/dev/null

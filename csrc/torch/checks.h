@@ -8,9 +8,10 @@
 
 #include "core/util/dtype.h"
 
-#define TL_CHECK_DEVICE(x, dev)                                                           \
+#define TL_CHECK_DEVICE(x, dev) \
   TORCH_CHECK_VALUE((x).device() == (dev), #x " must be on ", (dev), ", got ", (x).device())
-#define TL_CHECK_CPU(x) TORCH_CHECK_VALUE((x).device().is_cpu(), #x " must be a CPU tensor, got ", (x).device())
+#define TL_CHECK_CPU(x) \
+  TORCH_CHECK_VALUE((x).device().is_cpu(), #x " must be a CPU tensor, got ", (x).device())
 #define TL_CHECK_CONTIGUOUS(x) \
   TORCH_CHECK_VALUE((x).is_contiguous(), #x " must be contiguous (call .contiguous())")
 #define TL_CHECK_DTYPE(x, dt) \
@@ -18,8 +19,9 @@
 #define TL_CHECK_SHAPE(x, ...)                                                              \
   TORCH_CHECK_VALUE((x).sizes() == at::IntArrayRef({__VA_ARGS__}), #x " must have shape (", \
                     #__VA_ARGS__, "), got ", (x).sizes())
-#define TL_CHECK_DENSE(x) \
-  TORCH_CHECK_VALUE((x).layout() == at::kStrided, #x " must be a dense (strided) tensor, got ", (x).layout())
+#define TL_CHECK_DENSE(x)                                                                       \
+  TORCH_CHECK_VALUE((x).layout() == at::kStrided, #x " must be a dense (strided) tensor, got ", \
+                    (x).layout())
 
 namespace tierlift {
 

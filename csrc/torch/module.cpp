@@ -22,11 +22,13 @@ PYBIND11_MODULE(_C, m) {
 #else
   m.attr("with_uring") = false;
 #endif
-  m.def("cpu_simd_level", [] { return tierlift::simd_level_name(tierlift::cpu_simd_level()); },
-        "Best SIMD level this CPU supports: avx512, avx2 or scalar.");
-  m.def("active_simd_level",
-        [] { return tierlift::simd_level_name(tierlift::active_simd_level()); },
-        "SIMD level the CPU kernels use now (TIERLIFT_SIMD can force a lower one).");
-  m.def("num_threads", [] { return tierlift::ThreadPool::global().num_threads(); },
-        "Threads in tierlift's CPU pool (TIERLIFT_NUM_THREADS).");
+  m.def(
+      "cpu_simd_level", [] { return tierlift::simd_level_name(tierlift::cpu_simd_level()); },
+      "Best SIMD level this CPU supports: avx512, avx2 or scalar.");
+  m.def(
+      "active_simd_level", [] { return tierlift::simd_level_name(tierlift::active_simd_level()); },
+      "SIMD level the CPU kernels use now (TIERLIFT_SIMD can force a lower one).");
+  m.def(
+      "num_threads", [] { return tierlift::ThreadPool::global().num_threads(); },
+      "Threads in tierlift's CPU pool (TIERLIFT_NUM_THREADS).");
 }

@@ -6,8 +6,8 @@
 #include <map>
 #include <vector>
 
-#include "core/optim/adam.h"
 #include "checks.h"
+#include "core/optim/adam.h"
 
 #ifdef TIERLIFT_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -29,8 +29,8 @@ void check_adam_args(const AdamArgs& a, c10::DeviceType backend) {
   const size_t n = a.params.size();
   TORCH_CHECK_VALUE(a.grads.size() == n && a.exp_avgs.size() == n && a.exp_avg_sqs.size() == n,
                     "adam_step_: params, grads, exp_avgs and exp_avg_sqs must have the same "
-                    "length, got ", n, ", ", a.grads.size(), ", ", a.exp_avgs.size(), ", ",
-                    a.exp_avg_sqs.size());
+                    "length, got ",
+                    n, ", ", a.grads.size(), ", ", a.exp_avgs.size(), ", ", a.exp_avg_sqs.size());
   TORCH_CHECK_VALUE(!a.hyper.amsgrad || a.max_exp_avg_sqs.size() == n,
                     "adam_step_: amsgrad needs one max_exp_avg_sq per param");
   TORCH_CHECK_VALUE(a.param_copies.empty() || a.param_copies.size() == n,
@@ -45,8 +45,8 @@ void check_adam_args(const AdamArgs& a, c10::DeviceType backend) {
                         "] must be dense (sparse gradients are not supported)");
       TORCH_CHECK_VALUE(t.device() == p.device(), "adam_step_: ", name, "[", i, "] is on ",
                         t.device(), ", params[", i, "] on ", p.device());
-      TORCH_CHECK_VALUE(t.numel() == p.numel(), "adam_step_: ", name, "[", i, "] has ",
-                        t.numel(), " elements, params[", i, "] has ", p.numel());
+      TORCH_CHECK_VALUE(t.numel() == p.numel(), "adam_step_: ", name, "[", i, "] has ", t.numel(),
+                        " elements, params[", i, "] has ", p.numel());
       TORCH_CHECK_VALUE(t.is_contiguous(), "adam_step_: ", name, "[", i, "] must be contiguous");
       if (fp32) {
         TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, "adam_step_: ", name, "[", i,
@@ -83,8 +83,7 @@ AdamTensor core_view(const AdamArgs& a, size_t i) {
 AdamArgs make_args(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                    at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
                    at::TensorList param_copies, double lr, double beta1, double beta2, double eps,
-                   double weight_decay, int64_t step, bool decoupled, bool amsgrad,
-                   bool maximize) {
+                   double weight_decay, int64_t step, bool decoupled, bool amsgrad, bool maximize) {
   AdamArgs a{params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_copies, {}};
   a.hyper.lr = lr;
   a.hyper.beta1 = beta1;
@@ -101,11 +100,10 @@ AdamArgs make_args(at::TensorList params, at::TensorList grads, at::TensorList e
 void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                    at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
                    at::TensorList param_copies, double lr, double beta1, double beta2, double eps,
-                   double weight_decay, int64_t step, bool decoupled, bool amsgrad,
-                   bool maximize) {
-  const AdamArgs a = make_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_copies,
-                               lr, beta1, beta2, eps, weight_decay, step, decoupled, amsgrad,
-                               maximize);
+                   double weight_decay, int64_t step, bool decoupled, bool amsgrad, bool maximize) {
+  const AdamArgs a =
+      make_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_copies, lr, beta1,
+                beta2, eps, weight_decay, step, decoupled, amsgrad, maximize);
   check_adam_args(a, c10::DeviceType::CPU);
   std::vector<AdamTensor> views;
   views.reserve(params.size());
@@ -116,12 +114,12 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
 #ifdef TIERLIFT_WITH_CUDA
 void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                     at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
-                    at::TensorList param_copies, double lr, double beta1, double beta2,
-                    double eps, double weight_decay, int64_t step, bool decoupled, bool amsgrad,
+                    at::TensorList param_copies, double lr, double beta1, double beta2, double eps,
+                    double weight_decay, int64_t step, bool decoupled, bool amsgrad,
                     bool maximize) {
-  const AdamArgs a = make_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_copies,
-                               lr, beta1, beta2, eps, weight_decay, step, decoupled, amsgrad,
-                               maximize);
+  const AdamArgs a =
+      make_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_copies, lr, beta1,
+                beta2, eps, weight_decay, step, decoupled, amsgrad, maximize);
   check_adam_args(a, c10::DeviceType::CUDA);
   if (params.empty()) return;
   const at::Device device = params[0].device();
@@ -135,13 +133,13 @@ void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
   std::map<std::pair<DType, DType>, std::vector<cuda::AdamTensorPtrs>> groups;
   for (size_t i = 0; i < params.size(); ++i) {
     const AdamTensor t = core_view(a, i);
-    groups[{t.grad_type, t.copy_type}].push_back({t.param, t.grad, t.exp_avg, t.exp_avg_sq,
-                                                  t.max_exp_avg_sq, t.param_copy, t.numel});
+    groups[{t.grad_type, t.copy_type}].push_back(
+        {t.param, t.grad, t.exp_avg, t.exp_avg_sq, t.max_exp_avg_sq, t.param_copy, t.numel});
   }
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device.index());
   for (auto& [types, ptrs] : groups) {
-    const cudaError_t err = cuda::adam_step(ptrs.data(), static_cast<int>(ptrs.size()),
-                                            types.first, types.second, s, stream);
+    const cudaError_t err = cuda::adam_step(ptrs.data(), static_cast<int>(ptrs.size()), types.first,
+                                            types.second, s, stream);
     TORCH_CHECK(err == cudaSuccess, "adam_step_: CUDA launch failed: ", cudaGetErrorString(err));
   }
 }

@@ -65,7 +65,6 @@ def require(capability: str) -> None:
 
 def build_info() -> dict:
     """What this installation can do: for bug reports and `python -m tierlift info`."""
-    import torch
 
     info = {
         "torch": torch.__version__,

@@ -18,16 +18,46 @@ def _has_kernel(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cpu" or (tensor.is_cuda and _extension.has_cuda_kernels())
 
 
-def adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_copies, *, lr,
-               beta1, beta2, eps, weight_decay, step, decoupled, amsgrad, maximize) -> None:
+def adam_step_(
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    max_exp_avg_sqs,
+    param_copies,
+    *,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    step,
+    decoupled,
+    amsgrad,
+    maximize,
+) -> None:
     """Fused Adam/AdamW update of fp32 `params` (weights or master weights) in place.
 
     `param_copies` is empty or holds, per param, a tensor that receives the updated weight in its
     own dtype (bf16/fp16/fp32): the low-precision model weight whose master `params` is.
     """
-    args = (list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(max_exp_avg_sqs),
-            list(param_copies), float(lr), float(beta1), float(beta2), float(eps),
-            float(weight_decay), int(step), bool(decoupled), bool(amsgrad), bool(maximize))
+    args = (
+        list(params),
+        list(grads),
+        list(exp_avgs),
+        list(exp_avg_sqs),
+        list(max_exp_avg_sqs),
+        list(param_copies),
+        float(lr),
+        float(beta1),
+        float(beta2),
+        float(eps),
+        float(weight_decay),
+        int(step),
+        bool(decoupled),
+        bool(amsgrad),
+        bool(maximize),
+    )
     if params and _has_kernel(params[0]):
         torch.ops.tierlift.adam_step_(*args)
     else:
@@ -37,6 +67,21 @@ def adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_copi
 if _extension.available():
 
     @torch.library.register_fake("tierlift::adam_step_")
-    def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_copies, lr,
-                        beta1, beta2, eps, weight_decay, step, decoupled, amsgrad, maximize):
+    def _adam_step_fake(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        max_exp_avg_sqs,
+        param_copies,
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        step,
+        decoupled,
+        amsgrad,
+        maximize,
+    ):
         return None

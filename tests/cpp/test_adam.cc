@@ -14,8 +14,8 @@ struct Buffers {
   std::vector<float> param, grad, m, v, vmax;
   std::vector<uint16_t> grad16, copy16;
   std::vector<float> copy32;
-  explicit Buffers(int64_t n, uint32_t seed) : param(n), grad(n), m(n), v(n), vmax(n), grad16(n),
-                                               copy16(n), copy32(n) {
+  explicit Buffers(int64_t n, uint32_t seed)
+      : param(n), grad(n), m(n), v(n), vmax(n), grad16(n), copy16(n), copy32(n) {
     std::mt19937 rng(seed);
     std::normal_distribution<float> dist(0.f, 1.f);
     for (int64_t i = 0; i < n; ++i) {
@@ -42,8 +42,10 @@ struct Buffers {
 // Double-precision Adam for one element, the textbook formula.
 void reference_step(const AdamHyper& h, double& p, double g, double& m, double& v, double& vmax) {
   if (h.maximize) g = -g;
-  if (h.decoupled) p *= 1.0 - h.lr * h.weight_decay;
-  else g += h.weight_decay * p;
+  if (h.decoupled)
+    p *= 1.0 - h.lr * h.weight_decay;
+  else
+    g += h.weight_decay * p;
   m = h.beta1 * m + (1 - h.beta1) * g;
   v = h.beta2 * v + (1 - h.beta2) * g * g;
   vmax = std::max(vmax, v);

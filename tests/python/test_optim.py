@@ -24,8 +24,9 @@ def make_params(dtype=torch.float32):
 
 def grads_for(params, steps, dtype):
     g = torch.Generator().manual_seed(1)
-    return [[torch.randn(p.shape, generator=g).to(dtype) * 0.1 for p in params]
-            for _ in range(steps)]
+    return [
+        [torch.randn(p.shape, generator=g).to(dtype) * 0.1 for p in params] for _ in range(steps)
+    ]
 
 
 def assert_close_rel(actual, expected):
@@ -44,7 +45,9 @@ CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize(
+    "config", CONFIGS, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items())
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_matches_torch_over_100_steps(simd_path, config, dtype):
     config = dict(config)
@@ -94,13 +97,27 @@ def test_simd_paths_agree_bitwise(monkeypatch):
 @pytest.mark.parametrize("copy_dtype", [None, torch.bfloat16, torch.float16, torch.float32])
 def test_op_matches_reference(simd_path, grad_dtype, copy_dtype):
     n = 1037
-    base = [torch.randn(n), torch.randn(n).to(grad_dtype), torch.randn(n) * 0.1,
-            torch.rand(n) * 0.01, torch.rand(n) * 0.02]
+    base = [
+        torch.randn(n),
+        torch.randn(n).to(grad_dtype),
+        torch.randn(n) * 0.1,
+        torch.rand(n) * 0.01,
+        torch.rand(n) * 0.02,
+    ]
     copies = lambda: [torch.empty(n, dtype=copy_dtype)] if copy_dtype else []
     ours = [t.clone() for t in base] + [copies()]
     ref = [t.clone() for t in base] + [copies()]
-    kw = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=3,
-              decoupled=True, amsgrad=True, maximize=False)
+    kw = dict(
+        lr=1e-2,
+        beta1=0.9,
+        beta2=0.999,
+        eps=1e-8,
+        weight_decay=0.1,
+        step=3,
+        decoupled=True,
+        amsgrad=True,
+        maximize=False,
+    )
     for args, fn in ((ours, tierlift.ops.adam_step_), (ref, tierlift.reference.adam_step_)):
         p, g, m, v, vmax, cp = args
         if fn is tierlift.reference.adam_step_:
@@ -115,9 +132,23 @@ def test_op_matches_reference(simd_path, grad_dtype, copy_dtype):
 
 def test_opcheck():
     n = 300
-    args = ([torch.randn(n)], [torch.randn(n, dtype=torch.bfloat16)], [torch.zeros(n)],
-            [torch.zeros(n)], [], [torch.empty(n, dtype=torch.bfloat16)],
-            1e-3, 0.9, 0.999, 1e-8, 0.01, 1, True, False, False)
+    args = (
+        [torch.randn(n)],
+        [torch.randn(n, dtype=torch.bfloat16)],
+        [torch.zeros(n)],
+        [torch.zeros(n)],
+        [],
+        [torch.empty(n, dtype=torch.bfloat16)],
+        1e-3,
+        0.9,
+        0.999,
+        1e-8,
+        0.01,
+        1,
+        True,
+        False,
+        False,
+    )
     torch.library.opcheck(torch.ops.tierlift.adam_step_.default, args)
 
 
@@ -217,9 +248,16 @@ def test_rejects_mixed_devices_in_one_group():
     assert torch.equal(a.detach(), torch.ones(2)), "nothing is updated when the group is invalid"
 
 
-@pytest.mark.parametrize("kwargs", [dict(lr=float("nan")), dict(eps=float("inf")),
-                                    dict(betas=(0.9, float("nan"))), dict(weight_decay=-1.0),
-                                    dict(betas=(1.0, 0.999))])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(lr=float("nan")),
+        dict(eps=float("inf")),
+        dict(betas=(0.9, float("nan"))),
+        dict(weight_decay=-1.0),
+        dict(betas=(1.0, 0.999)),
+    ],
+)
 def test_rejects_bad_hyperparameters(kwargs):
     with pytest.raises(ValueError):
         AdamW([torch.nn.Parameter(torch.ones(2))], **kwargs)
@@ -249,8 +287,15 @@ def test_op_rejects_bad_tensors():
     with pytest.raises(ValueError, match="amsgrad needs"):
         torch.ops.tierlift.adam_step_(p, g, m, v, [], cp, *kw[:7], True, False)
     with pytest.raises(ValueError, match="contiguous"):
-        torch.ops.tierlift.adam_step_([torch.zeros(4, 2).t()], [torch.zeros(2, 4)],
-                                      [torch.zeros(2, 4)], [torch.zeros(2, 4)], mx, cp, *kw)
+        torch.ops.tierlift.adam_step_(
+            [torch.zeros(4, 2).t()],
+            [torch.zeros(2, 4)],
+            [torch.zeros(2, 4)],
+            [torch.zeros(2, 4)],
+            mx,
+            cp,
+            *kw,
+        )
 
 
 @pytest.mark.gpu
@@ -258,7 +303,10 @@ def test_op_rejects_bad_tensors():
 def test_cuda_kernel_matches_cpu_kernel(dtype):
     params = make_params(dtype)
     gpu_params = [torch.nn.Parameter(p.detach().cuda()) for p in params]
-    cpu_opt, gpu_opt = AdamW(params, lr=1e-2, amsgrad=True), AdamW(gpu_params, lr=1e-2, amsgrad=True)
+    cpu_opt, gpu_opt = (
+        AdamW(params, lr=1e-2, amsgrad=True),
+        AdamW(gpu_params, lr=1e-2, amsgrad=True),
+    )
     for step_grads in grads_for(params, 20, dtype):
         for p, q, g in zip(params, gpu_params, step_grads):
             p.grad, q.grad = g, g.cuda()
@@ -273,7 +321,9 @@ def test_cuda_kernel_matches_cpu_kernel(dtype):
 @pytest.mark.gpu
 def test_cuda_kernel_many_tensors_across_packs():
     # More tensors and chunks than one kernel pack holds (24 tensors, 320 blocks).
-    params = [torch.nn.Parameter(torch.randn(n, device="cuda")) for n in [1, 70000] * 20 + [5_000_000]]
+    params = [
+        torch.nn.Parameter(torch.randn(n, device="cuda")) for n in [1, 70000] * 20 + [5_000_000]
+    ]
     ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
     ours, theirs = AdamW(params, lr=1e-2), torch.optim.AdamW(ref, lr=1e-2, foreach=False)
     for p, r in zip(params, ref):

@@ -23,14 +23,14 @@ struct AdamHyper {
   double beta2 = 0.999;
   double eps = 1e-8;
   double weight_decay = 0.0;
-  int64_t step = 1;         // the step number being taken (1 for the first step)
-  bool decoupled = true;    // AdamW (true) or Adam with L2 penalty (false)
+  int64_t step = 1;       // the step number being taken (1 for the first step)
+  bool decoupled = true;  // AdamW (true) or Adam with L2 penalty (false)
   bool amsgrad = false;
   bool maximize = false;
 };
 
 struct AdamTensor {
-  float* param = nullptr;           // fp32 weights (or fp32 master weights), updated in place
+  float* param = nullptr;  // fp32 weights (or fp32 master weights), updated in place
   const void* grad = nullptr;
   DType grad_type = DType::kFloat32;
   float* exp_avg = nullptr;
@@ -44,9 +44,9 @@ struct AdamTensor {
 // Scalars derived once per step in double precision, rounded to float as torch does.
 struct AdamScalars {
   float beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay;
-  float decay;           // 1 - lr * weight_decay (AdamW)
-  float neg_step_size;   // -lr / (1 - beta1^step)
-  float bc2_sqrt;        // sqrt(1 - beta2^step)
+  float decay;          // 1 - lr * weight_decay (AdamW)
+  float neg_step_size;  // -lr / (1 - beta1^step)
+  float bc2_sqrt;       // sqrt(1 - beta2^step)
   bool decoupled, amsgrad, maximize;
 };
 

@@ -23,8 +23,8 @@ struct Avx2Vec {
     __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
     r = _mm256_srli_epi32(r, 16);
     const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
-    r = _mm256_castps_si256(
-        _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc0)), nan));
+    r = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(r),
+                                             _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc0)), nan));
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
   }

@@ -13,7 +13,9 @@ namespace tierlift {
 
 enum class DType : uint8_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kNone = 255 };
 
-static inline int dtype_size(DType t) { return t == DType::kFloat32 ? 4 : (t == DType::kNone ? 0 : 2); }
+static inline int dtype_size(DType t) {
+  return t == DType::kFloat32 ? 4 : (t == DType::kNone ? 0 : 2);
+}
 
 static inline uint32_t f32_bits(float f) {
   uint32_t u;
@@ -55,13 +57,13 @@ static inline uint16_t f32_to_f16(float f) {
   const uint32_t u = f32_bits(f);
   const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
   const uint32_t abs = u & 0x7fffffffu;
-  if (abs > 0x7f800000u) return sign | 0x7e00u;      // NaN
-  if (abs >= 0x477ff000u) return sign | 0x7c00u;     // >= 65520 rounds to inf
-  if (abs < 0x38800000u) {                           // below 2^-14: subnormal or zero
-    if (abs < 0x33000000u) return sign;              // below 2^-25 rounds to zero
+  if (abs > 0x7f800000u) return sign | 0x7e00u;   // NaN
+  if (abs >= 0x477ff000u) return sign | 0x7c00u;  // >= 65520 rounds to inf
+  if (abs < 0x38800000u) {                        // below 2^-14: subnormal or zero
+    if (abs < 0x33000000u) return sign;           // below 2^-25 rounds to zero
     const uint32_t e = abs >> 23;
     const uint32_t m = (abs & 0x7fffffu) | 0x800000u;
-    const uint32_t shift = 126u - e;                 // 14..24
+    const uint32_t shift = 126u - e;  // 14..24
     uint32_t r = m >> shift;
     const uint32_t rem = m & ((1u << shift) - 1u);
     const uint32_t half = 1u << (shift - 1);

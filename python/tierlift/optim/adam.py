@@ -48,26 +48,54 @@ def _check_hyper(lr, betas, eps, weight_decay) -> None:
 class Adam(Optimizer):
     """Adam (weight decay as an L2 penalty; `decoupled_weight_decay=True` makes it AdamW)."""
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                 amsgrad=False, *, foreach=None, maximize=False, capturable=False,
-                 differentiable=False, fused=None, decoupled_weight_decay=False):
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.0,
+        amsgrad=False,
+        *,
+        foreach=None,
+        maximize=False,
+        capturable=False,
+        differentiable=False,
+        fused=None,
+        decoupled_weight_decay=False,
+    ):
         _check_hyper(lr, betas, eps, weight_decay)
         if differentiable:
-            raise ValueError("tierlift optimizers do not support differentiable=True; "
-                             "use torch.optim for differentiating through the step")
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                        foreach=foreach, maximize=maximize, capturable=capturable,
-                        differentiable=differentiable, fused=fused,
-                        decoupled_weight_decay=decoupled_weight_decay)
+            raise ValueError(
+                "tierlift optimizers do not support differentiable=True; "
+                "use torch.optim for differentiating through the step"
+            )
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            foreach=foreach,
+            maximize=maximize,
+            capturable=capturable,
+            differentiable=differentiable,
+            fused=fused,
+            decoupled_weight_decay=decoupled_weight_decay,
+        )
         super().__init__(params, defaults)
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
                 if p.is_complex():
-                    raise TypeError(f"param_groups[{gi}]['params'][{pi}] is complex "
-                                    f"({p.dtype}); tierlift's Adam supports real tensors only")
+                    raise TypeError(
+                        f"param_groups[{gi}]['params'][{pi}] is complex "
+                        f"({p.dtype}); tierlift's Adam supports real tensors only"
+                    )
                 if not p.is_floating_point():
-                    raise TypeError(f"param_groups[{gi}]['params'][{pi}] has dtype {p.dtype}; "
-                                    "expected a floating-point parameter")
+                    raise TypeError(
+                        f"param_groups[{gi}]['params'][{pi}] has dtype {p.dtype}; "
+                        "expected a floating-point parameter"
+                    )
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -80,13 +108,15 @@ class Adam(Optimizer):
         state = self.state[p]
         if len(state) == 0 or "exp_avg" not in state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32,
-                                                memory_format=torch.contiguous_format)
+            state["exp_avg"] = torch.zeros_like(
+                p, dtype=torch.float32, memory_format=torch.contiguous_format
+            )
             state["exp_avg_sq"] = torch.zeros_like(state["exp_avg"])
         # State loaded from a torch checkpoint may be in the parameter's dtype: bring it to fp32.
         for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master"):
-            if key in state and (state[key].dtype != torch.float32 or
-                                 not state[key].is_contiguous()):
+            if key in state and (
+                state[key].dtype != torch.float32 or not state[key].is_contiguous()
+            ):
                 state[key] = state[key].to(torch.float32).contiguous()
         if amsgrad and "max_exp_avg_sq" not in state:
             state["max_exp_avg_sq"] = torch.zeros_like(state["exp_avg"])
@@ -117,21 +147,28 @@ class Adam(Optimizer):
             name = f"param_groups[{gi}]['params'][{pi}]"
             grad = p.grad
             if grad.is_sparse:
-                raise RuntimeError(f"{name} has a sparse gradient; tierlift's Adam needs dense "
-                                   "gradients (use torch.optim.SparseAdam)")
+                raise RuntimeError(
+                    f"{name} has a sparse gradient; tierlift's Adam needs dense "
+                    "gradients (use torch.optim.SparseAdam)"
+                )
             if device is not None and p.device != device:
-                raise RuntimeError(f"{name} is on {p.device} but earlier parameters of the same "
-                                   f"group are on {device}; put each device in its own group")
+                raise RuntimeError(
+                    f"{name} is on {p.device} but earlier parameters of the same "
+                    f"group are on {device}; put each device in its own group"
+                )
             device = p.device
             if grad.dtype not in (torch.float32, *_LOW_PRECISION):
-                raise TypeError(f"{name}.grad has dtype {grad.dtype}; expected float32, "
-                                "bfloat16 or float16")
+                raise TypeError(
+                    f"{name}.grad has dtype {grad.dtype}; expected float32, bfloat16 or float16"
+                )
             state = self._init_state(p, group["amsgrad"])
             state["step"] += 1
             master = state.get("master")
             if master is None and (p.dtype != torch.float32 or not p.is_contiguous()):
-                raise TypeError(f"{name} has dtype {p.dtype} with layout that the fused kernel "
-                                "cannot update in place; make it contiguous")
+                raise TypeError(
+                    f"{name} has dtype {p.dtype} with layout that the fused kernel "
+                    "cannot update in place; make it contiguous"
+                )
             b = buckets[(p.device, int(state["step"].item()))]
             b["params"].append(master if master is not None else p)
             b["copies"].append(p if master is not None else None)
@@ -149,11 +186,23 @@ class Adam(Optimizer):
                 copies = [c if c is not None else p for c, p in zip(b["copies"], b["params"])]
             else:
                 copies = []
-            ops.adam_step_(b["params"], b["grads"], b["exp_avgs"], b["exp_avg_sqs"],
-                           b["max_exp_avg_sqs"], copies, lr=lr, beta1=beta1, beta2=beta2,
-                           eps=group["eps"], weight_decay=group["weight_decay"], step=step,
-                           decoupled=decoupled, amsgrad=group["amsgrad"],
-                           maximize=group["maximize"])
+            ops.adam_step_(
+                b["params"],
+                b["grads"],
+                b["exp_avgs"],
+                b["exp_avg_sqs"],
+                b["max_exp_avg_sqs"],
+                copies,
+                lr=lr,
+                beta1=beta1,
+                beta2=beta2,
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                step=step,
+                decoupled=decoupled,
+                amsgrad=group["amsgrad"],
+                maximize=group["maximize"],
+            )
 
     def _decoupled(self, group: dict) -> bool:
         return bool(group.get("decoupled_weight_decay", False))
@@ -162,13 +211,35 @@ class Adam(Optimizer):
 class AdamW(Adam):
     """AdamW: Adam with decoupled weight decay (Loshchilov & Hutter), like torch.optim.AdamW."""
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
-                 amsgrad=False, *, maximize=False, foreach=None, capturable=False,
-                 differentiable=False, fused=None):
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                         amsgrad=amsgrad, foreach=foreach, maximize=maximize,
-                         capturable=capturable, differentiable=differentiable, fused=fused,
-                         decoupled_weight_decay=True)
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=1e-2,
+        amsgrad=False,
+        *,
+        maximize=False,
+        foreach=None,
+        capturable=False,
+        differentiable=False,
+        fused=None,
+    ):
+        super().__init__(
+            params,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            foreach=foreach,
+            maximize=maximize,
+            capturable=capturable,
+            differentiable=differentiable,
+            fused=fused,
+            decoupled_weight_decay=True,
+        )
 
     def _decoupled(self, group: dict) -> bool:
         return True

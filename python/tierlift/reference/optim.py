@@ -27,8 +27,23 @@ def _fma(a, b, c):
 
 
 @torch.no_grad()
-def adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_copies, lr, beta1,
-               beta2, eps, weight_decay, step, decoupled, amsgrad, maximize) -> None:
+def adam_step_(
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    max_exp_avg_sqs,
+    param_copies,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    step,
+    decoupled,
+    amsgrad,
+    maximize,
+) -> None:
     s = adam_scalars(lr, beta1, beta2, weight_decay, step)
     f32 = lambda x: torch.tensor(x, dtype=torch.float32)  # round a Python float like C++ does
     for i, p in enumerate(params):
