@@ -1,0 +1,30 @@
+"""The README's main example runs end to end and learns (small and short here)."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_example(*flags: str) -> str:
+    cmd = [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--steps", "30", "--layers",
+           "2", "--dim", "64", "--seq-len", "64", "--batch-size", "8", "--data-mb", "1",
+           "--compare-steps", "3", *flags]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
+def test_train_gpt_loss_falls_and_compares_optimizers():
+    out = run_example()
+    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", out).groups())
+    assert last < first - 0.5, out
+    assert re.search(r"optimizer step on .* tierlift .* ms, torch.optim.AdamW .* ms", out), out
+
+
+def test_train_gpt_bf16_params_with_master_weights():
+    out = run_example("--dtype", "bf16")
+    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", out).groups())
+    assert last < first - 0.5, out
