@@ -10,15 +10,25 @@ constexpr int kWarp = 32;
 template <int kUnit>
 struct UnitType;
 template <>
-struct UnitType<16> { using type = uint4; };
+struct UnitType<16> {
+  using type = uint4;
+};
 template <>
-struct UnitType<8> { using type = uint2; };
+struct UnitType<8> {
+  using type = uint2;
+};
 template <>
-struct UnitType<4> { using type = uint32_t; };
+struct UnitType<4> {
+  using type = uint32_t;
+};
 template <>
-struct UnitType<2> { using type = uint16_t; };
+struct UnitType<2> {
+  using type = uint16_t;
+};
 template <>
-struct UnitType<1> { using type = uint8_t; };
+struct UnitType<1> {
+  using type = uint8_t;
+};
 
 // Copies `bytes` bytes with `lanes` cooperating threads (lane in [0, lanes)). src and dst are
 // congruent modulo kUnit. Bytes before the first kUnit-aligned source address and after the
@@ -122,11 +132,11 @@ cudaError_t gather_rows(const GatherArgs& a, cudaStream_t stream) {
   const int64_t needed = (a.count + groups_per_block - 1) / groups_per_block;
   const int blocks = static_cast<int>(needed < int64_t{sms} * 16 ? needed : int64_t{sms} * 16);
   if (a.index_is_int64) {
-    gather_kernel<int64_t><<<blocks, kThreads, 0, stream>>>(
-        a, static_cast<const int64_t*>(a.index), warps);
+    gather_kernel<int64_t>
+        <<<blocks, kThreads, 0, stream>>>(a, static_cast<const int64_t*>(a.index), warps);
   } else {
-    gather_kernel<int32_t><<<blocks, kThreads, 0, stream>>>(
-        a, static_cast<const int32_t*>(a.index), warps);
+    gather_kernel<int32_t>
+        <<<blocks, kThreads, 0, stream>>>(a, static_cast<const int32_t*>(a.index), warps);
   }
   return cudaGetLastError();
 }

@@ -27,7 +27,7 @@ struct GatherArgs {
   const void* cache_table = nullptr;    // device memory, cache_rows * row_bytes, or null
   const int32_t* cache_slot = nullptr;  // device memory, num_rows entries (-1: not cached)
   int64_t cache_rows = 0;
-  void* out = nullptr;  // device memory, count * row_bytes
+  void* out = nullptr;                      // device memory, count * row_bytes
   unsigned long long* first_bad = nullptr;  // device memory, set to ~0ull before the launch
 };
 

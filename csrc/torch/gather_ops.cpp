@@ -24,8 +24,7 @@ namespace tierlift {
 namespace {
 
 // Checks shared by both backends: shapes, dtypes, layout. Returns bytes per row.
-int64_t check_gather_args(const at::Tensor& table, const at::Tensor& index,
-                          const at::Tensor& out) {
+int64_t check_gather_args(const at::Tensor& table, const at::Tensor& index, const at::Tensor& out) {
   TL_CHECK_DENSE(table);
   TL_CHECK_DENSE(index);
   TL_CHECK_DENSE(out);
@@ -33,8 +32,7 @@ int64_t check_gather_args(const at::Tensor& table, const at::Tensor& index,
   TL_CHECK_CONTIGUOUS(table);
   TORCH_CHECK_TYPE(index.scalar_type() == at::kLong || index.scalar_type() == at::kInt,
                    "gather_rows: index must be int64 or int32, got ", index.scalar_type());
-  TORCH_CHECK_VALUE(index.dim() == 1, "gather_rows: index must be 1-D, got shape ",
-                    index.sizes());
+  TORCH_CHECK_VALUE(index.dim() == 1, "gather_rows: index must be 1-D, got shape ", index.sizes());
   TORCH_CHECK_VALUE(out.scalar_type() == table.scalar_type(), "gather_rows: out must be ",
                     table.scalar_type(), " like table, got ", out.scalar_type());
   std::vector<int64_t> shape(table.sizes().begin(), table.sizes().end());
@@ -69,8 +67,7 @@ void gather_rows_cpu(const at::Tensor& table, const at::Tensor& index,
                     "gather_rows: cache_table/cache_slots are only used by the CUDA gather");
   const at::Tensor idx = index.contiguous();
   const GatherIndex gi = core_index(index, idx);
-  const int64_t bad =
-      gather_rows({table.data_ptr(), table.size(0), row_bytes}, gi, out.data_ptr());
+  const int64_t bad = gather_rows({table.data_ptr(), table.size(0), row_bytes}, gi, out.data_ptr());
   if (bad != kNoBadIndex) throw_bad_index(bad, index_value(gi, bad), table.size(0));
 }
 
@@ -113,11 +110,11 @@ void gather_rows_cuda(const at::Tensor& table, const at::Tensor& index,
     TL_CHECK_DTYPE(cs, at::kInt);
     TORCH_CHECK_VALUE(ct.scalar_type() == table.scalar_type() && ct.dim() == table.dim() &&
                           ct.sizes().slice(1) == table.sizes().slice(1),
-                      "gather_rows: cache_table must hold rows like table's, got ", ct.sizes(),
-                      " ", ct.scalar_type());
+                      "gather_rows: cache_table must hold rows like table's, got ", ct.sizes(), " ",
+                      ct.scalar_type());
     TORCH_CHECK_VALUE(cs.dim() == 1 && cs.numel() == table.size(0),
-                      "gather_rows: cache_slots must have one entry per table row (",
-                      table.size(0), "), got shape ", cs.sizes());
+                      "gather_rows: cache_slots must have one entry per table row (", table.size(0),
+                      "), got shape ", cs.sizes());
     a.cache_table = ct.data_ptr();
     a.cache_slot = cs.data_ptr<int32_t>();
     a.cache_rows = ct.size(0);
@@ -156,8 +153,8 @@ class HostRegistration {
       TORCH_CHECK_VALUE(err != cudaErrorHostMemoryAlreadyRegistered,
                         "features: this memory is already registered with CUDA (pinned by "
                         "another FeatureStore or cudaHostRegister); use pin='copy'");
-      TORCH_CHECK_VALUE(false, "features: cudaHostRegister of ", tensor.nbytes(),
-                        " bytes failed (", cudaGetErrorString(err),
+      TORCH_CHECK_VALUE(false, "features: cudaHostRegister of ", tensor.nbytes(), " bytes failed (",
+                        cudaGetErrorString(err),
                         "); the tensor may be too large to lock in RAM (ulimit -l) or live in "
                         "memory CUDA cannot pin; use pin='copy'");
     }

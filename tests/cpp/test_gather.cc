@@ -108,9 +108,9 @@ TEST(GatherTest, SixtyFourBitOffsets) {
   std::memset(table + far_row * small_rb, 0x5A, small_rb);
   std::vector<int64_t> index = {far_row};
   std::vector<char> out(small_rb, 0);
-  EXPECT_EQ(gather_rows({table, small_rows, small_rb}, {index.data(), IndexType::kInt64, 1},
-                        out.data()),
-            kNoBadIndex);
+  EXPECT_EQ(
+      gather_rows({table, small_rows, small_rb}, {index.data(), IndexType::kInt64, 1}, out.data()),
+      kNoBadIndex);
   EXPECT_EQ(out[0], 0x5A);
   EXPECT_EQ(out[15], 0x5A);
   munmap(mem, rows * rb);
@@ -124,8 +124,8 @@ TEST(GatherTest, ForkedChildGathersWithoutThePool) {
     std::vector<uint8_t> table = make_table(100, 32, 5);
     std::vector<int64_t> index(20000, 7);
     std::vector<uint8_t> out(20000 * 32);
-    const int64_t r = gather_rows({table.data(), 100, 32}, {index.data(), IndexType::kInt64,
-                                                             20000}, out.data());
+    const int64_t r =
+        gather_rows({table.data(), 100, 32}, {index.data(), IndexType::kInt64, 20000}, out.data());
     _exit(in_forked_child() && r == kNoBadIndex &&
                   std::memcmp(out.data() + 19999 * 32, table.data() + 7 * 32, 32) == 0
               ? 0

@@ -262,3 +262,16 @@ def test_cuda_bad_index_and_stream():
         tierlift._extension._C.HostRegistration(t)
     reg.close()
     FeatureStore(t).close()  # registrable again after close
+
+
+@pytest.mark.gpu
+def test_cuda_opcheck_many_rows_and_pageable_table():
+    table = torch.randn(5000, 3).pin_memory()
+    idx = torch.randint(0, 5000, (300000,), device="cuda")  # more groups than the grid
+    out = torch.empty(300000, 3, device="cuda")
+    ops.gather_rows(table, idx, out)
+    assert torch.equal(out, table.cuda()[idx])
+    torch.library.opcheck(torch.ops.tierlift.gather_rows,
+                          (table, idx[:10], None, None, torch.empty(10, 3, device="cuda")))
+    with pytest.raises(ValueError, match="pinned, mapped host memory"):
+        ops.gather_rows(torch.randn(10, 3), idx[:2] % 10, out[:2])
