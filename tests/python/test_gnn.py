@@ -44,6 +44,18 @@ def test_cpu_gather_matches_index_select(dtype, row_elems, index_dtype):
     torch.testing.assert_close(store.gather(idx), table.index_select(0, idx.long()), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_sorted_gather(device):
+    table = torch.randn(500, 7)
+    idx = make_index(500, 1000, torch.int64)
+    with FeatureStore(table, device=device, sort=True) as store:
+        assert torch.equal(store.gather(idx).cpu(), table[idx])
+        with pytest.raises(IndexError, match=r"index\[5\] = 500"):
+            bad = idx.clone()
+            bad[5], bad[9] = 500, -1
+            store.gather(bad.to(device))
+
+
 def test_op_matches_reference_and_multidim_rows():
     table = torch.randn(50, 3, 5)
     idx = make_index(50, 64, torch.int64)
@@ -104,6 +116,8 @@ def test_bad_options():
         FeatureStore(t, cache=1.5, device="cpu")
     with pytest.raises(ValueError, match="cache_policy must be"):
         FeatureStore(t, cache_policy="lru", device="cpu")
+    with pytest.raises(TypeError, match="sort must be a bool"):
+        FeatureStore(t, sort=1, device="cpu")
     with pytest.raises(ValueError, match="device must be"):
         FeatureStore(t, device="meta")
     with pytest.raises(ValueError, match="degrees must have shape"):
@@ -275,3 +289,26 @@ def test_cuda_opcheck_many_rows_and_pageable_table():
                           (table, idx[:10], None, None, torch.empty(10, 3, device="cuda")))
     with pytest.raises(ValueError, match="pinned, mapped host memory"):
         ops.gather_rows(torch.randn(10, 3), idx[:2] % 10, out[:2])
+
+
+def test_pyg_neighbor_loader_uses_the_store():
+    pyg = pytest.importorskip("torch_geometric")
+    if not (pyg.typing.WITH_PYG_LIB or pyg.typing.WITH_TORCH_SPARSE):
+        pytest.skip("PyG's neighbour sampler needs pyg-lib or torch-sparse")
+    from torch_geometric.loader import NeighborLoader
+    from torch_geometric.testing import MyGraphStore
+
+    from tierlift.gnn import PyGFeatureStore
+
+    n = 1 << 8
+    ei = rmat_graph(8, 4, seed=3)
+    x = torch.randn(n, 6)
+    fs = PyGFeatureStore(device="cpu")
+    fs[None, "x", None] = x
+    gs = MyGraphStore()
+    gs.put_edge_index(ei, edge_type=None, layout="coo", size=(n, n))
+    loader = NeighborLoader((fs, gs), num_neighbors=[4, 2], batch_size=16,
+                            input_nodes=torch.arange(64), filter_per_worker=False)
+    for batch in loader:
+        assert torch.equal(batch.x, x[batch.n_id])
+    fs.close()

@@ -37,6 +37,7 @@ class FeatureStoreOptions:
     cache: float = 0.0
     cache_policy: str = "degree"
     device: str | torch.device = "cuda"
+    sort: bool = False
 
     def __post_init__(self):
         if self.pin not in _PIN_MODES:
@@ -48,6 +49,8 @@ class FeatureStoreOptions:
                 or not 0.0 <= float(self.cache) <= 1.0:
             raise ValueError(f"cache must be a fraction of rows in [0, 1], got {self.cache!r}")
         self.device = torch.device(self.device)
+        if not isinstance(self.sort, bool):
+            raise TypeError(f"sort must be a bool, got {type(self.sort).__name__}")
         if self.device.type not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device}")
 
@@ -86,13 +89,16 @@ class FeatureStore:
         degrees: per-row degree (or any hotness score), needed by cache_policy="degree".
         device: where gather results live; "cuda" falls back to "cpu" with a warning when this
             machine or build has no CUDA.
+        sort: gather rows in ascending row order (then scatter them back into place), so
+            neighbouring rows share host memory requests; helps small rows on large tables.
+        dtype, shape: element type and shape of a raw (non-.npy) feature file.
     """
 
     def __init__(self, features, *, pin="inplace", cache=0.0, cache_policy="degree",
-                 degrees=None, device="cuda", dtype=None, shape=None):
+                 degrees=None, device="cuda", sort=False, dtype=None, shape=None):
         _extension.require("extension")
         self.options = FeatureStoreOptions(pin=pin, cache=cache, cache_policy=cache_policy,
-                                           device=device)
+                                           device=device, sort=sort)
         table, file_backed = _load_features(features, dtype, shape)
         self._check_table(table)
         self.device = self.options.device
@@ -193,7 +199,7 @@ class FeatureStore:
         if index.numel() == 0:
             return out
         if self.device.type == "cpu":
-            ops.gather_rows(self._table, index, out)
+            self._gather_into(index, out)
             return out
         if index.device.type == "cpu":
             self._validate_host_index(index)  # the kernel checks again on the device
@@ -202,10 +208,24 @@ class FeatureStore:
                 index = index.to(self.device, non_blocking=index.is_pinned())
             if self._counts is not None:
                 self._count(index)
-            ops.gather_rows(self._table, index, out, cache_table=self._cache_table,
-                            cache_slots=self._cache_slots if self._cache_table is not None
-                            else None)
+            self._gather_into(index, out)
         return out
+
+    def _gather_into(self, index: torch.Tensor, out: torch.Tensor) -> None:
+        cache = {}
+        if self._cache_table is not None:
+            cache = {"cache_table": self._cache_table, "cache_slots": self._cache_slots}
+        if not self.options.sort:
+            ops.gather_rows(self._table, index, out, **cache)
+            return
+        sorted_index, order = torch.sort(index)
+        rows = torch.empty_like(out)
+        try:
+            ops.gather_rows(self._table, sorted_index, rows, **cache)
+        except IndexError:
+            self._validate_host_index(index.cpu())  # name the position in the caller's index
+            raise
+        out.index_copy_(0, order, rows)
 
     def close(self) -> None:
         """Unregisters the host memory and frees the cache; later gathers raise. Idempotent."""
