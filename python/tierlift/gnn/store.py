@@ -299,7 +299,7 @@ class FeatureStore:
     def _count(self, index: torch.Tensor) -> None:
         """Frequency policy: count requests; after the warm-up, cache the most requested rows."""
         valid = index[(index >= 0) & (index < self.num_rows)].long()
-        self._counts += torch.bincount(valid, minlength=self.num_rows)
+        self._counts.index_put_((valid,), torch.ones_like(valid), accumulate=True)
         self._gathers += 1
         if self._gathers == _FREQUENCY_WARMUP:
             self._fill_cache(self._counts.float())
