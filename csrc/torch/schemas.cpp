@@ -15,7 +15,12 @@ TORCH_LIBRARY(tierlift, m) {
 
   // ---- io ----
 
-  // ---- gather ----
+  // ---- gather: zero-copy feature row gather (csrc/torch/gather_ops.cpp) ----
+  // out[i] = table[index[i]]; on CUDA, table is pinned mapped host memory (or a CUDA tensor) and
+  // rows whose cache_slots entry is >= 0 are read from cache_table instead. Bad index: IndexError.
+  m.def(
+      "gather_rows(Tensor table, Tensor index, Tensor? cache_table, Tensor? cache_slots, "
+      "Tensor(a!) out) -> ()");
 
   // ---- lowp ----
 

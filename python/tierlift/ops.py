@@ -85,3 +85,26 @@ if _extension.available():
         maximize,
     ):
         return None
+
+
+# ---- gather ----
+
+
+def gather_rows(table, index, out, *, cache_table=None, cache_slots=None) -> None:
+    """out[i] = table[index[i]] (rows of any size and dtype), bounds-checked.
+
+    On CUDA (`out` on the GPU), `table` is a CPU tensor in pinned, mapped host memory that the
+    kernel reads directly, and rows with `cache_slots[row] >= 0` come from `cache_table` (GPU).
+    An out-of-range or negative index raises IndexError naming its position; it is never read.
+    """
+    if _extension.available() and (out.device.type == "cpu" or _extension.has_cuda_kernels()):
+        torch.ops.tierlift.gather_rows(table, index, cache_table, cache_slots, out)
+    else:
+        reference.gather_rows(table, index, cache_table, cache_slots, out)
+
+
+if _extension.available():
+
+    @torch.library.register_fake("tierlift::gather_rows")
+    def _gather_rows_fake(table, index, cache_table, cache_slots, out):
+        return None

@@ -1,4 +1,6 @@
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <stdexcept>
@@ -47,6 +49,28 @@ TEST(ThreadPool, NestedCallRunsInline) {
     }
   });
   EXPECT_EQ(sum.load(), 40);
+}
+
+}  // namespace
+}  // namespace tierlift
+
+namespace tierlift {
+namespace {
+
+TEST(ThreadPool, WorksInForkedChild) {
+  ThreadPool pool(2);
+  std::atomic<int64_t> warm{0};
+  pool.parallel_for(100, 1, [&](int64_t b, int64_t e) { warm += e - b; });  // threads running
+  const pid_t pid = fork();
+  if (pid == 0) {
+    std::atomic<int64_t> sum{0};
+    pool.parallel_for(1000, 1, [&](int64_t b, int64_t e) { sum += e - b; });
+    _exit(sum.load() == 1000 ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0);
 }
 
 }  // namespace

@@ -1,5 +1,7 @@
 #include "core/util/thread_pool.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdlib>
 
@@ -9,12 +11,17 @@ namespace {
 thread_local bool tls_in_pool = false;
 }
 
-ThreadPool::ThreadPool(int num_threads) {
+ThreadPool::ThreadPool(int num_threads) : owner_pid_(getpid()) {
   const int extra = std::max(0, num_threads - 1);
   for (int i = 0; i < extra; ++i) workers_.emplace_back([this, i] { worker_loop(i); });
 }
 
 ThreadPool::~ThreadPool() {
+  if (getpid() != owner_pid_) {
+    // Forked child: the workers were never copied here; joining them would be undefined.
+    for (auto& t : workers_) t.detach();
+    return;
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
@@ -59,7 +66,7 @@ void ThreadPool::parallel_for(int64_t n, int64_t grain,
   grain = std::max<int64_t>(grain, 1);
   const int64_t max_parts = (n + grain - 1) / grain;
   const int parts = static_cast<int>(std::min<int64_t>(num_threads(), max_parts));
-  if (parts <= 1 || tls_in_pool) {
+  if (parts <= 1 || tls_in_pool || getpid() != owner_pid_) {
     fn(0, n);
     return;
   }

@@ -2,7 +2,9 @@
 //
 // parallel_for splits [0, n) into contiguous ranges, one per worker, and runs them with the
 // calling thread taking a share, so a 2-core machine uses both cores without oversubscribing.
-// Nested parallel_for calls from inside a worker run serially instead of deadlocking.
+// Nested parallel_for calls from inside a worker run serially instead of deadlocking, and so
+// does every call in a process forked after the pool started (its workers do not exist there:
+// DataLoader workers, multiprocessing with fork).
 #pragma once
 
 #include <condition_variable>
@@ -40,6 +42,7 @@ class ThreadPool {
   std::vector<std::pair<int64_t, int64_t>> ranges_;
   uint64_t generation_ = 0;
   int pending_ = 0;
+  int owner_pid_;  // the process whose threads workers_ are
   bool stop_ = false;
   std::exception_ptr error_;
   std::mutex submit_mu_;  // one parallel_for at a time

@@ -1,0 +1,117 @@
+"""Feature-row gather bandwidth, tierlift vs the alternatives, side by side in one run.
+
+    PYTHONPATH=python python benchmarks/bench_gather.py            # CPU part (any machine)
+    python benchmarks/bench_gather.py --table-mib 4096              # GPU machine: adds GPU part
+
+CPU: tierlift's multithreaded C++ gather vs torch.index_select (both into a preallocated out,
+both with all cores) for rows of 64 B to 4 KiB. GPU (when present): tierlift's zero-copy gather
+from pinned host memory vs pinned host-to-device copy_ of the same number of bytes (the PCIe
+limit) and vs the plain-PyTorch path (CPU index_select + pin + copy). GB/s counts gathered
+bytes. Prints a table and writes benchmarks/results/bench_gather_<cpu|gpu>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import tierlift
+from tierlift.gnn import FeatureStore
+
+ROW_BYTES = [64, 128, 256, 512, 1024, 2048, 4096]
+
+
+def timeit(fn, repeats, sync=None):
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        if sync:
+            sync()
+        t = time.perf_counter()
+        fn()
+        if sync:
+            sync()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def bench_cpu(row_bytes, table_bytes, out_bytes, repeats):
+    rows = table_bytes // row_bytes
+    n = out_bytes // row_bytes
+    table = torch.randn(rows, row_bytes // 4)
+    idx = torch.randint(0, rows, (n,))
+    store = FeatureStore(table, device="cpu")
+    out_t, out_r = torch.empty(n, row_bytes // 4), torch.empty(n, row_bytes // 4)
+    t_ours = timeit(lambda: store.gather(idx, out=out_t), repeats)
+    t_torch = timeit(lambda: torch.index_select(table, 0, idx, out=out_r), repeats)
+    assert torch.equal(out_t, out_r)
+    gb = n * row_bytes / 1e9
+    return {"row_bytes": row_bytes, "rows_gathered": n, "tierlift_gbs": gb / t_ours,
+            "index_select_gbs": gb / t_torch, "speedup": t_torch / t_ours}
+
+
+def bench_gpu(row_bytes, table_bytes, out_bytes, repeats):
+    rows = table_bytes // row_bytes
+    n = out_bytes // row_bytes
+    table = torch.randn(rows, row_bytes // 4)
+    idx_cpu = torch.randint(0, rows, (n,))
+    idx = idx_cpu.cuda()
+    sync = torch.cuda.synchronize
+    store = FeatureStore(table, pin="inplace")
+    out = torch.empty(n, row_bytes // 4, device="cuda")
+    t_ours = timeit(lambda: store.gather(idx, out=out), repeats, sync)
+    src = torch.empty(n * row_bytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty_like(src, device="cuda")
+    t_copy = timeit(lambda: dst.copy_(src, non_blocking=True), repeats, sync)
+    t_cpu = timeit(lambda: table.index_select(0, idx_cpu).pin_memory().to("cuda"), repeats, sync)
+    assert torch.equal(out.cpu(), table[idx_cpu])
+    store.close()
+    gb = n * row_bytes / 1e9
+    return {"row_bytes": row_bytes, "rows_gathered": n, "tierlift_gbs": gb / t_ours,
+            "pinned_copy_gbs": gb / t_copy, "cpu_path_gbs": gb / t_cpu,
+            "fraction_of_copy": t_copy / t_ours, "speedup_vs_cpu_path": t_cpu / t_ours}
+
+
+def print_table(title, results):
+    keys = list(results[0])
+    print(f"\n{title}")
+    print(" | ".join(f"{k:>20}" for k in keys))
+    for r in results:
+        print(" | ".join(f"{v:>20.3f}" if isinstance(v, float) else f"{v:>20}" for v in r.values()))
+
+
+def main():
+    p = argparse.ArgumentParser(description="gather bandwidth: tierlift vs torch")
+    p.add_argument("--table-mib", type=int, default=512, help="feature table size")
+    p.add_argument("--out-mib", type=int, default=64, help="bytes gathered per call")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--cpu-only", action="store_true")
+    args = p.parse_args()
+    machine = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+               "tierlift_threads": tierlift._extension._C.num_threads(),
+               "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
+    tb, ob = args.table_mib << 20, args.out_mib << 20
+    out_dir = Path(__file__).parent / "results"
+    out_dir.mkdir(exist_ok=True)
+    cpu = [bench_cpu(rb, tb, ob, args.repeats) for rb in ROW_BYTES]
+    print(f"machine: {machine}; table {args.table_mib} MiB, {args.out_mib} MiB gathered per call")
+    print_table("CPU gather: tierlift vs torch.index_select (GB/s, speedup = ratio)", cpu)
+    (out_dir / "bench_gather_cpu.json").write_text(json.dumps(
+        {"machine": machine, "args": vars(args), "results": cpu}, indent=2))
+    if torch.cuda.is_available() and not args.cpu_only:
+        machine["gpu"] = torch.cuda.get_device_name()
+        gpu = [bench_gpu(rb, tb, ob, args.repeats) for rb in ROW_BYTES]
+        print_table("GPU zero-copy gather vs pinned copy_ and CPU index_select+pin+copy", gpu)
+        (out_dir / "bench_gather_gpu.json").write_text(json.dumps(
+            {"machine": machine, "args": vars(args), "results": gpu}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+// CPU and CUDA implementations of tierlift::gather_rows (schema in schemas.cpp), and the
+// HostRegistration class that page-locks and maps a feature table for the zero-copy CUDA path.
+//
+// gather_rows(table, index, cache_table, cache_slots, out): out[i] = table[index[i]]. On CPU all
+// tensors are CPU tensors and core/gather copies the rows. On CUDA, `table` is a CPU tensor in
+// pinned, mapped memory (or a CUDA tensor), index/out/cache live on the GPU, and the kernel reads
+// the host rows directly. Either way a bad index raises IndexError naming its position and value,
+// and is never dereferenced.
+#include <ATen/ATen.h>
+#include <torch/extension.h>
+#include <torch/library.h>
+
+#include "checks.h"
+#include "core/gather/gather.h"
+
+#ifdef TIERLIFT_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "cuda/gather.cuh"
+#endif
+
+namespace tierlift {
+namespace {
+
+// Checks shared by both backends: shapes, dtypes, layout. Returns bytes per row.
+int64_t check_gather_args(const at::Tensor& table, const at::Tensor& index, const at::Tensor& out) {
+  TL_CHECK_DENSE(table);
+  TL_CHECK_DENSE(index);
+  TL_CHECK_DENSE(out);
+  TORCH_CHECK_VALUE(table.dim() >= 1, "gather_rows: table must have at least one dimension");
+  TL_CHECK_CONTIGUOUS(table);
+  TORCH_CHECK_TYPE(index.scalar_type() == at::kLong || index.scalar_type() == at::kInt,
+                   "gather_rows: index must be int64 or int32, got ", index.scalar_type());
+  TORCH_CHECK_VALUE(index.dim() == 1, "gather_rows: index must be 1-D, got shape ", index.sizes());
+  TORCH_CHECK_VALUE(out.scalar_type() == table.scalar_type(), "gather_rows: out must be ",
+                    table.scalar_type(), " like table, got ", out.scalar_type());
+  std::vector<int64_t> shape(table.sizes().begin(), table.sizes().end());
+  shape[0] = index.numel();
+  TORCH_CHECK_VALUE(out.sizes() == at::IntArrayRef(shape), "gather_rows: out must have shape ",
+                    at::IntArrayRef(shape), ", got ", out.sizes());
+  TL_CHECK_CONTIGUOUS(out);
+  const int64_t rows = table.size(0);
+  return rows == 0 ? 0 : static_cast<int64_t>(table.nbytes()) / rows;
+}
+
+[[noreturn]] void throw_bad_index(int64_t pos, int64_t value, int64_t rows) {
+  TORCH_CHECK_INDEX(false, "gather_rows: index[", pos, "] = ", value,
+                    " is out of range for a table of ", rows, " rows");
+  std::abort();  // unreachable
+}
+
+GatherIndex core_index(const at::Tensor& index, const at::Tensor& contiguous) {
+  return {contiguous.data_ptr(),
+          index.scalar_type() == at::kInt ? IndexType::kInt32 : IndexType::kInt64,
+          contiguous.numel()};
+}
+
+void gather_rows_cpu(const at::Tensor& table, const at::Tensor& index,
+                     const std::optional<at::Tensor>& cache_table,
+                     const std::optional<at::Tensor>& cache_slots, const at::Tensor& out) {
+  const int64_t row_bytes = check_gather_args(table, index, out);
+  TL_CHECK_CPU(table);
+  TL_CHECK_CPU(index);
+  TL_CHECK_CPU(out);
+  TORCH_CHECK_VALUE(!cache_table.has_value() && !cache_slots.has_value(),
+                    "gather_rows: cache_table/cache_slots are only used by the CUDA gather");
+  const at::Tensor idx = index.contiguous();
+  const GatherIndex gi = core_index(index, idx);
+  const int64_t bad = gather_rows({table.data_ptr(), table.size(0), row_bytes}, gi, out.data_ptr());
+  if (bad != kNoBadIndex) throw_bad_index(bad, index_value(gi, bad), table.size(0));
+}
+
+#ifdef TIERLIFT_WITH_CUDA
+void check_cuda(cudaError_t err, const char* what) {
+  TORCH_CHECK(err == cudaSuccess, "gather_rows: ", what, " failed: ", cudaGetErrorString(err));
+}
+
+void gather_rows_cuda(const at::Tensor& table, const at::Tensor& index,
+                      const std::optional<at::Tensor>& cache_table,
+                      const std::optional<at::Tensor>& cache_slots, const at::Tensor& out) {
+  const int64_t row_bytes = check_gather_args(table, index, out);
+  TORCH_CHECK_VALUE(out.is_cuda(), "gather_rows: out must be a CUDA tensor, got ", out.device());
+  const at::Device device = out.device();
+  TL_CHECK_DEVICE(index, device);
+  c10::cuda::CUDAGuard guard(device);
+  cuda::GatherArgs a;
+  if (table.is_cuda()) {
+    TL_CHECK_DEVICE(table, device);
+    a.table = table.data_ptr();
+  } else {
+    void* dev = nullptr;
+    const cudaError_t err = cuda::mapped_device_pointer(table.data_ptr(), &dev);
+    if (err != cudaSuccess) cudaGetLastError();  // clear the sticky-free error state
+    TORCH_CHECK_VALUE(err == cudaSuccess,
+                      "gather_rows: a CPU table must be in pinned, mapped host memory "
+                      "(FeatureStore registers it; or use tensor.pin_memory()), got pageable "
+                      "memory");
+    a.table = dev;
+  }
+  TORCH_CHECK_VALUE(cache_table.has_value() == cache_slots.has_value(),
+                    "gather_rows: pass both cache_table and cache_slots, or neither");
+  if (cache_table.has_value()) {
+    const at::Tensor& ct = *cache_table;
+    const at::Tensor& cs = *cache_slots;
+    TL_CHECK_DEVICE(ct, device);
+    TL_CHECK_DEVICE(cs, device);
+    TL_CHECK_CONTIGUOUS(ct);
+    TL_CHECK_CONTIGUOUS(cs);
+    TL_CHECK_DTYPE(cs, at::kInt);
+    TORCH_CHECK_VALUE(ct.scalar_type() == table.scalar_type() && ct.dim() == table.dim() &&
+                          ct.sizes().slice(1) == table.sizes().slice(1),
+                      "gather_rows: cache_table must hold rows like table's, got ", ct.sizes(), " ",
+                      ct.scalar_type());
+    TORCH_CHECK_VALUE(cs.dim() == 1 && cs.numel() == table.size(0),
+                      "gather_rows: cache_slots must have one entry per table row (", table.size(0),
+                      "), got shape ", cs.sizes());
+    a.cache_table = ct.data_ptr();
+    a.cache_slot = cs.data_ptr<int32_t>();
+    a.cache_rows = ct.size(0);
+  }
+  if (index.numel() == 0 || row_bytes == 0) return;
+  const at::Tensor idx = index.contiguous();
+  at::Tensor first_bad = at::full({1}, -1, index.options().dtype(at::kLong));
+  a.num_rows = table.size(0);
+  a.row_bytes = row_bytes;
+  a.index = idx.data_ptr();
+  a.index_is_int64 = index.scalar_type() == at::kLong;
+  a.count = idx.numel();
+  a.out = out.data_ptr();
+  a.first_bad = reinterpret_cast<unsigned long long*>(first_bad.data_ptr<int64_t>());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device.index());
+  check_cuda(cuda::gather_rows(a, stream), "kernel launch");
+  // The one synchronisation: an out-of-range index must surface as an exception here.
+  const int64_t bad = first_bad.item<int64_t>();
+  if (bad != -1) throw_bad_index(bad, idx[bad].item<int64_t>(), table.size(0));
+}
+#endif
+
+// Owns a cudaHostRegister of a tensor's memory; the Python FeatureStore keeps the tensor alive.
+class HostRegistration {
+ public:
+  HostRegistration(const at::Tensor& tensor, bool read_only) {
+#ifdef TIERLIFT_WITH_CUDA
+    TL_CHECK_CPU(tensor);
+    TL_CHECK_CONTIGUOUS(tensor);
+    TORCH_CHECK_VALUE(tensor.nbytes() > 0, "HostRegistration: tensor is empty");
+    ptr_ = tensor.data_ptr();
+    const cudaError_t err = cuda::host_register(ptr_, tensor.nbytes(), read_only);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      ptr_ = nullptr;
+      TORCH_CHECK_VALUE(err != cudaErrorHostMemoryAlreadyRegistered,
+                        "features: this memory is already registered with CUDA (pinned by "
+                        "another FeatureStore or cudaHostRegister); use pin='copy'");
+      TORCH_CHECK_VALUE(false, "features: cudaHostRegister of ", tensor.nbytes(), " bytes failed (",
+                        cudaGetErrorString(err),
+                        "); the tensor may be too large to lock in RAM (ulimit -l) or live in "
+                        "memory CUDA cannot pin; use pin='copy'");
+    }
+#else
+    (void)tensor;
+    (void)read_only;
+    TORCH_CHECK(false, "HostRegistration: tierlift was built without CUDA kernels");
+#endif
+  }
+  ~HostRegistration() { close(); }
+  void close() {
+#ifdef TIERLIFT_WITH_CUDA
+    if (ptr_ != nullptr) {
+      cuda::host_unregister(ptr_);
+      cudaGetLastError();
+      ptr_ = nullptr;
+    }
+#endif
+  }
+  bool active() const { return ptr_ != nullptr; }
+
+ private:
+  void* ptr_ = nullptr;
+};
+
+}  // namespace
+
+void bind_gather(pybind11::module_& m) {
+  pybind11::class_<HostRegistration>(
+      m, "HostRegistration",
+      "cudaHostRegister(tensor memory, mapped) until close(); keep the tensor alive meanwhile.")
+      .def(pybind11::init<const at::Tensor&, bool>(), pybind11::arg("tensor"),
+           pybind11::arg("read_only") = false)
+      .def("close", &HostRegistration::close)
+      .def_property_readonly("active", &HostRegistration::active);
+}
+
+TORCH_LIBRARY_IMPL(tierlift, CPU, m) { m.impl("gather_rows", &gather_rows_cpu); }
+
+#ifdef TIERLIFT_WITH_CUDA
+TORCH_LIBRARY_IMPL(tierlift, CUDA, m) { m.impl("gather_rows", &gather_rows_cuda); }
+#endif
+
+}  // namespace tierlift

@@ -1,0 +1,75 @@
+"""torch_geometric's FeatureStore interface over tierlift FeatureStores, so PyG's loaders
+(NeighborLoader with a (feature_store, graph_store) pair) fetch rows with tierlift's gather.
+
+    fs = PyGFeatureStore()
+    fs["paper", "x", None] = tierlift.gnn.FeatureStore(x, cache=0.1, degrees=deg)   # or a tensor
+    loader = NeighborLoader((fs, graph_store), num_neighbors=[10, 5], input_nodes=...,
+                            filter_per_worker=False)   # CUDA stores gather in the main process
+
+Importing this module needs torch_geometric.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch_geometric.data import FeatureStore as _PyGFeatureStore
+from torch_geometric.data import TensorAttr
+
+from tierlift.gnn.store import FeatureStore
+
+
+class PyGFeatureStore(_PyGFeatureStore):
+    """A PyG FeatureStore whose tensors are tierlift FeatureStores (keyed by group and attr)."""
+
+    def __init__(self, **store_kwargs):
+        """store_kwargs (pin, cache, device, ...) are used when a plain tensor is put."""
+        super().__init__()
+        self._stores: dict[tuple, FeatureStore] = {}
+        self._store_kwargs = store_kwargs
+
+    @staticmethod
+    def _key(attr: TensorAttr) -> tuple:
+        return (attr.group_name, attr.attr_name)
+
+    def _put_tensor(self, tensor, attr: TensorAttr) -> bool:
+        if attr.is_set("index") and attr.index is not None:
+            raise ValueError("PyGFeatureStore: put whole tensors only (index must be None)")
+        store = tensor if isinstance(tensor, FeatureStore) else FeatureStore(
+            tensor, **self._store_kwargs)
+        old = self._stores.pop(self._key(attr), None)
+        if old is not None and old is not store:
+            old.close()
+        self._stores[self._key(attr)] = store
+        return True
+
+    def _get_tensor(self, attr: TensorAttr):
+        store = self._stores.get(self._key(attr))
+        if store is None:
+            return None
+        index = attr.index if attr.is_set("index") else None
+        if index is None:
+            index = torch.arange(store.num_rows)
+        elif isinstance(index, slice):
+            index = torch.arange(store.num_rows)[index]
+        elif not isinstance(index, torch.Tensor):
+            index = torch.as_tensor(index, dtype=torch.long)
+        return store.gather(index)
+
+    def _remove_tensor(self, attr: TensorAttr) -> bool:
+        store = self._stores.pop(self._key(attr), None)
+        if store is None:
+            return False
+        store.close()
+        return True
+
+    def _get_tensor_size(self, attr: TensorAttr):
+        store = self._stores.get(self._key(attr))
+        return None if store is None else store.shape
+
+    def get_all_tensor_attrs(self) -> list[TensorAttr]:
+        return [TensorAttr(group_name=g, attr_name=a) for g, a in self._stores]
+
+    def close(self) -> None:
+        for store in self._stores.values():
+            store.close()
+        self._stores.clear()

@@ -1,0 +1,306 @@
+"""FeatureStore: node features that stay in host memory and are gathered row by row.
+
+On a GPU the table is page-locked and mapped (in place with cudaHostRegister, or as a pinned
+copy) and `gather` runs tierlift's CUDA kernel, which reads the rows over PCIe straight into the
+output; the hottest rows (by degree, or by observed access frequency) can be kept in a GPU cache
+table that the same kernel serves. Without a GPU (or with device="cpu") the same API gathers on
+the CPU with the multithreaded C++ gather.
+
+Forked workers: a CPU store works in forked DataLoader workers (the C++ gather runs on the
+worker's own thread there). A CUDA store cannot: CUDA does not survive fork(), so gathering in a
+forked child raises RuntimeError; gather in the main process (for PyG loaders:
+filter_per_worker=False) or use multiprocessing start method "spawn".
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tierlift import _extension, ops
+
+_PIN_MODES = ("inplace", "copy")
+_CACHE_POLICIES = ("degree", "frequency")
+_FREQUENCY_WARMUP = 8  # gathers counted before a frequency-policy cache is filled
+
+
+@dataclass(kw_only=True)
+class FeatureStoreOptions:
+    """Validated FeatureStore settings (every field is a FeatureStore keyword)."""
+
+    pin: str = "inplace"
+    cache: float = 0.0
+    cache_policy: str = "degree"
+    device: str | torch.device = "cuda"
+    sort: bool = False
+
+    def __post_init__(self):
+        if self.pin not in _PIN_MODES:
+            raise ValueError(f"pin must be one of {_PIN_MODES}, got {self.pin!r}")
+        if self.cache_policy not in _CACHE_POLICIES:
+            raise ValueError(f"cache_policy must be one of {_CACHE_POLICIES}, "
+                             f"got {self.cache_policy!r}")
+        if isinstance(self.cache, bool) or not isinstance(self.cache, (int, float)) \
+                or not 0.0 <= float(self.cache) <= 1.0:
+            raise ValueError(f"cache must be a fraction of rows in [0, 1], got {self.cache!r}")
+        self.device = torch.device(self.device)
+        if not isinstance(self.sort, bool):
+            raise TypeError(f"sort must be a bool, got {type(self.sort).__name__}")
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device}")
+
+
+def _load_features(features, dtype, shape) -> tuple[torch.Tensor, bool]:
+    """Returns (tensor, file_backed). Files are memory-mapped copy-on-write, never read whole."""
+    if isinstance(features, torch.Tensor):
+        return features, False
+    if not isinstance(features, (str, os.PathLike)):
+        raise TypeError("features must be a torch.Tensor or a path to an .npy or raw file, got "
+                        f"{type(features).__name__}")
+    path = Path(features)
+    if not path.is_file():
+        raise FileNotFoundError(f"features: no such file {str(path)!r}")
+    if path.suffix == ".npy":
+        array = np.load(path, mmap_mode="c")
+    else:
+        if dtype is None or shape is None:
+            raise ValueError("features: a raw file needs dtype= and shape= (an .npy file does not)")
+        np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+        array = np.memmap(path, dtype=np_dtype, mode="c", shape=tuple(shape))
+    return torch.from_numpy(array), True
+
+
+class FeatureStore:
+    """Host-resident feature rows gathered into GPU (or CPU) tensors.
+
+    Args:
+        features: CPU tensor (contiguous, at least 1-D, rows along dim 0) or path to an .npy
+            file or a raw file (then give dtype= and shape=); files are memory-mapped.
+        pin: "inplace" registers the existing memory with CUDA (no second copy); "copy" makes a
+            pinned copy (for memory CUDA cannot register).
+        cache: fraction of rows to keep in a GPU cache table (CUDA stores only).
+        cache_policy: "degree" caches the rows of the highest `degrees`; "frequency" counts the
+            rows the first gathers ask for and then caches the most requested ones.
+        degrees: per-row degree (or any hotness score), needed by cache_policy="degree".
+        device: where gather results live; "cuda" falls back to "cpu" with a warning when this
+            machine or build has no CUDA.
+        sort: gather rows in ascending row order (then scatter them back into place), so
+            neighbouring rows share host memory requests; helps small rows on large tables.
+        dtype, shape: element type and shape of a raw (non-.npy) feature file.
+    """
+
+    def __init__(self, features, *, pin="inplace", cache=0.0, cache_policy="degree",
+                 degrees=None, device="cuda", sort=False, dtype=None, shape=None):
+        _extension.require("extension")
+        self.options = FeatureStoreOptions(pin=pin, cache=cache, cache_policy=cache_policy,
+                                           device=device, sort=sort)
+        table, file_backed = _load_features(features, dtype, shape)
+        self._check_table(table)
+        self.device = self.options.device
+        if self.device.type == "cuda" and not (torch.cuda.is_available()
+                                               and _extension.has_cuda_kernels()):
+            warnings.warn("FeatureStore: no CUDA GPU or CUDA kernels here; gathering on the CPU",
+                          RuntimeWarning, stacklevel=2)
+            self.device = torch.device("cpu")
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self._pid = os.getpid()
+        self._registration = None
+        self._cache_table = self._cache_slots = self._counts = None
+        self._gathers = 0
+        self._closed = False
+        if self.device.type == "cuda":
+            table = self._pin(table, file_backed)
+        self._table = table
+        self.num_rows = table.shape[0]
+        self.row_shape = tuple(table.shape[1:])
+        self.dtype = table.dtype
+        if self.device.type == "cuda" and self.options.cache > 0:
+            self._setup_cache(degrees)
+        elif degrees is not None:
+            self._check_degrees(degrees)
+
+    # ---- construction helpers ----
+
+    @staticmethod
+    def _check_table(table: torch.Tensor) -> None:
+        if table.device.type != "cpu":
+            raise ValueError(f"features must be a CPU tensor (host memory), got {table.device}")
+        if table.layout != torch.strided:
+            raise ValueError(f"features must be a dense tensor, got {table.layout}")
+        if table.dim() < 1:
+            raise ValueError("features must have at least one dimension (rows along dim 0)")
+        if not table.is_contiguous():
+            raise ValueError("features must be contiguous (call .contiguous(), which copies)")
+
+    def _pin(self, table: torch.Tensor, file_backed: bool) -> torch.Tensor:
+        if table.numel() == 0 or table.is_pinned():
+            return table
+        if self.options.pin == "copy":
+            return table.pin_memory()
+        self._registration = _extension._C.HostRegistration(table, read_only=file_backed)
+        return table
+
+    def _check_degrees(self, degrees) -> torch.Tensor:
+        degrees = torch.as_tensor(degrees)
+        if degrees.shape != (self.num_rows,):
+            raise ValueError(f"degrees must have shape ({self.num_rows},), one per row, "
+                             f"got {tuple(degrees.shape)}")
+        return degrees
+
+    def _setup_cache(self, degrees) -> None:
+        self.cache_rows = int(self.options.cache * self.num_rows)
+        self._cache_slots = torch.full((self.num_rows,), -1, dtype=torch.int32,
+                                       device=self.device)
+        if self.options.cache_policy == "degree":
+            if degrees is None:
+                raise ValueError("cache_policy='degree' needs degrees= (one per row)")
+            self._fill_cache(self._check_degrees(degrees).to(torch.float64))
+        else:
+            self._counts = torch.zeros(self.num_rows, dtype=torch.int64, device=self.device)
+
+    def _fill_cache(self, score: torch.Tensor) -> None:
+        hot = torch.topk(score.cpu(), self.cache_rows, sorted=False).indices
+        self._cache_table = self._table.index_select(0, hot).to(self.device)
+        slots = torch.full((self.num_rows,), -1, dtype=torch.int32)
+        slots[hot] = torch.arange(self.cache_rows, dtype=torch.int32)
+        self._cache_slots = slots.to(self.device)
+
+    # ---- public API ----
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.num_rows, *self.row_shape)
+
+    def cached_rows(self) -> torch.Tensor:
+        """Row ids currently served from the GPU cache (empty without a cache)."""
+        if self._cache_slots is None or self._cache_table is None:
+            return torch.empty(0, dtype=torch.long)
+        return (self._cache_slots >= 0).nonzero().flatten().cpu()
+
+    def gather(self, index: torch.Tensor, out: torch.Tensor | None = None,
+               stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+        """Rows `index` (int32/int64, 1-D, on the CPU or the store's device) as a tensor on the
+        store's device, written into `out` when given. With `stream`, the gather is queued on it
+        (then make the consumer wait on that stream). An empty index gives an empty result; an
+        out-of-range or negative index raises IndexError naming it, and is never read."""
+        self._check_usable()
+        index = self._check_index(index)
+        out = self._check_out(out, index.numel())
+        if index.numel() == 0:
+            return out
+        if self.device.type == "cpu":
+            self._gather_into(index, out)
+            return out
+        if index.device.type == "cpu":
+            self._validate_host_index(index)  # the kernel checks again on the device
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            if index.device.type == "cpu":
+                index = index.to(self.device, non_blocking=index.is_pinned())
+            if self._counts is not None:
+                self._count(index)
+            self._gather_into(index, out)
+        return out
+
+    def _gather_into(self, index: torch.Tensor, out: torch.Tensor) -> None:
+        cache = {}
+        if self._cache_table is not None:
+            cache = {"cache_table": self._cache_table, "cache_slots": self._cache_slots}
+        if not self.options.sort:
+            ops.gather_rows(self._table, index, out, **cache)
+            return
+        sorted_index, order = torch.sort(index)
+        rows = torch.empty_like(out)
+        try:
+            ops.gather_rows(self._table, sorted_index, rows, **cache)
+        except IndexError:
+            self._validate_host_index(index.cpu())  # name the position in the caller's index
+            raise
+        out.index_copy_(0, order, rows)
+
+    def close(self) -> None:
+        """Unregisters the host memory and frees the cache; later gathers raise. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._registration is not None and os.getpid() == self._pid:
+            self._registration.close()
+        self._registration = None
+        self._table = self._cache_table = self._cache_slots = self._counts = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        if not getattr(self, "_closed", True):
+            self.close()
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{self.num_rows} rows x {self.row_shape}"
+        return f"FeatureStore({state}, dtype={self.dtype}, device={self.device})"
+
+    # ---- gather helpers ----
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise RuntimeError("FeatureStore is closed; create a new one")
+        if self.device.type == "cuda" and os.getpid() != self._pid:
+            raise RuntimeError("FeatureStore(device='cuda') cannot gather in a forked process "
+                               "(CUDA does not survive fork()); gather in the main process "
+                               "(PyG loaders: filter_per_worker=False), use the 'spawn' start "
+                               "method, or a device='cpu' store in workers")
+
+    def _check_index(self, index) -> torch.Tensor:
+        if not isinstance(index, torch.Tensor):
+            raise TypeError(f"index must be a torch.Tensor, got {type(index).__name__}")
+        if index.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"index must be int32 or int64, got {index.dtype}")
+        if index.dim() != 1:
+            raise ValueError(f"index must be 1-D, got shape {tuple(index.shape)}")
+        if index.device.type != "cpu" and index.device != self.device:
+            raise ValueError(f"index must be on the CPU or {self.device}, got {index.device}")
+        return index
+
+    def _validate_host_index(self, index: torch.Tensor) -> None:
+        lo, hi = torch.aminmax(index)
+        if lo < 0 or hi >= self.num_rows:
+            pos = int(((index < 0) | (index >= self.num_rows)).nonzero()[0, 0])
+            raise IndexError(f"gather_rows: index[{pos}] = {int(index[pos])} is out of range "
+                             f"for a table of {self.num_rows} rows")
+
+    def _check_out(self, out, count) -> torch.Tensor:
+        shape = (count, *self.row_shape)
+        if out is None:
+            return torch.empty(shape, dtype=self.dtype, device=self.device)
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+        if out.device != self.device or out.dtype != self.dtype or tuple(out.shape) != shape:
+            raise ValueError(f"out must be a {self.dtype} tensor of shape {shape} on "
+                             f"{self.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
+        if not out.is_contiguous():
+            raise ValueError("out must be contiguous")
+        return out
+
+    def _count(self, index: torch.Tensor) -> None:
+        """Frequency policy: count requests; after the warm-up, cache the most requested rows."""
+        valid = index[(index >= 0) & (index < self.num_rows)].long()
+        self._counts.index_put_((valid,), torch.ones_like(valid), accumulate=True)
+        self._gathers += 1
+        if self._gathers == _FREQUENCY_WARMUP:
+            self._fill_cache(self._counts.float())
+            self._counts = None
