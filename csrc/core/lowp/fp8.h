@@ -1,12 +1,13 @@
 // FP8 formats and the scalar rules every tierlift FP8 quantizer follows (C++ reference, CUDA
 // kernel and tierlift.reference.lowp agree on them bit for bit).
 //
-//   E4M3 (torch.float8_e4m3fn): bias 7, 3 mantissa bits, max 448, no inf, NaN = 0x7f|sign.
-//   E5M2 (torch.float8_e5m2):   bias 15, 2 mantissa bits, max 57344, NaN = 0x7f|sign.
+//   E4M3 (torch.float8_e4m3fn): bias 7, 3 mantissa bits, max 448, no inf, NaN 0x7f/0xff.
+//   E5M2 (torch.float8_e5m2):   bias 15, 2 mantissa bits, max 57344, inf 0x7c, NaN 0x7d-0x7f.
 //
 // Cast (fp32 -> fp8): saturating round-to-nearest-even. |x| > max (and +-inf) becomes +-max,
-// NaN stays NaN (0x7f with the input's sign, as torch's own casts produce). For |x| <= max the
-// result equals torch's `x.to(float8_*)` exactly.
+// NaN becomes the canonical NaN code 0x7f whatever its sign (GPUs do not keep a NaN's sign
+// through arithmetic, so it cannot be bit-exact). For |x| <= max the result equals torch's
+// `x.to(float8_*)` exactly.
 //
 // Scale: amax is the largest |x| over the FINITE elements of a scaling block (NaN/Inf do not
 // poison the scale of their neighbours). scale = max_fp8 / max(amax, kMinAmax) in fp32 (correctly
@@ -47,7 +48,7 @@ static inline uint8_t fp8_encode(float x, Fp8Format fmt) {
   const uint32_t u = f32_bits(x);
   const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
   uint32_t abs = u & 0x7fffffffu;
-  if (abs > 0x7f800000u) return sign | 0x7fu;                      // NaN
+  if (abs > 0x7f800000u) return 0x7fu;                             // NaN (canonical)
   if (abs > f32_bits(s.max)) abs = f32_bits(s.max);               // saturate (inf included)
   const float a = bits_f32(abs);
   const float min_normal = pow2f(1 - s.bias);
