@@ -47,6 +47,7 @@ def scaled_mm(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torc
                 warnings.warn(f"tierlift.lowp: torch._scaled_mm rejected this GEMM ({exc}); "
                               "using the dequantize + matmul emulation for it", RuntimeWarning,
                               stacklevel=2)
-    a = a_q.float() * inv_a
-    b = b_q.float() * inv_b
-    return torch.mm(a, b.t()).to(out_dtype)
+    with torch.autocast(device_type=a_q.device.type, enabled=False):  # fp32 means fp32
+        a = a_q.float() * inv_a
+        b = b_q.float() * inv_b
+        return torch.mm(a, b.t()).to(out_dtype)

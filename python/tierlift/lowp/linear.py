@@ -56,6 +56,8 @@ def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"x must have {weight.shape[1]} features in its last dimension, got "
                          f"shape {tuple(x.shape)}")
+    if torch.is_autocast_enabled(x.device.type):  # run where autocast would run nn.Linear
+        x = x.to(torch.get_autocast_dtype(x.device.type))
     lead = x.shape[:-1]
     y = _Float8MatmulFn.apply(x.reshape(-1, x.shape[-1]), weight, recipe)
     if bias is not None:
