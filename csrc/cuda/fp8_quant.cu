@@ -84,11 +84,19 @@ __device__ __forceinline__ void atomic_max_nonneg(float* addr, float v) {
 
 // Merges one 32x32 tile (|x| in smem, 0 outside the matrix) into grid g's amax.
 // Tiles are 32-aligned and every block dimension is 1, a multiple of 128 or the whole matrix,
-// so along a dimension whose block is not 1 the tile lies inside a single block.
+// so along a dimension whose block is not 1 the tile lies inside a single block. (1x1 blocks
+// happen only for degenerate shapes, e.g. column scaling of a single row.)
 __device__ void merge_tile(const float (*tile)[kTile + 1], const Grid& g, int64_t r0, int64_t c0,
                            int64_t rows, int64_t cols, float* warp_partial) {
   const int lane = threadIdx.x, warp = threadIdx.y;
-  if (g.br == 1) {  // one block per row
+  if (g.br == 1 && g.bc == 1) {  // one block per element
+    for (int k = 0; k < kTileRowsPerThread; ++k) {
+      const int r = warp * kTileRowsPerThread + k;
+      if (r0 + r < rows && c0 + lane < cols) {
+        atomic_max_nonneg(&g.out[g.index(r0 + r, c0 + lane)], tile[r][lane]);
+      }
+    }
+  } else if (g.br == 1) {  // one block per row
     for (int k = 0; k < kTileRowsPerThread; ++k) {
       const int r = warp * kTileRowsPerThread + k;
       const float m = warp_max(tile[r][lane]);
@@ -102,7 +110,8 @@ __device__ void merge_tile(const float (*tile)[kTile + 1], const Grid& g, int64_
     }
   } else {  // the whole tile is in one block
     float m = 0.f;
-    for (int k = 0; k < kTileRowsPerThread; ++k) m = fmaxf(m, tile[warp * kTileRowsPerThread + k][lane]);
+    for (int k = 0; k < kTileRowsPerThread; ++k)
+      m = fmaxf(m, tile[warp * kTileRowsPerThread + k][lane]);
     m = warp_max(m);
     if (lane == 0) warp_partial[warp] = m;
     __syncthreads();
@@ -115,16 +124,17 @@ __device__ void merge_tile(const float (*tile)[kTile + 1], const Grid& g, int64_
 }
 
 template <DType kT>
-__global__ void amax_tiles_kernel(const void* x, int64_t rows, int64_t cols, int64_t rs,
-                                  int64_t cs, Grid g0, Grid g1, bool two) {
+__global__ void amax_tiles_kernel(const void* x, int64_t rows, int64_t cols, int64_t rs, int64_t cs,
+                                  Grid g0, Grid g1, bool two) {
   __shared__ float tile[kTile][kTile + 1];
   __shared__ float warp_partial[kTile / kTileRowsPerThread];
-  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kTile;
-  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kTile;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kTile;  // rows on x: up to 2^31 tiles
+  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * kTile;
   for (int k = 0; k < kTileRowsPerThread; ++k) {
     const int r = threadIdx.y * kTileRowsPerThread + k;
     const int64_t i = r0 + r, j = c0 + threadIdx.x;
-    tile[r][threadIdx.x] = (i < rows && j < cols) ? finite_abs_dev(load<kT>(x, i * rs + j * cs)) : 0.f;
+    tile[r][threadIdx.x] =
+        (i < rows && j < cols) ? finite_abs_dev(load<kT>(x, i * rs + j * cs)) : 0.f;
   }
   __syncthreads();
   merge_tile(tile, g0, r0, c0, rows, cols, warp_partial);
@@ -141,12 +151,11 @@ __global__ void amax_to_scale_kernel(float* s, int64_t n, Fp8Format fmt, bool po
 
 // Pass 2: q[i, j] with grid g; if qt, also qt[j, i] with the transposed grid gt.
 template <DType kT>
-__global__ void cast_tiles_kernel(const void* x, int64_t rows, int64_t cols, int64_t rs,
-                                  int64_t cs, Fp8Format fmt, Grid g, uint8_t* q, Grid gt,
-                                  uint8_t* qt) {
+__global__ void cast_tiles_kernel(const void* x, int64_t rows, int64_t cols, int64_t rs, int64_t cs,
+                                  Fp8Format fmt, Grid g, uint8_t* q, Grid gt, uint8_t* qt) {
   __shared__ float tile[kTile][kTile + 1];
-  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kTile;
-  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kTile;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kTile;  // rows on x: up to 2^31 tiles
+  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * kTile;
   const int64_t j = c0 + threadIdx.x;
   for (int k = 0; k < kTileRowsPerThread; ++k) {
     const int r = threadIdx.y * kTileRowsPerThread + k;
@@ -199,9 +208,9 @@ __global__ void block1x128_kernel(const void* x, int64_t rows, int64_t cols, int
 
 // Row scaling: one thread block per row; amax reduction, then the cast (re-read from L2).
 template <DType kT>
-__global__ void __launch_bounds__(kRowThreads) row_kernel(const void* x, int64_t cols, int64_t rs,
-                                                          Fp8Format fmt, bool pow2, uint8_t* q,
-                                                          float* scales) {
+__global__ void __launch_bounds__(kRowThreads)
+    row_kernel(const void* x, int64_t cols, int64_t rs, Fp8Format fmt, bool pow2, uint8_t* q,
+               float* scales) {
   __shared__ float partial[kRowThreads / 32];
   __shared__ float row_scale;
   const int64_t i = blockIdx.x;
@@ -227,21 +236,32 @@ __global__ void __launch_bounds__(kRowThreads) row_kernel(const void* x, int64_t
   }
 }
 
+// Turns n amaxes into scales in place (zeroing them first when `zero`: the empty-input case).
+cudaError_t amax_to_scales(float* s, int64_t n, Fp8Format fmt, bool pow2, bool zero,
+                           cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  if (zero) {
+    if (cudaError_t e = cudaMemsetAsync(s, 0, n * sizeof(float), stream); e != cudaSuccess) {
+      return e;
+    }
+  }
+  amax_to_scale_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(s, n, fmt, pow2);
+  return cudaGetLastError();
+}
+
 template <DType kT>
 cudaError_t run(const Fp8QuantArgs& a, cudaStream_t stream) {
   const bool dual = a.qt != nullptr;
   const Fp8Blocks b = fp8_blocks(a.scaling, a.rows, a.cols);
   if (a.rows * a.cols == 0) {  // no elements: every scale is the safe scale of amax 0
-    const int64_t n = b.grid_rows * b.grid_cols;
-    cudaMemsetAsync(a.scales, 0, n * sizeof(float), stream);
-    if (n > 0) amax_to_scale_kernel<<<(n + 255) / 256, 256, 0, stream>>>(a.scales, n, a.fmt, a.pow2_scale);
-    if (dual) {
+    cudaError_t e =
+        amax_to_scales(a.scales, b.grid_rows * b.grid_cols, a.fmt, a.pow2_scale, true, stream);
+    if (e == cudaSuccess && dual) {
       const Fp8Blocks bt = fp8_blocks(a.scaling, a.cols, a.rows);
-      const int64_t nt = bt.grid_rows * bt.grid_cols;
-      cudaMemsetAsync(a.scales_t, 0, nt * sizeof(float), stream);
-      if (nt > 0) amax_to_scale_kernel<<<(nt + 255) / 256, 256, 0, stream>>>(a.scales_t, nt, a.fmt, a.pow2_scale);
+      e = amax_to_scales(a.scales_t, bt.grid_rows * bt.grid_cols, a.fmt, a.pow2_scale, true,
+                         stream);
     }
-    return cudaGetLastError();
+    return e;
   }
   if (!dual && a.col_stride == 1) {
     if (a.scaling == Fp8Scaling::kBlock1x128) {
@@ -262,17 +282,31 @@ cudaError_t run(const Fp8QuantArgs& a, cudaStream_t stream) {
   const Fp8Blocks bt = fp8_blocks(a.scaling, a.cols, a.rows);
   const Grid gt{bt.cols, bt.rows, bt.grid_cols, a.scales_t, true};
   const int64_t n = b.grid_rows * b.grid_cols, nt = bt.grid_rows * bt.grid_cols;
-  cudaMemsetAsync(a.scales, 0, n * sizeof(float), stream);
-  if (dual) cudaMemsetAsync(a.scales_t, 0, nt * sizeof(float), stream);
-  const dim3 block(kTile, kTile / kTileRowsPerThread);
-  const dim3 tiles(static_cast<unsigned>((a.cols + kTile - 1) / kTile),
-                   static_cast<unsigned>((a.rows + kTile - 1) / kTile));
-  amax_tiles_kernel<kT><<<tiles, block, 0, stream>>>(a.x, a.rows, a.cols, a.row_stride,
-                                                     a.col_stride, g, gt, dual);
-  amax_to_scale_kernel<<<(n + 255) / 256, 256, 0, stream>>>(a.scales, n, a.fmt, a.pow2_scale);
+  if (cudaError_t e = cudaMemsetAsync(a.scales, 0, n * sizeof(float), stream); e != cudaSuccess) {
+    return e;
+  }
   if (dual) {
-    amax_to_scale_kernel<<<(nt + 255) / 256, 256, 0, stream>>>(a.scales_t, nt, a.fmt,
-                                                               a.pow2_scale);
+    if (cudaError_t e = cudaMemsetAsync(a.scales_t, 0, nt * sizeof(float), stream);
+        e != cudaSuccess) {
+      return e;
+    }
+  }
+  const dim3 block(kTile, kTile / kTileRowsPerThread);
+  const dim3 tiles(static_cast<unsigned>((a.rows + kTile - 1) / kTile),
+                   static_cast<unsigned>((a.cols + kTile - 1) / kTile));
+  if (tiles.y > 65535u) return cudaErrorInvalidConfiguration;  // > 2M columns
+  amax_tiles_kernel<kT>
+      <<<tiles, block, 0, stream>>>(a.x, a.rows, a.cols, a.row_stride, a.col_stride, g, gt, dual);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  if (cudaError_t e = amax_to_scales(a.scales, n, a.fmt, a.pow2_scale, false, stream);
+      e != cudaSuccess) {
+    return e;
+  }
+  if (dual) {
+    if (cudaError_t e = amax_to_scales(a.scales_t, nt, a.fmt, a.pow2_scale, false, stream);
+        e != cudaSuccess) {
+      return e;
+    }
   }
   cast_tiles_kernel<kT><<<tiles, block, 0, stream>>>(a.x, a.rows, a.cols, a.row_stride,
                                                      a.col_stride, a.fmt, g, a.q, gt, a.qt);

@@ -35,10 +35,10 @@ struct Fp8QuantArgs {
   Fp8Scaling scaling = Fp8Scaling::kTensor;
   Fp8Format fmt = Fp8Format::kE4M3;
   bool pow2_scale = false;
-  uint8_t* q = nullptr;          // [rows, cols] row-major
-  float* scales = nullptr;       // fp8_blocks(scaling, rows, cols) grid, row-major
-  uint8_t* qt = nullptr;         // optional: [cols, rows] = quantization of x^T
-  float* scales_t = nullptr;     // fp8_blocks(scaling, cols, rows) grid (with qt)
+  uint8_t* q = nullptr;       // [rows, cols] row-major
+  float* scales = nullptr;    // fp8_blocks(scaling, rows, cols) grid, row-major
+  uint8_t* qt = nullptr;      // optional: [cols, rows] = quantization of x^T
+  float* scales_t = nullptr;  // fp8_blocks(scaling, cols, rows) grid (with qt)
 };
 
 // Enqueues the quantization on `stream`; returns the first launch error.

@@ -28,8 +28,8 @@ Fp8Scaling parse_scaling(const std::string& s) {
   if (s == "col") return Fp8Scaling::kCol;
   if (s == "1x128") return Fp8Scaling::kBlock1x128;
   if (s == "128x128") return Fp8Scaling::kBlock128x128;
-  TORCH_CHECK_VALUE(false, "scaling must be one of 'tensor', 'row', 'col', '1x128', '128x128', got '",
-                    s, "'");
+  TORCH_CHECK_VALUE(
+      false, "scaling must be one of 'tensor', 'row', 'col', '1x128', '128x128', got '", s, "'");
 }
 
 Fp8Format parse_format(at::ScalarType t) {
@@ -90,6 +90,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fp8_quantize_dual_cpu
 
 #ifdef TIERLIFT_WITH_CUDA
 void launch(const at::Tensor& x, const Prepared& p, bool pow2_scale) {
+  TORCH_CHECK_VALUE(x.size(1) <= 65535 * 32, "x has ", x.size(1),
+                    " columns; the CUDA quantizer "
+                    "takes at most ",
+                    65535 * 32, " (quantize column chunks separately)");
   c10::cuda::CUDAGuard guard(x.device());
   cuda::Fp8QuantArgs a;
   a.x = p.in.data;

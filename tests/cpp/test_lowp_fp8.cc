@@ -97,8 +97,8 @@ struct Expected {
   std::vector<float> scales;
 };
 
-Expected naive(const std::vector<float>& x, int64_t rows, int64_t cols, Fp8Scaling sc,
-               Fp8Format f, bool pow2) {
+Expected naive(const std::vector<float>& x, int64_t rows, int64_t cols, Fp8Scaling sc, Fp8Format f,
+               bool pow2) {
   const Fp8Blocks b = fp8_blocks(sc, rows, cols);
   Expected e;
   e.scales.assign(b.grid_rows * b.grid_cols, 0.f);
@@ -123,7 +123,8 @@ std::vector<float> random_matrix(int64_t n, uint32_t seed) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> dist(0.f, 1.f);
   std::vector<float> x(n);
-  for (auto& v : x) v = dist(rng) * std::exp2(static_cast<float>(static_cast<int>(rng() % 20)) - 10.f);
+  for (auto& v : x)
+    v = dist(rng) * std::exp2(static_cast<float>(static_cast<int>(rng() % 20)) - 10.f);
   return x;
 }
 
@@ -190,8 +191,7 @@ TEST(LowpFp8Quantize, ZeroTensorGetsFiniteScaleAndDequantizeIsClose) {
   Fp8Input in{zeros.data(), DType::kFloat32, rows, cols, cols, 1};
   fp8_quantize(in, Fp8Scaling::kTensor, Fp8Format::kE4M3, false, q.data(), s.data());
   EXPECT_TRUE(std::isfinite(s[0]) && s[0] > 0.f);
-  fp8_dequantize(q.data(), rows, cols, Fp8Scaling::kTensor, Fp8Format::kE4M3, s.data(),
-                 out.data());
+  fp8_dequantize(q.data(), rows, cols, Fp8Scaling::kTensor, Fp8Format::kE4M3, s.data(), out.data());
   for (float v : out) ASSERT_EQ(v, 0.f);
 
   const std::vector<float> x = random_matrix(rows * cols, 3);

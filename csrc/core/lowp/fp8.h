@@ -48,8 +48,8 @@ static inline uint8_t fp8_encode(float x, Fp8Format fmt) {
   const uint32_t u = f32_bits(x);
   const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
   uint32_t abs = u & 0x7fffffffu;
-  if (abs > 0x7f800000u) return 0x7fu;                             // NaN (canonical)
-  if (abs > f32_bits(s.max)) abs = f32_bits(s.max);               // saturate (inf included)
+  if (abs > 0x7f800000u) return 0x7fu;               // NaN (canonical)
+  if (abs > f32_bits(s.max)) abs = f32_bits(s.max);  // saturate (inf included)
   const float a = bits_f32(abs);
   const float min_normal = pow2f(1 - s.bias);
   if (a < min_normal) {

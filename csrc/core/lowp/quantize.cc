@@ -14,15 +14,63 @@ constexpr int64_t kGrainElems = 1 << 16;
 
 int64_t ceil_div(int64_t a, int64_t b) { return b == 0 ? 0 : (a + b - 1) / b; }
 
-inline float load(const Fp8Input& x, int64_t i, int64_t j) {
-  const int64_t k = i * x.row_stride + j * x.col_stride;
+template <DType kT>
+inline float load_at(const void* p, int64_t k) {
+  if constexpr (kT == DType::kBFloat16) {
+    return bf16_to_f32(static_cast<const uint16_t*>(p)[k]);
+  } else if constexpr (kT == DType::kFloat16) {
+    return f16_to_f32(static_cast<const uint16_t*>(p)[k]);
+  } else {
+    return static_cast<const float*>(p)[k];
+  }
+}
+
+// Row i of x merged into the amaxes of its blocks (bc wide): amax[g] covers columns
+// [g * bc, (g + 1) * bc). Segment loops keep divisions and dtype switches out of the inner loop.
+template <DType kT>
+void row_amax_t(const Fp8Input& x, int64_t i, int64_t bc, float* amax) {
+  const int64_t base = i * x.row_stride, cs = x.col_stride;
+  for (int64_t jb = 0, g = 0; jb < x.cols; jb += bc, ++g) {
+    const int64_t je = std::min(x.cols, jb + bc);
+    float m = amax[g];
+    for (int64_t j = jb; j < je; ++j)
+      m = std::max(m, finite_abs(load_at<kT>(x.data, base + j * cs)));
+    amax[g] = m;
+  }
+}
+
+template <DType kT>
+void row_cast_t(const Fp8Input& x, int64_t i, int64_t bc, const float* scales, Fp8Format fmt,
+                uint8_t* q) {
+  const int64_t base = i * x.row_stride, cs = x.col_stride;
+  for (int64_t jb = 0, g = 0; jb < x.cols; jb += bc, ++g) {
+    const int64_t je = std::min(x.cols, jb + bc);
+    const float s = scales[g];
+    for (int64_t j = jb; j < je; ++j)
+      q[j] = fp8_encode(load_at<kT>(x.data, base + j * cs) * s, fmt);
+  }
+}
+
+void row_amax(const Fp8Input& x, int64_t i, int64_t bc, float* amax) {
   switch (x.dtype) {
     case DType::kBFloat16:
-      return bf16_to_f32(static_cast<const uint16_t*>(x.data)[k]);
+      return row_amax_t<DType::kBFloat16>(x, i, bc, amax);
     case DType::kFloat16:
-      return f16_to_f32(static_cast<const uint16_t*>(x.data)[k]);
+      return row_amax_t<DType::kFloat16>(x, i, bc, amax);
     default:
-      return static_cast<const float*>(x.data)[k];
+      return row_amax_t<DType::kFloat32>(x, i, bc, amax);
+  }
+}
+
+void row_cast(const Fp8Input& x, int64_t i, int64_t bc, const float* scales, Fp8Format fmt,
+              uint8_t* q) {
+  switch (x.dtype) {
+    case DType::kBFloat16:
+      return row_cast_t<DType::kBFloat16>(x, i, bc, scales, fmt, q);
+    case DType::kFloat16:
+      return row_cast_t<DType::kFloat16>(x, i, bc, scales, fmt, q);
+    default:
+      return row_cast_t<DType::kFloat32>(x, i, bc, scales, fmt, q);
   }
 }
 
@@ -48,11 +96,7 @@ void compute_scales(const Fp8Input& x, const Fp8Blocks& b, Fp8Format fmt, bool p
     const int64_t grain = std::max<int64_t>(1, kGrainElems / band_elems);
     ThreadPool::global().parallel_for(b.grid_rows, grain, [&](int64_t g0, int64_t g1) {
       for (int64_t i = g0 * b.rows; i < std::min(x.rows, g1 * b.rows); ++i) {
-        float* amax = scales + (i / b.rows) * b.grid_cols;
-        for (int64_t j = 0; j < x.cols; ++j) {
-          float& m = amax[j / b.cols];
-          m = std::max(m, finite_abs(load(x, i, j)));
-        }
+        row_amax(x, i, b.cols, scales + (i / b.rows) * b.grid_cols);
       }
     });
   } else {
@@ -62,12 +106,7 @@ void compute_scales(const Fp8Input& x, const Fp8Blocks& b, Fp8Format fmt, bool p
     const int64_t grain = std::max<int64_t>(1, kGrainElems / std::max<int64_t>(x.cols, 1));
     ThreadPool::global().parallel_for(x.rows, grain, [&](int64_t r0, int64_t r1) {
       std::vector<float> amax(static_cast<size_t>(b.grid_cols), 0.f);
-      for (int64_t i = r0; i < r1; ++i) {
-        for (int64_t j = 0; j < x.cols; ++j) {
-          float& m = amax[j / b.cols];
-          m = std::max(m, finite_abs(load(x, i, j)));
-        }
-      }
+      for (int64_t i = r0; i < r1; ++i) row_amax(x, i, b.cols, amax.data());
       std::lock_guard<std::mutex> lock(mu);
       for (int64_t c = 0; c < b.grid_cols; ++c) scales[c] = std::max(scales[c], amax[c]);
     });
@@ -76,14 +115,11 @@ void compute_scales(const Fp8Input& x, const Fp8Blocks& b, Fp8Format fmt, bool p
 }
 
 // Pass 3: q = encode(x * scale).
-void cast(const Fp8Input& x, const Fp8Blocks& b, Fp8Format fmt, const float* scales,
-          uint8_t* q) {
+void cast(const Fp8Input& x, const Fp8Blocks& b, Fp8Format fmt, const float* scales, uint8_t* q) {
   const int64_t grain = std::max<int64_t>(1, kGrainElems / std::max<int64_t>(x.cols, 1));
   ThreadPool::global().parallel_for(x.rows, grain, [&](int64_t r0, int64_t r1) {
     for (int64_t i = r0; i < r1; ++i) {
-      const float* srow = scales + (i / b.rows) * b.grid_cols;
-      uint8_t* qrow = q + i * x.cols;
-      for (int64_t j = 0; j < x.cols; ++j) qrow[j] = fp8_encode(load(x, i, j) * srow[j / b.cols], fmt);
+      row_cast(x, i, b.cols, scales + (i / b.rows) * b.grid_cols, fmt, q + i * x.cols);
     }
   });
 }
@@ -118,8 +154,8 @@ Fp8Blocks fp8_blocks(Fp8Scaling scaling, int64_t rows, int64_t cols) {
   return {br, bc, whole_r ? 1 : ceil_div(rows, br), whole_c ? 1 : ceil_div(cols, bc)};
 }
 
-void fp8_quantize(const Fp8Input& x, Fp8Scaling scaling, Fp8Format fmt, bool pow2_scale,
-                  uint8_t* q, float* scales) {
+void fp8_quantize(const Fp8Input& x, Fp8Scaling scaling, Fp8Format fmt, bool pow2_scale, uint8_t* q,
+                  float* scales) {
   check(x, q, scales);
   const Fp8Blocks b = fp8_blocks(scaling, x.rows, x.cols);
   if (x.rows * x.cols == 0) {
@@ -143,8 +179,8 @@ void fp8_quantize_dual(const Fp8Input& x, Fp8Scaling scaling, Fp8Format fmt, boo
   fp8_quantize(t, scaling, fmt, pow2_scale, qt, scales_t);
 }
 
-void fp8_dequantize(const uint8_t* q, int64_t rows, int64_t cols, Fp8Scaling scaling,
-                    Fp8Format fmt, const float* scales, float* out) {
+void fp8_dequantize(const uint8_t* q, int64_t rows, int64_t cols, Fp8Scaling scaling, Fp8Format fmt,
+                    const float* scales, float* out) {
   if (rows < 0 || cols < 0) throw std::invalid_argument("fp8_dequantize: negative size");
   if (rows * cols == 0) return;
   if (q == nullptr || scales == nullptr || out == nullptr) {

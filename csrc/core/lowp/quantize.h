@@ -23,8 +23,8 @@ namespace tierlift {
 enum class Fp8Scaling : uint8_t { kTensor = 0, kRow, kCol, kBlock1x128, kBlock128x128 };
 
 struct Fp8Blocks {
-  int64_t rows;   // block height
-  int64_t cols;   // block width
+  int64_t rows;       // block height
+  int64_t cols;       // block width
   int64_t grid_rows;  // scale rows = ceil(matrix rows / block height)
   int64_t grid_cols;  // scale cols
 };
@@ -40,15 +40,15 @@ struct Fp8Input {
 };
 
 // Throws std::invalid_argument on null pointers, negative sizes or an unsupported dtype.
-void fp8_quantize(const Fp8Input& x, Fp8Scaling scaling, Fp8Format fmt, bool pow2_scale,
-                  uint8_t* q, float* scales);
+void fp8_quantize(const Fp8Input& x, Fp8Scaling scaling, Fp8Format fmt, bool pow2_scale, uint8_t* q,
+                  float* scales);
 
 // fp8_quantize(x) into (q, scales) and fp8_quantize(x^T) into (qt [cols, rows], scales_t).
 void fp8_quantize_dual(const Fp8Input& x, Fp8Scaling scaling, Fp8Format fmt, bool pow2_scale,
                        uint8_t* q, float* scales, uint8_t* qt, float* scales_t);
 
 // out[i, j] = decode(q[i, j]) / scale of (i, j)'s block, fp32 row-major.
-void fp8_dequantize(const uint8_t* q, int64_t rows, int64_t cols, Fp8Scaling scaling,
-                    Fp8Format fmt, const float* scales, float* out);
+void fp8_dequantize(const uint8_t* q, int64_t rows, int64_t cols, Fp8Scaling scaling, Fp8Format fmt,
+                    const float* scales, float* out);
 
 }  // namespace tierlift
