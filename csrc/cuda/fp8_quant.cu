@@ -182,8 +182,39 @@ __global__ void cast_tiles_kernel(const void* x, int64_t rows, int64_t cols, int
   }
 }
 
-// 1x128 blocks: one warp per block, 4 values per lane kept in registers.
+// Four consecutive elements x[k..k+3] (k % 4 == 0, base aligned to 4 elements): one 16-byte
+// (fp32) or 8-byte (bf16/fp16) load instead of four.
 template <DType kT>
+__device__ __forceinline__ void load4(const void* p, int64_t k, float (&v)[4]) {
+  if constexpr (kT == DType::kFloat32) {
+    const float4 f = reinterpret_cast<const float4*>(p)[k / 4];
+    v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+  } else {
+    const uint2 raw = reinterpret_cast<const uint2*>(p)[k / 4];
+    const uint32_t w[4] = {raw.x & 0xffffu, raw.x >> 16, raw.y & 0xffffu, raw.y >> 16};
+    for (int n = 0; n < 4; ++n) {
+      if constexpr (kT == DType::kBFloat16) {
+        v[n] = __uint_as_float(w[n] << 16);
+      } else {
+        v[n] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[n])));
+      }
+    }
+  }
+}
+
+// q[k..k+3] = encode(v * s) as one 4-byte store (little-endian: element k at the lowest byte).
+__device__ __forceinline__ void encode_store4(uint8_t* q, int64_t k, const float (&v)[4], float s,
+                                              Fp8Format fmt) {
+  uint32_t w = 0;
+  for (int n = 0; n < 4; ++n)
+    w |= static_cast<uint32_t>(encode(__fmul_rn(v[n], s), fmt)) << (8 * n);
+  reinterpret_cast<uint32_t*>(q)[k / 4] = w;
+}
+
+// 1x128 blocks: one warp per block, 4 values per lane kept in registers. kVec: lane owns 4
+// consecutive elements (vector load/store; needs cols % 4 == 0 and aligned rows), else
+// elements lane + 32k.
+template <DType kT, bool kVec>
 __global__ void block1x128_kernel(const void* x, int64_t rows, int64_t cols, int64_t rs,
                                   Fp8Format fmt, bool pow2, uint8_t* q, float* scales) {
   const int64_t gc = (cols + 127) / 128;
@@ -191,23 +222,33 @@ __global__ void block1x128_kernel(const void* x, int64_t rows, int64_t cols, int
   const int lane = threadIdx.x & 31;
   if (block >= rows * gc) return;  // whole warps exit together
   const int64_t i = block / gc, jb = (block % gc) * 128;
-  float v[4];
+  float v[4] = {0.f, 0.f, 0.f, 0.f};
   float m = 0.f;
-  for (int k = 0; k < 4; ++k) {
-    const int64_t j = jb + lane + 32 * k;
-    v[k] = j < cols ? load<kT>(x, i * rs + j) : 0.f;
-    m = fmaxf(m, finite_abs_dev(v[k]));
+  if constexpr (kVec) {
+    const int64_t j = jb + 4 * lane;  // cols % 4 == 0: the 4 are all in or all out
+    if (j < cols) load4<kT>(x, i * rs + j, v);
+    for (int n = 0; n < 4; ++n) m = fmaxf(m, finite_abs_dev(v[n]));
+    const float s = scale_of(warp_max(m), fmt, pow2);
+    if (j < cols) encode_store4(q, i * cols + j, v, s, fmt);
+    if (lane == 0) scales[block] = s;
+  } else {
+    for (int k = 0; k < 4; ++k) {
+      const int64_t j = jb + lane + 32 * k;
+      v[k] = j < cols ? load<kT>(x, i * rs + j) : 0.f;
+      m = fmaxf(m, finite_abs_dev(v[k]));
+    }
+    const float s = scale_of(warp_max(m), fmt, pow2);
+    for (int k = 0; k < 4; ++k) {
+      const int64_t j = jb + lane + 32 * k;
+      if (j < cols) q[i * cols + j] = encode(__fmul_rn(v[k], s), fmt);
+    }
+    if (lane == 0) scales[block] = s;
   }
-  const float s = scale_of(warp_max(m), fmt, pow2);
-  for (int k = 0; k < 4; ++k) {
-    const int64_t j = jb + lane + 32 * k;
-    if (j < cols) q[i * cols + j] = encode(__fmul_rn(v[k], s), fmt);
-  }
-  if (lane == 0) scales[block] = s;
 }
 
 // Row scaling: one thread block per row; amax reduction, then the cast (re-read from L2).
-template <DType kT>
+// kVec as in block1x128_kernel: 4 consecutive elements per thread and step.
+template <DType kT, bool kVec>
 __global__ void __launch_bounds__(kRowThreads)
     row_kernel(const void* x, int64_t cols, int64_t rs, Fp8Format fmt, bool pow2, uint8_t* q,
                float* scales) {
@@ -215,8 +256,16 @@ __global__ void __launch_bounds__(kRowThreads)
   __shared__ float row_scale;
   const int64_t i = blockIdx.x;
   float m = 0.f;
-  for (int64_t j = threadIdx.x; j < cols; j += kRowThreads) {
-    m = fmaxf(m, finite_abs_dev(load<kT>(x, i * rs + j)));
+  if constexpr (kVec) {
+    for (int64_t j = 4 * threadIdx.x; j < cols; j += 4 * kRowThreads) {
+      float v[4];
+      load4<kT>(x, i * rs + j, v);
+      for (int n = 0; n < 4; ++n) m = fmaxf(m, finite_abs_dev(v[n]));
+    }
+  } else {
+    for (int64_t j = threadIdx.x; j < cols; j += kRowThreads) {
+      m = fmaxf(m, finite_abs_dev(load<kT>(x, i * rs + j)));
+    }
   }
   m = warp_max(m);
   if ((threadIdx.x & 31) == 0) partial[threadIdx.x / 32] = m;
@@ -231,8 +280,16 @@ __global__ void __launch_bounds__(kRowThreads)
   }
   __syncthreads();
   const float s = row_scale;
-  for (int64_t j = threadIdx.x; j < cols; j += kRowThreads) {
-    q[i * cols + j] = encode(__fmul_rn(load<kT>(x, i * rs + j), s), fmt);
+  if constexpr (kVec) {
+    for (int64_t j = 4 * threadIdx.x; j < cols; j += 4 * kRowThreads) {
+      float v[4];
+      load4<kT>(x, i * rs + j, v);
+      encode_store4(q, i * cols + j, v, s, fmt);
+    }
+  } else {
+    for (int64_t j = threadIdx.x; j < cols; j += kRowThreads) {
+      q[i * cols + j] = encode(__fmul_rn(load<kT>(x, i * rs + j), s), fmt);
+    }
   }
 }
 
@@ -263,19 +320,33 @@ cudaError_t run(const Fp8QuantArgs& a, cudaStream_t stream) {
     }
     return e;
   }
-  if (!dual && a.col_stride == 1) {
+  if (!dual && a.col_stride == 1 &&
+      (a.scaling == Fp8Scaling::kBlock1x128 || a.scaling == Fp8Scaling::kRow)) {
+    const size_t esize = kT == DType::kFloat32 ? 4 : 2;
+    const bool vec = a.cols % 4 == 0 && a.row_stride % 4 == 0 &&
+                     reinterpret_cast<uintptr_t>(a.x) % (4 * esize) == 0 &&
+                     reinterpret_cast<uintptr_t>(a.q) % 4 == 0;
     if (a.scaling == Fp8Scaling::kBlock1x128) {
       const int64_t warps = a.rows * b.grid_cols;
-      const int64_t blocks = (warps * 32 + 255) / 256;
-      block1x128_kernel<kT><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
-          a.x, a.rows, a.cols, a.row_stride, a.fmt, a.pow2_scale, a.q, a.scales);
-      return cudaGetLastError();
+      const unsigned blocks = static_cast<unsigned>((warps * 32 + 255) / 256);
+      if (vec) {
+        block1x128_kernel<kT, true><<<blocks, 256, 0, stream>>>(a.x, a.rows, a.cols, a.row_stride,
+                                                                a.fmt, a.pow2_scale, a.q, a.scales);
+      } else {
+        block1x128_kernel<kT, false><<<blocks, 256, 0, stream>>>(
+            a.x, a.rows, a.cols, a.row_stride, a.fmt, a.pow2_scale, a.q, a.scales);
+      }
+    } else {
+      const unsigned blocks = static_cast<unsigned>(a.rows);
+      if (vec) {
+        row_kernel<kT, true><<<blocks, kRowThreads, 0, stream>>>(a.x, a.cols, a.row_stride, a.fmt,
+                                                                 a.pow2_scale, a.q, a.scales);
+      } else {
+        row_kernel<kT, false><<<blocks, kRowThreads, 0, stream>>>(a.x, a.cols, a.row_stride, a.fmt,
+                                                                  a.pow2_scale, a.q, a.scales);
+      }
     }
-    if (a.scaling == Fp8Scaling::kRow) {
-      row_kernel<kT><<<static_cast<unsigned>(a.rows), kRowThreads, 0, stream>>>(
-          a.x, a.cols, a.row_stride, a.fmt, a.pow2_scale, a.q, a.scales);
-      return cudaGetLastError();
-    }
+    return cudaGetLastError();
   }
   // Two-pass tiled path. x^T's block (h, w) covers w rows and h columns of x.
   const Grid g{b.rows, b.cols, b.grid_cols, a.scales, false};

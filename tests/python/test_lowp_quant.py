@@ -158,6 +158,8 @@ def test_cuda_matches_cpu_bitwise(shape, in_dtype, fp8_dtype, scaling):
         cpu = torch.ops.tierlift.fp8_quantize_dual(x, scaling, fp8_dtype, pow2)
         gpu = torch.ops.tierlift.fp8_quantize_dual(x.cuda(), scaling, fp8_dtype, pow2)
         assert_same([t.cpu() for t in gpu], cpu)
-        strided = torch.ops.tierlift.fp8_quantize(x.cuda().t(), scaling, fp8_dtype, pow2)
-        assert_same([t.cpu() for t in strided],
-                    torch.ops.tierlift.fp8_quantize(x.t(), scaling, fp8_dtype, pow2))
+        # Transposed (tiled path) and offset rows (unaligned: the scalar fused path).
+        for view in (lambda t: t.t(), lambda t: t[:, 1:]):
+            got = torch.ops.tierlift.fp8_quantize(view(x.cuda()), scaling, fp8_dtype, pow2)
+            want = torch.ops.tierlift.fp8_quantize(view(x), scaling, fp8_dtype, pow2)
+            assert_same([t.cpu() for t in got], want)
