@@ -1,5 +1,7 @@
 #include <cuda_fp16.h>
 
+#include <cstdint>
+
 #include "cuda/fp8_quant.cuh"
 
 namespace tierlift {
@@ -75,6 +77,13 @@ struct Grid {
   bool transposed;
   __device__ __forceinline__ int64_t index(int64_t i, int64_t j) const {
     return transposed ? (j / bc) * gc + i / br : (i / br) * gc + j / bc;
+  }
+  // Per-element form without divisions: along a dimension whose block is not 1 a 32-aligned
+  // tile lies in one block, whose coordinate the caller computes once per tile
+  // (rb = r0 / br, cb = c0 / bc, ignored where the block is 1).
+  __device__ __forceinline__ int64_t slot(int64_t i, int64_t j, int64_t rb, int64_t cb) const {
+    const int64_t bi = br == 1 ? i : rb, bj = bc == 1 ? j : cb;
+    return transposed ? bj * gc + bi : bi * gc + bj;
   }
 };
 
@@ -157,13 +166,14 @@ __global__ void cast_tiles_kernel(const void* x, int64_t rows, int64_t cols, int
   const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kTile;  // rows on x: up to 2^31 tiles
   const int64_t c0 = static_cast<int64_t>(blockIdx.y) * kTile;
   const int64_t j = c0 + threadIdx.x;
+  const int64_t rb = r0 / g.br, cb = c0 / g.bc;
   for (int k = 0; k < kTileRowsPerThread; ++k) {
     const int r = threadIdx.y * kTileRowsPerThread + k;
     const int64_t i = r0 + r;
     float v = 0.f;
     if (i < rows && j < cols) {
       v = load<kT>(x, i * rs + j * cs);
-      const float s = g.out[g.index(i, j)];
+      const float s = g.out[g.slot(i, j, rb, cb)];
       q[i * cols + j] = encode(__fmul_rn(v, s), fmt);
     }
     tile[r][threadIdx.x] = v;
@@ -172,11 +182,12 @@ __global__ void cast_tiles_kernel(const void* x, int64_t rows, int64_t cols, int
   __syncthreads();
   // Row jt of x^T is column jt of x; its element it is x[it, jt].
   const int64_t it = r0 + threadIdx.x;
+  const int64_t rbt = r0 / gt.br, cbt = c0 / gt.bc;
   for (int k = 0; k < kTileRowsPerThread; ++k) {
     const int c = threadIdx.y * kTileRowsPerThread + k;
     const int64_t jt = c0 + c;
     if (it < rows && jt < cols) {
-      const float s = gt.out[gt.index(it, jt)];
+      const float s = gt.out[gt.slot(it, jt, rbt, cbt)];
       qt[jt * rows + it] = encode(__fmul_rn(tile[threadIdx.x][c], s), fmt);
     }
   }
@@ -221,7 +232,15 @@ __global__ void block1x128_kernel(const void* x, int64_t rows, int64_t cols, int
   const int64_t block = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x & 31;
   if (block >= rows * gc) return;  // whole warps exit together
-  const int64_t i = block / gc, jb = (block % gc) * 128;
+  int64_t i, jb;
+  if (rows * gc <= INT32_MAX) {  // 32-bit division: several times cheaper than 64-bit
+    const uint32_t b32 = static_cast<uint32_t>(block), g32 = static_cast<uint32_t>(gc);
+    i = b32 / g32;
+    jb = static_cast<int64_t>(b32 % g32) * 128;
+  } else {
+    i = block / gc;
+    jb = (block % gc) * 128;
+  }
   float v[4] = {0.f, 0.f, 0.f, 0.f};
   float m = 0.f;
   if constexpr (kVec) {
