@@ -102,6 +102,18 @@ def test_strided_input_and_dual_is_transpose():
         assert_same((qt, st), ops.fp8_quantize(xt.contiguous(), scaling))
 
 
+@needs_ext
+@pytest.mark.parametrize("shape", [(0, 16), (16, 0), (0, 0)], ids=str)
+def test_empty_inputs_get_safe_scales(shape):
+    x = torch.randn(shape)
+    for scaling in SCALINGS:
+        got = torch.ops.tierlift.fp8_quantize_dual(x, scaling, torch.float8_e4m3fn, False)
+        want = ref.fp8_quantize_dual(x, scaling, torch.float8_e4m3fn, False)
+        assert [t.shape for t in got] == [t.shape for t in want]
+        assert_same(got, want)
+        assert torch.isfinite(got[1]).all() and torch.isfinite(got[3]).all()
+
+
 def test_dequantize_error_is_within_fp8_precision():
     x = torch.randn(256, 512)
     for scaling in SCALINGS:
@@ -144,7 +156,7 @@ def test_compiles():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", SHAPES + [(4096, 4096), (1, 5000), (300, 129)], ids=str)
+@pytest.mark.parametrize("shape", SHAPES + [(4096, 4096), (1, 5000), (300, 129), (0, 16)], ids=str)
 @pytest.mark.parametrize("in_dtype", IN_DTYPES, ids=str)
 @pytest.mark.parametrize("fp8_dtype", FP8, ids=str)
 @pytest.mark.parametrize("scaling", SCALINGS)
