@@ -108,3 +108,45 @@ if _extension.available():
     @torch.library.register_fake("tierlift::gather_rows")
     def _gather_rows_fake(table, index, cache_table, cache_slots, out):
         return None
+
+
+# ---- lowp ----
+
+
+def fp8_quantize(x: torch.Tensor, scaling: str, fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+                 pow2_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a 2-D fp32/bf16/fp16 tensor to FP8: returns (q, scales) with q = cast(x * scale).
+
+    scaling: "tensor" | "row" | "col" | "1x128" | "128x128"; scales are fp32
+    [ceil(rows / block_h), ceil(cols / block_w)]. Rules: tierlift.reference.lowp.
+    """
+    if _has_kernel(x):
+        return torch.ops.tierlift.fp8_quantize(x, scaling, fp8_dtype, bool(pow2_scale))
+    return reference.fp8_quantize(x, scaling, fp8_dtype, bool(pow2_scale))
+
+
+def fp8_quantize_dual(x: torch.Tensor, scaling: str, fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+                      pow2_scale: bool = False):
+    """(q, scales, qt, scales_t): fp8_quantize(x) and fp8_quantize(x.t()) in one pass over x."""
+    if _has_kernel(x):
+        return torch.ops.tierlift.fp8_quantize_dual(x, scaling, fp8_dtype, bool(pow2_scale))
+    return reference.fp8_quantize_dual(x, scaling, fp8_dtype, bool(pow2_scale))
+
+
+if _extension.available():
+
+    def _fp8_fake(x, scaling, fp8_dtype, transpose):
+        from tierlift.reference.lowp import check_quantize_args, scales_shape
+
+        check_quantize_args(x, scaling, fp8_dtype)
+        rows, cols = (x.shape[1], x.shape[0]) if transpose else (x.shape[0], x.shape[1])
+        q = x.new_empty((rows, cols), dtype=fp8_dtype)
+        return q, x.new_empty(scales_shape(scaling, rows, cols), dtype=torch.float32)
+
+    @torch.library.register_fake("tierlift::fp8_quantize")
+    def _fp8_quantize_fake(x, scaling, fp8_dtype, pow2_scale):
+        return _fp8_fake(x, scaling, fp8_dtype, False)
+
+    @torch.library.register_fake("tierlift::fp8_quantize_dual")
+    def _fp8_quantize_dual_fake(x, scaling, fp8_dtype, pow2_scale):
+        return (*_fp8_fake(x, scaling, fp8_dtype, False), *_fp8_fake(x, scaling, fp8_dtype, True))

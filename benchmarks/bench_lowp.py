@@ -1,0 +1,140 @@
+"""FP8 quantizer and Float8Linear benchmarks; prints a table and writes JSON.
+
+    PYTHONPATH=python python benchmarks/bench_lowp.py                 # CPU: C++ op vs reference
+    PYTHONPATH=python python benchmarks/bench_lowp.py --device cuda   # GPU: GB/s and GEMM speedup
+
+CPU: time of the compiled quantizer (csrc/core/lowp) against the pure-torch reference for the
+same inputs (timing only; correctness is the tests' job). GPU: quantize-kernel bandwidth
+(bytes read + written per second) against the device-to-device copy bandwidth measured in the
+same run, and Float8Linear forward+backward against bf16 nn.Linear for M=N=K 2048..16384
+(and torchao's float8 when it is installed). Ratios are what to compare; absolute CPU times on a
+shared VM are noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import torch
+
+from tierlift import ops
+from tierlift.lowp import Float8Linear
+from tierlift.reference import lowp as ref
+
+SCALINGS = ("tensor", "row", "1x128", "128x128")
+
+
+def timeit(fn, device: str, repeat: int) -> float:
+    """Median seconds per call after one warm-up."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def bench_cpu(args) -> list[dict]:
+    rows = []
+    for shape in ((1024, 1024), (4096, 2048)):
+        x = torch.randn(shape).bfloat16()
+        for scaling in SCALINGS:
+            for dual in (False, True):
+                op = ops.fp8_quantize_dual if dual else ops.fp8_quantize
+                rf = ref.fp8_quantize_dual if dual else ref.fp8_quantize
+                t_op = timeit(lambda: op(x, scaling), "cpu", args.repeat)  # noqa: B023
+                t_ref = timeit(lambda: rf(x, scaling), "cpu", args.repeat)  # noqa: B023
+                rows.append(dict(shape=list(shape), scaling=scaling, dual=dual, cpp_ms=t_op * 1e3,
+                                 ref_ms=t_ref * 1e3, speedup=t_ref / t_op))
+    print(f"{'shape':>12} {'scaling':>8} {'dual':>5} {'C++ ms':>8} {'ref ms':>8} {'ref/C++':>8}")
+    for r in rows:
+        print(f"{str(tuple(r['shape'])):>12} {r['scaling']:>8} {str(r['dual']):>5} "
+              f"{r['cpp_ms']:8.2f} {r['ref_ms']:8.2f} {r['speedup']:8.2f}")
+    return rows
+
+
+def bench_gpu_quantize(args) -> list[dict]:
+    n = 8192
+    x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    t_copy = timeit(lambda: x.clone(), "cuda", args.repeat)
+    copy_gbs = 2 * x.numel() * 2 / t_copy / 1e9
+    rows = []
+    for scaling in (*SCALINGS, "col"):
+        for dual in (False, True):
+            op = ops.fp8_quantize_dual if dual else ops.fp8_quantize
+            t = timeit(lambda: op(x, scaling), "cuda", args.repeat)  # noqa: B023
+            moved = x.numel() * (2 + (2 if dual else 1))  # bf16 in, 1 or 2 fp8 copies out
+            gbs = moved / t / 1e9
+            rows.append(dict(scaling=scaling, dual=dual, gbs=gbs, copy_gbs=copy_gbs,
+                             of_copy=gbs / copy_gbs))
+    print(f"D2D copy: {copy_gbs:.0f} GB/s  ({n}x{n} bf16)")
+    print(f"{'scaling':>8} {'dual':>5} {'GB/s':>8} {'of copy':>8}")
+    for r in rows:
+        print(f"{r['scaling']:>8} {str(r['dual']):>5} {r['gbs']:8.0f} {r['of_copy']:8.0%}")
+    return rows
+
+
+def bench_gpu_linear(args) -> list[dict]:
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError:
+        convert_to_float8_training = None
+    rows = []
+    for size in args.sizes:
+        x = torch.randn(size, size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        base = torch.nn.Linear(size, size, bias=False, device="cuda", dtype=torch.bfloat16)
+
+        def step(mod, x=x):
+            mod(x).sum().backward()
+
+        t_bf16 = timeit(lambda: step(base), "cuda", args.repeat)  # noqa: B023
+        row = dict(size=size, bf16_ms=t_bf16 * 1e3)
+        for recipe in ("fp8-tensorwise", "fp8-rowwise", "fp8-rowwise-gw-hp"):
+            f8 = Float8Linear.from_linear(base, recipe)
+            t = timeit(lambda: step(f8), "cuda", args.repeat)  # noqa: B023
+            row[f"{recipe}_speedup"] = t_bf16 / t
+        if convert_to_float8_training is not None:
+            wrapped = torch.nn.Sequential(
+                torch.nn.Linear(size, size, bias=False, device="cuda", dtype=torch.bfloat16))
+            convert_to_float8_training(wrapped, config=Float8LinearConfig())
+            row["torchao_tensorwise_speedup"] = t_bf16 / timeit(lambda: step(wrapped), "cuda",  # noqa: B023
+                                                                args.repeat)
+        rows.append(row)
+    keys = [k for k in rows[0] if k.endswith("speedup")]
+    print(f"{'M=N=K':>6} {'bf16 ms':>8} " + " ".join(f"{k[:-8]:>18}" for k in keys))
+    for r in rows:
+        print(f"{r['size']:>6} {r['bf16_ms']:8.2f} " + " ".join(f"{r[k]:17.2f}x" for k in keys))
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--sizes", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
+    p.add_argument("--json", default="bench_lowp.json")
+    args = p.parse_args()
+    result = dict(machine=platform.processor() or platform.machine(), torch=torch.__version__,
+                  device=args.device)
+    if args.device == "cuda":
+        result["gpu"] = torch.cuda.get_device_name()
+        result["quantize"] = bench_gpu_quantize(args)
+        result["linear"] = bench_gpu_linear(args)
+    else:
+        result["threads"] = torch.get_num_threads()
+        result["quantize"] = bench_cpu(args)
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

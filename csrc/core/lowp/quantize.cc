@@ -1,0 +1,201 @@
+#include "core/lowp/quantize.h"
+
+#include <algorithm>
+#include <mutex>
+#include <stdexcept>
+#include <vector>
+
+#include "core/util/thread_pool.h"
+
+namespace tierlift {
+namespace {
+
+constexpr int64_t kGrainElems = 1 << 16;
+
+int64_t ceil_div(int64_t a, int64_t b) { return b == 0 ? 0 : (a + b - 1) / b; }
+
+template <DType kT>
+inline float load_at(const void* p, int64_t k) {
+  if constexpr (kT == DType::kBFloat16) {
+    return bf16_to_f32(static_cast<const uint16_t*>(p)[k]);
+  } else if constexpr (kT == DType::kFloat16) {
+    return f16_to_f32(static_cast<const uint16_t*>(p)[k]);
+  } else {
+    return static_cast<const float*>(p)[k];
+  }
+}
+
+// Row i of x merged into the amaxes of its blocks (bc wide): amax[g] covers columns
+// [g * bc, (g + 1) * bc). Segment loops keep divisions and dtype switches out of the inner loop.
+template <DType kT>
+void row_amax_t(const Fp8Input& x, int64_t i, int64_t bc, float* amax) {
+  const int64_t base = i * x.row_stride, cs = x.col_stride;
+  for (int64_t jb = 0, g = 0; jb < x.cols; jb += bc, ++g) {
+    const int64_t je = std::min(x.cols, jb + bc);
+    float m = amax[g];
+    for (int64_t j = jb; j < je; ++j)
+      m = std::max(m, finite_abs(load_at<kT>(x.data, base + j * cs)));
+    amax[g] = m;
+  }
+}
+
+template <DType kT>
+void row_cast_t(const Fp8Input& x, int64_t i, int64_t bc, const float* scales, Fp8Format fmt,
+                uint8_t* q) {
+  const int64_t base = i * x.row_stride, cs = x.col_stride;
+  for (int64_t jb = 0, g = 0; jb < x.cols; jb += bc, ++g) {
+    const int64_t je = std::min(x.cols, jb + bc);
+    const float s = scales[g];
+    for (int64_t j = jb; j < je; ++j)
+      q[j] = fp8_encode(load_at<kT>(x.data, base + j * cs) * s, fmt);
+  }
+}
+
+void row_amax(const Fp8Input& x, int64_t i, int64_t bc, float* amax) {
+  switch (x.dtype) {
+    case DType::kBFloat16:
+      return row_amax_t<DType::kBFloat16>(x, i, bc, amax);
+    case DType::kFloat16:
+      return row_amax_t<DType::kFloat16>(x, i, bc, amax);
+    default:
+      return row_amax_t<DType::kFloat32>(x, i, bc, amax);
+  }
+}
+
+void row_cast(const Fp8Input& x, int64_t i, int64_t bc, const float* scales, Fp8Format fmt,
+              uint8_t* q) {
+  switch (x.dtype) {
+    case DType::kBFloat16:
+      return row_cast_t<DType::kBFloat16>(x, i, bc, scales, fmt, q);
+    case DType::kFloat16:
+      return row_cast_t<DType::kFloat16>(x, i, bc, scales, fmt, q);
+    default:
+      return row_cast_t<DType::kFloat32>(x, i, bc, scales, fmt, q);
+  }
+}
+
+void check(const Fp8Input& x, const void* q, const float* scales) {
+  if (x.rows < 0 || x.cols < 0) throw std::invalid_argument("fp8_quantize: negative size");
+  if (x.rows * x.cols == 0) return;
+  if (x.data == nullptr || q == nullptr || scales == nullptr) {
+    throw std::invalid_argument("fp8_quantize: null pointer");
+  }
+  if (x.dtype != DType::kFloat32 && x.dtype != DType::kBFloat16 && x.dtype != DType::kFloat16) {
+    throw std::invalid_argument("fp8_quantize: input must be fp32, bf16 or fp16");
+  }
+}
+
+// Pass 1 + 2: per-block amax over finite elements, then the scale.
+void compute_scales(const Fp8Input& x, const Fp8Blocks& b, Fp8Format fmt, bool pow2,
+                    float* scales) {
+  const int64_t nscales = b.grid_rows * b.grid_cols;
+  std::fill(scales, scales + nscales, 0.f);
+  if (b.grid_rows > 1) {
+    // Each task owns whole bands of block rows: no two tasks touch the same block.
+    const int64_t band_elems = std::max<int64_t>(b.rows * x.cols, 1);
+    const int64_t grain = std::max<int64_t>(1, kGrainElems / band_elems);
+    ThreadPool::global().parallel_for(b.grid_rows, grain, [&](int64_t g0, int64_t g1) {
+      for (int64_t i = g0 * b.rows; i < std::min(x.rows, g1 * b.rows); ++i) {
+        row_amax(x, i, b.cols, scales + (i / b.rows) * b.grid_cols);
+      }
+    });
+  } else {
+    // Blocks span every row (kTensor, kCol): tasks keep local maxima and merge them under a
+    // lock. max is exact and order-free, so the result does not depend on the split.
+    std::mutex mu;
+    const int64_t grain = std::max<int64_t>(1, kGrainElems / std::max<int64_t>(x.cols, 1));
+    ThreadPool::global().parallel_for(x.rows, grain, [&](int64_t r0, int64_t r1) {
+      std::vector<float> amax(static_cast<size_t>(b.grid_cols), 0.f);
+      for (int64_t i = r0; i < r1; ++i) row_amax(x, i, b.cols, amax.data());
+      std::lock_guard<std::mutex> lock(mu);
+      for (int64_t c = 0; c < b.grid_cols; ++c) scales[c] = std::max(scales[c], amax[c]);
+    });
+  }
+  for (int64_t s = 0; s < nscales; ++s) scales[s] = fp8_scale(scales[s], fmt, pow2);
+}
+
+// Pass 3: q = encode(x * scale).
+void cast(const Fp8Input& x, const Fp8Blocks& b, Fp8Format fmt, const float* scales, uint8_t* q) {
+  const int64_t grain = std::max<int64_t>(1, kGrainElems / std::max<int64_t>(x.cols, 1));
+  ThreadPool::global().parallel_for(x.rows, grain, [&](int64_t r0, int64_t r1) {
+    for (int64_t i = r0; i < r1; ++i) {
+      row_cast(x, i, b.cols, scales + (i / b.rows) * b.grid_cols, fmt, q + i * x.cols);
+    }
+  });
+}
+
+}  // namespace
+
+Fp8Blocks fp8_blocks(Fp8Scaling scaling, int64_t rows, int64_t cols) {
+  int64_t br = 1, bc = 1;
+  switch (scaling) {
+    case Fp8Scaling::kTensor:
+      br = rows, bc = cols;
+      break;
+    case Fp8Scaling::kRow:
+      br = 1, bc = cols;
+      break;
+    case Fp8Scaling::kCol:
+      br = rows, bc = 1;
+      break;
+    case Fp8Scaling::kBlock1x128:
+      br = 1, bc = 128;
+      break;
+    case Fp8Scaling::kBlock128x128:
+      br = 128, bc = 128;
+      break;
+  }
+  // A whole-dimension block of an empty dimension still has one (empty) block, so a zero-size
+  // matrix has zero scales only along its empty dimension, never a division by zero.
+  br = std::max<int64_t>(br, 1);
+  bc = std::max<int64_t>(bc, 1);
+  const bool whole_r = scaling == Fp8Scaling::kTensor || scaling == Fp8Scaling::kCol;
+  const bool whole_c = scaling == Fp8Scaling::kTensor || scaling == Fp8Scaling::kRow;
+  return {br, bc, whole_r ? 1 : ceil_div(rows, br), whole_c ? 1 : ceil_div(cols, bc)};
+}
+
+void fp8_quantize(const Fp8Input& x, Fp8Scaling scaling, Fp8Format fmt, bool pow2_scale, uint8_t* q,
+                  float* scales) {
+  check(x, q, scales);
+  const Fp8Blocks b = fp8_blocks(scaling, x.rows, x.cols);
+  if (x.rows * x.cols == 0) {
+    for (int64_t s = 0; s < b.grid_rows * b.grid_cols; ++s) {
+      scales[s] = fp8_scale(0.f, fmt, pow2_scale);
+    }
+    return;
+  }
+  compute_scales(x, b, fmt, pow2_scale, scales);
+  cast(x, b, fmt, scales, q);
+}
+
+void fp8_quantize_dual(const Fp8Input& x, Fp8Scaling scaling, Fp8Format fmt, bool pow2_scale,
+                       uint8_t* q, float* scales, uint8_t* qt, float* scales_t) {
+  fp8_quantize(x, scaling, fmt, pow2_scale, q, scales);
+  Fp8Input t = x;
+  t.rows = x.cols;
+  t.cols = x.rows;
+  t.row_stride = x.col_stride;
+  t.col_stride = x.row_stride;
+  fp8_quantize(t, scaling, fmt, pow2_scale, qt, scales_t);
+}
+
+void fp8_dequantize(const uint8_t* q, int64_t rows, int64_t cols, Fp8Scaling scaling, Fp8Format fmt,
+                    const float* scales, float* out) {
+  if (rows < 0 || cols < 0) throw std::invalid_argument("fp8_dequantize: negative size");
+  if (rows * cols == 0) return;
+  if (q == nullptr || scales == nullptr || out == nullptr) {
+    throw std::invalid_argument("fp8_dequantize: null pointer");
+  }
+  const Fp8Blocks b = fp8_blocks(scaling, rows, cols);
+  const int64_t grain = std::max<int64_t>(1, kGrainElems / cols);
+  ThreadPool::global().parallel_for(rows, grain, [&](int64_t r0, int64_t r1) {
+    for (int64_t i = r0; i < r1; ++i) {
+      const float* srow = scales + (i / b.rows) * b.grid_cols;
+      for (int64_t j = 0; j < cols; ++j) {
+        out[i * cols + j] = fp8_decode(q[i * cols + j], fmt) / srow[j / b.cols];
+      }
+    }
+  });
+}
+
+}  // namespace tierlift

@@ -1,0 +1,54 @@
+// FP8 quantizers on the CPU: the bit-exact reference the CUDA kernels (cuda/fp8_quant.cuh) and
+// tierlift.reference.lowp are checked against. Element rules are in fp8.h.
+//
+// A 2-D input [rows, cols] (any strides, fp32/bf16/fp16) is split into scaling blocks:
+//   kTensor      one block                        scales [1, 1]
+//   kRow         1 x cols (per row)               scales [rows, 1]
+//   kCol         rows x 1 (per column)            scales [1, cols]
+//   kBlock1x128  1 x 128 (DeepSeek-V3 activations) scales [rows, ceil(cols/128)]
+//   kBlock128x128 128 x 128 (weights)             scales [ceil(rows/128), ceil(cols/128)]
+// Edge blocks are partial. Outputs are row-major: q [rows, cols] uint8 codes, scales fp32.
+// The dual quantizer also emits the quantization of x^T ([cols, rows], row-major, i.e. x's
+// column-major copy) with the same kind of scaling: the operand layout the backward GEMMs need.
+// Work runs in three passes (amax, scale, cast) split across ThreadPool::global().
+#pragma once
+
+#include <cstdint>
+
+#include "core/lowp/fp8.h"
+#include "core/util/dtype.h"
+
+namespace tierlift {
+
+enum class Fp8Scaling : uint8_t { kTensor = 0, kRow, kCol, kBlock1x128, kBlock128x128 };
+
+struct Fp8Blocks {
+  int64_t rows;       // block height
+  int64_t cols;       // block width
+  int64_t grid_rows;  // scale rows = ceil(matrix rows / block height)
+  int64_t grid_cols;  // scale cols
+};
+
+// Block shape of `scaling` for a rows x cols matrix (rows, cols >= 0).
+Fp8Blocks fp8_blocks(Fp8Scaling scaling, int64_t rows, int64_t cols);
+
+struct Fp8Input {
+  const void* data = nullptr;
+  DType dtype = DType::kFloat32;  // fp32, bf16 or fp16
+  int64_t rows = 0, cols = 0;
+  int64_t row_stride = 0, col_stride = 1;  // in elements
+};
+
+// Throws std::invalid_argument on null pointers, negative sizes or an unsupported dtype.
+void fp8_quantize(const Fp8Input& x, Fp8Scaling scaling, Fp8Format fmt, bool pow2_scale, uint8_t* q,
+                  float* scales);
+
+// fp8_quantize(x) into (q, scales) and fp8_quantize(x^T) into (qt [cols, rows], scales_t).
+void fp8_quantize_dual(const Fp8Input& x, Fp8Scaling scaling, Fp8Format fmt, bool pow2_scale,
+                       uint8_t* q, float* scales, uint8_t* qt, float* scales_t);
+
+// out[i, j] = decode(q[i, j]) / scale of (i, j)'s block, fp32 row-major.
+void fp8_dequantize(const uint8_t* q, int64_t rows, int64_t cols, Fp8Scaling scaling, Fp8Format fmt,
+                    const float* scales, float* out);
+
+}  // namespace tierlift

@@ -1,0 +1,147 @@
+// CPU and CUDA implementations of the FP8 quantizer ops (schemas in schemas.cpp, lowp block):
+//   fp8_quantize(x, scaling, fp8_dtype, pow2_scale) -> (q, scales)
+//   fp8_quantize_dual(...) -> (q, scales, qt, scales_t)   qt = quantization of x^T
+// x is a 2-D fp32/bf16/fp16 tensor with any strides; q is float8_e4m3fn/float8_e5m2 row-major,
+// scales fp32 [ceil(rows/block_h), ceil(cols/block_w)]. CPU calls core/lowp, CUDA cuda/fp8_quant.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <string>
+#include <tuple>
+
+#include "checks.h"
+#include "core/lowp/quantize.h"
+
+#ifdef TIERLIFT_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "cuda/fp8_quant.cuh"
+#endif
+
+namespace tierlift {
+namespace {
+
+Fp8Scaling parse_scaling(const std::string& s) {
+  if (s == "tensor") return Fp8Scaling::kTensor;
+  if (s == "row") return Fp8Scaling::kRow;
+  if (s == "col") return Fp8Scaling::kCol;
+  if (s == "1x128") return Fp8Scaling::kBlock1x128;
+  if (s == "128x128") return Fp8Scaling::kBlock128x128;
+  TORCH_CHECK_VALUE(
+      false, "scaling must be one of 'tensor', 'row', 'col', '1x128', '128x128', got '", s, "'");
+}
+
+Fp8Format parse_format(at::ScalarType t) {
+  if (t == at::kFloat8_e4m3fn) return Fp8Format::kE4M3;
+  if (t == at::kFloat8_e5m2) return Fp8Format::kE5M2;
+  TORCH_CHECK_TYPE(false, "fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got ", t);
+}
+
+struct Prepared {
+  Fp8Input in;
+  Fp8Scaling scaling;
+  Fp8Format fmt;
+  at::Tensor q, scales, qt, scales_t;
+};
+
+Prepared prepare(const at::Tensor& x, const std::string& scaling, at::ScalarType fp8_dtype,
+                 bool dual, c10::DeviceType backend) {
+  TL_CHECK_DENSE(x);
+  TORCH_CHECK_VALUE(x.device().type() == backend, "x must be on ", backend, ", got ", x.device());
+  TORCH_CHECK_VALUE(x.dim() == 2, "x must be 2-D (reshape to [rows, cols]), got ", x.dim(),
+                    "-D shape ", x.sizes());
+  Prepared p;
+  p.scaling = parse_scaling(scaling);
+  p.fmt = parse_format(fp8_dtype);
+  p.in.data = x.data_ptr();
+  p.in.dtype = to_core_dtype(x.scalar_type(), "x");
+  p.in.rows = x.size(0);
+  p.in.cols = x.size(1);
+  p.in.row_stride = x.stride(0);
+  p.in.col_stride = x.stride(1);
+  const Fp8Blocks b = fp8_blocks(p.scaling, p.in.rows, p.in.cols);
+  p.q = at::empty({p.in.rows, p.in.cols}, x.options().dtype(fp8_dtype));
+  p.scales = at::empty({b.grid_rows, b.grid_cols}, x.options().dtype(at::kFloat));
+  if (dual) {
+    const Fp8Blocks bt = fp8_blocks(p.scaling, p.in.cols, p.in.rows);
+    p.qt = at::empty({p.in.cols, p.in.rows}, x.options().dtype(fp8_dtype));
+    p.scales_t = at::empty({bt.grid_rows, bt.grid_cols}, x.options().dtype(at::kFloat));
+  }
+  return p;
+}
+
+uint8_t* bytes(const at::Tensor& t) { return static_cast<uint8_t*>(t.data_ptr()); }
+
+std::tuple<at::Tensor, at::Tensor> fp8_quantize_cpu(const at::Tensor& x, c10::string_view scaling,
+                                                    at::ScalarType fp8_dtype, bool pow2_scale) {
+  Prepared p = prepare(x, std::string(scaling), fp8_dtype, false, c10::DeviceType::CPU);
+  fp8_quantize(p.in, p.scaling, p.fmt, pow2_scale, bytes(p.q), p.scales.data_ptr<float>());
+  return {p.q, p.scales};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fp8_quantize_dual_cpu(
+    const at::Tensor& x, c10::string_view scaling, at::ScalarType fp8_dtype, bool pow2_scale) {
+  Prepared p = prepare(x, std::string(scaling), fp8_dtype, true, c10::DeviceType::CPU);
+  fp8_quantize_dual(p.in, p.scaling, p.fmt, pow2_scale, bytes(p.q), p.scales.data_ptr<float>(),
+                    bytes(p.qt), p.scales_t.data_ptr<float>());
+  return {p.q, p.scales, p.qt, p.scales_t};
+}
+
+#ifdef TIERLIFT_WITH_CUDA
+void launch(const at::Tensor& x, const Prepared& p, bool pow2_scale) {
+  TORCH_CHECK_VALUE(x.size(1) <= 65535 * 32, "x has ", x.size(1),
+                    " columns; the CUDA quantizer "
+                    "takes at most ",
+                    65535 * 32, " (quantize column chunks separately)");
+  c10::cuda::CUDAGuard guard(x.device());
+  cuda::Fp8QuantArgs a;
+  a.x = p.in.data;
+  a.dtype = p.in.dtype;
+  a.rows = p.in.rows;
+  a.cols = p.in.cols;
+  a.row_stride = p.in.row_stride;
+  a.col_stride = p.in.col_stride;
+  a.scaling = p.scaling;
+  a.fmt = p.fmt;
+  a.pow2_scale = pow2_scale;
+  a.q = bytes(p.q);
+  a.scales = p.scales.data_ptr<float>();
+  if (p.qt.defined()) {
+    a.qt = bytes(p.qt);
+    a.scales_t = p.scales_t.data_ptr<float>();
+  }
+  const cudaError_t err = cuda::fp8_quantize(a, at::cuda::getCurrentCUDAStream(x.device().index()));
+  TORCH_CHECK(err == cudaSuccess, "fp8_quantize: CUDA launch failed: ", cudaGetErrorString(err));
+}
+
+std::tuple<at::Tensor, at::Tensor> fp8_quantize_cuda(const at::Tensor& x, c10::string_view scaling,
+                                                     at::ScalarType fp8_dtype, bool pow2_scale) {
+  Prepared p = prepare(x, std::string(scaling), fp8_dtype, false, c10::DeviceType::CUDA);
+  launch(x, p, pow2_scale);
+  return {p.q, p.scales};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fp8_quantize_dual_cuda(
+    const at::Tensor& x, c10::string_view scaling, at::ScalarType fp8_dtype, bool pow2_scale) {
+  Prepared p = prepare(x, std::string(scaling), fp8_dtype, true, c10::DeviceType::CUDA);
+  launch(x, p, pow2_scale);
+  return {p.q, p.scales, p.qt, p.scales_t};
+}
+#endif
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(tierlift, CPU, m) {
+  m.impl("fp8_quantize", &fp8_quantize_cpu);
+  m.impl("fp8_quantize_dual", &fp8_quantize_dual_cpu);
+}
+
+#ifdef TIERLIFT_WITH_CUDA
+TORCH_LIBRARY_IMPL(tierlift, CUDA, m) {
+  m.impl("fp8_quantize", &fp8_quantize_cuda);
+  m.impl("fp8_quantize_dual", &fp8_quantize_dual_cuda);
+}
+#endif
+
+}  // namespace tierlift

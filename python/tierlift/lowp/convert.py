@@ -1,0 +1,73 @@
+"""convert(model, recipe): swap nn.Linear layers for Float8Linear where FP8 can pay off."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from tierlift.lowp.linear import Float8Linear
+from tierlift.lowp.recipe import Float8Recipe, get_recipe
+
+log = logging.getLogger("tierlift.lowp")
+
+
+@dataclass(kw_only=True)
+class ConversionReport:
+    recipe: str
+    converted: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)  # module name -> reason
+
+    def __str__(self) -> str:
+        lines = [f"tierlift.lowp.convert({self.recipe}): {len(self.converted)} converted, "
+                 f"{len(self.skipped)} kept in high precision"]
+        lines += [f"  kept {name}: {why}" for name, why in self.skipped.items()]
+        return "\n".join(lines)
+
+
+def _skip_reason(name: str, mod: nn.Linear, module_filter_fn, min_features: int) -> str | None:
+    if mod.in_features % 16 or mod.out_features % 16:
+        return (f"in_features={mod.in_features}, out_features={mod.out_features}: FP8 GEMMs "
+                "need multiples of 16")
+    if module_filter_fn is not None:
+        return None if module_filter_fn(mod, name) else "excluded by module_filter_fn"
+    if min(mod.in_features, mod.out_features) < min_features:
+        return (f"too small to gain (min(in, out) = {min(mod.in_features, mod.out_features)} < "
+                f"min_features={min_features}): quantization would cost more than the GEMM saves")
+    return None
+
+
+def convert(model: nn.Module, recipe: str | Float8Recipe = "fp8-rowwise",
+            module_filter_fn: Callable[[nn.Module, str], bool] | None = None, *,
+            min_features: int = 1024) -> ConversionReport:
+    """Replace, in place, each nn.Linear of `model` by a Float8Linear sharing its parameters.
+
+    Layers whose dimensions are not multiples of 16 always stay in high precision. Otherwise
+    `module_filter_fn(module, fqn) -> bool`, when given, decides; without it layers with
+    min(in_features, out_features) < min_features stay (too small to gain). Returns, and logs,
+    which layers were converted and why the others were kept.
+    """
+    r = get_recipe(recipe)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if min_features < 0:
+        raise ValueError(f"min_features must be >= 0, got {min_features}")
+    report = ConversionReport(recipe=r.name)
+    if type(model) is nn.Linear:
+        raise ValueError("model is itself an nn.Linear: convert replaces child modules in place; "
+                         "use Float8Linear.from_linear(model) instead")
+    for name, mod in list(model.named_modules()):
+        if type(mod) is not nn.Linear:
+            continue
+        why = _skip_reason(name, mod, module_filter_fn, min_features)
+        if why is not None:
+            report.skipped[name] = why
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, Float8Linear.from_linear(mod, r))
+        report.converted.append(name)
+    log.info("%s", report)
+    return report

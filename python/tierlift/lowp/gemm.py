@@ -1,0 +1,53 @@
+"""The scaled FP8 GEMM out = (a_q / a_s) @ (b_q / b_s)^T.
+
+a_q [M, K] and b_q [N, K] are row-major FP8 (so b_q.t() is the column-major right operand
+cuBLAS wants); a_s [M, 1] or [1, 1] and b_s [N, 1] or [1, 1] are the quantization scales
+(q = x * s). On GPUs with FP8 tensor cores (sm_89+) this is torch._scaled_mm with the inverse
+scales; elsewhere (CPU included) it is emulated exactly the same way: dequantize by multiplying
+with the inverse scale, then an fp32 matmul.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+
+
+@functools.cache
+def _fp8_tensor_cores(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
+
+
+def _use_scaled_mm(a_q: torch.Tensor, b_q: torch.Tensor) -> bool:
+    if not (a_q.is_cuda and hasattr(torch, "_scaled_mm")):
+        return False
+    if not _fp8_tensor_cores(a_q.device.index or 0):
+        return False
+    return all(d % 16 == 0 for d in (*a_q.shape, *b_q.shape))
+
+
+_warned: set[str] = set()
+
+
+def scaled_mm(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor,
+              out_dtype: torch.dtype) -> torch.Tensor:
+    inv_a, inv_b = a_s.reciprocal(), b_s.reciprocal()
+    if _use_scaled_mm(a_q, b_q):
+        rowwise = inv_a.numel() > 1 or inv_b.numel() > 1
+        sa = inv_a if rowwise else inv_a.reshape(())
+        sb = inv_b.t() if rowwise else inv_b.reshape(())
+        try:
+            return torch._scaled_mm(a_q, b_q.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+        except RuntimeError as exc:  # e.g. a cuBLAS without rowwise E5M2 or fp32 output
+            key = f"{a_q.dtype}-{b_q.dtype}-{out_dtype}-{rowwise}"
+            if key not in _warned:
+                _warned.add(key)
+                warnings.warn(f"tierlift.lowp: torch._scaled_mm rejected this GEMM ({exc}); "
+                              "using the dequantize + matmul emulation for it", RuntimeWarning,
+                              stacklevel=2)
+    with torch.autocast(device_type=a_q.device.type, enabled=False):  # fp32 means fp32
+        a = a_q.float() * inv_a
+        b = b_q.float() * inv_b
+        return torch.mm(a, b.t()).to(out_dtype)

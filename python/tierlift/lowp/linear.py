@@ -1,0 +1,89 @@
+"""Float8Linear: nn.Linear whose three GEMMs run in FP8.
+
+forward   y  = x @ W^T          x, W quantized to E4M3
+backward  gx = gy @ W           gy in E5M2, W's column-major copy (E4M3)
+          gW = gy^T @ x         gy^T in E5M2, x's column-major copy (E4M3); or in high precision
+Each operand is scaled along its GEMM's reduction dimension (rowwise recipes) or per tensor.
+The forward quantizes x and W once each with the dual quantizer, which also emits the
+transposed copies the backward needs; those FP8 copies (not x itself) are what is saved for
+backward, so activation memory is half of bf16's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tierlift import ops
+from tierlift.lowp.gemm import scaled_mm
+from tierlift.lowp.recipe import Float8Recipe, get_recipe
+
+
+class _Float8MatmulFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, recipe: Float8Recipe):
+        sc, p2, f8 = recipe.scaling, recipe.pow2_scale, recipe.forward_dtype
+        xq, xs, xtq, xts = ops.fp8_quantize_dual(x, sc, f8, p2)
+        wq, ws, wtq, wts = ops.fp8_quantize_dual(weight, sc, f8, p2)
+        ctx.recipe = recipe
+        ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
+        if recipe.grad_weight_high_precision:
+            ctx.save_for_backward(x, wtq, wts)
+        else:
+            ctx.save_for_backward(xtq, xts, wtq, wts)
+        return scaled_mm(xq, xs, wq, ws, out_dtype=x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        r = ctx.recipe
+        g = grad_out.contiguous()
+        if r.grad_weight_high_precision:
+            x, wtq, wts = ctx.saved_tensors
+            gq, gs = ops.fp8_quantize(g, r.scaling, r.grad_dtype, r.pow2_scale)
+            grad_w = (g.t().to(x.dtype) @ x).to(ctx.w_dtype)
+        else:
+            xtq, xts, wtq, wts = ctx.saved_tensors
+            gq, gs, gtq, gts = ops.fp8_quantize_dual(g, r.scaling, r.grad_dtype, r.pow2_scale)
+            grad_w = scaled_mm(gtq, gts, xtq, xts, out_dtype=ctx.w_dtype)
+        grad_x = scaled_mm(gq, gs, wtq, wts, out_dtype=ctx.x_dtype)
+        return grad_x, grad_w, None
+
+
+def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  recipe: str | Float8Recipe = "fp8-rowwise") -> torch.Tensor:
+    """Functional form: F.linear(x, weight, bias) with FP8 GEMMs (x: [..., in_features])."""
+    recipe = get_recipe(recipe)
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"x must have {weight.shape[1]} features in its last dimension, got "
+                         f"shape {tuple(x.shape)}")
+    if torch.is_autocast_enabled(x.device.type):  # run where autocast would run nn.Linear
+        x = x.to(torch.get_autocast_dtype(x.device.type))
+    lead = x.shape[:-1]
+    y = _Float8MatmulFn.apply(x.reshape(-1, x.shape[-1]), weight, recipe)
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y.reshape(*lead, weight.shape[0])
+
+
+class Float8Linear(nn.Linear):
+    """Drop-in nn.Linear with FP8 forward/backward GEMMs; parameters stay in their dtype."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 recipe: str | Float8Recipe = "fp8-rowwise", device=None, dtype=None):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.recipe = get_recipe(recipe)
+
+    @classmethod
+    def from_linear(cls, mod: nn.Linear, recipe: str | Float8Recipe = "fp8-rowwise"
+                    ) -> Float8Linear:
+        """A Float8Linear sharing `mod`'s parameters (no copy)."""
+        new = cls(mod.in_features, mod.out_features, bias=False, recipe=recipe, device="meta")
+        new.weight = mod.weight
+        new.bias = mod.bias
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return float8_linear(x, self.weight, self.bias, self.recipe)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, recipe={self.recipe.name}"

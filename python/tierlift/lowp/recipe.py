@@ -1,0 +1,50 @@
+"""FP8 training recipes: which scaling each GEMM operand gets.
+
+  fp8-tensorwise     one scale per tensor for x, W (E4M3) and grad_output (E5M2)
+  fp8-rowwise        one scale per row along each GEMM's reduction dimension, power-of-two
+                     scales (exact dequantization, as torchao's rowwise recipe)
+  fp8-rowwise-gw-hp  rowwise, but grad_weight = grad_output^T @ x in high precision (the GEMM
+                     whose error hurts most, torchao's rowwise_with_gw_hp)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, kw_only=True)
+class Float8Recipe:
+    name: str
+    scaling: str  # "tensor" or "row"
+    pow2_scale: bool
+    grad_weight_high_precision: bool
+    forward_dtype: torch.dtype = torch.float8_e4m3fn
+    grad_dtype: torch.dtype = torch.float8_e5m2
+
+    def __post_init__(self):
+        if self.scaling not in ("tensor", "row"):
+            raise ValueError(f"scaling must be 'tensor' or 'row', got {self.scaling!r}")
+
+
+RECIPES: dict[str, Float8Recipe] = {
+    r.name: r
+    for r in (
+        Float8Recipe(name="fp8-tensorwise", scaling="tensor", pow2_scale=False,
+                     grad_weight_high_precision=False),
+        Float8Recipe(name="fp8-rowwise", scaling="row", pow2_scale=True,
+                     grad_weight_high_precision=False),
+        Float8Recipe(name="fp8-rowwise-gw-hp", scaling="row", pow2_scale=True,
+                     grad_weight_high_precision=True),
+    )
+}
+
+
+def get_recipe(recipe: str | Float8Recipe) -> Float8Recipe:
+    if isinstance(recipe, Float8Recipe):
+        return recipe
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe must be one of {sorted(RECIPES)} or a Float8Recipe, "
+                         f"got {recipe!r}")
+    return RECIPES[recipe]

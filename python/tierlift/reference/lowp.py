@@ -1,0 +1,111 @@
+"""Pure-torch FP8 quantizers, bit-exact with csrc/core/lowp (the C++ reference) and the CUDA
+kernels. The rules (see csrc/core/lowp/fp8.h):
+
+- amax of a scaling block = max |x| over its FINITE elements (NaN/Inf do not poison the scale);
+- scale = fp8_max / max(amax, 1e-12) in fp32, optionally rounded down to a power of two:
+  never inf, NaN or zero, also for all-zero or tiny blocks;
+- q = saturating round-to-nearest-even cast of fp32(x) * scale: |y| > max and +-inf become +-max,
+  NaN becomes the canonical NaN code 0x7f;
+- dequantize: q / scale.
+
+Scalings of a 2-D [rows, cols] tensor: "tensor", "row" (1 x cols), "col" (rows x 1), "1x128",
+"128x128"; scales have shape [ceil(rows / block_h), ceil(cols / block_w)].
+"""
+
+from __future__ import annotations
+
+import torch
+
+SCALINGS = ("tensor", "row", "col", "1x128", "128x128")
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+MIN_AMAX = 1e-12
+_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_EXPONENT_MASK = -8388608  # 0xff800000 as int32: keeps sign and exponent
+
+
+def check_quantize_args(x: torch.Tensor, scaling: str, fp8_dtype: torch.dtype) -> None:
+    """The errors the compiled ops raise, for the pure-torch path."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"x must be a 2-D tensor (reshape to [rows, cols]), got "
+                         f"{getattr(x, 'shape', type(x))}")
+    if x.dtype not in _INPUT_DTYPES:
+        raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
+    if scaling not in SCALINGS:
+        raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
+    if fp8_dtype not in FP8_DTYPES:
+        raise TypeError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got "
+                        f"{fp8_dtype}")
+
+
+def block_shape(scaling: str, rows: int, cols: int) -> tuple[int, int]:
+    """(block height, block width) of `scaling` for a rows x cols matrix."""
+    shapes = {"tensor": (rows, cols), "row": (1, cols), "col": (rows, 1), "1x128": (1, 128),
+              "128x128": (128, 128)}
+    br, bc = shapes[scaling]
+    return max(br, 1), max(bc, 1)
+
+
+def scales_shape(scaling: str, rows: int, cols: int) -> tuple[int, int]:
+    br, bc = block_shape(scaling, rows, cols)
+    gr = 1 if scaling in ("tensor", "col") else -(-rows // br)
+    gc = 1 if scaling in ("tensor", "row") else -(-cols // bc)
+    return gr, gc
+
+
+def expand_scales(scales: torch.Tensor, scaling: str, rows: int, cols: int) -> torch.Tensor:
+    """Per-element [rows, cols] view of block scales."""
+    br, bc = block_shape(scaling, rows, cols)
+    return scales.repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
+
+
+def scale_from_amax(amax: torch.Tensor, fp8_dtype: torch.dtype, pow2_scale: bool) -> torch.Tensor:
+    a = torch.clamp(amax.float(), min=MIN_AMAX)
+    # tensor / tensor: correctly rounded (python_scalar / tensor would multiply by a reciprocal).
+    scale = torch.full_like(a, FP8_MAX[fp8_dtype]) / a
+    if pow2_scale:
+        scale = (scale.view(torch.int32) & _EXPONENT_MASK).view(torch.float32)
+    return scale
+
+
+def block_amax(x: torch.Tensor, scaling: str) -> torch.Tensor:
+    rows, cols = x.shape
+    br, bc = block_shape(scaling, rows, cols)
+    gr, gc = scales_shape(scaling, rows, cols)
+    a = x.float().abs()
+    a = torch.where(torch.isfinite(a), a, torch.zeros((), dtype=a.dtype, device=a.device))
+    a = torch.nn.functional.pad(a, (0, gc * bc - cols, 0, gr * br - rows))
+    return a.reshape(gr, br, gc, bc).amax(dim=(1, 3))
+
+
+def cast_to_fp8(y: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """Saturating RNE fp32 -> fp8 with canonical NaN."""
+    fmax = FP8_MAX[fp8_dtype]
+    y = torch.where(torch.isnan(y), torch.full_like(y, float("nan")), y.clamp(-fmax, fmax))
+    return y.to(fp8_dtype)
+
+
+def fp8_quantize(x: torch.Tensor, scaling: str, fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+                 pow2_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scales): q = cast(x * scale) row-major, scales fp32 per block."""
+    check_quantize_args(x, scaling, fp8_dtype)
+    rows, cols = x.shape
+    scales = scale_from_amax(block_amax(x, scaling), fp8_dtype, pow2_scale)
+    if x.numel() == 0:
+        return torch.empty(rows, cols, dtype=fp8_dtype, device=x.device), scales
+    y = x.float() * expand_scales(scales, scaling, rows, cols)
+    return cast_to_fp8(y, fp8_dtype).contiguous(), scales
+
+
+def fp8_quantize_dual(x: torch.Tensor, scaling: str, fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+                      pow2_scale: bool = False):
+    """(q, scales, qt, scales_t): x quantized and x^T quantized, with the same scaling kind."""
+    q, s = fp8_quantize(x, scaling, fp8_dtype, pow2_scale)
+    qt, st = fp8_quantize(x.t(), scaling, fp8_dtype, pow2_scale)
+    return q, s, qt, st
+
+
+def fp8_dequantize(q: torch.Tensor, scales: torch.Tensor, scaling: str) -> torch.Tensor:
+    """fp32 q / scale, element by element."""
+    rows, cols = q.shape
+    return q.float() / expand_scales(scales, scaling, rows, cols)
