@@ -4,6 +4,7 @@ download) with tierlift's optimizer.
     python examples/train_gpt.py                          # CPU or GPU, 200 steps
     python examples/train_gpt.py --steps 500 --layers 6 --dim 256 --device cuda --dtype bf16
     python examples/train_gpt.py --optim torch            # the same run with torch.optim.AdamW
+    python examples/train_gpt.py --lowp fp8-rowwise --lowp-min-features 0   # FP8 linears
 
 Flags are grouped: model, data, training, and tierlift features (one flag per capability, each
 applied in build_training() in a fixed order). It prints a progress bar with loss and tokens/s,
@@ -63,6 +64,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="tierlift.optim.AdamW (SIMD CPU / fused CUDA) or torch.optim.AdamW",
     )
     f.add_argument(
+        "--lowp",
+        default="none",
+        choices=["none", "fp8-tensorwise", "fp8-rowwise", "fp8-rowwise-gw-hp"],
+        help="swap nn.Linear layers for tierlift.lowp low-precision training layers",
+    )
+    f.add_argument(
+        "--lowp-min-features",
+        type=int,
+        default=1024,
+        help="layers with min(in, out) below this stay in high precision (too small to gain)",
+    )
+    f.add_argument(
         "--compare-steps",
         type=int,
         default=10,
@@ -116,6 +129,12 @@ def build_training(args, device):
     model = GPT(cfg).to(device)
     if args.dtype == "bf16":
         model = model.to(torch.bfloat16)
+    if args.lowp != "none":
+        report = tierlift.lowp.convert(model, recipe=args.lowp, min_features=args.lowp_min_features)
+        print(
+            f"lowp {args.lowp}: {len(report.converted)} layers converted, "
+            f"{len(report.skipped)} kept in high precision"
+        )
     optimizer = make_optimizer(args.optim, model, args)
     return model, optimizer
 

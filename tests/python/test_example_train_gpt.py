@@ -9,9 +9,25 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_example(*flags: str) -> str:
-    cmd = [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--steps", "30", "--layers",
-           "2", "--dim", "64", "--seq-len", "64", "--batch-size", "8", "--data-mb", "1",
-           "--compare-steps", "3", *flags]
+    cmd = [
+        sys.executable,
+        str(ROOT / "examples" / "train_gpt.py"),
+        "--steps",
+        "30",
+        "--layers",
+        "2",
+        "--dim",
+        "64",
+        "--seq-len",
+        "64",
+        "--batch-size",
+        "8",
+        "--data-mb",
+        "1",
+        "--compare-steps",
+        "3",
+        *flags,
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout
@@ -26,5 +42,12 @@ def test_train_gpt_loss_falls_and_compares_optimizers():
 
 def test_train_gpt_bf16_params_with_master_weights():
     out = run_example("--dtype", "bf16")
+    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", out).groups())
+    assert last < first - 0.5, out
+
+
+def test_train_gpt_fp8_rowwise():
+    out = run_example("--lowp", "fp8-rowwise", "--lowp-min-features", "0")
+    assert re.search(r"lowp fp8-rowwise: (\d+) layers converted", out).group(1) != "0", out
     first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", out).groups())
     assert last < first - 0.5, out
