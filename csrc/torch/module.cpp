@@ -8,6 +8,7 @@
 namespace tierlift {
 // Each engine family adds its classes here (defined next to its implementation).
 // void bind_io(pybind11::module_& m);
+void bind_io(pybind11::module_& m);
 }  // namespace tierlift
 
 PYBIND11_MODULE(_C, m) {
@@ -29,4 +30,5 @@ PYBIND11_MODULE(_C, m) {
         "SIMD level the CPU kernels use now (TIERLIFT_SIMD can force a lower one).");
   m.def("num_threads", [] { return tierlift::ThreadPool::global().num_threads(); },
         "Threads in tierlift's CPU pool (TIERLIFT_NUM_THREADS).");
+  tierlift::bind_io(m);
 }

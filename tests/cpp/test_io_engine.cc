@@ -142,6 +142,10 @@ TEST_P(IoEngineTest, DeviceFullIsEnospc) {
   IoStatus st = eng->write(b.data(), b.size(), {"/dev/full"}, 0)->wait();
   EXPECT_EQ(st.err, ENOSPC);
   EXPECT_EQ(st.path, "/dev/full");
+  // /dev/full refuses O_DIRECT with EINVAL at open: the buffered fallback warns once.
+  auto w = eng->take_warnings();
+  ASSERT_EQ(w.size(), 1u);
+  EXPECT_NE(w[0].find("O_DIRECT"), std::string::npos);
 }
 
 TEST_P(IoEngineTest, TmpfsFallsBackToBufferedWithWarning) {
@@ -167,6 +171,13 @@ TEST_P(IoEngineTest, TmpfsFallsBackToBufferedWithWarning) {
   EXPECT_NE(w[0].find("O_DIRECT"), std::string::npos);
   std::string cmd = "rm -rf '" + shm + "'";
   ASSERT_EQ(std::system(cmd.c_str()), 0);
+}
+
+TEST_P(IoEngineTest, ZeroLengthRequestCompletes) {
+  auto eng = make();
+  auto r = eng->write(nullptr, 0, {dir_ + "/z"}, 0);
+  EXPECT_TRUE(r->wait().ok());
+  EXPECT_TRUE(r->done());
 }
 
 TEST_P(IoEngineTest, BufferedModeRoundTrip) {

@@ -177,7 +177,7 @@ std::shared_ptr<IoRequest> Engine::submit(char* buf, size_t len,
     ops.push_back(std::move(op));
     pos += n;
   }
-  auto req = std::make_shared<IoRequest>(write, static_cast<int64_t>(ops.size()));
+  auto req = std::make_shared<IoRequest>(write, std::max<int64_t>(1, ops.size()));
   AlignedPool* pool = pool_.get();
   if (bounce != nullptr) {
     req->set_on_done([=](IoStatus& st) {
