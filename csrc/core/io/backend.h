@@ -14,6 +14,8 @@ namespace tierlift::io {
 struct BackendOptions {
   int queue_depth = 32;      // io_uring entries in flight / threads of the fallback pool
   bool sqpoll = false;       // io_uring kernel submission-queue polling thread
+  void* fixed_base = nullptr;  // memory to register as io_uring fixed buffer 0, if any
+  size_t fixed_len = 0;
 };
 
 class IoBackend {
@@ -22,12 +24,9 @@ class IoBackend {
   virtual const char* name() const = 0;
   // Queues ops; each finishes with exactly one op.req->complete_one(). Never blocks on I/O.
   virtual void submit(std::vector<BlockOp> ops) = 0;
-  // Registers one memory region as a fixed buffer (index 0). Returns false where not possible.
-  virtual bool register_buffer(void* base, size_t len) {
-    (void)base;
-    (void)len;
-    return false;
-  }
+  // Whether BackendOptions::fixed_base was registered (io_uring only, and only where the
+  // kernel and RLIMIT_MEMLOCK allow); BlockOps with fixed_index 0 then use it.
+  virtual bool fixed_buffers() const { return false; }
 };
 
 std::unique_ptr<IoBackend> make_thread_backend(const BackendOptions& opts);

@@ -56,11 +56,15 @@ Engine::Engine(const EngineOptions& opts) : opts_(opts) {
   std::string warning;
   name_ = choose_backend(opts, &warning);
   if (!warning.empty()) warnings_.push_back(warning);
-  BackendOptions bo{opts.queue_depth, opts.sqpoll};
   pool_ = std::make_unique<AlignedPool>(opts.pool_bytes);
+  BackendOptions bo;
+  bo.queue_depth = opts.queue_depth;
+  bo.sqpoll = opts.sqpoll;
+  bo.fixed_base = pool_->arena();
+  bo.fixed_len = pool_->budget();
   backend_ = name_ == "uring" ? make_uring_backend(bo) : make_thread_backend(bo);
   name_ = backend_->name();
-  fixed_ = backend_->register_buffer(pool_->arena(), pool_->budget());
+  fixed_ = backend_->fixed_buffers();
 }
 
 Engine::~Engine() {

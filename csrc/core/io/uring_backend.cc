@@ -56,6 +56,10 @@ class UringBackend final : public IoBackend {
       io_uring_queue_exit(&ring_);
       throw IoError(e, "eventfd", 0, std::string("eventfd: ") + std::strerror(e));
     }
+    if (opts.fixed_base != nullptr) {  // before the ring thread starts: no concurrent enter
+      iovec iov{opts.fixed_base, opts.fixed_len};
+      fixed_ = io_uring_register_buffers(&ring_, &iov, 1) == 0;
+    }
     slots_.resize(depth_);
     for (int i = depth_ - 1; i >= 0; --i) free_slots_.push_back(i);
     thread_ = std::thread([this] { loop(); });
@@ -82,13 +86,7 @@ class UringBackend final : public IoBackend {
     wake();
   }
 
-  bool register_buffer(void* base, size_t len) override {
-    // Called before any I/O uses the buffer; the ring thread only reads fixed_ afterwards.
-    iovec iov{base, len};
-    if (io_uring_register_buffers(&ring_, &iov, 1) != 0) return false;
-    fixed_ = true;
-    return true;
-  }
+  bool fixed_buffers() const override { return fixed_; }
 
  private:
   void wake() {
