@@ -174,3 +174,14 @@ def test_efbig_under_rlimit_fsize(tmp_path, backend):
                          timeout=60)
     assert out.returncode == 0, out.stderr
     assert "ERRNO 27" in out.stdout, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,block", [(0, 16), (1, 16), (1000, 64), (4099, 1024)])
+def test_block_crc32c_matches_reference(dtype, n, block):
+    from tierlift import reference
+
+    t = torch.randint(0, 100, (n,)).to(dtype)
+    assert list(tierlift._extension._C.io.block_crc32c(t, block)) == \
+        reference.block_crc32c(t, block)
+    assert reference.io.crc32c(b"123456789") == 0xE3069283

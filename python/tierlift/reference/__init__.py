@@ -1,6 +1,7 @@
 """Pure-torch references of every tierlift kernel, used by the tests and as the fallback when
 the compiled extension is missing. Each mirrors its kernel's arithmetic order."""
 
+from tierlift.reference.io import block_crc32c
 from tierlift.reference.optim import adam_step_
 
-__all__ = ["adam_step_"]
+__all__ = ["adam_step_", "block_crc32c"]
