@@ -111,7 +111,7 @@ def test_bad_directory(tmp_path):
     with pytest.raises(FileNotFoundError, match="directory"):
         SwapStore(tmp_path / "missing")
     (tmp_path / "f").write_bytes(b"")
-    with pytest.raises(FileNotFoundError, match="not a directory"):
+    with pytest.raises(NotADirectoryError, match="not a directory"):
         SwapStore(tmp_path / "f")
 
 
@@ -197,3 +197,43 @@ def test_engine_shared_between_stores(tmp_path):
         a.put("x", torch.ones(5))
         a.close()
         assert not eng.closed  # the store does not close an engine it was given
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="drops root to provoke EACCES")
+def test_unwritable_directory_as_unprivileged_user(tmp_path):
+    """Root ignores permissions, so the check runs in a subprocess as 'nobody'."""
+    import pathlib
+    import shutil
+    import tempfile
+
+    base = pathlib.Path(tempfile.mkdtemp(dir="/tmp"))  # pytest's tmp_path is 0700 (root only)
+    os.chmod(base, 0o755)
+    ro = base / "ro"
+    ro.mkdir(mode=0o555)
+    hidden = str(tmp_path)
+    code = textwrap.dedent(f"""
+        import os, torch
+        os.setgid(65534); os.setuid(65534)
+        from tierlift.io import EngineConfig, IoEngine, SwapStore
+        try:
+            SwapStore({str(ro)!r})
+        except PermissionError as e:
+            print("STORE", e)
+        try:
+            SwapStore({hidden!r})
+        except PermissionError as e:
+            print("HIDDEN", e)
+        with IoEngine(EngineConfig(backend="threads")) as eng:
+            try:
+                eng.write(torch.ones(4), {str(ro / "x")!r}, 0)
+            except PermissionError as e:
+                print("ENGINE", e.errno, e.filename)
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=60)
+    shutil.rmtree(base)
+    assert out.returncode == 0, out.stderr
+    assert f"STORE directory {str(ro)!r} is not writable" in out.stdout, out.stdout
+    assert "cannot be reached (permission denied" in out.stdout, out.stdout
+    assert f"ENGINE 13 {ro / 'x'}" in out.stdout, out.stdout

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import stat
 import struct
 import weakref
 from urllib.parse import quote
@@ -136,8 +137,15 @@ class SwapStore:
     def __init__(self, directory: str | os.PathLike, *, engine: IoEngine | None = None,
                  config: EngineConfig | None = None, block_bytes: int = 1 << 20):
         directory = os.fspath(directory)
-        if not os.path.isdir(directory):
-            raise FileNotFoundError(f"directory {directory!r} does not exist or is not a directory")
+        try:
+            is_dir = stat.S_ISDIR(os.stat(directory).st_mode)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"directory {directory!r} does not exist") from None
+        except PermissionError:
+            raise PermissionError(f"directory {directory!r} cannot be reached (permission "
+                                  "denied on a parent directory)") from None
+        if not is_dir:
+            raise NotADirectoryError(f"directory {directory!r} is not a directory")
         if not os.access(directory, os.W_OK | os.X_OK):
             raise PermissionError(f"directory {directory!r} is not writable")
         if block_bytes <= 0:
