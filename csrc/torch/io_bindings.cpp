@@ -145,6 +145,7 @@ void bind_io(py::module_& m) {
       .def_property_readonly("closed", &Engine::closed)
       .def_property_readonly("backend", &Engine::backend_name)
       .def_property_readonly("fixed_buffers", &Engine::fixed_buffers)
+      .def_property_readonly("fixed_files", &Engine::fixed_files)
       .def_property_readonly("pool_budget", [](Engine& e) { return e.pool().budget(); })
       .def_property_readonly("pool_in_use", [](Engine& e) { return e.pool().in_use(); })
       .def_property_readonly("pool_base", [](Engine& e) {

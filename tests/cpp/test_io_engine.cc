@@ -65,7 +65,12 @@ TEST_P(IoEngineTest, RoundTripRandomSizesAndAlignments) {
   auto eng = make();
   EXPECT_EQ(std::string(eng->backend_name()), GetParam() == "uring" ? "io_uring" : "threads");
   // Root has no RLIMIT_MEMLOCK cap, so the 1 MiB pool must register as a fixed buffer.
-  if (GetParam() == "uring" && geteuid() == 0) EXPECT_TRUE(eng->fixed_buffers());
+  if (GetParam() == "uring" && geteuid() == 0) {
+    EXPECT_TRUE(eng->fixed_buffers());
+  }
+  if (GetParam() == "threads") {
+    EXPECT_FALSE(eng->fixed_files());
+  }
   std::mt19937 rng(7);
   const std::string path = dir_ + "/a.bin";
   for (int iter = 0; iter < 12; ++iter) {
@@ -173,6 +178,22 @@ TEST_P(IoEngineTest, TmpfsFallsBackToBufferedWithWarning) {
   EXPECT_NE(w[0].find("O_DIRECT"), std::string::npos);
   std::string cmd = "rm -rf '" + shm + "'";
   ASSERT_EQ(std::system(cmd.c_str()), 0);
+}
+
+TEST_P(IoEngineTest, ForgetReleasesDescriptorsForReuse) {
+  // Descriptor numbers are reused after forget(); a stale fixed-file entry would send the
+  // second file's I/O to the first file.
+  auto eng = make();
+  for (int i = 0; i < 40; ++i) {
+    const std::string p = dir_ + "/f" + std::to_string(i);
+    auto src = random_bytes(8192, i);
+    ASSERT_TRUE(eng->write(src.data(), src.size(), {p}, 0)->wait().ok());
+    eng->forget(p);
+    std::vector<unsigned char> dst(8192);
+    ASSERT_TRUE(eng->read(dst.data(), dst.size(), {p}, 0)->wait().ok());
+    eng->forget(p);
+    ASSERT_EQ(src, dst) << i;
+  }
 }
 
 TEST_P(IoEngineTest, ZeroLengthRequestCompletes) {

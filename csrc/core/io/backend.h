@@ -27,6 +27,10 @@ class IoBackend {
   // Whether BackendOptions::fixed_base was registered (io_uring only, and only where the
   // kernel and RLIMIT_MEMLOCK allow); BlockOps with fixed_index 0 then use it.
   virtual bool fixed_buffers() const { return false; }
+  // Whether descriptors are registered as io_uring fixed files (saves an fget per request).
+  virtual bool fixed_files() const { return false; }
+  // Called before the engine closes `fd`, with no request using it in flight.
+  virtual void release_fd(int fd) { (void)fd; }
 };
 
 std::unique_ptr<IoBackend> make_thread_backend(const BackendOptions& opts);

@@ -237,7 +237,11 @@ void Engine::forget(const std::string& path) {
   auto it = files_.find(path);
   if (it == files_.end()) return;
   for (auto& f : it->second) {
-    if (f.fd != f.buffered_fd) ::close(f.fd);
+    if (f.fd != f.buffered_fd) {
+      backend_->release_fd(f.fd);
+      ::close(f.fd);
+    }
+    backend_->release_fd(f.buffered_fd);
     ::close(f.buffered_fd);
   }
   files_.erase(it);

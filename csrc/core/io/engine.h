@@ -52,6 +52,7 @@ class Engine {
 
   const char* backend_name() const { return name_.c_str(); }
   bool fixed_buffers() const { return fixed_; }
+  bool fixed_files() const { return backend_ != nullptr && backend_->fixed_files(); }
   AlignedPool& pool() { return *pool_; }
   const EngineOptions& options() const { return opts_; }
   // Warnings produced so far (backend fallback, no O_DIRECT); each is returned once.

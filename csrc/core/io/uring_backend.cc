@@ -20,6 +20,7 @@
 #include <deque>
 #include <mutex>
 #include <thread>
+#include <unordered_map>
 #endif
 
 namespace tierlift::io {
@@ -37,6 +38,7 @@ namespace {
 namespace {
 
 constexpr uint64_t kWakeTag = ~0ull;
+constexpr unsigned kFixedFiles = 256;  // sparse fixed-file table; further files use plain fds
 
 class UringBackend final : public IoBackend {
  public:
@@ -59,6 +61,11 @@ class UringBackend final : public IoBackend {
     if (opts.fixed_base != nullptr) {  // before the ring thread starts: no concurrent enter
       iovec iov{opts.fixed_base, opts.fixed_len};
       fixed_ = io_uring_register_buffers(&ring_, &iov, 1) == 0;
+    }
+    // Sparse file table (Linux 5.19+); descriptors are installed on first use.
+    if (io_uring_register_files_sparse(&ring_, kFixedFiles) == 0) {
+      for (int i = kFixedFiles - 1; i >= 0; --i) free_file_slots_.push_back(i);
+      fixed_files_ = true;
     }
     slots_.resize(depth_);
     for (int i = depth_ - 1; i >= 0; --i) free_slots_.push_back(i);
@@ -87,6 +94,17 @@ class UringBackend final : public IoBackend {
   }
 
   bool fixed_buffers() const override { return fixed_; }
+  bool fixed_files() const override { return fixed_files_; }
+
+  void release_fd(int fd) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = file_slot_.find(fd);
+    if (it == file_slot_.end()) return;
+    int none = -1;
+    io_uring_register_files_update(&ring_, static_cast<unsigned>(it->second), &none, 1);
+    free_file_slots_.push_back(it->second);
+    file_slot_.erase(it);
+  }
 
  private:
   void wake() {
@@ -99,6 +117,20 @@ class UringBackend final : public IoBackend {
     io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
     io_uring_prep_poll_add(sqe, efd_, POLLIN);
     io_uring_sqe_set_data64(sqe, kWakeTag);
+  }
+
+  // Fixed-file index of fd, installing it on first use; -1 when the table is full or absent.
+  // Called with mu_ held.
+  int fixed_file(int fd) {
+    if (!fixed_files_) return -1;
+    auto it = file_slot_.find(fd);
+    if (it != file_slot_.end()) return it->second;
+    if (free_file_slots_.empty()) return -1;
+    const int idx = free_file_slots_.back();
+    if (io_uring_register_files_update(&ring_, static_cast<unsigned>(idx), &fd, 1) != 1) return -1;
+    free_file_slots_.pop_back();
+    file_slot_[fd] = idx;
+    return idx;
   }
 
   void prep(int slot) {
@@ -117,6 +149,11 @@ class UringBackend final : public IoBackend {
       io_uring_prep_write(sqe, fd, buf, n, off);
     } else {
       io_uring_prep_read(sqe, fd, buf, n, off);
+    }
+    const int file_index = fixed_file(fd);
+    if (file_index >= 0) {
+      sqe->fd = file_index;
+      sqe->flags |= IOSQE_FIXED_FILE;
     }
     io_uring_sqe_set_data64(sqe, static_cast<uint64_t>(slot));
   }
@@ -191,6 +228,9 @@ class UringBackend final : public IoBackend {
   io_uring ring_{};
   int efd_ = -1;
   bool fixed_ = false;
+  bool fixed_files_ = false;
+  std::unordered_map<int, int> file_slot_;  // fd -> fixed-file index (guarded by mu_)
+  std::vector<int> free_file_slots_;
   std::vector<BlockOp> slots_;
   std::vector<int> free_slots_;
   std::mutex mu_;
