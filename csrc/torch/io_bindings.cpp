@@ -13,6 +13,10 @@
 #include "core/io/crc32c.h"
 #include "core/io/engine.h"
 
+#ifdef TIERLIFT_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
 namespace py = pybind11;
 
 namespace tierlift {
@@ -63,6 +67,34 @@ std::vector<uint32_t> block_crc32c(const at::Tensor& tensor, int64_t block_bytes
   return out;
 }
 
+// An engine whose pool is page-locked with cudaHostRegister when `pin` is set and CUDA works, so
+// H2D/D2H copies from pool tensors are asynchronous. The deleter closes the engine (no I/O in
+// flight) and unpins the arena before it is freed.
+struct PinState {
+  bool pinned = false;
+};
+
+std::shared_ptr<Engine> make_engine(const io::EngineOptions& o, bool pin,
+                                    const std::shared_ptr<PinState>& state) {
+  auto* e = new Engine(o);
+#ifdef TIERLIFT_WITH_CUDA
+  if (pin) {
+    state->pinned = cudaHostRegister(e->pool().arena(), e->pool().budget(),
+                                     cudaHostRegisterDefault) == cudaSuccess;
+    if (!state->pinned) cudaGetLastError();  // clear the sticky error; the pool stays pageable
+  }
+#else
+  (void)pin;
+#endif
+  return std::shared_ptr<Engine>(e, [state](Engine* p) {
+    p->close();
+#ifdef TIERLIFT_WITH_CUDA
+    if (state->pinned) cudaHostUnregister(p->pool().arena());
+#endif
+    delete p;
+  });
+}
+
 }  // namespace
 
 void bind_io(py::module_& m) {
@@ -93,7 +125,7 @@ void bind_io(py::module_& m) {
 
   py::class_<Engine, std::shared_ptr<Engine>>(io, "Engine")
       .def(py::init([](const std::string& backend, int queue_depth, int64_t block_size,
-                       int64_t pool_bytes, bool direct, bool sqpoll) {
+                       int64_t pool_bytes, bool direct, bool sqpoll, bool pin) {
              TORCH_CHECK_VALUE(block_size > 0, "block_size must be > 0, got ", block_size);
              TORCH_CHECK_VALUE(pool_bytes > 0, "pool_bytes must be > 0, got ", pool_bytes);
              io::EngineOptions o;
@@ -103,12 +135,12 @@ void bind_io(py::module_& m) {
              o.pool_bytes = static_cast<size_t>(pool_bytes);
              o.direct = direct;
              o.sqpoll = sqpoll;
-             auto e = std::make_shared<Engine>(o);
+             auto e = make_engine(o, pin, std::make_shared<PinState>());
              emit_warnings(*e);
              return e;
            }),
            py::kw_only(), py::arg("backend"), py::arg("queue_depth"), py::arg("block_size"),
-           py::arg("pool_bytes"), py::arg("direct"), py::arg("sqpoll"))
+           py::arg("pool_bytes"), py::arg("direct"), py::arg("sqpoll"), py::arg("pin") = false)
       .def(
           "read",
           [](Engine& e, const at::Tensor& tensor, const std::vector<std::string>& paths,

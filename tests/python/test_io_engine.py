@@ -185,3 +185,16 @@ def test_block_crc32c_matches_reference(dtype, n, block):
     assert list(tierlift._extension._C.io.block_crc32c(t, block)) == \
         reference.block_crc32c(t, block)
     assert reference.io.crc32c(b"123456789") == 0xE3069283
+
+
+@pytest.mark.gpu
+def test_pool_tensor_is_pinned_with_a_gpu(tmp_path):
+    with IoEngine(EngineConfig(pool_bytes=8 << 20)) as eng:
+        t = eng.pool_tensor(1 << 20)
+        assert t.is_pinned()
+        t.copy_(torch.arange(1 << 20).to(torch.uint8))
+        eng.write(t, tmp_path / "pinned", 0).wait()
+        d = t.to("cuda", non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(d.cpu(), t)
+        del t, d

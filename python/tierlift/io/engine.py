@@ -31,6 +31,7 @@ class EngineConfig:
     pool_bytes: int = 64 << 20
     direct: bool = True
     sqpoll: bool = False
+    pin_pool: bool = True  # page-lock the pool with cudaHostRegister when a GPU is present
 
     def __post_init__(self):
         if self.backend not in ("auto", "uring", "threads"):
@@ -88,12 +89,9 @@ class IoEngine:
         c = self.config
         self._engine = _extension._C.io.Engine(
             backend=c.backend, queue_depth=c.queue_depth, block_size=c.block_size,
-            pool_bytes=c.pool_bytes, direct=c.direct, sqpoll=c.sqpoll)
-        self._pinned = False
-        if torch.cuda.is_available():  # page-lock the pool so H2D/D2H copies from it are async
-            err = torch.cuda.cudart().cudaHostRegister(self._engine.pool_base,
-                                                      self._engine.pool_budget, 0)
-            self._pinned = int(err) == 0
+            pool_bytes=c.pool_bytes, direct=c.direct, sqpoll=c.sqpoll,
+            # page-lock the pool so H2D/D2H copies from pool tensors are asynchronous
+            pin=c.pin_pool and torch.cuda.is_available())
 
     @property
     def backend(self) -> str:
