@@ -237,3 +237,23 @@ def test_unwritable_directory_as_unprivileged_user(tmp_path):
     assert f"STORE directory {str(ro)!r} is not writable" in out.stdout, out.stdout
     assert "cannot be reached (permission denied" in out.stdout, out.stdout
     assert f"ENGINE 13 {ro / 'x'}" in out.stdout, out.stdout
+
+
+def test_killed_writer_leaves_only_old_data(tmp_path):
+    """A writer killed mid-put leaves the old version; its temporary file is removed later."""
+    SwapStore(tmp_path).put("k", torch.ones(10)).wait()
+    code = textwrap.dedent(f"""
+        import os, signal, torch
+        from tierlift.io import SwapStore
+        store = SwapStore({str(tmp_path)!r})
+        store.put("k", torch.zeros(1 << 22))
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=60)
+    assert out.returncode == -9
+    assert [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
+    store = SwapStore(tmp_path)
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
+    assert torch.equal(store.get("k"), torch.ones(10))

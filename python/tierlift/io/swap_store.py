@@ -157,6 +157,23 @@ class SwapStore:
         owns = engine is None
         self._state = _State(engine if engine is not None else IoEngine(config), owns)
         self._finalizer = weakref.finalize(self, _State.shutdown, self._state)
+        self._remove_stale_temporaries()
+
+    def _remove_stale_temporaries(self) -> None:
+        """Deletes temporary files of puts whose process died (e.g. SIGKILL) before commit."""
+        for f in os.listdir(self.directory):
+            parts = f.split(".")
+            if not (f.startswith(".") and f.endswith(".tmp") and len(parts) >= 5):
+                continue
+            try:
+                pid = int(parts[-3])
+                os.kill(pid, 0)
+            except ValueError:
+                continue
+            except ProcessLookupError:
+                _unlink_quietly(os.path.join(self.directory, f))
+            except PermissionError:
+                pass  # alive, owned by another user
 
     # ---- paths and headers ----
     def _path(self, name: str) -> str:
