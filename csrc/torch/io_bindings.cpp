@@ -180,15 +180,14 @@ void bind_io(py::module_& m) {
       .def_property_readonly("fixed_files", &Engine::fixed_files)
       .def_property_readonly("pool_budget", [](Engine& e) { return e.pool().budget(); })
       .def_property_readonly("pool_in_use", [](Engine& e) { return e.pool().in_use(); })
-      .def_property_readonly("pool_base", [](Engine& e) {
-        return reinterpret_cast<uintptr_t>(e.pool().arena());
-      })
+      .def_property_readonly(
+          "pool_base", [](Engine& e) { return reinterpret_cast<uintptr_t>(e.pool().arena()); })
       .def(
           "pool_acquire",
           [](const std::shared_ptr<Engine>& e, int64_t nbytes, bool block) {
             TORCH_CHECK_VALUE(nbytes > 0, "nbytes must be > 0, got ", nbytes);
-            TORCH_CHECK_VALUE(static_cast<size_t>(nbytes) <= e->pool().budget(), "nbytes (",
-                              nbytes, ") exceeds the pool budget of ", e->pool().budget(),
+            TORCH_CHECK_VALUE(static_cast<size_t>(nbytes) <= e->pool().budget(), "nbytes (", nbytes,
+                              ") exceeds the pool budget of ", e->pool().budget(),
                               " bytes; raise pool_bytes");
             void* p;
             {

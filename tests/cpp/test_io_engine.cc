@@ -1,6 +1,7 @@
 // Engine tests, run once per backend (threads, io_uring). io_uring cases skip cleanly where the
 // kernel or the sandbox forbids it.
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -11,8 +12,6 @@
 #include <random>
 #include <string>
 #include <vector>
-
-#include <gtest/gtest.h>
 
 #include "core/io/engine.h"
 
@@ -100,7 +99,8 @@ TEST_P(IoEngineTest, ManyRequestsInFlightAndStriping) {
   auto src = random_bytes(chunk * count, 3);
   std::memcpy(data, src.data(), src.size());
   std::vector<std::shared_ptr<IoRequest>> reqs;
-  for (int i = 0; i < count; ++i) reqs.push_back(eng->write(data + i * chunk, chunk, paths, i * chunk));
+  for (int i = 0; i < count; ++i)
+    reqs.push_back(eng->write(data + i * chunk, chunk, paths, i * chunk));
   for (auto& r : reqs) ASSERT_TRUE(r->wait().ok());
   ASSERT_TRUE(eng->sync().ok());
   // Each stripe file holds a third of the data.
@@ -112,7 +112,8 @@ TEST_P(IoEngineTest, ManyRequestsInFlightAndStriping) {
   }
   std::memset(data, 0, chunk * count);
   reqs.clear();
-  for (int i = 0; i < count; ++i) reqs.push_back(eng->read(data + i * chunk, chunk, paths, i * chunk));
+  for (int i = 0; i < count; ++i)
+    reqs.push_back(eng->read(data + i * chunk, chunk, paths, i * chunk));
   for (auto& r : reqs) ASSERT_TRUE(r->wait().ok());
   EXPECT_EQ(0, std::memcmp(data, src.data(), src.size()));
 }

@@ -12,8 +12,8 @@
 namespace tierlift::io {
 
 struct BackendOptions {
-  int queue_depth = 32;      // io_uring entries in flight / threads of the fallback pool
-  bool sqpoll = false;       // io_uring kernel submission-queue polling thread
+  int queue_depth = 32;        // io_uring entries in flight / threads of the fallback pool
+  bool sqpoll = false;         // io_uring kernel submission-queue polling thread
   void* fixed_base = nullptr;  // memory to register as io_uring fixed buffer 0, if any
   size_t fixed_len = 0;
 };

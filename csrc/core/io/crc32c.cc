@@ -25,8 +25,7 @@ std::array<uint32_t, 256> make_table() {
 }
 
 #if defined(__x86_64__)
-__attribute__((target("sse4.2"))) uint32_t crc32c_sse42(uint32_t crc, const void* data,
-                                                         size_t n) {
+__attribute__((target("sse4.2"))) uint32_t crc32c_sse42(uint32_t crc, const void* data, size_t n) {
   const auto* p = static_cast<const unsigned char*>(data);
   uint64_t c = ~crc;
   while (n >= 8) {

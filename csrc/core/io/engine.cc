@@ -147,9 +147,8 @@ std::shared_ptr<IoRequest> Engine::submit(char* buf, size_t len,
   // Unaligned user memory: stage through an aligned pool buffer so the bulk can use O_DIRECT.
   char* io_buf = buf;
   char* bounce = nullptr;
-  const bool any_direct = std::any_of(files.begin(), files.end(), [](File* f) {
-    return f->direct;
-  });
+  const bool any_direct =
+      std::any_of(files.begin(), files.end(), [](File* f) { return f->direct; });
   if (any_direct && len >= kAlign && !is_aligned(reinterpret_cast<uintptr_t>(buf)) &&
       is_aligned(offset) && round_up(len) <= pool_->budget()) {
     bounce = static_cast<char*>(pool_->try_acquire(len));

@@ -40,14 +40,14 @@ class IoRequest {
 
 struct BlockOp {
   int fd = -1;
-  bool direct = false;       // fd is the O_DIRECT descriptor (buf/len/offset all 4 KiB aligned)
-  int buffered_fd = -1;      // same file without O_DIRECT, for an unaligned remainder
-  int fixed_index = -1;      // registered buffer index, -1 if none
+  bool direct = false;   // fd is the O_DIRECT descriptor (buf/len/offset all 4 KiB aligned)
+  int buffered_fd = -1;  // same file without O_DIRECT, for an unaligned remainder
+  int fixed_index = -1;  // registered buffer index, -1 if none
   bool is_write = false;
   char* buf = nullptr;
   uint64_t len = 0;
-  uint64_t offset = 0;       // file offset
-  uint64_t done = 0;         // bytes already transferred (short I/O resubmits the rest)
+  uint64_t offset = 0;                // file offset
+  uint64_t done = 0;                  // bytes already transferred (short I/O resubmits the rest)
   const std::string* path = nullptr;  // owned by the engine's file table
   std::shared_ptr<IoRequest> req;
 

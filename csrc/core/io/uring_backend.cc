@@ -50,8 +50,8 @@ class UringBackend final : public IoBackend {
     }
     // One extra entry for the eventfd poll.
     int r = io_uring_queue_init_params(static_cast<unsigned>(depth_ + 1), &ring_, &params);
-    if (r < 0) throw IoError(-r, "io_uring", 0, std::string("io_uring_queue_init: ") +
-                                                   std::strerror(-r));
+    if (r < 0)
+      throw IoError(-r, "io_uring", 0, std::string("io_uring_queue_init: ") + std::strerror(-r));
     efd_ = eventfd(0, EFD_CLOEXEC);
     if (efd_ < 0) {
       const int e = errno;
@@ -143,8 +143,10 @@ class UringBackend final : public IoBackend {
     io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
     char* buf = op.buf + op.done;
     if (op.fixed_index >= 0 && fixed_) {
-      if (op.is_write) io_uring_prep_write_fixed(sqe, fd, buf, n, off, op.fixed_index);
-      else io_uring_prep_read_fixed(sqe, fd, buf, n, off, op.fixed_index);
+      if (op.is_write)
+        io_uring_prep_write_fixed(sqe, fd, buf, n, off, op.fixed_index);
+      else
+        io_uring_prep_read_fixed(sqe, fd, buf, n, off, op.fixed_index);
     } else if (op.is_write) {
       io_uring_prep_write(sqe, fd, buf, n, off);
     } else {
@@ -191,8 +193,7 @@ class UringBackend final : public IoBackend {
           pending_.pop_front();
           prep(slot);
         }
-        if (stop_ && pending_.empty() && free_slots_.size() == static_cast<size_t>(depth_))
-          return;
+        if (stop_ && pending_.empty() && free_slots_.size() == static_cast<size_t>(depth_)) return;
       }
       int r = io_uring_submit_and_wait(&ring_, 1);
       if (r < 0 && r != -EINTR && r != -EAGAIN && r != -EBUSY) {
