@@ -90,7 +90,7 @@ def build_extension(opts: BuildOptions):
 
     opt = ["-O0", "-g"] if opts.debug else ["-O3"]
     # No FMA contraction: kernels follow torch's operation order and must round like it.
-    cxx = opt + ["-ffp-contract=off", "-Wall", "-Wno-unused-function",
+    cxx = opt + ["-fvisibility=hidden", "-ffp-contract=off", "-Wall", "-Wno-unused-function",
                  "-Wno-maybe-uninitialized"]
     sources = _sources("csrc/core/**/*.cc") + _sources("csrc/torch/*.cpp")
     macros, libraries, include_dirs = [], [], [os.path.join(ROOT, "csrc")]

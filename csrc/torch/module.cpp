@@ -7,8 +7,8 @@
 
 namespace tierlift {
 // Each engine family adds its classes here (defined next to its implementation).
-// void bind_io(pybind11::module_& m);
 void bind_gather(pybind11::module_& m);
+void bind_io(pybind11::module_& m);
 }  // namespace tierlift
 
 PYBIND11_MODULE(_C, m) {
@@ -33,4 +33,5 @@ PYBIND11_MODULE(_C, m) {
       "num_threads", [] { return tierlift::ThreadPool::global().num_threads(); },
       "Threads in tierlift's CPU pool (TIERLIFT_NUM_THREADS).");
   tierlift::bind_gather(m);
+  tierlift::bind_io(m);
 }

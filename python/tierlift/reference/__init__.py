@@ -2,7 +2,11 @@
 the compiled extension is missing. Each mirrors its kernel's arithmetic order."""
 
 from tierlift.reference.gather import gather_rows
+from tierlift.reference.io import block_crc32c
 from tierlift.reference.lowp import fp8_dequantize, fp8_quantize, fp8_quantize_dual
 from tierlift.reference.optim import adam_step_
 
-__all__ = ["adam_step_", "fp8_dequantize", "fp8_quantize", "fp8_quantize_dual", "gather_rows"]
+__all__ = [
+    "adam_step_", "block_crc32c", "fp8_dequantize", "fp8_quantize", "fp8_quantize_dual",
+    "gather_rows",
+]

@@ -1,0 +1,164 @@
+"""Sequential read/write throughput of tierlift.io against fio, in one run.
+
+    PYTHONPATH=python python benchmarks/bench_io.py --dir /tmp --size-mib 1024
+
+Same file size, block size, queue depth and O_DIRECT for every contender: tierlift's io_uring
+backend, its pread/pwrite thread backend, and fio with ioengine=io_uring (Debian's fio;
+`apt-get install -y fio`). DeepSpeed's aio handle is measured too when deepspeed is importable.
+fio runs with registered buffers and files and whole-queue submission batches (its fastest
+io_uring settings). Contenders run round-robin for --repeat rounds and each number is the
+median over rounds; writes include a final fdatasync (fio: end_fsync=1). Prints a table with
+each contender's ratio to fio and writes JSON to benchmarks/results/bench_io.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+
+import torch
+
+import tierlift
+from tierlift.io import EngineConfig, IoEngine
+
+
+class TierliftRunner:
+    """One engine per backend, kept open across rounds; each call measures one write + read."""
+
+    def __init__(self, backend: str, path: str, size: int, bs: int, qd: int, buf_bytes: int):
+        cfg = EngineConfig(backend=backend, queue_depth=qd, block_size=bs, pool_bytes=buf_bytes)
+        self.eng = IoEngine(cfg)
+        self.path, self.size = path, size
+        buf = self.eng.pool_tensor(buf_bytes)  # aligned, registered with io_uring: no bounce
+        buf.copy_(torch.randint(0, 256, (buf_bytes,), dtype=torch.uint8))
+        self.chunk = min(buf_bytes, 8 * bs)
+        self.views = [buf[i:i + self.chunk] for i in range(0, buf_bytes, self.chunk)]
+
+    def _run(self, write: bool) -> float:
+        eng = self.eng
+        t0 = time.perf_counter()
+        handles = []
+        for k, off in enumerate(range(0, self.size, self.chunk)):
+            v = self.views[k % len(self.views)]
+            handles.append(eng.write(v, self.path, off) if write else eng.read(v, self.path, off))
+        for h in handles:
+            h.wait()
+        if write:
+            eng.sync()
+        return self.size / (time.perf_counter() - t0) / 1e9
+
+    def __call__(self) -> dict:
+        return {"write": self._run(True), "read": self._run(False)}
+
+    def close(self) -> None:
+        self.views = []
+        self.eng.forget(self.path)
+        self.eng.close()
+
+
+def fio_once(path: str, size: int, bs: int, qd: int) -> dict:
+    out = {}
+    for rw in ("write", "read"):
+        cmd = ["fio", "--name=tl", f"--filename={path}", f"--rw={rw}", f"--bs={bs}",
+               f"--iodepth={qd}", "--direct=1", "--ioengine=io_uring", f"--size={size}",
+               "--numjobs=1", "--output-format=json",
+               # fio at its best: registered buffers and files, whole-queue batches
+               "--fixedbufs=1", "--registerfiles=1", f"--iodepth_batch_submit={qd}",
+               f"--iodepth_batch_complete_max={qd}"]
+        if rw == "write":
+            cmd.append("--end_fsync=1")
+        res = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+        out[rw] = res["jobs"][0][rw]["bw_bytes"] / 1e9
+    return out
+
+
+def bench_deepspeed(path: str, size: int, bs: int, qd: int, repeat: int) -> dict | None:
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+        aio = AsyncIOBuilder().load(verbose=False)
+    except Exception:  # not installed, or its aio op cannot build here
+        return None
+    handle = aio.aio_handle(bs, qd, False, True, 1)
+    buf = torch.empty(size, dtype=torch.uint8).pin_memory() if torch.cuda.is_available() \
+        else torch.empty(size, dtype=torch.uint8)
+    out = {}
+    for name, fn in (("write", handle.sync_pwrite), ("read", handle.sync_pread)):
+        runs = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            fn(buf, path)
+            runs.append(size / (time.perf_counter() - t0) / 1e9)
+        out[name] = statistics.median(runs)
+    out["backend"] = "deepspeed aio"
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--dir", default=tempfile.gettempdir(), help="directory on the drive to test")
+    p.add_argument("--size-mib", type=int, default=512)
+    p.add_argument("--block-kib", type=int, default=1024)
+    p.add_argument("--queue-depth", type=int, default=32)
+    p.add_argument("--buffer-mib", type=int, default=64, help="tierlift staging buffer size")
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
+                                                 "bench_io.json"))
+    a = p.parse_args()
+    size, bs, qd = a.size_mib << 20, a.block_kib << 10, a.queue_depth
+    path = os.path.join(a.dir, f"tierlift_bench_io.{os.getpid()}.bin")
+    runners = {}
+    if shutil.which("fio") is not None:
+        runners["fio"] = lambda: fio_once(path, size, bs, qd)
+    io_c = tierlift._extension._C.io
+    backends = ["threads"]
+    if tierlift._extension.has_uring() and not io_c.uring_unavailable_reason():
+        backends.insert(0, "uring")
+    samples: dict[str, list[dict]] = {}
+    try:
+        for b in backends:
+            runners[f"tierlift {b}"] = TierliftRunner(b, path, size, bs, qd, a.buffer_mib << 20)
+        # Round-robin: every round measures every contender, so drift on a shared machine
+        # (other jobs, host cache) hits all of them alike; the median over rounds is reported.
+        for _ in range(a.repeat):
+            for name, run in runners.items():
+                samples.setdefault(name, []).append(run())
+        ds = bench_deepspeed(path, size, bs, qd, a.repeat)
+    finally:
+        for run in runners.values():
+            if isinstance(run, TierliftRunner):
+                run.close()
+        if os.path.exists(path):
+            os.unlink(path)
+    results = {name: {rw: statistics.median(x[rw] for x in runs) for rw in ("write", "read")}
+               for name, runs in samples.items()}
+    if ds:
+        results["deepspeed aio"] = ds
+
+    print(f"sequential I/O, {a.size_mib} MiB file in {a.dir}, block {a.block_kib} KiB, "
+          f"queue depth {qd}, O_DIRECT, median of {a.repeat} round-robin rounds; "
+          f"{platform.node()}, {os.cpu_count()} CPUs")
+    print(f"{'contender':<20}{'write GB/s':>12}{'read GB/s':>12}{'write/fio':>12}{'read/fio':>12}")
+    ratios = {}
+    for name, r in results.items():
+        rw = rr = float("nan")
+        if "fio" in results:
+            rw, rr = r["write"] / results["fio"]["write"], r["read"] / results["fio"]["read"]
+            ratios[name] = {"write": rw, "read": rr}
+        print(f"{name:<20}{r['write']:>12.2f}{r['read']:>12.2f}{rw:>12.2f}{rr:>12.2f}")
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump({"config": vars(a), "machine": {"node": platform.node(), "cpus": os.cpu_count(),
+                                                   "kernel": platform.release()},
+                   "gbps": results, "ratio_to_fio": ratios, "samples": samples}, f, indent=2)
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,14 @@
+// CRC-32C (Castagnoli), the checksum the swap store keeps per block and verifies on every read.
+// Uses the SSE4.2 crc32 instruction where the CPU has it (several GB/s), else a table.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace tierlift::io {
+
+// Extends `crc` (0 for a fresh checksum) over n bytes; crc32c("123456789") == 0xE3069283.
+uint32_t crc32c(uint32_t crc, const void* data, size_t n);
+uint32_t crc32c_portable(uint32_t crc, const void* data, size_t n);  // table path, for tests
+
+}  // namespace tierlift::io

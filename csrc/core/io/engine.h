@@ -1,0 +1,88 @@
+// The I/O engine: asynchronous reads and writes of memory ranges to files, torch-free.
+//
+// A request is split into blocks of `block_size` bytes; with several paths the blocks are
+// striped round-robin across them (RAID-0 style: block k goes to path k % N at offset
+// (k / N) * block_size), so N drives give N drives' bandwidth. Files are opened with O_DIRECT;
+// buffers that are not 4 KiB aligned go through a bounce buffer from the budgeted aligned pool,
+// and unaligned tails through a second, buffered descriptor of the same file. A file system
+// without O_DIRECT (tmpfs) falls back to buffered I/O with one warning.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "core/io/aligned_pool.h"
+#include "core/io/backend.h"
+
+namespace tierlift::io {
+
+struct EngineOptions {
+  std::string backend = "auto";  // auto | uring | threads; TIERLIFT_IO_BACKEND overrides auto
+  int queue_depth = 32;
+  size_t block_size = 1 << 20;   // bytes per request sent to the kernel; multiple of 4 KiB
+  size_t pool_bytes = 64 << 20;  // aligned (bounce/staging) buffer budget
+  bool direct = true;            // try O_DIRECT
+  bool sqpoll = false;
+};
+
+class Engine {
+ public:
+  explicit Engine(const EngineOptions& opts);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Non-blocking. Throws IoError when a file cannot be opened (the request is not started),
+  // std::invalid_argument for bad arguments and std::logic_error after close().
+  std::shared_ptr<IoRequest> read(void* buf, size_t len, const std::vector<std::string>& paths,
+                                  uint64_t offset);
+  std::shared_ptr<IoRequest> write(const void* buf, size_t len,
+                                   const std::vector<std::string>& paths, uint64_t offset);
+  // Waits for every request in flight and fsyncs every file written; returns the first error.
+  IoStatus sync();
+  // Waits for in-flight requests, then closes the cached descriptors of `path`.
+  void forget(const std::string& path);
+  // sync() then releases the ring, the threads and the files. Idempotent.
+  void close();
+  bool closed() const { return backend_ == nullptr; }
+
+  const char* backend_name() const { return name_.c_str(); }
+  bool fixed_buffers() const { return fixed_; }
+  bool fixed_files() const { return backend_ != nullptr && backend_->fixed_files(); }
+  AlignedPool& pool() { return *pool_; }
+  const EngineOptions& options() const { return opts_; }
+  // Warnings produced so far (backend fallback, no O_DIRECT); each is returned once.
+  std::vector<std::string> take_warnings();
+
+ private:
+  struct File {
+    int fd = -1;           // O_DIRECT when direct
+    int buffered_fd = -1;  // always buffered
+    bool direct = false;
+    bool writable = false;
+    bool written = false;
+    std::unique_ptr<std::string> path;  // stable address for BlockOp::path
+  };
+  File& open_file(const std::string& path, bool write);
+  std::shared_ptr<IoRequest> submit(char* buf, size_t len, const std::vector<std::string>& paths,
+                                    uint64_t offset, bool write);
+  void check_open(const char* op) const;
+  void wait_all(IoStatus* first_error);
+
+  EngineOptions opts_;
+  std::string name_;
+  std::unique_ptr<AlignedPool> pool_;
+  std::unique_ptr<IoBackend> backend_;
+  bool fixed_ = false;
+  std::mutex mu_;
+  std::unordered_map<std::string, std::vector<File>> files_;
+  std::vector<std::shared_ptr<IoRequest>> inflight_;
+  std::vector<std::string> warnings_;
+  bool warned_no_direct_ = false;
+};
+
+}  // namespace tierlift::io

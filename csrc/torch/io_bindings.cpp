@@ -1,0 +1,214 @@
+// pybind11 classes of the NVMe engine (tierlift._C.io): Engine, Request and the crc32c helper.
+// Tensors are checked here (CPU, contiguous, dense), the GIL is released while waiting, and
+// engine errors become Python exceptions: OSError(errno, message, path) for I/O failures,
+// EOFError for a read past the end of a file, ValueError/RuntimeError for bad use.
+#include <Python.h>
+#include <torch/extension.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "checks.h"
+#include "core/io/crc32c.h"
+#include "core/io/engine.h"
+
+#ifdef TIERLIFT_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace py = pybind11;
+
+namespace tierlift {
+namespace {
+
+using io::Engine;
+using io::IoRequest;
+using io::IoStatus;
+
+void set_status_error(const IoStatus& s, const char* op) {
+  const std::string msg = s.message(op);
+  if (s.err == io::kErrEof) {
+    PyErr_SetString(PyExc_EOFError, msg.c_str());
+  } else {
+    py::object exc = py::module_::import("builtins").attr("OSError")(s.err, msg, s.path);
+    PyErr_SetObject(PyExc_OSError, exc.ptr());
+  }
+}
+
+[[noreturn]] void raise_status(const IoStatus& s, const char* op) {
+  set_status_error(s, op);
+  throw py::error_already_set();
+}
+
+void emit_warnings(Engine& e) {
+  for (const auto& w : e.take_warnings()) {
+    if (PyErr_WarnEx(PyExc_RuntimeWarning, w.c_str(), 2) != 0) throw py::error_already_set();
+  }
+}
+
+std::pair<void*, size_t> checked_bytes(const at::Tensor& tensor) {
+  TL_CHECK_CPU(tensor);
+  TL_CHECK_DENSE(tensor);
+  TL_CHECK_CONTIGUOUS(tensor);
+  return {tensor.data_ptr(), tensor.numel() * tensor.element_size()};
+}
+
+std::vector<uint32_t> block_crc32c(const at::Tensor& tensor, int64_t block_bytes) {
+  auto [ptr, n] = checked_bytes(tensor);
+  TORCH_CHECK_VALUE(block_bytes > 0, "block_bytes must be > 0, got ", block_bytes);
+  std::vector<uint32_t> out;
+  py::gil_scoped_release nogil;
+  const auto* p = static_cast<const unsigned char*>(ptr);
+  for (size_t off = 0; off < n; off += static_cast<size_t>(block_bytes)) {
+    const size_t len = std::min(n - off, static_cast<size_t>(block_bytes));
+    out.push_back(io::crc32c(0, p + off, len));
+  }
+  return out;
+}
+
+// An engine whose pool is page-locked with cudaHostRegister when `pin` is set and CUDA works, so
+// H2D/D2H copies from pool tensors are asynchronous. The deleter closes the engine (no I/O in
+// flight) and unpins the arena before it is freed.
+struct PinState {
+  bool pinned = false;
+};
+
+std::shared_ptr<Engine> make_engine(const io::EngineOptions& o, bool pin,
+                                    const std::shared_ptr<PinState>& state) {
+  auto* e = new Engine(o);
+#ifdef TIERLIFT_WITH_CUDA
+  if (pin) {
+    state->pinned = cudaHostRegister(e->pool().arena(), e->pool().budget(),
+                                     cudaHostRegisterDefault) == cudaSuccess;
+    if (!state->pinned) cudaGetLastError();  // clear the sticky error; the pool stays pageable
+  }
+#else
+  (void)pin;
+#endif
+  return std::shared_ptr<Engine>(e, [state](Engine* p) {
+    p->close();
+#ifdef TIERLIFT_WITH_CUDA
+    if (state->pinned) cudaHostUnregister(p->pool().arena());
+#endif
+    delete p;
+  });
+}
+
+}  // namespace
+
+void bind_io(py::module_& m) {
+  py::module_ io = m.def_submodule("io", "NVMe engine (io_uring or pread/pwrite threads)");
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const io::IoError& e) {
+      const std::string what = e.what();
+      const std::string op = what.substr(0, what.find(" of '"));
+      set_status_error(IoStatus{e.err(), e.path(), e.offset()}, op.c_str());
+    }
+  });
+
+  py::class_<IoRequest, std::shared_ptr<IoRequest>>(io, "Request")
+      .def("done", &IoRequest::done, "True once every block of the request has finished.")
+      .def(
+          "wait",
+          [](IoRequest& r) {
+            IoStatus st;
+            {
+              py::gil_scoped_release nogil;
+              st = r.wait();
+            }
+            if (!st.ok()) raise_status(st, r.is_write() ? "write" : "read");
+          },
+          "Blocks (without the GIL) until the request finishes; raises its error.");
+
+  py::class_<Engine, std::shared_ptr<Engine>>(io, "Engine")
+      .def(py::init([](const std::string& backend, int queue_depth, int64_t block_size,
+                       int64_t pool_bytes, bool direct, bool sqpoll, bool pin) {
+             TORCH_CHECK_VALUE(block_size > 0, "block_size must be > 0, got ", block_size);
+             TORCH_CHECK_VALUE(pool_bytes > 0, "pool_bytes must be > 0, got ", pool_bytes);
+             io::EngineOptions o;
+             o.backend = backend;
+             o.queue_depth = queue_depth;
+             o.block_size = static_cast<size_t>(block_size);
+             o.pool_bytes = static_cast<size_t>(pool_bytes);
+             o.direct = direct;
+             o.sqpoll = sqpoll;
+             auto e = make_engine(o, pin, std::make_shared<PinState>());
+             emit_warnings(*e);
+             return e;
+           }),
+           py::kw_only(), py::arg("backend"), py::arg("queue_depth"), py::arg("block_size"),
+           py::arg("pool_bytes"), py::arg("direct"), py::arg("sqpoll"), py::arg("pin") = false)
+      .def(
+          "read",
+          [](Engine& e, const at::Tensor& tensor, const std::vector<std::string>& paths,
+             int64_t offset) {
+            TORCH_CHECK_VALUE(offset >= 0, "offset must be >= 0, got ", offset);
+            auto [ptr, n] = checked_bytes(tensor);
+            auto r = e.read(ptr, n, paths, static_cast<uint64_t>(offset));
+            emit_warnings(e);
+            return r;
+          },
+          py::arg("tensor"), py::arg("paths"), py::arg("offset"))
+      .def(
+          "write",
+          [](Engine& e, const at::Tensor& tensor, const std::vector<std::string>& paths,
+             int64_t offset) {
+            TORCH_CHECK_VALUE(offset >= 0, "offset must be >= 0, got ", offset);
+            auto [ptr, n] = checked_bytes(tensor);
+            auto r = e.write(ptr, n, paths, static_cast<uint64_t>(offset));
+            emit_warnings(e);
+            return r;
+          },
+          py::arg("tensor"), py::arg("paths"), py::arg("offset"))
+      .def("sync",
+           [](Engine& e) {
+             IoStatus st;
+             {
+               py::gil_scoped_release nogil;
+               st = e.sync();
+             }
+             if (!st.ok()) raise_status(st, "sync");
+           })
+      .def("forget", &Engine::forget, py::arg("path"), py::call_guard<py::gil_scoped_release>())
+      .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("closed", &Engine::closed)
+      .def_property_readonly("backend", &Engine::backend_name)
+      .def_property_readonly("fixed_buffers", &Engine::fixed_buffers)
+      .def_property_readonly("fixed_files", &Engine::fixed_files)
+      .def_property_readonly("pool_budget", [](Engine& e) { return e.pool().budget(); })
+      .def_property_readonly("pool_in_use", [](Engine& e) { return e.pool().in_use(); })
+      .def_property_readonly(
+          "pool_base", [](Engine& e) { return reinterpret_cast<uintptr_t>(e.pool().arena()); })
+      .def(
+          "pool_acquire",
+          [](const std::shared_ptr<Engine>& e, int64_t nbytes, bool block) {
+            TORCH_CHECK_VALUE(nbytes > 0, "nbytes must be > 0, got ", nbytes);
+            TORCH_CHECK_VALUE(static_cast<size_t>(nbytes) <= e->pool().budget(), "nbytes (", nbytes,
+                              ") exceeds the pool budget of ", e->pool().budget(),
+                              " bytes; raise pool_bytes");
+            void* p;
+            {
+              py::gil_scoped_release nogil;
+              p = block ? e->pool().acquire(nbytes) : e->pool().try_acquire(nbytes);
+            }
+            if (p == nullptr) return py::object(py::none());
+            // The deleter holds the engine so the arena outlives every tensor carved from it.
+            at::Tensor t = torch::from_blob(
+                p, {nbytes}, [e](void* q) { e->pool().release(q); },
+                at::TensorOptions().dtype(at::kByte));
+            return py::cast(t);
+          },
+          py::arg("nbytes"), py::arg("block") = true,
+          "A uint8 tensor of nbytes from the aligned pool (None when block=False and the pool "
+          "is full); its memory returns to the pool when the tensor is freed.");
+
+  io.def("uring_unavailable_reason", &io::uring_unavailable_reason,
+         "Why io_uring cannot be used here, or '' when it can.");
+  io.def("block_crc32c", &block_crc32c, py::arg("tensor"), py::arg("block_bytes"),
+         "CRC-32C of each block_bytes-long block of a contiguous CPU tensor's bytes.");
+}
+
+}  // namespace tierlift

@@ -1,0 +1,239 @@
+// Engine tests, run once per backend (threads, io_uring). io_uring cases skip cleanly where the
+// kernel or the sandbox forbids it.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/io/engine.h"
+
+namespace tierlift::io {
+namespace {
+
+std::string make_temp_dir(const char* base) {
+  std::string tmpl = std::string(base) + "/tierlift_io_XXXXXX";
+  std::vector<char> buf(tmpl.begin(), tmpl.end());
+  buf.push_back('\0');
+  if (mkdtemp(buf.data()) == nullptr) return "";
+  return buf.data();
+}
+
+std::vector<unsigned char> random_bytes(size_t n, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::vector<unsigned char> v(n);
+  for (auto& b : v) b = static_cast<unsigned char>(rng());
+  return v;
+}
+
+class IoEngineTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    if (GetParam() == "uring") {
+      const std::string why = uring_unavailable_reason();
+      if (!why.empty()) GTEST_SKIP() << "io_uring unavailable: " << why;
+    }
+    dir_ = make_temp_dir("/tmp");
+    ASSERT_FALSE(dir_.empty());
+  }
+  void TearDown() override {
+    if (!dir_.empty()) {
+      std::string cmd = "rm -rf '" + dir_ + "'";
+      ASSERT_EQ(std::system(cmd.c_str()), 0);
+    }
+  }
+  std::unique_ptr<Engine> make(size_t block = 64 * 1024, int depth = 8, size_t pool = 1 << 20) {
+    EngineOptions o;
+    o.backend = GetParam();
+    o.block_size = block;
+    o.queue_depth = depth;
+    o.pool_bytes = pool;
+    return std::make_unique<Engine>(o);
+  }
+  std::string dir_;
+};
+
+TEST_P(IoEngineTest, RoundTripRandomSizesAndAlignments) {
+  auto eng = make();
+  EXPECT_EQ(std::string(eng->backend_name()), GetParam() == "uring" ? "io_uring" : "threads");
+  // Root has no RLIMIT_MEMLOCK cap, so the 1 MiB pool must register as a fixed buffer.
+  if (GetParam() == "uring" && geteuid() == 0) {
+    EXPECT_TRUE(eng->fixed_buffers());
+  }
+  if (GetParam() == "threads") {
+    EXPECT_FALSE(eng->fixed_files());
+  }
+  std::mt19937 rng(7);
+  const std::string path = dir_ + "/a.bin";
+  for (int iter = 0; iter < 12; ++iter) {
+    const size_t n = 1 + rng() % (300 * 1024);
+    const size_t mis = iter % 3 == 0 ? 0 : 1 + rng() % 64;  // misaligned user buffers too
+    const uint64_t off = (iter % 2 == 0) ? 4096 * (rng() % 8) : rng() % 10000;
+    auto src = random_bytes(n + mis, iter);
+    std::vector<unsigned char> dst(n + mis, 0);
+    ASSERT_TRUE(eng->write(src.data() + mis, n, {path}, off)->wait().ok());
+    IoStatus st = eng->read(dst.data() + mis, n, {path}, off)->wait();
+    ASSERT_TRUE(st.ok()) << st.message("read");
+    ASSERT_EQ(0, std::memcmp(src.data() + mis, dst.data() + mis, n)) << "iter " << iter;
+  }
+  EXPECT_TRUE(eng->sync().ok());
+  EXPECT_EQ(eng->pool().in_use(), 0u);
+}
+
+TEST_P(IoEngineTest, ManyRequestsInFlightAndStriping) {
+  auto eng = make(16 * 1024, 16);
+  const std::vector<std::string> paths = {dir_ + "/s0", dir_ + "/s1", dir_ + "/s2"};
+  const size_t chunk = 48 * 1024;
+  const int count = 64;
+  void* mem = nullptr;
+  ASSERT_EQ(posix_memalign(&mem, 4096, chunk * count), 0);
+  std::unique_ptr<void, decltype(&std::free)> hold(mem, &std::free);
+  auto* data = static_cast<unsigned char*>(mem);
+  auto src = random_bytes(chunk * count, 3);
+  std::memcpy(data, src.data(), src.size());
+  std::vector<std::shared_ptr<IoRequest>> reqs;
+  for (int i = 0; i < count; ++i)
+    reqs.push_back(eng->write(data + i * chunk, chunk, paths, i * chunk));
+  for (auto& r : reqs) ASSERT_TRUE(r->wait().ok());
+  ASSERT_TRUE(eng->sync().ok());
+  // Each stripe file holds a third of the data.
+  for (const auto& p : paths) {
+    struct stat s;
+    ASSERT_EQ(stat(p.c_str(), &s), 0);
+    EXPECT_EQ(static_cast<size_t>(s.st_size), chunk * count / 3);
+    EXPECT_EQ(s.st_mode & 0777, 0600u);
+  }
+  std::memset(data, 0, chunk * count);
+  reqs.clear();
+  for (int i = 0; i < count; ++i)
+    reqs.push_back(eng->read(data + i * chunk, chunk, paths, i * chunk));
+  for (auto& r : reqs) ASSERT_TRUE(r->wait().ok());
+  EXPECT_EQ(0, std::memcmp(data, src.data(), src.size()));
+}
+
+TEST_P(IoEngineTest, ReadPastEndOfFileFails) {
+  auto eng = make();
+  const std::string path = dir_ + "/short.bin";
+  auto src = random_bytes(5000, 1);
+  ASSERT_TRUE(eng->write(src.data(), src.size(), {path}, 0)->wait().ok());
+  std::vector<unsigned char> dst(8192);
+  IoStatus st = eng->read(dst.data(), dst.size(), {path}, 0)->wait();
+  EXPECT_EQ(st.err, kErrEof);
+  EXPECT_EQ(st.path, path);
+  EXPECT_EQ(st.offset, 5000u);
+  EXPECT_EQ(0, std::memcmp(src.data(), dst.data(), 5000));  // what exists was read
+}
+
+TEST_P(IoEngineTest, OpenErrorsCarryErrnoAndPath) {
+  auto eng = make();
+  char b[16] = {};
+  try {
+    eng->read(b, sizeof(b), {dir_ + "/missing"}, 0);
+    FAIL() << "expected IoError";
+  } catch (const IoError& e) {
+    EXPECT_EQ(e.err(), ENOENT);
+    EXPECT_EQ(e.path(), dir_ + "/missing");
+  }
+  EXPECT_THROW(eng->write(b, sizeof(b), {dir_ + "/nodir/x"}, 0), IoError);
+}
+
+TEST_P(IoEngineTest, DeviceFullIsEnospc) {
+  auto eng = make();
+  std::vector<unsigned char> b(8192, 1);
+  IoStatus st = eng->write(b.data(), b.size(), {"/dev/full"}, 0)->wait();
+  EXPECT_EQ(st.err, ENOSPC);
+  EXPECT_EQ(st.path, "/dev/full");
+  // /dev/full refuses O_DIRECT with EINVAL at open: the buffered fallback warns once.
+  auto w = eng->take_warnings();
+  ASSERT_EQ(w.size(), 1u);
+  EXPECT_NE(w[0].find("O_DIRECT"), std::string::npos);
+}
+
+TEST_P(IoEngineTest, TmpfsFallsBackToBufferedWithWarning) {
+  const std::string shm = make_temp_dir("/dev/shm");
+  if (shm.empty()) GTEST_SKIP() << "/dev/shm not available";
+  const std::string probe = shm + "/probe";
+  const int fd = ::open(probe.c_str(), O_CREAT | O_RDWR | O_DIRECT, 0600);
+  if (fd >= 0) {  // tmpfs has O_DIRECT since Linux 6.6
+    ::close(fd);
+    std::string cmd = "rm -rf '" + shm + "'";
+    ASSERT_EQ(std::system(cmd.c_str()), 0);
+    GTEST_SKIP() << "tmpfs supports O_DIRECT on this kernel; the fallback cannot be provoked";
+  }
+  auto eng = make();
+  eng->take_warnings();
+  auto src = random_bytes(10000, 9);
+  std::vector<unsigned char> dst(10000);
+  ASSERT_TRUE(eng->write(src.data(), src.size(), {shm + "/t"}, 0)->wait().ok());
+  ASSERT_TRUE(eng->read(dst.data(), dst.size(), {shm + "/t"}, 0)->wait().ok());
+  EXPECT_EQ(src, dst);
+  auto w = eng->take_warnings();
+  ASSERT_EQ(w.size(), 1u);
+  EXPECT_NE(w[0].find("O_DIRECT"), std::string::npos);
+  std::string cmd = "rm -rf '" + shm + "'";
+  ASSERT_EQ(std::system(cmd.c_str()), 0);
+}
+
+TEST_P(IoEngineTest, ForgetReleasesDescriptorsForReuse) {
+  // Descriptor numbers are reused after forget(); a stale fixed-file entry would send the
+  // second file's I/O to the first file.
+  auto eng = make();
+  for (int i = 0; i < 40; ++i) {
+    const std::string p = dir_ + "/f" + std::to_string(i);
+    auto src = random_bytes(8192, i);
+    ASSERT_TRUE(eng->write(src.data(), src.size(), {p}, 0)->wait().ok());
+    eng->forget(p);
+    std::vector<unsigned char> dst(8192);
+    ASSERT_TRUE(eng->read(dst.data(), dst.size(), {p}, 0)->wait().ok());
+    eng->forget(p);
+    ASSERT_EQ(src, dst) << i;
+  }
+}
+
+TEST_P(IoEngineTest, ZeroLengthRequestCompletes) {
+  auto eng = make();
+  auto r = eng->write(nullptr, 0, {dir_ + "/z"}, 0);
+  EXPECT_TRUE(r->wait().ok());
+  EXPECT_TRUE(r->done());
+}
+
+TEST_P(IoEngineTest, BufferedModeRoundTrip) {
+  EngineOptions o;
+  o.backend = GetParam();
+  o.direct = false;
+  o.block_size = 8192;
+  Engine eng(o);
+  auto src = random_bytes(50001, 4);
+  std::vector<unsigned char> dst(src.size());
+  ASSERT_TRUE(eng.write(src.data(), src.size(), {dir_ + "/b"}, 123)->wait().ok());
+  ASSERT_TRUE(eng.read(dst.data(), dst.size(), {dir_ + "/b"}, 123)->wait().ok());
+  EXPECT_EQ(src, dst);
+}
+
+TEST_P(IoEngineTest, UseAfterCloseAndBadOptions) {
+  auto eng = make();
+  eng->close();
+  eng->close();
+  char b[8];
+  EXPECT_THROW(eng->read(b, 8, {dir_ + "/x"}, 0), std::logic_error);
+  EngineOptions o;
+  o.backend = GetParam();
+  o.block_size = 1000;
+  EXPECT_THROW(Engine{o}, std::invalid_argument);
+  o.block_size = 4096;
+  o.backend = "bogus";
+  EXPECT_THROW(Engine{o}, std::invalid_argument);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, IoEngineTest, ::testing::Values("threads", "uring"),
+                         [](const auto& info) { return info.param; });
+
+}  // namespace
+}  // namespace tierlift::io
