@@ -149,3 +149,113 @@ def test_per_rank_bytes(world, world2, world4):
             # plus the prefetched one.
             root = mem["unit_bytes"][-1]
             assert mem["params_peak"] <= total / world + pad + root + 2 * largest, (name, mem)
+
+
+# ---- a rank that dies or hangs ----
+
+
+def _failing_worker(rank, world, port, mode, out):
+    import time
+
+    init_gloo(rank, world, port, timeout_s=4.0)
+    model = tierlift.zero.shard(make_model(), stage=3)
+    opt = tierlift.optim.AdamW(model.parameters(), **OPT)
+    data = batches(3, BATCH)
+    try:
+        train(model, opt, data[:2], accum=1, clip=None, world=world, rank=rank, zero=True)
+        if rank == 1:
+            if mode == "dies":
+                import os
+
+                os._exit(3)
+            time.sleep(30)  # hangs
+        train(model, opt, data[2:], accum=1, clip=None, world=world, rank=rank, zero=True)
+    except tierlift.zero.RankFailureError as exc:
+        with open(out, "w") as f:
+            f.write(str(exc))
+
+
+@pytest.mark.parametrize("mode", ["dies", "hangs"])
+def test_dead_rank_is_named(mode, tmp_path):
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    out = tmp_path / "error.txt"
+    port = free_port()
+    procs = [ctx.Process(target=_failing_worker, args=(r, 2, port, mode, str(out)))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    procs[0].join(timeout=60)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert out.exists(), "rank 0 did not report the failure"
+    text = out.read_text()
+    assert "rank 1 stopped answering" in text, text
+
+
+# ---- API errors and single-process use ----
+
+
+def test_shard_bad_arguments():
+    with pytest.raises(ValueError, match="stage"):
+        tierlift.zero.shard(make_model(), stage=4)
+    with pytest.raises(TypeError, match="model"):
+        tierlift.zero.shard("not a model", stage=1)
+    with pytest.raises(ValueError, match="prefetch"):
+        tierlift.zero.shard(make_model(), stage=3, prefetch=-1)
+    with pytest.raises(TypeError, match="mixed_precision"):
+        tierlift.zero.shard(make_model(), stage=3, mixed_precision=torch.bfloat16)
+    with pytest.raises(TypeError, match="param_dtype"):
+        tierlift.zero.MixedPrecision(param_dtype=torch.int8)
+    with pytest.raises(ValueError, match=r"units\[0\]"):
+        tierlift.zero.shard(make_model(), stage=3, units=["nope"])
+    with pytest.raises(ValueError, match="nested"):
+        tierlift.zero.shard(make_model(), stage=3, units=["blocks", "blocks.0"])
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        tierlift.zero.MixedPrecision(param_type=torch.bfloat16)
+    model = tierlift.zero.shard(make_model(), stage=2)
+    with pytest.raises(ValueError, match="already sharded"):
+        tierlift.zero.shard(model, stage=2)
+    with pytest.raises(ValueError, match="not sharded"):
+        tierlift.zero.clip_grad_norm_(make_model(), 1.0)
+    with pytest.raises(ValueError, match="max_norm"):
+        tierlift.zero.clip_grad_norm_(model, float("nan"))
+
+
+def test_default_units_are_blocks():
+    names = tierlift.zero.default_units(make_model())
+    assert names == ["tok", "blocks.0", "blocks.1", "blocks.2", "head"]
+    # tok and head share their weight, so it goes to the root unit with ln_f.
+    model = tierlift.zero.shard(make_model(), stage=3)
+    assert [u.name for u in model._tierlift_zero.units] == ["blocks.0", "blocks.1", "blocks.2",
+                                                            "<root>"]
+
+
+def test_parameters_are_shards_and_frozen():
+    model = tierlift.zero.shard(make_model(), stage=3)
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    assert len(trainable) == 4 and all(p.dim() == 1 and p.dtype == torch.float32
+                                       for p in trainable)
+    assert [p for p in params if not p.requires_grad][0] is model.pos
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_single_process_bf16_trains(stage):
+    # World of one without init_process_group; bf16 compute, fp32 master shards.
+    torch.set_num_threads(1)
+    mp_cfg = tierlift.zero.MixedPrecision(param_dtype=torch.bfloat16,
+                                          reduce_dtype=torch.float32)
+    model = tierlift.zero.shard(make_model(), stage=stage, mixed_precision=mp_cfg)
+    opt = tierlift.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = train(model, opt, batches(8, 4), accum=2, clip=1.0, zero=True)
+    assert losses[-1] < losses[0]
+    ref_model = make_model()
+    ref = train(ref_model, tierlift.optim.AdamW(ref_model.parameters(), lr=1e-2),
+                batches(8, 4), accum=2, clip=1.0)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=3e-2, atol=0)
+    sd = tierlift.zero.full_state_dict(model)
+    assert sd["tok.weight"].dtype == torch.float32 and sd["head.weight"] is sd["tok.weight"]

@@ -136,6 +136,11 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
         p, names, owners, owning = info[pid]
         grouped[next(iter(owning)) if len(owning) == 1 else ""].append((p, names, owners))
     compute_dtype = config.param_dtype or torch.float32
+    if config.param_dtype is not None:
+        # Frozen parameters stay replicated and are never stepped: compute in param_dtype too.
+        for p in model.parameters():
+            if not p.requires_grad and p.is_floating_point():
+                p.data = p.data.to(compute_dtype)
     units_out = []
     for name, params in grouped.items():
         if not params:
