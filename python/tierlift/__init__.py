@@ -7,8 +7,9 @@ Subpackages: optim (SIMD CPU / fused CUDA Adam), reference (pure-torch kernels),
 torch.ops.tierlift wrappers). `python -m tierlift info` prints what this build can do.
 """
 
-from tierlift import _extension, ops, optim, reference, zero
+from tierlift import _extension, checkpoint, ops, optim, reference, zero
 from tierlift._extension import MissingCapabilityError, build_info
 
 __version__ = "0.1.0"
-__all__ = ["MissingCapabilityError", "build_info", "ops", "optim", "reference", "zero", "_extension"]
+__all__ = ["MissingCapabilityError", "build_info", "ops", "optim", "reference", "zero", "checkpoint",
+           "_extension"]

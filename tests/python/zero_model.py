@@ -65,7 +65,7 @@ def batches(steps: int, batch: int, seed: int = 1):
 
 
 def train(model, opt, data, *, accum: int, clip: float | None, world: int = 1, rank: int = 0,
-          zero: bool = False, twice: bool = False):
+          zero: bool = False, twice: bool = False, group=None):
     """Steps over `data` (global batches); each rank takes its slice of every micro-batch.
     Returns the global loss of every step. twice=True calls the model twice per micro-batch."""
     import tierlift
@@ -92,7 +92,7 @@ def train(model, opt, data, *, accum: int, clip: float | None, world: int = 1, r
             total += loss.detach()
         if zero:
             if world > 1:
-                dist.all_reduce(total)
+                dist.all_reduce(total, group=group)
             total /= world
             if clip is not None:
                 tierlift.zero.clip_grad_norm_(model, clip)
