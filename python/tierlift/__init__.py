@@ -11,5 +11,5 @@ from tierlift import _extension, checkpoint, ops, optim, reference, zero
 from tierlift._extension import MissingCapabilityError, build_info
 
 __version__ = "0.1.0"
-__all__ = ["MissingCapabilityError", "build_info", "ops", "optim", "reference", "zero", "checkpoint",
-           "_extension"]
+__all__ = ["MissingCapabilityError", "build_info", "checkpoint", "ops", "optim", "reference",
+           "zero", "_extension"]

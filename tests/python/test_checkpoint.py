@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from zero_model import DIM, batches, free_port, init_gloo, make_model, train
 
 import tierlift
-from zero_model import DIM, batches, free_port, init_gloo, make_model, train
 
 BATCH = 8
 OPT = dict(lr=3e-3, weight_decay=0.1)

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.multiprocessing as mp
+from zero_model import batches, free_port, init_gloo, make_model, train
 
 import tierlift
-from zero_model import batches, free_port, init_gloo, make_model, train
 
 STEPS, BATCH = 20, 8
 CONFIGS = {

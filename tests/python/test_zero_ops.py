@@ -24,7 +24,7 @@ def test_pack_unpack_matches_reference(shapes, dtype, pad):
     assert torch.equal(flat[n - pad:], torch.zeros(pad, dtype=dtype))
     outs = [torch.empty(s, dtype=dtype) for s in shapes]
     ops.unflatten_(flat, outs)
-    for t, o in zip(tensors, outs):
+    for t, o in zip(tensors, outs, strict=False):
         assert torch.equal(t, o)
 
 
@@ -69,5 +69,5 @@ def test_cuda_matches_cpu():
     assert torch.equal(gpu.cpu(), cpu)
     outs = [torch.empty_like(t, device="cuda") for t in tensors]
     ops.unflatten_(gpu, outs)
-    for t, o in zip(tensors, outs):
+    for t, o in zip(tensors, outs, strict=False):
         assert torch.equal(o.cpu(), t)

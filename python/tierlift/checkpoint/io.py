@@ -98,16 +98,17 @@ def _check_layout(meta: dict, units) -> None:
     saved = [(n, tuple(e["shape"])) for u in meta["units"] for e in u["entries"]
              for n in e["names"][:1]]
     ours = [(e.names[0], tuple(e.shape)) for u in units for e in u.entries]
-    for i, (mine, theirs) in enumerate(zip(ours, saved)):
+    for i, (mine, theirs) in enumerate(zip(ours, saved, strict=False)):
         if mine != theirs:
             raise ValueError(f"checkpoint does not match the model: tensor #{i} is {theirs[0]!r} "
                              f"with shape {theirs[1]} in the checkpoint but {mine[0]!r} with "
                              f"shape {mine[1]} in the model")
     if len(ours) != len(saved):
         longer, which = (ours, "model") if len(ours) > len(saved) else (saved, "checkpoint")
-        raise ValueError(f"checkpoint does not match the model: {longer[min(len(ours), len(saved))][0]!r} "
-                         f"exists only in the {which}")
-    for i, (u, m) in enumerate(zip(units, meta["units"])):
+        first = longer[min(len(ours), len(saved))][0]
+        raise ValueError(f"checkpoint does not match the model: {first!r} exists only in the "
+                         f"{which}")
+    for i, (u, m) in enumerate(zip(units, meta["units"], strict=False)):
         if u.numel != m["numel"]:
             raise ValueError(f"checkpoint does not match the model: unit {i} ({u.name}) holds "
                              f"{m['numel']} elements in the checkpoint, {u.numel} in the model")
@@ -123,7 +124,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None) -> Non
     meta = fmt.read_metadata(path)
     _check_layout(meta, state.units)
     shards = [fmt.load_tensors(path, r) for r in range(meta["world_size"])]
-    for i, (unit, saved) in enumerate(zip(state.units, meta["units"])):
+    for i, (unit, saved) in enumerate(zip(state.units, meta["units"], strict=False)):
         lo = comm.rank * unit.shard_numel
         hi = min(lo + unit.shard_numel, unit.numel)
         n = max(hi - lo, 0)
@@ -150,7 +151,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None) -> Non
         if len(meta["param_groups"]) != len(optimizer.param_groups):
             raise ValueError(f"checkpoint has {len(meta['param_groups'])} optimizer param "
                              f"groups, the optimizer {len(optimizer.param_groups)}")
-        for group, saved in zip(optimizer.param_groups, meta["param_groups"]):
+        for group, saved in zip(optimizer.param_groups, meta["param_groups"], strict=False):
             for k, v in saved.items():
                 group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
     own = model.state_dict()

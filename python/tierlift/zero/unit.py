@@ -60,7 +60,7 @@ class FlatUnit:
         self.full.copy_(full32)
         self.full.requires_grad_(True)
         del full32
-        for p, _, owners in params:
+        for _, _, owners in params:
             for mod, attr in owners:
                 del mod._parameters[attr]
         self.gathered = True   # full holds the current weights
