@@ -158,6 +158,9 @@ def _worker(rank, world, port, args, out):
         with open(out, "w") as f:
             json.dump(results, f)
     dist.destroy_process_group()
+    # Skip interpreter teardown: gloo's threads may still be releasing collective buffers,
+    # which aborts a finalizing interpreter (torch 2.15).
+    os._exit(0)
 
 
 def main(argv=None) -> int:

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
-from zero_model import DIM, batches, free_port, init_gloo, make_model, train
+from zero_model import DIM, batches, free_port, init_gloo, make_model, shutdown, train
 
 import tierlift
 
@@ -35,7 +35,7 @@ def _world2_save(rank, world, port, ckpt, out):
     losses = train(model, opt, DATA[3:], accum=1, clip=1.0, world=world, rank=rank, zero=True)
     if rank == 0:
         torch.save({"state": sd, "losses": torch.tensor(losses)}, out)
-    dist.destroy_process_group()
+    shutdown()
 
 
 def _world4_load_save(rank, world, port, src, dst, out):
@@ -58,7 +58,7 @@ def _world4_load_save(rank, world, port, src, dst, out):
             # clip=None differs from the original run: compare against a world-1 replay below.
             torch.save({"losses4": torch.tensor(losses4), "losses2": torch.tensor(losses2)}, out)
     dist.barrier()
-    dist.destroy_process_group()
+    shutdown()
 
 
 @pytest.fixture(scope="module")

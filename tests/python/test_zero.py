@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.multiprocessing as mp
-from zero_model import batches, free_port, init_gloo, make_model, train
+from zero_model import batches, free_port, init_gloo, make_model, shutdown, train
 
 import tierlift
 
@@ -72,7 +72,7 @@ def _worker(rank, world, port, names, out):
     results = {n: _run_config(rank, world, n) for n in names}
     if rank == 0:
         torch.save(results, out)
-    torch.distributed.destroy_process_group()
+    shutdown()
 
 
 def _spawn(world, names, tmp_path_factory):

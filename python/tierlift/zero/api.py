@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 
 import torch
 from torch import nn
@@ -154,7 +155,8 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
     state = ZeroState(config=config, comm=comm, root=model, units=units_out,
                       heartbeat=heartbeat, key_order=key_order)
     object.__setattr__(model, _ATTR, state)
-    model.no_sync = lambda: no_sync(model)
+    model_ref = weakref.ref(model)  # no reference cycle: the model is freed as soon as unused
+    model.no_sync = lambda: no_sync(model_ref())
     return model
 
 

@@ -30,36 +30,44 @@ class Heartbeat:
         self.ranks = (list(range(comm.world)) if comm.group is None
                       else dist.get_process_group_ranks(comm.group))
         self.me = self.ranks[comm.rank]
-        try:
-            self.store = dist.distributed_c10d._get_default_store()
-        except (RuntimeError, AttributeError, ValueError):
-            self.store = None
         comm.on_error = self.explain
+
+    @property
+    def store(self):
+        # Looked up on every use, never kept: a store object that outlives
+        # destroy_process_group() aborts the process when it is finally destroyed.
+        try:
+            return dist.distributed_c10d._get_default_store()
+        except (RuntimeError, AttributeError, ValueError):
+            return None
 
     def beat(self) -> None:
         self.count += 1
-        if self.store is not None:
-            self.store.set(f"{_PREFIX}beat/{self.me}", str(self.count))
+        store = self.store
+        if store is not None:
+            store.set(f"{_PREFIX}beat/{self.me}", str(self.count))
 
-    def _read(self, key: str) -> int | None:
-        if not self.store.check([key]):
+    @staticmethod
+    def _read(store, key: str) -> int | None:
+        if not store.check([key]):
             return None
-        return int(self.store.get(key))
+        return int(store.get(key))
 
     def explain(self, exc: Exception) -> Exception:
         head = f"tierlift.zero: a collective failed on rank {self.me} in forward step {self.count}"
-        if self.store is None:
+        store = self.store
+        if store is None:
             return RankFailureError(f"{head} ({exc}); no c10d store to find the culprit")
         try:
-            self.store.set(f"{_PREFIX}failed/{self.me}", str(self.count))
+            store.set(f"{_PREFIX}failed/{self.me}", str(self.count))
             deadline = time.monotonic() + self.settle_s
             silent: list[int] = []
             while True:
                 silent = []
                 for r in self.ranks:
-                    if r == self.me or self._read(f"{_PREFIX}failed/{r}") is not None:
+                    if r == self.me or self._read(store, f"{_PREFIX}failed/{r}") is not None:
                         continue
-                    beat = self._read(f"{_PREFIX}beat/{r}") or 0
+                    beat = self._read(store, f"{_PREFIX}beat/{r}") or 0
                     if beat <= self.count:
                         silent.append(r)
                 if not silent or time.monotonic() > deadline:

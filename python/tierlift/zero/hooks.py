@@ -29,7 +29,7 @@ class ZeroState:
     def __init__(self, *, config: ShardConfig, comm, root, units: list[FlatUnit],
                  heartbeat=None, key_order: dict[str, int] | None = None):
         self.config = config
-        self.root = root
+        self._root = weakref.ref(root)  # the model owns its state, never the reverse
         self.key_order = key_order or {}
         self.comm = comm
         self.units = units
@@ -44,19 +44,23 @@ class ZeroState:
         self._shard_ids = {id(u.shard) for u in units}
         self._install()
 
+    @property
+    def root(self):
+        return self._root()
+
     # ---- setup ----
     def _install(self) -> None:
         ref = weakref.ref(self)
         # Registered first, so it runs before the root unit's own pre-hook.
         self.handles.append(self.root.register_forward_pre_hook(_bind(ref, "_root_pre_forward")))
         self.handles.append(self.root.register_forward_hook(_bind(ref, "_root_post_forward")))
-        for unit in self.units:
+        for i, unit in enumerate(self.units):
             self.handles.append(unit.module.register_forward_pre_hook(
-                _bind(ref, "_pre_forward", unit)))
+                _bind(ref, "_pre_forward", i)))
             self.handles.append(unit.module.register_forward_hook(
-                _bind(ref, "_post_forward", unit)))
+                _bind(ref, "_post_forward", i)))
             self.handles.append(unit.full.register_post_accumulate_grad_hook(
-                _bind(ref, "_on_grad", unit)))
+                _bind(ref, "_on_grad", i)))
         self.handles.append(register_optimizer_step_post_hook(
             _bind(ref, "_after_optimizer_step")))
 
@@ -91,7 +95,7 @@ class ZeroState:
             tensors = [t for t in tree_flatten(output)[0]
                        if isinstance(t, torch.Tensor) and t.requires_grad]
             for t in tensors:
-                t.register_hook(_bind(ref, "_pre_backward", unit))
+                t.register_hook(_bind(ref, "_pre_backward", self.units.index(unit)))
         if self.config.reshard_after_forward or not torch.is_grad_enabled():
             unit.free()
         return output
@@ -174,13 +178,19 @@ class ZeroState:
                     unit.stale = True
 
 
-def _bind(ref, method: str, *bound):
-    """A hook that calls ref().method(*bound, *args) and does nothing once the state is gone."""
+def _bind(ref, method: str, unit_index: int | None = None):
+    """A hook that calls ref().method([unit,] *args) and does nothing once the state is gone.
+
+    Hooks hold only a weak reference and an index: a hook on `full` that held its unit would
+    form a cycle (unit -> full -> hook -> unit) that only the garbage collector frees, at some
+    arbitrary later time (after destroy_process_group(), gloo aborts the process)."""
 
     def hook(*args):
         state = ref()
         if state is None:
             return None
-        return getattr(state, method)(*bound, *args)
+        if unit_index is None:
+            return getattr(state, method)(*args)
+        return getattr(state, method)(state.units[unit_index], *args)
 
     return hook

@@ -14,6 +14,7 @@ at the same storage, which the pre-backward all-gather refills).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +28,7 @@ class ParamEntry:
     """One unique parameter of a unit and every (module, attribute) that refers to it."""
 
     names: list[str]
-    owners: list[tuple[nn.Module, str]] = field(repr=False)
+    owners: list[tuple[weakref.ref, str]] = field(repr=False)  # (module, attribute)
     shape: torch.Size
     offset: int
     numel: int
@@ -37,13 +38,18 @@ class FlatUnit:
     def __init__(self, *, name: str, module: nn.Module, params: list[tuple[nn.Parameter,
                  list[str], list[tuple[nn.Module, str]]]], comm, compute_dtype: torch.dtype):
         self.name = name or "<root>"
-        self.module = module
+        # Weak references to modules: the model owns its ZeRO state, never the reverse, so a
+        # dropped model is freed at once (not by the garbage collector, which may run after
+        # destroy_process_group(), when freeing in-flight collective buffers aborts the process).
+        self._module = weakref.ref(module)
         self.comm = comm
         self.compute_dtype = compute_dtype
         self.entries: list[ParamEntry] = []
         offset = 0
         for p, names, owners in params:
-            self.entries.append(ParamEntry(names=names, owners=owners, shape=p.shape,
+            self.entries.append(ParamEntry(names=names,
+                                           owners=[(weakref.ref(m), a) for m, a in owners],
+                                           shape=p.shape,
                                            offset=offset, numel=p.numel()))
             offset += p.numel()
         self.numel = offset
@@ -69,6 +75,10 @@ class FlatUnit:
         self.full_grad = None  # stage 1: the averaged full gradient of the last backward
         self.shard_version = self.shard._version
         self.install_views()
+
+    @property
+    def module(self) -> nn.Module:
+        return self._module()
 
     # ---- storage ----
     @property
@@ -114,7 +124,7 @@ class FlatUnit:
         for e in self.entries:
             view = self.full[e.offset:e.offset + e.numel].view(e.shape)
             for mod, attr in e.owners:
-                setattr(mod, attr, view)
+                setattr(mod(), attr, view)
 
     # ---- full weights (state dicts, checkpoints) ----
     def gather_fp32(self) -> torch.Tensor:
