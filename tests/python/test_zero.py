@@ -259,3 +259,65 @@ def test_single_process_bf16_trains(stage):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=3e-2, atol=0)
     sd = tierlift.zero.full_state_dict(model)
     assert sd["tok.weight"].dtype == torch.float32 and sd["head.weight"] is sd["tok.weight"]
+
+
+def test_fp16_loss_scaler_skips_overflow(caplog):
+    import torch.nn.functional as F
+
+    torch.set_num_threads(1)
+    mp_cfg = tierlift.zero.MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    model = tierlift.zero.shard(make_model(), stage=3, mixed_precision=mp_cfg)
+    opt = tierlift.optim.AdamW(model.parameters(), lr=1e-2)
+    # 2**40 overflows fp16 gradients: the first steps are skipped until the scale is sane.
+    scaler = tierlift.zero.LossScaler(model, tierlift.zero.LossScalerConfig(
+        init_scale=2.0**40, backoff_factor=2.0**-8))
+    before = tierlift.zero.full_state_dict(model)["blocks.0.fc.weight"].clone()
+    ran = []
+    losses = []
+    for seq in batches(8, 4):
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(seq[:, :-1]).float().flatten(0, 1), seq[:, 1:].flatten())
+        scaler.scale(loss).backward()
+        scaler.unscale_()
+        tierlift.zero.clip_grad_norm_(model, 1.0)
+        ran.append(scaler.step(opt))
+        losses.append(loss.item())
+        if not ran[-1] and len(ran) == 1:
+            after = tierlift.zero.full_state_dict(model)["blocks.0.fc.weight"]
+            assert torch.equal(after, before), "a skipped step changed the weights"
+    assert ran[0] is False and scaler.skipped_steps >= 1 and any(ran)
+    assert scaler.scale_value < 2.0**40
+    assert "skipped an optimizer step" in caplog.text
+    assert losses[-1] < losses[0]
+    with pytest.raises(ValueError, match="backoff_factor"):
+        tierlift.zero.LossScalerConfig(backoff_factor=2.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_cuda_world1_matches_plain_training(stage):
+    def run(zero):
+        model = make_model().cuda()
+        if zero:
+            tierlift.zero.shard(model, stage=stage)
+        opt = tierlift.optim.AdamW(model.parameters(), **OPT)
+        data = [b.cuda() for b in batches(6, BATCH)]
+        losses = train(model, opt, data, accum=2, clip=0.5, zero=zero)
+        sd = tierlift.zero.full_state_dict(model) if zero else model.state_dict()
+        return losses, sd
+
+    losses, sd = run(True)
+    ref_losses, ref_sd = run(False)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    for key, ref in ref_sd.items():
+        torch.testing.assert_close(sd[key], ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_stage3_trains():
+    mp_cfg = tierlift.zero.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = tierlift.zero.shard(make_model().cuda(), stage=3, mixed_precision=mp_cfg)
+    opt = tierlift.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = train(model, opt, [b.cuda() for b in batches(8, 4)], accum=2, clip=1.0, zero=True)
+    assert losses[-1] < losses[0]
+    assert all(u.full_bytes == 0 for u in model._tierlift_zero.units)

@@ -73,7 +73,7 @@ def train(model, opt, data, *, accum: int, clip: float | None, world: int = 1, r
     losses = []
     for seq in data:
         opt.zero_grad(set_to_none=True)
-        total = torch.zeros(())
+        total = torch.zeros((), device=seq.device)
         for m, micro in enumerate(seq.chunk(accum)):
             local = micro.chunk(world)[rank]
             idx, tgt = local[:, :-1], local[:, 1:]

@@ -20,6 +20,8 @@ from tierlift.zero.api import (
 )
 from tierlift.zero.config import MixedPrecision, ShardConfig
 from tierlift.zero.heartbeat import RankFailureError
+from tierlift.zero.scaler import LossScaler, LossScalerConfig
 
-__all__ = ["MixedPrecision", "RankFailureError", "ShardConfig", "clip_grad_norm_",
+__all__ = ["LossScaler", "LossScalerConfig", "MixedPrecision", "RankFailureError",
+           "ShardConfig", "clip_grad_norm_",
            "default_units", "full_state_dict", "load_full_state_dict", "no_sync", "shard"]
