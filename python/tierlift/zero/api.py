@@ -233,6 +233,7 @@ def state_key_order(state: ZeroState, key: str):
 def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
     """Load an unsharded state dict (as full_state_dict returns) into a sharded model."""
     state = _state(model)
+    # Check everything before changing anything: a bad state dict leaves the model as it was.
     sharded = set()
     for unit in state.units:
         for e in unit.entries:
@@ -243,11 +244,16 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) 
                 raise ValueError(f"state_dict[{e.names[0]!r}] has shape {tuple(t.shape)}, the "
                                  f"model expects {tuple(e.shape)}")
             sharded.update(e.names)
-        unit.load_fp32(state_dict)
     rest = {k: v for k, v in state_dict.items() if k not in sharded}
-    own = model.state_dict()
+    own = {k: v for k, v in model.state_dict().items() if not k.endswith(_SHARD_NAME)}
     for key, value in rest.items():
         if key not in own:
             raise KeyError(f"state_dict has an unexpected entry {key!r}")
-        with torch.no_grad():
+        if own[key].shape != value.shape:
+            raise ValueError(f"state_dict[{key!r}] has shape {tuple(value.shape)}, the model "
+                             f"expects {tuple(own[key].shape)}")
+    for unit in state.units:
+        unit.load_fp32(state_dict)
+    with torch.no_grad():
+        for key, value in rest.items():
             own[key].copy_(value)
