@@ -44,8 +44,12 @@ class Heartbeat:
     def beat(self) -> None:
         self.count += 1
         store = self.store
-        if store is not None:
+        if store is None:
+            return
+        try:
             store.set(f"{_PREFIX}beat/{self.me}", str(self.count))
+        except RuntimeError:
+            pass  # a dead store host surfaces, named, at the next collective
 
     @staticmethod
     def _read(store, key: str) -> int | None:
