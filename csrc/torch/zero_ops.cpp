@@ -23,8 +23,8 @@ namespace {
 constexpr int64_t kCopyGrainBytes = 1 << 18;  // below this, threads cost more than they save
 
 // Validates the pair and returns each tensor's element offset in `flat` (plus the total).
-std::vector<int64_t> check_flat_args(const at::Tensor& flat, at::TensorList tensors,
-                                     const char* op, bool tensors_written) {
+std::vector<int64_t> check_flat_args(const at::Tensor& flat, at::TensorList tensors, const char* op,
+                                     bool tensors_written) {
   TL_CHECK_DENSE(flat);
   TORCH_CHECK_VALUE(flat.dim() == 1, op, ": flat must be 1-D, got shape ", flat.sizes());
   TORCH_CHECK_VALUE(flat.is_contiguous(), op, ": flat must be contiguous");
@@ -59,8 +59,8 @@ void copy_range(char* flat, const std::vector<char*>& ptrs, const std::vector<in
   }
   if (begin >= end) return;
   // First tensor whose range contains `begin`.
-  size_t i = static_cast<size_t>(
-      std::upper_bound(byte_off.begin(), byte_off.end(), begin) - byte_off.begin() - 1);
+  size_t i = static_cast<size_t>(std::upper_bound(byte_off.begin(), byte_off.end(), begin) -
+                                 byte_off.begin() - 1);
   for (int64_t pos = begin; pos < end; ++i) {
     const int64_t stop = std::min(end, byte_off[i + 1]);
     if (stop > pos) {
