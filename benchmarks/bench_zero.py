@@ -88,15 +88,15 @@ def _storage_bytes(tensors) -> int:
 def _model_state_bytes(mode, model, opt) -> dict:
     params = list(model.parameters())
     grads = [p.grad for p in params]
-    extra_params = extra_grads = 0
     if mode.startswith("zero"):
+        # The gathered buffers and gradients too (stage 1/2 fp32 shards live inside them).
         units = model._tierlift_zero.units
-        extra_params = sum(u.full_bytes for u in units)
-        extra_grads = _storage_bytes([u.full.grad for u in units] + [u.full_grad for u in units])
+        params += [u.full for u in units]
+        grads += [u.full.grad for u in units] + [u.full_grad for u in units]
     optim = _storage_bytes(v for s in opt.state.values() for v in s.values()
                            if torch.is_tensor(v) and v.dim() > 0)
-    p = _storage_bytes(params) + extra_params
-    g = _storage_bytes(grads) + extra_grads
+    p = _storage_bytes(params)
+    g = _storage_bytes(grads)
     return {"params": p, "grads": g, "optim": optim, "total": p + g + optim}
 
 

@@ -31,7 +31,12 @@ OPT = dict(lr=3e-3, weight_decay=0.1)
 
 
 def _bytes(tensors) -> int:
-    return sum(t.untyped_storage().nbytes() for t in tensors if t is not None)
+    """Bytes of the distinct storages behind `tensors` (stage 1/2 shards live inside `full`)."""
+    storages = {}
+    for t in tensors:
+        if t is not None and t.untyped_storage().nbytes():
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
 
 
 def _run_config(rank, world, name):
@@ -41,8 +46,7 @@ def _run_config(rank, world, name):
     peak = {"params": 0}
 
     def track(*_):
-        live = _bytes([u.shard for u in state.units])
-        live += sum(u.full_bytes for u in state.units)
+        live = _bytes([u.shard for u in state.units] + [u.full for u in state.units])
         peak["params"] = max(peak["params"], live)
 
     for u in state.units:
@@ -54,11 +58,11 @@ def _run_config(rank, world, name):
     seq = batches(1, BATCH, seed=7)[0].chunk(world)[rank]
     model(seq[:, :-1]).float().pow(2).mean().backward()
     mem = {
-        "params_between_steps": _bytes([u.shard for u in state.units])
-        + sum(u.full_bytes for u in state.units),
+        "params_between_steps": _bytes([u.shard for u in state.units]
+                                       + [u.full for u in state.units]),
         "params_peak": peak["params"],
-        "grads": _bytes([u.shard.grad for u in state.units])
-        + _bytes([u.full.grad for u in state.units]) + _bytes([u.full_grad for u in state.units]),
+        "grads": _bytes([u.shard.grad for u in state.units] + [u.full.grad for u in state.units]
+                        + [u.full_grad for u in state.units]),
         "optim": sum(_bytes(v for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
                      for s in opt.state.values()),
         "unit_bytes": [u.padded * 4 for u in state.units],

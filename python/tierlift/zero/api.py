@@ -148,7 +148,9 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
             continue
         module = model.get_submodule(name) if name else model
         units_out.append(FlatUnit(name=name, module=module, params=params, comm=comm,
-                                  compute_dtype=compute_dtype))
+                                  compute_dtype=compute_dtype, keep_full=config.stage < 3))
+        if config.stage == 3:
+            units_out[-1].free()  # gathered again by the first forward
     for unit in units_out:
         unit.module.register_parameter(_SHARD_NAME, unit.shard)
     heartbeat = Heartbeat(comm) if comm.world > 1 else None

@@ -35,8 +35,9 @@ class ParamEntry:
 
 
 class FlatUnit:
-    def __init__(self, *, name: str, module: nn.Module, params: list[tuple[nn.Parameter,
-                 list[str], list[tuple[nn.Module, str]]]], comm, compute_dtype: torch.dtype):
+    def __init__(self, *, name: str, module: nn.Module,
+                 params: list[tuple[nn.Parameter, list[str], list[tuple[nn.Module, str]]]],
+                 comm, compute_dtype: torch.dtype, keep_full: bool):
         self.name = name or "<root>"
         # Weak references to modules: the model owns its ZeRO state, never the reverse, so a
         # dropped model is freed at once (not by the garbage collector, which may run after
@@ -61,9 +62,16 @@ class FlatUnit:
         full32 = torch.empty(self.padded, dtype=torch.float32, device=device)
         ops.flatten_pack_(full32, [p.detach().to(torch.float32) for p, _, _ in params])
         lo = comm.rank * self.shard_numel
-        self.shard = nn.Parameter(full32[lo:lo + self.shard_numel].clone())
-        self.full = torch.empty(self.padded, dtype=compute_dtype, device=device)
-        self.full.copy_(full32)
+        # With fp32 compute and replicated weights (stages 1/2) the shard is this rank's slice
+        # of the gathered buffer itself: no second copy of it.
+        self.aliased = keep_full and compute_dtype == torch.float32
+        if self.aliased:
+            self.full = full32
+            self.shard = nn.Parameter(full32[lo:lo + self.shard_numel])
+        else:
+            self.shard = nn.Parameter(full32[lo:lo + self.shard_numel].clone())
+            self.full = torch.empty(self.padded, dtype=compute_dtype, device=device)
+            self.full.copy_(full32)
         self.full.requires_grad_(True)
         del full32
         for _, _, owners in params:
@@ -103,7 +111,8 @@ class FlatUnit:
         want = self.padded * self.full.element_size()
         if storage.nbytes() != want:
             storage.resize_(want)
-        src = self.shard.detach().to(self.compute_dtype)
+        # The source must not alias the destination (aliased shards live inside `full`).
+        src = self.shard.detach().to(self.compute_dtype, copy=self.aliased)
         # .data: writing the gathered weights must not bump the version counter autograd
         # checks on the tensors saved for backward (they are views of this very storage).
         work = self.comm.all_gather(self.full.data, src, async_op=async_op)
