@@ -372,3 +372,40 @@ def test_load_full_state_dict_rejects_without_changing():
         tierlift.zero.load_full_state_dict(model, bad)
     after = tierlift.zero.full_state_dict(model)
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+class _Checkpointed(torch.nn.Module):
+    """Runs `inner` under activation checkpointing: backward calls inner(...) again."""
+
+    def __init__(self, inner, reentrant):
+        super().__init__()
+        self.inner = inner
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.inner, x, use_reentrant=self.reentrant)
+
+
+def _checkpointed_model(reentrant):
+    model = make_model()
+    model.blocks = torch.nn.ModuleList(_Checkpointed(b, reentrant) for b in model.blocks)
+    return model
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_stage3_with_activation_checkpointing(reentrant):
+    torch.set_num_threads(1)
+    units = [f"blocks.{i}.inner" for i in range(3)]  # the recomputed modules are the units
+    model = tierlift.zero.shard(_checkpointed_model(reentrant), stage=3, units=units)
+    opt = tierlift.optim.AdamW(model.parameters(), **OPT)
+    losses = train(model, opt, batches(4, 4), accum=1, clip=None, zero=True)
+    ref_model = _checkpointed_model(reentrant)
+    ref = train(ref_model, tierlift.optim.AdamW(ref_model.parameters(), **OPT), batches(4, 4),
+                accum=1, clip=None)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=0)
+    sd = tierlift.zero.full_state_dict(model)
+    for key, value in ref_model.state_dict().items():
+        torch.testing.assert_close(sd[key], value, rtol=1e-5, atol=1e-6)
+    assert all(u.full_bytes == 0 for u in model._tierlift_zero.units)

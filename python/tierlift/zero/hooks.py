@@ -88,7 +88,9 @@ class ZeroState:
         unit.install_views()
 
     def _post_forward(self, unit: FlatUnit, module, args, output):
-        if self.config.stage != 3:
+        if self.config.stage != 3 or self.callback_queued:
+            # Stage 1/2 keep their weights; and a forward run inside backward (activation
+            # checkpointing recomputing the unit) must not free what its backward is about to use.
             return output
         if torch.is_grad_enabled():
             ref = weakref.ref(self)
