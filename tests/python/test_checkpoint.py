@@ -156,6 +156,11 @@ def test_never_unpickles_code(chain, tmp_path):
     bad = str(tmp_path / "bad")
     shutil.copytree(chain["dirs"][1], bad)
     torch.save({"unit0.param": _Evil()}, os.path.join(bad, "rank00000.pt"))
+    # Whoever can write the file can write its checksum: weights_only must still refuse it.
+    from tierlift.checkpoint.format import sha256
+
+    with open(os.path.join(bad, "rank00000.sha256"), "w") as f:
+        f.write(sha256(os.path.join(bad, "rank00000.pt")))
     model, _ = _fresh(stage=3)
     with pytest.raises(pickle.UnpicklingError):
         tierlift.checkpoint.load(bad, model)
@@ -165,3 +170,21 @@ def test_not_a_checkpoint(tmp_path):
     model, _ = _fresh(stage=3)
     with pytest.raises(FileNotFoundError, match="not a tierlift checkpoint"):
         tierlift.checkpoint.load(str(tmp_path), model)
+
+
+def test_corrupt_or_truncated_file_is_named(chain, tmp_path):
+    import shutil
+
+    for damage in ("flip", "truncate"):
+        bad = str(tmp_path / damage)
+        shutil.copytree(chain["dirs"][2], bad)
+        file = os.path.join(bad, "rank00002.pt")
+        data = bytearray(open(file, "rb").read())
+        if damage == "flip":
+            data[len(data) // 2] ^= 0xFF
+        else:
+            data = data[: len(data) // 2]
+        open(file, "wb").write(bytes(data))
+        model, _ = _fresh(stage=3)
+        with pytest.raises(ValueError, match=r"rank00002\.pt is corrupt or truncated"):
+            tierlift.checkpoint.load(bad, model)

@@ -5,6 +5,8 @@
     rank00000.pt ...    one file per rank, written by that rank in parallel: a flat dict of
                         tensors only ("unit3.param", "unit3.exp_avg", "unit3.step", and on rank
                         0 "extra.<state_dict key>" for frozen parameters and buffers)
+    rank00000.sha256    the SHA-256 of that file: a truncated or corrupted file is an error
+                        naming it, never silently wrong weights
 
 Tensor files are read with torch.load(weights_only=True, mmap=True): no arbitrary unpickling,
 and a rank reads only the byte ranges its new shard overlaps.
@@ -12,6 +14,7 @@ and a rank reads only the byte ranges its new shard overlaps.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
@@ -38,8 +41,38 @@ def read_metadata(path: str) -> dict:
     return meta
 
 
+def checksum_file(rank: int) -> str:
+    return f"rank{rank:05d}.sha256"
+
+
+def sha256(file: str) -> str:
+    h = hashlib.sha256()
+    with open(file, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_tensors(path: str, rank: int, tensors: dict[str, torch.Tensor]) -> None:
+    file = os.path.join(path, rank_file(rank))
+    torch.save(tensors, file)
+    digest = sha256(file)
+    with open(os.path.join(path, checksum_file(rank)), "w") as f:
+        f.write(digest + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def load_tensors(path: str, rank: int) -> dict[str, torch.Tensor]:
     file = os.path.join(path, rank_file(rank))
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"checkpoint {path} lacks {rank_file(rank)} (rank {rank}'s "
+                                "shard)")
+    with open(os.path.join(path, checksum_file(rank))) as f:
+        expected = f.read().strip()
+    if sha256(file) != expected:
+        raise ValueError(f"{file} is corrupt or truncated: its SHA-256 does not match "
+                         f"{checksum_file(rank)}")
     data = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
     if not isinstance(data, dict) or not all(isinstance(v, torch.Tensor) for v in data.values()):
         raise ValueError(f"{file}: expected a dict of tensors")

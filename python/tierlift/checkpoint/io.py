@@ -56,8 +56,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer=None) -> Non
         for key, value in model.state_dict().items():
             if not key.endswith(_SHARD_NAME):
                 tensors[f"extra.{key}"] = value.detach().cpu()
-    file = os.path.join(tmp, fmt.rank_file(comm.rank))
-    torch.save(tensors, file)
+    fmt.write_tensors(tmp, comm.rank, tensors)
     _barrier(comm)
     if comm.rank == 0:
         meta = {
