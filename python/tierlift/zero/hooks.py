@@ -61,8 +61,9 @@ class ZeroState:
                 _bind(ref, "_post_forward", i)))
             self.handles.append(unit.full.register_post_accumulate_grad_hook(
                 _bind(ref, "_on_grad", i)))
-        self.handles.append(register_optimizer_step_post_hook(
-            _bind(ref, "_after_optimizer_step")))
+        opt_hook = register_optimizer_step_post_hook(_bind(ref, "_after_optimizer_step"))
+        self.handles.append(opt_hook)
+        weakref.finalize(self, opt_hook.remove)  # the global hook goes with the model
 
     def remove(self) -> None:
         for h in self.handles:
