@@ -409,3 +409,24 @@ def test_stage3_with_activation_checkpointing(reentrant):
     for key, value in ref_model.state_dict().items():
         torch.testing.assert_close(sd[key], value, rtol=1e-5, atol=1e-6)
     assert all(u.full_bytes == 0 for u in model._tierlift_zero.units)
+
+
+def test_recovers_from_a_failed_backward():
+    torch.set_num_threads(1)
+    model = tierlift.zero.shard(make_model(), stage=3)
+    seq = batches(1, 4)[0]
+    out = model(seq[:, :-1])
+
+    def boom(grad):
+        raise RuntimeError("boom")
+
+    out.register_hook(boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        out.float().pow(2).mean().backward()
+    opt = tierlift.optim.AdamW(model.parameters(), **OPT)
+    losses = train(model, opt, batches(3, 4), accum=1, clip=None, zero=True)
+    ref_model = make_model()
+    ref = train(ref_model, tierlift.optim.AdamW(ref_model.parameters(), **OPT), batches(3, 4),
+                accum=1, clip=None)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=0)
+    assert all(u.full_bytes == 0 for u in model._tierlift_zero.units)

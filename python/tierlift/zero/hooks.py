@@ -72,6 +72,11 @@ class ZeroState:
 
     # ---- forward ----
     def _root_pre_forward(self, module, args):
+        if self.callback_queued and not _in_backward():
+            # A backward raised before its end-of-backward callback ran: start clean.
+            self.reductions.clear()
+            self.hooked.clear()
+            self.callback_queued = False
         if self.heartbeat is not None:
             self.heartbeat.beat()
 
@@ -89,7 +94,7 @@ class ZeroState:
         unit.install_views()
 
     def _post_forward(self, unit: FlatUnit, module, args, output):
-        if self.config.stage != 3 or self.callback_queued:
+        if self.config.stage != 3 or _in_backward():
             # Stage 1/2 keep their weights; and a forward run inside backward (activation
             # checkpointing recomputing the unit) must not free what its backward is about to use.
             return output
@@ -179,6 +184,10 @@ class ZeroState:
             for unit in self.units:
                 if id(unit.shard) in ids:
                     unit.stale = True
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
 
 
 def _bind(ref, method: str, unit_index: int | None = None):
