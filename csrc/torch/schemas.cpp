@@ -31,5 +31,10 @@ TORCH_LIBRARY(tierlift, m) {
   m.def("fp8_quantize_dual(Tensor x, str scaling, ScalarType fp8_dtype, bool pow2_scale) "
         "-> (Tensor, Tensor, Tensor, Tensor)");
 
-  // ---- zero ----
+  // ---- zero: flat shard buffers (csrc/torch/zero_ops.cpp) ----
+  // flatten_pack_ copies `tensors` back to back into the 1-D `flat` (same dtype and device) and
+  // zeroes the rest of `flat` (the padding to a multiple of the world size); unflatten_ copies
+  // consecutive slices of `flat` back into `tensors`.
+  m.def("flatten_pack_(Tensor(a!) flat, Tensor[] tensors) -> ()");
+  m.def("unflatten_(Tensor flat, Tensor(a!)[] tensors) -> ()");
 }

@@ -9,11 +9,11 @@ torch.ops.tierlift wrappers).
 `python -m tierlift info` prints what this build can do.
 """
 
-from tierlift import _extension, gnn, io, lowp, ops, optim, reference
+from tierlift import _extension, checkpoint, gnn, io, lowp, ops, optim, reference, zero
 from tierlift._extension import MissingCapabilityError, build_info
 
 __version__ = "0.1.0"
 __all__ = [
-    "MissingCapabilityError", "build_info", "gnn", "io", "lowp", "ops", "optim", "reference",
-    "_extension",
+    "MissingCapabilityError", "build_info", "checkpoint", "gnn", "io", "lowp", "ops", "optim",
+    "reference", "zero", "_extension",
 ]

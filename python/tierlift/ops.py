@@ -150,3 +150,35 @@ if _extension.available():
     @torch.library.register_fake("tierlift::fp8_quantize_dual")
     def _fp8_quantize_dual_fake(x, scaling, fp8_dtype, pow2_scale):
         return (*_fp8_fake(x, scaling, fp8_dtype, False), *_fp8_fake(x, scaling, fp8_dtype, True))
+
+
+# ---- zero ----
+
+
+def flatten_pack_(flat: torch.Tensor, tensors) -> None:
+    """Copy `tensors` back to back into the 1-D `flat` and zero the padding after them."""
+    tensors = list(tensors)
+    if _has_kernel(flat):
+        torch.ops.tierlift.flatten_pack_(flat, tensors)
+    else:
+        reference.flatten_pack_(flat, tensors)
+
+
+def unflatten_(flat: torch.Tensor, tensors) -> None:
+    """Copy consecutive slices of the 1-D `flat` into `tensors` (each contiguous), in place."""
+    tensors = list(tensors)
+    if _has_kernel(flat):
+        torch.ops.tierlift.unflatten_(flat, tensors)
+    else:
+        reference.unflatten_(flat, tensors)
+
+
+if _extension.available():
+
+    @torch.library.register_fake("tierlift::flatten_pack_")
+    def _flatten_pack_fake(flat, tensors):
+        return None
+
+    @torch.library.register_fake("tierlift::unflatten_")
+    def _unflatten_fake(flat, tensors):
+        return None

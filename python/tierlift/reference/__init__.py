@@ -5,8 +5,9 @@ from tierlift.reference.gather import gather_rows
 from tierlift.reference.io import block_crc32c
 from tierlift.reference.lowp import fp8_dequantize, fp8_quantize, fp8_quantize_dual
 from tierlift.reference.optim import adam_step_
+from tierlift.reference.zero import flatten_pack_, unflatten_
 
 __all__ = [
-    "adam_step_", "block_crc32c", "fp8_dequantize", "fp8_quantize", "fp8_quantize_dual",
-    "gather_rows",
+    "adam_step_", "block_crc32c", "flatten_pack_", "fp8_dequantize", "fp8_quantize",
+    "fp8_quantize_dual", "gather_rows", "unflatten_",
 ]

@@ -1,0 +1,110 @@
+"""On-disk layout of a tierlift ZeRO checkpoint (a directory):
+
+    metadata.json       format version, world size, per unit: name, numel, padded size and the
+                        parameters it holds (names, shape, offset); optimizer param groups
+    rank00000.pt ...    one file per rank, written by that rank in parallel: a flat dict of
+                        tensors only ("unit3.param", "unit3.exp_avg", "unit3.step", and on rank
+                        0 "extra.<state_dict key>" for frozen parameters and buffers)
+    rank00000.sha256    the SHA-256 of that file: a truncated or corrupted file is an error
+                        naming it, never silently wrong weights
+
+Tensor files are read with torch.load(weights_only=True, mmap=True): no arbitrary unpickling,
+and a rank reads only the byte ranges its new shard overlaps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import torch
+
+FORMAT = "tierlift-zero-checkpoint"
+VERSION = 1
+METADATA = "metadata.json"
+
+
+def rank_file(rank: int) -> str:
+    return f"rank{rank:05d}.pt"
+
+
+def read_metadata(path: str) -> dict:
+    file = os.path.join(path, METADATA)
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"{path} is not a tierlift checkpoint (no {METADATA})")
+    with open(file) as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise ValueError(f"{file}: unsupported checkpoint format {meta.get('format')!r} "
+                         f"version {meta.get('version')!r} (expected {FORMAT!r} {VERSION})")
+    return meta
+
+
+def checksum_file(rank: int) -> str:
+    return f"rank{rank:05d}.sha256"
+
+
+def sha256(file: str) -> str:
+    h = hashlib.sha256()
+    with open(file, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_tensors(path: str, rank: int, tensors: dict[str, torch.Tensor]) -> None:
+    file = os.path.join(path, rank_file(rank))
+    torch.save(tensors, file)
+    digest = sha256(file)
+    with open(os.path.join(path, checksum_file(rank)), "w") as f:
+        f.write(digest + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def load_tensors(path: str, rank: int) -> dict[str, torch.Tensor]:
+    file = os.path.join(path, rank_file(rank))
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"checkpoint {path} lacks {rank_file(rank)} (rank {rank}'s "
+                                "shard)")
+    with open(os.path.join(path, checksum_file(rank))) as f:
+        expected = f.read().strip()
+    if sha256(file) != expected:
+        raise ValueError(f"{file} is corrupt or truncated: its SHA-256 does not match "
+                         f"{checksum_file(rank)}")
+    data = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    if not isinstance(data, dict) or not all(isinstance(v, torch.Tensor) for v in data.values()):
+        raise ValueError(f"{file}: expected a dict of tensors")
+    return data
+
+
+def unit_slice(shards: list[dict], key: str, shard_numel: int, lo: int, hi: int) -> torch.Tensor:
+    """Elements [lo, hi) of the unit's flat tensor `key`, saved as consecutive shards of
+    `shard_numel` elements across `shards` (one dict per saved rank)."""
+    pieces = []
+    pos = lo
+    while pos < hi:
+        r, off = divmod(pos, shard_numel)
+        take = min(hi - pos, shard_numel - off)
+        pieces.append(shards[r][key][off:off + take])
+        pos += take
+    return torch.cat(pieces) if pieces else torch.empty(0)
+
+
+def full_state_dict(path: str) -> dict[str, torch.Tensor]:
+    """The plain (unsharded) model state dict stored in a checkpoint, without torch.distributed."""
+    meta = read_metadata(path)
+    shards = [load_tensors(path, r) for r in range(meta["world_size"])]
+    out: dict[str, torch.Tensor] = {}
+    for i, unit in enumerate(meta["units"]):
+        flat = unit_slice(shards, f"unit{i}.param", unit["shard_numel"], 0, unit["numel"])
+        for e in unit["entries"]:
+            t = flat[e["offset"]:e["offset"] + e["numel"]].view(e["shape"]).clone()
+            for name in e["names"]:
+                out[name] = t
+    for key, value in shards[0].items():
+        if key.startswith("extra."):
+            out[key[len("extra."):]] = value.clone()
+    order = {k: i for i, k in enumerate(meta["key_order"])}
+    return dict(sorted(out.items(), key=lambda kv: order.get(kv[0], len(order))))

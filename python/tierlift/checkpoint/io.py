@@ -1,0 +1,167 @@
+"""save() and load() of sharded models: every rank writes and reads its own shard; load()
+reshards when the world size changed. See format.py for the layout."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+
+from tierlift.checkpoint import format as fmt
+from tierlift.zero.api import _SHARD_NAME, _state
+
+
+def _barrier(comm) -> None:
+    if comm.world > 1:
+        comm.wait(comm.all_reduce(torch.zeros(1, device=comm_device(comm))))
+
+
+def comm_device(comm) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if (
+        comm.initialized and torch.distributed.get_backend(comm.group) == "nccl") else \
+        torch.device("cpu")
+
+
+def _jsonable(value):
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def save(path: str | os.PathLike, model: torch.nn.Module, optimizer=None) -> None:
+    """Write a checkpoint of a sharded model (and its optimizer) to directory `path`.
+
+    Atomic: files go to `path`.tmp, then replace `path` by renames, so a run killed in the
+    middle leaves the previous checkpoint loadable. A collective: every rank calls it."""
+    state = _state(model)
+    comm = state.comm
+    path = os.fspath(path)
+    tmp, old = path + ".tmp", path + ".old"
+    if comm.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier(comm)
+    tensors: dict[str, torch.Tensor] = {}
+    opt_state = optimizer.state if optimizer is not None else {}
+    for i, unit in enumerate(state.units):
+        tensors[f"unit{i}.param"] = unit.shard.detach().cpu()
+        for key, value in opt_state.get(unit.shard, {}).items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"unit{i}.{key}"] = value.detach().cpu()
+    if comm.rank == 0:
+        for key, value in model.state_dict().items():
+            if not key.endswith(_SHARD_NAME):
+                tensors[f"extra.{key}"] = value.detach().cpu()
+    fmt.write_tensors(tmp, comm.rank, tensors)
+    _barrier(comm)
+    if comm.rank == 0:
+        meta = {
+            "format": fmt.FORMAT,
+            "version": fmt.VERSION,
+            "world_size": comm.world,
+            "stage": state.config.stage,
+            "key_order": list(state.key_order),
+            "units": [{"name": u.name, "numel": u.numel, "padded": u.padded,
+                       "shard_numel": u.shard_numel,
+                       "entries": [{"names": e.names, "shape": list(e.shape),
+                                    "offset": e.offset, "numel": e.numel}
+                                   for e in u.entries]} for u in state.units],
+            "param_groups": [] if optimizer is None else [
+                {k: _jsonable(v) for k, v in g.items() if k != "params"}
+                for g in optimizer.param_groups],
+        }
+        with open(os.path.join(tmp, fmt.METADATA), "w") as f:
+            json.dump(meta, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        shutil.rmtree(old, ignore_errors=True)
+        if os.path.exists(path):
+            os.rename(path, old)
+        os.rename(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    _barrier(comm)
+
+
+def _resolve(path: str) -> str:
+    # A save killed between its two renames leaves only `path`.old: that one is complete.
+    if not os.path.exists(path) and os.path.isdir(path + ".old"):
+        return path + ".old"
+    return path
+
+
+def _check_layout(meta: dict, units) -> None:
+    saved = [(n, tuple(e["shape"])) for u in meta["units"] for e in u["entries"]
+             for n in e["names"][:1]]
+    ours = [(e.names[0], tuple(e.shape)) for u in units for e in u.entries]
+    for i, (mine, theirs) in enumerate(zip(ours, saved, strict=False)):
+        if mine != theirs:
+            raise ValueError(f"checkpoint does not match the model: tensor #{i} is {theirs[0]!r} "
+                             f"with shape {theirs[1]} in the checkpoint but {mine[0]!r} with "
+                             f"shape {mine[1]} in the model")
+    if len(ours) != len(saved):
+        longer, which = (ours, "model") if len(ours) > len(saved) else (saved, "checkpoint")
+        first = longer[min(len(ours), len(saved))][0]
+        raise ValueError(f"checkpoint does not match the model: {first!r} exists only in the "
+                         f"{which}")
+    for i, (u, m) in enumerate(zip(units, meta["units"], strict=False)):
+        if u.numel != m["numel"]:
+            raise ValueError(f"checkpoint does not match the model: unit {i} ({u.name}) holds "
+                             f"{m['numel']} elements in the checkpoint, {u.numel} in the model")
+
+
+@torch.no_grad()
+def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None) -> None:
+    """Load a checkpoint written by save() into a sharded model (and optimizer), on any world
+    size: each rank reads the slices of the saved shards that overlap its new shard."""
+    state = _state(model)
+    comm = state.comm
+    path = _resolve(os.fspath(path))
+    meta = fmt.read_metadata(path)
+    _check_layout(meta, state.units)
+    shards = [fmt.load_tensors(path, r) for r in range(meta["world_size"])]
+    for i, (unit, saved) in enumerate(zip(state.units, meta["units"], strict=False)):
+        lo = comm.rank * unit.shard_numel
+        hi = min(lo + unit.shard_numel, unit.numel)
+        n = max(hi - lo, 0)
+
+        def take(key, unit=unit, saved=saved, lo=lo, hi=hi, n=n):
+            out = torch.zeros(unit.shard_numel, dtype=torch.float32)
+            if n:
+                out[:n] = fmt.unit_slice(shards, key, saved["shard_numel"], lo, hi)
+            return out.to(unit.device)
+
+        unit.shard.copy_(take(f"unit{i}.param"))
+        unit.stale = True
+        if optimizer is not None:
+            keys = {k.split(".", 1)[1] for k in shards[0] if k.startswith(f"unit{i}.")}
+            keys.discard("param")
+            if keys:
+                st = optimizer.state[unit.shard]
+                st.clear()
+                for key in sorted(keys):
+                    value = shards[0][f"unit{i}.{key}"]
+                    st[key] = (take(f"unit{i}.{key}") if value.dim() > 0
+                               else value.clone().to(unit.device if key != "step" else "cpu"))
+    if optimizer is not None and meta["param_groups"]:
+        if len(meta["param_groups"]) != len(optimizer.param_groups):
+            raise ValueError(f"checkpoint has {len(meta['param_groups'])} optimizer param "
+                             f"groups, the optimizer {len(optimizer.param_groups)}")
+        for group, saved in zip(optimizer.param_groups, meta["param_groups"], strict=False):
+            for k, v in saved.items():
+                group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
+    own = model.state_dict()
+    for key, value in shards[0].items():
+        if key.startswith("extra."):
+            name = key[len("extra."):]
+            if name not in own:
+                raise ValueError(f"checkpoint does not match the model: {name!r} exists only "
+                                 "in the checkpoint")
+            if own[name].shape != value.shape:
+                raise ValueError(f"checkpoint does not match the model: {name!r} has shape "
+                                 f"{tuple(value.shape)} in the checkpoint but "
+                                 f"{tuple(own[name].shape)} in the model")
+            own[name].copy_(value)

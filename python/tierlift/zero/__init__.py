@@ -1,0 +1,27 @@
+"""tierlift.zero: ZeRO stages 1/2/3 over torch.distributed (NCCL on GPU, gloo on CPU).
+
+    model = tierlift.zero.shard(model, stage=3, mixed_precision=MixedPrecision())
+    opt = tierlift.optim.AdamW(model.parameters(), lr=3e-4)
+    with model.no_sync():               # inner micro-steps: no communication
+        loss(model(x0)).backward()
+    loss(model(x1)).backward()          # reduces the accumulated gradient
+    tierlift.zero.clip_grad_norm_(model, 1.0)
+    opt.step()
+    sd = tierlift.zero.full_state_dict(model)   # unsharded, on every rank
+"""
+
+from tierlift.zero.api import (
+    clip_grad_norm_,
+    default_units,
+    full_state_dict,
+    load_full_state_dict,
+    no_sync,
+    shard,
+)
+from tierlift.zero.config import MixedPrecision, ShardConfig
+from tierlift.zero.heartbeat import RankFailureError
+from tierlift.zero.scaler import LossScaler, LossScalerConfig
+
+__all__ = ["LossScaler", "LossScalerConfig", "MixedPrecision", "RankFailureError",
+           "ShardConfig", "clip_grad_norm_",
+           "default_units", "full_state_dict", "load_full_state_dict", "no_sync", "shard"]

@@ -1,0 +1,261 @@
+"""tierlift.zero: shard(), no_sync(), clip_grad_norm_(), full_state_dict(), load_full_state_dict().
+
+    dist.init_process_group("nccl")                        # under torchrun
+    model = tierlift.zero.shard(model, stage=3)            # in place; returns the model
+    opt = tierlift.optim.AdamW(model.parameters(), lr=3e-4)  # steps this rank's shards only
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+
+import torch
+from torch import nn
+
+from tierlift.zero.comm import Comm
+from tierlift.zero.config import MixedPrecision, ShardConfig
+from tierlift.zero.heartbeat import Heartbeat
+from tierlift.zero.hooks import ZeroState
+from tierlift.zero.unit import FlatUnit
+
+_ATTR = "_tierlift_zero"
+_SHARD_NAME = "_zero_flat_shard"
+
+
+def _trainable_numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+
+def default_units(model: nn.Module, min_unit_numel: int | None = None) -> list[str]:
+    """Child modules that become units: each child holding at least `min_unit_numel` trainable
+    elements (default: 1/32 of the model), descending into children that hold more than half
+    the model (the container of the transformer blocks) so each block is its own unit."""
+    total = _trainable_numel(model)
+    threshold = min_unit_numel if min_unit_numel is not None else max(total // 32, 1)
+    names: list[str] = []
+
+    def visit(module: nn.Module, prefix: str) -> None:
+        for name, child in module.named_children():
+            n = _trainable_numel(child)
+            fqn = prefix + name
+            if n == 0:
+                continue
+            if n > total // 2 and any(True for _ in child.children()):
+                visit(child, fqn + ".")
+            elif n >= threshold:
+                names.append(fqn)
+
+    visit(model, "")
+    return names
+
+
+def _resolve_units(model: nn.Module, units) -> list[str]:
+    by_obj = {id(m): n for n, m in model.named_modules()}
+    names = []
+    for i, u in enumerate(units):
+        if isinstance(u, nn.Module):
+            if id(u) not in by_obj or by_obj[id(u)] == "":
+                raise ValueError(f"units[{i}] is not a submodule of the model")
+            names.append(by_obj[id(u)])
+        elif isinstance(u, str):
+            try:
+                model.get_submodule(u)
+            except AttributeError as exc:
+                raise ValueError(f"units[{i}]={u!r} names no submodule of the model") from exc
+            if u == "":
+                raise ValueError(f"units[{i}] is the model itself (the root is always a unit)")
+            names.append(u)
+        else:
+            raise TypeError(f"units[{i}] must be a module or a module name, got "
+                            f"{type(u).__name__}")
+    for a in names:
+        for b in names:
+            if a != b and b.startswith(a + "."):
+                raise ValueError(f"units {a!r} and {b!r} are nested; units must be disjoint")
+    return names
+
+
+def _owning_unit(module_name: str, unit_names: list[str]) -> str:
+    best = ""
+    for u in unit_names:
+        if (module_name == u or module_name.startswith(u + ".")) and len(u) > len(best):
+            best = u
+    return best
+
+
+def shard(model: nn.Module, stage: int = 3, *, process_group=None,
+          mixed_precision: MixedPrecision | None = None, units=None, prefetch: int = 1,
+          reshard_after_forward: bool = True, min_unit_numel: int | None = None) -> nn.Module:
+    """Shard `model` in place over `process_group` (default: the world) with ZeRO `stage`.
+
+    Afterwards model.parameters() yields one fp32 shard parameter per unit (plus the frozen
+    parameters, which stay replicated), so any optimizer built on them steps this rank's slice.
+    Every rank must call shard() on an identically initialised model.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if hasattr(model, _ATTR):
+        raise ValueError("model is already sharded by tierlift.zero.shard")
+    config = ShardConfig(stage=stage, mixed_precision=mixed_precision, prefetch=prefetch,
+                         reshard_after_forward=reshard_after_forward,
+                         min_unit_numel=min_unit_numel)
+    comm = Comm(process_group)
+    key_order = {k: i for i, k in enumerate(model.state_dict().keys())}
+    unit_names = (default_units(model, min_unit_numel) if units is None
+                  else _resolve_units(model, units))
+    # Every trainable parameter, its alias names and owners; a parameter reachable from two
+    # units (tied weights) belongs to the root, which stays gathered around all of them.
+    info: dict[int, list] = {}
+    order: list[int] = []
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        for attr, p in mod._parameters.items():
+            if p is None or not p.requires_grad:
+                continue
+            if p.is_sparse or not p.is_floating_point() or p.is_complex():
+                raise TypeError(f"parameter {mod_name + '.' if mod_name else ''}{attr} is "
+                                f"{p.dtype}{' sparse' if p.is_sparse else ''}; ZeRO shards "
+                                "dense real floating-point parameters")
+            fqn = f"{mod_name}.{attr}" if mod_name else attr
+            if id(p) not in info:
+                info[id(p)] = [p, [], [], set()]
+                order.append(id(p))
+            rec = info[id(p)]
+            if fqn not in rec[1]:
+                rec[1].append(fqn)
+            if not any(m is mod and a == attr for m, a in rec[2]):
+                rec[2].append((mod, attr))
+            rec[3].add(_owning_unit(mod_name, unit_names))
+    if not order:
+        raise ValueError("model has no trainable parameters to shard")
+    devices = {info[i][0].device for i in order}
+    if len(devices) != 1:
+        raise ValueError(f"all trainable parameters must be on one device, got {devices}")
+    grouped: dict[str, list] = {n: [] for n in [*unit_names, ""]}
+    for pid in order:
+        p, names, owners, owning = info[pid]
+        grouped[next(iter(owning)) if len(owning) == 1 else ""].append((p, names, owners))
+    compute_dtype = config.param_dtype or torch.float32
+    if config.param_dtype is not None:
+        # Frozen parameters stay replicated and are never stepped: compute in param_dtype too.
+        for p in model.parameters():
+            if not p.requires_grad and p.is_floating_point():
+                p.data = p.data.to(compute_dtype)
+    units_out = []
+    for name, params in grouped.items():
+        if not params:
+            continue
+        module = model.get_submodule(name) if name else model
+        units_out.append(FlatUnit(name=name, module=module, params=params, comm=comm,
+                                  compute_dtype=compute_dtype, keep_full=config.stage < 3))
+        if config.stage == 3:
+            units_out[-1].free()  # gathered again by the first forward
+    for unit in units_out:
+        unit.module.register_parameter(_SHARD_NAME, unit.shard)
+    heartbeat = Heartbeat(comm) if comm.world > 1 else None
+    state = ZeroState(config=config, comm=comm, root=model, units=units_out,
+                      heartbeat=heartbeat, key_order=key_order)
+    object.__setattr__(model, _ATTR, state)
+    model_ref = weakref.ref(model)  # no reference cycle: the model is freed as soon as unused
+    model.no_sync = lambda: no_sync(model_ref())
+    return model
+
+
+def _state(model: nn.Module) -> ZeroState:
+    state = getattr(model, _ATTR, None)
+    if state is None:
+        raise ValueError("model is not sharded: call tierlift.zero.shard(model, ...) first")
+    return state
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module):
+    """Gradient accumulation without communication: backward passes inside keep summing the
+    full unit gradients locally; the first backward after the block reduces everything."""
+    state = _state(model)
+    prev = state.syncing
+    state.syncing = False
+    try:
+        yield
+    finally:
+        state.syncing = prev
+
+
+@torch.no_grad()
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip the gradients of a sharded model by their global norm across ranks (as
+    torch.nn.utils.clip_grad_norm_ computes it on the unsharded model); returns that norm."""
+    state = _state(model)
+    max_norm = float(max_norm)
+    norm_type = float(norm_type)
+    if not math.isfinite(max_norm) or max_norm < 0:
+        raise ValueError(f"max_norm must be a finite number >= 0, got {max_norm}")
+    if norm_type <= 0:
+        raise ValueError(f"norm_type must be > 0 (or inf), got {norm_type}")
+    grads = [u.shard.grad for u in state.units if u.shard.grad is not None]
+    device = state.units[0].device
+    if math.isinf(norm_type):
+        local = torch.stack([g.abs().max() for g in grads]).max() if grads else \
+            torch.zeros((), device=device)
+        total = local.to(torch.float32).clone()
+        state.comm.wait(state.comm.all_reduce(total, op=torch.distributed.ReduceOp.MAX))
+    else:
+        local = torch.zeros((), dtype=torch.float32, device=device)
+        for g in grads:
+            local += torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) ** norm_type
+        state.comm.wait(state.comm.all_reduce(local))
+        total = local ** (1.0 / norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
+    return total
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded model's state_dict (fp32 master weights, original names and order), on
+    every rank. A collective: every rank must call it."""
+    state = _state(model)
+    flat = {}
+    for unit in state.units:
+        flat.update(unit.split(unit.gather_fp32()))
+    out = {}
+    for key, value in model.state_dict().items():
+        if key.endswith(_SHARD_NAME):
+            continue
+        out[key] = value
+    out.update(flat)
+    return dict(sorted(out.items(), key=lambda kv: state_key_order(state, kv[0])))
+
+
+def state_key_order(state: ZeroState, key: str):
+    return state.key_order.get(key, len(state.key_order))
+
+
+def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Load an unsharded state dict (as full_state_dict returns) into a sharded model."""
+    state = _state(model)
+    # Check everything before changing anything: a bad state dict leaves the model as it was.
+    sharded = set()
+    for unit in state.units:
+        for e in unit.entries:
+            if not any(n in state_dict for n in e.names):
+                raise KeyError(f"state_dict has no entry for parameter {e.names[0]!r}")
+            t = next(state_dict[n] for n in e.names if n in state_dict)
+            if tuple(t.shape) != tuple(e.shape):
+                raise ValueError(f"state_dict[{e.names[0]!r}] has shape {tuple(t.shape)}, the "
+                                 f"model expects {tuple(e.shape)}")
+            sharded.update(e.names)
+    rest = {k: v for k, v in state_dict.items() if k not in sharded}
+    own = {k: v for k, v in model.state_dict().items() if not k.endswith(_SHARD_NAME)}
+    for key, value in rest.items():
+        if key not in own:
+            raise KeyError(f"state_dict has an unexpected entry {key!r}")
+        if own[key].shape != value.shape:
+            raise ValueError(f"state_dict[{key!r}] has shape {tuple(value.shape)}, the model "
+                             f"expects {tuple(own[key].shape)}")
+    for unit in state.units:
+        unit.load_fp32(state_dict)
+    with torch.no_grad():
+        for key, value in rest.items():
+            own[key].copy_(value)

@@ -1,0 +1,67 @@
+"""Typed configuration of tierlift.zero.shard (unknown keys are errors, values are checked)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(kw_only=True, frozen=True)
+class MixedPrecision:
+    """Compute in `param_dtype`, keep fp32 master shards, reduce gradients in `reduce_dtype`.
+
+    reduce_dtype=None reduces in param_dtype. Gradients reach the optimizer in fp32.
+    """
+
+    param_dtype: torch.dtype = torch.bfloat16
+    reduce_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        if self.param_dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"MixedPrecision.param_dtype must be float32, bfloat16 or float16, "
+                            f"got {self.param_dtype}")
+        if self.reduce_dtype is not None and self.reduce_dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"MixedPrecision.reduce_dtype must be float32, bfloat16, float16 or "
+                            f"None, got {self.reduce_dtype}")
+
+    @property
+    def effective_reduce_dtype(self) -> torch.dtype:
+        return self.reduce_dtype or self.param_dtype
+
+
+@dataclass(kw_only=True, frozen=True)
+class ShardConfig:
+    """Everything shard() was asked for; stored on the model as model._tierlift_zero.config."""
+
+    stage: int
+    mixed_precision: MixedPrecision | None = None
+    prefetch: int = 1
+    reshard_after_forward: bool = True
+    min_unit_numel: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.stage not in (1, 2, 3):
+            raise ValueError(f"stage must be 1, 2 or 3, got {self.stage!r}")
+        if self.mixed_precision is not None and not isinstance(self.mixed_precision,
+                                                               MixedPrecision):
+            raise TypeError("mixed_precision must be None or tierlift.zero.MixedPrecision, got "
+                            f"{type(self.mixed_precision).__name__}")
+        if not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ValueError(f"prefetch must be an int >= 0, got {self.prefetch!r}")
+        if not isinstance(self.reshard_after_forward, bool):
+            raise TypeError("reshard_after_forward must be a bool, got "
+                            f"{type(self.reshard_after_forward).__name__}")
+        if self.min_unit_numel is not None and self.min_unit_numel < 1:
+            raise ValueError(f"min_unit_numel must be >= 1, got {self.min_unit_numel}")
+
+    @property
+    def param_dtype(self) -> torch.dtype | None:
+        return None if self.mixed_precision is None else self.mixed_precision.param_dtype
+
+    @property
+    def reduce_dtype(self) -> torch.dtype | None:
+        mp = self.mixed_precision
+        return None if mp is None else mp.effective_reduce_dtype

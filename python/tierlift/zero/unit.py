@@ -1,0 +1,165 @@
+"""FlatUnit: the parameters of one ZeRO unit (a module gathered and freed as a whole) kept in
+one flat buffer.
+
+Layout: the unit's trainable parameters, back to back, padded to a multiple of the world size.
+  shard  fp32 nn.Parameter [padded / world]: this rank's slice, the master weights; it is what
+         model.parameters() yields and what the optimizer steps.
+  full   leaf tensor [padded] in the compute dtype (requires grad, never a Parameter): the
+         gathered weights. Before each forward the module's parameter attributes are set to
+         views of `full`, so autograd sums every use of every parameter (tied weights, several
+         forward calls) into one full.grad, which is reduce-scattered as a single collective.
+Stage 3 frees full's storage after use (the views and tensors saved for backward keep pointing
+at the same storage, which the pre-backward all-gather refills).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from tierlift import ops
+
+
+@dataclass(kw_only=True)
+class ParamEntry:
+    """One unique parameter of a unit and every (module, attribute) that refers to it."""
+
+    names: list[str]
+    owners: list[tuple[weakref.ref, str]] = field(repr=False)  # (module, attribute)
+    shape: torch.Size
+    offset: int
+    numel: int
+
+
+class FlatUnit:
+    def __init__(self, *, name: str, module: nn.Module,
+                 params: list[tuple[nn.Parameter, list[str], list[tuple[nn.Module, str]]]],
+                 comm, compute_dtype: torch.dtype, keep_full: bool):
+        self.name = name or "<root>"
+        # Weak references to modules: the model owns its ZeRO state, never the reverse, so a
+        # dropped model is freed at once (not by the garbage collector, which may run after
+        # destroy_process_group(), when freeing in-flight collective buffers aborts the process).
+        self._module = weakref.ref(module)
+        self.comm = comm
+        self.compute_dtype = compute_dtype
+        self.entries: list[ParamEntry] = []
+        offset = 0
+        for p, names, owners in params:
+            self.entries.append(ParamEntry(names=names,
+                                           owners=[(weakref.ref(m), a) for m, a in owners],
+                                           shape=p.shape,
+                                           offset=offset, numel=p.numel()))
+            offset += p.numel()
+        self.numel = offset
+        world = comm.world
+        self.padded = -(-offset // world) * world
+        self.shard_numel = self.padded // world
+        device = params[0][0].device
+        self.device = device
+        full32 = torch.empty(self.padded, dtype=torch.float32, device=device)
+        ops.flatten_pack_(full32, [p.detach().to(torch.float32) for p, _, _ in params])
+        lo = comm.rank * self.shard_numel
+        # With fp32 compute and replicated weights (stages 1/2) the shard is this rank's slice
+        # of the gathered buffer itself: no second copy of it.
+        self.aliased = keep_full and compute_dtype == torch.float32
+        if self.aliased:
+            self.full = full32
+            self.shard = nn.Parameter(full32[lo:lo + self.shard_numel])
+        else:
+            self.shard = nn.Parameter(full32[lo:lo + self.shard_numel].clone())
+            self.full = torch.empty(self.padded, dtype=compute_dtype, device=device)
+            self.full.copy_(full32)
+        self.full.requires_grad_(True)
+        del full32
+        for _, _, owners in params:
+            for mod, attr in owners:
+                del mod._parameters[attr]
+        self.gathered = True   # full holds the current weights
+        self.stale = False     # the optimizer changed the shard since the last gather
+        self.pending = None    # (work, src) of an async all-gather in flight
+        self.full_grad = None  # stage 1: the averaged full gradient of the last backward
+        self.shard_version = self.shard._version
+        self.install_views()
+
+    @property
+    def module(self) -> nn.Module:
+        return self._module()
+
+    # ---- storage ----
+    @property
+    def full_bytes(self) -> int:
+        return self.full.untyped_storage().nbytes()
+
+    def free(self) -> None:
+        """Drop the gathered weights (stage 3); the shard stays."""
+        self.wait_gather()
+        if self.full.untyped_storage().nbytes() > 0:
+            self.full.untyped_storage().resize_(0)
+        self.gathered = False
+
+    def needs_gather(self) -> bool:
+        return not self.gathered or self.stale or self.shard._version != self.shard_version
+
+    def gather(self, async_op: bool = False) -> None:
+        """All-gather the shards into `full` (compute dtype); async when async_op."""
+        if self.pending is not None or not self.needs_gather():
+            return
+        storage = self.full.untyped_storage()
+        want = self.padded * self.full.element_size()
+        if storage.nbytes() != want:
+            storage.resize_(want)
+        # The source must not alias the destination (aliased shards live inside `full`).
+        src = self.shard.detach().to(self.compute_dtype, copy=self.aliased)
+        # .data: writing the gathered weights must not bump the version counter autograd
+        # checks on the tensors saved for backward (they are views of this very storage).
+        work = self.comm.all_gather(self.full.data, src, async_op=async_op)
+        self.pending = (work, src)
+        self.gathered, self.stale, self.shard_version = True, False, self.shard._version
+        if not async_op:
+            self.wait_gather()
+
+    def wait_gather(self) -> None:
+        if self.pending is not None:
+            work, _ = self.pending
+            self.pending = None
+            self.comm.wait(work)
+
+    # ---- module attributes ----
+    def install_views(self) -> None:
+        """Point every owner attribute at its slice of `full` (fresh views: new autograd edges)."""
+        for e in self.entries:
+            view = self.full[e.offset:e.offset + e.numel].view(e.shape)
+            for mod, attr in e.owners:
+                setattr(mod(), attr, view)
+
+    # ---- full weights (state dicts, checkpoints) ----
+    def gather_fp32(self) -> torch.Tensor:
+        """The unpadded fp32 master weights of the whole unit (a collective: every rank calls)."""
+        out = torch.empty(self.padded, dtype=torch.float32, device=self.device)
+        self.comm.wait(self.comm.all_gather(out, self.shard.detach()))
+        return out[:self.numel]
+
+    def split(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-parameter tensors (cloned) of an unpadded flat buffer, under every alias name."""
+        out = {}
+        for e in self.entries:
+            t = flat[e.offset:e.offset + e.numel].view(e.shape).clone()
+            for name in e.names:
+                out[name] = t
+        return out
+
+    def load_fp32(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Set the master shard from full per-parameter tensors (keyed by any alias name)."""
+        full = torch.empty(self.padded, dtype=torch.float32, device=self.device)
+        srcs = []
+        for e in self.entries:
+            t = next(tensors[n] for n in e.names if n in tensors)
+            srcs.append(t.detach().to(device=self.device, dtype=torch.float32).reshape(e.shape))
+        ops.flatten_pack_(full, srcs)
+        lo = self.comm.rank * self.shard_numel
+        with torch.no_grad():
+            self.shard.copy_(full[lo:lo + self.shard_numel])
+        self.stale = True

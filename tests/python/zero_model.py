@@ -1,0 +1,133 @@
+"""A tiny GPT for the ZeRO and checkpoint tests, with every awkward case the sharding must
+survive: numel that does not divide by the world size, a tied embedding/LM head, a frozen
+parameter, a buffer and a parameter the forward never uses."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB, DIM, HEADS, LAYERS, SEQ = 61, 20, 2, 3, 8
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(DIM)
+        self.qkv = nn.Linear(DIM, 3 * DIM, bias=False)  # a k bias has no gradient
+        self.proj = nn.Linear(DIM, DIM)
+        self.ln2 = nn.LayerNorm(DIM)
+        self.fc = nn.Linear(DIM, 4 * DIM)
+        self.out = nn.Linear(4 * DIM, DIM)
+        self.unused = nn.Linear(DIM, 3)  # never called: gets a zero gradient under ZeRO
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, HEADS, d // HEADS).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, DIM)
+        self.pos = nn.Parameter(torch.randn(SEQ, DIM) * 0.1, requires_grad=False)  # frozen
+        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.ln_f = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.tok.weight  # tied
+        self.register_buffer("logit_scale", torch.tensor(0.9))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x)) * self.logit_scale
+
+
+def make_model(seed: int = 0) -> TinyGPT:
+    torch.manual_seed(seed)
+    return TinyGPT()
+
+
+def batches(steps: int, batch: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (batch, SEQ + 1), generator=g) for _ in range(steps)]
+
+
+def train(model, opt, data, *, accum: int, clip: float | None, world: int = 1, rank: int = 0,
+          zero: bool = False, twice: bool = False, group=None):
+    """Steps over `data` (global batches); each rank takes its slice of every micro-batch.
+    Returns the global loss of every step. twice=True calls the model twice per micro-batch."""
+    import tierlift
+
+    losses = []
+    for seq in data:
+        opt.zero_grad(set_to_none=True)
+        total = torch.zeros((), device=seq.device)
+        for m, micro in enumerate(seq.chunk(accum)):
+            local = micro.chunk(world)[rank]
+            idx, tgt = local[:, :-1], local[:, 1:]
+            sync = not zero or m == accum - 1
+            with contextlib.nullcontext() if sync else model.no_sync():
+                if twice:
+                    half = idx.shape[1] // 2
+                    l1 = F.cross_entropy(model(idx[:, :half]).flatten(0, 1),
+                                         tgt[:, :half].flatten())
+                    l2 = F.cross_entropy(model(idx[:, half:]).flatten(0, 1),
+                                         tgt[:, half:].flatten())
+                    loss = (l1 + l2) / (2 * accum)
+                else:
+                    loss = F.cross_entropy(model(idx).flatten(0, 1), tgt.flatten()) / accum
+                loss.backward()
+            total += loss.detach()
+        if zero:
+            if world > 1:
+                dist.all_reduce(total, group=group)
+            total /= world
+            if clip is not None:
+                tierlift.zero.clip_grad_norm_(model, clip)
+        else:
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            for p in model.parameters():  # ZeRO gives unused parameters zero gradients
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        opt.step()
+        losses.append(total.item())
+    return losses
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_gloo(rank: int, world: int, port: int, timeout_s: float = 60.0) -> None:
+    import datetime
+
+    os.environ.setdefault("TIERLIFT_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def shutdown() -> None:
+    """End a spawned rank: destroy the process group and leave without interpreter teardown.
+
+    gloo's worker threads release the buffers of finished collectives a moment after wait()
+    returns; if the interpreter is finalizing by then, the thread dies taking the GIL and the
+    process aborts ("terminate called without an active exception", seen in ~20% of runs with
+    torch 2.15). Results are written before this is called."""
+    dist.destroy_process_group()
+    os._exit(0)
