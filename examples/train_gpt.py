@@ -5,6 +5,7 @@ download) with tierlift's optimizer.
     python examples/train_gpt.py --steps 500 --layers 6 --dim 256 --device cuda --dtype bf16
     python examples/train_gpt.py --optim torch            # the same run with torch.optim.AdamW
     python examples/train_gpt.py --lowp fp8-rowwise --lowp-min-features 0   # FP8 linears
+    torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --zero 3   # ZeRO-3, 2 ranks
 
 Flags are grouped: model, data, training, and tierlift features (one flag per capability, each
 applied in build_training() in a fixed order). It prints a progress bar with loss and tokens/s,
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import sys
 import sysconfig
@@ -23,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tierlift  # noqa: E402
@@ -48,6 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     t.add_argument("--batch-size", type=int, default=16)
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--weight-decay", type=float, default=0.1)
+    t.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip (0: off)")
     t.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     t.add_argument(
         "--dtype",
@@ -62,6 +66,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="tierlift",
         choices=["tierlift", "torch"],
         help="tierlift.optim.AdamW (SIMD CPU / fused CUDA) or torch.optim.AdamW",
+    )
+    f.add_argument(
+        "--zero",
+        type=int,
+        default=0,
+        choices=[0, 1, 2, 3],
+        help="ZeRO stage under torchrun (0: plain DDP when there are several ranks)",
     )
     f.add_argument(
         "--lowp",
@@ -111,12 +122,16 @@ def batches(data: torch.Tensor, batch_size: int, seq_len: int, gen: torch.Genera
 
 
 def make_optimizer(kind: str, model: torch.nn.Module, args) -> torch.optim.Optimizer:
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [
-        {"params": decay, "weight_decay": args.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
+    if args.zero:
+        # Sharded models expose one flat fp32 shard per unit: one decay setting for all.
+        groups = [{"params": list(model.parameters()), "weight_decay": args.weight_decay}]
+    else:
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in model.parameters() if p.dim() < 2]
+        groups = [
+            {"params": decay, "weight_decay": args.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
     if kind == "tierlift":
         return tierlift.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
@@ -127,7 +142,7 @@ def build_training(args, device):
     torch.manual_seed(args.seed)
     cfg = GPTConfig(seq_len=args.seq_len, n_layer=args.layers, n_head=args.heads, dim=args.dim)
     model = GPT(cfg).to(device)
-    if args.dtype == "bf16":
+    if args.dtype == "bf16" and not args.zero:
         model = model.to(torch.bfloat16)
     if args.lowp != "none":
         report = tierlift.lowp.convert(model, recipe=args.lowp, min_features=args.lowp_min_features)
@@ -135,8 +150,48 @@ def build_training(args, device):
             f"lowp {args.lowp}: {len(report.converted)} layers converted, "
             f"{len(report.skipped)} kept in high precision"
         )
+    if args.zero:
+        # bf16 under ZeRO: fp32 master shards, bf16 compute, fp32 gradient reduction.
+        mp = tierlift.zero.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        model = tierlift.zero.shard(
+            model, stage=args.zero, mixed_precision=mp if args.dtype == "bf16" else None
+        )
+    elif dist.is_initialized():
+        model = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = make_optimizer(args.optim, model, args)
     return model, optimizer
+
+
+def init_distributed(args) -> tuple[int, int, torch.device]:
+    """(rank, world size, device): torchrun's environment, or one process."""
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if "WORLD_SIZE" not in os.environ:
+        if args.zero:
+            raise SystemExit("--zero needs torchrun (torchrun --standalone --nproc_per_node=2 ...)")
+        return 0, 1, torch.device("cuda" if cuda else "cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def clip_gradients(model, args) -> None:
+    if args.clip <= 0:
+        return
+    if args.zero:
+        tierlift.zero.clip_grad_norm_(model, args.clip)
+    else:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+
+
+def mean_over_ranks(value: torch.Tensor) -> float:
+    if dist.is_initialized():
+        value = value.detach().clone()
+        dist.all_reduce(value)
+        value /= dist.get_world_size()
+    return value.item()
 
 
 @torch.no_grad()
@@ -144,7 +199,7 @@ def evaluate(model, data, args, device, batches_n: int = 8) -> float:
     model.eval()
     gen = torch.Generator().manual_seed(1234)
     it = batches(data, args.batch_size, args.seq_len, gen, device)
-    losses = [model(*next(it)).item() for _ in range(batches_n)]
+    losses = [mean_over_ranks(model(*next(it))) for _ in range(batches_n)]
     model.train()
     return sum(losses) / len(losses)
 
@@ -179,34 +234,34 @@ def main(argv=None) -> None:
     from tqdm import tqdm
 
     args = parse_args(argv)
-    device = torch.device(
-        "cuda"
-        if args.device == "auto" and torch.cuda.is_available()
-        else ("cpu" if args.device == "auto" else args.device)
-    )
+    rank, world, device = init_distributed(args)
     data = load_corpus(args.data_mb)
     split = int(0.95 * len(data))
     train, val = data[:split], data[split:]
     model, optimizer = build_training(args, device)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"tierlift {tierlift.__version__} | {tierlift.build_info()}")
-    print(
+    log = print if rank == 0 else (lambda *a, **k: None)
+    log(f"tierlift {tierlift.__version__} | {tierlift.build_info()}")
+    log(
         f"data: {len(data) / 1e6:.1f} MB of stdlib source | model: {n_params / 1e6:.2f}M params "
-        f"| optimizer: {type(optimizer).__module__}.{type(optimizer).__name__} | {device}"
+        f"{'(this rank) ' if args.zero else ''}| optimizer: {type(optimizer).__module__}."
+        f"{type(optimizer).__name__} | {device} | ranks: {world} | zero: {args.zero}"
     )
-    gen = torch.Generator().manual_seed(args.seed)
+    gen = torch.Generator().manual_seed(args.seed + rank)  # each rank its own batches
     it = batches(train, args.batch_size, args.seq_len, gen, device)
-    tokens_per_step = args.batch_size * args.seq_len
+    tokens_per_step = args.batch_size * args.seq_len * world
     first_loss, t_start = None, time.perf_counter()
-    bar = tqdm(range(args.steps), desc="train", dynamic_ncols=True, mininterval=0.5)
+    bar = tqdm(range(args.steps), desc="train", dynamic_ncols=True, mininterval=0.5,
+               disable=rank != 0)
     for step in bar:
         x, y = next(it)
         loss = model(x, y)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        clip_gradients(model, args)
         optimizer.step()
         if step % 10 == 0 or step == args.steps - 1:
-            value = loss.item()
+            value = mean_over_ranks(loss)
             first_loss = value if first_loss is None else first_loss
             elapsed = time.perf_counter() - t_start
             bar.set_postfix(
@@ -214,12 +269,19 @@ def main(argv=None) -> None:
             )
     elapsed = time.perf_counter() - t_start
     val_loss = evaluate(model, val, args, device)
-    print(
-        f"loss {first_loss:.3f} -> {loss.item():.3f} | val loss {val_loss:.3f}"
+    log(
+        f"loss {first_loss:.3f} -> {value:.3f} | val loss {val_loss:.3f}"
         f" | {tokens_per_step * args.steps / elapsed:,.0f} tokens/s"
     )
-    if args.compare_steps > 0:
-        print(compare_optimizer_step(model, args, device))
+    if args.compare_steps > 0 and world == 1:
+        log(compare_optimizer_step(model, args, device))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+        # torch 2.15's gloo backend can abort at interpreter exit while freeing collective
+        # buffers ("terminate called without an active exception"); leave without teardown.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

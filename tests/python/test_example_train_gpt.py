@@ -5,31 +5,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_example(*flags: str) -> str:
-    cmd = [
-        sys.executable,
-        str(ROOT / "examples" / "train_gpt.py"),
-        "--steps",
-        "30",
-        "--layers",
-        "2",
-        "--dim",
-        "64",
-        "--seq-len",
-        "64",
-        "--batch-size",
-        "8",
-        "--data-mb",
-        "1",
-        "--compare-steps",
-        "3",
-        *flags,
-    ]
+SMALL = ["--steps", "30", "--layers", "2", "--dim", "64", "--seq-len", "64", "--batch-size", "8",
+         "--data-mb", "1", "--compare-steps", "3"]
+
+
+def run_example(*flags: str, launcher=(sys.executable,)) -> str:
+    cmd = [*launcher, str(ROOT / "examples" / "train_gpt.py"), *SMALL, *flags]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     return out.stdout
 
 
@@ -49,5 +37,15 @@ def test_train_gpt_bf16_params_with_master_weights():
 def test_train_gpt_fp8_rowwise():
     out = run_example("--lowp", "fp8-rowwise", "--lowp-min-features", "0")
     assert re.search(r"lowp fp8-rowwise: (\d+) layers converted", out).group(1) != "0", out
+    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", out).groups())
+    assert last < first - 0.5, out
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_train_gpt_under_torchrun_with_zero(stage):
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc_per_node=2"]
+    out = run_example("--zero", str(stage), "--device", "cpu", launcher=torchrun)
+    assert f"ranks: 2 | zero: {stage}" in out, out
     first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", out).groups())
     assert last < first - 0.5, out
