@@ -26,10 +26,12 @@ TORCH_LIBRARY(tierlift, m) {
   // x: 2-D fp32/bf16/fp16; scaling: tensor | row | col | 1x128 | 128x128; fp8_dtype:
   // float8_e4m3fn | float8_e5m2. Returns q (row-major) and fp32 scales (q = cast(x * scale));
   // the dual op also returns the quantization of x^T (x's column-major copy) and its scales.
-  m.def("fp8_quantize(Tensor x, str scaling, ScalarType fp8_dtype, bool pow2_scale) "
-        "-> (Tensor, Tensor)");
-  m.def("fp8_quantize_dual(Tensor x, str scaling, ScalarType fp8_dtype, bool pow2_scale) "
-        "-> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "fp8_quantize(Tensor x, str scaling, ScalarType fp8_dtype, bool pow2_scale) "
+      "-> (Tensor, Tensor)");
+  m.def(
+      "fp8_quantize_dual(Tensor x, str scaling, ScalarType fp8_dtype, bool pow2_scale) "
+      "-> (Tensor, Tensor, Tensor, Tensor)");
 
   // ---- zero: flat shard buffers (csrc/torch/zero_ops.cpp) ----
   // flatten_pack_ copies `tensors` back to back into the 1-D `flat` (same dtype and device) and
