@@ -1,0 +1,77 @@
+"""Where one param group's flat state kinds (master, exp_avg, exp_avg_sq, max_exp_avg_sq) live.
+
+MemoryTier: resident flat fp32 tensors (pinned when CUDA is available); a chunk "read" is a view.
+NvmeTier: two generations of files per kind; a step reads chunk k from generation g[k] and
+writes the updated chunk to 1 - g[k]; g[k] flips only after every write of the step reached the
+device, so a failed step leaves the committed generation untouched. Each committed chunk carries
+a CRC-32C per kind, verified on every read.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tierlift import _extension
+from tierlift.io import ChecksumError, IoEngine
+
+
+def crc32c(buf: torch.Tensor) -> int:
+    return int(_extension._C.io.block_crc32c(buf, buf.numel())[0])
+
+
+class MemoryTier:
+    def __init__(self, kinds: list[str], total_elems: int, pin: bool):
+        self.kinds = kinds
+        self.flat = {k: torch.zeros(total_elems, dtype=torch.float32, pin_memory=pin)
+                     for k in kinds}
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(t.nbytes for t in self.flat.values())
+
+    def view(self, kind: str, ci: int, chunk_elems: int) -> torch.Tensor:
+        return self.flat[kind][ci * chunk_elems:(ci + 1) * chunk_elems]
+
+
+class NvmeTier:
+    def __init__(self, engine: IoEngine, directory: str, gi: int, kinds: list[str],
+                 n_chunks: int, chunk_elems: int):
+        self.engine = engine
+        self.kinds = kinds
+        self.chunk_bytes = chunk_elems * 4
+        self.gen = [0] * n_chunks
+        self.crc: dict[tuple[str, int, int], int] = {}  # (kind, ci, gen) -> crc
+        self.paths = {(k, g): os.path.join(directory, f"g{gi}.{k}.{g}") for k in kinds
+                      for g in (0, 1)}
+        for path in self.paths.values():
+            with open(path, "wb") as f:
+                f.truncate(n_chunks * self.chunk_bytes)  # sparse: zeros until written
+
+    def read(self, kind: str, ci: int, buf: torch.Tensor, gen: int | None = None):
+        g = self.gen[ci] if gen is None else gen
+        return self.engine.read(buf, self.paths[(kind, g)], ci * self.chunk_bytes)
+
+    def verify(self, kind: str, ci: int, buf: torch.Tensor, what, gen: int | None = None):
+        g = self.gen[ci] if gen is None else gen
+        want = self.crc.get((kind, ci, g))
+        if want is not None and crc32c(buf) != want:
+            raise ChecksumError(
+                f"optimizer state file {self.paths[(kind, g)]!r} is corrupt: the {kind} of "
+                f"{what()} (chunk {ci}) does not match its CRC-32C")
+
+    def write(self, kind: str, ci: int, buf: torch.Tensor, gen: int):
+        self.crc[(kind, ci, gen)] = crc32c(buf)
+        return self.engine.write(buf, self.paths[(kind, gen)], ci * self.chunk_bytes)
+
+    def remove_files(self) -> None:
+        for path in self.paths.values():
+            try:
+                self.engine.forget(path)
+            except RuntimeError:
+                pass
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
