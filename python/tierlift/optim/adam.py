@@ -119,7 +119,9 @@ class Adam(Optimizer):
         for p, kinds in tiers.items():
             self.state[p].update(kinds)
         try:
-            return super().state_dict()
+            sd = super().state_dict()
+            sd["state"] = {i: dict(s) for i, s in sd["state"].items()}  # detach from self.state
+            return sd
         finally:
             for p, kinds in tiers.items():
                 for k in kinds:
