@@ -260,3 +260,59 @@ def test_files_are_removed_on_close(tmp_path):
     assert len(os.listdir(tmp_path)) == 1
     opt._offload.close()
     assert os.listdir(tmp_path) == []
+
+
+def _model():
+    torch.manual_seed(3)
+    return torch.nn.Sequential(torch.nn.Linear(32, 512), torch.nn.Tanh(), torch.nn.Linear(512, 300),
+                               torch.nn.Tanh(), torch.nn.Linear(300, 4))
+
+
+def _fit(opt_kw, steps=4, clip=None, accumulate=1, inside=False, dtype=torch.float32):
+    model = _model().to(dtype)
+    if inside:
+        opt_kw = dict(opt_kw, max_grad_norm=clip)
+    opt = AdamW(model.parameters(), lr=1e-2, **opt_kw)
+    g = torch.Generator().manual_seed(7)
+    kept = 0
+    for _ in range(steps):
+        for _ in range(accumulate):
+            model(torch.randn(8, 32, generator=g).to(dtype)).square().mean().backward()
+        if clip is not None and not inside:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        kept += opt.last_step_stats.get("overlap_kept_chunks", 0)
+        model.zero_grad(set_to_none=True)
+    return [p.detach().clone() for p in model.parameters()], kept
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+@pytest.mark.parametrize("clip,accumulate,inside,keeps", [
+    (None, 1, False, True),   # plain overlap: speculation kept
+    (None, 2, False, False),  # two backwards per step: the first speculation is redone
+    (1e-3, 1, True, False),   # max_grad_norm that scales: redone with the clipped grads
+    (1e9, 1, True, True),     # max_grad_norm that does not scale: kept
+    (1e9, 1, False, False),   # torch's clip_grad_norm_ always rescales in place: redone
+])
+def test_overlap_equals_the_plain_step(tmp_path, tier, clip, accumulate, inside, keeps):
+    ref, _ = _fit({}, clip=clip, accumulate=accumulate)
+    kw = _nvme(tmp_path, 1 << 20) if tier == "nvme" else dict(offload="cpu")
+    got, kept = _fit(dict(kw, overlap=True), clip=clip, accumulate=accumulate, inside=inside)
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+    assert (kept > 0) == keeps
+
+
+def test_overlap_bf16_params(tmp_path):
+    ref, _ = _fit({}, dtype=torch.bfloat16)
+    got, kept = _fit(dict(_nvme(tmp_path, 1 << 20), overlap=True), dtype=torch.bfloat16)
+    assert kept > 0
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+
+
+def test_overlap_needs_an_offload_tier():
+    with pytest.raises(ValueError, match="overlap=True and max_grad_norm need offload"):
+        AdamW([torch.nn.Parameter(torch.randn(3))], overlap=True)
+    with pytest.raises(ValueError, match="max_grad_norm must be > 0"):
+        AdamW([torch.nn.Parameter(torch.randn(3))], offload="cpu", max_grad_norm=0.0)

@@ -21,13 +21,22 @@ from collections import defaultdict
 import torch
 
 from tierlift import ops
-from tierlift.io import EngineConfig, IoEngine
+from tierlift.io import ChecksumError, EngineConfig, IoEngine
 from tierlift.offload.config import OffloadConfig
 from tierlift.offload.layout import ALIGN_ELEMS, build_layout
 from tierlift.offload.tiers import MemoryTier, NvmeTier
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 _SLOTS = 3
+
+
+def _check_group(gi: int, group: dict, kinds: list[str]) -> None:
+    from tierlift.optim.adam import _check_hyper
+
+    _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+    if _state_kinds(group["amsgrad"]) != kinds:
+        raise ValueError(f"param_groups[{gi}]['amsgrad'] changed after the optimizer was "
+                         "created; offloaded state cannot change kinds")
 
 
 def _state_kinds(amsgrad: bool) -> list[str]:
@@ -53,37 +62,49 @@ class Offloader:
         kinds = max((len(_state_kinds(g["amsgrad"])) for g in optimizer.param_groups), default=3)
         per_elem = 4 * (kinds + (2 if self._cuda else 0))
         chunk_elems = config.chunk_bytes // 4
-        if config.offload == "nvme":
-            if config.cpu_budget is not None:
-                fit = config.cpu_budget // (_SLOTS * per_elem) // ALIGN_ELEMS * ALIGN_ELEMS
-                if fit < ALIGN_ELEMS:
-                    raise ValueError(
-                        f"cpu_budget={config.cpu_budget} bytes is smaller than one chunk of "
-                        f"{_SLOTS} pipeline slots; the smallest budget that works is "
-                        f"{_SLOTS * per_elem * ALIGN_ELEMS} bytes")
-                chunk_elems = min(chunk_elems, fit)
+        largest = max((sum(-(-max(p.numel(), 1) // ALIGN_ELEMS) * ALIGN_ELEMS
+                           for p in g["params"]) for g in optimizer.param_groups), default=0)
+        chunk_elems = max(ALIGN_ELEMS, min(chunk_elems, largest))
+        # NVMe, and host memory with overlap, keep two generations of the state and step
+        # chunk by chunk through pipeline slots, so a step can be undone; the resident host
+        # tier without overlap updates the state in place.
+        self.streamed = config.offload == "nvme" or config.overlap
+        if config.offload == "nvme" and config.cpu_budget is not None:
+            fit = config.cpu_budget // (_SLOTS * per_elem) // ALIGN_ELEMS * ALIGN_ELEMS
+            if fit < ALIGN_ELEMS:
+                raise ValueError(
+                    f"cpu_budget={config.cpu_budget} bytes is smaller than one chunk of "
+                    f"{_SLOTS} pipeline slots; the smallest budget that works is "
+                    f"{_SLOTS * per_elem * ALIGN_ELEMS} bytes")
+            chunk_elems = min(chunk_elems, fit)
         self.chunk_elems = chunk_elems
-        self.slot_elems = {"grad": chunk_elems, "copy": chunk_elems}
+        self._in_file = [set() for _ in optimizer.param_groups]  # params whose master is stored
         self.layouts = [build_layout(list(g["params"]), chunk_elems)
                         for g in optimizer.param_groups]
         self._kinds = [_state_kinds(g["amsgrad"]) for g in optimizer.param_groups]
         self._slot_kinds = max(self._kinds, key=len) + (["grad", "copy"] if self._cuda else [])
+        self.pool_bytes = 0
         if config.offload == "cpu":
             self.tiers = []
+            gens = 2 if self.streamed else 1
             for g, k, lay in zip(optimizer.param_groups, self._kinds, self.layouts):
                 if not any(self._uses_master(p) for p in g["params"]):
                     k = k[1:]  # fp32 CPU params are their own master
-                self.tiers.append(MemoryTier(k, lay.total_elems, self._pin))
+                self.tiers.append(MemoryTier(k, len(lay.chunks), chunk_elems, self._pin, gens))
+            slot_kinds = self._slot_kinds if self.streamed else ["grad", "copy"]
+            if not self.streamed and not self._cuda:
+                slot_kinds = []
+            self._slots = [{k: torch.empty(chunk_elems, dtype=torch.float32,
+                                           pin_memory=self._pin) for k in slot_kinds}
+                           for _ in range(_SLOTS)]
             resident = sum(t.resident_bytes for t in self.tiers)
-            staging = _SLOTS * chunk_elems * 8 if self._cuda else 0
+            staging = _SLOTS * chunk_elems * 4 * len(slot_kinds)
+            self.pool_bytes = staging
             if config.cpu_budget is not None and resident + staging > config.cpu_budget:
                 raise ValueError(
                     f"cpu_budget={config.cpu_budget} bytes is smaller than the optimizer state "
                     f"({resident + staging} bytes with staging); raise it or use "
                     "offload='nvme'")
-            self._slots = [{k: torch.empty(chunk_elems, dtype=torch.float32,
-                                           pin_memory=self._pin) for k in ("grad", "copy")}
-                           for _ in range(_SLOTS)] if self._cuda else [{}] * _SLOTS
         else:
             pool = _SLOTS * chunk_elems * 4 * len(self._slot_kinds)
             self._dir = tempfile.mkdtemp(prefix="tierlift-offload-", dir=config.nvme_path)
@@ -95,6 +116,11 @@ class Offloader:
                             for k in self._slot_kinds} for _ in range(_SLOTS)]
             self.tiers = [NvmeTier(self._engine, self._dir, gi, k, len(lay.chunks), chunk_elems)
                           for gi, (k, lay) in enumerate(zip(self._kinds, self.layouts))]
+        self.overlap = None
+        if config.overlap:
+            from tierlift.offload.overlap import Overlap
+
+            self.overlap = Overlap(self)
 
     # ---- helpers -------------------------------------------------------------------------
     def _name(self, gi: int, pi: int) -> str:
@@ -105,7 +131,7 @@ class Offloader:
 
     def _uses_master(self, p: torch.Tensor) -> bool:
         # NVMe keeps a master for every param so a failed step can restore the parameter.
-        return (self.config.offload == "nvme" or p.device.type != "cpu"
+        return (self.streamed or p.device.type != "cpu"
                 or p.dtype != torch.float32)
 
     def close(self) -> None:
@@ -127,6 +153,7 @@ class Offloader:
     def step(self) -> None:
         t0 = time.perf_counter()
         stats = defaultdict(float)
+        spec = self.overlap.finish(stats) if self.overlap is not None else {}
         live = self._collect_grads()
         if not self._all_finite(live):
             self.last_step_stats = {"skipped": True, "reason": "non-finite gradient",
@@ -137,7 +164,15 @@ class Offloader:
             return
         for gi, group in enumerate(self.opt.param_groups):
             if live[gi]:
-                self._step_group(gi, group, live[gi], stats)
+                _check_group(gi, group, self._kinds[gi])
+        if self.config.max_grad_norm is not None:
+            self._clip(stats)
+        if self.streamed:
+            self._step_streamed(live, spec, stats)
+        else:
+            for gi, group in enumerate(self.opt.param_groups):
+                if live[gi]:
+                    self._step_resident(gi, group, live[gi], stats)
         stats["total_s"] = time.perf_counter() - t0
         stats["skipped"] = False
         self.last_step_stats = dict(stats)
@@ -170,36 +205,106 @@ class Offloader:
                  for got in live for g in got.values() if g.numel()]
         return not flags or bool(torch.stack([f.cpu() for f in flags]).all())
 
-    def _step_group(self, gi: int, group: dict, grads: dict, stats) -> None:
-        from tierlift.optim.adam import _check_hyper
+    def _clip(self, stats) -> None:
+        """torch.nn.utils.clip_grad_norm_ over the optimizer's parameters, in their order; the
+        gradients are only touched when they are scaled (so speculative steps stay valid)."""
+        params = [p for g in self.opt.param_groups for p in g["params"] if p.grad is not None]
+        total = torch.nn.utils.get_total_norm([p.grad for p in params])
+        stats["grad_norm"] = float(total)
+        if float(self.config.max_grad_norm) / (float(total) + 1e-6) < 1.0:
+            torch.nn.utils.clip_grads_with_norm_(params, self.config.max_grad_norm, total)
 
-        _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-        if _state_kinds(group["amsgrad"]) != self._kinds[gi]:
-            raise ValueError(f"param_groups[{gi}]['amsgrad'] changed after the optimizer was "
-                             "created; offloaded state cannot change kinds")
-        params = group["params"]
-        steps = {}
-        for pi in grads:
+    def next_steps(self, gi: int, pis) -> dict:
+        params = self.opt.param_groups[gi]["params"]
+        out = {}
+        for pi in pis:
             st = self.opt.state[params[pi]]
-            steps[pi] = int(st["step"].item()) + 1 if "step" in st else 1
-        layout = self.layouts[gi]
-        chunks = [c for c in layout.chunks if any(s.pi in grads for s in c.segments)]
-        if self.config.offload == "nvme":
-            self._init_masters(gi, params, grads, chunks, stats)
-            self._stream(gi, group, params, grads, steps, chunks, stats)
-        else:
-            tier = self.tiers[gi]
-            for i, chunk in enumerate(chunks):
-                bufs = {k: tier.view(k, chunk.ci, self.chunk_elems) for k in tier.kinds}
-                bufs.update(self._slots[i % _SLOTS])
-                self._step_chunk(gi, group, params, grads, steps, chunk, bufs, stats)
+            out[pi] = int(st["step"].item()) + 1 if "step" in st else 1
+        return out
+
+    def _commit_steps(self, gi: int, steps: dict) -> None:
+        params = self.opt.param_groups[gi]["params"]
         for pi, s in steps.items():
             self.opt.state[params[pi]]["step"] = torch.tensor(float(s), dtype=torch.float32)
 
-    def _init_masters(self, gi, params, grads, chunks, stats) -> None:
+    def _step_resident(self, gi: int, group: dict, grads: dict, stats) -> None:
+        params, tier = group["params"], self.tiers[gi]
+        steps = self.next_steps(gi, grads)
+        chunks = [c for c in self.layouts[gi].chunks if any(s.pi in grads for s in c.segments)]
+        for i, chunk in enumerate(chunks):
+            bufs = {k: tier.view(k, chunk.ci, self.chunk_elems) for k in tier.kinds}
+            bufs.update(self._slots[i % _SLOTS])
+            self._step_chunk(gi, group, params, grads, steps, chunk, bufs, stats)
+        self._commit_steps(gi, steps)
+
+    def _step_streamed(self, live: list[dict], spec: dict, stats) -> None:
+        """Steps every chunk with a gradient that the overlap did not already step validly,
+        waits for all writes, then commits (flips the generations and the step counts)."""
+        keep: dict[int, list] = {}
+        for gi, records in spec.items():
+            good = [c for c, rec in records if rec.valid(self, gi, live[gi], c)]
+            bad = [c for c, rec in records if not rec.valid(self, gi, live[gi], c)]
+            keep[gi] = good  # the bad ones are stepped again below, from the committed state
+            stats["overlap_kept_chunks"] += len(good)
+            stats["overlap_redone_chunks"] += len(bad)
+        done: dict[int, list] = {gi: [] for gi in range(len(self.opt.param_groups))}
+        try:
+            for gi in range(len(self.opt.param_groups)):
+                grads = live[gi]
+                if not grads:
+                    continue
+                kept = {c.ci for c in keep.get(gi, [])}
+                chunks = [c for c in self.layouts[gi].chunks if c.ci not in kept
+                          and any(s.pi in grads for s in c.segments)]
+                steps = self.next_steps(gi, grads)
+                self.init_masters(gi, grads, chunks, stats)
+                self.run(gi, grads, steps, chunks, stats, done[gi])
+            t = time.perf_counter()
+            if self._engine is not None:
+                self._engine.sync()
+            stats["nvme_write_wait_s"] += time.perf_counter() - t
+            for gi, chunks in keep.items():
+                self._publish(gi, chunks, live[gi], stats)
+        except BaseException as err:
+            for gi in done:
+                self._restore(gi, done[gi] + keep.get(gi, []))
+            self._raise(err)
+        for gi, grads in enumerate(live):
+            tier = self.tiers[gi]
+            for chunk in done[gi] + keep.get(gi, []):
+                tier.gen[chunk.ci] = 1 - tier.gen[chunk.ci]
+            if grads:
+                self._commit_steps(gi, self.next_steps(gi, grads))
+
+    def _raise(self, err: BaseException):
+        if isinstance(err, OSError) and not isinstance(err, ChecksumError):
+            where = self._dir or "host memory"
+            raise OSError(err.errno, f"offload step failed on the state tier under "
+                          f"{where!r}: {err}; parameters and optimizer state are as "
+                          "they were before this step") from err
+        raise err
+
+    def _publish(self, gi: int, chunks, grads: dict, stats) -> None:
+        """Copies the new master weights of speculatively stepped chunks into the parameters
+        (a speculative step never touches them: a second backward may still read them)."""
+        if not chunks:
+            return
+        t = time.perf_counter()
+        params, tier = self.opt.param_groups[gi]["params"], self.tiers[gi]
+        buf = self._slots[0]["master"]
+        for chunk in chunks:
+            new_gen = 1 - tier.gen[chunk.ci]
+            tier.read("master", chunk.ci, buf, new_gen).wait()
+            tier.verify("master", chunk.ci, buf, self._what(gi, chunk), new_gen)
+            for s in chunk.segments:
+                if s.pi in grads:
+                    params[s.pi].detach().view(-1)[s.plo:s.phi].copy_(buf[s.clo:s.chi])
+        stats["publish_s"] += time.perf_counter() - t
+
+    def init_masters(self, gi, grads, chunks, stats) -> None:
         """First step of a parameter: its master weights go to the committed generation, so
-        a failure later in the step can restore the parameter from the file."""
-        tier = self.tiers[gi]
+        a failure later in the step can restore the parameter from there."""
+        params, tier = self.opt.param_groups[gi]["params"], self.tiers[gi]
         buf = self._slots[0]["master"]
         for chunk in chunks:
             new = [s for s in chunk.segments
@@ -212,19 +317,24 @@ class Offloader:
             for s in new:
                 buf[s.clo:s.chi].copy_(params[s.pi].detach().view(-1)[s.plo:s.phi])
             tier.write("master", chunk.ci, buf, tier.gen[chunk.ci]).wait()
-            self._engine.sync()
-            stats["nvme_init_s"] += time.perf_counter() - t
+            self._in_file[gi].update(s.pi for s in new)
+            if self._engine is not None:
+                self._engine.sync()
+            stats["master_init_s"] += time.perf_counter() - t
 
-    def _stream(self, gi, group, params, grads, steps, chunks, stats) -> None:
-        tier = self.tiers[gi]
+    def run(self, gi, grads, steps, chunks, stats, done: list, publish: bool = True) -> None:
+        """Reads chunk k+1 while stepping chunk k while chunk k-1 is written to the other
+        generation; returns once every write finished. Chunks whose parameters were updated
+        are appended to `done` (also when this raises)."""
+        group = self.opt.param_groups[gi]
+        params, tier = group["params"], self.tiers[gi]
         kinds = tier.kinds
         reads: dict[int, list] = {}
         writes: dict[int, list] = {}
-        done = []
+        nbytes = len(kinds) * self.chunk_elems * 4
 
         def start_read(i):
-            ci = chunks[i].ci
-            reads[i] = [tier.read(k, ci, self._slots[i % _SLOTS][k]) for k in kinds]
+            reads[i] = [tier.read(k, chunks[i].ci, self._slots[i % _SLOTS][k]) for k in kinds]
 
         try:
             if chunks:
@@ -243,48 +353,40 @@ class Offloader:
                 for k in kinds:
                     tier.verify(k, chunk.ci, bufs[k], self._what(gi, chunk))
                 stats["nvme_read_wait_s"] += time.perf_counter() - t
-                stats["nvme_read_bytes"] += len(kinds) * self.chunk_elems * 4
+                stats["nvme_read_bytes"] += nbytes
                 done.append(chunk)
-                self._step_chunk(gi, group, params, grads, steps, chunk, bufs, stats)
+                self._step_chunk(gi, group, params, grads, steps, chunk, bufs, stats, publish)
                 new_gen = 1 - tier.gen[chunk.ci]
                 writes[i] = [tier.write(k, chunk.ci, bufs[k], new_gen) for k in kinds]
-                stats["nvme_write_bytes"] += len(kinds) * self.chunk_elems * 4
+                stats["nvme_write_bytes"] += nbytes
             t = time.perf_counter()
-            for hs in list(writes.values()):
-                for h in hs:
+            for i in sorted(writes):
+                for h in writes.pop(i):
                     h.wait()
-            writes.clear()
-            self._engine.sync()
             stats["nvme_write_wait_s"] += time.perf_counter() - t
-        except BaseException as err:
-            self._drain(reads, writes)
-            self._restore(gi, params, grads, done)
-            if isinstance(err, OSError) and not type(err).__name__ == "ChecksumError":
-                raise OSError(err.errno, f"offload step failed on the NVMe tier under "
-                              f"{self._dir!r}: {err}; parameters and optimizer state are as "
-                              "they were before this step") from err
+        except BaseException:
+            for hs in [*reads.values(), *writes.values()]:
+                for h in hs:
+                    try:
+                        h.wait()
+                    except (OSError, EOFError):
+                        pass
             raise
-        for chunk in chunks:
-            tier.gen[chunk.ci] = 1 - tier.gen[chunk.ci]
 
-    def _drain(self, reads, writes) -> None:
-        for hs in [*reads.values(), *writes.values()]:
-            for h in hs:
-                try:
-                    h.wait()
-                except (OSError, EOFError):
-                    pass
-
-    def _restore(self, gi, params, grads, done) -> None:
-        tier = self.tiers[gi]
+    def _restore(self, gi: int, chunks) -> None:
+        """Puts the parameters of `chunks` back to the committed master weights."""
+        if not chunks:
+            return
+        params, tier = self.opt.param_groups[gi]["params"], self.tiers[gi]
         buf = self._slots[0]["master"]
-        for chunk in done:
+        for chunk in chunks:
             tier.read("master", chunk.ci, buf).wait()
             for s in chunk.segments:
-                if s.pi in grads:
+                if s.pi in self._in_file[gi]:
                     params[s.pi].detach().view(-1)[s.plo:s.phi].copy_(buf[s.clo:s.chi])
 
-    def _step_chunk(self, gi, group, params, grads, steps, chunk, bufs, stats) -> None:
+    def _step_chunk(self, gi, group, params, grads, steps, chunk, bufs, stats,
+                    publish: bool = True) -> None:
         t = time.perf_counter()
         buckets: dict = defaultdict(lambda: defaultdict(list))
         h2d = []
@@ -308,9 +410,9 @@ class Offloader:
                 if fresh and self.config.offload == "cpu":
                     master.copy_(pflat)
                 b["params"].append(master)
-                if p.device.type == "cpu":
+                if publish and p.device.type == "cpu":
                     b["copies"].append(pflat)
-                else:
+                elif publish:
                     nbytes = p.element_size()
                     staging = bufs["copy"].view(torch.uint8)[s.clo * nbytes:s.chi * nbytes]
                     staging = staging.view(p.dtype)
@@ -389,6 +491,7 @@ class Offloader:
                 bufs = self._chunk_bufs(gi, chunk)
                 for s in segs:
                     p = params[s.pi]
+                    self._in_file[gi].add(s.pi)
                     vals = loaded[p]
                     for k in tier.kinds:
                         dst = bufs[k][s.clo:s.chi]

@@ -21,18 +21,47 @@ def crc32c(buf: torch.Tensor) -> int:
     return int(_extension._C.io.block_crc32c(buf, buf.numel())[0])
 
 
+class _Done:
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def wait(self) -> torch.Tensor:
+        return self.tensor
+
+
 class MemoryTier:
-    def __init__(self, kinds: list[str], total_elems: int, pin: bool):
+    """generations=1: chunks are views, updated in place. generations=2: the NvmeTier protocol
+    (read into a slot, write to the other generation), so a step can be undone."""
+
+    def __init__(self, kinds: list[str], n_chunks: int, chunk_elems: int, pin: bool,
+                 generations: int = 1):
         self.kinds = kinds
-        self.flat = {k: torch.zeros(total_elems, dtype=torch.float32, pin_memory=pin)
-                     for k in kinds}
+        self.chunk_elems = chunk_elems
+        self.gen = [0] * n_chunks
+        self.flat = {(k, g): torch.zeros(n_chunks * chunk_elems, dtype=torch.float32,
+                                         pin_memory=pin)
+                     for k in kinds for g in range(generations)}
 
     @property
     def resident_bytes(self) -> int:
         return sum(t.nbytes for t in self.flat.values())
 
     def view(self, kind: str, ci: int, chunk_elems: int) -> torch.Tensor:
-        return self.flat[kind][ci * chunk_elems:(ci + 1) * chunk_elems]
+        n = self.chunk_elems
+        return self.flat[(kind, self.gen[ci])][ci * n:(ci + 1) * n]
+
+    def read(self, kind: str, ci: int, buf: torch.Tensor, gen: int | None = None):
+        g = self.gen[ci] if gen is None else gen
+        n = self.chunk_elems
+        return _Done(buf.copy_(self.flat[(kind, g)][ci * n:(ci + 1) * n]))
+
+    def verify(self, kind, ci, buf, what, gen=None) -> None:
+        pass  # host memory: no checksum
+
+    def write(self, kind: str, ci: int, buf: torch.Tensor, gen: int):
+        n = self.chunk_elems
+        self.flat[(kind, gen)][ci * n:(ci + 1) * n].copy_(buf)
+        return _Done(buf)
 
 
 class NvmeTier:

@@ -6,6 +6,8 @@ Same constructor as torch's, same param-group keys and the same state_dict layou
 optimizer and ours in both directions. Differences, all deliberate:
   * optimizer state is always fp32; a bf16/fp16 parameter also gets an fp32 master copy
     (state key "master") and receives the rounded update, written by the same fused pass;
+  * offload="cpu"|"nvme" (with nvme_path, cpu_budget, overlap) moves the state out of the
+    parameter's memory; tierlift.offload does that work (docs/offload.md);
   * foreach/fused/capturable are accepted for compatibility and ignored (ours is always fused);
     differentiable=True is refused.
 """
@@ -66,6 +68,8 @@ class Adam(Optimizer):
         offload="none",
         nvme_path=None,
         cpu_budget=None,
+        overlap=False,
+        max_grad_norm=None,
     ):
         _check_hyper(lr, betas, eps, weight_decay)
         if differentiable:
@@ -100,10 +104,17 @@ class Adam(Optimizer):
                         "expected a floating-point parameter"
                     )
         self._offload = None
-        if offload != "none" or nvme_path is not None or cpu_budget is not None:
+        extras = (nvme_path, cpu_budget, max_grad_norm)
+        if offload != "none" or overlap or any(x is not None for x in extras):
             from tierlift.offload import OffloadConfig, Offloader
 
-            config = OffloadConfig(offload=offload, nvme_path=nvme_path, cpu_budget=cpu_budget)
+            config = OffloadConfig(
+                offload=offload,
+                nvme_path=nvme_path,
+                cpu_budget=cpu_budget,
+                overlap=overlap,
+                max_grad_norm=max_grad_norm,
+            )
             if config.offload != "none":
                 self._offload = Offloader(self, config)
 
@@ -275,6 +286,8 @@ class AdamW(Adam):
         offload="none",
         nvme_path=None,
         cpu_budget=None,
+        overlap=False,
+        max_grad_norm=None,
     ):
         super().__init__(
             params,
@@ -292,6 +305,8 @@ class AdamW(Adam):
             offload=offload,
             nvme_path=nvme_path,
             cpu_budget=cpu_budget,
+            overlap=overlap,
+            max_grad_norm=max_grad_norm,
         )
 
     def _decoupled(self, group: dict) -> bool:
