@@ -316,3 +316,23 @@ def test_overlap_needs_an_offload_tier():
         AdamW([torch.nn.Parameter(torch.randn(3))], overlap=True)
     with pytest.raises(ValueError, match="max_grad_norm must be > 0"):
         AdamW([torch.nn.Parameter(torch.randn(3))], offload="cpu", max_grad_norm=0.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_params_match_cpu_params_bit_for_bit(tmp_path, tier, dtype):
+    # Same CPU kernel on the same fp32 state: GPU params only add the D2H and H2D legs.
+    kw = _nvme(tmp_path, 1 << 20) if tier == "nvme" else dict(offload="cpu")
+    cpu, _ = _train(AdamW, dtype=dtype, **kw)
+    params = [torch.nn.Parameter(p.detach().cuda()) for p in _params(dtype)]
+    opt = AdamW(params, lr=1e-2, weight_decay=0.1, **kw)
+    for i in range(4):
+        host = [torch.nn.Parameter(torch.empty(p.shape, dtype=dtype)) for p in params]
+        _grads(host, i)
+        for p, h in zip(params, host):
+            p.grad = None if h.grad is None else h.grad.cuda()
+        opt.step()
+    assert opt.last_step_stats["d2h_s"] > 0 and opt.last_step_stats["h2d_s"] > 0
+    for a, b in zip(cpu, params):
+        assert torch.equal(a, b.detach().cpu())

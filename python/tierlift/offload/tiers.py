@@ -10,6 +10,7 @@ a CRC-32C per kind, verified on every read.
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -19,6 +20,15 @@ from tierlift.io import ChecksumError, IoEngine
 
 def crc32c(buf: torch.Tensor) -> int:
     return int(_extension._C.io.block_crc32c(buf, buf.numel())[0])
+
+
+# The CRC releases the GIL: the kinds of one chunk are checksummed in parallel.
+_CRC_POOL = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
+                               thread_name_prefix="tierlift-crc")
+
+
+def crc32c_many(bufs: list[torch.Tensor]) -> list[int]:
+    return list(_CRC_POOL.map(crc32c, bufs)) if len(bufs) > 1 else [crc32c(b) for b in bufs]
 
 
 class _Done:
@@ -58,6 +68,12 @@ class MemoryTier:
     def verify(self, kind, ci, buf, what, gen=None) -> None:
         pass  # host memory: no checksum
 
+    def verify_all(self, ci, bufs, what) -> None:
+        pass
+
+    def write_all(self, ci: int, bufs: dict, gen: int) -> list:
+        return [self.write(k, ci, bufs[k], gen) for k in self.kinds]
+
     def write(self, kind: str, ci: int, buf: torch.Tensor, gen: int):
         n = self.chunk_elems
         self.flat[(kind, gen)][ci * n:(ci + 1) * n].copy_(buf)
@@ -90,9 +106,22 @@ class NvmeTier:
                 f"optimizer state file {self.paths[(kind, g)]!r} is corrupt: the {kind} of "
                 f"{what()} (chunk {ci}) does not match its CRC-32C")
 
-    def write(self, kind: str, ci: int, buf: torch.Tensor, gen: int):
-        self.crc[(kind, ci, gen)] = crc32c(buf)
+    def write(self, kind: str, ci: int, buf: torch.Tensor, gen: int, crc: int | None = None):
+        self.crc[(kind, ci, gen)] = crc32c(buf) if crc is None else crc
         return self.engine.write(buf, self.paths[(kind, gen)], ci * self.chunk_bytes)
+
+    def verify_all(self, ci: int, bufs: dict, what) -> None:
+        g = self.gen[ci]
+        kinds = [k for k in self.kinds if (k, ci, g) in self.crc]
+        for k, got in zip(kinds, crc32c_many([bufs[k] for k in kinds])):
+            if got != self.crc[(k, ci, g)]:
+                raise ChecksumError(
+                    f"optimizer state file {self.paths[(k, g)]!r} is corrupt: the {k} of "
+                    f"{what()} (chunk {ci}) does not match its CRC-32C")
+
+    def write_all(self, ci: int, bufs: dict, gen: int) -> list:
+        crcs = crc32c_many([bufs[k] for k in self.kinds])
+        return [self.write(k, ci, bufs[k], gen, c) for k, c in zip(self.kinds, crcs)]
 
     def remove_files(self) -> None:
         for path in self.paths.values():
