@@ -336,3 +336,17 @@ def test_gpu_params_match_cpu_params_bit_for_bit(tmp_path, tier, dtype):
     assert opt.last_step_stats["d2h_s"] > 0 and opt.last_step_stats["h2d_s"] > 0
     for a, b in zip(cpu, params):
         assert torch.equal(a, b.detach().cpu())
+
+
+def test_dropping_the_optimizer_removes_its_files(tmp_path):
+    import gc
+
+    model = _model()
+    opt = AdamW(model.parameters(), overlap=True, **_nvme(tmp_path, 1 << 20))
+    model(torch.randn(2, 32)).sum().backward()
+    opt.step()
+    assert len(os.listdir(tmp_path)) == 1
+    del opt
+    gc.collect()
+    assert os.listdir(tmp_path) == []
+    model(torch.randn(2, 32)).sum().backward()  # the hooks outlive the optimizer harmlessly

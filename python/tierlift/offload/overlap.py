@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -65,11 +66,18 @@ class Overlap:
         self._reset()
         self._where = {}
         self._handles = []
+        me = weakref.ref(self)  # the hooks must not keep the optimizer (and its files) alive
+
+        def hook(p: torch.Tensor) -> None:
+            overlap = me()
+            if overlap is not None:
+                overlap._on_grad(p)
+
         for gi, group in enumerate(offloader.opt.param_groups):
             for pi, p in enumerate(group["params"]):
                 self._where[p] = (gi, pi)
                 if p.requires_grad:
-                    self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+                    self._handles.append(p.register_post_accumulate_grad_hook(hook))
 
     def _reset(self) -> None:
         self._ready = defaultdict(set)  # gi -> pis with a gradient this step
