@@ -6,6 +6,8 @@ Same constructor as torch's, same param-group keys and the same state_dict layou
 optimizer and ours in both directions. Differences, all deliberate:
   * optimizer state is always fp32; a bf16/fp16 parameter also gets an fp32 master copy
     (state key "master") and receives the rounded update, written by the same fused pass;
+  * offload="cpu"|"nvme" (with nvme_path, cpu_budget, overlap) moves the state out of the
+    parameter's memory; tierlift.offload does that work (docs/offload.md);
   * foreach/fused/capturable are accepted for compatibility and ignored (ours is always fused);
     differentiable=True is refused.
 """
@@ -63,6 +65,11 @@ class Adam(Optimizer):
         differentiable=False,
         fused=None,
         decoupled_weight_decay=False,
+        offload="none",
+        nvme_path=None,
+        cpu_budget=None,
+        overlap=False,
+        max_grad_norm=None,
     ):
         _check_hyper(lr, betas, eps, weight_decay)
         if differentiable:
@@ -96,6 +103,54 @@ class Adam(Optimizer):
                         f"param_groups[{gi}]['params'][{pi}] has dtype {p.dtype}; "
                         "expected a floating-point parameter"
                     )
+        self._offload = None
+        extras = (nvme_path, cpu_budget, max_grad_norm)
+        if offload != "none" or overlap or any(x is not None for x in extras):
+            from tierlift.offload import OffloadConfig, Offloader
+
+            config = OffloadConfig(
+                offload=offload,
+                nvme_path=nvme_path,
+                cpu_budget=cpu_budget,
+                overlap=overlap,
+                max_grad_norm=max_grad_norm,
+            )
+            if config.offload != "none":
+                self._offload = Offloader(self, config)
+
+    @property
+    def last_step_stats(self) -> dict:
+        """Per-step time and byte breakdown of the last offloaded step (empty without offload)."""
+        return self._offload.last_step_stats if self._offload is not None else {}
+
+    def state_dict(self):
+        if self._offload is None:
+            return super().state_dict()
+        tiers = self._offload.materialize()
+        for p, kinds in tiers.items():
+            self.state[p].update(kinds)
+        try:
+            sd = super().state_dict()
+            sd["state"] = {i: dict(s) for i, s in sd["state"].items()}  # detach from self.state
+            return sd
+        finally:
+            for p, kinds in tiers.items():
+                for k in kinds:
+                    self.state[p].pop(k, None)
+
+    def load_state_dict(self, state_dict):
+        if self._offload is None:
+            return super().load_state_dict(state_dict)
+        # Take the fp32 state from the dict as is (torch would cast it to the param's dtype).
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        loaded = {p: {k: v for k, v in state_dict["state"][i].items() if k != "step"}
+                  for i, p in zip(ids, params) if i in state_dict["state"]}
+        steps_only = dict(state_dict)
+        steps_only["state"] = {i: {"step": s["step"]} for i, s in state_dict["state"].items()
+                               if "step" in s}
+        super().load_state_dict(steps_only)
+        self._offload.ingest(loaded)
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -130,6 +185,9 @@ class Adam(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if getattr(self, "_offload", None) is not None:
+            self._offload.step()
+            return loss
         for gi, group in enumerate(self.param_groups):
             self._step_group(gi, group)
         return loss
@@ -225,6 +283,11 @@ class AdamW(Adam):
         capturable=False,
         differentiable=False,
         fused=None,
+        offload="none",
+        nvme_path=None,
+        cpu_budget=None,
+        overlap=False,
+        max_grad_norm=None,
     ):
         super().__init__(
             params,
@@ -239,6 +302,11 @@ class AdamW(Adam):
             differentiable=differentiable,
             fused=fused,
             decoupled_weight_decay=True,
+            offload=offload,
+            nvme_path=nvme_path,
+            cpu_budget=cpu_budget,
+            overlap=overlap,
+            max_grad_norm=max_grad_norm,
         )
 
     def _decoupled(self, group: dict) -> bool:

@@ -1,0 +1,56 @@
+"""OffloadConfig: where an optimizer's state lives and how much host memory it may hold."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+_KINDS = ("none", "cpu", "nvme")
+_ALIGN_ELEMS = 1024  # 4 KiB of fp32: the O_DIRECT alignment of every chunk
+
+
+@dataclass(kw_only=True)
+class OffloadConfig:
+    """offload: "none" (state next to the parameter), "cpu" (fp32 master, m, v in host memory,
+    pinned when CUDA is available) or "nvme" (master, m, v in files under `nvme_path`, streamed
+    through a pool of `cpu_budget` bytes). `chunk_bytes` caps the fp32 bytes per state kind that
+    one streamed chunk holds (the budget may lower it). `overlap`: step each chunk in a background
+thread as soon as its gradients are ready (see tierlift.offload.overlap). `max_grad_norm`:
+clip by the global norm inside step(), exactly as torch.nn.utils.clip_grad_norm_ would just
+before it, without invalidating the overlap when no scaling is needed."""
+
+    offload: str = "none"
+    nvme_path: str | os.PathLike | None = None
+    cpu_budget: int | None = None
+    chunk_bytes: int = 32 << 20
+    queue_depth: int = 32
+    overlap: bool = False
+    max_grad_norm: float | None = None
+
+    def __post_init__(self):
+        if self.offload not in _KINDS:
+            raise ValueError(f"offload must be one of {_KINDS}, got {self.offload!r}")
+        if self.offload == "nvme":
+            if self.nvme_path is None:
+                raise ValueError("offload='nvme' needs nvme_path (a directory on the drive)")
+            path = os.fspath(self.nvme_path)
+            if not os.path.isdir(path):
+                raise ValueError(f"nvme_path {path!r} is not an existing directory")
+            if not os.access(path, os.W_OK | os.X_OK):
+                raise PermissionError(f"nvme_path {path!r} is not writable")
+        elif self.offload == "none" and (self.overlap or self.max_grad_norm is not None):
+            raise ValueError("overlap=True and max_grad_norm need offload='cpu' or 'nvme'")
+        elif self.nvme_path is not None:
+            raise ValueError(f"nvme_path is only used with offload='nvme', not {self.offload!r}")
+        if self.cpu_budget is not None:
+            if isinstance(self.cpu_budget, bool) or not isinstance(self.cpu_budget, int):
+                raise TypeError(f"cpu_budget must be an int (bytes), got {self.cpu_budget!r}")
+            if self.cpu_budget <= 0:
+                raise ValueError(f"cpu_budget must be > 0 bytes, got {self.cpu_budget}")
+        if self.chunk_bytes < 4 * _ALIGN_ELEMS or self.chunk_bytes % (4 * _ALIGN_ELEMS):
+            raise ValueError(
+                f"chunk_bytes must be a positive multiple of 4096, got {self.chunk_bytes}")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0, got {self.max_grad_norm}")
+        if not 1 <= self.queue_depth <= 4096:
+            raise ValueError(f"queue_depth must be in [1, 4096], got {self.queue_depth}")

@@ -1,0 +1,70 @@
+"""Flat layout of one param group's optimizer state, cut into fixed-size chunks.
+
+Every parameter gets a range of a flat fp32 space, starting at a 4 KiB (1024-element) boundary;
+the space is cut into chunks of `chunk_elems` elements (a multiple of 1024), so a chunk is one
+aligned, fixed-size read or write per state kind. Adam is elementwise, so stepping a parameter
+slice by slice, in any chunking, gives the same bits as stepping it whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+ALIGN_ELEMS = 1024
+
+
+@dataclass(kw_only=True)
+class Segment:
+    """Elements [plo, phi) of parameter `pi` sit at [clo, chi) of chunk `ci`."""
+
+    pi: int
+    plo: int
+    phi: int
+    clo: int
+    chi: int
+
+
+@dataclass(kw_only=True)
+class Chunk:
+    ci: int
+    segments: list[Segment] = field(default_factory=list)
+
+
+@dataclass(kw_only=True)
+class GroupLayout:
+    chunk_elems: int
+    starts: list[int]  # flat start of each parameter
+    numels: list[int]
+    chunks: list[Chunk]
+
+    @property
+    def total_elems(self) -> int:
+        return len(self.chunks) * self.chunk_elems
+
+    def chunks_of(self, pi: int) -> list[Chunk]:
+        first = self.starts[pi] // self.chunk_elems
+        last = (self.starts[pi] + max(self.numels[pi], 1) - 1) // self.chunk_elems
+        return self.chunks[first:last + 1]
+
+
+def build_layout(params: list[torch.Tensor], chunk_elems: int) -> GroupLayout:
+    if chunk_elems <= 0 or chunk_elems % ALIGN_ELEMS:
+        raise ValueError(f"chunk_elems must be a positive multiple of {ALIGN_ELEMS}")
+    starts, numels, pos = [], [], 0
+    for p in params:
+        starts.append(pos)
+        numels.append(p.numel())
+        pos += -(-max(p.numel(), 1) // ALIGN_ELEMS) * ALIGN_ELEMS
+    n_chunks = -(-pos // chunk_elems) if pos else 0
+    chunks = [Chunk(ci=i) for i in range(n_chunks)]
+    for pi, (start, n) in enumerate(zip(starts, numels)):
+        lo = 0
+        while lo < n:
+            ci, off = divmod(start + lo, chunk_elems)
+            take = min(n - lo, chunk_elems - off)
+            chunks[ci].segments.append(Segment(pi=pi, plo=lo, phi=lo + take, clo=off,
+                                               chi=off + take))
+            lo += take
+    return GroupLayout(chunk_elems=chunk_elems, starts=starts, numels=numels, chunks=chunks)

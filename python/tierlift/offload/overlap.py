@@ -1,0 +1,145 @@
+"""Overlap: the optimizer step of a chunk runs in a background thread during backward.
+
+A post-accumulate-grad hook marks a parameter ready; once every parameter (that requires a
+gradient) of a chunk is ready, the chunk goes to one worker thread, which reads its state, runs
+the fused SIMD Adam (the GIL is released inside the op and inside I/O waits) and writes the
+new master, m and v to the uncommitted generation. The parameters themselves are not touched (a
+second backward for gradient accumulation may still read them); step() copies the new master
+weights into them ("publish") and commits.
+
+Exactness by speculate-and-validate: each speculative chunk records the gradient tensors it
+used (identity and version counter), the hyperparameters and the step counts. step() checks
+them against what it would use now. Anything that changed after the chunk ran (clipping that
+scales the gradients in place, loss-scale unscaling, a second backward for gradient
+accumulation, an lr scheduler) invalidates the chunk, which is then stepped again from the
+committed generation with the final values. A chunk is therefore only ever committed with
+exactly the inputs of the plain step. torch.nn.utils.clip_grad_norm_ always rescales in place
+(by 1.0 under the threshold), so it always invalidates; the optimizer's own `max_grad_norm`
+computes the same global norm in step() and scales only when it must, keeping the overlap.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+
+def _hyper(group: dict) -> tuple:
+    return (float(group["lr"]), tuple(group["betas"]), group["eps"], group["weight_decay"],
+            group["amsgrad"], group["maximize"])
+
+
+@dataclass(kw_only=True)
+class Record:
+    """What a speculative chunk step used."""
+
+    grads: dict  # pi -> (grad tensor, version)
+    steps: dict
+    hyper: tuple
+
+    def valid(self, off, gi: int, live: dict, chunk) -> bool:
+        group = off.opt.param_groups[gi]
+        params = group["params"]
+        if _hyper(group) != self.hyper:
+            return False
+        in_chunk = {s.pi for s in chunk.segments}
+        if in_chunk & live.keys() != in_chunk & self.grads.keys():
+            return False
+        for pi, (g, version) in self.grads.items():
+            if params[pi].grad is not g or g._version != version or pi not in live:
+                return False
+        return off.next_steps(gi, self.grads) == self.steps
+
+
+class Overlap:
+    def __init__(self, offloader):
+        self.off = offloader
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierlift-offload")
+        self._pending = []
+        self._reset()
+        self._where = {}
+        self._handles = []
+        me = weakref.ref(self)  # the hooks must not keep the optimizer (and its files) alive
+
+        def hook(p: torch.Tensor) -> None:
+            overlap = me()
+            if overlap is not None:
+                overlap._on_grad(p)
+
+        for gi, group in enumerate(offloader.opt.param_groups):
+            for pi, p in enumerate(group["params"]):
+                self._where[p] = (gi, pi)
+                if p.requires_grad:
+                    self._handles.append(p.register_post_accumulate_grad_hook(hook))
+
+    def _reset(self) -> None:
+        self._ready = defaultdict(set)  # gi -> pis with a gradient this step
+        self._submitted = defaultdict(set)  # gi -> cis
+        self._spec = defaultdict(list)  # gi -> [(chunk, Record)]
+        self._stats = defaultdict(float)
+        self._error = None
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        gi, pi = self._where[p]
+        group = self.off.opt.param_groups[gi]
+        params = group["params"]
+        with self._lock:
+            self._ready[gi].add(pi)
+            ready = []
+            for chunk in self.off.layouts[gi].chunks_of(pi):
+                if chunk.ci in self._submitted[gi]:
+                    continue
+                if all(s.pi in self._ready[gi] or not params[s.pi].requires_grad
+                       for s in chunk.segments):
+                    self._submitted[gi].add(chunk.ci)
+                    ready.append(chunk)
+        if ready:
+            pis = {s.pi for c in ready for s in c.segments if params[s.pi].grad is not None}
+            rec = Record(grads={q: (params[q].grad, params[q].grad._version) for q in pis},
+                         steps=self.off.next_steps(gi, pis), hyper=_hyper(group))
+            self._pending.append(self._pool.submit(self._work, gi, ready, rec))
+
+    def _work(self, gi: int, chunks, rec: Record) -> None:
+        if self._error is not None:
+            return
+        t = time.perf_counter()
+        grads = {pi: g.contiguous().view(-1) for pi, (g, _) in rec.grads.items()}
+        done = []
+        try:
+            with torch.no_grad():
+                self.off.init_masters(gi, grads, chunks, self._stats)
+                self.off.run(gi, grads, rec.steps, chunks, self._stats, done, publish=False)
+        except BaseException as err:  # noqa: BLE001 - re-raised by finish()
+            self._error = err
+        finally:
+            self._spec[gi].extend((c, rec) for c in done)
+            self._stats["overlapped_s"] += time.perf_counter() - t
+
+    def finish(self, stats) -> dict:
+        """Waits for the speculative chunks; returns {gi: [(chunk, Record)]} and starts the
+        next step's bookkeeping. A worker failure is raised after its chunks are undone."""
+        t = time.perf_counter()
+        for f in self._pending:
+            f.result()
+        self._pending = []
+        stats["overlap_wait_s"] += time.perf_counter() - t
+        for k, v in self._stats.items():
+            stats[k] += v
+        spec, err = dict(self._spec), self._error
+        self._reset()
+        if err is not None:
+            self.off._raise(err)  # nothing to undo: speculation touches no committed state
+        return spec
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._pool.shutdown(wait=True)

@@ -1,0 +1,521 @@
+"""Offloader: the step of tierlift.optim.Adam/AdamW with optimizer state in host memory or on
+NVMe. The optimizer keeps torch's param groups and its per-parameter "step" counts; this class
+owns master weights, exp_avg, exp_avg_sq (and max_exp_avg_sq) in flat per-group tiers and runs
+the fused SIMD CPU Adam chunk by chunk.
+
+NVMe pipeline, per param group (three pool slots, each holding one chunk of every state kind):
+read chunk k+1 while stepping chunk k, while chunk k-1 is written back. All buffers come from the
+io engine's pool of `cpu_budget` bytes, allocated once, so the host memory the optimizer holds
+never exceeds the budget. A step is all-or-nothing: non-finite gradients skip it before anything
+changes, and an I/O failure puts the parameters back from the committed master weights.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+import warnings
+from collections import defaultdict
+
+import torch
+
+from tierlift import ops
+from tierlift.io import ChecksumError, EngineConfig, IoEngine
+from tierlift.offload.config import OffloadConfig
+from tierlift.offload.layout import ALIGN_ELEMS, build_layout
+from tierlift.offload.tiers import MemoryTier, NvmeTier
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+_SLOTS = 3
+
+
+def _check_group(gi: int, group: dict, kinds: list[str]) -> None:
+    from tierlift.optim.adam import _check_hyper
+
+    _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+    if _state_kinds(group["amsgrad"]) != kinds:
+        raise ValueError(f"param_groups[{gi}]['amsgrad'] changed after the optimizer was "
+                         "created; offloaded state cannot change kinds")
+
+
+def _state_kinds(amsgrad: bool) -> list[str]:
+    return ["master", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
+
+
+class Offloader:
+    def __init__(self, optimizer, config: OffloadConfig):
+        self.opt = optimizer
+        self.config = config
+        self.last_step_stats: dict = {}
+        self._engine = None
+        self._dir = None
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        for gi, group in enumerate(optimizer.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if not p.is_contiguous():
+                    raise ValueError(f"param_groups[{gi}]['params'][{pi}] must be contiguous "
+                                     "for offload (call .contiguous() on it)")
+        self._cuda = any(p.device.type == "cuda" for p in params)
+        self._pin = torch.cuda.is_available()
+        # Streamed bytes per element: fp32 state kinds, plus grad and copy staging for GPU params.
+        kinds = max((len(_state_kinds(g["amsgrad"])) for g in optimizer.param_groups), default=3)
+        per_elem = 4 * (kinds + (2 if self._cuda else 0))
+        chunk_elems = config.chunk_bytes // 4
+        largest = max((sum(-(-max(p.numel(), 1) // ALIGN_ELEMS) * ALIGN_ELEMS
+                           for p in g["params"]) for g in optimizer.param_groups), default=0)
+        chunk_elems = max(ALIGN_ELEMS, min(chunk_elems, largest))
+        # NVMe, and host memory with overlap, keep two generations of the state and step
+        # chunk by chunk through pipeline slots, so a step can be undone; the resident host
+        # tier without overlap updates the state in place.
+        self.streamed = config.offload == "nvme" or config.overlap
+        if config.offload == "nvme" and config.cpu_budget is not None:
+            fit = config.cpu_budget // (_SLOTS * per_elem) // ALIGN_ELEMS * ALIGN_ELEMS
+            if fit < ALIGN_ELEMS:
+                raise ValueError(
+                    f"cpu_budget={config.cpu_budget} bytes is smaller than one chunk of "
+                    f"{_SLOTS} pipeline slots; the smallest budget that works is "
+                    f"{_SLOTS * per_elem * ALIGN_ELEMS} bytes")
+            chunk_elems = min(chunk_elems, fit)
+        self.chunk_elems = chunk_elems
+        self._in_file = [set() for _ in optimizer.param_groups]  # params whose master is stored
+        self.layouts = [build_layout(list(g["params"]), chunk_elems)
+                        for g in optimizer.param_groups]
+        self._kinds = [_state_kinds(g["amsgrad"]) for g in optimizer.param_groups]
+        self._slot_kinds = max(self._kinds, key=len) + (["grad", "copy"] if self._cuda else [])
+        self.pool_bytes = 0
+        if config.offload == "cpu":
+            self.tiers = []
+            gens = 2 if self.streamed else 1
+            for g, k, lay in zip(optimizer.param_groups, self._kinds, self.layouts):
+                if not any(self._uses_master(p) for p in g["params"]):
+                    k = k[1:]  # fp32 CPU params are their own master
+                self.tiers.append(MemoryTier(k, len(lay.chunks), chunk_elems, self._pin, gens))
+            slot_kinds = self._slot_kinds if self.streamed else ["grad", "copy"]
+            if not self.streamed and not self._cuda:
+                slot_kinds = []
+            self._slots = [{k: torch.empty(chunk_elems, dtype=torch.float32,
+                                           pin_memory=self._pin) for k in slot_kinds}
+                           for _ in range(_SLOTS)]
+            resident = sum(t.resident_bytes for t in self.tiers)
+            staging = _SLOTS * chunk_elems * 4 * len(slot_kinds)
+            self.pool_bytes = staging
+            if config.cpu_budget is not None and resident + staging > config.cpu_budget:
+                raise ValueError(
+                    f"cpu_budget={config.cpu_budget} bytes is smaller than the optimizer state "
+                    f"({resident + staging} bytes with staging); raise it or use "
+                    "offload='nvme'")
+        else:
+            pool = _SLOTS * chunk_elems * 4 * len(self._slot_kinds)
+            self._dir = tempfile.mkdtemp(prefix="tierlift-offload-", dir=config.nvme_path)
+            self._engine = IoEngine(EngineConfig(
+                queue_depth=config.queue_depth, pool_bytes=pool,
+                block_size=min(1 << 20, chunk_elems * 4)))
+            self.pool_bytes = pool
+            self._slots = [{k: self._engine.pool_tensor(chunk_elems * 4).view(torch.float32)
+                            for k in self._slot_kinds} for _ in range(_SLOTS)]
+            self.tiers = [NvmeTier(self._engine, self._dir, gi, k, len(lay.chunks), chunk_elems)
+                          for gi, (k, lay) in enumerate(zip(self._kinds, self.layouts))]
+        self.overlap = None
+        if config.overlap:
+            from tierlift.offload.overlap import Overlap
+
+            self.overlap = Overlap(self)
+
+    # ---- helpers -------------------------------------------------------------------------
+    def _name(self, gi: int, pi: int) -> str:
+        return f"param_groups[{gi}]['params'][{pi}]"
+
+    def _what(self, gi: int, chunk):
+        return lambda: ", ".join(self._name(gi, s.pi) for s in chunk.segments)
+
+    def _uses_master(self, p: torch.Tensor) -> bool:
+        # NVMe keeps a master for every param so a failed step can restore the parameter.
+        return (self.streamed or p.device.type != "cpu"
+                or p.dtype != torch.float32)
+
+    def close(self) -> None:
+        if self.overlap is not None:
+            self.overlap.close()
+            self.overlap = None
+        if self._engine is not None and not self._engine.closed:
+            self._slots = []
+            for tier in self.tiers:
+                tier.remove_files()
+            self._engine.close()
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    # ---- step ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> None:
+        t0 = time.perf_counter()
+        stats = defaultdict(float)
+        spec = self.overlap.finish(stats) if self.overlap is not None else {}
+        live = self._collect_grads()
+        t = time.perf_counter()
+        finite = self._all_finite(live)
+        stats["grad_check_s"] += time.perf_counter() - t
+        if not finite:
+            self.last_step_stats = {"skipped": True, "reason": "non-finite gradient",
+                                    "total_s": time.perf_counter() - t0}
+            warnings.warn("tierlift offload: a gradient has NaN/Inf values; the step was "
+                          "skipped and parameters and optimizer state are unchanged",
+                          RuntimeWarning, stacklevel=3)
+            return
+        for gi, group in enumerate(self.opt.param_groups):
+            if live[gi]:
+                _check_group(gi, group, self._kinds[gi])
+        if self.config.max_grad_norm is not None:
+            self._clip(stats)
+        if self.streamed:
+            self._step_streamed(live, spec, stats)
+        else:
+            for gi, group in enumerate(self.opt.param_groups):
+                if live[gi]:
+                    self._step_resident(gi, group, live[gi], stats)
+        stats["total_s"] = time.perf_counter() - t0
+        stats["skipped"] = False
+        self.last_step_stats = dict(stats)
+
+    def _collect_grads(self) -> list[dict]:
+        live = []
+        for gi, group in enumerate(self.opt.param_groups):
+            got = {}
+            for pi, p in enumerate(group["params"]):
+                g = p.grad
+                if g is None:
+                    continue
+                name = self._name(gi, pi)
+                if g.is_sparse:
+                    raise RuntimeError(f"{name} has a sparse gradient; tierlift's Adam needs "
+                                       "dense gradients")
+                if g.dtype not in (torch.float32, *_LOW_PRECISION):
+                    raise TypeError(f"{name}.grad has dtype {g.dtype}; expected float32, "
+                                    "bfloat16 or float16")
+                if g.shape != p.shape:
+                    raise ValueError(f"{name}.grad has shape {tuple(g.shape)}, expected "
+                                     f"{tuple(p.shape)}")
+                got[pi] = g.contiguous().view(-1)
+            live.append(got)
+        return live
+
+    def _all_finite(self, live: list[dict]) -> bool:
+        # aminmax propagates NaN and shows +-Inf without allocating a gradient-sized mask.
+        flags = [torch.stack(torch.aminmax(g)).isfinite().all()
+                 for got in live for g in got.values() if g.numel()]
+        return not flags or bool(torch.stack([f.cpu() for f in flags]).all())
+
+    def _clip(self, stats) -> None:
+        """torch.nn.utils.clip_grad_norm_ over the optimizer's parameters, in their order; the
+        gradients are only touched when they are scaled (so speculative steps stay valid)."""
+        params = [p for g in self.opt.param_groups for p in g["params"] if p.grad is not None]
+        total = torch.nn.utils.get_total_norm([p.grad for p in params])
+        stats["grad_norm"] = float(total)
+        if float(self.config.max_grad_norm) / (float(total) + 1e-6) < 1.0:
+            torch.nn.utils.clip_grads_with_norm_(params, self.config.max_grad_norm, total)
+
+    def next_steps(self, gi: int, pis) -> dict:
+        params = self.opt.param_groups[gi]["params"]
+        out = {}
+        for pi in pis:
+            st = self.opt.state[params[pi]]
+            out[pi] = int(st["step"].item()) + 1 if "step" in st else 1
+        return out
+
+    def _commit_steps(self, gi: int, steps: dict) -> None:
+        params = self.opt.param_groups[gi]["params"]
+        for pi, s in steps.items():
+            self.opt.state[params[pi]]["step"] = torch.tensor(float(s), dtype=torch.float32)
+
+    def _step_resident(self, gi: int, group: dict, grads: dict, stats) -> None:
+        params, tier = group["params"], self.tiers[gi]
+        steps = self.next_steps(gi, grads)
+        chunks = [c for c in self.layouts[gi].chunks if any(s.pi in grads for s in c.segments)]
+        for i, chunk in enumerate(chunks):
+            bufs = {k: tier.view(k, chunk.ci, self.chunk_elems) for k in tier.kinds}
+            bufs.update(self._slots[i % _SLOTS])
+            self._step_chunk(gi, group, params, grads, steps, chunk, bufs, stats)
+        self._commit_steps(gi, steps)
+
+    def _step_streamed(self, live: list[dict], spec: dict, stats) -> None:
+        """Steps every chunk with a gradient that the overlap did not already step validly,
+        waits for all writes, then commits (flips the generations and the step counts)."""
+        keep: dict[int, list] = {}
+        for gi, records in spec.items():
+            good = [c for c, rec in records if rec.valid(self, gi, live[gi], c)]
+            bad = [c for c, rec in records if not rec.valid(self, gi, live[gi], c)]
+            keep[gi] = good  # the bad ones are stepped again below, from the committed state
+            stats["overlap_kept_chunks"] += len(good)
+            stats["overlap_redone_chunks"] += len(bad)
+        done: dict[int, list] = {gi: [] for gi in range(len(self.opt.param_groups))}
+        try:
+            for gi in range(len(self.opt.param_groups)):
+                grads = live[gi]
+                if not grads:
+                    continue
+                kept = {c.ci for c in keep.get(gi, [])}
+                chunks = [c for c in self.layouts[gi].chunks if c.ci not in kept
+                          and any(s.pi in grads for s in c.segments)]
+                steps = self.next_steps(gi, grads)
+                self.init_masters(gi, grads, chunks, stats)
+                self.run(gi, grads, steps, chunks, stats, done[gi])
+            t = time.perf_counter()
+            if self._engine is not None:
+                self._engine.sync()
+            stats["nvme_write_wait_s"] += time.perf_counter() - t
+            for gi, chunks in keep.items():
+                self._publish(gi, chunks, live[gi], stats)
+        except BaseException as err:
+            for gi in done:
+                self._restore(gi, done[gi] + keep.get(gi, []))
+            self._raise(err)
+        for gi, grads in enumerate(live):
+            tier = self.tiers[gi]
+            for chunk in done[gi] + keep.get(gi, []):
+                tier.gen[chunk.ci] = 1 - tier.gen[chunk.ci]
+            if grads:
+                self._commit_steps(gi, self.next_steps(gi, grads))
+
+    def _raise(self, err: BaseException):
+        if isinstance(err, OSError) and not isinstance(err, ChecksumError):
+            where = self._dir or "host memory"
+            raise OSError(err.errno, f"offload step failed on the state tier under "
+                          f"{where!r}: {err}; parameters and optimizer state are as "
+                          "they were before this step") from err
+        raise err
+
+    def _publish(self, gi: int, chunks, grads: dict, stats) -> None:
+        """Copies the new master weights of speculatively stepped chunks into the parameters
+        (a speculative step never touches them: a second backward may still read them)."""
+        if not chunks:
+            return
+        t = time.perf_counter()
+        params, tier = self.opt.param_groups[gi]["params"], self.tiers[gi]
+        buf = self._slots[0]["master"]
+        for chunk in chunks:
+            new_gen = 1 - tier.gen[chunk.ci]
+            tier.read("master", chunk.ci, buf, new_gen).wait()
+            tier.verify("master", chunk.ci, buf, self._what(gi, chunk), new_gen)
+            for s in chunk.segments:
+                if s.pi in grads:
+                    params[s.pi].detach().view(-1)[s.plo:s.phi].copy_(buf[s.clo:s.chi])
+        stats["publish_s"] += time.perf_counter() - t
+
+    def init_masters(self, gi, grads, chunks, stats) -> None:
+        """First step of a parameter: its master weights go to the committed generation, so
+        a failure later in the step can restore the parameter from there."""
+        params, tier = self.opt.param_groups[gi]["params"], self.tiers[gi]
+        buf = self._slots[0]["master"]
+        for chunk in chunks:
+            new = [s for s in chunk.segments
+                   if s.pi in grads and "step" not in self.opt.state[params[s.pi]]]
+            if not new:
+                continue
+            t = time.perf_counter()
+            tier.read("master", chunk.ci, buf).wait()
+            tier.verify("master", chunk.ci, buf, self._what(gi, chunk))
+            for s in new:
+                buf[s.clo:s.chi].copy_(params[s.pi].detach().view(-1)[s.plo:s.phi])
+            tier.write("master", chunk.ci, buf, tier.gen[chunk.ci]).wait()
+            self._in_file[gi].update(s.pi for s in new)
+            if self._engine is not None:
+                self._engine.sync()
+            stats["master_init_s"] += time.perf_counter() - t
+
+    def run(self, gi, grads, steps, chunks, stats, done: list, publish: bool = True) -> None:
+        """Reads chunk k+1 while stepping chunk k while chunk k-1 is written to the other
+        generation; returns once every write finished. Chunks whose parameters were updated
+        are appended to `done` (also when this raises)."""
+        group = self.opt.param_groups[gi]
+        params, tier = group["params"], self.tiers[gi]
+        kinds = tier.kinds
+        reads: dict[int, list] = {}
+        writes: dict[int, list] = {}
+        nbytes = len(kinds) * self.chunk_elems * 4
+
+        def start_read(i):
+            reads[i] = [tier.read(k, chunks[i].ci, self._slots[i % _SLOTS][k]) for k in kinds]
+
+        try:
+            if chunks:
+                start_read(0)
+            for i, chunk in enumerate(chunks):
+                if i + 1 < len(chunks):
+                    t = time.perf_counter()
+                    for h in writes.pop(i - 2, []):  # slot of i+1 was last used by i-2
+                        h.wait()
+                    stats["nvme_write_wait_s"] += time.perf_counter() - t
+                    start_read(i + 1)
+                bufs = self._slots[i % _SLOTS]
+                t = time.perf_counter()
+                for h in reads.pop(i):
+                    h.wait()
+                t1 = time.perf_counter()
+                stats["nvme_read_wait_s"] += t1 - t
+                tier.verify_all(chunk.ci, bufs, self._what(gi, chunk))
+                stats["checksum_s"] += time.perf_counter() - t1
+                stats["nvme_read_bytes"] += nbytes
+                done.append(chunk)
+                self._step_chunk(gi, group, params, grads, steps, chunk, bufs, stats, publish)
+                new_gen = 1 - tier.gen[chunk.ci]
+                t = time.perf_counter()
+                writes[i] = tier.write_all(chunk.ci, bufs, new_gen)
+                stats["checksum_s"] += time.perf_counter() - t  # issuing is the CRC-32C
+                stats["nvme_write_bytes"] += nbytes
+            t = time.perf_counter()
+            for i in sorted(writes):
+                for h in writes.pop(i):
+                    h.wait()
+            stats["nvme_write_wait_s"] += time.perf_counter() - t
+        except BaseException:
+            for hs in [*reads.values(), *writes.values()]:
+                for h in hs:
+                    try:
+                        h.wait()
+                    except (OSError, EOFError):
+                        pass
+            raise
+
+    def _restore(self, gi: int, chunks) -> None:
+        """Puts the parameters of `chunks` back to the committed master weights."""
+        if not chunks:
+            return
+        params, tier = self.opt.param_groups[gi]["params"], self.tiers[gi]
+        buf = self._slots[0]["master"]
+        for chunk in chunks:
+            tier.read("master", chunk.ci, buf).wait()
+            for s in chunk.segments:
+                if s.pi in self._in_file[gi]:
+                    params[s.pi].detach().view(-1)[s.plo:s.phi].copy_(buf[s.clo:s.chi])
+
+    def _step_chunk(self, gi, group, params, grads, steps, chunk, bufs, stats,
+                    publish: bool = True) -> None:
+        t = time.perf_counter()
+        buckets: dict = defaultdict(lambda: defaultdict(list))
+        h2d = []
+        amsgrad = group["amsgrad"]
+        for s in chunk.segments:
+            if s.pi not in grads:
+                continue
+            p = params[s.pi]
+            pflat = p.detach().view(-1)[s.plo:s.phi]
+            fresh = "step" not in self.opt.state[p]
+            if fresh:
+                for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+                    if k in bufs:
+                        bufs[k][s.clo:s.chi].zero_()
+            g = grads[s.pi][s.plo:s.phi]
+            if g.device.type != "cpu":
+                g = bufs["grad"][s.clo:s.chi].copy_(g, non_blocking=True)
+            b = buckets[steps[s.pi]]
+            if self._uses_master(p):
+                master = bufs["master"][s.clo:s.chi]
+                if fresh and self.config.offload == "cpu":
+                    master.copy_(pflat)
+                b["params"].append(master)
+                if publish and p.device.type == "cpu":
+                    b["copies"].append(pflat)
+                elif publish:
+                    nbytes = p.element_size()
+                    staging = bufs["copy"].view(torch.uint8)[s.clo * nbytes:s.chi * nbytes]
+                    staging = staging.view(p.dtype)
+                    b["copies"].append(staging)
+                    h2d.append((pflat, staging))
+            else:
+                b["params"].append(pflat)
+                b["copies"].append(pflat)
+            b["grads"].append(g)
+            for k in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ()):
+                b[k].append(bufs[k][s.clo:s.chi])
+        if self._cuda:
+            torch.cuda.synchronize()  # D2H of this chunk's gradients
+            stats["d2h_s"] += time.perf_counter() - t
+        t1 = time.perf_counter()
+        beta1, beta2 = group["betas"]
+        for step, b in buckets.items():
+            ops.adam_step_(
+                b["params"], b["grads"], b["exp_avg"], b["exp_avg_sq"], b["max_exp_avg_sq"],
+                b["copies"], lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                weight_decay=group["weight_decay"], step=step,
+                decoupled=self.opt._decoupled(group), amsgrad=amsgrad,
+                maximize=group["maximize"])
+        stats["cpu_step_s"] += time.perf_counter() - t1
+        if h2d:
+            t2 = time.perf_counter()
+            for dst, src in h2d:
+                dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize()  # the staging slot is reused three chunks later
+            stats["h2d_s"] += time.perf_counter() - t2
+
+    # ---- state dict ----------------------------------------------------------------------
+    def materialize(self) -> dict:
+        """{param: {kind: fp32 CPU tensor}} for every parameter that has taken a step."""
+        out: dict = {}
+        for gi, group in enumerate(self.opt.param_groups):
+            params, layout, tier = group["params"], self.layouts[gi], self.tiers[gi]
+            for chunk in layout.chunks:
+                segs = [s for s in chunk.segments if "step" in self.opt.state[params[s.pi]]]
+                if not segs:
+                    continue
+                bufs = self._chunk_bufs(gi, chunk)
+                for s in segs:
+                    p = params[s.pi]
+                    kinds = [k for k in tier.kinds if k != "master" or self._needs_master_key(p)]
+                    d = out.setdefault(p, {})
+                    for k in kinds:
+                        t = d.setdefault(k, torch.empty(p.shape, dtype=torch.float32))
+                        src = bufs[k][s.clo:s.chi]
+                        if k == "master" and not self._uses_master(p):
+                            src = p.detach().view(-1)[s.plo:s.phi]
+                        t.view(-1)[s.plo:s.phi].copy_(src)
+        return out
+
+    def _needs_master_key(self, p) -> bool:
+        return p.dtype in _LOW_PRECISION
+
+    def _chunk_bufs(self, gi, chunk) -> dict:
+        tier = self.tiers[gi]
+        if isinstance(tier, MemoryTier):
+            return {k: tier.view(k, chunk.ci, self.chunk_elems) for k in tier.kinds}
+        bufs = self._slots[0]
+        for k in tier.kinds:
+            tier.read(k, chunk.ci, bufs[k]).wait()
+            tier.verify(k, chunk.ci, bufs[k], self._what(gi, chunk))
+        return bufs
+
+    def ingest(self, loaded: dict) -> None:
+        """Moves {param: {kind: tensor}} (from a state dict) into the tiers."""
+        for gi, group in enumerate(self.opt.param_groups):
+            params, layout, tier = group["params"], self.layouts[gi], self.tiers[gi]
+            for chunk in layout.chunks:
+                segs = [s for s in chunk.segments if params[s.pi] in loaded]
+                if not segs:
+                    continue
+                bufs = self._chunk_bufs(gi, chunk)
+                for s in segs:
+                    p = params[s.pi]
+                    self._in_file[gi].add(s.pi)
+                    vals = loaded[p]
+                    for k in tier.kinds:
+                        dst = bufs[k][s.clo:s.chi]
+                        if k in vals:
+                            dst.copy_(vals[k].detach().reshape(-1)[s.plo:s.phi])
+                        elif k == "master":
+                            dst.copy_(p.detach().view(-1)[s.plo:s.phi])
+                        else:
+                            dst.zero_()
+                if isinstance(tier, NvmeTier):
+                    g = tier.gen[chunk.ci]
+                    for k in tier.kinds:
+                        tier.write(k, chunk.ci, bufs[k], g).wait()
+        if self._engine is not None:
+            self._engine.sync()
+
+
+__all__ = ["Offloader"]

@@ -1,0 +1,135 @@
+"""Where one param group's flat state kinds (master, exp_avg, exp_avg_sq, max_exp_avg_sq) live.
+
+MemoryTier: resident flat fp32 tensors (pinned when CUDA is available); a chunk "read" is a view.
+NvmeTier: two generations of files per kind; a step reads chunk k from generation g[k] and
+writes the updated chunk to 1 - g[k]; g[k] flips only after every write of the step reached the
+device, so a failed step leaves the committed generation untouched. Each committed chunk carries
+a CRC-32C per kind, verified on every read.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from tierlift import _extension
+from tierlift.io import ChecksumError, IoEngine
+
+
+def crc32c(buf: torch.Tensor) -> int:
+    return int(_extension._C.io.block_crc32c(buf, buf.numel())[0])
+
+
+# The CRC releases the GIL: the kinds of one chunk are checksummed in parallel.
+_CRC_POOL = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
+                               thread_name_prefix="tierlift-crc")
+
+
+def crc32c_many(bufs: list[torch.Tensor]) -> list[int]:
+    return list(_CRC_POOL.map(crc32c, bufs)) if len(bufs) > 1 else [crc32c(b) for b in bufs]
+
+
+class _Done:
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def wait(self) -> torch.Tensor:
+        return self.tensor
+
+
+class MemoryTier:
+    """generations=1: chunks are views, updated in place. generations=2: the NvmeTier protocol
+    (read into a slot, write to the other generation), so a step can be undone."""
+
+    def __init__(self, kinds: list[str], n_chunks: int, chunk_elems: int, pin: bool,
+                 generations: int = 1):
+        self.kinds = kinds
+        self.chunk_elems = chunk_elems
+        self.gen = [0] * n_chunks
+        self.flat = {(k, g): torch.zeros(n_chunks * chunk_elems, dtype=torch.float32,
+                                         pin_memory=pin)
+                     for k in kinds for g in range(generations)}
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(t.nbytes for t in self.flat.values())
+
+    def view(self, kind: str, ci: int, chunk_elems: int) -> torch.Tensor:
+        n = self.chunk_elems
+        return self.flat[(kind, self.gen[ci])][ci * n:(ci + 1) * n]
+
+    def read(self, kind: str, ci: int, buf: torch.Tensor, gen: int | None = None):
+        g = self.gen[ci] if gen is None else gen
+        n = self.chunk_elems
+        return _Done(buf.copy_(self.flat[(kind, g)][ci * n:(ci + 1) * n]))
+
+    def verify(self, kind, ci, buf, what, gen=None) -> None:
+        pass  # host memory: no checksum
+
+    def verify_all(self, ci, bufs, what) -> None:
+        pass
+
+    def write_all(self, ci: int, bufs: dict, gen: int) -> list:
+        return [self.write(k, ci, bufs[k], gen) for k in self.kinds]
+
+    def write(self, kind: str, ci: int, buf: torch.Tensor, gen: int):
+        n = self.chunk_elems
+        self.flat[(kind, gen)][ci * n:(ci + 1) * n].copy_(buf)
+        return _Done(buf)
+
+
+class NvmeTier:
+    def __init__(self, engine: IoEngine, directory: str, gi: int, kinds: list[str],
+                 n_chunks: int, chunk_elems: int):
+        self.engine = engine
+        self.kinds = kinds
+        self.chunk_bytes = chunk_elems * 4
+        self.gen = [0] * n_chunks
+        self.crc: dict[tuple[str, int, int], int] = {}  # (kind, ci, gen) -> crc
+        self.paths = {(k, g): os.path.join(directory, f"g{gi}.{k}.{g}") for k in kinds
+                      for g in (0, 1)}
+        for path in self.paths.values():
+            with open(path, "wb") as f:
+                f.truncate(n_chunks * self.chunk_bytes)  # sparse: zeros until written
+
+    def read(self, kind: str, ci: int, buf: torch.Tensor, gen: int | None = None):
+        g = self.gen[ci] if gen is None else gen
+        return self.engine.read(buf, self.paths[(kind, g)], ci * self.chunk_bytes)
+
+    def verify(self, kind: str, ci: int, buf: torch.Tensor, what, gen: int | None = None):
+        g = self.gen[ci] if gen is None else gen
+        want = self.crc.get((kind, ci, g))
+        if want is not None and crc32c(buf) != want:
+            raise ChecksumError(
+                f"optimizer state file {self.paths[(kind, g)]!r} is corrupt: the {kind} of "
+                f"{what()} (chunk {ci}) does not match its CRC-32C")
+
+    def write(self, kind: str, ci: int, buf: torch.Tensor, gen: int, crc: int | None = None):
+        self.crc[(kind, ci, gen)] = crc32c(buf) if crc is None else crc
+        return self.engine.write(buf, self.paths[(kind, gen)], ci * self.chunk_bytes)
+
+    def verify_all(self, ci: int, bufs: dict, what) -> None:
+        g = self.gen[ci]
+        kinds = [k for k in self.kinds if (k, ci, g) in self.crc]
+        for k, got in zip(kinds, crc32c_many([bufs[k] for k in kinds])):
+            if got != self.crc[(k, ci, g)]:
+                raise ChecksumError(
+                    f"optimizer state file {self.paths[(k, g)]!r} is corrupt: the {k} of "
+                    f"{what()} (chunk {ci}) does not match its CRC-32C")
+
+    def write_all(self, ci: int, bufs: dict, gen: int) -> list:
+        crcs = crc32c_many([bufs[k] for k in self.kinds])
+        return [self.write(k, ci, bufs[k], gen, c) for k, c in zip(self.kinds, crcs)]
+
+    def remove_files(self) -> None:
+        for path in self.paths.values():
+            try:
+                self.engine.forget(path)
+            except RuntimeError:
+                pass
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass

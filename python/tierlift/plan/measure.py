@@ -1,0 +1,84 @@
+"""Bandwidths the plan's step time is computed from, measured on this machine: the disk under the
+NVMe path through tierlift.io (write then read of a probe file), host memory (a tensor copy),
+PCIe (pinned copies, only with a GPU) and the SIMD CPU Adam (elements per second)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(kw_only=True)
+class Bandwidths:
+    memory_bps: float
+    adam_elems_per_s: float
+    disk_read_bps: float | None = None
+    disk_write_bps: float | None = None
+    h2d_bps: float | None = None
+    d2h_bps: float | None = None
+
+
+def _best(fn, repeats: int = 3) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _disk(path: str, nbytes: int) -> tuple[float, float]:
+    from tierlift.io import EngineConfig, IoEngine
+
+    with IoEngine(EngineConfig(pool_bytes=8 << 20)) as eng:
+        buf = eng.pool_tensor(nbytes) if nbytes <= (8 << 20) else None
+        if buf is None:
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+        buf.fill_(7)
+        fd, probe = tempfile.mkstemp(prefix="tierlift-plan-", dir=path)
+        os.close(fd)
+        try:
+            def write():
+                eng.write(buf, probe, 0).wait()
+                eng.sync()
+            tw = _best(write, 2)
+            tr = _best(lambda: eng.read(buf, probe, 0).wait(), 2)
+        finally:
+            eng.forget(probe)
+            os.unlink(probe)
+    return nbytes / tr, nbytes / tw
+
+
+def measure(nvme_path: str | None = None, probe_bytes: int = 256 << 20) -> Bandwidths:
+    from tierlift import ops
+
+    src = torch.empty(probe_bytes // 4, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    memory = 2 * src.nbytes / _best(lambda: dst.copy_(src))  # read + write
+    n = 1 << 22
+    p, g, m, v = (torch.full((n,), 0.5) for _ in range(4))
+
+    def adam():
+        ops.adam_step_([p], [g], [m], [v], [], [], lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                       weight_decay=0.0, step=1, decoupled=True, amsgrad=False, maximize=False)
+    bw = Bandwidths(memory_bps=memory, adam_elems_per_s=n / _best(adam))
+    if nvme_path is not None:
+        bw.disk_read_bps, bw.disk_write_bps = _disk(nvme_path, probe_bytes)
+    if torch.cuda.is_available():
+        host = torch.empty(probe_bytes, dtype=torch.uint8, pin_memory=True)
+        dev = torch.empty(probe_bytes, dtype=torch.uint8, device="cuda")
+
+        def h2d():
+            dev.copy_(host, non_blocking=True)
+            torch.cuda.synchronize()
+
+        def d2h():
+            host.copy_(dev, non_blocking=True)
+            torch.cuda.synchronize()
+        bw.h2d_bps = probe_bytes / _best(h2d)
+        bw.d2h_bps = probe_bytes / _best(d2h)
+    return bw

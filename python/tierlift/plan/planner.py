@@ -1,0 +1,113 @@
+"""The placement rule: keep everything on the GPU when it fits; else the fp32 master, m and v go
+to host memory (offload="cpu"); else to NVMe with a host pool of `cpu_budget` (offload="nvme").
+Bytes per parameter (mixed precision): bf16 weight 2, bf16 gradient 2, fp32 master 4, m 4, v 4.
+The expected optimizer time per step is the sum of its legs (no overlap) and their maximum
+(the pipelined bound that overlap=True aims at)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from tierlift.plan.measure import Bandwidths
+
+_PCIE_ASSUMED = 25e9  # PCIe 4.0 x16, used when no GPU is here to measure
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_bytes(text: str, what: str) -> int:
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([KMGT]?)(?:i?B)?\s*", str(text), re.I)
+    if not m:
+        raise ValueError(f"{what} must be a size like 80G, 512M or 1e9, got {text!r}")
+    value = float(m.group(1)) * _UNITS[m.group(2).upper()]
+    if value <= 0:
+        raise ValueError(f"{what} must be > 0, got {text!r}")
+    return int(value)
+
+
+@dataclass(kw_only=True)
+class PlanInput:
+    params: float
+    gpu_mem: int
+    cpu_mem: int
+    nvme: str | None = None
+    cpu_budget: int | None = None
+    gpu_reserve: float = 0.3  # share of GPU memory kept for activations and workspace
+
+    def __post_init__(self):
+        if not self.params > 0:
+            raise ValueError(f"params must be > 0, got {self.params}")
+        if not 0 <= self.gpu_reserve < 1:
+            raise ValueError(f"gpu_reserve must be in [0, 1), got {self.gpu_reserve}")
+
+
+@dataclass(kw_only=True)
+class Plan:
+    offload: str
+    tiers: dict = field(default_factory=dict)  # tier -> {state kind: bytes}
+    legs_s: dict = field(default_factory=dict)  # leg -> seconds per step
+    note: str = ""
+
+    @property
+    def serial_s(self) -> float:
+        return sum(self.legs_s.values())
+
+    @property
+    def pipelined_s(self) -> float:
+        return max(self.legs_s.values(), default=0.0)
+
+
+def make_plan(inp: PlanInput, bw: Bandwidths) -> Plan:
+    n = int(inp.params)
+    model = {"bf16 params": 2 * n, "bf16 grads": 2 * n}
+    state = {"fp32 master": 4 * n, "exp_avg": 4 * n, "exp_avg_sq": 4 * n}
+    gpu_room = inp.gpu_mem * (1 - inp.gpu_reserve)
+    cpu_room = inp.cpu_budget if inp.cpu_budget is not None else int(inp.cpu_mem * 0.8)
+    if sum(model.values()) > gpu_room:
+        raise ValueError(
+            f"the bf16 parameters and gradients ({_fmt(sum(model.values()))}) do not fit in "
+            f"{_fmt(gpu_room)} of GPU memory; use more GPUs with tierlift.zero stage 3")
+    if sum(model.values()) + sum(state.values()) <= gpu_room:
+        return Plan(offload="none", tiers={"gpu": {**model, **state}},
+                    legs_s={"gpu adam": 16 * n / (3e12)}, note="everything fits on the GPU")
+    pcie_h2d = bw.h2d_bps or _PCIE_ASSUMED
+    pcie_d2h = bw.d2h_bps or _PCIE_ASSUMED
+    legs = {"d2h grads": 2 * n / pcie_d2h, "cpu adam": n / bw.adam_elems_per_s,
+            "h2d params": 2 * n / pcie_h2d}
+    if sum(state.values()) <= cpu_room:
+        return Plan(offload="cpu", tiers={"gpu": model, "cpu": state}, legs_s=legs,
+                    note="optimizer state in pinned host memory")
+    if inp.nvme is None or bw.disk_read_bps is None:
+        raise ValueError(
+            f"the optimizer state ({_fmt(sum(state.values()))}) does not fit in "
+            f"{_fmt(cpu_room)} of host memory; give --nvme PATH for the NVMe tier")
+    legs["nvme read"] = sum(state.values()) / bw.disk_read_bps
+    legs["nvme write"] = sum(state.values()) / bw.disk_write_bps
+    return Plan(offload="nvme", tiers={"gpu": model, "cpu": {"staging pool": cpu_room},
+                                       "nvme": state},
+                legs_s=legs, note=f"optimizer state on NVMe under {inp.nvme}")
+
+
+def _fmt(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(nbytes) < 1024 or unit == "TiB":
+            return f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.1f} TiB"
+
+
+def render(plan: Plan, bw: Bandwidths) -> str:
+    lines = [f"offload={plan.offload!r}: {plan.note}", "", "tier   state            bytes"]
+    for tier, kinds in plan.tiers.items():
+        for kind, nbytes in kinds.items():
+            lines.append(f"{tier:6} {kind:16} {_fmt(nbytes)}")
+    lines += ["", "measured: " + ", ".join(
+        f"{k}={v / 1e9:.2f} GB/s" if k.endswith("bps") else f"{k}={v / 1e9:.2f} G/s"
+        for k, v in vars(bw).items() if v is not None)]
+    if bw.h2d_bps is None:
+        lines.append(f"(no GPU here: PCIe assumed {_PCIE_ASSUMED / 1e9:.0f} GB/s each way)")
+    lines += ["", "leg              s/step"]
+    lines += [f"{leg:16} {s:.3f}" for leg, s in plan.legs_s.items()]
+    lines.append(f"optimizer step: {plan.serial_s:.3f} s serial, {plan.pipelined_s:.3f} s "
+                 "pipelined (overlap=True)")
+    return "\n".join(lines)

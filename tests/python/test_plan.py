@@ -1,0 +1,71 @@
+"""python -m tierlift plan: placement per tier, measured bandwidths, and argument errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import tierlift
+from tierlift.__main__ import main
+from tierlift.plan import Bandwidths, PlanInput, make_plan, parse_bytes
+
+pytestmark = pytest.mark.skipif(not tierlift._extension.available(),
+                                reason="compiled extension not loaded")
+
+BW = Bandwidths(memory_bps=10e9, adam_elems_per_s=1e9, disk_read_bps=2e9, disk_write_bps=1e9)
+G = 1 << 30
+
+
+def test_parse_bytes():
+    assert parse_bytes("80G", "--gpu-mem") == 80 * G
+    assert parse_bytes("512MiB", "x") == 512 << 20
+    assert parse_bytes("1e9", "x") == 10**9
+    with pytest.raises(ValueError, match="--gpu-mem must be a size"):
+        parse_bytes("lots", "--gpu-mem")
+    with pytest.raises(ValueError, match="x must be > 0"):
+        parse_bytes("0", "x")
+
+
+def test_placement_by_size():
+    assert make_plan(PlanInput(params=1e9, gpu_mem=80 * G, cpu_mem=128 * G), BW).offload == "none"
+    cpu = make_plan(PlanInput(params=8e9, gpu_mem=80 * G, cpu_mem=128 * G), BW)
+    assert cpu.offload == "cpu" and cpu.tiers["cpu"]["exp_avg"] == 32e9
+    assert cpu.legs_s["cpu adam"] == pytest.approx(8.0)
+    nvme = make_plan(PlanInput(params=8e9, gpu_mem=80 * G, cpu_mem=32 * G, nvme="/x"), BW)
+    assert nvme.offload == "nvme"
+    assert nvme.legs_s["nvme read"] == pytest.approx(96e9 / 2e9)
+    assert nvme.legs_s["nvme write"] == pytest.approx(96e9 / 1e9)
+    assert nvme.pipelined_s == pytest.approx(96.0) and nvme.serial_s > nvme.pipelined_s
+    with pytest.raises(ValueError, match="give --nvme PATH"):
+        make_plan(PlanInput(params=8e9, gpu_mem=80 * G, cpu_mem=32 * G), BW)
+    with pytest.raises(ValueError, match="zero stage 3"):
+        make_plan(PlanInput(params=70e9, gpu_mem=80 * G, cpu_mem=32 * G), BW)
+
+
+def test_cli_measures_and_prints(tmp_path, capsys):
+    assert main(["plan", "--params", "8e9", "--gpu-mem", "80G", "--cpu-mem", "64G",
+                 "--nvme", str(tmp_path), "--probe-mib", "4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["offload"] == "nvme"
+    assert out["bandwidths"]["disk_read_bps"] > 0 and out["bandwidths"]["disk_write_bps"] > 0
+    assert out["bandwidths"]["memory_bps"] > 0 and out["bandwidths"]["adam_elems_per_s"] > 0
+    assert list(tmp_path.iterdir()) == []  # the probe file is gone
+    assert main(["plan", "--params", "1e8", "--gpu-mem", "80G", "--cpu-mem", "64G",
+                 "--probe-mib", "4"]) == 0
+    assert "offload='none'" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--params", "many"], "--params must be a number"),
+    (["--params", "8e9", "--nvme", "/does/not/exist"], "--nvme '/does/not/exist' is not"),
+    (["--params", "8e9", "--cpu-mem", "lots"], "--cpu-mem must be a size"),
+])
+def test_cli_bad_arguments(argv, message, capsys):
+    base = {"--gpu-mem": "80G", "--cpu-mem": "64G"}
+    for k, v in base.items():
+        if k not in argv:
+            argv = [*argv, k, v]
+    with pytest.raises(SystemExit):
+        main(["plan", *argv, "--probe-mib", "4"])
+    assert message in capsys.readouterr().err
