@@ -5,6 +5,7 @@ download) with tierlift's optimizer.
     python examples/train_gpt.py --steps 500 --layers 6 --dim 256 --device cuda --dtype bf16
     python examples/train_gpt.py --optim torch            # the same run with torch.optim.AdamW
     python examples/train_gpt.py --lowp fp8-rowwise --lowp-min-features 0   # FP8 linears
+    python examples/train_gpt.py --offload nvme --nvme-path /tmp   # optimizer state on NVMe
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --zero 3   # ZeRO-3, 2 ranks
 
 Flags are grouped: model, data, training, and tierlift features (one flag per capability, each
@@ -75,6 +76,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="ZeRO stage under torchrun (0: plain DDP when there are several ranks)",
     )
     f.add_argument(
+        "--offload",
+        default="none",
+        choices=["none", "cpu", "nvme"],
+        help="where tierlift.optim.AdamW keeps optimizer state (nvme: files under --nvme-path)",
+    )
+    f.add_argument("--nvme-path", default=None, help="directory for --offload nvme state files")
+    f.add_argument("--cpu-budget", type=float, default=None, help="pinned/RAM budget in bytes")
+    f.add_argument(
         "--lowp",
         default="none",
         choices=["none", "fp8-tensorwise", "fp8-rowwise", "fp8-rowwise-gw-hp"],
@@ -133,7 +142,11 @@ def make_optimizer(kind: str, model: torch.nn.Module, args) -> torch.optim.Optim
             {"params": no_decay, "weight_decay": 0.0},
         ]
     if kind == "tierlift":
-        return tierlift.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
+        offload = {}
+        if args.offload != "none":
+            budget = None if args.cpu_budget is None else int(args.cpu_budget)
+            offload = dict(offload=args.offload, nvme_path=args.nvme_path, cpu_budget=budget)
+        return tierlift.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), **offload)
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
 
 
@@ -273,6 +286,10 @@ def main(argv=None) -> None:
         f"loss {first_loss:.3f} -> {value:.3f} | val loss {val_loss:.3f}"
         f" | {tokens_per_step * args.steps / elapsed:,.0f} tokens/s"
     )
+    if getattr(optimizer, "last_step_stats", None):
+        stats = {k: round(v * 1e3, 2) if isinstance(v, float) else v
+                 for k, v in optimizer.last_step_stats.items()}
+        log(f"last optimizer step breakdown (ms / bytes): {stats}")
     if args.compare_steps > 0 and world == 1:
         log(compare_optimizer_step(model, args, device))
     if dist.is_initialized():

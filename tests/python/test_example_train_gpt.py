@@ -49,3 +49,10 @@ def test_train_gpt_under_torchrun_with_zero(stage):
     assert f"ranks: 2 | zero: {stage}" in out, out
     first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", out).groups())
     assert last < first - 0.5, out
+
+
+def test_train_gpt_with_nvme_offload(tmp_path):
+    out = run_example("--offload", "nvme", "--nvme-path", str(tmp_path), "--compare-steps", "0")
+    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", out).groups())
+    assert last < first - 0.5, out
+    assert "last optimizer step breakdown" in out, out
