@@ -287,9 +287,9 @@ def main(argv=None) -> None:
         f" | {tokens_per_step * args.steps / elapsed:,.0f} tokens/s"
     )
     if getattr(optimizer, "last_step_stats", None):
-        stats = {k: round(v * 1e3, 2) if isinstance(v, float) else v
-                 for k, v in optimizer.last_step_stats.items()}
-        log(f"last optimizer step breakdown (ms / bytes): {stats}")
+        stats = {(k[:-2] + "_ms" if k.endswith("_s") else k): (round(v * 1e3, 2)
+                 if k.endswith("_s") else v) for k, v in optimizer.last_step_stats.items()}
+        log(f"last optimizer step breakdown: {stats}")
     if args.compare_steps > 0 and world == 1:
         log(compare_optimizer_step(model, args, device))
     if dist.is_initialized():
