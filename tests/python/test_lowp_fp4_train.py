@@ -24,7 +24,7 @@ def test_tiny_gpt_fp4_recipes_track_bf16(record_property):
         losses[name] = loss
         record_property(name, round(loss, 4))
         assert isinstance(model.blocks[LAYERS - 1].fc, FP4Linear)
-    print("\nfinal loss (mean of last 20 steps): bf16 %.4f, " % base +
+    print(f"\nfinal loss (mean of last 20 steps): bf16 {base:.4f}, " +
           ", ".join(f"{k} {v:.4f} ({(v - base) / base:+.1%})" for k, v in losses.items()))
     for name in FP4_RECIPES:
         assert abs(losses[name] - base) / base <= 0.10, (name, losses[name], base)

@@ -15,12 +15,31 @@ seeds are drawn from torch's default generator: torch.manual_seed makes runs rep
 
 from __future__ import annotations
 
+import functools
+import math
+
 import torch
 from torch import nn
 
 from tierlift import ops
 from tierlift.lowp.fp4_recipe import FP4Recipe, get_fp4_recipe
-from tierlift.reference.lowp_fp4 import fp4_dequantize, hadamard
+from tierlift.reference.lowp_fp4 import fp4_dequantize
+
+
+@functools.cache
+def _hadamard_matrix(n: int, device: torch.device) -> torch.Tensor:
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return (h / math.sqrt(n)).to(device)
+
+
+def rotate(t: torch.Tensor, n: int) -> torch.Tensor:
+    """fp32 blockwise Hadamard rotation of t's rows (the same orthogonal, symmetric transform as
+    the quantizer's butterflies, computed as a matmul: rounding may differ in the last bit)."""
+    rows, cols = t.shape
+    h = _hadamard_matrix(n, t.device)
+    return (t.float().reshape(-1, n) @ h).reshape(rows, cols)
 
 
 def _draw(bits: int) -> int:
@@ -75,8 +94,8 @@ class _FP4MatmulFn(torch.autograd.Function):
         g = grad_out.float()
         with torch.autocast(device_type=g.device.type, enabled=False):
             rot = r.forward_hadamard
-            xr = hadamard(x, rot) if rot else x.float()
-            wr = hadamard(weight, rot) if rot else weight.float()
+            xr = rotate(x, rot) if rot else x.float()
+            wr = rotate(weight, rot) if rot else weight.float()
             if r.weight_2d:  # the 16x16-block quantization of W serves W^T as well
                 gq, _ = qdq(_pad_cols(g, 16), r.backward_rule, 0, 0, r.stochastic_grad)
                 gx = gq[:, :g.shape[1]] @ wq
@@ -88,7 +107,7 @@ class _FP4MatmulFn(torch.autograd.Function):
                 gx = gx * mx
                 gw = gw * mw
             if rot:
-                gx, gw = hadamard(gx, rot), hadamard(gw, rot)
+                gx, gw = rotate(gx, rot), rotate(gw, rot)
         return gx.to(ctx.x_dtype), gw.to(ctx.w_dtype), None
 
 

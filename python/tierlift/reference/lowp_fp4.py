@@ -213,26 +213,27 @@ def fp4_quantize(x: torch.Tensor, scale_rule: str, hadamard_size: int = 0, signs
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    """fp32 values [rows, 2 * cols] of packed codes [rows, cols]."""
-    lut = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32,
-                       device=codes.device)
-    nib = torch.stack(((codes & 15), (codes >> 4)), dim=-1).reshape(codes.shape[0], -1)
-    return lut[nib.long()]
+    """fp32 values [rows, 2 * cols] of packed codes [rows, cols] (low nibble first)."""
+    vals = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32,
+                        device=codes.device)
+    byte = torch.arange(256, device=codes.device)
+    lut = torch.stack((vals[byte & 15], vals[byte >> 4]), dim=-1)  # [256, 2]
+    return lut[codes.long()].reshape(codes.shape[0], -1)
 
 
 def fp4_dequantize(codes: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor,
                    scale_rule: str, block_2d: bool = False) -> torch.Tensor:
     """fp32 [rows, 2 * codes.shape[1]]: e2m1 * 2^e (MXFP4) or (e2m1 * sb) / s_t (NVFP4)."""
     v = e2m1_decode(codes)
-    rows = v.shape[0]
+    rows, cols = v.shape
     block = block_size(scale_rule)
     if scale_rule == "nv":
         s = scales.view(torch.float8_e4m3fn).float()
     else:
         s = pow2(scales.to(torch.int64) - 127)
-    s = s.repeat_interleave(block, dim=1)
     if block_2d:
         s = s.repeat_interleave(16, dim=0)[:rows]
+    out = (v.reshape(rows, cols // block, block) * s.unsqueeze(-1)).reshape(rows, cols)
     if scale_rule == "nv":
-        return (v * s) / tensor_scale.expand_as(v).contiguous()
-    return v * s
+        return out / tensor_scale.expand_as(out).contiguous()
+    return out
