@@ -55,8 +55,8 @@ __device__ __forceinline__ float group_tree_sum(float s, int width) {
 }
 
 // Encode, pack two nibbles per byte, write the mask.
-__device__ __forceinline__ void encode_store(const Fp4QuantArgs& a, int64_t e, bool valid,
-                                             int lane, float v) {
+__device__ __forceinline__ void encode_store(const Fp4QuantArgs& a, int64_t e, bool valid, int lane,
+                                             float v) {
   uint8_t q = 0;
   if (a.stochastic) {
     q = fp4::e2m1_encode_sr(v, fp4::philox_uniform(a.seed, a.offset, static_cast<uint64_t>(e)));

@@ -37,8 +37,8 @@ struct Fp4QuantArgs {
   bool stochastic = false;
   uint64_t seed = 0, offset = 0;
   bool block_2d = false;
-  uint8_t* codes = nullptr;   // [rows, cols / 2]
-  uint8_t* scales = nullptr;  // E8M0 or E4M3 codes, fp4_scale_shape grid
+  uint8_t* codes = nullptr;       // [rows, cols / 2]
+  uint8_t* scales = nullptr;      // E8M0 or E4M3 codes, fp4_scale_shape grid
   float* tensor_scale = nullptr;  // [1]: NVFP4 writes s_t; MXFP4 leaves it (the caller sets 1)
   uint8_t* mask = nullptr;        // optional [rows, cols]
   float* workspace = nullptr;     // NVFP4: rows * cols / 16 + 1 floats (pass-1 amaxes, tensor amax)

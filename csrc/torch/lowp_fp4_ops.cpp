@@ -86,8 +86,8 @@ Prepared prepare(const at::Tensor& x, c10::string_view scale_rule, int64_t hadam
 uint8_t* bytes(const at::Tensor& t) { return static_cast<uint8_t*>(t.data_ptr()); }
 
 Result fp4_quantize_cpu(const at::Tensor& x, c10::string_view scale_rule, int64_t hadamard,
-                        int64_t signs, bool stochastic, int64_t seed, int64_t offset,
-                        bool block_2d, bool want_mask) {
+                        int64_t signs, bool stochastic, int64_t seed, int64_t offset, bool block_2d,
+                        bool want_mask) {
   Prepared p = prepare(x, scale_rule, hadamard, signs, stochastic, seed, offset, block_2d,
                        want_mask, c10::DeviceType::CPU);
   Fp4Output out;

@@ -188,9 +188,36 @@ TEST(LowpFp4Quant, RejectsBadConfigs) {
   c.hadamard = 8;
   EXPECT_THROW(fp4_validate(input(x, 1, 48), c), std::invalid_argument);
   c.hadamard = 0;
+  c.signs = 1;  // signs without a rotation
+  EXPECT_THROW(fp4_validate(input(x, 1, 48), c), std::invalid_argument);
+  c.signs = 0;
   c.rule = fp4::ScaleRule::kFloor;
   c.block_2d = true;
   EXPECT_THROW(fp4_validate(input(x, 1, 64), c), std::invalid_argument);
+}
+
+TEST(LowpFp4Quant, HadamardSrIsDeterministicAndOffsetShiftsTheStream) {
+  const int64_t rows = 4, cols = 64;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd;
+  std::vector<float> x(rows * cols);
+  for (float& v : x) v = nd(rng);
+  auto run = [&](uint64_t seed, uint64_t offset) {
+    Fp4Config c;
+    c.rule = fp4::ScaleRule::kRceil;
+    c.hadamard = 32;
+    c.signs = 0x80000001u;
+    c.stochastic = true;
+    c.seed = seed;
+    c.offset = offset;
+    std::vector<uint8_t> codes(rows * cols / 2), scales(rows * 2);
+    float ts;
+    fp4_quantize(input(x, rows, cols), c, {codes.data(), scales.data(), &ts, nullptr});
+    return codes;
+  };
+  EXPECT_EQ(run(1, 0), run(1, 0));
+  EXPECT_NE(run(1, 0), run(2, 0));
+  EXPECT_NE(run(1, 0), run(1, 4));
 }
 
 }  // namespace

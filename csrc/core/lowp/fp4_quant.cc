@@ -62,6 +62,9 @@ void fp4_validate(const Fp8Input& x, const Fp4Config& c) {
   if (c.hadamard && x.cols % c.hadamard) {
     throw std::invalid_argument("fp4: cols must be a multiple of the Hadamard size");
   }
+  if (!c.hadamard && c.signs) {
+    throw std::invalid_argument("fp4: signs needs a Hadamard size (16 or 32)");
+  }
   if (c.hadamard && (c.signs >> (c.hadamard - 1)) > 1u) {
     throw std::invalid_argument("fp4: signs has bits beyond the Hadamard size");
   }
