@@ -60,8 +60,8 @@ def convert(model: nn.Module, recipe: str | Float8Recipe | FP4Recipe = "fp8-roww
 
     Layers whose dimensions are not multiples of 16 (FP8) or 32 (FP4) always stay in high
     precision. Otherwise `module_filter_fn(module, fqn) -> bool`, when given, decides; without it
-    layers with min(in_features, out_features) < min_features stay (too small to gain). Returns, and logs,
-    which layers were converted and why the others were kept.
+    layers with min(in_features, out_features) < min_features stay (too small to gain). Returns,
+    and logs, which layers were converted and why the others were kept.
     """
     r, layer_cls, multiple = _resolve(recipe)
     if not isinstance(model, nn.Module):
