@@ -5,6 +5,7 @@ download) with tierlift's optimizer.
     python examples/train_gpt.py --steps 500 --layers 6 --dim 256 --device cuda --dtype bf16
     python examples/train_gpt.py --optim torch            # the same run with torch.optim.AdamW
     python examples/train_gpt.py --lowp fp8-rowwise --lowp-min-features 0   # FP8 linears
+    python examples/train_gpt.py --lowp mxfp4-quartet --lowp-min-features 0 # FP4 (Quartet)
     python examples/train_gpt.py --offload nvme --nvme-path /tmp   # optimizer state on NVMe
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --zero 3   # ZeRO-3, 2 ranks
 
@@ -86,7 +87,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     f.add_argument(
         "--lowp",
         default="none",
-        choices=["none", "fp8-tensorwise", "fp8-rowwise", "fp8-rowwise-gw-hp"],
+        choices=["none", "fp8-tensorwise", "fp8-rowwise", "fp8-rowwise-gw-hp", "mxfp4-quartet",
+                 "nvfp4", "mxfp4-rtn"],
         help="swap nn.Linear layers for tierlift.lowp low-precision training layers",
     )
     f.add_argument(

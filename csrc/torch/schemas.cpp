@@ -32,6 +32,15 @@ TORCH_LIBRARY(tierlift, m) {
   m.def(
       "fp8_quantize_dual(Tensor x, str scaling, ScalarType fp8_dtype, bool pow2_scale) "
       "-> (Tensor, Tensor, Tensor, Tensor)");
+  // FP4 (csrc/torch/lowp_fp4_ops.cpp): x 2-D fp32/bf16/fp16, optionally rotated by a Hadamard
+  // transform (0/16/32 columns, `signs` a bit mask of negated inputs), quantized along rows to
+  // E2M1 with RNE or Philox(seed, offset) stochastic rounding. scale_rule floor|rceil|quest:
+  // MXFP4 (E8M0 per 1x32); nv: NVFP4 (E4M3 per 1x16, or 16x16 with block_2d, and an fp32 tensor
+  // scale). Returns codes uint8 [rows, cols/2], scale codes uint8, tensor_scale fp32 [1] and the
+  // clip mask bool [rows, cols] (empty unless want_mask).
+  m.def(
+      "fp4_quantize(Tensor x, str scale_rule, int hadamard, int signs, bool stochastic, "
+      "int seed, int offset, bool block_2d, bool want_mask) -> (Tensor, Tensor, Tensor, Tensor)");
 
   // ---- zero: flat shard buffers (csrc/torch/zero_ops.cpp) ----
   // flatten_pack_ copies `tensors` back to back into the 1-D `flat` (same dtype and device) and

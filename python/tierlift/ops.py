@@ -182,3 +182,38 @@ if _extension.available():
     @torch.library.register_fake("tierlift::unflatten_")
     def _unflatten_fake(flat, tensors):
         return None
+
+
+# ---- lowp_fp4 ----
+
+
+def fp4_quantize(x: torch.Tensor, scale_rule: str, hadamard: int = 0, signs: int = 0,
+                 stochastic: bool = False, seed: int = 0, offset: int = 0, block_2d: bool = False,
+                 want_mask: bool = False):
+    """Quantize a 2-D fp32/bf16/fp16 tensor to FP4 along its rows, optionally Hadamard-rotated.
+
+    scale_rule: "floor" | "rceil" | "quest" (MXFP4, E8M0 scale per 1x32) or "nv" (NVFP4, E4M3
+    scale per 1x16, or 16x16 with block_2d, plus an fp32 tensor scale). Returns (codes uint8
+    [rows, cols/2] two E2M1 codes per byte, scale codes uint8, tensor_scale fp32 [1], clip mask
+    bool [rows, cols] or empty). Rules: tierlift.reference.lowp_fp4.
+    """
+    args = (scale_rule, int(hadamard), int(signs), bool(stochastic), int(seed), int(offset),
+            bool(block_2d), bool(want_mask))
+    if _has_kernel(x):
+        return torch.ops.tierlift.fp4_quantize(x, *args)
+    return reference.fp4_quantize(x, *args)
+
+
+if _extension.available():
+
+    @torch.library.register_fake("tierlift::fp4_quantize")
+    def _fp4_quantize_fake(x, scale_rule, hadamard, signs, stochastic, seed, offset, block_2d,
+                           want_mask):
+        from tierlift.reference.lowp_fp4 import check_fp4_args, scales_shape
+
+        check_fp4_args(x, scale_rule, hadamard, signs, block_2d)
+        rows, cols = x.shape
+        codes = x.new_empty((rows, cols // 2), dtype=torch.uint8)
+        scales = x.new_empty(scales_shape(scale_rule, rows, cols, block_2d), dtype=torch.uint8)
+        mask = x.new_empty((rows, cols) if want_mask else (0,), dtype=torch.bool)
+        return codes, scales, x.new_empty((1,), dtype=torch.float32), mask

@@ -34,9 +34,10 @@ def test_train_gpt_bf16_params_with_master_weights():
     assert last < first - 0.5, out
 
 
-def test_train_gpt_fp8_rowwise():
-    out = run_example("--lowp", "fp8-rowwise", "--lowp-min-features", "0")
-    assert re.search(r"lowp fp8-rowwise: (\d+) layers converted", out).group(1) != "0", out
+@pytest.mark.parametrize("recipe", ["fp8-rowwise", "mxfp4-quartet"])
+def test_train_gpt_low_precision(recipe):
+    out = run_example("--lowp", recipe, "--lowp-min-features", "0")
+    assert re.search(rf"lowp {recipe}: (\d+) layers converted", out).group(1) != "0", out
     first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", out).groups())
     assert last < first - 0.5, out
 

@@ -8,8 +8,10 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from tierlift.lowp.fp4 import FP4Linear
+from tierlift.lowp.fp4_recipe import FP4_RECIPES, FP4Recipe, get_fp4_recipe
 from tierlift.lowp.linear import Float8Linear
-from tierlift.lowp.recipe import Float8Recipe, get_recipe
+from tierlift.lowp.recipe import RECIPES, Float8Recipe, get_recipe
 
 log = logging.getLogger("tierlift.lowp")
 
@@ -27,10 +29,12 @@ class ConversionReport:
         return "\n".join(lines)
 
 
-def _skip_reason(name: str, mod: nn.Linear, module_filter_fn, min_features: int) -> str | None:
-    if mod.in_features % 16 or mod.out_features % 16:
-        return (f"in_features={mod.in_features}, out_features={mod.out_features}: FP8 GEMMs "
-                "need multiples of 16")
+def _skip_reason(name: str, mod: nn.Linear, module_filter_fn, min_features: int,
+                 multiple: int = 16) -> str | None:
+    if mod.in_features % multiple or mod.out_features % multiple:
+        kind = "FP8" if multiple == 16 else "FP4"
+        return (f"in_features={mod.in_features}, out_features={mod.out_features}: {kind} GEMMs "
+                f"need multiples of {multiple}")
     if module_filter_fn is not None:
         return None if module_filter_fn(mod, name) else "excluded by module_filter_fn"
     if min(mod.in_features, mod.out_features) < min_features:
@@ -39,17 +43,27 @@ def _skip_reason(name: str, mod: nn.Linear, module_filter_fn, min_features: int)
     return None
 
 
-def convert(model: nn.Module, recipe: str | Float8Recipe = "fp8-rowwise",
+def _resolve(recipe):
+    if isinstance(recipe, FP4Recipe) or (isinstance(recipe, str) and recipe in FP4_RECIPES):
+        return get_fp4_recipe(recipe), FP4Linear, 32
+    if isinstance(recipe, str) and recipe not in RECIPES:
+        raise ValueError(f"recipe must be one of {sorted(RECIPES) + sorted(FP4_RECIPES)}, a "
+                         f"Float8Recipe or an FP4Recipe, got {recipe!r}")
+    return get_recipe(recipe), Float8Linear, 16
+
+
+def convert(model: nn.Module, recipe: str | Float8Recipe | FP4Recipe = "fp8-rowwise",
             module_filter_fn: Callable[[nn.Module, str], bool] | None = None, *,
             min_features: int = 1024) -> ConversionReport:
-    """Replace, in place, each nn.Linear of `model` by a Float8Linear sharing its parameters.
+    """Replace, in place, each nn.Linear of `model` by a Float8Linear (FP8 recipes) or an
+    FP4Linear ("mxfp4-quartet", "nvfp4", "mxfp4-rtn") sharing its parameters.
 
-    Layers whose dimensions are not multiples of 16 always stay in high precision. Otherwise
-    `module_filter_fn(module, fqn) -> bool`, when given, decides; without it layers with
-    min(in_features, out_features) < min_features stay (too small to gain). Returns, and logs,
-    which layers were converted and why the others were kept.
+    Layers whose dimensions are not multiples of 16 (FP8) or 32 (FP4) always stay in high
+    precision. Otherwise `module_filter_fn(module, fqn) -> bool`, when given, decides; without it
+    layers with min(in_features, out_features) < min_features stay (too small to gain). Returns,
+    and logs, which layers were converted and why the others were kept.
     """
-    r = get_recipe(recipe)
+    r, layer_cls, multiple = _resolve(recipe)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if min_features < 0:
@@ -61,13 +75,13 @@ def convert(model: nn.Module, recipe: str | Float8Recipe = "fp8-rowwise",
     for name, mod in list(model.named_modules()):
         if type(mod) is not nn.Linear:
             continue
-        why = _skip_reason(name, mod, module_filter_fn, min_features)
+        why = _skip_reason(name, mod, module_filter_fn, min_features, multiple)
         if why is not None:
             report.skipped[name] = why
             continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Float8Linear.from_linear(mod, r))
+        setattr(parent, child, layer_cls.from_linear(mod, r))
         report.converted.append(name)
     log.info("%s", report)
     return report

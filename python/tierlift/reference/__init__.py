@@ -4,10 +4,12 @@ the compiled extension is missing. Each mirrors its kernel's arithmetic order.""
 from tierlift.reference.gather import gather_rows
 from tierlift.reference.io import block_crc32c
 from tierlift.reference.lowp import fp8_dequantize, fp8_quantize, fp8_quantize_dual
+from tierlift.reference.lowp_fp4 import fp4_dequantize, fp4_quantize
 from tierlift.reference.optim import adam_step_
 from tierlift.reference.zero import flatten_pack_, unflatten_
 
 __all__ = [
-    "adam_step_", "block_crc32c", "flatten_pack_", "fp8_dequantize", "fp8_quantize",
+    "adam_step_", "block_crc32c", "flatten_pack_", "fp4_dequantize", "fp4_quantize",
+    "fp8_dequantize", "fp8_quantize",
     "fp8_quantize_dual", "gather_rows", "unflatten_",
 ]

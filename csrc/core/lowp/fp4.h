@@ -1,0 +1,296 @@
+// FP4 (E2M1) formats and the scalar rules every tierlift FP4 quantizer follows. The functions are
+// host+device so the CUDA kernel (cuda/fp4_quant.cu), the C++ reference (fp4.cc) and
+// tierlift.reference.lowp_fp4 compute the same bits; every float operation is a single IEEE
+// operation (no FMA contraction: mul_rn/add_rn use explicitly rounded intrinsics on the device).
+//
+// E2M1 codes: bit 3 sign, 3 magnitude bits -> {0, 0.5, 1, 1.5, 2, 3, 4, 6}. Two codes per byte,
+// the FIRST element in the LOW nibble (torch.float4_e2m1fn_x2's layout).
+// Encode (RNE): saturating (|v| > 6 -> 6), ties to the even code; NaN encodes as +0 (E2M1 has
+// no NaN; non-finite values never enter a scale). Encode (SR): |v| between grid points lo < hi
+// rounds up iff (|v| - lo) / (hi - lo) > u, u = (philox word >> 8) * 2^-24 in [0, 1): unbiased
+// up to 2^-24. Both subtraction and division by the power-of-two step are exact.
+// Philox4x32-10: key = seed (lo, hi), counter = (lo(n), hi(n), 0, 0) with n = (offset + idx) / 4,
+// word (offset + idx) % 4, idx = row * cols + col of the element.
+//
+// Scales. MXFP4 (block 32 along rows, E8M0 scale 2^e, code e + 127 in [0, 254]):
+//   floor:  e = floor(log2(amax)) - 2            (OCP MX spec; values above 6 saturate)
+//   rceil:  e = ceil(log2(amax / 6))             (NVIDIA's RCEIL: nothing saturates)
+//   quest:  e = ceil(log2(2.92247856 * rms / 6)) (QuEST: Gaussian-optimal clip at 2.92 rms; the
+//           elements that exceed it saturate and are marked in the clip mask)
+//   e is clamped to [-127, 127]; amax is over finite elements, rms = sqrt(sum(x^2) / n) with the
+//   sum reduced as a halving tree (s[i] += s[i + h], h = n/2 .. 1). Quantize: v = x * 2^-e.
+// NVFP4 (block 16, E4M3 block scale, fp32 tensor scale): s_t = 2688 / max(tensor_amax, 1e-12)
+//   (2688 = 448 * 6); block scale code = e4m3(fp32(amax_b / 6) * s_t); sb = decode(code);
+//   v = x * fp32(s_t / sb) (v = 0 when sb = 0). Dequantize: (e2m1(q) * sb) / s_t.
+// Clip mask: 1 where |v| <= 6 (the element was representable without saturating), else 0.
+// Hadamard (before quantization, along rows, blocks of 16/32): x_i *= -1 where bit i of the
+// sign mask is set, then butterflies h = 1, 2, 4, ..: (a, b) -> (a + b, a - b) for a = x[j],
+// b = x[j + h], then * fp32(1 / sqrt(n)): orthogonal, symmetric, its own inverse (with no signs).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#ifdef __CUDACC__
+#define TL_HD __host__ __device__ __forceinline__
+#else
+#define TL_HD inline
+#endif
+
+namespace tierlift {
+namespace fp4 {
+
+constexpr float kMax = 6.f;
+constexpr float kQuestAlpha = 2.92247856f;
+constexpr float kNvTensorNum = 2688.f;  // 448 * 6
+constexpr float kMinAmax = 1e-12f;
+constexpr float kHadamardScale16 = 0.25f;
+constexpr float kHadamardScale32 = 0.176776695296636881f;  // fp32(1 / sqrt(32))
+
+TL_HD uint32_t bits(float f) {
+#ifdef __CUDA_ARCH__
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+#endif
+}
+TL_HD float from_bits(uint32_t u) {
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+TL_HD float mul_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+TL_HD float add_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+TL_HD float sub_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+TL_HD float div_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
+// Exact 2^e for e in [-149, 127] (subnormals included).
+TL_HD float pow2(int e) {
+  if (e >= -126) return from_bits(static_cast<uint32_t>(e + 127) << 23);
+  return from_bits(1u << (e + 149));
+}
+
+TL_HD float finite_abs(float x) {
+  const uint32_t a = bits(x) & 0x7fffffffu;
+  return a >= 0x7f800000u ? 0.f : from_bits(a);
+}
+
+// ---- E2M1 ----
+TL_HD float e2m1_decode(uint8_t code) {
+  const uint32_t m = code & 7u;
+  const float mag = m < 4u ? 0.5f * static_cast<float>(m)
+                           : pow2(static_cast<int>(m >> 1) - 1) * (1.f + 0.5f * (m & 1u));
+  return (code & 8u) ? -mag : mag;
+}
+
+// Saturating round-to-nearest-even; NaN -> +0.
+TL_HD uint8_t e2m1_encode_rne(float v) {
+  const uint32_t u = bits(v);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0;
+  const uint8_t sign = (u >> 28) & 8u;
+  const float a = from_bits(u & 0x7fffffffu);
+  uint8_t m;
+  if (a <= 0.25f)
+    m = 0;
+  else if (a < 0.75f)
+    m = 1;
+  else if (a <= 1.25f)
+    m = 2;
+  else if (a < 1.75f)
+    m = 3;
+  else if (a <= 2.5f)
+    m = 4;
+  else if (a < 3.5f)
+    m = 5;
+  else if (a <= 5.f)
+    m = 6;
+  else
+    m = 7;
+  return sign | m;
+}
+
+// Stochastic rounding with a uniform u in [0, 1) (see the header comment); NaN -> +0.
+TL_HD uint8_t e2m1_encode_sr(float v, float u01) {
+  const uint32_t ub = bits(v);
+  if ((ub & 0x7fffffffu) > 0x7f800000u) return 0;
+  const uint8_t sign = (ub >> 28) & 8u;
+  const float a = from_bits(ub & 0x7fffffffu);
+  if (a >= kMax) return sign | 7u;
+  uint8_t lo;
+  float lo_v, inv_step;
+  if (a < 2.f) {
+    lo = static_cast<uint8_t>(a * 2.f);  // exact: a * 2 < 4, truncation = floor
+    lo_v = 0.5f * lo;
+    inv_step = 2.f;
+  } else if (a < 4.f) {
+    lo = a < 3.f ? 4 : 5;
+    lo_v = a < 3.f ? 2.f : 3.f;
+    inv_step = 1.f;
+  } else {
+    lo = 6;
+    lo_v = 4.f;
+    inv_step = 0.5f;
+  }
+  const float frac = mul_rn(sub_rn(a, lo_v), inv_step);
+  return sign | static_cast<uint8_t>(lo + (frac > u01 ? 1 : 0));
+}
+
+// ---- Philox4x32-10 ----
+TL_HD void mulhilo(uint32_t a, uint32_t b, uint32_t& hi, uint32_t& lo) {
+  const uint64_t p = static_cast<uint64_t>(a) * b;
+  hi = static_cast<uint32_t>(p >> 32);
+  lo = static_cast<uint32_t>(p);
+}
+
+TL_HD uint32_t philox_word(uint64_t seed, uint64_t n, int word) {
+  uint32_t c0 = static_cast<uint32_t>(n), c1 = static_cast<uint32_t>(n >> 32), c2 = 0, c3 = 0;
+  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+  for (int r = 0; r < 10; ++r) {
+    if (r) {
+      k0 += 0x9E3779B9u;
+      k1 += 0xBB67AE85u;
+    }
+    uint32_t hi0, lo0, hi1, lo1;
+    mulhilo(0xD2511F53u, c0, hi0, lo0);
+    mulhilo(0xCD9E8D57u, c2, hi1, lo1);
+    c0 = hi1 ^ c1 ^ k0;
+    c1 = lo1;
+    c2 = hi0 ^ c3 ^ k1;
+    c3 = lo0;
+  }
+  return word == 0 ? c0 : word == 1 ? c1 : word == 2 ? c2 : c3;
+}
+
+// The uniform in [0, 1) for element index idx of a stream (seed, offset).
+TL_HD float philox_uniform(uint64_t seed, uint64_t offset, uint64_t idx) {
+  const uint64_t n = offset + idx;
+  return static_cast<float>(philox_word(seed, n >> 2, static_cast<int>(n & 3u)) >> 8) *
+         5.9604644775390625e-8f;  // 2^-24
+}
+
+// ---- scales ----
+// floor(log2(a)) for finite a > 0 (subnormals: their true exponent).
+TL_HD int floor_log2(float a) {
+  const uint32_t u = bits(a) & 0x7fffffffu;
+  const int e = static_cast<int>(u >> 23);
+  if (e) return e - 127;
+  int lz = 0;  // subnormal: position of the top set bit
+  for (uint32_t m = u; m < 0x400000u; m <<= 1) ++lz;
+  return -127 - lz;
+}
+TL_HD int ceil_log2(float a) {
+  const uint32_t u = bits(a) & 0x7fffffffu;
+  const bool pow2_exact = (u >> 23) ? (u & 0x7fffffu) == 0 : (u & (u - 1u)) == 0;
+  return floor_log2(a) + (pow2_exact ? 0 : 1);
+}
+TL_HD int clamp_exp(int e) { return e < -127 ? -127 : (e > 127 ? 127 : e); }
+
+enum class ScaleRule : uint8_t { kFloor = 0, kRceil = 1, kQuest = 2, kNv = 3 };
+
+// MXFP4 E8M0 exponent from the block statistic (amax for floor/rceil, rms for quest).
+TL_HD int mx_exponent(float stat, ScaleRule rule) {
+  if (!(stat > 0.f)) return -127;
+  if (rule == ScaleRule::kFloor) return clamp_exp(floor_log2(stat) - 2);
+  const float clip = rule == ScaleRule::kQuest ? mul_rn(stat, kQuestAlpha) : stat;
+  const float d = div_rn(clip, kMax);
+  if (!(d > 0.f)) return -127;
+  return clamp_exp(ceil_log2(d));
+}
+
+TL_HD float nv_tensor_scale(float tensor_amax) {
+  return div_rn(kNvTensorNum, tensor_amax < kMinAmax ? kMinAmax : tensor_amax);
+}
+
+}  // namespace fp4
+}  // namespace tierlift
+
+namespace tierlift {
+namespace fp4 {
+
+// Saturating RNE fp32 -> E4M3 code for a finite v >= 0 (NVFP4 block scales). Equal to
+// fp8_encode(v, kE4M3) on that domain (tests/cpp/test_lowp_fp4.cc checks every E4M3 value and
+// every midpoint); kept here so the CUDA kernel shares it.
+TL_HD uint8_t e4m3_encode_nonneg(float v) {
+  uint32_t a = bits(v) & 0x7fffffffu;
+  if (a > 0x43e00000u) a = 0x43e00000u;  // 448
+  const float f = from_bits(a);
+  if (f < 0.015625f) {  // below 2^-6: subnormal units of 2^-9, RNE via the magic add
+    const float units = mul_rn(f, 512.f);
+    const float r = sub_rn(add_rn(units, 8388608.f), 8388608.f);
+    return static_cast<uint8_t>(r);
+  }
+  const uint32_t lsb = (a >> 20) & 1u;
+  uint32_t r = (a + 0x7ffffu + lsb) >> 20;
+  r -= 120u << 3;  // rebias 127 -> 7
+  return static_cast<uint8_t>(r);
+}
+
+TL_HD float e4m3_decode_nonneg(uint8_t q) {
+  const uint32_t e = (q >> 3) & 15u, m = q & 7u;
+  if (e == 0) return static_cast<float>(m) * 0.001953125f;  // m * 2^-9
+  return from_bits(((e + 120u) << 23) | (m << 20));
+}
+
+// In-place sign flips + normalized fast Walsh-Hadamard transform of n = 16 or 32 values.
+TL_HD void hadamard_block(float* v, int n, uint32_t signs) {
+  for (int i = 0; i < n; ++i) {
+    if ((signs >> i) & 1u) v[i] = -v[i];
+  }
+  for (int h = 1; h < n; h <<= 1) {
+    for (int j = 0; j < n; j += 2 * h) {
+      for (int k = j; k < j + h; ++k) {
+        const float a = v[k], b = v[k + h];
+        v[k] = add_rn(a, b);
+        v[k + h] = sub_rn(a, b);
+      }
+    }
+  }
+  const float s = n == 16 ? kHadamardScale16 : kHadamardScale32;
+  for (int i = 0; i < n; ++i) v[i] = mul_rn(v[i], s);
+}
+
+// Sum of squares of the finite ones of n (power of two) values as a halving tree: s[i] += s[i + h].
+TL_HD float tree_sum_squares(const float* v, int n) {
+  float s[32];
+  for (int i = 0; i < n; ++i) {
+    const float a = finite_abs(v[i]);  // NaN/Inf do not poison the block
+    s[i] = mul_rn(a, a);
+  }
+  for (int h = n / 2; h >= 1; h >>= 1) {
+    for (int i = 0; i < h; ++i) s[i] = add_rn(s[i], s[i + h]);
+  }
+  return s[0];
+}
+
+}  // namespace fp4
+}  // namespace tierlift

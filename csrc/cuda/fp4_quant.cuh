@@ -1,0 +1,52 @@
+// Fused FP4 quantization on the GPU, torch-free: optional (random-signed) Hadamard rotation over
+// blocks of 16/32 columns, block statistics, scales and E2M1 encoding (RNE or Philox stochastic
+// rounding) in one kernel, following core/lowp/fp4.h operation for operation so the codes, scales
+// and clip mask are bit-identical to the C++ reference for the same seed.
+//
+// Shape of the work: one lane per element, a warp covers 32 consecutive elements of a row (the
+// input's row-major element order), so loads and the byte / mask stores are coalesced. The
+// Hadamard butterflies are __shfl_xor_sync exchanges (a lane with bit h set takes a - b, the
+// other a + b: the same pairs and order as fp4::hadamard_block); block amax is an xor-max
+// reduction, QuEST's sum of squares the same halving tree as fp4::tree_sum_squares. Neighbouring
+// lanes pack their two nibbles into one byte.
+//  - MXFP4 (floor/rceil/quest): a scale block is one warp, so ONE kernel does everything.
+//  - NVFP4: the fp32 tensor scale needs the global amax first, so pass 1 writes per-1x16-block
+//    amaxes (after the rotation) and atomically maxes the tensor amax; pass 2 recomputes the
+//    rotation (cheaper than storing it), derives the E4M3 block scale (over 16 rows for 16x16
+//    blocks, reading pass 1's amaxes) and encodes.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/lowp/fp4.h"
+#include "core/util/dtype.h"
+
+namespace tierlift {
+namespace cuda {
+
+struct Fp4QuantArgs {
+  const void* x = nullptr;  // device pointer
+  DType dtype = DType::kFloat32;
+  int64_t rows = 0, cols = 0;
+  int64_t row_stride = 0, col_stride = 1;  // elements
+  fp4::ScaleRule rule = fp4::ScaleRule::kFloor;
+  int hadamard = 0;  // 0, 16, 32
+  uint32_t signs = 0;
+  bool stochastic = false;
+  uint64_t seed = 0, offset = 0;
+  bool block_2d = false;
+  uint8_t* codes = nullptr;       // [rows, cols / 2]
+  uint8_t* scales = nullptr;      // E8M0 or E4M3 codes, fp4_scale_shape grid
+  float* tensor_scale = nullptr;  // [1]: NVFP4 writes s_t; MXFP4 leaves it (the caller sets 1)
+  uint8_t* mask = nullptr;        // optional [rows, cols]
+  float* workspace = nullptr;     // NVFP4: rows * cols / 16 + 1 floats (pass-1 amaxes, tensor amax)
+};
+
+// Enqueues the quantization on `stream` (arguments already validated by core's fp4_validate);
+// returns the first launch error.
+cudaError_t fp4_quantize(const Fp4QuantArgs& args, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace tierlift

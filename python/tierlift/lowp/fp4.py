@@ -1,0 +1,156 @@
+"""FP4Linear: nn.Linear whose three GEMMs take FP4 (MXFP4 / NVFP4) operands.
+
+forward   y   = Q(R x) @ Q(R W)^T                R: optional 32-point Hadamard along K
+backward  gx  = R^T (m_x * (Q(gy S) @ Q(W_r^T S)^T))     S: (random-signed) Hadamard along N
+          gW  = R^T (m_w * (Q(gy^T T) @ Q(x_r^T T)^T))   T: (random-signed) Hadamard along M
+Q quantizes along each GEMM's reduction dimension (what an FP4 tensor core consumes); both
+operands of a GEMM get the same rotation, which therefore cancels in the product. m_x, m_w are
+the forward quantizer's clip masks (Quartet/QuEST: no gradient through saturated elements).
+
+The GEMMs are emulated exactly: dequantize to fp32 (every FP4 x scale product is exact) and
+matmul. That is what runs on CPU and on Hopper; torch exposes no FP4 block-scaled matmul this
+code can test (sm100+ only), so no native path is wired in. Random signs and stochastic-rounding
+seeds are drawn from torch's default generator: torch.manual_seed makes runs repeatable.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+from torch import nn
+
+from tierlift import ops
+from tierlift.lowp.fp4_recipe import FP4Recipe, get_fp4_recipe
+from tierlift.reference.lowp_fp4 import fp4_dequantize
+
+
+@functools.cache
+def _hadamard_matrix(n: int, device: torch.device) -> torch.Tensor:
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return (h / math.sqrt(n)).to(device)
+
+
+def rotate(t: torch.Tensor, n: int) -> torch.Tensor:
+    """fp32 blockwise Hadamard rotation of t's rows (the same orthogonal, symmetric transform as
+    the quantizer's butterflies, computed as a matmul: rounding may differ in the last bit)."""
+    rows, cols = t.shape
+    h = _hadamard_matrix(n, t.device)
+    return (t.float().reshape(-1, n) @ h).reshape(rows, cols)
+
+
+def _draw(bits: int) -> int:
+    return int(torch.randint(0, 1 << bits, (), dtype=torch.int64).item())
+
+
+def _pad_cols(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    extra = -t.shape[1] % multiple
+    return torch.nn.functional.pad(t, (0, extra)) if extra else t
+
+
+def qdq(t: torch.Tensor, rule: str, had: int = 0, signs: int = 0, stochastic: bool = False,
+        block_2d: bool = False, want_mask: bool = False):
+    """(fp32 dequantized FP4 copy of t (rotated when had), clip mask or None)."""
+    seed = _draw(62) if stochastic else 0
+    codes, scales, ts, mask = ops.fp4_quantize(t, rule, had, signs, stochastic, seed, 0, block_2d,
+                                               want_mask)
+    return fp4_dequantize(codes, scales, ts, rule, block_2d), (mask if want_mask else None)
+
+
+def _gemm_operand_pair(a: torch.Tensor, b: torch.Tensor, r: FP4Recipe, had: int, grad_first: bool):
+    """a @ b^T with both operands quantized along their shared (column) dimension."""
+    block = 32 if r.backward_rule != "nv" else 16
+    mult = max(block, had)
+    a, b = _pad_cols(a, mult), _pad_cols(b, mult)  # zero padding adds nothing to the product
+    signs = _draw(had) if (had and r.random_signs) else 0
+    sr_a = r.stochastic_grad if grad_first else r.stochastic_other
+    sr_b = r.stochastic_other if grad_first else r.stochastic_grad
+    aq, _ = qdq(a, r.backward_rule, had, signs, sr_a)
+    bq, _ = qdq(b, r.backward_rule, had, signs, sr_b)
+    return aq @ bq.t()
+
+
+class _FP4MatmulFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, recipe: FP4Recipe):
+        r = recipe
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            xq, mx = qdq(x, r.forward_rule, r.forward_hadamard, want_mask=r.clip_mask)
+            wq, mw = qdq(weight, r.forward_rule, r.forward_hadamard, block_2d=r.weight_2d,
+                         want_mask=r.clip_mask)
+            y = xq @ wq.t()
+        ctx.recipe = r
+        ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
+        ctx.save_for_backward(x, weight, wq if r.weight_2d else None, mx, mw)
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        r = ctx.recipe
+        x, weight, wq, mx, mw = ctx.saved_tensors
+        g = grad_out.float()
+        with torch.autocast(device_type=g.device.type, enabled=False):
+            rot = r.forward_hadamard
+            xr = rotate(x, rot) if rot else x.float()
+            wr = rotate(weight, rot) if rot else weight.float()
+            if r.weight_2d:  # the 16x16-block quantization of W serves W^T as well
+                gq, _ = qdq(_pad_cols(g, 16), r.backward_rule, 0, 0, r.stochastic_grad)
+                gx = gq[:, :g.shape[1]] @ wq
+            else:
+                gx = _gemm_operand_pair(g, wr.t().contiguous(), r, r.dgrad_hadamard, True)
+            gw = _gemm_operand_pair(g.t().contiguous(), xr.t().contiguous(), r,
+                                    r.wgrad_hadamard, True)
+            if mx is not None:
+                gx = gx * mx
+                gw = gw * mw
+            if rot:
+                gx, gw = rotate(gx, rot), rotate(gw, rot)
+        return gx.to(ctx.x_dtype), gw.to(ctx.w_dtype), None
+
+
+def fp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               recipe: str | FP4Recipe = "mxfp4-quartet") -> torch.Tensor:
+    """Functional form: F.linear(x, weight, bias) with FP4 GEMMs (x: [..., in_features])."""
+    recipe = get_fp4_recipe(recipe)
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"x must have {weight.shape[1]} features in its last dimension, got "
+                         f"shape {tuple(x.shape)}")
+    if weight.shape[1] % 32 or weight.shape[0] % 32:
+        raise ValueError(f"weight must have in/out features that are multiples of 32 for FP4, "
+                         f"got shape {tuple(weight.shape)}")
+    if torch.is_autocast_enabled(x.device.type):
+        x = x.to(torch.get_autocast_dtype(x.device.type))
+    lead = x.shape[:-1]
+    y = _FP4MatmulFn.apply(x.reshape(-1, x.shape[-1]), weight, recipe)
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y.reshape(*lead, weight.shape[0])
+
+
+class FP4Linear(nn.Linear):
+    """Drop-in nn.Linear with FP4 forward/backward GEMMs; parameters stay in their dtype."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 recipe: str | FP4Recipe = "mxfp4-quartet", device=None, dtype=None):
+        if in_features % 32 or out_features % 32:
+            raise ValueError(f"in_features and out_features must be multiples of 32 for FP4, "
+                             f"got {in_features}, {out_features}")
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.recipe = get_fp4_recipe(recipe)
+
+    @classmethod
+    def from_linear(cls, mod: nn.Linear, recipe: str | FP4Recipe = "mxfp4-quartet") -> FP4Linear:
+        """An FP4Linear sharing `mod`'s parameters (no copy)."""
+        new = cls(mod.in_features, mod.out_features, bias=False, recipe=recipe, device="meta")
+        new.weight = mod.weight
+        new.bias = mod.bias
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp4_linear(x, self.weight, self.bias, self.recipe)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, recipe={self.recipe.name}"

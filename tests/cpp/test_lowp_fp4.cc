@@ -1,0 +1,224 @@
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <random>
+#include <stdexcept>
+#include <vector>
+
+#include "core/lowp/fp4.h"
+#include "core/lowp/fp4_quant.h"
+#include "core/lowp/fp8.h"
+
+namespace tierlift {
+namespace {
+
+const float kGrid[8] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
+
+TEST(LowpFp4Codec, EveryCodeDecodesAndRoundTrips) {
+  for (int c = 0; c < 16; ++c) {
+    const float v = fp4::e2m1_decode(static_cast<uint8_t>(c));
+    EXPECT_EQ(std::fabs(v), kGrid[c & 7]) << c;
+    EXPECT_EQ(std::signbit(v), c >= 8) << c;
+    EXPECT_EQ(fp4::e2m1_encode_rne(v), c) << c;
+    EXPECT_EQ(fp4::e2m1_encode_sr(v, 0.f), c) << c;  // grid points never move
+  }
+}
+
+TEST(LowpFp4Codec, RoundsToNearestEvenAndSaturates) {
+  EXPECT_EQ(fp4::e2m1_encode_rne(0.25f), 0);  // tie -> 0 (even)
+  EXPECT_EQ(fp4::e2m1_encode_rne(0.2500001f), 1);
+  EXPECT_EQ(fp4::e2m1_encode_rne(0.75f), 2);  // tie -> 1.0
+  EXPECT_EQ(fp4::e2m1_encode_rne(1.25f), 2);  // tie -> 1.0
+  EXPECT_EQ(fp4::e2m1_encode_rne(1.75f), 4);  // tie -> 2.0
+  EXPECT_EQ(fp4::e2m1_encode_rne(2.5f), 4);
+  EXPECT_EQ(fp4::e2m1_encode_rne(3.5f), 6);
+  EXPECT_EQ(fp4::e2m1_encode_rne(5.f), 6);
+  EXPECT_EQ(fp4::e2m1_encode_rne(5.0001f), 7);
+  EXPECT_EQ(fp4::e2m1_encode_rne(1e30f), 7);
+  EXPECT_EQ(fp4::e2m1_encode_rne(-std::numeric_limits<float>::infinity()), 15);
+  EXPECT_EQ(fp4::e2m1_encode_rne(std::numeric_limits<float>::quiet_NaN()), 0);
+  EXPECT_EQ(fp4::e2m1_encode_rne(-0.1f), 8);
+}
+
+TEST(LowpFp4Codec, E4M3MatchesFp8Encode) {
+  for (int c = 0; c < 0x7f; ++c) {
+    const float v = fp8_decode(static_cast<uint8_t>(c), Fp8Format::kE4M3);
+    EXPECT_EQ(fp4::e4m3_decode_nonneg(static_cast<uint8_t>(c)), v);
+    EXPECT_EQ(fp4::e4m3_encode_nonneg(v), c);
+    const float next = c < 0x7e ? fp8_decode(static_cast<uint8_t>(c + 1), Fp8Format::kE4M3) : 500.f;
+    const float mid = 0.5f * (v + next);
+    for (float w : {mid, std::nextafter(mid, 0.f), std::nextafter(mid, 1e9f)}) {
+      EXPECT_EQ(fp4::e4m3_encode_nonneg(w), fp8_encode(w, Fp8Format::kE4M3)) << w;
+    }
+  }
+  EXPECT_EQ(fp4::e4m3_encode_nonneg(1e30f), 0x7e);
+}
+
+TEST(LowpFp4Scale, E8M0Rules) {
+  using fp4::ScaleRule;
+  EXPECT_EQ(fp4::mx_exponent(6.f, ScaleRule::kFloor), 0);  // floor(log2 6) - 2 = 0
+  EXPECT_EQ(fp4::mx_exponent(8.f, ScaleRule::kFloor), 1);
+  EXPECT_EQ(fp4::mx_exponent(7.99f, ScaleRule::kFloor), 0);  // 7.99 saturates to 6
+  EXPECT_EQ(fp4::mx_exponent(6.f, ScaleRule::kRceil), 0);    // 6/6 = 1 = 2^0
+  EXPECT_EQ(fp4::mx_exponent(6.01f, ScaleRule::kRceil), 1);
+  EXPECT_EQ(fp4::mx_exponent(3.f, ScaleRule::kRceil), -1);
+  EXPECT_EQ(fp4::mx_exponent(0.f, ScaleRule::kFloor), -127);
+  EXPECT_EQ(fp4::mx_exponent(1e-45f, ScaleRule::kFloor), -127);  // subnormal clamps
+  EXPECT_EQ(fp4::mx_exponent(std::numeric_limits<float>::max(), ScaleRule::kFloor), 125);
+  EXPECT_EQ(fp4::mx_exponent(std::numeric_limits<float>::max(), ScaleRule::kRceil), 126);
+  EXPECT_EQ(fp4::pow2(-127), std::ldexp(1.f, -127));
+  EXPECT_EQ(fp4::pow2(-149), std::ldexp(1.f, -149));
+}
+
+TEST(LowpFp4Hadamard, OrthogonalAndSelfInverse) {
+  std::mt19937 rng(1);
+  std::normal_distribution<float> nd;
+  for (int n : {16, 32}) {
+    std::vector<float> x(n), y(n);
+    double nx = 0, ny = 0;
+    for (int i = 0; i < n; ++i) nx += (x[i] = nd(rng)) * x[i];
+    y = x;
+    fp4::hadamard_block(y.data(), n, 0);
+    for (int i = 0; i < n; ++i) ny += y[i] * y[i];
+    EXPECT_NEAR(nx, ny, 1e-4 * nx);
+    fp4::hadamard_block(y.data(), n, 0);
+    for (int i = 0; i < n; ++i) EXPECT_NEAR(y[i], x[i], 1e-5f);
+    // Columns of H: transform of unit vectors, mutually orthogonal.
+    std::vector<float> e1(n, 0.f), e2(n, 0.f);
+    e1[3] = 1.f;
+    e2[n - 1] = 1.f;
+    fp4::hadamard_block(e1.data(), n, 0b101u);
+    fp4::hadamard_block(e2.data(), n, 0b101u);
+    double dot = 0;
+    for (int i = 0; i < n; ++i) dot += e1[i] * e2[i];
+    EXPECT_NEAR(dot, 0.0, 1e-6);
+  }
+}
+
+TEST(LowpFp4Philox, KnownAnswer) {
+  // Random123's philox4x32-10 known-answer vector (counter 0, key 0).
+  EXPECT_EQ(fp4::philox_word(0, 0, 0), 0x6627e8d5u);
+  EXPECT_EQ(fp4::philox_word(0, 0, 1), 0xe169c58du);
+  EXPECT_EQ(fp4::philox_word(0, 0, 2), 0xbc57ac4cu);
+  EXPECT_EQ(fp4::philox_word(0, 0, 3), 0x9b00dbd8u);
+}
+
+TEST(LowpFp4Sr, UnbiasedWithinStatedBound) {
+  // E[decode(sr(v))] = v. For N draws the mean's std dev is <= step / (2 sqrt N); we allow 5x.
+  const int n = 200000;
+  for (float v : {0.1f, 0.7f, 1.3f, 2.2f, 3.9f, 5.5f, -4.6f}) {
+    double sum = 0;
+    for (int i = 0; i < n; ++i)
+      sum += fp4::e2m1_decode(fp4::e2m1_encode_sr(v, fp4::philox_uniform(7, 0, i)));
+    const float step = std::fabs(v) < 2.f ? 0.5f : (std::fabs(v) < 4.f ? 1.f : 2.f);
+    EXPECT_NEAR(sum / n, v, 5.0 * step / (2.0 * std::sqrt(static_cast<double>(n)))) << v;
+  }
+}
+
+Fp8Input input(const std::vector<float>& x, int64_t rows, int64_t cols) {
+  Fp8Input in;
+  in.data = x.data();
+  in.rows = rows;
+  in.cols = cols;
+  in.row_stride = cols;
+  return in;
+}
+
+TEST(LowpFp4Quant, MxRoundTripsGridValuesExactly) {
+  const int64_t rows = 3, cols = 64;
+  std::vector<float> x(rows * cols);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = kGrid[i % 8] * ((i % 3) ? 0.25f : -0.25f);
+  for (auto rule : {fp4::ScaleRule::kFloor, fp4::ScaleRule::kRceil}) {
+    Fp4Config c;
+    c.rule = rule;
+    std::vector<uint8_t> codes(rows * cols / 2), scales(rows * 2), mask(rows * cols);
+    float ts;
+    fp4_quantize(input(x, rows, cols), c, {codes.data(), scales.data(), &ts, mask.data()});
+    std::vector<float> back(rows * cols);
+    fp4_dequantize(codes.data(), scales.data(), ts, rows, cols, rule, false, back.data());
+    for (size_t i = 0; i < x.size(); ++i) EXPECT_EQ(back[i], x[i]) << i;
+    for (uint8_t m : mask) EXPECT_EQ(m, 1);
+    EXPECT_EQ(scales[0], 127 - 2);  // amax 1.5 = 6 * 2^-2
+  }
+}
+
+TEST(LowpFp4Quant, NvAndQuestErrorsAreSmallAndMaskMarksClipping) {
+  const int64_t rows = 20, cols = 64;
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd;
+  std::vector<float> x(rows * cols);
+  for (float& v : x) v = nd(rng);
+  x[5] = 40.f;  // an outlier QuEST clips
+  for (auto rule : {fp4::ScaleRule::kNv, fp4::ScaleRule::kQuest}) {
+    for (bool two_d : {false, true}) {
+      if (two_d && rule != fp4::ScaleRule::kNv) continue;
+      Fp4Config c;
+      c.rule = rule;
+      c.block_2d = two_d;
+      int64_t gr, gc;
+      fp4_scale_shape(c, rows, cols, &gr, &gc);
+      std::vector<uint8_t> codes(rows * cols / 2), scales(gr * gc), mask(rows * cols);
+      float ts;
+      fp4_quantize(input(x, rows, cols), c, {codes.data(), scales.data(), &ts, mask.data()});
+      std::vector<float> back(rows * cols);
+      fp4_dequantize(codes.data(), scales.data(), ts, rows, cols, rule, two_d, back.data());
+      double err = 0, ref = 0;
+      for (size_t i = 0; i < x.size(); ++i) {
+        if (!mask[i]) continue;
+        err += (back[i] - x[i]) * (back[i] - x[i]);
+        ref += x[i] * x[i];
+      }
+      // A 16x16 block shares the outlier 40 scale with 15 other rows: coarser.
+      EXPECT_LT(err / ref, two_d ? 0.15 : 0.05) << static_cast<int>(rule) << two_d;
+      if (rule == fp4::ScaleRule::kQuest) EXPECT_EQ(mask[5], 0);
+      if (rule == fp4::ScaleRule::kNv) EXPECT_EQ(mask[5], 1);
+    }
+  }
+}
+
+TEST(LowpFp4Quant, RejectsBadConfigs) {
+  std::vector<float> x(48, 1.f);
+  std::vector<uint8_t> codes(24), scales(2);
+  float ts;
+  Fp4Config c;
+  EXPECT_THROW(fp4_quantize(input(x, 1, 48), c, {codes.data(), scales.data(), &ts, nullptr}),
+               std::invalid_argument);  // 48 % 32
+  c.rule = fp4::ScaleRule::kNv;
+  c.hadamard = 8;
+  EXPECT_THROW(fp4_validate(input(x, 1, 48), c), std::invalid_argument);
+  c.hadamard = 0;
+  c.signs = 1;  // signs without a rotation
+  EXPECT_THROW(fp4_validate(input(x, 1, 48), c), std::invalid_argument);
+  c.signs = 0;
+  c.rule = fp4::ScaleRule::kFloor;
+  c.block_2d = true;
+  EXPECT_THROW(fp4_validate(input(x, 1, 64), c), std::invalid_argument);
+}
+
+TEST(LowpFp4Quant, HadamardSrIsDeterministicAndOffsetShiftsTheStream) {
+  const int64_t rows = 4, cols = 64;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd;
+  std::vector<float> x(rows * cols);
+  for (float& v : x) v = nd(rng);
+  auto run = [&](uint64_t seed, uint64_t offset) {
+    Fp4Config c;
+    c.rule = fp4::ScaleRule::kRceil;
+    c.hadamard = 32;
+    c.signs = 0x80000001u;
+    c.stochastic = true;
+    c.seed = seed;
+    c.offset = offset;
+    std::vector<uint8_t> codes(rows * cols / 2), scales(rows * 2);
+    float ts;
+    fp4_quantize(input(x, rows, cols), c, {codes.data(), scales.data(), &ts, nullptr});
+    return codes;
+  };
+  EXPECT_EQ(run(1, 0), run(1, 0));
+  EXPECT_NE(run(1, 0), run(2, 0));
+  EXPECT_NE(run(1, 0), run(1, 4));
+}
+
+}  // namespace
+}  // namespace tierlift
