@@ -176,7 +176,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
-    p.add_argument("--out", default="bench_zero.json")
+    p.add_argument("--out", default=None,
+                   help="JSON path (default: benchmarks/results/bench_zero-{cpu,gpu}.json)")
     args = p.parse_args(argv)
     if args.cuda and torch.cuda.device_count() < args.nproc:
         p.error(f"--cuda needs {args.nproc} GPUs, found {torch.cuda.device_count()}")
@@ -202,6 +203,10 @@ def main(argv=None) -> int:
         print(f"{mode:8} {b['params'] / 1e6:10.2f} {b['grads'] / 1e6:9.2f} "
               f"{b['optim'] / 1e6:9.2f} {b['total'] / 1e6:9.2f} {mem_ratio:8.2f} "
               f"{r['step_s'] * 1e3:8.1f} {t_ratio:8.2f}")
+    if args.out is None:
+        results_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+        os.makedirs(results_dir, exist_ok=True)
+        args.out = os.path.join(results_dir, f"bench_zero-{'gpu' if args.cuda else 'cpu'}.json")
     with open(args.out, "w") as f:
         json.dump({"machine": machine, "args": vars(args), "results": results}, f, indent=1)
     print(f"wrote {args.out}", file=sys.stderr)
