@@ -16,30 +16,15 @@ import argparse
 import json
 import os
 import platform
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
 import tierlift
+from common import median_time
 from tierlift.gnn import FeatureStore
 
 ROW_BYTES = [64, 128, 256, 512, 1024, 2048, 4096]
-
-
-def timeit(fn, repeats, sync=None):
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        if sync:
-            sync()
-        t = time.perf_counter()
-        fn()
-        if sync:
-            sync()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def bench_cpu(row_bytes, table_bytes, out_bytes, repeats):
@@ -49,8 +34,8 @@ def bench_cpu(row_bytes, table_bytes, out_bytes, repeats):
     idx = torch.randint(0, rows, (n,))
     store = FeatureStore(table, device="cpu")
     out_t, out_r = torch.empty(n, row_bytes // 4), torch.empty(n, row_bytes // 4)
-    t_ours = timeit(lambda: store.gather(idx, out=out_t), repeats)
-    t_torch = timeit(lambda: torch.index_select(table, 0, idx, out=out_r), repeats)
+    t_ours = median_time(lambda: store.gather(idx, out=out_t), repeats=repeats)
+    t_torch = median_time(lambda: torch.index_select(table, 0, idx, out=out_r), repeats=repeats)
     assert torch.equal(out_t, out_r)
     gb = n * row_bytes / 1e9
     return {"row_bytes": row_bytes, "rows_gathered": n, "tierlift_gbs": gb / t_ours,
@@ -66,11 +51,12 @@ def bench_gpu(row_bytes, table_bytes, out_bytes, repeats):
     sync = torch.cuda.synchronize
     store = FeatureStore(table, pin="inplace")
     out = torch.empty(n, row_bytes // 4, device="cuda")
-    t_ours = timeit(lambda: store.gather(idx, out=out), repeats, sync)
+    t_ours = median_time(lambda: store.gather(idx, out=out), repeats=repeats, sync=sync)
     src = torch.empty(n * row_bytes, dtype=torch.uint8).pin_memory()
     dst = torch.empty_like(src, device="cuda")
-    t_copy = timeit(lambda: dst.copy_(src, non_blocking=True), repeats, sync)
-    t_cpu = timeit(lambda: table.index_select(0, idx_cpu).pin_memory().to("cuda"), repeats, sync)
+    t_copy = median_time(lambda: dst.copy_(src, non_blocking=True), repeats=repeats, sync=sync)
+    t_cpu = median_time(lambda: table.index_select(0, idx_cpu).pin_memory().to("cuda"),
+                        repeats=repeats, sync=sync)
     assert torch.equal(out.cpu(), table[idx_cpu])
     store.close()
     gb = n * row_bytes / 1e9

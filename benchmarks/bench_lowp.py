@@ -16,10 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import time
 
 import torch
 
+from common import RESULTS, median_time
 from tierlift import ops
 from tierlift.lowp import Float8Linear
 from tierlift.reference import lowp as ref
@@ -28,18 +28,9 @@ SCALINGS = ("tensor", "row", "1x128", "128x128")
 
 
 def timeit(fn, device: str, repeat: int) -> float:
-    """Median seconds per call after one warm-up."""
-    fn()
-    times = []
-    for _ in range(repeat):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+    """Median seconds per call after one warm-up (common.median_time, synced on CUDA)."""
+    sync = torch.cuda.synchronize if device == "cuda" else None
+    return median_time(fn, repeats=repeat, sync=sync)
 
 
 def bench_cpu(args) -> list[dict]:
@@ -117,10 +108,12 @@ def bench_gpu_linear(args) -> list[dict]:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--device", choices=("cpu", "cuda"),
+                   default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--sizes", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
-    p.add_argument("--json", default="bench_lowp.json")
+    p.add_argument("--json", default=None,
+                   help="output path (default: benchmarks/results/bench_lowp-<device>.json)")
     args = p.parse_args()
     result = dict(machine=platform.processor() or platform.machine(), torch=torch.__version__,
                   device=args.device)
@@ -131,6 +124,9 @@ def main():
     else:
         result["threads"] = torch.get_num_threads()
         result["quantize"] = bench_cpu(args)
+    if args.json is None:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        args.json = str(RESULTS / f"bench_lowp-{args.device}.json")
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {args.json}")
