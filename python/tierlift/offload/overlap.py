@@ -16,6 +16,11 @@ committed generation with the final values. A chunk is therefore only ever commi
 exactly the inputs of the plain step. torch.nn.utils.clip_grad_norm_ always rescales in place
 (by 1.0 under the threshold), so it always invalidates; the optimizer's own `max_grad_norm`
 computes the same global norm in step() and scales only when it must, keeping the overlap.
+
+Under tierlift.zero.shard the parameters are flat shards whose gradient is assigned when the
+unit's reduction completes (no post-accumulate-grad hook fires): for those the Overlap listens
+with tierlift.zero.on_shard_grad_ready, so a unit's chunks start as soon as its reduce-scatter
+(and, with parameter offload, its D2H copy) is done.
 """
 
 from __future__ import annotations
@@ -73,10 +78,16 @@ class Overlap:
             if overlap is not None:
                 overlap._on_grad(p)
 
+        from tierlift.zero.api import is_shard, on_shard_grad_ready
+
         for gi, group in enumerate(offloader.opt.param_groups):
             for pi, p in enumerate(group["params"]):
                 self._where[p] = (gi, pi)
-                if p.requires_grad:
+                if not p.requires_grad:
+                    continue
+                if is_shard(p):
+                    self._handles.append(on_shard_grad_ready(p, hook))
+                else:
                     self._handles.append(p.register_post_accumulate_grad_hook(hook))
 
     def _reset(self) -> None:

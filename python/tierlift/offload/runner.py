@@ -51,6 +51,9 @@ class Offloader:
         self._engine = None
         self._dir = None
         params = [p for g in optimizer.param_groups for p in g["params"]]
+        from tierlift.zero.api import is_shard
+
+        self._zero = any(is_shard(p) for p in params)
         for gi, group in enumerate(optimizer.param_groups):
             for pi, p in enumerate(group["params"]):
                 if not p.is_contiguous():
@@ -209,13 +212,28 @@ class Offloader:
         # aminmax propagates NaN and shows +-Inf without allocating a gradient-sized mask.
         flags = [torch.stack(torch.aminmax(g)).isfinite().all()
                  for got in live for g in got.values() if g.numel()]
-        return not flags or bool(torch.stack([f.cpu() for f in flags]).all())
+        finite = not flags or bool(torch.stack([f.cpu() for f in flags]).all())
+        if self._zero:
+            # ZeRO shards: a non-finite value on any rank skips the step on every rank.
+            from tierlift.zero.api import all_ranks_agree
+
+            finite = all_ranks_agree(self._params(), finite)
+        return finite
+
+    def _params(self) -> list:
+        return [p for g in self.opt.param_groups for p in g["params"]]
 
     def _clip(self, stats) -> None:
         """torch.nn.utils.clip_grad_norm_ over the optimizer's parameters, in their order; the
         gradients are only touched when they are scaled (so speculative steps stay valid)."""
         params = [p for g in self.opt.param_groups for p in g["params"] if p.grad is not None]
-        total = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if self._zero:
+            # ZeRO shards: the norm over all ranks, exactly as tierlift.zero.clip_grad_norm_.
+            from tierlift.zero.api import global_grad_norm
+
+            total = global_grad_norm(params)
+        else:
+            total = torch.nn.utils.get_total_norm([p.grad for p in params])
         stats["grad_norm"] = float(total)
         if float(self.config.max_grad_norm) / (float(total) + 1e-6) < 1.0:
             torch.nn.utils.clip_grads_with_norm_(params, self.config.max_grad_norm, total)

@@ -14,8 +14,11 @@ from tierlift.zero.api import (
     clip_grad_norm_,
     default_units,
     full_state_dict,
+    global_grad_norm,
+    is_shard,
     load_full_state_dict,
     no_sync,
+    on_shard_grad_ready,
     shard,
 )
 from tierlift.zero.config import MixedPrecision, ShardConfig
@@ -24,4 +27,5 @@ from tierlift.zero.scaler import LossScaler, LossScalerConfig
 
 __all__ = ["LossScaler", "LossScalerConfig", "MixedPrecision", "RankFailureError",
            "ShardConfig", "clip_grad_norm_",
-           "default_units", "full_state_dict", "load_full_state_dict", "no_sync", "shard"]
+           "default_units", "full_state_dict", "global_grad_norm", "is_shard",
+           "load_full_state_dict", "no_sync", "on_shard_grad_ready", "shard"]

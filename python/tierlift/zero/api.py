@@ -1,4 +1,5 @@
-"""tierlift.zero: shard(), no_sync(), clip_grad_norm_(), full_state_dict(), load_full_state_dict().
+"""tierlift.zero: shard(), no_sync(), clip_grad_norm_(), full_state_dict(), load_full_state_dict(),
+on_shard_grad_ready(), global_grad_norm().
 
     dist.init_process_group("nccl")                        # under torchrun
     model = tierlift.zero.shard(model, stage=3)            # in place; returns the model
@@ -17,7 +18,8 @@ from torch import nn
 from tierlift.zero.comm import Comm
 from tierlift.zero.config import MixedPrecision, ShardConfig
 from tierlift.zero.heartbeat import Heartbeat
-from tierlift.zero.hooks import ZeroState
+from tierlift.zero.hooks import ZeroState, shard_owner
+from tierlift.zero.param_offload import ParamOffload
 from tierlift.zero.unit import FlatUnit
 
 _ATTR = "_tierlift_zero"
@@ -87,12 +89,19 @@ def _owning_unit(module_name: str, unit_names: list[str]) -> str:
 
 def shard(model: nn.Module, stage: int = 3, *, process_group=None,
           mixed_precision: MixedPrecision | None = None, units=None, prefetch: int = 1,
-          reshard_after_forward: bool = True, min_unit_numel: int | None = None) -> nn.Module:
+          reshard_after_forward: bool = True, min_unit_numel: int | None = None,
+          offload_params: str = "none", gpu_budget: int | None = None) -> nn.Module:
     """Shard `model` in place over `process_group` (default: the world) with ZeRO `stage`.
 
     Afterwards model.parameters() yields one fp32 shard parameter per unit (plus the frozen
     parameters, which stay replicated), so any optimizer built on them steps this rank's slice.
     Every rank must call shard() on an identically initialised model.
+
+    Stage 3 only: offload_params="cpu" keeps the fp32 shards in host memory (pinned with CUDA)
+    and streams each unit to the device when it is gathered; gpu_budget (bytes) caps the
+    gathered unit weights on the device at once (prefetch waits for room; a budget too small
+    for the largest unit next to the root unit is refused with the smallest that works).
+    model._tierlift_zero.stats has the peak resident bytes and the bytes copied each way.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -100,7 +109,8 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
         raise ValueError("model is already sharded by tierlift.zero.shard")
     config = ShardConfig(stage=stage, mixed_precision=mixed_precision, prefetch=prefetch,
                          reshard_after_forward=reshard_after_forward,
-                         min_unit_numel=min_unit_numel)
+                         min_unit_numel=min_unit_numel, offload_params=offload_params,
+                         gpu_budget=gpu_budget)
     comm = Comm(process_group)
     key_order = {k: i for i, k in enumerate(model.state_dict().keys())}
     unit_names = (default_units(model, min_unit_numel) if units is None
@@ -142,13 +152,22 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
         for p in model.parameters():
             if not p.requires_grad and p.is_floating_point():
                 p.data = p.data.to(compute_dtype)
+    if config.gpu_budget is not None:
+        _check_gpu_budget(config.gpu_budget, grouped, comm.world, compute_dtype)
+    offload = None
+    if config.offload_params == "cpu":
+        largest = max(-(-sum(p.numel() for p, _, _ in ps) // comm.world)
+                      for ps in grouped.values() if ps)
+        offload = ParamOffload(device=next(iter(devices)), compute_dtype=compute_dtype,
+                               max_shard_numel=largest, stats={"h2d_bytes": 0, "d2h_bytes": 0})
     units_out = []
     for name, params in grouped.items():
         if not params:
             continue
         module = model.get_submodule(name) if name else model
         units_out.append(FlatUnit(name=name, module=module, params=params, comm=comm,
-                                  compute_dtype=compute_dtype, keep_full=config.stage < 3))
+                                  compute_dtype=compute_dtype, keep_full=config.stage < 3,
+                                  offload=offload))
         if config.stage == 3:
             units_out[-1].free()  # gathered again by the first forward
     for unit in units_out:
@@ -156,10 +175,31 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
     heartbeat = Heartbeat(comm) if comm.world > 1 else None
     state = ZeroState(config=config, comm=comm, root=model, units=units_out,
                       heartbeat=heartbeat, key_order=key_order)
+    if offload is not None:
+        state.offload = offload
+        offload.stats = state.stats
     object.__setattr__(model, _ATTR, state)
     model_ref = weakref.ref(model)  # no reference cycle: the model is freed as soon as unused
     model.no_sync = lambda: no_sync(model_ref())
     return model
+
+
+def _check_gpu_budget(budget: int, grouped: dict, world: int, dtype: torch.dtype) -> None:
+    """Refuses a budget that cannot hold the largest unit next to the root unit (which stays
+    gathered around the others), naming the smallest budget that works."""
+    elem = torch.empty((), dtype=dtype).element_size()
+
+    def nbytes(params) -> int:
+        return -(-sum(p.numel() for p, _, _ in params) // world) * world * elem
+
+    root = nbytes(grouped[""]) if grouped.get("") else 0
+    sizes = {name: nbytes(ps) for name, ps in grouped.items() if ps and name}
+    need = root + max(sizes.values(), default=0)
+    if budget < need:
+        worst = max(sizes, key=sizes.get) if sizes else "<root>"
+        raise ValueError(f"gpu_budget={budget} bytes cannot hold unit {worst!r} "
+                         f"({sizes.get(worst, root)} bytes gathered) next to the root unit "
+                         f"({root} bytes); the smallest budget that works is {need} bytes")
 
 
 def _state(model: nn.Module) -> ZeroState:
@@ -182,10 +222,94 @@ def no_sync(model: nn.Module):
         state.syncing = prev
 
 
+def on_shard_grad_ready(param: torch.Tensor, fn):
+    """Calls fn(param) each time a synced backward has set (or accumulated into) the gradient
+    of `param`, a shard of a sharded model, i.e. as soon as that unit's reduction is done
+    (not inside no_sync()). Returns a handle with .remove()."""
+    owner = shard_owner(param)
+    if owner is None:
+        raise ValueError("param is not a shard of a model sharded by tierlift.zero.shard")
+    return owner[0].on_grad_ready(param, fn)
+
+
+def is_shard(param: torch.Tensor) -> bool:
+    """Whether `param` is the flat shard of a unit of a (live) sharded model."""
+    return shard_owner(param) is not None
+
+
+@torch.no_grad()
+def global_grad_norm(params, norm_type: float = 2.0) -> torch.Tensor:
+    """The norm of the gradients of `params` over all ranks: shards of sharded models add up
+    across their process group; other parameters (replicated) count once. With the shards of
+    one model only, this is exactly the norm clip_grad_norm_(model) computes."""
+    norm_type = float(norm_type)
+    by_state: dict[int, tuple] = {}
+    local = []
+    for p in params:
+        if p.grad is None:
+            continue
+        owner = shard_owner(p)
+        if owner is None:
+            local.append(p.grad)
+        else:
+            by_state.setdefault(id(owner[0]), (owner[0], set()))[1].add(owner[1])
+    totals = []
+    for state, index in by_state.values():
+        grads = [u.shard.grad for i, u in enumerate(state.units)
+                 if i in index and u.shard.grad is not None]
+        totals.append(_sharded_norm(state, grads, norm_type))
+    if local:
+        totals.append(torch.nn.utils.get_total_norm(local, norm_type))
+    if len(totals) == 1:
+        return totals[0]
+    if not totals:
+        return torch.zeros(())
+    totals = [t.to(torch.float32).cpu() for t in totals]
+    if math.isinf(norm_type):
+        return torch.stack(totals).max()
+    return torch.stack([t ** norm_type for t in totals]).sum() ** (1.0 / norm_type)
+
+
+def all_ranks_agree(params, flag: bool) -> bool:
+    """`flag` and-ed over every rank of the process groups of the shards among `params` (a
+    collective over those groups; `flag` itself when there are none)."""
+    seen = {}
+    for p in params:
+        owner = shard_owner(p)
+        if owner is not None:
+            seen.setdefault(id(owner[0]), owner[0])
+    for state in seen.values():
+        t = torch.tensor(0.0 if flag else 1.0, device=state.units[0].device)
+        state.comm.wait(state.comm.all_reduce(t, op=torch.distributed.ReduceOp.MAX))
+        flag = flag and not bool(t.item())
+    return flag
+
+
+def _sharded_norm(state: ZeroState, grads: list, norm_type: float) -> torch.Tensor:
+    device = state.units[0].device
+    if math.isinf(norm_type):
+        local = torch.stack([g.abs().max() for g in grads]).max() if grads else \
+            torch.zeros((), device=device)
+        total = local.to(device=device, dtype=torch.float32).clone()
+        state.comm.wait(state.comm.all_reduce(total, op=torch.distributed.ReduceOp.MAX))
+    else:
+        local = torch.zeros((), dtype=torch.float32, device=device)
+        for g in grads:
+            local += torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) ** norm_type
+        state.comm.wait(state.comm.all_reduce(local))
+        total = local ** (1.0 / norm_type)
+    return total
+
+
 @torch.no_grad()
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Clip the gradients of a sharded model by their global norm across ranks (as
-    torch.nn.utils.clip_grad_norm_ computes it on the unsharded model); returns that norm."""
+    torch.nn.utils.clip_grad_norm_ computes it on the unsharded model); returns that norm.
+
+    This scales the gradients in place (by 1.0 under the threshold too), which invalidates the
+    steps tierlift.optim.AdamW(offload=..., overlap=True) ran during backward: with that
+    optimizer pass max_grad_norm to it instead (the same global norm, scaling only when it must).
+    """
     state = _state(model)
     max_norm = float(max_norm)
     norm_type = float(norm_type)
@@ -194,21 +318,10 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     if norm_type <= 0:
         raise ValueError(f"norm_type must be > 0 (or inf), got {norm_type}")
     grads = [u.shard.grad for u in state.units if u.shard.grad is not None]
-    device = state.units[0].device
-    if math.isinf(norm_type):
-        local = torch.stack([g.abs().max() for g in grads]).max() if grads else \
-            torch.zeros((), device=device)
-        total = local.to(torch.float32).clone()
-        state.comm.wait(state.comm.all_reduce(total, op=torch.distributed.ReduceOp.MAX))
-    else:
-        local = torch.zeros((), dtype=torch.float32, device=device)
-        for g in grads:
-            local += torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) ** norm_type
-        state.comm.wait(state.comm.all_reduce(local))
-        total = local ** (1.0 / norm_type)
+    total = _sharded_norm(state, grads, norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
-        g.mul_(coef.to(g.dtype))
+        g.mul_(coef.to(device=g.device, dtype=g.dtype))
     return total
 
 

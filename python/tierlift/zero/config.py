@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_OFFLOAD_PARAMS = ("none", "cpu")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -41,6 +42,8 @@ class ShardConfig:
     prefetch: int = 1
     reshard_after_forward: bool = True
     min_unit_numel: int | None = None
+    offload_params: str = "none"
+    gpu_budget: int | None = None
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
@@ -56,6 +59,26 @@ class ShardConfig:
                             f"{type(self.reshard_after_forward).__name__}")
         if self.min_unit_numel is not None and self.min_unit_numel < 1:
             raise ValueError(f"min_unit_numel must be >= 1, got {self.min_unit_numel}")
+        if self.offload_params not in _OFFLOAD_PARAMS:
+            raise ValueError(f"offload_params must be one of {_OFFLOAD_PARAMS}, got "
+                             f"{self.offload_params!r} (parameter offload to NVMe is not "
+                             "supported yet; offload the optimizer state with "
+                             "tierlift.optim.AdamW(offload='nvme') instead)")
+        if self.offload_params != "none" and self.stage != 3:
+            raise ValueError(f"offload_params={self.offload_params!r} needs stage=3 (stages 1/2 "
+                             f"keep the gathered weights on the device), got stage={self.stage}")
+        if self.gpu_budget is not None:
+            if isinstance(self.gpu_budget, bool) or not isinstance(self.gpu_budget, int):
+                raise TypeError(f"gpu_budget must be an int (bytes) or None, got "
+                                f"{self.gpu_budget!r}")
+            if self.gpu_budget <= 0:
+                raise ValueError(f"gpu_budget must be > 0 bytes, got {self.gpu_budget}")
+            if self.stage != 3:
+                raise ValueError(f"gpu_budget needs stage=3 (stages 1/2 keep every unit "
+                                 f"gathered), got stage={self.stage}")
+            if not self.reshard_after_forward:
+                raise ValueError("gpu_budget needs reshard_after_forward=True (otherwise every "
+                                 "unit stays gathered until backward)")
 
     @property
     def param_dtype(self) -> torch.dtype | None:

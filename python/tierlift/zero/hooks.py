@@ -6,9 +6,12 @@ forward   pre-hook of unit i: wait for / issue its all-gather, prefetch the next
           post-hook (stage 3): free `full`, hook the outputs so that backward regathers.
 backward  output-gradient hook (stage 3): all-gather unit i again, prefetch the unit before it;
           post-accumulate-grad hook on `full`: launch the (async) reduce-scatter (stage 2/3) or
-          all-reduce (stage 1) of the unit's gradient, free `full` (stage 3);
-          end-of-backward callback: wait for the reductions, add each rank's slice to
-          shard.grad, free anything still gathered.
+          all-reduce (stage 1) of the unit's gradient, free `full` (stage 3), then finish, in
+          launch order, the earlier reductions whose collective is already done: add the
+          rank's slice to shard.grad and notify the listeners of that shard
+          (on_shard_grad_ready: the offloaded optimizer starts that unit's step at once);
+          end-of-backward callback: wait for and finish the remaining reductions, free
+          anything still gathered.
 optimizer a global step post-hook marks the units whose shards it stepped as stale, so stage
           1/2 re-gather the updated weights before the next forward.
 """
@@ -16,10 +19,12 @@ optimizer a global step post-hook marks the units whose shards it stepped as sta
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_flatten
+from torch.utils.hooks import RemovableHandle
 
 from tierlift.zero.config import ShardConfig
 from tierlift.zero.unit import FlatUnit
@@ -39,9 +44,21 @@ class ZeroState:
         self.syncing = True              # False inside no_sync()
         self.callback_queued = False
         self.reductions: list = []       # (unit, work, buffer) in flight this backward
+        self.landing: list = []          # (unit, host grad, event): D2H in flight (offload)
+        # OrderedDict: RemovableHandle keeps a weak reference to it.
+        self.listeners: dict[int, OrderedDict] = {id(u.shard): OrderedDict() for u in units}
+        self.offload = None              # ParamOffload with offload_params="cpu"
+        self.stats = {"resident_bytes": sum(u.full_bytes for u in units),
+                      "peak_resident_bytes": 0, "prefetch_skipped": 0,
+                      "grads_ready_early": 0, "grads_ready_at_end": 0,
+                      "h2d_bytes": 0, "d2h_bytes": 0}
+        self.stats["peak_resident_bytes"] = self.stats["resident_bytes"]
         self.hooked: set[int] = set()    # ids of units that got gradients this backward
         self.handles: list = []
         self._shard_ids = {id(u.shard) for u in units}
+        for i, u in enumerate(units):
+            # How the optimizer side finds out that a parameter is a ZeRO shard.
+            u.shard._tierlift_zero_unit = (weakref.ref(self), i)
         self._install()
 
     @property
@@ -70,11 +87,50 @@ class ZeroState:
             h.remove()
         self.handles.clear()
 
+    # ---- listeners ----
+    def on_grad_ready(self, shard: torch.Tensor, fn) -> RemovableHandle:
+        if id(shard) not in self.listeners:
+            raise ValueError("param is not a shard of this model")
+        hooks = self.listeners[id(shard)]
+        handle = RemovableHandle(hooks)
+        hooks[handle.id] = fn
+        return handle
+
+    # ---- gathered bytes ----
+    def _gather(self, unit: FlatUnit, async_op: bool = False) -> None:
+        before = unit.full_bytes
+        unit.gather(async_op=async_op)
+        self._account(unit.full_bytes - before)
+        if not async_op:
+            unit.wait_gather()
+
+    def _free(self, unit: FlatUnit) -> None:
+        before = unit.full_bytes
+        unit.free()
+        self._account(unit.full_bytes - before)
+
+    def _account(self, delta: int) -> None:
+        if delta:
+            self.stats["resident_bytes"] += delta
+            self.stats["peak_resident_bytes"] = max(self.stats["peak_resident_bytes"],
+                                                    self.stats["resident_bytes"])
+
+    def _fits(self, unit: FlatUnit) -> bool:
+        """Whether prefetching `unit` stays within gpu_budget, keeping room for the root unit
+        (gathered on demand around every other unit) when it is not gathered."""
+        budget = self.config.gpu_budget
+        if budget is None or not unit.needs_gather() or unit.pending is not None:
+            return True
+        root = next((u for u in self.units if u.module is self.root), None)
+        reserve = root.gather_bytes if root is not None and root.full_bytes == 0 else 0
+        return self.stats["resident_bytes"] + unit.gather_bytes + reserve <= budget
+
     # ---- forward ----
     def _root_pre_forward(self, module, args):
         if self.callback_queued and not _in_backward():
             # A backward raised before its end-of-backward callback ran: start clean.
             self.reductions.clear()
+            self.landing.clear()
             self.hooked.clear()
             self.callback_queued = False
         if self.heartbeat is not None:
@@ -88,8 +144,7 @@ class ZeroState:
         if not self.order_done and unit not in self.order:
             self.order.append(unit)
         unit.full_grad = None
-        unit.gather()
-        unit.wait_gather()
+        self._gather(unit)
         self._prefetch(unit, +1)
         unit.install_views()
 
@@ -105,7 +160,7 @@ class ZeroState:
             for t in tensors:
                 t.register_hook(_bind(ref, "_pre_backward", self.units.index(unit)))
         if self.config.reshard_after_forward or not torch.is_grad_enabled():
-            unit.free()
+            self._free(unit)
         return output
 
     def _prefetch(self, unit: FlatUnit, direction: int) -> None:
@@ -115,7 +170,10 @@ class ZeroState:
         for k in range(1, self.config.prefetch + 1):
             j = i + direction * k
             if 0 <= j < len(self.order) and self.order[j].module is not self.root:
-                self.order[j].gather(async_op=True)
+                if not self._fits(self.order[j]):
+                    self.stats["prefetch_skipped"] += 1  # gathered on demand, once room is made
+                    break
+                self._gather(self.order[j], async_op=True)
 
     # ---- backward ----
     def _queue_callback(self) -> None:
@@ -126,8 +184,7 @@ class ZeroState:
     def _pre_backward(self, unit: FlatUnit, grad):
         self._queue_callback()
         if id(unit) not in self.hooked:
-            unit.gather()
-            unit.wait_gather()
+            self._gather(unit)
             self._prefetch(unit, -1)
         return None
 
@@ -135,7 +192,7 @@ class ZeroState:
         self._queue_callback()
         self.hooked.add(id(unit))
         if self.config.stage == 3:
-            unit.free()
+            self._free(unit)
         if not self.syncing:
             return  # accumulate locally: full.grad keeps summing until a synced backward
         grad = full.grad
@@ -152,30 +209,58 @@ class ZeroState:
             work = self.comm.reduce_scatter(out, buf, async_op=True)
             buf = (out, buf)  # keep the input alive until the collective is done
         self.reductions.append((unit, work, buf))
+        self._drain(wait=False)
+
+    def _drain(self, wait: bool) -> None:
+        """Finishes, in launch order, the reductions whose collective (and, with parameter
+        offload, D2H copy) is done; all of them when `wait`."""
+        while self.reductions:
+            unit, work, buf = self.reductions[0]
+            if not wait and not _done(work):
+                break
+            self.reductions.pop(0)
+            self.comm.wait(work)
+            piece = self._land(unit, buf)
+            if self.offload is not None:
+                self.landing.append((unit, *self.offload.stage_out(piece)))
+            else:
+                self.landing.append((unit, piece, None))
+        while self.landing:
+            unit, piece, event = self.landing[0]
+            if event is not None:
+                if not wait and not event.query():
+                    break
+                event.synchronize()
+            self.landing.pop(0)
+            self._hand_over(unit, piece, early=not wait)
+
+    def _land(self, unit: FlatUnit, buf) -> torch.Tensor:
+        """The averaged fp32 gradient of this rank's slice (stage 1 keeps the full one)."""
+        reduced = buf if self.config.stage == 1 else buf[0]
+        if reduced.dtype != torch.float16:
+            reduced.div_(self.comm.world)  # fp16 was divided before the sum
+        if self.config.stage == 1:
+            unit.full_grad = reduced  # stage 1 keeps the averaged full gradient
+            lo = self.comm.rank * unit.shard_numel
+            return reduced[lo:lo + unit.shard_numel].to(torch.float32, copy=True)
+        return reduced.to(torch.float32)
+
+    def _hand_over(self, unit: FlatUnit, piece: torch.Tensor, early: bool) -> None:
+        if unit.shard.grad is None:
+            unit.shard.grad = piece
+        else:
+            unit.shard.grad.add_(piece)
+        self.stats["grads_ready_early" if early else "grads_ready_at_end"] += 1
+        for fn in list(self.listeners[id(unit.shard)].values()):
+            fn(unit.shard)
 
     def _finish_backward(self) -> None:
-        world = self.comm.world
-        for unit, work, buf in self.reductions:
-            self.comm.wait(work)
-            reduced = buf if self.config.stage == 1 else buf[0]
-            if reduced.dtype != torch.float16:
-                reduced.div_(world)  # fp16 was divided before the sum
-            if self.config.stage == 1:
-                unit.full_grad = reduced  # stage 1 keeps the averaged full gradient
-                lo = self.comm.rank * unit.shard_numel
-                piece = reduced[lo:lo + unit.shard_numel].to(torch.float32, copy=True)
-            else:
-                piece = reduced.to(torch.float32)
-            if unit.shard.grad is None:
-                unit.shard.grad = piece
-            else:
-                unit.shard.grad.add_(piece)
-        self.reductions.clear()
+        self._drain(wait=True)
         self.hooked.clear()
         self.callback_queued = False
         if self.config.stage == 3:
             for unit in self.units:
-                unit.free()
+                self._free(unit)
 
     # ---- optimizer ----
     def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
@@ -184,6 +269,20 @@ class ZeroState:
             for unit in self.units:
                 if id(unit.shard) in ids:
                     unit.stale = True
+
+
+def _done(work) -> bool:
+    is_completed = getattr(work, "is_completed", None)
+    return True if is_completed is None else bool(is_completed())
+
+
+def shard_owner(param: torch.Tensor):
+    """(ZeroState, unit index) when `param` is the shard of a live sharded model, else None."""
+    owner = getattr(param, "_tierlift_zero_unit", None)
+    if owner is None:
+        return None
+    state = owner[0]()
+    return None if state is None else (state, owner[1])
 
 
 def _in_backward() -> bool:

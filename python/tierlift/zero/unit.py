@@ -9,11 +9,14 @@ Layout: the unit's trainable parameters, back to back, padded to a multiple of t
          views of `full`, so autograd sums every use of every parameter (tied weights, several
          forward calls) into one full.grad, which is reduce-scattered as a single collective.
 Stage 3 frees full's storage after use (the views and tensors saved for backward keep pointing
-at the same storage, which the pre-backward all-gather refills).
+at the same storage, which the pre-backward all-gather refills). With parameter offload
+(`offload`, a ParamOffload) the shard lives in host memory and gathers stage it to the device
+first (see param_offload.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass, field
 
@@ -37,7 +40,7 @@ class ParamEntry:
 class FlatUnit:
     def __init__(self, *, name: str, module: nn.Module,
                  params: list[tuple[nn.Parameter, list[str], list[tuple[nn.Module, str]]]],
-                 comm, compute_dtype: torch.dtype, keep_full: bool):
+                 comm, compute_dtype: torch.dtype, keep_full: bool, offload=None):
         self.name = name or "<root>"
         # Weak references to modules: the model owns its ZeRO state, never the reverse, so a
         # dropped model is freed at once (not by the garbage collector, which may run after
@@ -45,6 +48,8 @@ class FlatUnit:
         self._module = weakref.ref(module)
         self.comm = comm
         self.compute_dtype = compute_dtype
+        self.offload = offload  # ParamOffload: the shard lives in host memory
+        self.gather_event = None  # with offload and CUDA: the gather issued on the copy stream
         self.entries: list[ParamEntry] = []
         offset = 0
         for p, names, owners in params:
@@ -69,7 +74,9 @@ class FlatUnit:
             self.full = full32
             self.shard = nn.Parameter(full32[lo:lo + self.shard_numel])
         else:
-            self.shard = nn.Parameter(full32[lo:lo + self.shard_numel].clone())
+            piece = full32[lo:lo + self.shard_numel]
+            self.shard = nn.Parameter(piece.clone() if offload is None
+                                      else offload.host_shard(piece))
             self.full = torch.empty(self.padded, dtype=compute_dtype, device=device)
             self.full.copy_(full32)
         self.full.requires_grad_(True)
@@ -93,6 +100,11 @@ class FlatUnit:
     def full_bytes(self) -> int:
         return self.full.untyped_storage().nbytes()
 
+    @property
+    def gather_bytes(self) -> int:
+        """Bytes `full` holds while gathered."""
+        return self.padded * self.full.element_size()
+
     def free(self) -> None:
         """Drop the gathered weights (stage 3); the shard stays."""
         self.wait_gather()
@@ -111,11 +123,13 @@ class FlatUnit:
         want = self.padded * self.full.element_size()
         if storage.nbytes() != want:
             storage.resize_(want)
-        # The source must not alias the destination (aliased shards live inside `full`).
-        src = self.shard.detach().to(self.compute_dtype, copy=self.aliased)
+        src = self._gather_source()
         # .data: writing the gathered weights must not bump the version counter autograd
         # checks on the tensors saved for backward (they are views of this very storage).
-        work = self.comm.all_gather(self.full.data, src, async_op=async_op)
+        with self._gather_stream():
+            work = self.comm.all_gather(self.full.data, src, async_op=async_op)
+            if self.offload is not None:
+                self.gather_event = self.offload.after()
         self.pending = (work, src)
         self.gathered, self.stale, self.shard_version = True, False, self.shard._version
         if not async_op:
@@ -126,6 +140,20 @@ class FlatUnit:
             work, _ = self.pending
             self.pending = None
             self.comm.wait(work)
+        if self.gather_event is not None:
+            self.offload.wait(self.gather_event)
+            self.gather_event = None
+
+    def _gather_source(self) -> torch.Tensor:
+        """This rank's shard in the compute dtype, on the device, ready to all-gather."""
+        if self.offload is not None:
+            return self.offload.stage_in(self.shard)
+        # The source must not alias the destination (aliased shards live inside `full`).
+        return self.shard.detach().to(self.compute_dtype, copy=self.aliased)
+
+    def _gather_stream(self):
+        """Where the all-gather is issued: the copy stream of a parameter offload with CUDA."""
+        return contextlib.nullcontext() if self.offload is None else self.offload.stream_context()
 
     # ---- module attributes ----
     def install_views(self) -> None:
@@ -139,7 +167,7 @@ class FlatUnit:
     def gather_fp32(self) -> torch.Tensor:
         """The unpadded fp32 master weights of the whole unit (a collective: every rank calls)."""
         out = torch.empty(self.padded, dtype=torch.float32, device=self.device)
-        self.comm.wait(self.comm.all_gather(out, self.shard.detach()))
+        self.comm.wait(self.comm.all_gather(out, self.shard.detach().to(self.device)))
         return out[:self.numel]
 
     def split(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:

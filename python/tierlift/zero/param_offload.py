@@ -1,0 +1,104 @@
+"""Parameter offload for ZeRO stage 3 (shard(..., offload_params="cpu")): the fp32 master shard
+of every unit lives in host memory (pinned when CUDA is available), so the device only holds
+the units gathered at the moment.
+
+gather    shard (host fp32) -> compute dtype into one of two pinned staging slots -> async H2D
+          on a dedicated copy stream -> the all-gather is issued on that same stream, and the
+          compute stream waits on an event recorded after it. Two slots: the next unit's copy
+          (issued by the prefetch) runs while this unit computes; a slot is rewritten only
+          once the copy that last read it has finished (its event).
+backward  the reduce-scatter output (device) -> async D2H into a pinned host buffer on the copy
+          stream, with an event; the gradient is handed to the optimizer only after the event.
+On a CPU-only machine the same code runs and every copy is a plain, synchronous copy, so the
+results are bit-identical to offload_params="none".
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+class ParamOffload:
+    def __init__(self, *, device: torch.device, compute_dtype: torch.dtype, max_shard_numel: int,
+                 stats: dict):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.pin = torch.cuda.is_available()
+        self.stats = stats
+        self.slots = [torch.empty(max_shard_numel, dtype=compute_dtype, pin_memory=self.pin)
+                      for _ in range(2)]
+        self.slot_events: list = [None, None]
+        self.next_slot = 0
+        self.stream = torch.cuda.Stream(device=device) if self.cuda else None
+
+    def host_shard(self, shard: torch.Tensor) -> torch.Tensor:
+        """A host copy of a freshly built shard (pinned when CUDA is available)."""
+        out = torch.empty(shard.shape, dtype=shard.dtype, pin_memory=self.pin)
+        out.copy_(shard)
+        return out
+
+    # ---- gather: host shard -> device --------------------------------------------------------
+    def stage_in(self, shard: torch.Tensor) -> torch.Tensor:
+        """The shard in the compute dtype on the device. With CUDA the copy is in flight on
+        the copy stream: issue the collective inside `stream_context()` and call `after()`."""
+        k = self.next_slot
+        self.next_slot ^= 1
+        if self.slot_events[k] is not None:
+            self.slot_events[k].synchronize()  # the H2D that last read this slot is done
+            self.slot_events[k] = None
+        n = shard.numel()
+        staging = self.slots[k][:n]
+        staging.copy_(shard.detach())  # fp32 -> compute dtype on the host
+        dst = torch.empty(n, dtype=staging.dtype, device=self.device)
+        self.stats["h2d_bytes"] += staging.nbytes
+        if not self.cuda:
+            dst.copy_(staging)
+            return dst
+        cur = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(cur)  # dst (allocated on cur) is ready to be written
+        with torch.cuda.stream(self.stream):
+            dst.copy_(staging, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        self.slot_events[k] = event
+        dst.record_stream(self.stream)
+        return dst
+
+    def stream_context(self):
+        """Where the all-gather of a staged shard is issued (the copy stream with CUDA)."""
+        if not self.cuda:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self.stream)
+
+    def after(self):
+        """An event on the copy stream after the collective was issued (None without CUDA)."""
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def wait(self, event) -> None:
+        """Makes the current (compute) stream wait for a gather issued on the copy stream."""
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    # ---- backward: device gradient shard -> host ---------------------------------------------
+    def stage_out(self, grad: torch.Tensor):
+        """(host tensor, event): the gradient shard copied to host memory; the host tensor may
+        be read once the event is done (event None: already done)."""
+        host = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=self.pin)
+        self.stats["d2h_bytes"] += host.nbytes
+        if grad.device.type != "cuda":
+            host.copy_(grad)
+            return host, None
+        cur = torch.cuda.current_stream(grad.device)
+        self.stream.wait_stream(cur)  # the reduce-scatter result is complete
+        with torch.cuda.stream(self.stream):
+            host.copy_(grad, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        grad.record_stream(self.stream)
+        return host, event
