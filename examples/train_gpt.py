@@ -8,6 +8,8 @@ download) with tierlift's optimizer.
     python examples/train_gpt.py --lowp mxfp4-quartet --lowp-min-features 0 # FP4 (Quartet)
     python examples/train_gpt.py --offload nvme --nvme-path /tmp   # optimizer state on NVMe
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --zero 3   # ZeRO-3, 2 ranks
+    torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --zero 3 --offload-params cpu \
+        --offload nvme --nvme-path /tmp      # ZeRO-Infinity: params in RAM, state on NVMe
 
 Flags are grouped: model, data, training, and tierlift features (one flag per capability, each
 applied in build_training() in a fixed order). It prints a progress bar with loss and tokens/s,
@@ -82,6 +84,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         choices=["none", "cpu", "nvme"],
         help="where tierlift.optim.AdamW keeps optimizer state (nvme: files under --nvme-path)",
     )
+    f.add_argument(
+        "--offload-params",
+        default="none",
+        choices=["none", "cpu"],
+        help="with --zero 3: keep the fp32 parameter shards in (pinned) host memory",
+    )
     f.add_argument("--nvme-path", default=None, help="directory for --offload nvme state files")
     f.add_argument("--cpu-budget", type=float, default=None, help="pinned/RAM budget in bytes")
     f.add_argument(
@@ -147,7 +155,10 @@ def make_optimizer(kind: str, model: torch.nn.Module, args) -> torch.optim.Optim
         offload = {}
         if args.offload != "none":
             budget = None if args.cpu_budget is None else int(args.cpu_budget)
-            offload = dict(offload=args.offload, nvme_path=args.nvme_path, cpu_budget=budget)
+            # The step of each chunk overlaps backward; the optimizer clips by the global norm
+            # itself (an outside clip would rescale in place and discard the overlapped work).
+            offload = dict(offload=args.offload, nvme_path=args.nvme_path, cpu_budget=budget,
+                           overlap=True, max_grad_norm=args.clip if args.clip > 0 else None)
         return tierlift.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), **offload)
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
 
@@ -169,7 +180,8 @@ def build_training(args, device):
         # bf16 under ZeRO: fp32 master shards, bf16 compute, fp32 gradient reduction.
         mp = tierlift.zero.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         model = tierlift.zero.shard(
-            model, stage=args.zero, mixed_precision=mp if args.dtype == "bf16" else None
+            model, stage=args.zero, mixed_precision=mp if args.dtype == "bf16" else None,
+            offload_params=args.offload_params,
         )
     elif dist.is_initialized():
         model = torch.nn.parallel.DistributedDataParallel(model)
@@ -193,8 +205,8 @@ def init_distributed(args) -> tuple[int, int, torch.device]:
 
 
 def clip_gradients(model, args) -> None:
-    if args.clip <= 0:
-        return
+    if args.clip <= 0 or (args.optim == "tierlift" and args.offload != "none"):
+        return  # off, or done by the offloaded optimizer (max_grad_norm)
     if args.zero:
         tierlift.zero.clip_grad_norm_(model, args.clip)
     else:
@@ -292,6 +304,8 @@ def main(argv=None) -> None:
         stats = {(k[:-2] + "_ms" if k.endswith("_s") else k): (round(v * 1e3, 2)
                  if k.endswith("_s") else v) for k, v in optimizer.last_step_stats.items()}
         log(f"last optimizer step breakdown: {stats}")
+    if args.zero:
+        log(f"zero stats (this rank, bytes): {model._tierlift_zero.stats}")
     if args.compare_steps > 0 and world == 1:
         log(compare_optimizer_step(model, args, device))
     if dist.is_initialized():

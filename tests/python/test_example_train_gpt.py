@@ -57,3 +57,19 @@ def test_train_gpt_with_nvme_offload(tmp_path):
     first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", out).groups())
     assert last < first - 0.5, out
     assert "last optimizer step breakdown" in out, out
+
+
+def test_train_gpt_zero_infinity_under_torchrun(tmp_path):
+    """ZeRO-2 + NVMe optimizer state under torchrun; then ZeRO-3 with the parameters in host
+    memory as well. The overlapped chunk steps are kept (the optimizer clips)."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc_per_node=2"]
+    for extra in (["--zero", "2"], ["--zero", "3", "--offload-params", "cpu"]):
+        out = run_example(*extra, "--offload", "nvme", "--nvme-path", str(tmp_path),
+                          "--device", "cpu", "--steps", "12", launcher=torchrun)
+        assert f"ranks: 2 | zero: {extra[1]}" in out, out
+        first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", out).groups())
+        assert last < first, out
+        assert "'overlap_kept_chunks'" in out, out
+        if "--offload-params" in extra:
+            assert re.search(r"'h2d_bytes': [1-9]", out), out
