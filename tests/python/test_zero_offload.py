@@ -369,3 +369,15 @@ def test_torchrun_two_ranks(tmp_path):
             assert r["kept"] > 0 and r["redone"] == 0, i
         else:
             assert r["redone"] > 0, i
+
+
+def test_only_live_shards_are_shards():
+    import copy
+
+    model = tierlift.zero.shard(make_net(), stage=3)
+    shard = next(model.parameters())
+    assert tierlift.zero.is_shard(shard)
+    assert not tierlift.zero.is_shard(copy.deepcopy(shard))
+    assert not tierlift.zero.is_shard(nn.Parameter(torch.ones(1)))
+    del model
+    assert not tierlift.zero.is_shard(shard)  # the model's state is gone

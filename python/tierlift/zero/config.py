@@ -35,7 +35,12 @@ class MixedPrecision:
 
 @dataclass(kw_only=True, frozen=True)
 class ShardConfig:
-    """Everything shard() was asked for; stored on the model as model._tierlift_zero.config."""
+    """Everything shard() was asked for; stored on the model as model._tierlift_zero.config.
+
+    offload_params: "none" or "cpu" (stage 3: fp32 shards in host memory, pinned with CUDA;
+    "nvme" is not supported yet). gpu_budget: bytes of gathered unit weights allowed on the
+    device at once (stage 3, with reshard_after_forward), or None for no cap.
+    """
 
     stage: int
     mixed_precision: MixedPrecision | None = None

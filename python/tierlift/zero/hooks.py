@@ -57,8 +57,7 @@ class ZeroState:
         self.handles: list = []
         self._shard_ids = {id(u.shard) for u in units}
         for i, u in enumerate(units):
-            # How the optimizer side finds out that a parameter is a ZeRO shard.
-            u.shard._tierlift_zero_unit = (weakref.ref(self), i)
+            _register_shard(u.shard, self, i)
         self._install()
 
     @property
@@ -276,13 +275,25 @@ def _done(work) -> bool:
     return True if is_completed is None else bool(is_completed())
 
 
+# How the optimizer side finds out that a parameter is a ZeRO shard: id(shard) -> (weak shard,
+# weak ZeroState, unit index). Nothing is attached to the Parameter itself, so pickling or
+# deep-copying it carries no reference to the model's state.
+_OWNERS: dict[int, tuple] = {}
+
+
+def _register_shard(shard: torch.Tensor, state: ZeroState, index: int) -> None:
+    key = id(shard)
+    _OWNERS[key] = (weakref.ref(shard, lambda _: _OWNERS.pop(key, None)), weakref.ref(state),
+                    index)
+
+
 def shard_owner(param: torch.Tensor):
     """(ZeroState, unit index) when `param` is the shard of a live sharded model, else None."""
-    owner = getattr(param, "_tierlift_zero_unit", None)
-    if owner is None:
+    entry = _OWNERS.get(id(param))
+    if entry is None or entry[0]() is not param:
         return None
-    state = owner[0]()
-    return None if state is None else (state, owner[1])
+    state = entry[1]()
+    return None if state is None else (state, entry[2])
 
 
 def _in_backward() -> bool:
