@@ -192,6 +192,8 @@ def build_training(args, device):
 def init_distributed(args) -> tuple[int, int, torch.device]:
     """(rank, world size, device): torchrun's environment, or one process."""
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if args.offload_params != "none" and args.zero != 3:
+        raise SystemExit("--offload-params needs --zero 3 (and torchrun)")
     if "WORLD_SIZE" not in os.environ:
         if args.zero:
             raise SystemExit("--zero needs torchrun (torchrun --standalone --nproc_per_node=2 ...)")
