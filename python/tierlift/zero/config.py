@@ -41,6 +41,7 @@ class ShardConfig:
     prefetch: int = 1
     reshard_after_forward: bool = True
     min_unit_numel: int | None = None
+    fp8_all_gather: bool = False
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
@@ -54,6 +55,12 @@ class ShardConfig:
         if not isinstance(self.reshard_after_forward, bool):
             raise TypeError("reshard_after_forward must be a bool, got "
                             f"{type(self.reshard_after_forward).__name__}")
+        if not isinstance(self.fp8_all_gather, bool):
+            raise TypeError("fp8_all_gather must be a bool, got "
+                            f"{type(self.fp8_all_gather).__name__}")
+        if self.fp8_all_gather and self.stage != 3:
+            raise ValueError(f"fp8_all_gather=True needs stage=3 (stages 1/2 keep the weights "
+                             f"gathered between steps), got stage={self.stage}")
         if self.min_unit_numel is not None and self.min_unit_numel < 1:
             raise ValueError(f"min_unit_numel must be >= 1, got {self.min_unit_numel}")
 
