@@ -56,9 +56,9 @@ class Net(nn.Module):
 UNITS = ["blocks.0", "blocks.1", "side"]
 
 
-def make(recipe: str, fp8: bool, mixed=True, **kwargs):
+def make(recipe: str, fp8: bool, mixed=True, device="cpu", **kwargs):
     torch.manual_seed(0)
-    model = Net()
+    model = Net().to(device)
     report = tierlift.lowp.convert(model, recipe=recipe, min_features=0)
     assert "side.0" in report.skipped and "head" in report.skipped
     mp = tierlift.zero.MixedPrecision() if mixed else None
@@ -69,9 +69,10 @@ def make(recipe: str, fp8: bool, mixed=True, **kwargs):
 def train(model, steps=STEPS, rank=0, world=1, dtype=torch.bfloat16):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(1)
+    device = next(model.parameters()).device
     losses, first = [], None
     for _ in range(steps):
-        x = torch.randn(8 * world, 16, generator=gen).to(dtype).chunk(world)[rank]
+        x = torch.randn(8 * world, 16, generator=gen).to(device, dtype).chunk(world)[rank]
         y = model(x)
         first = y.detach().clone() if first is None else first
         loss = y.float().pow(2).mean()
@@ -86,6 +87,9 @@ def run_pair(recipe, **kwargs):
     out = {}
     for fp8 in (False, True):
         model = make(recipe, fp8, **kwargs)
+        if kwargs.get("device", "cpu") != "cpu":
+            state = model._tierlift_zero
+            assert all(u.full.is_cuda for u in state.units)
         losses, first = train(model, dtype=torch.bfloat16 if kwargs.get("mixed", True) else
                               torch.float32)
         sent = model._tierlift_zero.comm.all_gather_bytes  # training only
@@ -100,6 +104,20 @@ def test_tensorwise_bit_identical_world1(mixed):
     assert torch.equal(out[False][1], out[True][1])
     for key, value in out[False][2].items():
         assert torch.equal(value, out[True][2][key]), key
+    assert out[True][3] < 0.8 * out[False][3]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_cuda_world1_matches_bf16_gather(recipe):
+    """On the GPU the GEMMs go through torch._scaled_mm; the gathered operands are the same
+    bytes, so tensorwise stays bit-identical and rowwise's forward too."""
+    out = run_pair(recipe, device="cuda")
+    assert torch.equal(out[False][1], out[True][1])
+    if recipe == "fp8-tensorwise":
+        assert torch.equal(out[False][0], out[True][0])
+    else:
+        torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-2, atol=0)
     assert out[True][3] < 0.8 * out[False][3]
 
 

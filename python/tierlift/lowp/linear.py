@@ -136,7 +136,7 @@ class Float8Linear(nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fn = self.gathered_weight_fn
+        fn = getattr(self, "gathered_weight_fn", None)  # absent in modules pickled before it
         gathered = fn() if fn is not None else None
         return float8_linear(x, self.weight, self.bias, self.recipe, gathered)
 
