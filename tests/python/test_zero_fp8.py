@@ -151,6 +151,27 @@ def test_gathered_weight_is_used_and_bytes_halved():
     assert type(model.head) is nn.Linear  # kept high precision, gathered in bf16
 
 
+def test_weight_tied_to_a_non_float8_module_stays_in_compute_dtype():
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(16, D)
+            self.mid = nn.Linear(D, D)
+            self.head = nn.Linear(D, 16, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, idx):
+            return self.head(self.mid(self.emb(idx)))
+
+    torch.manual_seed(0)
+    model = Tied()
+    tierlift.lowp.convert(model, recipe="fp8-tensorwise", min_features=0)
+    model = tierlift.zero.shard(model, stage=3, fp8_all_gather=True)
+    assert model.head.gathered_weight_fn is None  # the embedding reads the same weight
+    assert model.mid.gathered_weight_fn is not None
+    model(torch.arange(8)).float().pow(2).mean().backward()
+
+
 def test_unit_without_float8_unaffected():
     a, b = make("fp8-tensorwise", False), make("fp8-tensorwise", True)
     outs = []
