@@ -10,6 +10,8 @@ download) with tierlift's optimizer.
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --zero 3   # ZeRO-3, 2 ranks
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --zero 3 --offload-params cpu \
         --offload nvme --nvme-path /tmp      # ZeRO-Infinity: params in RAM, state on NVMe
+    torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --zero 3 --dtype bf16 \
+        --lowp fp8-rowwise --lowp-min-features 0 --fp8-all-gather   # FP8 weights all-gathered
 
 Flags are grouped: model, data, training, and tierlift features (one flag per capability, each
 applied in build_training() in a fixed order). It prints a progress bar with loss and tokens/s,
@@ -106,12 +108,20 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="layers with min(in, out) below this stay in high precision (too small to gain)",
     )
     f.add_argument(
+        "--fp8-all-gather",
+        action="store_true",
+        help="with --zero 3 and an fp8 --lowp recipe: all-gather Float8Linear weights in FP8",
+    )
+    f.add_argument(
         "--compare-steps",
         type=int,
         default=10,
         help="optimizer steps timed for the tierlift-vs-torch line (0: skip)",
     )
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.fp8_all_gather and (args.zero != 3 or not args.lowp.startswith("fp8")):
+        ap.error("--fp8-all-gather needs --zero 3 and an fp8 --lowp recipe")
+    return args
 
 
 def load_corpus(megabytes: float) -> torch.Tensor:
@@ -177,11 +187,12 @@ def build_training(args, device):
             f"{len(report.skipped)} kept in high precision"
         )
     if args.zero:
+        # After convert: shard() finds the Float8Linear layers whose weights it gathers in FP8.
         # bf16 under ZeRO: fp32 master shards, bf16 compute, fp32 gradient reduction.
         mp = tierlift.zero.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         model = tierlift.zero.shard(
             model, stage=args.zero, mixed_precision=mp if args.dtype == "bf16" else None,
-            offload_params=args.offload_params,
+            offload_params=args.offload_params, fp8_all_gather=args.fp8_all_gather,
         )
     elif dist.is_initialized():
         model = torch.nn.parallel.DistributedDataParallel(model)
@@ -297,6 +308,9 @@ def main(argv=None) -> None:
                 loss=f"{value:.3f}", tok_s=f"{tokens_per_step * (step + 1) / elapsed:,.0f}"
             )
     elapsed = time.perf_counter() - t_start
+    if args.zero:
+        gathered = model._tierlift_zero.comm.all_gather_bytes / args.steps
+        log(f"all-gathered per step (this rank): {gathered:,.0f} bytes")
     val_loss = evaluate(model, val, args, device)
     log(
         f"loss {first_loss:.3f} -> {value:.3f} | val loss {val_loss:.3f}"

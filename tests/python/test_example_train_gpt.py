@@ -52,6 +52,26 @@ def test_train_gpt_under_torchrun_with_zero(stage):
     assert last < first - 0.5, out
 
 
+@pytest.mark.parametrize("stage,extra", [(2, ()), (3, ("--fp8-all-gather",))],
+                         ids=["zero2", "zero3-fp8-all-gather"])
+def test_train_gpt_fp8_under_torchrun_with_zero(stage, extra):
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc_per_node=2"]
+    out = run_example("--zero", str(stage), "--device", "cpu", "--dtype", "bf16", "--lowp",
+                      "fp8-rowwise", "--lowp-min-features", "0", *extra, launcher=torchrun)
+    assert f"ranks: 2 | zero: {stage}" in out, out
+    assert re.search(r"lowp fp8-rowwise: (\d+) layers converted", out).group(1) != "0", out
+    assert re.search(r"all-gathered per step \(this rank\): [\d,]+ bytes", out), out
+    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", out).groups())
+    assert last < first - 0.5, out
+
+
+def test_train_gpt_fp8_all_gather_needs_zero3():
+    cmd = [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--fp8-all-gather"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--fp8-all-gather needs --zero 3" in out.stderr, out.stderr
+
+
 def test_train_gpt_with_nvme_offload(tmp_path):
     out = run_example("--offload", "nvme", "--nvme-path", str(tmp_path), "--compare-steps", "0")
     first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", out).groups())

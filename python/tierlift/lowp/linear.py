@@ -7,9 +7,21 @@ Each operand is scaled along its GEMM's reduction dimension (rowwise recipes) or
 The forward quantizes x and W once each with the dual quantizer, which also emits the
 transposed copies the backward needs; those FP8 copies (not x itself) are what is saved for
 backward, so activation memory is half of bf16's.
+
+Under ZeRO-3 with fp8_all_gather=True (tierlift.zero.shard) the weight arrives already
+quantized: the layer's `gathered_weight_fn` returns a GatheredFloat8Weight (codes + scales,
+bit-identical to what the forward would compute from the gathered weight) while it is current,
+and the forward uses it instead of quantizing `weight`. The weight stays the autograd input, so
+its gradient lands where it always does. The dgrad operand (W scaled along its columns) is
+derived from the gathered codes: tensorwise, the transpose of the same bytes with the same scale
+(bit-identical); rowwise, the codes dequantized (exactly, power-of-two scales) and requantized
+per column (a second rounding: close, not bit-identical; see docs/lowp.md).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -19,12 +31,40 @@ from tierlift.lowp.gemm import scaled_mm
 from tierlift.lowp.recipe import Float8Recipe, get_recipe
 
 
+@dataclass(kw_only=True, eq=False)
+class GatheredFloat8Weight:
+    """A weight quantized before the forward (ZeRO-3 FP8 all-gather): data [out, in] row-major
+    FP8 codes, scale [1, 1] (tensorwise) or [out, 1] (rowwise), q = cast(W * scale)."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    recipe: Float8Recipe
+    _transposed: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+
+    def transposed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W^T codes [in, out], scales [1, 1] or [in, 1]) for the dgrad GEMM, made once."""
+        if self._transposed is None:
+            r = self.recipe
+            if r.scaling == "tensor":  # same scale, same bytes: exactly the dual quantizer's
+                self._transposed = (self.data.t().contiguous(), self.scale)
+            else:  # per column of W: dequantize, requantize (a second rounding)
+                w = self.data.float() / self.scale
+                q, s = ops.fp8_quantize(w, "col", r.forward_dtype, r.pow2_scale)
+                self._transposed = (q.t().contiguous(), s.t().contiguous())
+        return self._transposed
+
+
 class _Float8MatmulFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, recipe: Float8Recipe):
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, recipe: Float8Recipe,
+                gathered: GatheredFloat8Weight | None = None):
         sc, p2, f8 = recipe.scaling, recipe.pow2_scale, recipe.forward_dtype
         xq, xs, xtq, xts = ops.fp8_quantize_dual(x, sc, f8, p2)
-        wq, ws, wtq, wts = ops.fp8_quantize_dual(weight, sc, f8, p2)
+        if gathered is None:
+            wq, ws, wtq, wts = ops.fp8_quantize_dual(weight, sc, f8, p2)
+        else:
+            wq, ws = gathered.data, gathered.scale
+            wtq, wts = gathered.transposed() if ctx.needs_input_grad[0] else (None, None)
         ctx.recipe = recipe
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         if recipe.grad_weight_high_precision:
@@ -45,21 +85,32 @@ class _Float8MatmulFn(torch.autograd.Function):
             xtq, xts, wtq, wts = ctx.saved_tensors
             gq, gs, gtq, gts = ops.fp8_quantize_dual(g, r.scaling, r.grad_dtype, r.pow2_scale)
             grad_w = scaled_mm(gtq, gts, xtq, xts, out_dtype=ctx.w_dtype)
-        grad_x = scaled_mm(gq, gs, wtq, wts, out_dtype=ctx.x_dtype)
-        return grad_x, grad_w, None
+        grad_x = scaled_mm(gq, gs, wtq, wts, out_dtype=ctx.x_dtype) if wtq is not None else None
+        return grad_x, grad_w, None, None
 
 
 def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  recipe: str | Float8Recipe = "fp8-rowwise") -> torch.Tensor:
-    """Functional form: F.linear(x, weight, bias) with FP8 GEMMs (x: [..., in_features])."""
+                  recipe: str | Float8Recipe = "fp8-rowwise",
+                  gathered: GatheredFloat8Weight | None = None) -> torch.Tensor:
+    """Functional form: F.linear(x, weight, bias) with FP8 GEMMs (x: [..., in_features]).
+
+    `gathered`: weight's FP8 copy made with this recipe (ZeRO-3 FP8 all-gather), used instead
+    of quantizing `weight`, which still receives the gradient."""
     recipe = get_recipe(recipe)
+    if gathered is not None:
+        if gathered.recipe != recipe:
+            raise ValueError(f"gathered was quantized with recipe {gathered.recipe.name!r}, the "
+                             f"layer uses {recipe.name!r}")
+        if tuple(gathered.data.shape) != tuple(weight.shape):
+            raise ValueError(f"gathered has shape {tuple(gathered.data.shape)}, weight has "
+                             f"{tuple(weight.shape)}")
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"x must have {weight.shape[1]} features in its last dimension, got "
                          f"shape {tuple(x.shape)}")
     if torch.is_autocast_enabled(x.device.type):  # run where autocast would run nn.Linear
         x = x.to(torch.get_autocast_dtype(x.device.type))
     lead = x.shape[:-1]
-    y = _Float8MatmulFn.apply(x.reshape(-1, x.shape[-1]), weight, recipe)
+    y = _Float8MatmulFn.apply(x.reshape(-1, x.shape[-1]), weight, recipe, gathered)
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.reshape(*lead, weight.shape[0])
@@ -72,6 +123,8 @@ class Float8Linear(nn.Linear):
                  recipe: str | Float8Recipe = "fp8-rowwise", device=None, dtype=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.recipe = get_recipe(recipe)
+        # Set by tierlift.zero.shard(..., fp8_all_gather=True): the current FP8 copy or None.
+        self.gathered_weight_fn: Callable[[], GatheredFloat8Weight | None] | None = None
 
     @classmethod
     def from_linear(cls, mod: nn.Linear, recipe: str | Float8Recipe = "fp8-rowwise"
@@ -83,7 +136,9 @@ class Float8Linear(nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return float8_linear(x, self.weight, self.bias, self.recipe)
+        fn = getattr(self, "gathered_weight_fn", None)  # absent in modules pickled before it
+        gathered = fn() if fn is not None else None
+        return float8_linear(x, self.weight, self.bias, self.recipe, gathered)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.name}"

@@ -15,8 +15,10 @@ import weakref
 import torch
 from torch import nn
 
+from tierlift.lowp.linear import Float8Linear
 from tierlift.zero.comm import Comm
 from tierlift.zero.config import MixedPrecision, ShardConfig
+from tierlift.zero.fp8_gather import enable_fp8_all_gather
 from tierlift.zero.heartbeat import Heartbeat
 from tierlift.zero.hooks import ZeroState, shard_owner
 from tierlift.zero.param_offload import ParamOffload
@@ -90,7 +92,8 @@ def _owning_unit(module_name: str, unit_names: list[str]) -> str:
 def shard(model: nn.Module, stage: int = 3, *, process_group=None,
           mixed_precision: MixedPrecision | None = None, units=None, prefetch: int = 1,
           reshard_after_forward: bool = True, min_unit_numel: int | None = None,
-          offload_params: str = "none", gpu_budget: int | None = None) -> nn.Module:
+          offload_params: str = "none", gpu_budget: int | None = None,
+          fp8_all_gather: bool = False) -> nn.Module:
     """Shard `model` in place over `process_group` (default: the world) with ZeRO `stage`.
 
     Afterwards model.parameters() yields one fp32 shard parameter per unit (plus the frozen
@@ -102,6 +105,10 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
     gathered unit weights on the device at once (prefetch waits for room; a budget too small
     for the largest unit next to the root unit is refused with the smallest that works).
     model._tierlift_zero.stats has the peak resident bytes and the bytes copied each way.
+
+    fp8_all_gather=True (stage 3): the weights of Float8Linear layers (tierlift.lowp.convert,
+    called before shard) are all-gathered as FP8 bytes with their scales instead of in the
+    compute dtype; see zero/fp8_gather.py and docs/lowp.md.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -110,7 +117,10 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
     config = ShardConfig(stage=stage, mixed_precision=mixed_precision, prefetch=prefetch,
                          reshard_after_forward=reshard_after_forward,
                          min_unit_numel=min_unit_numel, offload_params=offload_params,
-                         gpu_budget=gpu_budget)
+                         gpu_budget=gpu_budget, fp8_all_gather=fp8_all_gather)
+    if fp8_all_gather and not any(isinstance(m, Float8Linear) for m in model.modules()):
+        raise ValueError("fp8_all_gather=True but the model has no Float8Linear layer to gather "
+                         "in FP8: call tierlift.lowp.convert(model, recipe=...) before shard()")
     comm = Comm(process_group)
     key_order = {k: i for i, k in enumerate(model.state_dict().keys())}
     unit_names = (default_units(model, min_unit_numel) if units is None
@@ -170,6 +180,8 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
                                   offload=offload))
         if config.stage == 3:
             units_out[-1].free()  # gathered again by the first forward
+    if config.fp8_all_gather:
+        enable_fp8_all_gather(units_out)
     for unit in units_out:
         unit.module.register_parameter(_SHARD_NAME, unit.shard)
     heartbeat = Heartbeat(comm) if comm.world > 1 else None

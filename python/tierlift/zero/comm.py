@@ -24,6 +24,7 @@ class Comm:
         self.rank = dist.get_rank(process_group) if self.initialized else 0
         self.world = dist.get_world_size(process_group) if self.initialized else 1
         self.on_error = None  # callable(exc) -> exception to raise instead; set by heartbeat
+        self.all_gather_bytes = 0  # bytes received by all-gathers (own piece included)
 
     def _run(self, fn, *args, **kwargs):
         try:
@@ -34,6 +35,7 @@ class Comm:
             raise self.on_error(exc) from exc
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
+        self.all_gather_bytes += out.numel() * out.element_size()
         if self.world == 1:
             out.copy_(shard)
             return _Done()

@@ -49,6 +49,7 @@ class ShardConfig:
     min_unit_numel: int | None = None
     offload_params: str = "none"
     gpu_budget: int | None = None
+    fp8_all_gather: bool = False
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
@@ -62,6 +63,12 @@ class ShardConfig:
         if not isinstance(self.reshard_after_forward, bool):
             raise TypeError("reshard_after_forward must be a bool, got "
                             f"{type(self.reshard_after_forward).__name__}")
+        if not isinstance(self.fp8_all_gather, bool):
+            raise TypeError("fp8_all_gather must be a bool, got "
+                            f"{type(self.fp8_all_gather).__name__}")
+        if self.fp8_all_gather and self.stage != 3:
+            raise ValueError(f"fp8_all_gather=True needs stage=3 (stages 1/2 keep the weights "
+                             f"gathered between steps), got stage={self.stage}")
         if self.min_unit_numel is not None and self.min_unit_numel < 1:
             raise ValueError(f"min_unit_numel must be >= 1, got {self.min_unit_numel}")
         if self.offload_params not in _OFFLOAD_PARAMS:
@@ -69,6 +76,10 @@ class ShardConfig:
                              f"{self.offload_params!r} (parameter offload to NVMe is not "
                              "supported yet; offload the optimizer state with "
                              "tierlift.optim.AdamW(offload='nvme') instead)")
+        if self.fp8_all_gather and self.offload_params != "none":
+            raise ValueError("fp8_all_gather=True cannot be combined with offload_params="
+                             f"{self.offload_params!r} yet (the FP8 gather quantizes the shard "
+                             "on the device); use one or the other")
         if self.offload_params != "none" and self.stage != 3:
             raise ValueError(f"offload_params={self.offload_params!r} needs stage=3 (stages 1/2 "
                              f"keep the gathered weights on the device), got stage={self.stage}")

@@ -88,6 +88,7 @@ class FlatUnit:
         self.stale = False     # the optimizer changed the shard since the last gather
         self.pending = None    # (work, src) of an async all-gather in flight
         self.full_grad = None  # stage 1: the averaged full gradient of the last backward
+        self.fp8_gather = None  # an Fp8Gather (zero/fp8_gather.py) with fp8_all_gather=True
         self.shard_version = self.shard._version
         self.install_views()
 
@@ -123,13 +124,16 @@ class FlatUnit:
         want = self.padded * self.full.element_size()
         if storage.nbytes() != want:
             storage.resize_(want)
-        src = self._gather_source()
         # .data: writing the gathered weights must not bump the version counter autograd
         # checks on the tensors saved for backward (they are views of this very storage).
-        with self._gather_stream():
-            work = self.comm.all_gather(self.full.data, src, async_op=async_op)
-            if self.offload is not None:
-                self.gather_event = self.offload.after()
+        if self.fp8_gather is not None:  # Float8Linear weights travel as FP8 bytes
+            work, src = self.fp8_gather.all_gather(self, async_op)
+        else:
+            src = self._gather_source()
+            with self._gather_stream():
+                work = self.comm.all_gather(self.full.data, src, async_op=async_op)
+                if self.offload is not None:
+                    self.gather_event = self.offload.after()
         self.pending = (work, src)
         self.gathered, self.stale, self.shard_version = True, False, self.shard._version
         if not async_op:
@@ -137,9 +141,11 @@ class FlatUnit:
 
     def wait_gather(self) -> None:
         if self.pending is not None:
-            work, _ = self.pending
+            work, src = self.pending
             self.pending = None
             self.comm.wait(work)
+            if self.fp8_gather is not None:
+                self.fp8_gather.unpack(self, src)
         if self.gather_event is not None:
             self.offload.wait(self.gather_event)
             self.gather_event = None
