@@ -14,8 +14,7 @@ from tierlift.gnn.graphs import rmat_graph, to_csr
 from tierlift.gnn.store import FeatureStore, FeatureStoreOptions
 
 __all__ = ["FeatureStore", "FeatureStoreOptions", "NeighborSampler", "PyGFeatureStore",
-           "rmat_graph",
-           "to_csr"]
+           "rmat_graph", "to_csr"]
 
 
 def __getattr__(name):
