@@ -89,7 +89,7 @@ def test_graph_inputs_agree(graph):
     fs.close()
 
 
-@pytest.mark.parametrize("deg,k", [(12, 8), (200, 7)])  # the random-key and redraw regimes
+@pytest.mark.parametrize("deg,k", [(12, 8), (200, 7), (41, 5)])  # the random-key and redraw regimes
 def test_uniform_without_replacement(deg, k):
     ei = torch.stack([torch.arange(1, deg + 1), torch.zeros(deg, dtype=torch.long)])  # a star
     sampler = NeighborSampler(ei, [k], seed=0)

@@ -10,12 +10,13 @@ node added at hop h-1 it draws min(degree, fanout[h]) distinct incoming neighbou
 nodes are appended in order of first appearance, `row`/`col` are local source/destination ids.
 
 Vectorised per hop, no Python loop per node: nodes whose degree is at most the fanout take all
-their edges; nodes with degree up to 2x the fanout rank their edges by random keys and keep the
-k smallest; higher degrees draw k offsets and redraw the duplicates (a few rounds, as collisions
-are rare there). Every step is equivariant under relabelling a node's edges, so each k-subset is
-equally likely. Randomness comes from a generator seeded by (seed, epoch, the batch's seed
-nodes), so a batch's sample does not depend on which DataLoader worker draws it, or on how many
-workers there are; `set_epoch` changes it from one epoch to the next.
+their edges; nodes with degree up to 8x the fanout rank their edges by random keys and keep the
+k smallest (a top-k over a padded matrix); higher degrees draw k offsets and redraw the
+duplicates (a round or two, as collisions are rare there). Every step is equivariant under
+relabelling a node's edges, so each k-subset is equally likely. Randomness comes from a
+generator seeded by (seed, epoch, the batch's seed nodes), so a batch's sample does not depend
+on which DataLoader worker draws it, or on how many workers there are; `set_epoch` changes it
+from one epoch to the next.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch_geometric.data import Data, GraphStore
 from torch_geometric.sampler import BaseSampler, NodeSamplerInput, SamplerOutput
 
 _HASH_PRIME = (1 << 31) - 1
+_KEYS_UP_TO = 8  # degrees up to this x fanout rank all their edges; above, draw and redraw
 
 
 def _csc_from_edge_index(edge_index: torch.Tensor, num_nodes: int):
@@ -183,27 +185,21 @@ class NeighborSampler(BaseSampler):
         o, off = _expand(take_all, deg[take_all])
         owners.append(o)
         offsets.append(off)
-        # k < degree <= 2k: random keys over all edges, the k smallest per node.
-        mid = ids[(deg > k) & (deg <= 2 * k)]
+        # k < degree <= 8k: random keys over all edges, the k smallest per node.
+        mid = ids[(deg > k) & (deg <= _KEYS_UP_TO * k)]
         if mid.numel():
-            o, off = _expand(mid, deg[mid])
-            order = torch.argsort(torch.rand(o.numel(), generator=gen))
-            order = order[torch.argsort(o[order], stable=True)]
-            o, off = o[order], off[order]
-            first = torch.cumsum(deg[mid], 0) - deg[mid]
-            rank = torch.arange(o.numel()) - torch.repeat_interleave(first, deg[mid])
-            keep = rank < k
-            owners.append(o[keep])
-            offsets.append(off[keep])
-        # degree > 2k: k draws, duplicates redrawn until all distinct.
-        big = ids[deg > 2 * k]
+            d = deg[mid]
+            keys = torch.rand(mid.numel(), int(d.max()), generator=gen)
+            keys.masked_fill_(torch.arange(keys.shape[1]) >= d[:, None], 2.0)  # past the end
+            owners.append(mid.repeat_interleave(k))
+            offsets.append(keys.topk(k, dim=1, largest=False).indices.flatten())
+        # degree > 8k: k draws, duplicates redrawn until all distinct.
+        big = ids[deg > _KEYS_UP_TO * k]
         if big.numel() and k > 0:
             owners.append(big.repeat_interleave(k))
             offsets.append(_distinct_draws(deg[big], k, gen).flatten())
         owner = torch.cat(owners)
-        pos = begin[owner] + torch.cat(offsets)
-        order = torch.argsort(owner, stable=True)  # edges grouped by destination
-        return owner[order], pos[order]
+        return owner, begin[owner] + torch.cat(offsets)
 
     @staticmethod
     def _relabel(node: torch.Tensor, nbr: torch.Tensor):
