@@ -1,6 +1,7 @@
 # Run (CPU, ~20 s):   PYTHONPATH=python python examples/train_graphsage.py --scale 13 --steps 60
 # Run (GPU machine, H100 80 GB + 128 GB RAM; features exceed GPU memory):
-#   python examples/train_graphsage.py --scale 24 --features-gib 96 --cache 0.05 --steps 200
+#   python examples/train_graphsage.py --scale 24 --features-gib 96 --cache 0.05 --steps 200 \
+#       --workers 4
 #   (2^24 nodes x 1536 fp32 = 96 GiB of features in host memory, gathered zero-copy by the GPU)
 """GraphSAGE with neighbour sampling on a synthetic R-MAT power-law graph whose node features
 live in host memory, trained through PyG's NodeLoader with tierlift's NeighborSampler and the

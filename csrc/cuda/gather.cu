@@ -87,7 +87,6 @@ __global__ void __launch_bounds__(kThreads)
         if (a.first_bad != nullptr) atomicMin(a.first_bad, pos);
         if (a.bad_pair != nullptr && atomicCAS(a.bad_pair, ~0ull, pos) == ~0ull) {
           a.bad_pair[1] = static_cast<unsigned long long>(row);
-          __threadfence_system();  // the pair may live in mapped host memory
         }
       }
       continue;  // never dereferenced

@@ -33,7 +33,7 @@ struct GatherArgs {
   int64_t cache_rows = 0;
   void* out = nullptr;                      // device memory, count * row_bytes
   unsigned long long* first_bad = nullptr;  // device memory set to ~0ull, or null
-  unsigned long long* bad_pair = nullptr;   // device-accessible [2]: {~0ull, any}, or null
+  unsigned long long* bad_pair = nullptr;   // device memory [2]: {~0ull, any}, or null
 };
 
 cudaError_t gather_rows(const GatherArgs& args, cudaStream_t stream);

@@ -9,8 +9,9 @@
 //
 // bad_index (optional, int64 [2], initialised to -1): the deferred check. The op then neither
 // raises nor, on CUDA, synchronises: the (position, value) of a bad index is stored there unless
-// slot 0 already holds one, and the caller raises later. On CUDA it may be a pinned CPU tensor
-// (the host then reads it without any CUDA call) or a tensor on out's device.
+// slot 0 already holds one, and the caller raises later. On CUDA it lives on out's device (the
+// kernel's atomics stay in device memory; FeatureStore mirrors it into pinned host memory with a
+// non-blocking copy, so the host can look at it without a synchronisation).
 #include <ATen/ATen.h>
 #include <torch/extension.h>
 #include <torch/library.h>
@@ -130,13 +131,8 @@ void gather_rows_cuda(const at::Tensor& table, const at::Tensor& index,
   }
   if (bad_index.has_value()) {
     const at::Tensor& bad = check_bad_index(*bad_index);
-    if (bad.is_cuda()) {
-      TL_CHECK_DEVICE(bad, device);
-      a.bad_pair = reinterpret_cast<unsigned long long*>(bad.data_ptr<int64_t>());
-    } else {
-      a.bad_pair = static_cast<unsigned long long*>(mapped_or_throw(
-          bad.data_ptr(), "gather_rows: a CPU bad_index must be pinned (tensor.pin_memory())"));
-    }
+    TL_CHECK_DEVICE(bad, device);
+    a.bad_pair = reinterpret_cast<unsigned long long*>(bad.data_ptr<int64_t>());
   }
   TORCH_CHECK_VALUE(cache_table.has_value() == cache_slots.has_value(),
                     "gather_rows: pass both cache_table and cache_slots, or neither");

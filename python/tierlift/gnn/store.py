@@ -120,14 +120,16 @@ class FeatureStore:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._pid = os.getpid()
         self._registration = None
-        self._cache_table = self._cache_slots = self._counts = self._bad = None
+        self._cache_table = self._cache_slots = self._counts = self._bad = self._bad_host = None
         self._gathers = 0
         self._closed = False
         if self.device.type == "cuda":
             table = self._pin(table, file_backed)
-            # Deferred bounds check: (position, value) of a bad index, written by the kernel
-            # into pinned host memory, so the host reads it without a CUDA call.
-            self._bad = torch.full((2,), -1, dtype=torch.long).pin_memory()
+            # Deferred bounds check: the kernel stores (position, value) of a bad index in
+            # _bad (device memory); async gathers then copy it, non-blocking, into the pinned
+            # _bad_host, which the host can read without any CUDA call.
+            self._bad = torch.full((2,), -1, dtype=torch.long, device=self.device)
+            self._bad_host = torch.full((2,), -1, dtype=torch.long).pin_memory()
         self._table = table
         self.num_rows = table.shape[0]
         self.row_shape = tuple(table.shape[1:])
@@ -223,7 +225,10 @@ class FeatureStore:
                 index = staged.to(self.device, non_blocking=True)
             if self._counts is not None:
                 self._count(index)
-            self._gather_into(index, out, deferred=host_checked or self.options.check == "async")
+            deferred = host_checked or self.options.check == "async"
+            self._gather_into(index, out, deferred=deferred)
+            if not host_checked and deferred:  # only a GPU index can set the flag
+                self._bad_host.copy_(self._bad, non_blocking=True)
         return out
 
     def synchronize(self) -> None:
@@ -234,13 +239,14 @@ class FeatureStore:
     def _raise_deferred(self, wait: bool) -> None:
         if self._bad is None:
             return
-        if wait:
-            torch.cuda.synchronize(self.device)
-        if int(self._bad[0]) == -1:  # a plain host read: no CUDA call
+        if not wait and int(self._bad_host[0]) == -1:  # a plain host read: no CUDA call
             return
-        torch.cuda.synchronize(self.device)  # the writer stores the value right after slot 0
+        torch.cuda.synchronize(self.device)
         pos, value = self._bad.tolist()
+        if pos == -1:
+            return
         self._bad.fill_(-1)
+        self._bad_host.fill_(-1)
         raise IndexError(f"gather_rows: index[{pos}] = {value} is out of range for a table of "
                          f"{self.num_rows} rows (found by an earlier gather with check='async'; "
                          "that row was not read and its output row was not written)")
@@ -269,7 +275,8 @@ class FeatureStore:
         if self._registration is not None and os.getpid() == self._pid:
             self._registration.close()
         self._registration = None
-        self._table = self._cache_table = self._cache_slots = self._counts = self._bad = None
+        self._table = self._cache_table = self._cache_slots = self._counts = None
+        self._bad = self._bad_host = None
 
     def __enter__(self):
         return self
