@@ -136,6 +136,16 @@ def test_bad_arguments(graph):
         NeighborSampler(graph, [5]).sample(torch.tensor([N]))
     with pytest.raises(NotImplementedError, match="nodes only"):
         NeighborSampler(graph, [5]).sample_from_edges(None)
+    with pytest.raises(ValueError, match="input_time"):
+        NeighborSampler(graph, [5]).sample_from_nodes(
+            pyg.sampler.NodeSamplerInput(input_id=None, node=torch.tensor([1]),
+                                         time=torch.tensor([0])))
+
+
+def test_duplicate_seeds_keep_their_places(graph):
+    seeds = torch.tensor([7, 3, 7, 7, 100])
+    sampler = NeighborSampler(graph, [4, 2], seed=0)
+    check_sample(sampler, graph, seeds, [4, 2], sampler.sample(seeds))
 
 
 def loader_batches(graph, x, num_workers, **store_kwargs):

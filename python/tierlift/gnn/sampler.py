@@ -122,6 +122,9 @@ class NeighborSampler(BaseSampler):
     # ---- PyG BaseSampler ----
 
     def sample_from_nodes(self, index: NodeSamplerInput, **kwargs) -> SamplerOutput:
+        if index.time is not None:
+            raise ValueError("input_time: tierlift.gnn.NeighborSampler does not sample "
+                             "temporally; leave input_time unset")
         seeds = index.node.cpu().long()
         node, row, col, edge, nodes_per_hop, edges_per_hop = self.sample(seeds)
         return SamplerOutput(node=node, row=row, col=col, edge=edge, batch=None,
