@@ -82,7 +82,13 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t i = group; i < a.count; i += stride) {
     const int64_t row = static_cast<int64_t>(index[i]);
     if (row < 0 || row >= a.num_rows) {
-      if (lane == 0) atomicMin(a.first_bad, static_cast<unsigned long long>(i));
+      if (lane == 0) {
+        const auto pos = static_cast<unsigned long long>(i);
+        if (a.first_bad != nullptr) atomicMin(a.first_bad, pos);
+        if (a.bad_pair != nullptr && atomicCAS(a.bad_pair, ~0ull, pos) == ~0ull) {
+          a.bad_pair[1] = static_cast<unsigned long long>(row);
+        }
+      }
       continue;  // never dereferenced
     }
     const char* src = host + row * a.row_bytes;

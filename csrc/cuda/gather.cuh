@@ -7,7 +7,11 @@
 // unit, and the lane numbering is anchored at the 128-byte line below the row's first aligned
 // unit, so every warp-wide load after the first is a whole, aligned 128-byte PCIe request.
 // Offsets are 64-bit. Each index is bounds-checked on the device: a bad one is never
-// dereferenced, and the smallest bad position is recorded in `first_bad` for the host to check.
+// dereferenced (its output row is left unwritten). The smallest bad position is recorded in
+// `first_bad` for the op to read back (one synchronisation), or, in the deferred mode, the
+// (position, value) of one bad index goes into `bad_pair`, which the caller checks later: the
+// first writer claims slot 0 with a compare-and-swap, so the pair stays consistent and later
+// calls do not overwrite an unreported error.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -28,7 +32,8 @@ struct GatherArgs {
   const int32_t* cache_slot = nullptr;  // device memory, num_rows entries (-1: not cached)
   int64_t cache_rows = 0;
   void* out = nullptr;                      // device memory, count * row_bytes
-  unsigned long long* first_bad = nullptr;  // device memory, set to ~0ull before the launch
+  unsigned long long* first_bad = nullptr;  // device memory set to ~0ull, or null
+  unsigned long long* bad_pair = nullptr;   // device memory [2]: {~0ull, any}, or null
 };
 
 cudaError_t gather_rows(const GatherArgs& args, cudaStream_t stream);

@@ -6,6 +6,12 @@
 // pinned, mapped memory (or a CUDA tensor), index/out/cache live on the GPU, and the kernel reads
 // the host rows directly. Either way a bad index raises IndexError naming its position and value,
 // and is never dereferenced.
+//
+// bad_index (optional, int64 [2], initialised to -1): the deferred check. The op then neither
+// raises nor, on CUDA, synchronises: the (position, value) of a bad index is stored there unless
+// slot 0 already holds one, and the caller raises later. On CUDA it lives on out's device (the
+// kernel's atomics stay in device memory; FeatureStore mirrors it into pinned host memory with a
+// non-blocking copy, so the host can look at it without a synchronisation).
 #include <ATen/ATen.h>
 #include <torch/extension.h>
 #include <torch/library.h>
@@ -50,6 +56,17 @@ int64_t check_gather_args(const at::Tensor& table, const at::Tensor& index, cons
   std::abort();  // unreachable
 }
 
+// Validates the deferred-check pair; returns it.
+const at::Tensor& check_bad_index(const at::Tensor& bad) {
+  TL_CHECK_DENSE(bad);
+  TL_CHECK_CONTIGUOUS(bad);
+  TORCH_CHECK_TYPE(bad.scalar_type() == at::kLong, "gather_rows: bad_index must be int64, got ",
+                   bad.scalar_type());
+  TORCH_CHECK_VALUE(bad.dim() == 1 && bad.numel() == 2,
+                    "gather_rows: bad_index must have shape (2,), got ", bad.sizes());
+  return bad;
+}
+
 GatherIndex core_index(const at::Tensor& index, const at::Tensor& contiguous) {
   return {contiguous.data_ptr(),
           index.scalar_type() == at::kInt ? IndexType::kInt32 : IndexType::kInt64,
@@ -58,7 +75,8 @@ GatherIndex core_index(const at::Tensor& index, const at::Tensor& contiguous) {
 
 void gather_rows_cpu(const at::Tensor& table, const at::Tensor& index,
                      const std::optional<at::Tensor>& cache_table,
-                     const std::optional<at::Tensor>& cache_slots, const at::Tensor& out) {
+                     const std::optional<at::Tensor>& cache_slots, const at::Tensor& out,
+                     const std::optional<at::Tensor>& bad_index) {
   const int64_t row_bytes = check_gather_args(table, index, out);
   TL_CHECK_CPU(table);
   TL_CHECK_CPU(index);
@@ -67,8 +85,15 @@ void gather_rows_cpu(const at::Tensor& table, const at::Tensor& index,
                     "gather_rows: cache_table/cache_slots are only used by the CUDA gather");
   const at::Tensor idx = index.contiguous();
   const GatherIndex gi = core_index(index, idx);
+  if (bad_index.has_value()) TL_CHECK_CPU(check_bad_index(*bad_index));
   const int64_t bad = gather_rows({table.data_ptr(), table.size(0), row_bytes}, gi, out.data_ptr());
-  if (bad != kNoBadIndex) throw_bad_index(bad, index_value(gi, bad), table.size(0));
+  if (bad == kNoBadIndex) return;
+  if (!bad_index.has_value()) throw_bad_index(bad, index_value(gi, bad), table.size(0));
+  int64_t* pair = bad_index->data_ptr<int64_t>();
+  if (pair[0] == -1) {
+    pair[0] = bad;
+    pair[1] = index_value(gi, bad);
+  }
 }
 
 #ifdef TIERLIFT_WITH_CUDA
@@ -76,9 +101,19 @@ void check_cuda(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, "gather_rows: ", what, " failed: ", cudaGetErrorString(err));
 }
 
+// Device pointer of pinned, mapped host memory; ValueError `message` otherwise.
+void* mapped_or_throw(const void* host, const char* message) {
+  void* dev = nullptr;
+  const cudaError_t err = cuda::mapped_device_pointer(host, &dev);
+  if (err != cudaSuccess) cudaGetLastError();  // clear the sticky-free error state
+  TORCH_CHECK_VALUE(err == cudaSuccess, message);
+  return dev;
+}
+
 void gather_rows_cuda(const at::Tensor& table, const at::Tensor& index,
                       const std::optional<at::Tensor>& cache_table,
-                      const std::optional<at::Tensor>& cache_slots, const at::Tensor& out) {
+                      const std::optional<at::Tensor>& cache_slots, const at::Tensor& out,
+                      const std::optional<at::Tensor>& bad_index) {
   const int64_t row_bytes = check_gather_args(table, index, out);
   TORCH_CHECK_VALUE(out.is_cuda(), "gather_rows: out must be a CUDA tensor, got ", out.device());
   const at::Device device = out.device();
@@ -89,14 +124,15 @@ void gather_rows_cuda(const at::Tensor& table, const at::Tensor& index,
     TL_CHECK_DEVICE(table, device);
     a.table = table.data_ptr();
   } else {
-    void* dev = nullptr;
-    const cudaError_t err = cuda::mapped_device_pointer(table.data_ptr(), &dev);
-    if (err != cudaSuccess) cudaGetLastError();  // clear the sticky-free error state
-    TORCH_CHECK_VALUE(err == cudaSuccess,
-                      "gather_rows: a CPU table must be in pinned, mapped host memory "
-                      "(FeatureStore registers it; or use tensor.pin_memory()), got pageable "
-                      "memory");
-    a.table = dev;
+    a.table = mapped_or_throw(table.data_ptr(),
+                              "gather_rows: a CPU table must be in pinned, mapped host memory "
+                              "(FeatureStore registers it; or use tensor.pin_memory()), got "
+                              "pageable memory");
+  }
+  if (bad_index.has_value()) {
+    const at::Tensor& bad = check_bad_index(*bad_index);
+    TL_CHECK_DEVICE(bad, device);
+    a.bad_pair = reinterpret_cast<unsigned long long*>(bad.data_ptr<int64_t>());
   }
   TORCH_CHECK_VALUE(cache_table.has_value() == cache_slots.has_value(),
                     "gather_rows: pass both cache_table and cache_slots, or neither");
@@ -121,15 +157,19 @@ void gather_rows_cuda(const at::Tensor& table, const at::Tensor& index,
   }
   if (index.numel() == 0 || row_bytes == 0) return;
   const at::Tensor idx = index.contiguous();
-  at::Tensor first_bad = at::full({1}, -1, index.options().dtype(at::kLong));
   a.num_rows = table.size(0);
   a.row_bytes = row_bytes;
   a.index = idx.data_ptr();
   a.index_is_int64 = index.scalar_type() == at::kLong;
   a.count = idx.numel();
   a.out = out.data_ptr();
-  a.first_bad = reinterpret_cast<unsigned long long*>(first_bad.data_ptr<int64_t>());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device.index());
+  if (a.bad_pair != nullptr) {  // deferred check: the caller reads the pair later
+    check_cuda(cuda::gather_rows(a, stream), "kernel launch");
+    return;
+  }
+  at::Tensor first_bad = at::full({1}, -1, index.options().dtype(at::kLong));
+  a.first_bad = reinterpret_cast<unsigned long long*>(first_bad.data_ptr<int64_t>());
   check_cuda(cuda::gather_rows(a, stream), "kernel launch");
   // The one synchronisation: an out-of-range index must surface as an exception here.
   const int64_t bad = first_bad.item<int64_t>();

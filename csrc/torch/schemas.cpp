@@ -17,10 +17,12 @@ TORCH_LIBRARY(tierlift, m) {
 
   // ---- gather: zero-copy feature row gather (csrc/torch/gather_ops.cpp) ----
   // out[i] = table[index[i]]; on CUDA, table is pinned mapped host memory (or a CUDA tensor) and
-  // rows whose cache_slots entry is >= 0 are read from cache_table instead. Bad index: IndexError.
+  // rows whose cache_slots entry is >= 0 are read from cache_table instead. Bad index: IndexError,
+  // or with bad_index (int64 [2], -1 = none yet) its (position, value) is stored there instead,
+  // and the CUDA op does not synchronise (the caller checks later).
   m.def(
       "gather_rows(Tensor table, Tensor index, Tensor? cache_table, Tensor? cache_slots, "
-      "Tensor(a!) out) -> ()");
+      "Tensor(a!) out, Tensor(b!)? bad_index=None) -> ()");
 
   // ---- lowp: FP8 quantizers (csrc/torch/lowp_ops.cpp) ----
   // x: 2-D fp32/bf16/fp16; scaling: tensor | row | col | 1x128 | 128x128; fp8_dtype:

@@ -90,23 +90,27 @@ if _extension.available():
 # ---- gather ----
 
 
-def gather_rows(table, index, out, *, cache_table=None, cache_slots=None) -> None:
+def gather_rows(table, index, out, *, cache_table=None, cache_slots=None,
+                bad_index=None) -> None:
     """out[i] = table[index[i]] (rows of any size and dtype), bounds-checked.
 
     On CUDA (`out` on the GPU), `table` is a CPU tensor in pinned, mapped host memory that the
     kernel reads directly, and rows with `cache_slots[row] >= 0` come from `cache_table` (GPU).
     An out-of-range or negative index raises IndexError naming its position; it is never read.
+    With `bad_index` (int64 [2] holding -1s, on out's device) the check is deferred: nothing
+    raises and the CUDA op does not synchronise; the (position, value) of a bad index is stored
+    there unless slot 0 already holds one, and that row of `out` is not written.
     """
     if _extension.available() and (out.device.type == "cpu" or _extension.has_cuda_kernels()):
-        torch.ops.tierlift.gather_rows(table, index, cache_table, cache_slots, out)
+        torch.ops.tierlift.gather_rows(table, index, cache_table, cache_slots, out, bad_index)
     else:
-        reference.gather_rows(table, index, cache_table, cache_slots, out)
+        reference.gather_rows(table, index, cache_table, cache_slots, out, bad_index)
 
 
 if _extension.available():
 
     @torch.library.register_fake("tierlift::gather_rows")
-    def _gather_rows_fake(table, index, cache_table, cache_slots, out):
+    def _gather_rows_fake(table, index, cache_table, cache_slots, out, bad_index=None):
         return None
 
 

@@ -118,6 +118,8 @@ def test_bad_options():
         FeatureStore(t, cache_policy="lru", device="cpu")
     with pytest.raises(TypeError, match="sort must be a bool"):
         FeatureStore(t, sort=1, device="cpu")
+    with pytest.raises(ValueError, match="check must be one of"):
+        FeatureStore(t, check="later", device="cpu")
     with pytest.raises(ValueError, match="device must be"):
         FeatureStore(t, device="meta")
     with pytest.raises(ValueError, match="degrees must have shape"):
@@ -140,6 +142,34 @@ def test_bad_index():
         store.gather(torch.tensor([0, -1], dtype=torch.int32))
     with pytest.raises(ValueError, match="out must be"):
         store.gather(torch.tensor([1]), out=torch.empty(2, 4))
+
+
+@pytest.mark.parametrize("impl", ["op", "reference"])
+def test_deferred_check_records_instead_of_raising(impl):
+    gather = ops.gather_rows if impl == "op" else (
+        lambda t, i, o, bad_index: reference.gather_rows(t, i, None, None, o, bad_index))
+    table = torch.randn(10, 4)
+    bad = torch.full((2,), -1, dtype=torch.long)
+    out = torch.zeros(5, 4)
+    gather(table, torch.tensor([1, 12, 3, -2, 9]), out, bad_index=bad)
+    assert bad.tolist() == [1, 12]
+    assert torch.equal(out[[0, 2, 4]], table[[1, 3, 9]])  # good rows gathered
+    assert not out[[1, 3]].any()  # bad rows never read nor written
+    gather(table, torch.tensor([10]), torch.empty(1, 4), bad_index=bad)
+    assert bad.tolist() == [1, 12]  # an unreported error is not overwritten
+    with pytest.raises(ValueError, match="bad_index must have shape"):
+        ops.gather_rows(table, torch.tensor([1]), torch.empty(1, 4),
+                        bad_index=torch.full((3,), -1))
+    torch.library.opcheck(torch.ops.tierlift.gather_rows,
+                          (table, torch.tensor([3, 1]), None, None, torch.empty(2, 4),
+                           torch.full((2,), -1)))
+
+
+def test_cpu_store_synchronize_is_a_no_op():
+    store = FeatureStore(torch.randn(10, 4), device="cpu", check="async")
+    store.synchronize()
+    with pytest.raises(IndexError, match=r"index\[0\] = 10"):  # CPU gathers raise at once
+        store.gather(torch.tensor([10]))
 
 
 def test_empty_index_gives_empty_rows():
@@ -276,6 +306,41 @@ def test_cuda_bad_index_and_stream():
         tierlift._extension._C.HostRegistration(t)
     reg.close()
     FeatureStore(t).close()  # registrable again after close
+
+
+@pytest.mark.gpu
+def test_cuda_gather_without_synchronising():
+    store = FeatureStore(torch.randn(100, 8), check="async")
+    want = store._table[[5, 7, 99]].cuda()
+    idx_host, idx_dev = torch.tensor([5, 7, 99]), torch.tensor([5, 7, 99], device="cuda")
+    idx_bad = torch.tensor([0, 1, 2, 100], device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any synchronising CUDA call raises
+    try:
+        got_host = store.gather(idx_host)  # checked on the host
+        got_dev = store.gather(idx_dev)  # deferred check
+        store.gather(idx_bad)  # bad: recorded, not raised
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(got_host, want) and torch.equal(got_dev, want)
+    with pytest.raises(IndexError, match=r"index\[3\] = 100 .*check='async'"):
+        store.synchronize()
+    store.synchronize()  # reported once
+    store.gather(torch.tensor([-7, 1], device="cuda"))
+    torch.cuda.synchronize()
+    with pytest.raises(IndexError, match=r"index\[0\] = -7"):
+        store.gather(torch.tensor([1], device="cuda"))  # raised by the next gather
+    assert torch.equal(store.gather(torch.tensor([1], device="cuda")), store._table[[1]].cuda())
+    sync = FeatureStore(torch.randn(10, 8))  # check="sync" raises in the call itself
+    with pytest.raises(IndexError, match=r"index\[1\] = 10"):
+        sync.gather(torch.tensor([0, 10], device="cuda"))
+    # Deferred check with the flag on the GPU (the op accepts either).
+    flag = torch.full((2,), -1, dtype=torch.long, device="cuda")
+    out = torch.zeros(2, 8, device="cuda")
+    ops.gather_rows(sync._table, torch.tensor([3, 11], device="cuda"), out, bad_index=flag)
+    assert flag.tolist() == [1, 11] and torch.equal(out[0].cpu(), sync._table[3])
+    store.close()
+    sync.close()
 
 
 @pytest.mark.gpu

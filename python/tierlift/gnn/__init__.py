@@ -5,13 +5,16 @@
 
 `FeatureStore` gathers on the GPU from pinned, mapped host memory (hot rows from a GPU cache),
 or on the CPU with a multithreaded C++ gather. `PyGFeatureStore` exposes stores through
-torch_geometric's FeatureStore interface; `rmat_graph` makes synthetic power-law graphs.
+torch_geometric's FeatureStore interface and `NeighborSampler` samples neighbourhoods for PyG's
+NodeLoader without pyg-lib (both import torch_geometric on first use); `rmat_graph` makes
+synthetic power-law graphs.
 """
 
 from tierlift.gnn.graphs import rmat_graph, to_csr
 from tierlift.gnn.store import FeatureStore, FeatureStoreOptions
 
-__all__ = ["FeatureStore", "FeatureStoreOptions", "PyGFeatureStore", "rmat_graph", "to_csr"]
+__all__ = ["FeatureStore", "FeatureStoreOptions", "NeighborSampler", "PyGFeatureStore",
+           "rmat_graph", "to_csr"]
 
 
 def __getattr__(name):
@@ -19,4 +22,8 @@ def __getattr__(name):
         from tierlift.gnn.pyg import PyGFeatureStore
 
         return PyGFeatureStore
+    if name == "NeighborSampler":
+        from tierlift.gnn.sampler import NeighborSampler
+
+        return NeighborSampler
     raise AttributeError(name)

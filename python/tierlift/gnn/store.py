@@ -26,6 +26,7 @@ from tierlift import _extension, ops
 
 _PIN_MODES = ("inplace", "copy")
 _CACHE_POLICIES = ("degree", "frequency")
+_CHECKS = ("sync", "async")
 _FREQUENCY_WARMUP = 8  # gathers counted before a frequency-policy cache is filled
 
 
@@ -38,6 +39,7 @@ class FeatureStoreOptions:
     cache_policy: str = "degree"
     device: str | torch.device = "cuda"
     sort: bool = False
+    check: str = "sync"
 
     def __post_init__(self):
         if self.pin not in _PIN_MODES:
@@ -51,6 +53,8 @@ class FeatureStoreOptions:
         self.device = torch.device(self.device)
         if not isinstance(self.sort, bool):
             raise TypeError(f"sort must be a bool, got {type(self.sort).__name__}")
+        if self.check not in _CHECKS:
+            raise ValueError(f"check must be one of {_CHECKS}, got {self.check!r}")
         if self.device.type not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device}")
 
@@ -91,14 +95,19 @@ class FeatureStore:
             machine or build has no CUDA.
         sort: gather rows in ascending row order (then scatter them back into place), so
             neighbouring rows share host memory requests; helps small rows on large tables.
+        check: bounds checking of a GPU index on a CUDA store. "sync" reads the kernel's flag
+            back (one stream synchronisation per gather); "async" does not: a bad index is still
+            never read (nor its output row written), and IndexError is raised by a later
+            `gather` that finds the flag set, or by `synchronize()`. A CPU index is checked on
+            the host and then gathered without any synchronisation, whatever `check` says.
         dtype, shape: element type and shape of a raw (non-.npy) feature file.
     """
 
     def __init__(self, features, *, pin="inplace", cache=0.0, cache_policy="degree",
-                 degrees=None, device="cuda", sort=False, dtype=None, shape=None):
+                 degrees=None, device="cuda", sort=False, check="sync", dtype=None, shape=None):
         _extension.require("extension")
         self.options = FeatureStoreOptions(pin=pin, cache=cache, cache_policy=cache_policy,
-                                           device=device, sort=sort)
+                                           device=device, sort=sort, check=check)
         table, file_backed = _load_features(features, dtype, shape)
         self._check_table(table)
         self.device = self.options.device
@@ -111,11 +120,16 @@ class FeatureStore:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._pid = os.getpid()
         self._registration = None
-        self._cache_table = self._cache_slots = self._counts = None
+        self._cache_table = self._cache_slots = self._counts = self._bad = self._bad_host = None
         self._gathers = 0
         self._closed = False
         if self.device.type == "cuda":
             table = self._pin(table, file_backed)
+            # Deferred bounds check: the kernel stores (position, value) of a bad index in
+            # _bad (device memory); async gathers then copy it, non-blocking, into the pinned
+            # _bad_host, which the host can read without any CUDA call.
+            self._bad = torch.full((2,), -1, dtype=torch.long, device=self.device)
+            self._bad_host = torch.full((2,), -1, dtype=torch.long).pin_memory()
         self._table = table
         self.num_rows = table.shape[0]
         self.row_shape = tuple(table.shape[1:])
@@ -196,32 +210,58 @@ class FeatureStore:
         self._check_usable()
         index = self._check_index(index)
         out = self._check_out(out, index.numel())
+        self._raise_deferred(wait=False)
         if index.numel() == 0:
             return out
         if self.device.type == "cpu":
-            self._gather_into(index, out)
+            self._gather_into(index, out, deferred=False)
             return out
-        if index.device.type == "cpu":
-            self._validate_host_index(index)  # the kernel checks again on the device
+        host_checked = index.device.type == "cpu"
+        if host_checked:
+            self._validate_host_index(index)  # then the GPU need not report back
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            if index.device.type == "cpu":
-                index = index.to(self.device, non_blocking=index.is_pinned())
+            if host_checked:  # pinned staging, so the copy does not synchronise either
+                staged = index if index.is_pinned() else index.pin_memory()
+                index = staged.to(self.device, non_blocking=True)
             if self._counts is not None:
                 self._count(index)
-            self._gather_into(index, out)
+            deferred = host_checked or self.options.check == "async"
+            self._gather_into(index, out, deferred=deferred)
+            if not host_checked and deferred:  # only a GPU index can set the flag
+                self._bad_host.copy_(self._bad, non_blocking=True)
         return out
 
-    def _gather_into(self, index: torch.Tensor, out: torch.Tensor) -> None:
-        cache = {}
+    def synchronize(self) -> None:
+        """Waits for this store's gathers (all work on its device) and raises the IndexError of
+        a bad index that a check="async" gather found. A no-op for CPU stores."""
+        self._raise_deferred(wait=True)
+
+    def _raise_deferred(self, wait: bool) -> None:
+        if self._bad is None:
+            return
+        if not wait and int(self._bad_host[0]) == -1:  # a plain host read: no CUDA call
+            return
+        torch.cuda.synchronize(self.device)
+        pos, value = self._bad.tolist()
+        if pos == -1:
+            return
+        self._bad.fill_(-1)
+        self._bad_host.fill_(-1)
+        raise IndexError(f"gather_rows: index[{pos}] = {value} is out of range for a table of "
+                         f"{self.num_rows} rows (found by an earlier gather with check='async'; "
+                         "that row was not read and its output row was not written)")
+
+    def _gather_into(self, index: torch.Tensor, out: torch.Tensor, deferred: bool) -> None:
+        kwargs = {"bad_index": self._bad} if deferred else {}
         if self._cache_table is not None:
-            cache = {"cache_table": self._cache_table, "cache_slots": self._cache_slots}
+            kwargs.update(cache_table=self._cache_table, cache_slots=self._cache_slots)
         if not self.options.sort:
-            ops.gather_rows(self._table, index, out, **cache)
+            ops.gather_rows(self._table, index, out, **kwargs)
             return
         sorted_index, order = torch.sort(index)
         rows = torch.empty_like(out)
         try:
-            ops.gather_rows(self._table, sorted_index, rows, **cache)
+            ops.gather_rows(self._table, sorted_index, rows, **kwargs)
         except IndexError:
             self._validate_host_index(index.cpu())  # name the position in the caller's index
             raise
@@ -236,6 +276,7 @@ class FeatureStore:
             self._registration.close()
         self._registration = None
         self._table = self._cache_table = self._cache_slots = self._counts = None
+        self._bad = self._bad_host = None
 
     def __enter__(self):
         return self
@@ -298,8 +339,9 @@ class FeatureStore:
 
     def _count(self, index: torch.Tensor) -> None:
         """Frequency policy: count requests; after the warm-up, cache the most requested rows."""
-        valid = index[(index >= 0) & (index < self.num_rows)].long()
-        self._counts.index_put_((valid,), torch.ones_like(valid), accumulate=True)
+        valid = ((index >= 0) & (index < self.num_rows)).long()  # no boolean mask: no sync
+        self._counts.index_put_((index.long().clamp(0, self.num_rows - 1),), valid,
+                                accumulate=True)
         self._gathers += 1
         if self._gathers == _FREQUENCY_WARMUP:
             self._fill_cache(self._counts.float())
