@@ -12,8 +12,8 @@ changes, and an I/O failure puts the parameters back from the committed master w
 
 from __future__ import annotations
 
+import os
 import shutil
-import tempfile
 import time
 import warnings
 from collections import defaultdict
@@ -24,7 +24,7 @@ from tierlift import ops
 from tierlift.io import ChecksumError, EngineConfig, IoEngine
 from tierlift.offload.config import OffloadConfig
 from tierlift.offload.layout import ALIGN_ELEMS, build_layout
-from tierlift.offload.tiers import MemoryTier, NvmeTier
+from tierlift.offload.tiers import MemoryTier, NvmeTier, make_state_dir, remove_stale_dirs
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 _SLOTS = 3
@@ -107,7 +107,9 @@ class Offloader:
                     "offload='nvme'")
         else:
             pool = _SLOTS * chunk_elems * 4 * len(self._slot_kinds)
-            self._dir = tempfile.mkdtemp(prefix="tierlift-offload-", dir=config.nvme_path)
+            nvme_path = os.fspath(config.nvme_path)
+            remove_stale_dirs(nvme_path)
+            self._dir = make_state_dir(nvme_path)
             self._engine = IoEngine(EngineConfig(
                 queue_depth=config.queue_depth, pool_bytes=pool,
                 block_size=min(1 << 20, chunk_elems * 4)))

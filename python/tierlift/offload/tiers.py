@@ -9,7 +9,12 @@ a CRC-32C per kind, verified on every read.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import socket
+import tempfile
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -29,6 +34,75 @@ _CRC_POOL = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
 
 def crc32c_many(bufs: list[torch.Tensor]) -> list[int]:
     return list(_CRC_POOL.map(crc32c, bufs)) if len(bufs) > 1 else [crc32c(b) for b in bufs]
+
+
+DIR_PREFIX = "tierlift-offload-"
+OWNER_FILE = "owner.json"
+
+
+def _start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat), which
+    tells a live owner from an unrelated process that reused its pid; None if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(b")") + 2:].split()[19])
+
+
+def _owner_alive(pid: int, started: int | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # alive, another user's
+    now = _start_time(pid)
+    return started is None or now is None or now == started
+
+
+def make_state_dir(parent: str) -> str:
+    """A private directory for one optimizer's state files under `parent`, with the owner's
+    pid, host and start time in owner.json, so a later process can tell it is stale."""
+    path = tempfile.mkdtemp(prefix=DIR_PREFIX, dir=parent)
+    owner = {"pid": os.getpid(), "host": socket.gethostname(),
+             "start_time": _start_time(os.getpid())}
+    with open(os.path.join(path, OWNER_FILE), "w") as f:
+        json.dump(owner, f)
+    return path
+
+
+def remove_stale_dirs(parent: str) -> list[str]:
+    """Removes the state directories under `parent` whose owner process is dead on this host
+    (e.g. killed by SIGKILL before it could clean up). Directories of live processes, of other
+    hosts (a shared file system) and without a readable owner.json are left alone."""
+    host, removed = socket.gethostname(), []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(parent, name)
+        if not name.startswith(DIR_PREFIX) or not os.path.isdir(path):
+            continue
+        try:
+            with open(os.path.join(path, OWNER_FILE)) as f:
+                owner = json.load(f)
+            pid, owner_host = int(owner["pid"]), owner["host"]
+            started = owner.get("start_time")
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if owner_host != host or pid == os.getpid() or _owner_alive(pid, started):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.exists(path):
+            removed.append(path)
+    if removed:
+        warnings.warn(f"tierlift offload: removed {len(removed)} state folder(s) of dead "
+                      f"processes under {parent!r}: {[os.path.basename(p) for p in removed]}",
+                      RuntimeWarning, stacklevel=3)
+    return removed
 
 
 class _Done:

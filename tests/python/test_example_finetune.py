@@ -1,0 +1,144 @@
+"""examples/finetune_offload.py end to end (quick sizes): it fine-tunes with the optimizer state
+on "NVMe" under a budget a quarter of its size, prints the breakdown, and a run killed with
+SIGKILL resumes from its last checkpoint to exactly the weights of an uninterrupted run."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "examples" / "finetune_offload.py"
+TINY = ["--layers", "1", "--dim", "64", "--heads", "2", "--seq-len", "32", "--batch-size", "4",
+        "--data-mb", "0.5", "--no-progress"]
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "python"), env.get("PYTHONPATH", "")])
+    return env
+
+
+def run(*flags, timeout=180) -> str:
+    out = subprocess.run([sys.executable, str(SCRIPT), *TINY, *flags], capture_output=True,
+                         text=True, timeout=timeout, env=_env())
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+def test_finetune_learns_and_prints_breakdown(tmp_path):
+    out = run("--steps", "30", "--nvme-path", str(tmp_path))
+    assert "random init" in out, out
+    assert re.search(r"cpu_budget .* \(4\.0x smaller than the state\)", out), out
+    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", out).groups())
+    assert last < first - 0.5, out
+    for leg in ("compute (fwd+bwd)", "CPU Adam", "NVMe read wait", "NVMe write wait",
+                "optimizer.step(), blocking"):
+        assert leg in out, out
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("tierlift-offload-")]
+
+
+def test_finetune_from_pretrained_weights(tmp_path):
+    base = tmp_path / "base.pt"
+    run("--steps", "6", "--save-final", str(base), "--nvme-path", str(tmp_path))
+    out = run("--steps", "4", "--pretrained", str(base), "--nvme-path", str(tmp_path))
+    assert f"pretrained weights: {base}" in out, out
+    first = float(re.search(r"loss ([\d.]+) ->", out).group(1))
+    assert first < 5.0, out  # starts from the trained weights, not from ln(256) = 5.55
+
+
+def test_finetune_bad_flags_are_refused():
+    out = subprocess.run([sys.executable, str(SCRIPT), "--budget-fraction", "2"],
+                         capture_output=True, text=True, timeout=60, env=_env())
+    assert out.returncode != 0 and "--budget-fraction" in out.stderr
+
+
+def test_killed_run_resumes_with_nothing_lost(tmp_path):
+    steps = ["--steps", "40", "--checkpoint-every", "8"]
+    full = tmp_path / "full.pt"
+    run(*steps, "--nvme-path", str(tmp_path), "--save-final", str(full))
+
+    ckpt, nvme, resumed = tmp_path / "ckpt", tmp_path / "nvme", tmp_path / "resumed.pt"
+    nvme.mkdir()
+    flags = [*TINY, *steps, "--checkpoint-dir", str(ckpt), "--nvme-path", str(nvme),
+             "--save-final", str(resumed)]
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), *flags], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env=_env())
+    try:
+        for line in proc.stdout:
+            if "checkpoint saved at step 16" in line:
+                proc.send_signal(signal.SIGKILL)
+                break
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    assert not resumed.exists()
+    stale = [p for p in nvme.iterdir() if p.name.startswith("tierlift-offload-")]
+    assert stale, "the killed run should have left its state folder behind"
+
+    out = run(*steps, "--checkpoint-dir", str(ckpt), "--nvme-path", str(nvme), "--save-final",
+              str(resumed))
+    match = re.search(r"resumed from .* at step (\d+)", out)
+    assert match and int(match.group(1)) >= 16, out
+    assert not any(p.exists() for p in stale), "the dead run's state folder was not removed"
+    a, b = torch.load(full, weights_only=True), torch.load(resumed, weights_only=True)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_finetune_on_gpu_bf16(tmp_path):
+    out = run("--steps", "20", "--device", "cuda", "--dtype", "bf16", "--nvme-path",
+              str(tmp_path))
+    assert "cuda bfloat16" in out, out
+    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", out).groups())
+    assert last < first - 0.3, out
+
+
+_HOLDER = """
+import sys, time, torch, tierlift
+p = torch.nn.Parameter(torch.zeros(4096))
+opt = tierlift.optim.AdamW([p], offload="nvme", nvme_path=sys.argv[1])
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+def _holder(path):
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, str(path)], stdout=subprocess.PIPE,
+                            text=True, env=_env())
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def test_stale_state_folders_of_dead_processes_are_removed(tmp_path):
+    from tierlift.offload.tiers import OWNER_FILE, remove_stale_dirs
+
+    dead, live = _holder(tmp_path), None
+    try:
+        dead.send_signal(signal.SIGKILL)
+        dead.wait(timeout=30)
+        (left,) = [p for p in tmp_path.iterdir() if p.name.startswith("tierlift-offload-")]
+        assert (left / OWNER_FILE).is_file()
+        live = _holder(tmp_path)  # its start removes the dead one's folder, not its own
+        (own,) = [p for p in tmp_path.iterdir() if p.name.startswith("tierlift-offload-")]
+        assert own != left and not left.exists()
+        foreign = tmp_path / "tierlift-offload-foreign"  # another host's: never touched
+        foreign.mkdir()
+        (foreign / OWNER_FILE).write_text('{"pid": 1, "host": "elsewhere"}')
+        (tmp_path / "tierlift-offload-noowner").mkdir()  # unknown owner: never touched
+        assert remove_stale_dirs(str(tmp_path)) == []
+        assert own.exists() and foreign.exists()
+    finally:
+        for proc in (dead, live):
+            if proc is not None:
+                proc.kill()
+                proc.wait(timeout=30)
