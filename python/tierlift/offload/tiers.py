@@ -14,6 +14,7 @@ import os
 import shutil
 import socket
 import tempfile
+import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 
@@ -34,6 +35,24 @@ _CRC_POOL = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
 
 def crc32c_many(bufs: list[torch.Tensor]) -> list[int]:
     return list(_CRC_POOL.map(crc32c, bufs)) if len(bufs) > 1 else [crc32c(b) for b in bufs]
+
+
+# Pipeline tasks (wait for a chunk's reads then verify it; checksum a chunk being written) run
+# here, off the stepping thread; they only wait on leaf tasks of _CRC_POOL, so no deadlock.
+_PIPE_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tierlift-pipe")
+
+
+class _Task:
+    """A pipeline task as an I/O handle: wait() re-raises its error; `crc_s` is the CRC-32C
+    time it spent (added to the step's stats by the stepping thread)."""
+
+    def __init__(self, future):
+        self.future = future
+        self.crc_s = 0.0
+
+    def wait(self):
+        self.crc_s = self.future.result()
+        return None
 
 
 DIR_PREFIX = "tierlift-offload-"
@@ -142,8 +161,8 @@ class MemoryTier:
     def verify(self, kind, ci, buf, what, gen=None) -> None:
         pass  # host memory: no checksum
 
-    def verify_all(self, ci, bufs, what) -> None:
-        pass
+    def read_all(self, ci: int, bufs: dict, what) -> list:
+        return [self.read(k, ci, bufs[k]) for k in self.kinds]
 
     def write_all(self, ci: int, bufs: dict, gen: int) -> list:
         return [self.write(k, ci, bufs[k], gen) for k in self.kinds]
@@ -184,18 +203,44 @@ class NvmeTier:
         self.crc[(kind, ci, gen)] = crc32c(buf) if crc is None else crc
         return self.engine.write(buf, self.paths[(kind, gen)], ci * self.chunk_bytes)
 
-    def verify_all(self, ci: int, bufs: dict, what) -> None:
+    def read_all(self, ci: int, bufs: dict, what) -> list:
+        """Starts reading every kind of chunk `ci` of the committed generation into `bufs`.
+        The returned task finishes once the reads are done and their CRC-32C verified; it runs
+        in the background, so chunk k+1 is checked while chunk k is stepped."""
         g = self.gen[ci]
+        handles = [self.read(k, ci, bufs[k], g) for k in self.kinds]
         kinds = [k for k in self.kinds if (k, ci, g) in self.crc]
-        for k, got in zip(kinds, crc32c_many([bufs[k] for k in kinds])):
-            if got != self.crc[(k, ci, g)]:
-                raise ChecksumError(
-                    f"optimizer state file {self.paths[(k, g)]!r} is corrupt: the {k} of "
-                    f"{what()} (chunk {ci}) does not match its CRC-32C")
+        want = [self.crc[(k, ci, g)] for k in kinds]
+
+        def verify() -> float:
+            for h in handles:
+                h.wait()
+            t = time.perf_counter()
+            for k, got, exp in zip(kinds, crc32c_many([bufs[k] for k in kinds]), want):
+                if got != exp:
+                    raise ChecksumError(
+                        f"optimizer state file {self.paths[(k, g)]!r} is corrupt: the {k} of "
+                        f"{what()} (chunk {ci}) does not match its CRC-32C")
+            return time.perf_counter() - t
+
+        return [*handles, _Task(_PIPE_POOL.submit(verify))]
 
     def write_all(self, ci: int, bufs: dict, gen: int) -> list:
-        crcs = crc32c_many([bufs[k] for k in self.kinds])
-        return [self.write(k, ci, bufs[k], gen, c) for k, c in zip(self.kinds, crcs)]
+        """Starts writing every kind of chunk `ci` to generation `gen`; the CRC-32C of the new
+        data is computed while the writes run (both only read `bufs`) and recorded once it is
+        done: run() waits for every returned handle before the step commits."""
+        handles = [self.engine.write(bufs[k], self.paths[(k, gen)], ci * self.chunk_bytes)
+                   for k in self.kinds]
+
+        def checksum() -> float:
+            t = time.perf_counter()
+            for k, c in zip(self.kinds, crc32c_many([bufs[k] for k in self.kinds])):
+                self.crc[(k, ci, gen)] = c
+            return time.perf_counter() - t
+
+        for k in self.kinds:  # no stale CRC may describe this generation until it is known
+            self.crc.pop((k, ci, gen), None)
+        return [*handles, _Task(_PIPE_POOL.submit(checksum))]
 
     def remove_files(self) -> None:
         for path in self.paths.values():
