@@ -142,3 +142,23 @@ def test_stale_state_folders_of_dead_processes_are_removed(tmp_path):
             if proc is not None:
                 proc.kill()
                 proc.wait(timeout=30)
+
+
+_NO_ROOM = """
+import resource, sys, torch, tierlift
+resource.setrlimit(resource.RLIMIT_FSIZE, (65536, resource.RLIM_INFINITY))
+p = torch.nn.Parameter(torch.zeros(200_000))
+try:
+    tierlift.optim.AdamW([p], offload="nvme", nvme_path=sys.argv[1])
+except OSError as e:
+    print("ERROR:", e)
+"""
+
+
+def test_drive_too_small_for_the_state_is_refused_up_front(tmp_path):
+    out = subprocess.run([sys.executable, "-c", _NO_ROOM, str(tmp_path)], capture_output=True,
+                         text=True, timeout=60, env=_env())
+    assert out.returncode == 0, out.stderr
+    assert "nvme_path has no room for the optimizer state" in out.stdout, out.stdout
+    assert "bytes are needed" in out.stdout and "File too large" in out.stdout
+    assert not list(tmp_path.iterdir()), "a refused optimizer must leave nothing behind"

@@ -110,14 +110,22 @@ class Offloader:
             nvme_path = os.fspath(config.nvme_path)
             remove_stale_dirs(nvme_path)
             self._dir = make_state_dir(nvme_path)
-            self._engine = IoEngine(EngineConfig(
-                queue_depth=config.queue_depth, pool_bytes=pool,
-                block_size=min(1 << 20, chunk_elems * 4)))
-            self.pool_bytes = pool
-            self._slots = [{k: self._engine.pool_tensor(chunk_elems * 4).view(torch.float32)
-                            for k in self._slot_kinds} for _ in range(_SLOTS)]
-            self.tiers = [NvmeTier(self._engine, self._dir, gi, k, len(lay.chunks), chunk_elems)
-                          for gi, (k, lay) in enumerate(zip(self._kinds, self.layouts))]
+            try:
+                self._engine = IoEngine(EngineConfig(
+                    queue_depth=config.queue_depth, pool_bytes=pool,
+                    block_size=min(1 << 20, chunk_elems * 4)))
+                self.pool_bytes = pool
+                self._slots = [{k: self._engine.pool_tensor(chunk_elems * 4).view(torch.float32)
+                                for k in self._slot_kinds} for _ in range(_SLOTS)]
+                self.tiers = [NvmeTier(self._engine, self._dir, gi, k, len(lay.chunks),
+                                       chunk_elems)
+                              for gi, (k, lay) in enumerate(zip(self._kinds, self.layouts))]
+            except BaseException:
+                self._slots = []
+                if self._engine is not None:
+                    self._engine.close()
+                shutil.rmtree(self._dir, ignore_errors=True)
+                raise
         self.overlap = None
         if config.overlap:
             from tierlift.offload.overlap import Overlap

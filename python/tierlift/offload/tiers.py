@@ -9,6 +9,8 @@ a CRC-32C per kind, verified on every read.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 import shutil
@@ -173,6 +175,35 @@ class MemoryTier:
         return _Done(buf)
 
 
+_LIBC = None
+_NO_ROOM = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+
+
+def _reserve(fd: int, nbytes: int, path: str, total: int) -> None:
+    """Sizes the (empty) file to `nbytes` of zeros, allocating its blocks up front with
+    fallocate(2), so a drive too small for the state is refused at construction and steps never
+    allocate. File systems without fallocate get a sparse file (glibc's posix_fallocate would
+    emulate it by writing every block)."""
+    global _LIBC
+    if _LIBC is None:
+        _LIBC = ctypes.CDLL(None, use_errno=True)
+        _LIBC.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    err = 0
+    if nbytes and _LIBC.fallocate(fd, 0, 0, nbytes) != 0:
+        err = ctypes.get_errno()
+    if err not in _NO_ROOM:
+        try:
+            os.ftruncate(fd, nbytes)  # also the size when fallocate is unsupported
+            return
+        except OSError as e:
+            if e.errno not in _NO_ROOM:
+                raise
+            err = e.errno
+    raise OSError(err, f"nvme_path has no room for the optimizer state: {total} bytes are "
+                  f"needed under {os.path.dirname(os.path.dirname(path))!r} (two generations "
+                  f"of every state kind); allocating {path!r} failed: {os.strerror(err)}")
+
+
 class NvmeTier:
     def __init__(self, engine: IoEngine, directory: str, gi: int, kinds: list[str],
                  n_chunks: int, chunk_elems: int):
@@ -183,9 +214,10 @@ class NvmeTier:
         self.crc: dict[tuple[str, int, int], int] = {}  # (kind, ci, gen) -> crc
         self.paths = {(k, g): os.path.join(directory, f"g{gi}.{k}.{g}") for k in kinds
                       for g in (0, 1)}
+        nbytes = n_chunks * self.chunk_bytes
         for path in self.paths.values():
             with open(path, "wb") as f:
-                f.truncate(n_chunks * self.chunk_bytes)  # sparse: zeros until written
+                _reserve(f.fileno(), nbytes, path, nbytes * len(self.paths))
 
     def read(self, kind: str, ci: int, buf: torch.Tensor, gen: int | None = None):
         g = self.gen[ci] if gen is None else gen
