@@ -31,25 +31,22 @@ def run(*flags, timeout=180) -> str:
     return out.stdout
 
 
-def test_finetune_learns_and_prints_breakdown(tmp_path):
-    out = run("--steps", "30", "--nvme-path", str(tmp_path))
+def test_finetune_learns_prints_breakdown_and_starts_from_pretrained(tmp_path):
+    base = tmp_path / "base.pt"
+    out = run("--steps", "30", "--nvme-path", str(tmp_path), "--save-final", str(base))
     assert "random init" in out, out
     assert re.search(r"cpu_budget .* \(4\.0x smaller than the state\)", out), out
     first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", out).groups())
     assert last < first - 0.5, out
     for leg in ("compute (fwd+bwd)", "CPU Adam", "NVMe read wait", "NVMe write wait",
-                "optimizer.step(), blocking"):
+                "step(), blocking"):
         assert leg in out, out
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("tierlift-offload-")]
 
-
-def test_finetune_from_pretrained_weights(tmp_path):
-    base = tmp_path / "base.pt"
-    run("--steps", "6", "--save-final", str(base), "--nvme-path", str(tmp_path))
-    out = run("--steps", "4", "--pretrained", str(base), "--nvme-path", str(tmp_path))
+    out = run("--steps", "3", "--pretrained", str(base), "--nvme-path", str(tmp_path))
     assert f"pretrained weights: {base}" in out, out
-    first = float(re.search(r"loss ([\d.]+) ->", out).group(1))
-    assert first < 5.0, out  # starts from the trained weights, not from ln(256) = 5.55
+    start = float(re.search(r"loss ([\d.]+) ->", out).group(1))
+    assert start < first - 0.5, out  # starts from the fine-tuned weights, not from scratch
 
 
 def test_finetune_bad_flags_are_refused():
@@ -59,7 +56,7 @@ def test_finetune_bad_flags_are_refused():
 
 
 def test_killed_run_resumes_with_nothing_lost(tmp_path):
-    steps = ["--steps", "40", "--checkpoint-every", "8"]
+    steps = ["--steps", "30", "--checkpoint-every", "6"]
     full = tmp_path / "full.pt"
     run(*steps, "--nvme-path", str(tmp_path), "--save-final", str(full))
 
@@ -71,7 +68,7 @@ def test_killed_run_resumes_with_nothing_lost(tmp_path):
                             stderr=subprocess.DEVNULL, text=True, env=_env())
     try:
         for line in proc.stdout:
-            if "checkpoint saved at step 16" in line:
+            if "checkpoint saved at step 12" in line:
                 proc.send_signal(signal.SIGKILL)
                 break
     finally:
@@ -85,7 +82,7 @@ def test_killed_run_resumes_with_nothing_lost(tmp_path):
     out = run(*steps, "--checkpoint-dir", str(ckpt), "--nvme-path", str(nvme), "--save-final",
               str(resumed))
     match = re.search(r"resumed from .* at step (\d+)", out)
-    assert match and int(match.group(1)) >= 16, out
+    assert match and int(match.group(1)) >= 12, out
     assert not any(p.exists() for p in stale), "the dead run's state folder was not removed"
     a, b = torch.load(full, weights_only=True), torch.load(resumed, weights_only=True)
     assert a.keys() == b.keys()
