@@ -16,11 +16,12 @@ write bandwidth, measured on the same directory through tierlift.io in the same 
 as large as one state file. Each time is the median of --repeats steps.
 
 Fine-tuning mode, sizing per parameter: tierlift keeps bf16 params + bf16 grads on the GPU (4 B)
-and the fp32 master, m, v in pinned RAM (12 B, offload="cpu") or on NVMe (24 B: two
-generations, offload="nvme" with overlap); DeepSpeed ZeRO-3 (one rank, params on the GPU) keeps
-fp32 master, m, v and an fp32 gradient partition in pinned RAM (16 B). The largest model of the
-ladder that both hold within 85% of each memory is measured, each case in its own process
-(pinned memory of one must not count against the other). FLOPs per token: 6 N + 12 L d T
+and the fp32 master, m, v in pinned RAM (12 B with offload="cpu", 24 B with --overlap: two
+generations) or on NVMe (24 B: two generations, offload="nvme" with overlap); DeepSpeed ZeRO-3
+(one rank, params on the GPU) keeps fp32 master, m, v and an fp32 gradient partition in pinned
+RAM (16 B). The largest model of the ladder that both hold within 85% of each memory is
+measured, each case in its own process (pinned memory of one must not count against the
+other). FLOPs per token: 6 N + 12 L d T
 (matmuls forward and backward plus attention scores; the causal mask is not discounted).
 """
 
@@ -147,14 +148,15 @@ def plan(args) -> dict:
         act = activation_bytes(cfg, args.batch_size * args.seq_len)
         if 4 * n + act > gpu:  # tierlift: bf16 params + grads on the GPU
             continue
-        tier = "cpu" if 12 * n <= ram else ("nvme" if 24 * n <= disk else None)
+        host = 24 * n if args.overlap else 12 * n  # overlap keeps two generations in RAM
+        tier = "cpu" if host <= ram else ("nvme" if 24 * n <= disk else None)
         if tier is None:
             continue
         deepspeed_fits = 2 * n + act <= gpu and 16 * n <= ram
         if not deepspeed_fits and best is not None:
             continue
         best = {"model": name, "params": n, "tier": tier, "deepspeed_fits": deepspeed_fits,
-                "gpu_bytes": 4 * n + act, "host_bytes": 12 * n if tier == "cpu" else 0,
+                "gpu_bytes": 4 * n + act, "host_bytes": host if tier == "cpu" else 0,
                 "disk_bytes": 24 * n if tier == "nvme" else 0}
     if args.model is not None:
         cfg = config(args.model, args.seq_len)
@@ -206,7 +208,8 @@ def run_tierlift(args, info: dict, device) -> dict:
     model = build_model(info["model"], args.seq_len, device)
     n = sum(p.numel() for p in model.parameters())
     nvme = tempfile.TemporaryDirectory(dir=args.dir) if info["tier"] == "nvme" else None
-    kw = dict(offload=info["tier"], max_grad_norm=1.0, overlap=info["tier"] == "nvme")
+    kw = dict(offload=info["tier"], max_grad_norm=1.0,
+              overlap=args.overlap or info["tier"] == "nvme")
     if nvme is not None:
         kw.update(nvme_path=nvme.name, cpu_budget=int(args.nvme_budget * GiB))
     opt = tierlift.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), **kw)
@@ -307,6 +310,7 @@ def finetune(args) -> int:
                "--info", json.dumps(info), "--seq-len", str(args.seq_len),
                "--batch-size", str(args.batch_size), "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--nvme-budget", str(args.nvme_budget)]
+        cmd += ["--overlap"] if args.overlap else []
         cmd += ["--gpu"] if args.gpu else []
         cmd += ["--dir", args.dir] if args.dir else []
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -344,6 +348,8 @@ def add_finetune_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--plan-only", action="store_true", help="print the sizing and stop")
     g.add_argument("--model", choices=list(LADDER), default=None, help="skip the sizing")
     g.add_argument("--tier", choices=["cpu", "nvme"], default=None)
+    g.add_argument("--overlap", action="store_true",
+                   help="offload='cpu' with the step overlapped with backward (2x the RAM)")
     g.add_argument("--gpu-mem", type=float, default=80, help="GiB")
     g.add_argument("--cpu-mem", type=float, default=128, help="GiB")
     g.add_argument("--disk", type=float, default=64, help="GiB under --dir")

@@ -159,3 +159,14 @@ def test_drive_too_small_for_the_state_is_refused_up_front(tmp_path):
     assert "nvme_path has no room for the optimizer state" in out.stdout, out.stdout
     assert "bytes are needed" in out.stdout and "File too large" in out.stdout
     assert not list(tmp_path.iterdir()), "a refused optimizer must leave nothing behind"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
+def test_bench_gpu_mode_without_a_gpu_says_so_and_plans():
+    bench = str(ROOT / "benchmarks" / "bench_offload.py")
+    out = subprocess.run([sys.executable, bench, "--gpu"], capture_output=True, text=True,
+                         timeout=60, env=_env())
+    assert out.returncode != 0 and "--gpu needs a CUDA GPU" in out.stderr, out.stderr
+    out = subprocess.run([sys.executable, bench, "--gpu", "--plan-only"], capture_output=True,
+                         text=True, timeout=60, env=_env())
+    assert out.returncode == 0 and '"model": "8b"' in out.stdout, out.stdout + out.stderr
