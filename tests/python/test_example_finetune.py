@@ -2,9 +2,11 @@
 on "NVMe" under a budget a quarter of its size, prints the breakdown, and a run killed with
 SIGKILL resumes from its last checkpoint to exactly the weights of an uninterrupted run."""
 
+import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -131,9 +133,13 @@ def test_stale_state_folders_of_dead_processes_are_removed(tmp_path):
         foreign = tmp_path / "tierlift-offload-foreign"  # another host's: never touched
         foreign.mkdir()
         (foreign / OWNER_FILE).write_text('{"pid": 1, "host": "elsewhere"}')
+        other_ns = tmp_path / "tierlift-offload-otherns"  # another container's: never touched
+        other_ns.mkdir()
+        (other_ns / OWNER_FILE).write_text(json.dumps(
+            {"pid": dead.pid, "host": socket.gethostname(), "pidns": "pid:[1]"}))
         (tmp_path / "tierlift-offload-noowner").mkdir()  # unknown owner: never touched
         assert remove_stale_dirs(str(tmp_path)) == []
-        assert own.exists() and foreign.exists()
+        assert own.exists() and foreign.exists() and other_ns.exists()
     finally:
         for proc in (dead, live):
             if proc is not None:

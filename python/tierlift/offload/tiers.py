@@ -83,11 +83,20 @@ def _owner_alive(pid: int, started: int | None) -> bool:
     return started is None or now is None or now == started
 
 
+def _pid_namespace() -> str | None:
+    """Which pid namespace this process sees (containers sharing a host name and a volume
+    each have their own, where the same pid means another process)."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
 def make_state_dir(parent: str) -> str:
     """A private directory for one optimizer's state files under `parent`, with the owner's
     pid, host and start time in owner.json, so a later process can tell it is stale."""
     path = tempfile.mkdtemp(prefix=DIR_PREFIX, dir=parent)
-    owner = {"pid": os.getpid(), "host": socket.gethostname(),
+    owner = {"pid": os.getpid(), "host": socket.gethostname(), "pidns": _pid_namespace(),
              "start_time": _start_time(os.getpid())}
     with open(os.path.join(path, OWNER_FILE), "w") as f:
         json.dump(owner, f)
@@ -97,8 +106,9 @@ def make_state_dir(parent: str) -> str:
 def remove_stale_dirs(parent: str) -> list[str]:
     """Removes the state directories under `parent` whose owner process is dead on this host
     (e.g. killed by SIGKILL before it could clean up). Directories of live processes, of other
-    hosts (a shared file system) and without a readable owner.json are left alone."""
-    host, removed = socket.gethostname(), []
+    hosts or pid namespaces (a shared file system, containers) and without a readable
+    owner.json are left alone."""
+    host, ns, removed = socket.gethostname(), _pid_namespace(), []
     try:
         names = os.listdir(parent)
     except OSError:
@@ -111,10 +121,10 @@ def remove_stale_dirs(parent: str) -> list[str]:
             with open(os.path.join(path, OWNER_FILE)) as f:
                 owner = json.load(f)
             pid, owner_host = int(owner["pid"]), owner["host"]
-            started = owner.get("start_time")
+            started, owner_ns = owner.get("start_time"), owner.get("pidns")
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if owner_host != host or pid == os.getpid() or _owner_alive(pid, started):
+        if owner_host != host or owner_ns != ns or _owner_alive(pid, started):
             continue
         shutil.rmtree(path, ignore_errors=True)
         if not os.path.exists(path):
