@@ -9,7 +9,15 @@ a CRC-32C per kind, verified on every read.
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import json
 import os
+import shutil
+import socket
+import tempfile
+import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -29,6 +37,103 @@ _CRC_POOL = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
 
 def crc32c_many(bufs: list[torch.Tensor]) -> list[int]:
     return list(_CRC_POOL.map(crc32c, bufs)) if len(bufs) > 1 else [crc32c(b) for b in bufs]
+
+
+# Pipeline tasks (wait for a chunk's reads then verify it; checksum a chunk being written) run
+# here, off the stepping thread; they only wait on leaf tasks of _CRC_POOL, so no deadlock.
+_PIPE_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tierlift-pipe")
+
+
+class _Task:
+    """A pipeline task as an I/O handle: wait() re-raises its error; `crc_s` is the CRC-32C
+    time it spent (added to the step's stats by the stepping thread)."""
+
+    def __init__(self, future):
+        self.future = future
+        self.crc_s = 0.0
+
+    def wait(self):
+        self.crc_s = self.future.result()
+        return None
+
+
+DIR_PREFIX = "tierlift-offload-"
+OWNER_FILE = "owner.json"
+
+
+def _start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat), which
+    tells a live owner from an unrelated process that reused its pid; None if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(b")") + 2:].split()[19])
+
+
+def _owner_alive(pid: int, started: int | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # alive, another user's
+    now = _start_time(pid)
+    return started is None or now is None or now == started
+
+
+def _pid_namespace() -> str | None:
+    """Which pid namespace this process sees (containers sharing a host name and a volume
+    each have their own, where the same pid means another process)."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+def make_state_dir(parent: str) -> str:
+    """A private directory for one optimizer's state files under `parent`, with the owner's
+    pid, host and start time in owner.json, so a later process can tell it is stale."""
+    path = tempfile.mkdtemp(prefix=DIR_PREFIX, dir=parent)
+    owner = {"pid": os.getpid(), "host": socket.gethostname(), "pidns": _pid_namespace(),
+             "start_time": _start_time(os.getpid())}
+    with open(os.path.join(path, OWNER_FILE), "w") as f:
+        json.dump(owner, f)
+    return path
+
+
+def remove_stale_dirs(parent: str) -> list[str]:
+    """Removes the state directories under `parent` whose owner process is dead on this host
+    (e.g. killed by SIGKILL before it could clean up). Directories of live processes, of other
+    hosts or pid namespaces (a shared file system, containers) and without a readable
+    owner.json are left alone."""
+    host, ns, removed = socket.gethostname(), _pid_namespace(), []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(parent, name)
+        if not name.startswith(DIR_PREFIX) or not os.path.isdir(path):
+            continue
+        try:
+            with open(os.path.join(path, OWNER_FILE)) as f:
+                owner = json.load(f)
+            pid, owner_host = int(owner["pid"]), owner["host"]
+            started, owner_ns = owner.get("start_time"), owner.get("pidns")
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if owner_host != host or owner_ns != ns or _owner_alive(pid, started):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.exists(path):
+            removed.append(path)
+    if removed:
+        warnings.warn(f"tierlift offload: removed {len(removed)} state folder(s) of dead "
+                      f"processes under {parent!r}: {[os.path.basename(p) for p in removed]}",
+                      RuntimeWarning, stacklevel=3)
+    return removed
 
 
 class _Done:
@@ -68,8 +173,8 @@ class MemoryTier:
     def verify(self, kind, ci, buf, what, gen=None) -> None:
         pass  # host memory: no checksum
 
-    def verify_all(self, ci, bufs, what) -> None:
-        pass
+    def read_all(self, ci: int, bufs: dict, what) -> list:
+        return [self.read(k, ci, bufs[k]) for k in self.kinds]
 
     def write_all(self, ci: int, bufs: dict, gen: int) -> list:
         return [self.write(k, ci, bufs[k], gen) for k in self.kinds]
@@ -78,6 +183,35 @@ class MemoryTier:
         n = self.chunk_elems
         self.flat[(kind, gen)][ci * n:(ci + 1) * n].copy_(buf)
         return _Done(buf)
+
+
+_LIBC = None
+_NO_ROOM = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+
+
+def _reserve(fd: int, nbytes: int, path: str, total: int) -> None:
+    """Sizes the (empty) file to `nbytes` of zeros, allocating its blocks up front with
+    fallocate(2), so a drive too small for the state is refused at construction and steps never
+    allocate. File systems without fallocate get a sparse file (glibc's posix_fallocate would
+    emulate it by writing every block)."""
+    global _LIBC
+    if _LIBC is None:
+        _LIBC = ctypes.CDLL(None, use_errno=True)
+        _LIBC.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    err = 0
+    if nbytes and _LIBC.fallocate(fd, 0, 0, nbytes) != 0:
+        err = ctypes.get_errno()
+    if err not in _NO_ROOM:
+        try:
+            os.ftruncate(fd, nbytes)  # also the size when fallocate is unsupported
+            return
+        except OSError as e:
+            if e.errno not in _NO_ROOM:
+                raise
+            err = e.errno
+    raise OSError(err, f"nvme_path has no room for the optimizer state: {total} bytes are "
+                  f"needed under {os.path.dirname(os.path.dirname(path))!r} (two generations "
+                  f"of every state kind); allocating {path!r} failed: {os.strerror(err)}")
 
 
 class NvmeTier:
@@ -90,9 +224,10 @@ class NvmeTier:
         self.crc: dict[tuple[str, int, int], int] = {}  # (kind, ci, gen) -> crc
         self.paths = {(k, g): os.path.join(directory, f"g{gi}.{k}.{g}") for k in kinds
                       for g in (0, 1)}
+        nbytes = n_chunks * self.chunk_bytes
         for path in self.paths.values():
             with open(path, "wb") as f:
-                f.truncate(n_chunks * self.chunk_bytes)  # sparse: zeros until written
+                _reserve(f.fileno(), nbytes, path, nbytes * len(self.paths))
 
     def read(self, kind: str, ci: int, buf: torch.Tensor, gen: int | None = None):
         g = self.gen[ci] if gen is None else gen
@@ -110,18 +245,44 @@ class NvmeTier:
         self.crc[(kind, ci, gen)] = crc32c(buf) if crc is None else crc
         return self.engine.write(buf, self.paths[(kind, gen)], ci * self.chunk_bytes)
 
-    def verify_all(self, ci: int, bufs: dict, what) -> None:
+    def read_all(self, ci: int, bufs: dict, what) -> list:
+        """Starts reading every kind of chunk `ci` of the committed generation into `bufs`.
+        The returned task finishes once the reads are done and their CRC-32C verified; it runs
+        in the background, so chunk k+1 is checked while chunk k is stepped."""
         g = self.gen[ci]
+        handles = [self.read(k, ci, bufs[k], g) for k in self.kinds]
         kinds = [k for k in self.kinds if (k, ci, g) in self.crc]
-        for k, got in zip(kinds, crc32c_many([bufs[k] for k in kinds])):
-            if got != self.crc[(k, ci, g)]:
-                raise ChecksumError(
-                    f"optimizer state file {self.paths[(k, g)]!r} is corrupt: the {k} of "
-                    f"{what()} (chunk {ci}) does not match its CRC-32C")
+        want = [self.crc[(k, ci, g)] for k in kinds]
+
+        def verify() -> float:
+            for h in handles:
+                h.wait()
+            t = time.perf_counter()
+            for k, got, exp in zip(kinds, crc32c_many([bufs[k] for k in kinds]), want):
+                if got != exp:
+                    raise ChecksumError(
+                        f"optimizer state file {self.paths[(k, g)]!r} is corrupt: the {k} of "
+                        f"{what()} (chunk {ci}) does not match its CRC-32C")
+            return time.perf_counter() - t
+
+        return [*handles, _Task(_PIPE_POOL.submit(verify))]
 
     def write_all(self, ci: int, bufs: dict, gen: int) -> list:
-        crcs = crc32c_many([bufs[k] for k in self.kinds])
-        return [self.write(k, ci, bufs[k], gen, c) for k, c in zip(self.kinds, crcs)]
+        """Starts writing every kind of chunk `ci` to generation `gen`; the CRC-32C of the new
+        data is computed while the writes run (both only read `bufs`) and recorded once it is
+        done: run() waits for every returned handle before the step commits."""
+        handles = [self.engine.write(bufs[k], self.paths[(k, gen)], ci * self.chunk_bytes)
+                   for k in self.kinds]
+
+        def checksum() -> float:
+            t = time.perf_counter()
+            for k, c in zip(self.kinds, crc32c_many([bufs[k] for k in self.kinds])):
+                self.crc[(k, ci, gen)] = c
+            return time.perf_counter() - t
+
+        for k in self.kinds:  # no stale CRC may describe this generation until it is known
+            self.crc.pop((k, ci, gen), None)
+        return [*handles, _Task(_PIPE_POOL.submit(checksum))]
 
     def remove_files(self) -> None:
         for path in self.paths.values():
