@@ -24,6 +24,29 @@ def comm_device(comm) -> torch.device:
         torch.device("cpu")
 
 
+def _per_param_state(optimizer) -> dict:
+    """{param: its state} as optimizer.state_dict() reports it: an offloading optimizer keeps
+    exp_avg/exp_avg_sq (and master) in its tiers, not in optimizer.state."""
+    if optimizer is None:
+        return {}
+    sd = optimizer.state_dict()
+    ids = [i for g in sd["param_groups"] for i in g["params"]]
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    return {p: sd["state"].get(i, {}) for p, i in zip(params, ids, strict=True)}
+
+
+def _load_per_param_state(optimizer, loaded: dict) -> None:
+    """Replace the state of the parameters in `loaded` ({param: state}) through
+    load_state_dict, so an offloading optimizer puts it back into its tiers."""
+    sd = optimizer.state_dict()
+    ids = [i for g in sd["param_groups"] for i in g["params"]]
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for p, i in zip(params, ids, strict=True):
+        if p in loaded:
+            sd["state"][i] = loaded[p]
+    optimizer.load_state_dict(sd)
+
+
 def _jsonable(value):
     if isinstance(value, torch.Tensor):
         return value.item() if value.numel() == 1 else value.tolist()
@@ -46,7 +69,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer=None) -> Non
         os.makedirs(tmp)
     _barrier(comm)
     tensors: dict[str, torch.Tensor] = {}
-    opt_state = optimizer.state if optimizer is not None else {}
+    opt_state = _per_param_state(optimizer)
     for i, unit in enumerate(state.units):
         tensors[f"unit{i}.param"] = unit.shard.detach().cpu()
         for key, value in opt_state.get(unit.shard, {}).items():
@@ -123,6 +146,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None) -> Non
     meta = fmt.read_metadata(path)
     _check_layout(meta, state.units)
     shards = [fmt.load_tensors(path, r) for r in range(meta["world_size"])]
+    loaded_state: dict = {}
     for i, (unit, saved) in enumerate(zip(state.units, meta["units"], strict=False)):
         lo = comm.rank * unit.shard_numel
         hi = min(lo + unit.shard_numel, unit.numel)
@@ -140,12 +164,13 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None) -> Non
             keys = {k.split(".", 1)[1] for k in shards[0] if k.startswith(f"unit{i}.")}
             keys.discard("param")
             if keys:
-                st = optimizer.state[unit.shard]
-                st.clear()
+                st = loaded_state[unit.shard] = {}
                 for key in sorted(keys):
                     value = shards[0][f"unit{i}.{key}"]
                     st[key] = (take(f"unit{i}.{key}") if value.dim() > 0
                                else value.clone().to(unit.device if key != "step" else "cpu"))
+    if loaded_state:
+        _load_per_param_state(optimizer, loaded_state)
     if optimizer is not None and meta["param_groups"]:
         if len(meta["param_groups"]) != len(optimizer.param_groups):
             raise ValueError(f"checkpoint has {len(meta['param_groups'])} optimizer param "
