@@ -32,7 +32,7 @@ from torch import nn
 
 from tierlift import ops
 from tierlift.lowp import convert
-from tierlift.lowp.fp4 import _gemm_operand_pair
+from tierlift.lowp.fp4 import _FP4MatmulFn, _gemm_operand_pair
 from tierlift.lowp.fp4_recipe import FP4_RECIPES
 from tierlift.reference import lowp_fp4 as ref
 
@@ -43,8 +43,25 @@ ABLATIONS = {  # Quartet with one component swapped, to see which one costs
     "quartet-fwd-rceil": replace(_Q, name="quartet-fwd-rceil", forward_rule="rceil",
                                  clip_mask=False),
     # backward: round-to-nearest, fixed (no) signs, instead of SR with random-signed Hadamard
+    # forward: QuEST without the Hadamard (so the backward has no rotation to undo either)
+    "quartet-fwd-noH": replace(_Q, name="quartet-fwd-noH", forward_hadamard=0),
     "quartet-bwd-rne": replace(_Q, name="quartet-bwd-rne", random_signs=False,
                                stochastic_grad=False, stochastic_other=False),
+    # the other way round: plain RTN plus only the forward Hadamard (undone on the gradients)
+    "rtn-fwd-H32": replace(FP4_RECIPES["mxfp4-rtn"], name="rtn-fwd-H32", forward_hadamard=32),
+    # plain RTN plus only the backward Hadamards (fixed signs), or only the RCEIL backward scale
+    "rtn-bwd-H32": replace(FP4_RECIPES["mxfp4-rtn"], name="rtn-bwd-H32", dgrad_hadamard=32,
+                           wgrad_hadamard=32),
+    "rtn-bwd-rceil": replace(FP4_RECIPES["mxfp4-rtn"], name="rtn-bwd-rceil",
+                             backward_rule="rceil"),
+    # plain RTN plus only stochastic rounding in the backward (RCEIL so that SR is unbiased)
+    "rtn-bwd-sr": replace(FP4_RECIPES["mxfp4-rtn"], name="rtn-bwd-sr", backward_rule="rceil",
+                          stochastic_grad=True, stochastic_other=True),
+    # rtn-fwd-H32 with Quartet's forward quantizer: QuEST scale and its clip mask
+    "rtn-fwd-H32-quest": replace(FP4_RECIPES["mxfp4-rtn"], name="rtn-fwd-H32-quest",
+                                 forward_hadamard=32, forward_rule="quest", clip_mask=True),
+    "rtn-fwd-H32-quest-nomask": replace(FP4_RECIPES["mxfp4-rtn"], name="rtn-fwd-H32-quest-nomask",
+                                        forward_hadamard=32, forward_rule="quest"),
 }
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
@@ -194,8 +211,11 @@ def capture(model: nn.Module, x: torch.Tensor) -> dict:
     for h in hooks:
         h.remove()
     mods = dict(model.named_modules())
+    gain = model.blocks[0].gain.float()  # the outlier gains behind qkv's and fc's inputs
     return {n: (acts[n].reshape(-1, acts[n].shape[-1]), mods[n].weight.detach().float(),
-                grads[n].reshape(-1, grads[n].shape[-1])) for n in acts}
+                grads[n].reshape(-1, grads[n].shape[-1]),
+                gain if n.endswith(("qkv", "fc")) else torch.ones(acts[n].shape[-1]))
+            for n in acts}
 
 
 # ---- layer level ----
@@ -265,26 +285,51 @@ def gradient_estimates(g: torch.Tensor, x: torch.Tensor, draws: int) -> dict:
     return out
 
 
+DGRAD = ("mxfp4-rtn", "rtn-fwd-H32", "rtn-fwd-H32-quest", "mxfp4-quartet", "quartet-bwd-rne",
+         "nvfp4")
+
+
+def dgrad_errors(x, w, gy, gain, draws: int) -> dict:
+    """grad_input as FP4Linear's backward computes it (clip mask and rotation back included):
+    relative RMS error of one draw, plain and weighted by the per-channel gain the gradient is
+    multiplied by on its way back through `LayerNorm(x) * gain` (outlier channels)."""
+    exact = gy.double() @ w.double()
+    out = {}
+    for name in DGRAD:
+        r = ABLATIONS.get(name) or FP4_RECIPES[name]
+        errs, errs_gain = [], []
+        for _ in range(draws if (r.stochastic_grad or r.random_signs) else 1):
+            xx = x.clone().requires_grad_()
+            _FP4MatmulFn.apply(xx, w, r).backward(gy)
+            errs.append(rel(xx.grad, exact) ** 2)
+            errs_gain.append(rel(xx.grad * gain, exact * gain) ** 2)
+        out[name] = dict(rmse=math.sqrt(sum(errs) / len(errs)),
+                         rmse_gain=math.sqrt(sum(errs_gain) / len(errs_gain)))
+    return out
+
+
 def synthetic(tokens: int, dim: int, outliers: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, dim, generator=g)
+    gain = torch.ones(dim)
     if outliers:
         ch = torch.randperm(dim, generator=g)[:outliers]
-        x[:, ch] *= 10 ** (1 + torch.rand(outliers, generator=g))
+        gain[ch] = 10 ** (1 + torch.rand(outliers, generator=g))
+    x = x * gain  # outlier columns, as LayerNorm output times a per-channel gain
     w = torch.randn(dim, dim, generator=g) * 0.02
     gy = torch.randn(tokens, dim, generator=g) * 1e-3
-    return x, w, gy
+    return x, w, gy, gain
 
 
 def study_layers(captures: dict[str, dict], draws: int) -> dict:
     cases = {f"{label}/{n}": c for label, caps in captures.items() for n, c in caps.items()}
     for outl in (0, 4):
-        x, w, gy = synthetic(512, 256, outl)
-        cases[f"synthetic 512x256, {outl} outlier cols"] = (x, w, gy)
+        cases[f"synthetic 512x256, {outl} outlier cols"] = synthetic(512, 256, outl)
     res = {}
-    for name, (x, w, gy) in cases.items():
+    for name, (x, w, gy, gain) in cases.items():
         res[name] = dict(forward=forward_errors(x, w),
                          wgrad=gradient_estimates(gy, x, draws),
+                         dgrad=dgrad_errors(x, w, gy, gain, max(4, draws // 8)),
                          kurtosis_x=(x.pow(4).mean() / x.pow(2).mean() ** 2).item())
     print("\nforward GEMM relative error vs fp32, ||Q(x) Q(W)^T - x W^T|| / ||x W^T||")
     keys = list(FORWARD)
@@ -299,6 +344,11 @@ def study_layers(captures: dict[str, dict], draws: int) -> dict:
         cells = [f"{d['bias']:.4f}/{d['spread']:.4f}/{d['rmse']:.4f}"
                  for d in (v["wgrad"][k] for k in BACKWARD)]
         print(f"{name[:34]:34s} " + " ".join(f"{c:>26s}" for c in cells))
+    print("\ndgrad (grad_input) relative RMS error of one draw: plain / weighted by the gains")
+    print(f"{'case':34s} " + " ".join(f"{k:>17s}" for k in DGRAD))
+    for name, v in res.items():
+        cells = [f"{d['rmse']:.3f}/{d['rmse_gain']:.3f}" for d in (v["dgrad"][k] for k in DGRAD)]
+        print(f"{name[:34]:34s} " + " ".join(f"{c:>17s}" for c in cells))
     return res
 
 
