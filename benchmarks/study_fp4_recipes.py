@@ -1,6 +1,6 @@
 """Why is Quartet (mxfp4-quartet) not closer to bf16 than plain round-to-nearest MXFP4? A study.
 
-  PYTHONPATH=python python benchmarks/study_fp4_recipes.py            # full (~12 min, 1 thread)
+  PYTHONPATH=python python benchmarks/study_fp4_recipes.py            # full (~40 min, 1 thread)
   PYTHONPATH=python python benchmarks/study_fp4_recipes.py --quick    # smoke run (~1 min)
 
 Three parts, each printed as a table and written to benchmarks/results/study_fp4_recipes*.json:
@@ -38,7 +38,7 @@ from tierlift.reference import lowp_fp4 as ref
 
 RECIPES = ("bf16", "mxfp4-quartet", "nvfp4", "mxfp4-rtn")
 _Q = FP4_RECIPES["mxfp4-quartet"]
-ABLATIONS = {  # Quartet with one component swapped, to see which one costs
+ABLATIONS = {  # one component swapped in or out, to see which one costs
     # forward: Hadamard + RCEIL amax scale instead of QuEST (nothing clips, so no mask)
     "quartet-fwd-rceil": replace(_Q, name="quartet-fwd-rceil", forward_rule="rceil",
                                  clip_mask=False),
@@ -388,13 +388,14 @@ def study_quest(n: int = 1 << 16) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="2 seeds, 40 steps, smaller wide model")
+    p.add_argument("--quick", action="store_true", help="2 seeds, few steps, small")
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--wide-dim", type=int, default=128)
     p.add_argument("--wide-steps", type=int, default=150)
-    p.add_argument("--recipes", default=",".join(RECIPES + tuple(ABLATIONS)))
-    p.add_argument("--wide-recipes", default="bf16,mxfp4-quartet,mxfp4-rtn,quartet-fwd-rceil")
+    p.add_argument("--recipes",
+                   default=",".join(RECIPES + ("quartet-fwd-rceil", "quartet-bwd-rne")))
+    p.add_argument("--wide-recipes", default=",".join(RECIPES + tuple(ABLATIONS)))
     p.add_argument("--outliers", type=int, default=4)
     p.add_argument("--draws", type=int, default=64)
     p.add_argument("--parts", default="quest,train,wide,layer")

@@ -18,7 +18,7 @@
 //   quest:  e = ceil(log2(2.06650448 * rms / 6)), i.e. the E8M0 exponent nearest in log2 to
 //           QuEST's Gaussian-optimal clip 2.92247856 * rms / 6 (2.0665 = 2.9225 / sqrt(2)): the
 //           clip then lies in [2.07, 4.13] rms. Rounding 2.92 * rms / 6 up instead (clip in
-//           [2.92, 5.84] rms) costs 27% more squared error on Gaussian blocks than the OCP floor
+//           [2.92, 5.84] rms) costs 21% more squared error on Gaussian blocks than the OCP floor
 //           rule (benchmarks/study_fp4_recipes.py, part quest). Elements above the clip saturate
 //           and are marked in the clip mask.
 //   e is clamped to [-127, 127]; amax is over finite elements, rms = sqrt(sum(x^2) / n) with the
