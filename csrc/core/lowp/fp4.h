@@ -15,8 +15,12 @@
 // Scales. MXFP4 (block 32 along rows, E8M0 scale 2^e, code e + 127 in [0, 254]):
 //   floor:  e = floor(log2(amax)) - 2            (OCP MX spec; values above 6 saturate)
 //   rceil:  e = ceil(log2(amax / 6))             (NVIDIA's RCEIL: nothing saturates)
-//   quest:  e = ceil(log2(2.92247856 * rms / 6)) (QuEST: Gaussian-optimal clip at 2.92 rms; the
-//           elements that exceed it saturate and are marked in the clip mask)
+//   quest:  e = ceil(log2(2.06650448 * rms / 6)), i.e. the E8M0 exponent nearest in log2 to
+//           QuEST's Gaussian-optimal clip 2.92247856 * rms / 6 (2.0665 = 2.9225 / sqrt(2)): the
+//           clip then lies in [2.07, 4.13] rms. Rounding 2.92 * rms / 6 up instead (clip in
+//           [2.92, 5.84] rms) costs 21% more squared error on Gaussian blocks than the OCP floor
+//           rule (benchmarks/study_fp4_recipes.py, part quest). Elements above the clip saturate
+//           and are marked in the clip mask.
 //   e is clamped to [-127, 127]; amax is over finite elements, rms = sqrt(sum(x^2) / n) with the
 //   sum reduced as a halving tree (s[i] += s[i + h], h = n/2 .. 1). Quantize: v = x * 2^-e.
 // NVFP4 (block 16, E4M3 block scale, fp32 tensor scale): s_t = 2688 / max(tensor_amax, 1e-12)
@@ -41,8 +45,8 @@ namespace tierlift {
 namespace fp4 {
 
 constexpr float kMax = 6.f;
-constexpr float kQuestAlpha = 2.92247856f;
-constexpr float kNvTensorNum = 2688.f;  // 448 * 6
+constexpr float kQuestAlpha = 2.06650447845459f;  // fp32(2.92247856 / sqrt(2))
+constexpr float kNvTensorNum = 2688.f;            // 448 * 6
 constexpr float kMinAmax = 1e-12f;
 constexpr float kHadamardScale16 = 0.25f;
 constexpr float kHadamardScale32 = 0.176776695296636881f;  // fp32(1 / sqrt(32))

@@ -10,36 +10,26 @@ the forward quantizer's clip masks (Quartet/QuEST: no gradient through saturated
 The GEMMs are emulated exactly: dequantize to fp32 (every FP4 x scale product is exact) and
 matmul. That is what runs on CPU and on Hopper; torch exposes no FP4 block-scaled matmul this
 code can test (sm100+ only), so no native path is wired in. Random signs and stochastic-rounding
-seeds are drawn from torch's default generator: torch.manual_seed makes runs repeatable.
+seeds (62-bit Philox keys) are drawn from torch's default CPU generator, one draw per quantized
+operand, in a fixed order: torch.manual_seed(s) makes a run repeatable (on CPU bit for bit; on
+a GPU the quantizer draws the same bits, the fp32 matmuls follow cuBLAS's determinism).
 """
 
 from __future__ import annotations
-
-import functools
-import math
 
 import torch
 from torch import nn
 
 from tierlift import ops
 from tierlift.lowp.fp4_recipe import FP4Recipe, get_fp4_recipe
-from tierlift.reference.lowp_fp4 import fp4_dequantize
-
-
-@functools.cache
-def _hadamard_matrix(n: int, device: torch.device) -> torch.Tensor:
-    h = torch.ones(1, 1)
-    while h.shape[0] < n:
-        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
-    return (h / math.sqrt(n)).to(device)
+from tierlift.reference.lowp_fp4 import fp4_dequantize, hadamard
 
 
 def rotate(t: torch.Tensor, n: int) -> torch.Tensor:
-    """fp32 blockwise Hadamard rotation of t's rows (the same orthogonal, symmetric transform as
-    the quantizer's butterflies, computed as a matmul: rounding may differ in the last bit)."""
-    rows, cols = t.shape
-    h = _hadamard_matrix(n, t.device)
-    return (t.float().reshape(-1, n) @ h).reshape(rows, cols)
+    """fp32 blockwise Hadamard rotation of t's rows: the quantizer's own butterflies (the same fp32
+    operations in the same order as the C++ and CUDA kernels), so rotating here and quantizing
+    with hadamard=0 gives the same bits as quantizing with hadamard=n."""
+    return hadamard(t, n)
 
 
 def _draw(bits: int) -> int:

@@ -4,8 +4,9 @@ CUDA kernel (the rules are written out in csrc/core/lowp/fp4.h):
 - optional Hadamard rotation over blocks of 16/32 columns: negate the inputs whose bit is set in
   `signs`, butterflies (a, b) -> (a + b, a - b) for h = 1, 2, 4, .., then * fp32(1/sqrt(n));
 - MXFP4 (blocks 1x32, E8M0 scale 2^e, code e + 127): rule "floor" e = floor(log2 amax) - 2 (OCP),
-  "rceil" e = ceil(log2(amax / 6)), "quest" e = ceil(log2(2.92247856 * rms / 6)); e in
-  [-127, 127]; v = x * 2^-e;
+  "rceil" e = ceil(log2(amax / 6)), "quest" e = ceil(log2(2.06650448 * rms / 6)) (the exponent
+  nearest in log2 to QuEST's 2.92247856 * rms / 6; see csrc/core/lowp/fp4.h); e in [-127, 127];
+  v = x * 2^-e;
 - NVFP4 (blocks 1x16 or 16x16, E4M3 block scale, fp32 tensor scale s_t = 2688 / tensor_amax):
   sb = e4m3(amax_b / 6 * s_t), v = x * (s_t / sb);
 - E2M1 encode of v: saturating round-to-nearest-even, or stochastic rounding with Philox4x32-10
@@ -20,7 +21,8 @@ import torch
 
 RULES = ("floor", "rceil", "quest", "nv")
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-QUEST_ALPHA = 2.92247856
+QUEST_ALPHA = 2.06650447845459  # fp32(2.92247856 / sqrt(2)): see csrc/core/lowp/fp4.h
+QUEST_CLIP = 2.92247856  # QuEST's MSE-optimal clip / rms for Gaussian data and an exact scale
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _M32 = 0xFFFFFFFF
 
