@@ -150,17 +150,21 @@ def batches(data: torch.Tensor, batch_size: int, seq_len: int, gen: torch.Genera
         yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
 
+def decay_group(name: str, param: torch.Tensor) -> str:
+    """Weight decay on matrices (linears, embedding), none on norms and biases."""
+    return "decay" if param.dim() >= 2 else "no_decay"
+
+
 def make_optimizer(kind: str, model: torch.nn.Module, args) -> torch.optim.Optimizer:
+    options = {"decay": {"weight_decay": args.weight_decay}, "no_decay": {"weight_decay": 0.0}}
     if args.zero:
-        # Sharded models expose one flat fp32 shard per unit: one decay setting for all.
-        groups = [{"params": list(model.parameters()), "weight_decay": args.weight_decay}]
+        # shard(param_group_fn=decay_group) gave each unit one flat shard per group.
+        groups = tierlift.zero.param_groups(model, options)
     else:
-        decay = [p for p in model.parameters() if p.dim() >= 2]
-        no_decay = [p for p in model.parameters() if p.dim() < 2]
-        groups = [
-            {"params": decay, "weight_decay": args.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
+        split = {key: [] for key in options}
+        for name, p in model.named_parameters():
+            split[decay_group(name, p)].append(p)
+        groups = [{"params": split[key], **opts} for key, opts in options.items()]
     if kind == "tierlift":
         offload = {}
         if args.offload != "none":
@@ -193,6 +197,7 @@ def build_training(args, device):
         model = tierlift.zero.shard(
             model, stage=args.zero, mixed_precision=mp if args.dtype == "bf16" else None,
             offload_params=args.offload_params, fp8_all_gather=args.fp8_all_gather,
+            param_group_fn=decay_group,
         )
     elif dist.is_initialized():
         model = torch.nn.parallel.DistributedDataParallel(model)

@@ -88,7 +88,8 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer=None) -> Non
             "world_size": comm.world,
             "stage": state.config.stage,
             "key_order": list(state.key_order),
-            "units": [{"name": u.name, "numel": u.numel, "padded": u.padded,
+            "units": [{"name": u.name, "group": None if u.group is None else repr(u.group),
+                       "numel": u.numel, "padded": u.padded,
                        "shard_numel": u.shard_numel,
                        "entries": [{"names": e.names, "shape": list(e.shape),
                                     "offset": e.offset, "numel": e.numel}
@@ -120,6 +121,9 @@ def _check_layout(meta: dict, units) -> None:
     saved = [(n, tuple(e["shape"])) for u in meta["units"] for e in u["entries"]
              for n in e["names"][:1]]
     ours = [(e.names[0], tuple(e.shape)) for u in units for e in u.entries]
+    if ours != saved and sorted(ours) == sorted(saved):
+        raise ValueError("checkpoint does not match the model: the same parameters are split "
+                         "into units differently (saved with other units= or param_group_fn=)")
     for i, (mine, theirs) in enumerate(zip(ours, saved, strict=False)):
         if mine != theirs:
             raise ValueError(f"checkpoint does not match the model: tensor #{i} is {theirs[0]!r} "

@@ -22,10 +22,12 @@ from tierlift.zero.api import (
     shard,
 )
 from tierlift.zero.config import MixedPrecision, ShardConfig
+from tierlift.zero.groups import param_groups, shard_groups
 from tierlift.zero.heartbeat import RankFailureError
 from tierlift.zero.scaler import LossScaler, LossScalerConfig
 
 __all__ = ["LossScaler", "LossScalerConfig", "MixedPrecision", "RankFailureError",
            "ShardConfig", "clip_grad_norm_",
            "default_units", "full_state_dict", "global_grad_norm", "is_shard",
-           "load_full_state_dict", "no_sync", "on_shard_grad_ready", "shard"]
+           "load_full_state_dict", "no_sync", "on_shard_grad_ready", "param_groups", "shard",
+           "shard_groups"]

@@ -19,6 +19,7 @@ from tierlift.lowp.linear import Float8Linear
 from tierlift.zero.comm import Comm
 from tierlift.zero.config import MixedPrecision, ShardConfig
 from tierlift.zero.fp8_gather import enable_fp8_all_gather
+from tierlift.zero.groups import check_param_group_fn, register_shards, split_units
 from tierlift.zero.heartbeat import Heartbeat
 from tierlift.zero.hooks import ZeroState, shard_owner
 from tierlift.zero.param_offload import ParamOffload
@@ -93,7 +94,7 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
           mixed_precision: MixedPrecision | None = None, units=None, prefetch: int = 1,
           reshard_after_forward: bool = True, min_unit_numel: int | None = None,
           offload_params: str = "none", gpu_budget: int | None = None,
-          fp8_all_gather: bool = False) -> nn.Module:
+          fp8_all_gather: bool = False, param_group_fn=None) -> nn.Module:
     """Shard `model` in place over `process_group` (default: the world) with ZeRO `stage`.
 
     Afterwards model.parameters() yields one fp32 shard parameter per unit (plus the frozen
@@ -109,11 +110,17 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
     fp8_all_gather=True (stage 3): the weights of Float8Linear layers (tierlift.lowp.convert,
     called before shard) are all-gathered as FP8 bytes with their scales instead of in the
     compute dtype; see zero/fp8_gather.py and docs/lowp.md.
+
+    param_group_fn(name, param) -> hashable key splits each unit into one flat shard per key
+    (the name is the one model.named_parameters() gives), so optimizer param groups can treat
+    them differently: tierlift.zero.param_groups(model, {key: {"weight_decay": ...}}) builds
+    them. It must return the same keys on every rank. See zero/groups.py.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if hasattr(model, _ATTR):
         raise ValueError("model is already sharded by tierlift.zero.shard")
+    check_param_group_fn(param_group_fn)
     config = ShardConfig(stage=stage, mixed_precision=mixed_precision, prefetch=prefetch,
                          reshard_after_forward=reshard_after_forward,
                          min_unit_numel=min_unit_numel, offload_params=offload_params,
@@ -162,28 +169,25 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
         for p in model.parameters():
             if not p.requires_grad and p.is_floating_point():
                 p.data = p.data.to(compute_dtype)
+    split = split_units(grouped, param_group_fn)
     if config.gpu_budget is not None:
-        _check_gpu_budget(config.gpu_budget, grouped, comm.world, compute_dtype)
+        _check_gpu_budget(config.gpu_budget, split, comm.world, compute_dtype)
     offload = None
     if config.offload_params == "cpu":
-        largest = max(-(-sum(p.numel() for p, _, _ in ps) // comm.world)
-                      for ps in grouped.values() if ps)
+        largest = max(-(-sum(p.numel() for p, _, _ in ps) // comm.world) for _, _, ps in split)
         offload = ParamOffload(device=next(iter(devices)), compute_dtype=compute_dtype,
                                max_shard_numel=largest, stats={"h2d_bytes": 0, "d2h_bytes": 0})
     units_out = []
-    for name, params in grouped.items():
-        if not params:
-            continue
+    for name, key, params in split:
         module = model.get_submodule(name) if name else model
         units_out.append(FlatUnit(name=name, module=module, params=params, comm=comm,
                                   compute_dtype=compute_dtype, keep_full=config.stage < 3,
-                                  offload=offload))
+                                  offload=offload, group=key))
         if config.stage == 3:
             units_out[-1].free()  # gathered again by the first forward
     if config.fp8_all_gather:
         enable_fp8_all_gather(units_out)
-    for unit in units_out:
-        unit.module.register_parameter(_SHARD_NAME, unit.shard)
+    register_shards(units_out, _SHARD_NAME)
     heartbeat = Heartbeat(comm) if comm.world > 1 else None
     state = ZeroState(config=config, comm=comm, root=model, units=units_out,
                       heartbeat=heartbeat, key_order=key_order)
@@ -196,16 +200,16 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
     return model
 
 
-def _check_gpu_budget(budget: int, grouped: dict, world: int, dtype: torch.dtype) -> None:
-    """Refuses a budget that cannot hold the largest unit next to the root unit (which stays
-    gathered around the others), naming the smallest budget that works."""
+def _check_gpu_budget(budget: int, split: list, world: int, dtype: torch.dtype) -> None:
+    """Refuses a budget that cannot hold the largest unit (all its groups) next to the root
+    unit (which stays gathered around the others), naming the smallest budget that works."""
     elem = torch.empty((), dtype=dtype).element_size()
-
-    def nbytes(params) -> int:
-        return -(-sum(p.numel() for p, _, _ in params) // world) * world * elem
-
-    root = nbytes(grouped[""]) if grouped.get("") else 0
-    sizes = {name: nbytes(ps) for name, ps in grouped.items() if ps and name}
+    gathered: dict[str, int] = {}
+    for name, _, params in split:
+        padded = -(-sum(p.numel() for p, _, _ in params) // world) * world * elem
+        gathered[name] = gathered.get(name, 0) + padded
+    root = gathered.pop("", 0)
+    sizes = gathered
     need = root + max(sizes.values(), default=0)
     if budget < need:
         worst = max(sizes, key=sizes.get) if sizes else "<root>"

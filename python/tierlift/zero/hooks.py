@@ -2,7 +2,8 @@
 reduced, when it is freed. One ZeroState per sharded model (model._tierlift_zero).
 
 forward   pre-hook of unit i: wait for / issue its all-gather, prefetch the next units in the
-          recorded forward order, point the module's attributes at fresh views of `full`;
+          recorded forward order (with param_group_fn, a module's other groups first), point
+          the module's attributes at fresh views of `full`;
           post-hook (stage 3): free `full`, hook the outputs so that backward regathers.
 backward  output-gradient hook (stage 3): all-gather unit i again, prefetch the unit before it;
           post-accumulate-grad hook on `full`: launch the (async) reduce-scatter (stage 2/3) or
@@ -120,8 +121,8 @@ class ZeroState:
         budget = self.config.gpu_budget
         if budget is None or not unit.needs_gather() or unit.pending is not None:
             return True
-        root = next((u for u in self.units if u.module is self.root), None)
-        reserve = root.gather_bytes if root is not None and root.full_bytes == 0 else 0
+        reserve = sum(u.gather_bytes for u in self.units
+                      if u.module is self.root and u.full_bytes == 0)
         return self.stats["resident_bytes"] + unit.gather_bytes + reserve <= budget
 
     # ---- forward ----
@@ -163,16 +164,34 @@ class ZeroState:
         return output
 
     def _prefetch(self, unit: FlatUnit, direction: int) -> None:
+        """Issues the gathers of the other groups of unit's module (param_group_fn splits a
+        module over several units, all needed now), then of the units of the next `prefetch`
+        modules in the recorded order, walking in `direction`."""
         if self.config.prefetch == 0 or unit not in self.order:
             return
+        siblings = [u for u in self.order if u.module is unit.module and u is not unit]
+        if siblings and unit.module is not self.root:
+            for u in siblings:
+                if not self._fits(u):
+                    self.stats["prefetch_skipped"] += 1
+                    return
+                self._gather(u, async_op=True)
         i = self.order.index(unit)
-        for k in range(1, self.config.prefetch + 1):
-            j = i + direction * k
-            if 0 <= j < len(self.order) and self.order[j].module is not self.root:
-                if not self._fits(self.order[j]):
-                    self.stats["prefetch_skipped"] += 1  # gathered on demand, once room is made
+        modules, prev = 0, unit.module
+        j = i + direction
+        while 0 <= j < len(self.order):
+            nxt = self.order[j]
+            j += direction
+            if nxt.module is not prev:
+                modules, prev = modules + 1, nxt.module
+                if modules > self.config.prefetch:
                     break
-                self._gather(self.order[j], async_op=True)
+            if nxt.module is self.root or nxt.module is unit.module:
+                continue
+            if not self._fits(nxt):
+                self.stats["prefetch_skipped"] += 1  # gathered on demand, once room is made
+                break
+            self._gather(nxt, async_op=True)
 
     # ---- backward ----
     def _queue_callback(self) -> None:

@@ -11,7 +11,8 @@ Layout: the unit's trainable parameters, back to back, padded to a multiple of t
 Stage 3 frees full's storage after use (the views and tensors saved for backward keep pointing
 at the same storage, which the pre-backward all-gather refills). With parameter offload
 (`offload`, a ParamOffload) the shard lives in host memory and gathers stage it to the device
-first (see param_offload.py).
+first (see param_offload.py). With shard(param_group_fn=...) a module's parameters are split
+over several FlatUnits, one per group key (see groups.py).
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ class ParamEntry:
 class FlatUnit:
     def __init__(self, *, name: str, module: nn.Module,
                  params: list[tuple[nn.Parameter, list[str], list[tuple[nn.Module, str]]]],
-                 comm, compute_dtype: torch.dtype, keep_full: bool, offload=None):
+                 comm, compute_dtype: torch.dtype, keep_full: bool, offload=None, group=None):
         self.name = name or "<root>"
+        self.group = group  # the param_group_fn key of these parameters (zero/groups.py)
         # Weak references to modules: the model owns its ZeRO state, never the reverse, so a
         # dropped model is freed at once (not by the garbage collector, which may run after
         # destroy_process_group(), when freeing in-flight collective buffers aborts the process).
