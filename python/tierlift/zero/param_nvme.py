@@ -188,7 +188,8 @@ class NvmeParamStore:
     def _after_step(self, optimizer) -> None:
         for group in optimizer.param_groups:
             for p in group["params"]:
-                self.stepped(p)
+                if p.grad is not None:  # (an optimizer skips a parameter without gradient)
+                    self.stepped(p)
 
     # ---- residency ----
     def _drop(self, offset: int, nbytes: int) -> None:
