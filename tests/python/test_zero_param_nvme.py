@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import gc
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -375,3 +376,18 @@ def test_torchrun_two_ranks(tmp_path):
         sd, ref = results[key]
         assert_same(sd, ref)
     assert results["left"] == []  # every rank's folder went with its model
+
+
+def test_train_gpt_example_with_parameters_on_nvme(tmp_path):
+    """examples/train_gpt.py --zero 3 --offload-params nvme under torchrun: it trains, and the
+    parameter shards were read from the files."""
+    from test_example_train_gpt import run_example
+
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc_per_node=2"]
+    out = run_example("--zero", "3", "--offload-params", "nvme", "--offload", "nvme",
+                      "--nvme-path", str(tmp_path), "--device", "cpu", "--steps", "12",
+                      launcher=torchrun)
+    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", out).groups())
+    assert last < first, out
+    assert re.search(r"zero stats .*'nvme_read_bytes': [1-9]", out), out

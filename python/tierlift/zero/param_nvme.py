@@ -82,6 +82,9 @@ class NvmeParamStore:
         self.offsets, nbytes = self.layout(shard_numels)
         self.numels = list(shard_numels)
         self.nbytes = nbytes
+        # Each unit's slot: from its offset up to the next unit's (padding included).
+        self._slot_end = dict(zip(self.offsets, [*self.offsets[1:], nbytes], strict=True))
+        self._data_bytes = {o: n * _ELEM for o, n in zip(self.offsets, self.numels, strict=True)}
         self.stats = {"nvme_read_bytes": 0, "nvme_write_bytes": 0, "nvme_file_bytes": nbytes}
         try:
             self.directory = tiers.make_state_dir(parent)
@@ -175,8 +178,7 @@ class NvmeParamStore:
         self._history = (self._history[1], key)
         nxt = self._follows.get(self._history)
         if nxt is not None and nxt != key:  # into the page cache (not into this process)
-            i = self.offsets.index(nxt)
-            os.posix_fadvise(self._fd, nxt, self.numels[i] * _ELEM, os.POSIX_FADV_WILLNEED)
+            os.posix_fadvise(self._fd, nxt, self._data_bytes[nxt], os.POSIX_FADV_WILLNEED)
 
     def stepped(self, shard: torch.Tensor) -> None:
         """An optimizer wrote `shard`: drop its (dirty) range, starting its write-back."""
@@ -197,8 +199,7 @@ class NvmeParamStore:
         may have mapped padding pages of the same folio too."""
         if nbytes == 0:
             return  # (a zero length would advise the whole rest of the file)
-        i = self.offsets.index(offset)
-        end = self.offsets[i + 1] if i + 1 < len(self.offsets) else self.nbytes
+        end = self._slot_end[offset]
         self._map.madvise(mmap.MADV_DONTNEED, offset, end - offset)
         os.posix_fadvise(self._fd, offset, end - offset, os.POSIX_FADV_DONTNEED)
 
