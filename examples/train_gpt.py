@@ -10,6 +10,8 @@ download) with tierlift's optimizer.
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --zero 3   # ZeRO-3, 2 ranks
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --zero 3 --offload-params cpu \
         --offload nvme --nvme-path /tmp      # ZeRO-Infinity: params in RAM, state on NVMe
+    torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --zero 3 --offload-params nvme \
+        --offload nvme --nvme-path /tmp      # ZeRO-Infinity: params and state on NVMe
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --zero 3 --dtype bf16 \
         --lowp fp8-rowwise --lowp-min-features 0 --fp8-all-gather   # FP8 weights all-gathered
 
@@ -89,10 +91,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     f.add_argument(
         "--offload-params",
         default="none",
-        choices=["none", "cpu"],
-        help="with --zero 3: keep the fp32 parameter shards in (pinned) host memory",
+        choices=["none", "cpu", "nvme"],
+        help="with --zero 3: keep the fp32 parameter shards in (pinned) host memory, or in a "
+        "mapped file under --nvme-path",
     )
-    f.add_argument("--nvme-path", default=None, help="directory for --offload nvme state files")
+    f.add_argument("--nvme-path", default=None,
+                   help="directory for the --offload nvme / --offload-params nvme files")
     f.add_argument("--cpu-budget", type=float, default=None, help="pinned/RAM budget in bytes")
     f.add_argument(
         "--lowp",
@@ -198,6 +202,7 @@ def build_training(args, device):
             model, stage=args.zero, mixed_precision=mp if args.dtype == "bf16" else None,
             offload_params=args.offload_params, fp8_all_gather=args.fp8_all_gather,
             param_group_fn=decay_group,
+            nvme_path=args.nvme_path if args.offload_params == "nvme" else None,
         )
     elif dist.is_initialized():
         model = torch.nn.parallel.DistributedDataParallel(model)
@@ -210,6 +215,8 @@ def init_distributed(args) -> tuple[int, int, torch.device]:
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if args.offload_params != "none" and args.zero != 3:
         raise SystemExit("--offload-params needs --zero 3 (and torchrun)")
+    if args.offload_params == "nvme" and args.nvme_path is None:
+        raise SystemExit("--offload-params nvme needs --nvme-path DIR")
     if "WORLD_SIZE" not in os.environ:
         if args.zero:
             raise SystemExit("--zero needs torchrun (torchrun --standalone --nproc_per_node=2 ...)")

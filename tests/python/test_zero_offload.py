@@ -267,7 +267,7 @@ def test_gpu_budget_caps_the_gathered_bytes():
 
 
 @pytest.mark.parametrize("kw,exc,match", [
-    (dict(offload_params="nvme"), ValueError, r"offload_params must be one of \('none', 'cpu'\)"),
+    (dict(offload_params="nvme"), ValueError, "offload_params='nvme' needs nvme_path="),
     (dict(offload_params="gpu"), ValueError, "offload_params must be one of"),
     (dict(stage=2, offload_params="cpu"), ValueError, "offload_params='cpu' needs stage=3"),
     (dict(gpu_budget="1G"), TypeError, "gpu_budget must be an int"),

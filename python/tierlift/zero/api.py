@@ -22,6 +22,7 @@ from tierlift.zero.fp8_gather import enable_fp8_all_gather
 from tierlift.zero.groups import check_param_group_fn, register_shards, split_units
 from tierlift.zero.heartbeat import Heartbeat
 from tierlift.zero.hooks import ZeroState, shard_owner
+from tierlift.zero.param_nvme import NvmeParamStore
 from tierlift.zero.param_offload import ParamOffload
 from tierlift.zero.unit import FlatUnit
 
@@ -94,7 +95,8 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
           mixed_precision: MixedPrecision | None = None, units=None, prefetch: int = 1,
           reshard_after_forward: bool = True, min_unit_numel: int | None = None,
           offload_params: str = "none", gpu_budget: int | None = None,
-          fp8_all_gather: bool = False, param_group_fn=None) -> nn.Module:
+          fp8_all_gather: bool = False, nvme_path: str | None = None,
+          param_group_fn=None) -> nn.Module:
     """Shard `model` in place over `process_group` (default: the world) with ZeRO `stage`.
 
     Afterwards model.parameters() yields one fp32 shard parameter per unit (plus the frozen
@@ -102,7 +104,8 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
     Every rank must call shard() on an identically initialised model.
 
     Stage 3 only: offload_params="cpu" keeps the fp32 shards in host memory (pinned with CUDA)
-    and streams each unit to the device when it is gathered; gpu_budget (bytes) caps the
+    and streams each unit to the device when it is gathered; offload_params="nvme" keeps them
+    in a mapped file under `nvme_path` instead (see zero/param_nvme.py); gpu_budget (bytes) caps the
     gathered unit weights on the device at once (prefetch waits for room; a budget too small
     for the largest unit next to the root unit is refused with the smallest that works).
     model._tierlift_zero.stats has the peak resident bytes and the bytes copied each way.
@@ -124,7 +127,8 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
     config = ShardConfig(stage=stage, mixed_precision=mixed_precision, prefetch=prefetch,
                          reshard_after_forward=reshard_after_forward,
                          min_unit_numel=min_unit_numel, offload_params=offload_params,
-                         gpu_budget=gpu_budget, fp8_all_gather=fp8_all_gather)
+                         gpu_budget=gpu_budget, fp8_all_gather=fp8_all_gather,
+                         nvme_path=nvme_path)
     if fp8_all_gather and not any(isinstance(m, Float8Linear) for m in model.modules()):
         raise ValueError("fp8_all_gather=True but the model has no Float8Linear layer to gather "
                          "in FP8: call tierlift.lowp.convert(model, recipe=...) before shard()")
@@ -173,10 +177,13 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
     if config.gpu_budget is not None:
         _check_gpu_budget(config.gpu_budget, split, comm.world, compute_dtype)
     offload = None
-    if config.offload_params == "cpu":
-        largest = max(-(-sum(p.numel() for p, _, _ in ps) // comm.world) for _, _, ps in split)
+    if config.offload_params != "none":
+        sizes = [-(-sum(p.numel() for p, _, _ in ps) // comm.world) for _, _, ps in split]
+        store = None if config.offload_params == "cpu" else \
+            NvmeParamStore(nvme_path=config.nvme_path, shard_numels=sizes, rank=comm.rank)
         offload = ParamOffload(device=next(iter(devices)), compute_dtype=compute_dtype,
-                               max_shard_numel=largest, stats={"h2d_bytes": 0, "d2h_bytes": 0})
+                               max_shard_numel=max(sizes), stats={"h2d_bytes": 0, "d2h_bytes": 0},
+                               store=store)
     units_out = []
     for name, key, params in split:
         module = model.get_submodule(name) if name else model

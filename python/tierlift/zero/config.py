@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_OFFLOAD_PARAMS = ("none", "cpu")
+_OFFLOAD_PARAMS = ("none", "cpu", "nvme")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -37,9 +37,10 @@ class MixedPrecision:
 class ShardConfig:
     """Everything shard() was asked for; stored on the model as model._tierlift_zero.config.
 
-    offload_params: "none" or "cpu" (stage 3: fp32 shards in host memory, pinned with CUDA;
-    "nvme" is not supported yet). gpu_budget: bytes of gathered unit weights allowed on the
-    device at once (stage 3, with reshard_after_forward), or None for no cap.
+    offload_params: "none", "cpu" (stage 3: fp32 shards in host memory, pinned with CUDA) or
+    "nvme" (stage 3: fp32 shards in a mapped file under `nvme_path`). gpu_budget: bytes of
+    gathered unit weights allowed on the device at once (stage 3, with reshard_after_forward),
+    or None for no cap.
     """
 
     stage: int
@@ -50,6 +51,7 @@ class ShardConfig:
     offload_params: str = "none"
     gpu_budget: int | None = None
     fp8_all_gather: bool = False
+    nvme_path: str | None = None
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
@@ -73,9 +75,13 @@ class ShardConfig:
             raise ValueError(f"min_unit_numel must be >= 1, got {self.min_unit_numel}")
         if self.offload_params not in _OFFLOAD_PARAMS:
             raise ValueError(f"offload_params must be one of {_OFFLOAD_PARAMS}, got "
-                             f"{self.offload_params!r} (parameter offload to NVMe is not "
-                             "supported yet; offload the optimizer state with "
-                             "tierlift.optim.AdamW(offload='nvme') instead)")
+                             f"{self.offload_params!r}")
+        if self.offload_params == "nvme" and self.nvme_path is None:
+            raise ValueError("offload_params='nvme' needs nvme_path= (a directory on the drive "
+                             "that holds the parameter shards)")
+        if self.nvme_path is not None and self.offload_params != "nvme":
+            raise ValueError(f"nvme_path is only used with offload_params='nvme', got "
+                             f"offload_params={self.offload_params!r}")
         if self.fp8_all_gather and self.offload_params != "none":
             raise ValueError("fp8_all_gather=True cannot be combined with offload_params="
                              f"{self.offload_params!r} yet (the FP8 gather quantizes the shard "

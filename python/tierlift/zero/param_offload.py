@@ -11,6 +11,8 @@ backward  the reduce-scatter output (device) -> async D2H into a pinned host buf
           stream, with an event; the gradient is handed to the optimizer only after the event.
 On a CPU-only machine the same code runs and every copy is a plain, synchronous copy, so the
 results are bit-identical to offload_params="none".
+With offload_params="nvme" a `store` (NvmeParamStore, param_nvme.py) holds the shards in a
+mapped file instead of RAM; everything else here is the same.
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ import torch
 
 class ParamOffload:
     def __init__(self, *, device: torch.device, compute_dtype: torch.dtype, max_shard_numel: int,
-                 stats: dict):
+                 stats: dict, store=None):
         self.device = device
         self.cuda = device.type == "cuda"
         self.pin = torch.cuda.is_available()
+        self.store = store  # NvmeParamStore with offload_params="nvme"
         self.stats = stats
         self.slots = [torch.empty(max_shard_numel, dtype=compute_dtype, pin_memory=self.pin)
                       for _ in range(2)]
@@ -33,8 +36,21 @@ class ParamOffload:
         self.next_slot = 0
         self.stream = torch.cuda.Stream(device=device) if self.cuda else None
 
+    @property
+    def stats(self) -> dict:
+        return self._stats
+
+    @stats.setter
+    def stats(self, stats: dict) -> None:
+        self._stats = stats
+        if self.store is not None:
+            self.store.bind(stats)
+
     def host_shard(self, shard: torch.Tensor) -> torch.Tensor:
-        """A host copy of a freshly built shard (pinned when CUDA is available)."""
+        """A host copy of a freshly built shard (pinned when CUDA is available; a view of the
+        mapped file with a store)."""
+        if self.store is not None:
+            return self.store.alloc(shard)
         out = torch.empty(shard.shape, dtype=shard.dtype, pin_memory=self.pin)
         out.copy_(shard)
         return out
@@ -51,6 +67,8 @@ class ParamOffload:
         n = shard.numel()
         staging = self.slots[k][:n]
         staging.copy_(shard.detach())  # fp32 -> compute dtype on the host
+        if self.store is not None:
+            self.store.staged(shard)  # read: drop it from this process, read ahead the next
         dst = torch.empty(n, dtype=staging.dtype, device=self.device)
         self.stats["h2d_bytes"] += staging.nbytes
         if not self.cuda:

@@ -1,0 +1,219 @@
+"""The NVMe tier of stage-3 parameter offload (shard(..., offload_params="nvme", nvme_path=...)):
+the fp32 master shards of every unit live in one file per rank, mapped MAP_SHARED, so a model
+whose shards do not fit in RAM still trains.
+
+Layout   one file `params.rank<R>.f32` in a private `tierlift-offload-*` folder under nvme_path
+         (owner.json + the stale-folder cleanup of offload/tiers.py: a killed run's folder is
+         removed by the next run); each unit's shard starts on a page boundary (2 MiB for
+         units of 2 MiB or more). The file is
+         fallocate'd up front, so a drive too small is refused at shard() with the bytes needed.
+Views    every unit.shard Parameter is a view of the mapping (torch.frombuffer): any optimizer
+         steps it in place and the kernel writes the dirty pages back to the file.
+Residency explicit, per unit range. After a gather has read a shard into the staging slot and
+         after an optimizer step has written it, the range is dropped: madvise(MADV_DONTNEED)
+         unmaps it from this process (safe for MAP_SHARED file pages: the data stays in the page
+         cache and the file) and posix_fadvise(POSIX_FADV_DONTNEED) starts the write-back of
+         dirty pages and evicts the clean ones, so neither the process's RSS nor the page cache
+         keeps the tier. (MADV_PAGEOUT would unmap too, but it does not write dirty file pages
+         back from the caller's context.) Read-ahead: gathers follow the same order every step,
+         so the store learns which range followed the last two staged ones and advises
+         POSIX_FADV_WILLNEED on it: the kernel reads it into the page cache while this unit
+         computes. (madvise(MADV_WILLNEED) was measured to map some of those pages into the
+         process as well.)
+msync    not needed: the file is scratch, deleted when the model goes away; checkpoints are
+         written separately (tierlift.checkpoint), and within the run every access goes through
+         the same page cache.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+import weakref
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from tierlift.offload import tiers
+
+_PAGE = mmap.PAGESIZE
+# Units of 2 MiB or more start on a 2 MiB boundary: a page-cache folio (at most 2 MiB,
+# naturally aligned) then never spans two units, so a fault in one unit maps no page of its
+# neighbour (measured: without it, dropping a unit left up to 1 MiB of the next one mapped).
+_HUGE = 2 << 20
+_ELEM = 4  # fp32
+
+
+def _check_dir(nvme_path) -> str:
+    if not isinstance(nvme_path, (str, os.PathLike)):
+        raise TypeError(f"nvme_path must be a directory path (str or os.PathLike), got "
+                        f"{type(nvme_path).__name__}")
+    path = os.fspath(nvme_path)
+    if not os.path.isdir(path):
+        raise ValueError(f"nvme_path={path!r} is not an existing directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise PermissionError(f"nvme_path={path!r} is not writable by this process")
+    return path
+
+
+def _cleanup(fd: int, directory: str, hook) -> None:
+    hook.remove()
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+    # Views of the mapping that outlive the model stay valid: an unlinked file keeps its pages
+    # until the last mapping goes.
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+class NvmeParamStore:
+    """One preallocated, mapped file holding the fp32 shards of all units of one rank.
+
+    alloc() hands out the units' shards in order; staged(t) / stepped(t) drop a shard's range
+    after it was read for a gather / written by an optimizer step. Stats (bound with bind()):
+    nvme_read_bytes (shard bytes read for gathers), nvme_write_bytes (shard bytes stepped),
+    nvme_file_bytes (the file's size)."""
+
+    def __init__(self, *, nvme_path, shard_numels: list[int], rank: int = 0):
+        parent = _check_dir(nvme_path)
+        tiers.remove_stale_dirs(parent)
+        self.offsets, nbytes = self.layout(shard_numels)
+        self.numels = list(shard_numels)
+        self.nbytes = nbytes
+        # Each unit's slot: from its offset up to the next unit's (padding included).
+        self._slot_end = dict(zip(self.offsets, [*self.offsets[1:], nbytes], strict=True))
+        self._data_bytes = {o: n * _ELEM for o, n in zip(self.offsets, self.numels, strict=True)}
+        self.stats = {"nvme_read_bytes": 0, "nvme_write_bytes": 0, "nvme_file_bytes": nbytes}
+        try:
+            self.directory = tiers.make_state_dir(parent)
+        except OSError as e:
+            raise PermissionError(e.errno, f"nvme_path={parent!r}: cannot create the parameter "
+                                  f"folder there: {os.strerror(e.errno or 0)}") from e
+        self.path = os.path.join(self.directory, f"params.rank{rank}.f32")
+        fd = -1
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                tiers._reserve(fd, nbytes, self.path, nbytes)
+            except OSError as e:
+                raise OSError(e.errno, f"nvme_path={parent!r} has no room for the parameter "
+                              f"shards: {nbytes} bytes are needed (the fp32 shards of every "
+                              f"unit of rank {rank}); allocating {self.path!r} failed: "
+                              f"{os.strerror(e.errno or 0)}") from e
+            self._map = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED,
+                                  prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            shutil.rmtree(self.directory, ignore_errors=True)
+            raise
+        self._fd = fd
+        self._flat = torch.frombuffer(self._map, dtype=torch.float32)
+        self._ranges: dict[int, tuple[int, int]] = {}  # data_ptr -> (byte offset, bytes)
+        self._next_unit = 0
+        self._history: tuple = (None, None)  # the last two staged ranges
+        self._follows: dict[tuple, int] = {}  # (range before, range) -> the range staged next
+        ref = weakref.ref(self)
+
+        def after_step(optimizer, args, kwargs):
+            store = ref()
+            if store is not None:
+                store._after_step(optimizer)
+
+        hook = register_optimizer_step_post_hook(after_step)
+        self._finalizer = weakref.finalize(self, _cleanup, fd, self.directory, hook)
+
+    @staticmethod
+    def layout(shard_numels: list[int]) -> tuple[list[int], int]:
+        """(byte offset of every unit's shard in the file, the file's size)."""
+        offsets, nbytes = [], 0
+        for n in shard_numels:
+            align = _HUGE if n * _ELEM >= _HUGE else _PAGE
+            nbytes = -(-nbytes // align) * align
+            offsets.append(nbytes)
+            nbytes += -(-n * _ELEM // _PAGE) * _PAGE
+        return offsets, nbytes
+
+    def bind(self, stats: dict) -> None:
+        """Report into `stats` (the model's ZeroState stats) from now on."""
+        for k in ("nvme_read_bytes", "nvme_write_bytes"):
+            stats[k] = self.stats[k]
+        stats["nvme_file_bytes"] = self.nbytes
+        self.stats = stats
+
+    def close(self) -> None:
+        """Removes the folder now (the shards' views stay readable until they are freed)."""
+        self._finalizer()
+
+    # ---- shards ----
+    def alloc(self, shard: torch.Tensor) -> torch.Tensor:
+        """The next unit's shard: a view of the mapping holding a copy of `shard` (fp32)."""
+        i = self._next_unit
+        if i >= len(self.numels) or shard.numel() != self.numels[i]:
+            raise RuntimeError(f"NvmeParamStore.alloc: unit {i} has {shard.numel()} elements, "
+                               f"the store was sized for {self.numels[i:i + 1]}")
+        self._next_unit += 1
+        lo = self.offsets[i] // _ELEM
+        view = self._flat[lo:lo + shard.numel()]
+        view.copy_(shard.detach())
+        self._ranges[view.data_ptr()] = (self.offsets[i], shard.numel() * _ELEM)
+        self._drop(self.offsets[i], shard.numel() * _ELEM)
+        return view
+
+    def _range(self, t: torch.Tensor):
+        return self._ranges.get(t.data_ptr()) if t.device.type == "cpu" else None
+
+    def staged(self, shard: torch.Tensor) -> None:
+        """`shard` was just read into a staging slot: drop it, read ahead the one due next."""
+        r = self._range(shard)
+        if r is None:
+            return
+        self.stats["nvme_read_bytes"] += r[1]
+        self._drop(*r)
+        key = r[0]
+        if self._history[1] is not None:
+            self._follows[self._history] = key
+        self._history = (self._history[1], key)
+        nxt = self._follows.get(self._history)
+        if nxt is not None and nxt != key:  # into the page cache (not into this process)
+            os.posix_fadvise(self._fd, nxt, self._data_bytes[nxt], os.POSIX_FADV_WILLNEED)
+
+    def stepped(self, shard: torch.Tensor) -> None:
+        """An optimizer wrote `shard`: drop its (dirty) range, starting its write-back."""
+        r = self._range(shard)
+        if r is not None:
+            self.stats["nvme_write_bytes"] += r[1]
+            self._drop(*r)
+
+    def _after_step(self, optimizer) -> None:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:  # (an optimizer skips a parameter without gradient)
+                    self.stepped(p)
+
+    # ---- residency ----
+    def _drop(self, offset: int, nbytes: int) -> None:
+        """Drops the unit's whole slot, up to the next unit: a fault near the end of the data
+        may have mapped padding pages of the same folio too."""
+        if nbytes == 0:
+            return  # (a zero length would advise the whole rest of the file)
+        end = self._slot_end[offset]
+        self._map.madvise(mmap.MADV_DONTNEED, offset, end - offset)
+        os.posix_fadvise(self._fd, offset, end - offset, os.POSIX_FADV_DONTNEED)
+
+    def resident_bytes(self) -> int:
+        """Bytes of the file that this process has mapped in right now (from /proc/self/smaps
+        of this mapping), for tests and diagnostics."""
+        start = self._flat.data_ptr()
+        with open("/proc/self/smaps") as f:
+            inside = False
+            for line in f:
+                head = line.split(None, 1)[0]
+                if "-" in head and not head.endswith(":"):
+                    lo = int(head.split("-")[0], 16)
+                    inside = lo == start
+                elif inside and head == "Rss:":
+                    return int(line.split()[1]) * 1024
+        return 0

@@ -1,0 +1,393 @@
+"""Stage-3 parameter offload to NVMe (shard(..., offload_params="nvme", nvme_path=...)).
+
+The fp32 shards live in one mapped file per rank (zero/param_nvme.py). Checked here: weights
+bit-identical to offload_params="none" with torch AdamW and with tierlift AdamW(offload="nvme",
+overlap=True) in one process and under torchrun with 2 gloo ranks; checkpoints; what the
+process keeps resident (RSS); bad nvme_path values; the folder's lifetime; the stats."""
+
+from __future__ import annotations
+
+import errno
+import gc
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+import pytest
+import torch
+from test_zero_offload import (
+    CLIP,
+    LR,
+    WD,
+    assert_close_to_torch,
+    assert_same,
+    fit,
+    make_net,
+    run_offload,
+    run_plain,
+    run_torch,
+)
+
+import tierlift
+from tierlift.offload import tiers
+from tierlift.zero.param_nvme import NvmeParamStore
+
+pytestmark = pytest.mark.skipif(not tierlift._extension.available(),
+                                reason="compiled extension not loaded")
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+MP = tierlift.zero.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def folders(path) -> list[str]:
+    return sorted(n for n in os.listdir(path) if n.startswith(tiers.DIR_PREFIX))
+
+
+def run_torch_adamw(clip, *, world=1, rank=0, **shard_kw):
+    model = tierlift.zero.shard(make_net(), stage=3, **shard_kw)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    fit(model, opt, world=world, rank=rank, clip=clip)
+    stats = dict(model._tierlift_zero.stats)
+    stats["shard_bytes"] = sum(4 * p.numel() for p in model.parameters())
+    return tierlift.zero.full_state_dict(model), stats
+
+
+# ---- exactness, one process ---------------------------------------------------------------------
+@pytest.mark.parametrize("mp", [None, MP], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("clip", [None, CLIP])
+def test_torch_adamw_is_bit_identical(tmp_path, mp, clip):
+    torch.set_num_threads(1)
+    sd, stats = run_torch_adamw(clip, offload_params="nvme", nvme_path=tmp_path,
+                                mixed_precision=mp)
+    ref, _ = run_torch_adamw(clip, mixed_precision=mp)
+    assert_same(sd, ref)
+    if mp is None:
+        assert_close_to_torch(sd, run_torch(clip))
+    # Stats: every gather read its shard from the file, every step wrote every shard.
+    assert stats["nvme_read_bytes"] > 0
+    assert stats["nvme_write_bytes"] == 20 * stats["shard_bytes"]
+    if mp is None:  # fp32 compute: the staged bytes are the bytes read
+        assert stats["nvme_read_bytes"] == stats["h2d_bytes"]
+    assert folders(tmp_path) == []  # the model is gone: so is its folder
+
+
+@pytest.mark.parametrize("clip", [None, CLIP])
+def test_offloaded_overlapped_adamw_is_bit_identical(tmp_path, clip):
+    torch.set_num_threads(1)
+    params_dir = tmp_path / "params"
+    params_dir.mkdir()
+    sd, kept, redone, stats = run_offload(3, "nvme", clip, tmp_path, offload_params="nvme",
+                                          nvme_path=str(params_dir))
+    assert_same(sd, run_plain(3, clip))
+    if clip is None:
+        assert kept > 0 and redone == 0  # the overlap happened, on file-backed parameters
+    assert stats["nvme_read_bytes"] > 0 and stats["nvme_write_bytes"] > 0
+
+
+def test_shards_are_views_of_the_file(tmp_path):
+    model = tierlift.zero.shard(make_net(), stage=3, offload_params="nvme", nvme_path=tmp_path)
+    store = model._tierlift_zero.offload.store
+    (name,) = folders(tmp_path)
+    path = os.path.join(tmp_path, name, "params.rank0.f32")
+    assert os.path.getsize(path) == store.nbytes
+    assert os.path.getsize(path) % 4096 == 0
+    assert sorted(os.listdir(tmp_path / name)) == ["owner.json", "params.rank0.f32"]
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    fit(model, opt, steps=2)
+    assert store.resident_bytes() == 0  # dropped after the step
+    with open(path, "rb") as f:
+        raw = torch.frombuffer(bytearray(f.read()), dtype=torch.float32)
+    for unit, off in zip(model._tierlift_zero.units, store.offsets, strict=True):
+        p = unit.shard
+        assert torch.equal(raw[off // 4:off // 4 + p.numel()], p.detach())
+    assert store.resident_bytes() > 0  # reading the views maps the pages in again
+    del model, opt, store, p, unit
+    gc.collect()
+    assert folders(tmp_path) == []
+
+
+# ---- checkpoints --------------------------------------------------------------------------------
+def test_checkpoint_round_trip(tmp_path):
+    torch.set_num_threads(1)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    model = tierlift.zero.shard(make_net(), stage=3, offload_params="nvme",
+                                nvme_path=tmp_path / "a")
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    fit(model, opt, steps=3)
+    tierlift.checkpoint.save(tmp_path / "ckpt", model, opt)
+    fit(model, opt, steps=2)
+    want = tierlift.zero.full_state_dict(model)
+    fresh = tierlift.zero.shard(make_net(), stage=3, offload_params="nvme",
+                                nvme_path=tmp_path / "b")
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=LR, weight_decay=WD)
+    tierlift.checkpoint.load(tmp_path / "ckpt", fresh, fresh_opt)
+    fit(fresh, fresh_opt, steps=2)
+    assert_same(tierlift.zero.full_state_dict(fresh), want)
+    # And into a model without parameter offload.
+    plain = tierlift.zero.shard(make_net(), stage=3)
+    tierlift.checkpoint.load(tmp_path / "ckpt", plain)
+    ckpt = tierlift.checkpoint.full_state_dict(str(tmp_path / "ckpt"))
+    assert_same(tierlift.zero.full_state_dict(plain), ckpt)
+
+
+# ---- bad input ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(offload_params="nvme"), ValueError, "offload_params='nvme' needs nvme_path="),
+    (dict(offload_params="cpu", nvme_path="/tmp"), ValueError,
+     "nvme_path is only used with offload_params='nvme'"),
+    (dict(stage=2, offload_params="nvme", nvme_path="/tmp"), ValueError,
+     "offload_params='nvme' needs stage=3"),
+    (dict(offload_params="nvme", nvme_path=3), TypeError, "nvme_path must be a directory path"),
+])
+def test_bad_arguments(kw, exc, match):
+    kw = dict(dict(stage=3), **kw)
+    with pytest.raises(exc, match=match):
+        tierlift.zero.shard(make_net(), **kw)
+
+
+def test_missing_or_unwritable_nvme_path(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="is not an existing directory"):
+        tierlift.zero.shard(make_net(), offload_params="nvme", nvme_path=tmp_path / "nope")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="is not an existing directory"):
+        tierlift.zero.shard(make_net(), offload_params="nvme", nvme_path=tmp_path / "file")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    if os.geteuid() == 0:  # root writes anyway: have the kernel refuse the folder instead
+        def refuse(*args, **kwargs):
+            raise PermissionError(errno.EACCES, "Permission denied")
+
+        monkeypatch.setattr(tempfile, "mkdtemp", refuse)
+    with pytest.raises(PermissionError, match="not writable|cannot create the parameter folder"):
+        tierlift.zero.shard(make_net(), offload_params="nvme", nvme_path=ro)
+    assert os.listdir(ro) == []
+
+
+def test_too_small_a_drive_is_refused_with_the_bytes_needed(tmp_path, monkeypatch):
+    # The real fallocate path: a store far larger than any drive.
+    huge = 1 << 50
+    with pytest.raises(OSError, match=rf"no room for the parameter shards: {huge * 4} bytes"):
+        NvmeParamStore(nvme_path=tmp_path, shard_numels=[huge])
+    assert os.listdir(tmp_path) == []
+    # Through shard(), with the allocation failing as on a full drive.
+    def full(fd, nbytes, path, total):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(tiers, "_reserve", full)
+    probe = tierlift.zero.shard(make_net(), stage=3)
+    need = NvmeParamStore.layout([u.shard_numel for u in probe._tierlift_zero.units])[1]
+    with pytest.raises(OSError, match=f"{need} bytes are needed") as info:
+        tierlift.zero.shard(make_net(), offload_params="nvme", nvme_path=tmp_path)
+    assert info.value.errno == errno.ENOSPC
+    assert os.listdir(tmp_path) == []
+
+
+# ---- folder lifetime ----------------------------------------------------------------------------
+KILLED = textwrap.dedent("""
+    import os, sys
+    sys.path.insert(0, {tests!r})
+    import tierlift
+    from test_zero_offload import make_net
+    model = tierlift.zero.shard(make_net(), offload_params="nvme", nvme_path={path!r})
+    os._exit(0)  # like SIGKILL: no finalizer runs
+""")
+
+
+def test_a_killed_run_leaves_a_folder_the_next_run_removes(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(TESTS, "..", "..", "python"),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", KILLED.format(tests=TESTS, path=str(tmp_path))],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (stale,) = folders(tmp_path)
+    with pytest.warns(RuntimeWarning, match="removed 1 state folder"):
+        model = tierlift.zero.shard(make_net(), offload_params="nvme", nvme_path=tmp_path)
+    assert stale not in folders(tmp_path) and len(folders(tmp_path)) == 1
+    model._tierlift_zero.offload.store.close()  # explicit removal
+    assert folders(tmp_path) == []
+
+
+# ---- resident memory ----------------------------------------------------------------------------
+RSS = textwrap.dedent("""
+    import gc, json, sys, torch
+    from torch import nn
+    import tierlift
+    torch.set_num_threads(2)
+
+    def status(key):
+        with open("/proc/self/status") as f:
+            return next(int(l.split()[1]) * 1024 for l in f if l.startswith(key + ":"))
+
+    gc.collect()
+    rss_before_model = status("VmRSS")
+    torch.manual_seed(0)
+    dim, blocks = 2048, 8
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(dim, dim), nn.GELU(), nn.Linear(dim, dim))
+                            for _ in range(blocks)])
+    shard_bytes = 4 * sum(p.numel() for p in model.parameters())
+    model = tierlift.zero.shard(model, stage=3, offload_params="nvme", nvme_path={path!r},
+                                units=list(model))
+    store = model._tierlift_zero.offload.store
+    largest = 4 * max(u.shard_numel for u in model._tierlift_zero.units)
+    gc.collect()
+    shard_growth = status("VmRSS") - rss_before_model
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(4, dim)
+    model(x).square().mean().backward()  # a first step: code pages, allocator pools
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    gc.collect()
+    base_rss, base_file = status("VmRSS"), status("RssFile")
+    samples = []
+    def sample(*args):
+        samples.append((status("RssFile") - base_file, store.resident_bytes()))
+    for m in model:
+        m.register_forward_pre_hook(sample)
+        m.register_forward_hook(sample)
+        m.register_full_backward_pre_hook(sample)
+        m.register_full_backward_hook(sample)
+    peaks, after = [], []
+    for step in range(1):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+        model(x).square().mean().backward()
+        peaks.append(status("VmHWM") - base_rss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sample()
+        after.append(status("VmRSS") - base_rss)
+    print(json.dumps(dict(shard_bytes=shard_bytes, largest=largest, shard_growth=shard_growth,
+                          samples=samples, peaks=peaks, after=after,
+                          stats=model._tierlift_zero.stats)))
+""")
+
+
+def test_rss_holds_the_units_in_flight_not_the_shards(tmp_path):
+    """A 268 MB model (8 units of 33.6 MB): the mapped shards never stay in the process.
+
+    Bounds: (1) building the model (268 MB in RAM) and sharding it leaves the process less
+    than a quarter of the shard bytes larger; (2) at every unit boundary of forward and
+    backward and after the step, the file's pages mapped into the process (smaps Rss of the
+    mapping) are 0 and the growth of RssFile stays under one unit; (3) the
+    peak RSS growth over forward + backward is at most the fp32 gradients (ZeRO keeps them in
+    RAM for the optimizer: as many bytes as the shards) + 6 units (gathered units in flight,
+    their gradient, reduce-scatter and landing buffers), and after the step (gradients freed)
+    the RSS is back within 128 MB of where it was before forward."""
+    env = dict(os.environ, OMP_NUM_THREADS="2",
+               PYTHONPATH=os.pathsep.join([os.path.join(TESTS, "..", "..", "python"),
+                                           os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", RSS.format(path=str(tmp_path))], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    shard, unit, mib = r["shard_bytes"], r["largest"], 1 << 20
+    assert shard > 200 * mib
+    assert r["shard_growth"] < shard // 4
+    assert len(r["samples"]) > 8 * 4
+    for file_growth, mapped in r["samples"]:
+        assert mapped == 0
+        assert file_growth < unit
+    for peak in r["peaks"]:
+        assert peak <= shard + 6 * unit
+    for rss in r["after"]:
+        assert rss <= 128 * mib
+    assert r["stats"]["nvme_read_bytes"] == 2 * 2 * shard  # forward + backward, 2 steps
+    assert r["stats"]["nvme_write_bytes"] == 2 * shard
+    print(f"\nRSS: shards {shard / mib:.0f} MiB, largest unit {unit / mib:.1f} MiB, "
+          f"RSS growth model + shard() {r['shard_growth'] / mib:.0f} MiB, peak growth fwd+bwd "
+          f"{[round(p / mib) for p in r['peaks']]} MiB, after step "
+          f"{[round(a / mib) for a in r['after']]} MiB, "
+          f"max RssFile growth at unit boundaries {max(s[0] for s in r['samples']) / mib:.1f} MiB")
+
+
+@pytest.mark.gpu
+def test_offload_params_nvme_on_cuda(tmp_path):
+    """bf16 compute on the GPU with the fp32 shards in the mapped file, against the same run
+    with the shards in pinned RAM (offload_params="cpu"): the host shards are stepped by the
+    same CPU optimizer and staged through the same pinned slots and copy stream."""
+    out = {}
+    for op in ("cpu", "nvme"):
+        kw = dict(nvme_path=tmp_path) if op == "nvme" else {}
+        model = tierlift.zero.shard(make_net().cuda(), stage=3, mixed_precision=MP,
+                                    offload_params=op, **kw)
+        assert all(p.device.type == "cpu" for p in model.parameters())
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+        fit(model, opt, steps=5, device="cuda")
+        torch.cuda.synchronize()
+        stats = model._tierlift_zero.stats
+        assert stats["h2d_bytes"] > 0 and stats["d2h_bytes"] > 0
+        if op == "nvme":
+            assert stats["nvme_read_bytes"] > 0
+            assert model._tierlift_zero.offload.store.resident_bytes() == 0
+        out[op] = {k: v.float().cpu() for k, v in tierlift.zero.full_state_dict(model).items()}
+    for k, v in out["cpu"].items():
+        # The same inputs on both sides; the tolerance only covers GPU kernels that are not
+        # bitwise deterministic from run to run.
+        torch.testing.assert_close(out["nvme"][k], v, rtol=1e-6, atol=1e-7)
+
+
+# ---- under torchrun, 2 gloo ranks ---------------------------------------------------------------
+SCRIPT = textwrap.dedent("""
+    import os, sys, tempfile, torch, torch.distributed as dist
+    sys.path.insert(0, {tests!r})
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    from test_zero_offload import run_offload, run_plain
+    from test_zero_param_nvme import run_torch_adamw
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {{}}
+    nvme = tempfile.mkdtemp(dir={tmp!r})
+    sd, _ = run_torch_adamw(None, world=world, rank=rank, offload_params="nvme",
+                            nvme_path=nvme)
+    ref, _ = run_torch_adamw(None, world=world, rank=rank)
+    out["torch"] = (sd, ref)
+    state = tempfile.mkdtemp(dir={tmp!r})
+    sd, kept, redone, _ = run_offload(3, "nvme", {clip!r}, state, world=world, rank=rank,
+                                      offload_params="nvme", nvme_path=nvme)
+    ref = run_plain(3, {clip!r}, world=world, rank=rank)
+    out["tierlift"] = (sd, ref)
+    out["left"] = os.listdir(nvme)
+    if rank == 0:
+        torch.save(out, {out!r})
+    dist.destroy_process_group()
+    os._exit(0)
+""")
+
+
+def test_torchrun_two_ranks(tmp_path):
+    script, out = tmp_path / "run.py", tmp_path / "out.pt"
+    script.write_text(SCRIPT.format(tests=TESTS, tmp=str(tmp_path), out=str(out), clip=CLIP))
+    env = dict(os.environ, OMP_NUM_THREADS="1", TIERLIFT_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([os.path.join(TESTS, "..", "..", "python"),
+                                           os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node=2", str(script)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = torch.load(out, weights_only=False)
+    for key in ("torch", "tierlift"):
+        sd, ref = results[key]
+        assert_same(sd, ref)
+    assert results["left"] == []  # every rank's folder went with its model
+
+
+def test_train_gpt_example_with_parameters_on_nvme(tmp_path):
+    """examples/train_gpt.py --zero 3 --offload-params nvme under torchrun: it trains, and the
+    parameter shards were read from the files."""
+    from test_example_train_gpt import run_example
+
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc_per_node=2"]
+    out = run_example("--zero", "3", "--offload-params", "nvme", "--offload", "nvme",
+                      "--nvme-path", str(tmp_path), "--device", "cpu", "--steps", "12",
+                      launcher=torchrun)
+    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", out).groups())
+    assert last < first, out
+    assert re.search(r"zero stats .*'nvme_read_bytes': [1-9]", out), out
