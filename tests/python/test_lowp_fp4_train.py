@@ -1,7 +1,8 @@
 """End to end: the tiny GPT of test_lowp_train.py trained 300 steps on CPU with each FP4 recipe
 ends within 10% of the bf16 (autocast) run's loss. Every recipe's final loss is recorded
 (pytest --junitxml, or -s to see the printed table), including the plain round-to-nearest MXFP4
-baseline without Hadamard, which is expected to be the furthest from bf16."""
+baseline without Hadamard (on this model the recipes are within seed noise of each other:
+docs/lowp.md, benchmarks/study_fp4_recipes.py)."""
 
 import math
 
