@@ -18,12 +18,14 @@ import time
 import warnings
 from collections import defaultdict
 
+import numpy as np
 import torch
 
 from tierlift import ops
 from tierlift.io import ChecksumError, EngineConfig, IoEngine
 from tierlift.offload.config import OffloadConfig
 from tierlift.offload.layout import ALIGN_ELEMS, build_layout
+from tierlift.offload.tiers import _CRC_POOL as CRC_POOL
 from tierlift.offload.tiers import MemoryTier, NvmeTier, make_state_dir, remove_stale_dirs
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -37,6 +39,28 @@ def _check_group(gi: int, group: dict, kinds: list[str]) -> None:
     if _state_kinds(group["amsgrad"]) != kinds:
         raise ValueError(f"param_groups[{gi}]['amsgrad'] changed after the optimizer was "
                          "created; offloaded state cannot change kinds")
+
+
+def _sum_finite_np(g: torch.Tensor) -> bool:
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflow is confirmed by the caller
+        return bool(np.isfinite(g.detach().numpy().sum()))
+
+
+def _sums_finite(grads: list[torch.Tensor]) -> bool:
+    """Whether the sum of every gradient is finite. fp32 CPU gradients are summed by numpy,
+    one single-threaded sum per gradient on the CRC pool's threads (numpy releases the GIL):
+    torch's intra-op parallel sum waits for all its OpenMP threads at a barrier, and on a
+    loaded host that wait measured 8 ms per 4M-element sum against 0.6 ms single-threaded.
+    Other gradients (GPU, half precision) keep torch's sum."""
+    host = [g for g in grads if g.device.type == "cpu" and g.dtype == torch.float32]
+    other = [g for g in grads if not (g.device.type == "cpu" and g.dtype == torch.float32)]
+    if host and not all(CRC_POOL.map(_sum_finite_np, host) if len(host) > 1
+                        else map(_sum_finite_np, host)):
+        return False
+    if other:
+        sums = [g.sum() for g in other]
+        return bool(torch.stack([s.float().cpu() for s in sums]).isfinite().all())
+    return True
 
 
 def _state_kinds(amsgrad: bool) -> list[str]:
@@ -225,8 +249,7 @@ class Offloader:
         grads = [g for got in live for g in got.values() if g.numel()]
         finite = True
         if grads:
-            sums = [g.sum() for g in grads]
-            if not bool(torch.stack([s.float().cpu() for s in sums]).isfinite().all()):
+            if not _sums_finite(grads):
                 flags = [torch.stack(torch.aminmax(g)).isfinite().all() for g in grads]
                 finite = bool(torch.stack([f.cpu() for f in flags]).all())
         if self._zero:
