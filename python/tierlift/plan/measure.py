@@ -34,10 +34,11 @@ def _best(fn, repeats: int = 3) -> float:
 def _disk(path: str, nbytes: int) -> tuple[float, float]:
     from tierlift.io import EngineConfig, IoEngine
 
-    with IoEngine(EngineConfig(pool_bytes=8 << 20)) as eng:
-        buf = eng.pool_tensor(nbytes) if nbytes <= (8 << 20) else None
-        if buf is None:
-            buf = torch.empty(nbytes, dtype=torch.uint8)
+    # The probe buffer comes from the engine's aligned pool so the I/O is O_DIRECT, as in the
+    # offloaded step; an unaligned buffer would go through (and time) the page cache.
+    nbytes = -(-nbytes // 4096) * 4096
+    with IoEngine(EngineConfig(pool_bytes=nbytes)) as eng:
+        buf = eng.pool_tensor(nbytes)
         buf.fill_(7)
         fd, probe = tempfile.mkstemp(prefix="tierlift-plan-", dir=path)
         os.close(fd)
