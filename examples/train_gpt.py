@@ -336,6 +336,11 @@ def main(argv=None) -> None:
         log(f"zero stats (this rank, bytes): {model._tierlift_zero.stats}")
     if args.compare_steps > 0 and world == 1:
         log(compare_optimizer_step(model, args, device))
+    # Remove offloaded state files now: the gloo exit below skips finalizers.
+    if hasattr(optimizer, "close"):
+        optimizer.close()
+    if args.zero:
+        tierlift.zero.close(model)
     if dist.is_initialized():
         dist.destroy_process_group()
         # torch 2.15's gloo backend can abort at interpreter exit while freeing collective

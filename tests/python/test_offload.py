@@ -355,3 +355,14 @@ def test_dropping_the_optimizer_removes_its_files(tmp_path):
     gc.collect()
     assert os.listdir(tmp_path) == []
     model(torch.randn(2, 32)).sum().backward()  # the hooks outlive the optimizer harmlessly
+
+
+def test_close_releases_state_and_refuses_to_step(tmp_path):
+    params, opt = _train(AdamW, steps=2, **_nvme(tmp_path))
+    assert any(n.startswith("tierlift-offload-") for n in os.listdir(tmp_path))
+    opt.close()
+    assert not any(n.startswith("tierlift-offload-") for n in os.listdir(tmp_path))
+    with pytest.raises(RuntimeError, match="closed"):
+        opt.step()
+    opt.close()  # idempotent
+    AdamW(params).close()  # a no-op without offload

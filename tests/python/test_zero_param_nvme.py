@@ -391,3 +391,15 @@ def test_train_gpt_example_with_parameters_on_nvme(tmp_path):
     first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", out).groups())
     assert last < first, out
     assert re.search(r"zero stats .*'nvme_read_bytes': [1-9]", out), out
+
+
+def test_close_removes_the_folder_and_keeps_the_shards(tmp_path):
+    model = tierlift.zero.shard(make_net(), stage=3, offload_params="nvme", nvme_path=tmp_path)
+    before = [p.detach().clone() for p in model.parameters()]
+    assert folders(tmp_path)
+    tierlift.zero.close(model)
+    assert not folders(tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    fit(model, opt, clip=None)  # still trains with the folder gone
+    tierlift.zero.close(model)  # idempotent

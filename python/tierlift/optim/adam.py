@@ -179,8 +179,18 @@ class Adam(Optimizer):
             state["master"] = p.detach().to(torch.float32).contiguous()
         return state
 
+    def close(self) -> None:
+        """Releases offloaded state now (NVMe files, pinned pool, worker thread) instead of at
+        garbage collection; the optimizer cannot step afterwards. A no-op without offload."""
+        if getattr(self, "_offload", None) is not None:
+            self._offload.close()
+            self._closed = True
+
     @torch.no_grad()
     def step(self, closure=None):
+        if getattr(self, "_closed", False):
+            raise RuntimeError("this optimizer was closed (close() released its offloaded "
+                               "state); build a new one to keep training")
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -12,6 +12,7 @@
 
 from tierlift.zero.api import (
     clip_grad_norm_,
+    close,
     default_units,
     full_state_dict,
     global_grad_norm,
@@ -27,7 +28,7 @@ from tierlift.zero.heartbeat import RankFailureError
 from tierlift.zero.scaler import LossScaler, LossScalerConfig
 
 __all__ = ["LossScaler", "LossScalerConfig", "MixedPrecision", "RankFailureError",
-           "ShardConfig", "clip_grad_norm_",
+           "ShardConfig", "clip_grad_norm_", "close",
            "default_units", "full_state_dict", "global_grad_norm", "is_shard",
            "load_full_state_dict", "no_sync", "on_shard_grad_ready", "param_groups", "shard",
            "shard_groups"]

@@ -225,6 +225,16 @@ def _check_gpu_budget(budget: int, split: list, world: int, dtype: torch.dtype) 
                          f"({root} bytes); the smallest budget that works is {need} bytes")
 
 
+def close(model: nn.Module) -> None:
+    """Removes the model's NVMe parameter folder now (offload_params="nvme") rather than at
+    garbage collection or interpreter exit, e.g. before os._exit, once training is over. The
+    shards stay readable and writable (the mapping outlives the file's name), but are no longer
+    released from RAM unit by unit. A no-op for other models."""
+    offload = _state(model).offload
+    if offload is not None and offload.store is not None:
+        offload.store.close()
+
+
 def _state(model: nn.Module) -> ZeroState:
     state = getattr(model, _ATTR, None)
     if state is None:

@@ -144,8 +144,10 @@ class NvmeParamStore:
         self.stats = stats
 
     def close(self) -> None:
-        """Removes the folder now (the shards' views stay readable until they are freed)."""
+        """Removes the folder now (the shards' views stay readable until they are freed; the
+        page cache is no longer advised, so call it when training is over)."""
         self._finalizer()
+        self._fd = -1
 
     # ---- shards ----
     def alloc(self, shard: torch.Tensor) -> torch.Tensor:
@@ -163,6 +165,8 @@ class NvmeParamStore:
         return view
 
     def _range(self, t: torch.Tensor):
+        if self._fd < 0:  # closed: residency is no longer managed (the fd number may be reused)
+            return None
         return self._ranges.get(t.data_ptr()) if t.device.type == "cpu" else None
 
     def staged(self, shard: torch.Tensor) -> None:
