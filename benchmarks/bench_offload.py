@@ -50,7 +50,7 @@ import tierlift  # noqa: E402, F401
 from common import machine, median_time, print_table, write_json  # noqa: E402
 from llama_model import Llama, LlamaConfig, rope_tables  # noqa: E402
 from tierlift.optim import AdamW  # noqa: E402
-from tierlift.plan.measure import _disk  # noqa: E402
+from tierlift.plan.measure import disk_bandwidth  # noqa: E402
 
 
 def _params(n: int) -> list[torch.nn.Parameter]:
@@ -59,33 +59,6 @@ def _params(n: int) -> list[torch.nn.Parameter]:
     for p in ps:
         p.grad = torch.randn_like(p)
     return ps
-
-
-def disk_direct(directory: str, nbytes: int, repeats: int = 3) -> tuple[float, float]:
-    """(read, write) bytes/s of one nbytes request through tierlift.io with O_DIRECT, as the
-    NVMe step does it: the buffer comes from the engine's 4 KiB-aligned pool. (The plan's
-    probe, tierlift.plan.measure._disk, reads and writes a torch.empty buffer larger than its
-    8 MiB pool: unaligned and too big to bounce, it goes through the page cache.)"""
-    from tierlift.io import EngineConfig, IoEngine
-
-    nbytes = -(-nbytes // 4096) * 4096
-    with IoEngine(EngineConfig(pool_bytes=nbytes)) as eng:
-        buf = eng.pool_tensor(nbytes)
-        buf.fill_(7)
-        fd, probe = tempfile.mkstemp(prefix="bench-offload-probe-", dir=directory)
-        os.close(fd)
-        try:
-            def write():
-                eng.write(buf, probe, 0).wait()
-                eng.sync()
-
-            tw = min(median_time(write, repeats=1, warmup=0) for _ in range(repeats))
-            tr = min(median_time(lambda: eng.read(buf, probe, 0).wait(), repeats=1, warmup=0)
-                     for _ in range(repeats))
-        finally:
-            eng.forget(probe)
-            os.unlink(probe)
-    return nbytes / tr, nbytes / tw
 
 
 def io_replay(directory: str, n_chunks: int, kinds: int, chunk_bytes: int, queue_depth: int,
@@ -170,8 +143,8 @@ def bench_step(args) -> int:
                      "queue_depth": off.config.queue_depth}
         del opt, ps
     replay = io_replay(tmp.name, repeats=args.repeats, **shape)
-    read_bps, write_bps = disk_direct(tmp.name, 4 * n)
-    cached_read_bps, cached_write_bps = _disk(tmp.name, 4 * n)
+    read_bps, write_bps = disk_bandwidth(tmp.name, 4 * n, repeats=3)
+    cached_read_bps, cached_write_bps = disk_bandwidth(tmp.name, 4 * n, direct=False)
     nv = stats["tierlift nvme"]
     roofline = nv["nvme_read_bytes"] / read_bps + nv["nvme_write_bytes"] / write_bps
     cached_roofline = (nv["nvme_read_bytes"] / cached_read_bps
@@ -194,7 +167,7 @@ def bench_step(args) -> int:
                 title=f"AdamW step, {n / 1e6:.0f}M fp32 params, state {state_bytes >> 20} MiB, "
                       f"cpu_budget {budget >> 20} MiB, dir {tmp.name}")
     print(f"disk (O_DIRECT, as the step): read {read_bps / 1e9:.2f} GB/s, write "
-          f"{write_bps / 1e9:.2f} GB/s; page cache (buffered, the plan's probe): read "
+          f"{write_bps / 1e9:.2f} GB/s; page cache (buffered): read "
           f"{cached_read_bps / 1e9:.2f} GB/s, write {cached_write_bps / 1e9:.2f} GB/s; "
           f"nvme step / page-cache roofline = "
           f"{times['tierlift nvme'] / cached_roofline:.2f}x")

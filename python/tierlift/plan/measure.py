@@ -31,14 +31,17 @@ def _best(fn, repeats: int = 3) -> float:
     return best
 
 
-def _disk(path: str, nbytes: int) -> tuple[float, float]:
+def disk_bandwidth(path: str, nbytes: int, *, repeats: int = 2,
+                   direct: bool = True) -> tuple[float, float]:
+    """(read, write) bytes/s of one nbytes request to a probe file under `path` through
+    tierlift.io. direct=True takes the buffer from the engine's 4 KiB-aligned pool, so the I/O
+    is O_DIRECT as in the offloaded step; direct=False uses an ordinary (unaligned) tensor,
+    which goes through the page cache."""
     from tierlift.io import EngineConfig, IoEngine
 
-    # The probe buffer comes from the engine's aligned pool so the I/O is O_DIRECT, as in the
-    # offloaded step; an unaligned buffer would go through (and time) the page cache.
     nbytes = -(-nbytes // 4096) * 4096
-    with IoEngine(EngineConfig(pool_bytes=nbytes)) as eng:
-        buf = eng.pool_tensor(nbytes)
+    with IoEngine(EngineConfig(pool_bytes=nbytes if direct else 8 << 20)) as eng:
+        buf = eng.pool_tensor(nbytes) if direct else torch.empty(nbytes + 1, dtype=torch.uint8)[1:]
         buf.fill_(7)
         fd, probe = tempfile.mkstemp(prefix="tierlift-plan-", dir=path)
         os.close(fd)
@@ -46,8 +49,8 @@ def _disk(path: str, nbytes: int) -> tuple[float, float]:
             def write():
                 eng.write(buf, probe, 0).wait()
                 eng.sync()
-            tw = _best(write, 2)
-            tr = _best(lambda: eng.read(buf, probe, 0).wait(), 2)
+            tw = _best(write, repeats)
+            tr = _best(lambda: eng.read(buf, probe, 0).wait(), repeats)
         finally:
             eng.forget(probe)
             os.unlink(probe)
@@ -68,7 +71,7 @@ def measure(nvme_path: str | None = None, probe_bytes: int = 256 << 20) -> Bandw
                        weight_decay=0.0, step=1, decoupled=True, amsgrad=False, maximize=False)
     bw = Bandwidths(memory_bps=memory, adam_elems_per_s=n / _best(adam))
     if nvme_path is not None:
-        bw.disk_read_bps, bw.disk_write_bps = _disk(nvme_path, probe_bytes)
+        bw.disk_read_bps, bw.disk_write_bps = disk_bandwidth(nvme_path, probe_bytes)
     if torch.cuda.is_available():
         host = torch.empty(probe_bytes, dtype=torch.uint8, pin_memory=True)
         dev = torch.empty(probe_bytes, dtype=torch.uint8, device="cuda")
