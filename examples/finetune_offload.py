@@ -141,7 +141,7 @@ def make_optimizer(model, args, nvme_path: str) -> tierlift.optim.AdamW:
 def save_checkpoint(path: str, step: int, model, opt, losses: list[float]) -> None:
     """Model, optimizer (its state read back from NVMe) and progress, SHA-256-checked through
     tierlift.checkpoint's tensor files; written to `path`.tmp then renamed over `path`."""
-    tmp, old = path + ".tmp", path + ".old"
+    tmp = path + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     sd = opt.state_dict()
@@ -151,20 +151,12 @@ def save_checkpoint(path: str, step: int, model, opt, losses: list[float]) -> No
             tensors[f"optim.{i}.{k}"] = v.detach().cpu()
     ckpt_format.write_tensors(tmp, 0, tensors)
     meta = {"step": step, "losses": losses, "param_groups": sd["param_groups"]}
-    with open(os.path.join(tmp, "progress.json"), "w") as f:
-        json.dump(meta, f)
-        f.flush()
-        os.fsync(f.fileno())
-    shutil.rmtree(old, ignore_errors=True)
-    if os.path.exists(path):
-        os.rename(path, old)
-    os.rename(tmp, path)
-    shutil.rmtree(old, ignore_errors=True)
+    ckpt_format.write_json(os.path.join(tmp, "progress.json"), meta)
+    ckpt_format.replace_dir(tmp, path)
 
 
 def load_checkpoint(path: str, model, opt) -> tuple[int, list[float]] | None:
-    if not os.path.isdir(path) and os.path.isdir(path + ".old"):
-        path = path + ".old"  # killed between the two renames: the old one is complete
+    path = ckpt_format.resolve_dir(path)
     if not os.path.isfile(os.path.join(path, "progress.json")):
         return None
     with open(os.path.join(path, "progress.json")) as f:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 
 import torch
 
@@ -39,6 +40,32 @@ def read_metadata(path: str) -> dict:
         raise ValueError(f"{file}: unsupported checkpoint format {meta.get('format')!r} "
                          f"version {meta.get('version')!r} (expected {FORMAT!r} {VERSION})")
     return meta
+
+
+def write_json(file: str, obj) -> None:
+    """A JSON file, flushed to the drive before it is published by replace_dir()."""
+    with open(file, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def replace_dir(tmp: str, path: str) -> None:
+    """Makes the complete directory `tmp` the new `path` by two renames. A process killed in
+    between leaves either `path` or `path`.old complete, and resolve_dir() finds it."""
+    old = path + ".old"
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(path):
+        os.rename(path, old)
+    os.rename(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def resolve_dir(path: str) -> str:
+    """`path`, or `path`.old when a replace_dir() was killed between its two renames."""
+    if not os.path.exists(path) and os.path.isdir(path + ".old"):
+        return path + ".old"
+    return path
 
 
 def checksum_file(rank: int) -> str:

@@ -3,7 +3,6 @@ reshards when the world size changed. See format.py for the layout."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 
@@ -63,7 +62,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer=None) -> Non
     state = _state(model)
     comm = state.comm
     path = os.fspath(path)
-    tmp, old = path + ".tmp", path + ".old"
+    tmp = path + ".tmp"
     if comm.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
@@ -98,23 +97,9 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer=None) -> Non
                 {k: _jsonable(v) for k, v in g.items() if k != "params"}
                 for g in optimizer.param_groups],
         }
-        with open(os.path.join(tmp, fmt.METADATA), "w") as f:
-            json.dump(meta, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        shutil.rmtree(old, ignore_errors=True)
-        if os.path.exists(path):
-            os.rename(path, old)
-        os.rename(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
+        fmt.write_json(os.path.join(tmp, fmt.METADATA), meta)
+        fmt.replace_dir(tmp, path)
     _barrier(comm)
-
-
-def _resolve(path: str) -> str:
-    # A save killed between its two renames leaves only `path`.old: that one is complete.
-    if not os.path.exists(path) and os.path.isdir(path + ".old"):
-        return path + ".old"
-    return path
 
 
 def _check_layout(meta: dict, units) -> None:
@@ -146,7 +131,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None) -> Non
     size: each rank reads the slices of the saved shards that overlap its new shard."""
     state = _state(model)
     comm = state.comm
-    path = _resolve(os.fspath(path))
+    path = fmt.resolve_dir(os.fspath(path))
     meta = fmt.read_metadata(path)
     _check_layout(meta, state.units)
     shards = [fmt.load_tensors(path, r) for r in range(meta["world_size"])]
