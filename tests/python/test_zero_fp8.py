@@ -326,3 +326,9 @@ def test_fp8_all_gather_with_param_offload_is_refused():
 
     with pytest.raises(ValueError, match="offload_params"):
         ShardConfig(stage=3, fp8_all_gather=True, offload_params="cpu")
+
+
+def test_convert_after_shard_is_refused():
+    model = tierlift.zero.shard(Net(), stage=3)
+    with pytest.raises(ValueError, match="before shard"):
+        tierlift.lowp.convert(model, recipe="fp8-rowwise", min_features=0)

@@ -68,6 +68,11 @@ def convert(model: nn.Module, recipe: str | Float8Recipe | FP4Recipe = "fp8-roww
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if min_features < 0:
         raise ValueError(f"min_features must be >= 0, got {min_features}")
+    if hasattr(model, "_tierlift_zero"):
+        # shard() already replaced the Linear weights by views of its flat buffers and hooked
+        # the modules it found; swapping modules now would bypass that.
+        raise ValueError("model is already sharded by tierlift.zero.shard: call "
+                         "tierlift.lowp.convert(model, ...) before shard()")
     report = ConversionReport(recipe=r.name)
     if type(model) is nn.Linear:
         raise ValueError("model is itself an nn.Linear: convert replaces child modules in place; "
