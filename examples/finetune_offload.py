@@ -277,7 +277,7 @@ def main(argv=None) -> None:
     if args.save_final:
         torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, args.save_final)
         print(f"final weights: {args.save_final}")
-    del opt  # removes the state files
+    opt.close()  # removes the state files now
     if tmp_nvme is not None:
         tmp_nvme.cleanup()
 

@@ -98,8 +98,12 @@ def make_state_dir(parent: str) -> str:
     path = tempfile.mkdtemp(prefix=DIR_PREFIX, dir=parent)
     owner = {"pid": os.getpid(), "host": socket.gethostname(), "pidns": _pid_namespace(),
              "start_time": _start_time(os.getpid())}
-    with open(os.path.join(path, OWNER_FILE), "w") as f:
-        json.dump(owner, f)
+    try:
+        with open(os.path.join(path, OWNER_FILE), "w") as f:
+            json.dump(owner, f)
+    except BaseException:
+        shutil.rmtree(path, ignore_errors=True)  # ownerless folders are never cleaned up later
+        raise
     return path
 
 
@@ -280,7 +284,9 @@ class NvmeTier:
                 self.crc[(k, ci, gen)] = c
             return time.perf_counter() - t
 
-        for k in self.kinds:  # no stale CRC may describe this generation until it is known
+        # No stale CRC may describe this generation until the new one is known; dropped before
+        # the checksum task starts, which could otherwise finish first and lose its result.
+        for k in self.kinds:
             self.crc.pop((k, ci, gen), None)
         return [*handles, _Task(_PIPE_POOL.submit(checksum))]
 

@@ -120,7 +120,7 @@ class Fp8Gather:
 
     @property
     def gather_bytes(self) -> int:
-        """Bytes one gather of this unit receives (the compute-dtype gather: padded * el)."""
+        """Bytes one gather of this unit receives (compute-dtype elements plus FP8 codes)."""
         return self.piece_bytes * len(self.hp_count)
 
     # ---- the gather ----

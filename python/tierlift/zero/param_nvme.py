@@ -184,18 +184,21 @@ class NvmeParamStore:
         if nxt is not None and nxt != key:  # into the page cache (not into this process)
             os.posix_fadvise(self._fd, nxt, self._data_bytes[nxt], os.POSIX_FADV_WILLNEED)
 
-    def stepped(self, shard: torch.Tensor) -> None:
-        """An optimizer wrote `shard`: drop its (dirty) range, starting its write-back."""
+    def stepped(self, shard: torch.Tensor, wrote: bool = True) -> None:
+        """An optimizer stepped `shard`: drop its range (dirty if it `wrote`, which starts the
+        write-back)."""
         r = self._range(shard)
         if r is not None:
-            self.stats["nvme_write_bytes"] += r[1]
+            self.stats["nvme_write_bytes"] += r[1] if wrote else 0
             self._drop(*r)
 
     def _after_step(self, optimizer) -> None:
+        # An offloaded optimizer skips a step with non-finite gradients: nothing was written.
+        wrote = not getattr(optimizer, "last_step_stats", {}).get("skipped", False)
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if p.grad is not None:  # (an optimizer skips a parameter without gradient)
-                    self.stepped(p)
+                    self.stepped(p, wrote)
 
     # ---- residency ----
     def _drop(self, offset: int, nbytes: int) -> None:

@@ -113,6 +113,8 @@ class FlatUnit:
         self.wait_gather()
         if self.full.untyped_storage().nbytes() > 0:
             self.full.untyped_storage().resize_(0)
+        if self.fp8_gather is not None:
+            self.fp8_gather.release()  # its FP8 codes go with the weights
         self.gathered = False
 
     def needs_gather(self) -> bool:
