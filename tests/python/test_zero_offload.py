@@ -227,6 +227,8 @@ def test_offload_params_cpu_is_bit_identical(mp):
     assert_same(sd, plain(3, CLIP, mixed_precision=mp))
     model = tierlift.zero.shard(make_net(), stage=3, offload_params="cpu", mixed_precision=mp)
     assert all(p.device.type == "cpu" for p in model.parameters())
+    # One host arena holds every shard (one allocation, page-locked once with CUDA).
+    assert len({p.untyped_storage().data_ptr() for p in model.parameters()}) == 1
     if torch.cuda.is_available():
         assert all(p.is_pinned() for p in model.parameters())
     opt = tierlift.optim.AdamW(model.parameters(), lr=LR)

@@ -311,7 +311,7 @@ def test_rss_holds_the_units_in_flight_not_the_shards(tmp_path):
 def test_offload_params_nvme_on_cuda(tmp_path):
     """bf16 compute on the GPU with the fp32 shards in the mapped file, against the same run
     with the shards in pinned RAM (offload_params="cpu"): the host shards are stepped by the
-    same CPU optimizer and staged through the same pinned slots and copy stream."""
+    same CPU optimizer and staged through the same pinned staging and copy stream."""
     out = {}
     for op in ("cpu", "nvme"):
         kw = dict(nvme_path=tmp_path) if op == "nvme" else {}

@@ -182,7 +182,7 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
         store = None if config.offload_params == "cpu" else \
             NvmeParamStore(nvme_path=config.nvme_path, shard_numels=sizes, rank=comm.rank)
         offload = ParamOffload(device=next(iter(devices)), compute_dtype=compute_dtype,
-                               max_shard_numel=max(sizes), stats={"h2d_bytes": 0, "d2h_bytes": 0},
+                               shard_numels=sizes, stats={"h2d_bytes": 0, "d2h_bytes": 0},
                                store=store)
     units_out = []
     for name, key, params in split:

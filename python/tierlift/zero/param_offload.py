@@ -2,11 +2,14 @@
 of every unit lives in host memory (pinned when CUDA is available), so the device only holds
 the units gathered at the moment.
 
-gather    shard (host fp32) -> compute dtype into one of two pinned staging slots -> async H2D
-          on a dedicated copy stream -> the all-gather is issued on that same stream, and the
-          compute stream waits on an event recorded after it. Two slots: the next unit's copy
-          (issued by the prefetch) runs while this unit computes; a slot is rewritten only
-          once the copy that last read it has finished (its event).
+storage   "cpu": every unit's shard is a view of one host arena (registered with CUDA, i.e.
+          page-locked, when CUDA is available): one allocation, not one pinned block per unit,
+          which torch's caching host allocator would round up to a power of two each.
+gather    shard (host fp32) -> compute dtype into a pinned staging buffer -> async H2D on a
+          dedicated copy stream -> the all-gather is issued on that same stream, and the
+          compute stream waits on an event recorded after it. Staging buffers come from torch's
+          caching host allocator, which does not hand a block out again before the copy that
+          read it has finished, so the host never waits here and prefetches can run ahead.
 backward  the reduce-scatter output (device) -> async D2H into a pinned host buffer on the copy
           stream, with an event; the gradient is handed to the optimizer only after the event.
 On a CPU-only machine the same code runs and every copy is a plain, synchronous copy, so the
@@ -23,17 +26,23 @@ import torch
 
 
 class ParamOffload:
-    def __init__(self, *, device: torch.device, compute_dtype: torch.dtype, max_shard_numel: int,
-                 stats: dict, store=None):
+    def __init__(self, *, device: torch.device, compute_dtype: torch.dtype,
+                 shard_numels: list[int], stats: dict, store=None):
         self.device = device
         self.cuda = device.type == "cuda"
         self.pin = torch.cuda.is_available()
+        self.compute_dtype = compute_dtype
         self.store = store  # NvmeParamStore with offload_params="nvme"
         self.stats = stats
-        self.slots = [torch.empty(max_shard_numel, dtype=compute_dtype, pin_memory=self.pin)
-                      for _ in range(2)]
-        self.slot_events: list = [None, None]
-        self.next_slot = 0
+        self.arena = None
+        self._registration = None
+        if store is None:
+            self.arena = torch.empty(sum(shard_numels), dtype=torch.float32)
+            if self.pin and self.arena.numel():
+                from tierlift import _extension
+
+                self._registration = _extension._C.HostRegistration(self.arena, read_only=False)
+        self._next = 0  # arena offset of the next unit's shard
         self.stream = torch.cuda.Stream(device=device) if self.cuda else None
 
     @property
@@ -51,7 +60,9 @@ class ParamOffload:
         mapped file with a store)."""
         if self.store is not None:
             return self.store.alloc(shard)
-        out = torch.empty(shard.shape, dtype=shard.dtype, pin_memory=self.pin)
+        n = shard.numel()
+        out = self.arena[self._next:self._next + n].view(shard.shape)
+        self._next += n
         out.copy_(shard)
         return out
 
@@ -59,13 +70,8 @@ class ParamOffload:
     def stage_in(self, shard: torch.Tensor) -> torch.Tensor:
         """The shard in the compute dtype on the device. With CUDA the copy is in flight on
         the copy stream: issue the collective inside `stream_context()` and call `after()`."""
-        k = self.next_slot
-        self.next_slot ^= 1
-        if self.slot_events[k] is not None:
-            self.slot_events[k].synchronize()  # the H2D that last read this slot is done
-            self.slot_events[k] = None
         n = shard.numel()
-        staging = self.slots[k][:n]
+        staging = torch.empty(n, dtype=self.compute_dtype, pin_memory=self.pin)
         staging.copy_(shard.detach())  # fp32 -> compute dtype on the host
         if self.store is not None:
             self.store.staged(shard)  # read: drop it from this process, read ahead the next
@@ -77,10 +83,7 @@ class ParamOffload:
         cur = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(cur)  # dst (allocated on cur) is ready to be written
         with torch.cuda.stream(self.stream):
-            dst.copy_(staging, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        self.slot_events[k] = event
+            dst.copy_(staging, non_blocking=True)  # records the event that guards `staging`
         dst.record_stream(self.stream)
         return dst
 
