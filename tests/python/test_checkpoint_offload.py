@@ -249,3 +249,65 @@ def test_zero_two_ranks_resume_and_reshard_to_one(tmp_path):
     losses = train(model, opt, DATA[3:], accum=1, clip=1.0, zero=True)
     torch.testing.assert_close(torch.tensor(losses), r["ref"], rtol=1e-5, atol=0)
     opt.close()
+
+
+def test_bf16_master_weights_round_trip_into_offload_none(tmp_path):
+    def fresh(**kw):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(40, 300), torch.nn.Linear(300, 7)).bfloat16()
+        return model, tierlift.optim.AdamW(model.parameters(), **OPT, **kw)
+
+    def steps(model, opt, seed, n=3):
+        g = torch.Generator().manual_seed(seed)
+        for _ in range(n):
+            opt.zero_grad()
+            model(torch.randn(4, 40, generator=g).bfloat16()).float().pow(2).mean().backward()
+            opt.step()
+
+    model, opt = fresh(offload="nvme", nvme_path=str(tmp_path), cpu_budget=200_000)
+    steps(model, opt, 1)
+    tierlift.checkpoint.save(str(tmp_path / "ck"), model, opt)
+    masters = {i: st["master"].clone() for i, st in opt.state_dict()["state"].items()}
+    steps(model, opt, 2)
+    ref = _weights(model)
+    m, o = fresh()
+    tierlift.checkpoint.load(str(tmp_path / "ck"), m, o)
+    got = o.state_dict()["state"]
+    assert got.keys() == masters.keys()
+    for i, master in masters.items():
+        assert got[i]["master"].dtype == torch.float32 and torch.equal(got[i]["master"], master)
+    steps(m, o, 2)
+    _assert_same(_weights(m), ref)
+
+
+def test_amsgrad_mismatch_and_layout_mismatch_are_refused(tmp_path):
+    model, opt = _fresh(tmp_path)
+    _train(model, opt, DATA[:1])
+    ck = str(tmp_path / "ck")
+    tierlift.checkpoint.save(ck, model, opt)
+    m = make_model(seed=5)
+    o = tierlift.optim.AdamW(m.parameters(), amsgrad=True, offload="nvme", nvme_path=str(tmp_path))
+    with pytest.raises(ValueError, match=r"no \['max_exp_avg_sq'\]"):
+        tierlift.checkpoint.load(ck, m, o)
+    o.close()
+    sharded = tierlift.zero.shard(make_model(seed=5), stage=3)
+    with pytest.raises(ValueError, match="unsharded model's checkpoint"):
+        tierlift.checkpoint.load(ck, sharded)
+    zck = str(tmp_path / "zck")
+    tierlift.checkpoint.save(zck, sharded)
+    with pytest.raises(ValueError, match="sharded"):
+        tierlift.checkpoint.load(zck, make_model(seed=5))
+
+
+def test_zero_offloaded_state_loads_into_a_zero_run_without_offload(tmp_path):
+    model, opt = _fresh(tmp_path, 3, zero=True)
+    _train(model, opt, DATA[:3], zero=True)
+    ck = str(tmp_path / "ck")
+    tierlift.checkpoint.save(ck, model, opt)
+    ref = _train(model, opt, DATA[3:], zero=True)
+    ref_w = _weights(model, zero=True)
+    opt.close()
+    model, opt = _fresh(tmp_path, zero=True, offload="none")
+    tierlift.checkpoint.load(ck, model, opt)
+    assert _train(model, opt, DATA[3:], zero=True) == ref
+    _assert_same(_weights(model, zero=True), ref_w)

@@ -76,6 +76,49 @@ def verify(directory: str, meta: dict | None = None) -> dict:
     return meta
 
 
+def _wait_quietly(handles) -> None:
+    for h in handles:
+        try:
+            h.wait()
+        except Exception:  # noqa: BLE001 - the first error is the one raised
+            pass
+
+
+def _slotted(off, gi: int, chunks: list, writes: dict):
+    """Yields (i, chunk, bufs): the committed generation of each chunk in the pipeline slots,
+    reading chunk i+1 (CRC-32C checked in the background) while the caller works on chunk i.
+    The caller puts the handles of writes from a slot into `writes[i]`; the slot is reused
+    only after they finished. Resident host tiers yield views (no copy)."""
+    tier = off.tiers[gi]
+    if not hasattr(tier, "engine"):
+        for i, chunk in enumerate(chunks):
+            yield i, chunk, off._chunk_bufs(gi, chunk)
+        return
+    slots = off._slots
+    reads: dict = {}
+
+    def start(i):
+        reads[i] = tier.read_all(chunks[i].ci, slots[i % len(slots)], off._what(gi, chunks[i]))
+
+    try:
+        if chunks:
+            start(0)
+        for i, chunk in enumerate(chunks):
+            if i + 1 < len(chunks):
+                for h in writes.pop(i + 1 - len(slots), []):
+                    h.wait()
+                start(i + 1)
+            for h in reads.pop(i):
+                h.wait()
+            yield i, chunk, slots[i % len(slots)]
+        for i in sorted(writes):
+            for h in writes.pop(i):
+                h.wait()
+    finally:  # an error, or the caller stopped: no I/O may stay in flight into the slots
+        for hs in [*reads.values(), *writes.values()]:
+            _wait_quietly(hs)
+
+
 def save_offloaded(off, directory: str, names: dict | None = None) -> None:
     """Writes the committed state of Offloader `off` to `directory` (created), one chunk at a
     time through the pipeline slot; `names` ({param: name}) are recorded for conversions."""
@@ -97,12 +140,9 @@ def save_offloaded(off, directory: str, names: dict | None = None) -> None:
         hashes = {k: hashlib.sha256() for k in kinds}
         live = set(stepped)
         try:
-            for chunk in layout.chunks:
-                segs = [s for s in chunk.segments if s.pi in live]
-                if not segs:
-                    continue
-                bufs = off._chunk_bufs(gi, chunk)  # committed generation, CRC-32C verified
-                for s in segs:
+            chunks = [c for c in layout.chunks if any(s.pi in live for s in c.segments)]
+            for _, chunk, bufs in _slotted(off, gi, chunks, {}):
+                for s in (s for s in chunk.segments if s.pi in live):
                     p = params[s.pi]
                     for k in kinds:
                         if k == "master" and ("master" not in tier.kinds
@@ -157,12 +197,10 @@ def load_offloaded(off, directory: str, check: bool = True) -> None:
         offsets = {e["index"]: e["offset"] for e in saved["params"]}
         files = {k: open(os.path.join(directory, kind_file(gi, k)), "rb") for k in tier.kinds}
         try:
-            for chunk in layout.chunks:
-                segs = [s for s in chunk.segments if s.pi in offsets]
-                if not segs:
-                    continue
-                bufs = off._chunk_bufs(gi, chunk)
-                for s in segs:
+            chunks = [c for c in layout.chunks if any(s.pi in offsets for s in c.segments)]
+            writes: dict = {}
+            for i, chunk, bufs in _slotted(off, gi, chunks, writes):
+                for s in (s for s in chunk.segments if s.pi in offsets):
                     for k in tier.kinds:
                         f = files[k]
                         f.seek(4 * (offsets[s.pi] + s.plo))
@@ -170,9 +208,7 @@ def load_offloaded(off, directory: str, check: bool = True) -> None:
                         if f.readinto(_np(bufs[k][s.clo:s.chi])) != want:
                             raise ValueError(f"{f.name} is truncated")
                 if hasattr(tier, "engine"):  # NvmeTier: the other generation, flipped below
-                    g = 1 - tier.gen[chunk.ci]
-                    for k in tier.kinds:
-                        tier.write(k, chunk.ci, bufs[k], g).wait()
+                    writes[i] = tier.write_all(chunk.ci, bufs, 1 - tier.gen[chunk.ci])
                     flips.append((tier, chunk.ci))
         finally:
             for f in files.values():
