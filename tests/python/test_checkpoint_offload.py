@@ -311,3 +311,32 @@ def test_zero_offloaded_state_loads_into_a_zero_run_without_offload(tmp_path):
     tierlift.checkpoint.load(ck, model, opt)
     assert _train(model, opt, DATA[3:], zero=True) == ref
     _assert_same(_weights(model, zero=True), ref_w)
+
+
+def _ddp(rank, world, port, root, out):
+    init_gloo(rank, world, port)
+    nvme = os.path.join(root, f"nvme{rank}")
+    os.makedirs(nvme, exist_ok=True)
+    model, opt = _fresh(nvme)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    kw = dict(accum=1, clip=1.0, world=world, rank=rank)
+    train(ddp, opt, DATA[:2], **kw)
+    ck = os.path.join(root, "ck")
+    tierlift.checkpoint.save(ck, ddp, opt, extra={"rank": rank})  # rank 0 writes
+    ref = train(ddp, opt, DATA[2:4], **kw)
+    opt.close()
+    model, opt = _fresh(nvme, 4)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    extra = tierlift.checkpoint.load(ck, ddp, opt)
+    got = train(ddp, opt, DATA[2:4], **kw)
+    opt.close()
+    torch.save({"ref": ref, "got": got, "extra": extra}, f"{out}.{rank}")
+    shutdown()
+
+
+def test_replicated_ddp_rank0_writes_every_rank_loads(tmp_path):
+    out = str(tmp_path / "r")
+    mp.spawn(_ddp, args=(2, free_port(), str(tmp_path), out), nprocs=2)
+    for rank in range(2):
+        r = torch.load(f"{out}.{rank}", weights_only=True)
+        assert r["extra"] == {"rank": 0} and r["got"] == r["ref"], rank
