@@ -287,7 +287,7 @@ def test_amsgrad_mismatch_and_layout_mismatch_are_refused(tmp_path):
     tierlift.checkpoint.save(ck, model, opt)
     m = make_model(seed=5)
     o = tierlift.optim.AdamW(m.parameters(), amsgrad=True, offload="nvme", nvme_path=str(tmp_path))
-    with pytest.raises(ValueError, match=r"no \['max_exp_avg_sq'\]"):
+    with pytest.raises(ValueError, match=r"no \[.max_exp_avg_sq.\] .*amsgrad=False"):
         tierlift.checkpoint.load(ck, m, o)
     o.close()
     sharded = tierlift.zero.shard(make_model(seed=5), stage=3)

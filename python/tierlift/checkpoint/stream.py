@@ -173,8 +173,10 @@ def _check_fits(off, meta: dict, directory: str) -> None:
         params = group["params"]
         missing = [k for k in off.tiers[gi].kinds if k not in saved["kinds"]]
         if missing:
+            why = (" (saved with amsgrad=False, the optimizer has amsgrad=True)"
+                   if "max_exp_avg_sq" in missing else "")
             raise ValueError(f"offloaded optimizer state {directory} has no {missing} for "
-                             f"param group {gi} (saved with amsgrad={not missing})")
+                             f"param group {gi}{why}")
         for e in saved["params"]:
             if e["index"] >= len(params) or params[e["index"]].numel() != e["numel"]:
                 got = (tuple(params[e["index"]].shape) if e["index"] < len(params)
