@@ -17,9 +17,7 @@ breakdown from optimizer.last_step_stats (compute, CPU step, NVMe read/write, ch
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
 import sys
 import sysconfig
 import tempfile
@@ -137,40 +135,22 @@ def make_optimizer(model, args, nvme_path: str) -> tierlift.optim.AdamW:
     return opt
 
 
-# ---- checkpoints: one directory, replaced atomically --------------------------------------
+# ---- checkpoints: tierlift.checkpoint, one directory replaced atomically -----------------
 def save_checkpoint(path: str, step: int, model, opt, losses: list[float]) -> None:
-    """Model, optimizer (its state read back from NVMe) and progress, SHA-256-checked through
-    tierlift.checkpoint's tensor files; written to `path`.tmp then renamed over `path`."""
-    tmp = path + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    sd = opt.state_dict()
-    tensors = {f"model.{k}": v.detach().cpu() for k, v in model.state_dict().items()}
-    for i, st in sd["state"].items():
-        for k, v in st.items():
-            tensors[f"optim.{i}.{k}"] = v.detach().cpu()
-    ckpt_format.write_tensors(tmp, 0, tensors)
-    meta = {"step": step, "losses": losses, "param_groups": sd["param_groups"]}
-    ckpt_format.write_json(os.path.join(tmp, "progress.json"), meta)
-    ckpt_format.replace_dir(tmp, path)
+    """Model, optimizer and progress (step, losses in metadata.json). The optimizer state is
+    streamed from NVMe through the optimizer's own pool, never built in RAM; every file is
+    SHA-256-checked; written to `path`.tmp then renamed over `path`."""
+    tierlift.checkpoint.save(path, model, opt, extra={"step": step, "losses": losses})
 
 
 def load_checkpoint(path: str, model, opt) -> tuple[int, list[float]] | None:
-    path = ckpt_format.resolve_dir(path)
-    if not os.path.isfile(os.path.join(path, "progress.json")):
+    """(step, losses) of the checkpoint at `path` after loading it, or None if there is none
+    (a save killed between its two renames left `path`.old: that one is used)."""
+    found = ckpt_format.resolve_dir(path)
+    if not os.path.isfile(os.path.join(found, ckpt_format.METADATA)):
         return None
-    with open(os.path.join(path, "progress.json")) as f:
-        meta = json.load(f)
-    tensors = ckpt_format.load_tensors(path, 0)
-    model.load_state_dict({k[len("model."):]: v for k, v in tensors.items()
-                           if k.startswith("model.")})
-    state: dict = defaultdict(dict)
-    for k, v in tensors.items():
-        if k.startswith("optim."):
-            _, i, kind = k.split(".", 2)
-            state[int(i)][kind] = v
-    opt.load_state_dict({"state": dict(state), "param_groups": meta["param_groups"]})
-    return meta["step"], meta["losses"]
+    extra = tierlift.checkpoint.load(path, model, opt)
+    return extra["step"], extra["losses"]
 
 
 # ---- the per-step breakdown ---------------------------------------------------------------

@@ -78,6 +78,12 @@ def test_killed_run_resumes_with_nothing_lost(tmp_path):
         proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
     assert not resumed.exists()
+    # a tierlift.checkpoint directory: progress in metadata.json, the optimizer state streamed
+    latest = ckpt / "latest" if (ckpt / "latest").exists() else ckpt / "latest.old"
+    meta = json.loads((latest / "metadata.json").read_text())
+    assert meta["layout"] == "replicated" and meta["optimizer_state"] == "offloaded"
+    assert meta["extra"]["step"] >= 12 and len(meta["extra"]["losses"]) == meta["extra"]["step"]
+    assert (latest / "optim" / "state.json").is_file()
     stale = [p for p in nvme.iterdir() if p.name.startswith("tierlift-offload-")]
     assert stale, "the killed run should have left its state folder behind"
 

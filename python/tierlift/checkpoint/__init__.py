@@ -1,11 +1,15 @@
-"""tierlift.checkpoint: sharded, atomic, reshardable checkpoints of tierlift.zero models.
+"""tierlift.checkpoint: atomic, SHA-256-checked checkpoints of models and their optimizers:
+tierlift.zero models sharded and reshardable, other models replicated (rank 0 writes); the
+state of an offloading optimizer is streamed within its cpu_budget, never built in RAM.
 
-    tierlift.checkpoint.save("ckpt/step100", model, optimizer)   # every rank, in parallel
-    tierlift.checkpoint.load("ckpt/step100", model, optimizer)   # any world size
+    tierlift.checkpoint.save("ckpt/step100", model, optimizer, extra={"step": 100})
+    extra = tierlift.checkpoint.load("ckpt/step100", model, optimizer)   # any world size
     python -m tierlift.checkpoint export ckpt/step100 model.pt   # plain torch state dict
+    python -m tierlift.checkpoint export-optimizer ckpt/step100 optim.pt   # torch.optim format
 """
 
 from tierlift.checkpoint.format import full_state_dict
 from tierlift.checkpoint.io import load, save
+from tierlift.checkpoint.replicated import optimizer_state_dict
 
-__all__ = ["full_state_dict", "load", "save"]
+__all__ = ["full_state_dict", "load", "optimizer_state_dict", "save"]

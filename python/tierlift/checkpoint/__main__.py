@@ -1,4 +1,6 @@
-"""python -m tierlift.checkpoint export CKPT_DIR OUT(.pt|.safetensors): a plain state dict."""
+"""python -m tierlift.checkpoint export CKPT_DIR OUT(.pt|.safetensors): a plain state dict.
+python -m tierlift.checkpoint export-optimizer CKPT_DIR OUT.pt: the optimizer state of an
+unsharded model's checkpoint (offloaded or not) as torch.optim.AdamW.load_state_dict takes it."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import argparse
 import torch
 
 from tierlift.checkpoint.format import full_state_dict
+from tierlift.checkpoint.replicated import optimizer_state_dict
 
 
 def main(argv=None) -> int:
@@ -15,7 +18,17 @@ def main(argv=None) -> int:
     exp = sub.add_parser("export", help="write the unsharded model state dict of a checkpoint")
     exp.add_argument("checkpoint", help="checkpoint directory written by tierlift.checkpoint.save")
     exp.add_argument("out", help="output file: .pt (torch.save) or .safetensors")
+    opt = sub.add_parser("export-optimizer",
+                         help="write the optimizer state dict (torch.optim format) of an "
+                              "unsharded model's checkpoint")
+    opt.add_argument("checkpoint", help="checkpoint directory written by tierlift.checkpoint.save")
+    opt.add_argument("out", help="output file (torch.save)")
     args = parser.parse_args(argv)
+    if args.command == "export-optimizer":
+        sd = optimizer_state_dict(args.checkpoint)
+        torch.save(sd, args.out)
+        print(f"wrote the state of {len(sd['state'])} parameters to {args.out}")
+        return 0
     sd = full_state_dict(args.checkpoint)
     if args.out.endswith(".safetensors"):
         try:

@@ -1,4 +1,5 @@
-"""On-disk layout of a tierlift ZeRO checkpoint (a directory):
+"""On-disk layout of a tierlift ZeRO checkpoint (a directory; an unsharded model's is described
+in replicated.py, an offloading optimizer's streamed state in stream.py):
 
     metadata.json       format version, world size, per unit: name, numel, padded size and the
                         parameters it holds (names, shape, offset); optimizer param groups
@@ -122,6 +123,9 @@ def unit_slice(shards: list[dict], key: str, shard_numel: int, lo: int, hi: int)
 def full_state_dict(path: str) -> dict[str, torch.Tensor]:
     """The plain (unsharded) model state dict stored in a checkpoint, without torch.distributed."""
     meta = read_metadata(path)
+    if meta.get("layout") == "replicated":  # tierlift.checkpoint.replicated: "model.<key>"
+        return {k[len("model."):]: v.clone() for k, v in load_tensors(path, 0).items()
+                if k.startswith("model.")}
     shards = [load_tensors(path, r) for r in range(meta["world_size"])]
     out: dict[str, torch.Tensor] = {}
     for i, unit in enumerate(meta["units"]):

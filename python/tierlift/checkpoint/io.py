@@ -1,5 +1,7 @@
 """save() and load() of sharded models: every rank writes and reads its own shard; load()
-reshards when the world size changed. See format.py for the layout."""
+reshards when the world size changed. See format.py for the layout. An offloading optimizer's
+shard state is streamed to `rankNNNNN.optim/` (tierlift.checkpoint.stream), never built in RAM.
+Models that are not sharded go to tierlift.checkpoint.replicated."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ import shutil
 import torch
 
 from tierlift.checkpoint import format as fmt
-from tierlift.zero.api import _SHARD_NAME, _state
+from tierlift.checkpoint import replicated, stream
+from tierlift.zero.api import _ATTR, _SHARD_NAME, _state
 
 
 def _barrier(comm) -> None:
@@ -54,11 +57,21 @@ def _jsonable(value):
     return value
 
 
-def save(path: str | os.PathLike, model: torch.nn.Module, optimizer=None) -> None:
-    """Write a checkpoint of a sharded model (and its optimizer) to directory `path`.
+def _offloader(optimizer):
+    return getattr(optimizer, "_offload", None) if optimizer is not None else None
+
+
+def save(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
+         extra: dict | None = None) -> None:
+    """Write a checkpoint of a model (and its optimizer) to directory `path`; `extra` is any
+    JSON-able dict (progress: step, losses), stored in metadata.json and returned by load().
 
     Atomic: files go to `path`.tmp, then replace `path` by renames, so a run killed in the
-    middle leaves the previous checkpoint loadable. A collective: every rank calls it."""
+    middle leaves the previous checkpoint loadable. A sharded model (tierlift.zero.shard): a
+    collective, every rank writes its shard. Otherwise one process, or replicated ranks (DDP)
+    of which rank 0 writes. Offloaded optimizer state is streamed within its cpu_budget."""
+    if getattr(model, _ATTR, None) is None:
+        return replicated.save(os.fspath(path), model, optimizer, extra)
     state = _state(model)
     comm = state.comm
     path = os.fspath(path)
@@ -68,7 +81,11 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer=None) -> Non
         os.makedirs(tmp)
     _barrier(comm)
     tensors: dict[str, torch.Tensor] = {}
-    opt_state = _per_param_state(optimizer)
+    off = _offloader(optimizer)
+    if off is not None:
+        off.save_state(os.path.join(tmp, optim_dir(comm.rank)),
+                       {u.shard: f"unit{i}" for i, u in enumerate(state.units)})
+    opt_state = {} if off is not None else _per_param_state(optimizer)
     for i, unit in enumerate(state.units):
         tensors[f"unit{i}.param"] = unit.shard.detach().cpu()
         for key, value in opt_state.get(unit.shard, {}).items():
@@ -86,6 +103,8 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer=None) -> Non
             "version": fmt.VERSION,
             "world_size": comm.world,
             "stage": state.config.stage,
+            "optimizer_state": "offloaded" if off is not None else "tensors",
+            "extra": extra or {},
             "key_order": list(state.key_order),
             "units": [{"name": u.name, "group": None if u.group is None else repr(u.group),
                        "numel": u.numel, "padded": u.padded,
@@ -125,16 +144,47 @@ def _check_layout(meta: dict, units) -> None:
                              f"{m['numel']} elements in the checkpoint, {u.numel} in the model")
 
 
+def optim_dir(rank: int) -> str:
+    return f"rank{rank:05d}.optim"
+
+
+def _add_streamed(path: str, meta: dict, shards: list[dict]) -> None:
+    """Puts the streamed optimizer state of every saved rank into `shards` as mapped tensors
+    ("unit3.exp_avg", "unit3.step"), for the resharding path."""
+    for r, tensors in enumerate(shards):
+        d = os.path.join(path, optim_dir(r))
+        for group, names in zip(stream.read_tensors(d, mmap=True), stream.names(d)):
+            for index, st in group.items():
+                for k, v in st.items():
+                    tensors[f"{names[index]}.{k}"] = v.reshape(-1) if v.dim() else v
+
+
 @torch.no_grad()
-def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None) -> None:
-    """Load a checkpoint written by save() into a sharded model (and optimizer), on any world
-    size: each rank reads the slices of the saved shards that overlap its new shard."""
+def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None) -> dict:
+    """Load a checkpoint written by save() into a model (and optimizer); returns the `extra`
+    dict given to save(). A sharded model loads on any world size: each rank reads the slices
+    of the saved shards that overlap its new shard. Every file's SHA-256 is checked before
+    anything is changed."""
+    if getattr(model, _ATTR, None) is None:
+        return replicated.load(os.fspath(path), model, optimizer)
     state = _state(model)
     comm = state.comm
     path = fmt.resolve_dir(os.fspath(path))
     meta = fmt.read_metadata(path)
+    if meta.get("layout", "sharded") != "sharded":
+        raise ValueError(f"{path} holds an unsharded model's checkpoint; load it before "
+                         "tierlift.zero.shard(), or into a model that is not sharded")
     _check_layout(meta, state.units)
     shards = [fmt.load_tensors(path, r) for r in range(meta["world_size"])]
+    off = _offloader(optimizer)
+    streamed = optimizer is not None and meta.get("optimizer_state") == "offloaded"
+    direct = streamed and off is not None and meta["world_size"] == comm.world
+    if direct:  # the same shards: this rank's state streams straight into its tiers
+        stream.verify(os.path.join(path, optim_dir(comm.rank)))
+    elif streamed:
+        for r in range(meta["world_size"]):
+            stream.verify(os.path.join(path, optim_dir(r)))
+        _add_streamed(path, meta, shards)
     loaded_state: dict = {}
     for i, (unit, saved) in enumerate(zip(state.units, meta["units"], strict=False)):
         lo = comm.rank * unit.shard_numel
@@ -149,7 +199,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None) -> Non
 
         unit.shard.copy_(take(f"unit{i}.param"))
         unit.stale = True
-        if optimizer is not None:
+        if optimizer is not None and not direct:
             keys = {k.split(".", 1)[1] for k in shards[0] if k.startswith(f"unit{i}.")}
             keys.discard("param")
             if keys:
@@ -158,6 +208,8 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None) -> Non
                     value = shards[0][f"unit{i}.{key}"]
                     st[key] = (take(f"unit{i}.{key}") if value.dim() > 0
                                else value.clone().to(unit.device if key != "step" else "cpu"))
+    if direct:
+        off.load_state(os.path.join(path, optim_dir(comm.rank)), check=False)
     if loaded_state:
         _load_per_param_state(optimizer, loaded_state)
     if optimizer is not None and meta["param_groups"]:
@@ -179,3 +231,4 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None) -> Non
                                  f"{tuple(value.shape)} in the checkpoint but "
                                  f"{tuple(own[name].shape)} in the model")
             own[name].copy_(value)
+    return meta.get("extra", {})

@@ -505,6 +505,22 @@ class Offloader:
             torch.cuda.synchronize()  # the staging slot is reused three chunks later
             stats["h2d_s"] += time.perf_counter() - t2
 
+    # ---- streaming checkpoints ---------------------------------------------------------
+    def save_state(self, directory: str, names: dict | None = None) -> None:
+        """Writes the committed state to `directory` chunk by chunk through the pipeline slot
+        (never more host memory than the pool); the layout does not depend on chunk size or
+        budget. See tierlift.checkpoint.stream."""
+        from tierlift.checkpoint.stream import save_offloaded
+
+        save_offloaded(self, os.fspath(directory), names)
+
+    def load_state(self, directory: str, check: bool = True) -> None:
+        """Replaces the state with the one save_state() wrote to `directory` (SHA-256 checked
+        first; all-or-nothing on NVMe)."""
+        from tierlift.checkpoint.stream import load_offloaded
+
+        load_offloaded(self, os.fspath(directory), check)
+
     # ---- state dict ----------------------------------------------------------------------
     def materialize(self) -> dict:
         """{param: {kind: fp32 CPU tensor}} for every parameter that has taken a step."""

@@ -140,7 +140,9 @@ class Adam(Optimizer):
 
     def load_state_dict(self, state_dict):
         if self._offload is None:
-            return super().load_state_dict(state_dict)
+            super().load_state_dict(state_dict)
+            self._keep_fp32_state(state_dict)
+            return None
         # Take the fp32 state from the dict as is (torch would cast it to the param's dtype).
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
@@ -151,6 +153,17 @@ class Adam(Optimizer):
                                if "step" in s}
         super().load_state_dict(steps_only)
         self._offload.ingest(loaded)
+
+    def _keep_fp32_state(self, state_dict) -> None:
+        """torch casts loaded state to the parameter's dtype; ours is fp32 whatever the
+        parameter's (a bf16 parameter's master and moments would lose their low bits)."""
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in zip(ids, params):
+            for k, v in state_dict["state"].get(i, {}).items():
+                if (k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
+                        and isinstance(v, torch.Tensor) and v.dtype == torch.float32):
+                    self.state[p][k] = v.detach().to(p.device, copy=True).contiguous()
 
     def __setstate__(self, state):
         super().__setstate__(state)

@@ -1,0 +1,179 @@
+"""save() and load() of a model that is not sharded: one process, or replicated ranks (DDP)
+where rank 0 writes and every rank reads. Same directory, atomic publish and SHA-256 checks as
+the sharded format (format.py), with:
+
+    metadata.json       "layout": "replicated", the model's key order, the optimizer's param
+                        groups (hyperparameters and parameter names) and the caller's `extra`
+    rank00000.pt        "model.<key>" for the model state dict and, for an optimizer whose
+                        state is in RAM, "optim.<index>.<kind>" as its state_dict() has it
+    optim/              an offloading optimizer's state, streamed (stream.py): never in RAM
+
+An offloaded checkpoint loads into an optimizer with any other budget, chunk size or tier,
+into offload="none", and into torch.optim.AdamW (optimizer_state_dict() converts it).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+
+from tierlift.checkpoint import format as fmt
+from tierlift.checkpoint import stream
+
+OPTIM_DIR = "optim"
+
+
+def _dist():
+    d = torch.distributed
+    if d.is_available() and d.is_initialized():
+        return d.get_rank(), d.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    if _dist()[1] > 1:
+        torch.distributed.barrier()
+
+
+def _hyper(optimizer) -> list[dict]:
+    from tierlift.checkpoint.io import _jsonable
+
+    return [{k: _jsonable(v) for k, v in g.items() if k != "params"}
+            for g in optimizer.param_groups]
+
+
+def save(path: str, model: torch.nn.Module, optimizer, extra: dict | None) -> None:
+    rank, _ = _dist()
+    if rank == 0:
+        tmp = path + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        tensors = {f"model.{k}": v.detach().cpu() for k, v in model.state_dict().items()}
+        names = {p: n for n, p in model.named_parameters(remove_duplicate=False)}
+        off = getattr(optimizer, "_offload", None) if optimizer is not None else None
+        kind, scalars = None, {}
+        if off is not None:
+            kind = "offloaded"
+            off.save_state(os.path.join(tmp, OPTIM_DIR), names)
+        elif optimizer is not None:
+            kind = "tensors"
+            for i, st in optimizer.state_dict()["state"].items():
+                for k, v in st.items():
+                    if isinstance(v, torch.Tensor):
+                        tensors[f"optim.{i}.{k}"] = v.detach().cpu()
+                    else:
+                        scalars[f"{i}.{k}"] = v
+        fmt.write_tensors(tmp, 0, tensors)
+        meta = {
+            "format": fmt.FORMAT, "version": fmt.VERSION, "layout": "replicated",
+            "world_size": 1, "key_order": list(model.state_dict().keys()),
+            "optimizer_state": kind, "optimizer_scalars": scalars,
+            "param_groups": [] if optimizer is None else _hyper(optimizer),
+            "param_names": [] if optimizer is None else [
+                [names.get(p) for p in g["params"]] for g in optimizer.param_groups],
+            "extra": extra or {},
+        }
+        fmt.write_json(os.path.join(tmp, fmt.METADATA), meta)
+        fmt.replace_dir(tmp, path)
+    _barrier()
+
+
+def _check_model(model: torch.nn.Module, saved: dict[str, torch.Tensor]) -> None:
+    own = model.state_dict()
+    for name, value in saved.items():
+        if name not in own:
+            raise ValueError(f"checkpoint does not match the model: {name!r} exists only in "
+                             "the checkpoint")
+        if own[name].shape != value.shape:
+            raise ValueError(f"checkpoint does not match the model: {name!r} has shape "
+                             f"{tuple(value.shape)} in the checkpoint but "
+                             f"{tuple(own[name].shape)} in the model")
+    for name in own:
+        if name not in saved:
+            raise ValueError(f"checkpoint does not match the model: {name!r} exists only in "
+                             "the model")
+
+
+def optimizer_state_dict(path: str) -> dict:
+    """The optimizer state of a replicated checkpoint as torch's Optimizer.state_dict() has it
+    ({"state": {index: {...}}, "param_groups": [...]}): loads into torch.optim.AdamW, or into
+    tierlift's optimizers with any offload."""
+    path = fmt.resolve_dir(path)
+    meta = fmt.read_metadata(path)
+    if meta.get("layout") != "replicated":
+        raise ValueError(f"{path} is a sharded checkpoint: its optimizer state is per unit "
+                         "shard; load it with tierlift.checkpoint.load into a sharded model")
+    state: dict = {}
+    if meta["optimizer_state"] == "offloaded":
+        d = os.path.join(path, OPTIM_DIR)
+        stream.verify(d)
+        base = 0
+        for group, sizes in zip(stream.read_tensors(d), meta["param_names"]):
+            for index, st in group.items():
+                state[base + index] = st
+            base += len(sizes)
+    elif meta["optimizer_state"] == "tensors":
+        for key, value in fmt.load_tensors(path, 0).items():
+            if key.startswith("optim."):
+                _, i, k = key.split(".", 2)
+                state.setdefault(int(i), {})[k] = value
+        for key, value in meta["optimizer_scalars"].items():
+            i, k = key.split(".", 1)
+            state.setdefault(int(i), {})[k] = value
+    groups, base = [], 0
+    for hyper, names in zip(meta["param_groups"], meta["param_names"]):
+        g = dict(hyper)
+        g["params"] = list(range(base, base + len(names)))
+        base += len(names)
+        groups.append(g)
+    return {"state": state, "param_groups": groups}
+
+
+def _set_hyper(optimizer, meta: dict) -> None:
+    if len(meta["param_groups"]) != len(optimizer.param_groups):
+        raise ValueError(f"checkpoint has {len(meta['param_groups'])} optimizer param groups, "
+                         f"the optimizer {len(optimizer.param_groups)}")
+    for gi, (group, names) in enumerate(zip(optimizer.param_groups, meta["param_names"])):
+        if len(names) != len(group["params"]):
+            raise ValueError(f"checkpoint's optimizer param group {gi} has {len(names)} "
+                             f"parameters, the optimizer's {len(group['params'])}")
+
+
+@torch.no_grad()
+def load(path: str, model: torch.nn.Module, optimizer) -> dict:
+    path = fmt.resolve_dir(path)
+    meta = fmt.read_metadata(path)
+    if meta.get("layout") != "replicated":
+        raise ValueError(f"{path} holds a sharded (tierlift.zero) checkpoint: load it into a "
+                         "model after tierlift.zero.shard()")
+    # Everything is checked before anything changes.
+    tensors = fmt.load_tensors(path, 0)
+    saved = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+    _check_model(model, saved)
+    off = getattr(optimizer, "_offload", None) if optimizer is not None else None
+    opt_sd = None
+    if optimizer is not None and meta["optimizer_state"] is not None:
+        _set_hyper(optimizer, meta)
+        if meta["optimizer_state"] == "offloaded":
+            stream.verify(os.path.join(path, OPTIM_DIR))
+            if off is None:
+                opt_sd = optimizer_state_dict(path)
+        else:
+            opt_sd = optimizer_state_dict(path)
+    model.load_state_dict(saved)
+    if optimizer is not None and meta["optimizer_state"] is not None:
+        if opt_sd is None:  # offloaded into offloaded: streamed, within the budget
+            off.load_state(os.path.join(path, OPTIM_DIR), check=False)
+        else:
+            # this optimizer's own group keys, overridden by the saved hyperparameters (not
+            # through optimizer.state_dict(): an offloading one would read its state back)
+            opt_sd["param_groups"] = [
+                {**{k: v for k, v in g.items() if k != "params"}, **saved_g}
+                for g, saved_g in zip(optimizer.param_groups, opt_sd["param_groups"])]
+            optimizer.load_state_dict(opt_sd)
+        for group, hyper in zip(optimizer.param_groups, meta["param_groups"]):
+            for k, v in hyper.items():
+                group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
+    return meta.get("extra", {})

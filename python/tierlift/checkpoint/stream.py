@@ -1,0 +1,263 @@
+"""Streaming checkpoints of offloaded optimizer state (offload="cpu"|"nvme"): the Offloader's
+committed generation goes to a directory chunk by chunk through its pipeline slot, and comes
+back the same way, so the host memory a save or a load holds stays inside `cpu_budget`.
+
+Layout (independent of chunk size, budget and tier, so it loads anywhere):
+
+    state.json          per param group: its state kinds and, per parameter that has taken a
+                        step, its index, name, shape, dtype, step and offset (elements) in the
+                        kind files; the SHA-256 of every kind file
+    g0.exp_avg.f32 ...  one file per group and kind: the fp32 values of the stepped parameters,
+                        concatenated densely in parameter order ("master" holds the fp32 master
+                        weights, or the parameter itself where it is fp32 and its own master)
+
+Checksums are SHA-256, the mechanism of tierlift.checkpoint.format, computed while the bytes are
+written (no second pass) and verified before anything is loaded: a truncated or corrupt file is
+an error naming it, and the optimizer is left as it was.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import numpy as np
+import torch
+
+from tierlift.checkpoint import format as fmt
+
+STATE_JSON = "state.json"
+FORMAT = "tierlift-offload-state"
+VERSION = 1
+_LOW_PRECISION = ("torch.bfloat16", "torch.float16")
+
+
+def kind_file(gi: int, kind: str) -> str:
+    return f"g{gi}.{kind}.f32"
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().numpy()
+
+
+def read_state_json(directory: str) -> dict:
+    file = os.path.join(directory, STATE_JSON)
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"{directory} holds no offloaded optimizer state (no "
+                                f"{STATE_JSON})")
+    try:
+        with open(file) as f:
+            meta = json.load(f)
+    except ValueError as e:
+        raise ValueError(f"{file} is corrupt: {e}") from e
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise ValueError(f"{file}: unsupported format {meta.get('format')!r} version "
+                         f"{meta.get('version')!r} (expected {FORMAT!r} {VERSION})")
+    return meta
+
+
+def verify(directory: str, meta: dict | None = None) -> dict:
+    """Checks every kind file's size and SHA-256 against state.json; returns state.json."""
+    meta = meta or read_state_json(directory)
+    for gi, group in enumerate(meta["groups"]):
+        nbytes = 4 * sum(p["numel"] for p in group["params"])
+        for kind in group["kinds"]:
+            name = kind_file(gi, kind)
+            file = os.path.join(directory, name)
+            if not os.path.isfile(file):
+                raise FileNotFoundError(f"offloaded optimizer state {directory} lacks {name}")
+            if os.path.getsize(file) != nbytes:
+                raise ValueError(f"{file} is truncated or corrupt: {os.path.getsize(file)} "
+                                 f"bytes, {nbytes} expected")
+            if fmt.sha256(file) != meta["sha256"][name]:
+                raise ValueError(f"{file} is corrupt or truncated: its SHA-256 does not match "
+                                 f"the one in {STATE_JSON}")
+    return meta
+
+
+def _wait_quietly(handles) -> None:
+    for h in handles:
+        try:
+            h.wait()
+        except Exception:  # noqa: BLE001 - the first error is the one raised
+            pass
+
+
+def _slotted(off, gi: int, chunks: list, writes: dict):
+    """Yields (i, chunk, bufs): the committed generation of each chunk in the pipeline slots,
+    reading chunk i+1 (CRC-32C checked in the background) while the caller works on chunk i.
+    The caller puts the handles of writes from a slot into `writes[i]`; the slot is reused
+    only after they finished. Resident host tiers yield views (no copy)."""
+    tier = off.tiers[gi]
+    if not hasattr(tier, "engine"):
+        for i, chunk in enumerate(chunks):
+            yield i, chunk, off._chunk_bufs(gi, chunk)
+        return
+    slots = off._slots
+    reads: dict = {}
+
+    def start(i):
+        reads[i] = tier.read_all(chunks[i].ci, slots[i % len(slots)], off._what(gi, chunks[i]))
+
+    try:
+        if chunks:
+            start(0)
+        for i, chunk in enumerate(chunks):
+            if i + 1 < len(chunks):
+                for h in writes.pop(i + 1 - len(slots), []):
+                    h.wait()
+                start(i + 1)
+            for h in reads.pop(i):
+                h.wait()
+            yield i, chunk, slots[i % len(slots)]
+        for i in sorted(writes):
+            for h in writes.pop(i):
+                h.wait()
+    finally:  # an error, or the caller stopped: no I/O may stay in flight into the slots
+        for hs in [*reads.values(), *writes.values()]:
+            _wait_quietly(hs)
+
+
+def save_offloaded(off, directory: str, names: dict | None = None) -> None:
+    """Writes the committed state of Offloader `off` to `directory` (created), one chunk at a
+    time through the pipeline slot; `names` ({param: name}) are recorded for conversions."""
+    os.makedirs(directory, exist_ok=True)
+    names = names or {}
+    groups, digests = [], {}
+    for gi, group in enumerate(off.opt.param_groups):
+        params, layout, tier = group["params"], off.layouts[gi], off.tiers[gi]
+        kinds = ["master", *[k for k in tier.kinds if k != "master"]]
+        stepped = [pi for pi, p in enumerate(params) if "step" in off.opt.state[p]]
+        entries, pos = [], 0
+        for pi in stepped:
+            p = params[pi]
+            entries.append({"index": pi, "name": names.get(p), "shape": list(p.shape),
+                            "dtype": str(p.dtype), "numel": p.numel(), "offset": pos,
+                            "step": float(off.opt.state[p]["step"])})
+            pos += p.numel()
+        files = {k: open(os.path.join(directory, kind_file(gi, k)), "wb") for k in kinds}
+        hashes = {k: hashlib.sha256() for k in kinds}
+        live = set(stepped)
+        try:
+            chunks = [c for c in layout.chunks if any(s.pi in live for s in c.segments)]
+            for _, chunk, bufs in _slotted(off, gi, chunks, {}):
+                for s in (s for s in chunk.segments if s.pi in live):
+                    p = params[s.pi]
+                    for k in kinds:
+                        if k == "master" and ("master" not in tier.kinds
+                                              or not off._uses_master(p)):
+                            src = p.detach().view(-1)[s.plo:s.phi]
+                        else:
+                            src = bufs[k][s.clo:s.chi]
+                        arr = _np(src)
+                        files[k].write(arr)  # segments arrive in ascending file order
+                        hashes[k].update(arr)
+            for f in files.values():
+                f.flush()
+                os.fsync(f.fileno())
+        finally:
+            for f in files.values():
+                f.close()
+        digests.update({kind_file(gi, k): h.hexdigest() for k, h in hashes.items()})
+        groups.append({"kinds": kinds, "params": entries})
+    fmt.write_json(os.path.join(directory, STATE_JSON),
+                   {"format": FORMAT, "version": VERSION, "groups": groups, "sha256": digests})
+
+
+def _check_fits(off, meta: dict, directory: str) -> None:
+    if len(meta["groups"]) != len(off.opt.param_groups):
+        raise ValueError(f"offloaded optimizer state {directory} has {len(meta['groups'])} "
+                         f"param groups, the optimizer {len(off.opt.param_groups)}")
+    for gi, (saved, group) in enumerate(zip(meta["groups"], off.opt.param_groups)):
+        params = group["params"]
+        missing = [k for k in off.tiers[gi].kinds if k not in saved["kinds"]]
+        if missing:
+            why = (" (saved with amsgrad=False, the optimizer has amsgrad=True)"
+                   if "max_exp_avg_sq" in missing else "")
+            raise ValueError(f"offloaded optimizer state {directory} has no {missing} for "
+                             f"param group {gi}{why}")
+        for e in saved["params"]:
+            if e["index"] >= len(params) or params[e["index"]].numel() != e["numel"]:
+                got = (tuple(params[e["index"]].shape) if e["index"] < len(params)
+                       else "no such parameter")
+                raise ValueError(f"offloaded optimizer state {directory} does not match the "
+                                 f"optimizer: param_groups[{gi}]['params'][{e['index']}] has "
+                                 f"shape {tuple(e['shape'])} in the checkpoint, {got} here")
+
+
+def load_offloaded(off, directory: str, check: bool = True) -> None:
+    """Replaces the state of Offloader `off` with the one saved in `directory`, a chunk at a
+    time through the pipeline slot. Checks every file's SHA-256 first (unless `check` is False
+    because the caller already did); NVMe chunks are written to the uncommitted generation and
+    committed together at the end, so a failure leaves the optimizer as it was."""
+    meta = verify(directory) if check else read_state_json(directory)
+    _check_fits(off, meta, directory)
+    flips = []
+    for gi, saved in enumerate(meta["groups"]):
+        layout, tier = off.layouts[gi], off.tiers[gi]
+        offsets = {e["index"]: e["offset"] for e in saved["params"]}
+        files = {k: open(os.path.join(directory, kind_file(gi, k)), "rb") for k in tier.kinds}
+        try:
+            chunks = [c for c in layout.chunks if any(s.pi in offsets for s in c.segments)]
+            writes: dict = {}
+            for i, chunk, bufs in _slotted(off, gi, chunks, writes):
+                for s in (s for s in chunk.segments if s.pi in offsets):
+                    for k in tier.kinds:
+                        f = files[k]
+                        f.seek(4 * (offsets[s.pi] + s.plo))
+                        want = 4 * (s.phi - s.plo)
+                        if f.readinto(_np(bufs[k][s.clo:s.chi])) != want:
+                            raise ValueError(f"{f.name} is truncated")
+                if hasattr(tier, "engine"):  # NvmeTier: the other generation, flipped below
+                    writes[i] = tier.write_all(chunk.ci, bufs, 1 - tier.gen[chunk.ci])
+                    flips.append((tier, chunk.ci))
+        finally:
+            for f in files.values():
+                f.close()
+    if off._engine is not None:
+        off._engine.sync()
+    for tier, ci in flips:
+        tier.gen[ci] = 1 - tier.gen[ci]
+    for gi, (saved, group) in enumerate(zip(meta["groups"], off.opt.param_groups)):
+        steps = {e["index"]: e["step"] for e in saved["params"]}
+        for pi, p in enumerate(group["params"]):
+            if pi in steps:
+                off.opt.state[p]["step"] = torch.tensor(steps[pi], dtype=torch.float32)
+                off._in_file[gi].add(pi)
+            else:  # no state in the checkpoint: starts fresh, as in torch
+                off.opt.state[p].pop("step", None)
+                off._in_file[gi].discard(pi)
+
+
+def read_tensors(directory: str, mmap: bool = False) -> list[dict]:
+    """[{param index: {"step": tensor, kind: fp32 tensor}} per group], "master" only for
+    low-precision parameters (as optimizer.state_dict() has it). mmap=True maps the files
+    (pages are read on use, not held) instead of reading them."""
+    meta = read_state_json(directory)
+    out = []
+    for gi, group in enumerate(meta["groups"]):
+        arrays = {}
+        for k in group["kinds"]:
+            file = os.path.join(directory, kind_file(gi, k))
+            empty = os.path.getsize(file) == 0
+            arrays[k] = (np.zeros(0, np.float32) if empty else
+                         np.memmap(file, dtype=np.float32, mode="c") if mmap else
+                         np.fromfile(file, dtype=np.float32))
+        states = {}
+        for e in group["params"]:
+            st = {"step": torch.tensor(e["step"], dtype=torch.float32)}
+            for k, a in arrays.items():
+                if k == "master" and e["dtype"] not in _LOW_PRECISION:
+                    continue
+                st[k] = torch.from_numpy(a[e["offset"]:e["offset"] + e["numel"]]).view(
+                    e["shape"])
+            states[e["index"]] = st
+        out.append(states)
+    return out
+
+
+def names(directory: str) -> list[dict]:
+    """[{param index: name recorded at save}] per group."""
+    return [{e["index"]: e["name"] for e in g["params"]}
+            for g in read_state_json(directory)["groups"]]
