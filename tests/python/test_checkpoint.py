@@ -210,3 +210,18 @@ def test_offloaded_optimizer_state_round_trips(tmp_path, save_offload, load_offl
     model, opt = fresh(load_offload)
     tierlift.checkpoint.load(tmp_path / "ck", model, opt)
     assert train(model, opt, DATA[3:], accum=1, clip=None, zero=True) == expected
+
+
+def test_mismatched_param_groups_change_nothing(tmp_path):
+    model, opt = _fresh(stage=3)
+    train(model, opt, DATA[:2], accum=1, clip=None, zero=True)
+    tierlift.checkpoint.save(tmp_path / "ck", model, opt)
+    other = tierlift.zero.shard(make_model(seed=6), stage=3)
+    before = tierlift.zero.full_state_dict(other)
+    shards = list(other.parameters())
+    two_groups = tierlift.optim.AdamW([{"params": shards[:1]}, {"params": shards[1:]}])
+    with pytest.raises(ValueError, match="param groups"):
+        tierlift.checkpoint.load(tmp_path / "ck", other, two_groups)
+    after = tierlift.zero.full_state_dict(other)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert not two_groups.state

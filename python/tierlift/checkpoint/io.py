@@ -176,6 +176,21 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None) -> dic
                          "tierlift.zero.shard(), or into a model that is not sharded")
     _check_layout(meta, state.units)
     shards = [fmt.load_tensors(path, r) for r in range(meta["world_size"])]
+    # Every check before the first change: a checkpoint that does not fit leaves all as it was.
+    if optimizer is not None and meta["param_groups"] and \
+            len(meta["param_groups"]) != len(optimizer.param_groups):
+        raise ValueError(f"checkpoint has {len(meta['param_groups'])} optimizer param "
+                         f"groups, the optimizer {len(optimizer.param_groups)}")
+    own = model.state_dict()
+    extras = {k[len("extra."):]: v for k, v in shards[0].items() if k.startswith("extra.")}
+    for name, value in extras.items():
+        if name not in own:
+            raise ValueError(f"checkpoint does not match the model: {name!r} exists only "
+                             "in the checkpoint")
+        if own[name].shape != value.shape:
+            raise ValueError(f"checkpoint does not match the model: {name!r} has shape "
+                             f"{tuple(value.shape)} in the checkpoint but "
+                             f"{tuple(own[name].shape)} in the model")
     off = _offloader(optimizer)
     streamed = optimizer is not None and meta.get("optimizer_state") == "offloaded"
     direct = streamed and off is not None and meta["world_size"] == comm.world
@@ -213,22 +228,9 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None) -> dic
     if loaded_state:
         _load_per_param_state(optimizer, loaded_state)
     if optimizer is not None and meta["param_groups"]:
-        if len(meta["param_groups"]) != len(optimizer.param_groups):
-            raise ValueError(f"checkpoint has {len(meta['param_groups'])} optimizer param "
-                             f"groups, the optimizer {len(optimizer.param_groups)}")
-        for group, saved in zip(optimizer.param_groups, meta["param_groups"], strict=False):
+        for group, saved in zip(optimizer.param_groups, meta["param_groups"], strict=True):
             for k, v in saved.items():
                 group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
-    own = model.state_dict()
-    for key, value in shards[0].items():
-        if key.startswith("extra."):
-            name = key[len("extra."):]
-            if name not in own:
-                raise ValueError(f"checkpoint does not match the model: {name!r} exists only "
-                                 "in the checkpoint")
-            if own[name].shape != value.shape:
-                raise ValueError(f"checkpoint does not match the model: {name!r} has shape "
-                                 f"{tuple(value.shape)} in the checkpoint but "
-                                 f"{tuple(own[name].shape)} in the model")
-            own[name].copy_(value)
+    for name, value in extras.items():
+        own[name].copy_(value)
     return meta.get("extra", {})
