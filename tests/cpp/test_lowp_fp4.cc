@@ -171,8 +171,12 @@ TEST(LowpFp4Quant, NvAndQuestErrorsAreSmallAndMaskMarksClipping) {
       }
       // A 16x16 block shares the outlier 40 scale with 15 other rows: coarser.
       EXPECT_LT(err / ref, two_d ? 0.15 : 0.05) << static_cast<int>(rule) << two_d;
-      if (rule == fp4::ScaleRule::kQuest) EXPECT_EQ(mask[5], 0);
-      if (rule == fp4::ScaleRule::kNv) EXPECT_EQ(mask[5], 1);
+      if (rule == fp4::ScaleRule::kQuest) {
+        EXPECT_EQ(mask[5], 0);
+      }
+      if (rule == fp4::ScaleRule::kNv) {
+        EXPECT_EQ(mask[5], 1);
+      }
     }
   }
 }
