@@ -10,15 +10,20 @@ against DeepSpeed ZeRO-3 with CPU optimizer offload.
     python benchmarks/bench_offload.py --finetune-check             # the --gpu code, CPU, tiny
 
 Step mode: fp32 CPU parameters. The NVMe case gets cpu_budget = a third of its state (fp32
-master, m, v = 12 B/param), so every step streams the whole state through the pool. Roofline:
-the state bytes the step reads and writes (from last_step_stats) divided by the disk's read and
-write bandwidth, measured on the same directory through tierlift.io in the same run with a probe
-as large as one state file, with O_DIRECT from an aligned pool buffer as the step does it (best
-of 3). Also shown: the page-cache roofline (the plan's buffered probe, the definition before
-2026-11; on a VM whose disk is slower than its page cache it understates the step's floor) and
-an I/O replay: the step's own requests and pipeline with no CRC and no Adam, which separates
-the cost of the I/O pattern from the compute the step adds. Each time is the median of
---repeats steps.
+master, m, v = 12 B/param), so every step streams the whole state through the pool. It runs
+first (before torch's OpenMP threads are woken by the other cases), round by round: one step,
+one I/O replay (the step's own requests and pipeline with no CRC and no Adam, which separates
+the cost of the I/O pattern from the compute the step adds), one disk probe. Roofline of a
+round: the state bytes the step read and wrote (from last_step_stats; only the used part of
+each chunk moves) over the read and write bandwidth of that round's probe: O_DIRECT through
+tierlift.io from aligned pool buffers, one request as large as one state file, the fastest of
+1, 2 and 4 MiB engine blocks (a lower bound takes the best shape the disk serves). Read and
+write bandwidths add up as time (bytes read / read bw + bytes written / write bw) because the
+probe's read-while-writing takes as long as one after the other on this disk (shown as
+"parallel"; were it faster, the mixed rate would bound the roofline instead). The ratio is
+taken per round and its median reported: the disk of a shared VM changes speed by 2x within a
+minute, so a probe taken once, apart from the steps, does not describe them. Also shown: the
+page-cache roofline (buffered probe). Other cases: median of --repeats steps.
 
 Fine-tuning mode, sizing per parameter: tierlift keeps bf16 params + bf16 grads on the GPU (4 B)
 and the fp32 master, m, v in pinned RAM (12 B with offload="cpu", 24 B with --overlap: two

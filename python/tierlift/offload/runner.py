@@ -64,6 +64,18 @@ def _sums_finite(grads: list[torch.Tensor]) -> bool:
     return True
 
 
+def _drain(handles: dict) -> None:
+    """Waits for every I/O handle left in {i: [handles]} and empties it (after an error or a
+    skipped step: no I/O may stay in flight into the slots); their own errors are dropped."""
+    for hs in handles.values():
+        for h in hs:
+            try:
+                h.wait()
+            except Exception:  # noqa: BLE001 - the first error is the one raised
+                pass
+    handles.clear()
+
+
 def _state_kinds(amsgrad: bool) -> list[str]:
     return ["master", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
 
@@ -204,30 +216,59 @@ class Offloader:
         stats = defaultdict(float)
         spec = self.overlap.finish(stats) if self.overlap is not None else {}
         live = self._collect_grads()
-        t = time.perf_counter()
-        finite = self._all_finite(live)
-        stats["grad_check_s"] += time.perf_counter() - t
-        if not finite:
-            self.last_step_stats = {"skipped": True, "reason": "non-finite gradient",
-                                    "total_s": time.perf_counter() - t0}
-            warnings.warn("tierlift offload: a gradient has NaN/Inf values; the step was "
-                          "skipped and parameters and optimizer state are unchanged",
-                          RuntimeWarning, stacklevel=3)
-            return
-        for gi, group in enumerate(self.opt.param_groups):
-            if live[gi]:
-                _check_group(gi, group, self._kinds[gi])
-        if self.config.max_grad_norm is not None:
-            self._clip(stats)
-        if self.streamed:
-            self._step_streamed(live, spec, stats)
-        else:
+        pre = self._prefetch(live, spec)
+        try:
+            t = time.perf_counter()
+            finite = self._all_finite(live)
+            stats["grad_check_s"] += time.perf_counter() - t
+            if not finite:
+                self.last_step_stats = {"skipped": True, "reason": "non-finite gradient",
+                                        "total_s": time.perf_counter() - t0}
+                warnings.warn("tierlift offload: a gradient has NaN/Inf values; the step was "
+                              "skipped and parameters and optimizer state are unchanged",
+                              RuntimeWarning, stacklevel=3)
+                return
+            for gi, group in enumerate(self.opt.param_groups):
+                if live[gi]:
+                    _check_group(gi, group, self._kinds[gi])
+            if self.config.max_grad_norm is not None:
+                self._clip(stats)
+            if self.streamed:
+                self._step_streamed(live, spec, stats, pre)
+        finally:
+            if pre is not None:  # reads run() did not take over (skipped step, an error)
+                _drain(pre[1])
+        if not self.streamed:
             for gi, group in enumerate(self.opt.param_groups):
                 if live[gi]:
                     self._step_resident(gi, group, live[gi], stats)
         stats["total_s"] = time.perf_counter() - t0
         stats["skipped"] = False
         self.last_step_stats = dict(stats)
+
+    def _chunks(self, gi: int, grads: dict, kept: set) -> list:
+        """The chunks of group gi that this step updates, in order."""
+        return [c for c in self.layouts[gi].chunks if c.ci not in kept
+                and any(s.pi in grads for s in c.segments)]
+
+    def _prefetch(self, live: list[dict], spec: dict):
+        """(gi, {i: read handles}): starts reading the first chunks of the first group to
+        step before the gradient check and clipping (which only look at gradients), so the disk
+        works from the start of the step. The reads only fill pipeline slots: a skipped or
+        failed step changes nothing. Not with overlap, nor when a parameter takes its first
+        step (init_masters uses slot 0 before the pipeline runs)."""
+        if self._engine is None or spec or self.overlap is not None:
+            return None
+        gi = next((gi for gi, grads in enumerate(live) if grads), None)
+        if gi is None:
+            return None
+        params, tier = self.opt.param_groups[gi]["params"], self.tiers[gi]
+        if any("step" not in self.opt.state[params[pi]] for pi in live[gi]):
+            return None
+        reads: dict[int, list] = {}
+        for j, c in enumerate(self._chunks(gi, live[gi], set())[:self.n_slots - 1]):
+            reads[j] = tier.read_all(c.ci, self._slots[j % self.n_slots], self._what(gi, c))
+        return gi, reads
 
     def _collect_grads(self) -> list[dict]:
         live = []
@@ -309,7 +350,7 @@ class Offloader:
             self._step_chunk(gi, group, params, grads, steps, chunk, bufs, stats)
         self._commit_steps(gi, steps)
 
-    def _step_streamed(self, live: list[dict], spec: dict, stats) -> None:
+    def _step_streamed(self, live: list[dict], spec: dict, stats, pre=None) -> None:
         """Steps every chunk with a gradient that the overlap did not already step validly,
         waits for all writes, then commits (flips the generations and the step counts)."""
         keep: dict[int, list] = {}
@@ -325,12 +366,11 @@ class Offloader:
                 grads = live[gi]
                 if not grads:
                     continue
-                kept = {c.ci for c in keep.get(gi, [])}
-                chunks = [c for c in self.layouts[gi].chunks if c.ci not in kept
-                          and any(s.pi in grads for s in c.segments)]
+                chunks = self._chunks(gi, grads, {c.ci for c in keep.get(gi, [])})
                 steps = self.next_steps(gi, grads)
                 self.init_masters(gi, grads, chunks, stats)
-                self.run(gi, grads, steps, chunks, stats, done[gi])
+                self.run(gi, grads, steps, chunks, stats, done[gi],
+                         reads=pre[1] if pre is not None and pre[0] == gi else None)
             t = time.perf_counter()
             if self._engine is not None:
                 self._engine.sync()
@@ -396,15 +436,17 @@ class Offloader:
                 self._engine.sync()
             stats["master_init_s"] += time.perf_counter() - t
 
-    def run(self, gi, grads, steps, chunks, stats, done: list, publish: bool = True) -> None:
+    def run(self, gi, grads, steps, chunks, stats, done: list, publish: bool = True,
+            reads: dict | None = None) -> None:
         """With S pipeline slots: reads chunks k+1 .. k+S-2 ahead while stepping chunk k while
         chunk k-1 is written to the other generation; returns once every write finished.
-        Chunks whose parameters were updated are appended to `done` (also when this raises)."""
+        Chunks whose parameters were updated are appended to `done` (also when this raises).
+        `reads`: the first chunks' reads already started (by _prefetch); taken over here."""
         group = self.opt.param_groups[gi]
         params, tier = group["params"], self.tiers[gi]
         kinds = tier.kinds
         n_slots = self.n_slots
-        reads: dict[int, list] = {}
+        reads = reads if reads is not None else {}
         writes: dict[int, list] = {}
         used = getattr(tier, "used", None)  # NVMe moves only the used part of a chunk
 
@@ -415,7 +457,7 @@ class Offloader:
                 stats["checksum_s"] += getattr(h, "crc_s", 0.0)
             stats[key] += time.perf_counter() - t
 
-        issued = 0  # reads started so far: chunks [0, issued)
+        issued = len(reads)  # reads started so far: chunks [0, issued)
 
         def read_ahead(upto):
             nonlocal issued
@@ -442,12 +484,8 @@ class Offloader:
             for i in sorted(writes):
                 wait_all(writes.pop(i), "nvme_write_wait_s")
         except BaseException:
-            for hs in [*reads.values(), *writes.values()]:
-                for h in hs:
-                    try:
-                        h.wait()
-                    except Exception:  # noqa: BLE001 - the first error is the one raised
-                        pass
+            _drain(reads)
+            _drain(writes)
             raise
 
     def _restore(self, gi: int, chunks) -> None:
