@@ -172,33 +172,3 @@ def test_bad_pipeline_settings(tmp_path, kw, err, match):
     with pytest.raises(err, match=match):
         OffloadConfig(offload="nvme", nvme_path=str(tmp_path), **kw)
 
-
-def test_first_reads_start_before_the_gradient_check(tmp_path):
-    params = _params()
-    opt = _nvme_opt(params, tmp_path, cpu_budget=_state_bytes() // 3, pipeline_slots=4)
-    ref = _params()
-    ref_opt = AdamW(ref, lr=1e-2, weight_decay=0.1)
-    off, tier = opt._offload, opt._offload.tiers[0]
-    events = []
-    read_all, all_finite = tier.read_all, off._all_finite
-    tier.read_all = lambda ci, *a: events.append(("read", ci)) or read_all(ci, *a)
-    off._all_finite = lambda live: events.append(("check", None)) or all_finite(live)
-    for i in range(3):
-        _grads(params, i)
-        _grads(ref, i)
-        if i == 1:  # a skipped step drains the reads it started and changes nothing
-            params[3].grad[7] = float("nan")
-            with pytest.warns(RuntimeWarning, match="skipped"):
-                opt.step()
-            assert off._engine.pool_in_use <= off.pool_bytes
-            _grads(params, i)
-        events.clear()
-        opt.step()
-        ref_opt.step()
-        if i > 0:  # not on a parameter's first step (init_masters goes first)
-            assert events[:4] == [("read", 0), ("read", 1), ("read", 2), ("check", None)]
-        else:
-            assert events[0] == ("check", None)
-    for a, b in zip(ref, params):
-        assert torch.equal(a, b)
-    off.close()

@@ -216,29 +216,24 @@ class Offloader:
         stats = defaultdict(float)
         spec = self.overlap.finish(stats) if self.overlap is not None else {}
         live = self._collect_grads()
-        pre = self._prefetch(live, spec)
-        try:
-            t = time.perf_counter()
-            finite = self._all_finite(live)
-            stats["grad_check_s"] += time.perf_counter() - t
-            if not finite:
-                self.last_step_stats = {"skipped": True, "reason": "non-finite gradient",
-                                        "total_s": time.perf_counter() - t0}
-                warnings.warn("tierlift offload: a gradient has NaN/Inf values; the step was "
-                              "skipped and parameters and optimizer state are unchanged",
-                              RuntimeWarning, stacklevel=3)
-                return
-            for gi, group in enumerate(self.opt.param_groups):
-                if live[gi]:
-                    _check_group(gi, group, self._kinds[gi])
-            if self.config.max_grad_norm is not None:
-                self._clip(stats)
-            if self.streamed:
-                self._step_streamed(live, spec, stats, pre)
-        finally:
-            if pre is not None:  # reads run() did not take over (skipped step, an error)
-                _drain(pre[1])
-        if not self.streamed:
+        t = time.perf_counter()
+        finite = self._all_finite(live)
+        stats["grad_check_s"] += time.perf_counter() - t
+        if not finite:
+            self.last_step_stats = {"skipped": True, "reason": "non-finite gradient",
+                                    "total_s": time.perf_counter() - t0}
+            warnings.warn("tierlift offload: a gradient has NaN/Inf values; the step was "
+                          "skipped and parameters and optimizer state are unchanged",
+                          RuntimeWarning, stacklevel=3)
+            return
+        for gi, group in enumerate(self.opt.param_groups):
+            if live[gi]:
+                _check_group(gi, group, self._kinds[gi])
+        if self.config.max_grad_norm is not None:
+            self._clip(stats)
+        if self.streamed:
+            self._step_streamed(live, spec, stats)
+        else:
             for gi, group in enumerate(self.opt.param_groups):
                 if live[gi]:
                     self._step_resident(gi, group, live[gi], stats)
@@ -250,25 +245,6 @@ class Offloader:
         """The chunks of group gi that this step updates, in order."""
         return [c for c in self.layouts[gi].chunks if c.ci not in kept
                 and any(s.pi in grads for s in c.segments)]
-
-    def _prefetch(self, live: list[dict], spec: dict):
-        """(gi, {i: read handles}): starts reading the first chunks of the first group to
-        step before the gradient check and clipping (which only look at gradients), so the disk
-        works from the start of the step. The reads only fill pipeline slots: a skipped or
-        failed step changes nothing. Not with overlap, nor when a parameter takes its first
-        step (init_masters uses slot 0 before the pipeline runs)."""
-        if self._engine is None or spec or self.overlap is not None:
-            return None
-        gi = next((gi for gi, grads in enumerate(live) if grads), None)
-        if gi is None:
-            return None
-        params, tier = self.opt.param_groups[gi]["params"], self.tiers[gi]
-        if any("step" not in self.opt.state[params[pi]] for pi in live[gi]):
-            return None
-        reads: dict[int, list] = {}
-        for j, c in enumerate(self._chunks(gi, live[gi], set())[:self.n_slots - 1]):
-            reads[j] = tier.read_all(c.ci, self._slots[j % self.n_slots], self._what(gi, c))
-        return gi, reads
 
     def _collect_grads(self) -> list[dict]:
         live = []
@@ -350,7 +326,7 @@ class Offloader:
             self._step_chunk(gi, group, params, grads, steps, chunk, bufs, stats)
         self._commit_steps(gi, steps)
 
-    def _step_streamed(self, live: list[dict], spec: dict, stats, pre=None) -> None:
+    def _step_streamed(self, live: list[dict], spec: dict, stats) -> None:
         """Steps every chunk with a gradient that the overlap did not already step validly,
         waits for all writes, then commits (flips the generations and the step counts)."""
         keep: dict[int, list] = {}
@@ -369,8 +345,7 @@ class Offloader:
                 chunks = self._chunks(gi, grads, {c.ci for c in keep.get(gi, [])})
                 steps = self.next_steps(gi, grads)
                 self.init_masters(gi, grads, chunks, stats)
-                self.run(gi, grads, steps, chunks, stats, done[gi],
-                         reads=pre[1] if pre is not None and pre[0] == gi else None)
+                self.run(gi, grads, steps, chunks, stats, done[gi])
             t = time.perf_counter()
             if self._engine is not None:
                 self._engine.sync()
@@ -436,17 +411,15 @@ class Offloader:
                 self._engine.sync()
             stats["master_init_s"] += time.perf_counter() - t
 
-    def run(self, gi, grads, steps, chunks, stats, done: list, publish: bool = True,
-            reads: dict | None = None) -> None:
+    def run(self, gi, grads, steps, chunks, stats, done: list, publish: bool = True) -> None:
         """With S pipeline slots: reads chunks k+1 .. k+S-2 ahead while stepping chunk k while
         chunk k-1 is written to the other generation; returns once every write finished.
-        Chunks whose parameters were updated are appended to `done` (also when this raises).
-        `reads`: the first chunks' reads already started (by _prefetch); taken over here."""
+        Chunks whose parameters were updated are appended to `done` (also when this raises)."""
         group = self.opt.param_groups[gi]
         params, tier = group["params"], self.tiers[gi]
         kinds = tier.kinds
         n_slots = self.n_slots
-        reads = reads if reads is not None else {}
+        reads: dict[int, list] = {}
         writes: dict[int, list] = {}
         used = getattr(tier, "used", None)  # NVMe moves only the used part of a chunk
 
@@ -457,7 +430,7 @@ class Offloader:
                 stats["checksum_s"] += getattr(h, "crc_s", 0.0)
             stats[key] += time.perf_counter() - t
 
-        issued = len(reads)  # reads started so far: chunks [0, issued)
+        issued = 0  # reads started so far: chunks [0, issued)
 
         def read_ahead(upto):
             nonlocal issued
