@@ -17,7 +17,10 @@ the cost of the I/O pattern from the compute the step adds), one disk probe. Roo
 round: the state bytes the step read and wrote (from last_step_stats; only the used part of
 each chunk moves) over the read and write bandwidth of that round's probe: O_DIRECT through
 tierlift.io from aligned pool buffers, one request as large as one state file, the fastest of
-1, 2 and 4 MiB engine blocks (a lower bound takes the best shape the disk serves). Read and
+six buffers, two each with 1, 2 and 4 MiB engine blocks (a lower bound takes the best the disk
+serves; on the development VM the speed follows how physically contiguous a buffer is, which
+is printed for the step's, the replay's and the probes' buffers, with a warning when every
+probe buffer is more fragmented than the step's). Read and
 write bandwidths add up as time (bytes read / read bw + bytes written / write bw) because the
 probe's read-while-writing takes as long as one after the other on this disk (shown as
 "parallel"; were it faster, the mixed rate would bound the roofline instead). The ratio is
@@ -136,7 +139,7 @@ class DiskProbe:
         self.eng = IoEngine(EngineConfig(pool_bytes=2 * self.n, block_size=block_size))
         self.rbuf, self.wbuf = self.eng.pool_tensor(self.n), self.eng.pool_tensor(self.n)
         self.wbuf.fill_(7)
-        self.src, self.dst = (os.path.join(directory, f"probe{block_size}.{x}")
+        self.src, self.dst = (os.path.join(directory, f"probe{block_size}.{id(self)}.{x}")
                               for x in ("src", "dst"))
         for path in (self.src, self.dst):
             self.eng.write(self.wbuf, path, 0).wait()
@@ -163,7 +166,10 @@ class DiskProbe:
         self.eng.close()
 
 
-PROBE_BLOCKS = (1 << 20, 2 << 20, 4 << 20)  # request sizes the probe tries; the best counts
+# Request sizes the probe tries, two buffers each (the best counts): on the development VM the
+# speed follows how physically contiguous a buffer's pages are (see contiguity()), so more
+# buffers give the probe more chances at the device's real speed.
+PROBE_BLOCKS = (1 << 20, 2 << 20, 4 << 20) * 2
 
 
 def probe_best(probes: list[DiskProbe]) -> tuple[float, float, float]:
@@ -185,6 +191,25 @@ def roofline_of(read_bytes: float, write_bytes: float, n: int, probe) -> tuple[f
     serial = read_bytes * r / n + write_bytes * w / n
     mixed = (read_bytes + write_bytes) * both / (2 * n)
     return min(serial, mixed), (r + w) / both
+
+
+def contiguity(t: torch.Tensor) -> float | None:
+    """Mean length in 4 KiB pages of the physically contiguous runs under tensor `t` (from
+    /proc/self/pagemap; None without the privilege to see frame numbers). On the development VM
+    the disk's O_DIRECT speed follows it: ~2.5 GB/s read into 1-page runs, ~4 GB/s at 3 pages,
+    ~6 GB/s at 25 and more (likely: each discontiguous piece is one segment of a device
+    request, at most 254 per request on virtio-blk)."""
+    first, n = t.data_ptr() // 4096, -(-t.nbytes // 4096)
+    try:
+        with open("/proc/self/pagemap", "rb") as f:
+            f.seek(first * 8)
+            raw = f.read(n * 8)
+    except OSError:
+        return None
+    pfns = [int.from_bytes(raw[i:i + 8], "little") & ((1 << 55) - 1) for i in range(0, len(raw), 8)]
+    if not any(pfns):
+        return None
+    return len(pfns) / (1 + sum(1 for a, b in zip(pfns, pfns[1:]) if b != a + 1))
 
 
 def _median(xs):
@@ -210,6 +235,9 @@ def bench_nvme(n: int, budget: int, directory: str, repeats: int) -> dict:
         opt.step()  # warm-up: first-step master init, files touched
         replay.step()
         probe_best(probes)
+        runs = {"step": _median([contiguity(b) or 0 for slot in off._slots for b in slot.values()]),
+                "replay": _median([contiguity(b) or 0 for slot in replay.bufs for b in slot]),
+                "probe": [contiguity(p.rbuf) or 0 for p in probes]}
         for _ in range(repeats):
             t0 = time.perf_counter()
             opt.step()
@@ -237,7 +265,8 @@ def bench_nvme(n: int, budget: int, directory: str, repeats: int) -> dict:
             "best_step_s": min(r["step_s"] for r in rounds),
             "replay_s": _median([r["replay_s"] for r in rounds]),
             "roofline_s": _median([r["roofline_s"] for r in rounds]),
-            "parallel": _median([r["parallel"] for r in rounds]), "shape": shape}
+            "parallel": _median([r["parallel"] for r in rounds]), "shape": shape,
+            "contiguous_pages": runs}
 
 
 def bench_step(args) -> int:
@@ -302,6 +331,14 @@ def bench_step(args) -> int:
     print(f"nvme step / roofline, per round: median {nv['ratio_median']:.2f}x, best "
           f"{nv['ratio_best']:.2f}x; I/O replay (no CRC/Adam) / roofline: median "
           f"{nv['replay_ratio_median']:.2f}x")
+    cp = nv["contiguous_pages"]
+    print(f"pool memory, mean physically contiguous run (4 KiB pages; 0: unknown): step "
+          f"{cp['step']:.1f}, replay {cp['replay']:.1f}, probes "
+          f"{', '.join(f'{x:.1f}' for x in cp['probe'])} (the disk's speed follows it here)")
+    fragmented = bool(cp["step"]) and max(cp["probe"]) < cp["step"]
+    if fragmented:
+        print("WARNING: every probe buffer was more fragmented than the step's, so this run's "
+              "roofline may be above the device's floor (not a lower bound)")
     print("nvme step breakdown (last step):", {k: round(v, 4) if isinstance(v, float) else v
                                                for k, v in last.items()})
     write_json("bench_offload", {
@@ -311,7 +348,8 @@ def bench_step(args) -> int:
         "io_replay_s": nv["replay_s"], "io_replay_ratio_median": nv["replay_ratio_median"],
         "read_write_parallel": nv["parallel"], "page_cache_roofline_s": cached_roofline,
         "page_cache_read_bps": cached_read_bps, "page_cache_write_bps": cached_write_bps,
-        "io_replay_shape": sh, "rounds": nv["rounds"]})
+        "io_replay_shape": sh, "contiguous_pages": nv["contiguous_pages"],
+        "roofline_buffer_more_fragmented": fragmented, "rounds": nv["rounds"]})
     tmp.cleanup()
     return 0
 
