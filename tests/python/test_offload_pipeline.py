@@ -172,3 +172,12 @@ def test_bad_pipeline_settings(tmp_path, kw, err, match):
     with pytest.raises(err, match=match):
         OffloadConfig(offload="nvme", nvme_path=str(tmp_path), **kw)
 
+
+
+def test_pool_starts_on_a_huge_page_boundary(tmp_path):
+    # the engine maps its pool 2 MiB-aligned and advises huge pages, so O_DIRECT requests see
+    # physically contiguous memory where the kernel grants them
+    opt = _nvme_opt(_params(), tmp_path, cpu_budget=_state_bytes() // 3)
+    first = min(t.data_ptr() for slot in opt._offload._slots for t in slot.values())
+    assert first % (2 << 20) == 0
+    opt._offload.close()
