@@ -56,6 +56,18 @@ TEST(IoAlignedPool, AlignedBudgetedAndCoalescing) {
   pool.release(all);
 }
 
+TEST(IoAlignedPool, ArenaStartsOnA2MiBBoundaryAndIsUsableToTheEnd) {
+  for (size_t n : {size_t{4096}, size_t{3} << 20, (size_t{4} << 20) + 4096}) {
+    AlignedPool pool(n);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(pool.arena()) % (size_t{2} << 20), 0u) << n;
+    char* p = static_cast<char*>(pool.try_acquire(n));
+    ASSERT_EQ(p, pool.arena());
+    std::memset(p, 0x5a, n);  // every byte of the budget is mapped and writable
+    EXPECT_EQ(p[n - 1], 0x5a);
+    pool.release(p);
+  }
+}
+
 TEST(IoAlignedPool, RejectsBadRequests) {
   AlignedPool pool(8192);
   EXPECT_THROW(pool.try_acquire(0), std::invalid_argument);

@@ -38,15 +38,31 @@ class GroupLayout:
     starts: list[int]  # flat start of each parameter
     numels: list[int]
     chunks: list[Chunk]
+    used: int = 0  # elements of the flat space in use (the last chunk may be partly empty)
 
     @property
     def total_elems(self) -> int:
         return len(self.chunks) * self.chunk_elems
 
+    def used_elems(self, ci: int) -> int:
+        """Elements of chunk `ci` in use, a multiple of ALIGN_ELEMS: only these are read,
+        written and checksummed, so a nearly empty last chunk costs no full-chunk I/O."""
+        return max(0, min(self.chunk_elems, self.used - ci * self.chunk_elems))
+
     def chunks_of(self, pi: int) -> list[Chunk]:
         first = self.starts[pi] // self.chunk_elems
         last = (self.starts[pi] + max(self.numels[pi], 1) - 1) // self.chunk_elems
         return self.chunks[first:last + 1]
+
+
+def even_chunk_elems(total: int, chunk_elems: int) -> int:
+    """The smallest multiple of ALIGN_ELEMS that cuts `total` elements into as few chunks as
+    `chunk_elems` does: the chunks come out (nearly) equal instead of several full chunks and a
+    nearly empty last one, so every pipeline stage moves about the same bytes."""
+    if total <= 0:
+        return chunk_elems
+    n = -(-total // chunk_elems)
+    return min(chunk_elems, -(-total // (n * ALIGN_ELEMS)) * ALIGN_ELEMS)
 
 
 def build_layout(params: list[torch.Tensor], chunk_elems: int) -> GroupLayout:
@@ -67,4 +83,5 @@ def build_layout(params: list[torch.Tensor], chunk_elems: int) -> GroupLayout:
             chunks[ci].segments.append(Segment(pi=pi, plo=lo, phi=lo + take, clo=off,
                                                chi=off + take))
             lo += take
-    return GroupLayout(chunk_elems=chunk_elems, starts=starts, numels=numels, chunks=chunks)
+    return GroupLayout(chunk_elems=chunk_elems, starts=starts, numels=numels, chunks=chunks,
+                       used=pos)

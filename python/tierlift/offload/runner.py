@@ -24,12 +24,13 @@ import torch
 from tierlift import ops
 from tierlift.io import ChecksumError, EngineConfig, IoEngine
 from tierlift.offload.config import OffloadConfig
-from tierlift.offload.layout import ALIGN_ELEMS, build_layout
+from tierlift.offload.layout import ALIGN_ELEMS, build_layout, even_chunk_elems
 from tierlift.offload.tiers import _CRC_POOL as CRC_POOL
 from tierlift.offload.tiers import MemoryTier, NvmeTier, make_state_dir, remove_stale_dirs
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
-_SLOTS = 3
+_MIN_SLOTS = 3  # read ahead, step, write back
+MIN_SLOT_CHUNK_BYTES = 1 << 20  # the smallest chunk per kind worth an extra pipeline slot
 
 
 def _check_group(gi: int, group: dict, kinds: list[str]) -> None:
@@ -61,6 +62,18 @@ def _sums_finite(grads: list[torch.Tensor]) -> bool:
         sums = [g.sum() for g in other]
         return bool(torch.stack([s.float().cpu() for s in sums]).isfinite().all())
     return True
+
+
+def _drain(handles: dict) -> None:
+    """Waits for every I/O handle left in {i: [handles]} and empties it (after an error or a
+    skipped step: no I/O may stay in flight into the slots); their own errors are dropped."""
+    for hs in handles.values():
+        for h in hs:
+            try:
+                h.wait()
+            except Exception:  # noqa: BLE001 - the first error is the one raised
+                pass
+    handles.clear()
 
 
 def _state_kinds(amsgrad: bool) -> list[str]:
@@ -96,14 +109,22 @@ class Offloader:
         # chunk by chunk through pipeline slots, so a step can be undone; the resident host
         # tier without overlap updates the state in place.
         self.streamed = config.offload == "nvme" or config.overlap
+        slots = config.pipeline_slots
         if config.offload == "nvme" and config.cpu_budget is not None:
-            fit = config.cpu_budget // (_SLOTS * per_elem) // ALIGN_ELEMS * ALIGN_ELEMS
+            # More slots only while each still holds MIN_SLOT_CHUNK_BYTES per kind: a deeper
+            # read-ahead is not worth cutting the device's requests smaller than that.
+            afford = config.cpu_budget // (per_elem * (MIN_SLOT_CHUNK_BYTES // 4))
+            slots = max(_MIN_SLOTS, min(slots, afford))
+            fit = config.cpu_budget // (slots * per_elem) // ALIGN_ELEMS * ALIGN_ELEMS
             if fit < ALIGN_ELEMS:
                 raise ValueError(
                     f"cpu_budget={config.cpu_budget} bytes is smaller than one chunk of "
-                    f"{_SLOTS} pipeline slots; the smallest budget that works is "
-                    f"{_SLOTS * per_elem * ALIGN_ELEMS} bytes")
+                    f"{slots} pipeline slots; the smallest budget that works is "
+                    f"{slots * per_elem * ALIGN_ELEMS} bytes")
             chunk_elems = min(chunk_elems, fit)
+        self.n_slots = slots
+        # As few chunks as this size gives, made equal: no nearly empty last chunk.
+        chunk_elems = even_chunk_elems(largest, chunk_elems)
         self.chunk_elems = chunk_elems
         self._in_file = [set() for _ in optimizer.param_groups]  # params whose master is stored
         self.layouts = [build_layout(list(g["params"]), chunk_elems)
@@ -123,9 +144,9 @@ class Offloader:
                 slot_kinds = []
             self._slots = [{k: torch.empty(chunk_elems, dtype=torch.float32,
                                            pin_memory=self._pin) for k in slot_kinds}
-                           for _ in range(_SLOTS)]
+                           for _ in range(slots)]
             resident = sum(t.resident_bytes for t in self.tiers)
-            staging = _SLOTS * chunk_elems * 4 * len(slot_kinds)
+            staging = slots * chunk_elems * 4 * len(slot_kinds)
             self.pool_bytes = staging
             if config.cpu_budget is not None and resident + staging > config.cpu_budget:
                 raise ValueError(
@@ -133,19 +154,19 @@ class Offloader:
                     f"({resident + staging} bytes with staging); raise it or use "
                     "offload='nvme'")
         else:
-            pool = _SLOTS * chunk_elems * 4 * len(self._slot_kinds)
+            pool = slots * chunk_elems * 4 * len(self._slot_kinds)
             nvme_path = os.fspath(config.nvme_path)
             remove_stale_dirs(nvme_path)
             self._dir = make_state_dir(nvme_path)
             try:
                 self._engine = IoEngine(EngineConfig(
                     queue_depth=config.queue_depth, pool_bytes=pool,
-                    block_size=min(1 << 20, chunk_elems * 4)))
+                    block_size=min(config.block_bytes, chunk_elems * 4)))
                 self.pool_bytes = pool
                 self._slots = [{k: self._engine.pool_tensor(chunk_elems * 4).view(torch.float32)
-                                for k in self._slot_kinds} for _ in range(_SLOTS)]
+                                for k in self._slot_kinds} for _ in range(slots)]
                 self.tiers = [NvmeTier(self._engine, self._dir, gi, k, len(lay.chunks),
-                                       chunk_elems)
+                                       chunk_elems, [lay.used_elems(c.ci) for c in lay.chunks])
                               for gi, (k, lay) in enumerate(zip(self._kinds, self.layouts))]
             except BaseException:
                 self._slots = []
@@ -219,6 +240,11 @@ class Offloader:
         stats["total_s"] = time.perf_counter() - t0
         stats["skipped"] = False
         self.last_step_stats = dict(stats)
+
+    def _chunks(self, gi: int, grads: dict, kept: set) -> list:
+        """The chunks of group gi that this step updates, in order."""
+        return [c for c in self.layouts[gi].chunks if c.ci not in kept
+                and any(s.pi in grads for s in c.segments)]
 
     def _collect_grads(self) -> list[dict]:
         live = []
@@ -296,7 +322,7 @@ class Offloader:
         chunks = [c for c in self.layouts[gi].chunks if any(s.pi in grads for s in c.segments)]
         for i, chunk in enumerate(chunks):
             bufs = {k: tier.view(k, chunk.ci, self.chunk_elems) for k in tier.kinds}
-            bufs.update(self._slots[i % _SLOTS])
+            bufs.update(self._slots[i % self.n_slots])
             self._step_chunk(gi, group, params, grads, steps, chunk, bufs, stats)
         self._commit_steps(gi, steps)
 
@@ -316,16 +342,16 @@ class Offloader:
                 grads = live[gi]
                 if not grads:
                     continue
-                kept = {c.ci for c in keep.get(gi, [])}
-                chunks = [c for c in self.layouts[gi].chunks if c.ci not in kept
-                          and any(s.pi in grads for s in c.segments)]
+                chunks = self._chunks(gi, grads, {c.ci for c in keep.get(gi, [])})
                 steps = self.next_steps(gi, grads)
                 self.init_masters(gi, grads, chunks, stats)
                 self.run(gi, grads, steps, chunks, stats, done[gi])
             t = time.perf_counter()
             if self._engine is not None:
                 self._engine.sync()
-            stats["nvme_write_wait_s"] += time.perf_counter() - t
+            dt = time.perf_counter() - t
+            stats["nvme_write_wait_s"] += dt
+            stats["nvme_sync_s"] += dt  # the fdatasync part of the write wait
             for gi, chunks in keep.items():
                 self._publish(gi, chunks, live[gi], stats)
         except BaseException as err:
@@ -386,19 +412,16 @@ class Offloader:
             stats["master_init_s"] += time.perf_counter() - t
 
     def run(self, gi, grads, steps, chunks, stats, done: list, publish: bool = True) -> None:
-        """Reads chunk k+1 while stepping chunk k while chunk k-1 is written to the other
-        generation; returns once every write finished. Chunks whose parameters were updated
-        are appended to `done` (also when this raises)."""
+        """With S pipeline slots: reads chunks k+1 .. k+S-2 ahead while stepping chunk k while
+        chunk k-1 is written to the other generation; returns once every write finished.
+        Chunks whose parameters were updated are appended to `done` (also when this raises)."""
         group = self.opt.param_groups[gi]
         params, tier = group["params"], self.tiers[gi]
         kinds = tier.kinds
+        n_slots = self.n_slots
         reads: dict[int, list] = {}
         writes: dict[int, list] = {}
-        nbytes = len(kinds) * self.chunk_elems * 4
-
-        def start_read(i):
-            reads[i] = tier.read_all(chunks[i].ci, self._slots[i % _SLOTS],
-                                     self._what(gi, chunks[i]))
+        used = getattr(tier, "used", None)  # NVMe moves only the used part of a chunk
 
         def wait_all(handles, key):
             t = time.perf_counter()
@@ -407,17 +430,25 @@ class Offloader:
                 stats["checksum_s"] += getattr(h, "crc_s", 0.0)
             stats[key] += time.perf_counter() - t
 
+        issued = 0  # reads started so far: chunks [0, issued)
+
+        def read_ahead(upto):
+            nonlocal issued
+            while issued < min(upto, len(chunks)):
+                # slot j % S was last used by chunk j-S: its writes and CRC must be done first
+                j = issued
+                wait_all(writes.pop(j - n_slots, []), "nvme_write_wait_s")
+                reads[j] = tier.read_all(chunks[j].ci, self._slots[j % n_slots],
+                                         self._what(gi, chunks[j]))
+                issued += 1
+
         try:
-            if chunks:
-                start_read(0)
             for i, chunk in enumerate(chunks):
-                if i + 1 < len(chunks):
-                    # the slot of i+1 was last used by i-2: its writes and CRC must be done
-                    wait_all(writes.pop(i - 2, []), "nvme_write_wait_s")
-                    start_read(i + 1)
-                bufs = self._slots[i % _SLOTS]
+                read_ahead(i + n_slots - 1)  # chunks i .. i+S-2
+                bufs = self._slots[i % n_slots]
                 # waits for the reads and the CRC-32C check (run in the background)
                 wait_all(reads.pop(i), "nvme_read_wait_s")
+                nbytes = len(kinds) * 4 * (used[chunk.ci] if used else self.chunk_elems)
                 stats["nvme_read_bytes"] += nbytes
                 done.append(chunk)
                 self._step_chunk(gi, group, params, grads, steps, chunk, bufs, stats, publish)
@@ -426,12 +457,8 @@ class Offloader:
             for i in sorted(writes):
                 wait_all(writes.pop(i), "nvme_write_wait_s")
         except BaseException:
-            for hs in [*reads.values(), *writes.values()]:
-                for h in hs:
-                    try:
-                        h.wait()
-                    except Exception:  # noqa: BLE001 - the first error is the one raised
-                        pass
+            _drain(reads)
+            _drain(writes)
             raise
 
     def _restore(self, gi: int, chunks) -> None:
