@@ -69,6 +69,24 @@ def resolve_dir(path: str) -> str:
     return path
 
 
+def check_fits(own: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], *,
+               complete: bool) -> None:
+    """Raises a ValueError naming the first saved tensor the model lacks or holds in another
+    shape, and (when `complete`) the first model tensor the checkpoint lacks."""
+    for name, value in saved.items():
+        if name not in own:
+            raise ValueError(f"checkpoint does not match the model: {name!r} exists only in "
+                             "the checkpoint")
+        if own[name].shape != value.shape:
+            raise ValueError(f"checkpoint does not match the model: {name!r} has shape "
+                             f"{tuple(value.shape)} in the checkpoint but "
+                             f"{tuple(own[name].shape)} in the model")
+    missing = [name for name in own if name not in saved] if complete else []
+    if missing:
+        raise ValueError(f"checkpoint does not match the model: {missing[0]!r} exists only in "
+                         "the model")
+
+
 def checksum_file(rank: int) -> str:
     return f"rank{rank:05d}.sha256"
 

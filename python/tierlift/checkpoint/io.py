@@ -183,14 +183,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None) -> dic
                          f"groups, the optimizer {len(optimizer.param_groups)}")
     own = model.state_dict()
     extras = {k[len("extra."):]: v for k, v in shards[0].items() if k.startswith("extra.")}
-    for name, value in extras.items():
-        if name not in own:
-            raise ValueError(f"checkpoint does not match the model: {name!r} exists only "
-                             "in the checkpoint")
-        if own[name].shape != value.shape:
-            raise ValueError(f"checkpoint does not match the model: {name!r} has shape "
-                             f"{tuple(value.shape)} in the checkpoint but "
-                             f"{tuple(own[name].shape)} in the model")
+    fmt.check_fits(own, extras, complete=False)
     off = _offloader(optimizer)
     streamed = optimizer is not None and meta.get("optimizer_state") == "offloaded"
     direct = streamed and off is not None and meta["world_size"] == comm.world

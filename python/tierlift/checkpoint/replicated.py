@@ -80,22 +80,6 @@ def save(path: str, model: torch.nn.Module, optimizer, extra: dict | None) -> No
     _barrier()
 
 
-def _check_model(model: torch.nn.Module, saved: dict[str, torch.Tensor]) -> None:
-    own = model.state_dict()
-    for name, value in saved.items():
-        if name not in own:
-            raise ValueError(f"checkpoint does not match the model: {name!r} exists only in "
-                             "the checkpoint")
-        if own[name].shape != value.shape:
-            raise ValueError(f"checkpoint does not match the model: {name!r} has shape "
-                             f"{tuple(value.shape)} in the checkpoint but "
-                             f"{tuple(own[name].shape)} in the model")
-    for name in own:
-        if name not in saved:
-            raise ValueError(f"checkpoint does not match the model: {name!r} exists only in "
-                             "the model")
-
-
 def optimizer_state_dict(path: str) -> dict:
     """The optimizer state of a replicated checkpoint as torch's Optimizer.state_dict() has it
     ({"state": {index: {...}}, "param_groups": [...]}): loads into torch.optim.AdamW, or into
@@ -151,7 +135,7 @@ def load(path: str, model: torch.nn.Module, optimizer) -> dict:
     # Everything is checked before anything changes.
     tensors = fmt.load_tensors(path, 0)
     saved = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
-    _check_model(model, saved)
+    fmt.check_fits(model.state_dict(), saved, complete=True)
     off = getattr(optimizer, "_offload", None) if optimizer is not None else None
     opt_sd = None
     if optimizer is not None and meta["optimizer_state"] is not None:
