@@ -177,13 +177,14 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
     if config.gpu_budget is not None:
         _check_gpu_budget(config.gpu_budget, split, comm.world, compute_dtype)
     offload = None
+    stats: dict = {}  # model._tierlift_zero.stats
     if config.offload_params != "none":
         sizes = [-(-sum(p.numel() for p, _, _ in ps) // comm.world) for _, _, ps in split]
         store = None if config.offload_params == "cpu" else \
-            NvmeParamStore(nvme_path=config.nvme_path, shard_numels=sizes, rank=comm.rank)
+            NvmeParamStore(nvme_path=config.nvme_path, shard_numels=sizes, rank=comm.rank,
+                           stats=stats)
         offload = ParamOffload(device=next(iter(devices)), compute_dtype=compute_dtype,
-                               shard_numels=sizes, stats={"h2d_bytes": 0, "d2h_bytes": 0},
-                               store=store)
+                               shard_numels=sizes, stats=stats, store=store)
     units_out = []
     for name, key, params in split:
         module = model.get_submodule(name) if name else model
@@ -197,10 +198,7 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
     register_shards(units_out, _SHARD_NAME)
     heartbeat = Heartbeat(comm) if comm.world > 1 else None
     state = ZeroState(config=config, comm=comm, root=model, units=units_out,
-                      heartbeat=heartbeat, key_order=key_order)
-    if offload is not None:
-        state.offload = offload
-        offload.stats = state.stats
+                      heartbeat=heartbeat, key_order=key_order, offload=offload, stats=stats)
     object.__setattr__(model, _ATTR, state)
     model_ref = weakref.ref(model)  # no reference cycle: the model is freed as soon as unused
     model.no_sync = lambda: no_sync(model_ref())

@@ -33,7 +33,8 @@ from tierlift.zero.unit import FlatUnit
 
 class ZeroState:
     def __init__(self, *, config: ShardConfig, comm, root, units: list[FlatUnit],
-                 heartbeat=None, key_order: dict[str, int] | None = None):
+                 heartbeat=None, key_order: dict[str, int] | None = None, offload=None,
+                 stats: dict | None = None):
         self.config = config
         self._root = weakref.ref(root)  # the model owns its state, never the reverse
         self.key_order = key_order or {}
@@ -48,12 +49,13 @@ class ZeroState:
         self.landing: list = []          # (unit, host grad, event): D2H in flight (offload)
         # OrderedDict: RemovableHandle keeps a weak reference to it.
         self.listeners: dict[int, OrderedDict] = {id(u.shard): OrderedDict() for u in units}
-        self.offload = None              # ParamOffload with offload_params="cpu"
-        self.stats = {"resident_bytes": sum(u.full_bytes for u in units),
-                      "peak_resident_bytes": 0, "prefetch_skipped": 0,
-                      "grads_ready_early": 0, "grads_ready_at_end": 0,
-                      "h2d_bytes": 0, "d2h_bytes": 0}
-        self.stats["peak_resident_bytes"] = self.stats["resident_bytes"]
+        self.offload = offload           # ParamOffload with offload_params="cpu"/"nvme"
+        # Shared with the ParamOffload and NvmeParamStore, which add their byte counts.
+        self.stats = stats if stats is not None else {}
+        resident = sum(u.full_bytes for u in units)
+        self.stats.update(resident_bytes=resident, peak_resident_bytes=resident,
+                          prefetch_skipped=0, grads_ready_early=0, grads_ready_at_end=0,
+                          h2d_bytes=0, d2h_bytes=0)
         self.hooked: set[int] = set()    # ids of units that got gradients this backward
         self.handles: list = []
         self._shard_ids = {id(u.shard) for u in units}

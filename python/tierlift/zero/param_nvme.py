@@ -76,7 +76,8 @@ class NvmeParamStore:
     nvme_read_bytes (shard bytes read for gathers), nvme_write_bytes (shard bytes stepped),
     nvme_file_bytes (the file's size)."""
 
-    def __init__(self, *, nvme_path, shard_numels: list[int], rank: int = 0):
+    def __init__(self, *, nvme_path, shard_numels: list[int], rank: int = 0,
+                 stats: dict | None = None):
         parent = _check_dir(nvme_path)
         tiers.remove_stale_dirs(parent)
         self.offsets, nbytes = self.layout(shard_numels)
@@ -85,7 +86,8 @@ class NvmeParamStore:
         # Each unit's slot: from its offset up to the next unit's (padding included).
         self._slot_end = dict(zip(self.offsets, [*self.offsets[1:], nbytes], strict=True))
         self._data_bytes = {o: n * _ELEM for o, n in zip(self.offsets, self.numels, strict=True)}
-        self.stats = {"nvme_read_bytes": 0, "nvme_write_bytes": 0, "nvme_file_bytes": nbytes}
+        self.stats = stats if stats is not None else {}  # the model's ZeroState stats
+        self.stats.update(nvme_read_bytes=0, nvme_write_bytes=0, nvme_file_bytes=nbytes)
         try:
             self.directory = tiers.make_state_dir(parent)
         except OSError as e:
@@ -135,13 +137,6 @@ class NvmeParamStore:
             offsets.append(nbytes)
             nbytes += -(-n * _ELEM // _PAGE) * _PAGE
         return offsets, nbytes
-
-    def bind(self, stats: dict) -> None:
-        """Report into `stats` (the model's ZeroState stats) from now on."""
-        for k in ("nvme_read_bytes", "nvme_write_bytes"):
-            stats[k] = self.stats[k]
-        stats["nvme_file_bytes"] = self.nbytes
-        self.stats = stats
 
     def close(self) -> None:
         """Removes the folder now (the shards' views stay readable until they are freed; the

@@ -45,16 +45,6 @@ class ParamOffload:
         self._next = 0  # arena offset of the next unit's shard
         self.stream = torch.cuda.Stream(device=device) if self.cuda else None
 
-    @property
-    def stats(self) -> dict:
-        return self._stats
-
-    @stats.setter
-    def stats(self, stats: dict) -> None:
-        self._stats = stats
-        if self.store is not None:
-            self.store.bind(stats)
-
     def host_shard(self, shard: torch.Tensor) -> torch.Tensor:
         """A host copy of a freshly built shard (pinned when CUDA is available; a view of the
         mapped file with a store)."""
