@@ -1,5 +1,6 @@
-// CRC-32C throughput per path: the 3-stream hardware path (crc32c), the one-stream hardware
-// path it replaced (crc32c_one_stream) and the byte table, on one chunk of a swap file's size.
+// CRC-32C throughput per path: crc32c (the VPCLMULQDQ fold where the CPU has it), the 3-stream
+// crc32-instruction path, the one-stream path and the byte table, from a buffer in cache (4 KiB,
+// 1 MiB) and from memory (16 MiB).
 #include <benchmark/benchmark.h>
 
 #include <cstdint>
@@ -26,9 +27,11 @@ void run(benchmark::State& state, CrcFn fn) {
   state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * n));
 }
 
-void BM_Crc32cThreeStreams(benchmark::State& s) { run(s, crc32c); }
+void BM_Crc32c(benchmark::State& s) { run(s, crc32c); }
+void BM_Crc32cThreeStreams(benchmark::State& s) { run(s, crc32c_three_streams); }
 void BM_Crc32cOneStream(benchmark::State& s) { run(s, crc32c_one_stream); }
 void BM_Crc32cTable(benchmark::State& s) { run(s, crc32c_portable); }
+BENCHMARK(BM_Crc32c)->Arg(4096)->Arg(1 << 20)->Arg(16 << 20);
 BENCHMARK(BM_Crc32cThreeStreams)->Arg(4096)->Arg(1 << 20)->Arg(16 << 20);
 BENCHMARK(BM_Crc32cOneStream)->Arg(4096)->Arg(1 << 20)->Arg(16 << 20);
 BENCHMARK(BM_Crc32cTable)->Arg(1 << 20);

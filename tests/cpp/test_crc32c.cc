@@ -1,5 +1,6 @@
-// CRC-32C paths against each other: the 3-stream hardware path, the one-stream hardware path
-// and the byte table must agree for every length, alignment and split of the data.
+// CRC-32C paths against each other: the VPCLMULQDQ fold (crc32c, where the CPU has it), the
+// 3-stream and one-stream crc32-instruction paths and the byte table must agree for every length,
+// alignment, incoming register and split of the data.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -41,13 +42,28 @@ TEST(Crc32c, RandomLengthsUpTo64KiB) {
     const uint32_t want = crc32c_portable(0, data.data(), n);
     EXPECT_EQ(crc32c(0, data.data(), n), want) << n;
     EXPECT_EQ(crc32c_one_stream(0, data.data(), n), want) << n;
+    EXPECT_EQ(crc32c_three_streams(0, data.data(), n), want) << n;
+  }
+}
+
+// The fold's edges: around its 1 KiB threshold and its 256-byte blocks, each with a nonzero
+// incoming register (it enters the fold as an xor into the first bytes).
+TEST(Crc32c, FoldBoundaries) {
+  const auto data = random_bytes(4096 + 64, 23);
+  for (size_t n = 1024 - 8; n <= 4096 + 64; n += (n < 1300 ? 1 : 61)) {
+    for (uint32_t start : {0u, 0xFFFFFFFFu, 0x12345678u}) {
+      EXPECT_EQ(crc32c(start, data.data(), n), crc32c_portable(start, data.data(), n))
+          << n << " " << start;
+    }
   }
 }
 
 TEST(Crc32c, SeveralMiB) {
   const auto data = random_bytes((5 << 20) + 4093, 3);
   for (size_t n : {size_t{1} << 20, (size_t{3} << 20) + 517, data.size()}) {
-    EXPECT_EQ(crc32c(0, data.data(), n), crc32c_portable(0, data.data(), n)) << n;
+    const uint32_t want = crc32c_portable(0, data.data(), n);
+    EXPECT_EQ(crc32c(0, data.data(), n), want) << n;
+    EXPECT_EQ(crc32c_three_streams(0, data.data(), n), want) << n;
   }
 }
 

@@ -154,6 +154,8 @@ def test_non_finite_gradient_skips_the_step(tmp_path, tier):
     with pytest.warns(RuntimeWarning, match="NaN/Inf"):
         opt.step()
     assert opt.last_step_stats["skipped"]
+    if tier == "nvme":  # the first chunks were being read when the check failed
+        assert opt.last_step_stats["early_read_chunks"] > 0
     for a, b in zip(before, params):
         assert torch.equal(a, b)
     after = opt.state_dict()
@@ -171,6 +173,25 @@ def test_non_finite_gradient_skips_the_step(tmp_path, tier):
     params[3].grad.fill_(3e38)
     opt.step()
     assert not opt.last_step_stats["skipped"]
+
+
+def test_error_before_the_update_drains_the_early_reads(tmp_path):
+    """The first chunks are read before the gradient check and the hyperparameter check; an
+    error there leaves no read in flight into the slots and changes nothing."""
+    ref, _ = _train(AdamW, steps=3)
+    params, opt = _train(AdamW, steps=2, **_nvme(tmp_path))
+    before = [p.detach().clone() for p in params]
+    _grads(params, 2)
+    opt.param_groups[0]["amsgrad"] = True
+    with pytest.raises(ValueError, match="amsgrad"):
+        opt.step()
+    for a, b in zip(before, params):
+        assert torch.equal(a, b)
+    opt.param_groups[0]["amsgrad"] = False
+    opt.step()
+    assert opt.last_step_stats["early_read_chunks"] > 0
+    for a, b in zip(ref, params):
+        assert torch.equal(a, b)
 
 
 def test_corrupt_state_file_names_the_tensor(tmp_path):
