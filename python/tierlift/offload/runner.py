@@ -543,8 +543,8 @@ class Offloader:
 
     def load_state(self, directory: str, check: bool = True) -> None:
         """Replaces the state with the one save_state() wrote to `directory` (SHA-256 checked
-        first; all-or-nothing on NVMe)."""
-        from tierlift.checkpoint.stream import load_offloaded
+        first; all-or-nothing, whatever the tier)."""
+        from tierlift.checkpoint.restore import load_offloaded
 
         load_offloaded(self, os.fspath(directory), check)
 
