@@ -8,6 +8,8 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -215,3 +217,72 @@ def test_a_resharding_load_failing_half_way_changes_nothing(saved_on_two, tmp_pa
     with pytest.raises(OSError, match="injected"):
         tierlift.checkpoint.load(os.path.join(saved_on_two, "ck"), model, opt)
     _assert_same(_snapshot(model, opt, True), before)
+
+
+# ---- peak RSS of a resharding load: the state streams, it is never built in RAM ------------
+WIDTH = 1024  # two 1024x1024 linear units: 2.1M parameters, 25 MiB of fp32 master, m and v
+
+
+def _big_model():
+    torch.manual_seed(7)
+    return torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Linear(WIDTH, WIDTH))
+
+
+def _save_big(rank, world, port, root):
+    init_gloo(rank, world, port)
+    nvme = os.path.join(root, f"nvme{rank}")
+    os.makedirs(nvme, exist_ok=True)
+    model = tierlift.zero.shard(_big_model(), stage=3)
+    opt = tierlift.optim.AdamW(model.parameters(), lr=1e-3, offload="nvme", nvme_path=nvme,
+                               cpu_budget=2 << 20)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(4, WIDTH, generator=g)).pow(2).mean().backward()
+        opt.step()
+    tierlift.checkpoint.save(os.path.join(root, "ck"), model, opt)
+    opt.close()
+    shutdown()
+
+
+_RSS = r"""
+import ctypes, os, sys, torch, tierlift
+libc = ctypes.CDLL("libc.so.6")
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+torch.set_num_threads(1)
+root, budget, width = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+torch.manual_seed(7)  # _big_model()
+lin = torch.nn.Linear
+model = tierlift.zero.shard(torch.nn.Sequential(lin(width, width), lin(width, width)), stage=3)
+opt = tierlift.optim.AdamW(model.parameters(), lr=1e-3, offload="nvme", nvme_path=root,
+                           cpu_budget=budget)
+libc.malloc_trim(0)
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # resets VmHWM
+before = status("VmRSS:")
+tierlift.checkpoint.load(os.path.join(root, "ck"), model, opt)
+print(status("VmHWM:") - before)
+"""
+
+
+def test_a_resharding_load_stays_within_the_budget(tmp_path):
+    root = str(tmp_path)
+    mp.spawn(_save_big, args=(2, free_port(), root), nprocs=2)
+    budget = 4 << 20
+    out = subprocess.run([sys.executable, "-c", _RSS, root, str(budget), str(WIDTH)],
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "python"),
+                              "MALLOC_MMAP_THRESHOLD_": "131072"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    growth = int(out.stdout.split()[-1])
+    n = 2 * (WIDTH * WIDTH + WIDTH)
+    print(f"peak RSS growth of a 2 -> 1 load: {growth / 2**20:.1f} MiB (state "
+          f"{12 * n / 2**20:.1f} MiB, budget {budget / 2**20:.0f} MiB)")
+    # The pool (budget), the saved parameter shards (mapped file pages: the model, 4 bytes per
+    # parameter), one unit's new parameter shard, and interpreter noise. Materializing the
+    # state (as the load did before it streamed) is 46 MiB on this test.
+    unit = 4 * n // 2
+    assert growth <= budget + 4 * n + unit + (6 << 20), growth
