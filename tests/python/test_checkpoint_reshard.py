@@ -286,3 +286,54 @@ def test_a_resharding_load_stays_within_the_budget(tmp_path):
     # state (as the load did before it streamed) is 46 MiB on this test.
     unit = 4 * n // 2
     assert growth <= budget + 4 * n + unit + (6 << 20), growth
+
+
+# ---- a state dict into offloaded tiers (Offloader.ingest) -----------------------------------
+@pytest.mark.parametrize("tier", list(TIERS))
+def test_a_state_dict_load_failing_half_way_changes_nothing(tmp_path, monkeypatch, tier):
+    model, opt = _fresh(tmp_path, tier, False)
+    _train(model, opt, DATA[:2], False)
+    params = opt.param_groups[0]["params"]
+    loaded = {params[i]: {k: v for k, v in st.items() if k != "step"}
+              for i, st in opt.state_dict()["state"].items()}
+    _train(model, opt, DATA[2:4], False)
+    before = _snapshot(model, opt, False)
+    last = params[max(i for i, p in enumerate(params) if p in loaded)]
+    bad = {**loaded, last: {**loaded[last], "exp_avg": loaded[last]["exp_avg"][:-1]}}
+    with pytest.raises(ValueError, match=r"'exp_avg' of param_groups\[0\]\['params'\]"):
+        opt._offload.ingest(bad)  # the bad one is the last: found before the first change
+    _assert_same(_snapshot(model, opt, False), before)
+    if tier == "nvme":  # a drive that fails (fills up) half-way through the writes
+        from tierlift.offload.tiers import NvmeTier
+
+        real, calls = NvmeTier.write_all, [0]
+
+        def full(self, ci, bufs, gen):
+            calls[0] += 1
+            if calls[0] > 2:
+                raise OSError(errno.ENOSPC, "injected: no space left on device")
+            return real(self, ci, bufs, gen)
+
+        monkeypatch.setattr(NvmeTier, "write_all", full)
+        with pytest.raises(OSError, match="injected"):
+            opt._offload.ingest(loaded)
+        assert calls[0] == 3
+        _assert_same(_snapshot(model, opt, False), before)
+        monkeypatch.undo()
+        opt._offload.ingest(loaded)  # and it loads once the drive has room
+    opt.close()
+
+
+def test_a_state_dict_checkpoint_that_does_not_fit_the_optimizer_changes_nothing(tmp_path):
+    model = make_model(seed=5)
+    opt = tierlift.optim.AdamW(model.parameters(), **OPT)  # state in RAM: "tensors"
+    _train(model, opt, DATA[:2], False)
+    ck = str(tmp_path / "ck")
+    tierlift.checkpoint.save(ck, model, opt)
+    m = make_model(seed=6)
+    o = tierlift.optim.AdamW(list(m.parameters())[::-1], **OPT, offload="cpu")  # other order
+    _train(m, o, DATA[2:3], False)
+    before = _snapshot(m, o, False)
+    with pytest.raises(ValueError, match="does not match the optimizer: the state 'exp_avg'"):
+        tierlift.checkpoint.load(ck, m, o)
+    _assert_same(_snapshot(m, o, False), before)

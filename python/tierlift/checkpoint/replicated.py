@@ -125,6 +125,18 @@ def _set_hyper(optimizer, meta: dict) -> None:
                              f"parameters, the optimizer's {len(group['params'])}")
 
 
+def _check_state(optimizer, opt_sd: dict, path: str) -> None:
+    """Every saved state tensor fits its parameter: checked before anything changes (an
+    optimizer would find a mismatch half-way through its load_state_dict)."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for i, st in opt_sd["state"].items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() != params[i].numel():
+                raise ValueError(f"checkpoint {path} does not match the optimizer: the state "
+                                 f"{k!r} of parameter {i} has shape {tuple(v.shape)}, the "
+                                 f"parameter {tuple(params[i].shape)}")
+
+
 @torch.no_grad()
 def load(path: str, model: torch.nn.Module, optimizer) -> dict:
     path = fmt.resolve_dir(path)
@@ -150,6 +162,8 @@ def load(path: str, model: torch.nn.Module, optimizer) -> dict:
                 restore.check_plan(off, plan, optim)
         else:
             opt_sd = optimizer_state_dict(path)
+        if opt_sd is not None:
+            _check_state(optimizer, opt_sd, path)
     # Offloaded into offloaded: streamed within the budget, all-or-nothing, and first, so a
     # failure leaves the model as it was too. A state dict loads after the model: an
     # offloading optimizer takes a parameter as its master where the state has none.
