@@ -1,6 +1,8 @@
 """save() and load() of sharded models: every rank writes and reads its own shard; load()
 reshards when the world size changed. See format.py for the layout. An offloading optimizer's
-shard state is streamed to `rankNNNNN.optim/` (tierlift.checkpoint.stream), never built in RAM.
+shard state is streamed to `rankNNNNN.optim/` (tierlift.checkpoint.stream), never built in RAM,
+and streamed back (restore.py), on another world size from the byte ranges each new shard
+overlaps (reshard.py).
 Models that are not sharded go to tierlift.checkpoint.replicated."""
 
 from __future__ import annotations
