@@ -1,6 +1,8 @@
 """save() and load() of sharded models: every rank writes and reads its own shard; load()
 reshards when the world size changed. See format.py for the layout. An offloading optimizer's
-shard state is streamed to `rankNNNNN.optim/` (tierlift.checkpoint.stream), never built in RAM.
+shard state is streamed to `rankNNNNN.optim/` (tierlift.checkpoint.stream), never built in RAM,
+and streamed back (restore.py), on another world size from the byte ranges each new shard
+overlaps (reshard.py).
 Models that are not sharded go to tierlift.checkpoint.replicated."""
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import shutil
 import torch
 
 from tierlift.checkpoint import format as fmt
-from tierlift.checkpoint import replicated, stream
+from tierlift.checkpoint import replicated, reshard, restore, stream
 from tierlift.zero.api import _ATTR, _SHARD_NAME, _state
 
 
@@ -159,12 +161,23 @@ def _add_streamed(path: str, meta: dict, shards: list[dict]) -> None:
                     tensors[f"{names[index]}.{k}"] = v.reshape(-1) if v.dim() else v
 
 
+def _take(shards: list[dict], unit, saved: dict, key: str, rank: int) -> torch.Tensor:
+    """This rank's new shard of the unit's flat tensor `key` (zeros past the unit's end)."""
+    lo = rank * unit.shard_numel
+    hi = min(lo + unit.shard_numel, unit.numel)
+    out = torch.zeros(unit.shard_numel, dtype=torch.float32)
+    if hi > lo:
+        out[:hi - lo] = fmt.unit_slice(shards, key, saved["shard_numel"], lo, hi)
+    return out.to(unit.device)
+
+
 @torch.no_grad()
 def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None) -> dict:
     """Load a checkpoint written by save() into a model (and optimizer); returns the `extra`
     dict given to save(). A sharded model loads on any world size: each rank reads the slices
-    of the saved shards that overlap its new shard. Every file's SHA-256 is checked before
-    anything is changed."""
+    of the saved shards that overlap its new shard; offloaded optimizer state streams into the
+    tiers within cpu_budget (restore.py, reshard.py). Every file's SHA-256 is checked before
+    anything is changed, and an offloaded optimizer's load is all-or-nothing."""
     if getattr(model, _ATTR, None) is None:
         return replicated.load(os.fspath(path), model, optimizer)
     state = _state(model)
@@ -175,7 +188,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None) -> dic
         raise ValueError(f"{path} holds an unsharded model's checkpoint; load it before "
                          "tierlift.zero.shard(), or into a model that is not sharded")
     _check_layout(meta, state.units)
-    shards = [fmt.load_tensors(path, r) for r in range(meta["world_size"])]
+    shards = [fmt.load_tensors(path, r) for r in range(meta["world_size"])]  # mapped
     # Every check before the first change: a checkpoint that does not fit leaves all as it was.
     if optimizer is not None and meta["param_groups"] and \
             len(meta["param_groups"]) != len(optimizer.param_groups):
@@ -186,38 +199,40 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None) -> dic
     fmt.check_fits(own, extras, complete=False)
     off = _offloader(optimizer)
     streamed = optimizer is not None and meta.get("optimizer_state") == "offloaded"
-    direct = streamed and off is not None and meta["world_size"] == comm.world
-    if direct:  # the same shards: this rank's state streams straight into its tiers
-        stream.verify(os.path.join(path, optim_dir(comm.rank)))
-    elif streamed:
+    plan, source = None, path
+    if streamed and off is not None:  # streamed into the tiers, chunk by chunk
+        if meta["world_size"] == comm.world:  # the same shards: this rank's files
+            source = os.path.join(path, optim_dir(comm.rank))
+            plan = restore.plan_from_state(source, stream.verify(source))
+        else:  # each new shard from the byte ranges of the saved shards it overlaps
+            for r in range(meta["world_size"]):
+                stream.verify(os.path.join(path, optim_dir(r)))
+            plan = reshard.plan(path, meta, state.units, comm.rank, off, optim_dir)
+        restore.check_plan(off, plan, source)
+    elif streamed:  # into an optimizer that holds its state in RAM anyway
         for r in range(meta["world_size"]):
             stream.verify(os.path.join(path, optim_dir(r)))
         _add_streamed(path, meta, shards)
     loaded_state: dict = {}
-    for i, (unit, saved) in enumerate(zip(state.units, meta["units"], strict=False)):
-        lo = comm.rank * unit.shard_numel
-        hi = min(lo + unit.shard_numel, unit.numel)
-        n = max(hi - lo, 0)
-
-        def take(key, unit=unit, saved=saved, lo=lo, hi=hi, n=n):
-            out = torch.zeros(unit.shard_numel, dtype=torch.float32)
-            if n:
-                out[:n] = fmt.unit_slice(shards, key, saved["shard_numel"], lo, hi)
-            return out.to(unit.device)
-
-        unit.shard.copy_(take(f"unit{i}.param"))
-        unit.stale = True
-        if optimizer is not None and not direct:
+    if optimizer is not None and plan is None:
+        for i, (unit, saved) in enumerate(zip(state.units, meta["units"], strict=False)):
             keys = {k.split(".", 1)[1] for k in shards[0] if k.startswith(f"unit{i}.")}
             keys.discard("param")
             if keys:
                 st = loaded_state[unit.shard] = {}
                 for key in sorted(keys):
                     value = shards[0][f"unit{i}.{key}"]
-                    st[key] = (take(f"unit{i}.{key}") if value.dim() > 0
+                    st[key] = (_take(shards, unit, saved, f"unit{i}.{key}", comm.rank)
+                               if value.dim() > 0
                                else value.clone().to(unit.device if key != "step" else "cpu"))
-    if direct:
-        off.load_state(os.path.join(path, optim_dir(comm.rank)), check=False)
+    # Streamed state first: all-or-nothing, so a failure leaves the model as it was too. A
+    # state dict loads after the params: an offloading optimizer takes a parameter as its
+    # master where the state has none.
+    if plan is not None:
+        restore.load_plan(off, plan, source)
+    for i, (unit, saved) in enumerate(zip(state.units, meta["units"], strict=False)):
+        unit.shard.copy_(_take(shards, unit, saved, f"unit{i}.param", comm.rank))
+        unit.stale = True
     if loaded_state:
         _load_per_param_state(optimizer, loaded_state)
     if optimizer is not None and meta["param_groups"]:

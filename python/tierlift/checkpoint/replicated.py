@@ -20,7 +20,7 @@ import shutil
 import torch
 
 from tierlift.checkpoint import format as fmt
-from tierlift.checkpoint import stream
+from tierlift.checkpoint import restore, stream
 
 OPTIM_DIR = "optim"
 
@@ -125,6 +125,18 @@ def _set_hyper(optimizer, meta: dict) -> None:
                              f"parameters, the optimizer's {len(group['params'])}")
 
 
+def _check_state(optimizer, opt_sd: dict, path: str) -> None:
+    """Every saved state tensor fits its parameter: checked before anything changes (an
+    optimizer would find a mismatch half-way through its load_state_dict)."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for i, st in opt_sd["state"].items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() != params[i].numel():
+                raise ValueError(f"checkpoint {path} does not match the optimizer: the state "
+                                 f"{k!r} of parameter {i} has shape {tuple(v.shape)}, the "
+                                 f"parameter {tuple(params[i].shape)}")
+
+
 @torch.no_grad()
 def load(path: str, model: torch.nn.Module, optimizer) -> dict:
     path = fmt.resolve_dir(path)
@@ -137,20 +149,30 @@ def load(path: str, model: torch.nn.Module, optimizer) -> dict:
     saved = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
     fmt.check_fits(model.state_dict(), saved, complete=True)
     off = getattr(optimizer, "_offload", None) if optimizer is not None else None
-    opt_sd = None
+    opt_sd, plan = None, None
+    optim = os.path.join(path, OPTIM_DIR)
     if optimizer is not None and meta["optimizer_state"] is not None:
         _set_hyper(optimizer, meta)
         if meta["optimizer_state"] == "offloaded":
-            stream.verify(os.path.join(path, OPTIM_DIR))
+            smeta = stream.verify(optim)
             if off is None:
                 opt_sd = optimizer_state_dict(path)
+            else:
+                plan = restore.plan_from_state(optim, smeta)
+                restore.check_plan(off, plan, optim)
         else:
             opt_sd = optimizer_state_dict(path)
-    model.load_state_dict(saved)
+        if opt_sd is not None:
+            _check_state(optimizer, opt_sd, path)
+    # Offloaded into offloaded: streamed within the budget, all-or-nothing, and first, so a
+    # failure leaves the model as it was too. A state dict loads after the model: an
+    # offloading optimizer takes a parameter as its master where the state has none.
+    if plan is not None:
+        restore.load_plan(off, plan, optim)
+    else:
+        model.load_state_dict(saved)
     if optimizer is not None and meta["optimizer_state"] is not None:
-        if opt_sd is None:  # offloaded into offloaded: streamed, within the budget
-            off.load_state(os.path.join(path, OPTIM_DIR), check=False)
-        else:
+        if plan is None:
             # this optimizer's own group keys, overridden by the saved hyperparameters (not
             # through optimizer.state_dict(): an offloading one would read its state back)
             opt_sd["param_groups"] = [
@@ -160,4 +182,6 @@ def load(path: str, model: torch.nn.Module, optimizer) -> dict:
         for group, hyper in zip(optimizer.param_groups, meta["param_groups"]):
             for k, v in hyper.items():
                 group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
+    if plan is not None:
+        model.load_state_dict(saved)
     return meta.get("extra", {})

@@ -13,7 +13,7 @@ Layout (independent of chunk size, budget and tier, so it loads anywhere):
 
 Checksums are SHA-256, the mechanism of tierlift.checkpoint.format, computed while the bytes are
 written (no second pass) and verified before anything is loaded: a truncated or corrupt file is
-an error naming it, and the optimizer is left as it was.
+an error naming it, and the optimizer is left as it was. Loading is in restore.py.
 """
 
 from __future__ import annotations
@@ -84,13 +84,13 @@ def _wait_quietly(handles) -> None:
             pass
 
 
-def _slotted(off, gi: int, chunks: list, writes: dict):
+def _slotted(off, gi: int, chunks: list, writes: dict, copy: bool = False):
     """Yields (i, chunk, bufs): the committed generation of each chunk in the pipeline slots,
     reading chunk i+1 (CRC-32C checked in the background) while the caller works on chunk i.
     The caller puts the handles of writes from a slot into `writes[i]`; the slot is reused
-    only after they finished. Resident host tiers yield views (no copy)."""
+    only after they finished. Resident host tiers yield views (no copy) unless `copy`."""
     tier = off.tiers[gi]
-    if not hasattr(tier, "engine"):
+    if not hasattr(tier, "engine") and not copy:
         for i, chunk in enumerate(chunks):
             yield i, chunk, off._chunk_bufs(gi, chunk)
         return
@@ -165,71 +165,6 @@ def save_offloaded(off, directory: str, names: dict | None = None) -> None:
                    {"format": FORMAT, "version": VERSION, "groups": groups, "sha256": digests})
 
 
-def _check_fits(off, meta: dict, directory: str) -> None:
-    if len(meta["groups"]) != len(off.opt.param_groups):
-        raise ValueError(f"offloaded optimizer state {directory} has {len(meta['groups'])} "
-                         f"param groups, the optimizer {len(off.opt.param_groups)}")
-    for gi, (saved, group) in enumerate(zip(meta["groups"], off.opt.param_groups)):
-        params = group["params"]
-        missing = [k for k in off.tiers[gi].kinds if k not in saved["kinds"]]
-        if missing:
-            why = (" (saved with amsgrad=False, the optimizer has amsgrad=True)"
-                   if "max_exp_avg_sq" in missing else "")
-            raise ValueError(f"offloaded optimizer state {directory} has no {missing} for "
-                             f"param group {gi}{why}")
-        for e in saved["params"]:
-            if e["index"] >= len(params) or params[e["index"]].numel() != e["numel"]:
-                got = (tuple(params[e["index"]].shape) if e["index"] < len(params)
-                       else "no such parameter")
-                raise ValueError(f"offloaded optimizer state {directory} does not match the "
-                                 f"optimizer: param_groups[{gi}]['params'][{e['index']}] has "
-                                 f"shape {tuple(e['shape'])} in the checkpoint, {got} here")
-
-
-def load_offloaded(off, directory: str, check: bool = True) -> None:
-    """Replaces the state of Offloader `off` with the one saved in `directory`, a chunk at a
-    time through the pipeline slot. Checks every file's SHA-256 first (unless `check` is False
-    because the caller already did); NVMe chunks are written to the uncommitted generation and
-    committed together at the end, so a failure leaves the optimizer as it was."""
-    meta = verify(directory) if check else read_state_json(directory)
-    _check_fits(off, meta, directory)
-    flips = []
-    for gi, saved in enumerate(meta["groups"]):
-        layout, tier = off.layouts[gi], off.tiers[gi]
-        offsets = {e["index"]: e["offset"] for e in saved["params"]}
-        files = {k: open(os.path.join(directory, kind_file(gi, k)), "rb") for k in tier.kinds}
-        try:
-            chunks = [c for c in layout.chunks if any(s.pi in offsets for s in c.segments)]
-            writes: dict = {}
-            for i, chunk, bufs in _slotted(off, gi, chunks, writes):
-                for s in (s for s in chunk.segments if s.pi in offsets):
-                    for k in tier.kinds:
-                        f = files[k]
-                        f.seek(4 * (offsets[s.pi] + s.plo))
-                        want = 4 * (s.phi - s.plo)
-                        if f.readinto(_np(bufs[k][s.clo:s.chi])) != want:
-                            raise ValueError(f"{f.name} is truncated")
-                if hasattr(tier, "engine"):  # NvmeTier: the other generation, flipped below
-                    writes[i] = tier.write_all(chunk.ci, bufs, 1 - tier.gen[chunk.ci])
-                    flips.append((tier, chunk.ci))
-        finally:
-            for f in files.values():
-                f.close()
-    if off._engine is not None:
-        off._engine.sync()
-    for tier, ci in flips:
-        tier.gen[ci] = 1 - tier.gen[ci]
-    for gi, (saved, group) in enumerate(zip(meta["groups"], off.opt.param_groups)):
-        steps = {e["index"]: e["step"] for e in saved["params"]}
-        for pi, p in enumerate(group["params"]):
-            if pi in steps:
-                off.opt.state[p]["step"] = torch.tensor(steps[pi], dtype=torch.float32)
-                off._in_file[gi].add(pi)
-            else:  # no state in the checkpoint: starts fresh, as in torch
-                off.opt.state[p].pop("step", None)
-                off._in_file[gi].discard(pi)
-
-
 def read_tensors(directory: str, mmap: bool = False) -> list[dict]:
     """[{param index: {"step": tensor, kind: fp32 tensor}} per group], "master" only for
     low-precision parameters (as optimizer.state_dict() has it). mmap=True maps the files
@@ -261,3 +196,10 @@ def names(directory: str) -> list[dict]:
     """[{param index: name recorded at save}] per group."""
     return [{e["index"]: e["name"] for e in g["params"]}
             for g in read_state_json(directory)["groups"]]
+
+
+def load_offloaded(off, directory: str, check: bool = True) -> None:
+    """restore.load_offloaded (kept here for callers of the old place)."""
+    from tierlift.checkpoint.restore import load_offloaded as load
+
+    load(off, directory, check)

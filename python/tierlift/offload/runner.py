@@ -576,8 +576,8 @@ class Offloader:
 
     def load_state(self, directory: str, check: bool = True) -> None:
         """Replaces the state with the one save_state() wrote to `directory` (SHA-256 checked
-        first; all-or-nothing on NVMe)."""
-        from tierlift.checkpoint.stream import load_offloaded
+        first; all-or-nothing, whatever the tier)."""
+        from tierlift.checkpoint.restore import load_offloaded
 
         load_offloaded(self, os.fspath(directory), check)
 
@@ -618,7 +618,17 @@ class Offloader:
         return bufs
 
     def ingest(self, loaded: dict) -> None:
-        """Moves {param: {kind: tensor}} (from a state dict) into the tiers."""
+        """Moves {param: {kind: tensor}} (from a state dict) into the tiers. Shapes are checked
+        first; NVMe chunks go to the other generation and flip together at the end, so a
+        failed write (a full drive) leaves the tiers as they were."""
+        for gi, group in enumerate(self.opt.param_groups):
+            for pi, p in enumerate(group["params"]):
+                for k, v in loaded.get(p, {}).items():
+                    if isinstance(v, torch.Tensor) and k in self.tiers[gi].kinds and \
+                            v.numel() != p.numel():
+                        raise ValueError(f"the state {k!r} of {self._name(gi, pi)} has "
+                                         f"{v.numel()} elements, the parameter {p.numel()}")
+        flips = []
         for gi, group in enumerate(self.opt.param_groups):
             params, layout, tier = group["params"], self.layouts[gi], self.tiers[gi]
             for chunk in layout.chunks:
@@ -628,7 +638,6 @@ class Offloader:
                 bufs = self._chunk_bufs(gi, chunk)
                 for s in segs:
                     p = params[s.pi]
-                    self._in_file[gi].add(s.pi)
                     vals = loaded[p]
                     for k in tier.kinds:
                         dst = bufs[k][s.clo:s.chi]
@@ -639,11 +648,20 @@ class Offloader:
                         else:
                             dst.zero_()
                 if isinstance(tier, NvmeTier):
-                    g = tier.gen[chunk.ci]
-                    for k in tier.kinds:
-                        tier.write(k, chunk.ci, bufs[k], g).wait()
+                    handles = tier.write_all(chunk.ci, bufs, 1 - tier.gen[chunk.ci])
+                    for i, h in enumerate(handles):
+                        try:
+                            h.wait()
+                        except BaseException:  # nothing may stay in flight from the slot
+                            _drain({0: handles[i + 1:]})
+                            raise
+                    flips.append((tier, chunk.ci))
         if self._engine is not None:
             self._engine.sync()
+        for tier, ci in flips:
+            tier.gen[ci] = 1 - tier.gen[ci]
+        for gi, group in enumerate(self.opt.param_groups):
+            self._in_file[gi].update(pi for pi, p in enumerate(group["params"]) if p in loaded)
 
 
 __all__ = ["Offloader"]

@@ -1,0 +1,196 @@
+"""Loading streamed optimizer state (stream.py's files) into an Offloader: all-or-nothing, and
+within its cpu_budget whatever the world size the checkpoint was saved on.
+
+A load follows a plan: for each parameter with saved state, its step and the runs of elements
+that come from the saved kind files. A run (lo, hi, dir, gi, first) says that elements [lo, hi)
+of the parameter are elements first, first + 1, ... of `dir`/g{gi}.<kind>.f32; elements no run
+covers are zeros (a ZeRO shard's padding). The same-world-size load has one run per parameter
+(plan_from_state); a resharded load one per saved rank that the new shard overlaps (reshard.py).
+The bytes go from the files straight into the pipeline slots or the tier (readinto, no
+temporaries), a chunk at a time, so host memory stays what the Offloader already holds.
+
+All-or-nothing, whatever fails after the first byte changed (a read error, a file that became
+shorter after its SHA-256 was checked, an interrupt):
+- NVMe, and host memory with two generations (overlap=True): each chunk is read into a slot,
+  filled, and written to the uncommitted generation; all chunks flip together at the end.
+- host memory with one generation (offload="cpu"): the chunks are filled in place, and the bytes
+  each fill replaces go first to an undo journal, an unnamed temporary file (so no host memory),
+  which is played back in reverse on failure.
+Every check that can refuse a checkpoint (check_plan) runs before the first change.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from tierlift.checkpoint import stream
+
+
+@dataclass(kw_only=True)
+class ParamSource:
+    step: float
+    numel: int  # the parameter's numel in the checkpoint (a ZeRO shard's: padded)
+    runs: list[tuple[int, int, str, int, int]]  # (lo, hi, dir, saved group, first element)
+
+
+@dataclass(kw_only=True)
+class GroupPlan:
+    kinds: list[str] | None = None  # the kinds every source of the group holds (None: no source)
+    params: dict[int, ParamSource] = field(default_factory=dict)
+
+
+def read_into(f, arr: np.ndarray) -> None:
+    """Fills `arr` from file `f` at its position (tests inject faults here)."""
+    if f.readinto(arr) != arr.nbytes:
+        raise ValueError(f"{f.name} is truncated: it became shorter after its SHA-256 was "
+                         "checked")
+
+
+def plan_from_state(directory: str, meta: dict) -> list[GroupPlan]:
+    """The plan of a same-world-size load: one run per saved parameter."""
+    return [GroupPlan(kinds=list(g["kinds"]), params={
+        e["index"]: ParamSource(step=e["step"], numel=e["numel"],
+                                runs=[(0, e["numel"], directory, gi, e["offset"])])
+        for e in g["params"]}) for gi, g in enumerate(meta["groups"])]
+
+
+def check_plan(off, plan: list[GroupPlan], source: str) -> None:
+    """Raises a ValueError if `plan` does not fit Offloader `off`; changes nothing."""
+    if len(plan) != len(off.opt.param_groups):
+        raise ValueError(f"offloaded optimizer state {source} has {len(plan)} param groups, "
+                         f"the optimizer {len(off.opt.param_groups)}")
+    for gi, (gp, group) in enumerate(zip(plan, off.opt.param_groups, strict=True)):
+        params = group["params"]
+        missing = [k for k in off.tiers[gi].kinds if k not in (gp.kinds or [])]
+        if gp.kinds is not None and missing:
+            why = (" (saved with amsgrad=False, the optimizer has amsgrad=True)"
+                   if "max_exp_avg_sq" in missing else "")
+            raise ValueError(f"offloaded optimizer state {source} has no {missing} for "
+                             f"param group {gi}{why}")
+        for pi, src in gp.params.items():
+            if pi >= len(params) or params[pi].numel() != src.numel:
+                got = (f"shape {tuple(params[pi].shape)}" if pi < len(params)
+                       else "no such parameter")
+                raise ValueError(f"offloaded optimizer state {source} does not match the "
+                                 f"optimizer: param_groups[{gi}]['params'][{pi}] holds "
+                                 f"{src.numel} elements in the checkpoint, {got} here")
+
+
+class _Files:
+    """The saved kind files, opened on first use."""
+
+    def __init__(self):
+        self.open: dict = {}
+
+    def get(self, directory: str, gi: int, kind: str):
+        key = (directory, gi, kind)
+        if key not in self.open:
+            self.open[key] = open(os.path.join(directory, stream.kind_file(gi, kind)), "rb")
+        return self.open[key]
+
+    def close(self) -> None:
+        for f in self.open.values():
+            f.close()
+
+
+def _fill(files: _Files, kind: str, src: ParamSource, plo: int, phi: int,
+          dst: np.ndarray) -> None:
+    """Elements [plo, phi) of the parameter's `kind` into `dst`."""
+    pos = plo
+    for lo, hi, directory, gi, first in src.runs:
+        a, b = max(lo, plo), min(hi, phi)
+        if a >= b:
+            continue
+        if a > pos:
+            dst[pos - plo:a - plo] = 0
+        f = files.get(directory, gi, kind)
+        f.seek(4 * (first + a - lo))
+        read_into(f, dst[a - plo:b - plo])
+        pos = b
+    if pos < phi:
+        dst[pos - plo:] = 0
+
+
+class _Journal:
+    """The bytes an in-place fill replaces, in an unnamed temporary file, to undo the fills."""
+
+    def __init__(self):
+        self.file = None
+        self.kept: list[tuple[np.ndarray, int]] = []
+
+    def keep(self, arr: np.ndarray) -> None:
+        if self.file is None:
+            self.file = tempfile.TemporaryFile(prefix="tierlift-undo-")
+        self.kept.append((arr, self.file.tell()))
+        self.file.write(arr)
+
+    def undo(self) -> None:
+        for arr, pos in reversed(self.kept):
+            self.file.seek(pos)
+            if self.file.readinto(arr) != arr.nbytes:
+                raise RuntimeError("the undo journal of a failed checkpoint load is short; the "
+                                   "optimizer state is inconsistent")
+        self.kept = []
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+def load_plan(off, plan: list[GroupPlan], source: str) -> None:
+    """Replaces the state of Offloader `off` with the one `plan` reads, all-or-nothing (see the
+    module docstring). Parameters the plan lacks start fresh, as in torch."""
+    check_plan(off, plan, source)
+    flips, files, journal = [], _Files(), _Journal()
+    try:
+        for gi, gp in enumerate(plan):
+            layout, tier = off.layouts[gi], off.tiers[gi]
+            chunks = [c for c in layout.chunks if any(s.pi in gp.params for s in c.segments)]
+            writes: dict = {}
+            for i, chunk, bufs in stream._slotted(off, gi, chunks, writes, copy=off.streamed):
+                for s in (s for s in chunk.segments if s.pi in gp.params):
+                    for k in tier.kinds:
+                        dst = stream._np(bufs[k][s.clo:s.chi])
+                        if not off.streamed:
+                            journal.keep(dst)
+                        _fill(files, k, gp.params[s.pi], s.plo, s.phi, dst)
+                if off.streamed:  # the other generation, flipped below
+                    writes[i] = tier.write_all(chunk.ci, bufs, 1 - tier.gen[chunk.ci])
+                    flips.append((tier, chunk.ci))
+        if off._engine is not None:
+            off._engine.sync()
+    except BaseException:
+        journal.undo()
+        raise
+    finally:
+        files.close()
+        journal.close()
+    for tier, ci in flips:
+        tier.gen[ci] = 1 - tier.gen[ci]
+    for gi, (gp, group) in enumerate(zip(plan, off.opt.param_groups, strict=True)):
+        for pi, p in enumerate(group["params"]):
+            if pi in gp.params:
+                off.opt.state[p]["step"] = torch.tensor(gp.params[pi].step, dtype=torch.float32)
+                off._in_file[gi].add(pi)
+            else:  # no state in the checkpoint: starts fresh, as in torch
+                off.opt.state[p].pop("step", None)
+                off._in_file[gi].discard(pi)
+
+
+def check_fits(off, meta: dict, directory: str) -> None:
+    """Raises a ValueError if the state saved in `directory` (its state.json `meta`) does not
+    fit Offloader `off`."""
+    check_plan(off, plan_from_state(directory, meta), directory)
+
+
+def load_offloaded(off, directory: str, check: bool = True) -> None:
+    """Replaces the state of Offloader `off` with the one saved in `directory` by
+    stream.save_offloaded. Checks every file's SHA-256 first (unless `check` is False because
+    the caller already did); all-or-nothing."""
+    meta = stream.verify(directory) if check else stream.read_state_json(directory)
+    load_plan(off, plan_from_state(directory, meta), directory)
