@@ -41,8 +41,9 @@ def make(dim: int, layers: int) -> nn.Module:
 
 
 def build(args, tier: str, overlap: bool, offload_params: str, tmp: str):
+    extra = dict(nvme_path=tmp) if offload_params == "nvme" else {}
     model = tierlift.zero.shard(make(args.dim, args.layers), stage=3,
-                                offload_params=offload_params)
+                                offload_params=offload_params, **extra)
     n = sum(p.numel() for p in model.parameters())
     kw = {}
     if tier != "none":
@@ -78,7 +79,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(RESULTS / "zero_offload.json"))
     args = ap.parse_args()
     configs = [("none", False, "none"), ("cpu", False, "none"), ("cpu", True, "none"),
-               ("nvme", False, "none"), ("nvme", True, "none"), ("nvme", True, "cpu")]
+               ("nvme", False, "none"), ("nvme", True, "none"), ("nvme", True, "cpu"),
+               ("nvme", True, "nvme")]
     with tempfile.TemporaryDirectory() as tmp:
         built = [build(args, *c, tmp) for c in configs]
         times = [[] for _ in built]
