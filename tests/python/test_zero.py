@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 from zero_model import batches, free_port, init_gloo, make_model, shutdown, train
 
 import tierlift
@@ -147,6 +148,9 @@ def test_per_rank_bytes(world, world2, world4):
         if stage >= 2:
             # Gradients: the shard plus at most one unit in flight.
             assert mem["grads"] <= total / world + pad + largest, (name, mem)
+        else:
+            # Stage 1 keeps the averaged full gradient; the fp32 shard is a view of it.
+            assert mem["grads"] <= total + pad, (name, mem)
         if stage == 3 and CONFIGS[name][4].get("reshard_after_forward", True):
             assert mem["params_between_steps"] <= total / world + pad, (name, mem)
             # During forward the root (tied embedding/head) and the running unit are gathered,
@@ -245,6 +249,26 @@ def test_parameters_are_shards_and_frozen():
     assert len(trainable) == 4 and all(p.dim() == 1 and p.dtype == torch.float32
                                        for p in trainable)
     assert [p for p in params if not p.requires_grad][0] is model.pos
+
+
+def test_stage1_gradient_shard_is_a_view_and_accumulates():
+    """Stage 1's fp32 shard gradient is a view of the kept full gradient (one buffer, not
+    two); two synced backwards still sum exactly as stage 2's copied shards do, and the first
+    backward's buffer is let go."""
+    grads = {}
+    for stage in (1, 2):
+        model = tierlift.zero.shard(make_model(), stage=stage)
+        seq = batches(2, 4)
+        for s in seq:
+            F.cross_entropy(model(s[:, :-1]).flatten(0, 1), s[:, 1:].flatten()).backward()
+        units = model._tierlift_zero.units
+        grads[stage] = [u.shard.grad.clone() for u in units]
+        if stage == 1:
+            for u in units:
+                assert u.shard.grad.untyped_storage().data_ptr() == \
+                    u.full_grad.untyped_storage().data_ptr()
+    for a, b in zip(grads[1], grads[2], strict=True):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

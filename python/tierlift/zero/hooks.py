@@ -255,19 +255,25 @@ class ZeroState:
             self._hand_over(unit, piece, early=not wait)
 
     def _land(self, unit: FlatUnit, buf) -> torch.Tensor:
-        """The averaged fp32 gradient of this rank's slice (stage 1 keeps the full one)."""
+        """The averaged fp32 gradient of this rank's slice (stage 1 keeps the full one, and
+        an fp32 slice is a view of it: no second copy of this rank's part)."""
         reduced = buf if self.config.stage == 1 else buf[0]
         if reduced.dtype != torch.float16:
             reduced.div_(self.comm.world)  # fp16 was divided before the sum
         if self.config.stage == 1:
             unit.full_grad = reduced  # stage 1 keeps the averaged full gradient
             lo = self.comm.rank * unit.shard_numel
-            return reduced[lo:lo + unit.shard_numel].to(torch.float32, copy=True)
+            return reduced[lo:lo + unit.shard_numel].to(torch.float32)
         return reduced.to(torch.float32)
 
     def _hand_over(self, unit: FlatUnit, piece: torch.Tensor, early: bool) -> None:
         if unit.shard.grad is None:
             unit.shard.grad = piece
+        elif piece._base is not None:
+            # A view of this backward's full gradient (stage 1): sum into it and let the
+            # previous backward's buffer go, which the old view would keep alive (a + b == b + a
+            # in IEEE arithmetic, so the sum is the same bits).
+            unit.shard.grad = piece.add_(unit.shard.grad)
         else:
             unit.shard.grad.add_(piece)
         self.stats["grads_ready_early" if early else "grads_ready_at_end"] += 1
