@@ -37,6 +37,14 @@ def test_placement_by_size():
     assert nvme.legs_s["nvme read"] == pytest.approx(96e9 / 2e9)
     assert nvme.legs_s["nvme write"] == pytest.approx(96e9 / 1e9)
     assert nvme.pipelined_s == pytest.approx(96.0) and nvme.serial_s > nvme.pipelined_s
+    # Two generations of every kind on the drive; a drive without that room is refused.
+    assert nvme.tiers["nvme"]["exp_avg (2 gens)"] == 64e9
+    assert sum(nvme.tiers["nvme"].values()) == 192e9
+    fits = PlanInput(params=8e9, gpu_mem=80 * G, cpu_mem=32 * G, nvme="/x", nvme_free=192e9)
+    assert make_plan(fits, BW).offload == "nvme"
+    with pytest.raises(ValueError, match=r"needs 178\.8 GiB under /x .* 178\.8 GiB free"):
+        make_plan(PlanInput(params=8e9, gpu_mem=80 * G, cpu_mem=32 * G, nvme="/x",
+                            nvme_free=192e9 - 1), BW)
     with pytest.raises(ValueError, match="give --nvme PATH"):
         make_plan(PlanInput(params=8e9, gpu_mem=80 * G, cpu_mem=32 * G), BW)
     with pytest.raises(ValueError, match="zero stage 3"):
@@ -44,7 +52,8 @@ def test_placement_by_size():
 
 
 def test_cli_measures_and_prints(tmp_path, capsys):
-    assert main(["plan", "--params", "8e9", "--gpu-mem", "80G", "--cpu-mem", "64G",
+    # 2.4 GB of state, 4.8 GB with both generations: within the free space it measures.
+    assert main(["plan", "--params", "2e8", "--gpu-mem", "2G", "--cpu-mem", "1G",
                  "--nvme", str(tmp_path), "--probe-mib", "4", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["offload"] == "nvme"

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 
 from tierlift.plan.measure import measure
 from tierlift.plan.planner import PlanInput, make_plan, parse_bytes, render
@@ -34,7 +35,8 @@ def run(args: argparse.Namespace) -> int:
     inp = PlanInput(params=params, gpu_mem=parse_bytes(args.gpu_mem, "--gpu-mem"),
                     cpu_mem=parse_bytes(args.cpu_mem, "--cpu-mem"), nvme=args.nvme,
                     cpu_budget=None if args.cpu_budget is None
-                    else parse_bytes(args.cpu_budget, "--cpu-budget"))
+                    else parse_bytes(args.cpu_budget, "--cpu-budget"),
+                    nvme_free=None if args.nvme is None else shutil.disk_usage(args.nvme).free)
     bw = measure(args.nvme, args.probe_mib << 20)
     plan = make_plan(inp, bw)
     if args.json:

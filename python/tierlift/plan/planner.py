@@ -1,6 +1,8 @@
 """The placement rule: keep everything on the GPU when it fits; else the fp32 master, m and v go
 to host memory (offload="cpu"); else to NVMe with a host pool of `cpu_budget` (offload="nvme").
 Bytes per parameter (mixed precision): bf16 weight 2, bf16 gradient 2, fp32 master 4, m 4, v 4.
+On NVMe each kind takes twice its bytes: a step reads one generation and writes the other, so a
+failed step can be undone (docs/offload.md); the plan refuses a drive without that much room.
 The expected optimizer time per step is the sum of its legs (no overlap) and their maximum
 (the pipelined bound that overlap=True aims at)."""
 
@@ -32,6 +34,7 @@ class PlanInput:
     cpu_mem: int
     nvme: str | None = None
     cpu_budget: int | None = None
+    nvme_free: int | None = None  # bytes free under `nvme` (checked when the state goes there)
     gpu_reserve: float = 0.3  # share of GPU memory kept for activations and workspace
 
     def __post_init__(self):
@@ -81,10 +84,16 @@ def make_plan(inp: PlanInput, bw: Bandwidths) -> Plan:
         raise ValueError(
             f"the optimizer state ({_fmt(sum(state.values()))}) does not fit in "
             f"{_fmt(cpu_room)} of host memory; give --nvme PATH for the NVMe tier")
+    on_disk = {f"{k} (2 gens)": 2 * v for k, v in state.items()}
+    if inp.nvme_free is not None and sum(on_disk.values()) > inp.nvme_free:
+        raise ValueError(
+            f"the optimizer state needs {_fmt(sum(on_disk.values()))} under {inp.nvme} (two "
+            f"generations of fp32 master, exp_avg and exp_avg_sq) and the drive has "
+            f"{_fmt(inp.nvme_free)} free")
     legs["nvme read"] = sum(state.values()) / bw.disk_read_bps
     legs["nvme write"] = sum(state.values()) / bw.disk_write_bps
     return Plan(offload="nvme", tiers={"gpu": model, "cpu": {"staging pool": cpu_room},
-                                       "nvme": state},
+                                       "nvme": on_disk},
                 legs_s=legs, note=f"optimizer state on NVMe under {inp.nvme}")
 
 
