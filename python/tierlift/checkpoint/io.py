@@ -39,16 +39,66 @@ def _per_param_state(optimizer) -> dict:
     return {p: sd["state"].get(i, {}) for p, i in zip(params, ids, strict=True)}
 
 
-def _load_per_param_state(optimizer, loaded: dict) -> None:
+def _load_per_param_state(optimizer, loaded: dict, before_commit=None) -> None:
     """Replace the state of the parameters in `loaded` ({param: state}) through
-    load_state_dict, so an offloading optimizer puts it back into its tiers."""
+    load_state_dict, so an offloading optimizer puts it back into its tiers. `before_commit`
+    is called before the new state becomes final; if it raises, the old state is put back."""
     sd = optimizer.state_dict()
     ids = [i for g in sd["param_groups"] for i in g["params"]]
     params = [p for g in optimizer.param_groups for p in g["params"]]
     for p, i in zip(params, ids, strict=True):
         if p in loaded:
             sd["state"][i] = loaded[p]
-    optimizer.load_state_dict(sd)
+    if hasattr(optimizer, "_load_state_dict"):  # tierlift's: all-or-nothing, offloaded too
+        optimizer._load_state_dict(sd, before_commit)
+        return
+    # Any other torch optimizer replaces its state and param_groups objects: keep the old ones.
+    old = {"state": optimizer.state, "param_groups": optimizer.param_groups}
+    try:
+        optimizer.load_state_dict(sd)
+        if before_commit is not None:
+            before_commit()
+    except BaseException:
+        optimizer.__dict__.update(old)
+        raise
+
+
+class _Agreement:
+    """One collective, reached by every rank exactly once per load, that decides whether every
+    rank prepared its part: commit everywhere, or roll back everywhere. A rank that died
+    outright makes the collective fail (the ZeRO heartbeat names it): the survivors roll back."""
+
+    def __init__(self, comm, path: str):
+        self.comm, self.path = comm, path
+        self.decided = False  # the collective ran (or was tried): never twice
+        self.failed: list[int] = []
+
+    def _decide(self, ok: bool) -> list[int]:
+        if not self.decided:
+            self.decided = True
+            self.failed = [] if ok else [self.comm.rank]
+            if self.comm.world > 1:
+                t = torch.zeros(self.comm.world, device=comm_device(self.comm))
+                t[self.comm.rank] = 0.0 if ok else 1.0
+                self.comm.wait(self.comm.all_reduce(t))
+                self.failed = [r for r, v in enumerate(t.tolist()) if v]
+        return self.failed
+
+    def check(self) -> None:
+        """This rank is ready: raises if any rank was not (then this rank rolls back too)."""
+        failed = self._decide(True)
+        if failed:
+            raise RuntimeError(f"loading checkpoint {self.path} failed on rank(s) {failed}; "
+                               f"rank {self.comm.rank} rolled back too, so every rank keeps "
+                               "the state it had before the load")
+
+    def fail(self, error: BaseException) -> None:
+        """This rank failed with `error`: tells the others (if not decided yet)."""
+        if not self.decided:
+            try:
+                self._decide(False)
+            except Exception as e:  # a peer died too: roll back, raise the first error
+                error.add_note(f"(and the ranks could not agree on the failure: {e})")
 
 
 def _jsonable(value):
@@ -225,20 +275,33 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None) -> dic
                     st[key] = (_take(shards, unit, saved, f"unit{i}.{key}", comm.rank)
                                if value.dim() > 0
                                else value.clone().to(unit.device if key != "step" else "cpu"))
-    # Streamed state first: all-or-nothing, so a failure leaves the model as it was too. A
-    # state dict loads after the params: an offloading optimizer takes a parameter as its
-    # master where the state has none.
-    if plan is not None:
-        restore.load_plan(off, plan, source)
-    for i, (unit, saved) in enumerate(zip(state.units, meta["units"], strict=False)):
-        unit.shard.copy_(_take(shards, unit, saved, f"unit{i}.param", comm.rank))
-        unit.stale = True
-    if loaded_state:
-        _load_per_param_state(optimizer, loaded_state)
+    # Everything below is prepared, then agreed on by every rank, then committed: params and
+    # extras are copied in place behind an undo journal; the optimizer fills its uncommitted
+    # generation (or journals in-place fills) and calls the agreement right before it commits.
+    agreement = _Agreement(comm, path)
+    journal = restore.Journal()
+    try:
+        for i, (unit, saved) in enumerate(zip(state.units, meta["units"], strict=False)):
+            new = _take(shards, unit, saved, f"unit{i}.param", comm.rank)  # one unit at a time
+            journal.keep(unit.shard)
+            unit.shard.copy_(new)
+            unit.stale = True
+        for name, value in extras.items():
+            journal.keep(own[name])
+            own[name].copy_(value)
+        if plan is not None:
+            restore.load_plan(off, plan, source, before_commit=agreement.check)
+        elif loaded_state:  # after the params: an offloader takes a param as its master
+            _load_per_param_state(optimizer, loaded_state, before_commit=agreement.check)
+        agreement.check()  # a no-op if the optimizer already agreed
+    except BaseException as e:
+        agreement.fail(e)  # the collective every rank reaches, whatever failed where
+        journal.undo()
+        raise
+    finally:
+        journal.close()
     if optimizer is not None and meta["param_groups"]:
         for group, saved in zip(optimizer.param_groups, meta["param_groups"], strict=True):
             for k, v in saved.items():
                 group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
-    for name, value in extras.items():
-        own[name].copy_(value)
     return meta.get("extra", {})
