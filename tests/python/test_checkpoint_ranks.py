@@ -153,3 +153,42 @@ def test_a_fault_on_one_rank_of_a_one_to_two_reshard_rolls_back_both(tmp_path, t
     got = tierlift.checkpoint.full_state_dict(check)
     assert all(torch.equal(full[k], got[k]) for k in full)
     _assert_same_state(_full_state(check), _full_state(ck))  # m, v, master and steps
+
+
+# ---- replicated (DDP) ranks: every rank reads the same files, and they agree too -------------
+def _ddp_with_fault(rank, world, port, root, tier):
+    init_gloo(rank, world, port)
+    torch.set_num_threads(1)
+    nvme = os.path.join(root, f"nvme{tier}{rank}")
+    os.makedirs(nvme, exist_ok=True)
+    model, opt = _fresh(nvme, tier, False)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    kw = dict(accum=1, clip=None, world=world, rank=rank)
+    train(ddp, opt, DATA[:2], **kw)
+    ck = os.path.join(root, "ck")
+    tierlift.checkpoint.save(ck, ddp, opt)  # rank 0 writes
+    saved = _rank_snapshot(ddp, opt)
+    train(ddp, opt, DATA[2:4], **kw)
+    before = _rank_snapshot(ddp, opt)
+    real = restore.read_into
+    calls = _flaky_reads(3) if rank == 1 else None
+    try:
+        if rank == 1:
+            with pytest.raises(OSError, match="injected"):
+                tierlift.checkpoint.load(ck, ddp, opt)
+            assert calls[0] == 4
+        else:
+            with pytest.raises(RuntimeError, match=r"failed on rank\(s\) \[1\]"):
+                tierlift.checkpoint.load(ck, ddp, opt)
+    finally:
+        restore.read_into = real
+    _assert_same(_rank_snapshot(ddp, opt), before)
+    tierlift.checkpoint.load(ck, ddp, opt)
+    _assert_same(_rank_snapshot(ddp, opt), saved)
+    opt.close()
+    shutdown()
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_a_fault_on_one_ddp_rank_rolls_back_every_rank(tmp_path, tier):
+    mp.spawn(_ddp_with_fault, args=(2, free_port(), str(tmp_path), tier), nprocs=2)

@@ -12,20 +12,15 @@ import shutil
 
 import torch
 
+from tierlift.checkpoint import agree, replicated, reshard, restore, stream
 from tierlift.checkpoint import format as fmt
-from tierlift.checkpoint import replicated, reshard, restore, stream
+from tierlift.checkpoint.agree import comm_device
 from tierlift.zero.api import _ATTR, _SHARD_NAME, _state
 
 
 def _barrier(comm) -> None:
     if comm.world > 1:
         comm.wait(comm.all_reduce(torch.zeros(1, device=comm_device(comm))))
-
-
-def comm_device(comm) -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if (
-        comm.initialized and torch.distributed.get_backend(comm.group) == "nccl") else \
-        torch.device("cpu")
 
 
 def _per_param_state(optimizer) -> dict:
@@ -49,56 +44,7 @@ def _load_per_param_state(optimizer, loaded: dict, before_commit=None) -> None:
     for p, i in zip(params, ids, strict=True):
         if p in loaded:
             sd["state"][i] = loaded[p]
-    if hasattr(optimizer, "_load_state_dict"):  # tierlift's: all-or-nothing, offloaded too
-        optimizer._load_state_dict(sd, before_commit)
-        return
-    # Any other torch optimizer replaces its state and param_groups objects: keep the old ones.
-    old = {"state": optimizer.state, "param_groups": optimizer.param_groups}
-    try:
-        optimizer.load_state_dict(sd)
-        if before_commit is not None:
-            before_commit()
-    except BaseException:
-        optimizer.__dict__.update(old)
-        raise
-
-
-class _Agreement:
-    """One collective, reached by every rank exactly once per load, that decides whether every
-    rank prepared its part: commit everywhere, or roll back everywhere. A rank that died
-    outright makes the collective fail (the ZeRO heartbeat names it): the survivors roll back."""
-
-    def __init__(self, comm, path: str):
-        self.comm, self.path = comm, path
-        self.decided = False  # the collective ran (or was tried): never twice
-        self.failed: list[int] = []
-
-    def _decide(self, ok: bool) -> list[int]:
-        if not self.decided:
-            self.decided = True
-            self.failed = [] if ok else [self.comm.rank]
-            if self.comm.world > 1:
-                t = torch.zeros(self.comm.world, device=comm_device(self.comm))
-                t[self.comm.rank] = 0.0 if ok else 1.0
-                self.comm.wait(self.comm.all_reduce(t))
-                self.failed = [r for r, v in enumerate(t.tolist()) if v]
-        return self.failed
-
-    def check(self) -> None:
-        """This rank is ready: raises if any rank was not (then this rank rolls back too)."""
-        failed = self._decide(True)
-        if failed:
-            raise RuntimeError(f"loading checkpoint {self.path} failed on rank(s) {failed}; "
-                               f"rank {self.comm.rank} rolled back too, so every rank keeps "
-                               "the state it had before the load")
-
-    def fail(self, error: BaseException) -> None:
-        """This rank failed with `error`: tells the others (if not decided yet)."""
-        if not self.decided:
-            try:
-                self._decide(False)
-            except Exception as e:  # a peer died too: roll back, raise the first error
-                error.add_note(f"(and the ranks could not agree on the failure: {e})")
+    agree.load_optimizer_state(optimizer, sd, before_commit)
 
 
 def _jsonable(value):
@@ -278,7 +224,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None) -> dic
     # Everything below is prepared, then agreed on by every rank, then committed: params and
     # extras are copied in place behind an undo journal; the optimizer fills its uncommitted
     # generation (or journals in-place fills) and calls the agreement right before it commits.
-    agreement = _Agreement(comm, path)
+    agreement = agree.Agreement(comm, path)
     journal = restore.Journal()
     try:
         for i, (unit, saved) in enumerate(zip(state.units, meta["units"], strict=False)):
