@@ -173,7 +173,8 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None) -> dic
     dict given to save(). A sharded model loads on any world size: each rank reads the slices
     of the saved shards that overlap its new shard; offloaded optimizer state streams into the
     tiers within cpu_budget (restore.py, reshard.py). Every file's SHA-256 is checked before
-    anything is changed, and an offloaded optimizer's load is all-or-nothing."""
+    anything is changed, and the load is all-or-nothing across ranks (agree.py): if it fails
+    on any rank, every rank keeps its model and optimizer as they were and raises."""
     if getattr(model, _ATTR, None) is None:
         return replicated.load(os.fspath(path), model, optimizer)
     state = _state(model)
