@@ -1,8 +1,10 @@
 """All-or-nothing loads across ranks and inside Adam.load_state_dict: a fault on ONE rank after
 k chunk reads leaves EVERY rank with the params, optimizer state and steps it had before (the
 failing rank raises its own error, the others one naming it), and the same checkpoint loads
-on all ranks afterwards; on 2 -> 2 and 1 -> 2 ranks. A failure inside Offloader.ingest leaves a
-direct opt.load_state_dict() without effect (steps, hyperparameters, state, params)."""
+on all ranks afterwards; on 2 -> 2 and 1 -> 2 ZeRO ranks and 2 DDP ranks. A rank that dies
+half-way leaves the survivor rolled back, with the heartbeat's error naming it. A failure inside
+Offloader.ingest leaves a direct opt.load_state_dict() without effect (steps, hyperparameters,
+state, params)."""
 
 from __future__ import annotations
 
@@ -192,3 +194,47 @@ def _ddp_with_fault(rank, world, port, root, tier):
 @pytest.mark.parametrize("tier", ["cpu", "nvme"])
 def test_a_fault_on_one_ddp_rank_rolls_back_every_rank(tmp_path, tier):
     mp.spawn(_ddp_with_fault, args=(2, free_port(), str(tmp_path), tier), nprocs=2)
+
+
+# ---- a rank that dies in the middle of a load: the survivor rolls back ----------------------
+def _dies_half_way(rank, world, port, root):
+    init_gloo(rank, world, port, timeout_s=20.0)
+    nvme = os.path.join(root, f"nvme{rank}")
+    os.makedirs(nvme, exist_ok=True)
+    model, opt = _fresh(nvme, "cpu", True)
+    train(model, opt, DATA[:2], accum=1, clip=None, world=world, rank=rank, zero=True)
+    ck = os.path.join(root, "ck")
+    tierlift.checkpoint.save(ck, model, opt)
+    train(model, opt, DATA[2:4], accum=1, clip=None, world=world, rank=rank, zero=True)
+    before = _rank_snapshot(model, opt)
+    if rank == 1:
+        real = restore.read_into
+
+        def dies(f, arr):
+            real(f, arr)
+            os._exit(3)  # killed after its first read changed its state
+
+        restore.read_into = dies
+    with pytest.raises(Exception, match="rank 1") as err:  # the heartbeat names the dead rank
+        tierlift.checkpoint.load(ck, model, opt)
+    _assert_same(_rank_snapshot(model, opt), before)
+    with open(os.path.join(root, "survivor-rolled-back"), "w") as f:
+        f.write(f"{type(err.value).__name__}: {err.value}")
+    opt.close()
+    os._exit(0)
+
+
+def test_a_rank_dying_half_way_leaves_the_survivor_as_it_was(tmp_path):
+    ctx, port = mp.get_context("spawn"), free_port()  # mp.spawn would kill the survivor
+    procs = [ctx.Process(target=_dies_half_way, args=(r, 2, port, str(tmp_path)))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    codes = [p.exitcode for p in procs]
+    for p in procs:
+        if p.exitcode is None:
+            p.kill()
+    assert codes == [0, 3], codes
+    print((tmp_path / "survivor-rolled-back").read_text())
