@@ -12,20 +12,15 @@ import shutil
 
 import torch
 
+from tierlift.checkpoint import agree, replicated, reshard, restore, stream
 from tierlift.checkpoint import format as fmt
-from tierlift.checkpoint import replicated, reshard, restore, stream
+from tierlift.checkpoint.agree import comm_device
 from tierlift.zero.api import _ATTR, _SHARD_NAME, _state
 
 
 def _barrier(comm) -> None:
     if comm.world > 1:
         comm.wait(comm.all_reduce(torch.zeros(1, device=comm_device(comm))))
-
-
-def comm_device(comm) -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if (
-        comm.initialized and torch.distributed.get_backend(comm.group) == "nccl") else \
-        torch.device("cpu")
 
 
 def _per_param_state(optimizer) -> dict:
@@ -39,16 +34,17 @@ def _per_param_state(optimizer) -> dict:
     return {p: sd["state"].get(i, {}) for p, i in zip(params, ids, strict=True)}
 
 
-def _load_per_param_state(optimizer, loaded: dict) -> None:
+def _load_per_param_state(optimizer, loaded: dict, before_commit=None) -> None:
     """Replace the state of the parameters in `loaded` ({param: state}) through
-    load_state_dict, so an offloading optimizer puts it back into its tiers."""
+    load_state_dict, so an offloading optimizer puts it back into its tiers. `before_commit`
+    is called before the new state becomes final; if it raises, the old state is put back."""
     sd = optimizer.state_dict()
     ids = [i for g in sd["param_groups"] for i in g["params"]]
     params = [p for g in optimizer.param_groups for p in g["params"]]
     for p, i in zip(params, ids, strict=True):
         if p in loaded:
             sd["state"][i] = loaded[p]
-    optimizer.load_state_dict(sd)
+    agree.load_optimizer_state(optimizer, sd, before_commit)
 
 
 def _jsonable(value):
@@ -177,7 +173,8 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None) -> dic
     dict given to save(). A sharded model loads on any world size: each rank reads the slices
     of the saved shards that overlap its new shard; offloaded optimizer state streams into the
     tiers within cpu_budget (restore.py, reshard.py). Every file's SHA-256 is checked before
-    anything is changed, and an offloaded optimizer's load is all-or-nothing."""
+    anything is changed, and the load is all-or-nothing across ranks (agree.py): if it fails
+    on any rank, every rank keeps its model and optimizer as they were and raises."""
     if getattr(model, _ATTR, None) is None:
         return replicated.load(os.fspath(path), model, optimizer)
     state = _state(model)
@@ -225,20 +222,33 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None) -> dic
                     st[key] = (_take(shards, unit, saved, f"unit{i}.{key}", comm.rank)
                                if value.dim() > 0
                                else value.clone().to(unit.device if key != "step" else "cpu"))
-    # Streamed state first: all-or-nothing, so a failure leaves the model as it was too. A
-    # state dict loads after the params: an offloading optimizer takes a parameter as its
-    # master where the state has none.
-    if plan is not None:
-        restore.load_plan(off, plan, source)
-    for i, (unit, saved) in enumerate(zip(state.units, meta["units"], strict=False)):
-        unit.shard.copy_(_take(shards, unit, saved, f"unit{i}.param", comm.rank))
-        unit.stale = True
-    if loaded_state:
-        _load_per_param_state(optimizer, loaded_state)
+    # Everything below is prepared, then agreed on by every rank, then committed: params and
+    # extras are copied in place behind an undo journal; the optimizer fills its uncommitted
+    # generation (or journals in-place fills) and calls the agreement right before it commits.
+    agreement = agree.Agreement(comm, path)
+    journal = restore.Journal()
+    try:
+        for i, (unit, saved) in enumerate(zip(state.units, meta["units"], strict=False)):
+            new = _take(shards, unit, saved, f"unit{i}.param", comm.rank)  # one unit at a time
+            journal.keep(unit.shard)
+            unit.shard.copy_(new)
+            unit.stale = True
+        for name, value in extras.items():
+            journal.keep(own[name])
+            own[name].copy_(value)
+        if plan is not None:
+            restore.load_plan(off, plan, source, before_commit=agreement.check)
+        elif loaded_state:  # after the params: an offloader takes a param as its master
+            _load_per_param_state(optimizer, loaded_state, before_commit=agreement.check)
+        agreement.check()  # a no-op if the optimizer already agreed
+    except BaseException as e:
+        agreement.fail(e)  # the collective every rank reaches, whatever failed where
+        journal.undo()
+        raise
+    finally:
+        journal.close()
     if optimizer is not None and meta["param_groups"]:
         for group, saved in zip(optimizer.param_groups, meta["param_groups"], strict=True):
             for k, v in saved.items():
                 group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
-    for name, value in extras.items():
-        own[name].copy_(value)
     return meta.get("extra", {})

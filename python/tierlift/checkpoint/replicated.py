@@ -19,8 +19,9 @@ import shutil
 
 import torch
 
+from tierlift.checkpoint import agree, restore, stream
 from tierlift.checkpoint import format as fmt
-from tierlift.checkpoint import restore, stream
+from tierlift.zero.comm import Comm
 
 OPTIM_DIR = "optim"
 
@@ -30,6 +31,14 @@ def _dist():
     if d.is_available() and d.is_initialized():
         return d.get_rank(), d.get_world_size()
     return 0, 1
+
+
+def _comm(model) -> Comm | None:
+    """The ranks that must agree on a load: a DDP model's process group; a model that is not
+    wrapped in DDP loads on each rank on its own (no collective: it may be loaded on one)."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return Comm(model.process_group)
+    return None
 
 
 def _barrier() -> None:
@@ -164,24 +173,33 @@ def load(path: str, model: torch.nn.Module, optimizer) -> dict:
             opt_sd = optimizer_state_dict(path)
         if opt_sd is not None:
             _check_state(optimizer, opt_sd, path)
-    # Offloaded into offloaded: streamed within the budget, all-or-nothing, and first, so a
-    # failure leaves the model as it was too. A state dict loads after the model: an
-    # offloading optimizer takes a parameter as its master where the state has none.
-    if plan is not None:
-        restore.load_plan(off, plan, optim)
-    else:
+    # Prepared, agreed on by every DDP rank, committed (agree.py): the model in place behind
+    # an undo journal, first (an offloading optimizer takes a parameter as its master where a
+    # state dict has none); the optimizer's state uncommitted until the agreement.
+    agreement = agree.Agreement(_comm(model), path)
+    journal = restore.Journal()
+    try:
+        for value in model.state_dict().values():
+            journal.keep(value)
         model.load_state_dict(saved)
-    if optimizer is not None and meta["optimizer_state"] is not None:
-        if plan is None:
+        if plan is not None:
+            restore.load_plan(off, plan, optim, before_commit=agreement.check)
+        elif opt_sd is not None:
             # this optimizer's own group keys, overridden by the saved hyperparameters (not
             # through optimizer.state_dict(): an offloading one would read its state back)
             opt_sd["param_groups"] = [
                 {**{k: v for k, v in g.items() if k != "params"}, **saved_g}
                 for g, saved_g in zip(optimizer.param_groups, opt_sd["param_groups"])]
-            optimizer.load_state_dict(opt_sd)
+            agree.load_optimizer_state(optimizer, opt_sd, before_commit=agreement.check)
+        agreement.check()  # a no-op if the optimizer already agreed
+    except BaseException as e:
+        agreement.fail(e)
+        journal.undo()
+        raise
+    finally:
+        journal.close()
+    if optimizer is not None and meta["optimizer_state"] is not None:
         for group, hyper in zip(optimizer.param_groups, meta["param_groups"]):
             for k, v in hyper.items():
                 group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
-    if plan is not None:
-        model.load_state_dict(saved)
     return meta.get("extra", {})

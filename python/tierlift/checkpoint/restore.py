@@ -116,37 +116,57 @@ def _fill(files: _Files, kind: str, src: ParamSource, plo: int, phi: int,
         dst[pos - plo:] = 0
 
 
-class _Journal:
-    """The bytes an in-place fill replaces, in an unnamed temporary file, to undo the fills."""
+class Journal:
+    """The bytes in-place fills replace, in an unnamed temporary file (no host memory beyond one
+    tensor's staging copy for device tensors), so the fills can be undone in reverse order.
+    Holds numpy arrays or contiguous tensors of any dtype and device."""
 
     def __init__(self):
         self.file = None
-        self.kept: list[tuple[np.ndarray, int]] = []
+        self.kept: list[tuple[np.ndarray | torch.Tensor, int]] = []
 
-    def keep(self, arr: np.ndarray) -> None:
+    def keep(self, arr: np.ndarray | torch.Tensor) -> None:
         if self.file is None:
             self.file = tempfile.TemporaryFile(prefix="tierlift-undo-")
         self.kept.append((arr, self.file.tell()))
-        self.file.write(arr)
+        self.file.write(_bytes(arr.detach().cpu() if isinstance(arr, torch.Tensor) else arr))
 
     def undo(self) -> None:
         for arr, pos in reversed(self.kept):
             self.file.seek(pos)
-            if self.file.readinto(arr) != arr.nbytes:
+            host = arr.detach() if isinstance(arr, torch.Tensor) else arr
+            staged = isinstance(arr, torch.Tensor) and (arr.device.type != "cpu"
+                                                        or not arr.is_contiguous())
+            if staged:
+                host = torch.empty_like(host, device="cpu")
+            out = _bytes(host)
+            if self.file.readinto(out) != out.nbytes:
                 raise RuntimeError("the undo journal of a failed checkpoint load is short; the "
-                                   "optimizer state is inconsistent")
+                                   "state is inconsistent")
+            if staged:
+                arr.detach().copy_(host)
         self.kept = []
 
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
+            self.file = None
 
 
-def load_plan(off, plan: list[GroupPlan], source: str) -> None:
+def _bytes(arr: np.ndarray | torch.Tensor) -> np.ndarray:
+    """A writable uint8 view of a contiguous host array or tensor (any dtype, bf16 included)."""
+    if isinstance(arr, torch.Tensor):
+        return arr.contiguous().reshape(-1).view(torch.uint8).numpy()
+    return arr.reshape(-1).view(np.uint8)
+
+
+def load_plan(off, plan: list[GroupPlan], source: str, before_commit=None) -> None:
     """Replaces the state of Offloader `off` with the one `plan` reads, all-or-nothing (see the
-    module docstring). Parameters the plan lacks start fresh, as in torch."""
+    module docstring). Parameters the plan lacks start fresh, as in torch. `before_commit`, if
+    given, is called once everything is filled and before the first change becomes visible;
+    if it raises, the fills are undone (a multi-rank load agrees there, io.py)."""
     check_plan(off, plan, source)
-    flips, files, journal = [], _Files(), _Journal()
+    flips, files, journal = [], _Files(), Journal()
     try:
         for gi, gp in enumerate(plan):
             layout, tier = off.layouts[gi], off.tiers[gi]
@@ -164,6 +184,8 @@ def load_plan(off, plan: list[GroupPlan], source: str) -> None:
                     flips.append((tier, chunk.ci))
         if off._engine is not None:
             off._engine.sync()
+        if before_commit is not None:
+            before_commit()
     except BaseException:
         journal.undo()
         raise

@@ -617,10 +617,14 @@ class Offloader:
             tier.verify(k, chunk.ci, bufs[k], self._what(gi, chunk))
         return bufs
 
-    def ingest(self, loaded: dict) -> None:
-        """Moves {param: {kind: tensor}} (from a state dict) into the tiers. Shapes are checked
-        first; NVMe chunks go to the other generation and flip together at the end, so a
-        failed write (a full drive) leaves the tiers as they were."""
+    def ingest(self, loaded: dict, before_commit=None) -> None:
+        """Moves {param: {kind: tensor}} (from a state dict) into the tiers, all-or-nothing.
+        Shapes are checked first; NVMe chunks go to the other generation and flip together at
+        the end, host chunks are filled in place behind an undo journal (restore.Journal), so a
+        failure (a full drive, an interrupt) leaves the tiers as they were. `before_commit`, if
+        given, is called last, before the flips; if it raises, everything is undone."""
+        from tierlift.checkpoint.restore import Journal
+
         for gi, group in enumerate(self.opt.param_groups):
             for pi, p in enumerate(group["params"]):
                 for k, v in loaded.get(p, {}).items():
@@ -628,40 +632,53 @@ class Offloader:
                             v.numel() != p.numel():
                         raise ValueError(f"the state {k!r} of {self._name(gi, pi)} has "
                                          f"{v.numel()} elements, the parameter {p.numel()}")
-        flips = []
-        for gi, group in enumerate(self.opt.param_groups):
-            params, layout, tier = group["params"], self.layouts[gi], self.tiers[gi]
-            for chunk in layout.chunks:
-                segs = [s for s in chunk.segments if params[s.pi] in loaded]
-                if not segs:
-                    continue
-                bufs = self._chunk_bufs(gi, chunk)
-                for s in segs:
-                    p = params[s.pi]
-                    vals = loaded[p]
-                    for k in tier.kinds:
-                        dst = bufs[k][s.clo:s.chi]
-                        if k in vals:
-                            dst.copy_(vals[k].detach().reshape(-1)[s.plo:s.phi])
-                        elif k == "master":
-                            dst.copy_(p.detach().view(-1)[s.plo:s.phi])
-                        else:
-                            dst.zero_()
-                if isinstance(tier, NvmeTier):
-                    handles = tier.write_all(chunk.ci, bufs, 1 - tier.gen[chunk.ci])
-                    for i, h in enumerate(handles):
-                        try:
-                            h.wait()
-                        except BaseException:  # nothing may stay in flight from the slot
-                            _drain({0: handles[i + 1:]})
-                            raise
-                    flips.append((tier, chunk.ci))
-        if self._engine is not None:
-            self._engine.sync()
+        flips, journal = [], Journal()
+        try:
+            for gi, group in enumerate(self.opt.param_groups):
+                params, layout, tier = group["params"], self.layouts[gi], self.tiers[gi]
+                for chunk in layout.chunks:
+                    segs = [s for s in chunk.segments if params[s.pi] in loaded]
+                    if segs:
+                        self._ingest_chunk(gi, chunk, segs, loaded, journal, flips)
+            if self._engine is not None:
+                self._engine.sync()
+            if before_commit is not None:
+                before_commit()
+        except BaseException:
+            journal.undo()
+            raise
+        finally:
+            journal.close()
         for tier, ci in flips:
             tier.gen[ci] = 1 - tier.gen[ci]
         for gi, group in enumerate(self.opt.param_groups):
             self._in_file[gi].update(pi for pi, p in enumerate(group["params"]) if p in loaded)
 
+    def _ingest_chunk(self, gi, chunk, segs, loaded, journal, flips) -> None:
+        params, tier = self.opt.param_groups[gi]["params"], self.tiers[gi]
+        nvme = isinstance(tier, NvmeTier)
+        bufs = self._chunk_bufs(gi, chunk)
+        for s in segs:
+            p = params[s.pi]
+            vals = loaded[p]
+            for k in tier.kinds:
+                dst = bufs[k][s.clo:s.chi]
+                if not nvme:  # a view of the tier itself: its bytes go to the journal first
+                    journal.keep(dst)
+                if k in vals:
+                    dst.copy_(vals[k].detach().reshape(-1)[s.plo:s.phi])
+                elif k == "master":
+                    dst.copy_(p.detach().view(-1)[s.plo:s.phi])
+                else:
+                    dst.zero_()
+        if nvme:
+            handles = tier.write_all(chunk.ci, bufs, 1 - tier.gen[chunk.ci])
+            for i, h in enumerate(handles):
+                try:
+                    h.wait()
+                except BaseException:  # nothing may stay in flight from the slot
+                    _drain({0: handles[i + 1:]})
+                    raise
+            flips.append((tier, chunk.ci))
 
 __all__ = ["Offloader"]

@@ -139,10 +139,28 @@ class Adam(Optimizer):
                     self.state[p].pop(k, None)
 
     def load_state_dict(self, state_dict):
+        """As torch's, all-or-nothing: a failure (a state that does not fit, a full drive) leaves
+        steps, hyperparameters and offloaded state as they were."""
+        self._load_state_dict(state_dict)
+
+    def _load_state_dict(self, state_dict, before_commit=None) -> None:
+        """load_state_dict; `before_commit`, if given, is called once everything is in place
+        and before it becomes visible: if it raises, all is put back (tierlift.checkpoint's
+        multi-rank agreement)."""
+        old = {"state": self.state, "param_groups": self.param_groups}  # torch replaces both
+        try:
+            self._replace_state(state_dict, before_commit)
+        except BaseException:
+            self.__dict__.update(old)
+            raise
+
+    def _replace_state(self, state_dict, before_commit) -> None:
         if self._offload is None:
             super().load_state_dict(state_dict)
             self._keep_fp32_state(state_dict)
-            return None
+            if before_commit is not None:
+                before_commit()
+            return
         # Take the fp32 state from the dict as is (torch would cast it to the param's dtype).
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
@@ -152,7 +170,7 @@ class Adam(Optimizer):
         steps_only["state"] = {i: {"step": s["step"]} for i, s in state_dict["state"].items()
                                if "step" in s}
         super().load_state_dict(steps_only)
-        self._offload.ingest(loaded)
+        self._offload.ingest(loaded, before_commit)
 
     def _keep_fp32_state(self, state_dict) -> None:
         """torch casts loaded state to the parameter's dtype; ours is fp32 whatever the
