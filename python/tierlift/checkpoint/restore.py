@@ -21,6 +21,7 @@ Every check that can refuse a checkpoint (check_plan) runs before the first chan
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -160,40 +161,54 @@ def _bytes(arr: np.ndarray | torch.Tensor) -> np.ndarray:
     return arr.reshape(-1).view(np.uint8)
 
 
-def load_plan(off, plan: list[GroupPlan], source: str, before_commit=None) -> None:
-    """Replaces the state of Offloader `off` with the one `plan` reads, all-or-nothing (see the
-    module docstring). Parameters the plan lacks start fresh, as in torch. `before_commit`, if
-    given, is called once everything is filled and before the first change becomes visible;
-    if it raises, the fills are undone (a multi-rank load agrees there, io.py)."""
-    check_plan(off, plan, source)
-    flips, files, journal = [], _Files(), Journal()
+@contextlib.contextmanager
+def filling(engine, before_commit=None):
+    """Yields (journal, flips) to a fill of an Offloader's tiers; at the end every write
+    reaches the device, `before_commit` runs (the cross-rank vote), then the (tier, chunk)
+    pairs in `flips` change generation. Anything raised on the way plays the journal back and
+    flips nothing, so the fill is all-or-nothing."""
+    journal, flips = Journal(), []
     try:
-        for gi, gp in enumerate(plan):
-            layout, tier = off.layouts[gi], off.tiers[gi]
-            chunks = [c for c in layout.chunks if any(s.pi in gp.params for s in c.segments)]
-            writes: dict = {}
-            for i, chunk, bufs in stream._slotted(off, gi, chunks, writes, copy=off.streamed):
-                for s in (s for s in chunk.segments if s.pi in gp.params):
-                    for k in tier.kinds:
-                        dst = stream._np(bufs[k][s.clo:s.chi])
-                        if not off.streamed:
-                            journal.keep(dst)
-                        _fill(files, k, gp.params[s.pi], s.plo, s.phi, dst)
-                if off.streamed:  # the other generation, flipped below
-                    writes[i] = tier.write_all(chunk.ci, bufs, 1 - tier.gen[chunk.ci])
-                    flips.append((tier, chunk.ci))
-        if off._engine is not None:
-            off._engine.sync()
+        yield journal, flips
+        if engine is not None:
+            engine.sync()
         if before_commit is not None:
             before_commit()
     except BaseException:
         journal.undo()
         raise
     finally:
-        files.close()
         journal.close()
     for tier, ci in flips:
         tier.gen[ci] = 1 - tier.gen[ci]
+
+
+def load_plan(off, plan: list[GroupPlan], source: str, before_commit=None) -> None:
+    """Replaces the state of Offloader `off` with the one `plan` reads, all-or-nothing (see the
+    module docstring). Parameters the plan lacks start fresh, as in torch. `before_commit`, if
+    given, is called once everything is filled and before the first change becomes visible;
+    if it raises, the fills are undone (a multi-rank load agrees there, io.py)."""
+    check_plan(off, plan, source)
+    files = _Files()
+    try:
+        with filling(off._engine, before_commit) as (journal, flips):
+            for gi, gp in enumerate(plan):
+                layout, tier = off.layouts[gi], off.tiers[gi]
+                chunks = [c for c in layout.chunks if any(s.pi in gp.params for s in c.segments)]
+                writes: dict = {}
+                for i, chunk, bufs in stream._slotted(off, gi, chunks, writes,
+                                                      copy=off.streamed):
+                    for s in (s for s in chunk.segments if s.pi in gp.params):
+                        for k in tier.kinds:
+                            dst = stream._np(bufs[k][s.clo:s.chi])
+                            if not off.streamed:
+                                journal.keep(dst)
+                            _fill(files, k, gp.params[s.pi], s.plo, s.phi, dst)
+                    if off.streamed:  # the other generation, flipped by filling()
+                        writes[i] = tier.write_all(chunk.ci, bufs, 1 - tier.gen[chunk.ci])
+                        flips.append((tier, chunk.ci))
+    finally:
+        files.close()
     for gi, (gp, group) in enumerate(zip(plan, off.opt.param_groups, strict=True)):
         for pi, p in enumerate(group["params"]):
             if pi in gp.params:

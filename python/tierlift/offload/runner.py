@@ -623,7 +623,7 @@ class Offloader:
         the end, host chunks are filled in place behind an undo journal (restore.Journal), so a
         failure (a full drive, an interrupt) leaves the tiers as they were. `before_commit`, if
         given, is called last, before the flips; if it raises, everything is undone."""
-        from tierlift.checkpoint.restore import Journal
+        from tierlift.checkpoint.restore import filling
 
         for gi, group in enumerate(self.opt.param_groups):
             for pi, p in enumerate(group["params"]):
@@ -632,25 +632,13 @@ class Offloader:
                             v.numel() != p.numel():
                         raise ValueError(f"the state {k!r} of {self._name(gi, pi)} has "
                                          f"{v.numel()} elements, the parameter {p.numel()}")
-        flips, journal = [], Journal()
-        try:
+        with filling(self._engine, before_commit) as (journal, flips):
             for gi, group in enumerate(self.opt.param_groups):
-                params, layout, tier = group["params"], self.layouts[gi], self.tiers[gi]
+                params, layout = group["params"], self.layouts[gi]
                 for chunk in layout.chunks:
                     segs = [s for s in chunk.segments if params[s.pi] in loaded]
                     if segs:
                         self._ingest_chunk(gi, chunk, segs, loaded, journal, flips)
-            if self._engine is not None:
-                self._engine.sync()
-            if before_commit is not None:
-                before_commit()
-        except BaseException:
-            journal.undo()
-            raise
-        finally:
-            journal.close()
-        for tier, ci in flips:
-            tier.gen[ci] = 1 - tier.gen[ci]
         for gi, group in enumerate(self.opt.param_groups):
             self._in_file[gi].update(pi for pi, p in enumerate(group["params"]) if p in loaded)
 
