@@ -7,11 +7,10 @@ the model and the optimizer as they were."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import rss_probe
 import torch
 import torch.multiprocessing as mp
 from zero_model import batches, free_port, init_gloo, make_model, shutdown, train
@@ -150,22 +149,6 @@ def test_mismatched_optimizer_is_refused(tmp_path):
 
 # ---- peak RSS: the save and the load stream through the pool ----------------------------
 _RSS = r"""
-import ctypes, os, sys, torch, tierlift
-libc = ctypes.CDLL("libc.so.6")
-def status(key):
-    for line in open("/proc/self/status"):
-        if line.startswith(key):
-            return int(line.split()[1]) * 1024
-def reset_peak():
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-def growth(fn):
-    libc.malloc_trim(0)  # freed heap goes back to the OS, so reuse cannot hide growth
-    reset_peak()
-    before = status("VmRSS:")
-    fn()
-    return status("VmHWM:") - before
-torch.set_num_threads(1)
 n, budget, root = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 p = torch.nn.Parameter(torch.zeros(n))
 def make(b):
@@ -190,13 +173,7 @@ print(off, full, back, sd, int(same))
 def test_save_and_load_peak_rss_stays_within_the_budget(tmp_path):
     n = 2 << 20  # 2M params: 24 MiB of fp32 master, exp_avg, exp_avg_sq
     budget = 4 << 20  # the state is 6x the budget
-    out = subprocess.run([sys.executable, "-c", _RSS, str(n), str(budget), str(tmp_path)],
-                         capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": str(ROOT / "python"),
-                              # no dynamic mmap threshold: big frees leave RSS at once
-                              "MALLOC_MMAP_THRESHOLD_": "131072"})
-    assert out.returncode == 0, out.stderr[-3000:]
-    off, full, back, sd, same = map(int, out.stdout.split())
+    off, full, back, sd, same = map(int, rss_probe.run(_RSS, n, budget, tmp_path).split())
     assert same == 1
     print(f"peak RSS growth, MiB: stream {off / 2**20:.1f}, save {full / 2**20:.1f}, load "
           f"{back / 2**20:.1f}, state_dict {sd / 2**20:.1f} (budget {budget / 2**20:.0f})")

@@ -100,6 +100,23 @@ def _flaky_reads(k: int) -> list:
     return calls
 
 
+def _load_failing_on_rank1(ck, model, opt, rank) -> None:
+    """Loads `ck` with rank 1's reads failing after 3 chunks: rank 1 raises its own error,
+    rank 0 the vote's naming rank 1."""
+    real = restore.read_into
+    calls = _flaky_reads(3) if rank == 1 else None
+    try:
+        if rank == 1:
+            with pytest.raises(OSError, match="injected"):
+                tierlift.checkpoint.load(ck, model, opt)
+            assert calls[0] == 4  # 3 reads went into the state before the fault
+        else:
+            with pytest.raises(RuntimeError, match=r"failed on rank\(s\) \[1\]"):
+                tierlift.checkpoint.load(ck, model, opt)
+    finally:
+        restore.read_into = real
+
+
 def _load_with_fault(rank, world, port, root, tier, saved_world):
     init_gloo(rank, world, port)
     torch.set_num_threads(1)
@@ -113,18 +130,7 @@ def _load_with_fault(rank, world, port, root, tier, saved_world):
         saved = _rank_snapshot(model, opt)
     train(model, opt, DATA[2:4], accum=1, clip=None, world=world, rank=rank, zero=True)
     before = _rank_snapshot(model, opt)
-    real = restore.read_into
-    calls = _flaky_reads(3) if rank == 1 else None
-    try:
-        if rank == 1:
-            with pytest.raises(OSError, match="injected"):
-                tierlift.checkpoint.load(ck, model, opt)
-            assert calls[0] == 4  # 3 reads went into the state before the fault
-        else:
-            with pytest.raises(RuntimeError, match=r"failed on rank\(s\) \[1\]"):
-                tierlift.checkpoint.load(ck, model, opt)
-    finally:
-        restore.read_into = real
+    _load_failing_on_rank1(ck, model, opt, rank)
     _assert_same(_rank_snapshot(model, opt), before)
     tierlift.checkpoint.load(ck, model, opt)  # both ranks load it once the reads work
     if saved_world == world:
@@ -172,18 +178,7 @@ def _ddp_with_fault(rank, world, port, root, tier):
     saved = _rank_snapshot(ddp, opt)
     train(ddp, opt, DATA[2:4], **kw)
     before = _rank_snapshot(ddp, opt)
-    real = restore.read_into
-    calls = _flaky_reads(3) if rank == 1 else None
-    try:
-        if rank == 1:
-            with pytest.raises(OSError, match="injected"):
-                tierlift.checkpoint.load(ck, ddp, opt)
-            assert calls[0] == 4
-        else:
-            with pytest.raises(RuntimeError, match=r"failed on rank\(s\) \[1\]"):
-                tierlift.checkpoint.load(ck, ddp, opt)
-    finally:
-        restore.read_into = real
+    _load_failing_on_rank1(ck, ddp, opt, rank)
     _assert_same(_rank_snapshot(ddp, opt), before)
     tierlift.checkpoint.load(ck, ddp, opt)
     _assert_same(_rank_snapshot(ddp, opt), saved)

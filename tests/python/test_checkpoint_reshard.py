@@ -8,12 +8,11 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+import rss_probe
 import torch
 import torch.multiprocessing as mp
 from zero_model import batches, free_port, init_gloo, make_model, shutdown, train
@@ -246,25 +245,13 @@ def _save_big(rank, world, port, root):
 
 
 _RSS = r"""
-import ctypes, os, sys, torch, tierlift
-libc = ctypes.CDLL("libc.so.6")
-def status(key):
-    for line in open("/proc/self/status"):
-        if line.startswith(key):
-            return int(line.split()[1]) * 1024
-torch.set_num_threads(1)
 root, budget, width = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 torch.manual_seed(7)  # _big_model()
 lin = torch.nn.Linear
 model = tierlift.zero.shard(torch.nn.Sequential(lin(width, width), lin(width, width)), stage=3)
 opt = tierlift.optim.AdamW(model.parameters(), lr=1e-3, offload="nvme", nvme_path=root,
                            cpu_budget=budget)
-libc.malloc_trim(0)
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")  # resets VmHWM
-before = status("VmRSS:")
-tierlift.checkpoint.load(os.path.join(root, "ck"), model, opt)
-print(status("VmHWM:") - before)
+print(growth(lambda: tierlift.checkpoint.load(os.path.join(root, "ck"), model, opt)))
 """
 
 
@@ -272,12 +259,7 @@ def test_a_resharding_load_stays_within_the_budget(tmp_path):
     root = str(tmp_path)
     mp.spawn(_save_big, args=(2, free_port(), root), nprocs=2)
     budget = 4 << 20
-    out = subprocess.run([sys.executable, "-c", _RSS, root, str(budget), str(WIDTH)],
-                         capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": str(ROOT / "python"),
-                              "MALLOC_MMAP_THRESHOLD_": "131072"})
-    assert out.returncode == 0, out.stderr[-3000:]
-    growth = int(out.stdout.split()[-1])
+    growth = int(rss_probe.run(_RSS, root, budget, WIDTH).split()[-1])
     n = 2 * (WIDTH * WIDTH + WIDTH)
     print(f"peak RSS growth of a 2 -> 1 load: {growth / 2**20:.1f} MiB (state "
           f"{12 * n / 2**20:.1f} MiB, budget {budget / 2**20:.0f} MiB)")
