@@ -62,7 +62,8 @@ class ParamOffload:
         the copy stream: issue the collective inside `stream_context()` and call `after()`."""
         n = shard.numel()
         staging = torch.empty(n, dtype=self.compute_dtype, pin_memory=self.pin)
-        staging.copy_(shard.detach())  # fp32 -> compute dtype on the host
+        src = shard.detach() if self.store is None else self.store.fetch(shard.detach())
+        staging.copy_(src)  # fp32 -> compute dtype on the host
         if self.store is not None:
             self.store.staged(shard)  # read: drop it from this process, read ahead the next
         dst = torch.empty(n, dtype=staging.dtype, device=self.device)
