@@ -131,7 +131,8 @@ class NvmeParamStore:
             self._reader = ShardReader(path=self.path, base=self._flat.data_ptr(),
                                        slot_bytes=slot, stats=self.stats)
         self.stats["nvme_direct"] = self._reader is not None
-        self.stats.update(nvme_drop_s=0.0, nvme_warm_s=0.0, nvme_warm_bytes=0)
+        self.stats.update(nvme_drop_s=0.0, nvme_warm_s=0.0, nvme_warm_bytes=0,
+                          nvme_read_wait_s=0.0, nvme_prefetch_hits=0, nvme_prefetch_misses=0)
         # Write faults of a range that is not in the page cache read it from the disk first.
         # The gather right before a step (learned: how many gathers a range had between its
         # last two steps) therefore writes the bytes it read back through the page cache

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import mmap
 import os
 import time
@@ -73,7 +74,8 @@ class ShardReader:
         self.base = base
         self.slot_bytes = -(-slot_bytes // _PAGE) * _PAGE
         self.stats = stats
-        self.stats.update(nvme_read_wait_s=0.0, nvme_prefetch_hits=0, nvme_prefetch_misses=0)
+        for key in ("nvme_read_wait_s", "nvme_prefetch_hits", "nvme_prefetch_misses"):
+            self.stats.setdefault(key, 0)
         self._engine: IoEngine | None = None
         self._bufs: list[torch.Tensor] = []
         self._pending: _Pending | None = None
@@ -103,9 +105,12 @@ class ShardReader:
     def _wait(self, pending: _Pending) -> None:
         try:
             pending.handle.wait()
-        except (OSError, EOFError) as e:
-            err = e if isinstance(e, OSError) else OSError(0, str(e))
-            raise self._error(err, pending.offset) from e
+        except OSError as e:
+            raise self._error(e, pending.offset) from e
+        except EOFError as e:
+            raise OSError(errno.EIO, f"reading parameter shards from {self.path!r} at offset "
+                          f"{pending.offset} failed: the file ends before the shard (was it "
+                          f"cut short?)") from e
 
     def fetch(self, offset: int, nbytes: int) -> torch.Tensor:
         """The `nbytes` bytes at `offset` (uint8, valid until the next fetch)."""
