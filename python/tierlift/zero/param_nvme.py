@@ -218,15 +218,21 @@ class NvmeParamStore:
         if self._history[1] is not None:
             self._follows[self._history] = key
         self._history = (self._history[1], key)
+        self._read_ahead()
+
+    def _read_ahead(self) -> None:
+        """Starts reading the range that followed the last two staged ones last time."""
         nxt = self._follows.get(self._history)
-        if nxt is None or nxt == key:
+        if nxt is None:
             return
         if self._reader is not None:
-            # Evict what is clean of it now (pages still under write-back stay and make the
-            # reader re-read it), then read it with O_DIRECT into the free buffer.
-            os.posix_fadvise(self._fd, nxt, self._slot_end[nxt] - nxt, os.POSIX_FADV_DONTNEED)
+            if nxt != self._history[1]:
+                # Evict what is clean of it now (pages under write-back stay until the next
+                # drop), then read it with O_DIRECT into the free buffer.
+                os.posix_fadvise(self._fd, nxt, self._slot_end[nxt] - nxt,
+                                 os.POSIX_FADV_DONTNEED)
             self._reader.prefetch(nxt, self._data_bytes[nxt])
-        else:  # into the page cache (not into this process)
+        elif nxt != self._history[1]:  # into the page cache (not into this process)
             os.posix_fadvise(self._fd, nxt, self._data_bytes[nxt], os.POSIX_FADV_WILLNEED)
 
     def stepped(self, shard: torch.Tensor, wrote: bool = True) -> None:
@@ -252,6 +258,8 @@ class NvmeParamStore:
             for p in group["params"]:
                 if p.grad is not None:  # (an optimizer skips a parameter without gradient)
                     self.stepped(p, wrote)
+        if self._reader is not None and self._fd >= 0:
+            self._read_ahead()  # the first gather of the next forward, now that it is written
 
     # ---- residency ----
     def _keep_warm(self, offset: int, nbytes: int) -> None:

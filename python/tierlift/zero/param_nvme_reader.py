@@ -8,10 +8,12 @@ through the mapping 26-45 ms, with O_DIRECT 8-14 ms, off the training thread).
 Coherence  An O_DIRECT read writes the range's dirty page-cache pages back before it reads, so
            it sees what an optimizer wrote through the mapping. A read ahead is only used if
            nothing wrote the range after it was issued: the optimizer's step of that range
-           marks it stale (stale()), and any other write through the mapping would bring the
-           range's pages back into the page cache, which mincore() sees (the range was dropped
-           from the cache right before the read was issued). A stale or mispredicted read ahead
-           is discarded and the shard is read again, synchronously.
+           marks it stale (stale()), and every other write (a Parameter view, load_state_dict)
+           goes through this process's mapping, which the store had unmapped (MADV_DONTNEED)
+           before the read was issued, so it maps pages in again: /proc/self/pagemap shows
+           them. A stale or mispredicted read ahead is discarded and the shard is read again,
+           synchronously. The same check lets a gather of the unit gathered last (the last
+           unit of forward is the first of backward) reuse the buffer without reading.
 Failures   a read error is an OSError naming the file, the unit's offset and the errno.
 """
 
@@ -43,6 +45,23 @@ def direct_io_error(path: str) -> OSError | None:
     except OSError as e:
         return e
     return None
+
+
+class _PageMap:
+    """Which pages of this process's address space are mapped (/proc/self/pagemap: 8 bytes
+    per page, bit 63 present, bit 62 swapped)."""
+
+    def __init__(self):
+        self._fd = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+
+    def mapped_pages(self, address: int, nbytes: int) -> int:
+        first, n = address // _PAGE, -(-nbytes // _PAGE)
+        raw = os.pread(self._fd, 8 * n, 8 * first)
+        entries = memoryview(raw).cast("Q")
+        return sum(1 for e in entries if e >> 62)
+
+    def close(self) -> None:
+        os.close(self._fd)
 
 
 def resident_pages(address: int, nbytes: int) -> int:
@@ -80,6 +99,8 @@ class ShardReader:
         self._bufs: list[torch.Tensor] = []
         self._pending: _Pending | None = None
         self._last = 0  # the buffer fetch() returned last
+        self._last_range: tuple[int, int] | None = None  # and the range it holds
+        self._pagemap = _PageMap()
 
     def _start(self) -> None:
         # A pool of exactly two slots; not page-locked: the buffers are only copied from on the
@@ -117,8 +138,8 @@ class ShardReader:
         t0 = time.perf_counter()
         p, self._pending = self._pending, None
         hit = (p is not None and p.offset == offset and p.nbytes == nbytes and not p.stale
-               and resident_pages(self.base + offset, nbytes) == 0)
-        if p is not None:
+               and self._pagemap.mapped_pages(self.base + offset, nbytes) == 0)
+        if p is not None and p.handle is not None:
             try:
                 self._wait(p)  # (a discarded read must land before its buffer is reused)
             except OSError:
@@ -132,6 +153,7 @@ class ShardReader:
             self._wait(_Pending(offset, nbytes, self._read(offset, nbytes, index), index))
             self.stats["nvme_prefetch_misses"] += 1
         self._last = index
+        self._last_range = (offset, nbytes)
         self.stats["nvme_read_wait_s"] += time.perf_counter() - t0
         return self._bufs[index][:nbytes]
 
@@ -143,6 +165,16 @@ class ShardReader:
         """Starts reading the range due next into the buffer fetch() did not return last. The
         caller dropped the range from the page cache just before (see the coherence note)."""
         if self._pending is not None:
+            if not self._pending.stale:
+                return
+            p, self._pending = self._pending, None
+            if p.handle is not None:
+                try:
+                    p.handle.wait()  # (its buffer is about to be read into again)
+                except (OSError, EOFError):
+                    pass
+        if self._last_range == (offset, nbytes):  # still in the buffer: no read
+            self._pending = _Pending(offset, nbytes, None, self._last)
             return
         index = 1 - self._last
         self._pending = _Pending(offset, nbytes, self._read(offset, nbytes, index), index)
@@ -152,10 +184,13 @@ class ShardReader:
         no longer valid."""
         if self._pending is not None and self._pending.offset == offset:
             self._pending.stale = True
+        if self._last_range is not None and self._last_range[0] == offset:
+            self._last_range = None
 
     def close(self) -> None:
         p, self._pending = self._pending, None
-        if p is not None:
+        self._last_range = None
+        if p is not None and p.handle is not None:
             try:
                 p.handle.wait()
             except (OSError, EOFError):
@@ -164,3 +199,6 @@ class ShardReader:
         if self._engine is not None:
             self._engine.close()
             self._engine = None
+        if self._pagemap is not None:
+            self._pagemap.close()
+            self._pagemap = None
