@@ -494,6 +494,8 @@ def test_the_page_cache_holds_a_few_units_not_the_tier(tmp_path):
     stats = model._tierlift_zero.stats
     assert stats["nvme_warm_bytes"] > 0  # the gathers before a step warmed their range
     assert stats["nvme_prefetch_hits"] > 0
+    # The first unit of forward was read from the page cache (just stepped, under write-back).
+    assert stats["nvme_cached_reads"] > 0
     largest = max(e - o for o, e in store._slot_end.items())
     cached = resident_pages(store._flat.data_ptr(), store.nbytes) * 4096
     assert cached <= (param_nvme._WARM_CAP_UNITS + 2) * largest

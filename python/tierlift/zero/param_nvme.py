@@ -128,11 +128,12 @@ class NvmeParamStore:
                           f"thread, slower)", RuntimeWarning, stacklevel=3)
         else:
             slot = max((self._slot_end[o] - o for o in self.offsets), default=_PAGE)
-            self._reader = ShardReader(path=self.path, base=self._flat.data_ptr(),
+            self._reader = ShardReader(path=self.path, fd=fd, base=self._flat.data_ptr(),
                                        slot_bytes=slot, stats=self.stats)
         self.stats["nvme_direct"] = self._reader is not None
         self.stats.update(nvme_drop_s=0.0, nvme_warm_s=0.0, nvme_warm_bytes=0,
-                          nvme_read_wait_s=0.0, nvme_prefetch_hits=0, nvme_prefetch_misses=0)
+                          nvme_read_wait_s=0.0, nvme_prefetch_hits=0, nvme_prefetch_misses=0,
+                          nvme_cached_reads=0)
         # Write faults of a range that is not in the page cache read it from the disk first.
         # The gather right before a step (learned: how many gathers a range had between its
         # last two steps) therefore writes the bytes it read back through the page cache
