@@ -15,11 +15,15 @@ Residency explicit, per unit range. After a gather has read a shard into the sta
          cache and the file) and posix_fadvise(POSIX_FADV_DONTNEED) starts the write-back of
          dirty pages and evicts the clean ones, so neither the process's RSS nor the page cache
          keeps the tier. (MADV_PAGEOUT would unmap too, but it does not write dirty file pages
-         back from the caller's context.) Read-ahead: gathers follow the same order every step,
-         so the store learns which range followed the last two staged ones and advises
-         POSIX_FADV_WILLNEED on it: the kernel reads it into the page cache while this unit
-         computes. (madvise(MADV_WILLNEED) was measured to map some of those pages into the
-         process as well.)
+         back from the caller's context.)
+Gathers  read with O_DIRECT into two aligned buffers (param_nvme_reader.py): gathers follow
+         the same order every step, so the store learns which range followed the last two
+         staged ones and reads it ahead while this unit computes. Without O_DIRECT (warned)
+         gathers copy from the mapping and the range due next gets POSIX_FADV_WILLNEED.
+Steps    a write fault on a page not in the page cache reads it from the disk first, so the
+         last gather before a step (learned per range) writes the bytes it read back with a
+         buffered pwrite and keeps the range in the page cache, at most _WARM_CAP_UNITS
+         ranges at a time.
 msync    not needed: the file is scratch, deleted when the model goes away; checkpoints are
          written separately (tierlift.checkpoint), and within the run every access goes through
          the same page cache.
@@ -77,10 +81,12 @@ def _cleanup(fd: int, directory: str, hook, reader) -> None:
 class NvmeParamStore:
     """One preallocated, mapped file holding the fp32 shards of all units of one rank.
 
-    alloc() hands out the units' shards in order; staged(t) / stepped(t) drop a shard's range
-    after it was read for a gather / written by an optimizer step. Stats (bound with bind()):
-    nvme_read_bytes (shard bytes read for gathers), nvme_write_bytes (shard bytes stepped),
-    nvme_file_bytes (the file's size)."""
+    alloc() hands out the units' shards in order; fetch(t) is the data a gather copies;
+    staged(t) / stepped(t) drop a shard's range after it was read for a gather / written by an
+    optimizer step. Stats (the model's ZeroState stats): nvme_read_bytes (shard bytes read for
+    gathers), nvme_write_bytes (shard bytes stepped), nvme_file_bytes (the file's size),
+    nvme_direct, the training thread's seconds in the tier (nvme_read_wait_s, nvme_warm_s,
+    nvme_drop_s), nvme_warm_bytes, nvme_prefetch_hits/misses, nvme_cached_reads."""
 
     def __init__(self, *, nvme_path, shard_numels: list[int], rank: int = 0,
                  stats: dict | None = None):

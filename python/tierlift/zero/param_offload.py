@@ -15,7 +15,8 @@ backward  the reduce-scatter output (device) -> async D2H into a pinned host buf
 On a CPU-only machine the same code runs and every copy is a plain, synchronous copy, so the
 results are bit-identical to offload_params="none".
 With offload_params="nvme" a `store` (NvmeParamStore, param_nvme.py) holds the shards in a
-mapped file instead of RAM; everything else here is the same.
+mapped file instead of RAM, and a gather copies from what store.fetch() returns (the shard read
+ahead with O_DIRECT); everything else here is the same.
 """
 
 from __future__ import annotations
