@@ -499,3 +499,23 @@ def test_the_page_cache_holds_a_few_units_not_the_tier(tmp_path):
     largest = max(e - o for o, e in store._slot_end.items())
     cached = resident_pages(store._flat.data_ptr(), store.nbytes) * 4096
     assert cached <= (param_nvme._WARM_CAP_UNITS + 2) * largest
+
+
+def test_a_unit_gathered_twice_in_a_row_reuses_its_buffer_unless_written(tmp_path):
+    store, views = direct_store(tmp_path)
+    order = [0, 1, 2, 2, 1, 0]  # forward, then backward: the last unit is gathered twice
+    for _ in range(2):
+        for i in order:
+            gather(store, views[i])
+    for write in (False, True):
+        gather(store, views[0])
+        gather(store, views[1])
+        gather(store, views[2])  # "reads" unit 2 ahead: it is still in the buffer
+        misses = store.stats["nvme_prefetch_misses"]
+        if write:
+            with torch.no_grad():
+                views[2].mul_(-1.0)
+        assert torch.equal(gather(store, views[2]), views[2])
+        assert store.stats["nvme_prefetch_misses"] == misses + write
+        gather(store, views[1])
+        gather(store, views[0])
