@@ -5,7 +5,8 @@ backward, and with the parameters offloaded too. Ratios against offload="none" i
     PYTHONPATH=python python benchmarks/bench_zero_offload.py --dim 512 --layers 6 --repeats 5
 
 Before per-unit gradient notification, overlap=True under shard() did nothing (the hooks it
-relied on never fired on shards): the overlap rows show what it hides now.
+relied on never fired on shards): the overlap rows show what it hides now. The row with
+offload_params="nvme" also prints the parameter tier's bytes and training-thread times per step.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def build(args, tier: str, overlap: bool, offload_params: str, tmp: str):
         opt.step()
 
     row = {"tier": tier, "overlap": overlap, "offload_params": offload_params, "params": n}
+    row["zero_stats"] = model._tierlift_zero.stats  # the parameter tier's bytes and times
     return row, step, opt
 
 
@@ -88,6 +90,8 @@ def main() -> None:
         # Round robin, one step of each configuration per round: a loaded machine's drift
         # hits every configuration alike. The first two rounds warm up.
         for r in range(args.repeats + 2):
+            if r == 2:  # the parameter tier's stats from here on (after the warm-up)
+                before = [dict(row["zero_stats"]) for row, _, _ in built]
             for i, (_, step, _) in enumerate(built):
                 t0 = time.perf_counter()
                 step()
@@ -95,6 +99,12 @@ def main() -> None:
                     times[i].append(time.perf_counter() - t0)
                     inside[i].append(built[i][2].last_step_stats.get("total_s", 0.0))
         rows = [finish(row, t, opt) for (row, _, opt), t in zip(built, times)]
+        for row, old in zip(rows, before):
+            stats = row.pop("zero_stats")
+            if row["offload_params"] == "nvme":  # per measured step
+                row["param_tier"] = {k: (v - old[k]) / args.repeats for k, v in stats.items()
+                                     if k.startswith("nvme_") and k != "nvme_file_bytes"
+                                     and not isinstance(v, bool)}
         for row, t in zip(rows, inside):
             row["opt_step_s"] = statistics.median(t)
     base = rows[0]["step_s"]
@@ -108,6 +118,15 @@ def main() -> None:
               f"{r['step_s'] * 1e3:8.1f} {r['vs_none']:8.2f} {r['kept_chunks']:5.0f} "
               f"{r['overlapped_s'] * 1e3:14.1f} {r['overlap_wait_s'] * 1e3:8.1f} "
               f"{r['opt_step_s'] * 1e3:10.1f}")
+    for r in rows:
+        if "param_tier" in r:
+            t = r["param_tier"]
+            print(f"parameter tier per step ({r['tier']} {r['overlap']} nvme): read "
+                  f"{t['nvme_read_bytes'] / 1e6:.1f} MB, written {t['nvme_write_bytes'] / 1e6:.1f} "
+                  f"MB; training thread: read wait {t['nvme_read_wait_s'] * 1e3:.1f} ms, page "
+                  f"cache warm-up {t['nvme_warm_s'] * 1e3:.1f} ms, drops "
+                  f"{t['nvme_drop_s'] * 1e3:.1f} ms; read-ahead hits "
+                  f"{t['nvme_prefetch_hits']:.1f}, misses {t['nvme_prefetch_misses']:.1f}")
     with open(args.out, "w") as f:
         json.dump({"machine": machine(), "args": vars(args), "rows": rows}, f, indent=1)
 

@@ -403,3 +403,119 @@ def test_close_removes_the_folder_and_keeps_the_shards(tmp_path):
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     fit(model, opt, clip=None)  # still trains with the folder gone
     tierlift.zero.close(model)  # idempotent
+
+
+# ---- the O_DIRECT read path ---------------------------------------------------------------------
+def direct_store(tmp_path, numels=(1000, 3000, 70000)):
+    store = NvmeParamStore(nvme_path=tmp_path, shard_numels=list(numels))
+    if not store.stats["nvme_direct"]:
+        pytest.skip("the file system of tmp_path has no O_DIRECT")
+    torch.manual_seed(0)
+    views = [store.alloc(torch.randn(n)) for n in numels]
+    return store, views
+
+
+def gather(store, view):
+    out = store.fetch(view).clone()
+    store.staged(view)
+    return out
+
+
+def test_direct_reads_see_what_was_written_through_the_mapping(tmp_path):
+    store, views = direct_store(tmp_path)
+    expect = [v.clone() for v in views]
+    views[1].mul_(3.0)  # dirty pages in the page cache: an O_DIRECT read writes them back first
+    expect[1].mul_(3.0)
+    for _ in range(3):
+        for v, e in zip(views, expect, strict=True):
+            assert torch.equal(gather(store, v), e)
+    # Rounds 2 and 3 were predicted and read ahead (round 1 learns the order).
+    assert store.stats["nvme_prefetch_hits"] >= 4
+    assert store.stats["nvme_read_wait_s"] > 0
+    assert store.resident_bytes() == 0
+
+
+@pytest.mark.parametrize("stepped", [False, True], ids=["other-write", "optimizer-step"])
+def test_a_read_ahead_of_a_range_written_since_is_discarded(tmp_path, stepped):
+    store, views = direct_store(tmp_path)
+    for _ in range(2):  # learn the order 0, 1, 2
+        for v in views:
+            gather(store, v)
+    gather(store, views[0])
+    gather(store, views[1])  # reads unit 2 ahead
+    misses = store.stats["nvme_prefetch_misses"]
+    with torch.no_grad():
+        views[2].add_(1.0)  # e.g. load_state_dict, or an optimizer
+    if stepped:
+        store.stepped(views[2])
+    assert torch.equal(gather(store, views[2]), views[2])
+    assert store.stats["nvme_prefetch_misses"] == misses + 1  # read again
+
+
+def test_without_o_direct_gathers_read_the_mapping_with_a_warning(tmp_path, monkeypatch):
+    from tierlift.zero import param_nvme
+
+    monkeypatch.setattr(param_nvme, "direct_io_error",
+                        lambda path: OSError(errno.EINVAL, "Invalid argument"))
+    torch.set_num_threads(1)
+    with pytest.warns(RuntimeWarning, match="does not support O_DIRECT.*through the mapping"):
+        sd, stats = run_torch_adamw(None, offload_params="nvme", nvme_path=tmp_path)
+    assert stats["nvme_direct"] is False and stats["nvme_prefetch_hits"] == 0
+    assert_same(sd, run_torch_adamw(None)[0])
+
+
+def test_a_read_error_is_an_oserror_naming_the_file(tmp_path, monkeypatch):
+    store, views = direct_store(tmp_path)
+    gather(store, views[0])  # the engine is started
+
+    class Failed:
+        def wait(self):
+            raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(store._reader._engine, "read", lambda *a, **k: Failed())
+    with pytest.raises(OSError, match=re.escape(store.path) + ".*Input/output error") as e:
+        store.fetch(views[1])
+    assert e.value.errno == errno.EIO
+    monkeypatch.undo()
+    os.truncate(store.path, store.offsets[2])  # a file cut short: the read hits its end
+    where = re.escape(store.path) + f"' at offset {store.offsets[2]}"
+    with pytest.raises(OSError, match=where + ".*cut short"):
+        store.fetch(views[2])
+
+
+def test_the_page_cache_holds_a_few_units_not_the_tier(tmp_path):
+    from tierlift.zero import param_nvme
+    from tierlift.zero.param_nvme_reader import resident_pages
+
+    model = tierlift.zero.shard(make_net(), stage=3, offload_params="nvme", nvme_path=tmp_path)
+    store = model._tierlift_zero.offload.store
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    fit(model, opt, steps=3)
+    stats = model._tierlift_zero.stats
+    assert stats["nvme_warm_bytes"] > 0  # the gathers before a step warmed their range
+    assert stats["nvme_prefetch_hits"] > 0
+    # The first unit of forward was read from the page cache (just stepped, under write-back).
+    assert stats["nvme_cached_reads"] > 0
+    largest = max(e - o for o, e in store._slot_end.items())
+    cached = resident_pages(store._flat.data_ptr(), store.nbytes) * 4096
+    assert cached <= (param_nvme._WARM_CAP_UNITS + 2) * largest
+
+
+def test_a_unit_gathered_twice_in_a_row_reuses_its_buffer_unless_written(tmp_path):
+    store, views = direct_store(tmp_path)
+    order = [0, 1, 2, 2, 1, 0]  # forward, then backward: the last unit is gathered twice
+    for _ in range(2):
+        for i in order:
+            gather(store, views[i])
+    for write in (False, True):
+        gather(store, views[0])
+        gather(store, views[1])
+        gather(store, views[2])  # "reads" unit 2 ahead: it is still in the buffer
+        misses = store.stats["nvme_prefetch_misses"]
+        if write:
+            with torch.no_grad():
+                views[2].mul_(-1.0)
+        assert torch.equal(gather(store, views[2]), views[2])
+        assert store.stats["nvme_prefetch_misses"] == misses + write
+        gather(store, views[1])
+        gather(store, views[0])

@@ -15,11 +15,15 @@ Residency explicit, per unit range. After a gather has read a shard into the sta
          cache and the file) and posix_fadvise(POSIX_FADV_DONTNEED) starts the write-back of
          dirty pages and evicts the clean ones, so neither the process's RSS nor the page cache
          keeps the tier. (MADV_PAGEOUT would unmap too, but it does not write dirty file pages
-         back from the caller's context.) Read-ahead: gathers follow the same order every step,
-         so the store learns which range followed the last two staged ones and advises
-         POSIX_FADV_WILLNEED on it: the kernel reads it into the page cache while this unit
-         computes. (madvise(MADV_WILLNEED) was measured to map some of those pages into the
-         process as well.)
+         back from the caller's context.)
+Gathers  read with O_DIRECT into two aligned buffers (param_nvme_reader.py): gathers follow
+         the same order every step, so the store learns which range followed the last two
+         staged ones and reads it ahead while this unit computes. Without O_DIRECT (warned)
+         gathers copy from the mapping and the range due next gets POSIX_FADV_WILLNEED.
+Steps    a write fault on a page not in the page cache reads it from the disk first, so the
+         last gather before a step (learned per range) writes the bytes it read back with a
+         buffered pwrite and keeps the range in the page cache, at most _WARM_CAP_UNITS
+         ranges at a time.
 msync    not needed: the file is scratch, deleted when the model goes away; checkpoints are
          written separately (tierlift.checkpoint), and within the run every access goes through
          the same page cache.
@@ -30,12 +34,15 @@ from __future__ import annotations
 import mmap
 import os
 import shutil
+import time
+import warnings
 import weakref
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from tierlift.offload import tiers
+from tierlift.zero.param_nvme_reader import ShardReader, direct_io_error
 
 _PAGE = mmap.PAGESIZE
 # Units of 2 MiB or more start on a 2 MiB boundary: a page-cache folio (at most 2 MiB,
@@ -43,6 +50,7 @@ _PAGE = mmap.PAGESIZE
 # neighbour (measured: without it, dropping a unit left up to 1 MiB of the next one mapped).
 _HUGE = 2 << 20
 _ELEM = 4  # fp32
+_WARM_CAP_UNITS = 4
 
 
 def _check_dir(nvme_path) -> str:
@@ -57,8 +65,10 @@ def _check_dir(nvme_path) -> str:
     return path
 
 
-def _cleanup(fd: int, directory: str, hook) -> None:
+def _cleanup(fd: int, directory: str, hook, reader) -> None:
     hook.remove()
+    if reader is not None:
+        reader.close()
     try:
         os.close(fd)
     except OSError:
@@ -71,10 +81,12 @@ def _cleanup(fd: int, directory: str, hook) -> None:
 class NvmeParamStore:
     """One preallocated, mapped file holding the fp32 shards of all units of one rank.
 
-    alloc() hands out the units' shards in order; staged(t) / stepped(t) drop a shard's range
-    after it was read for a gather / written by an optimizer step. Stats (bound with bind()):
-    nvme_read_bytes (shard bytes read for gathers), nvme_write_bytes (shard bytes stepped),
-    nvme_file_bytes (the file's size)."""
+    alloc() hands out the units' shards in order; fetch(t) is the data a gather copies;
+    staged(t) / stepped(t) drop a shard's range after it was read for a gather / written by an
+    optimizer step. Stats (the model's ZeroState stats): nvme_read_bytes (shard bytes read for
+    gathers), nvme_write_bytes (shard bytes stepped), nvme_file_bytes (the file's size),
+    nvme_direct, the training thread's seconds in the tier (nvme_read_wait_s, nvme_warm_s,
+    nvme_drop_s), nvme_warm_bytes, nvme_prefetch_hits/misses, nvme_cached_reads."""
 
     def __init__(self, *, nvme_path, shard_numels: list[int], rank: int = 0,
                  stats: dict | None = None):
@@ -113,6 +125,29 @@ class NvmeParamStore:
             raise
         self._fd = fd
         self._flat = torch.frombuffer(self._map, dtype=torch.float32)
+        self._reader = None
+        err = direct_io_error(self.path)
+        if err is not None:
+            warnings.warn(f"nvme_path={parent!r}: the file system does not support O_DIRECT "
+                          f"({os.strerror(err.errno or 0) or err}); parameter gathers read the "
+                          f"shards through the mapping instead (page faults on the training "
+                          f"thread, slower)", RuntimeWarning, stacklevel=3)
+        else:
+            slot = max((self._slot_end[o] - o for o in self.offsets), default=_PAGE)
+            self._reader = ShardReader(path=self.path, fd=fd, base=self._flat.data_ptr(),
+                                       slot_bytes=slot, stats=self.stats)
+        self.stats["nvme_direct"] = self._reader is not None
+        self.stats.update(nvme_drop_s=0.0, nvme_warm_s=0.0, nvme_warm_bytes=0,
+                          nvme_read_wait_s=0.0, nvme_prefetch_hits=0, nvme_prefetch_misses=0,
+                          nvme_cached_reads=0)
+        # Write faults of a range that is not in the page cache read it from the disk first.
+        # The gather right before a step (learned: how many gathers a range had between its
+        # last two steps) therefore writes the bytes it read back through the page cache
+        # (a buffered pwrite of whole pages reads nothing) and leaves them there for the step,
+        # at most _WARM_CAP_UNITS ranges at a time (oldest evicted first).
+        self._since_step: dict[int, int] = {}  # offset -> gathers since its last step
+        self._per_step: dict[int, int] = {}  # offset -> gathers between its last two steps
+        self._warm: list[int] = []  # offsets kept in the page cache for the step, oldest first
         self._ranges: dict[int, tuple[int, int]] = {}  # data_ptr -> (byte offset, bytes)
         self._next_unit = 0
         self._history: tuple = (None, None)  # the last two staged ranges
@@ -125,7 +160,8 @@ class NvmeParamStore:
                 store._after_step(optimizer)
 
         hook = register_optimizer_step_post_hook(after_step)
-        self._finalizer = weakref.finalize(self, _cleanup, fd, self.directory, hook)
+        self._finalizer = weakref.finalize(self, _cleanup, fd, self.directory, hook,
+                                           self._reader)
 
     @staticmethod
     def layout(shard_numels: list[int]) -> tuple[list[int], int]:
@@ -164,19 +200,46 @@ class NvmeParamStore:
             return None
         return self._ranges.get(t.data_ptr()) if t.device.type == "cpu" else None
 
+    def fetch(self, shard: torch.Tensor) -> torch.Tensor:
+        """The data of `shard` to copy into a gather's staging buffer: a RAM copy read with
+        O_DIRECT (read ahead while the previous unit computed, if it was predicted), or the
+        view itself where O_DIRECT is not available. Valid until the next fetch()."""
+        r = self._range(shard)
+        if r is None or self._reader is None:
+            return shard
+        return self._reader.fetch(*r).view(torch.float32).view(shard.shape)
+
     def staged(self, shard: torch.Tensor) -> None:
         """`shard` was just read into a staging slot: drop it, read ahead the one due next."""
         r = self._range(shard)
         if r is None:
             return
         self.stats["nvme_read_bytes"] += r[1]
-        self._drop(*r)
         key = r[0]
+        since = self._since_step.get(key, 0) + 1
+        self._since_step[key] = since
+        if self._reader is not None and since == self._per_step.get(key):
+            self._keep_warm(key, r[1])
+        else:
+            self._drop(*r)
         if self._history[1] is not None:
             self._follows[self._history] = key
         self._history = (self._history[1], key)
+        self._read_ahead()
+
+    def _read_ahead(self) -> None:
+        """Starts reading the range that followed the last two staged ones last time."""
         nxt = self._follows.get(self._history)
-        if nxt is not None and nxt != key:  # into the page cache (not into this process)
+        if nxt is None:
+            return
+        if self._reader is not None:
+            if nxt != self._history[1]:
+                # Evict what is clean of it now (pages under write-back stay until the next
+                # drop), then read it with O_DIRECT into the free buffer.
+                os.posix_fadvise(self._fd, nxt, self._slot_end[nxt] - nxt,
+                                 os.POSIX_FADV_DONTNEED)
+            self._reader.prefetch(nxt, self._data_bytes[nxt])
+        elif nxt != self._history[1]:  # into the page cache (not into this process)
             os.posix_fadvise(self._fd, nxt, self._data_bytes[nxt], os.POSIX_FADV_WILLNEED)
 
     def stepped(self, shard: torch.Tensor, wrote: bool = True) -> None:
@@ -185,6 +248,14 @@ class NvmeParamStore:
         r = self._range(shard)
         if r is not None:
             self.stats["nvme_write_bytes"] += r[1] if wrote else 0
+            key = r[0]
+            if self._reader is not None:
+                self._reader.stale(key)
+            if self._since_step.get(key):
+                self._per_step[key] = self._since_step[key]
+            self._since_step[key] = 0
+            if key in self._warm:
+                self._warm.remove(key)
             self._drop(*r)
 
     def _after_step(self, optimizer) -> None:
@@ -194,16 +265,34 @@ class NvmeParamStore:
             for p in group["params"]:
                 if p.grad is not None:  # (an optimizer skips a parameter without gradient)
                     self.stepped(p, wrote)
+        if self._reader is not None and self._fd >= 0:
+            self._read_ahead()  # the first gather of the next forward, now that it is written
 
     # ---- residency ----
+    def _keep_warm(self, offset: int, nbytes: int) -> None:
+        """Unmaps the range from this process but leaves it in the page cache, filled from the
+        gather's O_DIRECT buffer, for the optimizer step that follows."""
+        t0 = time.perf_counter()
+        if offset not in self._warm:
+            self._warm.append(offset)
+            os.pwrite(self._fd, self._reader.last(nbytes).numpy(), offset)
+            self.stats["nvme_warm_bytes"] += nbytes
+        self._map.madvise(mmap.MADV_DONTNEED, offset, self._slot_end[offset] - offset)
+        self.stats["nvme_warm_s"] += time.perf_counter() - t0
+        while len(self._warm) > _WARM_CAP_UNITS:
+            old = self._warm.pop(0)
+            self._drop(old, self._data_bytes[old])
+
     def _drop(self, offset: int, nbytes: int) -> None:
         """Drops the unit's whole slot, up to the next unit: a fault near the end of the data
         may have mapped padding pages of the same folio too."""
         if nbytes == 0:
             return  # (a zero length would advise the whole rest of the file)
+        t0 = time.perf_counter()
         end = self._slot_end[offset]
         self._map.madvise(mmap.MADV_DONTNEED, offset, end - offset)
         os.posix_fadvise(self._fd, offset, end - offset, os.POSIX_FADV_DONTNEED)
+        self.stats["nvme_drop_s"] += time.perf_counter() - t0
 
     def resident_bytes(self) -> int:
         """Bytes of the file that this process has mapped in right now (from /proc/self/smaps

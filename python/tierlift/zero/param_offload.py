@@ -15,7 +15,8 @@ backward  the reduce-scatter output (device) -> async D2H into a pinned host buf
 On a CPU-only machine the same code runs and every copy is a plain, synchronous copy, so the
 results are bit-identical to offload_params="none".
 With offload_params="nvme" a `store` (NvmeParamStore, param_nvme.py) holds the shards in a
-mapped file instead of RAM; everything else here is the same.
+mapped file instead of RAM, and a gather copies from what store.fetch() returns (the shard read
+ahead with O_DIRECT); everything else here is the same.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ class ParamOffload:
         the copy stream: issue the collective inside `stream_context()` and call `after()`."""
         n = shard.numel()
         staging = torch.empty(n, dtype=self.compute_dtype, pin_memory=self.pin)
-        staging.copy_(shard.detach())  # fp32 -> compute dtype on the host
+        src = shard.detach() if self.store is None else self.store.fetch(shard.detach())
+        staging.copy_(src)  # fp32 -> compute dtype on the host
         if self.store is not None:
             self.store.staged(shard)  # read: drop it from this process, read ahead the next
         dst = torch.empty(n, dtype=staging.dtype, device=self.device)
