@@ -554,7 +554,12 @@ def finetune(args) -> int:
         cmd += ["--overlap"] if args.overlap else []
         cmd += ["--gpu"] if args.gpu else []
         cmd += ["--dir", args.dir] if args.dir else []
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            print(f"{which}: timed out after {args.timeout} s")
+            results.append({"case": which, "error": f"timed out after {args.timeout} s"})
+            continue
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode != 0 or not lines:
             err = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
