@@ -6,7 +6,9 @@
 # Here, once per checkout (keeps .devdeps out of git):
 #   echo /.devdeps/ >> .git/info/exclude
 #   mkdir -p .devdeps && (cd .devdeps && apt-get download liburing2 liburing-dev)
-#   pip download --no-deps -d .devdeps deepspeed hjson py-cpuinfo msgpack einops  # the peer
+#   pip wheel --no-deps -w .devdeps deepspeed        # the peer (its ops are JIT-built there)
+#   pip download --no-deps -d .devdeps --python-version 3.12 --only-binary=:all: \
+#       hjson py-cpuinfo msgpack einops                # DeepSpeed's deps the machine lacks
 # Then through the device tool, with carry [".devdeps"]. One device call may run 10 minutes, so
 # split the work into stages (the machine keeps the build between calls while it stays warm):
 #   GPU_CHECK_STAGES="build tests" bash scripts/gpu_check.sh
