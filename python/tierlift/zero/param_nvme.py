@@ -1,14 +1,26 @@
 """The NVMe tier of stage-3 parameter offload (shard(..., offload_params="nvme", nvme_path=...)):
-the fp32 master shards of every unit live in one file per rank, mapped MAP_SHARED, so a model
-whose shards do not fit in RAM still trains.
+the fp32 master shards of every unit, and their fp32 gradient shards, live in one file per
+rank, mapped MAP_SHARED, so a model whose shards or gradients do not fit in RAM still trains.
 
-Layout   one file `params.rank<R>.f32` in a private `tierlift-offload-*` folder under nvme_path
-         (owner.json + the stale-folder cleanup of offload/tiers.py: a killed run's folder is
-         removed by the next run); each unit's shard starts on a page boundary (2 MiB for
-         units of 2 MiB or more). The file is
-         fallocate'd up front, so a drive too small is refused at shard() with the bytes needed.
+Layout   two files, `params.rank<R>.f32` (every unit's shard) and `grads.rank<R>.f32` (every
+         unit's gradient shard, same layout), in a private `tierlift-offload-*` folder under
+         nvme_path (owner.json + the stale-folder cleanup of offload/tiers.py: a killed run's
+         folder is removed by the next run); each unit's range starts on a page boundary (2 MiB
+         for units of 2 MiB or more). Two files, not two regions of one: a fault maps
+         neighbouring page-cache pages of the same mapping (fault-around) and read-around
+         reads past a range, which across a region boundary kept gradient pages mapped after
+         a parameter range was dropped (measured). Both are fallocate'd up front, so a drive
+         too small for parameters + gradients is refused at shard() with the bytes needed.
 Views    every unit.shard Parameter is a view of the mapping (torch.frombuffer): any optimizer
          steps it in place and the kernel writes the dirty pages back to the file.
+Grads    when a unit's reduce-scatter lands and its shard has no gradient, zero/hooks.py hands
+         the piece over through grad_home(): unit.shard.grad becomes a view of the unit's
+         gradient range holding a copy of it (later backwards accumulate into that view, as
+         into any .grad). Optimizers, clipping and the overlapped offload optimizer read p.grad
+         as before, faulting it back in. The range is dropped right after the hand-over (the
+         kernel writes it back; a reader faults it in) and again after the optimizer step, so
+         no more than the units in flight stay resident. zero_grad(set_to_none=True) drops
+         the views: the next backward assigns a fresh view of the same range, overwriting it.
 Residency explicit, per unit range. After a gather has read a shard into the staging slot and
          after an optimizer step has written it, the range is dropped: madvise(MADV_DONTNEED)
          unmaps it from this process (safe for MAP_SHARED file pages: the data stays in the page
@@ -65,14 +77,15 @@ def _check_dir(nvme_path) -> str:
     return path
 
 
-def _cleanup(fd: int, directory: str, hook, reader) -> None:
+def _cleanup(fds: list[int], directory: str, hook, reader) -> None:
     hook.remove()
     if reader is not None:
         reader.close()
-    try:
-        os.close(fd)
-    except OSError:
-        pass
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
     # Views of the mapping that outlive the model stay valid: an unlinked file keeps its pages
     # until the last mapping goes.
     shutil.rmtree(directory, ignore_errors=True)
@@ -83,8 +96,10 @@ class NvmeParamStore:
 
     alloc() hands out the units' shards in order; fetch(t) is the data a gather copies;
     staged(t) / stepped(t) drop a shard's range after it was read for a gather / written by an
-    optimizer step. Stats (the model's ZeroState stats): nvme_read_bytes (shard bytes read for
-    gathers), nvme_write_bytes (shard bytes stepped), nvme_file_bytes (the file's size),
+    optimizer step; grad_home(shard, piece) is the gradient a backward hands over, kept in the
+    file. Stats (the model's ZeroState stats): nvme_read_bytes (shard bytes read for
+    gathers), nvme_write_bytes (shard bytes stepped), nvme_grad_bytes (gradient bytes handed
+    over into the file), nvme_file_bytes (the file's size),
     nvme_direct, the training thread's seconds in the tier (nvme_read_wait_s, nvme_warm_s,
     nvme_drop_s), nvme_warm_bytes, nvme_prefetch_hits/misses, nvme_cached_reads."""
 
@@ -94,37 +109,46 @@ class NvmeParamStore:
         tiers.remove_stale_dirs(parent)
         self.offsets, nbytes = self.layout(shard_numels)
         self.numels = list(shard_numels)
-        self.nbytes = nbytes
+        self.nbytes = nbytes  # of each file (the gradients' file has the same layout)
         # Each unit's slot: from its offset up to the next unit's (padding included).
         self._slot_end = dict(zip(self.offsets, [*self.offsets[1:], nbytes], strict=True))
         self._data_bytes = {o: n * _ELEM for o, n in zip(self.offsets, self.numels, strict=True)}
         self.stats = stats if stats is not None else {}  # the model's ZeroState stats
-        self.stats.update(nvme_read_bytes=0, nvme_write_bytes=0, nvme_file_bytes=nbytes)
+        self.stats.update(nvme_read_bytes=0, nvme_write_bytes=0, nvme_grad_bytes=0,
+                          nvme_file_bytes=2 * nbytes)
         try:
             self.directory = tiers.make_state_dir(parent)
         except OSError as e:
             raise PermissionError(e.errno, f"nvme_path={parent!r}: cannot create the parameter "
                                   f"folder there: {os.strerror(e.errno or 0)}") from e
         self.path = os.path.join(self.directory, f"params.rank{rank}.f32")
-        fd = -1
+        self.grad_path = os.path.join(self.directory, f"grads.rank{rank}.f32")
+        fds: list[int] = []
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                tiers._reserve(fd, nbytes, self.path, nbytes)
-            except OSError as e:
-                raise OSError(e.errno, f"nvme_path={parent!r} has no room for the parameter "
-                              f"shards: {nbytes} bytes are needed (the fp32 shards of every "
-                              f"unit of rank {rank}); allocating {self.path!r} failed: "
-                              f"{os.strerror(e.errno or 0)}") from e
-            self._map = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED,
-                                  prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            maps = []
+            for path in (self.path, self.grad_path):
+                fds.append(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+                try:
+                    tiers._reserve(fds[-1], nbytes, path, 2 * nbytes)
+                except OSError as e:
+                    raise OSError(e.errno, f"nvme_path={parent!r} has no room for the "
+                                  f"parameter and gradient shards: {2 * nbytes} bytes are "
+                                  f"needed ({nbytes} for the fp32 shards and {nbytes} for the "
+                                  f"fp32 gradient shards of every unit of rank {rank}); "
+                                  f"allocating {path!r} failed: "
+                                  f"{os.strerror(e.errno or 0)}") from e
+                maps.append(mmap.mmap(fds[-1], nbytes, flags=mmap.MAP_SHARED,
+                                      prot=mmap.PROT_READ | mmap.PROT_WRITE))
         except BaseException:
-            if fd >= 0:
+            for fd in fds:
                 os.close(fd)
             shutil.rmtree(self.directory, ignore_errors=True)
             raise
+        fd, self._gfd = fds
+        self._map, self._gmap = maps
         self._fd = fd
         self._flat = torch.frombuffer(self._map, dtype=torch.float32)
+        self._gbase = torch.frombuffer(self._gmap, dtype=torch.uint8, count=1)  # (its address)
         self._reader = None
         err = direct_io_error(self.path)
         if err is not None:
@@ -149,6 +173,10 @@ class NvmeParamStore:
         self._per_step: dict[int, int] = {}  # offset -> gathers between its last two steps
         self._warm: list[int] = []  # offsets kept in the page cache for the step, oldest first
         self._ranges: dict[int, tuple[int, int]] = {}  # data_ptr -> (byte offset, bytes)
+        self._grad_at: dict[int, int] = {}  # shard data_ptr -> its offset in both files
+        self._grads: dict[int, tuple[int, int]] = {}  # gradient data_ptr -> (offset, bytes)
+        # Drop a gradient range right after its hand-over (True), or only after the step.
+        self.drop_grads_early = True
         self._next_unit = 0
         self._history: tuple = (None, None)  # the last two staged ranges
         self._follows: dict[tuple, int] = {}  # (range before, range) -> the range staged next
@@ -160,7 +188,7 @@ class NvmeParamStore:
                 store._after_step(optimizer)
 
         hook = register_optimizer_step_post_hook(after_step)
-        self._finalizer = weakref.finalize(self, _cleanup, fd, self.directory, hook,
+        self._finalizer = weakref.finalize(self, _cleanup, fds, self.directory, hook,
                                            self._reader)
 
     @staticmethod
@@ -192,8 +220,37 @@ class NvmeParamStore:
         view = self._flat[lo:lo + shard.numel()]
         view.copy_(shard.detach())
         self._ranges[view.data_ptr()] = (self.offsets[i], shard.numel() * _ELEM)
+        self._grad_at[view.data_ptr()] = self.offsets[i]
         self._drop(self.offsets[i], shard.numel() * _ELEM)
         return view
+
+    def grad_home(self, shard: torch.Tensor, piece: torch.Tensor) -> torch.Tensor | None:
+        """The gradient to assign to `shard` (which has none): a view of its range in the
+        gradients' file holding a copy of `piece`; None if `shard` is not one of this store's."""
+        if self._fd < 0 or shard.device.type != "cpu":
+            return None
+        off = self._grad_at.get(shard.data_ptr())
+        if off is None:
+            return None
+        # A tensor of its own over the range, not a view of self._flat: its version counter
+        # then counts writes to this gradient only (the overlapped optimizer checks it).
+        view = torch.frombuffer(self._gmap, dtype=torch.float32, count=shard.numel(),
+                                offset=off)  # (shards are flat)
+        view.copy_(piece)  # whole pages overwritten: the old bytes are never needed
+        self._grads[view.data_ptr()] = (off, shard.numel() * _ELEM)
+        self.stats["nvme_grad_bytes"] += shard.numel() * _ELEM
+        return view
+
+    def landed(self, grad: torch.Tensor) -> None:
+        """A backward handed `grad` over (assigned or accumulated): drop its range, unless
+        the policy keeps gradients resident until the step."""
+        if self.drop_grads_early:
+            self._drop_grad(grad)
+
+    def _drop_grad(self, grad: torch.Tensor) -> None:
+        r = self._grads.get(grad.data_ptr()) if self._fd >= 0 else None
+        if r is not None:
+            self._drop(*r, grads=True)
 
     def _range(self, t: torch.Tensor):
         if self._fd < 0:  # closed: residency is no longer managed (the fd number may be reused)
@@ -265,6 +322,7 @@ class NvmeParamStore:
             for p in group["params"]:
                 if p.grad is not None:  # (an optimizer skips a parameter without gradient)
                     self.stepped(p, wrote)
+                    self._drop_grad(p.grad)  # read by the step: nothing needs it in RAM now
         if self._reader is not None and self._fd >= 0:
             self._read_ahead()  # the first gather of the next forward, now that it is written
 
@@ -283,21 +341,23 @@ class NvmeParamStore:
             old = self._warm.pop(0)
             self._drop(old, self._data_bytes[old])
 
-    def _drop(self, offset: int, nbytes: int) -> None:
-        """Drops the unit's whole slot, up to the next unit: a fault near the end of the data
-        may have mapped padding pages of the same folio too."""
+    def _drop(self, offset: int, nbytes: int, grads: bool = False) -> None:
+        """Drops the unit's whole slot (of the gradients' file if `grads`), up to the next
+        unit: a fault near the end of the data may have mapped padding pages of the same folio
+        too."""
         if nbytes == 0:
             return  # (a zero length would advise the whole rest of the file)
         t0 = time.perf_counter()
         end = self._slot_end[offset]
-        self._map.madvise(mmap.MADV_DONTNEED, offset, end - offset)
-        os.posix_fadvise(self._fd, offset, end - offset, os.POSIX_FADV_DONTNEED)
+        (self._gmap if grads else self._map).madvise(mmap.MADV_DONTNEED, offset, end - offset)
+        os.posix_fadvise(self._gfd if grads else self._fd, offset, end - offset,
+                         os.POSIX_FADV_DONTNEED)
         self.stats["nvme_drop_s"] += time.perf_counter() - t0
 
-    def resident_bytes(self) -> int:
-        """Bytes of the file that this process has mapped in right now (from /proc/self/smaps
-        of this mapping), for tests and diagnostics."""
-        start = self._flat.data_ptr()
+    def resident_bytes(self, grads: bool = False) -> int:
+        """Bytes of the parameters' (gradients' if `grads`) file that this process has mapped
+        in right now (from /proc/self/smaps of that mapping), for tests and diagnostics."""
+        start = (self._gbase if grads else self._flat).data_ptr()
         with open("/proc/self/smaps") as f:
             inside = False
             for line in f:
