@@ -14,13 +14,19 @@ Layout   two files, `params.rank<R>.f32` (every unit's shard) and `grads.rank<R>
 Views    every unit.shard Parameter is a view of the mapping (torch.frombuffer): any optimizer
          steps it in place and the kernel writes the dirty pages back to the file.
 Grads    when a unit's reduce-scatter lands and its shard has no gradient, zero/hooks.py hands
-         the piece over through grad_home(): unit.shard.grad becomes a view of the unit's
-         gradient range holding a copy of it (later backwards accumulate into that view, as
-         into any .grad). Optimizers, clipping and the overlapped offload optimizer read p.grad
-         as before, faulting it back in. The range is dropped right after the hand-over (the
-         kernel writes it back; a reader faults it in) and again after the optimizer step, so
-         no more than the units in flight stay resident. zero_grad(set_to_none=True) drops
-         the views: the next backward assigns a fresh view of the same range, overwriting it.
+         the piece over through grad_home(): it is written to the unit's range of the
+         gradients' file with a buffered pwrite (a write through the mapping would first read
+         every page no longer cached from the disk) and unit.shard.grad becomes a tensor over
+         that range (its own tensor, not a view of a larger one: its version counter counts
+         only its writes, which the overlapped optimizer checks). Later backwards accumulate
+         into it, as into any .grad. Optimizers, clipping and the overlapped offload optimizer
+         read p.grad as before, faulting it in. The range is dropped (unmapped, write-back
+         started, evicted) _GRAD_DROP_LAG hand-overs later, once the overlapped optimizer's
+         worker has read it, and again after the optimizer step, so no more than the units in
+         flight stay resident. zero_grad(set_to_none=True) drops the tensors: the next backward
+         assigns a fresh one over the same range, overwriting it; set_to_none=False zeroes them
+         in place (which faults every gradient page in, from the disk: RSS holds them until
+         the next hand-over drops them).
 Residency explicit, per unit range. After a gather has read a shard into the staging slot and
          after an optimizer step has written it, the range is dropped: madvise(MADV_DONTNEED)
          unmaps it from this process (safe for MAP_SHARED file pages: the data stays in the page
@@ -63,6 +69,12 @@ _PAGE = mmap.PAGESIZE
 _HUGE = 2 << 20
 _ELEM = 4  # fp32
 _WARM_CAP_UNITS = 4
+# A gradient handed over is read at once by the overlapped optimizer's worker, so it is
+# dropped this many hand-overs later, not at once. Measured on bench_zero_offload's `nvme True
+# nvme` row (2-core VM, interleaved, x of offload "none"): gradients in RAM 1.48-1.52, lag 0
+# 1.56-1.61, lag 1 1.54-1.57, lag 2/3 1.53-1.59, only after the step 1.52-1.56: all within the
+# noise but lag 0; lag 1 keeps the page cache to about one unit of gradients.
+_GRAD_DROP_LAG = 1
 
 
 def _check_dir(nvme_path) -> str:
@@ -99,7 +111,7 @@ class NvmeParamStore:
     optimizer step; grad_home(shard, piece) is the gradient a backward hands over, kept in the
     file. Stats (the model's ZeroState stats): nvme_read_bytes (shard bytes read for
     gathers), nvme_write_bytes (shard bytes stepped), nvme_grad_bytes (gradient bytes handed
-    over into the file), nvme_file_bytes (the file's size),
+    over into the file), nvme_file_bytes (both files' size),
     nvme_direct, the training thread's seconds in the tier (nvme_read_wait_s, nvme_warm_s,
     nvme_drop_s), nvme_warm_bytes, nvme_prefetch_hits/misses, nvme_cached_reads."""
 
@@ -175,8 +187,11 @@ class NvmeParamStore:
         self._ranges: dict[int, tuple[int, int]] = {}  # data_ptr -> (byte offset, bytes)
         self._grad_at: dict[int, int] = {}  # shard data_ptr -> its offset in both files
         self._grads: dict[int, tuple[int, int]] = {}  # gradient data_ptr -> (offset, bytes)
-        # Drop a gradient range right after its hand-over (True), or only after the step.
-        self.drop_grads_early = True
+        # A handed-over gradient is dropped (unmapped, write-back started, evicted)
+        # grad_drop_lag hand-overs later, when the overlapped optimizer has read it (0: at
+        # once; None: only after the step). See _GRAD_DROP_LAG.
+        self.grad_drop_lag: int | None = _GRAD_DROP_LAG
+        self._handed: list[tuple[int, int]] = []  # handed over, not dropped yet, oldest first
         self._next_unit = 0
         self._history: tuple = (None, None)  # the last two staged ranges
         self._follows: dict[tuple, int] = {}  # (range before, range) -> the range staged next
@@ -227,7 +242,7 @@ class NvmeParamStore:
     def grad_home(self, shard: torch.Tensor, piece: torch.Tensor) -> torch.Tensor | None:
         """The gradient to assign to `shard` (which has none): a view of its range in the
         gradients' file holding a copy of `piece`; None if `shard` is not one of this store's."""
-        if self._fd < 0 or shard.device.type != "cpu":
+        if self._fd < 0 or shard.device.type != "cpu" or shard.numel() == 0:
             return None
         off = self._grad_at.get(shard.data_ptr())
         if off is None:
@@ -236,16 +251,28 @@ class NvmeParamStore:
         # then counts writes to this gradient only (the overlapped optimizer checks it).
         view = torch.frombuffer(self._gmap, dtype=torch.float32, count=shard.numel(),
                                 offset=off)  # (shards are flat)
-        view.copy_(piece)  # whole pages overwritten: the old bytes are never needed
+        # Through the page cache, not the mapping: a write fault on a page no longer cached
+        # reads it from the disk first; a buffered pwrite of whole pages reads nothing, and
+        # maps nothing into this process.
+        data = piece.detach().to(torch.float32).contiguous().view(-1).view(torch.uint8)
+        buf, done = memoryview(data.numpy()), 0
+        while done < len(buf):
+            done += os.pwrite(self._gfd, buf[done:], off + done)
         self._grads[view.data_ptr()] = (off, shard.numel() * _ELEM)
         self.stats["nvme_grad_bytes"] += shard.numel() * _ELEM
         return view
 
     def landed(self, grad: torch.Tensor) -> None:
-        """A backward handed `grad` over (assigned or accumulated): drop its range, unless
-        the policy keeps gradients resident until the step."""
-        if self.drop_grads_early:
-            self._drop_grad(grad)
+        """A backward handed `grad` over (assigned or accumulated): drop it from RAM
+        grad_drop_lag hand-overs later."""
+        lag = self.grad_drop_lag
+        r = self._grads.get(grad.data_ptr()) if self._fd >= 0 else None
+        if r is None or lag is None:
+            return
+        if r not in self._handed:  # (a second backward accumulating into it)
+            self._handed.append(r)
+        while len(self._handed) > lag:
+            self._drop(*self._handed.pop(0), grads=True)
 
     def _drop_grad(self, grad: torch.Tensor) -> None:
         r = self._grads.get(grad.data_ptr()) if self._fd >= 0 else None
@@ -323,6 +350,7 @@ class NvmeParamStore:
                 if p.grad is not None:  # (an optimizer skips a parameter without gradient)
                     self.stepped(p, wrote)
                     self._drop_grad(p.grad)  # read by the step: nothing needs it in RAM now
+        self._handed.clear()
         if self._reader is not None and self._fd >= 0:
             self._read_ahead()  # the first gather of the next forward, now that it is written
 
