@@ -280,7 +280,7 @@ class ZeroState:
         else:
             unit.shard.grad.add_(piece)
         if store is not None:
-            store.landed(unit.shard.grad)  # written: drop it from RAM until a reader needs it
+            store.landed(unit.shard.grad)  # in the file: dropped from RAM a hand-over later
         self.stats["grads_ready_early" if early else "grads_ready_at_end"] += 1
         for fn in list(self.listeners[id(unit.shard)].values()):
             fn(unit.shard)

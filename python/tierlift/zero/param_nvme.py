@@ -218,8 +218,9 @@ class NvmeParamStore:
         return offsets, nbytes
 
     def close(self) -> None:
-        """Removes the folder now (the shards' views stay readable until they are freed; the
-        page cache is no longer advised, so call it when training is over)."""
+        """Removes the folder now (the shards' and gradients' views stay readable until they
+        are freed; the page cache is no longer advised, and later backwards keep gradients in
+        RAM, so call it when training is over)."""
         self._finalizer()
         self._fd = -1
 
