@@ -123,7 +123,8 @@ def main() -> None:
             t = r["param_tier"]
             print(f"parameter tier per step ({r['tier']} {r['overlap']} nvme): read "
                   f"{t['nvme_read_bytes'] / 1e6:.1f} MB, written {t['nvme_write_bytes'] / 1e6:.1f} "
-                  f"MB; training thread: read wait {t['nvme_read_wait_s'] * 1e3:.1f} ms, page "
+                  f"MB, gradients written {t['nvme_grad_bytes'] / 1e6:.1f} MB; training thread: "
+                  f"read wait {t['nvme_read_wait_s'] * 1e3:.1f} ms, page "
                   f"cache warm-up {t['nvme_warm_s'] * 1e3:.1f} ms, drops "
                   f"{t['nvme_drop_s'] * 1e3:.1f} ms; read-ahead hits "
                   f"{t['nvme_prefetch_hits']:.1f}, misses {t['nvme_prefetch_misses']:.1f}")

@@ -7,6 +7,7 @@ process keeps resident (RSS); bad nvme_path values; the folder's lifetime; the s
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import gc
 import os
@@ -18,14 +19,17 @@ import textwrap
 
 import pytest
 import torch
+import torch.nn.functional as F
 from test_zero_offload import (
     CLIP,
     LR,
     WD,
     assert_close_to_torch,
     assert_same,
+    data,
     fit,
     make_net,
+    offload_kw,
     run_offload,
     run_plain,
     run_torch,
@@ -69,6 +73,7 @@ def test_torch_adamw_is_bit_identical(tmp_path, mp, clip):
     # Stats: every gather read its shard from the file, every step wrote every shard.
     assert stats["nvme_read_bytes"] > 0
     assert stats["nvme_write_bytes"] == 20 * stats["shard_bytes"]
+    assert stats["nvme_grad_bytes"] == 20 * stats["shard_bytes"]  # gradients went to the file
     if mp is None:  # fp32 compute: the staged bytes are the bytes read
         assert stats["nvme_read_bytes"] == stats["h2d_bytes"]
     assert folders(tmp_path) == []  # the model is gone: so is its folder
@@ -87,6 +92,82 @@ def test_offloaded_overlapped_adamw_is_bit_identical(tmp_path, clip):
     assert stats["nvme_read_bytes"] > 0 and stats["nvme_write_bytes"] > 0
 
 
+# ---- gradients in the file: accumulation, zero_grad(set_to_none=False) ---------------------------
+def accumulate(model, opt, mode: str, clip, steps: int = 6) -> set:
+    """Two micro-batches per step: the first under no_sync ("no_sync") or both synced
+    ("synced", "in-place"; "in-place" zeroes gradients with set_to_none=False). Returns the
+    ids of the gradient tensors seen after the backwards."""
+    seen = set()
+    for seq in data(steps):
+        opt.zero_grad(set_to_none=mode != "in-place")
+        for m, micro in enumerate(seq.chunk(2)):
+            quiet = mode == "no_sync" and m == 0
+            with model.no_sync() if quiet else contextlib.nullcontext():
+                logits = model(micro[:, :-1])
+                (F.cross_entropy(logits.flatten(0, 1), micro[:, 1:].flatten()) / 2).backward()
+        seen |= {id(p.grad) for p in model.parameters()}
+        if clip is not None:
+            tierlift.zero.clip_grad_norm_(model, clip)
+        opt.step()
+    return seen
+
+
+def grads_in_file(model) -> bool:
+    store = model._tierlift_zero.offload.store
+    lo = store._gbase.data_ptr()
+    return all(lo <= p.grad.data_ptr() < lo + store.nbytes and p.grad._base is None
+               for p in model.parameters())
+
+
+@pytest.mark.parametrize("mode", ["no_sync", "synced", "in-place"])
+def test_accumulated_gradients_in_the_file_are_bit_identical(tmp_path, mode):
+    torch.set_num_threads(1)
+    results = {}
+    for where in ("none", "cpu", "nvme"):
+        for clip in (None, CLIP):
+            kw = dict(offload_params=where, nvme_path=tmp_path) if where == "nvme" else \
+                dict(offload_params=where)
+            model = tierlift.zero.shard(make_net(), stage=3, **kw)
+            opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+            seen = accumulate(model, opt, mode, clip)
+            if where == "nvme":
+                assert grads_in_file(model)
+                if mode == "in-place":  # zeroed in place: the same views all along
+                    assert len(seen) == len(model._tierlift_zero.units)
+                store = model._tierlift_zero.offload.store
+                assert store.resident_bytes(grads=True) == 0  # dropped after the step
+                # A fresh view per step (the second backward accumulates into it), or one.
+                shard_bytes = 4 * sum(p.numel() for p in model.parameters())
+                assert model._tierlift_zero.stats["nvme_grad_bytes"] == \
+                    (1 if mode == "in-place" else 6) * shard_bytes
+            results[where, clip] = tierlift.zero.full_state_dict(model)
+    for clip in (None, CLIP):
+        assert_same(results["nvme", clip], results["none", clip])
+        assert_same(results["cpu", clip], results["none", clip])
+
+
+@pytest.mark.parametrize("mode", ["no_sync", "synced", "in-place"])
+def test_accumulated_gradients_with_the_overlapped_nvme_optimizer(tmp_path, mode):
+    torch.set_num_threads(1)
+    out = {}
+    for where in ("none", "nvme"):
+        (tmp_path / where).mkdir()
+        extra = dict(nvme_path=tmp_path / where / "p") if where == "nvme" else {}
+        if extra:
+            extra["nvme_path"].mkdir()
+        model = tierlift.zero.shard(make_net(), stage=3, offload_params=where, **extra)
+        opt = tierlift.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD,
+                                   max_grad_norm=CLIP,
+                                   **offload_kw("nvme", model, tmp_path / where))
+        accumulate(model, opt, mode, None)
+        if where == "nvme":
+            assert grads_in_file(model)
+        out[where] = (tierlift.zero.full_state_dict(model),
+                      opt.last_step_stats.get("overlap_redone_chunks", 0))
+    assert_same(out["nvme"][0], out["none"][0])
+    assert out["nvme"][1] == out["none"][1]  # the overlap kept as many chunks as in RAM
+
+
 def test_shards_are_views_of_the_file(tmp_path):
     model = tierlift.zero.shard(make_net(), stage=3, offload_params="nvme", nvme_path=tmp_path)
     store = model._tierlift_zero.offload.store
@@ -94,16 +175,28 @@ def test_shards_are_views_of_the_file(tmp_path):
     path = os.path.join(tmp_path, name, "params.rank0.f32")
     assert os.path.getsize(path) == store.nbytes
     assert os.path.getsize(path) % 4096 == 0
-    assert sorted(os.listdir(tmp_path / name)) == ["owner.json", "params.rank0.f32"]
+    assert sorted(os.listdir(tmp_path / name)) == ["grads.rank0.f32", "owner.json",
+                                                   "params.rank0.f32"]
+    assert os.path.getsize(tmp_path / name / "grads.rank0.f32") == store.nbytes
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     fit(model, opt, steps=2)
     assert store.resident_bytes() == 0  # dropped after the step
-    with open(path, "rb") as f:
-        raw = torch.frombuffer(bytearray(f.read()), dtype=torch.float32)
+    assert store.resident_bytes(grads=True) == 0
+    raw = {}
+    for kind in ("params", "grads"):
+        with open(tmp_path / name / f"{kind}.rank0.f32", "rb") as f:
+            raw[kind] = torch.frombuffer(bytearray(f.read()), dtype=torch.float32)
     for unit, off in zip(model._tierlift_zero.units, store.offsets, strict=True):
         p = unit.shard
-        assert torch.equal(raw[off // 4:off // 4 + p.numel()], p.detach())
+        assert torch.equal(raw["params"][off // 4:off // 4 + p.numel()], p.detach())
+        # The gradient is a view of the gradients' file, with a version counter of its own.
+        g = raw["grads"][off // 4:off // 4 + p.numel()]
+        assert p.grad.abs().sum() > 0 and torch.equal(g, p.grad)
+        assert p.grad._base is None
+        ptr = store._gbase.data_ptr()
+        assert ptr <= p.grad.data_ptr() < ptr + store.nbytes
     assert store.resident_bytes() > 0  # reading the views maps the pages in again
+    assert store.resident_bytes(grads=True) > 0
     del model, opt, store, p, unit
     gc.collect()
     assert folders(tmp_path) == []
@@ -169,22 +262,30 @@ def test_missing_or_unwritable_nvme_path(tmp_path, monkeypatch):
 
 
 def test_too_small_a_drive_is_refused_with_the_bytes_needed(tmp_path, monkeypatch):
-    # The real fallocate path: a store far larger than any drive.
+    # The real fallocate path: a store far larger than any drive (parameters + gradients).
     huge = 1 << 50
-    with pytest.raises(OSError, match=rf"no room for the parameter shards: {huge * 4} bytes"):
+    with pytest.raises(OSError, match=rf"no room for the parameter and gradient shards: "
+                                      rf"{huge * 8} bytes are needed \({huge * 4} for"):
         NvmeParamStore(nvme_path=tmp_path, shard_numels=[huge])
     assert os.listdir(tmp_path) == []
-    # Through shard(), with the allocation failing as on a full drive.
-    def full(fd, nbytes, path, total):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(tiers, "_reserve", full)
+    # Through shard(), with the allocation failing as on a full drive: for the parameters'
+    # file, or only for the gradients' one (room for the parameters alone is not enough).
     probe = tierlift.zero.shard(make_net(), stage=3)
     need = NvmeParamStore.layout([u.shard_numel for u in probe._tierlift_zero.units])[1]
-    with pytest.raises(OSError, match=f"{need} bytes are needed") as info:
-        tierlift.zero.shard(make_net(), offload_params="nvme", nvme_path=tmp_path)
-    assert info.value.errno == errno.ENOSPC
-    assert os.listdir(tmp_path) == []
+    real = tiers._reserve
+    for fail_on in ("params", "grads"):
+        def full(fd, nbytes, path, total, fail_on=fail_on):
+            if os.path.basename(path).startswith(fail_on):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            real(fd, nbytes, path, total)
+
+        monkeypatch.setattr(tiers, "_reserve", full)
+        with pytest.raises(OSError, match=rf"{2 * need} bytes are needed \({need} for the fp32 "
+                                          rf"shards and {need} for the fp32 gradient") as info:
+            tierlift.zero.shard(make_net(), offload_params="nvme", nvme_path=tmp_path)
+        assert info.value.errno == errno.ENOSPC
+        assert fail_on in str(info.value)
+        assert os.listdir(tmp_path) == []
 
 
 # ---- folder lifetime ----------------------------------------------------------------------------
@@ -226,85 +327,113 @@ RSS = textwrap.dedent("""
     gc.collect()
     rss_before_model = status("VmRSS")
     torch.manual_seed(0)
-    dim, blocks = 2048, 8
+    dim, blocks = 1024, 32
     model = nn.Sequential(*[nn.Sequential(nn.Linear(dim, dim), nn.GELU(), nn.Linear(dim, dim))
                             for _ in range(blocks)])
-    shard_bytes = 4 * sum(p.numel() for p in model.parameters())
+    n = sum(p.numel() for p in model.parameters())
     model = tierlift.zero.shard(model, stage=3, offload_params="nvme", nvme_path={path!r},
                                 units=list(model))
     store = model._tierlift_zero.offload.store
     largest = 4 * max(u.shard_numel for u in model._tierlift_zero.units)
     gc.collect()
     shard_growth = status("VmRSS") - rss_before_model
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    budget = 0
+    if {opt!r} == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    else:  # the overlapped offload optimizer, its state on NVMe with a RAM budget of 2 units
+        budget = 2 * 12 * n // blocks
+        opt = tierlift.optim.AdamW(model.parameters(), lr=1e-3, offload="nvme", overlap=True,
+                                   nvme_path={path!r}, cpu_budget=budget)
     x = torch.randn(4, dim)
     model(x).square().mean().backward()  # a first step: code pages, allocator pools
     opt.step()
     opt.zero_grad(set_to_none=True)
     gc.collect()
-    base_rss, base_file = status("VmRSS"), status("RssFile")
-    samples = []
+    base_rss, base_file, base_anon = status("VmRSS"), status("RssFile"), status("RssAnon")
+    samples, anon = [], []
     def sample(*args):
         samples.append((status("RssFile") - base_file, store.resident_bytes()))
+        anon.append(status("RssAnon") - base_anon)
     for m in model:
         m.register_forward_pre_hook(sample)
         m.register_forward_hook(sample)
         m.register_full_backward_pre_hook(sample)
         m.register_full_backward_hook(sample)
-    peaks, after = [], []
+    peaks, step_peaks, after = [], [], []
     for step in range(1):
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets VmHWM to the current RSS
         model(x).square().mean().backward()
         peaks.append(status("VmHWM") - base_rss)
+        anon.append(status("RssAnon") - base_anon)  # what the step starts with
         opt.step()
+        step_peaks.append(status("VmHWM") - base_rss)
         opt.zero_grad(set_to_none=True)
-        sample()
+        samples.append((0, store.resident_bytes()))
+        anon.append(status("RssAnon") - base_anon)
         after.append(status("VmRSS") - base_rss)
-    print(json.dumps(dict(shard_bytes=shard_bytes, largest=largest, shard_growth=shard_growth,
-                          samples=samples, peaks=peaks, after=after,
+    print(json.dumps(dict(shard_bytes=4 * n, largest=largest, shard_growth=shard_growth,
+                          budget=budget, samples=samples, anon=anon, peaks=peaks,
+                          step_peaks=step_peaks, after=after,
                           stats=model._tierlift_zero.stats)))
 """)
 
 
-def test_rss_holds_the_units_in_flight_not_the_shards(tmp_path):
-    """A 268 MB model (8 units of 33.6 MB): the mapped shards never stay in the process.
+@pytest.mark.parametrize("opt", ["sgd", "overlapped-nvme-adamw"])
+def test_rss_holds_the_units_in_flight_not_the_shards_or_gradients(tmp_path, opt):
+    """A 268 MB model (32 units of 8.4 MB): neither the mapped shards nor the gradient shards
+    stay in the process.
 
     Bounds: (1) building the model (268 MB in RAM) and sharding it leaves the process less
     than a quarter of the shard bytes larger; (2) at every unit boundary of forward and
-    backward and after the step, the file's pages mapped into the process (smaps Rss of the
-    mapping) are 0 and the growth of RssFile stays under one unit; (3) the
-    peak RSS growth over forward + backward is at most the fp32 gradients (ZeRO keeps them in
-    RAM for the optimizer: as many bytes as the shards) + 6 units (gathered units in flight,
-    their gradient, reduce-scatter and landing buffers), and after the step (gradients freed)
-    the RSS is back within 128 MB of where it was before forward."""
-    env = dict(os.environ, OMP_NUM_THREADS="2",
+    backward and after the step, the parameters' file is not mapped in (smaps Rss 0) and (SGD)
+    the growth of RssFile stays under one unit; (3) the process's anonymous memory (RssAnon) at
+    every unit boundary, when the step starts and after it, grows by at most 8 units (+ the
+    optimizer's cpu_budget): the fp32 gradients (as many bytes as the shards, 4x that bound)
+    are in the gradients' file, not in RAM; (4) with torch SGD, the peak RSS growth over
+    forward + backward is at most 8 units (gathered units in flight, their gradient,
+    reduce-scatter and landing buffers; before gradients went to the file it was the shard
+    bytes + 1 unit). The step itself maps what it touches (torch SGD: every shard and gradient;
+    the overlapped optimizer: the gradients it reads, the shards it writes): file pages the
+    kernel can write back and reclaim, dropped by the step post-hook; after the step the RSS is
+    back within 128 MB of where it was before forward. glibc is told to mmap every allocation
+    of 1 MiB or more (MALLOC_MMAP_THRESHOLD_), so freed buffers leave the RSS at once and the
+    numbers do not depend on its heap trimming."""
+    env = dict(os.environ, OMP_NUM_THREADS="2", MALLOC_MMAP_THRESHOLD_=str(1 << 20),
                PYTHONPATH=os.pathsep.join([os.path.join(TESTS, "..", "..", "python"),
                                            os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", RSS.format(path=str(tmp_path))], env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", RSS.format(path=str(tmp_path), opt=opt)],
+                          env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     import json
 
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     shard, unit, mib = r["shard_bytes"], r["largest"], 1 << 20
-    assert shard > 200 * mib
+    bound = 8 * unit
+    assert shard > 200 * mib and shard >= 4 * bound
     assert r["shard_growth"] < shard // 4
-    assert len(r["samples"]) > 8 * 4
+    assert len(r["samples"]) > 32 * 4
     for file_growth, mapped in r["samples"]:
         assert mapped == 0
-        assert file_growth < unit
-    for peak in r["peaks"]:
-        assert peak <= shard + 6 * unit
+        # (the overlapped optimizer's worker maps the gradients it reads, and its state file)
+        assert file_growth < unit or opt != "sgd"
+    for a in r["anon"]:
+        assert a <= bound + r["budget"]
+    if opt == "sgd":
+        for peak in r["peaks"]:
+            assert peak <= bound
+        assert r["stats"]["nvme_read_bytes"] == 2 * 2 * shard  # forward + backward, 2 steps
+        assert r["stats"]["nvme_write_bytes"] == 2 * shard
+    assert r["stats"]["nvme_grad_bytes"] == 2 * shard
     for rss in r["after"]:
         assert rss <= 128 * mib
-    assert r["stats"]["nvme_read_bytes"] == 2 * 2 * shard  # forward + backward, 2 steps
-    assert r["stats"]["nvme_write_bytes"] == 2 * shard
-    print(f"\nRSS: shards {shard / mib:.0f} MiB, largest unit {unit / mib:.1f} MiB, "
+    print(f"\nRSS ({opt}): shards {shard / mib:.0f} MiB, largest unit {unit / mib:.1f} MiB, "
           f"RSS growth model + shard() {r['shard_growth'] / mib:.0f} MiB, peak growth fwd+bwd "
-          f"{[round(p / mib) for p in r['peaks']]} MiB, after step "
-          f"{[round(a / mib) for a in r['after']]} MiB, "
-          f"max RssFile growth at unit boundaries {max(s[0] for s in r['samples']) / mib:.1f} MiB")
+          f"{[round(p / mib) for p in r['peaks']]} MiB, fwd+bwd+step "
+          f"{[round(p / mib) for p in r['step_peaks']]} MiB, max RssAnon growth "
+          f"{max(r['anon']) / mib:.1f} MiB, after step {[round(a / mib) for a in r['after']]} "
+          f"MiB, max RssFile growth at unit boundaries "
+          f"{max(s[0] for s in r['samples']) / mib:.1f} MiB")
 
 
 @pytest.mark.gpu

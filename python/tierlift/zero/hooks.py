@@ -267,8 +267,11 @@ class ZeroState:
         return reduced.to(torch.float32)
 
     def _hand_over(self, unit: FlatUnit, piece: torch.Tensor, early: bool) -> None:
+        store = self.offload.store if self.offload is not None else None
         if unit.shard.grad is None:
-            unit.shard.grad = piece
+            # With offload_params="nvme" the gradient lives in the file, not in RAM.
+            home = store.grad_home(unit.shard, piece) if store is not None else None
+            unit.shard.grad = piece if home is None else home
         elif piece._base is not None:
             # A view of this backward's full gradient (stage 1): sum into it and let the
             # previous backward's buffer go, which the old view would keep alive (a + b == b + a
@@ -276,6 +279,8 @@ class ZeroState:
             unit.shard.grad = piece.add_(unit.shard.grad)
         else:
             unit.shard.grad.add_(piece)
+        if store is not None:
+            store.landed(unit.shard.grad)  # in the file: dropped from RAM a hand-over later
         self.stats["grads_ready_early" if early else "grads_ready_at_end"] += 1
         for fn in list(self.listeners[id(unit.shard)].values()):
             fn(unit.shard)

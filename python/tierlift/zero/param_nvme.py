@@ -1,14 +1,32 @@
 """The NVMe tier of stage-3 parameter offload (shard(..., offload_params="nvme", nvme_path=...)):
-the fp32 master shards of every unit live in one file per rank, mapped MAP_SHARED, so a model
-whose shards do not fit in RAM still trains.
+the fp32 master shards of every unit, and their fp32 gradient shards, live in one file per
+rank, mapped MAP_SHARED, so a model whose shards or gradients do not fit in RAM still trains.
 
-Layout   one file `params.rank<R>.f32` in a private `tierlift-offload-*` folder under nvme_path
-         (owner.json + the stale-folder cleanup of offload/tiers.py: a killed run's folder is
-         removed by the next run); each unit's shard starts on a page boundary (2 MiB for
-         units of 2 MiB or more). The file is
-         fallocate'd up front, so a drive too small is refused at shard() with the bytes needed.
+Layout   two files, `params.rank<R>.f32` (every unit's shard) and `grads.rank<R>.f32` (every
+         unit's gradient shard, same layout), in a private `tierlift-offload-*` folder under
+         nvme_path (owner.json + the stale-folder cleanup of offload/tiers.py: a killed run's
+         folder is removed by the next run); each unit's range starts on a page boundary (2 MiB
+         for units of 2 MiB or more). Two files, not two regions of one: a fault maps
+         neighbouring page-cache pages of the same mapping (fault-around) and read-around
+         reads past a range, which across a region boundary kept gradient pages mapped after
+         a parameter range was dropped (measured). Both are fallocate'd up front, so a drive
+         too small for parameters + gradients is refused at shard() with the bytes needed.
 Views    every unit.shard Parameter is a view of the mapping (torch.frombuffer): any optimizer
          steps it in place and the kernel writes the dirty pages back to the file.
+Grads    when a unit's reduce-scatter lands and its shard has no gradient, zero/hooks.py hands
+         the piece over through grad_home(): it is written to the unit's range of the
+         gradients' file with a buffered pwrite (a write through the mapping would first read
+         every page no longer cached from the disk) and unit.shard.grad becomes a tensor over
+         that range (its own tensor, not a view of a larger one: its version counter counts
+         only its writes, which the overlapped optimizer checks). Later backwards accumulate
+         into it, as into any .grad. Optimizers, clipping and the overlapped offload optimizer
+         read p.grad as before, faulting it in. The range is dropped (unmapped, write-back
+         started, evicted) _GRAD_DROP_LAG hand-overs later, once the overlapped optimizer's
+         worker has read it, and again after the optimizer step, so no more than the units in
+         flight stay resident. zero_grad(set_to_none=True) drops the tensors: the next backward
+         assigns a fresh one over the same range, overwriting it; set_to_none=False zeroes them
+         in place (which faults every gradient page in, from the disk: RSS holds them until
+         the next hand-over drops them).
 Residency explicit, per unit range. After a gather has read a shard into the staging slot and
          after an optimizer step has written it, the range is dropped: madvise(MADV_DONTNEED)
          unmaps it from this process (safe for MAP_SHARED file pages: the data stays in the page
@@ -51,6 +69,12 @@ _PAGE = mmap.PAGESIZE
 _HUGE = 2 << 20
 _ELEM = 4  # fp32
 _WARM_CAP_UNITS = 4
+# A gradient handed over is read at once by the overlapped optimizer's worker, so it is
+# dropped this many hand-overs later, not at once. Measured on bench_zero_offload's `nvme True
+# nvme` row (2-core VM, interleaved, x of offload "none"): gradients in RAM 1.48-1.52, lag 0
+# 1.56-1.61, lag 1 1.54-1.57, lag 2/3 1.53-1.59, only after the step 1.52-1.56: all within the
+# noise but lag 0; lag 1 keeps the page cache to about one unit of gradients.
+_GRAD_DROP_LAG = 1
 
 
 def _check_dir(nvme_path) -> str:
@@ -65,14 +89,15 @@ def _check_dir(nvme_path) -> str:
     return path
 
 
-def _cleanup(fd: int, directory: str, hook, reader) -> None:
+def _cleanup(fds: list[int], directory: str, hook, reader) -> None:
     hook.remove()
     if reader is not None:
         reader.close()
-    try:
-        os.close(fd)
-    except OSError:
-        pass
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
     # Views of the mapping that outlive the model stay valid: an unlinked file keeps its pages
     # until the last mapping goes.
     shutil.rmtree(directory, ignore_errors=True)
@@ -83,8 +108,10 @@ class NvmeParamStore:
 
     alloc() hands out the units' shards in order; fetch(t) is the data a gather copies;
     staged(t) / stepped(t) drop a shard's range after it was read for a gather / written by an
-    optimizer step. Stats (the model's ZeroState stats): nvme_read_bytes (shard bytes read for
-    gathers), nvme_write_bytes (shard bytes stepped), nvme_file_bytes (the file's size),
+    optimizer step; grad_home(shard, piece) is the gradient a backward hands over, kept in the
+    file. Stats (the model's ZeroState stats): nvme_read_bytes (shard bytes read for
+    gathers), nvme_write_bytes (shard bytes stepped), nvme_grad_bytes (gradient bytes handed
+    over into the file), nvme_file_bytes (both files' size),
     nvme_direct, the training thread's seconds in the tier (nvme_read_wait_s, nvme_warm_s,
     nvme_drop_s), nvme_warm_bytes, nvme_prefetch_hits/misses, nvme_cached_reads."""
 
@@ -94,37 +121,46 @@ class NvmeParamStore:
         tiers.remove_stale_dirs(parent)
         self.offsets, nbytes = self.layout(shard_numels)
         self.numels = list(shard_numels)
-        self.nbytes = nbytes
+        self.nbytes = nbytes  # of each file (the gradients' file has the same layout)
         # Each unit's slot: from its offset up to the next unit's (padding included).
         self._slot_end = dict(zip(self.offsets, [*self.offsets[1:], nbytes], strict=True))
         self._data_bytes = {o: n * _ELEM for o, n in zip(self.offsets, self.numels, strict=True)}
         self.stats = stats if stats is not None else {}  # the model's ZeroState stats
-        self.stats.update(nvme_read_bytes=0, nvme_write_bytes=0, nvme_file_bytes=nbytes)
+        self.stats.update(nvme_read_bytes=0, nvme_write_bytes=0, nvme_grad_bytes=0,
+                          nvme_file_bytes=2 * nbytes)
         try:
             self.directory = tiers.make_state_dir(parent)
         except OSError as e:
             raise PermissionError(e.errno, f"nvme_path={parent!r}: cannot create the parameter "
                                   f"folder there: {os.strerror(e.errno or 0)}") from e
         self.path = os.path.join(self.directory, f"params.rank{rank}.f32")
-        fd = -1
+        self.grad_path = os.path.join(self.directory, f"grads.rank{rank}.f32")
+        fds: list[int] = []
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                tiers._reserve(fd, nbytes, self.path, nbytes)
-            except OSError as e:
-                raise OSError(e.errno, f"nvme_path={parent!r} has no room for the parameter "
-                              f"shards: {nbytes} bytes are needed (the fp32 shards of every "
-                              f"unit of rank {rank}); allocating {self.path!r} failed: "
-                              f"{os.strerror(e.errno or 0)}") from e
-            self._map = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED,
-                                  prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            maps = []
+            for path in (self.path, self.grad_path):
+                fds.append(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+                try:
+                    tiers._reserve(fds[-1], nbytes, path, 2 * nbytes)
+                except OSError as e:
+                    raise OSError(e.errno, f"nvme_path={parent!r} has no room for the "
+                                  f"parameter and gradient shards: {2 * nbytes} bytes are "
+                                  f"needed ({nbytes} for the fp32 shards and {nbytes} for the "
+                                  f"fp32 gradient shards of every unit of rank {rank}); "
+                                  f"allocating {path!r} failed: "
+                                  f"{os.strerror(e.errno or 0)}") from e
+                maps.append(mmap.mmap(fds[-1], nbytes, flags=mmap.MAP_SHARED,
+                                      prot=mmap.PROT_READ | mmap.PROT_WRITE))
         except BaseException:
-            if fd >= 0:
+            for fd in fds:
                 os.close(fd)
             shutil.rmtree(self.directory, ignore_errors=True)
             raise
+        fd, self._gfd = fds
+        self._map, self._gmap = maps
         self._fd = fd
         self._flat = torch.frombuffer(self._map, dtype=torch.float32)
+        self._gbase = torch.frombuffer(self._gmap, dtype=torch.uint8, count=1)  # (its address)
         self._reader = None
         err = direct_io_error(self.path)
         if err is not None:
@@ -149,6 +185,13 @@ class NvmeParamStore:
         self._per_step: dict[int, int] = {}  # offset -> gathers between its last two steps
         self._warm: list[int] = []  # offsets kept in the page cache for the step, oldest first
         self._ranges: dict[int, tuple[int, int]] = {}  # data_ptr -> (byte offset, bytes)
+        self._grad_at: dict[int, int] = {}  # shard data_ptr -> its offset in both files
+        self._grads: dict[int, tuple[int, int]] = {}  # gradient data_ptr -> (offset, bytes)
+        # A handed-over gradient is dropped (unmapped, write-back started, evicted)
+        # grad_drop_lag hand-overs later, when the overlapped optimizer has read it (0: at
+        # once; None: only after the step). See _GRAD_DROP_LAG.
+        self.grad_drop_lag: int | None = _GRAD_DROP_LAG
+        self._handed: list[tuple[int, int]] = []  # handed over, not dropped yet, oldest first
         self._next_unit = 0
         self._history: tuple = (None, None)  # the last two staged ranges
         self._follows: dict[tuple, int] = {}  # (range before, range) -> the range staged next
@@ -160,7 +203,7 @@ class NvmeParamStore:
                 store._after_step(optimizer)
 
         hook = register_optimizer_step_post_hook(after_step)
-        self._finalizer = weakref.finalize(self, _cleanup, fd, self.directory, hook,
+        self._finalizer = weakref.finalize(self, _cleanup, fds, self.directory, hook,
                                            self._reader)
 
     @staticmethod
@@ -175,8 +218,9 @@ class NvmeParamStore:
         return offsets, nbytes
 
     def close(self) -> None:
-        """Removes the folder now (the shards' views stay readable until they are freed; the
-        page cache is no longer advised, so call it when training is over)."""
+        """Removes the folder now (the shards' and gradients' views stay readable until they
+        are freed; the page cache is no longer advised, and later backwards keep gradients in
+        RAM, so call it when training is over)."""
         self._finalizer()
         self._fd = -1
 
@@ -192,8 +236,49 @@ class NvmeParamStore:
         view = self._flat[lo:lo + shard.numel()]
         view.copy_(shard.detach())
         self._ranges[view.data_ptr()] = (self.offsets[i], shard.numel() * _ELEM)
+        self._grad_at[view.data_ptr()] = self.offsets[i]
         self._drop(self.offsets[i], shard.numel() * _ELEM)
         return view
+
+    def grad_home(self, shard: torch.Tensor, piece: torch.Tensor) -> torch.Tensor | None:
+        """The gradient to assign to `shard` (which has none): a view of its range in the
+        gradients' file holding a copy of `piece`; None if `shard` is not one of this store's."""
+        if self._fd < 0 or shard.device.type != "cpu" or shard.numel() == 0:
+            return None
+        off = self._grad_at.get(shard.data_ptr())
+        if off is None:
+            return None
+        # A tensor of its own over the range, not a view of self._flat: its version counter
+        # then counts writes to this gradient only (the overlapped optimizer checks it).
+        view = torch.frombuffer(self._gmap, dtype=torch.float32, count=shard.numel(),
+                                offset=off)  # (shards are flat)
+        # Through the page cache, not the mapping: a write fault on a page no longer cached
+        # reads it from the disk first; a buffered pwrite of whole pages reads nothing, and
+        # maps nothing into this process.
+        data = piece.detach().to(torch.float32).contiguous().view(-1).view(torch.uint8)
+        buf, done = memoryview(data.numpy()), 0
+        while done < len(buf):
+            done += os.pwrite(self._gfd, buf[done:], off + done)
+        self._grads[view.data_ptr()] = (off, shard.numel() * _ELEM)
+        self.stats["nvme_grad_bytes"] += shard.numel() * _ELEM
+        return view
+
+    def landed(self, grad: torch.Tensor) -> None:
+        """A backward handed `grad` over (assigned or accumulated): drop it from RAM
+        grad_drop_lag hand-overs later."""
+        lag = self.grad_drop_lag
+        r = self._grads.get(grad.data_ptr()) if self._fd >= 0 else None
+        if r is None or lag is None:
+            return
+        if r not in self._handed:  # (a second backward accumulating into it)
+            self._handed.append(r)
+        while len(self._handed) > lag:
+            self._drop(*self._handed.pop(0), grads=True)
+
+    def _drop_grad(self, grad: torch.Tensor) -> None:
+        r = self._grads.get(grad.data_ptr()) if self._fd >= 0 else None
+        if r is not None:
+            self._drop(*r, grads=True)
 
     def _range(self, t: torch.Tensor):
         if self._fd < 0:  # closed: residency is no longer managed (the fd number may be reused)
@@ -265,6 +350,8 @@ class NvmeParamStore:
             for p in group["params"]:
                 if p.grad is not None:  # (an optimizer skips a parameter without gradient)
                     self.stepped(p, wrote)
+                    self._drop_grad(p.grad)  # read by the step: nothing needs it in RAM now
+        self._handed.clear()
         if self._reader is not None and self._fd >= 0:
             self._read_ahead()  # the first gather of the next forward, now that it is written
 
@@ -283,21 +370,23 @@ class NvmeParamStore:
             old = self._warm.pop(0)
             self._drop(old, self._data_bytes[old])
 
-    def _drop(self, offset: int, nbytes: int) -> None:
-        """Drops the unit's whole slot, up to the next unit: a fault near the end of the data
-        may have mapped padding pages of the same folio too."""
+    def _drop(self, offset: int, nbytes: int, grads: bool = False) -> None:
+        """Drops the unit's whole slot (of the gradients' file if `grads`), up to the next
+        unit: a fault near the end of the data may have mapped padding pages of the same folio
+        too."""
         if nbytes == 0:
             return  # (a zero length would advise the whole rest of the file)
         t0 = time.perf_counter()
         end = self._slot_end[offset]
-        self._map.madvise(mmap.MADV_DONTNEED, offset, end - offset)
-        os.posix_fadvise(self._fd, offset, end - offset, os.POSIX_FADV_DONTNEED)
+        (self._gmap if grads else self._map).madvise(mmap.MADV_DONTNEED, offset, end - offset)
+        os.posix_fadvise(self._gfd if grads else self._fd, offset, end - offset,
+                         os.POSIX_FADV_DONTNEED)
         self.stats["nvme_drop_s"] += time.perf_counter() - t0
 
-    def resident_bytes(self) -> int:
-        """Bytes of the file that this process has mapped in right now (from /proc/self/smaps
-        of this mapping), for tests and diagnostics."""
-        start = self._flat.data_ptr()
+    def resident_bytes(self, grads: bool = False) -> int:
+        """Bytes of the parameters' (gradients' if `grads`) file that this process has mapped
+        in right now (from /proc/self/smaps of that mapping), for tests and diagnostics."""
+        start = (self._gbase if grads else self._flat).data_ptr()
         with open("/proc/self/smaps") as f:
             inside = False
             for line in f:
