@@ -3,8 +3,9 @@ NVMe. The optimizer keeps torch's param groups and its per-parameter "step" coun
 owns master weights, exp_avg, exp_avg_sq (and max_exp_avg_sq) in flat per-group tiers and runs
 the fused SIMD CPU Adam chunk by chunk.
 
-NVMe pipeline, per param group (three pool slots, each holding one chunk of every state kind):
-read chunk k+1 while stepping chunk k, while chunk k-1 is written back. All buffers come from the
+NVMe pipeline, per param group (S pool slots, 6 by default, each holding one chunk of every
+state kind): chunks k+1 .. k+S-2 are read while chunk k is stepped and the chunks before it are
+written back; the first S-1 reads start before the gradient check. All buffers come from the
 io engine's pool of `cpu_budget` bytes, allocated once, so the host memory the optimizer holds
 never exceeds the budget. A step is all-or-nothing: non-finite gradients skip it before anything
 changes, and an I/O failure puts the parameters back from the committed master weights.
@@ -479,7 +480,7 @@ class Offloader:
             for i, chunk in enumerate(chunks):
                 read_ahead(i + n_slots - 1)  # chunks i .. i+S-2
                 bufs = self._slots[i % n_slots]
-                # waits for the reads and the CRC-32C check (run in the background)
+                # waits for the reads, then checks their CRC-32C on this thread
                 wait_all(reads.pop(i), "nvme_read_wait_s")
                 nbytes = len(kinds) * 4 * (used[chunk.ci] if used else self.chunk_elems)
                 stats["nvme_read_bytes"] += nbytes
