@@ -8,14 +8,12 @@ scales), training close. Bytes gathered are counted by the Comm."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 from torch import nn
+from zero_model import run_torchrun
 
 import tierlift
 from tierlift.lowp.linear import GatheredFloat8Weight, float8_linear
@@ -296,17 +294,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_torchrun_two_ranks(tmp_path):
-    tests = os.path.dirname(os.path.abspath(__file__))
-    script, out = tmp_path / "run.py", tmp_path / "results.pt"
-    script.write_text(SCRIPT.format(tests=tests, out=str(out)))
-    env = dict(os.environ, OMP_NUM_THREADS="1", TIERLIFT_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([os.path.join(tests, "..", "..", "python"),
-                                           os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc_per_node=2", str(script)], env=env, capture_output=True,
-                          text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = torch.load(out, weights_only=False)
+    res = run_torchrun(SCRIPT, tmp_path, timeout=180)
     # Some FP8 weight has a row that straddles the two ranks' shards.
     assert res["fp8-rowwise", True]["split"], res["fp8-rowwise", True]["split"]
     t0, t1 = res["fp8-tensorwise", False], res["fp8-tensorwise", True]

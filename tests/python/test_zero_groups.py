@@ -5,14 +5,11 @@ sizes, full state dicts, bad key functions, and the default left bit for bit as 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
-from zero_model import batches, make_model, train
+from zero_model import batches, make_model, run_torchrun, train
 
 import tierlift
 
@@ -220,7 +217,7 @@ SCRIPT = textwrap.dedent("""
     sd = tierlift.zero.full_state_dict(model)
     out["loaded_ok"] = torch.tensor(all(torch.equal(sd[k], v) for k, v in donor.items()))
     if rank == 0:
-        torch.save(out, {out_path!r})
+        torch.save(out, {out!r})
     dist.destroy_process_group()
     os._exit(0)
 """)
@@ -234,21 +231,13 @@ def _fresh(stage):
 @pytest.fixture(scope="module")
 def torchrun2(tmp_path_factory):
     root = tmp_path_factory.mktemp("groups")
-    ckpt1, ckpt2, out = str(root / "ck1"), str(root / "ck2"), str(root / "out.pt")
+    ckpt1, ckpt2 = str(root / "ck1"), str(root / "ck2")
     torch.set_num_threads(1)
     model, opt = _fresh(stage=3)
     train(model, opt, DATA[:3], accum=1, clip=1.0, zero=True)
     tierlift.checkpoint.save(ckpt1, model, opt)
     after_1 = train(model, opt, DATA[3:], accum=1, clip=1.0, zero=True)
-    tests = os.path.dirname(os.path.abspath(__file__))
-    script = root / "train.py"
-    script.write_text(SCRIPT.format(tests=tests, ckpt1=ckpt1, ckpt2=ckpt2, out_path=out))
-    env = dict(os.environ, OMP_NUM_THREADS="1", TIERLIFT_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc_per_node=2", str(script)], env=env, capture_output=True,
-                          text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = torch.load(out, weights_only=True)
+    result = run_torchrun(SCRIPT, root, timeout=180, weights_only=True, ckpt1=ckpt1, ckpt2=ckpt2)
     return dict(result, after_1=after_1, ckpt2=ckpt2)
 
 

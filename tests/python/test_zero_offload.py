@@ -9,15 +9,13 @@ stepped during backward and kept, none redone (unless clipping scales the gradie
 from __future__ import annotations
 
 import contextlib
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from zero_model import run_torchrun
 
 import tierlift
 
@@ -344,17 +342,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_torchrun_two_ranks(tmp_path):
-    tests = os.path.dirname(os.path.abspath(__file__))
-    script, out = tmp_path / "run.py", tmp_path / "out.pt"
-    script.write_text(SCRIPT.format(tests=tests, tmp=str(tmp_path), out=str(out)))
-    env = dict(os.environ, OMP_NUM_THREADS="1", TIERLIFT_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([os.path.join(tests, "..", "..", "python"),
-                                           os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc_per_node=2", str(script)], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = torch.load(out, weights_only=False)
+    results = run_torchrun(SCRIPT, tmp_path, tmp=str(tmp_path))
     torch.set_num_threads(1)
     refs = {}
     for i, (_, _, clip, _) in enumerate(CONFIGS):

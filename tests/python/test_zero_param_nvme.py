@@ -34,6 +34,7 @@ from test_zero_offload import (
     run_plain,
     run_torch,
 )
+from zero_model import run_torchrun
 
 import tierlift
 from tierlift.offload import tiers
@@ -491,16 +492,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_torchrun_two_ranks(tmp_path):
-    script, out = tmp_path / "run.py", tmp_path / "out.pt"
-    script.write_text(SCRIPT.format(tests=TESTS, tmp=str(tmp_path), out=str(out), clip=CLIP))
-    env = dict(os.environ, OMP_NUM_THREADS="1", TIERLIFT_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([os.path.join(TESTS, "..", "..", "python"),
-                                           os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc_per_node=2", str(script)], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = torch.load(out, weights_only=False)
+    results = run_torchrun(SCRIPT, tmp_path, tmp=str(tmp_path), clip=CLIP)
     for key in ("torch", "tierlift"):
         sd, ref = results[key]
         assert_same(sd, ref)

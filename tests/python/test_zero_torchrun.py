@@ -3,9 +3,6 @@ launch it: 2 ranks, stage 3, clipping, a checkpoint, and the losses of a 1-rank 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import torch
@@ -31,20 +28,12 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_torchrun_two_ranks(tmp_path):
-    from zero_model import batches, make_model, train
+    from zero_model import batches, make_model, run_torchrun, train
 
     import tierlift
 
-    tests = os.path.dirname(os.path.abspath(__file__))
-    script = tmp_path / "train.py"
-    out, ckpt = tmp_path / "losses.pt", tmp_path / "ckpt"
-    script.write_text(SCRIPT.format(tests=tests, ckpt=str(ckpt), out=str(out)))
-    env = dict(os.environ, OMP_NUM_THREADS="1", TIERLIFT_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc_per_node=2", str(script)], env=env, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    losses = torch.load(out, weights_only=True)
+    ckpt = tmp_path / "ckpt"
+    losses = run_torchrun(SCRIPT, tmp_path, timeout=120, weights_only=True, ckpt=str(ckpt))
     torch.set_num_threads(1)
     ref_model = make_model()
     ref = train(ref_model, tierlift.optim.AdamW(ref_model.parameters(), lr=3e-3),

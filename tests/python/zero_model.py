@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import subprocess
+import sys
 
 import torch
 import torch.distributed as dist
@@ -131,3 +133,21 @@ def shutdown() -> None:
     torch 2.15). Results are written before this is called."""
     dist.destroy_process_group()
     os._exit(0)
+
+
+def run_torchrun(script: str, root, *, timeout: int = 300, weights_only: bool = False, **fields):
+    """Runs `script` on 2 gloo ranks under `python -m torch.distributed.run`, formatted with
+    `tests` (this folder), `out` (a file under `root`) and `fields`; returns what rank 0 saved
+    to `out` with torch.save."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    path, out = os.path.join(root, "torchrun_script.py"), os.path.join(root, "torchrun_out.pt")
+    with open(path, "w") as f:
+        f.write(script.format(tests=tests, out=out, **fields))
+    env = dict(os.environ, OMP_NUM_THREADS="1", TIERLIFT_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([os.path.join(tests, "..", "..", "python"),
+                                           os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node=2", path], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(out, weights_only=weights_only)
