@@ -265,14 +265,9 @@ def test_errors():
 
 
 SCRIPT = textwrap.dedent("""
-    import os, sys, torch, torch.distributed as dist
-    sys.path.insert(0, {tests!r})
     from test_zero_fp8 import RECIPES, make, train
     import tierlift
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    results = {{}}
+    out = {{}}
     for recipe in RECIPES:
         for fp8 in (False, True):
             model = make(recipe, fp8)
@@ -284,12 +279,8 @@ SCRIPT = textwrap.dedent("""
             losses, first = train(model, rank=rank, world=world)
             sent = model._tierlift_zero.comm.all_gather_bytes
             sd = tierlift.zero.full_state_dict(model)
-            results[recipe, fp8] = dict(losses=losses, first=first, sd=sd, bytes=sent,
-                                        split=split)
-    if rank == 0:
-        torch.save(results, {out!r})
-    dist.destroy_process_group()
-    os._exit(0)
+            out[recipe, fp8] = dict(losses=losses, first=first, sd=sd, bytes=sent,
+                                    split=split)
 """)
 
 

@@ -8,22 +8,14 @@ import textwrap
 import torch
 
 SCRIPT = textwrap.dedent("""
-    import os, sys, torch, torch.distributed as dist
-    sys.path.insert(0, {tests!r})
     import tierlift
     from zero_model import batches, make_model, train
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
-    rank, world = dist.get_rank(), dist.get_world_size()
     model = tierlift.zero.shard(make_model(), stage=3)
     opt = tierlift.optim.AdamW(model.parameters(), lr=3e-3)
     losses = train(model, opt, batches(4, 8), accum=2, clip=0.5, world=world, rank=rank,
                    zero=True)
     tierlift.checkpoint.save({ckpt!r}, model, opt)
-    if rank == 0:
-        torch.save(torch.tensor(losses), {out!r})
-    dist.destroy_process_group()
-    os._exit(0)
+    out = torch.tensor(losses)
 """)
 
 

@@ -135,12 +135,30 @@ def shutdown() -> None:
     os._exit(0)
 
 
-def run_torchrun(script: str, root, *, timeout: int = 300, weights_only: bool = False, **fields):
-    """Runs `script` on 2 gloo ranks under `python -m torch.distributed.run`, formatted with
-    `tests` (this folder), `out` (a file under `root`) and `fields`; returns what rank 0 saved
-    to `out` with torch.save."""
+_TORCHRUN_PRELUDE = """\
+import os, sys, tempfile, torch, torch.distributed as dist
+sys.path.insert(0, {tests!r})
+dist.init_process_group("gloo")
+torch.set_num_threads(1)
+rank, world = dist.get_rank(), dist.get_world_size()
+"""
+_TORCHRUN_EPILOGUE = """
+if rank == 0:
+    torch.save(out, {out!r})
+dist.destroy_process_group()
+os._exit(0)  # torch 2.15's gloo can abort at interpreter exit
+"""
+
+
+def run_torchrun(body: str, root, *, timeout: int = 300, weights_only: bool = False,
+                 **fields):
+    """Runs `body` on 2 gloo ranks under `python -m torch.distributed.run` and returns the
+    `out` it leaves on rank 0. The body runs after the process group is up, with `rank`,
+    `world` and the tests folder on sys.path, and is formatted with `fields` (so literal braces
+    are doubled)."""
     tests = os.path.dirname(os.path.abspath(__file__))
     path, out = os.path.join(root, "torchrun_script.py"), os.path.join(root, "torchrun_out.pt")
+    script = _TORCHRUN_PRELUDE + body + _TORCHRUN_EPILOGUE
     with open(path, "w") as f:
         f.write(script.format(tests=tests, out=out, **fields))
     env = dict(os.environ, OMP_NUM_THREADS="1", TIERLIFT_NUM_THREADS="1",
