@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up a fresh machine (scripts/setup.sh), then runs every test: lint, GoogleTest (plain and
-# under AddressSanitizer + UBSan) and pytest. This is what CI runs (.ci/run).
+# under AddressSanitizer + UBSan; the C++ core, and every CUDA kernel in the CPU simulator) and
+# pytest. This is what CI runs (.ci/run).
 #
 #   bash scripts/test.sh
 set -euo pipefail
@@ -18,11 +19,16 @@ echo "== GoogleTest"
 cmake -S . -B build/cmake -G Ninja -DTIERLIFT_BENCHMARKS=ON >/dev/null
 cmake --build build/cmake -j "$jobs"
 ./build/cmake/tierlift_tests --gtest_brief=1
+echo "== CUDA kernels in the CPU simulator (csrc/cudasim)"
+./build/cmake/tierlift_cudasim_tests --gtest_brief=1
 
 echo "== GoogleTest under AddressSanitizer + UndefinedBehaviorSanitizer"
 cmake -S . -B build/asan -G Ninja -DTIERLIFT_SANITIZE=ON >/dev/null
 cmake --build build/asan -j "$jobs"
-ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ./build/asan/tierlift_tests --gtest_brief=1
+export ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1
+./build/asan/tierlift_tests --gtest_brief=1
+./build/asan/tierlift_cudasim_tests --gtest_brief=1
+unset ASAN_OPTIONS UBSAN_OPTIONS
 
 echo "== pytest ($(( $(date +%s) - start )) s so far)"
 $PY -m pytest -q -ra tests/python "$@"

@@ -1,6 +1,7 @@
 #include <cuda_fp16.h>
 
 #include "cuda/adam.cuh"
+#include "cuda/launch.cuh"
 
 namespace tierlift {
 namespace cuda {
@@ -87,7 +88,7 @@ cudaError_t run(const AdamTensorPtrs* tensors, int count, const AdamScalars& s,
       ++nb;
       const bool last_chunk = c == chunks - 1;
       if (nb == kMaxBlocks || (last_chunk && nt + 1 == kMaxTensors)) {
-        adam_kernel<kGrad, kCopy><<<nb, kThreads, 0, stream>>>(pack, s);
+        TIERLIFT_LAUNCH(nb, kThreads, 0, stream, adam_kernel<kGrad, kCopy>)(pack, s);
         if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
         nb = 0;
         // A tensor split across launches starts the next pack at slot 0.
@@ -102,7 +103,7 @@ cudaError_t run(const AdamTensorPtrs* tensors, int count, const AdamScalars& s,
     ++nt;
   }
   if (nb > 0) {
-    adam_kernel<kGrad, kCopy><<<nb, kThreads, 0, stream>>>(pack, s);
+    TIERLIFT_LAUNCH(nb, kThreads, 0, stream, adam_kernel<kGrad, kCopy>)(pack, s);
     return cudaGetLastError();
   }
   return cudaSuccess;

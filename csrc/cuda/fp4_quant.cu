@@ -3,6 +3,7 @@
 #include <cstdint>
 
 #include "cuda/fp4_quant.cuh"
+#include "cuda/launch.cuh"
 
 namespace tierlift {
 namespace cuda {
@@ -146,14 +147,14 @@ cudaError_t launch(const Fp4QuantArgs& a, cudaStream_t stream) {
   if (total == 0) return cudaSuccess;  // the caller filled tensor_scale
   const unsigned blocks = static_cast<unsigned>((total + kThreads - 1) / kThreads);
   if (a.rule != fp4::ScaleRule::kNv) {
-    mx_kernel<kT><<<blocks, kThreads, 0, stream>>>(a);
+    TIERLIFT_LAUNCH(blocks, kThreads, 0, stream, mx_kernel<kT>)(a);
     return cudaGetLastError();
   }
   cudaError_t err = cudaMemsetAsync(a.workspace + (total >> 4), 0, sizeof(float), stream);
   if (err != cudaSuccess) return err;
-  nv_amax_kernel<kT><<<blocks, kThreads, 0, stream>>>(a);
+  TIERLIFT_LAUNCH(blocks, kThreads, 0, stream, nv_amax_kernel<kT>)(a);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  nv_encode_kernel<kT><<<blocks, kThreads, 0, stream>>>(a);
+  TIERLIFT_LAUNCH(blocks, kThreads, 0, stream, nv_encode_kernel<kT>)(a);
   return cudaGetLastError();
 }
 

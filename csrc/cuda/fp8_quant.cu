@@ -3,6 +3,7 @@
 #include <cstdint>
 
 #include "cuda/fp8_quant.cuh"
+#include "cuda/launch.cuh"
 
 namespace tierlift {
 namespace cuda {
@@ -321,13 +322,16 @@ cudaError_t amax_to_scales(float* s, int64_t n, Fp8Format fmt, bool pow2, bool z
       return e;
     }
   }
-  amax_to_scale_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(s, n, fmt, pow2);
+  TIERLIFT_LAUNCH(static_cast<unsigned>((n + 255) / 256), 256, 0, stream, amax_to_scale_kernel)
+  (s, n, fmt, pow2);
   return cudaGetLastError();
 }
 
 template <DType kT>
 cudaError_t run(const Fp8QuantArgs& a, cudaStream_t stream) {
-  const bool dual = a.qt != nullptr;
+  // scales_t too: for an empty input qt may be null (an empty tensor's data_ptr()) while
+  // scales_t still has safe scales to receive.
+  const bool dual = a.qt != nullptr || a.scales_t != nullptr;
   const Fp8Blocks b = fp8_blocks(a.scaling, a.rows, a.cols);
   if (a.rows * a.cols == 0) {  // no elements: every scale is the safe scale of amax 0
     cudaError_t e =
@@ -349,20 +353,20 @@ cudaError_t run(const Fp8QuantArgs& a, cudaStream_t stream) {
       const int64_t warps = a.rows * b.grid_cols;
       const unsigned blocks = static_cast<unsigned>((warps * 32 + 255) / 256);
       if (vec) {
-        block1x128_kernel<kT, true><<<blocks, 256, 0, stream>>>(a.x, a.rows, a.cols, a.row_stride,
-                                                                a.fmt, a.pow2_scale, a.q, a.scales);
+        TIERLIFT_LAUNCH(blocks, 256, 0, stream, block1x128_kernel<kT, true>)
+        (a.x, a.rows, a.cols, a.row_stride, a.fmt, a.pow2_scale, a.q, a.scales);
       } else {
-        block1x128_kernel<kT, false><<<blocks, 256, 0, stream>>>(
-            a.x, a.rows, a.cols, a.row_stride, a.fmt, a.pow2_scale, a.q, a.scales);
+        TIERLIFT_LAUNCH(blocks, 256, 0, stream, block1x128_kernel<kT, false>)
+        (a.x, a.rows, a.cols, a.row_stride, a.fmt, a.pow2_scale, a.q, a.scales);
       }
     } else {
       const unsigned blocks = static_cast<unsigned>(a.rows);
       if (vec) {
-        row_kernel<kT, true><<<blocks, kRowThreads, 0, stream>>>(a.x, a.cols, a.row_stride, a.fmt,
-                                                                 a.pow2_scale, a.q, a.scales);
+        TIERLIFT_LAUNCH(blocks, kRowThreads, 0, stream, row_kernel<kT, true>)
+        (a.x, a.cols, a.row_stride, a.fmt, a.pow2_scale, a.q, a.scales);
       } else {
-        row_kernel<kT, false><<<blocks, kRowThreads, 0, stream>>>(a.x, a.cols, a.row_stride, a.fmt,
-                                                                  a.pow2_scale, a.q, a.scales);
+        TIERLIFT_LAUNCH(blocks, kRowThreads, 0, stream, row_kernel<kT, false>)
+        (a.x, a.cols, a.row_stride, a.fmt, a.pow2_scale, a.q, a.scales);
       }
     }
     return cudaGetLastError();
@@ -385,8 +389,8 @@ cudaError_t run(const Fp8QuantArgs& a, cudaStream_t stream) {
   const dim3 tiles(static_cast<unsigned>((a.rows + kTile - 1) / kTile),
                    static_cast<unsigned>((a.cols + kTile - 1) / kTile));
   if (tiles.y > 65535u) return cudaErrorInvalidConfiguration;  // > 2M columns
-  amax_tiles_kernel<kT>
-      <<<tiles, block, 0, stream>>>(a.x, a.rows, a.cols, a.row_stride, a.col_stride, g, gt, dual);
+  TIERLIFT_LAUNCH(tiles, block, 0, stream, amax_tiles_kernel<kT>)
+  (a.x, a.rows, a.cols, a.row_stride, a.col_stride, g, gt, dual);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   if (cudaError_t e = amax_to_scales(a.scales, n, a.fmt, a.pow2_scale, false, stream);
       e != cudaSuccess) {
@@ -398,8 +402,8 @@ cudaError_t run(const Fp8QuantArgs& a, cudaStream_t stream) {
       return e;
     }
   }
-  cast_tiles_kernel<kT><<<tiles, block, 0, stream>>>(a.x, a.rows, a.cols, a.row_stride,
-                                                     a.col_stride, a.fmt, g, a.q, gt, a.qt);
+  TIERLIFT_LAUNCH(tiles, block, 0, stream, cast_tiles_kernel<kT>)
+  (a.x, a.rows, a.cols, a.row_stride, a.col_stride, a.fmt, g, a.q, gt, a.qt);
   return cudaGetLastError();
 }
 

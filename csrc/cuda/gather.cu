@@ -1,4 +1,5 @@
 #include "cuda/gather.cuh"
+#include "cuda/launch.cuh"
 
 namespace tierlift {
 namespace cuda {
@@ -138,11 +139,11 @@ cudaError_t gather_rows(const GatherArgs& a, cudaStream_t stream) {
   const int64_t needed = (a.count + groups_per_block - 1) / groups_per_block;
   const int blocks = static_cast<int>(needed < int64_t{sms} * 16 ? needed : int64_t{sms} * 16);
   if (a.index_is_int64) {
-    gather_kernel<int64_t>
-        <<<blocks, kThreads, 0, stream>>>(a, static_cast<const int64_t*>(a.index), warps);
+    TIERLIFT_LAUNCH(blocks, kThreads, 0, stream, gather_kernel<int64_t>)
+    (a, static_cast<const int64_t*>(a.index), warps);
   } else {
-    gather_kernel<int32_t>
-        <<<blocks, kThreads, 0, stream>>>(a, static_cast<const int32_t*>(a.index), warps);
+    TIERLIFT_LAUNCH(blocks, kThreads, 0, stream, gather_kernel<int32_t>)
+    (a, static_cast<const int32_t*>(a.index), warps);
   }
   return cudaGetLastError();
 }

@@ -1,0 +1,61 @@
+// Device atomics on the host. Blocks of a launch may run on several OS threads at once, so these
+// are real atomic read-modify-writes (compare-and-swap loops where the CPU has no direct form);
+// inside a block the fibers never interleave within one call.
+#pragma once
+
+#include <cstdint>
+
+#include "cudasim/intrinsics.h"
+
+namespace cudasim {
+
+template <typename T, typename F>
+inline T atomic_update(T* addr, F f) {
+  T old = __atomic_load_n(addr, __ATOMIC_RELAXED);
+  while (!__atomic_compare_exchange_n(addr, &old, f(old), false, __ATOMIC_SEQ_CST,
+                                      __ATOMIC_RELAXED)) {
+  }
+  return old;
+}
+
+template <typename T>
+inline T atomic_float_update(T* addr, T v) {  // float/double add through their bit patterns
+  using U = std::conditional_t<sizeof(T) == 4, uint32_t, uint64_t>;
+  const U old = atomic_update(reinterpret_cast<U*>(addr),
+                              [v](U bits) { return bit_cast<U>(bit_cast<T>(bits) + v); });
+  return bit_cast<T>(old);
+}
+
+}  // namespace cudasim
+
+#define CUDASIM_INTEGER_ATOMICS(T)                                                       \
+  inline T atomicAdd(T* a, T v) { return __atomic_fetch_add(a, v, __ATOMIC_SEQ_CST); }   \
+  inline T atomicSub(T* a, T v) { return __atomic_fetch_sub(a, v, __ATOMIC_SEQ_CST); }   \
+  inline T atomicAnd(T* a, T v) { return __atomic_fetch_and(a, v, __ATOMIC_SEQ_CST); }   \
+  inline T atomicOr(T* a, T v) { return __atomic_fetch_or(a, v, __ATOMIC_SEQ_CST); }     \
+  inline T atomicXor(T* a, T v) { return __atomic_fetch_xor(a, v, __ATOMIC_SEQ_CST); }   \
+  inline T atomicExch(T* a, T v) { return __atomic_exchange_n(a, v, __ATOMIC_SEQ_CST); } \
+  inline T atomicMax(T* a, T v) {                                                        \
+    return ::cudasim::atomic_update(a, [v](T o) { return o < v ? v : o; });              \
+  }                                                                                      \
+  inline T atomicMin(T* a, T v) {                                                        \
+    return ::cudasim::atomic_update(a, [v](T o) { return v < o ? v : o; });              \
+  }                                                                                      \
+  inline T atomicCAS(T* a, T expected, T desired) {                                      \
+    __atomic_compare_exchange_n(a, &expected, desired, false, __ATOMIC_SEQ_CST,          \
+                                __ATOMIC_SEQ_CST);                                       \
+    return expected;                                                                     \
+  }
+
+CUDASIM_INTEGER_ATOMICS(int)
+CUDASIM_INTEGER_ATOMICS(unsigned int)
+CUDASIM_INTEGER_ATOMICS(long long)
+CUDASIM_INTEGER_ATOMICS(unsigned long long)
+#undef CUDASIM_INTEGER_ATOMICS
+
+inline float atomicAdd(float* a, float v) { return cudasim::atomic_float_update(a, v); }
+inline double atomicAdd(double* a, double v) { return cudasim::atomic_float_update(a, v); }
+inline float atomicExch(float* a, float v) {
+  return cudasim::bit_cast<float>(
+      atomicExch(reinterpret_cast<unsigned int*>(a), cudasim::bit_cast<unsigned int>(v)));
+}

@@ -1,0 +1,104 @@
+#include "cudasim/fiber.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+
+#if defined(__SANITIZE_ADDRESS__)
+#define CUDASIM_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define CUDASIM_ASAN 1
+#endif
+#endif
+
+#ifdef CUDASIM_ASAN
+#include <sanitizer/asan_interface.h>
+#include <sanitizer/common_interface_defs.h>
+#endif
+
+namespace cudasim {
+namespace {
+
+size_t page_size() {
+  static const size_t size = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  return size;
+}
+
+[[noreturn]] void die(const char* what) {
+  std::perror(what);
+  std::abort();
+}
+
+}  // namespace
+
+Fiber::Fiber() {
+  const size_t total = kStackBytes + page_size();
+  void* m = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                 -1, 0);
+  if (m == MAP_FAILED) die("cudasim: mmap of a fiber stack");
+  mapping_ = static_cast<char*>(m);
+  if (mprotect(mapping_, page_size(), PROT_NONE) != 0) die("cudasim: stack guard page");
+}
+
+Fiber::~Fiber() { munmap(mapping_, kStackBytes + page_size()); }
+
+void Fiber::start(Entry entry, void* arg) {
+  entry_ = entry;
+  arg_ = arg;
+  finished_ = false;
+  char* stack = mapping_ + page_size();
+#ifdef CUDASIM_ASAN
+  // A fiber abandoned mid-kernel (after a reported error) left its frames' redzones poisoned.
+  __asan_unpoison_memory_region(stack, kStackBytes);
+#endif
+  if (getcontext(&context_) != 0) die("cudasim: getcontext");
+  context_.uc_stack.ss_sp = stack;
+  context_.uc_stack.ss_size = kStackBytes;
+  context_.uc_link = nullptr;
+  const auto p = reinterpret_cast<uintptr_t>(this);
+  makecontext(&context_, reinterpret_cast<void (*)()>(&Fiber::trampoline), 2,
+              static_cast<unsigned>(p >> 32), static_cast<unsigned>(p & 0xffffffffu));
+}
+
+bool Fiber::resume() {
+#ifdef CUDASIM_ASAN
+  void* fake = nullptr;
+  __sanitizer_start_switch_fiber(&fake, mapping_ + page_size(), kStackBytes);
+#endif
+  if (swapcontext(&caller_, &context_) != 0) die("cudasim: swapcontext");
+#ifdef CUDASIM_ASAN
+  __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#endif
+  return finished_;
+}
+
+void Fiber::switch_out(bool for_good) {
+#ifdef CUDASIM_ASAN
+  __sanitizer_start_switch_fiber(for_good ? nullptr : &fake_stack_, caller_bottom_, caller_size_);
+#else
+  (void)for_good;
+#endif
+  if (swapcontext(&context_, &caller_) != 0) die("cudasim: swapcontext");
+#ifdef CUDASIM_ASAN
+  __sanitizer_finish_switch_fiber(fake_stack_, &caller_bottom_, &caller_size_);
+#endif
+}
+
+void Fiber::yield() { switch_out(false); }
+
+void Fiber::trampoline(unsigned hi, unsigned lo) {
+  auto* self = reinterpret_cast<Fiber*>((static_cast<uintptr_t>(hi) << 32) | lo);
+#ifdef CUDASIM_ASAN
+  __sanitizer_finish_switch_fiber(nullptr, &self->caller_bottom_, &self->caller_size_);
+#endif
+  self->entry_(self->arg_);
+  self->finished_ = true;
+  self->switch_out(true);
+  std::abort();  // a finished fiber is never resumed
+}
+
+}  // namespace cudasim

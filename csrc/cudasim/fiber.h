@@ -1,0 +1,46 @@
+// A cooperative fiber on its own mmap'd stack (with a guard page below it), switched with
+// ucontext. The simulator runs every GPU thread of a block as one: resume() runs it until it
+// calls yield() (at a barrier or a warp collective) or returns. Switches are annotated for
+// AddressSanitizer, so ASan follows the stacks and reports errors inside kernels normally.
+#pragma once
+
+#include <ucontext.h>
+
+#include <cstddef>
+
+namespace cudasim {
+
+class Fiber {
+ public:
+  using Entry = void (*)(void* arg);
+
+  Fiber();
+  ~Fiber();
+  Fiber(const Fiber&) = delete;
+  Fiber& operator=(const Fiber&) = delete;
+
+  // Prepares the fiber to run entry(arg) from the top of its stack on the next resume().
+  void start(Entry entry, void* arg);
+  // Runs the fiber until it yields or its entry returns; returns true if it has returned.
+  bool resume();
+  // Called on the fiber: back to whoever resumed it.
+  void yield();
+  bool finished() const { return finished_; }
+
+ private:
+  static void trampoline(unsigned hi, unsigned lo);
+  void switch_out(bool for_good);
+
+  static constexpr size_t kStackBytes = 256 << 10;
+  char* mapping_ = nullptr;  // guard page + stack
+  ucontext_t context_{};
+  ucontext_t caller_{};
+  Entry entry_ = nullptr;
+  void* arg_ = nullptr;
+  bool finished_ = true;
+  void* fake_stack_ = nullptr;  // ASan's fake stack of this fiber while it is switched out
+  const void* caller_bottom_ = nullptr;
+  size_t caller_size_ = 0;
+};
+
+}  // namespace cudasim
