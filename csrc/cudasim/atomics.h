@@ -12,8 +12,8 @@ namespace cudasim {
 template <typename T, typename F>
 inline T atomic_update(T* addr, F f) {
   T old = __atomic_load_n(addr, __ATOMIC_RELAXED);
-  while (!__atomic_compare_exchange_n(addr, &old, f(old), false, __ATOMIC_SEQ_CST,
-                                      __ATOMIC_RELAXED)) {
+  while (
+      !__atomic_compare_exchange_n(addr, &old, f(old), false, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED)) {
   }
   return old;
 }
@@ -28,23 +28,22 @@ inline T atomic_float_update(T* addr, T v) {  // float/double add through their 
 
 }  // namespace cudasim
 
-#define CUDASIM_INTEGER_ATOMICS(T)                                                       \
-  inline T atomicAdd(T* a, T v) { return __atomic_fetch_add(a, v, __ATOMIC_SEQ_CST); }   \
-  inline T atomicSub(T* a, T v) { return __atomic_fetch_sub(a, v, __ATOMIC_SEQ_CST); }   \
-  inline T atomicAnd(T* a, T v) { return __atomic_fetch_and(a, v, __ATOMIC_SEQ_CST); }   \
-  inline T atomicOr(T* a, T v) { return __atomic_fetch_or(a, v, __ATOMIC_SEQ_CST); }     \
-  inline T atomicXor(T* a, T v) { return __atomic_fetch_xor(a, v, __ATOMIC_SEQ_CST); }   \
-  inline T atomicExch(T* a, T v) { return __atomic_exchange_n(a, v, __ATOMIC_SEQ_CST); } \
-  inline T atomicMax(T* a, T v) {                                                        \
-    return ::cudasim::atomic_update(a, [v](T o) { return o < v ? v : o; });              \
-  }                                                                                      \
-  inline T atomicMin(T* a, T v) {                                                        \
-    return ::cudasim::atomic_update(a, [v](T o) { return v < o ? v : o; });              \
-  }                                                                                      \
-  inline T atomicCAS(T* a, T expected, T desired) {                                      \
-    __atomic_compare_exchange_n(a, &expected, desired, false, __ATOMIC_SEQ_CST,          \
-                                __ATOMIC_SEQ_CST);                                       \
-    return expected;                                                                     \
+#define CUDASIM_INTEGER_ATOMICS(T)                                                                 \
+  inline T atomicAdd(T* a, T v) { return __atomic_fetch_add(a, v, __ATOMIC_SEQ_CST); }             \
+  inline T atomicSub(T* a, T v) { return __atomic_fetch_sub(a, v, __ATOMIC_SEQ_CST); }             \
+  inline T atomicAnd(T* a, T v) { return __atomic_fetch_and(a, v, __ATOMIC_SEQ_CST); }             \
+  inline T atomicOr(T* a, T v) { return __atomic_fetch_or(a, v, __ATOMIC_SEQ_CST); }               \
+  inline T atomicXor(T* a, T v) { return __atomic_fetch_xor(a, v, __ATOMIC_SEQ_CST); }             \
+  inline T atomicExch(T* a, T v) { return __atomic_exchange_n(a, v, __ATOMIC_SEQ_CST); }           \
+  inline T atomicMax(T* a, T v) {                                                                  \
+    return ::cudasim::atomic_update(a, [v](T o) { return o < v ? v : o; });                        \
+  }                                                                                                \
+  inline T atomicMin(T* a, T v) {                                                                  \
+    return ::cudasim::atomic_update(a, [v](T o) { return v < o ? v : o; });                        \
+  }                                                                                                \
+  inline T atomicCAS(T* a, T expected, T desired) {                                                \
+    __atomic_compare_exchange_n(a, &expected, desired, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST); \
+    return expected;                                                                               \
   }
 
 CUDASIM_INTEGER_ATOMICS(int)

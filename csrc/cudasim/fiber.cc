@@ -20,6 +20,43 @@
 #include <sanitizer/common_interface_defs.h>
 #endif
 
+#if defined(__x86_64__)
+// Saves the callee-saved registers on the current stack, stores the stack pointer in *save and
+// continues on `next` (a stack saved by this function, or prepared by Fiber::start).
+extern "C" void cudasim_switch_stack(void** save, void* next);
+asm(R"(
+  .text
+  .globl cudasim_switch_stack
+  .type cudasim_switch_stack, @function
+cudasim_switch_stack:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size cudasim_switch_stack, .-cudasim_switch_stack
+
+  .globl cudasim_fiber_entry
+  .type cudasim_fiber_entry, @function
+cudasim_fiber_entry:
+  movq %r12, %rdi
+  call *%r13
+  ud2
+  .size cudasim_fiber_entry, .-cudasim_fiber_entry
+)");
+extern "C" void cudasim_fiber_entry();
+#endif
+
 namespace cudasim {
 namespace {
 
@@ -37,8 +74,8 @@ size_t page_size() {
 
 Fiber::Fiber() {
   const size_t total = kStackBytes + page_size();
-  void* m = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-                 -1, 0);
+  void* m = mmap(nullptr, total, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (m == MAP_FAILED) die("cudasim: mmap of a fiber stack");
   mapping_ = static_cast<char*>(m);
   if (mprotect(mapping_, page_size(), PROT_NONE) != 0) die("cudasim: stack guard page");
@@ -55,6 +92,22 @@ void Fiber::start(Entry entry, void* arg) {
   // A fiber abandoned mid-kernel (after a reported error) left its frames' redzones poisoned.
   __asan_unpoison_memory_region(stack, kStackBytes);
 #endif
+#if defined(__x86_64__)
+  // The frame cudasim_switch_stack pops: r15, r14, r13 (= &main), r12 (= this), rbx, rbp, then
+  // the return address cudasim_fiber_entry, which calls main(this) on a 16-byte aligned stack.
+  auto* top = reinterpret_cast<void**>(stack + kStackBytes);  // 16-byte aligned
+  void** frame = top - 9;
+  frame[0] = nullptr;
+  frame[1] = nullptr;
+  frame[2] = reinterpret_cast<void*>(&Fiber::main);
+  frame[3] = this;
+  frame[4] = nullptr;
+  frame[5] = nullptr;
+  frame[6] = reinterpret_cast<void*>(&cudasim_fiber_entry);
+  frame[7] = nullptr;
+  frame[8] = nullptr;
+  sp_ = frame;
+#else
   if (getcontext(&context_) != 0) die("cudasim: getcontext");
   context_.uc_stack.ss_sp = stack;
   context_.uc_stack.ss_size = kStackBytes;
@@ -62,6 +115,15 @@ void Fiber::start(Entry entry, void* arg) {
   const auto p = reinterpret_cast<uintptr_t>(this);
   makecontext(&context_, reinterpret_cast<void (*)()>(&Fiber::trampoline), 2,
               static_cast<unsigned>(p >> 32), static_cast<unsigned>(p & 0xffffffffu));
+#endif
+}
+
+void Fiber::switch_to_fiber() {
+#if defined(__x86_64__)
+  cudasim_switch_stack(&caller_sp_, sp_);
+#else
+  if (swapcontext(&caller_, &context_) != 0) die("cudasim: swapcontext");
+#endif
 }
 
 bool Fiber::resume() {
@@ -69,7 +131,7 @@ bool Fiber::resume() {
   void* fake = nullptr;
   __sanitizer_start_switch_fiber(&fake, mapping_ + page_size(), kStackBytes);
 #endif
-  if (swapcontext(&caller_, &context_) != 0) die("cudasim: swapcontext");
+  switch_to_fiber();
 #ifdef CUDASIM_ASAN
   __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
 #endif
@@ -82,7 +144,11 @@ void Fiber::switch_out(bool for_good) {
 #else
   (void)for_good;
 #endif
+#if defined(__x86_64__)
+  cudasim_switch_stack(&sp_, caller_sp_);
+#else
   if (swapcontext(&context_, &caller_) != 0) die("cudasim: swapcontext");
+#endif
 #ifdef CUDASIM_ASAN
   __sanitizer_finish_switch_fiber(fake_stack_, &caller_bottom_, &caller_size_);
 #endif
@@ -90,8 +156,13 @@ void Fiber::switch_out(bool for_good) {
 
 void Fiber::yield() { switch_out(false); }
 
+#if !defined(__x86_64__)
 void Fiber::trampoline(unsigned hi, unsigned lo) {
-  auto* self = reinterpret_cast<Fiber*>((static_cast<uintptr_t>(hi) << 32) | lo);
+  main(reinterpret_cast<Fiber*>((static_cast<uintptr_t>(hi) << 32) | lo));
+}
+#endif
+
+void Fiber::main(Fiber* self) {
 #ifdef CUDASIM_ASAN
   __sanitizer_finish_switch_fiber(nullptr, &self->caller_bottom_, &self->caller_size_);
 #endif

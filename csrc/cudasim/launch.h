@@ -23,9 +23,8 @@ cudaError_t run_kernel(const char* name, dim3 grid, dim3 block, size_t shared_by
                        void (*body)(void* ctx), void* ctx);
 
 template <typename... Params, typename... Args>
-void launch(const char* name, void (*kernel)(Params...), dim3 grid, dim3 block,
-            size_t shared_bytes, cudaStream_t /*stream: launches are synchronous*/,
-            Args&&... args) {
+void launch(const char* name, void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes,
+            cudaStream_t /*stream: launches are synchronous*/, Args&&... args) {
   // Converted once, like the kernel's parameter buffer; each thread gets its own copies.
   struct Call {
     void (*kernel)(Params...);

@@ -129,7 +129,8 @@ thread_local BlockRun* running_block = nullptr;
 class BlockRun {
  public:
   BlockRun(const Launch& l, uint3 block_idx, uint64_t linear_block)
-      : launch_(l), block_idx_(block_idx),
+      : launch_(l),
+        block_idx_(block_idx),
         rng_(splitmix64(l.seed ^ splitmix64(l.id * 0x100000001b3ull + linear_block))) {
     const int n = static_cast<int>(l.block.x * l.block.y * l.block.z);
     threads_.resize(n);
@@ -172,15 +173,14 @@ class BlockRun {
     me.line = line;
     ++at_barrier_;
     if (done_ > 0) {
-      fail(running_, "reaches __syncthreads at " + site(file, line) + " after " +
-                         who(first_done_) + " returned: the barrier can never complete");
+      fail(running_, "reaches __syncthreads at " + site(file, line) + " after " + who(first_done_) +
+                         " returned: the barrier can never complete");
     } else if (at_barrier_ == static_cast<int>(threads_.size())) {
       for (size_t t = 0; t < threads_.size(); ++t) {
         if (threads_[t].file != file || threads_[t].line != line) {
-          fail(static_cast<int>(t), "waits at __syncthreads at " +
-                                        site(threads_[t].file, threads_[t].line) + " while " +
-                                        who(running_) + " waits at " + site(file, line) +
-                                        " (divergent barrier)");
+          fail(static_cast<int>(t),
+               "waits at __syncthreads at " + site(threads_[t].file, threads_[t].line) + " while " +
+                   who(running_) + " waits at " + site(file, line) + " (divergent barrier)");
           break;
         }
       }
@@ -195,22 +195,25 @@ class BlockRun {
     const int t = running_;
     SimThread& me = threads_[t];
     const int lane = t % kWarp, base = t - lane;
-    const std::string call = std::string(op_name(op)) + " (mask " + hex(mask) + ") at " +
-                             site(file, line);
+    // Built only on the error paths: a std::string alive across yield() would leak when the
+    // block is abandoned after an error.
+    auto call = [&] {
+      return std::string(op_name(op)) + " (mask " + hex(mask) + ") at " + site(file, line);
+    };
     if (!((mask >> lane) & 1u)) {
-      fail(t, "calls " + call + " with a mask that leaves out its own lane " +
-                  std::to_string(lane));
+      fail(t,
+           "calls " + call() + " with a mask that leaves out its own lane " + std::to_string(lane));
     } else if (width < 1 || width > kWarp || (width & (width - 1)) != 0) {
-      fail(t, "calls " + call + " with width " + std::to_string(width));
+      fail(t, "calls " + call() + " with width " + std::to_string(width));
     }
     for (int b = 0; b < kWarp && error_.empty(); ++b) {
       if (!((mask >> b) & 1u)) continue;
       if (base + b >= static_cast<int>(threads_.size())) {
-        fail(t, "calls " + call + " naming lane " + std::to_string(b) +
+        fail(t, "calls " + call() + " naming lane " + std::to_string(b) +
                     ", which does not exist in a block of " + std::to_string(threads_.size()) +
                     " threads");
       } else if (threads_[base + b].state == SimThread::kDone) {
-        fail(t, "calls " + call + " naming lane " + std::to_string(b) + ", which has returned");
+        fail(t, "calls " + call() + " naming lane " + std::to_string(b) + ", which has returned");
       }
     }
     me.state = SimThread::kWarp;
@@ -267,9 +270,8 @@ class BlockRun {
       if (o.mask != first.mask || o.op != first.op || o.width != first.width) {
         fail(base + b, std::string("waits in ") + op_name(o.op) + " (mask " + hex(o.mask) +
                            ") at " + site(o.file, o.line) + " while lane " +
-                           std::to_string(__builtin_ctz(mask)) + " waits in " +
-                           op_name(first.op) + " (mask " + hex(first.mask) + ") at " +
-                           site(first.file, first.line));
+                           std::to_string(__builtin_ctz(mask)) + " waits in " + op_name(first.op) +
+                           " (mask " + hex(first.mask) + ") at " + site(first.file, first.line));
         return;
       }
     }
@@ -291,9 +293,9 @@ class BlockRun {
         const SimThread& o = threads_[base + b];
         const int src = source_lane(o.op, b, o.arg, o.width);
         if (!((mask >> src) & 1u)) {
-          fail(base + b, std::string("reads lane ") + std::to_string(src) + " in " +
-                             op_name(o.op) + " at " + site(o.file, o.line) + ", but mask " +
-                             hex(mask) + " leaves that lane out");
+          fail(base + b, std::string("reads lane ") + std::to_string(src) + " in " + op_name(o.op) +
+                             " at " + site(o.file, o.line) + ", but mask " + hex(mask) +
+                             " leaves that lane out");
           return;
         }
         result[b] = threads_[base + src].value;
@@ -340,11 +342,10 @@ class BlockRun {
           if (!((o.mask >> b) & 1u)) continue;
           const SimThread& p = threads_[base + b];
           if (p.state == SimThread::kBarrier) {
-            fail(static_cast<int>(t), std::string("waits in ") + op_name(o.op) + " (mask " +
-                                          hex(o.mask) + ") at " + site(o.file, o.line) +
-                                          " for lane " + std::to_string(b) +
-                                          ", which waits at __syncthreads at " +
-                                          site(p.file, p.line) + ": deadlock");
+            fail(static_cast<int>(t),
+                 std::string("waits in ") + op_name(o.op) + " (mask " + hex(o.mask) + ") at " +
+                     site(o.file, o.line) + " for lane " + std::to_string(b) +
+                     ", which waits at __syncthreads at " + site(p.file, p.line) + ": deadlock");
             return;
           }
         }
@@ -352,8 +353,8 @@ class BlockRun {
     }
     for (size_t t = 0; t < threads_.size(); ++t) {
       if (threads_[t].state != SimThread::kDone) {
-        fail(static_cast<int>(t), "never completes (deadlock at " +
-                                      site(threads_[t].file, threads_[t].line) + ")");
+        fail(static_cast<int>(t),
+             "never completes (deadlock at " + site(threads_[t].file, threads_[t].line) + ")");
         return;
       }
     }

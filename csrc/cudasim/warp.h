@@ -23,11 +23,11 @@ inline T shuffle(WarpOp op, unsigned mask, T var, int arg, int width, const char
 
 }  // namespace cudasim
 
-#define CUDASIM_SHUFFLE(name, op)                                                               \
-  template <typename T>                                                                         \
-  inline T name(unsigned mask, T var, int arg, int width = 32, const char* file = __builtin_FILE(), \
-                int line = __builtin_LINE()) {                                                  \
-    return ::cudasim::shuffle(::cudasim::WarpOp::op, mask, var, arg, width, file, line);        \
+#define CUDASIM_SHUFFLE(name, op)                                                        \
+  template <typename T>                                                                  \
+  inline T name(unsigned mask, T var, int arg, int width = 32,                           \
+                const char* file = __builtin_FILE(), int line = __builtin_LINE()) {      \
+    return ::cudasim::shuffle(::cudasim::WarpOp::op, mask, var, arg, width, file, line); \
   }
 CUDASIM_SHUFFLE(__shfl_sync, kShflIdx)
 CUDASIM_SHUFFLE(__shfl_up_sync, kShflUp)

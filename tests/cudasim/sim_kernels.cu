@@ -1,6 +1,5 @@
-#include "tests/cudasim/sim_kernels.cuh"
-
 #include "cuda/launch.cuh"
+#include "tests/cudasim/sim_kernels.cuh"
 
 namespace simtest {
 namespace {
@@ -70,8 +69,10 @@ __global__ void transpose_kernel(const float* x, float* out, int rows, int cols)
 
 __global__ void copy_off_by_one_kernel(const float* in, float* out, int n) {
   for (int i = threadIdx.x; i <= n; i += blockDim.x) {
-    if (i < n) out[i] = in[i];
-    else out[i - 1] += in[i] * 0.f;  // the read past the end
+    if (i < n)
+      out[i] = in[i];
+    else
+      out[i - 1] += in[i] * 0.f;  // the read past the end
   }
 }
 

@@ -177,8 +177,7 @@ TEST(CudaSimPlantedBug, WrongShuffleMaskIsAnError) {
                  {"warp_sum_wrong_mask_kernel", "block (0,0,0)", "reads lane 1", "__shfl_xor_sync",
                   "mask 0x0000ffff leaves that lane out", "sim_kernels.cu:"});
     expect_error(mask_leaves_out_caller(in.data(), out.data()),
-                 {"mask_leaves_out_caller_kernel", "mask 0x0000ffff",
-                  "leaves out its own lane"});
+                 {"mask_leaves_out_caller_kernel", "mask 0x0000ffff", "leaves out its own lane"});
   }
 }
 
@@ -186,9 +185,8 @@ TEST(CudaSimPlantedBug, ThreadLeavingBeforeABarrierIsAnErrorNotAHang) {
   std::vector<float> out(64);
   for (uint64_t seed = 1; seed <= 3; ++seed) {
     cudasim::set_seed(seed);
-    expect_error(exit_before_barrier(out.data()),
-                 {"exit_before_barrier_kernel", "thread (5,0,0)", "__syncthreads",
-                  "can never complete"});
+    expect_error(exit_before_barrier(out.data()), {"exit_before_barrier_kernel", "thread (5,0,0)",
+                                                   "__syncthreads", "can never complete"});
   }
 }
 
