@@ -121,7 +121,35 @@ struct Launch {
   uint64_t id;
 };
 
-thread_local std::vector<std::unique_ptr<Fiber>> fiber_pool;
+// Fibers (each with its mapped stack) outlive launches and the OS threads that ran them: a block
+// takes as many as it has threads and gives them back when it ends.
+class FiberPool {
+ public:
+  void take(size_t n, std::vector<std::unique_ptr<Fiber>>* out) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      while (out->size() < n && !free_.empty()) {
+        out->push_back(std::move(free_.back()));
+        free_.pop_back();
+      }
+    }
+    while (out->size() < n) out->push_back(std::make_unique<Fiber>());
+  }
+  void give(std::vector<std::unique_ptr<Fiber>>* fibers) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& f : *fibers) free_.push_back(std::move(f));
+    fibers->clear();
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::unique_ptr<Fiber>> free_;
+};
+
+FiberPool& fiber_pool() {
+  static FiberPool* pool = new FiberPool;  // never destroyed: blocks may end during exit
+  return *pool;
+}
 
 class BlockRun;
 thread_local BlockRun* running_block = nullptr;
@@ -137,8 +165,12 @@ class BlockRun {
     for (int t = 0; t < n; ++t) {
       threads_[t].idx = {t % l.block.x, (t / l.block.x) % l.block.y, t / (l.block.x * l.block.y)};
     }
-    while (static_cast<int>(fiber_pool.size()) < n) fiber_pool.push_back(std::make_unique<Fiber>());
+    fiber_pool().take(n, &fibers_);
   }
+
+  ~BlockRun() { fiber_pool().give(&fibers_); }
+  BlockRun(const BlockRun&) = delete;
+  BlockRun& operator=(const BlockRun&) = delete;
 
   // Returns the error message, empty on success.
   std::string run() {
@@ -149,7 +181,7 @@ class BlockRun {
     running_block = this;
     ready_.clear();
     for (int t = 0; t < n; ++t) {
-      fiber_pool[t]->start(&BlockRun::entry, this);
+      fibers_[t]->start(&BlockRun::entry, this);
       ready_.push_back(t);
     }
     while (!ready_.empty() && error_.empty()) {
@@ -159,7 +191,7 @@ class BlockRun {
       ready_.pop_back();
       running_ = t;
       current.thread_idx = threads_[t].idx;
-      if (fiber_pool[t]->resume() && error_.empty()) on_exit(t);
+      if (fibers_[t]->resume() && error_.empty()) on_exit(t);
     }
     if (error_.empty() && done_ != n) report_deadlock();
     running_block = nullptr;
@@ -187,7 +219,7 @@ class BlockRun {
       release_all_at(SimThread::kBarrier);
       at_barrier_ = 0;
     }
-    fiber_pool[me_index()]->yield();
+    fibers_[me_index()]->yield();
   }
 
   uint64_t collective(WarpOp op, unsigned mask, uint64_t value, int arg, int width,
@@ -225,7 +257,7 @@ class BlockRun {
     me.file = file;
     me.line = line;
     if (error_.empty()) try_complete_warp(base, mask);
-    fiber_pool[me_index()]->yield();
+    fibers_[me_index()]->yield();
     return me.value;
   }
 
@@ -364,6 +396,7 @@ class BlockRun {
   uint3 block_idx_;
   std::mt19937_64 rng_;
   std::vector<SimThread> threads_;
+  std::vector<std::unique_ptr<Fiber>> fibers_;
   std::vector<int> ready_;
   int running_ = -1;
   int at_barrier_ = 0;

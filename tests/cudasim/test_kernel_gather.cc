@@ -1,0 +1,452 @@
+// tierlift::cuda::gather_rows (csrc/cuda/gather.cu) run in the CPU simulator, compared byte for
+// byte with core gather_rows (csrc/core/gather). Every buffer is allocated with its exact size
+// (plus the leading misalignment bytes, which must stay untouched), so AddressSanitizer catches
+// any byte the kernel reads or writes past a table, cache, index or output.
+//
+// Covered: rows of 1 byte to 4 KiB + 4 (one warp to a whole block per row), table and output
+// bases misaligned so that every copy unit (16/8/4/2/1 bytes) is used, int32 and int64 indices,
+// repeated/sorted/unsorted indices, more rows than the grid has groups (the grid-stride loop), a
+// GPU cache table with cache slots, an empty index, and out-of-range indices in both reporting
+// modes. Mirrors tests/python/test_gnn.py's gpu tests, scaled down for the simulator.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <set>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "core/gather/gather.h"
+#include "cuda/gather.cuh"
+
+namespace tierlift {
+namespace {
+
+constexpr uint8_t kUnwritten = 0xA5;  // output fill: rows the kernel must not write keep it
+constexpr unsigned long long kNone = ~0ull;
+
+// `bytes` bytes starting `offset` bytes into an allocation of exactly offset + bytes.
+class Buffer {
+ public:
+  Buffer(size_t bytes, size_t offset, uint8_t fill)
+      : storage_(offset + bytes, fill), offset_(offset) {}
+  uint8_t* data() { return storage_.data() + offset_; }
+  const uint8_t* data() const { return storage_.data() + offset_; }
+  const std::vector<uint8_t>& storage() const { return storage_; }
+
+ private:
+  std::vector<uint8_t> storage_;
+  size_t offset_;
+};
+
+Buffer random_buffer(size_t bytes, size_t offset, uint32_t seed) {
+  Buffer b(bytes, offset, 0);
+  std::mt19937 rng(seed);
+  for (size_t i = 0; i < bytes; ++i) b.data()[i] = static_cast<uint8_t>(rng());
+  return b;
+}
+
+// The copy unit gather.cu's pick_unit chooses for a row (the widest on which both agree).
+int unit_for(const void* src, const void* dst) {
+  const uintptr_t diff = reinterpret_cast<uintptr_t>(src) ^ reinterpret_cast<uintptr_t>(dst);
+  for (int unit : {16, 8, 4, 2}) {
+    if (diff % unit == 0) return unit;
+  }
+  return 1;
+}
+
+enum class Report { kNone, kFirstBad, kBadPair, kBoth };
+
+struct Case {
+  int64_t num_rows = 0;
+  int64_t row_bytes = 0;
+  std::vector<int64_t> index;  // stored as int32 when !int64_index
+  bool int64_index = true;
+  size_t table_offset = 0, out_offset = 0;
+  // GPU cache: cache_slot has num_rows entries when used.
+  std::vector<int32_t> cache_slot;
+  int64_t cache_rows = 0;
+  size_t cache_offset = 0;
+  Report report = Report::kFirstBad;
+  unsigned long long bad_pair_before[2] = {kNone, 0};
+};
+
+struct Outcome {
+  std::set<int> units;  // copy units the kernel used for the good rows
+};
+
+bool is_bad(const Case& c, int64_t v) { return v < 0 || v >= c.num_rows; }
+
+// Runs the kernel and core on `c`, and checks output bytes, first_bad and bad_pair.
+Outcome check_case(const Case& c) {
+  Outcome result;
+  const int64_t count = static_cast<int64_t>(c.index.size());
+  const int64_t rb = c.row_bytes;
+  const Buffer table = random_buffer(c.num_rows * rb, c.table_offset, 17);
+  const bool cached = !c.cache_slot.empty();
+  const Buffer cache = random_buffer(c.cache_rows * rb, c.cache_offset, 23);
+
+  // Exactly sized (no spare capacity for an overrun to hide in).
+  std::vector<int64_t> index64(c.int64_index ? count : 0);
+  std::vector<int32_t> index32(c.int64_index ? 0 : count);
+  for (int64_t i = 0; i < count; ++i) {
+    if (c.int64_index) {
+      index64[i] = c.index[i];
+    } else {
+      index32[i] = static_cast<int32_t>(c.index[i]);
+    }
+  }
+  const std::vector<int32_t> cache_slot(c.cache_slot.begin(), c.cache_slot.end());
+  const void* index = c.int64_index ? static_cast<const void*>(index64.data())
+                                    : static_cast<const void*>(index32.data());
+
+  // Expected: core's gather from the table as the kernel sees it (cached rows replaced).
+  std::vector<uint8_t> effective(table.data(), table.data() + c.num_rows * rb);
+  for (int64_t r = 0; cached && r < c.num_rows; ++r) {
+    const int32_t slot = c.cache_slot[r];
+    if (slot >= 0 && slot < c.cache_rows) {
+      std::memcpy(&effective[r * rb], cache.data() + int64_t{slot} * rb, rb);
+    }
+  }
+  Buffer want(count * rb, c.out_offset, kUnwritten);
+  const GatherIndex gi{index, c.int64_index ? IndexType::kInt64 : IndexType::kInt32, count};
+  const int64_t core_bad = gather_rows({effective.data(), c.num_rows, rb}, gi, want.data());
+
+  Buffer got(count * rb, c.out_offset, kUnwritten);
+  std::vector<unsigned long long> first_bad(1, kNone);
+  std::vector<unsigned long long> bad_pair(c.bad_pair_before, c.bad_pair_before + 2);
+  cuda::GatherArgs a;
+  a.table = table.data();
+  a.num_rows = c.num_rows;
+  a.row_bytes = rb;
+  a.index = index;
+  a.index_is_int64 = c.int64_index;
+  a.count = count;
+  if (cached) {
+    a.cache_table = cache.data();
+    a.cache_slot = cache_slot.data();
+    a.cache_rows = c.cache_rows;
+  }
+  a.out = got.data();
+  if (c.report == Report::kFirstBad || c.report == Report::kBoth) a.first_bad = first_bad.data();
+  if (c.report == Report::kBadPair || c.report == Report::kBoth) a.bad_pair = bad_pair.data();
+  const cudaError_t err = cuda::gather_rows(a, nullptr);
+  EXPECT_EQ(err, cudaSuccess) << cudaGetErrorString(err);
+
+  // Every output byte, the leading misalignment bytes included.
+  const std::vector<uint8_t>& g = got.storage();
+  const std::vector<uint8_t>& w = want.storage();
+  const auto [gi_end, wi_end] = std::mismatch(g.begin(), g.end(), w.begin());
+  if (gi_end != g.end()) {
+    const int64_t at =
+        static_cast<int64_t>(gi_end - g.begin()) - static_cast<int64_t>(c.out_offset);
+    const int64_t row = at < 0 ? -1 : at / rb;
+    int64_t differ = 0;
+    for (size_t i = 0; i < g.size(); ++i) differ += g[i] != w[i];
+    ADD_FAILURE() << differ << " output bytes differ; first at output byte " << at << " (position "
+                  << row << ", byte " << (at < 0 ? at : at % rb) << " of the row"
+                  << (row >= 0 ? ", index value " + std::to_string(c.index[row]) : "")
+                  << "): kernel " << int{*gi_end} << ", core " << int{*wi_end};
+  }
+
+  const unsigned long long want_first = core_bad == kNoBadIndex ? kNone : core_bad;
+  if (a.first_bad != nullptr) {
+    EXPECT_EQ(first_bad[0], want_first) << "first_bad";
+  }
+  if (a.bad_pair != nullptr) {
+    if (c.bad_pair_before[0] != kNone || core_bad == kNoBadIndex) {
+      EXPECT_EQ(bad_pair[0], c.bad_pair_before[0]) << "bad_pair[0] must be left as it was";
+      EXPECT_EQ(bad_pair[1], c.bad_pair_before[1]) << "bad_pair[1] must be left as it was";
+    } else {
+      const unsigned long long pos = bad_pair[0];
+      if (pos < static_cast<unsigned long long>(count) &&
+          is_bad(c, c.index[static_cast<size_t>(pos)])) {
+        // The value is read back through the index's own type, so int32 values sign-extend.
+        EXPECT_EQ(bad_pair[1], static_cast<unsigned long long>(
+                                   c.int64_index ? index64[pos] : int64_t{index32[pos]}))
+            << "bad_pair = {" << pos << ", " << bad_pair[1] << "} is not one pair";
+      } else {
+        ADD_FAILURE() << "bad_pair[0] = " << pos << " is not a bad position";
+      }
+    }
+  }
+
+  for (int64_t i = 0; i < count; ++i) {
+    const uint8_t* dst = got.data() + i * rb;
+    if (is_bad(c, c.index[i])) {
+      EXPECT_TRUE(std::all_of(dst, dst + rb, [](uint8_t b) { return b == kUnwritten; }))
+          << "the row of bad position " << i << " (index " << c.index[i] << ") was written";
+      continue;
+    }
+    const int64_t r = c.index[i];
+    const int32_t slot = cached ? c.cache_slot[r] : -1;
+    const uint8_t* src = slot >= 0 && slot < c.cache_rows ? cache.data() + int64_t{slot} * rb
+                                                          : table.data() + r * rb;
+    result.units.insert(unit_for(src, dst));
+  }
+  return result;
+}
+
+std::vector<int64_t> random_index(int64_t rows, int64_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<int64_t> idx(n);
+  for (auto& v : idx) v = static_cast<int64_t>(rng() % rows);
+  for (int64_t i = 1; i < n; i += 7) idx[i] = idx[0];  // duplicates, as make_index does
+  return idx;
+}
+
+// ---- Row sizes x misaligned bases x index types ----
+
+using RowParam = std::tuple<int64_t, bool>;
+
+class GatherKernelRows : public ::testing::TestWithParam<RowParam> {};
+
+// Like test_cuda_gather_matches_index_select: odd row sizes and offsets, both index types. The
+// table base takes all 16 offsets against an aligned output, then both bases move: rows of a
+// multiple of 16 bytes take every copy unit; other sizes mix units from row to row.
+TEST_P(GatherKernelRows, MatchesCoreForMisalignedBases) {
+  const auto [row_bytes, int64_index] = GetParam();
+  std::vector<std::pair<size_t, size_t>> offsets;  // {table, output}
+  for (size_t t = 0; t < 16; ++t) offsets.push_back({t, 0});
+  for (auto both : {std::pair<size_t, size_t>{4, 12}, {3, 7}, {15, 1}, {9, 9}}) {
+    offsets.push_back(both);
+  }
+  std::set<int> units;
+  for (const auto& [table_offset, out_offset] : offsets) {
+    SCOPED_TRACE("table offset " + std::to_string(table_offset) + ", out offset " +
+                 std::to_string(out_offset));
+    Case c;
+    c.num_rows = 41;
+    c.row_bytes = row_bytes;
+    c.index = random_index(c.num_rows, 45, static_cast<uint32_t>(row_bytes));
+    c.index[2] = 0;
+    c.index[3] = c.num_rows - 1;
+    c.int64_index = int64_index;
+    c.table_offset = table_offset;
+    c.out_offset = out_offset;
+    const Outcome o = check_case(c);
+    units.insert(o.units.begin(), o.units.end());
+    if (HasFailure()) return;
+  }
+  EXPECT_EQ(units, (std::set<int>{1, 2, 4, 8, 16})) << "not every copy unit was exercised";
+}
+
+std::string row_name(const ::testing::TestParamInfo<RowParam>& info) {
+  return "Row" + std::to_string(std::get<0>(info.param)) + "B_" +
+         (std::get<1>(info.param) ? "Int64" : "Int32");
+}
+
+INSTANTIATE_TEST_SUITE_P(RowSizes, GatherKernelRows,
+                         ::testing::Combine(::testing::Values(1, 3, 7, 16, 130, 512, 1000, 4096,
+                                                              4100),
+                                            ::testing::Bool()),
+                         row_name);
+
+// ---- Index patterns ----
+
+TEST(GatherKernel, SortedUnsortedAndRepeatedIndices) {
+  const int64_t rows = 97, n = 120;
+  std::vector<std::pair<std::string, std::vector<int64_t>>> patterns;
+  std::vector<int64_t> v = random_index(rows, n, 5);
+  patterns.push_back({"random with duplicates", v});
+  std::sort(v.begin(), v.end());
+  patterns.push_back({"sorted", v});
+  std::reverse(v.begin(), v.end());
+  patterns.push_back({"reverse sorted", v});
+  patterns.push_back({"one row repeated", std::vector<int64_t>(n, 42)});
+  std::vector<int64_t> ends(n);
+  for (int64_t i = 0; i < n; ++i) ends[i] = i % 2 ? rows - 1 : 0;
+  patterns.push_back({"first and last rows", ends});
+  for (const auto& [name, index] : patterns) {
+    for (int64_t rb : {12, 130, 2048}) {
+      for (bool int64_index : {false, true}) {
+        SCOPED_TRACE(name + ", row bytes " + std::to_string(rb) +
+                     (int64_index ? ", int64" : ", int32"));
+        Case c;
+        c.num_rows = rows;
+        c.row_bytes = rb;
+        c.index = index;
+        c.int64_index = int64_index;
+        c.table_offset = 5;
+        check_case(c);
+        if (HasFailure()) return;
+      }
+    }
+  }
+}
+
+// More groups of rows than the grid holds (the simulator reports few SMs): every group loops.
+TEST(GatherKernel, MoreRowsThanTheGridLoopsOverThem) {
+  int sms = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+  const int64_t max_blocks = int64_t{sms} * 16;  // gather.cu's grid cap
+  // One warp per row up to 512 bytes (8 rows per block), a whole block per row above 3.5 KiB.
+  const int64_t shapes[][2] = {{7, 8}, {4100, 1}};  // {row bytes, rows per block}
+  for (const auto& [rb, rows_per_block] : shapes) {
+    const int64_t n = 2 * max_blocks * rows_per_block + 5;
+    SCOPED_TRACE("row bytes " + std::to_string(rb) + ", rows " + std::to_string(n));
+    Case c;
+    c.num_rows = 300;
+    c.row_bytes = rb;
+    c.index = random_index(c.num_rows, n, 9);
+    c.table_offset = 2;
+    c.out_offset = 1;
+    check_case(c);
+  }
+}
+
+// ---- GPU cache ----
+
+// Like test_cuda_gather_with_cache: hot rows come from the cache table; slot -1 (and any negative
+// slot) and slots >= cache_rows read the host table.
+TEST(GatherKernel, CachedRowsComeFromTheCacheTable) {
+  const int64_t rows = 200, cache_rows = 40;
+  for (int64_t rb : {3, 130, 512, 4100}) {
+    for (bool int64_index : {false, true}) {
+      SCOPED_TRACE("row bytes " + std::to_string(rb) + (int64_index ? ", int64" : ", int32"));
+      Case c;
+      c.num_rows = rows;
+      c.row_bytes = rb;
+      c.int64_index = int64_index;
+      c.cache_rows = cache_rows;
+      c.cache_slot.assign(rows, -1);
+      for (int64_t r = 0; r < rows; r += 5) c.cache_slot[r] = static_cast<int32_t>(r / 5);
+      c.cache_slot[1] = static_cast<int32_t>(cache_rows);     // ignored: >= cache_rows
+      c.cache_slot[2] = std::numeric_limits<int32_t>::max();  // ignored
+      c.cache_slot[3] = -7;                                   // not cached
+      c.cache_slot[199] = static_cast<int32_t>(cache_rows - 1);
+      c.index = random_index(rows, 60, 3);
+      for (int64_t i = 0; i < 6; ++i) c.index[10 + i] = i;
+      c.index[16] = 199;
+      c.table_offset = 1;
+      c.cache_offset = 8;
+      c.out_offset = 4;
+      check_case(c);
+      if (HasFailure()) return;
+    }
+  }
+}
+
+// ---- Empty index ----
+
+TEST(GatherKernel, EmptyIndexIsANoOp) {
+  cuda::GatherArgs a;
+  a.num_rows = 10;
+  a.row_bytes = 8;
+  EXPECT_EQ(cuda::gather_rows(a, nullptr), cudaSuccess);  // null index and output
+
+  for (Report report : {Report::kFirstBad, Report::kBadPair, Report::kBoth}) {
+    Case c;
+    c.num_rows = 10;
+    c.row_bytes = 8;
+    c.report = report;
+    check_case(c);
+  }
+}
+
+// ---- Out-of-range indices ----
+
+// Bad values at positions 5 (= num_rows), 9 (-1), 40, 77, 150 and the last; the rest good.
+std::vector<int64_t> index_with_bad(int64_t rows, int64_t n, bool int64_index) {
+  std::vector<int64_t> idx = random_index(rows, n, 31);
+  const int64_t lo =
+      int64_index ? std::numeric_limits<int64_t>::min() : std::numeric_limits<int32_t>::min();
+  const int64_t hi =
+      int64_index ? std::numeric_limits<int64_t>::max() : std::numeric_limits<int32_t>::max();
+  idx[5] = rows;
+  idx[9] = -1;
+  idx[40] = lo;
+  idx[77] = hi;
+  idx[150] = rows + 1000;
+  idx[n - 1] = -rows;
+  return idx;
+}
+
+class GatherKernelBadIndex : public ::testing::TestWithParam<bool> {};
+
+// first_bad gets the smallest bad position (atomicMin over all groups), the bad rows stay
+// unwritten, the good ones are copied (checked against core, which does the same).
+TEST_P(GatherKernelBadIndex, FirstBadIsTheSmallestBadPosition) {
+  const bool int64_index = GetParam();
+  for (int64_t rb : {24, 1000}) {
+    SCOPED_TRACE("row bytes " + std::to_string(rb));
+    Case c;
+    c.num_rows = 50;
+    c.row_bytes = rb;
+    c.int64_index = int64_index;
+    c.index = index_with_bad(c.num_rows, 200, int64_index);
+    check_case(c);
+    // Only the last position bad, then only the first.
+    c.index = random_index(c.num_rows, 200, 4);
+    c.index[199] = c.num_rows;
+    check_case(c);
+    c.index[0] = -3;
+    check_case(c);
+  }
+}
+
+// Deferred mode: bad_pair holds the position and value of one bad index. Many bad indices in
+// different blocks (run on different host threads) race for it; the pair must stay consistent.
+TEST_P(GatherKernelBadIndex, BadPairHoldsOneConsistentPair) {
+  const bool int64_index = GetParam();
+  Case c;
+  c.num_rows = 64;
+  c.row_bytes = 8;
+  c.int64_index = int64_index;
+  c.report = Report::kBadPair;
+  c.index = random_index(c.num_rows, 300, 8);
+  // Each bad value names its position, so a pair mixed from two writers would show.
+  for (int64_t i = 3; i < 300; i += 11) c.index[i] = i % 2 ? c.num_rows + i : -i;
+  for (int run = 0; run < 5; ++run) {
+    SCOPED_TRACE("run " + std::to_string(run));
+    check_case(c);
+  }
+  c.report = Report::kBoth;
+  check_case(c);
+  c.index = index_with_bad(c.num_rows, 300, int64_index);
+  check_case(c);
+}
+
+// An unreported pair from an earlier call is kept; the good rows are still copied.
+TEST_P(GatherKernelBadIndex, BadPairIsNotOverwritten) {
+  const bool int64_index = GetParam();
+  Case c;
+  c.num_rows = 64;
+  c.row_bytes = 130;
+  c.int64_index = int64_index;
+  c.index = index_with_bad(c.num_rows, 200, int64_index);
+  c.bad_pair_before[0] = 3;
+  c.bad_pair_before[1] = 77;
+  for (Report report : {Report::kBadPair, Report::kBoth}) {
+    c.report = report;
+    check_case(c);
+  }
+  // No bad index: an empty pair stays empty.
+  c.index = random_index(c.num_rows, 200, 6);
+  c.bad_pair_before[0] = kNone;
+  c.report = Report::kBadPair;
+  check_case(c);
+}
+
+// Without first_bad or bad_pair the kernel still skips bad rows.
+TEST_P(GatherKernelBadIndex, BadRowsAreSkippedWithoutReporting) {
+  Case c;
+  c.num_rows = 50;
+  c.row_bytes = 7;
+  c.int64_index = GetParam();
+  c.index = index_with_bad(c.num_rows, 200, c.int64_index);
+  c.report = Report::kNone;
+  check_case(c);
+}
+
+INSTANTIATE_TEST_SUITE_P(IndexTypes, GatherKernelBadIndex, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "Int64" : "Int32";
+                         });
+
+}  // namespace
+}  // namespace tierlift
