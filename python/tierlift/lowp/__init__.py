@@ -1,10 +1,10 @@
-"""tierlift.lowp: FP8 training.
+"""tierlift.lowp: FP8 and FP4 training.
 
     import tierlift
     report = tierlift.lowp.convert(model, recipe="fp8-rowwise")   # in place
     print(report)                                                 # what stayed high precision
 
-FP4 (issue 8): convert(model, recipe="mxfp4-quartet" | "nvfp4" | "mxfp4-rtn") swaps in
+FP4: convert(model, recipe="mxfp4-quartet" | "nvfp4" | "mxfp4-rtn") swaps in
 FP4Linear (MXFP4/NVFP4 operands, Hadamard rotations, stochastic rounding; GEMMs emulated).
 
 Float8Linear runs its forward in E4M3 and its grad_output in E5M2; the quantizers are the
