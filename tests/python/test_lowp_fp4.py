@@ -28,6 +28,19 @@ def _input(rows=37, cols=128, dtype=torch.float32, device="cpu"):
 
 
 @needs_ext
+@pytest.mark.parametrize("rule", ref.RULES)
+@pytest.mark.parametrize("shape", [(0, 32), (0, 0)])
+def test_cpu_op_empty_input_matches_reference(rule, shape):
+    # Empty tensors have null data pointers: the op must still return empty codes and scales and
+    # the reference's tensor scale (it used to refuse them as "null output").
+    x = torch.empty(shape)
+    a = torch.ops.tierlift.fp4_quantize(x, rule, 0, 0, False, 0, 0, False, True)
+    b = ref.fp4_quantize(x, rule, 0, 0, False, 0, 0, False, True)
+    for got, want in zip(a, b):
+        assert torch.equal(got, want)
+
+
+@needs_ext
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rule,had,signs,sr,b2", CASES)
 def test_cpu_op_matches_reference_bitwise(rule, had, signs, sr, b2, dtype):

@@ -1,0 +1,332 @@
+// tierlift::cuda::fp8_quantize (csrc/cuda/fp8_quant.cu) run in the CPU simulator, compared bit
+// for bit with core's fp8_quantize / fp8_quantize_dual (csrc/core/lowp/quantize.h): codes,
+// scales, and for the dual output the codes and scales of x^T.
+//
+// Covered: every scaling x both formats x pow2 on/off x fp32/bf16/fp16 inputs, on each of the
+// kernel's paths: the fused single-output row and 1x128 kernels (vectorized: cols % 4 == 0 and
+// aligned rows; scalar: odd cols, a misaligned base, a row stride not a multiple of 4), the
+// two-pass tiled path (tensor, column and 128x128 scaling, any strided input, e.g. a transposed
+// view) and the dual output. Shapes with tails (1x1 .. 257x130), empty inputs (which must still
+// get the safe scales), and values over ~30 binades with zeros, +-Inf, NaN, the input type's
+// largest value, blocks below kMinAmax and fp32 subnormals; one test feeds every FP8 code and
+// every rounding midpoint through the device encoder. Mirrors the gpu tests of
+// tests/python/test_lowp_quant.py, scaled down for the simulator. Inputs live in buffers of
+// exactly the bytes they span (lowp_input.h), outputs in vectors of exactly their size, so
+// AddressSanitizer catches any access outside them.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/lowp/fp8.h"
+#include "core/lowp/quantize.h"
+#include "core/util/dtype.h"
+#include "cuda/fp8_quant.cuh"
+#include "cudasim/launch.h"
+#include "tests/cudasim/lowp_input.h"
+
+namespace tierlift {
+namespace {
+
+using cudasim_test::kInf;
+using cudasim_test::kNaN;
+using cudasim_test::Layout;
+using cudasim_test::same_bits;
+using cudasim_test::StridedInput;
+
+const Fp8Scaling kScalings[] = {Fp8Scaling::kTensor, Fp8Scaling::kRow, Fp8Scaling::kCol,
+                                Fp8Scaling::kBlock1x128, Fp8Scaling::kBlock128x128};
+const Fp8Format kFormats[] = {Fp8Format::kE4M3, Fp8Format::kE5M2};
+const DType kDtypes[] = {DType::kFloat32, DType::kBFloat16, DType::kFloat16};
+
+const char* scaling_name(Fp8Scaling s) {
+  switch (s) {
+    case Fp8Scaling::kTensor:
+      return "tensor";
+    case Fp8Scaling::kRow:
+      return "row";
+    case Fp8Scaling::kCol:
+      return "col";
+    case Fp8Scaling::kBlock1x128:
+      return "1x128";
+    case Fp8Scaling::kBlock128x128:
+      return "128x128";
+  }
+  return "?";
+}
+
+bool fused(Fp8Scaling s) { return s == Fp8Scaling::kRow || s == Fp8Scaling::kBlock1x128; }
+
+// Random values over ~30 binades (test_lowp_quant.py's nasty()), and where the shape allows:
+// NaN, +-Inf, a zero and (with `huge`) the input type's largest value scattered in the first
+// elements; an all-non-finite row, a row below kMinAmax, a row of fp32 subnormals, an all-zero
+// column and an all-zero last row (blocks whose amax is 0 or tiny still get a finite scale).
+std::vector<float> nasty(int64_t rows, int64_t cols, DType dtype, uint32_t seed, bool huge) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal;
+  std::uniform_int_distribution<int> binade(-15, 14);
+  std::vector<float> x(static_cast<size_t>(rows * cols));
+  for (float& v : x) v = std::ldexp(normal(rng), binade(rng));
+  if (x.size() > 16) {
+    x[3] = kNaN, x[7] = kInf, x[11] = -kInf, x[12] = 0.f;
+    if (huge) x[5] = -cudasim_test::huge_of(dtype);
+  }
+  if (rows >= 5) {
+    for (int64_t j = 0; j < cols; ++j) {
+      const float special[4] = {kNaN, kInf, -kInf, -kNaN};
+      x[1 * cols + j] = special[j % 4];
+      x[2 * cols + j] = 1e-13f * normal(rng);
+      x[3 * cols + j] = 1e-39f * normal(rng);
+    }
+  }
+  if (rows >= 2 && cols >= 5) {
+    for (int64_t i = 0; i < rows; ++i) x[i * cols + 2] = 0.f;
+  }
+  if (rows * cols > 16) {
+    for (int64_t j = 0; j < cols; ++j) x[(rows - 1) * cols + j] = 0.f;
+  }
+  return x;
+}
+
+struct Fp8Case {
+  int64_t rows, cols;
+  Fp8Scaling scaling;
+  Fp8Format fmt;
+  bool pow2;
+  DType dtype;
+  Layout layout;
+  bool dual;
+  bool huge;
+  uint32_t seed;
+
+  std::string describe() const {
+    return std::to_string(rows) + "x" + std::to_string(cols) + " " + scaling_name(scaling) +
+           (fmt == Fp8Format::kE4M3 ? " e4m3" : " e5m2") + (pow2 ? " pow2" : "") + " " +
+           cudasim_test::dtype_name(dtype) + " " + cudasim_test::layout_name(layout) +
+           (dual ? " dual" : "") + (huge ? " huge" : "") + " seed=" + std::to_string(seed);
+  }
+};
+
+// Launches the kernel on `values` laid out as c.layout and compares everything it writes with
+// core. Kernel outputs start as garbage (0xaa codes, NaN scales) so a missed store shows.
+void check(const Fp8Case& c, const std::vector<float>& values) {
+  SCOPED_TRACE(c.describe());
+  const StridedInput in(values, c.rows, c.cols, c.dtype, c.layout);
+  const Fp8Input& x = in.view();
+  const Fp8Blocks b = fp8_blocks(c.scaling, c.rows, c.cols);
+  const Fp8Blocks bt = fp8_blocks(c.scaling, c.cols, c.rows);
+  const size_t n = static_cast<size_t>(c.rows * c.cols);
+  const size_t ns = static_cast<size_t>(b.grid_rows * b.grid_cols);
+  const size_t nst = c.dual ? static_cast<size_t>(bt.grid_rows * bt.grid_cols) : 0;
+
+  std::vector<uint8_t> want_q(n), want_qt(c.dual ? n : 0);
+  std::vector<float> want_s(ns), want_st(nst);
+  if (c.dual) {
+    fp8_quantize_dual(x, c.scaling, c.fmt, c.pow2, want_q.data(), want_s.data(), want_qt.data(),
+                      want_st.data());
+  } else {
+    fp8_quantize(x, c.scaling, c.fmt, c.pow2, want_q.data(), want_s.data());
+  }
+
+  std::vector<uint8_t> q(n, 0xaa), qt(c.dual ? n : 0, 0xaa);
+  std::vector<float> s(ns, kNaN), st(nst, kNaN);
+  cuda::Fp8QuantArgs a;
+  a.x = x.data;
+  a.dtype = x.dtype;
+  a.rows = x.rows;
+  a.cols = x.cols;
+  a.row_stride = x.row_stride;
+  a.col_stride = x.col_stride;
+  a.scaling = c.scaling;
+  a.fmt = c.fmt;
+  a.pow2_scale = c.pow2;
+  a.q = q.data();
+  a.scales = s.data();
+  if (c.dual) {
+    // As the torch binding passes them: data_ptr() of an empty tensor is null, so for an empty
+    // input qt may be null while scales_t still has its (safe) scales to receive.
+    a.qt = qt.data();
+    a.scales_t = st.data();
+  }
+  const uint64_t launches = cudasim::launch_count();
+  ASSERT_EQ(cuda::fp8_quantize(a, nullptr), cudaSuccess) << cudasim::last_error_message();
+  if (n > 0 && !c.dual && x.col_stride == 1 && fused(c.scaling)) {
+    EXPECT_EQ(cudasim::launch_count() - launches, 1u) << "expected the fused one-kernel path";
+  }
+  EXPECT_TRUE(same_bits("scales", s, want_s, b.grid_cols));
+  EXPECT_TRUE(same_bits("q", q, want_q, c.cols));
+  if (c.dual) {
+    EXPECT_TRUE(same_bits("scales_t", st, want_st, bt.grid_cols));
+    EXPECT_TRUE(same_bits("qt", qt, want_qt, c.rows));
+  }
+}
+
+void check(const Fp8Case& c) { check(c, nasty(c.rows, c.cols, c.dtype, c.seed, c.huge)); }
+
+// Whether the fused kernels take their vectorized (4 elements per load) path for this view.
+bool vectorized(const StridedInput& in) {
+  const Fp8Input& x = in.view();
+  const uintptr_t esize = x.dtype == DType::kFloat32 ? 4 : 2;
+  return x.col_stride == 1 && x.cols % 4 == 0 && x.row_stride % 4 == 0 &&
+         reinterpret_cast<uintptr_t>(x.data) % (4 * esize) == 0;
+}
+
+// The layouts the tests below use reach the fused kernels' paths they are meant to reach.
+TEST(Fp8Kernel, LayoutsSelectTheIntendedPaths) {
+  for (DType t : kDtypes) {
+    SCOPED_TRACE(cudasim_test::dtype_name(t));
+    for (int64_t cols : {132, 1000, 1020, 5000}) {
+      const std::vector<float> v(static_cast<size_t>(2 * cols), 1.f);
+      EXPECT_TRUE(vectorized(StridedInput(v, 2, cols, t, Layout::kContiguous))) << cols;
+      EXPECT_TRUE(vectorized(StridedInput(v, 2, cols, t, Layout::kPadded4))) << cols;
+      EXPECT_FALSE(vectorized(StridedInput(v, 2, cols, t, Layout::kPadded2))) << cols;
+      EXPECT_FALSE(vectorized(StridedInput(v, 2, cols, t, Layout::kOffset1))) << cols;
+    }
+    const std::vector<float> odd(6 * 37, 1.f);
+    EXPECT_FALSE(vectorized(StridedInput(odd, 6, 37, t, Layout::kContiguous)));
+  }
+}
+
+// Every scaling x format x pow2 x input dtype on every path (small shapes, so all combinations
+// run): 6x37 (odd cols: the scalar fused kernels for row/1x128, the tiled path for the others)
+// single, dual and transposed; 6x132 (cols % 4 == 0) contiguous and with padded rows (vectorized
+// fused kernels), with a row stride that is not a multiple of 4 and misaligned (scalar ones).
+TEST(Fp8Kernel, EveryScalingFormatDtypeAndPath) {
+  int cases = 0;
+  uint32_t seed = 1;
+  for (Fp8Scaling sc : kScalings) {
+    for (Fp8Format fmt : kFormats) {
+      for (DType t : kDtypes) {
+        for (bool pow2 : {false, true}) {
+          const bool huge = pow2 != (fmt == Fp8Format::kE5M2);
+          check({6, 37, sc, fmt, pow2, t, Layout::kContiguous, false, huge, seed++});
+          check({6, 37, sc, fmt, pow2, t, Layout::kContiguous, true, huge, seed++});
+          check({6, 37, sc, fmt, pow2, t, Layout::kTransposed, false, huge, seed++});
+          cases += 3;
+          if (fused(sc)) {
+            for (Layout l :
+                 {Layout::kContiguous, Layout::kPadded4, Layout::kPadded2, Layout::kOffset1}) {
+              check({6, 132, sc, fmt, pow2, t, l, false, huge, seed++});
+              ++cases;
+            }
+          } else {
+            check({6, 132, sc, fmt, pow2, t, Layout::kOffset1, true, huge, seed++});
+            ++cases;
+          }
+        }
+      }
+    }
+  }
+  RecordProperty("configurations", cases);
+}
+
+struct Shape {
+  int64_t rows, cols;
+};
+struct Path {
+  Layout layout;
+  bool dual;
+};
+const Path kPaths[] = {{Layout::kContiguous, false},
+                       {Layout::kContiguous, true},
+                       {Layout::kTransposed, false},
+                       {Layout::kOffset1, false}};
+
+// Shapes with tails in both dimensions (partial 32x32 tiles, 1x128 and 128x128 blocks), every
+// scaling; format, dtype and pow2 rotate with the case number.
+TEST(Fp8Kernel, ShapesWithTails) {
+  int cases = 0;
+  uint32_t k = 0;
+  auto run = [&](const Shape& sh, Fp8Scaling sc, const Path& r) {
+    check({sh.rows, sh.cols, sc, kFormats[k % 2], k % 4 >= 2, kDtypes[k % 3], r.layout, r.dual,
+           k % 5 != 0, 100 + k});
+    ++k;
+    ++cases;
+  };
+  // Small: every scaling on every path.
+  for (Shape sh :
+       {Shape{1, 1}, Shape{1, 200}, Shape{5, 3}, Shape{2, 4}, Shape{33, 65}, Shape{40, 33}}) {
+    for (Fp8Scaling sc : kScalings) {
+      for (const Path& r : kPaths) run(sh, sc, r);
+    }
+  }
+  // Long rows: the fused kernels' loops (a row is one 256-thread block, 4 elements per thread on
+  // the vectorized path).
+  for (Shape sh : {Shape{1, 5000}, Shape{3, 1000}, Shape{2, 1020}}) {
+    for (Fp8Scaling sc : {Fp8Scaling::kRow, Fp8Scaling::kBlock1x128}) {
+      for (Layout l : {Layout::kContiguous, Layout::kOffset1, Layout::kPadded4}) {
+        run(sh, sc, {l, false});
+      }
+    }
+  }
+  // Several 128x128 blocks both ways: each scaling once, the path rotating, and the dual output
+  // of 128x128 blocks (x^T's block grid transposed).
+  int rot = 0;
+  for (Shape sh : {Shape{130, 257}, Shape{257, 130}}) {
+    for (Fp8Scaling sc : kScalings) run(sh, sc, kPaths[rot++ % 4]);
+    ++rot;
+    run(sh, Fp8Scaling::kBlock128x128, {Layout::kContiguous, true});
+  }
+  RecordProperty("configurations", cases);
+}
+
+// An empty input writes no codes but every scale it has, each the safe scale of amax 0.
+TEST(Fp8Kernel, EmptyInputsGetSafeScales) {
+  int cases = 0;
+  for (const Shape& sh : {Shape{0, 16}, Shape{16, 0}, Shape{0, 0}, Shape{0, 300}, Shape{130, 0}}) {
+    for (Fp8Scaling sc : kScalings) {
+      for (Fp8Format fmt : kFormats) {
+        for (bool pow2 : {false, true}) {
+          for (bool dual : {false, true}) {
+            check({sh.rows, sh.cols, sc, fmt, pow2, DType::kFloat32, Layout::kContiguous, dual,
+                   false, 0});
+            ++cases;
+          }
+        }
+      }
+    }
+  }
+  RecordProperty("configurations", cases);
+}
+
+// Every finite FP8 value, every midpoint between neighbours (ties to even) and one ulp either side
+// of it, signed zeros, values below the smallest subnormal, +-Inf (saturate) and NaN, through the
+// device encoder. Each row holds the format's maximum, so row scaling (fused kernel) and tensor
+// scaling (tiled kernel) use scale 1 exactly; the dual runs cast x^T with column scales.
+TEST(Fp8Kernel, EveryCodeAndMidpointThroughTheEncoder) {
+  int cases = 0;
+  for (Fp8Format fmt : kFormats) {
+    const float mx = fp8_spec(fmt).max;
+    std::vector<float> finite;
+    for (int code = 0; code < 256; ++code) {
+      const float v = fp8_decode(static_cast<uint8_t>(code), fmt);
+      if (std::isfinite(v)) finite.push_back(v);
+    }
+    std::vector<float> row = {mx, -mx, kInf, -kInf, kNaN, -kNaN, 0.f, -0.f, 1e-30f, -1e-45f};
+    for (size_t k = 0; k < finite.size(); ++k) {
+      row.push_back(finite[k]);
+      if (k + 1 < finite.size() && std::fabs(finite[k + 1]) > std::fabs(finite[k]) &&
+          std::signbit(finite[k + 1]) == std::signbit(finite[k])) {
+        const float mid = 0.5f * (finite[k] + finite[k + 1]);
+        row.push_back(mid);
+        row.push_back(std::nextafter(mid, 0.f));
+        row.push_back(std::nextafter(mid, 2.f * mid));
+      }
+    }
+    const int64_t cols = static_cast<int64_t>(row.size());
+    std::vector<float> x(row);
+    x.insert(x.end(), row.rbegin(), row.rend());  // a second row, reversed
+    for (Fp8Scaling sc : {Fp8Scaling::kRow, Fp8Scaling::kTensor}) {
+      check({2, cols, sc, fmt, false, DType::kFloat32, Layout::kContiguous, false, false, 0}, x);
+      check({2, cols, sc, fmt, false, DType::kFloat32, Layout::kTransposed, true, false, 0}, x);
+      cases += 2;
+    }
+  }
+  RecordProperty("configurations", cases);
+}
+
+}  // namespace
+}  // namespace tierlift
