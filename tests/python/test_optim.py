@@ -8,6 +8,8 @@ weights that pass near zero, where relative error is meaningless).
 """
 
 import copy
+import warnings
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -45,20 +47,17 @@ CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize(
-    "config", CONFIGS, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items())
-)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_matches_torch_over_100_steps(simd_path, config, dtype):
+def check_matches_torch(params, config, steps):
+    """Steps `params` with ours and an fp32 copy with torch's, then compares weights and state."""
     config = dict(config)
     cls_name = config.pop("cls")
     ours_cls = {"Adam": Adam, "AdamW": AdamW}[cls_name]
     torch_cls = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}[cls_name]
-    params = make_params(dtype)
+    dtype = params[0].dtype
     ref_params = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
     ours = ours_cls(params, lr=1e-2, **config)
     ref = torch_cls(ref_params, lr=1e-2, foreach=False, **config)
-    for step_grads in grads_for(params, 100, dtype):
+    for step_grads in grads_for(params, steps, dtype):
         for p, r, g in zip(params, ref_params, step_grads):
             p.grad = g
             r.grad = g.float()
@@ -73,6 +72,42 @@ def test_matches_torch_over_100_steps(simd_path, config, dtype):
             torch.testing.assert_close(p.detach(), master.to(dtype), rtol=0, atol=0)
         for key in ("exp_avg", "exp_avg_sq"):
             assert_close_rel(ours.state[p][key], ref.state[r][key])
+
+
+@pytest.mark.parametrize(
+    "config", CONFIGS, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items())
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_matches_torch_over_100_steps(simd_path, config, dtype):
+    check_matches_torch(make_params(dtype), config, 100)
+
+
+def noncontiguous_params(dtype):
+    """Transposed, permuted and strided-slice views as parameters, with the tensors they view."""
+    bases = [torch.randn(8, 6), torch.randn(3, 33, 65), torch.randn(10, 14)]
+    bases = [b.to(dtype) for b in bases]
+    views = [bases[0].t(), bases[1].permute(2, 0, 1), bases[2][::2, 1:]]
+    return [torch.nn.Parameter(v) for v in views], bases
+
+
+@pytest.mark.parametrize(
+    "config", CONFIGS[1:5], ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items())
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_noncontiguous_params_match_torch(config, dtype):
+    odd, bases = noncontiguous_params(dtype)
+    outside = bases[2].clone()  # the slice's base also holds elements that are no parameter's
+    params = make_params(dtype)[:4] + odd
+    strides = [p.stride() for p in params]
+    with pytest.warns(RuntimeWarning, match="non-contiguous parameters take a slower path"):
+        check_matches_torch(params, config, 20)
+    # Updated in place: same memory, same layout, and nothing around a sliced view touched.
+    assert [p.stride() for p in params] == strides
+    for p, base in zip(odd, bases):
+        assert p.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+    mask = torch.ones(bases[2].shape, dtype=torch.bool)
+    mask[::2, 1:] = False
+    assert torch.equal(bases[2][mask], outside[mask])
 
 
 def test_simd_paths_agree_bitwise(monkeypatch):
@@ -152,9 +187,14 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.tierlift.adam_step_.default, args)
 
 
-def test_state_dict_roundtrip_with_torch():
+@pytest.mark.parametrize("transposed", [False, True], ids=["contiguous", "transposed"])
+def test_state_dict_roundtrip_with_torch(transposed):
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    if transposed:  # weights stored column-major, as a checkpoint of a transposed layer may be
+        for layer in (model[0], model[2]):
+            layer.weight = torch.nn.Parameter(layer.weight.detach().t().contiguous().t())
     twin = copy.deepcopy(model)
+    assert all(p.is_contiguous() != transposed for p in twin.parameters() if p.dim() == 2)
     x, y = torch.randn(32, 8), torch.randn(32, 4)
 
     def train(m, opt, steps):
@@ -170,7 +210,9 @@ def test_state_dict_roundtrip_with_torch():
     ours = AdamW(twin.parameters(), lr=1e-2)
     ours.load_state_dict(copy.deepcopy(torch_opt.state_dict()))  # as after torch.save/load
     train(model, torch_opt, 5)
-    train(twin, ours, 5)
+    slower = pytest.warns(RuntimeWarning, match="non-contiguous") if transposed else nullcontext()
+    with slower:
+        train(twin, ours, 5)
     for a, b in zip(model.parameters(), twin.parameters()):
         assert_close_rel(b.detach(), a.detach())
     # tierlift -> torch: same keys, same tensors.
@@ -182,6 +224,31 @@ def test_state_dict_roundtrip_with_torch():
         assert set(st) == set(sd_back["state"][k])
         for key in st:
             torch.testing.assert_close(st[key], sd_back["state"][k][key])
+
+
+def test_noncontiguous_warning_once_per_optimizer_naming_the_params():
+    odd, _ = noncontiguous_params(torch.float32)
+    plain = torch.nn.Parameter(torch.randn(5))
+    opt = AdamW([{"params": [odd[0], plain]}, {"params": [odd[2]], "lr": 0.1}])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            for p in (*odd, plain):
+                p.grad = torch.ones_like(p)
+            opt.step()
+    assert len(caught) == 1
+    msg = str(caught[0].message)
+    assert caught[0].category is RuntimeWarning and msg.startswith("AdamW: non-contiguous")
+    assert "param_groups[0]['params'][0] (shape (6, 8), stride (1, 6))" in msg
+    assert "param_groups[1]['params'][0] (shape (5, 13), stride (28, 1))" in msg
+    assert "['params'][1]" not in msg and odd[1] not in opt.state
+    assert caught[0].filename == __file__, "points at the caller of step(), past torch's wrappers"
+    # Each optimizer warns for itself; one with contiguous parameters only never does.
+    with pytest.warns(RuntimeWarning, match=r"param_groups\[0\]\['params'\]\[0\] \(shape"):
+        Adam([odd[1]]).step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        AdamW([plain]).step()
 
 
 def test_scheduler_closure_zero_grad_and_tensor_lr():
@@ -299,19 +366,23 @@ def test_op_rejects_bad_tensors():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("noncontiguous", [False, True], ids=["contiguous", "noncontiguous"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_kernel_matches_cpu_kernel(dtype):
-    params = make_params(dtype)
+def test_cuda_kernel_matches_cpu_kernel(dtype, noncontiguous):
+    params = make_params(dtype) + (noncontiguous_params(dtype)[0] if noncontiguous else [])
     gpu_params = [torch.nn.Parameter(p.detach().cuda()) for p in params]
     cpu_opt, gpu_opt = (
         AdamW(params, lr=1e-2, amsgrad=True),
         AdamW(gpu_params, lr=1e-2, amsgrad=True),
     )
-    for step_grads in grads_for(params, 20, dtype):
-        for p, q, g in zip(params, gpu_params, step_grads):
-            p.grad, q.grad = g, g.cuda()
-        cpu_opt.step()
-        gpu_opt.step()
+    slower = pytest.warns(RuntimeWarning) if noncontiguous else nullcontext()
+    with slower:
+        for step_grads in grads_for(params, 20, dtype):
+            for p, q, g in zip(params, gpu_params, step_grads):
+                p.grad, q.grad = g, g.cuda()
+            cpu_opt.step()
+            gpu_opt.step()
+    assert not noncontiguous or not gpu_params[-2].is_contiguous(), "the layout went to the GPU"
     for p, q in zip(params, gpu_params):
         # Same operation order with explicitly rounded intrinsics: bit-identical.
         assert torch.equal(p.detach(), q.detach().cpu())

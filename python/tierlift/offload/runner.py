@@ -95,8 +95,12 @@ class Offloader:
         for gi, group in enumerate(optimizer.param_groups):
             for pi, p in enumerate(group["params"]):
                 if not p.is_contiguous():
-                    raise ValueError(f"param_groups[{gi}]['params'][{pi}] must be contiguous "
-                                     "for offload (call .contiguous() on it)")
+                    # The tiers stream every parameter as flat memory (p.view(-1) slices).
+                    raise ValueError(
+                        f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}, stride "
+                        f"{p.stride()}) must be contiguous for offload: make the parameter "
+                        "contiguous before building the optimizer, or use offload='none', "
+                        "which steps it through a contiguous copy")
         self._cuda = any(p.device.type == "cuda" for p in params)
         self._pin = torch.cuda.is_available()
         # Streamed bytes per element: fp32 state kinds, plus grad and copy staging for GPU params.

@@ -9,12 +9,17 @@ optimizer and ours in both directions. Differences, all deliberate:
   * offload="cpu"|"nvme" (with nvme_path, cpu_budget, overlap) moves the state out of the
     parameter's memory; tierlift.offload does that work (docs/offload.md);
   * foreach/fused/capturable are accepted for compatibility and ignored (ours is always fused);
-    differentiable=True is refused.
+    differentiable=True is refused;
+  * a non-contiguous parameter (a transposed or strided view) is stepped through a contiguous
+    copy that is written back (slower; warned about once); offload refuses such parameters.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import sys
+import warnings
 from collections import defaultdict
 
 import torch
@@ -45,6 +50,18 @@ def _check_hyper(lr, betas, eps, weight_decay) -> None:
         raise ValueError(f"eps must be >= 0, got {eps}")
     if _finite("weight_decay", weight_decay) < 0:
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+
+
+def _caller_stacklevel() -> int:
+    """The warnings.warn stacklevel, counted from the function that calls this one, of the
+    first frame outside tierlift and torch: optimizer.step() reaches ours through torch's
+    hook and no_grad wrappers, so a fixed level would point into torch."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tierlift/
+    skip = (os.path.dirname(torch.__file__) + os.sep, package + os.sep)
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class Adam(Optimizer):
@@ -229,9 +246,31 @@ class Adam(Optimizer):
         if getattr(self, "_offload", None) is not None:
             self._offload.step()
             return loss
+        self._warn_noncontiguous()
         for gi, group in enumerate(self.param_groups):
             self._step_group(gi, group)
         return loss
+
+    def _warn_noncontiguous(self) -> None:
+        """Warns once per optimizer which parameters take the slower non-contiguous path."""
+        if getattr(self, "_warned_noncontiguous", False):
+            return
+        names = [
+            f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}, stride {p.stride()})"
+            for gi, group in enumerate(self.param_groups)
+            for pi, p in enumerate(group["params"])
+            if p.grad is not None and not p.is_contiguous()
+        ]
+        if names:
+            self._warned_noncontiguous = True
+            warnings.warn(
+                f"{type(self).__name__}: non-contiguous parameters take a slower path (each "
+                "step updates a contiguous copy and copies it back into the parameter): "
+                f"{', '.join(names)}. Make them contiguous before building the optimizer to "
+                "avoid it.",
+                RuntimeWarning,
+                stacklevel=_caller_stacklevel(),
+            )
 
     def _step_group(self, gi: int, group: dict) -> None:
         beta1, beta2 = group["betas"]
@@ -239,6 +278,7 @@ class Adam(Optimizer):
         lr = float(group["lr"])
         # (device, step) -> lists for one fused call; params that skipped steps keep their count.
         buckets: dict = defaultdict(lambda: defaultdict(list))
+        write_back = []  # (non-contiguous param, the contiguous tensor the kernel updated)
         device = None
         for pi, p in enumerate(group["params"]):
             if p.grad is None:
@@ -261,16 +301,24 @@ class Adam(Optimizer):
                     f"{name}.grad has dtype {grad.dtype}; expected float32, bfloat16 or float16"
                 )
             state = self._init_state(p, group["amsgrad"])
-            state["step"] += 1
             master = state.get("master")
-            if master is None and (p.dtype != torch.float32 or not p.is_contiguous()):
+            if master is None and p.dtype != torch.float32:
                 raise TypeError(
-                    f"{name} has dtype {p.dtype} with layout that the fused kernel "
-                    "cannot update in place; make it contiguous"
+                    f"{name} has dtype {p.dtype}; tierlift's Adam steps float32, bfloat16 "
+                    "and float16 parameters"
                 )
+            state["step"] += 1
+            # The fused kernel updates flat contiguous memory: a non-contiguous parameter is
+            # stepped through a contiguous copy (its fp32 weight, or the buffer its master is
+            # rounded into), written back once the kernel ran. Its state is contiguous anyway.
+            weight = p
+            if not p.is_contiguous():
+                weight = (p.contiguous() if master is None
+                          else torch.empty_like(p, memory_format=torch.contiguous_format))
+                write_back.append((p, weight))
             b = buckets[(p.device, int(state["step"].item()))]
-            b["params"].append(master if master is not None else p)
-            b["copies"].append(p if master is not None else None)
+            b["params"].append(master if master is not None else weight)
+            b["copies"].append(weight if master is not None else None)
             b["grads"].append(grad.contiguous())
             b["exp_avgs"].append(state["exp_avg"])
             b["exp_avg_sqs"].append(state["exp_avg_sq"])
@@ -302,6 +350,8 @@ class Adam(Optimizer):
                 amsgrad=group["amsgrad"],
                 maximize=group["maximize"],
             )
+        for p, weight in write_back:
+            p.copy_(weight)
 
     def _decoupled(self, group: dict) -> bool:
         return bool(group.get("decoupled_weight_decay", False))
