@@ -27,14 +27,6 @@ void set_error(cudaError_t code, const std::string& message) {
   last_message = message;
 }
 
-cudaError_t take_error() {
-  const cudaError_t e = last_code;
-  last_code = cudaSuccess;
-  return e;
-}
-
-cudaError_t peek_error() { return last_code; }
-
 std::string last_error_message() {
   std::lock_guard<std::mutex> lock(message_mu);
   return last_message;
@@ -42,8 +34,12 @@ std::string last_error_message() {
 
 }  // namespace cudasim
 
-cudaError_t cudaGetLastError() { return cudasim::take_error(); }
-cudaError_t cudaPeekAtLastError() { return cudasim::peek_error(); }
+cudaError_t cudaGetLastError() {
+  const cudaError_t e = cudasim::last_code;
+  cudasim::last_code = cudaSuccess;
+  return e;
+}
+cudaError_t cudaPeekAtLastError() { return cudasim::last_code; }
 
 const char* cudaGetErrorName(cudaError_t e) {
   switch (e) {

@@ -29,7 +29,6 @@ class Fiber {
   bool resume();
   // Called on the fiber: back to whoever resumed it.
   void yield();
-  bool finished() const { return finished_; }
 
  private:
   static void main(Fiber* self);

@@ -219,7 +219,7 @@ class BlockRun {
       release_all_at(SimThread::kBarrier);
       at_barrier_ = 0;
     }
-    fibers_[me_index()]->yield();
+    fibers_[running_]->yield();
   }
 
   uint64_t collective(WarpOp op, unsigned mask, uint64_t value, int arg, int width,
@@ -257,7 +257,7 @@ class BlockRun {
     me.file = file;
     me.line = line;
     if (error_.empty()) try_complete_warp(base, mask);
-    fibers_[me_index()]->yield();
+    fibers_[running_]->yield();
     return me.value;
   }
 
@@ -266,8 +266,6 @@ class BlockRun {
     const Launch& l = static_cast<BlockRun*>(self)->launch_;
     l.body(l.ctx);
   }
-
-  int me_index() const { return running_; }
 
   std::string who(int t) const {
     return "thread " + dim(threads_[t].idx) + " (warp " + std::to_string(t / kWarp) + " lane " +

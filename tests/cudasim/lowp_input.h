@@ -22,16 +22,13 @@
 
 #include "core/lowp/quantize.h"
 #include "core/util/dtype.h"
+#include "tests/cudasim/dtypes.h"
 
 namespace tierlift {
 namespace cudasim_test {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
-
-inline const char* dtype_name(DType t) {
-  return t == DType::kFloat32 ? "f32" : (t == DType::kBFloat16 ? "bf16" : "f16");
-}
 
 // Largest finite value of the input type: the "huge" element of the test data.
 inline float huge_of(DType t) { return t == DType::kFloat16 ? 65504.f : 3.0e38f; }

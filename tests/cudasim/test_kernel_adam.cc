@@ -21,9 +21,13 @@
 #include "core/util/dtype.h"
 #include "cuda/adam.cuh"
 #include "cudasim/launch.h"
+#include "tests/cudasim/dtypes.h"
 
 namespace tierlift {
 namespace {
+
+using cudasim_test::dtype_name;
+using cudasim_test::kInputDtypes;
 
 constexpr int64_t kChunk = int64_t{1} << 16;  // elements per block in adam.cu
 constexpr int64_t kMaxBlocks = 320;           // blocks per launch in adam.cu
@@ -261,20 +265,6 @@ void run_steps(const std::vector<int64_t>& numels, DType grad_type, DType copy_t
   }
 }
 
-const char* dtype_name(DType t) {
-  switch (t) {
-    case DType::kFloat32:
-      return "F32";
-    case DType::kBFloat16:
-      return "Bf16";
-    case DType::kFloat16:
-      return "F16";
-    default:
-      return "None";
-  }
-}
-
-constexpr DType kGradTypes[] = {DType::kFloat32, DType::kBFloat16, DType::kFloat16};
 constexpr DType kCopyTypes[] = {DType::kNone, DType::kFloat32, DType::kBFloat16, DType::kFloat16};
 
 // ---- Every dtype combination x every option combination, small tensors ----
@@ -298,7 +288,7 @@ std::string dtype_option_name(const ::testing::TestParamInfo<DtypeOptionParam>& 
 }
 
 INSTANTIATE_TEST_SUITE_P(AllCombinations, AdamKernelDtypeOptions,
-                         ::testing::Combine(::testing::ValuesIn(kGradTypes),
+                         ::testing::Combine(::testing::ValuesIn(kInputDtypes),
                                             ::testing::ValuesIn(kCopyTypes), ::testing::Bool(),
                                             ::testing::Bool(), ::testing::Bool(),
                                             ::testing::Bool()),
@@ -318,7 +308,7 @@ TEST_P(AdamKernelChunks, TensorsAroundTheChunkSizeMatchCore) {
 }
 
 INSTANTIATE_TEST_SUITE_P(AllDtypes, AdamKernelChunks,
-                         ::testing::Combine(::testing::ValuesIn(kGradTypes),
+                         ::testing::Combine(::testing::ValuesIn(kInputDtypes),
                                             ::testing::ValuesIn(kCopyTypes)),
                          [](const ::testing::TestParamInfo<DtypeParam>& info) {
                            return std::string("Grad") + dtype_name(std::get<0>(info.param)) +
@@ -358,7 +348,7 @@ TEST(AdamKernel, ManyTensorsAcrossPacks) {
     numels.push_back(k % 6 == 0 ? 70000 : 1 + k);
     if (k % 7 == 0) numels.push_back(0);
   }
-  for (DType g : kGradTypes) {
+  for (DType g : kInputDtypes) {
     SCOPED_TRACE(std::string("grad ") + dtype_name(g));
     run_steps(numels, g, DType::kFloat16, {false, 0.1, false, true}, 2, /*launches=*/2);
     if (HasFailure()) return;

@@ -32,6 +32,7 @@ namespace tierlift {
 namespace {
 
 using cudasim_test::kInf;
+using cudasim_test::kInputDtypes;
 using cudasim_test::kNaN;
 using cudasim_test::Layout;
 using cudasim_test::same_bits;
@@ -40,7 +41,6 @@ using fp4::ScaleRule;
 
 const ScaleRule kRules[] = {ScaleRule::kFloor, ScaleRule::kRceil, ScaleRule::kQuest,
                             ScaleRule::kNv};
-const DType kDtypes[] = {DType::kFloat32, DType::kBFloat16, DType::kFloat16};
 
 const char* rule_name(ScaleRule r) {
   switch (r) {
@@ -196,7 +196,7 @@ TEST(Fp4Kernel, EveryRuleRotationRoundingAndBlock) {
       for (bool sr : {false, true}) {
         for (bool b2 : {false, true}) {
           if (b2 && rule != ScaleRule::kNv) continue;
-          for (DType t : kDtypes) {
+          for (DType t : kInputDtypes) {
             check({37, 128, rule, rot.hadamard, rot.signs, sr, 42, 3, b2, true, t,
                    Layout::kContiguous});
             ++cases;
@@ -218,7 +218,7 @@ TEST(Fp4Kernel, HadamardSignMasks) {
   for (ScaleRule rule : kRules) {
     for (const Rotation& m : masks) {
       const bool b2 = rule == ScaleRule::kNv && k % 2;
-      check({10, 64, rule, m.hadamard, m.signs, k % 3 == 0, 5, 0, b2, true, kDtypes[k % 3],
+      check({10, 64, rule, m.hadamard, m.signs, k % 3 == 0, 5, 0, b2, true, kInputDtypes[k % 3],
              Layout::kContiguous});
       ++k;
       ++cases;
@@ -261,7 +261,8 @@ TEST(Fp4Kernel, ShapesWithTailsAndMaskOff) {
       for (bool mask : {true, false}) {
         const Rotation& rot = kRotations[k % 3];
         check({sh.rows, sh.cols, rule, rot.hadamard, rot.signs, k % 2 == 1, 11, 5,
-               rule == ScaleRule::kNv && k % 4 < 2, mask, kDtypes[k % 3], Layout::kContiguous});
+               rule == ScaleRule::kNv && k % 4 < 2, mask, kInputDtypes[k % 3],
+               Layout::kContiguous});
         ++k;
         ++cases;
       }
@@ -273,7 +274,7 @@ TEST(Fp4Kernel, ShapesWithTailsAndMaskOff) {
       for (bool b2 : {false, true}) {
         for (bool mask : {true, false}) {
           check({sh.rows, sh.cols, ScaleRule::kNv, hadamard, hadamard ? 0xa5c3u : 0u, k % 2 == 1,
-                 11, 5, b2, mask, kDtypes[k % 3], Layout::kContiguous});
+                 11, 5, b2, mask, kInputDtypes[k % 3], Layout::kContiguous});
           ++k;
           ++cases;
         }

@@ -32,6 +32,7 @@ namespace tierlift {
 namespace {
 
 using cudasim_test::kInf;
+using cudasim_test::kInputDtypes;
 using cudasim_test::kNaN;
 using cudasim_test::Layout;
 using cudasim_test::same_bits;
@@ -40,7 +41,6 @@ using cudasim_test::StridedInput;
 const Fp8Scaling kScalings[] = {Fp8Scaling::kTensor, Fp8Scaling::kRow, Fp8Scaling::kCol,
                                 Fp8Scaling::kBlock1x128, Fp8Scaling::kBlock128x128};
 const Fp8Format kFormats[] = {Fp8Format::kE4M3, Fp8Format::kE5M2};
-const DType kDtypes[] = {DType::kFloat32, DType::kBFloat16, DType::kFloat16};
 
 const char* scaling_name(Fp8Scaling s) {
   switch (s) {
@@ -176,7 +176,7 @@ bool vectorized(const StridedInput& in) {
 
 // The layouts the tests below use reach the fused kernels' paths they are meant to reach.
 TEST(Fp8Kernel, LayoutsSelectTheIntendedPaths) {
-  for (DType t : kDtypes) {
+  for (DType t : kInputDtypes) {
     SCOPED_TRACE(cudasim_test::dtype_name(t));
     for (int64_t cols : {132, 1000, 1020, 5000}) {
       const std::vector<float> v(static_cast<size_t>(2 * cols), 1.f);
@@ -199,7 +199,7 @@ TEST(Fp8Kernel, EveryScalingFormatDtypeAndPath) {
   uint32_t seed = 1;
   for (Fp8Scaling sc : kScalings) {
     for (Fp8Format fmt : kFormats) {
-      for (DType t : kDtypes) {
+      for (DType t : kInputDtypes) {
         for (bool pow2 : {false, true}) {
           const bool huge = pow2 != (fmt == Fp8Format::kE5M2);
           check({6, 37, sc, fmt, pow2, t, Layout::kContiguous, false, huge, seed++});
@@ -241,7 +241,7 @@ TEST(Fp8Kernel, ShapesWithTails) {
   int cases = 0;
   uint32_t k = 0;
   auto run = [&](const Shape& sh, Fp8Scaling sc, const Path& r) {
-    check({sh.rows, sh.cols, sc, kFormats[k % 2], k % 4 >= 2, kDtypes[k % 3], r.layout, r.dual,
+    check({sh.rows, sh.cols, sc, kFormats[k % 2], k % 4 >= 2, kInputDtypes[k % 3], r.layout, r.dual,
            k % 5 != 0, 100 + k});
     ++k;
     ++cases;
