@@ -180,6 +180,15 @@ void bind_io(py::module_& m) {
       .def_property_readonly("fixed_files", &Engine::fixed_files)
       .def_property_readonly("pool_budget", [](Engine& e) { return e.pool().budget(); })
       .def_property_readonly("pool_in_use", [](Engine& e) { return e.pool().in_use(); })
+      .def_property_readonly("path_bytes",
+                             [](Engine& e) {
+                               const auto& b = e.path_bytes();
+                               py::dict d;
+                               d["direct"] = b.direct.load();
+                               d["staged"] = b.staged.load();
+                               d["buffered"] = b.buffered.load();
+                               return d;
+                             })
       .def_property_readonly(
           "pool_base", [](Engine& e) { return reinterpret_cast<uintptr_t>(e.pool().arena()); })
       .def(

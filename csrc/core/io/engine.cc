@@ -2,6 +2,7 @@
 #include "core/io/engine.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -39,6 +40,24 @@ int open_fd(const std::string& path, bool write, bool direct) {
     fd = ::open(path.c_str(), flags, 0600);
   } while (fd < 0 && errno == EINTR);
   return fd;
+}
+
+// The file's O_DIRECT memory and offset alignment (Linux 6.1+ statx); 4 KiB when unknown.
+void query_dio_align(int fd, uint32_t* mem_align, uint32_t* offset_align) {
+  *mem_align = *offset_align = kAlign;
+#ifdef STATX_DIOALIGN
+  struct statx st {};
+  if (::statx(fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &st) == 0 &&
+      (st.stx_mask & STATX_DIOALIGN) != 0 && st.stx_dio_mem_align > 0 &&
+      st.stx_dio_offset_align > 0) {
+    *mem_align = st.stx_dio_mem_align;
+    // Never below a page: a buffered tail sharing a page with a direct write leaves stale page
+    // cache, which the kernel reports as EIO on the next fsync.
+    *offset_align = std::max<uint32_t>(st.stx_dio_offset_align, kAlign);
+  }
+#else
+  (void)fd;
+#endif
 }
 
 }  // namespace
@@ -113,6 +132,7 @@ Engine::File& Engine::open_file(const std::string& path, bool write) {
                           "); using buffered I/O through the page cache");
     }
   }
+  if (f.direct) query_dio_align(f.fd, &f.dio_mem_align, &f.dio_align);
   f.path = std::make_unique<std::string>(path);
   // Older descriptors stay open until forget()/close(): requests in flight may still use them.
   versions.push_back(std::move(f));
@@ -127,6 +147,34 @@ std::shared_ptr<IoRequest> Engine::read(void* buf, size_t len,
 std::shared_ptr<IoRequest> Engine::write(const void* buf, size_t len,
                                          const std::vector<std::string>& paths, uint64_t offset) {
   return submit(static_cast<char*>(const_cast<void*>(buf)), len, paths, offset, true);
+}
+
+BlockOp Engine::plan_op(File& f, char* mem, uint64_t len, uint64_t file_offset, bool write) {
+  BlockOp op;
+  op.buf = mem;
+  op.len = len;
+  op.offset = file_offset;
+  op.is_write = write;
+  op.dio_align = f.dio_align;
+  op.buffered_fd = f.buffered_fd;
+  op.path = f.path.get();
+  op.path_bytes = &path_bytes_;
+  op.direct = f.direct && file_offset % f.dio_align == 0 && len % f.dio_align == 0;
+  if (op.direct && reinterpret_cast<uintptr_t>(mem) % f.dio_mem_align == 0) {
+    op.fixed_index = fixed_ && pool_->contains(mem, len) ? 0 : -1;
+    path_bytes_.direct += len;
+  } else if (op.direct && round_up(len) <= pool_->budget()) {
+    op.user = mem;  // the backend gives it a pool buffer when it starts the op
+    op.buf = nullptr;
+    op.stage_pool = pool_.get();
+    op.fixed_index = fixed_ ? 0 : -1;
+    path_bytes_.staged += len;
+  } else {
+    op.direct = false;
+    path_bytes_.buffered += len;
+  }
+  op.fd = op.direct ? f.fd : f.buffered_fd;
+  return op;
 }
 
 std::shared_ptr<IoRequest> Engine::submit(char* buf, size_t len,
@@ -144,21 +192,6 @@ std::shared_ptr<IoRequest> Engine::submit(char* buf, size_t len,
   std::vector<File*> files;
   for (const auto& p : paths) files.push_back(&open_file(p, write));
 
-  // Unaligned user memory: stage through an aligned pool buffer so the bulk can use O_DIRECT.
-  char* io_buf = buf;
-  char* bounce = nullptr;
-  const bool any_direct =
-      std::any_of(files.begin(), files.end(), [](File* f) { return f->direct; });
-  if (any_direct && len >= kAlign && !is_aligned(reinterpret_cast<uintptr_t>(buf)) &&
-      is_aligned(offset) && round_up(len) <= pool_->budget()) {
-    bounce = static_cast<char*>(pool_->try_acquire(len));
-    if (bounce != nullptr) {
-      if (write) std::memcpy(bounce, buf, len);
-      io_buf = bounce;
-    }
-  }
-  const int fixed_index = fixed_ && pool_->contains(io_buf, len) ? 0 : -1;
-
   std::vector<BlockOp> ops;
   uint64_t pos = 0;
   while (pos < len) {
@@ -166,29 +199,17 @@ std::shared_ptr<IoRequest> Engine::submit(char* buf, size_t len,
     const uint64_t stripe = logical / bs;
     const uint64_t n = std::min<uint64_t>(len - pos, bs - logical % bs);
     File* f = files[stripe % files.size()];
-    BlockOp op;
-    op.offset = (stripe / files.size()) * bs + logical % bs;
-    op.buf = io_buf + pos;
-    op.len = n;
-    op.is_write = write;
-    op.direct = f->direct && is_aligned(reinterpret_cast<uintptr_t>(op.buf));
-    op.fd = op.direct ? f->fd : f->buffered_fd;
-    op.buffered_fd = f->buffered_fd;
-    op.fixed_index = fixed_index;
-    op.path = f->path.get();
+    const uint64_t file_offset = (stripe / files.size()) * bs + logical % bs;
+    // A tail below the direct-I/O granularity goes through the page cache on its own, so the
+    // rest of the block stays direct.
+    uint64_t bulk = n;
+    if (f->direct && file_offset % f->dio_align == 0) bulk = n - n % f->dio_align;
+    if (bulk > 0) ops.push_back(plan_op(*f, buf + pos, bulk, file_offset, write));
+    if (bulk < n) ops.push_back(plan_op(*f, buf + pos + bulk, n - bulk, file_offset + bulk, write));
     if (write) f->written = true;
-    ops.push_back(std::move(op));
     pos += n;
   }
   auto req = std::make_shared<IoRequest>(write, std::max<int64_t>(1, ops.size()));
-  AlignedPool* pool = pool_.get();
-  if (bounce != nullptr) {
-    req->set_on_done([=](IoStatus& st) {
-      (void)st;  // on a failed read, the bytes that did arrive are still copied out
-      if (!write) std::memcpy(buf, bounce, len);
-      pool->release(bounce);
-    });
-  }
   for (auto& op : ops) op.req = req;
   inflight_.erase(std::remove_if(inflight_.begin(), inflight_.end(),
                                  [](const std::shared_ptr<IoRequest>& r) { return r->done(); }),

@@ -11,11 +11,12 @@ IoStatus IoRequest::wait() {
 void IoRequest::complete_one(const IoStatus& status) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!status.ok() && status_.ok()) status_ = status;
+    // Blocks finish in any order: keep the failure nearest the start of the file, so the same
+    // request always reports the same error (e.g. where a short file ends).
+    if (!status.ok() && (status_.ok() || status.offset < status_.offset)) status_ = status;
   }
   if (pending_.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
   std::lock_guard<std::mutex> lock(mu_);
-  if (on_done_) on_done_(status_);
   finished_ = true;
   cv_.notify_all();
 }

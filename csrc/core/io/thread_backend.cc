@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "core/io/backend.h"
+#include "core/io/staging.h"
 
 namespace tierlift::io {
 
@@ -19,12 +20,16 @@ IoStatus run_blocking(BlockOp& op) {
   while (op.done < op.len) {
     const uint64_t left = op.len - op.done;
     // O_DIRECT needs aligned length and offset: an unaligned rest goes through the page cache.
-    const bool direct_ok = op.direct && (left % 4096 == 0) && ((op.offset + op.done) % 4096 == 0);
+    const bool direct_ok = op.direct_now();
     const int fd = direct_ok || op.buffered_fd < 0 ? op.fd : op.buffered_fd;
     ssize_t n = op.is_write ? ::pwrite(fd, op.buf + op.done, left, op.offset + op.done)
                             : ::pread(fd, op.buf + op.done, left, op.offset + op.done);
     if (n < 0) {
       if (errno == EINTR || errno == EAGAIN) continue;
+      if (errno == EINVAL && direct_ok && op.buffered_fd >= 0) {
+        op.direct = false;  // the drive refused this alignment after all: the page cache can't
+        continue;
+      }
       return op.error(errno);
     }
     if (n == 0) return op.error(op.is_write ? ENOSPC : kErrEof);
@@ -70,7 +75,9 @@ class ThreadBackend final : public IoBackend {
         op = std::move(queue_.front());
         queue_.pop_front();
       }
+      stage_begin(op, /*can_wait=*/false);
       IoStatus st = run_blocking(op);
+      stage_end(op);
       op.req->complete_one(st);
     }
   }

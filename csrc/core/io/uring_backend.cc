@@ -10,6 +10,7 @@
 #include <stdexcept>
 
 #include "core/io/backend.h"
+#include "core/io/staging.h"
 
 #ifdef TIERLIFT_HAVE_URING
 #include <liburing.h>
@@ -137,7 +138,7 @@ class UringBackend final : public IoBackend {
     BlockOp& op = slots_[slot];
     const uint64_t left = op.len - op.done;
     const uint64_t off = op.offset + op.done;
-    const bool direct_ok = op.direct && left % 4096 == 0 && off % 4096 == 0;
+    const bool direct_ok = op.direct_now();
     const int fd = direct_ok || op.buffered_fd < 0 ? op.fd : op.buffered_fd;
     const unsigned n = static_cast<unsigned>(left);
     io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
@@ -164,6 +165,10 @@ class UringBackend final : public IoBackend {
   bool on_complete(int slot, int res) {
     BlockOp& op = slots_[slot];
     if (res == -EAGAIN || res == -EINTR) return false;
+    if (res == -EINVAL && op.direct_now() && op.buffered_fd >= 0) {
+      op.direct = false;  // the drive refused this alignment after all: the page cache can't
+      return false;
+    }
     IoStatus st;
     if (res < 0) {
       st = op.error(-res);
@@ -172,6 +177,10 @@ class UringBackend final : public IoBackend {
     } else {
       op.done += static_cast<uint64_t>(res);
       if (op.done < op.len) return false;
+    }
+    if (op.staged()) {
+      stage_end(op);
+      --staged_inflight_;
     }
     auto req = std::move(op.req);
     req->complete_one(st);
@@ -187,6 +196,9 @@ class UringBackend final : public IoBackend {
         for (int slot : retry) prep(slot);
         retry.clear();
         while (!free_slots_.empty() && !pending_.empty()) {
+          // A staged op waits for pool memory only while ours in flight will release some.
+          if (stage_begin(pending_.front(), staged_inflight_ > 0) == Stage::kWait) break;
+          if (pending_.front().staged()) ++staged_inflight_;
           const int slot = free_slots_.back();
           free_slots_.pop_back();
           slots_[slot] = std::move(pending_.front());
@@ -236,6 +248,7 @@ class UringBackend final : public IoBackend {
   std::vector<int> free_slots_;
   std::mutex mu_;
   std::deque<BlockOp> pending_;
+  int staged_inflight_ = 0;  // staged ops holding pool buffers (ring thread only)
   bool stop_ = false;
   std::thread thread_;
 };

@@ -1,10 +1,15 @@
 """IoEngine: non-blocking tensor reads and writes to files through tierlift._C.io.Engine.
 
 Requests are split into `block_size` blocks and kept `queue_depth` deep in flight; with a list
-of paths the blocks are striped across them (one path per drive, RAID-0 style). Tensors whose
-memory is not 4 KiB aligned are staged through the engine's aligned buffer pool, whose size is
-the explicit `pool_bytes` budget; `pool_tensor()` hands out aligned (and, with a GPU, pinned)
-tensors from that pool that go to the disk without a copy.
+of paths the blocks are striped across them (one path per drive, RAID-0 style).
+
+The engine reads and writes with O_DIRECT. Memory aligned to what the file's O_DIRECT needs
+(the kernel says, through statx: often 4 bytes on NVMe, 512 on virtio disks) goes to the drive in
+place; other memory, such as an ordinary tensor from torch's 64-byte-aligned allocator on a
+512-byte device, is staged block by block through the engine's aligned buffer pool, whose size is
+the explicit `pool_bytes` budget; each block holds a pool buffer only while it is in flight, so a
+request of any size streams through it. `pool_tensor()` hands out aligned (and, with a GPU,
+pinned) tensors from that pool that always go to the disk without a copy.
 """
 
 from __future__ import annotations
@@ -137,6 +142,13 @@ class IoEngine:
     @property
     def pool_in_use(self) -> int:
         return self._engine.pool_in_use
+
+    @property
+    def path_bytes(self) -> dict[str, int]:
+        """Bytes requested so far by path: 'direct' (O_DIRECT in place), 'staged' (O_DIRECT
+        through the pool) and 'buffered' (page cache: tails below the drive's direct-I/O size,
+        file systems without O_DIRECT, staging that found the pool full)."""
+        return dict(self._engine.path_bytes)
 
     def close(self) -> None:
         """Waits for requests in flight, then releases the ring, threads and files."""
