@@ -1,5 +1,5 @@
 """CPU AdamW step throughput: tierlift vs torch (foreach, fused) vs DeepSpeedCPUAdam, against the
-memory-bandwidth roofline of the same machine, measured in the same run.
+memory-bandwidth bound of the same machine, measured in the same run.
 
     python benchmarks/bench_optim.py                       # 10M, 100M, 1B parameters
     python benchmarks/bench_optim.py --sizes 1e7,1e8 --repeats 3
@@ -8,11 +8,12 @@ Two cases, where every contender does the same work:
   fp32   fp32 params, grads and state.
   mixed  bf16 gradients in, fp32 master weights and state, updated bf16 weights out. tierlift does
          it in one fused pass; the peers need grad.float() before and weight.copy_() after.
-Roofline: bytes the step must move (fp32: 28 B/param; mixed: 30 B/param) divided by the memory
-bandwidth measured here, in the same run: the larger of torch copy_ (read + write counted; it
-also pays the write-allocate read, so it understates) and an in-place a.add_(b) stream (read a
-and b, write a back: the same access pattern as the Adam step). The larger bandwidth gives the
-stricter roofline. Ratios are what count on a shared machine; each time is the median of
+Bound: the time of tierlift's memory pass (torch.ops.tierlift.adam_memory_pass_) over the same
+tensors: the step's loads and stores, cut into the same chunks over the same threads with the same
+SIMD path, with one add per stored stream in place of Adam's arithmetic. It is a STREAM-like
+kernel with exactly the step's access pattern, so no step can move its bytes faster on this
+machine; "% of bound" is its time over the step's. torch's copy_ and in-place add_ bandwidths are
+printed for context. Ratios are what count on a shared machine; each time is the median of
 --repeats steps, the better of two rounds run in opposite contender orders.
 """
 
@@ -29,16 +30,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tierlift  # noqa: E402
 from common import machine, median_time, mem_available_bytes, print_table, write_json  # noqa: E402
 
-BYTES_PER_PARAM = {"fp32": 28, "mixed": 30}
+BYTES_PER_PARAM = {"fp32": 28, "mixed": 28}  # loads + stores of one step, for the GB/s column
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
 
-def memory_bandwidth(nbytes: int = 1 << 30) -> dict:
-    """Bytes/s of a copy_ and of an in-place add_ stream over `nbytes` tensors."""
+def torch_bandwidth(nbytes: int = 1 << 30) -> dict:
+    """Bytes/s of torch's copy_ and in-place add_ over `nbytes` tensors (context only)."""
     a, b = torch.ones(nbytes // 4), torch.ones(nbytes // 4)
     copy_bw = 2 * nbytes / median_time(lambda: a.copy_(b), repeats=5)
     add_bw = 3 * nbytes / median_time(lambda: a.add_(b), repeats=5)
-    return {"copy": copy_bw, "inplace_add": add_bw, "roofline": max(copy_bw, add_bw)}
+    return {"copy": copy_bw, "inplace_add": add_bw}
+
+
+def memory_pass(case: str, n: int):
+    """The bound: the step's loads and stores over the tensors tierlift's step would use."""
+    p, m, v = torch.randn(n), torch.zeros(n), torch.zeros(n)
+    g = torch.randn(n) * 1e-3
+    copies = []
+    if case == "mixed":
+        g = g.to(torch.bfloat16)
+        copies = [torch.empty(n, dtype=torch.bfloat16)]
+    return lambda: torch.ops.tierlift.adam_memory_pass_([p], [g], [m], [v], copies)
 
 
 def deepspeed_adam():
@@ -51,7 +63,9 @@ def deepspeed_adam():
 
 
 def make_contender(name: str, case: str, n: int):
-    """Returns (step_fn, cleanup) for one contender doing one full step of the case's work."""
+    """Returns the step function of one contender doing one full step of the case's work."""
+    if name == "bound":
+        return memory_pass(case, n)
     g = torch.randn(n) * 1e-3
     if case == "fp32":
         p = torch.nn.Parameter(torch.randn(n))
@@ -126,7 +140,7 @@ def cuda_rows(sizes, repeats: int) -> list[dict]:
 
 
 def needed_bytes(name: str, case: str, n: int) -> int:
-    base = {"fp32": 16, "mixed": 16 if name == "tierlift" else 24}[case]
+    base = {"fp32": 16, "mixed": 16 if name in ("tierlift", "bound") else 24}[case]
     extra = 8 if name == "torch-foreach" else 0  # foreach keeps temporaries of the whole list
     return (base + extra) * n
 
@@ -143,22 +157,21 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     DS_ADAM, DS_ERROR = deepspeed_adam()
-    contenders = ["tierlift", "torch-foreach", "torch-fused"] + (["deepspeed"] if DS_ADAM else [])
-    bws = memory_bandwidth()
-    bw = bws["roofline"]
+    contenders = ["bound", "tierlift", "torch-foreach", "torch-fused"] + (
+        ["deepspeed"] if DS_ADAM else [])
+    bws = torch_bandwidth()
     info = tierlift.build_info()
     print(f"machine: {machine()}")
     print(
         f"tierlift SIMD path: {info.get('active_simd')}, threads: {info.get('cpu_threads')}; "
-        f"memory bandwidth: copy_ {bws['copy'] / 1e9:.1f} GB/s, in-place add_ "
-        f"{bws['inplace_add'] / 1e9:.1f} GB/s (roofline uses {bw / 1e9:.1f})"
+        f"torch copy_ {bws['copy'] / 1e9:.1f} GB/s, in-place add_ "
+        f"{bws['inplace_add'] / 1e9:.1f} GB/s"
     )
     if DS_ERROR:
         print(f"DeepSpeedCPUAdam: not available ({DS_ERROR})")
     rows = []
     for case in args.cases.split(","):
         for n in (int(float(s)) for s in args.sizes.split(",")):
-            roofline_s = BYTES_PER_PARAM[case] * n / bw
             times = {}
             # Two rounds in opposite orders, best median per contender: the first contender
             # after a big free otherwise pays for page reclaim / fragmented (non-huge) pages.
@@ -183,10 +196,11 @@ def main() -> None:
                 "case": case,
                 "params": f"{n:.0e}",
                 "tierlift Mparam/s": n / ours / 1e6,
-                "% roofline": 100 * roofline_s / ours,
+                "bound GB/s": BYTES_PER_PARAM[case] * n / times["bound"] / 1e9,
+                "% of bound": 100 * times["bound"] / ours,
             }
             for name, t in times.items():
-                if name != "tierlift":
+                if name not in ("tierlift", "bound"):
                     row[f"vs {name}"] = t / ours
             rows.append(row)
             print(
@@ -197,14 +211,14 @@ def main() -> None:
     if torch.cuda.is_available() and tierlift._extension.has_cuda_kernels():
         # bf16 params on GPU: ours keeps an fp32 master (more bytes), torch's works in bf16.
         rows += cuda_rows([int(1e7), int(1e8)], args.repeats)
-    columns = ["case", "params", "tierlift Mparam/s", "% roofline"] + [
-        f"vs {c}" for c in contenders if c != "tierlift"
+    columns = ["case", "params", "tierlift Mparam/s", "bound GB/s", "% of bound"] + [
+        f"vs {c}" for c in contenders if c not in ("tierlift", "bound")
     ]
     print_table(rows, columns, "AdamW step (\"vs X\" = X's time / tierlift's time; >1 = faster)")
     write_json(
         "bench_optim",
         {
-            "bandwidth_GBps": {k: v / 1e9 for k, v in bws.items()},
+            "torch_bandwidth_GBps": {k: v / 1e9 for k, v in bws.items()},
             "deepspeed": DS_ERROR or "ok",
             "rows": rows,
         },

@@ -111,6 +111,17 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
   adam_step(a.hyper, views.data(), views.size());
 }
 
+void adam_memory_pass_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                          at::TensorList exp_avg_sqs, at::TensorList param_copies) {
+  const AdamArgs a = make_args(params, grads, exp_avgs, exp_avg_sqs, {}, param_copies, 1e-3, 0.9,
+                               0.999, 1e-8, 0.0, 1, true, false, false);
+  check_adam_args(a, c10::DeviceType::CPU);
+  std::vector<AdamTensor> views;
+  views.reserve(params.size());
+  for (size_t i = 0; i < params.size(); ++i) views.push_back(core_view(a, i));
+  adam_memory_pass(views.data(), views.size());
+}
+
 #ifdef TIERLIFT_WITH_CUDA
 void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                     at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
@@ -147,7 +158,10 @@ void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(tierlift, CPU, m) { m.impl("adam_step_", &adam_step_cpu); }
+TORCH_LIBRARY_IMPL(tierlift, CPU, m) {
+  m.impl("adam_step_", &adam_step_cpu);
+  m.impl("adam_memory_pass_", &adam_memory_pass_cpu);
+}
 
 #ifdef TIERLIFT_WITH_CUDA
 TORCH_LIBRARY_IMPL(tierlift, CUDA, m) { m.impl("adam_step_", &adam_step_cuda); }

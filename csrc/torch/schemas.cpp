@@ -12,6 +12,11 @@ TORCH_LIBRARY(tierlift, m) {
       "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] param_copies, "
       "float lr, float beta1, float beta2, float eps, float weight_decay, int step, "
       "bool decoupled, bool amsgrad, bool maximize) -> ()");
+  // The same loads and stores as adam_step_ without its arithmetic (CPU only): the step's
+  // memory-bandwidth bound, for benchmarks. Leaves the tensors' values meaningless.
+  m.def(
+      "adam_memory_pass_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
+      "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] param_copies) -> ()");
 
   // ---- io ----
 

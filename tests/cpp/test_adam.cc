@@ -127,6 +127,25 @@ TEST(Adam, CopyHoldsRoundedParam) {
   for (int64_t i = 0; i < n; ++i) ASSERT_EQ(b.copy16[i], f32_to_bf16(b.param[i]));
 }
 
+// The benchmarks' bound must move every byte the step moves, tails and all: each stored stream
+// gets the gradient added once, and the low-precision copy receives the new weight.
+TEST(Adam, MemoryPassTouchesEveryElementTheStepTouches) {
+  const int64_t n = 3 * (1 << 15) + 37;  // several threading chunks and a scalar tail
+  Buffers b(n, 5);
+  const std::vector<float> p0 = b.param;
+  AdamTensor t = b.view(DType::kBFloat16, DType::kBFloat16);
+  adam_memory_pass(&t, 1);
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = bf16_to_f32(b.grad16[i]);
+    ASSERT_EQ(b.param[i], p0[i] + g) << i;
+    ASSERT_EQ(b.m[i], g) << i;
+    ASSERT_EQ(b.v[i], g) << i;
+    ASSERT_EQ(b.copy16[i], f32_to_bf16(p0[i] + g)) << i;
+  }
+  t.param = nullptr;
+  EXPECT_THROW(adam_memory_pass(&t, 1), std::invalid_argument);
+}
+
 TEST(Adam, RejectsInconsistentInput) {
   Buffers b(8, 1);
   AdamHyper h;

@@ -64,13 +64,8 @@ struct Chunk {
   int64_t begin, end;
 };
 
-}  // namespace
-
-void adam_step(const AdamHyper& hyper, const AdamTensor* tensors, size_t count) {
-  for (size_t i = 0; i < count; ++i) validate(hyper, tensors[i], i);
-  const AdamScalars s = adam_scalars(hyper);
+void run_chunks(const AdamScalars& s, const AdamTensor* tensors, size_t count) {
   const SimdLevel level = active_simd_level();
-
   constexpr int64_t kChunk = 1 << 15;  // 32K elements: ~1 MB of traffic, amortizes dispatch
   std::vector<Chunk> chunks;
   for (size_t i = 0; i < count; ++i) {
@@ -85,6 +80,21 @@ void adam_step(const AdamHyper& hyper, const AdamTensor* tensors, size_t count) 
           adam_step_range(level, s, tensors[ch.tensor], ch.begin, ch.end);
         }
       });
+}
+
+}  // namespace
+
+void adam_step(const AdamHyper& hyper, const AdamTensor* tensors, size_t count) {
+  for (size_t i = 0; i < count; ++i) validate(hyper, tensors[i], i);
+  run_chunks(adam_scalars(hyper), tensors, count);
+}
+
+void adam_memory_pass(const AdamTensor* tensors, size_t count) {
+  const AdamHyper hyper;
+  for (size_t i = 0; i < count; ++i) validate(hyper, tensors[i], i);
+  AdamScalars s = adam_scalars(hyper);
+  s.memory_only = true;
+  run_chunks(s, tensors, count);
 }
 
 }  // namespace tierlift

@@ -48,6 +48,7 @@ struct AdamScalars {
   float neg_step_size;  // -lr / (1 - beta1^step)
   float bc2_sqrt;       // sqrt(1 - beta2^step)
   bool decoupled, amsgrad, maximize;
+  bool memory_only = false;  // adam_memory_pass: the loads and stores without the arithmetic
 };
 
 AdamScalars adam_scalars(const AdamHyper& h);
@@ -55,7 +56,14 @@ AdamScalars adam_scalars(const AdamHyper& h);
 // Throws std::invalid_argument on inconsistent input (null pointers, amsgrad without buffer).
 void adam_step(const AdamHyper& hyper, const AdamTensor* tensors, size_t count);
 
-// Same, on an explicit SIMD level and without threading (used by tests and benchmarks).
+// The bytes adam_step moves, without its arithmetic: the same loads and stores (amsgrad off), cut
+// into the same chunks over the same threads, with one add per stored stream. What the step can
+// reach on this machine, i.e. its memory-bandwidth bound, for benchmarks; it leaves the state
+// meaningless.
+void adam_memory_pass(const AdamTensor* tensors, size_t count);
+
+// Same as adam_step, on an explicit SIMD level and without threading (used by tests and
+// benchmarks).
 void adam_step_range(SimdLevel level, const AdamScalars& s, const AdamTensor& t, int64_t begin,
                      int64_t end);
 

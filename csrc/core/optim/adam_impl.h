@@ -73,9 +73,28 @@ inline void update(const AdamScalars& s, const Consts<V>& c, const AdamTensor& t
   if constexpr (kCopy != DType::kNone) store_from_f32<V, kCopy>(t.param_copy, i, p);
 }
 
+// adam_memory_pass: update()'s loads and stores with one add per stored stream in place of the
+// arithmetic, so it moves exactly the step's bytes at no compute cost.
+template <class V, DType kGrad, DType kCopy>
+inline void touch(const AdamTensor& t, int64_t i) {
+  using R = typename V::R;
+  const R g = load_as_f32<V, kGrad>(t.grad, i);
+  const R p = V::add(V::load(t.param + i), g);
+  V::store(t.exp_avg + i, V::add(V::load(t.exp_avg + i), g));
+  V::store(t.exp_avg_sq + i, V::add(V::load(t.exp_avg_sq + i), g));
+  V::store(t.param + i, p);
+  if constexpr (kCopy != DType::kNone) store_from_f32<V, kCopy>(t.param_copy, i, p);
+}
+
 // Vector body plus a scalar tail (S is the scalar V, so tails round exactly like the body).
 template <class V, class S, DType kGrad, DType kCopy>
 void range(const AdamScalars& s, const AdamTensor& t, int64_t begin, int64_t end) {
+  if (s.memory_only) {
+    int64_t i = begin;
+    for (; i + V::kWidth <= end; i += V::kWidth) touch<V, kGrad, kCopy>(t, i);
+    for (; i < end; ++i) touch<S, kGrad, kCopy>(t, i);
+    return;
+  }
   const Consts<V> c(s);
   int64_t i = begin;
   for (; i + V::kWidth <= end; i += V::kWidth) update<V, kGrad, kCopy>(s, c, t, i);
