@@ -2,10 +2,13 @@
 under torch.compile and pass torch.library.opcheck.
 
 Wrappers call torch.ops.tierlift.* when the compiled extension is loaded, else the pure-torch
-reference (with the one-time warning _extension already gave).
+reference (with the one-time warning _extension already gave). check_adam_hyper validates the
+hyperparameters of adam_step_ for both of its callers (tierlift.optim and tierlift.offload).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -62,6 +65,30 @@ def adam_step_(
         torch.ops.tierlift.adam_step_(*args)
     else:
         reference.adam_step_(*args)
+
+
+def _finite(name: str, value) -> float:
+    v = float(value.item() if isinstance(value, torch.Tensor) else value)
+    if not math.isfinite(v):
+        raise ValueError(f"{name} must be finite, got {v}")
+    return v
+
+
+def check_adam_hyper(lr, betas, eps, weight_decay) -> None:
+    """Raises a ValueError naming the first bad Adam hyperparameter (as a param group holds
+    them); the steppers call it before they change anything."""
+    lr_v = _finite("lr", lr)
+    if lr_v < 0:
+        raise ValueError(f"lr must be >= 0, got {lr_v}")
+    if len(betas) != 2:
+        raise ValueError(f"betas must be a pair, got {betas!r}")
+    for i, b in enumerate(betas):
+        if not 0.0 <= _finite(f"betas[{i}]", b) < 1.0:
+            raise ValueError(f"betas[{i}] must be in [0, 1), got {b}")
+    if _finite("eps", eps) < 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    if _finite("weight_decay", weight_decay) < 0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
 
 
 if _extension.available():

@@ -159,7 +159,8 @@ for _ in range(2):
     opt.step()
 p.grad = None
 ck = os.path.join(root, "ck")
-off = growth(lambda: opt._offload.save_state(os.path.join(root, "state")))
+save = tierlift.checkpoint.stream.save_offloaded
+off = growth(lambda: save(opt._offload, os.path.join(root, "state")))
 full = growth(lambda: tierlift.checkpoint.save(ck, torch.nn.ParameterList([p]), opt))
 opt2 = make(budget // 2)
 back = growth(lambda: tierlift.checkpoint.load(ck, torch.nn.ParameterList([p]), opt2))

@@ -43,6 +43,21 @@ def read_metadata(path: str) -> dict:
     return meta
 
 
+def jsonable(value):
+    """`value` (a param group's hyperparameter: a number, a 0-d tensor, a tuple) as JSON has it."""
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    return value
+
+
+def param_groups_json(optimizer) -> list[dict]:
+    """The optimizer's param groups without their parameters, as metadata.json stores them."""
+    return [{k: jsonable(v) for k, v in g.items() if k != "params"}
+            for g in optimizer.param_groups]
+
+
 def write_json(file: str, obj) -> None:
     """A JSON file, flushed to the drive before it is published by replace_dir()."""
     with open(file, "w") as f:

@@ -15,6 +15,7 @@ import torch
 from tierlift.checkpoint import agree, replicated, reshard, restore, stream
 from tierlift.checkpoint import format as fmt
 from tierlift.checkpoint.agree import comm_device
+from tierlift.offload.journal import Journal
 from tierlift.zero.api import _ATTR, _SHARD_NAME, _state
 
 
@@ -47,14 +48,6 @@ def _load_per_param_state(optimizer, loaded: dict, before_commit=None) -> None:
     agree.load_optimizer_state(optimizer, sd, before_commit)
 
 
-def _jsonable(value):
-    if isinstance(value, torch.Tensor):
-        return value.item() if value.numel() == 1 else value.tolist()
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return value
-
-
 def _offloader(optimizer):
     return getattr(optimizer, "_offload", None) if optimizer is not None else None
 
@@ -81,8 +74,8 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
     tensors: dict[str, torch.Tensor] = {}
     off = _offloader(optimizer)
     if off is not None:
-        off.save_state(os.path.join(tmp, optim_dir(comm.rank)),
-                       {u.shard: f"unit{i}" for i, u in enumerate(state.units)})
+        stream.save_offloaded(off, os.path.join(tmp, optim_dir(comm.rank)),
+                              {u.shard: f"unit{i}" for i, u in enumerate(state.units)})
     opt_state = {} if off is not None else _per_param_state(optimizer)
     for i, unit in enumerate(state.units):
         tensors[f"unit{i}.param"] = unit.shard.detach().cpu()
@@ -110,9 +103,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
                        "entries": [{"names": e.names, "shape": list(e.shape),
                                     "offset": e.offset, "numel": e.numel}
                                    for e in u.entries]} for u in state.units],
-            "param_groups": [] if optimizer is None else [
-                {k: _jsonable(v) for k, v in g.items() if k != "params"}
-                for g in optimizer.param_groups],
+            "param_groups": [] if optimizer is None else fmt.param_groups_json(optimizer),
         }
         fmt.write_json(os.path.join(tmp, fmt.METADATA), meta)
         fmt.replace_dir(tmp, path)
@@ -226,7 +217,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None) -> dic
     # extras are copied in place behind an undo journal; the optimizer fills its uncommitted
     # generation (or journals in-place fills) and calls the agreement right before it commits.
     agreement = agree.Agreement(comm, path)
-    journal = restore.Journal()
+    journal = Journal()
     try:
         for i, (unit, saved) in enumerate(zip(state.units, meta["units"], strict=False)):
             new = _take(shards, unit, saved, f"unit{i}.param", comm.rank)  # one unit at a time

@@ -21,6 +21,7 @@ import torch
 
 from tierlift.checkpoint import agree, restore, stream
 from tierlift.checkpoint import format as fmt
+from tierlift.offload.journal import Journal
 from tierlift.zero.comm import Comm
 
 OPTIM_DIR = "optim"
@@ -46,13 +47,6 @@ def _barrier() -> None:
         torch.distributed.barrier()
 
 
-def _hyper(optimizer) -> list[dict]:
-    from tierlift.checkpoint.io import _jsonable
-
-    return [{k: _jsonable(v) for k, v in g.items() if k != "params"}
-            for g in optimizer.param_groups]
-
-
 def save(path: str, model: torch.nn.Module, optimizer, extra: dict | None) -> None:
     rank, _ = _dist()
     if rank == 0:
@@ -65,7 +59,7 @@ def save(path: str, model: torch.nn.Module, optimizer, extra: dict | None) -> No
         kind, scalars = None, {}
         if off is not None:
             kind = "offloaded"
-            off.save_state(os.path.join(tmp, OPTIM_DIR), names)
+            stream.save_offloaded(off, os.path.join(tmp, OPTIM_DIR), names)
         elif optimizer is not None:
             kind = "tensors"
             for i, st in optimizer.state_dict()["state"].items():
@@ -79,7 +73,7 @@ def save(path: str, model: torch.nn.Module, optimizer, extra: dict | None) -> No
             "format": fmt.FORMAT, "version": fmt.VERSION, "layout": "replicated",
             "world_size": 1, "key_order": list(model.state_dict().keys()),
             "optimizer_state": kind, "optimizer_scalars": scalars,
-            "param_groups": [] if optimizer is None else _hyper(optimizer),
+            "param_groups": [] if optimizer is None else fmt.param_groups_json(optimizer),
             "param_names": [] if optimizer is None else [
                 [names.get(p) for p in g["params"]] for g in optimizer.param_groups],
             "extra": extra or {},
@@ -177,7 +171,7 @@ def load(path: str, model: torch.nn.Module, optimizer) -> dict:
     # an undo journal, first (an offloading optimizer takes a parameter as its master where a
     # state dict has none); the optimizer's state uncommitted until the agreement.
     agreement = agree.Agreement(_comm(model), path)
-    journal = restore.Journal()
+    journal = Journal()
     try:
         for value in model.state_dict().values():
             journal.keep(value)

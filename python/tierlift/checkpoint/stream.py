@@ -196,10 +196,3 @@ def names(directory: str) -> list[dict]:
     """[{param index: name recorded at save}] per group."""
     return [{e["index"]: e["name"] for e in g["params"]}
             for g in read_state_json(directory)["groups"]]
-
-
-def load_offloaded(off, directory: str, check: bool = True) -> None:
-    """restore.load_offloaded (kept here for callers of the old place)."""
-    from tierlift.checkpoint.restore import load_offloaded as load
-
-    load(off, directory, check)

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tierlift._shards import is_shard, on_shard_grad_ready
+
 
 def _hyper(group: dict) -> tuple:
     return (float(group["lr"]), tuple(group["betas"]), group["eps"], group["weight_decay"],
@@ -77,8 +79,6 @@ class Overlap:
             overlap = me()
             if overlap is not None:
                 overlap._on_grad(p)
-
-        from tierlift.zero.api import is_shard, on_shard_grad_ready
 
         for gi, group in enumerate(offloader.opt.param_groups):
             for pi, p in enumerate(group["params"]):

@@ -23,8 +23,10 @@ import numpy as np
 import torch
 
 from tierlift import ops
+from tierlift._shards import all_ranks_agree, global_grad_norm, is_shard
 from tierlift.io import ChecksumError, EngineConfig, IoEngine
 from tierlift.offload.config import OffloadConfig
+from tierlift.offload.journal import filling
 from tierlift.offload.layout import ALIGN_ELEMS, build_layout, even_chunk_elems
 from tierlift.offload.tiers import _CRC_POOL as CRC_POOL
 from tierlift.offload.tiers import MemoryTier, NvmeTier, make_state_dir, remove_stale_dirs
@@ -35,9 +37,7 @@ MIN_SLOT_CHUNK_BYTES = 1 << 20  # the smallest chunk per kind worth an extra pip
 
 
 def _check_group(gi: int, group: dict, kinds: list[str]) -> None:
-    from tierlift.optim.adam import _check_hyper
-
-    _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+    ops.check_adam_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
     if _state_kinds(group["amsgrad"]) != kinds:
         raise ValueError(f"param_groups[{gi}]['amsgrad'] changed after the optimizer was "
                          "created; offloaded state cannot change kinds")
@@ -89,8 +89,6 @@ class Offloader:
         self._engine = None
         self._dir = None
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        from tierlift.zero.api import is_shard
-
         self._zero = any(is_shard(p) for p in params)
         for gi, group in enumerate(optimizer.param_groups):
             for pi, p in enumerate(group["params"]):
@@ -314,8 +312,6 @@ class Offloader:
                 finite = bool(torch.stack([f.cpu() for f in flags]).all())
         if self._zero:
             # ZeRO shards: a non-finite value on any rank skips the step on every rank.
-            from tierlift.zero.api import all_ranks_agree
-
             finite = all_ranks_agree(self._params(), finite)
         return finite
 
@@ -328,8 +324,6 @@ class Offloader:
         params = [p for g in self.opt.param_groups for p in g["params"] if p.grad is not None]
         if self._zero:
             # ZeRO shards: the norm over all ranks, exactly as tierlift.zero.clip_grad_norm_.
-            from tierlift.zero.api import global_grad_norm
-
             total = global_grad_norm(params)
         else:
             total = torch.nn.utils.get_total_norm([p.grad for p in params])
@@ -570,21 +564,8 @@ class Offloader:
             torch.cuda.synchronize()  # the staging slot is reused three chunks later
             stats["h2d_s"] += time.perf_counter() - t2
 
-    # ---- streaming checkpoints ---------------------------------------------------------
-    def save_state(self, directory: str, names: dict | None = None) -> None:
-        """Writes the committed state to `directory` chunk by chunk through the pipeline slot
-        (never more host memory than the pool); the layout does not depend on chunk size or
-        budget. See tierlift.checkpoint.stream."""
-        from tierlift.checkpoint.stream import save_offloaded
-
-        save_offloaded(self, os.fspath(directory), names)
-
-    def load_state(self, directory: str, check: bool = True) -> None:
-        """Replaces the state with the one save_state() wrote to `directory` (SHA-256 checked
-        first; all-or-nothing, whatever the tier)."""
-        from tierlift.checkpoint.restore import load_offloaded
-
-        load_offloaded(self, os.fspath(directory), check)
+    # Streaming checkpoints of the tiers (never the whole state in RAM) are in
+    # tierlift.checkpoint: stream.save_offloaded(offloader, dir), restore.load_offloaded.
 
     # ---- state dict ----------------------------------------------------------------------
     def materialize(self) -> dict:
@@ -625,11 +606,9 @@ class Offloader:
     def ingest(self, loaded: dict, before_commit=None) -> None:
         """Moves {param: {kind: tensor}} (from a state dict) into the tiers, all-or-nothing.
         Shapes are checked first; NVMe chunks go to the other generation and flip together at
-        the end, host chunks are filled in place behind an undo journal (restore.Journal), so a
+        the end, host chunks are filled in place behind an undo journal (journal.Journal), so a
         failure (a full drive, an interrupt) leaves the tiers as they were. `before_commit`, if
         given, is called last, before the flips; if it raises, everything is undone."""
-        from tierlift.checkpoint.restore import filling
-
         for gi, group in enumerate(self.opt.param_groups):
             for pi, p in enumerate(group["params"]):
                 for k, v in loaded.get(p, {}).items():

@@ -16,7 +16,6 @@ optimizer and ours in both directions. Differences, all deliberate:
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import warnings
@@ -26,30 +25,9 @@ import torch
 from torch.optim import Optimizer
 
 from tierlift import ops
+from tierlift.offload import OffloadConfig, Offloader
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
-
-
-def _finite(name: str, value) -> float:
-    v = float(value.item() if isinstance(value, torch.Tensor) else value)
-    if not math.isfinite(v):
-        raise ValueError(f"{name} must be finite, got {v}")
-    return v
-
-
-def _check_hyper(lr, betas, eps, weight_decay) -> None:
-    lr_v = _finite("lr", lr)
-    if lr_v < 0:
-        raise ValueError(f"lr must be >= 0, got {lr_v}")
-    if len(betas) != 2:
-        raise ValueError(f"betas must be a pair, got {betas!r}")
-    for i, b in enumerate(betas):
-        if not 0.0 <= _finite(f"betas[{i}]", b) < 1.0:
-            raise ValueError(f"betas[{i}] must be in [0, 1), got {b}")
-    if _finite("eps", eps) < 0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
-    if _finite("weight_decay", weight_decay) < 0:
-        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
 
 
 def _caller_stacklevel() -> int:
@@ -88,7 +66,7 @@ class Adam(Optimizer):
         overlap=False,
         max_grad_norm=None,
     ):
-        _check_hyper(lr, betas, eps, weight_decay)
+        ops.check_adam_hyper(lr, betas, eps, weight_decay)
         if differentiable:
             raise ValueError(
                 "tierlift optimizers do not support differentiable=True; "
@@ -123,8 +101,6 @@ class Adam(Optimizer):
         self._offload = None
         extras = (nvme_path, cpu_budget, max_grad_norm)
         if offload != "none" or overlap or any(x is not None for x in extras):
-            from tierlift.offload import OffloadConfig, Offloader
-
             config = OffloadConfig(
                 offload=offload,
                 nvme_path=nvme_path,
@@ -274,7 +250,7 @@ class Adam(Optimizer):
 
     def _step_group(self, gi: int, group: dict) -> None:
         beta1, beta2 = group["betas"]
-        _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        ops.check_adam_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
         lr = float(group["lr"])
         # (device, step) -> lists for one fused call; params that skipped steps keep their count.
         buckets: dict = defaultdict(lambda: defaultdict(list))

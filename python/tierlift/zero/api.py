@@ -15,18 +15,24 @@ import weakref
 import torch
 from torch import nn
 
+from tierlift._shards import (  # noqa: F401  (re-exported: tierlift.zero's API)
+    all_ranks_agree,
+    global_grad_norm,
+    is_shard,
+    on_shard_grad_ready,
+    sharded_norm,
+)
 from tierlift.lowp.linear import Float8Linear
 from tierlift.zero.comm import Comm
 from tierlift.zero.config import MixedPrecision, ShardConfig
 from tierlift.zero.fp8_gather import enable_fp8_all_gather
 from tierlift.zero.groups import check_param_group_fn, register_shards, split_units
 from tierlift.zero.heartbeat import Heartbeat
-from tierlift.zero.hooks import ZeroState, shard_owner
+from tierlift.zero.hooks import _ATTR, ZeroState, _state
 from tierlift.zero.param_nvme import NvmeParamStore
 from tierlift.zero.param_offload import ParamOffload
 from tierlift.zero.unit import FlatUnit
 
-_ATTR = "_tierlift_zero"
 _SHARD_NAME = "_zero_flat_shard"
 
 
@@ -233,13 +239,6 @@ def close(model: nn.Module) -> None:
         offload.store.close()
 
 
-def _state(model: nn.Module) -> ZeroState:
-    state = getattr(model, _ATTR, None)
-    if state is None:
-        raise ValueError("model is not sharded: call tierlift.zero.shard(model, ...) first")
-    return state
-
-
 @contextlib.contextmanager
 def no_sync(model: nn.Module):
     """Gradient accumulation without communication: backward passes inside keep summing the
@@ -251,85 +250,6 @@ def no_sync(model: nn.Module):
         yield
     finally:
         state.syncing = prev
-
-
-def on_shard_grad_ready(param: torch.Tensor, fn):
-    """Calls fn(param) each time a synced backward has set (or accumulated into) the gradient
-    of `param`, a shard of a sharded model, i.e. as soon as that unit's reduction is done
-    (not inside no_sync()). Returns a handle with .remove()."""
-    owner = shard_owner(param)
-    if owner is None:
-        raise ValueError("param is not a shard of a model sharded by tierlift.zero.shard")
-    return owner[0].on_grad_ready(param, fn)
-
-
-def is_shard(param: torch.Tensor) -> bool:
-    """Whether `param` is the flat shard of a unit of a (live) sharded model."""
-    return shard_owner(param) is not None
-
-
-@torch.no_grad()
-def global_grad_norm(params, norm_type: float = 2.0) -> torch.Tensor:
-    """The norm of the gradients of `params` over all ranks: shards of sharded models add up
-    across their process group; other parameters (replicated) count once. With the shards of
-    one model only, this is exactly the norm clip_grad_norm_(model) computes."""
-    norm_type = float(norm_type)
-    by_state: dict[int, tuple] = {}
-    local = []
-    for p in params:
-        if p.grad is None:
-            continue
-        owner = shard_owner(p)
-        if owner is None:
-            local.append(p.grad)
-        else:
-            by_state.setdefault(id(owner[0]), (owner[0], set()))[1].add(owner[1])
-    totals = []
-    for state, index in by_state.values():
-        grads = [u.shard.grad for i, u in enumerate(state.units)
-                 if i in index and u.shard.grad is not None]
-        totals.append(_sharded_norm(state, grads, norm_type))
-    if local:
-        totals.append(torch.nn.utils.get_total_norm(local, norm_type))
-    if len(totals) == 1:
-        return totals[0]
-    if not totals:
-        return torch.zeros(())
-    totals = [t.to(torch.float32).cpu() for t in totals]
-    if math.isinf(norm_type):
-        return torch.stack(totals).max()
-    return torch.stack([t ** norm_type for t in totals]).sum() ** (1.0 / norm_type)
-
-
-def all_ranks_agree(params, flag: bool) -> bool:
-    """`flag` and-ed over every rank of the process groups of the shards among `params` (a
-    collective over those groups; `flag` itself when there are none)."""
-    seen = {}
-    for p in params:
-        owner = shard_owner(p)
-        if owner is not None:
-            seen.setdefault(id(owner[0]), owner[0])
-    for state in seen.values():
-        t = torch.tensor(0.0 if flag else 1.0, device=state.units[0].device)
-        state.comm.wait(state.comm.all_reduce(t, op=torch.distributed.ReduceOp.MAX))
-        flag = flag and not bool(t.item())
-    return flag
-
-
-def _sharded_norm(state: ZeroState, grads: list, norm_type: float) -> torch.Tensor:
-    device = state.units[0].device
-    if math.isinf(norm_type):
-        local = torch.stack([g.abs().max() for g in grads]).max() if grads else \
-            torch.zeros((), device=device)
-        total = local.to(device=device, dtype=torch.float32).clone()
-        state.comm.wait(state.comm.all_reduce(total, op=torch.distributed.ReduceOp.MAX))
-    else:
-        local = torch.zeros((), dtype=torch.float32, device=device)
-        for g in grads:
-            local += torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) ** norm_type
-        state.comm.wait(state.comm.all_reduce(local))
-        total = local ** (1.0 / norm_type)
-    return total
 
 
 @torch.no_grad()
@@ -349,7 +269,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     if norm_type <= 0:
         raise ValueError(f"norm_type must be > 0 (or inf), got {norm_type}")
     grads = [u.shard.grad for u in state.units if u.shard.grad is not None]
-    total = _sharded_norm(state, grads, norm_type)
+    total = sharded_norm(state, grads, norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
         g.mul_(coef.to(device=g.device, dtype=g.dtype))

@@ -20,6 +20,8 @@ from typing import Any
 
 from torch import nn
 
+from tierlift.zero.hooks import _state
+
 ParamGroupFn = Callable[[str, nn.Parameter], Hashable]
 
 
@@ -76,8 +78,6 @@ def register_shards(units, shard_name: str) -> None:
 def shard_groups(model: nn.Module) -> dict[Any, list[nn.Parameter]]:
     """{key: [shard parameters]} of a model sharded by tierlift.zero.shard, keys in the order
     they first appear (key None for every shard when shard() had no param_group_fn)."""
-    from tierlift.zero.api import _state
-
     out: dict[Any, list[nn.Parameter]] = {}
     for unit in _state(model).units:
         out.setdefault(unit.group, []).append(unit.shard)

@@ -27,8 +27,11 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
+from tierlift._shards import register_shard
 from tierlift.zero.config import ShardConfig
 from tierlift.zero.unit import FlatUnit
+
+_ATTR = "_tierlift_zero"  # the model attribute that holds its ZeroState
 
 
 class ZeroState:
@@ -60,7 +63,7 @@ class ZeroState:
         self.handles: list = []
         self._shard_ids = {id(u.shard) for u in units}
         for i, u in enumerate(units):
-            _register_shard(u.shard, self, i)
+            register_shard(u.shard, self, i)
         self._install()
 
     @property
@@ -302,30 +305,17 @@ class ZeroState:
                     unit.stale = True
 
 
+def _state(model) -> ZeroState:
+    """The ZeroState of a model sharded by tierlift.zero.shard."""
+    state = getattr(model, _ATTR, None)
+    if state is None:
+        raise ValueError("model is not sharded: call tierlift.zero.shard(model, ...) first")
+    return state
+
+
 def _done(work) -> bool:
     is_completed = getattr(work, "is_completed", None)
     return True if is_completed is None else bool(is_completed())
-
-
-# How the optimizer side finds out that a parameter is a ZeRO shard: id(shard) -> (weak shard,
-# weak ZeroState, unit index). Nothing is attached to the Parameter itself, so pickling or
-# deep-copying it carries no reference to the model's state.
-_OWNERS: dict[int, tuple] = {}
-
-
-def _register_shard(shard: torch.Tensor, state: ZeroState, index: int) -> None:
-    key = id(shard)
-    _OWNERS[key] = (weakref.ref(shard, lambda _: _OWNERS.pop(key, None)), weakref.ref(state),
-                    index)
-
-
-def shard_owner(param: torch.Tensor):
-    """(ZeroState, unit index) when `param` is the shard of a live sharded model, else None."""
-    entry = _OWNERS.get(id(param))
-    if entry is None or entry[0]() is not param:
-        return None
-    state = entry[1]()
-    return None if state is None else (state, entry[2])
 
 
 def _in_backward() -> bool:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tierlift.zero.hooks import _state
+
 log = logging.getLogger("tierlift.zero")
 
 
@@ -41,8 +43,6 @@ class LossScalerConfig:
 
 class LossScaler:
     def __init__(self, model: torch.nn.Module, config: LossScalerConfig | None = None) -> None:
-        from tierlift.zero.api import _state
-
         self._zero = _state(model)
         self.config = config or LossScalerConfig()
         self.scale_value = float(self.config.init_scale)

@@ -1,0 +1,120 @@
+"""How the optimizer side finds out that a parameter is a ZeRO shard, and reduces over the ranks
+that hold the other shards of its model.
+
+tierlift.zero registers each unit's shard here when it shards a model; tierlift.offload (the
+offloaded optimizer step) asks which of its parameters are shards, hooks their gradient-ready
+events and takes the global gradient norm and the skip-the-step vote over their process groups.
+It lives below both packages so that neither imports the other's way up: the optimizer does
+not import tierlift.zero (which itself uses tierlift.offload for its NVMe parameter store).
+
+An owner is the ZeroState of a sharded model (tierlift.zero.hooks): what is used here is its
+`units` (each with `shard` and `device`), `comm` (tierlift.zero.comm.Comm) and
+`on_grad_ready(shard, fn)`.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+
+# id(shard) -> (weak shard, weak owner, unit index). Nothing is attached to the Parameter
+# itself, so pickling or deep-copying it carries no reference to the model's state.
+_OWNERS: dict[int, tuple] = {}
+
+
+def register_shard(shard: torch.Tensor, owner, index: int) -> None:
+    """Records that `shard` is unit `index` of the sharded model whose state is `owner`."""
+    key = id(shard)
+    _OWNERS[key] = (weakref.ref(shard, lambda _: _OWNERS.pop(key, None)), weakref.ref(owner),
+                    index)
+
+
+def shard_owner(param: torch.Tensor):
+    """(owner, unit index) when `param` is the shard of a live sharded model, else None."""
+    entry = _OWNERS.get(id(param))
+    if entry is None or entry[0]() is not param:
+        return None
+    owner = entry[1]()
+    return None if owner is None else (owner, entry[2])
+
+
+def is_shard(param: torch.Tensor) -> bool:
+    """Whether `param` is the flat shard of a unit of a (live) sharded model."""
+    return shard_owner(param) is not None
+
+
+def on_shard_grad_ready(param: torch.Tensor, fn):
+    """Calls fn(param) each time a synced backward has set (or accumulated into) the gradient
+    of `param`, a shard of a sharded model, i.e. as soon as that unit's reduction is done
+    (not inside no_sync()). Returns a handle with .remove()."""
+    owner = shard_owner(param)
+    if owner is None:
+        raise ValueError("param is not a shard of a model sharded by tierlift.zero.shard")
+    return owner[0].on_grad_ready(param, fn)
+
+
+def sharded_norm(owner, grads: list, norm_type: float) -> torch.Tensor:
+    """The `norm_type` norm of `grads` (shards of the model of `owner`) over all its ranks."""
+    device = owner.units[0].device
+    if math.isinf(norm_type):
+        local = torch.stack([g.abs().max() for g in grads]).max() if grads else \
+            torch.zeros((), device=device)
+        total = local.to(device=device, dtype=torch.float32).clone()
+        owner.comm.wait(owner.comm.all_reduce(total, op=torch.distributed.ReduceOp.MAX))
+    else:
+        local = torch.zeros((), dtype=torch.float32, device=device)
+        for g in grads:
+            local += torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) ** norm_type
+        owner.comm.wait(owner.comm.all_reduce(local))
+        total = local ** (1.0 / norm_type)
+    return total
+
+
+@torch.no_grad()
+def global_grad_norm(params, norm_type: float = 2.0) -> torch.Tensor:
+    """The norm of the gradients of `params` over all ranks: shards of sharded models add up
+    across their process group; other parameters (replicated) count once. With the shards of
+    one model only, this is exactly the norm clip_grad_norm_(model) computes."""
+    norm_type = float(norm_type)
+    by_owner: dict[int, tuple] = {}
+    local = []
+    for p in params:
+        if p.grad is None:
+            continue
+        owner = shard_owner(p)
+        if owner is None:
+            local.append(p.grad)
+        else:
+            by_owner.setdefault(id(owner[0]), (owner[0], set()))[1].add(owner[1])
+    totals = []
+    for owner, index in by_owner.values():
+        grads = [u.shard.grad for i, u in enumerate(owner.units)
+                 if i in index and u.shard.grad is not None]
+        totals.append(sharded_norm(owner, grads, norm_type))
+    if local:
+        totals.append(torch.nn.utils.get_total_norm(local, norm_type))
+    if len(totals) == 1:
+        return totals[0]
+    if not totals:
+        return torch.zeros(())
+    totals = [t.to(torch.float32).cpu() for t in totals]
+    if math.isinf(norm_type):
+        return torch.stack(totals).max()
+    return torch.stack([t ** norm_type for t in totals]).sum() ** (1.0 / norm_type)
+
+
+def all_ranks_agree(params, flag: bool) -> bool:
+    """`flag` and-ed over every rank of the process groups of the shards among `params` (a
+    collective over those groups; `flag` itself when there are none)."""
+    seen = {}
+    for p in params:
+        owner = shard_owner(p)
+        if owner is not None:
+            seen.setdefault(id(owner[0]), owner[0])
+    for owner in seen.values():
+        t = torch.tensor(0.0 if flag else 1.0, device=owner.units[0].device)
+        owner.comm.wait(owner.comm.all_reduce(t, op=torch.distributed.ReduceOp.MAX))
+        flag = flag and not bool(t.item())
+    return flag
