@@ -304,6 +304,40 @@ def test_rejects_complex_parameters():
         AdamW([torch.nn.Parameter(torch.ones(2, dtype=torch.complex64))])
 
 
+def test_rejects_float64_parameters_when_built():
+    with pytest.raises(TypeError, match=r"params'\]\[1\] has dtype torch.float64"):
+        AdamW([torch.nn.Parameter(torch.ones(2)),
+               torch.nn.Parameter(torch.ones(2, dtype=torch.float64))])
+    opt = AdamW([torch.nn.Parameter(torch.ones(2))])
+    with pytest.raises(TypeError, match=r"param_groups\[1\].*float64"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2, dtype=torch.float64))]})
+    assert len(opt.param_groups) == 1
+
+
+def test_a_bad_group_leaves_every_group_unchanged():
+    # The second group's bad learning rate (a scheduler gone wrong) is found before the first
+    # group is stepped: no weight, moment or step count moves.
+    good, bad = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
+    opt = AdamW([{"params": [good]}, {"params": [bad]}], lr=0.1)
+    good.grad, bad.grad = torch.ones(4), torch.ones(4)
+    opt.param_groups[1]["lr"] = float("nan")
+    with pytest.raises(ValueError, match="lr must be finite"):
+        opt.step()
+    assert torch.equal(good, torch.ones(4)) and not opt.state
+    opt.param_groups[1]["lr"] = 0.1
+    opt.step()
+    assert int(opt.state[good]["step"]) == int(opt.state[bad]["step"]) == 1
+
+
+def test_add_param_group_with_offload_is_refused(tmp_path):
+    opt = AdamW([torch.nn.Parameter(torch.ones(4))], offload="cpu")
+    try:
+        with pytest.raises(RuntimeError, match="pass every group to the constructor"):
+            opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(4))]})
+    finally:
+        opt.close()
+
+
 def test_rejects_mixed_devices_in_one_group():
     a = torch.nn.Parameter(torch.ones(2))
     b = torch.nn.Parameter(torch.ones(2, device="meta"))

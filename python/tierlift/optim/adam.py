@@ -86,18 +86,6 @@ class Adam(Optimizer):
             decoupled_weight_decay=decoupled_weight_decay,
         )
         super().__init__(params, defaults)
-        for gi, group in enumerate(self.param_groups):
-            for pi, p in enumerate(group["params"]):
-                if p.is_complex():
-                    raise TypeError(
-                        f"param_groups[{gi}]['params'][{pi}] is complex "
-                        f"({p.dtype}); tierlift's Adam supports real tensors only"
-                    )
-                if not p.is_floating_point():
-                    raise TypeError(
-                        f"param_groups[{gi}]['params'][{pi}] has dtype {p.dtype}; "
-                        "expected a floating-point parameter"
-                    )
         self._offload = None
         extras = (nvme_path, cpu_budget, max_grad_norm)
         if offload != "none" or overlap or any(x is not None for x in extras):
@@ -110,6 +98,28 @@ class Adam(Optimizer):
             )
             if config.offload != "none":
                 self._offload = Offloader(self, config)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's add_param_group, refusing at once the parameters step() could not update."""
+        if getattr(self, "_offload", None) is not None:
+            raise RuntimeError(
+                "add_param_group() after construction is not supported with offload (the "
+                "offloaded state is laid out when the optimizer is built); pass every group to "
+                "the constructor")
+        gi = len(self.param_groups)
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        for pi, p in enumerate(params):
+            name = f"param_groups[{gi}]['params'][{pi}]"
+            if isinstance(p, torch.Tensor) and p.is_complex():
+                raise TypeError(f"{name} is complex ({p.dtype}); tierlift's Adam supports real "
+                                "tensors only")
+            if isinstance(p, torch.Tensor) and p.dtype not in (torch.float32, *_LOW_PRECISION):
+                raise TypeError(
+                    f"{name} has dtype {p.dtype}; tierlift's Adam steps float32, bfloat16 and "
+                    "float16 parameters (keep others on torch.optim.AdamW in a second "
+                    "optimizer)")
+        super().add_param_group(param_group)
 
     @property
     def last_step_stats(self) -> dict:
@@ -223,8 +233,11 @@ class Adam(Optimizer):
             self._offload.step()
             return loss
         self._warn_noncontiguous()
+        # Every check before any change: a bad group leaves every parameter and count as it was.
         for gi, group in enumerate(self.param_groups):
-            self._step_group(gi, group)
+            self._check_group(gi, group)
+        for group in self.param_groups:
+            self._step_group(group)
         return loss
 
     def _warn_noncontiguous(self) -> None:
@@ -248,13 +261,9 @@ class Adam(Optimizer):
                 stacklevel=_caller_stacklevel(),
             )
 
-    def _step_group(self, gi: int, group: dict) -> None:
-        beta1, beta2 = group["betas"]
+    @staticmethod
+    def _check_group(gi: int, group: dict) -> None:
         ops.check_adam_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-        lr = float(group["lr"])
-        # (device, step) -> lists for one fused call; params that skipped steps keep their count.
-        buckets: dict = defaultdict(lambda: defaultdict(list))
-        write_back = []  # (non-contiguous param, the contiguous tensor the kernel updated)
         device = None
         for pi, p in enumerate(group["params"]):
             if p.grad is None:
@@ -276,13 +285,24 @@ class Adam(Optimizer):
                 raise TypeError(
                     f"{name}.grad has dtype {grad.dtype}; expected float32, bfloat16 or float16"
                 )
-            state = self._init_state(p, group["amsgrad"])
-            master = state.get("master")
-            if master is None and p.dtype != torch.float32:
+            if p.dtype not in (torch.float32, *_LOW_PRECISION):
                 raise TypeError(
                     f"{name} has dtype {p.dtype}; tierlift's Adam steps float32, bfloat16 "
                     "and float16 parameters"
                 )
+
+    def _step_group(self, group: dict) -> None:
+        beta1, beta2 = group["betas"]
+        lr = float(group["lr"])
+        # (device, step) -> lists for one fused call; params that skipped steps keep their count.
+        buckets: dict = defaultdict(lambda: defaultdict(list))
+        write_back = []  # (non-contiguous param, the contiguous tensor the kernel updated)
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            grad = p.grad
+            state = self._init_state(p, group["amsgrad"])
+            master = state.get("master")
             state["step"] += 1
             # The fused kernel updates flat contiguous memory: a non-contiguous parameter is
             # stepped through a contiguous copy (its fp32 weight, or the buffer its master is
