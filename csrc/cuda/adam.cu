@@ -26,6 +26,14 @@ __device__ __forceinline__ uint16_t f32_to_bf16(float f) {
   if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
   return static_cast<uint16_t>((u + ((u >> 16) & 1u) + 0x7fffu) >> 16);
 }
+// __float2half_rn, except that NaN keeps its sign as sign | 0x7e00 (the device's is 0x7fff), as
+// core's f32_to_f16 and c10::Half write it.
+__device__ __forceinline__ uint16_t f32_to_f16(float f) {
+  const uint32_t u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u)
+    return static_cast<uint16_t>(((u >> 16) & 0x8000u) | 0x7e00u);
+  return __half_as_ushort(__float2half_rn(f));
+}
 
 template <DType kT>
 __device__ __forceinline__ float load(const void* p, int64_t i) {
@@ -39,7 +47,7 @@ template <DType kT>
 __device__ __forceinline__ void store(void* p, int64_t i, float x) {
   if constexpr (kT == DType::kFloat32) static_cast<float*>(p)[i] = x;
   if constexpr (kT == DType::kBFloat16) static_cast<uint16_t*>(p)[i] = f32_to_bf16(x);
-  if constexpr (kT == DType::kFloat16) static_cast<__half*>(p)[i] = __float2half_rn(x);
+  if constexpr (kT == DType::kFloat16) static_cast<uint16_t*>(p)[i] = f32_to_f16(x);
 }
 
 template <DType kGrad, DType kCopy>

@@ -85,9 +85,10 @@ __global__ void mx_kernel(Fp4QuantArgs a) {
   } else {
     stat = group_max(fp4::finite_abs(v), 32);
   }
+  const bool bad = __any_sync(kFull, fp4::nonfinite(v));  // the block holds a NaN/Inf
   const int ex = fp4::mx_exponent(stat, a.rule);
-  if (valid && lane == 0) a.scales[e >> 5] = static_cast<uint8_t>(ex + 127);
-  encode_store(a, e, valid, lane, __fmul_rn(v, fp4::pow2(-ex)));
+  if (valid && lane == 0) a.scales[e >> 5] = bad ? fp4::kE8M0Nan : static_cast<uint8_t>(ex + 127);
+  encode_store(a, e, valid, lane, __fmul_rn(v, bad ? fp4::nan_f32() : fp4::pow2(-ex)));
 }
 
 __device__ __forceinline__ void atomic_max_nonneg(float* addr, float v) {
@@ -101,7 +102,9 @@ __global__ void nv_amax_kernel(Fp4QuantArgs a) {
   const bool valid = e < a.rows * a.cols;
   const float v = rotated<kT>(a, e, valid, lane);
   const float m = group_max(fp4::finite_abs(v), 16);
-  if (valid && (lane & 15) == 0) a.workspace[e >> 4] = m;
+  // A 16-lane group holding a NaN/Inf stores amax +inf (never a finite amax): the NaN scale.
+  const bool bad = ((__ballot_sync(kFull, fp4::nonfinite(v)) >> (lane & 16)) & 0xffffu) != 0;
+  if (valid && (lane & 15) == 0) a.workspace[e >> 4] = bad ? fp4::inf_f32() : m;
   const float w = __shfl_xor_sync(kFull, m, 16);
   if (lane == 0) atomic_max_nonneg(a.workspace + (a.rows * a.cols >> 4), fmaxf(m, w));
 }
@@ -134,11 +137,9 @@ __global__ void nv_encode_kernel(Fp4QuantArgs a) {
     }
     writer = writer && (lane & 15) == 0;
   }
-  const uint8_t code = fp4::e4m3_encode_nonneg(__fmul_rn(__fdiv_rn(amax, fp4::kMax), st));
+  const uint8_t code = fp4::nv_scale_code(amax, st);
   if (writer) a.scales[slot] = code;
-  const float sb = fp4::e4m3_decode_nonneg(code);
-  const float mult = sb > 0.f ? __fdiv_rn(st, sb) : 0.f;
-  encode_store(a, e, valid, lane, __fmul_rn(v, mult));
+  encode_store(a, e, valid, lane, __fmul_rn(v, fp4::nv_multiplier(code, st)));
 }
 
 template <DType kT>

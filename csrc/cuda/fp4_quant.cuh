@@ -13,7 +13,8 @@
 //  - NVFP4: the fp32 tensor scale needs the global amax first, so pass 1 writes per-1x16-block
 //    amaxes (after the rotation) and atomically maxes the tensor amax; pass 2 recomputes the
 //    rotation (cheaper than storing it), derives the E4M3 block scale (over 16 rows for 16x16
-//    blocks, reading pass 1's amaxes) and encodes.
+//    blocks, reading pass 1's amaxes) and encodes. A block holding a NaN/Inf (a warp vote) gets
+//    the NaN scale; pass 1 marks it with amax +inf, which max-reduces over 16x16 blocks as is.
 #pragma once
 
 #include <cuda_runtime.h>

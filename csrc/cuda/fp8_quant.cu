@@ -42,6 +42,7 @@ __device__ __forceinline__ uint8_t encode(float x, Fp8Format fmt) {
   const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
   uint32_t abs = u & 0x7fffffffu;
   if (abs > 0x7f800000u) return 0x7fu;
+  if (abs == 0x7f800000u) return fmt == Fp8Format::kE5M2 ? (sign | 0x7cu) : 0x7fu;
   if (abs > max_bits) abs = max_bits;
   const float a = __uint_as_float(abs);
   if (a < pow2f_dev(1 - bias)) {

@@ -53,6 +53,17 @@ TEST(LowpFp4Codec, E4M3MatchesFp8Encode) {
     }
   }
   EXPECT_EQ(fp4::e4m3_encode_nonneg(1e30f), 0x7e);
+  EXPECT_TRUE(std::isnan(fp4::e4m3_decode_nonneg(fp4::kE4M3Nan)));
+}
+
+TEST(LowpFp4Scale, NanScales) {
+  EXPECT_TRUE(std::isnan(fp4::e8m0_decode(fp4::kE8M0Nan)));
+  EXPECT_EQ(fp4::e8m0_decode(254), std::ldexp(1.f, 127));
+  EXPECT_EQ(fp4::e8m0_decode(0), std::ldexp(1.f, -127));
+  const float st = fp4::nv_tensor_scale(10.f);
+  EXPECT_EQ(fp4::nv_scale_code(std::numeric_limits<float>::infinity(), st), fp4::kE4M3Nan);
+  EXPECT_TRUE(std::isnan(fp4::nv_multiplier(fp4::kE4M3Nan, st)));
+  EXPECT_EQ(fp4::nv_multiplier(0, st), 0.f);  // all-zero block
 }
 
 TEST(LowpFp4Scale, E8M0Rules) {
@@ -176,6 +187,64 @@ TEST(LowpFp4Quant, NvAndQuestErrorsAreSmallAndMaskMarksClipping) {
       }
       if (rule == fp4::ScaleRule::kNv) {
         EXPECT_EQ(mask[5], 1);
+      }
+    }
+  }
+}
+
+// A block holding a NaN or Inf gets the NaN scale and dequantizes to all NaN (E2M1 has neither);
+// every other block, and the NVFP4 tensor scale, is what it would be without it.
+TEST(LowpFp4Quant, NonFiniteBlocksDequantizeToNaN) {
+  const int64_t rows = 20, cols = 64;
+  std::mt19937 rng(9);
+  std::normal_distribution<float> nd;
+  std::vector<float> x(rows * cols);
+  for (float& v : x) v = nd(rng);
+  x[1 * cols + 5] = std::numeric_limits<float>::quiet_NaN();
+  x[2 * cols + 40] = std::numeric_limits<float>::infinity();
+  x[18 * cols + 63] = -std::numeric_limits<float>::infinity();
+  std::vector<float> clean(x);
+  for (float& v : clean) v = std::isfinite(v) ? v : 0.f;
+  for (auto rule : {fp4::ScaleRule::kFloor, fp4::ScaleRule::kRceil, fp4::ScaleRule::kQuest,
+                    fp4::ScaleRule::kNv}) {
+    for (bool two_d : {false, true}) {
+      if (two_d && rule != fp4::ScaleRule::kNv) continue;
+      const int64_t b = fp4_block(rule);
+      auto bad = [&](int64_t i, int64_t j) {
+        auto same = [&](int64_t i2, int64_t j2) {
+          return (two_d ? i / 16 == i2 / 16 : i == i2) && j / b == j2 / b;
+        };
+        return same(1, 5) || same(2, 40) || same(18, 63);
+      };
+      Fp4Config c;
+      c.rule = rule;
+      c.block_2d = two_d;
+      int64_t gr, gc;
+      fp4_scale_shape(c, rows, cols, &gr, &gc);
+      std::vector<uint8_t> codes(rows * cols / 2), scales(gr * gc), mask(rows * cols);
+      std::vector<uint8_t> codes0(codes), scales0(scales);
+      float ts, ts0;
+      fp4_quantize(input(x, rows, cols), c, {codes.data(), scales.data(), &ts, mask.data()});
+      fp4_quantize(input(clean, rows, cols), c, {codes0.data(), scales0.data(), &ts0, nullptr});
+      std::vector<float> back(rows * cols), back0(rows * cols);
+      fp4_dequantize(codes.data(), scales.data(), ts, rows, cols, rule, two_d, back.data());
+      fp4_dequantize(codes0.data(), scales0.data(), ts0, rows, cols, rule, two_d, back0.data());
+      const uint8_t nan_code = rule == fp4::ScaleRule::kNv ? fp4::kE4M3Nan : fp4::kE8M0Nan;
+      EXPECT_EQ(ts, ts0);
+      for (int64_t i = 0; i < rows; ++i) {
+        for (int64_t j = 0; j < cols; ++j) {
+          const int64_t k = i * cols + j;
+          const uint8_t sc = scales[(two_d ? i / 16 : i) * gc + j / b];
+          if (bad(i, j)) {
+            ASSERT_TRUE(std::isnan(back[k])) << i << "," << j;
+            ASSERT_EQ(sc, nan_code);
+            ASSERT_EQ(mask[k], 0);
+            ASSERT_EQ((codes[k / 2] >> (4 * (k & 1))) & 15, 0);
+          } else {
+            ASSERT_EQ(back[k], back0[k]) << i << "," << j;
+            ASSERT_NE(sc, nan_code);
+          }
+        }
       }
     }
   }

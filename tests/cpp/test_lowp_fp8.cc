@@ -31,19 +31,26 @@ TEST(LowpFp8Codec, KnownValues) {
   EXPECT_EQ(fp8_decode(0x7c, Fp8Format::kE5M2), std::numeric_limits<float>::infinity());
 }
 
-TEST(LowpFp8Codec, SaturatesAndKeepsNaN) {
+TEST(LowpFp8Codec, SaturatesFiniteKeepsNaNAndInf) {
   const float inf = std::numeric_limits<float>::infinity();
   const float nan = std::numeric_limits<float>::quiet_NaN();
   for (Fp8Format f : kFormats) {
     const float mx = fp8_spec(f).max;
     const uint8_t max_code = fp8_encode(mx, f);
-    for (float big : {mx * 1.0001f, mx * 2.f, 1e30f, std::numeric_limits<float>::max(), inf}) {
+    for (float big : {mx * 1.0001f, mx * 2.f, 1e30f, std::numeric_limits<float>::max()}) {
       EXPECT_EQ(fp8_encode(big, f), max_code) << big;
       EXPECT_EQ(fp8_encode(-big, f), max_code | 0x80) << -big;
     }
     EXPECT_EQ(fp8_encode(nan, f), 0x7f);
     EXPECT_EQ(fp8_encode(-nan, f), 0x7f);  // canonical NaN, sign dropped
     EXPECT_TRUE(is_nan_code(fp8_encode(nan, f), f));
+    if (f == Fp8Format::kE5M2) {  // inf stays inf
+      EXPECT_EQ(fp8_encode(inf, f), 0x7c);
+      EXPECT_EQ(fp8_encode(-inf, f), 0xfc);
+    } else {  // E4M3 has no inf: NaN, never a plausible +-448
+      EXPECT_EQ(fp8_encode(inf, f), 0x7f);
+      EXPECT_EQ(fp8_encode(-inf, f), 0x7f);
+    }
     EXPECT_EQ(fp8_encode(0.f, f), 0x00);
     EXPECT_EQ(fp8_encode(-0.f, f), 0x80);
     EXPECT_EQ(fp8_encode(1e-30f, f), 0x00);
@@ -204,6 +211,42 @@ TEST(LowpFp8Quantize, ZeroTensorGetsFiniteScaleAndDequantizeIsClose) {
     const float amax_block = fp8_spec(Fp8Format::kE4M3).max / s2[i / 128];
     // Relative error 2^-4 for normals, absolute error half a subnormal step below.
     EXPECT_NEAR(out[i], x[i], std::fabs(x[i]) / 16.f + amax_block * std::ldexp(1.f, -18)) << i;
+  }
+}
+
+// A NaN/Inf does not enter its block's amax (the scale stays set by the finite elements, not
+// 448 / inf = 0) and dequantizes non-finite in its own place, for every scaling.
+TEST(LowpFp8Quantize, NonFiniteInputsStayVisible) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const int64_t rows = 130, cols = 200;
+  std::vector<float> x = random_matrix(rows * cols, 11);
+  x[3 * cols + 5] = nan;
+  x[10 * cols + 7] = inf;
+  x[129 * cols + 199] = -inf;
+  std::vector<float> clean(x);
+  for (float& v : clean) v = std::isfinite(v) ? v : 0.f;
+  for (Fp8Scaling sc : kScalings) {
+    for (Fp8Format f : kFormats) {
+      const Fp8Blocks b = fp8_blocks(sc, rows, cols);
+      std::vector<uint8_t> q(rows * cols), q0(rows * cols);
+      std::vector<float> s(b.grid_rows * b.grid_cols), s0(s.size()), out(rows * cols);
+      fp8_quantize({x.data(), DType::kFloat32, rows, cols, cols, 1}, sc, f, false, q.data(),
+                   s.data());
+      fp8_quantize({clean.data(), DType::kFloat32, rows, cols, cols, 1}, sc, f, false, q0.data(),
+                   s0.data());
+      EXPECT_EQ(s, s0) << int(sc);
+      fp8_dequantize(q.data(), rows, cols, sc, f, s.data(), out.data());
+      for (int64_t k = 0; k < rows * cols; ++k) {
+        if (std::isfinite(x[k])) {
+          ASSERT_EQ(q[k], q0[k]) << k;
+        } else if (std::isinf(x[k]) && f == Fp8Format::kE5M2) {
+          ASSERT_EQ(out[k], x[k]) << k;
+        } else {
+          ASSERT_TRUE(std::isnan(out[k])) << k;
+        }
+      }
+    }
   }
 }
 

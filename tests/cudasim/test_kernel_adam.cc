@@ -10,8 +10,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <tuple>
@@ -66,11 +68,14 @@ void fill_periodic(std::vector<T>& v, F value) {
   }
 }
 
-// Weights with values whose low-precision copies round to inf, to subnormals and to signed zero.
+// Weights with values whose low-precision copies round to inf, to subnormals and to signed zero,
+// and NaNs of either sign (the fp16 copy keeps the sign: sign | 0x7e00, as core and c10 write it).
 float param_value(Rng& rng, size_t j) {
   if (j % 97 == 3) return j % 2 ? 1e5f : -7e4f;  // fp16 copy: +-inf
-  if (j % 89 == 5) return 3e-6f;                 // fp16 copy: subnormal
-  if (j % 101 == 7) return -0.f;                 // with exp_avg and grad 0 too: stays -0 (copy -0)
+  if (j % 107 == 13)
+    return std::copysign(std::numeric_limits<float>::quiet_NaN(), j % 2 ? 1.f : -1.f);
+  if (j % 89 == 5) return 3e-6f;  // fp16 copy: subnormal
+  if (j % 101 == 7) return -0.f;  // with exp_avg and grad 0 too: stays -0 (copy -0)
   if (j % 103 == 11) return 0.f;
   return rng.uniform(-2.f, 2.f);
 }

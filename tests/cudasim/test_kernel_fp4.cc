@@ -8,8 +8,9 @@
 // 1-D and 16x16 NVFP4 blocks, the clip mask on and off, fp32/bf16/fp16 inputs, strided inputs
 // (transposed, padded, misaligned, every other column), tails (rows * cols not a multiple of the
 // 256-thread block, rows not a multiple of 16 for 16x16 blocks), empty inputs, and zeros, huge
-// values (whose rotation overflows), +-Inf, NaN, blocks of fp32 subnormals and values whose
-// scale exponent clamps. Mirrors the gpu tests of tests/python/test_lowp_fp4.py, scaled down for
+// values (whose rotation overflows), +-Inf, NaN (their blocks get the NaN scale: in either half
+// of a warp, in any row of a 16x16 block), blocks of fp32 subnormals and values whose scale
+// exponent clamps. Mirrors the gpu tests of tests/python/test_lowp_fp4.py, scaled down for
 // the simulator. Inputs live in buffers of exactly the bytes they span (lowp_input.h), outputs
 // and the NVFP4 workspace in vectors of exactly their size, so AddressSanitizer catches any
 // access outside them.
@@ -87,6 +88,9 @@ std::vector<float> fp4_input(int64_t rows, int64_t cols, DType dtype, uint32_t s
   set(15, 20, 21, [] { return 40.f; });
   set(31, 40, 41, [] { return -60.f; });
   if (rows > 16) set(rows - 1, 50, 51, [] { return 30.f; });
+  // NaN/Inf deeper in: a later 16-row group, and the second half of a warp in the last row.
+  set(30, 100, 101, [] { return kNaN; });
+  if (rows > 16) set(rows - 1, 120, 121, [] { return kInf; });
   return x;
 }
 
@@ -116,12 +120,15 @@ struct Fp4Case {
 // Launches the kernel on c's input and compares everything it writes with core. Kernel outputs
 // start as garbage (0xaa bytes, a NaN tensor scale for NVFP4) so a missed store shows; the
 // tensor scale of MXFP4 and of an empty input starts as the torch binding sets it (1, or s_t of
-// amax 0), since the kernel leaves it then.
-void check(const Fp4Case& c) {
+// amax 0), since the kernel leaves it then. `values` replaces fp4_input's data; the kernel's
+// scales are stored in `*kernel_scales` when given.
+void check(const Fp4Case& c, const std::vector<float>* values = nullptr,
+           std::vector<uint8_t>* kernel_scales = nullptr) {
   SCOPED_TRACE(c.describe());
-  const std::vector<float> values =
-      fp4_input(c.rows, c.cols, c.dtype, static_cast<uint32_t>(7 + c.rows * c.cols));
-  const StridedInput in(values, c.rows, c.cols, c.dtype, c.layout);
+  const std::vector<float> generated =
+      values ? std::vector<float>()
+             : fp4_input(c.rows, c.cols, c.dtype, static_cast<uint32_t>(7 + c.rows * c.cols));
+  const StridedInput in(values ? *values : generated, c.rows, c.cols, c.dtype, c.layout);
   const Fp8Input& x = in.view();
   Fp4Config cfg;
   cfg.rule = c.rule;
@@ -178,6 +185,7 @@ void check(const Fp4Case& c) {
   EXPECT_TRUE(same_bits("tensor_scale", ts, want_ts, 1));
   EXPECT_TRUE(same_bits("codes", codes, want_codes, c.cols / 2));
   EXPECT_TRUE(same_bits("mask", mask, want_mask, c.cols));
+  if (kernel_scales) *kernel_scales = scales;
 }
 
 struct Rotation {
@@ -315,6 +323,48 @@ TEST(Fp4Kernel, EmptyInputs) {
         if (b2 && rule != ScaleRule::kNv) continue;
         check({sh.rows, sh.cols, rule, 0, 0, false, 0, 0, b2, true, DType::kFloat32,
                Layout::kContiguous});
+        ++cases;
+      }
+    }
+  }
+  RecordProperty("configurations", cases);
+}
+
+// A block holding a NaN or Inf gets the NaN scale (E8M0 0xFF, E4M3 0x7F) on the device exactly
+// where core puts it: in either half of a warp (NVFP4's 16-lane groups), in any row of a 16x16
+// block (pass 2 max-reduces pass 1's +inf marks), spread by a rotation over its Hadamard block.
+TEST(Fp4Kernel, NonFiniteBlocksGetTheNanScale) {
+  const int64_t rows = 35, cols = 64;
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal;
+  std::vector<float> x(static_cast<size_t>(rows * cols));
+  for (float& v : x) v = normal(rng);
+  const int64_t bad[][2] = {{0, 3}, {5, 20}, {31, 40}, {34, 63}};  // (row, col)
+  x[0 * cols + 3] = kNaN, x[5 * cols + 20] = kInf, x[31 * cols + 40] = -kInf;
+  x[34 * cols + 63] = kNaN;
+  int cases = 0;
+  for (ScaleRule rule : kRules) {
+    for (int had : {0, 32}) {
+      for (bool b2 : {false, true}) {
+        if (b2 && rule != ScaleRule::kNv) continue;
+        std::vector<uint8_t> scales;
+        check({rows, cols, rule, had, had ? 0x1234u : 0u, false, 0, 0, b2, true, DType::kFloat32,
+               Layout::kContiguous},
+              &x, &scales);
+        const bool nv = rule == ScaleRule::kNv;
+        const int64_t b = nv ? 16 : 32, span = had > b ? had : b, gcols = cols / b;
+        std::vector<uint8_t> want(scales.size(), 0);
+        for (const auto& e : bad) {
+          const int64_t g = b2 ? e[0] / 16 : e[0];
+          for (int64_t j = e[1] / span * span; j < (e[1] / span + 1) * span; j += b) {
+            want[g * gcols + j / b] = 1;
+          }
+        }
+        std::vector<uint8_t> got(scales.size());
+        for (size_t k = 0; k < scales.size(); ++k) {
+          got[k] = scales[k] == (nv ? fp4::kE4M3Nan : fp4::kE8M0Nan);
+        }
+        EXPECT_TRUE(same_bits("NaN scales", got, want, gcols));
         ++cases;
       }
     }

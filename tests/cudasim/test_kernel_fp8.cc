@@ -111,8 +111,10 @@ struct Fp8Case {
 };
 
 // Launches the kernel on `values` laid out as c.layout and compares everything it writes with
-// core. Kernel outputs start as garbage (0xaa codes, NaN scales) so a missed store shows.
-void check(const Fp8Case& c, const std::vector<float>& values) {
+// core. Kernel outputs start as garbage (0xaa codes, NaN scales) so a missed store shows. The
+// kernel's codes are stored in `*kernel_q` when given.
+void check(const Fp8Case& c, const std::vector<float>& values,
+           std::vector<uint8_t>* kernel_q = nullptr) {
   SCOPED_TRACE(c.describe());
   const StridedInput in(values, c.rows, c.cols, c.dtype, c.layout);
   const Fp8Input& x = in.view();
@@ -162,6 +164,7 @@ void check(const Fp8Case& c, const std::vector<float>& values) {
     EXPECT_TRUE(same_bits("scales_t", st, want_st, bt.grid_cols));
     EXPECT_TRUE(same_bits("qt", qt, want_qt, c.rows));
   }
+  if (kernel_q) *kernel_q = q;
 }
 
 void check(const Fp8Case& c) { check(c, nasty(c.rows, c.cols, c.dtype, c.seed, c.huge)); }
@@ -293,7 +296,8 @@ TEST(Fp8Kernel, EmptyInputsGetSafeScales) {
 }
 
 // Every finite FP8 value, every midpoint between neighbours (ties to even) and one ulp either side
-// of it, signed zeros, values below the smallest subnormal, +-Inf (saturate) and NaN, through the
+// of it, signed zeros, values below the smallest subnormal, +-Inf (E5M2: +-inf, E4M3: NaN) and NaN,
+// through the
 // device encoder. Each row holds the format's maximum, so row scaling (fused kernel) and tensor
 // scaling (tiled kernel) use scale 1 exactly; the dual runs cast x^T with column scales.
 TEST(Fp8Kernel, EveryCodeAndMidpointThroughTheEncoder) {
@@ -323,6 +327,44 @@ TEST(Fp8Kernel, EveryCodeAndMidpointThroughTheEncoder) {
       check({2, cols, sc, fmt, false, DType::kFloat32, Layout::kContiguous, false, false, 0}, x);
       check({2, cols, sc, fmt, false, DType::kFloat32, Layout::kTransposed, true, false, 0}, x);
       cases += 2;
+    }
+  }
+  RecordProperty("configurations", cases);
+}
+
+// NaN and +-Inf come out non-finite on every path (E5M2 keeps inf, E4M3 has only NaN), and do
+// not enter the scale: the finite elements' codes are those of the same input without them.
+TEST(Fp8Kernel, NonFiniteInputsStayNonFinite) {
+  const int64_t rows = 40, cols = 132;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal;
+  std::vector<float> x(static_cast<size_t>(rows * cols));
+  for (float& v : x) v = normal(rng);
+  std::vector<float> clean(x);
+  const int64_t pos[] = {0 * cols + 3, 7 * cols + 129, 39 * cols + 131, 20 * cols + 64};
+  const float special[] = {kNaN, kInf, -kInf, -kNaN};
+  for (int k = 0; k < 4; ++k) x[pos[k]] = special[k], clean[pos[k]] = 0.f;
+  int cases = 0;
+  for (Fp8Scaling sc : kScalings) {
+    for (Fp8Format fmt : kFormats) {
+      for (const Path& r : kPaths) {
+        const Fp8Case c{rows, cols, sc, fmt, true, DType::kBFloat16, r.layout, r.dual, false, 0};
+        std::vector<uint8_t> q, q0;
+        check(c, x, &q);
+        check(c, clean, &q0);
+        ASSERT_EQ(q.size(), x.size());
+        ASSERT_EQ(q0.size(), x.size());
+        for (int64_t k = 0; k < rows * cols; ++k) {
+          if (std::isfinite(x[k])) {
+            ASSERT_EQ(q[k], q0[k]) << c.describe() << " at " << k;
+          } else if (std::isinf(x[k]) && fmt == Fp8Format::kE5M2) {
+            ASSERT_EQ(q[k], x[k] > 0 ? 0x7c : 0xfc) << c.describe() << " at " << k;
+          } else {
+            ASSERT_EQ(q[k], 0x7f) << c.describe() << " at " << k;
+          }
+        }
+        ++cases;
+      }
     }
   }
   RecordProperty("configurations", cases);

@@ -105,6 +105,35 @@ def test_scale_rules_edges():
     assert torch.equal(ref.fp4_dequantize(codes, scales, ts, "floor"), x)
 
 
+@pytest.mark.parametrize("rule,had,b2", [(r, h, b2) for r in ref.RULES for h in (0, 32)
+                                         for b2 in ((False, True) if r == "nv" else (False,))])
+def test_non_finite_blocks_dequantize_to_nan(rule, had, b2):
+    # A block holding a NaN or Inf gets the NaN scale (E8M0 0xFF / E4M3 0x7F), codes 0 and mask
+    # 0, and dequantizes to all NaN; every other block and the NVFP4 tensor scale are unaffected.
+    x = torch.randn(40, 128)
+    x[1, 5], x[2, 70], x[35, 127] = float("nan"), float("inf"), -float("inf")
+    block = ref.block_size(rule)
+    span = max(block, had)  # a rotation spreads the NaN over its Hadamard block
+    bad = torch.zeros(40, 128, dtype=torch.bool)
+    for i, j in ((1, 5), (2, 70), (35, 127)):
+        rows = slice(i // 16 * 16, i // 16 * 16 + 16) if b2 else slice(i, i + 1)
+        bad[rows, j // span * span:(j // span + 1) * span] = True
+    clean = x.nan_to_num(0.0, 0.0, 0.0)
+    for quantize in ([ops.fp4_quantize] if _extension.available() else []) + [ref.fp4_quantize]:
+        codes, scales, ts, mask = quantize(x, rule, had, 0, False, 0, 0, b2, True)
+        back = ref.fp4_dequantize(codes, scales, ts, rule, b2)
+        assert torch.equal(torch.isnan(back), bad) and torch.isfinite(back[~bad]).all()
+        assert not mask[bad].any()
+        nan_code = 0x7F if rule == "nv" else 0xFF
+        s = scales.repeat_interleave(16 if b2 else 1, 0)[:40].repeat_interleave(block, 1)
+        assert torch.equal(s == nan_code, bad)
+        assert (ref.e2m1_decode(codes)[bad] == 0).all()
+        # The blocks without NaN/Inf quantize exactly as they would without them.
+        c0, s0, ts0, _ = quantize(clean, rule, had, 0, False, 0, 0, b2, True)
+        assert torch.equal(back[~bad], ref.fp4_dequantize(c0, s0, ts0, rule, b2)[~bad])
+        assert torch.equal(ts, ts0)
+
+
 def test_nvfp4_roundtrip_and_tensor_scale():
     x = _input(32, 64).nan_to_num(0.0, 0.0, 0.0)
     for b2 in (False, True):
@@ -190,6 +219,29 @@ def test_fp4_linear_close_to_linear(name):
     rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
     assert rel(y, ref_y) < 0.2
     assert rel(x.grad, gx) < 0.5 and rel(lin.weight.grad, gw) < 0.5
+
+
+@pytest.mark.parametrize("name", sorted(FP4_RECIPES))
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_fp4_linear_nan_in_input_or_grad_shows_in_output(name, bad):
+    torch.manual_seed(0)
+    lin = FP4Linear(64, 96, bias=False, recipe=name)
+    x = torch.randn(32, 64)
+    x[3, 5] = bad
+    x.requires_grad_()
+    y = lin(x)
+    assert torch.isnan(y[3]).all()  # x[3]'s block is NaN: every output of row 3
+    assert torch.isfinite(torch.cat([y[:3], y[4:]])).all()
+    y.backward(torch.ones_like(y))
+    assert torch.isnan(lin.weight.grad).any()  # grad_w = g^T x sees x[3, 5]
+
+    lin.weight.grad = None
+    x2 = torch.randn(32, 64, requires_grad=True)
+    g = torch.ones(32, 96)
+    g[2, 7] = bad
+    lin(x2).backward(g)
+    assert torch.isnan(x2.grad[2]).all()  # grad_x = g W: row 2 of g
+    assert torch.isnan(lin.weight.grad[7]).any()  # grad_w = g^T x: row 7 of g^T
 
 
 def test_fp4_linear_rejects_bad_shapes_and_recipes():

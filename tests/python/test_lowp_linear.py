@@ -84,6 +84,36 @@ def test_error_vs_bf16_linear(recipe, record_property):
         assert ratio <= limit, (what, ratio)
 
 
+@pytest.mark.parametrize("recipe", RECIPE_NAMES)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nan_in_input_or_grad_shows_in_output(recipe, bad):
+    # A NaN/Inf in x reaches exactly the outputs that depend on it: row 3 of y and column 5 of
+    # grad_w (E4M3 carries Inf as NaN); one in grad_output row 2 / column 7 reaches row 2 of
+    # grad_x and row 7 of grad_w. Everything else stays finite: the scales ignore it.
+    torch.manual_seed(0)
+    w = torch.randn(32, 64, requires_grad=True)
+    x = torch.randn(16, 64)
+    x[3, 5] = bad
+    x.requires_grad_()
+    y = float8_linear(x, w, None, recipe)
+    others = torch.arange(16) != 3
+    assert torch.isnan(y[3]).all() and torch.isfinite(y[others]).all()
+    y.backward(torch.ones_like(y))
+    assert torch.isfinite(x.grad).all()
+    assert (~torch.isfinite(w.grad[:, 5])).all()
+    assert torch.isfinite(w.grad[:, torch.arange(64) != 5]).all()
+
+    x2 = torch.randn(16, 64, requires_grad=True)
+    w.grad = None
+    g = torch.ones(16, 32)
+    g[2, 7] = bad
+    float8_linear(x2, w, None, recipe).backward(g)
+    assert (~torch.isfinite(x2.grad[2])).all()
+    assert torch.isfinite(x2.grad[torch.arange(16) != 2]).all()
+    assert (~torch.isfinite(w.grad[7])).all()
+    assert torch.isfinite(w.grad[torch.arange(32) != 7]).all()
+
+
 def test_module_shapes_bias_dtypes_and_from_linear():
     torch.manual_seed(0)
     lin = nn.Linear(64, 32)

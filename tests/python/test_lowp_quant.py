@@ -74,15 +74,17 @@ def test_codec_matches_torch_cast(fp8_dtype):
 
 
 @pytest.mark.parametrize("fp8_dtype", FP8, ids=str)
-def test_saturation_nan_inf_and_zeros(fp8_dtype):
+def test_nan_inf_stay_non_finite_and_zeros(fp8_dtype):
     fmax = ref.FP8_MAX[fp8_dtype]
     x = torch.tensor([[1.0, float("inf"), -float("inf"), float("nan"), -float("nan"), 0.0]])
-    q, s = ops.fp8_quantize(x, "tensor", fp8_dtype)
-    # Non-finite values do not enter amax: the scale is set by 1.0.
-    assert s.item() == fmax
-    deq = q.float()
-    assert deq[0, 0] == fmax and deq[0, 1] == fmax and deq[0, 2] == -fmax
-    assert bits(q)[0, 3] == 0x7F and bits(q)[0, 4] == 0x7F  # canonical NaN
+    for quantize in (ops.fp8_quantize, ref.fp8_quantize):
+        q, s = quantize(x, "tensor", fp8_dtype)
+        # Non-finite values do not enter amax: the scale is set by 1.0 (not 448 / inf = 0).
+        assert s.item() == fmax
+        assert q.float()[0, 0] == fmax and q.float()[0, 5] == 0
+        # NaN: the canonical code; +-inf: +-inf in E5M2, NaN in E4M3 (which has no inf).
+        want = [0x7C, 0xFC] if fp8_dtype == torch.float8_e5m2 else [0x7F, 0x7F]
+        assert bits(q)[0, 1:5].tolist() == want + [0x7F, 0x7F]
     zero_q, zero_s = ops.fp8_quantize(torch.zeros(4, 256), "1x128", fp8_dtype, pow2_scale=True)
     assert torch.isfinite(zero_s).all() and (zero_s > 0).all()
     assert (zero_q.float() == 0).all()
@@ -112,6 +114,29 @@ def test_empty_inputs_get_safe_scales(shape):
         assert [t.shape for t in got] == [t.shape for t in want]
         assert_same(got, want)
         assert torch.isfinite(got[1]).all() and torch.isfinite(got[3]).all()
+
+
+@needs_ext
+@pytest.mark.parametrize("fp8_dtype", FP8, ids=str)
+@pytest.mark.parametrize("scaling", SCALINGS)
+def test_non_finite_inputs_show_in_the_dequantized_output(scaling, fp8_dtype):
+    # A NaN/Inf comes back non-finite at its own position (Inf: as Inf in E5M2, NaN in E4M3);
+    # its finite neighbours keep their usual FP8 precision (their scale ignores it).
+    x = torch.randn(130, 257)
+    x[3, 5], x[10, 7], x[129, 256] = float("nan"), float("inf"), -float("inf")
+    for quantize in (torch.ops.tierlift.fp8_quantize_dual, ref.fp8_quantize_dual):
+        q, s, qt, st = quantize(x, scaling, fp8_dtype, False)
+        for deq, want in ((ref.fp8_dequantize(q, s, scaling), x),
+                          (ref.fp8_dequantize(qt, st, scaling), x.t())):
+            assert torch.equal(~torch.isfinite(deq), ~torch.isfinite(want))
+            if fp8_dtype == torch.float8_e5m2:
+                assert torch.equal(torch.isinf(deq), torch.isinf(want))
+                assert torch.equal(deq[torch.isinf(deq)], want[torch.isinf(want)])
+            else:
+                assert torch.isnan(deq[~torch.isfinite(want)]).all()
+            fin = torch.isfinite(want)
+            err = (deq[fin] - want[fin]).abs()
+            assert (err <= want[fin].abs() / 8 + 1e-3).all()
 
 
 def test_dequantize_error_is_within_fp8_precision():

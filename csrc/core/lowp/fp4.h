@@ -6,9 +6,9 @@
 // E2M1 codes: bit 3 sign, 3 magnitude bits -> {0, 0.5, 1, 1.5, 2, 3, 4, 6}. Two codes per byte,
 // the FIRST element in the LOW nibble (torch.float4_e2m1fn_x2's layout).
 // Encode (RNE): saturating (|v| > 6 -> 6), ties to the even code; NaN encodes as +0 (E2M1 has
-// no NaN; non-finite values never enter a scale). Encode (SR): |v| between grid points lo < hi
-// rounds up iff (|v| - lo) / (hi - lo) > u, u = (philox word >> 8) * 2^-24 in [0, 1): unbiased
-// up to 2^-24. Both subtraction and division by the power-of-two step are exact.
+// no NaN: a NaN is carried by its block's scale, see below). Encode (SR): |v| between grid points
+// lo < hi rounds up iff (|v| - lo) / (hi - lo) > u, u = (philox word >> 8) * 2^-24 in [0, 1):
+// unbiased up to 2^-24. Both subtraction and division by the power-of-two step are exact.
 // Philox4x32-10: key = seed (lo, hi), counter = (lo(n), hi(n), 0, 0) with n = (offset + idx) / 4,
 // word (offset + idx) % 4, idx = row * cols + col of the element.
 //
@@ -24,8 +24,14 @@
 //   e is clamped to [-127, 127]; amax is over finite elements, rms = sqrt(sum(x^2) / n) with the
 //   sum reduced as a halving tree (s[i] += s[i + h], h = n/2 .. 1). Quantize: v = x * 2^-e.
 // NVFP4 (block 16, E4M3 block scale, fp32 tensor scale): s_t = 2688 / max(tensor_amax, 1e-12)
-//   (2688 = 448 * 6); block scale code = e4m3(fp32(amax_b / 6) * s_t); sb = decode(code);
-//   v = x * fp32(s_t / sb) (v = 0 when sb = 0). Dequantize: (e2m1(q) * sb) / s_t.
+//   (2688 = 448 * 6, tensor_amax over finite elements); block scale code =
+//   e4m3(fp32(amax_b / 6) * s_t); sb = decode(code); v = x * fp32(s_t / sb) (v = 0 when sb = 0).
+//   Dequantize: (e2m1(q) * sb) / s_t.
+// NaN and Inf (E2M1 has neither): a block holding one (after the rotation, which spreads it over
+//   its Hadamard block) gets the NaN scale, E8M0 0xFF (a NaN scale makes the whole block NaN in
+//   OCP MX; an Inf, whose amax has no E8M0 exponent, is treated alike) or E4M3 0x7F, so the
+//   block dequantizes to NaN; its codes are 0 and its clip mask 0 (v = x * NaN). Other blocks,
+//   and the tensor amax (over finite elements), are unaffected.
 // Clip mask: 1 where |v| <= 6 (the element was representable without saturating), else 0.
 // Hadamard (before quantization, along rows, blocks of 16/32): x_i *= -1 where bit i of the
 // sign mask is set, then butterflies h = 1, 2, 4, ..: (a, b) -> (a + b, a - b) for a = x[j],
@@ -50,6 +56,8 @@ constexpr float kNvTensorNum = 2688.f;            // 448 * 6
 constexpr float kMinAmax = 1e-12f;
 constexpr float kHadamardScale16 = 0.25f;
 constexpr float kHadamardScale32 = 0.176776695296636881f;  // fp32(1 / sqrt(32))
+constexpr uint8_t kE8M0Nan = 0xff;
+constexpr uint8_t kE4M3Nan = 0x7f;
 
 TL_HD uint32_t bits(float f) {
 #ifdef __CUDA_ARCH__
@@ -103,6 +111,10 @@ TL_HD float pow2(int e) {
   if (e >= -126) return from_bits(static_cast<uint32_t>(e + 127) << 23);
   return from_bits(1u << (e + 149));
 }
+
+TL_HD float nan_f32() { return from_bits(0x7fc00000u); }
+TL_HD float inf_f32() { return from_bits(0x7f800000u); }
+TL_HD bool nonfinite(float x) { return (bits(x) & 0x7fffffffu) >= 0x7f800000u; }
 
 TL_HD float finite_abs(float x) {
   const uint32_t a = bits(x) & 0x7fffffffu;
@@ -231,6 +243,11 @@ TL_HD int mx_exponent(float stat, ScaleRule rule) {
   return clamp_exp(ceil_log2(d));
 }
 
+// E8M0 code -> 2^(code - 127); 0xFF is NaN.
+TL_HD float e8m0_decode(uint8_t code) {
+  return code == kE8M0Nan ? nan_f32() : pow2(static_cast<int>(code) - 127);
+}
+
 TL_HD float nv_tensor_scale(float tensor_amax) {
   return div_rn(kNvTensorNum, tensor_amax < kMinAmax ? kMinAmax : tensor_amax);
 }
@@ -261,8 +278,23 @@ TL_HD uint8_t e4m3_encode_nonneg(float v) {
 
 TL_HD float e4m3_decode_nonneg(uint8_t q) {
   const uint32_t e = (q >> 3) & 15u, m = q & 7u;
+  if (q == kE4M3Nan) return nan_f32();
   if (e == 0) return static_cast<float>(m) * 0.001953125f;  // m * 2^-9
   return from_bits(((e + 120u) << 23) | (m << 20));
+}
+
+// NVFP4 block scale code from the block's finite amax; amax = +inf (which a finite amax never is)
+// marks a block holding a NaN/Inf: it gets the E4M3 NaN.
+TL_HD uint8_t nv_scale_code(float amax, float st) {
+  if (bits(amax) == 0x7f800000u) return kE4M3Nan;
+  return e4m3_encode_nonneg(mul_rn(div_rn(amax, kMax), st));
+}
+
+// The factor taking a block's values to the E2M1 grid: s_t / sb, 0 for a zero scale (an all-zero
+// block) and NaN for the NaN scale (so the block's codes are 0 and its mask 0).
+TL_HD float nv_multiplier(uint8_t code, float st) {
+  const float sb = e4m3_decode_nonneg(code);
+  return sb == 0.f ? 0.f : div_rn(st, sb);
 }
 
 // In-place sign flips + normalized fast Walsh-Hadamard transform of n = 16 or 32 values.

@@ -86,7 +86,8 @@ void fp4_quantize(const Fp8Input& x, const Fp4Config& c, const Fp4Output& out) {
   int64_t grows, gcols;
   fp4_scale_shape(c, rows, cols, &grows, &gcols);
   std::vector<float> y(static_cast<size_t>(rows * cols));
-  std::vector<float> stat(static_cast<size_t>(rows * nb));  // per 1 x b block: amax or rms
+  std::vector<float> stat(static_cast<size_t>(rows * nb));   // per 1 x b block: amax or rms
+  std::vector<uint8_t> bad(static_cast<size_t>(rows * nb));  // 1: the block holds a NaN/Inf
   const bool quest = c.rule == ScaleRule::kQuest;
   for_rows(rows, cols, [&](int64_t r0, int64_t r1) {
     for (int64_t i = r0; i < r1; ++i) {
@@ -106,6 +107,7 @@ void fp4_quantize(const Fp8Input& x, const Fp4Config& c, const Fp4Output& out) {
           for (int e = 0; e < b; ++e) s = std::max(s, fp4::finite_abs(v[e]));
         }
         stat[i * nb + k] = s;
+        bad[i * nb + k] = std::any_of(v, v + b, [](float f) { return fp4::nonfinite(f); });
       }
     }
   });
@@ -119,21 +121,24 @@ void fp4_quantize(const Fp8Input& x, const Fp4Config& c, const Fp4Output& out) {
     for (int64_t g = 0; g < grows; ++g) {
       for (int64_t k = 0; k < gcols; ++k) {
         float amax = 0.f;
+        bool any_bad = false;
         const int64_t i0 = c.block_2d ? g * 16 : g,
                       i1 = c.block_2d ? std::min(rows, i0 + 16) : g + 1;
-        for (int64_t i = i0; i < i1; ++i) amax = std::max(amax, stat[i * nb + k]);
-        const uint8_t code = fp4::e4m3_encode_nonneg(fp4::mul_rn(fp4::div_rn(amax, fp4::kMax), st));
+        for (int64_t i = i0; i < i1; ++i) {
+          amax = std::max(amax, stat[i * nb + k]);
+          any_bad = any_bad || bad[i * nb + k];
+        }
+        const uint8_t code = fp4::nv_scale_code(any_bad ? fp4::inf_f32() : amax, st);
         out.scales[g * gcols + k] = code;
-        const float sb = fp4::e4m3_decode_nonneg(code);
-        mult[g * gcols + k] = sb > 0.f ? fp4::div_rn(st, sb) : 0.f;
+        mult[g * gcols + k] = fp4::nv_multiplier(code, st);
       }
     }
   } else {
     *out.tensor_scale = 1.f;
     for (int64_t g = 0; g < grows * gcols; ++g) {
       const int e = fp4::mx_exponent(stat[g], c.rule);
-      out.scales[g] = static_cast<uint8_t>(e + 127);
-      mult[g] = fp4::pow2(-e);
+      out.scales[g] = bad[g] ? fp4::kE8M0Nan : static_cast<uint8_t>(e + 127);
+      mult[g] = bad[g] ? fp4::nan_f32() : fp4::pow2(-e);
     }
   }
   for_rows(rows, cols, [&](int64_t r0, int64_t r1) {
@@ -169,7 +174,7 @@ void fp4_dequantize(const uint8_t* codes, const uint8_t* scales, float tensor_sc
       if (rule == ScaleRule::kNv) {
         r = fp4::div_rn(fp4::mul_rn(v, fp4::e4m3_decode_nonneg(s[j / b])), tensor_scale);
       } else {
-        r = fp4::mul_rn(v, fp4::pow2(static_cast<int>(s[j / b]) - 127));
+        r = fp4::mul_rn(v, fp4::e8m0_decode(s[j / b]));
       }
       out[i * cols + j] = r;
     }

@@ -8,7 +8,8 @@
 //     then the transpose of W's), scales E4M3 codes [rows or ceil(rows/16), cols / 16], plus the
 //     fp32 tensor scale.
 // Outputs: codes [rows, cols / 2] (two per byte, first in the low nibble), the clip mask
-// [rows, cols] (1 = not saturated) when requested, scales and tensor scale as above.
+// [rows, cols] (1 = not saturated) when requested, scales and tensor scale as above. A block
+// holding a NaN/Inf gets the NaN scale (E8M0 0xFF, E4M3 0x7F) and dequantizes to all NaN.
 #pragma once
 
 #include <cstdint>

@@ -4,13 +4,15 @@
 //   E4M3 (torch.float8_e4m3fn): bias 7, 3 mantissa bits, max 448, no inf, NaN 0x7f/0xff.
 //   E5M2 (torch.float8_e5m2):   bias 15, 2 mantissa bits, max 57344, inf 0x7c, NaN 0x7d-0x7f.
 //
-// Cast (fp32 -> fp8): saturating round-to-nearest-even. |x| > max (and +-inf) becomes +-max,
-// NaN becomes the canonical NaN code 0x7f whatever its sign (GPUs do not keep a NaN's sign
-// through arithmetic, so it cannot be bit-exact). For |x| <= max the result equals torch's
-// `x.to(float8_*)` exactly.
+// Cast (fp32 -> fp8): saturating round-to-nearest-even for finite x (|x| > max becomes +-max).
+// Non-finite values stay non-finite, so a NaN or Inf never turns into a plausible number: NaN
+// becomes the canonical NaN code 0x7f whatever its sign (GPUs do not keep a NaN's sign through
+// arithmetic, so it cannot be bit-exact); +-inf becomes +-inf in E5M2 (0x7c/0xfc) and NaN (0x7f)
+// in E4M3, which has no inf. For |x| <= max the result equals torch's `x.to(float8_*)` exactly.
 //
-// Scale: amax is the largest |x| over the FINITE elements of a scaling block (NaN/Inf do not
-// poison the scale of their neighbours). scale = max_fp8 / max(amax, kMinAmax) in fp32 (correctly
+// Scale: amax is the largest |x| over the FINITE elements of a scaling block, so one NaN/Inf
+// neither zeroes the scale of its finite neighbours (448 / inf = 0) nor hides itself: it is cast
+// on its own as above. scale = max_fp8 / max(amax, kMinAmax) in fp32 (correctly
 // rounded division), optionally rounded DOWN to a power of two by clearing its mantissa (so
 // amax * scale <= max_fp8 still holds and dequantization is exact). kMinAmax keeps the scale of an
 // all-zero or tiny block finite: it is never inf, NaN or zero.
@@ -48,8 +50,9 @@ static inline uint8_t fp8_encode(float x, Fp8Format fmt) {
   const uint32_t u = f32_bits(x);
   const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
   uint32_t abs = u & 0x7fffffffu;
-  if (abs > 0x7f800000u) return 0x7fu;               // NaN (canonical)
-  if (abs > f32_bits(s.max)) abs = f32_bits(s.max);  // saturate (inf included)
+  if (abs > 0x7f800000u) return 0x7fu;  // NaN (canonical)
+  if (abs == 0x7f800000u) return fmt == Fp8Format::kE5M2 ? (sign | 0x7cu) : 0x7fu;  // inf
+  if (abs > f32_bits(s.max)) abs = f32_bits(s.max);                                 // saturate
   const float a = bits_f32(abs);
   const float min_normal = pow2f(1 - s.bias);
   if (a < min_normal) {

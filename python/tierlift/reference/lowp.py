@@ -1,11 +1,13 @@
 """Pure-torch FP8 quantizers, bit-exact with csrc/core/lowp (the C++ reference) and the CUDA
 kernels. The rules (see csrc/core/lowp/fp8.h):
 
-- amax of a scaling block = max |x| over its FINITE elements (NaN/Inf do not poison the scale);
+- amax of a scaling block = max |x| over its FINITE elements (a NaN/Inf neither poisons its
+  neighbours' scale nor hides itself: it is cast on its own, see below);
 - scale = fp8_max / max(amax, 1e-12) in fp32, optionally rounded down to a power of two:
   never inf, NaN or zero, also for all-zero or tiny blocks;
-- q = saturating round-to-nearest-even cast of fp32(x) * scale: |y| > max and +-inf become +-max,
-  NaN becomes the canonical NaN code 0x7f;
+- q = saturating round-to-nearest-even cast of fp32(x) * scale for finite values (|y| > max
+  becomes +-max); NaN becomes the canonical NaN code 0x7f, +-inf stays +-inf in E5M2 and becomes
+  NaN (0x7f) in E4M3, which has no inf: a non-finite input is never quantized to a number;
 - dequantize: q / scale.
 
 Scalings of a 2-D [rows, cols] tensor: "tensor", "row" (1 x cols), "col" (rows x 1), "1x128",
@@ -79,10 +81,17 @@ def block_amax(x: torch.Tensor, scaling: str) -> torch.Tensor:
 
 
 def cast_to_fp8(y: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
-    """Saturating RNE fp32 -> fp8 with canonical NaN."""
+    """Saturating RNE fp32 -> fp8 for finite values; NaN -> 0x7f, +-inf -> +-inf (E5M2) or 0x7f
+    (E4M3). The non-finite codes are written explicitly: torch's own cast of inf to e4m3fn
+    saturates on some versions and devices."""
     fmax = FP8_MAX[fp8_dtype]
-    y = torch.where(torch.isnan(y), torch.full_like(y, float("nan")), y.clamp(-fmax, fmax))
-    return y.to(fp8_dtype)
+    finite = torch.isfinite(y)
+    q = torch.where(finite, y, 0.0).clamp(-fmax, fmax).to(fp8_dtype).view(torch.uint8)
+    special = torch.full_like(q, 0x7F)
+    if fp8_dtype == torch.float8_e5m2:
+        inf = torch.where(y > 0, 0x7C, 0xFC).to(torch.uint8)
+        special = torch.where(torch.isinf(y), inf, special)
+    return torch.where(finite, q, special).view(fp8_dtype)
 
 
 def fp8_quantize(x: torch.Tensor, scaling: str, fp8_dtype: torch.dtype = torch.float8_e4m3fn,

@@ -9,6 +9,8 @@ CUDA kernel (the rules are written out in csrc/core/lowp/fp4.h):
   v = x * 2^-e;
 - NVFP4 (blocks 1x16 or 16x16, E4M3 block scale, fp32 tensor scale s_t = 2688 / tensor_amax):
   sb = e4m3(amax_b / 6 * s_t), v = x * (s_t / sb);
+- amaxes are over finite elements; a block holding a NaN/Inf (after the rotation) gets the NaN
+  scale (E8M0 0xFF, E4M3 0x7F), codes 0 and mask 0, and dequantizes to all NaN;
 - E2M1 encode of v: saturating round-to-nearest-even, or stochastic rounding with Philox4x32-10
   uniforms (seed, offset + row * cols + col); codes packed two per byte, first in the low nibble;
 - clip mask: |v| <= 6.
@@ -98,6 +100,12 @@ def _block_stat(y: torch.Tensor, block: int, quest: bool) -> torch.Tensor:
     return torch.sqrt(s[..., 0] * _f32(1.0 / block, s))
 
 
+def _block_bad(y: torch.Tensor, block: int) -> torch.Tensor:
+    """True for the 1 x block blocks holding a NaN/Inf."""
+    rows, cols = y.shape
+    return (~torch.isfinite(y)).reshape(rows, cols // block, block).any(dim=-1)
+
+
 def _ceil_log2(d: torch.Tensor) -> torch.Tensor:
     m, e = torch.frexp(d)
     return torch.where(m == 0.5, e - 1, e).to(torch.int64)
@@ -183,22 +191,25 @@ def fp4_quantize(x: torch.Tensor, scale_rule: str, hadamard_size: int = 0, signs
     block = block_size(scale_rule)
     y = hadamard(x, hadamard_size, signs) if hadamard_size else x.float().contiguous()
     stat = _block_stat(y, block, scale_rule == "quest")
+    bad = _block_bad(y, block)
     if scale_rule == "nv":
         tamax = stat.amax() if stat.numel() else torch.zeros((), device=x.device)
         st = torch.full_like(tamax, 2688.0) / tamax.clamp(min=1e-12)
         if block_2d:
             g = -(-rows // 16)
             stat = torch.nn.functional.pad(stat, (0, 0, 0, g * 16 - rows))
+            bad = torch.nn.functional.pad(bad, (0, 0, 0, g * 16 - rows))
             stat = stat.reshape(g, 16, -1).amax(dim=1) if stat.numel() else stat[:g]
+            bad = bad.reshape(g, 16, -1).any(dim=1) if bad.numel() else bad[:g]
         t = (stat / torch.full_like(stat, 6.0)) * st
-        scales = e4m3_encode_nonneg(t)
-        sb = scales.view(torch.float8_e4m3fn).float()
-        mult = torch.where(sb > 0, st / sb, torch.zeros_like(sb))
+        scales = torch.where(bad, 0x7F, e4m3_encode_nonneg(t)).to(torch.uint8)
+        sb = scales.view(torch.float8_e4m3fn).float()  # NaN for 0x7F: mult NaN, codes 0
+        mult = torch.where(sb == 0, torch.zeros_like(sb), st / sb)
         tensor_scale = st.reshape(1)
     else:
         e = mx_exponent(stat, scale_rule)
-        scales = (e + 127).to(torch.uint8)
-        mult = pow2(-e)
+        scales = torch.where(bad, 0xFF, e + 127).to(torch.uint8)
+        mult = torch.where(bad, float("nan"), pow2(-e))
         tensor_scale = torch.ones(1, dtype=torch.float32, device=x.device)
     mult = mult.repeat_interleave(block, dim=1)
     if block_2d:
@@ -230,9 +241,9 @@ def fp4_dequantize(codes: torch.Tensor, scales: torch.Tensor, tensor_scale: torc
     rows, cols = v.shape
     block = block_size(scale_rule)
     if scale_rule == "nv":
-        s = scales.view(torch.float8_e4m3fn).float()
+        s = scales.view(torch.float8_e4m3fn).float()  # 0x7F is NaN
     else:
-        s = pow2(scales.to(torch.int64) - 127)
+        s = torch.where(scales == 0xFF, float("nan"), pow2(scales.to(torch.int64) - 127))
     if block_2d:
         s = s.repeat_interleave(16, dim=0)[:rows]
     out = (v.reshape(rows, cols // block, block) * s.unsqueeze(-1)).reshape(rows, cols)
