@@ -127,7 +127,8 @@ int warps_for(int64_t row_bytes) {
 }  // namespace
 
 cudaError_t gather_rows(const GatherArgs& a, cudaStream_t stream) {
-  if (a.count <= 0 || a.row_bytes <= 0) return cudaSuccess;
+  // Zero-byte rows still run: their indices are checked like any others.
+  if (a.count <= 0 || a.row_bytes < 0) return cudaSuccess;
   const int warps = warps_for(a.row_bytes);
   const int64_t groups_per_block = kThreads / (warps * kWarp);
   int device = 0, sms = 0;

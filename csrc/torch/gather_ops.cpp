@@ -155,7 +155,7 @@ void gather_rows_cuda(const at::Tensor& table, const at::Tensor& index,
     a.cache_slot = cs.data_ptr<int32_t>();
     a.cache_rows = ct.size(0);
   }
-  if (index.numel() == 0 || row_bytes == 0) return;
+  if (index.numel() == 0) return;  // zero-byte rows still go: their indices are checked
   const at::Tensor idx = index.contiguous();
   a.num_rows = table.size(0);
   a.row_bytes = row_bytes;
