@@ -22,6 +22,7 @@ import torch
 
 import tierlift
 from common import median_time
+from plots import plot_gather, plot_json
 from tierlift.gnn import FeatureStore
 
 ROW_BYTES = [64, 128, 256, 512, 1024, 2048, 4096]
@@ -79,6 +80,9 @@ def main():
     p.add_argument("--out-mib", type=int, default=64, help="bytes gathered per call")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--cpu-only", action="store_true")
+    p.add_argument("--plot", metavar="PATH",
+                   help="also draw the results as a PNG here (needs matplotlib); the GPU "
+                   "figure goes beside it, as <PATH stem>_gpu.png")
     args = p.parse_args()
     machine = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                "tierlift_threads": tierlift._extension._C.num_threads(),
@@ -89,14 +93,21 @@ def main():
     cpu = [bench_cpu(rb, tb, ob, args.repeats) for rb in ROW_BYTES]
     print(f"machine: {machine}; table {args.table_mib} MiB, {args.out_mib} MiB gathered per call")
     print_table("CPU gather: tierlift vs torch.index_select (GB/s, speedup = ratio)", cpu)
-    (out_dir / "bench_gather_cpu.json").write_text(json.dumps(
+    written = {"cpu": out_dir / "bench_gather_cpu.json"}
+    written["cpu"].write_text(json.dumps(
         {"machine": machine, "args": vars(args), "results": cpu}, indent=2))
     if torch.cuda.is_available() and not args.cpu_only:
         machine["gpu"] = torch.cuda.get_device_name()
         gpu = [bench_gpu(rb, tb, ob, args.repeats) for rb in ROW_BYTES]
         print_table("GPU zero-copy gather vs pinned copy_ and CPU index_select+pin+copy", gpu)
-        (out_dir / "bench_gather_gpu.json").write_text(json.dumps(
+        written["gpu"] = out_dir / "bench_gather_gpu.json"
+        written["gpu"].write_text(json.dumps(
             {"machine": machine, "args": vars(args), "results": gpu}, indent=2))
+    if args.plot:
+        png = Path(args.plot)
+        for kind, path in written.items():
+            dest = png if kind == "cpu" else png.with_name(f"{png.stem}_gpu{png.suffix}")
+            print(f"wrote {plot_json(plot_gather, path, dest)}")
 
 
 if __name__ == "__main__":

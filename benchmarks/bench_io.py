@@ -28,6 +28,7 @@ import time
 import torch
 
 import tierlift
+from plots import plot_io, plot_json
 from tierlift.io import EngineConfig, IoEngine
 
 
@@ -149,6 +150,8 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                  "bench_io.json"))
+    p.add_argument("--plot", metavar="PATH",
+                   help="also draw the results as a PNG here (needs matplotlib)")
     a = p.parse_args()
     size, bs, qd = a.size_mib << 20, a.block_kib << 10, a.queue_depth
     path = os.path.join(a.dir, f"tierlift_bench_io.{os.getpid()}.bin")
@@ -198,6 +201,8 @@ def main() -> None:
                                                    "kernel": platform.release()},
                    "gbps": results, "ratio_to_fio": ratios, "samples": samples}, f, indent=2)
     print(f"wrote {a.out}")
+    if a.plot:
+        print(f"wrote {plot_json(plot_io, a.out, a.plot)}")
 
 
 if __name__ == "__main__":

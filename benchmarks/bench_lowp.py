@@ -20,6 +20,7 @@ import platform
 import torch
 
 from common import RESULTS, median_time
+from plots import plot_json, plot_lowp
 from tierlift import ops
 from tierlift.lowp import Float8Linear
 from tierlift.reference import lowp as ref
@@ -114,6 +115,8 @@ def main():
     p.add_argument("--sizes", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     p.add_argument("--json", default=None,
                    help="output path (default: benchmarks/results/bench_lowp-<device>.json)")
+    p.add_argument("--plot", metavar="PATH",
+                   help="also draw the results as a PNG here (needs matplotlib)")
     args = p.parse_args()
     result = dict(machine=platform.processor() or platform.machine(), torch=torch.__version__,
                   device=args.device)
@@ -130,6 +133,8 @@ def main():
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {args.json}")
+    if args.plot:
+        print(f"wrote {plot_json(plot_lowp, args.json, args.plot)}")
 
 
 if __name__ == "__main__":

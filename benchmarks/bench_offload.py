@@ -58,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import tierlift  # noqa: E402, F401
 from common import machine, median_time, print_table, write_json  # noqa: E402
 from llama_model import Llama, LlamaConfig, rope_tables  # noqa: E402
+from plots import plot_json, plot_offload, plot_offload_finetune  # noqa: E402
 from tierlift.optim import AdamW  # noqa: E402
 from tierlift.plan.measure import disk_bandwidth  # noqa: E402
 
@@ -341,7 +342,7 @@ def bench_step(args) -> int:
               "roofline may be above the device's floor (not a lower bound)")
     print("nvme step breakdown (last step):", {k: round(v, 4) if isinstance(v, float) else v
                                                for k, v in last.items()})
-    write_json("bench_offload", {
+    path = write_json("bench_offload", {
         "machine": machine(), "params": n, "state_bytes": state_bytes, "cpu_budget": budget,
         "step_s": times, "best_step_s": best, "roofline_s": nv["roofline_s"],
         "ratio_median": nv["ratio_median"], "ratio_best": nv["ratio_best"],
@@ -350,6 +351,8 @@ def bench_step(args) -> int:
         "page_cache_read_bps": cached_read_bps, "page_cache_write_bps": cached_write_bps,
         "io_replay_shape": sh, "contiguous_pages": nv["contiguous_pages"],
         "roofline_buffer_more_fragmented": fragmented, "rounds": nv["rounds"]})
+    if args.plot:
+        print(f"wrote {plot_json(plot_offload, path, args.plot)}")
     tmp.cleanup()
     return 0
 
@@ -579,10 +582,12 @@ def finetune(args) -> int:
                     title=f"fine-tuning {info['model']} ({info['params'] / 1e9:.2f}B params), "
                           f"batch {args.batch_size} x {args.seq_len} tokens")
     if not args.finetune_check:
-        write_json("bench_offload_finetune", {"machine": machine(), "plan": info,
+        path = write_json("bench_offload_finetune", {"machine": machine(), "plan": info,
                                               "args": {k: v for k, v in vars(args).items()
                                                        if k != "info"},
                                               "results": results})
+        if args.plot:
+            print(f"wrote {plot_json(plot_offload_finetune, path, args.plot)}")
     return 0 if ok else 1
 
 
@@ -615,6 +620,8 @@ def main(argv=None) -> int:
     ap.add_argument("--params", type=float, default=16e6)
     ap.add_argument("--dir", default=None, help="directory on the drive (default: a temp dir)")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--plot", metavar="PATH", help="also draw the results as a PNG here (needs "
+                    "matplotlib): the step legs, or with --gpu the TFLOPS")
     add_finetune_args(ap)
     args = ap.parse_args(argv)
     if args.finetune_case:

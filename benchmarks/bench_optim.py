@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tierlift  # noqa: E402
 from common import machine, median_time, mem_available_bytes, print_table, write_json  # noqa: E402
+from plots import plot_json, plot_optim  # noqa: E402
 
 BYTES_PER_PARAM = {"fp32": 28, "mixed": 28}  # loads + stores of one step, for the GB/s column
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
@@ -154,6 +155,8 @@ def main() -> None:
     ap.add_argument("--sizes", default="1e7,1e8,1e9", help="parameter counts, comma separated")
     ap.add_argument("--cases", default="fp32,mixed")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--plot", metavar="PATH",
+                    help="also draw the results as a PNG here (needs matplotlib)")
     args = ap.parse_args()
     torch.manual_seed(0)
     DS_ADAM, DS_ERROR = deepspeed_adam()
@@ -215,7 +218,7 @@ def main() -> None:
         f"vs {c}" for c in contenders if c not in ("tierlift", "bound")
     ]
     print_table(rows, columns, "AdamW step (\"vs X\" = X's time / tierlift's time; >1 = faster)")
-    write_json(
+    path = write_json(
         "bench_optim",
         {
             "torch_bandwidth_GBps": {k: v / 1e9 for k, v in bws.items()},
@@ -223,6 +226,8 @@ def main() -> None:
             "rows": rows,
         },
     )
+    if args.plot:
+        print(f"wrote {plot_json(plot_optim, path, args.plot)}")
 
 
 if __name__ == "__main__":

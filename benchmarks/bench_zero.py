@@ -178,6 +178,8 @@ def main(argv=None) -> int:
     p.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
     p.add_argument("--out", default=None,
                    help="JSON path (default: benchmarks/results/bench_zero-{cpu,gpu}.json)")
+    p.add_argument("--plot", metavar="PATH",
+                   help="also draw the results as a PNG here (needs matplotlib)")
     args = p.parse_args(argv)
     if args.cuda and torch.cuda.device_count() < args.nproc:
         p.error(f"--cuda needs {args.nproc} GPUs, found {torch.cuda.device_count()}")
@@ -210,6 +212,11 @@ def main(argv=None) -> int:
     with open(args.out, "w") as f:
         json.dump({"machine": machine, "args": vars(args), "results": results}, f, indent=1)
     print(f"wrote {args.out}", file=sys.stderr)
+    if args.plot:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from plots import plot_json, plot_zero
+
+        print(f"wrote {plot_json(plot_zero, args.out, args.plot)}", file=sys.stderr)
     return 0
 
 

@@ -23,6 +23,7 @@ from torch import nn
 
 import tierlift
 from common import RESULTS, machine
+from plots import plot_json, plot_zero_offload
 
 
 class Block(nn.Module):
@@ -79,6 +80,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=str(RESULTS / "zero_offload.json"))
+    ap.add_argument("--plot", metavar="PATH",
+                    help="also draw the results as a PNG here (needs matplotlib)")
     args = ap.parse_args()
     configs = [("none", False, "none"), ("cpu", False, "none"), ("cpu", True, "none"),
                ("nvme", False, "none"), ("nvme", True, "none"), ("nvme", True, "cpu"),
@@ -130,6 +133,8 @@ def main() -> None:
                   f"{t['nvme_prefetch_hits']:.1f}, misses {t['nvme_prefetch_misses']:.1f}")
     with open(args.out, "w") as f:
         json.dump({"machine": machine(), "args": vars(args), "rows": rows}, f, indent=1)
+    if args.plot:
+        print(f"wrote {plot_json(plot_zero_offload, args.out, args.plot)}")
 
 
 if __name__ == "__main__":

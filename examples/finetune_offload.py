@@ -4,6 +4,7 @@ overlapped with backward, gradients clipped by the global norm inside the step.
 
     python examples/finetune_offload.py                        # 3M params, CPU, ~1 minute
     python examples/finetune_offload.py --checkpoint-dir /tmp/ft   # kill it, run again: resumes
+    python examples/finetune_offload.py --plot ft.png   # loss, tokens/s, step legs (matplotlib)
     python examples/finetune_offload.py --pretrained base.pt --nvme-path /nvme0 \
         --layers 16 --dim 2048 --heads 16 --device cuda --dtype bf16 --steps 500
 
@@ -71,6 +72,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     c.add_argument("--checkpoint-every", type=int, default=20)
     c.add_argument("--save-final", default=None, help="write the final model state dict here")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
+    c.add_argument("--plot", metavar="PATH", default=None,
+                   help="draw loss, tokens/s and the per-step breakdown over steps as a PNG "
+                   "(needs matplotlib); the run is also saved beside it as PATH with .json")
     args = ap.parse_args(argv)
     if not 0 < args.budget_fraction < 1:
         ap.error(f"--budget-fraction must be in (0, 1), got {args.budget_fraction}")
@@ -218,6 +222,8 @@ def main(argv=None) -> None:
             print(f"resumed from {args.checkpoint_dir} at step {start}", flush=True)
     sums: dict = defaultdict(float)
     timed = 0
+    history = {"step": [], "loss": [], "tokens_per_s": [], "breakdown_step": [],
+               "breakdown": {name.strip(): [] for name, key in _WALL[:1] + _WORK}}
     bar = tqdm(range(start, args.steps), desc="finetune", dynamic_ncols=True, mininterval=0.5,
                initial=start, total=args.steps, disable=args.no_progress)
     for step in bar:
@@ -233,6 +239,14 @@ def main(argv=None) -> None:
         t2 = time.perf_counter()
         losses.append(loss.item())
         stats = opt.last_step_stats
+        history["step"].append(step + 1)
+        history["loss"].append(losses[-1])
+        history["tokens_per_s"].append(x.numel() / (t2 - t0))
+        if not stats.get("skipped"):
+            history["breakdown_step"].append(step + 1)
+            for name, key in _WALL[:1] + _WORK:
+                value = t1 - t0 if key == "compute_s" else stats.get(key, 0.0)
+                history["breakdown"][name.strip()].append(value * 1e3)
         if step > start and not stats.get("skipped"):  # the first step initialises masters
             timed += 1
             sums["compute_s"] += t1 - t0
@@ -254,6 +268,13 @@ def main(argv=None) -> None:
     tail = sum(losses[-5:]) / max(len(losses[-5:]), 1)
     print(f"loss {head:.3f} -> {tail:.3f} (mean of first/last 5 steps) | val loss {val_loss:.3f}")
     print_breakdown(sums, timed)
+    if args.plot:
+        from plot_run import save_run
+
+        n = sum(p.numel() for p in model.parameters())
+        run = dict(history, label="nvme offload", val_step=[args.steps], val_loss=[val_loss],
+                   title=f"finetune_offload: {n / 1e6:.2f}M params, {device}, state on NVMe")
+        print(f"wrote {save_run(run, args.plot)}")
     if args.save_final:
         torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, args.save_final)
         print(f"final weights: {args.save_final}")

@@ -7,6 +7,9 @@ download) with tierlift's optimizer.
     python examples/train_gpt.py --lowp fp8-rowwise --lowp-min-features 0   # FP8 linears
     python examples/train_gpt.py --lowp mxfp4-quartet --lowp-min-features 0 # FP4 (Quartet)
     python examples/train_gpt.py --offload nvme --nvme-path /tmp   # optimizer state on NVMe
+    python examples/train_gpt.py --plot bf16.png --dtype bf16      # loss, tokens/s as a PNG
+    python examples/train_gpt.py --plot fp8.png --plot-with bf16.json --lowp fp8-rowwise \
+        --lowp-min-features 0        # both recipes' curves on one chart (needs matplotlib)
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --zero 3   # ZeRO-3, 2 ranks
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --zero 3 --offload-params cpu \
         --offload nvme --nvme-path /tmp      # ZeRO-Infinity: params in RAM, state on NVMe
@@ -122,7 +125,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=10,
         help="optimizer steps timed for the tierlift-vs-torch line (0: skip)",
     )
+    o = ap.add_argument_group("output")
+    o.add_argument("--plot", metavar="PATH", default=None,
+                   help="draw loss and tokens/s over steps as a PNG (needs matplotlib); the run "
+                   "is also saved beside it as PATH with .json")
+    o.add_argument("--plot-with", metavar="JSON", nargs="+", default=(),
+                   help="with --plot: earlier runs' .json to draw on the same chart (compare "
+                   "--lowp recipes, dtypes or optimizers)")
     args = ap.parse_args(argv)
+    if args.plot_with and not args.plot:
+        ap.error("--plot-with needs --plot")
     if args.fp8_all_gather and (args.zero != 3 or not args.lowp.startswith("fp8")):
         ap.error("--fp8-all-gather needs --zero 3 and an fp8 --lowp recipe")
     return args
@@ -303,6 +315,8 @@ def main(argv=None) -> None:
     it = batches(train, args.batch_size, args.seq_len, gen, device)
     tokens_per_step = args.batch_size * args.seq_len * world
     first_loss, t_start = None, time.perf_counter()
+    history = {"step": [], "loss": [], "tokens_per_s": []}
+    t_last, step_last = t_start, 0
     bar = tqdm(range(args.steps), desc="train", dynamic_ncols=True, mininterval=0.5,
                disable=rank != 0)
     for step in bar:
@@ -315,7 +329,13 @@ def main(argv=None) -> None:
         if step % 10 == 0 or step == args.steps - 1:
             value = mean_over_ranks(loss)
             first_loss = value if first_loss is None else first_loss
-            elapsed = time.perf_counter() - t_start
+            now = time.perf_counter()
+            elapsed = now - t_start
+            history["step"].append(step + 1)
+            history["loss"].append(value)
+            history["tokens_per_s"].append(tokens_per_step * (step + 1 - step_last)
+                                           / max(now - t_last, 1e-9))
+            t_last, step_last = now, step + 1
             bar.set_postfix(
                 loss=f"{value:.3f}", tok_s=f"{tokens_per_step * (step + 1) / elapsed:,.0f}"
             )
@@ -328,6 +348,14 @@ def main(argv=None) -> None:
         f"loss {first_loss:.3f} -> {value:.3f} | val loss {val_loss:.3f}"
         f" | {tokens_per_step * args.steps / elapsed:,.0f} tokens/s"
     )
+    if args.plot and rank == 0:
+        recipe = args.lowp if args.lowp != "none" else args.dtype
+        run = dict(history, label=f"{recipe} {args.optim}", val_step=[args.steps],
+                   val_loss=[val_loss], title=f"train_gpt: {n_params / 1e6:.2f}M params, "
+                   f"{device}, {world} rank(s)")
+        from plot_run import save_run
+
+        log(f"wrote {save_run(run, args.plot, args.plot_with)}")
     if getattr(optimizer, "last_step_stats", None):
         stats = {(k[:-2] + "_ms" if k.endswith("_s") else k): (round(v * 1e3, 2)
                  if k.endswith("_s") else v) for k, v in optimizer.last_step_stats.items()}

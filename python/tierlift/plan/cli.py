@@ -21,6 +21,8 @@ def add_parser(sub) -> None:
     p.add_argument("--cpu-budget", default=None, help="host memory the optimizer may hold")
     p.add_argument("--probe-mib", type=int, default=256, help="size of the bandwidth probes")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--plot", metavar="PATH",
+                   help="also draw bytes per tier against capacity as a PNG (needs matplotlib)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -45,4 +47,8 @@ def run(args: argparse.Namespace) -> int:
                           "bandwidths": dataclasses.asdict(bw), "note": plan.note}, indent=2))
     else:
         print(render(plan, bw))
+    if args.plot:
+        from tierlift.plan.plot import capacities, plot_plan
+
+        print(f"wrote {plot_plan(plan, capacities(inp), args.plot)}")
     return 0
