@@ -13,6 +13,15 @@
 namespace tierlift {
 namespace {
 
+// rows * cols standard-normal values, reproducible from `seed`.
+std::vector<float> normal_values(int64_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal;
+  std::vector<float> x(static_cast<size_t>(n));
+  for (float& v : x) v = normal(rng);
+  return x;
+}
+
 const float kGrid[8] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
 
 TEST(LowpFp4Codec, EveryCodeDecodesAndRoundTrips) {
@@ -156,10 +165,7 @@ TEST(LowpFp4Quant, MxRoundTripsGridValuesExactly) {
 
 TEST(LowpFp4Quant, NvAndQuestErrorsAreSmallAndMaskMarksClipping) {
   const int64_t rows = 20, cols = 64;
-  std::mt19937 rng(3);
-  std::normal_distribution<float> nd;
-  std::vector<float> x(rows * cols);
-  for (float& v : x) v = nd(rng);
+  std::vector<float> x = normal_values(rows * cols, 3);
   x[5] = 40.f;  // an outlier QuEST clips
   for (auto rule : {fp4::ScaleRule::kNv, fp4::ScaleRule::kQuest}) {
     for (bool two_d : {false, true}) {
@@ -196,10 +202,7 @@ TEST(LowpFp4Quant, NvAndQuestErrorsAreSmallAndMaskMarksClipping) {
 // every other block, and the NVFP4 tensor scale, is what it would be without it.
 TEST(LowpFp4Quant, NonFiniteBlocksDequantizeToNaN) {
   const int64_t rows = 20, cols = 64;
-  std::mt19937 rng(9);
-  std::normal_distribution<float> nd;
-  std::vector<float> x(rows * cols);
-  for (float& v : x) v = nd(rng);
+  std::vector<float> x = normal_values(rows * cols, 9);
   x[1 * cols + 5] = std::numeric_limits<float>::quiet_NaN();
   x[2 * cols + 40] = std::numeric_limits<float>::infinity();
   x[18 * cols + 63] = -std::numeric_limits<float>::infinity();
@@ -271,10 +274,7 @@ TEST(LowpFp4Quant, RejectsBadConfigs) {
 
 TEST(LowpFp4Quant, HadamardSrIsDeterministicAndOffsetShiftsTheStream) {
   const int64_t rows = 4, cols = 64;
-  std::mt19937 rng(5);
-  std::normal_distribution<float> nd;
-  std::vector<float> x(rows * cols);
-  for (float& v : x) v = nd(rng);
+  std::vector<float> x = normal_values(rows * cols, 5);
   auto run = [&](uint64_t seed, uint64_t offset) {
     Fp4Config c;
     c.rule = fp4::ScaleRule::kRceil;

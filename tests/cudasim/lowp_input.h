@@ -17,6 +17,7 @@
 #include <limits>
 #include <memory>
 #include <new>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -29,6 +30,15 @@ namespace cudasim_test {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+// n standard-normal values, reproducible from `seed`.
+inline std::vector<float> normal_values(int64_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal;
+  std::vector<float> x(static_cast<size_t>(n));
+  for (float& v : x) v = normal(rng);
+  return x;
+}
 
 // Largest finite value of the input type: the "huge" element of the test data.
 inline float huge_of(DType t) { return t == DType::kFloat16 ? 65504.f : 3.0e38f; }

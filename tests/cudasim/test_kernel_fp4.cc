@@ -36,6 +36,7 @@ using cudasim_test::kInf;
 using cudasim_test::kInputDtypes;
 using cudasim_test::kNaN;
 using cudasim_test::Layout;
+using cudasim_test::normal_values;
 using cudasim_test::same_bits;
 using cudasim_test::StridedInput;
 using fp4::ScaleRule;
@@ -335,10 +336,7 @@ TEST(Fp4Kernel, EmptyInputs) {
 // block (pass 2 max-reduces pass 1's +inf marks), spread by a rotation over its Hadamard block.
 TEST(Fp4Kernel, NonFiniteBlocksGetTheNanScale) {
   const int64_t rows = 35, cols = 64;
-  std::mt19937 rng(3);
-  std::normal_distribution<float> normal;
-  std::vector<float> x(static_cast<size_t>(rows * cols));
-  for (float& v : x) v = normal(rng);
+  std::vector<float> x = normal_values(rows * cols, 3);
   const int64_t bad[][2] = {{0, 3}, {5, 20}, {31, 40}, {34, 63}};  // (row, col)
   x[0 * cols + 3] = kNaN, x[5 * cols + 20] = kInf, x[31 * cols + 40] = -kInf;
   x[34 * cols + 63] = kNaN;

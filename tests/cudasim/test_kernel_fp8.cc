@@ -35,6 +35,7 @@ using cudasim_test::kInf;
 using cudasim_test::kInputDtypes;
 using cudasim_test::kNaN;
 using cudasim_test::Layout;
+using cudasim_test::normal_values;
 using cudasim_test::same_bits;
 using cudasim_test::StridedInput;
 
@@ -336,10 +337,7 @@ TEST(Fp8Kernel, EveryCodeAndMidpointThroughTheEncoder) {
 // not enter the scale: the finite elements' codes are those of the same input without them.
 TEST(Fp8Kernel, NonFiniteInputsStayNonFinite) {
   const int64_t rows = 40, cols = 132;
-  std::mt19937 rng(5);
-  std::normal_distribution<float> normal;
-  std::vector<float> x(static_cast<size_t>(rows * cols));
-  for (float& v : x) v = normal(rng);
+  std::vector<float> x = normal_values(rows * cols, 5);
   std::vector<float> clean(x);
   const int64_t pos[] = {0 * cols + 3, 7 * cols + 129, 39 * cols + 131, 20 * cols + 64};
   const float special[] = {kNaN, kInf, -kInf, -kNaN};
