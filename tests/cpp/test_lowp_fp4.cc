@@ -145,6 +145,25 @@ Fp8Input input(const std::vector<float>& x, int64_t rows, int64_t cols) {
   return in;
 }
 
+// fp4_quantize then fp4_dequantize of a row-major [rows, cols] matrix.
+struct RoundTrip {
+  std::vector<uint8_t> codes, scales, mask;
+  std::vector<float> back;
+  float tensor_scale = 0;
+  int64_t scale_cols = 0;
+
+  RoundTrip(const std::vector<float>& x, int64_t rows, int64_t cols, const Fp4Config& c)
+      : codes(rows * cols / 2), mask(rows * cols), back(rows * cols) {
+    int64_t gr;
+    fp4_scale_shape(c, rows, cols, &gr, &scale_cols);
+    scales.resize(gr * scale_cols);
+    fp4_quantize(input(x, rows, cols), c,
+                 {codes.data(), scales.data(), &tensor_scale, mask.data()});
+    fp4_dequantize(codes.data(), scales.data(), tensor_scale, rows, cols, c.rule, c.block_2d,
+                   back.data());
+  }
+};
+
 TEST(LowpFp4Quant, MxRoundTripsGridValuesExactly) {
   const int64_t rows = 3, cols = 64;
   std::vector<float> x(rows * cols);
@@ -173,13 +192,9 @@ TEST(LowpFp4Quant, NvAndQuestErrorsAreSmallAndMaskMarksClipping) {
       Fp4Config c;
       c.rule = rule;
       c.block_2d = two_d;
-      int64_t gr, gc;
-      fp4_scale_shape(c, rows, cols, &gr, &gc);
-      std::vector<uint8_t> codes(rows * cols / 2), scales(gr * gc), mask(rows * cols);
-      float ts;
-      fp4_quantize(input(x, rows, cols), c, {codes.data(), scales.data(), &ts, mask.data()});
-      std::vector<float> back(rows * cols);
-      fp4_dequantize(codes.data(), scales.data(), ts, rows, cols, rule, two_d, back.data());
+      const RoundTrip rt(x, rows, cols, c);
+      const std::vector<float>& back = rt.back;
+      const std::vector<uint8_t>& mask = rt.mask;
       double err = 0, ref = 0;
       for (size_t i = 0; i < x.size(); ++i) {
         if (!mask[i]) continue;
@@ -222,29 +237,20 @@ TEST(LowpFp4Quant, NonFiniteBlocksDequantizeToNaN) {
       Fp4Config c;
       c.rule = rule;
       c.block_2d = two_d;
-      int64_t gr, gc;
-      fp4_scale_shape(c, rows, cols, &gr, &gc);
-      std::vector<uint8_t> codes(rows * cols / 2), scales(gr * gc), mask(rows * cols);
-      std::vector<uint8_t> codes0(codes), scales0(scales);
-      float ts, ts0;
-      fp4_quantize(input(x, rows, cols), c, {codes.data(), scales.data(), &ts, mask.data()});
-      fp4_quantize(input(clean, rows, cols), c, {codes0.data(), scales0.data(), &ts0, nullptr});
-      std::vector<float> back(rows * cols), back0(rows * cols);
-      fp4_dequantize(codes.data(), scales.data(), ts, rows, cols, rule, two_d, back.data());
-      fp4_dequantize(codes0.data(), scales0.data(), ts0, rows, cols, rule, two_d, back0.data());
+      const RoundTrip rt(x, rows, cols, c), rt0(clean, rows, cols, c);
       const uint8_t nan_code = rule == fp4::ScaleRule::kNv ? fp4::kE4M3Nan : fp4::kE8M0Nan;
-      EXPECT_EQ(ts, ts0);
+      EXPECT_EQ(rt.tensor_scale, rt0.tensor_scale);
       for (int64_t i = 0; i < rows; ++i) {
         for (int64_t j = 0; j < cols; ++j) {
           const int64_t k = i * cols + j;
-          const uint8_t sc = scales[(two_d ? i / 16 : i) * gc + j / b];
+          const uint8_t sc = rt.scales[(two_d ? i / 16 : i) * rt.scale_cols + j / b];
           if (bad(i, j)) {
-            ASSERT_TRUE(std::isnan(back[k])) << i << "," << j;
+            ASSERT_TRUE(std::isnan(rt.back[k])) << i << "," << j;
             ASSERT_EQ(sc, nan_code);
-            ASSERT_EQ(mask[k], 0);
-            ASSERT_EQ((codes[k / 2] >> (4 * (k & 1))) & 15, 0);
+            ASSERT_EQ(rt.mask[k], 0);
+            ASSERT_EQ((rt.codes[k / 2] >> (4 * (k & 1))) & 15, 0);
           } else {
-            ASSERT_EQ(back[k], back0[k]) << i << "," << j;
+            ASSERT_EQ(rt.back[k], rt0.back[k]) << i << "," << j;
             ASSERT_NE(sc, nan_code);
           }
         }
