@@ -6,6 +6,10 @@ state of an offloading optimizer is streamed within its cpu_budget, never built 
     extra = tierlift.checkpoint.load("ckpt/step100", model, optimizer)   # any world size
     python -m tierlift.checkpoint export ckpt/step100 model.pt   # plain torch state dict
     python -m tierlift.checkpoint export-optimizer ckpt/step100 optim.pt   # torch.optim format
+    python -m tierlift.checkpoint export ckpt/step100 hf_out --format hf [--max-shard-size 5GB]
+        [--config config.json]   # Hugging Face sharded safetensors, for from_pretrained(hf_out)
+    python -m tierlift.checkpoint import-dcp dcp_dir ckpt/imported [--prefix model.]
+        # a torch.distributed.checkpoint's model weights as a tierlift checkpoint (handoff.py)
 """
 
 from tierlift.checkpoint.format import full_state_dict

@@ -1,4 +1,8 @@
 """python -m tierlift.checkpoint export CKPT_DIR OUT(.pt|.safetensors): a plain state dict.
+python -m tierlift.checkpoint export CKPT_DIR OUT_DIR --format hf [--max-shard-size 5GB]
+[--config config.json]: Hugging Face sharded safetensors, for from_pretrained(OUT_DIR).
+python -m tierlift.checkpoint import-dcp DCP_DIR OUT_CKPT [--prefix model.]: the model weights
+of a torch.distributed.checkpoint as a tierlift checkpoint (handoff.py).
 python -m tierlift.checkpoint export-optimizer CKPT_DIR OUT.pt: the optimizer state of an
 unsharded model's checkpoint (offloaded or not) as torch.optim.AdamW.load_state_dict takes it."""
 
@@ -8,6 +12,7 @@ import argparse
 
 import torch
 
+from tierlift.checkpoint import handoff
 from tierlift.checkpoint.format import full_state_dict
 from tierlift.checkpoint.replicated import optimizer_state_dict
 
@@ -17,7 +22,24 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     exp = sub.add_parser("export", help="write the unsharded model state dict of a checkpoint")
     exp.add_argument("checkpoint", help="checkpoint directory written by tierlift.checkpoint.save")
-    exp.add_argument("out", help="output file: .pt (torch.save) or .safetensors")
+    exp.add_argument("out", help="output file: .pt (torch.save) or .safetensors; with "
+                                 "--format hf, a new or empty directory")
+    exp.add_argument("--format", choices=["file", "hf"], default="file",
+                     help="file (default): one state dict file; hf: Hugging Face sharded "
+                          "safetensors with model.safetensors.index.json")
+    exp.add_argument("--max-shard-size",
+                     help="--format hf: the most bytes per file, e.g. 500MB, 2GiB (default "
+                          "5GB)")
+    exp.add_argument("--config", help="--format hf: a config.json to copy into OUT, so "
+                                      "from_pretrained(OUT) finds it")
+    imp = sub.add_parser("import-dcp", help="write the model weights of a "
+                                            "torch.distributed.checkpoint as a tierlift "
+                                            "checkpoint")
+    imp.add_argument("dcp", help="directory written by torch.distributed.checkpoint.save")
+    imp.add_argument("out", help="tierlift checkpoint directory to write")
+    imp.add_argument("--prefix", default="",
+                     help="import only the tensors whose names start with this, without it "
+                          "(e.g. model. for dcp.save({'model': ..., 'optim': ...}))")
     opt = sub.add_parser("export-optimizer",
                          help="write the optimizer state dict (torch.optim format) of an "
                               "unsharded model's checkpoint")
@@ -29,6 +51,24 @@ def main(argv=None) -> int:
         torch.save(sd, args.out)
         print(f"wrote the state of {len(sd['state'])} parameters to {args.out}")
         return 0
+    if args.command == "import-dcp":
+        try:
+            n = handoff.import_dcp(args.dcp, args.out, prefix=args.prefix)
+        except (FileNotFoundError, ValueError) as e:
+            parser.error(str(e))
+        print(f"wrote {n} tensors to {args.out}")
+        return 0
+    if args.format == "hf":
+        try:
+            files, n, total = handoff.export_hf(args.checkpoint, args.out,
+                                                max_shard_size=args.max_shard_size or "5GB",
+                                                config=args.config)
+        except (FileNotFoundError, ImportError, ValueError) as e:
+            parser.error(str(e))
+        print(f"wrote {n} tensors ({total} bytes) in {files} file(s) to {args.out}")
+        return 0
+    if args.max_shard_size is not None or args.config is not None:
+        parser.error("--max-shard-size and --config go with --format hf")
     sd = full_state_dict(args.checkpoint)
     if args.out.endswith(".safetensors"):
         try:

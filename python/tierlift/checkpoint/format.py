@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Iterator
 
 import torch
 
@@ -150,25 +151,50 @@ def unit_slice(shards: list[dict], key: str, shard_numel: int, lo: int, hi: int)
         take = min(hi - pos, shard_numel - off)
         pieces.append(shards[r][key][off:off + take])
         pos += take
-    return torch.cat(pieces) if pieces else torch.empty(0)
+    return torch.cat(pieces) if pieces else torch.empty(0, dtype=shards[0][key].dtype)
+
+
+def iter_state_dict(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The plain (unsharded) model state dict stored in a checkpoint, one (name, tensor) at a
+    time in the model's key order, without torch.distributed. The files are mapped; each
+    tensor is read out of them only when it is reached, so a consumer that writes the tensors
+    out as they come holds about what it keeps, not the whole model. Names tied to one
+    parameter in a sharded checkpoint get the same tensor."""
+    meta = read_metadata(path)
+    if meta.get("layout") == "replicated":  # tierlift.checkpoint.replicated: "model.<key>"
+        for k, v in load_tensors(path, 0).items():
+            if k.startswith("model."):
+                yield k[len("model."):], v.clone()
+        return
+    shards = [load_tensors(path, r) for r in range(meta["world_size"])]
+    where: dict[str, tuple] = {}  # name -> (unit index, entry), or (None, "extra.<name>")
+    for i, unit in enumerate(meta["units"]):
+        for e in unit["entries"]:
+            for name in e["names"]:
+                where[name] = (i, e)
+    for key in shards[0]:
+        if key.startswith("extra."):
+            where[key[len("extra."):]] = (None, key)
+    order = {k: i for i, k in enumerate(meta["key_order"])}
+    tied: dict[int, tuple[torch.Tensor, int]] = {}  # id(entry) -> (tensor, names still to go)
+    for name in sorted(where, key=lambda k: order.get(k, len(order))):
+        i, e = where[name]
+        if i is None:
+            yield name, shards[0][e].clone()
+            continue
+        t, left = tied.get(id(e), (None, len(e["names"])))
+        if t is None:
+            unit = meta["units"][i]
+            t = unit_slice(shards, f"unit{i}.param", unit["shard_numel"], e["offset"],
+                           e["offset"] + e["numel"]).view(e["shape"])
+        if left > 1:
+            tied[id(e)] = (t, left - 1)
+        else:
+            tied.pop(id(e), None)
+        yield name, t
 
 
 def full_state_dict(path: str) -> dict[str, torch.Tensor]:
-    """The plain (unsharded) model state dict stored in a checkpoint, without torch.distributed."""
-    meta = read_metadata(path)
-    if meta.get("layout") == "replicated":  # tierlift.checkpoint.replicated: "model.<key>"
-        return {k[len("model."):]: v.clone() for k, v in load_tensors(path, 0).items()
-                if k.startswith("model.")}
-    shards = [load_tensors(path, r) for r in range(meta["world_size"])]
-    out: dict[str, torch.Tensor] = {}
-    for i, unit in enumerate(meta["units"]):
-        flat = unit_slice(shards, f"unit{i}.param", unit["shard_numel"], 0, unit["numel"])
-        for e in unit["entries"]:
-            t = flat[e["offset"]:e["offset"] + e["numel"]].view(e["shape"]).clone()
-            for name in e["names"]:
-                out[name] = t
-    for key, value in shards[0].items():
-        if key.startswith("extra."):
-            out[key[len("extra."):]] = value.clone()
-    order = {k: i for i, k in enumerate(meta["key_order"])}
-    return dict(sorted(out.items(), key=lambda kv: order.get(kv[0], len(order))))
+    """The plain (unsharded) model state dict stored in a checkpoint, without torch.distributed
+    (all of it in memory: iter_state_dict() gives it one tensor at a time)."""
+    return dict(iter_state_dict(path))

@@ -68,19 +68,40 @@ def save(path: str, model: torch.nn.Module, optimizer, extra: dict | None) -> No
                         tensors[f"optim.{i}.{k}"] = v.detach().cpu()
                     else:
                         scalars[f"{i}.{k}"] = v
-        fmt.write_tensors(tmp, 0, tensors)
-        meta = {
-            "format": fmt.FORMAT, "version": fmt.VERSION, "layout": "replicated",
-            "world_size": 1, "key_order": list(model.state_dict().keys()),
+        _publish(tmp, path, tensors, {
+            "key_order": list(model.state_dict().keys()),
             "optimizer_state": kind, "optimizer_scalars": scalars,
             "param_groups": [] if optimizer is None else fmt.param_groups_json(optimizer),
             "param_names": [] if optimizer is None else [
                 [names.get(p) for p in g["params"]] for g in optimizer.param_groups],
             "extra": extra or {},
-        }
-        fmt.write_json(os.path.join(tmp, fmt.METADATA), meta)
-        fmt.replace_dir(tmp, path)
+        })
     _barrier()
+
+
+def _publish(tmp: str, path: str, tensors: dict[str, torch.Tensor], fields: dict) -> None:
+    """Writes the tensors and metadata.json into `tmp` and makes it `path` (format.py)."""
+    fmt.write_tensors(tmp, 0, tensors)
+    meta = {"format": fmt.FORMAT, "version": fmt.VERSION, "layout": "replicated",
+            "world_size": 1, **fields}
+    fmt.write_json(os.path.join(tmp, fmt.METADATA), meta)
+    fmt.replace_dir(tmp, path)
+
+
+def save_state_dict(path: str, state_dict: dict[str, torch.Tensor],
+                    extra: dict | None = None) -> None:
+    """A checkpoint of a plain model state dict without an optimizer (one brought in from
+    another format), in save()'s format: load() puts it into a model that is not sharded."""
+    tmp = path + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        _publish(tmp, path, {f"model.{k}": v.detach().cpu() for k, v in state_dict.items()}, {
+            "key_order": list(state_dict), "optimizer_state": None, "optimizer_scalars": {},
+            "param_groups": [], "param_names": [], "extra": extra or {}})
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def optimizer_state_dict(path: str) -> dict:

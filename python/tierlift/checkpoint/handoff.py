@@ -1,0 +1,154 @@
+"""Hand-off between a tierlift checkpoint and other tools' formats.
+
+export_hf(): a checkpoint's model weights as Hugging Face sharded safetensors, the layout
+transformers' from_pretrained(dir) reads: `model.safetensors`, or `model-00001-of-0000N.safetensors`
+... plus `model.safetensors.index.json` ({"metadata": {"total_size": bytes}, "weight_map":
+{name: file}}). Tensors are read from the checkpoint one at a time (format.iter_state_dict) and
+a shard is written as soon as it is full, so about one shard is in memory, not the model. Every
+state dict name is written as its own tensor: a tied alias (lm_head.weight of a model with
+tie_word_embeddings) is stored once more rather than dropped as save_pretrained does, so the
+files load into a model whether or not it ties them; from_pretrained re-ties them either way.
+
+import_dcp(): the model weights of a torch.distributed.checkpoint directory as a tierlift
+checkpoint (replicated.save_state_dict: the same format, SHA-256 and atomic publish as save()).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import warnings
+
+import torch
+
+from tierlift.checkpoint import format as fmt
+from tierlift.checkpoint import replicated
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(size: str | int) -> int:
+    """Bytes in `size`: an int, or "5GB" / "500MB" (powers of 10) / "2GiB" (powers of 2), as
+    transformers' max_shard_size reads it."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(size))
+        unit = m.group(2).upper() if m else None
+        if unit not in _UNITS:
+            raise ValueError(f"bad shard size {size!r}: expected bytes or a number with one of "
+                             "KB MB GB TB KiB MiB GiB TiB (e.g. 5GB)")
+        value = int(float(m.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"bad shard size {size!r}: must be more than 0 bytes")
+    return value
+
+
+def shard_name(index: int, count: int) -> str:
+    return f"model-{index:05d}-of-{count:05d}.safetensors"
+
+
+def export_hf(checkpoint: str, out_dir: str, *, max_shard_size: str | int = "5GB",
+              config: str | None = None) -> tuple[int, int, int]:
+    """Write the model weights of `checkpoint` to the new or empty directory `out_dir` as
+    Hugging Face safetensors shards of at most `max_shard_size` each (a larger tensor gets a
+    shard of its own), with `config` (a config.json) copied in when given. Returns (files,
+    tensors, total bytes). Written to `out_dir`.tmp and renamed: nothing half-written is left."""
+    try:
+        from safetensors.torch import save_file
+    except ImportError as e:
+        raise ImportError("--format hf needs the safetensors package (pip install "
+                          "safetensors)") from e
+    limit = parse_size(max_shard_size)
+    checkpoint = fmt.resolve_dir(os.fspath(checkpoint))
+    fmt.read_metadata(checkpoint)  # a clear error before anything is written
+    out_dir = os.fspath(out_dir)
+    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
+        raise ValueError(f"{out_dir} exists and is not an empty directory; pass a new one")
+    if config is not None and not os.path.isfile(config):
+        raise FileNotFoundError(f"config {config} does not exist")
+    tmp = out_dir.rstrip(os.sep) + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        parts: list[list[str]] = []
+        shard: dict[str, torch.Tensor] = {}
+        storages: set[int] = set()  # of the tensors in `shard`
+        size = total = 0
+
+        def flush() -> None:
+            save_file(shard, os.path.join(tmp, f"part{len(parts)}"), metadata={"format": "pt"})
+            parts.append(list(shard))
+            shard.clear()
+            storages.clear()
+
+        for name, t in fmt.iter_state_dict(checkpoint):
+            nbytes = t.numel() * t.element_size()
+            if shard and size + nbytes > limit:
+                flush()
+                size = 0
+            t = t.contiguous()
+            if t.untyped_storage().data_ptr() in storages:
+                t = t.clone()  # a tied alias: safetensors refuses shared storage
+            storages.add(t.untyped_storage().data_ptr())
+            shard[name] = t
+            size += nbytes
+            total += nbytes
+        if shard or not parts:
+            flush()
+        if len(parts) == 1:
+            os.rename(os.path.join(tmp, "part0"), os.path.join(tmp, SINGLE))
+        else:
+            weight_map = {}
+            for i, names in enumerate(parts):
+                file = shard_name(i + 1, len(parts))
+                os.rename(os.path.join(tmp, f"part{i}"), os.path.join(tmp, file))
+                weight_map.update(dict.fromkeys(names, file))
+            fmt.write_json(os.path.join(tmp, INDEX),
+                           {"metadata": {"total_size": total}, "weight_map": weight_map})
+        if config is not None:
+            shutil.copyfile(config, os.path.join(tmp, "config.json"))
+        if os.path.isdir(out_dir):
+            os.rmdir(out_dir)  # empty, checked above
+        os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return len(parts), sum(len(p) for p in parts), total
+
+
+def import_dcp(dcp_dir: str, out: str, *, prefix: str = "") -> int:
+    """Write the tensors of the torch.distributed.checkpoint directory `dcp_dir` whose names
+    start with `prefix` ("model." for a dcp.save({"model": ..., "optim": ...})), without it,
+    as a tierlift checkpoint at `out` that tierlift.checkpoint.load() puts into a model that
+    is not sharded. No process group needed. Returns the number of tensors. The tensors are
+    all read into memory (DCP's reader fills a whole state dict)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    dcp_dir = os.fspath(dcp_dir)
+    if not os.path.isdir(dcp_dir):
+        raise FileNotFoundError(f"DCP checkpoint directory {dcp_dir} does not exist")
+    reader = dcp.FileSystemReader(dcp_dir)
+    try:
+        metadata = reader.read_metadata()
+    except Exception as e:  # noqa: BLE001 - any unreadable .metadata
+        raise ValueError(f"{dcp_dir} is not a torch.distributed.checkpoint directory: "
+                         f"{type(e).__name__}: {e}") from e
+    entries = {k: m for k, m in metadata.state_dict_metadata.items()
+               if isinstance(m, TensorStorageMetadata) and k.startswith(prefix)}
+    if not entries:
+        some = sorted(metadata.state_dict_metadata)[:5]
+        raise ValueError(f"{dcp_dir} has no tensors whose names start with {prefix!r} "
+                         f"(its first names: {some})")
+    sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in entries.items()}
+    with warnings.catch_warnings():  # no_dist is the intent, not a guess to warn about
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(sd, storage_reader=reader, no_dist=True)
+    replicated.save_state_dict(os.fspath(out), {k[len(prefix):]: v for k, v in sd.items()},
+                               extra={"imported_from": os.path.abspath(dcp_dir)})
+    return len(sd)
