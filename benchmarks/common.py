@@ -59,6 +59,21 @@ def median_time(fn, *, repeats: int = 5, warmup: int = 1, sync=None) -> float:
     return statistics.median(times)
 
 
+def interleaved_medians(fns: dict, *, repeats: int = 5, warmup: int = 1) -> dict:
+    """{name: median wall time of fns[name]() in seconds}, the contenders timed in turn within
+    each of `repeats` rounds, so a slow spell of a shared machine hits all of them alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def print_table(rows: list[dict], columns: list[str], title: str = "") -> None:
     if title:
         print(f"\n{title}")

@@ -30,6 +30,7 @@ FIGURES = [
     ("zero_offload.json", plots.plot_zero_offload, "bench_zero_offload.py"),
     ("bench_zero-*.json", plots.plot_zero, "bench_zero.py"),
     ("bench_lowp-*.json", plots.plot_lowp, "bench_lowp.py"),
+    ("bench_checkpoint-*.json", plots.plot_checkpoint, "bench_checkpoint.py"),
 ]
 
 

@@ -118,18 +118,19 @@ def plot_io(data: dict, path) -> Path:
 
 _GATHER_LABELS = {"tierlift_gbs": "tierlift gather", "index_select_gbs": "torch.index_select",
                   "pinned_copy_gbs": "pinned copy_ (bound)", "cpu_path_gbs":
-                  "index_select + pin + copy"}
+                  "index_select + pin + copy", "copy_gbs": "contiguous copy_ (bound)"}
+_GATHER_BOUNDS = ("pinned_copy_gbs", "copy_gbs")
 
 
 def plot_gather(data: dict, path) -> Path:
-    """Gather GB/s vs row size for each contender in the JSON; the pinned-memory copy bound
-    (GPU runs) as a dashed line."""
+    """Gather GB/s vs row size for each contender in the JSON; the copy bound (a contiguous copy
+    of the same bytes: pinned host to GPU on GPU runs, memory to memory on CPU runs) dashed."""
     plt = pyplot()
     rows = data["results"]
     fig, ax = plt.subplots(figsize=SIZE)
     xs = [r["row_bytes"] for r in rows]
     for key in [k for k in rows[0] if k.endswith("_gbs")]:
-        style = dict(color="black", linestyle="--") if key == "pinned_copy_gbs" else {"marker": "o"}
+        style = dict(color="black", linestyle="--") if key in _GATHER_BOUNDS else {"marker": "o"}
         ax.plot(xs, [r[key] for r in rows], label=_GATHER_LABELS.get(key, key), **style)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("row size, bytes")
@@ -264,6 +265,35 @@ def plot_zero(data: dict, path) -> Path:
     a = data.get("args", {})
     fig.suptitle(f"{a.get('nproc', '?')} ranks, GPT d={a.get('dim', '?')} "
                  f"L={a.get('layers', '?')}; {_machine(data)}", fontsize=9)
+    return _save(fig, path)
+
+
+# ---- bench_checkpoint --------------------------------------------------------------------------
+
+
+def plot_checkpoint(data: dict, path) -> Path:
+    """Per configuration, each contender's stall (the save call blocks training) as a solid bar
+    and its total time until durable as a light bar behind it."""
+    plt = pyplot()
+    rows = data["rows"]
+    configs = list(dict.fromkeys((r["ranks"], r["config"]) for r in rows))
+    fig, axes = plt.subplots(1, len(configs), figsize=(2.6 * len(configs) + 0.6, SIZE[1]),
+                             squeeze=False)
+    for ax, (ranks, config) in zip(axes[0], configs):
+        rs = [r for r in rows if (r["ranks"], r["config"]) == (ranks, config)]
+        names = [r["contender"].replace(" ", "\n", 1) for r in rs]
+        ax.bar(names, [r["total s"] for r in rs], color="tab:blue", alpha=0.3,
+               label="total (durable)")
+        bars = ax.bar(names, [r["stall s"] for r in rs], color="tab:blue", label="stall")
+        ax.bar_label(bars, [f"{r['stall s']:.2g}" for r in rs], fontsize=7)
+        ax.set_title(f"{ranks} rank{'s' if ranks > 1 else ''}, {config}", fontsize=8)
+        ax.tick_params(axis="x", labelsize=7)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0][0].set_ylabel("seconds per save")
+    axes[0][0].legend(fontsize=7)
+    m = data.get("model", {})
+    fig.suptitle(f"checkpoint save, {m.get('params', 0) / 1e6:.3g}M params + AdamW state; "
+                 f"{_machine(data)}", fontsize=9)
     return _save(fig, path)
 
 
