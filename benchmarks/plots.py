@@ -13,20 +13,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tierlift._plotting import pyplot
+
 DPI = 80
 SIZE = (6.4, 3.6)  # inches; at DPI 80 a PNG of a few tens of KB
-
-
-def pyplot():
-    """matplotlib.pyplot on the Agg backend, or an ImportError that says what to install."""
-    try:
-        import matplotlib
-    except ImportError as err:
-        raise ImportError("plotting needs matplotlib: pip install matplotlib") from err
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def _save(fig, path) -> Path:
@@ -34,9 +24,7 @@ def _save(fig, path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
+    pyplot().close(fig)
     return path
 
 

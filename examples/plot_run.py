@@ -9,16 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-
-def _pyplot():
-    try:
-        import matplotlib
-    except ImportError as err:
-        raise ImportError("--plot needs matplotlib: pip install matplotlib") from err
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+from tierlift._plotting import pyplot
 
 
 def save_run(run: dict, path, others=()) -> Path:
@@ -30,7 +21,7 @@ def save_run(run: dict, path, others=()) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.with_suffix(".json").write_text(json.dumps(run))
     runs = [json.loads(Path(o).read_text()) for o in others] + [run]
-    plt = _pyplot()
+    plt = pyplot()
     panels = 3 if run.get("breakdown") else 2
     fig, axes = plt.subplots(1, panels, figsize=(3.4 * panels, 3.4))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]

@@ -29,7 +29,7 @@ LAYERS = [
     ["offload", "gnn", "lowp"],  # optimizer state tiers; GNN features; FP8/FP4 layers
     ["_shards", "io", "ops"],  # ZeRO shard registry (for offload); NVMe I/O; op wrappers
     ["reference"],  # pure-torch kernels
-    ["_extension"],  # loads tierlift._C
+    ["_extension", "_plotting"],  # loads tierlift._C; imports matplotlib when a plot is drawn
     ["_C"],
 ]
 

@@ -1,10 +1,11 @@
 """`python -m tierlift plan --plot PATH`: the plan's bytes per tier, one stacked bar per state
-kind, drawn against each tier's capacity. matplotlib is optional and imported here only."""
+kind, drawn against each tier's capacity. matplotlib is optional (tierlift._plotting)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from tierlift._plotting import pyplot
 from tierlift.plan.planner import Plan
 
 
@@ -19,13 +20,7 @@ def capacities(inp) -> dict[str, int]:
 
 def plot_plan(plan: Plan, caps: dict[str, int], path) -> Path:
     """Stacked bar of the planned bytes per tier (GiB), each tier's capacity as an outline."""
-    try:
-        import matplotlib
-    except ImportError as err:
-        raise ImportError("--plot needs matplotlib: pip install matplotlib") from err
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     tiers = list(plan.tiers)
     gib = float(1 << 30)
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
