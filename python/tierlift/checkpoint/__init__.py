@@ -3,6 +3,9 @@ tierlift.zero models sharded and reshardable, other models replicated (rank 0 wr
 state of an offloading optimizer is streamed within its cpu_budget, never built in RAM.
 
     tierlift.checkpoint.save("ckpt/step100", model, optimizer, extra={"step": 100})
+    h = tierlift.checkpoint.save("ckpt/step200", model, optimizer, blocking=False,
+                                 staging_budget=2 << 30)   # written in the background
+    h.wait()   # or h.done(); the next save and close() wait too, and raise what failed
     extra = tierlift.checkpoint.load("ckpt/step100", model, optimizer)   # any world size
     python -m tierlift.checkpoint export ckpt/step100 model.pt   # plain torch state dict
     python -m tierlift.checkpoint export-optimizer ckpt/step100 optim.pt   # torch.optim format
@@ -12,8 +15,9 @@ state of an offloading optimizer is streamed within its cpu_budget, never built 
         # a torch.distributed.checkpoint's model weights as a tierlift checkpoint (handoff.py)
 """
 
+from tierlift.checkpoint.background import SaveHandle, close
 from tierlift.checkpoint.format import full_state_dict
 from tierlift.checkpoint.io import load, save
 from tierlift.checkpoint.replicated import optimizer_state_dict
 
-__all__ = ["full_state_dict", "load", "optimizer_state_dict", "save"]
+__all__ = ["SaveHandle", "close", "full_state_dict", "load", "optimizer_state_dict", "save"]

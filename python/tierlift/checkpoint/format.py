@@ -115,10 +115,7 @@ def sha256(file: str) -> str:
     return h.hexdigest()
 
 
-def write_tensors(path: str, rank: int, tensors: dict[str, torch.Tensor]) -> None:
-    file = os.path.join(path, rank_file(rank))
-    torch.save(tensors, file)
-    digest = sha256(file)
+def write_checksum(path: str, rank: int, digest: str) -> None:
     with open(os.path.join(path, checksum_file(rank)), "w") as f:
         f.write(digest + "\n")
         f.flush()

@@ -7,21 +7,15 @@ Models that are not sharded go to tierlift.checkpoint.replicated."""
 
 from __future__ import annotations
 
+import json
 import os
-import shutil
 
 import torch
 
-from tierlift.checkpoint import agree, replicated, reshard, restore, stream
+from tierlift.checkpoint import agree, background, replicated, reshard, restore, stream
 from tierlift.checkpoint import format as fmt
-from tierlift.checkpoint.agree import comm_device
 from tierlift.offload.journal import Journal
 from tierlift.zero.api import _ATTR, _SHARD_NAME, _state
-
-
-def _barrier(comm) -> None:
-    if comm.world > 1:
-        comm.wait(comm.all_reduce(torch.zeros(1, device=comm_device(comm))))
 
 
 def _per_param_state(optimizer) -> dict:
@@ -53,61 +47,82 @@ def _offloader(optimizer):
 
 
 def save(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
-         extra: dict | None = None) -> None:
+         extra: dict | None = None, blocking: bool = True,
+         staging_budget: int | None = None) -> background.SaveHandle:
     """Write a checkpoint of a model (and its optimizer) to directory `path`; `extra` is any
     JSON-able dict (progress: step, losses), stored in metadata.json and returned by load().
 
     Atomic: files go to `path`.tmp, then replace `path` by renames, so a run killed in the
     middle leaves the previous checkpoint loadable. A sharded model (tierlift.zero.shard): a
     collective, every rank writes its shard. Otherwise one process, or replicated ranks (DDP)
-    of which rank 0 writes. Offloaded optimizer state is streamed within its cpu_budget."""
+    of which rank 0 writes.
+
+    blocking=False returns once the state is snapshotted (copied into at most
+    `staging_budget` bytes of host memory, pinned with a GPU; an offloading optimizer's
+    two-generation state is held, not copied); the files are written in the background and
+    training may step on meanwhile. The returned handle's wait() re-raises a failure, as do
+    the next save() and tierlift.checkpoint.close(). A budget smaller than the snapshot
+    streams it in pieces: save() returns when all but the last budget's worth is written."""
     if getattr(model, _ATTR, None) is None:
-        return replicated.save(os.fspath(path), model, optimizer, extra)
+        return replicated.save(os.fspath(path), model, optimizer, extra, blocking=blocking,
+                               staging_budget=staging_budget)
+    background.before_save()
     state = _state(model)
     comm = state.comm
     path = os.fspath(path)
-    tmp = path + ".tmp"
-    if comm.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    _barrier(comm)
-    tensors: dict[str, torch.Tensor] = {}
     off = _offloader(optimizer)
-    if off is not None:
-        stream.save_offloaded(off, os.path.join(tmp, optim_dir(comm.rank)),
-                              {u.shard: f"unit{i}" for i, u in enumerate(state.units)})
-    opt_state = {} if off is not None else _per_param_state(optimizer)
-    for i, unit in enumerate(state.units):
-        tensors[f"unit{i}.param"] = unit.shard.detach().cpu()
-        for key, value in opt_state.get(unit.shard, {}).items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"unit{i}.{key}"] = value.detach().cpu()
-    if comm.rank == 0:
-        for key, value in model.state_dict().items():
-            if not key.endswith(_SHARD_NAME):
-                tensors[f"extra.{key}"] = value.detach().cpu()
-    fmt.write_tensors(tmp, comm.rank, tensors)
-    _barrier(comm)
-    if comm.rank == 0:
-        meta = {
-            "format": fmt.FORMAT,
-            "version": fmt.VERSION,
-            "world_size": comm.world,
-            "stage": state.config.stage,
-            "optimizer_state": "offloaded" if off is not None else "tensors",
-            "extra": extra or {},
-            "key_order": list(state.key_order),
-            "units": [{"name": u.name, "group": None if u.group is None else repr(u.group),
-                       "numel": u.numel, "padded": u.padded,
-                       "shard_numel": u.shard_numel,
-                       "entries": [{"names": e.names, "shape": list(e.shape),
-                                    "offset": e.offset, "numel": e.numel}
-                                   for e in u.entries]} for u in state.units],
-            "param_groups": [] if optimizer is None else fmt.param_groups_json(optimizer),
-        }
-        fmt.write_json(os.path.join(tmp, fmt.METADATA), meta)
-        fmt.replace_dir(tmp, path)
-    _barrier(comm)
+    job = background.Job(path, blocking=blocking, staging_budget=staging_budget, off=off)
+    error = None
+    try:
+        if comm.rank == 0:
+            background.claim(job.tmp)
+    except BaseException as e:  # noqa: BLE001 - every rank learns of it below
+        error = e
+    failed = background.training_vote(comm)(error is None)
+    if failed:
+        job.abandon(error or RuntimeError(f"saving {path}: rank 0 could not start"))
+        raise error or RuntimeError(f"saving {path} failed on rank(s) {failed}: "
+                                    f"{job.tmp!r} could not be made")
+    try:
+        if off is not None:
+            job.offloaded(off, optim_dir(comm.rank),
+                          {u.shard: f"unit{i}" for i, u in enumerate(state.units)})
+        tensors: dict[str, torch.Tensor] = {}
+        opt_state = {} if off is not None else _per_param_state(optimizer)
+        for i, unit in enumerate(state.units):
+            tensors[f"unit{i}.param"] = unit.shard
+            for key, value in opt_state.get(unit.shard, {}).items():
+                if isinstance(value, torch.Tensor):
+                    tensors[f"unit{i}.{key}"] = value
+        if comm.rank == 0:
+            for key, value in model.state_dict().items():
+                if not key.endswith(_SHARD_NAME):
+                    tensors[f"extra.{key}"] = value
+        job.tensor_file(comm.rank, tensors)
+        meta = _metadata(state, comm, off, optimizer, extra)
+    except BaseException as e:
+        job.snapshot_failed(e)
+    return job.start(background.training_vote(comm) if blocking else background.side_vote(comm),
+                     lambda: background.publish(job.tmp, path, meta) if comm.rank == 0 else None)
+
+
+def _metadata(state, comm, off, optimizer, extra) -> dict:
+    return {
+        "format": fmt.FORMAT,
+        "version": fmt.VERSION,
+        "world_size": comm.world,
+        "stage": state.config.stage,
+        "optimizer_state": "offloaded" if off is not None else "tensors",
+        "extra": json.loads(json.dumps(extra or {})),  # as it is now; checked JSON-able
+        "key_order": list(state.key_order),
+        "units": [{"name": u.name, "group": None if u.group is None else repr(u.group),
+                   "numel": u.numel, "padded": u.padded,
+                   "shard_numel": u.shard_numel,
+                   "entries": [{"names": e.names, "shape": list(e.shape),
+                                "offset": e.offset, "numel": e.numel}
+                               for e in u.entries]} for u in state.units],
+        "param_groups": [] if optimizer is None else fmt.param_groups_json(optimizer),
+    }
 
 
 def _check_layout(meta: dict, units) -> None:

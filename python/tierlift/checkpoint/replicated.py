@@ -14,12 +14,12 @@ into offload="none", and into torch.optim.AdamW (optimizer_state_dict() converts
 
 from __future__ import annotations
 
+import json
 import os
-import shutil
 
 import torch
 
-from tierlift.checkpoint import agree, restore, stream
+from tierlift.checkpoint import agree, background, restore, stream
 from tierlift.checkpoint import format as fmt
 from tierlift.offload.journal import Journal
 from tierlift.zero.comm import Comm
@@ -42,66 +42,86 @@ def _comm(model) -> Comm | None:
     return None
 
 
-def _barrier() -> None:
-    if _dist()[1] > 1:
-        torch.distributed.barrier()
-
-
-def save(path: str, model: torch.nn.Module, optimizer, extra: dict | None) -> None:
+def save(path: str, model: torch.nn.Module, optimizer, extra: dict | None, *,
+         blocking: bool = True, staging_budget: int | None = None):
+    """Rank 0 snapshots and writes; every rank of the default group votes on the commit."""
+    background.before_save()
     rank, _ = _dist()
-    if rank == 0:
-        tmp = path + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        tensors = {f"model.{k}": v.detach().cpu() for k, v in model.state_dict().items()}
-        names = {p: n for n, p in model.named_parameters(remove_duplicate=False)}
-        off = getattr(optimizer, "_offload", None) if optimizer is not None else None
-        kind, scalars = None, {}
-        if off is not None:
-            kind = "offloaded"
-            stream.save_offloaded(off, os.path.join(tmp, OPTIM_DIR), names)
-        elif optimizer is not None:
-            kind = "tensors"
-            for i, st in optimizer.state_dict()["state"].items():
-                for k, v in st.items():
-                    if isinstance(v, torch.Tensor):
-                        tensors[f"optim.{i}.{k}"] = v.detach().cpu()
-                    else:
-                        scalars[f"{i}.{k}"] = v
-        _publish(tmp, path, tensors, {
-            "key_order": list(model.state_dict().keys()),
-            "optimizer_state": kind, "optimizer_scalars": scalars,
-            "param_groups": [] if optimizer is None else fmt.param_groups_json(optimizer),
-            "param_names": [] if optimizer is None else [
-                [names.get(p) for p in g["params"]] for g in optimizer.param_groups],
-            "extra": extra or {},
-        })
-    _barrier()
+    comm = Comm(None)
+    off = getattr(optimizer, "_offload", None) if optimizer is not None else None
+    job = background.Job(path, blocking=blocking, staging_budget=staging_budget,
+                         off=off if rank == 0 else None)
+    error = None
+    try:
+        if rank == 0:
+            background.claim(job.tmp)
+    except BaseException as e:  # noqa: BLE001 - every rank learns of it below
+        error = e
+    failed = background.training_vote(comm)(error is None)
+    if failed:
+        job.abandon(error or RuntimeError(f"saving {path}: rank 0 could not start"))
+        raise error or RuntimeError(f"saving {path} failed on rank 0: {job.tmp!r} could not "
+                                    "be made")
+    fields = None
+    try:
+        if rank == 0:
+            fields = _stage(job, model, optimizer, off, extra)
+    except BaseException as e:
+        job.snapshot_failed(e)
+    vote = background.training_vote(comm) if blocking else background.side_vote(comm)
+    return job.start(vote, lambda: _publish(job.tmp, path, fields) if rank == 0 else None)
 
 
-def _publish(tmp: str, path: str, tensors: dict[str, torch.Tensor], fields: dict) -> None:
-    """Writes the tensors and metadata.json into `tmp` and makes it `path` (format.py)."""
-    fmt.write_tensors(tmp, 0, tensors)
-    meta = {"format": fmt.FORMAT, "version": fmt.VERSION, "layout": "replicated",
-            "world_size": 1, **fields}
-    fmt.write_json(os.path.join(tmp, fmt.METADATA), meta)
-    fmt.replace_dir(tmp, path)
+def _stage(job, model, optimizer, off, extra) -> dict:
+    """Rank 0's snapshot: model (and optimizer) tensors into the job; returns the metadata."""
+    tensors = {f"model.{k}": v for k, v in model.state_dict().items()}
+    names = {p: n for n, p in model.named_parameters(remove_duplicate=False)}
+    kind, scalars = None, {}
+    if off is not None:
+        kind = "offloaded"
+        job.offloaded(off, OPTIM_DIR, names)
+    elif optimizer is not None:
+        kind = "tensors"
+        for i, st in optimizer.state_dict()["state"].items():
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    tensors[f"optim.{i}.{k}"] = v
+                else:
+                    scalars[f"{i}.{k}"] = v
+    job.tensor_file(0, tensors)
+    return {
+        "key_order": list(model.state_dict().keys()),
+        "optimizer_state": kind, "optimizer_scalars": scalars,
+        "param_groups": [] if optimizer is None else fmt.param_groups_json(optimizer),
+        "param_names": [] if optimizer is None else [
+            [names.get(p) for p in g["params"]] for g in optimizer.param_groups],
+        "extra": json.loads(json.dumps(extra or {})),  # as it is now; checked JSON-able
+    }
+
+
+def _publish(tmp: str, path: str, fields: dict) -> None:
+    background.publish(tmp, path, {"format": fmt.FORMAT, "version": fmt.VERSION,
+                                   "layout": "replicated", "world_size": 1, **fields})
 
 
 def save_state_dict(path: str, state_dict: dict[str, torch.Tensor],
                     extra: dict | None = None) -> None:
     """A checkpoint of a plain model state dict without an optimizer (one brought in from
     another format), in save()'s format: load() puts it into a model that is not sharded."""
-    tmp = path + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    background.before_save()
+    job = background.Job(path, blocking=True, staging_budget=None)
     try:
-        _publish(tmp, path, {f"model.{k}": v.detach().cpu() for k, v in state_dict.items()}, {
-            "key_order": list(state_dict), "optimizer_state": None, "optimizer_scalars": {},
-            "param_groups": [], "param_names": [], "extra": extra or {}})
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        background.claim(job.tmp)
+    except BaseException as e:
+        job.abandon(e)
         raise
+    try:
+        job.tensor_file(0, {f"model.{k}": v for k, v in state_dict.items()})
+    except BaseException as e:
+        job.snapshot_failed(e)
+    fields = {"key_order": list(state_dict), "optimizer_state": None, "optimizer_scalars": {},
+              "param_groups": [], "param_names": [], "extra": extra or {}}
+    job.start(background.Vote(0, 1, None), lambda: _publish(job.tmp, path, fields))
 
 
 def optimizer_state_dict(path: str) -> dict:

@@ -18,7 +18,6 @@ an error naming it, and the optimizer is left as it was. Loading is in restore.p
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 
@@ -119,50 +118,69 @@ def _slotted(off, gi: int, chunks: list, writes: dict, copy: bool = False):
             _wait_quietly(hs)
 
 
-def save_offloaded(off, directory: str, names: dict | None = None) -> None:
-    """Writes the committed state of Offloader `off` to `directory` (created), one chunk at a
-    time through the pipeline slot; `names` ({param: name}) are recorded for conversions."""
+def held_chunk_bytes(off) -> int:
+    """The staging a save needs to read one chunk of a held generation (0: none is held)."""
+    held = any(_held(t) for t in off.tiers)
+    return off.chunk_elems * 4 if held else 0
+
+
+def _held(tier) -> bool:
+    """A tier with two generations is read by the writer from its committed one (held while
+    training steps on); a one-generation host tier is updated in place, so it is copied."""
+    return getattr(tier, "generations", 2) == 2
+
+
+def stage_offloaded(off, directory: str, names: dict, packer, helds: list, files: list):
+    """Stages the committed state of Offloader `off` for a save into `directory` (created):
+    in-place host tiers are copied by `packer` now; two-generation tiers are held, and a
+    writer.Held for each group is appended to `helds` (the writer reads them after the pieces).
+    The kind files are appended to `files`. Returns finish(digests), which writes state.json
+    once the writer knows every file's SHA-256. `names` ({param: name}) are recorded."""
+    from tierlift.checkpoint.writer import Held, RawFile
+
     os.makedirs(directory, exist_ok=True)
-    names = names or {}
-    groups, digests = [], {}
+    groups, outs_all = [], {}
     for gi, group in enumerate(off.opt.param_groups):
         params, layout, tier = group["params"], off.layouts[gi], off.tiers[gi]
         kinds = ["master", *[k for k in tier.kinds if k != "master"]]
         stepped = [pi for pi, p in enumerate(params) if "step" in off.opt.state[p]]
-        entries, pos = [], 0
+        entries, dense, pos = [], {}, 0
         for pi in stepped:
             p = params[pi]
+            dense[pi] = pos
             entries.append({"index": pi, "name": names.get(p), "shape": list(p.shape),
                             "dtype": str(p.dtype), "numel": p.numel(), "offset": pos,
                             "step": float(off.opt.state[p]["step"])})
             pos += p.numel()
-        files = {k: open(os.path.join(directory, kind_file(gi, k)), "wb") for k in kinds}
-        hashes = {k: hashlib.sha256() for k in kinds}
+        outs = {k: RawFile(os.path.join(directory, kind_file(gi, k)), 4 * pos) for k in kinds}
+        files.extend(outs.values())
+        outs_all.update({kind_file(gi, k): f for k, f in outs.items()})
         live = set(stepped)
-        try:
-            chunks = [c for c in layout.chunks if any(s.pi in live for s in c.segments)]
-            for _, chunk, bufs in _slotted(off, gi, chunks, {}):
-                for s in (s for s in chunk.segments if s.pi in live):
-                    p = params[s.pi]
-                    for k in kinds:
-                        if k == "master" and ("master" not in tier.kinds
-                                              or not off._uses_master(p)):
-                            src = p.detach().view(-1)[s.plo:s.phi]
+        chunks = [(c.ci, [s for s in c.segments if s.pi in live]) for c in layout.chunks]
+        chunks = [(ci, segs) for ci, segs in chunks if segs]
+        if _held(tier):
+            helds.append(Held(tier.hold([ci for ci, _ in chunks]), kinds, outs, chunks, dense,
+                              off.chunk_elems, getattr(tier, "used", None),
+                              lambda ci, gi=gi, lay=layout: off._what(gi, lay.chunks[ci])()))
+        else:
+            for k in kinds:
+                for ci, segs in chunks:
+                    view = tier.view(k, ci, off.chunk_elems) if k in tier.kinds else None
+                    for s in segs:
+                        p = params[s.pi]
+                        if k == "master" and (view is None or not off._uses_master(p)):
+                            src = p.detach().view(-1)[s.plo:s.phi]  # its own master
                         else:
-                            src = bufs[k][s.clo:s.chi]
-                        arr = _np(src)
-                        files[k].write(arr)  # segments arrive in ascending file order
-                        hashes[k].update(arr)
-            for f in files.values():
-                f.flush()
-                os.fsync(f.fileno())
-        finally:
-            for f in files.values():
-                f.close()
-        digests.update({kind_file(gi, k): h.hexdigest() for k, h in hashes.items()})
+                            src = view[s.clo:s.chi]
+                        packer.add(outs[k], src, (dense[s.pi] + s.plo) * 4)
         groups.append({"kinds": kinds, "params": entries})
-    fmt.write_json(os.path.join(directory, STATE_JSON),
-                   {"format": FORMAT, "version": VERSION, "groups": groups, "sha256": digests})
+
+    def finish(digests: dict) -> None:
+        fmt.write_json(os.path.join(directory, STATE_JSON), {
+            "format": FORMAT, "version": VERSION, "groups": groups,
+            "sha256": {name: digests[f.path] for name, f in outs_all.items()}})
+
+    return finish
 
 
 def read_tensors(directory: str, mmap: bool = False) -> list[dict]:

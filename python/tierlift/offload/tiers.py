@@ -16,6 +16,7 @@ import os
 import shutil
 import socket
 import tempfile
+import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -166,7 +167,65 @@ class _Done:
         return self.tensor
 
 
-class MemoryTier:
+class GenerationHold:
+    """A checkpoint save reading a tier's committed generation in the background, without
+    copying it first: until the save has read chunk ci, a write into (ci, the generation held)
+    waits, so training may step on meanwhile and the save still sees the state as it was when
+    it started. The CRC-32Cs are taken with it (a step replaces the tier's entries)."""
+
+    def __init__(self, tier, chunks):
+        self.tier = tier
+        self.gen = list(tier.gen)
+        self.crc = dict(getattr(tier, "crc", {}))
+        self.pending = set(chunks)
+
+    def blocks(self, ci: int, gen: int) -> bool:
+        return ci in self.pending and self.gen[ci] == gen
+
+    def release(self, ci: int | None = None) -> None:
+        """Chunk `ci` was read (None: every chunk, the save finished or failed)."""
+        with self.tier.held:
+            if ci is None:
+                self.pending.clear()
+            else:
+                self.pending.discard(ci)
+            if not self.pending and self in self.tier.holds:
+                self.tier.holds.remove(self)
+            self.tier.held.notify_all()
+
+
+class _Holdable:
+    """What MemoryTier and NvmeTier share for GenerationHold."""
+
+    def _init_holds(self) -> None:
+        self.held = threading.Condition()
+        self.holds: list[GenerationHold] = []
+        self.held_wait_s = 0.0  # time writes waited for a save to read a held chunk
+
+    def hold(self, chunks) -> GenerationHold:
+        h = GenerationHold(self, chunks)
+        with self.held:
+            if h.pending:
+                self.holds.append(h)
+        return h
+
+    def _wait_unheld(self, ci: int, gen: int) -> None:
+        if not self.holds:  # no save in flight: no lock on the step's path
+            return
+        t = time.perf_counter()
+        with self.held:
+            while any(h.blocks(ci, gen) for h in self.holds):
+                self.held.wait()
+        self.held_wait_s += time.perf_counter() - t
+
+    def wait_unheld_all(self) -> None:
+        """Waits until no save reads this tier (before its files are removed)."""
+        with self.held:
+            while self.holds:
+                self.held.wait()
+
+
+class MemoryTier(_Holdable):
     """generations=1: chunks are views, updated in place. generations=2: the NvmeTier protocol
     (read into a slot, write to the other generation), so a step can be undone."""
 
@@ -174,7 +233,9 @@ class MemoryTier:
                  generations: int = 1):
         self.kinds = kinds
         self.chunk_elems = chunk_elems
+        self.generations = generations
         self.gen = [0] * n_chunks
+        self._init_holds()
         self.flat = {(k, g): torch.zeros(n_chunks * chunk_elems, dtype=torch.float32,
                                          pin_memory=pin)
                      for k in kinds for g in range(generations)}
@@ -202,6 +263,7 @@ class MemoryTier:
         return [self.write(k, ci, bufs[k], gen) for k in self.kinds]
 
     def write(self, kind: str, ci: int, buf: torch.Tensor, gen: int):
+        self._wait_unheld(ci, gen)
         n = self.chunk_elems
         self.flat[(kind, gen)][ci * n:(ci + 1) * n].copy_(buf)
         return _Done(buf)
@@ -236,7 +298,7 @@ def _reserve(fd: int, nbytes: int, path: str, total: int) -> None:
                   f"of every state kind); allocating {path!r} failed: {os.strerror(err)}")
 
 
-class NvmeTier:
+class NvmeTier(_Holdable):
     """`used[ci]`: the elements of chunk ci in use (a multiple of 1024, default all): only
     those are read, written and checksummed; the rest of a slot is never looked at."""
 
@@ -251,6 +313,7 @@ class NvmeTier:
             raise ValueError("used must give a multiple of 1024 elements <= chunk_elems for "
                              "every chunk")
         self.gen = [0] * n_chunks
+        self._init_holds()
         self.crc: dict[tuple[str, int, int], int] = {}  # (kind, ci, gen) -> crc
         self.paths = {(k, g): os.path.join(directory, f"g{gi}.{k}.{g}") for k in kinds
                       for g in (0, 1)}
@@ -277,6 +340,7 @@ class NvmeTier:
                 f"{what()} (chunk {ci}) does not match its CRC-32C")
 
     def write(self, kind: str, ci: int, buf: torch.Tensor, gen: int, crc: int | None = None):
+        self._wait_unheld(ci, gen)
         buf = self._part(ci, buf)
         self.crc[(kind, ci, gen)] = crc32c(buf) if crc is None else crc
         return self.engine.write(buf, self.paths[(kind, gen)], ci * self.chunk_bytes)
@@ -301,6 +365,7 @@ class NvmeTier:
         """Starts writing every kind of chunk `ci` to generation `gen` and checksums it while
         the writes run; the CRCs are recorded once the writes are done (run() waits for every
         returned handle before the step commits)."""
+        self._wait_unheld(ci, gen)
         # No stale CRC may describe this generation until the new one is known.
         for k in self.kinds:
             self.crc.pop((k, ci, gen), None)
@@ -317,6 +382,7 @@ class NvmeTier:
         return [_Checked(handles, record, crcs=crcs, crc_s=time.perf_counter() - t)]
 
     def remove_files(self) -> None:
+        self.wait_unheld_all()
         for path in self.paths.values():
             try:
                 self.engine.forget(path)

@@ -1,0 +1,305 @@
+"""One save in flight: its snapshot (staging.py), its writer thread (writer.py), and the commit
+that every rank agrees on. save(blocking=True) is the same job waited for at once.
+
+A job claims `path`.tmp, snapshots on the training thread (copies into staging; two-generation
+optimizer tiers are held, not copied), then the writer puts every byte on the drive. The
+commit: one vote over the ranks (every rank wrote its files), rank 0 writes metadata.json and
+renames `path`.tmp to `path` (format.replace_dir), a second vote says whether that worked. In
+the background the votes run on a gloo group of their own, never on the training process
+group. A failed save leaves the previous checkpoint at `path` as it was and raises at wait(),
+at the next save, or at close(); a process killed at any point leaves it loadable too.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import sys
+import threading
+import time
+
+import torch
+
+from tierlift.checkpoint import format as fmt
+from tierlift.checkpoint.agree import comm_device
+from tierlift.checkpoint.staging import MIN_PIECE, Packer, Staging, free_cached, piece_bytes
+from tierlift.checkpoint.writer import TensorFile, Writer, close_engine
+
+BLOCKING_BUDGET = 256 << 20  # a blocking save's staging, when no budget is given
+OWNER = ".owner.json"
+
+_pending: SaveHandle | None = None
+_side_groups: dict[tuple, object] = {}
+
+
+class SaveHandle:
+    """A save running in the background: wait() blocks until it is committed (or raises what
+    failed); done() says whether it finished. `stall_s`: how long save() held the caller;
+    `total_s`: from save() to the commit; `bytes`: the bytes written by this rank."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.stall_s = 0.0
+        self.total_s: float | None = None
+        self.bytes = 0
+        self.staging_peak = 0
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._reported = False
+
+    def done(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Blocks until the save is committed; re-raises its error (once)."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TimeoutError(f"saving {self.path} did not finish within {timeout} s")
+        if self._error is not None and not self._reported:
+            self._reported = True
+            raise self._error
+
+    def __repr__(self) -> str:
+        state = "running" if not self.done() else "failed" if self._error else "done"
+        return f"SaveHandle({self.path!r}, {state})"
+
+
+def before_save() -> None:
+    """A new save waits for the one before, and raises its error if it failed."""
+    global _pending
+    prev, _pending = _pending, None
+    if prev is not None:
+        prev.wait()
+
+
+def close() -> None:
+    """Waits for the save in flight (raising its error) and frees the staging memory kept
+    between saves and the writer's engine."""
+    try:
+        before_save()
+    finally:
+        free_cached()
+        close_engine()
+
+
+@atexit.register
+def _at_exit() -> None:
+    if _pending is not None and not _pending._reported:
+        try:
+            _pending.wait()
+        except BaseException as e:  # noqa: BLE001 - nothing can raise at exit
+            print(f"tierlift.checkpoint: the background save to {_pending.path} failed: {e!r}; "
+                  "the previous checkpoint there is intact", file=sys.stderr)
+
+
+def side_group(ranks: list[int]):
+    """A gloo group over `ranks` for a background save's votes (created on the training
+    thread, inside save(), where every rank of the group calls it)."""
+    key = tuple(ranks)
+    if key not in _side_groups:
+        _side_groups[key] = torch.distributed.new_group(
+            ranks, backend="gloo", use_local_synchronization=True)
+    return _side_groups[key]
+
+
+def claim(tmp: str) -> None:
+    """Makes the empty directory `tmp` for a new save, refusing one another live process is
+    writing (a killed one's is removed)."""
+    from tierlift.offload.tiers import _owner_alive, _start_time
+
+    owner_file = os.path.join(tmp, OWNER)
+    if os.path.isdir(tmp):
+        try:
+            with open(owner_file) as f:
+                owner = json.load(f)
+            alive = owner["pid"] != os.getpid() and _owner_alive(owner["pid"],
+                                                                  owner.get("start_time"))
+        except (OSError, ValueError, KeyError, TypeError):
+            alive = False
+        if alive:
+            raise RuntimeError(f"{tmp[:-len('.tmp')]!r} is being written by another save "
+                               f"(process {owner['pid']}); wait for it or save elsewhere")
+        shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    with open(owner_file, "w") as f:
+        json.dump({"pid": os.getpid(), "start_time": _start_time(os.getpid())}, f)
+
+
+def publish(tmp: str, path: str, meta: dict) -> None:
+    """Rank 0, every rank's files written: metadata.json last, then `tmp` becomes `path`."""
+    fmt.write_json(os.path.join(tmp, fmt.METADATA), meta)
+    fmt.replace_dir(tmp, path)
+    try:
+        os.unlink(os.path.join(path, OWNER))
+    except FileNotFoundError:
+        pass
+
+
+class Vote:
+    """`ok` from every rank, summed: the ranks that failed (the same list on every rank)."""
+
+    def __init__(self, rank: int, world: int, reduce):
+        self.rank, self.world, self.reduce = rank, world, reduce
+
+    def __call__(self, ok: bool) -> list[int]:
+        if self.world == 1:
+            return [] if ok else [0]
+        t = torch.zeros(self.world)
+        t[self.rank] = 0.0 if ok else 1.0
+        t = self.reduce(t)
+        return [r for r, v in enumerate(t.tolist()) if v]
+
+
+def training_vote(comm) -> Vote:
+    """Votes on the training process group (the training thread, inside save())."""
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        t = t.to(comm_device(comm))
+        comm.wait(comm.all_reduce(t))
+        return t.cpu()
+
+    return Vote(comm.rank, comm.world, reduce)
+
+
+def side_vote(comm) -> Vote:
+    """Votes of a background save: on a gloo group of its own, not the training one."""
+    if comm.world == 1:
+        return Vote(0, 1, None)
+    group = comm.group if comm.group is not None else torch.distributed.group.WORLD
+    side = side_group(torch.distributed.get_process_group_ranks(group))
+
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        torch.distributed.all_reduce(t, group=side)
+        return t
+
+    return Vote(comm.rank, comm.world, reduce)
+
+
+class Job:
+    """The files of one rank's part of a save, staged, written and committed."""
+
+    def __init__(self, path: str, *, blocking: bool, staging_budget: int | None, off=None):
+        """`off`: the optimizer's Offloader, if any: a blocking save stays within its
+        cpu_budget, and the staging must hold one chunk of its held generation."""
+        from tierlift.checkpoint.stream import held_chunk_bytes
+
+        self.path, self.tmp, self.blocking = path, path + ".tmp", blocking
+        need = held_chunk_bytes(off) if off is not None else 0
+        cap = getattr(getattr(off, "config", None), "cpu_budget", None) or BLOCKING_BUDGET
+        smallest = max(MIN_PIECE, need)
+        budget = staging_budget if staging_budget is not None else (
+            max(min(BLOCKING_BUDGET, cap), smallest) if blocking else 1 << 62)
+        if budget < smallest:
+            raise ValueError(f"staging_budget={budget} bytes is smaller than one piece of this "
+                             f"save; the smallest budget that works is {smallest} bytes")
+        self.staging = Staging(budget, pin=torch.cuda.is_available())
+        self.files: list = []
+        self.helds: list = []
+        self.snapshot_error: BaseException | None = None
+        self.finishers: list = []
+        self.writer = Writer(self.staging, self.files)
+        self.packer = Packer(self.staging, self.writer.put, piece_bytes(self.staging.budget))
+        self.handle = SaveHandle(path)
+        self._t0 = time.perf_counter()
+        self.writer.start()  # takes pieces while the training thread fills the next
+
+    def tensor_file(self, rank: int, tensors: dict[str, torch.Tensor]) -> None:
+        """rank's tensor file (format.py): torch.save(tensors), its SHA-256 beside it."""
+        f = TensorFile(os.path.join(self.tmp, fmt.rank_file(rank)), tensors)
+        self.files.append(f)
+        for offset, t in f.records:
+            self.packer.add(f, t, offset)
+        self.finishers.append(lambda d: fmt.write_checksum(self.tmp, rank, d[f.path]))
+
+    def offloaded(self, off, directory: str, names: dict) -> None:
+        """An offloading optimizer's committed state, streamed to `directory` (stream.py)."""
+        from tierlift.checkpoint import stream
+
+        self.finishers.append(stream.stage_offloaded(off, os.path.join(self.tmp, directory),
+                                                     names, self.packer, self.helds,
+                                                     self.files))
+
+    def snapshot_failed(self, error: BaseException) -> None:
+        """Snapshotting failed on the training thread: nothing more is staged, holds are let
+        go; the ranks still vote (start()), so none waits for this one."""
+        if self.snapshot_error is None:
+            self.snapshot_error = error
+            error.add_note(f"nothing was saved; the checkpoint at {self.path!r} (if any) is as "
+                           "it was before this save")
+        self.staging.fail(error)
+        for h in self.helds:
+            h.hold.release()
+
+    def abandon(self, error: BaseException) -> None:
+        """Stops the job before anything was staged (its directory could not be claimed)."""
+        self.snapshot_failed(error)
+        self.writer.finish()
+        self.writer.join()
+
+    def start(self, vote: Vote, publish) -> SaveHandle:
+        """The snapshot is complete: the writer goes on alone; then every rank votes and
+        `publish()` (rank 0's metadata and rename) runs. Blocking: waits, votes here."""
+        global _pending
+        if self.snapshot_error is None:
+            try:
+                self.packer.flush()
+                for h in self.helds:
+                    self.writer.put(h)
+            except BaseException as e:  # noqa: BLE001 - voted on, then raised
+                self.snapshot_failed(e)
+        self.writer.finish()
+        handle = self.handle
+        handle.stall_s = time.perf_counter() - self._t0
+        if self.blocking:
+            self._finish(vote, publish)
+            if handle._error is not None:
+                handle._reported = True
+                raise handle._error
+            return handle
+        handle._thread = threading.Thread(target=self._finish, args=(vote, publish),
+                                          name="tierlift-checkpoint-commit", daemon=True)
+        handle._thread.start()
+        _pending = handle
+        if self.snapshot_error is not None:  # raised here; the vote goes on in the thread
+            handle._reported = True
+            raise self.snapshot_error
+        return handle
+
+    def _finish(self, vote: Vote, publish) -> None:
+        handle = self.handle
+        try:
+            self.writer.join()
+            error = self.snapshot_error or self.writer.error
+            if error is None:
+                try:
+                    for finish in self.finishers:
+                        finish(self.writer.digests)
+                except BaseException as e:  # noqa: BLE001 - voted on below
+                    error = e
+            failed = vote(error is None)
+            if not failed:
+                error = None
+                try:
+                    publish()
+                except BaseException as e:  # noqa: BLE001 - voted on below
+                    error = e
+                failed = vote(error is None)
+            if failed:
+                if vote.rank == 0:
+                    shutil.rmtree(self.tmp, ignore_errors=True)
+                if error is None:
+                    error = RuntimeError(f"saving {self.path} failed on rank(s) {failed}")
+                if error is not self.snapshot_error:
+                    error.add_note(f"the checkpoint at {self.path!r} (if any) is as it was "
+                                   "before this save")
+                handle._error = error
+        except BaseException as e:  # noqa: BLE001 - a vote failed: a rank is gone
+            e.add_note(f"saving {self.path} was abandoned; the checkpoint there (if any) is "
+                       "as it was before this save")
+            handle._error = e
+        finally:
+            handle.bytes = self.writer.written
+            handle.staging_peak = self.staging.peak
+            handle.total_s = time.perf_counter() - self._t0

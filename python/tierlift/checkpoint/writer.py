@@ -1,0 +1,273 @@
+"""The checkpoint writer: a thread that takes staged pieces (staging.py) and chunks of held
+optimizer generations (tiers.GenerationHold) in order, writes them through an io engine with
+O_DIRECT, and computes every file's SHA-256 on the way (in file order, no second pass).
+
+Files:
+    TensorFile   a rank's tensor file in torch.save's format: its skeleton (torch.save with
+                 skip_data, storages 4 KiB-aligned) is written first on the training thread,
+                 the tensors' bytes go to their records' offsets; torch.load reads it as ever.
+    RawFile      bytes written front to back (an offloaded optimizer's dense kind files).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import os
+import queue
+import threading
+
+import torch
+
+from tierlift.checkpoint.staging import Piece, Run, Staging
+from tierlift.io import ChecksumError, EngineConfig, IoEngine
+from tierlift.offload.tiers import crc32c
+
+_ENGINE: IoEngine | None = None
+_ENGINE_LOCK = threading.Lock()
+_IN_FLIGHT = 8  # pieces written at once
+
+
+def engine() -> IoEngine:
+    """The engine checkpoint files are written with (one save writes at a time)."""
+    global _ENGINE
+    with _ENGINE_LOCK:
+        if _ENGINE is None or _ENGINE.closed:
+            # Staging buffers are aligned as their files are (staging.Packer): the pool only
+            # takes what a drive with a stricter O_DIRECT alignment needs staged again.
+            _ENGINE = IoEngine(EngineConfig(queue_depth=32, pool_bytes=2 << 20))
+        return _ENGINE
+
+
+def close_engine() -> None:
+    global _ENGINE
+    with _ENGINE_LOCK:
+        if _ENGINE is not None:
+            _ENGINE.close()
+            _ENGINE = None
+
+
+class RawFile:
+    def __init__(self, path: str, size: int, create: bool = True):
+        self.path, self.size = path, size
+        self.sha = hashlib.sha256()
+        self.pos = 0  # hashed up to here
+        self.gaps: list[tuple[int, bytes]] = []  # (offset, bytes) not written by pieces
+        if create:
+            with open(path, "wb"):
+                pass
+
+    def hash_to(self, offset: int) -> None:
+        """Hashes the skeleton bytes before `offset` (the next piece's data starts there)."""
+        while self.gaps and self.gaps[0][0] < offset:
+            at, data = self.gaps.pop(0)
+            if at != self.pos:
+                raise RuntimeError(f"{self.path}: bytes {self.pos}..{at} are never written")
+            self.sha.update(data)
+            self.pos += len(data)
+        if self.pos != offset:
+            raise RuntimeError(f"{self.path}: written out of order (at {offset}, hashed to "
+                               f"{self.pos})")
+
+    def hash_data(self, data: torch.Tensor) -> None:
+        self.sha.update(data.numpy())
+        self.pos += data.numel()
+
+    def digest(self) -> str:
+        self.hash_to(self.size)
+        return self.sha.hexdigest()
+
+
+class TensorFile(RawFile):
+    """torch.save(tensors) in two passes: the skeleton now, the data through pieces.
+    `records`: (file offset, tensor) per tensor, in the dict's order."""
+
+    def __init__(self, path: str, tensors: dict[str, torch.Tensor]):
+        from torch.utils.serialization import config
+
+        # Fresh storages: torch.save writes a view's whole storage, and data/i must be tensor i.
+        skeleton = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in tensors.items()}
+        with torch.serialization.skip_data(), config.patch(
+                {"save.storage_alignment": 4096, "save.compute_crc32": False}):
+            torch.save(skeleton, path)
+        super().__init__(path, os.path.getsize(path), create=False)
+        reader = torch._C.PyTorchFileReader(path)
+        self.records = [(reader.get_record_offset(f"data/{i}"), t)
+                        for i, t in enumerate(tensors.values())]
+        del reader
+        with open(path, "rb") as f:
+            at = 0
+            for offset, t in sorted(self.records, key=lambda r: r[0]):
+                self.gaps.append((at, os.pread(f.fileno(), offset - at, at)))
+                at = offset + t.numel() * t.element_size()
+            self.gaps.append((at, os.pread(f.fileno(), self.size - at, at)))
+        self.gaps = [(a, d) for a, d in self.gaps if d]
+
+
+class Held:
+    """One param group's chunks of a held generation, to be read, checked, packed densely
+    (only the stepped parameters' elements) and written to the group's kind files."""
+
+    def __init__(self, hold, kinds: list[str], outs: dict, chunks: list, dense: dict,
+                 chunk_elems: int, used, what):
+        self.hold, self.kinds, self.outs = hold, kinds, outs
+        self.chunks = chunks  # [(ci, [segments of stepped parameters])]
+        self.dense = dense  # pi -> element offset of the parameter in the kind files
+        self.chunk_elems, self.used, self.what = chunk_elems, used, what
+
+
+class Writer(threading.Thread):
+    """Writes queued Pieces and Helds in order; `error` holds what failed."""
+
+    def __init__(self, staging: Staging, files: list[RawFile]):
+        super().__init__(name="tierlift-checkpoint", daemon=True)
+        self.staging, self.files = staging, files
+        self.queue: queue.Queue = queue.Queue()
+        self.error: BaseException | None = None
+        self.digests: dict[str, str] = {}
+        self.written = 0
+        self._inflight: collections.deque = collections.deque()
+        self._holds: list = []
+        self._lock = threading.Lock()
+        self._closed = False  # the thread stopped: nothing queued from now on is taken
+
+    def put(self, item) -> None:
+        with self._lock:
+            if not self._closed:
+                self.queue.put(item)
+                return
+        _dispose(item, self.staging)
+        raise RuntimeError("the checkpoint writer stopped") from self.error
+
+    def finish(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self.queue.put(None)
+
+    def run(self) -> None:
+        try:
+            while True:
+                item = self._next()
+                if item is None:
+                    break
+                if isinstance(item, Piece):
+                    self._write(item)
+                else:
+                    self._write_held(item)
+            self._drain()
+            eng = engine()
+            eng.sync()
+            for f in self.files:
+                eng.forget(f.path)
+                self.digests[f.path] = f.digest()
+        except BaseException as e:  # noqa: BLE001 - reported by wait()
+            self.error = e
+            self.staging.fail(e)
+            self._drain(quiet=True)
+        finally:
+            with self._lock:
+                self._closed = True
+            while True:  # what was queued after a failure (or after the end, never)
+                try:
+                    _dispose(self.queue.get_nowait(), self.staging)
+                except queue.Empty:
+                    break
+            for h in self._holds:
+                h.release()
+
+    def _next(self):
+        while self._inflight:  # give buffers back while the training thread fills others
+            try:
+                return self.queue.get_nowait()
+            except queue.Empty:
+                self._retire()
+        return self.queue.get()
+
+    def _retire(self, quiet: bool = False) -> None:
+        handles, buf = self._inflight.popleft()
+        error = None
+        for h in handles:
+            try:
+                h.wait()
+            except BaseException as e:  # noqa: BLE001 - every handle is waited for
+                error = error or e
+        self.staging.release(buf)
+        if error is not None and not quiet:
+            raise error
+
+    def _drain(self, quiet: bool = False) -> None:
+        while self._inflight:
+            self._retire(quiet)
+
+    def _acquire(self, nbytes: int) -> torch.Tensor:
+        """A staging buffer, retiring this thread's own writes first where the budget is
+        short (nobody else gives buffers back once the training thread is done packing)."""
+        while self._inflight and self.staging.used + nbytes > self.staging.budget:
+            self._retire()
+        return self.staging.acquire(nbytes)
+
+    def _submit(self, buf: torch.Tensor, runs: list[Run]) -> None:
+        eng = engine()
+        handles = []
+        try:
+            for r in runs:
+                data = buf[r.lo:r.hi]
+                r.out.hash_to(r.offset)
+                r.out.hash_data(data)
+                handles.append(eng.write(data, r.out.path, r.offset))
+                self.written += r.hi - r.lo
+        finally:
+            self._inflight.append((handles, buf))
+        while len(self._inflight) > _IN_FLIGHT:
+            self._retire()
+
+    def _write(self, piece: Piece) -> None:
+        if piece.event is not None:
+            piece.event.synchronize()
+        self._submit(piece.buf, piece.runs)
+
+    def _write_held(self, held: Held) -> None:
+        self._holds.append(held.hold)
+        tier, hold = held.hold.tier, held.hold
+        nbytes = held.chunk_elems * 4
+        for ci, segs in held.chunks:
+            for kind in held.kinds:
+                buf = self._acquire(nbytes)
+                try:
+                    f32 = buf.view(torch.float32)
+                    gen = hold.gen[ci]
+                    part = f32[:held.used[ci]] if held.used is not None else f32
+                    tier.read(kind, ci, part, gen).wait()
+                    want = hold.crc.get((kind, ci, gen))
+                    if want is not None and crc32c(part) != want:
+                        raise ChecksumError(
+                            f"optimizer state file {tier.paths[(kind, gen)]!r} is corrupt: the "
+                            f"{kind} of {held.what(ci)} (chunk {ci}) does not match its CRC-32C")
+                    n = _pack(f32, segs)
+                except BaseException:
+                    self.staging.release(buf)
+                    raise
+                first = segs[0]
+                offset = (held.dense[first.pi] + first.plo) * 4
+                self._submit(buf, [Run(held.outs[kind], 0, n * 4, offset)])
+            hold.release(ci)
+
+
+def _pack(buf: torch.Tensor, segs: list) -> int:
+    """Moves the segments' elements of a chunk buffer to its front, in order; returns how many.
+    A segment never moves right, so each copy reads bytes no earlier copy wrote."""
+    at = 0
+    for s in segs:
+        n = s.chi - s.clo
+        if at != s.clo:
+            src = buf[s.clo:s.chi]
+            buf[at:at + n].copy_(src if at + n <= s.clo else src.clone())
+        at += n
+    return at
+
+
+def _dispose(item, staging: Staging) -> None:
+    if isinstance(item, Piece):
+        staging.release(item.buf)
+    elif isinstance(item, Held):
+        item.hold.release()
