@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from zero_model import batches, free_port, init_gloo, make_model, shutdown, trai
 
 import tierlift
 from tierlift.checkpoint import writer as ckpt_writer
+from tierlift.offload import tiers
 
 ROOT = Path(__file__).resolve().parents[2]
 OPT = dict(lr=3e-3, weight_decay=0.1)
@@ -68,14 +68,15 @@ def _assert_same(a: dict, b: dict):
 
 
 class Gate:
-    """Holds the writer before its first piece until open(), and before reading a held
-    generation for half a second more: training steps meanwhile, and its writes into the held
-    generation must wait for the save to read it (without that, the save reads the new state
-    and fails its CRC check or saves the wrong step)."""
+    """Holds the writer before its first piece until open(), and before it reads a held
+    generation until a training step tries to write into that generation: training steps
+    meanwhile, and that write must wait for the save to read the chunk (without the wait, the
+    save reads the new state and fails its CRC check or saves the wrong step)."""
 
     def __init__(self, monkeypatch):
-        self.event = threading.Event()
+        self.event, self.blocked = threading.Event(), threading.Event()
         write, write_held = ckpt_writer.Writer._write, ckpt_writer.Writer._write_held
+        wait_unheld = tiers._Holdable._wait_unheld
 
         def gated(writer, piece):
             self.event.wait(60)
@@ -83,11 +84,17 @@ class Gate:
 
         def late(writer, held):
             self.event.wait(60)
-            time.sleep(0.5)
+            self.blocked.wait(30)
             return write_held(writer, held)
+
+        def watched(tier, ci, gen):
+            if any(h.blocks(ci, gen) for h in list(tier.holds)):
+                self.blocked.set()
+            return wait_unheld(tier, ci, gen)
 
         monkeypatch.setattr(ckpt_writer.Writer, "_write", gated)
         monkeypatch.setattr(ckpt_writer.Writer, "_write_held", late)
+        monkeypatch.setattr(tiers._Holdable, "_wait_unheld", watched)
 
     def open(self):
         self.event.set()
@@ -116,7 +123,7 @@ def test_training_on_during_the_write_leaves_the_snapshot_exact(tmp_path, monkey
     assert extra_a == extra_b == {"step": 2}
     _assert_same(a, b)
     waited = sum(t.held_wait_s for t in opt._offload.tiers) if tier in HELD else 0.0
-    assert (waited > 0.1) == (tier in HELD), waited
+    assert (waited > 0) == (tier in HELD), waited
 
 
 def test_a_small_budget_streams_in_pieces_and_stays_within_it(tmp_path):

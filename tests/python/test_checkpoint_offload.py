@@ -185,7 +185,8 @@ def test_save_and_load_peak_rss_stays_within_the_budget(tmp_path):
           f"{back / 2**20:.1f}, state_dict {sd / 2**20:.1f} (budget {budget / 2**20:.0f})")
     margin = 6 << 20  # interpreter and allocator noise, SHA-256 read blocks (4 MiB)
     model = 4 * n  # the model's tensor file is written and read by torch.save/load
-    assert off <= budget + margin, off  # staging_budget holds the model's bytes too
+    # staging_budget holds the model's bytes too; the writer engine's pool is 2 MiB
+    assert off <= budget + (2 << 20) + margin, off
     assert full <= budget + model + margin, full
     assert back <= budget + model + margin, back
     # state_dict() builds exp_avg and exp_avg_sq (an fp32 param is its own master) in RAM:

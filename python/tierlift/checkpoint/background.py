@@ -203,7 +203,9 @@ class Job:
         self.packer = Packer(self.staging, self.writer.put, piece_bytes(self.staging.budget))
         self.handle = SaveHandle(path)
         self._t0 = time.perf_counter()
-        self.writer.start()  # takes pieces while the training thread fills the next
+        self.writer.start()
+        if blocking or staging_budget is not None:
+            self.writer.go.set()  # writes while the training thread fills the next piece
 
     def tensor_file(self, rank: int, tensors: dict[str, torch.Tensor]) -> None:
         """rank's tensor file (format.py): torch.save(tensors), its SHA-256 beside it."""
@@ -236,6 +238,7 @@ class Job:
         """Stops the job before anything was staged (its directory could not be claimed)."""
         self.snapshot_failed(error)
         self.writer.finish()
+        self.writer.go.set()
         self.writer.join()
 
     def start(self, vote: Vote, publish) -> SaveHandle:
@@ -250,6 +253,7 @@ class Job:
             except BaseException as e:  # noqa: BLE001 - voted on, then raised
                 self.snapshot_failed(e)
         self.writer.finish()
+        self.writer.go.set()
         handle = self.handle
         handle.stall_s = time.perf_counter() - self._t0
         if self.blocking:

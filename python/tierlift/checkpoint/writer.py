@@ -19,7 +19,7 @@ import threading
 
 import torch
 
-from tierlift.checkpoint.staging import Piece, Run, Staging
+from tierlift.checkpoint.staging import MIN_PIECE, Piece, Run, Staging
 from tierlift.io import ChecksumError, EngineConfig, IoEngine
 from tierlift.offload.tiers import crc32c
 
@@ -130,6 +130,9 @@ class Writer(threading.Thread):
         self._holds: list = []
         self._lock = threading.Lock()
         self._closed = False  # the thread stopped: nothing queued from now on is taken
+        # Set when the writer may start: at once when it must free staging for the snapshot,
+        # else after it (on 2 cores, hashing and I/O beside the copy doubled the stall).
+        self.go = threading.Event()
 
     def put(self, item) -> None:
         with self._lock:
@@ -146,6 +149,7 @@ class Writer(threading.Thread):
 
     def run(self) -> None:
         try:
+            self.go.wait()
             while True:
                 item = self._next()
                 if item is None:
@@ -227,30 +231,67 @@ class Writer(threading.Thread):
         self._submit(piece.buf, piece.runs)
 
     def _write_held(self, held: Held) -> None:
+        """Reads chunk k+1 (every kind) while chunk k is checked, packed and written, when the
+        budget holds both; else one chunk and kind at a time."""
         self._holds.append(held.hold)
-        tier, hold = held.hold.tier, held.hold
         nbytes = held.chunk_elems * 4
-        for ci, segs in held.chunks:
-            for kind in held.kinds:
-                buf = self._acquire(nbytes)
-                try:
-                    f32 = buf.view(torch.float32)
-                    gen = hold.gen[ci]
-                    part = f32[:held.used[ci]] if held.used is not None else f32
-                    tier.read(kind, ci, part, gen).wait()
-                    want = hold.crc.get((kind, ci, gen))
-                    if want is not None and crc32c(part) != want:
-                        raise ChecksumError(
-                            f"optimizer state file {tier.paths[(kind, gen)]!r} is corrupt: the "
-                            f"{kind} of {held.what(ci)} (chunk {ci}) does not match its CRC-32C")
-                    n = _pack(f32, segs)
-                except BaseException:
-                    self.staging.release(buf)
-                    raise
-                first = segs[0]
-                offset = (held.dense[first.pi] + first.plo) * 4
-                self._submit(buf, [Run(held.outs[kind], 0, n * 4, offset)])
-            hold.release(ci)
+        ahead = self.staging.budget >= 2 * len(held.kinds) * nbytes + MIN_PIECE
+        reads: collections.deque = collections.deque()
+        try:
+            for i, (ci, segs) in enumerate(held.chunks):
+                if not ahead:  # one kind at a time: the budget holds one chunk of one kind
+                    for kind in held.kinds:
+                        reads.append(self._read_chunk(held, ci, nbytes, [kind]))
+                        self._write_chunk(held, ci, segs, reads.popleft())
+                else:
+                    if not reads:
+                        reads.append(self._read_chunk(held, ci, nbytes, held.kinds))
+                    if i + 1 < len(held.chunks):
+                        reads.append(self._read_chunk(held, held.chunks[i + 1][0], nbytes,
+                                                      held.kinds))
+                    self._write_chunk(held, ci, segs, reads.popleft())
+                held.hold.release(ci)
+        finally:
+            for chunk in reads:  # an error: nothing stays in flight into staging
+                _settle(chunk, self.staging)
+
+    def _write_chunk(self, held: Held, ci: int, segs: list, reads: list) -> None:
+        """Waits for the reads of chunk `ci`, checks, packs and starts writing them."""
+        for i, (kind, buf, part, handle) in enumerate(reads):
+            try:
+                handle.wait()
+                self._check(held, kind, ci, part)
+                n = _pack(buf.view(torch.float32), segs)
+            except BaseException:
+                _settle(reads[i:], self.staging)
+                raise
+            first = segs[0]
+            offset = (held.dense[first.pi] + first.plo) * 4
+            self._submit(buf, [Run(held.outs[kind], 0, n * 4, offset)])
+
+    def _read_chunk(self, held: Held, ci: int, nbytes: int, kinds: list[str]) -> list:
+        """Starts reading `kinds` of held chunk `ci`: [(kind, buf, part, handle)]."""
+        out = []
+        tier, gen = held.hold.tier, held.hold.gen[ci]
+        for kind in kinds:
+            buf = self._acquire(nbytes)
+            f32 = buf.view(torch.float32)
+            part = f32[:held.used[ci]] if held.used is not None else f32
+            try:
+                out.append((kind, buf, part, tier.read(kind, ci, part, gen)))
+            except BaseException:
+                self.staging.release(buf)
+                _settle(out, self.staging)
+                raise
+        return out
+
+    def _check(self, held: Held, kind: str, ci: int, part: torch.Tensor) -> None:
+        gen = held.hold.gen[ci]
+        want = held.hold.crc.get((kind, ci, gen))
+        if want is not None and crc32c(part) != want:
+            raise ChecksumError(
+                f"optimizer state file {held.hold.tier.paths[(kind, gen)]!r} is corrupt: the "
+                f"{kind} of {held.what(ci)} (chunk {ci}) does not match its CRC-32C")
 
 
 def _pack(buf: torch.Tensor, segs: list) -> int:
@@ -271,3 +312,13 @@ def _dispose(item, staging: Staging) -> None:
         staging.release(item.buf)
     elif isinstance(item, Held):
         item.hold.release()
+
+
+def _settle(reads: list, staging: Staging) -> None:
+    """Waits for reads that will not be used (an error), then gives their buffers back."""
+    for _, buf, _, handle in reads:
+        try:
+            handle.wait()
+        except BaseException:  # noqa: BLE001 - the first error is the one raised
+            pass
+        staging.release(buf)
