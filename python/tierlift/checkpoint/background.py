@@ -211,8 +211,8 @@ class Job:
         """rank's tensor file (format.py): torch.save(tensors), its SHA-256 beside it."""
         f = TensorFile(os.path.join(self.tmp, fmt.rank_file(rank)), tensors)
         self.files.append(f)
-        for offset, t in f.records:
-            self.packer.add(f, t, offset)
+        for i, t in enumerate(tensors.values()):
+            self.packer.add(f, t, 0, record=i)  # records are 4 KiB-aligned in the file
         self.finishers.append(lambda d: fmt.write_checksum(self.tmp, rank, d[f.path]))
 
     def offloaded(self, off, directory: str, names: dict) -> None:

@@ -85,12 +85,14 @@ class Staging:
 
 @dataclass
 class Run:
-    """Bytes [lo, hi) of a piece go to `offset` of file `out`."""
+    """Bytes [lo, hi) of a piece go to `offset` of file `out` (of its record `record`, for a
+    file whose records are placed by the writer)."""
 
     out: object
     lo: int
     hi: int
     offset: int
+    record: int | None = None
 
 
 @dataclass
@@ -110,8 +112,9 @@ class Packer:
         self.cuda = False
         self.copied = 0
 
-    def add(self, out, tensor: torch.Tensor, offset: int) -> None:
-        """Queues `tensor`'s bytes (any device, any layout) for `offset` of file `out`."""
+    def add(self, out, tensor: torch.Tensor, offset: int, record: int | None = None) -> None:
+        """Queues `tensor`'s bytes (any device, any layout) for `offset` of file `out` (of its
+        record `record`). Memory is aligned as the offset within the record is."""
         src = tensor.detach().reshape(-1).view(torch.uint8) if tensor.numel() else None
         n, pos = (src.numel() if src is not None else 0), 0
         while pos < n:
@@ -120,8 +123,8 @@ class Packer:
                 self.piece = Piece(self.staging.acquire(self.size))
             p = self.piece
             last = p.runs[-1] if p.runs else None
-            merge = last is not None and last.out is out and last.hi == p.fill and \
-                last.offset + last.hi - last.lo == offset + pos
+            merge = last is not None and last.out is out and last.record == record and \
+                last.hi == p.fill and last.offset + last.hi - last.lo == offset + pos
             if not merge:  # memory aligned as the file is: the drive takes it in place
                 pad = (offset + pos - p.fill) % ALIGN
                 if p.fill + pad >= self.size:
@@ -135,7 +138,7 @@ class Packer:
             if merge:
                 last.hi += take
             else:
-                p.runs.append(Run(out, p.fill, p.fill + take, offset + pos))
+                p.runs.append(Run(out, p.fill, p.fill + take, offset + pos, record))
             p.fill += take
             pos += take
         self.copied += n

@@ -69,6 +69,9 @@ class RawFile:
             raise RuntimeError(f"{self.path}: written out of order (at {offset}, hashed to "
                                f"{self.pos})")
 
+    def file_offset(self, record: int | None, offset: int) -> int:
+        return offset
+
     def hash_data(self, data: torch.Tensor) -> None:
         self.sha.update(data.numpy())
         self.pos += data.numel()
@@ -79,29 +82,46 @@ class RawFile:
 
 
 class TensorFile(RawFile):
-    """torch.save(tensors) in two passes: the skeleton now, the data through pieces.
-    `records`: (file offset, tensor) per tensor, in the dict's order."""
+    """torch.save(tensors) in two passes: the skeleton, then the data through pieces. Pieces
+    address tensor i's bytes as record i; the skeleton (and so where each record lies) is
+    written by the writer thread before its first piece, not by the training thread."""
 
     def __init__(self, path: str, tensors: dict[str, torch.Tensor]):
+        super().__init__(path, 0, create=False)
+        # Fresh storages: torch.save writes a view's whole storage, and data/i must be tensor i.
+        self._skeleton = {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()}
+        self.records: list[int] | None = None
+
+    def prepare(self) -> None:
+        if self.records is not None:
+            return
         from torch.utils.serialization import config
 
-        # Fresh storages: torch.save writes a view's whole storage, and data/i must be tensor i.
-        skeleton = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in tensors.items()}
+        skeleton = {k: torch.empty(shape, dtype=dtype)
+                    for k, (shape, dtype) in self._skeleton.items()}
         with torch.serialization.skip_data(), config.patch(
                 {"save.storage_alignment": 4096, "save.compute_crc32": False}):
-            torch.save(skeleton, path)
-        super().__init__(path, os.path.getsize(path), create=False)
-        reader = torch._C.PyTorchFileReader(path)
-        self.records = [(reader.get_record_offset(f"data/{i}"), t)
-                        for i, t in enumerate(tensors.values())]
+            torch.save(skeleton, self.path)
+        self.size = os.path.getsize(self.path)
+        reader = torch._C.PyTorchFileReader(self.path)
+        self.records = [reader.get_record_offset(f"data/{i}") for i in range(len(skeleton))]
         del reader
-        with open(path, "rb") as f:
+        spans = sorted((off, t.nbytes) for off, t in zip(self.records, skeleton.values()))
+        with open(self.path, "rb") as f:
             at = 0
-            for offset, t in sorted(self.records, key=lambda r: r[0]):
+            for offset, nbytes in spans:
                 self.gaps.append((at, os.pread(f.fileno(), offset - at, at)))
-                at = offset + t.numel() * t.element_size()
+                at = offset + nbytes
             self.gaps.append((at, os.pread(f.fileno(), self.size - at, at)))
         self.gaps = [(a, d) for a, d in self.gaps if d]
+
+    def file_offset(self, record: int | None, offset: int) -> int:
+        self.prepare()
+        return self.records[record] + offset
+
+    def digest(self) -> str:
+        self.prepare()
+        return super().digest()
 
 
 class Held:
@@ -216,9 +236,10 @@ class Writer(threading.Thread):
         try:
             for r in runs:
                 data = buf[r.lo:r.hi]
-                r.out.hash_to(r.offset)
+                offset = r.out.file_offset(r.record, r.offset)
+                r.out.hash_to(offset)
                 r.out.hash_data(data)
-                handles.append(eng.write(data, r.out.path, r.offset))
+                handles.append(eng.write(data, r.out.path, offset))
                 self.written += r.hi - r.lo
         finally:
             self._inflight.append((handles, buf))
