@@ -299,3 +299,20 @@ def test_two_ranks_background_save_loads_on_one_as_the_blocking_one(tmp_path, ti
     b, _ = _state(str(tmp_path / "sync"), tmp_path, tier, True)
     assert extra == {"step": 2}
     _assert_same(a, b)
+
+
+@pytest.mark.gpu
+def test_gpu_tensors_are_snapshotted_before_the_next_kernel_changes_them(tmp_path):
+    """The device-to-host copies into pinned staging are queued on the current stream, so a
+    kernel queued after save() returns cannot change what is written."""
+    model = make_model(seed=5).cuda()
+    opt = tierlift.optim.AdamW(model.parameters(), **OPT)
+    before = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    h = tierlift.checkpoint.save(tmp_path / "ck", model, opt, blocking=False)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # queued behind the copies
+    h.wait()
+    fresh = make_model(seed=6).cuda()
+    tierlift.checkpoint.load(tmp_path / "ck", fresh, None)
+    _assert_same({k: v.cpu() for k, v in fresh.state_dict().items()}, before)
