@@ -207,6 +207,21 @@ class Job:
         if blocking or staging_budget is not None:
             self.writer.go.set()  # writes while the training thread fills the next piece
 
+    def claim(self, rank: int, vote: Vote) -> None:
+        """Rank 0 claims `path`.tmp (claim()); every rank learns whether it could, and all
+        raise if not (on the training thread, inside save(), where every rank is)."""
+        error = None
+        try:
+            if rank == 0:
+                claim(self.tmp)
+        except BaseException as e:  # noqa: BLE001 - every rank learns of it below
+            error = e
+        if vote(error is None):
+            error = error or RuntimeError(f"saving {self.path}: rank 0 could not make "
+                                          f"{self.tmp!r}")
+            self.abandon(error)
+            raise error
+
     def tensor_file(self, rank: int, tensors: dict[str, torch.Tensor]) -> None:
         """rank's tensor file (format.py): torch.save(tensors), its SHA-256 beside it."""
         f = TensorFile(os.path.join(self.tmp, fmt.rank_file(rank)), tensors)

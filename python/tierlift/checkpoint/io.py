@@ -72,17 +72,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
     path = os.fspath(path)
     off = _offloader(optimizer)
     job = background.Job(path, blocking=blocking, staging_budget=staging_budget, off=off)
-    error = None
-    try:
-        if comm.rank == 0:
-            background.claim(job.tmp)
-    except BaseException as e:  # noqa: BLE001 - every rank learns of it below
-        error = e
-    failed = background.training_vote(comm)(error is None)
-    if failed:
-        job.abandon(error or RuntimeError(f"saving {path}: rank 0 could not start"))
-        raise error or RuntimeError(f"saving {path} failed on rank(s) {failed}: "
-                                    f"{job.tmp!r} could not be made")
+    job.claim(comm.rank, background.training_vote(comm))
     try:
         if off is not None:
             job.offloaded(off, optim_dir(comm.rank),

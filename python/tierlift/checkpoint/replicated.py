@@ -51,17 +51,7 @@ def save(path: str, model: torch.nn.Module, optimizer, extra: dict | None, *,
     off = getattr(optimizer, "_offload", None) if optimizer is not None else None
     job = background.Job(path, blocking=blocking, staging_budget=staging_budget,
                          off=off if rank == 0 else None)
-    error = None
-    try:
-        if rank == 0:
-            background.claim(job.tmp)
-    except BaseException as e:  # noqa: BLE001 - every rank learns of it below
-        error = e
-    failed = background.training_vote(comm)(error is None)
-    if failed:
-        job.abandon(error or RuntimeError(f"saving {path}: rank 0 could not start"))
-        raise error or RuntimeError(f"saving {path} failed on rank 0: {job.tmp!r} could not "
-                                    "be made")
+    job.claim(rank, background.training_vote(comm))
     fields = None
     try:
         if rank == 0:
@@ -110,11 +100,7 @@ def save_state_dict(path: str, state_dict: dict[str, torch.Tensor],
     another format), in save()'s format: load() puts it into a model that is not sharded."""
     background.before_save()
     job = background.Job(path, blocking=True, staging_budget=None)
-    try:
-        background.claim(job.tmp)
-    except BaseException as e:
-        job.abandon(e)
-        raise
+    job.claim(0, background.Vote(0, 1, None))
     try:
         job.tensor_file(0, {f"model.{k}": v for k, v in state_dict.items()})
     except BaseException as e:
