@@ -316,3 +316,33 @@ def test_gpu_tensors_are_snapshotted_before_the_next_kernel_changes_them(tmp_pat
     fresh = make_model(seed=6).cuda()
     tierlift.checkpoint.load(tmp_path / "ck", fresh, None)
     _assert_same({k: v.cpu() for k, v in fresh.state_dict().items()}, before)
+
+
+def _rank_lost(rank, world, port, root):
+    init_gloo(rank, world, port, timeout_s=20)
+    model, opt = _fresh(root, "ram", True)
+    train(model, opt, DATA[:1], accum=1, clip=None, world=world, rank=rank, zero=True)
+    ck = os.path.join(root, "ck")
+    tierlift.checkpoint.save(ck, model, opt, extra={"step": 1})
+    h = tierlift.checkpoint.save(ck, model, opt, extra={"step": 2}, blocking=False)
+    if rank == 1:
+        os._exit(0)  # gone before it votes
+    with pytest.raises(Exception) as info:  # gloo's error for the lost peer
+        h.wait()
+    assert any("as it was before this save" in n for n in info.value.__notes__)
+    with open(os.path.join(root, "rank0.ok"), "w") as f:
+        f.write("ok")
+    os._exit(0)  # the process group cannot be shut down cleanly without rank 1
+
+
+def test_a_rank_lost_during_a_background_save_fails_it_on_the_others(tmp_path):
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_rank_lost, args=(r, 2, port, str(tmp_path))) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert (tmp_path / "rank0.ok").exists()
+    meta = tierlift.checkpoint.format.read_metadata(str(tmp_path / "ck"))
+    assert meta["extra"] == {"step": 1} and meta["world_size"] == 2

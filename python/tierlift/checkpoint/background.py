@@ -95,14 +95,20 @@ def _at_exit() -> None:
                   "the previous checkpoint there is intact", file=sys.stderr)
 
 
-def side_group(ranks: list[int]):
-    """A gloo group over `ranks` for a background save's votes (created on the training
-    thread, inside save(), where every rank of the group calls it)."""
-    key = tuple(ranks)
-    if key not in _side_groups:
-        _side_groups[key] = torch.distributed.new_group(
-            ranks, backend="gloo", use_local_synchronization=True)
-    return _side_groups[key]
+def side_group(group) -> object:
+    """A gloo group over the ranks of `group` for a background save's votes, with its timeout
+    (a lost rank fails the vote as soon as it would fail training). Created on the training
+    thread, inside save(), where every rank of the group calls it."""
+    ranks = tuple(torch.distributed.get_process_group_ranks(group))
+    if ranks not in _side_groups:
+        kw = {}
+        try:  # not public API: the default timeout where it is not there
+            kw["timeout"] = group._get_backend(torch.device("cpu")).options._timeout
+        except (AttributeError, RuntimeError):
+            pass
+        _side_groups[ranks] = torch.distributed.new_group(
+            list(ranks), backend="gloo", use_local_synchronization=True, **kw)
+    return _side_groups[ranks]
 
 
 def claim(tmp: str) -> None:
@@ -167,8 +173,7 @@ def side_vote(comm) -> Vote:
     """Votes of a background save: on a gloo group of its own, not the training one."""
     if comm.world == 1:
         return Vote(0, 1, None)
-    group = comm.group if comm.group is not None else torch.distributed.group.WORLD
-    side = side_group(torch.distributed.get_process_group_ranks(group))
+    side = side_group(comm.group if comm.group is not None else torch.distributed.group.WORLD)
 
     def reduce(t: torch.Tensor) -> torch.Tensor:
         torch.distributed.all_reduce(t, group=side)
