@@ -31,6 +31,7 @@ FIGURES = [
     ("bench_zero-*.json", plots.plot_zero, "bench_zero.py"),
     ("bench_lowp-*.json", plots.plot_lowp, "bench_lowp.py"),
     ("bench_checkpoint-*.json", plots.plot_checkpoint, "bench_checkpoint.py"),
+    ("bench_activations-*.json", plots.plot_activations, "bench_activations.py"),
 ]
 
 

@@ -334,3 +334,29 @@ def plot_json(plot, json_path, png_path) -> Path:
     """Read a benchmark's JSON file and draw it with `plot` (what each bench's --plot calls)."""
     with open(json_path) as f:
         return plot(json.load(f), png_path)
+
+
+# ---- bench_activations -------------------------------------------------------------------------
+
+
+def plot_activations(data: dict, path) -> Path:
+    """Step time and peak memory per contender, side by side."""
+    plt = pyplot()
+    rows = data["rows"]
+    names = [r["contender"].replace(" ", "\n", 1) for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(SIZE[0] * 1.3, SIZE[1]))
+    bars = a.bar(names, [r["step s"] for r in rows], color="tab:blue")
+    a.bar_label(bars, [f"{r['step s']:.2g}" for r in rows], fontsize=7)
+    a.set_ylabel("seconds per training step")
+    bars = b.bar(names, [r["peak MB"] for r in rows], color="tab:orange")
+    b.bar_label(bars, [f"{r['peak MB']:.0f}" for r in rows], fontsize=7)
+    b.set_ylabel("peak memory growth, MB")
+    for ax in (a, b):
+        ax.tick_params(axis="x", labelsize=7)
+        ax.grid(axis="y", alpha=0.3)
+    c, nv = data["config"], data["nvme"]
+    fig.suptitle(f"saved activations: GPT {c['layers']}x{c['dim']}, {c['batch']}x{c['seq_len']}"
+                 f" tokens, {c['device']}; NVMe I/O {nv['hidden_fraction']:.0%} hidden, "
+                 f"{nv.get('not_waited_fraction', 0):.0%} not waited for; {_machine(data)}",
+                 fontsize=8)
+    return _save(fig, path)

@@ -7,6 +7,7 @@ download) with tierlift's optimizer.
     python examples/train_gpt.py --lowp fp8-rowwise --lowp-min-features 0   # FP8 linears
     python examples/train_gpt.py --lowp mxfp4-quartet --lowp-min-features 0 # FP4 (Quartet)
     python examples/train_gpt.py --offload nvme --nvme-path /tmp   # optimizer state on NVMe
+    python examples/train_gpt.py --offload-activations nvme --nvme-path /tmp   # saved activations
     python examples/train_gpt.py --plot bf16.png --dtype bf16      # loss, tokens/s as a PNG
     python examples/train_gpt.py --plot fp8.png --plot-with bf16.json --lowp fp8-rowwise \
         --lowp-min-features 0        # both recipes' curves on one chart (needs matplotlib)
@@ -98,8 +99,19 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="with --zero 3: keep the fp32 parameter shards in (pinned) host memory, or in a "
         "mapped file under --nvme-path",
     )
+    f.add_argument(
+        "--offload-activations",
+        default="none",
+        choices=["none", "ram", "nvme"],
+        help="tierlift.activations.offload_blocks: each block's saved activations in (pinned) "
+        "RAM or on NVMe under --nvme-path, read back one block ahead in backward",
+    )
+    f.add_argument("--activations-budget", type=float, default=None,
+                   help="with --offload-activations: RAM bytes for saved activations (ram: "
+                   "unlimited by default; nvme: 0, everything goes to the disk)")
     f.add_argument("--nvme-path", default=None,
-                   help="directory for the --offload nvme / --offload-params nvme files")
+                   help="directory for the --offload nvme / --offload-params nvme / "
+                   "--offload-activations nvme files")
     f.add_argument("--cpu-budget", type=float, default=None, help="pinned/RAM budget in bytes")
     f.add_argument(
         "--lowp",
@@ -137,6 +149,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--plot-with needs --plot")
     if args.fp8_all_gather and (args.zero != 3 or not args.lowp.startswith("fp8")):
         ap.error("--fp8-all-gather needs --zero 3 and an fp8 --lowp recipe")
+    if args.offload_activations == "nvme" and args.nvme_path is None:
+        ap.error("--offload-activations nvme needs --nvme-path DIR")
     return args
 
 
@@ -194,7 +208,8 @@ def make_optimizer(kind: str, model: torch.nn.Module, args) -> torch.optim.Optim
 
 
 def build_training(args, device):
-    """Model, then each tierlift feature in a fixed order, then the optimizer."""
+    """Model, then each tierlift feature in a fixed order, then the optimizer. Returns the
+    model, the optimizer and the activation offload's handle (None without one)."""
     torch.manual_seed(args.seed)
     cfg = GPTConfig(seq_len=args.seq_len, n_layer=args.layers, n_head=args.heads, dim=args.dim)
     model = GPT(cfg).to(device)
@@ -218,8 +233,17 @@ def build_training(args, device):
         )
     elif dist.is_initialized():
         model = torch.nn.parallel.DistributedDataParallel(model)
+    activations = None
+    if args.offload_activations != "none":
+        # Blocks' saved tensors of 64 KiB and more leave the GPU (or the CPU heap).
+        budget = args.activations_budget
+        budget = int(budget) if budget is not None else (
+            1 << 62 if args.offload_activations == "ram" else 0)
+        activations = tierlift.activations.offload_blocks(
+            model, args.offload_activations, cpu_budget=budget, nvme_path=args.nvme_path,
+            min_bytes=1 << 16)
     optimizer = make_optimizer(args.optim, model, args)
-    return model, optimizer
+    return model, optimizer, activations
 
 
 def init_distributed(args) -> tuple[int, int, torch.device]:
@@ -302,7 +326,7 @@ def main(argv=None) -> None:
     data = load_corpus(args.data_mb)
     split = int(0.95 * len(data))
     train, val = data[:split], data[split:]
-    model, optimizer = build_training(args, device)
+    model, optimizer, activations = build_training(args, device)
     n_params = sum(p.numel() for p in model.parameters())
     log = print if rank == 0 else (lambda *a, **k: None)
     log(f"tierlift {tierlift.__version__} | {tierlift.build_info()}")
@@ -362,11 +386,18 @@ def main(argv=None) -> None:
         log(f"last optimizer step breakdown: {stats}")
     if args.zero:
         log(f"zero stats (this rank, bytes): {model._tierlift_zero.stats}")
+    if activations is not None:
+        s = activations.last_stats
+        log(f"activations offloaded per step: {s['ram_bytes'] / 1e6:.1f} MB to RAM, "
+            f"{s['nvme_bytes'] / 1e6:.1f} MB to NVMe (read ahead {s['reads_ahead']}, on demand "
+            f"{s['reads_on_demand']}, waited {s['read_wait_s'] * 1e3:.1f} ms)")
     if args.compare_steps > 0 and world == 1:
         log(compare_optimizer_step(model, args, device))
     # Remove offloaded state files now: the gloo exit below skips finalizers.
     if hasattr(optimizer, "close"):
         optimizer.close()
+    if activations is not None:
+        activations.close()
     if args.zero:
         tierlift.zero.close(model)
     if dist.is_initialized():

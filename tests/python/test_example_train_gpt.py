@@ -95,3 +95,34 @@ def test_train_gpt_zero_infinity_under_torchrun(tmp_path):
             assert re.search(r"'h2d_bytes': [1-9]", out), out
         # The example closes the optimizer before its os._exit: no state folder is left.
         assert not list(tmp_path.glob("tierlift-offload-*")), list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("tier", ["ram", "nvme"])
+def test_train_gpt_with_offloaded_activations(tmp_path, tier):
+    # With the optimizer comparison, which deep-copies the model (its blocks are wrapped).
+    out = run_example("--offload-activations", tier, "--nvme-path", str(tmp_path))
+    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", out).groups())
+    assert last < first - 0.5, out
+    ram, nvme = map(float, re.search(r"activations offloaded per step: ([\d.]+) MB to RAM, "
+                                     r"([\d.]+) MB to NVMe", out).groups())
+    assert (ram if tier == "ram" else nvme) > 0 and (nvme if tier == "ram" else ram) == 0, out
+    assert list(tmp_path.iterdir()) == []  # the NVMe file never had a name
+    assert re.search(r"optimizer step on .* tierlift .* ms", out), out
+
+
+def test_train_gpt_offloaded_activations_under_torchrun_with_zero3(tmp_path):
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc_per_node=2"]
+    out = run_example("--zero", "3", "--device", "cpu", "--steps", "12", "--offload-activations",
+                      "nvme", "--nvme-path", str(tmp_path), launcher=torchrun)
+    assert "ranks: 2 | zero: 3" in out, out
+    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", out).groups())
+    assert last < first, out
+    assert float(re.search(r"([\d.]+) MB to NVMe", out).group(1)) > 0, out
+
+
+def test_train_gpt_offload_activations_nvme_needs_a_path():
+    cmd = [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--offload-activations",
+           "nvme"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "needs --nvme-path" in out.stderr, out.stderr

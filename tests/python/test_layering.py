@@ -26,7 +26,8 @@ LAYERS = [
     [""],  # tierlift/__init__.py: re-exports the subpackages
     ["checkpoint", "plan"],  # save/load models and optimizers; the placement planner
     ["optim", "zero"],  # the front ends: optimizers, ZeRO sharding
-    ["offload", "gnn", "lowp"],  # optimizer state tiers; GNN features; FP8/FP4 layers
+    ["offload", "activations", "gnn", "lowp"],  # optimizer state / saved activation tiers;
+    # GNN features; FP8/FP4 layers
     ["_shards", "io", "ops"],  # ZeRO shard registry (for offload); NVMe I/O; op wrappers
     ["reference"],  # pure-torch kernels
     ["_extension", "_plotting"],  # loads tierlift._C; imports matplotlib when a plot is drawn

@@ -65,10 +65,26 @@ def test_cli_measures_and_prints(tmp_path, capsys):
     assert "offload='none'" in capsys.readouterr().out
 
 
+def test_cli_plans_activation_tiers_per_block(tmp_path, capsys):
+    base = ["plan", "--params", "1e8", "--gpu-mem", "80G", "--cpu-mem", "64G", "--probe-mib",
+            "4", "--act-blocks", "6", "--act-block-bytes", "1G", "--act-cpu-budget", "2G"]
+    assert main([*base, "--nvme", str(tmp_path), "--json"]) == 0
+    tiers = json.loads(capsys.readouterr().out)["activations"]
+    assert tiers == ["nvme"] * 3 + ["ram"] * 2 + ["keep"]  # no speeds given: NVMe over recompute
+    # A block forward of 1 us cannot hide 2 GB of I/O on any disk: recompute instead.
+    assert main([*base, "--nvme", str(tmp_path), "--act-block-forward-ms", "0.001"]) == 0
+    out = capsys.readouterr().out
+    assert "activations per block, first to last (tierlift.activations.Policy): recompute x3, " \
+           "ram x2, keep x1" in out
+    assert main([*base]) == 0  # without --nvme: RAM, then recompute
+    assert "recompute x3, ram x2, keep x1" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--params", "many"], "--params must be a number"),
     (["--params", "8e9", "--nvme", "/does/not/exist"], "--nvme '/does/not/exist' is not"),
     (["--params", "8e9", "--cpu-mem", "lots"], "--cpu-mem must be a size"),
+    (["--params", "8e9", "--act-blocks", "4"], "--act-blocks and --act-block-bytes go together"),
 ])
 def test_cli_bad_arguments(argv, message, capsys):
     base = {"--gpu-mem": "80G", "--cpu-mem": "64G"}

@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 
+from tierlift.activations import Policy
 from tierlift.plan.measure import measure
 from tierlift.plan.planner import PlanInput, make_plan, parse_bytes, render
 
@@ -20,9 +21,36 @@ def add_parser(sub) -> None:
     p.add_argument("--nvme", default=None, help="directory on the NVMe drive")
     p.add_argument("--cpu-budget", default=None, help="host memory the optimizer may hold")
     p.add_argument("--probe-mib", type=int, default=256, help="size of the bandwidth probes")
+    a = p.add_argument_group("saved activations (tierlift.activations.Policy per block)")
+    a.add_argument("--act-blocks", type=int, default=None, help="number of blocks")
+    a.add_argument("--act-block-bytes", default=None, help="bytes one block saves, e.g. 2G")
+    a.add_argument("--act-block-forward-ms", type=float, default=None,
+                   help="one block's forward time (NVMe or recompute: whichever costs less)")
+    a.add_argument("--act-cpu-budget", default="0", help="host memory for activations")
+    a.add_argument("--act-gpu-budget", default="0", help="GPU memory for kept activations")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--plot", metavar="PATH",
                    help="also draw bytes per tier against capacity as a PNG (needs matplotlib)")
+
+
+def activation_policy(args: argparse.Namespace, bw) -> Policy:
+    """Each block's activation tier from the sizes given and the disk bandwidth measured."""
+    if args.act_blocks < 1:
+        raise ValueError(f"--act-blocks must be >= 1, got {args.act_blocks}")
+    disk = None
+    if bw.disk_read_bps and bw.disk_write_bps:
+        disk = 1 / (1 / bw.disk_read_bps + 1 / bw.disk_write_bps) * 2  # out and back
+    fwd = args.act_block_forward_ms
+    return Policy.plan(n_blocks=args.act_blocks,
+                       block_bytes=parse_bytes(args.act_block_bytes, "--act-block-bytes"),
+                       cpu_budget=_size_or_zero(args.act_cpu_budget, "--act-cpu-budget"),
+                       gpu_budget=_size_or_zero(args.act_gpu_budget, "--act-gpu-budget"),
+                       nvme=args.nvme is not None, nvme_bytes_per_s=disk,
+                       block_compute_s=None if fwd is None else fwd / 1e3)
+
+
+def _size_or_zero(text: str, what: str) -> int:
+    return 0 if text.strip() == "0" else parse_bytes(text, what)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -39,14 +67,23 @@ def run(args: argparse.Namespace) -> int:
                     cpu_budget=None if args.cpu_budget is None
                     else parse_bytes(args.cpu_budget, "--cpu-budget"),
                     nvme_free=None if args.nvme is None else shutil.disk_usage(args.nvme).free)
+    if (args.act_blocks is None) != (args.act_block_bytes is None):
+        raise ValueError("--act-blocks and --act-block-bytes go together")
     bw = measure(args.nvme, args.probe_mib << 20)
     plan = make_plan(inp, bw)
+    policy = None if args.act_blocks is None else activation_policy(args, bw)
     if args.json:
         print(json.dumps({"offload": plan.offload, "tiers": plan.tiers, "legs_s": plan.legs_s,
                           "serial_s": plan.serial_s, "pipelined_s": plan.pipelined_s,
-                          "bandwidths": dataclasses.asdict(bw), "note": plan.note}, indent=2))
+                          "bandwidths": dataclasses.asdict(bw), "note": plan.note,
+                          "activations": None if policy is None else list(policy.tiers)},
+                         indent=2))
     else:
         print(render(plan, bw))
+        if policy is not None:
+            counts = {t: policy.tiers.count(t) for t in dict.fromkeys(policy.tiers)}
+            print("activations per block, first to last (tierlift.activations.Policy): "
+                  + ", ".join(f"{t} x{n}" for t, n in counts.items()))
     if args.plot:
         from tierlift.plan.plot import capacities, plot_plan
 

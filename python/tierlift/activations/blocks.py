@@ -1,0 +1,144 @@
+"""offload_blocks: activation offload applied per block of a model, with a Policy per block and
+backward reading one block ahead.
+
+Each block's forward is wrapped (the module's own forward is kept, and put back by remove()):
+under torch.no_grad it runs unchanged; otherwise its saved tensors go where the policy says,
+tagged with the block, and a gradient hook on its output tells the forward's session when
+backward reaches the block, which then reads that block and the one before it ahead
+(double-buffered: one block computes while the next one's activations arrive). Block 0 starts
+a new forward's session, the last block ends it (its writes are waited for there, so an I/O
+error surfaces in forward).
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Sequence
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+from tierlift.activations.context import offload
+from tierlift.activations.policy import Policy
+
+
+def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The children of the model's longest nn.ModuleList (the transformer blocks)."""
+    best = None
+    for name, m in model.named_modules():
+        if isinstance(m, nn.ModuleList) and len(m) and (best is None or len(m) > len(best[1])):
+            best = (name, m)
+    if best is None:
+        raise ValueError(f"{type(model).__name__} has no nn.ModuleList of blocks; pass "
+                         "blocks=[...] (the modules whose activations are offloaded, in order)")
+    prefix = best[0] + "." if best[0] else ""
+    return [(f"{prefix}{i}", m) for i, m in enumerate(best[1])]
+
+
+def _first_grad_tensor(out):
+    if isinstance(out, torch.Tensor):
+        return out if out.requires_grad else None
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, list | tuple):
+        for x in out:
+            found = _first_grad_tensor(x)
+            if found is not None:
+                return found
+    return None
+
+
+class BlockOffload:
+    """Returned by offload_blocks: last_stats, remove() (puts the blocks' forwards back),
+    trim() (frees idle RAM-tier buffers), close() (remove, then close the io engine)."""
+
+    def __init__(self, blocks: list[tuple[str, nn.Module]], policy: Policy, tiers: offload):
+        self.blocks = blocks
+        self.policy = policy
+        self._offload = tiers
+        self._session = None
+        self._originals = []
+        for i, (name, block) in enumerate(blocks):
+            if "forward" in block.__dict__:
+                raise ValueError(f"block {name!r} already has a wrapped forward (is "
+                                 "offload_blocks applied twice?)")
+            self._originals.append(block)
+            # Bound to the block: a deepcopy of the model binds the copy to its own block.
+            block.forward = types.MethodType(self._wrap(i, name), block)
+
+    @property
+    def last_stats(self) -> dict:
+        return self._offload.last_stats
+
+    def _wrap(self, i: int, name: str):
+        tier = self.policy[i]
+        last = len(self.blocks) - 1
+
+        def run(block, *args, **kwargs):
+            forward = type(block).forward.__get__(block)
+            if not torch.is_grad_enabled():
+                return forward(*args, **kwargs)
+            session = self._session
+            if i == 0 or session is None or session.finished or session.failed is not None:
+                session = self._session = self._offload.session()
+            hook_tier = "keep" if tier == "recompute" else tier
+            hooks = torch.autograd.graph.saved_tensors_hooks(
+                lambda t: session.pack(t, name, hook_tier), session.unpack)
+            try:
+                with hooks:
+                    if tier == "recompute":
+                        out = torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False,
+                                                                **kwargs)
+                    else:
+                        out = forward(*args, **kwargs)
+                if i == last:
+                    self._session = None
+                    session.finish()
+            except BaseException as e:
+                self._session = None
+                session.abandon(e)
+                raise
+            anchor = _first_grad_tensor(out)
+            top = session.group_top.get(name)
+            if anchor is not None and top is not None:
+                # Backward reached this block: read it (if not yet) and the one before ahead.
+                anchor.register_hook(lambda grad: session.prefetch(top))
+            return out
+
+        return run
+
+    def remove(self) -> None:
+        for block in self._originals:
+            block.__dict__.pop("forward", None)
+        self._originals = []
+
+    def trim(self) -> None:
+        self._offload.trim()
+
+    def close(self) -> None:
+        self.remove()
+        self._offload.close()
+
+
+def offload_blocks(model: nn.Module, policy: str | Sequence[str] | Policy = "auto", *,
+                   cpu_budget: int, nvme_path=None, blocks: Sequence[nn.Module] | None = None,
+                   io_bytes: int = 64 << 20, gpu_budget: int = 0,
+                   min_bytes: int = 1 << 20) -> BlockOffload:
+    """Offloads each block's saved activations as `policy` says (one of keep, ram, nvme,
+    recompute, auto for all blocks, or one per block). `blocks`: the modules, in forward order
+    (default: the model's longest nn.ModuleList). The other arguments: see OffloadConfig."""
+    if blocks is None:
+        named = find_blocks(model)
+    else:
+        names = {id(m): n for n, m in model.named_modules()}
+        missing = [i for i, b in enumerate(blocks) if id(b) not in names]
+        if missing:
+            raise ValueError(f"blocks {missing} are not submodules of the model")
+        named = [(names[id(b)], b) for b in blocks]
+    pol = Policy.of(policy, len(named))
+    tiers = offload(cpu_budget, nvme_path, io_bytes=io_bytes, gpu_budget=gpu_budget,
+                    min_bytes=min_bytes, params=model)
+    if "nvme" in pol.tiers and tiers.config.nvme_path is None:
+        raise ValueError("the policy sends blocks to NVMe but no nvme_path was given")
+    return BlockOffload(named, pol, tiers)

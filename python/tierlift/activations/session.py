@@ -1,0 +1,484 @@
+"""One forward's saved tensors: where each went (left in place, RAM, NVMe), the NVMe file, the
+write-behind and read-ahead windows, and what a failure does.
+
+pack() runs as autograd saves a tensor during forward, unpack() as backward needs it. NVMe
+writes are asynchronous (the io engine on the CPU; a D2H copy on a side stream, then the engine,
+on a GPU) and finish by the end of the forward at the latest, so an I/O error surfaces there;
+backward reads ahead in reverse forward order within the read-ahead window. A forward that
+fails is abandoned: its file is closed (it never had a name on disk) and any later unpack
+raises ActivationsDiscardedError, so no backward runs on half-saved activations.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import tempfile
+import time
+import weakref
+from collections import deque
+
+import torch
+from torch import nn
+
+from tierlift.activations.config import ActivationsDiscardedError, BudgetError, OffloadConfig
+from tierlift.activations.device import Layout, copier_for, flat_bytes, restore
+
+_ALIGN = 4096
+
+
+def _round_up(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def is_parameter(t: torch.Tensor, param_ptrs: frozenset[int]) -> bool:
+    """Parameters, views of parameters and other leaves that require grad (user inputs) are
+    never copied: they are alive anyway, so a copy would only add memory."""
+    x = t if t._base is None else t._base  # a view is judged by what it views
+    if isinstance(x, nn.Parameter) or (x.is_leaf and x.requires_grad):
+        return True
+    return bool(param_ptrs) and t.untyped_storage().data_ptr() in param_ptrs
+
+
+def _wait_for_copies(releases: list) -> None:
+    for event, _, _ in releases:
+        event.synchronize()
+    releases.clear()
+
+
+class ActivationFile:
+    """An anonymous file under nvme_path (O_TMPFILE, or a name unlinked at once where the file
+    system lacks it): it disappears when closed or when the process dies, so no failure or crash
+    leaves activation files behind. The engine reaches it through /proc/self/fd."""
+
+    def __init__(self, directory: str, engine):
+        self.engine = engine
+        try:
+            try:
+                fd = os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                    raise
+                fd, name = tempfile.mkstemp(prefix=".tierlift-activations-", dir=directory)
+                os.unlink(name)
+        except OSError as e:
+            raise OSError(e.errno, f"cannot create an activation file under nvme_path "
+                          f"{directory!r}: {e.strerror}") from None
+        self.fd = fd
+        self.path = f"/proc/self/fd/{fd}"
+        self.size = 0
+        self.handles: list = []  # I/O that must finish before the descriptor closes
+
+    def reserve(self, nbytes: int) -> int:
+        offset = self.size
+        self.size += _round_up(nbytes)
+        return offset
+
+    def done(self, handle) -> None:
+        if handle in self.handles:  # not after close(), which waited for it
+            self.handles.remove(handle)
+
+    def close(self) -> None:
+        for h in self.handles:
+            try:
+                h.wait()
+            except Exception:  # noqa: BLE001 - closing after a failure; the error was raised
+                pass
+        self.handles.clear()
+        if self.fd >= 0:
+            if not self.engine.closed:
+                self.engine.forget(self.path)  # before the fd number can be reused
+            os.close(self.fd)
+            self.fd = -1
+
+
+class Saved:
+    """What autograd holds instead of a saved tensor."""
+
+    __slots__ = ("session", "index", "group", "tier", "layout", "host", "offset", "reading",
+                 "dev", "event", "uses", "__weakref__")
+
+    def __init__(self, session, index, group, tier, layout):
+        self.session, self.index, self.group, self.tier = session, index, group, tier
+        self.layout = layout
+        self.uses = 1  # packs that returned it: its bytes stay fetched until as many unpacks
+        self.host = self.reading = self.dev = self.event = None
+        self.offset = -1
+
+
+class _Write:
+    __slots__ = ("item", "src", "event", "handle", "version", "nbytes")
+
+    def __init__(self, item, src, event, version, nbytes):
+        self.item, self.src, self.event, self.version = item, src, event, version
+        self.nbytes = nbytes
+        self.handle = None
+
+
+class Session:
+    def __init__(self, config: OffloadConfig, engines, param_ptrs: frozenset[int] = frozenset(),
+                 host_pool=None):
+        self.config = config
+        self._engines = engines
+        self._host_pool = host_pool
+        self._param_ptrs = param_ptrs
+        self.items: list[weakref.ref] = []
+        self.group_top: dict = {}  # group -> index of its last saved tensor
+        self.group_bytes: dict = {}  # group -> bytes it offloaded or tried to
+        self._copiers: dict = {}
+        self._reading: deque[Saved] = deque()  # NVMe reads in flight, oldest first
+        self._file: ActivationFile | None = None
+        self._finalizer = None
+        self._dedupe: dict = {}
+        self._writes: deque[_Write] = deque()
+        # (event, host buffer, device) of copies in flight between a pool buffer and the GPU.
+        # A buffer goes back to the engine's pool only after its copy, also when the session
+        # dies first.
+        self._releases: list = []
+        weakref.finalize(self, _wait_for_copies, self._releases)
+        self.write_window = 0
+        self.read_window = 0
+        self._cursor = -1  # highest index that may still need a read-ahead
+        self.kept_bytes = 0
+        self.ram_bytes = 0
+        self.ram_missing = 0  # bytes RAM could not take (counted, left in place)
+        self.io_missing = 0  # largest tensor the NVMe window could not take
+        self.failed: BaseException | None = None
+        self.finished = False
+        self.stats = {"tensors": 0, "kept_bytes": 0, "ram_bytes": 0, "nvme_bytes": 0,
+                      "skipped_params": 0, "skipped_small": 0, "write_wait_s": 0.0,
+                      "read_wait_s": 0.0, "reads_ahead": 0, "reads_on_demand": 0}
+
+    # ---- forward ----
+    def pack(self, t: torch.Tensor, group=None, tier: str = "auto"):
+        if self.failed is not None:
+            raise ActivationsDiscardedError(f"this forward was abandoned: {self.failed}")
+        if tier == "keep" or not self._offloadable(t):
+            return t
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+               tuple(t.stride()), t.dtype, t._version)
+        seen = self._dedupe.get(key)
+        if seen is not None and seen[0]() is t:  # the same tensor saved again (alive: no reuse)
+            seen[1].uses += 1
+            return seen[1]
+        layout = Layout.of(t)
+        n = layout.nbytes
+        self.group_bytes[group] = self.group_bytes.get(group, 0) + n
+        c = self.config
+        if tier == "auto" and self.kept_bytes + n <= c.gpu_budget:
+            self.kept_bytes += n
+            self.stats["kept_bytes"] += n
+            return t
+        if tier in ("auto", "ram") and self.ram_bytes + n <= c.cpu_budget:
+            item = self._new(group, "ram", layout)
+            self._to_ram(item, t)
+        elif tier in ("auto", "nvme") and c.nvme_path is not None:
+            if n > c.io_bytes:
+                self.io_missing = max(self.io_missing, n)
+                return t  # measured, left in place; finish() raises BudgetError
+            item = self._new(group, "nvme", layout)
+            self._to_nvme(item, t)
+        else:
+            self.ram_missing += n
+            return t
+        self._dedupe[key] = (weakref.ref(t), item)
+        self._pump(block=False)
+        return item
+
+    def _offloadable(self, t: torch.Tensor) -> bool:
+        if is_parameter(t, self._param_ptrs):
+            self.stats["skipped_params"] += 1
+            return False
+        if (t.layout != torch.strided or t.device.type not in ("cpu", "cuda")
+                or type(t) is not torch.Tensor or t.is_conj() or t.is_neg()):
+            return False  # sparse, meta, subclasses (FP8 tensors, fakes): left to themselves
+        nbytes = t.numel() * t.element_size()
+        if nbytes == 0 or nbytes < self.config.min_bytes:
+            self.stats["skipped_small"] += 1
+            return False
+        return True
+
+    def _copier(self, device: torch.device):
+        c = self._copiers.get(device)
+        if c is None:
+            c = self._copiers[device] = copier_for(device)
+        return c
+
+    def _new(self, group, tier, layout) -> Saved:
+        item = Saved(self, len(self.items), group, tier, layout)
+        self.items.append(weakref.ref(item))
+        self.group_top[group] = item.index
+        self._cursor = item.index
+        self.stats["tensors"] += 1
+        return item
+
+    def _to_ram(self, item: Saved, t: torch.Tensor) -> None:
+        n = item.layout.nbytes
+        copier = self._copier(t.device)
+        if self._host_pool is not None and not copier.pin:
+            item.host = self._host_pool.get(n, item)
+        else:
+            item.host = torch.empty(n, dtype=torch.uint8, pin_memory=copier.pin)
+        item.event = copier.to_host(t, item.host)
+        self.ram_bytes += n
+        self.stats["ram_bytes"] += n
+
+    def _file_for_write(self) -> ActivationFile:
+        if self._file is None:
+            self._file = ActivationFile(self.config.nvme_path, self._engines.get())
+            self._finalizer = weakref.finalize(self, self._file.close)
+        return self._file
+
+    def _to_nvme(self, item: Saved, t: torch.Tensor) -> None:
+        n = item.layout.nbytes
+        file = self._file_for_write()
+        self._make_room(n)
+        item.offset = file.reserve(n)
+        if t.device.type == "cpu":
+            # The engine writes from the tensor itself; it is held (write-behind) until written.
+            src = flat_bytes(t)
+            w = _Write(item, src, None, t._version, n)
+            w.handle = self._start_write(src, item.offset, n)
+        else:
+            src = self._engines.get().pool_tensor(n, block=False)
+            if src is None:
+                src = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+            w = _Write(item, src[:n], self._copier(t.device).to_host(t, src), None, n)
+            self._releases.append((w.event, src, t.device))  # waited for if the session dies
+        self._writes.append(w)
+        self.write_window += n
+        self.stats["nvme_bytes"] += n
+
+    def _start_write(self, src: torch.Tensor, offset: int, n: int):
+        try:
+            handle = self._file.engine.write(src, self._file.path, offset)
+        except OSError as e:
+            raise self._io_error(e, "writing", n) from e
+        self._file.handles.append(handle)
+        return handle
+
+    def _io_error(self, e: OSError, doing: str, n: int) -> OSError:
+        why = str(e.strerror or e).replace(f"'{self._file.path}'", "the activation file")
+        return OSError(e.errno, f"activation offload to nvme_path {self.config.nvme_path!r} "
+                       f"failed {doing} {n} bytes of a saved tensor: {why}; the forward was "
+                       "abandoned (no gradients were computed from it, and its activation file "
+                       "is gone)")
+
+    def _make_room(self, n: int) -> None:
+        """Waits for the oldest writes until `n` more bytes fit in the I/O window."""
+        while self._writes and self.write_window + self.read_window + n > self.config.io_bytes:
+            self._finish_write(self._writes.popleft(), block=True)
+
+    def _finish_write(self, w: _Write, block: bool) -> bool:
+        if w.handle is None:  # a GPU tensor: its D2H copy must be done before the write starts
+            copier = self._copier(w.item.layout.device)
+            if not block and not copier.done(w.event):
+                return False
+            copier.wait(w.event)
+            w.handle = self._start_write(w.src, w.item.offset, w.nbytes)
+        if not block and not w.handle.done():
+            return False
+        t0 = time.perf_counter()
+        try:
+            w.handle.wait()
+        except OSError as e:
+            raise self._io_error(e, "writing", w.nbytes) from e
+        finally:
+            self.stats["write_wait_s"] += time.perf_counter() - t0
+            self._file.done(w.handle)
+        if w.version is not None and w.src._version != w.version:
+            raise RuntimeError("a saved tensor was modified in place while it was being written "
+                               "to NVMe; its gradient would be wrong")
+        self.write_window -= w.nbytes
+        return True
+
+    def _pump(self, block: bool) -> None:
+        """Finishes the writes that are done (all of them with block=True), in any order."""
+        for w in list(self._writes):
+            if self._finish_write(w, block):
+                self._writes.remove(w)
+        self._release(block=False)
+
+    def finish(self) -> None:
+        """End of forward: every write reached the file (or raised), and the budgets held."""
+        try:
+            self._pump(block=True)
+            self._check_budgets()
+        except BaseException as e:
+            self.abandon(e)
+            raise
+        self.finished = True
+        self._dedupe.clear()
+
+    def _check_budgets(self) -> None:
+        c = self.config
+        groups = {g: b for g, b in self.group_bytes.items() if g is not None}
+        per_block = ""
+        if groups:
+            g, b = max(groups.items(), key=lambda kv: kv[1])
+            per_block = f"; the largest block ({g}) saves {b} bytes"
+        if self.ram_missing:
+            need = self.ram_bytes + self.ram_missing
+            raise BudgetError(
+                f"cpu_budget={c.cpu_budget} bytes is too small for the activations this forward "
+                f"keeps in RAM: they take {need} bytes{per_block}. The smallest cpu_budget that "
+                f"works is {need}" + ("" if c.nvme_path else
+                                      " (or give nvme_path to spill the rest to NVMe)"),
+                argument="cpu_budget", smallest=need)
+        if self.io_missing:
+            raise BudgetError(
+                f"io_bytes={c.io_bytes} is too small to stage a saved tensor of "
+                f"{self.io_missing} bytes through host memory on its way to and from NVMe"
+                f"{per_block}. The smallest io_bytes that works is {self.io_missing} (twice "
+                "the largest block's bytes reads one block ahead in backward)",
+                argument="io_bytes", smallest=self.io_missing)
+
+    def abandon(self, exc: BaseException) -> None:
+        """After a failure: drop everything, close (and so delete) the file."""
+        if self.failed is None:
+            self.failed = exc
+        for w in self._writes:  # a pool buffer a D2H copy still fills must not be reused
+            if w.handle is None:
+                self._copier(w.item.layout.device).wait(w.event)
+        if self._finalizer is not None:
+            self._finalizer()  # waits for I/O in flight (its buffers are still held), closes
+        self._writes.clear()
+        self._reading.clear()
+        self._dedupe.clear()
+        self.write_window = self.read_window = 0
+        for ref in self.items:
+            item = ref()
+            if item is not None:
+                item.host = item.dev = item.reading = item.event = None
+
+    # ---- backward ----
+    def prefetch(self, top: int | None = None) -> None:
+        """Reads ahead (NVMe -> host, and host -> GPU on a GPU) in reverse forward order from
+        index `top` down, while the I/O window has room."""
+        if self.failed is not None or not self.finished:
+            return
+        try:
+            while self._cursor >= 0 and not self._wants(self._cursor):
+                self._cursor -= 1  # everything above the cursor is fetched or consumed
+            j = self._cursor if top is None else min(top, self._cursor)
+            room = self.config.io_bytes - self.write_window
+            while j >= 0:
+                if self._wants(j):
+                    item = self.items[j]()
+                    if self.read_window + item.layout.nbytes > room:
+                        break
+                    self._fetch(item)
+                    self.stats["reads_ahead"] += 1
+                j -= 1
+            self._advance()
+            self._release(block=False)
+        except BaseException as e:
+            self.abandon(e)
+            raise
+
+    def _advance(self) -> None:
+        """On a GPU: starts the H2D copy of every NVMe read that has arrived, so the copy too
+        runs ahead of the unpack that needs it."""
+        while self._reading:
+            item = self._reading[0]
+            if item.reading is not None and not item.reading.done():
+                break
+            self._reading.popleft()
+            self._arrive(item)
+
+    def _wants(self, j: int) -> bool:
+        item = self.items[j]()
+        return item is not None and item.uses > 0 and self._needs_fetch(item)
+
+    def _needs_fetch(self, item: Saved) -> bool:
+        if item.tier == "nvme":
+            return item.reading is None and item.host is None and item.dev is None
+        return item.layout.device.type == "cuda" and item.dev is None  # RAM tier: H2D ahead
+
+    def _fetch(self, item: Saved) -> None:
+        n = item.layout.nbytes
+        self.read_window += n
+        copier = self._copier(item.layout.device)
+        if item.tier == "ram":
+            if item.event is not None:
+                copier.h2d.wait_event(item.event)  # its D2H is done before the H2D
+            item.dev, item.event = copier.to_device(item.host, item.layout)
+            return
+        engine = self._file.engine
+        buf = engine.pool_tensor(n, block=False)  # aligned: read in place with O_DIRECT
+        if buf is None:
+            buf = torch.empty(n, dtype=torch.uint8, pin_memory=copier.pin)
+        try:
+            item.reading = engine.read(buf[:n], self._file.path, item.offset)
+        except OSError as e:
+            raise self._io_error(e, "reading back", n) from e
+        self._file.handles.append(item.reading)
+        item.host = buf
+        if item.layout.device.type == "cuda":
+            self._reading.append(item)
+
+    def _arrive(self, item: Saved) -> None:
+        """Waits for an NVMe read; on a GPU, starts its H2D copy."""
+        if item.reading is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            item.reading.wait()
+        except OSError as e:
+            raise self._io_error(e, "reading back", item.layout.nbytes) from e
+        finally:
+            self.stats["read_wait_s"] += time.perf_counter() - t0
+            self._file.done(item.reading)
+            item.reading = None
+        if item.layout.device.type == "cuda":
+            item.dev, item.event = self._copier(item.layout.device).to_device(item.host,
+                                                                               item.layout)
+            self._releases.append((item.event, item.host, item.layout.device))
+            item.host = None
+
+    def _release(self, block: bool) -> None:
+        """Host buffers go back to the pool once their H2D copies are done."""
+        keep = []
+        for event, buf, device in self._releases:
+            if block:
+                self._copier(device).wait(event)
+            elif not self._copier(device).done(event):
+                keep.append((event, buf, device))
+        self._releases[:] = keep
+
+    def unpack(self, item) -> torch.Tensor:
+        if not isinstance(item, Saved):
+            return item  # left in place at pack time
+        if self.failed is not None:
+            raise ActivationsDiscardedError(
+                "backward reached activations of a forward that failed and was abandoned "
+                f"({type(self.failed).__name__}: {self.failed}); run the forward again")
+        if not self.finished:
+            self.finish()  # backward inside the forward's context: writes must be done first
+        if self._needs_fetch(item):
+            self._fetch(item)
+            self.stats["reads_on_demand"] += 1
+        try:
+            self._arrive(item)
+        except BaseException as e:
+            self.abandon(e)
+            raise
+        n = item.layout.nbytes
+        item.uses -= 1
+        last = item.uses <= 0  # no other unpack of this forward's saves will need the bytes
+        if item.tier == "ram" and item.dev is None:  # CPU: the bytes are where they are
+            out = restore(item.host, item.layout)
+        elif item.dev is not None:
+            self._copier(item.layout.device).consume(item.dev, item.event)
+            item.event = None
+            out = restore(item.dev, item.layout)
+            if last:
+                item.dev = None  # the RAM copy stays, for a second backward
+                self.read_window -= n
+        else:
+            out = restore(item.host, item.layout)  # CPU NVMe read: the buffer goes to autograd
+            if last:
+                item.host = None
+                self.read_window -= n
+        self.prefetch()
+        return out
