@@ -21,7 +21,7 @@ OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 STAGES=${GPU_CHECK_STAGES:-build tests bench}
-BENCHES=${GPU_CHECK_BENCHES:-lowp gather optim io zero offload}
+BENCHES=${GPU_CHECK_BENCHES:-lowp gather optim io zero offload activations checkpoint}
 
 # Each benchmark's GPU mode (bench_zero_offload is CPU-only: it is not run here).
 gpu_args() {
@@ -29,6 +29,8 @@ gpu_args() {
     lowp) echo "--device cuda" ;;
     zero) echo "--cuda --nproc $(nvidia-smi -L | wc -l)" ;;
     offload) mkdir -p "$OUT/nvme"; echo "--gpu --dir $OUT/nvme --timeout 270" ;;
+    activations) mkdir -p "$OUT/nvme"; echo "--device cuda --layers 16 --dim 2048 --seq-len 4096 --batch 1 --dir $OUT/nvme" ;;
+    checkpoint) mkdir -p "$OUT/nvme"; echo "--params 1e9 --ranks 1 --dir $OUT/nvme" ;;
     *) echo "" ;;  # gather, optim, io: they use the GPU when there is one
   esac
 }
