@@ -30,7 +30,7 @@ gpu_args() {
     zero) echo "--cuda --nproc $(nvidia-smi -L | wc -l)" ;;
     offload) mkdir -p "$OUT/nvme"; echo "--gpu --dir $OUT/nvme --timeout 270" ;;
     activations) mkdir -p "$OUT/nvme"; echo "--device cuda --layers 16 --dim 2048 --seq-len 4096 --batch 1 --dir $OUT/nvme" ;;
-    checkpoint) mkdir -p "$OUT/nvme"; echo "--params 1e9 --ranks 1 --dir $OUT/nvme" ;;
+    checkpoint) mkdir -p "$OUT/nvme"; echo "--params 2e8 --ranks 1 --dir $OUT/nvme" ;;
     *) echo "" ;;  # gather, optim, io: they use the GPU when there is one
   esac
 }
