@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 import tierlift
 from tierlift.__main__ import main
-from tierlift.plan import Bandwidths, PlanInput, make_plan, parse_bytes
+from tierlift.plan import Bandwidths, PlanInput, make_plan, max_params, parse_bytes
 
 pytestmark = pytest.mark.skipif(not tierlift._extension.available(),
                                 reason="compiled extension not loaded")
@@ -49,6 +50,39 @@ def test_placement_by_size():
         make_plan(PlanInput(params=8e9, gpu_mem=80 * G, cpu_mem=32 * G), BW)
     with pytest.raises(ValueError, match="zero stage 3"):
         make_plan(PlanInput(params=70e9, gpu_mem=80 * G, cpu_mem=32 * G), BW)
+
+
+def test_refusals_say_which_tier_is_short_and_by_how_much():
+    with pytest.raises(ValueError, match=r"short by 12\.0 GiB\); host memory would be short"):
+        make_plan(PlanInput(params=8e9, gpu_mem=80 * G, cpu_mem=32 * G, nvme="/x",
+                            nvme_free=192e9 - 12 * G), BW)
+    with pytest.raises(ValueError, match=r"GPU memory \(short by "):
+        make_plan(PlanInput(params=70e9, gpu_mem=80 * G, cpu_mem=32 * G), BW)
+
+
+def test_max_params_is_the_largest_model_that_fits():
+    # The box users get: 80 GB GPU, 128 GB RAM, a 64 GB drive. Today's layouts: fp32 state
+    # in host memory (12 B/param within 80% of RAM) beats two NVMe generations (24 B/param).
+    box = PlanInput(params=1, gpu_mem=80 * G, cpu_mem=128 * G, nvme="/x", nvme_free=64 * G)
+    n, plan = max_params(box, BW)
+    assert plan.offload == "cpu"
+    assert n == pytest.approx(0.8 * 128 * G / 12, rel=1e-3)
+    make_plan(dataclasses.replace(box, params=n), BW)
+    with pytest.raises(ValueError, match="short by"):
+        make_plan(dataclasses.replace(box, params=int(n * 1.01)), BW)
+    # With little RAM and a smaller GPU the drive sets the limit.
+    n, plan = max_params(dataclasses.replace(box, gpu_mem=16 * G, cpu_mem=8 * G), BW)
+    assert plan.offload == "nvme" and n == pytest.approx(64 * G / 24, rel=1e-3)
+
+
+def test_cli_max_params(tmp_path, capsys):
+    assert main(["plan", "--max-params", "--gpu-mem", "2G", "--cpu-mem", "1G",
+                 "--nvme", str(tmp_path), "--probe-mib", "4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["max_params"] == out["params"] > 0
+    assert main(["plan", "--max-params", "--gpu-mem", "2G", "--cpu-mem", "1G",
+                 "--probe-mib", "4"]) == 0
+    assert "largest model that fits" in capsys.readouterr().out
 
 
 def test_cli_measures_and_prints(tmp_path, capsys):

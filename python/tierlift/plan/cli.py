@@ -10,12 +10,15 @@ import shutil
 
 from tierlift.activations import Policy
 from tierlift.plan.measure import measure
-from tierlift.plan.planner import PlanInput, make_plan, parse_bytes, render
+from tierlift.plan.planner import PlanInput, make_plan, max_params, parse_bytes, render
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="where training state will live and the expected step time")
-    p.add_argument("--params", required=True, help="parameter count, e.g. 8e9")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--params", help="parameter count, e.g. 8e9")
+    what.add_argument("--max-params", action="store_true",
+                      help="the largest model that fits the budgets given, and its plan")
     p.add_argument("--gpu-mem", required=True, help="GPU memory, e.g. 80G")
     p.add_argument("--cpu-mem", required=True, help="host memory, e.g. 128G")
     p.add_argument("--nvme", default=None, help="directory on the NVMe drive")
@@ -55,7 +58,7 @@ def _size_or_zero(text: str, what: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        params = float(args.params)
+        params = 1.0 if args.max_params else float(args.params)
     except ValueError:
         raise ValueError(f"--params must be a number like 8e9, got {args.params!r}") from None
     if args.nvme is not None and not os.path.isdir(args.nvme):
@@ -70,15 +73,24 @@ def run(args: argparse.Namespace) -> int:
     if (args.act_blocks is None) != (args.act_block_bytes is None):
         raise ValueError("--act-blocks and --act-block-bytes go together")
     bw = measure(args.nvme, args.probe_mib << 20)
-    plan = make_plan(inp, bw)
+    largest = None
+    if args.max_params:
+        largest, plan = max_params(inp, bw)
+        inp = dataclasses.replace(inp, params=largest)
+    else:
+        plan = make_plan(inp, bw)
     policy = None if args.act_blocks is None else activation_policy(args, bw)
     if args.json:
-        print(json.dumps({"offload": plan.offload, "tiers": plan.tiers, "legs_s": plan.legs_s,
+        print(json.dumps({"params": int(inp.params), "max_params": largest,
+                          "offload": plan.offload, "tiers": plan.tiers, "legs_s": plan.legs_s,
                           "serial_s": plan.serial_s, "pipelined_s": plan.pipelined_s,
                           "bandwidths": dataclasses.asdict(bw), "note": plan.note,
                           "activations": None if policy is None else list(policy.tiers)},
                          indent=2))
     else:
+        if largest is not None:
+            print(f"largest model that fits: {largest / 1e9:.2f}B parameters "
+                  f"({largest} with the plan below)\n")
         print(render(plan, bw))
         if policy is not None:
             counts = {t: policy.tiers.count(t) for t in dict.fromkeys(policy.tiers)}

@@ -8,6 +8,7 @@ The expected optimizer time per step is the sum of its legs (no overlap) and the
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 
@@ -69,7 +70,8 @@ def make_plan(inp: PlanInput, bw: Bandwidths) -> Plan:
     if sum(model.values()) > gpu_room:
         raise ValueError(
             f"the bf16 parameters and gradients ({_fmt(sum(model.values()))}) do not fit in "
-            f"{_fmt(gpu_room)} of GPU memory; use more GPUs with tierlift.zero stage 3")
+            f"{_fmt(gpu_room)} of GPU memory (short by {_fmt(sum(model.values()) - gpu_room)}); "
+            "use more GPUs with tierlift.zero stage 3")
     if sum(model.values()) + sum(state.values()) <= gpu_room:
         return Plan(offload="none", tiers={"gpu": {**model, **state}},
                     legs_s={"gpu adam": 16 * n / (3e12)}, note="everything fits on the GPU")
@@ -83,18 +85,41 @@ def make_plan(inp: PlanInput, bw: Bandwidths) -> Plan:
     if inp.nvme is None or bw.disk_read_bps is None:
         raise ValueError(
             f"the optimizer state ({_fmt(sum(state.values()))}) does not fit in "
-            f"{_fmt(cpu_room)} of host memory; give --nvme PATH for the NVMe tier")
+            f"{_fmt(cpu_room)} of host memory (short by {_fmt(sum(state.values()) - cpu_room)}); "
+            "give --nvme PATH for the NVMe tier")
     on_disk = {f"{k} (2 gens)": 2 * v for k, v in state.items()}
     if inp.nvme_free is not None and sum(on_disk.values()) > inp.nvme_free:
         raise ValueError(
             f"the optimizer state needs {_fmt(sum(on_disk.values()))} under {inp.nvme} (two "
             f"generations of fp32 master, exp_avg and exp_avg_sq) and the drive has "
-            f"{_fmt(inp.nvme_free)} free")
+            f"{_fmt(inp.nvme_free)} free (short by "
+            f"{_fmt(sum(on_disk.values()) - inp.nvme_free)}); host memory would be short by "
+            f"{_fmt(sum(state.values()) - cpu_room)}")
     legs["nvme read"] = sum(state.values()) / bw.disk_read_bps
     legs["nvme write"] = sum(state.values()) / bw.disk_write_bps
     return Plan(offload="nvme", tiers={"gpu": model, "cpu": {"staging pool": cpu_room},
                                        "nvme": on_disk},
                 legs_s=legs, note=f"optimizer state on NVMe under {inp.nvme}")
+
+
+def max_params(inp: PlanInput, bw: Bandwidths) -> tuple[int, Plan]:
+    """The largest parameter count (and its plan) that fits these budgets, by bisection:
+    whatever fits a tier, a smaller model fits too."""
+    def fits(n: int) -> Plan | None:
+        try:
+            return make_plan(dataclasses.replace(inp, params=n), bw)
+        except ValueError:
+            return None
+
+    if fits(1) is None:
+        raise ValueError("not even a one-parameter model fits these budgets")
+    lo, hi = 1, 2
+    while fits(hi) is not None:
+        lo, hi = hi, hi * 2
+    while hi - lo > max(1, lo // 1000):  # 0.1% is as exact as the byte counts are
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) is not None else (lo, mid)
+    return lo, fits(lo)
 
 
 def _fmt(nbytes: float) -> str:
