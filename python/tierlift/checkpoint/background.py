@@ -23,9 +23,11 @@ import time
 import torch
 
 from tierlift.checkpoint import format as fmt
+from tierlift.checkpoint import stream
 from tierlift.checkpoint.agree import comm_device
 from tierlift.checkpoint.staging import MIN_PIECE, Packer, Staging, free_cached, piece_bytes
 from tierlift.checkpoint.writer import TensorFile, Writer, close_engine
+from tierlift.offload.tiers import _owner_alive, _start_time
 
 BLOCKING_BUDGET = 256 << 20  # a blocking save's staging, when no budget is given
 OWNER = ".owner.json"
@@ -114,8 +116,6 @@ def side_group(group) -> object:
 def claim(tmp: str) -> None:
     """Makes the empty directory `tmp` for a new save, refusing one another live process is
     writing (a killed one's is removed)."""
-    from tierlift.offload.tiers import _owner_alive, _start_time
-
     owner_file = os.path.join(tmp, OWNER)
     if os.path.isdir(tmp):
         try:
@@ -188,10 +188,8 @@ class Job:
     def __init__(self, path: str, *, blocking: bool, staging_budget: int | None, off=None):
         """`off`: the optimizer's Offloader, if any: a blocking save stays within its
         cpu_budget, and the staging must hold one chunk of its held generation."""
-        from tierlift.checkpoint.stream import held_chunk_bytes
-
         self.path, self.tmp, self.blocking = path, path + ".tmp", blocking
-        need = held_chunk_bytes(off) if off is not None else 0
+        need = stream.held_chunk_bytes(off) if off is not None else 0
         cap = getattr(getattr(off, "config", None), "cpu_budget", None) or BLOCKING_BUDGET
         smallest = max(MIN_PIECE, need)
         budget = staging_budget if staging_budget is not None else (
@@ -237,8 +235,6 @@ class Job:
 
     def offloaded(self, off, directory: str, names: dict) -> None:
         """An offloading optimizer's committed state, streamed to `directory` (stream.py)."""
-        from tierlift.checkpoint import stream
-
         self.finishers.append(stream.stage_offloaded(off, os.path.join(self.tmp, directory),
                                                      names, self.packer, self.helds,
                                                      self.files))

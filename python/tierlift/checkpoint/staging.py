@@ -110,7 +110,6 @@ class Packer:
         self.staging, self.put, self.size = staging, put, size
         self.piece: Piece | None = None
         self.cuda = False
-        self.copied = 0
 
     def add(self, out, tensor: torch.Tensor, offset: int, record: int | None = None) -> None:
         """Queues `tensor`'s bytes (any device, any layout) for `offset` of file `out` (of its
@@ -141,7 +140,6 @@ class Packer:
                 p.runs.append(Run(out, p.fill, p.fill + take, offset + pos, record))
             p.fill += take
             pos += take
-        self.copied += n
 
     def flush(self) -> None:
         if self.piece is not None and self.piece.runs:

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from tierlift.checkpoint import format as fmt
+from tierlift.checkpoint.writer import Held, RawFile
 
 STATE_JSON = "state.json"
 FORMAT = "tierlift-offload-state"
@@ -136,8 +137,6 @@ def stage_offloaded(off, directory: str, names: dict, packer, helds: list, files
     writer.Held for each group is appended to `helds` (the writer reads them after the pieces).
     The kind files are appended to `files`. Returns finish(digests), which writes state.json
     once the writer knows every file's SHA-256. `names` ({param: name}) are recorded."""
-    from tierlift.checkpoint.writer import Held, RawFile
-
     os.makedirs(directory, exist_ok=True)
     groups, outs_all = [], {}
     for gi, group in enumerate(off.opt.param_groups):
