@@ -8,6 +8,7 @@ against DeepSpeed ZeRO-3 with CPU optimizer offload.
     python benchmarks/bench_offload.py --gpu --dir /nvme0           # GPU machine: plan + both runs
     python benchmarks/bench_offload.py --gpu --plan-only            # the sizing, anywhere
     python benchmarks/bench_offload.py --finetune-check             # the --gpu code, CPU, tiny
+    python benchmarks/bench_offload.py --layouts                    # RAM vs hybrid vs NVMe
 
 Step mode: fp32 CPU parameters. The NVMe case gets cpu_budget = a third of its state (fp32
 master, m, v = 12 B/param), so every step streams the whole state through the pool. It runs
@@ -357,6 +358,79 @@ def bench_step(args) -> int:
     return 0
 
 
+# ---- layouts mode (--layouts) ---------------------------------------------------------------
+def layout_cases(n: int, directory: str) -> dict:
+    """The same model's state all in host memory, split half and half between host memory and
+    NVMe (two generations and one), and all on NVMe (two and one), each as AdamW kwargs. The
+    NVMe-only cases get a third of the state as their pool, as in step mode; the hybrids a
+    quarter of it (the pool takes at most a quarter of a hybrid budget) plus half the state."""
+    state = 12 * n
+    nvme = dict(offload="nvme", nvme_path=directory, cpu_budget=state // 3)
+    hybrid = dict(offload="hybrid", nvme_path=directory, cpu_budget=state // 2 + state // 12)
+    return {"all RAM": dict(offload="cpu"),
+            "hybrid, 2 gens": hybrid, "hybrid, 1 gen": dict(hybrid, nvme_generations=1),
+            "all NVMe, 2 gens": nvme, "all NVMe, 1 gen": dict(nvme, nvme_generations=1)}
+
+
+def bench_layouts(args) -> int:
+    """Step time per layout at one model size, against the I/O roofline of its NVMe part (the
+    bytes its step read and wrote over the disk probe of the same round). Rounds interleave the
+    layouts (one step each, then a probe) so a shared disk's swings hit them all alike."""
+    n = int(args.params)
+    tmp = tempfile.TemporaryDirectory(dir=args.dir)
+    probes = [DiskProbe(tmp.name, 4 * n, bs) for bs in PROBE_BLOCKS]
+    opts, steps, roofs = {}, {}, {}
+    try:
+        for name, kw in layout_cases(n, tmp.name).items():
+            opts[name] = (AdamW(_params(n), lr=1e-3, **kw), kw)
+            opts[name][0].step()  # warm-up: first-step master init
+            steps[name], roofs[name] = [], []
+        probe_best(probes)
+        for _ in range(args.repeats):
+            for name, (opt, _) in opts.items():
+                t0 = time.perf_counter()
+                opt.step()
+                steps[name].append(time.perf_counter() - t0)
+                st = opt.last_step_stats
+                roofs[name].append((st.get("nvme_read_bytes", 0), st.get("nvme_write_bytes", 0)))
+            pr = probe_best(probes)
+            for name in opts:
+                rd, wr = roofs[name][-1]
+                roofs[name][-1] = roofline_of(rd, wr, probes[0].n, pr)[0] if rd or wr else 0.0
+        rows, out = [], {}
+        base = _median(steps["all RAM"])
+        for name, (opt, kw) in opts.items():
+            off = opt._offload
+            tier = off.tiers[0]
+            in_ram = getattr(tier, "n_ram", len(tier.gen) if kw["offload"] == "cpu" else 0)
+            disk = sum(getattr(t, "disk_bytes", 0) for t in off.tiers)
+            step, roof = _median(steps[name]), _median(roofs[name])
+            st = opt.last_step_stats
+            out[name] = {"step_s": step, "best_step_s": min(steps[name]), "roofline_s": roof,
+                         "ram_chunks": in_ram, "chunks": len(tier.gen), "disk_bytes": disk,
+                         "cpu_budget": kw.get("cpu_budget"), "stats": dict(st)}
+            rows.append({"layout": name, "step_ms": f"{step * 1e3:.1f}",
+                         "vs_all_ram": f"{step / base:.2f}x",
+                         "ram_chunks": f"{in_ram}/{len(tier.gen)}",
+                         "disk_MB": f"{disk / 1e6:.0f}",
+                         "io_MB": f"{(st.get('nvme_read_bytes', 0) + st.get('nvme_write_bytes', 0)) / 1e6:.0f}",  # noqa: E501
+                         "roofline_ms": f"{roof * 1e3:.1f}" if roof else "",
+                         "vs_roofline": f"{step / roof:.2f}x" if roof else ""})
+    finally:
+        for opt, _ in opts.values():
+            opt._offload.close()
+        for probe in probes:
+            probe.close()
+    print_table(rows, ["layout", "step_ms", "vs_all_ram", "ram_chunks", "disk_MB", "io_MB",
+                       "roofline_ms", "vs_roofline"],
+                title=f"AdamW step by layout, {n / 1e6:.0f}M fp32 params, state "
+                      f"{12 * n >> 20} MiB, median of {args.repeats} interleaved rounds, "
+                      f"dir {tmp.name}")
+    write_json("bench_offload_layouts", {"machine": machine(), "params": n, "layouts": out})
+    tmp.cleanup()
+    return 0
+
+
 # ---- fine-tuning mode (--gpu) -------------------------------------------------------------
 # Llama-shaped ladder (vocab 32000), smallest first.
 LADDER = {
@@ -620,6 +694,8 @@ def main(argv=None) -> int:
     ap.add_argument("--params", type=float, default=16e6)
     ap.add_argument("--dir", default=None, help="directory on the drive (default: a temp dir)")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--layouts", action="store_true",
+                    help="step time of all-RAM, hybrid and all-NVMe state at one size")
     ap.add_argument("--plot", metavar="PATH", help="also draw the results as a PNG here (needs "
                     "matplotlib): the step legs, or with --gpu the TFLOPS")
     add_finetune_args(ap)
@@ -629,6 +705,8 @@ def main(argv=None) -> int:
         return 0
     if args.gpu or args.finetune_check or args.plan_only:
         return finetune(args)
+    if args.layouts:
+        return bench_layouts(args)
     return bench_step(args)
 
 

@@ -3,11 +3,14 @@ memory-bandwidth bound of the same machine, measured in the same run.
 
     python benchmarks/bench_optim.py                       # 10M, 100M, 1B parameters
     python benchmarks/bench_optim.py --sizes 1e7,1e8 --repeats 3
+    python benchmarks/bench_optim.py --sizes 1e7 --cases compact   # fp32 vs compact state only
 
 Two cases, where every contender does the same work:
   fp32   fp32 params, grads and state.
   mixed  bf16 gradients in, fp32 master weights and state, updated bf16 weights out. tierlift does
          it in one fused pass; the peers need grad.float() before and weight.copy_() after.
+  compact  tierlift AdamW with state_dtype="bf16" (bf16 m, 8-bit v + a scale per 256) against
+         its own fp32 state: step time and state bytes per parameter, as ratios.
 Bound: the time of tierlift's memory pass (torch.ops.tierlift.adam_memory_pass_) over the same
 tensors: the step's loads and stores, cut into the same chunks over the same threads with the same
 SIMD path, with one add per stored stream in place of Adam's arithmetic. It is a STREAM-like
@@ -140,6 +143,37 @@ def cuda_rows(sizes, repeats: int) -> list[dict]:
     return rows
 
 
+def compact_rows(sizes, repeats: int) -> list[dict]:
+    """tierlift AdamW, fp32 state vs compact state (state_dtype="bf16"), fp32 params: step time
+    and optimizer-state bytes per parameter, measured in the same run."""
+    rows = []
+    for n in sizes:
+        result = {}
+        for state_dtype in ("fp32", "bf16"):
+            p = torch.nn.Parameter(torch.randn(n))
+            p.grad = torch.randn(n) * 1e-3
+            opt = tierlift.optim.AdamW([p], state_dtype=state_dtype, **HYPER)
+            opt.step()  # allocates the state
+            state = opt.state[p]
+            nbytes = sum(t.numel() * t.element_size() for k, t in state.items() if k != "step")
+            result[state_dtype] = (median_time(opt.step, repeats=repeats), nbytes / n)
+            del p, opt, state
+            gc.collect()
+        (t32, b32), (tc, bc) = result["fp32"], result["bf16"]
+        rows.append({
+            "case": "compact state",
+            "params": f"{n:.0e}",
+            "tierlift Mparam/s": n / tc / 1e6,
+            "state B/param": bc,
+            "fp32 state B/param": b32,
+            "state bytes ratio": bc / b32,
+            "step time ratio": tc / t32,
+        })
+        print(f"  compact n={n:.0e}: fp32 state {t32 * 1e3:.1f} ms, compact {tc * 1e3:.1f} ms",
+              flush=True)
+    return rows
+
+
 def needed_bytes(name: str, case: str, n: int) -> int:
     base = {"fp32": 16, "mixed": 16 if name in ("tierlift", "bound") else 24}[case]
     extra = 8 if name == "torch-foreach" else 0  # foreach keeps temporaries of the whole list
@@ -173,7 +207,10 @@ def main() -> None:
     if DS_ERROR:
         print(f"DeepSpeedCPUAdam: not available ({DS_ERROR})")
     rows = []
-    for case in args.cases.split(","):
+    cases = args.cases.split(",")
+    compact = compact_rows([int(float(s)) for s in args.sizes.split(",")], args.repeats) \
+        if "compact" in cases else []
+    for case in (c for c in cases if c != "compact"):
         for n in (int(float(s)) for s in args.sizes.split(",")):
             times = {}
             # Two rounds in opposite orders, best median per contender: the first contender
@@ -217,13 +254,20 @@ def main() -> None:
     columns = ["case", "params", "tierlift Mparam/s", "bound GB/s", "% of bound"] + [
         f"vs {c}" for c in contenders if c not in ("tierlift", "bound")
     ]
-    print_table(rows, columns, "AdamW step (\"vs X\" = X's time / tierlift's time; >1 = faster)")
+    if rows:
+        print_table(rows, columns,
+                    "AdamW step (\"vs X\" = X's time / tierlift's time; >1 = faster)")
+    if compact:
+        print_table(compact, list(compact[0]),
+                    "Compact state vs fp32 state (ratios: compact / fp32; state excludes the "
+                    "4 B/param fp32 weight)")
     path = write_json(
         "bench_optim",
         {
             "torch_bandwidth_GBps": {k: v / 1e9 for k, v in bws.items()},
             "deepspeed": DS_ERROR or "ok",
             "rows": rows,
+            "compact_rows": compact,
         },
     )
     if args.plot:

@@ -18,6 +18,15 @@ TORCH_LIBRARY(tierlift, m) {
       "adam_memory_pass_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
       "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] param_copies) -> ()");
 
+  // Adam/AdamW with compact state (csrc/torch/optim_compact_ops.cpp): per param, exp_avgs is
+  // bf16, exp_avg_sqs uint8 codes and exp_avg_sq_scales fp32 [ceil(numel / 256)] block maxima
+  // (format: csrc/core/optim/adam_compact.h). No amsgrad.
+  m.def(
+      "adam_compact_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
+      "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] exp_avg_sq_scales, Tensor(e!)[] param_copies, "
+      "float lr, float beta1, float beta2, float eps, float weight_decay, int step, "
+      "bool decoupled, bool maximize) -> ()");
+
   // ---- io ----
 
   // ---- gather: zero-copy feature row gather (csrc/torch/gather_ops.cpp) ----

@@ -67,6 +67,48 @@ def adam_step_(
         reference.adam_step_(*args)
 
 
+def adam_compact_step_(
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    exp_avg_sq_scales,
+    param_copies,
+    *,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    step,
+    decoupled,
+    maximize,
+) -> None:
+    """adam_step_ with compact state: per param, `exp_avgs` bf16, `exp_avg_sqs` uint8 codes and
+    `exp_avg_sq_scales` fp32 block maxima, one per 256 elements (format and error bound:
+    tierlift.reference.optim_compact). No amsgrad."""
+    args = (
+        list(params),
+        list(grads),
+        list(exp_avgs),
+        list(exp_avg_sqs),
+        list(exp_avg_sq_scales),
+        list(param_copies),
+        float(lr),
+        float(beta1),
+        float(beta2),
+        float(eps),
+        float(weight_decay),
+        int(step),
+        bool(decoupled),
+        bool(maximize),
+    )
+    if params and _has_kernel(params[0]):
+        torch.ops.tierlift.adam_compact_step_(*args)
+    else:
+        reference.adam_compact_step_(*args)
+
+
 def _finite(name: str, value) -> float:
     v = float(value.item() if isinstance(value, torch.Tensor) else value)
     if not math.isfinite(v):
@@ -109,6 +151,26 @@ if _extension.available():
         step,
         decoupled,
         amsgrad,
+        maximize,
+    ):
+        return None
+
+
+    @torch.library.register_fake("tierlift::adam_compact_step_")
+    def _adam_compact_step_fake(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        exp_avg_sq_scales,
+        param_copies,
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        step,
+        decoupled,
         maximize,
     ):
         return None

@@ -137,7 +137,7 @@ def test_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="smallest budget that works is 36864 bytes"):
         AdamW(p, **_nvme(tmp_path, 36863))
     AdamW(p, **_nvme(tmp_path, 36864))
-    with pytest.raises(ValueError, match="use offload='nvme'"):
+    with pytest.raises(ValueError, match="use offload='hybrid' or 'nvme'"):
         AdamW([torch.nn.Parameter(torch.randn(10_000))], offload="cpu", cpu_budget=1000)
 
 

@@ -10,6 +10,7 @@ import pytest
 import tierlift
 from tierlift.__main__ import main
 from tierlift.plan import Bandwidths, PlanInput, make_plan, max_params, parse_bytes
+from tierlift.plan.planner import POOL_BYTES
 
 pytestmark = pytest.mark.skipif(not tierlift._extension.available(),
                                 reason="compiled extension not loaded")
@@ -33,19 +34,31 @@ def test_placement_by_size():
     cpu = make_plan(PlanInput(params=8e9, gpu_mem=80 * G, cpu_mem=128 * G), BW)
     assert cpu.offload == "cpu" and cpu.tiers["cpu"]["exp_avg"] == 32e9
     assert cpu.legs_s["cpu adam"] == pytest.approx(8.0)
-    nvme = make_plan(PlanInput(params=8e9, gpu_mem=80 * G, cpu_mem=32 * G, nvme="/x"), BW)
-    assert nvme.offload == "nvme"
-    assert nvme.legs_s["nvme read"] == pytest.approx(96e9 / 2e9)
-    assert nvme.legs_s["nvme write"] == pytest.approx(96e9 / 1e9)
-    assert nvme.pipelined_s == pytest.approx(96.0) and nvme.serial_s > nvme.pipelined_s
-    # Two generations of every kind on the drive; a drive without that room is refused.
-    assert nvme.tiers["nvme"]["exp_avg (2 gens)"] == 64e9
-    assert sum(nvme.tiers["nvme"].values()) == 192e9
-    fits = PlanInput(params=8e9, gpu_mem=80 * G, cpu_mem=32 * G, nvme="/x", nvme_free=192e9)
-    assert make_plan(fits, BW).offload == "nvme"
-    with pytest.raises(ValueError, match=r"needs 178\.8 GiB under /x .* 178\.8 GiB free"):
+    # Host memory short: what it holds beside the pool stays there, the rest goes to NVMe.
+    hyb = make_plan(PlanInput(params=8e9, gpu_mem=80 * G, cpu_mem=32 * G, nvme="/x"), BW)
+    pool = min(POOL_BYTES, int(0.8 * 32 * G) // 4)
+    ram, disk = int(0.8 * 32 * G) - pool, 96e9 - (int(0.8 * 32 * G) - pool)
+    assert hyb.offload == "hybrid" and hyb.generations == 2
+    assert hyb.tiers["cpu"]["staging pool"] == pool
+    assert sum(v for k, v in hyb.tiers["cpu"].items() if k != "staging pool") == \
+        pytest.approx(ram)
+    assert hyb.legs_s["nvme read"] == pytest.approx(disk / 2e9)
+    assert hyb.legs_s["nvme write"] == pytest.approx(disk / 1e9)
+    assert hyb.serial_s > hyb.pipelined_s
+    # Two generations of the NVMe part when the drive has room, one when it has only that.
+    assert sum(hyb.tiers["nvme"].values()) == pytest.approx(2 * disk)
+    one = make_plan(PlanInput(params=8e9, gpu_mem=80 * G, cpu_mem=32 * G, nvme="/x",
+                              nvme_free=int(1.5 * disk)), BW)
+    assert one.generations == 1 and sum(one.tiers["nvme"].values()) == pytest.approx(disk)
+    assert "nvme_generations=1" in one.note
+    with pytest.raises(ValueError, match=r"needs 64\.7 GiB under /x beyond the 24\.7 GiB "
+                                         r"host .* 64\.7 GiB free .*short by 1\.0 B"):
         make_plan(PlanInput(params=8e9, gpu_mem=80 * G, cpu_mem=32 * G, nvme="/x",
-                            nvme_free=192e9 - 1), BW)
+                            nvme_free=int(disk) - 1), BW)
+    # With host memory for the pool only, all of the state is on NVMe.
+    nvme = make_plan(PlanInput(params=8e9, gpu_mem=80 * G, cpu_mem=32 * G, nvme="/x",
+                               cpu_budget=1 << 20), BW)
+    assert nvme.offload == "nvme" and sum(nvme.tiers["nvme"].values()) == pytest.approx(192e9)
     with pytest.raises(ValueError, match="give --nvme PATH"):
         make_plan(PlanInput(params=8e9, gpu_mem=80 * G, cpu_mem=32 * G), BW)
     with pytest.raises(ValueError, match="zero stage 3"):
@@ -55,24 +68,30 @@ def test_placement_by_size():
 def test_refusals_say_which_tier_is_short_and_by_how_much():
     with pytest.raises(ValueError, match=r"short by 12\.0 GiB\); host memory would be short"):
         make_plan(PlanInput(params=8e9, gpu_mem=80 * G, cpu_mem=32 * G, nvme="/x",
-                            nvme_free=192e9 - 12 * G), BW)
+                            cpu_budget=1 << 20, nvme_free=96e9 - 12 * G), BW)
     with pytest.raises(ValueError, match=r"GPU memory \(short by "):
         make_plan(PlanInput(params=70e9, gpu_mem=80 * G, cpu_mem=32 * G), BW)
 
 
 def test_max_params_is_the_largest_model_that_fits():
-    # The box users get: 80 GB GPU, 128 GB RAM, a 64 GB drive. Today's layouts: fp32 state
-    # in host memory (12 B/param within 80% of RAM) beats two NVMe generations (24 B/param).
+    # The box users get: 80 GB GPU, 128 GB RAM, a 64 GB drive. Host memory (80% of it, less
+    # the pool) and one generation on the drive hold the fp32 state of 13B and more.
     box = PlanInput(params=1, gpu_mem=80 * G, cpu_mem=128 * G, nvme="/x", nvme_free=64 * G)
+    plan = make_plan(dataclasses.replace(box, params=13e9), BW)
+    assert plan.offload == "hybrid" and plan.generations == 1
     n, plan = max_params(box, BW)
-    assert plan.offload == "cpu"
-    assert n == pytest.approx(0.8 * 128 * G / 12, rel=1e-3)
+    assert plan.offload == "hybrid" and plan.generations == 1
+    room = int(0.8 * 128 * G) - POOL_BYTES + 64 * G
+    assert n == pytest.approx(room / 12, rel=1e-3)
     make_plan(dataclasses.replace(box, params=n), BW)
     with pytest.raises(ValueError, match="short by"):
         make_plan(dataclasses.replace(box, params=int(n * 1.01)), BW)
-    # With little RAM and a smaller GPU the drive sets the limit.
-    n, plan = max_params(dataclasses.replace(box, gpu_mem=16 * G, cpu_mem=8 * G), BW)
-    assert plan.offload == "nvme" and n == pytest.approx(64 * G / 24, rel=1e-3)
+    # With little RAM the drive sets the limit; with a small GPU, the bf16 weights and grads.
+    n, plan = max_params(dataclasses.replace(box, cpu_mem=8 * G), BW)
+    assert plan.offload == "hybrid" and n == pytest.approx(
+        (int(0.8 * 8 * G) - POOL_BYTES + 64 * G) / 12, rel=1e-3)
+    n, plan = max_params(dataclasses.replace(box, gpu_mem=16 * G), BW)
+    assert n == pytest.approx(0.7 * 16 * G / 4, rel=1e-3)
 
 
 def test_cli_max_params(tmp_path, capsys):
@@ -86,11 +105,11 @@ def test_cli_max_params(tmp_path, capsys):
 
 
 def test_cli_measures_and_prints(tmp_path, capsys):
-    # 2.4 GB of state, 4.8 GB with both generations: within the free space it measures.
+    # 2.4 GB of state, 0.8 GB of it in host memory: within the free space it measures.
     assert main(["plan", "--params", "2e8", "--gpu-mem", "2G", "--cpu-mem", "1G",
                  "--nvme", str(tmp_path), "--probe-mib", "4", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["offload"] == "nvme"
+    assert out["offload"] == "hybrid" and out["nvme_generations"] in (1, 2)
     assert out["bandwidths"]["disk_read_bps"] > 0 and out["bandwidths"]["disk_write_bps"] > 0
     assert out["bandwidths"]["memory_bps"] > 0 and out["bandwidths"]["adam_elems_per_s"] > 0
     assert list(tmp_path.iterdir()) == []  # the probe file is gone

@@ -1,8 +1,10 @@
-// AVX-512 (F, BW, VL) path: 16 fp32 lanes. The target pragma compiles just this file for
-// those instructions; cpu_features decides at run time whether it may be called.
+// AVX-512 (F, BW, VL) path: 16 fp32 lanes, for the fp32-state and the compact-state step. The
+// target pragma compiles just this file for those instructions; cpu_features decides at run time
+// whether it may be called.
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
 #include <immintrin.h>
 
+#include "core/optim/adam_compact_impl.h"
 #include "core/optim/adam_impl.h"
 
 namespace tierlift {
@@ -45,12 +47,45 @@ struct Avx512Vec {
     return _mm512_castsi512_ps(
         _mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32(static_cast<int>(0x80000000u))));
   }
+  using I = __m512i;
+  static I load_u8(const uint8_t* p) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static void store_u8(uint8_t* p, I x) {  // lanes hold 0..255
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(x));
+  }
+  static I as_int(R x) { return _mm512_castps_si512(x); }
+  static R as_float(I x) { return _mm512_castsi512_ps(x); }
+  static I set1_i(int32_t x) { return _mm512_set1_epi32(x); }
+  static I add_i(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I and_i(I a, I b) { return _mm512_and_si512(a, b); }
+  static I min_i(I a, I b) { return _mm512_min_epi32(a, b); }
+  static I max_i(I a, I b) { return _mm512_max_epi32(a, b); }
+  template <int k>
+  static I slli(I a) {
+    return _mm512_slli_epi32(a, k);
+  }
+  template <int k>
+  static I srli(I a) {
+    return _mm512_srli_epi32(a, k);
+  }
+  static R zero_where_code_zero(I code, R x) {
+    return _mm512_maskz_mov_ps(_mm512_test_epi32_mask(code, code), x);
+  }
+  static I zero_code_where_zero(R v, I code) {
+    return _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_NEQ_UQ), code);
+  }
 };
 
 }  // namespace
 
 void adam_range_avx512(const AdamScalars& s, const AdamTensor& t, int64_t begin, int64_t end) {
   adam_detail::dispatch<Avx512Vec, adam_detail::ScalarVec>(s, t, begin, end);
+}
+
+void adam_compact_range_avx512(const AdamScalars& s, const CompactAdamTensor& t, int64_t begin,
+                               int64_t end) {
+  adam_detail::compact_dispatch<Avx512Vec, adam_detail::ScalarVec>(s, t, begin, end);
 }
 
 }  // namespace tierlift

@@ -46,29 +46,44 @@ inline void store_from_f32(void* base, int64_t i, typename V::R x) {
   if constexpr (kT == DType::kFloat16) V::store_f16(static_cast<uint16_t*>(base) + i, x);
 }
 
-template <class V, DType kGrad, DType kCopy>
-inline void update(const AdamScalars& s, const Consts<V>& c, const AdamTensor& t, int64_t i) {
-  using R = typename V::R;
-  R g = load_as_f32<V, kGrad>(t.grad, i);
+// The register arithmetic of one step up to the new moments: weight decay on p (AdamW) or g
+// (Adam), then m and v. Shared with the compact-state kernel (adam_compact_impl.h), which loads
+// and stores m and v in other formats around the same operations.
+template <class V>
+inline void decay_and_moments(const AdamScalars& s, const Consts<V>& c, typename V::R g,
+                              typename V::R& p, typename V::R& m, typename V::R& v) {
   if (s.maximize) g = V::neg(g);
-  R p = V::load(t.param + i);
   if (s.decoupled) {
     p = V::mul(p, c.decay);
   } else if (s.weight_decay != 0.0f) {
     g = V::fmadd(c.wd, p, g);  // torch's add(alpha=) is a fused multiply-add
   }
-  R m = V::load(t.exp_avg + i);
   m = V::fmadd(c.one_minus_beta1, V::sub(g, m), m);
-  R v = V::mul(V::load(t.exp_avg_sq + i), c.beta2);
-  v = V::add(v, V::mul(V::mul(c.one_minus_beta2, g), g));
+  v = V::add(V::mul(v, c.beta2), V::mul(V::mul(c.one_minus_beta2, g), g));
+}
+
+// The weight after the step, from the decayed p, the new m and the v the step divides by.
+template <class V>
+inline typename V::R apply_update(const Consts<V>& c, typename V::R p, typename V::R m,
+                                  typename V::R v) {
+  const typename V::R denom = V::add(V::div(V::sqrt(v), c.bc2_sqrt), c.eps);
+  return V::add(p, V::div(V::mul(c.neg_step_size, m), denom));
+}
+
+template <class V, DType kGrad, DType kCopy>
+inline void update(const AdamScalars& s, const Consts<V>& c, const AdamTensor& t, int64_t i) {
+  using R = typename V::R;
+  R p = V::load(t.param + i);
+  R m = V::load(t.exp_avg + i);
+  R v = V::load(t.exp_avg_sq + i);
+  decay_and_moments<V>(s, c, load_as_f32<V, kGrad>(t.grad, i), p, m, v);
   V::store(t.exp_avg + i, m);
   V::store(t.exp_avg_sq + i, v);
   if (s.amsgrad) {
     v = V::max(V::load(t.max_exp_avg_sq + i), v);
     V::store(t.max_exp_avg_sq + i, v);
   }
-  const R denom = V::add(V::div(V::sqrt(v), c.bc2_sqrt), c.eps);
-  p = V::add(p, V::div(V::mul(c.neg_step_size, m), denom));
+  p = apply_update<V>(c, p, m, v);
   V::store(t.param + i, p);
   if constexpr (kCopy != DType::kNone) store_from_f32<V, kCopy>(t.param_copy, i, p);
 }
@@ -149,6 +164,29 @@ struct ScalarVec {
   static R sqrt(R a) { return __builtin_sqrtf(a); }
   static R max(R a, R b) { return a < b ? b : a; }
   static R neg(R a) { return -a; }
+  // 32-bit integer lanes, for the compact-state v code (adam_compact_impl.h).
+  using I = int32_t;
+  static I load_u8(const uint8_t* p) { return *p; }
+  static void store_u8(uint8_t* p, I x) { *p = static_cast<uint8_t>(x); }
+  static I as_int(R x) { return static_cast<I>(f32_bits(x)); }
+  static R as_float(I x) { return bits_f32(static_cast<uint32_t>(x)); }
+  static I set1_i(int32_t x) { return x; }
+  static I add_i(I a, I b) {
+    return static_cast<I>(static_cast<uint32_t>(a) + static_cast<uint32_t>(b));
+  }
+  static I and_i(I a, I b) { return a & b; }
+  static I min_i(I a, I b) { return a < b ? a : b; }
+  static I max_i(I a, I b) { return a < b ? b : a; }
+  template <int k>
+  static I slli(I a) {
+    return static_cast<I>(static_cast<uint32_t>(a) << k);
+  }
+  template <int k>
+  static I srli(I a) {
+    return static_cast<I>(static_cast<uint32_t>(a) >> k);
+  }
+  static R zero_where_code_zero(I code, R x) { return code == 0 ? 0.0f : x; }
+  static I zero_code_where_zero(R v, I code) { return v == 0.0f ? 0 : code; }
 };
 
 }  // namespace

@@ -129,19 +129,21 @@ def load_plan(off, plan: list[GroupPlan], source: str, before_commit=None) -> No
                 layout, tier = off.layouts[gi], off.tiers[gi]
                 chunks = [c for c in layout.chunks if any(s.pi in gp.params for s in c.segments)]
                 writes: dict = {}
-                for i, chunk, bufs in stream._slotted(off, gi, chunks, writes,
-                                                      copy=off.streamed):
+                for i, chunk, bufs, in_place in stream._slotted(off, gi, chunks, writes):
                     for s in (s for s in chunk.segments if s.pi in gp.params):
                         for k in tier.kinds:
                             dst = stream._np(bufs[k][s.clo:s.chi])
-                            if not off.streamed:
+                            if in_place:
                                 journal.keep(dst)
                             _fill(files, k, gp.params[s.pi], s.plo, s.phi, dst)
-                    if off.streamed:  # the other generation, flipped by filling()
-                        writes[i] = tier.write_all(chunk.ci, bufs, 1 - tier.gen[chunk.ci])
-                        flips.append((tier, chunk.ci))
+                    if not in_place:  # a two-generation tier's other copy, flipped at the end
+                        off.rewriting(tier, chunk.ci)
+                        writes[i] = tier.write_all(chunk.ci, bufs, tier.next_gen(chunk.ci))
+                        if tier.two_gen(chunk.ci):
+                            flips.append((tier, chunk.ci))
     finally:
         files.close()
+    off.fill_done()
     for gi, (gp, group) in enumerate(zip(plan, off.opt.param_groups, strict=True)):
         for pi, p in enumerate(group["params"]):
             if pi in gp.params:

@@ -26,6 +26,7 @@ import torch
 
 from tierlift.checkpoint import format as fmt
 from tierlift.checkpoint.writer import Held, RawFile
+from tierlift.offload.tiers import MemoryTier
 
 STATE_JSON = "state.json"
 FORMAT = "tierlift-offload-state"
@@ -84,16 +85,18 @@ def _wait_quietly(handles) -> None:
             pass
 
 
-def _slotted(off, gi: int, chunks: list, writes: dict, copy: bool = False):
-    """Yields (i, chunk, bufs): the committed generation of each chunk in the pipeline slots,
-    reading chunk i+1 (CRC-32C checked in the background) while the caller works on chunk i.
-    The caller puts the handles of writes from a slot into `writes[i]`; the slot is reused
-    only after they finished. Resident host tiers yield views (no copy) unless `copy`."""
+def _slotted(off, gi: int, chunks: list, writes: dict):
+    """Yields (i, chunk, bufs, in_place) for a fill of `chunks`. Host chunks kept in one
+    generation come first, as views of the tier (in_place=True: the caller journals them).
+    The others come in the pipeline slots holding their committed generation, chunk i+1 read
+    (CRC-32C checked in the background) while the caller works on chunk i; the caller puts the
+    handles of its writes from a slot into `writes[i]`, and the slot is reused only after they
+    finished."""
     tier = off.tiers[gi]
-    if not hasattr(tier, "engine") and not copy:
-        for i, chunk in enumerate(chunks):
-            yield i, chunk, off._chunk_bufs(gi, chunk)
-        return
+    views = [c for c in chunks if tier.viewable(c.ci) and not tier.two_gen(c.ci)]
+    for chunk in views:
+        yield None, chunk, off._chunk_bufs(gi, chunk), True
+    chunks = [c for c in chunks if not (tier.viewable(c.ci) and not tier.two_gen(c.ci))]
     slots = off._slots
     reads: dict = {}
 
@@ -110,7 +113,7 @@ def _slotted(off, gi: int, chunks: list, writes: dict, copy: bool = False):
                 start(i + 1)
             for h in reads.pop(i):
                 h.wait()
-            yield i, chunk, slots[i % len(slots)]
+            yield i, chunk, slots[i % len(slots)], False
         for i in sorted(writes):
             for h in writes.pop(i):
                 h.wait()
@@ -126,9 +129,11 @@ def held_chunk_bytes(off) -> int:
 
 
 def _held(tier) -> bool:
-    """A tier with two generations is read by the writer from its committed one (held while
-    training steps on); a one-generation host tier is updated in place, so it is copied."""
-    return getattr(tier, "generations", 2) == 2
+    """The writer reads a tier's committed chunks itself, holding them (a step's write into a
+    held chunk waits until the writer has read it), unless the tier is the one-generation host
+    tier of offload="cpu" without overlap: its step writes in place without asking, so the save
+    copies it first."""
+    return not (isinstance(tier, MemoryTier) and tier.generations == 1)
 
 
 def stage_offloaded(off, directory: str, names: dict, packer, helds: list, files: list):

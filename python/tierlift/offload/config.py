@@ -5,15 +5,20 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-_KINDS = ("none", "cpu", "nvme")
+_KINDS = ("none", "cpu", "nvme", "hybrid")
 _ALIGN_ELEMS = 1024  # 4 KiB of fp32: the O_DIRECT alignment of every chunk
 
 
 @dataclass(kw_only=True)
 class OffloadConfig:
     """offload: "none" (state next to the parameter), "cpu" (fp32 master, m, v in host memory,
-    pinned when CUDA is available) or "nvme" (master, m, v in files under `nvme_path`, streamed
-    through a pool of `cpu_budget` bytes). `chunk_bytes` caps the fp32 bytes per state kind that
+    pinned when CUDA is available), "nvme" (master, m, v in files under `nvme_path`, streamed
+    through a pool of `cpu_budget` bytes) or "hybrid" (as many whole chunks of the state in host
+    memory as `cpu_budget` holds beside the pipeline's pool, stepped in place without I/O; the
+    rest on NVMe as with "nvme"). `nvme_generations`: 2 (a step writes the other copy of each
+    chunk, so any failure leaves the state as it was) or 1 (chunks rewritten in place: half the
+    disk; a step that fails while rewriting them leaves the optimizer refusing to step until a
+    checkpoint is loaded). `chunk_bytes` caps the fp32 bytes per state kind that
     one streamed chunk holds (the budget may lower it). `pipeline_slots`: how many chunks the
     NVMe pipeline holds at most (one stepped, one written back, the rest read ahead), all inside
     `cpu_budget`: more slots read further ahead in smaller chunks (a budget too small for 1 MiB
@@ -34,13 +39,18 @@ class OffloadConfig:
     block_bytes: int = 1 << 20
     overlap: bool = False
     max_grad_norm: float | None = None
+    nvme_generations: int = 2
 
     def __post_init__(self):
         if self.offload not in _KINDS:
             raise ValueError(f"offload must be one of {_KINDS}, got {self.offload!r}")
-        if self.offload == "nvme":
+        if self.offload in ("nvme", "hybrid"):
             if self.nvme_path is None:
-                raise ValueError("offload='nvme' needs nvme_path (a directory on the drive)")
+                raise ValueError(f"offload={self.offload!r} needs nvme_path (a directory on "
+                                 "the drive)")
+            if self.offload == "hybrid" and self.cpu_budget is None:
+                raise ValueError("offload='hybrid' needs cpu_budget: the host memory its RAM "
+                                 "part and the NVMe pipeline may hold")
             path = os.fspath(self.nvme_path)
             if not os.path.isdir(path):
                 raise ValueError(f"nvme_path {path!r} is not an existing directory")
@@ -49,7 +59,8 @@ class OffloadConfig:
         elif self.offload == "none" and (self.overlap or self.max_grad_norm is not None):
             raise ValueError("overlap=True and max_grad_norm need offload='cpu' or 'nvme'")
         elif self.nvme_path is not None:
-            raise ValueError(f"nvme_path is only used with offload='nvme', not {self.offload!r}")
+            raise ValueError(f"nvme_path is only used with offload='nvme' or 'hybrid', not "
+                             f"{self.offload!r}")
         if self.cpu_budget is not None:
             if isinstance(self.cpu_budget, bool) or not isinstance(self.cpu_budget, int):
                 raise TypeError(f"cpu_budget must be an int (bytes), got {self.cpu_budget!r}")
@@ -68,5 +79,9 @@ class OffloadConfig:
         if not 3 <= self.pipeline_slots <= 64:
             raise ValueError(f"pipeline_slots must be in [3, 64] (read, step, write), got "
                              f"{self.pipeline_slots}")
+        if self.nvme_generations not in (1, 2) or isinstance(self.nvme_generations, bool):
+            raise ValueError(f"nvme_generations must be 1 or 2, got {self.nvme_generations!r}")
+        if self.nvme_generations != 2 and self.offload not in ("nvme", "hybrid"):
+            raise ValueError("nvme_generations is only used with offload='nvme' or 'hybrid'")
         if not 1 <= self.queue_depth <= 4096:
             raise ValueError(f"queue_depth must be in [1, 4096], got {self.queue_depth}")

@@ -3,8 +3,9 @@
 A fill (a checkpoint load, Offloader.ingest of a state dict) writes NVMe chunks, and host
 chunks with two generations, to the uncommitted generation and flips them all at the end; host
 chunks with one generation are filled in place, the bytes each fill replaces going first to a
-Journal, played back in reverse if anything fails. tierlift.checkpoint uses the same Journal for
-the model tensors it loads in place.
+Journal, played back in reverse if anything fails (NVMe chunks with one generation are rewritten
+in place with no undo: the Offloader then refuses to step until a fill succeeds).
+tierlift.checkpoint uses the same Journal for the model tensors it loads in place.
 """
 
 from __future__ import annotations
@@ -79,4 +80,4 @@ def filling(engine, before_commit=None):
     finally:
         journal.close()
     for tier, ci in flips:
-        tier.gen[ci] = 1 - tier.gen[ci]
+        tier.flip(ci)

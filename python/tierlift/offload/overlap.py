@@ -104,8 +104,10 @@ class Overlap:
         with self._lock:
             self._ready[gi].add(pi)
             ready = []
+            tier = self.off.tiers[gi]
             for chunk in self.off.layouts[gi].chunks_of(pi):
-                if chunk.ci in self._submitted[gi]:
+                # One-generation chunks are rewritten in place, so only step() may touch them.
+                if chunk.ci in self._submitted[gi] or not tier.two_gen(chunk.ci):
                     continue
                 if all(s.pi in self._ready[gi] or not params[s.pi].requires_grad
                        for s in chunk.segments):

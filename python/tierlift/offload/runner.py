@@ -29,7 +29,13 @@ from tierlift.offload.config import OffloadConfig
 from tierlift.offload.journal import filling
 from tierlift.offload.layout import ALIGN_ELEMS, build_layout, even_chunk_elems
 from tierlift.offload.tiers import _CRC_POOL as CRC_POOL
-from tierlift.offload.tiers import MemoryTier, NvmeTier, make_state_dir, remove_stale_dirs
+from tierlift.offload.tiers import (
+    HybridTier,
+    MemoryTier,
+    NvmeTier,
+    make_state_dir,
+    remove_stale_dirs,
+)
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 _MIN_SLOTS = 3  # read ahead, step, write back
@@ -111,9 +117,10 @@ class Offloader:
         # NVMe, and host memory with overlap, keep two generations of the state and step
         # chunk by chunk through pipeline slots, so a step can be undone; the resident host
         # tier without overlap updates the state in place.
-        self.streamed = config.offload == "nvme" or config.overlap
+        self.streamed = config.offload in ("nvme", "hybrid") or config.overlap
         slots = config.pipeline_slots
-        if config.offload == "nvme" and config.cpu_budget is not None:
+        on_disk = config.offload in ("nvme", "hybrid")
+        if on_disk and config.cpu_budget is not None:
             # More slots only while each still holds MIN_SLOT_CHUNK_BYTES per kind: a deeper
             # read-ahead is not worth cutting the device's requests smaller than that.
             afford = config.cpu_budget // (per_elem * (MIN_SLOT_CHUNK_BYTES // 4))
@@ -124,7 +131,11 @@ class Offloader:
                     f"cpu_budget={config.cpu_budget} bytes is smaller than one chunk of "
                     f"{slots} pipeline slots; the smallest budget that works is "
                     f"{slots * per_elem * ALIGN_ELEMS} bytes")
-            chunk_elems = min(chunk_elems, fit)
+            if config.offload == "nvme":
+                chunk_elems = min(chunk_elems, fit)
+            else:  # the pool takes at most a quarter of a hybrid's budget: RAM holds the rest
+                chunk_elems = min(chunk_elems, max(ALIGN_ELEMS, fit // 4 // ALIGN_ELEMS
+                                                   * ALIGN_ELEMS))
         self.n_slots = slots
         # As few chunks as this size gives, made equal: no nearly empty last chunk.
         chunk_elems = even_chunk_elems(largest, chunk_elems)
@@ -134,6 +145,7 @@ class Offloader:
                         for g in optimizer.param_groups]
         self._kinds = [_state_kinds(g["amsgrad"]) for g in optimizer.param_groups]
         self._slot_kinds = max(self._kinds, key=len) + (["grad", "copy"] if self._cuda else [])
+        self._broken = None  # why step() refuses: an in-place rewrite failed half way
         self.pool_bytes = 0
         if config.offload == "cpu":
             self.tiers = []
@@ -155,7 +167,7 @@ class Offloader:
                 raise ValueError(
                     f"cpu_budget={config.cpu_budget} bytes is smaller than the optimizer state "
                     f"({resident + staging} bytes with staging); raise it or use "
-                    "offload='nvme'")
+                    "offload='hybrid' or 'nvme'")
         else:
             pool = slots * chunk_elems * 4 * len(self._slot_kinds)
             nvme_path = os.fspath(config.nvme_path)
@@ -168,9 +180,17 @@ class Offloader:
                 self.pool_bytes = pool
                 self._slots = [{k: self._engine.pool_tensor(chunk_elems * 4).view(torch.float32)
                                 for k in self._slot_kinds} for _ in range(slots)]
-                self.tiers = [NvmeTier(self._engine, self._dir, gi, k, len(lay.chunks),
-                                       chunk_elems, [lay.used_elems(c.ci) for c in lay.chunks])
-                              for gi, (k, lay) in enumerate(zip(self._kinds, self.layouts))]
+                ram = (config.cpu_budget - pool) if config.offload == "hybrid" else 0
+                self.tiers = []
+                for gi, (k, lay) in enumerate(zip(self._kinds, self.layouts)):
+                    n = len(lay.chunks)
+                    n_ram = min(n, max(0, ram) // (chunk_elems * 4 * len(k)))
+                    ram -= n_ram * chunk_elems * 4 * len(k)
+                    nvme = NvmeTier(self._engine, self._dir, gi, k, n, chunk_elems,
+                                    [lay.used_elems(c.ci) for c in lay.chunks],
+                                    first=n_ram, generations=config.nvme_generations)
+                    self.tiers.append(nvme if config.offload == "nvme" else HybridTier(
+                        MemoryTier(k, n_ram, chunk_elems, self._pin, 1), nvme))
             except BaseException:
                 self._slots = []
                 if self._engine is not None:
@@ -215,6 +235,8 @@ class Offloader:
     # ---- step ----------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> None:
+        if self._broken is not None:
+            raise RuntimeError(self._broken)
         t0 = time.perf_counter()
         stats = defaultdict(float)
         spec = self.overlap.finish(stats) if self.overlap is not None else {}
@@ -267,8 +289,8 @@ class Offloader:
         params = self.opt.param_groups[gi]["params"]
         if any("step" not in self.opt.state[params[pi]] for pi in live[gi]):
             return {}
-        chunks = self._chunks(gi, live[gi], set())
         tier = self.tiers[gi]
+        chunks = [c for c in self._chunks(gi, live[gi], set()) if tier.two_gen(c.ci)]
         reads = {j: tier.read_all(c.ci, self._slots[j], self._what(gi, c))
                  for j, c in enumerate(chunks[:self.n_slots - 1])}
         return {"gi": gi, "chunks": chunks, "reads": reads}
@@ -355,8 +377,11 @@ class Offloader:
         self._commit_steps(gi, steps)
 
     def _step_streamed(self, live: list[dict], spec: dict, stats, early: dict) -> None:
-        """Steps every chunk with a gradient that the overlap did not already step validly,
-        waits for all writes, then commits (flips the generations and the step counts)."""
+        """Steps every chunk with a gradient that the overlap did not already step validly:
+        first the two-generation chunks (into their other copy), waits until those writes are
+        durable, then rewrites the one-generation chunks in place (RAM part of a hybrid tier,
+        NVMe with nvme_generations=1), and commits (flips the generations and step counts).
+        A failure before the in-place part leaves everything as it was."""
         keep: dict[int, list] = {}
         for gi, records in spec.items():
             good = [c for c, rec in records if rec.valid(self, gi, live[gi], c)]
@@ -365,6 +390,7 @@ class Offloader:
             stats["overlap_kept_chunks"] += len(good)
             stats["overlap_redone_chunks"] += len(bad)
         done: dict[int, list] = {gi: [] for gi in range(len(self.opt.param_groups))}
+        in_place: dict[int, list] = {}
         try:
             for gi in range(len(self.opt.param_groups)):
                 grads = live[gi]
@@ -373,14 +399,12 @@ class Offloader:
                 chunks = self._chunks(gi, grads, {c.ci for c in keep.get(gi, [])})
                 steps = self.next_steps(gi, grads)
                 self.init_masters(gi, grads, chunks, stats)
+                tier = self.tiers[gi]
+                in_place[gi] = [c for c in chunks if not tier.two_gen(c.ci)]
+                chunks = [c for c in chunks if tier.two_gen(c.ci)]
                 started = early.pop("reads") if early.get("gi") == gi else {}
                 self.run(gi, grads, steps, chunks, stats, done[gi], started=started)
-            t = time.perf_counter()
-            if self._engine is not None:
-                self._engine.sync()
-            dt = time.perf_counter() - t
-            stats["nvme_write_wait_s"] += dt
-            stats["nvme_sync_s"] += dt  # the fdatasync part of the write wait
+            self._sync(stats)
             for gi, chunks in keep.items():
                 self._publish(gi, chunks, live[gi], stats)
         except BaseException as err:
@@ -388,12 +412,50 @@ class Offloader:
             for gi in done:
                 self._restore(gi, done[gi] + keep.get(gi, []))
             self._raise(err)
+        if any(in_place.values()):
+            self._step_in_place(live, in_place, stats)
         for gi, grads in enumerate(live):
             tier = self.tiers[gi]
             for chunk in done[gi] + keep.get(gi, []):
-                tier.gen[chunk.ci] = 1 - tier.gen[chunk.ci]
+                tier.flip(chunk.ci)
             if grads:
                 self._commit_steps(gi, self.next_steps(gi, grads))
+
+    def _sync(self, stats) -> None:
+        t = time.perf_counter()
+        if self._engine is not None:
+            self._engine.sync()
+        dt = time.perf_counter() - t
+        stats["nvme_write_wait_s"] += dt
+        stats["nvme_sync_s"] += dt  # the fdatasync part of the write wait
+
+    def _step_in_place(self, live: list[dict], in_place: dict, stats) -> None:
+        """Rewrites the one-generation chunks: host chunks stepped on their own memory (after
+        any checkpoint save reading them has read them), NVMe chunks streamed through the
+        pipeline and written back where they were. Nothing can undo this part: if it fails,
+        the optimizer refuses to step until a checkpoint is loaded."""
+        t = time.perf_counter()
+        try:
+            for gi, chunks in in_place.items():
+                group, tier, grads = self.opt.param_groups[gi], self.tiers[gi], live[gi]
+                params, steps = group["params"], self.next_steps(gi, grads)
+                on_disk = [c for c in chunks if not tier.viewable(c.ci)]
+                for i, chunk in enumerate(c for c in chunks if tier.viewable(c.ci)):
+                    tier._wait_unheld(chunk.ci, tier.gen[chunk.ci])
+                    bufs = {k: tier.view(k, chunk.ci, self.chunk_elems) for k in tier.kinds}
+                    bufs.update({k: v for k, v in self._slots[i % self.n_slots].items()
+                                 if k in ("grad", "copy")})
+                    self._step_chunk(gi, group, params, grads, steps, chunk, bufs, stats)
+                    stats["ram_chunks"] += 1
+                self.run(gi, grads, steps, on_disk, stats, [])
+            self._sync(stats)
+        except BaseException as err:
+            self._broken = (
+                f"a step failed while rewriting optimizer state in place ({type(err).__name__}: "
+                f"{err}); parameters and state are partly at the new step. Load a checkpoint "
+                "(tierlift.checkpoint.load or load_state_dict) before stepping again")
+            raise RuntimeError(self._broken) from err
+        stats["in_place_s"] += time.perf_counter() - t
 
     def _raise(self, err: BaseException):
         if isinstance(err, OSError) and not isinstance(err, ChecksumError):
@@ -412,7 +474,7 @@ class Offloader:
         params, tier = self.opt.param_groups[gi]["params"], self.tiers[gi]
         buf = self._slots[0]["master"]
         for chunk in chunks:
-            new_gen = 1 - tier.gen[chunk.ci]
+            new_gen = tier.next_gen(chunk.ci)
             tier.read("master", chunk.ci, buf, new_gen).wait()
             tier.verify("master", chunk.ci, buf, self._what(gi, chunk), new_gen)
             for s in chunk.segments:
@@ -484,7 +546,7 @@ class Offloader:
                 stats["nvme_read_bytes"] += nbytes
                 done.append(chunk)
                 self._step_chunk(gi, group, params, grads, steps, chunk, bufs, stats, publish)
-                writes[i] = tier.write_all(chunk.ci, bufs, 1 - tier.gen[chunk.ci])
+                writes[i] = tier.write_all(chunk.ci, bufs, tier.next_gen(chunk.ci))
                 stats["nvme_write_bytes"] += nbytes
             for i in sorted(writes):
                 wait_all(writes.pop(i), "nvme_write_wait_s")
@@ -595,7 +657,7 @@ class Offloader:
 
     def _chunk_bufs(self, gi, chunk) -> dict:
         tier = self.tiers[gi]
-        if isinstance(tier, MemoryTier):
+        if tier.viewable(chunk.ci):
             return {k: tier.view(k, chunk.ci, self.chunk_elems) for k in tier.kinds}
         bufs = self._slots[0]
         for k in tier.kinds:
@@ -623,19 +685,20 @@ class Offloader:
                     segs = [s for s in chunk.segments if params[s.pi] in loaded]
                     if segs:
                         self._ingest_chunk(gi, chunk, segs, loaded, journal, flips)
+        self.fill_done()
         for gi, group in enumerate(self.opt.param_groups):
             self._in_file[gi].update(pi for pi, p in enumerate(group["params"]) if p in loaded)
 
     def _ingest_chunk(self, gi, chunk, segs, loaded, journal, flips) -> None:
         params, tier = self.opt.param_groups[gi]["params"], self.tiers[gi]
-        nvme = isinstance(tier, NvmeTier)
+        view = tier.viewable(chunk.ci)
         bufs = self._chunk_bufs(gi, chunk)
         for s in segs:
             p = params[s.pi]
             vals = loaded[p]
             for k in tier.kinds:
                 dst = bufs[k][s.clo:s.chi]
-                if not nvme:  # a view of the tier itself: its bytes go to the journal first
+                if view:  # a view of the tier itself: its bytes go to the journal first
                     journal.keep(dst)
                 if k in vals:
                     dst.copy_(vals[k].detach().reshape(-1)[s.plo:s.phi])
@@ -643,14 +706,29 @@ class Offloader:
                     dst.copy_(p.detach().view(-1)[s.plo:s.phi])
                 else:
                     dst.zero_()
-        if nvme:
-            handles = tier.write_all(chunk.ci, bufs, 1 - tier.gen[chunk.ci])
+        if not view:
+            self.rewriting(tier, chunk.ci)
+            handles = tier.write_all(chunk.ci, bufs, tier.next_gen(chunk.ci))
             for i, h in enumerate(handles):
                 try:
                     h.wait()
                 except BaseException:  # nothing may stay in flight from the slot
                     _drain({0: handles[i + 1:]})
                     raise
-            flips.append((tier, chunk.ci))
+            if tier.two_gen(chunk.ci):
+                flips.append((tier, chunk.ci))
+
+    def rewriting(self, tier, ci: int) -> None:
+        """A fill is about to rewrite chunk ci on disk: in place when the tier keeps one
+        generation, which no journal undoes, so a fill that fails from here on leaves the
+        optimizer refusing to step until a fill succeeds."""
+        if not tier.two_gen(ci) and self._broken is None:
+            self._broken = ("a checkpoint load failed after it had rewritten optimizer state "
+                            "kept in one generation (nvme_generations=1); load a checkpoint "
+                            "before stepping again")
+
+    def fill_done(self) -> None:
+        """A fill of every chunk committed: whatever refused steps before is replaced."""
+        self._broken = None
 
 __all__ = ["Offloader"]

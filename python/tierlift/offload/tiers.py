@@ -1,10 +1,16 @@
 """Where one param group's flat state kinds (master, exp_avg, exp_avg_sq, max_exp_avg_sq) live.
 
 MemoryTier: resident flat fp32 tensors (pinned when CUDA is available); a chunk "read" is a view.
-NvmeTier: two generations of files per kind; a step reads chunk k from generation g[k] and
+NvmeTier: files per kind; with two generations a step reads chunk k from generation g[k] and
 writes the updated chunk to 1 - g[k]; g[k] flips only after every write of the step reached the
-device, so a failed step leaves the committed generation untouched. Each committed chunk carries
-a CRC-32C per kind, verified on every read.
+device, so a failed step leaves the committed generation untouched. With one generation (half
+the disk) a chunk is rewritten in place. Each committed chunk carries a CRC-32C per kind,
+verified on every read.
+HybridTier: the first chunks in host memory (one generation, stepped in place), the rest on
+NVMe, so one optimizer's state can use all of both.
+
+Every tier answers per chunk: `two_gen(ci)` (does a step write a second copy, so it can be
+undone?), `next_gen(ci)` (the generation a step writes) and `flip(ci)` (commit that write).
 """
 
 from __future__ import annotations
@@ -244,14 +250,29 @@ class MemoryTier(_Holdable):
     def resident_bytes(self) -> int:
         return sum(t.nbytes for t in self.flat.values())
 
+    def two_gen(self, ci: int) -> bool:
+        return self.generations == 2
+
+    def viewable(self, ci: int) -> bool:
+        """Whether view(ci) gives the committed chunk itself (host memory)."""
+        return True
+
+    def next_gen(self, ci: int) -> int:
+        return 1 - self.gen[ci] if self.generations == 2 else self.gen[ci]
+
+    def flip(self, ci: int) -> None:
+        if self.generations == 2:
+            self.gen[ci] = 1 - self.gen[ci]
+
     def view(self, kind: str, ci: int, chunk_elems: int) -> torch.Tensor:
         n = self.chunk_elems
         return self.flat[(kind, self.gen[ci])][ci * n:(ci + 1) * n]
 
     def read(self, kind: str, ci: int, buf: torch.Tensor, gen: int | None = None):
+        """Copies chunk ci (its first buf.numel() elements) into `buf`."""
         g = self.gen[ci] if gen is None else gen
-        n = self.chunk_elems
-        return _Done(buf.copy_(self.flat[(kind, g)][ci * n:(ci + 1) * n]))
+        lo = ci * self.chunk_elems
+        return _Done(buf.copy_(self.flat[(kind, g)][lo:lo + min(buf.numel(), self.chunk_elems)]))
 
     def verify(self, kind, ci, buf, what, gen=None) -> None:
         pass  # host memory: no checksum
@@ -270,10 +291,11 @@ class MemoryTier(_Holdable):
 
 
 _LIBC = None
+_GENS = {1: "one generation", 2: "two generations"}
 _NO_ROOM = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 
 
-def _reserve(fd: int, nbytes: int, path: str, total: int) -> None:
+def _reserve(fd: int, nbytes: int, path: str, total: int, generations: int = 2) -> None:
     """Sizes the (empty) file to `nbytes` of zeros, allocating its blocks up front with
     fallocate(2), so a drive too small for the state is refused at construction and steps never
     allocate. File systems without fallocate get a sparse file (glibc's posix_fallocate would
@@ -294,18 +316,26 @@ def _reserve(fd: int, nbytes: int, path: str, total: int) -> None:
                 raise
             err = e.errno
     raise OSError(err, f"nvme_path has no room for the optimizer state: {total} bytes are "
-                  f"needed under {os.path.dirname(os.path.dirname(path))!r} (two generations "
+                  f"needed under {os.path.dirname(os.path.dirname(path))!r} ({_GENS[generations]} "
                   f"of every state kind); allocating {path!r} failed: {os.strerror(err)}")
 
 
 class NvmeTier(_Holdable):
     """`used[ci]`: the elements of chunk ci in use (a multiple of 1024, default all): only
-    those are read, written and checksummed; the rest of a slot is never looked at."""
+    those are read, written and checksummed; the rest of a slot is never looked at.
+    `first`: the first chunk this tier holds (a HybridTier keeps those before it in RAM); chunk
+    ci sits at (ci - first) * chunk bytes of each file. `generations`: 2 (a step writes the
+    other copy) or 1 (in place: half the disk, and a step cannot be undone)."""
 
     def __init__(self, engine: IoEngine, directory: str, gi: int, kinds: list[str],
-                 n_chunks: int, chunk_elems: int, used: list[int] | None = None):
+                 n_chunks: int, chunk_elems: int, used: list[int] | None = None,
+                 first: int = 0, generations: int = 2):
+        if generations not in (1, 2):
+            raise ValueError(f"generations must be 1 or 2, got {generations}")
         self.engine = engine
         self.kinds = kinds
+        self.first = first
+        self.generations = generations
         self.chunk_bytes = chunk_elems * 4
         self.used = list(used) if used is not None else [chunk_elems] * n_chunks
         if len(self.used) != n_chunks or any(u % 1024 or not 0 <= u <= chunk_elems
@@ -316,11 +346,31 @@ class NvmeTier(_Holdable):
         self._init_holds()
         self.crc: dict[tuple[str, int, int], int] = {}  # (kind, ci, gen) -> crc
         self.paths = {(k, g): os.path.join(directory, f"g{gi}.{k}.{g}") for k in kinds
-                      for g in (0, 1)}
-        nbytes = n_chunks * self.chunk_bytes
+                      for g in range(generations)}
+        nbytes = (n_chunks - first) * self.chunk_bytes
         for path in self.paths.values():
             with open(path, "wb") as f:
-                _reserve(f.fileno(), nbytes, path, nbytes * len(self.paths))
+                _reserve(f.fileno(), nbytes, path, nbytes * len(self.paths), generations)
+
+    @property
+    def disk_bytes(self) -> int:
+        return (len(self.gen) - self.first) * self.chunk_bytes * len(self.paths)
+
+    def two_gen(self, ci: int) -> bool:
+        return self.generations == 2
+
+    def viewable(self, ci: int) -> bool:
+        return False
+
+    def next_gen(self, ci: int) -> int:
+        return 1 - self.gen[ci] if self.generations == 2 else self.gen[ci]
+
+    def flip(self, ci: int) -> None:
+        if self.generations == 2:
+            self.gen[ci] = 1 - self.gen[ci]
+
+    def _pos(self, ci: int) -> int:
+        return (ci - self.first) * self.chunk_bytes
 
     def _part(self, ci: int, buf: torch.Tensor) -> torch.Tensor:
         """The part of a chunk buffer that is stored: the chunk's used elements."""
@@ -329,7 +379,7 @@ class NvmeTier(_Holdable):
 
     def read(self, kind: str, ci: int, buf: torch.Tensor, gen: int | None = None):
         g = self.gen[ci] if gen is None else gen
-        return self.engine.read(self._part(ci, buf), self.paths[(kind, g)], ci * self.chunk_bytes)
+        return self.engine.read(self._part(ci, buf), self.paths[(kind, g)], self._pos(ci))
 
     def verify(self, kind: str, ci: int, buf: torch.Tensor, what, gen: int | None = None):
         g = self.gen[ci] if gen is None else gen
@@ -343,7 +393,7 @@ class NvmeTier(_Holdable):
         self._wait_unheld(ci, gen)
         buf = self._part(ci, buf)
         self.crc[(kind, ci, gen)] = crc32c(buf) if crc is None else crc
-        return self.engine.write(buf, self.paths[(kind, gen)], ci * self.chunk_bytes)
+        return self.engine.write(buf, self.paths[(kind, gen)], self._pos(ci))
 
     def read_all(self, ci: int, bufs: dict, what) -> list:
         """Starts reading every kind of chunk `ci` of the committed generation into `bufs`.
@@ -370,7 +420,7 @@ class NvmeTier(_Holdable):
         for k in self.kinds:
             self.crc.pop((k, ci, gen), None)
         parts = [self._part(ci, bufs[k]) for k in self.kinds]
-        handles = [self.engine.write(b, self.paths[(k, gen)], ci * self.chunk_bytes)
+        handles = [self.engine.write(b, self.paths[(k, gen)], self._pos(ci))
                    for k, b in zip(self.kinds, parts)]
         t = time.perf_counter()
         crcs = [crc32c(b) for b in parts]
@@ -392,3 +442,82 @@ class NvmeTier(_Holdable):
                 os.unlink(path)
             except FileNotFoundError:
                 pass
+
+
+class HybridTier(_Holdable):
+    """Chunks [0, n_ram) in a one-generation MemoryTier, stepped in place without I/O;
+    chunks [n_ram, n) in an NvmeTier. Both share this tier's generation list, holds and CRCs, so
+    a GenerationHold of the hybrid covers every chunk. The RAM chunks come first: the runner
+    steps one-generation chunks after the two-generation ones are durable, and the first
+    chunks' gradients are the last that backward produces."""
+
+    def __init__(self, ram: MemoryTier, nvme: NvmeTier):
+        if ram.generations != 1 or nvme.first != len(ram.gen):
+            raise ValueError("a HybridTier takes a one-generation MemoryTier of the first "
+                             "chunks and an NvmeTier of the rest")
+        self.ram, self.nvme = ram, nvme
+        self.n_ram = len(ram.gen)
+        self.kinds = nvme.kinds
+        self.engine = nvme.engine
+        self.used = nvme.used
+        self.crc = nvme.crc
+        self.paths = nvme.paths
+        self.gen = nvme.gen
+        self._init_holds()
+        for t in (ram, nvme):
+            t.gen, t.held, t.holds = self.gen, self.held, self.holds
+
+    def _of(self, ci: int):
+        return self.ram if ci < self.n_ram else self.nvme
+
+    @property
+    def held_wait_s(self) -> float:
+        return self.ram.held_wait_s + self.nvme.held_wait_s
+
+    @held_wait_s.setter
+    def held_wait_s(self, value: float) -> None:
+        pass  # _init_holds sets it; the parts keep their own
+
+    def _wait_unheld(self, ci: int, gen: int) -> None:
+        self._of(ci)._wait_unheld(ci, gen)
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.ram.resident_bytes
+
+    @property
+    def disk_bytes(self) -> int:
+        return self.nvme.disk_bytes
+
+    def viewable(self, ci: int) -> bool:
+        return ci < self.n_ram
+
+    def two_gen(self, ci: int) -> bool:
+        return self._of(ci).two_gen(ci)
+
+    def next_gen(self, ci: int) -> int:
+        return self._of(ci).next_gen(ci)
+
+    def flip(self, ci: int) -> None:
+        self._of(ci).flip(ci)
+
+    def view(self, kind: str, ci: int, chunk_elems: int) -> torch.Tensor:
+        return self.ram.view(kind, ci, chunk_elems)
+
+    def read(self, kind, ci, buf, gen=None):
+        return self._of(ci).read(kind, ci, buf, gen)
+
+    def verify(self, kind, ci, buf, what, gen=None) -> None:
+        self._of(ci).verify(kind, ci, buf, what, gen)
+
+    def write(self, kind, ci, buf, gen, *args):
+        return self._of(ci).write(kind, ci, buf, gen, *args)
+
+    def read_all(self, ci: int, bufs: dict, what) -> list:
+        return self._of(ci).read_all(ci, bufs, what)
+
+    def write_all(self, ci: int, bufs: dict, gen: int) -> list:
+        return self._of(ci).write_all(ci, bufs, gen)
+
+    def remove_files(self) -> None:
+        self.nvme.remove_files()

@@ -4,10 +4,15 @@ SIMD CPU kernel (csrc/core/optim) and the fused multi-tensor CUDA kernel (csrc/c
 Same constructor as torch's, same param-group keys and the same state_dict layout
 (state: step, exp_avg, exp_avg_sq[, max_exp_avg_sq]), so checkpoints move between torch's
 optimizer and ours in both directions. Differences, all deliberate:
-  * optimizer state is always fp32; a bf16/fp16 parameter also gets an fp32 master copy
+  * optimizer state is fp32 by default; a bf16/fp16 parameter also gets an fp32 master copy
     (state key "master") and receives the rounded update, written by the same fused pass;
-  * offload="cpu"|"nvme" (with nvme_path, cpu_budget, overlap) moves the state out of the
-    parameter's memory; tierlift.offload does that work (docs/offload.md);
+  * state_dtype="bf16" keeps compact moments instead (as 8-bit Adam does): exp_avg in bf16,
+    exp_avg_sq as uint8 codes with one fp32 scale per 256 elements ("exp_avg_sq_scale");
+    about 3 bytes per parameter instead of 8 (docs/optim.md). Loading an fp32-state checkpoint
+    quantizes it and an fp32-state optimizer dequantizes a compact one;
+  * offload="cpu"|"nvme"|"hybrid" (with nvme_path, cpu_budget, overlap, nvme_generations)
+    moves the state out of the parameter's memory; tierlift.offload does that work
+    (docs/offload.md);
   * foreach/fused/capturable are accepted for compatibility and ignored (ours is always fused);
     differentiable=True is refused;
   * a non-contiguous parameter (a transposed or strided view) is stepped through a contiguous
@@ -26,8 +31,33 @@ from torch.optim import Optimizer
 
 from tierlift import ops
 from tierlift.offload import OffloadConfig, Offloader
+from tierlift.reference.optim_compact import (
+    dequantize_exp_avg_sq,
+    quantize_exp_avg_sq,
+    scale_count,
+)
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
+_STATE_DTYPES = ("fp32", "bf16")
+# State tensors taken from a loaded state dict as they are (torch would cast them to the
+# parameter's dtype), then brought to this optimizer's state format.
+_STATE_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_sq_scale", "max_exp_avg_sq", "master")
+
+
+def _check_state_dtype(state_dtype, amsgrad, offload) -> None:
+    if state_dtype not in _STATE_DTYPES:
+        raise ValueError(f"state_dtype must be one of {_STATE_DTYPES}, got {state_dtype!r}")
+    if state_dtype == "fp32":
+        return
+    if amsgrad:
+        raise ValueError(
+            "amsgrad=True is not supported with state_dtype='bf16' (its running max of v would "
+            "need a third compact buffer); use state_dtype='fp32' for amsgrad")
+    if offload != "none":
+        raise ValueError(
+            f"state_dtype='bf16' with offload={offload!r} is not implemented yet: the offload "
+            "tiers hold fp32 state; use offload='none' with compact state, or state_dtype='fp32' "
+            "with offload")
 
 
 def _caller_stacklevel() -> int:
@@ -65,8 +95,12 @@ class Adam(Optimizer):
         cpu_budget=None,
         overlap=False,
         max_grad_norm=None,
+        nvme_generations=2,
+        state_dtype="fp32",
     ):
         ops.check_adam_hyper(lr, betas, eps, weight_decay)
+        _check_state_dtype(state_dtype, amsgrad, offload)
+        self._state_dtype = state_dtype
         if differentiable:
             raise ValueError(
                 "tierlift optimizers do not support differentiable=True; "
@@ -88,13 +122,15 @@ class Adam(Optimizer):
         super().__init__(params, defaults)
         self._offload = None
         extras = (nvme_path, cpu_budget, max_grad_norm)
-        if offload != "none" or overlap or any(x is not None for x in extras):
+        if offload != "none" or overlap or nvme_generations != 2 or \
+                any(x is not None for x in extras):
             config = OffloadConfig(
                 offload=offload,
                 nvme_path=nvme_path,
                 cpu_budget=cpu_budget,
                 overlap=overlap,
                 max_grad_norm=max_grad_norm,
+                nvme_generations=nvme_generations,
             )
             if config.offload != "none":
                 self._offload = Offloader(self, config)
@@ -160,7 +196,7 @@ class Adam(Optimizer):
     def _replace_state(self, state_dict, before_commit) -> None:
         if self._offload is None:
             super().load_state_dict(state_dict)
-            self._keep_fp32_state(state_dict)
+            self._adopt_loaded_state(state_dict)
             if before_commit is not None:
                 before_commit()
             return
@@ -175,19 +211,58 @@ class Adam(Optimizer):
         super().load_state_dict(steps_only)
         self._offload.ingest(loaded, before_commit)
 
-    def _keep_fp32_state(self, state_dict) -> None:
-        """torch casts loaded state to the parameter's dtype; ours is fp32 whatever the
-        parameter's (a bf16 parameter's master and moments would lose their low bits)."""
+    def _adopt_loaded_state(self, state_dict) -> None:
+        """torch casts loaded state to the parameter's dtype; ours is fp32 or compact whatever the
+        parameter's (a bf16 parameter's master and moments would lose their low bits, a compact
+        state's scales too). Takes the saved tensors as they are, then converts them to this
+        optimizer's state format."""
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         for i, p in zip(ids, params):
-            for k, v in state_dict["state"].get(i, {}).items():
-                if (k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
-                        and isinstance(v, torch.Tensor) and v.dtype == torch.float32):
-                    self.state[p][k] = v.detach().to(p.device, copy=True).contiguous()
+            saved = state_dict["state"].get(i, {})
+            state = self.state[p]
+            for k in _STATE_KEYS:
+                if k in saved and isinstance(saved[k], torch.Tensor):
+                    state[k] = saved[k].detach().to(p.device, copy=True).contiguous()
+            if "exp_avg" in state:
+                self._to_state_format(p, state)
+
+    def _to_state_format(self, p: torch.Tensor, state: dict) -> None:
+        """Brings moments in either format (fp32, or compact: bf16 m, uint8 v codes + scales) to
+        this optimizer's: quantizes fp32 moments into compact state, dequantizes the reverse."""
+        compact = self._state_dtype == "bf16"
+        if compact:
+            if state["exp_avg"].dtype != torch.bfloat16:
+                state["exp_avg"] = state["exp_avg"].float().to(torch.bfloat16)
+            if "exp_avg_sq_scale" not in state:
+                codes, scales = quantize_exp_avg_sq(state["exp_avg_sq"].float())
+                state["exp_avg_sq"], state["exp_avg_sq_scale"] = codes, scales
+            state.pop("max_exp_avg_sq", None)
+        elif "exp_avg_sq_scale" in state:
+            state["exp_avg_sq"] = dequantize_exp_avg_sq(
+                state["exp_avg_sq"], state.pop("exp_avg_sq_scale"))
+        fp32_keys = ("master",) if compact else ("exp_avg", "exp_avg_sq", "max_exp_avg_sq",
+                                                 "master")
+        for key in fp32_keys:
+            if key in state and (
+                state[key].dtype != torch.float32 or not state[key].is_contiguous()
+            ):
+                state[key] = state[key].to(torch.float32).contiguous()
+        if compact:
+            m, codes, scales = state["exp_avg"], state["exp_avg_sq"], state["exp_avg_sq_scale"]
+            if (codes.dtype != torch.uint8 or codes.shape != p.shape or m.shape != p.shape
+                    or scales.dtype != torch.float32 or scales.numel() != scale_count(p.numel())):
+                raise ValueError(
+                    f"compact state of a parameter of shape {tuple(p.shape)} has exp_avg "
+                    f"{tuple(m.shape)}, exp_avg_sq {codes.dtype} {tuple(codes.shape)} and "
+                    f"exp_avg_sq_scale {scales.dtype} [{scales.numel()}]; expected uint8 codes "
+                    f"of the parameter's shape and float32 [{scale_count(p.numel())}] scales")
+            for key in ("exp_avg", "exp_avg_sq", "exp_avg_sq_scale"):
+                state[key] = state[key].contiguous()
 
     def __setstate__(self, state):
         super().__setstate__(state)
+        self.__dict__.setdefault("_state_dtype", "fp32")
         for group in self.param_groups:
             group.setdefault("decoupled_weight_decay", False)
             group.setdefault("maximize", False)
@@ -195,18 +270,21 @@ class Adam(Optimizer):
 
     def _init_state(self, p: torch.Tensor, amsgrad: bool) -> dict:
         state = self.state[p]
+        compact = self._state_dtype == "bf16"
         if len(state) == 0 or "exp_avg" not in state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             state["exp_avg"] = torch.zeros_like(
-                p, dtype=torch.float32, memory_format=torch.contiguous_format
-            )
-            state["exp_avg_sq"] = torch.zeros_like(state["exp_avg"])
-        # State loaded from a torch checkpoint may be in the parameter's dtype: bring it to fp32.
-        for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master"):
-            if key in state and (
-                state[key].dtype != torch.float32 or not state[key].is_contiguous()
-            ):
-                state[key] = state[key].to(torch.float32).contiguous()
+                p, dtype=torch.bfloat16 if compact else torch.float32,
+                memory_format=torch.contiguous_format)
+            if compact:
+                state["exp_avg_sq"] = torch.zeros_like(state["exp_avg"], dtype=torch.uint8)
+                state["exp_avg_sq_scale"] = torch.zeros(
+                    scale_count(p.numel()), dtype=torch.float32, device=p.device)
+            else:
+                state["exp_avg_sq"] = torch.zeros_like(state["exp_avg"])
+        # State loaded from a torch checkpoint may be in the parameter's dtype, or in the other
+        # state format: bring it to this optimizer's.
+        self._to_state_format(p, state)
         if amsgrad and "max_exp_avg_sq" not in state:
             state["max_exp_avg_sq"] = torch.zeros_like(state["exp_avg"])
         if p.dtype in _LOW_PRECISION and "master" not in state:
@@ -261,9 +339,12 @@ class Adam(Optimizer):
                 stacklevel=_caller_stacklevel(),
             )
 
-    @staticmethod
-    def _check_group(gi: int, group: dict) -> None:
+    def _check_group(self, gi: int, group: dict) -> None:
         ops.check_adam_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        if self._state_dtype == "bf16" and group["amsgrad"]:
+            raise ValueError(
+                f"param_groups[{gi}] has amsgrad=True, which is not supported with "
+                "state_dtype='bf16'; use state_dtype='fp32' for amsgrad")
         device = None
         for pi, p in enumerate(group["params"]):
             if p.grad is None:
@@ -318,6 +399,8 @@ class Adam(Optimizer):
             b["grads"].append(grad.contiguous())
             b["exp_avgs"].append(state["exp_avg"])
             b["exp_avg_sqs"].append(state["exp_avg_sq"])
+            if "exp_avg_sq_scale" in state:
+                b["scales"].append(state["exp_avg_sq_scale"])
             if group["amsgrad"]:
                 b["max_exp_avg_sqs"].append(state["max_exp_avg_sq"])
         decoupled = self._decoupled(group)
@@ -329,6 +412,13 @@ class Adam(Optimizer):
                 copies = [c if c is not None else p for c, p in zip(b["copies"], b["params"])]
             else:
                 copies = []
+            if self._state_dtype == "bf16":
+                ops.adam_compact_step_(
+                    b["params"], b["grads"], b["exp_avgs"], b["exp_avg_sqs"], b["scales"],
+                    copies, lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
+                    weight_decay=group["weight_decay"], step=step, decoupled=decoupled,
+                    maximize=group["maximize"])
+                continue
             ops.adam_step_(
                 b["params"],
                 b["grads"],
@@ -375,6 +465,8 @@ class AdamW(Adam):
         cpu_budget=None,
         overlap=False,
         max_grad_norm=None,
+        nvme_generations=2,
+        state_dtype="fp32",
     ):
         super().__init__(
             params,
@@ -389,11 +481,13 @@ class AdamW(Adam):
             differentiable=differentiable,
             fused=fused,
             decoupled_weight_decay=True,
+            state_dtype=state_dtype,
             offload=offload,
             nvme_path=nvme_path,
             cpu_budget=cpu_budget,
             overlap=overlap,
             max_grad_norm=max_grad_norm,
+            nvme_generations=nvme_generations,
         )
 
     def _decoupled(self, group: dict) -> bool:

@@ -23,6 +23,9 @@ def add_parser(sub) -> None:
     p.add_argument("--cpu-mem", required=True, help="host memory, e.g. 128G")
     p.add_argument("--nvme", default=None, help="directory on the NVMe drive")
     p.add_argument("--cpu-budget", default=None, help="host memory the optimizer may hold")
+    p.add_argument("--nvme-free", default=None,
+                   help="free space the drive offers the state, e.g. 64G (default: what is free "
+                        "under --nvme now; give it to plan for another machine's drive)")
     p.add_argument("--probe-mib", type=int, default=256, help="size of the bandwidth probes")
     a = p.add_argument_group("saved activations (tierlift.activations.Policy per block)")
     a.add_argument("--act-blocks", type=int, default=None, help="number of blocks")
@@ -52,6 +55,14 @@ def activation_policy(args: argparse.Namespace, bw) -> Policy:
                        block_compute_s=None if fwd is None else fwd / 1e3)
 
 
+def _nvme_free(args: argparse.Namespace) -> int | None:
+    if args.nvme_free is not None:
+        if args.nvme is None:
+            raise ValueError("--nvme-free needs --nvme (the directory whose bandwidth is measured)")
+        return parse_bytes(args.nvme_free, "--nvme-free")
+    return None if args.nvme is None else shutil.disk_usage(args.nvme).free
+
+
 def _size_or_zero(text: str, what: str) -> int:
     return 0 if text.strip() == "0" else parse_bytes(text, what)
 
@@ -69,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
                     cpu_mem=parse_bytes(args.cpu_mem, "--cpu-mem"), nvme=args.nvme,
                     cpu_budget=None if args.cpu_budget is None
                     else parse_bytes(args.cpu_budget, "--cpu-budget"),
-                    nvme_free=None if args.nvme is None else shutil.disk_usage(args.nvme).free)
+                    nvme_free=_nvme_free(args))
     if (args.act_blocks is None) != (args.act_block_bytes is None):
         raise ValueError("--act-blocks and --act-block-bytes go together")
     bw = measure(args.nvme, args.probe_mib << 20)
@@ -82,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
     policy = None if args.act_blocks is None else activation_policy(args, bw)
     if args.json:
         print(json.dumps({"params": int(inp.params), "max_params": largest,
-                          "offload": plan.offload, "tiers": plan.tiers, "legs_s": plan.legs_s,
+                          "offload": plan.offload, "nvme_generations": plan.generations,
+                          "tiers": plan.tiers, "legs_s": plan.legs_s,
                           "serial_s": plan.serial_s, "pipelined_s": plan.pipelined_s,
                           "bandwidths": dataclasses.asdict(bw), "note": plan.note,
                           "activations": None if policy is None else list(policy.tiers)},

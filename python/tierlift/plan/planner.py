@@ -1,8 +1,10 @@
 """The placement rule: keep everything on the GPU when it fits; else the fp32 master, m and v go
-to host memory (offload="cpu"); else to NVMe with a host pool of `cpu_budget` (offload="nvme").
+to host memory (offload="cpu"); else as much of them as host memory holds stays there and the
+rest goes to NVMe (offload="hybrid"; "nvme" when host memory holds only the pipeline's pool).
 Bytes per parameter (mixed precision): bf16 weight 2, bf16 gradient 2, fp32 master 4, m 4, v 4.
-On NVMe each kind takes twice its bytes: a step reads one generation and writes the other, so a
-failed step can be undone (docs/offload.md); the plan refuses a drive without that much room.
+The NVMe part takes twice its bytes when the drive has room (a step reads one generation and
+writes the other, so any failed step is undone), else once (nvme_generations=1: rewritten in
+place; docs/offload.md); the plan refuses a drive without room for one generation.
 The expected optimizer time per step is the sum of its legs (no overlap) and their maximum
 (the pipelined bound that overlap=True aims at)."""
 
@@ -15,6 +17,9 @@ from dataclasses import dataclass, field
 from tierlift.plan.measure import Bandwidths
 
 _PCIE_ASSUMED = 25e9  # PCIe 4.0 x16, used when no GPU is here to measure
+# The NVMe pipeline's pool with the default chunk_bytes and pipeline_slots (6 slots x 32 MiB x
+# master, m, v, grad and copy staging); a hybrid budget gives it at most a quarter.
+POOL_BYTES = 6 * (32 << 20) * 5
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
@@ -51,6 +56,7 @@ class Plan:
     tiers: dict = field(default_factory=dict)  # tier -> {state kind: bytes}
     legs_s: dict = field(default_factory=dict)  # leg -> seconds per step
     note: str = ""
+    generations: int | None = None  # of the NVMe part
 
     @property
     def serial_s(self) -> float:
@@ -87,19 +93,45 @@ def make_plan(inp: PlanInput, bw: Bandwidths) -> Plan:
             f"the optimizer state ({_fmt(sum(state.values()))}) does not fit in "
             f"{_fmt(cpu_room)} of host memory (short by {_fmt(sum(state.values()) - cpu_room)}); "
             "give --nvme PATH for the NVMe tier")
-    on_disk = {f"{k} (2 gens)": 2 * v for k, v in state.items()}
-    if inp.nvme_free is not None and sum(on_disk.values()) > inp.nvme_free:
-        raise ValueError(
-            f"the optimizer state needs {_fmt(sum(on_disk.values()))} under {inp.nvme} (two "
-            f"generations of fp32 master, exp_avg and exp_avg_sq) and the drive has "
-            f"{_fmt(inp.nvme_free)} free (short by "
-            f"{_fmt(sum(on_disk.values()) - inp.nvme_free)}); host memory would be short by "
-            f"{_fmt(sum(state.values()) - cpu_room)}")
-    legs["nvme read"] = sum(state.values()) / bw.disk_read_bps
-    legs["nvme write"] = sum(state.values()) / bw.disk_write_bps
-    return Plan(offload="nvme", tiers={"gpu": model, "cpu": {"staging pool": cpu_room},
-                                       "nvme": on_disk},
-                legs_s=legs, note=f"optimizer state on NVMe under {inp.nvme}")
+    return _on_nvme(inp, bw, n, model, state, cpu_room, legs)
+
+
+def _on_nvme(inp, bw, n, model, state, cpu_room, legs) -> Plan:
+    """offload="hybrid": the pipeline's pool, as many whole chunks of state in host memory as
+    the rest of the budget holds, the remainder on NVMe, in two generations when the drive has
+    room for them and in one (rewritten in place) when it has room only for that."""
+    total = sum(state.values())
+    pool = min(POOL_BYTES, cpu_room // 4)
+    ram = max(0, min(total, cpu_room - pool))
+    if ram < total / 100:  # not worth a RAM part: the whole budget is the pipeline's pool
+        pool, ram = cpu_room, 0
+    disk = total - ram
+    share = {k: v * disk / total for k, v in state.items()}
+    gens = 2
+    if inp.nvme_free is not None and 2 * disk > inp.nvme_free:
+        gens = 1
+        if disk > inp.nvme_free:
+            raise ValueError(
+                f"the optimizer state needs {_fmt(disk)} under {inp.nvme} beyond the "
+                f"{_fmt(ram)} host memory holds (one generation of fp32 master, exp_avg and "
+                f"exp_avg_sq, rewritten in place) and the drive has {_fmt(inp.nvme_free)} free "
+                f"(short by {_fmt(disk - inp.nvme_free)}); host memory would be short by "
+                f"{_fmt(total - cpu_room)}")
+    legs["nvme read"] = disk / bw.disk_read_bps
+    legs["nvme write"] = disk / bw.disk_write_bps
+    label = "2 gens" if gens == 2 else "1 gen, in place"
+    tiers = {"gpu": model, "cpu": {"staging pool": pool}, "nvme": {
+        f"{k} ({label})": gens * v for k, v in share.items()}}
+    if ram:
+        tiers["cpu"].update({k: v - share[k] for k, v in state.items()})
+        offload = "hybrid"
+        note = (f"optimizer state {ram / total:.0%} in host memory, {disk / total:.0%} on NVMe "
+                f"under {inp.nvme} (offload='hybrid', cpu_budget={int(cpu_room)}, "
+                f"nvme_generations={gens})")
+    else:
+        offload = "nvme"
+        note = f"optimizer state on NVMe under {inp.nvme} (nvme_generations={gens})"
+    return Plan(offload=offload, tiers=tiers, legs_s=legs, note=note, generations=gens)
 
 
 def max_params(inp: PlanInput, bw: Bandwidths) -> tuple[int, Plan]:
@@ -131,10 +163,11 @@ def _fmt(nbytes: float) -> str:
 
 
 def render(plan: Plan, bw: Bandwidths) -> str:
-    lines = [f"offload={plan.offload!r}: {plan.note}", "", "tier   state            bytes"]
+    lines = [f"offload={plan.offload!r}: {plan.note}", "",
+             f"tier   {'state':30} bytes"]
     for tier, kinds in plan.tiers.items():
         for kind, nbytes in kinds.items():
-            lines.append(f"{tier:6} {kind:16} {_fmt(nbytes)}")
+            lines.append(f"{tier:6} {kind:30} {_fmt(nbytes)}")
     lines += ["", "measured: " + ", ".join(
         f"{k}={v / 1e9:.2f} GB/s" if k.endswith("bps") else f"{k}={v / 1e9:.2f} G/s"
         for k, v in vars(bw).items() if v is not None)]
@@ -142,6 +175,8 @@ def render(plan: Plan, bw: Bandwidths) -> str:
         lines.append(f"(no GPU here: PCIe assumed {_PCIE_ASSUMED / 1e9:.0f} GB/s each way)")
     lines += ["", "leg              s/step"]
     lines += [f"{leg:16} {s:.3f}" for leg, s in plan.legs_s.items()]
+    how = ("overlap=True" if plan.generations != 1 else
+           "within step(): chunks kept in one generation cannot overlap backward")
     lines.append(f"optimizer step: {plan.serial_s:.3f} s serial, {plan.pipelined_s:.3f} s "
-                 "pipelined (overlap=True)")
+                 f"pipelined ({how})")
     return "\n".join(lines)

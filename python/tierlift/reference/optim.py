@@ -20,10 +20,28 @@ def adam_scalars(lr, beta1, beta2, weight_decay, step):
 
 
 def _fma(a, b, c):
-    """a * b + c rounded once to fp32 (like the kernels' fused multiply-add): the fp32 product
-    is exact in double, so only the final sum rounds (double rounding through fp64 can differ
-    from a true FMA in rare ties; the tests allow an ulp)."""
-    return (a.double() * b.double() + c.double()).float()
+    """a * b + c rounded once to fp32, like the kernels' fused multiply-add. The fp32 product is
+    exact in double and the double sum's rounding error is recovered exactly (TwoSum); that error
+    matters only when the double sum sits exactly halfway between two floats, where it says
+    which way the exact sum lies (rounding the double sum alone would tie to even)."""
+    x, y = a.double() * b.double(), c.double()
+    s = x + y
+    t = s - x
+    err = (x - (s - t)) + (y - t)
+    f = s.float()
+    toward = torch.where(s > f.double(), torch.inf, -torch.inf).float()
+    other = torch.nextafter(f, toward)
+    tie = (s != f.double()) & ((s - f.double()).abs() == (other.double() - s).abs())
+    up = torch.maximum(f, other)
+    down = torch.minimum(f, other)
+    exact = torch.where(err > 0, up, down)
+    return torch.where(tie & (err != 0), exact, f)
+
+
+def _sqrt(x):
+    """fp32 sqrt rounded correctly, as the kernels' (torch's vectorized CPU sqrt can be an ulp
+    off); through double, where rounding twice cannot change a square root's fp32 result."""
+    return x.double().sqrt().float()
 
 
 @torch.no_grad()
@@ -61,7 +79,7 @@ def adam_step_(
         if amsgrad:
             torch.maximum(max_exp_avg_sqs[i], v, out=max_exp_avg_sqs[i])
             vhat = max_exp_avg_sqs[i]
-        denom = vhat.sqrt() / f32(s["bc2_sqrt"]) + f32(eps)
+        denom = _sqrt(vhat) / f32(s["bc2_sqrt"]) + f32(eps)
         p.add_(f32(s["neg_step_size"]) * m / denom)
         if param_copies:
             param_copies[i].copy_(p)

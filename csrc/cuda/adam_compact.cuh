@@ -1,0 +1,33 @@
+// Multi-tensor fused Adam/AdamW with compact state on the GPU, torch-free: m in bf16, v as 8-bit
+// codes with one fp32 scale (the block max) per 256 elements (core/optim/adam_compact.h has the
+// format and its error bound). Packs tensors into launches as cuda/adam.cuh does; each CUDA
+// block walks its chunk one 256-element code block at a time, one element per thread, and
+// reduces the block's new max with warp shuffles and shared memory before encoding. Arithmetic
+// matches the CPU kernel operation for operation, with explicitly rounded intrinsics.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/optim/adam.h"
+
+namespace tierlift {
+namespace cuda {
+
+struct CompactAdamTensorPtrs {
+  float* param;
+  const void* grad;
+  uint16_t* exp_avg;        // bf16 bits
+  uint8_t* exp_avg_sq;      // v codes
+  float* exp_avg_sq_scale;  // one per 256 elements
+  void* param_copy;         // null when no copy is written
+  int64_t numel;
+};
+
+// All tensors in one call share grad_type and copy_type (the caller groups them).
+cudaError_t adam_compact_step(const CompactAdamTensorPtrs* tensors, int count, DType grad_type,
+                              DType copy_type, const AdamScalars& s, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace tierlift

@@ -1,0 +1,159 @@
+// CPU and CUDA implementations of tierlift::adam_compact_step_ (schema in schemas.cpp).
+// Validates every tensor, then hands raw pointers to core/optim/adam_compact (CPU) or
+// cuda/adam_compact (GPU).
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <map>
+#include <vector>
+
+#include "checks.h"
+#include "core/optim/adam_compact.h"
+
+#ifdef TIERLIFT_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "cuda/adam_compact.cuh"
+#endif
+
+namespace tierlift {
+namespace {
+
+struct CompactArgs {
+  at::TensorList params, grads, exp_avgs, exp_avg_sqs, scales, param_copies;
+  AdamHyper hyper;
+};
+
+void check_args(const CompactArgs& a, c10::DeviceType backend) {
+  const size_t n = a.params.size();
+  TORCH_CHECK_VALUE(a.grads.size() == n && a.exp_avgs.size() == n && a.exp_avg_sqs.size() == n &&
+                        a.scales.size() == n,
+                    "adam_compact_step_: params, grads, exp_avgs, exp_avg_sqs and "
+                    "exp_avg_sq_scales must have the same length, got ",
+                    n, ", ", a.grads.size(), ", ", a.exp_avgs.size(), ", ", a.exp_avg_sqs.size(),
+                    ", ", a.scales.size());
+  TORCH_CHECK_VALUE(a.param_copies.empty() || a.param_copies.size() == n,
+                    "adam_compact_step_: param_copies must be empty or one per param");
+  TORCH_CHECK_VALUE(a.hyper.step >= 1, "adam_compact_step_: step must be >= 1, got ", a.hyper.step);
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = a.params[i];
+    TORCH_CHECK_VALUE(p.device().type() == backend, "adam_compact_step_: params[", i, "] is on ",
+                      p.device(), " but this call runs on ", backend);
+    auto check = [&](const at::Tensor& t, const char* name, int64_t numel,
+                     c10::optional<at::ScalarType> dtype) {
+      TORCH_CHECK_VALUE(t.layout() == at::kStrided, "adam_compact_step_: ", name, "[", i,
+                        "] must be dense (sparse gradients are not supported)");
+      TORCH_CHECK_VALUE(t.device() == p.device(), "adam_compact_step_: ", name, "[", i, "] is on ",
+                        t.device(), ", params[", i, "] on ", p.device());
+      TORCH_CHECK_VALUE(t.numel() == numel, "adam_compact_step_: ", name, "[", i, "] has ",
+                        t.numel(), " elements, expected ", numel);
+      TORCH_CHECK_VALUE(t.is_contiguous(), "adam_compact_step_: ", name, "[", i,
+                        "] must be contiguous");
+      if (dtype) {
+        TORCH_CHECK_TYPE(t.scalar_type() == *dtype, "adam_compact_step_: ", name, "[", i,
+                         "] must be ", *dtype, ", got ", t.scalar_type());
+      } else {
+        to_core_dtype(t.scalar_type(), name);
+      }
+    };
+    const int64_t numel = p.numel();
+    check(p, "params", numel, at::kFloat);
+    check(a.grads[i], "grads", numel, c10::nullopt);
+    check(a.exp_avgs[i], "exp_avgs", numel, at::kBFloat16);
+    check(a.exp_avg_sqs[i], "exp_avg_sqs", numel, at::kByte);
+    check(a.scales[i], "exp_avg_sq_scales", compact_scale_count(numel), at::kFloat);
+    if (!a.param_copies.empty()) check(a.param_copies[i], "param_copies", numel, c10::nullopt);
+  }
+}
+
+CompactAdamTensor core_view(const CompactArgs& a, size_t i) {
+  CompactAdamTensor t;
+  t.param = a.params[i].data_ptr<float>();
+  t.grad = a.grads[i].data_ptr();
+  t.grad_type = to_core_dtype(a.grads[i].scalar_type(), "grads");
+  t.exp_avg = static_cast<uint16_t*>(a.exp_avgs[i].data_ptr());
+  t.exp_avg_sq = a.exp_avg_sqs[i].data_ptr<uint8_t>();
+  t.exp_avg_sq_scale = a.scales[i].data_ptr<float>();
+  if (!a.param_copies.empty()) {
+    t.param_copy = a.param_copies[i].data_ptr();
+    t.copy_type = to_core_dtype(a.param_copies[i].scalar_type(), "param_copies");
+  }
+  t.numel = a.params[i].numel();
+  return t;
+}
+
+CompactArgs make_args(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                      at::TensorList exp_avg_sqs, at::TensorList scales,
+                      at::TensorList param_copies, double lr, double beta1, double beta2,
+                      double eps, double weight_decay, int64_t step, bool decoupled,
+                      bool maximize) {
+  CompactArgs a{params, grads, exp_avgs, exp_avg_sqs, scales, param_copies, {}};
+  a.hyper.lr = lr;
+  a.hyper.beta1 = beta1;
+  a.hyper.beta2 = beta2;
+  a.hyper.eps = eps;
+  a.hyper.weight_decay = weight_decay;
+  a.hyper.step = step;
+  a.hyper.decoupled = decoupled;
+  a.hyper.maximize = maximize;
+  return a;
+}
+
+void adam_compact_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                           at::TensorList exp_avg_sqs, at::TensorList scales,
+                           at::TensorList param_copies, double lr, double beta1, double beta2,
+                           double eps, double weight_decay, int64_t step, bool decoupled,
+                           bool maximize) {
+  const CompactArgs a = make_args(params, grads, exp_avgs, exp_avg_sqs, scales, param_copies, lr,
+                                  beta1, beta2, eps, weight_decay, step, decoupled, maximize);
+  check_args(a, c10::DeviceType::CPU);
+  std::vector<CompactAdamTensor> views;
+  views.reserve(params.size());
+  for (size_t i = 0; i < params.size(); ++i) views.push_back(core_view(a, i));
+  adam_compact_step(a.hyper, views.data(), views.size());
+}
+
+#ifdef TIERLIFT_WITH_CUDA
+void adam_compact_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                            at::TensorList exp_avg_sqs, at::TensorList scales,
+                            at::TensorList param_copies, double lr, double beta1, double beta2,
+                            double eps, double weight_decay, int64_t step, bool decoupled,
+                            bool maximize) {
+  const CompactArgs a = make_args(params, grads, exp_avgs, exp_avg_sqs, scales, param_copies, lr,
+                                  beta1, beta2, eps, weight_decay, step, decoupled, maximize);
+  check_args(a, c10::DeviceType::CUDA);
+  if (params.empty()) return;
+  const at::Device device = params[0].device();
+  for (size_t i = 1; i < params.size(); ++i) {
+    TORCH_CHECK_VALUE(params[i].device() == device, "adam_compact_step_: params[", i, "] is on ",
+                      params[i].device(), " but params[0] is on ", device);
+  }
+  c10::cuda::CUDAGuard guard(device);
+  const AdamScalars s = adam_scalars(a.hyper);
+  // One multi-tensor launch sequence per (grad dtype, copy dtype) group.
+  std::map<std::pair<DType, DType>, std::vector<cuda::CompactAdamTensorPtrs>> groups;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const CompactAdamTensor t = core_view(a, i);
+    groups[{t.grad_type, t.copy_type}].push_back(
+        {t.param, t.grad, t.exp_avg, t.exp_avg_sq, t.exp_avg_sq_scale, t.param_copy, t.numel});
+  }
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device.index());
+  for (auto& [types, ptrs] : groups) {
+    const cudaError_t err = cuda::adam_compact_step(ptrs.data(), static_cast<int>(ptrs.size()),
+                                                    types.first, types.second, s, stream);
+    TORCH_CHECK(err == cudaSuccess,
+                "adam_compact_step_: CUDA launch failed: ", cudaGetErrorString(err));
+  }
+}
+#endif
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(tierlift, CPU, m) { m.impl("adam_compact_step_", &adam_compact_step_cpu); }
+
+#ifdef TIERLIFT_WITH_CUDA
+TORCH_LIBRARY_IMPL(tierlift, CUDA, m) { m.impl("adam_compact_step_", &adam_compact_step_cuda); }
+#endif
+
+}  // namespace tierlift
