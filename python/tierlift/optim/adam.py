@@ -10,8 +10,8 @@ optimizer and ours in both directions. Differences, all deliberate:
     exp_avg_sq as uint8 codes with one fp32 scale per 256 elements ("exp_avg_sq_scale");
     about 3 bytes per parameter instead of 8 (docs/optim.md). Loading an fp32-state checkpoint
     quantizes it and an fp32-state optimizer dequantizes a compact one;
-  * offload="cpu"|"nvme"|"hybrid" (with nvme_path, cpu_budget, overlap, nvme_generations)
-    moves the state out of the parameter's memory; tierlift.offload does that work
+  * offload="cpu"|"nvme"|"hybrid" (with nvme_path, cpu_budget, overlap, nvme_generations,
+    chunk_bytes) moves the state out of the parameter's memory; tierlift.offload does that work
     (docs/offload.md);
   * foreach/fused/capturable are accepted for compatibility and ignored (ours is always fused);
     differentiable=True is refused;
@@ -96,6 +96,7 @@ class Adam(Optimizer):
         overlap=False,
         max_grad_norm=None,
         nvme_generations=2,
+        chunk_bytes=32 << 20,
         state_dtype="fp32",
     ):
         ops.check_adam_hyper(lr, betas, eps, weight_decay)
@@ -122,8 +123,8 @@ class Adam(Optimizer):
         super().__init__(params, defaults)
         self._offload = None
         extras = (nvme_path, cpu_budget, max_grad_norm)
-        if offload != "none" or overlap or nvme_generations != 2 or \
-                any(x is not None for x in extras):
+        if offload != "none" or overlap or nvme_generations != 2 or chunk_bytes != 32 << 20 \
+                or any(x is not None for x in extras):
             config = OffloadConfig(
                 offload=offload,
                 nvme_path=nvme_path,
@@ -131,6 +132,7 @@ class Adam(Optimizer):
                 overlap=overlap,
                 max_grad_norm=max_grad_norm,
                 nvme_generations=nvme_generations,
+                chunk_bytes=chunk_bytes,
             )
             if config.offload != "none":
                 self._offload = Offloader(self, config)
@@ -466,6 +468,7 @@ class AdamW(Adam):
         overlap=False,
         max_grad_norm=None,
         nvme_generations=2,
+        chunk_bytes=32 << 20,
         state_dtype="fp32",
     ):
         super().__init__(
@@ -488,6 +491,7 @@ class AdamW(Adam):
             overlap=overlap,
             max_grad_norm=max_grad_norm,
             nvme_generations=nvme_generations,
+            chunk_bytes=chunk_bytes,
         )
 
     def _decoupled(self, group: dict) -> bool:

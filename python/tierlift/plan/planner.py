@@ -42,6 +42,7 @@ class PlanInput:
     cpu_budget: int | None = None
     nvme_free: int | None = None  # bytes free under `nvme` (checked when the state goes there)
     gpu_reserve: float = 0.3  # share of GPU memory kept for activations and workspace
+    pool_bytes: int = POOL_BYTES  # the NVMe pipeline's pool (smaller with a smaller chunk_bytes)
 
     def __post_init__(self):
         if not self.params > 0:
@@ -101,7 +102,7 @@ def _on_nvme(inp, bw, n, model, state, cpu_room, legs) -> Plan:
     the rest of the budget holds, the remainder on NVMe, in two generations when the drive has
     room for them and in one (rewritten in place) when it has room only for that."""
     total = sum(state.values())
-    pool = min(POOL_BYTES, cpu_room // 4)
+    pool = min(inp.pool_bytes, cpu_room // 4)
     ram = max(0, min(total, cpu_room - pool))
     if ram < total / 100:  # not worth a RAM part: the whole budget is the pipeline's pool
         pool, ram = cpu_room, 0
