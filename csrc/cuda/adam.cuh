@@ -1,9 +1,8 @@
-// Multi-tensor fused Adam/AdamW on the GPU, torch-free. The host side packs up to
-// kMaxTensors tensor descriptors and a block -> (tensor, chunk) map into one kernel argument
-// struct and launches once per pack, so a model with hundreds of parameters costs a handful of
-// launches, as apex/torch's fused optimizers do. Arithmetic matches the CPU kernel
-// (core/optim/adam_impl.h) operation for operation, with explicitly rounded intrinsics so nvcc
-// cannot contract them into FMAs.
+// Multi-tensor fused Adam/AdamW on the GPU, torch-free. The host side packs many tensor
+// descriptors into each launch (cuda/multi_tensor.cuh), so a model with hundreds of parameters
+// costs a handful of launches, as apex/torch's fused optimizers do. Arithmetic matches the CPU
+// kernel (core/optim/adam_impl.h) operation for operation, with explicitly rounded intrinsics so
+// nvcc cannot contract them into FMAs.
 #pragma once
 
 #include <cuda_runtime.h>

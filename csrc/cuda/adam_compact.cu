@@ -1,41 +1,19 @@
-#include <cuda_fp16.h>
-
 #include "core/optim/adam_compact.h"
 #include "cuda/adam_compact.cuh"
+#include "cuda/adam_element.cuh"
 #include "cuda/launch.cuh"
+#include "cuda/multi_tensor.cuh"
 
 namespace tierlift {
 namespace cuda {
 namespace {
 
-constexpr int kMaxTensors = 24;
-constexpr int kMaxBlocks = 320;
 constexpr int64_t kChunk = 1 << 16;      // elements per CUDA block: whole code blocks
 constexpr int kThreads = kCompactBlock;  // one element of the code block per thread
 constexpr int kWarps = kThreads / 32;
 static_assert(kChunk % kCompactBlock == 0, "a code block must not straddle two CUDA blocks");
 
-struct Pack {
-  CompactAdamTensorPtrs t[kMaxTensors];
-  uint8_t block_tensor[kMaxBlocks];
-  int32_t block_chunk[kMaxBlocks];
-};
-
-__device__ __forceinline__ float bf16_to_f32(uint16_t h) {
-  return __uint_as_float(static_cast<uint32_t>(h) << 16);
-}
-__device__ __forceinline__ uint16_t f32_to_bf16(float f) {
-  const uint32_t u = __float_as_uint(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-  return static_cast<uint16_t>((u + ((u >> 16) & 1u) + 0x7fffu) >> 16);
-}
-// As cuda/adam.cu: NaN keeps its sign as sign | 0x7e00, like core's f32_to_f16.
-__device__ __forceinline__ uint16_t f32_to_f16(float f) {
-  const uint32_t u = __float_as_uint(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u)
-    return static_cast<uint16_t>(((u >> 16) & 0x8000u) | 0x7e00u);
-  return __half_as_ushort(__float2half_rn(f));
-}
+using Pack = TensorPack<CompactAdamTensorPtrs>;
 
 // core's encode_v / decode_v (adam_compact.h).
 __device__ __forceinline__ uint8_t encode_code(float v, float block_max) {
@@ -51,43 +29,17 @@ __device__ __forceinline__ float decode_code(uint8_t code, float block_max) {
                    block_max);
 }
 
-template <DType kT>
-__device__ __forceinline__ float load(const void* p, int64_t i) {
-  if constexpr (kT == DType::kFloat32) return static_cast<const float*>(p)[i];
-  if constexpr (kT == DType::kBFloat16) return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
-  if constexpr (kT == DType::kFloat16) return __half2float(static_cast<const __half*>(p)[i]);
-  return 0.f;
-}
-
-template <DType kT>
-__device__ __forceinline__ void store(void* p, int64_t i, float x) {
-  if constexpr (kT == DType::kFloat32) static_cast<float*>(p)[i] = x;
-  if constexpr (kT == DType::kBFloat16) static_cast<uint16_t*>(p)[i] = f32_to_bf16(x);
-  if constexpr (kT == DType::kFloat16) static_cast<uint16_t*>(p)[i] = f32_to_f16(x);
-}
-
 // adam_impl.h's decay_and_moments and apply_update on one element; returns the new v.
 template <DType kGrad, DType kCopy>
 __device__ __forceinline__ float step_element(const CompactAdamTensorPtrs& t, const AdamScalars& s,
                                               int64_t i, float old_max) {
-  float g = load<kGrad>(t.grad, i);
-  if (s.maximize) g = -g;
-  float p = t.param[i];
-  if (s.decoupled) {
-    p = __fmul_rn(p, s.decay);
-  } else if (s.weight_decay != 0.f) {
-    g = __fmaf_rn(s.weight_decay, p, g);
-  }
-  const float m0 = bf16_to_f32(t.exp_avg[i]);
-  const float m = __fmaf_rn(s.one_minus_beta1, __fsub_rn(g, m0), m0);
-  float v = __fmul_rn(decode_code(t.exp_avg_sq[i], old_max), s.beta2);
-  v = __fadd_rn(v, __fmul_rn(__fmul_rn(s.one_minus_beta2, g), g));
-  t.exp_avg[i] = f32_to_bf16(m);
-  const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), s.bc2_sqrt), s.eps);
-  p = __fadd_rn(p, __fdiv_rn(__fmul_rn(s.neg_step_size, m), denom));
-  t.param[i] = p;
-  if constexpr (kCopy != DType::kNone) store<kCopy>(t.param_copy, i, p);
-  return v;
+  float p;
+  const float g = grad_and_decay<kGrad>(s, t.grad, t.param, i, p);
+  const Moments mv =
+      moments(s, g, bf16_to_f32(t.exp_avg[i]), decode_code(t.exp_avg_sq[i], old_max));
+  t.exp_avg[i] = f32_to_bf16(mv.m);
+  apply_update<kCopy>(s, t.param, t.param_copy, i, p, mv.m, mv.v);
+  return mv.v;
 }
 
 template <DType kGrad, DType kCopy>
@@ -131,66 +83,18 @@ __global__ void __launch_bounds__(kThreads) adam_compact_kernel(Pack pack, AdamS
 template <DType kGrad, DType kCopy>
 cudaError_t run(const CompactAdamTensorPtrs* tensors, int count, const AdamScalars& s,
                 cudaStream_t stream) {
-  Pack pack;
-  int nt = 0, nb = 0;
-  for (int i = 0; i < count; ++i) {
-    const int64_t chunks = (tensors[i].numel + kChunk - 1) / kChunk;
-    if (chunks == 0) continue;
-    pack.t[nt] = tensors[i];
-    for (int64_t c = 0; c < chunks; ++c) {
-      pack.block_tensor[nb] = static_cast<uint8_t>(nt);
-      pack.block_chunk[nb] = static_cast<int32_t>(c);
-      ++nb;
-      const bool last_chunk = c == chunks - 1;
-      if (nb == kMaxBlocks || (last_chunk && nt + 1 == kMaxTensors)) {
-        TIERLIFT_LAUNCH(nb, kThreads, 0, stream, adam_compact_kernel<kGrad, kCopy>)(pack, s);
-        if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-        nb = 0;
-        // A tensor split across launches starts the next pack at slot 0.
-        if (!last_chunk) {
-          pack.t[0] = tensors[i];
-          nt = 0;
-        } else {
-          nt = -1;
-        }
-      }
-    }
-    ++nt;
-  }
-  if (nb > 0) {
-    TIERLIFT_LAUNCH(nb, kThreads, 0, stream, adam_compact_kernel<kGrad, kCopy>)(pack, s);
-    return cudaGetLastError();
-  }
-  return cudaSuccess;
-}
-
-template <DType kGrad>
-cudaError_t run_copy(const CompactAdamTensorPtrs* t, int n, DType copy, const AdamScalars& s,
-                     cudaStream_t st) {
-  switch (copy) {
-    case DType::kFloat32:
-      return run<kGrad, DType::kFloat32>(t, n, s, st);
-    case DType::kBFloat16:
-      return run<kGrad, DType::kBFloat16>(t, n, s, st);
-    case DType::kFloat16:
-      return run<kGrad, DType::kFloat16>(t, n, s, st);
-    default:
-      return run<kGrad, DType::kNone>(t, n, s, st);
-  }
+  return launch_packed<kChunk>(tensors, count, [&](const Pack& pack, int blocks) {
+    TIERLIFT_LAUNCH(blocks, kThreads, 0, stream, adam_compact_kernel<kGrad, kCopy>)(pack, s);
+  });
 }
 
 }  // namespace
 
 cudaError_t adam_compact_step(const CompactAdamTensorPtrs* tensors, int count, DType grad_type,
                               DType copy_type, const AdamScalars& s, cudaStream_t stream) {
-  switch (grad_type) {
-    case DType::kBFloat16:
-      return run_copy<DType::kBFloat16>(tensors, count, copy_type, s, stream);
-    case DType::kFloat16:
-      return run_copy<DType::kFloat16>(tensors, count, copy_type, s, stream);
-    default:
-      return run_copy<DType::kFloat32>(tensors, count, copy_type, s, stream);
-  }
+  return dispatch_grad_copy(grad_type, copy_type, [&](auto grad, auto copy) {
+    return run<decltype(grad)::value, decltype(copy)::value>(tensors, count, s, stream);
+  });
 }
 
 }  // namespace cuda

@@ -1,9 +1,10 @@
 // Multi-tensor fused Adam/AdamW with compact state on the GPU, torch-free: m in bf16, v as 8-bit
 // codes with one fp32 scale (the block max) per 256 elements (core/optim/adam_compact.h has the
-// format and its error bound). Packs tensors into launches as cuda/adam.cuh does; each CUDA
-// block walks its chunk one 256-element code block at a time, one element per thread, and
-// reduces the block's new max with warp shuffles and shared memory before encoding. Arithmetic
-// matches the CPU kernel operation for operation, with explicitly rounded intrinsics.
+// format and its error bound). Packs tensors into launches as cuda/adam.cuh does
+// (cuda/multi_tensor.cuh); each CUDA block walks its chunk one 256-element code block at a time,
+// one element per thread, and reduces the block's new max with warp shuffles and shared memory
+// before encoding. Arithmetic matches the CPU kernel operation for operation, with explicitly
+// rounded intrinsics.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -3,15 +3,14 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include <map>
 #include <vector>
 
+#include "adam_common.h"
 #include "checks.h"
 #include "core/optim/adam.h"
 
 #ifdef TIERLIFT_WITH_CUDA
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAGuard.h>
+#include <utility>
 
 #include "cuda/adam.cuh"
 #endif
@@ -41,13 +40,10 @@ void check_adam_args(const AdamArgs& a, c10::DeviceType backend) {
     TORCH_CHECK_VALUE(p.device().type() == backend, "adam_step_: params[", i, "] is on ",
                       p.device(), " but this call runs on ", backend);
     auto same = [&](const at::Tensor& t, const char* name, bool fp32) {
-      TORCH_CHECK_VALUE(t.layout() == at::kStrided, "adam_step_: ", name, "[", i,
-                        "] must be dense (sparse gradients are not supported)");
-      TORCH_CHECK_VALUE(t.device() == p.device(), "adam_step_: ", name, "[", i, "] is on ",
-                        t.device(), ", params[", i, "] on ", p.device());
+      check_dense_beside("adam_step_", t, name, i, p);
       TORCH_CHECK_VALUE(t.numel() == p.numel(), "adam_step_: ", name, "[", i, "] has ", t.numel(),
                         " elements, params[", i, "] has ", p.numel());
-      TORCH_CHECK_VALUE(t.is_contiguous(), "adam_step_: ", name, "[", i, "] must be contiguous");
+      check_contiguous("adam_step_", t, name, i);
       if (fp32) {
         TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, "adam_step_: ", name, "[", i,
                          "] must be float32, got ", t.scalar_type());
@@ -84,17 +80,13 @@ AdamArgs make_args(at::TensorList params, at::TensorList grads, at::TensorList e
                    at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
                    at::TensorList param_copies, double lr, double beta1, double beta2, double eps,
                    double weight_decay, int64_t step, bool decoupled, bool amsgrad, bool maximize) {
-  AdamArgs a{params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_copies, {}};
-  a.hyper.lr = lr;
-  a.hyper.beta1 = beta1;
-  a.hyper.beta2 = beta2;
-  a.hyper.eps = eps;
-  a.hyper.weight_decay = weight_decay;
-  a.hyper.step = step;
-  a.hyper.decoupled = decoupled;
-  a.hyper.amsgrad = amsgrad;
-  a.hyper.maximize = maximize;
-  return a;
+  return {params,
+          grads,
+          exp_avgs,
+          exp_avg_sqs,
+          max_exp_avg_sqs,
+          param_copies,
+          adam_hyper(lr, beta1, beta2, eps, weight_decay, step, decoupled, amsgrad, maximize)};
 }
 
 void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
@@ -132,27 +124,19 @@ void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
       make_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_copies, lr, beta1,
                 beta2, eps, weight_decay, step, decoupled, amsgrad, maximize);
   check_adam_args(a, c10::DeviceType::CUDA);
-  if (params.empty()) return;
-  const at::Device device = params[0].device();
-  for (size_t i = 1; i < params.size(); ++i) {
-    TORCH_CHECK_VALUE(params[i].device() == device, "adam_step_: params[", i, "] is on ",
-                      params[i].device(), " but params[0] is on ", device);
-  }
-  c10::cuda::CUDAGuard guard(device);
   const AdamScalars s = adam_scalars(a.hyper);
-  // One multi-tensor launch sequence per (grad dtype, copy dtype) group.
-  std::map<std::pair<DType, DType>, std::vector<cuda::AdamTensorPtrs>> groups;
-  for (size_t i = 0; i < params.size(); ++i) {
-    const AdamTensor t = core_view(a, i);
-    groups[{t.grad_type, t.copy_type}].push_back(
-        {t.param, t.grad, t.exp_avg, t.exp_avg_sq, t.max_exp_avg_sq, t.param_copy, t.numel});
-  }
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device.index());
-  for (auto& [types, ptrs] : groups) {
-    const cudaError_t err = cuda::adam_step(ptrs.data(), static_cast<int>(ptrs.size()), types.first,
-                                            types.second, s, stream);
-    TORCH_CHECK(err == cudaSuccess, "adam_step_: CUDA launch failed: ", cudaGetErrorString(err));
-  }
+  launch_grouped<cuda::AdamTensorPtrs>(
+      "adam_step_", params,
+      [&](size_t i) {
+        const AdamTensor t = core_view(a, i);
+        return std::make_pair(std::make_pair(t.grad_type, t.copy_type),
+                              cuda::AdamTensorPtrs{t.param, t.grad, t.exp_avg, t.exp_avg_sq,
+                                                   t.max_exp_avg_sq, t.param_copy, t.numel});
+      },
+      [&](const cuda::AdamTensorPtrs* ptrs, int count, DType grad_type, DType copy_type,
+          cudaStream_t stream) {
+        return cuda::adam_step(ptrs, count, grad_type, copy_type, s, stream);
+      });
 }
 #endif
 

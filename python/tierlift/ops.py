@@ -21,6 +21,27 @@ def _has_kernel(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cpu" or (tensor.is_cuda and _extension.has_cuda_kernels())
 
 
+def _adam_op(name, tensor_lists, lr, beta1, beta2, eps, weight_decay, step, *flags) -> None:
+    """Calls the Adam op `name` (its compiled kernel, else its reference) with the schema's
+    argument types: the six tensor lists as lists, the hyperparameters as floats, step as an int
+    and the trailing flags as bools."""
+    args = (
+        *(list(tensors) for tensors in tensor_lists),
+        float(lr),
+        float(beta1),
+        float(beta2),
+        float(eps),
+        float(weight_decay),
+        int(step),
+        *(bool(flag) for flag in flags),
+    )
+    params = args[0]
+    if params and _has_kernel(params[0]):
+        getattr(torch.ops.tierlift, name)(*args)
+    else:
+        getattr(reference, name)(*args)
+
+
 def adam_step_(
     params,
     grads,
@@ -44,27 +65,11 @@ def adam_step_(
     `param_copies` is empty or holds, per param, a tensor that receives the updated weight in its
     own dtype (bf16/fp16/fp32): the low-precision model weight whose master `params` is.
     """
-    args = (
-        list(params),
-        list(grads),
-        list(exp_avgs),
-        list(exp_avg_sqs),
-        list(max_exp_avg_sqs),
-        list(param_copies),
-        float(lr),
-        float(beta1),
-        float(beta2),
-        float(eps),
-        float(weight_decay),
-        int(step),
-        bool(decoupled),
-        bool(amsgrad),
-        bool(maximize),
+    _adam_op(
+        "adam_step_",
+        (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_copies),
+        lr, beta1, beta2, eps, weight_decay, step, decoupled, amsgrad, maximize,
     )
-    if params and _has_kernel(params[0]):
-        torch.ops.tierlift.adam_step_(*args)
-    else:
-        reference.adam_step_(*args)
 
 
 def adam_compact_step_(
@@ -87,26 +92,11 @@ def adam_compact_step_(
     """adam_step_ with compact state: per param, `exp_avgs` bf16, `exp_avg_sqs` uint8 codes and
     `exp_avg_sq_scales` fp32 block maxima, one per 256 elements (format and error bound:
     tierlift.reference.optim_compact). No amsgrad."""
-    args = (
-        list(params),
-        list(grads),
-        list(exp_avgs),
-        list(exp_avg_sqs),
-        list(exp_avg_sq_scales),
-        list(param_copies),
-        float(lr),
-        float(beta1),
-        float(beta2),
-        float(eps),
-        float(weight_decay),
-        int(step),
-        bool(decoupled),
-        bool(maximize),
+    _adam_op(
+        "adam_compact_step_",
+        (params, grads, exp_avgs, exp_avg_sqs, exp_avg_sq_scales, param_copies),
+        lr, beta1, beta2, eps, weight_decay, step, decoupled, maximize,
     )
-    if params and _has_kernel(params[0]):
-        torch.ops.tierlift.adam_compact_step_(*args)
-    else:
-        reference.adam_compact_step_(*args)
 
 
 def _finite(name: str, value) -> float:
@@ -135,45 +125,12 @@ def check_adam_hyper(lr, betas, eps, weight_decay) -> None:
 
 if _extension.available():
 
-    @torch.library.register_fake("tierlift::adam_step_")
-    def _adam_step_fake(
-        params,
-        grads,
-        exp_avgs,
-        exp_avg_sqs,
-        max_exp_avg_sqs,
-        param_copies,
-        lr,
-        beta1,
-        beta2,
-        eps,
-        weight_decay,
-        step,
-        decoupled,
-        amsgrad,
-        maximize,
-    ):
+    def _adam_fake(*args, **kwargs):
+        """Both Adam ops update their tensors in place and return nothing."""
         return None
 
-
-    @torch.library.register_fake("tierlift::adam_compact_step_")
-    def _adam_compact_step_fake(
-        params,
-        grads,
-        exp_avgs,
-        exp_avg_sqs,
-        exp_avg_sq_scales,
-        param_copies,
-        lr,
-        beta1,
-        beta2,
-        eps,
-        weight_decay,
-        step,
-        decoupled,
-        maximize,
-    ):
-        return None
+    torch.library.register_fake("tierlift::adam_step_")(_adam_fake)
+    torch.library.register_fake("tierlift::adam_compact_step_")(_adam_fake)
 
 
 # ---- gather ----

@@ -1,11 +1,8 @@
 #include "core/optim/adam.h"
 
 #include <cmath>
-#include <stdexcept>
-#include <string>
-#include <vector>
 
-#include "core/util/thread_pool.h"
+#include "core/optim/adam_driver.h"
 
 namespace tierlift {
 
@@ -45,41 +42,18 @@ void adam_step_range(SimdLevel level, const AdamScalars& s, const AdamTensor& t,
 namespace {
 
 void validate(const AdamHyper& h, const AdamTensor& t, size_t index) {
-  auto fail = [&](const std::string& what) {
-    throw std::invalid_argument("adam_step: tensor " + std::to_string(index) + ": " + what);
-  };
-  if (t.numel < 0) fail("negative numel");
-  if (t.numel == 0) return;
-  if (!t.param || !t.grad || !t.exp_avg || !t.exp_avg_sq) fail("null param, grad or state");
-  if (h.amsgrad && !t.max_exp_avg_sq) fail("amsgrad needs max_exp_avg_sq");
-  if (t.copy_type != DType::kNone && !t.param_copy) fail("copy_type set but param_copy is null");
-  if (t.grad_type == DType::kNone) fail("grad_type must be a float type");
-  if (h.step < 1) fail("step must be >= 1");
+  adam_detail::validate_tensor("adam_step", h, t, index, t.exp_avg && t.exp_avg_sq, [&] {
+    if (h.amsgrad && !t.max_exp_avg_sq) {
+      adam_detail::fail_tensor("adam_step", index, "amsgrad needs max_exp_avg_sq");
+    }
+  });
 }
-
-// One piece of work: a contiguous range of one tensor. Ranges are multiples of 64 elements so
-// SIMD bodies never split a vector between threads.
-struct Chunk {
-  size_t tensor;
-  int64_t begin, end;
-};
 
 void run_chunks(const AdamScalars& s, const AdamTensor* tensors, size_t count) {
   const SimdLevel level = active_simd_level();
-  constexpr int64_t kChunk = 1 << 15;  // 32K elements: ~1 MB of traffic, amortizes dispatch
-  std::vector<Chunk> chunks;
-  for (size_t i = 0; i < count; ++i) {
-    for (int64_t b = 0; b < tensors[i].numel; b += kChunk) {
-      chunks.push_back({i, b, std::min(tensors[i].numel, b + kChunk)});
-    }
-  }
-  ThreadPool::global().parallel_for(
-      static_cast<int64_t>(chunks.size()), 1, [&](int64_t lo, int64_t hi) {
-        for (int64_t c = lo; c < hi; ++c) {
-          const Chunk& ch = chunks[c];
-          adam_step_range(level, s, tensors[ch.tensor], ch.begin, ch.end);
-        }
-      });
+  adam_detail::run_chunks(tensors, count, [&](const AdamTensor& t, int64_t begin, int64_t end) {
+    adam_step_range(level, s, t, begin, end);
+  });
 }
 
 }  // namespace

@@ -2,11 +2,8 @@
 
 #include <algorithm>
 #include <limits>
-#include <stdexcept>
-#include <string>
-#include <vector>
 
-#include "core/util/thread_pool.h"
+#include "core/optim/adam_driver.h"
 
 namespace tierlift {
 
@@ -44,24 +41,14 @@ void adam_compact_step_range(SimdLevel level, const AdamScalars& s, const Compac
 namespace {
 
 void validate(const AdamHyper& h, const CompactAdamTensor& t, size_t index) {
-  auto fail = [&](const std::string& what) {
-    throw std::invalid_argument("adam_compact_step: tensor " + std::to_string(index) + ": " + what);
-  };
-  if (h.amsgrad) fail("amsgrad is not supported with compact state (use fp32 state)");
-  if (t.numel < 0) fail("negative numel");
-  if (t.numel == 0) return;
-  if (!t.param || !t.grad || !t.exp_avg || !t.exp_avg_sq || !t.exp_avg_sq_scale) {
-    fail("null param, grad or state");
+  constexpr const char* kOp = "adam_compact_step";
+  if (h.amsgrad) {
+    adam_detail::fail_tensor(kOp, index,
+                             "amsgrad is not supported with compact state (use fp32 state)");
   }
-  if (t.copy_type != DType::kNone && !t.param_copy) fail("copy_type set but param_copy is null");
-  if (t.grad_type == DType::kNone) fail("grad_type must be a float type");
-  if (h.step < 1) fail("step must be >= 1");
+  adam_detail::validate_tensor(kOp, h, t, index, t.exp_avg && t.exp_avg_sq && t.exp_avg_sq_scale,
+                               [] {});
 }
-
-struct Chunk {
-  size_t tensor;
-  int64_t begin, end;
-};
 
 }  // namespace
 
@@ -69,22 +56,12 @@ void adam_compact_step(const AdamHyper& hyper, const CompactAdamTensor* tensors,
   for (size_t i = 0; i < count; ++i) validate(hyper, tensors[i], i);
   const AdamScalars s = adam_scalars(hyper);
   const SimdLevel level = active_simd_level();
-  // Whole blocks per chunk (a block's scale depends on all of it); 32K elements as adam_step.
-  constexpr int64_t kChunk = 1 << 15;
-  static_assert(kChunk % kCompactBlock == 0, "chunks must hold whole blocks");
-  std::vector<Chunk> chunks;
-  for (size_t i = 0; i < count; ++i) {
-    for (int64_t b = 0; b < tensors[i].numel; b += kChunk) {
-      chunks.push_back({i, b, std::min(tensors[i].numel, b + kChunk)});
-    }
-  }
-  ThreadPool::global().parallel_for(
-      static_cast<int64_t>(chunks.size()), 1, [&](int64_t lo, int64_t hi) {
-        for (int64_t c = lo; c < hi; ++c) {
-          const Chunk& ch = chunks[c];
-          adam_compact_step_range(level, s, tensors[ch.tensor], ch.begin, ch.end);
-        }
-      });
+  // Whole blocks per chunk: a block's scale depends on all of it.
+  static_assert(adam_detail::kThreadChunk % kCompactBlock == 0, "chunks must hold whole blocks");
+  adam_detail::run_chunks(tensors, count,
+                          [&](const CompactAdamTensor& t, int64_t begin, int64_t end) {
+                            adam_compact_step_range(level, s, t, begin, end);
+                          });
 }
 
 }  // namespace tierlift

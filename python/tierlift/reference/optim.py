@@ -44,6 +44,36 @@ def _sqrt(x):
     return x.double().sqrt().float()
 
 
+def _f32(x):
+    """A Python float rounded to fp32, as C++ rounds a double."""
+    return torch.tensor(x, dtype=torch.float32)
+
+
+def decay_and_moments(p, grad, m, v, s, *, beta1, beta2, weight_decay, decoupled, maximize):
+    """adam_impl.h's decay_and_moments on one tensor, shared by both state layouts: decays the
+    fp32 weight `p` in place (AdamW) and returns the new fp32 moments (m, v), computed from the
+    old fp32 `m` and `v` out of place. `s` is adam_scalars' dict."""
+    g = grad.float()
+    if maximize:
+        g = -g
+    if decoupled:
+        p.mul_(_f32(s["decay"]))
+    elif weight_decay != 0:
+        g = _fma(_f32(weight_decay), p, g)
+    m = _fma(_f32(1.0 - beta1), g - m, m)
+    v = v * _f32(beta2) + _f32(1.0 - beta2) * g * g
+    return m, v
+
+
+def apply_update(p, m, vhat, s, eps, param_copy) -> None:
+    """adam_impl.h's apply_update: steps `p` in place with the new fp32 m and v (or its running
+    max), then writes the new weight into `param_copy` unless it is None."""
+    denom = _sqrt(vhat) / _f32(s["bc2_sqrt"]) + _f32(eps)
+    p.add_(_f32(s["neg_step_size"]) * m / denom)
+    if param_copy is not None:
+        param_copy.copy_(p)
+
+
 @torch.no_grad()
 def adam_step_(
     params,
@@ -63,23 +93,14 @@ def adam_step_(
     maximize,
 ) -> None:
     s = adam_scalars(lr, beta1, beta2, weight_decay, step)
-    f32 = lambda x: torch.tensor(x, dtype=torch.float32)  # round a Python float like C++ does
+    hyper = dict(beta1=beta1, beta2=beta2, weight_decay=weight_decay, decoupled=decoupled,
+                 maximize=maximize)
     for i, p in enumerate(params):
-        g = grads[i].float()
-        if maximize:
-            g = -g
-        if decoupled:
-            p.mul_(f32(s["decay"]))
-        elif weight_decay != 0:
-            g = _fma(f32(weight_decay), p, g)
-        m, v = exp_avgs[i], exp_avg_sqs[i]
-        m.copy_(_fma(f32(1.0 - beta1), g - m, m))
-        v.mul_(f32(beta2)).add_(f32(1.0 - beta2) * g * g)
+        m, v = decay_and_moments(p, grads[i], exp_avgs[i], exp_avg_sqs[i], s, **hyper)
+        exp_avgs[i].copy_(m)
+        exp_avg_sqs[i].copy_(v)
         vhat = v
         if amsgrad:
             torch.maximum(max_exp_avg_sqs[i], v, out=max_exp_avg_sqs[i])
             vhat = max_exp_avg_sqs[i]
-        denom = _sqrt(vhat) / f32(s["bc2_sqrt"]) + f32(eps)
-        p.add_(f32(s["neg_step_size"]) * m / denom)
-        if param_copies:
-            param_copies[i].copy_(p)
+        apply_update(p, m, vhat, s, eps, param_copies[i] if param_copies else None)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from tierlift.reference.optim import _fma, _sqrt, adam_scalars
+from tierlift.reference.optim import adam_scalars, apply_update, decay_and_moments
 
 BLOCK = 256
 _SHIFT = 20
@@ -79,24 +79,14 @@ def adam_compact_step_(
     maximize,
 ) -> None:
     s = adam_scalars(lr, beta1, beta2, weight_decay, step)
-    f32 = lambda x: torch.tensor(x, dtype=torch.float32)  # round a Python float like C++ does
+    hyper = dict(beta1=beta1, beta2=beta2, weight_decay=weight_decay, decoupled=decoupled,
+                 maximize=maximize)
     for i, p in enumerate(params):
-        g = grads[i].float()
-        if maximize:
-            g = -g
-        if decoupled:
-            p.mul_(f32(s["decay"]))
-        elif weight_decay != 0:
-            g = _fma(f32(weight_decay), p, g)
         m = exp_avgs[i].float()
         v = dequantize_exp_avg_sq(exp_avg_sqs[i], exp_avg_sq_scales[i])
-        m = _fma(f32(1.0 - beta1), g - m, m)
-        v = v * f32(beta2) + f32(1.0 - beta2) * g * g
+        m, v = decay_and_moments(p, grads[i], m, v, s, **hyper)
         exp_avgs[i].copy_(m.to(torch.bfloat16))
         codes, scales = quantize_exp_avg_sq(v)
         exp_avg_sqs[i].copy_(codes)
         exp_avg_sq_scales[i].copy_(scales)
-        denom = _sqrt(v) / f32(s["bc2_sqrt"]) + f32(eps)
-        p.add_(f32(s["neg_step_size"]) * m / denom)
-        if param_copies:
-            param_copies[i].copy_(p)
+        apply_update(p, m, v, s, eps, param_copies[i] if param_copies else None)

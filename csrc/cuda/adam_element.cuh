@@ -1,0 +1,92 @@
+// One element of the Adam step on the GPU, shared by the fp32-state (cuda/adam.cu) and the
+// compact-state (cuda/adam_compact.cu) kernels, which differ only in how they load and store m
+// and v: the fp32/bf16/fp16 element conversions, then core/optim/adam_impl.h's decay_and_moments
+// (here grad_and_decay and moments) and apply_update, operation for operation, with explicitly
+// rounded intrinsics so nvcc cannot contract them into FMAs.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/optim/adam.h"
+#include "core/util/dtype.h"
+
+namespace tierlift {
+namespace cuda {
+
+__device__ __forceinline__ float bf16_to_f32(uint16_t h) {
+  return __uint_as_float(static_cast<uint32_t>(h) << 16);
+}
+__device__ __forceinline__ uint16_t f32_to_bf16(float f) {
+  const uint32_t u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  return static_cast<uint16_t>((u + ((u >> 16) & 1u) + 0x7fffu) >> 16);
+}
+// __float2half_rn, except that NaN keeps its sign as sign | 0x7e00 (the device's is 0x7fff), as
+// core's f32_to_f16 and c10::Half write it.
+__device__ __forceinline__ uint16_t f32_to_f16(float f) {
+  const uint32_t u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u)
+    return static_cast<uint16_t>(((u >> 16) & 0x8000u) | 0x7e00u);
+  return __half_as_ushort(__float2half_rn(f));
+}
+
+// Element i of a kT array (fp32, bf16 or fp16) as fp32, and back.
+template <DType kT>
+__device__ __forceinline__ float load(const void* p, int64_t i) {
+  if constexpr (kT == DType::kFloat32) return static_cast<const float*>(p)[i];
+  if constexpr (kT == DType::kBFloat16) return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
+  if constexpr (kT == DType::kFloat16) return __half2float(static_cast<const __half*>(p)[i]);
+  return 0.f;
+}
+
+template <DType kT>
+__device__ __forceinline__ void store(void* p, int64_t i, float x) {
+  if constexpr (kT == DType::kFloat32) static_cast<float*>(p)[i] = x;
+  if constexpr (kT == DType::kBFloat16) static_cast<uint16_t*>(p)[i] = f32_to_bf16(x);
+  if constexpr (kT == DType::kFloat16) static_cast<uint16_t*>(p)[i] = f32_to_f16(x);
+}
+
+// Loads grad[i] and param[i]; returns the gradient (negated when maximizing, plus the L2 term
+// for Adam) and sets p to the weight, decayed for AdamW.
+template <DType kGrad>
+__device__ __forceinline__ float grad_and_decay(const AdamScalars& s, const void* grad,
+                                                const float* param, int64_t i, float& p) {
+  float g = load<kGrad>(grad, i);
+  if (s.maximize) g = -g;
+  p = param[i];
+  if (s.decoupled) {
+    p = __fmul_rn(p, s.decay);
+  } else if (s.weight_decay != 0.f) {
+    g = __fmaf_rn(s.weight_decay, p, g);
+  }
+  return g;
+}
+
+struct Moments {
+  float m, v;
+};
+
+// The new fp32 moments from the gradient g and the old moments m, v.
+__device__ __forceinline__ Moments moments(const AdamScalars& s, float g, float m, float v) {
+  const float m1 = __fmaf_rn(s.one_minus_beta1, __fsub_rn(g, m), m);
+  float v1 = __fmul_rn(v, s.beta2);
+  v1 = __fadd_rn(v1, __fmul_rn(__fmul_rn(s.one_minus_beta2, g), g));
+  return {m1, v1};
+}
+
+// Steps the decayed weight p with the new m and v (or v's running max) and stores it in param[i]
+// and, unless kCopy is kNone, in param_copy[i].
+template <DType kCopy>
+__device__ __forceinline__ void apply_update(const AdamScalars& s, float* param, void* param_copy,
+                                             int64_t i, float p, float m, float v) {
+  const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), s.bc2_sqrt), s.eps);
+  p = __fadd_rn(p, __fdiv_rn(__fmul_rn(s.neg_step_size, m), denom));
+  param[i] = p;
+  if constexpr (kCopy != DType::kNone) store<kCopy>(param_copy, i, p);
+}
+
+}  // namespace cuda
+}  // namespace tierlift

@@ -1,0 +1,81 @@
+// What the fp32-state and compact-state Adam ops (optim_ops.cpp, optim_compact_ops.cpp) share at
+// the binding layer: the hyperparameters from the op's arguments, the checks every state tensor
+// makes against its param, and, on CUDA, the grouping of tensors into multi-tensor launches.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/optim/adam.h"
+
+#ifdef TIERLIFT_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <map>
+#include <utility>
+#include <vector>
+#endif
+
+namespace tierlift {
+
+inline AdamHyper adam_hyper(double lr, double beta1, double beta2, double eps, double weight_decay,
+                            int64_t step, bool decoupled, bool amsgrad, bool maximize) {
+  AdamHyper h;
+  h.lr = lr;
+  h.beta1 = beta1;
+  h.beta2 = beta2;
+  h.eps = eps;
+  h.weight_decay = weight_decay;
+  h.step = step;
+  h.decoupled = decoupled;
+  h.amsgrad = amsgrad;
+  h.maximize = maximize;
+  return h;
+}
+
+// `name`[i] of `op` is dense and on the device of p (params[i]).
+inline void check_dense_beside(const char* op, const at::Tensor& t, const char* name, size_t i,
+                               const at::Tensor& p) {
+  TORCH_CHECK_VALUE(t.layout() == at::kStrided, op, ": ", name, "[", i,
+                    "] must be dense (sparse gradients are not supported)");
+  TORCH_CHECK_VALUE(t.device() == p.device(), op, ": ", name, "[", i, "] is on ", t.device(),
+                    ", params[", i, "] on ", p.device());
+}
+
+inline void check_contiguous(const char* op, const at::Tensor& t, const char* name, size_t i) {
+  TORCH_CHECK_VALUE(t.is_contiguous(), op, ": ", name, "[", i, "] must be contiguous");
+}
+
+#ifdef TIERLIFT_WITH_CUDA
+// The CUDA side of an Adam op once its tensors are checked: every param on one device, then one
+// multi-tensor launch sequence per (grad dtype, copy dtype) group, on the current stream.
+// ptrs_of(i) returns {{grad dtype, copy dtype}, kernel descriptor of tensor i};
+// launch(ptrs, count, grad_type, copy_type, stream) launches one group and returns its error.
+template <typename Ptrs, typename PtrsOf, typename Launch>
+void launch_grouped(const char* op, at::TensorList params, PtrsOf&& ptrs_of, Launch&& launch) {
+  if (params.empty()) return;
+  const at::Device device = params[0].device();
+  for (size_t i = 1; i < params.size(); ++i) {
+    TORCH_CHECK_VALUE(params[i].device() == device, op, ": params[", i, "] is on ",
+                      params[i].device(), " but params[0] is on ", device);
+  }
+  c10::cuda::CUDAGuard guard(device);
+  std::map<std::pair<DType, DType>, std::vector<Ptrs>> groups;
+  for (size_t i = 0; i < params.size(); ++i) {
+    std::pair<std::pair<DType, DType>, Ptrs> typed = ptrs_of(i);
+    groups[typed.first].push_back(typed.second);
+  }
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device.index());
+  for (auto& [types, ptrs] : groups) {
+    const cudaError_t err =
+        launch(ptrs.data(), static_cast<int>(ptrs.size()), types.first, types.second, stream);
+    TORCH_CHECK(err == cudaSuccess, op, ": CUDA launch failed: ", cudaGetErrorString(err));
+  }
+}
+#endif
+
+}  // namespace tierlift
