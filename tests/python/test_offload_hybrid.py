@@ -12,6 +12,7 @@ import textwrap
 
 import pytest
 import torch
+from test_offload import SHAPES, _grads, _params
 
 import tierlift
 from tierlift.offload.tiers import HybridTier, NvmeTier
@@ -20,19 +21,7 @@ from tierlift.optim import Adam, AdamW
 pytestmark = pytest.mark.skipif(not tierlift._extension.available(),
                                 reason="compiled extension not loaded")
 
-SHAPES = [(37, 51), (3000,), (5,), (70000,)]
 BUDGET = 600_000  # about half of the 12 B/param state of SHAPES, pool included
-
-
-def _params(dtype=torch.float32):
-    g = torch.Generator().manual_seed(1)
-    return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in SHAPES]
-
-
-def _grads(params, i):
-    g = torch.Generator().manual_seed(100 + i)
-    for j, p in enumerate(params):
-        p.grad = None if (i == 1 and j == 2) else torch.randn(p.shape, generator=g).to(p.dtype)
 
 
 def _train(cls, steps=4, dtype=torch.float32, params=None, opt=None, first=0, **kw):

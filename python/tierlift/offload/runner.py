@@ -367,14 +367,21 @@ class Offloader:
             self.opt.state[params[pi]]["step"] = torch.tensor(float(s), dtype=torch.float32)
 
     def _step_resident(self, gi: int, group: dict, grads: dict, stats) -> None:
-        params, tier = group["params"], self.tiers[gi]
         steps = self.next_steps(gi, grads)
-        chunks = [c for c in self.layouts[gi].chunks if any(s.pi in grads for s in c.segments)]
-        for i, chunk in enumerate(chunks):
-            bufs = {k: tier.view(k, chunk.ci, self.chunk_elems) for k in tier.kinds}
-            bufs.update(self._slots[i % self.n_slots])
-            self._step_chunk(gi, group, params, grads, steps, chunk, bufs, stats)
+        self._step_views(gi, grads, steps, self._chunks(gi, grads, set()), stats)
         self._commit_steps(gi, steps)
+
+    def _step_views(self, gi: int, grads: dict, steps: dict, chunks, stats) -> None:
+        """Steps host chunks on the tier's own memory, each once any checkpoint save reading
+        it has read it; GPU gradients and weights are staged through the slots' grad/copy
+        buffers."""
+        group, tier = self.opt.param_groups[gi], self.tiers[gi]
+        for i, chunk in enumerate(chunks):
+            tier._wait_unheld(chunk.ci, tier.gen[chunk.ci])
+            bufs = {k: tier.view(k, chunk.ci, self.chunk_elems) for k in tier.kinds}
+            bufs.update({k: v for k, v in self._slots[i % self.n_slots].items()
+                         if k in ("grad", "copy")})
+            self._step_chunk(gi, group, group["params"], grads, steps, chunk, bufs, stats)
 
     def _step_streamed(self, live: list[dict], spec: dict, stats, early: dict) -> None:
         """Steps every chunk with a gradient that the overlap did not already step validly:
@@ -430,24 +437,20 @@ class Offloader:
         stats["nvme_sync_s"] += dt  # the fdatasync part of the write wait
 
     def _step_in_place(self, live: list[dict], in_place: dict, stats) -> None:
-        """Rewrites the one-generation chunks: host chunks stepped on their own memory (after
-        any checkpoint save reading them has read them), NVMe chunks streamed through the
-        pipeline and written back where they were. Nothing can undo this part: if it fails,
-        the optimizer refuses to step until a checkpoint is loaded."""
+        """Rewrites the one-generation chunks: host chunks stepped on their own memory, NVMe
+        chunks streamed through the pipeline and written back where they were. Nothing can
+        undo this part: if it fails, the optimizer refuses to step until a checkpoint is
+        loaded."""
         t = time.perf_counter()
         try:
             for gi, chunks in in_place.items():
-                group, tier, grads = self.opt.param_groups[gi], self.tiers[gi], live[gi]
-                params, steps = group["params"], self.next_steps(gi, grads)
-                on_disk = [c for c in chunks if not tier.viewable(c.ci)]
-                for i, chunk in enumerate(c for c in chunks if tier.viewable(c.ci)):
-                    tier._wait_unheld(chunk.ci, tier.gen[chunk.ci])
-                    bufs = {k: tier.view(k, chunk.ci, self.chunk_elems) for k in tier.kinds}
-                    bufs.update({k: v for k, v in self._slots[i % self.n_slots].items()
-                                 if k in ("grad", "copy")})
-                    self._step_chunk(gi, group, params, grads, steps, chunk, bufs, stats)
-                    stats["ram_chunks"] += 1
-                self.run(gi, grads, steps, on_disk, stats, [])
+                tier, grads = self.tiers[gi], live[gi]
+                steps = self.next_steps(gi, grads)
+                in_ram = [c for c in chunks if tier.viewable(c.ci)]
+                self._step_views(gi, grads, steps, in_ram, stats)
+                stats["ram_chunks"] += len(in_ram)
+                self.run(gi, grads, steps, [c for c in chunks if not tier.viewable(c.ci)],
+                         stats, [])
             self._sync(stats)
         except BaseException as err:
             self._broken = (

@@ -201,7 +201,18 @@ class GenerationHold:
 
 
 class _Holdable:
-    """What MemoryTier and NvmeTier share for GenerationHold."""
+    """What MemoryTier and NvmeTier share: GenerationHold, and the generation of each chunk
+    (`generations`, 1 or 2, for every chunk of the tier)."""
+
+    def two_gen(self, ci: int) -> bool:
+        return self.generations == 2
+
+    def next_gen(self, ci: int) -> int:
+        return 1 - self.gen[ci] if self.generations == 2 else self.gen[ci]
+
+    def flip(self, ci: int) -> None:
+        if self.generations == 2:
+            self.gen[ci] = 1 - self.gen[ci]
 
     def _init_holds(self) -> None:
         self.held = threading.Condition()
@@ -250,19 +261,9 @@ class MemoryTier(_Holdable):
     def resident_bytes(self) -> int:
         return sum(t.nbytes for t in self.flat.values())
 
-    def two_gen(self, ci: int) -> bool:
-        return self.generations == 2
-
     def viewable(self, ci: int) -> bool:
         """Whether view(ci) gives the committed chunk itself (host memory)."""
         return True
-
-    def next_gen(self, ci: int) -> int:
-        return 1 - self.gen[ci] if self.generations == 2 else self.gen[ci]
-
-    def flip(self, ci: int) -> None:
-        if self.generations == 2:
-            self.gen[ci] = 1 - self.gen[ci]
 
     def view(self, kind: str, ci: int, chunk_elems: int) -> torch.Tensor:
         n = self.chunk_elems
@@ -356,18 +357,8 @@ class NvmeTier(_Holdable):
     def disk_bytes(self) -> int:
         return (len(self.gen) - self.first) * self.chunk_bytes * len(self.paths)
 
-    def two_gen(self, ci: int) -> bool:
-        return self.generations == 2
-
     def viewable(self, ci: int) -> bool:
         return False
-
-    def next_gen(self, ci: int) -> int:
-        return 1 - self.gen[ci] if self.generations == 2 else self.gen[ci]
-
-    def flip(self, ci: int) -> None:
-        if self.generations == 2:
-            self.gen[ci] = 1 - self.gen[ci]
 
     def _pos(self, ci: int) -> int:
         return (ci - self.first) * self.chunk_bytes
@@ -463,7 +454,7 @@ class HybridTier(_Holdable):
         self.crc = nvme.crc
         self.paths = nvme.paths
         self.gen = nvme.gen
-        self._init_holds()
+        self.held, self.holds = threading.Condition(), []  # the parts count their own waits
         for t in (ram, nvme):
             t.gen, t.held, t.holds = self.gen, self.held, self.holds
 
@@ -473,10 +464,6 @@ class HybridTier(_Holdable):
     @property
     def held_wait_s(self) -> float:
         return self.ram.held_wait_s + self.nvme.held_wait_s
-
-    @held_wait_s.setter
-    def held_wait_s(self, value: float) -> None:
-        pass  # _init_holds sets it; the parts keep their own
 
     def _wait_unheld(self, ci: int, gen: int) -> None:
         self._of(ci)._wait_unheld(ci, gen)
