@@ -8,7 +8,8 @@ It lives below both packages so that neither imports the other's way up: the opt
 not import tierlift.zero (which itself uses tierlift.offload for its NVMe parameter store).
 
 An owner is the ZeroState of a sharded model (tierlift.zero.hooks): what is used here is its
-`units` (each with `shard` and `device`), `comm` (tierlift.zero.comm.Comm) and
+`units` (each with `shard` and `device`), `comm` (tierlift.zero.comm.Comm, the ranks the shards
+split over), `world_comm` (every rank of the model, replicas of the shards included) and
 `on_grad_ready(shard, fn)`.
 """
 
@@ -115,6 +116,7 @@ def all_ranks_agree(params, flag: bool) -> bool:
             seen.setdefault(id(owner[0]), owner[0])
     for owner in seen.values():
         t = torch.tensor(0.0 if flag else 1.0, device=owner.units[0].device)
-        owner.comm.wait(owner.comm.all_reduce(t, op=torch.distributed.ReduceOp.MAX))
+        # Over every rank, replicas included: they must step (or skip) together.
+        owner.world_comm.wait(owner.world_comm.all_reduce(t, op=torch.distributed.ReduceOp.MAX))
         flag = flag and not bool(t.item())
     return flag

@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -151,11 +152,13 @@ os._exit(0)  # torch 2.15's gloo can abort at interpreter exit
 
 
 def run_torchrun(body: str, root, *, timeout: int = 300, weights_only: bool = False,
-                 **fields):
-    """Runs `body` on 2 gloo ranks under `python -m torch.distributed.run` and returns the
-    `out` it leaves on rank 0. The body runs after the process group is up, with `rank`,
+                 nnodes: int = 1, nproc: int = 2, check: bool = True, **fields):
+    """Runs `body` on `nnodes` x `nproc` gloo ranks under `python -m torch.distributed.run`
+    and returns the `out` it leaves on rank 0. Several nodes are several torchrun agents on
+    this machine meeting at a c10d rendezvous on 127.0.0.1, as on a real cluster (each worker
+    sees its agent's GROUP_RANK). The body runs after the process group is up, with `rank`,
     `world` and the tests folder on sys.path, and is formatted with `fields` (so literal braces
-    are doubled)."""
+    are doubled). check=False: agents may fail (a test that kills a node)."""
     tests = os.path.dirname(os.path.abspath(__file__))
     path, out = os.path.join(root, "torchrun_script.py"), os.path.join(root, "torchrun_out.pt")
     script = _TORCHRUN_PRELUDE + body + _TORCHRUN_EPILOGUE
@@ -164,8 +167,37 @@ def run_torchrun(body: str, root, *, timeout: int = 300, weights_only: bool = Fa
     env = dict(os.environ, OMP_NUM_THREADS="1", TIERLIFT_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([os.path.join(tests, "..", "..", "python"),
                                            os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc_per_node=2", path], env=env, capture_output=True, text=True,
-                          timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
+    if nnodes == 1:
+        cmds = [[*run, "--standalone", path]]
+    else:
+        rdzv = [f"--nnodes={nnodes}", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--rdzv-id={os.getpid()}"]
+        cmds = [[*run, *rdzv, path] for _ in range(nnodes)]
+    logs = [open(os.path.join(root, f"torchrun_agent{i}.log"), "w+") for i in range(len(cmds))]
+    procs = [subprocess.Popen(c, env=env, stdout=lg, stderr=subprocess.STDOUT)
+             for c, lg in zip(cmds, logs, strict=True)]
+    deadline = time.monotonic() + timeout
+    try:
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            # A failed agent's peers wait out torchrun's exit barrier: once rank 0's result
+            # is there and an agent has failed, the rest has nothing more to say.
+            if not check and os.path.exists(out) and any(p.poll() for p in procs):
+                time.sleep(1.0)
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    text = []
+    for lg in logs:
+        lg.seek(0)
+        text.append(lg.read()[-3000:])
+        lg.close()
+    if check:
+        for p, t in zip(procs, text, strict=True):
+            assert p.returncode == 0, t
+    assert os.path.exists(out), "\n".join(text)
     return torch.load(out, weights_only=weights_only)

@@ -68,32 +68,42 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
                                staging_budget=staging_budget)
     background.before_save()
     state = _state(model)
-    comm = state.comm
+    # Files are named by the rank within the shard group; with hierarchical sharding only the
+    # first replica of each shard writes it, and every rank of the model votes.
+    comm, everyone = state.comm, state.world_comm
     path = os.fspath(path)
     off = _offloader(optimizer)
     job = background.Job(path, blocking=blocking, staging_budget=staging_budget, off=off)
-    job.claim(comm.rank, background.training_vote(comm))
+    job.claim(everyone.rank, background.training_vote(everyone))
     try:
-        if off is not None:
-            job.offloaded(off, optim_dir(comm.rank),
-                          {u.shard: f"unit{i}" for i, u in enumerate(state.units)})
-        tensors: dict[str, torch.Tensor] = {}
-        opt_state = {} if off is not None else _per_param_state(optimizer)
-        for i, unit in enumerate(state.units):
-            tensors[f"unit{i}.param"] = unit.shard
-            for key, value in opt_state.get(unit.shard, {}).items():
-                if isinstance(value, torch.Tensor):
-                    tensors[f"unit{i}.{key}"] = value
-        if comm.rank == 0:
-            for key, value in model.state_dict().items():
-                if not key.endswith(_SHARD_NAME):
-                    tensors[f"extra.{key}"] = value
-        job.tensor_file(comm.rank, tensors)
+        if state.topology.primary:
+            _stage_shard(job, state, model, optimizer, off)
         meta = _metadata(state, comm, off, optimizer, extra)
     except BaseException as e:
         job.snapshot_failed(e)
-    return job.start(background.training_vote(comm) if blocking else background.side_vote(comm),
-                     lambda: background.publish(job.tmp, path, meta) if comm.rank == 0 else None)
+    vote = background.training_vote(everyone) if blocking else background.side_vote(everyone)
+    return job.start(vote, lambda: background.publish(job.tmp, path, meta)
+                     if everyone.rank == 0 else None)
+
+
+def _stage_shard(job, state, model, optimizer, off) -> None:
+    """This rank's files: its shards (and their optimizer state), the extras on shard rank 0."""
+    comm = state.comm
+    if off is not None:
+        job.offloaded(off, optim_dir(comm.rank),
+                      {u.shard: f"unit{i}" for i, u in enumerate(state.units)})
+    tensors: dict[str, torch.Tensor] = {}
+    opt_state = {} if off is not None else _per_param_state(optimizer)
+    for i, unit in enumerate(state.units):
+        tensors[f"unit{i}.param"] = unit.shard
+        for key, value in opt_state.get(unit.shard, {}).items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"unit{i}.{key}"] = value
+    if comm.rank == 0:
+        for key, value in model.state_dict().items():
+            if not key.endswith(_SHARD_NAME):
+                tensors[f"extra.{key}"] = value
+    job.tensor_file(comm.rank, tensors)
 
 
 def _metadata(state, comm, off, optimizer, extra) -> dict:
@@ -221,7 +231,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None) -> dic
     # Everything below is prepared, then agreed on by every rank, then committed: params and
     # extras are copied in place behind an undo journal; the optimizer fills its uncommitted
     # generation (or journals in-place fills) and calls the agreement right before it commits.
-    agreement = agree.Agreement(comm, path)
+    agreement = agree.Agreement(state.world_comm, path)
     journal = Journal()
     try:
         for i, (unit, saved) in enumerate(zip(state.units, meta["units"], strict=False)):

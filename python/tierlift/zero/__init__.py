@@ -17,6 +17,7 @@ from tierlift.zero.api import (
     full_state_dict,
     global_grad_norm,
     is_shard,
+    last_step_stats,
     load_full_state_dict,
     no_sync,
     on_shard_grad_ready,
@@ -29,6 +30,6 @@ from tierlift.zero.scaler import LossScaler, LossScalerConfig
 
 __all__ = ["LossScaler", "LossScalerConfig", "MixedPrecision", "RankFailureError",
            "ShardConfig", "clip_grad_norm_", "close",
-           "default_units", "full_state_dict", "global_grad_norm", "is_shard",
+           "default_units", "full_state_dict", "global_grad_norm", "is_shard", "last_step_stats",
            "load_full_state_dict", "no_sync", "on_shard_grad_ready", "param_groups", "shard",
            "shard_groups"]

@@ -23,7 +23,6 @@ from tierlift._shards import (  # noqa: F401  (re-exported: tierlift.zero's API)
     sharded_norm,
 )
 from tierlift.lowp.linear import Float8Linear
-from tierlift.zero.comm import Comm
 from tierlift.zero.config import MixedPrecision, ShardConfig
 from tierlift.zero.fp8_gather import enable_fp8_all_gather
 from tierlift.zero.groups import check_param_group_fn, register_shards, split_units
@@ -31,6 +30,7 @@ from tierlift.zero.heartbeat import Heartbeat
 from tierlift.zero.hooks import _ATTR, ZeroState, _state
 from tierlift.zero.param_nvme import NvmeParamStore
 from tierlift.zero.param_offload import ParamOffload
+from tierlift.zero.topology import build as build_topology
 from tierlift.zero.unit import FlatUnit
 
 _SHARD_NAME = "_zero_flat_shard"
@@ -102,7 +102,8 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
           reshard_after_forward: bool = True, min_unit_numel: int | None = None,
           offload_params: str = "none", gpu_budget: int | None = None,
           fp8_all_gather: bool = False, nvme_path: str | None = None,
-          param_group_fn=None) -> nn.Module:
+          param_group_fn=None, hierarchy: str | None = None, mesh=None,
+          grad_comm: str | None = None) -> nn.Module:
     """Shard `model` in place over `process_group` (default: the world) with ZeRO `stage`.
 
     Afterwards model.parameters() yields one fp32 shard parameter per unit (plus the frozen
@@ -124,6 +125,13 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
     (the name is the one model.named_parameters() gives), so optimizer param groups can treat
     them differently: tierlift.zero.param_groups(model, {key: {"weight_decay": ...}}) builds
     them. It must return the same keys on every rank. See zero/groups.py.
+
+    hierarchy="node" shards within each node and keeps one sharded copy per node (as HSDP /
+    ZeRO++ hpZ): gathers stay inside the node, and gradients are reduce-scattered inside the
+    node, then summed across nodes shard by shard. mesh= (a torch DeviceMesh of 2 or more
+    dimensions) says the same explicitly: its last dimension shards, the others replicate.
+    grad_comm="int8" / "fp8" sends that cross-node sum blockwise-quantized (as ZeRO++ qgZ).
+    See zero/topology.py; tierlift.zero.last_step_stats(model) has the bytes sent.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -134,11 +142,15 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
                          reshard_after_forward=reshard_after_forward,
                          min_unit_numel=min_unit_numel, offload_params=offload_params,
                          gpu_budget=gpu_budget, fp8_all_gather=fp8_all_gather,
-                         nvme_path=nvme_path)
+                         nvme_path=nvme_path, hierarchy=hierarchy, grad_comm=grad_comm)
     if fp8_all_gather and not any(isinstance(m, Float8Linear) for m in model.modules()):
         raise ValueError("fp8_all_gather=True but the model has no Float8Linear layer to gather "
                          "in FP8: call tierlift.lowp.convert(model, recipe=...) before shard()")
-    comm = Comm(process_group)
+    topology = build_topology(process_group, hierarchy, mesh)
+    if grad_comm is not None and not topology.legs:
+        raise ValueError(f"grad_comm={grad_comm!r} quantizes the gradient sum across nodes of "
+                         "hierarchical sharding: pass hierarchy='node' or mesh= too")
+    comm = topology.shard
     key_order = {k: i for i, k in enumerate(model.state_dict().keys())}
     unit_names = (default_units(model, min_unit_numel) if units is None
                   else _resolve_units(model, units))
@@ -187,8 +199,8 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
     if config.offload_params != "none":
         sizes = [-(-sum(p.numel() for p, _, _ in ps) // comm.world) for _, _, ps in split]
         store = None if config.offload_params == "cpu" else \
-            NvmeParamStore(nvme_path=config.nvme_path, shard_numels=sizes, rank=comm.rank,
-                           stats=stats)
+            NvmeParamStore(nvme_path=config.nvme_path, shard_numels=sizes,
+                           rank=topology.world.rank, stats=stats)
         offload = ParamOffload(device=next(iter(devices)), compute_dtype=compute_dtype,
                                shard_numels=sizes, stats=stats, store=store)
     units_out = []
@@ -202,8 +214,8 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
     if config.fp8_all_gather:
         enable_fp8_all_gather(units_out)
     register_shards(units_out, _SHARD_NAME)
-    heartbeat = Heartbeat(comm) if comm.world > 1 else None
-    state = ZeroState(config=config, comm=comm, root=model, units=units_out,
+    heartbeat = Heartbeat(topology.world, topology.comms()) if topology.world.world > 1 else None
+    state = ZeroState(config=config, topology=topology, root=model, units=units_out,
                       heartbeat=heartbeat, key_order=key_order, offload=offload, stats=stats)
     object.__setattr__(model, _ATTR, state)
     model_ref = weakref.ref(model)  # no reference cycle: the model is freed as soon as unused
@@ -227,6 +239,15 @@ def _check_gpu_budget(budget: int, split: list, world: int, dtype: torch.dtype) 
         raise ValueError(f"gpu_budget={budget} bytes cannot hold unit {worst!r} "
                          f"({sizes.get(worst, root)} bytes gathered) next to the root unit "
                          f"({root} bytes); the smallest budget that works is {need} bytes")
+
+
+def last_step_stats(model: nn.Module) -> dict:
+    """What this rank sent during the last optimizer step (from the step before it to that
+    one: forward, backward, the gradient reductions and anything else on the model's groups):
+    {"intra_node_bytes": ..., "inter_node_bytes": ...}. Byte counts are each collective's
+    logical volume (comm.py), the same for any backend algorithm."""
+    sent = _state(model).stats["last_step_sent"]
+    return {"intra_node_bytes": sent["intra_node"], "inter_node_bytes": sent["inter_node"]}
 
 
 def close(model: nn.Module) -> None:

@@ -1,6 +1,13 @@
-"""The three collectives ZeRO needs, over torch.distributed, with a world of one handled locally
+"""The collectives ZeRO needs, over torch.distributed, with a world of one handled locally
 (so shard() also works in a plain single-process run) and failures turned into errors that
-name the rank that stopped answering (see heartbeat.py)."""
+name the rank that stopped answering (see heartbeat.py).
+
+Every collective counts the bytes this rank sends, split by whether the peer is on its own node
+or another (`nodes`: the node of each rank of the group). The count is the collective's logical
+volume as a direct exchange (each peer gets what it needs from this rank: its piece of a
+reduce-scatter, this rank's shard of an all-gather, both halves of an all-reduce), which does
+not depend on the algorithm the backend picks and is what a cross-node link has to carry at
+least."""
 
 from __future__ import annotations
 
@@ -16,7 +23,7 @@ class _Done:
 
 
 class Comm:
-    def __init__(self, process_group=None):
+    def __init__(self, process_group=None, nodes: list | None = None):
         self.initialized = dist.is_available() and dist.is_initialized()
         if process_group is not None and not self.initialized:
             raise ValueError("process_group was given but torch.distributed is not initialized")
@@ -25,6 +32,23 @@ class Comm:
         self.world = dist.get_world_size(process_group) if self.initialized else 1
         self.on_error = None  # callable(exc) -> exception to raise instead; set by heartbeat
         self.all_gather_bytes = 0  # bytes received by all-gathers (own piece included)
+        # The node of each rank of the group (None: all on one node).
+        self.nodes = list(nodes) if nodes is not None else [0] * self.world
+        if len(self.nodes) != self.world:
+            raise ValueError(f"nodes names {len(self.nodes)} ranks, the group has {self.world}")
+        mine = self.nodes[self.rank]
+        self.peers_intra = sum(1 for n in self.nodes if n == mine) - 1
+        self.peers_inter = self.world - 1 - self.peers_intra
+        self.sent = {"intra_node": 0, "inter_node": 0}  # bytes this rank sent
+
+    @property
+    def crosses_nodes(self) -> bool:
+        return self.peers_inter > 0
+
+    def _count(self, per_peer: int) -> None:
+        """Records `per_peer` bytes sent to every other rank of the group."""
+        self.sent["intra_node"] += per_peer * self.peers_intra
+        self.sent["inter_node"] += per_peer * self.peers_inter
 
     def _run(self, fn, *args, **kwargs):
         try:
@@ -36,22 +60,34 @@ class Comm:
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
         self.all_gather_bytes += out.numel() * out.element_size()
+        self._count(shard.numel() * shard.element_size())
         if self.world == 1:
             out.copy_(shard)
             return _Done()
         return self._run(dist.all_gather_into_tensor, out, shard, async_op=async_op) or _Done()
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, async_op: bool = False):
+        self._count(out.numel() * out.element_size())
         if self.world == 1:
             out.copy_(full)
             return _Done()
         return self._run(dist.reduce_scatter_tensor, out, full, async_op=async_op) or _Done()
 
     def all_reduce(self, t: torch.Tensor, op=None, async_op: bool = False):
+        self._count(2 * -(-t.numel() // self.world) * t.element_size())
         if self.world == 1:
             return _Done()
         op = dist.ReduceOp.SUM if op is None else op
         return self._run(dist.all_reduce, t, op=op, async_op=async_op) or _Done()
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
+        """Equal pieces: rank r's i-th 1/world of `inp` lands as the r-th 1/world of rank i's
+        `out`."""
+        self._count(inp.numel() // self.world * inp.element_size())
+        if self.world == 1:
+            out.copy_(inp)
+            return _Done()
+        return self._run(dist.all_to_all_single, out, inp, async_op=async_op) or _Done()
 
     def wait(self, work) -> None:
         try:

@@ -52,6 +52,8 @@ class ShardConfig:
     gpu_budget: int | None = None
     fp8_all_gather: bool = False
     nvme_path: str | None = None
+    hierarchy: str | None = None
+    grad_comm: str | None = None
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
@@ -86,6 +88,10 @@ class ShardConfig:
             raise ValueError("fp8_all_gather=True cannot be combined with offload_params="
                              f"{self.offload_params!r} yet (the FP8 gather quantizes the shard "
                              "on the device); use one or the other")
+        if self.hierarchy not in (None, "node"):
+            raise ValueError(f"hierarchy must be None or 'node', got {self.hierarchy!r}")
+        if self.grad_comm not in (None, "int8", "fp8"):
+            raise ValueError(f"grad_comm must be None, 'int8' or 'fp8', got {self.grad_comm!r}")
         if self.offload_params != "none" and self.stage != 3:
             raise ValueError(f"offload_params={self.offload_params!r} needs stage=3 (stages 1/2 "
                              f"keep the gathered weights on the device), got stage={self.stage}")

@@ -23,14 +23,17 @@ class RankFailureError(RuntimeError):
 
 
 class Heartbeat:
-    def __init__(self, comm, settle_s: float = 2.0):
+    def __init__(self, comm, also=(), settle_s: float = 2.0):
+        """`comm`: every rank of the model; `also`: the other Comms whose failures it explains
+        (the shard group and replicate legs of hierarchical sharding)."""
         self.comm = comm
         self.settle_s = settle_s
         self.count = 0
         self.ranks = (list(range(comm.world)) if comm.group is None
                       else dist.get_process_group_ranks(comm.group))
         self.me = self.ranks[comm.rank]
-        comm.on_error = self.explain
+        for c in (comm, *also):
+            c.on_error = self.explain
 
     @property
     def store(self):

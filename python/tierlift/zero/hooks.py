@@ -8,7 +8,8 @@ forward   pre-hook of unit i: wait for / issue its all-gather, prefetch the next
 backward  output-gradient hook (stage 3): all-gather unit i again, prefetch the unit before it;
           post-accumulate-grad hook on `full`: launch the (async) reduce-scatter (stage 2/3) or
           all-reduce (stage 1) of the unit's gradient, free `full` (stage 3), then finish, in
-          launch order, the earlier reductions whose collective is already done: add the
+          launch order, the earlier reductions whose collective is already done (with
+          hierarchical sharding, then summed over the replicas: replicas.py): add the
           rank's slice to shard.grad and notify the listeners of that shard
           (on_shard_grad_ready: the offloaded optimizer starts that unit's step at once);
           end-of-backward callback: wait for and finish the remaining reductions, free
@@ -29,19 +30,27 @@ from torch.utils.hooks import RemovableHandle
 
 from tierlift._shards import register_shard
 from tierlift.zero.config import ShardConfig
+from tierlift.zero.replicas import ReplicaLegs
+from tierlift.zero.topology import Topology
 from tierlift.zero.unit import FlatUnit
 
 _ATTR = "_tierlift_zero"  # the model attribute that holds its ZeroState
 
 
 class ZeroState:
-    def __init__(self, *, config: ShardConfig, comm, root, units: list[FlatUnit],
+    def __init__(self, *, config: ShardConfig, topology: Topology, root, units: list[FlatUnit],
                  heartbeat=None, key_order: dict[str, int] | None = None, offload=None,
                  stats: dict | None = None):
         self.config = config
         self._root = weakref.ref(root)  # the model owns its state, never the reverse
         self.key_order = key_order or {}
-        self.comm = comm
+        self.topology = topology
+        self.comm = topology.shard       # the ranks each unit is split over
+        self.world_comm = topology.world  # every rank of the model
+        self.replicas = (ReplicaLegs(topology.legs, config.grad_comm) if topology.legs
+                         else None)
+        self.world = self.comm.world * (self.replicas.world if self.replicas else 1)
+        self.crossing: list = []         # [unit, reduced, ReplicaSum or None] in launch order
         self.units = units
         self.heartbeat = heartbeat
         self.order: list[FlatUnit] = []  # forward order, recorded on the first forward
@@ -58,7 +67,9 @@ class ZeroState:
         resident = sum(u.full_bytes for u in units)
         self.stats.update(resident_bytes=resident, peak_resident_bytes=resident,
                           prefetch_skipped=0, grads_ready_early=0, grads_ready_at_end=0,
-                          h2d_bytes=0, d2h_bytes=0)
+                          h2d_bytes=0, d2h_bytes=0,
+                          last_step_sent={"intra_node": 0, "inter_node": 0})
+        self._sent_at_step = topology.sent()
         self.hooked: set[int] = set()    # ids of units that got gradients this backward
         self.handles: list = []
         self._shard_ids = {id(u.shard) for u in units}
@@ -135,6 +146,7 @@ class ZeroState:
         if self.callback_queued and not _in_backward():
             # A backward raised before its end-of-backward callback ran: start clean.
             self.reductions.clear()
+            self.crossing.clear()
             self.landing.clear()
             self.hooked.clear()
             self.callback_queued = False
@@ -221,10 +233,9 @@ class ZeroState:
         grad = full.grad
         full.grad = None
         rdt = self.config.reduce_dtype or grad.dtype
-        world = self.comm.world
         buf = grad.to(rdt)
         if rdt == torch.float16:
-            buf.div_(world)  # fp16 would overflow summing before dividing
+            buf.div_(self.world)  # fp16 would overflow summing before dividing
         if self.config.stage == 1:
             work = self.comm.all_reduce(buf, async_op=True)
         else:
@@ -235,19 +246,30 @@ class ZeroState:
         self._drain(wait=False)
 
     def _drain(self, wait: bool) -> None:
-        """Finishes, in launch order, the reductions whose collective (and, with parameter
-        offload, D2H copy) is done; all of them when `wait`."""
+        """Finishes, in launch order, the reductions whose collective (and, with replicas,
+        their sum over the replicate legs; with parameter offload, the D2H copy) is done; all
+        of them when `wait`."""
         while self.reductions:
             unit, work, buf = self.reductions[0]
             if not wait and not _done(work):
                 break
             self.reductions.pop(0)
             self.comm.wait(work)
-            piece = self._land(unit, buf)
-            if self.offload is not None:
-                self.landing.append((unit, *self.offload.stage_out(piece)))
+            reduced = buf if self.config.stage == 1 else buf[0]
+            if self.replicas is None:
+                self._landing(unit, reduced)
             else:
-                self.landing.append((unit, piece, None))
+                self.crossing.append([unit, reduced, None])
+        while self.crossing:
+            # One replica sum at a time, in launch order: every rank then issues the legs'
+            # collectives in the same order, whatever its own timing.
+            entry = self.crossing[0]
+            if entry[2] is None:
+                entry[2] = self.replicas.start(entry[1])
+            if not wait and not entry[2].done():
+                break
+            self.crossing.pop(0)
+            self._landing(entry[0], entry[2].wait())
         while self.landing:
             unit, piece, event = self.landing[0]
             if event is not None:
@@ -257,12 +279,18 @@ class ZeroState:
             self.landing.pop(0)
             self._hand_over(unit, piece, early=not wait)
 
-    def _land(self, unit: FlatUnit, buf) -> torch.Tensor:
+    def _landing(self, unit: FlatUnit, reduced: torch.Tensor) -> None:
+        piece = self._land(unit, reduced)
+        if self.offload is not None:
+            self.landing.append((unit, *self.offload.stage_out(piece)))
+        else:
+            self.landing.append((unit, piece, None))
+
+    def _land(self, unit: FlatUnit, reduced: torch.Tensor) -> torch.Tensor:
         """The averaged fp32 gradient of this rank's slice (stage 1 keeps the full one, and
         an fp32 slice is a view of it: no second copy of this rank's part)."""
-        reduced = buf if self.config.stage == 1 else buf[0]
         if reduced.dtype != torch.float16:
-            reduced.div_(self.comm.world)  # fp16 was divided before the sum
+            reduced.div_(self.world)  # fp16 was divided before the sum
         if self.config.stage == 1:
             unit.full_grad = reduced  # stage 1 keeps the averaged full gradient
             lo = self.comm.rank * unit.shard_numel
@@ -300,6 +328,9 @@ class ZeroState:
     def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
         ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
         if ids & self._shard_ids:
+            now = self.topology.sent()
+            self.stats["last_step_sent"] = {k: now[k] - self._sent_at_step[k] for k in now}
+            self._sent_at_step = now
             for unit in self.units:
                 if id(unit.shard) in ids:
                     unit.stale = True
