@@ -111,3 +111,66 @@ def test_checkpoint_from_2x2_loads_on_one_node(two_by_two, tmp_path, nproc):
     for key, value in sd.items():
         torch.testing.assert_close(out["sd"][key], value, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(out["losses"], torch.tensor(more), rtol=1e-4, atol=0)
+
+
+KILL = textwrap.dedent("""
+    import signal
+    import tierlift
+    from zero_model import batches, make_model, train
+    model = tierlift.zero.shard(make_model(), stage=3, hierarchy="node")
+    opt = tierlift.optim.AdamW(model.parameters(), lr=3e-3)
+    error = None
+    try:
+        for step, seq in enumerate(batches(6, 8)):
+            if step == 2 and os.environ["TEST_AGENT"] == "1":
+                os.kill(os.getpid(), signal.SIGKILL)  # the whole second node, mid-run
+            train(model, opt, [seq], accum=2, clip=0.5, world=world, rank=rank, zero=True)
+    except tierlift.zero.RankFailureError as e:
+        error = (type(e).__name__, str(e), step)
+    if rank == 0:
+        torch.save(error, {out!r})
+    os._exit(0)
+""")
+
+
+def test_node_killed_mid_step_is_named(tmp_path):
+    from zero_model import run_torchrun
+
+    error = run_torchrun(KILL, tmp_path, timeout=200, nnodes=2, nproc=2, check=False)
+    assert error is not None, "the survivors did not raise RankFailureError"
+    name, message, step = error
+    assert step == 2
+    assert "rank 2, 3 stopped answering" in message or "rank 0, 1 stopped answering" in \
+        message, message
+
+
+MESH = textwrap.dedent("""
+    import tierlift
+    from torch.distributed.device_mesh import init_device_mesh
+    from zero_model import batches, make_model, train
+    out = {{}}
+    for name, shape in [("mesh2", (2, 2)), ("mesh3", (2, 2, 1))]:
+        mesh = init_device_mesh("cpu", shape)
+        model = tierlift.zero.shard(make_model(), stage=3, mesh=mesh, grad_comm=None)
+        opt = tierlift.optim.AdamW(model.parameters(), lr=3e-3)
+        losses = train(model, opt, batches(4, 8), accum=2, clip=0.5, world=world, rank=rank,
+                       zero=True)
+        st = model._tierlift_zero
+        out[name] = dict(losses=torch.tensor(losses), legs=[c.world for c in st.topology.legs],
+                         crosses=[c.crosses_nodes for c in st.topology.legs],
+                         sent=tierlift.zero.last_step_stats(model))
+""")
+
+
+def test_device_mesh_levels(tmp_path):
+    """A 2-D mesh is hierarchy='node' spelt out; a 3-D one adds a replicate leg inside the
+    node (here shards of one rank, so pairs of ranks in a node replicate and nodes replicate
+    those), summed innermost first."""
+    from zero_model import run_torchrun
+
+    out = run_torchrun(MESH, tmp_path, timeout=200, nnodes=2, nproc=2)
+    ref, _, _ = _reference()
+    for name in ("mesh2", "mesh3"):
+        torch.testing.assert_close(out[name]["losses"], torch.tensor(ref), rtol=1e-5, atol=0)
+    assert out["mesh2"]["legs"] == [2] and out["mesh2"]["crosses"] == [True]
+    assert out["mesh3"]["legs"] == [2, 2] and out["mesh3"]["crosses"] == [False, True]

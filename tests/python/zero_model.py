@@ -173,10 +173,13 @@ def run_torchrun(body: str, root, *, timeout: int = 300, weights_only: bool = Fa
     else:
         rdzv = [f"--nnodes={nnodes}", "--rdzv-backend=c10d",
                 f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--rdzv-id={os.getpid()}"]
-        cmds = [[*run, *rdzv, path] for _ in range(nnodes)]
+        # Agent 0 hosts the store (a test that kills a node kills agent 1's, TEST_AGENT=1).
+        cmds = [[*run, *rdzv, f"--rdzv-conf=is_host={str(i == 0).lower()}", path]
+                for i in range(nnodes)]
     logs = [open(os.path.join(root, f"torchrun_agent{i}.log"), "w+") for i in range(len(cmds))]
-    procs = [subprocess.Popen(c, env=env, stdout=lg, stderr=subprocess.STDOUT)
-             for c, lg in zip(cmds, logs, strict=True)]
+    procs = [subprocess.Popen(c, env=dict(env, TEST_AGENT=str(i)), stdout=lg,
+                              stderr=subprocess.STDOUT)
+             for i, (c, lg) in enumerate(zip(cmds, logs, strict=True))]
     deadline = time.monotonic() + timeout
     try:
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:

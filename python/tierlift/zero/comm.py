@@ -21,6 +21,9 @@ class _Done:
     def wait(self) -> bool:
         return True
 
+    def is_completed(self) -> bool:
+        return True
+
 
 class Comm:
     def __init__(self, process_group=None, nodes: list | None = None):
