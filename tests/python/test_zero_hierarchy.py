@@ -11,6 +11,8 @@ import textwrap
 import pytest
 import torch
 
+from tierlift.plan.comm import CommLayout, inter_node_bytes_per_rank
+
 TRAIN = textwrap.dedent("""
     import tierlift
     from zero_model import batches, make_model, train
@@ -87,6 +89,14 @@ def test_cross_node_bytes(two_by_two):
     assert hier["intra_node_bytes"] > 0
     # Plain ZeRO-3 sends its gathers (forward and backward) and reduce-scatters across nodes.
     assert hier["inter_node_bytes"] < plain["inter_node_bytes"] / 4
+    # The planner's model (python -m tierlift plan --nodes) counts the same bytes.
+    fp32_flat = CommLayout(name="flat", hierarchical=False, weight_bytes=4, grad_bytes=4)
+    fp32_hier = CommLayout(name="hier", hierarchical=True, weight_bytes=4, grad_bytes=4)
+    params = sum(out["plain"]["shard_numels"]) * 4
+    model = inter_node_bytes_per_rank(params, 2, 2, fp32_flat, micro_batches=2)
+    assert model <= plain["inter_node_bytes"] <= model + 256
+    params = sum(out["hier"]["shard_numels"]) * 2
+    assert inter_node_bytes_per_rank(params, 2, 2, fp32_hier) == grads
     # int8 codes plus one fp32 scale per 256 values: under a third of the fp32 sum.
     assert int8["inter_node_bytes"] < hier["inter_node_bytes"] / 3
     assert int8["intra_node_bytes"] == hier["intra_node_bytes"]

@@ -1,0 +1,84 @@
+"""Bytes per step across nodes, and the time the link needs for them, for ZeRO-3 flat or
+hierarchical (tierlift.zero.shard(hierarchy="node", grad_comm=..., fp8_all_gather=...)).
+
+Counted as tierlift.zero's Comm counts them (the logical volume of a direct exchange, what this
+rank sends to ranks on other nodes), per rank, for P parameters on N nodes of G ranks:
+
+    flat ZeRO-3     gathers (forward and backward of each of m micro-batches) and the
+                    reduce-scatter over all N*G ranks:  P (N-1)/N (2 m b_w + b_g)
+    hierarchical    only the gradient shard's all-reduce across nodes (P/G elements):
+                    2 P/G (N-1)/N b_g,   b_g = 1 + 4/256 with grad_comm int8 or fp8 (scales)
+
+b_w: bytes per gathered weight (2 in bf16, 1 with FP8 gathers); b_g: per reduced gradient. A
+node's link carries G ranks' worth; the time is that over the inter-node bandwidth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_QUANT_BLOCK = 256  # tierlift.zero.quant_comm's block: one fp32 scale per 256 codes
+
+
+@dataclass(kw_only=True, frozen=True)
+class CommLayout:
+    name: str
+    hierarchical: bool
+    weight_bytes: float  # per gathered weight element
+    grad_bytes: float    # per reduced gradient element on the cross-node leg
+
+
+LAYOUTS = (
+    CommLayout(name="ZeRO-3", hierarchical=False, weight_bytes=2, grad_bytes=2),
+    CommLayout(name="hierarchy='node'", hierarchical=True, weight_bytes=2, grad_bytes=2),
+    CommLayout(name="hierarchy='node', grad_comm='int8', fp8_all_gather", hierarchical=True,
+               weight_bytes=1, grad_bytes=1 + 4 / _QUANT_BLOCK),
+)
+
+
+def inter_node_bytes_per_rank(params: float, nodes: int, gpus_per_node: int,
+                              layout: CommLayout, micro_batches: int = 1) -> float:
+    """Bytes one rank sends to other nodes in one optimizer step of `micro_batches` forward
+    and backward passes (the gradient is reduced once, after the last)."""
+    if nodes < 1 or gpus_per_node < 1:
+        raise ValueError(f"nodes and gpus_per_node must be >= 1, got {nodes}, {gpus_per_node}")
+    across = (nodes - 1) / nodes
+    if layout.hierarchical:
+        return 2 * params / gpus_per_node * across * layout.grad_bytes
+    return params * across * (2 * micro_batches * layout.weight_bytes + layout.grad_bytes)
+
+
+@dataclass(kw_only=True)
+class CommRow:
+    layout: str
+    per_node_bytes: float
+    seconds: float
+    vs_flat: float
+
+
+def comm_plan(params: float, nodes: int, gpus_per_node: int, inter_node_gbps: float,
+              micro_batches: int = 1) -> list[CommRow]:
+    """Each layout's bytes a node sends to the others per step and the time at
+    `inter_node_gbps` (gigabits per second per node, each way)."""
+    if not inter_node_gbps > 0:
+        raise ValueError(f"inter_node_gbps must be > 0, got {inter_node_gbps}")
+    rows = []
+    flat = None
+    for layout in LAYOUTS:
+        per_node = gpus_per_node * inter_node_bytes_per_rank(params, nodes, gpus_per_node,
+                                                             layout, micro_batches)
+        flat = per_node if flat is None else flat
+        rows.append(CommRow(layout=layout.name, per_node_bytes=per_node,
+                            seconds=per_node / (inter_node_gbps * 1e9 / 8),
+                            vs_flat=per_node / flat if flat else 0.0))
+    return rows
+
+
+def render_comm(rows: list[CommRow], nodes: int, gpus_per_node: int, gbps: float) -> str:
+    lines = [f"across nodes per step ({nodes} nodes x {gpus_per_node} GPUs, {gbps:g} Gb/s per "
+             "node, bf16 weights and gradients):",
+             f"  {'layout':<55} {'GB per node':>12} {'seconds':>9} {'vs ZeRO-3':>10}"]
+    for r in rows:
+        lines.append(f"  {r.layout:<55} {r.per_node_bytes / 1e9:>12.2f} {r.seconds:>9.3f} "
+                     f"{r.vs_flat:>9.3f}x")
+    return "\n".join(lines)

@@ -1,0 +1,38 @@
+"""python -m tierlift plan --nodes: bytes across nodes per step and the link's time for them."""
+
+from __future__ import annotations
+
+import pytest
+
+from tierlift.plan.comm import LAYOUTS, comm_plan, inter_node_bytes_per_rank
+
+
+def test_one_node_sends_nothing_across():
+    for layout in LAYOUTS:
+        assert inter_node_bytes_per_rank(7e9, 1, 8, layout) == 0
+
+
+def test_rows_for_two_nodes_of_eight():
+    rows = comm_plan(13e9, 2, 8, inter_node_gbps=200)
+    flat, hier, quant = rows
+    # Flat ZeRO-3 in bf16: 8 ranks x 13e9 x 1/2 x (2*2 + 2) bytes.
+    assert flat.per_node_bytes == pytest.approx(8 * 13e9 * 0.5 * 6)
+    assert flat.seconds == pytest.approx(flat.per_node_bytes / 25e9)
+    # Hierarchical: the bf16 gradient shard's all-reduce only: 2/(3*8) of flat.
+    assert hier.vs_flat == pytest.approx(2 / 24)
+    # int8 gradients: about half of that again (1 + 1/64 bytes instead of 2).
+    assert quant.vs_flat == pytest.approx(2 * (1 + 1 / 64) / (6 * 8))
+    assert quant.vs_flat <= 0.25
+
+
+def test_accumulation_multiplies_flat_gathers_only():
+    one = comm_plan(1e9, 4, 4, 100)
+    four = comm_plan(1e9, 4, 4, 100, micro_batches=4)
+    assert four[0].per_node_bytes == pytest.approx(one[0].per_node_bytes * (2 * 4 * 2 + 2) / 6)
+    assert four[1].per_node_bytes == one[1].per_node_bytes
+
+
+@pytest.mark.parametrize("args", [(1e9, 0, 8, 100), (1e9, 2, 0, 100), (1e9, 2, 8, 0)])
+def test_bad_arguments(args):
+    with pytest.raises(ValueError):
+        comm_plan(*args)
