@@ -19,9 +19,12 @@ TRAIN = textwrap.dedent("""
     out = {{}}
     runs = [("hier", dict(hierarchy="node")), ("plain", {{}}),
             ("int8", dict(hierarchy="node", grad_comm="int8")),
-            ("fp8", dict(hierarchy="node", grad_comm="fp8"))]
+            ("fp8", dict(hierarchy="node", grad_comm="fp8")),
+            ("hier-stage1", dict(hierarchy="node", stage=1)),
+            ("hier-stage2", dict(hierarchy="node", stage=2))]
     for name, kw in runs:
-        model = tierlift.zero.shard(make_model(), stage=3, **kw)
+        kw.setdefault("stage", 3)
+        model = tierlift.zero.shard(make_model(), **kw)
         opt = tierlift.optim.AdamW(model.parameters(), lr=3e-3)
         losses = train(model, opt, batches(4, 8), accum=2, clip=0.5, world=world, rank=rank,
                        zero=True)
@@ -75,7 +78,8 @@ def test_hierarchical_matches_plain_and_one_process(two_by_two):
     ref, _, _ = _reference()
     assert out["hier"]["shard_world"] == 2 and out["plain"]["shard_world"] == 4
     torch.testing.assert_close(out["hier"]["losses"], torch.tensor(ref), rtol=1e-5, atol=0)
-    torch.testing.assert_close(out["plain"]["losses"], torch.tensor(ref), rtol=1e-5, atol=0)
+    for name in ("plain", "hier-stage1", "hier-stage2"):
+        torch.testing.assert_close(out[name]["losses"], torch.tensor(ref), rtol=1e-5, atol=0)
 
 
 def test_cross_node_bytes(two_by_two):
