@@ -302,3 +302,37 @@ def test_quantized_gradients_train_within_one_percent(tmp_path):
         print(f"{mode}: final loss {out[mode][-20:].mean():.4f} vs fp32 "
               f"{base[-20:].mean():.4f}, gap {gap:.3%}")
         assert gap < 0.01, (mode, gap)
+
+
+MESH3 = textwrap.dedent("""
+    import tierlift
+    from torch.distributed.device_mesh import init_device_mesh
+    from zero_model import batches, make_model, train
+    mesh = init_device_mesh("cpu", (2, 2, 2))  # nodes, pairs in a node, ranks in a pair
+    model = tierlift.zero.shard(make_model(), stage=3, mesh=mesh, grad_comm="int8")
+    opt = tierlift.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = train(model, opt, batches(4, 8), accum=1, clip=0.5, world=world, rank=rank,
+                   zero=True)
+    st = model._tierlift_zero
+    out = dict(losses=torch.tensor(losses), shard=st.comm.world,
+               legs=[(c.world, c.crosses_nodes) for c in st.topology.legs],
+               quantized=[q is not None for q in st.replicas.quant])
+""")
+
+
+def test_three_levels_two_nodes_of_four(tmp_path):
+    """Frontier-style three levels on 2 nodes x 4 ranks: shards within pairs, the pairs of a
+    node summed in full precision, the nodes in int8."""
+    from zero_model import batches, make_model, run_torchrun, train
+
+    import tierlift
+
+    out = run_torchrun(MESH3, tmp_path, timeout=300, nnodes=2, nproc=4)
+    assert out["shard"] == 2
+    assert out["legs"] == [(2, False), (2, True)]
+    assert out["quantized"] == [False, True]
+    torch.set_num_threads(1)
+    model = make_model()
+    ref = train(model, tierlift.optim.AdamW(model.parameters(), lr=3e-3), batches(4, 8),
+                accum=1, clip=0.5)
+    torch.testing.assert_close(out["losses"], torch.tensor(ref), rtol=2e-3, atol=0)
