@@ -18,6 +18,8 @@ download) with tierlift's optimizer.
         --offload nvme --nvme-path /tmp      # ZeRO-Infinity: params and state on NVMe
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --zero 3 --dtype bf16 \
         --lowp fp8-rowwise --lowp-min-features 0 --fp8-all-gather   # FP8 weights all-gathered
+    torchrun --nnodes=2 --nproc_per_node=2 --rdzv-backend=c10d --rdzv-endpoint=NODE0:29500 \
+        examples/train_gpt.py --zero 3 --hierarchy node --grad-comm int8   # on each of 2 nodes
 
 Flags are grouped: model, data, training, and tierlift features (one flag per capability, each
 applied in build_training() in a fixed order). It prints a progress bar with loss and tokens/s,
@@ -132,6 +134,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="with --zero 3 and an fp8 --lowp recipe: all-gather Float8Linear weights in FP8",
     )
     f.add_argument(
+        "--hierarchy",
+        default=None,
+        choices=["node"],
+        help="with --zero: shard inside each node, sum gradient shards across nodes (HSDP)",
+    )
+    f.add_argument(
+        "--grad-comm",
+        default=None,
+        choices=["int8", "fp8"],
+        help="with --hierarchy: send the cross-node gradient sum blockwise-quantized",
+    )
+    f.add_argument(
         "--compare-steps",
         type=int,
         default=10,
@@ -149,6 +163,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--plot-with needs --plot")
     if args.fp8_all_gather and (args.zero != 3 or not args.lowp.startswith("fp8")):
         ap.error("--fp8-all-gather needs --zero 3 and an fp8 --lowp recipe")
+    if args.hierarchy and not args.zero:
+        ap.error("--hierarchy needs --zero 1, 2 or 3")
+    if args.grad_comm and not args.hierarchy:
+        ap.error("--grad-comm needs --hierarchy node")
     if args.offload_activations == "nvme" and args.nvme_path is None:
         ap.error("--offload-activations nvme needs --nvme-path DIR")
     return args
@@ -228,7 +246,7 @@ def build_training(args, device):
         model = tierlift.zero.shard(
             model, stage=args.zero, mixed_precision=mp if args.dtype == "bf16" else None,
             offload_params=args.offload_params, fp8_all_gather=args.fp8_all_gather,
-            param_group_fn=decay_group,
+            param_group_fn=decay_group, hierarchy=args.hierarchy, grad_comm=args.grad_comm,
             nvme_path=args.nvme_path if args.offload_params == "nvme" else None,
         )
     elif dist.is_initialized():
@@ -367,6 +385,9 @@ def main(argv=None) -> None:
     if args.zero:
         gathered = model._tierlift_zero.comm.all_gather_bytes / args.steps
         log(f"all-gathered per step (this rank): {gathered:,.0f} bytes")
+        sent = tierlift.zero.last_step_stats(model)
+        log(f"sent in the last step (this rank): {sent['intra_node_bytes']:,} bytes inside "
+            f"the node, {sent['inter_node_bytes']:,} to other nodes")
     val_loss = evaluate(model, val, args, device)
     log(
         f"loss {first_loss:.3f} -> {value:.3f} | val loss {val_loss:.3f}"
