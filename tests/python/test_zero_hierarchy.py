@@ -336,3 +336,20 @@ def test_three_levels_two_nodes_of_four(tmp_path):
     ref = train(model, tierlift.optim.AdamW(model.parameters(), lr=3e-3), batches(4, 8),
                 accum=1, clip=0.5)
     torch.testing.assert_close(out["losses"], torch.tensor(ref), rtol=2e-3, atol=0)
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    (dict(hierarchy="rack"), "hierarchy must be"),
+    (dict(hierarchy="node"), "needs torch.distributed initialized"),
+    (dict(grad_comm="int8"), "pass hierarchy='node' or mesh="),
+    (dict(grad_comm="int4"), "grad_comm must be"),
+    (dict(mesh=object(), process_group=object()), "mesh= or process_group="),
+    (dict(mesh=object(), hierarchy="node"), "mesh= or hierarchy="),
+])
+def test_bad_arguments(kwargs, error):
+    from zero_model import make_model
+
+    import tierlift
+
+    with pytest.raises(ValueError, match=error):
+        tierlift.zero.shard(make_model(), stage=3, **kwargs)

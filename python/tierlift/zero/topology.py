@@ -106,6 +106,10 @@ def build(process_group=None, hierarchy: str | None = None, mesh=None) -> Topolo
     world = Comm(process_group, nodes=nodes)
     if hierarchy is None:
         return Topology(world=world, shard=world, legs=[])
+    if len(ranks) != dist.get_world_size():
+        # Its groups are created by every rank of the world (torch.distributed's rule).
+        raise ValueError(f"hierarchy={hierarchy!r} shards over every rank of the world; got a "
+                         f"process_group of {len(ranks)} of {dist.get_world_size()} ranks")
     by_node: dict[int, list[int]] = {}
     for r, n in zip(ranks, nodes, strict=True):
         by_node.setdefault(n, []).append(r)
