@@ -204,20 +204,22 @@ def test_error_before_the_update_drains_the_early_reads(tmp_path):
         assert torch.equal(a, b)
 
 
-def test_corrupt_state_file_names_the_tensor(tmp_path):
-    params, opt = _train(AdamW, steps=2, **_nvme(tmp_path))
+@pytest.mark.parametrize("state_dtype, kind", [("fp32", "exp_avg_sq"), ("bf16", "exp_avg_sq"),
+                                               ("bf16", "exp_avg_sq_scale")])
+def test_corrupt_state_file_names_the_tensor(tmp_path, state_dtype, kind):
+    params, opt = _train(AdamW, steps=2, state_dtype=state_dtype, **_nvme(tmp_path))
     tier = opt._offload.tiers[0]
     ci = len(tier.gen) - 1  # the last chunk holds params[3] only
-    path = tier.paths[("exp_avg_sq", tier.gen[ci])]
+    path = tier.paths[(kind, tier.gen[ci])]
     with open(path, "r+b") as f:
-        f.seek(ci * tier.chunk_bytes + 40)
+        f.seek(ci * tier.kind_chunk_bytes[kind] + 4)
         b = f.read(1)
-        f.seek(ci * tier.chunk_bytes + 40)
+        f.seek(ci * tier.kind_chunk_bytes[kind] + 4)
         f.write(bytes([b[0] ^ 0xFF]))
     opt._offload._engine.forget(path)
     before = [p.detach().clone() for p in params]
     _grads(params, 3)
-    with pytest.raises(ChecksumError, match=r"exp_avg_sq of param_groups\[0\]\['params'\]\[3\]"):
+    with pytest.raises(ChecksumError, match=kind + r" of param_groups\[0\]\['params'\]\[3\]"):
         opt.step()
     for a, b in zip(before, params):
         assert torch.equal(a, b)

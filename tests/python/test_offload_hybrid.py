@@ -22,6 +22,7 @@ pytestmark = pytest.mark.skipif(not tierlift._extension.available(),
                                 reason="compiled extension not loaded")
 
 BUDGET = 600_000  # about half of the 12 B/param state of SHAPES, pool included
+BUDGET_COMPACT = 350_000
 
 
 def _train(cls, steps=4, dtype=torch.float32, params=None, opt=None, first=0, **kw):
@@ -33,7 +34,9 @@ def _train(cls, steps=4, dtype=torch.float32, params=None, opt=None, first=0, **
     return params, opt
 
 
-def _kw(tmp_path, layout: str, budget: int = BUDGET) -> dict:
+def _kw(tmp_path, layout: str, budget: int | None = None, state_dtype: str = "fp32") -> dict:
+    if budget is None:  # compact state (7 B/param): about half of it in RAM too
+        budget = BUDGET if state_dtype == "fp32" else BUDGET_COMPACT
     return {"hybrid": dict(offload="hybrid", nvme_path=str(tmp_path), cpu_budget=budget),
             "hybrid-1gen": dict(offload="hybrid", nvme_path=str(tmp_path), cpu_budget=budget,
                                 nvme_generations=1),
@@ -102,7 +105,8 @@ def test_one_generation_takes_half_the_disk(tmp_path):
 
 
 @pytest.mark.parametrize("layout", ["hybrid", "hybrid-1gen", "nvme-1gen"])
-def test_overlap_equals_the_plain_step(tmp_path, layout):
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+def test_overlap_equals_the_plain_step(state_dtype, tmp_path, layout):
     torch.manual_seed(3)
 
     def fit(kw):
@@ -110,7 +114,7 @@ def test_overlap_equals_the_plain_step(tmp_path, layout):
                                     torch.nn.Linear(512, 300), torch.nn.Tanh(),
                                     torch.nn.Linear(300, 4))
         model.load_state_dict(init)
-        opt = AdamW(model.parameters(), lr=1e-2, **kw)
+        opt = AdamW(model.parameters(), lr=1e-2, state_dtype=state_dtype, **kw)
         g, kept = torch.Generator().manual_seed(7), 0
         for _ in range(4):
             model(torch.randn(8, 32, generator=g)).square().mean().backward()
@@ -123,7 +127,7 @@ def test_overlap_equals_the_plain_step(tmp_path, layout):
                                torch.nn.Linear(512, 300), torch.nn.Tanh(),
                                torch.nn.Linear(300, 4)).state_dict()
     ref, _ = fit({})
-    got, kept = fit(dict(_kw(tmp_path, layout, 1 << 20), overlap=True))
+    got, kept = fit(dict(_kw(tmp_path, layout, 1 << 20, state_dtype), overlap=True))
     for a, b in zip(ref, got):
         assert torch.equal(a, b)
     # Two-generation NVMe chunks are stepped during backward; one-generation ones never are.
@@ -131,35 +135,39 @@ def test_overlap_equals_the_plain_step(tmp_path, layout):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_state_dict_round_trip_and_torch_interop(tmp_path, layout):
-    _, ref_opt = _train(AdamW, steps=2)
-    params, opt = _train(AdamW, steps=2, **_kw(tmp_path, layout))
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+def test_state_dict_round_trip_and_torch_interop(state_dtype, tmp_path, layout):
+    _, ref_opt = _train(AdamW, state_dtype=state_dtype, steps=2)
+    kw = _kw(tmp_path, layout, state_dtype=state_dtype)
+    params, opt = _train(AdamW, state_dtype=state_dtype, steps=2, **kw)
     sd = opt.state_dict()
     _assert_same_state(opt, ref_opt)
     # torch's AdamW state loads into a fresh hybrid optimizer, and both continue the same.
     twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    fresh = AdamW(twin, lr=1e-2, weight_decay=0.1, **_kw(tmp_path, layout))
+    fresh = AdamW(twin, lr=1e-2, weight_decay=0.1, state_dtype=state_dtype,
+                  **_kw(tmp_path, layout, state_dtype=state_dtype))
     fresh.load_state_dict(ref_opt.state_dict())
-    _train(AdamW, steps=2, params=params, opt=opt, first=2)
-    _train(AdamW, steps=2, params=twin, opt=fresh, first=2)
+    _train(AdamW, state_dtype=state_dtype, steps=2, params=params, opt=opt, first=2)
+    _train(AdamW, state_dtype=state_dtype, steps=2, params=twin, opt=fresh, first=2)
     for a, b in zip(params, twin):
         assert torch.equal(a, b)
     assert sd["state"].keys() == opt.state_dict()["state"].keys()
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_checkpoint_save_and_load(tmp_path, layout):
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+def test_checkpoint_save_and_load(state_dtype, tmp_path, layout):
     (tmp_path / "state").mkdir()
-    kw = _kw(tmp_path / "state", layout)
-    params, opt = _train(AdamW, steps=2, **kw)
+    kw = _kw(tmp_path / "state", layout, state_dtype=state_dtype)
+    params, opt = _train(AdamW, state_dtype=state_dtype, steps=2, **kw)
     model = torch.nn.ParameterList(params)
     tierlift.checkpoint.save(str(tmp_path / "ck"), model, opt)
-    _train(AdamW, steps=2, params=params, opt=opt, first=2)
+    _train(AdamW, state_dtype=state_dtype, steps=2, params=params, opt=opt, first=2)
     after = [p.detach().clone() for p in params]
     fresh_params = _params()
-    fresh = AdamW(fresh_params, lr=1e-2, weight_decay=0.1, **kw)
+    fresh = AdamW(fresh_params, lr=1e-2, weight_decay=0.1, state_dtype=state_dtype, **kw)
     tierlift.checkpoint.load(str(tmp_path / "ck"), torch.nn.ParameterList(fresh_params), fresh)
-    _train(AdamW, steps=2, params=fresh_params, opt=fresh, first=2)
+    _train(AdamW, state_dtype=state_dtype, steps=2, params=fresh_params, opt=fresh, first=2)
     for a, b in zip(after, fresh_params):
         assert torch.equal(a, b)
     _assert_same_state(fresh, opt)
@@ -178,10 +186,12 @@ def _fail_nvme_writes(monkeypatch, after: int):
     return calls
 
 
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
 def test_a_failure_in_the_nvme_part_changes_nothing_and_the_step_can_be_retried(
-        tmp_path, monkeypatch):
-    ref, ref_opt = _train(AdamW, steps=3)
-    params, opt = _train(AdamW, steps=2, **_kw(tmp_path, "hybrid"))
+        state_dtype, tmp_path, monkeypatch):
+    ref, ref_opt = _train(AdamW, state_dtype=state_dtype, steps=3)
+    kw = _kw(tmp_path, "hybrid", state_dtype=state_dtype)
+    params, opt = _train(AdamW, state_dtype=state_dtype, steps=2, **kw)
     before = [p.detach().clone() for p in params]
     sd = opt.state_dict()
     _grads(params, 2)
@@ -202,10 +212,12 @@ def test_a_failure_in_the_nvme_part_changes_nothing_and_the_step_can_be_retried(
 
 
 @pytest.mark.parametrize("layout", ["hybrid-1gen", "nvme-1gen"])
-def test_a_failure_while_rewriting_in_place_refuses_steps_until_a_load(tmp_path, monkeypatch,
-                                                                       layout):
-    ref, _ = _train(AdamW, steps=4)
-    params, opt = _train(AdamW, steps=2, **_kw(tmp_path, layout))
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+def test_a_failure_while_rewriting_in_place_refuses_steps_until_a_load(
+        state_dtype, tmp_path, monkeypatch, layout):
+    ref, _ = _train(AdamW, state_dtype=state_dtype, steps=4)
+    kw = _kw(tmp_path, layout, state_dtype=state_dtype)
+    params, opt = _train(AdamW, state_dtype=state_dtype, steps=2, **kw)
     sd = opt.state_dict()
     saved = [p.detach().clone() for p in params]
     _grads(params, 2)
@@ -220,14 +232,16 @@ def test_a_failure_while_rewriting_in_place_refuses_steps_until_a_load(tmp_path,
         for p, s in zip(params, saved):
             p.copy_(s)
     opt.load_state_dict(sd)
-    _train(AdamW, steps=2, params=params, opt=opt, first=2)
+    _train(AdamW, state_dtype=state_dtype, steps=2, params=params, opt=opt, first=2)
     for a, b in zip(ref, params):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
 def test_a_failed_load_into_one_generation_refuses_steps_until_a_load_succeeds(
-        tmp_path, monkeypatch):
-    params, opt = _train(AdamW, steps=2, **_kw(tmp_path, "nvme-1gen"))
+        state_dtype, tmp_path, monkeypatch):
+    kw = _kw(tmp_path, "nvme-1gen", state_dtype=state_dtype)
+    params, opt = _train(AdamW, state_dtype=state_dtype, steps=2, **kw)
     sd = opt.state_dict()
     _fail_nvme_writes(monkeypatch, after=1)
     with pytest.raises(OSError, match="injected"):
@@ -241,8 +255,10 @@ def test_a_failed_load_into_one_generation_refuses_steps_until_a_load_succeeds(
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_non_finite_gradient_skips_the_step(tmp_path, layout):
-    params, opt = _train(AdamW, steps=2, **_kw(tmp_path, layout))
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+def test_non_finite_gradient_skips_the_step(state_dtype, tmp_path, layout):
+    kw = _kw(tmp_path, layout, state_dtype=state_dtype)
+    params, opt = _train(AdamW, state_dtype=state_dtype, steps=2, **kw)
     before = [p.detach().clone() for p in params]
     sd = opt.state_dict()
     _grads(params, 5)

@@ -126,9 +126,9 @@ def test_chunks_are_even_and_only_used_bytes_move(tmp_path):
     ci = len(used) - 1
     path = tier.paths[("exp_avg", tier.gen[ci])]
     with open(path, "r+b") as f:
-        f.seek(ci * tier.chunk_bytes + 4 * used[ci] - 8)
+        f.seek(ci * tier.kind_chunk_bytes["exp_avg"] + 4 * used[ci] - 8)
         b = f.read(1)
-        f.seek(ci * tier.chunk_bytes + 4 * used[ci] - 8)
+        f.seek(ci * tier.kind_chunk_bytes["exp_avg"] + 4 * used[ci] - 8)
         f.write(bytes([b[0] ^ 0xFF]))
     off._engine.forget(path)
     before = [p.detach().clone() for p in params]

@@ -10,7 +10,7 @@ import pytest
 import tierlift
 from tierlift.__main__ import main
 from tierlift.plan import Bandwidths, PlanInput, make_plan, max_params, parse_bytes
-from tierlift.plan.planner import POOL_BYTES
+from tierlift.plan.planner import POOL_BYTES, state_bytes_per_param
 
 pytestmark = pytest.mark.skipif(not tierlift._extension.available(),
                                 reason="compiled extension not loaded")
@@ -94,6 +94,33 @@ def test_max_params_is_the_largest_model_that_fits():
     assert n == pytest.approx(0.7 * 16 * G / 4, rel=1e-3)
 
 
+def test_compact_state_bytes_come_from_the_offload_layout():
+    # master 4, bf16 m 2, 8-bit v 1, a 4-byte scale per 256 elements: 3.02 B of moments
+    per = state_bytes_per_param("bf16")
+    assert sum(per.values()) == pytest.approx(4 + 2 + 1 + 4 / 256)
+    assert sum(state_bytes_per_param("fp32").values()) == 12
+    box = PlanInput(params=13e9, gpu_mem=80 * G, cpu_mem=128 * G, nvme="/x", nvme_free=64 * G)
+    assert make_plan(box, BW).offload == "hybrid"  # 156 GB of fp32 state: RAM and drive
+    compact = make_plan(dataclasses.replace(box, state_dtype="bf16"), BW)
+    assert compact.offload == "cpu" and "state_dtype='bf16'" in compact.note
+    assert sum(compact.tiers["cpu"].values()) == pytest.approx(13e9 * 7.015625)
+    # 20B: the bf16 weights and gradients (80 GB) alone overflow the GPU; the planner keeps
+    # them there (parameter offload is not placed), so the refusal names the GPU.
+    with pytest.raises(ValueError, match=r"GPU memory \(short by .*offload_params"):
+        make_plan(dataclasses.replace(box, params=20e9, state_dtype="bf16"), BW)
+    # The state bytes alone: with room for the weights on the GPU, compact state lets the
+    # box's RAM and drive hold 25B parameters where fp32 state holds 15B.
+    big_gpu = dataclasses.replace(box, gpu_mem=160 * G)
+    room = int(0.8 * 128 * G) - POOL_BYTES + 64 * G
+    n32, _ = max_params(big_gpu, BW)
+    n16, plan = max_params(dataclasses.replace(big_gpu, state_dtype="bf16"), BW)
+    assert n32 == pytest.approx(room / 12, rel=1e-3)
+    assert n16 == pytest.approx(room / 7.015625, rel=1e-3) and n16 > 20e9
+    assert plan.offload == "hybrid" and plan.generations == 1
+    with pytest.raises(ValueError, match="state_dtype must be one of"):
+        PlanInput(params=1, gpu_mem=G, cpu_mem=G, state_dtype="int8")
+
+
 def test_cli_max_params(tmp_path, capsys):
     assert main(["plan", "--max-params", "--gpu-mem", "2G", "--cpu-mem", "1G",
                  "--nvme", str(tmp_path), "--probe-mib", "4", "--json"]) == 0
@@ -102,6 +129,11 @@ def test_cli_max_params(tmp_path, capsys):
     assert main(["plan", "--max-params", "--gpu-mem", "2G", "--cpu-mem", "1G",
                  "--probe-mib", "4"]) == 0
     assert "largest model that fits" in capsys.readouterr().out
+    assert main(["plan", "--params", "2e8", "--gpu-mem", "2G", "--cpu-mem", "1G",
+                 "--nvme", str(tmp_path), "--probe-mib", "4", "--state-dtype", "bf16",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["state_dtype"] == "bf16" and "exp_avg_sq scales" in out["tiers"]["cpu"]
 
 
 def test_cli_measures_and_prints(tmp_path, capsys):

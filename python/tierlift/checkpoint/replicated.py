@@ -22,6 +22,7 @@ import torch
 from tierlift.checkpoint import agree, background, restore, stream
 from tierlift.checkpoint import format as fmt
 from tierlift.offload.journal import Journal
+from tierlift.offload.layout import kind_elems
 from tierlift.zero.comm import Comm
 
 OPTIM_DIR = "optim"
@@ -161,7 +162,8 @@ def _check_state(optimizer, opt_sd: dict, path: str) -> None:
     params = [p for g in optimizer.param_groups for p in g["params"]]
     for i, st in opt_sd["state"].items():
         for k, v in st.items():
-            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() != params[i].numel():
+            want = kind_elems(k, params[i].numel())  # compact state: a scale per 256 elements
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() != want:
                 raise ValueError(f"checkpoint {path} does not match the optimizer: the state "
                                  f"{k!r} of parameter {i} has shape {tuple(v.shape)}, the "
                                  f"parameter {tuple(params[i].shape)}")
@@ -185,7 +187,8 @@ def load(path: str, model: torch.nn.Module, optimizer) -> dict:
         _set_hyper(optimizer, meta)
         if meta["optimizer_state"] == "offloaded":
             smeta = stream.verify(optim)
-            if off is None:
+            if off is None or not restore.same_state_format(off, smeta):
+                # through a state dict, which the optimizer converts (fp32 <-> compact state)
                 opt_sd = optimizer_state_dict(path)
             else:
                 plan = restore.plan_from_state(optim, smeta)

@@ -4,7 +4,8 @@ within its cpu_budget whatever the world size the checkpoint was saved on.
 A load follows a plan: for each parameter with saved state, its step and the runs of elements
 that come from the saved kind files. A run (lo, hi, dir, gi, first) says that elements [lo, hi)
 of the parameter are elements first, first + 1, ... of `dir`/g{gi}.<kind>.f32; elements no run
-covers are zeros (a ZeRO shard's padding). The same-world-size load has one run per parameter
+covers are zeros (a ZeRO shard's padding). Compact state's scales (one per 256 elements) come
+from `scale_runs`, in scales. The same-world-size load has one run per parameter
 (plan_from_state); a resharded load one per saved rank that the new shard overlaps (reshard.py).
 The bytes go from the files straight into the pipeline slots or the tier (readinto, no
 temporaries), a chunk at a time, so host memory stays what the Offloader already holds.
@@ -29,6 +30,7 @@ import torch
 
 from tierlift.checkpoint import stream
 from tierlift.offload.journal import filling
+from tierlift.offload.layout import SCALE_KIND, kind_elems, kind_slice
 
 
 @dataclass(kw_only=True)
@@ -36,11 +38,13 @@ class ParamSource:
     step: float
     numel: int  # the parameter's numel in the checkpoint (a ZeRO shard's: padded)
     runs: list[tuple[int, int, str, int, int]]  # (lo, hi, dir, saved group, first element)
+    scale_runs: list[tuple[int, int, str, int, int]] | None = None  # the same, in scales
 
 
 @dataclass(kw_only=True)
 class GroupPlan:
     kinds: list[str] | None = None  # the kinds every source of the group holds (None: no source)
+    dtypes: dict | None = None  # {kind: torch dtype} saved (None: fp32)
     params: dict[int, ParamSource] = field(default_factory=dict)
 
 
@@ -53,10 +57,16 @@ def read_into(f, arr: np.ndarray) -> None:
 
 def plan_from_state(directory: str, meta: dict) -> list[GroupPlan]:
     """The plan of a same-world-size load: one run per saved parameter."""
-    return [GroupPlan(kinds=list(g["kinds"]), params={
-        e["index"]: ParamSource(step=e["step"], numel=e["numel"],
-                                runs=[(0, e["numel"], directory, gi, e["offset"])])
-        for e in g["params"]}) for gi, g in enumerate(meta["groups"])]
+    def source(gi: int, e: dict) -> ParamSource:
+        scales = None
+        if "scale_offset" in e:
+            scales = [(0, kind_elems(SCALE_KIND, e["numel"]), directory, gi, e["scale_offset"])]
+        return ParamSource(step=e["step"], numel=e["numel"], scale_runs=scales,
+                           runs=[(0, e["numel"], directory, gi, e["offset"])])
+
+    return [GroupPlan(kinds=list(g["kinds"]), dtypes=stream.dtypes(g),
+                      params={e["index"]: source(gi, e) for e in g["params"]})
+            for gi, g in enumerate(meta["groups"])]
 
 
 def check_plan(off, plan: list[GroupPlan], source: str) -> None:
@@ -72,6 +82,18 @@ def check_plan(off, plan: list[GroupPlan], source: str) -> None:
                    if "max_exp_avg_sq" in missing else "")
             raise ValueError(f"offloaded optimizer state {source} has no {missing} for "
                              f"param group {gi}{why}")
+        tier = off.tiers[gi]
+        if SCALE_KIND in tier.kinds and any(s.scale_runs is None for s in gp.params.values()):
+            raise ValueError(f"offloaded optimizer state {source}: loading compact state "
+                             "(state_dtype='bf16') on another world size is not supported")
+        saved = {k: (gp.dtypes or {}).get(k, torch.float32) for k in tier.kinds}
+        if gp.kinds is not None and saved != tier.dtypes:
+            raise ValueError(
+                f"offloaded optimizer state {source} holds param group {gi} as "
+                f"{ {k: str(d) for k, d in saved.items()} }, the optimizer as "
+                f"{ {k: str(d) for k, d in tier.dtypes.items()} } (another state_dtype); load "
+                "its state dict (tierlift.checkpoint.optimizer_state_dict) with "
+                "load_state_dict, which converts")
         for pi, src in gp.params.items():
             if pi >= len(params) or params[pi].numel() != src.numel:
                 got = (f"shape {tuple(params[pi].shape)}" if pi < len(params)
@@ -87,10 +109,11 @@ class _Files:
     def __init__(self):
         self.open: dict = {}
 
-    def get(self, directory: str, gi: int, kind: str):
+    def get(self, directory: str, gi: int, kind: str, dtype: torch.dtype):
         key = (directory, gi, kind)
         if key not in self.open:
-            self.open[key] = open(os.path.join(directory, stream.kind_file(gi, kind)), "rb")
+            self.open[key] = open(os.path.join(directory, stream.kind_file(gi, kind, dtype)),
+                                  "rb")
         return self.open[key]
 
     def close(self) -> None:
@@ -98,18 +121,21 @@ class _Files:
             f.close()
 
 
-def _fill(files: _Files, kind: str, src: ParamSource, plo: int, phi: int,
+def _fill(files: _Files, kind: str, dtype: torch.dtype, src: ParamSource, plo: int, phi: int,
           dst: np.ndarray) -> None:
-    """Elements [plo, phi) of the parameter's `kind` into `dst`."""
+    """The values of the parameter's `kind` for its elements [plo, phi) into `dst`."""
+    runs = src.scale_runs if kind == SCALE_KIND else src.runs
+    sl = kind_slice(kind, plo, phi)
+    plo, phi = sl.start, sl.stop
     pos = plo
-    for lo, hi, directory, gi, first in src.runs:
+    for lo, hi, directory, gi, first in runs:
         a, b = max(lo, plo), min(hi, phi)
         if a >= b:
             continue
         if a > pos:
             dst[pos - plo:a - plo] = 0
-        f = files.get(directory, gi, kind)
-        f.seek(4 * (first + a - lo))
+        f = files.get(directory, gi, kind, dtype)
+        f.seek(dtype.itemsize * (first + a - lo))
         read_into(f, dst[a - plo:b - plo])
         pos = b
     if pos < phi:
@@ -132,10 +158,11 @@ def load_plan(off, plan: list[GroupPlan], source: str, before_commit=None) -> No
                 for i, chunk, bufs, in_place in stream._slotted(off, gi, chunks, writes):
                     for s in (s for s in chunk.segments if s.pi in gp.params):
                         for k in tier.kinds:
-                            dst = stream._np(bufs[k][s.clo:s.chi])
+                            dst = stream._np(bufs[k][kind_slice(k, s.clo, s.chi)])
                             if in_place:
                                 journal.keep(dst)
-                            _fill(files, k, gp.params[s.pi], s.plo, s.phi, dst)
+                            _fill(files, k, tier.dtypes[k], gp.params[s.pi], s.plo, s.phi,
+                                  dst)
                     if not in_place:  # a two-generation tier's other copy, flipped at the end
                         off.rewriting(tier, chunk.ci)
                         writes[i] = tier.write_all(chunk.ci, bufs, tier.next_gen(chunk.ci))
@@ -152,6 +179,14 @@ def load_plan(off, plan: list[GroupPlan], source: str, before_commit=None) -> No
             else:  # no state in the checkpoint: starts fresh, as in torch
                 off.opt.state[p].pop("step", None)
                 off._in_file[gi].discard(pi)
+
+
+def same_state_format(off, meta: dict) -> bool:
+    """Whether the state saved with state.json `meta` has the dtypes of Offloader `off`'s
+    tiers (fp32 or compact): only then does it stream in as it is."""
+    return len(meta["groups"]) == len(off.tiers) and all(
+        all(stream.dtypes(g).get(k, torch.float32) == d for k, d in t.dtypes.items())
+        for g, t in zip(meta["groups"], off.tiers))
 
 
 def check_fits(off, meta: dict, directory: str) -> None:

@@ -4,12 +4,15 @@ back the same way, so the host memory a save or a load holds stays inside `cpu_b
 
 Layout (independent of chunk size, budget and tier, so it loads anywhere):
 
-    state.json          per param group: its state kinds and, per parameter that has taken a
-                        step, its index, name, shape, dtype, step and offset (elements) in the
-                        kind files; the SHA-256 of every kind file
-    g0.exp_avg.f32 ...  one file per group and kind: the fp32 values of the stepped parameters,
+    state.json          per param group: its state kinds and their dtypes and, per parameter
+                        that has taken a step, its index, name, shape, dtype, step and offset
+                        (elements) in the kind files (with compact state also its offset in the
+                        scale file); the SHA-256 of every kind file
+    g0.exp_avg.f32 ...  one file per group and kind: the values of the stepped parameters,
                         concatenated densely in parameter order ("master" holds the fp32 master
-                        weights, or the parameter itself where it is fp32 and its own master)
+                        weights, or the parameter itself where it is fp32 and its own master).
+                        Compact state (state_dtype="bf16"): g0.exp_avg.bf16, g0.exp_avg_sq.u8
+                        (codes) and g0.exp_avg_sq_scale.f32 (one scale per 256 elements)
 
 Checksums are SHA-256, the mechanism of tierlift.checkpoint.format, computed while the bytes are
 written (no second pass) and verified before anything is loaded: a truncated or corrupt file is
@@ -26,6 +29,7 @@ import torch
 
 from tierlift.checkpoint import format as fmt
 from tierlift.checkpoint.writer import Held, RawFile
+from tierlift.offload.layout import SCALE_KIND, kind_elems, kind_slice
 from tierlift.offload.tiers import MemoryTier
 
 STATE_JSON = "state.json"
@@ -34,12 +38,29 @@ VERSION = 1
 _LOW_PRECISION = ("torch.bfloat16", "torch.float16")
 
 
-def kind_file(gi: int, kind: str) -> str:
-    return f"g{gi}.{kind}.f32"
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.uint8: "u8"}
+_DTYPE = {v: k for k, v in _SUFFIX.items()}
+_NP = {torch.float32: np.float32, torch.bfloat16: np.int16, torch.uint8: np.uint8}
+
+
+def kind_file(gi: int, kind: str, dtype: torch.dtype = torch.float32) -> str:
+    return f"g{gi}.{kind}.{_SUFFIX[dtype]}"
+
+
+def dtypes(group: dict) -> dict[str, torch.dtype]:
+    """{kind: dtype} of a state.json group (files without "dtypes" hold fp32 kinds)."""
+    saved = group.get("dtypes", {})
+    return {k: _DTYPE[saved.get(k, "f32")] for k in group["kinds"]}
+
+
+def kind_offset(kind: str, entry: dict) -> int:
+    """Where a parameter's values start in the kind file (in values of the kind)."""
+    return entry["scale_offset"] if kind == SCALE_KIND else entry["offset"]
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
-    return t.detach().numpy()
+    t = t.detach()
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
 
 
 def read_state_json(directory: str) -> dict:
@@ -62,9 +83,9 @@ def verify(directory: str, meta: dict | None = None) -> dict:
     """Checks every kind file's size and SHA-256 against state.json; returns state.json."""
     meta = meta or read_state_json(directory)
     for gi, group in enumerate(meta["groups"]):
-        nbytes = 4 * sum(p["numel"] for p in group["params"])
-        for kind in group["kinds"]:
-            name = kind_file(gi, kind)
+        for kind, dtype in dtypes(group).items():
+            nbytes = dtype.itemsize * sum(kind_elems(kind, p["numel"]) for p in group["params"])
+            name = kind_file(gi, kind, dtype)
             file = os.path.join(directory, name)
             if not os.path.isfile(file):
                 raise FileNotFoundError(f"offloaded optimizer state {directory} lacks {name}")
@@ -147,24 +168,31 @@ def stage_offloaded(off, directory: str, names: dict, packer, helds: list, files
     for gi, group in enumerate(off.opt.param_groups):
         params, layout, tier = group["params"], off.layouts[gi], off.tiers[gi]
         kinds = ["master", *[k for k in tier.kinds if k != "master"]]
+        types = {k: tier.dtypes.get(k, torch.float32) for k in kinds}
         stepped = [pi for pi, p in enumerate(params) if "step" in off.opt.state[p]]
-        entries, dense, pos = [], {}, 0
+        entries, dense, pos = [], {k: {} for k in kinds}, dict.fromkeys(kinds, 0)
         for pi in stepped:
             p = params[pi]
-            dense[pi] = pos
-            entries.append({"index": pi, "name": names.get(p), "shape": list(p.shape),
-                            "dtype": str(p.dtype), "numel": p.numel(), "offset": pos,
-                            "step": float(off.opt.state[p]["step"])})
-            pos += p.numel()
-        outs = {k: RawFile(os.path.join(directory, kind_file(gi, k)), 4 * pos) for k in kinds}
+            for k in kinds:
+                dense[k][pi] = pos[k]
+            entry = {"index": pi, "name": names.get(p), "shape": list(p.shape),
+                     "dtype": str(p.dtype), "numel": p.numel(), "offset": pos["master"],
+                     "step": float(off.opt.state[p]["step"])}
+            if SCALE_KIND in kinds:
+                entry["scale_offset"] = pos[SCALE_KIND]
+            entries.append(entry)
+            for k in kinds:
+                pos[k] += kind_elems(k, p.numel())
+        outs = {k: RawFile(os.path.join(directory, kind_file(gi, k, types[k])),
+                           types[k].itemsize * pos[k]) for k in kinds}
         files.extend(outs.values())
-        outs_all.update({kind_file(gi, k): f for k, f in outs.items()})
+        outs_all.update({kind_file(gi, k, types[k]): f for k, f in outs.items()})
         live = set(stepped)
         chunks = [(c.ci, [s for s in c.segments if s.pi in live]) for c in layout.chunks]
         chunks = [(ci, segs) for ci, segs in chunks if segs]
         if _held(tier):
             helds.append(Held(tier.hold([ci for ci, _ in chunks]), kinds, outs, chunks, dense,
-                              off.chunk_elems, getattr(tier, "used", None),
+                              off.chunk_elems, types,
                               lambda ci, gi=gi, lay=layout: off._what(gi, lay.chunks[ci])()))
         else:
             for k in kinds:
@@ -175,9 +203,11 @@ def stage_offloaded(off, directory: str, names: dict, packer, helds: list, files
                         if k == "master" and (view is None or not off._uses_master(p)):
                             src = p.detach().view(-1)[s.plo:s.phi]  # its own master
                         else:
-                            src = view[s.clo:s.chi]
-                        packer.add(outs[k], src, (dense[s.pi] + s.plo) * 4)
-        groups.append({"kinds": kinds, "params": entries})
+                            src = view[kind_slice(k, s.clo, s.chi)]
+                        at = dense[k][s.pi] + kind_slice(k, s.plo, s.phi).start
+                        packer.add(outs[k], src, at * types[k].itemsize)
+        groups.append({"kinds": kinds, "dtypes": {k: _SUFFIX[d] for k, d in types.items()},
+                       "params": entries})
 
     def finish(digests: dict) -> None:
         fmt.write_json(os.path.join(directory, STATE_JSON), {
@@ -188,27 +218,32 @@ def stage_offloaded(off, directory: str, names: dict, packer, helds: list, files
 
 
 def read_tensors(directory: str, mmap: bool = False) -> list[dict]:
-    """[{param index: {"step": tensor, kind: fp32 tensor}} per group], "master" only for
-    low-precision parameters (as optimizer.state_dict() has it). mmap=True maps the files
-    (pages are read on use, not held) instead of reading them."""
+    """[{param index: {"step": tensor, kind: tensor}} per group], "master" only for
+    low-precision parameters (as optimizer.state_dict() has it); compact state as the
+    in-memory compact optimizer holds it (bf16 exp_avg, uint8 exp_avg_sq, fp32 scales).
+    mmap=True maps the files (pages are read on use, not held) instead of reading them."""
     meta = read_state_json(directory)
     out = []
     for gi, group in enumerate(meta["groups"]):
         arrays = {}
-        for k in group["kinds"]:
-            file = os.path.join(directory, kind_file(gi, k))
+        types = dtypes(group)
+        for k, dtype in types.items():
+            file = os.path.join(directory, kind_file(gi, k, dtype))
             empty = os.path.getsize(file) == 0
-            arrays[k] = (np.zeros(0, np.float32) if empty else
-                         np.memmap(file, dtype=np.float32, mode="c") if mmap else
-                         np.fromfile(file, dtype=np.float32))
+            arrays[k] = (np.zeros(0, _NP[dtype]) if empty else
+                         np.memmap(file, dtype=_NP[dtype], mode="c") if mmap else
+                         np.fromfile(file, dtype=_NP[dtype]))
         states = {}
         for e in group["params"]:
             st = {"step": torch.tensor(e["step"], dtype=torch.float32)}
             for k, a in arrays.items():
                 if k == "master" and e["dtype"] not in _LOW_PRECISION:
                     continue
-                st[k] = torch.from_numpy(a[e["offset"]:e["offset"] + e["numel"]]).view(
-                    e["shape"])
+                at, n = kind_offset(k, e), kind_elems(k, e["numel"])
+                t = torch.from_numpy(a[at:at + n])
+                if types[k] == torch.bfloat16:
+                    t = t.view(torch.bfloat16)
+                st[k] = t if k == SCALE_KIND else t.view(e["shape"])
             states[e["index"]] = st
         out.append(states)
     return out

@@ -21,6 +21,7 @@ import torch
 
 from tierlift.checkpoint.staging import MIN_PIECE, Piece, Run, Staging
 from tierlift.io import ChecksumError, EngineConfig, IoEngine
+from tierlift.offload.layout import kind_slice
 from tierlift.offload.tiers import crc32c
 
 _ENGINE: IoEngine | None = None
@@ -129,11 +130,11 @@ class Held:
     (only the stepped parameters' elements) and written to the group's kind files."""
 
     def __init__(self, hold, kinds: list[str], outs: dict, chunks: list, dense: dict,
-                 chunk_elems: int, used, what):
+                 chunk_elems: int, dtypes: dict, what):
         self.hold, self.kinds, self.outs = hold, kinds, outs
         self.chunks = chunks  # [(ci, [segments of stepped parameters])]
-        self.dense = dense  # pi -> element offset of the parameter in the kind files
-        self.chunk_elems, self.used, self.what = chunk_elems, used, what
+        self.dense = dense  # kind -> pi -> offset of the parameter in the kind file (values)
+        self.chunk_elems, self.dtypes, self.what = chunk_elems, dtypes, what
 
 
 class Writer(threading.Thread):
@@ -282,13 +283,13 @@ class Writer(threading.Thread):
             try:
                 handle.wait()
                 self._check(held, kind, ci, part)
-                n = _pack(buf.view(torch.float32), segs)
+                n = _pack(buf.view(held.dtypes[kind]), segs, kind)
             except BaseException:
                 _settle(reads[i:], self.staging)
                 raise
-            first = segs[0]
-            offset = (held.dense[first.pi] + first.plo) * 4
-            self._submit(buf, [Run(held.outs[kind], 0, n * 4, offset)])
+            first, size = segs[0], held.dtypes[kind].itemsize
+            offset = (held.dense[kind][first.pi] + kind_slice(kind, first.plo, first.phi).start)
+            self._submit(buf, [Run(held.outs[kind], 0, n * size, offset * size)])
 
     def _read_chunk(self, held: Held, ci: int, nbytes: int, kinds: list[str]) -> list:
         """Starts reading `kinds` of held chunk `ci`: [(kind, buf, part, handle)]."""
@@ -296,9 +297,8 @@ class Writer(threading.Thread):
         tier, gen = held.hold.tier, held.hold.gen[ci]
         for kind in kinds:
             buf = self._acquire(nbytes)
-            f32 = buf.view(torch.float32)
-            part = f32[:held.used[ci]] if held.used is not None else f32
             try:
+                part = tier.part(kind, ci, buf.view(held.dtypes[kind]))
                 out.append((kind, buf, part, tier.read(kind, ci, part, gen)))
             except BaseException:
                 self.staging.release(buf)
@@ -315,15 +315,16 @@ class Writer(threading.Thread):
                 f"{kind} of {held.what(ci)} (chunk {ci}) does not match its CRC-32C")
 
 
-def _pack(buf: torch.Tensor, segs: list) -> int:
-    """Moves the segments' elements of a chunk buffer to its front, in order; returns how many.
-    A segment never moves right, so each copy reads bytes no earlier copy wrote."""
+def _pack(buf: torch.Tensor, segs: list, kind: str) -> int:
+    """Moves the segments' values of `kind` in a chunk buffer to its front, in order; returns
+    how many. A segment never moves right, so each copy reads bytes no earlier copy wrote."""
     at = 0
     for s in segs:
-        n = s.chi - s.clo
-        if at != s.clo:
-            src = buf[s.clo:s.chi]
-            buf[at:at + n].copy_(src if at + n <= s.clo else src.clone())
+        sl = kind_slice(kind, s.clo, s.chi)
+        n = sl.stop - sl.start
+        if at != sl.start:
+            src = buf[sl]
+            buf[at:at + n].copy_(src if at + n <= sl.start else src.clone())
         at += n
     return at
 

@@ -1,9 +1,16 @@
 """Flat layout of one param group's optimizer state, cut into fixed-size chunks.
 
-Every parameter gets a range of a flat fp32 space, starting at a 4 KiB (1024-element) boundary;
+Every parameter gets a range of a flat element space, starting at a 1024-element boundary;
 the space is cut into chunks of `chunk_elems` elements (a multiple of 1024), so a chunk is one
 aligned, fixed-size read or write per state kind. Adam is elementwise, so stepping a parameter
 slice by slice, in any chunking, gives the same bits as stepping it whole.
+
+State kinds differ in bytes per element: fp32 kinds take 4, compact state (state_dtype="bf16")
+keeps exp_avg in bf16 (2), exp_avg_sq as uint8 codes (1) and one fp32 scale per 256 elements
+(the kind "exp_avg_sq_scale"). A 1024-element boundary is a 256-element one, so no scale block
+straddles two parameters or two chunks, and a chunk's scales are the chunk's elements / 256.
+Each kind of a chunk is stored at a stride rounded up to 4 KiB (O_DIRECT), which costs nothing
+for fp32 kinds and at most 4 KiB per chunk and kind otherwise.
 """
 
 from __future__ import annotations
@@ -13,6 +20,39 @@ from dataclasses import dataclass, field
 import torch
 
 ALIGN_ELEMS = 1024
+IO_ALIGN = 4096  # bytes: O_DIRECT offsets and lengths
+SCALE_KIND = "exp_avg_sq_scale"
+SCALE_BLOCK = 256  # elements per exp_avg_sq scale (tierlift.reference.optim_compact.BLOCK)
+
+
+def state_kinds(amsgrad: bool, state_dtype: str = "fp32") -> dict[str, torch.dtype]:
+    """{kind: dtype} of one param group's offloaded state, in storage order."""
+    if state_dtype == "bf16":
+        return {"master": torch.float32, "exp_avg": torch.bfloat16,
+                "exp_avg_sq": torch.uint8, SCALE_KIND: torch.float32}
+    kinds = ["master", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
+    return dict.fromkeys(kinds, torch.float32)
+
+
+def kind_elems(kind: str, n: int) -> int:
+    """How many values of `kind` describe `n` parameter elements."""
+    return -(-n // SCALE_BLOCK) if kind == SCALE_KIND else n
+
+
+def kind_slice(kind: str, lo: int, hi: int) -> slice:
+    """The values of `kind` for parameter (or chunk) elements [lo, hi); lo a multiple of 256."""
+    return slice(lo // SCALE_BLOCK, -(-hi // SCALE_BLOCK)) if kind == SCALE_KIND else slice(lo, hi)
+
+
+def kind_bytes(kind: str, dtype: torch.dtype, n: int, aligned: bool = True) -> int:
+    """Bytes of `kind` for `n` elements; `aligned`: rounded up to IO_ALIGN (stored on disk)."""
+    nbytes = kind_elems(kind, n) * dtype.itemsize
+    return -(-nbytes // IO_ALIGN) * IO_ALIGN if aligned else nbytes
+
+
+def chunk_bytes(kinds: dict[str, torch.dtype], n: int, aligned: bool = True) -> int:
+    """Bytes of one chunk of `n` elements of every kind in `kinds`."""
+    return sum(kind_bytes(k, d, n, aligned) for k, d in kinds.items())
 
 
 @dataclass(kw_only=True)

@@ -1,7 +1,8 @@
 """Offloader: the step of tierlift.optim.Adam/AdamW with optimizer state in host memory or on
 NVMe. The optimizer keeps torch's param groups and its per-parameter "step" counts; this class
 owns master weights, exp_avg, exp_avg_sq (and max_exp_avg_sq) in flat per-group tiers and runs
-the fused SIMD CPU Adam chunk by chunk.
+the fused SIMD CPU Adam chunk by chunk; with state_dtype="bf16" the tiers hold compact state
+(bf16 exp_avg, uint8 exp_avg_sq codes, exp_avg_sq_scale) and the compact kernel steps it.
 
 NVMe pipeline, per param group (S pool slots, 6 by default, each holding one chunk of every
 state kind): chunks k+1 .. k+S-2 are read while chunk k is stepped and the chunks before it are
@@ -27,7 +28,16 @@ from tierlift._shards import all_ranks_agree, global_grad_norm, is_shard
 from tierlift.io import ChecksumError, EngineConfig, IoEngine
 from tierlift.offload.config import OffloadConfig
 from tierlift.offload.journal import filling
-from tierlift.offload.layout import ALIGN_ELEMS, build_layout, even_chunk_elems
+from tierlift.offload.layout import (
+    ALIGN_ELEMS,
+    SCALE_KIND,
+    build_layout,
+    chunk_bytes,
+    even_chunk_elems,
+    kind_elems,
+    kind_slice,
+    state_kinds,
+)
 from tierlift.offload.tiers import _CRC_POOL as CRC_POOL
 from tierlift.offload.tiers import (
     HybridTier,
@@ -42,9 +52,12 @@ _MIN_SLOTS = 3  # read ahead, step, write back
 MIN_SLOT_CHUNK_BYTES = 1 << 20  # the smallest chunk per kind worth an extra pipeline slot
 
 
-def _check_group(gi: int, group: dict, kinds: list[str]) -> None:
+def _check_group(gi: int, group: dict, kinds: list[str], state_dtype: str) -> None:
     ops.check_adam_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-    if _state_kinds(group["amsgrad"]) != kinds:
+    if state_dtype == "bf16" and group["amsgrad"]:
+        raise ValueError(f"param_groups[{gi}] has amsgrad=True, which is not supported with "
+                         "state_dtype='bf16'; use state_dtype='fp32' for amsgrad")
+    if list(state_kinds(group["amsgrad"], state_dtype)) != kinds:
         raise ValueError(f"param_groups[{gi}]['amsgrad'] changed after the optimizer was "
                          "created; offloaded state cannot change kinds")
 
@@ -83,10 +96,6 @@ def _drain(handles: dict) -> None:
     handles.clear()
 
 
-def _state_kinds(amsgrad: bool) -> list[str]:
-    return ["master", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
-
-
 class Offloader:
     def __init__(self, optimizer, config: OffloadConfig):
         self.opt = optimizer
@@ -107,9 +116,21 @@ class Offloader:
                         "which steps it through a contiguous copy")
         self._cuda = any(p.device.type == "cuda" for p in params)
         self._pin = torch.cuda.is_available()
-        # Streamed bytes per element: fp32 state kinds, plus grad and copy staging for GPU params.
-        kinds = max((len(_state_kinds(g["amsgrad"])) for g in optimizer.param_groups), default=3)
-        per_elem = 4 * (kinds + (2 if self._cuda else 0))
+        self.state_dtype = getattr(optimizer, "_state_dtype", "fp32")
+        self._dtypes = [state_kinds(g["amsgrad"], self.state_dtype)
+                        for g in optimizer.param_groups]
+        self._kinds = [list(d) for d in self._dtypes]
+        # A slot holds one chunk of every state kind (each 4 KiB aligned), plus fp32 grad and
+        # copy staging for GPU params.
+        slot_dtypes = dict(max(self._dtypes, key=len, default=state_kinds(False)))
+        if self._cuda:
+            slot_dtypes.update(grad=torch.float32, copy=torch.float32)
+        self._slot_dtypes = slot_dtypes
+
+        def slot_bytes(n: int) -> int:
+            return chunk_bytes(slot_dtypes, n)
+
+        per_elem = chunk_bytes(slot_dtypes, ALIGN_ELEMS) / ALIGN_ELEMS
         chunk_elems = config.chunk_bytes // 4
         largest = max((sum(-(-max(p.numel(), 1) // ALIGN_ELEMS) * ALIGN_ELEMS
                            for p in g["params"]) for g in optimizer.param_groups), default=0)
@@ -123,14 +144,16 @@ class Offloader:
         if on_disk and config.cpu_budget is not None:
             # More slots only while each still holds MIN_SLOT_CHUNK_BYTES per kind: a deeper
             # read-ahead is not worth cutting the device's requests smaller than that.
-            afford = config.cpu_budget // (per_elem * (MIN_SLOT_CHUNK_BYTES // 4))
+            afford = config.cpu_budget // slot_bytes(MIN_SLOT_CHUNK_BYTES // 4)
             slots = max(_MIN_SLOTS, min(slots, afford))
-            fit = config.cpu_budget // (slots * per_elem) // ALIGN_ELEMS * ALIGN_ELEMS
+            fit = int(config.cpu_budget // (slots * per_elem)) // ALIGN_ELEMS * ALIGN_ELEMS
+            while fit >= ALIGN_ELEMS and slots * slot_bytes(fit) > config.cpu_budget:
+                fit -= ALIGN_ELEMS  # 4 KiB rounding of the small kinds
             if fit < ALIGN_ELEMS:
                 raise ValueError(
                     f"cpu_budget={config.cpu_budget} bytes is smaller than one chunk of "
                     f"{slots} pipeline slots; the smallest budget that works is "
-                    f"{slots * per_elem * ALIGN_ELEMS} bytes")
+                    f"{slots * slot_bytes(ALIGN_ELEMS)} bytes")
             if config.offload == "nvme":
                 chunk_elems = min(chunk_elems, fit)
             else:  # the pool takes at most a quarter of a hybrid's budget: RAM holds the rest
@@ -143,25 +166,27 @@ class Offloader:
         self._in_file = [set() for _ in optimizer.param_groups]  # params whose master is stored
         self.layouts = [build_layout(list(g["params"]), chunk_elems)
                         for g in optimizer.param_groups]
-        self._kinds = [_state_kinds(g["amsgrad"]) for g in optimizer.param_groups]
-        self._slot_kinds = max(self._kinds, key=len) + (["grad", "copy"] if self._cuda else [])
+        self._slot_kinds = list(slot_dtypes)
         self._broken = None  # why step() refuses: an in-place rewrite failed half way
         self.pool_bytes = 0
         if config.offload == "cpu":
             self.tiers = []
             gens = 2 if self.streamed else 1
-            for g, k, lay in zip(optimizer.param_groups, self._kinds, self.layouts):
+            for g, k, lay, dt in zip(optimizer.param_groups, self._kinds, self.layouts,
+                                     self._dtypes):
                 if not any(self._uses_master(p) for p in g["params"]):
                     k = k[1:]  # fp32 CPU params are their own master
-                self.tiers.append(MemoryTier(k, len(lay.chunks), chunk_elems, self._pin, gens))
+                self.tiers.append(MemoryTier(k, len(lay.chunks), chunk_elems, self._pin, gens,
+                                             dtypes=dt))
             slot_kinds = self._slot_kinds if self.streamed else ["grad", "copy"]
             if not self.streamed and not self._cuda:
                 slot_kinds = []
-            self._slots = [{k: torch.empty(chunk_elems, dtype=torch.float32,
+            self._slots = [{k: torch.empty(chunk_bytes({k: slot_dtypes[k]}, chunk_elems)
+                                           // slot_dtypes[k].itemsize, dtype=slot_dtypes[k],
                                            pin_memory=self._pin) for k in slot_kinds}
                            for _ in range(slots)]
             resident = sum(t.resident_bytes for t in self.tiers)
-            staging = slots * chunk_elems * 4 * len(slot_kinds)
+            staging = slots * chunk_bytes({k: slot_dtypes[k] for k in slot_kinds}, chunk_elems)
             self.pool_bytes = staging
             if config.cpu_budget is not None and resident + staging > config.cpu_budget:
                 raise ValueError(
@@ -169,7 +194,7 @@ class Offloader:
                     f"({resident + staging} bytes with staging); raise it or use "
                     "offload='hybrid' or 'nvme'")
         else:
-            pool = slots * chunk_elems * 4 * len(self._slot_kinds)
+            pool = slots * slot_bytes(chunk_elems)
             nvme_path = os.fspath(config.nvme_path)
             remove_stale_dirs(nvme_path)
             self._dir = make_state_dir(nvme_path)
@@ -178,19 +203,20 @@ class Offloader:
                     queue_depth=config.queue_depth, pool_bytes=pool,
                     block_size=min(config.block_bytes, chunk_elems * 4)))
                 self.pool_bytes = pool
-                self._slots = [{k: self._engine.pool_tensor(chunk_elems * 4).view(torch.float32)
-                                for k in self._slot_kinds} for _ in range(slots)]
+                self._slots = [{k: self._engine.pool_tensor(chunk_bytes({k: d}, chunk_elems))
+                                .view(d) for k, d in slot_dtypes.items()} for _ in range(slots)]
                 ram = (config.cpu_budget - pool) if config.offload == "hybrid" else 0
                 self.tiers = []
-                for gi, (k, lay) in enumerate(zip(self._kinds, self.layouts)):
+                for gi, (k, lay, dt) in enumerate(zip(self._kinds, self.layouts, self._dtypes)):
                     n = len(lay.chunks)
-                    n_ram = min(n, max(0, ram) // (chunk_elems * 4 * len(k)))
-                    ram -= n_ram * chunk_elems * 4 * len(k)
+                    in_ram = chunk_bytes(dt, chunk_elems, aligned=False)
+                    n_ram = min(n, max(0, ram) // in_ram)
+                    ram -= n_ram * in_ram
                     nvme = NvmeTier(self._engine, self._dir, gi, k, n, chunk_elems,
                                     [lay.used_elems(c.ci) for c in lay.chunks],
-                                    first=n_ram, generations=config.nvme_generations)
+                                    first=n_ram, generations=config.nvme_generations, dtypes=dt)
                     self.tiers.append(nvme if config.offload == "nvme" else HybridTier(
-                        MemoryTier(k, n_ram, chunk_elems, self._pin, 1), nvme))
+                        MemoryTier(k, n_ram, chunk_elems, self._pin, 1, dtypes=dt), nvme))
             except BaseException:
                 self._slots = []
                 if self._engine is not None:
@@ -250,7 +276,7 @@ class Offloader:
             if finite:
                 for gi, group in enumerate(self.opt.param_groups):
                     if live[gi]:
-                        _check_group(gi, group, self._kinds[gi])
+                        _check_group(gi, group, self._kinds[gi], self.state_dtype)
                 if self.config.max_grad_norm is not None:
                     self._clip(stats)
         except BaseException:
@@ -514,7 +540,6 @@ class Offloader:
         `started`: {j: handles} of the first chunks' reads, already issued into slot j."""
         group = self.opt.param_groups[gi]
         params, tier = group["params"], self.tiers[gi]
-        kinds = tier.kinds
         n_slots = self.n_slots
         reads: dict[int, list] = dict(started or {})
         writes: dict[int, list] = {}
@@ -545,7 +570,8 @@ class Offloader:
                 bufs = self._slots[i % n_slots]
                 # waits for the reads, then checks their CRC-32C on this thread
                 wait_all(reads.pop(i), "nvme_read_wait_s")
-                nbytes = len(kinds) * 4 * (used[chunk.ci] if used else self.chunk_elems)
+                nbytes = chunk_bytes(tier.dtypes, used[chunk.ci] if used else self.chunk_elems,
+                                     aligned=used is not None)
                 stats["nvme_read_bytes"] += nbytes
                 done.append(chunk)
                 self._step_chunk(gi, group, params, grads, steps, chunk, bufs, stats, publish)
@@ -583,9 +609,9 @@ class Offloader:
             pflat = p.detach().view(-1)[s.plo:s.phi]
             fresh = "step" not in self.opt.state[p]
             if fresh:
-                for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+                for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", SCALE_KIND):
                     if k in bufs:
-                        bufs[k][s.clo:s.chi].zero_()
+                        bufs[k][kind_slice(k, s.clo, s.chi)].zero_()
             g = grads[s.pi][s.plo:s.phi]
             if g.device.type != "cpu":
                 g = bufs["grad"][s.clo:s.chi].copy_(g, non_blocking=True)
@@ -607,14 +633,24 @@ class Offloader:
                 b["params"].append(pflat)
                 b["copies"].append(pflat)
             b["grads"].append(g)
-            for k in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ()):
-                b[k].append(bufs[k][s.clo:s.chi])
+            moments = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
+            if self.state_dtype == "bf16":
+                moments += (SCALE_KIND,)
+            for k in moments:
+                b[k].append(bufs[k][kind_slice(k, s.clo, s.chi)])
         if self._cuda:
             torch.cuda.synchronize()  # D2H of this chunk's gradients
             stats["d2h_s"] += time.perf_counter() - t
         t1 = time.perf_counter()
         beta1, beta2 = group["betas"]
         for step, b in buckets.items():
+            if self.state_dtype == "bf16":
+                ops.adam_compact_step_(
+                    b["params"], b["grads"], b["exp_avg"], b["exp_avg_sq"], b[SCALE_KIND],
+                    b["copies"], lr=float(group["lr"]), beta1=beta1, beta2=beta2,
+                    eps=group["eps"], weight_decay=group["weight_decay"], step=step,
+                    decoupled=self.opt._decoupled(group), maximize=group["maximize"])
+                continue
             ops.adam_step_(
                 b["params"], b["grads"], b["exp_avg"], b["exp_avg_sq"], b["max_exp_avg_sq"],
                 b["copies"], lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
@@ -634,7 +670,8 @@ class Offloader:
 
     # ---- state dict ----------------------------------------------------------------------
     def materialize(self) -> dict:
-        """{param: {kind: fp32 CPU tensor}} for every parameter that has taken a step."""
+        """{param: {kind: CPU tensor}} for every parameter that has taken a step, in the
+        in-memory optimizer's state format (fp32, or compact: bf16 m, uint8 v codes, scales)."""
         out: dict = {}
         for gi, group in enumerate(self.opt.param_groups):
             params, layout, tier = group["params"], self.layouts[gi], self.tiers[gi]
@@ -648,11 +685,12 @@ class Offloader:
                     kinds = [k for k in tier.kinds if k != "master" or self._needs_master_key(p)]
                     d = out.setdefault(p, {})
                     for k in kinds:
-                        t = d.setdefault(k, torch.empty(p.shape, dtype=torch.float32))
-                        src = bufs[k][s.clo:s.chi]
+                        shape = (kind_elems(k, p.numel()),) if k == SCALE_KIND else p.shape
+                        t = d.setdefault(k, torch.empty(shape, dtype=tier.dtypes[k]))
+                        src = bufs[k][kind_slice(k, s.clo, s.chi)]
                         if k == "master" and not self._uses_master(p):
                             src = p.detach().view(-1)[s.plo:s.phi]
-                        t.view(-1)[s.plo:s.phi].copy_(src)
+                        t.view(-1)[kind_slice(k, s.plo, s.phi)].copy_(src)
         return out
 
     def _needs_master_key(self, p) -> bool:
@@ -670,6 +708,7 @@ class Offloader:
 
     def ingest(self, loaded: dict, before_commit=None) -> None:
         """Moves {param: {kind: tensor}} (from a state dict) into the tiers, all-or-nothing.
+        The tensors are in this optimizer's state format (Adam converts a state dict first).
         Shapes are checked first; NVMe chunks go to the other generation and flip together at
         the end, host chunks are filled in place behind an undo journal (journal.Journal), so a
         failure (a full drive, an interrupt) leaves the tiers as they were. `before_commit`, if
@@ -677,10 +716,12 @@ class Offloader:
         for gi, group in enumerate(self.opt.param_groups):
             for pi, p in enumerate(group["params"]):
                 for k, v in loaded.get(p, {}).items():
+                    want = kind_elems(k, p.numel())
                     if isinstance(v, torch.Tensor) and k in self.tiers[gi].kinds and \
-                            v.numel() != p.numel():
+                            v.numel() != want:
                         raise ValueError(f"the state {k!r} of {self._name(gi, pi)} has "
-                                         f"{v.numel()} elements, the parameter {p.numel()}")
+                                         f"{v.numel()} elements, {want} expected (the "
+                                         f"parameter has {p.numel()})")
         with filling(self._engine, before_commit) as (journal, flips):
             for gi, group in enumerate(self.opt.param_groups):
                 params, layout = group["params"], self.layouts[gi]
@@ -700,11 +741,11 @@ class Offloader:
             p = params[s.pi]
             vals = loaded[p]
             for k in tier.kinds:
-                dst = bufs[k][s.clo:s.chi]
+                dst = bufs[k][kind_slice(k, s.clo, s.chi)]
                 if view:  # a view of the tier itself: its bytes go to the journal first
                     journal.keep(dst)
                 if k in vals:
-                    dst.copy_(vals[k].detach().reshape(-1)[s.plo:s.phi])
+                    dst.copy_(vals[k].detach().reshape(-1)[kind_slice(k, s.plo, s.phi)])
                 elif k == "master":
                     dst.copy_(p.detach().view(-1)[s.plo:s.phi])
                 else:

@@ -1,6 +1,7 @@
 """Where one param group's flat state kinds (master, exp_avg, exp_avg_sq, max_exp_avg_sq) live.
 
-MemoryTier: resident flat fp32 tensors (pinned when CUDA is available); a chunk "read" is a view.
+MemoryTier: resident flat tensors, one per kind in the kind's dtype (pinned when CUDA is
+available); a chunk "read" is a view.
 NvmeTier: files per kind; with two generations a step reads chunk k from generation g[k] and
 writes the updated chunk to 1 - g[k]; g[k] flips only after every write of the step reached the
 device, so a failed step leaves the committed generation untouched. With one generation (half
@@ -31,6 +32,7 @@ import torch
 
 from tierlift import _extension
 from tierlift.io import ChecksumError, IoEngine
+from tierlift.offload.layout import kind_bytes, kind_elems
 
 
 def crc32c(buf: torch.Tensor) -> int:
@@ -247,14 +249,15 @@ class MemoryTier(_Holdable):
     (read into a slot, write to the other generation), so a step can be undone."""
 
     def __init__(self, kinds: list[str], n_chunks: int, chunk_elems: int, pin: bool,
-                 generations: int = 1):
+                 generations: int = 1, dtypes: dict | None = None):
         self.kinds = kinds
+        self.dtypes = {k: (dtypes or {}).get(k, torch.float32) for k in kinds}
         self.chunk_elems = chunk_elems
         self.generations = generations
         self.gen = [0] * n_chunks
         self._init_holds()
-        self.flat = {(k, g): torch.zeros(n_chunks * chunk_elems, dtype=torch.float32,
-                                         pin_memory=pin)
+        self.flat = {(k, g): torch.zeros(n_chunks * kind_elems(k, chunk_elems),
+                                         dtype=self.dtypes[k], pin_memory=pin)
                      for k in kinds for g in range(generations)}
 
     @property
@@ -266,14 +269,20 @@ class MemoryTier(_Holdable):
         return True
 
     def view(self, kind: str, ci: int, chunk_elems: int) -> torch.Tensor:
-        n = self.chunk_elems
+        n = kind_elems(kind, self.chunk_elems)
         return self.flat[(kind, self.gen[ci])][ci * n:(ci + 1) * n]
 
+    def part(self, kind: str, ci: int, buf: torch.Tensor) -> torch.Tensor:
+        """The part of a chunk buffer (a slot may be longer: padded for O_DIRECT) it holds."""
+        return buf[:kind_elems(kind, self.chunk_elems)]
+
     def read(self, kind: str, ci: int, buf: torch.Tensor, gen: int | None = None):
-        """Copies chunk ci (its first buf.numel() elements) into `buf`."""
+        """Copies chunk ci (its first buf.numel() values) into `buf`."""
         g = self.gen[ci] if gen is None else gen
-        lo = ci * self.chunk_elems
-        return _Done(buf.copy_(self.flat[(kind, g)][lo:lo + min(buf.numel(), self.chunk_elems)]))
+        n = kind_elems(kind, self.chunk_elems)
+        m = min(buf.numel(), n)
+        buf[:m].copy_(self.flat[(kind, g)][ci * n:ci * n + m])
+        return _Done(buf)
 
     def verify(self, kind, ci, buf, what, gen=None) -> None:
         pass  # host memory: no checksum
@@ -286,8 +295,8 @@ class MemoryTier(_Holdable):
 
     def write(self, kind: str, ci: int, buf: torch.Tensor, gen: int):
         self._wait_unheld(ci, gen)
-        n = self.chunk_elems
-        self.flat[(kind, gen)][ci * n:(ci + 1) * n].copy_(buf)
+        n = kind_elems(kind, self.chunk_elems)
+        self.flat[(kind, gen)][ci * n:(ci + 1) * n].copy_(buf[:n])
         return _Done(buf)
 
 
@@ -323,21 +332,24 @@ def _reserve(fd: int, nbytes: int, path: str, total: int, generations: int = 2) 
 
 class NvmeTier(_Holdable):
     """`used[ci]`: the elements of chunk ci in use (a multiple of 1024, default all): only
-    those are read, written and checksummed; the rest of a slot is never looked at.
-    `first`: the first chunk this tier holds (a HybridTier keeps those before it in RAM); chunk
-    ci sits at (ci - first) * chunk bytes of each file. `generations`: 2 (a step writes the
-    other copy) or 1 (in place: half the disk, and a step cannot be undone)."""
+    those are read, written and checksummed (rounded up to 4 KiB per kind); the rest of a slot
+    is never looked at. `first`: the first chunk this tier holds (a HybridTier keeps those
+    before it in RAM); chunk ci sits at (ci - first) * the kind's chunk bytes (4 KiB aligned)
+    of each kind's file. `generations`: 2 (a step writes the other copy) or 1 (in place: half
+    the disk, and a step cannot be undone). `dtypes`: {kind: dtype}, fp32 where not given."""
 
     def __init__(self, engine: IoEngine, directory: str, gi: int, kinds: list[str],
                  n_chunks: int, chunk_elems: int, used: list[int] | None = None,
-                 first: int = 0, generations: int = 2):
+                 first: int = 0, generations: int = 2, dtypes: dict | None = None):
         if generations not in (1, 2):
             raise ValueError(f"generations must be 1 or 2, got {generations}")
         self.engine = engine
         self.kinds = kinds
+        self.dtypes = {k: (dtypes or {}).get(k, torch.float32) for k in kinds}
         self.first = first
         self.generations = generations
-        self.chunk_bytes = chunk_elems * 4
+        self.chunk_elems = chunk_elems
+        self.kind_chunk_bytes = {k: kind_bytes(k, d, chunk_elems) for k, d in self.dtypes.items()}
         self.used = list(used) if used is not None else [chunk_elems] * n_chunks
         if len(self.used) != n_chunks or any(u % 1024 or not 0 <= u <= chunk_elems
                                              for u in self.used):
@@ -348,43 +360,47 @@ class NvmeTier(_Holdable):
         self.crc: dict[tuple[str, int, int], int] = {}  # (kind, ci, gen) -> crc
         self.paths = {(k, g): os.path.join(directory, f"g{gi}.{k}.{g}") for k in kinds
                       for g in range(generations)}
-        nbytes = (n_chunks - first) * self.chunk_bytes
-        for path in self.paths.values():
+        total = self.disk_bytes
+        for (k, _), path in self.paths.items():
             with open(path, "wb") as f:
-                _reserve(f.fileno(), nbytes, path, nbytes * len(self.paths), generations)
+                _reserve(f.fileno(), (n_chunks - first) * self.kind_chunk_bytes[k], path, total,
+                         generations)
 
     @property
     def disk_bytes(self) -> int:
-        return (len(self.gen) - self.first) * self.chunk_bytes * len(self.paths)
+        return (len(self.gen) - self.first) * self.generations * sum(
+            self.kind_chunk_bytes.values())
 
     def viewable(self, ci: int) -> bool:
         return False
 
-    def _pos(self, ci: int) -> int:
-        return (ci - self.first) * self.chunk_bytes
+    def _pos(self, kind: str, ci: int) -> int:
+        return (ci - self.first) * self.kind_chunk_bytes[kind]
 
-    def _part(self, ci: int, buf: torch.Tensor) -> torch.Tensor:
-        """The part of a chunk buffer that is stored: the chunk's used elements."""
-        n = self.used[ci] * 4 // buf.element_size()
+    def part(self, kind: str, ci: int, buf: torch.Tensor) -> torch.Tensor:
+        """The part of a chunk buffer that is stored: the bytes of the chunk's used elements,
+        rounded up to 4 KiB (the buffer is a slot of the kind's full aligned chunk bytes)."""
+        n = kind_bytes(kind, self.dtypes[kind], self.used[ci]) // buf.element_size()
         return buf if n >= buf.numel() else buf[:n]
 
     def read(self, kind: str, ci: int, buf: torch.Tensor, gen: int | None = None):
         g = self.gen[ci] if gen is None else gen
-        return self.engine.read(self._part(ci, buf), self.paths[(kind, g)], self._pos(ci))
+        return self.engine.read(self.part(kind, ci, buf), self.paths[(kind, g)],
+                                self._pos(kind, ci))
 
     def verify(self, kind: str, ci: int, buf: torch.Tensor, what, gen: int | None = None):
         g = self.gen[ci] if gen is None else gen
         want = self.crc.get((kind, ci, g))
-        if want is not None and crc32c(self._part(ci, buf)) != want:
+        if want is not None and crc32c(self.part(kind, ci, buf)) != want:
             raise ChecksumError(
                 f"optimizer state file {self.paths[(kind, g)]!r} is corrupt: the {kind} of "
                 f"{what()} (chunk {ci}) does not match its CRC-32C")
 
     def write(self, kind: str, ci: int, buf: torch.Tensor, gen: int, crc: int | None = None):
         self._wait_unheld(ci, gen)
-        buf = self._part(ci, buf)
+        buf = self.part(kind, ci, buf)
         self.crc[(kind, ci, gen)] = crc32c(buf) if crc is None else crc
-        return self.engine.write(buf, self.paths[(kind, gen)], self._pos(ci))
+        return self.engine.write(buf, self.paths[(kind, gen)], self._pos(kind, ci))
 
     def read_all(self, ci: int, bufs: dict, what) -> list:
         """Starts reading every kind of chunk `ci` of the committed generation into `bufs`.
@@ -400,7 +416,7 @@ class NvmeTier(_Holdable):
                         f"optimizer state file {self.paths[(k, g)]!r} is corrupt: the {k} of "
                         f"{what()} (chunk {ci}) does not match its CRC-32C")
 
-        return [_Checked(handles, verify, parts=[self._part(ci, bufs[k]) for k in self.kinds])]
+        return [_Checked(handles, verify, parts=[self.part(k, ci, bufs[k]) for k in self.kinds])]
 
     def write_all(self, ci: int, bufs: dict, gen: int) -> list:
         """Starts writing every kind of chunk `ci` to generation `gen` and checksums it while
@@ -410,8 +426,8 @@ class NvmeTier(_Holdable):
         # No stale CRC may describe this generation until the new one is known.
         for k in self.kinds:
             self.crc.pop((k, ci, gen), None)
-        parts = [self._part(ci, bufs[k]) for k in self.kinds]
-        handles = [self.engine.write(b, self.paths[(k, gen)], self._pos(ci))
+        parts = [self.part(k, ci, bufs[k]) for k in self.kinds]
+        handles = [self.engine.write(b, self.paths[(k, gen)], self._pos(k, ci))
                    for k, b in zip(self.kinds, parts)]
         t = time.perf_counter()
         crcs = [crc32c(b) for b in parts]
@@ -449,6 +465,7 @@ class HybridTier(_Holdable):
         self.ram, self.nvme = ram, nvme
         self.n_ram = len(ram.gen)
         self.kinds = nvme.kinds
+        self.dtypes = nvme.dtypes
         self.engine = nvme.engine
         self.used = nvme.used
         self.crc = nvme.crc
@@ -490,6 +507,9 @@ class HybridTier(_Holdable):
 
     def view(self, kind: str, ci: int, chunk_elems: int) -> torch.Tensor:
         return self.ram.view(kind, ci, chunk_elems)
+
+    def part(self, kind, ci, buf):
+        return self._of(ci).part(kind, ci, buf)
 
     def read(self, kind, ci, buf, gen=None):
         return self._of(ci).read(kind, ci, buf, gen)

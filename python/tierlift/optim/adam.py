@@ -44,7 +44,7 @@ _STATE_DTYPES = ("fp32", "bf16")
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_sq_scale", "max_exp_avg_sq", "master")
 
 
-def _check_state_dtype(state_dtype, amsgrad, offload) -> None:
+def _check_state_dtype(state_dtype, amsgrad) -> None:
     if state_dtype not in _STATE_DTYPES:
         raise ValueError(f"state_dtype must be one of {_STATE_DTYPES}, got {state_dtype!r}")
     if state_dtype == "fp32":
@@ -53,11 +53,6 @@ def _check_state_dtype(state_dtype, amsgrad, offload) -> None:
         raise ValueError(
             "amsgrad=True is not supported with state_dtype='bf16' (its running max of v would "
             "need a third compact buffer); use state_dtype='fp32' for amsgrad")
-    if offload != "none":
-        raise ValueError(
-            f"state_dtype='bf16' with offload={offload!r} is not implemented yet: the offload "
-            "tiers hold fp32 state; use offload='none' with compact state, or state_dtype='fp32' "
-            "with offload")
 
 
 def _caller_stacklevel() -> int:
@@ -100,7 +95,7 @@ class Adam(Optimizer):
         state_dtype="fp32",
     ):
         ops.check_adam_hyper(lr, betas, eps, weight_decay)
-        _check_state_dtype(state_dtype, amsgrad, offload)
+        _check_state_dtype(state_dtype, amsgrad)
         self._state_dtype = state_dtype
         if differentiable:
             raise ValueError(
@@ -202,11 +197,15 @@ class Adam(Optimizer):
             if before_commit is not None:
                 before_commit()
             return
-        # Take the fp32 state from the dict as is (torch would cast it to the param's dtype).
+        # Take the state from the dict as is (torch would cast it to the param's dtype), in
+        # this optimizer's state format (fp32 or compact), converted as without offload.
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         loaded = {p: {k: v for k, v in state_dict["state"][i].items() if k != "step"}
                   for i, p in zip(ids, params) if i in state_dict["state"]}
+        for p, state in loaded.items():
+            if isinstance(state.get("exp_avg"), torch.Tensor):
+                self._to_state_format(p, state)
         steps_only = dict(state_dict)
         steps_only["state"] = {i: {"step": s["step"]} for i, s in state_dict["state"].items()
                                if "step" in s}

@@ -26,6 +26,9 @@ def add_parser(sub) -> None:
     p.add_argument("--nvme-free", default=None,
                    help="free space the drive offers the state, e.g. 64G (default: what is free "
                         "under --nvme now; give it to plan for another machine's drive)")
+    p.add_argument("--state-dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="optimizer state: fp32 (12 B/param with the master) or bf16, the compact "
+                        "state of tierlift.optim's state_dtype='bf16' (7.02 B/param)")
     p.add_argument("--probe-mib", type=int, default=256, help="size of the bandwidth probes")
     a = p.add_argument_group("saved activations (tierlift.activations.Policy per block)")
     a.add_argument("--act-blocks", type=int, default=None, help="number of blocks")
@@ -80,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
                     cpu_mem=parse_bytes(args.cpu_mem, "--cpu-mem"), nvme=args.nvme,
                     cpu_budget=None if args.cpu_budget is None
                     else parse_bytes(args.cpu_budget, "--cpu-budget"),
-                    nvme_free=_nvme_free(args))
+                    nvme_free=_nvme_free(args), state_dtype=args.state_dtype)
     if (args.act_blocks is None) != (args.act_block_bytes is None):
         raise ValueError("--act-blocks and --act-block-bytes go together")
     bw = measure(args.nvme, args.probe_mib << 20)
@@ -94,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"params": int(inp.params), "max_params": largest,
                           "offload": plan.offload, "nvme_generations": plan.generations,
+                          "state_dtype": inp.state_dtype,
                           "tiers": plan.tiers, "legs_s": plan.legs_s,
                           "serial_s": plan.serial_s, "pipelined_s": plan.pipelined_s,
                           "bandwidths": dataclasses.asdict(bw), "note": plan.note,
