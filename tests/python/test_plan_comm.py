@@ -36,3 +36,27 @@ def test_accumulation_multiplies_flat_gathers_only():
 def test_bad_arguments(args):
     with pytest.raises(ValueError):
         comm_plan(*args)
+
+
+def test_cli_prints_and_returns_the_rows():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.join(os.path.dirname(__file__), "..", "..", "python"),
+         os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "tierlift", "plan", "--params", "7e9", "--gpu-mem", "80G",
+           "--cpu-mem", "512G", "--probe-mib", "8", "--nodes", "4", "--gpus-per-node", "8",
+           "--inter-node-gbps", "400"]
+    out = json.loads(subprocess.run([*cmd, "--json"], env=env, capture_output=True, text=True,
+                                    check=True).stdout)
+    rows = out["across_nodes"]
+    assert [r["layout"] for r in rows][0] == "ZeRO-3"
+    assert rows[0]["per_node_bytes"] == pytest.approx(8 * 7e9 * 0.75 * 6)
+    assert rows[2]["vs_flat"] <= 0.25
+    text = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+    assert "across nodes per step (4 nodes x 8 GPUs, 400 Gb/s per node" in text
+    bad = subprocess.run(cmd[:-2], env=env, capture_output=True, text=True)
+    assert bad.returncode != 0 and "go together" in bad.stderr

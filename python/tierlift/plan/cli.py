@@ -9,6 +9,7 @@ import os
 import shutil
 
 from tierlift.activations import Policy
+from tierlift.plan.comm import comm_plan, render_comm
 from tierlift.plan.measure import measure
 from tierlift.plan.planner import PlanInput, make_plan, max_params, parse_bytes, render
 
@@ -30,6 +31,13 @@ def add_parser(sub) -> None:
                    help="optimizer state: fp32 (12 B/param with the master) or bf16, the compact "
                         "state of tierlift.optim's state_dtype='bf16' (7.02 B/param)")
     p.add_argument("--probe-mib", type=int, default=256, help="size of the bandwidth probes")
+    n = p.add_argument_group("several nodes (ZeRO-3, flat or hierarchy='node')")
+    n.add_argument("--nodes", type=int, default=None, help="number of nodes")
+    n.add_argument("--gpus-per-node", type=int, default=None, help="ranks on each node")
+    n.add_argument("--inter-node-gbps", type=float, default=None,
+                   help="link bandwidth per node to the others, Gb/s each way (e.g. 400)")
+    n.add_argument("--micro-batches", type=int, default=1,
+                   help="forward/backward passes per optimizer step (gradient accumulation)")
     a = p.add_argument_group("saved activations (tierlift.activations.Policy per block)")
     a.add_argument("--act-blocks", type=int, default=None, help="number of blocks")
     a.add_argument("--act-block-bytes", default=None, help="bytes one block saves, e.g. 2G")
@@ -84,6 +92,11 @@ def run(args: argparse.Namespace) -> int:
                     cpu_budget=None if args.cpu_budget is None
                     else parse_bytes(args.cpu_budget, "--cpu-budget"),
                     nvme_free=_nvme_free(args), state_dtype=args.state_dtype)
+    given = [x is not None for x in (args.nodes, args.gpus_per_node, args.inter_node_gbps)]
+    if any(given) and not all(given):
+        raise ValueError("--nodes, --gpus-per-node and --inter-node-gbps go together")
+    if args.micro_batches < 1:
+        raise ValueError(f"--micro-batches must be >= 1, got {args.micro_batches}")
     if (args.act_blocks is None) != (args.act_block_bytes is None):
         raise ValueError("--act-blocks and --act-block-bytes go together")
     bw = measure(args.nvme, args.probe_mib << 20)
@@ -94,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         plan = make_plan(inp, bw)
     policy = None if args.act_blocks is None else activation_policy(args, bw)
+    comm = None if args.nodes is None else comm_plan(inp.params, args.nodes, args.gpus_per_node,
+                                                     args.inter_node_gbps, args.micro_batches)
     if args.json:
         print(json.dumps({"params": int(inp.params), "max_params": largest,
                           "offload": plan.offload, "nvme_generations": plan.generations,
@@ -101,7 +116,9 @@ def run(args: argparse.Namespace) -> int:
                           "tiers": plan.tiers, "legs_s": plan.legs_s,
                           "serial_s": plan.serial_s, "pipelined_s": plan.pipelined_s,
                           "bandwidths": dataclasses.asdict(bw), "note": plan.note,
-                          "activations": None if policy is None else list(policy.tiers)},
+                          "activations": None if policy is None else list(policy.tiers),
+                          "across_nodes": None if comm is None else
+                          [dataclasses.asdict(r) for r in comm]},
                          indent=2))
     else:
         if largest is not None:
@@ -112,6 +129,8 @@ def run(args: argparse.Namespace) -> int:
             counts = {t: policy.tiers.count(t) for t in dict.fromkeys(policy.tiers)}
             print("activations per block, first to last (tierlift.activations.Policy): "
                   + ", ".join(f"{t} x{n}" for t, n in counts.items()))
+        if comm is not None:
+            print(render_comm(comm, args.nodes, args.gpus_per_node, args.inter_node_gbps))
     if args.plot:
         from tierlift.plan.plot import capacities, plot_plan
 
