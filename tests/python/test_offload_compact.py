@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 from test_offload import _grads, _params
+from test_offload_hybrid import fit_overlapped
 
 import tierlift
 from tierlift.offload.layout import IO_ALIGN, SCALE_BLOCK
@@ -70,31 +71,11 @@ def test_bit_identical_to_in_memory_compact_state(tmp_path, layout, dtype, overl
         assert len(opt._offload.layouts[0].chunks) > 2  # several chunks streamed
 
 
-@pytest.mark.parametrize("layout", ["nvme", "hybrid"])
-def test_overlap_with_backward_is_exact_and_kept(tmp_path, layout):
-    torch.manual_seed(3)
-    init = torch.nn.Sequential(torch.nn.Linear(32, 512), torch.nn.Tanh(),
-                               torch.nn.Linear(512, 300), torch.nn.Tanh(),
-                               torch.nn.Linear(300, 4)).state_dict()
-
-    def fit(kw):
-        model = torch.nn.Sequential(torch.nn.Linear(32, 512), torch.nn.Tanh(),
-                                    torch.nn.Linear(512, 300), torch.nn.Tanh(),
-                                    torch.nn.Linear(300, 4))
-        model.load_state_dict(init)
-        opt = AdamW(model.parameters(), lr=1e-2, state_dtype="bf16", **kw)
-        g, kept = torch.Generator().manual_seed(7), 0
-        for _ in range(4):
-            model(torch.randn(8, 32, generator=g)).square().mean().backward()
-            opt.step()
-            kept += opt.last_step_stats.get("overlap_kept_chunks", 0)
-            model.zero_grad(set_to_none=True)
-        return [p.detach().clone() for p in model.parameters()], kept
-
-    ref, _ = fit({})
-    budget = 200_000 if layout == "nvme" else 1 << 20
-    got, kept = fit(dict(offload=layout, nvme_path=str(tmp_path), cpu_budget=budget,
-                         overlap=True))
+def test_overlap_with_backward_is_exact_and_kept(tmp_path):
+    """All on NVMe, two generations (the hybrid layouts are in test_offload_hybrid)."""
+    ref, _ = fit_overlapped("bf16", {})
+    got, kept = fit_overlapped("bf16", dict(offload="nvme", nvme_path=str(tmp_path),
+                                            cpu_budget=200_000, overlap=True))
     for a, b in zip(ref, got):
         assert torch.equal(a, b)
     assert kept > 0

@@ -104,30 +104,33 @@ def test_one_generation_takes_half_the_disk(tmp_path):
     assert t1.disk_bytes <= 12 * n * 1.1  # master, m, v once (chunk rounding only)
 
 
-@pytest.mark.parametrize("layout", ["hybrid", "hybrid-1gen", "nvme-1gen"])
-@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
-def test_overlap_equals_the_plain_step(state_dtype, tmp_path, layout):
+def fit_overlapped(state_dtype: str, kw: dict):
+    """Four real backward+step rounds of a small MLP with AdamW(**kw): the weights, and how
+    many chunks overlap stepped during backward and kept."""
     torch.manual_seed(3)
-
-    def fit(kw):
-        model = torch.nn.Sequential(torch.nn.Linear(32, 512), torch.nn.Tanh(),
-                                    torch.nn.Linear(512, 300), torch.nn.Tanh(),
-                                    torch.nn.Linear(300, 4))
-        model.load_state_dict(init)
-        opt = AdamW(model.parameters(), lr=1e-2, state_dtype=state_dtype, **kw)
-        g, kept = torch.Generator().manual_seed(7), 0
-        for _ in range(4):
-            model(torch.randn(8, 32, generator=g)).square().mean().backward()
-            opt.step()
-            kept += opt.last_step_stats.get("overlap_kept_chunks", 0)
-            model.zero_grad(set_to_none=True)
-        return [p.detach().clone() for p in model.parameters()], kept
-
     init = torch.nn.Sequential(torch.nn.Linear(32, 512), torch.nn.Tanh(),
                                torch.nn.Linear(512, 300), torch.nn.Tanh(),
                                torch.nn.Linear(300, 4)).state_dict()
-    ref, _ = fit({})
-    got, kept = fit(dict(_kw(tmp_path, layout, 1 << 20, state_dtype), overlap=True))
+    model = torch.nn.Sequential(torch.nn.Linear(32, 512), torch.nn.Tanh(),
+                                torch.nn.Linear(512, 300), torch.nn.Tanh(),
+                                torch.nn.Linear(300, 4))
+    model.load_state_dict(init)
+    opt = AdamW(model.parameters(), lr=1e-2, state_dtype=state_dtype, **kw)
+    g, kept = torch.Generator().manual_seed(7), 0
+    for _ in range(4):
+        model(torch.randn(8, 32, generator=g)).square().mean().backward()
+        opt.step()
+        kept += opt.last_step_stats.get("overlap_kept_chunks", 0)
+        model.zero_grad(set_to_none=True)
+    return [p.detach().clone() for p in model.parameters()], kept
+
+
+@pytest.mark.parametrize("layout", ["hybrid", "hybrid-1gen", "nvme-1gen"])
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+def test_overlap_equals_the_plain_step(state_dtype, tmp_path, layout):
+    ref, _ = fit_overlapped(state_dtype, {})
+    got, kept = fit_overlapped(state_dtype,
+                               dict(_kw(tmp_path, layout, 1 << 20, state_dtype), overlap=True))
     for a, b in zip(ref, got):
         assert torch.equal(a, b)
     # Two-generation NVMe chunks are stepped during backward; one-generation ones never are.
