@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -176,7 +177,8 @@ def run_torchrun(body: str, root, *, timeout: int = 300, weights_only: bool = Fa
         # Agent 0 hosts the store (a test that kills a node kills agent 1's, TEST_AGENT=1).
         cmds = [[*run, *rdzv, f"--rdzv-conf=is_host={str(i == 0).lower()}", path]
                 for i in range(nnodes)]
-    logs = [open(os.path.join(root, f"torchrun_agent{i}.log"), "w+") for i in range(len(cmds))]
+    # Unnamed files: tests check that `root` holds only what the script wrote.
+    logs = [tempfile.TemporaryFile("w+") for _ in cmds]
     procs = [subprocess.Popen(c, env=dict(env, TEST_AGENT=str(i)), stdout=lg,
                               stderr=subprocess.STDOUT)
              for i, (c, lg) in enumerate(zip(cmds, logs, strict=True))]
