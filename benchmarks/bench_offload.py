@@ -9,6 +9,7 @@ against DeepSpeed ZeRO-3 with CPU optimizer offload.
     python benchmarks/bench_offload.py --gpu --plan-only            # the sizing, anywhere
     python benchmarks/bench_offload.py --finetune-check             # the --gpu code, CPU, tiny
     python benchmarks/bench_offload.py --layouts                    # RAM vs hybrid vs NVMe
+    python benchmarks/bench_offload.py --layouts --state-dtype both # each: compact vs fp32 state
 
 Step mode: fp32 CPU parameters. The NVMe case gets cpu_budget = a third of its state (fp32
 master, m, v = 12 B/param), so every step streams the whole state through the pool. It runs
@@ -62,6 +63,7 @@ from llama_model import Llama, LlamaConfig, rope_tables  # noqa: E402
 from plots import plot_json, plot_offload, plot_offload_finetune  # noqa: E402
 from tierlift.optim import AdamW  # noqa: E402
 from tierlift.plan.measure import disk_bandwidth  # noqa: E402
+from tierlift.plan.planner import state_bytes_per_param  # noqa: E402
 
 
 def _params(n: int) -> list[torch.nn.Parameter]:
@@ -359,29 +361,37 @@ def bench_step(args) -> int:
 
 
 # ---- layouts mode (--layouts) ---------------------------------------------------------------
-def layout_cases(n: int, directory: str) -> dict:
+def layout_cases(n: int, directory: str, state_dtypes=("fp32",)) -> dict:
     """The same model's state all in host memory, split half and half between host memory and
     NVMe (two generations and one), and all on NVMe (two and one), each as AdamW kwargs. The
-    NVMe-only cases get a third of the state as their pool, as in step mode; the hybrids a
-    quarter of it (the pool takes at most a quarter of a hybrid budget) plus half the state."""
+    NVMe-only cases get a third of the fp32 state (master, m, v: 12 B/param) as their pool, as
+    in step mode; the hybrids a quarter of it (the pool takes at most a quarter of a hybrid
+    budget) plus half of it. Compact state (state_dtype="bf16", 7.02 B/param) gets the same
+    budgets in bytes, so its hybrids hold a larger share of their state in RAM: each layout is
+    compared at the same host memory. Names of compact cases end in ", bf16"."""
     state = 12 * n
     nvme = dict(offload="nvme", nvme_path=directory, cpu_budget=state // 3)
     hybrid = dict(offload="hybrid", nvme_path=directory, cpu_budget=state // 2 + state // 12)
-    return {"all RAM": dict(offload="cpu"),
+    base = {"all RAM": dict(offload="cpu"),
             "hybrid, 2 gens": hybrid, "hybrid, 1 gen": dict(hybrid, nvme_generations=1),
             "all NVMe, 2 gens": nvme, "all NVMe, 1 gen": dict(nvme, nvme_generations=1)}
+    return {name + ("" if sd == "fp32" else f", {sd}"): dict(kw, state_dtype=sd)
+            for name, kw in base.items() for sd in state_dtypes}
 
 
 def bench_layouts(args) -> int:
     """Step time per layout at one model size, against the I/O roofline of its NVMe part (the
     bytes its step read and wrote over the disk probe of the same round). Rounds interleave the
-    layouts (one step each, then a probe) so a shared disk's swings hit them all alike."""
+    layouts (one step each, then a probe) so a shared disk's swings hit them all alike. With
+    --state-dtype both, every layout runs with fp32 and with compact state in the same rounds
+    and vs_fp32 is the compact step over the fp32 one of the same layout."""
     n = int(args.params)
+    dtypes = ("fp32", "bf16") if args.state_dtype == "both" else (args.state_dtype,)
     tmp = tempfile.TemporaryDirectory(dir=args.dir)
     probes = [DiskProbe(tmp.name, 4 * n, bs) for bs in PROBE_BLOCKS]
     opts, steps, roofs = {}, {}, {}
     try:
-        for name, kw in layout_cases(n, tmp.name).items():
+        for name, kw in layout_cases(n, tmp.name, dtypes).items():
             opts[name] = (AdamW(_params(n), lr=1e-3, **kw), kw)
             opts[name][0].step()  # warm-up: first-step master init
             steps[name], roofs[name] = [], []
@@ -398,19 +408,25 @@ def bench_layouts(args) -> int:
                 rd, wr = roofs[name][-1]
                 roofs[name][-1] = roofline_of(rd, wr, probes[0].n, pr)[0] if rd or wr else 0.0
         rows, out = [], {}
-        base = _median(steps["all RAM"])
         for name, (opt, kw) in opts.items():
+            sd = kw["state_dtype"]
+            tag = "" if sd == "fp32" else f", {sd}"
+            base = _median(steps["all RAM" + tag])
+            fp32 = name[:-len(tag)] if tag else None
             off = opt._offload
             tier = off.tiers[0]
             in_ram = getattr(tier, "n_ram", len(tier.gen) if kw["offload"] == "cpu" else 0)
             disk = sum(getattr(t, "disk_bytes", 0) for t in off.tiers)
             step, roof = _median(steps[name]), _median(roofs[name])
             st = opt.last_step_stats
-            out[name] = {"step_s": step, "best_step_s": min(steps[name]), "roofline_s": roof,
+            out[name] = {"state_dtype": sd, "step_s": step, "best_step_s": min(steps[name]),
+                         "roofline_s": roof,
                          "ram_chunks": in_ram, "chunks": len(tier.gen), "disk_bytes": disk,
                          "cpu_budget": kw.get("cpu_budget"), "stats": dict(st)}
             rows.append({"layout": name, "step_ms": f"{step * 1e3:.1f}",
                          "vs_all_ram": f"{step / base:.2f}x",
+                         "vs_fp32": f"{step / _median(steps[fp32]):.2f}x"
+                                    if fp32 in steps else "",
                          "ram_chunks": f"{in_ram}/{len(tier.gen)}",
                          "disk_MB": f"{disk / 1e6:.0f}",
                          "io_MB": f"{(st.get('nvme_read_bytes', 0) + st.get('nvme_write_bytes', 0)) / 1e6:.0f}",  # noqa: E501
@@ -421,12 +437,18 @@ def bench_layouts(args) -> int:
             opt._offload.close()
         for probe in probes:
             probe.close()
-    print_table(rows, ["layout", "step_ms", "vs_all_ram", "ram_chunks", "disk_MB", "io_MB",
-                       "roofline_ms", "vs_roofline"],
-                title=f"AdamW step by layout, {n / 1e6:.0f}M fp32 params, state "
-                      f"{12 * n >> 20} MiB, median of {args.repeats} interleaved rounds, "
-                      f"dir {tmp.name}")
-    write_json("bench_offload_layouts", {"machine": machine(), "params": n, "layouts": out})
+    cols = ["layout", "step_ms", "vs_all_ram", "vs_fp32", "ram_chunks", "disk_MB", "io_MB",
+            "roofline_ms", "vs_roofline"]
+    if len(dtypes) == 1:
+        cols.remove("vs_fp32")
+    sizes = ", ".join(f"{sd} {int(sum(state_bytes_per_param(sd).values()) * n) >> 20} MiB"
+                      for sd in dtypes)
+    print_table(rows, cols,
+                title=f"AdamW step by layout, {n / 1e6:.0f}M fp32 params, state ({sizes}), "
+                      f"median of {args.repeats} interleaved rounds, dir {tmp.name}")
+    name = "bench_offload_layouts" + ("" if dtypes == ("fp32",) else f"-{args.state_dtype}")
+    write_json(name, {"machine": machine(), "params": n, "state_dtype": args.state_dtype,
+                      "layouts": out})
     tmp.cleanup()
     return 0
 
@@ -696,10 +718,15 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--layouts", action="store_true",
                     help="step time of all-RAM, hybrid and all-NVMe state at one size")
+    ap.add_argument("--state-dtype", choices=["fp32", "bf16", "both"], default="fp32",
+                    help="--layouts: AdamW state_dtype of every layout, or both in the same "
+                         "rounds (with a compact-over-fp32 column)")
     ap.add_argument("--plot", metavar="PATH", help="also draw the results as a PNG here (needs "
                     "matplotlib): the step legs, or with --gpu the TFLOPS")
     add_finetune_args(ap)
     args = ap.parse_args(argv)
+    if args.state_dtype != "fp32" and not args.layouts:
+        ap.error("--state-dtype is a --layouts option")
     if args.finetune_case:
         run_case(args, args.finetune_case)
         return 0
