@@ -62,16 +62,13 @@ def comm_plan(params: float, nodes: int, gpus_per_node: int, inter_node_gbps: fl
     `inter_node_gbps` (gigabits per second per node, each way)."""
     if not inter_node_gbps > 0:
         raise ValueError(f"inter_node_gbps must be > 0, got {inter_node_gbps}")
-    rows = []
-    flat = None
-    for layout in LAYOUTS:
-        per_node = gpus_per_node * inter_node_bytes_per_rank(params, nodes, gpus_per_node,
-                                                             layout, micro_batches)
-        flat = per_node if flat is None else flat
-        rows.append(CommRow(layout=layout.name, per_node_bytes=per_node,
-                            seconds=per_node / (inter_node_gbps * 1e9 / 8),
-                            vs_flat=per_node / flat if flat else 0.0))
-    return rows
+    per_node = [gpus_per_node * inter_node_bytes_per_rank(params, nodes, gpus_per_node,
+                                                          layout, micro_batches)
+                for layout in LAYOUTS]
+    flat = per_node[0]  # LAYOUTS[0] is flat ZeRO-3
+    return [CommRow(layout=layout.name, per_node_bytes=b,
+                    seconds=b / (inter_node_gbps * 1e9 / 8), vs_flat=b / flat if flat else 0.0)
+            for layout, b in zip(LAYOUTS, per_node, strict=True)]
 
 
 def render_comm(rows: list[CommRow], nodes: int, gpus_per_node: int, gbps: float) -> str:

@@ -25,6 +25,13 @@ class _Done:
         return True
 
 
+def work_done(work) -> bool:
+    """Whether a collective's work has completed, without waiting (works without
+    is_completed() are treated as done)."""
+    is_completed = getattr(work, "is_completed", None)
+    return True if is_completed is None else bool(is_completed())
+
+
 class Comm:
     def __init__(self, process_group=None, nodes: list | None = None):
         self.initialized = dist.is_available() and dist.is_initialized()

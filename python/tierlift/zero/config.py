@@ -8,6 +8,8 @@ import torch
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _OFFLOAD_PARAMS = ("none", "cpu", "nvme")
+HIERARCHIES = (None, "node")
+GRAD_COMMS = (None, "int8", "fp8")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -88,10 +90,10 @@ class ShardConfig:
             raise ValueError("fp8_all_gather=True cannot be combined with offload_params="
                              f"{self.offload_params!r} yet (the FP8 gather quantizes the shard "
                              "on the device); use one or the other")
-        if self.hierarchy not in (None, "node"):
-            raise ValueError(f"hierarchy must be None or 'node', got {self.hierarchy!r}")
-        if self.grad_comm not in (None, "int8", "fp8"):
-            raise ValueError(f"grad_comm must be None, 'int8' or 'fp8', got {self.grad_comm!r}")
+        if self.hierarchy not in HIERARCHIES:
+            raise ValueError(f"hierarchy must be one of {HIERARCHIES}, got {self.hierarchy!r}")
+        if self.grad_comm not in GRAD_COMMS:
+            raise ValueError(f"grad_comm must be one of {GRAD_COMMS}, got {self.grad_comm!r}")
         if self.offload_params != "none" and self.stage != 3:
             raise ValueError(f"offload_params={self.offload_params!r} needs stage=3 (stages 1/2 "
                              f"keep the gathered weights on the device), got stage={self.stage}")

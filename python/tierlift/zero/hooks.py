@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
 from tierlift._shards import register_shard
+from tierlift.zero.comm import work_done
 from tierlift.zero.config import ShardConfig
 from tierlift.zero.replicas import ReplicaLegs
 from tierlift.zero.topology import Topology
@@ -251,7 +252,7 @@ class ZeroState:
         of them when `wait`."""
         while self.reductions:
             unit, work, buf = self.reductions[0]
-            if not wait and not _done(work):
+            if not wait and not work_done(work):
                 break
             self.reductions.pop(0)
             self.comm.wait(work)
@@ -342,11 +343,6 @@ def _state(model) -> ZeroState:
     if state is None:
         raise ValueError("model is not sharded: call tierlift.zero.shard(model, ...) first")
     return state
-
-
-def _done(work) -> bool:
-    is_completed = getattr(work, "is_completed", None)
-    return True if is_completed is None else bool(is_completed())
 
 
 def _in_backward() -> bool:

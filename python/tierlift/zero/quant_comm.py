@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from tierlift.zero.comm import Comm
+from tierlift.zero.comm import Comm, work_done
 
 MODES = ("int8", "fp8")
 _QMAX = {"int8": 127.0, "fp8": 448.0}
@@ -107,12 +107,6 @@ def _from_wire(wire: torch.Tensor, mode: str) -> torch.Tensor:
     return wire if mode == "int8" else wire.view(torch.float8_e4m3fn)
 
 
-def _is_completed(work) -> bool:
-    # Works without is_completed() are comm's stand-ins for collectives that already ran.
-    is_completed = getattr(work, "is_completed", None)
-    return True if is_completed is None else bool(is_completed())
-
-
 class PendingAllReduce:
     """A started QuantizedAllReduce: done() moves it on without blocking, wait() finishes it."""
 
@@ -134,7 +128,7 @@ class PendingAllReduce:
             self._finished = True
 
     def done(self) -> bool:
-        while not self._finished and all(_is_completed(w) for w in self._pending):
+        while not self._finished and all(work_done(w) for w in self._pending):
             self._advance()
         return self._finished
 

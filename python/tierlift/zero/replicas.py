@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from tierlift.zero.comm import Comm
-
-GRAD_COMMS = (None, "int8", "fp8")
+from tierlift.zero.comm import Comm, work_done
+from tierlift.zero.quant_comm import QuantizedAllReduce
 
 
 class _Plain:
@@ -23,8 +22,7 @@ class _Plain:
         self.work = comm.all_reduce(t, async_op=True)
 
     def done(self) -> bool:
-        is_completed = getattr(self.work, "is_completed", None)
-        return True if is_completed is None else bool(is_completed())
+        return work_done(self.work)
 
     def wait(self) -> torch.Tensor:
         self.comm.wait(self.work)
@@ -35,14 +33,11 @@ class ReplicaLegs:
     """The replicate legs of one model and how each carries gradients."""
 
     def __init__(self, legs: list[Comm], grad_comm: str | None, block: int = 256):
-        if grad_comm not in GRAD_COMMS:
-            raise ValueError(f"grad_comm must be one of {GRAD_COMMS}, got {grad_comm!r}")
+        """`grad_comm`: None, "int8" or "fp8" (checked by ShardConfig)."""
         if grad_comm is not None and not any(leg.crosses_nodes for leg in legs):
             raise ValueError(f"grad_comm={grad_comm!r} quantizes the gradient sum across nodes, "
                              "but no replicate leg crosses nodes (use hierarchy='node' or a "
                              "mesh over several nodes)")
-        from tierlift.zero.quant_comm import QuantizedAllReduce
-
         self.legs = legs
         self.quant = [QuantizedAllReduce(leg, grad_comm, block)
                       if grad_comm is not None and leg.crosses_nodes else None for leg in legs]

@@ -27,8 +27,6 @@ import torch.distributed as dist
 
 from tierlift.zero.comm import Comm
 
-HIERARCHIES = (None, "node")
-
 
 @dataclass(kw_only=True)
 class Topology:
@@ -86,9 +84,8 @@ def _comm(group, world_nodes: dict[int, int]) -> Comm:
 
 def build(process_group=None, hierarchy: str | None = None, mesh=None) -> Topology:
     """The Comms of a model sharded over `process_group` (default: the world) flat, by node
-    (hierarchy="node") or as `mesh` says. Every rank of the group must call it."""
-    if hierarchy not in HIERARCHIES:
-        raise ValueError(f"hierarchy must be one of {HIERARCHIES}, got {hierarchy!r}")
+    (hierarchy="node") or as `mesh` says (values checked by ShardConfig). Every rank of the
+    group must call it."""
     if mesh is not None:
         if process_group is not None:
             raise ValueError("give mesh= or process_group=, not both (the mesh has its groups)")
