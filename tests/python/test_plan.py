@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 
 import tierlift
 from tierlift.__main__ import main
 from tierlift.plan import Bandwidths, PlanInput, make_plan, max_params, parse_bytes
-from tierlift.plan.planner import POOL_BYTES, state_bytes_per_param
+from tierlift.plan.planner import (
+    POOL_BYTES,
+    param_bytes_per_param,
+    state_bytes_per_param,
+    streamed_pool_bytes,
+)
 
 pytestmark = pytest.mark.skipif(not tierlift._extension.available(),
                                 reason="compiled extension not loaded")
@@ -179,3 +185,153 @@ def test_cli_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit):
         main(["plan", *argv, "--probe-mib", "4"])
     assert message in capsys.readouterr().err
+
+
+# ---- ZeRO-3 parameter offload (tierlift.zero.shard(stage=3, offload_params=...)) ------------
+BOX = PlanInput(params=1, gpu_mem=80 * G, cpu_mem=128 * G, nvme="/x", nvme_free=64 * G)
+HOST = int(0.8 * 128 * G)
+
+
+def test_offload_params_bytes_per_tier():
+    compact = state_bytes_per_param("bf16", master=False)
+    assert sum(compact.values()) == pytest.approx(2 + 1 + 4 / 256) and "fp32 master" not in compact
+    # 4B, compact state, shards in host memory: 4 + 4 B of fp32 shard and gradient, m and v
+    # beside them (offload="cpu": the fp32 shard is its own master); the GPU holds 12 B per
+    # parameter of the largest unit (1/32 of the model).
+    plan = make_plan(dataclasses.replace(BOX, params=4e9, state_dtype="bf16",
+                                         offload_params="cpu"), BW)
+    assert plan.offload == "cpu" and "nvme" not in plan.tiers
+    assert plan.tiers["gpu"] == {"gathered units (working set)": pytest.approx(12 * 4e9 / 32)}
+    assert plan.tiers["cpu"] == pytest.approx({
+        "fp32 param shards": 16e9, "fp32 grad shards": 16e9, "exp_avg (bf16)": 8e9,
+        "exp_avg_sq (8-bit)": 4e9, "exp_avg_sq scales": 4e9 / 64})
+    assert plan.legs_s["d2h grads"] == pytest.approx(4 * 4e9 / 25e9)  # fp32 gradients come down
+    # The shards in files on the drive: host memory holds m and v only.
+    plan = make_plan(dataclasses.replace(BOX, params=4e9, state_dtype="bf16",
+                                         offload_params="nvme"), BW)
+    assert plan.offload == "cpu" and "fp32 param shards" not in plan.tiers["cpu"]
+    assert plan.tiers["nvme"] == {"fp32 param shards (file)": 16e9,
+                                  "fp32 grad shards (file)": 16e9}
+    assert plan.legs_s["nvme param read"] == pytest.approx(12 * 4e9 / 2e9)
+    # Beyond host memory: the streamed optimizer keeps its own master (7.02 B compact), the
+    # pool holds no GPU staging, and the drive gets the rest of the state in one generation.
+    plan = make_plan(dataclasses.replace(BOX, params=11e9, state_dtype="bf16",
+                                         offload_params="cpu"), BW)
+    assert plan.offload == "hybrid" and plan.generations == 1
+    pool = streamed_pool_bytes("bf16")
+    assert pool == 6 * (32 + 16 + 8 + 0.125) * (1 << 20)
+    cpu = plan.tiers["cpu"]
+    assert cpu["staging pool"] == pool and cpu["fp32 param shards"] == 44e9
+    assert sum(cpu.values()) == pytest.approx(HOST)
+    assert sum(cpu.values()) + sum(plan.tiers["nvme"].values()) == pytest.approx(
+        11e9 * (8 + 7.015625) + pool)
+    assert f"cpu_budget={HOST - 88 * 10**9}" in plan.note
+
+
+def test_offload_params_refusals_say_which_tier_is_short():
+    with pytest.raises(ValueError, match=r"fp32 parameter and gradient shards \(149\.0 GiB\) "
+                                         r"do not fit in 102\.4 GiB of host memory \(short by "
+                                         r"46\.6 GiB\)"):
+        make_plan(dataclasses.replace(BOX, params=20e9, offload_params="cpu"), BW)
+    with pytest.raises(ValueError, match=r"shards need 74\.5 GiB under /x and the drive has "
+                                         r"64\.0 GiB free \(short by 10\.5 GiB\)"):
+        make_plan(dataclasses.replace(BOX, params=10e9, offload_params="nvme"), BW)
+    with pytest.raises(ValueError, match="offload_params='nvme' needs --nvme"):
+        make_plan(dataclasses.replace(BOX, params=1e9, nvme=None, offload_params="nvme"), BW)
+    with pytest.raises(ValueError, match=r"drive has 1\.0 GiB free beside the 8\.0 GiB of fp32 "
+                                         r"parameter and gradient shards"):
+        make_plan(dataclasses.replace(BOX, params=2**30, cpu_mem=4 * G, offload_params="nvme",
+                                      nvme_free=9 * G), BW)
+    with pytest.raises(ValueError, match=r"working set of gathered units .* GPU memory "
+                                         r"\(short by"):
+        make_plan(dataclasses.replace(BOX, params=4e9, unit_share=1.0, gpu_mem=16 * G,
+                                      offload_params="cpu"), BW)
+    with pytest.raises(ValueError, match="offload_params must be one of"):
+        dataclasses.replace(BOX, offload_params="gpu")
+
+
+def test_max_params_with_offloaded_parameters():
+    # The box: 80 GB GPU, 128 GB RAM, a 64 GB drive. Offloading the parameters frees the GPU
+    # but puts 8 B/param of fp32 shards and gradients in host memory, and the streamed
+    # optimizer's own master beside m and v: 15.02 B/param over host memory and drive.
+    n, plan = max_params(dataclasses.replace(BOX, state_dtype="bf16", offload_params="cpu"), BW)
+    assert plan.offload == "hybrid" and plan.generations == 1
+    assert n == pytest.approx((HOST - streamed_pool_bytes("bf16") + 64 * G) / 15.015625,
+                              rel=1e-3)
+    assert 11.8e9 < n < 11.9e9  # fewer than the 15.0B with the weights on the GPU
+    n32, _ = max_params(dataclasses.replace(BOX, offload_params="cpu"), BW)
+    assert n32 == pytest.approx((HOST - streamed_pool_bytes("fp32") + 64 * G) / 20, rel=1e-3)
+    # Shards on the drive: 8 B/param of files there set the limit.
+    n, plan = max_params(dataclasses.replace(BOX, state_dtype="bf16", offload_params="nvme"), BW)
+    assert plan.offload == "cpu" and n == pytest.approx(64 * G / 8, rel=1e-3)
+    n16, _ = max_params(dataclasses.replace(BOX, state_dtype="bf16"), BW)  # unchanged default
+    assert n16 == pytest.approx(0.7 * 80 * G / 4, rel=1e-3)
+
+
+def _allocated(directory) -> int:
+    return sum(os.stat(os.path.join(r, f)).st_blocks * 512 for r, _, fs in os.walk(directory)
+               for f in fs if f != "owner.json")
+
+
+@pytest.mark.parametrize("where,offload", [("cpu", "cpu"), ("nvme", "nvme")])
+def test_planned_bytes_are_what_the_runtime_allocates(tmp_path, where, offload):
+    """A sharded model's shards, gradients and optimizer state, per parameter, are the bytes
+    the planner counts for that placement (so the two cannot drift apart)."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512, bias=False) for _ in range(4)])
+    n = sum(p.numel() for p in model.parameters())
+    pdir, odir = tmp_path / "params", tmp_path / "state"
+    pdir.mkdir()
+    odir.mkdir()
+    kw = {"nvme_path": str(pdir)} if where == "nvme" else {}
+    model = tierlift.zero.shard(model, stage=3, offload_params=where, mixed_precision=
+                                tierlift.zero.MixedPrecision(param_dtype=torch.bfloat16), **kw)
+    okw = dict(nvme_path=str(odir), nvme_generations=1) if offload == "nvme" else {}
+    opt = tierlift.optim.AdamW(model.parameters(), lr=1e-3, offload=offload, state_dtype="bf16",
+                               **okw)
+    model(torch.randn(4, 512, dtype=torch.bfloat16)).float().square().mean().backward()
+    opt.step()
+    shards = list(model.parameters())
+    assert sum(p.numel() for p in shards) == n
+    assert {(p.dtype, p.device.type) for p in shards} == {(torch.float32, "cpu")}
+    # Gradients: fp32 host tensors, every unit's held until zero_grad().
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in shards)
+    offloader = opt._offload
+    planned = param_bytes_per_param(where)
+    if where == "cpu":
+        got = {"fp32 param shards": model._tierlift_zero.offload.arena.nbytes,
+               "fp32 grad shards": sum(p.grad.nbytes for p in shards)}
+        assert {k: v / n for k, v in got.items()} == planned["cpu"]
+    else:
+        store = model._tierlift_zero.offload.store
+        got = {"fp32 param shards (file)": os.stat(store.path).st_blocks * 512,
+               "fp32 grad shards (file)": os.stat(store.grad_path).st_blocks * 512}
+        assert {k: v / n for k, v in got.items()} == planned["nvme"]
+        assert store.resident_bytes() == 0 and store.resident_bytes(grads=True) == 0
+    if offload == "cpu":
+        # Not streamed: no master (the fp32 shard is stepped in place), m and v in RAM.
+        assert not offloader._uses_master(shards[0])
+        ram = sum(t.resident_bytes for t in offloader.tiers)
+        assert ram / n == sum(state_bytes_per_param("bf16", master=False).values())
+        assert _allocated(odir) == 0
+    else:
+        # Streamed: a master of its own beside m and v, on the drive (one generation here).
+        assert offloader._uses_master(shards[0])
+        assert _allocated(odir) / n == sum(state_bytes_per_param("bf16").values())
+        assert offloader.pool_bytes == 6 * sum(
+            state_bytes_per_param("bf16").values()) * offloader.chunk_elems
+    opt.zero_grad(set_to_none=True)
+    tierlift.zero.close(model)
+
+
+def test_cli_offload_params(tmp_path, capsys):
+    assert main(["plan", "--params", "1e8", "--gpu-mem", "2G", "--cpu-mem", "2G",
+                 "--offload-params", "cpu", "--state-dtype", "bf16", "--probe-mib", "4",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["offload_params"] == "cpu" and out["offload"] == "cpu"
+    assert out["tiers"]["cpu"]["fp32 grad shards"] == 4e8
+    assert main(["plan", "--max-params", "--gpu-mem", "2G", "--cpu-mem", "1G", "--nvme",
+                 str(tmp_path), "--offload-params", "nvme", "--probe-mib", "4"]) == 0
+    assert "offload_params='nvme'" in capsys.readouterr().out

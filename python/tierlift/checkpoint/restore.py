@@ -170,7 +170,6 @@ def load_plan(off, plan: list[GroupPlan], source: str, before_commit=None) -> No
                             flips.append((tier, chunk.ci))
     finally:
         files.close()
-    off.fill_done()
     for gi, (gp, group) in enumerate(zip(plan, off.opt.param_groups, strict=True)):
         for pi, p in enumerate(group["params"]):
             if pi in gp.params:
@@ -179,6 +178,7 @@ def load_plan(off, plan: list[GroupPlan], source: str, before_commit=None) -> No
             else:  # no state in the checkpoint: starts fresh, as in torch
                 off.opt.state[p].pop("step", None)
                 off._in_file[gi].discard(pi)
+    off.fill_done()
 
 
 def same_state_format(off, meta: dict) -> bool:

@@ -18,7 +18,10 @@ class OffloadConfig:
     rest on NVMe as with "nvme"). `nvme_generations`: 2 (a step writes the other copy of each
     chunk, so any failure leaves the state as it was) or 1 (chunks rewritten in place: half the
     disk; a step that fails while rewriting them leaves the optimizer refusing to step until a
-    checkpoint is loaded). `chunk_bytes` caps the fp32 bytes per state kind that
+    checkpoint is loaded). `durable`: the NVMe state outlives the process (offload="nvme"
+    only): a process killed mid-step leaves it at the last step or the next, never a mix, and
+    the next optimizer built the same way on the same nvme_path reopens it
+    (tierlift.offload.durable). `chunk_bytes` caps the fp32 bytes per state kind that
     one streamed chunk holds (the budget may lower it). `pipeline_slots`: how many chunks the
     NVMe pipeline holds at most (one stepped, one written back, the rest read ahead), all inside
     `cpu_budget`: more slots read further ahead in smaller chunks (a budget too small for 1 MiB
@@ -40,6 +43,7 @@ class OffloadConfig:
     overlap: bool = False
     max_grad_norm: float | None = None
     nvme_generations: int = 2
+    durable: bool = False
 
     def __post_init__(self):
         if self.offload not in _KINDS:
@@ -83,5 +87,8 @@ class OffloadConfig:
             raise ValueError(f"nvme_generations must be 1 or 2, got {self.nvme_generations!r}")
         if self.nvme_generations != 2 and self.offload not in ("nvme", "hybrid"):
             raise ValueError("nvme_generations is only used with offload='nvme' or 'hybrid'")
+        if self.durable and self.offload != "nvme":
+            raise ValueError(f"durable=True needs offload='nvme' (host memory does not outlive "
+                             f"the process), got offload={self.offload!r}")
         if not 1 <= self.queue_depth <= 4096:
             raise ValueError(f"queue_depth must be in [1, 4096], got {self.queue_depth}")

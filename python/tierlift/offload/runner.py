@@ -14,6 +14,7 @@ changes, and an I/O failure puts the parameters back from the committed master w
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
@@ -22,11 +23,13 @@ from collections import defaultdict
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from tierlift import ops
 from tierlift._shards import all_ranks_agree, global_grad_norm, is_shard
 from tierlift.io import ChecksumError, EngineConfig, IoEngine
 from tierlift.offload.config import OffloadConfig
+from tierlift.offload.durable import DurableState, claim_dir, durable_dir, read_manifest
 from tierlift.offload.journal import filling
 from tierlift.offload.layout import (
     ALIGN_ELEMS,
@@ -38,11 +41,11 @@ from tierlift.offload.layout import (
     kind_slice,
     state_kinds,
 )
-from tierlift.offload.tiers import _CRC_POOL as CRC_POOL
 from tierlift.offload.tiers import (
     HybridTier,
     MemoryTier,
     NvmeTier,
+    crc_pool,
     make_state_dir,
     remove_stale_dirs,
 )
@@ -75,7 +78,7 @@ def _sums_finite(grads: list[torch.Tensor]) -> bool:
     Other gradients (GPU, half precision) keep torch's sum."""
     host = [g for g in grads if g.device.type == "cpu" and g.dtype == torch.float32]
     other = [g for g in grads if not (g.device.type == "cpu" and g.dtype == torch.float32)]
-    if host and not all(CRC_POOL.map(_sum_finite_np, host) if len(host) > 1
+    if host and not all(crc_pool().map(_sum_finite_np, host) if len(host) > 1
                         else map(_sum_finite_np, host)):
         return False
     if other:
@@ -84,13 +87,23 @@ def _sums_finite(grads: list[torch.Tensor]) -> bool:
     return True
 
 
+def _release(directory: str, fresh: bool) -> None:
+    """A durable state folder this process failed to open: a new one is removed, an existing
+    one is given back as it was."""
+    if fresh:
+        shutil.rmtree(directory, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(directory, "owner.json"))
+
+
 def _drain(handles: dict) -> None:
     """Waits for every I/O handle left in {i: [handles]} and empties it (after an error or a
     skipped step: no I/O may stay in flight into the slots); their own errors are dropped."""
     for hs in handles.values():
         for h in hs:
             try:
-                h.wait()
+                getattr(h, "abandon", h.wait)()
             except Exception:  # noqa: BLE001 - the first error is the one raised
                 pass
     handles.clear()
@@ -125,6 +138,8 @@ class Offloader:
         slot_dtypes = dict(max(self._dtypes, key=len, default=state_kinds(False)))
         if self._cuda:
             slot_dtypes.update(grad=torch.float32, copy=torch.float32)
+        elif config.durable:  # the gradient log's staging
+            slot_dtypes.update(grad=torch.float32)
         self._slot_dtypes = slot_dtypes
 
         def slot_bytes(n: int) -> int:
@@ -168,6 +183,7 @@ class Offloader:
                         for g in optimizer.param_groups]
         self._slot_kinds = list(slot_dtypes)
         self._broken = None  # why step() refuses: an in-place rewrite failed half way
+        self._durable = None  # DurableState with durable=True
         self.pool_bytes = 0
         if config.offload == "cpu":
             self.tiers = []
@@ -197,7 +213,15 @@ class Offloader:
             pool = slots * slot_bytes(chunk_elems)
             nvme_path = os.fspath(config.nvme_path)
             remove_stale_dirs(nvme_path)
-            self._dir = make_state_dir(nvme_path)
+            fresh = True
+            if config.durable:
+                if self._zero and dist.is_initialized() and dist.get_world_size() > 1:
+                    raise ValueError("durable=True is for one process: ZeRO shards on several "
+                                     "ranks would have to agree which step to reopen at")
+                self._dir = durable_dir(nvme_path)
+                fresh = claim_dir(self._dir)
+            else:
+                self._dir = make_state_dir(nvme_path)
             try:
                 self._engine = IoEngine(EngineConfig(
                     queue_depth=config.queue_depth, pool_bytes=pool,
@@ -205,6 +229,8 @@ class Offloader:
                 self.pool_bytes = pool
                 self._slots = [{k: self._engine.pool_tensor(chunk_bytes({k: d}, chunk_elems))
                                 .view(d) for k, d in slot_dtypes.items()} for _ in range(slots)]
+                if not fresh:  # before any file is opened: the state must be this one's
+                    read_manifest(self, self._dir)
                 ram = (config.cpu_budget - pool) if config.offload == "hybrid" else 0
                 self.tiers = []
                 for gi, (k, lay, dt) in enumerate(zip(self._kinds, self.layouts, self._dtypes)):
@@ -214,14 +240,22 @@ class Offloader:
                     ram -= n_ram * in_ram
                     nvme = NvmeTier(self._engine, self._dir, gi, k, n, chunk_elems,
                                     [lay.used_elems(c.ci) for c in lay.chunks],
-                                    first=n_ram, generations=config.nvme_generations, dtypes=dt)
+                                    first=n_ram, generations=config.nvme_generations, dtypes=dt,
+                                    reopen=not fresh)
                     self.tiers.append(nvme if config.offload == "nvme" else HybridTier(
                         MemoryTier(k, n_ram, chunk_elems, self._pin, 1, dtypes=dt), nvme))
+                if config.durable:
+                    self._durable = DurableState(self, self._dir, fresh)
             except BaseException:
                 self._slots = []
+                if self._durable is not None:
+                    self._durable.close()
                 if self._engine is not None:
                     self._engine.close()
-                shutil.rmtree(self._dir, ignore_errors=True)
+                if config.durable:
+                    _release(self._dir, fresh)
+                else:
+                    shutil.rmtree(self._dir, ignore_errors=True)
                 raise
         self.overlap = None
         if config.overlap:
@@ -247,6 +281,12 @@ class Offloader:
             self.overlap = None
         if self._engine is not None and not self._engine.closed:
             self._slots = []
+            if self._durable is not None:  # the files stay, to be reopened
+                for tier in self.tiers:
+                    tier.wait_unheld_all()
+                self._engine.close()
+                self._durable.close()
+                return
             for tier in self.tiers:
                 tier.remove_files()
             self._engine.close()
@@ -446,6 +486,11 @@ class Offloader:
                 self._restore(gi, done[gi] + keep.get(gi, []))
             self._raise(err)
         if any(in_place.values()):
+            if self._durable is not None:
+                try:
+                    self._durable.log_grads(live, in_place, stats)
+                except BaseException as err:  # nothing was rewritten yet
+                    self._raise(err)
             self._step_in_place(live, in_place, stats)
         for gi, grads in enumerate(live):
             tier = self.tiers[gi]
@@ -453,6 +498,10 @@ class Offloader:
                 tier.flip(chunk.ci)
             if grads:
                 self._commit_steps(gi, self.next_steps(gi, grads))
+        if self._durable is not None:
+            t = time.perf_counter()
+            self._durable.commit()
+            stats["manifest_s"] += time.perf_counter() - t
 
     def _sync(self, stats) -> None:
         t = time.perf_counter()
@@ -516,11 +565,14 @@ class Offloader:
         a failure later in the step can restore the parameter from there."""
         params, tier = self.opt.param_groups[gi]["params"], self.tiers[gi]
         buf = self._slots[0]["master"]
-        for chunk in chunks:
+        fresh = [c for c in chunks if any(s.pi in grads and "step" not in
+                                          self.opt.state[params[s.pi]] for s in c.segments)]
+        if fresh and self._durable is not None:
+            # A reopen must not check these masters against CRCs that are about to change.
+            self._durable.write_manifest(unverified={(gi, c.ci) for c in fresh})
+        for chunk in fresh:
             new = [s for s in chunk.segments
                    if s.pi in grads and "step" not in self.opt.state[params[s.pi]]]
-            if not new:
-                continue
             t = time.perf_counter()
             tier.read("master", chunk.ci, buf).wait()
             tier.verify("master", chunk.ci, buf, self._what(gi, chunk))
@@ -531,6 +583,8 @@ class Offloader:
             if self._engine is not None:
                 self._engine.sync()
             stats["master_init_s"] += time.perf_counter() - t
+        if fresh and self._durable is not None:
+            self._durable.write_manifest()
 
     def run(self, gi, grads, steps, chunks, stats, done: list, publish: bool = True,
             started: dict | None = None) -> None:
@@ -544,6 +598,7 @@ class Offloader:
         reads: dict[int, list] = dict(started or {})
         writes: dict[int, list] = {}
         used = getattr(tier, "used", None)  # NVMe moves only the used part of a chunk
+        journaled = self._durable is not None and self._durable.one_gen
 
         def wait_all(handles, key):
             t = time.perf_counter()
@@ -575,7 +630,13 @@ class Offloader:
                 stats["nvme_read_bytes"] += nbytes
                 done.append(chunk)
                 self._step_chunk(gi, group, params, grads, steps, chunk, bufs, stats, publish)
-                writes[i] = tier.write_all(chunk.ci, bufs, tier.next_gen(chunk.ci))
+                if journaled and not tier.two_gen(chunk.ci):
+                    writes[i] = [self._durable.stage(tier, gi, chunk.ci, i % n_slots, bufs)]
+                    stats["journal_write_bytes"] += nbytes
+                else:
+                    writes[i] = tier.write_all(chunk.ci, bufs, tier.next_gen(chunk.ci))
+                for h in writes.get(i - 1, []):  # its journal copy had a chunk's step to land
+                    getattr(h, "promote", lambda: None)()
                 stats["nvme_write_bytes"] += nbytes
             for i in sorted(writes):
                 wait_all(writes.pop(i), "nvme_write_wait_s")
@@ -676,7 +737,8 @@ class Offloader:
         for gi, group in enumerate(self.opt.param_groups):
             params, layout, tier = group["params"], self.layouts[gi], self.tiers[gi]
             for chunk in layout.chunks:
-                segs = [s for s in chunk.segments if "step" in self.opt.state[params[s.pi]]]
+                segs = [s for s in chunk.segments
+                        if "step" in self.opt.state.get(params[s.pi], {})]
                 if not segs:
                     continue
                 bufs = self._chunk_bufs(gi, chunk)
@@ -729,9 +791,9 @@ class Offloader:
                     segs = [s for s in chunk.segments if params[s.pi] in loaded]
                     if segs:
                         self._ingest_chunk(gi, chunk, segs, loaded, journal, flips)
-        self.fill_done()
         for gi, group in enumerate(self.opt.param_groups):
             self._in_file[gi].update(pi for pi, p in enumerate(group["params"]) if p in loaded)
+        self.fill_done()
 
     def _ingest_chunk(self, gi, chunk, segs, loaded, journal, flips) -> None:
         params, tier = self.opt.param_groups[gi]["params"], self.tiers[gi]
@@ -770,9 +832,14 @@ class Offloader:
             self._broken = ("a checkpoint load failed after it had rewritten optimizer state "
                             "kept in one generation (nvme_generations=1); load a checkpoint "
                             "before stepping again")
+            if self._durable is not None:  # a reopen says the same
+                self._durable.write_manifest(filling=True)
 
     def fill_done(self) -> None:
-        """A fill of every chunk committed: whatever refused steps before is replaced."""
+        """A fill of every chunk committed (and the step counts set): whatever refused steps
+        before is replaced."""
         self._broken = None
+        if self._durable is not None:
+            self._durable.commit()
 
 __all__ = ["Offloader"]

@@ -43,9 +43,26 @@ def crc32c(buf: torch.Tensor) -> int:
     return int(_extension._C.io.block_crc32c(buf, buf.nbytes)[0])
 
 
-# Runs the offload runner's gradient sums (numpy releases the GIL).
-_CRC_POOL = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
-                               thread_name_prefix="tierlift-crc")
+_CRC_POOL = None
+
+
+def crc_pool() -> ThreadPoolExecutor:
+    """The threads that run the offload runner's gradient sums (numpy releases the GIL). A
+    forked child gets new ones: the parent's threads do not exist there, and the executor
+    copied from it would wait for them forever."""
+    global _CRC_POOL
+    if _CRC_POOL is None:
+        _CRC_POOL = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
+                                       thread_name_prefix="tierlift-crc")
+    return _CRC_POOL
+
+
+def _forget_pool_in_child() -> None:
+    global _CRC_POOL
+    _CRC_POOL = None
+
+
+os.register_at_fork(after_in_child=_forget_pool_in_child)
 
 
 class _Checked:
@@ -340,7 +357,8 @@ class NvmeTier(_Holdable):
 
     def __init__(self, engine: IoEngine, directory: str, gi: int, kinds: list[str],
                  n_chunks: int, chunk_elems: int, used: list[int] | None = None,
-                 first: int = 0, generations: int = 2, dtypes: dict | None = None):
+                 first: int = 0, generations: int = 2, dtypes: dict | None = None,
+                 reopen: bool = False):
         if generations not in (1, 2):
             raise ValueError(f"generations must be 1 or 2, got {generations}")
         self.engine = engine
@@ -362,6 +380,12 @@ class NvmeTier(_Holdable):
                       for g in range(generations)}
         total = self.disk_bytes
         for (k, _), path in self.paths.items():
+            if reopen:  # a durable state's files, kept as they are
+                want = (n_chunks - first) * self.kind_chunk_bytes[k]
+                if not os.path.exists(path) or os.path.getsize(path) < want:
+                    raise ValueError(f"optimizer state file {path!r} is missing or shorter "
+                                     "than its layout; the state cannot be reopened")
+                continue
             with open(path, "wb") as f:
                 _reserve(f.fileno(), (n_chunks - first) * self.kind_chunk_bytes[k], path, total,
                          generations)
@@ -418,10 +442,10 @@ class NvmeTier(_Holdable):
 
         return [_Checked(handles, verify, parts=[self.part(k, ci, bufs[k]) for k in self.kinds])]
 
-    def write_all(self, ci: int, bufs: dict, gen: int) -> list:
+    def write_all(self, ci: int, bufs: dict, gen: int, crcs: list[int] | None = None) -> list:
         """Starts writing every kind of chunk `ci` to generation `gen` and checksums it while
-        the writes run; the CRCs are recorded once the writes are done (run() waits for every
-        returned handle before the step commits)."""
+        the writes run (unless `crcs` gives them); the CRCs are recorded once the writes are
+        done (run() waits for every returned handle before the step commits)."""
         self._wait_unheld(ci, gen)
         # No stale CRC may describe this generation until the new one is known.
         for k in self.kinds:
@@ -430,7 +454,8 @@ class NvmeTier(_Holdable):
         handles = [self.engine.write(b, self.paths[(k, gen)], self._pos(k, ci))
                    for k, b in zip(self.kinds, parts)]
         t = time.perf_counter()
-        crcs = [crc32c(b) for b in parts]
+        if crcs is None:
+            crcs = [crc32c(b) for b in parts]
 
         def record(got: list[int]) -> None:
             for k, c in zip(self.kinds, got):

@@ -11,8 +11,8 @@ optimizer and ours in both directions. Differences, all deliberate:
     about 3 bytes per parameter instead of 8 (docs/optim.md). Loading an fp32-state checkpoint
     quantizes it and an fp32-state optimizer dequantizes a compact one;
   * offload="cpu"|"nvme"|"hybrid" (with nvme_path, cpu_budget, overlap, nvme_generations,
-    chunk_bytes) moves the state out of the parameter's memory; tierlift.offload does that work
-    (docs/offload.md);
+    chunk_bytes, durable) moves the state out of the parameter's memory; tierlift.offload does
+    that work (docs/offload.md);
   * foreach/fused/capturable are accepted for compatibility and ignored (ours is always fused);
     differentiable=True is refused;
   * a non-contiguous parameter (a transposed or strided view) is stepped through a contiguous
@@ -93,6 +93,7 @@ class Adam(Optimizer):
         nvme_generations=2,
         chunk_bytes=32 << 20,
         state_dtype="fp32",
+        durable=False,
     ):
         ops.check_adam_hyper(lr, betas, eps, weight_decay)
         _check_state_dtype(state_dtype, amsgrad)
@@ -119,7 +120,7 @@ class Adam(Optimizer):
         self._offload = None
         extras = (nvme_path, cpu_budget, max_grad_norm)
         if offload != "none" or overlap or nvme_generations != 2 or chunk_bytes != 32 << 20 \
-                or any(x is not None for x in extras):
+                or durable or any(x is not None for x in extras):
             config = OffloadConfig(
                 offload=offload,
                 nvme_path=nvme_path,
@@ -128,6 +129,7 @@ class Adam(Optimizer):
                 max_grad_norm=max_grad_norm,
                 nvme_generations=nvme_generations,
                 chunk_bytes=chunk_bytes,
+                durable=durable,
             )
             if config.offload != "none":
                 self._offload = Offloader(self, config)
@@ -469,6 +471,7 @@ class AdamW(Adam):
         nvme_generations=2,
         chunk_bytes=32 << 20,
         state_dtype="fp32",
+        durable=False,
     ):
         super().__init__(
             params,
@@ -491,6 +494,7 @@ class AdamW(Adam):
             max_grad_norm=max_grad_norm,
             nvme_generations=nvme_generations,
             chunk_bytes=chunk_bytes,
+            durable=durable,
         )
 
     def _decoupled(self, group: dict) -> bool:

@@ -30,6 +30,11 @@ def add_parser(sub) -> None:
     p.add_argument("--state-dtype", choices=("fp32", "bf16"), default="fp32",
                    help="optimizer state: fp32 (12 B/param with the master) or bf16, the compact "
                         "state of tierlift.optim's state_dtype='bf16' (7.02 B/param)")
+    p.add_argument("--offload-params", choices=("none", "cpu", "nvme"), default="none",
+                   help="tierlift.zero.shard(stage=3, offload_params=...): none keeps the bf16 "
+                        "weights and gradients on the GPU (4 B/param); cpu keeps the fp32 shards "
+                        "and fp32 gradients in host memory (8 B/param), nvme in files under "
+                        "--nvme; the GPU then holds only the gathered units")
     p.add_argument("--probe-mib", type=int, default=256, help="size of the bandwidth probes")
     n = p.add_argument_group("several nodes (ZeRO-3, flat or hierarchy='node')")
     n.add_argument("--nodes", type=int, default=None, help="number of nodes")
@@ -91,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
                     cpu_mem=parse_bytes(args.cpu_mem, "--cpu-mem"), nvme=args.nvme,
                     cpu_budget=None if args.cpu_budget is None
                     else parse_bytes(args.cpu_budget, "--cpu-budget"),
-                    nvme_free=_nvme_free(args), state_dtype=args.state_dtype)
+                    nvme_free=_nvme_free(args), state_dtype=args.state_dtype,
+                    offload_params=args.offload_params)
     given = [x is not None for x in (args.nodes, args.gpus_per_node, args.inter_node_gbps)]
     if any(given) and not all(given):
         raise ValueError("--nodes, --gpus-per-node and --inter-node-gbps go together")
@@ -113,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"params": int(inp.params), "max_params": largest,
                           "offload": plan.offload, "nvme_generations": plan.generations,
                           "state_dtype": inp.state_dtype,
+                          "offload_params": inp.offload_params,
                           "tiers": plan.tiers, "legs_s": plan.legs_s,
                           "serial_s": plan.serial_s, "pipelined_s": plan.pipelined_s,
                           "bandwidths": dataclasses.asdict(bw), "note": plan.note,

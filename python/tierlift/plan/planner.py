@@ -11,7 +11,36 @@ The NVMe part takes twice its bytes when the drive has room (a step reads one ge
 writes the other, so any failed step is undone), else once (nvme_generations=1: rewritten in
 place; docs/offload.md); the plan refuses a drive without room for one generation.
 The expected optimizer time per step is the sum of its legs (no overlap) and their maximum
-(the pipelined bound that overlap=True aims at)."""
+(the pipelined bound that overlap=True aims at).
+
+offload_params="cpu"|"nvme" (tierlift.zero.shard(model, stage=3, offload_params=...), one
+rank) places what that runtime really holds, per parameter, measured (tests/python/test_plan.py
+ties these numbers to a sharded model's tensors and files):
+  parameter shard  fp32, 4 B: host memory (one arena) with "cpu"; a fallocate'd file on the
+                   drive with "nvme" (mapped; ranges dropped from RAM after use: ~0 B of RAM).
+  gradient shard   fp32, 4 B, held whole from backward until zero_grad() (p.grad of every unit):
+                   host memory with "cpu", a second file on the drive with "nvme".
+  optimizer state  offload="cpu" (overlap=False) steps the fp32 shard in place: no master,
+                   m + v only (8 B, or 3.02 B compact) in host memory. offload="hybrid"/"nvme"
+                   stream the state and keep their own fp32 master of every shard beside it
+                   (a duplicate of the shard, 4 B), so 12 B (7.02 B compact) split between
+                   host memory and the drive as above, x2 on the drive with two generations.
+                   (offload="cpu" with overlap=True streams too: two generations of master, m
+                   and v in host memory, 24 B or 14.03 B; not planned here.)
+  pipeline pool    the shards are on the host, so the pool holds no grad/copy staging: 6 slots
+                   x one chunk of master, m, v (576 MiB fp32, 336.75 MiB compact).
+  GPU              only the working set: the gathered bf16 units. Per unit of U parameters
+                   (world 1), backward holds its bf16 weights (2U), the previous unit's
+                   prefetch (2U), the bf16 gradient (2U), the reduce-scatter output (2U) and
+                   its fp32 copy before the D2H (4U): 12 B x the largest unit, which is
+                   `unit_share` of the model (1/32: shard()'s default_units threshold; note that
+                   default_units leaves blocks smaller than 1/32 of the model in the root unit,
+                   gathered as a whole, so deep models need units= or min_unit_numel).
+                   Activations and workspace are in gpu_reserve as before.
+So with compact state a parameter costs 4 + 4 + 3.02 = 11.02 B of host memory with
+offload="cpu", and 4 + 4 + 7.02 = 15.02 B of host memory and drive together with "hybrid"
+(one generation); the bf16 weights and gradients on the GPU (4 B) are gone, but the fp32
+shard, its fp32 gradient and the optimizer's second fp32 master (12 B) take their place."""
 
 from __future__ import annotations
 
@@ -28,6 +57,11 @@ _PCIE_ASSUMED = 25e9  # PCIe 4.0 x16, used when no GPU is here to measure
 POOL_BYTES = 6 * (32 << 20) * 5
 _CHUNK_ELEMS = (32 << 20) // 4  # the default chunk_bytes, in elements
 _STATE_DTYPES = ("fp32", "bf16")
+_OFFLOAD_PARAMS = ("none", "cpu", "nvme")
+_SLOTS = 6  # the default pipeline_slots
+# The largest ZeRO unit's share of the parameters (default_units makes a unit of each child
+# holding at least 1/32 of the model).
+UNIT_SHARE = 1 / 32
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
@@ -52,8 +86,17 @@ class PlanInput:
     gpu_reserve: float = 0.3  # share of GPU memory kept for activations and workspace
     pool_bytes: int = POOL_BYTES  # the NVMe pipeline's pool (smaller with a smaller chunk_bytes)
     state_dtype: str = "fp32"  # "bf16": compact optimizer state (tierlift.optim state_dtype)
+    # tierlift.zero.shard(stage=3, offload_params=...): where the fp32 parameter shards and
+    # their gradients live ("none": bf16 weights and gradients on the GPU, as before).
+    offload_params: str = "none"
+    unit_share: float = UNIT_SHARE  # the largest ZeRO unit's share (offload_params only)
 
     def __post_init__(self):
+        if self.offload_params not in _OFFLOAD_PARAMS:
+            raise ValueError(f"offload_params must be one of {_OFFLOAD_PARAMS}, got "
+                             f"{self.offload_params!r}")
+        if not 0 < self.unit_share <= 1:
+            raise ValueError(f"unit_share must be in (0, 1], got {self.unit_share}")
         if self.state_dtype not in _STATE_DTYPES:
             raise ValueError(f"state_dtype must be one of {_STATE_DTYPES}, got "
                              f"{self.state_dtype!r}")
@@ -80,10 +123,13 @@ class Plan:
         return max(self.legs_s.values(), default=0.0)
 
 
-def state_bytes_per_param(state_dtype: str = "fp32") -> dict[str, float]:
-    """Bytes per parameter of each optimizer state kind (fp32 master included), as the offload
-    tiers lay them out in chunks of the default size (each kind of a chunk 4 KiB aligned)."""
+def state_bytes_per_param(state_dtype: str = "fp32", master: bool = True) -> dict[str, float]:
+    """Bytes per parameter of each optimizer state kind (fp32 master included unless `master`
+    is False: offload="cpu" steps an fp32 host shard in place), as the offload tiers lay them
+    out in chunks of the default size (each kind of a chunk 4 KiB aligned)."""
     kinds = state_kinds(False, state_dtype)
+    if not master:
+        kinds.pop("master")
     names = {"master": "fp32 master", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
     if state_dtype == "bf16":
         names.update(exp_avg="exp_avg (bf16)", exp_avg_sq="exp_avg_sq (8-bit)",
@@ -91,7 +137,32 @@ def state_bytes_per_param(state_dtype: str = "fp32") -> dict[str, float]:
     return {names[k]: chunk_bytes({k: d}, _CHUNK_ELEMS) / _CHUNK_ELEMS for k, d in kinds.items()}
 
 
+def param_bytes_per_param(offload_params: str) -> dict[str, dict[str, float]]:
+    """{tier: {kind: bytes per parameter}} of the ZeRO-3 parameter and gradient shards that
+    shard(stage=3, offload_params=...) keeps off the GPU (both fp32; the gradients held whole
+    until zero_grad())."""
+    if offload_params == "cpu":
+        return {"cpu": {"fp32 param shards": 4.0, "fp32 grad shards": 4.0}}
+    if offload_params == "nvme":
+        return {"nvme": {"fp32 param shards (file)": 4.0, "fp32 grad shards (file)": 4.0}}
+    raise ValueError(f"offload_params must be 'cpu' or 'nvme' here, got {offload_params!r}")
+
+
+def streamed_pool_bytes(state_dtype: str = "fp32") -> int:
+    """The NVMe pipeline's pool for parameters that are host tensors (offload_params): the
+    default slots x one default chunk of each state kind (master included), no GPU staging."""
+    return _SLOTS * chunk_bytes(state_kinds(False, state_dtype), _CHUNK_ELEMS)
+
+
+def working_set_bytes(inp: PlanInput) -> float:
+    """GPU bytes of gathered units at the peak of a unit's backward (offload_params): 12 B per
+    parameter of the largest unit (see the module docstring)."""
+    return 12 * inp.unit_share * int(inp.params)
+
+
 def make_plan(inp: PlanInput, bw: Bandwidths) -> Plan:
+    if inp.offload_params != "none":
+        return _params_offloaded(inp, bw)
     n = int(inp.params)
     model = {"bf16 params": 2 * n, "bf16 grads": 2 * n}
     state = {k: b * n for k, b in state_bytes_per_param(inp.state_dtype).items()}
@@ -122,10 +193,13 @@ def make_plan(inp: PlanInput, bw: Bandwidths) -> Plan:
     return _on_nvme(inp, bw, n, model, state, cpu_room, legs)
 
 
-def _on_nvme(inp, bw, n, model, state, cpu_room, legs) -> Plan:
+def _on_nvme(inp, bw, n, model, state, cpu_room, legs, shards=None, beside="") -> Plan:
     """offload="hybrid": the pipeline's pool, as many whole chunks of state in host memory as
     the rest of the budget holds, the remainder on NVMe, in two generations when the drive has
-    room for them and in one (rewritten in place) when it has room only for that."""
+    room for them and in one (rewritten in place) when it has room only for that. `shards`:
+    {tier: {kind: bytes}} of offloaded parameter shards, listed first in their tiers;
+    inp.nvme_free is then what the drive has beside them (`beside` says so in a refusal)."""
+    shards = shards or {}
     total = sum(state.values())
     pool = min(inp.pool_bytes, cpu_room // 4)
     ram = max(0, min(total, cpu_room - pool))
@@ -140,14 +214,15 @@ def _on_nvme(inp, bw, n, model, state, cpu_room, legs) -> Plan:
             raise ValueError(
                 f"the optimizer state needs {_fmt(disk)} under {inp.nvme} beyond the "
                 f"{_fmt(ram)} host memory holds (one generation of {', '.join(state)}, "
-                f"rewritten in place) and the drive has {_fmt(inp.nvme_free)} free "
+                f"rewritten in place) and the drive has {_fmt(inp.nvme_free)} free{beside} "
                 f"(short by {_fmt(disk - inp.nvme_free)}); host memory would be short by "
                 f"{_fmt(total - cpu_room)}")
     legs["nvme read"] = disk / bw.disk_read_bps
     legs["nvme write"] = disk / bw.disk_write_bps
     label = "2 gens" if gens == 2 else "1 gen, in place"
-    tiers = {"gpu": model, "cpu": {"staging pool": pool}, "nvme": {
-        f"{k} ({label})": gens * v for k, v in share.items()}}
+    tiers = {"gpu": model, "cpu": {**shards.get("cpu", {}), "staging pool": pool},
+             "nvme": {**shards.get("nvme", {}),
+                      **{f"{k} ({label})": gens * v for k, v in share.items()}}}
     if ram:
         tiers["cpu"].update({k: v - share[k] for k, v in state.items()})
         offload = "hybrid"
@@ -159,6 +234,84 @@ def _on_nvme(inp, bw, n, model, state, cpu_room, legs) -> Plan:
         note = f"optimizer state on NVMe under {inp.nvme} (nvme_generations={gens})"
     note += _dtype_note(inp)
     return Plan(offload=offload, tiers=tiers, legs_s=legs, note=note, generations=gens)
+
+
+def _params_offloaded(inp: PlanInput, bw: Bandwidths) -> Plan:
+    """offload_params="cpu"|"nvme": the fp32 shards and gradients where the runtime puts them,
+    the GPU holding the working set only; the optimizer state in host memory (offload="cpu",
+    no master: the fp32 shard is stepped in place) when what is left of it holds m and v, else
+    master, m and v split between host memory and the drive as without offload_params."""
+    n = int(inp.params)
+    where = inp.offload_params
+    shards = {t: {k: b * n for k, b in kinds.items()}
+              for t, kinds in param_bytes_per_param(where).items()}
+    work = {"gathered units (working set)": working_set_bytes(inp)}
+    gpu_room = inp.gpu_mem * (1 - inp.gpu_reserve)
+    if work["gathered units (working set)"] > gpu_room:
+        need = work["gathered units (working set)"]
+        raise ValueError(
+            f"the working set of gathered units ({_fmt(need)}: 12 B per parameter of the "
+            f"largest unit, {inp.unit_share:.3g} of the model) does not fit in {_fmt(gpu_room)} "
+            f"of GPU memory (short by {_fmt(need - gpu_room)}); shard into smaller units")
+    host_room = int(inp.cpu_mem * 0.8)
+    on_host = sum(shards.get("cpu", {}).values())
+    if on_host > host_room:
+        raise ValueError(
+            f"the fp32 parameter and gradient shards ({_fmt(on_host)}) do not fit in "
+            f"{_fmt(host_room)} of host memory (short by {_fmt(on_host - host_room)}); use "
+            "offload_params='nvme'")
+    opt_room = host_room - on_host
+    if inp.cpu_budget is not None:
+        opt_room = min(opt_room, inp.cpu_budget)
+    on_disk = sum(shards.get("nvme", {}).values())
+    if where == "nvme":
+        if inp.nvme is None or bw.disk_read_bps is None:
+            raise ValueError("offload_params='nvme' needs --nvme PATH (the drive that holds the "
+                             "parameter and gradient shards)")
+        if inp.nvme_free is not None and on_disk > inp.nvme_free:
+            raise ValueError(
+                f"the fp32 parameter and gradient shards need {_fmt(on_disk)} under {inp.nvme} "
+                f"and the drive has {_fmt(inp.nvme_free)} free (short by "
+                f"{_fmt(on_disk - inp.nvme_free)})")
+    pcie_h2d = bw.h2d_bps or _PCIE_ASSUMED
+    pcie_d2h = bw.d2h_bps or _PCIE_ASSUMED
+    # Each unit is gathered twice a step (forward, and again in backward): 2 x 2 B of bf16 up;
+    # its gradient comes down as fp32 (4 B).
+    legs = {"d2h grads": 4 * n / pcie_d2h, "cpu adam": n / bw.adam_elems_per_s,
+            "h2d params": 4 * n / pcie_h2d}
+    if where == "nvme":
+        # Two gathers read the fp32 shard (8 B), the step reads the gradient (4 B); the
+        # backward writes the gradient and the step the shard (8 B).
+        legs["nvme param read"] = 12 * n / bw.disk_read_bps
+        legs["nvme param write"] = 8 * n / bw.disk_write_bps
+    gpu = {**work}
+    state = {k: b * n for k, b in state_bytes_per_param(inp.state_dtype, master=False).items()}
+    label = f"parameters offloaded (offload_params={where!r}"
+    if sum(state.values()) <= opt_room:
+        tiers = {"gpu": gpu, "cpu": {**shards.get("cpu", {}), **state}}
+        if shards.get("nvme"):
+            tiers["nvme"] = shards["nvme"]
+        return Plan(offload="cpu", tiers=tiers, legs_s=legs,
+                    note=f"{label}); optimizer state in host memory (offload='cpu', "
+                         f"overlap=False: no master, the fp32 shard is stepped in place)"
+                         + _dtype_note(inp))
+    if inp.nvme is None or bw.disk_read_bps is None:
+        raise ValueError(
+            f"the optimizer state ({_fmt(sum(state.values()))}) does not fit in "
+            f"{_fmt(opt_room)} of host memory beside the fp32 parameter and gradient shards "
+            f"(short by {_fmt(sum(state.values()) - opt_room)}); give --nvme PATH for the "
+            "NVMe tier")
+    state = {k: b * n for k, b in state_bytes_per_param(inp.state_dtype).items()}
+    pool = inp.pool_bytes if inp.pool_bytes != POOL_BYTES else streamed_pool_bytes(
+        inp.state_dtype)
+    sub = dataclasses.replace(inp, pool_bytes=pool, nvme_free=None if inp.nvme_free is None
+                              else inp.nvme_free - on_disk)
+    beside = (f" beside the {_fmt(on_disk)} of fp32 parameter and gradient shards"
+              if on_disk else "")
+    plan = _on_nvme(sub, bw, n, gpu, state, opt_room, legs, shards=shards, beside=beside)
+    plan.note = (f"{label}; the streamed optimizer keeps its own fp32 master of every shard); "
+                 + plan.note)
+    return plan
 
 
 def _dtype_note(inp: PlanInput) -> str:
