@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import traceback
 import warnings
@@ -83,9 +84,10 @@ def _same(got, ref) -> bool:
                for i, st in rsd["state"].items())
 
 
-def _child(path, case, kill_at, trace):
-    """Trains STEPS steps, killing itself at I/O event `kill_at`; writes the steps it finished
-    to path/done, and with `trace` the event names to path/trace."""
+def _child(path, case, kill_at, trace, reopen_only=False):
+    """Trains STEPS steps (or only reopens the state, `reopen_only`), killing itself at I/O
+    event `kill_at`; writes the steps it finished to path/done, and with `trace` the event
+    names to path/trace."""
     torch.set_num_threads(1)
     gens, state_dtype, dtype = CASES[case]
     events = []
@@ -107,8 +109,10 @@ def _child(path, case, kill_at, trace):
     os.pwrite = wrap(os.pwrite, lambda fd, data, off: "pwrite record")
     os.replace = wrap(os.replace, lambda a, b: f"replace {os.path.basename(b)}")
     params = _params(dtype)
-    opt = _opt(params, path / "state", gens, state_dtype)
-    for s in range(STEPS):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        opt = _opt(params, path / "state", gens, state_dtype)
+    for s in range(0 if reopen_only else STEPS):
         _grads(params, s)
         opt.step()
         with open(path / "done", "w") as f:
@@ -118,13 +122,13 @@ def _child(path, case, kill_at, trace):
             f.write("\n".join(events))
 
 
-def _run(path, case, kill_at=-1, trace=False) -> int:
+def _run(path, case, kill_at=-1, trace=False, reopen_only=False) -> int:
     (path / "state").mkdir(exist_ok=True)
     pid = os.fork()
     if pid == 0:
         code = 0
         try:
-            _child(path, case, kill_at, trace)
+            _child(path, case, kill_at, trace, reopen_only)
         except BaseException:  # noqa: BLE001 - reported through the exit code
             traceback.print_exc()
             code = 3
@@ -238,6 +242,24 @@ def test_torn_chunk_is_finished_from_its_journal_copy(tmp_path, corrupt):
         return
     params, opt = _reopen(tmp_path / "killed", "1gen")
     assert opt._offload._durable.reopened["from_journal"] == 1
+    assert _same(_snapshot(params, opt), _references("1gen")[STEPS])
+
+
+def test_reopen_killed_half_way_is_finished_by_the_next_reopen(tmp_path):
+    """Killed right after its intent (every chunk still to be stepped), then three reopens
+    each killed half way through their own work (journal writes, records, in-place writes):
+    the last reopen still lands exactly on the next step."""
+    _killed_mid_step(tmp_path, "1gen", "after replace intent.json")
+    killed = tmp_path / "killed"
+    for i in range(3):
+        probe = tmp_path / f"probe{i}"
+        shutil.copytree(killed, probe)
+        assert _run(probe, "1gen", trace=True, reopen_only=True) == 0
+        events = (probe / "trace").read_text().splitlines()
+        assert any(e.startswith("before write journal.") for e in events)
+        status = _run(killed, "1gen", kill_at=len(events) // 2, reopen_only=True)
+        assert os.WTERMSIG(status) == signal.SIGKILL
+    params, opt = _reopen(killed, "1gen")
     assert _same(_snapshot(params, opt), _references("1gen")[STEPS])
 
 

@@ -425,77 +425,91 @@ class DurableState:
                       f"after {self.seq} committed steps{how}", RuntimeWarning, stacklevel=5)
 
     def _finish(self, intent: dict) -> None:
-        """Brings every chunk of the interrupted step to its new bytes, then commits it."""
-        off, stats = self.off, defaultdict(float)
-        bufs = off._slots[0]
+        """Brings every chunk of the interrupted step to its new bytes, then commits it. Torn
+        chunks are copied from their journal positions first; only then are the chunks still
+        at the committed bytes stepped from the logged gradients, each through the journal as
+        in a step (which reuses journal positions), so a reopen killed half way leaves a state
+        the next reopen finishes."""
+        off = self.off
+        redo = []
         for gis, gin in intent["groups"].items():
-            gi = int(gis)
-            tier, layout = off.tiers[gi], off.layouts[gi]
-            params = off.opt.param_groups[gi]["params"]
-            group = dict(off.opt.param_groups[gi])
-            hyper = gin["hyper"]
-            group.update(lr=hyper["lr"], betas=tuple(hyper["betas"]), eps=hyper["eps"],
-                         weight_decay=hyper["weight_decay"], amsgrad=hyper["amsgrad"],
-                         maximize=hyper["maximize"], decoupled_weight_decay=hyper["decoupled"])
-            steps = {int(pi): int(s) for pi, s in gin["steps"].items()}
-            dtypes = {int(pi): getattr(torch, d) for pi, d in gin["grad_dtypes"].items()}
             for ci in gin["chunks"]:
-                chunk, gen = layout.chunks[ci], tier.gen[ci]
-                what = off._what(gi, chunk)
-                for k in tier.kinds:
-                    tier.read(k, ci, bufs[k], gen).wait()
-                got = [crc32c(tier.part(k, ci, bufs[k])) for k in tier.kinds]
-                old = [tier.crc.get((k, ci, gen)) for k in tier.kinds]
-                rec = self._read_record(gi, ci, intent["seq"], len(tier.kinds))
-                if rec is not None and got == rec[1]:
-                    new = got  # rewritten before the process died
-                    self.reopened["kept"] += 1
-                elif got == old:
-                    self.reopened["redone"] += 1
-                    self._redo(gi, group, params, steps, dtypes, chunk, bufs,
-                               gin["grad_crcs"][str(ci)], stats)
-                    new = None
-                elif rec is not None:
-                    self.reopened["from_journal"] += 1
-                    slot, new = rec
-                    for k in tier.kinds:
-                        part = tier.part(k, ci, bufs[k])
-                        off._engine.read(part, self.files[("journal", k)][0],
-                                         slot * tier.kind_chunk_bytes[k]).wait()
-                    if [crc32c(tier.part(k, ci, bufs[k])) for k in tier.kinds] != new:
-                        raise ChecksumError(
-                            f"the journal of the interrupted step in {self.dir!r} is corrupt: "
-                            f"chunk {ci} of param group {gi} ({what()}) was torn mid-write and "
-                            "its journal copy does not match its CRC-32C; the state cannot be "
-                            "reopened")
-                else:
-                    raise ChecksumError(
-                        f"durable optimizer state {self.dir!r} is corrupt: chunk {ci} of param "
-                        f"group {gi} ({what()}) matches neither the committed step nor the "
-                        "interrupted one, and has no journal copy")
-                if new != got:
-                    for h in tier.write_all(ci, bufs, gen):
-                        h.wait()
-                else:
-                    for k, c in zip(tier.kinds, new):
-                        tier.crc[(k, ci, gen)] = c
-            for pi, s in steps.items():
-                off.opt.state[params[pi]]["step"] = torch.tensor(float(s), dtype=torch.float32)
-                off._in_file[gi].add(pi)
+                how = self._settle(int(gis), ci, intent["seq"])
+                self.reopened[how] += 1
+                if how == "redone":
+                    redo.append((int(gis), gin, ci))
+        off._engine.sync()
+        stats, bufs = defaultdict(float), off._slots[0]
+        for gi, gin, ci in redo:
+            tier, chunk = off.tiers[gi], off.layouts[gi].chunks[ci]
+            for k in tier.kinds:
+                tier.read(k, ci, bufs[k]).wait()
+                tier.verify(k, ci, bufs[k], off._what(gi, chunk))
+            self._redo(gi, gin, chunk, bufs, stats)
+            self.stage(tier, gi, ci, 0, bufs).wait()
+        for gis, gin in intent["groups"].items():
+            params = off.opt.param_groups[int(gis)]["params"]
+            for pi, s in gin["steps"].items():
+                off.opt.state[params[int(pi)]]["step"] = torch.tensor(float(s),
+                                                                      dtype=torch.float32)
+                off._in_file[int(gis)].add(int(pi))
         off._engine.sync()
         self.intent = intent
         self.commit()
 
-    def _redo(self, gi, group, params, steps, dtypes, chunk, bufs, want_crc, stats) -> None:
-        """Steps a chunk still at the committed bytes with its logged gradient."""
+    def _settle(self, gi: int, ci: int, seq: int) -> str:
+        """What chunk ci of the interrupted step needs: "kept" (already rewritten), "redone"
+        (still at the committed bytes: to be stepped again) or "from_journal" (torn mid-write:
+        copied from its journal position here)."""
+        off = self.off
+        tier, bufs, gen = off.tiers[gi], off._slots[0], off.tiers[gi].gen[ci]
+        what = off._what(gi, off.layouts[gi].chunks[ci])
+        for k in tier.kinds:
+            tier.read(k, ci, bufs[k], gen).wait()
+        got = [crc32c(tier.part(k, ci, bufs[k])) for k in tier.kinds]
+        rec = self._read_record(gi, ci, seq, len(tier.kinds))
+        if rec is not None and got == rec[1]:
+            for k, c in zip(tier.kinds, got):
+                tier.crc[(k, ci, gen)] = c
+            return "kept"
+        if got == [tier.crc.get((k, ci, gen)) for k in tier.kinds]:
+            return "redone"
+        if rec is None:
+            raise ChecksumError(
+                f"durable optimizer state {self.dir!r} is corrupt: chunk {ci} of param group "
+                f"{gi} ({what()}) matches neither the committed step nor the interrupted one, "
+                "and has no journal copy")
+        slot, new = rec
+        for k in tier.kinds:
+            off._engine.read(tier.part(k, ci, bufs[k]), self.files[("journal", k)][0],
+                             slot * tier.kind_chunk_bytes[k]).wait()
+        if [crc32c(tier.part(k, ci, bufs[k])) for k in tier.kinds] != new:
+            raise ChecksumError(
+                f"the journal of the interrupted step in {self.dir!r} is corrupt: chunk {ci} of "
+                f"param group {gi} ({what()}) was torn mid-write and its journal copy does not "
+                "match its CRC-32C; the state cannot be reopened")
+        for h in tier.write_all(ci, bufs, gen, crcs=new):
+            h.wait()
+        return "from_journal"
+
+    def _redo(self, gi: int, gin: dict, chunk, bufs: dict, stats) -> None:
+        """Steps a chunk (in `bufs`, at the committed bytes) with its logged gradient and the
+        interrupted step's hyperparameters and step counts."""
+        off = self.off
         part = self._log_part(gi, chunk.ci, bufs)
-        self.off._engine.read(part, self.files[("grads", gi)][0],
-                              chunk.ci * self.log_stride[gi]).wait()
-        if crc32c(part) != want_crc:
+        off._engine.read(part, self.files[("grads", gi)][0],
+                         chunk.ci * self.log_stride[gi]).wait()
+        if crc32c(part) != gin["grad_crcs"][str(chunk.ci)]:
             raise ChecksumError(
                 f"the gradient journal {self.files[('grads', gi)][0]!r} of the interrupted step "
                 f"is corrupt (chunk {chunk.ci} does not match its CRC-32C); the step cannot be "
                 "finished and the state cannot be reopened")
+        hyper = gin["hyper"]
+        group = dict(off.opt.param_groups[gi])
+        group.update(lr=hyper["lr"], betas=tuple(hyper["betas"]), eps=hyper["eps"],
+                     weight_decay=hyper["weight_decay"], amsgrad=hyper["amsgrad"],
+                     maximize=hyper["maximize"], decoupled_weight_decay=hyper["decoupled"])
+        dtypes = {int(pi): getattr(torch, d) for pi, d in gin["grad_dtypes"].items()}
         width, grads = self.log_width[gi], {}
         for s in chunk.segments:
             if s.pi in dtypes:
@@ -503,7 +517,9 @@ class DurableState:
                 lo = s.clo * width
                 values = part[lo:lo + (s.chi - s.clo) * d.itemsize].view(d)
                 grads[s.pi] = _Window(values, s.plo)
-        self.off._step_chunk(gi, group, params, grads, steps, chunk, bufs, stats, publish=False)
+        steps = {int(pi): int(n) for pi, n in gin["steps"].items()}
+        off._step_chunk(gi, group, group["params"], grads, steps, chunk, bufs, stats,
+                        publish=False)
 
     def _load_masters(self) -> None:
         """The parameters take the committed master weights."""
