@@ -10,6 +10,7 @@ against DeepSpeed ZeRO-3 with CPU optimizer offload.
     python benchmarks/bench_offload.py --finetune-check             # the --gpu code, CPU, tiny
     python benchmarks/bench_offload.py --layouts                    # RAM vs hybrid vs NVMe
     python benchmarks/bench_offload.py --layouts --state-dtype both # each: compact vs fp32 state
+    python benchmarks/bench_offload.py --layouts --durable          # + all-NVMe, durable=True
 
 Step mode: fp32 CPU parameters. The NVMe case gets cpu_budget = a third of its state (fp32
 master, m, v = 12 B/param), so every step streams the whole state through the pool. It runs
@@ -46,6 +47,7 @@ import argparse
 import gc
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -61,6 +63,7 @@ import tierlift  # noqa: E402, F401
 from common import machine, median_time, print_table, write_json  # noqa: E402
 from llama_model import Llama, LlamaConfig, rope_tables  # noqa: E402
 from plots import plot_json, plot_offload, plot_offload_finetune  # noqa: E402
+from tierlift.offload.durable import durable_dir  # noqa: E402
 from tierlift.optim import AdamW  # noqa: E402
 from tierlift.plan.measure import disk_bandwidth  # noqa: E402
 from tierlift.plan.planner import state_bytes_per_param  # noqa: E402
@@ -361,22 +364,63 @@ def bench_step(args) -> int:
 
 
 # ---- layouts mode (--layouts) ---------------------------------------------------------------
-def layout_cases(n: int, directory: str, state_dtypes=("fp32",)) -> dict:
+DURABLE_TAG = ", durable"
+
+
+def layout_cases(n: int, directory: str, state_dtypes=("fp32",), durable: bool = False) -> dict:
     """The same model's state all in host memory, split half and half between host memory and
     NVMe (two generations and one), and all on NVMe (two and one), each as AdamW kwargs. The
     NVMe-only cases get a third of the fp32 state (master, m, v: 12 B/param) as their pool, as
     in step mode; the hybrids a quarter of it (the pool takes at most a quarter of a hybrid
     budget) plus half of it. Compact state (state_dtype="bf16", 7.02 B/param) gets the same
     budgets in bytes, so its hybrids hold a larger share of their state in RAM: each layout is
-    compared at the same host memory. Names of compact cases end in ", bf16"."""
+    compared at the same host memory. Names of compact cases end in ", bf16". With `durable`,
+    the all-NVMe layouts also run with durable=True (names end in ", durable"), each in its own
+    folder under `directory` (one process owns one nvme_path's durable state at a time)."""
     state = 12 * n
     nvme = dict(offload="nvme", nvme_path=directory, cpu_budget=state // 3)
     hybrid = dict(offload="hybrid", nvme_path=directory, cpu_budget=state // 2 + state // 12)
     base = {"all RAM": dict(offload="cpu"),
             "hybrid, 2 gens": hybrid, "hybrid, 1 gen": dict(hybrid, nvme_generations=1),
             "all NVMe, 2 gens": nvme, "all NVMe, 1 gen": dict(nvme, nvme_generations=1)}
-    return {name + ("" if sd == "fp32" else f", {sd}"): dict(kw, state_dtype=sd)
-            for name, kw in base.items() for sd in state_dtypes}
+    if durable:
+        for name in ("all NVMe, 2 gens", "all NVMe, 1 gen"):
+            sub = os.path.join(directory, "durable-" + name.split(", ")[1].replace(" ", ""))
+            base[name + DURABLE_TAG] = dict(base[name], nvme_path=sub, durable=True)
+    cases = {}
+    for name, kw in base.items():
+        for sd in state_dtypes:
+            kw = dict(kw, state_dtype=sd)
+            if kw.get("durable") and sd != "fp32":
+                kw["nvme_path"] = f"{kw['nvme_path']}-{sd}"
+            cases[name + ("" if sd == "fp32" else f", {sd}")] = kw
+    return cases
+
+
+def disk_files(path: str) -> dict[str, int]:
+    """Bytes each file under `path` takes on the disk (st_blocks: sparse holes not counted)."""
+    out = {}
+    for root, _, files in os.walk(path):
+        for f in files:
+            full = os.path.join(root, f)
+            try:
+                out[os.path.relpath(full, path)] = os.stat(full).st_blocks * 512
+            except FileNotFoundError:
+                pass
+    return out
+
+
+def _io_bytes(st: dict) -> tuple[int, int]:
+    """(read, written) bytes of a step on the disk: the state's reads and writes, plus with
+    durable=True the journal copy of every in-place chunk and the gradient log (0 without)."""
+    return (st.get("nvme_read_bytes", 0),
+            st.get("nvme_write_bytes", 0) + st.get("journal_write_bytes", 0)
+            + st.get("grad_log_bytes", 0))
+
+
+# Stats of a durable step shown per row (median over the rounds), in ms.
+DURABLE_STATS = ("grad_log_s", "manifest_s", "nvme_write_wait_s", "nvme_sync_s",
+                 "nvme_read_wait_s", "checksum_s")
 
 
 def bench_layouts(args) -> int:
@@ -389,12 +433,15 @@ def bench_layouts(args) -> int:
     dtypes = ("fp32", "bf16") if args.state_dtype == "both" else (args.state_dtype,)
     tmp = tempfile.TemporaryDirectory(dir=args.dir)
     probes = [DiskProbe(tmp.name, 4 * n, bs) for bs in PROBE_BLOCKS]
-    opts, steps, roofs = {}, {}, {}
+    opts, steps, roofs, stats = {}, {}, {}, {}
     try:
-        for name, kw in layout_cases(n, tmp.name, dtypes).items():
+        for name, kw in layout_cases(n, tmp.name, dtypes, args.durable).items():
+            if kw.get("durable"):  # a state left by an earlier run would be reopened
+                os.makedirs(kw["nvme_path"], exist_ok=True)
+                shutil.rmtree(durable_dir(kw["nvme_path"]), ignore_errors=True)
             opts[name] = (AdamW(_params(n), lr=1e-3, **kw), kw)
             opts[name][0].step()  # warm-up: first-step master init
-            steps[name], roofs[name] = [], []
+            steps[name], roofs[name], stats[name] = [], [], []
         probe_best(probes)
         for _ in range(args.repeats):
             for name, (opt, _) in opts.items():
@@ -402,7 +449,8 @@ def bench_layouts(args) -> int:
                 opt.step()
                 steps[name].append(time.perf_counter() - t0)
                 st = opt.last_step_stats
-                roofs[name].append((st.get("nvme_read_bytes", 0), st.get("nvme_write_bytes", 0)))
+                stats[name].append(dict(st))
+                roofs[name].append(_io_bytes(st))
             pr = probe_best(probes)
             for name in opts:
                 rd, wr = roofs[name][-1]
@@ -429,26 +477,66 @@ def bench_layouts(args) -> int:
                                     if fp32 in steps else "",
                          "ram_chunks": f"{in_ram}/{len(tier.gen)}",
                          "disk_MB": f"{disk / 1e6:.0f}",
-                         "io_MB": f"{(st.get('nvme_read_bytes', 0) + st.get('nvme_write_bytes', 0)) / 1e6:.0f}",  # noqa: E501
+                         "io_MB": f"{sum(_io_bytes(st)) / 1e6:.0f}",
                          "roofline_ms": f"{roof * 1e3:.1f}" if roof else "",
                          "vs_roofline": f"{step / roof:.2f}x" if roof else ""})
+            if args.durable:
+                # the state folder's files as they lie on the disk, for every layout with one
+                files = disk_files(off._dir) if getattr(off, "_dir", None) else {}
+                du = sum(files.values())
+                plain = name.replace(DURABLE_TAG, "") if kw.get("durable") else None
+                out[name].update({"durable": bool(kw.get("durable")), "folder_disk_bytes": du,
+                                  "folder_files": files, "steps_s": steps[name],
+                                  "round_stats": stats[name]})
+                rows[-1]["du_MB"] = f"{du / 1e6:.0f}" if du else ""
+                if plain:
+                    rel = step / _median(steps[plain])
+                    out[name].update({"plain_layout": plain, "vs_plain": rel,
+                                      "vs_plain_rounds": [a / b for a, b in
+                                                          zip(steps[name], steps[plain])]})
+                    rows[-1]["vs_plain"] = f"{rel:.2f}x"
+                    rows[-1]["extra_ms"] = f"{(step - _median(steps[plain])) * 1e3:.1f}"
     finally:
-        for opt, _ in opts.values():
+        for opt, kw in opts.values():
             opt._offload.close()
+            if kw.get("durable"):  # kept on close by design; the next run starts fresh
+                shutil.rmtree(durable_dir(kw["nvme_path"]), ignore_errors=True)
         for probe in probes:
             probe.close()
     cols = ["layout", "step_ms", "vs_all_ram", "vs_fp32", "ram_chunks", "disk_MB", "io_MB",
             "roofline_ms", "vs_roofline"]
     if len(dtypes) == 1:
         cols.remove("vs_fp32")
+    if args.durable:
+        cols[cols.index("disk_MB") + 1:cols.index("disk_MB") + 1] = ["du_MB"]
+        cols[cols.index("step_ms") + 1:cols.index("step_ms") + 1] = ["vs_plain", "extra_ms"]
     sizes = ", ".join(f"{sd} {int(sum(state_bytes_per_param(sd).values()) * n) >> 20} MiB"
                       for sd in dtypes)
     print_table(rows, cols,
                 title=f"AdamW step by layout, {n / 1e6:.0f}M fp32 params, state ({sizes}), "
                       f"median of {args.repeats} interleaved rounds, dir {tmp.name}")
+    if args.durable:
+        print("durable rows, median per step over the rounds (ms); the plain layout's beside "
+              "it: " + ", ".join(DURABLE_STATS))
+        for name, (_, kw) in opts.items():
+            if not kw.get("durable"):
+                continue
+            plain = name.replace(DURABLE_TAG, "")
+            for label in (name, plain):
+                med = {k: _median([r.get(k, 0.0) for r in stats[label]]) for k in DURABLE_STATS}
+                st = stats[label][-1]
+                print(f"  {label:28s} " + " ".join(f"{k[:-2]} {v * 1e3:6.1f}"
+                                                   for k, v in med.items())
+                      + f"  | grad log {st.get('grad_log_bytes', 0) / 1e6:.0f} MB, journal "
+                        f"{st.get('journal_write_bytes', 0) / 1e6:.0f} MB, in place/new gen "
+                        f"{st.get('nvme_write_bytes', 0) / 1e6:.0f} MB written")
     name = "bench_offload_layouts" + ("" if dtypes == ("fp32",) else f"-{args.state_dtype}")
-    write_json(name, {"machine": machine(), "params": n, "state_dtype": args.state_dtype,
-                      "layouts": out})
+    name += "-durable" if args.durable else ""
+    payload = {"machine": machine(), "params": n, "state_dtype": args.state_dtype,
+               "layouts": out}
+    if args.durable:
+        payload.update({"durable": True, "repeats": args.repeats})
+    write_json(name, payload)
     tmp.cleanup()
     return 0
 
@@ -721,12 +809,18 @@ def main(argv=None) -> int:
     ap.add_argument("--state-dtype", choices=["fp32", "bf16", "both"], default="fp32",
                     help="--layouts: AdamW state_dtype of every layout, or both in the same "
                          "rounds (with a compact-over-fp32 column)")
+    ap.add_argument("--durable", action="store_true",
+                    help="--layouts: also run the all-NVMe layouts with durable=True in the "
+                         "same rounds (vs_plain: their step over the same layout's without; "
+                         "du_MB: the state folder's files on the disk, st_blocks)")
     ap.add_argument("--plot", metavar="PATH", help="also draw the results as a PNG here (needs "
                     "matplotlib): the step legs, or with --gpu the TFLOPS")
     add_finetune_args(ap)
     args = ap.parse_args(argv)
     if args.state_dtype != "fp32" and not args.layouts:
         ap.error("--state-dtype is a --layouts option")
+    if args.durable and not args.layouts:
+        ap.error("--durable is a --layouts option")
     if args.finetune_case:
         run_case(args, args.finetune_case)
         return 0

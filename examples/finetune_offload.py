@@ -1,9 +1,10 @@
-"""Fine-tune a Llama-shaped model whose optimizer state does not fit the RAM budget: AdamW state
+r"""Fine-tune a Llama-shaped model whose optimizer state does not fit the RAM budget: AdamW state
 (fp32 master, m, v) on NVMe, streamed through a pool of a fraction of its size, the CPU step
 overlapped with backward, gradients clipped by the global norm inside the step.
 
     python examples/finetune_offload.py                        # 3M params, CPU, ~1 minute
     python examples/finetune_offload.py --checkpoint-dir /tmp/ft   # kill it, run again: resumes
+    python examples/finetune_offload.py --durable --nvme-path /tmp/ftn  # the same, no checkpoint
     python examples/finetune_offload.py --plot ft.png   # loss, tokens/s, step legs (matplotlib)
     python examples/finetune_offload.py --pretrained base.pt --nvme-path /nvme0 \
         --layers 16 --dim 2048 --heads 16 --device cuda --dtype bf16 --steps 500
@@ -13,12 +14,22 @@ and `http` packages, byte-level tokens, 95/5 train/validation split. The batch o
 drawn from a generator seeded with (seed, s), so a resumed run sees exactly the batches the
 uninterrupted run would have seen. At the end it prints the loss, and the mean per-step
 breakdown from optimizer.last_step_stats (compute, CPU step, NVMe read/write, checksums, waits).
+
+--durable: the optimizer state on NVMe outlives the process (tierlift.optim.AdamW(...,
+durable=True)), in --nvme-path/tierlift-durable-rank0. Kill the run at any moment (kill -9
+included) and start it again with the same arguments: the optimizer reopens at its last
+committed step (or finishes the step that was interrupted), the model takes its master weights,
+and training goes on from that step, to the very bits of a run that was never killed; no
+checkpoint is written. The loss history shown at the end covers only the last start. The folder
+is kept while the run is unfinished and removed once its last step is done (a larger --steps
+given to an unfinished run extends it); remove it by hand to start over.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import sysconfig
 import tempfile
@@ -32,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tierlift  # noqa: E402
 from llama_model import Llama, LlamaConfig, rope_tables  # noqa: E402
 from tierlift.checkpoint import format as ckpt_format  # noqa: E402
+from tierlift.offload.durable import durable_dir  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -66,6 +78,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     o.add_argument("--budget-fraction", type=float, default=0.25,
                    help="cpu_budget as a fraction of the optimizer state's bytes (< 1)")
     o.add_argument("--no-overlap", action="store_true", help="step after backward only")
+    o.add_argument("--durable", action="store_true",
+                   help="keep the optimizer state in --nvme-path/tierlift-durable-rank0\n"
+                        "across a kill: run again with the same arguments to go on\n"
+                        "from its last step; the folder is removed once the last\n"
+                        "step is done (needs --nvme-path; not with --checkpoint-dir)")
     c = ap.add_argument_group("checkpoints")
     c.add_argument("--checkpoint-dir", default=None,
                    help="save here every --checkpoint-every steps; resume from here if present")
@@ -82,6 +99,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--checkpoint-every must be > 0, got {args.checkpoint_every}")
     if args.pretrained is not None and not os.path.isfile(args.pretrained):
         ap.error(f"--pretrained {args.pretrained!r} is not a file")
+    if args.durable and args.nvme_path is None:
+        ap.error("--durable needs --nvme-path: a folder that outlives the run (the default is a "
+                 "temp dir removed at exit)")
+    if args.durable and args.checkpoint_dir is not None:
+        ap.error("--durable and --checkpoint-dir are two ways to resume a killed run: give one")
     return args
 
 
@@ -129,14 +151,27 @@ def make_optimizer(model, args, nvme_path: str) -> tierlift.optim.AdamW:
     n = sum(p.numel() for p in model.parameters())
     state_bytes = 12 * n  # fp32 master, exp_avg, exp_avg_sq
     budget = int(state_bytes * args.budget_fraction)
+    # durable=True: reopens a state left in nvme_path by a killed run (a RuntimeWarning says
+    # so), giving the parameters its master weights and opt.state[p]["step"] its step counts.
     opt = tierlift.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
                                weight_decay=args.weight_decay, offload="nvme",
                                nvme_path=nvme_path, cpu_budget=budget,
-                               overlap=not args.no_overlap, max_grad_norm=args.max_grad_norm)
+                               overlap=not args.no_overlap, max_grad_norm=args.max_grad_norm,
+                               durable=args.durable)
     print(f"model: {n / 1e6:.2f}M params | optimizer state {state_bytes / 2**20:.1f} MiB on "
           f"NVMe under {nvme_path} | cpu_budget {budget / 2**20:.2f} MiB "
           f"({state_bytes / budget:.1f}x smaller than the state) | overlap {not args.no_overlap}")
     return opt
+
+
+def committed_steps(model, opt) -> int:
+    """The optimizer's step count: every parameter steps at every step here, so any one's
+    count is the run's (0 for a new state). With --durable it is the reopened state's count, so
+    the step to run next; the batch of step s depends on (seed, s) only, so the run goes on with
+    the batches it would have seen. (A step skipped for a non-finite gradient is not counted: a
+    run killed after one would go on from an earlier batch.)"""
+    state = opt.state.get(next(model.parameters()), {})
+    return int(state["step"]) if "step" in state else 0
 
 
 # ---- checkpoints: tierlift.checkpoint, one directory replaced atomically -----------------
@@ -220,6 +255,17 @@ def main(argv=None) -> None:
         if got is not None:
             start, losses = got
             print(f"resumed from {args.checkpoint_dir} at step {start}", flush=True)
+    if args.durable:
+        start = committed_steps(model, opt)
+        where = durable_dir(nvme_path)
+        if start:
+            print(f"reopened the durable optimizer state {where} after {start} committed "
+                  f"steps: resuming at step {start}", flush=True)
+            if start >= args.steps:
+                print(f"(--steps {args.steps}: nothing left to run)", flush=True)
+        else:
+            print(f"durable optimizer state: {where} (kill the run any time, run it again with "
+                  "the same arguments to go on)", flush=True)
     sums: dict = defaultdict(float)
     timed = 0
     history = {"step": [], "loss": [], "tokens_per_s": [], "breakdown_step": [],
@@ -278,7 +324,11 @@ def main(argv=None) -> None:
     if args.save_final:
         torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, args.save_final)
         print(f"final weights: {args.save_final}")
-    opt.close()  # removes the state files now
+    opt.close()  # removes the state files now (a durable state's stay, to be reopened)
+    if args.durable:  # the run is finished: nothing left to resume
+        shutil.rmtree(durable_dir(nvme_path))
+        print(f"all {args.steps} steps done: removed the durable optimizer state "
+              f"{durable_dir(nvme_path)}")
     if tmp_nvme is not None:
         tmp_nvme.cleanup()
 

@@ -1,6 +1,7 @@
 """examples/finetune_offload.py end to end (quick sizes): it fine-tunes with the optimizer state
 on "NVMe" under a budget a quarter of its size, prints the breakdown, and a run killed with
-SIGKILL resumes from its last checkpoint to exactly the weights of an uninterrupted run."""
+SIGKILL resumes from its last checkpoint (or, with --durable, from the optimizer's own durable
+state) to exactly the weights of an uninterrupted run."""
 
 import json
 import os
@@ -9,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -96,6 +98,60 @@ def test_killed_run_resumes_with_nothing_lost(tmp_path):
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+
+def _committed(state: Path) -> int:
+    """The committed step count in a durable state's manifest.json (a CRC line, then JSON; it
+    is replaced by a rename, so it is read whole), -1 while there is none."""
+    try:
+        return json.loads((state / "manifest.json").read_bytes().partition(b"\n")[2])["seq"]
+    except (FileNotFoundError, ValueError):
+        return -1
+
+
+def test_killed_durable_run_goes_on_from_its_last_step(tmp_path):
+    """--durable, no checkpoint: kill -9 mid-run, run again with the same arguments; it goes on
+    from the optimizer's committed step to the weights of a run that was never killed."""
+    steps = ["--steps", "30"]
+    plain, full = tmp_path / "plain.pt", tmp_path / "full.pt"
+    run(*steps, "--nvme-path", str(tmp_path), "--save-final", str(plain))
+    out = run(*steps, "--durable", "--nvme-path", str(tmp_path), "--save-final", str(full))
+    assert "durable optimizer state: " in out and "reopened" not in out, out
+    assert "all 30 steps done: removed the durable optimizer state" in out, out
+    assert not (tmp_path / "tierlift-durable-rank0").exists()
+
+    nvme, resumed = tmp_path / "nvme", tmp_path / "resumed.pt"
+    nvme.mkdir()
+    state = nvme / "tierlift-durable-rank0"
+    flags = [*steps, "--durable", "--nvme-path", str(nvme), "--save-final", str(resumed)]
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), *TINY, *flags],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env())
+    try:
+        deadline = time.monotonic() + 120
+        while (seen := _committed(state)) < 6 and proc.poll() is None:
+            assert time.monotonic() < deadline, "the run committed no step in 120 s"
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGKILL)  # anywhere in the step after `seen`
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    assert not resumed.exists() and 6 <= seen < 30
+    assert (state / "manifest.json").is_file(), "the killed run's durable state is gone"
+
+    out = run(*flags)
+    match = re.search(r"reopened the durable optimizer state .* after (\d+) committed steps: "
+                      r"resuming at step (\d+)", out)
+    assert match, out
+    at = int(match.group(2))
+    assert int(match.group(1)) == at and seen <= at < 30, (seen, out)  # not from step 0
+    assert not state.exists(), "the finished run's durable state was kept"
+    a, b, c = (torch.load(f, weights_only=True) for f in (plain, full, resumed))
+    assert a.keys() == b.keys() == c.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k  # durable=True steps to the same bits
+        assert torch.equal(b[k], c[k]), k  # and so does the killed and resumed run
 
 
 @pytest.mark.gpu

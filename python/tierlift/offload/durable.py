@@ -39,6 +39,7 @@ import json
 import os
 import socket
 import struct
+import sys
 import time
 import warnings
 import zlib
@@ -127,6 +128,16 @@ def _read_json(path: str):
         raise ChecksumError(f"durable optimizer state file {path!r} is corrupt (its CRC-32 does "
                             "not match); the state cannot be reopened")
     return json.loads(data)
+
+
+def _user_stacklevel() -> int:
+    """The warnings stacklevel (counted from the caller) of the first frame outside tierlift:
+    the user's line that built the optimizer, however deep Adam or AdamW nest."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def layout_of(off) -> list[dict]:
@@ -422,7 +433,8 @@ class DurableState:
                f"already, {r['redone']} stepped from the logged gradients, {r['from_journal']} "
                "copied from the journal)") if finish else ""
         warnings.warn(f"tierlift offload: reopened the durable optimizer state {self.dir!r} "
-                      f"after {self.seq} committed steps{how}", RuntimeWarning, stacklevel=5)
+                      f"after {self.seq} committed steps{how}", RuntimeWarning,
+                      stacklevel=_user_stacklevel())
 
     def _finish(self, intent: dict) -> None:
         """Brings every chunk of the interrupted step to its new bytes, then commits it. Torn
