@@ -175,8 +175,11 @@ def load_plan(off, plan: list[GroupPlan], source: str, before_commit=None) -> No
             if pi in gp.params:
                 off.opt.state[p]["step"] = torch.tensor(gp.params[pi].step, dtype=torch.float32)
                 off._in_file[gi].add(pi)
-            else:  # no state in the checkpoint: starts fresh, as in torch
-                off.opt.state[p].pop("step", None)
+            else:  # no state in the checkpoint: starts fresh, as in torch (no entry at all)
+                if p in off.opt.state:
+                    off.opt.state[p].pop("step", None)
+                    if not off.opt.state[p]:
+                        del off.opt.state[p]
                 off._in_file[gi].discard(pi)
     off.fill_done()
 

@@ -169,7 +169,7 @@ def stage_offloaded(off, directory: str, names: dict, packer, helds: list, files
         params, layout, tier = group["params"], off.layouts[gi], off.tiers[gi]
         kinds = ["master", *[k for k in tier.kinds if k != "master"]]
         types = {k: tier.dtypes.get(k, torch.float32) for k in kinds}
-        stepped = [pi for pi, p in enumerate(params) if "step" in off.opt.state[p]]
+        stepped = [pi for pi, p in enumerate(params) if "step" in off.opt.state.get(p, {})]
         entries, dense, pos = [], {k: {} for k in kinds}, dict.fromkeys(kinds, 0)
         for pi in stepped:
             p = params[pi]
