@@ -49,7 +49,14 @@ import torch
 
 from tierlift.io import ChecksumError
 from tierlift.offload.layout import IO_ALIGN, kind_bytes
-from tierlift.offload.tiers import _owner_alive, _pid_namespace, _reserve, _start_time, crc32c
+from tierlift.offload.tiers import (
+    _owner_alive,
+    _pid_namespace,
+    _reserve,
+    _start_time,
+    crc32c,
+    drain,
+)
 
 DIR_PREFIX = "tierlift-durable-"
 FORMAT = 1
@@ -360,12 +367,7 @@ class DurableState:
             engine.sync()
             _write_json(self._intent_path, body)
         finally:
-            for hs in pending.values():
-                for h in hs:
-                    try:
-                        h.wait()
-                    except Exception:  # noqa: BLE001 - the first error is the one raised
-                        pass
+            drain(pending)  # nothing may stay in flight from the slots
         self.intent = body
         stats["grad_log_s"] += time.perf_counter() - t
 

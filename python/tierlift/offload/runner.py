@@ -30,27 +30,26 @@ from tierlift._shards import all_ranks_agree, global_grad_norm, is_shard
 from tierlift.io import ChecksumError, EngineConfig, IoEngine
 from tierlift.offload.config import OffloadConfig
 from tierlift.offload.durable import DurableState, claim_dir, durable_dir, read_manifest
-from tierlift.offload.journal import filling
 from tierlift.offload.layout import (
     ALIGN_ELEMS,
     SCALE_KIND,
     build_layout,
     chunk_bytes,
     even_chunk_elems,
-    kind_elems,
     kind_slice,
     state_kinds,
 )
+from tierlift.offload.state_io import _LOW_PRECISION, StateIO
 from tierlift.offload.tiers import (
     HybridTier,
     MemoryTier,
     NvmeTier,
     crc_pool,
+    drain,
     make_state_dir,
     remove_stale_dirs,
 )
 
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
 _MIN_SLOTS = 3  # read ahead, step, write back
 MIN_SLOT_CHUNK_BYTES = 1 << 20  # the smallest chunk per kind worth an extra pipeline slot
 
@@ -97,19 +96,9 @@ def _release(directory: str, fresh: bool) -> None:
             os.unlink(os.path.join(directory, "owner.json"))
 
 
-def _drain(handles: dict) -> None:
-    """Waits for every I/O handle left in {i: [handles]} and empties it (after an error or a
-    skipped step: no I/O may stay in flight into the slots); their own errors are dropped."""
-    for hs in handles.values():
-        for h in hs:
-            try:
-                getattr(h, "abandon", h.wait)()
-            except Exception:  # noqa: BLE001 - the first error is the one raised
-                pass
-    handles.clear()
 
 
-class Offloader:
+class Offloader(StateIO):
     def __init__(self, optimizer, config: OffloadConfig):
         self.opt = optimizer
         self.config = config
@@ -320,10 +309,10 @@ class Offloader:
                 if self.config.max_grad_norm is not None:
                     self._clip(stats)
         except BaseException:
-            _drain(early.get("reads", {}))
+            drain(early.get("reads", {}))
             raise
         if not finite:
-            _drain(early.get("reads", {}))
+            drain(early.get("reads", {}))
             self.last_step_stats = {"skipped": True, "reason": "non-finite gradient",
                                     "early_read_chunks": stats["early_read_chunks"],
                                     "total_s": time.perf_counter() - t0}
@@ -481,7 +470,7 @@ class Offloader:
             for gi, chunks in keep.items():
                 self._publish(gi, chunks, live[gi], stats)
         except BaseException as err:
-            _drain(early.get("reads", {}))
+            drain(early.get("reads", {}))
             for gi in done:
                 self._restore(gi, done[gi] + keep.get(gi, []))
             self._raise(err)
@@ -641,8 +630,8 @@ class Offloader:
             for i in sorted(writes):
                 wait_all(writes.pop(i), "nvme_write_wait_s")
         except BaseException:
-            _drain(reads)
-            _drain(writes)
+            drain(reads)
+            drain(writes)
             raise
 
     def _restore(self, gi: int, chunks) -> None:
@@ -725,121 +714,5 @@ class Offloader:
                 dst.copy_(src, non_blocking=True)
             torch.cuda.synchronize()  # the staging slot is reused three chunks later
             stats["h2d_s"] += time.perf_counter() - t2
-
-    # Streaming checkpoints of the tiers (never the whole state in RAM) are in
-    # tierlift.checkpoint: stream.save_offloaded(offloader, dir), restore.load_offloaded.
-
-    # ---- state dict ----------------------------------------------------------------------
-    def materialize(self) -> dict:
-        """{param: {kind: CPU tensor}} for every parameter that has taken a step, in the
-        in-memory optimizer's state format (fp32, or compact: bf16 m, uint8 v codes, scales)."""
-        out: dict = {}
-        for gi, group in enumerate(self.opt.param_groups):
-            params, layout, tier = group["params"], self.layouts[gi], self.tiers[gi]
-            for chunk in layout.chunks:
-                segs = [s for s in chunk.segments
-                        if "step" in self.opt.state.get(params[s.pi], {})]
-                if not segs:
-                    continue
-                bufs = self._chunk_bufs(gi, chunk)
-                for s in segs:
-                    p = params[s.pi]
-                    kinds = [k for k in tier.kinds if k != "master" or self._needs_master_key(p)]
-                    d = out.setdefault(p, {})
-                    for k in kinds:
-                        shape = (kind_elems(k, p.numel()),) if k == SCALE_KIND else p.shape
-                        t = d.setdefault(k, torch.empty(shape, dtype=tier.dtypes[k]))
-                        src = bufs[k][kind_slice(k, s.clo, s.chi)]
-                        if k == "master" and not self._uses_master(p):
-                            src = p.detach().view(-1)[s.plo:s.phi]
-                        t.view(-1)[kind_slice(k, s.plo, s.phi)].copy_(src)
-        return out
-
-    def _needs_master_key(self, p) -> bool:
-        return p.dtype in _LOW_PRECISION
-
-    def _chunk_bufs(self, gi, chunk) -> dict:
-        tier = self.tiers[gi]
-        if tier.viewable(chunk.ci):
-            return {k: tier.view(k, chunk.ci, self.chunk_elems) for k in tier.kinds}
-        bufs = self._slots[0]
-        for k in tier.kinds:
-            tier.read(k, chunk.ci, bufs[k]).wait()
-            tier.verify(k, chunk.ci, bufs[k], self._what(gi, chunk))
-        return bufs
-
-    def ingest(self, loaded: dict, before_commit=None) -> None:
-        """Moves {param: {kind: tensor}} (from a state dict) into the tiers, all-or-nothing.
-        The tensors are in this optimizer's state format (Adam converts a state dict first).
-        Shapes are checked first; NVMe chunks go to the other generation and flip together at
-        the end, host chunks are filled in place behind an undo journal (journal.Journal), so a
-        failure (a full drive, an interrupt) leaves the tiers as they were. `before_commit`, if
-        given, is called last, before the flips; if it raises, everything is undone."""
-        for gi, group in enumerate(self.opt.param_groups):
-            for pi, p in enumerate(group["params"]):
-                for k, v in loaded.get(p, {}).items():
-                    want = kind_elems(k, p.numel())
-                    if isinstance(v, torch.Tensor) and k in self.tiers[gi].kinds and \
-                            v.numel() != want:
-                        raise ValueError(f"the state {k!r} of {self._name(gi, pi)} has "
-                                         f"{v.numel()} elements, {want} expected (the "
-                                         f"parameter has {p.numel()})")
-        with filling(self._engine, before_commit) as (journal, flips):
-            for gi, group in enumerate(self.opt.param_groups):
-                params, layout = group["params"], self.layouts[gi]
-                for chunk in layout.chunks:
-                    segs = [s for s in chunk.segments if params[s.pi] in loaded]
-                    if segs:
-                        self._ingest_chunk(gi, chunk, segs, loaded, journal, flips)
-        for gi, group in enumerate(self.opt.param_groups):
-            self._in_file[gi].update(pi for pi, p in enumerate(group["params"]) if p in loaded)
-        self.fill_done()
-
-    def _ingest_chunk(self, gi, chunk, segs, loaded, journal, flips) -> None:
-        params, tier = self.opt.param_groups[gi]["params"], self.tiers[gi]
-        view = tier.viewable(chunk.ci)
-        bufs = self._chunk_bufs(gi, chunk)
-        for s in segs:
-            p = params[s.pi]
-            vals = loaded[p]
-            for k in tier.kinds:
-                dst = bufs[k][kind_slice(k, s.clo, s.chi)]
-                if view:  # a view of the tier itself: its bytes go to the journal first
-                    journal.keep(dst)
-                if k in vals:
-                    dst.copy_(vals[k].detach().reshape(-1)[kind_slice(k, s.plo, s.phi)])
-                elif k == "master":
-                    dst.copy_(p.detach().view(-1)[s.plo:s.phi])
-                else:
-                    dst.zero_()
-        if not view:
-            self.rewriting(tier, chunk.ci)
-            handles = tier.write_all(chunk.ci, bufs, tier.next_gen(chunk.ci))
-            for i, h in enumerate(handles):
-                try:
-                    h.wait()
-                except BaseException:  # nothing may stay in flight from the slot
-                    _drain({0: handles[i + 1:]})
-                    raise
-            if tier.two_gen(chunk.ci):
-                flips.append((tier, chunk.ci))
-
-    def rewriting(self, tier, ci: int) -> None:
-        """A fill is about to rewrite chunk ci on disk: in place when the tier keeps one
-        generation, which no journal undoes, so a fill that fails from here on leaves the
-        optimizer refusing to step until a fill succeeds."""
-        if not tier.two_gen(ci) and self._broken is None:
-            self._broken = ("a checkpoint load failed after it had rewritten optimizer state "
-                            "kept in one generation (nvme_generations=1); load a checkpoint "
-                            "before stepping again")
-            if self._durable is not None:  # a reopen says the same
-                self._durable.write_manifest(filling=True)
-
-    def fill_done(self) -> None:
-        """A fill of every chunk committed (and the step counts set): whatever refused steps
-        before is replaced."""
-        self._broken = None
-        if self._durable is not None:
-            self._durable.commit()
 
 __all__ = ["Offloader"]

@@ -101,6 +101,18 @@ class _Checked:
         self.then(self.crcs)
 
 
+def drain(handles: dict) -> None:
+    """Waits for every I/O handle left in {i: [handles]} and empties it (after an error or a
+    skipped step: no I/O may stay in flight into the slots); their own errors are dropped."""
+    for hs in handles.values():
+        for h in hs:
+            try:
+                getattr(h, "abandon", h.wait)()
+            except Exception:  # noqa: BLE001 - the first error is the one raised
+                pass
+    handles.clear()
+
+
 DIR_PREFIX = "tierlift-offload-"
 OWNER_FILE = "owner.json"
 

@@ -1,0 +1,290 @@
+"""bench_offload.py --gpu: TFLOPS fine-tuning the largest Llama-shaped model the machine holds,
+tierlift offload against DeepSpeed ZeRO-3 with CPU optimizer offload (--plan-only: the sizing;
+--finetune-check: the same code on CPU with a tiny model). Run through bench_offload.py.
+
+Fine-tuning mode, sizing per parameter: tierlift keeps bf16 params + bf16 grads on the GPU (4 B)
+and the fp32 master, m, v in pinned RAM (12 B with offload="cpu", 24 B with --overlap: two
+generations) or on NVMe (24 B: two generations, offload="nvme" with overlap); DeepSpeed ZeRO-3
+(one rank, params on the GPU) keeps fp32 master, m, v and an fp32 gradient partition in pinned
+RAM (16 B). The largest model of the ladder that both hold within 85% of each memory is
+measured, each case in its own process (pinned memory of one must not count against the
+other). FLOPs per token: 6 N + 12 L d T
+(matmuls forward and backward plus attention scores; the causal mask is not discounted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import tierlift
+from common import machine, print_table, write_json
+from llama_model import Llama, LlamaConfig, rope_tables
+from plots import plot_json, plot_offload_finetune
+
+BENCH = Path(__file__).resolve().with_name("bench_offload.py")  # runs each case in its process
+
+
+LADDER = {
+    "tiny": dict(dim=64, n_layer=2, n_head=4, n_kv_head=2, ffn_dim=192, vocab_size=256),
+    "1b": dict(dim=2048, n_layer=16, n_head=32, n_kv_head=8, ffn_dim=8192),
+    "3b": dict(dim=3072, n_layer=28, n_head=24, n_kv_head=8, ffn_dim=8192),
+    "7b": dict(dim=4096, n_layer=32, n_head=32, n_kv_head=32, ffn_dim=11008),
+    "8b": dict(dim=4096, n_layer=32, n_head=32, n_kv_head=8, ffn_dim=14336),
+    "13b": dict(dim=5120, n_layer=40, n_head=40, n_kv_head=40, ffn_dim=13824),
+}
+GiB = 1 << 30
+
+
+def config(name: str, seq_len: int) -> LlamaConfig:
+    kw = {"vocab_size": 32000, **LADDER[name]}
+    return LlamaConfig(max_seq_len=seq_len, **kw)
+
+
+def activation_bytes(cfg: LlamaConfig, tokens: int) -> int:
+    """Rough bf16 activation memory kept for backward (no activation checkpointing)."""
+    return tokens * cfg.n_layer * (34 * cfg.dim + 8 * cfg.ffn_dim) + tokens * cfg.vocab_size * 8
+
+
+def plan(args) -> dict:
+    """The largest ladder model that both tierlift and DeepSpeed hold, and tierlift's tier."""
+    gpu, ram, disk = args.gpu_mem * GiB * 0.85, args.cpu_mem * GiB * 0.85, args.disk * GiB * 0.85
+    best = None
+    for name in LADDER:
+        if name == "tiny":
+            continue
+        cfg = config(name, args.seq_len)
+        n = cfg.num_params()
+        act = activation_bytes(cfg, args.batch_size * args.seq_len)
+        if 4 * n + act > gpu:  # tierlift: bf16 params + grads on the GPU
+            continue
+        host = 24 * n if args.overlap else 12 * n  # overlap keeps two generations in RAM
+        tier = "cpu" if host <= ram else ("nvme" if 24 * n <= disk else None)
+        if tier is None:
+            continue
+        deepspeed_fits = 2 * n + act <= gpu and 16 * n <= ram
+        if not deepspeed_fits and best is not None:
+            continue
+        best = {"model": name, "params": n, "tier": tier, "deepspeed_fits": deepspeed_fits,
+                "gpu_bytes": 4 * n + act, "host_bytes": host if tier == "cpu" else 0,
+                "disk_bytes": 24 * n if tier == "nvme" else 0}
+    if args.model is not None:
+        cfg = config(args.model, args.seq_len)
+        n = cfg.num_params()
+        tier = best["tier"] if best else "cpu"
+        best = {"model": args.model, "params": n, "tier": args.tier or tier,
+                "deepspeed_fits": True, "gpu_bytes": None, "host_bytes": None,
+                "disk_bytes": None}
+    if best is None:
+        raise SystemExit("no model of the ladder fits --gpu-mem/--cpu-mem/--disk")
+    if args.tier:
+        best["tier"] = args.tier
+    return best
+
+
+def build_model(name: str, seq_len: int, device: torch.device) -> Llama:
+    cfg = config(name, seq_len)
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with device:
+            model = Llama(cfg)
+    finally:
+        torch.set_default_dtype(old)
+    model.rope_cos, model.rope_sin = rope_tables(cfg, device)
+    return model
+
+
+def flops_per_step(cfg: LlamaConfig, n: int, batch: int, seq: int) -> float:
+    return (6 * n + 12 * cfg.n_layer * cfg.dim * seq) * batch * seq
+
+
+def _time_steps(step_fn, steps: int, warmup: int, device) -> float:
+    for _ in range(warmup):
+        step_fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step_fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / steps
+
+
+def run_tierlift(args, info: dict, device) -> dict:
+    model = build_model(info["model"], args.seq_len, device)
+    n = sum(p.numel() for p in model.parameters())
+    nvme = tempfile.TemporaryDirectory(dir=args.dir) if info["tier"] == "nvme" else None
+    kw = dict(offload=info["tier"], max_grad_norm=1.0,
+              overlap=args.overlap or info["tier"] == "nvme")
+    if nvme is not None:
+        kw.update(nvme_path=nvme.name, cpu_budget=int(args.nvme_budget * GiB))
+    opt = tierlift.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), **kw)
+    gen = torch.Generator().manual_seed(0)
+
+    def step():
+        x = torch.randint(model.cfg.vocab_size, (args.batch_size, args.seq_len + 1),
+                          generator=gen).to(device)
+        loss = model(x[:, :-1], x[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    t = _time_steps(step, args.steps, args.warmup, device)
+    out = {"case": f"tierlift offload={info['tier']}", "params": n, "step_s": t,
+           "stats": {k: v for k, v in opt.last_step_stats.items() if isinstance(v, float)}}
+    if nvme is not None:
+        nvme.cleanup()
+    return out
+
+
+def deepspeed_config(args, device) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": args.batch_size,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": device.type == "cuda"},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {"device": "cpu", "pin_memory": device.type == "cuda"},
+            "offload_param": {"device": "none"},
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+        },
+        "optimizer": {"type": "AdamW",
+                      "params": {"lr": 1e-5, "betas": [0.9, 0.95], "weight_decay": 0.0}},
+        "wall_clock_breakdown": False,
+    }
+
+
+def run_deepspeed(args, info: dict, device) -> dict:
+    import deepspeed
+
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517"}.items():
+        os.environ.setdefault(k, v)
+    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+    model = build_model(info["model"], args.seq_len, device)
+    n = sum(p.numel() for p in model.parameters())
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=deepspeed_config(args, device))
+    gen = torch.Generator().manual_seed(0)
+
+    def step():
+        x = torch.randint(model.cfg.vocab_size, (args.batch_size, args.seq_len + 1),
+                          generator=gen).to(device)
+        loss = engine(x[:, :-1], x[:, 1:])
+        engine.backward(loss)
+        engine.step()
+
+    t = _time_steps(step, args.steps, args.warmup, device)
+    return {"case": "deepspeed zero3 offload_optimizer=cpu", "params": n, "step_s": t}
+
+
+def run_case(args, which: str) -> None:
+    """One case in this process; prints RESULT <json>."""
+    device = torch.device("cuda" if args.gpu else "cpu")
+    info = json.loads(args.info)
+    out = (run_tierlift if which == "tierlift" else run_deepspeed)(args, info, device)
+    cfg = config(info["model"], args.seq_len)
+    out["tflops"] = flops_per_step(cfg, out["params"], args.batch_size,
+                                   args.seq_len) / out["step_s"] / 1e12
+    if device.type == "cuda":
+        out["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
+    gc.collect()
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def finetune(args) -> int:
+    if args.gpu and not args.plan_only and not torch.cuda.is_available():
+        raise SystemExit("--gpu needs a CUDA GPU and none is available; --gpu --plan-only "
+                         "prints the sizing, --finetune-check runs the same code on CPU")
+    if args.finetune_check:
+        args.model, args.seq_len, args.batch_size = "tiny", 32, 2
+        args.steps, args.warmup = 2, 1
+        info = {"model": "tiny", "params": config("tiny", 32).num_params(),
+                "tier": args.tier or "nvme", "deepspeed_fits": True}
+    else:
+        info = plan(args)
+    print(f"plan: {json.dumps(info)}")
+    if args.plan_only:
+        return 0
+    rows, results = [], []
+    for which in ("tierlift", "deepspeed"):
+        if which == "deepspeed" and (args.no_deepspeed or not info["deepspeed_fits"]):
+            continue
+        cmd = [sys.executable, str(BENCH), "--finetune-case", which,
+               "--info", json.dumps(info), "--seq-len", str(args.seq_len),
+               "--batch-size", str(args.batch_size), "--steps", str(args.steps),
+               "--warmup", str(args.warmup), "--nvme-budget", str(args.nvme_budget)]
+        cmd += ["--overlap"] if args.overlap else []
+        cmd += ["--gpu"] if args.gpu else []
+        cmd += ["--dir", args.dir] if args.dir else []
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            print(f"{which}: timed out after {args.timeout} s")
+            results.append({"case": which, "error": f"timed out after {args.timeout} s"})
+            continue
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        if proc.returncode != 0 or not lines:
+            err = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+            print(f"{which}: failed (exit {proc.returncode}): {err}")
+            results.append({"case": which, "error": proc.stderr[-4000:]})
+            continue
+        res = json.loads(lines[-1][len("RESULT "):])
+        results.append(res)
+        rows.append({"case": res["case"], "step_s": f"{res['step_s']:.3f}",
+                     "TFLOPS": f"{res['tflops']:.2f}"})
+    ok = [r for r in results if "tflops" in r]
+    if len(ok) == 2:
+        ratio = ok[0]["tflops"] / ok[1]["tflops"]
+        rows.append({"case": "tierlift / deepspeed", "TFLOPS": f"{ratio:.2f}x"})
+    if rows:
+        print_table(rows, ["case", "step_s", "TFLOPS"],
+                    title=f"fine-tuning {info['model']} ({info['params'] / 1e9:.2f}B params), "
+                          f"batch {args.batch_size} x {args.seq_len} tokens")
+    if not args.finetune_check:
+        path = write_json("bench_offload_finetune", {"machine": machine(), "plan": info,
+                                              "args": {k: v for k, v in vars(args).items()
+                                                       if k != "info"},
+                                              "results": results})
+        if args.plot:
+            print(f"wrote {plot_json(plot_offload_finetune, path, args.plot)}")
+    return 0 if ok else 1
+
+
+def add_finetune_args(ap: argparse.ArgumentParser) -> None:
+    g = ap.add_argument_group("fine-tuning (GPU) mode")
+    g.add_argument("--gpu", action="store_true", help="TFLOPS fine-tuning a Llama on the GPU")
+    g.add_argument("--finetune-check", action="store_true",
+                   help="run the --gpu code path on CPU with a tiny model (a smoke test)")
+    g.add_argument("--plan-only", action="store_true", help="print the sizing and stop")
+    g.add_argument("--model", choices=list(LADDER), default=None, help="skip the sizing")
+    g.add_argument("--tier", choices=["cpu", "nvme"], default=None)
+    g.add_argument("--overlap", action="store_true",
+                   help="offload='cpu' with the step overlapped with backward (2x the RAM)")
+    g.add_argument("--gpu-mem", type=float, default=80, help="GiB")
+    g.add_argument("--cpu-mem", type=float, default=128, help="GiB")
+    g.add_argument("--disk", type=float, default=64, help="GiB under --dir")
+    g.add_argument("--nvme-budget", type=float, default=16, help="cpu_budget (GiB), nvme tier")
+    g.add_argument("--seq-len", type=int, default=2048)
+    g.add_argument("--batch-size", type=int, default=1)
+    g.add_argument("--steps", type=int, default=5)
+    g.add_argument("--warmup", type=int, default=2)
+    g.add_argument("--no-deepspeed", action="store_true")
+    g.add_argument("--timeout", type=int, default=3600, help="seconds per case")
+    g.add_argument("--finetune-case", choices=["tierlift", "deepspeed"], help=argparse.SUPPRESS)
+    g.add_argument("--info", help=argparse.SUPPRESS)
