@@ -362,3 +362,77 @@ def test_only_live_shards_are_shards():
     assert not tierlift.zero.is_shard(nn.Parameter(torch.ones(1)))
     del model
     assert not tierlift.zero.is_shard(shard)  # the model's state is gone
+
+
+# ---- bf16 gradient shards (MixedPrecision(grad_dtype=torch.bfloat16)) ------------------------
+BF16 = tierlift.zero.MixedPrecision(param_dtype=torch.bfloat16)
+BF16_GRADS = tierlift.zero.MixedPrecision(param_dtype=torch.bfloat16,
+                                          grad_dtype=torch.bfloat16)
+
+
+def _fit_shards(mp, opt_kw=None, clip=None, accum=1, steps=6, **shard_kw):
+    model = tierlift.zero.shard(make_net(), mixed_precision=mp, **shard_kw)
+    opt = tierlift.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, **(opt_kw or {}))
+    fit(model, opt, clip=clip, accum=accum, steps=steps)
+    grads = {p.grad.dtype for p in model.parameters() if p.grad is not None}
+    return model, tierlift.zero.full_state_dict(model), grads
+
+
+@pytest.mark.parametrize("stage,offload_params", [(1, "none"), (2, "none"), (3, "none"),
+                                                  (3, "cpu")])
+def test_bf16_grad_shards_train_bit_identically(stage, offload_params):
+    """A bf16 reduction's sum has bf16 precision: keeping it in bf16 loses nothing, with
+    gradient accumulation inside no_sync() too."""
+    kw = dict(stage=stage, offload_params=offload_params, accum=2)
+    ref_model, ref, ref_grads = _fit_shards(BF16, **kw)
+    model, got, grads = _fit_shards(BF16_GRADS, **kw)
+    assert ref_grads == {torch.float32} and grads == {torch.bfloat16}
+    assert_same(got, ref)
+    if offload_params == "cpu":  # half the bytes come down, and are held, as gradients
+        ref_stats, stats = ref_model._tierlift_zero.stats, model._tierlift_zero.stats
+        assert stats["h2d_bytes"] == ref_stats["h2d_bytes"]
+        assert 2 * stats["d2h_bytes"] == ref_stats["d2h_bytes"]
+        assert all(p.grad.device.type == "cpu" and p.grad.element_size() == 2
+                   for p in model.parameters())
+
+
+@pytest.mark.parametrize("layout", ["hybrid-1gen", "nvme-overlap"])
+def test_bf16_grad_shards_with_the_offloaded_optimizer(tmp_path, layout):
+    """Parameters offloaded, the optimizer streaming its state (own-master one generation in
+    RAM and on the drive, or two generations with overlap): the same bits as fp32 gradients."""
+    def opt_kw(sub):
+        (tmp_path / sub).mkdir()
+        if layout == "hybrid-1gen":
+            return dict(offload="hybrid", nvme_path=str(tmp_path / sub), cpu_budget=200_000,
+                        nvme_generations=1, state_dtype="bf16")
+        return dict(offload="nvme", nvme_path=str(tmp_path / sub), cpu_budget=300_000,
+                    overlap=True)
+
+    _, ref, _ = _fit_shards(BF16, opt_kw("a"), stage=3, offload_params="cpu")
+    model, got, grads = _fit_shards(BF16_GRADS, opt_kw("b"), stage=3, offload_params="cpu")
+    assert grads == {torch.bfloat16}
+    assert_same(got, ref)
+
+
+def test_bf16_grad_shards_clipped_in_bf16():
+    """Clipping scales the gradient where it is held, so a bf16 gradient is rounded to bf16
+    once more: close to the fp32 gradients' training, not the same bits."""
+    _, ref, _ = _fit_shards(BF16, stage=3, clip=CLIP)
+    _, got, _ = _fit_shards(BF16_GRADS, stage=3, clip=CLIP)
+    assert any(not torch.equal(got[k], ref[k]) for k in ref)
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=0, atol=2 * LR * 6)
+
+
+def test_bf16_grad_shards_refused_where_they_cannot_go(tmp_path):
+    model = tierlift.zero.shard(make_net(), stage=3, mixed_precision=BF16_GRADS)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    with pytest.raises(TypeError, match=r"AdamW got torch.bfloat16 gradients of torch.float32 "
+                                        r"shards .* use tierlift.optim"):
+        fit(model, opt, steps=1)
+    with pytest.raises(ValueError, match="grad_dtype=torch.bfloat16 cannot be combined with "
+                                         "offload_params='nvme'"):
+        tierlift.zero.shard(make_net(), stage=3, mixed_precision=BF16_GRADS,
+                            offload_params="nvme", nvme_path=str(tmp_path))
+    with pytest.raises(TypeError, match="grad_dtype must be float32, bfloat16 or float16"):
+        tierlift.zero.MixedPrecision(grad_dtype=torch.float64)

@@ -190,22 +190,25 @@ def stage_offloaded(off, directory: str, names: dict, packer, helds: list, files
         live = set(stepped)
         chunks = [(c.ci, [s for s in c.segments if s.pi in live]) for c in layout.chunks]
         chunks = [(ci, segs) for ci, segs in chunks if segs]
-        if _held(tier):
-            helds.append(Held(tier.hold([ci for ci, _ in chunks]), kinds, outs, chunks, dense,
+        # Parameters that are their own master (no "master" in the tier) are copied now.
+        held = [k for k in kinds if k in tier.kinds] if _held(tier) else []
+        if held:
+            helds.append(Held(tier.hold([ci for ci, _ in chunks]), held, outs, chunks, dense,
                               off.chunk_elems, types,
                               lambda ci, gi=gi, lay=layout: off._what(gi, lay.chunks[ci])()))
-        else:
-            for k in kinds:
-                for ci, segs in chunks:
-                    view = tier.view(k, ci, off.chunk_elems) if k in tier.kinds else None
-                    for s in segs:
-                        p = params[s.pi]
-                        if k == "master" and (view is None or not off._uses_master(p)):
-                            src = p.detach().view(-1)[s.plo:s.phi]  # its own master
-                        else:
-                            src = view[kind_slice(k, s.clo, s.chi)]
-                        at = dense[k][s.pi] + kind_slice(k, s.plo, s.phi).start
-                        packer.add(outs[k], src, at * types[k].itemsize)
+        for k in kinds:
+            if k in held:
+                continue
+            for ci, segs in chunks:
+                view = tier.view(k, ci, off.chunk_elems) if k in tier.kinds else None
+                for s in segs:
+                    p = params[s.pi]
+                    if k == "master" and (view is None or not off._uses_master(p)):
+                        src = p.detach().view(-1)[s.plo:s.phi]  # its own master
+                    else:
+                        src = view[kind_slice(k, s.clo, s.chi)]
+                    at = dense[k][s.pi] + kind_slice(k, s.plo, s.phi).start
+                    packer.add(outs[k], src, at * types[k].itemsize)
         groups.append({"kinds": kinds, "dtypes": {k: _SUFFIX[d] for k, d in types.items()},
                        "params": entries})
 

@@ -122,9 +122,22 @@ class Offloader(StateIO):
         self._dtypes = [state_kinds(g["amsgrad"], self.state_dtype)
                         for g in optimizer.param_groups]
         self._kinds = [list(d) for d in self._dtypes]
+        # NVMe, and host memory with overlap, step chunk by chunk through pipeline slots; the
+        # resident host tier without overlap updates the state in place.
+        self.streamed = config.offload in ("nvme", "hybrid") or config.overlap
+        # An fp32 host parameter is its own master (no second copy in the tiers) unless a
+        # failed step must put it back (two generations) or a reopen must find it (durable).
+        self._own_masters = not config.durable and (
+            not self.streamed or (config.offload in ("nvme", "hybrid")
+                                  and config.nvme_generations == 1))
+        # Per group: the kinds its tier holds (no master where every parameter is its own).
+        self._tier_kinds = [k if any(self._uses_master(p) for p in g["params"]) else k[1:]
+                            for g, k in zip(optimizer.param_groups, self._kinds)]
         # A slot holds one chunk of every state kind (each 4 KiB aligned), plus fp32 grad and
         # copy staging for GPU params.
-        slot_dtypes = dict(max(self._dtypes, key=len, default=state_kinds(False)))
+        slot_dtypes = dict(max(({k: d[k] for k in tk} for d, tk in
+                                zip(self._dtypes, self._tier_kinds)), key=len,
+                               default=state_kinds(False)))
         if self._cuda:
             slot_dtypes.update(grad=torch.float32, copy=torch.float32)
         elif config.durable:  # the gradient log's staging
@@ -139,10 +152,6 @@ class Offloader(StateIO):
         largest = max((sum(-(-max(p.numel(), 1) // ALIGN_ELEMS) * ALIGN_ELEMS
                            for p in g["params"]) for g in optimizer.param_groups), default=0)
         chunk_elems = max(ALIGN_ELEMS, min(chunk_elems, largest))
-        # NVMe, and host memory with overlap, keep two generations of the state and step
-        # chunk by chunk through pipeline slots, so a step can be undone; the resident host
-        # tier without overlap updates the state in place.
-        self.streamed = config.offload in ("nvme", "hybrid") or config.overlap
         slots = config.pipeline_slots
         on_disk = config.offload in ("nvme", "hybrid")
         if on_disk and config.cpu_budget is not None:
@@ -177,10 +186,7 @@ class Offloader(StateIO):
         if config.offload == "cpu":
             self.tiers = []
             gens = 2 if self.streamed else 1
-            for g, k, lay, dt in zip(optimizer.param_groups, self._kinds, self.layouts,
-                                     self._dtypes):
-                if not any(self._uses_master(p) for p in g["params"]):
-                    k = k[1:]  # fp32 CPU params are their own master
+            for k, lay, dt in zip(self._tier_kinds, self.layouts, self._dtypes):
                 self.tiers.append(MemoryTier(k, len(lay.chunks), chunk_elems, self._pin, gens,
                                              dtypes=dt))
             slot_kinds = self._slot_kinds if self.streamed else ["grad", "copy"]
@@ -222,9 +228,10 @@ class Offloader(StateIO):
                     read_manifest(self, self._dir)
                 ram = (config.cpu_budget - pool) if config.offload == "hybrid" else 0
                 self.tiers = []
-                for gi, (k, lay, dt) in enumerate(zip(self._kinds, self.layouts, self._dtypes)):
+                for gi, (k, lay, dt) in enumerate(zip(self._tier_kinds, self.layouts,
+                                                      self._dtypes)):
                     n = len(lay.chunks)
-                    in_ram = chunk_bytes(dt, chunk_elems, aligned=False)
+                    in_ram = chunk_bytes({kd: dt[kd] for kd in k}, chunk_elems, aligned=False)
                     n_ram = min(n, max(0, ram) // in_ram)
                     ram -= n_ram * in_ram
                     nvme = NvmeTier(self._engine, self._dir, gi, k, n, chunk_elems,
@@ -260,8 +267,7 @@ class Offloader(StateIO):
         return lambda: ", ".join(self._name(gi, s.pi) for s in chunk.segments)
 
     def _uses_master(self, p: torch.Tensor) -> bool:
-        # NVMe keeps a master for every param so a failed step can restore the parameter.
-        return (self.streamed or p.device.type != "cpu"
+        return (not self._own_masters or p.device.type != "cpu"
                 or p.dtype != torch.float32)
 
     def close(self) -> None:
@@ -553,6 +559,8 @@ class Offloader(StateIO):
         """First step of a parameter: its master weights go to the committed generation, so
         a failure later in the step can restore the parameter from there."""
         params, tier = self.opt.param_groups[gi]["params"], self.tiers[gi]
+        if "master" not in tier.kinds:  # every parameter of the group is its own master
+            return
         buf = self._slots[0]["master"]
         fresh = [c for c in chunks if any(s.pi in grads and "step" not in
                                           self.opt.state[params[s.pi]] for s in c.segments)]
@@ -636,9 +644,9 @@ class Offloader(StateIO):
 
     def _restore(self, gi: int, chunks) -> None:
         """Puts the parameters of `chunks` back to the committed master weights."""
-        if not chunks:
-            return
         params, tier = self.opt.param_groups[gi]["params"], self.tiers[gi]
+        if not chunks or "master" not in tier.kinds:
+            return
         buf = self._slots[0]["master"]
         for chunk in chunks:
             tier.read("master", chunk.ci, buf).wait()

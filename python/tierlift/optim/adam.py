@@ -70,6 +70,10 @@ def _caller_stacklevel() -> int:
 class Adam(Optimizer):
     """Adam (weight decay as an L2 penalty; `decoupled_weight_decay=True` makes it AdamW)."""
 
+    # bf16/fp16 gradients of fp32 parameters are stepped exactly as their fp32 values
+    # (tierlift.zero.MixedPrecision(grad_dtype=...) checks for this before a step).
+    takes_low_precision_grads = True
+
     def __init__(
         self,
         params,

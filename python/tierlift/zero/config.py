@@ -16,11 +16,17 @@ GRAD_COMMS = (None, "int8", "fp8")
 class MixedPrecision:
     """Compute in `param_dtype`, keep fp32 master shards, reduce gradients in `reduce_dtype`.
 
-    reduce_dtype=None reduces in param_dtype. Gradients reach the optimizer in fp32.
+    reduce_dtype=None reduces in param_dtype. The gradient shards (p.grad) are kept in
+    `grad_dtype`: fp32 by default; grad_dtype=torch.bfloat16 with a bf16 reduction keeps them
+    as reduced (no precision lost for one synced backward per step: the sum already has bf16
+    precision), at half the bytes (host memory with offload_params="cpu", and the D2H copy).
+    A shard's gradient then differs from its dtype (Tensor.grad_dtype, torch >= 2.10), which
+    tierlift.optim's Adam and AdamW take; torch's optimizers do not (a step is refused).
     """
 
     param_dtype: torch.dtype = torch.bfloat16
     reduce_dtype: torch.dtype | None = None
+    grad_dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
         if self.param_dtype not in _FLOAT_DTYPES:
@@ -29,6 +35,12 @@ class MixedPrecision:
         if self.reduce_dtype is not None and self.reduce_dtype not in _FLOAT_DTYPES:
             raise TypeError(f"MixedPrecision.reduce_dtype must be float32, bfloat16, float16 or "
                             f"None, got {self.reduce_dtype}")
+        if self.grad_dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"MixedPrecision.grad_dtype must be float32, bfloat16 or float16, "
+                            f"got {self.grad_dtype}")
+        if self.grad_dtype != torch.float32 and not hasattr(torch.Tensor, "grad_dtype"):
+            raise ValueError(f"MixedPrecision.grad_dtype={self.grad_dtype} needs torch >= 2.10 "
+                             f"(Tensor.grad_dtype); this is torch {torch.__version__}")
 
     @property
     def effective_reduce_dtype(self) -> torch.dtype:
@@ -94,6 +106,10 @@ class ShardConfig:
             raise ValueError(f"hierarchy must be one of {HIERARCHIES}, got {self.hierarchy!r}")
         if self.grad_comm not in GRAD_COMMS:
             raise ValueError(f"grad_comm must be one of {GRAD_COMMS}, got {self.grad_comm!r}")
+        if self.grad_dtype != torch.float32 and self.offload_params == "nvme":
+            raise ValueError(f"MixedPrecision.grad_dtype={self.grad_dtype} cannot be combined "
+                             "with offload_params='nvme' yet (its gradients' file holds fp32); "
+                             "use offload_params='cpu' or grad_dtype=torch.float32")
         if self.offload_params != "none" and self.stage != 3:
             raise ValueError(f"offload_params={self.offload_params!r} needs stage=3 (stages 1/2 "
                              f"keep the gathered weights on the device), got stage={self.stage}")
@@ -118,3 +134,9 @@ class ShardConfig:
     def reduce_dtype(self) -> torch.dtype | None:
         mp = self.mixed_precision
         return None if mp is None else mp.effective_reduce_dtype
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """The dtype of the gradient shards the optimizer gets."""
+        mp = self.mixed_precision
+        return torch.float32 if mp is None else mp.grad_dtype

@@ -24,7 +24,10 @@ import weakref
 from collections import OrderedDict
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
@@ -98,6 +101,12 @@ class ZeroState:
         opt_hook = register_optimizer_step_post_hook(_bind(ref, "_after_optimizer_step"))
         self.handles.append(opt_hook)
         weakref.finalize(self, opt_hook.remove)  # the global hook goes with the model
+        if self.config.grad_dtype != torch.float32:
+            for unit in self.units:
+                unit.shard.grad_dtype = self.config.grad_dtype
+            pre_hook = register_optimizer_step_pre_hook(_bind(ref, "_before_optimizer_step"))
+            self.handles.append(pre_hook)
+            weakref.finalize(self, pre_hook.remove)
 
     def remove(self) -> None:
         for h in self.handles:
@@ -288,15 +297,16 @@ class ZeroState:
             self.landing.append((unit, piece, None))
 
     def _land(self, unit: FlatUnit, reduced: torch.Tensor) -> torch.Tensor:
-        """The averaged fp32 gradient of this rank's slice (stage 1 keeps the full one, and
-        an fp32 slice is a view of it: no second copy of this rank's part)."""
+        """The averaged gradient of this rank's slice in the shards' grad dtype (stage 1 keeps
+        the full one, and a slice of that dtype is a view of it: no second copy)."""
         if reduced.dtype != torch.float16:
             reduced.div_(self.world)  # fp16 was divided before the sum
+        dtype = self.config.grad_dtype
         if self.config.stage == 1:
             unit.full_grad = reduced  # stage 1 keeps the averaged full gradient
             lo = self.comm.rank * unit.shard_numel
-            return reduced[lo:lo + unit.shard_numel].to(torch.float32)
-        return reduced.to(torch.float32)
+            return reduced[lo:lo + unit.shard_numel].to(dtype)
+        return reduced.to(dtype)
 
     def _hand_over(self, unit: FlatUnit, piece: torch.Tensor, early: bool) -> None:
         store = self.offload.store if self.offload is not None else None
@@ -326,6 +336,20 @@ class ZeroState:
                 self._free(unit)
 
     # ---- optimizer ----
+    def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+        """Gradient shards in a dtype other than their parameter's (MixedPrecision.grad_dtype)
+        reach only an optimizer that takes them; torch's would fail deep in its kernels."""
+        if getattr(optimizer, "takes_low_precision_grads", False):
+            return
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                if id(p) in self._shard_ids and p.grad is not None and p.grad.dtype != p.dtype:
+                    raise TypeError(
+                        f"{type(optimizer).__name__} got {p.grad.dtype} gradients of "
+                        f"{p.dtype} shards (MixedPrecision(grad_dtype={p.grad.dtype})); "
+                        "use tierlift.optim.Adam/AdamW, which take them, or "
+                        "grad_dtype=torch.float32")
+
     def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
         ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
         if ids & self._shard_ids:
