@@ -357,11 +357,14 @@ def test_overlap_needs_an_offload_tier():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+@pytest.mark.parametrize("tier", ["cpu", "nvme", "nvme-1gen"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_params_match_cpu_params_bit_for_bit(tmp_path, tier, dtype):
     # Same CPU kernel on the same fp32 state: GPU params only add the D2H and H2D legs.
-    kw = _nvme(tmp_path, 1 << 20) if tier == "nvme" else dict(offload="cpu")
+    # With one generation an fp32 device parameter is its own master (no master stored).
+    kw = _nvme(tmp_path, 1 << 20) if tier != "cpu" else dict(offload="cpu")
+    if tier == "nvme-1gen":
+        kw["nvme_generations"] = 1
     cpu, _ = _train(AdamW, dtype=dtype, **kw)
     params = [torch.nn.Parameter(p.detach().cuda()) for p in _params(dtype)]
     opt = AdamW(params, lr=1e-2, weight_decay=0.1, **kw)
@@ -374,6 +377,8 @@ def test_gpu_params_match_cpu_params_bit_for_bit(tmp_path, tier, dtype):
     assert opt.last_step_stats["d2h_s"] > 0 and opt.last_step_stats["h2d_s"] > 0
     for a, b in zip(cpu, params):
         assert torch.equal(a, b.detach().cpu())
+    own = tier == "nvme-1gen" and dtype == torch.float32
+    assert ("master" in opt._offload.tiers[0].kinds) != own
 
 
 def test_dropping_the_optimizer_removes_its_files(tmp_path):

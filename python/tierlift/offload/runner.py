@@ -125,8 +125,10 @@ class Offloader(StateIO):
         # NVMe, and host memory with overlap, step chunk by chunk through pipeline slots; the
         # resident host tier without overlap updates the state in place.
         self.streamed = config.offload in ("nvme", "hybrid") or config.overlap
-        # An fp32 host parameter is its own master (no second copy in the tiers) unless a
-        # failed step must put it back (two generations) or a reopen must find it (durable).
+        # An fp32 parameter is its own master (no second copy in the tiers) unless a failed
+        # step must put it back (two generations) or a reopen must find it (durable). On the
+        # device it is then stepped through a slot (copied down, stepped, copied back): only
+        # the streamed step has slots for that.
         self._own_masters = not config.durable and (
             not self.streamed or (config.offload in ("nvme", "hybrid")
                                   and config.nvme_generations == 1))
@@ -139,6 +141,8 @@ class Offloader(StateIO):
                                 zip(self._dtypes, self._tier_kinds)), key=len,
                                default=state_kinds(False)))
         if self._cuda:
+            if self.streamed:  # the master of a device parameter that is its own
+                slot_dtypes = {"master": torch.float32, **slot_dtypes}
             slot_dtypes.update(grad=torch.float32, copy=torch.float32)
         elif config.durable:  # the gradient log's staging
             slot_dtypes.update(grad=torch.float32)
@@ -267,8 +271,10 @@ class Offloader(StateIO):
         return lambda: ", ".join(self._name(gi, s.pi) for s in chunk.segments)
 
     def _uses_master(self, p: torch.Tensor) -> bool:
-        return (not self._own_masters or p.device.type != "cpu"
-                or p.dtype != torch.float32)
+        """Whether the tiers store a master of `p` (else p is its own)."""
+        if p.dtype != torch.float32 or not self._own_masters:
+            return True
+        return p.device.type != "cpu" and not self.streamed
 
     def close(self) -> None:
         if self.overlap is not None:
@@ -440,8 +446,9 @@ class Offloader(StateIO):
         for i, chunk in enumerate(chunks):
             tier._wait_unheld(chunk.ci, tier.gen[chunk.ci])
             bufs = {k: tier.view(k, chunk.ci, self.chunk_elems) for k in tier.kinds}
+            # staging, and the master of a device parameter that is its own
             bufs.update({k: v for k, v in self._slots[i % self.n_slots].items()
-                         if k in ("grad", "copy")})
+                         if k in ("grad", "copy") or k not in bufs})
             self._step_chunk(gi, group, group["params"], grads, steps, chunk, bufs, stats)
 
     def _step_streamed(self, live: list[dict], spec: dict, stats, early: dict) -> None:
@@ -674,9 +681,12 @@ class Offloader(StateIO):
             if g.device.type != "cpu":
                 g = bufs["grad"][s.clo:s.chi].copy_(g, non_blocking=True)
             b = buckets[steps[s.pi]]
-            if self._uses_master(p):
+            stored = self._uses_master(p)
+            if stored or p.device.type != "cpu":
                 master = bufs["master"][s.clo:s.chi]
-                if fresh and self.config.offload == "cpu":
+                if not stored:  # fp32 device weights are their own master: step a copy
+                    master.copy_(pflat, non_blocking=True)
+                elif fresh and self.config.offload == "cpu":
                     master.copy_(pflat)
                 b["params"].append(master)
                 if publish and p.device.type == "cpu":
@@ -697,7 +707,7 @@ class Offloader(StateIO):
             for k in moments:
                 b[k].append(bufs[k][kind_slice(k, s.clo, s.chi)])
         if self._cuda:
-            torch.cuda.synchronize()  # D2H of this chunk's gradients
+            torch.cuda.synchronize()  # D2H of this chunk's gradients (and own masters)
             stats["d2h_s"] += time.perf_counter() - t
         t1 = time.perf_counter()
         beta1, beta2 = group["betas"]

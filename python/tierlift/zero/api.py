@@ -103,7 +103,7 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
           offload_params: str = "none", gpu_budget: int | None = None,
           fp8_all_gather: bool = False, nvme_path: str | None = None,
           param_group_fn=None, hierarchy: str | None = None, mesh=None,
-          grad_comm: str | None = None) -> nn.Module:
+          grad_comm: str | None = None, device_params: int = 0) -> nn.Module:
     """Shard `model` in place over `process_group` (default: the world) with ZeRO `stage`.
 
     Afterwards model.parameters() yields one fp32 shard parameter per unit (plus the frozen
@@ -112,7 +112,10 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
 
     Stage 3 only: offload_params="cpu" keeps the fp32 shards in host memory (pinned with CUDA)
     and streams each unit to the device when it is gathered; offload_params="nvme" keeps them
-    in a mapped file under `nvme_path` instead (see zero/param_nvme.py); gpu_budget (bytes) caps the
+    in a mapped file under `nvme_path` instead (see zero/param_nvme.py). device_params=N keeps
+    the shards of the first units (model order, whole units, N parameters at most) on the
+    device with their gradients, so a GPU with room to spare holds part of what would go to
+    host memory; `python -m tierlift plan` picks N. gpu_budget (bytes) caps the
     gathered unit weights on the device at once (prefetch waits for room; a budget too small
     for the largest unit next to the root unit is refused with the smallest that works).
     model._tierlift_zero.stats has the peak resident bytes and the bytes copied each way.
@@ -142,7 +145,8 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
                          reshard_after_forward=reshard_after_forward,
                          min_unit_numel=min_unit_numel, offload_params=offload_params,
                          gpu_budget=gpu_budget, fp8_all_gather=fp8_all_gather,
-                         nvme_path=nvme_path, hierarchy=hierarchy, grad_comm=grad_comm)
+                         nvme_path=nvme_path, hierarchy=hierarchy, grad_comm=grad_comm,
+                         device_params=device_params)
     if fp8_all_gather and not any(isinstance(m, Float8Linear) for m in model.modules()):
         raise ValueError("fp8_all_gather=True but the model has no Float8Linear layer to gather "
                          "in FP8: call tierlift.lowp.convert(model, recipe=...) before shard()")
@@ -196,19 +200,21 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
         _check_gpu_budget(config.gpu_budget, split, comm.world, compute_dtype)
     offload = None
     stats: dict = {}  # model._tierlift_zero.stats
+    offloaded = _offloaded_units(split, config)
     if config.offload_params != "none":
-        sizes = [-(-sum(p.numel() for p, _, _ in ps) // comm.world) for _, _, ps in split]
+        sizes = [-(-sum(p.numel() for p, _, _ in ps) // comm.world)
+                 for (_, _, ps), off in zip(split, offloaded) if off]
         store = None if config.offload_params == "cpu" else \
             NvmeParamStore(nvme_path=config.nvme_path, shard_numels=sizes,
                            rank=topology.world.rank, stats=stats)
         offload = ParamOffload(device=next(iter(devices)), compute_dtype=compute_dtype,
                                shard_numels=sizes, stats=stats, store=store)
     units_out = []
-    for name, key, params in split:
+    for (name, key, params), off in zip(split, offloaded):
         module = model.get_submodule(name) if name else model
         units_out.append(FlatUnit(name=name, module=module, params=params, comm=comm,
                                   compute_dtype=compute_dtype, keep_full=config.stage < 3,
-                                  offload=offload, group=key))
+                                  offload=offload if off else None, group=key))
         if config.stage == 3:
             units_out[-1].free()  # gathered again by the first forward
     if config.fp8_all_gather:
@@ -221,6 +227,21 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
     model_ref = weakref.ref(model)  # no reference cycle: the model is freed as soon as unused
     model.no_sync = lambda: no_sync(model_ref())
     return model
+
+
+def _offloaded_units(split: list, config: ShardConfig) -> list[bool]:
+    """Per unit: whether its shard is offloaded. With device_params=N, units keep their shards
+    on the device, in model order (the root unit last), while their parameters add up to at
+    most N; the rest are offloaded."""
+    if config.offload_params == "none":
+        return [False] * len(split)
+    left, out = config.device_params, []
+    for _, _, params in split:
+        n = sum(p.numel() for p, _, _ in params)
+        stays = n <= left and not any(out)  # a prefix of the units
+        left -= n if stays else 0
+        out.append(not stays)
+    return out
 
 
 def _check_gpu_budget(budget: int, split: list, world: int, dtype: torch.dtype) -> None:

@@ -68,6 +68,7 @@ class ShardConfig:
     nvme_path: str | None = None
     hierarchy: str | None = None
     grad_comm: str | None = None
+    device_params: int = 0
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
@@ -110,6 +111,13 @@ class ShardConfig:
             raise ValueError(f"MixedPrecision.grad_dtype={self.grad_dtype} cannot be combined "
                              "with offload_params='nvme' yet (its gradients' file holds fp32); "
                              "use offload_params='cpu' or grad_dtype=torch.float32")
+        if isinstance(self.device_params, bool) or not isinstance(self.device_params, int) \
+                or self.device_params < 0:
+            raise ValueError(f"device_params must be an int >= 0 (parameters whose shards stay "
+                             f"on the device), got {self.device_params!r}")
+        if self.device_params and self.offload_params == "none":
+            raise ValueError("device_params keeps some shards on the device when the others are "
+                             "offloaded: it needs offload_params='cpu' or 'nvme'")
         if self.offload_params != "none" and self.stage != 3:
             raise ValueError(f"offload_params={self.offload_params!r} needs stage=3 (stages 1/2 "
                              f"keep the gathered weights on the device), got stage={self.stage}")

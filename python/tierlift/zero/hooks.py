@@ -291,8 +291,8 @@ class ZeroState:
 
     def _landing(self, unit: FlatUnit, reduced: torch.Tensor) -> None:
         piece = self._land(unit, reduced)
-        if self.offload is not None:
-            self.landing.append((unit, *self.offload.stage_out(piece)))
+        if unit.offload is not None:
+            self.landing.append((unit, *unit.offload.stage_out(piece)))
         else:
             self.landing.append((unit, piece, None))
 
@@ -309,7 +309,7 @@ class ZeroState:
         return reduced.to(dtype)
 
     def _hand_over(self, unit: FlatUnit, piece: torch.Tensor, early: bool) -> None:
-        store = self.offload.store if self.offload is not None else None
+        store = unit.offload.store if unit.offload is not None else None
         if unit.shard.grad is None:
             # With offload_params="nvme" the gradient lives in the file, not in RAM.
             home = store.grad_home(unit.shard, piece) if store is not None else None
