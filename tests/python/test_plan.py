@@ -188,7 +188,9 @@ def test_cli_bad_arguments(argv, message, capsys):
 
 
 # ---- ZeRO-3 parameter offload (tierlift.zero.shard(stage=3, offload_params=...)) ------------
-BOX = PlanInput(params=1, gpu_mem=80 * G, cpu_mem=128 * G, nvme="/x", nvme_free=64 * G)
+# device_params=0: every shard offloaded (the default, None, fills the GPU's room first).
+BOX = PlanInput(params=1, gpu_mem=80 * G, cpu_mem=128 * G, nvme="/x", nvme_free=64 * G,
+                device_params=0)
 HOST = int(0.8 * 128 * G)
 
 
@@ -213,8 +215,8 @@ def test_offload_params_bytes_per_tier():
     assert plan.tiers["nvme"] == {"fp32 param shards (file)": 16e9,
                                   "fp32 grad shards (file)": 16e9}
     assert plan.legs_s["nvme param read"] == pytest.approx(12 * 4e9 / 2e9)
-    # Beyond host memory: the streamed optimizer keeps its own master (7.02 B compact), the
-    # pool holds no GPU staging, and the drive gets the rest of the state in one generation.
+    # Beyond host memory: the drive gets the rest of the state in one generation (two would
+    # not fit), where the fp32 shards are their own master: m and v only (3.02 B compact).
     plan = make_plan(dataclasses.replace(BOX, params=11e9, state_dtype="bf16",
                                          offload_params="cpu"), BW)
     assert plan.offload == "hybrid" and plan.generations == 1
@@ -224,8 +226,49 @@ def test_offload_params_bytes_per_tier():
     assert cpu["staging pool"] == pool and cpu["fp32 param shards"] == 44e9
     assert sum(cpu.values()) == pytest.approx(HOST)
     assert sum(cpu.values()) + sum(plan.tiers["nvme"].values()) == pytest.approx(
-        11e9 * (8 + 7.015625) + pool)
+        11e9 * (8 + 3.015625) + pool)
+    assert not any("master" in k for t in plan.tiers.values() for k in t)
     assert f"cpu_budget={HOST - 88 * 10**9}" in plan.note
+    assert "every fp32 shard its own master" in plan.note
+    # A drive with room for two generations: a master of every shard, twice.
+    plan = make_plan(dataclasses.replace(BOX, params=11e9, state_dtype="bf16",
+                                         offload_params="cpu", nvme_free=1 << 40), BW)
+    assert plan.generations == 2 and "a master of every shard" in plan.note
+    assert sum(v for k, v in plan.tiers["nvme"].items() if "master" in k) + \
+        plan.tiers["cpu"]["fp32 master"] == pytest.approx(11e9 * 4 * 2, rel=0.2)
+    # bf16 gradient shards: 2 B of host memory instead of 4, and half the D2H.
+    plan = make_plan(dataclasses.replace(BOX, params=4e9, state_dtype="bf16",
+                                         offload_params="cpu", grad_dtype="bf16"), BW)
+    assert plan.tiers["cpu"]["bf16 grad shards"] == 8e9
+    assert plan.legs_s["d2h grads"] == pytest.approx(2 * 4e9 / 25e9)
+
+
+def test_device_params_fill_the_gpu_room_first():
+    """device_params=None (the default): as many shards and gradients as the GPU holds beside
+    the working set stay there; device shards cost no host memory but their m and v."""
+    inp = dataclasses.replace(BOX, params=20e9, state_dtype="bf16", offload_params="cpu",
+                              grad_dtype="bf16", device_params=None)
+    plan = make_plan(inp, BW)
+    room = 0.7 * 80 * G
+    work = 12 * 20e9 / 32
+    on_dev = plan.device_params
+    assert on_dev == int((room - work) // 6)
+    gpu = plan.tiers["gpu"]
+    assert gpu["fp32 param shards (device_params)"] == 4 * on_dev
+    assert gpu["bf16 grad shards (device_params)"] == 2 * on_dev
+    assert sum(gpu.values()) <= room
+    assert plan.tiers["cpu"]["fp32 param shards"] == 4 * (20e9 - on_dev)
+    assert plan.legs_s["d2h device weights"] == pytest.approx(4 * on_dev / 25e9)
+    # Given explicitly, and refused where it does not fit.
+    plan = make_plan(dataclasses.replace(inp, device_params=8 * 10**9), BW)
+    assert plan.device_params == 8 * 10**9
+    with pytest.raises(ValueError, match=r"device_params=10000000000: their shards and "
+                                         r"gradients \(55\.9 GiB\) and the working set .* do "
+                                         r"not fit in 56\.0 GiB of GPU memory"):
+        make_plan(dataclasses.replace(inp, device_params=10**10), BW)
+    with pytest.raises(ValueError, match="grad_dtype='bf16' cannot be combined with "
+                                         "offload_params='nvme'"):
+        dataclasses.replace(inp, offload_params="nvme")
 
 
 def test_offload_params_refusals_say_which_tier_is_short():
@@ -251,16 +294,27 @@ def test_offload_params_refusals_say_which_tier_is_short():
 
 
 def test_max_params_with_offloaded_parameters():
-    # The box: 80 GB GPU, 128 GB RAM, a 64 GB drive. Offloading the parameters frees the GPU
-    # but puts 8 B/param of fp32 shards and gradients in host memory, and the streamed
-    # optimizer's own master beside m and v: 15.02 B/param over host memory and drive.
+    # The box: 80 GB GPU, 128 GB RAM, a 64 GB drive. Every shard offloaded: host memory holds
+    # the fp32 shards and their gradients (8 B/param, 6 with bf16 gradients), which sets the
+    # limit; the optimizer state (no master in one generation) goes to the drive.
     n, plan = max_params(dataclasses.replace(BOX, state_dtype="bf16", offload_params="cpu"), BW)
-    assert plan.offload == "hybrid" and plan.generations == 1
-    assert n == pytest.approx((HOST - streamed_pool_bytes("bf16") + 64 * G) / 15.015625,
-                              rel=1e-3)
-    assert 11.8e9 < n < 11.9e9  # fewer than the 15.0B with the weights on the GPU
-    n32, _ = max_params(dataclasses.replace(BOX, offload_params="cpu"), BW)
-    assert n32 == pytest.approx((HOST - streamed_pool_bytes("fp32") + 64 * G) / 20, rel=1e-3)
+    assert plan.generations == 1 and n == pytest.approx(HOST / 8, rel=2e-3)
+    n, plan = max_params(dataclasses.replace(BOX, state_dtype="bf16", offload_params="cpu",
+                                             grad_dtype="bf16"), BW)
+    assert plan.generations == 1 and n == pytest.approx(HOST / 6, rel=2e-3)
+    # The GPU's room holds a third of the shards beside the working set: >= 20B.
+    box = dataclasses.replace(BOX, state_dtype="bf16", offload_params="cpu", grad_dtype="bf16",
+                              device_params=None)
+    n, plan = max_params(box, BW)
+    assert 25e9 < n < 26e9 and plan.generations == 1
+    assert 0.3 < plan.device_params / n < 0.35
+    caps = {"gpu": 0.7 * 80 * G, "cpu": HOST, "nvme": 64 * G}
+    for tier, kinds in plan.tiers.items():
+        assert sum(kinds.values()) <= caps[tier] * (1 + 1e-9), tier
+    with pytest.raises(ValueError):
+        make_plan(dataclasses.replace(box, params=int(n * 1.01)), BW)
+    n32, _ = max_params(dataclasses.replace(box, state_dtype="fp32"), BW)
+    assert 16e9 < n32 < n  # fp32 m and v (8 B) fill the drive first
     # Shards on the drive: 8 B/param of files there set the limit.
     n, plan = max_params(dataclasses.replace(BOX, state_dtype="bf16", offload_params="nvme"), BW)
     assert plan.offload == "cpu" and n == pytest.approx(64 * G / 8, rel=1e-3)
@@ -273,10 +327,12 @@ def _allocated(directory) -> int:
                for f in fs if f != "owner.json")
 
 
-@pytest.mark.parametrize("where,offload", [("cpu", "cpu"), ("nvme", "nvme")])
-def test_planned_bytes_are_what_the_runtime_allocates(tmp_path, where, offload):
+@pytest.mark.parametrize("where,offload,grad", [("cpu", "cpu", "fp32"), ("nvme", "nvme", "fp32"),
+                                              ("cpu", "nvme", "bf16")])
+def test_planned_bytes_are_what_the_runtime_allocates(tmp_path, where, offload, grad):
     """A sharded model's shards, gradients and optimizer state, per parameter, are the bytes
-    the planner counts for that placement (so the two cannot drift apart)."""
+    the planner counts for that placement (so the two cannot drift apart). The first block
+    stays on the device (device_params; the CPU here)."""
     torch = pytest.importorskip("torch")
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(512, 512, bias=False) for _ in range(4)])
@@ -285,8 +341,10 @@ def test_planned_bytes_are_what_the_runtime_allocates(tmp_path, where, offload):
     pdir.mkdir()
     odir.mkdir()
     kw = {"nvme_path": str(pdir)} if where == "nvme" else {}
-    model = tierlift.zero.shard(model, stage=3, offload_params=where, mixed_precision=
-                                tierlift.zero.MixedPrecision(param_dtype=torch.bfloat16), **kw)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[grad]
+    mp = tierlift.zero.MixedPrecision(param_dtype=torch.bfloat16, grad_dtype=dtype)
+    model = tierlift.zero.shard(model, stage=3, offload_params=where, mixed_precision=mp,
+                                device_params=512 * 512, **kw)
     okw = dict(nvme_path=str(odir), nvme_generations=1) if offload == "nvme" else {}
     opt = tierlift.optim.AdamW(model.parameters(), lr=1e-3, offload=offload, state_dtype="bf16",
                                **okw)
@@ -295,32 +353,36 @@ def test_planned_bytes_are_what_the_runtime_allocates(tmp_path, where, offload):
     shards = list(model.parameters())
     assert sum(p.numel() for p in shards) == n
     assert {(p.dtype, p.device.type) for p in shards} == {(torch.float32, "cpu")}
-    # Gradients: fp32 host tensors, every unit's held until zero_grad().
-    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in shards)
-    offloader = opt._offload
-    planned = param_bytes_per_param(where)
+    # Gradients: host tensors in the planned dtype, every unit's held until zero_grad().
+    assert all(p.grad is not None and p.grad.dtype == dtype for p in shards)
+    zero = model._tierlift_zero
+    on_dev = [u.shard for u in zero.units if u.offload is None]
+    assert sum(p.numel() for p in on_dev) == 512 * 512  # the first block
+    off = n - 512 * 512
+    planned = param_bytes_per_param(where, grad)
+    assert {k: v * 512 * 512 for k, v in planned["gpu"].items()} == {
+        "fp32 param shards (device_params)": sum(p.nbytes for p in on_dev),
+        f"{grad} grad shards (device_params)": sum(p.grad.nbytes for p in on_dev)}
+    offloaded = [u.shard for u in zero.units if u.offload is not None]
     if where == "cpu":
-        got = {"fp32 param shards": model._tierlift_zero.offload.arena.nbytes,
-               "fp32 grad shards": sum(p.grad.nbytes for p in shards)}
-        assert {k: v / n for k, v in got.items()} == planned["cpu"]
+        got = {"fp32 param shards": zero.offload.arena.nbytes,
+               f"{grad} grad shards": sum(p.grad.nbytes for p in offloaded)}
+        assert {k: v / off for k, v in got.items()} == planned["cpu"]
     else:
-        store = model._tierlift_zero.offload.store
+        store = zero.offload.store
         got = {"fp32 param shards (file)": os.stat(store.path).st_blocks * 512,
                "fp32 grad shards (file)": os.stat(store.grad_path).st_blocks * 512}
-        assert {k: v / n for k, v in got.items()} == planned["nvme"]
+        assert {k: v / off for k, v in got.items()} == planned["nvme"]
         assert store.resident_bytes() == 0 and store.resident_bytes(grads=True) == 0
+    # No master: the host fp32 shards step in place (offload="cpu") or are their own master
+    # (one generation); m and v in RAM or on the drive.
+    assert not any(map(opt._offload._uses_master, shards))
+    m_v = sum(state_bytes_per_param("bf16", master=False).values())
     if offload == "cpu":
-        # Not streamed: no master (the fp32 shard is stepped in place), m and v in RAM.
-        assert not offloader._uses_master(shards[0])
-        ram = sum(t.resident_bytes for t in offloader.tiers)
-        assert ram / n == sum(state_bytes_per_param("bf16", master=False).values())
+        assert sum(t.resident_bytes for t in opt._offload.tiers) / n == m_v
         assert _allocated(odir) == 0
     else:
-        # Streamed: a master of its own beside m and v, on the drive (one generation here).
-        assert offloader._uses_master(shards[0])
-        assert _allocated(odir) / n == sum(state_bytes_per_param("bf16").values())
-        assert offloader.pool_bytes == 6 * sum(
-            state_bytes_per_param("bf16").values()) * offloader.chunk_elems
+        assert _allocated(odir) / n == m_v
     opt.zero_grad(set_to_none=True)
     tierlift.zero.close(model)
 
@@ -328,10 +390,22 @@ def test_planned_bytes_are_what_the_runtime_allocates(tmp_path, where, offload):
 def test_cli_offload_params(tmp_path, capsys):
     assert main(["plan", "--params", "1e8", "--gpu-mem", "2G", "--cpu-mem", "2G",
                  "--offload-params", "cpu", "--state-dtype", "bf16", "--probe-mib", "4",
-                 "--json"]) == 0
+                 "--device-params", "0", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["offload_params"] == "cpu" and out["offload"] == "cpu"
     assert out["tiers"]["cpu"]["fp32 grad shards"] == 4e8
     assert main(["plan", "--max-params", "--gpu-mem", "2G", "--cpu-mem", "1G", "--nvme",
                  str(tmp_path), "--offload-params", "nvme", "--probe-mib", "4"]) == 0
     assert "offload_params='nvme'" in capsys.readouterr().out
+    # The box (80G GPU, 128G RAM, a 64 GB drive): compact state, parameters offloaded with
+    # bf16 gradients, the GPU's room holding what it can: more than 20B parameters.
+    assert main(["plan", "--max-params", "--gpu-mem", "80G", "--cpu-mem", "128G", "--nvme",
+                 str(tmp_path), "--nvme-free", "64G", "--state-dtype", "bf16",
+                 "--offload-params", "cpu", "--grad-dtype", "bf16", "--probe-mib", "4",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["max_params"] > 20e9 and out["device_params"] > 0
+    assert out["nvme_generations"] == 1 and out["grad_dtype"] == "bf16"
+    with pytest.raises(ValueError, match="--device-params must be auto or a count"):
+        main(["plan", "--params", "1e9", "--gpu-mem", "8G", "--cpu-mem", "8G",
+              "--offload-params", "cpu", "--device-params", "some", "--probe-mib", "4"])

@@ -33,8 +33,15 @@ def add_parser(sub) -> None:
     p.add_argument("--offload-params", choices=("none", "cpu", "nvme"), default="none",
                    help="tierlift.zero.shard(stage=3, offload_params=...): none keeps the bf16 "
                         "weights and gradients on the GPU (4 B/param); cpu keeps the fp32 shards "
-                        "and fp32 gradients in host memory (8 B/param), nvme in files under "
-                        "--nvme; the GPU then holds only the gathered units")
+                        "and their gradients in host memory (8 B/param, 6 with --grad-dtype bf16), "
+                        "nvme in files under --nvme; the GPU then holds the gathered units and "
+                        "--device-params shards")
+    p.add_argument("--grad-dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="with --offload-params: the gradient shards' dtype "
+                        "(tierlift.zero.MixedPrecision(grad_dtype=...); bf16 halves them)")
+    p.add_argument("--device-params", default="auto",
+                   help="with --offload-params: parameters whose shards stay on the GPU "
+                        "(shard(device_params=N)); auto: as many as its room holds")
     p.add_argument("--probe-mib", type=int, default=256, help="size of the bandwidth probes")
     n = p.add_argument_group("several nodes (ZeRO-3, flat or hierarchy='node')")
     n.add_argument("--nodes", type=int, default=None, help="number of nodes")
@@ -79,6 +86,16 @@ def _nvme_free(args: argparse.Namespace) -> int | None:
     return None if args.nvme is None else shutil.disk_usage(args.nvme).free
 
 
+def _device_params(text: str) -> int | None:
+    if text == "auto":
+        return None
+    try:
+        return int(float(text))
+    except ValueError:
+        raise ValueError(f"--device-params must be auto or a count like 4e9, got "
+                         f"{text!r}") from None
+
+
 def _size_or_zero(text: str, what: str) -> int:
     return 0 if text.strip() == "0" else parse_bytes(text, what)
 
@@ -97,7 +114,8 @@ def run(args: argparse.Namespace) -> int:
                     cpu_budget=None if args.cpu_budget is None
                     else parse_bytes(args.cpu_budget, "--cpu-budget"),
                     nvme_free=_nvme_free(args), state_dtype=args.state_dtype,
-                    offload_params=args.offload_params)
+                    offload_params=args.offload_params, grad_dtype=args.grad_dtype,
+                    device_params=_device_params(args.device_params))
     given = [x is not None for x in (args.nodes, args.gpus_per_node, args.inter_node_gbps)]
     if any(given) and not all(given):
         raise ValueError("--nodes, --gpus-per-node and --inter-node-gbps go together")
@@ -120,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
                           "offload": plan.offload, "nvme_generations": plan.generations,
                           "state_dtype": inp.state_dtype,
                           "offload_params": inp.offload_params,
+                          "grad_dtype": inp.grad_dtype, "device_params": plan.device_params,
                           "tiers": plan.tiers, "legs_s": plan.legs_s,
                           "serial_s": plan.serial_s, "pipelined_s": plan.pipelined_s,
                           "bandwidths": dataclasses.asdict(bw), "note": plan.note,

@@ -18,29 +18,32 @@ rank) places what that runtime really holds, per parameter, measured (tests/pyth
 ties these numbers to a sharded model's tensors and files):
   parameter shard  fp32, 4 B: host memory (one arena) with "cpu"; a fallocate'd file on the
                    drive with "nvme" (mapped; ranges dropped from RAM after use: ~0 B of RAM).
-  gradient shard   fp32, 4 B, held whole from backward until zero_grad() (p.grad of every unit):
-                   host memory with "cpu", a second file on the drive with "nvme".
-  optimizer state  offload="cpu" (overlap=False) steps the fp32 shard in place: no master,
-                   m + v only (8 B, or 3.02 B compact) in host memory. offload="hybrid"/"nvme"
-                   stream the state and keep their own fp32 master of every shard beside it
-                   (a duplicate of the shard, 4 B), so 12 B (7.02 B compact) split between
-                   host memory and the drive as above, x2 on the drive with two generations.
-                   (offload="cpu" with overlap=True streams too: two generations of master, m
-                   and v in host memory, 24 B or 14.03 B; not planned here.)
-  pipeline pool    the shards are on the host, so the pool holds no grad/copy staging: 6 slots
-                   x one chunk of master, m, v (576 MiB fp32, 336.75 MiB compact).
-  GPU              only the working set: the gathered bf16 units. Per unit of U parameters
-                   (world 1), backward holds its bf16 weights (2U), the previous unit's
-                   prefetch (2U), the bf16 gradient (2U), the reduce-scatter output (2U) and
-                   its fp32 copy before the D2H (4U): 12 B x the largest unit, which is
-                   `unit_share` of the model (1/32: shard()'s default_units threshold; note that
-                   default_units leaves blocks smaller than 1/32 of the model in the root unit,
-                   gathered as a whole, so deep models need units= or min_unit_numel).
-                   Activations and workspace are in gpu_reserve as before.
-So with compact state a parameter costs 4 + 4 + 3.02 = 11.02 B of host memory with
-offload="cpu", and 4 + 4 + 7.02 = 15.02 B of host memory and drive together with "hybrid"
-(one generation); the bf16 weights and gradients on the GPU (4 B) are gone, but the fp32
-shard, its fp32 gradient and the optimizer's second fp32 master (12 B) take their place."""
+                   The first units keep theirs on the GPU (shard(device_params=N)): by
+                   default as many as the GPU's room beside the working set holds.
+  gradient shard   4 B fp32, or 2 B with MixedPrecision(grad_dtype=bf16) ("cpu" only), held
+                   whole from backward until zero_grad(), beside its parameter shard (the
+                   gradients file on the drive with "nvme").
+  optimizer state  offload="cpu" (overlap=False) steps the host shards in place: m + v only
+                   (8 B, or 3.02 B compact), plus a master of the device shards. Streamed
+                   (offload="hybrid"/"nvme") it keeps a master of every shard in two
+                   generations (a failed step restores the shards from it: 12 B or 7.02 B,
+                   twice on the drive), and none in one generation, which cannot undo a step
+                   anyway: every fp32 shard is its own master there (a device shard is copied
+                   down, stepped and copied back). (offload="cpu" with overlap=True streams too:
+                   two generations in host memory; not planned here.)
+  pipeline pool    6 slots x one chunk of master, m, v (576 MiB fp32, 336.75 MiB compact).
+  GPU              the working set, the gathered bf16 units: per unit of U parameters (world
+                   1), backward holds its bf16 weights (2U), the previous unit's prefetch (2U),
+                   the bf16 gradient (2U), the reduce-scatter output (2U) and its fp32 copy
+                   before the D2H (4U): 12 B x the largest unit, which is `unit_share` of the
+                   model (1/32: shard()'s default_units threshold; note that default_units
+                   leaves blocks smaller than 1/32 of the model in the root unit, gathered as a
+                   whole, so deep models need units= or min_unit_numel). Beside it the device
+                   units' shards and gradients (6 B with bf16 gradients). Activations and
+                   workspace are in gpu_reserve as before.
+So with compact state and bf16 gradients an offloaded parameter costs 4 + 2 + 3.02 = 9.02 B
+of host memory and drive together (one generation), a device one 6 B of GPU memory and 3.02 B
+of host memory and drive."""
 
 from __future__ import annotations
 
@@ -90,11 +93,24 @@ class PlanInput:
     # their gradients live ("none": bf16 weights and gradients on the GPU, as before).
     offload_params: str = "none"
     unit_share: float = UNIT_SHARE  # the largest ZeRO unit's share (offload_params only)
+    # offload_params only: the gradient shards' dtype (MixedPrecision(grad_dtype=...)), and
+    # shard(device_params=...): how many parameters keep their shards on the GPU (None: as
+    # many as its room beside the working set holds).
+    grad_dtype: str = "fp32"
+    device_params: int | None = None
 
     def __post_init__(self):
         if self.offload_params not in _OFFLOAD_PARAMS:
             raise ValueError(f"offload_params must be one of {_OFFLOAD_PARAMS}, got "
                              f"{self.offload_params!r}")
+        if self.grad_dtype not in _STATE_DTYPES:
+            raise ValueError(f"grad_dtype must be one of {_STATE_DTYPES}, got "
+                             f"{self.grad_dtype!r}")
+        if self.grad_dtype == "bf16" and self.offload_params == "nvme":
+            raise ValueError("grad_dtype='bf16' cannot be combined with offload_params='nvme' "
+                             "(its gradients' file holds fp32)")
+        if self.device_params is not None and self.device_params < 0:
+            raise ValueError(f"device_params must be >= 0, got {self.device_params}")
         if not 0 < self.unit_share <= 1:
             raise ValueError(f"unit_share must be in (0, 1], got {self.unit_share}")
         if self.state_dtype not in _STATE_DTYPES:
@@ -113,6 +129,7 @@ class Plan:
     legs_s: dict = field(default_factory=dict)  # leg -> seconds per step
     note: str = ""
     generations: int | None = None  # of the NVMe part
+    device_params: int | None = None  # offload_params: parameters whose shards stay on the GPU
 
     @property
     def serial_s(self) -> float:
@@ -137,14 +154,21 @@ def state_bytes_per_param(state_dtype: str = "fp32", master: bool = True) -> dic
     return {names[k]: chunk_bytes({k: d}, _CHUNK_ELEMS) / _CHUNK_ELEMS for k, d in kinds.items()}
 
 
-def param_bytes_per_param(offload_params: str) -> dict[str, dict[str, float]]:
+def param_bytes_per_param(offload_params: str, grad_dtype: str = "fp32"
+                          ) -> dict[str, dict[str, float]]:
     """{tier: {kind: bytes per parameter}} of the ZeRO-3 parameter and gradient shards that
-    shard(stage=3, offload_params=...) keeps off the GPU (both fp32; the gradients held whole
-    until zero_grad())."""
+    shard(stage=3, offload_params=...) keeps off the GPU (fp32 shards; gradients in
+    `grad_dtype`, held whole until zero_grad()); "gpu": those of the units it keeps there
+    (device_params)."""
+    grad = {"fp32": 4.0, "bf16": 2.0}[grad_dtype]
+    on_gpu = {"fp32 param shards (device_params)": 4.0,
+              f"{grad_dtype} grad shards (device_params)": grad}
     if offload_params == "cpu":
-        return {"cpu": {"fp32 param shards": 4.0, "fp32 grad shards": 4.0}}
+        return {"cpu": {"fp32 param shards": 4.0, f"{grad_dtype} grad shards": grad},
+                "gpu": on_gpu}
     if offload_params == "nvme":
-        return {"nvme": {"fp32 param shards (file)": 4.0, "fp32 grad shards (file)": 4.0}}
+        return {"nvme": {"fp32 param shards (file)": 4.0, "fp32 grad shards (file)": 4.0},
+                "gpu": on_gpu}
     raise ValueError(f"offload_params must be 'cpu' or 'nvme' here, got {offload_params!r}")
 
 
@@ -193,7 +217,8 @@ def make_plan(inp: PlanInput, bw: Bandwidths) -> Plan:
     return _on_nvme(inp, bw, n, model, state, cpu_room, legs)
 
 
-def _on_nvme(inp, bw, n, model, state, cpu_room, legs, shards=None, beside="") -> Plan:
+def _on_nvme(inp, bw, n, model, state, cpu_room, legs, shards=None, beside="",
+             one_gen: bool = False) -> Plan:
     """offload="hybrid": the pipeline's pool, as many whole chunks of state in host memory as
     the rest of the budget holds, the remainder on NVMe, in two generations when the drive has
     room for them and in one (rewritten in place) when it has room only for that. `shards`:
@@ -207,8 +232,8 @@ def _on_nvme(inp, bw, n, model, state, cpu_room, legs, shards=None, beside="") -
         pool, ram = cpu_room, 0
     disk = total - ram
     share = {k: v * disk / total for k, v in state.items()}
-    gens = 2
-    if inp.nvme_free is not None and 2 * disk > inp.nvme_free:
+    gens = 1 if one_gen else 2
+    if inp.nvme_free is not None and gens * disk > inp.nvme_free:
         gens = 1
         if disk > inp.nvme_free:
             raise ValueError(
@@ -220,7 +245,8 @@ def _on_nvme(inp, bw, n, model, state, cpu_room, legs, shards=None, beside="") -
     legs["nvme read"] = disk / bw.disk_read_bps
     legs["nvme write"] = disk / bw.disk_write_bps
     label = "2 gens" if gens == 2 else "1 gen, in place"
-    tiers = {"gpu": model, "cpu": {**shards.get("cpu", {}), "staging pool": pool},
+    tiers = {"gpu": {**model, **shards.get("gpu", {})},
+             "cpu": {**shards.get("cpu", {}), "staging pool": pool},
              "nvme": {**shards.get("nvme", {}),
                       **{f"{k} ({label})": gens * v for k, v in share.items()}}}
     if ram:
@@ -237,22 +263,37 @@ def _on_nvme(inp, bw, n, model, state, cpu_room, legs, shards=None, beside="") -
 
 
 def _params_offloaded(inp: PlanInput, bw: Bandwidths) -> Plan:
-    """offload_params="cpu"|"nvme": the fp32 shards and gradients where the runtime puts them,
-    the GPU holding the working set only; the optimizer state in host memory (offload="cpu",
-    no master: the fp32 shard is stepped in place) when what is left of it holds m and v, else
-    master, m and v split between host memory and the drive as without offload_params."""
+    """offload_params="cpu"|"nvme": the first units keep their shards and gradients on the GPU
+    (device_params: as many as its room beside the working set holds, unless given), the
+    others' go where the runtime puts them. The optimizer state goes to host memory
+    (offload="cpu": host shards are their own master, device shards keep one there) when what
+    is left of it holds it, else it is split between host memory and the drive: two
+    generations with a master of every shard when the drive has room for them, else one
+    generation, where every fp32 shard is its own master."""
     n = int(inp.params)
     where = inp.offload_params
-    shards = {t: {k: b * n for k, b in kinds.items()}
-              for t, kinds in param_bytes_per_param(where).items()}
-    work = {"gathered units (working set)": working_set_bytes(inp)}
+    per = param_bytes_per_param(where, inp.grad_dtype)
+    work = working_set_bytes(inp)
     gpu_room = inp.gpu_mem * (1 - inp.gpu_reserve)
-    if work["gathered units (working set)"] > gpu_room:
-        need = work["gathered units (working set)"]
+    if work > gpu_room:
         raise ValueError(
-            f"the working set of gathered units ({_fmt(need)}: 12 B per parameter of the "
+            f"the working set of gathered units ({_fmt(work)}: 12 B per parameter of the "
             f"largest unit, {inp.unit_share:.3g} of the model) does not fit in {_fmt(gpu_room)} "
-            f"of GPU memory (short by {_fmt(need - gpu_room)}); shard into smaller units")
+            f"of GPU memory (short by {_fmt(work - gpu_room)}); shard into smaller units")
+    per_device = sum(per["gpu"].values())
+    if inp.device_params is None:
+        on_dev = min(n, int((gpu_room - work) // per_device))
+    else:
+        on_dev = min(n, inp.device_params)
+        if work + on_dev * per_device > gpu_room:
+            raise ValueError(
+                f"device_params={inp.device_params}: their shards and gradients "
+                f"({_fmt(on_dev * per_device)}) and the working set ({_fmt(work)}) do not fit "
+                f"in {_fmt(gpu_room)} of GPU memory (short by "
+                f"{_fmt(work + on_dev * per_device - gpu_room)})")
+    off = n - on_dev
+    shards = {t: {k: b * (on_dev if t == "gpu" else off) for k, b in kinds.items()}
+              for t, kinds in per.items()}
     host_room = int(inp.cpu_mem * 0.8)
     on_host = sum(shards.get("cpu", {}).values())
     if on_host > host_room:
@@ -275,25 +316,28 @@ def _params_offloaded(inp: PlanInput, bw: Bandwidths) -> Plan:
                 f"{_fmt(on_disk - inp.nvme_free)})")
     pcie_h2d = bw.h2d_bps or _PCIE_ASSUMED
     pcie_d2h = bw.d2h_bps or _PCIE_ASSUMED
-    # Each unit is gathered twice a step (forward, and again in backward): 2 x 2 B of bf16 up;
-    # its gradient comes down as fp32 (4 B).
-    legs = {"d2h grads": 4 * n / pcie_d2h, "cpu adam": n / bw.adam_elems_per_s,
+    # An offloaded unit is gathered twice a step (forward, and again in backward): 2 x 2 B of
+    # bf16 up; a device unit's new fp32 weights go up once (4 B). Every gradient comes down.
+    grad = per["gpu"][f"{inp.grad_dtype} grad shards (device_params)"]
+    legs = {"d2h grads": grad * n / pcie_d2h, "cpu adam": n / bw.adam_elems_per_s,
             "h2d params": 4 * n / pcie_h2d}
     if where == "nvme":
         # Two gathers read the fp32 shard (8 B), the step reads the gradient (4 B); the
         # backward writes the gradient and the step the shard (8 B).
-        legs["nvme param read"] = 12 * n / bw.disk_read_bps
-        legs["nvme param write"] = 8 * n / bw.disk_write_bps
-    gpu = {**work}
-    state = {k: b * n for k, b in state_bytes_per_param(inp.state_dtype, master=False).items()}
-    label = f"parameters offloaded (offload_params={where!r}"
+        legs["nvme param read"] = 12 * off / bw.disk_read_bps
+        legs["nvme param write"] = 8 * off / bw.disk_write_bps
+    gpu = {"gathered units (working set)": work,
+           **{k: v for k, v in shards.pop("gpu").items() if v}}
+    label = (f"parameters offloaded (offload_params={where!r}, device_params={on_dev}: "
+             f"{on_dev / n:.0%} of the shards stay on the GPU")
+    state = _state(inp, n, masters=on_dev)
     if sum(state.values()) <= opt_room:
         tiers = {"gpu": gpu, "cpu": {**shards.get("cpu", {}), **state}}
         if shards.get("nvme"):
             tiers["nvme"] = shards["nvme"]
-        return Plan(offload="cpu", tiers=tiers, legs_s=legs,
+        return Plan(offload="cpu", tiers=tiers, legs_s=legs, device_params=on_dev,
                     note=f"{label}); optimizer state in host memory (offload='cpu', "
-                         f"overlap=False: no master, the fp32 shard is stepped in place)"
+                         f"overlap=False: host shards are their own master)"
                          + _dtype_note(inp))
     if inp.nvme is None or bw.disk_read_bps is None:
         raise ValueError(
@@ -301,17 +345,34 @@ def _params_offloaded(inp: PlanInput, bw: Bandwidths) -> Plan:
             f"{_fmt(opt_room)} of host memory beside the fp32 parameter and gradient shards "
             f"(short by {_fmt(sum(state.values()) - opt_room)}); give --nvme PATH for the "
             "NVMe tier")
-    state = {k: b * n for k, b in state_bytes_per_param(inp.state_dtype).items()}
     pool = inp.pool_bytes if inp.pool_bytes != POOL_BYTES else streamed_pool_bytes(
         inp.state_dtype)
     sub = dataclasses.replace(inp, pool_bytes=pool, nvme_free=None if inp.nvme_free is None
                               else inp.nvme_free - on_disk)
     beside = (f" beside the {_fmt(on_disk)} of fp32 parameter and gradient shards"
               if on_disk else "")
-    plan = _on_nvme(sub, bw, n, gpu, state, opt_room, legs, shards=shards, beside=beside)
-    plan.note = (f"{label}; the streamed optimizer keeps its own fp32 master of every shard); "
-                 + plan.note)
+    try:  # two generations keep a master of every shard, to restore it after a failed step
+        plan = _on_nvme(sub, bw, n, gpu, _state(inp, n, masters=n), opt_room, dict(legs),
+                        shards=shards, beside=beside)
+    except ValueError:
+        plan = None
+    if plan is None or plan.generations == 1:  # one generation: every shard is its own master
+        plan = _on_nvme(sub, bw, n, gpu, _state(inp, n, masters=0), opt_room, legs,
+                        shards=shards, beside=beside, one_gen=True)
+    own = "a master of every shard" if plan.generations == 2 else \
+        "every fp32 shard its own master"
+    if plan.generations == 1 and on_dev:  # a device shard is stepped through a host copy
+        plan.legs_s["d2h device weights"] = 4 * on_dev / pcie_d2h
+    plan.note = f"{label}; {own}); " + plan.note
+    plan.device_params = on_dev
     return plan
+
+
+def _state(inp: PlanInput, n: int, masters: int) -> dict[str, float]:
+    """Optimizer state bytes per kind: m and v of `n` parameters, fp32 masters of `masters`."""
+    per = state_bytes_per_param(inp.state_dtype)
+    return {k: b * (masters if k == "fp32 master" else n) for k, b in per.items()
+            if k != "fp32 master" or masters}
 
 
 def _dtype_note(inp: PlanInput) -> str:
