@@ -235,6 +235,23 @@ def test_offload_params_cpu_is_bit_identical(mp):
     assert stats["h2d_bytes"] > 0 and stats["d2h_bytes"] > 0
 
 
+def test_device_params_keep_the_first_units_on_the_device():
+    """device_params: whole units, in model order, up to that many parameters stay; the rest
+    are offloaded into a host arena of their size; training is the same bits."""
+    probe = tierlift.zero.shard(make_net(), stage=3)
+    sizes = [sum(e.numel for e in u.entries) for u in probe._tierlift_zero.units]
+    keep = sizes[0] + sizes[1]
+    for device_params, stays in ((0, 0), (keep - 1, 1), (keep, 2), (10**9, len(sizes))):
+        model = tierlift.zero.shard(make_net(), stage=3, offload_params="cpu",
+                                    device_params=device_params)
+        units = model._tierlift_zero.units
+        assert [u.offload is None for u in units] == [i < stays for i in range(len(units))]
+        assert model._tierlift_zero.offload.arena.numel() == sum(
+            u.shard_numel for u in units if u.offload is not None)
+    sd = run_plain(3, CLIP, offload_params="cpu", device_params=keep)
+    assert_same(sd, plain(3, CLIP))
+
+
 def test_offload_params_with_offloaded_optimizer(tmp_path):
     sd, kept, redone, _ = run_offload(3, "nvme", None, tmp_path, offload_params="cpu")
     assert_same(sd, plain(3, None))
@@ -273,6 +290,9 @@ def test_gpu_budget_caps_the_gathered_bytes():
     (dict(gpu_budget="1G"), TypeError, "gpu_budget must be an int"),
     (dict(gpu_budget=0), ValueError, "gpu_budget must be > 0"),
     (dict(stage=1, gpu_budget=1 << 30), ValueError, "gpu_budget needs stage=3"),
+    (dict(device_params=1000), ValueError, "device_params keeps some shards on the device"),
+    (dict(offload_params="cpu", device_params=-1), ValueError, "device_params must be an int"),
+    (dict(offload_params="cpu", device_params=1.5), ValueError, "device_params must be an int"),
     (dict(gpu_budget=1 << 30, reshard_after_forward=False), ValueError,
      "gpu_budget needs reshard_after_forward=True"),
 ])
