@@ -96,8 +96,6 @@ def _release(directory: str, fresh: bool) -> None:
             os.unlink(os.path.join(directory, "owner.json"))
 
 
-
-
 class Offloader(StateIO):
     def __init__(self, optimizer, config: OffloadConfig):
         self.opt = optimizer

@@ -61,6 +61,7 @@ POOL_BYTES = 6 * (32 << 20) * 5
 _CHUNK_ELEMS = (32 << 20) // 4  # the default chunk_bytes, in elements
 _STATE_DTYPES = ("fp32", "bf16")
 _OFFLOAD_PARAMS = ("none", "cpu", "nvme")
+_GRAD_BYTES = {"fp32": 4.0, "bf16": 2.0}  # a gradient shard's bytes per parameter
 _SLOTS = 6  # the default pipeline_slots
 # The largest ZeRO unit's share of the parameters (default_units makes a unit of each child
 # holding at least 1/32 of the model).
@@ -160,7 +161,7 @@ def param_bytes_per_param(offload_params: str, grad_dtype: str = "fp32"
     shard(stage=3, offload_params=...) keeps off the GPU (fp32 shards; gradients in
     `grad_dtype`, held whole until zero_grad()); "gpu": those of the units it keeps there
     (device_params)."""
-    grad = {"fp32": 4.0, "bf16": 2.0}[grad_dtype]
+    grad = _GRAD_BYTES[grad_dtype]
     on_gpu = {"fp32 param shards (device_params)": 4.0,
               f"{grad_dtype} grad shards (device_params)": grad}
     if offload_params == "cpu":
@@ -318,8 +319,7 @@ def _params_offloaded(inp: PlanInput, bw: Bandwidths) -> Plan:
     pcie_d2h = bw.d2h_bps or _PCIE_ASSUMED
     # An offloaded unit is gathered twice a step (forward, and again in backward): 2 x 2 B of
     # bf16 up; a device unit's new fp32 weights go up once (4 B). Every gradient comes down.
-    grad = per["gpu"][f"{inp.grad_dtype} grad shards (device_params)"]
-    legs = {"d2h grads": grad * n / pcie_d2h, "cpu adam": n / bw.adam_elems_per_s,
+    legs = {"d2h grads": _GRAD_BYTES[inp.grad_dtype] * n / pcie_d2h, "cpu adam": n / bw.adam_elems_per_s,
             "h2d params": 4 * n / pcie_h2d}
     if where == "nvme":
         # Two gathers read the fp32 shard (8 B), the step reads the gradient (4 B); the

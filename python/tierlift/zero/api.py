@@ -238,8 +238,8 @@ def _offloaded_units(split: list, config: ShardConfig) -> list[bool]:
     left, out = config.device_params, []
     for _, _, params in split:
         n = sum(p.numel() for p, _, _ in params)
-        stays = n <= left and not any(out)  # a prefix of the units
-        left -= n if stays else 0
+        stays = n <= left
+        left = left - n if stays else -1  # a prefix of the units stays
         out.append(not stays)
     return out
 

@@ -98,15 +98,15 @@ class ZeroState:
                 _bind(ref, "_post_forward", i)))
             self.handles.append(unit.full.register_post_accumulate_grad_hook(
                 _bind(ref, "_on_grad", i)))
-        opt_hook = register_optimizer_step_post_hook(_bind(ref, "_after_optimizer_step"))
-        self.handles.append(opt_hook)
-        weakref.finalize(self, opt_hook.remove)  # the global hook goes with the model
+        opt_hooks = [register_optimizer_step_post_hook(_bind(ref, "_after_optimizer_step"))]
         if self.config.grad_dtype != torch.float32:
             for unit in self.units:
                 unit.shard.grad_dtype = self.config.grad_dtype
-            pre_hook = register_optimizer_step_pre_hook(_bind(ref, "_before_optimizer_step"))
-            self.handles.append(pre_hook)
-            weakref.finalize(self, pre_hook.remove)
+            opt_hooks.append(register_optimizer_step_pre_hook(
+                _bind(ref, "_before_optimizer_step")))
+        for h in opt_hooks:
+            self.handles.append(h)
+            weakref.finalize(self, h.remove)  # the global hooks go with the model
 
     def remove(self) -> None:
         for h in self.handles:
