@@ -319,8 +319,8 @@ def _params_offloaded(inp: PlanInput, bw: Bandwidths) -> Plan:
     pcie_d2h = bw.d2h_bps or _PCIE_ASSUMED
     # An offloaded unit is gathered twice a step (forward, and again in backward): 2 x 2 B of
     # bf16 up; a device unit's new fp32 weights go up once (4 B). Every gradient comes down.
-    legs = {"d2h grads": _GRAD_BYTES[inp.grad_dtype] * n / pcie_d2h, "cpu adam": n / bw.adam_elems_per_s,
-            "h2d params": 4 * n / pcie_h2d}
+    legs = {"d2h grads": _GRAD_BYTES[inp.grad_dtype] * n / pcie_d2h,
+            "cpu adam": n / bw.adam_elems_per_s, "h2d params": 4 * n / pcie_h2d}
     if where == "nvme":
         # Two gathers read the fp32 shard (8 B), the step reads the gradient (4 B); the
         # backward writes the gradient and the step the shard (8 B).
