@@ -23,6 +23,7 @@ from tierlift._shards import (  # noqa: F401  (re-exported: tierlift.zero's API)
     sharded_norm,
 )
 from tierlift.lowp.linear import Float8Linear
+from tierlift.zero import materialize
 from tierlift.zero.config import MixedPrecision, ShardConfig
 from tierlift.zero.fp8_gather import enable_fp8_all_gather
 from tierlift.zero.groups import check_param_group_fn, register_shards, split_units
@@ -103,7 +104,8 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
           offload_params: str = "none", gpu_budget: int | None = None,
           fp8_all_gather: bool = False, nvme_path: str | None = None,
           param_group_fn=None, hierarchy: str | None = None, mesh=None,
-          grad_comm: str | None = None, device_params: int = 0) -> nn.Module:
+          grad_comm: str | None = None, device_params: int = 0, device=None,
+          weights=None) -> nn.Module:
     """Shard `model` in place over `process_group` (default: the world) with ZeRO `stage`.
 
     Afterwards model.parameters() yields one fp32 shard parameter per unit (plus the frozen
@@ -135,6 +137,13 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
     dimensions) says the same explicitly: its last dimension shards, the others replicate.
     grad_comm="int8" / "fp8" sends that cross-node sum blockwise-quantized (as ZeRO++ qgZ).
     See zero/topology.py; tierlift.zero.last_step_stats(model) has the bytes sent.
+
+    A model whose parameters are on the meta device (built inside tierlift.zero.deferred_init(),
+    under torch.device("meta") or accelerate's init_empty_weights()) is built here, each rank
+    making only what it keeps: device= says where the shards go; weights=DIR reads them from
+    safetensors files (this rank's byte ranges only at stage 3), else the deferred_init()
+    recording is replayed (bit-identical to eager construction after the same seed). Nothing
+    is left on meta: a model shard() cannot fill is refused. See zero/materialize.py.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -155,6 +164,7 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
         raise ValueError(f"grad_comm={grad_comm!r} quantizes the gradient sum across nodes of "
                          "hierarchical sharding: pass hierarchy='node' or mesh= too")
     comm = topology.shard
+    built = materialize.prepare(model, device=device, weights=weights)  # checks, changes nothing
     key_order = {k: i for i, k in enumerate(model.state_dict().keys())}
     unit_names = (default_units(model, min_unit_numel) if units is None
                   else _resolve_units(model, units))
@@ -182,22 +192,24 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
             rec[3].add(_owning_unit(mod_name, unit_names))
     if not order:
         raise ValueError("model has no trainable parameters to shard")
-    devices = {info[i][0].device for i in order}
+    devices = {info[i][0].device for i in order} if built is None else {built.device}
     if len(devices) != 1:
         raise ValueError(f"all trainable parameters must be on one device, got {devices}")
     grouped: dict[str, list] = {n: [] for n in [*unit_names, ""]}
     for pid in order:
         p, names, owners, owning = info[pid]
         grouped[next(iter(owning)) if len(owning) == 1 else ""].append((p, names, owners))
+    split = split_units(grouped, param_group_fn)
     compute_dtype = config.param_dtype or torch.float32
+    if config.gpu_budget is not None:
+        _check_gpu_budget(config.gpu_budget, split, comm.world, compute_dtype)
+    # Meta models: non-trainable tensors made real now, units built from what this rank keeps.
+    unit_kwargs = [{}] * len(split) if built is None else built.run(split, comm, config.stage)
     if config.param_dtype is not None:
         # Frozen parameters stay replicated and are never stepped: compute in param_dtype too.
         for p in model.parameters():
             if not p.requires_grad and p.is_floating_point():
                 p.data = p.data.to(compute_dtype)
-    split = split_units(grouped, param_group_fn)
-    if config.gpu_budget is not None:
-        _check_gpu_budget(config.gpu_budget, split, comm.world, compute_dtype)
     offload = None
     stats: dict = {}  # model._tierlift_zero.stats
     offloaded = _offloaded_units(split, config)
@@ -210,16 +222,19 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
         offload = ParamOffload(device=next(iter(devices)), compute_dtype=compute_dtype,
                                shard_numels=sizes, stats=stats, store=store)
     units_out = []
-    for (name, key, params), off in zip(split, offloaded):
+    for (name, key, params), off, kw in zip(split, offloaded, unit_kwargs):
         module = model.get_submodule(name) if name else model
-        units_out.append(FlatUnit(name=name, module=module, params=params, comm=comm,
+        units_out.append(FlatUnit(name=name, module=module, comm=comm,
                                   compute_dtype=compute_dtype, keep_full=config.stage < 3,
-                                  offload=offload if off else None, group=key))
+                                  offload=offload if off else None, group=key,
+                                  **{"params": params, **kw}))
         if config.stage == 3:
             units_out[-1].free()  # gathered again by the first forward
     if config.fp8_all_gather:
         enable_fp8_all_gather(units_out)
     register_shards(units_out, _SHARD_NAME)
+    if built is not None:
+        materialize.check_no_meta(model)
     heartbeat = Heartbeat(topology.world, topology.comms()) if topology.world.world > 1 else None
     state = ZeroState(config=config, topology=topology, root=model, units=units_out,
                       heartbeat=heartbeat, key_order=key_order, offload=offload, stats=stats)

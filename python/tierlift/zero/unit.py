@@ -41,7 +41,11 @@ class ParamEntry:
 class FlatUnit:
     def __init__(self, *, name: str, module: nn.Module,
                  params: list[tuple[nn.Parameter, list[str], list[tuple[nn.Module, str]]]],
-                 comm, compute_dtype: torch.dtype, keep_full: bool, offload=None, group=None):
+                 comm, compute_dtype: torch.dtype, keep_full: bool, offload=None, group=None,
+                 source=None, device=None):
+        # source(lo, n) -> this rank's fp32 slice [lo, lo + n) of the padded flat buffer, on
+        # `device`: the unit is built from its shard alone, never whole (stage 3 only; params
+        # may then be on meta; see materialize.py).
         self.name = name or "<root>"
         self.group = group  # the param_group_fn key of these parameters (zero/groups.py)
         # Weak references to modules: the model owns its ZeRO state, never the reverse, so a
@@ -64,18 +68,28 @@ class FlatUnit:
         world = comm.world
         self.padded = -(-offset // world) * world
         self.shard_numel = self.padded // world
-        device = params[0][0].device
+        device = params[0][0].device if device is None else torch.device(device)
         self.device = device
-        full32 = torch.empty(self.padded, dtype=torch.float32, device=device)
-        ops.flatten_pack_(full32, [p.detach().to(torch.float32) for p, _, _ in params])
         lo = comm.rank * self.shard_numel
         # With fp32 compute and replicated weights (stages 1/2) the shard is this rank's slice
         # of the gathered buffer itself: no second copy of it.
         self.aliased = keep_full and compute_dtype == torch.float32
-        if self.aliased:
+        full32 = None
+        if source is not None:
+            if keep_full:
+                raise ValueError("a FlatUnit built from its shard alone needs stage 3")
+            piece = source(lo, self.shard_numel)
+            self.shard = nn.Parameter(piece if offload is None else offload.host_shard(piece))
+            del piece
+            # Not gathered: shard() frees it at once (stage 3) and the first forward gathers.
+            self.full = torch.empty(self.padded, dtype=compute_dtype, device=device)
+        else:
+            full32 = torch.empty(self.padded, dtype=torch.float32, device=device)
+            ops.flatten_pack_(full32, [p.detach().to(torch.float32) for p, _, _ in params])
+        if source is None and self.aliased:
             self.full = full32
             self.shard = nn.Parameter(full32[lo:lo + self.shard_numel])
-        else:
+        elif source is None:
             piece = full32[lo:lo + self.shard_numel]
             self.shard = nn.Parameter(piece.clone() if offload is None
                                       else offload.host_shard(piece))
@@ -86,7 +100,7 @@ class FlatUnit:
         for _, _, owners in params:
             for mod, attr in owners:
                 del mod._parameters[attr]
-        self.gathered = True   # full holds the current weights
+        self.gathered = source is None   # full holds the current weights
         self.stale = False     # the optimizer changed the shard since the last gather
         self.pending = None    # (work, src) of an async all-gather in flight
         self.full_grad = None  # stage 1: the averaged full gradient of the last backward

@@ -1,0 +1,115 @@
+"""WeightFiles: the tensors of a safetensors checkpoint, read by byte range.
+
+A directory as Hugging Face's save_pretrained or `python -m tierlift.checkpoint export --format
+hf` writes it (`model.safetensors`, or `model-0000i-of-0000N.safetensors` listed in
+`model.safetensors.index.json`), or one `.safetensors` file. A safetensors file is an 8-byte
+little-endian header length, a JSON header ({name: {"dtype", "shape", "data_offsets"}}) and the
+raw row-major tensors; so `read(name, start, stop)` reads exactly the bytes of elements
+[start, stop) of the flattened tensor (os.pread: nothing is mapped, RSS holds only what was
+asked for).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import torch
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+           "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
+           "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+class WeightFiles:
+    def __init__(self, path) -> None:
+        path = os.fspath(path)
+        self.path = path
+        if os.path.isdir(path):
+            index = os.path.join(path, "model.safetensors.index.json")
+            single = os.path.join(path, "model.safetensors")
+            if os.path.exists(index):
+                with open(index) as f:
+                    weight_map = json.load(f).get("weight_map")
+                if not isinstance(weight_map, dict):
+                    raise ValueError(f"{index} has no weight_map")
+                files = sorted(set(weight_map.values()))
+                paths = [os.path.join(path, f) for f in files]
+            elif os.path.exists(single):
+                paths = [single]
+            else:
+                raise FileNotFoundError(f"weights={path!r} holds neither model.safetensors nor "
+                                        "model.safetensors.index.json")
+        elif os.path.isfile(path) and path.endswith(".safetensors"):
+            paths = [path]
+        else:
+            raise FileNotFoundError(f"weights={path!r} is not a directory of safetensors files "
+                                    "nor a .safetensors file")
+        self.entries: dict[str, tuple[str, int, torch.dtype, tuple]] = {}
+        for p in paths:
+            for name, (start, dtype, shape) in _header(p).items():
+                self.entries[name] = (p, start, dtype, shape)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def names(self) -> list[str]:
+        return list(self.entries)
+
+    def shape(self, name: str) -> tuple:
+        return self.entries[name][3]
+
+    def read(self, name: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Elements [start, stop) of the flattened tensor, in the file's dtype (1-D)."""
+        path, base, dtype, shape = self.entries[name]
+        numel = 1
+        for d in shape:
+            numel *= d
+        stop = numel if stop is None else stop
+        if not 0 <= start <= stop <= numel:
+            raise ValueError(f"{name}: elements [{start}, {stop}) outside 0..{numel}")
+        size = torch.empty((), dtype=dtype).element_size()
+        out = torch.empty((stop - start) * size, dtype=torch.uint8)
+        with open(path, "rb", buffering=0) as f:
+            view, off, want = memoryview(out.numpy()), base + start * size, out.numel()
+            while want:
+                got = os.preadv(f.fileno(), [view[out.numel() - want:]], off)
+                if got <= 0:
+                    raise OSError(f"{path}: short read of {name!r} (file truncated?)")
+                want -= got
+                off += got
+        return out.view(dtype)
+
+
+def _header(path: str) -> dict[str, tuple[int, torch.dtype, tuple]]:
+    """{name: (absolute byte offset, dtype, shape)} of one safetensors file, checked against
+    the file's size."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise ValueError(f"{path} is not a safetensors file (too short)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > size - 8:
+            raise ValueError(f"{path} is not a safetensors file (header length {n})")
+        header = json.loads(f.read(n))
+    out = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        if meta["dtype"] not in _DTYPES:
+            raise ValueError(f"{path}: tensor {name!r} has dtype {meta['dtype']}, not supported")
+        dtype = _DTYPES[meta["dtype"]]
+        begin, end = meta["data_offsets"]
+        shape = tuple(meta["shape"])
+        numel = 1
+        for d in shape:
+            numel *= d
+        if end - begin != numel * torch.empty((), dtype=dtype).element_size() \
+                or 8 + n + end > size:
+            raise ValueError(f"{path}: tensor {name!r} has inconsistent offsets (truncated or "
+                             "corrupt file)")
+        out[name] = (8 + n + begin, dtype, shape)
+    return out
