@@ -24,6 +24,7 @@ EXTENSIONS = {"tierlift._C"}
 LAYERS = [
     ["__main__"],  # python -m tierlift
     [""],  # tierlift/__init__.py: re-exports the subpackages
+    ["hf"],  # Hugging Face Trainer / Accelerate integration (imported by the user, not by "")
     ["checkpoint", "plan"],  # save/load models and optimizers; the placement planner
     ["optim", "zero"],  # the front ends: optimizers, ZeRO sharding
     ["offload", "activations", "gnn", "lowp"],  # optimizer state / saved activation tiers;
