@@ -327,10 +327,13 @@ def _fit(opt_kw, steps=4, clip=None, accumulate=1, inside=False, dtype=torch.flo
 @pytest.mark.parametrize("tier", ["cpu", "nvme"])
 @pytest.mark.parametrize("clip,accumulate,inside,keeps", [
     (None, 1, False, True),   # plain overlap: speculation kept
-    (None, 2, False, False),  # two backwards per step: the first speculation is redone
+    # Two backwards per step: a chunk stepped on the first micro-batch's gradients is redone;
+    # one the worker reached after the second backward read the final ones and is kept.
+    (None, 2, False, None),
     (1e-3, 1, True, False),   # max_grad_norm that scales: redone with the clipped grads
     (1e9, 1, True, True),     # max_grad_norm that does not scale: kept
-    (1e9, 1, False, False),   # torch's clip_grad_norm_ always rescales in place: redone
+    (1e9, 1, False, True),    # clip_grad_norm_ under its threshold scales by 1.0: same bits
+    (1e-3, 1, False, None),   # clip_grad_norm_ that scales: redone unless not yet stepped
 ])
 def test_overlap_equals_the_plain_step(tmp_path, tier, clip, accumulate, inside, keeps):
     ref, _ = _fit({}, clip=clip, accumulate=accumulate)
@@ -338,7 +341,61 @@ def test_overlap_equals_the_plain_step(tmp_path, tier, clip, accumulate, inside,
     got, kept = _fit(dict(kw, overlap=True), clip=clip, accumulate=accumulate, inside=inside)
     for a, b in zip(ref, got):
         assert torch.equal(a, b)
-    assert (kept > 0) == keeps
+    if keeps is not None:
+        assert (kept > 0) == keeps
+
+
+def _wait_for_overlap(opt) -> None:
+    """Lets every chunk stepped during backward finish, so an edit after it is one the
+    speculation cannot have seen (the cases above depend on the worker's timing)."""
+    for f in list(opt._offload.overlap._pending):
+        f.result()
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+@pytest.mark.parametrize("edit", ["data", "numpy", "clip", "clip_by_one", "weights"])
+def test_overlap_checks_its_inputs_by_content(tmp_path, tier, edit):
+    """Edits after the chunks ran: the version counter sees none of the first two, so the
+    check is by content; a clip by exactly 1.0 changes no bit and keeps the chunks."""
+    def edited(model, opt):
+        if opt is not None and opt._offload is not None:
+            _wait_for_overlap(opt)
+        with torch.no_grad():
+            if edit == "data":
+                for p in model.parameters():
+                    p.grad.data.mul_(0.5)
+            elif edit == "numpy":
+                for p in model.parameters():
+                    p.grad.numpy()[...] *= 0.5
+            elif edit in ("clip", "clip_by_one"):
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3 if edit == "clip" else 1e9)
+            else:  # a weight changed after backward, before step
+                for p in model.parameters():
+                    p.data.mul_(0.9)
+
+    def fit(kw):
+        model = _model()
+        opt = AdamW(model.parameters(), lr=1e-2, **kw)
+        g = torch.Generator().manual_seed(7)
+        kept = redone = 0
+        for _ in range(3):
+            model(torch.randn(8, 32, generator=g)).square().mean().backward()
+            edited(model, opt)
+            opt.step()
+            kept += opt.last_step_stats.get("overlap_kept_chunks", 0)
+            redone += opt.last_step_stats.get("overlap_redone_chunks", 0)
+            model.zero_grad(set_to_none=True)
+        return [p.detach().clone() for p in model.parameters()], kept, redone
+
+    ref, _, _ = fit({})
+    kw = _nvme(tmp_path, 1 << 20) if tier == "nvme" else dict(offload="cpu")
+    got, kept, redone = fit(dict(kw, overlap=True))
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+    if edit == "clip_by_one":
+        assert kept > 0 and redone == 0
+    else:
+        assert kept == 0 and redone > 0
 
 
 def test_overlap_bf16_params(tmp_path):

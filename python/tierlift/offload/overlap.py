@@ -7,15 +7,18 @@ new master, m and v to the uncommitted generation. The parameters themselves are
 second backward for gradient accumulation may still read them); step() copies the new master
 weights into them ("publish") and commits.
 
-Exactness by speculate-and-validate: each speculative chunk records the gradient tensors it
-used (identity and version counter), the hyperparameters and the step counts. step() checks
-them against what it would use now. Anything that changed after the chunk ran (clipping that
-scales the gradients in place, loss-scale unscaling, a second backward for gradient
-accumulation, an lr scheduler) invalidates the chunk, which is then stepped again from the
+Exactness by speculate-and-validate: each speculative chunk records what it used: a CRC-32C of
+the bytes of every gradient segment it read (taken right before the kernel read them) and of
+every parameter segment its master was prepared from, the step counts, the hyperparameters and
+the GradScaler scale it assumed (the previous step's). step() keeps the chunk only if all of
+these are the same now, compared by content: GradScaler's unscale_, `.data` and numpy writes
+change gradients without bumping their version counter. Anything that changed (clipping that
+scales the gradients, an unscale_, a second backward for accumulation, an lr scheduler, a
+weight edited after backward) invalidates the chunk, which is then stepped again from the
 committed generation with the final values. A chunk is therefore only ever committed with
-exactly the inputs of the plain step. torch.nn.utils.clip_grad_norm_ always rescales in place
-(by 1.0 under the threshold), so it always invalidates; the optimizer's own `max_grad_norm`
-computes the same global norm in step() and scales only when it must, keeping the overlap.
+exactly the inputs of the plain step. torch.nn.utils.clip_grad_norm_ below its threshold scales
+by exactly 1.0, which changes no bits, so the chunks are kept; the optimizer's own
+`max_grad_norm` computes the same global norm in step() and scales only when it must.
 
 Under tierlift.zero.shard the parameters are flat shards whose gradient is assigned when the
 unit's reduction completes (no post-accumulate-grad hook fires): for those the Overlap listens
@@ -30,11 +33,12 @@ import time
 import weakref
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from tierlift._shards import is_shard, on_shard_grad_ready
+from tierlift.offload.watch import crcs
 
 
 def _hyper(group: dict) -> tuple:
@@ -46,22 +50,47 @@ def _hyper(group: dict) -> tuple:
 class Record:
     """What a speculative chunk step used."""
 
-    grads: dict  # pi -> (grad tensor, version)
+    tensors: dict  # pi -> the gradient tensor, as the hook found it
     steps: dict
     hyper: tuple
+    scale: float | None  # the GradScaler scale the kernel assumed
+    grads: dict = field(default_factory=dict)  # (ci, pi) -> CRC-32C of the gradient read
+    params: dict = field(default_factory=dict)  # (ci, pi) -> CRC-32C of the parameter
 
-    def valid(self, off, gi: int, live: dict, chunk) -> bool:
-        group = off.opt.param_groups[gi]
-        params = group["params"]
-        if _hyper(group) != self.hyper:
-            return False
+
+def validate(off, gi: int, records: list, live: dict, scale: float | None) -> tuple[list, list]:
+    """Splits the speculative chunks [(chunk, Record)] of group gi into those stepped with
+    exactly the inputs step() has now (kept) and the others (stepped again)."""
+    group = off.opt.param_groups[gi]
+    params = group["params"]
+    candidates = []
+    for chunk, rec in records:
         in_chunk = {s.pi for s in chunk.segments}
-        if in_chunk & live.keys() != in_chunk & self.grads.keys():
-            return False
-        for pi, (g, version) in self.grads.items():
-            if params[pi].grad is not g or g._version != version or pi not in live:
-                return False
-        return off.next_steps(gi, self.grads) == self.steps
+        if (_hyper(group) != rec.hyper or scale != rec.scale
+                or in_chunk & live.keys() != in_chunk & rec.tensors.keys()
+                or off.next_steps(gi, rec.tensors) != rec.steps):
+            candidates.append((chunk, rec, None))
+            continue
+        segs = [s for s in chunk.segments if s.pi in live]
+        candidates.append((chunk, rec, segs))
+    # Every CRC of every candidate in one batch (the pool's threads run them in parallel).
+    keys, tensors = [], []
+    for chunk, rec, segs in candidates:
+        for s in segs or []:
+            keys.append((id(rec), "g", chunk.ci, s.pi))
+            tensors.append(live[s.pi][s.plo:s.phi])
+            if (chunk.ci, s.pi) in rec.params:
+                keys.append((id(rec), "p", chunk.ci, s.pi))
+                tensors.append(params[s.pi].detach().view(-1)[s.plo:s.phi])
+    now = dict(zip(keys, crcs(tensors, off._slots[0].get("copy"))))
+    good, bad = [], []
+    for chunk, rec, segs in candidates:
+        ok = segs is not None and all(
+            now[(id(rec), "g", chunk.ci, s.pi)] == rec.grads.get((chunk.ci, s.pi))
+            and now.get((id(rec), "p", chunk.ci, s.pi)) == rec.params.get((chunk.ci, s.pi))
+            for s in segs)
+        (good if ok else bad).append(chunk)
+    return good, bad
 
 
 class Overlap:
@@ -115,20 +144,23 @@ class Overlap:
                     ready.append(chunk)
         if ready:
             pis = {s.pi for c in ready for s in c.segments if params[s.pi].grad is not None}
-            rec = Record(grads={q: (params[q].grad, params[q].grad._version) for q in pis},
-                         steps=self.off.next_steps(gi, pis), hyper=_hyper(group))
+            rec = Record(tensors={q: params[q].grad for q in pis},
+                         steps=self.off.next_steps(gi, pis), hyper=_hyper(group),
+                         scale=self.off._scale_seen)
             self._pending.append(self._pool.submit(self._work, gi, ready, rec))
 
     def _work(self, gi: int, chunks, rec: Record) -> None:
         if self._error is not None:
             return
         t = time.perf_counter()
-        grads = {pi: g.contiguous().view(-1) for pi, (g, _) in rec.grads.items()}
+        grads = {pi: g.contiguous().view(-1) for pi, g in rec.tensors.items()}
+        scale = None if rec.scale is None else torch.tensor([rec.scale], dtype=torch.float32)
         done = []
         try:
             with torch.no_grad():
-                self.off.init_masters(gi, grads, chunks, self._stats)
-                self.off.run(gi, grads, rec.steps, chunks, self._stats, done, publish=False)
+                rec.params = self.off.prepare_masters(gi, grads, chunks, self._stats)
+                self.off.run(gi, grads, rec.steps, chunks, self._stats, done, publish=False,
+                             scale=scale, used_grads=rec.grads)
         except BaseException as err:  # noqa: BLE001 - re-raised by finish()
             self._error = err
         finally:

@@ -39,6 +39,7 @@ from tierlift.offload.layout import (
     kind_slice,
     state_kinds,
 )
+from tierlift.offload.overlap import Overlap, validate
 from tierlift.offload.state_io import _LOW_PRECISION, StateIO
 from tierlift.offload.tiers import (
     HybridTier,
@@ -49,6 +50,7 @@ from tierlift.offload.tiers import (
     make_state_dir,
     remove_stale_dirs,
 )
+from tierlift.offload.watch import ParamWatch, crcs
 
 _MIN_SLOTS = 3  # read ahead, step, write back
 MIN_SLOT_CHUNK_BYTES = 1 << 20  # the smallest chunk per kind worth an extra pipeline slot
@@ -84,6 +86,32 @@ def _sums_finite(grads: list[torch.Tensor]) -> bool:
         sums = [g.sum() for g in other]
         return bool(torch.stack([s.float().cpu() for s in sums]).isfinite().all())
     return True
+
+
+def _scale_value(grad_scale: torch.Tensor) -> float:
+    """The GradScaler scale as a float, checked (the kernels divide by it)."""
+    if not isinstance(grad_scale, torch.Tensor) or grad_scale.numel() != 1:
+        raise ValueError(f"grad_scale must be a 1-element tensor, got {grad_scale!r}")
+    v = float(grad_scale.detach().float().reshape(()).item())
+    if not (v > 0.0 and np.isfinite(v)):
+        raise ValueError(f"grad_scale must be finite and > 0, got {v}")
+    return v
+
+
+def _inverse(scale: float) -> float:
+    """1/scale as GradScaler computes it (fp64 reciprocal, rounded to fp32)."""
+    return float(np.float32(1.0 / scale))
+
+
+def _power_of_two(scale: float) -> bool:
+    return np.frexp(scale)[0] == 0.5
+
+
+def _rounds_to(master: torch.Tensor, p: torch.Tensor) -> bool:
+    """Whether the parameter values `p` are the fp32 `master` rounded to p's dtype, bit for
+    bit (NaN payloads and signed zeros included)."""
+    ints = {4: torch.int32, 2: torch.int16}[p.element_size()]
+    return torch.equal(master.to(device=p.device, dtype=p.dtype).view(ints), p.view(ints))
 
 
 def _release(directory: str, fresh: bool) -> None:
@@ -183,6 +211,8 @@ class Offloader(StateIO):
                         for g in optimizer.param_groups]
         self._slot_kinds = list(slot_dtypes)
         self._broken = None  # why step() refuses: an in-place rewrite failed half way
+        self._watch = ParamWatch(len(optimizer.param_groups))
+        self._scale_seen = None  # the last step's GradScaler scale: the overlap assumes it
         self._durable = None  # DurableState with durable=True
         self.pool_bytes = 0
         if config.offload == "cpu":
@@ -257,8 +287,6 @@ class Offloader(StateIO):
                 raise
         self.overlap = None
         if config.overlap:
-            from tierlift.offload.overlap import Overlap
-
             self.overlap = Overlap(self)
 
     # ---- helpers -------------------------------------------------------------------------
@@ -299,43 +327,60 @@ class Offloader(StateIO):
 
     # ---- step ----------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, grad_scale: torch.Tensor | None = None,
+             found_inf: torch.Tensor | None = None) -> None:
+        """One step. `grad_scale` / `found_inf`: torch's AMP protocol (GradScaler.step passes
+        them to optimizers with _step_supports_amp_scaling): the gradients are still scaled by
+        `grad_scale` and the kernel unscales them as it reads them; a nonzero `found_inf`
+        skips the step, leaving weights, state and step counts as they were."""
         if self._broken is not None:
             raise RuntimeError(self._broken)
         t0 = time.perf_counter()
         stats = defaultdict(float)
         spec = self.overlap.finish(stats) if self.overlap is not None else {}
+        scale = None if grad_scale is None else _scale_value(grad_scale)
         live = self._collect_grads()
         early = self._read_early(live, spec)
         stats["early_read_chunks"] = len(early.get("reads", {}))
         try:
             t = time.perf_counter()
-            finite = self._all_finite(live)
+            if found_inf is not None:  # the scaler has checked every gradient of this rank
+                finite = float(found_inf.detach().float().sum().item()) == 0.0
+                if self._zero:
+                    finite = all_ranks_agree(self._params(), finite)
+            else:
+                finite = self._all_finite(live)
             stats["grad_check_s"] += time.perf_counter() - t
             if finite:
                 for gi, group in enumerate(self.opt.param_groups):
                     if live[gi]:
                         _check_group(gi, group, self._kinds[gi], self.state_dtype)
                 if self.config.max_grad_norm is not None:
-                    self._clip(stats)
+                    scale, scaled = self._clip(stats, scale)
+                    if scaled:  # a non-contiguous gradient was collected as a copy
+                        live = self._collect_grads()
         except BaseException:
             drain(early.get("reads", {}))
             raise
         if not finite:
             drain(early.get("reads", {}))
-            self.last_step_stats = {"skipped": True, "reason": "non-finite gradient",
+            reason = "non-finite gradient" if found_inf is None else "GradScaler found inf/NaN"
+            self.last_step_stats = {"skipped": True, "reason": reason,
                                     "early_read_chunks": stats["early_read_chunks"],
                                     "total_s": time.perf_counter() - t0}
-            warnings.warn("tierlift offload: a gradient has NaN/Inf values; the step was "
-                          "skipped and parameters and optimizer state are unchanged",
-                          RuntimeWarning, stacklevel=3)
+            if found_inf is None:  # under a GradScaler a skipped step is its normal protocol
+                warnings.warn("tierlift offload: a gradient has NaN/Inf values; the step was "
+                              "skipped and parameters and optimizer state are unchanged",
+                              RuntimeWarning, stacklevel=3)
             return
+        self._scale_seen = scale
+        scale_t = None if scale is None else torch.tensor([scale], dtype=torch.float32)
         if self.streamed:
-            self._step_streamed(live, spec, stats, early)
+            self._step_streamed(live, spec, stats, early, scale_t)
         else:
             for gi, group in enumerate(self.opt.param_groups):
                 if live[gi]:
-                    self._step_resident(gi, group, live[gi], stats)
+                    self._step_resident(gi, group, live[gi], stats, scale_t)
         stats["total_s"] = time.perf_counter() - t0
         stats["skipped"] = False
         self.last_step_stats = dict(stats)
@@ -405,18 +450,31 @@ class Offloader(StateIO):
     def _params(self) -> list:
         return [p for g in self.opt.param_groups for p in g["params"]]
 
-    def _clip(self, stats) -> None:
+    def _clip(self, stats, scale: float | None) -> tuple[float | None, bool]:
         """torch.nn.utils.clip_grad_norm_ over the optimizer's parameters, in their order; the
-        gradients are only touched when they are scaled (so speculative steps stay valid)."""
+        gradients are only touched when they are scaled (so speculative steps stay valid).
+        Under a GradScaler (`scale`) the result is that of unscale_ then clip_grad_norm_: with
+        a power-of-two scale (GradScaler's default) the norm of the scaled gradients times
+        1/scale is exact and so is (g * coef) * (1/scale), so the gradients stay scaled and the
+        kernel unscales them; any other scale is unscaled here first. Returns the scale the
+        kernel still applies and whether the gradients were changed."""
         params = [p for g in self.opt.param_groups for p in g["params"] if p.grad is not None]
+        changed = False
+        if scale is not None and not _power_of_two(scale):
+            torch._foreach_mul_([p.grad for p in params], _inverse(scale))
+            scale, changed = None, True
         if self._zero:
             # ZeRO shards: the norm over all ranks, exactly as tierlift.zero.clip_grad_norm_.
             total = global_grad_norm(params)
         else:
             total = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if scale is not None:
+            total = total * _inverse(scale)
         stats["grad_norm"] = float(total)
         if float(self.config.max_grad_norm) / (float(total) + 1e-6) < 1.0:
             torch.nn.utils.clip_grads_with_norm_(params, self.config.max_grad_norm, total)
+            changed = True
+        return scale, changed
 
     def next_steps(self, gi: int, pis) -> dict:
         params = self.opt.param_groups[gi]["params"]
@@ -431,12 +489,14 @@ class Offloader(StateIO):
         for pi, s in steps.items():
             self.opt.state[params[pi]]["step"] = torch.tensor(float(s), dtype=torch.float32)
 
-    def _step_resident(self, gi: int, group: dict, grads: dict, stats) -> None:
+    def _step_resident(self, gi: int, group: dict, grads: dict, stats, scale) -> None:
         steps = self.next_steps(gi, grads)
-        self._step_views(gi, grads, steps, self._chunks(gi, grads, set()), stats)
+        chunks = self._chunks(gi, grads, set())
+        self.prepare_masters(gi, grads, chunks, stats)
+        self._step_views(gi, grads, steps, chunks, stats, scale)
         self._commit_steps(gi, steps)
 
-    def _step_views(self, gi: int, grads: dict, steps: dict, chunks, stats) -> None:
+    def _step_views(self, gi: int, grads: dict, steps: dict, chunks, stats, scale) -> None:
         """Steps host chunks on the tier's own memory, each once any checkpoint save reading
         it has read it; GPU gradients and weights are staged through the slots' grad/copy
         buffers."""
@@ -447,9 +507,10 @@ class Offloader(StateIO):
             # staging, and the master of a device parameter that is its own
             bufs.update({k: v for k, v in self._slots[i % self.n_slots].items()
                          if k in ("grad", "copy") or k not in bufs})
-            self._step_chunk(gi, group, group["params"], grads, steps, chunk, bufs, stats)
+            self._step_chunk(gi, group, group["params"], grads, steps, chunk, bufs, stats,
+                             scale=scale)
 
-    def _step_streamed(self, live: list[dict], spec: dict, stats, early: dict) -> None:
+    def _step_streamed(self, live: list[dict], spec: dict, stats, early: dict, scale) -> None:
         """Steps every chunk with a gradient that the overlap did not already step validly:
         first the two-generation chunks (into their other copy), waits until those writes are
         durable, then rewrites the one-generation chunks in place (RAM part of a hybrid tier,
@@ -457,8 +518,8 @@ class Offloader(StateIO):
         A failure before the in-place part leaves everything as it was."""
         keep: dict[int, list] = {}
         for gi, records in spec.items():
-            good = [c for c, rec in records if rec.valid(self, gi, live[gi], c)]
-            bad = [c for c, rec in records if not rec.valid(self, gi, live[gi], c)]
+            good, bad = validate(self, gi, records, live[gi],
+                                 None if scale is None else float(scale))
             keep[gi] = good  # the bad ones are stepped again below, from the committed state
             stats["overlap_kept_chunks"] += len(good)
             stats["overlap_redone_chunks"] += len(bad)
@@ -471,12 +532,16 @@ class Offloader(StateIO):
                     continue
                 chunks = self._chunks(gi, grads, {c.ci for c in keep.get(gi, [])})
                 steps = self.next_steps(gi, grads)
-                self.init_masters(gi, grads, chunks, stats)
+                rewritten = set()
+                self.prepare_masters(gi, grads, chunks, stats, rewritten)
                 tier = self.tiers[gi]
                 in_place[gi] = [c for c in chunks if not tier.two_gen(c.ci)]
                 chunks = [c for c in chunks if tier.two_gen(c.ci)]
                 started = early.pop("reads") if early.get("gi") == gi else {}
-                self.run(gi, grads, steps, chunks, stats, done[gi], started=started)
+                if rewritten and started:  # they read masters that have changed since
+                    drain(started)
+                self.run(gi, grads, steps, chunks, stats, done[gi], started=started,
+                         scale=scale)
             self._sync(stats)
             for gi, chunks in keep.items():
                 self._publish(gi, chunks, live[gi], stats)
@@ -491,7 +556,7 @@ class Offloader(StateIO):
                     self._durable.log_grads(live, in_place, stats)
                 except BaseException as err:  # nothing was rewritten yet
                     self._raise(err)
-            self._step_in_place(live, in_place, stats)
+            self._step_in_place(live, in_place, stats, scale)
         for gi, grads in enumerate(live):
             tier = self.tiers[gi]
             for chunk in done[gi] + keep.get(gi, []):
@@ -511,7 +576,7 @@ class Offloader(StateIO):
         stats["nvme_write_wait_s"] += dt
         stats["nvme_sync_s"] += dt  # the fdatasync part of the write wait
 
-    def _step_in_place(self, live: list[dict], in_place: dict, stats) -> None:
+    def _step_in_place(self, live: list[dict], in_place: dict, stats, scale) -> None:
         """Rewrites the one-generation chunks: host chunks stepped on their own memory, NVMe
         chunks streamed through the pipeline and written back where they were. Nothing can
         undo this part: if it fails, the optimizer refuses to step until a checkpoint is
@@ -522,10 +587,10 @@ class Offloader(StateIO):
                 tier, grads = self.tiers[gi], live[gi]
                 steps = self.next_steps(gi, grads)
                 in_ram = [c for c in chunks if tier.viewable(c.ci)]
-                self._step_views(gi, grads, steps, in_ram, stats)
+                self._step_views(gi, grads, steps, in_ram, stats, scale)
                 stats["ram_chunks"] += len(in_ram)
                 self.run(gi, grads, steps, [c for c in chunks if not tier.viewable(c.ci)],
-                         stats, [])
+                         stats, [], scale=scale)
             self._sync(stats)
         except BaseException as err:
             self._broken = (
@@ -555,45 +620,99 @@ class Offloader(StateIO):
             new_gen = tier.next_gen(chunk.ci)
             tier.read("master", chunk.ci, buf, new_gen).wait()
             tier.verify("master", chunk.ci, buf, self._what(gi, chunk), new_gen)
+            written = {}
             for s in chunk.segments:
-                if s.pi in grads:
-                    params[s.pi].detach().view(-1)[s.plo:s.phi].copy_(buf[s.clo:s.chi])
+                if s.pi not in grads:
+                    continue
+                p = params[s.pi]
+                dst = p.detach().view(-1)[s.plo:s.phi]
+                src = buf[s.clo:s.chi]
+                if p.device.type != "cpu":  # rounded on the host, so its bytes are known
+                    src = self._staging(p, s, self._slots[0]).copy_(src)
+                dst.copy_(src)
+                written[(chunk.ci, s.pi)] = dst if p.device.type == "cpu" else src
+            self._watch.record(gi, dict(zip(written, crcs(list(written.values())))))
         stats["publish_s"] += time.perf_counter() - t
 
-    def init_masters(self, gi, grads, chunks, stats) -> None:
-        """First step of a parameter: its master weights go to the committed generation, so
-        a failure later in the step can restore the parameter from there."""
+    @staticmethod
+    def _staging(p: torch.Tensor, s, bufs: dict) -> torch.Tensor:
+        """Host staging of segment `s` of device parameter `p`, in p's dtype (a slot's copy
+        buffer is fp32-sized, so any parameter dtype fits)."""
+        n = p.element_size()
+        return bufs["copy"].view(torch.uint8)[s.clo * n:s.chi * n].view(p.dtype)
+
+    def prepare_masters(self, gi, grads, chunks, stats, rewritten: set | None = None) -> dict:
+        """Makes the committed master weights of `chunks` the parameters' current values
+        before they are stepped, as torch steps from the parameter. On a parameter's first
+        step its master is written from it. Later, a parameter whose bytes differ from what
+        the optimizer last wrote into it (load_state_dict, an in-place edit, .data, an EMA
+        swap, a resume that loads the optimizer first: any route, so it is checked by content)
+        is compared with its master: an fp32 one is refreshed when they differ, a bf16/fp16
+        one when the parameter no longer equals the rounded master (a resume that loads both
+        keeps the master's low bits). The refreshed masters go to the committed generation, so
+        a failure later in the step puts the parameter back to the value it had. Returns
+        {(ci, pi): CRC-32C} of the parameters as they were found (the overlap keeps them);
+        `rewritten` receives the chunks whose committed master changed. Uses the last slot,
+        which the step's early reads leave free."""
         params, tier = self.opt.param_groups[gi]["params"], self.tiers[gi]
         if "master" not in tier.kinds:  # every parameter of the group is its own master
-            return
-        buf = self._slots[0]["master"]
-        fresh = [c for c in chunks if any(s.pi in grads and "step" not in
-                                          self.opt.state[params[s.pi]] for s in c.segments)]
-        if fresh and self._durable is not None:
-            # A reopen must not check these masters against CRCs that are about to change.
-            self._durable.write_manifest(unverified={(gi, c.ci) for c in fresh})
-        for chunk in fresh:
-            new = [s for s in chunk.segments
-                   if s.pi in grads and "step" not in self.opt.state[params[s.pi]]]
+            return {}
+        t = time.perf_counter()
+        segs = [(c, s) for c in chunks for s in c.segments
+                if s.pi in grads and self._uses_master(params[s.pi])]
+        found = crcs([params[s.pi].detach().view(-1)[s.plo:s.phi] for _, s in segs],
+                     self._slots[0].get("copy"))
+        seen = {(c.ci, s.pi): v for (c, s), v in zip(segs, found)}
+        todo: dict = {}  # ci -> (chunk, [(segment, first step)])
+        for c, s in segs:
+            fresh = "step" not in self.opt.state[params[s.pi]]
+            if fresh or self._watch.known(gi, (c.ci, s.pi)) != seen[(c.ci, s.pi)]:
+                todo.setdefault(c.ci, (c, []))[1].append((s, fresh))
+        stats["param_check_s"] += time.perf_counter() - t
+        marked = False  # durable: the chunks' masters are about to change
+        for chunk, entries in todo.values():
             t = time.perf_counter()
-            tier.read("master", chunk.ci, buf).wait()
-            tier.verify("master", chunk.ci, buf, self._what(gi, chunk))
-            for s in new:
-                buf[s.clo:s.chi].copy_(params[s.pi].detach().view(-1)[s.plo:s.phi])
-            tier.write("master", chunk.ci, buf, tier.gen[chunk.ci]).wait()
-            self._in_file[gi].update(s.pi for s in new)
-            if self._engine is not None:
-                self._engine.sync()
+            gen = tier.gen[chunk.ci]
+            if tier.viewable(chunk.ci):
+                tier._wait_unheld(chunk.ci, gen)
+                buf = tier.view("master", chunk.ci, self.chunk_elems)
+            else:
+                buf = self._slots[-1]["master"]
+                tier.read("master", chunk.ci, buf).wait()
+                tier.verify("master", chunk.ci, buf, self._what(gi, chunk))
+            stale = [s for s, fresh in entries
+                     if fresh or not _rounds_to(buf[s.clo:s.chi],
+                                                params[s.pi].detach().view(-1)[s.plo:s.phi])]
+            if stale:
+                if self._durable is not None and not marked:
+                    # A reopen must not check these masters against CRCs about to change.
+                    self._durable.write_manifest(unverified={(gi, ci) for ci in todo})
+                    marked = True
+                for s in stale:
+                    buf[s.clo:s.chi].copy_(params[s.pi].detach().view(-1)[s.plo:s.phi])
+                if not tier.viewable(chunk.ci):
+                    tier.write("master", chunk.ci, buf, gen).wait()
+                    if self._engine is not None:
+                        self._engine.sync()
+                self._in_file[gi].update(s.pi for s in stale)
+                if rewritten is not None:
+                    rewritten.add(chunk.ci)
+                stats["masters_refreshed"] += sum(not f for s, f in entries if s in stale)
+            self._watch.record(gi, {(chunk.ci, s.pi): seen[(chunk.ci, s.pi)]
+                                    for s, _ in entries})
             stats["master_init_s"] += time.perf_counter() - t
-        if fresh and self._durable is not None:
+        if marked:
             self._durable.write_manifest()
+        return seen
 
     def run(self, gi, grads, steps, chunks, stats, done: list, publish: bool = True,
-            started: dict | None = None) -> None:
+            started: dict | None = None, scale=None, used_grads: dict | None = None) -> None:
         """With S pipeline slots: reads chunks k+1 .. k+S-2 ahead while stepping chunk k while
         chunk k-1 is written to the other generation; returns once every write finished.
         Chunks whose parameters were updated are appended to `done` (also when this raises).
-        `started`: {j: handles} of the first chunks' reads, already issued into slot j."""
+        `started`: {j: handles} of the first chunks' reads, already issued into slot j.
+        `scale`: the GradScaler scale the gradients still carry (a 1-element fp32 tensor).
+        `used_grads`: receives {(ci, pi): CRC-32C} of the gradients each chunk read."""
         group = self.opt.param_groups[gi]
         params, tier = group["params"], self.tiers[gi]
         n_slots = self.n_slots
@@ -631,7 +750,8 @@ class Offloader(StateIO):
                                      aligned=used is not None)
                 stats["nvme_read_bytes"] += nbytes
                 done.append(chunk)
-                self._step_chunk(gi, group, params, grads, steps, chunk, bufs, stats, publish)
+                self._step_chunk(gi, group, params, grads, steps, chunk, bufs, stats, publish,
+                                 scale=scale, used_grads=used_grads)
                 if journaled and not tier.two_gen(chunk.ci):
                     writes[i] = [self._durable.stage(tier, gi, chunk.ci, i % n_slots, bufs)]
                     stats["journal_write_bytes"] += nbytes
@@ -658,12 +778,15 @@ class Offloader(StateIO):
             for s in chunk.segments:
                 if s.pi in self._in_file[gi]:
                     params[s.pi].detach().view(-1)[s.plo:s.phi].copy_(buf[s.clo:s.chi])
+            self._watch.forget(gi, [(chunk.ci, s.pi) for s in chunk.segments])
 
     def _step_chunk(self, gi, group, params, grads, steps, chunk, bufs, stats,
-                    publish: bool = True) -> None:
+                    publish: bool = True, scale=None, used_grads: dict | None = None) -> None:
         t = time.perf_counter()
         buckets: dict = defaultdict(lambda: defaultdict(list))
         h2d = []
+        used = []  # (key, gradient as read)
+        written = []  # (key, parameter bytes as written), for ParamWatch
         amsgrad = group["amsgrad"]
         for s in chunk.segments:
             if s.pi not in grads:
@@ -678,23 +801,22 @@ class Offloader(StateIO):
             g = grads[s.pi][s.plo:s.phi]
             if g.device.type != "cpu":
                 g = bufs["grad"][s.clo:s.chi].copy_(g, non_blocking=True)
+            used.append(((chunk.ci, s.pi), g))
             b = buckets[steps[s.pi]]
             stored = self._uses_master(p)
             if stored or p.device.type != "cpu":
                 master = bufs["master"][s.clo:s.chi]
                 if not stored:  # fp32 device weights are their own master: step a copy
                     master.copy_(pflat, non_blocking=True)
-                elif fresh and self.config.offload == "cpu":
-                    master.copy_(pflat)
                 b["params"].append(master)
                 if publish and p.device.type == "cpu":
                     b["copies"].append(pflat)
                 elif publish:
-                    nbytes = p.element_size()
-                    staging = bufs["copy"].view(torch.uint8)[s.clo * nbytes:s.chi * nbytes]
-                    staging = staging.view(p.dtype)
+                    staging = self._staging(p, s, bufs)
                     b["copies"].append(staging)
                     h2d.append((pflat, staging))
+                if publish and stored:
+                    written.append(((chunk.ci, s.pi), b["copies"][-1]))
             else:
                 b["params"].append(pflat)
                 b["copies"].append(pflat)
@@ -707,23 +829,33 @@ class Offloader(StateIO):
         if self._cuda:
             torch.cuda.synchronize()  # D2H of this chunk's gradients (and own masters)
             stats["d2h_s"] += time.perf_counter() - t
+        if used_grads is not None:  # the overlap keeps the step only if these stay the same
+            t = time.perf_counter()
+            used_grads.update(zip([k for k, _ in used], crcs([g for _, g in used])))
+            stats["grad_crc_s"] += time.perf_counter() - t
         t1 = time.perf_counter()
         beta1, beta2 = group["betas"]
+        amp = {} if scale is None else {"grad_scale": scale}
         for step, b in buckets.items():
             if self.state_dtype == "bf16":
                 ops.adam_compact_step_(
                     b["params"], b["grads"], b["exp_avg"], b["exp_avg_sq"], b[SCALE_KIND],
                     b["copies"], lr=float(group["lr"]), beta1=beta1, beta2=beta2,
                     eps=group["eps"], weight_decay=group["weight_decay"], step=step,
-                    decoupled=self.opt._decoupled(group), maximize=group["maximize"])
+                    decoupled=self.opt._decoupled(group), maximize=group["maximize"], **amp)
                 continue
             ops.adam_step_(
                 b["params"], b["grads"], b["exp_avg"], b["exp_avg_sq"], b["max_exp_avg_sq"],
                 b["copies"], lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                 weight_decay=group["weight_decay"], step=step,
                 decoupled=self.opt._decoupled(group), amsgrad=amsgrad,
-                maximize=group["maximize"])
+                maximize=group["maximize"], **amp)
         stats["cpu_step_s"] += time.perf_counter() - t1
+        if written:
+            t = time.perf_counter()
+            self._watch.record(gi, dict(zip([k for k, _ in written],
+                                            crcs([w for _, w in written]))))
+            stats["param_check_s"] += time.perf_counter() - t
         if h2d:
             t2 = time.perf_counter()
             for dst, src in h2d:

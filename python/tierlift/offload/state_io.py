@@ -128,7 +128,9 @@ class StateIO:
 
     def fill_done(self) -> None:
         """A fill of every chunk committed (and the step counts set): whatever refused steps
-        before is replaced."""
+        before is replaced. The parameters are compared with their new masters at the next
+        step (either may have been loaded first)."""
         self._broken = None
+        self._watch.forget()
         if self._durable is not None:
             self._durable.commit()

@@ -55,6 +55,16 @@ def _check_state_dtype(state_dtype, amsgrad) -> None:
             "need a third compact buffer); use state_dtype='fp32' for amsgrad")
 
 
+def _refresh_master(master: torch.Tensor, p: torch.Tensor) -> None:
+    """torch steps a parameter from its current value: a bf16/fp16 weight changed outside the
+    optimizer (load_state_dict, an in-place edit, .data, an EMA swap) no longer equals its
+    rounded master, and its master is set from it; elsewhere the master keeps its low bits.
+    Compared bit for bit, branch-free (no host sync on a GPU)."""
+    ints = torch.int16  # bf16 and fp16
+    same = master.to(p.dtype).view(ints) == p.detach().view(ints)
+    master.copy_(torch.where(same, master, p.detach().float()))
+
+
 def _caller_stacklevel() -> int:
     """The warnings.warn stacklevel, counted from the function that calls this one, of the
     first frame outside tierlift and torch: optimizer.step() reaches ours through torch's
@@ -296,6 +306,8 @@ class Adam(Optimizer):
             state["max_exp_avg_sq"] = torch.zeros_like(state["exp_avg"])
         if p.dtype in _LOW_PRECISION and "master" not in state:
             state["master"] = p.detach().to(torch.float32).contiguous()
+        elif "master" in state:
+            _refresh_master(state["master"], p)
         return state
 
     def close(self) -> None:
