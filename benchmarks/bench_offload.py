@@ -11,6 +11,7 @@ against DeepSpeed ZeRO-3 with CPU optimizer offload.
     python benchmarks/bench_offload.py --layouts                    # RAM vs hybrid vs NVMe
     python benchmarks/bench_offload.py --layouts --state-dtype both # each: compact vs fp32 state
     python benchmarks/bench_offload.py --layouts --durable          # + all-NVMe, durable=True
+    python benchmarks/bench_offload.py --recipes --params 8e6       # overlap kept per recipe
 
 Step mode: fp32 CPU parameters. The NVMe case gets cpu_budget = a third of its state (fp32
 master, m, v = 12 B/param), so every step streams the whole state through the pool. It runs
@@ -52,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import tierlift  # noqa: E402, F401
 from common import machine, median_time, print_table, write_json  # noqa: E402
 from offload_finetune import add_finetune_args, finetune, run_case  # noqa: E402
+from offload_recipes import bench_recipes  # noqa: E402
 from plots import plot_json, plot_offload  # noqa: E402
 from tierlift.offload.durable import durable_dir  # noqa: E402
 from tierlift.optim import AdamW  # noqa: E402
@@ -547,6 +549,9 @@ def main(argv=None) -> int:
                     help="--layouts: also run the all-NVMe layouts with durable=True in the "
                          "same rounds (vs_plain: their step over the same layout's without; "
                          "du_MB: the state folder's files on the disk, st_blocks)")
+    ap.add_argument("--recipes", action="store_true",
+                    help="overlap under training recipes (HF clip, GradScaler, max_grad_norm): "
+                         "chunks kept and the content check's share of the step")
     ap.add_argument("--plot", metavar="PATH", help="also draw the results as a PNG here (needs "
                     "matplotlib): the step legs, or with --gpu the TFLOPS")
     add_finetune_args(ap)
@@ -560,6 +565,8 @@ def main(argv=None) -> int:
         return 0
     if args.gpu or args.finetune_check or args.plan_only:
         return finetune(args)
+    if args.recipes:
+        return bench_recipes(args)
     if args.layouts:
         return bench_layouts(args)
     return bench_step(args)

@@ -15,6 +15,7 @@ import torch
 from test_offload import SHAPES, _grads, _params
 
 import tierlift
+from tierlift.io import ChecksumError
 from tierlift.offload.tiers import HybridTier, NvmeTier
 from tierlift.optim import Adam, AdamW
 
@@ -255,6 +256,27 @@ def test_a_failure_while_rewriting_in_place_refuses_steps_until_a_load(
     _train(AdamW, state_dtype=state_dtype, steps=2, params=params, opt=opt, first=2)
     for a, b in zip(ref, params):
         assert torch.equal(a, b)
+
+
+def test_a_corrupt_one_generation_chunk_says_the_state_is_partly_stepped(tmp_path):
+    """Its CRC is checked when it is read, after the chunks before it were rewritten in place:
+    the ChecksumError names the file and says so, and steps are refused until a load."""
+    params, opt = _train(AdamW, steps=2, **_kw(tmp_path, "nvme-1gen"))
+    tier = opt._offload.tiers[0]
+    ci = len(tier.gen) - 1
+    assert ci > 0
+    path = tier.paths[("exp_avg", tier.gen[ci])]
+    with open(path, "r+b") as f:
+        f.seek((ci - tier.first) * tier.kind_chunk_bytes["exp_avg"] + 4)
+        b = f.read(1)
+        f.seek((ci - tier.first) * tier.kind_chunk_bytes["exp_avg"] + 4)
+        f.write(bytes([b[0] ^ 0xFF]))
+    opt._offload._engine.forget(path)
+    _grads(params, 2)
+    with pytest.raises(ChecksumError, match=r"(?s)exp_avg.*corrupt.*partly at the new step"):
+        opt.step()
+    with pytest.raises(RuntimeError, match="Load a checkpoint"):
+        opt.step()
 
 
 @pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])

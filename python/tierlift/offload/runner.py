@@ -518,8 +518,10 @@ class Offloader(StateIO):
         A failure before the in-place part leaves everything as it was."""
         keep: dict[int, list] = {}
         for gi, records in spec.items():
+            t = time.perf_counter()
             good, bad = validate(self, gi, records, live[gi],
                                  None if scale is None else float(scale))
+            stats["overlap_check_s"] += time.perf_counter() - t
             keep[gi] = good  # the bad ones are stepped again below, from the committed state
             stats["overlap_kept_chunks"] += len(good)
             stats["overlap_redone_chunks"] += len(bad)
@@ -597,7 +599,10 @@ class Offloader(StateIO):
                 f"a step failed while rewriting optimizer state in place ({type(err).__name__}: "
                 f"{err}); parameters and state are partly at the new step. Load a checkpoint "
                 "(tierlift.checkpoint.load or load_state_dict) before stepping again")
-            raise RuntimeError(self._broken) from err
+            # A corrupt chunk is found when it is read, right before it is stepped: the chunks
+            # before it are rewritten already. Still a ChecksumError, as everywhere else.
+            kind = ChecksumError if isinstance(err, ChecksumError) else RuntimeError
+            raise kind(self._broken) from err
         stats["in_place_s"] += time.perf_counter() - t
 
     def _raise(self, err: BaseException):

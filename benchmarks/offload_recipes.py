@@ -1,0 +1,95 @@
+"""bench_offload.py --recipes: what the overlapped offload optimizer keeps of the chunks it
+stepped during backward under the training recipes people use, and what checking them costs.
+
+For each recipe and tier, a stack of Linear layers trains for --repeats steps (plus one
+warm-up) with tierlift.optim.AdamW(overlap=True); the table gives the fraction of speculative
+chunks kept (the rest were stepped again in step()), the step time, and the content check's
+share of it (CRC-32C of the kept chunks' gradients and parameters, `overlap_check_s`).
+Recipes:
+  hf-default   bf16 autocast + torch.nn.utils.clip_grad_norm_(1.0) (Hugging Face Trainer's)
+  scaler-clip  fp16 autocast + GradScaler, scaler.unscale_ + clip_grad_norm_(1.0)
+  scaler       fp16 autocast + GradScaler, scaler.step(opt) (no unscale_), max_grad_norm=1.0
+  own-clip     no autocast, the optimizer's max_grad_norm=1.0
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+
+import torch
+
+from common import machine, print_table, write_json
+from tierlift.optim import AdamW
+
+RECIPES = ("hf-default", "scaler-clip", "scaler", "own-clip")
+
+
+def _model(params: float) -> torch.nn.Module:
+    width = 1024
+    layers = max(2, round(params / (width * width)))
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+
+
+def _run(recipe: str, tier: str, params: float, steps: int, directory: str) -> dict:
+    model = _model(params)
+    kw = dict(offload=tier, overlap=True, chunk_bytes=4 << 20, lr=1e-4)
+    if tier == "nvme":
+        kw["nvme_path"] = directory
+    if recipe in ("scaler", "own-clip"):
+        kw["max_grad_norm"] = 1.0
+    opt = AdamW(model.parameters(), **kw)
+    amp = {"hf-default": torch.bfloat16, "own-clip": None}.get(recipe, torch.float16)
+    scaler = torch.amp.GradScaler("cpu") if recipe.startswith("scaler") else None
+    x = torch.randn(64, 1024)
+    kept = redone = 0
+    times, checks = [], []
+    for i in range(steps + 1):
+        with torch.autocast("cpu", dtype=amp, enabled=amp is not None):
+            loss = model(x).float().square().mean()
+        (scaler.scale(loss) if scaler else loss).backward()
+        t = time.perf_counter()
+        if recipe == "hf-default":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if recipe == "scaler-clip":
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        dt = time.perf_counter() - t
+        st = opt.last_step_stats
+        opt.zero_grad(set_to_none=True)
+        if i == 0:  # the first step has no scale to assume and initialises the masters
+            continue
+        kept += st.get("overlap_kept_chunks", 0)
+        redone += st.get("overlap_redone_chunks", 0)
+        times.append(dt)
+        checks.append(st.get("overlap_check_s", 0.0))
+    opt.close()
+    total = max(kept + redone, 1)
+    step = statistics.median(times)
+    return {"recipe": recipe, "tier": tier, "kept": kept / total, "redone_chunks": redone,
+            "step_ms": step * 1e3, "check_ms": statistics.median(checks) * 1e3,
+            "check_share": statistics.median(checks) / step}
+
+
+def bench_recipes(args) -> int:
+    rows = []
+    with tempfile.TemporaryDirectory(dir=args.dir) as directory:
+        for recipe in RECIPES:
+            for tier in ("cpu", "nvme"):
+                rows.append(_run(recipe, tier, args.params, args.repeats, directory))
+                r = rows[-1]
+                print(f"  {recipe:12s} {tier:5s} kept {r['kept']:.0%}", flush=True)
+    table = [dict(r, kept=f"{r['kept']:.0%}", check_share=f"{r['check_share']:.1%}")
+             for r in rows]
+    print_table(table, ["recipe", "tier", "kept", "step_ms", "check_ms", "check_share"],
+                f"Overlap under training recipes ({args.params / 1e6:.0f}M params, "
+                f"{args.repeats} steps; {machine()['cpu']})")
+    write_json("offload_recipes", {"machine": machine(), "params": args.params, "rows": rows})
+    return 0
