@@ -11,8 +11,9 @@ modules' reset_parameters, the model's own init passes, buffer math such as rota
 stores it with its arguments; tensors are named by their storage and a version that starts anew
 whenever an op overwrites a whole storage without reading it (uniform_, normal_, zero_, fill_,
 copy_ into it), so a parameter initialised three times holds only its last value at replay.
-Factories without a device go to meta; torch.tensor(data) and friends are made on the CPU
-first, so the data is part of the recording.
+Factories without a device go to meta; torch.tensor(data) and friends stay on the CPU (they
+hold data, and libraries probe `torch.tensor([]).device` to tell a meta build from a real one:
+Hugging Face models skip their own weight init on meta, which would change the values).
 
 Replay: every recorded op runs again, in order, on the CPU, from the default CPU generator's
 state when the recording began; the same random ops of the same sizes in the same order give
@@ -184,7 +185,8 @@ class _RecordMode(TorchDispatchMode):
 
 
 class _MetaFactories(TorchFunctionMode):
-    """Factories without a device go to meta; data constructors are made on the CPU first."""
+    """Factories without a device go to meta; data constructors (torch.tensor(data), ...) stay
+    on the CPU, as in eager construction: they hold data, and the recording replays them."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -193,7 +195,7 @@ class _MetaFactories(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _DATA and kwargs.get("device") is None:
-            return func(*args, **{**kwargs, "device": "cpu"}).to(_META)
+            return func(*args, **kwargs)  # on the CPU: small, and its data is recorded
         if func in self.factories and kwargs.get("device") is None:
             kwargs = {**kwargs, "device": _META}
         return func(*args, **kwargs)

@@ -126,7 +126,10 @@ class Materializer:
         found = next((n for n in names if self.files is not None and n in self.files), None)
         if found is None:
             if required:
-                raise KeyError(f"weights={self.files.path!r} has no tensor {names[0]!r}")
+                raise KeyError(f"weights={self.files.path!r} has no tensor {names[0]!r} (a "
+                               "weight the files store once for two names must be tied in the "
+                               "model before shard(): after accelerate.init_empty_weights(), "
+                               "call model.tie_weights())")
             return None
         if tuple(self.files.shape(found)) != tuple(shape):
             raise ValueError(f"weights: {found!r} has shape {tuple(self.files.shape(found))}, "
