@@ -156,11 +156,14 @@ def test_never_unpickles_code(chain, tmp_path):
     bad = str(tmp_path / "bad")
     shutil.copytree(chain["dirs"][1], bad)
     torch.save({"unit0.param": _Evil()}, os.path.join(bad, "rank00000.pt"))
-    # Whoever can write the file can write its checksum: weights_only must still refuse it.
+    # Whoever can write the file can write its checksums: weights_only must still refuse it.
     from tierlift.checkpoint.format import sha256
 
     with open(os.path.join(bad, "rank00000.sha256"), "w") as f:
         f.write(sha256(os.path.join(bad, "rank00000.pt")))
+    from tierlift.checkpoint import manifest
+
+    manifest.write(bad)  # and the manifest
     model, _ = _fresh(stage=3)
     with pytest.raises(pickle.UnpicklingError):
         tierlift.checkpoint.load(bad, model)

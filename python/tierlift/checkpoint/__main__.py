@@ -4,15 +4,20 @@ python -m tierlift.checkpoint export CKPT_DIR OUT_DIR --format hf [--max-shard-s
 python -m tierlift.checkpoint import-dcp DCP_DIR OUT_CKPT [--prefix model.]: the model weights
 of a torch.distributed.checkpoint as a tierlift checkpoint (handoff.py).
 python -m tierlift.checkpoint export-optimizer CKPT_DIR OUT.pt: the optimizer state of an
-unsharded model's checkpoint (offloaded or not) as torch.optim.AdamW.load_state_dict takes it."""
+unsharded model's checkpoint (offloaded or not) as torch.optim.AdamW.load_state_dict takes it.
+
+Every command writes only to a new path (or, for a directory, an empty one) and creates its
+missing parent directories; a bad argument is a one-line error."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import uuid
 
 import torch
 
-from tierlift.checkpoint import handoff
+from tierlift.checkpoint import handoff, targets
 from tierlift.checkpoint.format import full_state_dict
 from tierlift.checkpoint.replicated import optimizer_state_dict
 
@@ -46,43 +51,64 @@ def main(argv=None) -> int:
     opt.add_argument("checkpoint", help="checkpoint directory written by tierlift.checkpoint.save")
     opt.add_argument("out", help="output file (torch.save)")
     args = parser.parse_args(argv)
+    if args.command == "export" and args.format != "hf" and (
+            args.max_shard_size is not None or args.config is not None):
+        parser.error("--max-shard-size and --config go with --format hf")
+    try:
+        return _run(args)
+    except (OSError, ImportError, ValueError) as e:  # one line, no traceback
+        parser.error(str(e))
+
+
+def _write_new(out: str, write) -> None:
+    """write(tmp) to a temporary name beside `out`, then renamed to `out`, which must not exist
+    (its missing parent directories are created): nothing is overwritten, nothing is left
+    half-written."""
+    targets.check_new_output(out)
+    targets.make_parent(out)
+    tmp = os.path.join(os.path.dirname(os.path.abspath(out)),
+                       f".{os.path.basename(out)}.tmp-{uuid.uuid4().hex[:12]}")
+    try:
+        write(tmp)
+        os.rename(tmp, out)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _run(args) -> int:
     if args.command == "export-optimizer":
         sd = optimizer_state_dict(args.checkpoint)
-        torch.save(sd, args.out)
+        _write_new(args.out, lambda tmp: torch.save(sd, tmp))
         print(f"wrote the state of {len(sd['state'])} parameters to {args.out}")
         return 0
     if args.command == "import-dcp":
-        try:
-            n = handoff.import_dcp(args.dcp, args.out, prefix=args.prefix)
-        except (FileNotFoundError, ValueError) as e:
-            parser.error(str(e))
+        n = handoff.import_dcp(args.dcp, args.out, prefix=args.prefix)
         print(f"wrote {n} tensors to {args.out}")
         return 0
     if args.format == "hf":
-        try:
-            files, n, total = handoff.export_hf(args.checkpoint, args.out,
-                                                max_shard_size=args.max_shard_size or "5GB",
-                                                config=args.config)
-        except (FileNotFoundError, ImportError, ValueError) as e:
-            parser.error(str(e))
+        files, n, total = handoff.export_hf(args.checkpoint, args.out,
+                                            max_shard_size=args.max_shard_size or "5GB",
+                                            config=args.config)
         print(f"wrote {n} tensors ({total} bytes) in {files} file(s) to {args.out}")
         return 0
-    if args.max_shard_size is not None or args.config is not None:
-        parser.error("--max-shard-size and --config go with --format hf")
-    sd = full_state_dict(args.checkpoint)
+    targets.check_new_output(args.out)  # before reading the checkpoint
     if args.out.endswith(".safetensors"):
         try:
             from safetensors.torch import save_file
         except ImportError:
-            parser.error("writing .safetensors needs the safetensors package "
-                         "(pip install safetensors); or write a .pt file")
+            raise ImportError("writing .safetensors needs the safetensors package "
+                              "(pip install safetensors); or write a .pt file") from None
+    sd = full_state_dict(args.checkpoint)
+    if args.out.endswith(".safetensors"):
         # safetensors refuses shared storage: tied weights are written once per name.
-        save_file({k: v.contiguous().clone() for k, v in sd.items()}, args.out)
+        _write_new(args.out, lambda tmp: save_file(
+            {k: v.contiguous().clone() for k, v in sd.items()}, tmp))
     else:
-        torch.save(sd, args.out)
+        _write_new(args.out, lambda tmp: torch.save(sd, tmp))
     print(f"wrote {len(sd)} tensors to {args.out}")
     return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())

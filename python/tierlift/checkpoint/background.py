@@ -23,14 +23,14 @@ import time
 import torch
 
 from tierlift.checkpoint import format as fmt
-from tierlift.checkpoint import stream
+from tierlift.checkpoint import manifest, stream, targets
 from tierlift.checkpoint.agree import comm_device
 from tierlift.checkpoint.staging import MIN_PIECE, Packer, Staging, free_cached, piece_bytes
 from tierlift.checkpoint.writer import TensorFile, Writer, close_engine
 from tierlift.offload.tiers import _owner_alive, _start_time
 
 BLOCKING_BUDGET = 256 << 20  # a blocking save's staging, when no budget is given
-OWNER = ".owner.json"
+OWNER = targets.OWNER
 
 _pending: SaveHandle | None = None
 _side_groups: dict[tuple, object] = {}
@@ -97,6 +97,24 @@ def _at_exit() -> None:
                   "the previous checkpoint there is intact", file=sys.stderr)
 
 
+def estimate_bytes(model, optimizer, off) -> int:
+    """About the bytes one process's save of `model` and `optimizer` writes (for the error of
+    a full drive): its state dict's tensors and the optimizer's state."""
+    seen, total = set(), 0
+    tensors = list(model.state_dict().values())
+    if off is not None:
+        total += stream.state_bytes(off)
+    elif optimizer is not None:
+        tensors += [v for st in optimizer.state.values() for v in st.values()
+                    if isinstance(v, torch.Tensor)]
+    for t in tensors:
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total
+
+
 def side_group(group) -> object:
     """A gloo group over the ranks of `group` for a background save's votes, with its timeout
     (a lost rank fails the vote as soon as it would fail training). Created on the training
@@ -113,9 +131,12 @@ def side_group(group) -> object:
     return _side_groups[ranks]
 
 
-def claim(tmp: str) -> None:
-    """Makes the empty directory `tmp` for a new save, refusing one another live process is
-    writing (a killed one's is removed)."""
+def claim(tmp: str, path: str | None = None, replace: bool = True) -> None:
+    """Makes the empty directory `tmp` for a new save of `path`, refusing a `path` the save may
+    not replace (targets.check_save_target) and a `tmp` another live process is writing (a
+    killed one's is removed). Missing parent directories are created."""
+    if path is not None:
+        targets.check_save_target(path, replace=replace)
     owner_file = os.path.join(tmp, OWNER)
     if os.path.isdir(tmp):
         try:
@@ -129,14 +150,21 @@ def claim(tmp: str) -> None:
             raise RuntimeError(f"{tmp[:-len('.tmp')]!r} is being written by another save "
                                f"(process {owner['pid']}); wait for it or save elsewhere")
         shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    with open(owner_file, "w") as f:
-        json.dump({"pid": os.getpid(), "start_time": _start_time(os.getpid())}, f)
+    targets.make_parent(tmp)
+    os.makedirs(tmp, exist_ok=True)  # an empty one (checked above) is taken as it is
+    try:
+        with open(owner_file, "w") as f:
+            json.dump({"pid": os.getpid(), "start_time": _start_time(os.getpid())}, f)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def publish(tmp: str, path: str, meta: dict) -> None:
-    """Rank 0, every rank's files written: metadata.json last, then `tmp` becomes `path`."""
+    """Rank 0, every rank's files written: metadata.json, then manifest.json (the checksums of
+    every file) last, then `tmp` becomes `path`."""
     fmt.write_json(os.path.join(tmp, fmt.METADATA), meta)
+    manifest.write(tmp)
     fmt.replace_dir(tmp, path)
     try:
         os.unlink(os.path.join(path, OWNER))
@@ -185,10 +213,15 @@ def side_vote(comm) -> Vote:
 class Job:
     """The files of one rank's part of a save, staged, written and committed."""
 
-    def __init__(self, path: str, *, blocking: bool, staging_budget: int | None, off=None):
+    def __init__(self, path: str, *, blocking: bool, staging_budget: int | None, off=None,
+                 replace: bool = True, estimate=None):
         """`off`: the optimizer's Offloader, if any: a blocking save stays within its
-        cpu_budget, and the staging must hold one chunk of its held generation."""
+        cpu_budget, and the staging must hold one chunk of its held generation. `replace`:
+        whether `path` may be an existing checkpoint (else it must be new, or an empty
+        directory). `estimate()`: the bytes this rank writes, for a full drive's error before
+        the files are known."""
         self.path, self.tmp, self.blocking = path, path + ".tmp", blocking
+        self.replace, self.estimate = replace, estimate
         need = stream.held_chunk_bytes(off) if off is not None else 0
         cap = getattr(getattr(off, "config", None), "cpu_budget", None) or BLOCKING_BUDGET
         smallest = max(MIN_PIECE, need)
@@ -216,14 +249,29 @@ class Job:
         error = None
         try:
             if rank == 0:
-                claim(self.tmp)
+                claim(self.tmp, self.path, self.replace)
         except BaseException as e:  # noqa: BLE001 - every rank learns of it below
-            error = e
+            error = self._no_space(e) or e
         if vote(error is None):
             error = error or RuntimeError(f"saving {self.path}: rank 0 could not make "
                                           f"{self.tmp!r}")
             self.abandon(error)
             raise error
+
+    def _no_space(self, error: BaseException) -> OSError | None:
+        """A full drive's error naming the path and the bytes needed (else None)."""
+        if targets.no_space(error, self.path, None) is None:
+            return None
+        needed = sum(f.size for f in self.files) if self.files and all(
+            getattr(f, "records", True) is not None for f in self.files) else None
+        if needed is None and self.estimate is not None:
+            try:
+                needed = self.estimate()
+            except Exception:  # noqa: BLE001 - the message goes without it
+                needed = None
+        out = targets.no_space(error, self.path, needed)
+        out.__cause__ = error
+        return out
 
     def tensor_file(self, rank: int, tensors: dict[str, torch.Tensor]) -> None:
         """rank's tensor file (format.py): torch.save(tensors), its SHA-256 beside it."""
@@ -309,6 +357,8 @@ class Job:
             if failed:
                 if vote.rank == 0:
                     shutil.rmtree(self.tmp, ignore_errors=True)
+                if error is not None:
+                    error = self._no_space(error) or error
                 if error is None:
                     error = RuntimeError(f"saving {self.path} failed on rank(s) {failed}")
                 if error is not self.snapshot_error:

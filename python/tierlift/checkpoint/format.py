@@ -8,6 +8,8 @@ in replicated.py, an offloading optimizer's streamed state in stream.py):
                         0 "extra.<state_dict key>" for frozen parameters and buffers)
     rank00000.sha256    the SHA-256 of that file: a truncated or corrupted file is an error
                         naming it, never silently wrong weights
+    manifest.json       written last: the size and SHA-256 of every other file (manifest.py),
+                        so the JSON files are checked too
 
 Tensor files are read with torch.load(weights_only=True, mmap=True): no arbitrary unpickling,
 and a rank reads only the byte ranges its new shard overlaps.
@@ -23,6 +25,8 @@ from collections.abc import Iterator
 
 import torch
 
+from tierlift.checkpoint import manifest
+
 FORMAT = "tierlift-zero-checkpoint"
 VERSION = 1
 METADATA = "metadata.json"
@@ -33,11 +37,23 @@ def rank_file(rank: int) -> str:
 
 
 def read_metadata(path: str) -> dict:
+    """metadata.json of checkpoint `path`, once every file's size and every small file's
+    SHA-256 matched manifest.json (manifest.py): a changed or truncated file is an error
+    naming it, raised before anything is loaded."""
     file = os.path.join(path, METADATA)
+    if not os.path.isdir(path):
+        what = "does not exist" if not os.path.lexists(path) else "is a file"
+        raise FileNotFoundError(f"{path} is not a tierlift checkpoint (it {what})")
     if not os.path.isfile(file):
         raise FileNotFoundError(f"{path} is not a tierlift checkpoint (no {METADATA})")
-    with open(file) as f:
-        meta = json.load(f)
+    manifest.verify(path)
+    try:
+        with open(file) as f:
+            meta = json.load(f)
+    except ValueError as e:
+        raise ValueError(f"{file} is corrupt: {e}") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{file} is corrupt: not a JSON object")
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
         raise ValueError(f"{file}: unsupported checkpoint format {meta.get('format')!r} "
                          f"version {meta.get('version')!r} (expected {FORMAT!r} {VERSION})")

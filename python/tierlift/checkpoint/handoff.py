@@ -18,12 +18,13 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import uuid
 import warnings
 
 import torch
 
 from tierlift.checkpoint import format as fmt
-from tierlift.checkpoint import replicated
+from tierlift.checkpoint import replicated, targets
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -57,7 +58,8 @@ def export_hf(checkpoint: str, out_dir: str, *, max_shard_size: str | int = "5GB
     """Write the model weights of `checkpoint` to the new or empty directory `out_dir` as
     Hugging Face safetensors shards of at most `max_shard_size` each (a larger tensor gets a
     shard of its own), with `config` (a config.json) copied in when given. Returns (files,
-    tensors, total bytes). Written to `out_dir`.tmp and renamed: nothing half-written is left."""
+    tensors, total bytes). Written to a temporary directory beside it and renamed: nothing
+    half-written is left. Missing parent directories are created."""
     try:
         from safetensors.torch import save_file
     except ImportError as e:
@@ -66,14 +68,15 @@ def export_hf(checkpoint: str, out_dir: str, *, max_shard_size: str | int = "5GB
     limit = parse_size(max_shard_size)
     checkpoint = fmt.resolve_dir(os.fspath(checkpoint))
     fmt.read_metadata(checkpoint)  # a clear error before anything is written
-    out_dir = os.fspath(out_dir)
-    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
-        raise ValueError(f"{out_dir} exists and is not an empty directory; pass a new one")
+    out_dir = os.fspath(out_dir).rstrip(os.sep) or os.sep
+    targets.check_new_output(out_dir, directory=True)
     if config is not None and not os.path.isfile(config):
         raise FileNotFoundError(f"config {config} does not exist")
-    tmp = out_dir.rstrip(os.sep) + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    targets.make_parent(out_dir)
+    # A name of its own beside out_dir (one rename away): nothing of the user's is reused.
+    tmp = os.path.join(os.path.dirname(os.path.abspath(out_dir)),
+                       f".{os.path.basename(out_dir)}.tmp-{uuid.uuid4().hex[:12]}")
+    os.mkdir(tmp)  # the usual permissions (mkdtemp's would be 0700)
     try:
         parts: list[list[str]] = []
         shard: dict[str, torch.Tensor] = {}
@@ -124,15 +127,18 @@ def export_hf(checkpoint: str, out_dir: str, *, max_shard_size: str | int = "5GB
 def import_dcp(dcp_dir: str, out: str, *, prefix: str = "") -> int:
     """Write the tensors of the torch.distributed.checkpoint directory `dcp_dir` whose names
     start with `prefix` ("model." for a dcp.save({"model": ..., "optim": ...})), without it,
-    as a tierlift checkpoint at `out` that tierlift.checkpoint.load() puts into a model that
-    is not sharded. No process group needed. Returns the number of tensors. The tensors are
+    as a tierlift checkpoint at `out` (a new path or an empty directory: an existing checkpoint
+    is refused, not replaced) that tierlift.checkpoint.load() puts into a model that is not
+    sharded. No process group needed. Returns the number of tensors. The tensors are
     all read into memory (DCP's reader fills a whole state dict)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    dcp_dir = os.fspath(dcp_dir)
+    dcp_dir, out = os.fspath(dcp_dir), os.fspath(out)
     if not os.path.isdir(dcp_dir):
-        raise FileNotFoundError(f"DCP checkpoint directory {dcp_dir} does not exist")
+        what = "is not a directory" if os.path.lexists(dcp_dir) else "does not exist"
+        raise FileNotFoundError(f"DCP checkpoint directory {dcp_dir} {what}")
+    targets.check_save_target(out, replace=False)  # before the (long) read
     reader = dcp.FileSystemReader(dcp_dir)
     try:
         metadata = reader.read_metadata()
@@ -149,6 +155,6 @@ def import_dcp(dcp_dir: str, out: str, *, prefix: str = "") -> int:
     with warnings.catch_warnings():  # no_dist is the intent, not a guess to warn about
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(sd, storage_reader=reader, no_dist=True)
-    replicated.save_state_dict(os.fspath(out), {k[len(prefix):]: v for k, v in sd.items()},
+    replicated.save_state_dict(out, {k[len(prefix):]: v for k, v in sd.items()},
                                extra={"imported_from": os.path.abspath(dcp_dir)})
     return len(sd)

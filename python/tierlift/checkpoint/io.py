@@ -73,7 +73,8 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
     comm, everyone = state.comm, state.world_comm
     path = os.fspath(path)
     off = _offloader(optimizer)
-    job = background.Job(path, blocking=blocking, staging_budget=staging_budget, off=off)
+    job = background.Job(path, blocking=blocking, staging_budget=staging_budget, off=off,
+                         estimate=lambda: background.estimate_bytes(model, optimizer, off))
     job.claim(everyone.rank, background.training_vote(everyone))
     try:
         if state.topology.primary:

@@ -51,7 +51,8 @@ def save(path: str, model: torch.nn.Module, optimizer, extra: dict | None, *,
     comm = Comm(None)
     off = getattr(optimizer, "_offload", None) if optimizer is not None else None
     job = background.Job(path, blocking=blocking, staging_budget=staging_budget,
-                         off=off if rank == 0 else None)
+                         off=off if rank == 0 else None,
+                         estimate=lambda: background.estimate_bytes(model, optimizer, off))
     job.claim(rank, background.training_vote(comm))
     fields = None
     try:
@@ -98,9 +99,12 @@ def _publish(tmp: str, path: str, fields: dict) -> None:
 def save_state_dict(path: str, state_dict: dict[str, torch.Tensor],
                     extra: dict | None = None) -> None:
     """A checkpoint of a plain model state dict without an optimizer (one brought in from
-    another format), in save()'s format: load() puts it into a model that is not sharded."""
+    another format), in save()'s format: load() puts it into a model that is not sharded.
+    `path` must be new or an empty directory: an existing checkpoint is not replaced."""
     background.before_save()
-    job = background.Job(path, blocking=True, staging_budget=None)
+    job = background.Job(path, blocking=True, staging_budget=None, replace=False,
+                         estimate=lambda: sum(t.numel() * t.element_size()
+                                              for t in state_dict.values()))
     job.claim(0, background.Vote(0, 1, None))
     try:
         job.tensor_file(0, {f"model.{k}": v for k, v in state_dict.items()})

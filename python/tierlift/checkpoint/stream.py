@@ -143,6 +143,20 @@ def _slotted(off, gi: int, chunks: list, writes: dict):
             _wait_quietly(hs)
 
 
+def state_bytes(off) -> int:
+    """The bytes stage_offloaded() writes for Offloader `off`'s current state (its kind
+    files; "master" for every stepped parameter)."""
+    total = 0
+    for gi, group in enumerate(off.opt.param_groups):
+        tier = off.tiers[gi]
+        kinds = ["master", *[k for k in tier.kinds if k != "master"]]
+        for p in group["params"]:
+            if "step" in off.opt.state.get(p, {}):
+                total += sum(tier.dtypes.get(k, torch.float32).itemsize
+                             * kind_elems(k, p.numel()) for k in kinds)
+    return total
+
+
 def held_chunk_bytes(off) -> int:
     """The staging a save needs to read one chunk of a held generation (0: none is held)."""
     held = any(_held(t) for t in off.tiers)
