@@ -326,6 +326,53 @@ def test_no_grad_forward_is_untouched(tmp_path):
     assert handle.last_stats == {}  # no forward session was opened
 
 
+def spilled_bytes(directory) -> int:
+    """Bytes on the drive held by this process's open files under `directory` (the anonymous
+    activation files have no name, only a descriptor)."""
+    total = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith(str(directory)):
+                total += os.stat(f"/proc/self/fd/{fd}").st_blocks * 512
+        except OSError:
+            pass
+    return total
+
+
+@pytest.mark.parametrize("form", ["context", "blocks"])
+def test_spill_goes_as_backward_consumes_it_while_loss_lives_on(tmp_path, form):
+    """The usual loop keeps `loss` until the next forward reassigns it: each block's spill must
+    go once its backward is done, not when `loss` is dropped (that needed twice the drive)."""
+    model = make_model(layers=3)
+    during = []
+
+    def read_when_reached(module, args, out):  # as backward reaches each block, last first
+        if out.requires_grad:
+            out.register_hook(lambda g: during.append(spilled_bytes(tmp_path)))
+
+    for block in model.blocks:
+        block.register_forward_hook(read_when_reached)
+    if form == "blocks":
+        handle = offload_blocks(model, "nvme", cpu_budget=0, nvme_path=tmp_path,
+                                min_bytes=SMALL)
+        context = contextlib.nullcontext
+    else:
+        def context():
+            return offload(0, tmp_path, min_bytes=SMALL)
+    for step in range(3):
+        during.clear()
+        with context():
+            loss = model(*batch(step))
+        full = spilled_bytes(tmp_path)
+        assert full > 0
+        loss.backward()
+        assert spilled_bytes(tmp_path) == 0, "spill kept after backward while loss lives"
+        assert during[0] <= full and during[0] > during[1] > during[2] > 0, during
+    del loss
+    if form == "blocks":
+        handle.close()
+
+
 # ---- faults ------------------------------------------------------------------------------------
 
 def open_fds() -> set[str]:
@@ -514,6 +561,10 @@ def test_policy_plan_fills_the_fast_tiers_from_the_last_block():
     fast = Policy.plan(n_blocks=3, block_bytes=10, cpu_budget=0, nvme=True,
                        block_compute_s=1.0, nvme_bytes_per_s=100.0)
     assert fast.tiers == ("nvme", "nvme", "keep")
+    for bad in (dict(cpu_budget=-5 << 30), dict(gpu_budget=-1), dict(n_blocks=0),
+                dict(block_bytes=-1), dict(cpu_budget=1.5), dict(cpu_budget=True)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            Policy.plan(**{**dict(n_blocks=3, block_bytes=10, cpu_budget=0), **bad})
 
 
 # ---- memory ------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ error surfaces in forward).
 from __future__ import annotations
 
 import types
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -34,6 +35,15 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
                          "blocks=[...] (the modules whose activations are offloaded, in order)")
     prefix = best[0] + "." if best[0] else ""
     return [(f"{prefix}{i}", m) for i, m in enumerate(best[1])]
+
+
+def _prefetch_hook(session_ref, top: int):
+    def reached(grad):
+        session = session_ref()
+        if session is not None:
+            session.prefetch(top)
+
+    return reached
 
 
 def _first_grad_tensor(out):
@@ -103,7 +113,9 @@ class BlockOffload:
             top = session.group_top.get(name)
             if anchor is not None and top is not None:
                 # Backward reached this block: read it (if not yet) and the one before ahead.
-                anchor.register_hook(lambda grad: session.prefetch(top))
+                # Weakly: the graph (alive while the user keeps `loss`) must not keep the
+                # session, whose spill file goes once backward has consumed it.
+                anchor.register_hook(_prefetch_hook(weakref.ref(session), top))
             return out
 
         return run

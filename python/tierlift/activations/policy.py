@@ -48,8 +48,10 @@ class Policy:
         block (`block_compute_s`); the NVMe round trip (2x its bytes at `nvme_bytes_per_s`)
         overlaps the block's forward and backward (about 3 forwards), so it costs
         max(0, io - 3 * block_compute_s). Without the speeds, NVMe."""
-        if n_blocks < 1 or block_bytes < 0:
-            raise ValueError("n_blocks must be >= 1 and block_bytes >= 0")
+        for name, value, least in (("n_blocks", n_blocks, 1), ("block_bytes", block_bytes, 0),
+                                   ("cpu_budget", cpu_budget, 0), ("gpu_budget", gpu_budget, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
         tiers = []
         kept = ram = 0
         for i in reversed(range(n_blocks)):

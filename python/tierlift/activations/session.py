@@ -12,6 +12,7 @@ raises ActivationsDiscardedError, so no backward runs on half-saved activations.
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import tempfile
 import time
@@ -67,6 +68,7 @@ class ActivationFile:
         self.fd = fd
         self.path = f"/proc/self/fd/{fd}"
         self.size = 0
+        self.kept = 1 << 62  # where the file was last cut back to (Session._trim_file)
         self.handles: list = []  # I/O that must finish before the descriptor closes
 
     def reserve(self, nbytes: int) -> int:
@@ -115,6 +117,13 @@ class _Write:
         self.handle = None
 
 
+def _dropped(session_ref, index: int, _ref) -> None:
+    """Autograd let go of saved tensor `index` (its backward ran, or the graph was freed)."""
+    session = session_ref()
+    if session is not None and session._spilled.pop(index, None) is not None:
+        session._trim_file()
+
+
 class Session:
     def __init__(self, config: OffloadConfig, engines, param_ptrs: frozenset[int] = frozenset(),
                  host_pool=None):
@@ -130,6 +139,7 @@ class Session:
         self._file: ActivationFile | None = None
         self._finalizer = None
         self._dedupe: dict = {}
+        self._spilled: dict[int, tuple[int, int]] = {}  # index -> its bytes in the file
         self._writes: deque[_Write] = deque()
         # (event, host buffer, device) of copies in flight between a pool buffer and the GPU.
         # A buffer goes back to the engine's pool only after its copy, also when the session
@@ -206,7 +216,8 @@ class Session:
 
     def _new(self, group, tier, layout) -> Saved:
         item = Saved(self, len(self.items), group, tier, layout)
-        self.items.append(weakref.ref(item))
+        self.items.append(weakref.ref(item, functools.partial(_dropped, weakref.ref(self),
+                                                               item.index)))
         self.group_top[group] = item.index
         self._cursor = item.index
         self.stats["tensors"] += 1
@@ -234,6 +245,7 @@ class Session:
         file = self._file_for_write()
         self._make_room(n)
         item.offset = file.reserve(n)
+        self._spilled[item.index] = (item.offset, _round_up(n))
         if t.device.type == "cpu":
             # The engine writes from the tensor itself; it is held (write-behind) until written.
             src = flat_bytes(t)
@@ -309,6 +321,23 @@ class Session:
             raise
         self.finished = True
         self._dedupe.clear()
+        self._trim_file()
+
+    def _trim_file(self) -> None:
+        """Gives back the end of the activation file that no live saved tensor needs: backward
+        consumes the last-saved tensors first, so each block's bytes go as its backward
+        finishes (autograd drops the block's saved tensors), and the file is empty once
+        backward is done, whether or not the graph (`loss`) is still referenced."""
+        file = self._file
+        if file is None or file.fd < 0 or not self.finished or self._writes:
+            return  # writes in flight could land past a cut
+        end = max((o + n for o, n in self._spilled.values()), default=0)
+        if end < file.kept:
+            try:
+                os.ftruncate(file.fd, end)
+                file.kept = end
+            except OSError:  # the bytes stay until the file closes
+                pass
 
     def _check_budgets(self) -> None:
         c = self.config
