@@ -33,6 +33,10 @@ def test_parse_bytes():
         parse_bytes("lots", "--gpu-mem")
     with pytest.raises(ValueError, match="x must be > 0"):
         parse_bytes("0", "x")
+    with pytest.raises(ValueError, match="x must be a finite size"):
+        parse_bytes("1e400", "x")
+    with pytest.raises(ValueError, match="params must be a finite number"):
+        PlanInput(params=float("inf"), gpu_mem=G, cpu_mem=G)
 
 
 def test_placement_by_size():
@@ -173,6 +177,11 @@ def test_cli_plans_activation_tiers_per_block(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv,message", [
     (["--params", "many"], "--params must be a number"),
+    (["--params", "inf"], "--params must be a finite number > 0"),
+    (["--params", "1e999"], "--params must be a finite number > 0"),
+    (["--params", "nan"], "--params must be a finite number > 0"),
+    (["--params", "-5"], "--params must be a finite number > 0"),
+    (["--params", "8e9", "--gpu-mem", "1e999"], "--gpu-mem must be a finite size"),
     (["--params", "8e9", "--nvme", "/does/not/exist"], "--nvme '/does/not/exist' is not"),
     (["--params", "8e9", "--cpu-mem", "lots"], "--cpu-mem must be a size"),
     (["--params", "8e9", "--act-blocks", "4"], "--act-blocks and --act-block-bytes go together"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import shutil
 
@@ -105,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
         params = 1.0 if args.max_params else float(args.params)
     except ValueError:
         raise ValueError(f"--params must be a number like 8e9, got {args.params!r}") from None
+    if not (math.isfinite(params) and params > 0):  # before the bandwidths are measured
+        raise ValueError(f"--params must be a finite number > 0 like 8e9, got {args.params!r}")
     if args.nvme is not None and not os.path.isdir(args.nvme):
         raise ValueError(f"--nvme {args.nvme!r} is not an existing directory")
     if args.probe_mib <= 0:

@@ -48,6 +48,7 @@ of host memory and drive."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -74,6 +75,8 @@ def parse_bytes(text: str, what: str) -> int:
     if not m:
         raise ValueError(f"{what} must be a size like 80G, 512M or 1e9, got {text!r}")
     value = float(m.group(1)) * _UNITS[m.group(2).upper()]
+    if not math.isfinite(value):
+        raise ValueError(f"{what} must be a finite size, got {text!r}")
     if value <= 0:
         raise ValueError(f"{what} must be > 0, got {text!r}")
     return int(value)
@@ -117,8 +120,8 @@ class PlanInput:
         if self.state_dtype not in _STATE_DTYPES:
             raise ValueError(f"state_dtype must be one of {_STATE_DTYPES}, got "
                              f"{self.state_dtype!r}")
-        if not self.params > 0:
-            raise ValueError(f"params must be > 0, got {self.params}")
+        if not (math.isfinite(self.params) and self.params > 0):
+            raise ValueError(f"params must be a finite number > 0, got {self.params}")
         if not 0 <= self.gpu_reserve < 1:
             raise ValueError(f"gpu_reserve must be in [0, 1), got {self.gpu_reserve}")
 
