@@ -25,12 +25,15 @@ from tierlift.zero.api import (
 )
 from tierlift.zero.config import MixedPrecision, ShardConfig
 from tierlift.zero.deferred import deferred_init
+from tierlift.zero.freed import NotGatheredError
+from tierlift.zero.gathered import gathered
 from tierlift.zero.groups import param_groups, shard_groups
+from tierlift.zero.guards import num_parameters
 from tierlift.zero.heartbeat import RankFailureError
 from tierlift.zero.scaler import LossScaler, LossScalerConfig
 
-__all__ = ["LossScaler", "LossScalerConfig", "MixedPrecision", "RankFailureError",
-           "ShardConfig", "clip_grad_norm_", "close", "deferred_init",
-           "default_units", "full_state_dict", "global_grad_norm", "is_shard", "last_step_stats",
-           "load_full_state_dict", "no_sync", "on_shard_grad_ready", "param_groups", "shard",
-           "shard_groups"]
+__all__ = ["LossScaler", "LossScalerConfig", "MixedPrecision", "NotGatheredError",
+           "RankFailureError", "ShardConfig", "clip_grad_norm_", "close", "deferred_init",
+           "default_units", "full_state_dict", "gathered", "global_grad_norm", "is_shard",
+           "last_step_stats", "load_full_state_dict", "no_sync", "num_parameters",
+           "on_shard_grad_ready", "param_groups", "shard", "shard_groups"]

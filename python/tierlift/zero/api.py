@@ -23,7 +23,7 @@ from tierlift._shards import (  # noqa: F401  (re-exported: tierlift.zero's API)
     sharded_norm,
 )
 from tierlift.lowp.linear import Float8Linear
-from tierlift.zero import materialize
+from tierlift.zero import guards, materialize
 from tierlift.zero.config import MixedPrecision, ShardConfig
 from tierlift.zero.fp8_gather import enable_fp8_all_gather
 from tierlift.zero.groups import check_param_group_fn, register_shards, split_units
@@ -239,6 +239,7 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
     state = ZeroState(config=config, topology=topology, root=model, units=units_out,
                       heartbeat=heartbeat, key_order=key_order, offload=offload, stats=stats)
     object.__setattr__(model, _ATTR, state)
+    guards.install(model, state)  # DDP, module swaps, foreign shards in load_state_dict
     model_ref = weakref.ref(model)  # no reference cycle: the model is freed as soon as unused
     model.no_sync = lambda: no_sync(model_ref())
     return model
@@ -317,16 +318,19 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     This scales the gradients in place (by 1.0 under the threshold too), which invalidates the
     steps tierlift.optim.AdamW(offload=..., overlap=True) ran during backward: with that
     optimizer pass max_grad_norm to it instead (the same global norm, scaling only when it must).
+    max_norm=inf only computes the norm (as torch; Hugging Face's max_grad_norm=0 logs it so).
     """
     state = _state(model)
     max_norm = float(max_norm)
     norm_type = float(norm_type)
-    if not math.isfinite(max_norm) or max_norm < 0:
-        raise ValueError(f"max_norm must be a finite number >= 0, got {max_norm}")
-    if norm_type <= 0:
+    if math.isnan(max_norm) or max_norm < 0:
+        raise ValueError(f"max_norm must be >= 0 (inf: only compute the norm), got {max_norm}")
+    if not norm_type > 0:
         raise ValueError(f"norm_type must be > 0 (or inf), got {norm_type}")
     grads = [u.shard.grad for u in state.units if u.shard.grad is not None]
     total = sharded_norm(state, grads, norm_type)
+    if math.isinf(max_norm):
+        return total
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
         g.mul_(coef.to(device=g.device, dtype=g.dtype))

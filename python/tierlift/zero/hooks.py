@@ -231,6 +231,10 @@ class ZeroState:
         if id(unit) not in self.hooked:
             self._gather(unit)
             self._prefetch(unit, -1)
+            # Views again in place of the freed stand-ins, for a recomputed (checkpointed)
+            # submodule; with grad enabled, so its gradient reaches `full`.
+            with torch.enable_grad():
+                unit.install_views()
         return None
 
     def _on_grad(self, unit: FlatUnit, full: torch.Tensor) -> None:

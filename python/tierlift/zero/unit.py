@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from tierlift import ops
+from tierlift.zero.freed import freed_weights
 
 
 @dataclass(kw_only=True)
@@ -106,6 +107,7 @@ class FlatUnit:
         self.full_grad = None  # stage 1: the averaged full gradient of the last backward
         self.fp8_gather = None  # an Fp8Gather (zero/fp8_gather.py) with fp8_all_gather=True
         self.shard_version = self.shard._version
+        self._freed = None     # the FreedWeight stand-ins, made at the first free()
         self.install_views()
 
     @property
@@ -130,6 +132,7 @@ class FlatUnit:
         if self.fp8_gather is not None:
             self.fp8_gather.release()  # its FP8 codes go with the weights
         self.gathered = False
+        self.install_freed()
 
     def needs_gather(self) -> bool:
         return not self.gathered or self.stale or self.shard._version != self.shard_version
@@ -186,6 +189,15 @@ class FlatUnit:
             view = self.full[e.offset:e.offset + e.numel].view(e.shape)
             for mod, attr in e.owners:
                 setattr(mod(), attr, view)
+
+    def install_freed(self) -> None:
+        """Point every owner attribute at a storage-less stand-in that raises a clear error
+        when used (a view of the freed buffer would read freed memory: freed.py)."""
+        if self._freed is None:
+            self._freed = freed_weights(self.entries, self.compute_dtype, self.device)
+        for e, stand_in in zip(self.entries, self._freed, strict=True):
+            for mod, attr in e.owners:
+                setattr(mod(), attr, stand_in)
 
     # ---- full weights (state dicts, checkpoints) ----
     def gather_fp32(self) -> torch.Tensor:

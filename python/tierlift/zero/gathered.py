@@ -1,0 +1,193 @@
+"""tierlift.zero.gathered(): the full weights of a sharded model in a `with` block, as DeepSpeed's
+GatheredParameters.
+
+    with tierlift.zero.gathered(model.embed, modifier_rank=0):   # every rank
+        if dist.get_rank() == 0:
+            model.embed.weight[pad_id].zero_()
+
+On entry every unit holding the given weights all-gathers its fp32 master shards into a buffer
+of its own, and the module attributes become views of it (fp32, no grad): the same on every
+rank, at stages 1, 2 and 3 and with parameter offload. On exit the attributes go back to what
+they were (views of the gathered compute weights, or stage 3's freed stand-ins). With
+modifier_rank=r, rank r's buffers are broadcast and every rank copies its slice into its shard
+(edits on other ranks are discarded); the next forward gathers the new weights. Without it the
+block is read-only: an in-place edit of a gathered weight raises at exit (the version counter
+sees edits through the tensor itself; writes through `.data` escape it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tierlift._shards import shard_owner
+from tierlift.zero.guards import live_states, states_in
+
+
+def _resolve(obj) -> list[tuple]:
+    """[(state, [unit indices])] for the weights `obj` names, states and units in a fixed order
+    (so that every rank issues the same collectives)."""
+    items = [obj] if isinstance(obj, (nn.Module, torch.Tensor)) else list(obj)
+    picked: list[list] = []
+
+    def add(state, index: int) -> None:
+        for entry in picked:
+            if entry[0] is state:
+                entry[1].add(index)
+                return
+        picked.append([state, {index}])
+
+    for item in items:
+        if isinstance(item, nn.Module):
+            inside = {id(m) for m in item.modules()}
+            for state in states_in(item):
+                for i, u in enumerate(state.units):
+                    if any(id(mod()) in inside for e in u.entries for mod, _ in e.owners):
+                        add(state, i)
+        elif isinstance(item, torch.Tensor):
+            owner = shard_owner(item)
+            if owner is not None:
+                add(*owner)
+                continue
+            for state in live_states():
+                for i, u in enumerate(state.units):
+                    if any(getattr(mod(), attr, None) is item
+                           for e in u.entries for mod, attr in e.owners):
+                        add(state, i)
+        else:
+            raise TypeError(f"gathered() takes modules, tensors or an iterable of them, got "
+                            f"{type(item).__name__}")
+    return [(state, sorted(idx)) for state, idx in picked]
+
+
+def _check_modifier(state, modifier_rank) -> None:
+    if modifier_rank is None:
+        return
+    world = state.world_comm.world
+    if isinstance(modifier_rank, bool) or not isinstance(modifier_rank, int) \
+            or not 0 <= modifier_rank < world:
+        raise ValueError(f"modifier_rank must be None or a rank of the model's process group "
+                         f"(0..{world - 1}), got {modifier_rank!r}")
+
+
+class _Held:
+    """One unit gathered for the block: its fp32 buffer and the views put on the module."""
+
+    def __init__(self, unit):
+        self.unit = unit
+        unit.wait_gather()
+        buf = torch.empty(unit.padded, dtype=torch.float32, device=unit.device)
+        unit.comm.wait(unit.comm.all_gather(buf, unit.shard.detach().to(unit.device)))
+        self.buf = buf
+        self.views = [buf[e.offset:e.offset + e.numel].view(e.shape) for e in unit.entries]
+        for e, v in zip(unit.entries, self.views, strict=True):
+            for mod, attr in e.owners:
+                setattr(mod(), attr, v)
+        self.version = buf._version
+
+    def edited(self) -> bool:
+        return self.buf._version != self.version
+
+    def replaced(self) -> str | None:
+        """The first module attribute no longer holding its gathered view, as a message."""
+        for e, v in zip(self.unit.entries, self.views, strict=True):
+            for mod, attr in e.owners:
+                now = getattr(mod(), attr, None)
+                if now is v:
+                    continue
+                if isinstance(now, torch.Tensor) and tuple(now.shape) == tuple(e.shape):
+                    with torch.no_grad():
+                        v.copy_(now)  # a same-shape replacement counts as an edit
+                    continue
+                shape = tuple(now.shape) if isinstance(now, torch.Tensor) else type(now).__name__
+                return (f"{e.names[0]!r} was replaced by {shape} inside gathered(); a sharded "
+                        f"weight keeps its shape {tuple(e.shape)}: edit it in place")
+        return None
+
+    def restore(self, state, collective: bool) -> None:
+        unit = self.unit
+        if unit.gathered or unit.pending is not None:
+            if collective:
+                state._gather(unit)  # current again (a no-op unless the shard changed)
+            else:
+                unit.wait_gather()
+            unit.install_views()
+        else:
+            unit.install_freed()
+
+    @torch.no_grad()
+    def write_back(self) -> None:
+        unit = self.unit
+        lo = unit.comm.rank * unit.shard_numel
+        unit.shard.copy_(self.buf[lo:lo + unit.shard_numel])
+        unit.stale = True
+
+
+@contextlib.contextmanager
+def gathered(params_or_module, modifier_rank: int | None = None):
+    """Full weights inside the block on every rank; with modifier_rank=r, rank r's edits are
+    written back into every rank's shards on exit. A collective: every rank enters it with the
+    same weights, outside forward and backward. Weights that are not sharded (frozen ones,
+    an unsharded model) are left alone. See the module doc."""
+    targets = _resolve(params_or_module)
+    for state, _ in targets:
+        _check_modifier(state, modifier_rank)
+    held: list[tuple] = []
+    try:
+        for state, idx in targets:
+            for i in idx:
+                held.append((state, _Held(state.units[i])))
+    except BaseException:
+        for state, h in held:
+            h.restore(state, collective=False)
+        raise
+    try:
+        yield
+    except BaseException:
+        for state, h in held:  # the block failed (maybe on this rank only): no collective
+            h.restore(state, collective=False)
+        raise
+    try:
+        _finish(targets, held, modifier_rank)
+    finally:
+        for state, h in held:
+            h.restore(state, collective=True)
+
+
+def _finish(targets, held, modifier_rank) -> None:
+    if modifier_rank is None:
+        for _, h in held:
+            if h.edited():
+                e = h.unit.entries[0]
+                raise RuntimeError(
+                    f"a weight of unit {h.unit.name!r} ({e.names[0]!r}...) was edited inside "
+                    "tierlift.zero.gathered() without modifier_rank; the edit is discarded. "
+                    "Pass modifier_rank=<the rank whose edits to keep> to write it back")
+        return
+    for state, _ in targets:
+        comm = state.world_comm
+        mine = [h for s, h in held if s is state]
+        problem = None
+        if comm.rank == modifier_rank:
+            problem = next((m for m in (h.replaced() for h in mine) if m is not None), None)
+        flag = torch.tensor([0 if problem is None else 1], device=mine[0].unit.device)
+        _broadcast(comm, flag, modifier_rank)
+        if int(flag.item()):
+            raise RuntimeError(problem if problem is not None else
+                               f"rank {modifier_rank} (modifier_rank) replaced a gathered "
+                               "weight by one of another shape; nothing was written back")
+        for h in mine:
+            _broadcast(comm, h.buf, modifier_rank)
+        for h in mine:
+            h.write_back()
+
+
+def _broadcast(comm, t: torch.Tensor, src: int) -> None:
+    if comm.world == 1:
+        return
+    if comm.rank == src:
+        comm._count(t.numel() * t.element_size())
+    comm.wait(comm._run(dist.broadcast, t, group_src=src, async_op=True))

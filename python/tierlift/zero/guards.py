@@ -1,0 +1,257 @@
+"""Guard rails: uses of a sharded model that would silently go wrong are refused, or made exact.
+
+- DistributedDataParallel around a model holding ZeRO shards: its constructor would broadcast
+  rank 0's shards over every other rank's (each rank holds a different slice) and reduce the
+  gradients a second time. A global module-registration hook refuses it when DDP registers the
+  module, before DDP's first collective.
+- Replacing a submodule that holds sharded weights (resize_token_embeddings, LoRA layers
+  injected after shard()) would leave the unit pointing at the old module; adding a submodule
+  with trainable parameters would train it with no gradient reduction. Both are refused.
+- model.state_dict() records, in its `_metadata` (which torch.save keeps), the rank, world size
+  and layout its `*_zero_flat_shard` entries belong to; model.load_state_dict loads shard entries
+  only when that record says they are this rank's, and turns full (unsharded) entries into this
+  rank's slice, as load_full_state_dict does. Refusals come before anything is copied.
+- Each shard Parameter carries `full_numel` (its unit's elements in the unsharded model), and
+  num_parameters() counts the unsharded model.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from tierlift._shards import is_shard
+from tierlift.zero.hooks import _ATTR
+
+_META_KEY = "tierlift_zero"  # in a module's state_dict _metadata: its shards' record
+_MODEL_KEY = "tierlift_zero_model"  # the whole sharded model's
+_MEMBERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> weak ZeroState
+_STATES: weakref.WeakSet = weakref.WeakSet()  # every live ZeroState
+_HOOK = []  # the global module-registration hook's handle, installed once
+
+_DDP_FIX = ("do not wrap it: tierlift.zero already averages the gradients across ranks. With "
+            "Hugging Face use tierlift.hf.Trainer / tierlift.hf.Accelerator, which leave the "
+            "model unwrapped")
+
+
+def install(model: nn.Module, state) -> None:
+    """Called by shard() once the model is sharded: the guards for `model`."""
+    ref = weakref.ref(state)
+    for m in model.modules():
+        _MEMBERS[m] = ref
+    _STATES.add(state)
+    state.owner_modules = weakref.WeakSet(
+        mod() for u in state.units for e in u.entries for mod, _ in e.owners)
+    for u in state.units:
+        u.shard.full_numel = u.numel
+    # Whole-model checks on the model (refusing before any module copies anything), and each
+    # module holding shards checks and converts its own (also when loaded on its own).
+    names = {id(p): n for n, p in model.named_parameters()}
+    mod_names = {id(m): n for n, m in model.named_modules()}
+    whole = [(names[id(u.shard)], u, list(e.names for e in u.entries)) for u in state.units]
+    _hook_state_dict(model, state, ref, whole, _MODEL_KEY, convert=False)
+    by_module: dict[int, list] = {}
+    for u in state.units:
+        base = mod_names[id(u.module)]
+        cut = len(base) + 1 if base else 0
+        item = (names[id(u.shard)][cut:], u, [[n[cut:] for n in e.names] for e in u.entries])
+        by_module.setdefault(id(u.module), [u.module, []])[1].append(item)
+    for module, items in by_module.values():
+        _hook_state_dict(module, state, ref, items, _META_KEY, convert=True)
+    if not _HOOK:
+        _HOOK.append(nn.modules.module.register_module_module_registration_hook(_on_register))
+
+
+def states_in(module: nn.Module) -> list:
+    """The ZeroStates of the sharded models `module` is part of or holds, in a fixed order."""
+    out = []
+    for m in module.modules():
+        ref = _MEMBERS.get(m)
+        state = ref() if ref is not None else None
+        if state is not None and all(state is not s for s in out):
+            out.append(state)
+    return out
+
+
+def live_states() -> list:
+    return list(_STATES)
+
+
+# ---- module registration: DDP, replaced and added submodules ----
+def _holds_shards(module: nn.Module) -> bool:
+    return (any(is_shard(p) for p in module.parameters())
+            or any(m in _MEMBERS for m in module.modules()))
+
+
+def _on_register(parent, name, child):
+    if isinstance(parent, nn.parallel.DistributedDataParallel):
+        if child is not None and _holds_shards(child):
+            raise RuntimeError(
+                "DistributedDataParallel was given a model sharded by tierlift.zero.shard: it "
+                "would broadcast rank 0's shards over every other rank's shards (each rank "
+                f"holds a different slice) and reduce the gradients twice; {_DDP_FIX}")
+        return None
+    ref = _MEMBERS.get(parent)
+    state = ref() if ref is not None else None
+    if state is None:
+        return None
+    old = parent._modules.get(name)
+    if old is child:
+        return None
+    if old is not None and any(m in state.owner_modules for m in old.modules()):
+        raise RuntimeError(
+            f"cannot replace submodule {name!r} of a model sharded by tierlift.zero.shard: "
+            "its weights are sharded, and the shards would keep pointing at the old module "
+            "(resize_token_embeddings, adapters such as LoRA, or any module swap must happen "
+            "before tierlift.zero.shard(model))")
+    if child is not None and any(p.requires_grad for p in child.parameters()):
+        raise RuntimeError(
+            f"cannot add submodule {name!r} with trainable parameters to a model sharded by "
+            "tierlift.zero.shard: its parameters would not be sharded and their gradients "
+            "not averaged across ranks; add it before tierlift.zero.shard(model) (or freeze it)")
+    return None
+
+
+# ---- state dicts ----
+def _hook_state_dict(module, state, ref, items, meta_key: str, convert: bool) -> None:
+    """items: [(shard key, unit, [names of each entry])], relative to `module`."""
+    layout = [[k, u.numel] for k, u, _ in items]
+
+    def save(mod, state_dict, prefix, local_metadata):
+        st = ref()
+        if st is not None:
+            local_metadata[meta_key] = {"rank": st.comm.rank, "world": st.comm.world,
+                                        "layout": [list(x) for x in layout]}
+
+    def load(mod, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        st = ref()
+        if st is None:
+            return
+        plan = _check_load(st, state_dict, prefix, local_metadata.get(meta_key), items, layout,
+                           assign=bool(local_metadata.get("assign_to_params_buffers")),
+                           build=convert)
+        for key, piece, drop in plan:
+            for n in drop:
+                state_dict.pop(n, None)
+            state_dict[key] = piece
+
+    state.handles.append(module.register_state_dict_post_hook(save))
+    state.handles.append(module.register_load_state_dict_pre_hook(load))
+
+
+def _check_load(state, sd, prefix, rec, items, layout, assign: bool, build: bool) -> list:
+    """Raises when `sd` must not load into the shards of `items`; else the conversions of full
+    weights into this rank's slices: [(shard key, slice, full keys to drop)]."""
+    shard_in = [(prefix + k, u) for k, u, _ in items if prefix + k in sd]
+    full_in: dict[int, dict[int, str]] = {}
+    for i, (_, _, entry_names) in enumerate(items):
+        for j, names in enumerate(entry_names):
+            found = next((prefix + n for n in names if prefix + n in sd), None)
+            if found is not None:
+                full_in.setdefault(i, {})[j] = found
+    if not shard_in and not full_in:
+        return []
+    if assign:
+        raise RuntimeError("load_state_dict(assign=True) would replace the shard parameters of "
+                           "a model sharded by tierlift.zero.shard; load without assign")
+    if shard_in and full_in:
+        first = next(iter(next(iter(full_in.values())).values()))
+        raise RuntimeError(f"state_dict holds both shards ({shard_in[0][0]!r}) and full "
+                           f"weights ({first!r}) of a sharded model; give one or the other")
+    if shard_in:
+        _check_shards(state, sd, rec, shard_in, layout)
+        return []
+    plan = []
+    for i, (key, u, entry_names) in enumerate(items):
+        given = full_in.get(i)
+        if not given:
+            continue  # left as it is; torch reports its shard as missing
+        if len(given) < len(entry_names):
+            gone = next(names[0] for j, names in enumerate(entry_names) if j not in given)
+            raise RuntimeError(
+                f"state_dict has no entry for {prefix + gone!r}, which is sharded together with "
+                f"{given[min(given)]!r} (unit {u.name!r}): a sharded unit loads whole; give "
+                "all its weights, or none of them to leave it as it is")
+        for j, e in enumerate(u.entries):
+            t = sd[given[j]]
+            if tuple(t.shape) != tuple(e.shape):
+                raise RuntimeError(f"size mismatch for {given[j]!r}: the state_dict has shape "
+                                   f"{tuple(t.shape)}, the model {tuple(e.shape)}")
+        plan.append((i, key, u, given, entry_names))
+    if not build:
+        return []
+    return [(prefix + key, _slice(u, [sd[given[j]] for j in range(len(u.entries))]),
+             [prefix + n for names in entry_names for n in names])
+            for i, key, u, given, entry_names in plan]
+
+
+def _check_shards(state, sd, rec, shard_in, layout) -> None:
+    first = shard_in[0][0]
+    fix = ("load shards with tierlift.checkpoint.load(path, model), or full weights with "
+           "model.load_state_dict(full) / tierlift.zero.load_full_state_dict(model, full)")
+    if not isinstance(rec, dict):
+        raise RuntimeError(
+            f"state_dict holds ZeRO shards ({first!r}) with no record of the rank and world size "
+            "they were saved on (model.state_dict() keeps one in its _metadata; safetensors "
+            "files and rebuilt dicts lose it), so they may be another rank's; " + fix)
+    rank, world = state.comm.rank, state.comm.world
+    if rec.get("world") != world or rec.get("rank") != rank:
+        raise RuntimeError(
+            f"state_dict holds the ZeRO shards of rank {rec.get('rank')} of "
+            f"{rec.get('world')}; this is rank {rank} of {world}, whose shards are other "
+            "slices of the weights; " + fix)
+    if rec.get("layout") != [list(x) for x in layout]:
+        raise RuntimeError(f"state_dict holds ZeRO shards ({first!r}) of a model split into "
+                           "units differently; " + fix)
+    by_key = {k: u for k, u in shard_in}
+    for key, u in by_key.items():
+        t = sd[key]
+        if tuple(t.shape) != (u.shard_numel,):
+            raise RuntimeError(f"size mismatch for {key!r}: the state_dict has shape "
+                               f"{tuple(t.shape)}, the shard ({u.shard_numel},)")
+
+
+@torch.no_grad()
+def _slice(unit, tensors: list[torch.Tensor]) -> torch.Tensor:
+    """This rank's fp32 slice of the unit's padded flat buffer, from full per-entry tensors."""
+    n = unit.shard_numel
+    lo = unit.comm.rank * n
+    out = torch.zeros(n, dtype=torch.float32, device=unit.shard.device)
+    for e, t in zip(unit.entries, tensors, strict=True):
+        a, b = max(lo, e.offset), min(lo + n, e.offset + e.numel)
+        if a < b:
+            flat = t.detach().reshape(-1)[a - e.offset:b - e.offset]
+            out[a - lo:b - lo].copy_(flat)
+    return out
+
+
+# ---- parameter counts ----
+def num_parameters(model: nn.Module, only_trainable: bool = False,
+                   exclude_embeddings: bool = False) -> int:
+    """The parameter count of the unsharded model, as Hugging Face's
+    PreTrainedModel.num_parameters() counts it: each parameter once (tied ones once), the
+    sharded ones at their full size, frozen ones unless only_trainable; exclude_embeddings
+    leaves out the weights of nn.Embedding modules. `model` may hold the sharded model (a
+    wrapper) or be a plain model."""
+    skip = set()
+    if exclude_embeddings:
+        skip = {f"{n}.weight" if n else "weight" for n, m in model.named_modules()
+                if isinstance(m, nn.Embedding)}
+    total, shards = 0, set()
+    for prefix, root in model.named_modules():
+        state = getattr(root, _ATTR, None)
+        if state is None:
+            continue
+        dot = prefix + "." if prefix else ""
+        for u in state.units:
+            shards.add(id(u.shard))
+            for e in u.entries:
+                if not skip.intersection(dot + n for n in e.names):
+                    total += e.numel  # sharded weights are trainable
+    for name, p in model.named_parameters():
+        if id(p) in shards or name in skip or (only_trainable and not p.requires_grad):
+            continue
+        total += p.numel()
+    return total
