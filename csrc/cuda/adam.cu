@@ -12,14 +12,17 @@ constexpr int kThreads = 512;
 
 using Pack = TensorPack<AdamTensorPtrs>;
 
-template <DType kGrad, DType kCopy>
-__global__ void __launch_bounds__(kThreads) adam_kernel(Pack pack, AdamScalars s) {
+template <DType kGrad, DType kCopy, bool kUnscale>
+__global__ void __launch_bounds__(kThreads)
+    adam_kernel(Pack pack, AdamScalars s, const float* grad_scale) {
   const AdamTensorPtrs& t = pack.t[pack.block_tensor[blockIdx.x]];
   const int64_t begin = static_cast<int64_t>(pack.block_chunk[blockIdx.x]) * kChunk;
   const int64_t end = min(t.numel, begin + kChunk);
+  float inv_grad_scale = 1.f;
+  if constexpr (kUnscale) inv_grad_scale = unscale_factor(grad_scale);
   for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
     float p;
-    const float g = grad_and_decay<kGrad>(s, t.grad, t.param, i, p);
+    const float g = grad_and_decay<kGrad, kUnscale>(s, inv_grad_scale, t.grad, t.param, i, p);
     const Moments mv = moments(s, g, t.exp_avg[i], t.exp_avg_sq[i]);
     t.exp_avg[i] = mv.m;
     t.exp_avg_sq[i] = mv.v;
@@ -34,19 +37,25 @@ __global__ void __launch_bounds__(kThreads) adam_kernel(Pack pack, AdamScalars s
 }
 
 template <DType kGrad, DType kCopy>
-cudaError_t run(const AdamTensorPtrs* tensors, int count, const AdamScalars& s,
-                cudaStream_t stream) {
+cudaError_t run(const AdamTensorPtrs* tensors, int count, const AdamScalars& s, cudaStream_t stream,
+                const float* grad_scale) {
   return launch_packed<kChunk>(tensors, count, [&](const Pack& pack, int blocks) {
-    TIERLIFT_LAUNCH(blocks, kThreads, 0, stream, adam_kernel<kGrad, kCopy>)(pack, s);
+    if (grad_scale != nullptr) {
+      TIERLIFT_LAUNCH(blocks, kThreads, 0, stream, adam_kernel<kGrad, kCopy, true>)
+      (pack, s, grad_scale);
+    } else {
+      TIERLIFT_LAUNCH(blocks, kThreads, 0, stream, adam_kernel<kGrad, kCopy, false>)
+      (pack, s, grad_scale);
+    }
   });
 }
 
 }  // namespace
 
 cudaError_t adam_step(const AdamTensorPtrs* tensors, int count, DType grad_type, DType copy_type,
-                      const AdamScalars& s, cudaStream_t stream) {
+                      const AdamScalars& s, cudaStream_t stream, const float* grad_scale) {
   return dispatch_grad_copy(grad_type, copy_type, [&](auto grad, auto copy) {
-    return run<decltype(grad)::value, decltype(copy)::value>(tensors, count, s, stream);
+    return run<decltype(grad)::value, decltype(copy)::value>(tensors, count, s, stream, grad_scale);
   });
 }
 

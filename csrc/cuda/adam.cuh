@@ -24,9 +24,11 @@ struct AdamTensorPtrs {
   int64_t numel;
 };
 
-// All tensors in one call share grad_type and copy_type (the caller groups them).
+// All tensors in one call share grad_type and copy_type (the caller groups them). grad_scale:
+// null, or GradScaler's fp32 scale in device memory (finite, > 0): every gradient is multiplied
+// by (float)(1.0 / (double)*grad_scale) before use, as GradScaler.unscale_ would.
 cudaError_t adam_step(const AdamTensorPtrs* tensors, int count, DType grad_type, DType copy_type,
-                      const AdamScalars& s, cudaStream_t stream);
+                      const AdamScalars& s, cudaStream_t stream, const float* grad_scale = nullptr);
 
 }  // namespace cuda
 }  // namespace tierlift

@@ -30,11 +30,11 @@ __device__ __forceinline__ float decode_code(uint8_t code, float block_max) {
 }
 
 // adam_impl.h's decay_and_moments and apply_update on one element; returns the new v.
-template <DType kGrad, DType kCopy>
+template <DType kGrad, DType kCopy, bool kUnscale>
 __device__ __forceinline__ float step_element(const CompactAdamTensorPtrs& t, const AdamScalars& s,
-                                              int64_t i, float old_max) {
+                                              float inv_grad_scale, int64_t i, float old_max) {
   float p;
-  const float g = grad_and_decay<kGrad>(s, t.grad, t.param, i, p);
+  const float g = grad_and_decay<kGrad, kUnscale>(s, inv_grad_scale, t.grad, t.param, i, p);
   const Moments mv =
       moments(s, g, bf16_to_f32(t.exp_avg[i]), decode_code(t.exp_avg_sq[i], old_max));
   t.exp_avg[i] = f32_to_bf16(mv.m);
@@ -42,19 +42,23 @@ __device__ __forceinline__ float step_element(const CompactAdamTensorPtrs& t, co
   return mv.v;
 }
 
-template <DType kGrad, DType kCopy>
-__global__ void __launch_bounds__(kThreads) adam_compact_kernel(Pack pack, AdamScalars s) {
+template <DType kGrad, DType kCopy, bool kUnscale>
+__global__ void __launch_bounds__(kThreads)
+    adam_compact_kernel(Pack pack, AdamScalars s, const float* grad_scale) {
   __shared__ float warp_max[kWarps];
   __shared__ int warp_bad[kWarps];
   const CompactAdamTensorPtrs& t = pack.t[pack.block_tensor[blockIdx.x]];
   const int64_t begin = static_cast<int64_t>(pack.block_chunk[blockIdx.x]) * kChunk;
   const int64_t end = min(t.numel, begin + kChunk);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  float inv_grad_scale = 1.f;
+  if constexpr (kUnscale) inv_grad_scale = unscale_factor(grad_scale);
   for (int64_t b0 = begin; b0 < end; b0 += kCompactBlock) {
     float* scale = t.exp_avg_sq_scale + b0 / kCompactBlock;
     const int64_t i = b0 + threadIdx.x;
     const bool live = i < end;
-    const float v = live ? step_element<kGrad, kCopy>(t, s, i, *scale) : 0.f;
+    const float v =
+        live ? step_element<kGrad, kCopy, kUnscale>(t, s, inv_grad_scale, i, *scale) : 0.f;
     // Block max (exact in any order) and whether any v is NaN or infinite.
     float vmax = v;
     int bad = !(__fsub_rn(v, v) == 0.f);
@@ -82,18 +86,25 @@ __global__ void __launch_bounds__(kThreads) adam_compact_kernel(Pack pack, AdamS
 
 template <DType kGrad, DType kCopy>
 cudaError_t run(const CompactAdamTensorPtrs* tensors, int count, const AdamScalars& s,
-                cudaStream_t stream) {
+                cudaStream_t stream, const float* grad_scale) {
   return launch_packed<kChunk>(tensors, count, [&](const Pack& pack, int blocks) {
-    TIERLIFT_LAUNCH(blocks, kThreads, 0, stream, adam_compact_kernel<kGrad, kCopy>)(pack, s);
+    if (grad_scale != nullptr) {
+      TIERLIFT_LAUNCH(blocks, kThreads, 0, stream, adam_compact_kernel<kGrad, kCopy, true>)
+      (pack, s, grad_scale);
+    } else {
+      TIERLIFT_LAUNCH(blocks, kThreads, 0, stream, adam_compact_kernel<kGrad, kCopy, false>)
+      (pack, s, grad_scale);
+    }
   });
 }
 
 }  // namespace
 
 cudaError_t adam_compact_step(const CompactAdamTensorPtrs* tensors, int count, DType grad_type,
-                              DType copy_type, const AdamScalars& s, cudaStream_t stream) {
+                              DType copy_type, const AdamScalars& s, cudaStream_t stream,
+                              const float* grad_scale) {
   return dispatch_grad_copy(grad_type, copy_type, [&](auto grad, auto copy) {
-    return run<decltype(grad)::value, decltype(copy)::value>(tensors, count, s, stream);
+    return run<decltype(grad)::value, decltype(copy)::value>(tensors, count, s, stream, grad_scale);
   });
 }
 

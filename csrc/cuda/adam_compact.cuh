@@ -26,9 +26,11 @@ struct CompactAdamTensorPtrs {
   int64_t numel;
 };
 
-// All tensors in one call share grad_type and copy_type (the caller groups them).
+// All tensors in one call share grad_type and copy_type (the caller groups them). grad_scale:
+// as in cuda::adam_step (cuda/adam.cuh).
 cudaError_t adam_compact_step(const CompactAdamTensorPtrs* tensors, int count, DType grad_type,
-                              DType copy_type, const AdamScalars& s, cudaStream_t stream);
+                              DType copy_type, const AdamScalars& s, cudaStream_t stream,
+                              const float* grad_scale = nullptr);
 
 }  // namespace cuda
 }  // namespace tierlift

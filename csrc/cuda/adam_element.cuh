@@ -49,12 +49,22 @@ __device__ __forceinline__ void store(void* p, int64_t i, float x) {
   if constexpr (kT == DType::kFloat16) static_cast<uint16_t*>(p)[i] = f32_to_f16(x);
 }
 
-// Loads grad[i] and param[i]; returns the gradient (negated when maximizing, plus the L2 term
-// for Adam) and sets p to the weight, decayed for AdamW.
-template <DType kGrad>
-__device__ __forceinline__ float grad_and_decay(const AdamScalars& s, const void* grad,
-                                                const float* param, int64_t i, float& p) {
+// core's grad_unscale_factor on the device: GradScaler's scale (read from device memory, so no
+// host sync) as the fp32 factor unscale_ multiplies by, 1 / scale in double rounded to fp32.
+// Double division is correctly rounded in CUDA whatever the float precision flags.
+__device__ __forceinline__ float unscale_factor(const float* grad_scale) {
+  return static_cast<float>(1.0 / static_cast<double>(*grad_scale));
+}
+
+// Loads grad[i] and param[i]; returns the gradient (unscaled by inv_grad_scale when kUnscale,
+// negated when maximizing, plus the L2 term for Adam) and sets p to the weight, decayed for
+// AdamW.
+template <DType kGrad, bool kUnscale>
+__device__ __forceinline__ float grad_and_decay(const AdamScalars& s, float inv_grad_scale,
+                                                const void* grad, const float* param, int64_t i,
+                                                float& p) {
   float g = load<kGrad>(grad, i);
+  if constexpr (kUnscale) g = __fmul_rn(g, inv_grad_scale);
   if (s.maximize) g = -g;
   p = param[i];
   if (s.decoupled) {

@@ -4,9 +4,10 @@
 // AddressSanitizer catches any element the kernel touches outside its tensors.
 //
 // Covered: every grad dtype x param-copy dtype, Adam/AdamW, weight decay 0 and not, amsgrad,
-// maximize, several steps, empty tensors, numels around the 64Ki-element chunk, more tensors
-// than one launch's pack holds (24), and a tensor whose chunks straddle two launches (320 blocks
-// per launch). Mirrors tests/python/test_optim.py's gpu tests, scaled down for the simulator.
+// maximize, AMP unscaling (grad_scale read from device memory), several steps, empty tensors,
+// numels around the 64Ki-element chunk, more tensors than one launch's pack holds (24), and a
+// tensor whose chunks straddle two launches (320 blocks per launch). Mirrors
+// tests/python/test_optim.py's gpu tests, scaled down for the simulator.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -169,8 +170,11 @@ class TwinModel {
                       config_.copy_type == DType::kNone ? nullptr : t.copy(), t.numel});
     }
     const uint64_t launches_before = cudasim::launch_count();
-    const cudaError_t err = cuda::adam_step(ptrs.data(), static_cast<int>(ptrs.size()),
-                                            config_.grad_type, config_.copy_type, s, nullptr);
+    // The kernel reads the scale through a pointer (device memory on a GPU), core by value.
+    const float scale = h.grad_scale;
+    const cudaError_t err =
+        cuda::adam_step(ptrs.data(), static_cast<int>(ptrs.size()), config_.grad_type,
+                        config_.copy_type, s, nullptr, h.unscale ? &scale : nullptr);
     ASSERT_EQ(err, cudaSuccess) << cudaGetErrorString(err);
     launches_ = cudasim::launch_count() - launches_before;
     for (TensorData& t : ref_) {
@@ -244,6 +248,7 @@ struct Options {
   double weight_decay;
   bool amsgrad;
   bool maximize;
+  float grad_scale = 0.f;  // > 0: AMP, the gradients are unscaled by it
 };
 
 AdamHyper hyper(const Options& o, int64_t step) {
@@ -254,6 +259,8 @@ AdamHyper hyper(const Options& o, int64_t step) {
   h.amsgrad = o.amsgrad;
   h.maximize = o.maximize;
   h.step = step;
+  h.unscale = o.grad_scale > 0.f;
+  h.grad_scale = h.unscale ? o.grad_scale : 1.f;
   return h;
 }
 
@@ -298,6 +305,31 @@ INSTANTIATE_TEST_SUITE_P(AllCombinations, AdamKernelDtypeOptions,
                                             ::testing::Bool(), ::testing::Bool(),
                                             ::testing::Bool()),
                          dtype_option_name);
+
+// ---- AMP: the gradients unscaled by a scale in device memory, every dtype combination ----
+
+class AdamKernelUnscale : public ::testing::TestWithParam<std::tuple<DType, DType, float>> {};
+
+TEST_P(AdamKernelUnscale, MatchesCoreBitForBit) {
+  const auto [grad_type, copy_type, scale] = GetParam();
+  run_steps({1, 777, 0, kChunk + 5}, grad_type, copy_type, {true, 0.1, false, false, scale},
+            /*steps=*/2, /*launches=*/1);
+  run_steps({3001}, grad_type, copy_type, {false, 0.1, true, true, scale}, /*steps=*/2,
+            /*launches=*/1);
+}
+
+INSTANTIATE_TEST_SUITE_P(AllDtypes, AdamKernelUnscale,
+                         ::testing::Combine(::testing::ValuesIn(kInputDtypes),
+                                            ::testing::ValuesIn(kCopyTypes),
+                                            ::testing::Values(65536.f, 1000.f, 0.375f)),
+                         [](const ::testing::TestParamInfo<std::tuple<DType, DType, float>>& info) {
+                           const float scale = std::get<2>(info.param);
+                           return std::string("Grad") + dtype_name(std::get<0>(info.param)) +
+                                  "_Copy" + dtype_name(std::get<1>(info.param)) + "_Scale" +
+                                  (scale == 65536.f  ? "Pow2"
+                                   : scale == 1000.f ? "1000"
+                                                     : "Small");
+                         });
 
 // ---- Numels around the chunk size, every dtype combination ----
 

@@ -100,6 +100,7 @@ struct Case {
   bool decoupled = true;
   double weight_decay = 0.01;
   bool maximize = false;
+  float grad_scale = 0.f;  // > 0: AMP, the gradients are unscaled by it
 };
 
 // Steps the same tensors in the simulator and on the CPU `steps` times, comparing after each;
@@ -119,6 +120,8 @@ void run_steps(const std::vector<int64_t>& numels, const Case& c, int steps, uin
     h.decoupled = c.decoupled;
     h.maximize = c.maximize;
     h.step = step;
+    h.unscale = c.grad_scale > 0.f;
+    h.grad_scale = h.unscale ? c.grad_scale : 1.f;
     const AdamScalars s = adam_scalars(h);
     std::vector<cuda::CompactAdamTensorPtrs> ptrs;
     for (size_t k = 0; k < numels.size(); ++k) {
@@ -134,8 +137,10 @@ void run_steps(const std::vector<int64_t>& numels, const Case& c, int steps, uin
                       t.scales.data(), t.copy(c.copy_type), t.numel});
     }
     const uint64_t before = cudasim::launch_count();
-    const cudaError_t err = cuda::adam_compact_step(ptrs.data(), static_cast<int>(ptrs.size()),
-                                                    c.grad_type, c.copy_type, s, nullptr);
+    // The kernel reads the scale through a pointer (device memory on a GPU), core by value.
+    const cudaError_t err =
+        cuda::adam_compact_step(ptrs.data(), static_cast<int>(ptrs.size()), c.grad_type,
+                                c.copy_type, s, nullptr, h.unscale ? &h.grad_scale : nullptr);
     ASSERT_EQ(err, cudaSuccess) << cudaGetErrorString(err);
     EXPECT_EQ(cudasim::launch_count() - before, launches) << "launches in step " << step;
     for (TensorData& t : ref) {
@@ -201,6 +206,18 @@ TEST(AdamCompactKernelSizes, ManyTensorsAcrossPacks) {
     if (k % 7 == 0) numels.push_back(0);
   }
   run_steps(numels, {DType::kFloat16, DType::kFloat16, false, 0.1, true}, 2, 2);
+}
+
+// AMP: gradients unscaled by a scale in device memory (a power of two, 1000, one below 1).
+TEST(AdamCompactKernelUnscale, MatchesCoreBitForBit) {
+  for (DType g : kInputDtypes) {
+    for (float scale : {65536.f, 1000.f, 0.375f}) {
+      SCOPED_TRACE(std::string("grad ") + dtype_name(g) + ", scale " + std::to_string(scale));
+      run_steps({1, 255, 0, kChunk + 1031}, {g, DType::kBFloat16, true, 0.1, false, scale}, 2, 1);
+      run_steps({1031}, {g, DType::kNone, false, 0.1, true, scale}, 2, 1);
+      if (HasFailure()) return;
+    }
+  }
 }
 
 TEST(AdamCompactKernelSizes, NonFiniteGradientPoisonsItsBlockOnBothSides) {

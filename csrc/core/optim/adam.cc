@@ -24,6 +24,8 @@ AdamScalars adam_scalars(const AdamHyper& h) {
   s.decoupled = h.decoupled;
   s.amsgrad = h.amsgrad;
   s.maximize = h.maximize;
+  s.unscale = h.unscale;
+  s.inv_grad_scale = h.unscale ? grad_unscale_factor(h.grad_scale) : 1.0f;
   return s;
 }
 

@@ -27,7 +27,25 @@ struct AdamHyper {
   bool decoupled = true;  // AdamW (true) or Adam with L2 penalty (false)
   bool amsgrad = false;
   bool maximize = false;
+  // AMP: the gradients are still multiplied by GradScaler's scale (finite, > 0); each one is
+  // multiplied by grad_unscale_factor(grad_scale) before use, as GradScaler.unscale_ would.
+  bool unscale = false;
+  float grad_scale = 1.0f;
 };
+
+// GradScaler.unscale_'s factor: the fp32 scale's reciprocal in double, rounded to fp32
+// (torch: scale.double().reciprocal().float()). The CUDA kernels compute the same on the device.
+inline float grad_unscale_factor(float grad_scale) {
+  return static_cast<float>(1.0 / static_cast<double>(grad_scale));
+}
+
+// Whether unscaling by grad_scale is an ordinary finite factor. A scale of 0, inf or NaN (or so
+// small that its reciprocal overflows) is refused: under GradScaler it would turn every gradient
+// into inf/NaN or zero, a step torch skips rather than takes.
+inline bool grad_scale_usable(float grad_scale) {
+  const float inv = grad_unscale_factor(grad_scale);
+  return grad_scale > 0.0f && grad_scale <= 3.4028235e38f && inv <= 3.4028235e38f;
+}
 
 struct AdamTensor {
   float* param = nullptr;  // fp32 weights (or fp32 master weights), updated in place
@@ -48,12 +66,15 @@ struct AdamScalars {
   float neg_step_size;  // -lr / (1 - beta1^step)
   float bc2_sqrt;       // sqrt(1 - beta2^step)
   bool decoupled, amsgrad, maximize;
-  bool memory_only = false;  // adam_memory_pass: the loads and stores without the arithmetic
+  bool unscale = false;         // multiply each gradient by inv_grad_scale first (AMP)
+  float inv_grad_scale = 1.0f;  // grad_unscale_factor(AdamHyper::grad_scale)
+  bool memory_only = false;     // adam_memory_pass: the loads and stores without the arithmetic
 };
 
 AdamScalars adam_scalars(const AdamHyper& h);
 
-// Throws std::invalid_argument on inconsistent input (null pointers, amsgrad without buffer).
+// Throws std::invalid_argument on inconsistent input (null pointers, amsgrad without buffer, a
+// grad_scale that is not finite and > 0).
 void adam_step(const AdamHyper& hyper, const AdamTensor* tensors, size_t count);
 
 // The bytes adam_step moves, without its arithmetic: the same loads and stores (amsgrad off), cut

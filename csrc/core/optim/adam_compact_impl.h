@@ -37,7 +37,7 @@ inline typename V::I encode_v_lanes(typename V::R v, typename V::R block_max) {
 }
 
 // Pass 1 for V::kWidth elements at i: the step, with the new v stored at vout.
-template <class V, DType kGrad, DType kCopy>
+template <class V, DType kGrad, DType kCopy, bool kUnscale>
 inline void compact_update(const AdamScalars& s, const Consts<V>& c, const CompactAdamTensor& t,
                            int64_t i, typename V::R old_max, float* vout, typename V::R& vmax,
                            typename V::R& bad) {
@@ -45,7 +45,7 @@ inline void compact_update(const AdamScalars& s, const Consts<V>& c, const Compa
   R p = V::load(t.param + i);
   R m = V::load_bf16(t.exp_avg + i);
   R v = decode_v_lanes<V>(V::load_u8(t.exp_avg_sq + i), old_max);
-  decay_and_moments<V>(s, c, load_as_f32<V, kGrad>(t.grad, i), p, m, v);
+  decay_and_moments<V>(s, c, load_grad<V, kGrad, kUnscale>(c, t.grad, i), p, m, v);
   V::store_bf16(t.exp_avg + i, m);
   V::store(vout, v);
   vmax = V::max(vmax, v);
@@ -56,7 +56,7 @@ inline void compact_update(const AdamScalars& s, const Consts<V>& c, const Compa
 }
 
 // One block [b0, b1), b1 - b0 <= kCompactBlock; S (scalar lanes) takes the tail of a short block.
-template <class V, class S, DType kGrad, DType kCopy>
+template <class V, class S, DType kGrad, DType kCopy, bool kUnscale>
 void compact_block(const AdamScalars& s, const Consts<V>& c, const Consts<S>& cs,
                    const CompactAdamTensor& t, int64_t b0, int64_t b1) {
   alignas(64) float vnew[kCompactBlock];
@@ -66,7 +66,8 @@ void compact_block(const AdamScalars& s, const Consts<V>& c, const Consts<S>& cs
   typename V::R vmax = V::set1(0.0f), bad = V::set1(0.0f);
   int64_t i = b0;
   for (; i + V::kWidth <= b1; i += V::kWidth) {
-    compact_update<V, kGrad, kCopy>(s, c, t, i, V::set1(old_max), vnew + (i - b0), vmax, bad);
+    compact_update<V, kGrad, kCopy, kUnscale>(s, c, t, i, V::set1(old_max), vnew + (i - b0), vmax,
+                                              bad);
   }
   V::store(lanes_max, vmax);
   V::store(lanes_bad, bad);
@@ -76,7 +77,7 @@ void compact_block(const AdamScalars& s, const Consts<V>& c, const Consts<S>& cs
     bad_s = S::add(bad_s, lanes_bad[k]);
   }
   for (; i < b1; ++i)
-    compact_update<S, kGrad, kCopy>(s, cs, t, i, old_max, vnew + (i - b0), vmax_s, bad_s);
+    compact_update<S, kGrad, kCopy, kUnscale>(s, cs, t, i, old_max, vnew + (i - b0), vmax_s, bad_s);
   uint8_t* codes = t.exp_avg_sq + b0;
   const int64_t n = b1 - b0;
   if (bad_s != bad_s) {  // NaN: some v is not finite; the whole block reads back NaN
@@ -93,13 +94,19 @@ void compact_block(const AdamScalars& s, const Consts<V>& c, const Consts<S>& cs
   for (; j < n; ++j) S::store_u8(codes + j, encode_v_lanes<S>(vnew[j], vmax_s));
 }
 
-template <class V, class S, DType kGrad, DType kCopy>
-void compact_range(const AdamScalars& s, const CompactAdamTensor& t, int64_t begin, int64_t end) {
+template <class V, class S, DType kGrad, DType kCopy, bool kUnscale>
+void compact_blocks(const AdamScalars& s, const CompactAdamTensor& t, int64_t begin, int64_t end) {
   const Consts<V> c(s);
   const Consts<S> cs(s);
   for (int64_t b = begin; b < end; b += kCompactBlock) {
-    compact_block<V, S, kGrad, kCopy>(s, c, cs, t, b, std::min(end, b + kCompactBlock));
+    compact_block<V, S, kGrad, kCopy, kUnscale>(s, c, cs, t, b, std::min(end, b + kCompactBlock));
   }
+}
+
+template <class V, class S, DType kGrad, DType kCopy>
+void compact_range(const AdamScalars& s, const CompactAdamTensor& t, int64_t begin, int64_t end) {
+  if (s.unscale) return compact_blocks<V, S, kGrad, kCopy, true>(s, t, begin, end);
+  compact_blocks<V, S, kGrad, kCopy, false>(s, t, begin, end);
 }
 
 template <class V, class S, DType kGrad>

@@ -40,6 +40,10 @@ void validate_tensor(const char* op, const AdamHyper& h, const Tensor& t, size_t
   }
   if (t.grad_type == DType::kNone) fail_tensor(op, index, "grad_type must be a float type");
   if (h.step < 1) fail_tensor(op, index, "step must be >= 1");
+  if (h.unscale && !grad_scale_usable(h.grad_scale)) {
+    fail_tensor(op, index,
+                "grad_scale must be finite and > 0, got " + std::to_string(h.grad_scale));
+  }
 }
 
 // Cuts every tensor into kThreadChunk-element ranges and runs step_range(tensor, begin, end) on

@@ -3,7 +3,8 @@
 // for its own instruction set.
 //
 // Per element, in torch's order of operations:
-//   g = maximize ? -grad : grad;            g = fma(wd, p, g)  (Adam, L2 penalty)
+//   g = grad * inv_grad_scale                (AMP: GradScaler.unscale_, when s.unscale)
+//   g = maximize ? -g : g;            g = fma(wd, p, g)  (Adam, L2 penalty)
 //   p *= 1 - lr * wd                         (AdamW)
 //   m = lerp(m, g, 1 - beta1)                (fused multiply-add, like torch's vectorized lerp)
 //   v = v * beta2 + (1 - beta2) * g * g
@@ -20,7 +21,8 @@ namespace {
 
 template <class V>
 struct Consts {
-  typename V::R beta2, one_minus_beta1, one_minus_beta2, eps, wd, decay, neg_step_size, bc2_sqrt;
+  typename V::R beta2, one_minus_beta1, one_minus_beta2, eps, wd, decay, neg_step_size, bc2_sqrt,
+      inv_grad_scale;
   explicit Consts(const AdamScalars& s)
       : beta2(V::set1(s.beta2)),
         one_minus_beta1(V::set1(s.one_minus_beta1)),
@@ -29,7 +31,8 @@ struct Consts {
         wd(V::set1(s.weight_decay)),
         decay(V::set1(s.decay)),
         neg_step_size(V::set1(s.neg_step_size)),
-        bc2_sqrt(V::set1(s.bc2_sqrt)) {}
+        bc2_sqrt(V::set1(s.bc2_sqrt)),
+        inv_grad_scale(V::set1(s.inv_grad_scale)) {}
 };
 
 template <class V, DType kT>
@@ -37,6 +40,15 @@ inline typename V::R load_as_f32(const void* base, int64_t i) {
   if constexpr (kT == DType::kFloat32) return V::load(static_cast<const float*>(base) + i);
   if constexpr (kT == DType::kBFloat16) return V::load_bf16(static_cast<const uint16_t*>(base) + i);
   if constexpr (kT == DType::kFloat16) return V::load_f16(static_cast<const uint16_t*>(base) + i);
+}
+
+// The gradient at i as fp32, unscaled (GradScaler's scale taken out) when kUnscale: a compile-time
+// switch, so the path without a scale is the same code as before.
+template <class V, DType kGrad, bool kUnscale>
+inline typename V::R load_grad(const Consts<V>& c, const void* grad, int64_t i) {
+  const typename V::R g = load_as_f32<V, kGrad>(grad, i);
+  if constexpr (kUnscale) return V::mul(g, c.inv_grad_scale);
+  return g;
 }
 
 template <class V, DType kT>
@@ -70,13 +82,13 @@ inline typename V::R apply_update(const Consts<V>& c, typename V::R p, typename 
   return V::add(p, V::div(V::mul(c.neg_step_size, m), denom));
 }
 
-template <class V, DType kGrad, DType kCopy>
+template <class V, DType kGrad, DType kCopy, bool kUnscale>
 inline void update(const AdamScalars& s, const Consts<V>& c, const AdamTensor& t, int64_t i) {
   using R = typename V::R;
   R p = V::load(t.param + i);
   R m = V::load(t.exp_avg + i);
   R v = V::load(t.exp_avg_sq + i);
-  decay_and_moments<V>(s, c, load_as_f32<V, kGrad>(t.grad, i), p, m, v);
+  decay_and_moments<V>(s, c, load_grad<V, kGrad, kUnscale>(c, t.grad, i), p, m, v);
   V::store(t.exp_avg + i, m);
   V::store(t.exp_avg_sq + i, v);
   if (s.amsgrad) {
@@ -102,6 +114,17 @@ inline void touch(const AdamTensor& t, int64_t i) {
 }
 
 // Vector body plus a scalar tail (S is the scalar V, so tails round exactly like the body).
+template <class V, class S, DType kGrad, DType kCopy, bool kUnscale>
+void update_range(const AdamScalars& s, const AdamTensor& t, int64_t begin, int64_t end) {
+  const Consts<V> c(s);
+  int64_t i = begin;
+  for (; i + V::kWidth <= end; i += V::kWidth) update<V, kGrad, kCopy, kUnscale>(s, c, t, i);
+  if (i < end) {
+    const Consts<S> cs(s);
+    for (; i < end; ++i) update<S, kGrad, kCopy, kUnscale>(s, cs, t, i);
+  }
+}
+
 template <class V, class S, DType kGrad, DType kCopy>
 void range(const AdamScalars& s, const AdamTensor& t, int64_t begin, int64_t end) {
   if (s.memory_only) {
@@ -110,13 +133,8 @@ void range(const AdamScalars& s, const AdamTensor& t, int64_t begin, int64_t end
     for (; i < end; ++i) touch<S, kGrad, kCopy>(t, i);
     return;
   }
-  const Consts<V> c(s);
-  int64_t i = begin;
-  for (; i + V::kWidth <= end; i += V::kWidth) update<V, kGrad, kCopy>(s, c, t, i);
-  if (i < end) {
-    const Consts<S> cs(s);
-    for (; i < end; ++i) update<S, kGrad, kCopy>(s, cs, t, i);
-  }
+  if (s.unscale) return update_range<V, S, kGrad, kCopy, true>(s, t, begin, end);
+  update_range<V, S, kGrad, kCopy, false>(s, t, begin, end);
 }
 
 template <class V, class S, DType kGrad>
