@@ -284,3 +284,83 @@ def test_full_tmpfs(small_tmpfs, left):
         tierlift.checkpoint.save(ck, model)
     _no_space_checks(e.value, ck, 512 * 256 * 4)
     assert sorted(os.listdir(small_tmpfs)) == ["fill"]
+
+
+# ---- the command line --------------------------------------------------------------------
+
+
+def _cli_fails(args, capsys, match):
+    from tierlift.checkpoint.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main([str(a) for a in args])
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]  # usage, then the one-line error
+    assert e.value.code == 2 and "Traceback" not in err, err
+    assert last.startswith("python -m tierlift.checkpoint: error: ") and match in last, err
+
+
+@pytest.fixture
+def dcp_dir(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(_model(3).state_dict(), checkpoint_id=str(tmp_path / "dcp"))
+    return tmp_path / "dcp"
+
+
+def test_import_dcp_refuses_a_non_empty_target(tmp_path, dcp_dir, capsys):
+    from tierlift.checkpoint.__main__ import main
+
+    model, opt = _trained()
+    ck = tmp_path / "ck"
+    tierlift.checkpoint.save(ck, model, opt, extra={"step": 7})
+    before = {f: (ck / f).read_bytes() for f in _tree(ck)}
+    _cli_fails(["import-dcp", dcp_dir, ck], capsys, "exists and is not an empty directory")
+    assert {f: (ck / f).read_bytes() for f in _tree(ck)} == before  # optimizer, extra kept
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("precious")
+    _cli_fails(["import-dcp", dcp_dir, busy], capsys, "exists and is not an empty directory")
+    assert _tree(busy) == ["notes.txt"]
+    _cli_fails(["import-dcp", busy / "notes.txt", tmp_path / "c2"], capsys,
+               "is not a directory")
+    # a new path (its parents created) or an empty directory is fine
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        assert main(["import-dcp", str(dcp_dir), str(tmp_path / "new" / "ck")]) == 0
+        (tmp_path / "empty").mkdir()
+        assert main(["import-dcp", str(dcp_dir), str(tmp_path / "empty")]) == 0
+    fresh = _model(1)
+    tierlift.checkpoint.load(tmp_path / "empty", fresh)
+    assert all(torch.equal(v, _model(3).state_dict()[k]) for k, v in fresh.state_dict().items())
+
+
+@pytest.mark.parametrize("command", ["export", "export-optimizer"])
+def test_export_errors_are_one_line_and_nothing_is_overwritten(tmp_path, command, capsys):
+    from tierlift.checkpoint.__main__ import main
+
+    _cli_fails([command, tmp_path / "nope", tmp_path / "o.pt"], capsys,
+               "is not a tierlift checkpoint (it does not exist)")
+    (tmp_path / "plain").mkdir()
+    _cli_fails([command, tmp_path / "plain", tmp_path / "o.pt"], capsys,
+               "is not a tierlift checkpoint (no metadata.json)")
+    (tmp_path / "file").write_text("x")
+    _cli_fails([command, tmp_path / "file", tmp_path / "o.pt"], capsys,
+               "is not a tierlift checkpoint (it is a file)")
+    model, opt = _trained()
+    ck = tmp_path / "ck"
+    tierlift.checkpoint.save(ck, model, opt)
+    kept = tmp_path / "kept.pt"
+    kept.write_bytes(b"precious")
+    _cli_fails([command, ck, kept], capsys, "exists already")
+    assert kept.read_bytes() == b"precious"
+    out = tmp_path / "a" / "b" / "o.pt"  # missing parents are created
+    assert main([command, str(ck), str(out)]) == 0
+    assert sorted(os.listdir(out.parent)) == ["o.pt"]  # and no temporary file is left
+    sd = torch.load(out, weights_only=True)
+    if command == "export":
+        assert all(torch.equal(sd[k], v) for k, v in model.state_dict().items())
+    else:
+        assert sd["state"].keys() == opt.state_dict()["state"].keys()
