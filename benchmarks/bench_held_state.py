@@ -6,10 +6,11 @@ checkpoint format needs; no CRC-32C check).
 
     python benchmarks/bench_held_state.py                    # 50M params, state in $TMPDIR
     python benchmarks/bench_held_state.py --params 2e8 --dir /nvme/tmp --repeat 7
+    python benchmarks/bench_held_state.py --plot held_state.png   # and draw it (matplotlib)
 
 Both write the same dense kind files of one param group; the two are timed in turn, median of
 --repeat after one warmup, page cache flushed (os.sync) before each. Prints a table and writes
-JSON (benchmarks/results/bench_held_state-<device>.json, or --out).
+JSON (benchmarks/results/bench_held_state-<device>.json, or --out); --plot draws that JSON.
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--dir", default=None, help="where state and copies go (default: $TMPDIR)")
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/)")
+    p.add_argument("--plot", metavar="PATH",
+                   help="also draw the results as a PNG here (needs matplotlib)")
     args = p.parse_args(argv)
     import tierlift
 
@@ -117,9 +120,14 @@ def main(argv=None) -> int:
                 title=f"reading a held generation into a checkpoint, median of {args.repeat}")
     payload = {"args": vars(args), "rows": rows}
     if args.out:
-        Path(args.out).write_text(json.dumps({"machine": machine(), **payload}, indent=1))
+        out = Path(args.out)
+        out.write_text(json.dumps({"machine": machine(), **payload}, indent=1))
     else:
-        write_json("bench_held_state", payload)
+        out = write_json("bench_held_state", payload)
+    if args.plot:
+        from plots import plot_held_state, plot_json
+
+        print(f"wrote {plot_json(plot_held_state, out, args.plot)}")
     return 0
 
 

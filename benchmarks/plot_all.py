@@ -32,6 +32,7 @@ FIGURES = [
     ("bench_lowp-*.json", plots.plot_lowp, "bench_lowp.py"),
     ("bench_checkpoint-*.json", plots.plot_checkpoint, "bench_checkpoint.py"),
     ("bench_activations-*.json", plots.plot_activations, "bench_activations.py"),
+    ("bench_held_state-*.json", plots.plot_held_state, "bench_held_state.py"),
 ]
 
 

@@ -360,3 +360,26 @@ def plot_activations(data: dict, path) -> Path:
                  f"{nv.get('not_waited_fraction', 0):.0%} not waited for; {_machine(data)}",
                  fontsize=8)
     return _save(fig, path)
+
+
+# ---- bench_held_state --------------------------------------------------------------------------
+
+
+def plot_held_state(data: dict, path) -> Path:
+    """Median seconds per way of reading a held optimizer generation into a checkpoint, with
+    each bar's GB/s and its ratio to the checkpoint writer's path."""
+    plt = pyplot()
+    rows = data["rows"]
+    fig, ax = plt.subplots(figsize=SIZE)
+    names = [r["way"].replace(" (", "\n(", 1) for r in rows]
+    bars = ax.bar(names, [r["median s"] for r in rows], color=["tab:blue", "tab:orange"])
+    ax.bar_label(bars, [f"{r['median s']:.3g} s, {r['GB/s']:.2f} GB/s, "
+                        f"{r['vs through RAM']:.2f}x" for r in rows], fontsize=7)
+    ax.set_ylabel("seconds (median)")
+    ax.tick_params(axis="x", labelsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    gb = rows[0]["GB"] if rows else 0
+    repeat = data.get("args", {}).get("repeat", "?")
+    _title(ax, f"a held optimizer generation ({gb:.2f} GB) into a checkpoint, median of "
+               f"{repeat}", data)
+    return _save(fig, path)

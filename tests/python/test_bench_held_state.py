@@ -1,8 +1,10 @@
 """benchmarks/bench_held_state.py on a tiny model: both ways get a row with a positive time,
-and the two write identical kind files (the comparison is of equal work)."""
+--plot draws the JSON, and the two write identical kind files (the comparison is of equal
+work)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -18,15 +20,19 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def test_bench_held_state_tiny(tmp_path):
-    out = tmp_path / "held.json"
+    out, png = tmp_path / "held.json", tmp_path / "held.png"
+    plot = importlib.util.find_spec("matplotlib") is not None  # --plot needs it
     env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_held_state.py"),
                            "--params", "1e5", "--repeat", "1", "--dir", str(tmp_path),
-                           "--out", str(out)], capture_output=True, text=True, timeout=120,
-                          env=env)
+                           "--out", str(out), *(["--plot", str(png)] if plot else [])],
+                          capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 2 and all(r["median s"] > 0 for r in rows)
+    if plot:
+        assert f"wrote {png}" in proc.stdout
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_both_ways_write_the_same_files(tmp_path):
