@@ -364,3 +364,27 @@ def test_export_errors_are_one_line_and_nothing_is_overwritten(tmp_path, command
         assert all(torch.equal(sd[k], v) for k, v in model.state_dict().items())
     else:
         assert sd["state"].keys() == opt.state_dict()["state"].keys()
+
+
+def test_a_save_over_a_lone_old_keeps_it_until_the_new_one_is_in_place(tmp_path, monkeypatch):
+    """A replace killed between its renames leaves only ck.old (which load() falls back to);
+    the next save must not delete it before its own directory is in place."""
+    model, opt = _trained()
+    ck = tmp_path / "ck"
+    tierlift.checkpoint.save(ck, model, opt, extra={"n": 1})
+    os.rename(ck, str(ck) + ".old")
+    real_rename = os.rename
+    seen = []
+
+    def rename(src, dst):
+        seen.append(os.path.isdir(str(ck) + ".old"))  # still there at every rename
+        real_rename(src, dst)
+
+    from tierlift.checkpoint import format as fmt
+
+    monkeypatch.setattr(fmt.os, "rename", rename)
+    tierlift.checkpoint.save(ck, model, opt, extra={"n": 2})
+    monkeypatch.undo()
+    assert seen and all(seen)
+    assert not os.path.exists(str(ck) + ".old")
+    assert tierlift.checkpoint.load(ck, _model(1)) == {"n": 2}

@@ -87,9 +87,11 @@ def replace_dir(tmp: str, path: str) -> None:
     """Makes the complete directory `tmp` the new `path` by two renames. A process killed in
     between leaves either `path` or `path`.old complete, and resolve_dir() finds it."""
     old = path + ".old"
-    shutil.rmtree(old, ignore_errors=True)
     if os.path.exists(path):
+        shutil.rmtree(old, ignore_errors=True)  # a stale one: `path` is complete
         os.rename(path, old)
+    # With only `path`.old there (a replace killed between its renames), it goes only once the
+    # new `path` is in place: some complete checkpoint is there at every moment.
     os.rename(tmp, path)
     shutil.rmtree(old, ignore_errors=True)
 
