@@ -388,3 +388,14 @@ def test_a_save_over_a_lone_old_keeps_it_until_the_new_one_is_in_place(tmp_path,
     assert seen and all(seen)
     assert not os.path.exists(str(ck) + ".old")
     assert tierlift.checkpoint.load(ck, _model(1)) == {"n": 2}
+
+
+def test_a_path_with_a_trailing_slash_names_the_directory(tmp_path):
+    """save("ckpt/", ...) (as the README writes it) used ckpt/.tmp inside the target, and the
+    second save failed renaming ckpt/ into itself."""
+    model, opt = _trained()
+    ck = str(tmp_path / "ckpt") + os.sep
+    tierlift.checkpoint.save(ck, model, opt, extra={"n": 1})
+    tierlift.checkpoint.save(ck, model, opt, extra={"n": 2})
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    assert ".tmp" not in os.listdir(ck) and tierlift.checkpoint.load(ck, _model(1)) == {"n": 2}

@@ -96,8 +96,16 @@ def replace_dir(tmp: str, path: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def dir_path(path) -> str:
+    """`path` as a string without trailing separators: "ckpt/" names ckpt, and its siblings
+    ckpt.tmp and ckpt.old, not ckpt/.tmp inside it."""
+    path = os.fspath(path)
+    return path.rstrip(os.sep) or path
+
+
 def resolve_dir(path: str) -> str:
     """`path`, or `path`.old when a replace_dir() was killed between its two renames."""
+    path = dir_path(path)
     if not os.path.exists(path) and os.path.isdir(path + ".old"):
         return path + ".old"
     return path

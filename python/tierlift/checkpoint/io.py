@@ -63,15 +63,15 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
     training may step on meanwhile. The returned handle's wait() re-raises a failure, as do
     the next save() and tierlift.checkpoint.close(). A budget smaller than the snapshot
     streams it in pieces: save() returns when all but the last budget's worth is written."""
+    path = fmt.dir_path(path)
     if getattr(model, _ATTR, None) is None:
-        return replicated.save(os.fspath(path), model, optimizer, extra, blocking=blocking,
+        return replicated.save(path, model, optimizer, extra, blocking=blocking,
                                staging_budget=staging_budget)
     background.before_save()
     state = _state(model)
     # Files are named by the rank within the shard group; with hierarchical sharding only the
     # first replica of each shard writes it, and every rank of the model votes.
     comm, everyone = state.comm, state.world_comm
-    path = os.fspath(path)
     off = _offloader(optimizer)
     job = background.Job(path, blocking=blocking, staging_budget=staging_budget, off=off,
                          estimate=lambda: background.estimate_bytes(model, optimizer, off))

@@ -102,6 +102,7 @@ def save_state_dict(path: str, state_dict: dict[str, torch.Tensor],
     another format), in save()'s format: load() puts it into a model that is not sharded.
     `path` must be new or an empty directory: an existing checkpoint is not replaced."""
     background.before_save()
+    path = fmt.dir_path(path)
     job = background.Job(path, blocking=True, staging_budget=None, replace=False,
                          estimate=lambda: sum(t.numel() * t.element_size()
                                               for t in state_dict.values()))
