@@ -36,6 +36,15 @@ LLAMA = LlamaConfig(vocab_size=61, dim=32, n_layer=3, n_head=4, n_kv_head=2, ffn
                     max_seq_len=16)
 GPT_CFG = GPTConfig(vocab_size=61, seq_len=16, n_layer=3, n_head=2, dim=24)
 OPT = dict(lr=3e-3, weight_decay=0.1)
+WEIGHT_CASES = {  # name: (model, weights, stage, other shard() arguments)
+    "llama-3": ("llama", "llama", 3, {}),
+    "gpt-3": ("gpt", "gpt-export", 3, {}),
+    "llama-2": ("llama", "llama", 2, {}),
+    "llama-3-offload": ("llama", "llama", 3, {"offload_params": "cpu", "device_params": 3000}),
+    "llama-3-nvme": ("llama", "llama", 3, {"offload_params": "nvme", "nvme_path": "NVME"}),
+    "gpt-3-groups": ("gpt", "gpt-export", 3,
+                     {"param_group_fn": lambda n, p: "decay" if p.dim() >= 2 else "no_decay"}),
+}
 
 
 def _hf(kind: str):
@@ -110,15 +119,16 @@ def _worker(rank, world, port, files, out):
                             rank=rank, zero=True)
     res["losses"] = losses
     # weights=: this rank's byte ranges, equal to load_full_state_dict of the same tensors.
-    for name, path, stage in [("llama", files["llama"], 3), ("gpt", files["gpt-export"], 3),
-                              ("llama", files["llama"], 2)]:
-        loaded = tierlift.zero.shard(_eager(name, seed=9), stage=stage)
+    for case, (name, path, stage, kw) in WEIGHT_CASES.items():
+        path = files[path]
+        kw = {k: files["nvme"] if v == "NVME" else v for k, v in kw.items()}
+        loaded = tierlift.zero.shard(_eager(name, seed=9), stage=stage, **kw)
         sd = {k: v for k, v in files["sd-" + name].items()}
         tierlift.zero.load_full_state_dict(loaded, sd)
         streamed = _deferred(name, seed=9)
         before = torch.get_rng_state()  # rotary tables replay without the random ops
-        streamed = tierlift.zero.shard(streamed, stage=stage, device="cpu", weights=path)
-        res[f"weights-{name}-{stage}"] = {
+        streamed = tierlift.zero.shard(streamed, stage=stage, device="cpu", weights=path, **kw)
+        res[f"weights-{case}"] = {
             "shards": all(torch.equal(a, b) for a, b in zip(_shards(loaded), _shards(streamed),
                                                               strict=True)),
             "full": all(torch.equal(v, sd[k]) for k, v in
@@ -175,7 +185,7 @@ def files(tmp_path_factory):
     from tierlift.checkpoint.handoff import export_hf
 
     root = tmp_path_factory.mktemp("weights")
-    out = {}
+    out = {"nvme": str(tmp_path_factory.mktemp("nvme"))}
     llama = _eager("llama", seed=4)
     sd = {k: v.contiguous() for k, v in llama.state_dict().items()}
     (root / "llama").mkdir()
@@ -234,7 +244,7 @@ def test_sharded_export_has_several_files(files):
     assert "head.weight" in index["weight_map"]  # the tied alias, stored again
 
 
-@pytest.mark.parametrize("case", ["llama-3", "gpt-3", "llama-2"])
+@pytest.mark.parametrize("case", list(WEIGHT_CASES))
 def test_weights_equal_load_full_state_dict(world2, case):
     for res in world2:
         assert res[f"weights-{case}"] == {"shards": True, "full": True, "logits": True,
@@ -284,6 +294,16 @@ def test_partial_reads(tmp_path):
     files = WeightFiles(tmp_path)
     assert torch.equal(files.read("w", 3, 17), w.reshape(-1)[3:17])
     assert torch.equal(files.read("w").view(7, 5), w)
+    out = torch.zeros(14)
+    files.read_into("w", 3, out, chunk=4)  # converted, piece by piece
+    assert torch.equal(out, w.reshape(-1)[3:17].float())
+    save_file({"v": torch.randn(30)}, tmp_path / "v.safetensors")
+    v = WeightFiles(tmp_path / "v.safetensors")
+    out = torch.zeros(20)
+    v.read_into("v", 10, out, chunk=7)  # straight into `out`
+    assert torch.equal(out, v.read("v")[10:])
+    with pytest.raises(ValueError, match="cannot read 20 elements from 11 of 30"):
+        v.read_into("v", 11, out)
 
 
 # ---- peak RSS per rank while loading from safetensors ----------------------------------------

@@ -203,7 +203,7 @@ class Materializer:
                 out.append({"params": [(v.to(self.device), names, owners) for v, (_, names, owners)
                                        in zip(vals, params, strict=True)]})
             elif unit_values is not None:
-                out.append({"source": _ready(unit_values[u], layouts[u], self.device),
+                out.append({"source": _ready(unit_values[u], layouts[u]),
                             "device": self.device})
                 unit_values[u] = None
             else:
@@ -240,8 +240,8 @@ class Materializer:
             for (p, _, _), off, name in zip(params, offsets, names, strict=True):
                 a, b = max(off, lo), min(off + p.numel(), lo + n)
                 if a < b:
-                    buf[a - lo:b - lo].copy_(self.files.read(name, a - off, b - off))
-            return buf.to(self.device)
+                    self.files.read_into(name, a - off, buf[a - lo:b - lo])
+            return buf  # on the CPU: FlatUnit puts it on the device or in the offload tier
         return source
 
 
@@ -258,12 +258,12 @@ def _layouts(split: list, comm) -> list[tuple[int, int, list[int]]]:
     return out
 
 
-def _ready(buf: torch.Tensor, layout: tuple, device: torch.device):
+def _ready(buf: torch.Tensor, layout: tuple):
     held = [buf]  # handed over once: the FlatUnit then holds the only reference
 
     def source(lo: int, n: int) -> torch.Tensor:
         assert (lo, n) == layout[:2], "FlatUnit layout differs from materialize's"
-        return held.pop().to(device)
+        return held.pop()
     return source
 
 

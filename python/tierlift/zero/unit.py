@@ -44,9 +44,9 @@ class FlatUnit:
                  params: list[tuple[nn.Parameter, list[str], list[tuple[nn.Module, str]]]],
                  comm, compute_dtype: torch.dtype, keep_full: bool, offload=None, group=None,
                  source=None, device=None):
-        # source(lo, n) -> this rank's fp32 slice [lo, lo + n) of the padded flat buffer, on
-        # `device`: the unit is built from its shard alone, never whole (stage 3 only; params
-        # may then be on meta; see materialize.py).
+        # source(lo, n) -> this rank's fp32 slice [lo, lo + n) of the padded flat buffer (on
+        # the CPU): the unit is built from its shard alone, never whole, on `device` (stage 3
+        # only; params may then be on meta; see materialize.py).
         self.name = name or "<root>"
         self.group = group  # the param_group_fn key of these parameters (zero/groups.py)
         # Weak references to modules: the model owns its ZeRO state, never the reverse, so a
@@ -80,7 +80,8 @@ class FlatUnit:
             if keep_full:
                 raise ValueError("a FlatUnit built from its shard alone needs stage 3")
             piece = source(lo, self.shard_numel)
-            self.shard = nn.Parameter(piece if offload is None else offload.host_shard(piece))
+            self.shard = nn.Parameter(piece.to(device) if offload is None
+                                      else offload.host_shard(piece))
             del piece
             # Not gathered: shard() frees it at once (stage 3) and the first forward gathers.
             self.full = torch.empty(self.padded, dtype=compute_dtype, device=device)

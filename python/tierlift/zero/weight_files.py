@@ -12,6 +12,7 @@ asked for).
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 
@@ -63,24 +64,43 @@ class WeightFiles:
 
     def read(self, name: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Elements [start, stop) of the flattened tensor, in the file's dtype (1-D)."""
-        path, base, dtype, shape = self.entries[name]
-        numel = 1
-        for d in shape:
-            numel *= d
+        dtype, shape = self.entries[name][2:]
+        numel = math.prod(shape)
         stop = numel if stop is None else stop
         if not 0 <= start <= stop <= numel:
             raise ValueError(f"{name}: elements [{start}, {stop}) outside 0..{numel}")
         size = torch.empty((), dtype=dtype).element_size()
         out = torch.empty((stop - start) * size, dtype=torch.uint8)
+        self._pread(name, start, stop, out)
+        return out.view(dtype)
+
+    def read_into(self, name: str, start: int, out: torch.Tensor, chunk: int = 1 << 22) -> None:
+        """Elements [start, start + out.numel()) of the flattened tensor into `out` (contiguous,
+        any dtype), converted; read in pieces of at most `chunk` elements, so nothing but `out`
+        is held (straight into it when the dtypes match)."""
+        dtype, shape = self.entries[name][2:]
+        if not 0 <= start <= start + out.numel() <= math.prod(shape) or not out.is_contiguous():
+            raise ValueError(f"{name}: cannot read {out.numel()} elements from {start} of "
+                             f"{math.prod(shape)} into a {'' if out.is_contiguous() else 'non-'}"
+                             "contiguous tensor")
+        for lo in range(0, out.numel(), chunk):
+            hi = min(lo + chunk, out.numel())
+            if dtype == out.dtype:
+                self._pread(name, start + lo, start + hi, out[lo:hi].view(torch.uint8))
+            else:
+                out[lo:hi].copy_(self.read(name, start + lo, start + hi))
+
+    def _pread(self, name: str, start: int, stop: int, dst: torch.Tensor) -> None:
+        path, base, dtype, _ = self.entries[name]
+        size = torch.empty((), dtype=dtype).element_size()
+        view, off, want = memoryview(dst.numpy()), base + start * size, (stop - start) * size
         with open(path, "rb", buffering=0) as f:
-            view, off, want = memoryview(out.numpy()), base + start * size, out.numel()
-            while want:
-                got = os.preadv(f.fileno(), [view[out.numel() - want:]], off)
+            done = 0
+            while done < want:
+                got = os.preadv(f.fileno(), [view[done:]], off + done)
                 if got <= 0:
                     raise OSError(f"{path}: short read of {name!r} (file truncated?)")
-                want -= got
-                off += got
-        return out.view(dtype)
+                done += got
 
 
 def _header(path: str) -> dict[str, tuple[int, torch.dtype, tuple]]:
