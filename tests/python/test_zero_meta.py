@@ -107,7 +107,8 @@ def _worker(rank, world, port, files, out):
             "equal": [k for k in ref if not torch.equal(sd[k], ref[k])],
             "rng": torch.equal(after, after_eager),
             "meta": [n for n, t in [*model.named_parameters(), *model.named_buffers()]
-                     if t.is_meta]}
+                     if t.is_meta],
+            "recording_dropped": tierlift.zero.deferred.recording_of(model) is None}
     # Training from a deferred model: the same losses as from the eager one, bit for bit.
     losses = {}
     for how in ("eager", "deferred"):
@@ -229,7 +230,7 @@ def world2(files, tmp_path_factory):
 def test_deferred_equals_eager(world2, case):
     for res in world2:
         r = res[f"deferred-{case}"]
-        assert r["keys"] and r["equal"] == [] and r["meta"] == [], r
+        assert r["keys"] and r["equal"] == [] and r["meta"] == [] and r["recording_dropped"], r
         assert r["rng"], "the CPU generator is not where eager construction leaves it"
 
 

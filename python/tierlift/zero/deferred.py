@@ -234,6 +234,12 @@ def recording_of(model: torch.nn.Module) -> Recording | None:
     return getattr(model, _ATTR, None)
 
 
+def forget(model: torch.nn.Module) -> None:
+    """Drops the recording from the model's modules (once replayed it is only memory)."""
+    for m in model.modules():
+        m.__dict__.pop(_ATTR, None)
+
+
 # ---- replay ------------------------------------------------------------------------------------
 
 

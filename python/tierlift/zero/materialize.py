@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tierlift.zero.deferred import recording_of, replay
+from tierlift.zero.deferred import forget, recording_of, replay
 from tierlift.zero.weight_files import WeightFiles
 
 
@@ -82,6 +82,7 @@ def prepare(model: nn.Module, *, device, weights) -> Materializer | None:
 
 class Materializer:
     def __init__(self, model: nn.Module, device: torch.device, weights) -> None:
+        self.model = model
         self.device = device
         self.files = None if weights is None else WeightFiles(weights)
         self.rec = recording_of(model)
@@ -194,6 +195,8 @@ class Materializer:
                 new = nn.Parameter(new, requires_grad=t.requires_grad)
             for mod, attr in owners:
                 (mod._parameters if isinstance(t, nn.Parameter) else mod._buffers)[attr] = new
+        if self.rec is not None:
+            forget(self.model)
         out = []
         for u, (_, _, params) in enumerate(split):
             if stage < 3:
