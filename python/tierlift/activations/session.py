@@ -331,7 +331,7 @@ class Session:
         file = self._file
         if file is None or file.fd < 0 or not self.finished or self._writes:
             return  # writes in flight could land past a cut
-        end = max((o + n for o, n in self._spilled.values()), default=0)
+        end = max((o + n for o, n in list(self._spilled.values())), default=0)
         if end < file.kept:
             try:
                 os.ftruncate(file.fd, end)

@@ -34,8 +34,8 @@ def is_checkpoint(path: str) -> bool:
     """A directory with a tierlift metadata.json or manifest.json (a damaged checkpoint of
     tierlift's is still one: a new save may replace it)."""
     return os.path.isdir(path) and not os.path.islink(path) and (
-        _format_of(os.path.join(path, fmt.METADATA)) == fmt.FORMAT
-        or _format_of(os.path.join(path, MANIFEST)) == MANIFEST_FORMAT)
+        _format_of(os.path.join(path, MANIFEST)) == MANIFEST_FORMAT  # the smaller file first
+        or _format_of(os.path.join(path, fmt.METADATA)) == fmt.FORMAT)
 
 
 def _empty_dir(path: str) -> bool:

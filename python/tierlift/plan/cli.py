@@ -60,7 +60,8 @@ def add_parser(sub) -> None:
     a.add_argument("--act-gpu-budget", default="0", help="GPU memory for kept activations")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--plot", metavar="PATH",
-                   help="also draw bytes per tier against capacity as a PNG (needs matplotlib)")
+                   help="also draw bytes per tier against capacity as a PNG (needs "
+                        "matplotlib; missing parent directories are created)")
 
 
 def activation_policy(args: argparse.Namespace, bw) -> Policy:
