@@ -91,6 +91,10 @@ ACTIONS = {
     "grad_numpy_mul": lambda opt: _grad_edit(_numpy_grad),
     "grad_mul": lambda opt: _grad_edit(lambda p: p.grad.mul_(0.5)),
     "grad_replace": lambda opt: _grad_edit(_set_grad),
+    # a batch dropped after backward (a bad loss, say): zero_grad() without step()
+    "skip_step": lambda opt: {"skip_step": lambda i: i == 2},
+    # a checkpoint (or a look at the state) taken between backward and step
+    "state_dict_before_step": lambda opt: {"before_step": lambda i, m, o: o.state_dict()},
     "w_load_state_dict": lambda opt: _weights_at(2, _load_other),
     "w_mul": lambda opt: _weights_at(2, lambda m: [p.mul_(0.9) for p in m.parameters()]),
     "w_data_copy_ema": lambda opt: _ema(),

@@ -113,11 +113,13 @@ def batch(seed: int, step: int, micro: int = 0, dtype=torch.float32):
 
 
 def train(model, opt, *, seed: int = 0, steps: int = STEPS, start: int = 0, micro: int = 1,
-          before_step=None, after_step=None, sched=None, scaler=None, loss_hook=None):
+          before_step=None, after_step=None, sched=None, scaler=None, loss_hook=None,
+          skip_step=None):
     """Trains `steps` steps from step `start`, the same way for any optimizer.
     before_step(i, model, opt): after backward, before step (clipping, gradient edits);
     after_step(i, model, opt): after step and zero_grad (weight edits);
-    loss_hook(i, loss) -> loss: changes the loss before backward (an overflow)."""
+    loss_hook(i, loss) -> loss: changes the loss before backward (an overflow);
+    skip_step(i) -> bool: the user drops this step's gradients (zero_grad without step)."""
     dtype = next(model.parameters()).dtype
     for i in range(start, start + steps):
         for k in range(micro):
@@ -128,7 +130,9 @@ def train(model, opt, *, seed: int = 0, steps: int = STEPS, start: int = 0, micr
             (scaler.scale(loss) if scaler is not None else loss).backward()
         if before_step is not None:
             before_step(i, model, opt)
-        if scaler is not None:
+        if skip_step is not None and skip_step(i):
+            pass
+        elif scaler is not None:
             scaler.step(opt)
             scaler.update()
         else:

@@ -69,12 +69,13 @@ def _compare_with_torch(case, tmp_path, action, **tl_kw):
 # way of reading gradients (resident, streamed, durable's gradient log). Weight edits: every
 # mode keeps its own master copy somewhere.
 GRAD_ACTIONS = ["accumulate", "clip_norm_clips", "clip_norm_noop", "clip_value", "lambda_lr",
-                "onecycle", "grad_data_mul", "grad_numpy_mul", "grad_mul", "grad_replace"]
+                "onecycle", "grad_data_mul", "grad_numpy_mul", "grad_mul", "grad_replace",
+                "state_dict_before_step", "skip_step"]
 WEIGHT_ACTIONS = ["w_load_state_dict", "w_mul", "w_data_copy_ema", "w_numpy"]
 GRAD_MODES = ["none", "cpu", "nvme2", "durable1", "cpu_ov", "nvme2_ov", "hybrid_ov"]
 # The second timing (seed 1, two threads) for the actions whose outcome raced with backward.
 RACY = ["plain", "accumulate", "clip_norm_clips", "grad_data_mul", "grad_numpy_mul",
-        "w_mul_before_step"]
+        "w_mul_before_step", "state_dict_before_step", "skip_step"]
 
 
 def _cases(actions, modes) -> list:
