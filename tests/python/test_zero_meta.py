@@ -162,6 +162,10 @@ def _worker(rank, world, port, files, out):
     res["refuse-meta-buffer"] = _refusal(
         lambda: tierlift.zero.shard(bare, device="cpu", weights=files["llama"]))
     res["bare-untouched"] = all(t.is_meta for t in bare.state_dict().values())
+    mixed = _eager("llama")
+    mixed.rope_cos = mixed.rope_cos.to("meta")  # one buffer left on meta
+    res["refuse-mixed"] = _refusal(lambda: tierlift.zero.shard(mixed))
+    res["refuse-mixed-device"] = _refusal(lambda: tierlift.zero.shard(mixed, device="cpu"))
     res["refuse-missing"] = _refusal(lambda: tierlift.zero.shard(
         _deferred("llama"), device="cpu", weights=files["llama-missing"]))
     gpt = _deferred("gpt")
@@ -267,6 +271,9 @@ def test_refusals(world2):
     assert "this model's are on cpu" in res["refuse-real-model"]
     assert "buffer 'rope_cos' is on the meta device" in res["refuse-meta-buffer"]
     assert res["bare-untouched"]
+    assert "'rope_cos' is on the meta device: pass device=" in res["refuse-mixed"]
+    assert "parameter 'tok.weight' is on cpu while 'rope_cos' is on the meta device" in \
+        res["refuse-mixed-device"]
     assert "KeyError" in res["refuse-missing"] and "'head.weight'" in res["refuse-missing"]
     assert "'tok.weight' has shape (61, 32), the model expects (61, 24)" in \
         res["refuse-other-model"]

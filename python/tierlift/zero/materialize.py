@@ -47,8 +47,12 @@ def _owners(model: nn.Module, kind: str) -> dict[int, list]:
     return out
 
 
-def has_meta(model: nn.Module) -> bool:
-    return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+def first_meta(model: nn.Module) -> str | None:
+    """The name of the first parameter or buffer on the meta device, or None."""
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.is_meta:
+            return name
+    return None
 
 
 def check_no_meta(model: nn.Module) -> None:
@@ -65,7 +69,8 @@ def check_no_meta(model: nn.Module) -> None:
 def prepare(model: nn.Module, *, device, weights) -> Materializer | None:
     """A Materializer for a model with meta tensors (None for an ordinary model). Checks that
     every meta tensor has a source; changes nothing."""
-    if not has_meta(model):
+    meta = first_meta(model)
+    if meta is None:
         if device is not None or weights is not None:
             real = next(iter(model.parameters()), None)
             raise ValueError("shard(device=..., weights=...) builds a model whose parameters are "
@@ -74,9 +79,9 @@ def prepare(model: nn.Module, *, device, weights) -> Materializer | None:
                              "load weights with tierlift.zero.load_full_state_dict")
         return None
     if device is None:
-        raise ValueError("the model's parameters are on the meta device: pass device= (where "
-                         "the shards go, e.g. 'cuda' or 'cpu') and weights=DIR or a model built "
-                         "inside tierlift.zero.deferred_init()")
+        raise ValueError(f"{meta!r} is on the meta device: pass device= (where the shards "
+                         "go, e.g. 'cuda' or 'cpu') and weights=DIR or a model built inside "
+                         "tierlift.zero.deferred_init()")
     return Materializer(model, torch.device(device), weights)
 
 
@@ -92,7 +97,8 @@ class Materializer:
                 if t.requires_grad and not t.is_meta]
         if real:
             raise ValueError(f"parameter {real[0]!r} is on {self.params_device(real[0])} while "
-                             "others are on the meta device: build all of them on meta (or none)")
+                             f"{first_meta(model)!r} is on the meta device: build all trainable "
+                             "parameters on meta, or none")
         if self.files is None and self.rec is None:
             raise ValueError("the model's parameters are on the meta device and nothing says "
                              "what they hold: pass weights=DIR (safetensors, as save_pretrained "
