@@ -158,6 +158,7 @@ class FlatUnit:
                     self.gather_event = self.offload.after()
         self.pending = (work, src)
         self.gathered, self.stale, self.shard_version = True, False, self.shard._version
+        self.install_views()  # in place of the freed stand-ins
         if not async_op:
             self.wait_gather()
 
