@@ -98,6 +98,16 @@ def test_save_refuses_what_is_not_a_checkpoint(tmp_path, kind, blocking):
     assert not os.path.lexists(str(target) + ".old")
 
 
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "background"])
+def test_a_sharded_save_refuses_a_file(tmp_path, blocking):
+    target, untouched = _foreign(tmp_path, "file")
+    model = tierlift.zero.shard(_model(), stage=3)
+    with pytest.raises(FileExistsError, match="a save replaces only a tierlift checkpoint"):
+        tierlift.checkpoint.save(target, model, blocking=blocking)
+    tierlift.checkpoint.close()
+    assert untouched() and not os.path.lexists(str(target) + ".tmp")
+
+
 @pytest.mark.parametrize("suffix", [".tmp", ".old"])
 def test_save_refuses_a_foreign_tmp_or_old(tmp_path, suffix):
     ck = tmp_path / "ck"
