@@ -60,8 +60,24 @@ def _hf(kind: str):
     return transformers.GPT2LMHeadModel, cfg
 
 
+class DataBuffers(torch.nn.Module):
+    """Buffers made from data and edited in place while the model is built: the replay must not
+    apply those edits a second time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(6, 6)
+        self.register_buffer("scale", torch.tensor([1.0, 2.0]))
+        self.scale.mul_(2)
+        self.register_buffer("steps", torch.arange(3.0) * torch.tensor(2.0))  # meta x CPU
+
+    def forward(self, x):
+        return self.lin(x)
+
+
 def _builders():
     return {"gpt": lambda: GPT(GPT_CFG), "llama": lambda: Llama(LLAMA), "tiny": make_model,
+            "data": DataBuffers,
             "hf-llama": lambda: _hf("llama")[0](_hf("llama")[1]),
             "hf-gpt2": lambda: _hf("gpt2")[0](_hf("gpt2")[1])}
 
@@ -97,14 +113,16 @@ def _worker(rank, world, port, files, out):
     idx = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(5))
     # deferred_init() == eager construction: full_state_dict, generator state after, logits.
     for name, stage in [("gpt", 3), ("llama", 3), ("llama", 2), ("tiny", 3), ("tiny", 1),
-                        ("hf-llama", 3), ("hf-gpt2", 3)]:
+                        ("data", 3), ("hf-llama", 3), ("hf-gpt2", 3)]:
         eager = _eager(name)
         after_eager = torch.rand(4)
         model = tierlift.zero.shard(_deferred(name), stage=stage, device="cpu")
         after = torch.rand(4)
         sd = tierlift.zero.full_state_dict(model)
         ref = eager.state_dict()
+        bufs = dict(model.named_buffers())
         res[f"deferred-{name}-{stage}"] = {
+            "buffers": [n for n, b in eager.named_buffers() if not torch.equal(b, bufs[n])],
             "keys": list(sd) == list(ref),
             "equal": [k for k in ref if not torch.equal(sd[k], ref[k])],
             "rng": torch.equal(after, after_eager),
@@ -247,12 +265,13 @@ def world2(files, tmp_path_factory):
     return [torch.load(out.replace(".pt", f"{r}.pt"), weights_only=True) for r in range(2)]
 
 
-@pytest.mark.parametrize("case", ["gpt-3", "llama-3", "llama-2", "tiny-3", "tiny-1",
+@pytest.mark.parametrize("case", ["gpt-3", "llama-3", "llama-2", "tiny-3", "tiny-1", "data-3",
                                   "hf-llama-3", "hf-gpt2-3"])
 def test_deferred_equals_eager(world2, case):
     for res in world2:
         r = res[f"deferred-{case}"]
         assert r["keys"] and r["equal"] == [] and r["meta"] == [] and r["recording_dropped"], r
+        assert r["buffers"] == [], r  # non-persistent ones too
         assert r["rng"], "the CPU generator is not where eager construction leaves it"
 
 

@@ -23,6 +23,8 @@ that point, which keeps what this rank needs (its slice of each flat shard) and 
 So a rank holds its shards plus the tensors that are alive at once during construction (one
 parameter, for models that initialise parameter by parameter), never the whole model.
 
+Real tensors the recorded ops use (torch.tensor's data, tensors from before the block) are
+copied when first used, so in-place edits that already ran on them are not applied twice.
 torch.manual_seed before or inside the block is honoured: the CPU generator's state is kept where
 the block starts and before every random op that finds it set anew. Not recorded (the guarantee
 does not cover it): changes to the model's tensors after the `with` block, random numbers drawn
@@ -46,7 +48,7 @@ _META = torch.device("meta")
 # Ops that overwrite every element of `self` without reading it: a new version of the storage.
 _OVERWRITE = {"uniform_", "normal_", "zero_", "fill_", "exponential_", "random_", "cauchy_",
               "log_normal_", "geometric_", "bernoulli_", "copy_"}
-# Constructors that take data: run on the CPU so the values are recorded, then moved to meta.
+# Constructors that take data: they stay on the CPU (their values are what gets recorded).
 _DATA = {torch.tensor, torch.as_tensor, torch.asarray}
 
 
@@ -82,8 +84,11 @@ class Recording:
         self.keys: dict[StorageWeakRef, int] = {}
         self.version: list[int] = []  # current version per key
         self.nbytes: list[int] = []
-        self.device: list[torch.device] = []
         self.alive: list = []  # recorded tensors: their storages' weak refs stay unique
+        # Real tensors made outside the recorded ops (torch.tensor's data, tensors from before
+        # the block), copied when first used: later in-place ops on them, which already ran
+        # for real, must not be applied twice by the replay. {id: (tensor, version, copy)}
+        self.constants: dict[int, tuple] = {}
 
     def key_of(self, t: torch.Tensor) -> int | None:
         return self.keys.get(StorageWeakRef(t.untyped_storage()))
@@ -92,10 +97,15 @@ class Recording:
         return Ref(key, self.version[key], t.storage_offset(), tuple(t.shape), tuple(t.stride()),
                    t.dtype)
 
-    def ref_of(self, t: torch.Tensor) -> Ref | None:
-        """The Ref of a recorded tensor's current value (None: not made inside the block)."""
-        key = self.key_of(t)
-        return None if key is None else self.ref(t, key)
+    def constant(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy of real tensor t as it is now (meta tensors have no values to copy)."""
+        if t.is_meta:
+            return t
+        seen = self.constants.get(id(t))
+        if seen is None or seen[1] != t._version:
+            seen = (t, t._version, t.detach().clone())
+            self.constants[id(t)] = seen
+        return seen[2]
 
     def record(self, func, args, kwargs, out, rng=None) -> None:
         schema = func._schema.arguments
@@ -113,7 +123,7 @@ class Recording:
                 return t
             key = self.key_of(t)
             if key is None:
-                return t  # a constant made before the block (kept alive by the recording)
+                return self.constant(t)
             r = self.ref(t, key)
             reads.append(r)
             if name in written:
@@ -144,7 +154,6 @@ class Recording:
             self.keys[StorageWeakRef(t.untyped_storage())] = key
             self.version.append(0)
             self.nbytes.append(t.untyped_storage().nbytes())
-            self.device.append(t.device)
             r = self.ref(t, key)
             new.append((r, i))
             writes.append(r)
@@ -287,8 +296,12 @@ def replay(rec: Recording, wanted: dict[int, object], *, full: bool) -> None:
                 kwargs = tree_map(resolve, op.kwargs)
                 out = op.func(*args, **kwargs)
                 flat, _ = tree_flatten(out)
+                consts = {a.untyped_storage().data_ptr() for a in tree_flatten((args, kwargs))[0]
+                          if isinstance(a, torch.Tensor)}
                 for r, j in op.new:
                     t = flat[j]
+                    if t.untyped_storage().data_ptr() in consts:  # lift_fresh: the constant
+                        t = t.clone()  # itself, which must stay as recorded
                     if (t.storage_offset(), tuple(t.stride())) == (r.offset, r.stride) and \
                             t.untyped_storage().nbytes() == rec.nbytes[r.key]:
                         live[(r.key, r.version)] = t.untyped_storage()
