@@ -124,9 +124,30 @@ def _freed(rank, out):
     out["swap_unchanged"] = torch.equal(before, _flat(model)) and isinstance(
         model.tok, nn.Embedding) and model.tok.num_embeddings == 61
     model.frozen_extra = nn.Linear(2, 2).requires_grad_(False)  # frozen: replicated, allowed
+    # Inside gathered(): `.data` of another shape (as resize_token_embeddings assigns) is refused
+    # on every rank; of the same shape it is an edit; a forward is refused.
+    before = _flat(model)
+    out["resize_in_block"] = _raises(lambda: _resize_in_block(model, rank))
+    out["resize_unchanged"] = torch.equal(before, _flat(model))
+    with tierlift.zero.gathered(model.blocks[0], modifier_rank=0):
+        if rank == 0:
+            model.blocks[0].proj.bias.data = torch.full((20,), 0.5)
+    out["data_edit"] = tierlift.zero.full_state_dict(model)["blocks.0.proj.bias"]
+    out["forward_in_block"] = _raises(lambda: _forward_in_block(model, seq))
     # Still trains after all this.
     model(seq[:, :-1]).float().pow(2).mean().backward()
     out["freed_after_forward"] = type(model.blocks[0].qkv.weight).__name__
+
+
+def _resize_in_block(model, rank):
+    with tierlift.zero.gathered(model, modifier_rank=0):
+        if rank == 0:
+            model.tok.weight.data = torch.zeros(70, 20)
+
+
+def _forward_in_block(model, seq):
+    with tierlift.zero.gathered(model):
+        model(seq[:, :-1])
 
 
 def _gathered(rank, out):
@@ -251,6 +272,9 @@ def test_full_state_dict_loads_exactly_through_load_state_dict(ranks):
 
 
 def test_freed_weights_raise_instead_of_crashing(ranks):
+    assert "'tok.weight' was given shape (70, 20) inside gathered()" in ranks[0]["resize_in_block"]
+    assert "rank 0 (modifier_rank) gave a gathered weight another shape" in \
+        ranks[1]["resize_in_block"]
     for out in ranks:
         assert out["freed_shape"] == (60, 20)
         assert "'blocks.0.qkv.weight' is sharded by tierlift.zero (stage 3) and not gathered" \
@@ -261,6 +285,9 @@ def test_freed_weights_raise_instead_of_crashing(ranks):
         assert "cannot add submodule 'extra' with trainable parameters" in out["add_trainable"]
         assert out["swap_unchanged"]
         assert out["freed_after_forward"] == "FreedWeight"
+        assert out["resize_unchanged"]
+        assert torch.equal(out["data_edit"], torch.full((20,), 0.5))
+        assert "forward inside tierlift.zero.gathered()" in out["forward_in_block"]
 
 
 def _reference(name):

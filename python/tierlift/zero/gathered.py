@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tierlift._shards import shard_owner
+from tierlift.zero.freed import FreedWeight
 from tierlift.zero.guards import live_states, states_in
 
 
@@ -88,23 +89,31 @@ class _Held:
                 setattr(mod(), attr, v)
         self.version = buf._version
 
+    def _moved(self, v: torch.Tensor) -> bool:
+        """Whether `v` was given other data (`v.data = ...`) inside the block."""
+        return v.untyped_storage().data_ptr() != self.buf.untyped_storage().data_ptr()
+
     def edited(self) -> bool:
-        return self.buf._version != self.version
+        return self.buf._version != self.version or any(
+            self._moved(v) or any(getattr(mod(), attr, None) is not v for mod, attr in e.owners)
+            for e, v in zip(self.unit.entries, self.views, strict=True))
 
     def replaced(self) -> str | None:
-        """The first module attribute no longer holding its gathered view, as a message."""
+        """Takes a weight given new data of its own shape (an attribute set to another tensor,
+        or `.data` assigned) as an edit; a weight given another shape, as a message."""
         for e, v in zip(self.unit.entries, self.views, strict=True):
-            for mod, attr in e.owners:
-                now = getattr(mod(), attr, None)
-                if now is v:
+            for now in [getattr(mod(), attr, None) for mod, attr in e.owners]:
+                if (now is v and not self._moved(v)) or isinstance(now, FreedWeight):
                     continue
                 if isinstance(now, torch.Tensor) and tuple(now.shape) == tuple(e.shape):
                     with torch.no_grad():
-                        v.copy_(now)  # a same-shape replacement counts as an edit
+                        self.buf[e.offset:e.offset + e.numel].copy_(now.detach().reshape(-1))
                     continue
                 shape = tuple(now.shape) if isinstance(now, torch.Tensor) else type(now).__name__
-                return (f"{e.names[0]!r} was replaced by {shape} inside gathered(); a sharded "
-                        f"weight keeps its shape {tuple(e.shape)}: edit it in place")
+                return (f"{e.names[0]!r} was given shape {shape} inside gathered(); a sharded "
+                        f"weight keeps its shape {tuple(e.shape)} (resize it, e.g. "
+                        "resize_token_embeddings, before tierlift.zero.shard); nothing was "
+                        "written back")
         return None
 
     def restore(self, state, collective: bool) -> None:
@@ -136,25 +145,33 @@ def gathered(params_or_module, modifier_rank: int | None = None):
     for state, _ in targets:
         _check_modifier(state, modifier_rank)
     held: list[tuple] = []
+    for state, _ in targets:
+        state.gathered_blocks += 1
     try:
         for state, idx in targets:
             for i in idx:
                 held.append((state, _Held(state.units[i])))
     except BaseException:
-        for state, h in held:
-            h.restore(state, collective=False)
+        _close(targets, held, collective=False)
         raise
     try:
         yield
     except BaseException:
-        for state, h in held:  # the block failed (maybe on this rank only): no collective
-            h.restore(state, collective=False)
+        _close(targets, held, collective=False)  # failed, maybe on this rank only
         raise
     try:
         _finish(targets, held, modifier_rank)
     finally:
+        _close(targets, held, collective=True)
+
+
+def _close(targets, held, collective: bool) -> None:
+    try:
         for state, h in held:
-            h.restore(state, collective=True)
+            h.restore(state, collective)
+    finally:
+        for state, _ in targets:
+            state.gathered_blocks -= 1
 
 
 def _finish(targets, held, modifier_rank) -> None:
@@ -177,8 +194,9 @@ def _finish(targets, held, modifier_rank) -> None:
         _broadcast(comm, flag, modifier_rank)
         if int(flag.item()):
             raise RuntimeError(problem if problem is not None else
-                               f"rank {modifier_rank} (modifier_rank) replaced a gathered "
-                               "weight by one of another shape; nothing was written back")
+                               f"rank {modifier_rank} (modifier_rank) gave a gathered weight "
+                               "another shape inside gathered() (resize weights before "
+                               "tierlift.zero.shard); nothing was written back")
         for h in mine:
             _broadcast(comm, h.buf, modifier_rank)
         for h in mine:

@@ -76,6 +76,7 @@ class ZeroState:
         self._sent_at_step = topology.sent()
         self.hooked: set[int] = set()    # ids of units that got gradients this backward
         self.handles: list = []
+        self.gathered_blocks = 0         # tierlift.zero.gathered() blocks open on this model
         self._shard_ids = {id(u.shard) for u in units}
         for i, u in enumerate(units):
             register_shard(u.shard, self, i)
@@ -153,6 +154,10 @@ class ZeroState:
 
     # ---- forward ----
     def _root_pre_forward(self, module, args):
+        if self.gathered_blocks:
+            raise RuntimeError("forward inside tierlift.zero.gathered(): it would run on the "
+                               "sharded weights, not the block's, and take the block's weights "
+                               "off the modules; run it after the block")
         if self.callback_queued and not _in_backward():
             # A backward raised before its end-of-backward callback ran: start clean.
             self.reductions.clear()
