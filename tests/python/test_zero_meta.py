@@ -199,6 +199,15 @@ def _worker(rank, world, port, files, out):
         tierlift.zero.full_state_dict(tierlift.zero.shard(gpt, device="cpu",
                                                           weights=files["gpt-export"]))
         ["tok.weight"], files["sd-gpt"]["tok.weight"])
+    edited = _deferred("llama")
+    with torch.no_grad():
+        edited.head.weight.zero_()  # on meta, outside the block: not recorded
+    res["refuse-edited-after"] = _refusal(lambda: tierlift.zero.shard(edited, device="cpu"))
+    tied = _deferred("llama")
+    tied.head.weight = tied.tok.weight  # re-assigning attributes is fine
+    res["tied-after"] = torch.equal(
+        tierlift.zero.full_state_dict(tierlift.zero.shard(tied, device="cpu"))["head.weight"],
+        _eager("llama").tok.weight)
     res["refuse-load-unsharded"] = _refusal(
         lambda: tierlift.zero.load_full_state_dict(_deferred("llama"), files["sd-llama"]))
     res["rss"] = _peak_rss(files["rss"])
@@ -318,6 +327,9 @@ def test_refusals(world2):
     assert "does not have: ['stray']" in res["refuse-extra"]
     assert res["retry-after-refusal"]
     assert "model is not sharded" in res["refuse-load-unsharded"]
+    assert "'head.weight' was changed in place after the deferred_init() block" in \
+        res["refuse-edited-after"]
+    assert res["tied-after"]
 
 
 def test_truncated_file_is_refused(tmp_path):

@@ -27,8 +27,10 @@ Real tensors the recorded ops use (torch.tensor's data, tensors from before the 
 copied when first used, so in-place edits that already ran on them are not applied twice.
 torch.manual_seed before or inside the block is honoured: the CPU generator's state is kept where
 the block starts and before every random op that finds it set anew. Not recorded (the guarantee
-does not cover it): changes to the model's tensors after the `with` block, random numbers drawn
-outside aten ops (Python's `random`, numpy), explicit generator= objects and the CUDA generator.
+does not cover it): changes to the model's tensors after the `with` block (an in-place op on a
+parameter or buffer is refused by shard(); one through `.data` is not seen), random numbers
+drawn outside aten ops (Python's `random`, numpy), explicit generator= objects and the CUDA
+generator.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ class Recording:
         self.rng_state = torch.get_rng_state()
         self.rng_after = self.rng_state  # after the last recorded random op
         self.rng_end = None  # when the block ended
+        self.exit_versions: dict[int, int] = {}  # per key: the highest _version at the end
         self.keys: dict[StorageWeakRef, int] = {}
         self.version: list[int] = []  # current version per key
         self.nbytes: list[int] = []
@@ -236,11 +239,23 @@ def deferred_init():
         torch.nn.Module.__init__ = before
         _active.pop()
         rec.rng_end = torch.get_rng_state()
+        for out in rec.alive:
+            for t in tree_flatten(out)[0]:
+                key = rec.key_of(t) if isinstance(t, torch.Tensor) else None
+                if key is not None:
+                    rec.exit_versions[key] = max(rec.exit_versions.get(key, 0), t._version)
 
 
 def recording_of(model: torch.nn.Module) -> Recording | None:
     """The Recording of a model built inside deferred_init(), or None."""
     return getattr(model, _ATTR, None)
+
+
+def changed_after(rec: Recording, t: torch.Tensor) -> bool:
+    """Whether an in-place op outside the block changed recorded tensor t (not recorded, so the
+    replay would miss it). Seen through the version counter t shares with the recorded ones."""
+    key = rec.key_of(t)
+    return key is not None and t._version > rec.exit_versions.get(key, t._version)
 
 
 def forget(model: torch.nn.Module) -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tierlift.zero.deferred import forget, recording_of, replay
+from tierlift.zero.deferred import changed_after, forget, recording_of, replay
 from tierlift.zero.weight_files import WeightFiles
 
 
@@ -125,6 +125,10 @@ class Materializer:
                 if t.is_meta and self.rec.key_of(t) is None:
                     raise ValueError(f"{names[0]!r} is on the meta device but was not made "
                                      "inside the deferred_init() block")
+                if t.is_meta and changed_after(self.rec, t):
+                    raise ValueError(f"{names[0]!r} was changed in place after the "
+                                     "deferred_init() block, on meta, where nothing is "
+                                     "recorded: make the change inside the block")
 
     def params_device(self, name: str) -> torch.device:
         return next(t.device for t, names, _, _ in self.params.values() if name in names)
