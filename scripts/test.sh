@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up a fresh machine (scripts/setup.sh), then runs every test: lint, GoogleTest (plain and
-# under AddressSanitizer + UBSan; the C++ core, and every CUDA kernel in the CPU simulator) and
-# pytest. This is what CI runs (.ci/run).
+# under AddressSanitizer + UBSan; the C++ core, and every CUDA kernel in the CPU simulator, also
+# with the warp-ahead schedule and under ThreadSanitizer) and pytest. This is what CI runs
+# (.ci/run).
 #
 #   bash scripts/test.sh
 set -euo pipefail
@@ -29,6 +30,14 @@ export ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1
 ./build/asan/tierlift_tests --gtest_brief=1
 ./build/asan/tierlift_cudasim_tests --gtest_brief=1
 unset ASAN_OPTIONS UBSAN_OPTIONS
+
+echo "== CUDA kernels in the CPU simulator: warp-ahead schedule, and under ThreadSanitizer"
+TIERLIFT_CUDASIM_SCHEDULE=warp ./build/cmake/tierlift_cudasim_tests --gtest_brief=1
+cmake -S . -B build/tsan -G Ninja -DTIERLIFT_TSAN=ON -DTIERLIFT_BENCHMARKS=OFF >/dev/null
+cmake --build build/tsan -j "$jobs" --target tierlift_cudasim_tests
+# setarch -R: older libtsan refuses the high-entropy address layouts of newer kernels.
+TSAN_OPTIONS="halt_on_error=1 history_size=4" setarch "$(uname -m)" -R \
+  ./build/tsan/tierlift_cudasim_tests --gtest_brief=1
 
 echo "== pytest ($(( $(date +%s) - start )) s so far)"
 $PY -m pytest -q -ra tests/python "$@"

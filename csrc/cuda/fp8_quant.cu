@@ -226,16 +226,17 @@ __device__ __forceinline__ void encode_store4(uint8_t* q, int64_t k, const float
 
 // 1x128 blocks: one warp per block, 4 values per lane kept in registers. kVec: lane owns 4
 // consecutive elements (vector load/store; needs cols % 4 == 0 and aligned rows), else
-// elements lane + 32k.
+// elements lane + 32k. narrow: rows * gc fits 32-bit division (see narrow_index_limit).
 template <DType kT, bool kVec>
 __global__ void block1x128_kernel(const void* x, int64_t rows, int64_t cols, int64_t rs,
-                                  Fp8Format fmt, bool pow2, uint8_t* q, float* scales) {
+                                  Fp8Format fmt, bool pow2, uint8_t* q, float* scales,
+                                  bool narrow) {
   const int64_t gc = (cols + 127) / 128;
   const int64_t block = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x & 31;
   if (block >= rows * gc) return;  // whole warps exit together
   int64_t i, jb;
-  if (rows * gc <= INT32_MAX) {  // 32-bit division: several times cheaper than 64-bit
+  if (narrow) {  // 32-bit division: several times cheaper than 64-bit
     const uint32_t b32 = static_cast<uint32_t>(block), g32 = static_cast<uint32_t>(gc);
     i = b32 / g32;
     jb = static_cast<int64_t>(b32 % g32) * 128;
@@ -353,12 +354,13 @@ cudaError_t run(const Fp8QuantArgs& a, cudaStream_t stream) {
     if (a.scaling == Fp8Scaling::kBlock1x128) {
       const int64_t warps = a.rows * b.grid_cols;
       const unsigned blocks = static_cast<unsigned>((warps * 32 + 255) / 256);
+      const bool narrow = warps <= narrow_index_limit() && warps <= INT32_MAX;
       if (vec) {
         TIERLIFT_LAUNCH(blocks, 256, 0, stream, block1x128_kernel<kT, true>)
-        (a.x, a.rows, a.cols, a.row_stride, a.fmt, a.pow2_scale, a.q, a.scales);
+        (a.x, a.rows, a.cols, a.row_stride, a.fmt, a.pow2_scale, a.q, a.scales, narrow);
       } else {
         TIERLIFT_LAUNCH(blocks, 256, 0, stream, block1x128_kernel<kT, false>)
-        (a.x, a.rows, a.cols, a.row_stride, a.fmt, a.pow2_scale, a.q, a.scales);
+        (a.x, a.rows, a.cols, a.row_stride, a.fmt, a.pow2_scale, a.q, a.scales, narrow);
       }
     } else {
       const unsigned blocks = static_cast<unsigned>(a.rows);

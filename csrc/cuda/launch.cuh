@@ -9,6 +9,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <utility>
 
 #ifdef TIERLIFT_CUDASIM
@@ -54,6 +55,14 @@ class KernelLaunch {
 template <typename... Params>
 KernelLaunch(const char*, void (*)(Params...), dim3, dim3, size_t, cudaStream_t)
     -> KernelLaunch<Params...>;
+
+// The largest count that kernels index with 32-bit arithmetic before falling back to 64-bit
+// (only past INT32_MAX elements otherwise). Tests lower it so that the fallbacks run on small
+// shapes; nothing else changes it. Host side: launchers pass the decision to their kernels.
+inline int64_t& narrow_index_limit() {
+  static int64_t limit = INT32_MAX;
+  return limit;
+}
 
 }  // namespace cuda
 }  // namespace tierlift

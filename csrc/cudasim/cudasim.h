@@ -21,6 +21,8 @@
 #include "cudasim/warp.h"
 
 // Host compilers see __shared__ as nothing; here it is per OS thread, hence per running block.
+// The scheduler finds every such function-local thread_local in the program's symbol table and
+// poisons them at each block start (shared_memory.cc).
 #undef __shared__
 #define __shared__ static thread_local
 #define __launch_bounds__(...)

@@ -15,6 +15,8 @@
 #endif
 #endif
 
+#include "cudasim/sanitizer.h"
+
 #ifdef CUDASIM_ASAN
 #include <sanitizer/asan_interface.h>
 #include <sanitizer/common_interface_defs.h>
@@ -81,13 +83,36 @@ Fiber::Fiber() {
   if (mprotect(mapping_, page_size(), PROT_NONE) != 0) die("cudasim: stack guard page");
 }
 
-Fiber::~Fiber() { munmap(mapping_, kStackBytes + page_size()); }
+Fiber::~Fiber() {
+#ifdef CUDASIM_TSAN
+  if (tsan_fiber_ != nullptr) __tsan_destroy_fiber(tsan_fiber_);
+#endif
+  munmap(mapping_, kStackBytes + page_size());
+}
+
+void Fiber::set_name(const char* name) {
+#ifdef CUDASIM_TSAN
+  __tsan_set_fiber_name(tsan_fiber_, name);
+#else
+  (void)name;
+#endif
+}
 
 void Fiber::start(Entry entry, void* arg) {
   entry_ = entry;
   arg_ = arg;
   finished_ = false;
   char* stack = mapping_ + page_size();
+#ifdef CUDASIM_TSAN
+  // A new TSan context (it inherits only the creating OS thread's history), and the stack mapped
+  // afresh: TSan forgets the previous run's accesses to it, which no edge orders before this one.
+  if (tsan_fiber_ != nullptr) __tsan_destroy_fiber(tsan_fiber_);
+  if (mmap(stack, kStackBytes, PROT_READ | PROT_WRITE,
+           MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0) == MAP_FAILED) {
+    die("cudasim: mmap of a fiber stack");
+  }
+  tsan_fiber_ = __tsan_create_fiber(0);
+#endif
 #ifdef CUDASIM_ASAN
   // A fiber abandoned mid-kernel (after a reported error) left its frames' redzones poisoned.
   __asan_unpoison_memory_region(stack, kStackBytes);
@@ -119,6 +144,10 @@ void Fiber::start(Entry entry, void* arg) {
 }
 
 void Fiber::switch_to_fiber() {
+#ifdef CUDASIM_TSAN
+  tsan_caller_ = __tsan_get_current_fiber();
+  __tsan_switch_to_fiber(tsan_fiber_, __tsan_switch_to_fiber_no_sync);
+#endif
 #if defined(__x86_64__)
   cudasim_switch_stack(&caller_sp_, sp_);
 #else
@@ -139,10 +168,14 @@ bool Fiber::resume() {
 }
 
 void Fiber::switch_out(bool for_good) {
+  tsan::Ignore ignore;  // on the fiber: the switch's own bookkeeping is not the kernel's
 #ifdef CUDASIM_ASAN
   __sanitizer_start_switch_fiber(for_good ? nullptr : &fake_stack_, caller_bottom_, caller_size_);
 #else
   (void)for_good;
+#endif
+#ifdef CUDASIM_TSAN
+  __tsan_switch_to_fiber(tsan_caller_, __tsan_switch_to_fiber_no_sync);
 #endif
 #if defined(__x86_64__)
   cudasim_switch_stack(&sp_, caller_sp_);
@@ -166,8 +199,18 @@ void Fiber::main(Fiber* self) {
 #ifdef CUDASIM_ASAN
   __sanitizer_finish_switch_fiber(nullptr, &self->caller_bottom_, &self->caller_size_);
 #endif
-  self->entry_(self->arg_);
-  self->finished_ = true;
+  Entry entry;
+  void* arg;
+  {
+    tsan::Ignore ignore;  // the Fiber object outlives this run: not the kernel's memory
+    entry = self->entry_;
+    arg = self->arg_;
+  }
+  entry(arg);
+  {
+    tsan::Ignore ignore;
+    self->finished_ = true;
+  }
   self->switch_out(true);
   std::abort();  // a finished fiber is never resumed
 }

@@ -3,7 +3,9 @@
 // warp collective) or returns. On x86-64 a switch saves the callee-saved registers and swaps
 // stack pointers (a few ns: kernels switch at every shuffle); elsewhere it is ucontext, whose
 // swapcontext makes a system call per switch. Switches are annotated for AddressSanitizer, so
-// ASan follows the stacks and reports errors inside kernels normally.
+// ASan follows the stacks and reports errors inside kernels normally, and for ThreadSanitizer:
+// each start() is a new TSan fiber on a freshly mapped stack (no history from an earlier run),
+// and switches carry no happens-before edge (the scheduler adds CUDA's own).
 #pragma once
 
 #if !defined(__x86_64__)
@@ -29,6 +31,8 @@ class Fiber {
   bool resume();
   // Called on the fiber: back to whoever resumed it.
   void yield();
+  // The name ThreadSanitizer gives this fiber in its reports (copied; no-op in other builds).
+  void set_name(const char* name);
 
  private:
   static void main(Fiber* self);
@@ -53,6 +57,8 @@ class Fiber {
   void* fake_stack_ = nullptr;  // ASan's fake stack of this fiber while it is switched out
   const void* caller_bottom_ = nullptr;
   size_t caller_size_ = 0;
+  void* tsan_fiber_ = nullptr;   // this run's TSan context (ThreadSanitizer builds)
+  void* tsan_caller_ = nullptr;  // the resumer's TSan context while the fiber runs
 };
 
 }  // namespace cudasim

@@ -6,7 +6,8 @@
 // the grid is done (streams are synchronous here); a rule broken inside a kernel becomes
 // cudaErrorLaunchFailure for cudaGetLastError(), and its message goes to stderr and to
 // last_error_message(). Environment: TIERLIFT_CUDASIM_SEED (default: random, printed with any
-// error), TIERLIFT_CUDASIM_THREADS (OS threads per launch, default min(4, cores)).
+// error), TIERLIFT_CUDASIM_THREADS (OS threads per launch, default min(4, cores)),
+// TIERLIFT_CUDASIM_SCHEDULE (`thread`, the default, or `warp`: see Schedule).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -39,8 +40,19 @@ void launch(const char* name, void (*kernel)(Params...), dim3 grid, dim3 block, 
       &call);
 }
 
+// The order in which a block's threads run between rendezvous. kThread: one random ready thread
+// at a time, each to its next barrier or warp collective, so warps interleave finely. kWarp: a
+// random warp runs alone until its next __syncthreads (or its end) before another warp moves,
+// so one warp gets far ahead of others (a missing barrier before reusing a shared slot shows).
+enum class Schedule { kThread, kWarp };
+
 uint64_t seed();
 void set_seed(uint64_t seed);
+Schedule schedule();
+void set_schedule(Schedule s);
+void reset_schedule();  // back to TIERLIFT_CUDASIM_SCHEDULE
+// Bytes of __shared__ variables (all kernels of the program), poisoned at each block start.
+size_t shared_memory_bytes();
 int threads();
 void set_threads(int n);
 // The message of the last kernel error (empty if none yet); kept after cudaGetLastError().

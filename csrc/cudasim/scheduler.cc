@@ -1,5 +1,7 @@
 // Runs a launch: blocks spread over OS threads, each block's threads as fibers resumed in a
-// seeded random order, barriers and warp collectives as rendezvous that check CUDA's rules.
+// seeded random order (thread by thread, or warp by warp), barriers and warp collectives as
+// rendezvous that check CUDA's rules; shared memory poisoned at each block start. Under
+// ThreadSanitizer the rendezvous are also happens-before edges among exactly their participants.
 #include "cudasim/scheduler.h"
 
 #include <cuda_runtime.h>
@@ -20,6 +22,8 @@
 #include "cudasim/errors.h"
 #include "cudasim/fiber.h"
 #include "cudasim/launch.h"
+#include "cudasim/sanitizer.h"
+#include "cudasim/shared_memory.h"
 
 namespace cudasim {
 
@@ -100,6 +104,14 @@ int source_lane(WarpOp op, int lane, int arg, int width) {
   return ok ? j : lane;
 }
 
+// A happens-before edge among the threads of one barrier or warp collective (ThreadSanitizer
+// builds): each releases it on arrival and acquires it once the rendezvous is complete. A fresh
+// heap object per rendezvous, freed by its last participant: freeing resets TSan's clock for the
+// address, so a later rendezvous never inherits an earlier one's edges.
+struct SyncPoint {
+  int pending;  // participants yet to acquire
+};
+
 struct SimThread {
   enum State : uint8_t { kReady, kBarrier, kWarp, kDone };
   uint3 idx{};
@@ -110,6 +122,7 @@ struct SimThread {
   unsigned mask = 0;
   int arg = 0, width = kWarp;
   uint64_t value = 0;
+  SyncPoint* sync = nullptr;  // to acquire when resumed (ThreadSanitizer builds)
 };
 
 struct Launch {
@@ -119,6 +132,8 @@ struct Launch {
   void* ctx;
   uint64_t seed;
   uint64_t id;
+  Schedule schedule;
+  char* sync;  // [0]: released before the launch, [1]: released by every thread at its end
 };
 
 // Fibers (each with its mapped stack) outlive launches and the OS threads that ran them: a block
@@ -162,6 +177,8 @@ class BlockRun {
         rng_(splitmix64(l.seed ^ splitmix64(l.id * 0x100000001b3ull + linear_block))) {
     const int n = static_cast<int>(l.block.x * l.block.y * l.block.z);
     threads_.resize(n);
+    ready_.resize((n + kWarp - 1) / kWarp);
+    if (tsan::kEnabled) open_.resize(ready_.size());
     for (int t = 0; t < n; ++t) {
       threads_[t].idx = {t % l.block.x, (t / l.block.x) % l.block.y, t / (l.block.x * l.block.y)};
     }
@@ -174,21 +191,20 @@ class BlockRun {
 
   // Returns the error message, empty on success.
   std::string run() {
+    tsan::Ignore ignore;  // the OS thread's side: `current`, the poison, the bookkeeping
     const int n = static_cast<int>(threads_.size());
     current.block_idx = block_idx_;
     current.block_dim = launch_.block;
     current.grid_dim = launch_.grid;
     running_block = this;
-    ready_.clear();
+    poison_shared();
     for (int t = 0; t < n; ++t) {
       fibers_[t]->start(&BlockRun::entry, this);
-      ready_.push_back(t);
+      if (tsan::kEnabled) name_fiber(t);
+      make_ready(t);
     }
-    while (!ready_.empty() && error_.empty()) {
-      const size_t k = static_cast<size_t>(rng_() % ready_.size());
-      const int t = ready_[k];
-      ready_[k] = ready_.back();
-      ready_.pop_back();
+    while (ready_count_ > 0 && error_.empty()) {
+      const int t = pick();
       running_ = t;
       current.thread_idx = threads_[t].idx;
       if (fibers_[t]->resume() && error_.empty()) on_exit(t);
@@ -199,11 +215,17 @@ class BlockRun {
   }
 
   void barrier(const char* file, int line) {
+    tsan::Ignore ignore;  // on the fiber, across its wait: the scheduler's state, not the kernel's
     SimThread& me = threads_[running_];
     me.state = SimThread::kBarrier;
     me.file = file;
     me.line = line;
     ++at_barrier_;
+    if (tsan::kEnabled) {
+      if (barrier_sync_ == nullptr)
+        barrier_sync_ = new SyncPoint{static_cast<int>(threads_.size())};
+      arrive(me, barrier_sync_);
+    }
     if (done_ > 0) {
       fail(running_, "reaches __syncthreads at " + site(file, line) + " after " + who(first_done_) +
                          " returned: the barrier can never complete");
@@ -218,12 +240,15 @@ class BlockRun {
       }
       release_all_at(SimThread::kBarrier);
       at_barrier_ = 0;
+      barrier_sync_ = nullptr;  // the next barrier is a new edge
     }
     fibers_[running_]->yield();
+    depart(me);
   }
 
   uint64_t collective(WarpOp op, unsigned mask, uint64_t value, int arg, int width,
                       const char* file, int line) {
+    tsan::Ignore ignore;
     const int t = running_;
     SimThread& me = threads_[t];
     const int lane = t % kWarp, base = t - lane;
@@ -256,15 +281,100 @@ class BlockRun {
     me.width = width;
     me.file = file;
     me.line = line;
+    if (tsan::kEnabled) arrive(me, open_sync(t / kWarp, mask));
     if (error_.empty()) try_complete_warp(base, mask);
     fibers_[running_]->yield();
+    depart(me);
     return me.value;
   }
 
  private:
   static void entry(void* self) {
-    const Launch& l = static_cast<BlockRun*>(self)->launch_;
-    l.body(l.ctx);
+    void (*body)(void*);
+    void* ctx;
+    char* sync;
+    {
+      tsan::Ignore ignore;
+      const Launch& l = static_cast<BlockRun*>(self)->launch_;
+      body = l.body, ctx = l.ctx, sync = l.sync;
+    }
+    tsan::acquire(&sync[0]);  // everything the host did before the launch
+    body(ctx);
+    tsan::release(&sync[1]);  // ... and this thread's work, before what the host does after it
+  }
+
+  void make_ready(int t) {
+    ready_[t / kWarp].push_back(t);
+    ++ready_count_;
+  }
+
+  // The next thread to resume. kThread: any ready thread. kWarp: a ready thread of the warp that
+  // ran last while it has one (so a warp runs on to its next __syncthreads, or its end, before
+  // any other warp moves), else of a random warp.
+  int pick() {
+    int w = focus_;
+    if (launch_.schedule != Schedule::kWarp || w < 0 || ready_[w].empty()) {
+      size_t k = static_cast<size_t>(rng_() % ready_count_);
+      for (w = 0; k >= ready_[w].size(); ++w) k -= ready_[w].size();
+      focus_ = w;
+      return take(w, k);
+    }
+    return take(w, static_cast<size_t>(rng_() % ready_[w].size()));
+  }
+
+  int take(int w, size_t k) {
+    std::vector<int>& r = ready_[w];
+    const int t = r[k];
+    r[k] = r.back();
+    r.pop_back();
+    --ready_count_;
+    return t;
+  }
+
+  // Fills this OS thread's __shared__ variables with a pattern drawn per block (0xAB bytes, NaN
+  // 0xFF bytes, or 0x7F bytes: a float near FLT_MAX), so a read before the block's own write
+  // sees garbage every time and in any reduction (fmaxf drops a NaN, a sum drops a tiny value).
+  void poison_shared() {
+    static constexpr unsigned char kPatterns[] = {0xAB, 0xFF, 0x7F};
+    fill_shared_memory(kPatterns[rng_() % 3]);
+  }
+
+  void name_fiber(int t) {
+    char name[64];
+    std::snprintf(name, sizeof name, "block %s thread %s %s", dim(block_idx_).c_str(),
+                  dim(threads_[t].idx).c_str(), launch_.name);
+    fibers_[t]->set_name(name);
+  }
+
+  // ThreadSanitizer edges (scheduler calls only where tsan::kEnabled): on arrival the thread
+  // releases the rendezvous' SyncPoint, once resumed it acquires it.
+  static void arrive(SimThread& me, SyncPoint* sync) {
+    tsan::release(sync);
+    me.sync = sync;
+  }
+  static void depart(SimThread& me) {
+    if (!tsan::kEnabled || me.sync == nullptr) return;
+    tsan::acquire(me.sync);
+    if (--me.sync->pending == 0) delete me.sync;
+    me.sync = nullptr;
+  }
+  // The SyncPoint of the warp collective with `mask` that lanes of warp w are gathering at.
+  SyncPoint* open_sync(int w, unsigned mask) {
+    for (const auto& [m, sync] : open_[w]) {
+      if (m == mask) return sync;
+    }
+    open_[w].emplace_back(mask, new SyncPoint{__builtin_popcount(mask)});
+    return open_[w].back().second;
+  }
+  void close_sync(int w, unsigned mask) {
+    auto& open = open_[w];
+    for (size_t k = 0; k < open.size(); ++k) {
+      if (open[k].first == mask) {
+        open[k] = open.back();
+        open.pop_back();
+        return;
+      }
+    }
   }
 
   std::string who(int t) const {
@@ -276,7 +386,8 @@ class BlockRun {
     if (!error_.empty()) return;
     std::ostringstream os;
     os << "cudasim: kernel " << launch_.name << ", block " << dim(block_idx_) << ", " << who(t)
-       << ": " << what << " [TIERLIFT_CUDASIM_SEED=" << launch_.seed << "]";
+       << ": " << what << " [TIERLIFT_CUDASIM_SEED=" << launch_.seed
+       << (launch_.schedule == Schedule::kWarp ? " TIERLIFT_CUDASIM_SCHEDULE=warp" : "") << "]";
     error_ = os.str();
   }
 
@@ -284,7 +395,7 @@ class BlockRun {
     for (size_t t = 0; t < threads_.size(); ++t) {
       if (threads_[t].state == s) {
         threads_[t].state = SimThread::kReady;
-        ready_.push_back(static_cast<int>(t));
+        make_ready(static_cast<int>(t));
       }
     }
   }
@@ -331,11 +442,12 @@ class BlockRun {
         result[b] = threads_[base + src].value;
       }
     }
+    if (tsan::kEnabled) close_sync(base / kWarp, mask);
     for (int b = 0; b < kWarp; ++b) {
       if (!((mask >> b) & 1u)) continue;
       threads_[base + b].value = result[b];
       threads_[base + b].state = SimThread::kReady;
-      ready_.push_back(base + b);
+      make_ready(base + b);
     }
   }
 
@@ -395,7 +507,11 @@ class BlockRun {
   std::mt19937_64 rng_;
   std::vector<SimThread> threads_;
   std::vector<std::unique_ptr<Fiber>> fibers_;
-  std::vector<int> ready_;
+  std::vector<std::vector<int>> ready_;  // per warp
+  size_t ready_count_ = 0;
+  int focus_ = -1;  // the warp picked last
+  SyncPoint* barrier_sync_ = nullptr;
+  std::vector<std::vector<std::pair<unsigned, SyncPoint*>>> open_;  // per warp: (mask, edge)
   int running_ = -1;
   int at_barrier_ = 0;
   int done_ = 0;
@@ -413,6 +529,7 @@ BlockRun& block_or_die(const char* what) {
 
 std::atomic<uint64_t> launches{0};
 std::atomic<int> thread_count{0};
+std::atomic<int> schedule_set{-1};
 
 uint64_t initial_seed() {
   if (const char* s = std::getenv("TIERLIFT_CUDASIM_SEED")) return std::strtoull(s, nullptr, 0);
@@ -462,8 +579,19 @@ cudaError_t run_kernel(const char* name, dim3 grid, dim3 block, size_t shared_by
     set_error(cudaErrorInvalidConfiguration, std::string("cudasim: kernel ") + name + ": " + bad);
     return cudaErrorInvalidConfiguration;
   }
-  const Launch launch{name, grid, block, body, ctx, seed(), id};
+  const std::unique_ptr<char[]> sync(new char[2]);  // heap: freeing it resets TSan's clocks
+  tsan::release(&sync[0]);
+  const Launch launch{name, grid, block, body, ctx, seed(), id, schedule(), sync.get()};
   const uint64_t total = uint64_t{grid.x} * grid.y * grid.z;
+  // Under ThreadSanitizer each block runs on an OS thread of its own, created for it: TSan
+  // forgets a finished thread's accesses to its thread_local __shared__ section, which the next
+  // block (unordered with it, as on the GPU) reuses.
+  auto run_block = [&launch](const uint3& idx, uint64_t b) {
+    if (!tsan::kEnabled) return BlockRun(launch, idx, b).run();
+    std::string err;
+    std::thread([&] { err = BlockRun(launch, idx, b).run(); }).join();
+    return err;
+  };
   std::atomic<uint64_t> next{0};
   std::atomic<bool> failed{false};
   std::mutex mu;
@@ -473,7 +601,7 @@ cudaError_t run_kernel(const char* name, dim3 grid, dim3 block, size_t shared_by
     for (uint64_t b; !failed.load(std::memory_order_relaxed) && (b = next++) < total;) {
       const uint3 idx{static_cast<unsigned>(b % grid.x), static_cast<unsigned>(b / grid.x % grid.y),
                       static_cast<unsigned>(b / (uint64_t{grid.x} * grid.y))};
-      std::string err = BlockRun(launch, idx, b).run();
+      std::string err = run_block(idx, b);
       if (!err.empty()) {
         std::lock_guard<std::mutex> lock(mu);
         failed = true;
@@ -486,6 +614,7 @@ cudaError_t run_kernel(const char* name, dim3 grid, dim3 block, size_t shared_by
   for (int w = 1; w < workers; ++w) pool.emplace_back(work);
   work();
   for (std::thread& t : pool) t.join();
+  tsan::acquire(&sync[1]);
   if (!message.empty()) {
     std::fprintf(stderr, "%s\n", message.c_str());
     set_error(cudaErrorLaunchFailure, message);
@@ -505,6 +634,16 @@ int threads() {
   return n > 0 ? n : 1;
 }
 void set_threads(int n) { thread_count = n; }
+
+Schedule schedule() {
+  const int set = schedule_set.load();
+  if (set >= 0) return static_cast<Schedule>(set);
+  const char* env = std::getenv("TIERLIFT_CUDASIM_SCHEDULE");
+  return env != nullptr && std::strcmp(env, "warp") == 0 ? Schedule::kWarp : Schedule::kThread;
+}
+void set_schedule(Schedule s) { schedule_set = static_cast<int>(s); }
+void reset_schedule() { schedule_set = -1; }
+
 uint64_t launch_count() { return launches.load(); }
 
 }  // namespace cudasim

@@ -120,7 +120,69 @@ __global__ void shuffle_vs_barrier_kernel(float* out) {
   out[threadIdx.x] = v;
 }
 
+// Reads its shared slot before anything writes it: sees the block's poison.
+__global__ void read_before_write_kernel(uint32_t* out) {
+  __shared__ uint32_t s[64];
+  out[blockIdx.x * blockDim.x + threadIdx.x] = s[threadIdx.x];
+  s[threadIdx.x] = threadIdx.x;
+}
+
+// Per round: each warp's max into slot[warp] (shuffles), barrier, every thread reads all slots;
+// without kReuseBarrier the next round's slot write is not ordered after other warps' reads.
+template <bool kReuseBarrier>
+__global__ void reuse_slot_kernel(const float* in, float* out, int rounds) {
+  __shared__ float slot[8];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  for (int r = 0; r < rounds; ++r) {
+    float v = in[(blockIdx.x * rounds + r) * blockDim.x + threadIdx.x];
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, o));
+    if (lane == 0) slot[warp] = v;
+    __syncthreads();
+    float m = slot[0];
+    for (int w = 1; w < warps; ++w) m = fmaxf(m, slot[w]);
+    out[(blockIdx.x * rounds + r) * blockDim.x + threadIdx.x] = m;
+    if (kReuseBarrier) __syncthreads();
+  }
+}
+
+// Thread 0 of every block raises *max to its block's value: atomically, or by a plain
+// read-compare-store (the planted bug: a lost update when blocks race).
+template <bool kAtomic>
+__global__ void block_max_kernel(const unsigned* values, unsigned* max) {
+  if (threadIdx.x != 0) return;
+  const unsigned v = values[blockIdx.x];
+  if (kAtomic) {
+    atomicMax(max, v);
+  } else if (*max < v) {
+    *max = v;
+  }
+}
+
 }  // namespace
+
+cudaError_t read_before_write(uint32_t* out, int blocks) {
+  TIERLIFT_LAUNCH(blocks, 64, 0, nullptr, read_before_write_kernel)(out);
+  return cudaGetLastError();
+}
+
+cudaError_t reuse_slot(const float* in, float* out, int blocks, int threads, int rounds,
+                       bool with_barrier) {
+  if (with_barrier) {
+    TIERLIFT_LAUNCH(blocks, threads, 0, nullptr, reuse_slot_kernel<true>)(in, out, rounds);
+  } else {
+    TIERLIFT_LAUNCH(blocks, threads, 0, nullptr, reuse_slot_kernel<false>)(in, out, rounds);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t block_max(const unsigned* values, unsigned* max, int blocks, bool atomic) {
+  if (atomic) {
+    TIERLIFT_LAUNCH(blocks, 32, 0, nullptr, block_max_kernel<true>)(values, max);
+  } else {
+    TIERLIFT_LAUNCH(blocks, 32, 0, nullptr, block_max_kernel<false>)(values, max);
+  }
+  return cudaGetLastError();
+}
 
 cudaError_t shuffle(Shuffle kind, int arg, int width, const uint32_t* in, uint32_t* out,
                     int threads) {

@@ -27,6 +27,18 @@ cudaError_t empty_launch(dim3 grid, dim3 block);
 // transposed read is missing.
 cudaError_t transpose(const float* x, float* out, int rows, int cols, bool with_barrier);
 
+// out[b * 64 + t] = shared slot t of block b, read before the block writes it (the poison).
+cudaError_t read_before_write(uint32_t* out, int blocks);
+// out[(b * rounds + r) * threads + t] = max of in[(b * rounds + r) * threads + 0 .. threads - 1],
+// through one shared slot per warp (threads <= 256) reused every round. with_barrier = false is
+// the planted bug: no __syncthreads between a round's reads of the slots and the next round's
+// writes (the write-after-read race compact Adam's second barrier prevents).
+cudaError_t reuse_slot(const float* in, float* out, int blocks, int threads, int rounds,
+                       bool with_barrier);
+// *max = max(*max, values[0 .. blocks - 1]), one update per block; atomic = false is the
+// planted bug: a plain read-compare-store instead of atomicMax.
+cudaError_t block_max(const unsigned* values, unsigned* max, int blocks, bool atomic);
+
 // Planted bugs.
 // Copies n floats with `i <= n`: reads one element past the end of `in`.
 cudaError_t copy_off_by_one(const float* in, float* out, int n);

@@ -19,12 +19,14 @@
 #include <cstdint>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/lowp/fp8.h"
 #include "core/lowp/quantize.h"
 #include "core/util/dtype.h"
 #include "cuda/fp8_quant.cuh"
+#include "cuda/launch.cuh"
 #include "cudasim/launch.h"
 #include "tests/cudasim/lowp_input.h"
 
@@ -366,6 +368,23 @@ TEST(Fp8Kernel, NonFiniteInputsStayNonFinite) {
     }
   }
   RecordProperty("configurations", cases);
+}
+
+// The 1x128 kernel's 64-bit index fallback (taken on a GPU only past INT32_MAX blocks), forced on
+// small shapes through narrow_index_limit: several rows and column blocks, so a wrong block-to-
+// row/column mapping shows; both the vectorized and the scalar kernel.
+TEST(Fp8Kernel, WideIndexFallbackOfThe1x128Kernel) {
+  const int64_t saved = cuda::narrow_index_limit();
+  cuda::narrow_index_limit() = 0;
+  for (DType t : kInputDtypes) {
+    for (Layout l : {Layout::kContiguous, Layout::kOffset1}) {
+      for (const auto& [rows, cols] : {std::pair<int64_t, int64_t>{5, 300}, {3, 1020}}) {
+        check({rows, cols, Fp8Scaling::kBlock1x128, Fp8Format::kE4M3, false, t, l, false, false,
+               static_cast<uint32_t>(rows + cols)});
+      }
+    }
+  }
+  cuda::narrow_index_limit() = saved;
 }
 
 }  // namespace

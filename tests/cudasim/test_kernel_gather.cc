@@ -390,6 +390,18 @@ TEST_P(GatherKernelBadIndex, FirstBadIsTheSmallestBadPosition) {
   }
 }
 
+// Every index out of range: all the grid's blocks (on several host threads) contend for
+// first_bad and bad_pair at once, and first_bad must still be position 0.
+TEST_P(GatherKernelBadIndex, EveryIndexOutOfRangeInEveryBlock) {
+  Case c;
+  c.num_rows = 10;
+  c.row_bytes = 16;
+  c.int64_index = GetParam();
+  c.report = Report::kBoth;
+  for (int64_t i = 0; i < 3000; ++i) c.index.push_back(i % 2 ? -1 - i : c.num_rows + i);
+  check_case(c);
+}
+
 // Deferred mode: bad_pair holds the position and value of one bad index. Many bad indices in
 // different blocks (run on different host threads) race for it; the pair must stay consistent.
 TEST_P(GatherKernelBadIndex, BadPairHoldsOneConsistentPair) {

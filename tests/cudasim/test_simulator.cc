@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <numeric>
 #include <random>
 #include <string>
@@ -139,6 +140,15 @@ TEST(CudaSimPlantedBug, MissingBarrierGivesWrongResultsUnderRandomOrder) {
   const int rows = 70, cols = 45;
   std::vector<float> x(rows * cols);
   for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(i + 1);
+#if defined(__SANITIZE_THREAD__)
+  // ThreadSanitizer reports the race itself (test_races.cc runs it the same way).
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  setenv("TSAN_OPTIONS", "halt_on_error=1", 1);
+  std::vector<float> out(rows * cols);
+  EXPECT_DEATH(transpose(x.data(), out.data(), rows, cols, false),
+               "ThreadSanitizer: data race.*transpose_kernel");
+  return;
+#endif
   for (uint64_t seed = 1; seed <= 5; ++seed) {
     cudasim::set_seed(seed);
     std::vector<float> out(rows * cols, -1.f);
