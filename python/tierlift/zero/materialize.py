@@ -166,7 +166,7 @@ class Materializer:
                          "how it is computed) or with accelerate.init_empty_weights() (which "
                          "keeps buffers on the CPU)")
 
-    # ---- shard() calls these, in this order ----------------------------------------------------
+    # ---- shard() calls this once the units are known ------------------------------------------
     def run(self, split: list, comm, stage: int) -> list[dict]:
         """Makes every non-trainable tensor real on the device (in the modules) and returns,
         per unit of `split`, the FlatUnit keyword arguments that build it without meta tensors:
@@ -183,7 +183,7 @@ class Materializer:
         if self.files is None:  # trainable parameters come from the recording too
             unit_values = [None] * len(split)
             for u, (_, _, params) in enumerate(split):
-                unit_values[u] = self._harvest(u, params, layouts[u], stage, wanted)
+                unit_values[u] = self._harvest(params, layouts[u], stage, wanted)
         if wanted:
             replay(self.rec, {k: _calls(fns) for k, fns in wanted.items()},
                    full=self.files is None)
@@ -224,8 +224,8 @@ class Materializer:
                             "device": self.device})
         return out
 
-    def _harvest(self, u: int, params: list, layout: tuple, stage: int, wanted: dict):
-        """Registers replay callbacks keeping unit u's values: whole tensors (stages 1/2) or
+    def _harvest(self, params: list, layout: tuple, stage: int, wanted: dict):
+        """Registers replay callbacks keeping a unit's values: whole tensors (stages 1/2) or
         this rank's slice of the flat shard (stage 3)."""
         lo, n, offsets = layout
         if stage < 3:
