@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Optional.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -44,6 +45,43 @@ inline void check_dense_beside(const char* op, const at::Tensor& t, const char* 
                     "] must be dense (sparse gradients are not supported)");
   TORCH_CHECK_VALUE(t.device() == p.device(), op, ": ", name, "[", i, "] is on ", t.device(),
                     ", params[", i, "] on ", p.device());
+}
+
+// GradScaler's scale (the ops' grad_scale argument), when given: a 1-element float32 tensor on
+// the params' device (on CUDA the kernel reads it there, without a host sync). On CPU the value
+// itself is checked here; on CUDA, reading it would cost a sync, so the caller checks it.
+inline void check_grad_scale(const char* op, const c10::optional<at::Tensor>& grad_scale,
+                             at::TensorList params, c10::DeviceType backend) {
+  if (!grad_scale.has_value()) return;
+  const at::Tensor& s = *grad_scale;
+  TORCH_CHECK_TYPE(s.scalar_type() == at::kFloat, op, ": grad_scale must be float32, got ",
+                   s.scalar_type());
+  TORCH_CHECK_VALUE(s.numel() == 1 && s.layout() == at::kStrided, op,
+                    ": grad_scale must be a dense 1-element tensor, got ", s.numel(), " elements");
+  if (!params.empty()) {
+    TORCH_CHECK_VALUE(s.device() == params[0].device(), op, ": grad_scale is on ", s.device(),
+                      " but params[0] is on ", params[0].device(),
+                      "; put the scale on the params' device");
+  } else {
+    TORCH_CHECK_VALUE(s.device().type() == backend, op, ": grad_scale is on ", s.device(),
+                      " but this call runs on ", backend);
+  }
+  if (backend == c10::DeviceType::CPU) {
+    const float v = *s.data_ptr<float>();
+    TORCH_CHECK_VALUE(grad_scale_usable(v), op, ": grad_scale must be finite and > 0, got ", v);
+  }
+}
+
+// The CPU kernels take the scale by value.
+inline void set_grad_scale(AdamHyper& h, const c10::optional<at::Tensor>& grad_scale) {
+  if (!grad_scale.has_value()) return;
+  h.unscale = true;
+  h.grad_scale = *grad_scale->data_ptr<float>();
+}
+
+// The CUDA kernels read the scale from device memory: null when not given.
+inline const float* grad_scale_ptr(const c10::optional<at::Tensor>& grad_scale) {
+  return grad_scale.has_value() ? grad_scale->data_ptr<float>() : nullptr;
 }
 
 inline void check_contiguous(const char* op, const at::Tensor& t, const char* name, size_t i) {

@@ -96,9 +96,11 @@ void adam_compact_step_cpu(at::TensorList params, at::TensorList grads, at::Tens
                            at::TensorList exp_avg_sqs, at::TensorList scales,
                            at::TensorList param_copies, double lr, double beta1, double beta2,
                            double eps, double weight_decay, int64_t step, bool decoupled,
-                           bool maximize) {
-  const CompactArgs a = make_args(params, grads, exp_avgs, exp_avg_sqs, scales, param_copies, lr,
-                                  beta1, beta2, eps, weight_decay, step, decoupled, maximize);
+                           bool maximize, const c10::optional<at::Tensor>& grad_scale) {
+  check_grad_scale("adam_compact_step_", grad_scale, params, c10::DeviceType::CPU);
+  CompactArgs a = make_args(params, grads, exp_avgs, exp_avg_sqs, scales, param_copies, lr, beta1,
+                            beta2, eps, weight_decay, step, decoupled, maximize);
+  set_grad_scale(a.hyper, grad_scale);
   check_args(a, c10::DeviceType::CPU);
   std::vector<CompactAdamTensor> views;
   views.reserve(params.size());
@@ -111,10 +113,12 @@ void adam_compact_step_cuda(at::TensorList params, at::TensorList grads, at::Ten
                             at::TensorList exp_avg_sqs, at::TensorList scales,
                             at::TensorList param_copies, double lr, double beta1, double beta2,
                             double eps, double weight_decay, int64_t step, bool decoupled,
-                            bool maximize) {
+                            bool maximize, const c10::optional<at::Tensor>& grad_scale) {
+  check_grad_scale("adam_compact_step_", grad_scale, params, c10::DeviceType::CUDA);
   const CompactArgs a = make_args(params, grads, exp_avgs, exp_avg_sqs, scales, param_copies, lr,
                                   beta1, beta2, eps, weight_decay, step, decoupled, maximize);
   check_args(a, c10::DeviceType::CUDA);
+  const float* scale = grad_scale_ptr(grad_scale);
   const AdamScalars s = adam_scalars(a.hyper);
   launch_grouped<cuda::CompactAdamTensorPtrs>(
       "adam_compact_step_", params,
@@ -127,7 +131,7 @@ void adam_compact_step_cuda(at::TensorList params, at::TensorList grads, at::Ten
       },
       [&](const cuda::CompactAdamTensorPtrs* ptrs, int count, DType grad_type, DType copy_type,
           cudaStream_t stream) {
-        return cuda::adam_compact_step(ptrs, count, grad_type, copy_type, s, stream);
+        return cuda::adam_compact_step(ptrs, count, grad_type, copy_type, s, stream, scale);
       });
 }
 #endif

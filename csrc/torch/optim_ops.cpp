@@ -92,10 +92,12 @@ AdamArgs make_args(at::TensorList params, at::TensorList grads, at::TensorList e
 void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                    at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
                    at::TensorList param_copies, double lr, double beta1, double beta2, double eps,
-                   double weight_decay, int64_t step, bool decoupled, bool amsgrad, bool maximize) {
-  const AdamArgs a =
-      make_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_copies, lr, beta1,
-                beta2, eps, weight_decay, step, decoupled, amsgrad, maximize);
+                   double weight_decay, int64_t step, bool decoupled, bool amsgrad, bool maximize,
+                   const c10::optional<at::Tensor>& grad_scale) {
+  check_grad_scale("adam_step_", grad_scale, params, c10::DeviceType::CPU);
+  AdamArgs a = make_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_copies, lr,
+                         beta1, beta2, eps, weight_decay, step, decoupled, amsgrad, maximize);
+  set_grad_scale(a.hyper, grad_scale);
   check_adam_args(a, c10::DeviceType::CPU);
   std::vector<AdamTensor> views;
   views.reserve(params.size());
@@ -118,12 +120,14 @@ void adam_memory_pass_cpu(at::TensorList params, at::TensorList grads, at::Tenso
 void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                     at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
                     at::TensorList param_copies, double lr, double beta1, double beta2, double eps,
-                    double weight_decay, int64_t step, bool decoupled, bool amsgrad,
-                    bool maximize) {
+                    double weight_decay, int64_t step, bool decoupled, bool amsgrad, bool maximize,
+                    const c10::optional<at::Tensor>& grad_scale) {
+  check_grad_scale("adam_step_", grad_scale, params, c10::DeviceType::CUDA);
   const AdamArgs a =
       make_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_copies, lr, beta1,
                 beta2, eps, weight_decay, step, decoupled, amsgrad, maximize);
   check_adam_args(a, c10::DeviceType::CUDA);
+  const float* scale = grad_scale_ptr(grad_scale);
   const AdamScalars s = adam_scalars(a.hyper);
   launch_grouped<cuda::AdamTensorPtrs>(
       "adam_step_", params,
@@ -135,7 +139,7 @@ void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
       },
       [&](const cuda::AdamTensorPtrs* ptrs, int count, DType grad_type, DType copy_type,
           cudaStream_t stream) {
-        return cuda::adam_step(ptrs, count, grad_type, copy_type, s, stream);
+        return cuda::adam_step(ptrs, count, grad_type, copy_type, s, stream, scale);
       });
 }
 #endif

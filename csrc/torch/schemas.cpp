@@ -7,11 +7,13 @@ TORCH_LIBRARY(tierlift, m) {
   // ---- optim: fused Adam/AdamW over lists of tensors (csrc/torch/optim_ops.cpp) ----
   // params are fp32 (weights or master weights), updated in place with their moments.
   // param_copies is empty or one tensor per param that receives the new weight in its dtype.
+  // grad_scale (AMP): None, or GradScaler's scale as a 1-element float32 tensor on the params'
+  // device; every gradient is multiplied by (float)(1 / (double)scale) first, as unscale_ does.
   m.def(
       "adam_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
       "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] param_copies, "
       "float lr, float beta1, float beta2, float eps, float weight_decay, int step, "
-      "bool decoupled, bool amsgrad, bool maximize) -> ()");
+      "bool decoupled, bool amsgrad, bool maximize, Tensor? grad_scale=None) -> ()");
   // The same loads and stores as adam_step_ without its arithmetic (CPU only): the step's
   // memory-bandwidth bound, for benchmarks. Leaves the tensors' values meaningless.
   m.def(
@@ -25,7 +27,7 @@ TORCH_LIBRARY(tierlift, m) {
       "adam_compact_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
       "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] exp_avg_sq_scales, Tensor(e!)[] param_copies, "
       "float lr, float beta1, float beta2, float eps, float weight_decay, int step, "
-      "bool decoupled, bool maximize) -> ()");
+      "bool decoupled, bool maximize, Tensor? grad_scale=None) -> ()");
 
   // ---- io ----
 

@@ -21,10 +21,11 @@ def _has_kernel(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cpu" or (tensor.is_cuda and _extension.has_cuda_kernels())
 
 
-def _adam_op(name, tensor_lists, lr, beta1, beta2, eps, weight_decay, step, *flags) -> None:
+def _adam_op(name, tensor_lists, lr, beta1, beta2, eps, weight_decay, step, *flags,
+             grad_scale=None) -> None:
     """Calls the Adam op `name` (its compiled kernel, else its reference) with the schema's
-    argument types: the six tensor lists as lists, the hyperparameters as floats, step as an int
-    and the trailing flags as bools."""
+    argument types: the six tensor lists as lists, the hyperparameters as floats, step as an int,
+    the trailing flags as bools and grad_scale as a tensor or None."""
     args = (
         *(list(tensors) for tensors in tensor_lists),
         float(lr),
@@ -36,10 +37,11 @@ def _adam_op(name, tensor_lists, lr, beta1, beta2, eps, weight_decay, step, *fla
         *(bool(flag) for flag in flags),
     )
     params = args[0]
+    amp = {} if grad_scale is None else {"grad_scale": grad_scale}
     if params and _has_kernel(params[0]):
-        getattr(torch.ops.tierlift, name)(*args)
+        getattr(torch.ops.tierlift, name)(*args, **amp)
     else:
-        getattr(reference, name)(*args)
+        getattr(reference, name)(*args, **amp)
 
 
 def adam_step_(
@@ -59,16 +61,21 @@ def adam_step_(
     decoupled,
     amsgrad,
     maximize,
+    grad_scale=None,
 ) -> None:
     """Fused Adam/AdamW update of fp32 `params` (weights or master weights) in place.
 
     `param_copies` is empty or holds, per param, a tensor that receives the updated weight in its
     own dtype (bf16/fp16/fp32): the low-precision model weight whose master `params` is.
+    `grad_scale` (AMP) is None or GradScaler's scale, a 1-element float32 tensor on the params'
+    device: the gradients are still scaled, and each is multiplied by float(1 / scale) before
+    use, exactly as GradScaler.unscale_ would (the CUDA kernel reads it without a host sync).
     """
     _adam_op(
         "adam_step_",
         (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_copies),
         lr, beta1, beta2, eps, weight_decay, step, decoupled, amsgrad, maximize,
+        grad_scale=grad_scale,
     )
 
 
@@ -88,18 +95,22 @@ def adam_compact_step_(
     step,
     decoupled,
     maximize,
+    grad_scale=None,
 ) -> None:
     """adam_step_ with compact state: per param, `exp_avgs` bf16, `exp_avg_sqs` uint8 codes and
     `exp_avg_sq_scales` fp32 block maxima, one per 256 elements (format and error bound:
-    tierlift.reference.optim_compact). No amsgrad."""
+    tierlift.reference.optim_compact). No amsgrad. `grad_scale` as in adam_step_."""
     _adam_op(
         "adam_compact_step_",
         (params, grads, exp_avgs, exp_avg_sqs, exp_avg_sq_scales, param_copies),
         lr, beta1, beta2, eps, weight_decay, step, decoupled, maximize,
+        grad_scale=grad_scale,
     )
 
 
 def _finite(name: str, value) -> float:
+    if isinstance(value, torch.Tensor) and value.numel() != 1:
+        raise ValueError(f"Tensor {name} must be 1-element, got {value.numel()} elements")
     v = float(value.item() if isinstance(value, torch.Tensor) else value)
     if not math.isfinite(v):
         raise ValueError(f"{name} must be finite, got {v}")

@@ -13,14 +13,18 @@ optimizer and ours in both directions. Differences, all deliberate:
   * offload="cpu"|"nvme"|"hybrid" (with nvme_path, cpu_budget, overlap, nvme_generations,
     chunk_bytes, durable) moves the state out of the parameter's memory; tierlift.offload does
     that work (docs/offload.md);
-  * foreach/fused/capturable are accepted for compatibility and ignored (ours is always fused);
-    differentiable=True is refused;
+  * foreach/fused/capturable are accepted for compatibility and ignored (ours is always fused),
+    except in the combinations torch refuses, which raise as torch's do; differentiable=True
+    is refused;
+  * GradScaler's protocol of torch's fused Adam (_step_supports_amp_scaling): the kernel
+    unscales the gradients, or the step is skipped (docs/optim.md, "AMP GradScaler");
   * a non-contiguous parameter (a transposed or strided view) is stepped through a contiguous
     copy that is written back (slower; warned about once); offload refuses such parameters.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import warnings
@@ -55,6 +59,25 @@ def _check_state_dtype(state_dtype, amsgrad) -> None:
             "need a third compact buffer); use state_dtype='fp32' for amsgrad")
 
 
+def _check_torch_config(lr, betas, foreach, capturable, fused, differentiable) -> None:
+    """The constructor arguments torch.optim.Adam refuses although ours could run them, refused
+    with torch's exception type and message, so that code written against torch behaves the
+    same; in torch's order. (Value checks: ops.check_adam_hyper.)"""
+    if isinstance(lr, torch.Tensor) and foreach and not capturable:
+        raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
+    if len(betas) == 2 and not (all(isinstance(b, float) for b in betas)
+                                or all(isinstance(b, torch.Tensor) for b in betas)):
+        raise ValueError("betas must be either both floats or both Tensors")
+    for i, b in enumerate(betas):
+        if isinstance(b, torch.Tensor) and foreach and not capturable:
+            raise ValueError(f"betas[{i}] as a Tensor is not supported for capturable=False and "
+                             "foreach=True")
+    if fused and differentiable:
+        raise RuntimeError("`fused` does not support `differentiable`")
+    if fused and foreach:
+        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+
+
 def _refresh_master(master: torch.Tensor, p: torch.Tensor) -> None:
     """torch steps a parameter from its current value: a bf16/fp16 weight changed outside the
     optimizer (load_state_dict, an in-place edit, .data, an EMA swap) no longer equals its
@@ -63,6 +86,42 @@ def _refresh_master(master: torch.Tensor, p: torch.Tensor) -> None:
     ints = torch.int16  # bf16 and fp16
     same = master.to(p.dtype).view(ints) == p.detach().view(ints)
     master.copy_(torch.where(same, master, p.detach().float()))
+
+
+def _check_grad_scale(grad_scale) -> None:
+    """GradScaler's scale as the kernels take it: a 1-element float32 tensor."""
+    if not isinstance(grad_scale, torch.Tensor) or grad_scale.dtype != torch.float32:
+        raise TypeError("grad_scale must be a float32 tensor (GradScaler's scale), got "
+                        f"{getattr(grad_scale, 'dtype', type(grad_scale).__name__)}")
+    if grad_scale.numel() != 1:
+        raise ValueError(f"grad_scale must be a 1-element tensor, got {grad_scale.numel()} "
+                         "elements")
+
+
+def _check_scale_value(scale: float) -> None:
+    """The kernels multiply by float32(1 / scale): it must be a finite, nonzero factor."""
+    inv = torch.tensor(1.0 / scale if scale != 0 else math.inf, dtype=torch.float32).item()
+    if not (0.0 < scale < math.inf and math.isfinite(inv)):
+        raise ValueError(f"grad_scale (GradScaler's scale) must be finite and > 0, got {scale}")
+
+
+def _amp_skips(grad_scale, found_inf) -> bool:
+    """GradScaler's verdict on this step, read with one host sync: True if it found inf/NaN
+    gradients (the step is skipped: weights, state and step counts stay as they are). Otherwise
+    checks its scale before anything changes (a CUDA kernel could not refuse it)."""
+    if isinstance(found_inf, torch.Tensor) and found_inf.numel() != 1:
+        raise ValueError(f"found_inf must be a 1-element tensor, got {found_inf.numel()} "
+                         "elements")
+    values = [found_inf] if grad_scale is None else [found_inf, grad_scale]
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    device = tensors[0].device if tensors else torch.device("cpu")
+    read = torch.cat([torch.as_tensor(v).detach().reshape(1).to(device, torch.float64)
+                      for v in values]).tolist()
+    if read[0] != 0.0:
+        return True
+    if grad_scale is not None:
+        _check_scale_value(read[1])
+    return False
 
 
 def _caller_stacklevel() -> int:
@@ -83,6 +142,10 @@ class Adam(Optimizer):
     # bf16/fp16 gradients of fp32 parameters are stepped exactly as their fp32 values
     # (tierlift.zero.MixedPrecision(grad_dtype=...) checks for this before a step).
     takes_low_precision_grads = True
+    # torch's AMP protocol, as its fused Adam: GradScaler.step() sets `grad_scale` and
+    # `found_inf` on the optimizer instead of unscaling, and step() unscales in the kernel or
+    # skips the step (docs/optim.md, "AMP GradScaler").
+    _step_supports_amp_scaling = True
 
     def __init__(
         self,
@@ -110,6 +173,7 @@ class Adam(Optimizer):
         durable=False,
     ):
         ops.check_adam_hyper(lr, betas, eps, weight_decay)
+        _check_torch_config(lr, betas, foreach, capturable, fused, differentiable)
         _check_state_dtype(state_dtype, amsgrad)
         self._state_dtype = state_dtype
         if differentiable:
@@ -326,15 +390,34 @@ class Adam(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if getattr(self, "_offload", None) is not None:
-            self._offload.step()
-            return loss
-        self._warn_noncontiguous()
-        # Every check before any change: a bad group leaves every parameter and count as it was.
-        for gi, group in enumerate(self.param_groups):
-            self._check_group(gi, group)
-        for group in self.param_groups:
-            self._step_group(group)
+        # Set by GradScaler.step() for this call only (see _step_supports_amp_scaling).
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        try:
+            if getattr(self, "_offload", None) is not None:
+                self._offload.step(grad_scale=grad_scale, found_inf=found_inf)
+                return loss
+            if grad_scale is not None:
+                _check_grad_scale(grad_scale)
+            if found_inf is not None:
+                if _amp_skips(grad_scale, found_inf):
+                    return loss
+            elif grad_scale is not None and grad_scale.device.type == "cpu":
+                _check_scale_value(float(grad_scale))
+            self._warn_noncontiguous()
+            # Every check before any change: a bad group leaves every parameter and count as
+            # it was.
+            for gi, group in enumerate(self.param_groups):
+                self._check_group(gi, group)
+            for group in self.param_groups:
+                self._step_group(group, grad_scale)
+        except BaseException:
+            # GradScaler deletes its attributes only after a step that returned; left behind,
+            # its next step() would multiply its scale into this stale one.
+            if found_inf is not None:
+                self.__dict__.pop("grad_scale", None)
+                self.__dict__.pop("found_inf", None)
+            raise
         return loss
 
     def _warn_noncontiguous(self) -> None:
@@ -391,7 +474,9 @@ class Adam(Optimizer):
                     "and float16 parameters"
                 )
 
-    def _step_group(self, group: dict) -> None:
+    def _step_group(self, group: dict, grad_scale: torch.Tensor | None = None) -> None:
+        """One fused call per (device, step count); `grad_scale` is GradScaler's scale when the
+        gradients are still scaled (the kernel unscales them as it reads them)."""
         beta1, beta2 = group["betas"]
         lr = float(group["lr"])
         # (device, step) -> lists for one fused call; params that skipped steps keep their count.
@@ -423,7 +508,13 @@ class Adam(Optimizer):
             if group["amsgrad"]:
                 b["max_exp_avg_sqs"].append(state["max_exp_avg_sq"])
         decoupled = self._decoupled(group)
-        for (_, step), b in buckets.items():
+        scales = {}  # the scale on each device (GradScaler keeps it on its own device)
+        for (device, step), b in buckets.items():
+            amp = {}
+            if grad_scale is not None:
+                if device not in scales:
+                    scales[device] = grad_scale.detach().to(device)
+                amp = {"grad_scale": scales[device]}
             with_copies = any(c is not None for c in b["copies"])
             if with_copies:
                 # Params without their own copy write into themselves (a no-op copy is cheaper
@@ -436,7 +527,7 @@ class Adam(Optimizer):
                     b["params"], b["grads"], b["exp_avgs"], b["exp_avg_sqs"], b["scales"],
                     copies, lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
                     weight_decay=group["weight_decay"], step=step, decoupled=decoupled,
-                    maximize=group["maximize"])
+                    maximize=group["maximize"], **amp)
                 continue
             ops.adam_step_(
                 b["params"],
@@ -454,6 +545,7 @@ class Adam(Optimizer):
                 decoupled=decoupled,
                 amsgrad=group["amsgrad"],
                 maximize=group["maximize"],
+                **amp,
             )
         for p, weight in write_back:
             p.copy_(weight)

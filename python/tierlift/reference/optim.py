@@ -49,11 +49,35 @@ def _f32(x):
     return torch.tensor(x, dtype=torch.float32)
 
 
-def decay_and_moments(p, grad, m, v, s, *, beta1, beta2, weight_decay, decoupled, maximize):
+def unscale_factor(op, grad_scale, params):
+    """The checks of the kernels' grad_scale argument (csrc/torch/adam_common.h), then the fp32
+    factor GradScaler.unscale_ multiplies by: 1 / scale in double, rounded to fp32; None without
+    a scale."""
+    if grad_scale is None:
+        return None
+    if grad_scale.dtype != torch.float32:
+        raise TypeError(f"{op}: grad_scale must be float32, got {grad_scale.dtype}")
+    if grad_scale.numel() != 1 or grad_scale.layout != torch.strided:
+        raise ValueError(f"{op}: grad_scale must be a dense 1-element tensor, got "
+                         f"{grad_scale.numel()} elements")
+    if params and grad_scale.device != params[0].device:
+        raise ValueError(f"{op}: grad_scale is on {grad_scale.device} but params[0] is on "
+                         f"{params[0].device}; put the scale on the params' device")
+    scale = float(grad_scale.item())
+    inv = _f32(1.0 / scale) if scale > 0 and math.isfinite(scale) else None
+    if inv is None or not math.isfinite(inv.item()):
+        raise ValueError(f"{op}: grad_scale must be finite and > 0, got {scale}")
+    return inv
+
+
+def decay_and_moments(p, grad, m, v, s, *, beta1, beta2, weight_decay, decoupled, maximize,
+                      inv_grad_scale=None):
     """adam_impl.h's decay_and_moments on one tensor, shared by both state layouts: decays the
     fp32 weight `p` in place (AdamW) and returns the new fp32 moments (m, v), computed from the
     old fp32 `m` and `v` out of place. `s` is adam_scalars' dict."""
     g = grad.float()
+    if inv_grad_scale is not None:  # AMP: GradScaler.unscale_'s multiply, rounded to fp32
+        g = g * inv_grad_scale.to(g.device)
     if maximize:
         g = -g
     if decoupled:
@@ -91,10 +115,12 @@ def adam_step_(
     decoupled,
     amsgrad,
     maximize,
+    grad_scale=None,
 ) -> None:
     s = adam_scalars(lr, beta1, beta2, weight_decay, step)
     hyper = dict(beta1=beta1, beta2=beta2, weight_decay=weight_decay, decoupled=decoupled,
-                 maximize=maximize)
+                 maximize=maximize,
+                 inv_grad_scale=unscale_factor("adam_step_", grad_scale, params))
     for i, p in enumerate(params):
         m, v = decay_and_moments(p, grads[i], exp_avgs[i], exp_avg_sqs[i], s, **hyper)
         exp_avgs[i].copy_(m)

@@ -14,7 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from tierlift.reference.optim import adam_scalars, apply_update, decay_and_moments
+from tierlift.reference.optim import (
+    adam_scalars,
+    apply_update,
+    decay_and_moments,
+    unscale_factor,
+)
 
 BLOCK = 256
 _SHIFT = 20
@@ -77,10 +82,12 @@ def adam_compact_step_(
     step,
     decoupled,
     maximize,
+    grad_scale=None,
 ) -> None:
     s = adam_scalars(lr, beta1, beta2, weight_decay, step)
     hyper = dict(beta1=beta1, beta2=beta2, weight_decay=weight_decay, decoupled=decoupled,
-                 maximize=maximize)
+                 maximize=maximize,
+                 inv_grad_scale=unscale_factor("adam_compact_step_", grad_scale, params))
     for i, p in enumerate(params):
         m = exp_avgs[i].float()
         v = dequantize_exp_avg_sq(exp_avg_sqs[i], exp_avg_sq_scales[i])
