@@ -93,7 +93,7 @@ def _scaler_action(name: str, skipped: list):
 
 SCALER_ACTIONS = ["scaler", "scaler_unscale_clip", "scaler_overflow", "scaler_inject_inf"]
 SCALER_CASES = [pytest.param(c.values[0], a, id=f"{c.id}-{a}") for a in SCALER_ACTIONS
-                for c in timings(MODES, variants=a != "scaler_inject_inf")]
+                for c in timings(MODES, variants=a == "scaler_overflow")]
 
 
 @pytest.mark.parametrize(("case", "action"), SCALER_CASES)
@@ -148,7 +148,7 @@ def test_grad_scaler_compact_bitwise(mode, action, tmp_path):
 # as fp32 weights are (they follow torch's fp32 arithmetic). Stale gradients or lost weight
 # edits are tens of ulps (lr 1e-2) or 10% of a weight.
 BF16_ACTIONS = ["plain", "grad_data_mul", "w_mul", "w_load_state_dict", "w_mul_before_step"]
-BF16_MODES = ["none", "cpu", "cpu_ov", "nvme1", "nvme2_ov", "hybrid_ov", "durable1"]
+BF16_MODES = ["none", "cpu", "cpu_ov", "nvme1", "nvme2_ov", "durable1"]
 
 
 def _bf16_ulp(w: torch.Tensor) -> torch.Tensor:
