@@ -65,7 +65,7 @@ def _compare_with_torch(case, tmp_path, action, **tl_kw):
 
 
 # Which modes each kind of action can tell apart. Gradient-side actions: the overlap modes
-# (chunks stepped during backward, before the action) with both timings, and one mode per other
+# (chunks stepped during backward, before the action), and one mode per other
 # way of reading gradients (resident, streamed; durable's gradient log reads them in step() as
 # these do, and runs with the weight edits, resume, GradScaler). Weight edits: every mode keeps
 # its own master copy somewhere.
