@@ -341,3 +341,47 @@ def test_clip_inf_and_counts(ranks):
         assert out["count_trainable"] == trainable
         assert out["count_no_emb"] == full - model.tok.weight.numel()
         assert out["shard_numel"] < full
+
+
+class _ListModel(nn.Module):
+    """Its layers' ModuleList holds between 1/32 and half of the model: it was picked as a unit,
+    and a ModuleList is never called, so its weights were never gathered (stage 3 read freed
+    memory) or refreshed after a step (stages 1/2)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.tok = nn.Embedding(200, 16)
+        self.layers = nn.ModuleList([nn.Linear(16, 16)])
+        self.head = nn.Linear(16, 200)
+
+    def forward(self, idx):
+        x = self.tok(idx)
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.head(x)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_module_list_is_never_a_unit(stage):
+    assert tierlift.zero.default_units(_ListModel()) == ["tok", "layers.0", "head"]
+    with pytest.raises(ValueError, match="ModuleList, which is never called"):
+        tierlift.zero.shard(_ListModel(), stage=stage, units=["layers"])
+    data = torch.randint(0, 200, (3, 4, 9))
+    losses = []
+    for sharded in (False, True):
+        model = _ListModel()
+        if sharded:
+            model = tierlift.zero.shard(model, stage=stage)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        run = []
+        for seq in data:
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(seq[:, :-1]).flatten(0, 1),
+                                               seq[:, 1:].flatten())
+            loss.backward()
+            opt.step()
+            run.append(loss.item())
+        losses.append(run)
+    torch.testing.assert_close(torch.tensor(losses[1]), torch.tensor(losses[0]), rtol=1e-5,
+                               atol=0)

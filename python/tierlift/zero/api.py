@@ -41,10 +41,15 @@ def _trainable_numel(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters() if p.requires_grad)
 
 
+# Containers that are never called: their forward hooks, which gather a unit, would never run.
+_NEVER_CALLED = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+
+
 def default_units(model: nn.Module, min_unit_numel: int | None = None) -> list[str]:
     """Child modules that become units: each child holding at least `min_unit_numel` trainable
     elements (default: 1/32 of the model), descending into children that hold more than half
-    the model (the container of the transformer blocks) so each block is its own unit."""
+    the model (the container of the transformer blocks) so each block is its own unit, and
+    into ModuleList / ModuleDict containers, which are never called."""
     total = _trainable_numel(model)
     threshold = min_unit_numel if min_unit_numel is not None else max(total // 32, 1)
     names: list[str] = []
@@ -55,7 +60,8 @@ def default_units(model: nn.Module, min_unit_numel: int | None = None) -> list[s
             fqn = prefix + name
             if n == 0:
                 continue
-            if n > total // 2 and any(True for _ in child.children()):
+            if isinstance(child, _NEVER_CALLED) or (
+                    n > total // 2 and any(True for _ in child.children())):
                 visit(child, fqn + ".")
             elif n >= threshold:
                 names.append(fqn)
@@ -68,6 +74,11 @@ def _resolve_units(model: nn.Module, units) -> list[str]:
     by_obj = {id(m): n for n, m in model.named_modules()}
     names = []
     for i, u in enumerate(units):
+        mod = _submodule(model, u) if isinstance(u, str) else u
+        if isinstance(mod, _NEVER_CALLED):
+            raise ValueError(f"units[{i}] is a {type(mod).__name__}, which is never called, so "
+                             "the hooks that gather a unit would never run: name the modules it "
+                             "holds")
         if isinstance(u, nn.Module):
             if id(u) not in by_obj or by_obj[id(u)] == "":
                 raise ValueError(f"units[{i}] is not a submodule of the model")
@@ -88,6 +99,13 @@ def _resolve_units(model: nn.Module, units) -> list[str]:
             if a != b and b.startswith(a + "."):
                 raise ValueError(f"units {a!r} and {b!r} are nested; units must be disjoint")
     return names
+
+
+def _submodule(model: nn.Module, name: str):
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None  # _resolve_units names the error
 
 
 def _owning_unit(module_name: str, unit_names: list[str]) -> str:
