@@ -98,6 +98,18 @@ void Fiber::set_name(const char* name) {
 #endif
 }
 
+void Fiber::release_abandoned(void* sync) {
+#ifdef CUDASIM_TSAN
+  if (finished_ || tsan_fiber_ == nullptr) return;
+  void* self = __tsan_get_current_fiber();
+  __tsan_switch_to_fiber(tsan_fiber_, __tsan_switch_to_fiber_no_sync);  // its clock, not its stack
+  __tsan_release(sync);
+  __tsan_switch_to_fiber(self, __tsan_switch_to_fiber_no_sync);
+#else
+  (void)sync;
+#endif
+}
+
 void Fiber::start(Entry entry, void* arg) {
   entry_ = entry;
   arg_ = arg;
@@ -168,17 +180,26 @@ bool Fiber::resume() {
 }
 
 void Fiber::switch_out(bool for_good) {
-  tsan::Ignore ignore;  // on the fiber: the switch's own bookkeeping is not the kernel's
 #ifdef CUDASIM_ASAN
   __sanitizer_start_switch_fiber(for_good ? nullptr : &fake_stack_, caller_bottom_, caller_size_);
 #else
   (void)for_good;
 #endif
 #ifdef CUDASIM_TSAN
-  __tsan_switch_to_fiber(tsan_caller_, __tsan_switch_to_fiber_no_sync);
+  void* tsan_caller;
+  {
+    tsan::Ignore ignore;  // on the fiber: the Fiber object is not the kernel's memory
+    tsan_caller = tsan_caller_;
+  }
+  __tsan_switch_to_fiber(tsan_caller, __tsan_switch_to_fiber_no_sync);
 #endif
 #if defined(__x86_64__)
-  cudasim_switch_stack(&sp_, caller_sp_);
+  void* caller_sp;
+  {
+    tsan::Ignore ignore;
+    caller_sp = caller_sp_;
+  }
+  cudasim_switch_stack(&sp_, caller_sp);
 #else
   if (swapcontext(&context_, &caller_) != 0) die("cudasim: swapcontext");
 #endif

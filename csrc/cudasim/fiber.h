@@ -33,6 +33,10 @@ class Fiber {
   void yield();
   // The name ThreadSanitizer gives this fiber in its reports (copied; no-op in other builds).
   void set_name(const char* name);
+  // For a fiber left suspended (its block failed): releases `sync` on its behalf, as if it had
+  // run to its end, so the host's later use of the kernel's memory is ordered after it
+  // (ThreadSanitizer builds; no-op otherwise).
+  void release_abandoned(void* sync);
 
  private:
   static void main(Fiber* self);

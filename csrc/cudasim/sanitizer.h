@@ -33,16 +33,18 @@ inline void release(void* sync) { __tsan_release(sync); }
 inline void acquire(void* sync) { __tsan_acquire(sync); }
 // The simulator's own bookkeeping is shared by the fibers of a block and by the OS thread that
 // runs them, deliberately without TSan-visible order: its accesses are not recorded.
+inline void ignore_begin() {
+  AnnotateIgnoreReadsBegin(__FILE__, __LINE__);
+  AnnotateIgnoreWritesBegin(__FILE__, __LINE__);
+}
+inline void ignore_end() {
+  AnnotateIgnoreWritesEnd(__FILE__, __LINE__);
+  AnnotateIgnoreReadsEnd(__FILE__, __LINE__);
+}
 class Ignore {
  public:
-  Ignore() {
-    AnnotateIgnoreReadsBegin(__FILE__, __LINE__);
-    AnnotateIgnoreWritesBegin(__FILE__, __LINE__);
-  }
-  ~Ignore() {
-    AnnotateIgnoreWritesEnd(__FILE__, __LINE__);
-    AnnotateIgnoreReadsEnd(__FILE__, __LINE__);
-  }
+  Ignore() { ignore_begin(); }
+  ~Ignore() { ignore_end(); }
   Ignore(const Ignore&) = delete;
   Ignore& operator=(const Ignore&) = delete;
 };
@@ -50,6 +52,8 @@ class Ignore {
 constexpr bool kEnabled = false;
 inline void release(void*) {}
 inline void acquire(void*) {}
+inline void ignore_begin() {}
+inline void ignore_end() {}
 class Ignore {
  public:
   Ignore() {}

@@ -210,12 +210,15 @@ class BlockRun {
       if (fibers_[t]->resume() && error_.empty()) on_exit(t);
     }
     if (error_.empty() && done_ != n) report_deadlock();
+    if (tsan::kEnabled && !error_.empty()) {
+      for (auto& f : fibers_) f->release_abandoned(&launch_.sync[1]);
+    }
     running_block = nullptr;
     return error_;
   }
 
   void barrier(const char* file, int line) {
-    tsan::Ignore ignore;  // on the fiber, across its wait: the scheduler's state, not the kernel's
+    tsan::Ignore ignore;  // on the fiber: the scheduler's state, not the kernel's
     SimThread& me = threads_[running_];
     me.state = SimThread::kBarrier;
     me.file = file;
@@ -242,8 +245,7 @@ class BlockRun {
       at_barrier_ = 0;
       barrier_sync_ = nullptr;  // the next barrier is a new edge
     }
-    fibers_[running_]->yield();
-    depart(me);
+    wait(me);
   }
 
   uint64_t collective(WarpOp op, unsigned mask, uint64_t value, int arg, int width,
@@ -283,8 +285,7 @@ class BlockRun {
     me.line = line;
     if (tsan::kEnabled) arrive(me, open_sync(t / kWarp, mask));
     if (error_.empty()) try_complete_warp(base, mask);
-    fibers_[running_]->yield();
-    depart(me);
+    wait(me);
     return me.value;
   }
 
@@ -301,6 +302,17 @@ class BlockRun {
     tsan::acquire(&sync[0]);  // everything the host did before the launch
     body(ctx);
     tsan::release(&sync[1]);  // ... and this thread's work, before what the host does after it
+  }
+
+  // Suspends the running fiber (called inside a tsan::Ignore scope) until its rendezvous is
+  // complete. The ignore is lifted across the switch: a fiber left suspended when its block fails
+  // holds none when TSan destroys it.
+  void wait(SimThread& me) {
+    Fiber* self = fibers_[running_].get();
+    tsan::ignore_end();
+    self->yield();
+    tsan::ignore_begin();
+    depart(me);
   }
 
   void make_ready(int t) {
