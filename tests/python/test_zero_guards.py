@@ -23,7 +23,8 @@ import tierlift
 STEPS, BATCH = 4, 8
 OPT = dict(lr=3e-3, weight_decay=0.1)
 GATHER_CONFIGS = {"s1": (1, {}), "s2": (2, {}), "s3": (3, {}),
-                  "s3-offload": (3, {"offload_params": "cpu"})}
+                  "s3-offload": (3, {"offload_params": "cpu"}),
+                  "s3-nvme": (3, {"offload_params": "nvme"})}
 
 
 def _edit(model, rank: int) -> None:
@@ -150,9 +151,12 @@ def _forward_in_block(model, seq):
         model(seq[:, :-1])
 
 
-def _gathered(rank, out):
+def _gathered(rank, tmp, out):
     full_ref = {}
     for name, (stage, kw) in GATHER_CONFIGS.items():
+        if kw.get("offload_params") == "nvme":
+            kw = dict(kw, nvme_path=os.path.join(tmp, f"nvme{rank}"))
+            os.makedirs(kw["nvme_path"], exist_ok=True)
         model = tierlift.zero.shard(make_model(), stage=stage, **kw)
         opt = tierlift.optim.AdamW(model.parameters(), **OPT)
         # One step first, so stages 1/2 hold stale gathered weights the block must not show.
@@ -177,6 +181,7 @@ def _gathered(rank, out):
                        rank=rank, zero=True)
         out[f"{name}_losses"] = losses
         full_ref[name] = tierlift.zero.full_state_dict(model)
+        tierlift.zero.close(model)
     out["gathered_state"] = full_ref
     model = tierlift.zero.shard(make_model(), stage=3)
     out["bad_modifier"] = _raises(lambda: tierlift.zero.gathered(model, 2).__enter__(),
@@ -215,7 +220,7 @@ def _worker(rank, world, port, tmp):
     _ddp(rank, out)
     _state_dicts(rank, world, tmp, out)
     _freed(rank, out)
-    _gathered(rank, out)
+    _gathered(rank, tmp, out)
     _clip_and_count(rank, out)
     torch.save(out, os.path.join(tmp, f"out{rank}.pt"))
     shutdown()
