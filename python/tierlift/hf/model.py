@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from tierlift._shards import global_grad_norm, shard_owner
+from tierlift.zero import num_parameters
 from tierlift.zero.api import _SHARD_NAME, load_full_state_dict, state_key_order
 from tierlift.zero.hooks import _ATTR, _state
 
@@ -145,24 +146,9 @@ def clip_grad_norm_(params, max_norm: float, norm_type: float = 2.0, *,
 def count_parameters(model, only_trainable: bool = False,
                      exclude_embeddings: bool = False) -> int:
     """PreTrainedModel.num_parameters() of the unsharded model: each parameter once (tied ones
-    too), the sharded ones at their full size."""
-    model = _inner(model)
-    state = _state(model)
-    skip = set()
-    if exclude_embeddings:
-        skip = {f"{n}.weight" if n else "weight" for n, m in model.named_modules()
-                if isinstance(m, torch.nn.Embedding)}
-    total = 0
-    for unit in state.units:
-        for e in unit.entries:
-            if not skip.intersection(e.names):
-                total += e.numel
-    shards = {id(u.shard) for u in state.units}
-    for name, p in model.named_parameters():
-        if id(p) in shards or name in skip or (only_trainable and not p.requires_grad):
-            continue
-        total += p.numel()
-    return total
+    too), the sharded ones at their full size (tierlift.zero.num_parameters)."""
+    return num_parameters(model, only_trainable=only_trainable,
+                          exclude_embeddings=exclude_embeddings)
 
 
 def _world() -> int:

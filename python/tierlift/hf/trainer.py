@@ -95,6 +95,11 @@ class Trainer(transformers.Trainer):
         model._tierlift_hf_trainer_sharded = True
         zmodel.install(model)
 
+    def _move_model_to_device(self, model, device) -> None:
+        # shard() placed the shards (host memory with offload_params); .to() would undo that.
+        if not zmodel.is_sharded(model):
+            super()._move_model_to_device(model, device)
+
     def _check_optimizer(self, opt) -> None:
         owned = {id(p) for p in self.model.parameters()}
         inner = unwrap_optimizer(opt)
