@@ -74,11 +74,6 @@ def _resolve_units(model: nn.Module, units) -> list[str]:
     by_obj = {id(m): n for n, m in model.named_modules()}
     names = []
     for i, u in enumerate(units):
-        mod = _submodule(model, u) if isinstance(u, str) else u
-        if isinstance(mod, _NEVER_CALLED):
-            raise ValueError(f"units[{i}] is a {type(mod).__name__}, which is never called, so "
-                             "the hooks that gather a unit would never run: name the modules it "
-                             "holds")
         if isinstance(u, nn.Module):
             if id(u) not in by_obj or by_obj[id(u)] == "":
                 raise ValueError(f"units[{i}] is not a submodule of the model")
@@ -98,14 +93,13 @@ def _resolve_units(model: nn.Module, units) -> list[str]:
         for b in names:
             if a != b and b.startswith(a + "."):
                 raise ValueError(f"units {a!r} and {b!r} are nested; units must be disjoint")
+    for i, name in enumerate(names):
+        mod = model.get_submodule(name)
+        if isinstance(mod, _NEVER_CALLED):
+            raise ValueError(f"units[{i}] is a {type(mod).__name__}, which is never called, so "
+                             "the hooks that gather a unit would never run: name the modules it "
+                             "holds")
     return names
-
-
-def _submodule(model: nn.Module, name: str):
-    try:
-        return model.get_submodule(name)
-    except AttributeError:
-        return None  # _resolve_units names the error
 
 
 def _owning_unit(module_name: str, unit_names: list[str]) -> str:
