@@ -1,0 +1,372 @@
+#!/usr/bin/env python3
+"""Mutation testing of the CUDA kernels against the CPU simulator's test suite.
+
+Plants single-point bugs in csrc/cuda one at a time on a scratch copy of the repository (never in
+the working tree), rebuilds the simulator tests there and runs the suites of the mutated kernel
+plainly, with the warp-ahead schedule and under ThreadSanitizer (in that order, stopping at the
+first mode that catches the mutant unless --all-modes). Prints a Markdown table and the catch
+rate.
+
+    python3 scripts/mutate_kernels.py                  # every mutant (~25 min on 2 cores)
+    python3 scripts/mutate_kernels.py --only adam_war gather_atomic --all-modes
+    python3 scripts/mutate_kernels.py --list
+
+Builds take /tmp/tierlift-build.lock like every other build on a shared machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+LOCK = "/tmp/tierlift-build.lock"
+TARGET = "tierlift_cudasim_tests"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Mutant:
+    name: str
+    file: str  # relative to csrc/cuda
+    original: str
+    mutated: str
+    description: str
+
+
+MUTANTS = [
+    Mutant(
+        name="adam_war",
+        file="adam_compact.cu",
+        original="    __syncthreads();  // warp_max is rewritten by the next code block\n",
+        mutated="",
+        description="compact Adam: barrier before warp_max is rewritten removed (write after read)",
+    ),
+    Mutant(
+        name="adam_raw",
+        file="adam_compact.cu",
+        original="    __syncthreads();  // every thread has also read the old scale by now\n",
+        mutated="",
+        description="compact Adam: barrier after the warp maxima are written removed",
+    ),
+    Mutant(
+        name="adam_ties_up",
+        file="adam_compact.cu",
+        original="(u + 0x7ffffu + ((u >> kVCodeShift) & 1u)) >> kVCodeShift",
+        mutated="(u + 0x80000u) >> kVCodeShift",
+        description="compact Adam: v codes round ties up instead of to even",
+    ),
+    Mutant(
+        name="adam_nan_only",
+        file="adam_compact.cu",
+        original="int bad = !(__fsub_rn(v, v) == 0.f);",
+        mutated="int bad = v != v;",
+        description="compact Adam: non-finite check narrowed to NaN (infinite v not flagged)",
+    ),
+    Mutant(
+        name="adam_half_warp",
+        file="adam_compact.cu",
+        original="    for (int o = 16; o > 0; o >>= 1) {\n      const float other",
+        mutated="    for (int o = 8; o > 0; o >>= 1) {\n      const float other",
+        description="compact Adam: warp max over half warps only",
+    ),
+    Mutant(
+        name="bf16_inf_nan",
+        file="adam_element.cuh",
+        original="if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;",
+        mutated="if ((u & 0x7fffffffu) >= 0x7f800000u) return 0x7fc0;",
+        description="Adam element: an infinite weight becomes NaN in the bf16 copy",
+    ),
+    Mutant(
+        name="f16_nan_sign",
+        file="adam_element.cuh",
+        original="return static_cast<uint16_t>(((u >> 16) & 0x8000u) | 0x7e00u);",
+        mutated="return static_cast<uint16_t>(0x7e00u);",
+        description="Adam element: fp16 copy of a negative NaN loses its sign",
+    ),
+    Mutant(
+        name="gather_atomic",
+        file="gather.cu",
+        original="if (a.first_bad != nullptr) atomicMin(a.first_bad, pos);",
+        mutated="if (a.first_bad != nullptr && pos < *a.first_bad) *a.first_bad = pos;",
+        description="gather: first bad index by a plain read-compare-store (lost updates)",
+    ),
+    Mutant(
+        name="gather_cache_end",
+        file="gather.cu",
+        original="if (slot >= 0 && slot < a.cache_rows)",
+        mutated="if (slot >= 0 && slot <= a.cache_rows)",
+        description="gather: cache slot == cache_rows treated as a hit (one past the cache)",
+    ),
+    Mutant(
+        name="gather_cache_start",
+        file="gather.cu",
+        original="if (slot >= 0 && slot < a.cache_rows)",
+        mutated="if (slot > 0 && slot < a.cache_rows)",
+        description="gather: cache slot 0 treated as a miss",
+    ),
+    Mutant(
+        name="gather_tail",
+        file="gather.cu",
+        original="if (lane < tail) dst[done + lane] = src[done + lane];",
+        mutated="if (lane + 1 < tail) dst[done + lane] = src[done + lane];",
+        description="gather: last tail byte of a row not copied",
+    ),
+    Mutant(
+        name="gather_bound",
+        file="gather.cu",
+        original="if (row < 0 || row >= a.num_rows) {",
+        mutated="if (row < 0 || row > a.num_rows) {",
+        description="gather: index == num_rows accepted (reads one row past the table)",
+    ),
+    Mutant(
+        name="fp8_wide_stride",
+        file="fp8_quant.cu",
+        original="    jb = (block % gc) * 128;",
+        mutated="    jb = (block % gc) * 64;",
+        description="FP8 1x128: wrong block-to-column stride in the 64-bit index fallback",
+    ),
+    Mutant(
+        name="fp8_amax_atomic",
+        file="fp8_quant.cu",
+        original="atomicMax(reinterpret_cast<unsigned int*>(addr), __float_as_uint(v));",
+        mutated="if (*addr < v) *addr = v;",
+        description="FP8 tiled amax: plain read-compare-store instead of atomicMax",
+    ),
+    Mutant(
+        name="fp8_partial_war",
+        file="fp8_quant.cu",
+        original="    __syncthreads();\n    merge_tile(tile, g1,",
+        mutated="    merge_tile(tile, g1,",
+        description="FP8 dual amax: barrier before warp_partial is reused removed",
+    ),
+    Mutant(
+        name="fp8_row_scale_raw",
+        file="fp8_quant.cu",
+        original="  __syncthreads();\n  const float s = row_scale;",
+        mutated="  const float s = row_scale;",
+        description="FP8 row kernel: barrier before row_scale is read removed",
+    ),
+    Mutant(
+        name="fp8_ties_up",
+        file="fp8_quant.cu",
+        original="uint32_t r = (abs + ((1u << (shift - 1)) - 1u) + lsb) >> shift;",
+        mutated="uint32_t r = (abs + (1u << (shift - 1))) >> shift;",
+        description="FP8 encode: normal values round ties up instead of to even",
+    ),
+    Mutant(
+        name="fp4_amax_atomic",
+        file="fp4_quant.cu",
+        original="atomicMax(reinterpret_cast<int*>(addr), __float_as_int(v));",
+        mutated="if (*addr < v) *addr = v;",
+        description="NVFP4 per-tensor amax: plain read-compare-store instead of atomicMax",
+    ),
+    Mutant(
+        name="fp4_nan_only",
+        file="fp4_quant.cu",
+        original="const bool bad = __any_sync(kFull, fp4::nonfinite(v));",
+        mutated="const bool bad = __any_sync(kFull, v != v);",
+        description="MXFP4: a block holding an Inf (not NaN) is not marked",
+    ),
+    Mutant(
+        name="fp4_group_max",
+        file="fp4_quant.cu",
+        original="for (int h = width / 2; h >= 1; h >>= 1) v = fmaxf",
+        mutated="for (int h = width / 2; h > 1; h >>= 1) v = fmaxf",
+        description="FP4: group max skips the last shuffle step",
+    ),
+    Mutant(
+        name="fp4_pack_xor",
+        file="fp4_quant.cu",
+        original="__shfl_down_sync(kFull, static_cast<uint32_t>(q), 1)",
+        mutated="__shfl_xor_sync(kFull, static_cast<uint32_t>(q), 1)",
+        description="FP4 packing: odd lane's code by xor instead of down (same for even lanes)",
+    ),
+]
+
+SUITES = {
+    "adam_compact.cu": "*AdamCompact*:*AdamKernelEdges*",
+    "adam_element.cuh": "*Adam*",
+    "adam.cu": "*AdamKernel*",
+    "launch.cuh": "*",
+    "gather.cu": "*Gather*",
+    "fp8_quant.cu": "*Fp8*",
+    "fp4_quant.cu": "*Fp4*",
+}
+
+MODES = ("plain", "warp", "tsan")
+
+
+def run(cmd: list[str], cwd: Path, env: dict | None = None, timeout: int = 1800):
+    return subprocess.run(
+        cmd, cwd=cwd, env=env, timeout=timeout, capture_output=True, text=True, check=False
+    )
+
+
+def copy_tree(dst: Path) -> None:
+    """The working tree's tracked and untracked (not ignored) files, as they are now."""
+    files = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "-z"],
+        cwd=REPO,
+        capture_output=True,
+        check=True,
+    ).stdout.split(b"\0")
+    for f in files:
+        if not f:
+            continue
+        rel = f.decode()
+        src = REPO / rel
+        if not src.is_file():
+            continue
+        out = dst / rel
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if not out.exists() or out.read_bytes() != src.read_bytes():
+            shutil.copy2(src, out)
+
+
+def set_text(path: Path, text: str) -> None:
+    """Writes only a change: an unchanged file keeps its time stamp (no rebuild)."""
+    if path.read_text() != text:
+        path.write_text(text)
+
+
+def build(src: Path, build_dir: Path, tsan: bool) -> tuple[bool, str]:
+    if not (build_dir / "build.ninja").exists():
+        flags = ["-DTIERLIFT_BENCHMARKS=OFF"] + (["-DTIERLIFT_TSAN=ON"] if tsan else [])
+        r = run(["cmake", "-S", str(src), "-B", str(build_dir), "-G", "Ninja", *flags], src)
+        if r.returncode != 0:
+            return False, r.stdout + r.stderr
+    jobs = os.environ.get("MAX_JOBS", "2")
+    r = run(
+        ["flock", LOCK, "cmake", "--build", str(build_dir), "-j", jobs, "--target", TARGET], src
+    )
+    return r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+def run_suite(scratch: Path, mode: str, gtest_filter: str, seed: str) -> str:
+    """'caught', 'missed' or 'hang' for one mode."""
+    build_dir = scratch / ("build-tsan" if mode == "tsan" else "build-plain")
+    env = dict(os.environ, TIERLIFT_CUDASIM_SEED=seed)
+    cmd = [str(build_dir / TARGET), f"--gtest_filter={gtest_filter}", "--gtest_brief=1"]
+    if mode == "warp":
+        env["TIERLIFT_CUDASIM_SCHEDULE"] = "warp"
+    if mode == "tsan":
+        env["TSAN_OPTIONS"] = "halt_on_error=1 history_size=4"
+        cmd = ["setarch", os.uname().machine, "-R", *cmd]
+    try:
+        r = run(cmd, scratch / "repo", env, timeout=900)
+    except subprocess.TimeoutExpired:
+        return "hang"
+    return "missed" if r.returncode == 0 else "caught"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--scratch", type=Path, default=Path("/tmp/tierlift-mutate"))
+    ap.add_argument("--only", nargs="*", help="mutant names (default: all)")
+    ap.add_argument(
+        "--modes", default=",".join(MODES), help="comma-separated subset of " + str(MODES)
+    )
+    ap.add_argument(
+        "--all-modes", action="store_true", help="run every mode, not just to the first catch"
+    )
+    ap.add_argument("--seed", default="1", help="TIERLIFT_CUDASIM_SEED for every run")
+    ap.add_argument("--list", action="store_true")
+    args = ap.parse_args()
+
+    if args.list:
+        for m in MUTANTS:
+            print(f"{m.name:20} {m.file:18} {m.description}")
+        return 0
+    modes = [m for m in args.modes.split(",") if m]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        ap.error(f"unknown modes {bad}")
+    chosen = [m for m in MUTANTS if not args.only or m.name in args.only]
+    unknown = set(args.only or []) - {m.name for m in MUTANTS}
+    if unknown:
+        ap.error(f"unknown mutants {sorted(unknown)}")
+    scratch = args.scratch.resolve()
+    if scratch == REPO or REPO in scratch.parents:
+        ap.error("the scratch copy must be outside the repository")
+    src = scratch / "repo"
+    copy_tree(src)
+    for m in chosen:  # every snippet present exactly once, before anything is built
+        text = (src / "csrc/cuda" / m.file).read_text()
+        if text.count(m.original) != 1:
+            ap.error(f"{m.name}: original snippet found {text.count(m.original)} times in {m.file}")
+
+    builds = {"plain": scratch / "build-plain", "tsan": scratch / "build-tsan"}
+    ready: set[str] = set()
+    filt = ":".join(sorted({SUITES[m.file] for m in chosen}))
+
+    def baseline(kind: str) -> bool:
+        """Builds `kind` unmutated (once) and checks that its modes pass the chosen suites."""
+        if kind in ready:
+            return True
+        t = time.time()
+        ok, log = build(src, builds[kind], kind == "tsan")
+        if not ok:
+            print(log, file=sys.stderr)
+            print(f"baseline {kind} build failed", file=sys.stderr)
+            return False
+        print(f"baseline {kind} build: {time.time() - t:.0f} s", flush=True)
+        for mode in modes:
+            if ("tsan" if mode == "tsan" else "plain") == kind:
+                if run_suite(scratch, mode, filt, args.seed) != "missed":
+                    print(f"baseline suite fails in mode {mode}: fix that first", file=sys.stderr)
+                    return False
+        ready.add(kind)
+        return True
+
+    rows = []
+    for m in chosen:
+        path = src / "csrc/cuda" / m.file
+        original = path.read_text()
+        t = time.time()
+        result = {}
+        try:
+            for mode in modes:
+                kind = "tsan" if mode == "tsan" else "plain"
+                if kind not in ready:
+                    set_text(path, original)
+                    if not baseline(kind):
+                        return 2
+                set_text(path, original.replace(m.original, m.mutated))
+                ok, _ = build(src, builds[kind], kind == "tsan")
+                if not ok:
+                    result[mode] = "no build"
+                    break
+                result[mode] = run_suite(scratch, mode, SUITES[m.file], args.seed)
+                if result[mode] != "missed" and not args.all_modes:
+                    break
+        finally:
+            set_text(path, original)
+        caught = any(v in ("caught", "hang", "no build") for v in result.values())
+        rows.append((m, result, caught))
+        cells = " ".join(f"{k}={v}" for k, v in result.items())
+        print(
+            f"{m.name:20} {'CAUGHT' if caught else 'MISSED'}  {cells}  ({time.time() - t:.0f} s)",
+            flush=True,
+        )
+
+    print()
+    print("| mutant | bug planted | " + " | ".join(modes) + " | verdict |")
+    print("|---|---|" + "---|" * len(modes) + "---|")
+    for m, result, caught in rows:
+        cells = " | ".join(result.get(mode, "-") for mode in modes)
+        print(
+            f"| `{m.name}` | {m.description} | {cells} | {'caught' if caught else '**missed**'} |"
+        )
+    n = sum(c for _, _, c in rows)
+    print(f"\ncaught {n} of {len(rows)} mutants ({100.0 * n / max(len(rows), 1):.0f}%)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
