@@ -45,4 +45,4 @@ TSAN_OPTIONS="halt_on_error=1 history_size=4" setarch "$(uname -m)" -R \
   --gtest_filter='CudaSim*:AdamKernelEdges*:*GatherKernelBadIndex.EveryIndex*'
 
 echo "== pytest ($(( $(date +%s) - start )) s so far)"
-$PY -m pytest -q -ra tests/python "$@"
+$PY -m pytest -q -ra --durations=25 tests/python "$@"

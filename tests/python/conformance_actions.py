@@ -5,6 +5,8 @@ torch's."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from conformance_util import STEPS, build_model
 
@@ -74,6 +76,16 @@ def _mul_before_step(i, model, opt):
                 p.mul_(0.9)
 
 
+def _load_halved_moments(i, model, opt):
+    """After backward, loads the optimizer's own state with exp_avg halved (same step counts):
+    chunks the overlap stepped ahead from the old state must be stepped again."""
+    if i == 2:
+        sd = copy.deepcopy(opt.state_dict())
+        for st in sd["state"].values():
+            st["exp_avg"].mul_(0.5)
+        opt.load_state_dict(sd)
+
+
 # name -> opt -> train() keyword arguments, fresh per run (schedulers and EMAs hold state)
 ACTIONS = {
     "plain": lambda opt: {},
@@ -100,4 +112,5 @@ ACTIONS = {
     "w_data_copy_ema": lambda opt: _ema(),
     "w_numpy": lambda opt: _weights_at(2, _numpy_weight),
     "w_mul_before_step": lambda opt: {"before_step": _mul_before_step},
+    "opt_load_before_step": lambda opt: {"before_step": _load_halved_moments},
 }

@@ -258,8 +258,9 @@ def refusals(out: str) -> dict:
         opt = tierlift.optim.AdamW(model.parameters(), offload="cpu", max_grad_norm=1.0)
         trainer(model, optimizers=(opt, None), args={"max_grad_norm": CLIP})
 
-    def resume(files: list[str]):
-        ckpt = os.path.join(out, "refused", "checkpoint-9")
+    def resume(step: int, files: list[str]):
+        # One directory per case: ranks run the cases without waiting for each other.
+        ckpt = os.path.join(out, "refused", f"checkpoint-{step}")
         for f in files:
             os.makedirs(os.path.dirname(os.path.join(ckpt, f)), exist_ok=True)
             open(os.path.join(ckpt, f), "w").close()
@@ -271,8 +272,8 @@ def refusals(out: str) -> dict:
         "unsharded_optimizer": _raises(trainer_with_unsharded_optimizer),
         "sharded_twice": _raises(trainer_sharded_twice),
         "two_norms": _raises(trainer_two_clipping_norms),
-        "unsharded_checkpoint": _raises(lambda: resume(["optimizer.pt"])),
-        "interrupted_save": _raises(lambda: resume(["tierlift.tmp/rank00000.pt"])),
+        "unsharded_checkpoint": _raises(lambda: resume(8, ["optimizer.pt"])),
+        "interrupted_save": _raises(lambda: resume(9, ["tierlift.tmp/rank00000.pt"])),
         "bad_optimizer_key": _raises(lambda: tierlift.hf.ZeroConfig(
             optimizer_kwargs={"ofload": "cpu"})),
     }

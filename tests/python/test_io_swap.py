@@ -213,8 +213,9 @@ def test_unwritable_directory_as_unprivileged_user(tmp_path):
     hidden = str(tmp_path)
     code = textwrap.dedent(f"""
         import os, torch
-        os.setgid(65534); os.setuid(65534)
+        # Imported as root: 'nobody' cannot read a package installed under /root.
         from tierlift.io import EngineConfig, IoEngine, SwapStore
+        os.setgid(65534); os.setuid(65534)
         try:
             SwapStore({str(ro)!r})
         except PermissionError as e:

@@ -134,9 +134,9 @@ def assert_same(a: dict, b: dict) -> None:
         assert torch.equal(a[k], b[k]), k
 
 
-def assert_close_to_torch(sd: dict, ref: dict, rtol: float = 1e-6) -> None:
+def assert_close_to_torch(sd: dict, ref: dict, rtol: float = 1e-6, atol: float = 1e-6) -> None:
     for k, v in ref.items():
-        torch.testing.assert_close(sd[k], v, rtol=rtol, atol=1e-6,
+        torch.testing.assert_close(sd[k], v, rtol=rtol, atol=atol,
                                    msg=lambda m, k=k: f"{k}: {m}")
 
 
@@ -362,8 +362,10 @@ def test_torchrun_two_ranks(tmp_path):
         if clip not in refs:
             refs[clip] = run_torch(clip)
         # Two ranks sum the gradient halves in another order than one process does: a few
-        # elements differ by ~1e-5 relative; each tensor as a whole stays within 1e-6.
-        assert_close_to_torch(r["sd"], refs[clip], rtol=1e-5)
+        # elements differ by ~1e-5 relative (Adam's division by sqrt(v) amplifies the last bit
+        # where v is tiny: up to ~1e-6 absolute near zero); each tensor as a whole stays within
+        # 1e-6. Against torch at the same world size (assert_same above) it is bit-exact.
+        assert_close_to_torch(r["sd"], refs[clip], rtol=1e-5, atol=4e-6)
         for k, v in refs[clip].items():
             assert (r["sd"][k] - v).norm() <= 1e-6 * v.norm(), (i, k)
         if clip is None:
@@ -456,3 +458,29 @@ def test_bf16_grad_shards_refused_where_they_cannot_go(tmp_path):
                             offload_params="nvme", nvme_path=str(tmp_path))
     with pytest.raises(TypeError, match="grad_dtype must be float32, bfloat16 or float16"):
         tierlift.zero.MixedPrecision(grad_dtype=torch.float64)
+
+
+# ---- weights loaded mid-training ---------------------------------------------------------------
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+@pytest.mark.parametrize("offload_params", [None, "cpu"])
+def test_a_state_dict_loaded_mid_training_is_stepped_from(tmp_path, tier, offload_params):
+    """The offloaded optimizer keeps its own copy of every weight (two generations); a state
+    dict loaded into the shards between steps is what the next step starts from, as torch."""
+    other = make_net()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(0.5)
+    ref = make_net()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
+    fit(ref, ref_opt, zero=False, steps=3)
+    ref.load_state_dict(other.state_dict())
+    fit(ref, ref_opt, zero=False, steps=3)
+
+    kw = {} if offload_params is None else dict(offload_params=offload_params)
+    model = tierlift.zero.shard(make_net(), stage=3, **kw)
+    opt = tierlift.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD,
+                               **offload_kw(tier, model, tmp_path))
+    fit(model, opt, steps=3)
+    tierlift.zero.load_full_state_dict(model, other.state_dict())
+    fit(model, opt, steps=3)
+    assert_close_to_torch(tierlift.zero.full_state_dict(model), ref.state_dict())

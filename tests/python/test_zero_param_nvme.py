@@ -387,8 +387,9 @@ def test_rss_holds_the_units_in_flight_not_the_shards_or_gradients(tmp_path, opt
 
     Bounds: (1) building the model (268 MB in RAM) and sharding it leaves the process less
     than a quarter of the shard bytes larger; (2) at every unit boundary of forward and
-    backward and after the step, the parameters' file is not mapped in (smaps Rss 0) and (SGD)
-    the growth of RssFile stays under one unit; (3) the process's anonymous memory (RssAnon) at
+    backward and after the step, the parameters' file is not mapped in (smaps Rss 0; with the
+    overlapped optimizer at most the two units its worker is checking) and (SGD) the growth of
+    RssFile stays under one unit; (3) the process's anonymous memory (RssAnon) at
     every unit boundary, when the step starts and after it, grows by at most 8 units (+ the
     optimizer's cpu_budget): the fp32 gradients (as many bytes as the shards, 4x that bound)
     are in the gradients' file, not in RAM; (4) with torch SGD, the peak RSS growth over
@@ -415,7 +416,10 @@ def test_rss_holds_the_units_in_flight_not_the_shards_or_gradients(tmp_path, opt
     assert r["shard_growth"] < shard // 4
     assert len(r["samples"]) > 32 * 4
     for file_growth, mapped in r["samples"]:
-        assert mapped == 0
+        # The overlapped optimizer's worker reads the parameters of the chunks it steps during
+        # backward (it checks what it steps from by content): the units it is on stay mapped
+        # until the next hand-over unmaps them.
+        assert mapped == 0 if opt == "sgd" else mapped <= 2 * unit
         # (the overlapped optimizer's worker maps the gradients it reads, and its state file)
         assert file_growth < unit or opt != "sgd"
     for a in r["anon"]:

@@ -75,12 +75,9 @@ def param_groups_json(optimizer) -> list[dict]:
             for g in optimizer.param_groups]
 
 
-def write_json(file: str, obj) -> None:
-    """A JSON file, flushed to the drive before it is published by replace_dir()."""
-    with open(file, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
+# A JSON file flushed to the drive before replace_dir() publishes it; manifest.py writes its own
+# manifest.json the same way.
+write_json = manifest.write_json
 
 
 def replace_dir(tmp: str, path: str) -> None:

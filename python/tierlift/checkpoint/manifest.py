@@ -69,10 +69,16 @@ def _delegated(directory: str, files: list[str]) -> dict[str, tuple[str, str]]:
     return out
 
 
+def write_json(file: str, obj) -> None:
+    """A JSON file, flushed to the drive before it is published."""
+    with open(file, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def write(directory: str) -> None:
     """Writes `directory`/manifest.json over every other file in it, flushed to the drive."""
-    from tierlift.checkpoint.format import write_json
-
     files = _files(directory)
     delegated = _delegated(directory, files)
     entries = {}

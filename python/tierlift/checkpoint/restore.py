@@ -148,6 +148,7 @@ def load_plan(off, plan: list[GroupPlan], source: str, before_commit=None) -> No
     given, is called once everything is filled and before the first change becomes visible;
     if it raises, the fills are undone (a multi-rank load agrees there, io.py)."""
     check_plan(off, plan, source)
+    off.quiet(replacing=True)
     files = _Files()
     try:
         with filling(off._engine, before_commit) as (journal, flips):

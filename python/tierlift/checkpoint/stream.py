@@ -114,6 +114,7 @@ def _slotted(off, gi: int, chunks: list, writes: dict):
     handles of its writes from a slot into `writes[i]`, and the slot is reused only after they
     finished."""
     tier = off.tiers[gi]
+    off.quiet()
     in_place = {c.ci for c in chunks if tier.viewable(c.ci) and not tier.two_gen(c.ci)}
     for chunk in (c for c in chunks if c.ci in in_place):
         yield None, chunk, off._chunk_bufs(gi, chunk), True

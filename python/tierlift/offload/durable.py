@@ -35,6 +35,7 @@ chunk written twice.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -107,10 +108,16 @@ def _write_json(path: str, body) -> None:
     directory fsynced, so a reader sees the old file or the new one."""
     data = json.dumps(body, sort_keys=True).encode()
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(b"%08x\n" % zlib.crc32(data) + data)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            f.write(b"%08x\n" % zlib.crc32(data) + data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as err:  # a full drive: say which file and how many bytes it needed
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise OSError(err.errno, f"could not write {path!r} ({len(data) + 9} bytes needed): "
+                      f"{err.strerror}") from err
     os.replace(tmp, path)
     fd = os.open(os.path.dirname(path), os.O_RDONLY)
     try:
@@ -338,8 +345,9 @@ class DurableState:
                             "its parameter's width; give the gradient the parameter's dtype")
                 beta1, beta2 = group["betas"]
                 body["groups"][str(gi)] = {
-                    "hyper": {"lr": float(group["lr"]), "betas": [beta1, beta2],
-                              "eps": group["eps"], "weight_decay": group["weight_decay"],
+                    "hyper": {"lr": float(group["lr"]), "betas": [float(beta1), float(beta2)],
+                              "eps": float(group["eps"]),
+                              "weight_decay": float(group["weight_decay"]),
                               "amsgrad": group["amsgrad"], "maximize": group["maximize"],
                               "decoupled": bool(off.opt._decoupled(group))},
                     "steps": {str(pi): s for pi, s in off.next_steps(gi, grads).items()},

@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 import torch
 
 from tierlift._shards import is_shard, on_shard_grad_ready
+from tierlift.offload import masters
+from tierlift.offload.checks import check_group
 from tierlift.offload.watch import crcs
 
 
@@ -46,12 +48,22 @@ def _hyper(group: dict) -> tuple:
             group["amsgrad"], group["maximize"])
 
 
+def _frozen(group: dict) -> dict:
+    """The group's hyperparameters as values: the worker steps with these, not with the group,
+    which the user may change (or change and change back) before step()."""
+    out = {k: v for k, v in group.items() if k != "params"}
+    out.update(lr=float(group["lr"]), betas=tuple(float(b) for b in group["betas"]),
+               eps=float(group["eps"]), weight_decay=float(group["weight_decay"]))
+    return out
+
+
 @dataclass(kw_only=True)
 class Record:
     """What a speculative chunk step used."""
 
     tensors: dict  # pi -> the gradient tensor, as the hook found it
     steps: dict
+    group: dict  # the hyperparameters it stepped with (_frozen)
     hyper: tuple
     scale: float | None  # the GradScaler scale the kernel assumed
     grads: dict = field(default_factory=dict)  # (ci, pi) -> CRC-32C of the gradient read
@@ -130,6 +142,10 @@ class Overlap:
         gi, pi = self._where[p]
         group = self.off.opt.param_groups[gi]
         params = group["params"]
+        try:  # a group step() refuses (amsgrad switched, a bad lr) is not stepped ahead
+            check_group(gi, group, self.off._kinds[gi], self.off.state_dtype)
+        except ValueError:
+            return
         with self._lock:
             self._ready[gi].add(pi)
             ready = []
@@ -144,8 +160,9 @@ class Overlap:
                     ready.append(chunk)
         if ready:
             pis = {s.pi for c in ready for s in c.segments if params[s.pi].grad is not None}
+            frozen = _frozen(group)
             rec = Record(tensors={q: params[q].grad for q in pis},
-                         steps=self.off.next_steps(gi, pis), hyper=_hyper(group),
+                         steps=self.off.next_steps(gi, pis), group=frozen, hyper=_hyper(frozen),
                          scale=self.off._scale_seen)
             self._pending.append(self._pool.submit(self._work, gi, ready, rec))
 
@@ -158,9 +175,9 @@ class Overlap:
         done = []
         try:
             with torch.no_grad():
-                rec.params = self.off.prepare_masters(gi, grads, chunks, self._stats)
+                rec.params = masters.prepare(self.off, gi, grads, chunks, self._stats)
                 self.off.run(gi, grads, rec.steps, chunks, self._stats, done, publish=False,
-                             scale=scale, used_grads=rec.grads)
+                             scale=scale, used_grads=rec.grads, group=rec.group)
         except BaseException as err:  # noqa: BLE001 - re-raised by finish()
             self._error = err
         finally:
@@ -182,6 +199,18 @@ class Overlap:
         if err is not None:
             self.off._raise(err)  # nothing to undo: speculation touches no committed state
         return spec
+
+    def wait(self) -> None:
+        """Waits until the worker is idle: it steps chunks in the pipeline slots, which a
+        state_dict() or a load between backward and step() also uses."""
+        for f in self._pending:
+            f.result()
+
+    def discard(self) -> None:
+        """The committed state is about to be replaced (a load between backward and step()):
+        the chunks stepped ahead started from the old one, so step() steps them again."""
+        self.wait()
+        self._spec.clear()
 
     def close(self) -> None:
         for h in self._handles:

@@ -21,13 +21,20 @@ import time
 import warnings
 from collections import defaultdict
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from tierlift import ops
 from tierlift._shards import all_ranks_agree, global_grad_norm, is_shard
 from tierlift.io import ChecksumError, EngineConfig, IoEngine
+from tierlift.offload import masters
+from tierlift.offload.checks import (
+    check_group,
+    inverse,
+    power_of_two,
+    scale_value,
+    sums_finite,
+)
 from tierlift.offload.config import OffloadConfig
 from tierlift.offload.durable import DurableState, claim_dir, durable_dir, read_manifest
 from tierlift.offload.layout import (
@@ -45,7 +52,6 @@ from tierlift.offload.tiers import (
     HybridTier,
     MemoryTier,
     NvmeTier,
-    crc_pool,
     drain,
     make_state_dir,
     remove_stale_dirs,
@@ -54,64 +60,6 @@ from tierlift.offload.watch import ParamWatch, crcs
 
 _MIN_SLOTS = 3  # read ahead, step, write back
 MIN_SLOT_CHUNK_BYTES = 1 << 20  # the smallest chunk per kind worth an extra pipeline slot
-
-
-def _check_group(gi: int, group: dict, kinds: list[str], state_dtype: str) -> None:
-    ops.check_adam_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-    if state_dtype == "bf16" and group["amsgrad"]:
-        raise ValueError(f"param_groups[{gi}] has amsgrad=True, which is not supported with "
-                         "state_dtype='bf16'; use state_dtype='fp32' for amsgrad")
-    if list(state_kinds(group["amsgrad"], state_dtype)) != kinds:
-        raise ValueError(f"param_groups[{gi}]['amsgrad'] changed after the optimizer was "
-                         "created; offloaded state cannot change kinds")
-
-
-def _sum_finite_np(g: torch.Tensor) -> bool:
-    with np.errstate(over="ignore", invalid="ignore"):  # an overflow is confirmed by the caller
-        return bool(np.isfinite(g.detach().numpy().sum()))
-
-
-def _sums_finite(grads: list[torch.Tensor]) -> bool:
-    """Whether the sum of every gradient is finite. fp32 CPU gradients are summed by numpy,
-    one single-threaded sum per gradient on the CRC pool's threads (numpy releases the GIL):
-    torch's intra-op parallel sum waits for all its OpenMP threads at a barrier, and on a
-    loaded host that wait measured 8 ms per 4M-element sum against 0.6 ms single-threaded.
-    Other gradients (GPU, half precision) keep torch's sum."""
-    host = [g for g in grads if g.device.type == "cpu" and g.dtype == torch.float32]
-    other = [g for g in grads if not (g.device.type == "cpu" and g.dtype == torch.float32)]
-    if host and not all(crc_pool().map(_sum_finite_np, host) if len(host) > 1
-                        else map(_sum_finite_np, host)):
-        return False
-    if other:
-        sums = [g.sum() for g in other]
-        return bool(torch.stack([s.float().cpu() for s in sums]).isfinite().all())
-    return True
-
-
-def _scale_value(grad_scale: torch.Tensor) -> float:
-    """The GradScaler scale as a float, checked (the kernels divide by it)."""
-    if not isinstance(grad_scale, torch.Tensor) or grad_scale.numel() != 1:
-        raise ValueError(f"grad_scale must be a 1-element tensor, got {grad_scale!r}")
-    v = float(grad_scale.detach().float().reshape(()).item())
-    if not (v > 0.0 and np.isfinite(v)):
-        raise ValueError(f"grad_scale must be finite and > 0, got {v}")
-    return v
-
-
-def _inverse(scale: float) -> float:
-    """1/scale as GradScaler computes it (fp64 reciprocal, rounded to fp32)."""
-    return float(np.float32(1.0 / scale))
-
-
-def _power_of_two(scale: float) -> bool:
-    return np.frexp(scale)[0] == 0.5
-
-
-def _rounds_to(master: torch.Tensor, p: torch.Tensor) -> bool:
-    """Whether the parameter values `p` are the fp32 `master` rounded to p's dtype, bit for
-    bit (NaN payloads and signed zeros included)."""
-    ints = {4: torch.int32, 2: torch.int16}[p.element_size()]
-    return torch.equal(master.to(device=p.device, dtype=p.dtype).view(ints), p.view(ints))
 
 
 def _release(directory: str, fresh: bool) -> None:
@@ -210,6 +158,7 @@ class Offloader(StateIO):
         self.layouts = [build_layout(list(g["params"]), chunk_elems)
                         for g in optimizer.param_groups]
         self._slot_kinds = list(slot_dtypes)
+        self.overlap = None  # Overlap, set last
         self._broken = None  # why step() refuses: an in-place rewrite failed half way
         self._watch = ParamWatch(len(optimizer.param_groups))
         self._scale_seen = None  # the last step's GradScaler scale: the overlap assumes it
@@ -338,7 +287,7 @@ class Offloader(StateIO):
         t0 = time.perf_counter()
         stats = defaultdict(float)
         spec = self.overlap.finish(stats) if self.overlap is not None else {}
-        scale = None if grad_scale is None else _scale_value(grad_scale)
+        scale = None if grad_scale is None else scale_value(grad_scale)
         live = self._collect_grads()
         early = self._read_early(live, spec)
         stats["early_read_chunks"] = len(early.get("reads", {}))
@@ -354,7 +303,7 @@ class Offloader(StateIO):
             if finite:
                 for gi, group in enumerate(self.opt.param_groups):
                     if live[gi]:
-                        _check_group(gi, group, self._kinds[gi], self.state_dtype)
+                        check_group(gi, group, self._kinds[gi], self.state_dtype)
                 if self.config.max_grad_norm is not None:
                     scale, scaled = self._clip(stats, scale)
                     if scaled:  # a non-contiguous gradient was collected as a copy
@@ -439,7 +388,7 @@ class Offloader(StateIO):
         grads = [g for got in live for g in got.values() if g.numel()]
         finite = True
         if grads:
-            if not _sums_finite(grads):
+            if not sums_finite(grads):
                 flags = [torch.stack(torch.aminmax(g)).isfinite().all() for g in grads]
                 finite = bool(torch.stack([f.cpu() for f in flags]).all())
         if self._zero:
@@ -460,8 +409,8 @@ class Offloader(StateIO):
         kernel still applies and whether the gradients were changed."""
         params = [p for g in self.opt.param_groups for p in g["params"] if p.grad is not None]
         changed = False
-        if scale is not None and not _power_of_two(scale):
-            torch._foreach_mul_([p.grad for p in params], _inverse(scale))
+        if scale is not None and not power_of_two(scale):
+            torch._foreach_mul_([p.grad for p in params], inverse(scale))
             scale, changed = None, True
         if self._zero:
             # ZeRO shards: the norm over all ranks, exactly as tierlift.zero.clip_grad_norm_.
@@ -469,7 +418,7 @@ class Offloader(StateIO):
         else:
             total = torch.nn.utils.get_total_norm([p.grad for p in params])
         if scale is not None:
-            total = total * _inverse(scale)
+            total = total * inverse(scale)
         stats["grad_norm"] = float(total)
         if float(self.config.max_grad_norm) / (float(total) + 1e-6) < 1.0:
             torch.nn.utils.clip_grads_with_norm_(params, self.config.max_grad_norm, total)
@@ -492,7 +441,7 @@ class Offloader(StateIO):
     def _step_resident(self, gi: int, group: dict, grads: dict, stats, scale) -> None:
         steps = self.next_steps(gi, grads)
         chunks = self._chunks(gi, grads, set())
-        self.prepare_masters(gi, grads, chunks, stats)
+        masters.prepare(self, gi, grads, chunks, stats)
         self._step_views(gi, grads, steps, chunks, stats, scale)
         self._commit_steps(gi, steps)
 
@@ -535,7 +484,7 @@ class Offloader(StateIO):
                 chunks = self._chunks(gi, grads, {c.ci for c in keep.get(gi, [])})
                 steps = self.next_steps(gi, grads)
                 rewritten = set()
-                self.prepare_masters(gi, grads, chunks, stats, rewritten)
+                masters.prepare(self, gi, grads, chunks, stats, rewritten)
                 tier = self.tiers[gi]
                 in_place[gi] = [c for c in chunks if not tier.two_gen(c.ci)]
                 chunks = [c for c in chunks if tier.two_gen(c.ci)]
@@ -549,16 +498,18 @@ class Offloader(StateIO):
                 self._publish(gi, chunks, live[gi], stats)
         except BaseException as err:
             drain(early.get("reads", {}))
-            for gi in done:
-                self._restore(gi, done[gi] + keep.get(gi, []))
+            self._undo(done, keep)
             self._raise(err)
         if any(in_place.values()):
             if self._durable is not None:
                 try:
                     self._durable.log_grads(live, in_place, stats)
-                except BaseException as err:  # nothing was rewritten yet
+                except BaseException as err:  # nothing was rewritten in place yet
+                    self._undo(done, keep)
                     self._raise(err)
             self._step_in_place(live, in_place, stats, scale)
+        before = {gi: {pi: self.opt.state[self.opt.param_groups[gi]["params"][pi]].get("step")
+                       for pi in grads} for gi, grads in enumerate(live)}
         for gi, grads in enumerate(live):
             tier = self.tiers[gi]
             for chunk in done[gi] + keep.get(gi, []):
@@ -567,8 +518,34 @@ class Offloader(StateIO):
                 self._commit_steps(gi, self.next_steps(gi, grads))
         if self._durable is not None:
             t = time.perf_counter()
-            self._durable.commit()
+            try:
+                self._durable.commit()
+            except BaseException as err:  # no new manifest (a full drive): the step did not
+                if any(in_place.values()):  # happen, unless state was rewritten in place
+                    self._broken = (
+                        f"a step rewrote optimizer state in place, then could not commit it "
+                        f"({type(err).__name__}: {err}); parameters and state are partly at "
+                        "the new step. Free space and build the optimizer again on the same "
+                        "nvme_path (the reopen finishes the step), or load a checkpoint")
+                    raise RuntimeError(self._broken) from err
+                for gi in range(len(live)):
+                    for chunk in done[gi] + keep.get(gi, []):
+                        self.tiers[gi].flip(chunk.ci)  # back to the committed generation
+                    params = self.opt.param_groups[gi]["params"]
+                    for pi, step in before[gi].items():
+                        if step is None:
+                            self.opt.state[params[pi]].pop("step", None)
+                        else:
+                            self.opt.state[params[pi]]["step"] = step
+                self._durable.seq -= 1
+                self._undo(done, keep)
+                self._raise(err)
             stats["manifest_s"] += time.perf_counter() - t
+
+    def _undo(self, done: dict, keep: dict) -> None:
+        """A step that failed before it committed: parameters back to the committed masters."""
+        for gi in done:
+            self._restore(gi, done[gi] + keep.get(gi, []))
 
     def _sync(self, stats) -> None:
         t = time.perf_counter()
@@ -646,80 +623,18 @@ class Offloader(StateIO):
         n = p.element_size()
         return bufs["copy"].view(torch.uint8)[s.clo * n:s.chi * n].view(p.dtype)
 
-    def prepare_masters(self, gi, grads, chunks, stats, rewritten: set | None = None) -> dict:
-        """Makes the committed master weights of `chunks` the parameters' current values
-        before they are stepped, as torch steps from the parameter. On a parameter's first
-        step its master is written from it. Later, a parameter whose bytes differ from what
-        the optimizer last wrote into it (load_state_dict, an in-place edit, .data, an EMA
-        swap, a resume that loads the optimizer first: any route, so it is checked by content)
-        is compared with its master: an fp32 one is refreshed when they differ, a bf16/fp16
-        one when the parameter no longer equals the rounded master (a resume that loads both
-        keeps the master's low bits). The refreshed masters go to the committed generation, so
-        a failure later in the step puts the parameter back to the value it had. Returns
-        {(ci, pi): CRC-32C} of the parameters as they were found (the overlap keeps them);
-        `rewritten` receives the chunks whose committed master changed. Uses the last slot,
-        which the step's early reads leave free."""
-        params, tier = self.opt.param_groups[gi]["params"], self.tiers[gi]
-        if "master" not in tier.kinds:  # every parameter of the group is its own master
-            return {}
-        t = time.perf_counter()
-        segs = [(c, s) for c in chunks for s in c.segments
-                if s.pi in grads and self._uses_master(params[s.pi])]
-        found = crcs([params[s.pi].detach().view(-1)[s.plo:s.phi] for _, s in segs],
-                     self._slots[0].get("copy"))
-        seen = {(c.ci, s.pi): v for (c, s), v in zip(segs, found)}
-        todo: dict = {}  # ci -> (chunk, [(segment, first step)])
-        for c, s in segs:
-            fresh = "step" not in self.opt.state[params[s.pi]]
-            if fresh or self._watch.known(gi, (c.ci, s.pi)) != seen[(c.ci, s.pi)]:
-                todo.setdefault(c.ci, (c, []))[1].append((s, fresh))
-        stats["param_check_s"] += time.perf_counter() - t
-        marked = False  # durable: the chunks' masters are about to change
-        for chunk, entries in todo.values():
-            t = time.perf_counter()
-            gen = tier.gen[chunk.ci]
-            if tier.viewable(chunk.ci):
-                tier._wait_unheld(chunk.ci, gen)
-                buf = tier.view("master", chunk.ci, self.chunk_elems)
-            else:
-                buf = self._slots[-1]["master"]
-                tier.read("master", chunk.ci, buf).wait()
-                tier.verify("master", chunk.ci, buf, self._what(gi, chunk))
-            stale = [s for s, fresh in entries
-                     if fresh or not _rounds_to(buf[s.clo:s.chi],
-                                                params[s.pi].detach().view(-1)[s.plo:s.phi])]
-            if stale:
-                if self._durable is not None and not marked:
-                    # A reopen must not check these masters against CRCs about to change.
-                    self._durable.write_manifest(unverified={(gi, ci) for ci in todo})
-                    marked = True
-                for s in stale:
-                    buf[s.clo:s.chi].copy_(params[s.pi].detach().view(-1)[s.plo:s.phi])
-                if not tier.viewable(chunk.ci):
-                    tier.write("master", chunk.ci, buf, gen).wait()
-                    if self._engine is not None:
-                        self._engine.sync()
-                self._in_file[gi].update(s.pi for s in stale)
-                if rewritten is not None:
-                    rewritten.add(chunk.ci)
-                stats["masters_refreshed"] += sum(not f for s, f in entries if s in stale)
-            self._watch.record(gi, {(chunk.ci, s.pi): seen[(chunk.ci, s.pi)]
-                                    for s, _ in entries})
-            stats["master_init_s"] += time.perf_counter() - t
-        if marked:
-            self._durable.write_manifest()
-        return seen
-
     def run(self, gi, grads, steps, chunks, stats, done: list, publish: bool = True,
-            started: dict | None = None, scale=None, used_grads: dict | None = None) -> None:
+            started: dict | None = None, scale=None, used_grads: dict | None = None,
+            group: dict | None = None) -> None:
         """With S pipeline slots: reads chunks k+1 .. k+S-2 ahead while stepping chunk k while
         chunk k-1 is written to the other generation; returns once every write finished.
         Chunks whose parameters were updated are appended to `done` (also when this raises).
         `started`: {j: handles} of the first chunks' reads, already issued into slot j.
         `scale`: the GradScaler scale the gradients still carry (a 1-element fp32 tensor).
-        `used_grads`: receives {(ci, pi): CRC-32C} of the gradients each chunk read."""
-        group = self.opt.param_groups[gi]
-        params, tier = group["params"], self.tiers[gi]
+        `used_grads`: receives {(ci, pi): CRC-32C} of the gradients each chunk read.
+        `group`: the hyperparameters to step with (default: the param group's own)."""
+        params, tier = self.opt.param_groups[gi]["params"], self.tiers[gi]
+        group = self.opt.param_groups[gi] if group is None else group
         n_slots = self.n_slots
         reads: dict[int, list] = dict(started or {})
         writes: dict[int, list] = {}

@@ -51,6 +51,7 @@ class StateIO:
 
     def _chunk_bufs(self, gi, chunk) -> dict:
         tier = self.tiers[gi]
+        self.quiet()
         if tier.viewable(chunk.ci):
             return {k: tier.view(k, chunk.ci, self.chunk_elems) for k in tier.kinds}
         bufs = self._slots[0]
@@ -58,6 +59,16 @@ class StateIO:
             tier.read(k, chunk.ci, bufs[k]).wait()
             tier.verify(k, chunk.ci, bufs[k], self._what(gi, chunk))
         return bufs
+
+    def quiet(self, replacing: bool = False) -> None:
+        """Waits for the overlap's worker, which uses the pipeline slots (a state_dict() or a
+        load between backward and step()); `replacing`: the committed state is about to be
+        replaced, so its chunks stepped ahead are stepped again at step()."""
+        if self.overlap is not None:
+            if replacing:
+                self.overlap.discard()
+            else:
+                self.overlap.wait()
 
     def ingest(self, loaded: dict, before_commit=None) -> None:
         """Moves {param: {kind: tensor}} (from a state dict) into the tiers, all-or-nothing.
@@ -75,6 +86,7 @@ class StateIO:
                         raise ValueError(f"the state {k!r} of {self._name(gi, pi)} has "
                                          f"{v.numel()} elements, {want} expected (the "
                                          f"parameter has {p.numel()})")
+        self.quiet(replacing=True)
         with filling(self._engine, before_commit) as (journal, flips):
             for gi, group in enumerate(self.opt.param_groups):
                 params, layout = group["params"], self.layouts[gi]

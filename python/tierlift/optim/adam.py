@@ -35,6 +35,7 @@ from torch.optim import Optimizer
 
 from tierlift import ops
 from tierlift.offload import OffloadConfig, Offloader
+from tierlift.offload.masters import refresh_master
 from tierlift.reference.optim_compact import (
     dequantize_exp_avg_sq,
     quantize_exp_avg_sq,
@@ -76,16 +77,6 @@ def _check_torch_config(lr, betas, foreach, capturable, fused, differentiable) -
         raise RuntimeError("`fused` does not support `differentiable`")
     if fused and foreach:
         raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
-
-
-def _refresh_master(master: torch.Tensor, p: torch.Tensor) -> None:
-    """torch steps a parameter from its current value: a bf16/fp16 weight changed outside the
-    optimizer (load_state_dict, an in-place edit, .data, an EMA swap) no longer equals its
-    rounded master, and its master is set from it; elsewhere the master keeps its low bits.
-    Compared bit for bit, branch-free (no host sync on a GPU)."""
-    ints = torch.int16  # bf16 and fp16
-    same = master.to(p.dtype).view(ints) == p.detach().view(ints)
-    master.copy_(torch.where(same, master, p.detach().float()))
 
 
 def _check_grad_scale(grad_scale) -> None:
@@ -371,7 +362,7 @@ class Adam(Optimizer):
         if p.dtype in _LOW_PRECISION and "master" not in state:
             state["master"] = p.detach().to(torch.float32).contiguous()
         elif "master" in state:
-            _refresh_master(state["master"], p)
+            refresh_master(state["master"], p)
         return state
 
     def close(self) -> None:

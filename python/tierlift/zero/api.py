@@ -327,9 +327,10 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     """Clip the gradients of a sharded model by their global norm across ranks (as
     torch.nn.utils.clip_grad_norm_ computes it on the unsharded model); returns that norm.
 
-    This scales the gradients in place (by 1.0 under the threshold too), which invalidates the
-    steps tierlift.optim.AdamW(offload=..., overlap=True) ran during backward: with that
-    optimizer pass max_grad_norm to it instead (the same global norm, scaling only when it must).
+    This scales the gradients in place (by exactly 1.0 under the threshold, which changes no
+    bits: the steps tierlift.optim.AdamW(offload=..., overlap=True) ran during backward are kept;
+    a clip that scales invalidates them, and they are stepped again). Passing max_grad_norm to
+    that optimizer instead computes the same global norm inside its step.
     max_norm=inf only computes the norm (as torch; Hugging Face's max_grad_norm=0 logs it so).
     """
     state = _state(model)

@@ -22,9 +22,11 @@ Grads    when a unit's reduce-scatter lands and its shard has no gradient, zero/
          into it, as into any .grad. Optimizers, clipping and the overlapped offload optimizer
          read p.grad as before, faulting it in. The range is dropped (unmapped, write-back
          started, evicted) _GRAD_DROP_LAG hand-overs later, once the overlapped optimizer's
-         worker has read it, and again after the optimizer step, so no more than the units in
-         flight stay resident. zero_grad(set_to_none=True) drops the tensors: the next backward
-         assigns a fresh one over the same range, overwriting it; set_to_none=False zeroes them
+         worker has read it (with the parameter's range, which that worker reads too: only
+         unmapped, it stays in the page cache for the step), and again after the optimizer
+         step, so no more than the units in flight stay resident. zero_grad(set_to_none=True)
+         drops the tensors: the next backward assigns a fresh one over the same range,
+         overwriting it; set_to_none=False zeroes them
          in place (which faults every gradient page in, from the disk: RSS holds them until
          the next hand-over drops them).
 Residency explicit, per unit range. After a gather has read a shard into the staging slot and
@@ -273,7 +275,12 @@ class NvmeParamStore:
         if r not in self._handed:  # (a second backward accumulating into it)
             self._handed.append(r)
         while len(self._handed) > lag:
-            self._drop(*self._handed.pop(0), grads=True)
+            offset, nbytes = self._handed.pop(0)
+            self._drop(offset, nbytes, grads=True)
+            # The overlapped optimizer's worker read the parameter too (it checks what it steps
+            # from by content): unmapped, but kept in the page cache for the step.
+            if nbytes:
+                self._map.madvise(mmap.MADV_DONTNEED, offset, self._slot_end[offset] - offset)
 
     def _drop_grad(self, grad: torch.Tensor) -> None:
         r = self._grads.get(grad.data_ptr()) if self._fd >= 0 else None

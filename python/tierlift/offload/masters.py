@@ -1,0 +1,94 @@
+"""Master weights that follow the parameters: torch steps a parameter from its current value,
+so a parameter changed outside the optimizer (load_state_dict, an in-place edit, `.data`, an
+EMA swap, a resume that loads the optimizer first: any route) must be stepped from that value,
+not from the master the optimizer kept."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tierlift.offload.watch import crcs
+
+_INTS = {4: torch.int32, 2: torch.int16}
+
+
+def _same_bits(master: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Per element: whether `p` is `master` rounded to p's dtype, bit for bit (NaN payloads
+    and signed zeros included)."""
+    ints = _INTS[p.element_size()]
+    return master.to(device=p.device, dtype=p.dtype).view(ints) == p.detach().view(ints)
+
+
+def refresh_master(master: torch.Tensor, p: torch.Tensor) -> None:
+    """Sets each element of the fp32 `master` whose rounding is no longer the parameter's
+    value from the parameter; the others keep their low bits (a bf16/fp16 parameter that only
+    took optimizer steps, or a resume that loaded both). Branch-free: no host sync on a GPU."""
+    same = _same_bits(master, p)
+    master.copy_(torch.where(same, master, p.detach().to(device=master.device,
+                                                         dtype=master.dtype)))
+
+
+def prepare(off, gi: int, grads: dict, chunks, stats, rewritten: set | None = None) -> dict:
+    """Makes the committed master weights of `chunks` of Offloader `off` follow the parameters
+    before they are stepped. On a parameter's first step its master is written from it. Later,
+    only a parameter whose bytes differ from what the optimizer last wrote into it (ParamWatch)
+    is compared with its master, element by element (refresh_master). The refreshed masters go
+    to the committed generation, so a failure later in the step puts the parameter back to the
+    value it had. Returns {(ci, pi): CRC-32C} of the parameters as they were found (the overlap
+    keeps them); `rewritten` receives the chunks whose committed master changed. Uses the last
+    slot, which the step's early reads leave free."""
+    params, tier = off.opt.param_groups[gi]["params"], off.tiers[gi]
+    if "master" not in tier.kinds:  # every parameter of the group is its own master
+        return {}
+    t = time.perf_counter()
+    segs = [(c, s) for c in chunks for s in c.segments
+            if s.pi in grads and off._uses_master(params[s.pi])]
+    found = crcs([params[s.pi].detach().view(-1)[s.plo:s.phi] for _, s in segs],
+                 off._slots[0].get("copy"))
+    seen = {(c.ci, s.pi): v for (c, s), v in zip(segs, found)}
+    todo: dict = {}  # ci -> (chunk, [(segment, first step)])
+    for c, s in segs:
+        fresh = "step" not in off.opt.state[params[s.pi]]
+        if fresh or off._watch.known(gi, (c.ci, s.pi)) != seen[(c.ci, s.pi)]:
+            todo.setdefault(c.ci, (c, []))[1].append((s, fresh))
+    stats["param_check_s"] += time.perf_counter() - t
+    marked = False  # durable: the chunks' masters are about to change
+    for chunk, entries in todo.values():
+        t = time.perf_counter()
+        gen = tier.gen[chunk.ci]
+        if tier.viewable(chunk.ci):
+            tier._wait_unheld(chunk.ci, gen)
+            buf = tier.view("master", chunk.ci, off.chunk_elems)
+        else:
+            buf = off._slots[-1]["master"]
+            tier.read("master", chunk.ci, buf).wait()
+            tier.verify("master", chunk.ci, buf, off._what(gi, chunk))
+        stale = [(s, fresh) for s, fresh in entries
+                 if fresh or not bool(_same_bits(buf[s.clo:s.chi],
+                                                 params[s.pi].view(-1)[s.plo:s.phi]).all())]
+        if stale:
+            if off._durable is not None and not marked:
+                # A reopen must not check these masters against CRCs about to change.
+                off._durable.write_manifest(unverified={(gi, ci) for ci in todo})
+                marked = True
+            for s, fresh in stale:
+                p = params[s.pi].detach().view(-1)[s.plo:s.phi]
+                if fresh:
+                    buf[s.clo:s.chi].copy_(p)
+                else:
+                    refresh_master(buf[s.clo:s.chi], p)
+            if not tier.viewable(chunk.ci):
+                tier.write("master", chunk.ci, buf, gen).wait()
+                if off._engine is not None:
+                    off._engine.sync()
+            off._in_file[gi].update(s.pi for s, _ in stale)
+            if rewritten is not None:
+                rewritten.add(chunk.ci)
+            stats["masters_refreshed"] += sum(not fresh for _, fresh in stale)
+        off._watch.record(gi, {(chunk.ci, s.pi): seen[(chunk.ci, s.pi)] for s, _ in entries})
+        stats["master_init_s"] += time.perf_counter() - t
+    if marked:
+        off._durable.write_manifest()
+    return seen
