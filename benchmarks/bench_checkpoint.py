@@ -22,7 +22,8 @@ Median of --repeat saves after --warmup; with ranks, the slowest rank. "stall vs
 "total vs sync" divide by tierlift's blocking save (targets for blocking=False: stall <= 0.1,
 total <= 1.2). tierlift's background save keeps its staging buffers between saves, as a
 training run saving every N steps would (the warmup save allocates them). Prints a table and
-writes JSON (--out).
+writes JSON (--out), rewritten after every row of one process (a run cut short keeps its rows).
+--configs and --contenders pick a subset (a 1B-parameter run on a time budget).
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ from common import RESULTS, machine, print_table  # noqa: E402
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 COLUMNS = ["ranks", "config", "contender", "stall s", "total s", "GB written", "GB/s"]
+CONFIGS = {"ram": "optim in RAM", "nvme": "optim on NVMe"}
+CONTENDERS = {"sync": "tierlift save", "background": "tierlift save(blocking=False)",
+              "background-budget": "tierlift save(blocking=False, budget 1/8)",
+              "dcp": "dcp save", "dcp-async": "dcp async_save"}
 
 
 class Block(nn.Module):
@@ -176,12 +181,15 @@ def _progress(r: dict) -> None:
           f"total {r['total s']:.3f} s, {r['GB written']:.3f} GB", flush=True)
 
 
-def run_single(args, root: str) -> list[dict]:
+def _wanted(args, table: dict) -> list[str]:
+    return [table[k] for k in table if k in args.contenders]
+
+
+def run_single(args, root: str, rows: list, save) -> list[dict]:
     import tierlift
 
     d, layers = shape_for(args.params)
-    rows = []
-    for config in ("optim in RAM", "optim on NVMe"):
+    for config in (CONFIGS[k] for k in CONFIGS if k in args.configs):
         torch.manual_seed(0)
         model = Stack(d, layers)
         kw = {}
@@ -190,9 +198,12 @@ def run_single(args, root: str) -> list[dict]:
         opt = tierlift.optim.AdamW(model.parameters(), lr=1e-4, **kw)
         _train(model, opt, d)
         for name, fn in contenders(model, opt).items():
+            if name not in _wanted(args, CONTENDERS):
+                continue
             row = measure(name, fn, root, args.repeat, args.warmup)
             rows.append({"ranks": 1, "config": config, **row})
             _progress(rows[-1])
+            save()
         del model, opt
     return rows
 
@@ -219,6 +230,8 @@ def run_ranks(args, root: str) -> list[dict]:
     config = "ZeRO-3 / FSDP2"
     rows = []
     for name, fn in contenders(zmodel, zopt, fmodel, fopt).items():
+        if name not in _wanted(args, CONTENDERS):
+            continue
         row = measure(name, fn, root, args.repeat, args.warmup)
         rows.append({"ranks": world, "config": config, **row})
         if dist.get_rank() == 0:
@@ -268,6 +281,11 @@ def main(argv=None) -> int:
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2],
                    help="1 = one process; N > 1 = N gloo ranks under torchrun")
     p.add_argument("--dir", default=None, help="where checkpoints are written (default: $TMPDIR)")
+    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS),
+                   help="1 rank: optimizer state in RAM and/or on NVMe")
+    p.add_argument("--contenders", nargs="+", choices=list(CONTENDERS), default=list(CONTENDERS),
+                   help="which saves to time: " + ", ".join(f"{k} = {v}"
+                                                            for k, v in CONTENDERS.items()))
     p.add_argument("--out", default=None,
                    help="JSON path (default: benchmarks/results/bench_checkpoint-cpu.json)")
     p.add_argument("--plot", metavar="PATH",
@@ -293,11 +311,20 @@ def main(argv=None) -> int:
     for note in notes:
         print("  " + note)
     rows = []
+    out = Path(args.out) if args.out else RESULTS / "bench_checkpoint-cpu.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save():
+        out.write_text(json.dumps({
+            "machine": machine(), "args": {k: v for k, v in vars(args).items() if k != "rows"},
+            "model": {"params": n, "dim": d, "layers": layers},
+            "notes": notes, "rows": rows}, indent=1))
+
     for ranks in args.ranks:
         if ranks == 1:
             root = tempfile.mkdtemp(prefix="bench_checkpoint-", dir=args.dir)
             try:
-                rows += run_single(args, root)
+                run_single(args, root, rows, save)
             finally:
                 shutil.rmtree(root, ignore_errors=True)
         else:
@@ -314,12 +341,7 @@ def main(argv=None) -> int:
         r["total vs sync"] = r["total s"] / sync["total s"] if sync else float("nan")
     print_table(rows, COLUMNS + ["stall vs dcp async", "stall vs sync", "total vs sync"],
                 title=f"checkpoint save, {n / 1e6:.1f}M params, median of {args.repeat}")
-    out = Path(args.out) if args.out else RESULTS / "bench_checkpoint-cpu.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "machine": machine(), "args": {k: v for k, v in vars(args).items() if k != "rows"},
-        "model": {"params": n, "dim": d, "layers": layers},
-        "notes": notes, "rows": rows}, indent=1))
+    save()
     print(f"wrote {out}", file=sys.stderr)
     if args.plot:
         from plots import plot_checkpoint, plot_json

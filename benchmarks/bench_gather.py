@@ -2,13 +2,15 @@
 
     PYTHONPATH=python python benchmarks/bench_gather.py            # CPU part (any machine)
     python benchmarks/bench_gather.py --table-mib 4096              # GPU machine: adds GPU part
+    python benchmarks/bench_gather.py --gpu-only --table-mib 1024   # GPU part only
 
 CPU: tierlift's multithreaded C++ gather vs torch.index_select (both into a preallocated out,
 both with all cores) for rows of 64 B to 4 KiB, beside a contiguous copy_ of the same bytes
 (the bound: a gather moves those bytes plus random access). GPU (when present): tierlift's
 zero-copy gather from pinned host memory vs pinned host-to-device copy_ of the same number of
 bytes (the PCIe limit) and vs the plain-PyTorch path (CPU index_select + pin + copy). GB/s
-counts gathered bytes. Prints a table and writes benchmarks/results/bench_gather_<cpu|gpu>.json.
+counts gathered bytes. Prints a table and writes benchmarks/results/bench_gather_<cpu|gpu>.json,
+rewritten after every row (a run cut short keeps the rows it measured).
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ def main():
     p.add_argument("--out-mib", type=int, default=64, help="bytes gathered per call")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--cpu-only", action="store_true")
+    p.add_argument("--gpu-only", action="store_true", help="skip the CPU part")
     p.add_argument("--plot", metavar="PATH",
                    help="also draw the results as a PNG here (needs matplotlib); the GPU "
                    "figure goes beside it, as <PATH stem>_gpu.png")
@@ -98,20 +101,30 @@ def main():
     tb, ob = args.table_mib << 20, args.out_mib << 20
     out_dir = Path(__file__).parent / "results"
     out_dir.mkdir(exist_ok=True)
-    cpu = [bench_cpu(rb, tb, ob, args.repeats) for rb in ROW_BYTES]
+    if args.cpu_only and args.gpu_only:
+        p.error("--cpu-only and --gpu-only exclude each other")
+    if args.gpu_only and not torch.cuda.is_available():
+        p.error("--gpu-only needs a CUDA GPU")
     print(f"machine: {machine}; table {args.table_mib} MiB, {args.out_mib} MiB gathered per call")
-    print_table("CPU gather: tierlift vs torch.index_select and a contiguous copy_ of the same "
-                "bytes (GB/s; speedup = vs index_select)", cpu)
-    written = {"cpu": out_dir / "bench_gather_cpu.json"}
-    written["cpu"].write_text(json.dumps(
-        {"machine": machine, "args": vars(args), "results": cpu}, indent=2))
+    written = {}
+
+    def run(kind, bench):
+        path = written[kind] = out_dir / f"bench_gather_{kind}.json"
+        results = []
+        for rb in ROW_BYTES:
+            results.append(bench(rb, tb, ob, args.repeats))
+            print(f"  {kind} {rb} B rows: {results[-1]['tierlift_gbs']:.2f} GB/s", flush=True)
+            path.write_text(json.dumps(
+                {"machine": machine, "args": vars(args), "results": results}, indent=2))
+        return results
+
+    if not args.gpu_only:
+        print_table("CPU gather: tierlift vs torch.index_select and a contiguous copy_ of the same "
+                    "bytes (GB/s; speedup = vs index_select)", run("cpu", bench_cpu))
     if torch.cuda.is_available() and not args.cpu_only:
         machine["gpu"] = torch.cuda.get_device_name()
-        gpu = [bench_gpu(rb, tb, ob, args.repeats) for rb in ROW_BYTES]
-        print_table("GPU zero-copy gather vs pinned copy_ and CPU index_select+pin+copy", gpu)
-        written["gpu"] = out_dir / "bench_gather_gpu.json"
-        written["gpu"].write_text(json.dumps(
-            {"machine": machine, "args": vars(args), "results": gpu}, indent=2))
+        print_table("GPU zero-copy gather vs pinned copy_ and CPU index_select+pin+copy",
+                    run("gpu", bench_gpu))
     if args.plot:
         png = Path(args.plot)
         for kind, path in written.items():

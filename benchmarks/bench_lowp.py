@@ -5,10 +5,11 @@
 
 CPU: time of the compiled quantizer (csrc/core/lowp) against the pure-torch reference for the
 same inputs (timing only; correctness is the tests' job). GPU: quantize-kernel bandwidth
-(bytes read + written per second) against the device-to-device copy bandwidth measured in the
-same run, and Float8Linear forward+backward against bf16 nn.Linear for M=N=K 2048..16384
-(and torchao's float8 when it is installed). Ratios are what to compare; absolute CPU times on a
-shared VM are noise.
+(bytes read + written per second; FP8, and FP4 with each scale rule) against the device-to-device
+copy bandwidth measured in the same run, and Float8Linear forward+backward against bf16 nn.Linear
+for M=N=K 2048..16384 (and torchao's float8 when it is installed). Ratios are what to compare;
+absolute CPU times on a shared VM are noise. The JSON is rewritten after every row (a run cut
+short keeps its rows).
 """
 
 from __future__ import annotations
@@ -53,12 +54,14 @@ def bench_cpu(args) -> list[dict]:
     return rows
 
 
-def bench_gpu_quantize(args) -> list[dict]:
+FP4_RULES = ("floor", "rceil", "nv")  # MXFP4 (E8M0 scale per 32) and NVFP4 (E4M3 per 16)
+
+
+def bench_gpu_quantize(args, rows: list, save) -> list[dict]:
     n = 8192
     x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     t_copy = timeit(lambda: x.clone(), "cuda", args.repeat)
     copy_gbs = 2 * x.numel() * 2 / t_copy / 1e9
-    rows = []
     for scaling in (*SCALINGS, "col"):
         for dual in (False, True):
             op = ops.fp8_quantize_dual if dual else ops.fp8_quantize
@@ -67,6 +70,15 @@ def bench_gpu_quantize(args) -> list[dict]:
             gbs = moved / t / 1e9
             rows.append(dict(scaling=scaling, dual=dual, gbs=gbs, copy_gbs=copy_gbs,
                              of_copy=gbs / copy_gbs))
+            save()
+    for rule in FP4_RULES:
+        t = timeit(lambda: ops.fp4_quantize(x, rule), "cuda", args.repeat)  # noqa: B023
+        # bf16 in, two E2M1 codes per byte out, one scale byte per 32 (MX) or 16 (NV) values
+        moved = x.numel() * (2 + 0.5 + (1 / 16 if rule == "nv" else 1 / 32))
+        gbs = moved / t / 1e9
+        rows.append(dict(scaling=f"fp4-{rule}", dual=False, gbs=gbs, copy_gbs=copy_gbs,
+                         of_copy=gbs / copy_gbs))
+        save()
     print(f"D2D copy: {copy_gbs:.0f} GB/s  ({n}x{n} bf16)")
     print(f"{'scaling':>8} {'dual':>5} {'GB/s':>8} {'of copy':>8}")
     for r in rows:
@@ -74,12 +86,11 @@ def bench_gpu_quantize(args) -> list[dict]:
     return rows
 
 
-def bench_gpu_linear(args) -> list[dict]:
+def bench_gpu_linear(args, rows: list, save) -> list[dict]:
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError:
         convert_to_float8_training = None
-    rows = []
     for size in args.sizes:
         x = torch.randn(size, size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         base = torch.nn.Linear(size, size, bias=False, device="cuda", dtype=torch.bfloat16)
@@ -100,6 +111,7 @@ def bench_gpu_linear(args) -> list[dict]:
             row["torchao_tensorwise_speedup"] = t_bf16 / timeit(lambda: step(wrapped), "cuda",  # noqa: B023
                                                                 args.repeat)
         rows.append(row)
+        save()
     keys = [k for k in rows[0] if k.endswith("speedup")]
     print(f"{'M=N=K':>6} {'bf16 ms':>8} " + " ".join(f"{k[:-8]:>18}" for k in keys))
     for r in rows:
@@ -120,18 +132,22 @@ def main():
     args = p.parse_args()
     result = dict(machine=platform.processor() or platform.machine(), torch=torch.__version__,
                   device=args.device)
-    if args.device == "cuda":
-        result["gpu"] = torch.cuda.get_device_name()
-        result["quantize"] = bench_gpu_quantize(args)
-        result["linear"] = bench_gpu_linear(args)
-    else:
-        result["threads"] = torch.get_num_threads()
-        result["quantize"] = bench_cpu(args)
     if args.json is None:
         RESULTS.mkdir(parents=True, exist_ok=True)
         args.json = str(RESULTS / f"bench_lowp-{args.device}.json")
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=1)
+
+    def save():
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+    if args.device == "cuda":
+        result["gpu"] = torch.cuda.get_device_name()
+        bench_gpu_quantize(args, result.setdefault("quantize", []), save)
+        bench_gpu_linear(args, result.setdefault("linear", []), save)
+    else:
+        result["threads"] = torch.get_num_threads()
+        result["quantize"] = bench_cpu(args)
+    save()
     print(f"wrote {args.json}")
     if args.plot:
         print(f"wrote {plot_json(plot_lowp, args.json, args.plot)}")

@@ -4,6 +4,7 @@ memory-bandwidth bound of the same machine, measured in the same run.
     python benchmarks/bench_optim.py                       # 10M, 100M, 1B parameters
     python benchmarks/bench_optim.py --sizes 1e7,1e8 --repeats 3
     python benchmarks/bench_optim.py --sizes 1e7 --cases compact   # fp32 vs compact state only
+    python benchmarks/bench_optim.py --gpu-only --cuda-sizes 1e8,1e9  # GPU machine: CUDA rows only
 
 Two cases, where every contender does the same work:
   fp32   fp32 params, grads and state.
@@ -18,6 +19,8 @@ kernel with exactly the step's access pattern, so no step can move its bytes fas
 machine; "% of bound" is its time over the step's. torch's copy_ and in-place add_ bandwidths are
 printed for context. Ratios are what count on a shared machine; each time is the median of
 --repeats steps, the better of two rounds run in opposite contender orders.
+On a GPU: the fused CUDA step vs torch's fused CUDA AdamW at --cuda-sizes (fp32 and bf16 params).
+The JSON is rewritten after every row, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -108,10 +111,10 @@ def make_contender(name: str, case: str, n: int):
     return step
 
 
-def cuda_rows(sizes, repeats: int) -> list[dict]:
+def cuda_rows(sizes, repeats: int, rows: list, save) -> list[dict]:
     """On a GPU: the fused multi-tensor CUDA step vs torch's fused CUDA AdamW (fp32 and bf16
-    params), over a GPT-like list of tensors (many sizes, not one flat buffer)."""
-    rows = []
+    params), over a GPT-like list of tensors (many sizes, not one flat buffer). Appends to rows,
+    calling save() after each."""
     sync = torch.cuda.synchronize
     for n in sizes:
         shapes = [(n // 64,)] * 48 + [(1024,)] * 16
@@ -140,6 +143,9 @@ def cuda_rows(sizes, repeats: int) -> list[dict]:
                     "vs torch-fused": times["torch-fused"] / times["tierlift"],
                 }
             )
+            print(f"  cuda {str(dtype)[6:]} n={numel:.0e}: "
+                  + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in times.items()), flush=True)
+            save()
     return rows
 
 
@@ -189,6 +195,10 @@ def main() -> None:
     ap.add_argument("--sizes", default="1e7,1e8,1e9", help="parameter counts, comma separated")
     ap.add_argument("--cases", default="fp32,mixed")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--cuda-sizes", default="1e7,1e8",
+                    help="parameter counts of the CUDA rows (with a GPU), comma separated")
+    ap.add_argument("--gpu-only", action="store_true",
+                    help="only the CUDA rows (skips the CPU cases and --sizes)")
     ap.add_argument("--plot", metavar="PATH",
                     help="also draw the results as a PNG here (needs matplotlib)")
     args = ap.parse_args()
@@ -206,10 +216,22 @@ def main() -> None:
     )
     if DS_ERROR:
         print(f"DeepSpeedCPUAdam: not available ({DS_ERROR})")
-    rows = []
-    cases = args.cases.split(",")
-    compact = compact_rows([int(float(s)) for s in args.sizes.split(",")], args.repeats) \
-        if "compact" in cases else []
+    rows, compact = [], []
+
+    def save():
+        return write_json("bench_optim", {
+            "torch_bandwidth_GBps": {k: v / 1e9 for k, v in bws.items()},
+            "deepspeed": DS_ERROR or "ok",
+            "rows": rows,
+            "compact_rows": compact,
+        })
+
+    if args.gpu_only and not (torch.cuda.is_available() and tierlift._extension.has_cuda_kernels()):
+        ap.error("--gpu-only needs a GPU and the extension's CUDA kernels")
+    cases = [] if args.gpu_only else args.cases.split(",")
+    if "compact" in cases:
+        compact += compact_rows([int(float(s)) for s in args.sizes.split(",")], args.repeats)
+        save()
     for case in (c for c in cases if c != "compact"):
         for n in (int(float(s)) for s in args.sizes.split(",")):
             times = {}
@@ -248,9 +270,10 @@ def main() -> None:
                 + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in times.items()),
                 flush=True,
             )
+            save()
     if torch.cuda.is_available() and tierlift._extension.has_cuda_kernels():
         # bf16 params on GPU: ours keeps an fp32 master (more bytes), torch's works in bf16.
-        rows += cuda_rows([int(1e7), int(1e8)], args.repeats)
+        cuda_rows([int(float(s)) for s in args.cuda_sizes.split(",")], args.repeats, rows, save)
     columns = ["case", "params", "tierlift Mparam/s", "bound GB/s", "% of bound"] + [
         f"vs {c}" for c in contenders if c not in ("tierlift", "bound")
     ]
@@ -261,15 +284,7 @@ def main() -> None:
         print_table(compact, list(compact[0]),
                     "Compact state vs fp32 state (ratios: compact / fp32; state excludes the "
                     "4 B/param fp32 weight)")
-    path = write_json(
-        "bench_optim",
-        {
-            "torch_bandwidth_GBps": {k: v / 1e9 for k, v in bws.items()},
-            "deepspeed": DS_ERROR or "ok",
-            "rows": rows,
-            "compact_rows": compact,
-        },
-    )
+    path = save()
     if args.plot:
         print(f"wrote {plot_json(plot_optim, path, args.plot)}")
 

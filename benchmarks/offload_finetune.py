@@ -2,6 +2,12 @@
 tierlift offload against DeepSpeed ZeRO-3 with CPU optimizer offload (--plan-only: the sizing;
 --finetune-check: the same code on CPU with a tiny model). Run through bench_offload.py.
 
+--offload-params cpu runs the tierlift case as ZeRO-3 (tierlift.zero.shard, one process, bf16
+compute) with the fp32 parameter shards in pinned RAM as well; --peer torch-cpu measures the plain
+way to offload instead of DeepSpeed: fp32 master weights and torch.optim.AdamW state in pinned
+RAM, gradients copied down and weights copied back up every step. The JSON is rewritten after
+each case.
+
 Fine-tuning mode, sizing per parameter: tierlift keeps bf16 params + bf16 grads on the GPU (4 B)
 and the fp32 master, m, v in pinned RAM (12 B with offload="cpu", 24 B with --overlap: two
 generations) or on NVMe (24 B: two generations, offload="nvme" with overlap); DeepSpeed ZeRO-3
@@ -91,10 +97,10 @@ def plan(args) -> dict:
     return best
 
 
-def build_model(name: str, seq_len: int, device: torch.device) -> Llama:
+def build_model(name: str, seq_len: int, device: torch.device, dtype=None) -> Llama:
     cfg = config(name, seq_len)
     torch.manual_seed(0)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -124,8 +130,15 @@ def _time_steps(step_fn, steps: int, warmup: int, device) -> float:
 
 
 def run_tierlift(args, info: dict, device) -> dict:
-    model = build_model(info["model"], args.seq_len, device)
+    zero3 = args.offload_params != "none"
+    # ZeRO-3 keeps fp32 shards and computes in bf16 on the GPU (as DeepSpeed's bf16 does).
+    model = build_model(info["model"], args.seq_len, device,
+                        dtype=torch.float32 if zero3 else None)
     n = sum(p.numel() for p in model.parameters())
+    if zero3:
+        mp = tierlift.zero.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        model = tierlift.zero.shard(model, stage=3, mixed_precision=mp,
+                                    offload_params=args.offload_params)
     nvme = tempfile.TemporaryDirectory(dir=args.dir) if info["tier"] == "nvme" else None
     kw = dict(offload=info["tier"], max_grad_norm=1.0,
               overlap=args.overlap or info["tier"] == "nvme")
@@ -143,11 +156,57 @@ def run_tierlift(args, info: dict, device) -> dict:
         opt.zero_grad(set_to_none=True)
 
     t = _time_steps(step, args.steps, args.warmup, device)
-    out = {"case": f"tierlift offload={info['tier']}", "params": n, "step_s": t,
+    case = f"tierlift offload={info['tier']}"
+    if zero3:
+        case = (f"tierlift zero3 offload_params={args.offload_params} offload={info['tier']}"
+                + (" overlap" if kw["overlap"] else ""))
+    out = {"case": case, "params": n, "step_s": t,
            "stats": {k: v for k, v in opt.last_step_stats.items() if isinstance(v, float)}}
+    if zero3:
+        tierlift.zero.close(model)
     if nvme is not None:
         nvme.cleanup()
     return out
+
+
+def run_torch_cpu(args, info: dict, device) -> dict:
+    """The plain way to offload: the model in bf16 on the GPU, fp32 master weights and
+    torch.optim.AdamW's state in pinned RAM; each step copies the gradients down, clips, steps
+    on the CPU and copies the weights back up."""
+    model = build_model(info["model"], args.seq_len, device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    n = sum(p.numel() for p in params)
+    pin = device.type == "cuda"
+    masters = [torch.empty(p.shape, pin_memory=pin).copy_(p.detach()) for p in params]
+    low = [torch.empty(p.shape, dtype=p.dtype, pin_memory=pin) for p in params]
+    for m in masters:
+        m.grad = torch.empty_like(m)
+    try:
+        opt = torch.optim.AdamW(masters, lr=1e-5, betas=(0.9, 0.95), weight_decay=0.0,
+                                fused=True)
+    except (RuntimeError, TypeError):  # a torch without the fused CPU AdamW
+        opt = torch.optim.AdamW(masters, lr=1e-5, betas=(0.9, 0.95), weight_decay=0.0)
+    gen = torch.Generator().manual_seed(0)
+
+    def step():
+        x = torch.randint(model.cfg.vocab_size, (args.batch_size, args.seq_len + 1),
+                          generator=gen).to(device)
+        model(x[:, :-1], x[:, 1:]).backward()
+        for p, g in zip(params, low):
+            g.copy_(p.grad, non_blocking=True)
+            p.grad = None
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        for m, g in zip(masters, low):
+            m.grad.copy_(g)
+        torch.nn.utils.clip_grad_norm_(masters, 1.0)
+        opt.step()
+        with torch.no_grad():
+            for p, m in zip(params, masters):
+                p.copy_(m, non_blocking=True)
+
+    t = _time_steps(step, args.steps, args.warmup, device)
+    return {"case": "torch AdamW on CPU (fp32 master, pinned)", "params": n, "step_s": t}
 
 
 def deepspeed_config(args, device) -> dict:
@@ -197,7 +256,8 @@ def run_case(args, which: str) -> None:
     """One case in this process; prints RESULT <json>."""
     device = torch.device("cuda" if args.gpu else "cpu")
     info = json.loads(args.info)
-    out = (run_tierlift if which == "tierlift" else run_deepspeed)(args, info, device)
+    run = {"tierlift": run_tierlift, "deepspeed": run_deepspeed, "torch-cpu": run_torch_cpu}
+    out = run[which](args, info, device)
     cfg = config(info["model"], args.seq_len)
     out["tflops"] = flops_per_step(cfg, out["params"], args.batch_size,
                                    args.seq_len) / out["step_s"] / 1e12
@@ -222,7 +282,15 @@ def finetune(args) -> int:
     if args.plan_only:
         return 0
     rows, results = [], []
-    for which in ("tierlift", "deepspeed"):
+
+    def save():
+        if args.finetune_check:
+            return None
+        return write_json("bench_offload_finetune", {
+            "machine": machine(), "plan": info,
+            "args": {k: v for k, v in vars(args).items() if k != "info"}, "results": results})
+
+    for which in ("tierlift", args.peer):
         if which == "deepspeed" and (args.no_deepspeed or not info["deepspeed_fits"]):
             continue
         cmd = [sys.executable, str(BENCH), "--finetune-case", which,
@@ -230,6 +298,7 @@ def finetune(args) -> int:
                "--batch-size", str(args.batch_size), "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--nvme-budget", str(args.nvme_budget)]
         cmd += ["--overlap"] if args.overlap else []
+        cmd += ["--offload-params", args.offload_params]
         cmd += ["--gpu"] if args.gpu else []
         cmd += ["--dir", args.dir] if args.dir else []
         try:
@@ -237,30 +306,31 @@ def finetune(args) -> int:
         except subprocess.TimeoutExpired:
             print(f"{which}: timed out after {args.timeout} s")
             results.append({"case": which, "error": f"timed out after {args.timeout} s"})
+            save()
             continue
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode != 0 or not lines:
             err = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
             print(f"{which}: failed (exit {proc.returncode}): {err}")
             results.append({"case": which, "error": proc.stderr[-4000:]})
+            save()
             continue
         res = json.loads(lines[-1][len("RESULT "):])
         results.append(res)
+        save()
+        print(f"{res['case']}: {res['step_s']:.3f} s/step, {res['tflops']:.2f} TFLOPS", flush=True)
         rows.append({"case": res["case"], "step_s": f"{res['step_s']:.3f}",
                      "TFLOPS": f"{res['tflops']:.2f}"})
     ok = [r for r in results if "tflops" in r]
     if len(ok) == 2:
         ratio = ok[0]["tflops"] / ok[1]["tflops"]
-        rows.append({"case": "tierlift / deepspeed", "TFLOPS": f"{ratio:.2f}x"})
+        rows.append({"case": f"tierlift / {args.peer}", "TFLOPS": f"{ratio:.2f}x"})
     if rows:
         print_table(rows, ["case", "step_s", "TFLOPS"],
                     title=f"fine-tuning {info['model']} ({info['params'] / 1e9:.2f}B params), "
                           f"batch {args.batch_size} x {args.seq_len} tokens")
-    if not args.finetune_check:
-        path = write_json("bench_offload_finetune", {"machine": machine(), "plan": info,
-                                              "args": {k: v for k, v in vars(args).items()
-                                                       if k != "info"},
-                                              "results": results})
+    path = save()
+    if path is not None:
         if args.plot:
             print(f"wrote {plot_json(plot_offload_finetune, path, args.plot)}")
     return 0 if ok else 1
@@ -285,6 +355,11 @@ def add_finetune_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--steps", type=int, default=5)
     g.add_argument("--warmup", type=int, default=2)
     g.add_argument("--no-deepspeed", action="store_true")
+    g.add_argument("--peer", choices=["deepspeed", "torch-cpu"], default="deepspeed",
+                   help="what the tierlift case is compared with (see the module docstring)")
+    g.add_argument("--offload-params", choices=["none", "cpu"], default="none",
+                   help="tierlift case as ZeRO-3 with the fp32 parameter shards in pinned RAM")
     g.add_argument("--timeout", type=int, default=3600, help="seconds per case")
-    g.add_argument("--finetune-case", choices=["tierlift", "deepspeed"], help=argparse.SUPPRESS)
+    g.add_argument("--finetune-case", choices=["tierlift", "deepspeed", "torch-cpu"],
+                   help=argparse.SUPPRESS)
     g.add_argument("--info", help=argparse.SUPPRESS)
