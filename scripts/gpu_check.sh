@@ -1,76 +1,152 @@
 #!/usr/bin/env bash
-# One command for the GPU machine (no network there; see ../shared/GPU.md): unpack the carried
-# Debian packages and wheels, build the extension for Hopper, run the GPU tests and each
-# benchmark in its GPU mode, and leave logs and JSON results under $OUT (default: ./gpu_out).
+# GPU verification in two device calls of at most 6 minutes each, so that both and one rerun fit
+# the 15 minutes of device time (machine start included) that a GPU session gets:
 #
-# Here, once per checkout (keeps .devdeps out of git):
-#   echo /.devdeps/ >> .git/info/exclude
-#   mkdir -p .devdeps && (cd .devdeps && apt-get download liburing2 liburing-dev)
-#   pip wheel --no-deps -w .devdeps deepspeed        # the peer (its ops are JIT-built there)
-#   pip download --no-deps -d .devdeps --python-version 3.12 --only-binary=:all: \
-#       hjson py-cpuinfo msgpack einops                # DeepSpeed's deps the machine lacks
-# Then through the device tool, with carry [".devdeps"]. One device call may run 10 minutes, so
-# split the work into stages (the machine keeps the build between calls while it stays warm):
-#   GPU_CHECK_STAGES="build tests" bash scripts/gpu_check.sh
-#   GPU_CHECK_STAGES="bench" GPU_CHECK_BENCHES="lowp gather optim io zero" bash scripts/gpu_check.sh
-#   GPU_CHECK_STAGES="bench" GPU_CHECK_BENCHES="offload" bash scripts/gpu_check.sh
-# Defaults: every stage and every benchmark. GPU_CHECK_TESTS="-k adam" narrows pytest.
+#   bash scripts/gpu_check.sh 1   unpack .devdeps, build for sm_90, every `-m gpu` test,
+#                                 example smoke runs (a few steps each)
+#   bash scripts/gpu_check.sh 2   benchmarks, most important first (builds first if needed)
+#   GPU_CHECK_DRY=1 bash scripts/gpu_check.sh 1|2
+#                                 no GPU, no build: runs every other line and checks that each
+#                                 script and flag exists (scripts/gpu_check_argv.py)
+#
+# Every part runs under `timeout` and within the stage's budget (GPU_CHECK_BUDGET seconds, 345 by
+# default), so a part cut off still leaves its log and the stage still ends in time. Results go
+# under $OUT (default ./gpu_out), at most 8 files as the device tool returns them:
+# summary.txt (one line per part), the logs, results/*.json named with the GPU, and after stage 1
+# the built extension (stripped) to carry into a fresh machine. GPU_CHECK_TESTS adds pytest args.
+#
+# Here, once per checkout (.devdeps is ignored by git): the build's liburing headers and the
+# per-test time limit, which the GPU machine (no network) lacks:
+#   mkdir -p .devdeps && (cd .devdeps && apt-get download liburing2 liburing-dev &&
+#     python3 -m pip download --no-deps --only-binary=:all: pytest-timeout)
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
+STAGE=${1:-}
+[[ $STAGE == 1 || $STAGE == 2 ]] || { echo "usage: $0 1|2 (see the script's top)" >&2; exit 2; }
+DRY=${GPU_CHECK_DRY:-0}
 OUT=${OUT:-$PWD/gpu_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-STAGES=${GPU_CHECK_STAGES:-build tests bench}
-BENCHES=${GPU_CHECK_BENCHES:-lowp gather optim io zero offload activations checkpoint}
+SCRATCH=${GPU_CHECK_SCRATCH:-/tmp/gpu_check}  # big files (NVMe state, checkpoints): never in $OUT
+BUDGET=${GPU_CHECK_BUDGET:-345}
+mkdir -p "$OUT/results" "$SCRATCH"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
+PY=python3
+note() { echo "$*" | tee -a "$OUT/summary.txt"; }
 
-# Each benchmark's GPU mode (bench_zero_offload is CPU-only: it is not run here).
-gpu_args() {
-  case "$1" in
-    lowp) echo "--device cuda" ;;
-    zero) echo "--cuda --nproc $(nvidia-smi -L | wc -l)" ;;
-    offload) mkdir -p "$OUT/nvme"; echo "--gpu --dir $OUT/nvme --timeout 270" ;;
-    activations) mkdir -p "$OUT/nvme"; echo "--device cuda --layers 16 --dim 2048 --seq-len 4096 --batch 1 --dir $OUT/nvme" ;;
-    checkpoint) mkdir -p "$OUT/nvme"; echo "--params 2e8 --ranks 1 --dir $OUT/nvme" ;;
-    *) echo "" ;;  # gather, optim, io: they use the GPU when there is one
+# run NAME LOG SECONDS CMD...: CMD under `timeout`, cut to what is left of the budget; appends its
+# output to $OUT/LOG and one line to summary.txt. Dry run: only records CMD for the checker.
+run() {
+  local name=$1 log=$OUT/$2 cap=$3 left rc t0=$SECONDS
+  shift 3
+  if [[ $DRY == 1 ]]; then
+    printf '%q ' "$@" >>"$OUT/dry_commands.txt" && echo >>"$OUT/dry_commands.txt"
+    return 0
+  fi
+  left=$((BUDGET - SECONDS))
+  ((cap > left)) && cap=$left
+  ((cap < 15)) && { note "$name: SKIPPED (budget spent)"; return 1; }
+  echo "===== $name (limit ${cap}s): $*" >>"$log"
+  timeout -k 10 "$cap" "$@" >>"$log" 2>&1
+  rc=$?
+  case $rc in
+    0) note "$name: ok ($((SECONDS - t0)) s)" ;;
+    124 | 137) note "$name: TIMED OUT after ${cap} s (see $(basename "$log"))" ;;
+    *) note "$name: FAILED rc=$rc ($((SECONDS - t0)) s, see $(basename "$log"))"; tail -15 "$log" ;;
   esac
+  rm -rf "${SCRATCH:?}"/*  # leftovers of a part cut off must not fill the disk
+  return $rc
 }
 
-if ls .devdeps/*.deb >/dev/null 2>&1; then
-  for f in .devdeps/*.deb; do dpkg -x "$f" /opt/devdeps; done
-  export CPATH=/opt/devdeps/usr/include
-  export LIBRARY_PATH=/opt/devdeps/usr/lib/x86_64-linux-gnu
-  export LD_LIBRARY_PATH=$LIBRARY_PATH${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+# --- machine, carried packages, build ---------------------------------------------------------
+: >"$OUT/summary.txt"
+if [[ $DRY == 1 ]]; then
+  : >"$OUT/dry_commands.txt"
+  GPU=DRY_RUN
 else
-  echo "note: no .devdeps/*.deb carried: building without io_uring" | tee -a "$OUT/summary.txt"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader \
+    | tee -a "$OUT/summary.txt"
+  GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr ' ' '_')
 fi
-if ls .devdeps/*.whl >/dev/null 2>&1 && ! python3 -c "import deepspeed" 2>/dev/null; then
-  python3 -m pip install --no-index --no-deps .devdeps/*.whl >"$OUT/wheels.log" 2>&1 \
-    || echo "note: the carried wheels did not install (wheels.log)" | tee -a "$OUT/summary.txt"
+DEVDEPS=$SCRATCH-devdeps
+if ls .devdeps/*.deb >/dev/null 2>&1; then
+  for f in .devdeps/*.deb; do dpkg -x "$f" "$DEVDEPS"; done
+  export CPATH=$DEVDEPS/usr/include LIBRARY_PATH=$DEVDEPS/usr/lib/x86_64-linux-gnu
+  export LD_LIBRARY_PATH=$LIBRARY_PATH${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} TIERLIFT_URING=1
+else
+  note "note: no .devdeps/*.deb carried: building without io_uring"
+fi
+TIMEOUT_FLAG=()  # pytest-timeout: a per-test limit when its wheel was carried
+if [[ $DRY != 1 ]] && ! $PY -c "import pytest_timeout" 2>/dev/null \
+    && ls .devdeps/pytest_timeout-*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --upgrade --no-index --no-deps --target "$SCRATCH-site" \
+    .devdeps/pytest_timeout-*.whl && export PYTHONPATH=$PYTHONPATH:$SCRATCH-site
+fi
+if $PY -c "import pytest_timeout" 2>/dev/null; then TIMEOUT_FLAG=(--timeout=60); fi
+
+built() {
+  $PY -c "import sys, tierlift; sys.exit(not tierlift._extension.has_cuda_kernels())" 2>/dev/null
+}
+# build_ext --inplace: the objects stay in build/, so a rerun on a warm machine recompiles nothing.
+BUILD=(env TIERLIFT_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 "$PY" setup.py build_ext --inplace)
+if [[ $DRY == 1 ]]; then
+  if ! [[ -f setup.py ]] || ! $PY -c "import setuptools"; then note "dry: no setuptools"; fi
+elif [[ $STAGE == 1 ]] || ! built; then
+  run build build.log 200 "${BUILD[@]}" || { cat "$OUT/summary.txt"; exit 1; }
+  $PY -m tierlift info | tee -a "$OUT/summary.txt"
+  built || { note "BUILD has no CUDA kernels"; exit 1; }
+  if [[ $STAGE == 1 ]]; then  # to carry into a fresh machine for stage 2 (see docs)
+    for so in python/tierlift/_C.*.so; do strip -g -o "$OUT/$(basename "$so")" "$so"; done
+  fi
 fi
 
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
-if [[ " $STAGES " == *" build "* ]]; then
-  echo "== build" | tee -a "$OUT/summary.txt"
-  TIERLIFT_CUDA=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} \
-    python3 -m pip install --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1 \
-    || { echo "BUILD FAILED (see build.log)" | tee -a "$OUT/summary.txt"; tail -40 "$OUT/build.log"; exit 1; }
+# --- stage 1: GPU tests, then example smoke runs -----------------------------------------------
+if [[ $STAGE == 1 ]]; then
+  # 471 tests; -x stops at the first failure, --durations names the slow ones for the next run.
+  # shellcheck disable=SC2086  # GPU_CHECK_TESTS: several pytest arguments
+  run "pytest -m gpu" pytest.log 150 $PY -m pytest -q -x -ra -m gpu -p no:cacheprovider \
+    "${TIMEOUT_FLAG[@]}" --durations=15 tests/python ${GPU_CHECK_TESTS:-}
+  GPT=(examples/train_gpt.py --device cuda --dtype bf16 --steps 8 --compare-steps 0 --data-mb 1)
+  run "gpt --zero 3" examples.log 45 $PY -m torch.distributed.run --standalone --nproc-per-node 1 \
+    "${GPT[@]}" --zero 3
+  # --offload always overlaps the step with backward (the example sets overlap=True).
+  run "gpt --offload nvme" examples.log 40 $PY "${GPT[@]}" --offload nvme --nvme-path "$SCRATCH"
+  # min-features 128: the example's small layers are converted too (the default skips < 1024).
+  run "gpt --lowp fp8-rowwise" examples.log 40 $PY "${GPT[@]}" --lowp fp8-rowwise --dim 256 \
+    --lowp-min-features 128
+  run "graphsage" examples.log 45 $PY examples/train_graphsage.py --scale 13 --steps 10
 fi
-python3 -m tierlift info | tee -a "$OUT/summary.txt"
 
-if [[ " $STAGES " == *" tests "* ]]; then
-  echo "== GPU tests" | tee -a "$OUT/summary.txt"
-  python3 -m pytest -q -ra -m gpu tests/python ${GPU_CHECK_TESTS:-} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
-  tail -1 "$OUT/pytest_gpu.log" >> "$OUT/summary.txt"
-fi
-
-if [[ " $STAGES " == *" bench "* ]]; then
-  echo "== GPU benchmarks: $BENCHES" | tee -a "$OUT/summary.txt"
-  for name in $BENCHES; do
-    bench=benchmarks/bench_$name.py
-    echo "-- $bench $(gpu_args "$name")" | tee -a "$OUT/summary.txt"
-    # shellcheck disable=SC2046
-    timeout 570 python3 "$bench" $(gpu_args "$name") 2>&1 | tee "$OUT/bench_$name.log" | tail -20
+# --- stage 2: benchmarks in priority order ---------------------------------------------------
+# Estimates for an H100 (from the work sizes, plus ~8 s of start-up per process): optim ~30 s
+# (1e8-1e9 params in 64 tensors, 2 dtypes x 2 contenders x 7 steps of ~28 B/param at ~3 TB/s);
+# gather ~40 s (7 row sizes, a 1 GiB host table filled per row); lowp ~20 s (fwd+bwd = 3 GEMMs of
+# 8192^3, quantizers over 8192^2 bf16); offload ~150 s (1B Llama, 12 steps; the AdamW state,
+# 12 B/param x 2 generations, under $SCRATCH at a few GB/s; then the torch peer at ~1 s/step);
+# checkpoint ~60 s (12 GB per save, 3 contenders x 2 saves). About 300 s; the budget cuts the rest.
+if [[ $STAGE == 2 ]]; then
+  stamp=$SCRATCH-stamp && touch "$stamp"
+  run optim bench.log 50 $PY benchmarks/bench_optim.py --gpu-only --cuda-sizes 1e8,3e8,1e9
+  run gather bench.log 60 $PY benchmarks/bench_gather.py --gpu-only --table-mib 1024
+  # also the FP8/FP4 quantize kernels vs D2D copy (a few seconds, same process)
+  run lowp bench.log 45 $PY benchmarks/bench_lowp.py --device cuda --sizes 8192
+  run "zero3 offload 1B" bench.log 170 $PY benchmarks/bench_offload.py --gpu --model 1b \
+    --tier nvme --overlap --offload-params cpu --peer torch-cpu --steps 10 --warmup 2 \
+    --seq-len 2048 --dir "$SCRATCH" --timeout 110
+  run checkpoint bench.log 70 $PY benchmarks/bench_checkpoint.py --params 1e9 --ranks 1 \
+    --configs ram --contenders sync background dcp-async --repeat 1 --warmup 1 --dir "$SCRATCH" \
+    --out benchmarks/results/bench_checkpoint.json
+  # each JSON written in this stage, named with the GPU
+  find benchmarks/results -name '*.json' -newer "$stamp" | while read -r f; do
+    name=$(basename "$f" .json)
+    [[ $name == *"$GPU"* ]] || name=$name-gpu-$GPU
+    cp "$f" "$OUT/results/$name.json"
   done
-  cp benchmarks/results/*.json "$OUT/" 2>/dev/null || true
+fi
+
+if [[ $DRY == 1 ]]; then
+  $PY scripts/gpu_check_argv.py "$OUT/dry_commands.txt" | tee -a "$OUT/summary.txt"
+  rc=${PIPESTATUS[0]}
+  rm -f "$OUT/dry_commands.txt"
+  exit "$rc"
 fi
 cat "$OUT/summary.txt"
+! grep -q "FAILED\|TIMED OUT" "$OUT/summary.txt"
