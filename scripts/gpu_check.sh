@@ -75,7 +75,7 @@ else
   note "note: no .devdeps/*.deb carried: building without io_uring"
 fi
 TIMEOUT_FLAG=()  # pytest-timeout: a per-test limit when its wheel was carried
-if [[ $DRY != 1 ]] && ! $PY -c "import pytest_timeout" 2>/dev/null \
+if [[ $DRY != 1 && $STAGE == 1 ]] && ! $PY -c "import pytest_timeout" 2>/dev/null \
     && ls .devdeps/pytest_timeout-*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --upgrade --no-index --no-deps --target "$SCRATCH-site" \
     .devdeps/pytest_timeout-*.whl && export PYTHONPATH=$PYTHONPATH:$SCRATCH-site
