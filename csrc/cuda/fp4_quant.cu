@@ -77,13 +77,13 @@ __global__ void mx_kernel(Fp4QuantArgs a) {
   const int64_t total = a.rows * a.cols;
   const bool valid = e < total;
   const float v = rotated<kT>(a, e, valid, lane);
-  float stat;
-  if (a.rule == fp4::ScaleRule::kQuest) {
-    const float f = fp4::finite_abs(v);
-    const float sum = group_tree_sum(__fmul_rn(f, f), 32);
-    stat = __fsqrt_rn(__fmul_rn(sum, 1.f / 32));
-  } else {
-    stat = group_max(fp4::finite_abs(v), 32);
+  const float f = fp4::finite_abs(v);
+  float stat = group_max(f, 32);
+  if (a.rule == fp4::ScaleRule::kQuest) {  // fp4::block_rms, lane by lane
+    const int k = fp4::rms_shift(stat);
+    const float fs = __fmul_rn(f, fp4::pow2(-k));
+    const float sum = group_tree_sum(__fmul_rn(fs, fs), 32);
+    stat = __fmul_rn(__fsqrt_rn(__fmul_rn(sum, 1.f / 32)), fp4::pow2(k));
   }
   const bool bad = __any_sync(kFull, fp4::nonfinite(v));  // the block holds a NaN/Inf
   const int ex = fp4::mx_exponent(stat, a.rule);

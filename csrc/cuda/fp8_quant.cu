@@ -59,8 +59,9 @@ __device__ __forceinline__ uint8_t encode(float x, Fp8Format fmt) {
 
 // fp8.h fp8_scale.
 __device__ __forceinline__ float scale_of(float amax, Fp8Format fmt, bool pow2) {
-  const float a = amax < kMinAmax ? kMinAmax : amax;
-  float s = __fdiv_rn(fmt == Fp8Format::kE4M3 ? kE4M3Max : kE5M2Max, a);
+  if (!(amax > 0.f)) return 1.f;
+  float s = __fdiv_rn(fmt == Fp8Format::kE4M3 ? kE4M3Max : kE5M2Max, amax);
+  if (s > kF32Max) s = kF32Max;
   if (pow2) s = __uint_as_float(__float_as_uint(s) & 0xff800000u);
   return s;
 }

@@ -370,6 +370,42 @@ TEST(Fp4Kernel, NonFiniteBlocksGetTheNanScale) {
   RecordProperty("configurations", cases);
 }
 
+// Tensors of 1e-20 and 1e-30 in every rule keep their scales (no minimum amax; QuEST's rms on
+// the block pre-scaled by a power of two), as does one of 1e20 (whose squares overflow fp32),
+// with the scale edges in extra rows: an RCEIL/QuEST block whose clip / 6 is an fp32 subnormal
+// just above 2^-127 (the exact ceil), and a block 1e-6 below the rest (NVFP4: the smallest E4M3
+// scale, not 0).
+TEST(Fp4Kernel, TinyTensorsAndScaleEdges) {
+  const int64_t rows = 20, cols = 64;
+  int cases = 0;
+  int k = 0;
+  for (float mag : {1e-20f, 1e-30f, 1e20f}) {
+    std::vector<float> x = normal_values(rows * cols, 17);
+    for (float& v : x) v *= mag;
+    for (int64_t j = 0; j < 32; ++j) {
+      const float t = std::ldexp(1.f, -126);
+      x[1 * cols + j] = (3.f * t + std::ldexp(1.f, -148)) * (31 - j) / 31;
+      x[2 * cols + j] = x[3 * cols + j] * 1e-6f;
+    }
+    for (ScaleRule rule : kRules) {
+      for (int had : {0, 32}) {
+        std::vector<uint8_t> scales;
+        check({rows, cols, rule, had, had ? 0x9u : 0u, k % 2 == 1, 3, 0,
+               rule == ScaleRule::kNv && k % 4 < 2, true,
+               k % 3 ? DType::kFloat32 : DType::kBFloat16, Layout::kContiguous},
+              &x, &scales);
+        // A scale code 0 means 2^-127 (MX) or a zeroed block (NVFP4): rare here.
+        int64_t nonzero = 0;
+        for (uint8_t c : scales) nonzero += c != 0;
+        EXPECT_GT(nonzero, static_cast<int64_t>(scales.size()) * 9 / 10);
+        ++k;
+        ++cases;
+      }
+    }
+  }
+  RecordProperty("configurations", cases);
+}
+
 // The gpu test's own shape (67x256, 67 thread blocks) for a few heavy configurations.
 TEST(Fp4Kernel, GpuTestShape) {
   check({67, 256, ScaleRule::kNv, 32, 0xdeadbeef, true, 42, 3, true, true, DType::kFloat32,

@@ -8,11 +8,11 @@
 // two-pass tiled path (tensor, column and 128x128 scaling, any strided input, e.g. a transposed
 // view) and the dual output. Shapes with tails (1x1 .. 257x130), empty inputs (which must still
 // get the safe scales), and values over ~30 binades with zeros, +-Inf, NaN, the input type's
-// largest value, blocks below kMinAmax and fp32 subnormals; one test feeds every FP8 code and
-// every rounding midpoint through the device encoder. Mirrors the gpu tests of
-// tests/python/test_lowp_quant.py, scaled down for the simulator. Inputs live in buffers of
-// exactly the bytes they span (lowp_input.h), outputs in vectors of exactly their size, so
-// AddressSanitizer catches any access outside them.
+// largest value, blocks of 1e-13 and fp32 subnormals, whole tensors of 1e-20 and 1e-30; one
+// test feeds every FP8 code and every rounding midpoint through the device encoder. Mirrors the
+// gpu tests of tests/python/test_lowp_quant.py, scaled down for the simulator. Inputs live in
+// buffers of exactly the bytes they span (lowp_input.h), outputs in vectors of exactly their
+// size, so AddressSanitizer catches any access outside them.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -65,7 +65,7 @@ bool fused(Fp8Scaling s) { return s == Fp8Scaling::kRow || s == Fp8Scaling::kBlo
 
 // Random values over ~30 binades (test_lowp_quant.py's nasty()), and where the shape allows:
 // NaN, +-Inf, a zero and (with `huge`) the input type's largest value scattered in the first
-// elements; an all-non-finite row, a row below kMinAmax, a row of fp32 subnormals, an all-zero
+// elements; an all-non-finite row, a row of 1e-13, a row of fp32 subnormals, an all-zero
 // column and an all-zero last row (blocks whose amax is 0 or tiny still get a finite scale).
 std::vector<float> nasty(int64_t rows, int64_t cols, DType dtype, uint32_t seed, bool huge) {
   std::mt19937 rng(seed);
@@ -275,6 +275,33 @@ TEST(Fp8Kernel, ShapesWithTails) {
     for (Fp8Scaling sc : kScalings) run(sh, sc, kPaths[rot++ % 4]);
     ++rot;
     run(sh, Fp8Scaling::kBlock128x128, {Layout::kContiguous, true});
+  }
+  RecordProperty("configurations", cases);
+}
+
+// Tensors of 1e-20 and 1e-30 keep their precision (no minimum amax: the scale is
+// min(max / amax, FLT_MAX)) on every path, and a block of fp32 subnormals gets the capped scale.
+TEST(Fp8Kernel, TinyTensorsKeepTheirCodes) {
+  int cases = 0;
+  uint32_t k = 0;
+  for (float mag : {1e-20f, 1e-30f}) {
+    std::vector<float> x = normal_values(33 * 132, 21);
+    for (float& v : x) v *= mag;
+    for (int64_t j = 0; j < 132; ++j) x[132 + j] = 1e-41f * (j % 3);  // subnormal or zero
+    for (Fp8Scaling sc : kScalings) {
+      for (Fp8Format fmt : kFormats) {
+        const Path& r = kPaths[k % 4];
+        std::vector<uint8_t> q;
+        check({33, 132, sc, fmt, k % 2 == 0, k % 3 ? DType::kFloat32 : DType::kBFloat16, r.layout,
+               r.dual, false, 0},
+              x, &q);
+        int64_t zeros = 0;
+        for (uint8_t c : q) zeros += (c & 0x7f) == 0;
+        EXPECT_LT(zeros, static_cast<int64_t>(q.size()) / 20) << "tiny values quantized to 0";
+        ++k;
+        ++cases;
+      }
+    }
   }
   RecordProperty("configurations", cases);
 }

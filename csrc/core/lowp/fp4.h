@@ -15,17 +15,25 @@
 // Scales. MXFP4 (block 32 along rows, E8M0 scale 2^e, code e + 127 in [0, 254]):
 //   floor:  e = floor(log2(amax)) - 2            (OCP MX spec; values above 6 saturate)
 //   rceil:  e = ceil(log2(amax / 6))             (NVIDIA's RCEIL: nothing saturates)
-//   quest:  e = ceil(log2(2.06650448 * rms / 6)), i.e. the E8M0 exponent nearest in log2 to
+//   quest:  e = ceil(log2(clip / 6)), clip = fp32(2.06650448 * rms): the E8M0 exponent nearest to
 //           QuEST's Gaussian-optimal clip 2.92247856 * rms / 6 (2.0665 = 2.9225 / sqrt(2)): the
 //           clip then lies in [2.07, 4.13] rms. Rounding 2.92 * rms / 6 up instead (clip in
 //           [2.92, 5.84] rms) costs 21% more squared error on Gaussian blocks than the OCP floor
 //           rule (benchmarks/study_fp4_recipes.py, part quest). Elements above the clip saturate
 //           and are marked in the clip mask.
-//   e is clamped to [-127, 127]; amax is over finite elements, rms = sqrt(sum(x^2) / n) with the
-//   sum reduced as a halving tree (s[i] += s[i + h], h = n/2 .. 1). Quantize: v = x * 2^-e.
-// NVFP4 (block 16, E4M3 block scale, fp32 tensor scale): s_t = 2688 / max(tensor_amax, 1e-12)
-//   (2688 = 448 * 6, tensor_amax over finite elements); block scale code =
-//   e4m3(fp32(amax_b / 6) * s_t); sb = decode(code); v = x * fp32(s_t / sb) (v = 0 when sb = 0).
+//   ceil(log2(c / 6)) is exact, read off c = m * 2^f (m in [1, 2)): f - 2, plus 1 if m > 1.5 (a
+//   division by 6 would round c / 6 onto a power of two when it is an fp32 subnormal, and the
+//   block would saturate). e is clamped to [-127, 127]; amax is over finite elements; rms is
+//   computed on the block scaled by 2^-k, k = floor(log2(amax)) clamped to [-126, 127], so that
+//   squares of tiny (|x| < 1e-19) or huge (> 1e19) values neither underflow nor overflow:
+//   rms = sqrt(sum((x * 2^-k)^2) * (1 / n)) * 2^k, the sum reduced as a halving tree
+//   (s[i] += s[i + h], h = n/2 .. 1). Quantize: v = x * 2^-e.
+// NVFP4 (block 16, E4M3 block scale, fp32 tensor scale): s_t = min(2688 / tensor_amax,
+//   FLT_MAX * 2^-9), 1 for tensor_amax == 0 (2688 = 448 * 6, tensor_amax over finite elements;
+//   the cap keeps s_t / sb finite for the smallest sb and binds only below amax 4e-33);
+//   block scale code = max(e4m3(fp32(amax_b / 6) * s_t), 1) for amax_b > 0: a block far below
+//   the tensor amax gets the smallest E4M3 subnormal 2^-9 where 0 would zero it (code 0 only
+//   for an all-zero block); sb = decode(code); v = x * fp32(s_t / sb) (v = 0 when sb = 0).
 //   Dequantize: (e2m1(q) * sb) / s_t.
 // NaN and Inf (E2M1 has neither): a block holding one (after the rotation, which spreads it over
 //   its Hadamard block) gets the NaN scale, E8M0 0xFF (a NaN scale makes the whole block NaN in
@@ -38,6 +46,7 @@
 // b = x[j + h], then * fp32(1 / sqrt(n)): orthogonal, symmetric, its own inverse (with no signs).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -53,7 +62,7 @@ namespace fp4 {
 constexpr float kMax = 6.f;
 constexpr float kQuestAlpha = 2.06650447845459f;  // fp32(2.92247856 / sqrt(2))
 constexpr float kNvTensorNum = 2688.f;            // 448 * 6
-constexpr float kMinAmax = 1e-12f;
+constexpr float kNvMaxTensorScale = 3.40282346638528859812e+38f / 512.f;  // FLT_MAX * 2^-9
 constexpr float kHadamardScale16 = 0.25f;
 constexpr float kHadamardScale32 = 0.176776695296636881f;  // fp32(1 / sqrt(32))
 constexpr uint8_t kE8M0Nan = 0xff;
@@ -96,6 +105,13 @@ TL_HD float sub_rn(float a, float b) {
   return __fsub_rn(a, b);
 #else
   return a - b;
+#endif
+}
+TL_HD float sqrt_rn(float a) {
+#ifdef __CUDA_ARCH__
+  return __fsqrt_rn(a);
+#else
+  return std::sqrt(a);
 #endif
 }
 TL_HD float div_rn(float a, float b) {
@@ -224,11 +240,6 @@ TL_HD int floor_log2(float a) {
   for (uint32_t m = u; m < 0x400000u; m <<= 1) ++lz;
   return -127 - lz;
 }
-TL_HD int ceil_log2(float a) {
-  const uint32_t u = bits(a) & 0x7fffffffu;
-  const bool pow2_exact = (u >> 23) ? (u & 0x7fffffu) == 0 : (u & (u - 1u)) == 0;
-  return floor_log2(a) + (pow2_exact ? 0 : 1);
-}
 TL_HD int clamp_exp(int e) { return e < -127 ? -127 : (e > 127 ? 127 : e); }
 
 enum class ScaleRule : uint8_t { kFloor = 0, kRceil = 1, kQuest = 2, kNv = 3 };
@@ -238,9 +249,17 @@ TL_HD int mx_exponent(float stat, ScaleRule rule) {
   if (!(stat > 0.f)) return -127;
   if (rule == ScaleRule::kFloor) return clamp_exp(floor_log2(stat) - 2);
   const float clip = rule == ScaleRule::kQuest ? mul_rn(stat, kQuestAlpha) : stat;
-  const float d = div_rn(clip, kMax);
-  if (!(d > 0.f)) return -127;
-  return clamp_exp(ceil_log2(d));
+  const uint32_t u = bits(clip);
+  if (u >= 0x7f800000u) return 127;  // rms * alpha overflowed
+  // ceil(log2(clip / 6)) exactly; for a subnormal clip it is below -127 either way.
+  return clamp_exp(floor_log2(clip) - 2 + ((u & 0x7fffffu) > 0x400000u ? 1 : 0));
+}
+
+// The k of the rms rule's 2^-k pre-scaling (see the header comment); 0 for amax == 0.
+TL_HD int rms_shift(float amax) {
+  if (!(amax > 0.f)) return 0;
+  const int k = floor_log2(amax);
+  return k < -126 ? -126 : (k > 127 ? 127 : k);
 }
 
 // E8M0 code -> 2^(code - 127); 0xFF is NaN.
@@ -249,7 +268,9 @@ TL_HD float e8m0_decode(uint8_t code) {
 }
 
 TL_HD float nv_tensor_scale(float tensor_amax) {
-  return div_rn(kNvTensorNum, tensor_amax < kMinAmax ? kMinAmax : tensor_amax);
+  if (!(tensor_amax > 0.f)) return 1.f;
+  const float st = div_rn(kNvTensorNum, tensor_amax);
+  return st > kNvMaxTensorScale ? kNvMaxTensorScale : st;
 }
 
 }  // namespace fp4
@@ -284,10 +305,12 @@ TL_HD float e4m3_decode_nonneg(uint8_t q) {
 }
 
 // NVFP4 block scale code from the block's finite amax; amax = +inf (which a finite amax never is)
-// marks a block holding a NaN/Inf: it gets the E4M3 NaN.
+// marks a block holding a NaN/Inf: it gets the E4M3 NaN. A non-zero block whose scale rounds to 0
+// gets code 1 (2^-9) instead: flushing it would zero the whole block.
 TL_HD uint8_t nv_scale_code(float amax, float st) {
   if (bits(amax) == 0x7f800000u) return kE4M3Nan;
-  return e4m3_encode_nonneg(mul_rn(div_rn(amax, kMax), st));
+  const uint8_t code = e4m3_encode_nonneg(mul_rn(div_rn(amax, kMax), st));
+  return code == 0 && amax > 0.f ? 1 : code;
 }
 
 // The factor taking a block's values to the E2M1 grid: s_t / sb, 0 for a zero scale (an all-zero
@@ -315,17 +338,25 @@ TL_HD void hadamard_block(float* v, int n, uint32_t signs) {
   for (int i = 0; i < n; ++i) v[i] = mul_rn(v[i], s);
 }
 
-// Sum of squares of the finite ones of n (power of two) values as a halving tree: s[i] += s[i + h].
-TL_HD float tree_sum_squares(const float* v, int n) {
+// Sum of squares of the finite ones of n (power of two) values, each first multiplied by `down`,
+// as a halving tree: s[i] += s[i + h].
+TL_HD float tree_sum_squares(const float* v, int n, float down) {
   float s[32];
   for (int i = 0; i < n; ++i) {
-    const float a = finite_abs(v[i]);  // NaN/Inf do not poison the block
+    const float a = mul_rn(finite_abs(v[i]), down);  // NaN/Inf do not poison the block
     s[i] = mul_rn(a, a);
   }
   for (int h = n / 2; h >= 1; h >>= 1) {
     for (int i = 0; i < h; ++i) s[i] = add_rn(s[i], s[i + h]);
   }
   return s[0];
+}
+
+// The quest rule's rms of n values whose finite amax is `amax` (see the header comment).
+TL_HD float block_rms(const float* v, int n, float amax) {
+  const int k = rms_shift(amax);
+  const float ms = mul_rn(tree_sum_squares(v, n, pow2(-k)), 1.f / static_cast<float>(n));
+  return mul_rn(sqrt_rn(ms), pow2(k));
 }
 
 }  // namespace fp4

@@ -99,14 +99,9 @@ void fp4_quantize(const Fp8Input& x, const Fp4Config& c, const Fp4Output& out) {
       }
       for (int64_t k = 0; k < nb; ++k) {
         const float* v = row + k * b;
-        float s;
-        if (quest) {
-          s = std::sqrt(fp4::mul_rn(fp4::tree_sum_squares(v, b), 1.f / b));
-        } else {
-          s = 0.f;
-          for (int e = 0; e < b; ++e) s = std::max(s, fp4::finite_abs(v[e]));
-        }
-        stat[i * nb + k] = s;
+        float amax = 0.f;
+        for (int e = 0; e < b; ++e) amax = std::max(amax, fp4::finite_abs(v[e]));
+        stat[i * nb + k] = quest ? fp4::block_rms(v, b, amax) : amax;
         bad[i * nb + k] = std::any_of(v, v + b, [](float f) { return fp4::nonfinite(f); });
       }
     }

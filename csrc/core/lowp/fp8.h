@@ -12,10 +12,11 @@
 //
 // Scale: amax is the largest |x| over the FINITE elements of a scaling block, so one NaN/Inf
 // neither zeroes the scale of its finite neighbours (448 / inf = 0) nor hides itself: it is cast
-// on its own as above. scale = max_fp8 / max(amax, kMinAmax) in fp32 (correctly
-// rounded division), optionally rounded DOWN to a power of two by clearing its mantissa (so
-// amax * scale <= max_fp8 still holds and dequantization is exact). kMinAmax keeps the scale of an
-// all-zero or tiny block finite: it is never inf, NaN or zero.
+// on its own as above. scale = min(max_fp8 / amax, FLT_MAX) in fp32 (correctly rounded division),
+// 1 for amax == 0 (TransformerEngine's rule), optionally rounded DOWN to a power of two by
+// clearing its mantissa (so amax * scale <= max_fp8 still holds and dequantization is exact). The
+// scale is never inf, NaN or zero, and a tiny block keeps its precision: only below
+// amax = max_fp8 / FLT_MAX (1.3e-36 for E4M3, 1.7e-34 for E5M2) does the cap leave codes unused.
 // Quantize: q = cast(fp32(x) * scale), the product rounded to fp32 (no FMA). Dequantize: q / scale.
 #pragma once
 
@@ -27,7 +28,7 @@ namespace tierlift {
 
 enum class Fp8Format : uint8_t { kE4M3 = 0, kE5M2 = 1 };
 
-constexpr float kMinAmax = 1e-12f;
+constexpr float kF32Max = 3.40282346638528859812e+38f;  // FLT_MAX
 constexpr float kE4M3Max = 448.f;
 constexpr float kE5M2Max = 57344.f;
 
@@ -98,8 +99,9 @@ static inline float finite_abs(float x) {
 
 // Scale from a block's amax (finite, >= 0); see the rules above.
 static inline float fp8_scale(float amax, Fp8Format fmt, bool pow2) {
-  const float a = amax < kMinAmax ? kMinAmax : amax;
-  float scale = fp8_spec(fmt).max / a;
+  if (!(amax > 0.f)) return 1.f;  // all-zero block: any scale is exact
+  float scale = fp8_spec(fmt).max / amax;
+  if (scale > kF32Max) scale = kF32Max;  // the quotient overflowed to inf
   if (pow2) scale = bits_f32(f32_bits(scale) & 0xff800000u);
   return scale;
 }

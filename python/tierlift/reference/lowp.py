@@ -3,8 +3,9 @@ kernels. The rules (see csrc/core/lowp/fp8.h):
 
 - amax of a scaling block = max |x| over its FINITE elements (a NaN/Inf neither poisons its
   neighbours' scale nor hides itself: it is cast on its own, see below);
-- scale = fp8_max / max(amax, 1e-12) in fp32, optionally rounded down to a power of two:
-  never inf, NaN or zero, also for all-zero or tiny blocks;
+- scale = min(fp8_max / amax, FLT_MAX) in fp32, 1 for amax == 0 (TransformerEngine's rule),
+  optionally rounded down to a power of two: never inf, NaN or zero, and with no minimum amax,
+  so tiny blocks keep their precision;
 - q = saturating round-to-nearest-even cast of fp32(x) * scale for finite values (|y| > max
   becomes +-max); NaN becomes the canonical NaN code 0x7f, +-inf stays +-inf in E5M2 and becomes
   NaN (0x7f) in E4M3, which has no inf: a non-finite input is never quantized to a number;
@@ -21,7 +22,7 @@ import torch
 SCALINGS = ("tensor", "row", "col", "1x128", "128x128")
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
-MIN_AMAX = 1e-12
+F32_MAX = torch.finfo(torch.float32).max
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _EXPONENT_MASK = -8388608  # 0xff800000 as int32: keeps sign and exponent
 
@@ -62,9 +63,11 @@ def expand_scales(scales: torch.Tensor, scaling: str, rows: int, cols: int) -> t
 
 
 def scale_from_amax(amax: torch.Tensor, fp8_dtype: torch.dtype, pow2_scale: bool) -> torch.Tensor:
-    a = torch.clamp(amax.float(), min=MIN_AMAX)
+    a = amax.float()
     # tensor / tensor: correctly rounded (python_scalar / tensor would multiply by a reciprocal).
+    # a == 0 gives inf, replaced by 1; a quotient that overflowed is capped at FLT_MAX.
     scale = torch.full_like(a, FP8_MAX[fp8_dtype]) / a
+    scale = torch.where(a > 0, scale.clamp(max=F32_MAX), torch.ones_like(scale))
     if pow2_scale:
         scale = (scale.view(torch.int32) & _EXPONENT_MASK).view(torch.float32)
     return scale

@@ -5,10 +5,13 @@ CUDA kernel (the rules are written out in csrc/core/lowp/fp4.h):
   `signs`, butterflies (a, b) -> (a + b, a - b) for h = 1, 2, 4, .., then * fp32(1/sqrt(n));
 - MXFP4 (blocks 1x32, E8M0 scale 2^e, code e + 127): rule "floor" e = floor(log2 amax) - 2 (OCP),
   "rceil" e = ceil(log2(amax / 6)), "quest" e = ceil(log2(2.06650448 * rms / 6)) (the exponent
-  nearest in log2 to QuEST's 2.92247856 * rms / 6; see csrc/core/lowp/fp4.h); e in [-127, 127];
-  v = x * 2^-e;
-- NVFP4 (blocks 1x16 or 16x16, E4M3 block scale, fp32 tensor scale s_t = 2688 / tensor_amax):
-  sb = e4m3(amax_b / 6 * s_t), v = x * (s_t / sb);
+  nearest in log2 to QuEST's 2.92247856 * rms / 6; see csrc/core/lowp/fp4.h); the ceil is exact
+  (from the mantissa, no division); the rms is taken on the block scaled by 2^-floor(log2 amax)
+  so tiny and huge blocks do not underflow or overflow; e in [-127, 127]; v = x * 2^-e;
+- NVFP4 (blocks 1x16 or 16x16, E4M3 block scale, fp32 tensor scale
+  s_t = min(2688 / tensor_amax, FLT_MAX * 2^-9), 1 for an all-zero tensor):
+  sb = e4m3(amax_b / 6 * s_t), at least the smallest subnormal 2^-9 for a non-zero block,
+  v = x * (s_t / sb);
 - amaxes are over finite elements; a block holding a NaN/Inf (after the rotation) gets the NaN
   scale (E8M0 0xFF, E4M3 0x7F), codes 0 and mask 0, and dequantizes to all NaN;
 - E2M1 encode of v: saturating round-to-nearest-even, or stochastic rounding with Philox4x32-10
@@ -27,6 +30,7 @@ QUEST_ALPHA = 2.06650447845459  # fp32(2.92247856 / sqrt(2)): see csrc/core/lowp
 QUEST_CLIP = 2.92247856  # QuEST's MSE-optimal clip / rms for Gaussian data and an exact scale
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _M32 = 0xFFFFFFFF
+NV_MAX_TENSOR_SCALE = torch.finfo(torch.float32).max / 512  # keeps s_t / 2^-9 finite
 
 
 def check_fp4_args(x, scale_rule: str, hadamard: int, signs: int, block_2d: bool) -> None:
@@ -87,28 +91,32 @@ def _finite_abs(y: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(a), a, torch.zeros_like(a))
 
 
+def _floor_log2(a: torch.Tensor) -> torch.Tensor:
+    """int64 floor(log2 a) for finite a > 0 (subnormals included)."""
+    return torch.frexp(a)[1].to(torch.int64) - 1
+
+
 def _block_stat(y: torch.Tensor, block: int, quest: bool) -> torch.Tensor:
     rows, cols = y.shape
     a = _finite_abs(y).reshape(rows, cols // block, block)
+    amax = a.amax(dim=-1) if a.numel() else a.sum(dim=-1)
     if not quest:
-        return a.amax(dim=-1) if a.numel() else a.sum(dim=-1)
+        return amax
+    # Scaled by 2^-k (exact) so the squares of tiny or huge blocks stay normal fp32 numbers.
+    k = torch.where(amax > 0, _floor_log2(amax).clamp(-126, 127), 0)
+    a = a * pow2(-k).unsqueeze(-1)
     s = a * a
     h = block // 2
     while h >= 1:
         s = s[..., :h] + s[..., h:2 * h]
         h //= 2
-    return torch.sqrt(s[..., 0] * _f32(1.0 / block, s))
+    return torch.sqrt(s[..., 0] * _f32(1.0 / block, s)) * pow2(k)
 
 
 def _block_bad(y: torch.Tensor, block: int) -> torch.Tensor:
     """True for the 1 x block blocks holding a NaN/Inf."""
     rows, cols = y.shape
     return (~torch.isfinite(y)).reshape(rows, cols // block, block).any(dim=-1)
-
-
-def _ceil_log2(d: torch.Tensor) -> torch.Tensor:
-    m, e = torch.frexp(d)
-    return torch.where(m == 0.5, e - 1, e).to(torch.int64)
 
 
 def mx_exponent(stat: torch.Tensor, scale_rule: str) -> torch.Tensor:
@@ -119,9 +127,11 @@ def mx_exponent(stat: torch.Tensor, scale_rule: str) -> torch.Tensor:
         e = e.to(torch.int64) - 1 - 2
         return torch.where(stat > 0, e.clamp(-127, 127), low)
     clip = stat * _f32(QUEST_ALPHA, stat) if scale_rule == "quest" else stat
-    d = clip / torch.full_like(clip, 6.0)
-    e = torch.where(torch.isinf(d), torch.full_like(low, 127), _ceil_log2(d))
-    return torch.where(d > 0, e.clamp(-127, 127), low)
+    # ceil(log2(clip / 6)) exactly: clip = m * 2^f, m in [0.5, 1) -> f - 3, plus 1 if m > 0.75.
+    m, f = torch.frexp(clip)
+    e = f.to(torch.int64) - 3 + (m > 0.75).to(torch.int64)
+    e = torch.where(torch.isinf(clip), torch.full_like(low, 127), e)
+    return torch.where(clip > 0, e.clamp(-127, 127), low)
 
 
 def pow2(e: torch.Tensor) -> torch.Tensor:
@@ -194,7 +204,8 @@ def fp4_quantize(x: torch.Tensor, scale_rule: str, hadamard_size: int = 0, signs
     bad = _block_bad(y, block)
     if scale_rule == "nv":
         tamax = stat.amax() if stat.numel() else torch.zeros((), device=x.device)
-        st = torch.full_like(tamax, 2688.0) / tamax.clamp(min=1e-12)
+        st = torch.full_like(tamax, 2688.0) / tamax  # inf for 0: replaced by 1 below
+        st = torch.where(tamax > 0, st.clamp(max=NV_MAX_TENSOR_SCALE), torch.ones_like(st))
         if block_2d:
             g = -(-rows // 16)
             stat = torch.nn.functional.pad(stat, (0, 0, 0, g * 16 - rows))
@@ -202,7 +213,9 @@ def fp4_quantize(x: torch.Tensor, scale_rule: str, hadamard_size: int = 0, signs
             stat = stat.reshape(g, 16, -1).amax(dim=1) if stat.numel() else stat[:g]
             bad = bad.reshape(g, 16, -1).any(dim=1) if bad.numel() else bad[:g]
         t = (stat / torch.full_like(stat, 6.0)) * st
-        scales = torch.where(bad, 0x7F, e4m3_encode_nonneg(t)).to(torch.uint8)
+        code = e4m3_encode_nonneg(t)
+        code = torch.where((code == 0) & (stat > 0), torch.ones_like(code), code)
+        scales = torch.where(bad, 0x7F, code).to(torch.uint8)
         sb = scales.view(torch.float8_e4m3fn).float()  # NaN for 0x7F: mult NaN, codes 0
         mult = torch.where(sb == 0, torch.zeros_like(sb), st / sb)
         tensor_scale = st.reshape(1)
