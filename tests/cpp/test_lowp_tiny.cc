@@ -40,15 +40,6 @@ double rel_err(const std::vector<float>& back, const std::vector<float>& x) {
   return std::sqrt(e / r);
 }
 
-Fp8Input input(const std::vector<float>& x, int64_t rows, int64_t cols) {
-  Fp8Input in;
-  in.data = x.data();
-  in.rows = rows;
-  in.cols = cols;
-  in.row_stride = cols;
-  return in;
-}
-
 TEST(LowpTinyFp8, ScaleHasNoMinimumAmax) {
   for (Fp8Format f : kFormats) {
     const float fmax = fp8_spec(f).max;
@@ -73,7 +64,8 @@ TEST(LowpTinyFp8, TinyTensorsRoundTrip) {
         const Fp8Blocks b = fp8_blocks(sc, rows, cols);
         std::vector<uint8_t> q(x.size());
         std::vector<float> scales(b.grid_rows * b.grid_cols), back(x.size());
-        fp8_quantize(input(x, rows, cols), sc, f, true, q.data(), scales.data());
+        fp8_quantize(Fp8Input{x.data(), DType::kFloat32, rows, cols, cols, 1}, sc, f, true,
+                     q.data(), scales.data());
         fp8_dequantize(q.data(), rows, cols, sc, f, scales.data(), back.data());
         EXPECT_LT(rel_err(back, x), f == Fp8Format::kE4M3 ? 0.04 : 0.08) << mag;
       }
@@ -135,7 +127,8 @@ TEST(LowpTinyFp4, TinyTensorsRoundTripInEveryRule) {
       std::vector<uint8_t> codes(x.size() / 2), scales(gr * gc);
       std::vector<float> back(x.size());
       float ts = 0.f;
-      fp4_quantize(input(x, rows, cols), c, {codes.data(), scales.data(), &ts, nullptr});
+      fp4_quantize(Fp8Input{x.data(), DType::kFloat32, rows, cols, cols, 1}, c,
+                   {codes.data(), scales.data(), &ts, nullptr});
       fp4_dequantize(codes.data(), scales.data(), ts, rows, cols, rule, false, back.data());
       EXPECT_LT(rel_err(back, x), 0.2) << mag << " rule " << static_cast<int>(rule);
     }
