@@ -92,6 +92,10 @@ def build_extension(opts: BuildOptions):
     # No FMA contraction: kernels follow torch's operation order and must round like it.
     cxx = opt + ["-fvisibility=hidden", "-ffp-contract=off", "-Wall", "-Wno-unused-function",
                  "-Wno-maybe-uninitialized"]
+    # A compiler that links libstdc++ statically (as one GPU image's does) must keep that copy to
+    # itself: exported, its locale data binds to the process's libstdc++ instead (std::ifstream
+    # in the extension crashed there). A no-op for a shared libstdc++.
+    link = ["-Wl,--exclude-libs,ALL"]
     sources = _sources("csrc/core/**/*.cc") + _sources("csrc/torch/*.cpp")
     macros, libraries, include_dirs = [], [], [os.path.join(ROOT, "csrc")]
     if opts.uring:
@@ -106,9 +110,11 @@ def build_extension(opts: BuildOptions):
         nvcc = opt + ["--fmad=false", "--expt-relaxed-constexpr", "-lineinfo"]
         return CUDAExtension("tierlift._C", sources, include_dirs=include_dirs,
                              define_macros=macros, libraries=libraries,
-                             extra_compile_args={"cxx": cxx, "nvcc": nvcc})
+                             extra_compile_args={"cxx": cxx, "nvcc": nvcc},
+                             extra_link_args=link)
     return CppExtension("tierlift._C", sources, include_dirs=include_dirs, define_macros=macros,
-                        libraries=libraries, extra_compile_args={"cxx": cxx})
+                        libraries=libraries, extra_compile_args={"cxx": cxx},
+                        extra_link_args=link)
 
 
 def main():

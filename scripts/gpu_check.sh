@@ -18,7 +18,7 @@
 # Here, once per checkout (.devdeps is ignored by git): the build's liburing headers and the
 # per-test time limit, which the GPU machine (no network) lacks:
 #   mkdir -p .devdeps && (cd .devdeps && apt-get download liburing2 liburing-dev &&
-#     python3 -m pip download --no-deps --only-binary=:all: pytest-timeout)
+#     python3 -m pip download --no-deps --only-binary=:all: pytest-timeout expecttest)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 STAGE=${1:-}
@@ -28,7 +28,7 @@ OUT=${OUT:-$PWD/gpu_out}
 SCRATCH=${GPU_CHECK_SCRATCH:-/tmp/gpu_check}  # big files (NVMe state, checkpoints): never in $OUT
 BUDGET=${GPU_CHECK_BUDGET:-345}
 mkdir -p "$OUT/results" "$SCRATCH"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
 PY=python3
 note() { echo "$*" | tee -a "$OUT/summary.txt"; }
 
@@ -74,12 +74,13 @@ if ls .devdeps/*.deb >/dev/null 2>&1; then
 else
   note "note: no .devdeps/*.deb carried: building without io_uring"
 fi
-TIMEOUT_FLAG=()  # pytest-timeout: a per-test limit when its wheel was carried
-if [[ $DRY != 1 && $STAGE == 1 ]] && ! $PY -c "import pytest_timeout" 2>/dev/null \
-    && ls .devdeps/pytest_timeout-*.whl >/dev/null 2>&1; then
-  $PY -m pip install -q --upgrade --no-index --no-deps --target "$SCRATCH-site" \
-    .devdeps/pytest_timeout-*.whl && export PYTHONPATH=$PYTHONPATH:$SCRATCH-site
+# pytest-timeout (a per-test limit) and expecttest (torch.testing's optimizer configurations
+# import it), from the wheels carried in .devdeps.
+if [[ $DRY != 1 && $STAGE == 1 ]] && ls .devdeps/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --upgrade --no-index --no-deps --target "$SCRATCH-site" .devdeps/*.whl
 fi
+[[ -d $SCRATCH-site ]] && export PYTHONPATH=$PYTHONPATH:$SCRATCH-site
+TIMEOUT_FLAG=()
 if $PY -c "import pytest_timeout" 2>/dev/null; then TIMEOUT_FLAG=(--timeout=60); fi
 
 built() {
@@ -93,6 +94,10 @@ elif [[ $STAGE == 1 ]] || ! built; then
   run build build.log 200 "${BUILD[@]}" || { cat "$OUT/summary.txt"; exit 1; }
   $PY -m tierlift info | tee -a "$OUT/summary.txt"
   built || { note "BUILD has no CUDA kernels"; exit 1; }
+  # A compiler that links libstdc++ into the extension: setup.py keeps that copy's symbols local.
+  for so in python/tierlift/_C.*.so; do
+    ldd "$so" | grep -q 'libstdc++' || note "note: $(basename "$so") has libstdc++ linked in"
+  done
   if [[ $STAGE == 1 ]]; then  # to carry into a fresh machine for stage 2 (see docs)
     for so in python/tierlift/_C.*.so; do strip -g -o "$OUT/$(basename "$so")" "$so"; done
   fi
@@ -100,9 +105,11 @@ fi
 
 # --- stage 1: GPU tests, then example smoke runs -----------------------------------------------
 if [[ $STAGE == 1 ]]; then
-  # 471 tests; -x stops at the first failure, --durations names the slow ones for the next run.
+  # 471 tests; a module that fails to import does not stop the others, five failures do;
+  # --durations names the slow ones for the next run.
   # shellcheck disable=SC2086  # GPU_CHECK_TESTS: several pytest arguments
-  run "pytest -m gpu" pytest.log 150 $PY -m pytest -q -x -ra -m gpu -p no:cacheprovider \
+  run "pytest -m gpu" pytest.log 150 $PY -m pytest -q --maxfail=5 \
+    --continue-on-collection-errors -ra -m gpu -p no:cacheprovider \
     "${TIMEOUT_FLAG[@]}" --durations=15 tests/python ${GPU_CHECK_TESTS:-}
   GPT=(examples/train_gpt.py --device cuda --dtype bf16 --steps 8 --compare-steps 0 --data-mb 1)
   run "gpt --zero 3" examples.log 45 $PY -m torch.distributed.run --standalone --nproc-per-node 1 \

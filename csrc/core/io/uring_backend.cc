@@ -3,10 +3,12 @@
 // io_uring_submit_and_wait, then reaps every ready completion in one pass (no syscall per
 // request). Short transfers and -EAGAIN are resubmitted for the rest of the block. New work wakes
 // the thread through an eventfd polled inside the same ring, so the thread never spins.
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <stdexcept>
 
 #include "core/io/backend.h"
@@ -16,7 +18,6 @@
 #include <liburing.h>
 #include <poll.h>
 #include <sys/eventfd.h>
-#include <unistd.h>
 
 #include <deque>
 #include <mutex>
@@ -27,11 +28,16 @@
 namespace tierlift::io {
 
 namespace {
+// Plain read(2), not std::ifstream: a toolchain that links libstdc++ statically into the
+// extension can leave its stream locale half-bound to the process's libstdc++ (seen as a crash
+// in codecvt on a GPU machine's compiler).
 [[maybe_unused]] std::string disabled_by_sysctl() {
-  std::ifstream f("/proc/sys/kernel/io_uring_disabled");
-  int v = 0;
-  if (f >> v && v == 2) return "io_uring is disabled by /proc/sys/kernel/io_uring_disabled=2";
-  return "";
+  const int fd = open("/proc/sys/kernel/io_uring_disabled", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return "";
+  char c = 0;
+  const bool two = read(fd, &c, 1) == 1 && c == '2';
+  close(fd);
+  return two ? "io_uring is disabled by /proc/sys/kernel/io_uring_disabled=2" : "";
 }
 }  // namespace
 
