@@ -27,8 +27,13 @@ struct AdamTensorPtrs {
 // All tensors in one call share grad_type and copy_type (the caller groups them). grad_scale:
 // null, or GradScaler's fp32 scale in device memory (finite, > 0): every gradient is multiplied
 // by (float)(1.0 / (double)*grad_scale) before use, as GradScaler.unscale_ would.
+// refresh_from_copies: each param_copy holds the model weight whose master param is; an element
+// whose copy is not its param rounded to copy_type (bit for bit, as the kernel writes copies) is
+// stepped from the copy's value instead (the weight was changed outside the optimizer). Off, the
+// copies are only written (they may hold anything before the call). No effect without copies.
 cudaError_t adam_step(const AdamTensorPtrs* tensors, int count, DType grad_type, DType copy_type,
-                      const AdamScalars& s, cudaStream_t stream, const float* grad_scale = nullptr);
+                      const AdamScalars& s, cudaStream_t stream, const float* grad_scale = nullptr,
+                      bool refresh_from_copies = false);
 
 }  // namespace cuda
 }  // namespace tierlift

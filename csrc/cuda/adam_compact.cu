@@ -32,9 +32,11 @@ __device__ __forceinline__ float decode_code(uint8_t code, float block_max) {
 // adam_impl.h's decay_and_moments and apply_update on one element; returns the new v.
 template <DType kGrad, DType kCopy, bool kUnscale>
 __device__ __forceinline__ float step_element(const CompactAdamTensorPtrs& t, const AdamScalars& s,
-                                              float inv_grad_scale, int64_t i, float old_max) {
+                                              float inv_grad_scale, bool refresh, int64_t i,
+                                              float old_max) {
   float p;
-  const float g = grad_and_decay<kGrad, kUnscale>(s, inv_grad_scale, t.grad, t.param, i, p);
+  const float g = grad_and_decay<kGrad, kCopy, kUnscale>(s, inv_grad_scale, t.grad, t.param,
+                                                         t.param_copy, refresh, i, p);
   const Moments mv =
       moments(s, g, bf16_to_f32(t.exp_avg[i]), decode_code(t.exp_avg_sq[i], old_max));
   t.exp_avg[i] = f32_to_bf16(mv.m);
@@ -44,7 +46,7 @@ __device__ __forceinline__ float step_element(const CompactAdamTensorPtrs& t, co
 
 template <DType kGrad, DType kCopy, bool kUnscale>
 __global__ void __launch_bounds__(kThreads)
-    adam_compact_kernel(Pack pack, AdamScalars s, const float* grad_scale) {
+    adam_compact_kernel(Pack pack, AdamScalars s, const float* grad_scale, bool refresh) {
   __shared__ float warp_max[kWarps];
   __shared__ int warp_bad[kWarps];
   const CompactAdamTensorPtrs& t = pack.t[pack.block_tensor[blockIdx.x]];
@@ -58,7 +60,7 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t i = b0 + threadIdx.x;
     const bool live = i < end;
     const float v =
-        live ? step_element<kGrad, kCopy, kUnscale>(t, s, inv_grad_scale, i, *scale) : 0.f;
+        live ? step_element<kGrad, kCopy, kUnscale>(t, s, inv_grad_scale, refresh, i, *scale) : 0.f;
     // Block max (exact in any order) and whether any v is NaN or infinite.
     float vmax = v;
     int bad = !(__fsub_rn(v, v) == 0.f);
@@ -86,14 +88,14 @@ __global__ void __launch_bounds__(kThreads)
 
 template <DType kGrad, DType kCopy>
 cudaError_t run(const CompactAdamTensorPtrs* tensors, int count, const AdamScalars& s,
-                cudaStream_t stream, const float* grad_scale) {
+                cudaStream_t stream, const float* grad_scale, bool refresh) {
   return launch_packed<kChunk>(tensors, count, [&](const Pack& pack, int blocks) {
     if (grad_scale != nullptr) {
       TIERLIFT_LAUNCH(blocks, kThreads, 0, stream, adam_compact_kernel<kGrad, kCopy, true>)
-      (pack, s, grad_scale);
+      (pack, s, grad_scale, refresh);
     } else {
       TIERLIFT_LAUNCH(blocks, kThreads, 0, stream, adam_compact_kernel<kGrad, kCopy, false>)
-      (pack, s, grad_scale);
+      (pack, s, grad_scale, refresh);
     }
   });
 }
@@ -102,9 +104,10 @@ cudaError_t run(const CompactAdamTensorPtrs* tensors, int count, const AdamScala
 
 cudaError_t adam_compact_step(const CompactAdamTensorPtrs* tensors, int count, DType grad_type,
                               DType copy_type, const AdamScalars& s, cudaStream_t stream,
-                              const float* grad_scale) {
+                              const float* grad_scale, bool refresh_from_copies) {
   return dispatch_grad_copy(grad_type, copy_type, [&](auto grad, auto copy) {
-    return run<decltype(grad)::value, decltype(copy)::value>(tensors, count, s, stream, grad_scale);
+    return run<decltype(grad)::value, decltype(copy)::value>(tensors, count, s, stream, grad_scale,
+                                                             refresh_from_copies);
   });
 }
 

@@ -26,11 +26,11 @@ struct CompactAdamTensorPtrs {
   int64_t numel;
 };
 
-// All tensors in one call share grad_type and copy_type (the caller groups them). grad_scale:
-// as in cuda::adam_step (cuda/adam.cuh).
+// All tensors in one call share grad_type and copy_type (the caller groups them). grad_scale and
+// refresh_from_copies: as in cuda::adam_step (cuda/adam.cuh).
 cudaError_t adam_compact_step(const CompactAdamTensorPtrs* tensors, int count, DType grad_type,
                               DType copy_type, const AdamScalars& s, cudaStream_t stream,
-                              const float* grad_scale = nullptr);
+                              const float* grad_scale = nullptr, bool refresh_from_copies = false);
 
 }  // namespace cuda
 }  // namespace tierlift

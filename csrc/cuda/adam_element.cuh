@@ -2,7 +2,8 @@
 // compact-state (cuda/adam_compact.cu) kernels, which differ only in how they load and store m
 // and v: the fp32/bf16/fp16 element conversions, then core/optim/adam_impl.h's decay_and_moments
 // (here grad_and_decay and moments) and apply_update, operation for operation, with explicitly
-// rounded intrinsics so nvcc cannot contract them into FMAs.
+// rounded intrinsics so nvcc cannot contract them into FMAs. With refresh (load_weight), the
+// weight comes from the model's copy where that was changed outside the optimizer.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -33,6 +34,15 @@ __device__ __forceinline__ uint16_t f32_to_f16(float f) {
   return __half_as_ushort(__float2half_rn(f));
 }
 
+// __half2float, except that a NaN keeps its sign and payload, as core's f16_to_f32 and c10::Half
+// widen it (the host's __half2float, which the simulator runs, makes every NaN 0x7fffffff): a
+// master refreshed from an fp16 copy takes the copy's value bit for bit.
+__device__ __forceinline__ float f16_to_f32_exact(uint16_t h) {
+  const float nan = __uint_as_float((static_cast<uint32_t>(h & 0x8000u) << 16) | 0x7f800000u |
+                                    (static_cast<uint32_t>(h & 0x3ffu) << 13));
+  return (h & 0x7fffu) > 0x7c00u ? nan : __half2float(__ushort_as_half(h));
+}
+
 // Element i of a kT array (fp32, bf16 or fp16) as fp32, and back.
 template <DType kT>
 __device__ __forceinline__ float load(const void* p, int64_t i) {
@@ -56,17 +66,44 @@ __device__ __forceinline__ float unscale_factor(const float* grad_scale) {
   return static_cast<float>(1.0 / static_cast<double>(*grad_scale));
 }
 
-// Loads grad[i] and param[i]; returns the gradient (unscaled by inv_grad_scale when kUnscale,
-// negated when maximizing, plus the L2 term for Adam) and sets p to the weight, decayed for
-// AdamW.
-template <DType kGrad, bool kUnscale>
+// The fp32 weight element i steps from: param[i], or, with refresh, the copy's value where the
+// copy's bits are not param[i] rounded to kCopy as apply_update writes it (the model weight was
+// changed outside the optimizer, so it is stepped from its current value, as torch does). For a
+// bf16/fp16 copy this is offload/masters.py's refresh_master fused into the step's own pass:
+// one more 2-byte load and a select, no branch per element (refresh is uniform per launch). The
+// rounding is the kernel's own, so a copy it wrote is never taken back; it is torch's `.to()`
+// bit for bit except for which NaN a NaN becomes (torch's differs by device), and a NaN master
+// stays NaN either way.
+template <DType kCopy>
+__device__ __forceinline__ float load_weight(const float* param, const void* copy, int64_t i,
+                                             bool refresh) {
+  const float p = param[i];
+  if constexpr (kCopy == DType::kBFloat16 || kCopy == DType::kFloat16) {
+    if (refresh) {
+      const uint16_t have = static_cast<const uint16_t*>(copy)[i];
+      const uint16_t mine = kCopy == DType::kBFloat16 ? f32_to_bf16(p) : f32_to_f16(p);
+      const float theirs = kCopy == DType::kBFloat16 ? bf16_to_f32(have) : f16_to_f32_exact(have);
+      return have == mine ? p : theirs;
+    }
+  } else if constexpr (kCopy == DType::kFloat32) {
+    // Rounding to fp32 is the identity: the copy is the weight, bit for bit.
+    if (refresh) return static_cast<const float*>(copy)[i];
+  }
+  return p;
+}
+
+// Loads grad[i] and the weight (load_weight); returns the gradient (unscaled by inv_grad_scale
+// when kUnscale, negated when maximizing, plus the L2 term for Adam) and sets p to the weight,
+// decayed for AdamW.
+template <DType kGrad, DType kCopy, bool kUnscale>
 __device__ __forceinline__ float grad_and_decay(const AdamScalars& s, float inv_grad_scale,
-                                                const void* grad, const float* param, int64_t i,
+                                                const void* grad, const float* param,
+                                                const void* copy, bool refresh, int64_t i,
                                                 float& p) {
   float g = load<kGrad>(grad, i);
   if constexpr (kUnscale) g = __fmul_rn(g, inv_grad_scale);
   if (s.maximize) g = -g;
-  p = param[i];
+  p = load_weight<kCopy>(param, copy, i, refresh);
   if (s.decoupled) {
     p = __fmul_rn(p, s.decay);
   } else if (s.weight_decay != 0.f) {

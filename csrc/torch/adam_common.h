@@ -1,9 +1,11 @@
 // What the fp32-state and compact-state Adam ops (optim_ops.cpp, optim_compact_ops.cpp) share at
 // the binding layer: the hyperparameters from the op's arguments, the checks every state tensor
-// makes against its param, and, on CUDA, the grouping of tensors into multi-tensor launches.
+// makes against its param, refresh_from_copies on the CPU, and, on CUDA, the grouping of tensors
+// into multi-tensor launches.
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Optional.h>
 
@@ -11,6 +13,7 @@
 #include <cstdint>
 
 #include "core/optim/adam.h"
+#include "core/util/dtype.h"
 
 #ifdef TIERLIFT_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -86,6 +89,36 @@ inline const float* grad_scale_ptr(const c10::optional<at::Tensor>& grad_scale) 
 
 inline void check_contiguous(const char* op, const at::Tensor& t, const char* name, size_t i) {
   TORCH_CHECK_VALUE(t.is_contiguous(), op, ": ", name, "[", i, "] must be contiguous");
+}
+
+// refresh_from_copies reads the copies, so it needs them.
+inline void check_refresh(const char* op, bool refresh_from_copies, at::TensorList param_copies) {
+  TORCH_CHECK_VALUE(!refresh_from_copies || !param_copies.empty(), op,
+                    ": refresh_from_copies=True needs param_copies (one per param)");
+}
+
+// refresh_from_copies on the CPU, before the step (the CUDA kernels fuse it into theirs): each
+// element of params[i] whose param_copies[i] is not its rounding to the copy's dtype takes the
+// copy's value, with core's conversions (the ones the kernels write the copies with).
+inline void refresh_from_copies_cpu(at::TensorList params, at::TensorList param_copies) {
+  for (size_t i = 0; i < params.size(); ++i) {
+    float* p = params[i].data_ptr<float>();
+    const void* c = param_copies[i].data_ptr();
+    const at::ScalarType t = param_copies[i].scalar_type();
+    at::parallel_for(0, params[i].numel(), 1 << 15, [&](int64_t begin, int64_t end) {
+      for (int64_t j = begin; j < end; ++j) {
+        if (t == at::kFloat) {
+          p[j] = static_cast<const float*>(c)[j];
+          continue;
+        }
+        const uint16_t have = static_cast<const uint16_t*>(c)[j];
+        const bool bf16 = t == at::kBFloat16;
+        if (have != (bf16 ? f32_to_bf16(p[j]) : f32_to_f16(p[j]))) {
+          p[j] = bf16 ? bf16_to_f32(have) : f16_to_f32(have);
+        }
+      }
+    });
+  }
 }
 
 #ifdef TIERLIFT_WITH_CUDA

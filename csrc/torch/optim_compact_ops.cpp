@@ -96,12 +96,15 @@ void adam_compact_step_cpu(at::TensorList params, at::TensorList grads, at::Tens
                            at::TensorList exp_avg_sqs, at::TensorList scales,
                            at::TensorList param_copies, double lr, double beta1, double beta2,
                            double eps, double weight_decay, int64_t step, bool decoupled,
-                           bool maximize, const c10::optional<at::Tensor>& grad_scale) {
+                           bool maximize, const c10::optional<at::Tensor>& grad_scale,
+                           bool refresh_from_copies) {
   check_grad_scale("adam_compact_step_", grad_scale, params, c10::DeviceType::CPU);
   CompactArgs a = make_args(params, grads, exp_avgs, exp_avg_sqs, scales, param_copies, lr, beta1,
                             beta2, eps, weight_decay, step, decoupled, maximize);
   set_grad_scale(a.hyper, grad_scale);
   check_args(a, c10::DeviceType::CPU);
+  check_refresh("adam_compact_step_", refresh_from_copies, param_copies);
+  if (refresh_from_copies) refresh_from_copies_cpu(params, param_copies);
   std::vector<CompactAdamTensor> views;
   views.reserve(params.size());
   for (size_t i = 0; i < params.size(); ++i) views.push_back(core_view(a, i));
@@ -113,11 +116,13 @@ void adam_compact_step_cuda(at::TensorList params, at::TensorList grads, at::Ten
                             at::TensorList exp_avg_sqs, at::TensorList scales,
                             at::TensorList param_copies, double lr, double beta1, double beta2,
                             double eps, double weight_decay, int64_t step, bool decoupled,
-                            bool maximize, const c10::optional<at::Tensor>& grad_scale) {
+                            bool maximize, const c10::optional<at::Tensor>& grad_scale,
+                            bool refresh_from_copies) {
   check_grad_scale("adam_compact_step_", grad_scale, params, c10::DeviceType::CUDA);
   const CompactArgs a = make_args(params, grads, exp_avgs, exp_avg_sqs, scales, param_copies, lr,
                                   beta1, beta2, eps, weight_decay, step, decoupled, maximize);
   check_args(a, c10::DeviceType::CUDA);
+  check_refresh("adam_compact_step_", refresh_from_copies, param_copies);
   const float* scale = grad_scale_ptr(grad_scale);
   const AdamScalars s = adam_scalars(a.hyper);
   launch_grouped<cuda::CompactAdamTensorPtrs>(
@@ -131,7 +136,8 @@ void adam_compact_step_cuda(at::TensorList params, at::TensorList grads, at::Ten
       },
       [&](const cuda::CompactAdamTensorPtrs* ptrs, int count, DType grad_type, DType copy_type,
           cudaStream_t stream) {
-        return cuda::adam_compact_step(ptrs, count, grad_type, copy_type, s, stream, scale);
+        return cuda::adam_compact_step(ptrs, count, grad_type, copy_type, s, stream, scale,
+                                       refresh_from_copies);
       });
 }
 #endif

@@ -93,12 +93,14 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
                    at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
                    at::TensorList param_copies, double lr, double beta1, double beta2, double eps,
                    double weight_decay, int64_t step, bool decoupled, bool amsgrad, bool maximize,
-                   const c10::optional<at::Tensor>& grad_scale) {
+                   const c10::optional<at::Tensor>& grad_scale, bool refresh_from_copies) {
   check_grad_scale("adam_step_", grad_scale, params, c10::DeviceType::CPU);
   AdamArgs a = make_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_copies, lr,
                          beta1, beta2, eps, weight_decay, step, decoupled, amsgrad, maximize);
   set_grad_scale(a.hyper, grad_scale);
   check_adam_args(a, c10::DeviceType::CPU);
+  check_refresh("adam_step_", refresh_from_copies, param_copies);
+  if (refresh_from_copies) refresh_from_copies_cpu(params, param_copies);
   std::vector<AdamTensor> views;
   views.reserve(params.size());
   for (size_t i = 0; i < params.size(); ++i) views.push_back(core_view(a, i));
@@ -121,12 +123,13 @@ void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
                     at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
                     at::TensorList param_copies, double lr, double beta1, double beta2, double eps,
                     double weight_decay, int64_t step, bool decoupled, bool amsgrad, bool maximize,
-                    const c10::optional<at::Tensor>& grad_scale) {
+                    const c10::optional<at::Tensor>& grad_scale, bool refresh_from_copies) {
   check_grad_scale("adam_step_", grad_scale, params, c10::DeviceType::CUDA);
   const AdamArgs a =
       make_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_copies, lr, beta1,
                 beta2, eps, weight_decay, step, decoupled, amsgrad, maximize);
   check_adam_args(a, c10::DeviceType::CUDA);
+  check_refresh("adam_step_", refresh_from_copies, param_copies);
   const float* scale = grad_scale_ptr(grad_scale);
   const AdamScalars s = adam_scalars(a.hyper);
   launch_grouped<cuda::AdamTensorPtrs>(
@@ -139,7 +142,8 @@ void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
       },
       [&](const cuda::AdamTensorPtrs* ptrs, int count, DType grad_type, DType copy_type,
           cudaStream_t stream) {
-        return cuda::adam_step(ptrs, count, grad_type, copy_type, s, stream, scale);
+        return cuda::adam_step(ptrs, count, grad_type, copy_type, s, stream, scale,
+                               refresh_from_copies);
       });
 }
 #endif

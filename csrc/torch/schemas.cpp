@@ -9,11 +9,15 @@ TORCH_LIBRARY(tierlift, m) {
   // param_copies is empty or one tensor per param that receives the new weight in its dtype.
   // grad_scale (AMP): None, or GradScaler's scale as a 1-element float32 tensor on the params'
   // device; every gradient is multiplied by (float)(1 / (double)scale) first, as unscale_ does.
+  // refresh_from_copies (needs param_copies): each copy is the model weight whose master the
+  // param is; an element whose copy is not the param rounded to the copy's dtype (bit for bit)
+  // is stepped from the copy's value (the weight was changed outside the optimizer).
   m.def(
       "adam_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
       "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] param_copies, "
       "float lr, float beta1, float beta2, float eps, float weight_decay, int step, "
-      "bool decoupled, bool amsgrad, bool maximize, Tensor? grad_scale=None) -> ()");
+      "bool decoupled, bool amsgrad, bool maximize, Tensor? grad_scale=None, "
+      "bool refresh_from_copies=False) -> ()");
   // The same loads and stores as adam_step_ without its arithmetic (CPU only): the step's
   // memory-bandwidth bound, for benchmarks. Leaves the tensors' values meaningless.
   m.def(
@@ -27,7 +31,8 @@ TORCH_LIBRARY(tierlift, m) {
       "adam_compact_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
       "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] exp_avg_sq_scales, Tensor(e!)[] param_copies, "
       "float lr, float beta1, float beta2, float eps, float weight_decay, int step, "
-      "bool decoupled, bool maximize, Tensor? grad_scale=None) -> ()");
+      "bool decoupled, bool maximize, Tensor? grad_scale=None, "
+      "bool refresh_from_copies=False) -> ()");
 
   // ---- io ----
 

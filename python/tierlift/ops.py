@@ -21,11 +21,18 @@ def _has_kernel(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cpu" or (tensor.is_cuda and _extension.has_cuda_kernels())
 
 
+def runs_cuda_kernel(tensor: torch.Tensor) -> bool:
+    """Whether an op on `tensor` runs tierlift's CUDA kernel (not the CPU kernel or the pure-torch
+    reference)."""
+    return tensor.is_cuda and _has_kernel(tensor)
+
+
 def _adam_op(name, tensor_lists, lr, beta1, beta2, eps, weight_decay, step, *flags,
-             grad_scale=None) -> None:
+             grad_scale=None, refresh_from_copies=False) -> None:
     """Calls the Adam op `name` (its compiled kernel, else its reference) with the schema's
     argument types: the six tensor lists as lists, the hyperparameters as floats, step as an int,
-    the trailing flags as bools and grad_scale as a tensor or None."""
+    the trailing flags as bools, grad_scale as a tensor or None and refresh_from_copies as a
+    bool."""
     args = (
         *(list(tensors) for tensors in tensor_lists),
         float(lr),
@@ -38,6 +45,8 @@ def _adam_op(name, tensor_lists, lr, beta1, beta2, eps, weight_decay, step, *fla
     )
     params = args[0]
     amp = {} if grad_scale is None else {"grad_scale": grad_scale}
+    if refresh_from_copies:
+        amp["refresh_from_copies"] = True
     if params and _has_kernel(params[0]):
         getattr(torch.ops.tierlift, name)(*args, **amp)
     else:
@@ -62,6 +71,7 @@ def adam_step_(
     amsgrad,
     maximize,
     grad_scale=None,
+    refresh_from_copies=False,
 ) -> None:
     """Fused Adam/AdamW update of fp32 `params` (weights or master weights) in place.
 
@@ -70,12 +80,16 @@ def adam_step_(
     `grad_scale` (AMP) is None or GradScaler's scale, a 1-element float32 tensor on the params'
     device: the gradients are still scaled, and each is multiplied by float(1 / scale) before
     use, exactly as GradScaler.unscale_ would (the CUDA kernel reads it without a host sync).
+    `refresh_from_copies` (needs `param_copies`): an element whose copy is not its param rounded
+    to the copy's dtype, bit for bit (the model weight was changed outside the optimizer), is
+    stepped from the copy's value instead; the others keep their master's low bits. The CUDA
+    kernel does it in the step's own pass. Without it the copies are only written.
     """
     _adam_op(
         "adam_step_",
         (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_copies),
         lr, beta1, beta2, eps, weight_decay, step, decoupled, amsgrad, maximize,
-        grad_scale=grad_scale,
+        grad_scale=grad_scale, refresh_from_copies=refresh_from_copies,
     )
 
 
@@ -96,15 +110,17 @@ def adam_compact_step_(
     decoupled,
     maximize,
     grad_scale=None,
+    refresh_from_copies=False,
 ) -> None:
     """adam_step_ with compact state: per param, `exp_avgs` bf16, `exp_avg_sqs` uint8 codes and
     `exp_avg_sq_scales` fp32 block maxima, one per 256 elements (format and error bound:
-    tierlift.reference.optim_compact). No amsgrad. `grad_scale` as in adam_step_."""
+    tierlift.reference.optim_compact). No amsgrad. `grad_scale` and `refresh_from_copies` as in
+    adam_step_."""
     _adam_op(
         "adam_compact_step_",
         (params, grads, exp_avgs, exp_avg_sqs, exp_avg_sq_scales, param_copies),
         lr, beta1, beta2, eps, weight_decay, step, decoupled, maximize,
-        grad_scale=grad_scale,
+        grad_scale=grad_scale, refresh_from_copies=refresh_from_copies,
     )
 
 

@@ -340,7 +340,11 @@ class Adam(Optimizer):
             group.setdefault("maximize", False)
             group.setdefault("amsgrad", False)
 
-    def _init_state(self, p: torch.Tensor, amsgrad: bool) -> dict:
+    def _init_state(self, p: torch.Tensor, amsgrad: bool, refresh: bool = True) -> dict:
+        """p's state, created on its first step. A bf16/fp16 p gets an fp32 master from its
+        value; later its master is refreshed from p where p was changed outside the optimizer
+        (refresh_master), unless `refresh` is False because the step's kernel does it
+        (refresh_from_copies)."""
         state = self.state[p]
         compact = self._state_dtype == "bf16"
         if len(state) == 0 or "exp_avg" not in state:
@@ -361,7 +365,7 @@ class Adam(Optimizer):
             state["max_exp_avg_sq"] = torch.zeros_like(state["exp_avg"])
         if p.dtype in _LOW_PRECISION and "master" not in state:
             state["master"] = p.detach().to(torch.float32).contiguous()
-        elif "master" in state:
+        elif "master" in state and refresh:
             refresh_master(state["master"], p)
         return state
 
@@ -477,18 +481,21 @@ class Adam(Optimizer):
             if p.grad is None:
                 continue
             grad = p.grad
-            state = self._init_state(p, group["amsgrad"])
+            # The CUDA kernel refreshes masters from their parameters in its own pass (one
+            # 2-byte read per element) instead of refresh_master's separate passes.
+            fused = ops.runs_cuda_kernel(p)
+            state = self._init_state(p, group["amsgrad"], refresh=not fused)
             master = state.get("master")
             state["step"] += 1
             # The fused kernel updates flat contiguous memory: a non-contiguous parameter is
-            # stepped through a contiguous copy (its fp32 weight, or the buffer its master is
-            # rounded into), written back once the kernel ran. Its state is contiguous anyway.
+            # stepped through a contiguous copy of it (its fp32 weight, or the value its master
+            # is refreshed from and rounded into), written back once the kernel ran. Its state
+            # is contiguous anyway.
             weight = p
             if not p.is_contiguous():
-                weight = (p.contiguous() if master is None
-                          else torch.empty_like(p, memory_format=torch.contiguous_format))
+                weight = p.contiguous()
                 write_back.append((p, weight))
-            b = buckets[(p.device, int(state["step"].item()))]
+            b = buckets[(p.device, int(state["step"].item()), fused)]
             b["params"].append(master if master is not None else weight)
             b["copies"].append(weight if master is not None else None)
             b["grads"].append(grad.contiguous())
@@ -500,7 +507,7 @@ class Adam(Optimizer):
                 b["max_exp_avg_sqs"].append(state["max_exp_avg_sq"])
         decoupled = self._decoupled(group)
         scales = {}  # the scale on each device (GradScaler keeps it on its own device)
-        for (device, step), b in buckets.items():
+        for (device, step, fused), b in buckets.items():
             amp = {}
             if grad_scale is not None:
                 if device not in scales:
@@ -513,6 +520,9 @@ class Adam(Optimizer):
                 copies = [c if c is not None else p for c, p in zip(b["copies"], b["params"])]
             else:
                 copies = []
+            if with_copies and fused:
+                # A copy that is its own master (an fp32 param) reads back its own value.
+                amp["refresh_from_copies"] = True
             if self._state_dtype == "bf16":
                 ops.adam_compact_step_(
                     b["params"], b["grads"], b["exp_avgs"], b["exp_avg_sqs"], b["scales"],

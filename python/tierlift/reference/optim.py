@@ -98,6 +98,23 @@ def apply_update(p, m, vhat, s, eps, param_copy) -> None:
         param_copy.copy_(p)
 
 
+_INTS = {4: torch.int32, 2: torch.int16}
+
+
+def _refresh(op, params, param_copies, refresh) -> None:
+    """The ops' refresh_from_copies: each element of a param whose copy is not the param rounded
+    to the copy's dtype (bit for bit, as apply_update writes it) takes the copy's value (the
+    model weight was changed outside the optimizer). Nothing without `refresh`."""
+    if not refresh:
+        return
+    if not param_copies:
+        raise ValueError(f"{op}: refresh_from_copies=True needs param_copies (one per param)")
+    for p, c in zip(params, param_copies):
+        ints = _INTS[c.element_size()]
+        same = p.to(c.dtype).view(ints) == c.view(ints)
+        p.copy_(torch.where(same, p, c.float()))
+
+
 @torch.no_grad()
 def adam_step_(
     params,
@@ -116,11 +133,13 @@ def adam_step_(
     amsgrad,
     maximize,
     grad_scale=None,
+    refresh_from_copies=False,
 ) -> None:
     s = adam_scalars(lr, beta1, beta2, weight_decay, step)
     hyper = dict(beta1=beta1, beta2=beta2, weight_decay=weight_decay, decoupled=decoupled,
                  maximize=maximize,
                  inv_grad_scale=unscale_factor("adam_step_", grad_scale, params))
+    _refresh("adam_step_", params, param_copies, refresh_from_copies)
     for i, p in enumerate(params):
         m, v = decay_and_moments(p, grads[i], exp_avgs[i], exp_avg_sqs[i], s, **hyper)
         exp_avgs[i].copy_(m)

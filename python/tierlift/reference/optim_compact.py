@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from tierlift.reference.optim import (
+    _refresh,
     adam_scalars,
     apply_update,
     decay_and_moments,
@@ -83,11 +84,13 @@ def adam_compact_step_(
     decoupled,
     maximize,
     grad_scale=None,
+    refresh_from_copies=False,
 ) -> None:
     s = adam_scalars(lr, beta1, beta2, weight_decay, step)
     hyper = dict(beta1=beta1, beta2=beta2, weight_decay=weight_decay, decoupled=decoupled,
                  maximize=maximize,
                  inv_grad_scale=unscale_factor("adam_compact_step_", grad_scale, params))
+    _refresh("adam_compact_step_", params, param_copies, refresh_from_copies)
     for i, p in enumerate(params):
         m = exp_avgs[i].float()
         v = dequantize_exp_avg_sq(exp_avg_sqs[i], exp_avg_sq_scales[i])
