@@ -19,7 +19,9 @@ kernel with exactly the step's access pattern, so no step can move its bytes fas
 machine; "% of bound" is its time over the step's. torch's copy_ and in-place add_ bandwidths are
 printed for context. Ratios are what count on a shared machine; each time is the median of
 --repeats steps, the better of two rounds run in opposite contender orders.
-On a GPU: the fused CUDA step vs torch's fused CUDA AdamW at --cuda-sizes (fp32 and bf16 params).
+On a GPU: the fused CUDA step vs torch's fused CUDA AdamW at --cuda-sizes (fp32 and bf16 params;
+bf16 also vs torch-fused-mixed, torch's AdamW on fp32 masters copied into bf16 weights, which
+does the same work as ours: cuda_contender).
 The JSON is rewritten after every row, so a run cut short keeps what it measured.
 """
 
@@ -111,38 +113,61 @@ def make_contender(name: str, case: str, n: int):
     return step
 
 
+def cuda_contender(name: str, shapes, dtype):
+    """The step function of one CUDA contender over `shapes`, gradients set:
+      tierlift           tierlift AdamW on `dtype` params (bf16: fp32 master + bf16 weight,
+                         30 B/param a step: 28 of the step, 2 to check the weight for edits);
+      torch-fused        torch's fused AdamW on the `dtype` params themselves (bf16: 14 B/param,
+                         no master, so not the same work);
+      torch-fused-mixed  the same work as ours in the torch recipe: fused AdamW on fp32 master
+                         params, then torch._foreach_copy_ of the masters into the bf16 weights
+                         (28 + 6 = 34 B/param; its fp32 gradients are given, not converted)."""
+    mixed = name == "torch-fused-mixed"
+    ps = [torch.nn.Parameter(torch.randn(s, device="cuda", dtype=torch.float32 if mixed else dtype))
+          for s in shapes]
+    for p in ps:
+        p.grad = torch.randn_like(p) * 1e-3
+    if name == "tierlift":
+        return tierlift.optim.AdamW(ps, **HYPER).step
+    opt = torch.optim.AdamW(ps, fused=True, **HYPER)
+    if not mixed:
+        return opt.step
+    weights = [torch.empty(s, device="cuda", dtype=dtype) for s in shapes]
+    masters = [p.detach() for p in ps]
+
+    def step():
+        opt.step()
+        torch._foreach_copy_(weights, masters)
+
+    return step
+
+
 def cuda_rows(sizes, repeats: int, rows: list, save) -> list[dict]:
     """On a GPU: the fused multi-tensor CUDA step vs torch's fused CUDA AdamW (fp32 and bf16
-    params), over a GPT-like list of tensors (many sizes, not one flat buffer). Appends to rows,
-    calling save() after each."""
+    params; bf16 also against torch's fp32-master recipe, cuda_contender), over a GPT-like list of
+    tensors (many sizes, not one flat buffer). Appends to rows, calling save() after each."""
     sync = torch.cuda.synchronize
     for n in sizes:
         shapes = [(n // 64,)] * 48 + [(1024,)] * 16
         for dtype in (torch.float32, torch.bfloat16):
             times = {}
-            for name in ("tierlift", "torch-fused"):
-                ps = [
-                    torch.nn.Parameter(torch.randn(s, device="cuda", dtype=dtype)) for s in shapes
-                ]
-                for p in ps:
-                    p.grad = torch.randn_like(p) * 1e-3
-                opt = (
-                    tierlift.optim.AdamW(ps, **HYPER)
-                    if name == "tierlift"
-                    else torch.optim.AdamW(ps, fused=True, **HYPER)
-                )
-                times[name] = median_time(opt.step, repeats=repeats, warmup=2, sync=sync)
-                del ps, opt
+            names = ("tierlift", "torch-fused") + (
+                ("torch-fused-mixed",) if dtype != torch.float32 else ())
+            for name in names:
+                step = cuda_contender(name, shapes, dtype)
+                times[name] = median_time(step, repeats=repeats, warmup=2, sync=sync)
+                del step
+                gc.collect()
                 torch.cuda.empty_cache()
             numel = sum(s[0] for s in shapes)
-            rows.append(
-                {
-                    "case": f"cuda-{str(dtype)[6:]}",
-                    "params": f"{numel:.0e}",
-                    "tierlift Mparam/s": numel / times["tierlift"] / 1e6,
-                    "vs torch-fused": times["torch-fused"] / times["tierlift"],
-                }
-            )
+            row = {
+                "case": f"cuda-{str(dtype)[6:]}",
+                "params": f"{numel:.0e}",
+                "tierlift Mparam/s": numel / times["tierlift"] / 1e6,
+            }
+            for name in names[1:]:
+                row[f"vs {name}"] = times[name] / times["tierlift"]
+            rows.append(row)
             print(f"  cuda {str(dtype)[6:]} n={numel:.0e}: "
                   + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in times.items()), flush=True)
             save()
@@ -272,11 +297,14 @@ def main() -> None:
             )
             save()
     if torch.cuda.is_available() and tierlift._extension.has_cuda_kernels():
-        # bf16 params on GPU: ours keeps an fp32 master (more bytes), torch's works in bf16.
+        # bf16 params on GPU: ours keeps an fp32 master (more bytes), torch-fused works in bf16
+        # and torch-fused-mixed keeps one as ours does.
         cuda_rows([int(float(s)) for s in args.cuda_sizes.split(",")], args.repeats, rows, save)
     columns = ["case", "params", "tierlift Mparam/s", "bound GB/s", "% of bound"] + [
         f"vs {c}" for c in contenders if c not in ("tierlift", "bound")
     ]
+    if any("vs torch-fused-mixed" in r for r in rows):
+        columns.append("vs torch-fused-mixed")
     if rows:
         print_table(rows, columns,
                     "AdamW step (\"vs X\" = X's time / tierlift's time; >1 = faster)")
