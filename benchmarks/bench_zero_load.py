@@ -11,6 +11,10 @@ tierlift.zero.shard(stage=3) builds a Llama-shaped model (examples/llama_model.p
   weights   build it inside deferred_init(), shard(device="cpu", weights=DIR) reads this rank's
             byte ranges of model.safetensors (written once by the parent beforehand)
 
+With --limit-mib N each rank runs in its own memory cgroup capped at N MiB (the whole process:
+torch's libraries included; needs root and a cgroup v1 or v2 memory controller): a mode that
+needs more is killed by the kernel and reported as such.
+
 Peak RSS growth is VmHWM after the call minus VmRSS before it (VmHWM reset through
 /proc/self/clear_refs, freed heap trimmed first, glibc's mmap threshold fixed at 128 KiB so big
 frees leave RSS at once); "x model" divides it by the model's fp32 bytes. The largest of the two
@@ -97,6 +101,27 @@ def _rank(args) -> None:
     os._exit(0)
 
 
+def _cgroup_dir(name: str) -> tuple[Path, str, str]:
+    """A new memory cgroup's folder and its limit / member files (v2 if mounted, else v1)."""
+    v2 = Path("/sys/fs/cgroup")
+    if (v2 / "cgroup.controllers").exists():
+        return v2 / name, "memory.max", "cgroup.procs"
+    return v2 / "memory" / name, "memory.limit_in_bytes", "cgroup.procs"
+
+
+def _memory_cgroup(name: str, limit_mib: int) -> tuple[Path, Path]:
+    """A new memory cgroup capped at limit_mib MiB (swap included where the kernel accounts it):
+    its folder, removed by the caller once its processes are gone, and its member file."""
+    folder, limit_file, procs = _cgroup_dir(name)
+    folder.mkdir()
+    (folder / limit_file).write_text(str(limit_mib << 20))
+    for swap, value in (("memory.memsw.limit_in_bytes", str(limit_mib << 20)),
+                        ("memory.swap.max", "0")):
+        if (folder / swap).exists():
+            (folder / swap).write_text(value)
+    return folder, folder / procs
+
+
 def _model_bytes(args) -> int:
     return _config(args).num_params() * 4
 
@@ -125,9 +150,33 @@ def _run_mode(args, mode: str, weights: str) -> dict:
            "TIERLIFT_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072"}
     cmd = [sys.executable, __file__, "--mode", mode, "--port", str(port), "--weights", weights,
            "--dim", str(args.dim), "--layers", str(args.layers), "--vocab", str(args.vocab)]
-    procs = [subprocess.Popen([*cmd, "--rank", str(r)], env=env, text=True,
+    groups = ([_memory_cgroup(f"tierlift-bench-{os.getpid()}-{r}", args.limit_mib)
+               for r in range(2)] if args.limit_mib else [])
+
+    def joins(r: int):  # the rank enters its cgroup before exec: all it allocates counts
+        return None if not groups else lambda: groups[r][1].write_text(str(os.getpid()))
+
+    procs = [subprocess.Popen([*cmd, "--rank", str(r)], env=env, text=True, preexec_fn=joins(r),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
-    outs = [p.communicate(timeout=1800)[0] for p in procs]
+    try:
+        outs = []
+        for p in procs:
+            try:
+                outs.append(p.communicate(timeout=1800)[0])
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                raise
+            if p.returncode == -9 and args.limit_mib:
+                for q in procs:  # the other rank would wait for it at the next collective
+                    q.kill()
+    finally:
+        for p in procs:
+            p.wait()
+        for folder, _ in groups:
+            folder.rmdir()
+    if args.limit_mib and any(p.returncode == -9 for p in procs):
+        return {"killed": True}
     results = []
     for p, out in zip(procs, outs, strict=True):
         if p.returncode != 0:
@@ -143,6 +192,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--out", default=str(RESULTS / "bench_zero_load-cpu.json"))
+    parser.add_argument("--limit-mib", type=int,
+                        help="each rank's memory cap (a cgroup; needs root), MiB")
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -156,15 +207,21 @@ def main(argv=None) -> dict:
         _write_weights(args, tmp)
         for mode in args.modes.split(","):
             r = _run_mode(args, mode, tmp)
+            if r.get("killed"):
+                rows.append({"mode": mode, "model MB": round(total / 2**20, 1),
+                             "peak RSS growth MB/rank": f"killed over {args.limit_mib} MiB"})
+                continue
             rows.append({"mode": mode, "model MB": round(total / 2**20, 1),
                          "shard MB/rank": round(r["shard"] / 2**20, 1),
                          "peak RSS growth MB/rank": round(r["growth"] / 2**20, 1),
                          "x model": round(r["growth"] / total, 3), "time s": round(r["time"], 2)})
+    limit = f", each rank capped at {args.limit_mib} MiB" if args.limit_mib else ""
     print_table(rows, COLUMNS, f"shard(stage=3) of a {total / 2**30:.2f} GiB fp32 Llama-shaped "
                 f"model, 2 gloo ranks (dim={args.dim}, layers={args.layers}, "
-                f"vocab={args.vocab})")
+                f"vocab={args.vocab}){limit}")
     result = {"machine": machine(), "config": {"dim": args.dim, "layers": args.layers,
-                                               "vocab": args.vocab, "model_bytes": total},
+                                               "vocab": args.vocab, "model_bytes": total,
+                                               "limit_mib": args.limit_mib},
               "rows": rows}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
