@@ -6,6 +6,7 @@
     model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
 
 Only methods are overridden, each for sharded models only (anything else goes to accelerate):
+prepare_optimizer (a step GradScaler skipped counts as skipped, so schedulers hold),
 prepare_model (no DistributedDataParallel: ZeRO reduces the gradients itself, and DDP's
 constructor would broadcast rank 0's shards over the others'), no_sync (and so accumulate:
 tierlift.zero.no_sync), clip_grad_norm_ (the global norm over the ranks), get_state_dict (the
@@ -48,6 +49,17 @@ def checkpoint_dir(root: str, index: int) -> str:
     return os.path.join(root, "tierlift_model" if index == 0 else f"tierlift_model_{index}")
 
 
+class _AmpAwareOptimizer(accelerate.optimizer.AcceleratedOptimizer):
+    """accelerate tells a step GradScaler skipped by whether the optimizer's step() ran; a
+    tierlift optimizer's always runs (it unscales inside), so ask it. Without this the learning
+    rate scheduler would advance on every inf/NaN step, unlike with torch's optimizers."""
+
+    @property
+    def step_was_skipped(self):
+        inner = unwrap_optimizer(self)
+        return self._is_overflow or bool(getattr(inner, "amp_skipped_last_step", False))
+
+
 class Accelerator(accelerate.Accelerator):
     """accelerate.Accelerator that trains tierlift.zero-sharded models (see the module doc)."""
 
@@ -80,6 +92,12 @@ class Accelerator(accelerate.Accelerator):
                         "build it after tierlift.zero.shard(model, ...), from "
                         "model.parameters()")
         return super().prepare(*args, device_placement=device_placement)
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement=None):
+        prepared = super().prepare_optimizer(optimizer, device_placement=device_placement)
+        if type(prepared) is accelerate.optimizer.AcceleratedOptimizer:
+            prepared.__class__ = _AmpAwareOptimizer  # a property only: its state stays valid
+        return prepared
 
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
                       evaluation_mode: bool = False):

@@ -388,6 +388,7 @@ class Adam(Optimizer):
         # Set by GradScaler.step() for this call only (see _step_supports_amp_scaling).
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
+        self._last_found_inf = found_inf
         try:
             if getattr(self, "_offload", None) is not None:
                 self._offload.step(grad_scale=grad_scale, found_inf=found_inf)
@@ -414,6 +415,15 @@ class Adam(Optimizer):
                 self.__dict__.pop("found_inf", None)
             raise
         return loss
+
+    @property
+    def amp_skipped_last_step(self) -> bool:
+        """Whether GradScaler found inf/NaN gradients at the last step(), which then changed
+        nothing. GradScaler calls step() even then (this optimizer unscales inside it), while it
+        does not call torch's own optimizers at all: a wrapper that tells a skipped step by
+        whether step() ran (accelerate's AcceleratedOptimizer) must ask this instead."""
+        found_inf = self.__dict__.get("_last_found_inf")
+        return found_inf is not None and float(found_inf) != 0.0
 
     def _warn_noncontiguous(self) -> None:
         """Warns once per optimizer which parameters take the slower non-contiguous path."""
