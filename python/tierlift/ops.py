@@ -21,10 +21,10 @@ def _has_kernel(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cpu" or (tensor.is_cuda and _extension.has_cuda_kernels())
 
 
-def runs_cuda_kernel(tensor: torch.Tensor) -> bool:
-    """Whether an op on `tensor` runs tierlift's CUDA kernel (not the CPU kernel or the pure-torch
-    reference)."""
-    return tensor.is_cuda and _has_kernel(tensor)
+def runs_kernel(tensor: torch.Tensor) -> bool:
+    """Whether an op on `tensor` runs one of tierlift's compiled kernels (CPU or CUDA), not the
+    pure-torch reference."""
+    return _has_kernel(tensor)
 
 
 def _adam_op(name, tensor_lists, lr, beta1, beta2, eps, weight_decay, step, *flags,
