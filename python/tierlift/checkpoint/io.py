@@ -168,7 +168,8 @@ def _take(shards: list[dict], unit, saved: dict, key: str, rank: int) -> torch.T
     """This rank's new shard of the unit's flat tensor `key` (zeros past the unit's end)."""
     lo = rank * unit.shard_numel
     hi = min(lo + unit.shard_numel, unit.numel)
-    out = torch.zeros(unit.shard_numel, dtype=torch.float32)
+    out = torch.zeros(unit.shard_numel, dtype=unit.shard.dtype if key.endswith(".param")
+                      else torch.float32)
     if hi > lo:
         out[:hi - lo] = fmt.unit_slice(shards, key, saved["shard_numel"], lo, hi)
     return out.to(unit.device)

@@ -26,7 +26,8 @@ from tierlift.lowp.linear import Float8Linear
 from tierlift.zero import guards, materialize
 from tierlift.zero.config import MixedPrecision, ShardConfig
 from tierlift.zero.fp8_gather import enable_fp8_all_gather
-from tierlift.zero.groups import check_param_group_fn, register_shards, split_units
+from tierlift.zero.frozen import Frozen
+from tierlift.zero.groups import check_param_group_fn, register_shards, split_frozen
 from tierlift.zero.heartbeat import Heartbeat
 from tierlift.zero.hooks import _ATTR, ZeroState, _state
 from tierlift.zero.param_nvme import NvmeParamStore
@@ -37,19 +38,32 @@ from tierlift.zero.unit import FlatUnit
 _SHARD_NAME = "_zero_flat_shard"
 
 
-def _trainable_numel(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters() if p.requires_grad)
+def _shards_frozen(p: torch.Tensor) -> bool:
+    """Whether a frozen parameter is sharded at stage 3 (dense real floating point, as every
+    trainable one must be); others stay replicated."""
+    return p.is_floating_point() and not p.is_sparse
+
+
+def _sharded_numel(module: nn.Module, include_frozen: bool) -> int:
+    return sum(p.numel() for p in module.parameters()
+               if p.requires_grad or (include_frozen and _shards_frozen(p)))
 
 
 # Containers that are never called: their forward hooks, which gather a unit, would never run.
 _NEVER_CALLED = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
 
-def default_units(model: nn.Module, min_unit_numel: int | None = None) -> list[str]:
+def default_units(model: nn.Module, min_unit_numel: int | None = None, *,
+                  include_frozen: bool = False) -> list[str]:
     """Child modules that become units: each child holding at least `min_unit_numel` trainable
     elements (default: 1/32 of the model), descending into children that hold more than half
     the model (the container of the transformer blocks) so each block is its own unit, and
-    into ModuleList / ModuleDict containers, which are never called."""
+    into ModuleList / ModuleDict containers, which are never called. include_frozen=True
+    (stage 3, which shards frozen parameters too) counts frozen elements as well."""
+
+    def _trainable_numel(module: nn.Module) -> int:
+        return _sharded_numel(module, include_frozen)
+
     total = _trainable_numel(model)
     threshold = min_unit_numel if min_unit_numel is not None else max(total // 32, 1)
     names: list[str] = []
@@ -120,8 +134,12 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
           weights=None) -> nn.Module:
     """Shard `model` in place over `process_group` (default: the world) with ZeRO `stage`.
 
-    Afterwards model.parameters() yields one fp32 shard parameter per unit (plus the frozen
-    parameters, which stay replicated), so any optimizer built on them steps this rank's slice.
+    Afterwards model.parameters() yields one fp32 shard parameter per unit, so any optimizer
+    built on them steps this rank's slice. Frozen parameters (requires_grad=False: a base
+    model under LoRA adapters) stay replicated at stages 1/2; stage 3 shards them too, into
+    units of their own whose shards (requires_grad=False, in the parameters' own dtype) are
+    gathered for forward and backward and never reduced or stepped (see zero/frozen.py).
+    requires_grad is fixed from here on: a change is refused at the next forward or step.
     Every rank must call shard() on an identically initialised model.
 
     Stage 3 only: offload_params="cpu" keeps the fp32 shards in host memory (pinned with CUDA)
@@ -176,17 +194,23 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
         raise ValueError(f"grad_comm={grad_comm!r} quantizes the gradient sum across nodes of "
                          "hierarchical sharding: pass hierarchy='node' or mesh= too")
     comm = topology.shard
-    built = materialize.prepare(model, device=device, weights=weights)  # checks, changes nothing
+    stage3 = config.stage == 3
+
+    def sharded(p: torch.Tensor) -> bool:
+        return p.requires_grad or (stage3 and _shards_frozen(p))
+
+    # checks, changes nothing
+    built = materialize.prepare(model, device=device, weights=weights, sharded=sharded)
     key_order = {k: i for i, k in enumerate(model.state_dict().keys())}
-    unit_names = (default_units(model, min_unit_numel) if units is None
+    unit_names = (default_units(model, min_unit_numel, include_frozen=stage3) if units is None
                   else _resolve_units(model, units))
-    # Every trainable parameter, its alias names and owners; a parameter reachable from two
+    # Every sharded parameter, its alias names and owners; a parameter reachable from two
     # units (tied weights) belongs to the root, which stays gathered around all of them.
     info: dict[int, list] = {}
     order: list[int] = []
     for mod_name, mod in model.named_modules(remove_duplicate=False):
         for attr, p in mod._parameters.items():
-            if p is None or not p.requires_grad:
+            if p is None or not sharded(p):
                 continue
             if p.is_sparse or not p.is_floating_point() or p.is_complex():
                 raise TypeError(f"parameter {mod_name + '.' if mod_name else ''}{attr} is "
@@ -202,29 +226,40 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
             if not any(m is mod and a == attr for m, a in rec[2]):
                 rec[2].append((mod, attr))
             rec[3].add(_owning_unit(mod_name, unit_names))
-    if not order:
+    if not any(info[i][0].requires_grad for i in order):
         raise ValueError("model has no trainable parameters to shard")
     devices = {info[i][0].device for i in order} if built is None else {built.device}
     if len(devices) != 1:
-        raise ValueError(f"all trainable parameters must be on one device, got {devices}")
+        raise ValueError(f"all {'' if stage3 else 'trainable '}parameters must be on one "
+                         f"device, got {devices}")
     grouped: dict[str, list] = {n: [] for n in [*unit_names, ""]}
     for pid in order:
         p, names, owners, owning = info[pid]
         grouped[next(iter(owning)) if len(owning) == 1 else ""].append((p, names, owners))
-    split = split_units(grouped, param_group_fn)
+    split = split_frozen(grouped, param_group_fn)
     compute_dtype = config.param_dtype or torch.float32
+    # Per unit: compute dtype, shard dtype. Frozen units keep their parameters' dtype (also
+    # for compute without param_dtype, as when they were replicated); in an NVMe file, fp32.
+    offloaded = _offloaded_units(split, config)
+    dtypes = []
+    for (_, key, _), off in zip(split, offloaded, strict=True):
+        if isinstance(key, Frozen):
+            dtypes.append((config.param_dtype or key.dtype,
+                           torch.float32 if off and config.offload_params == "nvme"
+                           else key.dtype))
+        else:
+            dtypes.append((compute_dtype, torch.float32))
     if config.gpu_budget is not None:
-        _check_gpu_budget(config.gpu_budget, split, comm.world, compute_dtype)
+        _check_gpu_budget(config.gpu_budget, split, comm.world, [c for c, _ in dtypes])
     # Meta models: non-trainable tensors made real now, units built from what this rank keeps.
     unit_kwargs = [{}] * len(split) if built is None else built.run(split, comm, config.stage)
     if config.param_dtype is not None:
-        # Frozen parameters stay replicated and are never stepped: compute in param_dtype too.
+        # Frozen parameters that stay replicated are never stepped: compute in param_dtype too.
         for p in model.parameters():
-            if not p.requires_grad and p.is_floating_point():
+            if not p.requires_grad and p.is_floating_point() and id(p) not in info:
                 p.data = p.data.to(compute_dtype)
     offload = None
     stats: dict = {}  # model._tierlift_zero.stats
-    offloaded = _offloaded_units(split, config)
     if config.offload_params != "none":
         sizes = [-(-sum(p.numel() for p, _, _ in ps) // comm.world)
                  for (_, _, ps), off in zip(split, offloaded) if off]
@@ -232,24 +267,32 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
             NvmeParamStore(nvme_path=config.nvme_path, shard_numels=sizes,
                            rank=topology.world.rank, stats=stats)
         offload = ParamOffload(device=next(iter(devices)), compute_dtype=compute_dtype,
-                               shard_numels=sizes, stats=stats, store=store)
+                               shard_numels=sizes, stats=stats, store=store,
+                               dtypes=[s for (_, s), off in zip(dtypes, offloaded) if off])
     units_out = []
-    for (name, key, params), off, kw in zip(split, offloaded, unit_kwargs):
+    for (name, key, params), off, kw, (cdt, sdt) in zip(split, offloaded, unit_kwargs, dtypes):
         module = model.get_submodule(name) if name else model
+        is_frozen = isinstance(key, Frozen)
         units_out.append(FlatUnit(name=name, module=module, comm=comm,
-                                  compute_dtype=compute_dtype, keep_full=config.stage < 3,
-                                  offload=offload if off else None, group=key,
+                                  compute_dtype=cdt, keep_full=config.stage < 3,
+                                  offload=offload if off else None,
+                                  group=None if is_frozen else key, frozen=is_frozen,
+                                  shard_dtype=sdt, out_dtype=key.dtype if is_frozen else None,
                                   **{"params": params, **kw}))
         if config.stage == 3:
             units_out[-1].free()  # gathered again by the first forward
     if config.fp8_all_gather:
-        enable_fp8_all_gather(units_out)
+        enable_fp8_all_gather([u for u in units_out if not u.frozen])
     register_shards(units_out, _SHARD_NAME)
     if built is not None:
         materialize.check_no_meta(model)
     heartbeat = Heartbeat(topology.world, topology.comms()) if topology.world.world > 1 else None
+    shard_ids = {id(u.shard) for u in units_out}
+    replicated = [(n, p) for n, p in model.named_parameters()
+                  if not p.requires_grad and id(p) not in shard_ids]
     state = ZeroState(config=config, topology=topology, root=model, units=units_out,
-                      heartbeat=heartbeat, key_order=key_order, offload=offload, stats=stats)
+                      heartbeat=heartbeat, key_order=key_order, offload=offload, stats=stats,
+                      replicated=replicated)
     object.__setattr__(model, _ATTR, state)
     guards.install(model, state)  # DDP, module swaps, foreign shards in load_state_dict
     model_ref = weakref.ref(model)  # no reference cycle: the model is freed as soon as unused
@@ -272,12 +315,12 @@ def _offloaded_units(split: list, config: ShardConfig) -> list[bool]:
     return out
 
 
-def _check_gpu_budget(budget: int, split: list, world: int, dtype: torch.dtype) -> None:
+def _check_gpu_budget(budget: int, split: list, world: int, dtypes: list[torch.dtype]) -> None:
     """Refuses a budget that cannot hold the largest unit (all its groups) next to the root
     unit (which stays gathered around the others), naming the smallest budget that works."""
-    elem = torch.empty((), dtype=dtype).element_size()
     gathered: dict[str, int] = {}
-    for name, _, params in split:
+    for (name, _, params), dtype in zip(split, dtypes, strict=True):
+        elem = torch.empty((), dtype=dtype).element_size()
         padded = -(-sum(p.numel() for p, _, _ in params) // world) * world * elem
         gathered[name] = gathered.get(name, 0) + padded
     root = gathered.pop("", 0)

@@ -6,8 +6,9 @@ GatheredParameters.
             model.embed.weight[pad_id].zero_()
 
 On entry every unit holding the given weights all-gathers its fp32 master shards into a buffer
-of its own, and the module attributes become views of it (fp32, no grad): the same on every
-rank, at stages 1, 2 and 3 and with parameter offload. On exit the attributes go back to what
+of its own, and the module attributes become views of it (fp32, no grad; frozen weights,
+sharded at stage 3, in their own dtype): the same on every rank, at stages 1, 2 and 3 and
+with parameter offload. On exit the attributes go back to what
 they were (views of the gathered compute weights, or stage 3's freed stand-ins). With
 modifier_rank=r, rank r's buffers are broadcast and every rank copies its slice into its shard
 (edits on other ranks are discarded); the next forward gathers the new weights. Without it the
@@ -80,7 +81,7 @@ class _Held:
     def __init__(self, unit):
         self.unit = unit
         unit.wait_gather()
-        buf = torch.empty(unit.padded, dtype=torch.float32, device=unit.device)
+        buf = torch.empty(unit.padded, dtype=unit.shard.dtype, device=unit.device)
         unit.comm.wait(unit.comm.all_gather(buf, unit.shard.detach().to(unit.device)))
         self.buf = buf
         self.views = [buf[e.offset:e.offset + e.numel].view(e.shape) for e in unit.entries]
@@ -139,8 +140,8 @@ class _Held:
 def gathered(params_or_module, modifier_rank: int | None = None):
     """Full weights inside the block on every rank; with modifier_rank=r, rank r's edits are
     written back into every rank's shards on exit. A collective: every rank enters it with the
-    same weights, outside forward and backward. Weights that are not sharded (frozen ones,
-    an unsharded model) are left alone. See the module doc."""
+    same weights, outside forward and backward. Weights that are not sharded (frozen ones at
+    stages 1/2, an unsharded model) are left alone. See the module doc."""
     targets = _resolve(params_or_module)
     for state, _ in targets:
         _check_modifier(state, modifier_rank)

@@ -20,6 +20,7 @@ from typing import Any
 
 from torch import nn
 
+from tierlift.zero.frozen import Frozen
 from tierlift.zero.hooks import _state
 
 ParamGroupFn = Callable[[str, nn.Parameter], Hashable]
@@ -64,6 +65,18 @@ def split_units(grouped: dict[str, list], fn: ParamGroupFn | None) -> list[tuple
     return out
 
 
+def split_frozen(grouped: dict[str, list], fn: ParamGroupFn | None) -> list[tuple[str, Any, list]]:
+    """split_units for stage 3, where `grouped` holds frozen parameters too: per unit, its
+    trainable groups (split by fn), then its frozen parameters, one group per dtype with key
+    Frozen(dtype) (fn is not called on them: they go to no optimizer group)."""
+    out = []
+    for name, params in grouped.items():
+        out += split_units({name: [x for x in params if x[0].requires_grad]}, fn)
+        out += split_units({name: [x for x in params if not x[0].requires_grad]},
+                           lambda _, p: Frozen(p.dtype))
+    return out
+
+
 def register_shards(units, shard_name: str) -> None:
     """Registers each unit's shard on its module: the first group of a module as `shard_name`
     (the name shard() always used), the next ones as `_group<i>` + shard_name, so that every
@@ -80,7 +93,8 @@ def shard_groups(model: nn.Module) -> dict[Any, list[nn.Parameter]]:
     they first appear (key None for every shard when shard() had no param_group_fn)."""
     out: dict[Any, list[nn.Parameter]] = {}
     for unit in _state(model).units:
-        out.setdefault(unit.group, []).append(unit.shard)
+        if not unit.frozen:  # in no optimizer group
+            out.setdefault(unit.group, []).append(unit.shard)
     return out
 
 

@@ -215,10 +215,11 @@ def _check_shards(state, sd, rec, shard_in, layout) -> None:
 
 @torch.no_grad()
 def _slice(unit, tensors: list[torch.Tensor]) -> torch.Tensor:
-    """This rank's fp32 slice of the unit's padded flat buffer, from full per-entry tensors."""
+    """This rank's slice of the unit's padded flat buffer (in the shard dtype), from full
+    per-entry tensors."""
     n = unit.shard_numel
     lo = unit.comm.rank * n
-    out = torch.zeros(n, dtype=torch.float32, device=unit.shard.device)
+    out = torch.zeros(n, dtype=unit.shard.dtype, device=unit.shard.device)
     for e, t in zip(unit.entries, tensors, strict=True):
         a, b = max(lo, e.offset), min(lo + n, e.offset + e.numel)
         if a < b:
@@ -247,9 +248,11 @@ def num_parameters(model: nn.Module, only_trainable: bool = False,
         dot = prefix + "." if prefix else ""
         for u in state.units:
             shards.add(id(u.shard))
+            if only_trainable and u.frozen:
+                continue
             for e in u.entries:
                 if not skip.intersection(dot + n for n in e.names):
-                    total += e.numel  # sharded weights are trainable
+                    total += e.numel
     for name, p in model.named_parameters():
         if id(p) in shards or name in skip or (only_trainable and not p.requires_grad):
             continue

@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
 from tierlift._shards import register_shard
+from tierlift.zero import frozen
 from tierlift.zero.comm import work_done
 from tierlift.zero.config import ShardConfig
 from tierlift.zero.replicas import ReplicaLegs
@@ -44,7 +45,7 @@ _ATTR = "_tierlift_zero"  # the model attribute that holds its ZeroState
 class ZeroState:
     def __init__(self, *, config: ShardConfig, topology: Topology, root, units: list[FlatUnit],
                  heartbeat=None, key_order: dict[str, int] | None = None, offload=None,
-                 stats: dict | None = None):
+                 stats: dict | None = None, replicated: list | None = None):
         self.config = config
         self._root = weakref.ref(root)  # the model owns its state, never the reverse
         self.key_order = key_order or {}
@@ -56,6 +57,7 @@ class ZeroState:
         self.world = self.comm.world * (self.replicas.world if self.replicas else 1)
         self.crossing: list = []         # [unit, reduced, ReplicaSum or None] in launch order
         self.units = units
+        self.replicated = replicated or []  # (name, parameter): frozen and not sharded
         self.heartbeat = heartbeat
         self.order: list[FlatUnit] = []  # forward order, recorded on the first forward
         self.order_done = False
@@ -97,14 +99,21 @@ class ZeroState:
                 _bind(ref, "_pre_forward", i)))
             self.handles.append(unit.module.register_forward_hook(
                 _bind(ref, "_post_forward", i)))
-            self.handles.append(unit.full.register_post_accumulate_grad_hook(
-                _bind(ref, "_on_grad", i)))
-        opt_hooks = [register_optimizer_step_post_hook(_bind(ref, "_after_optimizer_step"))]
+            if not unit.frozen:
+                self.handles.append(unit.full.register_post_accumulate_grad_hook(
+                    _bind(ref, "_on_grad", i)))
+        frozen_of: dict[int, list] = {}  # id(module) -> [module, indices of its frozen units]
+        for i, unit in enumerate(self.units):
+            if unit.frozen:
+                frozen_of.setdefault(id(unit.module), [unit.module, []])[1].append(i)
+        for module, indices in frozen_of.values():
+            self.handles.append(frozen.install(self, module, indices))
+        opt_hooks = [register_optimizer_step_post_hook(_bind(ref, "_after_optimizer_step")),
+                     register_optimizer_step_pre_hook(_bind(ref, "_before_optimizer_step"))]
         if self.config.grad_dtype != torch.float32:
             for unit in self.units:
-                unit.shard.grad_dtype = self.config.grad_dtype
-            opt_hooks.append(register_optimizer_step_pre_hook(
-                _bind(ref, "_before_optimizer_step")))
+                if not unit.frozen:
+                    unit.shard.grad_dtype = self.config.grad_dtype
         for h in opt_hooks:
             self.handles.append(h)
             weakref.finalize(self, h.remove)  # the global hooks go with the model
@@ -158,6 +167,7 @@ class ZeroState:
             raise RuntimeError("forward inside tierlift.zero.gathered(): it would run on the "
                                "sharded weights, not the block's, and take the block's weights "
                                "off the modules; run it after the block")
+        frozen.check_requires_grad(self)
         if self.callback_queued and not _in_backward():
             # A backward raised before its end-of-backward callback ran: start clean.
             self.reductions.clear()
@@ -191,6 +201,7 @@ class ZeroState:
                        if isinstance(t, torch.Tensor) and t.requires_grad]
             for t in tensors:
                 t.register_hook(_bind(ref, "_pre_backward", self.units.index(unit)))
+            unit.expects_backward = unit.expects_backward or bool(tensors)
         if self.config.reshard_after_forward or not torch.is_grad_enabled():
             self._free(unit)
         return output
@@ -220,6 +231,8 @@ class ZeroState:
                     break
             if nxt.module is self.root or nxt.module is unit.module:
                 continue
+            if direction < 0 and nxt.frozen and not nxt.expects_backward:
+                continue  # no backward runs through it: nothing would free it before the end
             if not self._fits(nxt):
                 self.stats["prefetch_skipped"] += 1  # gathered on demand, once room is made
                 break
@@ -343,11 +356,16 @@ class ZeroState:
         if self.config.stage == 3:
             for unit in self.units:
                 self._free(unit)
+        frozen.reset(self)
 
     # ---- optimizer ----
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
-        """Gradient shards in a dtype other than their parameter's (MixedPrecision.grad_dtype)
-        reach only an optimizer that takes them; torch's would fail deep in its kernels."""
+        """Refuses a step when requires_grad changed since shard() (frozen.py). Gradient shards
+        in a dtype other than their parameter's (MixedPrecision.grad_dtype) reach only an
+        optimizer that takes them; torch's would fail deep in its kernels."""
+        if not any(id(p) in self._shard_ids for g in optimizer.param_groups for p in g["params"]):
+            return
+        frozen.check_requires_grad(self)
         if getattr(optimizer, "takes_low_precision_grads", False):
             return
         for g in optimizer.param_groups:
@@ -366,7 +384,7 @@ class ZeroState:
             self.stats["last_step_sent"] = {k: now[k] - self._sent_at_step[k] for k in now}
             self._sent_at_step = now
             for unit in self.units:
-                if id(unit.shard) in ids:
+                if id(unit.shard) in ids and not unit.frozen:
                     unit.stale = True
 
 

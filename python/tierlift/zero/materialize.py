@@ -66,9 +66,10 @@ def check_no_meta(model: nn.Module) -> None:
                                    "and shard(weights=...)")
 
 
-def prepare(model: nn.Module, *, device, weights) -> Materializer | None:
+def prepare(model: nn.Module, *, device, weights, sharded=None) -> Materializer | None:
     """A Materializer for a model with meta tensors (None for an ordinary model). Checks that
-    every meta tensor has a source; changes nothing."""
+    every meta tensor has a source; changes nothing. sharded(param) says which parameters go
+    into units (default: the trainable ones; stage 3 shards frozen ones too)."""
     meta = first_meta(model)
     if meta is None:
         if device is not None or weights is not None:
@@ -82,23 +83,25 @@ def prepare(model: nn.Module, *, device, weights) -> Materializer | None:
         raise ValueError(f"{meta!r} is on the meta device: pass device= (where the shards "
                          "go, e.g. 'cuda' or 'cpu') and weights=DIR or a model built inside "
                          "tierlift.zero.deferred_init()")
-    return Materializer(model, torch.device(device), weights)
+    return Materializer(model, torch.device(device), weights, sharded)
 
 
 class Materializer:
-    def __init__(self, model: nn.Module, device: torch.device, weights) -> None:
+    def __init__(self, model: nn.Module, device: torch.device, weights, sharded=None) -> None:
         self.model = model
+        self.sharded = sharded or (lambda t: t.requires_grad)
         self.device = device
         self.files = None if weights is None else WeightFiles(weights)
         self.rec = recording_of(model)
         self.params = _owners(model, "param")
         self.buffers = _owners(model, "buffer")
         real = [names[0] for t, names, _, _ in self.params.values()
-                if t.requires_grad and not t.is_meta]
+                if self.sharded(t) and not t.is_meta]
         if real:
             raise ValueError(f"parameter {real[0]!r} is on {self.params_device(real[0])} while "
                              f"{first_meta(model)!r} is on the meta device: build all trainable "
-                             "parameters on meta, or none")
+                             "parameters on meta, or none (at stage 3, which shards frozen "
+                             "ones too, all floating-point parameters)")
         if self.files is None and self.rec is None:
             raise ValueError("the model's parameters are on the meta device and nothing says "
                              "what they hold: pass weights=DIR (safetensors, as save_pretrained "
@@ -108,12 +111,12 @@ class Materializer:
         for kind, table in (("param", self.params), ("buffer", self.buffers)):
             for entry in table.values():
                 t, names = entry[0], entry[1]
-                if kind == "param" and t.requires_grad:
+                if kind == "param" and self.sharded(t):
                     continue
                 self.rest.append((entry, self._source(kind, entry)))
         if self.files is not None:
             for entry in self.params.values():
-                if entry[0].requires_grad:
+                if self.sharded(entry[0]):
                     self._file_name(entry[1], entry[0].shape, required=True)
             known = set(model.state_dict().keys())
             extra = [n for n in self.files.names() if n not in known]
@@ -183,7 +186,7 @@ class Materializer:
         if self.files is None:  # trainable parameters come from the recording too
             unit_values = [None] * len(split)
             for u, (_, _, params) in enumerate(split):
-                unit_values[u] = self._harvest(params, layouts[u], stage, wanted)
+                unit_values[u] = self._harvest(params, layouts[u], stage, wanted, _dtype(split[u]))
         if wanted:
             replay(self.rec, {k: _calls(fns) for k, fns in wanted.items()},
                    full=self.files is None)
@@ -220,11 +223,12 @@ class Materializer:
                             "device": self.device})
                 unit_values[u] = None
             else:
-                out.append({"source": self._file_source(params, layouts[u]),
+                out.append({"source": self._file_source(params, layouts[u], _dtype(split[u])),
                             "device": self.device})
         return out
 
-    def _harvest(self, params: list, layout: tuple, stage: int, wanted: dict):
+    def _harvest(self, params: list, layout: tuple, stage: int, wanted: dict,
+                 dtype: torch.dtype):
         """Registers replay callbacks keeping a unit's values: whole tensors (stages 1/2) or
         this rank's slice of the flat shard (stage 3)."""
         lo, n, offsets = layout
@@ -234,7 +238,7 @@ class Materializer:
                 wanted.setdefault(self.rec.key_of(p), []).append(
                     lambda s, p=p, i=i: vals.__setitem__(i, _view(s, p).clone()))
             return vals
-        buf = torch.zeros(n, dtype=torch.float32)
+        buf = torch.zeros(n, dtype=dtype)
         for (p, _, _), off in zip(params, offsets, strict=True):
             a, b = max(off, lo), min(off + p.numel(), lo + n)
             if a < b:
@@ -243,19 +247,24 @@ class Materializer:
                     buf[at:at + b - a].copy_(_view(s, p).reshape(-1)[a:b]))
         return buf
 
-    def _file_source(self, params: list, layout: tuple):
+    def _file_source(self, params: list, layout: tuple, dtype: torch.dtype):
         lo, n, offsets = layout
         names = [self._file_name(nm, p.shape, required=True) for p, nm, _ in params]
 
         def source(lo_: int, n_: int) -> torch.Tensor:
             assert (lo_, n_) == (lo, n), "FlatUnit layout differs from materialize's"
-            buf = torch.zeros(n, dtype=torch.float32)
+            buf = torch.zeros(n, dtype=dtype)
             for (p, _, _), off, name in zip(params, offsets, names, strict=True):
                 a, b = max(off, lo), min(off + p.numel(), lo + n)
                 if a < b:
                     self.files.read_into(name, a - off, buf[a - lo:b - lo])
             return buf  # on the CPU: FlatUnit puts it on the device or in the offload tier
         return source
+
+
+def _dtype(unit: tuple) -> torch.dtype:
+    """The dtype of a unit's slices: its frozen parameters' own, fp32 for trainable ones."""
+    return getattr(unit[1], "dtype", torch.float32)  # a frozen.Frozen key has one
 
 
 def _layouts(split: list, comm) -> list[tuple[int, int, list[int]]]:

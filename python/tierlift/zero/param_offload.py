@@ -4,7 +4,8 @@ the units gathered at the moment.
 
 storage   "cpu": every unit's shard is a view of one host arena (registered with CUDA, i.e.
           page-locked, when CUDA is available): one allocation, not one pinned block per unit,
-          which torch's caching host allocator would round up to a power of two each.
+          which torch's caching host allocator would round up to a power of two each. Shards
+          of frozen parameters in another dtype (a bf16 base) get one arena per dtype.
 gather    shard (host fp32) -> compute dtype into a pinned staging buffer -> async H2D on a
           dedicated copy stream -> the all-gather is issued on that same stream, and the
           compute stream waits on an event recorded after it. Staging buffers come from torch's
@@ -28,22 +29,32 @@ import torch
 
 class ParamOffload:
     def __init__(self, *, device: torch.device, compute_dtype: torch.dtype,
-                 shard_numels: list[int], stats: dict, store=None):
+                 shard_numels: list[int], stats: dict, store=None,
+                 dtypes: list[torch.dtype] | None = None):
         self.device = device
         self.cuda = device.type == "cuda"
         self.pin = torch.cuda.is_available()
         self.compute_dtype = compute_dtype
         self.store = store  # NvmeParamStore with offload_params="nvme"
         self.stats = stats
-        self.arena = None
-        self._registration = None
+        self.arena = None  # the fp32 one
+        self.arenas: dict[torch.dtype, torch.Tensor] = {}
+        self._registrations = []
+        self._next: dict[torch.dtype, int] = {}  # arena offset of the next unit's shard
         if store is None:
-            self.arena = torch.empty(sum(shard_numels), dtype=torch.float32)
-            if self.pin and self.arena.numel():
-                from tierlift import _extension
+            dtypes = dtypes or [torch.float32] * len(shard_numels)
+            totals = {torch.float32: 0}
+            for n, dt in zip(shard_numels, dtypes, strict=True):
+                totals[dt] = totals.get(dt, 0) + n
+            for dt, total in totals.items():
+                arena = torch.empty(total, dtype=dt)
+                self.arenas[dt], self._next[dt] = arena, 0
+                if self.pin and arena.numel():
+                    from tierlift import _extension
 
-                self._registration = _extension._C.HostRegistration(self.arena, read_only=False)
-        self._next = 0  # arena offset of the next unit's shard
+                    self._registrations.append(
+                        _extension._C.HostRegistration(arena, read_only=False))
+            self.arena = self.arenas[torch.float32]
         self.stream = torch.cuda.Stream(device=device) if self.cuda else None
 
     def host_shard(self, shard: torch.Tensor) -> torch.Tensor:
@@ -51,18 +62,19 @@ class ParamOffload:
         mapped file with a store)."""
         if self.store is not None:
             return self.store.alloc(shard)
-        n = shard.numel()
-        out = self.arena[self._next:self._next + n].view(shard.shape)
-        self._next += n
+        n, at = shard.numel(), self._next[shard.dtype]
+        out = self.arenas[shard.dtype][at:at + n].view(shard.shape)
+        self._next[shard.dtype] = at + n
         out.copy_(shard)
         return out
 
     # ---- gather: host shard -> device --------------------------------------------------------
-    def stage_in(self, shard: torch.Tensor) -> torch.Tensor:
-        """The shard in the compute dtype on the device. With CUDA the copy is in flight on
-        the copy stream: issue the collective inside `stream_context()` and call `after()`."""
+    def stage_in(self, shard: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The shard in `dtype` (default: the compute dtype) on the device. With CUDA the copy
+        is in flight on the copy stream: issue the collective inside `stream_context()`, then
+        call `after()`."""
         n = shard.numel()
-        staging = torch.empty(n, dtype=self.compute_dtype, pin_memory=self.pin)
+        staging = torch.empty(n, dtype=dtype or self.compute_dtype, pin_memory=self.pin)
         src = shard.detach() if self.store is None else self.store.fetch(shard.detach())
         staging.copy_(src)  # fp32 -> compute dtype on the host
         if self.store is not None:

@@ -13,6 +13,14 @@ at the same storage, which the pre-backward all-gather refills). With parameter 
 (`offload`, a ParamOffload) the shard lives in host memory and gathers stage it to the device
 first (see param_offload.py). With shard(param_group_fn=...) a module's parameters are split
 over several FlatUnits, one per group key (see groups.py).
+
+Frozen parameters (requires_grad=False; stage 3 only) go to FlatUnits of their own, one per
+module and dtype, with `frozen` set: a separate unit rather than a flag per entry, so a
+unit's `full` either requires grad as a whole or not at all, and a frozen unit has no grad
+hook, no gradient buffer, no reduction and no optimizer state with no test inside the
+gradient path. Its shard keeps the parameters' own dtype (a bf16 base costs 2 bytes per
+element per world, not 4) and is an nn.Parameter with requires_grad=False; it is gathered in
+that dtype (or MixedPrecision.param_dtype) and freed after its module's backward (hooks.py).
 """
 
 from __future__ import annotations
@@ -43,12 +51,20 @@ class FlatUnit:
     def __init__(self, *, name: str, module: nn.Module,
                  params: list[tuple[nn.Parameter, list[str], list[tuple[nn.Module, str]]]],
                  comm, compute_dtype: torch.dtype, keep_full: bool, offload=None, group=None,
-                 source=None, device=None):
-        # source(lo, n) -> this rank's fp32 slice [lo, lo + n) of the padded flat buffer (on
+                 source=None, device=None, frozen: bool = False,
+                 shard_dtype: torch.dtype = torch.float32, out_dtype: torch.dtype | None = None):
+        # source(lo, n) -> this rank's slice [lo, lo + n) of the padded flat buffer (on
         # the CPU): the unit is built from its shard alone, never whole, on `device` (stage 3
         # only; params may then be on meta; see materialize.py).
         self.name = name or "<root>"
         self.group = group  # the param_group_fn key of these parameters (zero/groups.py)
+        self.frozen = frozen  # requires_grad=False parameters: gathered, never reduced
+        # The dtype full weights are handed out in (state dicts): the parameters' own for a
+        # frozen unit (its shard may be fp32 when a file holds it), fp32 masters otherwise.
+        self.out_dtype = out_dtype or shard_dtype
+        self.pending_backward = 0  # frozen: module calls whose backward has not ended yet
+        self.pinned = False        # frozen: kept gathered until the end of this backward
+        self.expects_backward = False  # an output of this forward's call requires grad
         # Weak references to modules: the model owns its ZeRO state, never the reverse, so a
         # dropped model is freed at once (not by the garbage collector, which may run after
         # destroy_process_group(), when freeing in-flight collective buffers aborts the process).
@@ -74,30 +90,31 @@ class FlatUnit:
         lo = comm.rank * self.shard_numel
         # With fp32 compute and replicated weights (stages 1/2) the shard is this rank's slice
         # of the gathered buffer itself: no second copy of it.
-        self.aliased = keep_full and compute_dtype == torch.float32
-        full32 = None
+        self.aliased = keep_full and compute_dtype == shard_dtype
+        full32 = None  # the whole unit in the shard dtype, while it is built
         if source is not None:
             if keep_full:
                 raise ValueError("a FlatUnit built from its shard alone needs stage 3")
             piece = source(lo, self.shard_numel)
+            piece = piece.to(shard_dtype)
             self.shard = nn.Parameter(piece.to(device) if offload is None
-                                      else offload.host_shard(piece))
+                                      else offload.host_shard(piece), requires_grad=not frozen)
             del piece
             # Not gathered: shard() frees it at once (stage 3) and the first forward gathers.
             self.full = torch.empty(self.padded, dtype=compute_dtype, device=device)
         else:
-            full32 = torch.empty(self.padded, dtype=torch.float32, device=device)
-            ops.flatten_pack_(full32, [p.detach().to(torch.float32) for p, _, _ in params])
+            full32 = torch.empty(self.padded, dtype=shard_dtype, device=device)
+            ops.flatten_pack_(full32, [p.detach().to(shard_dtype) for p, _, _ in params])
         if source is None and self.aliased:
             self.full = full32
-            self.shard = nn.Parameter(full32[lo:lo + self.shard_numel])
+            self.shard = nn.Parameter(full32[lo:lo + self.shard_numel], requires_grad=not frozen)
         elif source is None:
             piece = full32[lo:lo + self.shard_numel]
             self.shard = nn.Parameter(piece.clone() if offload is None
-                                      else offload.host_shard(piece))
+                                      else offload.host_shard(piece), requires_grad=not frozen)
             self.full = torch.empty(self.padded, dtype=compute_dtype, device=device)
             self.full.copy_(full32)
-        self.full.requires_grad_(True)
+        self.full.requires_grad_(not frozen)
         del full32
         for _, _, owners in params:
             for mod, attr in owners:
@@ -176,7 +193,7 @@ class FlatUnit:
     def _gather_source(self) -> torch.Tensor:
         """This rank's shard in the compute dtype, on the device, ready to all-gather."""
         if self.offload is not None:
-            return self.offload.stage_in(self.shard)
+            return self.offload.stage_in(self.shard, self.compute_dtype)
         # The source must not alias the destination (aliased shards live inside `full`).
         return self.shard.detach().to(self.compute_dtype, copy=self.aliased)
 
@@ -203,27 +220,30 @@ class FlatUnit:
 
     # ---- full weights (state dicts, checkpoints) ----
     def gather_fp32(self) -> torch.Tensor:
-        """The unpadded fp32 master weights of the whole unit (a collective: every rank calls)."""
-        out = torch.empty(self.padded, dtype=torch.float32, device=self.device)
+        """The unpadded master weights of the whole unit, in the shard dtype: fp32 (a frozen
+        unit: its parameters' dtype, or fp32 in a file). A collective: every rank calls."""
+        out = torch.empty(self.padded, dtype=self.shard.dtype, device=self.device)
         self.comm.wait(self.comm.all_gather(out, self.shard.detach().to(self.device)))
         return out[:self.numel]
 
     def split(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Per-parameter tensors (cloned) of an unpadded flat buffer, under every alias name."""
+        """Per-parameter tensors (cloned, in out_dtype) of an unpadded flat buffer, under every
+        alias name."""
         out = {}
         for e in self.entries:
-            t = flat[e.offset:e.offset + e.numel].view(e.shape).clone()
+            t = flat[e.offset:e.offset + e.numel].view(e.shape).to(self.out_dtype, copy=True)
             for name in e.names:
                 out[name] = t
         return out
 
     def load_fp32(self, tensors: dict[str, torch.Tensor]) -> None:
         """Set the master shard from full per-parameter tensors (keyed by any alias name)."""
-        full = torch.empty(self.padded, dtype=torch.float32, device=self.device)
+        dtype = self.shard.dtype
+        full = torch.empty(self.padded, dtype=dtype, device=self.device)
         srcs = []
         for e in self.entries:
             t = next(tensors[n] for n in e.names if n in tensors)
-            srcs.append(t.detach().to(device=self.device, dtype=torch.float32).reshape(e.shape))
+            srcs.append(t.detach().to(device=self.device, dtype=dtype).reshape(e.shape))
         ops.flatten_pack_(full, srcs)
         lo = self.comm.rank * self.shard_numel
         with torch.no_grad():
