@@ -152,11 +152,14 @@ def test_per_rank_bytes(world, world2, world4):
             # Stage 1 keeps the averaged full gradient; the fp32 shard is a view of it.
             assert mem["grads"] <= total + pad, (name, mem)
         if stage == 3 and CONFIGS[name][4].get("reshard_after_forward", True):
-            assert mem["params_between_steps"] <= total / world + pad, (name, mem)
+            # Stage 3 shards the frozen `pos` too.
+            frozen = make_model().pos.numel() * 4
+            assert mem["params_between_steps"] <= (total + frozen) / world + pad, (name, mem)
             # During forward the root (tied embedding/head) and the running unit are gathered,
             # plus the prefetched one.
-            root = mem["unit_bytes"][-1]
-            assert mem["params_peak"] <= total / world + pad + root + 2 * largest, (name, mem)
+            root = mem["unit_bytes"][-2] + mem["unit_bytes"][-1]  # trainable and frozen
+            assert mem["params_peak"] <= (total + frozen) / world + pad + root + 2 * largest, \
+                (name, mem)
 
 
 # ---- a rank that dies or hangs ----
@@ -237,18 +240,25 @@ def test_default_units_are_blocks():
     names = tierlift.zero.default_units(make_model())
     assert names == ["tok", "blocks.0", "blocks.1", "blocks.2", "head"]
     # tok and head share their weight, so it goes to the root unit with ln_f.
+    # The frozen `pos` is sharded at stage 3 too, in a root unit of its own.
     model = tierlift.zero.shard(make_model(), stage=3)
-    assert [u.name for u in model._tierlift_zero.units] == ["blocks.0", "blocks.1", "blocks.2",
-                                                            "<root>"]
+    assert [(u.name, u.frozen) for u in model._tierlift_zero.units] == [
+        ("blocks.0", False), ("blocks.1", False), ("blocks.2", False), ("<root>", False),
+        ("<root>", True)]
 
 
-def test_parameters_are_shards_and_frozen():
-    model = tierlift.zero.shard(make_model(), stage=3)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_parameters_are_shards_and_frozen(stage):
+    model = tierlift.zero.shard(make_model(), stage=stage)
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     assert len(trainable) == 4 and all(p.dim() == 1 and p.dtype == torch.float32
                                        for p in trainable)
-    assert [p for p in params if not p.requires_grad][0] is model.pos
+    frozen = [p for p in params if not p.requires_grad]
+    if stage == 2:  # replicated
+        assert frozen == [model.pos]
+    else:
+        assert len(frozen) == 1 and frozen[0].shape == (model.pos.numel(),)
 
 
 def test_stage1_gradient_shard_is_a_view_and_accumulates():
@@ -357,7 +367,9 @@ def test_torch_optimizer_and_named_units(stage):
     torch.set_num_threads(1)
     model = make_model()
     tierlift.zero.shard(model, stage=stage, units=[model.blocks[0], "blocks.2"])
-    assert [u.name for u in model._tierlift_zero.units] == ["blocks.0", "blocks.2", "<root>"]
+    # Stage 3 adds a root unit for the frozen `pos`.
+    assert [u.name for u in model._tierlift_zero.units] == ["blocks.0", "blocks.2", "<root>"] \
+        + ["<root>"] * (stage == 3)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, foreach=False)
     losses = train(model, opt, batches(5, 4), accum=1, clip=None, zero=True)
     ref_model = make_model()
