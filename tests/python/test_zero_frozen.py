@@ -292,3 +292,23 @@ def test_default_units_count_frozen_at_stage3():
     assert ("blocks.0", True, torch.bfloat16) in units  # the bf16 base, its own dtype
     assert ("blocks.0", True, torch.float32) in units   # its fp32 LayerNorm
     assert ("blocks.0", False, torch.float32) in units  # the adapters
+
+
+@pytest.mark.parametrize("stages", [(2, 3), (3, 2)])
+def test_checkpoint_across_stages(tmp_path, stages):
+    """Stages 1/2 save frozen parameters replicated, stage 3 in units: either loads into the
+    other."""
+    saved_at, loaded_at = stages
+    model = tierlift.zero.shard(make_lora(torch.bfloat16), stage=saved_at)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **OPT)
+    fit(model, opt, batches(2, 4))
+    tierlift.checkpoint.save(tmp_path / "ckpt", model, opt)
+    again = tierlift.zero.shard(make_lora(torch.bfloat16, seed=9), stage=loaded_at)
+    opt2 = torch.optim.AdamW([p for p in again.parameters() if p.requires_grad], **OPT)
+    tierlift.checkpoint.load(tmp_path / "ckpt", again, opt2)
+    want, got = tierlift.zero.full_state_dict(model), tierlift.zero.full_state_dict(again)
+    assert list(got) == list(want)
+    for key, value in want.items():
+        assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+    data = batches(2, 4, seed=4)
+    assert fit(model, opt, data) == fit(again, opt2, data)

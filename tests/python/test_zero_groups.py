@@ -84,10 +84,12 @@ def test_units_and_groups_layout():
 
     model = tierlift.zero.shard(make_model(), stage=3, param_group_fn=key)
     units = model._tierlift_zero.units
-    assert [(u.name, u.group) for u in units] == [
-        ("blocks.0", "no_decay"), ("blocks.0", "decay"), ("blocks.1", "no_decay"),
-        ("blocks.1", "decay"), ("blocks.2", "no_decay"), ("blocks.2", "decay"),
-        ("<root>", "no_decay")]
+    # The frozen `pos` is a unit of its own, in no group, and param_group_fn never sees it.
+    assert [(u.name, u.group, u.frozen) for u in units] == [
+        ("blocks.0", "no_decay", False), ("blocks.0", "decay", False),
+        ("blocks.1", "no_decay", False), ("blocks.1", "decay", False),
+        ("blocks.2", "no_decay", False), ("blocks.2", "decay", False),
+        ("<root>", "no_decay", False), ("<root>", None, True)]
     # The tied embedding/LM head is asked about once, under the name named_parameters() uses.
     assert "tok.weight" in calls and "head.weight" not in calls
     assert sorted(calls) == sorted(n for n, p in make_model().named_parameters()

@@ -31,7 +31,8 @@ TRAIN = textwrap.dedent("""
         st = model._tierlift_zero
         out[name] = dict(losses=torch.tensor(losses), sent=tierlift.zero.last_step_stats(model),
                          shard_world=st.comm.world,
-                         shard_numels=[u.shard_numel for u in st.units])
+                         shard_numels=[u.shard_numel for u in st.units if not u.frozen],
+                         frozen_numels=[u.shard_numel for u in st.units if u.frozen])
         if name == "hier":
             tierlift.checkpoint.save({ckpt!r}, model, opt)
 """)
@@ -98,6 +99,10 @@ def test_cross_node_bytes(two_by_two):
     fp32_hier = CommLayout(name="hier", hierarchical=True, weight_bytes=4, grad_bytes=4)
     params = sum(out["plain"]["shard_numels"]) * 4
     model = inter_node_bytes_per_rank(params, 2, 2, fp32_flat, micro_batches=2)
+    # Stage 3 gathers the frozen `pos` too (never reduced).
+    frozen = sum(out["plain"]["frozen_numels"]) * 4
+    gathers_only = CommLayout(name="frozen", hierarchical=False, weight_bytes=4, grad_bytes=0)
+    model += inter_node_bytes_per_rank(frozen, 2, 2, gathers_only, micro_batches=2)
     assert model <= plain["inter_node_bytes"] <= model + 256
     params = sum(out["hier"]["shard_numels"]) * 2
     assert inter_node_bytes_per_rank(params, 2, 2, fp32_hier) == grads

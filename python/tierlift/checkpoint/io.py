@@ -16,6 +16,7 @@ from tierlift.checkpoint import agree, background, replicated, reshard, restore,
 from tierlift.checkpoint import format as fmt
 from tierlift.offload.journal import Journal
 from tierlift.zero.api import _ATTR, _SHARD_NAME, _state
+from tierlift.zero.guards import _slice
 
 
 def _per_param_state(optimizer) -> dict:
@@ -117,7 +118,7 @@ def _metadata(state, comm, off, optimizer, extra) -> dict:
         "extra": json.loads(json.dumps(extra or {})),  # as it is now; checked JSON-able
         "key_order": list(state.key_order),
         "units": [{"name": u.name, "group": None if u.group is None else repr(u.group),
-                   "numel": u.numel, "padded": u.padded,
+                   "frozen": u.frozen, "numel": u.numel, "padded": u.padded,
                    "shard_numel": u.shard_numel,
                    "entries": [{"names": e.names, "shape": list(e.shape),
                                 "offset": e.offset, "numel": e.numel}
@@ -147,6 +148,58 @@ def _check_layout(meta: dict, units) -> None:
         if u.numel != m["numel"]:
             raise ValueError(f"checkpoint does not match the model: unit {i} ({u.name}) holds "
                              f"{m['numel']} elements in the checkpoint, {u.numel} in the model")
+
+
+def _align(meta: dict, units, shards: list[dict]):
+    """Pairs the model's units with the saved ones. Stage 3 shards frozen parameters, stages
+    1/2 keep them replicated (saved as extras), so a checkpoint may hold them either way:
+    returns (per saved unit: the model's unit or None, {model frozen unit: its full tensors
+    from the saved extras}, {name: full tensor} of saved frozen units the model replicates).
+    Trainable units must match one to one, in order (_check_layout)."""
+    saved = meta["units"]
+    frozen = [bool(m.get("frozen")) for m in saved]
+    trainable = [u for u in units if not u.frozen]
+    _check_layout({"units": [m for m, f in zip(saved, frozen, strict=True) if not f]},
+                  trainable)
+    aligned = [None] * len(saved)
+    left = iter(trainable)
+    for i, f in enumerate(frozen):
+        if not f:
+            aligned[i] = next(left)
+    free = [i for i, f in enumerate(frozen) if f]
+    extras = {k[len("extra."):]: v for k, v in shards[0].items() if k.startswith("extra.")}
+    from_extras = {}
+    for u in units:
+        if not u.frozen:
+            continue
+        mine = [(e.names[0], list(e.shape)) for e in u.entries]
+        match = next((i for i in free if mine == [(e["names"][0], list(e["shape"]))
+                                                  for e in saved[i]["entries"]]), None)
+        if match is not None:
+            aligned[match] = u
+            free.remove(match)
+            continue
+        tensors = []
+        for e in u.entries:
+            name = next((n for n in e.names if n in extras), None)
+            if name is None:
+                raise ValueError(f"checkpoint does not match the model: frozen parameter "
+                                 f"{e.names[0]!r} exists only in the model")
+            if tuple(extras[name].shape) != tuple(e.shape):
+                raise ValueError(f"checkpoint does not match the model: {name!r} has shape "
+                                 f"{tuple(extras[name].shape)} in the checkpoint but "
+                                 f"{tuple(e.shape)} in the model")
+            tensors.append(extras[name])
+        from_extras[u] = tensors
+    replicated = {}
+    for i in free:
+        m = saved[i]
+        for e in m["entries"]:
+            t = fmt.unit_slice(shards, f"unit{i}.param", m["shard_numel"], e["offset"],
+                               e["offset"] + e["numel"]).reshape(e["shape"])
+            for n in e["names"]:
+                replicated[n] = t
+    return aligned, from_extras, replicated
 
 
 def optim_dir(rank: int) -> str:
@@ -192,15 +245,18 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None) -> dic
     if meta.get("layout", "sharded") != "sharded":
         raise ValueError(f"{path} holds an unsharded model's checkpoint; load it before "
                          "tierlift.zero.shard(), or into a model that is not sharded")
-    _check_layout(meta, state.units)
     shards = [fmt.load_tensors(path, r) for r in range(meta["world_size"])]  # mapped
+    aligned, from_extras, unsharded = _align(meta, state.units, shards)
     # Every check before the first change: a checkpoint that does not fit leaves all as it was.
     if optimizer is not None and meta["param_groups"] and \
             len(meta["param_groups"]) != len(optimizer.param_groups):
         raise ValueError(f"checkpoint has {len(meta['param_groups'])} optimizer param "
                          f"groups, the optimizer {len(optimizer.param_groups)}")
     own = model.state_dict()
-    extras = {k[len("extra."):]: v for k, v in shards[0].items() if k.startswith("extra.")}
+    taken = {n for u in from_extras for e in u.entries for n in e.names}
+    extras = {k[len("extra."):]: v for k, v in shards[0].items()
+              if k.startswith("extra.") and k[len("extra."):] not in taken}
+    extras.update(unsharded)
     fmt.check_fits(own, extras, complete=False)
     off = _offloader(optimizer)
     streamed = optimizer is not None and meta.get("optimizer_state") == "offloaded"
@@ -212,7 +268,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None) -> dic
         else:  # each new shard from the byte ranges of the saved shards it overlaps
             for r in range(meta["world_size"]):
                 stream.verify(os.path.join(path, optim_dir(r)))
-            plan = reshard.plan(path, meta, state.units, comm.rank, off, optim_dir)
+            plan = reshard.plan(path, meta, aligned, comm.rank, off, optim_dir)
         restore.check_plan(off, plan, source)
     elif streamed:  # into an optimizer that holds its state in RAM anyway
         for r in range(meta["world_size"]):
@@ -220,10 +276,10 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None) -> dic
         _add_streamed(path, meta, shards)
     loaded_state: dict = {}
     if optimizer is not None and plan is None:
-        for i, (unit, saved) in enumerate(zip(state.units, meta["units"], strict=False)):
+        for i, (unit, saved) in enumerate(zip(aligned, meta["units"], strict=True)):
             keys = {k.split(".", 1)[1] for k in shards[0] if k.startswith(f"unit{i}.")}
             keys.discard("param")
-            if keys:
+            if keys and unit is not None:
                 st = loaded_state[unit.shard] = {}
                 for key in sorted(keys):
                     value = shards[0][f"unit{i}.{key}"]
@@ -236,10 +292,16 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None) -> dic
     agreement = agree.Agreement(state.world_comm, path)
     journal = Journal()
     try:
-        for i, (unit, saved) in enumerate(zip(state.units, meta["units"], strict=False)):
+        for i, (unit, saved) in enumerate(zip(aligned, meta["units"], strict=True)):
+            if unit is None:
+                continue  # frozen parameters this model replicates: in `extras`
             new = _take(shards, unit, saved, f"unit{i}.param", comm.rank)  # one unit at a time
             journal.keep(unit.shard)
             unit.shard.copy_(new)
+            unit.stale = True
+        for unit, tensors in from_extras.items():  # frozen, saved replicated
+            journal.keep(unit.shard)
+            unit.shard.copy_(_slice(unit, tensors))
             unit.stale = True
         for name, value in extras.items():
             journal.keep(own[name])

@@ -28,16 +28,17 @@ def _saved_units(path: str, world: int, optim_dir) -> list[dict]:
 
 
 def plan(path: str, meta: dict, units, rank: int, off, optim_dir) -> list[GroupPlan]:
-    """The plan that gives Offloader `off` (of this rank, `rank`, with sharded `units`) its new
-    shards of the state saved in checkpoint `path` (metadata `meta`). Raises a ValueError if
-    the saved ranks disagree (a unit stepped on some ranks only, or with other step counts)."""
+    """The plan that gives Offloader `off` (of this rank, `rank`, with sharded `units`: the
+    model's unit for each saved one, or None) its new shards of the state saved in checkpoint
+    `path` (metadata `meta`). Raises a ValueError if the saved ranks disagree (a unit stepped
+    on some ranks only, or with other step counts)."""
     saved = _saved_units(path, meta["world_size"], optim_dir)
     where = {p: (gi, pi) for gi, g in enumerate(off.opt.param_groups)
              for pi, p in enumerate(g["params"])}
     plans = [GroupPlan() for _ in off.opt.param_groups]
     for i, (unit, m) in enumerate(zip(units, meta["units"], strict=True)):
-        if unit.shard not in where:
-            continue
+        if unit is None or unit.shard not in where:
+            continue  # None: frozen parameters the model keeps replicated
         gi, pi = where[unit.shard]
         size = m["shard_numel"]
         lo = rank * unit.shard_numel
