@@ -1,11 +1,13 @@
 """On-disk layout of a tierlift ZeRO checkpoint (a directory; an unsharded model's is described
 in replicated.py, an offloading optimizer's streamed state in stream.py):
 
-    metadata.json       format version, world size, per unit: name, numel, padded size and the
-                        parameters it holds (names, shape, offset); optimizer param groups
+    metadata.json       format version, world size, per unit: name, numel, padded size, whether
+                        it is frozen (stage 3) and the parameters it holds (names, shape,
+                        offset); optimizer param groups
     rank00000.pt ...    one file per rank, written by that rank in parallel: a flat dict of
                         tensors only ("unit3.param", "unit3.exp_avg", "unit3.step", and on rank
-                        0 "extra.<state_dict key>" for frozen parameters and buffers)
+                        0 "extra.<state_dict key>" for buffers and, at stages 1/2, frozen
+                        parameters)
     rank00000.sha256    the SHA-256 of that file: a truncated or corrupted file is an error
                         naming it, never silently wrong weights
     manifest.json       written last: the size and SHA-256 of every other file (manifest.py),
