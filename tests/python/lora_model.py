@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 VOCAB, DIM, HIDDEN, RANK, LAYERS, SEQ = 53, 24, 40, 3, 3, 8
@@ -38,6 +39,7 @@ class Block(nn.Module):
 class LoraNet(nn.Module):
     def __init__(self, base_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
+        self.reentrant: bool | None = None  # activation checkpointing of each block, as HF
         self.tok = nn.Embedding(VOCAB, DIM)
         self.blocks = nn.ModuleList(Block(base_dtype) for _ in range(LAYERS))
         self.ln_f = nn.LayerNorm(DIM)
@@ -45,8 +47,14 @@ class LoraNet(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.tok(idx)
+        if self.reentrant is not None:
+            # As Hugging Face's enable_input_require_grads(): the blocks' input needs a gradient.
+            x.requires_grad_(True)
         for block in self.blocks:
-            x = block(x)
+            if self.reentrant is None:
+                x = block(x)
+            else:
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.reentrant)
         return self.head(self.ln_f(x))
 
 

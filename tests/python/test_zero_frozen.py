@@ -312,3 +312,33 @@ def test_checkpoint_across_stages(tmp_path, stages):
         assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
     data = batches(2, 4, seed=4)
     assert fit(model, opt, data) == fit(again, opt2, data)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing(reentrant):
+    """Blocks recomputed in backward (checkpointed through their __call__, as Hugging Face
+    does): the frozen base is gathered for the recomputation and freed after its backward;
+    training equals the plain model's."""
+
+    def checkpointed(model):
+        model.reentrant = reentrant
+        return model
+
+    data = batches(3, 4)
+    ref = checkpointed(make_lora())
+    ref_losses = fit(ref, torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad],
+                                            **OPT), data)
+    model = tierlift.zero.shard(checkpointed(make_lora()), stage=3)
+    state = model._tierlift_zero
+    seen = []
+    model.blocks[0].register_full_backward_pre_hook(
+        lambda *_: seen.append(sorted({u.name for u in state.units
+                                       if u.frozen and u.full_bytes > 0})))
+    losses = fit(model, torch.optim.AdamW(model.parameters(), **OPT), data)
+    assert losses == ref_losses
+    assert all(u.full_bytes == 0 for u in state.units)
+    # The later blocks' frozen weights were freed before the first block's backward.
+    assert all("blocks.1" not in s and "blocks.2" not in s for s in seen) and seen
+    sd = tierlift.zero.full_state_dict(model)
+    for key, value in ref.state_dict().items():
+        assert torch.equal(sd[key], value), key

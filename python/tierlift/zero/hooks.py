@@ -187,7 +187,10 @@ class ZeroState:
             self.order.append(unit)
         unit.full_grad = None
         self._gather(unit)
-        self._prefetch(unit, +1)
+        if not _in_backward():
+            # Inside backward this is a recomputation (activation checkpointing): the units
+            # after it are done, and the backward hooks prefetch the ones before it.
+            self._prefetch(unit, +1)
         unit.install_views()
 
     def _post_forward(self, unit: FlatUnit, module, args, output):
