@@ -129,8 +129,10 @@ def test_lora_on_zero3_offload_equals_one_process(runs, tmp_path):
     assert sorted(saved) == sorted(expected) and saved
     for k, v in expected.items():
         torch.testing.assert_close(saved[k], v, rtol=1e-4, atol=1e-6)
-    # The frozen base: no gradients, no optimizer state; only the adapters are shards.
-    assert r["frozen_numel"] == W.build("llama").num_parameters()
+    # The frozen base: sharded too (half of it per rank, each frozen unit padded to an even
+    # size), no gradients, no optimizer state; the optimizer holds only the adapters' shards.
+    base = W.build("llama").num_parameters()
+    assert base // 2 <= r["frozen_numel"] <= base // 2 + 32
     assert r["frozen_grads"] == 0 and r["state_on_frozen"] == 0
     assert r["optimizer_params_all_shards"]
     assert r["num_parameters"] == ref_model.get_nb_trainable_parameters()
