@@ -1,0 +1,55 @@
+// AVX2 path of the fingerprint: the eight lanes in two 256-bit registers. The target pragma
+// compiles just this file for AVX2; cpu_features decides at run time whether it may be called.
+#pragma GCC target("avx2")
+#include <immintrin.h>
+
+#include "core/util/fingerprint.h"
+#include "core/util/fingerprint_impl.h"
+
+namespace tierlift {
+namespace {
+
+// a * kMul mod 2^64 from two 32x32->64 multiplies (kMul has 32 bits).
+inline __m256i mul_k(__m256i a) {
+  const __m256i k = _mm256_set1_epi64x(static_cast<long long>(kMul));
+  const __m256i lo = _mm256_mul_epu32(a, k);
+  const __m256i hi = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), k);
+  return _mm256_add_epi64(lo, _mm256_slli_epi64(hi, 32));
+}
+
+inline __m256i load(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+
+inline __m256i step(__m256i acc, __m256i d, __m256i key) {
+  const __m256i x = _mm256_xor_si256(d, key);
+  const __m256i prod = _mm256_mul_epu32(x, _mm256_srli_epi64(x, 32));
+  // 0x4E swaps the two 64-bit words of each 128-bit half: lane i gets d[i ^ 1].
+  return _mm256_add_epi64(acc, _mm256_add_epi64(prod, _mm256_shuffle_epi32(d, 0x4E)));
+}
+
+inline __m256i scramble_one(__m256i a, const uint64_t* key) {
+  a = _mm256_xor_si256(a, _mm256_srli_epi64(a, kShift));
+  return mul_k(_mm256_xor_si256(a, load(key)));
+}
+
+struct Avx2Lanes {
+  __m256i a0, a1;
+  explicit Avx2Lanes(const uint64_t* init) : a0(load(init)), a1(load(init + 4)) {}
+  void stripe(const unsigned char* p, const uint64_t* key) {
+    a0 = step(a0, load(p), load(key));
+    a1 = step(a1, load(p + 32), load(key + 4));
+  }
+  void scramble() {
+    a0 = scramble_one(a0, kKeys.scramble);
+    a1 = scramble_one(a1, kKeys.scramble + 4);
+  }
+  void store(uint64_t* out) const {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), a0);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 4), a1);
+  }
+};
+
+}  // namespace
+
+uint64_t fingerprint64_avx2(const void* data, size_t n) { return run<Avx2Lanes>(data, n); }
+
+}  // namespace tierlift
