@@ -6,7 +6,8 @@ as a share of step() (what is left of the step after the overlap) and of the who
 For each recipe and tier, a stack of Linear layers trains for --repeats steps (plus one
 warm-up) with tierlift.optim.AdamW(overlap=True); the table gives the fraction of speculative
 chunks kept (the rest were stepped again in step()), the step time, and the content check's
-share of it (CRC-32C of the kept chunks' gradients and parameters, `overlap_check_s`).
+share of it (the content fingerprints of the kept chunks' gradients and parameters,
+`overlap_check_s`).
 Recipes:
   hf-default   bf16 autocast + torch.nn.utils.clip_grad_norm_(1.0) (Hugging Face Trainer's)
   scaler-clip  fp16 autocast + GradScaler, scaler.unscale_ + clip_grad_norm_(1.0)

@@ -1,4 +1,5 @@
-// pybind11 classes of the NVMe engine (tierlift._C.io): Engine, Request and the crc32c helper.
+// pybind11 classes of the NVMe engine (tierlift._C.io): Engine, Request, the crc32c helper and
+// the in-memory content fingerprint.
 // Tensors are checked here (CPU, contiguous, dense), the GIL is released while waiting, and
 // engine errors become Python exceptions: OSError(errno, message, path) for I/O failures,
 // EOFError for a read past the end of a file, ValueError/RuntimeError for bad use.
@@ -12,6 +13,7 @@
 #include "checks.h"
 #include "core/io/crc32c.h"
 #include "core/io/engine.h"
+#include "core/util/fingerprint.h"
 
 #ifdef TIERLIFT_WITH_CUDA
 #include <cuda_runtime_api.h>
@@ -65,6 +67,17 @@ std::vector<uint32_t> block_crc32c(const at::Tensor& tensor, int64_t block_bytes
     out.push_back(io::crc32c(0, p + off, len));
   }
   return out;
+}
+
+std::vector<uint64_t> fingerprints(const std::vector<at::Tensor>& tensors, int64_t threads) {
+  std::vector<ByteRange> ranges;
+  ranges.reserve(tensors.size());
+  for (const auto& t : tensors) {
+    auto [ptr, n] = checked_bytes(t);
+    ranges.push_back({ptr, n});
+  }
+  py::gil_scoped_release nogil;
+  return fingerprint64_many(ranges, static_cast<int>(threads));
 }
 
 // An engine whose pool is page-locked with cudaHostRegister when `pin` is set and CUDA works, so
@@ -218,6 +231,9 @@ void bind_io(py::module_& m) {
          "Why io_uring cannot be used here, or '' when it can.");
   io.def("block_crc32c", &block_crc32c, py::arg("tensor"), py::arg("block_bytes"),
          "CRC-32C of each block_bytes-long block of a contiguous CPU tensor's bytes.");
+  io.def("fingerprints", &fingerprints, py::arg("tensors"), py::arg("threads") = 1,
+         "64-bit content fingerprint of each contiguous CPU tensor's bytes, for in-memory "
+         "comparisons only (never stored): up to `threads` threads of the kernel pool.");
 }
 
 }  // namespace tierlift

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from tierlift.offload.watch import crcs
+from tierlift.offload.watch import fingerprints
 
 _INTS = {4: torch.int32, 2: torch.int16}
 
@@ -36,7 +36,7 @@ def prepare(off, gi: int, grads: dict, chunks, stats, rewritten: set | None = No
     only a parameter whose bytes differ from what the optimizer last wrote into it (ParamWatch)
     is compared with its master, element by element (refresh_master). The refreshed masters go
     to the committed generation, so a failure later in the step puts the parameter back to the
-    value it had. Returns {(ci, pi): CRC-32C} of the parameters as they were found (the overlap
+    value it had. Returns {(ci, pi): fingerprint} of the parameters as they were found (the overlap
     keeps them); `rewritten` receives the chunks whose committed master changed. Uses the last
     slot, which the step's early reads leave free."""
     params, tier = off.opt.param_groups[gi]["params"], off.tiers[gi]
@@ -45,8 +45,8 @@ def prepare(off, gi: int, grads: dict, chunks, stats, rewritten: set | None = No
     t = time.perf_counter()
     segs = [(c, s) for c in chunks for s in c.segments
             if s.pi in grads and off._uses_master(params[s.pi])]
-    found = crcs([params[s.pi].detach().view(-1)[s.plo:s.phi] for _, s in segs],
-                 off._slots[0].get("copy"))
+    found = fingerprints([params[s.pi].detach().view(-1)[s.plo:s.phi] for _, s in segs],
+                         off._slots[0].get("copy"))
     seen = {(c.ci, s.pi): v for (c, s), v in zip(segs, found)}
     todo: dict = {}  # ci -> (chunk, [(segment, first step)])
     for c, s in segs:

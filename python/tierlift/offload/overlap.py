@@ -7,12 +7,13 @@ new master, m and v to the uncommitted generation. The parameters themselves are
 second backward for gradient accumulation may still read them); step() copies the new master
 weights into them ("publish") and commits.
 
-Exactness by speculate-and-validate: each speculative chunk records what it used: a CRC-32C of
-the bytes of every gradient segment it read (taken right before the kernel read them) and of
-every parameter segment its master was prepared from, the step counts, the hyperparameters and
-the GradScaler scale it assumed (the previous step's). step() keeps the chunk only if all of
-these are the same now, compared by content: GradScaler's unscale_, `.data` and numpy writes
-change gradients without bumping their version counter. Anything that changed (clipping that
+Exactness by speculate-and-validate: each speculative chunk records what it used: a 64-bit
+content fingerprint (watch.fingerprints) of the bytes of every gradient segment it read (taken
+right before the kernel read them) and of every parameter segment its master was prepared from,
+the step counts, the hyperparameters and the GradScaler scale it assumed (the previous
+step's). step() keeps the chunk only if all of these are the same now, compared by content:
+GradScaler's unscale_, `.data` and numpy writes change gradients without bumping their version
+counter. Anything that changed (clipping that
 scales the gradients, an unscale_, a second backward for accumulation, an lr scheduler, a
 weight edited after backward) invalidates the chunk, which is then stepped again from the
 committed generation with the final values. A chunk is therefore only ever committed with
@@ -40,7 +41,7 @@ import torch
 from tierlift._shards import is_shard, on_shard_grad_ready
 from tierlift.offload import masters
 from tierlift.offload.checks import check_group
-from tierlift.offload.watch import crcs
+from tierlift.offload.watch import fingerprints
 
 
 def _hyper(group: dict) -> tuple:
@@ -66,8 +67,8 @@ class Record:
     group: dict  # the hyperparameters it stepped with (_frozen)
     hyper: tuple
     scale: float | None  # the GradScaler scale the kernel assumed
-    grads: dict = field(default_factory=dict)  # (ci, pi) -> CRC-32C of the gradient read
-    params: dict = field(default_factory=dict)  # (ci, pi) -> CRC-32C of the parameter
+    grads: dict = field(default_factory=dict)  # (ci, pi) -> fingerprint of the gradient read
+    params: dict = field(default_factory=dict)  # (ci, pi) -> fingerprint of the parameter
 
 
 def validate(off, gi: int, records: list, live: dict, scale: float | None) -> tuple[list, list]:
@@ -85,7 +86,7 @@ def validate(off, gi: int, records: list, live: dict, scale: float | None) -> tu
             continue
         segs = [s for s in chunk.segments if s.pi in live]
         candidates.append((chunk, rec, segs))
-    # Every CRC of every candidate in one batch (the pool's threads run them in parallel).
+    # Every fingerprint of every candidate in one batch (one call, split over threads).
     keys, tensors = [], []
     for chunk, rec, segs in candidates:
         for s in segs or []:
@@ -94,7 +95,7 @@ def validate(off, gi: int, records: list, live: dict, scale: float | None) -> tu
             if (chunk.ci, s.pi) in rec.params:
                 keys.append((id(rec), "p", chunk.ci, s.pi))
                 tensors.append(params[s.pi].detach().view(-1)[s.plo:s.phi])
-    now = dict(zip(keys, crcs(tensors, off._slots[0].get("copy"))))
+    now = dict(zip(keys, fingerprints(tensors, off._slots[0].get("copy"))))
     good, bad = [], []
     for chunk, rec, segs in candidates:
         ok = segs is not None and all(

@@ -56,7 +56,7 @@ from tierlift.offload.tiers import (
     make_state_dir,
     remove_stale_dirs,
 )
-from tierlift.offload.watch import ParamWatch, crcs
+from tierlift.offload.watch import ParamWatch, fingerprints
 
 _MIN_SLOTS = 3  # read ahead, step, write back
 MIN_SLOT_CHUNK_BYTES = 1 << 20  # the smallest chunk per kind worth an extra pipeline slot
@@ -613,7 +613,7 @@ class Offloader(StateIO):
                     src = self._staging(p, s, self._slots[0]).copy_(src)
                 dst.copy_(src)
                 written[(chunk.ci, s.pi)] = dst if p.device.type == "cpu" else src
-            self._watch.record(gi, dict(zip(written, crcs(list(written.values())))))
+            self._watch.record(gi, dict(zip(written, fingerprints(list(written.values())))))
         stats["publish_s"] += time.perf_counter() - t
 
     @staticmethod
@@ -631,7 +631,7 @@ class Offloader(StateIO):
         Chunks whose parameters were updated are appended to `done` (also when this raises).
         `started`: {j: handles} of the first chunks' reads, already issued into slot j.
         `scale`: the GradScaler scale the gradients still carry (a 1-element fp32 tensor).
-        `used_grads`: receives {(ci, pi): CRC-32C} of the gradients each chunk read.
+        `used_grads`: receives {(ci, pi): fingerprint} of the gradients each chunk read.
         `group`: the hyperparameters to step with (default: the param group's own)."""
         params, tier = self.opt.param_groups[gi]["params"], self.tiers[gi]
         group = self.opt.param_groups[gi] if group is None else group
@@ -751,8 +751,8 @@ class Offloader(StateIO):
             stats["d2h_s"] += time.perf_counter() - t
         if used_grads is not None:  # the overlap keeps the step only if these stay the same
             t = time.perf_counter()
-            used_grads.update(zip([k for k, _ in used], crcs([g for _, g in used])))
-            stats["grad_crc_s"] += time.perf_counter() - t
+            used_grads.update(zip([k for k, _ in used], fingerprints([g for _, g in used])))
+            stats["grad_fingerprint_s"] += time.perf_counter() - t
         t1 = time.perf_counter()
         beta1, beta2 = group["betas"]
         amp = {} if scale is None else {"grad_scale": scale}
@@ -774,7 +774,7 @@ class Offloader(StateIO):
         if written:
             t = time.perf_counter()
             self._watch.record(gi, dict(zip([k for k, _ in written],
-                                            crcs([w for _, w in written]))))
+                                            fingerprints([w for _, w in written]))))
             stats["param_check_s"] += time.perf_counter() - t
         if h2d:
             t2 = time.perf_counter()

@@ -1,18 +1,24 @@
-"""Content fingerprints (CRC-32C of a tensor's bytes) for the two exactness rules of the
-offloaded step. Version counters do not see every route that changes a tensor (GradScaler's
-unscale, `.data`, numpy views), so both rules compare bytes:
+"""Content fingerprints (a 64-bit hash of a tensor's bytes, csrc/core/util/fingerprint.h) for
+the two exactness rules of the offloaded step. Version counters do not see every route that
+changes a tensor (GradScaler's unscale, `.data`, numpy views), so both rules compare bytes:
 
 * the overlap keeps a chunk it stepped during backward only if the gradients step() sees are
   the ones it used (overlap.Record);
 * the offloader steps a parameter from its current value: a parameter whose bytes differ from
   what the optimizer last wrote into it has its master refreshed (ParamWatch).
+
+The fingerprints live in memory only and are compared only with each other, so they need not
+be CRC-32C (which the files on disk keep): the hash runs near memory bandwidth.
 """
 
 from __future__ import annotations
 
 import torch
 
-from tierlift.offload.tiers import crc32c, crc_pool
+from tierlift import _extension
+
+# Threads of the kernel pool one fingerprints() call may use (see fingerprint_many's numbers).
+THREADS = 2
 
 
 def host_bytes(t: torch.Tensor, scratch: torch.Tensor | None) -> torch.Tensor:
@@ -26,37 +32,38 @@ def host_bytes(t: torch.Tensor, scratch: torch.Tensor | None) -> torch.Tensor:
     return out
 
 
-def crcs(tensors: list[torch.Tensor], scratch: torch.Tensor | None = None) -> list[int]:
-    """CRC-32C of each tensor's bytes; host tensors on the CRC pool's threads (the CRC releases
-    the GIL), device ones one by one through `scratch`."""
-    if len(tensors) > 1 and all(t.device.type == "cpu" for t in tensors):
-        return list(crc_pool().map(lambda t: crc32c(host_bytes(t, None)), tensors))
-    return [crc32c(host_bytes(t, scratch)) for t in tensors]
+def fingerprints(tensors: list[torch.Tensor], scratch: torch.Tensor | None = None) -> list[int]:
+    """The 64-bit content fingerprint of each tensor's bytes: host tensors in one call without
+    the GIL, device ones one by one through `scratch`."""
+    fp = _extension._C.io.fingerprints
+    if all(t.device.type == "cpu" for t in tensors):
+        return fp([host_bytes(t, None) for t in tensors], THREADS)
+    return [fp([host_bytes(t, scratch)])[0] for t in tensors]
 
 
 class ParamWatch:
-    """Per param group, {(chunk, param index): CRC-32C} of each parameter segment as the
+    """Per param group, {(chunk, param index): fingerprint} of each parameter segment as the
     optimizer last wrote it. A segment without an entry is unknown and must be compared with
     its master: every fill (load_state_dict, a checkpoint load, a reopen) forgets them all."""
 
     def __init__(self, n_groups: int):
-        self._crc = [dict() for _ in range(n_groups)]
+        self._seen = [dict() for _ in range(n_groups)]
 
     def forget(self, gi: int | None = None, keys=None) -> None:
-        groups = range(len(self._crc)) if gi is None else [gi]
+        groups = range(len(self._seen)) if gi is None else [gi]
         for g in groups:
             if keys is None:
-                self._crc[g].clear()
+                self._seen[g].clear()
             else:
                 for k in keys:
-                    self._crc[g].pop(k, None)
+                    self._seen[g].pop(k, None)
 
     def record(self, gi: int, entries: dict) -> None:
-        """entries: {(ci, pi): crc} of segments the optimizer has just written."""
-        self._crc[gi].update(entries)
+        """entries: {(ci, pi): fingerprint} of segments the optimizer has just written."""
+        self._seen[gi].update(entries)
 
     def known(self, gi: int, key) -> int | None:
-        return self._crc[gi].get(key)
+        return self._seen[gi].get(key)
 
 
-__all__ = ["ParamWatch", "crcs", "host_bytes"]
+__all__ = ["ParamWatch", "fingerprints", "host_bytes"]
