@@ -13,12 +13,14 @@ be CRC-32C (which the files on disk keep): the hash runs near memory bandwidth.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from tierlift import _extension
 
-# Threads of the kernel pool one fingerprints() call may use (see fingerprint_many's numbers).
-THREADS = 2
+# Threads of the kernel pool one fingerprints() call may use, as many as the CRC pool had.
+THREADS = min(4, os.cpu_count() or 1)
 
 
 def host_bytes(t: torch.Tensor, scratch: torch.Tensor | None) -> torch.Tensor:
