@@ -84,6 +84,8 @@ TEST(Fingerprint, SimdEqualsScalarForEveryLengthAndAlignment) {
 }
 
 TEST(Fingerprint, DispatchFollowsTierliftSimd) {
+  const char* was = std::getenv("TIERLIFT_SIMD");
+  const std::string saved = was ? was : "";
   const auto data = random_bytes(5000, 3);
   const uint64_t want = fingerprint64_scalar(data.data() + 1, 4999);
   for (const char* level : {"scalar", "avx2", "avx512", ""}) {
@@ -91,7 +93,11 @@ TEST(Fingerprint, DispatchFollowsTierliftSimd) {
     EXPECT_EQ(fingerprint64(data.data() + 1, 4999), want) << level;
     EXPECT_EQ(fingerprint64_many({{data.data() + 1, 4999}}, 2)[0], want) << level;
   }
-  unsetenv("TIERLIFT_SIMD");
+  if (was) {
+    setenv("TIERLIFT_SIMD", saved.c_str(), 1);
+  } else {
+    unsetenv("TIERLIFT_SIMD");
+  }
 }
 
 // Every single-bit change of a 300-byte buffer (and of one spanning several blocks) changes the
