@@ -89,7 +89,8 @@ def _run_config(rank, world, name, tmp):
     return out
 
 
-def _run_peft(rank, world):
+def _peft_model():
+    """A tiny Llama with LoRA adapters (B non-zero, so they change the output), seed 0."""
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -103,6 +104,11 @@ def _run_peft(rank, world):
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 p.normal_(std=0.05)
+    return model
+
+
+def _run_peft(rank, world):
+    model = _peft_model()
     model = tierlift.zero.shard(model, stage=3, offload_params="cpu")
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **OPT)
     losses = []
@@ -226,19 +232,7 @@ def test_peft_lora_trains_as_one_process(world2):
     pytest.importorskip("peft")
     r = world2["peft"]
     assert r["frozen_units"] > 0
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=40,
-                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                      max_position_embeddings=SEQ + 1, tie_word_embeddings=False)
-    model = get_peft_model(LlamaForCausalLM(cfg), LoraConfig(
-        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "up_proj"]))
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(std=0.05)
+    model = _peft_model()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **OPT)
     losses = []
     for seq in batches(3, BATCH):
