@@ -138,7 +138,7 @@ void bind_io(py::module_& m) {
 
   py::class_<Engine, std::shared_ptr<Engine>>(io, "Engine")
       .def(py::init([](const std::string& backend, int queue_depth, int64_t block_size,
-                       int64_t pool_bytes, bool direct, bool sqpoll, bool pin) {
+                       int64_t pool_bytes, bool direct, bool sqpoll, bool pin, int copy_threads) {
              TORCH_CHECK_VALUE(block_size > 0, "block_size must be > 0, got ", block_size);
              TORCH_CHECK_VALUE(pool_bytes > 0, "pool_bytes must be > 0, got ", pool_bytes);
              io::EngineOptions o;
@@ -148,12 +148,14 @@ void bind_io(py::module_& m) {
              o.pool_bytes = static_cast<size_t>(pool_bytes);
              o.direct = direct;
              o.sqpoll = sqpoll;
+             o.copy_threads = copy_threads;
              auto e = make_engine(o, pin, std::make_shared<PinState>());
              emit_warnings(*e);
              return e;
            }),
            py::kw_only(), py::arg("backend"), py::arg("queue_depth"), py::arg("block_size"),
-           py::arg("pool_bytes"), py::arg("direct"), py::arg("sqpoll"), py::arg("pin") = false)
+           py::arg("pool_bytes"), py::arg("direct"), py::arg("sqpoll"), py::arg("pin") = false,
+           py::arg("copy_threads") = 0)
       .def(
           "read",
           [](Engine& e, const at::Tensor& tensor, const std::vector<std::string>& paths,

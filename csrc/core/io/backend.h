@@ -16,6 +16,7 @@ struct BackendOptions {
   bool sqpoll = false;         // io_uring kernel submission-queue polling thread
   void* fixed_base = nullptr;  // memory to register as io_uring fixed buffer 0, if any
   size_t fixed_len = 0;
+  int copy_threads = 0;  // io_uring: threads for staging copies; 0: Copier::default_threads()
 };
 
 class IoBackend {

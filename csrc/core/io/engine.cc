@@ -72,6 +72,10 @@ Engine::Engine(const EngineOptions& opts) : opts_(opts) {
                                 std::to_string(opts.block_size));
   }
   if (opts.pool_bytes == 0) throw std::invalid_argument("pool_bytes must be > 0");
+  if (opts.copy_threads < 0 || opts.copy_threads > 256) {
+    throw std::invalid_argument("copy_threads must be in [0, 256], got " +
+                                std::to_string(opts.copy_threads));
+  }
   std::string warning;
   name_ = choose_backend(opts, &warning);
   if (!warning.empty()) warnings_.push_back(warning);
@@ -79,6 +83,7 @@ Engine::Engine(const EngineOptions& opts) : opts_(opts) {
   BackendOptions bo;
   bo.queue_depth = opts.queue_depth;
   bo.sqpoll = opts.sqpoll;
+  bo.copy_threads = opts.copy_threads;
   bo.fixed_base = pool_->arena();
   bo.fixed_len = pool_->budget();
   backend_ = name_ == "uring" ? make_uring_backend(bo) : make_thread_backend(bo);

@@ -30,6 +30,9 @@ struct EngineOptions {
   size_t pool_bytes = 64 << 20;  // aligned (bounce/staging) buffer budget
   bool direct = true;            // try O_DIRECT
   bool sqpoll = false;
+  // Threads that copy staged blocks in and out of the pool (io_uring backend; the thread
+  // backend's workers copy their own). 0: TIERLIFT_IO_COPY_THREADS, else 2-4 by core count.
+  int copy_threads = 0;
 };
 
 class Engine {

@@ -2,6 +2,11 @@
 // direct-I/O memory alignment (torch's allocator gives 64 bytes; many block devices want 512).
 // Each block borrows an aligned pool buffer only while it is in flight, so a request of any size
 // streams through a bounded budget and the drive still sees O_DIRECT.
+//
+// A staged block's life: stage_acquire (a pool buffer), copy the caller's bytes in (write), the
+// I/O, copy the bytes out (read), stage_release. The thread backend does all of it on the worker
+// that runs the block (stage_begin/stage_end); the io_uring backend does the copies on its
+// copier threads (core/io/copier.h), so its ring thread never copies.
 #pragma once
 
 #include <atomic>
@@ -20,14 +25,23 @@ struct PathBytes {
 
 enum class Stage { kReady, kWait };
 
-// Gives a staged op its pool buffer, copying the caller's bytes in for a write. When the pool
-// is short: kWait if `can_wait` (the caller has staged ops in flight that will release theirs),
-// else the op goes through the page cache straight on the caller's memory, and kReady.
-// Unstaged ops are kReady at once.
+// Gives a staged op its pool buffer (op.buf), without copying. When the pool is short: kWait if
+// `can_wait` (the caller has staged ops in flight that will release theirs), else the op goes
+// through the page cache straight on the caller's memory (no longer staged), and kReady.
+// Unstaged ops, and staged ops that already hold a buffer, are kReady at once.
+Stage stage_acquire(BlockOp& op, bool can_wait);
+
+// Whether the op holds a pool buffer that stage_release must return.
+inline bool stage_holds_buffer(const BlockOp& op) { return op.staged() && op.buf != nullptr; }
+
+// Returns the op's pool buffer without copying. No-op for unstaged ops.
+void stage_release(BlockOp& op);
+
+// stage_acquire, then the caller's bytes copied in for a write, on the calling thread.
 Stage stage_begin(BlockOp& op, bool can_wait);
 
 // Copies what a read brought in out to the caller (also after a failure: the bytes that did
-// arrive) and returns the buffer. No-op for unstaged ops.
+// arrive), on the calling thread, then stage_release. No-op for unstaged ops.
 void stage_end(BlockOp& op);
 
 }  // namespace tierlift::io

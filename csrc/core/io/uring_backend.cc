@@ -3,6 +3,12 @@
 // io_uring_submit_and_wait, then reaps every ready completion in one pass (no syscall per
 // request). Short transfers and -EAGAIN are resubmitted for the rest of the block. New work wakes
 // the thread through an eventfd polled inside the same ring, so the thread never spins.
+//
+// Staged blocks (core/io/staging.h) are copied by a Copier, never by the ring thread: a staged
+// write takes its pool buffer on the ring thread, is copied in on the copier threads and comes
+// back through `ready_` to be submitted; a staged read's bytes are copied out on the copier
+// threads after its completion, and only then is the block reported done. The ring slot is freed
+// as soon as the kernel is done with it, so copies overlap with the I/O of other blocks.
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -12,6 +18,7 @@
 #include <stdexcept>
 
 #include "core/io/backend.h"
+#include "core/io/copier.h"
 #include "core/io/staging.h"
 
 #ifdef TIERLIFT_HAVE_URING
@@ -49,7 +56,10 @@ constexpr unsigned kFixedFiles = 256;  // sparse fixed-file table; further files
 
 class UringBackend final : public IoBackend {
  public:
-  explicit UringBackend(const BackendOptions& opts) : depth_(std::max(1, opts.queue_depth)) {
+  explicit UringBackend(const BackendOptions& opts)
+      : depth_(std::max(1, opts.queue_depth)),
+        copier_(std::make_unique<Copier>(opts.copy_threads > 0 ? opts.copy_threads
+                                                               : Copier::default_threads())) {
     io_uring_params params{};
     if (opts.sqpoll) {
       params.flags |= IORING_SETUP_SQPOLL;
@@ -85,7 +95,8 @@ class UringBackend final : public IoBackend {
       stop_ = true;
     }
     wake();
-    thread_.join();
+    thread_.join();   // returns once no staged block is left with the copier
+    copier_.reset();  // joins the copier threads, whose last continuations may still be running
     io_uring_queue_exit(&ring_);
     close(efd_);
   }
@@ -184,35 +195,104 @@ class UringBackend final : public IoBackend {
       op.done += static_cast<uint64_t>(res);
       if (op.done < op.len) return false;
     }
-    if (op.staged()) {
-      stage_end(op);
-      --staged_inflight_;
-    }
-    auto req = std::move(op.req);
-    req->complete_one(st);
+    finish(std::move(op), st);
     return true;
+  }
+
+  // Reports a block's completion; a staged read's bytes are copied out first, on the copier.
+  // Runs on the ring thread without mu_ held.
+  void finish(BlockOp op, const IoStatus& st) {
+    if (!stage_holds_buffer(op)) {
+      auto req = std::move(op.req);
+      req->complete_one(st);
+      return;
+    }
+    if (op.is_write) {
+      stage_release(op);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        --staged_held_;
+      }
+      auto req = std::move(op.req);
+      req->complete_one(st);
+      return;
+    }
+    char* from = op.buf;
+    char* to = op.user;
+    const uint64_t n = op.done;  // after a failure: the bytes that did arrive
+    copier_->copy(to, from, n, [this, op = std::move(op), st]() mutable {
+      stage_release(op);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        --staged_held_;
+      }
+      wake();  // pool memory is free again: a waiting staged block may start
+      auto req = std::move(op.req);
+      req->complete_one(st);  // last: the engine may be closed and destroyed once it returns
+    });
+  }
+
+  // Hands a staged write holding its pool buffer to the copier; once copied in it is queued for
+  // submission ahead of new work.
+  void copy_in(BlockOp op) {
+    char* to = op.buf;
+    const char* from = op.user;
+    const uint64_t n = op.len;
+    copier_->copy(to, from, n, [this, op = std::move(op)]() mutable {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        ready_.push_back(std::move(op));
+      }
+      wake();
+    });
+  }
+
+  // Puts an op into a free ring slot and prepares its SQE. Called with mu_ held.
+  void start(BlockOp op) {
+    const int slot = free_slots_.back();
+    free_slots_.pop_back();
+    slots_[slot] = std::move(op);
+    prep(slot);
   }
 
   void loop() {
     arm_wake_poll();
     std::vector<int> retry;
+    std::vector<BlockOp> to_copy;
     for (;;) {
       {
         std::lock_guard<std::mutex> lock(mu_);
         for (int slot : retry) prep(slot);
         retry.clear();
-        while (!free_slots_.empty() && !pending_.empty()) {
-          // A staged op waits for pool memory only while ours in flight will release some.
-          if (stage_begin(pending_.front(), staged_inflight_ > 0) == Stage::kWait) break;
-          if (pending_.front().staged()) ++staged_inflight_;
-          const int slot = free_slots_.back();
-          free_slots_.pop_back();
-          slots_[slot] = std::move(pending_.front());
-          pending_.pop_front();
-          prep(slot);
+        // Copied-in writes first: they already hold pool memory.
+        while (!free_slots_.empty() && !ready_.empty()) {
+          start(std::move(ready_.front()));
+          ready_.pop_front();
         }
-        if (stop_ && pending_.empty() && free_slots_.size() == static_cast<size_t>(depth_)) return;
+        while (!pending_.empty()) {
+          BlockOp& op = pending_.front();
+          // A staged write is copied in while the ring is full; anything else needs a slot.
+          if (!(op.staged() && op.is_write) && free_slots_.empty()) break;
+          // A staged op waits for pool memory only while ours (in the ring or with the copier)
+          // will release some.
+          if (stage_acquire(op, staged_held_ > 0) == Stage::kWait) break;
+          if (stage_holds_buffer(op)) ++staged_held_;
+          if (stage_holds_buffer(op) && op.is_write) {
+            to_copy.push_back(std::move(op));  // takes a slot once its bytes are in
+          } else if (free_slots_.empty()) {
+            break;  // a staged write sent to the page cache instead: it waits for a slot
+          } else {
+            start(std::move(op));
+          }
+          pending_.pop_front();
+        }
+        if (stop_ && pending_.empty() && ready_.empty() && staged_held_ == 0 &&
+            free_slots_.size() == static_cast<size_t>(depth_)) {
+          return;
+        }
       }
+      for (auto& op : to_copy) copy_in(std::move(op));
+      to_copy.clear();
       int r = io_uring_submit_and_wait(&ring_, 1);
       if (r < 0 && r != -EINTR && r != -EAGAIN && r != -EBUSY) {
         std::fprintf(stderr, "tierlift io_uring: submit failed: %s\n", std::strerror(-r));
@@ -254,8 +334,10 @@ class UringBackend final : public IoBackend {
   std::vector<int> free_slots_;
   std::mutex mu_;
   std::deque<BlockOp> pending_;
-  int staged_inflight_ = 0;  // staged ops holding pool buffers (ring thread only)
+  std::deque<BlockOp> ready_;  // staged writes copied in, waiting for a slot (guarded by mu_)
+  int staged_held_ = 0;  // staged ops holding pool buffers, wherever they are (guarded by mu_)
   bool stop_ = false;
+  std::unique_ptr<Copier> copier_;
   std::thread thread_;
 };
 

@@ -8,8 +8,10 @@ The engine reads and writes with O_DIRECT. Memory aligned to what the file's O_D
 place; other memory, such as an ordinary tensor from torch's 64-byte-aligned allocator on a
 512-byte device, is staged block by block through the engine's aligned buffer pool, whose size is
 the explicit `pool_bytes` budget; each block holds a pool buffer only while it is in flight, so a
-request of any size streams through it. `pool_tensor()` hands out aligned (and, with a GPU,
-pinned) tensors from that pool that always go to the disk without a copy.
+request of any size streams through it. With io_uring the staging copies run on a few copier
+threads (`copy_threads`), never on the thread that drives the ring. `pool_tensor()` hands out
+aligned (and, with a GPU, pinned) tensors from that pool that always go to the disk without a
+copy.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ class EngineConfig:
     pool_bytes: int = 64 << 20
     direct: bool = True
     sqpoll: bool = False
+    # Threads that copy staged blocks into and out of the pool (io_uring backend; the thread
+    # backend's workers copy their own). 0: TIERLIFT_IO_COPY_THREADS, else 2 to 4 by core count.
+    copy_threads: int = 0
     pin_pool: bool = True  # page-lock the pool with cudaHostRegister when a GPU is present
 
     def __post_init__(self):
@@ -48,6 +53,8 @@ class EngineConfig:
                 f"block_size must be a positive multiple of 4096, got {self.block_size}")
         if self.pool_bytes <= 0:
             raise ValueError(f"pool_bytes must be > 0, got {self.pool_bytes}")
+        if not 0 <= self.copy_threads <= 256:
+            raise ValueError(f"copy_threads must be in [0, 256], got {self.copy_threads}")
 
 
 def _paths(path: PathArg, what: str = "path") -> list[str]:
@@ -95,6 +102,7 @@ class IoEngine:
         self._engine = _extension._C.io.Engine(
             backend=c.backend, queue_depth=c.queue_depth, block_size=c.block_size,
             pool_bytes=c.pool_bytes, direct=c.direct, sqpoll=c.sqpoll,
+            copy_threads=c.copy_threads,
             # page-lock the pool so H2D/D2H copies from pool tensors are asynchronous
             pin=c.pin_pool and torch.cuda.is_available())
 
