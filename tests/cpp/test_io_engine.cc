@@ -14,24 +14,13 @@
 #include <vector>
 
 #include "core/io/engine.h"
+#include "io_test_util.h"
 
 namespace tierlift::io {
 namespace {
 
-std::string make_temp_dir(const char* base) {
-  std::string tmpl = std::string(base) + "/tierlift_io_XXXXXX";
-  std::vector<char> buf(tmpl.begin(), tmpl.end());
-  buf.push_back('\0');
-  if (mkdtemp(buf.data()) == nullptr) return "";
-  return buf.data();
-}
-
-std::vector<unsigned char> random_bytes(size_t n, unsigned seed) {
-  std::mt19937 rng(seed);
-  std::vector<unsigned char> v(n);
-  for (auto& b : v) b = static_cast<unsigned char>(rng());
-  return v;
-}
+using iotest::make_temp_dir;
+using iotest::random_bytes;
 
 class IoEngineTest : public ::testing::TestWithParam<std::string> {
  protected:

@@ -1,6 +1,7 @@
 """tierlift.io.IoEngine on both backends: round trips, many requests in flight, striping, the
 pool budget, and every fault as a clear Python exception."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -219,3 +220,31 @@ def test_ordinary_tensor_larger_than_the_pool_goes_o_direct(engine, tmp_path):
     if not any("O_DIRECT" in str(w.message) for w in caught):  # the file system has O_DIRECT
         assert moved["direct"] + moved["staged"] == 2 * t.nbytes, moved
     assert engine.pool_in_use == 0
+
+
+@pytest.mark.parametrize("copy_threads", [1, 3])
+def test_staged_requests_in_flight_with_copy_threads(engine, tmp_path, copy_threads):
+    # 12 requests from odd addresses (staged wherever the drive has O_DIRECT) through a pool
+    # of 8 blocks, all in flight at once each way; every request's bytes land in place.
+    cfg = dataclasses.replace(engine.config, copy_threads=copy_threads,
+                              pool_bytes=8 * engine.config.block_size)
+    n, count = 3 * engine.config.block_size + 1001, 12
+    src = torch.randint(0, 256, (count * n + 1,), dtype=torch.uint8)[1:]
+    back = torch.zeros(count * n + 1, dtype=torch.uint8)[1:]
+    assert src.data_ptr() % 2 == 1 and back.data_ptr() % 2 == 1  # the allocator aligns to 64
+    path = tmp_path / "staged"
+    with IoEngine(cfg) as eng:
+        for h in [eng.write(src[i * n:(i + 1) * n], path, i * n) for i in range(count)]:
+            h.wait()
+        for h in [eng.read(back[i * n:(i + 1) * n], path, i * n) for i in range(count)]:
+            h.wait()
+        assert torch.equal(back, src)
+        assert sum(eng.path_bytes.values()) == 2 * count * n
+        assert eng.pool_in_use == 0
+
+
+def test_copy_threads_out_of_range():
+    with pytest.raises(ValueError, match="copy_threads"):
+        EngineConfig(copy_threads=-1)
+    with pytest.raises(ValueError, match="copy_threads"):
+        EngineConfig(copy_threads=257)
