@@ -4,13 +4,16 @@
 
 Same file size, block size, queue depth and O_DIRECT for every contender: tierlift's io_uring
 backend, its pread/pwrite thread backend (both from the engine's aligned pool tensors), tierlift
-reading and writing the whole file as one ordinary torch tensor ("tensor", memory not 4 KiB
-aligned: the common case in user code), and fio with ioengine=io_uring (Debian's fio;
-`apt-get install -y fio`). DeepSpeed's aio handle is measured too when deepspeed is importable.
-fio runs with registered buffers and files and whole-queue submission batches (its fastest
-io_uring settings). Contenders run round-robin for --repeat rounds and each number is the
-median over rounds; writes include a final fdatasync (fio: end_fsync=1). Prints a table with
-each contender's ratio to fio and writes JSON to benchmarks/results/bench_io.json.
+reading and writing the whole file as one ordinary torch tensor ("tensor", memory 64 bytes past a
+page: the common case in user code, staged through the pool where the drive's O_DIRECT wants
+more alignment than that; io_uring does those copies on --copy-threads threads), and fio with
+ioengine=io_uring (Debian's fio; `apt-get install -y fio`). DeepSpeed's aio handle is measured
+too when deepspeed is importable. fio runs with registered buffers and files and whole-queue
+submission batches (its fastest io_uring settings). Contenders run round-robin for --repeat
+rounds and each number is the median over rounds; writes include a final fdatasync (fio:
+end_fsync=1). Prints a table with each contender's ratio to fio and the path its bytes took
+(direct, staged or buffered, from the engine's own counters), and writes JSON to
+benchmarks/results/bench_io.json.
 """
 
 from __future__ import annotations
@@ -46,10 +49,13 @@ def drop_page_cache(path: str) -> None:
 class TierliftRunner:
     """One engine per backend, kept open across rounds; each call measures one write + read."""
 
-    def __init__(self, backend: str, path: str, size: int, bs: int, qd: int, buf_bytes: int):
-        cfg = EngineConfig(backend=backend, queue_depth=qd, block_size=bs, pool_bytes=buf_bytes)
+    def __init__(self, backend: str, path: str, size: int, bs: int, qd: int, buf_bytes: int,
+                 copy_threads: int = 0):
+        cfg = EngineConfig(backend=backend, queue_depth=qd, block_size=bs, pool_bytes=buf_bytes,
+                           copy_threads=copy_threads)
         self.eng = IoEngine(cfg)
         self.path, self.size = path, size
+        self.moved = {"direct": 0, "staged": 0, "buffered": 0}
         buf = self.eng.pool_tensor(buf_bytes)  # aligned, registered with io_uring: no bounce
         buf.copy_(torch.randint(0, 256, (buf_bytes,), dtype=torch.uint8))
         self.chunk = min(buf_bytes, 8 * bs)
@@ -69,9 +75,21 @@ class TierliftRunner:
         return self.size / (time.perf_counter() - t0) / 1e9
 
     def __call__(self) -> dict:
+        before = self.eng.path_bytes
         write = self._run(True)
         drop_page_cache(self.path)
-        return {"write": write, "read": self._run(False)}
+        read = self._run(False)
+        for k, v in self.eng.path_bytes.items():
+            self.moved[k] += v - before[k]
+        return {"write": write, "read": read}
+
+    def path_label(self) -> str:
+        """The path most of this contender's bytes took, with its share: 'staged 100%'."""
+        total = sum(self.moved.values())
+        if total == 0:
+            return "-"
+        kind = max(self.moved, key=self.moved.get)
+        return f"{kind} {100 * self.moved[kind] / total:.0f}%"
 
     def close(self) -> None:
         self.views = []
@@ -83,10 +101,13 @@ class OrdinaryTensorRunner(TierliftRunner):
     """The common case: the whole file in one request to or from an ordinary torch tensor, whose
     memory is not 4 KiB aligned (torch's allocator aligns to 64 bytes)."""
 
-    def __init__(self, backend: str, path: str, size: int, bs: int, qd: int, buf_bytes: int):
-        cfg = EngineConfig(backend=backend, queue_depth=qd, block_size=bs, pool_bytes=buf_bytes)
+    def __init__(self, backend: str, path: str, size: int, bs: int, qd: int, buf_bytes: int,
+                 copy_threads: int = 0):
+        cfg = EngineConfig(backend=backend, queue_depth=qd, block_size=bs, pool_bytes=buf_bytes,
+                           copy_threads=copy_threads)
         self.eng = IoEngine(cfg)
         self.path, self.size = path, size
+        self.moved = {"direct": 0, "staged": 0, "buffered": 0}
         # 64 bytes past a 4 KiB boundary, whatever the allocator returned
         raw = torch.randint(0, 256, (size + 8192,), dtype=torch.uint8)
         skip = (64 - raw.data_ptr()) % 4096
@@ -148,6 +169,8 @@ def main() -> None:
     p.add_argument("--queue-depth", type=int, default=32)
     p.add_argument("--buffer-mib", type=int, default=64, help="tierlift staging buffer size")
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--copy-threads", type=int, default=0,
+                   help="io_uring staging copy threads (0: the engine's default)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                  "bench_io.json"))
     p.add_argument("--plot", metavar="PATH",
@@ -165,14 +188,19 @@ def main() -> None:
     samples: dict[str, list[dict]] = {}
     try:
         for b in backends:
-            runners[f"tierlift {b}"] = TierliftRunner(b, path, size, bs, qd, a.buffer_mib << 20)
-            runners[f"tensor {b}"] = OrdinaryTensorRunner(b, path, size, bs, qd, a.buffer_mib << 20)
+            runners[f"tierlift {b}"] = TierliftRunner(b, path, size, bs, qd, a.buffer_mib << 20,
+                                                      a.copy_threads)
+            runners[f"tensor {b}"] = OrdinaryTensorRunner(b, path, size, bs, qd,
+                                                          a.buffer_mib << 20, a.copy_threads)
         # Round-robin: every round measures every contender, so drift on a shared machine
         # (other jobs, host cache) hits all of them alike; the median over rounds is reported.
         for _ in range(a.repeat):
             for name, run in runners.items():
                 samples.setdefault(name, []).append(run())
         ds = bench_deepspeed(path, size, bs, qd, a.repeat)
+        moved = {name: dict(run.moved) for name, run in runners.items()
+                 if isinstance(run, TierliftRunner)}
+        labels = {name: runners[name].path_label() for name in moved}
     finally:
         for run in runners.values():
             if isinstance(run, TierliftRunner):
@@ -187,19 +215,24 @@ def main() -> None:
     print(f"sequential I/O, {a.size_mib} MiB file in {a.dir}, block {a.block_kib} KiB, "
           f"queue depth {qd}, O_DIRECT, median of {a.repeat} round-robin rounds; "
           f"{platform.node()}, {os.cpu_count()} CPUs")
-    print(f"{'contender':<20}{'write GB/s':>12}{'read GB/s':>12}{'write/fio':>12}{'read/fio':>12}")
+    print(f"{'contender':<20}{'write GB/s':>12}{'read GB/s':>12}{'write/fio':>12}{'read/fio':>12}"
+          f"  {'path (bytes)':<14}")
     ratios = {}
     for name, r in results.items():
         rw = rr = float("nan")
         if "fio" in results:
             rw, rr = r["write"] / results["fio"]["write"], r["read"] / results["fio"]["read"]
             ratios[name] = {"write": rw, "read": rr}
-        print(f"{name:<20}{r['write']:>12.2f}{r['read']:>12.2f}{rw:>12.2f}{rr:>12.2f}")
+        print(f"{name:<20}{r['write']:>12.2f}{r['read']:>12.2f}{rw:>12.2f}{rr:>12.2f}"
+              f"  {labels.get(name, '-'):<14}")
+    staged = [name for name, m in moved.items() if m["staged"] * 2 > sum(m.values())]
+    print(f"staged rows (most bytes copied through the pool): {', '.join(staged) or 'none'}")
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump({"config": vars(a), "machine": {"node": platform.node(), "cpus": os.cpu_count(),
                                                    "kernel": platform.release()},
-                   "gbps": results, "ratio_to_fio": ratios, "samples": samples}, f, indent=2)
+                   "gbps": results, "ratio_to_fio": ratios, "path_bytes": moved,
+                   "staged_rows": staged, "samples": samples}, f, indent=2)
     print(f"wrote {a.out}")
     if a.plot:
         print(f"wrote {plot_json(plot_io, a.out, a.plot)}")
