@@ -22,22 +22,8 @@ namespace {
 using iotest::make_temp_dir;
 using iotest::random_bytes;
 
-class IoEngineTest : public ::testing::TestWithParam<std::string> {
+class IoEngineTest : public iotest::BackendDirTest {
  protected:
-  void SetUp() override {
-    if (GetParam() == "uring") {
-      const std::string why = uring_unavailable_reason();
-      if (!why.empty()) GTEST_SKIP() << "io_uring unavailable: " << why;
-    }
-    dir_ = make_temp_dir("/tmp");
-    ASSERT_FALSE(dir_.empty());
-  }
-  void TearDown() override {
-    if (!dir_.empty()) {
-      std::string cmd = "rm -rf '" + dir_ + "'";
-      ASSERT_EQ(std::system(cmd.c_str()), 0);
-    }
-  }
   std::unique_ptr<Engine> make(size_t block = 64 * 1024, int depth = 8, size_t pool = 1 << 20) {
     EngineOptions o;
     o.backend = GetParam();
@@ -46,7 +32,6 @@ class IoEngineTest : public ::testing::TestWithParam<std::string> {
     o.pool_bytes = pool;
     return std::make_unique<Engine>(o);
   }
-  std::string dir_;
 };
 
 TEST_P(IoEngineTest, RoundTripRandomSizesAndAlignments) {

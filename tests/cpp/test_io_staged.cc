@@ -25,7 +25,6 @@
 namespace tierlift::io {
 namespace {
 
-using iotest::make_temp_dir;
 using iotest::random_bytes;
 
 // Waits for a request, but aborts the test binary instead of hanging when the engine deadlocks
@@ -127,22 +126,8 @@ TEST(IoCopier, DestructorDrainsQueuedCopies) {
   EXPECT_THROW(Copier(0), std::invalid_argument);
 }
 
-class IoStagedTest : public ::testing::TestWithParam<std::string> {
+class IoStagedTest : public iotest::BackendDirTest {
  protected:
-  void SetUp() override {
-    if (GetParam() == "uring") {
-      const std::string why = uring_unavailable_reason();
-      if (!why.empty()) GTEST_SKIP() << "io_uring unavailable: " << why;
-    }
-    dir_ = make_temp_dir("/tmp");
-    ASSERT_FALSE(dir_.empty());
-  }
-  void TearDown() override {
-    if (!dir_.empty()) {
-      std::string cmd = "rm -rf '" + dir_ + "'";
-      ASSERT_EQ(std::system(cmd.c_str()), 0);
-    }
-  }
   std::unique_ptr<Engine> make(size_t block, int depth, size_t pool, int copy_threads = 3) {
     EngineOptions o;
     o.backend = GetParam();
@@ -162,7 +147,6 @@ class IoStagedTest : public ::testing::TestWithParam<std::string> {
     eng.forget(p);
     return eng.take_warnings().empty();
   }
-  std::string dir_;
 };
 
 // 48 requests of odd sizes from odd addresses in flight together each way, with 3 copier
