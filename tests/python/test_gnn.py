@@ -350,8 +350,10 @@ def test_cuda_opcheck_many_rows_and_pageable_table():
     out = torch.empty(300000, 3, device="cuda")
     ops.gather_rows(table, idx, out)
     assert torch.equal(out, table.cuda()[idx])
+    # opcheck runs the op on deep copies of its inputs, and a copy of a pinned tensor is
+    # pageable: its schema and fake checks run with the table in GPU memory.
     torch.library.opcheck(torch.ops.tierlift.gather_rows,
-                          (table, idx[:10], None, None, torch.empty(10, 3, device="cuda")))
+                          (table.cuda(), idx[:10], None, None, torch.empty(10, 3, device="cuda")))
     with pytest.raises(ValueError, match="pinned, mapped host memory"):
         ops.gather_rows(torch.randn(10, 3), idx[:2] % 10, out[:2])
 

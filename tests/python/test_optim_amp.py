@@ -365,6 +365,7 @@ def test_cuda_kernel_unscale_matches_cpu_kernel(state_dtype):
         for o in opts:
             o.zero_grad()
         scalers[0].scale(nn.functional.mse_loss(cpu(x), y)).backward()
+        scalers[1].scale(torch.zeros((), device="cuda"))  # creates its scale tensor (lazily)
         if step == 3:
             next(cpu.parameters()).grad.view(-1)[7] = float("inf")
         for p, q in zip(cpu.parameters(), gpu.parameters()):

@@ -91,16 +91,19 @@ OPTIONS = [
 
 
 def run_both(device, grad_dtype, copy_dtype, options, steps=3):
+    """The kernel on `device`, the reference always on the CPU: torch's own CUDA kernels fuse
+    multiply-adds, so the reference's bits hold only there."""
     gen_state = [compact_state(n, torch.Generator().manual_seed(n)) for n in SIZES]
     p0 = [torch.randn(n, generator=torch.Generator().manual_seed(n + 1)) for n in SIZES]
     state = {}
     for side in ("kernel", "reference"):
+        dev = device if side == "kernel" else "cpu"
         state[side] = dict(
-            p=[p.clone().to(device) for p in p0],
-            m=[s[0].clone().to(device) for s in gen_state],
-            c=[s[1].clone().to(device) for s in gen_state],
-            s=[s[2].clone().to(device) for s in gen_state],
-            cp=[torch.empty(n, dtype=copy_dtype, device=device) for n in SIZES]
+            p=[p.clone().to(dev) for p in p0],
+            m=[s[0].clone().to(dev) for s in gen_state],
+            c=[s[1].clone().to(dev) for s in gen_state],
+            s=[s[2].clone().to(dev) for s in gen_state],
+            cp=[torch.empty(n, dtype=copy_dtype, device=dev) for n in SIZES]
             if copy_dtype else [],
         )
     for step in range(1, steps + 1):
@@ -108,13 +111,14 @@ def run_both(device, grad_dtype, copy_dtype, options, steps=3):
         grads = []
         for n, st in zip(SIZES, gen_state):
             g = torch.where(st[3] | (torch.arange(n) % 37 == 0), 0.0, wide_range(n, gen))
-            grads.append(g.to(grad_dtype).to(device))
+            grads.append(g.to(grad_dtype))
         kw = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, step=step, **options)
         for side, fn in (("kernel", tierlift.ops.adam_compact_step_),
                          ("reference", ref.adam_compact_step_)):
             st = state[side]
             if side == "kernel":
-                fn(st["p"], grads, st["m"], st["c"], st["s"], st["cp"], **kw)
+                fn(st["p"], [g.to(device) for g in grads], st["m"], st["c"], st["s"], st["cp"],
+                   **kw)
             else:
                 fn(st["p"], grads, st["m"], st["c"], st["s"], st["cp"], kw["lr"], kw["beta1"],
                    kw["beta2"], kw["eps"], kw["weight_decay"], step, kw["decoupled"],

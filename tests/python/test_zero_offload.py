@@ -305,8 +305,9 @@ def test_bad_arguments(kw, exc, match):
 @pytest.mark.gpu
 def test_offload_params_on_cuda(tmp_path):
     """The copy stream, events and pinned staging for real: bf16 compute on the GPU, fp32
-    shards in pinned RAM, state on NVMe with overlap; against the same model without parameter
-    offload (both step on the CPU: bit-identical) and within a gpu_budget."""
+    shards in pinned RAM, state in RAM with overlap; against the same model without parameter
+    offload (stepped by the CUDA kernel) and within a gpu_budget. No clipping: a norm summed on
+    the GPU and one summed on the CPU differ in the last bit, which bf16 compute then spreads."""
     mp = tierlift.zero.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     probe = tierlift.zero.shard(make_net().cuda(), stage=3, mixed_precision=mp)
     root, largest = unit_sizes(probe)
@@ -318,17 +319,16 @@ def test_offload_params_on_cuda(tmp_path):
         assert all(p.is_pinned() for p in params) if op == "cpu" else all(p.is_cuda
                                                                            for p in params)
         kw = dict(offload="cpu", overlap=True) if op == "cpu" else {}
-        opt = tierlift.optim.AdamW(params, lr=LR, weight_decay=WD, max_grad_norm=CLIP, **kw) \
-            if kw else tierlift.optim.AdamW(params, lr=LR, weight_decay=WD)
-        clip = None if kw else CLIP
-        fit(model, opt, steps=5, device="cuda", clip=clip)
+        opt = tierlift.optim.AdamW(params, lr=LR, weight_decay=WD, **kw)
+        fit(model, opt, steps=5, device="cuda")
         torch.cuda.synchronize()
         stats = model._tierlift_zero.stats
         assert stats["peak_resident_bytes"] <= root + largest
         if op == "cpu":
             assert stats["h2d_bytes"] > 0 and stats["d2h_bytes"] > 0
         out[op] = {k: v.float().cpu() for k, v in tierlift.zero.full_state_dict(model).items()}
-    # The GPU's fused Adam and the CPU's SIMD Adam may round differently in the last bit.
+    # The CUDA kernel and the CPU's SIMD kernel give the same bits (test_optim_amp); what is
+    # left is the GPU's own run-to-run order of sums (embedding backward), hence a tolerance.
     for k, v in out["none"].items():
         torch.testing.assert_close(out["cpu"][k], v, rtol=1e-5, atol=1e-6)
 

@@ -59,7 +59,10 @@ def gradient_like(n: int, seed: int) -> torch.Tensor:
 
 
 def bits(x: torch.Tensor) -> torch.Tensor:
-    """Compared as bits: NaN equals NaN, -0.0 differs from +0.0."""
+    """Compared as bits: NaN equals NaN (any payload: a GPU's arithmetic makes 0x7fffffff, a
+    CPU's 0x7fc00000), -0.0 differs from +0.0."""
+    x = x.cpu()
+    x = torch.where(x.isnan(), torch.full_like(x, float("nan")), x)
     return x.contiguous().view(torch.int32)
 
 

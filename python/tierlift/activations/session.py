@@ -139,6 +139,7 @@ class Session:
         self._file: ActivationFile | None = None
         self._finalizer = None
         self._dedupe: dict = {}
+        self._kept_storages: set[int] = set()  # storages kept on the device (data_ptr)
         self._spilled: dict[int, tuple[int, int]] = {}  # index -> its bytes in the file
         self._writes: deque[_Write] = deque()
         # (event, host buffer, device) of copies in flight between a pool buffer and the GPU.
@@ -175,10 +176,17 @@ class Session:
         n = layout.nbytes
         self.group_bytes[group] = self.group_bytes.get(group, 0) + n
         c = self.config
-        if tier == "auto" and self.kept_bytes + n <= c.gpu_budget:
-            self.kept_bytes += n
-            self.stats["kept_bytes"] += n
-            return t
+        if tier == "auto":
+            storage = t.untyped_storage()
+            if storage.data_ptr() in self._kept_storages:
+                return t  # held on the device already: keeping this view costs nothing more
+            # Keeping a view keeps its whole storage: q of a fused qkv output holds all three.
+            cost = storage.nbytes()
+            if self.kept_bytes + cost <= c.gpu_budget:
+                self._kept_storages.add(storage.data_ptr())
+                self.kept_bytes += cost
+                self.stats["kept_bytes"] += cost
+                return t
         if tier in ("auto", "ram") and self.ram_bytes + n <= c.cpu_budget:
             item = self._new(group, "ram", layout)
             self._to_ram(item, t)
@@ -321,6 +329,7 @@ class Session:
             raise
         self.finished = True
         self._dedupe.clear()
+        self._kept_storages.clear()
         self._trim_file()
 
     def _trim_file(self) -> None:
@@ -374,6 +383,7 @@ class Session:
         self._writes.clear()
         self._reading.clear()
         self._dedupe.clear()
+        self._kept_storages.clear()
         self.write_window = self.read_window = 0
         for ref in self.items:
             item = ref()
