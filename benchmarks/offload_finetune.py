@@ -117,15 +117,21 @@ def flops_per_step(cfg: LlamaConfig, n: int, batch: int, seq: int) -> float:
 
 
 def _time_steps(step_fn, steps: int, warmup: int, device) -> float:
-    for _ in range(warmup):
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    # Each step's time on stderr: a case cut off by --timeout still says how far it got.
+    t_start = time.perf_counter()
+    for i in range(warmup + steps):
+        if i == warmup:
+            sync()
+            t0 = time.perf_counter()
+        t = time.perf_counter()
         step_fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step_fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+        sync()
+        print(f"{'warmup' if i < warmup else 'step'} {i}: {time.perf_counter() - t:.2f} s "
+              f"({time.perf_counter() - t_start:.0f} s in)", file=sys.stderr, flush=True)
     return (time.perf_counter() - t0) / steps
 
 
@@ -303,9 +309,12 @@ def finetune(args) -> int:
         cmd += ["--dir", args.dir] if args.dir else []
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            print(f"{which}: timed out after {args.timeout} s")
-            results.append({"case": which, "error": f"timed out after {args.timeout} s"})
+        except subprocess.TimeoutExpired as e:
+            err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr
+            tail = (err or "").strip().splitlines()[-6:]
+            print(f"{which}: timed out after {args.timeout} s; its last lines:", *tail, sep="\n  ")
+            results.append({"case": which, "error": f"timed out after {args.timeout} s",
+                            "stderr_tail": tail})
             save()
             continue
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
