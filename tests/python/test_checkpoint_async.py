@@ -325,6 +325,44 @@ def test_gpu_tensors_are_snapshotted_before_the_next_kernel_changes_them(tmp_pat
     _assert_same({k: v.cpu() for k, v in fresh.state_dict().items()}, before)
 
 
+@pytest.mark.gpu
+def test_gpu_tensors_are_snapshotted_before_a_kernel_on_another_stream_changes_them(tmp_path):
+    """save() returns once its device-to-host copies are done: a kernel on another stream, queued
+    right after save() while the copies still wait behind earlier work on the current stream,
+    cannot change what is written (before, it ran first and the checkpoint held its result)."""
+    model = make_model(seed=5).cuda()
+    opt = tierlift.optim.AdamW(model.parameters(), **OPT)
+    before = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    torch.cuda._sleep(1 << 30)  # the current stream busy for about half a second
+    h = tierlift.checkpoint.save(tmp_path / "ck", model, opt, blocking=False)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side), torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # waits for nothing on the current stream
+    torch.cuda.synchronize()
+    h.wait()
+    fresh = make_model(seed=6).cuda()
+    tierlift.checkpoint.load(tmp_path / "ck", fresh, None)
+    _assert_same({k: v.cpu() for k, v in fresh.state_dict().items()}, before)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tensors_on_a_second_gpu_are_written_after_their_copies_land(tmp_path):
+    """A tensor on cuda:1 is copied on cuda:1's stream: the writer waits for an event there, not
+    on the current device's stream (where the copy is not), or it writes the staging buffer's
+    old bytes."""
+    model = make_model(seed=5).cuda(0)
+    model.blocks[-1].to("cuda:1")
+    before = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    with torch.cuda.device(1):
+        torch.cuda._sleep(1 << 30)  # the copies from cuda:1 land about half a second late
+    tierlift.checkpoint.save(tmp_path / "ck", model, None)
+    fresh = make_model(seed=6)
+    tierlift.checkpoint.load(tmp_path / "ck", fresh, None)
+    _assert_same(fresh.state_dict(), before)
+
+
 def _rank_lost(rank, world, port, root):
     init_gloo(rank, world, port, timeout_s=20)
     model, opt = _fresh(root, "ram", True)

@@ -295,6 +295,10 @@ class Job:
             error.add_note(f"nothing was saved; the checkpoint at {self.path!r} (if any) is as "
                            "it was before this save")
         self.staging.fail(error)
+        try:  # no copy may still land in a buffer that goes back to the cache
+            self.packer.settle()
+        except BaseException:  # noqa: BLE001 - the snapshot's error is the one raised
+            pass
         for h in self.helds:
             h.hold.release()
 
@@ -312,6 +316,7 @@ class Job:
         if self.snapshot_error is None:
             try:
                 self.packer.flush()
+                self.packer.settle()  # GPU copies done: training may change the tensors now
                 for h in self.helds:
                     self.writer.put(h)
             except BaseException as e:  # noqa: BLE001 - voted on, then raised

@@ -9,6 +9,11 @@ Packer, on the training thread, copies tensors into such buffers ("pieces") and 
 full piece for the writer with the file ranges it holds. With a budget smaller than the
 snapshot it waits for the writer between pieces: the training thread is blocked until all but
 the last budget's worth of bytes are on the drive.
+
+A GPU tensor's device-to-host copy is queued on its device's current stream; each piece
+carries an event per device it copied from, and settle() waits for them all before save()
+returns: a stream ordering alone would not stop a kernel on another stream, another thread or
+another device from changing a tensor before its copy ran (a torn checkpoint).
 """
 
 from __future__ import annotations
@@ -32,6 +37,10 @@ def piece_bytes(budget: int) -> int:
 
 
 def _aligned(nbytes: int, pin: bool) -> torch.Tensor:
+    if pin:  # page-aligned as a rule; nbytes + ALIGN would be rounded up to 2x when pinned
+        raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        if raw.data_ptr() % ALIGN == 0:
+            return raw
     raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
     skip = -raw.data_ptr() % ALIGN
     return raw[skip:skip + nbytes]
@@ -99,7 +108,7 @@ class Run:
 class Piece:
     buf: torch.Tensor
     runs: list[Run] = field(default_factory=list)
-    event: object = None  # a CUDA event: the device-to-host copies into buf are done
+    events: list = field(default_factory=list)  # CUDA events, one per device copied from
     fill: int = 0
 
 
@@ -109,7 +118,8 @@ class Packer:
     def __init__(self, staging: Staging, put, size: int):
         self.staging, self.put, self.size = staging, put, size
         self.piece: Piece | None = None
-        self.cuda = False
+        self.devices: set[torch.device] = set()  # copied from into the open piece
+        self.last: dict[torch.device, object] = {}  # device -> its latest event (settle())
 
     def add(self, out, tensor: torch.Tensor, offset: int, record: int | None = None) -> None:
         """Queues `tensor`'s bytes (any device, any layout) for `offset` of file `out` (of its
@@ -133,7 +143,8 @@ class Packer:
             take = min(n - pos, self.size - p.fill)
             cuda = src.device.type == "cuda"
             p.buf[p.fill:p.fill + take].copy_(src[pos:pos + take], non_blocking=cuda)
-            self.cuda |= cuda
+            if cuda:  # queued on the current stream of src's device, not of the current one
+                self.devices.add(src.device)
             if merge:
                 last.hi += take
             else:
@@ -143,11 +154,22 @@ class Packer:
 
     def flush(self) -> None:
         if self.piece is not None and self.piece.runs:
-            if self.cuda:
-                self.piece.event = torch.cuda.Event()
-                self.piece.event.record()
-                self.cuda = False
+            for device in self.devices:
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(device))
+                self.piece.events.append(event)
+                self.last[device] = event
+            self.devices = set()
             self.put(self.piece)
         elif self.piece is not None:
             self.staging.release(self.piece.buf)
         self.piece = None
+
+    def settle(self) -> None:
+        """Waits until every device-to-host copy queued so far is done: from then on the
+        tensors may change on any stream without changing the snapshot. Call after flush()."""
+        for event in self.last.values():
+            event.synchronize()
+        for device in self.devices:  # copies into a piece never flushed (a failed snapshot)
+            torch.cuda.current_stream(device).synchronize()
+        self.last, self.devices = {}, set()

@@ -248,8 +248,8 @@ class Writer(threading.Thread):
             self._retire()
 
     def _write(self, piece: Piece) -> None:
-        if piece.event is not None:
-            piece.event.synchronize()
+        for event in piece.events:
+            event.synchronize()
         self._submit(piece.buf, piece.runs)
 
     def _write_held(self, held: Held) -> None:
