@@ -5,9 +5,12 @@ async_save, on the same model and optimizer state, one run.
     python benchmarks/bench_checkpoint.py                     # 1 process, then 2 gloo ranks
     python benchmarks/bench_checkpoint.py --ranks 1 --params 2e8 --repeat 5 --dir /nvme/tmp
     python benchmarks/bench_checkpoint.py --plot checkpoint.png
+    python benchmarks/bench_checkpoint.py --device cuda --ranks 1 --configs ram --params 1e9
 
 The model is a stack of Llama/GPT-shaped blocks of nn.Linear (qkv, proj, fc, out; about
---params parameters, fp32, CPU) after two AdamW steps. Configurations:
+--params parameters, fp32, on --device: the CPU, or with cuda the GPU, where parameters,
+gradients and the optimizer state live, one process only) after two AdamW steps (tierlift's
+fused CUDA kernel on the GPU). Configurations:
   1 rank, optimizer state in RAM:  tierlift.optim.AdamW
   1 rank, optimizer state on NVMe: tierlift.optim.AdamW(offload="nvme") -- DCP cannot save the
       offloaded state as it lies, so DCP gets optimizer.state_dict(), which reads it back into RAM
@@ -15,15 +18,18 @@ The model is a stack of Llama/GPT-shaped blocks of nn.Linear (qkv, proj, fc, out
       against DCP of an FSDP2 (fully_shard) model of the same shape with torch.optim.AdamW
       (tierlift's ZeRO state dict holds flat per-rank shards under one name, which DCP cannot
       place, so DCP is measured on torch's own sharded model instead)
-Stall = time the save call blocks the caller (for DCP including get_state_dict); total = until
-the bytes are written and fsynced (async: until the future / handle completes). Everything is
+Stall = time the save call blocks the caller (for DCP including get_state_dict); with cuda,
+until the call returned and the CUDA stream it was called on is idle again, as the training
+loop's next kernel would wait ("returned s": the call alone); total = until the bytes are
+written and fsynced (async: until the future / handle completes). Everything is
 flushed (os.sync) before each save; each save goes to a fresh directory, deleted afterwards.
 Median of --repeat saves after --warmup; with ranks, the slowest rank. "stall vs sync" and
 "total vs sync" divide by tierlift's blocking save (targets for blocking=False: stall <= 0.1,
 total <= 1.2). tierlift's background save keeps its staging buffers between saves, as a
 training run saving every N steps would (the warmup save allocates them). Prints a table and
 writes JSON (--out), rewritten after every row of one process (a run cut short keeps its rows).
---configs and --contenders pick a subset (a 1B-parameter run on a time budget).
+--configs and --contenders pick a subset (a 1B-parameter run on a time budget), run in the order
+--contenders names them (the ones that matter first, where a time limit may cut the run).
 """
 
 from __future__ import annotations
@@ -51,7 +57,8 @@ from common import RESULTS, machine, print_table  # noqa: E402
 # DCP in one process without a process group says it assumes one process: that is the intent.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
-COLUMNS = ["ranks", "config", "contender", "stall s", "total s", "GB written", "GB/s"]
+COLUMNS = ["ranks", "device", "config", "contender", "stall s", "returned s", "total s",
+           "GB written", "GB/s"]
 CONFIGS = {"ram": "optim in RAM", "nvme": "optim on NVMe"}
 CONTENDERS = {"sync": "tierlift save", "background": "tierlift save(blocking=False)",
               "background-budget": "tierlift save(blocking=False, budget 1/8)",
@@ -91,10 +98,10 @@ def shape_for(params: float) -> tuple[int, int]:
     return d, layers
 
 
-def _train(model, opt, d: int, steps: int = 2) -> None:
+def _train(model, opt, d: int, steps: int = 2, device: str = "cpu") -> None:
     g = torch.Generator().manual_seed(0)
     for _ in range(steps):
-        model(torch.randn(8, d, generator=g)).pow(2).mean().backward()
+        model(torch.randn(8, d, generator=g).to(device)).pow(2).mean().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -149,22 +156,30 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def measure(name: str, fn, root: str, repeat: int, warmup: int) -> dict:
+def measure(name: str, fn, root: str, repeat: int, warmup: int, cuda: bool = False) -> dict:
+    """With `cuda`, the stall ends when the current CUDA stream is idle too: work save() queued
+    there (device-to-host copies) holds up the next training kernel as long."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    stalls, totals, nbytes = [], [], 0
+    stalls, returns, totals, nbytes = [], [], [], 0
     for i in range(-warmup, repeat):
         path = os.path.join(root, f"{name.split()[0]}-{i}")  # deleted before the next
         os.sync()  # earlier writes (the last save, the offloader's swap files) are not ours
         _barrier()
+        if cuda:
+            torch.cuda.synchronize()  # the GPU idle, as after a step the loop waited for
         t0 = time.perf_counter()
         wait = fn(path)
-        t1 = time.perf_counter()
+        t_ret = t1 = time.perf_counter()
+        if cuda:
+            torch.cuda.current_stream().synchronize()
+            t1 = time.perf_counter()
         if wait is not None:
             wait()
         t2 = time.perf_counter()
         stall, total = _max(t1 - t0), _max(t2 - t0)
         if i >= 0:
             stalls.append(stall)
+            returns.append(_max(t_ret - t0))
             totals.append(total)
         _barrier()
         if rank == 0:
@@ -172,7 +187,8 @@ def measure(name: str, fn, root: str, repeat: int, warmup: int) -> dict:
             shutil.rmtree(path)
         _barrier()
     total = statistics.median(totals)
-    return {"contender": name, "stall s": statistics.median(stalls), "total s": total,
+    return {"contender": name, "stall s": statistics.median(stalls),
+            "returned s": statistics.median(returns), "total s": total,
             "GB written": nbytes / 1e9, "GB/s": nbytes / 1e9 / total}
 
 
@@ -182,29 +198,40 @@ def _progress(r: dict) -> None:
 
 
 def _wanted(args, table: dict) -> list[str]:
-    return [table[k] for k in table if k in args.contenders]
+    """The contenders asked for, in the order asked (once each)."""
+    return [table[k] for k in dict.fromkeys(args.contenders)]
 
 
-def run_single(args, root: str, rows: list, save) -> list[dict]:
+def run_single(args, root: str, rows: list, save, info: dict) -> list[dict]:
+    """One process, on args.device. `info` gets which Adam kernel stepped the state."""
     import tierlift
+    from tierlift import ops
 
     d, layers = shape_for(args.params)
+    cuda = args.device == "cuda"
     for config in (CONFIGS[k] for k in CONFIGS if k in args.configs):
         torch.manual_seed(0)
-        model = Stack(d, layers)
+        with torch.device(args.device):  # built where it lives: no 1B-parameter host init
+            model = Stack(d, layers)
         kw = {}
         if config == "optim on NVMe":
             kw = dict(offload="nvme", nvme_path=tempfile.mkdtemp(prefix="swap-", dir=root))
         opt = tierlift.optim.AdamW(model.parameters(), lr=1e-4, **kw)
-        _train(model, opt, d)
-        for name, fn in contenders(model, opt).items():
-            if name not in _wanted(args, CONTENDERS):
-                continue
-            row = measure(name, fn, root, args.repeat, args.warmup)
-            rows.append({"ranks": 1, "config": config, **row})
+        _train(model, opt, d, device=args.device)
+        if not kw:
+            p = next(model.parameters())
+            info[config] = (f"tierlift.optim.AdamW on {p.device.type}: "
+                            + ("compiled kernel" if ops.runs_kernel(p) else
+                               "pure-torch reference (no compiled kernel for this device)"))
+        by_name = contenders(model, opt)
+        for name in _wanted(args, CONTENDERS):
+            row = measure(name, by_name[name], root, args.repeat, args.warmup, cuda=cuda)
+            rows.append({"ranks": 1, "device": args.device, "config": config, **row})
             _progress(rows[-1])
             save()
-        del model, opt
+        del model, opt, by_name
+        if cuda:
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -229,11 +256,10 @@ def run_ranks(args, root: str) -> list[dict]:
     _train(fmodel, fopt, d)
     config = "ZeRO-3 / FSDP2"
     rows = []
-    for name, fn in contenders(zmodel, zopt, fmodel, fopt).items():
-        if name not in _wanted(args, CONTENDERS):
-            continue
-        row = measure(name, fn, root, args.repeat, args.warmup)
-        rows.append({"ranks": world, "config": config, **row})
+    by_name = contenders(zmodel, zopt, fmodel, fopt)
+    for name in _wanted(args, CONTENDERS):
+        row = measure(name, by_name[name], root, args.repeat, args.warmup)
+        rows.append({"ranks": world, "device": "cpu", "config": config, **row})
         if dist.get_rank() == 0:
             _progress(rows[-1])
     return rows
@@ -276,6 +302,9 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--params", type=float, default=5e7, help="model size, parameters")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where the model, its gradients and the optimizer state live (cuda: "
+                        "one process, --ranks 1)")
     p.add_argument("--repeat", type=int, default=3, help="saves per contender (median)")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured saves per contender")
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2],
@@ -286,14 +315,22 @@ def main(argv=None) -> int:
     p.add_argument("--contenders", nargs="+", choices=list(CONTENDERS), default=list(CONTENDERS),
                    help="which saves to time: " + ", ".join(f"{k} = {v}"
                                                             for k, v in CONTENDERS.items()))
-    p.add_argument("--out", default=None,
-                   help="JSON path (default: benchmarks/results/bench_checkpoint-cpu.json)")
+    p.add_argument("--out", default=None, help="JSON path (default: "
+                   "benchmarks/results/bench_checkpoint-<device>.json)")
     p.add_argument("--plot", metavar="PATH",
                    help="also draw the results as a PNG here (needs matplotlib)")
     p.add_argument("--rows", help=argparse.SUPPRESS)  # set by launch() for its torchrun workers
     args = p.parse_args(argv)
     if "WORLD_SIZE" in os.environ and args.rows:
         return worker(args)
+    if args.device == "cuda":  # refused before anything is built or written
+        if any(r != 1 for r in args.ranks):
+            p.error(f"--device cuda runs one process only: pass --ranks 1 (got --ranks "
+                    f"{' '.join(map(str, args.ranks))}; ranks > 1 compare ZeRO-3 with FSDP2 "
+                    "on gloo, CPU only)")
+        if not torch.cuda.is_available():
+            p.error("--device cuda needs a CUDA GPU, and torch.cuda.is_available() is False "
+                    "here (use --device cpu)")
 
     d, layers = shape_for(args.params)
     n = 12 * d * d * layers
@@ -305,30 +342,40 @@ def main(argv=None) -> int:
         "ranks > 1: tierlift ZeRO-3 + tierlift AdamW (tierlift save) vs FSDP2 + torch AdamW "
         "(DCP), same shape, gloo on CPU",
     ]
+    if args.device == "cuda":
+        notes.append("device cuda: parameters, gradients and AdamW state on the GPU; stall "
+                     "lasts until the call returned and the CUDA stream it was called on is "
+                     "idle (the next training kernel waits that long); returned s: the call "
+                     "alone; DCP async_save with its default stager (a blocking copy)")
+    info: dict = {}
+    where = (f"on {torch.cuda.get_device_name()}" if args.device == "cuda" else "on the CPU")
     print(f"bench_checkpoint: Stack d={d} L={layers} = {n / 1e6:.1f}M params fp32 "
-          f"(+2 AdamW moments); {machine()['cpu']}, {os.cpu_count()} CPUs; "
+          f"(+2 AdamW moments) {where}; {machine()['cpu']}, {os.cpu_count()} CPUs; "
           f"torch {torch.__version__}")
     for note in notes:
         print("  " + note)
     rows = []
-    out = Path(args.out) if args.out else RESULTS / "bench_checkpoint-cpu.json"
+    out = Path(args.out) if args.out else RESULTS / f"bench_checkpoint-{args.device}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
 
     def save():
         out.write_text(json.dumps({
             "machine": machine(), "args": {k: v for k, v in vars(args).items() if k != "rows"},
             "model": {"params": n, "dim": d, "layers": layers},
-            "notes": notes, "rows": rows}, indent=1))
+            "device": {"type": args.device, **({"name": torch.cuda.get_device_name()}
+                                               if args.device == "cuda" else {})},
+            "optimizer": info, "notes": notes, "rows": rows}, indent=1))
 
     for ranks in args.ranks:
         if ranks == 1:
             root = tempfile.mkdtemp(prefix="bench_checkpoint-", dir=args.dir)
             try:
-                run_single(args, root, rows, save)
+                run_single(args, root, rows, save, info)
             finally:
                 shutil.rmtree(root, ignore_errors=True)
         else:
             rows += launch(args, ranks, _without(argv, {"--ranks", "--out", "--plot"}))
+            save()
     def ref(r, name):
         return next((x for x in rows if x["ranks"] == r["ranks"] and x["config"] == r["config"]
                      and x["contender"] == name), None)
