@@ -1,8 +1,10 @@
-"""Guard rails of tierlift.zero on 2 gloo ranks: DDP around a sharded model is refused before it
-broadcasts, shard tensors of another rank or world size never load, full weights load exactly
-through model.load_state_dict, freed stage-3 weights raise instead of crashing, gathered()
-reads and writes back (then training matches one process given the same edit), clipping with
-max_norm=inf only measures, and num_parameters counts the full model.
+"""Guard rails of tierlift.zero on 2 gloo ranks: DDP, FSDP1 and FSDP2 around a sharded model are
+refused before they change anything, shard tensors of another rank or world size never load,
+full weights load exactly through model.load_state_dict (with torch's missing and unexpected
+keys of the unsharded model), freed stage-3 weights raise instead of crashing, gathered()
+reads and writes back (then training matches one process given the same edit) and refuses
+edits of a read-only block (through `.data` too), clipping with max_norm=inf only measures,
+and num_parameters counts the full model.
 
 One spawn runs every case (process start-up dominates on a 2-core machine); each rank writes
 what it saw and the tests check it."""
@@ -65,6 +67,41 @@ def _ddp(rank, out):
     out["ddp_plain_ok"] = True
 
 
+def _fsdp(rank, out):
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    seq = batches(1, BATCH, seed=3)[0].chunk(2)[rank][:, :-1]
+    model = tierlift.zero.shard(make_model(), stage=3)
+    before, names = _flat(model), [n for n, _ in model.named_parameters()]
+    hooks = sum(len(m._forward_pre_hooks) for m in model.modules())
+    cpu = torch.device("cpu")
+    wraps = {
+        "fsdp1": lambda: FSDP(model, device_id=cpu),
+        "fsdp1_orig": lambda: FSDP(model, device_id=cpu, use_orig_params=True),
+        "fsdp1_auto": lambda: FSDP(model, device_id=cpu, use_orig_params=True,
+                                   auto_wrap_policy=ModuleWrapPolicy({type(model.blocks[0])})),
+        "fsdp1_outer": lambda: FSDP(nn.Sequential(model), device_id=cpu, use_orig_params=True),
+        "fsdp2": lambda: fully_shard(model),
+        "fsdp2_block": lambda: fully_shard(model.blocks[0]),
+        "fsdp2_outer": lambda: fully_shard(nn.Sequential(model)),
+        "dcp_state_dict": lambda: get_model_state_dict(model),
+    }
+    for key, fn in wraps.items():
+        out[key] = _raises(fn)
+    out["fsdp_unchanged"] = (torch.equal(before, _flat(model))
+                             and names == [n for n, _ in model.named_parameters()]
+                             and hooks == sum(len(m._forward_pre_hooks) for m in model.modules()))
+    fresh = tierlift.zero.shard(make_model(), stage=3)
+    with torch.no_grad():
+        out["fsdp_forward_same"] = torch.equal(model(seq), fresh(seq))
+    # An unsharded model still takes FSDP2 (the registry answers only for sharded modules).
+    fully_shard(nn.Linear(4, 4))
+    out["fsdp2_plain_ok"] = True
+
+
 def _state_dicts(rank, world, tmp, out):
     model = tierlift.zero.shard(make_model(), stage=3)
     own = model.state_dict()
@@ -96,8 +133,6 @@ def _state_dicts(rank, world, tmp, out):
     full = make_model(seed=5).state_dict()
     # (A copy: torch records assign=True in the dict's own _metadata.)
     out["assign"] = _raises(lambda: model.load_state_dict(dict(full), assign=True))
-    partial = {k: v for k, v in full.items() if k != "blocks.1.fc.weight"}
-    out["partial"] = _raises(lambda: model.load_state_dict(partial, strict=False))
     mixed = dict(full, **{"blocks.0._zero_flat_shard": own["blocks.0._zero_flat_shard"]})
     out["mixed"] = _raises(lambda: model.load_state_dict(mixed, strict=False))
     out["full_refusals_unchanged"] = torch.equal(before, _flat(model))
@@ -106,8 +141,44 @@ def _state_dicts(rank, world, tmp, out):
     # Only some units given (strict=False): those load, the others stay.
     only = {k: v for k, v in make_model(seed=6).state_dict().items() if k.startswith("blocks.2.")}
     res = model.load_state_dict(only, strict=False)
-    out["only_missing"] = sorted(res.missing_keys)
+    out["only_missing"] = res.missing_keys
     out["only_after"] = tierlift.zero.full_state_dict(model)
+
+
+def _mismatched(full: dict) -> dict:
+    """State dicts of full weights whose keys do not match the model's (strict=False loads)."""
+    tied = dict(full, **{"head.weight": full["head.weight"] + 1.0})  # torch: the last one wins
+    return {
+        "unit_absent": dict({k: v for k, v in full.items() if not k.startswith("blocks.1.")},
+                            **{"extra.zzz": torch.zeros(1)}),
+        "unit_partial": {k: v for k, v in full.items() if k != "blocks.1.fc.weight"},
+        "tied_one_name": {k: v for k, v in tied.items() if k != "tok.weight"},
+        "tied_both": tied,
+        "prefixed": {"model." + k: v for k, v in full.items()},
+        "empty": {},
+    }
+
+
+def _key_reports(rank, out):
+    """Each mismatched full state dict into a fresh sharded model: what load_state_dict reports
+    (strict=False), the weights it leaves, and strict=True's error."""
+    full = make_model(seed=5).state_dict()
+    for name, (stage, kw) in {"s1": (1, {}), "s3": (3, {}),
+                              "s3-offload": (3, {"offload_params": "cpu"})}.items():
+        for case, sd in _mismatched(full).items():
+            model = tierlift.zero.shard(make_model(), stage=stage, **kw)
+            res = model.load_state_dict(dict(sd), strict=False)
+            out[f"keys_{name}_{case}"] = (res.missing_keys, res.unexpected_keys,
+                                          tierlift.zero.full_state_dict(model))
+            strict = tierlift.zero.shard(make_model(), stage=stage, **kw)
+            out[f"strict_{name}_{case}"] = _raises(lambda m=strict, sd=sd: m.load_state_dict(sd))
+        # A unit module loaded on its own, given part of its weights.
+        model = tierlift.zero.shard(make_model(), stage=stage, **kw)
+        block = {k[len("blocks.1."):]: v for k, v in full.items()
+                 if k.startswith("blocks.1.") and k != "blocks.1.fc.weight"}
+        res = model.blocks[1].load_state_dict(block, strict=False)
+        out[f"keys_{name}_block"] = (res.missing_keys, res.unexpected_keys,
+                                     tierlift.zero.full_state_dict(model))
 
 
 def _freed(rank, out):
@@ -174,6 +245,7 @@ def _gathered(rank, tmp, out):
             out[f"{name}_read_block"] = torch.equal(model.blocks[1].fc.weight,
                                                     expect["blocks.1.fc.weight"])
         out[f"{name}_readonly_edit"] = _raises(lambda m=model: _readonly_edit(m))
+        out[f"{name}_readonly_data"] = _raises(lambda m=model: _readonly_data_edit(m))
         out[f"{name}_readonly_unchanged"] = torch.equal(before, _flat(model))
         with tierlift.zero.gathered(model, modifier_rank=0):
             _edit(model, rank)
@@ -191,6 +263,11 @@ def _gathered(rank, tmp, out):
 def _readonly_edit(model):
     with tierlift.zero.gathered(model.blocks[0]):
         model.blocks[0].proj.weight.add_(1.0)
+
+
+def _readonly_data_edit(model):
+    with tierlift.zero.gathered(model.blocks[1]):
+        model.blocks[1].fc.weight.data[0, :3] = 7.0  # escapes the version counter
 
 
 def _clip_and_count(rank, out):
@@ -218,7 +295,9 @@ def _worker(rank, world, port, tmp):
     init_gloo(rank, world, port)
     out = {}
     _ddp(rank, out)
+    _fsdp(rank, out)
     _state_dicts(rank, world, tmp, out)
+    _key_reports(rank, out)
     _freed(rank, out)
     _gathered(rank, tmp, out)
     _clip_and_count(rank, out)
@@ -262,7 +341,6 @@ def test_full_state_dict_loads_exactly_through_load_state_dict(ranks):
     other = make_model(seed=6).state_dict()
     for out in ranks:
         assert "assign=True" in out["assign"]
-        assert "'blocks.1.fc.weight'" in out["partial"] and "loads whole" in out["partial"]
         assert "both shards" in out["mixed"]
         assert out["full_refusals_unchanged"]
         assert out["load_full"] == "<All keys matched successfully>"
@@ -272,8 +350,51 @@ def test_full_state_dict_loads_exactly_through_load_state_dict(ranks):
         for k, v in full.items():
             want = other[k] if k.startswith("blocks.2.") else v
             assert torch.equal(out["only_after"][k], want), k
-        assert "blocks.0._zero_flat_shard" in out["only_missing"]
-        assert "blocks.2._zero_flat_shard" not in out["only_missing"]
+        # The weights torch names for the unsharded model, not the shards that hold them.
+        only = {k: v for k, v in other.items() if k.startswith("blocks.2.")}
+        assert out["only_missing"] == make_model().load_state_dict(only,
+                                                                   strict=False).missing_keys
+        assert "blocks.0.qkv.weight" in out["only_missing"]
+
+
+@pytest.mark.parametrize("name", ["s1", "s3", "s3-offload"])
+def test_mismatched_keys_reported_as_torch_does(ranks, name):
+    full = make_model(seed=5).state_dict()
+    for case, sd in _mismatched(full).items():
+        ref = make_model()
+        res = ref.load_state_dict(dict(sd), strict=False)
+        strict = _raises(lambda sd=sd: make_model().load_state_dict(sd))
+        for out in ranks:
+            missing, unexpected, after = out[f"keys_{name}_{case}"]
+            assert missing == res.missing_keys, case
+            assert unexpected == res.unexpected_keys, case
+            for k, v in ref.state_dict().items():  # loaded what torch loads, kept the rest
+                assert torch.equal(after[k], v), (case, k)
+            assert out[f"strict_{name}_{case}"] == strict, case
+    assert any(res.missing_keys for res in [make_model().load_state_dict(sd, strict=False)
+                                            for sd in _mismatched(full).values()])
+    ref = make_model()
+    block = {k[len("blocks.1."):]: v for k, v in full.items()
+             if k.startswith("blocks.1.") and k != "blocks.1.fc.weight"}
+    res = ref.blocks[1].load_state_dict(block, strict=False)
+    assert res.missing_keys == ["fc.weight"]
+    for out in ranks:
+        missing, unexpected, after = out[f"keys_{name}_block"]
+        assert (missing, unexpected) == (res.missing_keys, res.unexpected_keys)
+        for k, v in ref.state_dict().items():
+            assert torch.equal(after[k], v), k
+
+
+def test_fsdp_refused_before_any_change(ranks):
+    keys = ("fsdp1", "fsdp1_orig", "fsdp1_auto", "fsdp1_outer", "fsdp2", "fsdp2_block",
+            "fsdp2_outer", "dcp_state_dict")
+    for out in ranks:
+        for key in keys:
+            assert "torch FSDP (FullyShardedDataParallel / fully_shard, or replicate) was " \
+                "given a model sharded by tierlift.zero.shard" in out[key], (key, out[key])
+            assert "do not wrap it" in out[key] and "tierlift.hf.Trainer" in out[key]
+        assert out["fsdp_unchanged"] and out["fsdp_forward_same"]
+        assert out["fsdp2_plain_ok"]
 
 
 def test_freed_weights_raise_instead_of_crashing(ranks):
@@ -315,6 +436,9 @@ def test_gathered_reads_and_writes_back(ranks, name):
     for out in ranks:
         assert out[f"{name}_read"] and out[f"{name}_read_block"]
         assert "without modifier_rank" in out[f"{name}_readonly_edit"]
+        data = out[f"{name}_readonly_data"]
+        assert "without modifier_rank" in data and "through .data" in data, data
+        assert "modifier_rank=<the rank whose edits to keep>" in data
         assert out[f"{name}_readonly_unchanged"]
         torch.testing.assert_close(torch.tensor(out[f"{name}_losses"]),
                                    torch.tensor(ref_losses), rtol=1e-5, atol=0)

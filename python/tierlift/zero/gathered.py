@@ -12,8 +12,10 @@ with parameter offload. On exit the attributes go back to what
 they were (views of the gathered compute weights, or stage 3's freed stand-ins). With
 modifier_rank=r, rank r's buffers are broadcast and every rank copies its slice into its shard
 (edits on other ranks are discarded); the next forward gathers the new weights. Without it the
-block is read-only: an in-place edit of a gathered weight raises at exit (the version counter
-sees edits through the tensor itself; writes through `.data` escape it).
+block is read-only: an edit of a gathered weight raises at exit, since it cannot be written
+back. Edits through the tensor itself show in its version counter; writes through `.data` (or
+numpy views) do not, so a read-only block also takes a content fingerprint of each gathered
+buffer on entry and compares it on exit (one pass over the bytes each way).
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tierlift import _extension
 from tierlift._shards import shard_owner
+from tierlift.offload.watch import fingerprints
 from tierlift.zero.freed import FreedWeight
 from tierlift.zero.guards import live_states, states_in
 
@@ -78,7 +82,7 @@ def _check_modifier(state, modifier_rank) -> None:
 class _Held:
     """One unit gathered for the block: its fp32 buffer and the views put on the module."""
 
-    def __init__(self, unit):
+    def __init__(self, unit, read_only: bool):
         self.unit = unit
         unit.wait_gather()
         buf = torch.empty(unit.padded, dtype=unit.shard.dtype, device=unit.device)
@@ -89,6 +93,7 @@ class _Held:
             for mod, attr in e.owners:
                 setattr(mod(), attr, v)
         self.version = buf._version
+        self.print = _fingerprint(buf) if read_only else None
 
     def _moved(self, v: torch.Tensor) -> bool:
         """Whether `v` was given other data (`v.data = ...`) inside the block."""
@@ -97,7 +102,8 @@ class _Held:
     def edited(self) -> bool:
         return self.buf._version != self.version or any(
             self._moved(v) or any(getattr(mod(), attr, None) is not v for mod, attr in e.owners)
-            for e, v in zip(self.unit.entries, self.views, strict=True))
+            for e, v in zip(self.unit.entries, self.views, strict=True)) or (
+            self.print is not None and not _same(_fingerprint(self.buf), self.print))
 
     def replaced(self) -> str | None:
         """Takes a weight given new data of its own shape (an attribute set to another tensor,
@@ -151,7 +157,7 @@ def gathered(params_or_module, modifier_rank: int | None = None):
     try:
         for state, idx in targets:
             for i in idx:
-                held.append((state, _Held(state.units[i])))
+                held.append((state, _Held(state.units[i], read_only=modifier_rank is None)))
     except BaseException:
         _close(targets, held, collective=False)
         raise
@@ -182,8 +188,10 @@ def _finish(targets, held, modifier_rank) -> None:
                 e = h.unit.entries[0]
                 raise RuntimeError(
                     f"a weight of unit {h.unit.name!r} ({e.names[0]!r}...) was edited inside "
-                    "tierlift.zero.gathered() without modifier_rank; the edit is discarded. "
-                    "Pass modifier_rank=<the rank whose edits to keep> to write it back")
+                    "tierlift.zero.gathered() without modifier_rank (in place, through .data "
+                    "or by assignment); the edit is discarded. Use the writable form, "
+                    "gathered(..., modifier_rank=<the rank whose edits to keep>), to write it "
+                    "back")
         return
     for state, _ in targets:
         comm = state.world_comm
@@ -202,6 +210,29 @@ def _finish(targets, held, modifier_rank) -> None:
             _broadcast(comm, h.buf, modifier_rank)
         for h in mine:
             h.write_back()
+
+
+_CHUNK = 1 << 26  # bytes of a device buffer copied to the host at a time to fingerprint it
+
+
+def _fingerprint(buf: torch.Tensor) -> tuple[int, ...] | torch.Tensor:
+    """The content fingerprint of a gathered buffer: host buffers in one call, device ones
+    chunk by chunk through one host scratch buffer; without the compiled extension, a copy of
+    its bytes."""
+    flat = buf.detach().reshape(-1).view(torch.uint8)
+    if not _extension.available():
+        return flat.clone()
+    if flat.device.type == "cpu":
+        return tuple(fingerprints([flat]))
+    scratch = torch.empty(min(_CHUNK, flat.numel()), dtype=torch.uint8)
+    return tuple(fingerprints([flat[i:i + _CHUNK]], scratch)[0]
+                 for i in range(0, flat.numel(), _CHUNK))
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    return a == b
 
 
 def _broadcast(comm, t: torch.Tensor, src: int) -> None:

@@ -4,6 +4,10 @@
   rank 0's shards over every other rank's (each rank holds a different slice) and reduce the
   gradients a second time. A global module-registration hook refuses it when DDP registers the
   module, before DDP's first collective.
+- FSDP around it (FullyShardedDataParallel, fully_shard, composable replicate): it would flatten
+  or re-shard the shard parameters as if they were full weights. Each module of a sharded model
+  carries a composable-API registry (torch's record of which distributed APIs a module has)
+  whose membership test refuses the names FSDP asks about before it changes anything.
 - Replacing a submodule that holds sharded weights (resize_token_embeddings, LoRA layers
   injected after shard()) would leave the unit pointing at the old module; adding a submodule
   with trainable parameters would train it with no gradient reduction. Both are refused.
@@ -17,6 +21,7 @@
 
 from __future__ import annotations
 
+import collections
 import weakref
 
 import torch
@@ -51,7 +56,7 @@ def install(model: nn.Module, state) -> None:
     names = {id(p): n for n, p in model.named_parameters()}
     mod_names = {id(m): n for n, m in model.named_modules()}
     whole = [(names[id(u.shard)], u, list(e.names for e in u.entries)) for u in state.units]
-    _hook_state_dict(model, state, ref, whole, _MODEL_KEY, convert=False)
+    _hook_state_dict(model, state, ref, whole, _MODEL_KEY, convert=False, base="")
     by_module: dict[int, list] = {}
     for u in state.units:
         base = mod_names[id(u.module)]
@@ -59,7 +64,11 @@ def install(model: nn.Module, state) -> None:
         item = (names[id(u.shard)][cut:], u, [[n[cut:] for n in e.names] for e in u.entries])
         by_module.setdefault(id(u.module), [u.module, []])[1].append(item)
     for module, items in by_module.values():
-        _hook_state_dict(module, state, ref, items, _META_KEY, convert=True)
+        base = mod_names[id(module)]
+        _hook_state_dict(module, state, ref, items, _META_KEY, convert=True,
+                         base=base + "." if base else "")
+    for m in model.modules():
+        _mark_for_fsdp(m)
     if not _HOOK:
         _HOOK.append(nn.modules.module.register_module_module_registration_hook(_on_register))
 
@@ -114,10 +123,49 @@ def _on_register(parent, name, child):
     return None
 
 
+# ---- FSDP1 / FSDP2 / composable replicate ----
+try:  # torch's registry of composable distributed APIs applied to a module
+    from torch.distributed._composable.contract import REGISTRY_KEY as _REGISTRY_KEY
+except ImportError:  # pragma: no cover - torch without torch.distributed
+    _REGISTRY_KEY = None
+
+# The names FSDP asks the registry about before it touches a module: FullyShardedDataParallel's
+# constructor ("replicate", in _get_ignored_modules: its first step), fully_shard ("fully_shard"
+# in its @contract, then "replicate" for every managed module), composable replicate (both).
+_FSDP_ASKS = frozenset({"fully_shard", "replicate"})
+
+
+class _ShardedRegistry(collections.OrderedDict):
+    """The registry of a module of a sharded model: refuses FSDP's questions, answers others."""
+
+    def __contains__(self, key) -> bool:
+        if key in _FSDP_ASKS:
+            raise RuntimeError(
+                "torch FSDP (FullyShardedDataParallel / fully_shard, or replicate) was given a "
+                "model sharded by tierlift.zero.shard: it would flatten or re-shard tierlift's "
+                "shard parameters (each rank holds a different slice) as if they were the full "
+                f"weights; {_DDP_FIX}. (torch.distributed.checkpoint.state_dict asks the same "
+                "question; save a sharded model with tierlift.checkpoint.save)")
+        return super().__contains__(key)
+
+
+def _mark_for_fsdp(module: nn.Module) -> None:
+    if _REGISTRY_KEY is None:
+        return
+    old = module.__dict__.get(_REGISTRY_KEY)
+    if isinstance(old, _ShardedRegistry) or (old is not None and not isinstance(old, dict)):
+        return
+    module.__dict__[_REGISTRY_KEY] = _ShardedRegistry(old or ())
+
+
 # ---- state dicts ----
-def _hook_state_dict(module, state, ref, items, meta_key: str, convert: bool) -> None:
-    """items: [(shard key, unit, [names of each entry])], relative to `module`."""
+def _hook_state_dict(module, state, ref, items, meta_key: str, convert: bool,
+                     base: str) -> None:
+    """items: [(shard key, unit, [names of each entry])], relative to `module`, whose name in
+    the sharded model is `base` (with its dot). convert: this module holds the shards of
+    `items` and turns full weights into them; else (the whole model) it only checks."""
     layout = [[k, u.numel] for k, u, _ in items]
+    last: list = []  # (prefix, len(missing keys) at the pre-hook, what to report as missing)
 
     def save(mod, state_dict, prefix, local_metadata):
         st = ref()
@@ -126,19 +174,61 @@ def _hook_state_dict(module, state, ref, items, meta_key: str, convert: bool) ->
                                         "layout": [list(x) for x in layout]}
 
     def load(mod, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        last.clear()
         st = ref()
         if st is None:
             return
         plan = _check_load(st, state_dict, prefix, local_metadata.get(meta_key), items, layout,
                            assign=bool(local_metadata.get("assign_to_params_buffers")),
                            build=convert)
+        report = _full_missing(state_dict, prefix, items) if convert else ({}, [])
         for key, piece, drop in plan:
             for n in drop:
                 state_dict.pop(n, None)
             state_dict[key] = piece
+        last.append((prefix, len(missing), report))
+
+    def loaded(mod, incompatible):
+        # Missing keys as torch reports them for the unsharded model: full weight names, not
+        # shard keys, in the order of its state_dict.
+        st = ref()
+        if st is None or not last:
+            return
+        prefix, start, (instead, extra) = last.pop()
+        keys = incompatible.missing_keys
+        tail = [n for k in keys[start:] for n in instead.get(k, [k])] + extra
+        keys[start:] = _in_model_order(tail, prefix, base, st.key_order)
 
     state.handles.append(module.register_state_dict_post_hook(save))
     state.handles.append(module.register_load_state_dict_pre_hook(load))
+    state.handles.append(module.register_load_state_dict_post_hook(loaded))
+
+
+def _full_missing(sd, prefix, items) -> tuple[dict[str, list[str]], list[str]]:
+    """For a state_dict of full weights (none of these shard keys in it): ({shard key: the
+    full names it stands for}, [names absent from units that load]); else ({}, [])."""
+    if any(prefix + k in sd for k, _, _ in items):
+        return {}, []
+    instead, extra = {}, []
+    for key, _, entry_names in items:
+        absent = [prefix + n for names in entry_names for n in names if prefix + n not in sd]
+        if len(absent) == sum(len(names) for names in entry_names):
+            instead[prefix + key] = absent
+        else:
+            extra += absent
+    return instead, extra
+
+
+def _in_model_order(keys: list[str], prefix: str, base: str, order: dict) -> list[str]:
+    """`keys` sorted as the unsharded model's state_dict orders them; a key it does not know
+    stays right after the known key before it."""
+    ranked, at = [], -1
+    for i, k in enumerate(keys):
+        pos = order.get(base + k[len(prefix):]) if k.startswith(prefix) else None
+        if pos is not None:
+            at = pos
+        ranked.append((at, pos is None, i, k))
+    return [k for *_, k in sorted(ranked)]
 
 
 def _check_load(state, sd, prefix, rec, items, layout, assign: bool, build: bool) -> list:
@@ -148,7 +238,8 @@ def _check_load(state, sd, prefix, rec, items, layout, assign: bool, build: bool
     full_in: dict[int, dict[int, str]] = {}
     for i, (_, _, entry_names) in enumerate(items):
         for j, names in enumerate(entry_names):
-            found = next((prefix + n for n in names if prefix + n in sd), None)
+            # Tied names: torch copies each in turn into the one tensor, so the last one wins.
+            found = next((prefix + n for n in reversed(names) if prefix + n in sd), None)
             if found is not None:
                 full_in.setdefault(i, {})[j] = found
     if not shard_in and not full_in:
@@ -167,24 +258,20 @@ def _check_load(state, sd, prefix, rec, items, layout, assign: bool, build: bool
     for i, (key, u, entry_names) in enumerate(items):
         given = full_in.get(i)
         if not given:
-            continue  # left as it is; torch reports its shard as missing
-        if len(given) < len(entry_names):
-            gone = next(names[0] for j, names in enumerate(entry_names) if j not in given)
-            raise RuntimeError(
-                f"state_dict has no entry for {prefix + gone!r}, which is sharded together with "
-                f"{given[min(given)]!r} (unit {u.name!r}): a sharded unit loads whole; give "
-                "all its weights, or none of them to leave it as it is")
+            continue  # left as it is; the missing keys name its weights (_full_missing)
         for j, e in enumerate(u.entries):
-            t = sd[given[j]]
-            if tuple(t.shape) != tuple(e.shape):
+            if j in given and tuple(sd[given[j]].shape) != tuple(e.shape):
                 raise RuntimeError(f"size mismatch for {given[j]!r}: the state_dict has shape "
-                                   f"{tuple(t.shape)}, the model {tuple(e.shape)}")
-        plan.append((i, key, u, given, entry_names))
+                                   f"{tuple(sd[given[j]].shape)}, the model {tuple(e.shape)}")
+        plan.append((key, u, given, entry_names))
     if not build:
         return []
-    return [(prefix + key, _slice(u, [sd[given[j]] for j in range(len(u.entries))]),
+    # A unit given in part keeps its other weights as they are (taken from its shard), as
+    # torch keeps the parameters a state_dict does not name.
+    return [(prefix + key, _slice(u, [sd[given[j]] if j in given else None
+                                      for j in range(len(u.entries))]),
              [prefix + n for names in entry_names for n in names])
-            for i, key, u, given, entry_names in plan]
+            for key, u, given, entry_names in plan]
 
 
 def _check_shards(state, sd, rec, shard_in, layout) -> None:
@@ -214,15 +301,18 @@ def _check_shards(state, sd, rec, shard_in, layout) -> None:
 
 
 @torch.no_grad()
-def _slice(unit, tensors: list[torch.Tensor]) -> torch.Tensor:
+def _slice(unit, tensors: list[torch.Tensor | None]) -> torch.Tensor:
     """This rank's slice of the unit's padded flat buffer (in the shard dtype), from full
-    per-entry tensors."""
+    per-entry tensors; an entry given as None keeps the shard's current values."""
     n = unit.shard_numel
     lo = unit.comm.rank * n
-    out = torch.zeros(n, dtype=unit.shard.dtype, device=unit.shard.device)
+    if all(t is not None for t in tensors):
+        out = torch.zeros(n, dtype=unit.shard.dtype, device=unit.shard.device)
+    else:
+        out = unit.shard.detach().clone()
     for e, t in zip(unit.entries, tensors, strict=True):
         a, b = max(lo, e.offset), min(lo + n, e.offset + e.numel)
-        if a < b:
+        if a < b and t is not None:
             flat = t.detach().reshape(-1)[a - e.offset:b - e.offset]
             out[a - lo:b - lo].copy_(flat)
     return out
