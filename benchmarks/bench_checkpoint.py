@@ -193,8 +193,9 @@ def measure(name: str, fn, root: str, repeat: int, warmup: int, cuda: bool = Fal
 
 
 def _progress(r: dict) -> None:
-    print(f"  {r['ranks']} rank(s), {r['config']}, {r['contender']}: stall {r['stall s']:.3f} s, "
-          f"total {r['total s']:.3f} s, {r['GB written']:.3f} GB", flush=True)
+    ret = f" (returned {r['returned s']:.3f} s)" if r["returned s"] != r["stall s"] else ""
+    print(f"  {r['ranks']} rank(s), {r['config']}, {r['contender']}: stall {r['stall s']:.3f} s"
+          f"{ret}, total {r['total s']:.3f} s, {r['GB written']:.3f} GB", flush=True)
 
 
 def _wanted(args, table: dict) -> list[str]:
@@ -346,7 +347,8 @@ def main(argv=None) -> int:
         notes.append("device cuda: parameters, gradients and AdamW state on the GPU; stall "
                      "lasts until the call returned and the CUDA stream it was called on is "
                      "idle (the next training kernel waits that long); returned s: the call "
-                     "alone; DCP async_save with its default stager (a blocking copy)")
+                     "alone; DCP async_save with its defaults (torch 2.15 stages with a "
+                     "blocking copy into fresh pageable memory)")
     info: dict = {}
     where = (f"on {torch.cuda.get_device_name()}" if args.device == "cuda" else "on the CPU")
     print(f"bench_checkpoint: Stack d={d} L={layers} = {n / 1e6:.1f}M params fp32 "
