@@ -14,6 +14,9 @@
 namespace tierlift {
 namespace cuda {
 
+// Tensors per kernel launch (the rest of a call takes further launches).
+constexpr int kAdamPackTensors = 64;
+
 struct AdamTensorPtrs {
   float* param;
   const void* grad;

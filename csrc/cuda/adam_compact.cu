@@ -49,8 +49,9 @@ __global__ void __launch_bounds__(kThreads)
     adam_compact_kernel(Pack pack, AdamScalars s, const float* grad_scale, bool refresh) {
   __shared__ float warp_max[kWarps];
   __shared__ int warp_bad[kWarps];
-  const CompactAdamTensorPtrs& t = pack.t[pack.block_tensor[blockIdx.x]];
-  const int64_t begin = static_cast<int64_t>(pack.block_chunk[blockIdx.x]) * kChunk;
+  int64_t chunk;
+  const CompactAdamTensorPtrs& t = pack.t[pack_slot(pack, blockIdx.x, chunk)];
+  const int64_t begin = chunk * kChunk;
   const int64_t end = min(t.numel, begin + kChunk);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   float inv_grad_scale = 1.f;

@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "core/optim/adam.h"
 #include "core/util/dtype.h"
@@ -43,20 +44,35 @@ __device__ __forceinline__ float f16_to_f32_exact(uint16_t h) {
   return (h & 0x7fffu) > 0x7c00u ? nan : __half2float(__ushort_as_half(h));
 }
 
-// Element i of a kT array (fp32, bf16 or fp16) as fp32, and back.
+// The storage of one kT element (fp32, or bf16/fp16 bits), and its value as fp32 and back.
 template <DType kT>
-__device__ __forceinline__ float load(const void* p, int64_t i) {
-  if constexpr (kT == DType::kFloat32) return static_cast<const float*>(p)[i];
-  if constexpr (kT == DType::kBFloat16) return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
-  if constexpr (kT == DType::kFloat16) return __half2float(static_cast<const __half*>(p)[i]);
+using Storage = std::conditional_t<kT == DType::kFloat32, float, uint16_t>;
+
+template <DType kT>
+__device__ __forceinline__ float to_f32(Storage<kT> x) {
+  if constexpr (kT == DType::kFloat32) return x;
+  if constexpr (kT == DType::kBFloat16) return bf16_to_f32(x);
+  if constexpr (kT == DType::kFloat16) return __half2float(__ushort_as_half(x));
   return 0.f;
 }
 
 template <DType kT>
+__device__ __forceinline__ Storage<kT> from_f32(float x) {
+  if constexpr (kT == DType::kFloat32) return x;
+  if constexpr (kT == DType::kBFloat16) return f32_to_bf16(x);
+  if constexpr (kT == DType::kFloat16) return f32_to_f16(x);
+  return 0;
+}
+
+// Element i of a kT array (fp32, bf16 or fp16) as fp32, and back.
+template <DType kT>
+__device__ __forceinline__ float load(const void* p, int64_t i) {
+  return to_f32<kT>(static_cast<const Storage<kT>*>(p)[i]);
+}
+
+template <DType kT>
 __device__ __forceinline__ void store(void* p, int64_t i, float x) {
-  if constexpr (kT == DType::kFloat32) static_cast<float*>(p)[i] = x;
-  if constexpr (kT == DType::kBFloat16) static_cast<uint16_t*>(p)[i] = f32_to_bf16(x);
-  if constexpr (kT == DType::kFloat16) static_cast<uint16_t*>(p)[i] = f32_to_f16(x);
+  static_cast<Storage<kT>*>(p)[i] = from_f32<kT>(x);
 }
 
 // core's grad_unscale_factor on the device: GradScaler's scale (read from device memory, so no
@@ -75,21 +91,41 @@ __device__ __forceinline__ float unscale_factor(const float* grad_scale) {
 // bit for bit except for which NaN a NaN becomes (torch's differs by device), and a NaN master
 // stays NaN either way.
 template <DType kCopy>
+__device__ __forceinline__ float refreshed_weight(float p, Storage<kCopy> have) {
+  if constexpr (kCopy == DType::kBFloat16 || kCopy == DType::kFloat16) {
+    const uint16_t mine = kCopy == DType::kBFloat16 ? f32_to_bf16(p) : f32_to_f16(p);
+    const float theirs = kCopy == DType::kBFloat16 ? bf16_to_f32(have) : f16_to_f32_exact(have);
+    return have == mine ? p : theirs;
+  } else {
+    // Rounding to fp32 is the identity: the copy is the weight, bit for bit.
+    return have;
+  }
+}
+
+template <DType kCopy>
 __device__ __forceinline__ float load_weight(const float* param, const void* copy, int64_t i,
                                              bool refresh) {
   const float p = param[i];
-  if constexpr (kCopy == DType::kBFloat16 || kCopy == DType::kFloat16) {
-    if (refresh) {
-      const uint16_t have = static_cast<const uint16_t*>(copy)[i];
-      const uint16_t mine = kCopy == DType::kBFloat16 ? f32_to_bf16(p) : f32_to_f16(p);
-      const float theirs = kCopy == DType::kBFloat16 ? bf16_to_f32(have) : f16_to_f32_exact(have);
-      return have == mine ? p : theirs;
-    }
-  } else if constexpr (kCopy == DType::kFloat32) {
-    // Rounding to fp32 is the identity: the copy is the weight, bit for bit.
-    if (refresh) return static_cast<const float*>(copy)[i];
+  if constexpr (kCopy != DType::kNone) {
+    if (refresh) return refreshed_weight<kCopy>(p, static_cast<const Storage<kCopy>*>(copy)[i]);
   }
   return p;
+}
+
+// The gradient g as loaded (fp32) -> the gradient the moments take (unscaled by inv_grad_scale
+// when kUnscale, negated when maximizing, plus the L2 term for Adam); the weight p -> decayed
+// for AdamW.
+template <bool kUnscale>
+__device__ __forceinline__ float grad_with_decay(const AdamScalars& s, float inv_grad_scale,
+                                                 float g, float& p) {
+  if constexpr (kUnscale) g = __fmul_rn(g, inv_grad_scale);
+  if (s.maximize) g = -g;
+  if (s.decoupled) {
+    p = __fmul_rn(p, s.decay);
+  } else if (s.weight_decay != 0.f) {
+    g = __fmaf_rn(s.weight_decay, p, g);
+  }
+  return g;
 }
 
 // Loads grad[i] and the weight (load_weight); returns the gradient (unscaled by inv_grad_scale
@@ -100,16 +136,9 @@ __device__ __forceinline__ float grad_and_decay(const AdamScalars& s, float inv_
                                                 const void* grad, const float* param,
                                                 const void* copy, bool refresh, int64_t i,
                                                 float& p) {
-  float g = load<kGrad>(grad, i);
-  if constexpr (kUnscale) g = __fmul_rn(g, inv_grad_scale);
-  if (s.maximize) g = -g;
+  const float g = load<kGrad>(grad, i);
   p = load_weight<kCopy>(param, copy, i, refresh);
-  if (s.decoupled) {
-    p = __fmul_rn(p, s.decay);
-  } else if (s.weight_decay != 0.f) {
-    g = __fmaf_rn(s.weight_decay, p, g);
-  }
-  return g;
+  return grad_with_decay<kUnscale>(s, inv_grad_scale, g, p);
 }
 
 struct Moments {
@@ -124,13 +153,18 @@ __device__ __forceinline__ Moments moments(const AdamScalars& s, float g, float 
   return {m1, v1};
 }
 
+// The decayed weight p stepped with the new m and v (or v's running max).
+__device__ __forceinline__ float updated_weight(const AdamScalars& s, float p, float m, float v) {
+  const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), s.bc2_sqrt), s.eps);
+  return __fadd_rn(p, __fdiv_rn(__fmul_rn(s.neg_step_size, m), denom));
+}
+
 // Steps the decayed weight p with the new m and v (or v's running max) and stores it in param[i]
 // and, unless kCopy is kNone, in param_copy[i].
 template <DType kCopy>
 __device__ __forceinline__ void apply_update(const AdamScalars& s, float* param, void* param_copy,
                                              int64_t i, float p, float m, float v) {
-  const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), s.bc2_sqrt), s.eps);
-  p = __fadd_rn(p, __fdiv_rn(__fmul_rn(s.neg_step_size, m), denom));
+  p = updated_weight(s, p, m, v);
   param[i] = p;
   if constexpr (kCopy != DType::kNone) store<kCopy>(param_copy, i, p);
 }

@@ -69,3 +69,11 @@ inline int64_t& narrow_index_limit() {
 
 #define TIERLIFT_LAUNCH(grid, block, shared, stream, ...) \
   ::tierlift::cuda::KernelLaunch(#__VA_ARGS__, __VA_ARGS__, grid, block, shared, stream)
+
+// `#pragma unroll` for nvcc (arrays indexed by the unrolled loop's counter stay in registers);
+// nothing for the host compiler of the simulator, which does not know the pragma.
+#ifdef TIERLIFT_CUDASIM
+#define TIERLIFT_UNROLL
+#else
+#define TIERLIFT_UNROLL _Pragma("unroll")
+#endif

@@ -5,9 +5,11 @@
 //
 // Covered: every grad dtype x param-copy dtype, Adam/AdamW, weight decay 0 and not, amsgrad,
 // maximize, AMP unscaling (grad_scale read from device memory), several steps, empty tensors,
-// numels around the 64Ki-element chunk, more tensors than one launch's pack holds (24), and a
-// tensor whose chunks straddle two launches (320 blocks per launch). Mirrors
-// tests/python/test_optim.py's gpu tests, scaled down for the simulator.
+// numels around the 64Ki-element chunk, more tensors than one launch's pack holds
+// (kAdamPackTensors), and tensors whose chunks straddle two and three launches (with the
+// blocks per launch lowered through pack_block_limit). Mirrors tests/python/test_optim.py's gpu
+// tests, scaled down for the simulator. The vector path's alignment edges:
+// test_kernel_adam_vec.cc.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -23,6 +25,7 @@
 #include "core/optim/adam.h"
 #include "core/util/dtype.h"
 #include "cuda/adam.cuh"
+#include "cuda/multi_tensor.cuh"
 #include "cudasim/launch.h"
 #include "tests/cudasim/dtypes.h"
 
@@ -32,8 +35,8 @@ namespace {
 using cudasim_test::dtype_name;
 using cudasim_test::kInputDtypes;
 
-constexpr int64_t kChunk = int64_t{1} << 16;  // elements per block in adam.cu
-constexpr int64_t kMaxBlocks = 320;           // blocks per launch in adam.cu
+constexpr int64_t kChunk = int64_t{1} << 16;   // elements per block in adam.cu
+constexpr int kPack = cuda::kAdamPackTensors;  // tensors per launch
 
 // Test data repeats with this period (a prime, so coprime with the chunk size). The reference
 // side keeps one period of each tensor: the 21M-element test needs no second full copy, and an
@@ -361,27 +364,28 @@ TEST(AdamKernel, NoTensorsAndOnlyEmptyTensorsAreNoOps) {
             /*launches=*/0);
 }
 
-// 23, 24 and 25 non-empty tensors put the pack's tensor limit before, at and after the last
-// tensor; empty tensors take no slot. The tensor that closes a pack spans two chunks.
+// One fewer, as many and one more non-empty tensors than a pack holds, and two packs' worth,
+// put the pack's tensor limit before, at and after the last tensor; empty tensors take no slot.
+// The tensor that closes a pack spans two chunks.
 TEST(AdamKernel, PackBoundaryAtTheTensorLimit) {
-  for (int tensors : {23, 24, 25, 48, 49}) {
+  for (int tensors : {kPack - 1, kPack, kPack + 1, 2 * kPack, 2 * kPack + 1}) {
     SCOPED_TRACE("non-empty tensors: " + std::to_string(tensors));
     std::vector<int64_t> numels;
     for (int k = 0; k < tensors; ++k) {
       if (k % 5 == 2) numels.push_back(0);
-      numels.push_back(k % 24 == 23 ? kChunk + 9 : 1 + 37 * k);
+      numels.push_back(k % kPack == kPack - 1 ? kChunk + 9 : 1 + 37 * k);
     }
     run_steps(numels, DType::kBFloat16, DType::kBFloat16, {true, 0.01, true, false}, 2,
-              /*launches=*/(tensors + 23) / 24);
+              /*launches=*/(tensors + kPack - 1) / kPack);
     if (HasFailure()) return;
   }
 }
 
 // Like test_cuda_kernel_many_tensors_across_packs: tensors of a few and of 70000 elements (two
-// chunks each) plus empty ones; 30 non-empty tensors make two packs.
+// chunks each) plus empty ones; a pack and a half of non-empty tensors make two packs.
 TEST(AdamKernel, ManyTensorsAcrossPacks) {
   std::vector<int64_t> numels;
-  for (int k = 0; k < 30; ++k) {
+  for (int k = 0; k < kPack + kPack / 2; ++k) {
     numels.push_back(k % 6 == 0 ? 70000 : 1 + k);
     if (k % 7 == 0) numels.push_back(0);
   }
@@ -392,13 +396,37 @@ TEST(AdamKernel, ManyTensorsAcrossPacks) {
   }
 }
 
-// More than kMaxBlocks chunks: the third tensor's chunks run partly in the first launch (from
-// pack slot 2) and partly in the second (from slot 0), followed there by two more tensors.
-// About 21M elements: the smallest size that reaches a second launch through the block limit.
+// pack_block_limit() lowered for one test.
+class BlockLimit {
+ public:
+  explicit BlockLimit(int64_t limit) : saved_(cuda::pack_block_limit()) {
+    cuda::pack_block_limit() = limit;
+  }
+  ~BlockLimit() { cuda::pack_block_limit() = saved_; }
+
+ private:
+  int64_t saved_;
+};
+
+// More chunks than a launch's blocks: with 5 blocks a launch, the third tensor (12 chunks,
+// ragged) runs in three launches: from pack slot 2 of the first, alone in the second, and from
+// slot 0 of the third, followed there by another tensor; the last tensor takes a fourth.
 TEST(AdamKernel, TensorSplitAcrossLaunches) {
-  const int64_t big = (kMaxBlocks - 2) * kChunk + 3 * kChunk - 4321;  // 321 chunks, ragged
-  run_steps({1000, 5, big, 7, kChunk + 1}, DType::kBFloat16, DType::kBFloat16,
-            {true, 0.01, true, false}, 1, /*launches=*/2);
+  const BlockLimit limit(5);
+  const int64_t big = 12 * kChunk - 4321;
+  for (DType g : kInputDtypes) {
+    SCOPED_TRACE(std::string("grad ") + dtype_name(g));
+    run_steps({1000, 5, big, 7, kChunk + 1}, g, DType::kBFloat16, {true, 0.01, true, false}, 1,
+              /*launches=*/4);
+    if (HasFailure()) return;
+  }
+}
+
+// A launch of a single block, and of blocks exactly filling a tensor.
+TEST(AdamKernel, OneBlockPerLaunch) {
+  const BlockLimit limit(1);
+  run_steps({3, 2 * kChunk, 0, 1}, DType::kFloat32, DType::kNone, {false, 0.1, true, true}, 2,
+            /*launches=*/4);
 }
 
 }  // namespace
