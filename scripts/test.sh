@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up a fresh machine (scripts/setup.sh), then runs every test: lint, GoogleTest (plain and
-# under AddressSanitizer + UBSan; the C++ core, and every CUDA kernel in the CPU simulator, also
-# with the warp-ahead schedule and under ThreadSanitizer) and pytest. This is what CI runs
+# under AddressSanitizer + UBSan and ThreadSanitizer; the C++ core, and every CUDA kernel in the CPU
+# simulator, also with the warp-ahead schedule) and pytest. This is what CI runs
 # (.ci/run).
 #
 #   bash scripts/test.sh
@@ -31,15 +31,18 @@ export ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1
 ./build/asan/tierlift_cudasim_tests --gtest_brief=1
 unset ASAN_OPTIONS UBSAN_OPTIONS
 
-echo "== CUDA kernels in the CPU simulator: warp-ahead schedule, and under ThreadSanitizer"
+echo "== CUDA kernels in the CPU simulator: warp-ahead schedule"
 TIERLIFT_CUDASIM_SCHEDULE=warp ./build/cmake/tierlift_cudasim_tests --gtest_brief=1
+echo "== GoogleTest under ThreadSanitizer (the I/O engine's ring and copier threads, the pool)"
 cmake -S . -B build/tsan -G Ninja -DTIERLIFT_TSAN=ON -DTIERLIFT_BENCHMARKS=OFF >/dev/null
-cmake --build build/tsan -j "$jobs" --target tierlift_cudasim_tests
+cmake --build build/tsan -j "$jobs" --target tierlift_tests tierlift_cudasim_tests
+# setarch -R: older libtsan refuses the high-entropy address layouts of newer kernels.
+TSAN_OPTIONS="halt_on_error=1 history_size=4" setarch "$(uname -m)" -R \
+  ./build/tsan/tierlift_tests --gtest_brief=1
 # The simulator's own tests (planted races included), the Adam edge cases and the gather's
 # all-blocks-contend case: under TSan every block gets a fresh OS thread and fresh fiber stacks,
 # so the whole suite takes far too long here (run it without the filter when changing a
 # kernel's synchronization; docs/cudasim.md).
-# setarch -R: older libtsan refuses the high-entropy address layouts of newer kernels.
 TSAN_OPTIONS="halt_on_error=1 history_size=4" setarch "$(uname -m)" -R \
   ./build/tsan/tierlift_cudasim_tests --gtest_brief=1 \
   --gtest_filter='CudaSim*:AdamKernelEdges*:*GatherKernelBadIndex.EveryIndex*'
