@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 from zero_model import batches, free_port, init_gloo, make_model, shutdown, train
 
 import tierlift
+from tierlift.checkpoint import staging as ckpt_staging
 from tierlift.checkpoint import writer as ckpt_writer
 from tierlift.offload import tiers
 
@@ -323,6 +324,55 @@ def test_gpu_tensors_are_snapshotted_before_the_next_kernel_changes_them(tmp_pat
     fresh = make_model(seed=6).cuda()
     tierlift.checkpoint.load(tmp_path / "ck", fresh, None)
     _assert_same({k: v.cpu() for k, v in fresh.state_dict().items()}, before)
+
+
+class FakeEvent:
+    """A CUDA event that logs where it was recorded and which thread waited for it."""
+
+    def __init__(self, log):
+        self.log, self.device = log, None
+
+    def record(self, stream):
+        self.device = stream  # FakeCurrentStream below: the stream is its device
+        self.log.append(("record", stream))
+
+    def synchronize(self):
+        self.log.append(("wait", self.device, threading.current_thread().name))
+
+
+@pytest.mark.parametrize("budget", [None, 1 << 16], ids=["whole", "streamed"])
+def test_save_waits_for_the_copies_from_every_device_before_it_returns(tmp_path, monkeypatch,
+                                                                       budget):
+    """The bookkeeping of GPU snapshots, on CPU tensors that pose as on two GPUs: a copy is
+    queued on the current stream of its tensor's device, so every piece gets an event on each
+    device it read, the writer waits for them all, and save() waits for the last of each device
+    before it returns (only then may training change the tensors on any stream)."""
+    model = make_model(seed=5)
+    opt = tierlift.optim.AdamW(model.parameters(), **OPT)
+    _train(model, opt, DATA[:1], False)
+    second = {t.data_ptr() for t in model.blocks[-1].state_dict().values()}
+    log: list = []
+    monkeypatch.setattr(ckpt_staging, "_cuda_device", lambda t: torch.device(
+        "cuda", 1 if t.data_ptr() in second else 0))
+    monkeypatch.setattr(torch.cuda, "Event", lambda: FakeEvent(log))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: device)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    h = tierlift.checkpoint.save(tmp_path / "ck", model, None, blocking=False,
+                                 staging_budget=budget)
+    me = threading.current_thread().name
+    devices = {torch.device("cuda", 0), torch.device("cuda", 1)}
+    assert {e[1] for e in log if e[0] == "record"} == devices
+    assert {e[1] for e in log if e[0] == "wait" and e[2] == me} == devices  # settled
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    h.wait()
+    recorded = [e[1] for e in log if e[0] == "record"]
+    by_writer = [e[1] for e in log if e[0] == "wait" and e[2] == "tierlift-checkpoint"]
+    assert sorted(by_writer, key=str) == sorted(recorded, key=str)  # each piece's events
+    fresh = make_model(seed=6)
+    tierlift.checkpoint.load(tmp_path / "ck", fresh, None)
+    _assert_same(fresh.state_dict(), before)
 
 
 @pytest.mark.gpu

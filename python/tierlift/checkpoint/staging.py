@@ -46,6 +46,11 @@ def _aligned(nbytes: int, pin: bool) -> torch.Tensor:
     return raw[skip:skip + nbytes]
 
 
+def _cuda_device(t: torch.Tensor) -> torch.device | None:
+    """The device on whose current stream a copy from `t` is queued (None: a host tensor)."""
+    return t.device if t.device.type == "cuda" else None
+
+
 def free_cached() -> None:
     """Gives the kept buffers back to the allocator."""
     with _FREE_LOCK:
@@ -141,10 +146,11 @@ class Packer:
                     continue
                 p.fill += pad
             take = min(n - pos, self.size - p.fill)
-            cuda = src.device.type == "cuda"
-            p.buf[p.fill:p.fill + take].copy_(src[pos:pos + take], non_blocking=cuda)
-            if cuda:  # queued on the current stream of src's device, not of the current one
-                self.devices.add(src.device)
+            device = _cuda_device(src)
+            p.buf[p.fill:p.fill + take].copy_(src[pos:pos + take],
+                                                  non_blocking=device is not None)
+            if device is not None:  # queued on the current stream of src's device
+                self.devices.add(device)
             if merge:
                 last.hi += take
             else:
