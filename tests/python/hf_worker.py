@@ -12,6 +12,7 @@ tests use for the one-process references: tiny config-only models, nothing downl
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -178,8 +179,36 @@ def _trainer(name: str, out: str, rank: int, resume: bool):
         model=build(kind), args=training_args(os.path.join(out, name), batch=PER_RANK, **extra),
         train_dataset=Data(), zero=tierlift.hf.ZeroConfig(**zero, optimizer_kwargs=optim))
     ckpt = os.path.join(out, name, f"checkpoint-{SAVE_AT}") if resume else None
-    trainer.train(resume_from_checkpoint=ckpt)
+    with trainer_log() as lines:
+        trainer.train(resume_from_checkpoint=ckpt)
+    counts = [ln for ln in lines if "Number of trainable parameters" in ln]
+    trainer.logged_trainable = int(counts[0].split("=")[1].replace(",", "")) if counts else None
     return trainer
+
+
+@contextlib.contextmanager
+def trainer_log():
+    """The INFO lines Trainer logs (transformers.trainer), kept off the console."""
+    import logging
+
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    log = logging.getLogger("transformers.trainer")
+    was = log.level, log.propagate
+    keep = Keep()
+    log.addHandler(keep)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    try:
+        yield lines
+    finally:
+        log.removeHandler(keep)
+        log.setLevel(was[0])
+        log.propagate = was[1]
 
 
 def _accelerate(name: str, out: str, rank: int, world: int, resume: bool):
@@ -289,6 +318,7 @@ def train_phase(out: str, rank: int, world: int) -> dict:
         trainer = _trainer(name, out, rank, resume=False)
         model = trainer.model
         r = history(trainer)
+        r["logged_trainable"] = trainer.logged_trainable
         final = os.path.join(out, name, "final")
         trainer.save_model(final)
         with torch.no_grad():

@@ -5,8 +5,9 @@ with max_grad_norm=0 and LoRA on ZeRO-3 with parameter offload train as one proc
 the same global batch: the logged losses and gradient norms (the global norm, clipped at 0.5)
 within 1e-5; save_model writes a model from_pretrained loads with the sharded model's logits;
 resuming from checkpoint-3 in a new process repeats the uninterrupted run's steps 4-6 bit for
-bit; generate() with a different length on each rank finishes; num_parameters() counts the
-whole model; misuses are refused. All runs share two torchrun launches (hf_worker.py).
+bit; generate() with a different length on each rank finishes; num_parameters() and Trainer's
+log of trainable parameters count the whole model; misuses are refused. All runs share two
+torchrun launches (hf_worker.py).
 """
 
 from __future__ import annotations
@@ -145,6 +146,16 @@ def test_num_parameters_counts_the_full_model(name, runs):
     assert train[name]["num_parameters"] == model.num_parameters()
     assert train[name]["trainable"] == model.num_parameters(only_trainable=True)
     assert train[name]["no_embeddings"] == model.num_parameters(exclude_embeddings=True)
+
+
+@pytest.mark.parametrize("name", DIST)
+def test_trainer_logs_the_full_trainable_count(name, runs):
+    """Trainer's "Number of trainable parameters" line counts the whole model, not the shards
+    of rank 0 (LoRA: the adapters, with the frozen base sharded beside them)."""
+    train, _, _ = runs
+    model = W.build(W.TRAINER_RUNS[name][0])
+    assert train[name]["logged_trainable"] == sum(
+        p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def test_generate_with_uneven_lengths_per_rank(runs):

@@ -36,6 +36,28 @@ _OPTIMIZER = "optimizer.pt"
 _ADAMW = ("adamw_torch", "adamw_torch_fused")
 
 
+def _install_param_count() -> None:
+    """Trainer logs "Number of trainable parameters" from transformers.trainer's
+    get_model_param_count, which sums p.numel() (the ds_numel of DeepSpeed ZeRO-3 parameters
+    only when DeepSpeed is on): for a sharded model that would be this rank's shards. The
+    module's function is replaced, once, by one that counts a sharded model whole and leaves
+    every other model to the original."""
+    import transformers.trainer as hf_trainer
+
+    original = hf_trainer.get_model_param_count
+    if getattr(original, "_tierlift_counts_full", False):
+        return
+
+    def get_model_param_count(model, trainable_only=False):
+        if any(zmodel.is_sharded(m) for m in model.modules()):
+            return zmodel.count_parameters(model, only_trainable=trainable_only)
+        return original(model, trainable_only=trainable_only)
+
+    get_model_param_count.__doc__ = original.__doc__
+    get_model_param_count._tierlift_counts_full = True
+    hf_trainer.get_model_param_count = get_model_param_count
+
+
 class Trainer(transformers.Trainer):
     """transformers.Trainer for models sharded by tierlift.zero.shard (see the module doc).
 
@@ -56,6 +78,7 @@ class Trainer(transformers.Trainer):
         self._shard(self.model)
         if self.optimizer is not None:
             self._check_optimizer(self.optimizer)
+        _install_param_count()
 
     # ---- sharding and the optimizer ----
     def create_accelerator_and_postprocess(self) -> None:
