@@ -43,6 +43,7 @@ from tierlift.reference.optim_compact import (
 )
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
+_DTYPES = frozenset((torch.float32, *_LOW_PRECISION))  # of params and of gradients
 _STATE_DTYPES = ("fp32", "bf16")
 # State tensors taken from a loaded state dict as they are (torch would cast them to the
 # parameter's dtype), then brought to this optimizer's state format.
@@ -125,6 +126,42 @@ def _caller_stacklevel() -> int:
     while frame is not None and frame.f_code.co_filename.startswith(skip):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def _refuse_param(name: str, p: torch.Tensor, device) -> None:
+    """Raises the error for the first check Adam._check_group finds `p` (named `name`) failing;
+    `device` is the device of the group's earlier parameters (None for the first)."""
+    grad = p.grad
+    if grad.is_sparse:
+        raise RuntimeError(
+            f"{name} has a sparse gradient; tierlift's Adam needs dense "
+            "gradients (use torch.optim.SparseAdam)"
+        )
+    if device is not None and p.device != device:
+        raise RuntimeError(
+            f"{name} is on {p.device} but earlier parameters of the same "
+            f"group are on {device}; put each device in its own group"
+        )
+    if grad.dtype not in _DTYPES:
+        raise TypeError(
+            f"{name}.grad has dtype {grad.dtype}; expected float32, bfloat16 or float16"
+        )
+    raise TypeError(
+        f"{name} has dtype {p.dtype}; tierlift's Adam steps float32, bfloat16 "
+        "and float16 parameters"
+    )
+
+
+def _advance_steps(states: list) -> list:
+    """Adds 1 to every state's step count (a tensor, as torch keeps it) in one call, and returns
+    the new counts as ints."""
+    steps = [state["step"] for state in states]
+    if all(isinstance(step, torch.Tensor) for step in steps):
+        torch._foreach_add_(steps, 1)
+        return [int(step.item()) for step in steps]
+    for state in states:
+        state["step"] += 1
+    return [int(state["step"]) for state in states]
 
 
 class Adam(Optimizer):
@@ -454,50 +491,39 @@ class Adam(Optimizer):
                 "state_dtype='bf16'; use state_dtype='fp32' for amsgrad")
         device = None
         for pi, p in enumerate(group["params"]):
-            if p.grad is None:
-                continue
-            name = f"param_groups[{gi}]['params'][{pi}]"
             grad = p.grad
-            if grad.is_sparse:
-                raise RuntimeError(
-                    f"{name} has a sparse gradient; tierlift's Adam needs dense "
-                    "gradients (use torch.optim.SparseAdam)"
-                )
-            if device is not None and p.device != device:
-                raise RuntimeError(
-                    f"{name} is on {p.device} but earlier parameters of the same "
-                    f"group are on {device}; put each device in its own group"
-                )
-            device = p.device
-            if grad.dtype not in (torch.float32, *_LOW_PRECISION):
-                raise TypeError(
-                    f"{name}.grad has dtype {grad.dtype}; expected float32, bfloat16 or float16"
-                )
-            if p.dtype not in (torch.float32, *_LOW_PRECISION):
-                raise TypeError(
-                    f"{name} has dtype {p.dtype}; tierlift's Adam steps float32, bfloat16 "
-                    "and float16 parameters"
-                )
+            if grad is None:
+                continue
+            # The usual case in one test; the messages only for a parameter that fails it.
+            p_device = p.device
+            if (grad.is_sparse or grad.dtype not in _DTYPES or p.dtype not in _DTYPES
+                    or (device is not None and p_device != device)):
+                _refuse_param(f"param_groups[{gi}]['params'][{pi}]", p, device)
+            device = p_device
 
     def _step_group(self, group: dict, grad_scale: torch.Tensor | None = None) -> None:
-        """One fused call per (device, step count); `grad_scale` is GradScaler's scale when the
-        gradients are still scaled (the kernel unscales them as it reads them)."""
+        """One fused call per step count; `grad_scale` is GradScaler's scale when the gradients
+        are still scaled (the kernel unscales them as it reads them). What is the same for the
+        whole group (the device, whether a compiled kernel runs, the step counts' increment) is
+        done once for it, not per parameter."""
         beta1, beta2 = group["betas"]
         lr = float(group["lr"])
-        # (device, step) -> lists for one fused call; params that skipped steps keep their count.
-        buckets: dict = defaultdict(lambda: defaultdict(list))
+        amsgrad = group["amsgrad"]
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        # _check_group put the group's parameters on one device: one answer for all of them.
+        # The compiled ops refresh masters from their parameters themselves (the CUDA kernel
+        # with one 2-byte read per element, the CPU op in one C++ pass) instead of
+        # refresh_master's separate torch passes (about 20x the step's time on a CPU).
+        fused = ops.runs_kernel(params[0])
+        states = [self._init_state(p, amsgrad, refresh=not fused) for p in params]
+        steps = _advance_steps(states)
+        # step count -> lists for one fused call; params that skipped steps keep their count.
+        buckets: dict = {}
         write_back = []  # (non-contiguous param, the contiguous tensor the kernel updated)
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            grad = p.grad
-            # The compiled ops refresh masters from their parameters themselves (the CUDA kernel
-            # with one 2-byte read per element, the CPU op in one C++ pass) instead of
-            # refresh_master's separate torch passes (about 20x the step's time on a CPU).
-            fused = ops.runs_kernel(p)
-            state = self._init_state(p, group["amsgrad"], refresh=not fused)
+        for p, state, step in zip(params, states, steps):
             master = state.get("master")
-            state["step"] += 1
             # The fused kernel updates flat contiguous memory: a non-contiguous parameter is
             # stepped through a contiguous copy of it (its fp32 weight, or the value its master
             # is refreshed from and rounded into), written back once the kernel ran. Its state
@@ -506,19 +532,22 @@ class Adam(Optimizer):
             if not p.is_contiguous():
                 weight = p.contiguous()
                 write_back.append((p, weight))
-            b = buckets[(p.device, int(state["step"].item()), fused)]
+            b = buckets.get(step)
+            if b is None:
+                b = buckets[step] = defaultdict(list)
             b["params"].append(master if master is not None else weight)
             b["copies"].append(weight if master is not None else None)
-            b["grads"].append(grad.contiguous())
+            b["grads"].append(p.grad.contiguous())
             b["exp_avgs"].append(state["exp_avg"])
             b["exp_avg_sqs"].append(state["exp_avg_sq"])
             if "exp_avg_sq_scale" in state:
                 b["scales"].append(state["exp_avg_sq_scale"])
-            if group["amsgrad"]:
+            if amsgrad:
                 b["max_exp_avg_sqs"].append(state["max_exp_avg_sq"])
         decoupled = self._decoupled(group)
         scales = {}  # the scale on each device (GradScaler keeps it on its own device)
-        for (device, step, fused), b in buckets.items():
+        device = params[0].device
+        for step, b in buckets.items():
             amp = {}
             if grad_scale is not None:
                 if device not in scales:
