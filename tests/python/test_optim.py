@@ -425,9 +425,9 @@ def test_cuda_kernel_matches_cpu_kernel(dtype, noncontiguous):
 
 @pytest.mark.gpu
 def test_cuda_kernel_many_tensors_across_packs():
-    # More tensors and chunks than one kernel pack holds (24 tensors, 320 blocks).
+    # More tensors than one kernel launch takes (64), of one and of several chunks.
     params = [
-        torch.nn.Parameter(torch.randn(n, device="cuda")) for n in [1, 70000] * 20 + [5_000_000]
+        torch.nn.Parameter(torch.randn(n, device="cuda")) for n in [1, 70000] * 33 + [5_000_000]
     ]
     ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
     ours, theirs = AdamW(params, lr=1e-2), torch.optim.AdamW(ref, lr=1e-2, foreach=False)
