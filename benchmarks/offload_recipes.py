@@ -6,8 +6,11 @@ as a share of step() (what is left of the step after the overlap) and of the who
 For each recipe and tier, a stack of Linear layers trains for --repeats steps (plus one
 warm-up) with tierlift.optim.AdamW(overlap=True); the table gives the fraction of speculative
 chunks kept (the rest were stepped again in step()), the step time, and the content check's
-share of it (the content fingerprints of the kept chunks' gradients and parameters,
-`overlap_check_s`).
+share of it (the content fingerprints of the kept chunks' gradients and parameters that no
+other pass of step() reads, `overlap_check_s`), and the two passes the rest of the check rides
+on: the finite check of the gradients (`grad_check_s`, which fingerprints the host gradients
+of the chunks stepped ahead) and the publish of the kept chunks (`publish_s`, which compares
+each fp32 host parameter with its fingerprint as it copies the new value over it).
 Recipes:
   hf-default   bf16 autocast + torch.nn.utils.clip_grad_norm_(1.0) (Hugging Face Trainer's)
   scaler-clip  fp16 autocast + GradScaler, scaler.unscale_ + clip_grad_norm_(1.0)
@@ -48,7 +51,7 @@ def _run(recipe: str, tier: str, params: float, steps: int, directory: str) -> d
     scaler = torch.amp.GradScaler("cpu") if recipe.startswith("scaler") else None
     x = torch.randn(64, 1024)
     kept = redone = 0
-    times, iters, checks = [], [], []
+    times, iters, checks, finite, publish = [], [], [], [], []
     for i in range(steps + 1):
         t0 = time.perf_counter()
         with torch.autocast("cpu", dtype=amp, enabled=amp is not None):
@@ -76,11 +79,15 @@ def _run(recipe: str, tier: str, params: float, steps: int, directory: str) -> d
         times.append(dt)
         iters.append(end - t0)
         checks.append(st.get("overlap_check_s", 0.0))
+        finite.append(st.get("grad_check_s", 0.0))
+        publish.append(st.get("publish_s", 0.0))
     opt.close()
     total = max(kept + redone, 1)
     step, it, check = (statistics.median(v) for v in (times, iters, checks))
     return {"recipe": recipe, "tier": tier, "kept": kept / total, "redone_chunks": redone,
             "step_ms": step * 1e3, "iter_ms": it * 1e3, "check_ms": check * 1e3,
+            "finite_ms": statistics.median(finite) * 1e3,
+            "publish_ms": statistics.median(publish) * 1e3,
             "check_share": check / step, "check_share_iter": check / it}
 
 
@@ -95,7 +102,7 @@ def bench_recipes(args) -> int:
     table = [dict(r, kept=f"{r['kept']:.0%}", check_share=f"{r['check_share']:.1%}",
                   check_share_iter=f"{r['check_share_iter']:.1%}") for r in rows]
     print_table(table, ["recipe", "tier", "kept", "iter_ms", "step_ms", "check_ms",
-                        "check_share", "check_share_iter"],
+                        "check_share", "check_share_iter", "finite_ms", "publish_ms"],
                 f"Overlap under training recipes ({args.params / 1e6:.0f}M params, "
                 f"{args.repeats} steps; {machine()['cpu']})")
     write_json("offload_recipes", {"machine": machine(), "params": args.params, "rows": rows})

@@ -7,7 +7,9 @@
 #include <torch/extension.h>
 
 #include <memory>
+#include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "checks.h"
@@ -78,6 +80,78 @@ std::vector<uint64_t> fingerprints(const std::vector<at::Tensor>& tensors, int64
   }
   py::gil_scoped_release nogil;
   return fingerprint64_many(ranges, static_cast<int>(threads));
+}
+
+// The exponent field of a float dtype: all of its bits set is an Inf or a NaN.
+std::pair<int, uint32_t> float_exponent(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return {4, 0x7F800000u};
+    case at::kBFloat16:
+      return {2, 0x7F80u};
+    case at::kHalf:
+      return {2, 0x7C00u};
+    default:
+      break;
+  }
+  TORCH_CHECK_TYPE(false, "fingerprints_finite: tensors must be float32, bfloat16 or float16, got ",
+                   t.scalar_type());
+}
+
+std::pair<std::vector<uint64_t>, std::vector<bool>> fingerprints_finite(
+    const std::vector<at::Tensor>& tensors, int64_t threads) {
+  std::vector<FloatRange> ranges;
+  ranges.reserve(tensors.size());
+  for (const auto& t : tensors) {
+    auto [ptr, n] = checked_bytes(t);
+    auto [width, mask] = float_exponent(t);
+    ranges.push_back({ptr, n, width, mask});
+  }
+  std::vector<FiniteFingerprint> got;
+  {
+    py::gil_scoped_release nogil;
+    got = fingerprint64_finite_many(ranges, static_cast<int>(threads));
+  }
+  std::pair<std::vector<uint64_t>, std::vector<bool>> out;
+  for (const auto& g : got) {
+    out.first.push_back(g.value);
+    out.second.push_back(g.finite);
+  }
+  return out;
+}
+
+using CopyItem = std::tuple<at::Tensor, at::Tensor, std::optional<uint64_t>>;
+
+std::vector<std::optional<std::vector<uint64_t>>> copy_checked(
+    const std::vector<std::vector<CopyItem>>& groups, int64_t threads) {
+  std::vector<std::vector<CheckedCopy>> todo(groups.size());
+  for (size_t i = 0; i < groups.size(); ++i) {
+    for (const auto& [dst, src, want] : groups[i]) {
+      auto [d, dn] = checked_bytes(dst);
+      auto [s, sn] = checked_bytes(src);
+      TORCH_CHECK_VALUE(dn == sn, "copy_checked: dst has ", dn, " bytes but src has ", sn);
+      const auto* dc = static_cast<const char*>(d);
+      const auto* sc = static_cast<const char*>(s);
+      TORCH_CHECK_VALUE(dn == 0 || dc + dn <= sc || sc + sn <= dc,
+                        "copy_checked: dst and src overlap");
+      todo[i].push_back({d, s, dn, want.has_value(), want.value_or(0)});
+    }
+  }
+  std::vector<CheckedCopyResult> got;
+  {
+    py::gil_scoped_release nogil;
+    got = fingerprint64_copy_checked(todo, static_cast<int>(threads));
+  }
+  std::vector<std::optional<std::vector<uint64_t>>> out;
+  out.reserve(got.size());
+  for (auto& g : got) {
+    if (g.copied) {
+      out.emplace_back(std::move(g.values));
+    } else {
+      out.emplace_back(std::nullopt);
+    }
+  }
+  return out;
 }
 
 // An engine whose pool is page-locked with cudaHostRegister when `pin` is set and CUDA works, so
@@ -236,6 +310,13 @@ void bind_io(py::module_& m) {
   io.def("fingerprints", &fingerprints, py::arg("tensors"), py::arg("threads") = 1,
          "64-bit content fingerprint of each contiguous CPU tensor's bytes, for in-memory "
          "comparisons only (never stored): up to `threads` threads of the kernel pool.");
+  io.def("fingerprints_finite", &fingerprints_finite, py::arg("tensors"), py::arg("threads") = 1,
+         "(fingerprints, finite) of float32/bfloat16/float16 CPU tensors in one pass: each "
+         "tensor's fingerprint (as fingerprints gives) and whether all its values are finite.");
+  io.def("copy_checked", &copy_checked, py::arg("groups"), py::arg("threads") = 1,
+         "groups: lists of (dst, src, want) CPU tensors of equal bytes. Per group, all or "
+         "nothing: if every dst with a `want` still has that fingerprint, copies each src into "
+         "its dst and returns the fingerprints of the copied bytes; else copies nothing (None).");
 }
 
 }  // namespace tierlift

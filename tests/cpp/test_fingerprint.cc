@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <set>
 #include <string>
@@ -159,6 +160,140 @@ TEST(Fingerprint, ManyEqualsOneByOne) {
     }
   }
   EXPECT_TRUE(fingerprint64_many({}, 2).empty());
+}
+
+// The fused passes: the same value as the plain fingerprint on every path, every length and
+// alignment; the finite check sees an Inf or NaN anywhere (the padded tail included) and only
+// those; the copy writes exactly the n bytes.
+struct FusedPath {
+  std::string name;
+  FiniteFingerprint (*finite)(const void*, size_t, int, uint32_t);
+  uint64_t (*copy)(void*, const void*, size_t);
+};
+
+std::vector<FusedPath> fused_paths() {
+  std::vector<FusedPath> out = {{"scalar", fingerprint64_finite_scalar, fingerprint64_copy_scalar},
+                                {"dispatch", fingerprint64_finite, fingerprint64_copy}};
+  if (cpu_simd_level() >= SimdLevel::kAvx2) {
+    out.push_back({"avx2", fingerprint64_finite_avx2, fingerprint64_copy_avx2});
+  }
+  if (cpu_simd_level() >= SimdLevel::kAvx512) {
+    out.push_back({"avx512", fingerprint64_finite_avx512, fingerprint64_copy_avx512});
+  }
+  return out;
+}
+
+TEST(FingerprintFused, FiniteGivesTheValueAndFindsInfAndNan) {
+  const struct {
+    int width;
+    uint32_t exp;
+  } kinds[] = {{4, 0x7F800000u}, {2, 0x7F80u}, {2, 0x7C00u}};
+  auto data = random_bytes(4096 + 64, 31);
+  for (const auto& k : kinds) {
+    // Random elements, every one finite.
+    for (size_t i = 0; i + k.width <= data.size(); i += k.width) {
+      uint32_t w = 0;
+      std::memcpy(&w, &data[i], k.width);
+      w &= ~(k.exp & (0u - k.exp));  // clear the exponent's lowest bit: never all ones
+      std::memcpy(&data[i], &w, k.width);
+    }
+    for (const auto& path : fused_paths()) {
+      for (size_t off : {0, 4, 12}) {
+        for (size_t n : {0, 2, 4, 60, 64, 68, 1022, 1024, 1028, 4096}) {
+          if (n % k.width) continue;
+          const auto got = path.finite(data.data() + off, n, k.width, k.exp);
+          EXPECT_EQ(got.value, fingerprint64_scalar(data.data() + off, n)) << path.name << n;
+          EXPECT_TRUE(got.finite) << path.name << " n=" << n << " off=" << off;
+          for (size_t at : {size_t{0}, n / 2, n - k.width}) {
+            if (n == 0) break;
+            at = at / k.width * k.width;
+            auto bad = data;
+            uint32_t w = 0;
+            std::memcpy(&w, &bad[off + at], k.width);
+            w |= k.exp;  // Inf or NaN, whatever the mantissa
+            std::memcpy(&bad[off + at], &w, k.width);
+            EXPECT_FALSE(path.finite(bad.data() + off, n, k.width, k.exp).finite)
+                << path.name << " n=" << n << " at=" << at;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(FingerprintFused, CopyGivesTheValueAndWritesExactlyN) {
+  const auto src = random_bytes(5000 + 3, 41);
+  for (const auto& path : fused_paths()) {
+    for (size_t n : {0, 1, 63, 64, 65, 1023, 1024, 1025, 4999}) {
+      for (size_t off : {0, 3}) {
+        std::vector<unsigned char> dst(n + 16, 0xA5);
+        EXPECT_EQ(path.copy(dst.data() + 8, src.data() + off, n),
+                  fingerprint64_scalar(src.data() + off, n))
+            << path.name << " n=" << n;
+        EXPECT_EQ(std::memcmp(dst.data() + 8, src.data() + off, n), 0) << path.name << n;
+        for (size_t i = 0; i < 8; ++i) {
+          EXPECT_EQ(dst[i], 0xA5);
+          EXPECT_EQ(dst[n + 8 + i], 0xA5);
+        }
+      }
+    }
+  }
+}
+
+TEST(FingerprintFused, FiniteManyEqualsOneByOne) {
+  std::vector<float> f(3 << 18);
+  std::mt19937 rng(4);
+  std::normal_distribution<float> normal;
+  for (auto& x : f) x = normal(rng);
+  f[(1 << 18) + 5] = std::numeric_limits<float>::quiet_NaN();
+  std::vector<FloatRange> ranges;
+  for (size_t at = 0; at < f.size();) {
+    const size_t n = std::min<size_t>(f.size() - at, rng() % (100 << 10));
+    ranges.push_back({f.data() + at, n * 4, 4, 0x7F800000u});
+    at += n;
+  }
+  for (int threads : {1, 2, 3}) {
+    const auto got = fingerprint64_finite_many(ranges, threads);
+    ASSERT_EQ(got.size(), ranges.size());
+    int bad = 0;
+    for (size_t i = 0; i < ranges.size(); ++i) {
+      EXPECT_EQ(got[i].value, fingerprint64(ranges[i].data, ranges[i].size));
+      bad += !got[i].finite;
+    }
+    EXPECT_EQ(bad, 1) << threads;
+  }
+}
+
+// All or nothing per group: a group whose checked destination changed (any one bit) is not
+// written at all; the others are, whatever the thread split.
+TEST(FingerprintFused, CopyCheckedIsAllOrNothingPerGroup) {
+  const auto src = random_bytes(3 << 20, 51);
+  for (int threads : {1, 2, 3}) {
+    auto dst = random_bytes(src.size(), 52);
+    const auto before = dst;
+    std::vector<std::vector<CheckedCopy>> groups(6);
+    const size_t part = src.size() / 12;
+    for (size_t i = 0; i < 12; ++i) {
+      auto* d = dst.data() + i * part;
+      groups[i / 2].push_back({d, src.data() + i * part, part, i % 3 != 2, fingerprint64(d, part)});
+    }
+    groups[1][1].want ^= uint64_t{1} << 40;  // group 1: its second range changed
+    dst[4 * part + 77] ^= 0x10;              // group 2: one flipped bit in its first range
+    const auto got = fingerprint64_copy_checked(groups, threads);
+    ASSERT_EQ(got.size(), groups.size());
+    for (size_t g = 0; g < groups.size(); ++g) {
+      const bool refused = g == 1 || g == 2;
+      EXPECT_EQ(got[g].copied, !refused) << g;
+      for (size_t j = 0; j < 2; ++j) {
+        const size_t i = g * 2 + j;
+        const auto* want = refused ? before.data() + i * part : src.data() + i * part;
+        if (g == 2 && j == 0) continue;  // the flipped bit itself
+        EXPECT_EQ(std::memcmp(dst.data() + i * part, want, part), 0) << threads << " " << i;
+        if (!refused) EXPECT_EQ(got[g].values[j], fingerprint64(src.data() + i * part, part));
+      }
+    }
+  }
+  EXPECT_TRUE(fingerprint64_copy_checked({}, 2).empty());
 }
 
 }  // namespace

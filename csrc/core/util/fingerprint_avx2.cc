@@ -3,6 +3,8 @@
 #pragma GCC target("avx2")
 #include <immintrin.h>
 
+#include <type_traits>
+
 #include "core/util/fingerprint.h"
 #include "core/util/fingerprint_impl.h"
 
@@ -48,8 +50,37 @@ struct Avx2Lanes {
   }
 };
 
+// The finite check on 256-bit words: an element with all bits of the mask set is Inf or NaN.
+template <int W>
+struct Avx2Finite {
+  using Word = std::conditional_t<W == 4, uint32_t, uint16_t>;
+  Word mask;
+  __m256i m = W == 4 ? _mm256_set1_epi32(static_cast<int>(mask))
+                     : _mm256_set1_epi16(static_cast<short>(mask));
+  __m256i bad = _mm256_setzero_si256();
+  void test(__m256i d) {
+    const __m256i x = _mm256_and_si256(d, m);
+    bad = _mm256_or_si256(bad, W == 4 ? _mm256_cmpeq_epi32(x, m) : _mm256_cmpeq_epi16(x, m));
+  }
+  void stripe(const unsigned char* p, size_t) {
+    test(load(p));
+    test(load(p + 32));
+  }
+  void tail(const unsigned char* p, size_t at, size_t) { stripe(p, at); }
+  bool finite() const { return _mm256_testz_si256(bad, bad) != 0; }
+};
+
 }  // namespace
 
 uint64_t fingerprint64_avx2(const void* data, size_t n) { return run<Avx2Lanes>(data, n); }
+
+FiniteFingerprint fingerprint64_finite_avx2(const void* data, size_t n, int width,
+                                            uint32_t exp_mask) {
+  return run_finite<Avx2Lanes, Avx2Finite>(data, n, width, exp_mask);
+}
+
+uint64_t fingerprint64_copy_avx2(void* dst, const void* src, size_t n) {
+  return run<Avx2Lanes>(src, n, CopyVisit{static_cast<unsigned char*>(dst)});
+}
 
 }  // namespace tierlift

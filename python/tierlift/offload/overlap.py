@@ -21,6 +21,14 @@ exactly the inputs of the plain step. torch.nn.utils.clip_grad_norm_ below its t
 by exactly 1.0, which changes no bits, so the chunks are kept; the optimizer's own
 `max_grad_norm` computes the same global norm in step() and scales only when it must.
 
+The check in step() rides on passes that read the same bytes anyway: the host gradients are
+fingerprinted by step()'s finite check (scan_grads: one pass gives both), and an fp32 host
+parameter is compared by publish() in the pass that copies its new value in (all or nothing
+per chunk: a chunk with a parameter changed since its step started is not written and is
+stepped again). Only what no such pass reads (gradients under a GradScaler, which checks them
+itself, or after clipping scaled them; device and half-precision parameters) is fingerprinted
+by validate() on its own.
+
 Under tierlift.zero.shard the parameters are flat shards whose gradient is assigned when the
 unit's reduction completes (no post-accumulate-grad hook fires): for those the Overlap listens
 with tierlift.zero.on_shard_grad_ready, so a unit's chunks start as soon as its reduce-scatter
@@ -41,7 +49,8 @@ import torch
 from tierlift._shards import is_shard, on_shard_grad_ready
 from tierlift.offload import masters
 from tierlift.offload.checks import check_group
-from tierlift.offload.watch import fingerprints
+from tierlift.offload.tiers import drain
+from tierlift.offload.watch import copy_checked, fingerprints, fingerprints_finite
 
 
 def _hyper(group: dict) -> tuple:
@@ -71,11 +80,46 @@ class Record:
     params: dict = field(default_factory=dict)  # (ci, pi) -> fingerprint of the parameter
 
 
-def validate(off, gi: int, records: list, live: dict, scale: float | None) -> tuple[list, list]:
+def deferred(p: torch.Tensor) -> bool:
+    """Whether publish() checks parameter `p` (an fp32 host parameter, copied from its master
+    as it is) in the pass that overwrites it, instead of validate()."""
+    return p.device.type == "cpu" and p.dtype == torch.float32
+
+
+def scan_grads(off, live: list[dict], spec: dict) -> tuple[bool, list[dict], set]:
+    """The finite check of the host gradients of the groups with chunks stepped ahead, exact
+    (no element with an all-ones exponent), fingerprinting every chunk segment in the same
+    pass: (all finite, per group {(ci, pi): fingerprint}, the (gi, pi) it covered)."""
+    known = [dict() for _ in live]
+    keys, pieces, covered = [], [], set()
+    for gi, records in spec.items():
+        if not records:
+            continue
+        for chunk in off.layouts[gi].chunks:
+            for s in chunk.segments:
+                g = live[gi].get(s.pi)
+                if g is not None and g.device.type == "cpu":
+                    keys.append((gi, chunk.ci, s.pi))
+                    pieces.append(g[s.plo:s.phi])
+                    covered.add((gi, s.pi))
+    if not pieces:
+        return True, known, covered
+    values, flags = fingerprints_finite(pieces)
+    for (gi, ci, pi), v in zip(keys, values):
+        known[gi][(ci, pi)] = v
+    return all(flags), known, covered
+
+
+def validate(off, gi: int, records: list, live: dict, scale: float | None,
+             known: dict | None = None) -> tuple[list, list]:
     """Splits the speculative chunks [(chunk, Record)] of group gi into those stepped with
-    exactly the inputs step() has now (kept) and the others (stepped again)."""
+    exactly the inputs step() has now (kept, as (chunk, Record)) and the others (chunks,
+    stepped again). `known`: {(ci, pi): fingerprint} of gradient segments as they are now
+    (scan_grads); the rest are fingerprinted here. Parameters that deferred() are left to
+    publish()."""
     group = off.opt.param_groups[gi]
     params = group["params"]
+    known = known or {}
     candidates = []
     for chunk, rec in records:
         in_chunk = {s.pi for s in chunk.segments}
@@ -86,24 +130,100 @@ def validate(off, gi: int, records: list, live: dict, scale: float | None) -> tu
             continue
         segs = [s for s in chunk.segments if s.pi in live]
         candidates.append((chunk, rec, segs))
-    # Every fingerprint of every candidate in one batch (one call, split over threads).
+    # Every fingerprint still to take, of every candidate, in one batch (one call, threads).
     keys, tensors = [], []
     for chunk, rec, segs in candidates:
         for s in segs or []:
-            keys.append((id(rec), "g", chunk.ci, s.pi))
-            tensors.append(live[s.pi][s.plo:s.phi])
-            if (chunk.ci, s.pi) in rec.params:
+            if (chunk.ci, s.pi) not in known:
+                keys.append((id(rec), "g", chunk.ci, s.pi))
+                tensors.append(live[s.pi][s.plo:s.phi])
+            if (chunk.ci, s.pi) in rec.params and not deferred(params[s.pi]):
                 keys.append((id(rec), "p", chunk.ci, s.pi))
                 tensors.append(params[s.pi].detach().view(-1)[s.plo:s.phi])
     now = dict(zip(keys, fingerprints(tensors, off._slots[0].get("copy"))))
+
+    def same(rec, ci: int, s) -> bool:
+        grad = known.get((ci, s.pi), now.get((id(rec), "g", ci, s.pi)))
+        return grad == rec.grads.get((ci, s.pi)) and (
+            deferred(params[s.pi])
+            or now.get((id(rec), "p", ci, s.pi)) == rec.params.get((ci, s.pi)))
+
     good, bad = [], []
     for chunk, rec, segs in candidates:
-        ok = segs is not None and all(
-            now[(id(rec), "g", chunk.ci, s.pi)] == rec.grads.get((chunk.ci, s.pi))
-            and now.get((id(rec), "p", chunk.ci, s.pi)) == rec.params.get((chunk.ci, s.pi))
-            for s in segs)
-        (good if ok else bad).append(chunk)
+        if segs is not None and all(same(rec, chunk.ci, s) for s in segs):
+            good.append((chunk, rec))
+        else:
+            bad.append(chunk)
     return good, bad
+
+
+def _masters(off, gi: int, part: list) -> list:
+    """The new master weights of the kept chunks `part`: host memory's own chunks, or read
+    into the pipeline slots (free here) and checked."""
+    tier = off.tiers[gi]
+    peek = getattr(tier, "peek", None)
+    if peek is not None:
+        return [peek("master", c.ci, tier.next_gen(c.ci)) for c, _ in part]
+    bufs = [off._slots[j]["master"] for j in range(len(part))]
+    reads = {}
+    try:
+        for j, (chunk, _) in enumerate(part):
+            reads[j] = [tier.read("master", chunk.ci, bufs[j], tier.next_gen(chunk.ci))]
+        for j in sorted(reads):
+            for h in reads.pop(j):
+                h.wait()
+    except BaseException:
+        drain(reads)
+        raise
+    for (chunk, _), buf in zip(part, bufs):
+        tier.verify("master", chunk.ci, buf, off._what(gi, chunk), tier.next_gen(chunk.ci))
+    return bufs
+
+
+def publish(off, gi: int, kept: list, grads: dict, stats, published: list) -> list:
+    """Copies the new master weights of the kept chunks [(chunk, Record)] into the parameters
+    (a speculative step never touches them: a second backward may still read them) and records
+    what it wrote for the parameter watch. A parameter that deferred() is compared with the
+    fingerprint its step started from in the pass that copies over it; a chunk with one that
+    changed since is not written at all and is returned, to be stepped again. `published`
+    receives each chunk before any of its parameters is written (a failure puts those back)."""
+    if not kept:
+        return []
+    t = time.perf_counter()
+    params, tier = off.opt.param_groups[gi]["params"], off.tiers[gi]
+    late = []
+    batch = len(kept) if hasattr(tier, "peek") else off.n_slots
+    for at in range(0, len(kept), batch):
+        part = kept[at:at + batch]
+        masters_ = _masters(off, gi, part)
+        groups = [[(params[s.pi].detach().view(-1)[s.plo:s.phi], buf[s.clo:s.chi],
+                    rec.params.get((chunk.ci, s.pi)))
+                   for s in chunk.segments if s.pi in grads and deferred(params[s.pi])]
+                  for (chunk, rec), buf in zip(part, masters_)]
+        results = copy_checked(groups)
+        published.extend(c for (c, _), got in zip(part, results) if got is not None)
+        for (chunk, _), buf, got in zip(part, masters_, results):
+            if got is None:
+                late.append(chunk)
+                continue
+            keys = [(chunk.ci, s.pi) for s in chunk.segments
+                    if s.pi in grads and deferred(params[s.pi])]
+            seen = dict(zip(keys, got))
+            written = {}
+            for s in chunk.segments:
+                p = params[s.pi]
+                if s.pi not in grads or deferred(p):
+                    continue
+                dst = p.detach().view(-1)[s.plo:s.phi]
+                src = buf[s.clo:s.chi]
+                if p.device.type != "cpu":  # rounded on the host, so its bytes are known
+                    src = off._staging(p, s, off._slots[0]).copy_(src)
+                dst.copy_(src)
+                written[(chunk.ci, s.pi)] = dst if p.device.type == "cpu" else src
+            seen.update(zip(written, fingerprints(list(written.values()))))
+            off._watch.record(gi, seen)
+    stats["publish_s"] += time.perf_counter() - t
+    return late
 
 
 class Overlap:

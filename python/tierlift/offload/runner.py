@@ -46,7 +46,7 @@ from tierlift.offload.layout import (
     kind_slice,
     state_kinds,
 )
-from tierlift.offload.overlap import Overlap, validate
+from tierlift.offload.overlap import Overlap, publish, scan_grads, validate
 from tierlift.offload.state_io import _LOW_PRECISION, StateIO
 from tierlift.offload.tiers import (
     HybridTier,
@@ -293,12 +293,13 @@ class Offloader(StateIO):
         stats["early_read_chunks"] = len(early.get("reads", {}))
         try:
             t = time.perf_counter()
+            known = []  # per group: gradient fingerprints the finite check took
             if found_inf is not None:  # the scaler has checked every gradient of this rank
                 finite = float(found_inf.detach().float().sum().item()) == 0.0
                 if self._zero:
                     finite = all_ranks_agree(self._params(), finite)
             else:
-                finite = self._all_finite(live)
+                finite, known = self._all_finite(live, spec)
             stats["grad_check_s"] += time.perf_counter() - t
             if finite:
                 for gi, group in enumerate(self.opt.param_groups):
@@ -308,6 +309,7 @@ class Offloader(StateIO):
                     scale, scaled = self._clip(stats, scale)
                     if scaled:  # a non-contiguous gradient was collected as a copy
                         live = self._collect_grads()
+                        known = []  # and every one may have changed
         except BaseException:
             drain(early.get("reads", {}))
             raise
@@ -325,7 +327,7 @@ class Offloader(StateIO):
         self._scale_seen = scale
         scale_t = None if scale is None else torch.tensor([scale], dtype=torch.float32)
         if self.streamed:
-            self._step_streamed(live, spec, stats, early, scale_t)
+            self._step_streamed(live, spec, stats, early, scale_t, known)
         else:
             for gi, group in enumerate(self.opt.param_groups):
                 if live[gi]:
@@ -381,20 +383,23 @@ class Offloader(StateIO):
             live.append(got)
         return live
 
-    def _all_finite(self, live: list[dict]) -> bool:
-        """A sum is finite iff every element is, unless finite values overflow it; so one
+    def _all_finite(self, live: list[dict], spec: dict) -> tuple[bool, list[dict]]:
+        """Host gradients of groups with chunks stepped ahead: checked element by element in
+        the pass that takes the overlap's fingerprints (overlap.scan_grads), returned per group.
+        Others: a sum is finite iff every element is, unless finite values overflow it; so one
         vectorised sum per gradient decides, and only a non-finite sum is confirmed with
         aminmax (propagates NaN, shows +-Inf, no gradient-sized mask; several times slower)."""
-        grads = [g for got in live for g in got.values() if g.numel()]
-        finite = True
-        if grads:
+        finite, known, covered = scan_grads(self, live, spec)
+        grads = [g for gi, got in enumerate(live) for pi, g in got.items()
+                 if g.numel() and (gi, pi) not in covered]
+        if finite and grads:
             if not sums_finite(grads):
                 flags = [torch.stack(torch.aminmax(g)).isfinite().all() for g in grads]
                 finite = bool(torch.stack([f.cpu() for f in flags]).all())
         if self._zero:
             # ZeRO shards: a non-finite value on any rank skips the step on every rank.
             finite = all_ranks_agree(self._params(), finite)
-        return finite
+        return finite, known
 
     def _params(self) -> list:
         return [p for g in self.opt.param_groups for p in g["params"]]
@@ -459,19 +464,22 @@ class Offloader(StateIO):
             self._step_chunk(gi, group, group["params"], grads, steps, chunk, bufs, stats,
                              scale=scale)
 
-    def _step_streamed(self, live: list[dict], spec: dict, stats, early: dict, scale) -> None:
+    def _step_streamed(self, live: list[dict], spec: dict, stats, early: dict, scale,
+                       known: list) -> None:
         """Steps every chunk with a gradient that the overlap did not already step validly:
         first the two-generation chunks (into their other copy), waits until those writes are
         durable, then rewrites the one-generation chunks in place (RAM part of a hybrid tier,
         NVMe with nvme_generations=1), and commits (flips the generations and step counts).
         A failure before the in-place part leaves everything as it was."""
-        keep: dict[int, list] = {}
+        keep: dict[int, list] = {}  # kept chunks, once published
+        good_of: dict[int, list] = {}  # [(chunk, Record)] that validate() kept
         for gi, records in spec.items():
             t = time.perf_counter()
             good, bad = validate(self, gi, records, live[gi],
-                                 None if scale is None else float(scale))
+                                 None if scale is None else float(scale),
+                                 known[gi] if known else None)
             stats["overlap_check_s"] += time.perf_counter() - t
-            keep[gi] = good  # the bad ones are stepped again below, from the committed state
+            good_of[gi] = good  # the bad ones are stepped again below, from the committed state
             stats["overlap_kept_chunks"] += len(good)
             stats["overlap_redone_chunks"] += len(bad)
         done: dict[int, list] = {gi: [] for gi in range(len(self.opt.param_groups))}
@@ -481,7 +489,7 @@ class Offloader(StateIO):
                 grads = live[gi]
                 if not grads:
                     continue
-                chunks = self._chunks(gi, grads, {c.ci for c in keep.get(gi, [])})
+                chunks = self._chunks(gi, grads, {c.ci for c, _ in good_of.get(gi, [])})
                 steps = self.next_steps(gi, grads)
                 rewritten = set()
                 masters.prepare(self, gi, grads, chunks, stats, rewritten)
@@ -494,8 +502,16 @@ class Offloader(StateIO):
                 self.run(gi, grads, steps, chunks, stats, done[gi], started=started,
                          scale=scale)
             self._sync(stats)
-            for gi, chunks in keep.items():
-                self._publish(gi, chunks, live[gi], stats)
+            for gi, good in good_of.items():
+                keep[gi] = []
+                late = publish(self, gi, good, live[gi], stats, keep[gi])
+                if late:  # a parameter changed after its chunk's step began: step it again
+                    stats["overlap_kept_chunks"] -= len(late)
+                    stats["overlap_redone_chunks"] += len(late)
+                    masters.prepare(self, gi, live[gi], late, stats)
+                    self.run(gi, live[gi], self.next_steps(gi, live[gi]), late, stats, done[gi],
+                             scale=scale)
+                    self._sync(stats)
         except BaseException as err:
             drain(early.get("reads", {}))
             self._undo(done, keep)
@@ -589,32 +605,6 @@ class Offloader(StateIO):
                           f"{where!r}: {err}; parameters and optimizer state are as "
                           "they were before this step") from err
         raise err
-
-    def _publish(self, gi: int, chunks, grads: dict, stats) -> None:
-        """Copies the new master weights of speculatively stepped chunks into the parameters
-        (a speculative step never touches them: a second backward may still read them)."""
-        if not chunks:
-            return
-        t = time.perf_counter()
-        params, tier = self.opt.param_groups[gi]["params"], self.tiers[gi]
-        buf = self._slots[0]["master"]
-        for chunk in chunks:
-            new_gen = tier.next_gen(chunk.ci)
-            tier.read("master", chunk.ci, buf, new_gen).wait()
-            tier.verify("master", chunk.ci, buf, self._what(gi, chunk), new_gen)
-            written = {}
-            for s in chunk.segments:
-                if s.pi not in grads:
-                    continue
-                p = params[s.pi]
-                dst = p.detach().view(-1)[s.plo:s.phi]
-                src = buf[s.clo:s.chi]
-                if p.device.type != "cpu":  # rounded on the host, so its bytes are known
-                    src = self._staging(p, s, self._slots[0]).copy_(src)
-                dst.copy_(src)
-                written[(chunk.ci, s.pi)] = dst if p.device.type == "cpu" else src
-            self._watch.record(gi, dict(zip(written, fingerprints(list(written.values())))))
-        stats["publish_s"] += time.perf_counter() - t
 
     @staticmethod
     def _staging(p: torch.Tensor, s, bufs: dict) -> torch.Tensor:

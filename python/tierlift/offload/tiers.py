@@ -301,6 +301,11 @@ class MemoryTier(_Holdable):
         n = kind_elems(kind, self.chunk_elems)
         return self.flat[(kind, self.gen[ci])][ci * n:(ci + 1) * n]
 
+    def peek(self, kind: str, ci: int, gen: int) -> torch.Tensor:
+        """Chunk ci of generation `gen` itself, to read without a copy (publishing a step)."""
+        n = kind_elems(kind, self.chunk_elems)
+        return self.flat[(kind, gen)][ci * n:(ci + 1) * n]
+
     def part(self, kind: str, ci: int, buf: torch.Tensor) -> torch.Tensor:
         """The part of a chunk buffer (a slot may be longer: padded for O_DIRECT) it holds."""
         return buf[:kind_elems(kind, self.chunk_elems)]

@@ -43,6 +43,22 @@ def fingerprints(tensors: list[torch.Tensor], scratch: torch.Tensor | None = Non
     return [fp([host_bytes(t, scratch)])[0] for t in tensors]
 
 
+def fingerprints_finite(tensors: list[torch.Tensor]) -> tuple[list[int], list[bool]]:
+    """(fingerprints, finite) of contiguous float CPU tensors in one pass over their bytes:
+    the fingerprint of each (as fingerprints() gives) and whether all its values are finite."""
+    return _extension._C.io.fingerprints_finite([t.reshape(-1) for t in tensors], THREADS)
+
+
+def copy_checked(groups: list[list[tuple]]) -> list[list[int] | None]:
+    """groups: [[(dst, src, want)]] of contiguous CPU tensors of equal bytes. Per group, all or
+    nothing in one pass: if every dst whose `want` is not None still has that fingerprint,
+    copies each src into its dst and gives the fingerprints of the copied bytes, else copies
+    nothing of the group (None)."""
+    return _extension._C.io.copy_checked(
+        [[(host_bytes(d, None), host_bytes(s, None), w) for d, s, w in g] for g in groups],
+        THREADS)
+
+
 class ParamWatch:
     """Per param group, {(chunk, param index): fingerprint} of each parameter segment as the
     optimizer last wrote it. A segment without an entry is unknown and must be compared with
@@ -68,4 +84,4 @@ class ParamWatch:
         return self._seen[gi].get(key)
 
 
-__all__ = ["ParamWatch", "fingerprints", "host_bytes"]
+__all__ = ["ParamWatch", "copy_checked", "fingerprints", "fingerprints_finite", "host_bytes"]
