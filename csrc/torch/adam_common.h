@@ -1,18 +1,14 @@
 // What the fp32-state and compact-state Adam ops (optim_ops.cpp, optim_compact_ops.cpp) share at
 // the binding layer: the hyperparameters from the op's arguments, the checks every state tensor
-// makes against its param, refresh_from_copies on the CPU, and, on CUDA, the grouping of tensors
-// into multi-tensor launches.
+// makes against its param, and, on CUDA, the grouping of tensors into multi-tensor launches.
 #pragma once
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Optional.h>
 
-#include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 
 #include "core/optim/adam.h"
 #include "core/util/dtype.h"
@@ -97,50 +93,6 @@ inline void check_contiguous(const char* op, const at::Tensor& t, const char* na
 inline void check_refresh(const char* op, bool refresh_from_copies, at::TensorList param_copies) {
   TORCH_CHECK_VALUE(!refresh_from_copies || !param_copies.empty(), op,
                     ": refresh_from_copies=True needs param_copies (one per param)");
-}
-
-// Whether any of the n bf16 values differs from the fp32 p rounded to bf16 (f32_to_bf16's
-// rounding, NaN as 0x7fc0), with no branch per element.
-inline bool bf16_block_differs(const float* p, const uint16_t* have, int64_t n) {
-  uint32_t differs = 0;
-  for (int64_t j = 0; j < n; ++j) {
-    uint32_t u;
-    std::memcpy(&u, p + j, sizeof(u));
-    const uint32_t rounded = (u + ((u >> 16) & 1u) + 0x7fffu) >> 16;
-    const uint32_t mine = (u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : (rounded & 0xffffu);
-    differs |= mine ^ have[j];
-  }
-  return differs != 0;
-}
-
-// refresh_from_copies on the CPU, before the step (the CUDA kernels fuse it into theirs): each
-// element of params[i] whose param_copies[i] is not its rounding to the copy's dtype takes the
-// copy's value, with core's conversions (the ones the kernels write the copies with).
-inline void refresh_from_copies_cpu(at::TensorList params, at::TensorList param_copies) {
-  for (size_t i = 0; i < params.size(); ++i) {
-    float* p = params[i].data_ptr<float>();
-    const void* c = param_copies[i].data_ptr();
-    const at::ScalarType t = param_copies[i].scalar_type();
-    if (t == at::kFloat) {
-      if (c != p) std::memcpy(p, c, params[i].numel() * sizeof(float));
-      continue;
-    }
-    // On the calling thread (at::parallel_for's threads would contend with the step kernel's
-    // pool). Edited elements are rare: each block is first checked with a branch-free loop
-    // the compiler vectorizes, and only a block with a difference is fixed element by element.
-    const auto* have = static_cast<const uint16_t*>(c);
-    const int64_t n = params[i].numel();
-    const bool bf16 = t == at::kBFloat16;
-    constexpr int64_t kBlock = 4096;
-    for (int64_t b = 0; b < n; b += kBlock) {
-      const int64_t e = std::min(n, b + kBlock);
-      if (bf16 && !bf16_block_differs(p + b, have + b, e - b)) continue;
-      for (int64_t j = b; j < e; ++j) {
-        const uint16_t mine = bf16 ? f32_to_bf16(p[j]) : f32_to_f16(p[j]);
-        if (have[j] != mine) p[j] = bf16 ? bf16_to_f32(have[j]) : f16_to_f32(have[j]);
-      }
-    }
-  }
 }
 
 #ifdef TIERLIFT_WITH_CUDA

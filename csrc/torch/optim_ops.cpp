@@ -100,7 +100,7 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
   set_grad_scale(a.hyper, grad_scale);
   check_adam_args(a, c10::DeviceType::CPU);
   check_refresh("adam_step_", refresh_from_copies, param_copies);
-  if (refresh_from_copies) refresh_from_copies_cpu(params, param_copies);
+  a.hyper.refresh_from_copy = refresh_from_copies;  // per chunk, just before its step
   std::vector<AdamTensor> views;
   views.reserve(params.size());
   for (size_t i = 0; i < params.size(); ++i) views.push_back(core_view(a, i));

@@ -158,6 +158,51 @@ TEST(Adam, RejectsInconsistentInput) {
   EXPECT_THROW(adam_step(h, &t, 1), std::invalid_argument);
 }
 
+// refresh_from_copy: a weight edited through its low-precision copy (or any edit of an fp32
+// copy) is stepped from the copy's value, in every thread chunk; the others are untouched.
+TEST(Adam, RefreshFromCopyStepsFromTheEditedCopy) {
+  const int64_t n = 100000;  // several thread chunks
+  const int64_t edited[] = {0, 4095, 4096, 40000, n - 1};
+  AdamHyper h;
+  h.lr = 1e-2;
+  for (DType ct : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
+    Buffers fused(n, 11), by_hand(n, 11), ignored(n, 11);
+    for (Buffers* b : {&fused, &by_hand, &ignored}) {
+      h.step = 1;
+      const AdamTensor t = b->view(DType::kFloat32, ct);
+      adam_step(h, &t, 1);        // writes the copies
+      for (int64_t j : edited) {  // the user scales these weights by -3 through the copy
+        if (ct == DType::kFloat32) {
+          b->copy32[j] *= -3.f;
+        } else {
+          const float w =
+              ct == DType::kBFloat16 ? bf16_to_f32(b->copy16[j]) : f16_to_f32(b->copy16[j]);
+          b->copy16[j] = ct == DType::kBFloat16 ? f32_to_bf16(w * -3.f) : f32_to_f16(w * -3.f);
+        }
+      }
+    }
+    for (int64_t j : edited) {
+      by_hand.param[j] = ct == DType::kFloat32    ? by_hand.copy32[j]
+                         : ct == DType::kBFloat16 ? bf16_to_f32(by_hand.copy16[j])
+                                                  : f16_to_f32(by_hand.copy16[j]);
+    }
+    h.step = 2;
+    AdamTensor tf = fused.view(DType::kFloat32, ct), th = by_hand.view(DType::kFloat32, ct);
+    AdamHyper refresh = h;
+    refresh.refresh_from_copy = true;
+    adam_step(refresh, &tf, 1);
+    adam_step(h, &th, 1);
+    for (int64_t i = 0; i < n; ++i) {
+      ASSERT_EQ(f32_bits(fused.param[i]), f32_bits(by_hand.param[i])) << i;
+      ASSERT_EQ(f32_bits(fused.m[i]), f32_bits(by_hand.m[i])) << i;
+      ASSERT_EQ(f32_bits(fused.v[i]), f32_bits(by_hand.v[i])) << i;
+    }
+    AdamTensor ti = ignored.view(DType::kFloat32, ct);
+    adam_step(h, &ti, 1);  // without refresh the edits are overwritten
+    for (int64_t j : edited) EXPECT_NE(f32_bits(ignored.param[j]), f32_bits(fused.param[j])) << j;
+  }
+}
+
 TEST(Dtype, HalfConversionsRoundTripAndRoundToNearestEven) {
   for (uint32_t h = 0; h < 0x10000; ++h) {
     const float f = f16_to_f32(static_cast<uint16_t>(h));

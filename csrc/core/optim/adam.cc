@@ -51,18 +51,19 @@ void validate(const AdamHyper& h, const AdamTensor& t, size_t index) {
   });
 }
 
-void run_chunks(const AdamScalars& s, const AdamTensor* tensors, size_t count) {
+void run_chunks(const AdamScalars& s, const AdamTensor* tensors, size_t count, bool refresh) {
   const SimdLevel level = active_simd_level();
-  adam_detail::run_chunks(tensors, count, [&](const AdamTensor& t, int64_t begin, int64_t end) {
-    adam_step_range(level, s, t, begin, end);
-  });
+  adam_detail::run_chunks(tensors, count, refresh,
+                          [&](const AdamTensor& t, int64_t begin, int64_t end) {
+                            adam_step_range(level, s, t, begin, end);
+                          });
 }
 
 }  // namespace
 
 void adam_step(const AdamHyper& hyper, const AdamTensor* tensors, size_t count) {
   for (size_t i = 0; i < count; ++i) validate(hyper, tensors[i], i);
-  run_chunks(adam_scalars(hyper), tensors, count);
+  run_chunks(adam_scalars(hyper), tensors, count, hyper.refresh_from_copy);
 }
 
 void adam_memory_pass(const AdamTensor* tensors, size_t count) {
@@ -70,7 +71,7 @@ void adam_memory_pass(const AdamTensor* tensors, size_t count) {
   for (size_t i = 0; i < count; ++i) validate(hyper, tensors[i], i);
   AdamScalars s = adam_scalars(hyper);
   s.memory_only = true;
-  run_chunks(s, tensors, count);
+  run_chunks(s, tensors, count, false);
 }
 
 }  // namespace tierlift

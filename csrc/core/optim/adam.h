@@ -31,6 +31,9 @@ struct AdamHyper {
   // multiplied by grad_unscale_factor(grad_scale) before use, as GradScaler.unscale_ would.
   bool unscale = false;
   float grad_scale = 1.0f;
+  // Before stepping, each weight whose param_copy is no longer the weight rounded to copy_type
+  // takes the copy's value (it was edited through the copy); fp32 copies are taken whole.
+  bool refresh_from_copy = false;
 };
 
 // GradScaler.unscale_'s factor: the fp32 scale's reciprocal in double, rounded to fp32

@@ -58,7 +58,7 @@ void adam_compact_step(const AdamHyper& hyper, const CompactAdamTensor* tensors,
   const SimdLevel level = active_simd_level();
   // Whole blocks per chunk: a block's scale depends on all of it.
   static_assert(adam_detail::kThreadChunk % kCompactBlock == 0, "chunks must hold whole blocks");
-  adam_detail::run_chunks(tensors, count,
+  adam_detail::run_chunks(tensors, count, hyper.refresh_from_copy,
                           [&](const CompactAdamTensor& t, int64_t begin, int64_t end) {
                             adam_compact_step_range(level, s, t, begin, end);
                           });

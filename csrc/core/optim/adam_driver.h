@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/optim/adam.h"
+#include "core/optim/copy_refresh.h"
 #include "core/util/thread_pool.h"
 
 namespace tierlift {
@@ -47,9 +48,9 @@ void validate_tensor(const char* op, const AdamHyper& h, const Tensor& t, size_t
 }
 
 // Cuts every tensor into kThreadChunk-element ranges and runs step_range(tensor, begin, end) on
-// each, spread over ThreadPool::global().
+// each, spread over ThreadPool::global(); with `refresh`, refresh_from_copy on the range first.
 template <typename Tensor, typename StepRange>
-void run_chunks(const Tensor* tensors, size_t count, StepRange&& step_range) {
+void run_chunks(const Tensor* tensors, size_t count, bool refresh, StepRange&& step_range) {
   struct Chunk {
     size_t tensor;
     int64_t begin, end;
@@ -60,13 +61,17 @@ void run_chunks(const Tensor* tensors, size_t count, StepRange&& step_range) {
       chunks.push_back({i, b, std::min(tensors[i].numel, b + kThreadChunk)});
     }
   }
-  ThreadPool::global().parallel_for(static_cast<int64_t>(chunks.size()), 1,
-                                    [&](int64_t lo, int64_t hi) {
-                                      for (int64_t c = lo; c < hi; ++c) {
-                                        const Chunk& ch = chunks[c];
-                                        step_range(tensors[ch.tensor], ch.begin, ch.end);
-                                      }
-                                    });
+  ThreadPool::global().parallel_for(
+      static_cast<int64_t>(chunks.size()), 1, [&](int64_t lo, int64_t hi) {
+        for (int64_t c = lo; c < hi; ++c) {
+          const Chunk& ch = chunks[c];
+          const Tensor& t = tensors[ch.tensor];
+          if (refresh) {
+            refresh_from_copy(t.param, t.param_copy, t.copy_type, ch.begin, ch.end);
+          }
+          step_range(t, ch.begin, ch.end);
+        }
+      });
 }
 
 }  // namespace adam_detail
