@@ -33,6 +33,10 @@ TORCH_LIBRARY(tierlift, m) {
       "float lr, float beta1, float beta2, float eps, float weight_decay, int step, "
       "bool decoupled, bool maximize, Tensor? grad_scale=None, "
       "bool refresh_from_copies=False) -> ()");
+  // Adds 1 to each optimizer step count (a 1-element tensor, fp32 as torch keeps it) in place
+  // and returns the new counts as integers: one call for a whole param group instead of one
+  // dispatcher call per parameter (csrc/torch/step_ops.cpp).
+  m.def("advance_steps_(Tensor(a!)[] steps) -> int[]");
 
   // ---- io ----
 

@@ -124,6 +124,19 @@ def adam_compact_step_(
     )
 
 
+# An editable install's library built before the op existed steps through the reference.
+_HAS_ADVANCE_STEPS = _extension.available() and hasattr(torch.ops.tierlift, "advance_steps_")
+
+
+def advance_steps_(steps) -> list[int]:
+    """Adds 1 to each optimizer step count in `steps` (1-element tensors, fp32 on the CPU as
+    torch keeps them) in place, in one call, and returns the new counts as ints."""
+    steps = list(steps)
+    if _HAS_ADVANCE_STEPS:
+        return torch.ops.tierlift.advance_steps_(steps)
+    return reference.advance_steps_(steps)
+
+
 def _finite(name: str, value) -> float:
     if isinstance(value, torch.Tensor) and value.numel() != 1:
         raise ValueError(f"Tensor {name} must be 1-element, got {value.numel()} elements")
@@ -158,6 +171,14 @@ if _extension.available():
 
     torch.library.register_fake("tierlift::adam_step_")(_adam_fake)
     torch.library.register_fake("tierlift::adam_compact_step_")(_adam_fake)
+
+if _HAS_ADVANCE_STEPS:
+
+    @torch.library.register_fake("tierlift::advance_steps_")
+    def _advance_steps_fake(steps):
+        """The counts depend on the data: one unbacked integer each."""
+        ctx = torch.library.get_ctx()
+        return [ctx.new_dynamic_size() for _ in steps]
 
 
 # ---- gather ----

@@ -157,8 +157,7 @@ def _advance_steps(states: list) -> list:
     the new counts as ints."""
     steps = [state["step"] for state in states]
     if all(isinstance(step, torch.Tensor) for step in steps):
-        torch._foreach_add_(steps, 1)
-        return [int(step.item()) for step in steps]
+        return ops.advance_steps_(steps)
     for state in states:
         state["step"] += 1
     return [int(state["step"]) for state in states]
@@ -437,7 +436,6 @@ class Adam(Optimizer):
                     return loss
             elif grad_scale is not None and grad_scale.device.type == "cpu":
                 _check_scale_value(float(grad_scale))
-            self._warn_noncontiguous()
             # Every check before any change: a bad group leaves every parameter and count as
             # it was.
             for gi, group in enumerate(self.param_groups):
@@ -544,6 +542,8 @@ class Adam(Optimizer):
                 b["scales"].append(state["exp_avg_sq_scale"])
             if amsgrad:
                 b["max_exp_avg_sqs"].append(state["max_exp_avg_sq"])
+        if write_back:
+            self._warn_noncontiguous()
         decoupled = self._decoupled(group)
         scales = {}  # the scale on each device (GradScaler keeps it on its own device)
         device = params[0].device

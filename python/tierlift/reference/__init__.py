@@ -5,7 +5,7 @@ from tierlift.reference.gather import gather_rows
 from tierlift.reference.io import block_crc32c
 from tierlift.reference.lowp import fp8_dequantize, fp8_quantize, fp8_quantize_dual
 from tierlift.reference.lowp_fp4 import fp4_dequantize, fp4_quantize
-from tierlift.reference.optim import adam_step_
+from tierlift.reference.optim import adam_step_, advance_steps_
 from tierlift.reference.optim_compact import (
     adam_compact_step_,
     dequantize_exp_avg_sq,
@@ -14,7 +14,7 @@ from tierlift.reference.optim_compact import (
 from tierlift.reference.zero import flatten_pack_, unflatten_
 
 __all__ = [
-    "adam_compact_step_", "adam_step_", "block_crc32c", "dequantize_exp_avg_sq", "flatten_pack_",
-    "fp4_dequantize", "fp4_quantize", "fp8_dequantize", "fp8_quantize", "fp8_quantize_dual",
-    "gather_rows", "quantize_exp_avg_sq", "unflatten_",
+    "adam_compact_step_", "adam_step_", "advance_steps_", "block_crc32c", "dequantize_exp_avg_sq",
+    "flatten_pack_", "fp4_dequantize", "fp4_quantize", "fp8_dequantize", "fp8_quantize",
+    "fp8_quantize_dual", "gather_rows", "quantize_exp_avg_sq", "unflatten_",
 ]

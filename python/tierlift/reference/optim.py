@@ -149,3 +149,22 @@ def adam_step_(
             torch.maximum(max_exp_avg_sqs[i], v, out=max_exp_avg_sqs[i])
             vhat = max_exp_avg_sqs[i]
         apply_update(p, m, vhat, s, eps, param_copies[i] if param_copies else None)
+
+
+def advance_steps_(steps) -> list[int]:
+    """tierlift::advance_steps_: adds 1 to each step count (a 1-element tensor) in place and
+    returns the new counts as ints; a count that is not one finite value is refused before any
+    changes."""
+    steps = list(steps)
+    for i, step in enumerate(steps):
+        if step.numel() != 1:
+            raise ValueError(f"advance_steps_: steps[{i}] must hold one element (a step count), "
+                             f"got {step.numel()}")
+        if not math.isfinite(step.item() + 1.0):
+            raise ValueError(f"advance_steps_: steps[{i}] is {step.item() + 1.0} after the "
+                             "increment, not a finite step count")
+    counts = []
+    for step in steps:  # in order: a count listed twice reads 1 more the second time
+        step.add_(1)
+        counts.append(int(step.item()))
+    return counts
