@@ -137,6 +137,7 @@ def _time_steps(step_fn, steps: int, warmup: int, device) -> float:
 
 def run_tierlift(args, info: dict, device) -> dict:
     zero3 = args.offload_params != "none"
+    t_setup = time.perf_counter()
     # ZeRO-3 keeps fp32 shards and computes in bf16 on the GPU (as DeepSpeed's bf16 does).
     model = build_model(info["model"], args.seq_len, device,
                         dtype=torch.float32 if zero3 else None)
@@ -151,6 +152,8 @@ def run_tierlift(args, info: dict, device) -> dict:
     if nvme is not None:
         kw.update(nvme_path=nvme.name, cpu_budget=int(args.nvme_budget * GiB))
     opt = tierlift.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), **kw)
+    print(f"set up (model, shard, optimizer) in {time.perf_counter() - t_setup:.1f} s",
+          file=sys.stderr, flush=True)
     gen = torch.Generator().manual_seed(0)
 
     def step():
