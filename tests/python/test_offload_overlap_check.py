@@ -111,7 +111,7 @@ def _fit(kw, edit, scaler=False, dtype=torch.float32):
             for f in list(opt._offload.overlap._pending):  # every chunk stepped ahead
                 f.result()
         p = model[2].weight  # the middle of the largest parameter
-        if i > 0:  # a gradient or a weight changed after the chunks were stepped
+        if i > 0 and edit:  # a gradient or a weight changed after the chunks were stepped
             _flip(p.grad if edit == "grad" else p, p.numel() // 2 + i)
         if amp:
             amp.step(opt)
@@ -144,3 +144,16 @@ def test_one_flipped_bit_redoes_exactly_its_chunk(tmp_path, tier, edit, scaler, 
     for a, b in zip(ref, got):
         assert torch.equal(a, b)
     assert redone == 2 and kept > 10  # one chunk on each of the two edited steps
+
+
+@pytest.mark.parametrize("clip,keeps", [(1e-3, False), (1e9, True)])
+def test_gradscaler_fingerprints_taken_beside_the_norm(clip, keeps):
+    """Under a GradScaler the gradients are fingerprinted while step() computes their norm; a
+    clip that scales them drops those values (the chunks are redone), one that does not keeps
+    the chunks. Either way the plain offloaded step's result."""
+    kw = dict(offload="cpu", chunk_bytes=1 << 16, max_grad_norm=clip)
+    ref, _, _ = _fit(kw, None, scaler=True)
+    got, kept, redone = _fit(dict(kw, overlap=True), None, scaler=True)
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+    assert (kept > 10 and redone == 0) if keeps else (kept == 0 and redone > 10)

@@ -110,6 +110,50 @@ def scan_grads(off, live: list[dict], spec: dict) -> tuple[bool, list[dict], set
     return all(flags), known, covered
 
 
+class Ahead:
+    """Fingerprints of the host gradient segments of the chunks stepped ahead, taken on the
+    overlap's (idle) worker thread while step() computes the gradient norm on its own: under a
+    GradScaler no pass of step() reads the gradients, and torch's norm keeps one core busy."""
+
+    def __init__(self, pool, live: list[dict], spec: dict):
+        keys, pieces = [], []
+        for gi, records in spec.items():
+            for chunk, _ in records:
+                for s in chunk.segments:
+                    g = live[gi].get(s.pi)
+                    if g is not None and g.device.type == "cpu":
+                        keys.append((gi, chunk.ci, s.pi))
+                        pieces.append(g[s.plo:s.phi])
+        self._n = len(live)
+        self._keys = keys
+        self._future = pool.submit(self._run, pieces)
+
+    @staticmethod
+    def _run(pieces: list) -> tuple[list[int], float]:
+        t = time.perf_counter()
+        return fingerprints(pieces), time.perf_counter() - t
+
+    def result_(self, stats) -> list[dict]:
+        """Per group {(ci, pi): fingerprint}; the wait counts as the check's time in step()."""
+        t = time.perf_counter()
+        values, took = self._future.result()
+        stats["overlap_check_s"] += time.perf_counter() - t
+        stats["grad_fingerprint_ahead_s"] += took
+        known = [dict() for _ in range(self._n)]
+        for (gi, ci, pi), v in zip(self._keys, values):
+            known[gi][(ci, pi)] = v
+        return known
+
+    def cancel_(self, stats) -> None:
+        """The gradients changed meanwhile (a clip scaled them): waits, drops the values."""
+        t = time.perf_counter()
+        try:
+            self._future.result()
+        except Exception:  # noqa: BLE001 - the values are not used
+            pass
+        stats["overlap_check_s"] += time.perf_counter() - t
+
+
 def validate(off, gi: int, records: list, live: dict, scale: float | None,
              known: dict | None = None) -> tuple[list, list]:
     """Splits the speculative chunks [(chunk, Record)] of group gi into those stepped with
@@ -251,6 +295,11 @@ class Overlap:
                     self._handles.append(on_shard_grad_ready(p, hook))
                 else:
                     self._handles.append(p.register_post_accumulate_grad_hook(hook))
+
+    def fingerprint_ahead(self, live: list[dict], spec: dict) -> Ahead:
+        """Starts fingerprinting the gradients of the chunks in `spec` (finish() has returned,
+        so the worker thread is idle)."""
+        return Ahead(self._pool, live, spec)
 
     def _reset(self) -> None:
         self._ready = defaultdict(set)  # gi -> pis with a gradient this step

@@ -291,10 +291,13 @@ class Offloader(StateIO):
         live = self._collect_grads()
         early = self._read_early(live, spec)
         stats["early_read_chunks"] = len(early.get("reads", {}))
+        ahead = None  # under a GradScaler: the overlap's gradient fingerprints, taken meanwhile
         try:
             t = time.perf_counter()
             known = []  # per group: gradient fingerprints the finite check took
             if found_inf is not None:  # the scaler has checked every gradient of this rank
+                if spec:  # no pass of step() reads them: fingerprinted beside the norm below
+                    ahead = self.overlap.fingerprint_ahead(live, spec)
                 finite = float(found_inf.detach().float().sum().item()) == 0.0
                 if self._zero:
                     finite = all_ranks_agree(self._params(), finite)
@@ -310,8 +313,15 @@ class Offloader(StateIO):
                     if scaled:  # a non-contiguous gradient was collected as a copy
                         live = self._collect_grads()
                         known = []  # and every one may have changed
+                        if ahead is not None:  # its values are of the gradients before
+                            ahead.cancel_(stats)
+                            ahead = None
+            if ahead is not None:
+                known = ahead.result_(stats)
         except BaseException:
             drain(early.get("reads", {}))
+            if ahead is not None:
+                ahead.cancel_(stats)
             raise
         if not finite:
             drain(early.get("reads", {}))
