@@ -115,10 +115,12 @@ class Ahead:
     overlap's (idle) worker thread while step() computes the gradient norm on its own: under a
     GradScaler no pass of step() reads the gradients, and torch's norm keeps one core busy."""
 
-    def __init__(self, pool, live: list[dict], spec: dict):
+    def __init__(self, pool, groups: list, live: list[dict], spec: dict, scale: float | None):
         keys, pieces = [], []
         for gi, records in spec.items():
-            for chunk, _ in records:
+            for chunk, rec in records:
+                if rec.scale != scale or rec.hyper != _hyper(groups[gi]):
+                    continue  # validate() redoes it without a look at its gradients
                 for s in chunk.segments:
                     g = live[gi].get(s.pi)
                     if g is not None and g.device.type == "cpu":
@@ -296,10 +298,10 @@ class Overlap:
                 else:
                     self._handles.append(p.register_post_accumulate_grad_hook(hook))
 
-    def fingerprint_ahead(self, live: list[dict], spec: dict) -> Ahead:
+    def fingerprint_ahead(self, live: list[dict], spec: dict, scale: float | None) -> Ahead:
         """Starts fingerprinting the gradients of the chunks in `spec` (finish() has returned,
         so the worker thread is idle)."""
-        return Ahead(self._pool, live, spec)
+        return Ahead(self._pool, self.off.opt.param_groups, live, spec, scale)
 
     def _reset(self) -> None:
         self._ready = defaultdict(set)  # gi -> pis with a gradient this step

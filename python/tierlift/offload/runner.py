@@ -297,7 +297,7 @@ class Offloader(StateIO):
             known = []  # per group: gradient fingerprints the finite check took
             if found_inf is not None:  # the scaler has checked every gradient of this rank
                 if spec:  # no pass of step() reads them: fingerprinted beside the norm below
-                    ahead = self.overlap.fingerprint_ahead(live, spec)
+                    ahead = self.overlap.fingerprint_ahead(live, spec, scale)
                 finite = float(found_inf.detach().float().sum().item()) == 0.0
                 if self._zero:
                     finite = all_ranks_agree(self._params(), finite)
