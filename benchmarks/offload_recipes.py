@@ -15,6 +15,7 @@ Recipes:
   hf-default   bf16 autocast + torch.nn.utils.clip_grad_norm_(1.0) (Hugging Face Trainer's)
   scaler-clip  fp16 autocast + GradScaler, scaler.unscale_ + clip_grad_norm_(1.0)
   scaler       fp16 autocast + GradScaler, scaler.step(opt) (no unscale_), max_grad_norm=1.0
+  scaler-noclip  the same without any clipping
   own-clip     no autocast, the optimizer's max_grad_norm=1.0
 """
 
@@ -29,7 +30,7 @@ import torch
 from common import machine, print_table, write_json
 from tierlift.optim import AdamW
 
-RECIPES = ("hf-default", "scaler-clip", "scaler", "own-clip")
+RECIPES = ("hf-default", "scaler-clip", "scaler", "scaler-noclip", "own-clip")
 
 
 def _model(params: float) -> torch.nn.Module:
@@ -98,7 +99,7 @@ def bench_recipes(args) -> int:
             for tier in ("cpu", "nvme"):
                 rows.append(_run(recipe, tier, args.params, args.repeats, directory))
                 r = rows[-1]
-                print(f"  {recipe:12s} {tier:5s} kept {r['kept']:.0%}", flush=True)
+                print(f"  {recipe:13s} {tier:5s} kept {r['kept']:.0%}", flush=True)
     table = [dict(r, kept=f"{r['kept']:.0%}", check_share=f"{r['check_share']:.1%}",
                   check_share_iter=f"{r['check_share_iter']:.1%}") for r in rows]
     print_table(table, ["recipe", "tier", "kept", "iter_ms", "step_ms", "check_ms",
