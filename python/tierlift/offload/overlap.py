@@ -86,28 +86,38 @@ def deferred(p: torch.Tensor) -> bool:
     return p.device.type == "cpu" and p.dtype == torch.float32
 
 
+def _host_grad_segments(gi: int, chunk, grads: dict, keys: list, pieces: list) -> None:
+    """Appends (gi, ci, pi) and the gradient slice of each of `chunk`'s segments whose gradient
+    is on the host."""
+    for s in chunk.segments:
+        g = grads.get(s.pi)
+        if g is not None and g.device.type == "cpu":
+            keys.append((gi, chunk.ci, s.pi))
+            pieces.append(g[s.plo:s.phi])
+
+
+def _by_group(n: int, keys: list, values: list) -> list[dict]:
+    """Per group {(ci, pi): value} from (gi, ci, pi) keys."""
+    known = [dict() for _ in range(n)]
+    for (gi, ci, pi), v in zip(keys, values):
+        known[gi][(ci, pi)] = v
+    return known
+
+
 def scan_grads(off, live: list[dict], spec: dict) -> tuple[bool, list[dict], set]:
     """The finite check of the host gradients of the groups with chunks stepped ahead, exact
     (no element with an all-ones exponent), fingerprinting every chunk segment in the same
     pass: (all finite, per group {(ci, pi): fingerprint}, the (gi, pi) it covered)."""
-    known = [dict() for _ in live]
-    keys, pieces, covered = [], [], set()
+    keys, pieces = [], []
     for gi, records in spec.items():
-        if not records:
-            continue
-        for chunk in off.layouts[gi].chunks:
-            for s in chunk.segments:
-                g = live[gi].get(s.pi)
-                if g is not None and g.device.type == "cpu":
-                    keys.append((gi, chunk.ci, s.pi))
-                    pieces.append(g[s.plo:s.phi])
-                    covered.add((gi, s.pi))
+        if records:
+            for chunk in off.layouts[gi].chunks:
+                _host_grad_segments(gi, chunk, live[gi], keys, pieces)
+    covered = {(gi, pi) for gi, _, pi in keys}
     if not pieces:
-        return True, known, covered
+        return True, [dict() for _ in live], covered
     values, flags = fingerprints_finite(pieces)
-    for (gi, ci, pi), v in zip(keys, values):
-        known[gi][(ci, pi)] = v
-    return all(flags), known, covered
+    return all(flags), _by_group(len(live), keys, values), covered
 
 
 class Ahead:
@@ -121,11 +131,7 @@ class Ahead:
             for chunk, rec in records:
                 if rec.scale != scale or rec.hyper != _hyper(groups[gi]):
                     continue  # validate() redoes it without a look at its gradients
-                for s in chunk.segments:
-                    g = live[gi].get(s.pi)
-                    if g is not None and g.device.type == "cpu":
-                        keys.append((gi, chunk.ci, s.pi))
-                        pieces.append(g[s.plo:s.phi])
+                _host_grad_segments(gi, chunk, live[gi], keys, pieces)
         self._n = len(live)
         self._keys = keys
         self._future = pool.submit(self._run, pieces)
@@ -141,10 +147,7 @@ class Ahead:
         values, took = self._future.result()
         stats["overlap_check_s"] += time.perf_counter() - t
         stats["grad_fingerprint_ahead_s"] += took
-        known = [dict() for _ in range(self._n)]
-        for (gi, ci, pi), v in zip(self._keys, values):
-            known[gi][(ci, pi)] = v
-        return known
+        return _by_group(self._n, self._keys, values)
 
     def cancel_(self, stats) -> None:
         """The gradients changed meanwhile (a clip scaled them): waits, drops the values."""
