@@ -183,15 +183,8 @@ def _close(targets, held, collective: bool) -> None:
 
 def _finish(targets, held, modifier_rank) -> None:
     if modifier_rank is None:
-        for _, h in held:
-            if h.edited():
-                e = h.unit.entries[0]
-                raise RuntimeError(
-                    f"a weight of unit {h.unit.name!r} ({e.names[0]!r}...) was edited inside "
-                    "tierlift.zero.gathered() without modifier_rank (in place, through .data "
-                    "or by assignment); the edit is discarded. Use the writable form, "
-                    "gathered(..., modifier_rank=<the rank whose edits to keep>), to write it "
-                    "back")
+        for state, _ in targets:
+            _check_unedited(state, [h for s, h in held if s is state])
         return
     for state, _ in targets:
         comm = state.world_comm
@@ -210,6 +203,34 @@ def _finish(targets, held, modifier_rank) -> None:
             _broadcast(comm, h.buf, modifier_rank)
         for h in mine:
             h.write_back()
+
+
+def _check_unedited(state, mine: list) -> None:
+    """A read-only block: raises on every rank when any rank edited a gathered weight (one
+    all-reduce of a flag per rank), so no rank goes on with a view the others do not share.
+    Nothing is written back on any rank either way."""
+    comm = state.world_comm
+    # Slot r: 1 + the index (in `mine`, the same order on every rank) of rank r's first edited
+    # unit, 0 if it edited none; each rank fills only its own slot, so a sum gathers them.
+    flags = torch.zeros(comm.world, dtype=torch.int64, device=mine[0].unit.device)
+    first = next((i for i, h in enumerate(mine) if h.edited()), None)
+    if first is not None:
+        flags[comm.rank] = first + 1
+    if comm.world > 1:
+        comm.wait(comm.all_reduce(flags))
+    seen = flags.tolist()
+    ranks = [r for r, f in enumerate(seen) if f]
+    if not ranks:
+        return
+    unit = mine[seen[ranks[0]] - 1].unit
+    where = "this rank" if ranks == [comm.rank] else (
+        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}")
+    raise RuntimeError(
+        f"a weight of unit {unit.name!r} ({unit.entries[0].names[0]!r}...) was edited on "
+        f"{where} inside tierlift.zero.gathered() without modifier_rank (in place, through "
+        ".data or by assignment); the edit is discarded on every rank and nothing was written "
+        "back. Use the writable form, gathered(..., modifier_rank=<the rank whose edits to "
+        "keep>), to write it back")
 
 
 _CHUNK = 1 << 26  # bytes of a device buffer copied to the host at a time to fingerprint it
