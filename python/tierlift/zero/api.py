@@ -33,7 +33,7 @@ from tierlift.zero.hooks import _ATTR, ZeroState, _state
 from tierlift.zero.param_nvme import NvmeParamStore
 from tierlift.zero.param_offload import ParamOffload
 from tierlift.zero.topology import build as build_topology
-from tierlift.zero.unit import FlatUnit
+from tierlift.zero.unit import FlatUnit, source_key
 
 _SHARD_NAME = "_zero_flat_shard"
 
@@ -414,17 +414,20 @@ def state_key_order(state: ZeroState, key: str):
 
 
 def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
-    """Load an unsharded state dict (as full_state_dict returns) into a sharded model."""
+    """Load an unsharded state dict (as full_state_dict returns) into a sharded model. Tied
+    names given together load as torch loads them: the last in model order wins (the same rule
+    as model.load_state_dict on the sharded model)."""
     state = _state(model)
     # Check everything before changing anything: a bad state dict leaves the model as it was.
     sharded = set()
     for unit in state.units:
         for e in unit.entries:
-            if not any(n in state_dict for n in e.names):
+            key = source_key(e.names, state_dict)
+            if key is None:
                 raise KeyError(f"state_dict has no entry for parameter {e.names[0]!r}")
-            t = next(state_dict[n] for n in e.names if n in state_dict)
+            t = state_dict[key]
             if tuple(t.shape) != tuple(e.shape):
-                raise ValueError(f"state_dict[{e.names[0]!r}] has shape {tuple(t.shape)}, the "
+                raise ValueError(f"state_dict[{key!r}] has shape {tuple(t.shape)}, the "
                                  f"model expects {tuple(e.shape)}")
             sharded.update(e.names)
     rest = {k: v for k, v in state_dict.items() if k not in sharded}
@@ -438,5 +441,7 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) 
     for unit in state.units:
         unit.load_fp32(state_dict)
     with torch.no_grad():
-        for key, value in rest.items():
-            own[key].copy_(value)
+        # In model order, as torch copies: of tied unsharded weights the last name wins.
+        for key, value in own.items():
+            if key in rest:
+                value.copy_(rest[key])

@@ -29,6 +29,7 @@ from torch import nn
 
 from tierlift._shards import is_shard
 from tierlift.zero.hooks import _ATTR
+from tierlift.zero.unit import source_key
 
 _META_KEY = "tierlift_zero"  # in a module's state_dict _metadata: its shards' record
 _MODEL_KEY = "tierlift_zero_model"  # the whole sharded model's
@@ -238,8 +239,7 @@ def _check_load(state, sd, prefix, rec, items, layout, assign: bool, build: bool
     full_in: dict[int, dict[int, str]] = {}
     for i, (_, _, entry_names) in enumerate(items):
         for j, names in enumerate(entry_names):
-            # Tied names: torch copies each in turn into the one tensor, so the last one wins.
-            found = next((prefix + n for n in reversed(names) if prefix + n in sd), None)
+            found = source_key(names, sd, prefix)  # tied names: the last one given
             if found is not None:
                 full_in.setdefault(i, {})[j] = found
     if not shard_in and not full_in:

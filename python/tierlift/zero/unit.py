@@ -47,6 +47,13 @@ class ParamEntry:
     numel: int
 
 
+def source_key(names: list[str], state_dict, prefix: str = "") -> str | None:
+    """The key of `state_dict` a parameter known by `names` (its tied aliases, in model order)
+    loads from, or None: torch's load_state_dict copies each alias in turn into the one tensor,
+    so the last one present wins. Every full-weight load of a sharded model picks by this."""
+    return next((prefix + n for n in reversed(names) if prefix + n in state_dict), None)
+
+
 class FlatUnit:
     def __init__(self, *, name: str, module: nn.Module,
                  params: list[tuple[nn.Parameter, list[str], list[tuple[nn.Module, str]]]],
@@ -237,12 +244,13 @@ class FlatUnit:
         return out
 
     def load_fp32(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Set the master shard from full per-parameter tensors (keyed by any alias name)."""
+        """Set the master shard from full per-parameter tensors (keyed by any alias name; of
+        tied names given together, the last in model order, as torch loads them)."""
         dtype = self.shard.dtype
         full = torch.empty(self.padded, dtype=dtype, device=self.device)
         srcs = []
         for e in self.entries:
-            t = next(tensors[n] for n in e.names if n in tensors)
+            t = tensors[source_key(e.names, tensors)]
             srcs.append(t.detach().to(device=self.device, dtype=dtype).reshape(e.shape))
         ops.flatten_pack_(full, srcs)
         lo = self.comm.rank * self.shard_numel
