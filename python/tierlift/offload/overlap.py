@@ -108,11 +108,20 @@ def scan_grads(off, live: list[dict], spec: dict) -> tuple[bool, list[dict], set
     """The finite check of the host gradients of the groups with chunks stepped ahead, exact
     (no element with an all-ones exponent), fingerprinting every chunk segment in the same
     pass: (all finite, per group {(ci, pi): fingerprint}, the (gi, pi) it covered)."""
+    return _scan(off, live, [gi for gi, records in spec.items() if records])
+
+
+def scan_all_grads(off, live: list[dict]) -> tuple[bool, list[dict]]:
+    """scan_grads over every group's host gradients (GradScaler's check, scaler_scan.py)."""
+    finite, known, _ = _scan(off, live, [gi for gi, got in enumerate(live) if got])
+    return finite, known
+
+
+def _scan(off, live: list[dict], groups: list) -> tuple[bool, list[dict], set]:
     keys, pieces = [], []
-    for gi, records in spec.items():
-        if records:
-            for chunk in off.layouts[gi].chunks:
-                _host_grad_segments(gi, chunk, live[gi], keys, pieces)
+    for gi in groups:
+        for chunk in off.layouts[gi].chunks:
+            _host_grad_segments(gi, chunk, live[gi], keys, pieces)
     covered = {(gi, pi) for gi, _, pi in keys}
     if not pieces:
         return True, [dict() for _ in live], covered

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from tierlift import ops
 from tierlift._shards import all_ranks_agree, global_grad_norm, is_shard
 from tierlift.io import ChecksumError, EngineConfig, IoEngine
-from tierlift.offload import masters
+from tierlift.offload import masters, scaler_scan
 from tierlift.offload.checks import (
     check_group,
     inverse,
@@ -44,6 +44,9 @@ from tierlift.offload.layout import (
     chunk_bytes,
     even_chunk_elems,
     kind_slice,
+    not_reserved,
+    reserved_elems,
+    reserves,
     state_kinds,
 )
 from tierlift.offload.overlap import Overlap, publish, scan_grads, validate
@@ -107,7 +110,8 @@ class Offloader(StateIO):
             not self.streamed or (config.offload in ("nvme", "hybrid")
                                   and config.nvme_generations == 1))
         # Per group: the kinds its tier holds (no master where every parameter is its own).
-        self._tier_kinds = [k if any(self._uses_master(p) for p in g["params"]) else k[1:]
+        self._tier_kinds = [k if any(self._uses_master(p) for p in g["params"] if reserves(p))
+                            else k[1:]
                             for g, k in zip(optimizer.param_groups, self._kinds)]
         # A slot holds one chunk of every state kind (each 4 KiB aligned), plus fp32 grad and
         # copy staging for GPU params.
@@ -127,8 +131,8 @@ class Offloader(StateIO):
 
         per_elem = chunk_bytes(slot_dtypes, ALIGN_ELEMS) / ALIGN_ELEMS
         chunk_elems = config.chunk_bytes // 4
-        largest = max((sum(-(-max(p.numel(), 1) // ALIGN_ELEMS) * ALIGN_ELEMS
-                           for p in g["params"]) for g in optimizer.param_groups), default=0)
+        # Frozen parameters get no state (layout.reserves), as torch creates none for them.
+        largest = max((reserved_elems(g["params"]) for g in optimizer.param_groups), default=0)
         chunk_elems = max(ALIGN_ELEMS, min(chunk_elems, largest))
         slots = config.pipeline_slots
         on_disk = config.offload in ("nvme", "hybrid")
@@ -160,6 +164,7 @@ class Offloader(StateIO):
         self._slot_kinds = list(slot_dtypes)
         self.overlap = None  # Overlap, set last
         self._broken = None  # why step() refuses: an in-place rewrite failed half way
+        self.scaler_scan = None  # what GradScaler's check saw (scaler_scan.py), for one step
         self._watch = ParamWatch(len(optimizer.param_groups))
         self._scale_seen = None  # the last step's GradScaler scale: the overlap assumes it
         self._durable = None  # DurableState with durable=True
@@ -237,6 +242,7 @@ class Offloader(StateIO):
         self.overlap = None
         if config.overlap:
             self.overlap = Overlap(self)
+            scaler_scan.install()
 
     # ---- helpers -------------------------------------------------------------------------
     def _name(self, gi: int, pi: int) -> str:
@@ -282,6 +288,7 @@ class Offloader(StateIO):
         them to optimizers with _step_supports_amp_scaling): the gradients are still scaled by
         `grad_scale` and the kernel unscales them as it reads them; a nonzero `found_inf`
         skips the step, leaving weights, state and step counts as they were."""
+        seen = scaler_scan.take(self.opt)  # consumed by this step() whatever happens
         if self._broken is not None:
             raise RuntimeError(self._broken)
         t0 = time.perf_counter()
@@ -296,7 +303,9 @@ class Offloader(StateIO):
             t = time.perf_counter()
             known = []  # per group: gradient fingerprints the finite check took
             if found_inf is not None:  # the scaler has checked every gradient of this rank
-                if spec:  # no pass of step() reads them: fingerprinted beside the norm below
+                known = seen or []  # taken in the scaler's own pass, if it could
+                stats["grads_seen_by_scaler"] = float(seen is not None)
+                if spec and not known:  # else fingerprinted beside the norm below
                     ahead = self.overlap.fingerprint_ahead(live, spec, scale)
                 finite = float(found_inf.detach().float().sum().item()) == 0.0
                 if self._zero:
@@ -380,6 +389,9 @@ class Offloader(StateIO):
                 if g is None:
                     continue
                 name = self._name(gi, pi)
+                if not self.layouts[gi].reserved[pi]:
+                    raise RuntimeError(not_reserved(name, self.config.offload,
+                                                    "has a gradient now"))
                 if g.is_sparse:
                     raise RuntimeError(f"{name} has a sparse gradient; tierlift's Adam needs "
                                        "dense gradients")

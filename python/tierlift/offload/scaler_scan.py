@@ -1,0 +1,116 @@
+"""GradScaler's inf/NaN check as the overlap's gradient check: one read of the gradients.
+
+Under `scaler.step(opt)` (no `unscale_` first) torch checks every gradient for inf/NaN with
+`_amp_foreach_non_finite_check_and_unscale_` and an inverse scale of 1.0: a pass that reads
+and rewrites every gradient. The overlapped optimizer must then read every host gradient once
+more, to prove it is the one its chunks were stepped with during backward (overlap.validate).
+Both passes are memory bound, and with no clipping nothing else in step() hides the second.
+
+For an offloaded, overlapped optimizer whose gradients are all on the host, the scaler's check
+is done here instead, in the one pass that also fingerprints the gradient segments
+(_C.io.fingerprints_finite): the same found_inf, the gradients left as torch's pass leaves them
+(multiplying by 1.0 changes no finite value), and step() takes the fingerprints from it. This
+is a narrow patch of GradScaler's `_check_inf_per_device`: every other optimizer, device or
+case (a step pre-hook that could change the gradients in between, denormals flushed by
+torch.set_flush_denormal, which torch's multiply would apply) goes to torch's own check.
+step() uses the fingerprints only if every gradient is still the same tensor at the same
+version; otherwise it takes its own.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch.optim.optimizer import _global_optimizer_pre_hooks
+
+from tierlift.offload.overlap import scan_all_grads
+
+_patched = False
+
+
+@dataclass
+class Scan:
+    """What the scaler's check saw: every gradient tensor and its version, and per group the
+    fingerprint of each host gradient segment {(ci, pi): value}."""
+
+    grads: list[tuple]  # (param, grad, grad._version)
+    known: list[dict]
+
+
+def _grads(opt) -> list[tuple]:
+    return [(p, p.grad, p.grad._version) for g in opt.param_groups for p in g["params"]
+            if p.grad is not None]
+
+
+def _flushes_denormals() -> bool:
+    return bool((torch.full((1,), 1e-40) * 1.0).item() == 0.0)
+
+
+def _usable(opt) -> bool:
+    off = getattr(opt, "_offload", None)
+    if off is None or off.overlap is None or not off.streamed:
+        return False
+    if _global_optimizer_pre_hooks or getattr(opt, "_optimizer_step_pre_hooks", None):
+        return False
+    grads = [g for _, g, _ in _grads(opt)]
+    return (bool(grads) and all(g.device.type == "cpu" and not g.is_sparse
+                                and g.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                                for g in grads)
+            and not _flushes_denormals())
+
+
+def scan(opt) -> bool | None:
+    """The scaler's check for `opt`: whether every gradient is finite, keeping the segment
+    fingerprints for its next step(); None where torch's own check must run."""
+    off = opt._offload
+    off.scaler_scan = None
+    if not _usable(opt):
+        return None
+    finite, known = scan_all_grads(off, off._collect_grads())
+    off.scaler_scan = Scan(_grads(opt), known)
+    return finite
+
+
+def take(opt) -> list[dict] | None:
+    """The fingerprints the scaler's check took, if nothing can have changed a gradient since:
+    the same tensors at the same versions and no step pre-hook. Consumed by one step()."""
+    off = opt._offload
+    seen, off.scaler_scan = getattr(off, "scaler_scan", None), None
+    if seen is None or _global_optimizer_pre_hooks or \
+            getattr(opt, "_optimizer_step_pre_hooks", None):
+        return None
+    now = _grads(opt)
+    if len(now) != len(seen.grads) or any(
+            p is not q or g is not h or v != w
+            for (p, g, v), (q, h, w) in zip(now, seen.grads)):
+        return None
+    return seen.known
+
+
+def install() -> None:
+    """Routes GradScaler's inf check for tierlift's offloaded optimizers through scan()
+    (idempotent; left alone where torch's method is not the one this was written for)."""
+    global _patched
+    cls = getattr(getattr(torch, "amp", None), "GradScaler", None)
+    original = getattr(cls, "_check_inf_per_device", None)
+    if _patched or original is None or \
+            list(inspect.signature(original).parameters) != ["self", "optimizer"]:
+        return
+
+    @functools.wraps(original)
+    def _check_inf_per_device(self, optimizer):
+        if getattr(optimizer, "_offload", None) is None:
+            return original(self, optimizer)
+        scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
+        finite = scan(optimizer) if scale.device.type == "cpu" else None
+        if finite is None:
+            return original(self, optimizer)
+        found = torch.full((), 0.0 if finite else 1.0, dtype=torch.float32)
+        self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = {found.device: found}
+        return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+
+    cls._check_inf_per_device = _check_inf_per_device
+    _patched = True
