@@ -164,3 +164,16 @@ def test_other_optimizers_keep_torchs_check(tmp_path):
     scaler.update()
     _equal(before, [p.detach() for p in model.parameters()])
     assert scaler.get_scale() == 2.0 ** 15
+
+
+@pytest.mark.gpu
+def test_a_cuda_scaler_with_host_gradients(tmp_path, monkeypatch):
+    """The scale on the GPU, the gradients on the host (as with ZeRO's offload_params): the
+    found_inf is keyed by the host, as torch's check keys it, and summed onto the GPU."""
+    real = torch.amp.GradScaler
+    monkeypatch.setattr(torch.amp, "GradScaler", lambda _device, **kw: real("cuda", **kw))
+    ref = _fit({}, edit=_poke(float("inf")))
+    got = _fit(_kw("cpu", tmp_path), edit=_poke(float("inf")))
+    _equal(ref[0], got[0])
+    assert ref[2] == got[2] and got[2][1] == got[2][0] / 2
+    assert got[3][:1] + got[3][2:] == [1.0] * 3  # step 1 was skipped

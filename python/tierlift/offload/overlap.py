@@ -25,9 +25,10 @@ The check in step() rides on passes that read the same bytes anyway: the host gr
 fingerprinted by step()'s finite check (scan_grads: one pass gives both), and an fp32 host
 parameter is compared by publish() in the pass that copies its new value in (all or nothing
 per chunk: a chunk with a parameter changed since its step started is not written and is
-stepped again). Only what no such pass reads (gradients under a GradScaler, which checks them
-itself, or after clipping scaled them; device and half-precision parameters) is fingerprinted
-by validate() on its own.
+stepped again). Under GradScaler.step the scaler's own inf check is that pass
+(scaler_scan.py). Only what no such pass reads (gradients after clipping scaled them or where
+the scaler's check cannot be used, device and half-precision parameters) is fingerprinted by
+validate() on its own.
 
 Under tierlift.zero.shard the parameters are flat shards whose gradient is assigned when the
 unit's reduction completes (no post-accumulate-grad hook fires): for those the Overlap listens

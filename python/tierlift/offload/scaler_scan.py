@@ -104,10 +104,12 @@ def install() -> None:
     def _check_inf_per_device(self, optimizer):
         if getattr(optimizer, "_offload", None) is None:
             return original(self, optimizer)
-        scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
-        finite = scan(optimizer) if scale.device.type == "cpu" else None
+        self._check_scale_growth_tracker("_check_inf_per_device")
+        finite = scan(optimizer)
         if finite is None:
             return original(self, optimizer)
+        # keyed by the gradients' device, as torch's check does (a CUDA scaler's step sums the
+        # values onto its own device)
         found = torch.full((), 0.0 if finite else 1.0, dtype=torch.float32)
         self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = {found.device: found}
         return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
