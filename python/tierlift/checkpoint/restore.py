@@ -30,7 +30,7 @@ import torch
 
 from tierlift.checkpoint import stream
 from tierlift.offload.journal import filling
-from tierlift.offload.layout import SCALE_KIND, kind_elems, kind_slice
+from tierlift.offload.layout import SCALE_KIND, kind_elems, kind_slice, not_reserved
 
 
 @dataclass(kw_only=True)
@@ -95,6 +95,9 @@ def check_plan(off, plan: list[GroupPlan], source: str) -> None:
                 "its state dict (tierlift.checkpoint.optimizer_state_dict) with "
                 "load_state_dict, which converts")
         for pi, src in gp.params.items():
+            if pi < len(params) and not off.layouts[gi].reserved[pi]:
+                raise ValueError(not_reserved(off._name(gi, pi), off.config.offload,
+                                              f"has state in the checkpoint {source}"))
             if pi >= len(params) or params[pi].numel() != src.numel:
                 got = (f"shape {tuple(params[pi].shape)}" if pi < len(params)
                        else "no such parameter")

@@ -79,6 +79,7 @@ class GroupLayout:
     numels: list[int]
     chunks: list[Chunk]
     used: int = 0  # elements of the flat space in use (the last chunk may be partly empty)
+    reserved: list[bool] = field(default_factory=list)  # per parameter: it has a range
 
     @property
     def total_elems(self) -> int:
@@ -105,14 +106,38 @@ def even_chunk_elems(total: int, chunk_elems: int) -> int:
     return min(chunk_elems, -(-total // (n * ALIGN_ELEMS)) * ALIGN_ELEMS)
 
 
+def reserves(p: torch.Tensor) -> bool:
+    """Whether an offloaded optimizer reserves state for `p`: not for a frozen parameter
+    (requires_grad=False when the optimizer is built), which torch never creates state for."""
+    return p.requires_grad
+
+
+def reserved_elems(params: list[torch.Tensor]) -> int:
+    """Elements of the flat space `params` take (each reserved one from a 1024 boundary)."""
+    return sum(-(-max(p.numel(), 1) // ALIGN_ELEMS) * ALIGN_ELEMS for p in params if reserves(p))
+
+
+def not_reserved(name: str, offload: str, now: str) -> str:
+    """The refusal for a parameter that got no state (frozen when the optimizer was built)."""
+    return (f"{name} was frozen (requires_grad=False) when the optimizer was built, so "
+            f"offload={offload!r} reserved no optimizer state for it (torch creates none for a "
+            f"parameter without gradients); it {now}. Unfreeze it before building the "
+            "optimizer (offloaded state is laid out once, at construction), or keep it out of "
+            "the optimizer")
+
+
 def build_layout(params: list[torch.Tensor], chunk_elems: int) -> GroupLayout:
+    """A parameter that reserves() nothing gets an empty range and no segments."""
     if chunk_elems <= 0 or chunk_elems % ALIGN_ELEMS:
         raise ValueError(f"chunk_elems must be a positive multiple of {ALIGN_ELEMS}")
-    starts, numels, pos = [], [], 0
+    starts, numels, reserved, pos = [], [], [], 0
     for p in params:
+        keep = reserves(p)
         starts.append(pos)
-        numels.append(p.numel())
-        pos += -(-max(p.numel(), 1) // ALIGN_ELEMS) * ALIGN_ELEMS
+        numels.append(p.numel() if keep else 0)
+        reserved.append(keep)
+        if keep:
+            pos += -(-max(p.numel(), 1) // ALIGN_ELEMS) * ALIGN_ELEMS
     n_chunks = -(-pos // chunk_elems) if pos else 0
     chunks = [Chunk(ci=i) for i in range(n_chunks)]
     for pi, (start, n) in enumerate(zip(starts, numels)):
@@ -124,4 +149,4 @@ def build_layout(params: list[torch.Tensor], chunk_elems: int) -> GroupLayout:
                                                chi=off + take))
             lo += take
     return GroupLayout(chunk_elems=chunk_elems, starts=starts, numels=numels, chunks=chunks,
-                       used=pos)
+                       used=pos, reserved=reserved)

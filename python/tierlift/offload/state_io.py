@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from tierlift.offload.journal import filling
-from tierlift.offload.layout import SCALE_KIND, kind_elems, kind_slice
+from tierlift.offload.layout import SCALE_KIND, kind_elems, kind_slice, not_reserved
 from tierlift.offload.tiers import drain
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -79,6 +79,9 @@ class StateIO:
         given, is called last, before the flips; if it raises, everything is undone."""
         for gi, group in enumerate(self.opt.param_groups):
             for pi, p in enumerate(group["params"]):
+                if p in loaded and not self.layouts[gi].reserved[pi]:
+                    raise ValueError(not_reserved(self._name(gi, pi), self.config.offload,
+                                                  "has state in the state dict being loaded"))
                 for k, v in loaded.get(p, {}).items():
                     want = kind_elems(k, p.numel())
                     if isinstance(v, torch.Tensor) and k in self.tiers[gi].kinds and \
