@@ -22,6 +22,8 @@
 from __future__ import annotations
 
 import collections
+import os
+import sys
 import weakref
 
 import torch
@@ -125,10 +127,12 @@ def _on_register(parent, name, child):
 
 
 # ---- FSDP1 / FSDP2 / composable replicate ----
-try:  # torch's registry of composable distributed APIs applied to a module
+try:  # torch's registry (and states) of composable distributed APIs applied to a module
     from torch.distributed._composable.contract import REGISTRY_KEY as _REGISTRY_KEY
+    from torch.distributed._composable.contract import STATE_KEY as _STATE_KEY
 except ImportError:  # pragma: no cover - torch without torch.distributed
-    _REGISTRY_KEY = None
+    _REGISTRY_KEY = _STATE_KEY = None
+_CONTRACT_FILE = os.path.join("_composable", "contract.py")
 
 # The names FSDP asks the registry about before it touches a module: FullyShardedDataParallel's
 # constructor ("replicate", in _get_ignored_modules: its first step), fully_shard ("fully_shard"
@@ -141,6 +145,7 @@ class _ShardedRegistry(collections.OrderedDict):
 
     def __contains__(self, key) -> bool:
         if key in _FSDP_ASKS:
+            _take_back_contract_marks()
             raise RuntimeError(
                 "torch FSDP (FullyShardedDataParallel / fully_shard, or replicate) was given a "
                 "model sharded by tierlift.zero.shard: it would flatten or re-shard tierlift's "
@@ -148,6 +153,39 @@ class _ShardedRegistry(collections.OrderedDict):
                 f"weights; {_DDP_FIX}. (torch.distributed.checkpoint.state_dict asks the same "
                 "question; save a sharded model with tierlift.checkpoint.save)")
         return super().__contains__(key)
+
+
+def _take_back_contract_marks() -> None:
+    """torch's @contract (fully_shard, composable replicate) records its API on the modules it
+    was given (their __dict__'s composable state and registry) before the API asks about their
+    submodules; when a sharded submodule refuses, the marks are taken back, so the outer module
+    is as it was and a second call is refused the same way, not told the API was applied. The
+    marks are found in the locals of @contract's wrapper frame (modules, func, state,
+    registry_item); with a torch that names them otherwise, nothing is taken back."""
+    frame = sys._getframe(2)
+    try:
+        while frame is not None and not (
+                frame.f_code.co_name == "wrapper"
+                and frame.f_code.co_filename.endswith(_CONTRACT_FILE)):
+            frame = frame.f_back
+        if frame is None:
+            return
+        found = frame.f_locals
+        func, api_state, item = (found.get(k) for k in ("func", "state", "registry_item"))
+        for module in found.get("modules") or []:
+            if not isinstance(module, nn.Module):
+                continue
+            for key, entry, value in ((_STATE_KEY, func, api_state),
+                                      (_REGISTRY_KEY, getattr(func, "__name__", None), item)):
+                marks = module.__dict__.get(key)
+                if not isinstance(marks, dict) or value is None:
+                    continue
+                if dict.get(marks, entry) is value:
+                    dict.pop(marks, entry)
+                if not marks and type(marks) is not _ShardedRegistry:
+                    del module.__dict__[key]  # an empty record is no record
+    finally:
+        del frame
 
 
 def _mark_for_fsdp(module: nn.Module) -> None:
