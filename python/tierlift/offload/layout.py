@@ -126,16 +126,17 @@ def not_reserved(name: str, offload: str, now: str) -> str:
             "the optimizer")
 
 
-def build_layout(params: list[torch.Tensor], chunk_elems: int) -> GroupLayout:
-    """A parameter that reserves() nothing gets an empty range and no segments."""
+def build_layout(params: list[torch.Tensor], chunk_elems: int,
+                 reserved: list[bool] | None = None) -> GroupLayout:
+    """reserved[i] False (the optimizer passes reserves(p)): parameter i gets an empty range and
+    no segments. None: every parameter gets its range."""
     if chunk_elems <= 0 or chunk_elems % ALIGN_ELEMS:
         raise ValueError(f"chunk_elems must be a positive multiple of {ALIGN_ELEMS}")
-    starts, numels, reserved, pos = [], [], [], 0
-    for p in params:
-        keep = reserves(p)
+    reserved = [True] * len(params) if reserved is None else list(reserved)
+    starts, numels, pos = [], [], 0
+    for p, keep in zip(params, reserved, strict=True):
         starts.append(pos)
         numels.append(p.numel() if keep else 0)
-        reserved.append(keep)
         if keep:
             pos += -(-max(p.numel(), 1) // ALIGN_ELEMS) * ALIGN_ELEMS
     n_chunks = -(-pos // chunk_elems) if pos else 0

@@ -159,7 +159,8 @@ class Offloader(StateIO):
         chunk_elems = even_chunk_elems(largest, chunk_elems)
         self.chunk_elems = chunk_elems
         self._in_file = [set() for _ in optimizer.param_groups]  # params whose master is stored
-        self.layouts = [build_layout(list(g["params"]), chunk_elems)
+        self.layouts = [build_layout(list(g["params"]), chunk_elems,
+                                     [reserves(p) for p in g["params"]])
                         for g in optimizer.param_groups]
         self._slot_kinds = list(slot_dtypes)
         self.overlap = None  # Overlap, set last
