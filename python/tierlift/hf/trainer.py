@@ -28,34 +28,13 @@ import tierlift.optim
 from tierlift.hf import model as zmodel
 from tierlift.hf.accelerator import Accelerator, own_clipping, unwrap_optimizer
 from tierlift.hf.config import ZeroConfig
+from tierlift.hf.param_count import full_param_count
 from tierlift.zero.groups import param_groups, shard_groups
 
 TIERLIFT_DIR = "tierlift"  # checkpoint-N/tierlift: the sharded model and optimizer
 _SCHEDULER = "scheduler.pt"
 _OPTIMIZER = "optimizer.pt"
 _ADAMW = ("adamw_torch", "adamw_torch_fused")
-
-
-def _install_param_count() -> None:
-    """Trainer logs "Number of trainable parameters" from transformers.trainer's
-    get_model_param_count, which sums p.numel() (the ds_numel of DeepSpeed ZeRO-3 parameters
-    only when DeepSpeed is on): for a sharded model that would be this rank's shards. The
-    module's function is replaced, once, by one that counts a sharded model whole and leaves
-    every other model to the original."""
-    import transformers.trainer as hf_trainer
-
-    original = hf_trainer.get_model_param_count
-    if getattr(original, "_tierlift_counts_full", False):
-        return
-
-    def get_model_param_count(model, trainable_only=False):
-        if any(zmodel.is_sharded(m) for m in model.modules()):
-            return zmodel.count_parameters(model, only_trainable=trainable_only)
-        return original(model, trainable_only=trainable_only)
-
-    get_model_param_count.__doc__ = original.__doc__
-    get_model_param_count._tierlift_counts_full = True
-    hf_trainer.get_model_param_count = get_model_param_count
 
 
 class Trainer(transformers.Trainer):
@@ -78,7 +57,6 @@ class Trainer(transformers.Trainer):
         self._shard(self.model)
         if self.optimizer is not None:
             self._check_optimizer(self.optimizer)
-        _install_param_count()
 
     # ---- sharding and the optimizer ----
     def create_accelerator_and_postprocess(self) -> None:
@@ -197,7 +175,10 @@ class Trainer(transformers.Trainer):
             handle.wait()
 
     def train(self, *args, **kwargs):
-        out = super().train(*args, **kwargs)
+        # Trainer logs the trainable count through a module global: counted whole for a
+        # sharded model during this call only (param_count.py).
+        with full_param_count():
+            out = super().train(*args, **kwargs)
         self.wait_for_checkpoint()
         return out
 
