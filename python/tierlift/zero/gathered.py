@@ -6,16 +6,16 @@ GatheredParameters.
             model.embed.weight[pad_id].zero_()
 
 On entry every unit holding the given weights all-gathers its fp32 master shards into a buffer
-of its own, and the module attributes become views of it (fp32, no grad; frozen weights,
-sharded at stage 3, in their own dtype): the same on every rank, at stages 1, 2 and 3 and
-with parameter offload. On exit the attributes go back to what
-they were (views of the gathered compute weights, or stage 3's freed stand-ins). With
-modifier_rank=r, rank r's buffers are broadcast and every rank copies its slice into its shard
-(edits on other ranks are discarded); the next forward gathers the new weights. Without it the
-block is read-only: an edit of a gathered weight raises at exit, since it cannot be written
-back. Edits through the tensor itself show in its version counter; writes through `.data` (or
-numpy views) do not, so a read-only block also takes a content fingerprint of each gathered
-buffer on entry and compares it on exit (one pass over the bytes each way).
+of its own, and the module attributes become views of it (fp32, no grad; frozen weights, sharded
+at stage 3, in their own dtype): the same on every rank, at stages 1, 2 and 3 and with parameter
+offload. On exit the attributes go back to what they were (views of the gathered compute
+weights, or stage 3's freed stand-ins). With modifier_rank=r, rank r's buffers are broadcast and
+every rank copies its slice into its shard (edits on other ranks are discarded); the next
+forward gathers the new weights. Without it the block is read-only: an edit of a gathered
+weight, on any one rank, raises at exit on every rank and nothing is written back anywhere.
+Edits through the tensor itself show in its version counter; writes through `.data` (or numpy
+views) do not, so a read-only block also takes a content fingerprint of each gathered buffer on
+entry and compares it on exit (one pass over the bytes each way).
 """
 
 from __future__ import annotations

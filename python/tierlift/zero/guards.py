@@ -7,7 +7,8 @@
 - FSDP around it (FullyShardedDataParallel, fully_shard, composable replicate): it would flatten
   or re-shard the shard parameters as if they were full weights. Each module of a sharded model
   carries a composable-API registry (torch's record of which distributed APIs a module has)
-  whose membership test refuses the names FSDP asks about before it changes anything.
+  whose membership test refuses the names FSDP asks about before it changes anything (the mark
+  torch's @contract has already put on an outer module is taken back).
 - Replacing a submodule that holds sharded weights (resize_token_embeddings, LoRA layers
   injected after shard()) would leave the unit pointing at the old module; adding a submodule
   with trainable parameters would train it with no gradient reduction. Both are refused.
