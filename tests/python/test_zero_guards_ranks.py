@@ -1,7 +1,8 @@
 """Guard rails of tierlift.zero that must hold on every rank at once (2 gloo ranks):
 
 - an edit inside a read-only tierlift.zero.gathered() block made on ONE rank raises the same
-  error on every rank, and nothing is written back anywhere (the ranks still agree);
+  error on every rank, and nothing is written back anywhere (the ranks still agree); an
+  exception inside it on one rank raises on the others too;
 - tied names given together load by torch's rule (the last in model order wins) through both
   load_full_state_dict and model.load_state_dict, sharded or not (frozen tied weights stay
   unsharded at stage 1);
@@ -49,6 +50,12 @@ def _inplace_edit_on_rank0(model, rank):
                 model.tok.weight[3].fill_(0.25)  # the tied root unit
 
 
+def _raise_on_rank0(model, rank):
+    with tierlift.zero.gathered(model.blocks[0]):
+        if rank == 0:
+            raise KeyError("boom")
+
+
 def _read_only(rank, out):
     seq = batches(1, BATCH, seed=3)[0].chunk(2)[rank][:, :-1]
     for name, (stage, kw) in READ_ONLY.items():
@@ -59,6 +66,7 @@ def _read_only(rank, out):
             logits = model(seq)
         out[f"ro_{name}_data"] = _raises(lambda m=model: _data_edit_on_rank1(m, rank))
         out[f"ro_{name}_inplace"] = _raises(lambda m=model: _inplace_edit_on_rank0(m, rank))
+        out[f"ro_{name}_raised"] = _raises(lambda m=model: _raise_on_rank0(m, rank))
         after = tierlift.zero.full_state_dict(model)
         with torch.no_grad():
             same_logits = torch.equal(model(seq), logits)
@@ -193,6 +201,10 @@ def test_read_only_edit_on_one_rank_raises_on_every_rank(ranks, name):
     assert f"{unit} rank 1 " in r0[f"ro_{name}_data"]
     assert "was edited on this rank" in r0[f"ro_{name}_inplace"]
     assert "was edited on rank 0 " in r1[f"ro_{name}_inplace"]
+    # An exception on one rank inside the block: its own there, the others are told.
+    assert r0[f"ro_{name}_raised"] == "KeyError: 'boom'"
+    assert r1[f"ro_{name}_raised"].startswith(
+        "RuntimeError: rank 0 raised inside a tierlift.zero.gathered() block"), r1
     assert r0[f"ro_{name}_losses"] == r1[f"ro_{name}_losses"]
 
 

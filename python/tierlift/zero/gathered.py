@@ -164,7 +164,12 @@ def gathered(params_or_module, modifier_rank: int | None = None):
     try:
         yield
     except BaseException:
-        _close(targets, held, collective=False)  # failed, maybe on this rank only
+        try:
+            if modifier_rank is None:  # the others' exit check still gets its answer
+                with contextlib.suppress(Exception):
+                    _check_unedited(targets, held, raised=True)
+        finally:
+            _close(targets, held, collective=False)  # failed, maybe on this rank only
         raise
     try:
         _finish(targets, held, modifier_rank)
@@ -183,8 +188,7 @@ def _close(targets, held, collective: bool) -> None:
 
 def _finish(targets, held, modifier_rank) -> None:
     if modifier_rank is None:
-        for state, _ in targets:
-            _check_unedited(state, [h for s, h in held if s is state])
+        _check_unedited(targets, held, raised=False)
         return
     for state, _ in targets:
         comm = state.world_comm
@@ -205,32 +209,43 @@ def _finish(targets, held, modifier_rank) -> None:
             h.write_back()
 
 
-def _check_unedited(state, mine: list) -> None:
-    """A read-only block: raises on every rank when any rank edited a gathered weight (one
-    all-reduce of a flag per rank), so no rank goes on with a view the others do not share.
-    Nothing is written back on any rank either way."""
-    comm = state.world_comm
-    # Slot r: 1 + the index (in `mine`, the same order on every rank) of rank r's first edited
-    # unit, 0 if it edited none; each rank fills only its own slot, so a sum gathers them.
-    flags = torch.zeros(comm.world, dtype=torch.int64, device=mine[0].unit.device)
-    first = next((i for i, h in enumerate(mine) if h.edited()), None)
-    if first is not None:
-        flags[comm.rank] = first + 1
-    if comm.world > 1:
-        comm.wait(comm.all_reduce(flags))
-    seen = flags.tolist()
-    ranks = [r for r, f in enumerate(seen) if f]
-    if not ranks:
+def _check_unedited(targets, held, raised: bool) -> None:
+    """A read-only block's exit: raises on every rank when any rank edited a gathered weight,
+    or raised inside the block (`raised`: this rank did; its own exception then goes on), so no
+    rank goes on with a view the others do not share, and every rank makes the same
+    collectives. One all-reduce of a flag per rank and model; nothing is written back."""
+    seen = []
+    for state, _ in targets:
+        comm = state.world_comm
+        mine = [h for s, h in held if s is state]
+        # Slot r: -1 if rank r raised, else 1 + the index (in `mine`, the same order on every
+        # rank) of its first edited unit, 0 if none; each rank fills only its own slot.
+        flags = torch.zeros(comm.world, dtype=torch.int64, device=mine[0].unit.device)
+        first = None if raised else next((i for i, h in enumerate(mine) if h.edited()), None)
+        flags[comm.rank] = -1 if raised else (0 if first is None else first + 1)
+        if comm.world > 1:
+            comm.wait(comm.all_reduce(flags))
+        seen.append((comm, mine, flags.tolist()))
+    if raised:
         return
-    unit = mine[seen[ranks[0]] - 1].unit
-    where = "this rank" if ranks == [comm.rank] else (
-        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}")
-    raise RuntimeError(
-        f"a weight of unit {unit.name!r} ({unit.entries[0].names[0]!r}...) was edited on "
-        f"{where} inside tierlift.zero.gathered() without modifier_rank (in place, through "
-        ".data or by assignment); the edit is discarded on every rank and nothing was written "
-        "back. Use the writable form, gathered(..., modifier_rank=<the rank whose edits to "
-        "keep>), to write it back")
+    for comm, mine, flags in seen:
+        failed = [r for r, f in enumerate(flags) if f < 0]
+        if failed:
+            raise RuntimeError(
+                f"rank {failed[0]} raised inside a tierlift.zero.gathered() block; the block was "
+                "left on every rank and nothing was written back")
+        ranks = [r for r, f in enumerate(flags) if f > 0]
+        if not ranks:
+            continue
+        unit = mine[flags[ranks[0]] - 1].unit
+        where = "this rank" if ranks == [comm.rank] else (
+            f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}")
+        raise RuntimeError(
+            f"a weight of unit {unit.name!r} ({unit.entries[0].names[0]!r}...) was edited on "
+            f"{where} inside tierlift.zero.gathered() without modifier_rank (in place, "
+            "through .data or by assignment); the edit is discarded on every rank and nothing "
+            "was written back. Use the writable form, gathered(..., modifier_rank=<the rank "
+            "whose edits to keep>), to write it back")
 
 
 _CHUNK = 1 << 26  # bytes of a device buffer copied to the host at a time to fingerprint it
