@@ -25,15 +25,12 @@ import torch
 import torch.distributed as dist
 
 from tierlift import ops
-from tierlift._shards import all_ranks_agree, global_grad_norm, is_shard
+from tierlift._shards import all_ranks_agree, is_shard
 from tierlift.io import ChecksumError, EngineConfig, IoEngine
-from tierlift.offload import masters, scaler_scan
+from tierlift.offload import gradients, masters, scaler_scan
 from tierlift.offload.checks import (
     check_group,
-    inverse,
-    power_of_two,
     scale_value,
-    sums_finite,
 )
 from tierlift.offload.config import OffloadConfig
 from tierlift.offload.durable import DurableState, claim_dir, durable_dir, read_manifest
@@ -44,13 +41,12 @@ from tierlift.offload.layout import (
     chunk_bytes,
     even_chunk_elems,
     kind_slice,
-    not_reserved,
     reserved_elems,
     reserves,
     state_kinds,
 )
-from tierlift.offload.overlap import Overlap, publish, scan_grads, validate
-from tierlift.offload.state_io import _LOW_PRECISION, StateIO
+from tierlift.offload.overlap import Overlap, publish, validate
+from tierlift.offload.state_io import StateIO
 from tierlift.offload.tiers import (
     HybridTier,
     MemoryTier,
@@ -296,7 +292,7 @@ class Offloader(StateIO):
         stats = defaultdict(float)
         spec = self.overlap.finish(stats) if self.overlap is not None else {}
         scale = None if grad_scale is None else scale_value(grad_scale)
-        live = self._collect_grads()
+        live = gradients.collect(self)
         early = self._read_early(live, spec)
         stats["early_read_chunks"] = len(early.get("reads", {}))
         ahead = None  # under a GradScaler: the overlap's gradient fingerprints, taken meanwhile
@@ -312,16 +308,16 @@ class Offloader(StateIO):
                 if self._zero:
                     finite = all_ranks_agree(self._params(), finite)
             else:
-                finite, known = self._all_finite(live, spec)
+                finite, known = gradients.all_finite(self, live, spec)
             stats["grad_check_s"] += time.perf_counter() - t
             if finite:
                 for gi, group in enumerate(self.opt.param_groups):
                     if live[gi]:
                         check_group(gi, group, self._kinds[gi], self.state_dtype)
                 if self.config.max_grad_norm is not None:
-                    scale, scaled = self._clip(stats, scale)
+                    scale, scaled = gradients.clip(self, stats, scale)
                     if scaled:  # a non-contiguous gradient was collected as a copy
-                        live = self._collect_grads()
+                        live = gradients.collect(self)
                         known = []  # and every one may have changed
                         if ahead is not None:  # its values are of the gradients before
                             ahead.cancel_(stats)
@@ -381,77 +377,8 @@ class Offloader(StateIO):
         return [c for c in self.layouts[gi].chunks if c.ci not in kept
                 and any(s.pi in grads for s in c.segments)]
 
-    def _collect_grads(self) -> list[dict]:
-        live = []
-        for gi, group in enumerate(self.opt.param_groups):
-            got = {}
-            for pi, p in enumerate(group["params"]):
-                g = p.grad
-                if g is None:
-                    continue
-                name = self._name(gi, pi)
-                if not self.layouts[gi].reserved[pi]:
-                    raise RuntimeError(not_reserved(name, self.config.offload,
-                                                    "has a gradient now"))
-                if g.is_sparse:
-                    raise RuntimeError(f"{name} has a sparse gradient; tierlift's Adam needs "
-                                       "dense gradients")
-                if g.dtype not in (torch.float32, *_LOW_PRECISION):
-                    raise TypeError(f"{name}.grad has dtype {g.dtype}; expected float32, "
-                                    "bfloat16 or float16")
-                if g.shape != p.shape:
-                    raise ValueError(f"{name}.grad has shape {tuple(g.shape)}, expected "
-                                     f"{tuple(p.shape)}")
-                got[pi] = g.contiguous().view(-1)
-            live.append(got)
-        return live
-
-    def _all_finite(self, live: list[dict], spec: dict) -> tuple[bool, list[dict]]:
-        """Host gradients of groups with chunks stepped ahead: checked element by element in
-        the pass that takes the overlap's fingerprints (overlap.scan_grads), returned per group.
-        Others: a sum is finite iff every element is, unless finite values overflow it; so one
-        vectorised sum per gradient decides, and only a non-finite sum is confirmed with
-        aminmax (propagates NaN, shows +-Inf, no gradient-sized mask; several times slower)."""
-        finite, known, covered = scan_grads(self, live, spec)
-        grads = [g for gi, got in enumerate(live) for pi, g in got.items()
-                 if g.numel() and (gi, pi) not in covered]
-        if finite and grads:
-            if not sums_finite(grads):
-                flags = [torch.stack(torch.aminmax(g)).isfinite().all() for g in grads]
-                finite = bool(torch.stack([f.cpu() for f in flags]).all())
-        if self._zero:
-            # ZeRO shards: a non-finite value on any rank skips the step on every rank.
-            finite = all_ranks_agree(self._params(), finite)
-        return finite, known
-
     def _params(self) -> list:
         return [p for g in self.opt.param_groups for p in g["params"]]
-
-    def _clip(self, stats, scale: float | None) -> tuple[float | None, bool]:
-        """torch.nn.utils.clip_grad_norm_ over the optimizer's parameters, in their order; the
-        gradients are only touched when they are scaled (so speculative steps stay valid).
-        Under a GradScaler (`scale`) the result is that of unscale_ then clip_grad_norm_: with
-        a power-of-two scale (GradScaler's default) the norm of the scaled gradients times
-        1/scale is exact and so is (g * coef) * (1/scale), so the gradients stay scaled and the
-        kernel unscales them; any other scale is unscaled here first. Returns the scale the
-        kernel still applies and whether the gradients were changed."""
-        params = [p for g in self.opt.param_groups for p in g["params"] if p.grad is not None]
-        changed = False
-        if scale is not None and not power_of_two(scale):
-            torch._foreach_mul_([p.grad for p in params], inverse(scale))
-            scale, changed = None, True
-        if self._zero:
-            # ZeRO shards: the norm over all ranks, exactly as tierlift.zero.clip_grad_norm_.
-            total = global_grad_norm(params)
-        else:
-            total = torch.nn.utils.get_total_norm([p.grad for p in params])
-        if scale is not None:
-            total = total * inverse(scale)
-        stats["grad_norm"] = float(total)
-        if float(self.config.max_grad_norm) / (float(total) + 1e-6) < 1.0:
-            torch.nn.utils.clip_grads_with_norm_(params, self.config.max_grad_norm, total)
-            changed = True
-        return scale, changed
 
     def next_steps(self, gi: int, pis) -> dict:
         params = self.opt.param_groups[gi]["params"]

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch.optim.optimizer import _global_optimizer_pre_hooks
 
+from tierlift.offload import gradients
 from tierlift.offload.overlap import scan_all_grads
 
 _patched = False
@@ -69,7 +70,7 @@ def scan(opt) -> bool | None:
     off.scaler_scan = None
     if not _usable(opt):
         return None
-    finite, known = scan_all_grads(off, off._collect_grads())
+    finite, known = scan_all_grads(off, gradients.collect(off))
     off.scaler_scan = Scan(_grads(opt), known)
     return finite
 
