@@ -2,7 +2,8 @@
 
 - an edit inside a read-only tierlift.zero.gathered() block made on ONE rank raises the same
   error on every rank, and nothing is written back anywhere (the ranks still agree); an
-  exception inside it on one rank raises on the others too;
+  exception inside a block (read-only or not) on one rank raises on the others too, and
+  nothing is written back;
 - tied names given together load by torch's rule (the last in model order wins) through both
   load_full_state_dict and model.load_state_dict, sharded or not (frozen tied weights stay
   unsharded at stage 1);
@@ -56,6 +57,14 @@ def _raise_on_rank0(model, rank):
             raise KeyError("boom")
 
 
+def _raise_in_writable(model, rank, who):
+    with tierlift.zero.gathered(model, modifier_rank=0):
+        with torch.no_grad():
+            model.blocks[1].fc.weight.mul_(0.5)  # an edit every rank makes
+        if rank == who:
+            raise KeyError("boom")
+
+
 def _read_only(rank, out):
     seq = batches(1, BATCH, seed=3)[0].chunk(2)[rank][:, :-1]
     for name, (stage, kw) in READ_ONLY.items():
@@ -67,6 +76,9 @@ def _read_only(rank, out):
         out[f"ro_{name}_data"] = _raises(lambda m=model: _data_edit_on_rank1(m, rank))
         out[f"ro_{name}_inplace"] = _raises(lambda m=model: _inplace_edit_on_rank0(m, rank))
         out[f"ro_{name}_raised"] = _raises(lambda m=model: _raise_on_rank0(m, rank))
+        for who in (0, 1):  # the modifier rank, another rank
+            out[f"rw_{name}_raised{who}"] = _raises(
+                lambda m=model, w=who: _raise_in_writable(m, rank, w))
         after = tierlift.zero.full_state_dict(model)
         with torch.no_grad():
             same_logits = torch.equal(model(seq), logits)
@@ -205,6 +217,10 @@ def test_read_only_edit_on_one_rank_raises_on_every_rank(ranks, name):
     assert r0[f"ro_{name}_raised"] == "KeyError: 'boom'"
     assert r1[f"ro_{name}_raised"].startswith(
         "RuntimeError: rank 0 raised inside a tierlift.zero.gathered() block"), r1
+    for who in (0, 1):  # with modifier_rank=0 too: nothing written back (unchanged above)
+        assert ranks[who][f"rw_{name}_raised{who}"] == "KeyError: 'boom'"
+        assert ranks[1 - who][f"rw_{name}_raised{who}"].startswith(
+            f"RuntimeError: rank {who} raised inside a tierlift.zero.gathered() block")
     assert r0[f"ro_{name}_losses"] == r1[f"ro_{name}_losses"]
 
 

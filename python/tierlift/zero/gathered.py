@@ -165,9 +165,8 @@ def gathered(params_or_module, modifier_rank: int | None = None):
         yield
     except BaseException:
         try:
-            if modifier_rank is None:  # the others' exit check still gets its answer
-                with contextlib.suppress(Exception):
-                    _check_unedited(targets, held, raised=True)
+            with contextlib.suppress(Exception):  # the others' exit check gets its answer
+                _finish(targets, held, modifier_rank, raised=True)
         finally:
             _close(targets, held, collective=False)  # failed, maybe on this rank only
         raise
@@ -186,66 +185,76 @@ def _close(targets, held, collective: bool) -> None:
             state.gathered_blocks -= 1
 
 
-def _finish(targets, held, modifier_rank) -> None:
-    if modifier_rank is None:
-        _check_unedited(targets, held, raised=False)
-        return
+def _finish(targets, held, modifier_rank, raised: bool = False) -> None:
+    """The exit of a block, the same collectives on every rank: first one all-reduce per model
+    of a flag per rank (whether it raised inside the block, `raised` here; read-only: which unit
+    it edited; writable: whether modifier_rank's edit is refused). Any of those raises on every
+    rank before anything is written back; else modifier_rank's buffers are broadcast and every
+    rank writes its slice back."""
+    problems: dict[int, str | None] = {}
+
+    def mark(state, mine) -> int:
+        if raised:
+            return -1
+        if modifier_rank is None:
+            first = next((i for i, h in enumerate(mine) if h.edited()), None)
+            return 0 if first is None else first + 1
+        if state.world_comm.rank != modifier_rank:
+            return 0
+        problems[id(state)] = next((m for m in (h.replaced() for h in mine) if m is not None),
+                                   None)
+        return int(problems[id(state)] is not None)
+
+    seen = []
     for state, _ in targets:
         comm = state.world_comm
         mine = [h for s, h in held if s is state]
-        problem = None
-        if comm.rank == modifier_rank:
-            problem = next((m for m in (h.replaced() for h in mine) if m is not None), None)
-        flag = torch.tensor([0 if problem is None else 1], device=mine[0].unit.device)
-        _broadcast(comm, flag, modifier_rank)
-        if int(flag.item()):
-            raise RuntimeError(problem if problem is not None else
+        # Slot r is rank r's mark; each rank fills only its own slot, so a sum gathers them.
+        flags = torch.zeros(comm.world, dtype=torch.int64, device=mine[0].unit.device)
+        flags[comm.rank] = mark(state, mine)
+        if comm.world > 1:
+            comm.wait(comm.all_reduce(flags))
+        seen.append((state, comm, mine, flags.tolist()))
+    if raised:
+        return  # this rank's own exception goes on
+    for _, _, _, flags in seen:
+        failed = [r for r, f in enumerate(flags) if f < 0]
+        if failed:
+            raise RuntimeError(
+                f"rank {failed[0]} raised inside a tierlift.zero.gathered() block; the block was "
+                "left on every rank and nothing was written back")
+    if modifier_rank is None:
+        for _, comm, mine, flags in seen:
+            _raise_if_edited(comm, mine, flags)
+        return
+    for state, _, _, flags in seen:
+        if flags[modifier_rank]:
+            raise RuntimeError(problems.get(id(state)) or
                                f"rank {modifier_rank} (modifier_rank) gave a gathered weight "
                                "another shape inside gathered() (resize weights before "
                                "tierlift.zero.shard); nothing was written back")
+    for _, comm, mine, _ in seen:
         for h in mine:
             _broadcast(comm, h.buf, modifier_rank)
         for h in mine:
             h.write_back()
 
 
-def _check_unedited(targets, held, raised: bool) -> None:
-    """A read-only block's exit: raises on every rank when any rank edited a gathered weight,
-    or raised inside the block (`raised`: this rank did; its own exception then goes on), so no
-    rank goes on with a view the others do not share, and every rank makes the same
-    collectives. One all-reduce of a flag per rank and model; nothing is written back."""
-    seen = []
-    for state, _ in targets:
-        comm = state.world_comm
-        mine = [h for s, h in held if s is state]
-        # Slot r: -1 if rank r raised, else 1 + the index (in `mine`, the same order on every
-        # rank) of its first edited unit, 0 if none; each rank fills only its own slot.
-        flags = torch.zeros(comm.world, dtype=torch.int64, device=mine[0].unit.device)
-        first = None if raised else next((i for i, h in enumerate(mine) if h.edited()), None)
-        flags[comm.rank] = -1 if raised else (0 if first is None else first + 1)
-        if comm.world > 1:
-            comm.wait(comm.all_reduce(flags))
-        seen.append((comm, mine, flags.tolist()))
-    if raised:
+def _raise_if_edited(comm, mine: list, flags: list[int]) -> None:
+    """A read-only block: flags[r] is 1 + the index in `mine` (the same order on every rank)
+    of the first unit rank r edited, 0 if none."""
+    ranks = [r for r, f in enumerate(flags) if f > 0]
+    if not ranks:
         return
-    for comm, mine, flags in seen:
-        failed = [r for r, f in enumerate(flags) if f < 0]
-        if failed:
-            raise RuntimeError(
-                f"rank {failed[0]} raised inside a tierlift.zero.gathered() block; the block was "
-                "left on every rank and nothing was written back")
-        ranks = [r for r, f in enumerate(flags) if f > 0]
-        if not ranks:
-            continue
-        unit = mine[flags[ranks[0]] - 1].unit
-        where = "this rank" if ranks == [comm.rank] else (
-            f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}")
-        raise RuntimeError(
-            f"a weight of unit {unit.name!r} ({unit.entries[0].names[0]!r}...) was edited on "
-            f"{where} inside tierlift.zero.gathered() without modifier_rank (in place, "
-            "through .data or by assignment); the edit is discarded on every rank and nothing "
-            "was written back. Use the writable form, gathered(..., modifier_rank=<the rank "
-            "whose edits to keep>), to write it back")
+    unit = mine[flags[ranks[0]] - 1].unit
+    where = "this rank" if ranks == [comm.rank] else (
+        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}")
+    raise RuntimeError(
+        f"a weight of unit {unit.name!r} ({unit.entries[0].names[0]!r}...) was edited on "
+        f"{where} inside tierlift.zero.gathered() without modifier_rank (in place, through "
+        ".data or by assignment); the edit is discarded on every rank and nothing was written "
+        "back. Use the writable form, gathered(..., modifier_rank=<the rank whose edits to "
+        "keep>), to write it back")
 
 
 _CHUNK = 1 << 26  # bytes of a device buffer copied to the host at a time to fingerprint it
