@@ -95,6 +95,14 @@ def test_inf_nan_signed_zero_and_subnormal_as_torch(tmp_path, value):
         assert got[2][1] == got[2][0] / 2
 
 
+def test_switched_off_gets_torchs_check(tmp_path, monkeypatch):
+    monkeypatch.setenv("TIERLIFT_SCALER_SCAN", "0")
+    ref = _fit({})
+    got = _fit(_kw("cpu", tmp_path))
+    _equal(ref[0], got[0])
+    assert got[3] == [0.0] * 4
+
+
 def test_a_step_pre_hook_gets_torchs_check(tmp_path):
     """A pre-hook runs between the scaler's check and step() and may change a gradient (here
     through numpy): the scaler's pass is not used, the result is still the plain step's."""
