@@ -29,6 +29,7 @@ from torch.optim.optimizer import _global_optimizer_pre_hooks
 
 from tierlift.offload import gradients
 from tierlift.offload.overlap import scan_all_grads
+from tierlift.zero import grad_scaler
 
 _patched = False
 
@@ -47,6 +48,14 @@ def _grads(opt) -> list[tuple]:
             if p.grad is not None]
 
 
+def _pre_hooks_may_write(opt) -> bool:
+    """Whether a step pre-hook (they run between the scaler's check and step()) could change a
+    gradient: any but tierlift.zero's own, which only checks (marked `leaves_grads`)."""
+    hooks = [*_global_optimizer_pre_hooks.values(),
+             *getattr(opt, "_optimizer_step_pre_hooks", {}).values()]
+    return any(not getattr(h, "leaves_grads", False) for h in hooks)
+
+
 def _flushes_denormals() -> bool:
     return bool((torch.full((1,), 1e-40) * 1.0).item() == 0.0)
 
@@ -57,7 +66,7 @@ def _usable(opt) -> bool:
     off = getattr(opt, "_offload", None)
     if off is None or off.overlap is None or not off.streamed:
         return False
-    if _global_optimizer_pre_hooks or getattr(opt, "_optimizer_step_pre_hooks", None):
+    if _pre_hooks_may_write(opt):
         return False
     grads = [g for _, g, _ in _grads(opt)]
     return (bool(grads) and all(g.device.type == "cpu" and not g.is_sparse
@@ -83,8 +92,7 @@ def take(opt) -> list[dict] | None:
     the same tensors at the same versions and no step pre-hook. Consumed by one step()."""
     off = opt._offload
     seen, off.scaler_scan = getattr(off, "scaler_scan", None), None
-    if seen is None or _global_optimizer_pre_hooks or \
-            getattr(opt, "_optimizer_step_pre_hooks", None):
+    if seen is None or _pre_hooks_may_write(opt):
         return None
     now = _grads(opt)
     if len(now) != len(seen.grads) or any(
@@ -112,6 +120,7 @@ def install() -> None:
         finite = scan(optimizer)
         if finite is None:
             return original(self, optimizer)
+        finite = grad_scaler.agree(optimizer, finite)  # over the ranks of tierlift.zero shards
         # keyed by the gradients' device, as torch's check does (a CUDA scaler's step sums the
         # values onto its own device)
         found = torch.full((), 0.0 if finite else 1.0, dtype=torch.float32)

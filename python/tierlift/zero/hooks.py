@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
 from tierlift._shards import register_shard
-from tierlift.zero import frozen
+from tierlift.zero import frozen, grad_scaler
 from tierlift.zero.comm import work_done
 from tierlift.zero.config import ShardConfig
 from tierlift.zero.replicas import ReplicaLegs
@@ -108,8 +108,11 @@ class ZeroState:
                 frozen_of.setdefault(id(unit.module), [unit.module, []])[1].append(i)
         for module, indices in frozen_of.values():
             self.handles.append(frozen.install(self, module, indices))
+        grad_scaler.install()  # GradScaler's inf check agreed over the ranks
+        before = _bind(ref, "_before_optimizer_step")
+        before.leaves_grads = True  # only checks: GradScaler's check stays valid (scaler_scan)
         opt_hooks = [register_optimizer_step_post_hook(_bind(ref, "_after_optimizer_step")),
-                     register_optimizer_step_pre_hook(_bind(ref, "_before_optimizer_step"))]
+                     register_optimizer_step_pre_hook(before)]
         if self.config.grad_dtype != torch.float32:
             for unit in self.units:
                 if not unit.frozen:
