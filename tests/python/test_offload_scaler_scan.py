@@ -185,3 +185,28 @@ def test_a_cuda_scaler_with_host_gradients(tmp_path, monkeypatch):
     _equal(ref[0], got[0])
     assert ref[2] == got[2] and got[2][1] == got[2][0] / 2
     assert got[3][:1] + got[3][2:] == [1.0] * 3  # step 1 was skipped
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_shards(tmp_path, stage):
+    """tierlift.zero.shard: the optimizer's parameters are flat shards; the scaler's pass
+    checks and fingerprints their gradients as it does a plain model's."""
+    def fit(kw):
+        model = tierlift.zero.shard(_model(torch.float32), stage=stage)
+        opt = AdamW(model.parameters(), lr=1e-2, **kw)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+        g = torch.Generator().manual_seed(9)
+        seen = []
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            loss = model(torch.randn(8, 16, generator=g)).square().mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            seen.append(getattr(opt, "last_step_stats", {}).get("grads_seen_by_scaler"))
+        return tierlift.zero.full_state_dict(model), seen
+
+    ref, _ = fit({})
+    got, seen = fit(_kw("cpu", tmp_path))
+    _equal(list(ref.values()), list(got.values()))
+    assert seen == [1.0] * 3
