@@ -2,16 +2,19 @@
 // scalings of core/lowp/quantize.h (tensor, row, column, 1x128, 128x128), optionally also
 // emitting the quantization of x^T (the column-major copy the backward GEMMs read).
 //
-// Shapes of work:
-//  - Row and 1x128 scaling of a row-contiguous input, single output: ONE fused kernel. A 1x128
-//    block is one warp (4 values per lane held in registers: read once); a row is one thread
-//    block that reduces the row's amax and then casts it (the second read hits L2).
-//  - Everything else (tensor scaling's global reduction, column and 128x128 blocks, the dual
-//    row+column-major output): two passes over 32x32 tiles. Pass 1 reduces each tile's slice of
-//    every scaling block in shared memory and merges it with one atomicMax per (tile, block)
-//    (non-negative floats order like their bit patterns); a tiny kernel turns amaxes into
-//    scales; pass 2 casts, writing q directly and q^T through the shared-memory tile so both
-//    stores are coalesced.
+// Shapes of work (the kernels move 8 elements per 16-byte load and 4-16 codes per store where the
+// view's alignment allows, element by element where it does not):
+//  - Row and 1x128 scaling of a row-contiguous input, single output: ONE fused kernel
+//    (fp8_quant.cu). A 1x128 block is 16 lanes holding its values in registers (read once); a
+//    row is one thread block that keeps rows of up to 8192 elements in registers, reduces the
+//    row's amax and casts it.
+//  - Everything else (tensor scaling's global reduction, column and 128x128 blocks, strided
+//    views, the dual row+column-major output): two passes over 64x64 tiles (fp8_quant_tiles.cu).
+//    Pass 1 reduces each tile's slice of every scaling block in shared memory and merges it with
+//    one atomicMax per (tile, block) (non-negative floats order like their bit patterns); tensor
+//    scaling of a contiguous input is one grid-stride reduction with one atomicMax per thread
+//    block. A tiny kernel turns amaxes into scales; pass 2 stages the tile in shared memory and
+//    writes q and q^T from it as 16-byte rows of codes, so both stores are coalesced.
 // Every element follows fp8.h's formulas with explicitly rounded intrinsics (__fmul_rn,
 // __fdiv_rn), so results are bit-identical to the C++ reference.
 #pragma once

@@ -49,7 +49,9 @@ enum class Layout {
   kTransposed,  // stored [cols, rows] row-major: x = storage^T (row_stride 1, col_stride rows)
   kPadded2,     // row_stride = cols + 2 (a multiple of 4 only if cols % 4 == 2)
   kPadded4,     // row_stride = cols + 4
+  kPadded8,     // row_stride = cols + 8
   kOffset1,     // contiguous, base one element past a 64-byte boundary (misaligned)
+  kOffset4,     // contiguous, base four elements past it (8-byte aligned bf16/fp16: not 16)
   kEveryOther,  // every other column of a [rows, 2 * cols] matrix (col_stride 2)
 };
 
@@ -63,8 +65,12 @@ inline const char* layout_name(Layout l) {
       return "row_stride=cols+2";
     case Layout::kPadded4:
       return "row_stride=cols+4";
+    case Layout::kPadded8:
+      return "row_stride=cols+8";
     case Layout::kOffset1:
       return "offset=1";
+    case Layout::kOffset4:
+      return "offset=4";
     case Layout::kEveryOther:
       return "col_stride=2";
   }
@@ -94,8 +100,14 @@ class StridedInput {
       case Layout::kPadded4:
         in_.row_stride = cols + 4, in_.col_stride = 1;
         break;
+      case Layout::kPadded8:
+        in_.row_stride = cols + 8, in_.col_stride = 1;
+        break;
       case Layout::kOffset1:
         in_.row_stride = cols, in_.col_stride = 1, offset = 1;
+        break;
+      case Layout::kOffset4:
+        in_.row_stride = cols, in_.col_stride = 1, offset = 4;
         break;
       case Layout::kEveryOther:
         in_.row_stride = 2 * cols, in_.col_stride = 2;

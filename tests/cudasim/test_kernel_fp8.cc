@@ -3,16 +3,18 @@
 // scales, and for the dual output the codes and scales of x^T.
 //
 // Covered: every scaling x both formats x pow2 on/off x fp32/bf16/fp16 inputs, on each of the
-// kernel's paths: the fused single-output row and 1x128 kernels (vectorized: cols % 4 == 0 and
-// aligned rows; scalar: odd cols, a misaligned base, a row stride not a multiple of 4), the
+// kernel's paths: the fused single-output row and 1x128 kernels (8 elements per load: cols % 8 ==
+// 0 and aligned rows; 4: cols % 4 == 0 or a base only 8-byte aligned; 1: odd cols, a misaligned
+// base, a row stride not a multiple of 4; rows past the 8192 elements kept in registers), the
 // two-pass tiled path (tensor, column and 128x128 scaling, any strided input, e.g. a transposed
-// view) and the dual output. Shapes with tails (1x1 .. 257x130), empty inputs (which must still
-// get the safe scales), and values over ~30 binades with zeros, +-Inf, NaN, the input type's
-// largest value, blocks of 1e-13 and fp32 subnormals, whole tensors of 1e-20 and 1e-30; one
-// test feeds every FP8 code and every rounding midpoint through the device encoder. Mirrors the
-// gpu tests of tests/python/test_lowp_quant.py, scaled down for the simulator. Inputs live in
-// buffers of exactly the bytes they span (lowp_input.h), outputs in vectors of exactly their
-// size, so AddressSanitizer catches any access outside them.
+// view; vector and scalar loads, 16/8/4/1-byte stores of q and q^T, amax spans of several tiles,
+// the flat tensor reduction) and the dual output. Shapes with tails (1x1 .. 300x24), empty inputs
+// (which must still get the safe scales), and values over ~30 binades with zeros, +-Inf, NaN, the
+// input type's largest value, blocks of 1e-13 and fp32 subnormals, whole tensors of 1e-20 and
+// 1e-30; one test feeds every FP8 code and every rounding midpoint through the device encoder.
+// Mirrors the gpu tests of tests/python/test_lowp_quant.py, scaled down for the simulator. Inputs
+// live in buffers of exactly the bytes they span (lowp_input.h), outputs in vectors of exactly
+// their size, so AddressSanitizer catches any access outside them.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -172,34 +174,65 @@ void check(const Fp8Case& c, const std::vector<float>& values,
 
 void check(const Fp8Case& c) { check(c, nasty(c.rows, c.cols, c.dtype, c.seed, c.huge)); }
 
-// Whether the fused kernels take their vectorized (4 elements per load) path for this view.
-bool vectorized(const StridedInput& in) {
+// The elements per load of the fused kernels for this view: 8 (16-byte loads of bf16/fp16),
+// 4, or 1 (element by element). Outputs are vectors, hence 16-byte aligned.
+int fused_width(const StridedInput& in) {
   const Fp8Input& x = in.view();
   const uintptr_t esize = x.dtype == DType::kFloat32 ? 4 : 2;
-  return x.col_stride == 1 && x.cols % 4 == 0 && x.row_stride % 4 == 0 &&
-         reinterpret_cast<uintptr_t>(x.data) % (4 * esize) == 0;
+  if (x.col_stride != 1) return 0;
+  for (int w : {8, 4}) {
+    const uintptr_t align = w * esize < 16 ? w * esize : 16;
+    if (x.cols % w == 0 && x.row_stride % w == 0 &&
+        reinterpret_cast<uintptr_t>(x.data) % align == 0) {
+      return w;
+    }
+  }
+  return 1;
 }
 
-// The layouts the tests below use reach the fused kernels' paths they are meant to reach.
+// Whether the tiled path loads 8-element vectors for this view.
+bool tiled_vector(const StridedInput& in) {
+  const Fp8Input& x = in.view();
+  return x.col_stride == 1 && x.cols % 8 == 0 && x.row_stride % 8 == 0 &&
+         reinterpret_cast<uintptr_t>(x.data) % 16 == 0;
+}
+
+// The layouts the tests below use reach the paths they are meant to reach.
 TEST(Fp8Kernel, LayoutsSelectTheIntendedPaths) {
   for (DType t : kInputDtypes) {
     SCOPED_TRACE(cudasim_test::dtype_name(t));
-    for (int64_t cols : {132, 1000, 1020, 5000}) {
+    const bool wide = t == DType::kFloat32;  // 4 fp32 elements past 64 bytes are 16-aligned
+    for (int64_t cols : {136, 1000, 5000, 8200}) {
       const std::vector<float> v(static_cast<size_t>(2 * cols), 1.f);
-      EXPECT_TRUE(vectorized(StridedInput(v, 2, cols, t, Layout::kContiguous))) << cols;
-      EXPECT_TRUE(vectorized(StridedInput(v, 2, cols, t, Layout::kPadded4))) << cols;
-      EXPECT_FALSE(vectorized(StridedInput(v, 2, cols, t, Layout::kPadded2))) << cols;
-      EXPECT_FALSE(vectorized(StridedInput(v, 2, cols, t, Layout::kOffset1))) << cols;
+      EXPECT_EQ(fused_width(StridedInput(v, 2, cols, t, Layout::kContiguous)), 8) << cols;
+      EXPECT_EQ(fused_width(StridedInput(v, 2, cols, t, Layout::kOffset4)), wide ? 8 : 4) << cols;
+      EXPECT_EQ(tiled_vector(StridedInput(v, 2, cols, t, Layout::kOffset4)), wide) << cols;
+      EXPECT_EQ(fused_width(StridedInput(v, 2, cols, t, Layout::kPadded4)), 4) << cols;
+      EXPECT_EQ(fused_width(StridedInput(v, 2, cols, t, Layout::kOffset1)), 1) << cols;
+      EXPECT_TRUE(tiled_vector(StridedInput(v, 2, cols, t, Layout::kContiguous))) << cols;
+      EXPECT_FALSE(tiled_vector(StridedInput(v, 2, cols, t, Layout::kPadded4))) << cols;
     }
+    for (int64_t cols : {132, 1020, 8196}) {
+      const std::vector<float> v(static_cast<size_t>(2 * cols), 1.f);
+      EXPECT_EQ(fused_width(StridedInput(v, 2, cols, t, Layout::kContiguous)), 4) << cols;
+      EXPECT_EQ(fused_width(StridedInput(v, 2, cols, t, Layout::kPadded4)), 4) << cols;
+      EXPECT_EQ(fused_width(StridedInput(v, 2, cols, t, Layout::kPadded2)), 1) << cols;
+      EXPECT_FALSE(tiled_vector(StridedInput(v, 2, cols, t, Layout::kContiguous))) << cols;
+    }
+    const std::vector<float> v8(2 * 136, 1.f);
+    EXPECT_EQ(fused_width(StridedInput(v8, 2, 136, t, Layout::kPadded8)), 8);
+    EXPECT_TRUE(tiled_vector(StridedInput(v8, 2, 136, t, Layout::kPadded8)));
     const std::vector<float> odd(6 * 37, 1.f);
-    EXPECT_FALSE(vectorized(StridedInput(odd, 6, 37, t, Layout::kContiguous)));
+    EXPECT_EQ(fused_width(StridedInput(odd, 6, 37, t, Layout::kContiguous)), 1);
   }
 }
 
 // Every scaling x format x pow2 x input dtype on every path (small shapes, so all combinations
 // run): 6x37 (odd cols: the scalar fused kernels for row/1x128, the tiled path for the others)
-// single, dual and transposed; 6x132 (cols % 4 == 0) contiguous and with padded rows (vectorized
-// fused kernels), with a row stride that is not a multiple of 4 and misaligned (scalar ones).
+// single, dual and transposed; 6x132 (cols % 4 == 0) contiguous, with padded rows and a base
+// 8-byte aligned (4 elements per load in the fused kernels), with a row stride that is not a
+// multiple of 4 and misaligned (element by element); 6x136 (8 elements per load in the fused
+// kernels, vector loads in the tiled ones), single and dual.
 TEST(Fp8Kernel, EveryScalingFormatDtypeAndPath) {
   int cases = 0;
   uint32_t seed = 1;
@@ -213,15 +246,20 @@ TEST(Fp8Kernel, EveryScalingFormatDtypeAndPath) {
           check({6, 37, sc, fmt, pow2, t, Layout::kTransposed, false, huge, seed++});
           cases += 3;
           if (fused(sc)) {
-            for (Layout l :
-                 {Layout::kContiguous, Layout::kPadded4, Layout::kPadded2, Layout::kOffset1}) {
+            for (Layout l : {Layout::kContiguous, Layout::kPadded4, Layout::kPadded2,
+                             Layout::kOffset1, Layout::kOffset4}) {
               check({6, 132, sc, fmt, pow2, t, l, false, huge, seed++});
               ++cases;
             }
+            check({6, 136, sc, fmt, pow2, t, Layout::kContiguous, false, huge, seed++});
+            ++cases;
           } else {
             check({6, 132, sc, fmt, pow2, t, Layout::kOffset1, true, huge, seed++});
-            ++cases;
+            check({6, 136, sc, fmt, pow2, t, Layout::kContiguous, false, huge, seed++});
+            cases += 2;
           }
+          check({6, 136, sc, fmt, pow2, t, Layout::kContiguous, true, huge, seed++});
+          ++cases;
         }
       }
     }
@@ -259,8 +297,8 @@ TEST(Fp8Kernel, ShapesWithTails) {
       for (const Path& r : kPaths) run(sh, sc, r);
     }
   }
-  // Long rows: the fused kernels' loops (a row is one 256-thread block, 4 elements per thread on
-  // the vectorized path).
+  // Long rows: the fused kernels' loops (a row is one 256-thread block, 4 or 8 elements per
+  // thread and step on the vector paths).
   for (Shape sh : {Shape{1, 5000}, Shape{3, 1000}, Shape{2, 1020}}) {
     for (Fp8Scaling sc : {Fp8Scaling::kRow, Fp8Scaling::kBlock1x128}) {
       for (Layout l : {Layout::kContiguous, Layout::kOffset1, Layout::kPadded4}) {
@@ -412,6 +450,76 @@ TEST(Fp8Kernel, WideIndexFallbackOfThe1x128Kernel) {
     }
   }
   cuda::narrow_index_limit() = saved;
+}
+
+// The tiled path on shapes that reach each of its branches: 8-wide vector loads (cols % 8 == 0,
+// contiguous or rows padded by 8) and scalar ones (odd widths, a row stride of cols + 4, a
+// transposed view, every other column); 16-, 8-, 4- and 1-byte stores of q and of qt (cols and
+// rows % 16, 8, 4, odd); tiles ragged in both dimensions; amax blocks spanning 2 (128x128) and 4
+// (tensor, column) row tiles, with a tail; tensor scaling through the flat grid-stride reduction
+// (contiguous) and through the tiles (padded). Every non-fused scaling and the dual output of all.
+TEST(Fp8Kernel, TiledPathWidthsAndSpans) {
+  int cases = 0;
+  uint32_t k = 0;
+  const Shape shapes[] = {{70, 136}, {96, 48}, {130, 200}, {20, 12}, {64, 4},
+                          {300, 24}, {7, 13},  {257, 72},  {33, 65}};
+  for (const Shape& sh : shapes) {
+    for (Fp8Scaling sc : kScalings) {
+      for (bool dual : {false, true}) {
+        if (!dual && fused(sc)) continue;
+        for (Layout l : {Layout::kContiguous, Layout::kPadded8, Layout::kPadded4,
+                         Layout::kTransposed, Layout::kEveryOther}) {
+          ++k;
+          // Scalar loads are covered elsewhere: a third of their cases here.
+          if ((l == Layout::kPadded4 || l == Layout::kEveryOther) && k % 3 != 0) continue;
+          check({sh.rows, sh.cols, sc, kFormats[k % 2], k % 4 >= 2, kInputDtypes[k % 3], l, dual,
+                 k % 5 != 0, 300 + k});
+          ++cases;
+        }
+      }
+    }
+  }
+  RecordProperty("configurations", cases);
+}
+
+// Tensor scaling of a contiguous input large enough that the flat reduction's grid (8 blocks per
+// simulated SM) loops: several strides, the 4-deep unrolled loads ragged at the end, and a
+// tail of n % 8 elements; the largest value sits in the last element and then in the tail.
+TEST(Fp8Kernel, FlatTensorAmaxLoops) {
+  for (DType t : kInputDtypes) {
+    for (const Shape& sh : {Shape{257, 520}, Shape{251, 523}}) {
+      std::vector<float> x = normal_values(sh.rows * sh.cols, 7);
+      x.back() = 300.f;
+      for (bool dual : {false, true}) {
+        check({sh.rows, sh.cols, Fp8Scaling::kTensor, Fp8Format::kE4M3, false, t,
+               Layout::kContiguous, dual, false, 0},
+              x);
+      }
+    }
+  }
+}
+
+// The fused kernels at their edges: rows longer than the 8192 elements a row kernel keeps in
+// registers (read twice), at 8, 4 and 1 elements per load; 1x128 block counts that leave half of
+// a warp without a block (16 lanes per block at 8 elements per load).
+TEST(Fp8Kernel, FusedKernelEdges) {
+  uint32_t k = 0;
+  for (int64_t cols : {8200, 8196, 8193, 8192}) {
+    for (Layout l : {Layout::kContiguous, Layout::kOffset4}) {
+      check({2, cols, Fp8Scaling::kRow, kFormats[k % 2], k % 2 == 1, kInputDtypes[k % 3], l, false,
+             true, 500 + k});
+      ++k;
+    }
+  }
+  for (const Shape& sh : {Shape{3, 128}, Shape{5, 264}, Shape{1, 136}, Shape{7, 8}}) {
+    for (DType t : kInputDtypes) {
+      for (Layout l : {Layout::kContiguous, Layout::kOffset4, Layout::kPadded8}) {
+        check({sh.rows, sh.cols, Fp8Scaling::kBlock1x128, kFormats[k % 2], k % 2 == 0, t, l, false,
+               true, 600 + k});
+        ++k;
+      }
+    }
+  }
 }
 
 }  // namespace
