@@ -1,162 +1,260 @@
-#include <cuda_fp16.h>
-
 #include <cstdint>
 
 #include "cuda/fp4_quant.cuh"
 #include "cuda/launch.cuh"
+#include "cuda/lowp_load.cuh"
 
 namespace tierlift {
 namespace cuda {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr int kPer = 8;  // consecutive elements of a row per thread
 constexpr unsigned kFull = 0xffffffffu;
 
-template <DType kT>
-__device__ __forceinline__ float load(const void* p, int64_t k) {
-  if constexpr (kT == DType::kFloat32) {
-    return static_cast<const float*>(p)[k];
-  } else if constexpr (kT == DType::kBFloat16) {
-    return __uint_as_float(static_cast<uint32_t>(static_cast<const uint16_t*>(p)[k]) << 16);
-  } else {
-    return __half2float(static_cast<const __half*>(p)[k]);
-  }
+// Where a thread's 8 elements live: flat index e0 = 8 * thread (row-major over [rows, cols]),
+// row i, column j0 (cols % 16 == 0, so the 8 never straddle a row). Lanes 2t and 2t + 1 share
+// an NVFP4 block, lanes 4t .. 4t + 3 an MXFP4 block.
+struct Chunk {
+  int64_t e0, i, j0;
+  bool valid;  // false past the end: the lane still takes part in the shuffles with zeros
+};
+
+__device__ __forceinline__ Chunk chunk_of(const Fp4QuantArgs& a) {
+  Chunk c;
+  c.e0 = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * kPer;
+  c.valid = c.e0 < a.rows * a.cols;
+  c.i = c.valid ? c.e0 / a.cols : 0;
+  c.j0 = c.e0 - c.i * a.cols;
+  return c;
 }
 
-// The element this lane owns, rotated; `valid` is false past the end (the lane still takes
-// part in the shuffles with a zero).
-template <DType kT>
-__device__ __forceinline__ float rotated(const Fp4QuantArgs& a, int64_t e, bool valid, int lane) {
-  float v = 0.f;
-  if (valid) {
-    const int64_t i = e / a.cols, j = e - i * a.cols;
-    v = load<kT>(a.x, i * a.row_stride + j * a.col_stride);
-  }
-  if (a.hadamard) {
-    const int n = a.hadamard;
-    if ((a.signs >> (lane & (n - 1))) & 1u) v = -v;
-    for (int h = 1; h < n; h <<= 1) {
-      const float p = __shfl_xor_sync(kFull, v, h);
-      v = (lane & h) ? __fsub_rn(p, v) : __fadd_rn(v, p);
+// The thread's 8 elements, rotated. kVec: one 16-byte (two for fp32) load, for row-contiguous
+// inputs with 8 | row stride and a 16-byte aligned base; strided loads otherwise. The Hadamard
+// butterflies (a lane with bit h set takes a - b, the other a + b: fp4::hadamard_block's pairs
+// and order) run in registers for h < 8 and across lanes (xor h / 8) for h = 8, 16.
+template <DType kT, bool kVec>
+__device__ __forceinline__ void rotated(const Fp4QuantArgs& a, const Chunk& c, float (&v)[kPer]) {
+  for (int k = 0; k < kPer; ++k) v[k] = 0.f;
+  if (c.valid) {
+    if constexpr (kVec) {
+      lowp::load_vec<kT, kPer>(a.x, c.i * a.row_stride + c.j0, v);
+    } else {
+      const int64_t base = c.i * a.row_stride + c.j0 * a.col_stride;
+      for (int k = 0; k < kPer; ++k) v[k] = lowp::load<kT>(a.x, base + k * a.col_stride);
     }
-    v = __fmul_rn(v, n == 16 ? fp4::kHadamardScale16 : fp4::kHadamardScale32);
   }
-  return v;
-}
-
-// Max over groups of `width` (16 or 32) lanes.
-__device__ __forceinline__ float group_max(float v, int width) {
-  for (int h = width / 2; h >= 1; h >>= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, h));
-  return v;
-}
-
-__device__ __forceinline__ float group_tree_sum(float s, int width) {
-  for (int h = width / 2; h >= 1; h >>= 1) s = __fadd_rn(s, __shfl_xor_sync(kFull, s, h));
-  return s;
-}
-
-// Encode, pack two nibbles per byte, write the mask.
-__device__ __forceinline__ void encode_store(const Fp4QuantArgs& a, int64_t e, bool valid, int lane,
-                                             float v) {
-  uint8_t q = 0;
-  if (a.stochastic) {
-    q = fp4::e2m1_encode_sr(v, fp4::philox_uniform(a.seed, a.offset, static_cast<uint64_t>(e)));
-  } else {
-    q = fp4::e2m1_encode_rne(v);
+  if (a.hadamard == 0) return;
+  const int n = a.hadamard;
+  for (int k = 0; k < kPer; ++k) {
+    if ((a.signs >> ((c.j0 + k) & (n - 1))) & 1u) v[k] = -v[k];
   }
-  const uint32_t hi = __shfl_down_sync(kFull, static_cast<uint32_t>(q), 1);
-  if (!valid) return;
-  if ((lane & 1) == 0) a.codes[e >> 1] = static_cast<uint8_t>(q | (hi << 4));
-  if (a.mask) a.mask[e] = fabsf(v) <= fp4::kMax ? 1 : 0;
+  for (int h = 1; h < kPer; h <<= 1) {
+    float o[kPer];
+    for (int k = 0; k < kPer; ++k) {
+      o[k] = (k & h) ? __fsub_rn(v[k ^ h], v[k]) : __fadd_rn(v[k], v[k ^ h]);
+    }
+    for (int k = 0; k < kPer; ++k) v[k] = o[k];
+  }
+  for (int h = kPer; h < n; h <<= 1) {
+    const bool upper = (c.j0 & h) != 0;
+    for (int k = 0; k < kPer; ++k) {
+      const float p = __shfl_xor_sync(kFull, v[k], h / kPer);
+      v[k] = upper ? __fsub_rn(p, v[k]) : __fadd_rn(v[k], p);
+    }
+  }
+  const float s = n == 16 ? fp4::kHadamardScale16 : fp4::kHadamardScale32;
+  for (int k = 0; k < kPer; ++k) v[k] = __fmul_rn(v[k], s);
 }
 
-template <DType kT>
-__global__ void mx_kernel(Fp4QuantArgs a) {
+// Max over the kLanes lanes (2 or 4) sharing a block.
+template <int kLanes>
+__device__ __forceinline__ float block_max(float m) {
+  for (int h = kLanes / 2; h >= 1; h >>= 1) m = fmaxf(m, __shfl_xor_sync(kFull, m, h));
+  return m;
+}
+
+// Whether any of the kLanes lanes sharing a block holds a NaN/Inf.
+template <int kLanes>
+__device__ __forceinline__ bool block_any(bool p) {
   const int lane = threadIdx.x & 31;
-  const int64_t e = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x);
-  const int64_t total = a.rows * a.cols;
-  const bool valid = e < total;
-  const float v = rotated<kT>(a, e, valid, lane);
-  const float f = fp4::finite_abs(v);
-  float stat = group_max(f, 32);
-  if (a.rule == fp4::ScaleRule::kQuest) {  // fp4::block_rms, lane by lane
-    const int k = fp4::rms_shift(stat);
-    const float fs = __fmul_rn(f, fp4::pow2(-k));
-    const float sum = group_tree_sum(__fmul_rn(fs, fs), 32);
-    stat = __fmul_rn(__fsqrt_rn(__fmul_rn(sum, 1.f / 32)), fp4::pow2(k));
+  const uint32_t ballot = __ballot_sync(kFull, p);
+  return ((ballot >> (lane & ~(kLanes - 1))) & ((1u << kLanes) - 1)) != 0;
+}
+
+// Encodes v (RNE or Philox stochastic rounding), packs the 8 nibbles (first element low) into
+// one 4-byte store and the clip mask into one 8-byte store (`packed`: the outputs are aligned,
+// else byte stores).
+__device__ __forceinline__ void encode_store(const Fp4QuantArgs& a, const Chunk& c, bool packed,
+                                             const float (&v)[kPer]) {
+  if (!c.valid) return;
+  uint32_t word = 0, mlo = 0, mhi = 0;
+  for (int k = 0; k < kPer; ++k) {
+    const uint32_t q =
+        a.stochastic
+            ? fp4::e2m1_encode_sr(
+                  v[k], fp4::philox_uniform(a.seed, a.offset, static_cast<uint64_t>(c.e0 + k)))
+            : fp4::e2m1_encode_rne(v[k]);
+    word |= q << (4 * k);
+    const uint32_t m = fabsf(v[k]) <= fp4::kMax ? 1u : 0u;
+    if (k < 4) {
+      mlo |= m << (8 * k);
+    } else {
+      mhi |= m << (8 * (k - 4));
+    }
   }
-  const bool bad = __any_sync(kFull, fp4::nonfinite(v));  // the block holds a NaN/Inf
+  if (packed) {
+    reinterpret_cast<uint32_t*>(a.codes)[c.e0 / 8] = word;
+    if (a.mask) reinterpret_cast<uint2*>(a.mask)[c.e0 / 8] = make_uint2(mlo, mhi);
+  } else {
+    for (int b = 0; b < 4; ++b) a.codes[c.e0 / 2 + b] = static_cast<uint8_t>(word >> (8 * b));
+    if (a.mask) {
+      for (int k = 0; k < kPer; ++k) {
+        a.mask[c.e0 + k] = static_cast<uint8_t>((k < 4 ? mlo : mhi) >> (8 * (k % 4)));
+      }
+    }
+  }
+}
+
+template <DType kT, bool kVec>
+__global__ void __launch_bounds__(kThreads) mx_kernel(Fp4QuantArgs a, bool packed) {
+  constexpr int kLanes = 32 / kPer;
+  const Chunk c = chunk_of(a);
+  if (__all_sync(kFull, !c.valid)) return;  // whole warps exit together
+  float v[kPer], f[kPer];
+  rotated<kT, kVec>(a, c, v);
+  float m = 0.f;
+  bool nonfinite = false;
+  for (int k = 0; k < kPer; ++k) {
+    f[k] = fp4::finite_abs(v[k]);
+    m = fmaxf(m, f[k]);
+    nonfinite = nonfinite || fp4::nonfinite(v[k]);
+  }
+  float stat = block_max<kLanes>(m);
+  if (a.rule == fp4::ScaleRule::kQuest) {  // fp4::block_rms: the halving tree s[i] += s[i + h]
+    const int sh = fp4::rms_shift(stat);
+    float s[kPer];
+    for (int k = 0; k < kPer; ++k) {
+      const float fs = __fmul_rn(f[k], fp4::pow2(-sh));
+      s[k] = __fmul_rn(fs, fs);
+    }
+    for (int h = 2; h >= 1; h >>= 1) {  // h = 16, 8 elements: across lanes
+      for (int k = 0; k < kPer; ++k) s[k] = __fadd_rn(s[k], __shfl_xor_sync(kFull, s[k], h));
+    }
+    for (int h = kPer / 2; h >= 1; h >>= 1) {
+      for (int k = 0; k < h; ++k) s[k] = __fadd_rn(s[k], s[k + h]);
+    }
+    stat = __fmul_rn(__fsqrt_rn(__fmul_rn(s[0], 1.f / 32)), fp4::pow2(sh));
+  }
+  const bool bad = block_any<kLanes>(nonfinite);  // the block holds a NaN/Inf
   const int ex = fp4::mx_exponent(stat, a.rule);
-  if (valid && lane == 0) a.scales[e >> 5] = bad ? fp4::kE8M0Nan : static_cast<uint8_t>(ex + 127);
-  encode_store(a, e, valid, lane, __fmul_rn(v, bad ? fp4::nan_f32() : fp4::pow2(-ex)));
+  if (c.valid && (threadIdx.x & (kLanes - 1)) == 0) {
+    a.scales[c.e0 >> 5] = bad ? fp4::kE8M0Nan : static_cast<uint8_t>(ex + 127);
+  }
+  const float mult = bad ? fp4::nan_f32() : fp4::pow2(-ex);
+  for (int k = 0; k < kPer; ++k) v[k] = __fmul_rn(v[k], mult);
+  encode_store(a, c, packed, v);
 }
 
 __device__ __forceinline__ void atomic_max_nonneg(float* addr, float v) {
   atomicMax(reinterpret_cast<int*>(addr), __float_as_int(v));  // v >= 0 orders like its bits
 }
 
-template <DType kT>
-__global__ void nv_amax_kernel(Fp4QuantArgs a) {
-  const int lane = threadIdx.x & 31;
-  const int64_t e = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x);
-  const bool valid = e < a.rows * a.cols;
-  const float v = rotated<kT>(a, e, valid, lane);
-  const float m = group_max(fp4::finite_abs(v), 16);
-  // A 16-lane group holding a NaN/Inf stores amax +inf (never a finite amax): the NaN scale.
-  const bool bad = ((__ballot_sync(kFull, fp4::nonfinite(v)) >> (lane & 16)) & 0xffffu) != 0;
-  if (valid && (lane & 15) == 0) a.workspace[e >> 4] = bad ? fp4::inf_f32() : m;
-  const float w = __shfl_xor_sync(kFull, m, 16);
-  if (lane == 0) atomic_max_nonneg(a.workspace + (a.rows * a.cols >> 4), fmaxf(m, w));
+// NVFP4 pass 1: per-1x16-block amax (+inf for a block holding a NaN/Inf) into the workspace,
+// and the tensor amax over finite elements: one atomicMax per thread block.
+template <DType kT, bool kVec>
+__global__ void __launch_bounds__(kThreads) nv_amax_kernel(Fp4QuantArgs a) {
+  constexpr int kLanes = 16 / kPer;
+  __shared__ float warp_max[kThreads / 32];
+  const Chunk c = chunk_of(a);
+  float v[kPer];
+  rotated<kT, kVec>(a, c, v);
+  float m = 0.f;
+  bool nonfinite = false;
+  for (int k = 0; k < kPer; ++k) {
+    m = fmaxf(m, fp4::finite_abs(v[k]));
+    nonfinite = nonfinite || fp4::nonfinite(v[k]);
+  }
+  m = block_max<kLanes>(m);
+  const bool bad = block_any<kLanes>(nonfinite);
+  if (c.valid && (threadIdx.x & (kLanes - 1)) == 0)
+    a.workspace[c.e0 >> 4] = bad ? fp4::inf_f32() : m;
+  for (int h = 16; h >= kLanes; h >>= 1) m = fmaxf(m, __shfl_xor_sync(kFull, m, h));
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+  if (lane == 0) warp_max[warp] = m;
+  __syncthreads();
+  if (warp == 0) {
+    m = lane < kThreads / 32 ? warp_max[lane] : 0.f;
+    for (int h = 16; h >= 1; h >>= 1) m = fmaxf(m, __shfl_xor_sync(kFull, m, h));
+    if (lane == 0) atomic_max_nonneg(a.workspace + (a.rows * a.cols >> 4), m);
+  }
 }
 
-template <DType kT>
-__global__ void nv_encode_kernel(Fp4QuantArgs a) {
-  const int lane = threadIdx.x & 31;
-  const int64_t e = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x);
+// NVFP4 pass 2: block scales (a 16x16 block's amax over its 16 rows of pass-1 amaxes, the two
+// lanes of a 1x16 block reading 8 rows each), then the encode.
+template <DType kT, bool kVec>
+__global__ void __launch_bounds__(kThreads) nv_encode_kernel(Fp4QuantArgs a, bool packed) {
+  constexpr int kLanes = 16 / kPer;
+  const Chunk c = chunk_of(a);
+  if (__all_sync(kFull, !c.valid)) return;  // whole warps exit together
   const int64_t total = a.rows * a.cols;
-  const bool valid = e < total;
-  const float v = rotated<kT>(a, e, valid, lane);
+  float v[kPer];
+  rotated<kT, kVec>(a, c, v);
   const float st = fp4::nv_tensor_scale(a.workspace[total >> 4]);
-  if (e == 0) *a.tensor_scale = st;
+  if (c.e0 == 0) *a.tensor_scale = st;
+  const int half = threadIdx.x & (kLanes - 1);
   float amax = 0.f;
   int64_t slot = 0;
   bool writer = false;
-  if (valid) {
-    const int64_t nb = a.cols >> 4;
-    const int64_t i = e / a.cols, k = (e - i * a.cols) >> 4;
-    if (a.block_2d) {
-      const int64_t i0 = i & ~int64_t{15};
-      const int64_t i1 = i0 + 16 < a.rows ? i0 + 16 : a.rows;
-      for (int64_t r = i0; r < i1; ++r) amax = fmaxf(amax, a.workspace[r * nb + k]);
-      slot = (i >> 4) * nb + k;
-      writer = (i & 15) == 0;
-    } else {
-      amax = a.workspace[i * nb + k];
-      slot = i * nb + k;
-      writer = true;
+  const int64_t nb = a.cols >> 4, k = c.j0 >> 4;
+  if (a.block_2d) {
+    const int64_t i0 = c.i & ~int64_t{15};
+    const int64_t lo = i0 + 8 * half, hi = lo + 8 < a.rows ? lo + 8 : a.rows;
+    if (c.valid) {
+      for (int64_t r = lo; r < hi; ++r) amax = fmaxf(amax, a.workspace[r * nb + k]);
     }
-    writer = writer && (lane & 15) == 0;
+    amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, 1));
+    slot = (c.i >> 4) * nb + k;
+    writer = (c.i & 15) == 0;
+  } else {
+    if (c.valid) amax = a.workspace[c.i * nb + k];
+    slot = c.i * nb + k;
+    writer = true;
   }
   const uint8_t code = fp4::nv_scale_code(amax, st);
-  if (writer) a.scales[slot] = code;
-  encode_store(a, e, valid, lane, __fmul_rn(v, fp4::nv_multiplier(code, st)));
+  if (c.valid && writer && half == 0) a.scales[slot] = code;
+  const float mult = fp4::nv_multiplier(code, st);
+  for (int n = 0; n < kPer; ++n) v[n] = __fmul_rn(v[n], mult);
+  encode_store(a, c, packed, v);
+}
+
+template <DType kT, bool kVec>
+cudaError_t launch_rule(const Fp4QuantArgs& a, unsigned blocks, bool packed, cudaStream_t stream) {
+  if (a.rule != fp4::ScaleRule::kNv) {
+    TIERLIFT_LAUNCH(blocks, kThreads, 0, stream, mx_kernel<kT, kVec>)(a, packed);
+    return cudaGetLastError();
+  }
+  const int64_t total = a.rows * a.cols;
+  cudaError_t err = cudaMemsetAsync(a.workspace + (total >> 4), 0, sizeof(float), stream);
+  if (err != cudaSuccess) return err;
+  TIERLIFT_LAUNCH(blocks, kThreads, 0, stream, nv_amax_kernel<kT, kVec>)(a);
+  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  TIERLIFT_LAUNCH(blocks, kThreads, 0, stream, nv_encode_kernel<kT, kVec>)(a, packed);
+  return cudaGetLastError();
 }
 
 template <DType kT>
 cudaError_t launch(const Fp4QuantArgs& a, cudaStream_t stream) {
   const int64_t total = a.rows * a.cols;
-  if (total == 0) return cudaSuccess;  // the caller filled tensor_scale
-  const unsigned blocks = static_cast<unsigned>((total + kThreads - 1) / kThreads);
-  if (a.rule != fp4::ScaleRule::kNv) {
-    TIERLIFT_LAUNCH(blocks, kThreads, 0, stream, mx_kernel<kT>)(a);
-    return cudaGetLastError();
-  }
-  cudaError_t err = cudaMemsetAsync(a.workspace + (total >> 4), 0, sizeof(float), stream);
-  if (err != cudaSuccess) return err;
-  TIERLIFT_LAUNCH(blocks, kThreads, 0, stream, nv_amax_kernel<kT>)(a);
-  if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  TIERLIFT_LAUNCH(blocks, kThreads, 0, stream, nv_encode_kernel<kT>)(a);
-  return cudaGetLastError();
+  if (total == 0) return cudaSuccess;    // the caller filled tensor_scale
+  const int64_t threads = total / kPer;  // cols % 16 == 0
+  const unsigned blocks = static_cast<unsigned>((threads + kThreads - 1) / kThreads);
+  const bool vec =
+      a.col_stride == 1 && a.row_stride % kPer == 0 && reinterpret_cast<uintptr_t>(a.x) % 16 == 0;
+  const bool packed =
+      reinterpret_cast<uintptr_t>(a.codes) % 4 == 0 && reinterpret_cast<uintptr_t>(a.mask) % 8 == 0;
+  return vec ? launch_rule<kT, true>(a, blocks, packed, stream)
+             : launch_rule<kT, false>(a, blocks, packed, stream);
 }
 
 }  // namespace

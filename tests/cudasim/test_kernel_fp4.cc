@@ -106,6 +106,7 @@ struct Fp4Case {
   bool mask;
   DType dtype;
   Layout layout;
+  bool odd_outputs = false;  // codes and mask one byte past an aligned address: byte stores
 
   std::string describe() const {
     char buf[64];
@@ -114,7 +115,8 @@ struct Fp4Case {
            (stochastic ? " sr seed=" + std::to_string(seed) + " offset=" + std::to_string(offset)
                        : std::string(" rne")) +
            (block_2d ? " 16x16" : "") + (mask ? " mask" : "") + " " +
-           cudasim_test::dtype_name(dtype) + " " + cudasim_test::layout_name(layout);
+           cudasim_test::dtype_name(dtype) + " " + cudasim_test::layout_name(layout) +
+           (odd_outputs ? " odd outputs" : "");
   }
 };
 
@@ -155,7 +157,10 @@ void check(const Fp4Case& c, const std::vector<float>* values = nullptr,
   out.mask = c.mask ? want_mask.data() : nullptr;
   fp4_quantize(x, cfg, out);
 
-  std::vector<uint8_t> codes(n / 2, 0xaa), scales(ns, 0xaa), mask(c.mask ? n : 0, 0xaa);
+  // With odd_outputs the kernel writes one byte into these buffers (never that first byte).
+  const size_t skip = c.odd_outputs ? 1 : 0;
+  std::vector<uint8_t> codes_buf(n / 2 + skip, 0xaa), mask_buf(c.mask ? n + skip : 0, 0xaa);
+  std::vector<uint8_t> scales(ns, 0xaa);
   const float ts0 = nv ? fp4::nv_tensor_scale(0.f) : 1.f;
   std::vector<float> ts(1, nv && n > 0 ? kNaN : ts0);
   std::vector<float> workspace(nv ? n / 16 + 1 : 0, kNaN);  // fp4_quant.cuh's size
@@ -173,15 +178,24 @@ void check(const Fp4Case& c, const std::vector<float>* values = nullptr,
   a.seed = c.seed;
   a.offset = c.offset;
   a.block_2d = c.block_2d;
-  a.codes = codes.data();
+  a.codes = codes_buf.data() + skip;
   a.scales = scales.data();
   a.tensor_scale = ts.data();
-  a.mask = c.mask ? mask.data() : nullptr;
+  a.mask = c.mask ? mask_buf.data() + skip : nullptr;
   a.workspace = nv ? workspace.data() : nullptr;
   const uint64_t launches = cudasim::launch_count();
   ASSERT_EQ(cuda::fp4_quantize(a, nullptr), cudaSuccess) << cudasim::last_error_message();
   EXPECT_EQ(cudasim::launch_count() - launches, n == 0 ? 0u : (nv ? 2u : 1u))
       << "MXFP4 is one kernel, NVFP4 two";
+  if (skip) {
+    EXPECT_EQ(codes_buf[0], 0xaa);
+    if (c.mask) {
+      EXPECT_EQ(mask_buf[0], 0xaa);
+    }
+  }
+  const std::vector<uint8_t> codes(codes_buf.begin() + skip, codes_buf.end());
+  const std::vector<uint8_t> mask(c.mask ? mask_buf.begin() + skip : mask_buf.end(),
+                                  mask_buf.end());
   EXPECT_TRUE(same_bits("scales", scales, want_scales, gcols));
   EXPECT_TRUE(same_bits("tensor_scale", ts, want_ts, 1));
   EXPECT_TRUE(same_bits("codes", codes, want_codes, c.cols / 2));
@@ -293,11 +307,14 @@ TEST(Fp4Kernel, ShapesWithTailsAndMaskOff) {
   RecordProperty("configurations", cases);
 }
 
-// Any strides: a transposed view, padded and misaligned rows, every other column.
+// Any strides: a transposed view, padded and misaligned rows, every other column (strided loads);
+// rows padded by 8 (vector loads), a base 4 elements past an aligned address (vector loads of
+// fp32, strided ones of bf16).
 TEST(Fp4Kernel, StridedInputs) {
   int cases = 0;
   int k = 0;
-  for (Layout l : {Layout::kTransposed, Layout::kPadded2, Layout::kOffset1, Layout::kEveryOther}) {
+  for (Layout l : {Layout::kTransposed, Layout::kPadded2, Layout::kOffset1, Layout::kEveryOther,
+                   Layout::kPadded8, Layout::kOffset4}) {
     for (ScaleRule rule : kRules) {
       for (DType t : {DType::kFloat32, DType::kBFloat16}) {
         const Rotation& rot = kRotations[k % 3];
@@ -415,6 +432,32 @@ TEST(Fp4Kernel, GpuTestShape) {
   check({67, 256, ScaleRule::kFloor, 16, 0x8421, false, 42, 3, false, true, DType::kFloat32,
          Layout::kContiguous});
   RecordProperty("configurations", 3);
+}
+
+// Codes and clip mask at addresses too misaligned for the packed 4- and 8-byte stores: byte
+// stores, on both paths and with both loads.
+TEST(Fp4Kernel, MisalignedOutputsTakeByteStores) {
+  int k = 0;
+  for (ScaleRule rule : kRules) {
+    for (Layout l : {Layout::kContiguous, Layout::kTransposed}) {
+      const Rotation& rot = kRotations[k % 3];
+      Fp4Case c{19,
+                64,
+                rule,
+                rot.hadamard,
+                rot.signs,
+                k % 2 == 1,
+                3,
+                2,
+                rule == ScaleRule::kNv && k % 4 < 2,
+                true,
+                kInputDtypes[k % 3],
+                l};
+      c.odd_outputs = true;
+      check(c);
+      ++k;
+    }
+  }
 }
 
 }  // namespace
