@@ -148,6 +148,10 @@ if [[ $STAGE == 2 ]]; then
   run checkpoint bench.log 110 $PY benchmarks/bench_checkpoint.py --device cuda --params 1e9 \
     --ranks 1 --configs ram --contenders background dcp-async sync --repeat 1 --warmup 1 \
     --dir "$SCRATCH" --out benchmarks/results/bench_checkpoint-cuda.json
+  # the machine disk's speed through the engine (fio too if installed): says how much of the
+  # 1B run's step is the 13 GB of optimizer state read and written per step
+  run disk bench.log 30 $PY benchmarks/bench_io.py --dir "$SCRATCH" --size-mib 1024 --repeat 1 \
+    --out benchmarks/results/bench_io-disk.json
   run "zero3 offload 1B" bench.log 170 $PY benchmarks/bench_offload.py --gpu --model 1b \
     --tier nvme --overlap --offload-params cpu --peer torch-cpu --steps 3 --warmup 1 \
     --seq-len 2048 --dir "$SCRATCH" --timeout 100
