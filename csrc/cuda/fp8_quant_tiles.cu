@@ -345,8 +345,10 @@ cudaError_t run_tiled(const Fp8QuantArgs& a, cudaStream_t stream) {
   const dim3 block(kThreads);
   if (a.scaling == Fp8Scaling::kTensor && a.col_stride == 1 && a.row_stride == a.cols &&
       xa % 16 == 0) {
-    int sms = 0;
-    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0) != cudaSuccess || sms < 1) {
+    int dev = 0, sms = 0;  // the grid's size only: any count gives the same result
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+        sms < 1) {
       sms = 132;
     }
     const int64_t total = a.rows * a.cols, want = (total / 8 + kThreads - 1) / kThreads;
