@@ -82,19 +82,54 @@ __device__ __forceinline__ bool block_any(bool p) {
   return ((ballot >> (lane & ~(kLanes - 1))) & ((1u << kLanes) - 1)) != 0;
 }
 
+// Philox4x32-10 of counter n, all four words (fp4::philox_word's rounds; it returns one word).
+__device__ __forceinline__ uint4 philox4(uint64_t seed, uint64_t n) {
+  uint32_t c0 = static_cast<uint32_t>(n), c1 = static_cast<uint32_t>(n >> 32), c2 = 0, c3 = 0;
+  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+  for (int r = 0; r < 10; ++r) {
+    if (r) {
+      k0 += 0x9E3779B9u;
+      k1 += 0xBB67AE85u;
+    }
+    uint32_t hi0, lo0, hi1, lo1;
+    fp4::mulhilo(0xD2511F53u, c0, hi0, lo0);
+    fp4::mulhilo(0xCD9E8D57u, c2, hi1, lo1);
+    c0 = hi1 ^ c1 ^ k0;
+    c1 = lo1;
+    c2 = hi0 ^ c3 ^ k1;
+    c3 = lo0;
+  }
+  return make_uint4(c0, c1, c2, c3);
+}
+
+// fp4::philox_uniform(seed, offset, e0 + k) for k < 8: the 8 elements' stream positions share
+// 2 or 3 Philox counters, so each is computed once instead of once per element.
+__device__ __forceinline__ void uniforms8(const Fp4QuantArgs& a, int64_t e0, float (&u)[kPer]) {
+  const uint64_t n0 = a.offset + static_cast<uint64_t>(e0);  // wraps as philox_uniform's sum
+  const int r = static_cast<int>(n0 & 3u);
+  const uint64_t base = n0 - static_cast<uint64_t>(r);
+  const uint4 p0 = philox4(a.seed, base >> 2), p1 = philox4(a.seed, (base + 4) >> 2);
+  const uint4 p2 = r ? philox4(a.seed, (base + 8) >> 2) : make_uint4(0, 0, 0, 0);
+  const uint32_t w[12] = {p0.x, p0.y, p0.z, p0.w, p1.x, p1.y, p1.z, p1.w, p2.x, p2.y, p2.z, p2.w};
+  TIERLIFT_UNROLL
+  for (int k = 0; k < kPer; ++k) {  // word r + k, picked with constant indices (registers)
+    const uint32_t x = r == 0 ? w[k] : r == 1 ? w[k + 1] : r == 2 ? w[k + 2] : w[k + 3];
+    u[k] = static_cast<float>(x >> 8) * 5.9604644775390625e-8f;  // 2^-24
+  }
+}
+
 // Encodes v (RNE or Philox stochastic rounding), packs the 8 nibbles (first element low) into
 // one 4-byte store and the clip mask into one 8-byte store (`packed`: the outputs are aligned,
 // else byte stores).
 __device__ __forceinline__ void encode_store(const Fp4QuantArgs& a, const Chunk& c, bool packed,
                                              const float (&v)[kPer]) {
   if (!c.valid) return;
+  float u[kPer];
+  if (a.stochastic) uniforms8(a, c.e0, u);
   uint32_t word = 0, mlo = 0, mhi = 0;
+  TIERLIFT_UNROLL
   for (int k = 0; k < kPer; ++k) {
-    const uint32_t q =
-        a.stochastic
-            ? fp4::e2m1_encode_sr(
-                  v[k], fp4::philox_uniform(a.seed, a.offset, static_cast<uint64_t>(c.e0 + k)))
-            : fp4::e2m1_encode_rne(v[k]);
+    const uint32_t q = a.stochastic ? fp4::e2m1_encode_sr(v[k], u[k]) : fp4::e2m1_encode_rne(v[k]);
     word |= q << (4 * k);
     const uint32_t m = fabsf(v[k]) <= fp4::kMax ? 1u : 0u;
     if (k < 4) {
