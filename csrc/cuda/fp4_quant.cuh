@@ -10,7 +10,8 @@
 // same pairs and order as fp4::hadamard_block); block amax is a max over registers then lanes,
 // QuEST's sum of squares the same halving tree as fp4::tree_sum_squares (its 16 and 8 steps
 // across lanes, the rest in registers). A thread packs its 8 nibbles into one 4-byte store and
-// its clip mask into one 8-byte store.
+// its clip mask into one 8-byte store; stochastic rounding evaluates Philox once per counter (4
+// elements) rather than once per element.
 //  - MXFP4 (floor/rceil/quest): a scale block lies within a warp, so ONE kernel does everything.
 //  - NVFP4: the fp32 tensor scale needs the global amax first, so pass 1 writes per-1x16-block
 //    amaxes (after the rotation) and maxes the tensor amax (one atomic per thread block); pass 2
