@@ -11,8 +11,9 @@
 //     the tile, so both outputs leave as coalesced 16-byte stores (8, 4 or 1 where the output
 //     widths are not multiples of 16).
 // Every tile is 64-aligned and every block dimension is 1, a multiple of 128 or the whole
-// matrix, so along a dimension whose block is not 1 a tile (and a 4-tile span where the blocks
-// are whole columns) lies in one block. Results are bit-identical to fp8.h's rules.
+// matrix, so along a dimension whose block is not 1 a tile lies in one block (and so do 2 tiles
+// down a column for 128-row blocks, 4 for whole columns). Results are bit-identical to fp8.h's
+// rules.
 #include <cstdint>
 
 #include "cuda/fp8_device.cuh"
