@@ -36,6 +36,7 @@ from torch.optim import Optimizer
 from tierlift import ops
 from tierlift.offload import OffloadConfig, Offloader
 from tierlift.offload.masters import refresh_master
+from tierlift.optim.adam_plan import build_plan, plan_grads
 from tierlift.reference.optim_compact import (
     dequantize_exp_avg_sq,
     quantize_exp_avg_sq,
@@ -246,6 +247,7 @@ class Adam(Optimizer):
                 "add_param_group() after construction is not supported with offload (the "
                 "offloaded state is laid out when the optimizer is built); pass every group to "
                 "the constructor")
+        self.__dict__.pop("_plans", None)
         gi = len(self.param_groups)
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
@@ -291,6 +293,7 @@ class Adam(Optimizer):
         and before it becomes visible: if it raises, all is put back (tierlift.checkpoint's
         multi-rank agreement)."""
         old = {"state": self.state, "param_groups": self.param_groups}  # torch replaces both
+        self.__dict__.pop("_plans", None)  # stale anyway; frees the old state sooner
         try:
             self._replace_state(state_dict, before_commit)
         except BaseException:
@@ -437,11 +440,22 @@ class Adam(Optimizer):
             elif grad_scale is not None and grad_scale.device.type == "cpu":
                 _check_scale_value(float(grad_scale))
             # Every check before any change: a bad group leaves every parameter and count as
-            # it was.
+            # it was. A group whose plan still holds (adam_plan) skips the per-parameter work.
+            plans = self.__dict__.setdefault("_plans", {})
+            ready = []
             for gi, group in enumerate(self.param_groups):
-                self._check_group(gi, group)
-            for group in self.param_groups:
+                grads = plan_grads(plans.get(gi), self.state, group)
+                if grads is None:
+                    self._check_group(gi, group)
+                else:
+                    self._check_hyper(gi, group)
+                ready.append(grads)
+            for gi, (group, grads) in enumerate(zip(self.param_groups, ready)):
+                if grads is not None:
+                    self._step_planned(group, plans[gi], grads, grad_scale)
+                    continue
                 self._step_group(group, grad_scale)
+                plans[gi] = build_plan(self.state, group, self._state_dtype)
         except BaseException:
             # GradScaler deletes its attributes only after a step that returned; left behind,
             # its next step() would multiply its scale into this stale one.
@@ -481,12 +495,15 @@ class Adam(Optimizer):
                 stacklevel=_caller_stacklevel(),
             )
 
-    def _check_group(self, gi: int, group: dict) -> None:
+    def _check_hyper(self, gi: int, group: dict) -> None:
         ops.check_adam_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
         if self._state_dtype == "bf16" and group["amsgrad"]:
             raise ValueError(
                 f"param_groups[{gi}] has amsgrad=True, which is not supported with "
                 "state_dtype='bf16'; use state_dtype='fp32' for amsgrad")
+
+    def _check_group(self, gi: int, group: dict) -> None:
+        self._check_hyper(gi, group)
         device = None
         for pi, p in enumerate(group["params"]):
             grad = p.grad
@@ -504,8 +521,6 @@ class Adam(Optimizer):
         are still scaled (the kernel unscales them as it reads them). What is the same for the
         whole group (the device, whether a compiled kernel runs, the step counts' increment) is
         done once for it, not per parameter."""
-        beta1, beta2 = group["betas"]
-        lr = float(group["lr"])
         amsgrad = group["amsgrad"]
         params = [p for p in group["params"] if p.grad is not None]
         if not params:
@@ -544,52 +559,48 @@ class Adam(Optimizer):
                 b["max_exp_avg_sqs"].append(state["max_exp_avg_sq"])
         if write_back:
             self._warn_noncontiguous()
-        decoupled = self._decoupled(group)
-        scales = {}  # the scale on each device (GradScaler keeps it on its own device)
-        device = params[0].device
+        scale = None if grad_scale is None else grad_scale.detach().to(params[0].device)
         for step, b in buckets.items():
-            amp = {}
-            if grad_scale is not None:
-                if device not in scales:
-                    scales[device] = grad_scale.detach().to(device)
-                amp = {"grad_scale": scales[device]}
-            with_copies = any(c is not None for c in b["copies"])
-            if with_copies:
+            if any(c is not None for c in b["copies"]):
                 # Params without their own copy write into themselves (a no-op copy is cheaper
                 # than a second call, and keeps one launch per bucket).
-                copies = [c if c is not None else p for c, p in zip(b["copies"], b["params"])]
+                b["copies"] = [c if c is not None else p for c, p in zip(b["copies"], b["params"])]
             else:
-                copies = []
-            if with_copies and fused:
-                # A copy that is its own master (an fp32 param) reads back its own value.
-                amp["refresh_from_copies"] = True
-            if self._state_dtype == "bf16":
-                ops.adam_compact_step_(
-                    b["params"], b["grads"], b["exp_avgs"], b["exp_avg_sqs"], b["scales"],
-                    copies, lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
-                    weight_decay=group["weight_decay"], step=step, decoupled=decoupled,
-                    maximize=group["maximize"], **amp)
-                continue
-            ops.adam_step_(
-                b["params"],
-                b["grads"],
-                b["exp_avgs"],
-                b["exp_avg_sqs"],
-                b["max_exp_avg_sqs"],
-                copies,
-                lr=lr,
-                beta1=beta1,
-                beta2=beta2,
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
-                step=step,
-                decoupled=decoupled,
-                amsgrad=group["amsgrad"],
-                maximize=group["maximize"],
-                **amp,
-            )
+                b["copies"] = []
+            self._launch(group, step, b, scale, fused)
         for p, weight in write_back:
             p.copy_(weight)
+
+    def _step_planned(self, group: dict, plan, grads: list, grad_scale) -> None:
+        """_step_group by the group's plan (adam_plan): the same calls with the same lists."""
+        counts = ops.advance_steps_(plan.steps)
+        scale = None if grad_scale is None else grad_scale.detach().to(plan.device)
+        if counts.count(counts[0]) == len(counts):
+            self._launch(group, counts[0], plan.take(grads), scale, True)
+            return
+        buckets: dict = {}  # step count -> positions; params that skipped steps keep theirs
+        for i, count in enumerate(counts):
+            buckets.setdefault(count, []).append(i)
+        for step, index in buckets.items():
+            self._launch(group, step, plan.take(grads, index), scale, True)
+
+    def _launch(self, group: dict, step: int, b: dict, grad_scale, fused: bool) -> None:
+        """One fused call over the lists in `b` (copies: [] or one per param), all at `step`;
+        `grad_scale` on the params' device or None."""
+        amp = {} if grad_scale is None else {"grad_scale": grad_scale}
+        if b["copies"] and fused:
+            # A copy that is its own master (an fp32 param) reads back its own value.
+            amp["refresh_from_copies"] = True
+        beta1, beta2 = group["betas"]
+        hyper = dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                     weight_decay=group["weight_decay"], step=step,
+                     decoupled=self._decoupled(group), maximize=group["maximize"], **amp)
+        if self._state_dtype == "bf16":
+            ops.adam_compact_step_(b["params"], b["grads"], b["exp_avgs"], b["exp_avg_sqs"],
+                                   b["scales"], b["copies"], **hyper)
+        else:
+            ops.adam_step_(b["params"], b["grads"], b["exp_avgs"], b["exp_avg_sqs"],
+                           b["max_exp_avg_sqs"], b["copies"], amsgrad=group["amsgrad"], **hyper)
 
     def _decoupled(self, group: dict) -> bool:
         return bool(group.get("decoupled_weight_decay", False))
