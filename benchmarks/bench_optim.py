@@ -5,6 +5,7 @@ memory-bandwidth bound of the same machine, measured in the same run.
     python benchmarks/bench_optim.py --sizes 1e7,1e8 --repeats 3
     python benchmarks/bench_optim.py --sizes 1e7 --cases compact   # fp32 vs compact state only
     python benchmarks/bench_optim.py --gpu-only --cuda-sizes 1e8,1e9  # GPU machine: CUDA rows only
+    python benchmarks/bench_optim.py --tiny 300,1000       # host overhead per step (CPU)
 
 Two cases, where every contender does the same work:
   fp32   fp32 params, grads and state.
@@ -22,6 +23,11 @@ printed for context. Ratios are what count on a shared machine; each time is the
 On a GPU: the fused CUDA step vs torch's fused CUDA AdamW at --cuda-sizes (fp32 and bf16 params;
 bf16 also vs torch-fused-mixed, torch's AdamW on fp32 masters copied into bf16 weights, which
 does the same work as ours: cuda_contender).
+--tiny N,..: the host-side cost of one step, not its arithmetic: N parameters of 256 elements,
+fp32 and bf16 (bf16: ours keeps fp32 masters; torch steps fp32 masters and copies them into the
+bf16 weights with one _foreach_copy_), median step time per parameter, contenders interleaved.
+Run it with OMP_NUM_THREADS=1 TIERLIFT_NUM_THREADS=1 to time the host work alone (thread-pool
+wake-ups on a few shared cores otherwise dominate).
 The JSON is rewritten after every row, so a run cut short keeps what it measured.
 """
 
@@ -36,7 +42,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tierlift  # noqa: E402
-from common import machine, median_time, mem_available_bytes, print_table, write_json  # noqa: E402
+from common import (  # noqa: E402
+    interleaved_medians,
+    machine,
+    median_time,
+    mem_available_bytes,
+    print_table,
+    write_json,
+)
 from plots import plot_json, plot_optim  # noqa: E402
 
 BYTES_PER_PARAM = {"fp32": 28, "mixed": 28}  # loads + stores of one step, for the GB/s column
@@ -205,6 +218,46 @@ def compact_rows(sizes, repeats: int) -> list[dict]:
     return rows
 
 
+def tiny_contender(name: str, count: int, dtype):
+    """The step of one --tiny contender: `count` parameters of 256 elements, gradients set."""
+    mixed = dtype != torch.float32 and name != "tierlift"
+    ps = [torch.nn.Parameter(torch.randn(256, dtype=torch.float32 if mixed else dtype))
+          for _ in range(count)]
+    for p in ps:
+        p.grad = torch.randn_like(p) * 1e-3
+    if name == "tierlift":
+        return tierlift.optim.AdamW(ps, **HYPER).step
+    opt = torch.optim.AdamW(ps, **{name[6:]: True}, **HYPER)
+    if not mixed:
+        return opt.step
+    weights = [torch.empty(256, dtype=dtype) for _ in ps]
+    masters = [p.detach() for p in ps]
+
+    def step():
+        opt.step()
+        torch._foreach_copy_(weights, masters)
+
+    return step
+
+
+def tiny_rows(counts, repeats: int) -> list[dict]:
+    """Host overhead of a step: many 256-element parameters, where the arithmetic is negligible;
+    the contenders interleaved round by round (interleaved_medians)."""
+    rows = []
+    names = ("tierlift", "torch-foreach", "torch-fused")
+    for count in counts:
+        for dtype in (torch.float32, torch.bfloat16):
+            steps = {name: tiny_contender(name, count, dtype) for name in names}
+            times = interleaved_medians(steps, repeats=repeats, warmup=3)
+            row = {"case": f"tiny-{str(dtype)[6:]}", "params": count}
+            row.update({f"{name} us/param": t / count * 1e6 for name, t in times.items()})
+            row.update({f"vs {name}": times[name] / times["tierlift"] for name in names[1:]})
+            rows.append(row)
+            print(f"  tiny {str(dtype)[6:]} x{count}: "
+                  + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in times.items()), flush=True)
+    return rows
+
+
 def needed_bytes(name: str, case: str, n: int) -> int:
     base = {"fp32": 16, "mixed": 16 if name in ("tierlift", "bound") else 24}[case]
     extra = 8 if name == "torch-foreach" else 0  # foreach keeps temporaries of the whole list
@@ -226,8 +279,17 @@ def main() -> None:
                     help="only the CUDA rows (skips the CPU cases and --sizes)")
     ap.add_argument("--plot", metavar="PATH",
                     help="also draw the results as a PNG here (needs matplotlib)")
+    ap.add_argument("--tiny", metavar="N,..",
+                    help="only the host-overhead rows: N parameters of 256 elements each")
     args = ap.parse_args()
     torch.manual_seed(0)
+    if args.tiny:
+        print(f"machine: {machine()}")
+        rows = tiny_rows([int(float(s)) for s in args.tiny.split(",")], max(args.repeats, 50))
+        print_table(rows, list(rows[0]), "AdamW step host overhead (256-element parameters; "
+                    "\"vs X\" = X's time / tierlift's time; >1 = faster)")
+        write_json("bench_optim_tiny", {"rows": rows})
+        return
     DS_ADAM, DS_ERROR = deepspeed_adam()
     contenders = ["bound", "tierlift", "torch-foreach", "torch-fused"] + (
         ["deepspeed"] if DS_ADAM else [])
