@@ -153,3 +153,30 @@ def test_plan_sees_every_edit(monkeypatch, edit, dtype):
         for k in ("step", "exp_avg", "exp_avg_sq"):
             if k in sr:
                 torch.testing.assert_close(sa[k], sr[k], rtol=1e-6, atol=1e-6 * scale)
+
+
+@pytest.mark.parametrize("bad", ["float64", "sparse", "nan_lr"])
+def test_planned_step_still_refuses_before_any_change(bad):
+    """A bad gradient or hyperparameter met by a planned step raises as the general path does,
+    before either group changes."""
+    a, b = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(3))
+    opt = AdamW([{"params": [a]}, {"params": [b]}], lr=1e-2)
+    for _ in range(2):
+        a.grad, b.grad = torch.full((4,), 0.5), torch.full((3,), 0.5)
+        opt.step()
+    assert opt._plans[0] is not None and opt._plans[1] is not None
+    before = [t.clone() for t in (a, b, opt.state[a]["exp_avg"], opt.state[a]["step"])]
+    a.grad = torch.full((4,), 0.5)
+    if bad == "float64":
+        if hasattr(b, "grad_dtype"):
+            b.grad_dtype = None  # newer torch refuses the assignment otherwise
+        b.grad = torch.full((3,), 0.5, dtype=torch.float64)
+    elif bad == "sparse":
+        b.grad = torch.full((3,), 0.5).to_sparse()
+    else:
+        b.grad = torch.full((3,), 0.5)
+        opt.param_groups[1]["lr"] = float("nan")
+    with pytest.raises((TypeError, RuntimeError, ValueError)):
+        opt.step()
+    after = (a, b, opt.state[a]["exp_avg"], opt.state[a]["step"])
+    assert all(torch.equal(x.detach(), y.detach()) for x, y in zip(before, after))
