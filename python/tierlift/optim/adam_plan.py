@@ -23,6 +23,7 @@ _DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16))
 _dtype = operator.attrgetter("dtype")
 _layout = operator.attrgetter("layout")
 _device = operator.attrgetter("device")
+_grad = operator.attrgetter("grad")
 _contiguous = torch.Tensor.is_contiguous
 
 
@@ -80,7 +81,7 @@ def plan_grads(plan: GroupPlan | None, state, group: dict) -> list | None:
     if plan is None or plan.group is not group or plan.state is not state:
         return None
     params = group["params"]
-    grads = [p.grad for p in params]
+    grads = list(map(_grad, params))
     if all(map(operator.is_not, grads, repeat(None))):
         active = params
     else:
