@@ -82,24 +82,11 @@ __device__ __forceinline__ bool block_any(bool p) {
   return ((ballot >> (lane & ~(kLanes - 1))) & ((1u << kLanes) - 1)) != 0;
 }
 
-// Philox4x32-10 of counter n, all four words (fp4::philox_word's rounds; it returns one word).
+// Philox4x32-10 of counter n, all four words.
 __device__ __forceinline__ uint4 philox4(uint64_t seed, uint64_t n) {
-  uint32_t c0 = static_cast<uint32_t>(n), c1 = static_cast<uint32_t>(n >> 32), c2 = 0, c3 = 0;
-  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
-  for (int r = 0; r < 10; ++r) {
-    if (r) {
-      k0 += 0x9E3779B9u;
-      k1 += 0xBB67AE85u;
-    }
-    uint32_t hi0, lo0, hi1, lo1;
-    fp4::mulhilo(0xD2511F53u, c0, hi0, lo0);
-    fp4::mulhilo(0xCD9E8D57u, c2, hi1, lo1);
-    c0 = hi1 ^ c1 ^ k0;
-    c1 = lo1;
-    c2 = hi0 ^ c3 ^ k1;
-    c3 = lo0;
-  }
-  return make_uint4(c0, c1, c2, c3);
+  uint32_t w[4];
+  fp4::philox4(seed, n, w);
+  return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
 // fp4::philox_uniform(seed, offset, e0 + k) for k < 8: the 8 elements' stream positions share

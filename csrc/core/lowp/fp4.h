@@ -204,7 +204,8 @@ TL_HD void mulhilo(uint32_t a, uint32_t b, uint32_t& hi, uint32_t& lo) {
   lo = static_cast<uint32_t>(p);
 }
 
-TL_HD uint32_t philox_word(uint64_t seed, uint64_t n, int word) {
+// The four words of counter n (the CUDA kernel uses all four; the reference one per element).
+TL_HD void philox4(uint64_t seed, uint64_t n, uint32_t (&out)[4]) {
   uint32_t c0 = static_cast<uint32_t>(n), c1 = static_cast<uint32_t>(n >> 32), c2 = 0, c3 = 0;
   uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
   for (int r = 0; r < 10; ++r) {
@@ -220,7 +221,16 @@ TL_HD uint32_t philox_word(uint64_t seed, uint64_t n, int word) {
     c2 = hi0 ^ c3 ^ k1;
     c3 = lo0;
   }
-  return word == 0 ? c0 : word == 1 ? c1 : word == 2 ? c2 : c3;
+  out[0] = c0;
+  out[1] = c1;
+  out[2] = c2;
+  out[3] = c3;
+}
+
+TL_HD uint32_t philox_word(uint64_t seed, uint64_t n, int word) {
+  uint32_t w[4];
+  philox4(seed, n, w);
+  return w[word & 3];
 }
 
 // The uniform in [0, 1) for element index idx of a stream (seed, offset).
