@@ -8,12 +8,9 @@ step 1, then compares with one process training the whole batch with an inf on s
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-import torch.multiprocessing as mp
-from zero_model import batches, free_port, init_gloo, make_model, shutdown
+from zero_model import batches, make_model, spawn_ranks
 
 import tierlift
 
@@ -67,8 +64,7 @@ def _fit(model, opt, *, world, rank, zero, unscale, poke_rank):
     return scales
 
 
-def _worker(rank, world, port, tmp):
-    init_gloo(rank, world, port)
+def _cases(rank, world, tmp):
     out = {}
     for name, (stage, kind, unscale) in CASES.items():
         model = tierlift.zero.shard(make_model(), stage=stage)
@@ -79,15 +75,12 @@ def _worker(rank, world, port, tmp):
                               tierlift.zero.full_state_dict(model).items()})
         if hasattr(opt, "close"):
             opt.close()
-    torch.save(out, os.path.join(tmp, f"out{rank}.pt"))
-    shutdown()
+    return out
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    tmp = str(tmp_path_factory.mktemp("zero_grad_scaler"))
-    mp.spawn(_worker, args=(2, free_port(), tmp), nprocs=2)
-    return [torch.load(os.path.join(tmp, f"out{r}.pt"), weights_only=False) for r in range(2)]
+    return spawn_ranks(_cases, str(tmp_path_factory.mktemp("zero_grad_scaler")))
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -16,9 +16,8 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
-from zero_model import batches, free_port, init_gloo, make_model, shutdown, train
+from zero_model import batches, make_model, spawn_ranks, train
 
 import tierlift
 
@@ -291,8 +290,7 @@ def _clip_and_count(rank, out):
     out["shard_numel"] = sum(p.numel() for p in model.parameters())
 
 
-def _worker(rank, world, port, tmp):
-    init_gloo(rank, world, port)
+def _cases(rank, world, tmp):
     out = {}
     _ddp(rank, out)
     _fsdp(rank, out)
@@ -301,15 +299,12 @@ def _worker(rank, world, port, tmp):
     _freed(rank, out)
     _gathered(rank, tmp, out)
     _clip_and_count(rank, out)
-    torch.save(out, os.path.join(tmp, f"out{rank}.pt"))
-    shutdown()
+    return out
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    tmp = str(tmp_path_factory.mktemp("zero_guards"))
-    mp.spawn(_worker, args=(2, free_port(), tmp), nprocs=2)
-    return [torch.load(os.path.join(tmp, f"out{r}.pt"), weights_only=False) for r in range(2)]
+    return spawn_ranks(_cases, str(tmp_path_factory.mktemp("zero_guards")))
 
 
 def test_ddp_refused_before_any_broadcast(ranks):

@@ -14,13 +14,10 @@ One spawn runs every case; each rank writes what it saw and the tests check it."
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import nn
-from zero_model import batches, free_port, init_gloo, make_model, shutdown, train
+from zero_model import batches, make_model, spawn_ranks, train
 
 import tierlift
 
@@ -179,21 +176,17 @@ def _fsdp_outer(rank, out):
     out["outer_plain"] = _raises(lambda: fully_shard(plain))
 
 
-def _worker(rank, world, port, tmp):
-    init_gloo(rank, world, port)
+def _cases(rank, world, tmp):
     out = {}
     _read_only(rank, out)
     _tied(rank, out)
     _fsdp_outer(rank, out)
-    torch.save(out, os.path.join(tmp, f"out{rank}.pt"))
-    shutdown()
+    return out
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    tmp = str(tmp_path_factory.mktemp("zero_guards_ranks"))
-    mp.spawn(_worker, args=(2, free_port(), tmp), nprocs=2)
-    return [torch.load(os.path.join(tmp, f"out{r}.pt"), weights_only=False) for r in range(2)]
+    return spawn_ranks(_cases, str(tmp_path_factory.mktemp("zero_guards_ranks")))
 
 
 @pytest.mark.parametrize("name", list(READ_ONLY))

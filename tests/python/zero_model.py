@@ -137,6 +137,23 @@ def shutdown() -> None:
     os._exit(0)
 
 
+def spawn_ranks(cases, tmp: str, world: int = 2) -> list:
+    """Runs `cases(rank, world, tmp) -> dict` (a module-level function) on `world` gloo ranks in
+    one torch.multiprocessing spawn and returns each rank's dict."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_spawned, args=(world, free_port(), tmp, cases), nprocs=world)
+    return [torch.load(os.path.join(tmp, f"out{r}.pt"), weights_only=False)
+            for r in range(world)]
+
+
+def _spawned(rank: int, world: int, port: int, tmp: str, cases) -> None:
+    init_gloo(rank, world, port)
+    out = cases(rank, world, tmp)
+    torch.save(out, os.path.join(tmp, f"out{rank}.pt"))
+    shutdown()
+
+
 _TORCHRUN_PRELUDE = """\
 import os, sys, tempfile, torch, torch.distributed as dist
 sys.path.insert(0, {tests!r})
