@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import torch
 from torch.optim.optimizer import _global_optimizer_pre_hooks
 
+from tierlift._shards import all_ranks_agree
 from tierlift.offload import gradients
 from tierlift.offload.overlap import scan_all_grads
-from tierlift.zero import grad_scaler
 
 _patched = False
 
@@ -120,7 +120,8 @@ def install() -> None:
         finite = scan(optimizer)
         if finite is None:
             return original(self, optimizer)
-        finite = grad_scaler.agree(optimizer, finite)  # over the ranks of tierlift.zero shards
+        # over every rank of the tierlift.zero shards it steps (zero/grad_scaler.py says why)
+        finite = all_ranks_agree([p for g in optimizer.param_groups for p in g["params"]], finite)
         # keyed by the gradients' device, as torch's check does (a CUDA scaler's step sums the
         # values onto its own device)
         found = torch.full((), 0.0 if finite else 1.0, dtype=torch.float32)
