@@ -104,12 +104,21 @@ def transposed_grad(w, i):
         w.params[2].grad = w.params[2].grad.t().contiguous().t()
 
 
+def data_strided(w, i):
+    # `p.data = x` keeps the Parameter and changes its layout: the general (copy) path's.
+    if i == 3:
+        p = w.params[3]
+        view = torch.empty(2 * p.numel(), dtype=p.dtype)[::2].view(p.shape)
+        p.data = view.copy_(p.data)
+
+
 # Edits after which torch's AdamW does something else by design: it keeps no max_exp_avg_sq for
 # a group switched to amsgrad (a KeyError), and its fp32 weights are not the masters ours makes
 # afresh from bf16 weights when the state is reset.
 NO_TORCH = {"toggle_amsgrad": (torch.float32, torch.bfloat16), "reset_state": (torch.bfloat16,)}
 EDITS = [set_lr, scheduler, add_group, load_state, grad_none, requires_grad,
-         replace_state_tensor, reset_state, replace_params, toggle_amsgrad, transposed_grad]
+         replace_state_tensor, reset_state, replace_params, toggle_amsgrad, transposed_grad,
+         data_strided]
 
 
 def run(kind, dtype, edit):

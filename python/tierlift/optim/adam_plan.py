@@ -31,8 +31,8 @@ class GroupPlan:
     """What one group's step passes to the kernel besides the gradients, for the parameters
     that had gradients when it was made (in the group's order)."""
 
-    __slots__ = ("group", "state", "active", "sds", "flat", "amsgrad", "device", "steps",
-                 "lists")
+    __slots__ = ("group", "state", "active", "dtypes", "sds", "flat", "amsgrad", "device",
+                 "steps", "lists")
 
     def take(self, grads, index=None) -> dict:
         """The kernel's lists for this step (all the plan's parameters, or those at `index`)."""
@@ -57,6 +57,7 @@ def build_plan(state, group: dict, state_dtype: str) -> GroupPlan | None:
     with_copies = any("master" in sd for sd in sds)
     plan = GroupPlan()
     plan.group, plan.state, plan.active, plan.sds = group, state, active, sds
+    plan.dtypes = list(map(_dtype, active))
     plan.flat = [v for sd in sds for v in sd.values()]
     plan.amsgrad = group["amsgrad"]
     plan.device = active[0].device
@@ -90,6 +91,11 @@ def plan_grads(plan: GroupPlan | None, state, group: dict) -> list | None:
     if len(active) != len(plan.active) or not all(map(operator.is_, active, plan.active)):
         return None
     if group["amsgrad"] != plan.amsgrad:
+        return None
+    # `p.data = x` keeps the Parameter but may change its dtype, device or layout: the general
+    # path's checks must see that before any group changes.
+    if (list(map(_dtype, active)) != plan.dtypes or set(map(_device, active)) != {plan.device}
+            or not all(map(_contiguous, active))):
         return None
     # The state dicts, and every tensor in them, as when the plan was made.
     sds = list(map(state.__getitem__, active))
