@@ -30,6 +30,7 @@ LAYERS = [
     ["offload", "activations", "gnn", "lowp"],  # optimizer state / saved activation tiers;
     # GNN features; FP8/FP4 layers
     ["_shards", "io", "ops"],  # ZeRO shard registry (for offload); NVMe I/O; op wrappers
+    ["_torch_patch"],  # wrapping a private torch method
     ["reference"],  # pure-torch kernels
     ["_extension", "_plotting"],  # loads tierlift._C; imports matplotlib when a plot is drawn
     ["_C"],

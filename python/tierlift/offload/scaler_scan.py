@@ -19,8 +19,6 @@ version; otherwise it takes its own.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import os
 from dataclasses import dataclass
 
@@ -28,10 +26,9 @@ import torch
 from torch.optim.optimizer import _global_optimizer_pre_hooks
 
 from tierlift._shards import all_ranks_agree
+from tierlift._torch_patch import wrap_method
 from tierlift.offload import gradients
 from tierlift.offload.overlap import scan_all_grads
-
-_patched = False
 
 
 @dataclass
@@ -60,7 +57,7 @@ def _flushes_denormals() -> bool:
     return bool((torch.full((1,), 1e-40) * 1.0).item() == 0.0)
 
 
-def _usable(opt) -> bool:
+def _usable(opt, grads: list[tuple]) -> bool:
     if os.environ.get("TIERLIFT_SCALER_SCAN", "1") == "0":  # torch's check, for comparisons
         return False
     off = getattr(opt, "_offload", None)
@@ -68,10 +65,9 @@ def _usable(opt) -> bool:
         return False
     if _pre_hooks_may_write(opt):
         return False
-    grads = [g for _, g, _ in _grads(opt)]
     return (bool(grads) and all(g.device.type == "cpu" and not g.is_sparse
                                 and g.dtype in (torch.float32, torch.bfloat16, torch.float16)
-                                for g in grads)
+                                for _, g, _ in grads)
             and not _flushes_denormals())
 
 
@@ -80,10 +76,11 @@ def scan(opt) -> bool | None:
     fingerprints for its next step(); None where torch's own check must run."""
     off = opt._offload
     off.scaler_scan = None
-    if not _usable(opt):
+    grads = _grads(opt)
+    if not _usable(opt, grads):
         return None
     finite, known = scan_all_grads(off, gradients.collect(off))
-    off.scaler_scan = Scan(_grads(opt), known)
+    off.scaler_scan = Scan(grads, known)
     return finite
 
 
@@ -102,17 +99,7 @@ def take(opt) -> list[dict] | None:
     return seen.known
 
 
-def install() -> None:
-    """Routes GradScaler's inf check for tierlift's offloaded optimizers through scan()
-    (idempotent; left alone where torch's method is not the one this was written for)."""
-    global _patched
-    cls = getattr(getattr(torch, "amp", None), "GradScaler", None)
-    original = getattr(cls, "_check_inf_per_device", None)
-    if _patched or original is None or \
-            list(inspect.signature(original).parameters) != ["self", "optimizer"]:
-        return
-
-    @functools.wraps(original)
+def _fused(original):
     def _check_inf_per_device(self, optimizer):
         if getattr(optimizer, "_offload", None) is None:
             return original(self, optimizer)
@@ -128,5 +115,10 @@ def install() -> None:
         self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = {found.device: found}
         return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
 
-    cls._check_inf_per_device = _check_inf_per_device
-    _patched = True
+    return _check_inf_per_device
+
+
+def install() -> None:
+    """Routes GradScaler's inf check for tierlift's offloaded optimizers through scan()
+    (idempotent; tierlift/_torch_patch.py)."""
+    wrap_method(torch.amp.GradScaler, "_check_inf_per_device", ["self", "optimizer"], _fused)

@@ -12,14 +12,10 @@ wrapped, and for an optimizer over tierlift shards its found-inf flags are or-ed
 
 from __future__ import annotations
 
-import functools
-import inspect
-
 import torch
 
 from tierlift._shards import all_ranks_agree, is_shard
-
-_patched = False
+from tierlift._torch_patch import wrap_method
 
 
 def _shard_params(optimizer) -> list:
@@ -27,30 +23,14 @@ def _shard_params(optimizer) -> list:
     return params if any(is_shard(p) for p in params) else []
 
 
-def agree(optimizer, finite: bool) -> bool:
-    """`finite` and-ed over every rank of the shards `optimizer` steps (a collective there;
-    `finite` as it is for other optimizers)."""
-    params = _shard_params(optimizer)
-    return all_ranks_agree(params, finite) if params else finite
-
-
-def install() -> None:
-    """Idempotent; leaves GradScaler alone where its method is not the one this was written
-    for."""
-    global _patched
-    cls = getattr(getattr(torch, "amp", None), "GradScaler", None)
-    original = getattr(cls, "_unscale_grads_", None)
-    if _patched or original is None or list(inspect.signature(original).parameters) != [
-            "self", "optimizer", "inv_scale", "found_inf", "allow_fp16"]:
-        return
-
-    @functools.wraps(original)
+def _agreeing(original):
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
         per_device = original(self, optimizer, inv_scale, found_inf, allow_fp16)
-        if not _shard_params(optimizer):
+        params = _shard_params(optimizer)
+        if not params:
             return per_device
         local = all(float(t) == 0.0 for t in per_device.values())
-        if agree(optimizer, local) or not local:
+        if all_ranks_agree(params, local) or not local:
             return per_device
         # another rank found one: this rank skips and backs off too
         for t in per_device.values():
@@ -59,5 +39,10 @@ def install() -> None:
             per_device[found_inf.device] = found_inf.fill_(1.0)
         return per_device
 
-    cls._unscale_grads_ = _unscale_grads_
-    _patched = True
+    return _unscale_grads_
+
+
+def install() -> None:
+    """Idempotent (tierlift/_torch_patch.py)."""
+    wrap_method(torch.amp.GradScaler, "_unscale_grads_",
+                ["self", "optimizer", "inv_scale", "found_inf", "allow_fp16"], _agreeing)
