@@ -78,7 +78,6 @@ def global_grad_norm(params, norm_type: float = 2.0) -> torch.Tensor:
     """The norm of the gradients of `params` over all ranks: shards of sharded models add up
     across their process group; other parameters (replicated) count once. With the shards of
     one model only, this is exactly the norm clip_grad_norm_(model) computes."""
-    norm_type = float(norm_type)
     by_owner: dict[int, tuple] = {}
     local = []
     for p in params:
@@ -89,13 +88,31 @@ def global_grad_norm(params, norm_type: float = 2.0) -> torch.Tensor:
             local.append(p.grad)
         else:
             by_owner.setdefault(id(owner[0]), (owner[0], set()))[1].add(owner[1])
+    return combined_norm(list(by_owner.values()), local, float(norm_type))
+
+
+def grad_owners() -> dict[int, tuple]:
+    """{id(shard.grad): (owner, unit index)} over the live shards that hold a gradient."""
+    out = {}
+    for ref, owner_ref, index in list(_OWNERS.values()):
+        shard, owner = ref(), owner_ref()
+        if shard is not None and owner is not None and shard.grad is not None:
+            out[id(shard.grad)] = (owner, index)
+    return out
+
+
+def combined_norm(owners: list[tuple], local: list, norm_type: float,
+                  local_norm=None) -> torch.Tensor:
+    """The norm over the gradients of units `index` of each (owner, index) in `owners` (summed
+    over the owner's ranks: a collective) and the replicated gradients `local` (counted once;
+    their norm by `local_norm`, default torch.nn.utils.get_total_norm)."""
     totals = []
-    for owner, index in by_owner.values():
+    for owner, index in owners:
         grads = [u.shard.grad for i, u in enumerate(owner.units)
                  if i in index and u.shard.grad is not None]
         totals.append(sharded_norm(owner, grads, norm_type))
     if local:
-        totals.append(torch.nn.utils.get_total_norm(local, norm_type))
+        totals.append((local_norm or torch.nn.utils.get_total_norm)(local, norm_type))
     if len(totals) == 1:
         return totals[0]
     if not totals:

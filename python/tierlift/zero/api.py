@@ -217,6 +217,7 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
                                 f"{p.dtype}{' sparse' if p.is_sparse else ''}; ZeRO shards "
                                 "dense real floating-point parameters")
             fqn = f"{mod_name}.{attr}" if mod_name else attr
+            _refuse_hooks(p, fqn)
             if id(p) not in info:
                 info[id(p)] = [p, [], [], set()]
                 order.append(id(p))
@@ -298,6 +299,21 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
     model_ref = weakref.ref(model)  # no reference cycle: the model is freed as soon as unused
     model.no_sync = lambda: no_sync(model_ref())
     return model
+
+
+def _refuse_hooks(p: torch.Tensor, name: str) -> None:
+    """A hook on a parameter that shard() replaces would never run again: refused (before
+    anything changes), naming it. Hooks on modules are kept and run as before."""
+    kinds = [kind for kind, hooks in (("register_hook", p._backward_hooks),
+                                      ("register_post_accumulate_grad_hook",
+                                       getattr(p, "_post_accumulate_grad_hooks", None)))
+             if hooks]
+    if kinds:
+        raise ValueError(f"parameter {name!r} has a hook ({kinds[0]}): shard() replaces each "
+                         "parameter by its unit's flat shard, so the hook would never run "
+                         "again. Remove it (handle.remove()) before shard(), and register it "
+                         "on the model's shards afterwards (they run once this rank's slice "
+                         "of the gradient has landed) or on a module")
 
 
 def _offloaded_units(split: list, config: ShardConfig) -> list[bool]:

@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
 from tierlift._shards import register_shard
-from tierlift.zero import frozen, grad_scaler
+from tierlift.zero import frozen, grad_scaler, torch_calls
 from tierlift.zero.comm import work_done
 from tierlift.zero.config import ShardConfig
 from tierlift.zero.replicas import ReplicaLegs
@@ -109,6 +109,7 @@ class ZeroState:
         for module, indices in frozen_of.values():
             self.handles.append(frozen.install(self, module, indices))
         grad_scaler.install()  # GradScaler's inf check agreed over the ranks
+        torch_calls.install()  # torch's clip_grad_norm_ global, param groups checked
         before = _bind(ref, "_before_optimizer_step")
         before.leaves_grads = True  # only checks: GradScaler's check stays valid (scaler_scan)
         opt_hooks = [register_optimizer_step_post_hook(_bind(ref, "_after_optimizer_step")),
@@ -338,6 +339,11 @@ class ZeroState:
 
     def _hand_over(self, unit: FlatUnit, piece: torch.Tensor, early: bool) -> None:
         store = unit.offload.store if unit.offload is not None else None
+        for fn in list((unit.shard._backward_hooks or {}).values()):
+            # A hook the user put on the shard: called with the gradient that is about to be
+            # accumulated into shard.grad, as autograd calls a leaf's hooks.
+            out = fn(piece)
+            piece = piece if out is None else out
         if unit.shard.grad is None:
             # With offload_params="nvme" the gradient lives in the file, not in RAM.
             home = store.grad_home(unit.shard, piece) if store is not None else None
@@ -352,6 +358,8 @@ class ZeroState:
         if store is not None:
             store.landed(unit.shard.grad)  # in the file: dropped from RAM a hand-over later
         self.stats["grads_ready_early" if early else "grads_ready_at_end"] += 1
+        for fn in list((getattr(unit.shard, "_post_accumulate_grad_hooks", None) or {}).values()):
+            fn(unit.shard)
         for fn in list(self.listeners[id(unit.shard)].values()):
             fn(unit.shard)
 

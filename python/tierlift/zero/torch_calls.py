@@ -1,0 +1,112 @@
+"""Ordinary torch calls on a sharded model: made exact, or refused before anything changes.
+
+model.parameters() of a sharded model yields one flat fp32 shard per unit (this rank's slice
+of the unit's parameters, back to back). Two everyday torch lines would silently see that
+slice instead of the model:
+
+- torch.nn.utils.clip_grad_norm_(model.parameters(), ...) (and get_total_norm) would clip each
+  rank by the norm of its own slice. Both go through torch.nn.utils.clip_grad._get_total_norm,
+  looked up when called (so a script that imported clip_grad_norm_ before tierlift is covered
+  too); wrapped, the norm over shard gradients is the whole model's, summed over the shards'
+  ranks (a collective, as every rank clips), the same on every rank. Other tensors count once.
+- Optimizer param groups split by name or shape (nanoGPT's `p.dim() >= 2`, Hugging Face's
+  "bias" / "norm" names) cannot see the model's parameters in a shard: every shard lands on one
+  side and the other side is left empty. An optimizer built with an empty group whose settings
+  differ from those of a group holding shards (shards that shard(param_group_fn=...) did not
+  split) is refused when it is constructed, naming the way to split them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tierlift._shards import combined_norm, grad_owners, shard_owner
+from tierlift._torch_patch import wrap_method
+
+_NORM_PARAMS = ["tensors", "norm_type", "error_if_nonfinite", "foreach"]
+
+
+def _global_norm(original):
+    def get_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        owners = grad_owners() if tensors else {}
+        if not any(id(t) in owners for t in tensors):
+            return original(tensors, norm_type, error_if_nonfinite, foreach)
+        by_owner: dict[int, tuple] = {}
+        local = []
+        for t in tensors:
+            entry = owners.get(id(t))
+            if entry is None:
+                local.append(t)
+            else:
+                by_owner.setdefault(id(entry[0]), (entry[0], set()))[1].add(entry[1])
+        total = combined_norm(list(by_owner.values()), local, float(norm_type),
+                              lambda ts, nt: original(ts, nt, False, foreach))
+        total = total.to(tensors[0].device)
+        if error_if_nonfinite and not bool(torch.isfinite(total)):
+            raise RuntimeError(
+                f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
+                "non-finite, so it cannot be clipped. To disable this error and scale the "
+                "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
+        return total
+
+    return get_total_norm
+
+
+def _settings(group: dict) -> dict:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def _same(a: dict, b: dict) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for k, v in a.items():
+        w = b[k]
+        try:
+            equal = v is w or bool(v == w)
+        except (RuntimeError, TypeError, ValueError):  # tensors of other shapes, ...
+            equal = False
+        if not equal:
+            return False
+    return True
+
+
+def check_groups(param_groups: list[dict]) -> None:
+    """Refuses param groups that split ungrouped shards by name or shape (see above)."""
+    holding = []
+    for i, group in enumerate(param_groups):
+        for p in group["params"]:
+            owner = shard_owner(p)
+            if owner is not None and owner[0].units[owner[1]].group is None:
+                holding.append(i)
+                break
+    if not holding:
+        return
+    for i, group in enumerate(param_groups):
+        if group["params"]:
+            continue
+        for j in holding:
+            if not _same(_settings(group), _settings(param_groups[j])):
+                raise ValueError(
+                    f"optimizer param group {i} is empty while group {j}, with other settings, "
+                    "holds ZeRO shards: after tierlift.zero.shard() each parameter of "
+                    "model.parameters() is one unit's flat 1-D shard, so a split by parameter "
+                    "name or shape (p.dim() >= 2, 'bias' or 'norm' in the name) puts every "
+                    "shard on one side. Split them with shard(model, ..., param_group_fn=fn) "
+                    "(fn(name, param) sees the model's own names and shapes) and build the "
+                    "groups with tierlift.zero.param_groups(model, {key: settings})")
+
+
+def _checking(original):
+    def __init__(self, params, defaults):
+        original(self, params, defaults)
+        check_groups(self.param_groups)
+
+    return __init__
+
+
+def install() -> None:
+    """Idempotent (tierlift/_torch_patch.py)."""
+    wrap_method(torch.nn.utils.clip_grad, "_get_total_norm", _NORM_PARAMS, _global_norm)
+    wrap_method(torch.nn.utils, "get_total_norm", _NORM_PARAMS, _global_norm)
+    wrap_method(torch.optim.Optimizer, "__init__", ["self", "params", "defaults"], _checking)
