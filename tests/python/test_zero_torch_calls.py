@@ -4,7 +4,7 @@ and without an offloaded optimizer, also through a clip_grad_norm_ imported befo
 get_total_norm and error_if_nonfinite agree on every rank; param groups split by name or shape
 (nanoGPT, Hugging Face) are refused when the optimizer is built, while a split by unit name is
 kept; hooks on a parameter are refused by shard() before anything changes, and hooks on a shard
-run once its gradient has landed.
+run once its gradient has landed; ranks that built different weights are refused by shard().
 
 One spawn runs every case; each rank writes what it saw and the tests check it."""
 
@@ -125,8 +125,18 @@ def _hook_cases(rank: int, world: int) -> dict:
     return out
 
 
+def _same_init_cases(rank: int) -> dict:
+    model = make_model(seed=rank)  # a script that seeds each rank before building the model
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    msg = _raises(lambda: tierlift.zero.shard(model, stage=3))
+    unchanged = not hasattr(model, "_tierlift_zero") and all(
+        torch.equal(p, before[n]) for n, p in model.named_parameters())
+    return {"same_init": msg, "same_init/unchanged": unchanged}
+
+
 def _cases(rank: int, world: int, tmp: str) -> dict:
-    return {**_clip_cases(rank, world), **_group_cases(), **_hook_cases(rank, world)}
+    return {**_clip_cases(rank, world), **_group_cases(), **_hook_cases(rank, world),
+            **_same_init_cases(rank)}
 
 
 @pytest.fixture(scope="module")
@@ -186,3 +196,11 @@ def test_parameter_hook_refused_before_anything_changes(ranks, kind):
 def test_hooks_on_a_shard_run_when_its_gradient_lands(ranks):
     for out in ranks:
         assert out["hooks/on_shard"] == [0.0]  # called once, after the zeroing pre-hook
+
+
+def test_ranks_that_built_different_weights_are_refused(ranks):
+    for out in ranks:
+        msg = out["same_init"]
+        assert msg.startswith("ValueError: parameter 'pos' differs between rank 0 and "
+                              "rank 1"), msg
+        assert out["same_init/unchanged"]

@@ -32,6 +32,7 @@ from tierlift.zero.heartbeat import Heartbeat
 from tierlift.zero.hooks import _ATTR, ZeroState, _state
 from tierlift.zero.param_nvme import NvmeParamStore
 from tierlift.zero.param_offload import ParamOffload
+from tierlift.zero.same_init import check_same_init
 from tierlift.zero.topology import build as build_topology
 from tierlift.zero.unit import FlatUnit, source_key
 
@@ -233,6 +234,8 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
     if len(devices) != 1:
         raise ValueError(f"all {'' if stage3 else 'trainable '}parameters must be on one "
                          f"device, got {devices}")
+    if built is None:  # a meta model is filled by shard() itself, alike on every rank
+        check_same_init(topology.world, list(model.named_parameters()), next(iter(devices)))
     grouped: dict[str, list] = {n: [] for n in [*unit_names, ""]}
     for pid in order:
         p, names, owners, owning = info[pid]
