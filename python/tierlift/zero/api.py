@@ -141,7 +141,9 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
     units of their own whose shards (requires_grad=False, in the parameters' own dtype) are
     gathered for forward and backward and never reduced or stepped (see zero/frozen.py).
     requires_grad is fixed from here on: a change is refused at the next forward or step.
-    Every rank must call shard() on an identically initialised model.
+    Every rank must call shard() on an identically initialised model: a fingerprint of every
+    parameter is compared across the ranks and weights that differ are refused, naming the
+    first (zero/same_init.py).
 
     Stage 3 only: offload_params="cpu" keeps the fp32 shards in host memory (pinned with CUDA)
     and streams each unit to the device when it is gathered; offload_params="nvme" keeps them
