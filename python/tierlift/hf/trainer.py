@@ -37,6 +37,19 @@ _OPTIMIZER = "optimizer.pt"
 _ADAMW = ("adamw_torch", "adamw_torch_fused")
 
 
+def _refuse_other_sharding(args) -> None:
+    """TrainingArguments asking for FSDP or DeepSpeed: refused wherever they are set (on CPU,
+    transformers does not enable FSDP and would train under tierlift.zero silently)."""
+    if args is None:
+        return
+    for field in ("fsdp", "deepspeed"):
+        value = getattr(args, field, None)
+        if value:
+            raise ValueError(f"TrainingArguments.{field}={value!r}: tierlift.hf.Trainer shards "
+                             "the model with tierlift.zero (zero=tierlift.hf.ZeroConfig(...)); "
+                             f"drop {field}")
+
+
 class Trainer(transformers.Trainer):
     """transformers.Trainer for models sharded by tierlift.zero.shard (see the module doc).
 
@@ -47,6 +60,7 @@ class Trainer(transformers.Trainer):
         if zero is not None and not isinstance(zero, ZeroConfig):
             raise TypeError(f"zero must be a tierlift.hf.ZeroConfig or None, got "
                             f"{type(zero).__name__}")
+        _refuse_other_sharding(args)
         self.zero = zero
         self._save_opts = zero if zero is not None else ZeroConfig()
         self._pending_save = None

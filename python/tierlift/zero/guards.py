@@ -9,8 +9,9 @@
   carries a composable-API registry (torch's record of which distributed APIs a module has)
   whose membership test refuses the names FSDP asks about before it changes anything (the mark
   torch's @contract has already put on an outer module is taken back).
-- Replacing a submodule that holds sharded weights (resize_token_embeddings, LoRA layers
-  injected after shard()) would leave the unit pointing at the old module; adding a submodule
+- Replacing a submodule that holds sharded weights (LoRA layers injected after shard()) would
+  leave the unit pointing at the old module (resize_token_embeddings, which resizes the embedding
+  in place before it swaps the head, is refused when called); adding a submodule
   with trainable parameters would train it with no gradient reduction. Both are refused.
 - model.state_dict() records, in its `_metadata` (which torch.save keeps), the rank, world size
   and layout its `*_zero_flat_shard` entries belong to; model.load_state_dict loads shard entries
@@ -73,8 +74,19 @@ def install(model: nn.Module, state) -> None:
                          base=base + "." if base else "")
     for m in model.modules():
         _mark_for_fsdp(m)
+        if callable(getattr(m, "resize_token_embeddings", None)):
+            # transformers resizes the embedding in place, then swaps the LM head, which the
+            # module-swap guard refuses half-way: refuse the call itself, before any change.
+            object.__setattr__(m, "resize_token_embeddings", _refuse_resize)
     if not _HOOK:
         _HOOK.append(nn.modules.module.register_module_module_registration_hook(_on_register))
+
+
+def _refuse_resize(*args, **kwargs):
+    raise RuntimeError("resize_token_embeddings on a model sharded by tierlift.zero.shard: the "
+                       "embedding and LM head are sharded with their current shapes. Resize "
+                       "before tierlift.zero.shard(model) (with tierlift.hf.Trainer: before "
+                       "handing it the model); nothing was changed")
 
 
 def states_in(module: nn.Module) -> list:
