@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Literal
 
 _KINDS = ("none", "cpu", "nvme", "hybrid")
 _ALIGN_ELEMS = 1024  # 4 KiB of fp32: the O_DIRECT alignment of every chunk
@@ -21,7 +22,9 @@ class OffloadConfig:
     checkpoint is loaded). `durable`: the NVMe state outlives the process (offload="nvme"
     only): a process killed mid-step leaves it at the last step or the next, never a mix, and
     the next optimizer built the same way on the same nvme_path reopens it
-    (tierlift.offload.durable). `chunk_bytes` caps the fp32 bytes per state kind that
+    (tierlift.offload.durable). A folder with state files but no manifest is refused, never
+    zeroed; durable="fresh" discards whatever state the folder holds and starts a new one (then
+    use True again, to reopen it). `chunk_bytes` caps the fp32 bytes per state kind that
     one streamed chunk holds (the budget may lower it). `pipeline_slots`: how many chunks the
     NVMe pipeline holds at most (one stepped, one written back, the rest read ahead), all inside
     `cpu_budget`: more slots read further ahead in smaller chunks (a budget too small for 1 MiB
@@ -31,7 +34,9 @@ class OffloadConfig:
     each chunk in a background thread as soon as its gradients are ready (see
     tierlift.offload.overlap). `max_grad_norm`: clip by the global norm inside step(), exactly as
     torch.nn.utils.clip_grad_norm_ would just before it, without invalidating the overlap when
-    no scaling is needed."""
+    no scaling is needed. `skip_nonfinite`: a step whose gradients hold inf/NaN is skipped
+    (warned; weights, state and step counts unchanged) instead of stepped as torch steps it,
+    NaN into the weights; under a GradScaler such a step is always skipped, as torch does."""
 
     offload: str = "none"
     nvme_path: str | os.PathLike | None = None
@@ -43,9 +48,12 @@ class OffloadConfig:
     overlap: bool = False
     max_grad_norm: float | None = None
     nvme_generations: int = 2
-    durable: bool = False
+    durable: bool | Literal["fresh"] = False
+    skip_nonfinite: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.skip_nonfinite, bool):
+            raise TypeError(f"skip_nonfinite must be a bool, got {self.skip_nonfinite!r}")
         if self.offload not in _KINDS:
             raise ValueError(f"offload must be one of {_KINDS}, got {self.offload!r}")
         if self.offload in ("nvme", "hybrid"):
@@ -62,6 +70,10 @@ class OffloadConfig:
                 raise PermissionError(f"nvme_path {path!r} is not writable")
         elif self.offload == "none" and (self.overlap or self.max_grad_norm is not None):
             raise ValueError("overlap=True and max_grad_norm need offload='cpu' or 'nvme'")
+        elif self.offload == "none" and self.skip_nonfinite is True:
+            raise ValueError("skip_nonfinite=True needs offload='cpu', 'nvme' or 'hybrid' "
+                             "(without offload a step with inf/NaN gradients is stepped, as "
+                             "torch's; use GradScaler to skip such steps)")
         elif self.nvme_path is not None:
             raise ValueError(f"nvme_path is only used with offload='nvme' or 'hybrid', not "
                              f"{self.offload!r}")
@@ -87,8 +99,11 @@ class OffloadConfig:
             raise ValueError(f"nvme_generations must be 1 or 2, got {self.nvme_generations!r}")
         if self.nvme_generations != 2 and self.offload not in ("nvme", "hybrid"):
             raise ValueError("nvme_generations is only used with offload='nvme' or 'hybrid'")
+        if not isinstance(self.durable, bool) and self.durable != "fresh":
+            raise ValueError(f"durable must be True, False or 'fresh' (discard the state in "
+                             f"nvme_path and start a new one), got {self.durable!r}")
         if self.durable and self.offload != "nvme":
-            raise ValueError(f"durable=True needs offload='nvme' (host memory does not outlive "
-                             f"the process), got offload={self.offload!r}")
+            raise ValueError(f"durable={self.durable!r} needs offload='nvme' (host memory does "
+                             f"not outlive the process), got offload={self.offload!r}")
         if not 1 <= self.queue_depth <= 4096:
             raise ValueError(f"queue_depth must be in [1, 4096], got {self.queue_depth}")

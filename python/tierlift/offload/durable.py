@@ -15,6 +15,8 @@ g{gi}.grads      one generation only: that step's gradients, chunk ci at ci x th
 journal.{kind}   one generation only: the new bytes of the chunks in flight, one position per
                  pipeline slot (the "write-ahead journal of the chunks in flight").
 journal.records  64 bytes per chunk: which journal position holds its new bytes, their CRCs.
+creating.json    a new state before its first manifest. Without it, a folder with state files
+                 but no manifest is refused, never zeroed: durable="fresh" starts over.
 
 One generation, per step: the gradients are logged and synced, then intent.json is renamed into
 place. Each chunk is stepped, its new bytes go to its slot's journal position, its record is
@@ -38,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import socket
 import struct
 import sys
@@ -60,6 +63,7 @@ from tierlift.offload.tiers import (
 )
 
 DIR_PREFIX = "tierlift-durable-"
+CREATING = "creating.json"  # a new state before its first manifest (claim_dir)
 FORMAT = 1
 _MAGIC = 0x7D1F1A57
 _REC = struct.Struct("<IQIIII5I")  # magic, seq, gi, ci, slot, n_kinds, CRC per kind (<= 5)
@@ -79,12 +83,13 @@ def _owner() -> dict:
             "start_time": _start_time(os.getpid())}
 
 
-def claim_dir(path: str) -> bool:
+def claim_dir(path: str, start_fresh: bool = False) -> bool:
     """Makes `path` this process's durable state folder; True if it is new, False if it holds a
     state to reopen. A folder whose owner is alive (or on another host, where that cannot be
-    told) is refused."""
+    told) is refused, and so is one with state files but no manifest (only the manifest says
+    which step they hold: they are never taken for a new state and zeroed). `start_fresh`
+    (durable="fresh"): whatever state the folder holds is discarded and a new one started."""
     owner_file = os.path.join(path, "owner.json")
-    fresh = not os.path.exists(os.path.join(path, "manifest.json"))
     if os.path.exists(owner_file):
         try:
             owner = _read_json(owner_file)
@@ -98,9 +103,58 @@ def claim_dir(path: str) -> bool:
                     f"the durable optimizer state {path!r} is in use by pid {owner['pid']} on "
                     f"{owner.get('host')!r}; one optimizer at a time may own it (close() the "
                     "other, or give this one another nvme_path)")
+    manifest = os.path.join(path, "manifest.json")
+    creating = os.path.join(path, CREATING)
+    fresh = start_fresh or not os.path.exists(manifest)
+    if fresh and not start_fresh and not os.path.exists(creating):
+        left = _state_files(path)
+        if left:  # refused before anything in the folder changes
+            shown = ", ".join(left[:4]) + (f" and {len(left) - 4} more" if len(left) > 4
+                                          else "")
+            raise ValueError(
+                f"the durable optimizer state folder {path!r} holds state files ({shown}) but "
+                "no manifest.json, which says which step they hold: it cannot be reopened, and "
+                "it is not overwritten. Put its manifest.json back to reopen it, or pass "
+                "durable='fresh' to discard these files and start a new state")
     os.makedirs(path, exist_ok=True)
     _write_json(owner_file, _owner())
-    return fresh
+    if not fresh:  # a marker a kill left beside a committed manifest: stale
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(creating)
+        return False
+    if start_fresh:  # the manifest and intent first: without them nothing is reopened
+        for name in ("manifest.json", "intent.json"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(path, name))
+        _sync_dir(path)
+    # Until the first manifest commits it, the folder is a new state a kill may leave half
+    # made: this marker lets the next optimizer start it again instead of refusing it.
+    _write_json(creating, {"format": FORMAT})
+    for name in _state_files(path):
+        target = os.path.join(path, name)
+        if os.path.isdir(target) and not os.path.islink(target):
+            shutil.rmtree(target)
+        else:
+            os.unlink(target)
+    return True
+
+
+def _state_files(path: str) -> list[str]:
+    """The entries of a state folder other than its owner and new-state marker."""
+    try:
+        names = os.listdir(path)
+    except FileNotFoundError:
+        return []
+    skip = {"owner.json", CREATING}
+    return sorted(n for n in names if n not in skip and n.removesuffix(".tmp") not in skip)
+
+
+def _sync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _write_json(path: str, body) -> None:
@@ -119,11 +173,7 @@ def _write_json(path: str, body) -> None:
         raise OSError(err.errno, f"could not write {path!r} ({len(data) + 9} bytes needed): "
                       f"{err.strerror}") from err
     os.replace(tmp, path)
-    fd = os.open(os.path.dirname(path), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _sync_dir(os.path.dirname(path))
 
 
 def _read_json(path: str):
@@ -140,7 +190,8 @@ def _read_json(path: str):
         ok = False
     if not ok:
         raise ChecksumError(f"durable optimizer state file {path!r} is corrupt (its CRC-32 does "
-                            "not match); the state cannot be reopened")
+                            "not match); the state cannot be reopened (durable='fresh' "
+                            "discards it and starts a new one)")
     return json.loads(data)
 
 
@@ -167,12 +218,14 @@ def read_manifest(off, directory: str) -> dict:
     """The manifest of the state in `directory`, checked against Offloader `off`'s layout."""
     m = _read_json(os.path.join(directory, "manifest.json"))
     if m is None or m.get("format") != FORMAT:
-        raise ValueError(f"{directory!r} has no durable optimizer state tierlift can read")
+        raise ValueError(f"{directory!r} has no durable optimizer state tierlift can read; "
+                         "durable='fresh' discards its files and starts a new state")
     if m["layout"] != layout_of(off):
         raise ValueError(
             f"the durable optimizer state in {directory!r} was written for other parameters "
             "or settings (shapes, dtypes, state kinds, chunk size or nvme_generations "
-            "differ); build the optimizer as before, or use another nvme_path")
+            "differ); build the optimizer as before, use another nvme_path, or pass "
+            "durable='fresh' to discard that state")
     return m
 
 
@@ -255,7 +308,8 @@ class DurableState:
                         t.disk_bytes for t in off.tiers), 1)
             elif not os.path.exists(path) or os.path.getsize(path) < size:
                 raise ValueError(f"durable optimizer state {directory!r} is missing {path!r} "
-                                 "(or it is short); it cannot be reopened")
+                                 "(or it is short); it cannot be reopened (durable='fresh' "
+                                 "discards it and starts a new state)")
         self._records = None
         if self.one_gen:
             self._records = os.open(self.files[("records", 0)][0], os.O_RDWR)
@@ -264,6 +318,7 @@ class DurableState:
         if fresh:
             self._zero_crcs()
             self.write_manifest()
+            os.unlink(os.path.join(directory, CREATING))  # committed: a state from here on
         else:
             self._reopen()
 
