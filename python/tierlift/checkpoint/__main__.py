@@ -7,7 +7,9 @@ python -m tierlift.checkpoint export-optimizer CKPT_DIR OUT.pt: the optimizer st
 unsharded model's checkpoint (offloaded or not) as torch.optim.AdamW.load_state_dict takes it.
 
 Every command writes only to a new path (or, for a directory, an empty one) and creates its
-missing parent directories; a bad argument is a one-line error."""
+missing parent directories; a bad argument is a one-line error. A checkpoint without
+manifest.json is refused unless --allow-unverified-json is given (a checkpoint from a tierlift
+before manifests: its JSON files, hyperparameters and step counts, are then not checked)."""
 
 from __future__ import annotations
 
@@ -50,6 +52,12 @@ def main(argv=None) -> int:
                               "unsharded model's checkpoint")
     opt.add_argument("checkpoint", help="checkpoint directory written by tierlift.checkpoint.save")
     opt.add_argument("out", help="output file (torch.save)")
+    for p in (exp, opt):
+        p.add_argument("--allow-unverified-json", action="store_true",
+                       help="accept a checkpoint without manifest.json (written before "
+                            "tierlift had manifests): its JSON files (hyperparameters, step "
+                            "counts, shapes) then go unchecked, so a changed value is read "
+                            "as it is")
     args = parser.parse_args(argv)
     if args.command == "export" and args.format != "hf" and (
             args.max_shard_size is not None or args.config is not None):
@@ -79,7 +87,7 @@ def _write_new(out: str, write) -> None:
 
 def _run(args) -> int:
     if args.command == "export-optimizer":
-        sd = optimizer_state_dict(args.checkpoint)
+        sd = optimizer_state_dict(args.checkpoint, verify=not args.allow_unverified_json)
         _write_new(args.out, lambda tmp: torch.save(sd, tmp))
         print(f"wrote the state of {len(sd['state'])} parameters to {args.out}")
         return 0
@@ -90,7 +98,8 @@ def _run(args) -> int:
     if args.format == "hf":
         files, n, total = handoff.export_hf(args.checkpoint, args.out,
                                             max_shard_size=args.max_shard_size or "5GB",
-                                            config=args.config)
+                                            config=args.config,
+                                            verify=not args.allow_unverified_json)
         print(f"wrote {n} tensors ({total} bytes) in {files} file(s) to {args.out}")
         return 0
     targets.check_new_output(args.out)  # before reading the checkpoint
@@ -100,7 +109,7 @@ def _run(args) -> int:
         except ImportError:
             raise ImportError("writing .safetensors needs the safetensors package "
                               "(pip install safetensors); or write a .pt file") from None
-    sd = full_state_dict(args.checkpoint)
+    sd = full_state_dict(args.checkpoint, verify=not args.allow_unverified_json)
     if args.out.endswith(".safetensors"):
         # safetensors refuses shared storage: tied weights are written once per name.
         _write_new(args.out, lambda tmp: save_file(

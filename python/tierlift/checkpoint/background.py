@@ -16,9 +16,11 @@ import atexit
 import json
 import os
 import shutil
+import socket
 import sys
 import threading
 import time
+import uuid
 
 import torch
 
@@ -27,7 +29,7 @@ from tierlift.checkpoint import manifest, stream, targets
 from tierlift.checkpoint.agree import comm_device
 from tierlift.checkpoint.staging import MIN_PIECE, Packer, Staging, free_cached, piece_bytes
 from tierlift.checkpoint.writer import TensorFile, Writer, close_engine
-from tierlift.offload.tiers import _owner_alive, _start_time
+from tierlift.offload.tiers import _owner_alive, _pid_namespace, _start_time
 
 BLOCKING_BUDGET = 256 << 20  # a blocking save's staging, when no budget is given
 OWNER = targets.OWNER
@@ -131,45 +133,151 @@ def side_group(group) -> object:
     return _side_groups[ranks]
 
 
-def claim(tmp: str, path: str | None = None, replace: bool = True) -> None:
-    """Makes the empty directory `tmp` for a new save of `path`, refusing a `path` the save may
-    not replace (targets.check_save_target) and a `tmp` another live process is writing (a
-    killed one's is removed). Missing parent directories are created."""
+def claim(tmp: str, path: str | None = None, replace: bool = True) -> str:
+    """Claims `tmp` for a new save of `path`: refuses a `path` the save may not replace
+    (targets.check_save_target), then takes `tmp` atomically, so that of two saves started
+    at the same moment one is refused before it writes anything. The claim is the owner file
+    in `tmp`, created with O_EXCL (one process wins) and naming the owner (pid, host, start
+    time, a token), so a dead owner's `tmp` is told from a live one's and cleared
+    (_clear_stale); a live owner's is an error. Missing parent directories are created.
+    Returns the token, which must still be in `tmp` when the save publishes (Job.publish)."""
     if path is not None:
         targets.check_save_target(path, replace=replace)
-    owner_file = os.path.join(tmp, OWNER)
-    if os.path.isdir(tmp):
-        try:
-            with open(owner_file) as f:
-                owner = json.load(f)
-            alive = owner["pid"] != os.getpid() and _owner_alive(owner["pid"],
-                                                                  owner.get("start_time"))
-        except (OSError, ValueError, KeyError, TypeError):
-            alive = False
-        if alive:
-            raise RuntimeError(f"{tmp[:-len('.tmp')]!r} is being written by another save "
-                               f"(process {owner['pid']}); wait for it or save elsewhere")
-        shutil.rmtree(tmp, ignore_errors=True)
     targets.make_parent(tmp)
-    os.makedirs(tmp, exist_ok=True)  # an empty one (checked above) is taken as it is
+    owner_file = os.path.join(tmp, OWNER)
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "pidns": _pid_namespace(),
+          "start_time": _start_time(os.getpid()), "token": uuid.uuid4().hex}
+    for _ in range(8):  # each turn clears one dead owner's claim, or takes `tmp`
+        made = False
+        try:
+            os.mkdir(tmp)
+            made = True
+        except FileExistsError:
+            pass  # an empty one is taken as it is (check_save_target refused anything else)
+        try:
+            f = open(owner_file, "x")  # O_CREAT | O_EXCL: one process wins
+        except FileNotFoundError:
+            continue  # `tmp` was cleared meanwhile by another save
+        except FileExistsError:
+            owner = _read_owner(owner_file)
+            if owner is not None and _alive(owner):
+                who = f"process {owner.get('pid')}" + (
+                    f" on {owner['host']}" if owner.get("host") not in (None, me["host"])
+                    else "")
+                raise RuntimeError(f"{tmp[:-len('.tmp')]!r} is being written by another save "
+                                   f"({who}); nothing was written (wait for it, or save "
+                                   "elsewhere)") from None
+            _clear_stale(tmp, owner)
+            continue
+        except BaseException:
+            if made:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        try:
+            with f:
+                json.dump(me, f)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        _ACTIVE.add(me["token"])
+        return me["token"]
+    raise RuntimeError(f"could not claim {tmp!r}: other saves of the same path keep taking it")
+
+
+_ACTIVE: set[str] = set()  # the tokens of this process's saves in flight (its threads')
+_FRESH_S = 30.0  # an unreadable owner file younger than this may be one being written
+
+
+def _read_owner(file: str) -> dict | None:
+    """The owner record in `file`; None where it is unreadable and old enough that its writer
+    must have died (a claim is written right after its O_EXCL create). A young unreadable one
+    is given a moment, then taken as a live claim."""
+    deadline = time.monotonic() + 1.0
+    while True:
+        try:
+            with open(file) as f:
+                owner = json.load(f)
+            if isinstance(owner, dict) and isinstance(owner.get("pid"), int):
+                return owner
+        except FileNotFoundError:
+            return {}  # removed meanwhile: its claim is being cleared; try again
+        except (OSError, ValueError):
+            pass
+        if time.monotonic() > deadline:
+            try:
+                young = time.time() - os.path.getmtime(file) < _FRESH_S
+            except OSError:
+                young = False
+            return {"pid": -1, "unreadable": True} if young else None
+        time.sleep(0.01)
+
+
+def _alive(owner: dict) -> bool:
+    """Whether the save that wrote `owner` may still be running. One on another host or in
+    another pid namespace cannot be checked here: taken as alive (the error says so)."""
+    if not owner:
+        return False
+    if owner.get("unreadable"):
+        return True
+    if owner.get("host", socket.gethostname()) != socket.gethostname() or \
+            owner.get("pidns", _pid_namespace()) != _pid_namespace():
+        return True
+    if owner["pid"] == os.getpid():
+        return owner.get("token") in _ACTIVE
+    return _owner_alive(owner["pid"], owner.get("start_time"))
+
+
+def _clear_stale(tmp: str, owner: dict | None) -> None:
+    """Removes `tmp`, which a dead save left, unless another save claimed it since its owner
+    file was read: it is renamed aside first (only one clearing process can), then its owner
+    read again; a live claim found there is put back."""
+    if owner == {}:
+        return  # being cleared by another save
+    aside = f"{tmp}.stale-{uuid.uuid4().hex[:12]}"
     try:
-        with open(owner_file, "w") as f:
-            json.dump({"pid": os.getpid(), "start_time": _start_time(os.getpid())}, f)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        os.rename(tmp, aside)
+    except FileNotFoundError:
+        return
+    now = _read_owner(os.path.join(aside, OWNER))
+    if now and now != owner and _alive(now):
+        try:
+            os.rename(aside, tmp)  # onto an absent or empty `tmp` only
+            return
+        except OSError:
+            pass  # a third save took `tmp`: the one moved aside fails at its publish
+    shutil.rmtree(aside, ignore_errors=True)
 
 
-def publish(tmp: str, path: str, meta: dict) -> None:
+def owns(tmp: str, token: str) -> bool:
+    """Whether `tmp` still holds the claim with `token`."""
+    try:
+        with open(os.path.join(tmp, OWNER)) as f:
+            return json.load(f).get("token") == token
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def publish(tmp: str, path: str, meta: dict, token: str | None = None,
+            replace: bool = True) -> None:
     """Rank 0, every rank's files written: metadata.json, then manifest.json (the checksums of
-    every file) last, then `tmp` becomes `path`."""
+    every file) last, then `tmp` becomes `path`. With `token`: only while `tmp` holds that
+    claim, and `path` holds only tierlift's files (checked again: a background save may have
+    run for minutes since its claim)."""
+    if token is not None and not owns(tmp, token):
+        raise RuntimeError(f"saving {path}: its temporary directory {tmp!r} was taken over "
+                           "by another save (which judged this one dead); nothing was "
+                           "published")
+    targets.check_save_target(path, replace=replace)
     fmt.write_json(os.path.join(tmp, fmt.METADATA), meta)
     manifest.write(tmp)
     fmt.replace_dir(tmp, path)
-    try:
-        os.unlink(os.path.join(path, OWNER))
-    except FileNotFoundError:
-        pass
+    if token is None or owns(path, token):
+        try:
+            os.unlink(os.path.join(path, OWNER))
+        except FileNotFoundError:
+            pass
 
 
 class Vote:
@@ -238,6 +346,7 @@ class Job:
         self.writer = Writer(self.staging, self.files)
         self.packer = Packer(self.staging, self.writer.put, piece_bytes(self.staging.budget))
         self.handle = SaveHandle(path)
+        self.token: str | None = None  # rank 0's claim on `tmp` (claim())
         self._t0 = time.perf_counter()
         self.writer.start()
         if blocking or staging_budget is not None:
@@ -249,7 +358,7 @@ class Job:
         error = None
         try:
             if rank == 0:
-                claim(self.tmp, self.path, self.replace)
+                self.token = claim(self.tmp, self.path, self.replace)
         except BaseException as e:  # noqa: BLE001 - every rank learns of it below
             error = self._no_space(e) or e
         if vote(error is None):
@@ -257,6 +366,10 @@ class Job:
                                           f"{self.tmp!r}")
             self.abandon(error)
             raise error
+
+    def publish(self, meta: dict) -> None:
+        """Rank 0 (the claimer): metadata.json, manifest.json, `tmp` becomes `path`."""
+        publish(self.tmp, self.path, meta, token=self.token, replace=self.replace)
 
     def _no_space(self, error: BaseException) -> OSError | None:
         """A full drive's error naming the path and the bytes needed (else None)."""
@@ -303,7 +416,11 @@ class Job:
             h.hold.release()
 
     def abandon(self, error: BaseException) -> None:
-        """Stops the job before anything was staged (its directory could not be claimed)."""
+        """Stops the job before anything was staged (its directory could not be claimed, or
+        the ranks could not agree on it)."""
+        if self.token is not None and owns(self.tmp, self.token):
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        _ACTIVE.discard(self.token)
         self.snapshot_failed(error)
         self.writer.finish()
         self.writer.go.set()
@@ -360,8 +477,8 @@ class Job:
                     error = e
                 failed = vote(error is None)
             if failed:
-                if vote.rank == 0:
-                    shutil.rmtree(self.tmp, ignore_errors=True)
+                if vote.rank == 0 and self.token is not None and owns(self.tmp, self.token):
+                    shutil.rmtree(self.tmp, ignore_errors=True)  # never another save's
                 if error is not None:
                     error = self._no_space(error) or error
                 if error is None:
@@ -375,6 +492,7 @@ class Job:
                        "as it was before this save")
             handle._error = e
         finally:
+            _ACTIVE.discard(self.token)
             handle.bytes = self.writer.written
             handle.staging_peak = self.staging.peak
             handle.total_s = time.perf_counter() - self._t0

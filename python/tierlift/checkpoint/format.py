@@ -27,7 +27,7 @@ from collections.abc import Iterator
 
 import torch
 
-from tierlift.checkpoint import manifest
+from tierlift.checkpoint import manifest, validate
 
 FORMAT = "tierlift-zero-checkpoint"
 VERSION = 1
@@ -38,17 +38,19 @@ def rank_file(rank: int) -> str:
     return f"rank{rank:05d}.pt"
 
 
-def read_metadata(path: str) -> dict:
+def read_metadata(path: str, verify: bool = True) -> dict:
     """metadata.json of checkpoint `path`, once every file's size and every small file's
     SHA-256 matched manifest.json (manifest.py): a changed or truncated file is an error
-    naming it, raised before anything is loaded."""
+    naming it, raised before anything is loaded. A checkpoint without manifest.json is refused
+    unless `verify` is False (then: a warning). Its values are checked as the optimizer's
+    constructor checks them (validate.py), with a manifest or without."""
     file = os.path.join(path, METADATA)
     if not os.path.isdir(path):
         what = "does not exist" if not os.path.lexists(path) else "is a file"
         raise FileNotFoundError(f"{path} is not a tierlift checkpoint (it {what})")
     if not os.path.isfile(file):
         raise FileNotFoundError(f"{path} is not a tierlift checkpoint (no {METADATA})")
-    manifest.verify(path)
+    manifest.verify(path, required=verify)
     try:
         with open(file) as f:
             meta = json.load(f)
@@ -59,6 +61,7 @@ def read_metadata(path: str) -> dict:
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
         raise ValueError(f"{file}: unsupported checkpoint format {meta.get('format')!r} "
                          f"version {meta.get('version')!r} (expected {FORMAT!r} {VERSION})")
+    validate.metadata(meta, file)
     return meta
 
 
@@ -86,13 +89,44 @@ def replace_dir(tmp: str, path: str) -> None:
     """Makes the complete directory `tmp` the new `path` by two renames. A process killed in
     between leaves either `path` or `path`.old complete, and resolve_dir() finds it."""
     old = path + ".old"
+    if _empty(path) and os.path.isdir(old):
+        os.rmdir(path)  # `path`.old is the checkpoint (resolve_dir): kept, as below
     if os.path.exists(path):
-        shutil.rmtree(old, ignore_errors=True)  # a stale one: `path` is complete
+        remove_dir(old)  # a stale one: `path` is complete
         os.rename(path, old)
     # With only `path`.old there (a replace killed between its renames), it goes only once the
     # new `path` is in place: some complete checkpoint is there at every moment.
     os.rename(tmp, path)
-    shutil.rmtree(old, ignore_errors=True)
+    remove_dir(old)
+
+
+def remove_dir(directory: str) -> None:
+    """Removes a checkpoint directory, its manifest.json and metadata.json last: until it is
+    gone it still reads as a checkpoint (targets.is_checkpoint), never as a foreign folder
+    another save would refuse."""
+    last = [os.path.join(directory, n) for n in (manifest.MANIFEST, METADATA)]
+    for root, dirs, names in os.walk(directory, topdown=False):
+        for name in names:
+            file = os.path.join(root, name)
+            if file not in last:
+                _quietly(os.unlink, file)
+        for name in dirs:
+            sub = os.path.join(root, name)
+            _quietly(os.unlink if os.path.islink(sub) else os.rmdir, sub)
+    for file in last:
+        _quietly(os.unlink, file)
+    shutil.rmtree(directory, ignore_errors=True)  # whatever is left
+
+
+def _quietly(remove, path: str) -> None:
+    try:
+        remove(path)
+    except OSError:
+        pass  # gone already (another removal of it), or left for the rmtree at the end
+
+
+def _empty(path: str) -> bool:
+    return os.path.isdir(path) and not os.path.islink(path) and not os.listdir(path)
 
 
 def dir_path(path) -> str:
@@ -103,9 +137,10 @@ def dir_path(path) -> str:
 
 
 def resolve_dir(path: str) -> str:
-    """`path`, or `path`.old when a replace_dir() was killed between its two renames."""
+    """`path`, or `path`.old when a replace_dir() was killed between its two renames (`path`
+    is then absent, or an empty directory)."""
     path = dir_path(path)
-    if not os.path.exists(path) and os.path.isdir(path + ".old"):
+    if (not os.path.exists(path) or _empty(path)) and os.path.isdir(path + ".old"):
         return path + ".old"
     return path
 
@@ -160,6 +195,7 @@ def load_tensors(path: str, rank: int) -> dict[str, torch.Tensor]:
     data = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
     if not isinstance(data, dict) or not all(isinstance(v, torch.Tensor) for v in data.values()):
         raise ValueError(f"{file}: expected a dict of tensors")
+    validate.step_tensors(data, file)
     return data
 
 
@@ -176,13 +212,13 @@ def unit_slice(shards: list[dict], key: str, shard_numel: int, lo: int, hi: int)
     return torch.cat(pieces) if pieces else torch.empty(0, dtype=shards[0][key].dtype)
 
 
-def iter_state_dict(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_state_dict(path: str, verify: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """The plain (unsharded) model state dict stored in a checkpoint, one (name, tensor) at a
     time in the model's key order, without torch.distributed. The files are mapped; each
     tensor is read out of them only when it is reached, so a consumer that writes the tensors
     out as they come holds about what it keeps, not the whole model. Names tied to one
-    parameter in a sharded checkpoint get the same tensor."""
-    meta = read_metadata(path)
+    parameter in a sharded checkpoint get the same tensor. `verify`: as in read_metadata."""
+    meta = read_metadata(path, verify)
     if meta.get("layout") == "replicated":  # tierlift.checkpoint.replicated: "model.<key>"
         for k, v in load_tensors(path, 0).items():
             if k.startswith("model."):
@@ -216,7 +252,8 @@ def iter_state_dict(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         yield name, t
 
 
-def full_state_dict(path: str) -> dict[str, torch.Tensor]:
+def full_state_dict(path: str, *, verify: bool = True) -> dict[str, torch.Tensor]:
     """The plain (unsharded) model state dict stored in a checkpoint, without torch.distributed
-    (all of it in memory: iter_state_dict() gives it one tensor at a time)."""
-    return dict(iter_state_dict(path))
+    (all of it in memory: iter_state_dict() gives it one tensor at a time). A checkpoint
+    without manifest.json is refused unless `verify` is False (read_metadata)."""
+    return dict(iter_state_dict(resolve_dir(path), verify))

@@ -54,12 +54,13 @@ def shard_name(index: int, count: int) -> str:
 
 
 def export_hf(checkpoint: str, out_dir: str, *, max_shard_size: str | int = "5GB",
-              config: str | None = None) -> tuple[int, int, int]:
+              config: str | None = None, verify: bool = True) -> tuple[int, int, int]:
     """Write the model weights of `checkpoint` to the new or empty directory `out_dir` as
     Hugging Face safetensors shards of at most `max_shard_size` each (a larger tensor gets a
     shard of its own), with `config` (a config.json) copied in when given. Returns (files,
     tensors, total bytes). Written to a temporary directory beside it and renamed: nothing
-    half-written is left. Missing parent directories are created."""
+    half-written is left. Missing parent directories are created. A checkpoint without
+    manifest.json is refused unless `verify` is False (format.read_metadata)."""
     try:
         from safetensors.torch import save_file
     except ImportError as e:
@@ -67,7 +68,7 @@ def export_hf(checkpoint: str, out_dir: str, *, max_shard_size: str | int = "5GB
                           "safetensors)") from e
     limit = parse_size(max_shard_size)
     checkpoint = fmt.resolve_dir(os.fspath(checkpoint))
-    fmt.read_metadata(checkpoint)  # a clear error before anything is written
+    fmt.read_metadata(checkpoint, verify)  # a clear error before anything is written
     out_dir = os.fspath(out_dir).rstrip(os.sep) or os.sep
     targets.check_new_output(out_dir, directory=True)
     if config is not None and not os.path.isfile(config):
@@ -89,7 +90,7 @@ def export_hf(checkpoint: str, out_dir: str, *, max_shard_size: str | int = "5GB
             shard.clear()
             storages.clear()
 
-        for name, t in fmt.iter_state_dict(checkpoint):
+        for name, t in fmt.iter_state_dict(checkpoint, verify):
             nbytes = t.numel() * t.element_size()
             if shard and size + nbytes > limit:
                 flush()

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from tierlift.checkpoint import agree, background, replicated, reshard, restore, stream
+from tierlift.checkpoint import agree, background, replicated, reshard, restore, stream, validate
 from tierlift.checkpoint import format as fmt
 from tierlift.offload.journal import Journal
 from tierlift.zero.api import _ATTR, _SHARD_NAME, _state
@@ -84,8 +84,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
     except BaseException as e:
         job.snapshot_failed(e)
     vote = background.training_vote(everyone) if blocking else background.side_vote(everyone)
-    return job.start(vote, lambda: background.publish(job.tmp, path, meta)
-                     if everyone.rank == 0 else None)
+    return job.start(vote, lambda: job.publish(meta) if everyone.rank == 0 else None)
 
 
 def _stage_shard(job, state, model, optimizer, off) -> None:
@@ -229,19 +228,25 @@ def _take(shards: list[dict], unit, saved: dict, key: str, rank: int) -> torch.T
 
 
 @torch.no_grad()
-def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None) -> dict:
+def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
+         verify: bool = True) -> dict:
     """Load a checkpoint written by save() into a model (and optimizer); returns the `extra`
     dict given to save(). A sharded model loads on any world size: each rank reads the slices
     of the saved shards that overlap its new shard; offloaded optimizer state streams into the
     tiers within cpu_budget (restore.py, reshard.py). Every file's SHA-256 is checked before
     anything is changed, and the load is all-or-nothing across ranks (agree.py): if it fails
-    on any rank, every rank keeps its model and optimizer as they were and raises."""
+    on any rank, every rank keeps its model and optimizer as they were and raises.
+
+    A checkpoint without manifest.json (which records the SHA-256 of its JSON files) is
+    refused: verify=False loads one written by a tierlift from before manifests, with a
+    warning. Either way the hyperparameters and step counts it holds are checked as the
+    optimizer's constructor checks them (validate.py) before anything changes."""
     if getattr(model, _ATTR, None) is None:
-        return replicated.load(os.fspath(path), model, optimizer)
+        return replicated.load(os.fspath(path), model, optimizer, verify=verify)
     state = _state(model)
     comm = state.comm
     path = fmt.resolve_dir(os.fspath(path))
-    meta = fmt.read_metadata(path)
+    meta = fmt.read_metadata(path, verify)
     if meta.get("layout", "sharded") != "sharded":
         raise ValueError(f"{path} holds an unsharded model's checkpoint; load it before "
                          "tierlift.zero.shard(), or into a model that is not sharded")
@@ -252,6 +257,9 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None) -> dic
             len(meta["param_groups"]) != len(optimizer.param_groups):
         raise ValueError(f"checkpoint has {len(meta['param_groups'])} optimizer param "
                          f"groups, the optimizer {len(optimizer.param_groups)}")
+    if optimizer is not None:
+        validate.fits(meta["param_groups"], optimizer.param_groups,
+                      os.path.join(path, fmt.METADATA))
     own = model.state_dict()
     taken = {n for u in from_extras for e in u.entries for n in e.names}
     extras = {k[len("extra."):]: v for k, v in shards[0].items()

@@ -15,8 +15,10 @@ files already carry their own SHA-256 (rankNNNNN.sha256, state.json's "sha256"),
 loader checks as it reads them; the manifest records who checks them ("checked_by") and their
 size, which is checked here at once, so a large file is never hashed twice.
 
-A checkpoint written before manifests existed has none: it loads with a warning (its tensor
-files are still checked; its JSON files are not).
+A checkpoint without one is refused: deleting manifest.json must not switch the checks off. A
+checkpoint written before manifests existed loads only when the caller says so (load(...,
+verify=False), the CLI's --allow-unverified-json), with a warning: its tensor files are still
+checked, its JSON files are not (their values still are, validate.py).
 """
 
 from __future__ import annotations
@@ -100,16 +102,23 @@ def _digest_of(entries: dict) -> str:
     return hashlib.sha256(json.dumps(entries, sort_keys=True).encode()).hexdigest()
 
 
-def verify(path: str) -> None:
+def verify(path: str, required: bool = True) -> None:
     """Raises a ValueError naming the first file of checkpoint `path` that is missing, of
     another size or (a file not checked elsewhere) another SHA-256 than manifest.json says.
-    Without a manifest (a checkpoint from before manifests): a warning. Reads, changes
-    nothing."""
+    Without a manifest: a ValueError, or (not `required`: a checkpoint from before manifests)
+    a warning. Reads, changes nothing."""
     file = os.path.join(path, MANIFEST)
     if not os.path.isfile(file):
+        if required:
+            raise ValueError(
+                f"checkpoint {path} has no {MANIFEST}, so its JSON files (hyperparameters, step "
+                "counts, shapes) cannot be checked; refusing it. If it was written by a "
+                "tierlift from before manifests and you trust it, load it with "
+                "tierlift.checkpoint.load(..., verify=False) (on the command line: "
+                "--allow-unverified-json) and save it again to add one")
         warnings.warn(f"checkpoint {path} has no {MANIFEST} (written by an older tierlift): its "
-                      "tensor files are checked by their SHA-256, its JSON files are not; save it "
-                      "again to add one", UserWarning, stacklevel=3)
+                      "tensor files are checked by their SHA-256, its JSON files are not "
+                      "(verify=False); save it again to add one", UserWarning, stacklevel=3)
         return
     try:
         with open(file) as f:

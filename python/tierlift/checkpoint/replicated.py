@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from tierlift.checkpoint import agree, background, restore, stream
+from tierlift.checkpoint import agree, background, restore, stream, validate
 from tierlift.checkpoint import format as fmt
 from tierlift.offload.journal import Journal
 from tierlift.offload.layout import kind_elems
@@ -61,7 +61,7 @@ def save(path: str, model: torch.nn.Module, optimizer, extra: dict | None, *,
     except BaseException as e:
         job.snapshot_failed(e)
     vote = background.training_vote(comm) if blocking else background.side_vote(comm)
-    return job.start(vote, lambda: _publish(job.tmp, path, fields) if rank == 0 else None)
+    return job.start(vote, lambda: _publish(job, fields) if rank == 0 else None)
 
 
 def _stage(job, model, optimizer, off, extra) -> dict:
@@ -91,9 +91,9 @@ def _stage(job, model, optimizer, off, extra) -> dict:
     }
 
 
-def _publish(tmp: str, path: str, fields: dict) -> None:
-    background.publish(tmp, path, {"format": fmt.FORMAT, "version": fmt.VERSION,
-                                   "layout": "replicated", "world_size": 1, **fields})
+def _publish(job, fields: dict) -> None:
+    job.publish({"format": fmt.FORMAT, "version": fmt.VERSION, "layout": "replicated",
+                 "world_size": 1, **fields})
 
 
 def save_state_dict(path: str, state_dict: dict[str, torch.Tensor],
@@ -113,15 +113,16 @@ def save_state_dict(path: str, state_dict: dict[str, torch.Tensor],
         job.snapshot_failed(e)
     fields = {"key_order": list(state_dict), "optimizer_state": None, "optimizer_scalars": {},
               "param_groups": [], "param_names": [], "extra": extra or {}}
-    job.start(background.Vote(0, 1, None), lambda: _publish(job.tmp, path, fields))
+    job.start(background.Vote(0, 1, None), lambda: _publish(job, fields))
 
 
-def optimizer_state_dict(path: str) -> dict:
+def optimizer_state_dict(path: str, *, verify: bool = True) -> dict:
     """The optimizer state of a replicated checkpoint as torch's Optimizer.state_dict() has it
     ({"state": {index: {...}}, "param_groups": [...]}): loads into torch.optim.AdamW, or into
-    tierlift's optimizers with any offload."""
-    path = fmt.resolve_dir(path)
-    meta = fmt.read_metadata(path)
+    tierlift's optimizers with any offload. A checkpoint without manifest.json is refused
+    unless `verify` is False (format.read_metadata)."""
+    path = fmt.resolve_dir(os.fspath(path))
+    meta = fmt.read_metadata(path, verify)
     if meta.get("layout") != "replicated":
         raise ValueError(f"{path} is a sharded checkpoint: its optimizer state is per unit "
                          "shard; load it with tierlift.checkpoint.load into a sharded model")
@@ -175,9 +176,9 @@ def _check_state(optimizer, opt_sd: dict, path: str) -> None:
 
 
 @torch.no_grad()
-def load(path: str, model: torch.nn.Module, optimizer) -> dict:
+def load(path: str, model: torch.nn.Module, optimizer, *, verify: bool = True) -> dict:
     path = fmt.resolve_dir(path)
-    meta = fmt.read_metadata(path)
+    meta = fmt.read_metadata(path, verify)
     if meta.get("layout") != "replicated":
         raise ValueError(f"{path} holds a sharded (tierlift.zero) checkpoint: load it into a "
                          "model after tierlift.zero.shard()")
@@ -190,16 +191,18 @@ def load(path: str, model: torch.nn.Module, optimizer) -> dict:
     optim = os.path.join(path, OPTIM_DIR)
     if optimizer is not None and meta["optimizer_state"] is not None:
         _set_hyper(optimizer, meta)
+        validate.fits(meta["param_groups"], optimizer.param_groups,
+                      os.path.join(path, fmt.METADATA))
         if meta["optimizer_state"] == "offloaded":
             smeta = stream.verify(optim)
             if off is None or not restore.same_state_format(off, smeta):
                 # through a state dict, which the optimizer converts (fp32 <-> compact state)
-                opt_sd = optimizer_state_dict(path)
+                opt_sd = optimizer_state_dict(path, verify=verify)
             else:
                 plan = restore.plan_from_state(optim, smeta)
                 restore.check_plan(off, plan, optim)
         else:
-            opt_sd = optimizer_state_dict(path)
+            opt_sd = optimizer_state_dict(path, verify=verify)
         if opt_sd is not None:
             _check_state(optimizer, opt_sd, path)
     # Prepared, agreed on by every DDP rank, committed (agree.py): the model in place behind

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from tierlift.checkpoint import format as fmt
+from tierlift.checkpoint import validate
 from tierlift.checkpoint.writer import Held, RawFile
 from tierlift.offload.layout import SCALE_KIND, kind_elems, kind_slice
 from tierlift.offload.tiers import MemoryTier
@@ -76,6 +77,12 @@ def read_state_json(directory: str) -> dict:
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
         raise ValueError(f"{file}: unsupported format {meta.get('format')!r} version "
                          f"{meta.get('version')!r} (expected {FORMAT!r} {VERSION})")
+    try:
+        for gi, group in enumerate(meta["groups"]):
+            for e in group["params"]:
+                validate.step(e["step"], f"{file}: groups[{gi}] parameter {e['index']}")
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{file} is corrupt: {type(e).__name__}: {e}") from None
     return meta
 
 

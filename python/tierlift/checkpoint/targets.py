@@ -2,9 +2,15 @@
 
 A save replaces `path` (and uses `path`.tmp and `path`.old on the way, format.replace_dir), so
 each of them must be absent, an empty directory, or a tierlift checkpoint (or, for `.tmp`, a
-save's leftover): a file or a directory of anything else is refused, never deleted. An import
-(import-dcp) and the exports write only to a new path, or an empty directory. Every writer
-creates missing parent directories, as save() always has.
+save's leftover): a file or a directory of anything else is refused, never deleted. A
+checkpoint directory that also holds files tierlift did not write (a notes.txt put there) is
+refused too: the save swaps the directory whole, and would delete them. An import (import-dcp)
+and the exports write only to a new path, or an empty directory. Every writer creates missing
+parent directories, as save() always has.
+
+A lone `path`.old (a save killed between its two renames) is the checkpoint at `path`
+(format.resolve_dir): every writer sees it so. A save replaces it (keeping it until the new
+one is in place); an import or an export to `path` is refused, as for an existing checkpoint.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 
 from tierlift.checkpoint import format as fmt
@@ -19,6 +26,9 @@ from tierlift.checkpoint.manifest import FORMAT as MANIFEST_FORMAT
 from tierlift.checkpoint.manifest import MANIFEST
 
 OWNER = ".owner.json"  # written first into `path`.tmp by a save (background.claim)
+# The names a save gives its files (for a checkpoint without a readable manifest.json).
+_OURS = re.compile(r"metadata\.json|manifest\.json|\.owner\.json|rank\d{5}\.(pt|sha256)|"
+                   r"(rank\d{5}\.optim|optim)/(state\.json|g\d+\.\w+\.(f32|bf16|u8))")
 
 
 def _format_of(file: str) -> str | None:
@@ -38,6 +48,64 @@ def is_checkpoint(path: str) -> bool:
         or _format_of(os.path.join(path, fmt.METADATA)) == fmt.FORMAT)
 
 
+def _listed(path: str) -> set[str] | None:
+    """The files the manifest.json of checkpoint `path` lists; None without a readable one."""
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            value = json.load(f)
+        files = value["files"]
+        if value.get("format") != MANIFEST_FORMAT or not isinstance(files, dict):
+            return None
+        return set(files)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def foreign_files(path: str) -> list[str]:
+    """What checkpoint directory `path` holds that tierlift did not write, as sorted relative
+    paths (an empty folder with a trailing /): anything its manifest.json does not list, or,
+    without a readable manifest, anything not named as a save names its files."""
+    listed = _listed(path)
+    out = []
+    for root, dirs, names in os.walk(path):
+        rel_root = os.path.relpath(root, path).replace(os.sep, "/")
+        links = [d for d in dirs if os.path.islink(os.path.join(root, d))]  # not walked into
+        for name in names + links:
+            rel = name if rel_root == "." else f"{rel_root}/{name}"
+            if rel in (MANIFEST, OWNER) or (
+                    rel in listed if listed is not None else _OURS.fullmatch(rel)):
+                continue
+            out.append(rel)
+        if not names and not dirs and rel_root != ".":
+            out.append(rel_root + "/")
+    return sorted(out)
+
+
+def _refuse_foreign(path: str) -> None:
+    found = foreign_files(path)
+    if found:
+        more = f" and {len(found) - 3} more" if len(found) > 3 else ""
+        raise FileExistsError(
+            f"{path!r} holds files tierlift did not write ({', '.join(found[:3])}{more}); a "
+            "save replaces the checkpoint directory whole and would delete them, so nothing was "
+            "written (move them out, or save elsewhere)")
+
+
+def lone_old(path: str) -> bool:
+    """Whether `path`.old is the checkpoint at `path` (format.resolve_dir's rule): `path` is
+    absent or an empty directory, and `path`.old is a tierlift checkpoint."""
+    return (not os.path.lexists(path) or _empty_dir(path)) and is_checkpoint(path + ".old")
+
+
+def _refuse_lone_old(path: str) -> None:
+    if lone_old(path):
+        old = path + ".old"
+        raise FileExistsError(
+            f"{old!r} is the checkpoint at {path!r} (a save was interrupted while replacing "
+            f"it; load({path!r}) reads it from there); nothing was written (rename {old!r} to "
+            f"{path!r} first, or write elsewhere)")
+
+
 def _empty_dir(path: str) -> bool:
     return os.path.isdir(path) and not os.path.islink(path) and not os.listdir(path)
 
@@ -52,7 +120,8 @@ def _what(path: str) -> str:
 
 def check_save_target(path: str, *, replace: bool = True) -> None:
     """Raises FileExistsError, changing nothing, unless a save may write `path`: absent, an
-    empty directory, or (with `replace`) a tierlift checkpoint; `path`.old likewise, and
+    empty directory, or (with `replace`) a tierlift checkpoint holding only its own files;
+    `path`.old likewise (without `replace`, not the checkpoint at `path`: lone_old), and
     `path`.tmp absent, empty or left by a save."""
     if os.path.lexists(path) and not _empty_dir(path):
         if not replace:
@@ -62,10 +131,16 @@ def check_save_target(path: str, *, replace: bool = True) -> None:
             raise FileExistsError(f"{path!r} exists and is {_what(path)}; a save replaces only "
                                   "a tierlift checkpoint, so nothing was written (save "
                                   "elsewhere, or remove it first)")
+        _refuse_foreign(path)
     old, tmp = path + ".old", path + ".tmp"
-    if os.path.lexists(old) and not _empty_dir(old) and not is_checkpoint(old):
-        raise FileExistsError(f"{old!r} exists and is {_what(old)}; a save uses that name on "
-                              "its way, so nothing was written (rename it, or save elsewhere)")
+    if os.path.lexists(old) and not _empty_dir(old):
+        if not is_checkpoint(old):
+            raise FileExistsError(f"{old!r} exists and is {_what(old)}; a save uses that name "
+                                  "on its way, so nothing was written (rename it, or save "
+                                  "elsewhere)")
+        if not replace:
+            _refuse_lone_old(path)
+        _refuse_foreign(old)
     if os.path.lexists(tmp) and not _empty_dir(tmp) and not (
             os.path.isdir(tmp) and not os.path.islink(tmp)
             and os.path.isfile(os.path.join(tmp, OWNER))):
@@ -76,10 +151,10 @@ def check_save_target(path: str, *, replace: bool = True) -> None:
 
 def check_new_output(out: str, *, directory: bool = False) -> None:
     """Raises FileExistsError unless `out` is absent (or, for a `directory` output, an empty
-    directory): an export never writes over anything."""
-    if not os.path.lexists(out):
-        return
-    if directory and _empty_dir(out):
+    directory), and is not the name of a checkpoint that lives at `out`.old (lone_old): an
+    export never writes over anything."""
+    if not os.path.lexists(out) or directory and _empty_dir(out):
+        _refuse_lone_old(os.fspath(out).rstrip(os.sep) or out)
         return
     what = "and is not an empty directory" if directory else "already"
     raise FileExistsError(f"{out!r} exists {what}; nothing was written (pass a new path, or "
