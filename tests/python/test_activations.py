@@ -593,6 +593,18 @@ def test_policy_plan_fills_the_fast_tiers_from_the_last_block():
                 dict(block_bytes=-1), dict(cpu_budget=1.5), dict(cpu_budget=True)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             Policy.plan(**{**dict(n_blocks=3, block_bytes=10, cpu_budget=0), **bad})
+    # A time or speed that is not one would pick NVMe or recompute for no reason.
+    speeds = dict(n_blocks=3, block_bytes=10, cpu_budget=0, nvme=True, block_compute_s=1.0,
+                  nvme_bytes_per_s=2.0)
+    for name, value in [("block_compute_s", -1.0), ("block_compute_s", float("nan")),
+                        ("block_compute_s", float("inf")), ("block_compute_s", True),
+                        ("nvme_bytes_per_s", 0.0), ("nvme_bytes_per_s", -2.0),
+                        ("nvme_bytes_per_s", float("nan")), ("nvme_bytes_per_s", "2")]:
+        what = "one block's forward time" if name == "block_compute_s" else "the NVMe bandwidth"
+        with pytest.raises(ValueError, match=rf"{name} \({what}\) must be a finite number"):
+            Policy.plan(**{**speeds, name: value})
+    # A free forward: recomputing costs nothing.
+    assert Policy.plan(**{**speeds, "block_compute_s": 0.0}).tiers == ("recompute",) * 2 + ("keep",)
 
 
 # ---- memory ------------------------------------------------------------------------------------

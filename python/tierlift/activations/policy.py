@@ -4,6 +4,7 @@ while cpu_budget lasts, then NVMe)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -52,6 +53,16 @@ class Policy:
                                    ("cpu_budget", cpu_budget, 0), ("gpu_budget", gpu_budget, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+        # A negative or NaN time would make every comparison below pick a tier for no reason.
+        for name, what, value, positive in (
+                ("block_compute_s", "one block's forward time", block_compute_s, False),
+                ("nvme_bytes_per_s", "the NVMe bandwidth", nvme_bytes_per_s, True)):
+            if value is None:
+                continue
+            if (isinstance(value, bool) or not isinstance(value, int | float)
+                    or not math.isfinite(value) or value < 0 or (positive and value == 0)):
+                raise ValueError(f"{name} ({what}) must be a finite number "
+                                 f"{'>' if positive else '>='} 0, got {value!r}")
         tiers = []
         kept = ram = 0
         for i in reversed(range(n_blocks)):

@@ -8,11 +8,25 @@ import json
 import math
 import os
 import shutil
+from pathlib import Path
 
+import torch
+
+from tierlift._plotting import pyplot
 from tierlift.activations import Policy
 from tierlift.plan.comm import comm_plan, render_comm
-from tierlift.plan.measure import measure
-from tierlift.plan.planner import PlanInput, make_plan, max_params, parse_bytes, render
+from tierlift.plan.measure import host_memory_available, measure
+from tierlift.plan.planner import (
+    MAX_PARAMS,
+    PlanInput,
+    make_plan,
+    max_params,
+    parse_bytes,
+    render,
+)
+
+# The plan lists one tier per block: a model has far fewer blocks (its transformer layers).
+MAX_ACT_BLOCKS = 1_000_000
 
 
 def add_parser(sub) -> None:
@@ -66,8 +80,6 @@ def add_parser(sub) -> None:
 
 def activation_policy(args: argparse.Namespace, bw) -> Policy:
     """Each block's activation tier from the sizes given and the disk bandwidth measured."""
-    if args.act_blocks < 1:
-        raise ValueError(f"--act-blocks must be >= 1, got {args.act_blocks}")
     disk = None
     if bw.disk_read_bps and bw.disk_write_bps:
         disk = 1 / (1 / bw.disk_read_bps + 1 / bw.disk_write_bps) * 2  # out and back
@@ -78,6 +90,64 @@ def activation_policy(args: argparse.Namespace, bw) -> Policy:
                        gpu_budget=_size_or_zero(args.act_gpu_budget, "--act-gpu-budget"),
                        nvme=args.nvme is not None, nvme_bytes_per_s=disk,
                        block_compute_s=None if fwd is None else fwd / 1e3)
+
+
+def _check_activations(args: argparse.Namespace, gpu_mem: int, cpu_mem: int) -> None:
+    """The activation arguments, before anything is measured."""
+    if (args.act_blocks is None) != (args.act_block_bytes is None):
+        raise ValueError("--act-blocks and --act-block-bytes go together")
+    if args.act_blocks is None:
+        return
+    if not 1 <= args.act_blocks <= MAX_ACT_BLOCKS:
+        raise ValueError(f"--act-blocks must be in [1, {MAX_ACT_BLOCKS}] (a model's blocks, "
+                         f"e.g. its transformer layers), got {args.act_blocks}")
+    fwd = args.act_block_forward_ms
+    if fwd is not None and not (math.isfinite(fwd) and fwd >= 0):
+        raise ValueError(f"--act-block-forward-ms (one block's forward time) must be a finite "
+                         f"number >= 0, got {fwd}")
+    parse_bytes(args.act_block_bytes, "--act-block-bytes")
+    for flag, text, mem_flag, mem in (("--act-cpu-budget", args.act_cpu_budget, "--cpu-mem",
+                                       cpu_mem),
+                                      ("--act-gpu-budget", args.act_gpu_budget, "--gpu-mem",
+                                       gpu_mem)):
+        if _size_or_zero(text, flag) > mem:
+            raise ValueError(f"{flag} {text} is more than {mem_flag} {_arg(args, mem_flag)}, "
+                             "the memory it is a part of")
+
+
+def _arg(args: argparse.Namespace, flag: str) -> str:
+    return getattr(args, flag.removeprefix("--").replace("-", "_"))
+
+
+def _check_probe(args: argparse.Namespace, probe: int) -> None:
+    """The bandwidth probes fit this machine: refused before any is allocated or written."""
+    host = host_memory_available()
+    if host is not None and 2 * probe > host:
+        raise ValueError(f"--probe-mib {args.probe_mib}: the bandwidth probes take two buffers "
+                         f"of that size ({2 * probe} bytes) and this machine has {host} bytes of "
+                         "host memory available; give a smaller --probe-mib")
+    if torch.cuda.is_available():
+        free = torch.cuda.mem_get_info()[0]
+        if probe > free:
+            raise ValueError(f"--probe-mib {args.probe_mib}: the PCIe probe takes {probe} bytes "
+                             f"of GPU memory and {free} are free; give a smaller --probe-mib")
+
+
+def _check_plot(path: str) -> None:
+    """--plot names a file that can be written: no directory there, none of its parents a
+    file (checked before measuring); matplotlib present."""
+    target = Path(path)
+    if target.is_dir():
+        raise ValueError(f"--plot {path!r} is a directory; give a file name like plan.png")
+    parent = target.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"--plot {path!r}: {str(parent)!r} is a file, not a directory")
+    try:
+        pyplot()
+    except ImportError as err:
+        raise ValueError(f"--plot needs matplotlib ({err})") from None
 
 
 def _nvme_free(args: argparse.Namespace) -> int | None:
@@ -93,7 +163,7 @@ def _device_params(text: str) -> int | None:
         return None
     try:
         return int(float(text))
-    except ValueError:
+    except (ValueError, OverflowError):  # inf overflows int()
         raise ValueError(f"--device-params must be auto or a count like 4e9, got "
                          f"{text!r}") from None
 
@@ -109,25 +179,51 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--params must be a number like 8e9, got {args.params!r}") from None
     if not (math.isfinite(params) and params > 0):  # before the bandwidths are measured
         raise ValueError(f"--params must be a finite number > 0 like 8e9, got {args.params!r}")
+    if params > MAX_PARAMS:
+        raise ValueError(f"--params must be at most 2**53 ({MAX_PARAMS:.4g}), the most the "
+                         f"planner counts exactly, got {args.params!r}")
     if args.nvme is not None and not os.path.isdir(args.nvme):
         raise ValueError(f"--nvme {args.nvme!r} is not an existing directory")
     if args.probe_mib <= 0:
         raise ValueError(f"--probe-mib must be > 0, got {args.probe_mib}")
-    inp = PlanInput(params=params, gpu_mem=parse_bytes(args.gpu_mem, "--gpu-mem"),
-                    cpu_mem=parse_bytes(args.cpu_mem, "--cpu-mem"), nvme=args.nvme,
-                    cpu_budget=None if args.cpu_budget is None
-                    else parse_bytes(args.cpu_budget, "--cpu-budget"),
-                    nvme_free=_nvme_free(args), state_dtype=args.state_dtype,
-                    offload_params=args.offload_params, grad_dtype=args.grad_dtype,
-                    device_params=_device_params(args.device_params))
+    probe = args.probe_mib << 20
+    _check_probe(args, probe)
+    if args.plot:
+        _check_plot(args.plot)
+    gpu_mem = parse_bytes(args.gpu_mem, "--gpu-mem")
+    cpu_mem = parse_bytes(args.cpu_mem, "--cpu-mem")
+    cpu_budget = None if args.cpu_budget is None else parse_bytes(args.cpu_budget,
+                                                                  "--cpu-budget")
+    if cpu_budget is not None and cpu_budget > cpu_mem:
+        raise ValueError(f"--cpu-budget {args.cpu_budget} is more than --cpu-mem "
+                         f"{args.cpu_mem}, the host memory it is a part of")
+    inp = PlanInput(params=params, gpu_mem=gpu_mem, cpu_mem=cpu_mem, nvme=args.nvme,
+                    cpu_budget=cpu_budget, nvme_free=_nvme_free(args),
+                    state_dtype=args.state_dtype, offload_params=args.offload_params,
+                    grad_dtype=args.grad_dtype, device_params=_device_params(args.device_params))
     given = [x is not None for x in (args.nodes, args.gpus_per_node, args.inter_node_gbps)]
     if any(given) and not all(given):
         raise ValueError("--nodes, --gpus-per-node and --inter-node-gbps go together")
+    if all(given):
+        if args.nodes < 1 or args.gpus_per_node < 1:
+            raise ValueError(f"--nodes and --gpus-per-node must be >= 1, got {args.nodes} and "
+                             f"{args.gpus_per_node}")
+        if not (math.isfinite(args.inter_node_gbps) and args.inter_node_gbps > 0):
+            raise ValueError(f"--inter-node-gbps must be a finite number > 0, got "
+                             f"{args.inter_node_gbps}")
     if args.micro_batches < 1:
         raise ValueError(f"--micro-batches must be >= 1, got {args.micro_batches}")
-    if (args.act_blocks is None) != (args.act_block_bytes is None):
-        raise ValueError("--act-blocks and --act-block-bytes go together")
-    bw = measure(args.nvme, args.probe_mib << 20)
+    _check_activations(args, gpu_mem, cpu_mem)
+    try:
+        bw = measure(args.nvme, probe)
+    except MemoryError as err:
+        raise ValueError(f"--probe-mib {args.probe_mib}: {err}; give a smaller --probe-mib"
+                         ) from None
+    except OSError as err:  # the disk probe under --nvme
+        if args.nvme is None:
+            raise
+        raise ValueError(f"--nvme {args.nvme!r}: {err.strerror or err}; free some space or "
+                         "give a smaller --probe-mib") from None
     largest = None
     if args.max_params:
         largest, plan = max_params(inp, bw)
@@ -164,5 +260,8 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         from tierlift.plan.plot import capacities, plot_plan
 
-        print(f"wrote {plot_plan(plan, capacities(inp), args.plot)}")
+        try:
+            print(f"wrote {plot_plan(plan, capacities(inp), args.plot)}")
+        except OSError as err:
+            raise ValueError(f"--plot {args.plot!r}: could not write it ({err})") from None
     return 0

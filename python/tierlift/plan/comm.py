@@ -15,6 +15,7 @@ node's link carries G ranks' worth; the time is that over the inter-node bandwid
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 _QUANT_BLOCK = 256  # tierlift.zero.quant_comm's block: one fp32 scale per 256 codes
@@ -60,8 +61,8 @@ def comm_plan(params: float, nodes: int, gpus_per_node: int, inter_node_gbps: fl
               micro_batches: int = 1) -> list[CommRow]:
     """Each layout's bytes a node sends to the others per step and the time at
     `inter_node_gbps` (gigabits per second per node, each way)."""
-    if not inter_node_gbps > 0:
-        raise ValueError(f"inter_node_gbps must be > 0, got {inter_node_gbps}")
+    if not (math.isfinite(inter_node_gbps) and inter_node_gbps > 0):  # inf: 0 s, wrongly
+        raise ValueError(f"inter_node_gbps must be a finite number > 0, got {inter_node_gbps}")
     per_node = [gpus_per_node * inter_node_bytes_per_rank(params, nodes, gpus_per_node,
                                                           layout, micro_batches)
                 for layout in LAYOUTS]

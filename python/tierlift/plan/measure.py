@@ -4,7 +4,9 @@ PCIe (pinned copies, only with a GPU) and the SIMD CPU Adam (elements per second
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -40,8 +42,12 @@ def disk_bandwidth(path: str, nbytes: int, *, repeats: int = 2,
     from tierlift.io import EngineConfig, IoEngine
 
     nbytes = -(-nbytes // 4096) * 4096
+    free = shutil.disk_usage(path).free
+    if free < nbytes:  # refused before writing: a drive filled to the last block helps no one
+        raise OSError(errno.ENOSPC, f"the disk probe needs a {nbytes}-byte file under {path!r}, "
+                      f"which has {free} bytes free")
     with IoEngine(EngineConfig(pool_bytes=nbytes if direct else 8 << 20)) as eng:
-        buf = eng.pool_tensor(nbytes) if direct else torch.empty(nbytes + 1, dtype=torch.uint8)[1:]
+        buf = eng.pool_tensor(nbytes) if direct else _buffer(nbytes + 1)[1:]
         buf.fill_(7)
         fd, probe = tempfile.mkstemp(prefix="tierlift-plan-", dir=path)
         os.close(fd)
@@ -51,18 +57,63 @@ def disk_bandwidth(path: str, nbytes: int, *, repeats: int = 2,
                 eng.sync()
             tw = _best(write, repeats)
             tr = _best(lambda: eng.read(buf, probe, 0).wait(), repeats)
+        except OSError as err:  # a drive that filled up meanwhile, an I/O error
+            raise OSError(err.errno, f"the disk probe ({nbytes} bytes) under {path!r} failed: "
+                          f"{err.strerror or err}") from err
         finally:
             eng.forget(probe)
             os.unlink(probe)
     return nbytes / tr, nbytes / tw
 
 
+def host_memory_available() -> int | None:
+    """Bytes of host memory this process can still take: MemAvailable, or less where a cgroup
+    limit is lower (a container); None where neither can be read."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read())
+        if limit != "max":
+            room = max(0, int(limit) - used)
+            avail = room if avail is None else min(avail, room)
+    except (OSError, ValueError):
+        pass
+    return avail
+
+
+def _buffer(nbytes: int, **kwargs) -> torch.Tensor:
+    """A probe buffer; a failed allocation is a MemoryError that says how large it was."""
+    try:
+        return torch.empty(nbytes, dtype=torch.uint8, **kwargs)
+    except (MemoryError, RuntimeError) as err:  # torch's allocators raise RuntimeError
+        where = "GPU" if kwargs.get("device") == "cuda" else "host"
+        raise MemoryError(f"could not allocate a {nbytes}-byte bandwidth probe in {where} "
+                          f"memory: {str(err).splitlines()[0] if str(err) else err!r}") from err
+
+
+def _memory_bps(probe_bytes: int) -> float:
+    """Host memory bandwidth (read + write) of a copy of `probe_bytes`; both buffers are freed
+    on return, before the next probe takes its own."""
+    src = _buffer(probe_bytes // 4 * 4).view(torch.float32).fill_(1.0)
+    dst = _buffer(src.nbytes).view(torch.float32)
+    return 2 * src.nbytes / _best(lambda: dst.copy_(src))
+
+
 def measure(nvme_path: str | None = None, probe_bytes: int = 256 << 20) -> Bandwidths:
+    """Host memory holds two probes of `probe_bytes` at a time (copy source and destination,
+    then a pinned buffer and the disk probe's), the GPU one, the disk one probe file."""
     from tierlift import ops
 
-    src = torch.empty(probe_bytes // 4, dtype=torch.float32).fill_(1.0)
-    dst = torch.empty_like(src)
-    memory = 2 * src.nbytes / _best(lambda: dst.copy_(src))  # read + write
+    memory = _memory_bps(probe_bytes)
     n = 1 << 22
     p, g, m, v = (torch.full((n,), 0.5) for _ in range(4))
 
@@ -73,8 +124,8 @@ def measure(nvme_path: str | None = None, probe_bytes: int = 256 << 20) -> Bandw
     if nvme_path is not None:
         bw.disk_read_bps, bw.disk_write_bps = disk_bandwidth(nvme_path, probe_bytes)
     if torch.cuda.is_available():
-        host = torch.empty(probe_bytes, dtype=torch.uint8, pin_memory=True)
-        dev = torch.empty(probe_bytes, dtype=torch.uint8, device="cuda")
+        host = _buffer(probe_bytes, pin_memory=True)
+        dev = _buffer(probe_bytes, device="cuda")
 
         def h2d():
             dev.copy_(host, non_blocking=True)

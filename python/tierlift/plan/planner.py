@@ -68,6 +68,9 @@ _SLOTS = 6  # the default pipeline_slots
 # holding at least 1/32 of the model).
 UNIT_SHARE = 1 / 32
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+# The largest parameter count planned: params is a float, exact as an integer up to 2**53,
+# and every byte count and time derived from it stays a finite float.
+MAX_PARAMS = 2**53
 
 
 def parse_bytes(text: str, what: str) -> int:
@@ -122,6 +125,12 @@ class PlanInput:
                              f"{self.state_dtype!r}")
         if not (math.isfinite(self.params) and self.params > 0):
             raise ValueError(f"params must be a finite number > 0, got {self.params}")
+        if self.params > MAX_PARAMS:
+            raise ValueError(f"params must be at most 2**53 ({MAX_PARAMS:.4g}), got "
+                             f"{self.params:.4g}")
+        if self.cpu_budget is not None and self.cpu_budget > self.cpu_mem:
+            raise ValueError(f"cpu_budget ({self.cpu_budget} bytes) is more than cpu_mem "
+                             f"({self.cpu_mem} bytes), the host memory it is a part of")
         if not 0 <= self.gpu_reserve < 1:
             raise ValueError(f"gpu_reserve must be in [0, 1), got {self.gpu_reserve}")
 
@@ -395,7 +404,10 @@ def max_params(inp: PlanInput, bw: Bandwidths) -> tuple[int, Plan]:
         raise ValueError("not even a one-parameter model fits these budgets")
     lo, hi = 1, 2
     while fits(hi) is not None:
-        lo, hi = hi, hi * 2
+        if hi >= MAX_PARAMS:  # the next count could not be planned: not "the largest" then
+            raise ValueError(f"these budgets hold more than 2**53 ({MAX_PARAMS:.4g}) "
+                             "parameters, the most the planner counts")
+        lo, hi = hi, min(hi * 2, MAX_PARAMS)
     while hi - lo > max(1, lo // 1000):  # 0.1% is as exact as the byte counts are
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) is not None else (lo, mid)
