@@ -195,3 +195,23 @@ def test_new_state_killed_before_its_first_manifest_starts_again(tmp_path, gens)
         opt = _opt(_params(), tmp_path, gens)
     assert durable.CREATING not in os.listdir(state)
     opt.close()
+
+
+def test_a_stale_marker_beside_a_manifest_hides_nothing(tmp_path):
+    """A kill between a new state's first manifest and its marker's removal leaves both: the
+    state reopens, the marker goes, and a manifest lost later is refused as any other."""
+    committed = _trained(tmp_path, 1)
+    state = tmp_path / "tierlift-durable-rank0"
+    durable._write_json(str(state / durable.CREATING), {"format": durable.FORMAT})
+    raw = (state / "manifest.json").read_bytes()
+    (state / "manifest.json").write_bytes(raw[:10])
+    before = _files(state)
+    with pytest.raises(ChecksumError, match="CRC-32 does not match"):  # refused: all kept
+        _opt(_params(), tmp_path, 1)
+    assert _files(state) == before
+    (state / "manifest.json").write_bytes(raw)
+    _reopens_at(tmp_path, 1, committed)
+    assert durable.CREATING not in os.listdir(state)
+    (state / "manifest.json").unlink()
+    with pytest.raises(ValueError, match="but no manifest.json"):
+        _opt(_params(), tmp_path, 1)

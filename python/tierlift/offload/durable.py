@@ -118,9 +118,7 @@ def claim_dir(path: str, start_fresh: bool = False) -> bool:
                 "durable='fresh' to discard these files and start a new state")
     os.makedirs(path, exist_ok=True)
     _write_json(owner_file, _owner())
-    if not fresh:  # a marker a kill left beside a committed manifest: stale
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(creating)
+    if not fresh:
         return False
     if start_fresh:  # the manifest and intent first: without them nothing is reopened
         for name in ("manifest.json", "intent.json"):
@@ -471,6 +469,10 @@ class DurableState:
     def _reopen(self) -> None:
         off = self.off
         m = read_manifest(off, self.dir)
+        # A marker beside a manifest is stale: a kill came between the first manifest of a new
+        # state and the marker's removal. Removed only now that the manifest is known good.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(self.dir, CREATING))
         self.seq = m["seq"]
         for gi, g in enumerate(m["groups"]):
             tier, params = off.tiers[gi], off.opt.param_groups[gi]["params"]
