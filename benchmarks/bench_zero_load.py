@@ -4,6 +4,7 @@ tierlift.zero.shard(stage=3) builds a Llama-shaped model (examples/llama_model.p
 
     python benchmarks/bench_zero_load.py                          # ~70 MB fp32 model
     python benchmarks/bench_zero_load.py --dim 2048 --layers 4 --vocab 32000   # ~1.3 GB
+    python benchmarks/bench_zero_load.py --plot zero_load.png     # also draw the table
 
   eager     build the whole model on every rank (torch.manual_seed), then shard() it
   deferred  build it inside tierlift.zero.deferred_init(), shard(device="cpu") replays the
@@ -194,6 +195,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", default=str(RESULTS / "bench_zero_load-cpu.json"))
     parser.add_argument("--limit-mib", type=int,
                         help="each rank's memory cap (a cgroup; needs root), MiB")
+    parser.add_argument("--plot", metavar="PATH",
+                        help="also draw the results as a PNG here (needs matplotlib)")
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -226,6 +229,10 @@ def main(argv=None) -> dict:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
+    if args.plot:
+        from plots import plot_zero_load
+
+        print(f"wrote {plot_zero_load(result, args.plot)}", file=sys.stderr)
     return result
 
 

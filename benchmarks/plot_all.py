@@ -33,6 +33,7 @@ FIGURES = [
     ("bench_checkpoint-*.json", plots.plot_checkpoint, "bench_checkpoint.py"),
     ("bench_activations-*.json", plots.plot_activations, "bench_activations.py"),
     ("bench_held_state-*.json", plots.plot_held_state, "bench_held_state.py"),
+    ("bench_zero_load*.json", plots.plot_zero_load, "bench_zero_load.py"),
 ]
 
 

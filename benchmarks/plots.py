@@ -383,3 +383,38 @@ def plot_held_state(data: dict, path) -> Path:
     _title(ax, f"a held optimizer generation ({gb:.2f} GB) into a checkpoint, median of "
                f"{repeat}", data)
     return _save(fig, path)
+
+
+# ---- bench_zero_load ---------------------------------------------------------------------------
+
+
+def plot_zero_load(data: dict, path) -> Path:
+    """Peak RSS growth per rank of each way of building a sharded model, against the model's
+    bytes and one rank's shard (a mode killed by the memory cap is drawn at the cap, hatched)."""
+    plt = pyplot()
+    rows, cfg = data["rows"], data.get("config", {})
+    fig, ax = plt.subplots(figsize=SIZE)
+    cap = cfg.get("limit_mib")
+    heights, labels, hatches = [], [], []
+    for r in rows:
+        growth = r["peak RSS growth MB/rank"]
+        killed = not isinstance(growth, (int, float))
+        heights.append((cap or 0) if killed else growth)
+        labels.append("killed" if killed else f"{growth:.0f} MB, {r['x model']:.2f}x, "
+                                              f"{r['time s']:.1f} s")
+        hatches.append("//" if killed else "")
+    bars = ax.bar([r["mode"] for r in rows], heights, color="tab:blue")
+    for bar, hatch in zip(bars, hatches):
+        bar.set_hatch(hatch)
+    ax.bar_label(bars, labels, fontsize=7)
+    model_mb = cfg.get("model_bytes", 0) / 2**20
+    ax.axhline(model_mb, color="black", linestyle="--", linewidth=1, label="model (fp32)")
+    shard = next((r["shard MB/rank"] for r in rows if "shard MB/rank" in r), None)
+    if shard is not None:
+        ax.axhline(shard, color="tab:green", linestyle=":", linewidth=1, label="shard per rank")
+    ax.set_ylabel("peak RSS growth per rank (MB)")
+    ax.legend(fontsize=7)
+    ax.grid(axis="y", alpha=0.3)
+    limit = f", capped at {cap} MiB" if cap else ""
+    _title(ax, f"shard(stage=3) of a {model_mb:.0f} MB model, 2 gloo ranks{limit}", data)
+    return _save(fig, path)

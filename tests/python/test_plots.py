@@ -51,7 +51,8 @@ def test_plot_all_draws_every_committed_json(tmp_path, capsys):
     committed = {p.stem for pattern, _, _ in plot_all.FIGURES
                  for p in (BENCH / "results").glob(pattern)}
     assert committed >= {"bench_optim-cpu", "bench_io", "bench_gather_cpu", "bench_offload-cpu",
-                         "zero_offload", "bench_zero-cpu", "bench_checkpoint-cpu"}
+                         "zero_offload", "bench_zero-cpu", "bench_checkpoint-cpu",
+                         "bench_zero_load-cpu"}
     for stem in committed:
         assert_png(tmp_path / f"{stem}.png")
         assert (tmp_path / f"{stem}.png").stat().st_size < 100_000  # small enough to commit
