@@ -1,24 +1,84 @@
-"""The offloaded step's checks of its inputs: the param group's hyperparameters and state
-kinds, finite gradients, and GradScaler's scale."""
+"""The offloaded step's checks of its inputs: the parameters (at construction) and the params
+lists (since), the param group's hyperparameters and state kinds, finite gradients, and
+GradScaler's scale."""
 
 from __future__ import annotations
+
+import operator
 
 import numpy as np
 import torch
 
-from tierlift import ops
 from tierlift.offload.layout import state_kinds
 from tierlift.offload.tiers import crc_pool
 
 
-def check_group(gi: int, group: dict, kinds: list[str], state_dtype: str) -> None:
-    ops.check_adam_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-    if state_dtype == "bf16" and group["amsgrad"]:
-        raise ValueError(f"param_groups[{gi}] has amsgrad=True, which is not supported with "
-                         "state_dtype='bf16'; use state_dtype='fp32' for amsgrad")
-    if list(state_kinds(group["amsgrad"], state_dtype)) != kinds:
+def check_group(opt, gi: int, group: dict, kinds: list[str]) -> None:
+    """The optimizer's own checks of group gi (types and values of its hyperparameters,
+    Adam._check_hyper), then that its state kinds are still those laid out."""
+    opt._check_hyper(gi, group)
+    if list(state_kinds(group["amsgrad"], opt._state_dtype)) != kinds:
         raise ValueError(f"param_groups[{gi}]['amsgrad'] changed after the optimizer was "
                          "created; offloaded state cannot change kinds")
+
+
+def check_params(groups: list[dict]) -> None:
+    """At construction, before anything is laid out: parameters that have a value (not on the
+    meta device), each listed once."""
+    first: dict = {}
+    for gi, group in enumerate(groups):
+        for pi, p in enumerate(group["params"]):
+            name = f"param_groups[{gi}]['params'][{pi}]"
+            if p.is_meta:
+                raise ValueError(
+                    f"{name} (shape {tuple(p.shape)}) is on the meta device: it has no values "
+                    "for the offloaded master weights to start from. Materialize the model "
+                    "first (model.to_empty(device=...), then initialise or load its weights), "
+                    "then build the optimizer")
+            seen = first.setdefault(id(p), name)
+            if seen != name:
+                # torch warns and steps such a parameter twice per step() through one state;
+                # the tiers would give each listing its own state and one of the two results.
+                raise ValueError(
+                    f"{name} is the same parameter as {seen}: torch's AdamW would update it "
+                    "twice per step() (it only warns), which the offloaded state, laid out per "
+                    "listing, cannot reproduce; list it once")
+
+
+def listed(groups: list[dict]) -> list[list]:
+    """The params lists as the offloaded state was laid out for them."""
+    return [list(g["params"]) for g in groups]
+
+
+def check_lists(groups: list[dict], built: list[list]) -> None:
+    """Refuses param groups whose params lists are no longer those the state was laid out
+    for (`built`, compared by identity): the state is found by position in the list, so after
+    a filter another parameter of the same shape would take it."""
+    if len(groups) != len(built):
+        raise RuntimeError(
+            f"the optimizer has {len(groups)} param groups; it was built with {len(built)} and "
+            "offloaded state is laid out once, when the optimizer is built. Build a new "
+            "optimizer with every group (offload refuses add_param_group)")
+    for gi, (group, old) in enumerate(zip(groups, built)):
+        new = group["params"]
+        if len(new) == len(old) and all(map(operator.is_, new, old)):
+            continue
+        now = {id(p) for p in new}
+        before = {id(p) for p in old}
+        removed = [i for i, p in enumerate(old) if id(p) not in now]
+        added = [i for i, p in enumerate(new) if id(p) not in before]
+        what = []
+        if removed:
+            what.append(f"built-with entries {removed[:8]} removed")
+        if added:
+            what.append(f"entries {added[:8]} added")
+        raise RuntimeError(
+            f"param_groups[{gi}]['params'] is not the list the optimizer was built with "
+            f"({', '.join(what) or 'reordered'}): offloaded state is laid out once, by position "
+            "in that list, so it cannot follow a filtered, extended or reordered list. Put the "
+            "list back, or build a new optimizer over the parameters to train (offload refuses "
+            "add_param_group); a frozen parameter may stay listed: without a gradient it is "
+            "not stepped. Nothing was changed")
 
 
 def _sum_finite_np(g: torch.Tensor) -> bool:

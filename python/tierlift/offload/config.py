@@ -34,7 +34,9 @@ class OffloadConfig:
     each chunk in a background thread as soon as its gradients are ready (see
     tierlift.offload.overlap). `max_grad_norm`: clip by the global norm inside step(), exactly as
     torch.nn.utils.clip_grad_norm_ would just before it, without invalidating the overlap when
-    no scaling is needed."""
+    no scaling is needed. `skip_nonfinite`: a step whose gradients hold inf/NaN is skipped
+    (warned; weights, state and step counts unchanged) instead of stepped as torch steps it,
+    NaN into the weights; under a GradScaler such a step is always skipped, as torch does."""
 
     offload: str = "none"
     nvme_path: str | os.PathLike | None = None
@@ -47,8 +49,11 @@ class OffloadConfig:
     max_grad_norm: float | None = None
     nvme_generations: int = 2
     durable: bool | Literal["fresh"] = False
+    skip_nonfinite: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.skip_nonfinite, bool):
+            raise TypeError(f"skip_nonfinite must be a bool, got {self.skip_nonfinite!r}")
         if self.offload not in _KINDS:
             raise ValueError(f"offload must be one of {_KINDS}, got {self.offload!r}")
         if self.offload in ("nvme", "hybrid"):
@@ -65,6 +70,10 @@ class OffloadConfig:
                 raise PermissionError(f"nvme_path {path!r} is not writable")
         elif self.offload == "none" and (self.overlap or self.max_grad_norm is not None):
             raise ValueError("overlap=True and max_grad_norm need offload='cpu' or 'nvme'")
+        elif self.offload == "none" and self.skip_nonfinite is True:
+            raise ValueError("skip_nonfinite=True needs offload='cpu', 'nvme' or 'hybrid' "
+                             "(without offload a step with inf/NaN gradients is stepped, as "
+                             "torch's; use GradScaler to skip such steps)")
         elif self.nvme_path is not None:
             raise ValueError(f"nvme_path is only used with offload='nvme' or 'hybrid', not "
                              f"{self.offload!r}")

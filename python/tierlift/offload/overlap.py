@@ -54,9 +54,32 @@ from tierlift.offload.tiers import drain
 from tierlift.offload.watch import copy_checked, fingerprints, fingerprints_finite
 
 
+def _value(v):
+    """A group value as a comparable snapshot: a tensor (a tensor lr a scheduler fills in
+    place) by its contents, containers element by element."""
+    if isinstance(v, torch.Tensor):
+        return ("tensor", v.dtype, tuple(v.shape), tuple(v.detach().cpu().reshape(-1).tolist()))
+    if isinstance(v, (list, tuple)):
+        return (type(v).__name__, tuple(_value(x) for x in v))
+    if isinstance(v, dict):
+        return ("dict", tuple((k, _value(x)) for k, x in v.items()))
+    return v
+
+
 def _hyper(group: dict) -> tuple:
-    return (float(group["lr"]), tuple(group["betas"]), group["eps"], group["weight_decay"],
-            group["amsgrad"], group["maximize"])
+    """Every setting of the group (every key but "params", whether this optimizer reads it or
+    not: one a later torch adds is covered too), in key order."""
+    return tuple(sorted(((k, _value(v)) for k, v in group.items() if k != "params"),
+                        key=lambda kv: str(kv[0])))
+
+
+def same_hyper(a: tuple, b: tuple) -> bool:
+    """Whether two _hyper snapshots are equal; a value that cannot be compared (an array
+    whose == is elementwise) counts as changed, and so does a NaN."""
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - any failure to compare means "step it again"
+        return False
 
 
 def _frozen(group: dict) -> dict:
@@ -75,7 +98,7 @@ class Record:
     tensors: dict  # pi -> the gradient tensor, as the hook found it
     steps: dict
     group: dict  # the hyperparameters it stepped with (_frozen)
-    hyper: tuple
+    hyper: tuple  # every setting of the group when it started (_hyper)
     scale: float | None  # the GradScaler scale the kernel assumed
     grads: dict = field(default_factory=dict)  # (ci, pi) -> fingerprint of the gradient read
     params: dict = field(default_factory=dict)  # (ci, pi) -> fingerprint of the parameter
@@ -139,7 +162,7 @@ class Ahead:
         keys, pieces = [], []
         for gi, records in spec.items():
             for chunk, rec in records:
-                if rec.scale != scale or rec.hyper != _hyper(groups[gi]):
+                if rec.scale != scale or not same_hyper(rec.hyper, _hyper(groups[gi])):
                     continue  # validate() redoes it without a look at its gradients
                 _host_grad_segments(gi, chunk, live[gi], keys, pieces)
         self._n = len(live)
@@ -182,7 +205,7 @@ def validate(off, gi: int, records: list, live: dict, scale: float | None,
     candidates = []
     for chunk, rec in records:
         in_chunk = {s.pi for s in chunk.segments}
-        if (_hyper(group) != rec.hyper or scale != rec.scale
+        if (not same_hyper(_hyper(group), rec.hyper) or scale != rec.scale
                 or in_chunk & live.keys() != in_chunk & rec.tensors.keys()
                 or off.next_steps(gi, rec.tensors) != rec.steps):
             candidates.append((chunk, rec, None))
@@ -322,14 +345,20 @@ class Overlap:
         self._spec = defaultdict(list)  # gi -> [(chunk, Record)]
         self._stats = defaultdict(float)
         self._error = None
+        self._lists_checked = False  # by the first gradient hook of the next backward
 
     def _on_grad(self, p: torch.Tensor) -> None:
+        if not self._lists_checked:
+            # The earliest point that sees a changed params list, before anything is stepped
+            # by position in it.
+            self.off.check_lists()
+            self._lists_checked = True
         gi, pi = self._where[p]
         group = self.off.opt.param_groups[gi]
         params = group["params"]
         try:  # a group step() refuses (amsgrad switched, a bad lr) is not stepped ahead
-            check_group(gi, group, self.off._kinds[gi], self.off.state_dtype)
-        except ValueError:
+            check_group(self.off.opt, gi, group, self.off._kinds[gi])
+        except (ValueError, TypeError):
             return
         with self._lock:
             self._ready[gi].add(pi)
@@ -345,9 +374,9 @@ class Overlap:
                     ready.append(chunk)
         if ready:
             pis = {s.pi for c in ready for s in c.segments if params[s.pi].grad is not None}
-            frozen = _frozen(group)
             rec = Record(tensors={q: params[q].grad for q in pis},
-                         steps=self.off.next_steps(gi, pis), group=frozen, hyper=_hyper(frozen),
+                         steps=self.off.next_steps(gi, pis), group=_frozen(group),
+                         hyper=_hyper(group),
                          scale=self.off._scale_seen)
             self._pending.append(self._pool.submit(self._work, gi, ready, rec))
 

@@ -8,8 +8,9 @@ NVMe pipeline, per param group (S pool slots, 6 by default, each holding one chu
 state kind): chunks k+1 .. k+S-2 are read while chunk k is stepped and the chunks before it are
 written back; the first S-1 reads start before the gradient check. All buffers come from the
 io engine's pool of `cpu_budget` bytes, allocated once, so the host memory the optimizer holds
-never exceeds the budget. A step is all-or-nothing: non-finite gradients skip it before anything
-changes, and an I/O failure puts the parameters back from the committed master weights.
+never exceeds the budget. A step is all-or-nothing: an I/O failure puts the parameters back from
+the committed master weights; inf/NaN gradients are stepped as torch steps them unless a
+GradScaler found them or skip_nonfinite=True asked to skip such steps (nothing changes then).
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ from tierlift.io import ChecksumError, EngineConfig, IoEngine
 from tierlift.offload import gradients, masters, scaler_scan
 from tierlift.offload.checks import (
     check_group,
+    check_lists,
+    check_params,
+    listed,
     scale_value,
 )
 from tierlift.offload.config import OffloadConfig
@@ -45,7 +49,7 @@ from tierlift.offload.layout import (
     reserves,
     state_kinds,
 )
-from tierlift.offload.overlap import Overlap, publish, validate
+from tierlift.offload.overlap import Overlap, publish, scan_grads, validate
 from tierlift.offload.state_io import StateIO
 from tierlift.offload.tiers import (
     HybridTier,
@@ -73,6 +77,8 @@ def _release(directory: str, fresh: bool) -> None:
 
 class Offloader(StateIO):
     def __init__(self, optimizer, config: OffloadConfig):
+        check_params(optimizer.param_groups)
+        self._built = listed(optimizer.param_groups)
         self.opt = optimizer
         self.config = config
         self.last_step_stats: dict = {}
@@ -242,6 +248,10 @@ class Offloader(StateIO):
             scaler_scan.install()
 
     # ---- helpers -------------------------------------------------------------------------
+    def check_lists(self) -> None:
+        """Refuses params lists changed since construction (checks.check_lists)."""
+        check_lists(self.opt.param_groups, self._built)
+
     def _name(self, gi: int, pi: int) -> str:
         return f"param_groups[{gi}]['params'][{pi}]"
 
@@ -288,6 +298,7 @@ class Offloader(StateIO):
         seen = scaler_scan.take(self.opt)  # consumed by this step() whatever happens
         if self._broken is not None:
             raise RuntimeError(self._broken)
+        self.check_lists()
         t0 = time.perf_counter()
         stats = defaultdict(float)
         spec = self.overlap.finish(stats) if self.overlap is not None else {}
@@ -307,13 +318,16 @@ class Offloader(StateIO):
                 finite = float(found_inf.detach().float().sum().item()) == 0.0
                 if self._zero:
                     finite = all_ranks_agree(self._params(), finite)
-            else:
+            elif self.config.skip_nonfinite:
                 finite, known = gradients.all_finite(self, live, spec)
+            else:  # stepped as torch steps it, NaN into the weights; the overlap still
+                # needs the fingerprints of the gradients its chunks were stepped with
+                finite, (_, known, _) = True, scan_grads(self, live, spec)
             stats["grad_check_s"] += time.perf_counter() - t
             if finite:
                 for gi, group in enumerate(self.opt.param_groups):
                     if live[gi]:
-                        check_group(gi, group, self._kinds[gi], self.state_dtype)
+                        check_group(self.opt, gi, group, self._kinds[gi])
                 if self.config.max_grad_norm is not None:
                     scale, scaled = gradients.clip(self, stats, scale)
                     if scaled:  # a non-contiguous gradient was collected as a copy

@@ -76,6 +76,7 @@ def scan(opt) -> bool | None:
     fingerprints for its next step(); None where torch's own check must run."""
     off = opt._offload
     off.scaler_scan = None
+    off.check_lists()  # before collect() indexes the layouts by position
     grads = _grads(opt)
     if not _usable(opt, grads):
         return None

@@ -24,9 +24,15 @@ class StateIO:
     def materialize(self) -> dict:
         """{param: {kind: CPU tensor}} for every parameter that has taken a step, in the
         in-memory optimizer's state format (fp32, or compact: bf16 m, uint8 v codes, scales)."""
+        self.check_lists()
         out: dict = {}
         for gi, group in enumerate(self.opt.param_groups):
             params, layout, tier = group["params"], self.layouts[gi], self.tiers[gi]
+            for p in params:  # no segment holds a 0-element parameter's (empty) state
+                if p.numel() == 0 and "step" in self.opt.state.get(p, {}):
+                    out[p] = {k: torch.empty(p.shape if k != SCALE_KIND else (0,),
+                                             dtype=tier.dtypes[k])
+                              for k in tier.kinds if k != "master" or self._needs_master_key(p)}
             for chunk in layout.chunks:
                 segs = [s for s in chunk.segments
                         if "step" in self.opt.state.get(params[s.pi], {})]
@@ -77,6 +83,7 @@ class StateIO:
         the end, host chunks are filled in place behind an undo journal (journal.Journal), so a
         failure (a full drive, an interrupt) leaves the tiers as they were. `before_commit`, if
         given, is called last, before the flips; if it raises, everything is undone."""
+        self.check_lists()
         for gi, group in enumerate(self.opt.param_groups):
             for pi, p in enumerate(group["params"]):
                 if p in loaded and not self.layouts[gi].reserved[pi]:

@@ -11,8 +11,12 @@ optimizer and ours in both directions. Differences, all deliberate:
     about 3 bytes per parameter instead of 8 (docs/optim.md). Loading an fp32-state checkpoint
     quantizes it and an fp32-state optimizer dequantizes a compact one;
   * offload="cpu"|"nvme"|"hybrid" (with nvme_path, cpu_budget, overlap, nvme_generations,
-    chunk_bytes, durable) moves the state out of the parameter's memory; tierlift.offload does
-    that work (docs/offload.md);
+    chunk_bytes, durable, skip_nonfinite) moves the state out of the parameter's memory;
+    tierlift.offload does that work (docs/offload.md). Its state is laid out by position in the
+    params lists at construction: a parameter listed twice (torch warns and updates it twice)
+    and a list changed afterwards are refused;
+  * hyperparameter types are checked (optim/hyper.py): torch raises on lr="0.001" only by
+    accident of a comparison, float() would take it;
   * foreach/fused/capturable are accepted for compatibility and ignored (ours is always fused),
     except in the combinations torch refuses, which raise as torch's do; differentiable=True
     is refused;
@@ -37,6 +41,13 @@ from tierlift import ops
 from tierlift.offload import OffloadConfig, Offloader
 from tierlift.offload.masters import refresh_master
 from tierlift.optim.adam_plan import build_plan, plan_grads
+from tierlift.optim.hyper import (
+    check_flags,
+    check_group_types,
+    check_state_dtype,
+    check_torch_config,
+    check_types,
+)
 from tierlift.reference.optim_compact import (
     dequantize_exp_avg_sq,
     quantize_exp_avg_sq,
@@ -45,40 +56,9 @@ from tierlift.reference.optim_compact import (
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 _DTYPES = frozenset((torch.float32, *_LOW_PRECISION))  # of params and of gradients
-_STATE_DTYPES = ("fp32", "bf16")
 # State tensors taken from a loaded state dict as they are (torch would cast them to the
 # parameter's dtype), then brought to this optimizer's state format.
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_sq_scale", "max_exp_avg_sq", "master")
-
-
-def _check_state_dtype(state_dtype, amsgrad) -> None:
-    if state_dtype not in _STATE_DTYPES:
-        raise ValueError(f"state_dtype must be one of {_STATE_DTYPES}, got {state_dtype!r}")
-    if state_dtype == "fp32":
-        return
-    if amsgrad:
-        raise ValueError(
-            "amsgrad=True is not supported with state_dtype='bf16' (its running max of v would "
-            "need a third compact buffer); use state_dtype='fp32' for amsgrad")
-
-
-def _check_torch_config(lr, betas, foreach, capturable, fused, differentiable) -> None:
-    """The constructor arguments torch.optim.Adam refuses although ours could run them, refused
-    with torch's exception type and message, so that code written against torch behaves the
-    same; in torch's order. (Value checks: ops.check_adam_hyper.)"""
-    if isinstance(lr, torch.Tensor) and foreach and not capturable:
-        raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
-    if len(betas) == 2 and not (all(isinstance(b, float) for b in betas)
-                                or all(isinstance(b, torch.Tensor) for b in betas)):
-        raise ValueError("betas must be either both floats or both Tensors")
-    for i, b in enumerate(betas):
-        if isinstance(b, torch.Tensor) and foreach and not capturable:
-            raise ValueError(f"betas[{i}] as a Tensor is not supported for capturable=False and "
-                             "foreach=True")
-    if fused and differentiable:
-        raise RuntimeError("`fused` does not support `differentiable`")
-    if fused and foreach:
-        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
 
 
 def _check_grad_scale(grad_scale) -> None:
@@ -199,10 +179,15 @@ class Adam(Optimizer):
         chunk_bytes=32 << 20,
         state_dtype="fp32",
         durable=False,
+        skip_nonfinite=False,
     ):
+        check_types(lr, betas, eps, weight_decay)
+        check_flags(amsgrad=amsgrad, foreach=foreach, maximize=maximize, capturable=capturable,
+                    differentiable=differentiable, fused=fused,
+                    decoupled_weight_decay=decoupled_weight_decay)
         ops.check_adam_hyper(lr, betas, eps, weight_decay)
-        _check_torch_config(lr, betas, foreach, capturable, fused, differentiable)
-        _check_state_dtype(state_dtype, amsgrad)
+        check_torch_config(lr, betas, foreach, capturable, fused, differentiable)
+        check_state_dtype(state_dtype, amsgrad)
         self._state_dtype = state_dtype
         if differentiable:
             raise ValueError(
@@ -226,7 +211,7 @@ class Adam(Optimizer):
         self._offload = None
         extras = (nvme_path, cpu_budget, max_grad_norm)
         if offload != "none" or overlap or nvme_generations != 2 or chunk_bytes != 32 << 20 \
-                or durable or any(x is not None for x in extras):
+                or durable or skip_nonfinite is not False or any(x is not None for x in extras):
             config = OffloadConfig(
                 offload=offload,
                 nvme_path=nvme_path,
@@ -236,6 +221,7 @@ class Adam(Optimizer):
                 nvme_generations=nvme_generations,
                 chunk_bytes=chunk_bytes,
                 durable=durable,
+                skip_nonfinite=skip_nonfinite,
             )
             if config.offload != "none":
                 self._offload = Offloader(self, config)
@@ -307,6 +293,7 @@ class Adam(Optimizer):
             if before_commit is not None:
                 before_commit()
             return
+        self._offload.check_lists()  # the state below is matched to parameters by position
         # Take the state from the dict as is (torch would cast it to the param's dtype), in
         # this optimizer's state format (fp32 or compact), converted as without offload.
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
@@ -496,6 +483,7 @@ class Adam(Optimizer):
             )
 
     def _check_hyper(self, gi: int, group: dict) -> None:
+        check_group_types(gi, group)
         ops.check_adam_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
         if self._state_dtype == "bf16" and group["amsgrad"]:
             raise ValueError(
@@ -632,6 +620,7 @@ class AdamW(Adam):
         chunk_bytes=32 << 20,
         state_dtype="fp32",
         durable=False,
+        skip_nonfinite=False,
     ):
         super().__init__(
             params,
@@ -655,7 +644,10 @@ class AdamW(Adam):
             nvme_generations=nvme_generations,
             chunk_bytes=chunk_bytes,
             durable=durable,
+            skip_nonfinite=skip_nonfinite,
         )
 
-    def _decoupled(self, group: dict) -> bool:
-        return True
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:  # as torch's AdamW: also a state dict saved by Adam
+            group["decoupled_weight_decay"] = True

@@ -1,0 +1,97 @@
+"""The types of Adam's hyperparameters, checked before anything uses them.
+
+torch's Adam compares them with numbers, so a string lr raises there; ours reads them through
+float(), which would take "0.001" and train with it. Checked at construction (argument names)
+and again at each step (the param group's keys, which a user or a scheduler may set), before
+anything changes. Value checks are ops.check_adam_hyper's."""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+_STATE_DTYPES = ("fp32", "bf16")
+# Flags the step reads (a truthy string would silently switch them on); foreach, capturable,
+# fused and differentiable are read once, at construction.
+STEP_FLAGS = ("amsgrad", "maximize", "decoupled_weight_decay")
+
+
+def _kind(value) -> str:
+    return f"{type(value).__name__} {value!r}" if not isinstance(value, torch.Tensor) else (
+        f"a Tensor of {value.numel()} elements")
+
+
+def _check_number(name: str, value, tensor_ok: bool) -> None:
+    if isinstance(value, torch.Tensor) and tensor_ok:
+        return  # ops.check_adam_hyper checks its size and value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        what = "a float or a 1-element Tensor" if tensor_ok else "a float"
+        raise TypeError(f"{name} must be {what}, got {_kind(value)}")
+
+
+def _check_bool(name: str, value, none_ok: bool = False) -> None:
+    if not isinstance(value, bool) and not (none_ok and value is None):
+        raise TypeError(f"{name} must be a bool{' or None' if none_ok else ''}, got "
+                        f"{_kind(value)}")
+
+
+def check_types(lr, betas, eps, weight_decay, name=lambda k: k) -> None:
+    """lr: a real number or a Tensor; betas: a tuple or list of 2 (numbers or Tensors); eps,
+    weight_decay: real numbers (ints too, as torch takes them; bools refused). `name` turns a
+    key into the name the message gives."""
+    _check_number(name("lr"), lr, tensor_ok=True)
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise TypeError(f"{name('betas')} must be a tuple of 2 floats or 2 Tensors, got "
+                        f"{_kind(betas)}")
+    for i, b in enumerate(betas):
+        _check_number(f"{name('betas')}[{i}]", b, tensor_ok=True)
+    _check_number(name("eps"), eps, tensor_ok=False)
+    _check_number(name("weight_decay"), weight_decay, tensor_ok=False)
+
+
+def check_flags(**flags) -> None:
+    """The constructor's flags: foreach and fused may be None (torch picks), the rest bools."""
+    for k, v in flags.items():
+        _check_bool(k, v, none_ok=k in ("foreach", "fused"))
+
+
+def check_group_types(gi: int, group: dict) -> None:
+    """check_types on a param group, naming its keys (`param_groups[0]['lr']`)."""
+    def name(k):
+        return f"param_groups[{gi}][{k!r}]"
+
+    check_types(group["lr"], group["betas"], group["eps"], group["weight_decay"], name)
+    for k in STEP_FLAGS:
+        if k in group:
+            _check_bool(name(k), group[k])
+
+
+def check_state_dtype(state_dtype, amsgrad) -> None:
+    if state_dtype not in _STATE_DTYPES:
+        raise ValueError(f"state_dtype must be one of {_STATE_DTYPES}, got {state_dtype!r}")
+    if state_dtype == "fp32":
+        return
+    if amsgrad:
+        raise ValueError(
+            "amsgrad=True is not supported with state_dtype='bf16' (its running max of v would "
+            "need a third compact buffer); use state_dtype='fp32' for amsgrad")
+
+
+def check_torch_config(lr, betas, foreach, capturable, fused, differentiable) -> None:
+    """The constructor arguments torch.optim.Adam refuses although ours could run them, refused
+    with torch's exception type and message, so that code written against torch behaves the
+    same; in torch's order. (Value checks: ops.check_adam_hyper.)"""
+    if isinstance(lr, torch.Tensor) and foreach and not capturable:
+        raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
+    if len(betas) == 2 and not (all(isinstance(b, float) for b in betas)
+                                or all(isinstance(b, torch.Tensor) for b in betas)):
+        raise ValueError("betas must be either both floats or both Tensors")
+    for i, b in enumerate(betas):
+        if isinstance(b, torch.Tensor) and foreach and not capturable:
+            raise ValueError(f"betas[{i}] as a Tensor is not supported for capturable=False and "
+                             "foreach=True")
+    if fused and differentiable:
+        raise RuntimeError("`fused` does not support `differentiable`")
+    if fused and foreach:
+        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
