@@ -13,6 +13,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import warnings
 
 import pytest
@@ -211,8 +212,19 @@ def test_an_owner_file_being_written_is_a_live_claim(tmp_path):
 
 
 def _saver(who, ck, rounds, barrier, results):
+    import time
+
+    from tierlift.checkpoint import targets
+
     torch.set_num_threads(1)
     model = _model(10 + who, width=256)
+    make_parent = targets.make_parent
+
+    def slow(path):  # between the checks of the target and the claim, as a busy drive is
+        time.sleep(0.02)
+        make_parent(path)
+
+    targets.make_parent = slow
     for r in range(rounds):
         barrier.wait()  # both start at the same instant
         try:
@@ -220,8 +232,11 @@ def _saver(who, ck, rounds, barrier, results):
             results.put((r, who, None))
         except Exception as e:  # noqa: BLE001 - reported to the test
             results.put((r, who, f"{type(e).__name__}: {e}"))
-        barrier.wait()  # the test checks what is on disk
-        barrier.wait()
+        try:
+            barrier.wait()  # the test checks what is on disk
+            barrier.wait()
+        except threading.BrokenBarrierError:
+            return  # the test failed
 
 
 def test_two_saves_started_at_the_same_instant(tmp_path):
@@ -250,6 +265,9 @@ def test_two_saves_started_at_the_same_instant(tmp_path):
             assert _weights_equal(fresh, 10 + extra["who"], 256), "a mixed checkpoint"
             assert sorted(os.listdir(tmp_path)) == ["ck"], os.listdir(tmp_path)
             barrier.wait()
+    except BaseException:
+        barrier.abort()  # the savers stop at once
+        raise
     finally:
         for p in procs:
             p.join(timeout=60)

@@ -94,6 +94,7 @@ def _run(args) -> int:
     if args.command == "import-dcp":
         n = handoff.import_dcp(args.dcp, args.out, prefix=args.prefix)
         print(f"wrote {n} tensors to {args.out}")
+        print(handoff.DCP_NOTE)
         return 0
     if args.format == "hf":
         files, n, total = handoff.export_hf(args.checkpoint, args.out,

@@ -1,7 +1,8 @@
 """One save in flight: its snapshot (staging.py), its writer thread (writer.py), and the commit
 that every rank agrees on. save(blocking=True) is the same job waited for at once.
 
-A job claims `path`.tmp, snapshots on the training thread (copies into staging; two-generation
+A job claims `path`.tmp (atomically: of two saves of one path, one is refused before it writes
+anything; claim()), snapshots on the training thread (copies into staging; two-generation
 optimizer tiers are held, not copied), then the writer puts every byte on the drive. The
 commit: one vote over the ranks (every rank wrote its files), rank 0 writes metadata.json and
 renames `path`.tmp to `path` (format.replace_dir), a second vote says whether that worked. In

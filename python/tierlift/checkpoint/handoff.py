@@ -11,6 +11,10 @@ files load into a model whether or not it ties them; from_pretrained re-ties the
 
 import_dcp(): the model weights of a torch.distributed.checkpoint directory as a tierlift
 checkpoint (replicated.save_state_dict: the same format, SHA-256 and atomic publish as save()).
+DCP records no checksum of its own, so what it does record is checked before anything is
+written (dcp_reader.py): every item's byte range against its data file (a truncated file is an
+error naming it), each tensor's shape and dtype against .metadata, and the CRC-32 that
+torch.save puts into each item (which catches most changed bytes, not all: it is no SHA-256).
 """
 
 from __future__ import annotations
@@ -19,12 +23,11 @@ import os
 import re
 import shutil
 import uuid
-import warnings
 
 import torch
 
+from tierlift.checkpoint import dcp_reader, replicated, targets
 from tierlift.checkpoint import format as fmt
-from tierlift.checkpoint import replicated, targets
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -125,14 +128,20 @@ def export_hf(checkpoint: str, out_dir: str, *, max_shard_size: str | int = "5GB
     return len(parts), sum(len(p) for p in parts), total
 
 
+DCP_NOTE = ("note: torch.distributed.checkpoint keeps no checksum of its own; each item was "
+            "checked against what its .metadata records (byte range, shape, dtype) and against "
+            "the CRC-32 torch.save writes into it, which catches most changed bytes but not "
+            "all; the new checkpoint carries SHA-256 checksums from here on")
+
+
 def import_dcp(dcp_dir: str, out: str, *, prefix: str = "") -> int:
     """Write the tensors of the torch.distributed.checkpoint directory `dcp_dir` whose names
     start with `prefix` ("model." for a dcp.save({"model": ..., "optim": ...})), without it,
     as a tierlift checkpoint at `out` (a new path or an empty directory: an existing checkpoint
     is refused, not replaced) that tierlift.checkpoint.load() puts into a model that is not
-    sharded. No process group needed. Returns the number of tensors. The tensors are
-    all read into memory (DCP's reader fills a whole state dict)."""
-    import torch.distributed.checkpoint as dcp
+    sharded. No process group needed. Returns the number of tensors. The tensors are all
+    read into memory, each item checked against what DCP's .metadata records (dcp_reader.py):
+    DCP has no checksum, so a changed byte that keeps torch.save's CRC-32 goes unnoticed."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     dcp_dir, out = os.fspath(dcp_dir), os.fspath(out)
@@ -140,22 +149,14 @@ def import_dcp(dcp_dir: str, out: str, *, prefix: str = "") -> int:
         what = "is not a directory" if os.path.lexists(dcp_dir) else "does not exist"
         raise FileNotFoundError(f"DCP checkpoint directory {dcp_dir} {what}")
     targets.check_save_target(out, replace=False)  # before the (long) read
-    reader = dcp.FileSystemReader(dcp_dir)
-    try:
-        metadata = reader.read_metadata()
-    except Exception as e:  # noqa: BLE001 - any unreadable .metadata
-        raise ValueError(f"{dcp_dir} is not a torch.distributed.checkpoint directory: "
-                         f"{type(e).__name__}: {e}") from e
+    reader, metadata = dcp_reader.open_metadata(dcp_dir)
     entries = {k: m for k, m in metadata.state_dict_metadata.items()
                if isinstance(m, TensorStorageMetadata) and k.startswith(prefix)}
     if not entries:
         some = sorted(metadata.state_dict_metadata)[:5]
         raise ValueError(f"{dcp_dir} has no tensors whose names start with {prefix!r} "
                          f"(its first names: {some})")
-    sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in entries.items()}
-    with warnings.catch_warnings():  # no_dist is the intent, not a guess to warn about
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(sd, storage_reader=reader, no_dist=True)
+    sd = dcp_reader.read_tensors(dcp_dir, reader, metadata, entries)
     replicated.save_state_dict(out, {k[len(prefix):]: v for k, v in sd.items()},
                                extra={"imported_from": os.path.abspath(dcp_dir)})
     return len(sd)

@@ -1,0 +1,122 @@
+"""import-dcp checks what torch.distributed.checkpoint records before it accepts a checkpoint:
+DCP keeps no checksum, so a flipped byte in a data file, a truncated data file, an item of
+another dtype or shape than .metadata says are errors naming the file (nothing is written),
+and the command's output says what was and was not checked."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import tierlift
+from tierlift.checkpoint.__main__ import main
+
+
+def _model(seed=3):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+
+
+def _save_dcp(state, where):
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, checkpoint_id=str(where))
+    return where
+
+
+def _data_file(dcp_dir) -> str:
+    (name,) = [n for n in os.listdir(dcp_dir) if n.endswith(".distcp")]
+    return os.path.join(dcp_dir, name)
+
+
+def _import_fails(dcp_dir, out, capsys, *match):
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        with pytest.raises(SystemExit) as e:
+            main(["import-dcp", str(dcp_dir), str(out)])
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert e.value.code == 2 and "Traceback" not in err, err
+    for m in match:
+        assert m in last, last
+    assert not os.path.lexists(out) and not os.path.lexists(f"{out}.tmp")
+
+
+def test_a_flipped_byte_in_a_tensor_is_refused(tmp_path, capsys):
+    model = _model()
+    dcp_dir = _save_dcp(model.state_dict(), tmp_path / "dcp")
+    file = _data_file(dcp_dir)
+    data = bytearray(open(file, "rb").read())
+    weight = model.state_dict()["0.weight"].numpy().tobytes()
+    at = data.find(weight) + 17  # a byte inside the tensor's values
+    data[at] ^= 0x01
+    open(file, "wb").write(bytes(data))
+    _import_fails(dcp_dir, tmp_path / "ck", capsys, f"{file} is corrupt: the item of '0.weight'",
+                  "Bad CRC-32")
+
+
+def test_a_truncated_data_file_names_it(tmp_path, capsys):
+    dcp_dir = _save_dcp(_model().state_dict(), tmp_path / "dcp")
+    file = _data_file(dcp_dir)
+    size = os.path.getsize(file)
+    os.truncate(file, size - 100)
+    _import_fails(dcp_dir, tmp_path / "ck", capsys, f"{file} is truncated or corrupt: "
+                  f"{size - 100} bytes, but {dcp_dir}/.metadata places '1.bias' at bytes")
+    os.unlink(file)
+    _import_fails(dcp_dir, tmp_path / "ck", capsys, f"{file} is missing")
+
+
+def test_an_item_of_another_dtype_is_refused(tmp_path, capsys):
+    """DCP's own reader copies the item into a tensor of the recorded dtype, casting it."""
+    sd = {"w": torch.randn(4, 3, dtype=torch.float64)}
+    dcp_dir = _save_dcp(sd, tmp_path / "dcp")
+    meta_file = dcp_dir / ".metadata"
+    meta = pickle.loads(meta_file.read_bytes())
+    meta.state_dict_metadata["w"].properties.dtype = torch.float32
+    meta_file.write_bytes(pickle.dumps(meta))
+    _import_fails(dcp_dir, tmp_path / "ck", capsys,
+                  "the item of 'w'", "holds torch.float64 [4, 3], but .metadata says "
+                  "torch.float32 [4, 3]")
+
+
+def test_chunks_that_leave_a_gap_are_refused(tmp_path, capsys):
+    dcp_dir = _save_dcp({"w": torch.randn(4, 3)}, tmp_path / "dcp")
+    meta_file = dcp_dir / ".metadata"
+    meta = pickle.loads(meta_file.read_bytes())
+    meta.state_dict_metadata["w"].size = torch.Size([5, 3])  # a row no chunk holds
+    meta_file.write_bytes(pickle.dumps(meta))
+    _import_fails(dcp_dir, tmp_path / "ck", capsys, "the chunks of 'w' do not cover it")
+
+
+def test_an_intact_import_says_what_was_checked(tmp_path, capsys):
+    model = _model()
+    dcp_dir = _save_dcp(model.state_dict(), tmp_path / "dcp")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        assert main(["import-dcp", str(dcp_dir), str(tmp_path / "ck")]) == 0
+    out = capsys.readouterr().out
+    assert "keeps no checksum of its own" in out and "CRC-32" in out, out
+    fresh = _model(0)
+    tierlift.checkpoint.load(tmp_path / "ck", fresh)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in fresh.state_dict().items())
+
+
+def test_items_written_without_crc_still_import(tmp_path):
+    from torch.utils.serialization import config
+
+    model = _model()
+    with config.patch({"save.compute_crc32": False}):
+        dcp_dir = _save_dcp(model.state_dict(), tmp_path / "dcp")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        assert main(["import-dcp", str(dcp_dir), str(tmp_path / "ck")]) == 0
+    fresh = _model(0)
+    tierlift.checkpoint.load(tmp_path / "ck", fresh)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in fresh.state_dict().items())
