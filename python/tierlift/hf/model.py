@@ -51,6 +51,7 @@ def gathered_state_dict(model, *, rank0_only: bool = True) -> dict[str, torch.Te
     tensors (in host memory) and the other ranks get {}."""
     model = _inner(model)
     state = _state(model)
+    state.named_call("Accelerator.get_state_dict")
     keep = not rank0_only or state.world_comm.rank == 0
     out: dict[str, torch.Tensor] = {}
     for unit in state.units:

@@ -166,6 +166,7 @@ class Trainer(transformers.Trainer):
             return super().save_model(output_dir, _internal_call)
         if _internal_call and not self._save_opts.checkpoint_full_model:
             return
+        zmodel._state(zmodel._inner(self.model)).named_call("Trainer.save_model")
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         self._save(output_dir, state_dict=self.accelerator.get_state_dict(self.model))
         if self.args.push_to_hub and not _internal_call:

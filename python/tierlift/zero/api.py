@@ -418,6 +418,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The unsharded model's state_dict (fp32 master weights, original names and order), on
     every rank. A collective: every rank must call it."""
     state = _state(model)
+    state.named_call("tierlift.zero.full_state_dict")
     flat = {}
     for unit in state.units:
         flat.update(unit.split(unit.gather_fp32()))
@@ -439,6 +440,7 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) 
     names given together load as torch loads them: the last in model order wins (the same rule
     as model.load_state_dict on the sharded model)."""
     state = _state(model)
+    state.named_call("tierlift.zero.load_full_state_dict")
     # Check everything before changing anything: a bad state dict leaves the model as it was.
     sharded = set()
     for unit in state.units:

@@ -151,6 +151,8 @@ def gathered(params_or_module, modifier_rank: int | None = None):
     targets = _resolve(params_or_module)
     for state, _ in targets:
         _check_modifier(state, modifier_rank)
+    for state, _ in targets:
+        state.named_call("tierlift.zero.gathered")
     held: list[tuple] = []
     for state, _ in targets:
         state.gathered_blocks += 1

@@ -7,11 +7,21 @@ group's timeout expired), the survivor records its own failure in the store, wai
 the other survivors to do the same, and names the ranks that neither failed nor are ahead of it:
 those stopped answering. The process group timeout (init_process_group(timeout=...)) bounds how
 long a hung rank can stall the others.
+
+Collectives the user calls between steps (Trainer.save_model, tierlift.zero.full_state_dict,
+gathered(), checkpoints) are named: on entry a rank records the call (its index, its name and
+the forward it came after) and waits until every rank has recorded the same call. A rank that
+skipped it (`if rank == 0: trainer.save_model(...)`) shows in the store at once: its next
+forward starts, and its forward counter passes the caller's. Both sides then raise within
+moments, naming the call, instead of hanging until the process group's timeout (or matching
+unrelated collectives): the caller while it waits, the other rank when its forward starts (or,
+if it was already inside a collective, when that fails because the caller gave up).
 """
 
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -32,6 +42,16 @@ class Heartbeat:
         self.ranks = (list(range(comm.world)) if comm.group is None
                       else dist.get_process_group_ranks(comm.group))
         self.me = self.ranks[comm.rank]
+        self.calls = 0  # named collective calls this rank has entered
+        self.ns = _PREFIX
+        store = self.store
+        if store is not None:
+            # Keys of their own per sharded model: the n-th model of every rank (shard() is
+            # collective, so every rank makes them in the same order) counts on its own.
+            try:
+                self.ns = f"{_PREFIX}m{store.add(f'{_PREFIX}models/{self.me}', 1)}/"
+            except RuntimeError:
+                pass
         for c in (comm, *also):
             c.on_error = self.explain
 
@@ -50,9 +70,72 @@ class Heartbeat:
         if store is None:
             return
         try:
-            store.set(f"{_PREFIX}beat/{self.me}", str(self.count))
+            store.set(f"{self.ns}beat/{self.me}", str(self.count))
+            skipped = store.check([f"{self.ns}call/{self.calls}"])
         except RuntimeError:
-            pass  # a dead store host surfaces, named, at the next collective
+            return  # a dead store host surfaces, named, at the next collective
+        if skipped:
+            # Another rank entered a named call this rank has not: skipped if it came after
+            # an earlier forward than the one starting here.
+            for r, (name, at) in self._callers(store, self.calls).items():
+                if at < self.count:
+                    self.calls += 1  # not waited for again if the caller recovers
+                    raise RankFailureError(
+                        f"tierlift.zero: rank {r} called {name}, a collective that every "
+                        f"rank must call, but rank {self.me} went on to forward step "
+                        f"{self.count} without it: call {name} on every rank (not under "
+                        "`if rank == 0:`)")
+
+    def _callers(self, store, index: int) -> dict[int, tuple[str, int]]:
+        """{rank: (name, forward count)} of the ranks that entered named call `index`."""
+        out = {}
+        for r in self.ranks:
+            key = f"{self.ns}call/{index}/{r}"
+            if store.check([key]):
+                name, _, at = store.get(key).decode().rpartition("@")
+                out[r] = (name, int(at))
+        return out
+
+    def collective(self, name: str, timeout: timedelta | None = None) -> None:
+        """Entering named collective `name`: returns once every rank has entered the same
+        call; raises RankFailureError, naming it, when another rank skipped it or entered
+        another one."""
+        store = self.store
+        if store is None:
+            return
+        index, self.calls = self.calls, self.calls + 1
+        limit = (timeout or dist.default_pg_timeout).total_seconds()
+        deadline = time.monotonic() + limit
+        head = (f"tierlift.zero: rank {self.me} called {name}, a collective that every rank "
+                "must call")
+        try:
+            store.set(f"{self.ns}call/{index}/{self.me}", f"{name}@{self.count}")
+            store.set(f"{self.ns}call/{index}", "1")
+            keys = [f"{self.ns}call/{index}/{r}" for r in self.ranks]
+            pause = 0.001
+            while not store.check(keys):
+                for r in self.ranks:
+                    if r != self.me and not store.check([keys[self.ranks.index(r)]]) and \
+                            (self._read(store, f"{self.ns}beat/{r}") or 0) > self.count:
+                        raise RankFailureError(
+                            f"{head}, but rank {r} went on to forward step "
+                            f"{self._read(store, f'{self.ns}beat/{r}')} without it: call {name} "
+                            "on every rank (not under `if rank == 0:`)")
+                if time.monotonic() > deadline:
+                    missing = [r for r, k in zip(self.ranks, keys) if not store.check([k])]
+                    raise RankFailureError(f"{head}; rank {missing} did not call it within "
+                                           f"{limit:.0f} s")
+                time.sleep(pause)
+                pause = min(pause * 2, 0.05)
+            others = {r: v for r, v in self._callers(store, index).items() if v[0] != name}
+        except RankFailureError:
+            raise
+        except RuntimeError as exc:
+            raise self.explain(exc) from exc
+        if others:
+            r, (other, _) = next(iter(others.items()))
+            raise RankFailureError(f"{head}, but rank {r} called {other} at that point: every "
+                                   "rank must make the same collective calls in the same order")
 
     @staticmethod
     def _read(store, key: str) -> int | None:
@@ -66,15 +149,15 @@ class Heartbeat:
         if store is None:
             return RankFailureError(f"{head} ({exc}); no c10d store to find the culprit")
         try:
-            store.set(f"{_PREFIX}failed/{self.me}", str(self.count))
+            store.set(f"{self.ns}failed/{self.me}", str(self.count))
             deadline = time.monotonic() + self.settle_s
             silent: list[int] = []
             while True:
                 silent = []
                 for r in self.ranks:
-                    if r == self.me or self._read(store, f"{_PREFIX}failed/{r}") is not None:
+                    if r == self.me or self._read(store, f"{self.ns}failed/{r}") is not None:
                         continue
-                    beat = self._read(store, f"{_PREFIX}beat/{r}") or 0
+                    beat = self._read(store, f"{self.ns}beat/{r}") or 0
                     if beat <= self.count:
                         silent.append(r)
                 if not silent or time.monotonic() > deadline:
@@ -84,6 +167,16 @@ class Heartbeat:
             return RankFailureError(f"{head} ({exc}); the c10d store is unreachable too "
                                     f"({store_exc}): the rank hosting it (rank 0 unless "
                                     "torchrun hosts it) probably died")
+        try:
+            calls = self._callers(store, self.calls)
+        except Exception:  # noqa: BLE001 - only makes the message better
+            calls = {}
+        calls.pop(self.me, None)
+        if calls:
+            r, (name, _) = next(iter(calls.items()))
+            return RankFailureError(f"{head}: rank {r} called {name}, a collective that every "
+                                    f"rank must call, and rank {self.me} did not: call {name} "
+                                    f"on every rank (not under `if rank == 0:`). Cause: {exc}")
         if silent:
             who = ", ".join(str(r) for r in silent)
             return RankFailureError(f"{head}: rank {who} stopped answering (died or hung; "

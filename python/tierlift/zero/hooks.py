@@ -127,6 +127,11 @@ class ZeroState:
             h.remove()
         self.handles.clear()
 
+    def named_call(self, name: str) -> None:
+        """Entering collective `name` outside forward/backward: every rank must (heartbeat.py)."""
+        if self.heartbeat is not None:
+            self.heartbeat.collective(name)
+
     # ---- listeners ----
     def on_grad_ready(self, shard: torch.Tensor, fn) -> RemovableHandle:
         if id(shard) not in self.listeners:
