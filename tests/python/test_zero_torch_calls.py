@@ -4,7 +4,8 @@ and without an offloaded optimizer, also through a clip_grad_norm_ imported befo
 get_total_norm and error_if_nonfinite agree on every rank; param groups split by name or shape
 (nanoGPT, Hugging Face) are refused when the optimizer is built, while a split by unit name is
 kept; hooks on a parameter are refused by shard() before anything changes, and hooks on a shard
-run once its gradient has landed; ranks that built different weights are refused by shard().
+run once its gradient has landed; a block frozen mid-training is refused at the next forward;
+ranks that built different weights are refused by shard().
 
 One spawn runs every case; each rank writes what it saw and the tests check it."""
 
@@ -84,10 +85,11 @@ def _group_cases() -> dict:
     hf = [{"params": [p for n, p in named if "bias" not in n and "ln" not in n],
            "weight_decay": 0.1},
           {"params": [p for n, p in named if "bias" in n or "ln" in n], "weight_decay": 0.0}]
-    for kind in ("torch", "tierlift"):
-        cls = torch.optim.AdamW if kind == "torch" else tierlift.optim.AdamW
-        out[f"groups/nanogpt/{kind}"] = _raises(lambda cls=cls: cls(nanogpt, lr=1e-3))
-        out[f"groups/hf/{kind}"] = _raises(lambda cls=cls: cls(hf, lr=1e-3))
+    makers = {"torch": torch.optim.AdamW, "tierlift": tierlift.optim.AdamW,
+              "tierlift-cpu-offload": lambda g, **kw: tierlift.optim.AdamW(g, offload="cpu", **kw)}
+    for kind, make in makers.items():
+        out[f"groups/nanogpt/{kind}"] = _raises(lambda make=make: make(nanogpt, lr=1e-3))
+        out[f"groups/hf/{kind}"] = _raises(lambda make=make: make(hf, lr=1e-3))
     # Kept: a split by unit (layer-wise learning rates) and an empty group with equal settings.
     by_unit = [{"params": [p for n, p in named if n.startswith("blocks.0.")], "lr": 1e-4},
                {"params": [p for n, p in named if not n.startswith("blocks.0.")]}]
@@ -125,6 +127,27 @@ def _hook_cases(rank: int, world: int) -> dict:
     return out
 
 
+def _freeze_cases(rank: int, world: int) -> dict:
+    """A block frozen mid-training (the shard holding it, as model.blocks[0].parameters()
+    yields it): refused at the next forward, before anything changes."""
+    out = {}
+    for stage in (2, 3):
+        model = tierlift.zero.shard(make_model(), stage=stage)
+        opt = tierlift.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                   offload="cpu", **OPT)
+        _train(model, opt, batches(1, BATCH), world, rank)
+        for p in model.blocks[0].parameters():
+            p.requires_grad_(False)
+        before = tierlift.zero.full_state_dict(model)
+        out[f"freeze/s{stage}"] = _raises(lambda m=model, o=opt: _train(
+            m, o, batches(1, BATCH, seed=2), world, rank))
+        for p in model.blocks[0].parameters():
+            p.requires_grad_(True)
+        after = tierlift.zero.full_state_dict(model)
+        out[f"freeze/s{stage}/unchanged"] = all(torch.equal(before[k], after[k]) for k in before)
+    return out
+
+
 def _same_init_cases(rank: int) -> dict:
     model = make_model(seed=rank)  # a script that seeds each rank before building the model
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -136,7 +159,7 @@ def _same_init_cases(rank: int) -> dict:
 
 def _cases(rank: int, world: int, tmp: str) -> dict:
     return {**_clip_cases(rank, world), **_group_cases(), **_hook_cases(rank, world),
-            **_same_init_cases(rank)}
+            **_same_init_cases(rank), **_freeze_cases(rank, world)}
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +195,7 @@ def test_get_total_norm_and_nonfinite_agree_on_every_rank(ranks):
 
 
 @pytest.mark.parametrize("split", ["nanogpt", "hf"])
-@pytest.mark.parametrize("kind", ["torch", "tierlift"])
+@pytest.mark.parametrize("kind", ["torch", "tierlift", "tierlift-cpu-offload"])
 def test_group_split_by_name_or_shape_is_refused(ranks, split, kind):
     msg = ranks[0][f"groups/{split}/{kind}"]
     assert msg.startswith("ValueError: optimizer param group")
@@ -204,3 +227,12 @@ def test_ranks_that_built_different_weights_are_refused(ranks):
         assert msg.startswith("ValueError: parameter 'pos' differs between rank 0 and "
                               "rank 1"), msg
         assert out["same_init/unchanged"]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_freeze_mid_training_refused_before_anything_changes(ranks, stage):
+    for out in ranks:
+        assert out[f"freeze/s{stage}"].startswith("RuntimeError: the shard of"), \
+            out[f"freeze/s{stage}"]
+        assert "is fixed at shard()" in out[f"freeze/s{stage}"]
+        assert out[f"freeze/s{stage}/unchanged"]
