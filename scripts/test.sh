@@ -8,22 +8,41 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
+# The time of each stage, printed at the end (also when a stage fails).
+stages=()
+last=$start
+stage() {
+  local now
+  now=$(date +%s)
+  [ -n "${current:-}" ] && stages+=("$(printf '%6d s  %s' $((now - last)) "$current")")
+  current=$1
+  last=$now
+  if [ -n "$1" ]; then echo "== $1"; fi
+}
+report() {
+  stage ""
+  echo "== time per stage"
+  printf '%s\n' "${stages[@]}"
+  echo "$(printf '%6d s  total' $(( $(date +%s) - start )))"
+}
+trap report EXIT
+stage "setup (apt, pip, build)"
 bash scripts/setup.sh
 PY=${PYTHON:-python3}
 jobs=$(nproc)
 
-echo "== lint (ruff, clang-format)"
+stage "lint (ruff, clang-format)"
 $PY -m ruff check python tests benchmarks examples
 git ls-files '*.h' '*.cc' '*.cpp' '*.cu' '*.cuh' | xargs clang-format --dry-run -Werror
 
-echo "== GoogleTest"
+stage "GoogleTest (build and run)"
 cmake -S . -B build/cmake -G Ninja -DTIERLIFT_BENCHMARKS=ON >/dev/null
 cmake --build build/cmake -j "$jobs"
 ./build/cmake/tierlift_tests --gtest_brief=1
-echo "== CUDA kernels in the CPU simulator (csrc/cudasim)"
+stage "CUDA kernels in the CPU simulator (csrc/cudasim)"
 ./build/cmake/tierlift_cudasim_tests --gtest_brief=1
 
-echo "== GoogleTest under AddressSanitizer + UndefinedBehaviorSanitizer"
+stage "GoogleTest under AddressSanitizer + UndefinedBehaviorSanitizer"
 cmake -S . -B build/asan -G Ninja -DTIERLIFT_SANITIZE=ON >/dev/null
 cmake --build build/asan -j "$jobs"
 export ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1
@@ -31,9 +50,9 @@ export ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1
 ./build/asan/tierlift_cudasim_tests --gtest_brief=1
 unset ASAN_OPTIONS UBSAN_OPTIONS
 
-echo "== CUDA kernels in the CPU simulator: warp-ahead schedule"
+stage "CUDA kernels in the CPU simulator: warp-ahead schedule"
 TIERLIFT_CUDASIM_SCHEDULE=warp ./build/cmake/tierlift_cudasim_tests --gtest_brief=1
-echo "== GoogleTest under ThreadSanitizer (the I/O engine's ring and copier threads, the pool)"
+stage "GoogleTest under ThreadSanitizer (the I/O engine's ring and copier threads, the pool)"
 cmake -S . -B build/tsan -G Ninja -DTIERLIFT_TSAN=ON -DTIERLIFT_BENCHMARKS=OFF >/dev/null
 cmake --build build/tsan -j "$jobs" --target tierlift_tests tierlift_cudasim_tests
 # setarch -R: older libtsan refuses the high-entropy address layouts of newer kernels.
@@ -47,5 +66,5 @@ TSAN_OPTIONS="halt_on_error=1 history_size=4" setarch "$(uname -m)" -R \
   ./build/tsan/tierlift_cudasim_tests --gtest_brief=1 \
   --gtest_filter='CudaSim*:AdamKernelEdges*:*GatherKernelBadIndex.EveryIndex*'
 
-echo "== pytest ($(( $(date +%s) - start )) s so far)"
+stage "pytest"
 $PY -m pytest -q -ra --durations=25 tests/python "$@"
