@@ -1,0 +1,336 @@
+"""The offloaded pipeline's schedule, checked on a CPU: ZeRO-3 with offload_params="cpu" and the
+overlapped, offloaded AdamW, with every device leg replaced by a timed stand-in and every leg
+logged. The test asserts the order the overlap promises, not a timing:
+
+- optimizer work runs during backward: unit k's CPU Adam starts after unit k's own backward
+  and before the backward of unit k-1 (the next one in backward order) ends;
+- prefetch: the stage-in (H2D) of unit k+1 is issued before unit k's forward ends, and in
+  backward that of unit k-1 before unit k's backward ends;
+- at most prefetch + 1 units are gathered at once.
+
+Stand-ins: each block's forward sleeps FWD_S and its backward BWD_S (the GPU compute of the
+unit). A backward stand-in is stretched, up to GRACE, while the step of the unit after it has
+not started: a loaded machine may start the worker thread later than BWD_S, but a serialized
+pipeline never starts it before backward ends, so only a serialization fails the check.
+Controls show that each check can fail: overlap=False, an overlap whose worker waits for the
+end of backward (every chunk still kept: the step's stats alone would not notice), and
+prefetch=0.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import tierlift
+from tierlift.offload.overlap import Overlap
+from tierlift.offload.runner import Offloader
+from tierlift.zero.hooks import ZeroState
+from tierlift.zero.param_offload import ParamOffload
+
+pytestmark = pytest.mark.skipif(not tierlift._extension.available(),
+                                reason="compiled extension not loaded")
+
+UNITS, DIM = 5, 32
+FWD_S, BWD_S = 0.005, 0.03  # stand-ins for a unit's forward and backward on the device
+GRACE = 0.5  # the most a backward stand-in waits for the previous unit's step to start
+
+
+class Log:
+    """The event log: (time, kind, unit, thread) in the order they happened."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[float, str, int, str]] = []
+        self.cond = threading.Condition()
+        self.armed = False  # stretch backward stand-ins (the measured step only)
+        self.units_of: dict[int, int] = {}  # id(shard) -> unit
+        self.t0 = time.perf_counter()
+
+    def __call__(self, kind: str, unit: int = -1) -> None:
+        with self.cond:
+            self.events.append((time.perf_counter(), kind, unit,
+                                threading.current_thread().name))
+            self.cond.notify_all()
+
+    def seen(self, kind: str, unit: int) -> bool:
+        return any(k == kind and u == unit for _, k, u, _ in self.events)
+
+    def wait_for(self, kind: str, unit: int, timeout: float) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.seen(kind, unit), timeout=timeout)
+
+    def clear(self) -> None:
+        with self.cond:
+            self.events.clear()
+            self.t0 = time.perf_counter()
+
+    def first(self, kind: str, unit: int, phase: str | None = None) -> float:
+        """Time of the first `kind` event of `unit` (inside `phase` when given)."""
+        for t, k, u, _ in self.timeline(phase):
+            if k == kind and u == unit:
+                return t
+        raise AssertionError(f"no {kind} of unit {unit}{' in ' + phase if phase else ''}:\n"
+                             f"{self.format()}")
+
+    def timeline(self, phase: str | None = None) -> list:
+        if phase is None:
+            return list(self.events)
+        out, inside = [], False
+        for e in self.events:
+            if e[1].startswith("phase:"):
+                inside = e[1] == f"phase:{phase}"
+                continue
+            if inside:
+                out.append(e)
+        return out
+
+    def format(self) -> str:
+        lines = []
+        for t, kind, unit, thread in self.events:
+            who = "" if unit < 0 else f" {unit}"
+            where = "" if thread == "MainThread" else f"  [{thread}]"
+            lines.append(f"{(t - self.t0) * 1e3:8.1f} ms  {kind}{who}{where}")
+        return "\n".join(lines)
+
+
+class StandIn(torch.autograd.Function):
+    """The device compute of a unit's backward: BWD_S, stretched (up to GRACE) while the unit
+    after it has not started its optimizer step."""
+
+    @staticmethod
+    def forward(ctx, x, unit: int, log: Log):
+        ctx.unit, ctx.log = unit, log
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        log, unit = ctx.log, ctx.unit
+        log("bwd_start", unit)
+        time.sleep(BWD_S)
+        if log.armed and unit + 1 < UNITS:
+            log.wait_for("adam_start", unit + 1, GRACE)
+        log("bwd_end", unit)
+        return grad, None, None
+
+
+class Block(nn.Module):
+    def __init__(self, unit: int, log: Log) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+        self.unit = unit
+        self.log = log
+
+    def forward(self, x):
+        self.log("fwd_start", self.unit)
+        time.sleep(FWD_S)
+        # At the output: in backward the stand-in runs first, then the unit's gradient lands.
+        y = StandIn.apply(torch.tanh(self.lin(x)), self.unit, self.log)
+        self.log("fwd_end", self.unit)
+        return y
+
+
+class Net(nn.Module):
+    """UNITS equal blocks, one unit each, nothing at the root (no root unit)."""
+
+    def __init__(self, log: Log) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(i, log) for i in range(UNITS))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+@pytest.fixture
+def log(monkeypatch) -> Log:
+    """A Log fed by the legs of the pipeline: stage-in (H2D) of a unit, gather/free with the
+    number of units gathered after it, the D2H of a unit's gradient shard, the CPU Adam of a
+    unit's chunks (on whichever thread)."""
+    log = Log()
+    units_of = log.units_of
+
+    stage_in = ParamOffload.stage_in
+
+    def logged_stage_in(self, shard, dtype=None):
+        log("stage_in", units_of.get(id(shard), -1))
+        return stage_in(self, shard, dtype)
+
+    def counted(name: str, orig):
+        def wrapper(self, unit, *args, **kwargs):
+            out = orig(self, unit, *args, **kwargs)
+            live = sum(u.full_bytes > 0 for u in self.units)
+            log(f"{name}:{live}", self.units.index(unit))
+            return out
+        return wrapper
+
+    step_chunk = Offloader._step_chunk
+
+    def logged_step_chunk(self, gi, group, params, grads, steps, chunk, *args, **kwargs):
+        units = sorted({units_of.get(id(params[s.pi]), -1) for s in chunk.segments})
+        for u in units:
+            log("adam_start", u)
+        try:
+            return step_chunk(self, gi, group, params, grads, steps, chunk, *args, **kwargs)
+        finally:
+            for u in units:
+                log("adam_end", u)
+
+    landing = ZeroState._landing
+
+    def logged_landing(self, unit, reduced):
+        log("d2h", self.units.index(unit))  # the gradient shard's copy to host memory
+        return landing(self, unit, reduced)
+
+    monkeypatch.setattr(ParamOffload, "stage_in", logged_stage_in)
+    monkeypatch.setattr(ZeroState, "_landing", logged_landing)
+    monkeypatch.setattr(ZeroState, "_gather", counted("gather", ZeroState._gather))
+    monkeypatch.setattr(ZeroState, "_free", counted("free", ZeroState._free))
+    monkeypatch.setattr(Offloader, "_step_chunk", logged_step_chunk)
+    return log
+
+
+def build(log: Log, tmp_path, tier: str = "cpu", overlap: bool = True, prefetch: int = 1):
+    torch.manual_seed(0)
+    model = tierlift.zero.shard(Net(log), stage=3, offload_params="cpu", prefetch=prefetch)
+    state = model._tierlift_zero
+    assert [u.name for u in state.units] == [f"blocks.{i}" for i in range(UNITS)]
+    log.units_of.update({id(u.shard): i for i, u in enumerate(state.units)})
+    kw = dict(nvme_path=str(tmp_path)) if tier == "nvme" else {}
+    # 4 KiB chunks: every chunk holds one unit's shard only (shards start 4 KiB aligned), so a
+    # unit is stepped as soon as its own gradient lands.
+    opt = tierlift.optim.AdamW(model.parameters(), lr=1e-3, offload=tier, overlap=overlap,
+                               chunk_bytes=4096, **kw)
+    return model, opt
+
+
+def train(model, opt, log: Log, steps: int = 2, gate: threading.Event | None = None) -> dict:
+    """`steps` steps, the last one logged (the first records the forward order, which prefetch
+    needs). Returns the last step's optimizer stats."""
+    x = torch.randn(4, DIM, generator=torch.Generator().manual_seed(1))
+    for s in range(steps):
+        last = s == steps - 1
+        if last:
+            log.clear()
+            log.armed = True
+            model._tierlift_zero.stats["peak_resident_bytes"] = 0
+        opt.zero_grad(set_to_none=True)
+        log("phase:forward")
+        loss = model(x).square().mean()
+        log("phase:backward")
+        loss.backward()
+        if gate is not None:
+            gate.set()
+        log("phase:step")
+        opt.step()
+        log("phase:end")
+        log.armed = False
+    return dict(opt.last_step_stats)
+
+
+# ---- the order checks --------------------------------------------------------------------------
+def check_overlap(log: Log) -> None:
+    """Unit k's CPU Adam starts after its own backward and its gradient's D2H, and before unit
+    k-1's backward ends."""
+    for k in range(1, UNITS):
+        start = log.first("adam_start", k)
+        assert log.first("bwd_end", k, "backward") < log.first("d2h", k) < start, \
+            f"unit {k}'s Adam started before its gradient was on the host:\n{log.format()}"
+        assert start < log.first("bwd_end", k - 1, "backward"), \
+            f"unit {k}'s CPU Adam did not start during the backward of unit {k - 1}: the " \
+            f"optimizer step is serialized after backward\n{log.format()}"
+
+
+def check_prefetch(log: Log) -> None:
+    """Forward: unit k+1's stage-in is issued before unit k's forward ends. Backward: unit
+    k-1's before unit k's backward ends."""
+    for k in range(UNITS - 1):
+        assert log.first("stage_in", k + 1, "forward") < log.first("fwd_end", k, "forward"), \
+            f"unit {k + 1}'s H2D was not issued before unit {k}'s forward ended (no " \
+            f"prefetch)\n{log.format()}"
+    for k in range(1, UNITS):
+        assert log.first("stage_in", k - 1, "backward") < log.first("bwd_end", k, "backward"), \
+            f"unit {k - 1}'s H2D was not issued before unit {k}'s backward ended (no " \
+            f"prefetch)\n{log.format()}"
+
+
+def live_units(log: Log) -> int:
+    """The most units gathered at once (counted after every gather and free)."""
+    return max(int(k.split(":")[1]) for _, k, _, _ in log.events
+               if k.startswith(("gather:", "free:")))
+
+
+def check_live(log: Log, model, prefetch: int) -> None:
+    bound = prefetch + 1  # the unit computing and the `prefetch` units gathered ahead of it
+    assert live_units(log) <= bound, f"more than {bound} units gathered\n{log.format()}"
+    unit_bytes = model._tierlift_zero.units[0].gather_bytes
+    assert model._tierlift_zero.stats["peak_resident_bytes"] <= bound * unit_bytes
+
+
+# ---- the pipeline keeps its promises -----------------------------------------------------------
+@pytest.mark.parametrize("tier,prefetch", [("cpu", 1), ("cpu", 2), ("nvme", 1)])
+def test_offloaded_step_keeps_the_promised_order(log, tmp_path, tier, prefetch):
+    model, opt = build(log, tmp_path, tier, prefetch=prefetch)
+    try:
+        stats = train(model, opt, log)
+    finally:
+        opt._offload.close()
+    check_overlap(log)
+    check_prefetch(log)
+    check_live(log, model, prefetch)
+    assert live_units(log) == prefetch + 1  # the prefetch did run ahead
+    assert stats["overlap_kept_chunks"] == 2 * UNITS and stats["overlap_redone_chunks"] == 0
+    # The unit first in forward order is the only one stepped after backward at the latest.
+    assert log.first("adam_start", 0) > log.first("bwd_end", 0, "backward")
+
+
+# ---- each check can fail -----------------------------------------------------------------------
+def test_no_overlap_fails_the_check(log, tmp_path):
+    model, opt = build(log, tmp_path, overlap=False)
+    try:
+        train(model, opt, log)
+    finally:
+        opt._offload.close()
+    with pytest.raises(AssertionError, match="serialized"):
+        check_overlap(log)
+    check_prefetch(log)  # the parameter side does not depend on the optimizer
+    end = log.first("bwd_end", 0, "backward")
+    assert all(log.first("adam_start", k) > end for k in range(UNITS))  # all inside step()
+
+
+def test_overlap_that_waits_for_backward_fails_the_check(log, tmp_path, monkeypatch):
+    """A change that keeps overlap=True but starts the worker only once backward is over: every
+    chunk is still stepped ahead and kept, so only the order tells."""
+    gate = threading.Event()
+    work = Overlap._work
+
+    def late_work(self, *args, **kwargs):
+        gate.wait(timeout=30)
+        return work(self, *args, **kwargs)
+
+    monkeypatch.setattr(Overlap, "_work", late_work)
+    model, opt = build(log, tmp_path)
+    try:
+        stats = train(model, opt, log, steps=1, gate=gate)
+    finally:
+        gate.set()
+        opt._offload.close()
+    assert stats["overlap_kept_chunks"] == 2 * UNITS  # looks overlapped by the stats
+    with pytest.raises(AssertionError, match="serialized"):
+        check_overlap(log)
+
+
+def test_no_prefetch_fails_the_check(log, tmp_path):
+    model, opt = build(log, tmp_path, prefetch=0)
+    try:
+        train(model, opt, log)
+    finally:
+        opt._offload.close()
+    check_overlap(log)
+    with pytest.raises(AssertionError, match="no prefetch"):
+        check_prefetch(log)
+    check_live(log, model, 0)
