@@ -14,6 +14,7 @@ against DeepSpeed ZeRO-3 with CPU optimizer offload.
     python benchmarks/bench_offload.py --layouts --state-dtype both # each: compact vs fp32 state
     python benchmarks/bench_offload.py --layouts --durable          # + all-NVMe, durable=True
     python benchmarks/bench_offload.py --recipes --params 8e6       # overlap kept per recipe
+    python benchmarks/bench_offload.py --legs                       # ZeRO-3 step split by leg
 
 Step mode: fp32 CPU parameters. The NVMe case gets cpu_budget = a third of its state (fp32
 master, m, v = 12 B/param), so every step streams the whole state through the pool. It runs
@@ -32,7 +33,8 @@ probe's read-while-writing takes as long as one after the other on this disk (sh
 "parallel"; were it faster, the mixed rate would bound the roofline instead). The ratio is
 taken per round and its median reported: the disk of a shared VM changes speed by 2x within a
 minute, so a probe taken once, apart from the steps, does not describe them. Also shown: the
-page-cache roofline (buffered probe). Other cases: median of --repeats steps.
+page-cache roofline (buffered probe). Other cases: median of --repeats steps. Last, the last
+step of the cpu and nvme cases by leg (last_step_stats, all on the stepping thread here).
 
 Fine-tuning mode (--gpu): see offload_finetune.py.
 """
@@ -55,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import tierlift  # noqa: E402, F401
 from common import machine, median_time, print_table, write_json  # noqa: E402
 from offload_finetune import add_finetune_args, finetune, run_case  # noqa: E402
+from offload_legs import bench_legs  # noqa: E402
 from offload_recipes import bench_recipes  # noqa: E402
 from plots import plot_json, plot_offload  # noqa: E402
 from tierlift.offload.durable import durable_dir  # noqa: E402
@@ -295,6 +298,8 @@ def bench_step(args) -> int:
 
         times[name] = median_time(timed, repeats=args.repeats, warmup=1)
         best[name] = min(samples[1:])  # on a shared machine, the least disturbed step
+        if name == "tierlift cpu":
+            cpu_stats = dict(opt.last_step_stats)
         del opt, ps
     times["tierlift nvme"], best["tierlift nvme"] = nv["step_s"], nv["best_step_s"]
     cached_read_bps, cached_write_bps = disk_bandwidth(tmp.name, 4 * n, direct=False)
@@ -340,8 +345,7 @@ def bench_step(args) -> int:
     if fragmented:
         print("WARNING: every probe buffer was more fragmented than the step's, so this run's "
               "roofline may be above the device's floor (not a lower bound)")
-    print("nvme step breakdown (last step):", {k: round(v, 4) if isinstance(v, float) else v
-                                               for k, v in last.items()})
+    print_legs({"tierlift cpu": cpu_stats, "tierlift nvme": last})
     path = write_json("bench_offload", {
         "machine": machine(), "params": n, "state_bytes": state_bytes, "cpu_budget": budget,
         "step_s": times, "best_step_s": best, "roofline_s": nv["roofline_s"],
@@ -355,6 +359,34 @@ def bench_step(args) -> int:
         print(f"wrote {plot_json(plot_offload, path, args.plot)}")
     tmp.cleanup()
     return 0
+
+
+# (label, last_step_stats key, counted: "other" is total_s less the counted legs; the others
+# are parts of a counted leg, as the read CRCs are of the read wait)
+STEP_LEGS = [("CPU Adam kernel", "cpu_step_s", True), ("gradient check", "grad_check_s", True),
+             ("NVMe read wait", "nvme_read_wait_s", True),
+             ("NVMe write wait", "nvme_write_wait_s", True),
+             ("  of which fdatasync", "nvme_sync_s", False),
+             ("CRC-32C (reads: in the wait)", "checksum_s", False),
+             ("D2H grads", "d2h_s", True), ("H2D params", "h2d_s", True)]
+
+
+def print_legs(stats: dict[str, dict]) -> None:
+    """The last step of each case by leg (last_step_stats), in ms; "other" is the step's time
+    outside them. Every leg here is on the stepping thread, so all of it is exposed."""
+    rows = []
+    for label, key, _ in STEP_LEGS + [("other", None, False), ("step (total_s)", "total_s", False)]:
+        row = {"leg": label}
+        for case, st in stats.items():
+            if key is None:
+                v = st.get("total_s", 0.0) - sum(st.get(k, 0.0) for _, k, part in STEP_LEGS
+                                                 if part)
+            else:
+                v = st.get(key, 0.0)
+            row[case] = f"{v * 1e3:.1f}"
+        rows.append(row)
+    print_table(rows, ["leg", *stats], title="last step by leg, ms (D2H/H2D: device parameters "
+                                             "only; bench_offload.py --legs: the ZeRO-3 step)")
 
 
 # ---- layouts mode (--layouts) ---------------------------------------------------------------
@@ -556,6 +588,16 @@ def main(argv=None) -> int:
                          "chunks kept and the content check's share of the step")
     ap.add_argument("--plot", metavar="PATH", help="also draw the results as a PNG here (needs "
                     "matplotlib): the step legs, or with --gpu the TFLOPS")
+    ap.add_argument("--legs", action="store_true",
+                    help="ZeRO-3 with parameter and optimizer offload on this machine: the step "
+                         "split into forward, backward, step(), CPU Adam, NVMe waits, copies, "
+                         "with the overlap off and on")
+    ap.add_argument("--legs-dim", type=int, default=512, help="--legs: block width")
+    ap.add_argument("--legs-layers", type=int, default=6, help="--legs: blocks (units)")
+    ap.add_argument("--legs-batch", type=int, default=256, help="--legs: rows per step")
+    ap.add_argument("--legs-chunk-bytes", type=int, default=1 << 20,
+                    help="--legs: AdamW chunk_bytes (a chunk that spans two units waits for "
+                         "both gradients, so the default is below a unit's size)")
     add_finetune_args(ap)
     args = ap.parse_args(argv)
     if args.state_dtype != "fp32" and not args.layouts:
@@ -569,6 +611,8 @@ def main(argv=None) -> int:
         return finetune(args)
     if args.recipes:
         return bench_recipes(args)
+    if args.legs:
+        return bench_legs(args)
     if args.layouts:
         return bench_layouts(args)
     return bench_step(args)
