@@ -120,3 +120,34 @@ def test_items_written_without_crc_still_import(tmp_path):
     fresh = _model(0)
     tierlift.checkpoint.load(tmp_path / "ck", fresh)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in fresh.state_dict().items())
+
+
+def test_a_tensor_in_chunks_is_put_together(tmp_path):
+    """A sharded save (FSDP, DTensor) stores a tensor as chunks at offsets: two items of one
+    file made into the two halves of one tensor."""
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorStorageMetadata,
+    )
+
+    top, bottom = torch.randn(2, 3), torch.randn(2, 3)
+    dcp_dir = _save_dcp({"a": top, "b": bottom}, tmp_path / "dcp")
+    meta_file = dcp_dir / ".metadata"
+    meta = pickle.loads(meta_file.read_bytes())
+    items = {i.fqn: info for i, info in meta.storage_data.items()}
+    chunks = [ChunkStorageMetadata(offsets=torch.Size([r, 0]), sizes=torch.Size([2, 3]))
+              for r in (0, 2)]
+    meta.state_dict_metadata = {"w": TensorStorageMetadata(
+        properties=meta.state_dict_metadata["a"].properties, size=torch.Size([4, 3]),
+        chunks=chunks)}
+    meta.storage_data = {MetadataIndex("w", c.offsets, i): items[n]
+                         for i, (c, n) in enumerate(zip(chunks, "ab"))}
+    meta_file.write_bytes(pickle.dumps(meta))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        assert main(["import-dcp", str(dcp_dir), str(tmp_path / "ck")]) == 0
+    model = nn.Module()
+    model.register_buffer("w", torch.zeros(4, 3))
+    tierlift.checkpoint.load(tmp_path / "ck", model)
+    assert torch.equal(model.w, torch.cat([top, bottom]))

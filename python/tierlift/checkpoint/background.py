@@ -162,9 +162,9 @@ def claim(tmp: str, path: str | None = None, replace: bool = True) -> str:
         except FileExistsError:
             owner = _read_owner(owner_file)
             if owner is not None and _alive(owner):
-                who = f"process {owner.get('pid')}" + (
-                    f" on {owner['host']}" if owner.get("host") not in (None, me["host"])
-                    else "")
+                who = "its owner file is being written" if owner.get("unreadable") else \
+                    f"process {owner['pid']}" + (f" on {owner['host']}" if owner.get("host")
+                                                 not in (None, me["host"]) else "")
                 raise RuntimeError(f"{tmp[:-len('.tmp')]!r} is being written by another save "
                                    f"({who}); nothing was written (wait for it, or save "
                                    "elsewhere)") from None

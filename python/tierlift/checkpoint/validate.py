@@ -111,7 +111,7 @@ def fits(saved: list[dict], groups: list[dict], where: str) -> None:
 
 def _same_kind(have, value) -> bool:
     if isinstance(have, bool):
-        return isinstance(value, bool)
+        return isinstance(value, bool) or value is None  # foreach/fused: None is "default"
     if _real(have) or isinstance(have, torch.Tensor):
         return _real(value)
     if isinstance(have, (list, tuple)):
