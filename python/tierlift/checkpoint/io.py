@@ -70,6 +70,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
                                staging_budget=staging_budget)
     background.before_save()
     state = _state(model)
+    state.named_call("tierlift.checkpoint.save")  # every rank must call it (zero/heartbeat.py)
     # Files are named by the rank within the shard group; with hierarchical sharding only the
     # first replica of each shard writes it, and every rank of the model votes.
     comm, everyone = state.comm, state.world_comm
@@ -244,6 +245,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
     if getattr(model, _ATTR, None) is None:
         return replicated.load(os.fspath(path), model, optimizer, verify=verify)
     state = _state(model)
+    state.named_call("tierlift.checkpoint.load")
     comm = state.comm
     path = fmt.resolve_dir(os.fspath(path))
     meta = fmt.read_metadata(path, verify)
