@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
-import uuid
 
 import pytest
 import torch
+from tmpfs import mounted_tmpfs
 
 from tierlift.optim import AdamW
 
@@ -26,17 +25,9 @@ LAYOUTS = {
 
 @pytest.fixture
 def small_drive(tmp_path):
-    """A 16 MiB tmpfs (needs root, as CI has); skipped where mounting is not allowed."""
-    path = tmp_path / f"drive-{uuid.uuid4().hex[:6]}"
-    path.mkdir()
-    got = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(path)],
-                         capture_output=True, text=True)
-    if got.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {got.stderr.strip()}")
-    try:
-        yield str(path)
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
+    """A 16 MiB tmpfs (tmpfs.py)."""
+    with mounted_tmpfs(tmp_path, "16m") as path:
+        yield path
 
 
 def _fill(path: str) -> str:

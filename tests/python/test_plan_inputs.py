@@ -6,10 +6,9 @@ from __future__ import annotations
 import collections
 import os
 import shutil
-import subprocess
-import uuid
 
 import pytest
+from tmpfs import mounted_tmpfs
 
 import tierlift
 from tierlift.__main__ import main
@@ -103,17 +102,9 @@ def test_plot_under_a_file_is_refused_before_measuring(tmp_path, capsys, monkeyp
 
 @pytest.fixture
 def small_drive(tmp_path):
-    """A 1 MiB tmpfs (needs root, as CI has); skipped where mounting is not allowed."""
-    path = tmp_path / f"drive-{uuid.uuid4().hex[:6]}"
-    path.mkdir()
-    got = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(path)],
-                         capture_output=True, text=True)
-    if got.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {got.stderr.strip()}")
-    try:
-        yield str(path)
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
+    """A 1 MiB tmpfs (tmpfs.py)."""
+    with mounted_tmpfs(tmp_path, "1m") as path:
+        yield path
 
 
 def test_disk_probe_on_a_too_small_drive(small_drive, capsys, monkeypatch):
