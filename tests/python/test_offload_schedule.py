@@ -156,7 +156,7 @@ class Net(nn.Module):
 
 
 @pytest.fixture
-def log(monkeypatch) -> Log:
+def log(monkeypatch):
     """A Log fed by the legs of the pipeline: stage-in (H2D) of a unit, gather/free with the
     number of units gathered after it, the D2H of a unit's gradient shard, the CPU Adam of a
     unit's chunks (on whichever thread), the hand-over of its gradient to the optimizer."""
@@ -207,7 +207,12 @@ def log(monkeypatch) -> Log:
     monkeypatch.setattr(ZeroState, "_gather", counted("gather", ZeroState._gather))
     monkeypatch.setattr(ZeroState, "_free", counted("free", ZeroState._free))
     monkeypatch.setattr(Offloader, "_step_chunk", logged_step_chunk)
-    return log
+    # One intra-op thread: on a loaded machine an OpenMP barrier after each sleep waits for a
+    # second thread to be scheduled, which slows the run (not the order).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield log
+    torch.set_num_threads(threads)
 
 
 def build(log: Log, tmp_path, tier: str = "cpu", overlap: bool = True, prefetch: int = 1):
