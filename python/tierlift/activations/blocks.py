@@ -7,11 +7,15 @@ tagged with the block, and a gradient hook on its output tells the forward's ses
 backward reaches the block, which then reads that block and the one before it ahead
 (double-buffered: one block computes while the next one's activations arrive). Block 0 starts
 a new forward's session, the last block ends it (its writes are waited for there, so an I/O
-error surfaces in forward).
+error surfaces in forward). An exception anywhere in the model's forward (a block, a hook, the
+loss after the last block) abandons the sessions that forward opened at once, through a forward
+hook on the model that runs also when its forward raises: the exception's traceback keeps the
+graph, and with it the spill file, alive for as long as the caller keeps the exception.
 """
 
 from __future__ import annotations
 
+import sys
 import types
 import weakref
 from collections.abc import Sequence
@@ -63,12 +67,17 @@ class BlockOffload:
     """Returned by offload_blocks: last_stats, remove() (puts the blocks' forwards back),
     trim() (frees idle RAM-tier buffers), close() (remove, then close the io engine)."""
 
-    def __init__(self, blocks: list[tuple[str, nn.Module]], policy: Policy, tiers: offload):
+    def __init__(self, blocks: list[tuple[str, nn.Module]], policy: Policy, tiers: offload,
+                 model: nn.Module | None = None):
         self.blocks = blocks
         self.policy = policy
         self._offload = tiers
         self._session = None
         self._originals = []
+        # Per model call in progress: (the exception being handled when it started, weak
+        # references to the sessions it opened).
+        self._calls: list[tuple[BaseException | None, list]] = []
+        self._hooks = [] if model is None else self._watch_forward(model)
         for i, (name, block) in enumerate(blocks):
             if "forward" in block.__dict__:
                 raise ValueError(f"block {name!r} already has a wrapped forward (is "
@@ -81,6 +90,30 @@ class BlockOffload:
     def last_stats(self) -> dict:
         return self._offload.last_stats
 
+    def _watch_forward(self, model: nn.Module) -> list:
+        # Closures, not bound methods: a deepcopy of the model must not copy this handle.
+        calls = self._calls
+
+        def started(module, args):
+            calls.append((sys.exc_info()[1], []))
+
+        def ended(module, args, output):
+            if not calls:
+                return
+            outer, opened = calls.pop()
+            exc = sys.exc_info()[1]  # with always_call, set only while the forward's error is
+            if exc is None or exc is outer:  # handled (or an outer one, for a normal return)
+                return
+            for ref in opened:
+                session = ref()
+                if session is not None and session.failed is None:
+                    session.abandon(exc)
+            if self._session is not None and self._session.failed is not None:
+                self._session = None
+
+        return [model.register_forward_pre_hook(started),
+                model.register_forward_hook(ended, always_call=True)]
+
     def _wrap(self, i: int, name: str):
         tier = self.policy[i]
         last = len(self.blocks) - 1
@@ -92,6 +125,8 @@ class BlockOffload:
             session = self._session
             if i == 0 or session is None or session.finished or session.failed is not None:
                 session = self._session = self._offload.session()
+                if self._calls:
+                    self._calls[-1][1].append(weakref.ref(session))
             hook_tier = "keep" if tier == "recompute" else tier
             hooks = torch.autograd.graph.saved_tensors_hooks(
                 lambda t: session.pack(t, name, hook_tier), session.unpack)
@@ -124,6 +159,9 @@ class BlockOffload:
         for block in self._originals:
             block.__dict__.pop("forward", None)
         self._originals = []
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
     def trim(self) -> None:
         self._offload.trim()
@@ -153,4 +191,4 @@ def offload_blocks(model: nn.Module, policy: str | Sequence[str] | Policy = "aut
                     min_bytes=min_bytes, params=model)
     if "nvme" in pol.tiers and tiers.config.nvme_path is None:
         raise ValueError("the policy sends blocks to NVMe but no nvme_path was given")
-    return BlockOffload(named, pol, tiers)
+    return BlockOffload(named, pol, tiers, model)

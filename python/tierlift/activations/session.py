@@ -6,7 +6,9 @@ writes are asynchronous (the io engine on the CPU; a D2H copy on a side stream, 
 on a GPU) and finish by the end of the forward at the latest, so an I/O error surfaces there;
 backward reads ahead in reverse forward order within the read-ahead window. A forward that
 fails is abandoned: its file is closed (it never had a name on disk) and any later unpack
-raises ActivationsDiscardedError, so no backward runs on half-saved activations.
+raises ActivationsDiscardedError, so no backward runs on half-saved activations. A backward that
+raises (a user's hook, an op) abandons it too, at once: the graph, which the caller's `loss`
+keeps alive, would otherwise hold the file and its descriptors until `loss` is dropped.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from collections import deque
 
 import torch
 from torch import nn
+from torch.autograd import Variable
 
 from tierlift.activations.config import ActivationsDiscardedError, BudgetError, OffloadConfig
 from tierlift.activations.device import Layout, copier_for, flat_bytes, restore
@@ -117,6 +120,30 @@ class _Write:
         self.handle = None
 
 
+class _BackwardWatch:
+    """A final callback of the backward that reads a session's tensors back. Autograd calls it
+    when that backward succeeds and drops it uncalled when the backward raises, which is the
+    only sign of a failed backward it gives: dropped uncalled, the watch abandons the session."""
+
+    __slots__ = ("session", "armed", "ran")
+
+    def __init__(self, session_ref):
+        self.session, self.armed, self.ran = session_ref, False, False
+
+    def __call__(self) -> None:
+        self.ran = True
+        session = self.session()
+        if session is not None:
+            session._watched = False  # the next backward (retain_graph=True) gets its own
+
+    def __del__(self) -> None:
+        session = self.session()
+        if self.armed and not self.ran and session is not None:
+            session._watched = False
+            session.abandon(RuntimeError("a backward through this forward raised, so its "
+                                         "saved activations were discarded"))
+
+
 def _dropped(session_ref, index: int, _ref) -> None:
     """Autograd let go of saved tensor `index` (its backward ran, or the graph was freed)."""
     session = session_ref()
@@ -156,6 +183,7 @@ class Session:
         self.io_missing = 0  # largest tensor the NVMe window could not take
         self.failed: BaseException | None = None
         self.finished = False
+        self._watched = False  # a _BackwardWatch waits on the running backward
         self.stats = {"tensors": 0, "kept_bytes": 0, "ram_bytes": 0, "nvme_bytes": 0,
                       "skipped_params": 0, "skipped_small": 0, "write_wait_s": 0.0,
                       "read_wait_s": 0.0, "reads_ahead": 0, "reads_on_demand": 0}
@@ -396,6 +424,7 @@ class Session:
         index `top` down, while the I/O window has room."""
         if self.failed is not None or not self.finished:
             return
+        self._watch_backward()
         try:
             while self._cursor >= 0 and not self._wants(self._cursor):
                 self._cursor -= 1  # everything above the cursor is fetched or consumed
@@ -414,6 +443,17 @@ class Session:
         except BaseException as e:
             self.abandon(e)
             raise
+
+    def _watch_backward(self) -> None:
+        if self._watched:
+            return
+        watch = _BackwardWatch(weakref.ref(self))
+        try:
+            Variable._execution_engine.queue_callback(watch)
+        except RuntimeError:
+            return  # not inside a backward (a saved tensor read through grad_fn._saved_*)
+        watch.armed = True
+        self._watched = True
 
     def _advance(self) -> None:
         """On a GPU: starts the H2D copy of every NVMe read that has arrived, so the copy too
@@ -494,6 +534,7 @@ class Session:
                 f"({type(self.failed).__name__}: {self.failed}); run the forward again")
         if not self.finished:
             self.finish()  # backward inside the forward's context: writes must be done first
+        self._watch_backward()
         if self._needs_fetch(item):
             self._fetch(item)
             self.stats["reads_on_demand"] += 1
