@@ -29,6 +29,9 @@ import tierlift.checkpoint
 from tierlift.hf import model as zmodel
 from tierlift.zero.api import no_sync as zero_no_sync
 
+# accelerate's own class, also once tierlift.hf.launch has put this one in its place.
+_BASE = accelerate.Accelerator
+
 
 def unwrap_optimizer(opt):
     """The optimizer inside accelerate's AcceleratedOptimizer (as many layers as there are)."""
@@ -67,10 +70,10 @@ class Accelerator(accelerate.Accelerator):
     def adopt(cls, accelerator: accelerate.Accelerator) -> Accelerator:
         """Turns an accelerate.Accelerator built elsewhere (by transformers.Trainer) into this
         class in place: the overrides below are methods only, so its state stays valid."""
-        if not isinstance(accelerator, accelerate.Accelerator):
+        if not isinstance(accelerator, _BASE):
             raise TypeError(f"expected an accelerate.Accelerator, got "
                             f"{type(accelerator).__name__}")
-        if type(accelerator) not in (accelerate.Accelerator, cls):
+        if type(accelerator) not in (_BASE, cls):
             raise TypeError(f"the accelerator is a {type(accelerator).__name__}, a subclass of "
                             "accelerate.Accelerator that tierlift.hf cannot extend in place")
         accelerator.__class__ = cls

@@ -76,8 +76,9 @@ class ZeroConfig:
             raise ValueError("ZeroConfig.staging_budget applies to background saves: set "
                              "background_saves=True too")
 
-    def shard(self, model, param_group_fn=None):
-        """tierlift.zero.shard(model, ...) with this configuration."""
+    def shard(self, model, param_group_fn=None, **source):
+        """tierlift.zero.shard(model, ...) with this configuration; `source` (device=,
+        weights=) fills a model built on the meta device."""
         return shard(model, stage=self.stage, offload_params=self.offload_params,
                      mixed_precision=self.mixed_precision, param_group_fn=param_group_fn,
-                     **self.shard_kwargs)
+                     **self.shard_kwargs, **source)

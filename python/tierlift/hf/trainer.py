@@ -29,7 +29,9 @@ from tierlift.hf import model as zmodel
 from tierlift.hf.accelerator import Accelerator, own_clipping, unwrap_optimizer
 from tierlift.hf.config import ZeroConfig
 from tierlift.hf.param_count import full_param_count
+from tierlift.hf.pretrained import zero_of
 from tierlift.zero.groups import param_groups, shard_groups
+from tierlift.zero.materialize import first_meta
 
 TIERLIFT_DIR = "tierlift"  # checkpoint-N/tierlift: the sharded model and optimizer
 _SCHEDULER = "scheduler.pt"
@@ -61,8 +63,14 @@ class Trainer(transformers.Trainer):
             raise TypeError(f"zero must be a tierlift.hf.ZeroConfig or None, got "
                             f"{type(zero).__name__}")
         _refuse_other_sharding(args)
+        if model is not None and not zmodel.is_sharded(model) and first_meta(model) is not None:
+            raise ValueError(f"{first_meta(model)!r} is on the meta device: load the model with "
+                             "tierlift.hf.from_pretrained(path, zero=...) (each rank reads its "
+                             "slices) and pass it with zero=None")
         self.zero = zero
-        self._save_opts = zero if zero is not None else ZeroConfig()
+        # A model tierlift.hf.from_pretrained sharded carries its ZeroConfig (optimizer and
+        # checkpoint options).
+        self._save_opts = zero or zero_of(zmodel._inner(model)) or ZeroConfig()
         self._pending_save = None
         super().__init__(model, args, *pos, **kw)
         if self.args.save_only_model and not self._save_opts.checkpoint_full_model:
