@@ -97,6 +97,22 @@ def test_from_npy_and_raw_file(tmp_path):
         FeatureStore(tmp_path / "missing.npy", device="cpu")
 
 
+def test_file_shorter_than_its_shape(tmp_path):
+    """Named with the file, its size and the size needed (mmap only said "mmap length is
+    greater than file size")."""
+    table = torch.randn(40, 12)
+    table.numpy().tofile(tmp_path / "x.bin")
+    with pytest.raises(ValueError, match=r"x.bin' has 1920 bytes but shape \(41, 12\) of "
+                                         r"float32 needs 1968 \(a truncated file"):
+        FeatureStore(tmp_path / "x.bin", device="cpu", dtype=torch.float32, shape=(41, 12))
+    np.save(tmp_path / "x.npy", table.numpy())
+    full = os.path.getsize(tmp_path / "x.npy")
+    os.truncate(tmp_path / "x.npy", full - 48)
+    with pytest.raises(ValueError, match=rf"x.npy' has {full - 48} bytes but shape \(40, 12\) "
+                                         rf"of float32 needs {full} \(128 of them the .npy header"):
+        FeatureStore(tmp_path / "x.npy", device="cpu")
+
+
 def test_bad_features():
     with pytest.raises(ValueError, match="features must be contiguous"):
         FeatureStore(torch.randn(8, 4).t(), device="cpu")

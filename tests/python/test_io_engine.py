@@ -112,10 +112,28 @@ def test_device_full_is_enospc(engine):
 
 
 def test_read_past_eof(engine, tmp_path):
+    """A raw file shorter than the tensor read from it: EOFError with the file, its size and
+    the size needed, before a byte of the tensor changes (striped: the short stripe named)."""
     path = tmp_path / "short"
     engine.write(torch.ones(1000, dtype=torch.uint8), path, 0).wait()
-    with pytest.raises(EOFError, match="short.*offset 1000"):
-        engine.read(torch.empty(5000, dtype=torch.uint8), path, 0).wait()
+    out = torch.zeros(5000, dtype=torch.uint8)
+    with pytest.raises(EOFError, match=r"short' past its end: the file has 1000 bytes, the read "
+                                       r"of 5000 bytes at offset 0 needs 5000"):
+        engine.read(out, path, 0)
+    assert not out.any()  # nothing was read into it
+    with pytest.raises(EOFError, match="has 1000 bytes, the read of 100 bytes at offset 950 "
+                                       "needs 1050"):
+        engine.read(out[:100], path, 950)
+    block = engine.config.block_size
+    a, b = tmp_path / "a", tmp_path / "b"
+    engine.write(torch.ones(4 * block, dtype=torch.uint8), [a, b], 0).wait()
+    os.truncate(b, block + 10)
+    with pytest.raises(EOFError, match=f"'{b}' past its end: the file has {block + 10} bytes.* "
+                                       f"needs {2 * block}"):
+        engine.read(torch.zeros(4 * block, dtype=torch.uint8), [a, b], 0)
+    engine.forget(b)
+    assert torch.equal(engine.read(torch.zeros(3 * block, dtype=torch.uint8), [a, b], 0).wait(),
+                       torch.ones(3 * block, dtype=torch.uint8))
     with pytest.raises(FileNotFoundError):
         engine.read(torch.empty(10), tmp_path / "missing", 0)
 

@@ -70,13 +70,33 @@ def _load_features(features, dtype, shape) -> tuple[torch.Tensor, bool]:
     if not path.is_file():
         raise FileNotFoundError(f"features: no such file {str(path)!r}")
     if path.suffix == ".npy":
+        with open(path, "rb") as f:  # the header says what the mapping will need
+            fmt = np.lib.format
+            read = (fmt.read_array_header_1_0 if fmt.read_magic(f) == (1, 0)
+                    else fmt.read_array_header_2_0)
+            shape_, _, np_dtype = read(f)
+            start = f.tell()
+        _check_size(path, start, shape_, np_dtype)
         array = np.load(path, mmap_mode="c")
     else:
         if dtype is None or shape is None:
             raise ValueError("features: a raw file needs dtype= and shape= (an .npy file does not)")
         np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+        _check_size(path, 0, shape, np_dtype)
         array = np.memmap(path, dtype=np_dtype, mode="c", shape=tuple(shape))
     return torch.from_numpy(array), True
+
+
+def _check_size(path: Path, start: int, shape, np_dtype) -> None:
+    """A file shorter than its shape: named with both sizes (mmap would only say "mmap length
+    is greater than file size")."""
+    need = start + int(np.prod(shape, dtype=np.int64)) * np.dtype(np_dtype).itemsize
+    size = path.stat().st_size
+    if size < need:
+        raise ValueError(f"features: {str(path)!r} has {size} bytes but shape {tuple(shape)} of "
+                         f"{np.dtype(np_dtype).name} needs {need}"
+                         + (f" ({start} of them the .npy header)" if start else "")
+                         + " (a truncated file, or the wrong shape or dtype?)")
 
 
 class FeatureStore:

@@ -66,6 +66,20 @@ def _paths(path: PathArg, what: str = "path") -> list[str]:
     return paths
 
 
+def _file_ends(paths: list[str], offset: int, nbytes: int, block: int) -> dict[str, int]:
+    """How long each file must be for a request of `nbytes` at `offset`: with several paths,
+    block k of the request's logical range lies in path k % N at (k // N) * block."""
+    if len(paths) == 1:
+        return {paths[0]: offset + nbytes}
+    n, end = len(paths), offset + nbytes
+    last = (end - 1) // block
+    ends: dict[str, int] = {}
+    for k in range(max(offset // block, last - n + 1), last + 1):  # each path's last block
+        stop = (k // n) * block + min(end, (k + 1) * block) - k * block
+        ends[paths[k % n]] = max(ends.get(paths[k % n], 0), stop)
+    return ends
+
+
 def _check_tensor(tensor, what: str = "tensor") -> None:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, got {type(tensor).__name__}")
@@ -120,10 +134,28 @@ class IoEngine:
             raise RuntimeError(f"IoEngine.{op}() called after close()")
 
     def read(self, tensor: torch.Tensor, path: PathArg, offset: int = 0) -> IoHandle:
-        """Starts reading tensor.nbytes bytes at `offset` of `path` into `tensor`."""
+        """Starts reading tensor.nbytes bytes at `offset` of `path` into `tensor`. A file
+        shorter than the read needs raises EOFError (its size and the size needed) before
+        anything is read into `tensor`."""
         self._check_open("read")
         _check_tensor(tensor)
-        return IoHandle(self._engine.read(tensor, _paths(path), int(offset)), tensor)
+        paths = _paths(path)
+        self._check_size(paths, int(offset), tensor.numel() * tensor.element_size())
+        return IoHandle(self._engine.read(tensor, paths, int(offset)), tensor)
+
+    def _check_size(self, paths: list[str], offset: int, nbytes: int) -> None:
+        # Refused up front: the engine would only find the end mid-read, the tensor half filled.
+        if nbytes <= 0 or offset < 0:
+            return  # the engine names what is wrong with a negative offset
+        for p, need in _file_ends(paths, offset, nbytes, self.config.block_size).items():
+            try:
+                size = os.stat(p).st_size
+            except OSError:
+                continue  # the engine's open raises it, errno and path kept
+            if size < need:
+                raise EOFError(f"read of {p!r} past its end: the file has {size} bytes, the read "
+                               f"of {nbytes} bytes at offset {offset} needs {need} (was the file "
+                               "cut short, or written with another shape?); nothing was read")
 
     def write(self, tensor: torch.Tensor, path: PathArg, offset: int = 0) -> IoHandle:
         """Starts writing tensor's bytes at `offset` of `path` (created 0600 if missing)."""
