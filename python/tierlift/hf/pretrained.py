@@ -91,6 +91,22 @@ def decay_split(model):
     return lambda name, _: DECAY if name in decay else NO_DECAY
 
 
+def head_in_root(model, zero: ZeroConfig) -> dict:
+    """units= keeping the output embedding (the LM head) in the root unit, which is gathered
+    for the whole forward and backward: fused losses (TRL's SFTTrainer, Liger) read
+    lm_head.weight from the model's forward without calling the head. {} when
+    ZeroConfig.shard_kwargs names the units itself, or the model has no separate head."""
+    from tierlift.zero.api import default_units
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if "units" in zero.shard_kwargs or head is None:
+        return {}
+    names = {id(m): n for n, m in model.named_modules()}
+    units = default_units(model, zero.shard_kwargs.get("min_unit_numel"),
+                          include_frozen=zero.stage == 3)
+    return {"units": [u for u in units if u != names.get(id(head))]}
+
+
 def from_pretrained(name_or_path, zero: ZeroConfig | None = None, *, model_class=None,
                     device=None, **kwargs):
     """A from_pretrained checkpoint (a local folder or a Hub name) loaded straight into shards
@@ -156,7 +172,8 @@ def from_pretrained(name_or_path, zero: ZeroConfig | None = None, *, model_class
         model = cls._from_config(config, dtype=torch.float32,
                                  **({} if attn is None else {"attn_implementation": attn}))
     model.tie_weights()  # init_empty_weights leaves tied weights as two meta tensors
-    zero.shard(model, param_group_fn=decay_split(model), device=device, weights=folder)
+    zero.shard(model, param_group_fn=decay_split(model), device=device, weights=folder,
+               **head_in_root(model, zero))
     setattr(model, _MARK, zero)
     if generation_config is not None:
         model.generation_config = generation_config
