@@ -27,7 +27,7 @@ PY=${PYTHON:-python3}
 echo "== pip install torch and test dependencies"
 $PY -m pip install -q --disable-pip-version-check "${TIERLIFT_TORCH:-torch==2.15.0}" \
   numpy tqdm pytest expecttest ninja setuptools wheel ruff torch-geometric transformers accelerate \
-  peft safetensors matplotlib
+  peft safetensors matplotlib trl
 
 echo "== build tierlift (pip install --no-build-isolation -e .)"
 MAX_JOBS=${MAX_JOBS:-$(nproc)} $PY -m pip install -q --disable-pip-version-check \

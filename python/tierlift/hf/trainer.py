@@ -29,7 +29,7 @@ from tierlift.hf import model as zmodel
 from tierlift.hf.accelerator import Accelerator, own_clipping, unwrap_optimizer
 from tierlift.hf.config import ZeroConfig
 from tierlift.hf.param_count import full_param_count
-from tierlift.hf.pretrained import zero_of
+from tierlift.hf.pretrained import head_in_root, zero_of
 from tierlift.zero.groups import param_groups, shard_groups
 from tierlift.zero.materialize import first_meta
 
@@ -114,7 +114,9 @@ class Trainer(transformers.Trainer):
                              "the optimizer out (the Trainer builds tierlift.optim.AdamW, "
                              "ZeroConfig.optimizer_kwargs), or shard the model yourself first")
         decay = set(self.get_decay_parameter_names(model))
-        self.zero.shard(model, param_group_fn=lambda n, p: "decay" if n in decay else "no_decay")
+        # The LM head in the root unit, as tierlift.hf.from_pretrained puts it (fused losses).
+        self.zero.shard(model, param_group_fn=lambda n, p: "decay" if n in decay else "no_decay",
+                        **head_in_root(model, self.zero))
         model._tierlift_hf_trainer_sharded = True
         zmodel.install(model)
 
