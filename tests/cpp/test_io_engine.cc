@@ -2,6 +2,7 @@
 // kernel or the sandbox forbids it.
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -117,6 +118,54 @@ TEST_P(IoEngineTest, OpenErrorsCarryErrnoAndPath) {
     EXPECT_EQ(e.path(), dir_ + "/missing");
   }
   EXPECT_THROW(eng->write(b, sizeof(b), {dir_ + "/nodir/x"}, 0), IoError);
+}
+
+// Out of descriptors is an error that names the limit, never a "no O_DIRECT" fallback, and
+// leaves no file and no cached descriptor behind.
+TEST_P(IoEngineTest, TooManyOpenFilesIsAnErrorNotABufferedFallback) {
+  auto eng = make();
+  eng->take_warnings();
+  struct rlimit old {};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &old), 0);
+  int top = 0;
+  for (int fd = 0; fd < 4096; ++fd) {
+    if (::fcntl(fd, F_GETFD) >= 0) top = fd;
+  }
+  struct rlimit low = old;
+  low.rlim_cur = static_cast<rlim_t>(top + 16);
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);
+  std::vector<int> held;
+  for (int fd; (fd = ::open("/dev/null", O_RDONLY | O_CLOEXEC)) >= 0;) held.push_back(fd);
+  ASSERT_EQ(errno, EMFILE);
+  const std::string path = dir_ + "/state.bin";
+  std::vector<unsigned char> b(8192, 1);
+  std::vector<std::string> messages;
+  for (int free_slots : {1, 0}) {  // the O_DIRECT open fails, then the buffered one
+    if (free_slots == 1) {
+      ::close(held.back());
+      held.pop_back();
+    } else {
+      held.push_back(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+    }
+    try {
+      eng->write(b.data(), b.size(), {path}, 0);
+      ADD_FAILURE() << "expected IoError with " << free_slots << " free descriptor(s)";
+    } catch (const IoError& e) {
+      EXPECT_EQ(e.err(), EMFILE);
+      EXPECT_EQ(e.path(), path);
+      messages.push_back(e.what());
+    }
+    EXPECT_NE(::access(path.c_str(), F_OK), 0) << "a failed open left the file behind";
+  }
+  for (int fd : held) ::close(fd);
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &old), 0);
+  for (const auto& m : messages) {
+    EXPECT_NE(m.find(path), std::string::npos) << m;
+    EXPECT_NE(m.find("RLIMIT_NOFILE = " + std::to_string(top + 16)), std::string::npos) << m;
+    EXPECT_NE(m.find("ulimit -n"), std::string::npos) << m;
+  }
+  EXPECT_TRUE(eng->take_warnings().empty());
+  ASSERT_TRUE(eng->write(b.data(), b.size(), {path}, 0)->wait().ok());  // nothing was cached
 }
 
 TEST_P(IoEngineTest, DeviceFullIsEnospc) {

@@ -266,3 +266,64 @@ def test_copy_threads_out_of_range():
         EngineConfig(copy_threads=-1)
     with pytest.raises(ValueError, match="copy_threads"):
         EngineConfig(copy_threads=257)
+
+
+_NO_FDS = """
+import os, resource, warnings, torch
+import tierlift
+from tierlift.io import EngineConfig, IoEngine
+warnings.simplefilter("error")  # a "no O_DIRECT" fallback warning fails the run
+d = {path!r}
+engines = [IoEngine(EngineConfig(backend=b, queue_depth=8, block_size=64 << 10,
+                                 pool_bytes=4 << 20)) for b in {backends!r}]
+params = [torch.nn.Parameter(torch.randn(4096))]
+opt = tierlift.optim.AdamW(params, lr=0.1, offload="nvme", nvme_path=d)
+params[0].grad = torch.ones(4096)
+before = params[0].detach().clone()
+top = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+resource.setrlimit(resource.RLIMIT_NOFILE, (top + 32, hard))
+held = []
+try:
+    while True:
+        held.append(os.open("/dev/null", os.O_RDONLY))
+except OSError:
+    pass
+os.close(held.pop())  # one descriptor left: the buffered open gets it, the O_DIRECT one cannot
+for eng in engines:
+    path = os.path.join(d, "x." + eng.backend)
+    try:
+        eng.write(torch.ones(4096), path, 0).wait()
+        raise SystemExit("write did not fail")
+    except OSError as e:
+        assert e.errno == 24 and e.filename == path, e
+        assert not os.path.exists(path), "the failed open left the file behind"
+        print("ENGINE:", e)
+try:
+    opt.step()
+    raise SystemExit("step did not fail")
+except OSError as e:
+    assert e.errno == 24, e
+    print("STEP:", e)
+assert torch.equal(params[0].detach(), before)
+print("OK")
+"""
+
+
+def test_too_many_open_files_names_the_limit_and_is_not_a_fallback(tmp_path):
+    """EMFILE while opening (here the O_DIRECT open, the buffered one having taken the last
+    descriptor) is an OSError naming the file and RLIMIT_NOFILE, not a buffered fallback; the
+    file is not created and the optimizer step changes nothing. In a subprocess: the limit is
+    lowered there."""
+    backends = [b for b in _backends()
+                if b == "threads" or not tierlift._extension._C.io.uring_unavailable_reason()]
+    code = _NO_FDS.format(path=str(tmp_path), backends=backends)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith(("ENGINE:", "STEP:"))]
+    assert len(lines) == len(backends) + 1, out.stdout
+    for line in lines:
+        assert "Too many open files" in line and "RLIMIT_NOFILE = " in line, line
+        assert "ulimit -n" in line and str(tmp_path) in line, line
+    assert "OK" in out.stdout

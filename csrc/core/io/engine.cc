@@ -118,11 +118,14 @@ Engine::File& Engine::open_file(const std::string& path, bool write) {
   }
   File f;
   f.writable = write;
+  const char* op = write ? "open for write" : "open for read";
+  // A failed open must not leave behind a file that only this open created.
+  const bool existed = !write || ::access(path.c_str(), F_OK) == 0;
   f.buffered_fd = open_fd(path, write, false);
   if (f.buffered_fd < 0) {
     const int e = errno;
     if (versions.empty()) files_.erase(path);
-    throw IoError::from(IoStatus{e, path, 0}, write ? "open for write" : "open for read");
+    throw IoError::from(IoStatus{e, path, 0}, op);
   }
   f.fd = f.buffered_fd;
   if (opts_.direct) {
@@ -130,10 +133,18 @@ Engine::File& Engine::open_file(const std::string& path, bool write) {
     if (dfd >= 0) {
       f.fd = dfd;
       f.direct = true;
+    } else if (errno != EINVAL) {
+      // Only EINVAL means "no O_DIRECT here"; EMFILE, ENFILE, EACCES... are real failures that
+      // buffered I/O would only postpone.
+      const int e = errno;
+      ::close(f.buffered_fd);
+      if (!existed) ::unlink(path.c_str());
+      if (versions.empty()) files_.erase(path);
+      throw IoError::from(IoStatus{e, path, 0}, op);
     } else if (!warned_no_direct_) {
       warned_no_direct_ = true;
       warnings_.push_back("tierlift.io: the file system of '" + path +
-                          "' does not support O_DIRECT (" + std::strerror(errno) +
+                          "' does not support O_DIRECT (" + std::strerror(EINVAL) +
                           "); using buffered I/O through the page cache");
     }
   }

@@ -6,8 +6,9 @@
 // Memory aligned to what the file's O_DIRECT needs (statx; often 4 bytes on NVMe, 512 on
 // virtio) is read and written in place; other memory is staged block by block through the
 // budgeted aligned pool (core/io/staging.h); tails below the file's direct-I/O granularity go
-// through a second, buffered descriptor of the same file. A file system without O_DIRECT (tmpfs)
-// falls back to buffered I/O with one warning.
+// through a second, buffered descriptor of the same file. A file system without O_DIRECT (tmpfs:
+// EINVAL at open) falls back to buffered I/O with one warning; any other failure of the O_DIRECT
+// open (EMFILE: out of descriptors) is an IoError, and the failed open leaves no file behind.
 #pragma once
 
 #include <cstdint>
