@@ -635,3 +635,26 @@ def test_a_unit_gathered_twice_in_a_row_reuses_its_buffer_unless_written(tmp_pat
         assert store.stats["nvme_prefetch_misses"] == misses + write
         gather(store, views[1])
         gather(store, views[0])
+
+
+@pytest.mark.parametrize("code,fallback", [(errno.EMFILE, False), (errno.EINVAL, True)])
+def test_only_einval_falls_back_from_o_direct(tmp_path, monkeypatch, code, fallback):
+    """Too many open files is an error naming the limit (nothing left behind), not a file
+    system without O_DIRECT; EINVAL is, and falls back to reads through the mapping."""
+    real = os.open
+
+    def fake(path, flags, *args, **kwargs):
+        if flags & os.O_DIRECT:
+            raise OSError(code, os.strerror(code))
+        return real(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", fake)
+    if fallback:
+        with pytest.warns(RuntimeWarning, match="does not support O_DIRECT"):
+            store = NvmeParamStore(nvme_path=str(tmp_path), shard_numels=[1000])
+        assert not store.stats["nvme_direct"]
+        store.close()
+        return
+    with pytest.raises(OSError, match=r"limit on open files \(RLIMIT_NOFILE = \d+\)"):
+        NvmeParamStore(nvme_path=str(tmp_path), shard_numels=[1000])
+    assert os.listdir(tmp_path) == []  # the parameter folder was removed

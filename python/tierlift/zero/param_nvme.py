@@ -153,6 +153,7 @@ class NvmeParamStore:
                                   f"{os.strerror(e.errno or 0)}") from e
                 maps.append(mmap.mmap(fds[-1], nbytes, flags=mmap.MAP_SHARED,
                                       prot=mmap.PROT_READ | mmap.PROT_WRITE))
+            err = direct_io_error(self.path)  # None, or EINVAL: no O_DIRECT here
         except BaseException:
             for fd in fds:
                 os.close(fd)
@@ -164,7 +165,6 @@ class NvmeParamStore:
         self._flat = torch.frombuffer(self._map, dtype=torch.float32)
         self._gbase = torch.frombuffer(self._gmap, dtype=torch.uint8, count=1)  # (its address)
         self._reader = None
-        err = direct_io_error(self.path)
         if err is not None:
             warnings.warn(f"nvme_path={parent!r}: the file system does not support O_DIRECT "
                           f"({os.strerror(err.errno or 0) or err}); parameter gathers read the "

@@ -38,12 +38,23 @@ _libc.mincore.restype = ctypes.c_int
 
 
 def direct_io_error(path: str) -> OSError | None:
-    """None if `path` can be opened with O_DIRECT, else the error (e.g. EINVAL on a file
-    system without O_DIRECT)."""
+    """None if `path` can be opened with O_DIRECT, or the error if the file system does not
+    support it (EINVAL: the caller falls back). Any other failure (too many open files, ...)
+    is raised, naming the file: it says nothing about O_DIRECT."""
     try:
         os.close(os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC))
     except OSError as e:
-        return e
+        if e.errno == errno.EINVAL:
+            return e
+        hint = ""
+        if e.errno in (errno.EMFILE, errno.ENFILE):
+            import resource
+
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            hint = (f"; this process has reached its limit on open files (RLIMIT_NOFILE = "
+                    f"{soft}): raise it with `ulimit -n`")
+        raise OSError(e.errno, f"cannot open {path!r} for direct reads: "
+                               f"{os.strerror(e.errno or 0)}{hint}") from e
     return None
 
 
