@@ -6,7 +6,8 @@
 so the route (tierlift/hf/route.py) is installed as for any script. It then runs the unmodified
 stock-shaped scripts as the launcher runs one (route.run_script: runpy as __main__, sys.argv set),
 one torchrun launch for all of them: hf_stock_clm.py training with a checkpoint at step SAVE_AT,
-the same script resuming from it, hf_stock_sft.py (TRL's SFTTrainer, when TRL is installed);
+the same script resuming from it, hf_stock_sft.py (TRL's SFTTrainer, when TRL is installed), an
+Accelerate loop (hf_stock_accelerate.py);
 then the route's Trainer on a model its from_pretrained loaded (weight-decay groups, zero=
 refused), and the peak RSS of a partitioned from_pretrained against the plain one. Rank 0 writes
 what the test compares to ROOT/launch.pt. The argument lists are also the one-process
@@ -25,6 +26,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 CLM = os.path.join(HERE, "hf_stock_clm.py")
 SFT = os.path.join(HERE, "hf_stock_sft.py")
+ACCEL = os.path.join(HERE, "hf_stock_accelerate.py")
 STEPS, SAVE_AT, PER_RANK = 6, 3, 2
 COMMON = ["--max_steps", str(STEPS), "--save_steps", str(SAVE_AT), "--gradient_accumulation_steps",
           "2", "--learning_rate", "3e-3", "--weight_decay", "0.1", "--max_grad_norm", "0.5",
@@ -42,6 +44,17 @@ def sft_args(model: str, out: str, batch: int) -> list[str]:
     # CPU has none to compare against fp32.
     return ["--model_name_or_path", model, "--output_dir", out, "--bf16", "false",
             "--per_device_train_batch_size", str(batch), *COMMON]
+
+
+def run_accelerate(model: str, out: str, batch: int) -> None:
+    """hf_stock_accelerate.py, after the Trainer runs in this process: accelerate's gradient
+    state is a process-wide singleton that keeps their accumulation settings otherwise."""
+    import accelerate
+
+    from tierlift.hf import route
+
+    accelerate.state.GradientState._reset_state()
+    route.run_script(ACCEL, [model, out, str(batch)])
 
 
 def _status(key: str) -> int:
@@ -138,6 +151,7 @@ def main(root: str) -> None:
         pass
     else:
         route.run_script(SFT, sft_args(llama, os.path.join(root, "sft"), PER_RANK))
+    run_accelerate(llama, os.path.join(root, "accelerate"), PER_RANK)
     res = {"trainer": route_trainer_checks(root)}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, rss(root))

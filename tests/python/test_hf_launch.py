@@ -3,13 +3,14 @@ checkpoint straight into shards.
 
 One torchrun launch on 2 gloo ranks (`-m tierlift.hf.launch --config zero.json`, ZeRO-3 with
 parameter offload, hf_launch_cases.py) runs a run_clm.py-shaped script (hf_stock_clm.py) and
-resumes it from its step-3 checkpoint, and a TRL-shaped SFT script (hf_stock_sft.py, when TRL is
-installed); both equal the same scripts run plainly in this process with the global batch
-(losses and global gradient norms within 1e-5), the resumed run repeats steps 4-6 bit for bit,
-and the saved model loads with from_pretrained. The model comes from the script's own
-from_pretrained, loaded partitioned: the Trainer keeps its weight-decay groups, and the peak
-RSS growth per rank while loading stays under 0.6x the model (plain from_pretrained: 1x or
-more). The config file's checks and the launcher's arguments run in this process.
+resumes it from its step-3 checkpoint, a TRL-shaped SFT script (hf_stock_sft.py, when TRL is
+installed) and an Accelerate loop (hf_stock_accelerate.py). Each equals the same script run
+plainly in this process with the global batch (losses, and global gradient norms where logged,
+within 1e-5), the resumed run repeats steps 4-6 bit for bit, and the saved models give the plain
+runs' logits. The models come from the scripts' own from_pretrained, loaded partitioned: the
+Trainer keeps its weight-decay groups, and the peak RSS growth per rank while loading stays
+under 0.6x the model (plain from_pretrained: 1x). The config file's checks, the launcher's
+arguments, install / uninstall and the meta-model refusal run in this process.
 """
 
 from __future__ import annotations
@@ -140,6 +141,28 @@ def test_trl_sft_script_equals_one_process(launched, tmp_path):
     _close(got["grad_norm"], ref["grad_norm"])
 
 
+def test_accelerate_script_equals_one_process(launched, tmp_path):
+    from safetensors.torch import load_file
+
+    root, _ = launched
+    C.run_accelerate(os.path.join(root, "llama"), str(tmp_path), 2 * C.PER_RANK)
+    with open(tmp_path / "losses.json") as f:
+        ref = json.load(f)
+    with open(os.path.join(root, "accelerate", "losses.json")) as f:
+        got = json.load(f)
+    assert sorted(got) == sorted(ref) and len(ref) == 4
+    torch.testing.assert_close(torch.tensor([got[k] for k in sorted(got)]),
+                               torch.tensor([ref[k] for k in sorted(ref)]), rtol=1e-5, atol=0)
+    # accelerator.save_model writes the weights only: into the model class, then compared.
+    logits = []
+    for folder in (os.path.join(root, "accelerate"), str(tmp_path)):
+        model = W.build("llama")
+        model.load_state_dict(load_file(os.path.join(folder, "model.safetensors")))
+        with torch.no_grad():
+            logits.append(model(input_ids=W.PROBE).logits)
+    torch.testing.assert_close(*logits, rtol=1e-4, atol=1e-4)
+
+
 def test_partitioned_model_keeps_the_decay_split(launched):
     from transformers import Trainer
 
@@ -238,27 +261,43 @@ def test_launcher_arguments():
             parse_argv(argv, {})
 
 
+def test_run_script_as_module(tmp_path):
+    """`-m MODULE`: run as `python -m MODULE ARGS` would (json.tool copies its input)."""
+    import sys as _sys
+
+    from tierlift.hf.route import run_script
+
+    (tmp_path / "in.json").write_text('{"b": 1, "a": [2]}')
+    argv = list(_sys.argv)
+    run_script("json.tool", ["--sort-keys", str(tmp_path / "in.json"), str(tmp_path / "out.json")],
+               module=True)
+    assert json.loads((tmp_path / "out.json").read_text()) == {"a": [2], "b": 1}
+    assert _sys.argv == argv
+
+
 def test_install_and_uninstall():
     import accelerate
-    import transformers
+    import transformers.trainer
     from transformers import PreTrainedModel
 
     import tierlift.hf
     from tierlift.hf import route
     from tierlift.hf.config_file import parse_config
 
-    before = (transformers.Trainer, accelerate.Accelerator, PreTrainedModel.from_pretrained)
+    def top():  # what a script importing transformers now gets
+        return sys.modules["transformers"]
+
+    before = (top().Trainer, accelerate.Accelerator, PreTrainedModel.from_pretrained)
     route.install(parse_config({"stage": 2}))
     try:
-        assert issubclass(transformers.Trainer, tierlift.hf.Trainer)
-        assert transformers.trainer.Trainer is transformers.Trainer
+        assert issubclass(top().Trainer, tierlift.hf.Trainer)
+        assert transformers.trainer.Trainer is top().Trainer
         assert accelerate.Accelerator is tierlift.hf.Accelerator
         with pytest.raises(RuntimeError, match="installed already"):
             route.install(parse_config({}))
     finally:
         route.uninstall()
-    assert (transformers.Trainer, accelerate.Accelerator,
-            PreTrainedModel.from_pretrained) == before
+    assert (top().Trainer, accelerate.Accelerator, PreTrainedModel.from_pretrained) == before
     assert "from_pretrained" not in {n for _, n in route._SAVED}
 
 

@@ -86,8 +86,12 @@ def install(config: LaunchConfig) -> None:
         raise RuntimeError("the tierlift.hf route is installed already (uninstall() first)")
     _ = transformers.Trainer  # the lazy module resolves it, so its __dict__ holds it
     trainer = route_trainer(config)
-    _replace(transformers, "Trainer", trainer)
     _replace(transformers.trainer, "Trainer", trainer)
+    # The lazy top-level module can be replaced in sys.modules on a first attribute access
+    # (seen under pytest); the script imports whichever is there when it starts.
+    top = sys.modules["transformers"]
+    _ = top.Trainer
+    _replace(top, "Trainer", trainer)
     _ = accelerate.Accelerator
     _replace(accelerate, "Accelerator", Accelerator)
     _replace(accelerate.accelerator, "Accelerator", Accelerator)
