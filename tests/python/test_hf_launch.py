@@ -298,6 +298,12 @@ def test_install_and_uninstall():
     finally:
         route.uninstall()
     assert (top().Trainer, accelerate.Accelerator, PreTrainedModel.from_pretrained) == before
+    route.install(parse_config({"from_pretrained": "whole"}))
+    try:  # the Trainer shards what from_pretrained loads whole
+        assert PreTrainedModel.from_pretrained == before[2]
+        assert issubclass(top().Trainer, tierlift.hf.Trainer)
+    finally:
+        route.uninstall()
     assert "from_pretrained" not in {n for _, n in route._SAVED}
 
 
