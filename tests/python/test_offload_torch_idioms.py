@@ -11,6 +11,9 @@ result, or is refused with a clear error before any weight, gradient or state ch
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import threading
 import warnings
 
 import pytest
@@ -383,3 +386,27 @@ def test_meta_parameter_is_refused(tmp_path, mode):
                        r"\(8,\)\) is on the meta device.*to_empty"):
         tl_opt(mode, params, tmp_path)
     _drive_empty(tmp_path)
+
+
+# ---- an optimizer dropped while a thread starts ----------------------------------------------
+_DROP = """
+import gc, sys, threading, torch, tierlift
+p = torch.nn.Parameter(torch.randn(3000))
+opt = tierlift.optim.AdamW([p], offload="cpu", overlap=True)
+for _ in range(2):
+    (p * p).sum().backward()
+    opt.step()
+    opt.zero_grad()
+del opt  # the optimizer and its Offloader reference each other: freed by the collector
+# The collector may run in a thread that is starting, which holds this lock.
+with threading._shutdown_locks_lock:
+    gc.collect()
+print("collected")
+"""
+
+
+@pytest.mark.skipif(not hasattr(threading, "_shutdown_locks_lock"), reason="threading internals")
+def test_optimizer_collected_while_a_thread_starts_does_not_deadlock():
+    out = subprocess.run([sys.executable, "-c", _DROP], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and "collected" in out.stdout, out.stderr[-2000:]

@@ -426,8 +426,8 @@ class Overlap:
         self.wait()
         self._spec.clear()
 
-    def close(self) -> None:
+    def close(self, join: bool = True) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
-        self._pool.shutdown(wait=True)
+        self._pool.shutdown(wait=join)

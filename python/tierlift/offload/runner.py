@@ -264,9 +264,10 @@ class Offloader(StateIO):
             return True
         return p.device.type != "cpu" and not self.streamed
 
-    def close(self) -> None:
+    def close(self, join: bool = True) -> None:
+        """`join`: wait for the overlap's worker thread to exit (see __del__)."""
         if self.overlap is not None:
-            self.overlap.close()
+            self.overlap.close(join)
             self.overlap = None
         if self._engine is not None and not self._engine.closed:
             self._slots = []
@@ -282,8 +283,11 @@ class Offloader(StateIO):
             shutil.rmtree(self._dir, ignore_errors=True)
 
     def __del__(self):
+        # The garbage collector may run this while threading holds its shutdown lock (a
+        # thread starting); joining the worker then deadlocks. No step runs on it here: queued
+        # or running work would keep this object alive.
         try:
-            self.close()
+            self.close(join=False)
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 
