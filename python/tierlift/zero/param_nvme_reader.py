@@ -131,10 +131,16 @@ class ShardReader:
             return self._engine.read(self._bufs[index][:length], self.path, offset)
         except OSError as e:
             raise self._error(e, offset) from e
+        except EOFError as e:  # the engine checks the file's size before it starts
+            raise self._short(offset) from e
 
     def _error(self, e: OSError, offset: int) -> OSError:
         return OSError(e.errno, f"reading parameter shards from {self.path!r} at offset "
                        f"{offset} failed: {os.strerror(e.errno) if e.errno else e}")
+
+    def _short(self, offset: int) -> OSError:
+        return OSError(errno.EIO, f"reading parameter shards from {self.path!r} at offset "
+                       f"{offset} failed: the file ends before the shard (was it cut short?)")
 
     def _wait(self, pending: _Pending) -> None:
         try:
@@ -142,9 +148,7 @@ class ShardReader:
         except OSError as e:
             raise self._error(e, pending.offset) from e
         except EOFError as e:
-            raise OSError(errno.EIO, f"reading parameter shards from {self.path!r} at offset "
-                          f"{pending.offset} failed: the file ends before the shard (was it "
-                          f"cut short?)") from e
+            raise self._short(pending.offset) from e
 
     def fetch(self, offset: int, nbytes: int) -> torch.Tensor:
         """The `nbytes` bytes at `offset` (uint8, valid until the next fetch)."""
