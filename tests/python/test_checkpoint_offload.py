@@ -324,3 +324,25 @@ def test_replicated_ddp_rank0_writes_every_rank_loads(tmp_path):
     for rank in range(2):
         r = torch.load(f"{out}.{rank}", weights_only=True)
         assert r["extra"] == {"rank": 0} and r["got"] == r["ref"], rank
+
+
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_save_or_load_after_the_params_list_changed_is_refused(tmp_path, offload):
+    """Offloaded state is laid out by position in the lists: a checkpoint of an optimizer
+    whose list was filtered since is refused before anything is written or read."""
+    import tierlift
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    kw = {"nvme_path": str(tmp_path / "nvme")} if offload == "nvme" else {}
+    if offload == "nvme":
+        (tmp_path / "nvme").mkdir()
+    opt = tierlift.optim.AdamW(model.parameters(), offload=offload, **kw)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    tierlift.checkpoint.save(str(tmp_path / "ck"), model, opt)
+    opt.param_groups[0]["params"] = opt.param_groups[0]["params"][2:]  # first block frozen
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\] is not the list"):
+        tierlift.checkpoint.save(str(tmp_path / "ck2"), model, opt)
+    assert not (tmp_path / "ck2").exists() and not (tmp_path / "ck2.tmp").exists()
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\] is not the list"):
+        tierlift.checkpoint.load(str(tmp_path / "ck"), model, opt)

@@ -257,3 +257,13 @@ def full_state_dict(path: str, *, verify: bool = True) -> dict[str, torch.Tensor
     (all of it in memory: iter_state_dict() gives it one tensor at a time). A checkpoint
     without manifest.json is refused unless `verify` is False (read_metadata)."""
     return dict(iter_state_dict(resolve_dir(path), verify))
+
+
+def offloader(optimizer):
+    """The offloaded state of `optimizer` (tierlift.optim with offload=...), or None. Its layout
+    is found by position in the param groups' lists, so lists changed since the optimizer was
+    built are refused here, before a save reads or a load writes anything."""
+    off = getattr(optimizer, "_offload", None) if optimizer is not None else None
+    if off is not None:
+        off.check_lists()
+    return off

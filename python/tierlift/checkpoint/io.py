@@ -43,10 +43,6 @@ def _load_per_param_state(optimizer, loaded: dict, before_commit=None) -> None:
     agree.load_optimizer_state(optimizer, sd, before_commit)
 
 
-def _offloader(optimizer):
-    return getattr(optimizer, "_offload", None) if optimizer is not None else None
-
-
 def save(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
          extra: dict | None = None, blocking: bool = True,
          staging_budget: int | None = None) -> background.SaveHandle:
@@ -74,7 +70,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
     # Files are named by the rank within the shard group; with hierarchical sharding only the
     # first replica of each shard writes it, and every rank of the model votes.
     comm, everyone = state.comm, state.world_comm
-    off = _offloader(optimizer)
+    off = fmt.offloader(optimizer)
     job = background.Job(path, blocking=blocking, staging_budget=staging_budget, off=off,
                          estimate=lambda: background.estimate_bytes(model, optimizer, off))
     job.claim(everyone.rank, background.training_vote(everyone))
@@ -268,7 +264,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
               if k.startswith("extra.") and k[len("extra."):] not in taken}
     extras.update(unsharded)
     fmt.check_fits(own, extras, complete=False)
-    off = _offloader(optimizer)
+    off = fmt.offloader(optimizer)
     streamed = optimizer is not None and meta.get("optimizer_state") == "offloaded"
     plan, source = None, path
     if streamed and off is not None:  # streamed into the tiers, chunk by chunk

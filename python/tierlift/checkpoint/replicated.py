@@ -49,7 +49,7 @@ def save(path: str, model: torch.nn.Module, optimizer, extra: dict | None, *,
     background.before_save()
     rank, _ = _dist()
     comm = Comm(None)
-    off = getattr(optimizer, "_offload", None) if optimizer is not None else None
+    off = fmt.offloader(optimizer)
     job = background.Job(path, blocking=blocking, staging_budget=staging_budget,
                          off=off if rank == 0 else None,
                          estimate=lambda: background.estimate_bytes(model, optimizer, off))
@@ -186,7 +186,7 @@ def load(path: str, model: torch.nn.Module, optimizer, *, verify: bool = True) -
     tensors = fmt.load_tensors(path, 0)
     saved = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
     fmt.check_fits(model.state_dict(), saved, complete=True)
-    off = getattr(optimizer, "_offload", None) if optimizer is not None else None
+    off = fmt.offloader(optimizer)
     opt_sd, plan = None, None
     optim = os.path.join(path, OPTIM_DIR)
     if optimizer is not None and meta["optimizer_state"] is not None:
