@@ -179,7 +179,7 @@ def _killed_at_first_manifest(path, gens):
 
 
 _CTX = multiprocessing.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "tierlift", __name__])
+_CTX.set_forkserver_preload(["torch", "tierlift", "pytest", __name__])
 
 
 @pytest.mark.parametrize("gens", GENS)
