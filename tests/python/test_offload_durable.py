@@ -9,13 +9,13 @@ land with writes in flight, records half way, renames pending."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import random
 import shutil
 import signal
 import warnings
 
+import forkserver
 import pytest
 import torch
 
@@ -122,14 +122,7 @@ def _child(path, case, kill_at, trace, reopen_only=False):
             f.write("\n".join(events))
 
 
-# Children fork from a clean server process that has imported torch and tierlift (fast, and
-# free of the threads other tests leave in this one, which a plain fork would inherit broken).
-# torch._dynamo too: torch.optim imports it on the first optimizer built, 3-5 s that every child
-# would pay again (it was nine tenths of each kill's time); it starts no threads. pytest too:
-# each child imports the parent's main module (pytest's __main__) again, which imported pytest
-# itself, 0.25 s a child otherwise (three quarters of a kill trial's time).
-_CTX = multiprocessing.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "torch._dynamo", "tierlift", "pytest", __name__])
+_CTX = forkserver.CTX  # children fork from a clean, preloaded server (forkserver.py)
 
 
 def _run(path, case, kill_at=-1, trace=False, reopen_only=False) -> int:

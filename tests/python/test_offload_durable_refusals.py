@@ -5,11 +5,11 @@ state killed before its first manifest starts again on its own."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
 import warnings
 
+import forkserver
 import pytest
 import torch
 
@@ -178,8 +178,7 @@ def _killed_at_first_manifest(path, gens):
     _opt(_params(), path, gens)
 
 
-_CTX = multiprocessing.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "tierlift", "pytest", __name__])
+_CTX = forkserver.CTX  # children fork from a clean, preloaded server (forkserver.py)
 
 
 @pytest.mark.parametrize("gens", GENS)
