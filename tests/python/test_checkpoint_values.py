@@ -200,3 +200,16 @@ def test_the_command_line_refuses_a_checkpoint_without_manifest(tmp_path, comman
         main([command, str(ck), str(tmp_path / "o2.pt"), "--allow-unverified-json"])
     assert "lr is nan" in capsys.readouterr().err
     assert not (tmp_path / "o2.pt").exists()
+
+
+@pytest.mark.parametrize("path", ["", ".", "..", "runs/.."])
+def test_a_path_that_names_no_directory_is_refused(tmp_path, monkeypatch, path):
+    import tierlift
+
+    monkeypatch.chdir(tmp_path)
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="names no directory"):
+        tierlift.checkpoint.save(path, model)
+    with pytest.raises(ValueError, match="names no directory"):
+        tierlift.checkpoint.load(path, model)
+    assert list(tmp_path.iterdir()) == []

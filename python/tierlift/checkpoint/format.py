@@ -133,7 +133,14 @@ def dir_path(path) -> str:
     """`path` as a string without trailing separators: "ckpt/" names ckpt, and its siblings
     ckpt.tmp and ckpt.old, not ckpt/.tmp inside it."""
     path = os.fspath(path)
-    return path.rstrip(os.sep) or path
+    if not isinstance(path, str):
+        path = os.fsdecode(path)
+    out = path.rstrip(os.sep) or path
+    if out in ("", ".", "..") or os.path.basename(out) in (".", ".."):
+        # A checkpoint is a directory with siblings (`path`.tmp, `path`.old) beside it.
+        raise ValueError(f"checkpoint path {path!r} names no directory: give the checkpoint's "
+                         "own directory, e.g. 'ckpt/' or 'runs/step100'")
+    return out
 
 
 def resolve_dir(path: str) -> str:
