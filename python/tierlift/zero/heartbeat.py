@@ -28,6 +28,10 @@ import torch.distributed as dist
 _PREFIX = "tierlift_zero/"
 
 
+def _every_rank(name: str) -> str:
+    return f"call {name} on every rank (not under `if rank == 0:`)"
+
+
 class RankFailureError(RuntimeError):
     """A collective failed because another rank died or stopped answering."""
 
@@ -83,8 +87,7 @@ class Heartbeat:
                     raise RankFailureError(
                         f"tierlift.zero: rank {r} called {name}, a collective that every "
                         f"rank must call, but rank {self.me} went on to forward step "
-                        f"{self.count} without it: call {name} on every rank (not under "
-                        "`if rank == 0:`)")
+                        f"{self.count} without it: {_every_rank(name)}")
 
     def _callers(self, store, index: int) -> dict[int, tuple[str, int]]:
         """{rank: (name, forward count)} of the ranks that entered named call `index`."""
@@ -114,13 +117,13 @@ class Heartbeat:
             keys = [f"{self.ns}call/{index}/{r}" for r in self.ranks]
             pause = 0.001
             while not store.check(keys):
-                for r in self.ranks:
-                    if r != self.me and not store.check([keys[self.ranks.index(r)]]) and \
-                            (self._read(store, f"{self.ns}beat/{r}") or 0) > self.count:
-                        raise RankFailureError(
-                            f"{head}, but rank {r} went on to forward step "
-                            f"{self._read(store, f'{self.ns}beat/{r}')} without it: call {name} "
-                            "on every rank (not under `if rank == 0:`)")
+                for r, key in zip(self.ranks, keys):
+                    if r == self.me or store.check([key]):
+                        continue
+                    beat = self._read(store, f"{self.ns}beat/{r}") or 0
+                    if beat > self.count:  # it started a forward after this call's place
+                        raise RankFailureError(f"{head}, but rank {r} went on to forward step "
+                                               f"{beat} without it: {_every_rank(name)}")
                 if time.monotonic() > deadline:
                     missing = [r for r, k in zip(self.ranks, keys) if not store.check([k])]
                     raise RankFailureError(f"{head}; rank {missing} did not call it within "
@@ -175,8 +178,8 @@ class Heartbeat:
         if calls:
             r, (name, _) = next(iter(calls.items()))
             return RankFailureError(f"{head}: rank {r} called {name}, a collective that every "
-                                    f"rank must call, and rank {self.me} did not: call {name} "
-                                    f"on every rank (not under `if rank == 0:`). Cause: {exc}")
+                                    f"rank must call, and rank {self.me} did not: "
+                                    f"{_every_rank(name)}. Cause: {exc}")
         if silent:
             who = ", ".join(str(r) for r in silent)
             return RankFailureError(f"{head}: rank {who} stopped answering (died or hung; "
