@@ -78,17 +78,22 @@ def global_grad_norm(params, norm_type: float = 2.0) -> torch.Tensor:
     """The norm of the gradients of `params` over all ranks: shards of sharded models add up
     across their process group; other parameters (replicated) count once. With the shards of
     one model only, this is exactly the norm clip_grad_norm_(model) computes."""
+    owners, local = split_by_owner((p.grad, shard_owner(p)) for p in params
+                                   if p.grad is not None)
+    return combined_norm(owners, local, float(norm_type))
+
+
+def split_by_owner(grads) -> tuple[list[tuple], list]:
+    """([(owner, {unit indices})], [replicated gradients]) from (grad, (owner, index) or None)
+    pairs: what combined_norm takes."""
     by_owner: dict[int, tuple] = {}
     local = []
-    for p in params:
-        if p.grad is None:
-            continue
-        owner = shard_owner(p)
+    for grad, owner in grads:
         if owner is None:
-            local.append(p.grad)
+            local.append(grad)
         else:
             by_owner.setdefault(id(owner[0]), (owner[0], set()))[1].add(owner[1])
-    return combined_norm(list(by_owner.values()), local, float(norm_type))
+    return list(by_owner.values()), local
 
 
 def grad_owners() -> dict[int, tuple]:

@@ -66,7 +66,7 @@ def _value(v):
     return v
 
 
-def _hyper(group: dict) -> tuple:
+def group_settings(group: dict) -> tuple:
     """Every setting of the group (every key but "params", whether this optimizer reads it or
     not: one a later torch adds is covered too), in key order."""
     return tuple(sorted(((k, _value(v)) for k, v in group.items() if k != "params"),
@@ -74,7 +74,7 @@ def _hyper(group: dict) -> tuple:
 
 
 def same_hyper(a: tuple, b: tuple) -> bool:
-    """Whether two _hyper snapshots are equal; a value that cannot be compared (an array
+    """Whether two group_settings snapshots are equal; a value that cannot be compared (an array
     whose == is elementwise) counts as changed, and so does a NaN."""
     try:
         return bool(a == b)
@@ -98,7 +98,7 @@ class Record:
     tensors: dict  # pi -> the gradient tensor, as the hook found it
     steps: dict
     group: dict  # the hyperparameters it stepped with (_frozen)
-    hyper: tuple  # every setting of the group when it started (_hyper)
+    hyper: tuple  # every setting of the group when it started (group_settings)
     scale: float | None  # the GradScaler scale the kernel assumed
     grads: dict = field(default_factory=dict)  # (ci, pi) -> fingerprint of the gradient read
     params: dict = field(default_factory=dict)  # (ci, pi) -> fingerprint of the parameter
@@ -162,7 +162,7 @@ class Ahead:
         keys, pieces = [], []
         for gi, records in spec.items():
             for chunk, rec in records:
-                if rec.scale != scale or not same_hyper(rec.hyper, _hyper(groups[gi])):
+                if rec.scale != scale or not same_hyper(rec.hyper, group_settings(groups[gi])):
                     continue  # validate() redoes it without a look at its gradients
                 _host_grad_segments(gi, chunk, live[gi], keys, pieces)
         self._n = len(live)
@@ -205,7 +205,7 @@ def validate(off, gi: int, records: list, live: dict, scale: float | None,
     candidates = []
     for chunk, rec in records:
         in_chunk = {s.pi for s in chunk.segments}
-        if (not same_hyper(_hyper(group), rec.hyper) or scale != rec.scale
+        if (not same_hyper(group_settings(group), rec.hyper) or scale != rec.scale
                 or in_chunk & live.keys() != in_chunk & rec.tensors.keys()
                 or off.next_steps(gi, rec.tensors) != rec.steps):
             candidates.append((chunk, rec, None))
@@ -376,7 +376,7 @@ class Overlap:
             pis = {s.pi for c in ready for s in c.segments if params[s.pi].grad is not None}
             rec = Record(tensors={q: params[q].grad for q in pis},
                          steps=self.off.next_steps(gi, pis), group=_frozen(group),
-                         hyper=_hyper(group),
+                         hyper=group_settings(group),
                          scale=self.off._scale_seen)
             self._pending.append(self._pool.submit(self._work, gi, ready, rec))
 

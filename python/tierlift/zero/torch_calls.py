@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from tierlift._shards import combined_norm, grad_owners, shard_owner
+from tierlift._shards import combined_norm, grad_owners, shard_owner, split_by_owner
 from tierlift._torch_patch import wrap_method
+from tierlift.offload.overlap import group_settings, same_hyper
 
 _NORM_PARAMS = ["tensors", "norm_type", "error_if_nonfinite", "foreach"]
 
@@ -32,15 +33,8 @@ def _global_norm(original):
         owners = grad_owners() if tensors else {}
         if not any(id(t) in owners for t in tensors):
             return original(tensors, norm_type, error_if_nonfinite, foreach)
-        by_owner: dict[int, tuple] = {}
-        local = []
-        for t in tensors:
-            entry = owners.get(id(t))
-            if entry is None:
-                local.append(t)
-            else:
-                by_owner.setdefault(id(entry[0]), (entry[0], set()))[1].add(entry[1])
-        total = combined_norm(list(by_owner.values()), local, float(norm_type),
+        shards, local = split_by_owner((t, owners.get(id(t))) for t in tensors)
+        total = combined_norm(shards, local, float(norm_type),
                               lambda ts, nt: original(ts, nt, False, foreach))
         total = total.to(tensors[0].device)
         if error_if_nonfinite and not bool(torch.isfinite(total)):
@@ -51,24 +45,6 @@ def _global_norm(original):
         return total
 
     return get_total_norm
-
-
-def _settings(group: dict) -> dict:
-    return {k: v for k, v in group.items() if k != "params"}
-
-
-def _same(a: dict, b: dict) -> bool:
-    if a.keys() != b.keys():
-        return False
-    for k, v in a.items():
-        w = b[k]
-        try:
-            equal = v is w or bool(v == w)
-        except (RuntimeError, TypeError, ValueError):  # tensors of other shapes, ...
-            equal = False
-        if not equal:
-            return False
-    return True
 
 
 def check_groups(param_groups: list[dict]) -> None:
@@ -86,7 +62,7 @@ def check_groups(param_groups: list[dict]) -> None:
         if group["params"]:
             continue
         for j in holding:
-            if not _same(_settings(group), _settings(param_groups[j])):
+            if not same_hyper(group_settings(group), group_settings(param_groups[j])):
                 raise ValueError(
                     f"optimizer param group {i} is empty while group {j}, with other settings, "
                     "holds ZeRO shards: after tierlift.zero.shard() each parameter of "
