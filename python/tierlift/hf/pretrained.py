@@ -87,7 +87,13 @@ def decay_split(model):
     transformers.Trainer.get_decay_parameter_names returns, "no_decay" for the rest."""
     from transformers import Trainer
 
-    decay = set(Trainer.get_decay_parameter_names(None, model))  # reads nothing from self
+    return decay_keys(Trainer.get_decay_parameter_names(None, model))  # reads nothing from self
+
+
+def decay_keys(decay_names):
+    """param_group_fn putting the parameters named in `decay_names` under "decay", the rest
+    under "no_decay" (the keys tierlift.hf.Trainer builds its two AdamW groups from)."""
+    decay = set(decay_names)
     return lambda name, _: DECAY if name in decay else NO_DECAY
 
 

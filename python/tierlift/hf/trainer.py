@@ -29,7 +29,7 @@ from tierlift.hf import model as zmodel
 from tierlift.hf.accelerator import Accelerator, own_clipping, unwrap_optimizer
 from tierlift.hf.config import ZeroConfig
 from tierlift.hf.param_count import full_param_count
-from tierlift.hf.pretrained import head_in_root, zero_of
+from tierlift.hf.pretrained import DECAY, NO_DECAY, decay_keys, head_in_root, zero_of
 from tierlift.zero.groups import param_groups, shard_groups
 from tierlift.zero.materialize import first_meta
 
@@ -63,8 +63,9 @@ class Trainer(transformers.Trainer):
             raise TypeError(f"zero must be a tierlift.hf.ZeroConfig or None, got "
                             f"{type(zero).__name__}")
         _refuse_other_sharding(args)
-        if model is not None and not zmodel.is_sharded(model) and first_meta(model) is not None:
-            raise ValueError(f"{first_meta(model)!r} is on the meta device: load the model with "
+        meta = None if model is None or zmodel.is_sharded(model) else first_meta(model)
+        if meta is not None:
+            raise ValueError(f"{meta!r} is on the meta device: load the model with "
                              "tierlift.hf.from_pretrained(path, zero=...) (each rank reads its "
                              "slices) and pass it with zero=None")
         self.zero = zero
@@ -113,9 +114,8 @@ class Trainer(transformers.Trainer):
                              "parameters, which zero=ZeroConfig(...) replaces by shards: leave "
                              "the optimizer out (the Trainer builds tierlift.optim.AdamW, "
                              "ZeroConfig.optimizer_kwargs), or shard the model yourself first")
-        decay = set(self.get_decay_parameter_names(model))
         # The LM head in the root unit, as tierlift.hf.from_pretrained puts it (fused losses).
-        self.zero.shard(model, param_group_fn=lambda n, p: "decay" if n in decay else "no_decay",
+        self.zero.shard(model, param_group_fn=decay_keys(self.get_decay_parameter_names(model)),
                         **head_in_root(model, self.zero))
         model._tierlift_hf_trainer_sharded = True
         zmodel.install(model)
@@ -143,8 +143,8 @@ class Trainer(transformers.Trainer):
             return super().create_optimizer(model)
         args = self.args
         groups = shard_groups(self.model)
-        if set(groups) <= {"decay", "no_decay"}:
-            wd = {"decay": args.weight_decay, "no_decay": 0.0}
+        if set(groups) <= {DECAY, NO_DECAY}:
+            wd = {DECAY: args.weight_decay, NO_DECAY: 0.0}
             params = param_groups(self.model, {k: {"weight_decay": wd[k]} for k in groups})
         elif args.weight_decay == 0:
             params = [{"params": [p for ps in groups.values() for p in ps]}]
