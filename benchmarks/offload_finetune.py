@@ -35,6 +35,7 @@ import torch
 import tierlift
 from common import machine, print_table, write_json
 from llama_model import Llama, LlamaConfig, rope_tables
+from offload_legs import print_leg_table
 from plots import plot_json, plot_offload_finetune
 
 BENCH = Path(__file__).resolve().with_name("bench_offload.py")  # runs each case in its process
@@ -170,7 +171,8 @@ def run_tierlift(args, info: dict, device) -> dict:
         case = (f"tierlift zero3 offload_params={args.offload_params} offload={info['tier']}"
                 + (" overlap" if kw["overlap"] else ""))
     out = {"case": case, "params": n, "step_s": t,
-           "stats": {k: v for k, v in opt.last_step_stats.items() if isinstance(v, float)}}
+           "stats": {k: v for k, v in opt.last_step_stats.items() if isinstance(v, float)},
+           "legs": opt.last_step_stats.get("legs", {})}  # the last step, split by leg
     if zero3:
         tierlift.zero.close(model)
     if nvme is not None:
@@ -341,6 +343,8 @@ def finetune(args) -> int:
         print_table(rows, ["case", "step_s", "TFLOPS"],
                     title=f"fine-tuning {info['model']} ({info['params'] / 1e9:.2f}B params), "
                           f"batch {args.batch_size} x {args.seq_len} tokens")
+    print_leg_table({r["case"]: r["legs"] for r in ok if r.get("legs")},
+                    "the last step by leg (ms; exposed: the training thread waited for it)")
     path = save()
     if path is not None:
         if args.plot:

@@ -94,6 +94,61 @@ def _cell(key: str, v: float) -> str:
     return f"{v * 1e3:.1f}"
 
 
+LEG_LABELS = [  # (label, last_step_stats["legs"] key)
+    ("forward (host waits for compute)", "forward"),
+    ("backward (host waits for compute)", "backward"),
+    ("H2D params", "h2d"), ("D2H grads", "d2h"), ("CPU Adam", "adam"),
+    ("NVMe read", "nvme_read"), ("NVMe write", "nvme_write"),
+    ("optimizer other", "other"),
+]
+
+
+def leg_rows(by_case: dict[str, dict]) -> tuple[list[dict], list[str]]:
+    """Table rows of last_step_stats["legs"] per case: for each leg its time and the part of it
+    the training thread waited for ("exposed"), in ms; CPU Adam again per thread; the bytes of
+    the legs that move them. Returns (rows, columns)."""
+    columns = ["leg"]
+    for case in by_case:
+        columns += [f"{case} ms", f"{case} exposed"]
+    rows = []
+
+    def row(label: str, get) -> None:
+        r = {"leg": label}
+        for case, legs in by_case.items():
+            got = get(legs)
+            r[f"{case} ms"], r[f"{case} exposed"] = (("-", "-") if got is None else
+                                                     (f"{got[0] * 1e3:.1f}", f"{got[1] * 1e3:.1f}"))
+        rows.append(r)
+
+    for label, key in LEG_LABELS:
+        row(label, lambda legs, key=key: (legs[key]["total_s"], legs[key]["exposed_s"])
+            if key in legs else None)
+        if key == "adam":
+            threads = sorted({t for legs in by_case.values() for t in legs.get(key, {})
+                              .get("threads", {})})
+            for t in threads:
+                row(f"  on {t}", lambda legs, t=t: (
+                    legs["adam"]["threads"][t]["total_s"], legs["adam"]["threads"][t]["exposed_s"])
+                    if t in legs.get("adam", {}).get("threads", {}) else None)
+    row("sum of legs", lambda legs: (sum(v["total_s"] for v in legs.values()),
+                                     sum(v["exposed_s"] for v in legs.values())) if legs else None)
+    for label, key in (("H2D params", "h2d"), ("D2H grads", "d2h"), ("NVMe read", "nvme_read"),
+                       ("NVMe write", "nvme_write")):
+        r = {"leg": f"{label} MB"}
+        for case, legs in by_case.items():
+            r[f"{case} ms"] = f"{legs[key]['bytes'] / 1e6:.1f}" if key in legs else "-"
+        rows.append(r)
+    return rows, columns
+
+
+def print_leg_table(by_case: dict[str, dict], title: str) -> None:
+    """print_table of leg_rows; a case without legs is left out."""
+    by_case = {case: legs for case, legs in by_case.items() if legs}
+    if by_case:
+        rows, columns = leg_rows(by_case)
+        print_table(rows, columns, title=title)
+
+
 def bench_legs(args) -> int:
     dim, layers = args.legs_dim, args.legs_layers
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
