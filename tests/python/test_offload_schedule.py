@@ -17,11 +17,15 @@ overlap=False, an overlap whose worker waits for the end of backward (every chun
 the step's stats alone would not notice), and prefetch=0.
 
 With the D2H copy asynchronous too (an event that completes D2H_S after the copy is issued, as
-on a GPU) and a host that waits for each unit's compute (these stand-ins), a unit's gradient is
-handed over only when the next unit launches its reduction (zero/hooks.py polls the copies there
-and at the end of backward): the order holds one unit late, and the strict order is marked as
-the known gap it is. (A host that runs ahead of the device reaches the end-of-backward drain
-early instead, which waits for the copies in order and hands each over as it completes.)
+on a GPU) and a host that waits for each unit's compute (these stand-ins), the same order holds:
+zero/hooks.py hands the gradient over with its copy in flight and the overlap's worker waits for
+the copy's event before its Adam reads it. The control is the earlier way, where the training
+thread hands a gradient over only once it finds its copy done, when the next unit launches its
+reduction: one unit late, which the check catches.
+
+last_step_stats["legs"] is checked on the same stand-ins: each leg has its fields, exposed <=
+total, and with Adam given a stand-in time too, overlap=False leaves all of it exposed while the
+overlap hides all but the unit stepped after backward.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import torch
 from torch import nn
 
 import tierlift
+from tierlift.offload.legs import LEGS, TRAINING
 from tierlift.offload.overlap import Overlap
 from tierlift.offload.runner import Offloader
 from tierlift.zero.hooks import ZeroState
@@ -46,6 +51,7 @@ UNITS, DIM = 5, 32
 FWD_S, BWD_S = 0.005, 0.03  # stand-ins for a unit's forward and backward on the device
 GRACE = 0.5  # the most a backward stand-in waits for an earlier unit's step to start
 D2H_S = 0.005  # an asynchronous gradient copy, shorter than a unit's backward
+ADAM_S = 0.01  # a stand-in for a large unit's CPU Adam, per chunk (legs test)
 
 
 class Log:
@@ -231,7 +237,8 @@ def build(log: Log, tmp_path, tier: str = "cpu", overlap: bool = True, prefetch:
 
 def train(model, opt, log: Log, steps: int = 2, gate: threading.Event | None = None) -> dict:
     """`steps` steps, the last one logged (the first records the forward order, which prefetch
-    needs). Returns the last step's optimizer stats."""
+    needs). Returns the last step's optimizer stats, with "wall_s": that step's time from
+    forward to the end of step()."""
     x = torch.randn(4, DIM, generator=torch.Generator().manual_seed(1))
     for s in range(steps):
         last = s == steps - 1
@@ -240,6 +247,7 @@ def train(model, opt, log: Log, steps: int = 2, gate: threading.Event | None = N
             log.armed = True
             model._tierlift_zero.stats["peak_resident_bytes"] = 0
         opt.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
         log("phase:forward")
         loss = model(x).square().mean()
         log("phase:backward")
@@ -250,7 +258,7 @@ def train(model, opt, log: Log, steps: int = 2, gate: threading.Event | None = N
         opt.step()
         log("phase:end")
         log.armed = False
-    return dict(opt.last_step_stats)
+    return dict(opt.last_step_stats, wall_s=time.perf_counter() - t0)
 
 
 # ---- the order checks --------------------------------------------------------------------------
@@ -322,9 +330,10 @@ class CopyEvent:
     of the unit after it in backward: done once that unit's backward has started and D2H_S has
     passed (not by time alone: a poll on a loaded machine must not find it done early)."""
 
-    def __init__(self, log: Log) -> None:
-        self.log, self.issued = log, len(log.events)
+    def __init__(self, log: Log, unit: int) -> None:
+        self.log, self.unit, self.issued = log, unit, len(log.events)
         self.at = time.perf_counter() + D2H_S
+        self.landed = False
 
     def query(self) -> bool:
         return time.perf_counter() >= self.at and any(
@@ -332,40 +341,94 @@ class CopyEvent:
 
     def synchronize(self) -> None:
         time.sleep(max(0.0, self.at - time.perf_counter()))
+        if not self.landed:
+            self.landed = True
+            self.log("landed", self.unit)  # on the thread that waited for it
 
 
 @pytest.fixture
-def async_d2h(log, monkeypatch) -> None:
+def async_d2h(log, monkeypatch) -> list:
+    """Every gradient copy asynchronous (CopyEvent); returns the events in issue order."""
     stage_out = ParamOffload.stage_out
-    monkeypatch.setattr(ParamOffload, "stage_out",
-                        lambda self, grad: (stage_out(self, grad)[0], CopyEvent(log)))
+    events = []
+
+    def async_stage_out(self, grad):
+        unit = next(u for _, k, u, _ in reversed(log.events) if k == "d2h")
+        events.append(CopyEvent(log, unit))
+        return stage_out(self, grad)[0], events[-1]
+
+    monkeypatch.setattr(ParamOffload, "stage_out", async_stage_out)
+    return events
 
 
-def test_async_d2h_steps_each_unit_one_unit_late(log, tmp_path, async_d2h):
-    """The copy of unit k is polled when unit k-1 launches its reduction, after unit k-1's
-    backward: unit k's Adam runs during the backward of unit k-2, and the two units first in
-    forward order are stepped after backward (against one with a synchronous copy)."""
-    log.lag = 2
-    model, opt = build(log, tmp_path)
-    try:
-        train(model, opt, log)
-    finally:
-        opt._offload.close()
-    check_overlap(log, lag=2)
-    check_prefetch(log)
-    assert stepped_after_backward(log) == [0, 1]
+def check_landed_first(log: Log) -> None:
+    """Each unit's copy landed (its event waited for) before its Adam read the gradient."""
+    for k in range(UNITS):
+        assert log.first("landed", k) < log.first("adam_start", k), \
+            f"unit {k}'s Adam started before its gradient's copy landed:\n{log.format()}"
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="zero/hooks.py hands a unit's gradient over when the next unit "
-                          "launches its reduction: with an asynchronous D2H, one unit late")
 def test_async_d2h_keeps_the_promised_order(log, tmp_path, async_d2h):
+    """The gradient is handed over with its copy in flight and the worker waits for the copy
+    itself: each unit's Adam starts during the backward of the unit after it, after its copy
+    landed, and every chunk stepped ahead is kept (the worker read the bytes step() sees)."""
     model, opt = build(log, tmp_path)
     try:
-        train(model, opt, log)
+        stats = train(model, opt, log)
     finally:
         opt._offload.close()
     check_overlap(log)
+    check_landed_first(log)
+    check_prefetch(log)
+    assert stepped_after_backward(log) == [0]
+    assert all(e.landed for e in async_d2h)  # backward ends with every copy landed
+    zs = model._tierlift_zero.stats
+    assert zs["grads_handed_in_flight"] == 2 * UNITS  # both steps, every unit
+    assert stats["overlap_kept_chunks"] == 2 * UNITS and stats["overlap_redone_chunks"] == 0
+    # The worker's waits for the copies are D2H time on its thread, not the training thread's.
+    d2h = stats["legs"]["d2h"]["threads"]
+    assert any(t != TRAINING and v["total_s"] > 0 for t, v in d2h.items()), d2h
+
+
+def test_async_d2h_polled_by_the_training_thread_fails_the_check(log, tmp_path, async_d2h,
+                                                                 monkeypatch):
+    """The earlier way: a gradient is handed over only once the training thread finds its copy
+    done, which it looks for when the next unit launches its reduction: unit k's Adam waits
+    for the end of unit k-1's backward."""
+    monkeypatch.setattr(ZeroState, "_takes_in_flight", lambda self, unit: False)
+    model, opt = build(log, tmp_path)
+    try:
+        train(model, opt, log)
+    finally:
+        opt._offload.close()
+    check_landed_first(log)
+    with pytest.raises(AssertionError, match="serialized"):
+        check_overlap(log)
+    assert model._tierlift_zero.stats["grads_handed_in_flight"] == 0
+
+
+def test_async_d2h_listener_that_reads_sees_landed_gradients(log, tmp_path, async_d2h):
+    """A listener (on_shard_grad_ready) that does not wait for the copy itself keeps the units
+    it listens to on the landed hand-over: it never sees a gradient still being written."""
+    model, opt = build(log, tmp_path)
+    state = model._tierlift_zero
+    seen = []
+
+    def reads(shard):
+        seen.append(state.landing_event(shard) is None and all(
+            e.landed for e in async_d2h if e.unit == log.units_of[id(shard)]))
+
+    handles = [tierlift.zero.on_shard_grad_ready(u.shard, reads) for u in state.units[:2]]
+    try:
+        train(model, opt, log)
+    finally:
+        for h in handles:
+            h.remove()
+        opt._offload.close()
+    assert seen == [True] * 4  # two units, two steps
+    # the units after them in launch order (units 1 and 0 are last) lose nothing
+    assert state.stats["grads_handed_in_flight"] == 2 * (UNITS - 2)
+    check_landed_first(log)
 
 
 # ---- each check can fail -----------------------------------------------------------------------
@@ -413,3 +476,67 @@ def test_no_prefetch_fails_the_check(log, tmp_path):
     with pytest.raises(AssertionError, match="no prefetch"):
         check_prefetch(log)
     check_live(log, model, 0)
+
+
+# ---- the step's legs (last_step_stats["legs"]) ----------------------------------------------
+def check_legs(legs: dict) -> None:
+    """Every leg has its fields, none negative, no more exposed than it took."""
+    assert set(legs) == set(LEGS)
+    for leg, v in legs.items():
+        assert set(v) == {"total_s", "exposed_s", "threads", "bytes", "device_s"}, (leg, v)
+        assert v["total_s"] >= 0 and v["exposed_s"] >= 0 and v["bytes"] >= 0, (leg, v)
+        assert v["exposed_s"] <= v["total_s"], (leg, v)
+        assert v["device_s"] is None, (leg, v)  # nothing runs on CUDA here
+        for t in v["threads"].values():
+            assert 0 <= t["exposed_s"] <= t["total_s"] + 1e-12, (leg, v)
+
+
+@pytest.fixture
+def slow_adam(monkeypatch) -> None:
+    """Each chunk's Adam takes ADAM_S more (a larger unit's kernel, on whichever thread)."""
+    adam = Offloader._adam
+
+    def slow(self, *args, **kwargs):
+        adam(self, *args, **kwargs)
+        time.sleep(ADAM_S)
+
+    monkeypatch.setattr(Offloader, "_adam", slow)
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_step_legs_show_what_the_overlap_hides(log, tmp_path, slow_adam, tier):
+    runs = {}
+    for overlap in (False, True):
+        log.lag = 1 if overlap else UNITS  # no Adam during backward to wait for without it
+        (tmp_path / str(overlap)).mkdir()
+        model, opt = build(log, tmp_path / str(overlap), tier, overlap=overlap)
+        try:
+            runs[overlap] = train(model, opt, log)
+        finally:
+            opt._offload.close()
+    for overlap, stats in runs.items():
+        legs = stats["legs"]
+        check_legs(legs)
+        # 2 chunks per unit; backward holds every unit's stand-in
+        assert legs["adam"]["total_s"] >= 2 * UNITS * ADAM_S, (overlap, legs["adam"])
+        assert legs["backward"]["total_s"] >= UNITS * BWD_S, (overlap, legs["backward"])
+        for leg in ("forward", "h2d", "d2h", "other"):
+            assert legs[leg]["total_s"] > 0, (overlap, leg, legs[leg])
+        assert legs["h2d"]["bytes"] > 0 and legs["d2h"]["bytes"] > 0
+        for leg in ("nvme_read", "nvme_write"):
+            # the engine's requests: the state's chunks (and, read, the new masters that
+            # step() publishes from the chunks stepped ahead)
+            moved = stats.get(f"{leg}_bytes", 0) if tier == "nvme" else 0
+            assert moved <= legs[leg]["bytes"] <= 2 * moved, (overlap, leg, legs[leg], moved)
+            if leg == "nvme_write" or not overlap:
+                assert legs[leg]["bytes"] == moved, (overlap, leg, legs[leg], moved)
+            assert (legs[leg]["total_s"] > 0) == (tier == "nvme"), (overlap, leg, legs[leg])
+        # The exposed parts split the training thread's time (less the loss and the logging).
+        exposed = sum(v["exposed_s"] for v in legs.values())
+        assert 0.8 * stats["wall_s"] <= exposed <= stats["wall_s"], (overlap, exposed, stats)
+    serial, hidden = runs[False]["legs"]["adam"], runs[True]["legs"]["adam"]
+    assert serial["exposed_s"] == serial["total_s"] and list(serial["threads"]) == [TRAINING]
+    # Overlapped: only the unit stepped after backward (a fifth of the chunks) is waited for.
+    assert hidden["exposed_s"] < 0.5 * hidden["total_s"], hidden
+    assert TRAINING not in hidden["threads"], hidden  # every chunk was kept: none redone
+    assert runs[True]["overlap_kept_chunks"] == 2 * UNITS

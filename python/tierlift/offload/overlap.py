@@ -33,7 +33,11 @@ validate() on its own.
 Under tierlift.zero.shard the parameters are flat shards whose gradient is assigned when the
 unit's reduction completes (no post-accumulate-grad hook fires): for those the Overlap listens
 with tierlift.zero.on_shard_grad_ready, so a unit's chunks start as soon as its reduce-scatter
-(and, with parameter offload, its D2H copy) is done.
+is done. With parameter offload on CUDA the gradient's copy to host memory may still be in
+flight then: the listener says it waits for it (waits_for_landing), so the unit is handed over
+at once and the worker waits for the copy's event itself (landing_event) before it reads the
+gradient: the unit's step starts as soon as the copy lands, not when the training thread next
+looks (a unit's backward later).
 """
 
 from __future__ import annotations
@@ -47,9 +51,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tierlift._shards import is_shard, on_shard_grad_ready
+from tierlift._shards import is_shard, on_shard_grad_ready, shard_owner
 from tierlift.offload import masters
 from tierlift.offload.checks import check_group
+from tierlift.offload.legs import WAIT
 from tierlift.offload.tiers import drain
 from tierlift.offload.watch import copy_checked, fingerprints, fingerprints_finite
 
@@ -102,6 +107,14 @@ class Record:
     scale: float | None  # the GradScaler scale the kernel assumed
     grads: dict = field(default_factory=dict)  # (ci, pi) -> fingerprint of the gradient read
     params: dict = field(default_factory=dict)  # (ci, pi) -> fingerprint of the parameter
+    landing: list = field(default_factory=list)  # events of gradient copies still in flight
+
+
+def landing_event(p: torch.Tensor):
+    """The event of the copy that still writes p.grad (a ZeRO shard handed over before its
+    copy to host memory landed), else None."""
+    owner = shard_owner(p)
+    return None if owner is None else owner[0].landing_event(p)
 
 
 def deferred(p: torch.Tensor) -> bool:
@@ -158,7 +171,8 @@ class Ahead:
     overlap's (idle) worker thread while step() computes the gradient norm on its own: under a
     GradScaler no pass of step() reads the gradients, and torch's norm keeps one core busy."""
 
-    def __init__(self, pool, groups: list, live: list[dict], spec: dict, scale: float | None):
+    def __init__(self, pool, groups: list, live: list[dict], spec: dict, scale: float | None,
+                 clock):
         keys, pieces = [], []
         for gi, records in spec.items():
             for chunk, rec in records:
@@ -167,17 +181,19 @@ class Ahead:
                 _host_grad_segments(gi, chunk, live[gi], keys, pieces)
         self._n = len(live)
         self._keys = keys
+        self._clock = clock
         self._future = pool.submit(self._run, pieces)
 
-    @staticmethod
-    def _run(pieces: list) -> tuple[list[int], float]:
+    def _run(self, pieces: list) -> tuple[list[int], float]:
         t = time.perf_counter()
-        return fingerprints(pieces), time.perf_counter() - t
+        with self._clock.span("other"):
+            return fingerprints(pieces), time.perf_counter() - t
 
     def result_(self, stats) -> list[dict]:
         """Per group {(ci, pi): fingerprint}; the wait counts as the check's time in step()."""
         t = time.perf_counter()
-        values, took = self._future.result()
+        with self._clock.span(WAIT):
+            values, took = self._future.result()
         stats["overlap_check_s"] += time.perf_counter() - t
         stats["grad_fingerprint_ahead_s"] += took
         return _by_group(self._n, self._keys, values)
@@ -186,7 +202,8 @@ class Ahead:
         """The gradients changed meanwhile (a clip scaled them): waits, drops the values."""
         t = time.perf_counter()
         try:
-            self._future.result()
+            with self._clock.span(WAIT):
+                self._future.result()
         except Exception:  # noqa: BLE001 - the values are not used
             pass
         stats["overlap_check_s"] += time.perf_counter() - t
@@ -249,11 +266,17 @@ def _masters(off, gi: int, part: list) -> list:
     bufs = [off._slots[j]["master"] for j in range(len(part))]
     reads = {}
     try:
+        t = time.perf_counter()
         for j, (chunk, _) in enumerate(part):
             reads[j] = [tier.read("master", chunk.ci, bufs[j], tier.next_gen(chunk.ci))]
-        for j in sorted(reads):
-            for h in reads.pop(j):
-                h.wait()
+        # the engine's requests (a hybrid tier's RAM chunks are copied by read() itself)
+        nbytes = sum(h.tensor.nbytes for hs in reads.values() for h in hs if hasattr(h, "done"))
+        with off.clock.span("nvme_read"):
+            for j in sorted(reads):
+                for h in reads.pop(j):
+                    h.wait()
+        if nbytes:
+            off.clock.io.append(("nvme_read", t, time.perf_counter(), nbytes))
     except BaseException:
         drain(reads)
         raise
@@ -324,6 +347,8 @@ class Overlap:
             if overlap is not None:
                 overlap._on_grad(p)
 
+        hook.waits_for_landing = True  # _work waits for a shard's gradient copy itself
+
         for gi, group in enumerate(offloader.opt.param_groups):
             for pi, p in enumerate(group["params"]):
                 self._where[p] = (gi, pi)
@@ -337,7 +362,7 @@ class Overlap:
     def fingerprint_ahead(self, live: list[dict], spec: dict, scale: float | None) -> Ahead:
         """Starts fingerprinting the gradients of the chunks in `spec` (finish() has returned,
         so the worker thread is idle)."""
-        return Ahead(self._pool, self.off.opt.param_groups, live, spec, scale)
+        return Ahead(self._pool, self.off.opt.param_groups, live, spec, scale, self.off.clock)
 
     def _reset(self) -> None:
         self._ready = defaultdict(set)  # gi -> pis with a gradient this step
@@ -377,18 +402,26 @@ class Overlap:
             rec = Record(tensors={q: params[q].grad for q in pis},
                          steps=self.off.next_steps(gi, pis), group=_frozen(group),
                          hyper=group_settings(group),
-                         scale=self.off._scale_seen)
+                         scale=self.off._scale_seen,
+                         landing=[e for e in (landing_event(params[q]) for q in pis)
+                                  if e is not None])
             self._pending.append(self._pool.submit(self._work, gi, ready, rec))
 
     def _work(self, gi: int, chunks, rec: Record) -> None:
         if self._error is not None:
             return
         t = time.perf_counter()
-        grads = {pi: g.contiguous().view(-1) for pi, g in rec.tensors.items()}
-        scale = None if rec.scale is None else torch.tensor([rec.scale], dtype=torch.float32)
+        clock = self.off.clock
         done = []
         try:
-            with torch.no_grad():
+            with clock.span("other"), torch.no_grad():
+                if rec.landing:  # gradient copies handed over in flight: wait here, not there
+                    with clock.span("d2h"):
+                        for event in rec.landing:
+                            event.synchronize()
+                grads = {pi: g.contiguous().view(-1) for pi, g in rec.tensors.items()}
+                scale = (None if rec.scale is None
+                         else torch.tensor([rec.scale], dtype=torch.float32))
                 rec.params = masters.prepare(self.off, gi, grads, chunks, self._stats)
                 self.off.run(gi, grads, rec.steps, chunks, self._stats, done, publish=False,
                              scale=scale, used_grads=rec.grads, group=rec.group)
@@ -402,8 +435,9 @@ class Overlap:
         """Waits for the speculative chunks; returns {gi: [(chunk, Record)]} and starts the
         next step's bookkeeping. A worker failure is raised after its chunks are undone."""
         t = time.perf_counter()
-        for f in self._pending:
-            f.result()
+        with self.off.clock.span(WAIT):
+            for f in self._pending:
+                f.result()
         self._pending = []
         stats["overlap_wait_s"] += time.perf_counter() - t
         for k, v in self._stats.items():
@@ -417,8 +451,9 @@ class Overlap:
     def wait(self) -> None:
         """Waits until the worker is idle: it steps chunks in the pipeline slots, which a
         state_dict() or a load between backward and step() also uses."""
-        for f in self._pending:
-            f.result()
+        with self.off.clock.span(WAIT):
+            for f in self._pending:
+                f.result()
 
     def discard(self) -> None:
         """The committed state is about to be replaced (a load between backward and step()):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import threading
 import time
 import warnings
 from collections import defaultdict
@@ -26,9 +27,9 @@ import torch
 import torch.distributed as dist
 
 from tierlift import ops
-from tierlift._shards import all_ranks_agree, is_shard
+from tierlift._shards import all_ranks_agree, is_shard, shard_owner
 from tierlift.io import ChecksumError, EngineConfig, IoEngine
-from tierlift.offload import gradients, masters, scaler_scan
+from tierlift.offload import gradients, legs, masters, scaler_scan
 from tierlift.offload.checks import (
     check_group,
     check_lists,
@@ -82,6 +83,7 @@ class Offloader(StateIO):
         self.opt = optimizer
         self.config = config
         self.last_step_stats: dict = {}
+        self.clock = legs.Clock()  # this step's spans, on every thread (last_step_stats["legs"])
         self._engine = None
         self._dir = None
         params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -298,7 +300,28 @@ class Offloader(StateIO):
         """One step. `grad_scale` / `found_inf`: torch's AMP protocol (GradScaler.step passes
         them to optimizers with _step_supports_amp_scaling): the gradients are still scaled by
         `grad_scale` and the kernel unscales them as it reads them; a nonzero `found_inf`
-        skips the step, leaving weights, state and step counts as they were."""
+        skips the step, leaving weights, state and step counts as they were.
+        last_step_stats["legs"]: the step (from the forward of its sharded models on) split by
+        leg, each with the part the training thread waited for (offload.legs)."""
+        training = threading.current_thread().name
+        try:
+            with self.clock.span("other"):
+                self._step(grad_scale, found_inf)
+            self.last_step_stats["legs"] = legs.summarize(self.clock, training,
+                                                          self._model_legs())
+        finally:
+            self.clock.reset()
+
+    def _model_legs(self) -> list[dict]:
+        """ModelLegs.take() of each sharded model that owns some of the parameters."""
+        owners = {}
+        for p in self._params():
+            got = shard_owner(p)
+            if got is not None:
+                owners[id(got[0])] = got[0]
+        return [o.take_legs() for o in owners.values() if hasattr(o, "take_legs")]
+
+    def _step(self, grad_scale, found_inf) -> None:
         seen = scaler_scan.take(self.opt)  # consumed by this step() whatever happens
         if self._broken is not None:
             raise RuntimeError(self._broken)
@@ -534,7 +557,9 @@ class Offloader(StateIO):
     def _sync(self, stats) -> None:
         t = time.perf_counter()
         if self._engine is not None:
-            self._engine.sync()
+            with self.clock.span("nvme_write"):
+                self._engine.sync()
+            self.clock.io.append(("nvme_write", t, time.perf_counter(), 0))
         dt = time.perf_counter() - t
         stats["nvme_write_wait_s"] += dt
         stats["nvme_sync_s"] += dt  # the fdatasync part of the write wait
@@ -598,13 +623,20 @@ class Offloader(StateIO):
         writes: dict[int, list] = {}
         used = getattr(tier, "used", None)  # NVMe moves only the used part of a chunk
         journaled = self._durable is not None and self._durable.one_gen
+        track = legs.IoTrack(self.clock)  # the engine's busy time
+        for handles in reads.values():
+            track.add("nvme_read", handles)
 
         def wait_all(handles, key):
             t = time.perf_counter()
+            leg = "nvme_read" if key == "nvme_read_wait_s" else "nvme_write"
             for h in handles:
-                h.wait()
+                with self.clock.span(leg) as span:
+                    h.wait()
+                    span.until = getattr(h, "done_at", None)  # its CRC after: not the disk's
                 stats["checksum_s"] += getattr(h, "crc_s", 0.0)
             stats[key] += time.perf_counter() - t
+            track.poll()
 
         issued = len(reads)  # reads started so far: chunks [0, issued)
 
@@ -616,6 +648,7 @@ class Offloader(StateIO):
                 wait_all(writes.pop(j - n_slots, []), "nvme_write_wait_s")
                 reads[j] = tier.read_all(chunks[j].ci, self._slots[j % n_slots],
                                          self._what(gi, chunks[j]))
+                track.add("nvme_read", reads[j])
                 issued += 1
 
         try:
@@ -635,6 +668,7 @@ class Offloader(StateIO):
                     stats["journal_write_bytes"] += nbytes
                 else:
                     writes[i] = tier.write_all(chunk.ci, bufs, tier.next_gen(chunk.ci))
+                    track.add("nvme_write", writes[i])
                 for h in writes.get(i - 1, []):  # its journal copy had a chunk's step to land
                     getattr(h, "promote", lambda: None)()
                 stats["nvme_write_bytes"] += nbytes
@@ -644,6 +678,8 @@ class Offloader(StateIO):
             drain(reads)
             drain(writes)
             raise
+        finally:
+            track.close()
 
     def _restore(self, gi: int, chunks) -> None:
         """Puts the parameters of `chunks` back to the committed master weights."""
@@ -705,15 +741,34 @@ class Offloader(StateIO):
             for k in moments:
                 b[k].append(bufs[k][kind_slice(k, s.clo, s.chi)])
         if self._cuda:
-            torch.cuda.synchronize()  # D2H of this chunk's gradients (and own masters)
+            with self.clock.span("d2h"):
+                torch.cuda.synchronize()  # D2H of this chunk's gradients (and own masters)
             stats["d2h_s"] += time.perf_counter() - t
         if used_grads is not None:  # the overlap keeps the step only if these stay the same
             t = time.perf_counter()
             used_grads.update(zip([k for k, _ in used], fingerprints([g for _, g in used])))
             stats["grad_fingerprint_s"] += time.perf_counter() - t
         t1 = time.perf_counter()
-        beta1, beta2 = group["betas"]
         amp = {} if scale is None else {"grad_scale": scale}
+        with self.clock.span("adam"):
+            self._adam(group, buckets, amp, amsgrad)
+        stats["cpu_step_s"] += time.perf_counter() - t1
+        if written:
+            t = time.perf_counter()
+            self._watch.record(gi, dict(zip([k for k, _ in written],
+                                            fingerprints([w for _, w in written]))))
+            stats["param_check_s"] += time.perf_counter() - t
+        if h2d:
+            t2 = time.perf_counter()
+            with self.clock.span("h2d"):
+                for dst, src in h2d:
+                    dst.copy_(src, non_blocking=True)
+                torch.cuda.synchronize()  # the staging slot is reused three chunks later
+            stats["h2d_s"] += time.perf_counter() - t2
+
+    def _adam(self, group: dict, buckets: dict, amp: dict, amsgrad: bool) -> None:
+        """The fused SIMD Adam over a chunk's segments, one call per step count."""
+        beta1, beta2 = group["betas"]
         for step, b in buckets.items():
             if self.state_dtype == "bf16":
                 ops.adam_compact_step_(
@@ -728,17 +783,5 @@ class Offloader(StateIO):
                 weight_decay=group["weight_decay"], step=step,
                 decoupled=self.opt._decoupled(group), amsgrad=amsgrad,
                 maximize=group["maximize"], **amp)
-        stats["cpu_step_s"] += time.perf_counter() - t1
-        if written:
-            t = time.perf_counter()
-            self._watch.record(gi, dict(zip([k for k, _ in written],
-                                            fingerprints([w for _, w in written]))))
-            stats["param_check_s"] += time.perf_counter() - t
-        if h2d:
-            t2 = time.perf_counter()
-            for dst, src in h2d:
-                dst.copy_(src, non_blocking=True)
-            torch.cuda.synchronize()  # the staging slot is reused three chunks later
-            stats["h2d_s"] += time.perf_counter() - t2
 
 __all__ = ["Offloader"]

@@ -76,14 +76,19 @@ class _Checked:
     step / roofline 1.24x-1.29x this way, 1.33x with a Python pool task per chunk waiting and
     checksumming off the stepping thread (two thread hops and GIL hand-overs between "data
     arrived" and "data usable"), 1.42x-1.47x with the CRC on the io_uring thread at completion
-    (it stops submitting and reaping meanwhile)."""
+    (it stops submitting and reaping meanwhile).
 
-    def __init__(self, handles, then, *, parts=(), crcs=None, crc_s=0.0):
+    `issued_at` and `done_at` (set once wait() has seen the requests done, before the CRC):
+    the engine's busy time in the step's legs (offload.legs.IoTrack)."""
+
+    def __init__(self, handles, then, *, parts=(), crcs=None, crc_s=0.0, issued_at=None):
         self.handles = handles
         self.then = then
         self.parts = parts
         self.crcs = crcs
         self.crc_s = crc_s
+        self.issued_at = time.perf_counter() if issued_at is None else issued_at
+        self.done_at = None
 
     def wait(self):
         error = None
@@ -92,6 +97,7 @@ class _Checked:
                 h.wait()
             except Exception as e:  # noqa: BLE001 - the first error is re-raised below
                 error = error or e
+        self.done_at = time.perf_counter()
         if error is not None:
             raise error
         if self.crcs is None:
@@ -478,7 +484,7 @@ class NvmeTier(_Holdable):
             for k, c in zip(self.kinds, got):
                 self.crc[(k, ci, gen)] = c
 
-        return [_Checked(handles, record, crcs=crcs, crc_s=time.perf_counter() - t)]
+        return [_Checked(handles, record, crcs=crcs, crc_s=time.perf_counter() - t, issued_at=t)]
 
     def remove_files(self) -> None:
         self.wait_unheld_all()

@@ -11,9 +11,13 @@ backward  output-gradient hook (stage 3): all-gather unit i again, prefetch the 
           launch order, the earlier reductions whose collective is already done (with
           hierarchical sharding, then summed over the replicas: replicas.py): add the
           rank's slice to shard.grad and notify the listeners of that shard
-          (on_shard_grad_ready: the offloaded optimizer starts that unit's step at once);
-          end-of-backward callback: wait for and finish the remaining reductions, free
-          anything still gathered.
+          (on_shard_grad_ready: the offloaded optimizer starts that unit's step at once).
+          With parameter offload the slice is first copied to host memory; a copy still in
+          flight is handed over at once where only listeners that wait for it themselves
+          (landing_event) read the gradient before backward ends: the overlap's worker then
+          steps the unit as soon as its copy lands, without this thread coming back to poll;
+          end-of-backward callback: wait for and finish the remaining reductions and copies,
+          free anything still gathered.
 optimizer a global step post-hook marks the units whose shards it stepped as stale, so stage
           1/2 re-gather the updated weights before the next forward.
 """
@@ -32,6 +36,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
 from tierlift._shards import register_shard
+from tierlift.offload.legs import ModelLegs
 from tierlift.zero import frozen, grad_scaler, torch_calls
 from tierlift.zero.comm import work_done
 from tierlift.zero.config import ShardConfig
@@ -65,6 +70,7 @@ class ZeroState:
         self.callback_queued = False
         self.reductions: list = []       # (unit, work, buffer) in flight this backward
         self.landing: list = []          # (unit, host grad, event): D2H in flight (offload)
+        self.in_flight: dict = {}        # id(shard) -> event: handed over before it landed
         # OrderedDict: RemovableHandle keeps a weak reference to it.
         self.listeners: dict[int, OrderedDict] = {id(u.shard): OrderedDict() for u in units}
         self.offload = offload           # ParamOffload with offload_params="cpu"/"nvme"
@@ -73,9 +79,14 @@ class ZeroState:
         resident = sum(u.full_bytes for u in units)
         self.stats.update(resident_bytes=resident, peak_resident_bytes=resident,
                           prefetch_skipped=0, grads_ready_early=0, grads_ready_at_end=0,
+                          grads_handed_in_flight=0,
                           h2d_bytes=0, d2h_bytes=0,
                           last_step_sent={"intra_node": 0, "inter_node": 0})
         self._sent_at_step = topology.sent()
+        # Forward, backward and the copies, for the offloaded optimizer's last_step_stats.
+        self.legs = ModelLegs(cuda=any(u.device.type == "cuda" for u in units))
+        if offload is not None:
+            offload.legs = self.legs
         self.hooked: set[int] = set()    # ids of units that got gradients this backward
         self.handles: list = []
         self.gathered_blocks = 0         # tierlift.zero.gathered() blocks open on this model
@@ -182,13 +193,17 @@ class ZeroState:
             self.reductions.clear()
             self.crossing.clear()
             self.landing.clear()
+            self._landed()
             self.hooked.clear()
             self.callback_queued = False
         if self.heartbeat is not None:
             self.heartbeat.beat()
+        if not _in_backward():
+            self.legs.begin("forward")
 
     def _root_post_forward(self, module, args, output):
         self.order_done = True
+        self.legs.end("forward")
         return output
 
     def _pre_forward(self, unit: FlatUnit, module, args):
@@ -254,6 +269,7 @@ class ZeroState:
     def _queue_callback(self) -> None:
         if not self.callback_queued:
             self.callback_queued = True
+            self.legs.begin("backward")
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _pre_backward(self, unit: FlatUnit, grad):
@@ -318,10 +334,50 @@ class ZeroState:
             unit, piece, event = self.landing[0]
             if event is not None:
                 if not wait and not event.query():
-                    break
-                event.synchronize()
+                    if not self._takes_in_flight(unit):
+                        break
+                    # Its readers wait for the copy themselves: handed over now, not when this
+                    # thread next comes back to poll (a unit's backward later).
+                    self.landing.pop(0)
+                    self.in_flight[id(unit.shard)] = event
+                    self.stats["grads_handed_in_flight"] += 1
+                    self._hand_over(unit, piece, early=True)
+                    continue
+                with self.legs.copy("d2h", waiting=True):
+                    event.synchronize()
             self.landing.pop(0)
             self._hand_over(unit, piece, early=not wait)
+        if wait:
+            self._landed()
+
+    def _takes_in_flight(self, unit: FlatUnit) -> bool:
+        """Whether unit's gradient may be handed over while its copy to host memory is still in
+        flight: nothing reads it before backward ends but listeners that wait for the copy
+        themselves (landing_event; the offloaded optimizer's overlap): no hook on the shard,
+        no gradient to add it to, no file to write it to."""
+        shard = unit.shard
+        return (shard.grad is None and unit.offload is not None and unit.offload.store is None
+                and not shard._backward_hooks
+                and not getattr(shard, "_post_accumulate_grad_hooks", None)
+                and all(getattr(fn, "waits_for_landing", False)
+                        for fn in self.listeners[id(shard)].values()))
+
+    def landing_event(self, shard: torch.Tensor):
+        """The event (synchronize() waits for it) of the copy that writes shard.grad when the
+        gradient was handed over before it landed; None once it has (and after backward)."""
+        return self.in_flight.get(id(shard))
+
+    def _landed(self) -> None:
+        """Waits for the copies handed over in flight: after backward every shard.grad is in
+        host memory, whoever reads it."""
+        for event in self.in_flight.values():
+            with self.legs.copy("d2h", waiting=True):
+                event.synchronize()
+        self.in_flight.clear()
+
+    def take_legs(self) -> dict:
+        """Forward, backward, H2D and D2H since the last call (ModelLegs.take)."""
+        return self.legs.take()
 
     def _landing(self, unit: FlatUnit, reduced: torch.Tensor) -> None:
         piece = self._land(unit, reduced)
@@ -376,6 +432,7 @@ class ZeroState:
             for unit in self.units:
                 self._free(unit)
         frozen.reset(self)
+        self.legs.end("backward")
 
     # ---- optimizer ----
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:

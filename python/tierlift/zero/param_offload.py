@@ -12,7 +12,11 @@ gather    shard (host fp32) -> compute dtype into a pinned staging buffer -> asy
           caching host allocator, which does not hand a block out again before the copy that
           read it has finished, so the host never waits here and prefetches can run ahead.
 backward  the reduce-scatter output (device) -> async D2H into a pinned host buffer on the copy
-          stream, with an event; the gradient is handed to the optimizer only after the event.
+          stream, with an event; nothing reads the gradient before the event: hooks.py hands
+          it over once the event is done, or at once, with the event, to listeners that wait
+          for it themselves (the offloaded optimizer's worker).
+legs      `legs` (offload.legs.ModelLegs, the ZeroState's): the host time of each copy and, on
+          CUDA, timed events around it on the copy stream, read once done (no wait here).
 On a CPU-only machine the same code runs and every copy is a plain, synchronous copy, so the
 results are bit-identical to offload_params="none".
 With offload_params="nvme" a `store` (NvmeParamStore, param_nvme.py) holds the shards in a
@@ -25,6 +29,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
+
+from tierlift.offload.legs import ModelLegs
 
 
 class ParamOffload:
@@ -56,6 +62,8 @@ class ParamOffload:
                         _extension._C.HostRegistration(arena, read_only=False))
             self.arena = self.arenas[torch.float32]
         self.stream = torch.cuda.Stream(device=device) if self.cuda else None
+        # Host time and (on CUDA) device time of the copies; the ZeroState puts its own here.
+        self.legs = ModelLegs(cuda=self.cuda)
 
     def host_shard(self, shard: torch.Tensor) -> torch.Tensor:
         """A host copy of a freshly built shard (pinned when CUDA is available; a view of the
@@ -73,23 +81,30 @@ class ParamOffload:
         """The shard in `dtype` (default: the compute dtype) on the device. With CUDA the copy
         is in flight on the copy stream: issue the collective inside `stream_context()`, then
         call `after()`."""
-        n = shard.numel()
-        staging = torch.empty(n, dtype=dtype or self.compute_dtype, pin_memory=self.pin)
-        src = shard.detach() if self.store is None else self.store.fetch(shard.detach())
-        staging.copy_(src)  # fp32 -> compute dtype on the host
-        if self.store is not None:
-            self.store.staged(shard)  # read: drop it from this process, read ahead the next
-        dst = torch.empty(n, dtype=staging.dtype, device=self.device)
-        self.stats["h2d_bytes"] += staging.nbytes
-        if not self.cuda:
-            dst.copy_(staging)
+        with self.legs.copy("h2d"):
+            n = shard.numel()
+            staging = torch.empty(n, dtype=dtype or self.compute_dtype, pin_memory=self.pin)
+            src = shard.detach() if self.store is None else self.store.fetch(shard.detach())
+            staging.copy_(src)  # fp32 -> compute dtype on the host
+            if self.store is not None:
+                self.store.staged(shard)  # read: drop it from this process, read ahead the next
+            dst = torch.empty(n, dtype=staging.dtype, device=self.device)
+            self.stats["h2d_bytes"] += staging.nbytes
+            self.legs.moved("h2d", staging.nbytes)
+            if not self.cuda:
+                dst.copy_(staging)
+                return dst
+            cur = torch.cuda.current_stream(self.device)
+            self.stream.wait_stream(cur)  # dst (allocated on cur) is ready to be written
+            with torch.cuda.stream(self.stream):
+                start = torch.cuda.Event(enable_timing=True)
+                start.record()
+                dst.copy_(staging, non_blocking=True)  # records the event that guards `staging`
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+            self.legs.device("h2d", start, end)  # read once done: no wait here
+            dst.record_stream(self.stream)
             return dst
-        cur = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(cur)  # dst (allocated on cur) is ready to be written
-        with torch.cuda.stream(self.stream):
-            dst.copy_(staging, non_blocking=True)  # records the event that guards `staging`
-        dst.record_stream(self.stream)
-        return dst
 
     def stream_context(self):
         """Where the all-gather of a staged shard is issued (the copy stream with CUDA)."""
@@ -114,16 +129,21 @@ class ParamOffload:
     def stage_out(self, grad: torch.Tensor):
         """(host tensor, event): the gradient shard copied to host memory; the host tensor may
         be read once the event is done (event None: already done)."""
-        host = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=self.pin)
-        self.stats["d2h_bytes"] += host.nbytes
-        if grad.device.type != "cuda":
-            host.copy_(grad)
-            return host, None
-        cur = torch.cuda.current_stream(grad.device)
-        self.stream.wait_stream(cur)  # the reduce-scatter result is complete
-        with torch.cuda.stream(self.stream):
-            host.copy_(grad, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        grad.record_stream(self.stream)
-        return host, event
+        with self.legs.copy("d2h"):
+            host = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=self.pin)
+            self.stats["d2h_bytes"] += host.nbytes
+            self.legs.moved("d2h", host.nbytes)
+            if grad.device.type != "cuda":
+                host.copy_(grad)
+                return host, None
+            cur = torch.cuda.current_stream(grad.device)
+            self.stream.wait_stream(cur)  # the reduce-scatter result is complete
+            with torch.cuda.stream(self.stream):
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(self.stream)
+                host.copy_(grad, non_blocking=True)
+                event = torch.cuda.Event(enable_timing=True)  # timed: the D2H leg's device time
+                event.record(self.stream)
+            self.legs.device("d2h", start, event)
+            grad.record_stream(self.stream)
+            return host, event
