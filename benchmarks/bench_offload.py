@@ -590,8 +590,9 @@ def main(argv=None) -> int:
                     "matplotlib): the step legs, or with --gpu the TFLOPS")
     ap.add_argument("--legs", action="store_true",
                     help="ZeRO-3 with parameter and optimizer offload on this machine: the step "
-                         "split into forward, backward, step(), CPU Adam, NVMe waits, copies, "
-                         "with the overlap off and on")
+                         "split by leg (last_step_stats['legs']: forward, backward, H2D, D2H, "
+                         "CPU Adam per thread, NVMe read/write, other), each leg's time and the "
+                         "part the training thread waited for, with the overlap off and on")
     ap.add_argument("--legs-dim", type=int, default=512, help="--legs: block width")
     ap.add_argument("--legs-layers", type=int, default=6, help="--legs: blocks (units)")
     ap.add_argument("--legs-batch", type=int, default=256, help="--legs: rows per step")

@@ -4,21 +4,25 @@ too), with and without the overlap, so a change that serializes the pipeline sho
 One process, a stack of blocks under tierlift.zero.shard(stage=3, offload_params="cpu") and
 tierlift.optim.AdamW(offload="cpu"|"nvme", overlap=False|True, max_grad_norm=1e9). Every
 configuration steps once per round (round robin: a loaded machine's drift hits them alike),
-two warm-up rounds, then --repeats; medians. Per leg:
+two warm-up rounds, then --repeats; medians. The legs are last_step_stats["legs"]
+(tierlift/offload/legs.py); per leg, its time and the part of it the training thread waited for
+("exp"):
 
-  forward, backward, step()   wall time on the training thread (exposed by definition)
-  CPU Adam kernel             last_step_stats cpu_step_s, on whichever thread ran it
-  worker (overlap)            overlapped_s: the worker's chunk steps (read, Adam, write)
-  step() waits for worker     overlap_wait_s: the part of that work backward did not hide
-  worker not waited for       the difference: what ran while the training thread went on
-                              (not free where they share cores: see backward's change)
-  NVMe read/write wait        nvme_read_wait_s / nvme_write_wait_s, both threads
-  H2D params, D2H grads       bytes per step (model._tierlift_zero.stats)
+  forward, backward   the host's time in them (a GPU's compute as the host sees it; here the
+                      CPU's), less the copies made or waited for inside them
+  H2D params          the parameter copies to the device (on a CPU, host copies in forward
+                      and backward); on CUDA plus the device's copy time (events)
+  D2H grads           the gradient copies to host memory, and the waits for them on any thread
+  CPU Adam            the kernel, on whichever thread ran it, and again per thread
+  NVMe read, write    the engine's busy time (each request from its issue until first seen
+                      done), its bytes; exposed: the waits for it on the training thread and
+                      the worker's waits that step() waited for
+  optimizer other     step()'s and the worker's other work (checks, fingerprints, masters,
+                      publish) and step()'s waits for a worker between jobs
 
-What is not recorded: last_step_stats adds each leg over the worker and step(), so only the
-optimizer's work as a whole is split into hidden (in backward) and exposed (step()); the
-parameter copies have byte counts but no times (on a CPU they are plain copies inside forward
-and backward); NVMe I/O records the waits, not the time the device was busy.
+The exposed column adds up to the training thread's time from forward to the end of step(),
+less the loss and zero_grad: the "wall" rows beside it. A leg on the overlap's worker is hidden
+from that thread, not free: on two shared cores it slows forward and backward instead.
 """
 
 from __future__ import annotations
@@ -35,17 +39,16 @@ import tierlift
 from common import machine, print_table, write_json
 
 CONFIGS = [("cpu", False), ("cpu", True), ("nvme", False), ("nvme", True)]
-ROWS = [  # (label, key): keys ending in _s are shown in ms, _bytes in MB
-    ("forward", "fwd_s"), ("backward", "bwd_s"), ("step()", "step_s"),
-    ("iteration", "iter_s"), ("CPU Adam kernel", "cpu_step_s"),
-    ("worker (overlap)", "overlapped_s"), ("step() waits for worker", "overlap_wait_s"),
-    ("worker not waited for", "hidden_s"),
-    ("NVMe read wait", "nvme_read_wait_s"), ("NVMe write wait", "nvme_write_wait_s"),
-    ("CRC-32C", "checksum_s"), ("publish", "publish_s"), ("H2D params", "h2d_bytes"),
-    ("D2H grads", "d2h_bytes"),
+NAMES = [f"{t}{'+ovl' if o else ''}" for t, o in CONFIGS]
+WALL = [("wall: forward", "fwd_s"), ("wall: backward", "bwd_s"), ("wall: step()", "step_s"),
+        ("wall: iteration", "iter_s")]
+LEG_LABELS = [  # (label, last_step_stats["legs"] key)
+    ("forward (host waits for compute)", "forward"),
+    ("backward (host waits for compute)", "backward"),
+    ("H2D params", "h2d"), ("D2H grads", "d2h"), ("CPU Adam", "adam"),
+    ("NVMe read", "nvme_read"), ("NVMe write", "nvme_write"),
+    ("optimizer other", "other"),
 ]
-OPT_KEYS = [k for _, k in ROWS if k not in ("fwd_s", "bwd_s", "step_s", "iter_s", "hidden_s",
-                                            "h2d_bytes", "d2h_bytes")]
 
 
 class Block(nn.Module):
@@ -70,8 +73,6 @@ def _build(tier: str, overlap: bool, dim: int, layers: int, chunk_bytes: int, di
 
 
 def _step(model, opt, x) -> dict:
-    zs = model._tierlift_zero.stats
-    moved = zs["h2d_bytes"], zs["d2h_bytes"]
     opt.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
     loss = model(x).square().mean()
@@ -81,51 +82,51 @@ def _step(model, opt, x) -> dict:
     opt.step()
     t3 = time.perf_counter()
     st = opt.last_step_stats
-    out = {"fwd_s": t1 - t0, "bwd_s": t2 - t1, "step_s": t3 - t2, "iter_s": t3 - t0,
-           "h2d_bytes": zs["h2d_bytes"] - moved[0], "d2h_bytes": zs["d2h_bytes"] - moved[1]}
-    out.update({k: float(st.get(k, 0.0)) for k in OPT_KEYS})
-    out["hidden_s"] = max(0.0, out["overlapped_s"] - out["overlap_wait_s"])
+    return {"fwd_s": t1 - t0, "bwd_s": t2 - t1, "step_s": t3 - t2, "iter_s": t3 - t0,
+            "overlapped_s": float(st.get("overlapped_s", 0.0)),
+            "overlap_wait_s": float(st.get("overlap_wait_s", 0.0)), "legs": st["legs"]}
+
+
+def _median_legs(runs: list[dict]) -> dict:
+    """Per leg and field, the median over the rounds (threads too)."""
+    out = {}
+    for leg in runs[0]:
+        got = [r[leg] for r in runs]
+        entry = {k: statistics.median(g[k] for g in got) for k in ("total_s", "exposed_s")}
+        entry["bytes"] = int(statistics.median(g["bytes"] for g in got))
+        device = [g["device_s"] for g in got if g["device_s"] is not None]
+        entry["device_s"] = statistics.median(device) if device else None
+        names = sorted({t for g in got for t in g["threads"]})
+        entry["threads"] = {t: {k: statistics.median(g["threads"].get(t, {}).get(k, 0.0)
+                                                     for g in got)
+                                for k in ("total_s", "exposed_s")} for t in names}
+        out[leg] = entry
     return out
-
-
-def _cell(key: str, v: float) -> str:
-    if key.endswith("_bytes"):
-        return f"{v / 1e6:.1f} MB"
-    return f"{v * 1e3:.1f}"
-
-
-LEG_LABELS = [  # (label, last_step_stats["legs"] key)
-    ("forward (host waits for compute)", "forward"),
-    ("backward (host waits for compute)", "backward"),
-    ("H2D params", "h2d"), ("D2H grads", "d2h"), ("CPU Adam", "adam"),
-    ("NVMe read", "nvme_read"), ("NVMe write", "nvme_write"),
-    ("optimizer other", "other"),
-]
 
 
 def leg_rows(by_case: dict[str, dict]) -> tuple[list[dict], list[str]]:
     """Table rows of last_step_stats["legs"] per case: for each leg its time and the part of it
-    the training thread waited for ("exposed"), in ms; CPU Adam again per thread; the bytes of
-    the legs that move them. Returns (rows, columns)."""
+    the training thread waited for ("exp"), in ms; CPU Adam again per thread; the bytes of the
+    legs that move them. Returns (rows, columns)."""
     columns = ["leg"]
     for case in by_case:
-        columns += [f"{case} ms", f"{case} exposed"]
+        columns += [f"{case} ms", f"{case} exp"]
     rows = []
 
     def row(label: str, get) -> None:
         r = {"leg": label}
         for case, legs in by_case.items():
             got = get(legs)
-            r[f"{case} ms"], r[f"{case} exposed"] = (("-", "-") if got is None else
-                                                     (f"{got[0] * 1e3:.1f}", f"{got[1] * 1e3:.1f}"))
+            r[f"{case} ms"], r[f"{case} exp"] = (("-", "-") if got is None else
+                                                 (f"{got[0] * 1e3:.1f}", f"{got[1] * 1e3:.1f}"))
         rows.append(r)
 
     for label, key in LEG_LABELS:
         row(label, lambda legs, key=key: (legs[key]["total_s"], legs[key]["exposed_s"])
             if key in legs else None)
         if key == "adam":
-            threads = sorted({t for legs in by_case.values() for t in legs.get(key, {})
-                              .get("threads", {})})
+            threads = sorted({t for legs in by_case.values()
+                              for t in legs.get(key, {}).get("threads", {})})
             for t in threads:
                 row(f"  on {t}", lambda legs, t=t: (
                     legs["adam"]["threads"][t]["total_s"], legs["adam"]["threads"][t]["exposed_s"])
@@ -138,6 +139,13 @@ def leg_rows(by_case: dict[str, dict]) -> tuple[list[dict], list[str]]:
         for case, legs in by_case.items():
             r[f"{case} ms"] = f"{legs[key]['bytes'] / 1e6:.1f}" if key in legs else "-"
         rows.append(r)
+    if any(v.get("device_s") is not None for legs in by_case.values() for v in legs.values()):
+        for label, key in LEG_LABELS[:4]:
+            r = {"leg": f"{label}: device ms"}
+            for case, legs in by_case.items():
+                d = legs.get(key, {}).get("device_s")
+                r[f"{case} ms"] = "-" if d is None else f"{d * 1e3:.1f}"
+            rows.append(r)
     return rows, columns
 
 
@@ -163,28 +171,37 @@ def bench_legs(args) -> int:
         n = built[0][2]
         for _, opt, _ in built:
             opt._offload.close()
-    names = [f"{t}{' + overlap' if o else ''}" for t, o in CONFIGS]
-    med = [{k: statistics.median(s[k] for s in runs) for k in runs[0]} for runs in samples]
-    rows = [{"leg": label, **{name: _cell(key, m[key]) for name, m in zip(names, med)}}
-            for label, key in ROWS]
+    med = []
+    for runs in samples:
+        m = {k: statistics.median(s[k] for s in runs) for k in runs[0] if k != "legs"}
+        m["legs"] = _median_legs([s["legs"] for s in runs])
+        med.append(m)
+    rows, columns = leg_rows({name: m["legs"] for name, m in zip(NAMES, med)})
+    at = next(i for i, r in enumerate(rows) if r["leg"] == "sum of legs") + 1
+    walls = []  # the training thread's time, beside the exposed column it is split into
+    for label, key in WALL:
+        walls.append({"leg": label})
+        for name, m in zip(NAMES, med):
+            walls[-1][f"{name} exp"] = f"{m[key] * 1e3:.1f}"
+    rows[at:at] = walls
     info = machine()
-    print_table(rows, ["leg", *names],
-                title=f"ZeRO-3 offloaded step by leg, ms (median of {args.repeats}), "
-                      f"{n / 1e6:.1f}M fp32 params in {layers} units, offload_params='cpu', "
-                      f"chunk_bytes {args.legs_chunk_bytes >> 10} KiB, {info['cpu']}, "
-                      f"{info['cores']} cores")
+    print_table(rows, columns,
+                title=f"ZeRO-3 offloaded step by leg: ms, and exp = the part the training "
+                      f"thread waited for (median of {args.repeats}); {n / 1e6:.1f}M fp32 params "
+                      f"in {layers} units, offload_params='cpu', chunk_bytes "
+                      f"{args.legs_chunk_bytes >> 10} KiB, {info['cpu']}, {info['cores']} cores")
     for tier in ("cpu", "nvme"):
         off, on = (med[CONFIGS.index((tier, o))] for o in (False, True))
-        print(f"{tier}: step() waited for {on['overlap_wait_s'] * 1e3:.1f} of the worker's "
-              f"{on['overlapped_s'] * 1e3:.1f} ms; overlap off -> on: step() "
-              f"{off['step_s'] * 1e3:.1f} -> {on['step_s'] * 1e3:.1f} ms, "
-              f"backward {off['bwd_s'] * 1e3:.1f} -> {on['bwd_s'] * 1e3:.1f} ms, iteration "
+        a_off, a_on = off["legs"]["adam"], on["legs"]["adam"]
+        print(f"{tier}: CPU Adam exposed {a_off['exposed_s'] * 1e3:.1f} of "
+              f"{a_off['total_s'] * 1e3:.1f} ms without the overlap, "
+              f"{a_on['exposed_s'] * 1e3:.1f} of {a_on['total_s'] * 1e3:.1f} ms with it; "
+              f"step() {off['step_s'] * 1e3:.1f} -> {on['step_s'] * 1e3:.1f} ms, backward "
+              f"{off['bwd_s'] * 1e3:.1f} -> {on['bwd_s'] * 1e3:.1f} ms, iteration "
               f"{on['iter_s'] / off['iter_s']:.2f}x")
-    print("not recorded: which thread each leg ran on (last_step_stats adds the worker's and "
-          "step()'s), H2D/D2H times (bytes only), NVMe busy time (waits only)")
     write_json("bench_offload_legs", {"params": n, "dim": dim, "layers": layers,
                                       "chunk_bytes": args.legs_chunk_bytes,
                                       "repeats": args.repeats,
-                                      "configs": dict(zip(names, med)),
-                                      "rounds": dict(zip(names, samples))})
+                                      "configs": dict(zip(NAMES, med)),
+                                      "rounds": dict(zip(NAMES, samples))})
     return 0
