@@ -150,11 +150,17 @@ def leg_rows(by_case: dict[str, dict]) -> tuple[list[dict], list[str]]:
 
 
 def print_leg_table(by_case: dict[str, dict], title: str) -> None:
-    """print_table of leg_rows; a case without legs is left out."""
+    """print_table of leg_rows; a case without legs is left out, a long case name is shown as
+    #1, #2, ... with a legend under the table."""
     by_case = {case: legs for case, legs in by_case.items() if legs}
-    if by_case:
-        rows, columns = leg_rows(by_case)
-        print_table(rows, columns, title=title)
+    if not by_case:
+        return
+    short = {case: case if len(case) <= 12 else f"#{i + 1}" for i, case in enumerate(by_case)}
+    rows, columns = leg_rows({short[case]: legs for case, legs in by_case.items()})
+    print_table(rows, columns, title=title)
+    for case, name in short.items():
+        if name != case:
+            print(f"{name}: {case}")
 
 
 def bench_legs(args) -> int:
