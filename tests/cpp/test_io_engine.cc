@@ -120,6 +120,30 @@ TEST_P(IoEngineTest, OpenErrorsCarryErrnoAndPath) {
   EXPECT_THROW(eng->write(b, sizeof(b), {dir_ + "/nodir/x"}, 0), IoError);
 }
 
+// A striped request whose second file cannot be opened keeps none of the first file's
+// descriptors and does not leave that file behind when the request created it.
+TEST_P(IoEngineTest, FailedStripeOpenKeepsNoDescriptorOfTheOthers) {
+  auto eng = make();
+  auto open_fds = [] {
+    int n = 0;
+    for (int fd = 0; fd < 4096; ++fd) n += ::fcntl(fd, F_GETFD) >= 0;
+    return n;
+  };
+  const std::string first = dir_ + "/stripe0.bin";
+  std::vector<unsigned char> b(8192, 1);
+  const int before = open_fds();
+  EXPECT_THROW(eng->write(b.data(), b.size(), {first, dir_ + "/nodir/stripe1.bin"}, 0), IoError);
+  EXPECT_EQ(open_fds(), before);
+  EXPECT_NE(::access(first.c_str(), F_OK), 0) << "the failed request left its new file behind";
+  // A file that existed before the request stays.
+  ASSERT_TRUE(eng->write(b.data(), b.size(), {first}, 0)->wait().ok());
+  eng->forget(first);
+  const int kept = open_fds();
+  EXPECT_THROW(eng->write(b.data(), b.size(), {first, dir_ + "/nodir/stripe1.bin"}, 0), IoError);
+  EXPECT_EQ(open_fds(), kept);
+  EXPECT_EQ(::access(first.c_str(), F_OK), 0);
+}
+
 // Out of descriptors is an error that names the limit, never a "no O_DIRECT" fallback, and
 // leaves no file and no cached descriptor behind.
 TEST_P(IoEngineTest, TooManyOpenFilesIsAnErrorNotABufferedFallback) {

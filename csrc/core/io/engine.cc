@@ -206,7 +206,21 @@ std::shared_ptr<IoRequest> Engine::submit(char* buf, size_t len,
   }
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<File*> files;
-  for (const auto& p : paths) files.push_back(&open_file(p, write));
+  // The files this call opens (and whether it created them): a failed open of a later stripe
+  // closes them again, so a refused request keeps no descriptor and leaves no new file.
+  std::vector<std::pair<std::string, bool>> opened;
+  try {
+    for (const auto& p : paths) {
+      auto it = files_.find(p);
+      const size_t had = it == files_.end() ? 0 : it->second.size();
+      const bool existed = ::access(p.c_str(), F_OK) == 0;
+      files.push_back(&open_file(p, write));
+      if (files_[p].size() > had) opened.emplace_back(p, !existed);
+    }
+  } catch (...) {
+    for (auto& [path, created] : opened) drop_newest(path, created);
+    throw;
+  }
 
   std::vector<BlockOp> ops;
   uint64_t pos = 0;
@@ -266,20 +280,31 @@ IoStatus Engine::sync() {
   return first;
 }
 
+void Engine::close_file(File& f) {
+  if (f.fd != f.buffered_fd) {
+    backend_->release_fd(f.fd);
+    ::close(f.fd);
+  }
+  backend_->release_fd(f.buffered_fd);
+  ::close(f.buffered_fd);
+}
+
+void Engine::drop_newest(const std::string& path, bool created) {
+  auto it = files_.find(path);
+  if (it == files_.end() || it->second.empty()) return;
+  close_file(it->second.back());
+  it->second.pop_back();
+  if (it->second.empty()) files_.erase(it);
+  if (created) ::unlink(path.c_str());
+}
+
 void Engine::forget(const std::string& path) {
   check_open("forget");
   wait_all(nullptr);
   std::lock_guard<std::mutex> lock(mu_);
   auto it = files_.find(path);
   if (it == files_.end()) return;
-  for (auto& f : it->second) {
-    if (f.fd != f.buffered_fd) {
-      backend_->release_fd(f.fd);
-      ::close(f.fd);
-    }
-    backend_->release_fd(f.buffered_fd);
-    ::close(f.buffered_fd);
-  }
+  for (auto& f : it->second) close_file(f);
   files_.erase(it);
 }
 

@@ -79,6 +79,10 @@ class Engine {
     std::unique_ptr<std::string> path;  // stable address for BlockOp::path
   };
   File& open_file(const std::string& path, bool write);
+  void close_file(File& f);  // its descriptors, released from the backend first
+  // Closes the newest descriptors of `path` (opened by a request that then failed), and
+  // removes the file when that request created it.
+  void drop_newest(const std::string& path, bool created);
   std::shared_ptr<IoRequest> submit(char* buf, size_t len, const std::vector<std::string>& paths,
                                     uint64_t offset, bool write);
   BlockOp plan_op(File& f, char* mem, uint64_t len, uint64_t file_offset, bool write);
