@@ -50,6 +50,9 @@ def _refused(capsys, *argv, probe="4") -> str:
       "--act-block-forward-ms", "nan"], "--act-block-forward-ms (one block's forward time)"),
     (["--params", "1e8", "--act-blocks", "4", "--act-block-bytes", "1G",
       "--act-cpu-budget", "1T"], "--act-cpu-budget 1T is more than --cpu-mem 64G"),
+    (["--params", "1e8", "--cpu-budget", "40G", "--act-blocks", "4", "--act-block-bytes", "1G",
+      "--act-cpu-budget", "30G"], "--cpu-budget 40G plus --act-cpu-budget 30G is more than "
+                                  "--cpu-mem 64G"),
     (["--params", "1e8", "--act-blocks", "4", "--act-block-bytes", "1G",
       "--act-gpu-budget", "81G"], "--act-gpu-budget 81G is more than --gpu-mem 80G"),
     (["--params", "8e9", "--offload-params", "cpu", "--device-params", "inf"],

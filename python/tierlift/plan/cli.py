@@ -214,6 +214,13 @@ def run(args: argparse.Namespace) -> int:
     if args.micro_batches < 1:
         raise ValueError(f"--micro-batches must be >= 1, got {args.micro_batches}")
     _check_activations(args, gpu_mem, cpu_mem)
+    act_cpu = _size_or_zero(args.act_cpu_budget, "--act-cpu-budget")
+    if cpu_budget is not None and act_cpu and cpu_budget + act_cpu > cpu_mem:
+        # Both live in the same host memory at once (state during the step, activations
+        # between forward and backward).
+        raise ValueError(f"--cpu-budget {args.cpu_budget} plus --act-cpu-budget "
+                         f"{args.act_cpu_budget} is more than --cpu-mem {args.cpu_mem}, the host "
+                         "memory both are a part of")
     try:
         bw = measure(args.nvme, probe)
     except MemoryError as err:
