@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import ctypes
 import json
 import os
 import sys
@@ -51,27 +50,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import tierlift  # noqa: E402, F401
 from common import RESULTS, interleaved_medians, machine, print_table  # noqa: E402
 from gpt_model import GPT, GPTConfig  # noqa: E402
+from tierlift import _peak_rss  # noqa: E402
 from tierlift.activations import offload_blocks  # noqa: E402
 from tierlift.activations.context import Engines  # noqa: E402
 from tierlift.activations.session import ActivationFile  # noqa: E402
 
 _MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
-
-
-def _reset_peak() -> int:
-    """Resets the peak RSS (VmHWM) and returns the current RSS in bytes."""
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status("VmRSS:")
-
-
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
 
 
 def save_on_cpu():
@@ -93,9 +77,7 @@ def peak_growth(step, cuda: bool) -> int:
         step()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - before
-    before = _reset_peak()
-    step()
-    return _status("VmHWM:") - before
+    return _peak_rss.growth(step)[0]
 
 
 def Checkpointed(blocks) -> None:  # noqa: N802 - reads as the contender's name

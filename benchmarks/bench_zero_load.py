@@ -52,7 +52,6 @@ def _config(args):
 
 def _rank(args) -> None:
     """One rank: build and shard the model the way `args.mode` says; print a JSON result."""
-    import ctypes
     import datetime
 
     import torch
@@ -60,15 +59,7 @@ def _rank(args) -> None:
 
     import tierlift
     from llama_model import Llama
-
-    libc = ctypes.CDLL("libc.so.6")
-
-    def status(key: str) -> int:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key):
-                    return int(line.split()[1]) * 1024
-        raise KeyError(key)
+    from tierlift import _peak_rss
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
@@ -79,10 +70,7 @@ def _rank(args) -> None:
         # a one-time cost of every process (seconds, ~100 MB), kept out of the measurement.
         torch.nn.Linear(2, 2)
     dist.barrier()
-    libc.malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM
-    before = status("VmRSS:")
+    before = _peak_rss.reset_peak()
     t0 = time.perf_counter()
     if args.mode == "eager":
         torch.manual_seed(0)
@@ -94,7 +82,7 @@ def _rank(args) -> None:
         model = tierlift.zero.shard(model, stage=3, device="cpu",
                                     weights=args.weights if args.mode == "weights" else None)
     elapsed = time.perf_counter() - t0
-    growth = status("VmHWM:") - before
+    growth = _peak_rss.status("VmHWM:") - before
     shard = sum(u.shard.numel() * 4 for u in model._tierlift_zero.units)
     print("RESULT " + json.dumps({"growth": growth, "shard": shard, "time": elapsed}), flush=True)
     dist.barrier()

@@ -16,7 +16,6 @@ references' (test_hf_launch.py runs the same scripts in its own process).
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import os
 import sys
@@ -57,23 +56,12 @@ def run_accelerate(model: str, out: str, batch: int) -> None:
     route.run_script(ACCEL, [model, out, str(batch)])
 
 
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
 def growth(fn) -> tuple[int, object]:
-    """(peak RSS growth while fn() runs, its result)."""
+    """(peak RSS growth while fn() runs, its result), garbage collected first."""
+    from tierlift import _peak_rss
+
     gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap goes back: reuse cannot hide growth
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM
-    before = _status("VmRSS:")
-    out = fn()
-    return _status("VmHWM:") - before, out
+    return _peak_rss.growth(fn)
 
 
 def _raises(fn) -> str:

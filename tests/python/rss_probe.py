@@ -12,19 +12,10 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 PRELUDE = r"""
-import ctypes, os, sys, torch, tierlift
-libc = ctypes.CDLL("libc.so.6")
-def status(key):
-    for line in open("/proc/self/status"):
-        if line.startswith(key):
-            return int(line.split()[1]) * 1024
+import os, sys, torch, tierlift
+from tierlift import _peak_rss
 def growth(fn):
-    libc.malloc_trim(0)  # freed heap goes back to the OS, so reuse cannot hide growth
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM
-    before = status("VmRSS:")
-    fn()
-    return status("VmHWM:") - before
+    return _peak_rss.growth(fn)[0]
 torch.set_num_threads(1)
 """
 

@@ -369,28 +369,17 @@ RSS_CFG = dict(vocab_size=4096, dim=512, n_layer=4, n_head=8, n_kv_head=8, ffn_d
                max_seq_len=64)  # 67 MB in fp32
 
 
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
 def _peak_rss(path: str) -> dict:
     """Peak RSS growth of this rank while shard() reads the model from `path`."""
-    import ctypes
-
     from accelerate import init_empty_weights
+
+    from tierlift import _peak_rss
 
     with init_empty_weights():  # parameters on meta, the rotary tables on the CPU
         model = Llama(LlamaConfig(**RSS_CFG))
-    ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap goes back: reuse cannot hide growth
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM
-    before = _status("VmRSS:")
-    model = tierlift.zero.shard(model, stage=3, device="cpu", weights=path)
-    return {"growth": _status("VmHWM:") - before,
+    growth, model = _peak_rss.growth(
+        lambda: tierlift.zero.shard(model, stage=3, device="cpu", weights=path))
+    return {"growth": growth,
             "shard": sum(u.shard.numel() * 4 for u in model._tierlift_zero.units)}
 
 
