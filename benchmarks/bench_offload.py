@@ -608,7 +608,7 @@ def main(argv=None) -> int:
     if args.finetune_case:
         run_case(args, args.finetune_case)
         return 0
-    if args.gpu or args.finetune_check or args.plan_only:
+    if args.gpu or args.finetune_check or args.plan_only or args.deepspeed_check:
         return finetune(args)
     if args.recipes:
         return bench_recipes(args)

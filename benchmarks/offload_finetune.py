@@ -5,8 +5,16 @@ tierlift offload against DeepSpeed ZeRO-3 with CPU optimizer offload (--plan-onl
 --offload-params cpu runs the tierlift case as ZeRO-3 (tierlift.zero.shard, one process, bf16
 compute) with the fp32 parameter shards in pinned RAM as well; --peer torch-cpu measures the plain
 way to offload instead of DeepSpeed: fp32 master weights and torch.optim.AdamW state in pinned
-RAM, gradients copied down and weights copied back up every step. The JSON is rewritten after
-each case.
+RAM, gradients copied down and weights copied back up every step. --contenders runs several side
+by side (tierlift, tierlift-zero3, torch-cpu, deepspeed), each in its own process whose output
+(each step's time as it finishes) is passed on at once, and prints tierlift's TFLOPS over each
+peer's with its target. The JSON is rewritten after each case.
+
+DeepSpeed: --deepspeed-check imports it, checks the ZeRO-3 config against DeepSpeed's own config
+classes (every top-level key known, every setting read back as meant) and builds its CPU Adam op
+(JIT; the build's time is printed), without a GPU, so the timed case neither fails on a config
+typo nor spends its time building. On a machine without CUDA DeepSpeed falls back to its CPU
+accelerator, and --finetune-check runs the DeepSpeed case there too (gloo).
 
 Fine-tuning mode, sizing per parameter: tierlift keeps bf16 params + bf16 grads on the GPU (4 B)
 and the fp32 master, m, v in pinned RAM (12 B with offload="cpu", 24 B with --overlap: two
@@ -21,12 +29,15 @@ other). FLOPs per token: 6 N + 12 L d T
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -245,6 +256,7 @@ def run_deepspeed(args, info: dict, device) -> dict:
     for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517"}.items():
         os.environ.setdefault(k, v)
+    check_deepspeed_config(args)  # before any work: a misread setting is an error
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
     model = build_model(info["model"], args.seq_len, device)
     n = sum(p.numel() for p in model.parameters())
@@ -260,7 +272,10 @@ def run_deepspeed(args, info: dict, device) -> dict:
         engine.step()
 
     t = _time_steps(step, args.steps, args.warmup, device)
-    return {"case": "deepspeed zero3 offload_optimizer=cpu", "params": n, "step_s": t}
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)  # the one ZeRO-3 wraps
+    return {"case": "deepspeed zero3 offload_optimizer=cpu", "params": n, "step_s": t,
+            "optimizer": f"{type(engine.optimizer).__name__}({type(inner).__name__})",
+            "deepspeed": deepspeed.__version__}
 
 
 def run_case(args, which: str) -> None:
@@ -278,7 +293,153 @@ def run_case(args, which: str) -> None:
     print("RESULT " + json.dumps(out), flush=True)
 
 
+# What each contender is; tierlift's rows are compared with every peer's, against these targets
+# (tierlift's TFLOPS over the peer's).
+CONTENDERS = {
+    "tierlift": "tierlift AdamW, state per --tier, params as --offload-params says (GPU by "
+                "default)",
+    "tierlift-zero3": "tierlift ZeRO-3 with the fp32 parameter shards in pinned RAM too",
+    "torch-cpu": "torch.optim.AdamW on CPU, fp32 masters in pinned RAM",
+    "deepspeed": "DeepSpeed ZeRO-3, offload_optimizer=cpu (DeepSpeedCPUAdam), bf16",
+}
+TARGETS = {"torch-cpu": 2.0, "deepspeed": 1.5}
+
+
+def contenders(args) -> list[str]:
+    if not args.contenders:
+        return ["tierlift", args.peer]
+    names = [c.strip() for c in args.contenders.split(",") if c.strip()]
+    unknown = [c for c in names if c not in CONTENDERS]
+    if unknown or not names:
+        raise SystemExit(f"--contenders: unknown {unknown}; choose from {', '.join(CONTENDERS)}")
+    return names
+
+
+def ratio_rows(ok: list[dict]) -> list[dict]:
+    """tierlift's TFLOPS over each peer's, measured in this run, with the target beside it."""
+    mine = [r for r in ok if r["contender"].startswith("tierlift")]
+    peers = [r for r in ok if not r["contender"].startswith("tierlift")]
+    return [{"case": f"{a['contender']} / {b['contender']}",
+             "TFLOPS": f"{a['tflops'] / b['tflops']:.2f}x",
+             "target": f">= {TARGETS[b['contender']]}x" if b["contender"] in TARGETS else ""}
+            for a in mine for b in peers]
+
+
+def _run_case_process(cmd: list[str], timeout: float, label: str):
+    """One case in its own process. Its output (each step's time as it finishes, and DeepSpeed's
+    log) goes on to ours at once, prefixed with the label, so a run cut off from outside still
+    shows how far each case got. Returns (exit code or None when timed out, stdout, the last
+    lines of both, step times)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            bufsize=1, errors="replace")
+    out: list[str] = []
+    tail: collections.deque[str] = collections.deque(maxlen=200)
+    steps: list[float] = []
+
+    def pump_stderr():
+        for line in proc.stderr:
+            tail.append(line.rstrip("\n"))
+            sys.stderr.write(f"[{label}] {line}")
+            sys.stderr.flush()
+            m = STEP_LINE.match(line)
+            if m:
+                steps.append(float(m.group(1)))
+
+    def pump_stdout():
+        for line in proc.stdout:
+            out.append(line)
+            if not line.startswith("RESULT "):
+                tail.append(line.rstrip("\n"))
+                sys.stdout.write(f"[{label}] {line}")
+                sys.stdout.flush()
+
+    readers = [threading.Thread(target=pump_stderr, daemon=True),
+               threading.Thread(target=pump_stdout, daemon=True)]
+    for t in readers:
+        t.start()
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        rc = None
+    for t in readers:
+        t.join(timeout=10)
+    return rc, "".join(out), list(tail), steps
+
+
+STEP_LINE = re.compile(r"(?:warmup|step) \d+: ([0-9.]+) s ")
+
+
+def check_deepspeed_config(args) -> dict:
+    """The ZeRO-3 config run_deepspeed gives DeepSpeed, parsed by DeepSpeed's own config class,
+    and each setting read back. Its sections (zero_optimization, bf16) refuse unknown keys, but a
+    misspelt top-level key is silently ignored (and may even match the default, as
+    gradient_clipping's 1.0 does), so every top-level key must be one DeepSpeed names in its
+    constants. The GPU's config (bf16, pinned) is checked; parsing needs no GPU."""
+    import deepspeed.runtime.constants as ds_constants
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.runtime.zero.config import ZERO_OPTIMIZATION
+    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+
+    want = deepspeed_config(args, torch.device("cuda"))
+    known = {v for k, v in vars(ds_constants).items() if k.isupper() and isinstance(v, str)}
+    unknown = sorted(set(want) - known - {ZERO_OPTIMIZATION})
+    if unknown:
+        raise SystemExit(f"DeepSpeed knows no top-level config key {unknown} (it would ignore it)")
+    cfg = DeepSpeedConfig(json.loads(json.dumps(want)))
+    zero, opt = cfg.zero_config, want["optimizer"]
+    got = {
+        "train_micro_batch_size_per_gpu": cfg.train_micro_batch_size_per_gpu,
+        "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+        "gradient_clipping": cfg.gradient_clipping,
+        "bf16": cfg.bfloat16_config.enabled if hasattr(cfg, "bfloat16_config")
+        else cfg.bfloat16_enabled,
+        "zero stage": zero.stage,
+        "offload_optimizer": zero.offload_optimizer.device if zero.offload_optimizer else None,
+        "offload_optimizer pin_memory": zero.offload_optimizer.pin_memory
+        if zero.offload_optimizer else None,
+        "offload_param": zero.offload_param.device if zero.offload_param else None,
+        "optimizer": cfg.optimizer_name,
+        "optimizer params": cfg.optimizer_params,
+    }
+    expect = {
+        "train_micro_batch_size_per_gpu": args.batch_size, "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0, "bf16": True, "zero stage": 3,
+        "offload_optimizer": OffloadDeviceEnum.cpu, "offload_optimizer pin_memory": True,
+        "offload_param": None, "optimizer": opt["type"].lower(), "optimizer params": opt["params"],
+    }
+    if expect["offload_param"] is None and got["offload_param"] == OffloadDeviceEnum.none:
+        got["offload_param"] = None
+    wrong = {k: (got[k], v) for k, v in expect.items() if got[k] != v}
+    if wrong:
+        raise SystemExit(f"DeepSpeed reads the config otherwise than meant (got, meant): {wrong}")
+    return got
+
+
+def deepspeed_check(args) -> int:
+    """--deepspeed-check: DeepSpeed imports, reads the ZeRO-3 config as meant, and its CPU Adam
+    op builds (JIT, with ninja and the host compiler; the build's time is printed). Needs no GPU:
+    run before the timed cases so that the DeepSpeed case does not spend them building."""
+    t0 = time.perf_counter()
+    import deepspeed
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+
+    print(f"deepspeed {deepspeed.__version__} imported in {time.perf_counter() - t0:.1f} s "
+          f"(torch {torch.__version__}, accelerator "
+          f"{deepspeed.accelerator.get_accelerator()._name})", flush=True)
+    check_deepspeed_config(args)
+    print("ZeRO-3 config: every setting read back as meant", flush=True)
+    t0 = time.perf_counter()
+    CPUAdamBuilder().load()
+    print(f"DeepSpeedCPUAdam op (cpu_adam) built or loaded in {time.perf_counter() - t0:.1f} s "
+          f"(cache: {os.environ.get('TORCH_EXTENSIONS_DIR', 'the default')})", flush=True)
+    return 0
+
+
 def finetune(args) -> int:
+    if args.deepspeed_check:
+        return deepspeed_check(args)
     if args.gpu and not args.plan_only and not torch.cuda.is_available():
         raise SystemExit("--gpu needs a CUDA GPU and none is available; --gpu --plan-only "
                          "prints the sizing, --finetune-check runs the same code on CPU")
@@ -297,50 +458,47 @@ def finetune(args) -> int:
     def save():
         if args.finetune_check:
             return None
-        return write_json("bench_offload_finetune", {
+        name = "bench_offload_finetune" + (f"-{args.json_suffix}" if args.json_suffix else "")
+        return write_json(name, {
             "machine": machine(), "plan": info,
             "args": {k: v for k, v in vars(args).items() if k != "info"}, "results": results})
 
-    for which in ("tierlift", args.peer):
+    for which in contenders(args):
         if which == "deepspeed" and (args.no_deepspeed or not info["deepspeed_fits"]):
             continue
-        cmd = [sys.executable, str(BENCH), "--finetune-case", which,
+        case = "tierlift" if which.startswith("tierlift") else which
+        offload_params = "cpu" if which == "tierlift-zero3" else args.offload_params
+        cmd = [sys.executable, str(BENCH), "--finetune-case", case,
                "--info", json.dumps(info), "--seq-len", str(args.seq_len),
                "--batch-size", str(args.batch_size), "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--nvme-budget", str(args.nvme_budget)]
         cmd += ["--overlap"] if args.overlap else []
-        cmd += ["--offload-params", args.offload_params]
+        cmd += ["--offload-params", offload_params]
         cmd += ["--gpu"] if args.gpu else []
         cmd += ["--dir", args.dir] if args.dir else []
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-        except subprocess.TimeoutExpired as e:
-            err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr
-            tail = (err or "").strip().splitlines()[-6:]
-            print(f"{which}: timed out after {args.timeout} s; its last lines:", *tail, sep="\n  ")
-            results.append({"case": which, "error": f"timed out after {args.timeout} s",
-                            "stderr_tail": tail})
+        rc, stdout, tail, steps = _run_case_process(cmd, args.timeout, which)
+        lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+        if rc is None or rc != 0 or not lines:
+            why = f"timed out after {args.timeout} s" if rc is None else f"failed (exit {rc})"
+            timed = steps[args.warmup:]
+            got = (f"; {len(timed)} timed step(s) done, {sum(timed) / len(timed):.3f} s/step"
+                   if timed else "")
+            print(f"{which}: {why}{got}; its last lines:", *tail[-6:], sep="\n  ", flush=True)
+            results.append({"contender": which, "case": which, "error": why,
+                            "step_times": steps, "stderr_tail": tail[-40:]})
             save()
             continue
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        if proc.returncode != 0 or not lines:
-            err = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-            print(f"{which}: failed (exit {proc.returncode}): {err}")
-            results.append({"case": which, "error": proc.stderr[-4000:]})
-            save()
-            continue
-        res = json.loads(lines[-1][len("RESULT "):])
+        res = {"contender": which, **json.loads(lines[-1][len("RESULT "):]),
+               "step_times": steps}
         results.append(res)
         save()
         print(f"{res['case']}: {res['step_s']:.3f} s/step, {res['tflops']:.2f} TFLOPS", flush=True)
         rows.append({"case": res["case"], "step_s": f"{res['step_s']:.3f}",
-                     "TFLOPS": f"{res['tflops']:.2f}"})
+                     "TFLOPS": f"{res['tflops']:.2f}", "target": ""})
     ok = [r for r in results if "tflops" in r]
-    if len(ok) == 2:
-        ratio = ok[0]["tflops"] / ok[1]["tflops"]
-        rows.append({"case": f"tierlift / {args.peer}", "TFLOPS": f"{ratio:.2f}x"})
+    rows += ratio_rows(ok)
     if rows:
-        print_table(rows, ["case", "step_s", "TFLOPS"],
+        print_table(rows, ["case", "step_s", "TFLOPS", "target"],
                     title=f"fine-tuning {info['model']} ({info['params'] / 1e9:.2f}B params), "
                           f"batch {args.batch_size} x {args.seq_len} tokens")
     print_leg_table({r["case"]: r["legs"] for r in ok if r.get("legs")},
@@ -373,6 +531,15 @@ def add_finetune_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--no-deepspeed", action="store_true")
     g.add_argument("--peer", choices=["deepspeed", "torch-cpu"], default="deepspeed",
                    help="what the tierlift case is compared with (see the module docstring)")
+    g.add_argument("--contenders", metavar="A,B,...",
+                   help="the cases in this order, each in its own process (default: tierlift,"
+                        "PEER): " + "; ".join(f"{k}: {v}" for k, v in CONTENDERS.items()))
+    g.add_argument("--json-suffix", metavar="S",
+                   help="write results/bench_offload_finetune-S-<machine>.json, so that several "
+                        "runs in one session keep their own file")
+    g.add_argument("--deepspeed-check", action="store_true",
+                   help="import DeepSpeed, check the ZeRO-3 config against its schema, build its "
+                        "CPU Adam op (timed) and stop; no GPU needed")
     g.add_argument("--offload-params", choices=["none", "cpu"], default="none",
                    help="tierlift case as ZeRO-3 with the fp32 parameter shards in pinned RAM")
     g.add_argument("--timeout", type=int, default=3600, help="seconds per case")
