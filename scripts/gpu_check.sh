@@ -1,29 +1,45 @@
 #!/usr/bin/env bash
-# GPU verification in two device calls of at most 6 minutes each, so that both and one rerun fit
-# the 15 minutes of device time (machine start included) that a GPU session gets:
+# GPU verification in device calls of at most 6 minutes each (15 minutes of device time in all,
+# machine start included, for a GPU session):
 #
+#   bash scripts/gpu_check.sh 2   the headline first: fine-tuning a 1.1B Llama with the optimizer
+#                                 state in host RAM, tierlift vs torch's AdamW-on-CPU recipe vs
+#                                 DeepSpeed ZeRO-3 offload_optimizer=cpu; then the NVMe tier, the
+#                                 kernel rows, the checkpoint (builds first if needed)
+#   bash scripts/gpu_check.sh 3   the largest model that holds its state in RAM (7B): tierlift vs
+#                                 DeepSpeed (run right after stage 2, on the warm machine)
 #   bash scripts/gpu_check.sh 1   unpack .devdeps, build for sm_90, every `-m gpu` test,
 #                                 example smoke runs (a few steps each)
-#   bash scripts/gpu_check.sh 2   benchmarks, most important first (builds first if needed)
-#   GPU_CHECK_DRY=1 bash scripts/gpu_check.sh 1|2
+#   GPU_CHECK_DRY=1 bash scripts/gpu_check.sh 1|2|3
 #                                 no GPU, no build: runs every other line and checks that each
-#                                 script and flag exists (scripts/gpu_check_argv.py)
+#                                 script and flag exists and that the carried DeepSpeed wheels
+#                                 resolve for the GPU machine's Python (scripts/gpu_check_argv.py)
 #
 # Every part runs under `timeout` and within the stage's budget (GPU_CHECK_BUDGET seconds, 345 by
 # default), so a part cut off still leaves its log and the stage still ends in time. Results go
-# under $OUT (default ./gpu_out), at most 8 files as the device tool returns them:
-# summary.txt (one line per part), the logs, results/*.json named with the GPU, and after stage 1
-# the built extension (stripped) to carry into a fresh machine. GPU_CHECK_TESTS adds pytest args;
-# GPU_CHECK_SKIP="name|name" skips parts by their summary name (parts measured on an earlier run).
+# under $OUT (default ./gpu_out): summary.txt (one line per part), the logs, results/*.json named
+# with the GPU, and after stage 1 the built extension (stripped). GPU_CHECK_TESTS adds pytest
+# args; GPU_CHECK_SKIP="name|name" skips parts by their summary name (parts measured earlier).
 #
-# Here, once per checkout (.devdeps is ignored by git): the build's liburing headers and the
-# per-test time limit, which the GPU machine (no network) lacks:
-#   mkdir -p .devdeps && (cd .devdeps && apt-get download liburing2 liburing-dev &&
-#     python3 -m pip download --no-deps --only-binary=:all: pytest-timeout expecttest)
+# Here, once per checkout (.devdeps is ignored by git; the GPU machine has no network): the
+# build's liburing headers, the per-test time limit, and DeepSpeed with the dependencies torch's
+# environment lacks, as wheels for the GPU machine's Python 3.12 (6 MB in all; the DeepSpeed
+# wheel is built here without ops, DS_BUILD_OPS=0: its CPU Adam builds there, in stage 2):
+#   mkdir -p .devdeps/deepspeed && (cd .devdeps && apt-get download liburing2 liburing-dev &&
+#     python3 -m pip download --no-deps --only-binary=:all: pytest-timeout expecttest) &&
+#   DS_BUILD_OPS=0 python3 -m pip wheel --no-deps -w .devdeps/deepspeed deepspeed==0.19.8 &&
+#   python3 -m pip download -d .devdeps/deepspeed --only-binary=:all: --implementation cp \
+#     --python-version 3.12 --abi cp312 --abi abi3 --abi none --platform manylinux_2_28_x86_64 \
+#     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any \
+#     einops hjson msgpack ninja psutil py-cpuinfo pydantic tqdm packaging
+# (numpy, DeepSpeed's last dependency besides torch, is on the GPU machine with torch-geometric.)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 STAGE=${1:-}
-[[ $STAGE == 1 || $STAGE == 2 ]] || { echo "usage: $0 1|2 (see the script's top)" >&2; exit 2; }
+[[ $STAGE == 1 || $STAGE == 2 || $STAGE == 3 ]] || {
+  echo "usage: $0 1|2|3 (see the script's top)" >&2
+  exit 2
+}
 DRY=${GPU_CHECK_DRY:-0}
 OUT=${OUT:-$PWD/gpu_out}
 SCRATCH=${GPU_CHECK_SCRATCH:-/tmp/gpu_check}  # big files (NVMe state, checkpoints): never in $OUT
@@ -88,6 +104,43 @@ fi
 TIMEOUT_FLAG=()
 if $PY -c "import pytest_timeout" 2>/dev/null; then TIMEOUT_FLAG=(--timeout=60); fi
 
+# DeepSpeed (stages 2 and 3) from the wheels carried in .devdeps/deepspeed: pip resolves them,
+# offline, against what this Python already has, and only what is missing goes into a site dir
+# of its own, so nothing the machine has is shadowed (the tierlift and torch cases import none
+# of it). ninja: the machine's, else the carried one (PATH's end).
+DS_SITE=$SCRATCH-ds-site
+export TORCH_EXTENSIONS_DIR=$SCRATCH-torch-ext  # DeepSpeed's JIT-built ops, kept between stages
+export PYTHONPATH=$PYTHONPATH:$DS_SITE PATH=$PATH:$DS_SITE/bin
+ds_install() {
+  local need
+  if ! ls .devdeps/deepspeed/deepspeed-*.whl >/dev/null 2>&1; then
+    note "deepspeed: no wheels in .devdeps/deepspeed (see the script's top): left out"
+    return 1
+  fi
+  need=$($PY -m pip install --dry-run -q --no-index --find-links .devdeps/deepspeed --report - \
+    deepspeed 2>>"$OUT/deepspeed.log" | $PY -c 'import json, sys, urllib.parse as u
+print(*(u.unquote(u.urlparse(i["download_info"]["url"]).path)
+        for i in json.load(sys.stdin)["install"]))') || {
+    note "deepspeed: the carried wheels do not resolve here (see deepspeed.log): left out"
+    return 1
+  }
+  [[ -z $need ]] && { note "deepspeed: already installed"; return 0; }
+  # shellcheck disable=SC2086  # one path per wheel
+  $PY -m pip install -q --no-index --no-deps --target "$DS_SITE" $need \
+    >>"$OUT/deepspeed.log" 2>&1 || { note "deepspeed: install FAILED (see deepspeed.log)"; return 1; }
+  note "deepspeed: installed $(for w in $need; do basename "$w" | cut -d- -f1-2; done | xargs)"
+}
+# Then DeepSpeed's CPU Adam op builds (JIT: ninja and the host compiler, ~45 s on 16 cores: two
+# translation units took 111 s of CPU on the 2-core development VM) in the background while
+# tierlift builds, bounded; its time is in deepspeed.log. The config is checked against
+# DeepSpeed's schema in the same call. The DeepSpeed contender runs only if both worked.
+DS_PID=
+if [[ $STAGE != 1 ]] && { [[ $DRY == 1 ]] || ds_install; }; then
+  rm -f "$TORCH_EXTENSIONS_DIR"/*/lock  # a build cut off leaves its lock: the next would wait
+  run "deepspeed build" deepspeed.log 150 $PY benchmarks/bench_offload.py --deepspeed-check &
+  DS_PID=$!
+fi
+
 built() {
   $PY -c "import sys, tierlift; sys.exit(not tierlift._extension.has_cuda_kernels())" 2>/dev/null
 }
@@ -96,7 +149,11 @@ BUILD=(env TIERLIFT_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 "$PY" setup.py b
 if [[ $DRY == 1 ]]; then
   if ! [[ -f setup.py ]] || ! $PY -c "import setuptools"; then note "dry: no setuptools"; fi
 elif [[ $STAGE == 1 ]] || ! built; then
-  run build build.log 200 "${BUILD[@]}" || { cat "$OUT/summary.txt"; exit 1; }
+  run build build.log 200 "${BUILD[@]}" || {
+    [[ -n $DS_PID ]] && wait "$DS_PID"
+    cat "$OUT/summary.txt"
+    exit 1
+  }
   $PY -m tierlift info | tee -a "$OUT/summary.txt"
   built || { note "BUILD has no CUDA kernels"; exit 1; }
   # A compiler that links libstdc++ into the extension: setup.py keeps that copy's symbols local.
@@ -107,6 +164,8 @@ elif [[ $STAGE == 1 ]] || ! built; then
     for so in python/tierlift/_C.*.so; do strip -g -o "$OUT/$(basename "$so")" "$so"; done
   fi
 fi
+DS=  # ",deepspeed" when DeepSpeed installed and its CPU Adam built
+if [[ -n $DS_PID ]] && wait "$DS_PID"; then DS=,deepspeed; fi
 
 # --- stage 1: GPU tests, then example smoke runs -----------------------------------------------
 if [[ $STAGE == 1 ]]; then
@@ -127,34 +186,62 @@ if [[ $STAGE == 1 ]]; then
   run "graphsage" examples.log 45 $PY examples/train_graphsage.py --scale 13 --steps 10
 fi
 
-# --- stage 2: benchmarks in priority order ---------------------------------------------------
-# Estimates for an H100 (from the work sizes, plus ~8 s of start-up per process): optim ~30 s
-# (1e8-1e9 params in 64 tensors, 2 dtypes x 2 contenders x 7 steps of ~28 B/param at ~3 TB/s);
-# gather ~40 s (7 row sizes, a 1 GiB host table filled per row); lowp ~20 s (fwd+bwd = 3 GEMMs of
-# 8192^3, quantizers over 8192^2 bf16); offload ~130 s (1B Llama, 4 steps; the AdamW state,
-# 12 B/param x 2 generations, under $SCRATCH: on an H200 7 steps did not finish in 80 s, so 4;
-# each step's time is logged; then the torch peer at ~1.1 s/step);
-# checkpoint ~85 s (1B params and AdamW state on the GPU, 12 GB per save at ~1.2 GB/s, 3 contenders
-# x 2 saves, the blocking one last; the host-RAM case was measured on the H200 run).
-# About 320 s; the budget cuts the rest.
-if [[ $STAGE == 2 ]]; then
+# --- stage 2: the headline first, then the NVMe tier, the kernel rows, the checkpoint --------
+# Estimates (H200, 16 cores; ~8 s of process start per case, each case in its own process):
+#   build            ~60 s when the machine is fresh (62 s on the H200 run); DeepSpeed's CPU
+#                    Adam builds beside it (~45 s), so ~60 s for both
+#   offload 1B ram   ~110 s: 1.1B Llama, seq 2048, warmup 1 + 3 steps per case, state in RAM:
+#                    tierlift (params on the GPU, overlap; 26 GB pinned) ~25 s; torch's AdamW on
+#                    CPU 4 x 1.09 s + ~12 s set-up ~20 s; DeepSpeed ZeRO-3 (init, 18 GB of state,
+#                    steps ~1.5 s) ~40 s; tierlift ZeRO-3 with params in RAM ~25 s. Cap 190 s,
+#                    75 s per case; each step's time is logged as it finishes.
+#   disk             ~15 s: 1 GiB written and read through the engine (the NVMe row's roofline)
+#   offload 1B nvme  ~55 s: 12 B/param of state read and written per step (13 GB each way): at
+#                    ~2.5 GB/s ~10 s a step, warmup 1 + 2 steps and ~15 s set-up. Cap 100 s.
+#   optim ~30 s, lowp ~20 s, gather ~40 s, checkpoint ~85 s (as measured on the H100/H200 runs)
+# Total ~415 s on a fresh machine: the budget (345 s) cuts gather and skips the checkpoint
+# (rerun them with GPU_CHECK_SKIP="deepspeed build|offload 1B ram|disk|offload 1B nvme"); on a
+# warm machine (built) gather fits too.
+FT=("$PY" benchmarks/bench_offload.py --gpu --seq-len 2048 --dir "$SCRATCH")
+if [[ $STAGE == 2 || $STAGE == 3 ]]; then
   stamp=$SCRATCH-stamp && touch "$stamp"
+fi
+if [[ $STAGE == 2 ]]; then
+  # targets: tierlift >= 2x torch's AdamW-on-CPU recipe, >= 1.5x DeepSpeed (TFLOPS, same run)
+  run "offload 1B ram" bench.log 190 "${FT[@]}" --model 1b --tier cpu --overlap \
+    --contenders "tierlift,torch-cpu$DS,tierlift-zero3" --steps 3 --warmup 1 --timeout 75 \
+    --json-suffix 1b-ram
+  # the machine disk's speed through the engine: the NVMe row's step against its state bytes
+  run disk bench.log 30 $PY benchmarks/bench_io.py --dir "$SCRATCH" --size-mib 1024 --repeat 1 \
+    --out benchmarks/results/bench_io-disk.json
+  # target: step <= 1.25 x (state bytes read and written) / (disk bandwidth above)
+  run "offload 1B nvme" bench.log 100 "${FT[@]}" --model 1b --tier nvme --contenders tierlift \
+    --steps 2 --warmup 1 --timeout 90 --json-suffix 1b-nvme
   run optim bench.log 50 $PY benchmarks/bench_optim.py --gpu-only --cuda-sizes 1e8,3e8,1e9
-  run gather bench.log 60 $PY benchmarks/bench_gather.py --gpu-only --table-mib 1024
   # also the FP8/FP4 quantize kernels vs D2D copy (a few seconds, same process)
   run lowp bench.log 45 $PY benchmarks/bench_lowp.py --device cuda --sizes 8192
-  # bounded parts first: the 1B offload run takes what is left of the budget
-  # background save vs DCP async_save of GPU-resident state first: a cut run keeps those rows
+  run gather bench.log 60 $PY benchmarks/bench_gather.py --gpu-only --table-mib 1024
+  # background save vs DCP async_save of GPU-resident 1B state, the blocking save last
   run checkpoint bench.log 110 $PY benchmarks/bench_checkpoint.py --device cuda --params 1e9 \
     --ranks 1 --configs ram --contenders background dcp-async sync --repeat 1 --warmup 1 \
     --dir "$SCRATCH" --out benchmarks/results/bench_checkpoint-cuda.json
-  # the machine disk's speed through the engine (fio too if installed): says how much of the
-  # 1B run's step is the 13 GB of optimizer state read and written per step
-  run disk bench.log 30 $PY benchmarks/bench_io.py --dir "$SCRATCH" --size-mib 1024 --repeat 1 \
-    --out benchmarks/results/bench_io-disk.json
-  run "zero3 offload 1B" bench.log 170 $PY benchmarks/bench_offload.py --gpu --model 1b \
-    --tier nvme --overlap --offload-params cpu --peer torch-cpu --steps 3 --warmup 1 \
-    --seq-len 2048 --dir "$SCRATCH" --timeout 100
+fi
+
+# --- stage 3: the largest model whose optimizer state fits in host RAM ---------------------
+# 128 GiB RAM (137 GB): 7B (6.74B params) holds tierlift's fp32 master, m and v (12 B/param,
+# 81 GB; with the overlap's two generations 162 GB would not fit, so no --overlap) and
+# DeepSpeed's 16 B/param (108 GB, 79% of RAM: the tightest fit; an out-of-memory kill is its
+# row's result). torch's recipe needs 18 B/param (121 GB): left out. The NVMe tier does not
+# hold 7B either (24 B/param = 162 GB > the 64 GiB disk). GPU: ~42 GB (bf16 params and grads,
+# activations at seq 2048). Estimates: tierlift ~75 s (pinning 81 GB ~30 s, steps ~3 s: CPU
+# Adam over 190 GB of state traffic), DeepSpeed ~110 s; warmup 1 + 2 steps, 160 s per case.
+# Run it right after stage 2 (the machine keeps the build and DeepSpeed's op while warm).
+if [[ $STAGE == 3 ]]; then
+  run "offload 7B ram" bench.log 330 "${FT[@]}" --model 7b --tier cpu --contenders "tierlift$DS" \
+    --steps 2 --warmup 1 --timeout 160 --json-suffix 7b-ram
+fi
+
+if [[ $STAGE == 2 || $STAGE == 3 ]]; then
   # each JSON written in this stage, named with the GPU
   find benchmarks/results -name '*.json' -newer "$stamp" | while read -r f; do
     name=$(basename "$f" .json)
@@ -164,7 +251,9 @@ if [[ $STAGE == 2 ]]; then
 fi
 
 if [[ $DRY == 1 ]]; then
-  $PY scripts/gpu_check_argv.py "$OUT/dry_commands.txt" | tee -a "$OUT/summary.txt"
+  WHEELS=()  # stages 2 and 3 carry DeepSpeed: its wheels must resolve for the GPU's Python
+  [[ $STAGE != 1 ]] && WHEELS=(--wheels .devdeps/deepspeed)
+  $PY scripts/gpu_check_argv.py "$OUT/dry_commands.txt" "${WHEELS[@]}" | tee -a "$OUT/summary.txt"
   rc=${PIPESTATUS[0]}
   rm -f "$OUT/dry_commands.txt"
   exit "$rc"

@@ -6,17 +6,36 @@ argparse checks every value before it (choices, types) and exits without doing a
 every --flag of the command must appear in that help (a misspelt flag would otherwise be
 swallowed by --help). torchrun's own options go through its parser; pytest's paths must exist.
 
-    python3 scripts/gpu_check_argv.py COMMANDS_FILE     # exit 1 and one line per problem
+With --wheels DIR (stages 2 and 3: .devdeps/deepspeed), DeepSpeed's carried wheels must resolve
+offline for the GPU machine's Python (3.12, x86_64 Linux): every requirement of the DeepSpeed
+wheel but torch and numpy (there already), with their own requirements, from DIR alone. No
+DeepSpeed wheel there is a warning, not a problem (CI carries none; the GPU run then leaves
+DeepSpeed out).
+
+    python3 scripts/gpu_check_argv.py COMMANDS_FILE [--wheels DIR]   # exit 1, a line per problem
 """
 
 from __future__ import annotations
 
 import contextlib
+import email.parser
+import glob
 import io
+import json
 import os
+import re
 import runpy
 import shlex
+import subprocess
 import sys
+import tempfile
+import zipfile
+
+# The GPU machine's Python (docs/gpu.md) and the wheel tags pip may pick for it.
+TARGET = ["--implementation", "cp", "--python-version", "3.12", "--abi", "cp312", "--abi", "abi3",
+          "--abi", "none", "--platform", "manylinux_2_28_x86_64", "--platform",
+          "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64", "--platform", "any"]
+THERE_ALREADY = {"torch", "numpy"}  # installed on the GPU machine, never carried
 
 
 def check_script(script: str, args: list[str]) -> str | None:
@@ -74,10 +93,49 @@ def check(argv: list[str]) -> str | None:
     return f"cannot check: {shlex.join(argv)}"
 
 
-def main() -> int:
-    with open(sys.argv[1]) as f:
+def wheel_requirements(wheel: str) -> list[str]:
+    """The Requires-Dist entries of a wheel that no extra asks for."""
+    with zipfile.ZipFile(wheel) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        msg = email.parser.Parser().parsestr(z.read(meta).decode())
+    return [r for r in msg.get_all("Requires-Dist") or [] if "extra ==" not in r]
+
+
+def check_wheels(folder: str) -> tuple[list[str], list[str]]:
+    """(warnings, problems) for the DeepSpeed wheels carried in folder."""
+    found = sorted(glob.glob(os.path.join(folder, "deepspeed-*.whl")))
+    if not found:
+        return [f"no DeepSpeed wheel in {folder}: the GPU run leaves DeepSpeed out (fetch it as "
+                "scripts/gpu_check.sh's top says)"], []
+    reqs = [r.split(";")[0].strip() for r in wheel_requirements(found[-1])]
+    reqs = [r for r in reqs if re.match(r"[A-Za-z0-9._-]+", r)[0].lower() not in THERE_ALREADY]
+    with tempfile.TemporaryDirectory() as target:  # --dry-run: nothing is written there
+        proc = subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--report", "-",
+             "--no-index", "--find-links", folder, "--only-binary=:all:", "--target", target,
+             *TARGET, *reqs], capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        err = [ln for ln in proc.stderr.splitlines() if ln.strip()] or ["(no output)"]
+        return [], [f"{folder}: {os.path.basename(found[-1])}'s requirements do not resolve "
+                    f"offline for Python 3.12 from the carried wheels: {err[-1]}"]
+    names = [i["metadata"]["name"] for i in json.loads(proc.stdout)["install"]]
+    print(f"dry run: {os.path.basename(found[-1])} and {len(names)} carried dependencies resolve "
+          f"offline for Python 3.12 ({', '.join(names)})")
+    return [], []
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    warnings, problems = [], []
+    if "--wheels" in argv:
+        at = argv.index("--wheels")
+        warnings, problems = check_wheels(argv[at + 1])
+        argv = argv[:at] + argv[at + 2:]
+    with open(argv[0]) as f:
         commands = [shlex.split(line) for line in f if line.strip()]
-    problems = [p for p in (check(c) for c in commands) if p]
+    problems += [p for p in (check(c) for c in commands) if p]
+    for w in warnings:
+        print(f"dry run: warning: {w}")
     for p in problems:
         print(f"dry run: {p}")
     print(f"dry run: {len(commands)} commands checked, {len(problems)} problem(s)")
