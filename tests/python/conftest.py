@@ -31,3 +31,11 @@ def simd_path(request, monkeypatch):
 def _seed():
     torch.manual_seed(0)
     os.environ.setdefault("TIERLIFT_NUM_THREADS", "2")
+
+
+@pytest.fixture
+def dcp_dir(tmp_path):
+    """tmp_path/dcp: dcp_source.model()'s state dict saved by torch.distributed.checkpoint."""
+    import dcp_source
+
+    return dcp_source.save(dcp_source.model().state_dict(), tmp_path / "dcp")

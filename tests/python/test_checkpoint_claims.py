@@ -14,7 +14,6 @@ import socket
 import subprocess
 import sys
 import threading
-import warnings
 
 import pytest
 import torch
@@ -48,16 +47,6 @@ def _lone_old(tmp_path, n=1):
     tierlift.checkpoint.save(ck, _model(n), extra={"n": n})
     os.rename(ck, f"{ck}.old")
     return ck, _files(f"{ck}.old")
-
-
-@pytest.fixture
-def dcp_dir(tmp_path):
-    import torch.distributed.checkpoint as dcp
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(_model(3).state_dict(), checkpoint_id=str(tmp_path / "dcp"))
-    return tmp_path / "dcp"
 
 
 def _cli_error(args, capsys) -> str:

@@ -9,26 +9,13 @@ import os
 import pickle
 import warnings
 
+import dcp_source
 import pytest
 import torch
 from torch import nn
 
 import tierlift
 from tierlift.checkpoint.__main__ import main
-
-
-def _model(seed=3):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
-
-
-def _save_dcp(state, where):
-    import torch.distributed.checkpoint as dcp
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(state, checkpoint_id=str(where))
-    return where
 
 
 def _data_file(dcp_dir) -> str:
@@ -50,8 +37,8 @@ def _import_fails(dcp_dir, out, capsys, *match):
 
 
 def test_a_flipped_byte_in_a_tensor_is_refused(tmp_path, capsys):
-    model = _model()
-    dcp_dir = _save_dcp(model.state_dict(), tmp_path / "dcp")
+    model = dcp_source.model()
+    dcp_dir = dcp_source.save(model.state_dict(), tmp_path / "dcp")
     file = _data_file(dcp_dir)
     data = bytearray(open(file, "rb").read())
     weight = model.state_dict()["0.weight"].numpy().tobytes()
@@ -63,7 +50,7 @@ def test_a_flipped_byte_in_a_tensor_is_refused(tmp_path, capsys):
 
 
 def test_a_truncated_data_file_names_it(tmp_path, capsys):
-    dcp_dir = _save_dcp(_model().state_dict(), tmp_path / "dcp")
+    dcp_dir = dcp_source.save(dcp_source.model().state_dict(), tmp_path / "dcp")
     file = _data_file(dcp_dir)
     size = os.path.getsize(file)
     os.truncate(file, size - 100)
@@ -76,7 +63,7 @@ def test_a_truncated_data_file_names_it(tmp_path, capsys):
 def test_an_item_of_another_dtype_is_refused(tmp_path, capsys):
     """DCP's own reader copies the item into a tensor of the recorded dtype, casting it."""
     sd = {"w": torch.randn(4, 3, dtype=torch.float64)}
-    dcp_dir = _save_dcp(sd, tmp_path / "dcp")
+    dcp_dir = dcp_source.save(sd, tmp_path / "dcp")
     meta_file = dcp_dir / ".metadata"
     meta = pickle.loads(meta_file.read_bytes())
     meta.state_dict_metadata["w"].properties.dtype = torch.float32
@@ -87,7 +74,7 @@ def test_an_item_of_another_dtype_is_refused(tmp_path, capsys):
 
 
 def test_chunks_that_leave_a_gap_are_refused(tmp_path, capsys):
-    dcp_dir = _save_dcp({"w": torch.randn(4, 3)}, tmp_path / "dcp")
+    dcp_dir = dcp_source.save({"w": torch.randn(4, 3)}, tmp_path / "dcp")
     meta_file = dcp_dir / ".metadata"
     meta = pickle.loads(meta_file.read_bytes())
     meta.state_dict_metadata["w"].size = torch.Size([5, 3])  # a row no chunk holds
@@ -96,14 +83,14 @@ def test_chunks_that_leave_a_gap_are_refused(tmp_path, capsys):
 
 
 def test_an_intact_import_says_what_was_checked(tmp_path, capsys):
-    model = _model()
-    dcp_dir = _save_dcp(model.state_dict(), tmp_path / "dcp")
+    model = dcp_source.model()
+    dcp_dir = dcp_source.save(model.state_dict(), tmp_path / "dcp")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         assert main(["import-dcp", str(dcp_dir), str(tmp_path / "ck")]) == 0
     out = capsys.readouterr().out
     assert "keeps no checksum of its own" in out and "CRC-32" in out, out
-    fresh = _model(0)
+    fresh = dcp_source.model(0)
     tierlift.checkpoint.load(tmp_path / "ck", fresh)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in fresh.state_dict().items())
 
@@ -111,13 +98,13 @@ def test_an_intact_import_says_what_was_checked(tmp_path, capsys):
 def test_items_written_without_crc_still_import(tmp_path):
     from torch.utils.serialization import config
 
-    model = _model()
+    model = dcp_source.model()
     with config.patch({"save.compute_crc32": False}):
-        dcp_dir = _save_dcp(model.state_dict(), tmp_path / "dcp")
+        dcp_dir = dcp_source.save(model.state_dict(), tmp_path / "dcp")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         assert main(["import-dcp", str(dcp_dir), str(tmp_path / "ck")]) == 0
-    fresh = _model(0)
+    fresh = dcp_source.model(0)
     tierlift.checkpoint.load(tmp_path / "ck", fresh)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in fresh.state_dict().items())
 
@@ -132,7 +119,7 @@ def test_a_tensor_in_chunks_is_put_together(tmp_path):
     )
 
     top, bottom = torch.randn(2, 3), torch.randn(2, 3)
-    dcp_dir = _save_dcp({"a": top, "b": bottom}, tmp_path / "dcp")
+    dcp_dir = dcp_source.save({"a": top, "b": bottom}, tmp_path / "dcp")
     meta_file = dcp_dir / ".metadata"
     meta = pickle.loads(meta_file.read_bytes())
     items = {i.fqn: info for i, info in meta.storage_data.items()}

@@ -13,6 +13,7 @@ import re
 import subprocess
 import warnings
 
+import dcp_source
 import pytest
 import torch
 from torch import nn
@@ -312,16 +313,6 @@ def _cli_fails(args, capsys, match):
     assert last.startswith("python -m tierlift.checkpoint: error: ") and match in last, err
 
 
-@pytest.fixture
-def dcp_dir(tmp_path):
-    import torch.distributed.checkpoint as dcp
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(_model(3).state_dict(), checkpoint_id=str(tmp_path / "dcp"))
-    return tmp_path / "dcp"
-
-
 def test_import_dcp_refuses_a_non_empty_target(tmp_path, dcp_dir, capsys):
     from tierlift.checkpoint.__main__ import main
 
@@ -344,9 +335,10 @@ def test_import_dcp_refuses_a_non_empty_target(tmp_path, dcp_dir, capsys):
         assert main(["import-dcp", str(dcp_dir), str(tmp_path / "new" / "ck")]) == 0
         (tmp_path / "empty").mkdir()
         assert main(["import-dcp", str(dcp_dir), str(tmp_path / "empty")]) == 0
-    fresh = _model(1)
+    fresh = dcp_source.model(1)
     tierlift.checkpoint.load(tmp_path / "empty", fresh)
-    assert all(torch.equal(v, _model(3).state_dict()[k]) for k, v in fresh.state_dict().items())
+    want = dcp_source.model().state_dict()  # what dcp_dir holds (conftest.py)
+    assert all(torch.equal(v, want[k]) for k, v in fresh.state_dict().items())
 
 
 @pytest.mark.parametrize("command", ["export", "export-optimizer"])
