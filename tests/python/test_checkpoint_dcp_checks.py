@@ -1,7 +1,8 @@
 """import-dcp checks what torch.distributed.checkpoint records before it accepts a checkpoint:
 DCP keeps no checksum, so a flipped byte in a data file, a truncated data file, an item of
 another dtype or shape than .metadata says are errors naming the file (nothing is written),
-and the command's output says what was and was not checked."""
+and the command's output says what was and was not checked. .metadata, a pickle, is read by
+a restricted unpickler: one that would run code is refused, a genuine one imports."""
 
 from __future__ import annotations
 
@@ -138,3 +139,53 @@ def test_a_tensor_in_chunks_is_put_together(tmp_path):
     model.register_buffer("w", torch.zeros(4, 3))
     tierlift.checkpoint.load(tmp_path / "ck", model)
     assert torch.equal(model.w, torch.cat([top, bottom]))
+
+
+class _Runs:
+    """Unpickles as fn(*args): what a crafted .metadata does to run code."""
+
+    def __init__(self, fn, *args):
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return self.fn, self.args
+
+
+@pytest.mark.parametrize("where", ["top", "inside"])
+def test_a_metadata_that_would_run_code_is_refused(tmp_path, capsys, where):
+    """.metadata is a pickle: DCP's reader unpickles it whole, so a crafted one runs what it
+    names. Here os.system (writing a marker file), as the whole file or hidden among genuine
+    metadata; refused, naming it, and never called."""
+    import builtins
+
+    marker = tmp_path / "ran"
+    dcp_dir = dcp_source.save(dcp_source.model().state_dict(), tmp_path / "dcp")
+    meta_file = dcp_dir / ".metadata"
+    if where == "top":
+        payload, named = _Runs(os.system, f"touch {marker}"), f"{os.system.__module__}.system"
+    else:
+        meta = pickle.loads(meta_file.read_bytes())
+        meta.planner_data = {"0.weight": _Runs(builtins.exec, f"open({str(marker)!r}, 'w')")}
+        payload, named = meta, "builtins.exec"
+    meta_file.write_bytes(pickle.dumps(payload))
+    _import_fails(dcp_dir, tmp_path / "ck", capsys,
+                  f"{meta_file} names {named}, which a torch.distributed.checkpoint's metadata "
+                  "does not hold; refusing to load it")
+    assert not marker.exists()
+
+
+def test_a_genuine_metadata_of_every_kind_imports(tmp_path):
+    """The restricted unpickler takes what DCP writes: dtypes, scalars, non-tensor values,
+    nested names."""
+    state = {"f32": torch.randn(3, 4), "bf16": torch.randn(5).bfloat16(),
+             "i64": torch.tensor(7), "u8": torch.arange(6, dtype=torch.uint8).view(2, 3),
+             "nested": {"t": torch.ones(2)}, "count": 3, "name": "x", "blob": b"\0\1"}
+    dcp_dir = dcp_source.save(state, tmp_path / "dcp")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        assert main(["import-dcp", str(dcp_dir), str(tmp_path / "ck")]) == 0
+    got = tierlift.checkpoint.full_state_dict(tmp_path / "ck")
+    assert sorted(got) == ["bf16", "f32", "i64", "nested.t", "u8"]
+    for k, v in got.items():
+        want = state["nested"]["t"] if k == "nested.t" else state[k]
+        assert v.dtype == want.dtype and torch.equal(v, want), k

@@ -12,24 +12,85 @@ whose records carry CRC-32s unless torch.save was told not to compute them). So:
 - a tensor's chunks must cover it exactly once (else torch.empty's bytes would be imported).
 
 A changed byte that keeps the CRC-32 is not caught: CRC-32 guards against accidents, not edits.
+
+.metadata is a pickle. It is read by a restricted unpickler (_MetadataUnpickler) that resolves
+only the classes and values DCP's metadata holds, so a crafted .metadata cannot run code: one
+that names anything else (os.system, builtins.eval) is refused, naming it, before it is called.
 """
 
 from __future__ import annotations
 
+import importlib
 import io
 import os
+import pickle
 import zipfile
 
 import torch
 
+# What a DCP .metadata may name: DCP's own record classes, torch's dtypes, layouts, memory formats
+# and Size, paths and plain containers. Anything else (os.system, builtins.eval, a class whose
+# construction runs code) is refused before it is looked up: .metadata is a pickle, and
+# unpickling an untrusted one with pickle.load (as DCP's reader does) runs whatever it names.
+_DCP_MODULES = {"torch.distributed.checkpoint.metadata",
+                "torch.distributed._shard.sharded_tensor.metadata"}  # older DCP's TensorProperties
+_ALLOWED = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # how torch pickles a layout: a name lookup
+    ("collections", "OrderedDict"),
+    *((m, n) for m in ("pathlib", "pathlib._local")
+      for n in ("Path", "PosixPath", "PurePath", "PurePosixPath")),
+    *(("builtins", n) for n in ("bool", "bytearray", "bytes", "complex", "dict", "float",
+                                "frozenset", "int", "list", "set", "slice", "str", "tuple")),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """pickle.Unpickler that resolves only what DCP's metadata holds (_ALLOWED, the classes
+    defined in DCP's metadata module, torch's dtype/layout/memory_format values)."""
+
+    def __init__(self, file, where: str):
+        super().__init__(file)
+        self.where = where
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        if module in _DCP_MODULES and "." not in name:
+            found = getattr(importlib.import_module(module), name, None)
+            if isinstance(found, type) and found.__module__ in _DCP_MODULES:
+                return found
+        if module == "torch" and "." not in name and isinstance(
+                getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(
+            f"{self.where} names {module}.{name}, which a torch.distributed.checkpoint's "
+            "metadata does not hold; refusing to load it (unpickling it could run code)")
+
+
+def read_metadata(dcp_dir: str):
+    """The Metadata in `dcp_dir`/.metadata, unpickled by _MetadataUnpickler."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    file = os.path.join(dcp_dir, ".metadata")
+    with open(file, "rb") as f:
+        metadata = _MetadataUnpickler(f, file).load()
+    if not isinstance(metadata, Metadata):
+        raise ValueError(f"{file} holds a {type(metadata).__name__}, not DCP's Metadata")
+    return metadata
+
 
 def open_metadata(dcp_dir: str):
-    """(FileSystemReader, Metadata) of `dcp_dir`; an unreadable .metadata is a ValueError."""
+    """(FileSystemReader, Metadata) of `dcp_dir`; an unreadable .metadata, or one that names
+    anything DCP's metadata does not hold (_MetadataUnpickler), is a ValueError."""
     import torch.distributed.checkpoint as dcp
 
     reader = dcp.FileSystemReader(dcp_dir)
     try:
-        metadata = reader.read_metadata()
+        metadata = read_metadata(dcp_dir)
+    except pickle.UnpicklingError as e:
+        raise ValueError(str(e)) from None
     except Exception as e:  # noqa: BLE001 - any unreadable .metadata
         raise ValueError(f"{dcp_dir} is not a torch.distributed.checkpoint directory: "
                          f"{type(e).__name__}: {e}") from e
