@@ -7,19 +7,20 @@ python -m tierlift.checkpoint export-optimizer CKPT_DIR OUT.pt: the optimizer st
 unsharded model's checkpoint (offloaded or not) as torch.optim.AdamW.load_state_dict takes it.
 
 Every command writes only to a new path (or, for a directory, an empty one) and creates its
-missing parent directories; a bad argument is a one-line error. A checkpoint without
-manifest.json is refused unless --allow-unverified-json is given (a checkpoint from a tierlift
-before manifests: its JSON files, hyperparameters and step counts, are then not checked)."""
+missing parent directories; a bad argument, or a write that fails (a missing or read-only
+folder, a full drive, a file size limit), is a one-line error naming the path and the cause,
+and nothing is left at the output (outputs.py). A checkpoint without manifest.json is refused
+unless --allow-unverified-json is given (a checkpoint from a tierlift before manifests: its
+JSON files, hyperparameters and step counts, are then not checked)."""
 
 from __future__ import annotations
 
 import argparse
 import os
-import uuid
 
 import torch
 
-from tierlift.checkpoint import handoff, targets
+from tierlift.checkpoint import handoff, outputs, targets
 from tierlift.checkpoint.format import full_state_dict
 from tierlift.checkpoint.replicated import optimizer_state_dict
 
@@ -68,27 +69,19 @@ def main(argv=None) -> int:
         parser.error(str(e))
 
 
-def _write_new(out: str, write) -> None:
-    """write(tmp) to a temporary name beside `out`, then renamed to `out`, which must not exist
-    (its missing parent directories are created): nothing is overwritten, nothing is left
-    half-written."""
-    targets.check_new_output(out)
-    targets.make_parent(out)
-    tmp = os.path.join(os.path.dirname(os.path.abspath(out)),
-                       f".{os.path.basename(out)}.tmp-{uuid.uuid4().hex[:12]}")
-    try:
-        write(tmp)
-        os.rename(tmp, out)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+def _torch_save(obj, file: str) -> None:
+    """torch.save into a Python file: a failed write's OSError (a full drive, a file size
+    limit) stays beneath torch's own error, for outputs.write_new to name."""
+    with open(file, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _run(args) -> int:
     if args.command == "export-optimizer":
         sd = optimizer_state_dict(args.checkpoint, verify=not args.allow_unverified_json)
-        _write_new(args.out, lambda tmp: torch.save(sd, tmp))
+        outputs.write_new(args.out, lambda tmp: _torch_save(sd, tmp))
         print(f"wrote the state of {len(sd['state'])} parameters to {args.out}")
         return 0
     if args.command == "import-dcp":
@@ -113,10 +106,13 @@ def _run(args) -> int:
     sd = full_state_dict(args.checkpoint, verify=not args.allow_unverified_json)
     if args.out.endswith(".safetensors"):
         # safetensors refuses shared storage: tied weights are written once per name.
-        _write_new(args.out, lambda tmp: save_file(
-            {k: v.contiguous().clone() for k, v in sd.items()}, tmp))
+        def write(tmp: str) -> None:
+            save_file({k: v.contiguous().clone() for k, v in sd.items()}, tmp)
+            outputs.fsynced(tmp)
+
+        outputs.write_new(args.out, write)
     else:
-        _write_new(args.out, lambda tmp: torch.save(sd, tmp))
+        outputs.write_new(args.out, lambda tmp: _torch_save(sd, tmp))
     print(f"wrote {len(sd)} tensors to {args.out}")
     return 0
 

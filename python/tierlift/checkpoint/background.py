@@ -26,7 +26,7 @@ import uuid
 import torch
 
 from tierlift.checkpoint import format as fmt
-from tierlift.checkpoint import manifest, stream, targets
+from tierlift.checkpoint import manifest, stream, targets, write_errors
 from tierlift.checkpoint.agree import comm_device
 from tierlift.checkpoint.staging import MIN_PIECE, Packer, Staging, free_cached, piece_bytes
 from tierlift.checkpoint.writer import TensorFile, Writer, close_engine
@@ -361,7 +361,7 @@ class Job:
             if rank == 0:
                 self.token = claim(self.tmp, self.path, self.replace)
         except BaseException as e:  # noqa: BLE001 - every rank learns of it below
-            error = self._no_space(e) or e
+            error = self._explain(e) or e
         if vote(error is None):
             error = error or RuntimeError(f"saving {self.path}: rank 0 could not make "
                                           f"{self.tmp!r}")
@@ -372,10 +372,16 @@ class Job:
         """Rank 0 (the claimer): metadata.json, manifest.json, `tmp` becomes `path`."""
         publish(self.tmp, self.path, meta, token=self.token, replace=self.replace)
 
-    def _no_space(self, error: BaseException) -> OSError | None:
-        """A full drive's error naming the path and the bytes needed (else None)."""
+    def _explain(self, error: BaseException) -> OSError | None:
+        """A failed write's error naming the path and the cause (else None): a full drive's
+        with the bytes needed (targets.no_space), others by write_errors.explain."""
         if targets.no_space(error, self.path, None) is None:
-            return None
+            out = write_errors.explain(
+                error, self.path, self.tmp, "nothing was saved and the temporary directory "
+                f"{self.tmp!r} was removed")
+            if out is not None:
+                out.__cause__ = error
+            return out
         needed = sum(f.size for f in self.files) if self.files and all(
             getattr(f, "records", True) is not None for f in self.files) else None
         if needed is None and self.estimate is not None:
@@ -481,7 +487,7 @@ class Job:
                 if vote.rank == 0 and self.token is not None and owns(self.tmp, self.token):
                     shutil.rmtree(self.tmp, ignore_errors=True)  # never another save's
                 if error is not None:
-                    error = self._no_space(error) or error
+                    error = self._explain(error) or error
                 if error is None:
                     error = RuntimeError(f"saving {self.path} failed on rank(s) {failed}")
                 if error is not self.snapshot_error:

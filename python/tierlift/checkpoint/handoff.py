@@ -22,11 +22,10 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import uuid
 
 import torch
 
-from tierlift.checkpoint import dcp_reader, replicated, targets
+from tierlift.checkpoint import dcp_reader, outputs, replicated, targets
 from tierlift.checkpoint import format as fmt
 
 INDEX = "model.safetensors.index.json"
@@ -62,7 +61,8 @@ def export_hf(checkpoint: str, out_dir: str, *, max_shard_size: str | int = "5GB
     Hugging Face safetensors shards of at most `max_shard_size` each (a larger tensor gets a
     shard of its own), with `config` (a config.json) copied in when given. Returns (files,
     tensors, total bytes). Written to a temporary directory beside it and renamed: nothing
-    half-written is left. Missing parent directories are created. A checkpoint without
+    half-written is left, and a failed write is an OSError naming `out_dir` and the cause
+    (outputs.write_new). Missing parent directories are created. A checkpoint without
     manifest.json is refused unless `verify` is False (format.read_metadata)."""
     try:
         from safetensors.torch import save_file
@@ -76,19 +76,19 @@ def export_hf(checkpoint: str, out_dir: str, *, max_shard_size: str | int = "5GB
     targets.check_new_output(out_dir, directory=True)
     if config is not None and not os.path.isfile(config):
         raise FileNotFoundError(f"config {config} does not exist")
-    targets.make_parent(out_dir)
-    # A name of its own beside out_dir (one rename away): nothing of the user's is reused.
-    tmp = os.path.join(os.path.dirname(os.path.abspath(out_dir)),
-                       f".{os.path.basename(out_dir)}.tmp-{uuid.uuid4().hex[:12]}")
-    os.mkdir(tmp)  # the usual permissions (mkdtemp's would be 0700)
-    try:
-        parts: list[list[str]] = []
+    parts: list[list[str]] = []
+    total = 0
+
+    def write(tmp: str) -> None:
+        nonlocal total
         shard: dict[str, torch.Tensor] = {}
         storages: set[int] = set()  # of the tensors in `shard`
-        size = total = 0
+        size = 0
 
         def flush() -> None:
-            save_file(shard, os.path.join(tmp, f"part{len(parts)}"), metadata={"format": "pt"})
+            file = os.path.join(tmp, f"part{len(parts)}")
+            save_file(shard, file, metadata={"format": "pt"})
+            outputs.fsynced(file)
             parts.append(list(shard))
             shard.clear()
             storages.clear()
@@ -119,12 +119,9 @@ def export_hf(checkpoint: str, out_dir: str, *, max_shard_size: str | int = "5GB
                            {"metadata": {"total_size": total}, "weight_map": weight_map})
         if config is not None:
             shutil.copyfile(config, os.path.join(tmp, "config.json"))
-        if os.path.isdir(out_dir):
-            os.rmdir(out_dir)  # empty, checked above
-        os.rename(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    # A directory of its own beside out_dir (one rename away): nothing of the user's is reused.
+    outputs.write_new(out_dir, write, directory=True)
     return len(parts), sum(len(p) for p in parts), total
 
 

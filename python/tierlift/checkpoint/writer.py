@@ -100,9 +100,11 @@ class TensorFile(RawFile):
 
         skeleton = {k: torch.empty(shape, dtype=dtype)
                     for k, (shape, dtype) in self._skeleton.items()}
-        with torch.serialization.skip_data(), config.patch(
+        # Into a Python file: a failed write's OSError (a full drive, a file size limit) stays
+        # beneath torch's own error (write_errors.py), which a path would lose.
+        with open(self.path, "wb") as f, torch.serialization.skip_data(), config.patch(
                 {"save.storage_alignment": 4096, "save.compute_crc32": False}):
-            torch.save(skeleton, self.path)
+            torch.save(skeleton, f)
         self.size = os.path.getsize(self.path)
         reader = torch._C.PyTorchFileReader(self.path)
         self.records = [reader.get_record_offset(f"data/{i}") for i in range(len(skeleton))]
