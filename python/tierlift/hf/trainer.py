@@ -13,7 +13,9 @@ tierlift.hf.Accelerator (no DDP wrap, tierlift no_sync, global-norm clipping). C
 sharded model and optimizer through tierlift.checkpoint into checkpoint-N/tierlift (every rank
 its shards; in the background with ZeroConfig(background_saves=True)), plus Trainer's own
 scheduler.pt, rng_state_<rank>.pth and trainer_state.json, and (unless
-checkpoint_full_model=False) the full model for from_pretrained.
+checkpoint_full_model=False) the full model for from_pretrained. Resuming reads
+checkpoint-N/tierlift as tierlift.checkpoint.load finds it: from tierlift.old where a save was
+killed while replacing it (format.resolve_dir).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import transformers
 
 import tierlift.checkpoint
 import tierlift.optim
+from tierlift.checkpoint.format import resolve_dir
 from tierlift.hf import model as zmodel
 from tierlift.hf.accelerator import Accelerator, own_clipping, unwrap_optimizer
 from tierlift.hf.config import ZeroConfig
@@ -37,6 +40,14 @@ TIERLIFT_DIR = "tierlift"  # checkpoint-N/tierlift: the sharded model and optimi
 _SCHEDULER = "scheduler.pt"
 _OPTIMIZER = "optimizer.pt"
 _ADAMW = ("adamw_torch", "adamw_torch_fused")
+
+
+def _sharded_dir(checkpoint: str) -> str | None:
+    """The tierlift checkpoint in Trainer checkpoint `checkpoint`: its tierlift/, or its
+    tierlift.old where a save was killed while replacing it (the rule load() follows,
+    format.resolve_dir); None if neither is there."""
+    found = resolve_dir(os.path.join(checkpoint, TIERLIFT_DIR))
+    return found if os.path.isdir(found) else None
 
 
 def _refuse_other_sharding(args) -> None:
@@ -212,10 +223,9 @@ class Trainer(transformers.Trainer):
         model = self.model if model is None else model
         if not zmodel.is_sharded(model):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        sharded = os.path.join(resume_from_checkpoint, TIERLIFT_DIR)
-        if os.path.isdir(sharded):
+        if _sharded_dir(resume_from_checkpoint) is not None:
             return  # with the optimizer, once it exists (_load_optimizer_and_scheduler)
-        if os.path.isdir(sharded + ".tmp"):
+        if os.path.isdir(os.path.join(resume_from_checkpoint, TIERLIFT_DIR + ".tmp")):
             raise RuntimeError(f"{resume_from_checkpoint} was still being written when its run "
                                "stopped (a background save): resume from an earlier checkpoint")
         if os.path.isfile(os.path.join(resume_from_checkpoint, _OPTIMIZER)):
@@ -232,8 +242,8 @@ class Trainer(transformers.Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None or not zmodel.is_sharded(self.model):
             return super()._load_optimizer_and_scheduler(checkpoint)
-        sharded = os.path.join(checkpoint, TIERLIFT_DIR)
-        if os.path.isdir(sharded):
+        sharded = _sharded_dir(checkpoint)
+        if sharded is not None:
             tierlift.checkpoint.load(sharded, self.model, unwrap_optimizer(self.optimizer))
         sched = os.path.join(checkpoint, _SCHEDULER)
         if os.path.isfile(sched):
@@ -244,8 +254,8 @@ class Trainer(transformers.Trainer):
             return super()._load_best_model()
         self.wait_for_checkpoint()
         best = self.state.best_model_checkpoint
-        sharded = os.path.join(best, TIERLIFT_DIR)
-        if os.path.isdir(sharded):
+        sharded = _sharded_dir(best)
+        if sharded is not None:
             tierlift.checkpoint.load(sharded, self.model)
         else:
             zmodel.load_full_weights(self.model, best)
