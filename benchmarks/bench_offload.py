@@ -9,6 +9,9 @@ against DeepSpeed ZeRO-3 with CPU optimizer offload.
     python benchmarks/bench_offload.py --gpu --plan-only            # the sizing, anywhere
     python benchmarks/bench_offload.py --gpu --model 1b --tier nvme --overlap \
         --offload-params cpu --peer torch-cpu --steps 10            # ZeRO-3 vs torch AdamW on CPU
+    python benchmarks/bench_offload.py --gpu --model 1b --tier cpu --overlap \
+        --contenders tierlift,torch-cpu,deepspeed                   # side by side, state in RAM
+    python benchmarks/bench_offload.py --deepspeed-check            # DeepSpeed config + CPU Adam
     python benchmarks/bench_offload.py --finetune-check             # the --gpu code, CPU, tiny
     python benchmarks/bench_offload.py --layouts                    # RAM vs hybrid vs NVMe
     python benchmarks/bench_offload.py --layouts --state-dtype both # each: compact vs fp32 state
