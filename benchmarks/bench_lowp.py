@@ -1,15 +1,19 @@
-"""FP8 quantizer and Float8Linear benchmarks; prints a table and writes JSON.
+"""FP8 quantizer and Float8Linear benchmarks; prints tables and writes JSON.
 
     PYTHONPATH=python python benchmarks/bench_lowp.py                 # CPU: C++ op vs reference
     PYTHONPATH=python python benchmarks/bench_lowp.py --device cuda   # GPU: GB/s and GEMM speedup
+    PYTHONPATH=python python benchmarks/bench_lowp.py --device cpu --sizes 256 --parts split
 
 CPU: time of the compiled quantizer (csrc/core/lowp) against the pure-torch reference for the
 same inputs (timing only; correctness is the tests' job). GPU: quantize-kernel bandwidth
 (bytes read + written per second; FP8, and FP4 with each scale rule) against the device-to-device
 copy bandwidth measured in the same run, and Float8Linear forward+backward against bf16 nn.Linear
-for M=N=K 2048..16384 (and torchao's float8 when it is installed). Ratios are what to compare;
-absolute CPU times on a shared VM are noise. The JSON is rewritten after every row (a run cut
-short keeps its rows).
+for M=N=K 2048..16384 (and torchao's float8 recipes when torchao is installed). Both devices:
+the split of one forward+backward of every contender at one size (--split-size; lowp_split.py):
+quantize kernels, GEMMs, layout copies, amax/scale, other, gaps, in ms and % of the step, from
+torch.profiler (GPU kernels on a GPU; CPU ops on a CPU, where the GEMMs are emulated). Ratios are
+what to compare; absolute CPU times on a shared VM are noise. The JSON is rewritten after every
+row (a run cut short keeps its rows).
 """
 
 from __future__ import annotations
@@ -21,9 +25,10 @@ import platform
 import torch
 
 from common import RESULTS, median_time
+from lowp_split import print_split, profile_split
 from plots import plot_json, plot_lowp
 from tierlift import ops
-from tierlift.lowp import Float8Linear
+from tierlift.lowp import RECIPES, Float8Linear
 from tierlift.reference import lowp as ref
 
 SCALINGS = ("tensor", "row", "1x128", "128x128")
@@ -86,37 +91,96 @@ def bench_gpu_quantize(args, rows: list, save) -> list[dict]:
     return rows
 
 
-def bench_gpu_linear(args, rows: list, save) -> list[dict]:
+TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+
+
+def torchao_float8():
+    """(Float8LinearConfig, convert_to_float8_training), or None where torchao is not installed."""
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError:
-        convert_to_float8_training = None
-    for size in args.sizes:
-        x = torch.randn(size, size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        base = torch.nn.Linear(size, size, bias=False, device="cuda", dtype=torch.bfloat16)
+        return None
+    return Float8LinearConfig, convert_to_float8_training
 
-        def step(mod, x=x):
-            mod(x).sum().backward()
 
-        t_bf16 = timeit(lambda: step(base), "cuda", args.repeat)  # noqa: B023
-        row = dict(size=size, bf16_ms=t_bf16 * 1e3)
-        for recipe in ("fp8-tensorwise", "fp8-rowwise", "fp8-rowwise-gw-hp"):
-            f8 = Float8Linear.from_linear(base, recipe)
-            t = timeit(lambda: step(f8), "cuda", args.repeat)  # noqa: B023
-            row[f"{recipe}_speedup"] = t_bf16 / t
-        if convert_to_float8_training is not None:
+def contenders(size: int, device: str) -> tuple[torch.Tensor, dict]:
+    """x [size, size] and {name: module}: bf16 nn.Linear, Float8Linear with each recipe (sharing
+    its weight), and torchao's Float8Linear with each of its recipes where torchao is installed
+    (a conversion that fails is kept as its error message)."""
+    x = torch.randn(size, size, device=device, dtype=torch.bfloat16, requires_grad=True)
+    base = torch.nn.Linear(size, size, bias=False, device=device, dtype=torch.bfloat16)
+    mods = {"bf16 nn.Linear": base}
+    for recipe in RECIPES:
+        mods[recipe] = Float8Linear.from_linear(base, recipe)
+    ao = torchao_float8()
+    if ao is not None:
+        config, convert = ao
+        for recipe in TORCHAO_RECIPES:
             wrapped = torch.nn.Sequential(
-                torch.nn.Linear(size, size, bias=False, device="cuda", dtype=torch.bfloat16))
-            convert_to_float8_training(wrapped, config=Float8LinearConfig())
-            row["torchao_tensorwise_speedup"] = t_bf16 / timeit(lambda: step(wrapped), "cuda",  # noqa: B023
-                                                                args.repeat)
+                torch.nn.Linear(size, size, bias=False, device=device, dtype=torch.bfloat16))
+            wrapped[0].weight = base.weight
+            try:
+                convert(wrapped, config=config.from_recipe_name(recipe))
+                mods[f"torchao-{recipe}"] = wrapped
+            except Exception as exc:  # noqa: BLE001 (an API change is this row's result)
+                mods[f"torchao-{recipe}"] = f"{type(exc).__name__}: {exc}"
+    return x, mods
+
+
+def step_fn(mod, x):
+    """One forward + backward, as timed and split (gradients accumulate; same for all)."""
+    def step():
+        mod(x).sum().backward()
+    return step
+
+
+def bench_gpu_linear(args, rows: list, save) -> list[dict]:
+    for size in args.sizes:
+        x, mods = contenders(size, "cuda")
+        t_bf16 = timeit(step_fn(mods.pop("bf16 nn.Linear"), x), "cuda", args.repeat)
+        row = dict(size=size, bf16_ms=t_bf16 * 1e3)
+        for name, mod in mods.items():
+            key = name.replace("-", "_") if name.startswith("torchao") else name
+            if isinstance(mod, str):
+                row[f"{key}_error"] = mod
+                continue
+            row[f"{key}_speedup"] = t_bf16 / timeit(step_fn(mod, x), "cuda", args.repeat)
         rows.append(row)
         save()
+        del x, mods
     keys = [k for k in rows[0] if k.endswith("speedup")]
     print(f"{'M=N=K':>6} {'bf16 ms':>8} " + " ".join(f"{k[:-8]:>18}" for k in keys))
     for r in rows:
         print(f"{r['size']:>6} {r['bf16_ms']:8.2f} " + " ".join(f"{r[k]:17.2f}x" for k in keys))
     return rows
+
+
+def bench_split(args, result: dict, save) -> dict:
+    """The split of one fwd+bwd per contender at args.split_size (lowp_split.py)."""
+    size = args.split_size or (max(args.sizes) if args.device == "cuda" else min(args.sizes))
+    split = result["split"] = dict(size=size, device=args.device, steps=args.split_steps,
+                                   contenders={})
+    x, mods = contenders(size, args.device)
+    for name, mod in mods.items():
+        if isinstance(mod, str):
+            split["contenders"][name] = dict(error=mod)
+            continue
+        step = step_fn(mod, x)
+        try:
+            row = profile_split(step, args.device, args.split_steps)
+            row["timed_ms"] = timeit(step, args.device, args.repeat) * 1e3
+        except Exception as exc:  # noqa: BLE001 (one contender failing leaves the others)
+            row = dict(error=f"{type(exc).__name__}: {exc}")
+        split["contenders"][name] = row
+        save()
+    rows = split["contenders"]
+    bf16 = rows["bf16 nn.Linear"].get("timed_ms")
+    for r in rows.values():
+        if bf16 and "timed_ms" in r:
+            r["speedup_vs_bf16"] = bf16 / r["timed_ms"]
+    save()
+    print_split(split)
+    return split
 
 
 def main():
@@ -125,6 +189,13 @@ def main():
                    default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--sizes", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
+    p.add_argument("--parts", nargs="+", choices=("quantize", "linear", "split"),
+                   default=["quantize", "linear", "split"],
+                   help="what to run (linear: GPU only; on a CPU the split shows the step times)")
+    p.add_argument("--split-size", type=int, default=None,
+                   help="M=N=K of the split (default: the largest of --sizes on a GPU, the "
+                        "smallest on a CPU)")
+    p.add_argument("--split-steps", type=int, default=3, help="profiled steps per contender")
     p.add_argument("--json", default=None,
                    help="output path (default: benchmarks/results/bench_lowp-<device>.json)")
     p.add_argument("--plot", metavar="PATH",
@@ -140,16 +211,28 @@ def main():
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
 
+    ao = torchao_float8()
+    if ao is not None:
+        import torchao
+
+        result["torchao"] = torchao.__version__
     if args.device == "cuda":
         result["gpu"] = torch.cuda.get_device_name()
-        bench_gpu_quantize(args, result.setdefault("quantize", []), save)
-        bench_gpu_linear(args, result.setdefault("linear", []), save)
+        if "split" in args.parts:  # first: where the Float8Linear step's time goes
+            bench_split(args, result, save)
+        if "quantize" in args.parts:
+            bench_gpu_quantize(args, result.setdefault("quantize", []), save)
+        if "linear" in args.parts:
+            bench_gpu_linear(args, result.setdefault("linear", []), save)
     else:
         result["threads"] = torch.get_num_threads()
-        result["quantize"] = bench_cpu(args)
+        if "quantize" in args.parts:
+            result["quantize"] = bench_cpu(args)
+        if "split" in args.parts:
+            bench_split(args, result, save)
     save()
     print(f"wrote {args.json}")
-    if args.plot:
+    if args.plot and result.get("quantize"):
         print(f"wrote {plot_json(plot_lowp, args.json, args.plot)}")
 
 
