@@ -33,6 +33,10 @@
 #     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any \
 #     einops hjson msgpack ninja psutil py-cpuinfo pydantic tqdm packaging
 # (numpy, DeepSpeed's last dependency besides torch, is on the GPU machine with torch-geometric.)
+# torchao's Float8Linear beside tierlift's (stage 2, lowp): 0.17.0, the release built for torch
+# 2.11; its pure-Python wheel (1.2 MB), as float8 training uses none of torchao's compiled kernels:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation py --abi none --platform any -d .devdeps/torchao torchao==0.17.0
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 STAGE=${1:-}
@@ -167,6 +171,36 @@ fi
 DS=  # ",deepspeed" when DeepSpeed installed and its CPU Adam built
 if [[ -n $DS_PID ]] && wait "$DS_PID"; then DS=,deepspeed; fi
 
+# torchao (stage 2's lowp part) from the wheel carried in .devdeps/torchao, into a site dir of its
+# own at PYTHONPATH's end, unless this Python has a torchao. Dry run: the wheel must install on
+# the GPU machine's Python 3.12 (pip --dry-run with its tags).
+AO_SITE=$SCRATCH-ao-site
+ao_install() {
+  local whls=(.devdeps/torchao/torchao-*.whl) whl
+  whl=${whls[-1]}
+  if [[ $DRY != 1 ]] && $PY -c "import torchao" 2>/dev/null; then
+    note "torchao: $($PY -c 'import torchao; print(torchao.__version__)') (this machine's)"
+    return 0
+  fi
+  [[ -f $whl ]] || { note "torchao: no wheel in .devdeps/torchao (see the script's top): left out"
+    return 1; }
+  if [[ $DRY == 1 ]]; then
+    if $PY -m pip install --dry-run -q --no-index --no-deps --only-binary=:all: \
+      --target "$AO_SITE" --python-version 3.12 --implementation cp --abi cp312 --abi abi3 \
+      --abi none --platform manylinux_2_28_x86_64 --platform any "$whl" >/dev/null 2>&1; then
+      note "dry run: $(basename "$whl") installs for Python 3.12"
+    else
+      note "dry run: $(basename "$whl") does not install for Python 3.12"
+      AO_DRY_PROBLEM=1
+    fi
+    return 0
+  fi
+  $PY -m pip install -q --upgrade --no-index --no-deps --target "$AO_SITE" "$whl" \
+    >>"$OUT/bench.log" 2>&1 || { note "torchao: install FAILED (see bench.log)"; return 1; }
+  export PYTHONPATH=$PYTHONPATH:$AO_SITE
+  note "torchao: installed $(basename "$whl" | cut -d- -f1-2)"
+}
+
 # --- stage 1: GPU tests, then example smoke runs -----------------------------------------------
 if [[ $STAGE == 1 ]]; then
   # 471 tests; a module that fails to import does not stop the others, five failures do;
@@ -198,8 +232,9 @@ fi
 #   disk             ~15 s: 1 GiB written and read through the engine (the NVMe row's roofline)
 #   offload 1B nvme  ~55 s: 12 B/param of state read and written per step (13 GB each way): at
 #                    ~2.5 GB/s ~10 s a step, warmup 1 + 2 steps and ~15 s set-up. Cap 100 s.
-#   optim ~30 s, lowp ~20 s, gather ~40 s, checkpoint ~85 s (as measured on the H100/H200 runs)
-# Total ~415 s on a fresh machine: the budget (345 s) cuts gather and skips the checkpoint
+#   optim ~30 s, lowp ~35 s (~20 s measured; the profiler split and torchao added since),
+#   gather ~40 s, checkpoint ~85 s (as measured on the H100/H200 runs)
+# Total ~430 s on a fresh machine: the budget (345 s) cuts gather and skips the checkpoint
 # (rerun them with GPU_CHECK_SKIP="deepspeed build|offload 1B ram|disk|offload 1B nvme"); on a
 # warm machine (built) gather fits too.
 FT=("$PY" benchmarks/bench_offload.py --gpu --seq-len 2048 --dir "$SCRATCH")
@@ -218,8 +253,11 @@ if [[ $STAGE == 2 ]]; then
   run "offload 1B nvme" bench.log 100 "${FT[@]}" --model 1b --tier nvme --contenders tierlift \
     --steps 2 --warmup 1 --timeout 90 --json-suffix 1b-nvme
   run optim bench.log 50 $PY benchmarks/bench_optim.py --gpu-only --cuda-sizes 1e8,3e8,1e9
-  # also the FP8/FP4 quantize kernels vs D2D copy (a few seconds, same process)
-  run lowp bench.log 45 $PY benchmarks/bench_lowp.py --device cuda --sizes 8192
+  # where one Float8Linear fwd+bwd spends its time (quantize, GEMM, layout copies, amax/scale:
+  # profiler split) for each recipe, tierlift's and torchao's, beside bf16 nn.Linear; then the
+  # FP8/FP4 quantize kernels vs D2D copy and the speedups (same process)
+  ao_install
+  run lowp bench.log 60 $PY benchmarks/bench_lowp.py --device cuda --sizes 8192
   run gather bench.log 60 $PY benchmarks/bench_gather.py --gpu-only --table-mib 1024
   # background save vs DCP async_save of GPU-resident 1B state, the blocking save last
   run checkpoint bench.log 110 $PY benchmarks/bench_checkpoint.py --device cuda --params 1e9 \
@@ -255,6 +293,7 @@ if [[ $DRY == 1 ]]; then
   [[ $STAGE != 1 ]] && WHEELS=(--wheels .devdeps/deepspeed)
   $PY scripts/gpu_check_argv.py "$OUT/dry_commands.txt" "${WHEELS[@]}" | tee -a "$OUT/summary.txt"
   rc=${PIPESTATUS[0]}
+  [[ -n ${AO_DRY_PROBLEM:-} ]] && rc=1  # the carried torchao wheel does not fit Python 3.12
   rm -f "$OUT/dry_commands.txt"
   exit "$rc"
 fi
