@@ -52,19 +52,16 @@ unset ASAN_OPTIONS UBSAN_OPTIONS
 
 stage "CUDA kernels in the CPU simulator: warp-ahead schedule"
 TIERLIFT_CUDASIM_SCHEDULE=warp ./build/cmake/tierlift_cudasim_tests --gtest_brief=1
-stage "GoogleTest under ThreadSanitizer (the I/O engine's ring and copier threads, the pool)"
+stage "GoogleTest under ThreadSanitizer (the I/O engine's threads, the pool; the kernels' race run)"
 cmake -S . -B build/tsan -G Ninja -DTIERLIFT_TSAN=ON -DTIERLIFT_BENCHMARKS=OFF >/dev/null
 cmake --build build/tsan -j "$jobs" --target tierlift_tests tierlift_cudasim_tests
 # setarch -R: older libtsan refuses the high-entropy address layouts of newer kernels.
 TSAN_OPTIONS="halt_on_error=1 history_size=4" setarch "$(uname -m)" -R \
   ./build/tsan/tierlift_tests --gtest_brief=1
-# The simulator's own tests (planted races included), the Adam edge cases and the gather's
-# all-blocks-contend case: under TSan every block gets a fresh OS thread and fresh fiber stacks,
-# so the whole suite takes far too long here (run it without the filter when changing a
-# kernel's synchronization; docs/cudasim.md).
-TSAN_OPTIONS="halt_on_error=1 history_size=4" setarch "$(uname -m)" -R \
-  ./build/tsan/tierlift_cudasim_tests --gtest_brief=1 \
-  --gtest_filter='CudaSim*:AdamKernelEdges*:*GatherKernelBadIndex.EveryIndex*'
+# The race run: the simulator's own tests and the small-shape race tests of every kernel with an
+# atomic, a barrier or a warp collective (its filter and limits live in that one script, which
+# scripts/mutate_kernels.py runs too; the whole suite is far too slow under TSan).
+bash scripts/tsan_races.sh ./build/tsan/tierlift_cudasim_tests
 
 stage "pytest"
 $PY -m pytest -q -ra --durations=25 tests/python "$@"

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The race run over the simulated CUDA threads: a ThreadSanitizer build's simulator tests, limited
+# to the tests that finish in about a minute there. CI (scripts/test.sh) and the TSan mode of
+# scripts/mutate_kernels.py both run this file, so their filter and limits cannot drift apart.
+#
+#   bash scripts/tsan_races.sh build/tsan/tierlift_cudasim_tests [more gtest flags]
+#
+# Selected: the simulator's own tests (CudaSim*, planted races included) and KernelRaces*
+# (tests/cudasim/test_kernel_races.cc): every kernel in csrc/cuda with an atomic, a barrier,
+# shared memory or a warp collective, on small shapes with several blocks contending on each
+# atomic. The whole suite takes far too long under TSan (every block a fresh OS thread, every
+# simulated thread fresh TSan state): run it without the filter after changing a kernel's
+# synchronization (docs/cudasim.md).
+set -euo pipefail
+RACE_FILTER='CudaSim*:KernelRaces*'
+# halt_on_error: the first report fails the run. history_size=4: enough for the small tests,
+# less memory and time than the default.
+RACE_TSAN_OPTIONS='halt_on_error=1 history_size=4'
+
+binary=${1:?usage: bash scripts/tsan_races.sh TSAN_BUILD/tierlift_cudasim_tests [gtest flags]}
+shift
+# setarch -R: older libtsan refuses the high-entropy address layouts of newer kernels.
+TSAN_OPTIONS="$RACE_TSAN_OPTIONS" exec setarch "$(uname -m)" -R \
+  "$binary" --gtest_brief=1 --gtest_filter="$RACE_FILTER" "$@"
