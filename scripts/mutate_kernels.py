@@ -1,14 +1,17 @@
 #!/usr/bin/env python3
-"""Mutation testing of the CUDA kernels against the CPU simulator's test suite.
+"""Mutation testing of the CUDA kernels against the CPU simulator's tests, in CI's modes.
 
 Plants single-point bugs in csrc/cuda one at a time on a scratch copy of the repository (never in
-the working tree), rebuilds the simulator tests there and runs the suites of the mutated kernel
-plainly, with the warp-ahead schedule and under ThreadSanitizer (in that order, stopping at the
-first mode that catches the mutant unless --all-modes). Prints a Markdown table and the catch
-rate.
+the working tree), rebuilds the simulator tests there and runs them as CI (scripts/test.sh) does:
+plainly, with the warp-ahead schedule, under AddressSanitizer + UBSan (the mutated file's suites
+in these three), and CI's ThreadSanitizer race run itself (scripts/tsan_races.sh: the same filter,
+TSAN_OPTIONS and setarch -R). Modes run in that order, stopping at the first that catches the
+mutant unless --all-modes. Prints a Markdown table saying which mode caught each mutant, and the
+catch rate.
 
-    python3 scripts/mutate_kernels.py                  # every mutant (~25 min on 2 cores)
-    python3 scripts/mutate_kernels.py --only adam_war gather_atomic --all-modes
+    python3 scripts/mutate_kernels.py                  # every mutant, every mode needed
+    python3 scripts/mutate_kernels.py --only fp4_amax_atomic fp8_partial_war --modes tsan
+    python3 scripts/mutate_kernels.py --modes plain,warp --all-modes
     python3 scripts/mutate_kernels.py --list
 
 Builds take /tmp/tierlift-build.lock like every other build on a shared machine.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -28,6 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 LOCK = "/tmp/tierlift-build.lock"
 TARGET = "tierlift_cudasim_tests"
+RACE_RUN = "scripts/tsan_races.sh"  # CI's TSan run: filter, TSAN_OPTIONS, setarch -R
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,6 +102,15 @@ MUTANTS = [
         description="gather: first bad index by a plain read-compare-store (lost updates)",
     ),
     Mutant(
+        name="gather_pair_cas",
+        file="gather.cu",
+        original="if (a.bad_pair != nullptr && atomicCAS(a.bad_pair, ~0ull, pos) == ~0ull) {",
+        mutated=(
+            "if (a.bad_pair != nullptr && a.bad_pair[0] == ~0ull && (a.bad_pair[0] = pos) == pos) {"
+        ),
+        description="gather: bad_pair claimed by a plain test-and-store instead of atomicCAS",
+    ),
+    Mutant(
         name="gather_cache_end",
         file="gather.cu",
         original="if (slot >= 0 && slot < a.cache_rows)",
@@ -133,17 +147,24 @@ MUTANTS = [
     ),
     Mutant(
         name="fp8_amax_atomic",
-        file="fp8_quant.cu",
+        file="fp8_device.cuh",
         original="atomicMax(reinterpret_cast<unsigned int*>(addr), __float_as_uint(v));",
         mutated="if (*addr < v) *addr = v;",
-        description="FP8 tiled amax: plain read-compare-store instead of atomicMax",
+        description="FP8 amax (tiled and flat): plain read-compare-store instead of atomicMax",
     ),
     Mutant(
         name="fp8_partial_war",
-        file="fp8_quant.cu",
+        file="fp8_quant_tiles.cu",
         original="    __syncthreads();\n    merge_tile(tile, g1,",
         mutated="    merge_tile(tile, g1,",
         description="FP8 dual amax: barrier before warp_partial is reused removed",
+    ),
+    Mutant(
+        name="fp8_flat_barrier",
+        file="fp8_quant_tiles.cu",
+        original="  if (lane == 0) warp_partial[warp] = m;\n  __syncthreads();\n",
+        mutated="  if (lane == 0) warp_partial[warp] = m;\n",
+        description="FP8 flat tensor amax: barrier before warp 0 reads the warp maxima removed",
     ),
     Mutant(
         name="fp8_row_scale_raw",
@@ -154,7 +175,7 @@ MUTANTS = [
     ),
     Mutant(
         name="fp8_ties_up",
-        file="fp8_quant.cu",
+        file="fp8_device.cuh",
         original="uint32_t r = (abs + ((1u << (shift - 1)) - 1u) + lsb) >> shift;",
         mutated="uint32_t r = (abs + (1u << (shift - 1))) >> shift;",
         description="FP8 encode: normal values round ties up instead of to even",
@@ -167,39 +188,58 @@ MUTANTS = [
         description="NVFP4 per-tensor amax: plain read-compare-store instead of atomicMax",
     ),
     Mutant(
+        name="fp4_nv_barrier",
+        file="fp4_quant.cu",
+        original="  if (lane == 0) warp_max[warp] = m;\n  __syncthreads();\n",
+        mutated="  if (lane == 0) warp_max[warp] = m;\n",
+        description="NVFP4 pass 1: barrier before warp 0 reads the warp maxima removed",
+    ),
+    Mutant(
         name="fp4_nan_only",
         file="fp4_quant.cu",
-        original="const bool bad = __any_sync(kFull, fp4::nonfinite(v));",
-        mutated="const bool bad = __any_sync(kFull, v != v);",
+        original="m = fmaxf(m, f[k]);\n    nonfinite = nonfinite || fp4::nonfinite(v[k]);",
+        mutated="m = fmaxf(m, f[k]);\n    nonfinite = nonfinite || v[k] != v[k];",
         description="MXFP4: a block holding an Inf (not NaN) is not marked",
     ),
     Mutant(
         name="fp4_group_max",
         file="fp4_quant.cu",
-        original="for (int h = width / 2; h >= 1; h >>= 1) v = fmaxf",
-        mutated="for (int h = width / 2; h > 1; h >>= 1) v = fmaxf",
-        description="FP4: group max skips the last shuffle step",
+        original="for (int h = kLanes / 2; h >= 1; h >>= 1) m = fmaxf",
+        mutated="for (int h = kLanes / 2; h > 1; h >>= 1) m = fmaxf",
+        description="FP4: block max skips the last shuffle step",
     ),
     Mutant(
-        name="fp4_pack_xor",
+        name="fp4_butterfly_down",
         file="fp4_quant.cu",
-        original="__shfl_down_sync(kFull, static_cast<uint32_t>(q), 1)",
-        mutated="__shfl_xor_sync(kFull, static_cast<uint32_t>(q), 1)",
-        description="FP4 packing: odd lane's code by xor instead of down (same for even lanes)",
+        original="const float p = __shfl_xor_sync(kFull, v[k], h / kPer);",
+        mutated="const float p = __shfl_down_sync(kFull, v[k], h / kPer);",
+        description="FP4 Hadamard: cross-lane butterfly partner by shfl_down instead of xor",
     ),
 ]
 
+# The tests each mutated file's plain, warp and ASan runs use (CI runs the whole suite in those
+# modes; these are the part that can see the file). The TSan run is CI's race run, whatever the
+# file (scripts/tsan_races.sh).
 SUITES = {
     "adam_compact.cu": "*AdamCompact*:*AdamKernelEdges*",
     "adam_element.cuh": "*Adam*",
-    "adam.cu": "*AdamKernel*",
+    "adam.cu": "*AdamKernel*:KernelRaces.Adam*",
     "launch.cuh": "*",
     "gather.cu": "*Gather*",
+    "fp8_device.cuh": "*Fp8*",
     "fp8_quant.cu": "*Fp8*",
+    "fp8_quant_tiles.cu": "*Fp8*",
     "fp4_quant.cu": "*Fp4*",
 }
 
-MODES = ("plain", "warp", "tsan")
+# CI's modes (scripts/test.sh), each with its build: name -> (build, environment).
+MODES = {
+    "plain": ("plain", {}),
+    "warp": ("plain", {"TIERLIFT_CUDASIM_SCHEDULE": "warp"}),
+    "asan": ("asan", {"ASAN_OPTIONS": "detect_leaks=1", "UBSAN_OPTIONS": "print_stacktrace=1"}),
+    "tsan": ("tsan", {}),
+}
+BUILD_FLAGS = {"plain": [], "asan": ["-DTIERLIFT_SANITIZE=ON"], "tsan": ["-DTIERLIFT_TSAN=ON"]}
 
 
 def run(cmd: list[str], cwd: Path, env: dict | None = None, timeout: int = 1800):
@@ -235,9 +275,9 @@ def set_text(path: Path, text: str) -> None:
         path.write_text(text)
 
 
-def build(src: Path, build_dir: Path, tsan: bool) -> tuple[bool, str]:
+def build(src: Path, build_dir: Path, kind: str) -> tuple[bool, str]:
     if not (build_dir / "build.ninja").exists():
-        flags = ["-DTIERLIFT_BENCHMARKS=OFF"] + (["-DTIERLIFT_TSAN=ON"] if tsan else [])
+        flags = ["-DTIERLIFT_BENCHMARKS=OFF", *BUILD_FLAGS[kind]]
         r = run(["cmake", "-S", str(src), "-B", str(build_dir), "-G", "Ninja", *flags], src)
         if r.returncode != 0:
             return False, r.stdout + r.stderr
@@ -248,21 +288,60 @@ def build(src: Path, build_dir: Path, tsan: bool) -> tuple[bool, str]:
     return r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
 
-def run_suite(scratch: Path, mode: str, gtest_filter: str, seed: str) -> str:
-    """'caught', 'missed' or 'hang' for one mode."""
-    build_dir = scratch / ("build-tsan" if mode == "tsan" else "build-plain")
-    env = dict(os.environ, TIERLIFT_CUDASIM_SEED=seed)
-    cmd = [str(build_dir / TARGET), f"--gtest_filter={gtest_filter}", "--gtest_brief=1"]
-    if mode == "warp":
-        env["TIERLIFT_CUDASIM_SCHEDULE"] = "warp"
+def suite_command(scratch: Path, mode: str, gtest_filter: str) -> tuple[list[str], dict]:
+    """The command and environment of one mode's run, as CI runs it."""
+    kind, extra = MODES[mode]
+    binary = str(scratch / f"build-{kind}" / TARGET)
     if mode == "tsan":
-        env["TSAN_OPTIONS"] = "halt_on_error=1 history_size=4"
-        cmd = ["setarch", os.uname().machine, "-R", *cmd]
+        return ["bash", str(scratch / "repo" / RACE_RUN), binary], {}
+    return [binary, f"--gtest_filter={gtest_filter}", "--gtest_brief=1"], extra
+
+
+_FAILURE = re.compile(
+    r"^\[  FAILED  \]|: Failure$|^(WARNING|SUMMARY|ERROR): \w+Sanitizer|runtime error:|"
+    r"^cudasim: kernel|^  Thread T\d+ '"
+)
+_ACCESS = re.compile(r"^(  (Read|Write|Atomic \w+|Previous \w+) of size|ERROR: AddressSanitizer)")
+
+
+def failure_lines(output: str, limit: int = 40) -> list[str]:
+    """The lines of a failed run that say what failed: gtest's failures with the 3 lines after
+    each, simulator errors and sanitizer reports (each access with the top two frames of its
+    stack, the threads' names: kernel, block and thread); the last lines when none matches."""
+    lines = output.splitlines()
+    picked: list[str] = []
+    after = frames = 0
+    for line in lines:
+        if _ACCESS.search(line):
+            picked.append(line)
+            frames = 2
+        elif frames > 0 and line.startswith("    #"):
+            picked.append(line)
+            frames -= 1
+        elif _FAILURE.search(line):
+            picked.append(line)
+            after = 3 if line.endswith(": Failure") else 0
+        elif after > 0:
+            picked.append(line)
+            after -= 1
+    if not picked:
+        picked = lines[-20:]
+    return picked[:limit]
+
+
+def run_suite(scratch: Path, mode: str, gtest_filter: str, seed: str) -> tuple[str, str]:
+    """('caught', 'missed' or 'hang', the run's output) for one mode."""
+    cmd, extra = suite_command(scratch, mode, gtest_filter)
+    env = dict(os.environ, TIERLIFT_CUDASIM_SEED=seed, **extra)
+    for var in ("TIERLIFT_CUDASIM_SCHEDULE", "TSAN_OPTIONS", "ASAN_OPTIONS", "UBSAN_OPTIONS"):
+        if var not in extra:
+            env.pop(var, None)  # only what CI sets for this mode
     try:
         r = run(cmd, scratch / "repo", env, timeout=900)
-    except subprocess.TimeoutExpired:
-        return "hang"
-    return "missed" if r.returncode == 0 else "caught"
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout or ""
+        return "hang", out
+    return ("missed" if r.returncode == 0 else "caught"), r.stdout + r.stderr
 
 
 def main() -> int:
@@ -270,7 +349,7 @@ def main() -> int:
     ap.add_argument("--scratch", type=Path, default=Path("/tmp/tierlift-mutate"))
     ap.add_argument("--only", nargs="*", help="mutant names (default: all)")
     ap.add_argument(
-        "--modes", default=",".join(MODES), help="comma-separated subset of " + str(MODES)
+        "--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES)
     )
     ap.add_argument(
         "--all-modes", action="store_true", help="run every mode, not just to the first catch"
@@ -287,6 +366,7 @@ def main() -> int:
     bad = [m for m in modes if m not in MODES]
     if bad:
         ap.error(f"unknown modes {bad}")
+    modes = [m for m in MODES if m in modes]  # CI's order: cheapest first
     chosen = [m for m in MUTANTS if not args.only or m.name in args.only]
     unknown = set(args.only or []) - {m.name for m in MUTANTS}
     if unknown:
@@ -301,7 +381,6 @@ def main() -> int:
         if text.count(m.original) != 1:
             ap.error(f"{m.name}: original snippet found {text.count(m.original)} times in {m.file}")
 
-    builds = {"plain": scratch / "build-plain", "tsan": scratch / "build-tsan"}
     ready: set[str] = set()
     filt = ":".join(sorted({SUITES[m.file] for m in chosen}))
 
@@ -310,17 +389,28 @@ def main() -> int:
         if kind in ready:
             return True
         t = time.time()
-        ok, log = build(src, builds[kind], kind == "tsan")
+        ok, log = build(src, scratch / f"build-{kind}", kind)
         if not ok:
             print(log, file=sys.stderr)
             print(f"baseline {kind} build failed", file=sys.stderr)
             return False
         print(f"baseline {kind} build: {time.time() - t:.0f} s", flush=True)
         for mode in modes:
-            if ("tsan" if mode == "tsan" else "plain") == kind:
-                if run_suite(scratch, mode, filt, args.seed) != "missed":
-                    print(f"baseline suite fails in mode {mode}: fix that first", file=sys.stderr)
-                    return False
+            if MODES[mode][0] != kind:
+                continue
+            verdict, out = run_suite(scratch, mode, filt, args.seed)
+            if verdict != "missed":
+                cmd, extra = suite_command(scratch, mode, filt)
+                env = " ".join(
+                    f"{k}={v}" for k, v in {**extra, "TIERLIFT_CUDASIM_SEED": args.seed}.items()
+                )
+                fails = "hangs" if verdict == "hang" else "fails"
+                print(f"baseline suite {fails} in mode {mode}:", file=sys.stderr)
+                print(f"  {env} {' '.join(cmd)}", file=sys.stderr)
+                for line in failure_lines(out):
+                    print(f"  {line}", file=sys.stderr)
+                print("fix that first", file=sys.stderr)
+                return False
         ready.add(kind)
         return True
 
@@ -332,38 +422,36 @@ def main() -> int:
         result = {}
         try:
             for mode in modes:
-                kind = "tsan" if mode == "tsan" else "plain"
+                kind = MODES[mode][0]
                 if kind not in ready:
                     set_text(path, original)
                     if not baseline(kind):
                         return 2
                 set_text(path, original.replace(m.original, m.mutated))
-                ok, _ = build(src, builds[kind], kind == "tsan")
+                ok, _ = build(src, scratch / f"build-{kind}", kind)
                 if not ok:
                     result[mode] = "no build"
                     break
-                result[mode] = run_suite(scratch, mode, SUITES[m.file], args.seed)
+                result[mode] = run_suite(scratch, mode, SUITES[m.file], args.seed)[0]
                 if result[mode] != "missed" and not args.all_modes:
                     break
         finally:
             set_text(path, original)
-        caught = any(v in ("caught", "hang", "no build") for v in result.values())
-        rows.append((m, result, caught))
+        by = [k for k, v in result.items() if v in ("caught", "hang", "no build")]
+        rows.append((m, result, by))
         cells = " ".join(f"{k}={v}" for k, v in result.items())
         print(
-            f"{m.name:20} {'CAUGHT' if caught else 'MISSED'}  {cells}  ({time.time() - t:.0f} s)",
+            f"{m.name:20} {'CAUGHT' if by else 'MISSED'}  {cells}  ({time.time() - t:.0f} s)",
             flush=True,
         )
 
     print()
-    print("| mutant | bug planted | " + " | ".join(modes) + " | verdict |")
+    print("| mutant | bug planted | " + " | ".join(modes) + " | caught by |")
     print("|---|---|" + "---|" * len(modes) + "---|")
-    for m, result, caught in rows:
-        cells = " | ".join(result.get(mode, "-") for mode in modes)
-        print(
-            f"| `{m.name}` | {m.description} | {cells} | {'caught' if caught else '**missed**'} |"
-        )
-    n = sum(c for _, _, c in rows)
+    for m, result, by in rows:
+        cells = " | ".join(result.get(mode, "") for mode in modes)
+        print(f"| `{m.name}` | {m.description} | {cells} | {', '.join(by) or '**missed**'} |")
+    n = sum(bool(by) for _, _, by in rows)
     print(f"\ncaught {n} of {len(rows)} mutants ({100.0 * n / max(len(rows), 1):.0f}%)")
     return 0
 
