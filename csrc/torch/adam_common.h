@@ -4,11 +4,13 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Optional.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 
 #include "core/optim/adam.h"
 #include "core/util/dtype.h"
@@ -93,6 +95,51 @@ inline void check_contiguous(const char* op, const at::Tensor& t, const char* na
 inline void check_refresh(const char* op, bool refresh_from_copies, at::TensorList param_copies) {
   TORCH_CHECK_VALUE(!refresh_from_copies || !param_copies.empty(), op,
                     ": refresh_from_copies=True needs param_copies (one per param)");
+}
+
+// An out-of-place source list (the ops' *_from arguments): absent, or one tensor per param, each
+// like the state tensor it is read in place of (dense, same device, dtype and numel, contiguous),
+// and either that tensor's memory itself or memory apart from it: the kernel's threads read one
+// range while they write another, so a partial overlap would race.
+using SourceList = c10::optional<at::TensorList>;
+
+inline void check_sources(const char* op, const SourceList& from, at::TensorList state,
+                          const char* name) {
+  if (!from.has_value()) return;
+  TORCH_CHECK_VALUE(from->size() == state.size(), op, ": ", name,
+                    " must be None or hold one tensor per param, got ", from->size(), " for ",
+                    state.size());
+  for (size_t i = 0; i < state.size(); ++i) {
+    const at::Tensor& f = (*from)[i];
+    const at::Tensor& t = state[i];
+    check_dense_beside(op, f, name, i, t);
+    TORCH_CHECK_TYPE(f.scalar_type() == t.scalar_type(), op, ": ", name, "[", i, "] must be ",
+                     t.scalar_type(), " like the tensor it is read in place of, got ",
+                     f.scalar_type());
+    TORCH_CHECK_VALUE(f.numel() == t.numel(), op, ": ", name, "[", i, "] has ", f.numel(),
+                      " elements, the tensor it is read in place of ", t.numel());
+    TORCH_CHECK_VALUE(f.is_contiguous(), op, ": ", name, "[", i, "] must be contiguous");
+    if (f.numel() == 0) continue;
+    const at::MemOverlapStatus overlap = at::get_overlap_status(f, t);
+    TORCH_CHECK_VALUE(
+        overlap == at::MemOverlapStatus::Full || overlap == at::MemOverlapStatus::No, op, ": ",
+        name, "[", i,
+        "] partly overlaps the tensor it is read in place of; pass that tensor itself or "
+        "memory apart from it");
+  }
+}
+
+// Out-of-place sources exist only on the CPU (the offloaded step's host tiers).
+inline void check_no_sources(const char* op, std::initializer_list<const SourceList*> lists) {
+  for (const SourceList* from : lists) {
+    TORCH_CHECK_VALUE(!from->has_value(), op,
+                      ": the *_from arguments (out-of-place steps) are supported on the CPU only");
+  }
+}
+
+template <typename T>
+inline const T* source_ptr(const SourceList& from, size_t i) {
+  return from.has_value() ? static_cast<const T*>((*from)[i].data_ptr()) : nullptr;
 }
 
 #ifdef TIERLIFT_WITH_CUDA

@@ -22,6 +22,8 @@ namespace {
 struct CompactArgs {
   at::TensorList params, grads, exp_avgs, exp_avg_sqs, scales, param_copies;
   AdamHyper hyper;
+  // Out of place (CPU): the old weights, m, v codes and scales are read from these.
+  SourceList params_from, exp_avgs_from, exp_avg_sqs_from, scales_from;
 };
 
 void check_args(const CompactArgs& a, c10::DeviceType backend) {
@@ -60,6 +62,10 @@ void check_args(const CompactArgs& a, c10::DeviceType backend) {
     check(a.scales[i], "exp_avg_sq_scales", compact_scale_count(numel), at::kFloat);
     if (!a.param_copies.empty()) check(a.param_copies[i], "param_copies", numel, c10::nullopt);
   }
+  check_sources("adam_compact_step_", a.params_from, a.params, "params_from");
+  check_sources("adam_compact_step_", a.exp_avgs_from, a.exp_avgs, "exp_avgs_from");
+  check_sources("adam_compact_step_", a.exp_avg_sqs_from, a.exp_avg_sqs, "exp_avg_sqs_from");
+  check_sources("adam_compact_step_", a.scales_from, a.scales, "exp_avg_sq_scales_from");
 }
 
 CompactAdamTensor core_view(const CompactArgs& a, size_t i) {
@@ -75,6 +81,10 @@ CompactAdamTensor core_view(const CompactArgs& a, size_t i) {
     t.copy_type = to_core_dtype(a.param_copies[i].scalar_type(), "param_copies");
   }
   t.numel = a.params[i].numel();
+  t.param_from = source_ptr<float>(a.params_from, i);
+  t.exp_avg_from = source_ptr<uint16_t>(a.exp_avgs_from, i);
+  t.exp_avg_sq_from = source_ptr<uint8_t>(a.exp_avg_sqs_from, i);
+  t.exp_avg_sq_scale_from = source_ptr<float>(a.scales_from, i);
   return t;
 }
 
@@ -97,13 +107,22 @@ void adam_compact_step_cpu(at::TensorList params, at::TensorList grads, at::Tens
                            at::TensorList param_copies, double lr, double beta1, double beta2,
                            double eps, double weight_decay, int64_t step, bool decoupled,
                            bool maximize, const c10::optional<at::Tensor>& grad_scale,
-                           bool refresh_from_copies) {
+                           bool refresh_from_copies, SourceList params_from,
+                           SourceList exp_avgs_from, SourceList exp_avg_sqs_from,
+                           SourceList scales_from) {
   check_grad_scale("adam_compact_step_", grad_scale, params, c10::DeviceType::CPU);
   CompactArgs a = make_args(params, grads, exp_avgs, exp_avg_sqs, scales, param_copies, lr, beta1,
                             beta2, eps, weight_decay, step, decoupled, maximize);
+  a.params_from = params_from;
+  a.exp_avgs_from = exp_avgs_from;
+  a.exp_avg_sqs_from = exp_avg_sqs_from;
+  a.scales_from = scales_from;
   set_grad_scale(a.hyper, grad_scale);
   check_args(a, c10::DeviceType::CPU);
   check_refresh("adam_compact_step_", refresh_from_copies, param_copies);
+  TORCH_CHECK_VALUE(!refresh_from_copies || !params_from.has_value(),
+                    "adam_compact_step_: refresh_from_copies updates params in place; it cannot "
+                    "be combined with params_from");
   a.hyper.refresh_from_copy = refresh_from_copies;  // per chunk, just before its step
   std::vector<CompactAdamTensor> views;
   views.reserve(params.size());
@@ -117,7 +136,11 @@ void adam_compact_step_cuda(at::TensorList params, at::TensorList grads, at::Ten
                             at::TensorList param_copies, double lr, double beta1, double beta2,
                             double eps, double weight_decay, int64_t step, bool decoupled,
                             bool maximize, const c10::optional<at::Tensor>& grad_scale,
-                            bool refresh_from_copies) {
+                            bool refresh_from_copies, SourceList params_from,
+                            SourceList exp_avgs_from, SourceList exp_avg_sqs_from,
+                            SourceList scales_from) {
+  check_no_sources("adam_compact_step_",
+                   {&params_from, &exp_avgs_from, &exp_avg_sqs_from, &scales_from});
   check_grad_scale("adam_compact_step_", grad_scale, params, c10::DeviceType::CUDA);
   const CompactArgs a = make_args(params, grads, exp_avgs, exp_avg_sqs, scales, param_copies, lr,
                                   beta1, beta2, eps, weight_decay, step, decoupled, maximize);

@@ -21,6 +21,8 @@ namespace {
 struct AdamArgs {
   at::TensorList params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_copies;
   AdamHyper hyper;
+  // Out of place (CPU): the old weights and moments are read from these.
+  SourceList params_from, exp_avgs_from, exp_avg_sqs_from, max_exp_avg_sqs_from;
 };
 
 // Checks shared by both backends; returns the device every tensor must be on.
@@ -58,6 +60,12 @@ void check_adam_args(const AdamArgs& a, c10::DeviceType backend) {
     if (a.hyper.amsgrad) same(a.max_exp_avg_sqs[i], "max_exp_avg_sqs", true);
     if (!a.param_copies.empty()) same(a.param_copies[i], "param_copies", false);
   }
+  check_sources("adam_step_", a.params_from, a.params, "params_from");
+  check_sources("adam_step_", a.exp_avgs_from, a.exp_avgs, "exp_avgs_from");
+  check_sources("adam_step_", a.exp_avg_sqs_from, a.exp_avg_sqs, "exp_avg_sqs_from");
+  if (a.hyper.amsgrad) {
+    check_sources("adam_step_", a.max_exp_avg_sqs_from, a.max_exp_avg_sqs, "max_exp_avg_sqs_from");
+  }
 }
 
 AdamTensor core_view(const AdamArgs& a, size_t i) {
@@ -73,6 +81,10 @@ AdamTensor core_view(const AdamArgs& a, size_t i) {
     t.copy_type = to_core_dtype(a.param_copies[i].scalar_type(), "param_copies");
   }
   t.numel = a.params[i].numel();
+  t.param_from = source_ptr<float>(a.params_from, i);
+  t.exp_avg_from = source_ptr<float>(a.exp_avgs_from, i);
+  t.exp_avg_sq_from = source_ptr<float>(a.exp_avg_sqs_from, i);
+  if (a.hyper.amsgrad) t.max_exp_avg_sq_from = source_ptr<float>(a.max_exp_avg_sqs_from, i);
   return t;
 }
 
@@ -93,13 +105,22 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
                    at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
                    at::TensorList param_copies, double lr, double beta1, double beta2, double eps,
                    double weight_decay, int64_t step, bool decoupled, bool amsgrad, bool maximize,
-                   const c10::optional<at::Tensor>& grad_scale, bool refresh_from_copies) {
+                   const c10::optional<at::Tensor>& grad_scale, bool refresh_from_copies,
+                   SourceList params_from, SourceList exp_avgs_from, SourceList exp_avg_sqs_from,
+                   SourceList max_exp_avg_sqs_from) {
   check_grad_scale("adam_step_", grad_scale, params, c10::DeviceType::CPU);
   AdamArgs a = make_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_copies, lr,
                          beta1, beta2, eps, weight_decay, step, decoupled, amsgrad, maximize);
+  a.params_from = params_from;
+  a.exp_avgs_from = exp_avgs_from;
+  a.exp_avg_sqs_from = exp_avg_sqs_from;
+  a.max_exp_avg_sqs_from = max_exp_avg_sqs_from;
   set_grad_scale(a.hyper, grad_scale);
   check_adam_args(a, c10::DeviceType::CPU);
   check_refresh("adam_step_", refresh_from_copies, param_copies);
+  TORCH_CHECK_VALUE(!refresh_from_copies || !params_from.has_value(),
+                    "adam_step_: refresh_from_copies updates params in place; it cannot be "
+                    "combined with params_from");
   a.hyper.refresh_from_copy = refresh_from_copies;  // per chunk, just before its step
   std::vector<AdamTensor> views;
   views.reserve(params.size());
@@ -123,7 +144,11 @@ void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
                     at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
                     at::TensorList param_copies, double lr, double beta1, double beta2, double eps,
                     double weight_decay, int64_t step, bool decoupled, bool amsgrad, bool maximize,
-                    const c10::optional<at::Tensor>& grad_scale, bool refresh_from_copies) {
+                    const c10::optional<at::Tensor>& grad_scale, bool refresh_from_copies,
+                    SourceList params_from, SourceList exp_avgs_from, SourceList exp_avg_sqs_from,
+                    SourceList max_exp_avg_sqs_from) {
+  check_no_sources("adam_step_",
+                   {&params_from, &exp_avgs_from, &exp_avg_sqs_from, &max_exp_avg_sqs_from});
   check_grad_scale("adam_step_", grad_scale, params, c10::DeviceType::CUDA);
   const AdamArgs a =
       make_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_copies, lr, beta1,

@@ -12,12 +12,17 @@ TORCH_LIBRARY(tierlift, m) {
   // refresh_from_copies (needs param_copies): each copy is the model weight whose master the
   // param is; an element whose copy is not the param rounded to the copy's dtype (bit for bit)
   // is stepped from the copy's value (the weight was changed outside the optimizer).
+  // *_from (CPU only; None: in place): per param, the tensor the old weight or moment is read
+  // from, while the new one goes to params/exp_avgs/...: a step out of place, with the same
+  // arithmetic. Each is the tensor it stands in for or memory apart from it.
   m.def(
       "adam_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
       "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] param_copies, "
       "float lr, float beta1, float beta2, float eps, float weight_decay, int step, "
       "bool decoupled, bool amsgrad, bool maximize, Tensor? grad_scale=None, "
-      "bool refresh_from_copies=False) -> ()");
+      "bool refresh_from_copies=False, Tensor[]? params_from=None, "
+      "Tensor[]? exp_avgs_from=None, Tensor[]? exp_avg_sqs_from=None, "
+      "Tensor[]? max_exp_avg_sqs_from=None) -> ()");
   // The same loads and stores as adam_step_ without its arithmetic (CPU only): the step's
   // memory-bandwidth bound, for benchmarks. Leaves the tensors' values meaningless.
   m.def(
@@ -26,13 +31,15 @@ TORCH_LIBRARY(tierlift, m) {
 
   // Adam/AdamW with compact state (csrc/torch/optim_compact_ops.cpp): per param, exp_avgs is
   // bf16, exp_avg_sqs uint8 codes and exp_avg_sq_scales fp32 [ceil(numel / 256)] block maxima
-  // (format: csrc/core/optim/adam_compact.h). No amsgrad.
+  // (format: csrc/core/optim/adam_compact.h). No amsgrad. *_from as in adam_step_.
   m.def(
       "adam_compact_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
       "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] exp_avg_sq_scales, Tensor(e!)[] param_copies, "
       "float lr, float beta1, float beta2, float eps, float weight_decay, int step, "
       "bool decoupled, bool maximize, Tensor? grad_scale=None, "
-      "bool refresh_from_copies=False) -> ()");
+      "bool refresh_from_copies=False, Tensor[]? params_from=None, "
+      "Tensor[]? exp_avgs_from=None, Tensor[]? exp_avg_sqs_from=None, "
+      "Tensor[]? exp_avg_sq_scales_from=None) -> ()");
   // Adds 1 to each optimizer step count (a 1-element tensor, fp32 as torch keeps it) in place
   // and returns the new counts as integers: one call for a whole param group instead of one
   // dispatcher call per parameter (csrc/torch/step_ops.cpp).

@@ -28,11 +28,11 @@ def runs_kernel(tensor: torch.Tensor) -> bool:
 
 
 def _adam_op(name, tensor_lists, lr, beta1, beta2, eps, weight_decay, step, *flags,
-             grad_scale=None, refresh_from_copies=False) -> None:
+             grad_scale=None, refresh_from_copies=False, sources=None) -> None:
     """Calls the Adam op `name` (its compiled kernel, else its reference) with the schema's
     argument types: the six tensor lists as lists, the hyperparameters as floats, step as an int,
-    the trailing flags as bools, grad_scale as a tensor or None and refresh_from_copies as a
-    bool."""
+    the trailing flags as bools, grad_scale as a tensor or None, refresh_from_copies as a bool
+    and `sources` ({"params_from": [...], ...}, the lists given) as lists."""
     args = (
         *(list(tensors) for tensors in tensor_lists),
         float(lr),
@@ -47,6 +47,7 @@ def _adam_op(name, tensor_lists, lr, beta1, beta2, eps, weight_decay, step, *fla
     amp = {} if grad_scale is None else {"grad_scale": grad_scale}
     if refresh_from_copies:
         amp["refresh_from_copies"] = True
+    amp.update({k: list(v) for k, v in (sources or {}).items() if v is not None})
     if params and _has_kernel(params[0]):
         getattr(torch.ops.tierlift, name)(*args, **amp)
     else:
@@ -72,6 +73,10 @@ def adam_step_(
     maximize,
     grad_scale=None,
     refresh_from_copies=False,
+    params_from=None,
+    exp_avgs_from=None,
+    exp_avg_sqs_from=None,
+    max_exp_avg_sqs_from=None,
 ) -> None:
     """Fused Adam/AdamW update of fp32 `params` (weights or master weights) in place.
 
@@ -84,12 +89,19 @@ def adam_step_(
     to the copy's dtype, bit for bit (the model weight was changed outside the optimizer), is
     stepped from the copy's value instead; the others keep their master's low bits. The CUDA
     kernel does it in the step's own pass. Without it the copies are only written.
+    `params_from`, `exp_avgs_from`, `exp_avg_sqs_from`, `max_exp_avg_sqs_from` (CPU; None: in
+    place): per param, where the old weight or moment is read, while the new one is written to
+    `params`, `exp_avgs`, ...: the same step out of place, bit for bit (each source is the tensor
+    it stands in for or memory apart from it; not with `refresh_from_copies`).
     """
     _adam_op(
         "adam_step_",
         (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_copies),
         lr, beta1, beta2, eps, weight_decay, step, decoupled, amsgrad, maximize,
         grad_scale=grad_scale, refresh_from_copies=refresh_from_copies,
+        sources={"params_from": params_from, "exp_avgs_from": exp_avgs_from,
+                 "exp_avg_sqs_from": exp_avg_sqs_from,
+                 "max_exp_avg_sqs_from": max_exp_avg_sqs_from},
     )
 
 
@@ -111,16 +123,23 @@ def adam_compact_step_(
     maximize,
     grad_scale=None,
     refresh_from_copies=False,
+    params_from=None,
+    exp_avgs_from=None,
+    exp_avg_sqs_from=None,
+    exp_avg_sq_scales_from=None,
 ) -> None:
     """adam_step_ with compact state: per param, `exp_avgs` bf16, `exp_avg_sqs` uint8 codes and
     `exp_avg_sq_scales` fp32 block maxima, one per 256 elements (format and error bound:
-    tierlift.reference.optim_compact). No amsgrad. `grad_scale` and `refresh_from_copies` as in
-    adam_step_."""
+    tierlift.reference.optim_compact). No amsgrad. `grad_scale`, `refresh_from_copies` and the
+    `*_from` sources as in adam_step_."""
     _adam_op(
         "adam_compact_step_",
         (params, grads, exp_avgs, exp_avg_sqs, exp_avg_sq_scales, param_copies),
         lr, beta1, beta2, eps, weight_decay, step, decoupled, maximize,
         grad_scale=grad_scale, refresh_from_copies=refresh_from_copies,
+        sources={"params_from": params_from, "exp_avgs_from": exp_avgs_from,
+                 "exp_avg_sqs_from": exp_avg_sqs_from,
+                 "exp_avg_sq_scales_from": exp_avg_sq_scales_from},
     )
 
 

@@ -48,6 +48,10 @@ void validate(const AdamHyper& h, const AdamTensor& t, size_t index) {
     if (h.amsgrad && !t.max_exp_avg_sq) {
       adam_detail::fail_tensor("adam_step", index, "amsgrad needs max_exp_avg_sq");
     }
+    if (h.refresh_from_copy && out_of_place(t)) {
+      adam_detail::fail_tensor(
+          "adam_step", index, "refresh_from_copy updates the weight in place; it takes no sources");
+    }
   });
 }
 

@@ -60,7 +60,29 @@ struct AdamTensor {
   void* param_copy = nullptr;       // optional: receives the updated weight in copy_type
   DType copy_type = DType::kNone;
   int64_t numel = 0;
+  // Optional, out of place: the step reads the old weight and moments from these and writes the
+  // new ones to the pointers above (the offloaded step reads generation g of its state and writes
+  // generation g + 1 without copying either). Null: read where it writes (in place). Each must be
+  // the state it replaces or not overlap it at all. The arithmetic is the same either way.
+  const float* param_from = nullptr;
+  const float* exp_avg_from = nullptr;
+  const float* exp_avg_sq_from = nullptr;
+  const float* max_exp_avg_sq_from = nullptr;
 };
+
+// `t` with every source left null pointing at the state it updates: what the kernel loads from.
+inline AdamTensor with_sources(AdamTensor t) {
+  if (!t.param_from) t.param_from = t.param;
+  if (!t.exp_avg_from) t.exp_avg_from = t.exp_avg;
+  if (!t.exp_avg_sq_from) t.exp_avg_sq_from = t.exp_avg_sq;
+  if (!t.max_exp_avg_sq_from) t.max_exp_avg_sq_from = t.max_exp_avg_sq;
+  return t;
+}
+
+// Whether any source is set (the step is out of place).
+inline bool out_of_place(const AdamTensor& t) {
+  return t.param_from || t.exp_avg_from || t.exp_avg_sq_from || t.max_exp_avg_sq_from;
+}
 
 // Scalars derived once per step in double precision, rounded to float as torch does.
 struct AdamScalars {

@@ -15,6 +15,9 @@ struct Avx2Vec {
   static constexpr int kWidth = 8;
   static R load(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, R x) { _mm256_storeu_ps(p, x); }
+  // Non-temporal: p aligned to the vector; fence() orders these stores before what follows.
+  static void stream(float* p, R x) { _mm256_stream_ps(p, x); }
+  static void fence() { _mm_sfence(); }
   static R load_bf16(const uint16_t* p) {
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));

@@ -15,6 +15,9 @@ struct Avx512Vec {
   static constexpr int kWidth = 16;
   static R load(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, R x) { _mm512_storeu_ps(p, x); }
+  // Non-temporal: p aligned to the vector; fence() orders these stores before what follows.
+  static void stream(float* p, R x) { _mm512_stream_ps(p, x); }
+  static void fence() { _mm_sfence(); }
   static R load_bf16(const uint16_t* p) {
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));

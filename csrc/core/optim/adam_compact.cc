@@ -47,7 +47,13 @@ void validate(const AdamHyper& h, const CompactAdamTensor& t, size_t index) {
                              "amsgrad is not supported with compact state (use fp32 state)");
   }
   adam_detail::validate_tensor(kOp, h, t, index, t.exp_avg && t.exp_avg_sq && t.exp_avg_sq_scale,
-                               [] {});
+                               [&] {
+                                 if (h.refresh_from_copy && out_of_place(t)) {
+                                   adam_detail::fail_tensor(kOp, index,
+                                                            "refresh_from_copy updates the weight "
+                                                            "in place; it takes no sources");
+                                 }
+                               });
 }
 
 }  // namespace

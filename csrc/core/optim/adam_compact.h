@@ -49,7 +49,26 @@ struct CompactAdamTensor {
   void* param_copy = nullptr;         // optional: receives the updated weight in copy_type
   DType copy_type = DType::kNone;
   int64_t numel = 0;
+  // Optional, out of place (as AdamTensor's): the old weight, m, v codes and scales are read from
+  // these, the new ones written to the pointers above. Null: in place.
+  const float* param_from = nullptr;
+  const uint16_t* exp_avg_from = nullptr;
+  const uint8_t* exp_avg_sq_from = nullptr;
+  const float* exp_avg_sq_scale_from = nullptr;
 };
+
+// `t` with every source left null pointing at the state it updates: what the kernel loads from.
+inline CompactAdamTensor with_sources(CompactAdamTensor t) {
+  if (!t.param_from) t.param_from = t.param;
+  if (!t.exp_avg_from) t.exp_avg_from = t.exp_avg;
+  if (!t.exp_avg_sq_from) t.exp_avg_sq_from = t.exp_avg_sq;
+  if (!t.exp_avg_sq_scale_from) t.exp_avg_sq_scale_from = t.exp_avg_sq_scale;
+  return t;
+}
+
+inline bool out_of_place(const CompactAdamTensor& t) {
+  return t.param_from || t.exp_avg_from || t.exp_avg_sq_from || t.exp_avg_sq_scale_from;
+}
 
 inline int64_t compact_scale_count(int64_t numel) {
   return (numel + kCompactBlock - 1) / kCompactBlock;

@@ -36,15 +36,16 @@ inline typename V::I encode_v_lanes(typename V::R v, typename V::R block_max) {
   return V::zero_code_where_zero(v, q);
 }
 
-// Pass 1 for V::kWidth elements at i: the step, with the new v stored at vout.
+// Pass 1 for V::kWidth elements at i: the step, with the new v stored at vout. `t` has its
+// sources resolved (with_sources): loads from the *_from pointers, stores to the state pointers.
 template <class V, DType kGrad, DType kCopy, bool kUnscale>
 inline void compact_update(const AdamScalars& s, const Consts<V>& c, const CompactAdamTensor& t,
                            int64_t i, typename V::R old_max, float* vout, typename V::R& vmax,
                            typename V::R& bad) {
   using R = typename V::R;
-  R p = V::load(t.param + i);
-  R m = V::load_bf16(t.exp_avg + i);
-  R v = decode_v_lanes<V>(V::load_u8(t.exp_avg_sq + i), old_max);
+  R p = V::load(t.param_from + i);
+  R m = V::load_bf16(t.exp_avg_from + i);
+  R v = decode_v_lanes<V>(V::load_u8(t.exp_avg_sq_from + i), old_max);
   decay_and_moments<V>(s, c, load_grad<V, kGrad, kUnscale>(c, t.grad, i), p, m, v);
   V::store_bf16(t.exp_avg + i, m);
   V::store(vout, v);
@@ -62,7 +63,7 @@ void compact_block(const AdamScalars& s, const Consts<V>& c, const Consts<S>& cs
   alignas(64) float vnew[kCompactBlock];
   alignas(64) float lanes_max[V::kWidth], lanes_bad[V::kWidth];
   float* scale = t.exp_avg_sq_scale + b0 / kCompactBlock;
-  const float old_max = *scale;
+  const float old_max = t.exp_avg_sq_scale_from[b0 / kCompactBlock];
   typename V::R vmax = V::set1(0.0f), bad = V::set1(0.0f);
   int64_t i = b0;
   for (; i + V::kWidth <= b1; i += V::kWidth) {
@@ -125,8 +126,9 @@ void compact_dispatch_copy(const AdamScalars& s, const CompactAdamTensor& t, int
 }
 
 template <class V, class S>
-void compact_dispatch(const AdamScalars& s, const CompactAdamTensor& t, int64_t begin,
+void compact_dispatch(const AdamScalars& s, const CompactAdamTensor& in, int64_t begin,
                       int64_t end) {
+  const CompactAdamTensor t = with_sources(in);
   switch (t.grad_type) {
     case DType::kBFloat16:
       return compact_dispatch_copy<V, S, DType::kBFloat16>(s, t, begin, end);

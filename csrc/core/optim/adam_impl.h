@@ -82,21 +82,34 @@ inline typename V::R apply_update(const Consts<V>& c, typename V::R p, typename 
   return V::add(p, V::div(V::mul(c.neg_step_size, m), denom));
 }
 
-template <class V, DType kGrad, DType kCopy, bool kUnscale>
+// A state store: non-temporal where kStream (out of place, into memory the step does not read:
+// no read-for-ownership of the destination's lines), else an ordinary one. The same bits.
+template <class V, bool kStream>
+inline void put(float* p, typename V::R x) {
+  if constexpr (kStream) {
+    V::stream(p, x);
+  } else {
+    V::store(p, x);
+  }
+}
+
+// `t` has its sources resolved (with_sources): loads come from the *_from pointers, stores go to
+// the state pointers; in place they are the same.
+template <class V, DType kGrad, DType kCopy, bool kUnscale, bool kStream = false>
 inline void update(const AdamScalars& s, const Consts<V>& c, const AdamTensor& t, int64_t i) {
   using R = typename V::R;
-  R p = V::load(t.param + i);
-  R m = V::load(t.exp_avg + i);
-  R v = V::load(t.exp_avg_sq + i);
+  R p = V::load(t.param_from + i);
+  R m = V::load(t.exp_avg_from + i);
+  R v = V::load(t.exp_avg_sq_from + i);
   decay_and_moments<V>(s, c, load_grad<V, kGrad, kUnscale>(c, t.grad, i), p, m, v);
-  V::store(t.exp_avg + i, m);
-  V::store(t.exp_avg_sq + i, v);
+  put<V, kStream>(t.exp_avg + i, m);
+  put<V, kStream>(t.exp_avg_sq + i, v);
   if (s.amsgrad) {
-    v = V::max(V::load(t.max_exp_avg_sq + i), v);
-    V::store(t.max_exp_avg_sq + i, v);
+    v = V::max(V::load(t.max_exp_avg_sq_from + i), v);
+    put<V, kStream>(t.max_exp_avg_sq + i, v);
   }
   p = apply_update<V>(c, p, m, v);
-  V::store(t.param + i, p);
+  put<V, kStream>(t.param + i, p);
   if constexpr (kCopy != DType::kNone) store_from_f32<V, kCopy>(t.param_copy, i, p);
 }
 
@@ -106,18 +119,38 @@ template <class V, DType kGrad, DType kCopy>
 inline void touch(const AdamTensor& t, int64_t i) {
   using R = typename V::R;
   const R g = load_as_f32<V, kGrad>(t.grad, i);
-  const R p = V::add(V::load(t.param + i), g);
-  V::store(t.exp_avg + i, V::add(V::load(t.exp_avg + i), g));
-  V::store(t.exp_avg_sq + i, V::add(V::load(t.exp_avg_sq + i), g));
+  const R p = V::add(V::load(t.param_from + i), g);
+  V::store(t.exp_avg + i, V::add(V::load(t.exp_avg_from + i), g));
+  V::store(t.exp_avg_sq + i, V::add(V::load(t.exp_avg_sq_from + i), g));
   V::store(t.param + i, p);
   if constexpr (kCopy != DType::kNone) store_from_f32<V, kCopy>(t.param_copy, i, p);
 }
 
-// Vector body plus a scalar tail (S is the scalar V, so tails round exactly like the body).
+// Whether the vector body may store the new state non-temporally: out of place (every state
+// pointer apart from its source), each destination aligned to the vector at `begin`.
+template <class V>
+inline bool streams(const AdamScalars& s, const AdamTensor& t, int64_t begin) {
+  if (V::kWidth == 1) return false;
+  const auto apart = [&](const float* to, const float* from) {
+    return to != from && reinterpret_cast<uintptr_t>(to + begin) % (V::kWidth * sizeof(float)) == 0;
+  };
+  return apart(t.param, t.param_from) && apart(t.exp_avg, t.exp_avg_from) &&
+         apart(t.exp_avg_sq, t.exp_avg_sq_from) &&
+         (!s.amsgrad || apart(t.max_exp_avg_sq, t.max_exp_avg_sq_from));
+}
+
+// Vector body plus a scalar tail (S is the scalar V, so tails round exactly like the body). Out
+// of place into aligned memory the body's stores are non-temporal (fenced at the end).
 template <class V, class S, DType kGrad, DType kCopy, bool kUnscale>
 void update_range(const AdamScalars& s, const AdamTensor& t, int64_t begin, int64_t end) {
   const Consts<V> c(s);
   int64_t i = begin;
+  if (streams<V>(s, t, begin)) {
+    for (; i + V::kWidth <= end; i += V::kWidth) {
+      update<V, kGrad, kCopy, kUnscale, true>(s, c, t, i);
+    }
+    V::fence();
+  }
   for (; i + V::kWidth <= end; i += V::kWidth) update<V, kGrad, kCopy, kUnscale>(s, c, t, i);
   if (i < end) {
     const Consts<S> cs(s);
@@ -152,7 +185,8 @@ void dispatch_copy(const AdamScalars& s, const AdamTensor& t, int64_t begin, int
 }
 
 template <class V, class S>
-void dispatch(const AdamScalars& s, const AdamTensor& t, int64_t begin, int64_t end) {
+void dispatch(const AdamScalars& s, const AdamTensor& in, int64_t begin, int64_t end) {
+  const AdamTensor t = with_sources(in);
   switch (t.grad_type) {
     case DType::kBFloat16:
       return dispatch_copy<V, S, DType::kBFloat16>(s, t, begin, end);
@@ -169,6 +203,8 @@ struct ScalarVec {
   static constexpr int kWidth = 1;
   static R load(const float* p) { return *p; }
   static void store(float* p, R x) { *p = x; }
+  static void stream(float* p, R x) { *p = x; }
+  static void fence() {}
   static R load_bf16(const uint16_t* p) { return bf16_to_f32(*p); }
   static void store_bf16(uint16_t* p, R x) { *p = f32_to_bf16(x); }
   static R load_f16(const uint16_t* p) { return f16_to_f32(*p); }

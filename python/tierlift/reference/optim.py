@@ -115,6 +115,22 @@ def _refresh(op, params, param_copies, refresh) -> None:
         p.copy_(torch.where(same, p, c.float()))
 
 
+def _sources(op, pairs) -> None:
+    """The ops' out-of-place sources (`*_from`): each given list has one tensor per param, read
+    in place of the state tensor beside it. Stepping a copy of the source in place is the same
+    arithmetic, so each source is copied into its state tensor first (the sources are not
+    changed); a source that is the state tensor itself needs nothing."""
+    for name, state, sources in pairs:
+        if sources is None:
+            continue
+        if len(sources) != len(state):
+            raise ValueError(f"{op}: {name} must be None or hold one tensor per param, got "
+                             f"{len(sources)} for {len(state)}")
+        for dst, src in zip(state, sources):
+            if src.data_ptr() != dst.data_ptr() or src.numel() != dst.numel():
+                dst.copy_(src.reshape(dst.shape))
+
+
 @torch.no_grad()
 def adam_step_(
     params,
@@ -134,11 +150,23 @@ def adam_step_(
     maximize,
     grad_scale=None,
     refresh_from_copies=False,
+    params_from=None,
+    exp_avgs_from=None,
+    exp_avg_sqs_from=None,
+    max_exp_avg_sqs_from=None,
 ) -> None:
     s = adam_scalars(lr, beta1, beta2, weight_decay, step)
     hyper = dict(beta1=beta1, beta2=beta2, weight_decay=weight_decay, decoupled=decoupled,
                  maximize=maximize,
                  inv_grad_scale=unscale_factor("adam_step_", grad_scale, params))
+    if refresh_from_copies and params_from is not None:
+        raise ValueError("adam_step_: refresh_from_copies updates params in place; it cannot be "
+                         "combined with params_from")
+    _sources("adam_step_", [("params_from", params, params_from),
+                            ("exp_avgs_from", exp_avgs, exp_avgs_from),
+                            ("exp_avg_sqs_from", exp_avg_sqs, exp_avg_sqs_from),
+                            ("max_exp_avg_sqs_from", max_exp_avg_sqs,
+                             max_exp_avg_sqs_from if amsgrad else None)])
     _refresh("adam_step_", params, param_copies, refresh_from_copies)
     for i, p in enumerate(params):
         m, v = decay_and_moments(p, grads[i], exp_avgs[i], exp_avg_sqs[i], s, **hyper)

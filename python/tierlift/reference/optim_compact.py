@@ -16,6 +16,7 @@ import torch
 
 from tierlift.reference.optim import (
     _refresh,
+    _sources,
     adam_scalars,
     apply_update,
     decay_and_moments,
@@ -85,11 +86,23 @@ def adam_compact_step_(
     maximize,
     grad_scale=None,
     refresh_from_copies=False,
+    params_from=None,
+    exp_avgs_from=None,
+    exp_avg_sqs_from=None,
+    exp_avg_sq_scales_from=None,
 ) -> None:
     s = adam_scalars(lr, beta1, beta2, weight_decay, step)
     hyper = dict(beta1=beta1, beta2=beta2, weight_decay=weight_decay, decoupled=decoupled,
                  maximize=maximize,
                  inv_grad_scale=unscale_factor("adam_compact_step_", grad_scale, params))
+    if refresh_from_copies and params_from is not None:
+        raise ValueError("adam_compact_step_: refresh_from_copies updates params in place; it "
+                         "cannot be combined with params_from")
+    _sources("adam_compact_step_", [("params_from", params, params_from),
+                                    ("exp_avgs_from", exp_avgs, exp_avgs_from),
+                                    ("exp_avg_sqs_from", exp_avg_sqs, exp_avg_sqs_from),
+                                    ("exp_avg_sq_scales_from", exp_avg_sq_scales,
+                                     exp_avg_sq_scales_from)])
     _refresh("adam_compact_step_", params, param_copies, refresh_from_copies)
     for i, p in enumerate(params):
         m = exp_avgs[i].float()
