@@ -30,7 +30,8 @@ def refresh_master(master: torch.Tensor, p: torch.Tensor) -> None:
                                                          dtype=master.dtype)))
 
 
-def prepare(off, gi: int, grads: dict, chunks, stats, rewritten: set | None = None) -> dict:
+def prepare(off, gi: int, grads: dict, chunks, stats, rewritten: set | None = None,
+            speculative: bool = False) -> dict:
     """Makes the committed master weights of `chunks` of Offloader `off` follow the parameters
     before they are stepped. On a parameter's first step its master is written from it. Later,
     only a parameter whose bytes differ from what the optimizer last wrote into it (ParamWatch)
@@ -38,16 +39,30 @@ def prepare(off, gi: int, grads: dict, chunks, stats, rewritten: set | None = No
     to the committed generation, so a failure later in the step puts the parameter back to the
     value it had. Returns {(ci, pi): fingerprint} of the parameters as they were found (the overlap
     keeps them); `rewritten` receives the chunks whose committed master changed. Uses the last
-    slot, which the step's early reads leave free."""
+    slot, which the step's early reads leave free.
+
+    `speculative` (the overlap's worker): a parameter whose last written fingerprint is known is
+    not read at all; its entry is that fingerprint, i.e. the step assumes the parameter is what
+    the optimizer wrote, which its master is. step() compares the parameter with it before it
+    publishes (publish() for fp32 host parameters, in the pass that overwrites them, validate()
+    for the others) and steps the chunk again, refreshing the master, if it changed meanwhile.
+    That saves the worker a read of every parameter per step."""
     params, tier = off.opt.param_groups[gi]["params"], off.tiers[gi]
     if "master" not in tier.kinds:  # every parameter of the group is its own master
         return {}
     t = time.perf_counter()
     segs = [(c, s) for c in chunks for s in c.segments
             if s.pi in grads and off._uses_master(params[s.pi])]
+    seen = {}
+    if speculative:
+        for c, s in segs:
+            known = off._watch.known(gi, (c.ci, s.pi))
+            if known is not None and "step" in off.opt.state[params[s.pi]]:
+                seen[(c.ci, s.pi)] = known
+        segs = [(c, s) for c, s in segs if (c.ci, s.pi) not in seen]
     found = fingerprints([params[s.pi].detach().view(-1)[s.plo:s.phi] for _, s in segs],
                          off._slots[0].get("copy"))
-    seen = {(c.ci, s.pi): v for (c, s), v in zip(segs, found)}
+    seen.update({(c.ci, s.pi): v for (c, s), v in zip(segs, found)})
     todo: dict = {}  # ci -> (chunk, [(segment, first step)])
     for c, s in segs:
         fresh = "step" not in off.opt.state[params[s.pi]]

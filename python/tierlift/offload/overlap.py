@@ -422,7 +422,8 @@ class Overlap:
                 grads = {pi: g.contiguous().view(-1) for pi, g in rec.tensors.items()}
                 scale = (None if rec.scale is None
                          else torch.tensor([rec.scale], dtype=torch.float32))
-                rec.params = masters.prepare(self.off, gi, grads, chunks, self._stats)
+                rec.params = masters.prepare(self.off, gi, grads, chunks, self._stats,
+                                             speculative=True)
                 self.off.run(gi, grads, rec.steps, chunks, self._stats, done, publish=False,
                              scale=scale, used_grads=rec.grads, group=rec.group)
         except BaseException as err:  # noqa: BLE001 - re-raised by finish()

@@ -11,6 +11,10 @@ io engine's pool of `cpu_budget` bytes, allocated once, so the host memory the o
 never exceeds the budget. A step is all-or-nothing: an I/O failure puts the parameters back from
 the committed master weights; inf/NaN gradients are stepped as torch steps them unless a
 GradScaler found them or skip_nonfinite=True asked to skip such steps (nothing changes then).
+
+Host memory with two generations (offload="cpu", overlap=True): no pipeline; the kernel reads a
+chunk's generation g and writes g + 1 where they lie (_run_direct), and the slots only stage
+device gradients and weights.
 """
 
 from __future__ import annotations
@@ -618,6 +622,10 @@ class Offloader(StateIO):
         `group`: the hyperparameters to step with (default: the param group's own)."""
         params, tier = self.opt.param_groups[gi]["params"], self.tiers[gi]
         group = self.opt.param_groups[gi] if group is None else group
+        if chunks and not started and all(tier.direct(c.ci) for c in chunks):
+            self._run_direct(gi, group, grads, steps, chunks, stats, done, publish, scale,
+                             used_grads)
+            return
         n_slots = self.n_slots
         reads: dict[int, list] = dict(started or {})
         writes: dict[int, list] = {}
@@ -681,6 +689,34 @@ class Offloader(StateIO):
         finally:
             track.close()
 
+    def _run_direct(self, gi, group, grads, steps, chunks, stats, done: list, publish: bool,
+                    scale, used_grads) -> None:
+        """run() for two generations in host memory: the kernel reads each chunk's generation g
+        and writes generation g + 1 where they lie, with no slot in between (a slot gives only
+        the staging of device gradients and weights). Segments without a gradient are carried
+        over to g + 1 as they are, as a whole-chunk copy would have carried them."""
+        params, tier = self.opt.param_groups[gi]["params"], self.tiers[gi]
+        for i, chunk in enumerate(chunks):
+            ci = chunk.ci
+            nxt = tier.next_gen(ci)
+            tier._wait_unheld(ci, nxt)  # a save may still read the generation this overwrites
+            src = {k: tier.peek(k, ci, tier.gen[ci]) for k in tier.kinds}
+            bufs = {k: tier.peek(k, ci, nxt) for k in tier.kinds}
+            bufs.update({k: v for k, v in self._slots[i % self.n_slots].items()
+                         if k not in bufs})
+            idle = [s for s in chunk.segments if s.pi not in grads]
+            if idle:
+                t = time.perf_counter()
+                for k in tier.kinds:
+                    for s in idle:
+                        sl = kind_slice(k, s.clo, s.chi)
+                        bufs[k][sl].copy_(src[k][sl])
+                stats["carry_s"] += time.perf_counter() - t
+            done.append(chunk)
+            self._step_chunk(gi, group, params, grads, steps, chunk, bufs, stats, publish,
+                             scale=scale, used_grads=used_grads, sources=src)
+            stats["direct_chunks"] += 1
+
     def _restore(self, gi: int, chunks) -> None:
         """Puts the parameters of `chunks` back to the committed master weights."""
         params, tier = self.opt.param_groups[gi]["params"], self.tiers[gi]
@@ -695,7 +731,11 @@ class Offloader(StateIO):
             self._watch.forget(gi, [(chunk.ci, s.pi) for s in chunk.segments])
 
     def _step_chunk(self, gi, group, params, grads, steps, chunk, bufs, stats,
-                    publish: bool = True, scale=None, used_grads: dict | None = None) -> None:
+                    publish: bool = True, scale=None, used_grads: dict | None = None,
+                    sources: dict | None = None) -> None:
+        """Steps the segments of `chunk` with a gradient: state in `bufs` (a slot, or the
+        tier's own memory), read from `sources` instead where given ({kind: chunk tensor}: out
+        of place, the kernel reads generation g there and writes g + 1 into `bufs`)."""
         t = time.perf_counter()
         buckets: dict = defaultdict(lambda: defaultdict(list))
         h2d = []
@@ -712,17 +752,20 @@ class Offloader(StateIO):
                 for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", SCALE_KIND):
                     if k in bufs:
                         bufs[k][kind_slice(k, s.clo, s.chi)].zero_()
+            b = buckets[steps[s.pi]]
             g = grads[s.pi][s.plo:s.phi]
             if g.device.type != "cpu":
                 g = bufs["grad"][s.clo:s.chi].copy_(g, non_blocking=True)
             used.append(((chunk.ci, s.pi), g))
-            b = buckets[steps[s.pi]]
             stored = self._uses_master(p)
             if stored or p.device.type != "cpu":
                 master = bufs["master"][s.clo:s.chi]
                 if not stored:  # fp32 device weights are their own master: step a copy
                     master.copy_(pflat, non_blocking=True)
                 b["params"].append(master)
+                if sources is not None:
+                    b["master_from"].append(sources["master"][s.clo:s.chi] if stored
+                                            else master)
                 if publish and p.device.type == "cpu":
                     b["copies"].append(pflat)
                 elif publish:
@@ -734,12 +777,17 @@ class Offloader(StateIO):
             else:
                 b["params"].append(pflat)
                 b["copies"].append(pflat)
+                if sources is not None:  # its own master: stepped in place
+                    b["master_from"].append(pflat)
             b["grads"].append(g)
             moments = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
             if self.state_dtype == "bf16":
                 moments += (SCALE_KIND,)
             for k in moments:
-                b[k].append(bufs[k][kind_slice(k, s.clo, s.chi)])
+                sl = kind_slice(k, s.clo, s.chi)
+                b[k].append(bufs[k][sl])
+                if sources is not None:  # a first step starts from the zeros written above
+                    b[f"{k}_from"].append(bufs[k][sl] if fresh else sources[k][sl])
         if self._cuda:
             with self.clock.span("d2h"):
                 torch.cuda.synchronize()  # D2H of this chunk's gradients (and own masters)
@@ -770,18 +818,24 @@ class Offloader(StateIO):
         """The fused SIMD Adam over a chunk's segments, one call per step count."""
         beta1, beta2 = group["betas"]
         for step, b in buckets.items():
+            # Out of place (_run_direct): where the old state is read.
+            src = {f"{name}_from": b.get(f"{k}_from") for name, k in (
+                ("params", "master"), ("exp_avgs", "exp_avg"), ("exp_avg_sqs", "exp_avg_sq"),
+                ("max_exp_avg_sqs" if self.state_dtype != "bf16" else "exp_avg_sq_scales",
+                 "max_exp_avg_sq" if self.state_dtype != "bf16" else SCALE_KIND))}
             if self.state_dtype == "bf16":
                 ops.adam_compact_step_(
                     b["params"], b["grads"], b["exp_avg"], b["exp_avg_sq"], b[SCALE_KIND],
                     b["copies"], lr=float(group["lr"]), beta1=beta1, beta2=beta2,
                     eps=group["eps"], weight_decay=group["weight_decay"], step=step,
-                    decoupled=self.opt._decoupled(group), maximize=group["maximize"], **amp)
+                    decoupled=self.opt._decoupled(group), maximize=group["maximize"], **amp,
+                    **src)
                 continue
             ops.adam_step_(
                 b["params"], b["grads"], b["exp_avg"], b["exp_avg_sq"], b["max_exp_avg_sq"],
                 b["copies"], lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                 weight_decay=group["weight_decay"], step=step,
                 decoupled=self.opt._decoupled(group), amsgrad=amsgrad,
-                maximize=group["maximize"], **amp)
+                maximize=group["maximize"], **amp, **src)
 
 __all__ = ["Offloader"]

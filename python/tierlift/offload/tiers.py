@@ -1,7 +1,8 @@
 """Where one param group's flat state kinds (master, exp_avg, exp_avg_sq, max_exp_avg_sq) live.
 
 MemoryTier: resident flat tensors, one per kind in the kind's dtype (pinned when CUDA is
-available); a chunk "read" is a view.
+available); a chunk "read" is a view. With two generations (overlap) a step reads generation g of
+a chunk and writes g + 1 where they lie (`direct`: the kernel steps out of place, no slot copy).
 NvmeTier: files per kind; with two generations a step reads chunk k from generation g[k] and
 writes the updated chunk to 1 - g[k]; g[k] flips only after every write of the step reached the
 device, so a failed step leaves the committed generation untouched. With one generation (half
@@ -251,6 +252,11 @@ class _Holdable:
         if self.generations == 2:
             self.gen[ci] = 1 - self.gen[ci]
 
+    def direct(self, ci: int) -> bool:
+        """Whether a step of chunk ci reads and writes the tier's own memory, with no slot in
+        between (MemoryTier with two generations)."""
+        return False
+
     def _init_holds(self) -> None:
         self.held = threading.Condition()
         self.holds: list[GenerationHold] = []
@@ -302,6 +308,11 @@ class MemoryTier(_Holdable):
     def viewable(self, ci: int) -> bool:
         """Whether view(ci) gives the committed chunk itself (host memory)."""
         return True
+
+    def direct(self, ci: int) -> bool:
+        """Two generations in host memory: a step reads generation g and writes g + 1 where
+        they lie (the kernel steps out of place)."""
+        return self.generations == 2
 
     def view(self, kind: str, ci: int, chunk_elems: int) -> torch.Tensor:
         n = kind_elems(kind, self.chunk_elems)
