@@ -602,6 +602,9 @@ def main(argv=None) -> int:
     ap.add_argument("--legs-chunk-bytes", type=int, default=1 << 20,
                     help="--legs: AdamW chunk_bytes (a chunk that spans two units waits for "
                          "both gradients, so the default is below a unit's size)")
+    ap.add_argument("--legs-host-idle", action="store_true",
+                    help="--legs: each unit's compute a stand-in the host waits for, as for a "
+                         "GPU (the overlap's worker gets the cores, as on a GPU machine)")
     add_finetune_args(ap)
     args = ap.parse_args(argv)
     if args.state_dtype != "fp32" and not args.layouts:
