@@ -73,7 +73,7 @@ GRAD_ACTIONS = ["accumulate", "clip_norm_clips", "clip_norm_noop", "clip_value",
                 "onecycle", "grad_data_mul", "grad_numpy_mul", "grad_mul", "grad_replace",
                 "state_dict_before_step", "opt_load_before_step", "skip_step"]
 WEIGHT_ACTIONS = ["w_load_state_dict", "w_mul", "w_data_copy_ema", "w_numpy"]
-GRAD_MODES = ["none", "cpu", "nvme2", "cpu_ov", "nvme2_ov", "hybrid_ov"]
+GRAD_MODES = ["none", "cpu", "nvme2", "cpu_ov", "cpu_ov_spare", "nvme2_ov", "hybrid_ov"]
 # The second timing (seed 1, two threads) for the actions whose outcome raced with backward.
 RACY = ["accumulate", "grad_numpy_mul", "state_dict_before_step", "opt_load_before_step"]
 

@@ -32,8 +32,11 @@ class OffloadConfig:
     the largest request the io engine sends the device (1, 2 and 4 MiB measured the same on the
     development VM's virtio disk, whose max_sectors_kb is 4096). `overlap`: step
     each chunk in a background thread as soon as its gradients are ready (see
-    tierlift.offload.overlap). `max_grad_norm`: clip by the global norm inside step(), exactly as
-    torch.nn.utils.clip_grad_norm_ would just before it, without invalidating the overlap when
+    tierlift.offload.overlap); with offload="cpu" that keeps two generations of the state, or,
+    under a `cpu_budget` that does not hold them, one generation and as many spare chunks as the
+    budget does (the chunks stepped ahead; the others wait for step()). `max_grad_norm`: clip
+    by the global norm inside step(), exactly as torch.nn.utils.clip_grad_norm_ would just
+    before it, without invalidating the overlap when
     no scaling is needed. `skip_nonfinite`: a step whose gradients hold inf/NaN is skipped
     (warned; weights, state and step counts unchanged) instead of stepped as torch steps it,
     NaN into the weights; under a GradScaler such a step is always skipped, as torch does."""

@@ -390,8 +390,9 @@ class Overlap:
             ready = []
             tier = self.off.tiers[gi]
             for chunk in self.off.layouts[gi].chunks_of(pi):
-                # One-generation chunks are rewritten in place, so only step() may touch them.
-                if chunk.ci in self._submitted[gi] or not tier.two_gen(chunk.ci):
+                # One-generation chunks are rewritten in place, so only step() may touch them
+                # (a host tier's spare blocks, while they last, give them a second copy).
+                if chunk.ci in self._submitted[gi] or not tier.speculates(chunk.ci):
                     continue
                 if all(s.pi in self._ready[gi] or not params[s.pi].requires_grad
                        for s in chunk.segments):
@@ -422,6 +423,11 @@ class Overlap:
                 grads = {pi: g.contiguous().view(-1) for pi, g in rec.tensors.items()}
                 scale = (None if rec.scale is None
                          else torch.tensor([rec.scale], dtype=torch.float32))
+                # Somewhere to write each chunk's new state; without it step() steps it.
+                tier = self.off.tiers[gi]
+                room = [c for c in chunks if tier.reserve(c.ci)]
+                self._stats["overlap_no_room_chunks"] += len(chunks) - len(room)
+                chunks = room
                 rec.params = masters.prepare(self.off, gi, grads, chunks, self._stats,
                                              speculative=True)
                 self.off.run(gi, grads, rec.steps, chunks, self._stats, done, publish=False,
@@ -446,6 +452,8 @@ class Overlap:
         spec, err = dict(self._spec), self._error
         self._reset()
         if err is not None:
+            for tier in self.off.tiers:  # its spare blocks go back with its chunks
+                tier.release_spare()
             self.off._raise(err)  # nothing to undo: speculation touches no committed state
         return spec
 
@@ -461,6 +469,8 @@ class Overlap:
         the chunks stepped ahead started from the old one, so step() steps them again."""
         self.wait()
         self._spec.clear()
+        for tier in self.off.tiers:
+            tier.release_spare()
 
     def close(self, join: bool = True) -> None:
         for h in self._handles:

@@ -179,14 +179,21 @@ class Offloader(StateIO):
         self._durable = None  # DurableState with durable=True
         self.pool_bytes = 0
         if config.offload == "cpu":
-            self.tiers = []
-            gens = 2 if self.streamed else 1
-            for k, lay, dt in zip(self._tier_kinds, self.layouts, self._dtypes):
-                self.tiers.append(MemoryTier(k, len(lay.chunks), chunk_elems, self._pin, gens,
-                                             dtypes=dt))
             slot_kinds = self._slot_kinds if self.streamed else ["grad", "copy"]
             if not self.streamed and not self._cuda:
                 slot_kinds = []
+            spare = self._spare_chunks(slots, slot_kinds)
+            if spare is not None:  # the slots only stage device gradients and weights
+                slot_kinds = [k for k in ("grad", "copy") if k in slot_dtypes]
+            self.tiers = []
+            for gi, (k, lay, dt) in enumerate(zip(self._tier_kinds, self.layouts, self._dtypes)):
+                if spare is None:  # two generations when overlapped
+                    tier = MemoryTier(k, len(lay.chunks), chunk_elems, self._pin,
+                                      2 if self.streamed else 1, dtypes=dt)
+                else:
+                    tier = MemoryTier(k, len(lay.chunks), chunk_elems, self._pin, 1, dtypes=dt,
+                                      spare=spare[gi])
+                self.tiers.append(tier)
             self._slots = [{k: torch.empty(chunk_bytes({k: slot_dtypes[k]}, chunk_elems)
                                            // slot_dtypes[k].itemsize, dtype=slot_dtypes[k],
                                            pin_memory=self._pin) for k in slot_kinds}
@@ -254,6 +261,40 @@ class Offloader(StateIO):
             scaler_scan.install()
 
     # ---- helpers -------------------------------------------------------------------------
+    def _spare_chunks(self, slots: int, slot_kinds: list) -> list[int] | None:
+        """offload="cpu" with overlap keeps two generations of the state, unless `cpu_budget`
+        is smaller than that (and the full staging): then one generation plus, per group, as
+        many spare chunk blocks as the rest of the budget holds (tiers.MemoryTier), in group
+        order; the overlap steps ahead as many chunks as there are spare blocks and step()
+        the rest. None: two generations (or no overlap)."""
+        budget = self.config.cpu_budget
+        if not self.streamed or budget is None:
+            return None
+        dts = self._slot_dtypes
+
+        def staging(kinds) -> int:
+            return slots * chunk_bytes({k: dts[k] for k in kinds}, self.chunk_elems)
+
+        per_chunk = [chunk_bytes({kd: dt[kd] for kd in k}, self.chunk_elems, aligned=False)
+                     for k, dt in zip(self._tier_kinds, self._dtypes)]
+        counts = [len(lay.chunks) for lay in self.layouts]
+        one = sum(c * n for c, n in zip(per_chunk, counts))
+        if 2 * one + staging(slot_kinds) <= budget:
+            return None
+        room = budget - one - staging([k for k in ("grad", "copy") if k in dts])
+        spare = []
+        for c, n in zip(per_chunk, counts):
+            got = max(0, min(n, room // c)) if c else 0
+            spare.append(got)
+            room -= got * c
+        if room >= 0 and sum(counts) and not any(spare):
+            warnings.warn(
+                f"tierlift offload: cpu_budget={budget} holds the optimizer state but no spare "
+                f"chunk beside it ({min(c for c in per_chunk if c)} bytes each), so "
+                "overlap=True steps nothing during backward; every chunk is stepped in step()",
+                RuntimeWarning, stacklevel=4)
+        return spare
+
     def check_lists(self) -> None:
         """Refuses params lists changed since construction (checks.check_lists)."""
         check_lists(self.opt.param_groups, self._built)
@@ -333,6 +374,14 @@ class Offloader(StateIO):
         t0 = time.perf_counter()
         stats = defaultdict(float)
         spec = self.overlap.finish(stats) if self.overlap is not None else {}
+        try:
+            self._step_from(spec, stats, t0, seen, grad_scale, found_inf)
+        finally:  # spare blocks this step did not commit go back (tiers.MemoryTier)
+            for tier in self.tiers:
+                tier.release_spare()
+
+    def _step_from(self, spec: dict, stats, t0: float, seen, grad_scale, found_inf) -> None:
+        """The step once the overlap's chunks stepped ahead (`spec`) are in."""
         scale = None if grad_scale is None else scale_value(grad_scale)
         live = gradients.collect(self)
         early = self._read_early(live, spec)
@@ -722,9 +771,12 @@ class Offloader(StateIO):
         params, tier = self.opt.param_groups[gi]["params"], self.tiers[gi]
         if not chunks or "master" not in tier.kinds:
             return
-        buf = self._slots[0]["master"]
         for chunk in chunks:
-            tier.read("master", chunk.ci, buf).wait()
+            if tier.viewable(chunk.ci):  # host memory: the committed chunk itself
+                buf = tier.view("master", chunk.ci, self.chunk_elems)
+            else:
+                buf = self._slots[0]["master"]
+                tier.read("master", chunk.ci, buf).wait()
             for s in chunk.segments:
                 if s.pi in self._in_file[gi]:
                     params[s.pi].detach().view(-1)[s.plo:s.phi].copy_(buf[s.clo:s.chi])

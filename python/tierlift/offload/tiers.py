@@ -257,6 +257,17 @@ class _Holdable:
         between (MemoryTier with two generations)."""
         return False
 
+    def speculates(self, ci: int) -> bool:
+        """Whether the overlap may step chunk ci ahead (it needs somewhere to write the new
+        state other than the committed one; reserve() takes it)."""
+        return self.two_gen(ci)
+
+    def reserve(self, ci: int) -> bool:
+        return self.two_gen(ci)
+
+    def release_spare(self) -> None:
+        pass
+
     def _init_holds(self) -> None:
         self.held = threading.Condition()
         self.holds: list[GenerationHold] = []
@@ -286,18 +297,32 @@ class _Holdable:
 
 
 class MemoryTier(_Holdable):
-    """generations=1: chunks are views, updated in place. generations=2: the NvmeTier protocol
-    (read into a slot, write to the other generation), so a step can be undone."""
+    """generations=1: chunks are views, updated in place. generations=2: a step reads a chunk's
+    generation g and writes g + 1 (both where they lie: `direct`), so it can be undone.
+
+    generations=1 with `spare` blocks: one generation plus `spare` chunk-sized blocks that a
+    step may write a chunk's new state into instead of rewriting it in place (`reserve`): such
+    a chunk is two-generation until its step commits (`flip` adopts the block and frees the old
+    one) or gives it up (`release_spare`). The overlap's worker steps chunks ahead this way as
+    long as blocks are free; the others wait for step() and are rewritten in place there.
+    `block[ci]`: where chunk ci's committed state lies; `pending[ci]`: its uncommitted block."""
 
     def __init__(self, kinds: list[str], n_chunks: int, chunk_elems: int, pin: bool,
-                 generations: int = 1, dtypes: dict | None = None):
+                 generations: int = 1, dtypes: dict | None = None, spare: int = 0):
+        if spare and generations != 1:
+            raise ValueError("spare blocks are for a one-generation MemoryTier")
         self.kinds = kinds
         self.dtypes = {k: (dtypes or {}).get(k, torch.float32) for k in kinds}
         self.chunk_elems = chunk_elems
         self.generations = generations
         self.gen = [0] * n_chunks
+        self.spare = spare
+        self.block = list(range(n_chunks))
+        self.free = list(range(n_chunks, n_chunks + spare))
+        self.pending: dict[int, int] = {}
+        self._spare_lock = threading.Lock()
         self._init_holds()
-        self.flat = {(k, g): torch.zeros(n_chunks * kind_elems(k, chunk_elems),
+        self.flat = {(k, g): torch.zeros((n_chunks + spare) * kind_elems(k, chunk_elems),
                                          dtype=self.dtypes[k], pin_memory=pin)
                      for k in kinds for g in range(generations)}
 
@@ -309,19 +334,63 @@ class MemoryTier(_Holdable):
         """Whether view(ci) gives the committed chunk itself (host memory)."""
         return True
 
+    def two_gen(self, ci: int) -> bool:
+        return self.generations == 2 or ci in self.pending
+
+    def next_gen(self, ci: int) -> int:
+        if self.generations == 2:
+            return 1 - self.gen[ci]
+        return 1 if ci in self.pending else 0
+
+    def flip(self, ci: int) -> None:
+        if self.generations == 2:
+            self.gen[ci] = 1 - self.gen[ci]
+            return
+        with self._spare_lock:
+            if ci in self.pending:
+                self.free.append(self.block[ci])
+                self.block[ci] = self.pending.pop(ci)
+
     def direct(self, ci: int) -> bool:
-        """Two generations in host memory: a step reads generation g and writes g + 1 where
-        they lie (the kernel steps out of place)."""
-        return self.generations == 2
+        """Whether a step of chunk ci reads its committed state and writes the new one where
+        they lie (the kernel steps out of place): two generations, or a reserved spare block."""
+        return self.two_gen(ci)
+
+    def speculates(self, ci: int) -> bool:
+        return self.generations == 2 or self.spare > 0
+
+    def reserve(self, ci: int) -> bool:
+        """A block for chunk ci's next state: True with two generations, or once a spare block
+        is held for it (until flip or release_spare); False when none is free."""
+        if self.generations == 2:
+            return True
+        with self._spare_lock:
+            if ci not in self.pending:
+                if not self.free:
+                    return False
+                self.pending[ci] = self.free.pop()
+            return True
+
+    def release_spare(self) -> None:
+        """Gives every block that no step committed back (the step ended, or its speculative
+        chunks were dropped)."""
+        with self._spare_lock:
+            self.free.extend(self.pending.values())
+            self.pending.clear()
+
+    def _at(self, kind: str, ci: int, gen: int) -> torch.Tensor:
+        n = kind_elems(kind, self.chunk_elems)
+        if self.generations == 2:
+            return self.flat[(kind, gen)][ci * n:(ci + 1) * n]
+        b = self.pending[ci] if gen else self.block[ci]
+        return self.flat[(kind, 0)][b * n:(b + 1) * n]
 
     def view(self, kind: str, ci: int, chunk_elems: int) -> torch.Tensor:
-        n = kind_elems(kind, self.chunk_elems)
-        return self.flat[(kind, self.gen[ci])][ci * n:(ci + 1) * n]
+        return self._at(kind, ci, self.gen[ci])
 
     def peek(self, kind: str, ci: int, gen: int) -> torch.Tensor:
         """Chunk ci of generation `gen` itself, to read without a copy (publishing a step)."""
-        n = kind_elems(kind, self.chunk_elems)
-        return self.flat[(kind, gen)][ci * n:(ci + 1) * n]
+        return self._at(kind, ci, gen)
 
     def part(self, kind: str, ci: int, buf: torch.Tensor) -> torch.Tensor:
         """The part of a chunk buffer (a slot may be longer: padded for O_DIRECT) it holds."""
@@ -329,10 +398,9 @@ class MemoryTier(_Holdable):
 
     def read(self, kind: str, ci: int, buf: torch.Tensor, gen: int | None = None):
         """Copies chunk ci (its first buf.numel() values) into `buf`."""
-        g = self.gen[ci] if gen is None else gen
-        n = kind_elems(kind, self.chunk_elems)
-        m = min(buf.numel(), n)
-        buf[:m].copy_(self.flat[(kind, g)][ci * n:ci * n + m])
+        src = self._at(kind, ci, self.gen[ci] if gen is None else gen)
+        m = min(buf.numel(), src.numel())
+        buf[:m].copy_(src[:m])
         return _Done(buf)
 
     def verify(self, kind, ci, buf, what, gen=None) -> None:
@@ -346,8 +414,8 @@ class MemoryTier(_Holdable):
 
     def write(self, kind: str, ci: int, buf: torch.Tensor, gen: int):
         self._wait_unheld(ci, gen)
-        n = kind_elems(kind, self.chunk_elems)
-        self.flat[(kind, gen)][ci * n:(ci + 1) * n].copy_(buf[:n])
+        dst = self._at(kind, ci, gen)
+        dst.copy_(buf[:dst.numel()])
         return _Done(buf)
 
 
