@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tierlift._shards import is_shard, on_shard_grad_ready, shard_owner
-from tierlift.offload import masters
+from tierlift.offload import d2h, masters
 from tierlift.offload.checks import check_group
 from tierlift.offload.legs import WAIT
 from tierlift.offload.tiers import drain
@@ -108,6 +108,7 @@ class Record:
     grads: dict = field(default_factory=dict)  # (ci, pi) -> fingerprint of the gradient read
     params: dict = field(default_factory=dict)  # (ci, pi) -> fingerprint of the parameter
     landing: list = field(default_factory=list)  # events of gradient copies still in flight
+    ready: list = field(default_factory=list)  # events of device gradients' production (d2h)
 
 
 def landing_event(p: torch.Tensor):
@@ -405,7 +406,9 @@ class Overlap:
                          hyper=group_settings(group),
                          scale=self.off._scale_seen,
                          landing=[e for e in (landing_event(params[q]) for q in pis)
-                                  if e is not None])
+                                  if e is not None],
+                         # the hook runs on the stream that produced the gradients
+                         ready=d2h.ready_events([params[q].grad for q in pis]))
             self._pending.append(self._pool.submit(self._work, gi, ready, rec))
 
     def _work(self, gi: int, chunks, rec: Record) -> None:
@@ -431,7 +434,8 @@ class Overlap:
                 rec.params = masters.prepare(self.off, gi, grads, chunks, self._stats,
                                              speculative=True)
                 self.off.run(gi, grads, rec.steps, chunks, self._stats, done, publish=False,
-                             scale=scale, used_grads=rec.grads, group=rec.group)
+                             scale=scale, used_grads=rec.grads, group=rec.group,
+                             ready=rec.ready)
         except BaseException as err:  # noqa: BLE001 - re-raised by finish()
             self._error = err
         finally:

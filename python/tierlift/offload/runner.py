@@ -33,7 +33,7 @@ import torch.distributed as dist
 from tierlift import ops
 from tierlift._shards import all_ranks_agree, is_shard, shard_owner
 from tierlift.io import ChecksumError, EngineConfig, IoEngine
-from tierlift.offload import gradients, legs, masters, scaler_scan
+from tierlift.offload import d2h, gradients, legs, masters, scaler_scan
 from tierlift.offload.checks import (
     check_group,
     check_lists,
@@ -101,7 +101,8 @@ class Offloader(StateIO):
                         f"{p.stride()}) must be contiguous for offload: make the parameter "
                         "contiguous before building the optimizer, or use offload='none', "
                         "which steps it through a contiguous copy")
-        self._cuda = any(p.device.type == "cuda" for p in params)
+        self._cuda = any(d2h.on_device(p) for p in params)
+        self._copier = d2h.Copier()  # D2H of device gradients, on a copy stream
         self._pin = torch.cuda.is_available()
         self.state_dtype = getattr(optimizer, "_state_dtype", "fp32")
         self._dtypes = [state_kinds(g["amsgrad"], self.state_dtype)
@@ -661,19 +662,21 @@ class Offloader(StateIO):
 
     def run(self, gi, grads, steps, chunks, stats, done: list, publish: bool = True,
             started: dict | None = None, scale=None, used_grads: dict | None = None,
-            group: dict | None = None) -> None:
+            group: dict | None = None, ready: list | None = None) -> None:
         """With S pipeline slots: reads chunks k+1 .. k+S-2 ahead while stepping chunk k while
         chunk k-1 is written to the other generation; returns once every write finished.
         Chunks whose parameters were updated are appended to `done` (also when this raises).
         `started`: {j: handles} of the first chunks' reads, already issued into slot j.
         `scale`: the GradScaler scale the gradients still carry (a 1-element fp32 tensor).
         `used_grads`: receives {(ci, pi): fingerprint} of the gradients each chunk read.
-        `group`: the hyperparameters to step with (default: the param group's own)."""
+        `group`: the hyperparameters to step with (default: the param group's own).
+        `ready`: events of the device gradients' production (the overlap's hook recorded them);
+        None: the copies wait for what the current stream has queued (d2h.Copier)."""
         params, tier = self.opt.param_groups[gi]["params"], self.tiers[gi]
         group = self.opt.param_groups[gi] if group is None else group
         if chunks and not started and all(tier.direct(c.ci) for c in chunks):
             self._run_direct(gi, group, grads, steps, chunks, stats, done, publish, scale,
-                             used_grads)
+                             used_grads, ready)
             return
         n_slots = self.n_slots
         reads: dict[int, list] = dict(started or {})
@@ -719,7 +722,7 @@ class Offloader(StateIO):
                 stats["nvme_read_bytes"] += nbytes
                 done.append(chunk)
                 self._step_chunk(gi, group, params, grads, steps, chunk, bufs, stats, publish,
-                                 scale=scale, used_grads=used_grads)
+                                 scale=scale, used_grads=used_grads, ready=ready)
                 if journaled and not tier.two_gen(chunk.ci):
                     writes[i] = [self._durable.stage(tier, gi, chunk.ci, i % n_slots, bufs)]
                     stats["journal_write_bytes"] += nbytes
@@ -739,7 +742,7 @@ class Offloader(StateIO):
             track.close()
 
     def _run_direct(self, gi, group, grads, steps, chunks, stats, done: list, publish: bool,
-                    scale, used_grads) -> None:
+                    scale, used_grads, ready) -> None:
         """run() for two generations in host memory: the kernel reads each chunk's generation g
         and writes generation g + 1 where they lie, with no slot in between (a slot gives only
         the staging of device gradients and weights). Segments without a gradient are carried
@@ -763,7 +766,7 @@ class Offloader(StateIO):
                 stats["carry_s"] += time.perf_counter() - t
             done.append(chunk)
             self._step_chunk(gi, group, params, grads, steps, chunk, bufs, stats, publish,
-                             scale=scale, used_grads=used_grads, sources=src)
+                             scale=scale, used_grads=used_grads, sources=src, ready=ready)
             stats["direct_chunks"] += 1
 
     def _restore(self, gi: int, chunks) -> None:
@@ -784,11 +787,14 @@ class Offloader(StateIO):
 
     def _step_chunk(self, gi, group, params, grads, steps, chunk, bufs, stats,
                     publish: bool = True, scale=None, used_grads: dict | None = None,
-                    sources: dict | None = None) -> None:
+                    sources: dict | None = None, ready: list | None = None) -> None:
         """Steps the segments of `chunk` with a gradient: state in `bufs` (a slot, or the
         tier's own memory), read from `sources` instead where given ({kind: chunk tensor}: out
-        of place, the kernel reads generation g there and writes g + 1 into `bufs`)."""
+        of place, the kernel reads generation g there and writes g + 1 into `bufs`). Device
+        gradients (and device weights that are their own master) are copied into the slot
+        after `ready` (d2h.Copier), and only those copies are waited for."""
         t = time.perf_counter()
+        d2h_pairs = []  # (host staging, device tensor)
         buckets: dict = defaultdict(lambda: defaultdict(list))
         h2d = []
         used = []  # (key, gradient as read)
@@ -806,14 +812,15 @@ class Offloader(StateIO):
                         bufs[k][kind_slice(k, s.clo, s.chi)].zero_()
             b = buckets[steps[s.pi]]
             g = grads[s.pi][s.plo:s.phi]
-            if g.device.type != "cpu":
-                g = bufs["grad"][s.clo:s.chi].copy_(g, non_blocking=True)
+            if d2h.on_device(g):
+                d2h_pairs.append((bufs["grad"][s.clo:s.chi], g))
+                g = bufs["grad"][s.clo:s.chi]
             used.append(((chunk.ci, s.pi), g))
             stored = self._uses_master(p)
             if stored or p.device.type != "cpu":
                 master = bufs["master"][s.clo:s.chi]
                 if not stored:  # fp32 device weights are their own master: step a copy
-                    master.copy_(pflat, non_blocking=True)
+                    d2h_pairs.append((master, pflat))
                 b["params"].append(master)
                 if sources is not None:
                     b["master_from"].append(sources["master"][s.clo:s.chi] if stored
@@ -840,9 +847,9 @@ class Offloader(StateIO):
                 b[k].append(bufs[k][sl])
                 if sources is not None:  # a first step starts from the zeros written above
                     b[f"{k}_from"].append(bufs[k][sl] if fresh else sources[k][sl])
-        if self._cuda:
+        if d2h_pairs:
             with self.clock.span("d2h"):
-                torch.cuda.synchronize()  # D2H of this chunk's gradients (and own masters)
+                self._wait_copies(d2h_pairs, ready)
             stats["d2h_s"] += time.perf_counter() - t
         if used_grads is not None:  # the overlap keeps the step only if these stay the same
             t = time.perf_counter()
@@ -865,6 +872,12 @@ class Offloader(StateIO):
                     dst.copy_(src, non_blocking=True)
                 torch.cuda.synchronize()  # the staging slot is reused three chunks later
             stats["h2d_s"] += time.perf_counter() - t2
+
+    def _wait_copies(self, pairs: list, ready: list | None) -> None:
+        """Copies a chunk's device tensors into its host staging and waits for those copies
+        alone: on the copy stream, after `ready` (d2h.Copier), not for every kernel queued."""
+        for event in self._copier.copy(pairs, ready):
+            event.synchronize()
 
     def _adam(self, group: dict, buckets: dict, amp: dict, amsgrad: bool) -> None:
         """The fused SIMD Adam over a chunk's segments, one call per step count."""
