@@ -32,7 +32,8 @@ LAYERS = [
     ["_shards", "io", "ops"],  # ZeRO shard registry (for offload); NVMe I/O; op wrappers
     ["_torch_patch"],  # wrapping a private torch method
     ["reference"],  # pure-torch kernels
-    ["_extension", "_plotting"],  # loads tierlift._C; imports matplotlib when a plot is drawn
+    ["_extension", "_plotting", "_peak_rss"],  # loads tierlift._C; imports matplotlib when a
+    # plot is drawn; peak host memory of a piece of work (tests and benchmarks)
     ["_C"],
 ]
 
