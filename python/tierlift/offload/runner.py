@@ -14,7 +14,9 @@ GradScaler found them or skip_nonfinite=True asked to skip such steps (nothing c
 
 Host memory with two generations (offload="cpu", overlap=True): no pipeline; the kernel reads a
 chunk's generation g and writes g + 1 where they lie (_run_direct), and the slots only stage
-device gradients and weights.
+device gradients and weights. Under a cpu_budget below two generations the host tier keeps one
+generation and spare blocks (_spare_chunks, tiers.MemoryTier): the overlap steps chunks ahead
+into spare blocks, step() steps the others in place after the rest is published.
 """
 
 from __future__ import annotations
