@@ -17,6 +17,8 @@ chunk's generation g and writes g + 1 where they lie (_run_direct), and the slot
 device gradients and weights. Under a cpu_budget below two generations the host tier keeps one
 generation and spare blocks (_spare_chunks, tiers.MemoryTier): the overlap steps chunks ahead
 into spare blocks, step() steps the others in place after the rest is published.
+
+A chunk's kernel step itself (staging, the SIMD Adam, publishing the weights): chunk_step.py.
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from tierlift import ops
 from tierlift._shards import all_ranks_agree, is_shard, shard_owner
 from tierlift.io import ChecksumError, EngineConfig, IoEngine
 from tierlift.offload import d2h, gradients, legs, masters, scaler_scan
@@ -43,11 +44,11 @@ from tierlift.offload.checks import (
     listed,
     scale_value,
 )
+from tierlift.offload.chunk_step import ChunkStep
 from tierlift.offload.config import OffloadConfig
 from tierlift.offload.durable import DurableState, claim_dir, durable_dir, read_manifest
 from tierlift.offload.layout import (
     ALIGN_ELEMS,
-    SCALE_KIND,
     build_layout,
     chunk_bytes,
     even_chunk_elems,
@@ -66,7 +67,7 @@ from tierlift.offload.tiers import (
     make_state_dir,
     remove_stale_dirs,
 )
-from tierlift.offload.watch import ParamWatch, fingerprints
+from tierlift.offload.watch import ParamWatch
 
 _MIN_SLOTS = 3  # read ahead, step, write back
 MIN_SLOT_CHUNK_BYTES = 1 << 20  # the smallest chunk per kind worth an extra pipeline slot
@@ -82,7 +83,7 @@ def _release(directory: str, fresh: bool) -> None:
             os.unlink(os.path.join(directory, "owner.json"))
 
 
-class Offloader(StateIO):
+class Offloader(StateIO, ChunkStep):
     def __init__(self, optimizer, config: OffloadConfig):
         check_params(optimizer.param_groups)
         self._built = listed(optimizer.param_groups)
@@ -655,13 +656,6 @@ class Offloader(StateIO):
                           "they were before this step") from err
         raise err
 
-    @staticmethod
-    def _staging(p: torch.Tensor, s, bufs: dict) -> torch.Tensor:
-        """Host staging of segment `s` of device parameter `p`, in p's dtype (a slot's copy
-        buffer is fp32-sized, so any parameter dtype fits)."""
-        n = p.element_size()
-        return bufs["copy"].view(torch.uint8)[s.clo * n:s.chi * n].view(p.dtype)
-
     def run(self, gi, grads, steps, chunks, stats, done: list, publish: bool = True,
             started: dict | None = None, scale=None, used_grads: dict | None = None,
             group: dict | None = None, ready: list | None = None) -> None:
@@ -787,122 +781,5 @@ class Offloader(StateIO):
                     params[s.pi].detach().view(-1)[s.plo:s.phi].copy_(buf[s.clo:s.chi])
             self._watch.forget(gi, [(chunk.ci, s.pi) for s in chunk.segments])
 
-    def _step_chunk(self, gi, group, params, grads, steps, chunk, bufs, stats,
-                    publish: bool = True, scale=None, used_grads: dict | None = None,
-                    sources: dict | None = None, ready: list | None = None) -> None:
-        """Steps the segments of `chunk` with a gradient: state in `bufs` (a slot, or the
-        tier's own memory), read from `sources` instead where given ({kind: chunk tensor}: out
-        of place, the kernel reads generation g there and writes g + 1 into `bufs`). Device
-        gradients (and device weights that are their own master) are copied into the slot
-        after `ready` (d2h.Copier), and only those copies are waited for."""
-        t = time.perf_counter()
-        d2h_pairs = []  # (host staging, device tensor)
-        buckets: dict = defaultdict(lambda: defaultdict(list))
-        h2d = []
-        used = []  # (key, gradient as read)
-        written = []  # (key, parameter bytes as written), for ParamWatch
-        amsgrad = group["amsgrad"]
-        for s in chunk.segments:
-            if s.pi not in grads:
-                continue
-            p = params[s.pi]
-            pflat = p.detach().view(-1)[s.plo:s.phi]
-            fresh = "step" not in self.opt.state[p]
-            if fresh:
-                for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", SCALE_KIND):
-                    if k in bufs:
-                        bufs[k][kind_slice(k, s.clo, s.chi)].zero_()
-            b = buckets[steps[s.pi]]
-            g = grads[s.pi][s.plo:s.phi]
-            if d2h.on_device(g):
-                d2h_pairs.append((bufs["grad"][s.clo:s.chi], g))
-                g = bufs["grad"][s.clo:s.chi]
-            used.append(((chunk.ci, s.pi), g))
-            stored = self._uses_master(p)
-            if stored or p.device.type != "cpu":
-                master = bufs["master"][s.clo:s.chi]
-                if not stored:  # fp32 device weights are their own master: step a copy
-                    d2h_pairs.append((master, pflat))
-                b["params"].append(master)
-                if sources is not None:
-                    b["master_from"].append(sources["master"][s.clo:s.chi] if stored
-                                            else master)
-                if publish and p.device.type == "cpu":
-                    b["copies"].append(pflat)
-                elif publish:
-                    staging = self._staging(p, s, bufs)
-                    b["copies"].append(staging)
-                    h2d.append((pflat, staging))
-                if publish and stored:
-                    written.append(((chunk.ci, s.pi), b["copies"][-1]))
-            else:
-                b["params"].append(pflat)
-                b["copies"].append(pflat)
-                if sources is not None:  # its own master: stepped in place
-                    b["master_from"].append(pflat)
-            b["grads"].append(g)
-            moments = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
-            if self.state_dtype == "bf16":
-                moments += (SCALE_KIND,)
-            for k in moments:
-                sl = kind_slice(k, s.clo, s.chi)
-                b[k].append(bufs[k][sl])
-                if sources is not None:  # a first step starts from the zeros written above
-                    b[f"{k}_from"].append(bufs[k][sl] if fresh else sources[k][sl])
-        if d2h_pairs:
-            with self.clock.span("d2h"):
-                self._wait_copies(d2h_pairs, ready)
-            stats["d2h_s"] += time.perf_counter() - t
-        if used_grads is not None:  # the overlap keeps the step only if these stay the same
-            t = time.perf_counter()
-            used_grads.update(zip([k for k, _ in used], fingerprints([g for _, g in used])))
-            stats["grad_fingerprint_s"] += time.perf_counter() - t
-        t1 = time.perf_counter()
-        amp = {} if scale is None else {"grad_scale": scale}
-        with self.clock.span("adam"):
-            self._adam(group, buckets, amp, amsgrad)
-        stats["cpu_step_s"] += time.perf_counter() - t1
-        if written:
-            t = time.perf_counter()
-            self._watch.record(gi, dict(zip([k for k, _ in written],
-                                            fingerprints([w for _, w in written]))))
-            stats["param_check_s"] += time.perf_counter() - t
-        if h2d:
-            t2 = time.perf_counter()
-            with self.clock.span("h2d"):
-                for dst, src in h2d:
-                    dst.copy_(src, non_blocking=True)
-                torch.cuda.synchronize()  # the staging slot is reused three chunks later
-            stats["h2d_s"] += time.perf_counter() - t2
-
-    def _wait_copies(self, pairs: list, ready: list | None) -> None:
-        """Copies a chunk's device tensors into its host staging and waits for those copies
-        alone: on the copy stream, after `ready` (d2h.Copier), not for every kernel queued."""
-        for event in self._copier.copy(pairs, ready):
-            event.synchronize()
-
-    def _adam(self, group: dict, buckets: dict, amp: dict, amsgrad: bool) -> None:
-        """The fused SIMD Adam over a chunk's segments, one call per step count."""
-        beta1, beta2 = group["betas"]
-        for step, b in buckets.items():
-            # Out of place (_run_direct): where the old state is read.
-            src = {f"{name}_from": b.get(f"{k}_from") for name, k in (
-                ("params", "master"), ("exp_avgs", "exp_avg"), ("exp_avg_sqs", "exp_avg_sq"),
-                ("max_exp_avg_sqs" if self.state_dtype != "bf16" else "exp_avg_sq_scales",
-                 "max_exp_avg_sq" if self.state_dtype != "bf16" else SCALE_KIND))}
-            if self.state_dtype == "bf16":
-                ops.adam_compact_step_(
-                    b["params"], b["grads"], b["exp_avg"], b["exp_avg_sq"], b[SCALE_KIND],
-                    b["copies"], lr=float(group["lr"]), beta1=beta1, beta2=beta2,
-                    eps=group["eps"], weight_decay=group["weight_decay"], step=step,
-                    decoupled=self.opt._decoupled(group), maximize=group["maximize"], **amp,
-                    **src)
-                continue
-            ops.adam_step_(
-                b["params"], b["grads"], b["exp_avg"], b["exp_avg_sq"], b["max_exp_avg_sq"],
-                b["copies"], lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                weight_decay=group["weight_decay"], step=step,
-                decoupled=self.opt._decoupled(group), amsgrad=amsgrad,
-                maximize=group["maximize"], **amp, **src)
 
 __all__ = ["Offloader"]
