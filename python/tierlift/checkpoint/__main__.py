@@ -23,6 +23,7 @@ import torch
 from tierlift.checkpoint import handoff, outputs, targets
 from tierlift.checkpoint.format import full_state_dict
 from tierlift.checkpoint.replicated import optimizer_state_dict
+from tierlift.io.fsync import fsync_path
 
 
 def main(argv=None) -> int:
@@ -108,7 +109,7 @@ def _run(args) -> int:
         # safetensors refuses shared storage: tied weights are written once per name.
         def write(tmp: str) -> None:
             save_file({k: v.contiguous().clone() for k, v in sd.items()}, tmp)
-            outputs.fsynced(tmp)
+            fsync_path(tmp)
 
         outputs.write_new(args.out, write)
     else:

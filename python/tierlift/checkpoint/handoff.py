@@ -27,6 +27,7 @@ import torch
 
 from tierlift.checkpoint import dcp_reader, outputs, replicated, targets
 from tierlift.checkpoint import format as fmt
+from tierlift.io.fsync import fsync_path
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -88,7 +89,7 @@ def export_hf(checkpoint: str, out_dir: str, *, max_shard_size: str | int = "5GB
         def flush() -> None:
             file = os.path.join(tmp, f"part{len(parts)}")
             save_file(shard, file, metadata={"format": "pt"})
-            outputs.fsynced(file)
+            fsync_path(file)
             parts.append(list(shard))
             shard.clear()
             storages.clear()

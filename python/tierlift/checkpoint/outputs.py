@@ -118,12 +118,3 @@ def write_new(out: str, write, *, directory: bool = False) -> None:
         if better is not None:
             raise better from e
         raise
-
-
-def fsynced(file: str) -> None:
-    """Flushes the written file `file` to the drive (before it is renamed into place)."""
-    fd = os.open(file, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -52,6 +52,7 @@ from collections import defaultdict
 import torch
 
 from tierlift.io import ChecksumError
+from tierlift.io.fsync import fsync_path
 from tierlift.offload.layout import IO_ALIGN, kind_bytes
 from tierlift.offload.tiers import (
     _owner_alive,
@@ -124,7 +125,7 @@ def claim_dir(path: str, start_fresh: bool = False) -> bool:
         for name in ("manifest.json", "intent.json"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(path, name))
-        _sync_dir(path)
+        fsync_path(path)
     # Until the first manifest commits it, the folder is a new state a kill may leave half
     # made: this marker lets the next optimizer start it again instead of refusing it.
     _write_json(creating, {"format": FORMAT})
@@ -147,14 +148,6 @@ def _state_files(path: str) -> list[str]:
     return sorted(n for n in names if n not in skip and n.removesuffix(".tmp") not in skip)
 
 
-def _sync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_json(path: str, body) -> None:
     """Replaces `path` whole: written beside it with a CRC-32 line, fsynced, renamed, and the
     directory fsynced, so a reader sees the old file or the new one."""
@@ -171,7 +164,7 @@ def _write_json(path: str, body) -> None:
         raise OSError(err.errno, f"could not write {path!r} ({len(data) + 9} bytes needed): "
                       f"{err.strerror}") from err
     os.replace(tmp, path)
-    _sync_dir(os.path.dirname(path))
+    fsync_path(os.path.dirname(path))
 
 
 def _read_json(path: str):
