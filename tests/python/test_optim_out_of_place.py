@@ -137,6 +137,22 @@ def test_bad_sources_are_refused_before_any_change(compact):
     assert_same(keep, dst, ["p", "m", "v"])
 
 
+@pytest.mark.parametrize("compact", [False, True], ids=["fp32", "compact"])
+def test_a_later_bad_source_is_refused_before_params_from_is_read(compact):
+    """Every source list is checked before any is copied: a short exp_avg_sqs_from leaves the
+    destinations as they were, params included (params_from comes first in the list)."""
+    kernel, ref = compact_ops(compact)
+    src = state(compact, False, torch.float32)
+    short = {**src, "v": src["v"][:-1]}
+    for fn in [ref] + ([kernel] if tierlift._extension.available() else []):
+        dst = garbage(src)
+        keep = clone(dst)
+        with pytest.raises(ValueError, match="exp_avg_sqs_from must be None or hold one tensor "
+                                             "per param, got 3 for 4"):
+            run(fn, dst, compact, False, src=short)
+        assert_same(keep, dst, ["p", "m", "v", "x"])
+
+
 @needs_ext
 @pytest.mark.parametrize("compact", [False, True], ids=["fp32", "compact"])
 def test_opcheck_out_of_place(compact):

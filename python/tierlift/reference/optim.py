@@ -101,34 +101,41 @@ def apply_update(p, m, vhat, s, eps, param_copy) -> None:
 _INTS = {4: torch.int32, 2: torch.int16}
 
 
-def _refresh(op, params, param_copies, refresh) -> None:
+def _refresh(params, param_copies) -> None:
     """The ops' refresh_from_copies: each element of a param whose copy is not the param rounded
     to the copy's dtype (bit for bit, as apply_update writes it) takes the copy's value (the
-    model weight was changed outside the optimizer). Nothing without `refresh`."""
-    if not refresh:
-        return
-    if not param_copies:
-        raise ValueError(f"{op}: refresh_from_copies=True needs param_copies (one per param)")
+    model weight was changed outside the optimizer)."""
     for p, c in zip(params, param_copies):
         ints = _INTS[c.element_size()]
         same = p.to(c.dtype).view(ints) == c.view(ints)
         p.copy_(torch.where(same, p, c.float()))
 
 
-def _sources(op, pairs) -> None:
-    """The ops' out-of-place sources (`*_from`): each given list has one tensor per param, read
-    in place of the state tensor beside it. Stepping a copy of the source in place is the same
-    arithmetic, so each source is copied into its state tensor first (the sources are not
-    changed); a source that is the state tensor itself needs nothing."""
+def read_sources(op, params, param_copies, refresh_from_copies, params_from, state_sources):
+    """What both Adam ops do before their arithmetic, refusing before anything changes.
+
+    The out-of-place sources (`*_from`): params_from, then each (name, state list, sources) of
+    `state_sources`; a given list has one tensor per param, read in place of the state tensor
+    beside it. Stepping a copy of the source in place is the same arithmetic, so each source is
+    copied into its state tensor first (the sources are not changed); a source that is the state
+    tensor itself needs nothing. Then refresh_from_copies, which rewrites params in place from
+    their copies and so cannot be combined with params_from."""
+    if refresh_from_copies and params_from is not None:
+        raise ValueError(f"{op}: refresh_from_copies updates params in place; it cannot be "
+                         "combined with params_from")
+    if refresh_from_copies and not param_copies:
+        raise ValueError(f"{op}: refresh_from_copies=True needs param_copies (one per param)")
+    pairs = [("params_from", params, params_from), *state_sources]
     for name, state, sources in pairs:
-        if sources is None:
-            continue
-        if len(sources) != len(state):
+        if sources is not None and len(sources) != len(state):
             raise ValueError(f"{op}: {name} must be None or hold one tensor per param, got "
                              f"{len(sources)} for {len(state)}")
-        for dst, src in zip(state, sources):
+    for _, state, sources in pairs:
+        for dst, src in zip(state, sources or ()):
             if src.data_ptr() != dst.data_ptr() or src.numel() != dst.numel():
                 dst.copy_(src.reshape(dst.shape))
+    if refresh_from_copies:
+        _refresh(params, param_copies)
 
 
 @torch.no_grad()
@@ -159,15 +166,11 @@ def adam_step_(
     hyper = dict(beta1=beta1, beta2=beta2, weight_decay=weight_decay, decoupled=decoupled,
                  maximize=maximize,
                  inv_grad_scale=unscale_factor("adam_step_", grad_scale, params))
-    if refresh_from_copies and params_from is not None:
-        raise ValueError("adam_step_: refresh_from_copies updates params in place; it cannot be "
-                         "combined with params_from")
-    _sources("adam_step_", [("params_from", params, params_from),
-                            ("exp_avgs_from", exp_avgs, exp_avgs_from),
-                            ("exp_avg_sqs_from", exp_avg_sqs, exp_avg_sqs_from),
-                            ("max_exp_avg_sqs_from", max_exp_avg_sqs,
-                             max_exp_avg_sqs_from if amsgrad else None)])
-    _refresh("adam_step_", params, param_copies, refresh_from_copies)
+    read_sources("adam_step_", params, param_copies, refresh_from_copies, params_from,
+                 [("exp_avgs_from", exp_avgs, exp_avgs_from),
+                  ("exp_avg_sqs_from", exp_avg_sqs, exp_avg_sqs_from),
+                  ("max_exp_avg_sqs_from", max_exp_avg_sqs,
+                   max_exp_avg_sqs_from if amsgrad else None)])
     for i, p in enumerate(params):
         m, v = decay_and_moments(p, grads[i], exp_avgs[i], exp_avg_sqs[i], s, **hyper)
         exp_avgs[i].copy_(m)

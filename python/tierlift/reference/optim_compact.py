@@ -15,11 +15,10 @@ from __future__ import annotations
 import torch
 
 from tierlift.reference.optim import (
-    _refresh,
-    _sources,
     adam_scalars,
     apply_update,
     decay_and_moments,
+    read_sources,
     unscale_factor,
 )
 
@@ -95,15 +94,10 @@ def adam_compact_step_(
     hyper = dict(beta1=beta1, beta2=beta2, weight_decay=weight_decay, decoupled=decoupled,
                  maximize=maximize,
                  inv_grad_scale=unscale_factor("adam_compact_step_", grad_scale, params))
-    if refresh_from_copies and params_from is not None:
-        raise ValueError("adam_compact_step_: refresh_from_copies updates params in place; it "
-                         "cannot be combined with params_from")
-    _sources("adam_compact_step_", [("params_from", params, params_from),
-                                    ("exp_avgs_from", exp_avgs, exp_avgs_from),
-                                    ("exp_avg_sqs_from", exp_avg_sqs, exp_avg_sqs_from),
-                                    ("exp_avg_sq_scales_from", exp_avg_sq_scales,
-                                     exp_avg_sq_scales_from)])
-    _refresh("adam_compact_step_", params, param_copies, refresh_from_copies)
+    read_sources("adam_compact_step_", params, param_copies, refresh_from_copies, params_from,
+                 [("exp_avgs_from", exp_avgs, exp_avgs_from),
+                  ("exp_avg_sqs_from", exp_avg_sqs, exp_avg_sqs_from),
+                  ("exp_avg_sq_scales_from", exp_avg_sq_scales, exp_avg_sq_scales_from)])
     for i, p in enumerate(params):
         m = exp_avgs[i].float()
         v = dequantize_exp_avg_sq(exp_avg_sqs[i], exp_avg_sq_scales[i])
