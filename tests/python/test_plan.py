@@ -41,7 +41,7 @@ def test_parse_bytes():
 
 def test_placement_by_size():
     assert make_plan(PlanInput(params=1e9, gpu_mem=80 * G, cpu_mem=128 * G), BW).offload == "none"
-    cpu = make_plan(PlanInput(params=8e9, gpu_mem=80 * G, cpu_mem=128 * G), BW)
+    cpu = make_plan(PlanInput(params=8e9, gpu_mem=80 * G, cpu_mem=128 * G, overlap=False), BW)
     assert cpu.offload == "cpu" and cpu.tiers["cpu"]["exp_avg"] == 32e9
     assert cpu.legs_s["cpu adam"] == pytest.approx(8.0)
     # Host memory short: what it holds beside the pool stays there, the rest goes to NVMe.
@@ -111,9 +111,13 @@ def test_compact_state_bytes_come_from_the_offload_layout():
     assert sum(state_bytes_per_param("fp32").values()) == 12
     box = PlanInput(params=13e9, gpu_mem=80 * G, cpu_mem=128 * G, nvme="/x", nvme_free=64 * G)
     assert make_plan(box, BW).offload == "hybrid"  # 156 GB of fp32 state: RAM and drive
-    compact = make_plan(dataclasses.replace(box, state_dtype="bf16"), BW)
+    compact = make_plan(dataclasses.replace(box, state_dtype="bf16", overlap=False), BW)
     assert compact.offload == "cpu" and "state_dtype='bf16'" in compact.note
     assert sum(compact.tiers["cpu"].values()) == pytest.approx(13e9 * 7.015625)
+    # Overlapped (the default): one generation of it and spare chunks fill the host memory.
+    spare = make_plan(dataclasses.replace(box, state_dtype="bf16"), BW)
+    assert spare.host.spare > 0 and spare.cpu_budget <= int(0.8 * 128 * G)
+    assert sum(spare.tiers["cpu"].values()) == spare.cpu_budget
     # 20B: the bf16 weights and gradients (80 GB) alone overflow the GPU; the planner keeps
     # them there (parameter offload is not placed), so the refusal names the GPU.
     with pytest.raises(ValueError, match=r"GPU memory \(short by .*offload_params"):

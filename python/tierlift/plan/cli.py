@@ -57,6 +57,12 @@ def add_parser(sub) -> None:
     p.add_argument("--device-params", default="auto",
                    help="with --offload-params: parameters whose shards stay on the GPU "
                         "(shard(device_params=N)); auto: as many as its room holds")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="with the state in host memory: plan AdamW(offload='cpu', overlap=True), "
+                        "stepping chunks during backward (two generations, or one and the "
+                        "spare chunks the budget holds: the plan sizes cpu_budget), or "
+                        "--no-overlap (12 B/param in place, stepped in step()); default: "
+                        "overlap, except with --offload-params")
     p.add_argument("--probe-mib", type=int, default=256, help="size of the bandwidth probes")
     n = p.add_argument_group("several nodes (ZeRO-3, flat or hierarchy='node')")
     n.add_argument("--nodes", type=int, default=None, help="number of nodes")
@@ -168,6 +174,14 @@ def _device_params(text: str) -> int | None:
                          f"{text!r}") from None
 
 
+def _host_json(host) -> dict | None:
+    """The overlapped host tier: its layout, and what the overlap can step during backward."""
+    if host is None:
+        return None
+    return {**dataclasses.asdict(host), "generations": host.generations,
+            "state_bytes": host.state_bytes, "fraction": host.fraction}
+
+
 def _size_or_zero(text: str, what: str) -> int:
     return 0 if text.strip() == "0" else parse_bytes(text, what)
 
@@ -200,7 +214,8 @@ def run(args: argparse.Namespace) -> int:
     inp = PlanInput(params=params, gpu_mem=gpu_mem, cpu_mem=cpu_mem, nvme=args.nvme,
                     cpu_budget=cpu_budget, nvme_free=_nvme_free(args),
                     state_dtype=args.state_dtype, offload_params=args.offload_params,
-                    grad_dtype=args.grad_dtype, device_params=_device_params(args.device_params))
+                    grad_dtype=args.grad_dtype, device_params=_device_params(args.device_params),
+                    overlap=args.overlap)
     given = [x is not None for x in (args.nodes, args.gpus_per_node, args.inter_node_gbps)]
     if any(given) and not all(given):
         raise ValueError("--nodes, --gpus-per-node and --inter-node-gbps go together")
@@ -247,7 +262,12 @@ def run(args: argparse.Namespace) -> int:
                           "offload_params": inp.offload_params,
                           "grad_dtype": inp.grad_dtype, "device_params": plan.device_params,
                           "tiers": plan.tiers, "legs_s": plan.legs_s,
+                          "overlap": plan.overlap, "cpu_budget": plan.cpu_budget,
+                          "host_tier": _host_json(plan.host),
                           "serial_s": plan.serial_s, "pipelined_s": plan.pipelined_s,
+                          "overlap_fraction": plan.overlap_fraction,
+                          "during_backward_s": plan.during_backward_s,
+                          "after_backward_s": plan.after_backward_s,
                           "bandwidths": dataclasses.asdict(bw), "note": plan.note,
                           "activations": None if policy is None else list(policy.tiers),
                           "across_nodes": None if comm is None else

@@ -13,6 +13,26 @@ place; docs/offload.md); the plan refuses a drive without room for one generatio
 The expected optimizer time per step is the sum of its legs (no overlap) and their maximum
 (the pipelined bound that overlap=True aims at).
 
+The overlapped host tier (offload="cpu", overlap=True; PlanInput.overlap, `--overlap`), as the
+runtime keeps it (tierlift.offload.host_budget, the rule runner.Offloader follows): the state
+laid out in chunks (each parameter tensor from a 1024-element boundary: the planner, knowing
+only the count, takes it as whole 1024s in one group), of `chunk_bytes` per kind made even.
+Two generations (master, m, v twice, plus the staging pool: 6 slots x one chunk of master, m,
+v and, for device parameters, fp32 grad and copy staging) when the host memory given holds
+them: every chunk can be stepped during backward. Else one generation, the staging of device
+gradients and weights (6 slots x grad and copy) and as many spare chunk blocks (one chunk of
+every kind each) as the rest holds; the plan then sizes cpu_budget to exactly that. The
+overlap steps ahead, during backward, as many chunks as there are spare blocks (each
+speculative step needs a second copy until step() validates it); step() steps the rest in
+place after backward. No spare block: overlap=False is planned (overlap=True would step
+nothing during backward). Less than one generation and that staging: the state goes to NVMe,
+or the plan is refused. Legs: with a fraction f of the chunks stepped during backward,
+pipelined_s = f x max(legs) (the overlapped chunks' legs run beside each other) + (1 - f) x
+sum(legs) (the rest, serial in step() after backward); f = 1 with two generations (the max,
+as before), 0 with overlap=False (the sum). overlap=None (the default) plans overlap=True for
+the bf16-on-GPU layout and overlap=False with offload_params, where a host shard is its own
+master.
+
 offload_params="cpu"|"nvme" (tierlift.zero.shard(model, stage=3, offload_params=...), one
 rank) places what that runtime really holds, per parameter, measured (tests/python/test_plan.py
 ties these numbers to a sharded model's tensors and files):
@@ -29,8 +49,9 @@ ties these numbers to a sharded model's tensors and files):
                    generations (a failed step restores the shards from it: 12 B or 7.02 B,
                    twice on the drive), and none in one generation, which cannot undo a step
                    anyway: every fp32 shard is its own master there (a device shard is copied
-                   down, stepped and copied back). (offload="cpu" with overlap=True streams too:
-                   two generations in host memory; not planned here.)
+                   down, stepped and copied back). offload="cpu" with overlap=True
+                   (overlap=True given) streams too: a master of every shard in the overlapped
+                   host tier above; staging of grad and copy only for device shards.
   pipeline pool    6 slots x one chunk of master, m, v (576 MiB fp32, 336.75 MiB compact).
   GPU              the working set, the gathered bf16 units: per unit of U parameters (world
                    1), backward holds its bf16 weights (2U), the previous unit's prefetch (2U),
@@ -52,7 +73,10 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from tierlift.offload.layout import chunk_bytes, state_kinds
+import torch
+
+from tierlift.offload.host_budget import host_chunk_elems, one_generation_bytes, spare_chunks
+from tierlift.offload.layout import ALIGN_ELEMS, chunk_bytes, state_kinds
 from tierlift.plan.measure import Bandwidths
 
 _PCIE_ASSUMED = 25e9  # PCIe 4.0 x16, used when no GPU is here to measure
@@ -105,8 +129,18 @@ class PlanInput:
     # many as its room beside the working set holds).
     grad_dtype: str = "fp32"
     device_params: int | None = None
+    # offload="cpu" with overlap=True (the overlapped host tier) or False (in place); None: True
+    # for bf16 weights on the GPU, False with offload_params (see the module docstring).
+    overlap: bool | None = None
+    chunk_bytes: int = 32 << 20  # the optimizer's chunk_bytes (sizes the overlapped host tier)
 
     def __post_init__(self):
+        if self.overlap not in (None, True, False):
+            raise ValueError(f"overlap must be True, False or None, got {self.overlap!r}")
+        if (isinstance(self.chunk_bytes, bool) or not isinstance(self.chunk_bytes, int)
+                or self.chunk_bytes <= 0 or self.chunk_bytes % (4 * ALIGN_ELEMS)):
+            raise ValueError(f"chunk_bytes must be a positive multiple of {4 * ALIGN_ELEMS}, "
+                             f"got {self.chunk_bytes!r}")
         if self.offload_params not in _OFFLOAD_PARAMS:
             raise ValueError(f"offload_params must be one of {_OFFLOAD_PARAMS}, got "
                              f"{self.offload_params!r}")
@@ -136,6 +170,33 @@ class PlanInput:
 
 
 @dataclass(kw_only=True)
+class HostTier:
+    """The overlapped host tier a plan recommends (offload="cpu", overlap=True), in the bytes
+    tiers.MemoryTier and the staging slots allocate."""
+
+    chunk_elems: int
+    chunks: int
+    block_bytes: int  # one chunk of every state kind (a spare block is one)
+    staging_bytes: int  # the slots: the pool the optimizer reports as pool_bytes
+    spare: int | None  # spare blocks beside one generation; None: two generations
+
+    @property
+    def generations(self) -> int:
+        return 2 if self.spare is None else 1
+
+    @property
+    def state_bytes(self) -> int:
+        """What the tier holds: its generations, or one and the spare blocks."""
+        blocks = 2 * self.chunks if self.spare is None else self.chunks + self.spare
+        return blocks * self.block_bytes
+
+    @property
+    def fraction(self) -> float:
+        """The share of the chunks the overlap can step during backward."""
+        return 1.0 if self.spare is None else self.spare / self.chunks
+
+
+@dataclass(kw_only=True)
 class Plan:
     offload: str
     tiers: dict = field(default_factory=dict)  # tier -> {state kind: bytes}
@@ -143,14 +204,38 @@ class Plan:
     note: str = ""
     generations: int | None = None  # of the NVMe part
     device_params: int | None = None  # offload_params: parameters whose shards stay on the GPU
+    overlap: bool | None = None  # offload="cpu": whether the plan steps during backward
+    cpu_budget: int | None = None  # the optimizer's cpu_budget to give (None: none needed)
+    host: HostTier | None = None  # the overlapped host tier
+    # The share of the legs run during backward (pipelined); None: the NVMe tiers' bound, the
+    # maximum of the legs.
+    overlap_fraction: float | None = None
 
     @property
     def serial_s(self) -> float:
         return sum(self.legs_s.values())
 
     @property
+    def during_backward_s(self) -> float:
+        """The overlapped chunks' legs, pipelined beside each other during backward."""
+        f = 1.0 if self.overlap_fraction is None else self.overlap_fraction
+        return f * max(self.legs_s.values(), default=0.0)
+
+    @property
+    def after_backward_s(self) -> float:
+        """The other chunks' legs, one after another in step() after backward."""
+        f = 1.0 if self.overlap_fraction is None else self.overlap_fraction
+        return (1 - f) * self.serial_s
+
+    @property
     def pipelined_s(self) -> float:
-        return max(self.legs_s.values(), default=0.0)
+        return self.during_backward_s + self.after_backward_s
+
+
+# The tier tables' name of each state kind.
+_KIND_NAMES = {"master": "fp32 master", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+_COMPACT_NAMES = {**_KIND_NAMES, "exp_avg": "exp_avg (bf16)", "exp_avg_sq": "exp_avg_sq (8-bit)",
+                  "exp_avg_sq_scale": "exp_avg_sq scales"}
 
 
 def state_bytes_per_param(state_dtype: str = "fp32", master: bool = True) -> dict[str, float]:
@@ -160,10 +245,7 @@ def state_bytes_per_param(state_dtype: str = "fp32", master: bool = True) -> dic
     kinds = state_kinds(False, state_dtype)
     if not master:
         kinds.pop("master")
-    names = {"master": "fp32 master", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
-    if state_dtype == "bf16":
-        names.update(exp_avg="exp_avg (bf16)", exp_avg_sq="exp_avg_sq (8-bit)",
-                     exp_avg_sq_scale="exp_avg_sq scales")
+    names = _COMPACT_NAMES if state_dtype == "bf16" else _KIND_NAMES
     return {names[k]: chunk_bytes({k: d}, _CHUNK_ELEMS) / _CHUNK_ELEMS for k, d in kinds.items()}
 
 
@@ -197,6 +279,58 @@ def working_set_bytes(inp: PlanInput) -> float:
     return 12 * inp.unit_share * int(inp.params)
 
 
+def host_tier(inp: PlanInput, n: int, device: bool, room: int) -> HostTier | None:
+    """The overlapped host tier of `n` parameters (one group, whole 1024s) in `room` bytes
+    (tierlift.offload.host_budget, as runner.Offloader sizes it); `device`: the parameters are
+    on the GPU (staging of their gradients and weights). None: `room` holds less than one
+    generation and that staging."""
+    kinds = state_kinds(False, inp.state_dtype)
+    reserved = -(-n // ALIGN_ELEMS) * ALIGN_ELEMS
+    elems = host_chunk_elems(inp.chunk_bytes, reserved)
+    chunks = -(-reserved // elems)
+    block = chunk_bytes(kinds, elems, aligned=False)
+    stage = dict.fromkeys(("grad", "copy"), torch.float32) if device else {}
+    staging_two = _SLOTS * chunk_bytes({**kinds, **stage}, elems)
+    staging_one = _SLOTS * chunk_bytes(stage, elems)
+    spare = spare_chunks([block], [chunks], room, staging_two, staging_one)
+    if spare is None:
+        return HostTier(chunk_elems=elems, chunks=chunks, block_bytes=block,
+                        staging_bytes=staging_two, spare=None)
+    if one_generation_bytes([block], [chunks]) + staging_one > room:
+        return None
+    return HostTier(chunk_elems=elems, chunks=chunks, block_bytes=block,
+                    staging_bytes=staging_one, spare=spare[0])
+
+
+def _host_tier_plan(inp: PlanInput, host: HostTier, legs: dict, before: dict, what: str
+                    ) -> Plan:
+    """offload="cpu", overlap=True on `host` (spare blocks, or two generations). `before`:
+    {kind: bytes} listed first in host memory (offloaded parameter shards); `what`: the
+    note's opening."""
+    names = _COMPACT_NAMES if inp.state_dtype == "bf16" else _KIND_NAMES
+    kinds = state_kinds(False, inp.state_dtype)
+    per_kind = {k: chunk_bytes({k: d}, host.chunk_elems, aligned=False) for k, d in kinds.items()}
+    cpu = dict(before)
+    if host.spare is None:
+        cpu.update({f"{names[k]} (2 gens)": 2 * host.chunks * b for k, b in per_kind.items()})
+        budget = inp.cpu_budget  # none needed: without one the runtime keeps two generations
+        note = (f"{what} in two generations (offload='cpu', overlap=True: every chunk can be "
+                f"stepped during backward)")
+    else:
+        cpu.update({names[k]: host.chunks * b for k, b in per_kind.items()})
+        cpu[f"spare chunks ({host.spare} of {host.chunks})"] = host.spare * host.block_bytes
+        budget = host.state_bytes + host.staging_bytes
+        rest = host.chunks - host.spare
+        note = (f"{what}: one generation plus {host.spare} spare chunks "
+                f"({_fmt(host.spare * host.block_bytes)}) of {host.chunks} (offload='cpu', "
+                f"overlap=True, cpu_budget={budget}); the overlap steps {host.fraction:.0%} of "
+                f"the state during backward, the other {rest} chunks ({1 - host.fraction:.0%}) "
+                "are stepped in step() after it")
+    cpu["staging pool"] = host.staging_bytes
+    return Plan(offload="cpu", tiers={"cpu": cpu}, legs_s=legs, note=note + _dtype_note(inp),
+                overlap=True, cpu_budget=budget, host=host, overlap_fraction=host.fraction)
+
+
 def make_plan(inp: PlanInput, bw: Bandwidths) -> Plan:
     if inp.offload_params != "none":
         return _params_offloaded(inp, bw)
@@ -219,10 +353,24 @@ def make_plan(inp: PlanInput, bw: Bandwidths) -> Plan:
     pcie_d2h = bw.d2h_bps or _PCIE_ASSUMED
     legs = {"d2h grads": 2 * n / pcie_d2h, "cpu adam": n / bw.adam_elems_per_s,
             "h2d params": 2 * n / pcie_h2d}
-    if sum(state.values()) <= cpu_room:
+    host = None
+    if inp.overlap is not False:
+        host = host_tier(inp, n, device=True, room=cpu_room)
+        if host is not None and host.spare != 0:
+            plan = _host_tier_plan(inp, host, legs, {}, "optimizer state in pinned host memory")
+            plan.tiers = {"gpu": model, **plan.tiers}
+            return plan
+    if sum(state.values()) <= cpu_room and (host is not None or inp.overlap is False):
+        why = ("" if host is None else ": one generation and the staging leave no room for a "
+               "spare chunk, so overlap=True would step nothing during backward")
         return Plan(offload="cpu", tiers={"gpu": model, "cpu": state}, legs_s=legs,
-                    note="optimizer state in pinned host memory" + _dtype_note(inp))
+                    note=f"optimizer state in pinned host memory (offload='cpu', overlap=False"
+                         f"{why})" + _dtype_note(inp), overlap=False, overlap_fraction=0.0)
     if inp.nvme is None or bw.disk_read_bps is None:
+        if inp.overlap is not False and sum(state.values()) <= cpu_room:
+            raise ValueError("offload='cpu' with overlap=True needs "
+                             f"{_host_tier_short(inp, n, True, cpu_room)}; give --nvme PATH "
+                             "for the NVMe tier")
         raise ValueError(
             f"the optimizer state ({_fmt(sum(state.values()))}) does not fit in "
             f"{_fmt(cpu_room)} of host memory (short by {_fmt(sum(state.values()) - cpu_room)}); "
@@ -272,7 +420,8 @@ def _on_nvme(inp, bw, n, model, state, cpu_room, legs, shards=None, beside="",
         offload = "nvme"
         note = f"optimizer state on NVMe under {inp.nvme} (nvme_generations={gens})"
     note += _dtype_note(inp)
-    return Plan(offload=offload, tiers=tiers, legs_s=legs, note=note, generations=gens)
+    return Plan(offload=offload, tiers=tiers, legs_s=legs, note=note, generations=gens,
+                cpu_budget=int(cpu_room) if offload == "hybrid" else None)
 
 
 def _params_offloaded(inp: PlanInput, bw: Bandwidths) -> Plan:
@@ -343,14 +492,30 @@ def _params_offloaded(inp: PlanInput, bw: Bandwidths) -> Plan:
     label = (f"parameters offloaded (offload_params={where!r}, device_params={on_dev}: "
              f"{on_dev / n:.0%} of the shards stay on the GPU")
     state = _state(inp, n, masters=on_dev)
+    # overlap=True streams the host tier: a master of every shard; device shards staged.
+    host = host_tier(inp, n, device=on_dev > 0, room=opt_room) if inp.overlap else None
+    if host is not None and host.spare != 0:
+        plan = _host_tier_plan(inp, host, legs, shards.get("cpu", {}),
+                               f"{label}); optimizer state in host memory with a master of "
+                               "every shard")
+        plan.tiers = {"gpu": gpu, **plan.tiers, **({"nvme": shards["nvme"]}
+                                                   if shards.get("nvme") else {})}
+        plan.device_params = on_dev
+        return plan
     if sum(state.values()) <= opt_room:
         tiers = {"gpu": gpu, "cpu": {**shards.get("cpu", {}), **state}}
         if shards.get("nvme"):
             tiers["nvme"] = shards["nvme"]
+        why = ""
+        if inp.overlap and host is not None:
+            why = (": one generation and the staging leave no room for a spare chunk, so "
+                   "overlap=True would step nothing during backward")
+        elif inp.overlap:
+            why = f"; overlap=True would need {_host_tier_short(inp, n, on_dev > 0, opt_room)}"
         return Plan(offload="cpu", tiers=tiers, legs_s=legs, device_params=on_dev,
                     note=f"{label}); optimizer state in host memory (offload='cpu', "
-                         f"overlap=False: host shards are their own master)"
-                         + _dtype_note(inp))
+                         f"overlap=False: host shards are their own master{why})"
+                         + _dtype_note(inp), overlap=False, overlap_fraction=0.0)
     if inp.nvme is None or bw.disk_read_bps is None:
         raise ValueError(
             f"the optimizer state ({_fmt(sum(state.values()))}) does not fit in "
@@ -385,6 +550,19 @@ def _state(inp: PlanInput, n: int, masters: int) -> dict[str, float]:
     per = state_bytes_per_param(inp.state_dtype)
     return {k: b * (masters if k == "fp32 master" else n) for k, b in per.items()
             if k != "fp32 master" or masters}
+
+
+def _host_tier_short(inp: PlanInput, n: int, device: bool, room: int) -> str:
+    """What an overlapped host tier whose one generation and staging exceed `room` needs."""
+    kinds = state_kinds(False, inp.state_dtype)
+    reserved = -(-n // ALIGN_ELEMS) * ALIGN_ELEMS
+    elems = host_chunk_elems(inp.chunk_bytes, reserved)
+    one = -(-reserved // elems) * chunk_bytes(kinds, elems, aligned=False)
+    stage = _SLOTS * chunk_bytes(dict.fromkeys(("grad", "copy"), torch.float32), elems) \
+        if device else 0
+    return (f"one generation of the optimizer state ({_fmt(one)}) and the staging of device "
+            f"gradients and weights ({_fmt(stage)}) in host memory, which has {_fmt(room)} for "
+            f"it ({int(room)} bytes; short by {_fmt(one + stage - room)})")
 
 
 def _dtype_note(inp: PlanInput) -> str:
@@ -435,8 +613,25 @@ def render(plan: Plan, bw: Bandwidths) -> str:
         lines.append(f"(no GPU here: PCIe assumed {_PCIE_ASSUMED / 1e9:.0f} GB/s each way)")
     lines += ["", "leg              s/step"]
     lines += [f"{leg:16} {s:.3f}" for leg, s in plan.legs_s.items()]
+    lines.append(_step_line(plan))
+    return "\n".join(lines)
+
+
+def _step_line(plan: Plan) -> str:
+    """What the legs add up to, and which of them run during backward."""
+    serial = f"optimizer step: {plan.serial_s:.3f} s serial"
+    if plan.overlap is False:
+        return f"{serial} (overlap=False: every chunk is stepped in step(), after backward)"
+    host = plan.host
+    if host is not None and host.spare is None:
+        return (f"{serial}, {plan.pipelined_s:.3f} s pipelined (overlap=True, two generations: "
+                "every chunk can be stepped during backward)")
+    if host is not None:
+        return (f"{serial}, {plan.pipelined_s:.3f} s with overlap=True: {host.spare} of "
+                f"{host.chunks} chunks ({host.fraction:.0%}, the spare blocks) pipelined during "
+                f"backward ({plan.during_backward_s:.3f} s), the other "
+                f"{host.chunks - host.spare} serial in step() after it "
+                f"({plan.after_backward_s:.3f} s)")
     how = ("overlap=True" if plan.generations != 1 else
            "within step(): chunks kept in one generation cannot overlap backward")
-    lines.append(f"optimizer step: {plan.serial_s:.3f} s serial, {plan.pipelined_s:.3f} s "
-                 f"pipelined ({how})")
-    return "\n".join(lines)
+    return f"{serial}, {plan.pipelined_s:.3f} s pipelined ({how})"
