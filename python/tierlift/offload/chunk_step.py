@@ -16,15 +16,15 @@ from tierlift.offload.watch import fingerprints
 
 
 class ChunkStep:
-    """Mixed into Offloader (runner.py), whose optimizer, state dtype, slots, clock, copier and
-    parameter watch it uses."""
+    """Mixed into Offloader (runner.py), whose optimizer, state dtype, slots, clock, copier,
+    uploader and parameter watch it uses."""
 
     @staticmethod
-    def _staging(p: torch.Tensor, s, bufs: dict) -> torch.Tensor:
-        """Host staging of segment `s` of device parameter `p`, in p's dtype (a slot's copy
-        buffer is fp32-sized, so any parameter dtype fits)."""
+    def _staging(p: torch.Tensor, s, bufs: dict, kind: str = "copy") -> torch.Tensor:
+        """Host staging of segment `s` of device tensor `p` (a parameter, or with kind="grad"
+        its gradient), in p's dtype (a slot's buffers are fp32-sized, so any dtype fits)."""
         n = p.element_size()
-        return bufs["copy"].view(torch.uint8)[s.clo * n:s.chi * n].view(p.dtype)
+        return bufs[kind].view(torch.uint8)[s.clo * n:s.chi * n].view(p.dtype)
 
     def _step_chunk(self, gi, group, params, grads, steps, chunk, bufs, stats,
                     publish: bool = True, scale=None, used_grads: dict | None = None,
@@ -33,7 +33,8 @@ class ChunkStep:
         tier's own memory), read from `sources` instead where given ({kind: chunk tensor}: out
         of place, the kernel reads generation g there and writes g + 1 into `bufs`). Device
         gradients (and device weights that are their own master) are copied into the slot
-        after `ready` (d2h.Copier), and only those copies are waited for."""
+        after `ready` (d2h.Copier), and only those copies are waited for. New device weights
+        are rounded into the slot's copy buffer and uploaded without a wait (h2d.Uploader)."""
         t = time.perf_counter()
         d2h_pairs = []  # (host staging, device tensor)
         buckets: dict = defaultdict(lambda: defaultdict(list))
@@ -54,8 +55,12 @@ class ChunkStep:
             b = buckets[steps[s.pi]]
             g = grads[s.pi][s.plo:s.phi]
             if d2h.on_device(g):
-                d2h_pairs.append((bufs["grad"][s.clo:s.chi], g))
-                g = bufs["grad"][s.clo:s.chi]
+                # In its own dtype: the bytes validate() fingerprints on the device are these
+                # (an fp32 copy of a bf16 gradient never matched, so no chunk was kept), and a
+                # bf16 gradient moves half the bytes.
+                staged = self._staging(g, s, bufs, "grad")
+                d2h_pairs.append((staged, g))
+                g = staged
             used.append(((chunk.ci, s.pi), g))
             stored = self._uses_master(p)
             if stored or p.device.type != "cpu":
@@ -66,7 +71,7 @@ class ChunkStep:
                 if sources is not None:
                     b["master_from"].append(sources["master"][s.clo:s.chi] if stored
                                             else master)
-                if publish and p.device.type == "cpu":
+                if publish and not d2h.on_device(p):
                     b["copies"].append(pflat)
                 elif publish:
                     staging = self._staging(p, s, bufs)
@@ -96,23 +101,26 @@ class ChunkStep:
             t = time.perf_counter()
             used_grads.update(zip([k for k, _ in used], fingerprints([g for _, g in used])))
             stats["grad_fingerprint_s"] += time.perf_counter() - t
+        if h2d:  # the kernel rewrites the staging: the last upload from it must be done
+            t = time.perf_counter()
+            with self.clock.span("h2d"):
+                self._uploads.reserve(bufs["copy"])
+            stats["h2d_s"] += time.perf_counter() - t
         t1 = time.perf_counter()
         amp = {} if scale is None else {"grad_scale": scale}
         with self.clock.span("adam"):
             self._adam(group, buckets, amp, amsgrad)
         stats["cpu_step_s"] += time.perf_counter() - t1
-        if written:
+        if h2d:  # in flight while the next chunk is stepped (h2d.Uploader)
+            t2 = time.perf_counter()
+            with self.clock.span("h2d"):
+                self._uploads.upload(h2d, bufs["copy"])
+            stats["h2d_s"] += time.perf_counter() - t2
+        if written:  # of the host staging, which the upload only reads
             t = time.perf_counter()
             self._watch.record(gi, dict(zip([k for k, _ in written],
                                             fingerprints([w for _, w in written]))))
             stats["param_check_s"] += time.perf_counter() - t
-        if h2d:
-            t2 = time.perf_counter()
-            with self.clock.span("h2d"):
-                for dst, src in h2d:
-                    dst.copy_(src, non_blocking=True)
-                torch.cuda.synchronize()  # the staging slot is reused three chunks later
-            stats["h2d_s"] += time.perf_counter() - t2
 
     def _wait_copies(self, pairs: list, ready: list | None) -> None:
         """Copies a chunk's device tensors into its host staging and waits for those copies

@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from tierlift.offload import d2h
 from tierlift.offload.watch import fingerprints
 
 _INTS = {4: torch.int32, 2: torch.int16}
@@ -60,8 +61,12 @@ def prepare(off, gi: int, grads: dict, chunks, stats, rewritten: set | None = No
             if known is not None and "step" in off.opt.state[params[s.pi]]:
                 seen[(c.ci, s.pi)] = known
         segs = [(c, s) for c, s in segs if (c.ci, s.pi) not in seen]
-    found = fingerprints([params[s.pi].detach().view(-1)[s.plo:s.phi] for _, s in segs],
-                         off._slots[0].get("copy"))
+    found = [params[s.pi].detach().view(-1)[s.plo:s.phi] for _, s in segs]
+    if any(d2h.on_device(t) for t in found):
+        # Read through slot 0's copy buffer, on this thread's stream: the overlap's worker is
+        # not on the stream the last uploads of the parameters (and from that buffer) went.
+        off._uploads.drain()
+    found = fingerprints(found, off._slots[0].get("copy"))
     seen.update({(c.ci, s.pi): v for (c, s), v in zip(segs, found)})
     todo: dict = {}  # ci -> (chunk, [(segment, first step)])
     for c, s in segs:

@@ -240,7 +240,10 @@ def validate(off, gi: int, records: list, live: dict, scale: float | None,
             if (chunk.ci, s.pi) in rec.params and not deferred(params[s.pi]):
                 keys.append((id(rec), "p", chunk.ci, s.pi))
                 tensors.append(params[s.pi].detach().view(-1)[s.plo:s.phi])
-    now = dict(zip(keys, fingerprints(tensors, off._slots[0].get("copy"))))
+    scratch = off._slots[0].get("copy")  # device tensors' bytes pass through it
+    if scratch is not None and tensors:
+        off._uploads.reserve(scratch)
+    now = dict(zip(keys, fingerprints(tensors, scratch)))
 
     def same(rec, ci: int, s) -> bool:
         grad = known.get((ci, s.pi), now.get((id(rec), "g", ci, s.pi)))
@@ -286,6 +289,41 @@ def _masters(off, gi: int, part: list) -> list:
     return bufs
 
 
+def _publish_chunk(off, chunk, params, grads: dict, masters_: torch.Tensor, k: int,
+                   stats) -> dict:
+    """Writes the new weights of the parameters of `chunk` that deferred() leaves here, from
+    its masters; returns {(ci, pi): the bytes written, in host memory}. Device weights are
+    rounded into the copy buffer of slot k % S, once the upload that last read it is done, and
+    uploaded without a wait (h2d.Uploader): the next chunk is rounded while this one is copied."""
+    written, uploads, staging = {}, [], None
+    for s in chunk.segments:
+        p = params[s.pi]
+        if s.pi not in grads or deferred(p):
+            continue
+        dst = p.detach().view(-1)[s.plo:s.phi]
+        src = masters_[s.clo:s.chi]
+        if not d2h.on_device(p):
+            written[(chunk.ci, s.pi)] = dst.copy_(src)
+            continue
+        if staging is None:
+            staging = off._slots[k % off.n_slots]
+            _h2d(off, stats, off._uploads.reserve, staging["copy"])
+        # rounded on the host, so the bytes the parameter gets are known here
+        written[(chunk.ci, s.pi)] = off._staging(p, s, staging).copy_(src)
+        uploads.append((dst, written[(chunk.ci, s.pi)]))
+    if uploads:
+        _h2d(off, stats, off._uploads.upload, uploads, staging["copy"])
+    return written
+
+
+def _h2d(off, stats, call, *args) -> None:
+    """`call(*args)` counted as H2D time (issuing uploads, or waiting for one)."""
+    t = time.perf_counter()
+    with off.clock.span("h2d"):
+        call(*args)
+    stats["h2d_s"] += time.perf_counter() - t
+
+
 def publish(off, gi: int, kept: list, grads: dict, stats, published: list) -> list:
     """Copies the new master weights of the kept chunks [(chunk, Record)] into the parameters
     (a speculative step never touches them: a second backward may still read them) and records
@@ -308,24 +346,14 @@ def publish(off, gi: int, kept: list, grads: dict, stats, published: list) -> li
                   for (chunk, rec), buf in zip(part, masters_)]
         results = copy_checked(groups)
         published.extend(c for (c, _), got in zip(part, results) if got is not None)
-        for (chunk, _), buf, got in zip(part, masters_, results):
+        for j, ((chunk, _), buf, got) in enumerate(zip(part, masters_, results)):
             if got is None:
                 late.append(chunk)
                 continue
             keys = [(chunk.ci, s.pi) for s in chunk.segments
                     if s.pi in grads and deferred(params[s.pi])]
             seen = dict(zip(keys, got))
-            written = {}
-            for s in chunk.segments:
-                p = params[s.pi]
-                if s.pi not in grads or deferred(p):
-                    continue
-                dst = p.detach().view(-1)[s.plo:s.phi]
-                src = buf[s.clo:s.chi]
-                if p.device.type != "cpu":  # rounded on the host, so its bytes are known
-                    src = off._staging(p, s, off._slots[0]).copy_(src)
-                dst.copy_(src)
-                written[(chunk.ci, s.pi)] = dst if p.device.type == "cpu" else src
+            written = _publish_chunk(off, chunk, params, grads, buf, at + j, stats)
             seen.update(zip(written, fingerprints(list(written.values()))))
             off._watch.record(gi, seen)
     stats["publish_s"] += time.perf_counter() - t

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from tierlift._shards import all_ranks_agree, is_shard, shard_owner
 from tierlift.io import ChecksumError, EngineConfig, IoEngine
-from tierlift.offload import d2h, gradients, legs, masters, scaler_scan
+from tierlift.offload import d2h, gradients, h2d, legs, masters, scaler_scan
 from tierlift.offload.checks import (
     check_group,
     check_lists,
@@ -106,6 +106,7 @@ class Offloader(StateIO, ChunkStep):
                         "which steps it through a contiguous copy")
         self._cuda = any(d2h.on_device(p) for p in params)
         self._copier = d2h.Copier()  # D2H of device gradients, on a copy stream
+        self._uploads = h2d.Uploader()  # H2D of new weights from the slots, not waited for
         self._pin = torch.cuda.is_available()
         self.state_dtype = getattr(optimizer, "_state_dtype", "fp32")
         self._dtypes = [state_kinds(g["amsgrad"], self.state_dtype)
@@ -320,6 +321,7 @@ class Offloader(StateIO, ChunkStep):
         if self.overlap is not None:
             self.overlap.close(join)
             self.overlap = None
+        self._uploads.drain()  # they read the slots, whose memory goes with the engine
         if self._engine is not None and not self._engine.closed:
             self._slots = []
             if self._durable is not None:  # the files stay, to be reopened
