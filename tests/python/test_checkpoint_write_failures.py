@@ -1,13 +1,15 @@
 """A write that fails is a clear error naming the path and the cause, and leaves nothing behind:
 the export commands (a plain file, .safetensors, --format hf, export-optimizer) onto a
-read-only drive, a full drive (a real tmpfs), a folder removed while they write; a save that
-reaches the file size limit (RLIMIT_FSIZE in a child process). The earlier export or checkpoint
-there stays as it was. An export killed with SIGKILL leaves its temporary directory, which the
-next export to the same output removes (a live export's is kept)."""
+read-only drive, a full drive and one out of inodes (real tmpfs), a folder removed while they
+write, an output folder that is a symbolic link to nothing; a save that reaches the file size
+limit (RLIMIT_FSIZE in a child process). The earlier export or checkpoint there stays as it
+was. An export killed with SIGKILL leaves its temporary directory, which the next export to the
+same output removes (a live export's is kept)."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import os
 import resource
@@ -107,9 +109,62 @@ def test_an_export_onto_a_full_drive(tmp_path, drive, fmt):
     before = _tree(drive)
     out = os.path.join(drive, FORMATS[fmt][0])
     err = _cli_error(_export(fmt, ck, out))
-    assert f"[Errno 28] cannot write {out!r}: disk full (ENOSPC) on the drive of {drive!r}: " \
-           in err and "nothing was written there" in err, err
+    assert f"[Errno 28] cannot write {out!r}: no space left on the drive of {drive!r} (ENOSPC: " \
+           "its blocks or its inodes are used up, or a project quota is reached): " in err, err
+    assert "inodes are free there; nothing was written there" in err, err
     assert _tree(drive) == before  # no temporary file left; the earlier export as it was
+
+
+def test_an_export_onto_a_drive_out_of_inodes(tmp_path):
+    """ENOSPC with most bytes free: the message says what is free rather than "disk full"."""
+    with mounted_tmpfs(tmp_path, "1m,nr_inodes=8") as drive:  # mount's -o list
+        taken = 0
+        with pytest.raises(OSError):
+            while True:
+                open(os.path.join(drive, f"f{taken}"), "w").close()
+                taken += 1
+        out = os.path.join(drive, "out.pt")
+        err = _cli_error(_export("pt", _small_ck(tmp_path), out))
+        free = os.statvfs(drive).f_bavail * os.statvfs(drive).f_frsize
+        assert free > 512 << 10
+        assert f"[Errno 28] cannot write {out!r}: no space left on the drive of {drive!r} " \
+               f"(ENOSPC: its blocks or its inodes are used up, or a project quota is " \
+               f"reached): {free} bytes and 0 inodes are free there" in err, err
+        assert len(os.listdir(drive)) == taken
+
+
+def test_a_quota_is_not_called_a_full_drive(tmp_path):
+    """EDQUOT keeps its errno and says quota; a save's size is said when known."""
+    ck = str(tmp_path / "ck")
+    assert targets.no_space(RuntimeError("save failed"), ck, 10) is None  # not about space
+    quota = OSError(errno.EDQUOT, os.strerror(errno.EDQUOT), ck + ".tmp/rank00000.pt")
+    got = targets.no_space(quota, ck, 4096)
+    assert got.errno == errno.EDQUOT
+    assert str(got).startswith(
+        f"[Errno {errno.EDQUOT}] cannot save checkpoint {ck!r}: disk quota exceeded on the drive "
+        f"of {str(tmp_path)!r} (EDQUOT: this user's or group's quota there is used up): ")
+    assert ", and this save writes about 4096 bytes (on this rank); nothing was saved" in str(got)
+    full = targets.no_space(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), ck, None)
+    assert full.errno == errno.ENOSPC and "no space left on the drive" in str(full)
+    assert "this save writes" not in str(full)
+
+
+@pytest.mark.parametrize("below", ["", "sub"])
+def test_an_output_under_a_dangling_symlink(tmp_path, below):
+    """The output's folder (or one above it) is a symbolic link to a folder that is gone: the
+    error says so, and neither the link nor its target is touched."""
+    link, gone = tmp_path / "exports", tmp_path / "gone"
+    link.symlink_to(gone)
+    out = os.path.join(link, below, "out.pt")
+    want = f"cannot create the parent directory of {out!r}: {str(link)!r} is a symbolic link " \
+           f"to a missing folder ({str(gone)!r} does not exist)"
+    err = _cli_error(_export("pt", _small_ck(tmp_path), out))
+    assert f"[Errno 2] {want}" in err, err
+    with pytest.raises(FileNotFoundError) as e:
+        tierlift.checkpoint.save(os.path.join(link, below, "ck"), _model())
+    assert want.replace("out.pt", "ck.tmp") in str(e.value)
+    assert os.path.islink(link) and not os.path.lexists(gone)
+    assert sorted(os.listdir(tmp_path)) == ["exports", "small"]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -18,10 +18,11 @@ from __future__ import annotations
 import errno
 import json
 import os
+import pathlib
 import re
-import shutil
 
 from tierlift.checkpoint import format as fmt
+from tierlift.checkpoint import write_errors
 from tierlift.checkpoint.manifest import FORMAT as MANIFEST_FORMAT
 from tierlift.checkpoint.manifest import MANIFEST
 
@@ -161,38 +162,67 @@ def check_new_output(out: str, *, directory: bool = False) -> None:
                           "remove it first)")
 
 
+def _not_a_folder(parent: str) -> tuple[int, str] | None:
+    """Why folder `parent` cannot be created, as (errno, text): the first of it and the folders
+    above it that exists but is not a folder, said plainly; None if there is none."""
+    here = ""
+    for part in pathlib.Path(parent).parts:
+        here = os.path.join(here, part)
+        if not os.path.lexists(here):
+            return None  # it and what is below it can be created
+        if os.path.isdir(here):
+            continue
+        if not os.path.islink(here):
+            return errno.ENOTDIR, f"{here!r} is a file"
+        target = os.path.normpath(os.path.join(os.path.dirname(here), os.readlink(here)))
+        try:
+            os.stat(here)
+        except FileNotFoundError:
+            return errno.ENOENT, (f"{here!r} is a symbolic link to a missing folder ({target!r} "
+                                  "does not exist); create that folder, or fix or remove the "
+                                  "link")
+        except OSError as e:  # ELOOP: a link that leads back to itself
+            return e.errno, f"{here!r} is a symbolic link that cannot be followed ({e.strerror})"
+        return errno.ENOTDIR, f"{here!r} is a symbolic link to a file ({target!r})"
+    return None
+
+
 def make_parent(path: str) -> None:
-    """Creates the missing parent directories of `path` (a clear error where one is a file)."""
+    """Creates the missing parent directories of `path`; where one of them cannot be (a file,
+    or a symbolic link to nothing, is in the way), an OSError says which and why."""
     parent = os.path.dirname(os.path.abspath(path))
     try:
         os.makedirs(parent, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):
-        raise NotADirectoryError(errno.ENOTDIR, f"cannot create the parent directory of "
-                                 f"{path!r}: a part of {parent!r} is a file") from None
+    except OSError:
+        found = _not_a_folder(parent)
+        if found is None:
+            raise
+        code, why = found
+        raise OSError(code, f"cannot create the parent directory of {path!r}: {why}") from None
 
 
 def no_space(error: BaseException, path: str, needed: int | None) -> OSError | None:
-    """An OSError(ENOSPC) naming checkpoint `path`, the bytes the save needs and the bytes free,
-    if `error` (or what caused it) is a full drive; else None."""
+    """An OSError (ENOSPC, or EDQUOT for a quota) naming checkpoint `path`, what is free on its
+    drive and the bytes the save writes, if `error` (or what caused it) is one of those; else
+    None."""
     e: BaseException | None = error
     for _ in range(8):  # the error, or what it was raised from
         if e is None:
             return None
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) or \
-                "No space left on device" in str(e):
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            code = e.errno
+            break
+        if "No space left on device" in str(e):
+            code = errno.ENOSPC
             break
         e = e.__cause__ or e.__context__
     else:
         return None
-    parent = os.path.dirname(os.path.abspath(path))
-    try:
-        free = f"{shutil.disk_usage(parent).free} bytes are free there"
-    except OSError:
-        free = "the free space there is unknown"
-    need = f"this save writes about {needed} bytes" if needed is not None else \
-        "this save needs more room"
+    room = write_errors.no_room(code, os.path.dirname(os.path.abspath(path)))
+    need = f", and this save writes about {needed} bytes (on this rank)" \
+        if needed is not None else ""
     where = getattr(e, "filename", None)
     failed = f" writing {where}" if where else ""
-    return OSError(errno.ENOSPC, f"no space left on the device for checkpoint {path!r}: {need} "
-                   f"(on this rank) and {free}; nothing was saved and the temporary directory "
-                   f"{path + '.tmp'!r} was removed (the error{failed}: {e})")
+    return OSError(code, f"cannot save checkpoint {path!r}: {room}{need}; nothing was saved and "
+                   f"the temporary directory {path + '.tmp'!r} was removed (the error{failed}: "
+                   f"{e})")

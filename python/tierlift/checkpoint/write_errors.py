@@ -1,5 +1,5 @@
-"""The cause of a failed write, said plainly: a missing folder, one that is not writable, a full
-drive, a file size limit.
+"""The cause of a failed write, said plainly: a missing folder, one that is not writable, no
+space left (blocks or inodes) or a quota reached, a file size limit.
 
 torch.save and safetensors report these in their own words (torch: `[enforce fail at
 inline_container.cc:...] unexpected pos 4564 vs 4509`; safetensors: `I/O error: ... (os error
@@ -20,7 +20,6 @@ import errno
 import os
 import re
 import resource
-import shutil
 
 # Rust's io::Error as safetensors shows it: `I/O error: ... (os error 28) at path "..."`
 _OS_ERROR_TEXT = re.compile(r'\(os error (\d+)\)(?: at path "([^"]*)")?')
@@ -56,6 +55,35 @@ def _concerns(name: str, dest: str, tmp: str | None) -> bool:
     return name == dest or dest.startswith(name.rstrip(os.sep) + os.sep)
 
 
+# ENOSPC is not only a full disk: the file system may have run out of inodes (many small files),
+# and XFS reports an exhausted project quota with it too; the counts said beside it tell which.
+_NO_ROOM = {
+    errno.ENOSPC: ("no space left", "ENOSPC: its blocks or its inodes are used up, or a project "
+                   "quota is reached"),
+    errno.EDQUOT: ("disk quota exceeded", "EDQUOT: this user's or group's quota there is used "
+                   "up"),
+}
+
+
+def free_space(folder: str) -> str:
+    """What is free on the drive of `folder`, for this user: bytes, and inodes where the file
+    system counts them."""
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return "the free space there is unknown"
+    free = f"{st.f_bavail * st.f_frsize} bytes"
+    if st.f_files:  # 0: a file system without an inode limit (btrfs)
+        free += f" and {st.f_favail} inodes"
+    return free + " are free there"
+
+
+def no_room(code: int, folder: str) -> str:
+    """What ENOSPC or EDQUOT (`code`) says about the drive of `folder`, and what is free there."""
+    what, why = _NO_ROOM[code]
+    return f"{what} on the drive of {folder!r} ({why}): {free_space(folder)}"
+
+
 def cause(code: int, folder: str, tmp: str | None = None) -> str | None:
     """What errno `code` means for a write into `folder` (through the temporary directory
     `tmp` there, if any), or None for another error."""
@@ -71,14 +99,8 @@ def cause(code: int, folder: str, tmp: str | None = None) -> str | None:
         if code == errno.EROFS:
             return f"not writable: {where!r} is on a read-only file system"
         return f"not writable: this user may not write in {where!r} (permission denied)"
-    if code in (errno.ENOSPC, errno.EDQUOT):
-        try:
-            free = f"{shutil.disk_usage(folder).free} bytes are free there"
-        except OSError:
-            free = "the free space there is unknown"
-        what = "disk full (ENOSPC)" if code == errno.ENOSPC else \
-            "disk quota exceeded (EDQUOT)"
-        return f"{what} on the drive of {folder!r}: {free}"
+    if code in _NO_ROOM:
+        return no_room(code, folder)
     if code == errno.EFBIG:
         limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
         if limit != resource.RLIM_INFINITY:
@@ -90,7 +112,7 @@ def cause(code: int, folder: str, tmp: str | None = None) -> str | None:
 
 def explain(error: BaseException, dest: str, tmp: str | None, outcome: str) -> OSError | None:
     """An OSError saying that `dest` could not be written, the cause (missing parent folder,
-    not writable, disk full, file size limit) and `outcome` (what was left behind), if `error`
+    not writable, no space left, file size limit) and `outcome` (what was left behind), if `error`
     is one of those in writing `dest` or its temporary `tmp`; else None. The caller raises it
     from `error`."""
     e = os_error(error)
