@@ -55,9 +55,8 @@ TIERLIFT_CUDASIM_SCHEDULE=warp ./build/cmake/tierlift_cudasim_tests --gtest_brie
 stage "GoogleTest under ThreadSanitizer (the I/O engine's threads, the pool; the kernels' race run)"
 cmake -S . -B build/tsan -G Ninja -DTIERLIFT_TSAN=ON -DTIERLIFT_BENCHMARKS=OFF >/dev/null
 cmake --build build/tsan -j "$jobs" --target tierlift_tests tierlift_cudasim_tests
-# setarch -R: older libtsan refuses the high-entropy address layouts of newer kernels.
-TSAN_OPTIONS="halt_on_error=1 history_size=4" setarch "$(uname -m)" -R \
-  ./build/tsan/tierlift_tests --gtest_brief=1
+# TSAN_OPTIONS and setarch -R for every TSan binary live in scripts/tsan_races.sh.
+bash scripts/tsan_races.sh --all-tests ./build/tsan/tierlift_tests
 # The race run: the simulator's own tests and the small-shape race tests of every kernel with an
 # atomic, a barrier or a warp collective (its filter and limits live in that one script, which
 # scripts/mutate_kernels.py runs too; the whole suite is far too slow under TSan).

@@ -2,8 +2,12 @@
 # The race run over the simulated CUDA threads: a ThreadSanitizer build's simulator tests, limited
 # to the tests that finish in about a minute there. CI (scripts/test.sh) and the TSan mode of
 # scripts/mutate_kernels.py both run this file, so their filter and limits cannot drift apart.
+# It is also the one place that says how any TSan test binary runs (TSAN_OPTIONS, setarch -R):
+# with --all-tests it runs the binary's whole suite that way (scripts/test.sh: the C++ core's
+# tests, whose I/O engine and thread pool threads TSan watches).
 #
 #   bash scripts/tsan_races.sh build/tsan/tierlift_cudasim_tests [more gtest flags]
+#   bash scripts/tsan_races.sh --all-tests build/tsan/tierlift_tests [more gtest flags]
 #
 # Selected: the simulator's own tests (CudaSim*, planted races included) and KernelRaces*
 # (tests/cudasim/test_kernel_races.cc): every kernel in csrc/cuda with an atomic, a barrier,
@@ -17,8 +21,13 @@ RACE_FILTER='CudaSim*:KernelRaces*'
 # less memory and time than the default.
 RACE_TSAN_OPTIONS='halt_on_error=1 history_size=4'
 
-binary=${1:?usage: bash scripts/tsan_races.sh TSAN_BUILD/tierlift_cudasim_tests [gtest flags]}
+filter=(--gtest_filter="$RACE_FILTER")
+if [ "${1:-}" = "--all-tests" ]; then
+  filter=()
+  shift
+fi
+binary=${1:?usage: bash scripts/tsan_races.sh [--all-tests] TSAN_BUILD/TEST_BINARY [gtest flags]}
 shift
 # setarch -R: older libtsan refuses the high-entropy address layouts of newer kernels.
 TSAN_OPTIONS="$RACE_TSAN_OPTIONS" exec setarch "$(uname -m)" -R \
-  "$binary" --gtest_brief=1 --gtest_filter="$RACE_FILTER" "$@"
+  "$binary" --gtest_brief=1 "${filter[@]}" "$@"
