@@ -16,14 +16,20 @@ classes (every top-level key known, every setting read back as meant) and builds
 typo nor spends its time building. On a machine without CUDA DeepSpeed falls back to its CPU
 accelerator, and --finetune-check runs the DeepSpeed case there too (gloo).
 
-Fine-tuning mode, sizing per parameter: tierlift keeps bf16 params + bf16 grads on the GPU (4 B)
-and the fp32 master, m, v in pinned RAM (12 B with offload="cpu", 24 B with --overlap: two
-generations) or on NVMe (24 B: two generations, offload="nvme" with overlap); DeepSpeed ZeRO-3
-(one rank, params on the GPU) keeps fp32 master, m, v and an fp32 gradient partition in pinned
-RAM (16 B). The largest model of the ladder that both hold within 85% of each memory is
-measured, each case in its own process (pinned memory of one must not count against the
-other). FLOPs per token: 6 N + 12 L d T
-(matmuls forward and backward plus attention scores; the causal mask is not discounted).
+Sizing (finetune_sizing.py, per parameter): tierlift keeps bf16 params + bf16 grads on the GPU
+(4 B) and the fp32 master, m, v in pinned RAM (12 B with offload="cpu"; with --overlap two
+generations, 24 B, or with --cpu-budget below that the budget: one generation plus spare chunk
+blocks, stepped ahead during backward) or on NVMe (24 B: two generations); torch's recipe 18 B
+and DeepSpeed ZeRO-3 (one rank, params on the GPU) 16 B in RAM. The largest model of the ladder
+that both hold within 85% of each memory is measured (or --model, checked the same way), each
+case in its own process (pinned memory of one must not count against the other). Every row
+reports tokens per step (--batch-size x --seq-len), tokens/s, TFLOPS and peak GPU and pinned
+memory. FLOPs per token: 6 N + 12 L d T (matmuls forward and backward plus attention scores;
+the causal mask is not discounted). --max-grad-norm applies to every contender alike (0: none):
+tierlift's overlap keeps its chunks only while the norm stays under it (docs/offload.md), so the
+tierlift rows report the gradient norm and the chunks kept and redone. With --tier nvme and
+--disk-json (the file benchmarks/bench_io.py --out wrote), the step is set against the disk's
+roofline for its state bytes (target within 1.25x).
 """
 
 from __future__ import annotations
@@ -45,68 +51,21 @@ import torch
 
 import tierlift
 from common import machine, print_table, write_json
+from finetune_sizing import (
+    LADDER,
+    NVME_TARGET,
+    GiB,
+    check_cpu_budget,
+    config,
+    nvme_roofline,
+    plan,
+    read_disk_json,
+)
 from llama_model import Llama, LlamaConfig, rope_tables
 from offload_legs import print_leg_table
 from plots import plot_json, plot_offload_finetune
 
 BENCH = Path(__file__).resolve().with_name("bench_offload.py")  # runs each case in its process
-
-
-LADDER = {
-    "tiny": dict(dim=64, n_layer=2, n_head=4, n_kv_head=2, ffn_dim=192, vocab_size=256),
-    "1b": dict(dim=2048, n_layer=16, n_head=32, n_kv_head=8, ffn_dim=8192),
-    "3b": dict(dim=3072, n_layer=28, n_head=24, n_kv_head=8, ffn_dim=8192),
-    "7b": dict(dim=4096, n_layer=32, n_head=32, n_kv_head=32, ffn_dim=11008),
-    "8b": dict(dim=4096, n_layer=32, n_head=32, n_kv_head=8, ffn_dim=14336),
-    "13b": dict(dim=5120, n_layer=40, n_head=40, n_kv_head=40, ffn_dim=13824),
-}
-GiB = 1 << 30
-
-
-def config(name: str, seq_len: int) -> LlamaConfig:
-    kw = {"vocab_size": 32000, **LADDER[name]}
-    return LlamaConfig(max_seq_len=seq_len, **kw)
-
-
-def activation_bytes(cfg: LlamaConfig, tokens: int) -> int:
-    """Rough bf16 activation memory kept for backward (no activation checkpointing)."""
-    return tokens * cfg.n_layer * (34 * cfg.dim + 8 * cfg.ffn_dim) + tokens * cfg.vocab_size * 8
-
-
-def plan(args) -> dict:
-    """The largest ladder model that both tierlift and DeepSpeed hold, and tierlift's tier."""
-    gpu, ram, disk = args.gpu_mem * GiB * 0.85, args.cpu_mem * GiB * 0.85, args.disk * GiB * 0.85
-    best = None
-    for name in LADDER:
-        if name == "tiny":
-            continue
-        cfg = config(name, args.seq_len)
-        n = cfg.num_params()
-        act = activation_bytes(cfg, args.batch_size * args.seq_len)
-        if 4 * n + act > gpu:  # tierlift: bf16 params + grads on the GPU
-            continue
-        host = 24 * n if args.overlap else 12 * n  # overlap keeps two generations in RAM
-        tier = "cpu" if host <= ram else ("nvme" if 24 * n <= disk else None)
-        if tier is None:
-            continue
-        deepspeed_fits = 2 * n + act <= gpu and 16 * n <= ram
-        if not deepspeed_fits and best is not None:
-            continue
-        best = {"model": name, "params": n, "tier": tier, "deepspeed_fits": deepspeed_fits,
-                "gpu_bytes": 4 * n + act, "host_bytes": host if tier == "cpu" else 0,
-                "disk_bytes": 24 * n if tier == "nvme" else 0}
-    if args.model is not None:
-        cfg = config(args.model, args.seq_len)
-        n = cfg.num_params()
-        tier = best["tier"] if best else "cpu"
-        best = {"model": args.model, "params": n, "tier": args.tier or tier,
-                "deepspeed_fits": True, "gpu_bytes": None, "host_bytes": None,
-                "disk_bytes": None}
-    if best is None:
-        raise SystemExit("no model of the ladder fits --gpu-mem/--cpu-mem/--disk")
-    if args.tier:
-        best["tier"] = args.tier
-    return best
 
 
 def build_model(name: str, seq_len: int, device: torch.device, dtype=None) -> Llama:
@@ -159,10 +118,14 @@ def run_tierlift(args, info: dict, device) -> dict:
         model = tierlift.zero.shard(model, stage=3, mixed_precision=mp,
                                     offload_params=args.offload_params)
     nvme = tempfile.TemporaryDirectory(dir=args.dir) if info["tier"] == "nvme" else None
-    kw = dict(offload=info["tier"], max_grad_norm=1.0,
+    kw = dict(offload=info["tier"], max_grad_norm=args.max_grad_norm or None,
               overlap=args.overlap or info["tier"] == "nvme")
     if nvme is not None:
         kw.update(nvme_path=nvme.name, cpu_budget=int(args.nvme_budget * GiB))
+    elif args.cpu_budget is not None:
+        kw.update(cpu_budget=int(args.cpu_budget * GiB))
+    if args.chunk_bytes:
+        kw.update(chunk_bytes=args.chunk_bytes)
     opt = tierlift.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), **kw)
     print(f"set up (model, shard, optimizer) in {time.perf_counter() - t_setup:.1f} s",
           file=sys.stderr, flush=True)
@@ -177,11 +140,17 @@ def run_tierlift(args, info: dict, device) -> dict:
         opt.zero_grad(set_to_none=True)
 
     t = _time_steps(step, args.steps, args.warmup, device)
-    case = f"tierlift offload={info['tier']}"
+    case = f"tierlift offload={info['tier']}" + (" overlap" if kw["overlap"] else "")
     if zero3:
         case = (f"tierlift zero3 offload_params={args.offload_params} offload={info['tier']}"
                 + (" overlap" if kw["overlap"] else ""))
-    out = {"case": case, "params": n, "step_s": t,
+    # The RAM tier's spare chunk blocks (tiers.MemoryTier.spare: not in last_step_stats, read
+    # from the optimizer's Offloader): 0 with two generations or without the overlap.
+    tiers = opt._offload.tiers
+    out = {"case": case, "params": n, "step_s": t, "cpu_budget": kw.get("cpu_budget"),
+           "chunks": sum(len(tr.gen) for tr in tiers),
+           "spare_chunks": sum(getattr(tr, "spare", 0) for tr in tiers),
+           "generations": max(getattr(tr, "generations", 0) for tr in tiers),
            "stats": {k: v for k, v in opt.last_step_stats.items() if isinstance(v, float)},
            "legs": opt.last_step_stats.get("legs", {})}  # the last step, split by leg
     if zero3:
@@ -210,6 +179,8 @@ def run_torch_cpu(args, info: dict, device) -> dict:
         opt = torch.optim.AdamW(masters, lr=1e-5, betas=(0.9, 0.95), weight_decay=0.0)
     gen = torch.Generator().manual_seed(0)
 
+    norms: list[float] = []  # each step's norm before clipping
+
     def step():
         x = torch.randint(model.cfg.vocab_size, (args.batch_size, args.seq_len + 1),
                           generator=gen).to(device)
@@ -221,21 +192,25 @@ def run_torch_cpu(args, info: dict, device) -> dict:
             torch.cuda.synchronize()
         for m, g in zip(masters, low):
             m.grad.copy_(g)
-        torch.nn.utils.clip_grad_norm_(masters, 1.0)
+        if args.max_grad_norm:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(masters, args.max_grad_norm)))
         opt.step()
         with torch.no_grad():
             for p, m in zip(params, masters):
                 p.copy_(m, non_blocking=True)
 
     t = _time_steps(step, args.steps, args.warmup, device)
-    return {"case": "torch AdamW on CPU (fp32 master, pinned)", "params": n, "step_s": t}
+    if not norms:  # unclipped: the last step's norm, outside the timed steps
+        norms.append(float(torch.nn.utils.get_total_norm([m.grad for m in masters])))
+    return {"case": "torch AdamW on CPU (fp32 master, pinned)", "params": n, "step_s": t,
+            "grad_norm": norms[-1]}
 
 
 def deepspeed_config(args, device) -> dict:
     return {
         "train_micro_batch_size_per_gpu": args.batch_size,
         "gradient_accumulation_steps": 1,
-        "gradient_clipping": 1.0,
+        "gradient_clipping": float(getattr(args, "max_grad_norm", 1.0)),  # 0.0: none
         "bf16": {"enabled": device.type == "cuda"},
         "zero_optimization": {
             "stage": 3,
@@ -287,8 +262,13 @@ def run_case(args, which: str) -> None:
     cfg = config(info["model"], args.seq_len)
     out["tflops"] = flops_per_step(cfg, out["params"], args.batch_size,
                                    args.seq_len) / out["step_s"] / 1e12
+    out["tokens_per_step"] = args.batch_size * args.seq_len
+    out["tokens_per_s"] = out["tokens_per_step"] / out["step_s"]
     if device.type == "cuda":
         out["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
+        # as torch's caching host allocator holds it: each block rounded up to a power of two
+        host = getattr(torch.cuda, "host_memory_stats", dict)()
+        out["peak_pinned_bytes"] = host.get("allocated_bytes.peak")
     gc.collect()
     print("RESULT " + json.dumps(out), flush=True)
 
@@ -405,7 +385,8 @@ def check_deepspeed_config(args) -> dict:
     }
     expect = {
         "train_micro_batch_size_per_gpu": args.batch_size, "gradient_accumulation_steps": 1,
-        "gradient_clipping": 1.0, "bf16": True, "zero stage": 3,
+        "gradient_clipping": float(getattr(args, "max_grad_norm", 1.0)), "bf16": True,
+        "zero stage": 3,
         "offload_optimizer": OffloadDeviceEnum.cpu, "offload_optimizer pin_memory": True,
         "offload_param": None, "optimizer": opt["type"].lower(), "optimizer params": opt["params"],
     }
@@ -437,6 +418,32 @@ def deepspeed_check(args) -> int:
     return 0
 
 
+def case_note(res: dict) -> str:
+    """What a case's last step did: tierlift's spare blocks and chunks stepped during backward
+    and kept or redone; the gradient norm (against --max-grad-norm) where the case has it."""
+    st = dict(res.get("stats", {}))
+    if "grad_norm" in res:
+        st["grad_norm"] = res["grad_norm"]
+    parts = []
+    if res.get("spare_chunks"):
+        parts.append(f"one generation and {res['spare_chunks']} spare blocks for "
+                     f"{res['chunks']} chunks (cpu_budget {res['cpu_budget'] / GiB:.4g} GiB)")
+    elif res.get("chunks"):
+        parts.append(f"{res['generations']} generation(s) of {res['chunks']} chunks")
+    if st.get("overlapped_s") or st.get("overlap_kept_chunks") or st.get("overlap_redone_chunks"):
+        parts.append(f"last step: {st.get('overlap_kept_chunks', 0):.0f} chunks stepped during "
+                     f"backward and kept, {st.get('overlap_redone_chunks', 0):.0f} redone, "
+                     f"{st.get('overlap_no_room_chunks', 0):.0f} left to step() for want of a "
+                     f"block, {st.get('ram_chunks', 0):.0f} stepped in place")
+    if "grad_norm" in st:
+        parts.append(f"grad norm {st['grad_norm']:.3g}")
+    return f"{res['case']}: " + "; ".join(parts) if parts else ""
+
+
+def _gb(x) -> str:
+    return "" if x is None else f"{x / 1e9:.1f}"
+
+
 def finetune(args) -> int:
     if args.deepspeed_check:
         return deepspeed_check(args)
@@ -447,32 +454,45 @@ def finetune(args) -> int:
         args.model, args.seq_len, args.batch_size = "tiny", 32, 2
         args.steps, args.warmup = 2, 1
         info = {"model": "tiny", "params": config("tiny", 32).num_params(),
-                "tier": args.tier or "nvme", "deepspeed_fits": True}
+                "tier": args.tier or "nvme", "deepspeed_fits": True, "torch_cpu_fits": True,
+                "tokens_per_step": args.batch_size * args.seq_len}
+        check_cpu_budget(args, info["params"], info["tier"])
     else:
         info = plan(args)
+    disk = None
+    if args.disk_json:  # read before any case runs: a missing or malformed file is an error
+        if info["tier"] != "nvme":
+            raise SystemExit("--disk-json is for the NVMe tier (--tier nvme)")
+        disk = read_disk_json(args.disk_json)
     print(f"plan: {json.dumps(info)}")
     if args.plan_only:
         return 0
-    rows, results = [], []
+    rows, results, roofline = [], [], None
 
     def save():
         if args.finetune_check:
             return None
         name = "bench_offload_finetune" + (f"-{args.json_suffix}" if args.json_suffix else "")
         return write_json(name, {
-            "machine": machine(), "plan": info,
+            "machine": machine(), "plan": info, "nvme_roofline": roofline,
             "args": {k: v for k, v in vars(args).items() if k != "info"}, "results": results})
 
     for which in contenders(args):
         if which == "deepspeed" and (args.no_deepspeed or not info["deepspeed_fits"]):
+            continue
+        if which == "torch-cpu" and not info.get("torch_cpu_fits", True):
+            print("torch-cpu: left out, its 18 B/param do not fit --cpu-mem", flush=True)
             continue
         case = "tierlift" if which.startswith("tierlift") else which
         offload_params = "cpu" if which == "tierlift-zero3" else args.offload_params
         cmd = [sys.executable, str(BENCH), "--finetune-case", case,
                "--info", json.dumps(info), "--seq-len", str(args.seq_len),
                "--batch-size", str(args.batch_size), "--steps", str(args.steps),
-               "--warmup", str(args.warmup), "--nvme-budget", str(args.nvme_budget)]
+               "--warmup", str(args.warmup), "--nvme-budget", str(args.nvme_budget),
+               "--max-grad-norm", str(args.max_grad_norm)]
         cmd += ["--overlap"] if args.overlap else []
+        cmd += ["--cpu-budget", str(args.cpu_budget)] if args.cpu_budget is not None else []
+        cmd += ["--chunk-bytes", str(args.chunk_bytes)] if args.chunk_bytes else []
         cmd += ["--offload-params", offload_params]
         cmd += ["--gpu"] if args.gpu else []
         cmd += ["--dir", args.dir] if args.dir else []
@@ -491,18 +511,36 @@ def finetune(args) -> int:
         res = {"contender": which, **json.loads(lines[-1][len("RESULT "):]),
                "step_times": steps}
         results.append(res)
+        if disk is not None and which.startswith("tierlift"):
+            res["nvme_roofline"] = roofline = nvme_roofline(res["stats"], res["step_s"], disk)
         save()
-        print(f"{res['case']}: {res['step_s']:.3f} s/step, {res['tflops']:.2f} TFLOPS", flush=True)
+        print(f"{res['case']}: {res['step_s']:.3f} s/step, {res['tokens_per_s']:.0f} tokens/s, "
+              f"{res['tflops']:.2f} TFLOPS", flush=True)
+        if case_note(res):
+            print(case_note(res), flush=True)
         rows.append({"case": res["case"], "step_s": f"{res['step_s']:.3f}",
-                     "TFLOPS": f"{res['tflops']:.2f}", "target": ""})
+                     "tokens/step": str(res["tokens_per_step"]),
+                     "tokens/s": f"{res['tokens_per_s']:.0f}", "TFLOPS": f"{res['tflops']:.2f}",
+                     "GPU GB": _gb(res.get("peak_gpu_bytes")),
+                     "pinned GB": _gb(res.get("peak_pinned_bytes")), "target": ""})
     ok = [r for r in results if "tflops" in r]
     rows += ratio_rows(ok)
     if rows:
-        print_table(rows, ["case", "step_s", "TFLOPS", "target"],
+        print_table(rows, ["case", "step_s", "tokens/step", "tokens/s", "TFLOPS", "GPU GB",
+                           "pinned GB", "target"],
                     title=f"fine-tuning {info['model']} ({info['params'] / 1e9:.2f}B params), "
-                          f"batch {args.batch_size} x {args.seq_len} tokens")
+                          f"batch {args.batch_size} x {args.seq_len} = "
+                          f"{args.batch_size * args.seq_len} tokens per step, clipping "
+                          + (f"at {args.max_grad_norm:g}" if args.max_grad_norm else "off"))
     print_leg_table({r["case"]: r["legs"] for r in ok if r.get("legs")},
                     "the last step by leg (ms; exposed: the training thread waited for it)")
+    if roofline is not None:
+        r = roofline
+        print(f"NVMe roofline: {r['read_bytes'] / 1e9:.4g} GB read + {r['write_bytes'] / 1e9:.4g} "
+              f"GB written per step at {r['read_GBps']:.2f} / {r['write_GBps']:.2f} GB/s (read / "
+              f"write, {args.disk_json}) = {r['roofline_s']:.4g} s; step {r['step_s']:.4g} s = "
+              f"{r['ratio']:.2f}x the roofline (target <= {NVME_TARGET}x: "
+              f"{'met' if r['met'] else 'NOT met'})", flush=True)
     path = save()
     if path is not None:
         if args.plot:
@@ -519,8 +557,20 @@ def add_finetune_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--model", choices=list(LADDER), default=None, help="skip the sizing")
     g.add_argument("--tier", choices=["cpu", "nvme"], default=None)
     g.add_argument("--overlap", action="store_true",
-                   help="offload='cpu' with the step overlapped with backward (2x the RAM)")
-    g.add_argument("--gpu-mem", type=float, default=80, help="GiB")
+                   help="offload='cpu' with the step overlapped with backward (two generations, "
+                        "2x the RAM, unless --cpu-budget is below that)")
+    g.add_argument("--cpu-budget", type=float, default=None, metavar="GIB",
+                   help="cpu_budget (GiB) of the RAM tier (--tier cpu): with --overlap and below "
+                        "two generations, one generation plus spare chunk blocks in the rest")
+    g.add_argument("--chunk-bytes", type=int, default=None,
+                   help="tierlift's AdamW chunk_bytes (default: the optimizer's, 32 MiB)")
+    g.add_argument("--max-grad-norm", type=float, default=1.0,
+                   help="gradient clipping of every contender (0: none); tierlift's overlap "
+                        "redoes every chunk of a step whose norm is above it")
+    g.add_argument("--disk-json", metavar="PATH",
+                   help="--tier nvme: benchmarks/bench_io.py --out's result; the step is set "
+                        "against (state bytes read + written) / that disk's bandwidth")
+    g.add_argument("--gpu-mem", type=float, default=80, help="GiB (the H200: 140)")
     g.add_argument("--cpu-mem", type=float, default=128, help="GiB")
     g.add_argument("--disk", type=float, default=64, help="GiB under --dir")
     g.add_argument("--nvme-budget", type=float, default=16, help="cpu_budget (GiB), nvme tier")

@@ -1,0 +1,184 @@
+"""Sizing for bench_offload.py --gpu (offload_finetune.py): the Llama ladder, the memory each
+contender needs on the GPU and in host RAM, the RAM tier's cpu_budget, and the NVMe tier's step
+against the disk bandwidth that benchmarks/bench_io.py measured. Pure arithmetic: no GPU, no
+tierlift call, so the sizing runs (and refuses) before any case starts.
+
+Per parameter (n) and per token of a step (activation_bytes):
+  GPU, every contender   bf16 params + bf16 grads (4 n) + activations; DeepSpeed (one rank, params
+                         on the GPU) keeps a bf16 partition and grad buckets: counted the same
+  tierlift, RAM tier     fp32 master, m, v: 12 n in one generation; --overlap without a budget:
+                         two generations, 24 n; --overlap with --cpu-budget B below that: B
+                         (one generation plus spare chunk blocks in the rest)
+  tierlift, NVMe tier    24 n on the disk (two generations), --nvme-budget in RAM
+  torch-cpu              fp32 masters, their grads, m, v (16 n) + bf16 grad staging (2 n): 18 n
+  DeepSpeed              fp32 master, m, v + an fp32 grad partition in pinned RAM: 16 n
+torch's caching host allocator rounds every pinned block up to a power of two, and the RAM tier
+pins one block per state kind and generation: its pinned bytes are counted as allocated
+(pinned_tier_bytes), e.g. 7B: 27 GB per kind pins 32 GiB.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+from llama_model import LlamaConfig
+
+LADDER = {
+    "tiny": dict(dim=64, n_layer=2, n_head=4, n_kv_head=2, ffn_dim=192, vocab_size=256),
+    "1b": dict(dim=2048, n_layer=16, n_head=32, n_kv_head=8, ffn_dim=8192),
+    "3b": dict(dim=3072, n_layer=28, n_head=24, n_kv_head=8, ffn_dim=8192),
+    "7b": dict(dim=4096, n_layer=32, n_head=32, n_kv_head=32, ffn_dim=11008),
+    "8b": dict(dim=4096, n_layer=32, n_head=32, n_kv_head=8, ffn_dim=14336),
+    "13b": dict(dim=5120, n_layer=40, n_head=40, n_kv_head=40, ffn_dim=13824),
+}
+GiB = 1 << 30
+FIT = 0.85  # share of each memory a plan may fill: the process, CUDA context, page cache
+STAGING = 1 * GiB  # the RAM tier's pinned slots (6 x grad and weight chunks of 32 MiB), rounded up
+NVME_TARGET = 1.25  # the NVMe step within this of (state bytes read + written) / disk bandwidth
+
+
+def config(name: str, seq_len: int) -> LlamaConfig:
+    kw = {"vocab_size": 32000, **LADDER[name]}
+    return LlamaConfig(max_seq_len=seq_len, **kw)
+
+
+def activation_bytes(cfg: LlamaConfig, tokens: int) -> int:
+    """Rough bf16 activation memory kept for backward (no activation checkpointing). On the
+    H200 the 1.1B at 2048 tokens peaked at 6.99 GB with 4.42 GB of params and grads: at most
+    2.6 GB of activations where this says 4.95 GB, so it errs on the safe side."""
+    return tokens * cfg.n_layer * (34 * cfg.dim + 8 * cfg.ffn_dim) + tokens * cfg.vocab_size * 8
+
+
+def pow2(nbytes: float) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(1.0, nbytes))))
+
+
+def ram_tier_bytes(n: int, overlap: bool, cpu_budget: float | None) -> int:
+    """Host bytes of tierlift's RAM tier (cpu_budget in bytes; see the module docstring)."""
+    if not overlap:
+        return 12 * n
+    return 24 * n if cpu_budget is None else min(int(cpu_budget), 24 * n)
+
+
+def pinned_tier_bytes(n: int, host: int) -> int:
+    """What the RAM tier pins: three fp32 kinds (master, m, v), each one block per generation,
+    each rounded up to a power of two, plus its staging slots."""
+    if host >= 24 * n:
+        return 6 * pow2(4 * n) + STAGING
+    return 3 * pow2(max(host, 12 * n) / 3) + STAGING
+
+
+def check_cpu_budget(args, n: int, tier: str) -> None:
+    """--cpu-budget is the RAM tier's; below one generation of the state (12 B/param) the tier
+    cannot hold it. Refused here, before any case starts (the optimizer refuses the rest
+    exactly: a budget that holds the state but not its staging slots)."""
+    budget = getattr(args, "cpu_budget", None)
+    if budget is None:
+        return
+    if tier != "cpu":
+        raise SystemExit(f"--cpu-budget is the RAM tier's (--tier cpu); the {tier} tier's host "
+                         "memory is --nvme-budget")
+    if budget * GiB < 12 * n:
+        raise SystemExit(
+            f"--cpu-budget {budget:g} GiB is below one generation of the optimizer state: "
+            f"12 B/param x {n / 1e9:.2f}B params = {12 * n / GiB:.1f} GiB (fp32 master, m, v); "
+            "the RAM tier cannot hold it. Raise it, or use --tier nvme")
+
+
+def needs(name: str, args) -> dict:
+    """Bytes each contender needs for model `name` at --batch-size x --seq-len."""
+    cfg = config(name, args.seq_len)
+    n = cfg.num_params()
+    tokens = args.batch_size * args.seq_len
+    gpu = 4 * n + activation_bytes(cfg, tokens)
+    budget = None if getattr(args, "cpu_budget", None) is None else args.cpu_budget * GiB
+    host = ram_tier_bytes(n, args.overlap, budget)
+    return {"params": n, "tokens_per_step": tokens, "gpu_bytes": gpu,
+            "activation_bytes": activation_bytes(cfg, tokens), "ram_tier_bytes": host,
+            "ram_tier_pinned_bytes": pinned_tier_bytes(n, host),
+            "spare_share": max(0.0, min(1.0, (host - 12 * n - STAGING) / (12 * n)))
+            if args.overlap and budget is not None and host < 24 * n else None,
+            "nvme_disk_bytes": 24 * n, "torch_cpu_host_bytes": 18 * n,
+            "deepspeed_host_bytes": 16 * n}
+
+
+def plan(args) -> dict:
+    """The largest ladder model that tierlift and DeepSpeed both hold (or --model, checked),
+    tierlift's tier, and what each contender needs."""
+    gpu, ram = args.gpu_mem * GiB * FIT, args.cpu_mem * GiB * FIT
+    disk = args.disk * GiB * FIT
+
+    def sized(name: str) -> dict | None:
+        need = needs(name, args)
+        if need["gpu_bytes"] > gpu:
+            return None
+        tier = args.tier or ("cpu" if need["ram_tier_pinned_bytes"] <= ram else "nvme")
+        if tier == "cpu" and need["ram_tier_pinned_bytes"] > ram:
+            return None
+        if tier == "nvme" and need["nvme_disk_bytes"] > disk:
+            return None
+        return {"model": name, "tier": tier,
+                "deepspeed_fits": need["deepspeed_host_bytes"] <= ram,
+                "torch_cpu_fits": need["torch_cpu_host_bytes"] <= ram, **need}
+
+    if args.model is not None:
+        check_cpu_budget(args, config(args.model, args.seq_len).num_params(),
+                         args.tier or "cpu")
+        best = sized(args.model)
+        if best is None:
+            need = needs(args.model, args)
+            raise SystemExit(
+                f"--model {args.model} at batch {args.batch_size} x {args.seq_len} does not fit: "
+                f"GPU {need['gpu_bytes'] / GiB:.1f} of {gpu / GiB:.1f} GiB (--gpu-mem x {FIT}), "
+                f"RAM tier {need['ram_tier_pinned_bytes'] / GiB:.1f} GiB pinned of "
+                f"{ram / GiB:.1f} (--cpu-mem x {FIT}; torch rounds each pinned block up to a "
+                f"power of two), NVMe {need['nvme_disk_bytes'] / GiB:.1f} of {disk / GiB:.1f}")
+        return best
+    best = None
+    for name in LADDER:
+        if name == "tiny":
+            continue
+        got = sized(name)
+        if got is None or (best is not None and not got["deepspeed_fits"]):
+            continue
+        best = got
+    if best is None:
+        raise SystemExit("no model of the ladder fits --gpu-mem/--cpu-mem/--disk")
+    check_cpu_budget(args, best["params"], best["tier"])
+    return best
+
+
+def read_disk_json(path: str) -> dict:
+    """The disk's read and write bandwidth from benchmarks/bench_io.py --out: its "gbps" table
+    ({contender: {"read": GB/s, "write": GB/s}}); the fastest row of each counts (the roofline
+    is the least time the disk needs). Refuses a file without it."""
+    try:
+        with open(path) as f:
+            rows = json.load(f)["gbps"]
+        best = {rw: max(((float(r[rw]), name) for name, r in rows.items()
+                         if isinstance(r.get(rw), (int, float)) and r[rw] > 0), default=None)
+                for rw in ("read", "write")}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise SystemExit(f"--disk-json {path}: no bench_io.py result there ({err})") from err
+    if None in best.values():
+        raise SystemExit(f"--disk-json {path}: no row with a read and a write bandwidth")
+    return {"path": os.path.abspath(path), "read_Bps": best["read"][0] * 1e9,
+            "write_Bps": best["write"][0] * 1e9, "read_row": best["read"][1],
+            "write_row": best["write"][1]}
+
+
+def nvme_roofline(stats: dict, step_s: float, disk: dict) -> dict:
+    """The NVMe step against the least time the disk needs for its state bytes: bytes read /
+    read bandwidth + bytes written / write bandwidth (reads and writes one after the other,
+    as on a disk that shares one bandwidth between them). The step is the whole training step
+    (forward and backward included), so the ratio is an upper bound on the tier's own."""
+    rd, wr = float(stats.get("nvme_read_bytes", 0)), float(stats.get("nvme_write_bytes", 0))
+    if rd + wr <= 0:
+        raise ValueError("the step read and wrote no state bytes: not an NVMe step")
+    roof = rd / disk["read_Bps"] + wr / disk["write_Bps"]
+    return {"read_bytes": rd, "write_bytes": wr, "read_GBps": disk["read_Bps"] / 1e9,
+            "write_GBps": disk["write_Bps"] / 1e9, "roofline_s": roof, "step_s": step_s,
+            "ratio": step_s / roof, "target": NVME_TARGET, "met": step_s / roof <= NVME_TARGET,
+            "disk_json": disk["path"], "rows": [disk["read_row"], disk["write_row"]]}

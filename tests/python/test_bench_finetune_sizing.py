@@ -1,0 +1,164 @@
+"""bench_offload.py --gpu's sizing and its CPU checks (benchmarks/finetune_sizing.py,
+offload_finetune.py): the RAM tier under a --cpu-budget below two generations runs the
+overlap's spare path, a budget below one generation is refused before any case starts, the
+plan counts pinned memory as torch's allocator rounds it, and the NVMe step is set against the
+disk bandwidth of a bench_io.py result."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import re
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import tierlift
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "examples")]
+import finetune_sizing as fs  # noqa: E402
+import offload_finetune as of  # noqa: E402
+
+del sys.path[:2]
+
+needs_ext = pytest.mark.skipif(not tierlift._extension.available(),
+                               reason="compiled extension not loaded")
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dir", default=None)
+    ap.add_argument("--plot", default=None)
+    of.add_finetune_args(ap)
+    return ap.parse_args(list(argv))
+
+
+@needs_ext
+def test_overlap_under_a_budget_below_two_generations_steps_spare_chunks_ahead():
+    """The tiny model's tierlift case, as --finetune-check runs it, with 34 chunks of 16 KiB
+    and a budget of one generation plus room for about half of them: spare blocks exist, the
+    warning for none is not raised, and the last step kept chunks stepped during backward."""
+    args = parse("--finetune-check", "--tier", "cpu", "--overlap", "--cpu-budget", "0.0023",
+                 "--chunk-bytes", "16384", "--max-grad-norm", "0", "--steps", "2",
+                 "--warmup", "1", "--seq-len", "32", "--batch-size", "2")
+    n = fs.config("tiny", 32).num_params()
+    assert 12 * n < args.cpu_budget * fs.GiB < 24 * n  # one generation, not two
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "no spare chunk beside it" would fail here
+        out = of.run_tierlift(args, {"model": "tiny", "tier": "cpu"}, torch.device("cpu"))
+    assert out["generations"] == 1
+    assert 0 < out["spare_chunks"] < out["chunks"], out
+    st = out["stats"]
+    assert st["overlap_kept_chunks"] > 0 and st["overlap_redone_chunks"] == 0, st
+    # the chunks without a block were left to step(), which stepped them in place
+    assert st["overlap_no_room_chunks"] > 0 and st["ram_chunks"] > 0, st
+    assert out["step_s"] > 0 and out["cpu_budget"] == int(args.cpu_budget * fs.GiB)
+    note = of.case_note(out)
+    assert f"one generation and {out['spare_chunks']} spare blocks" in note, note
+    assert f"{st['overlap_kept_chunks']:.0f} chunks stepped during backward and kept" in note
+
+
+def no_case(*_a, **_k):
+    raise AssertionError("a case started")
+
+
+@pytest.mark.parametrize("argv, match", [
+    (("--finetune-check", "--tier", "cpu", "--overlap", "--cpu-budget", "0.001"),
+     "below one generation"),
+    (("--finetune-check", "--tier", "nvme", "--cpu-budget", "1"), "--nvme-budget"),
+    (("--gpu", "--plan-only", "--model", "7b", "--tier", "cpu", "--overlap", "--cpu-budget",
+      "70", "--batch-size", "4", "--gpu-mem", "140"), "below one generation"),
+    (("--finetune-check", "--tier", "cpu", "--disk-json", "x.json"), "NVMe tier"),
+])
+def test_refused_before_any_case_starts(argv, match, monkeypatch):
+    monkeypatch.setattr(of, "_run_case_process", no_case)
+    with pytest.raises(SystemExit, match=match):
+        of.finetune(parse(*argv))
+
+
+def test_plan_counts_pinned_blocks_as_torch_rounds_them():
+    # 7B under a 92 GiB budget: one generation (27 GB per kind) plus ~21% spare pins 32 GiB
+    # per kind; 97 GiB would take each kind past 32 GiB and pin 64 GiB each: refused.
+    got = fs.plan(parse("--gpu", "--model", "7b", "--tier", "cpu", "--overlap",
+                        "--cpu-budget", "92", "--batch-size", "4", "--gpu-mem", "140"))
+    n = got["params"]
+    assert got["tokens_per_step"] == 8192 and got["ram_tier_bytes"] == 92 * fs.GiB
+    assert got["ram_tier_pinned_bytes"] == 3 * 32 * fs.GiB + fs.STAGING
+    assert 0.15 < got["spare_share"] < 0.27
+    assert got["deepspeed_fits"] and not got["torch_cpu_fits"]  # 16 vs 18 B/param
+    assert got["gpu_bytes"] == 4 * n + fs.activation_bytes(fs.config("7b", 2048), 8192)
+    with pytest.raises(SystemExit, match="power of two"):
+        fs.plan(parse("--gpu", "--model", "7b", "--tier", "cpu", "--overlap",
+                      "--cpu-budget", "97", "--batch-size", "4", "--gpu-mem", "140"))
+    # without a budget the overlap's two generations (24 B/param) do not fit 128 GiB
+    with pytest.raises(SystemExit, match="does not fit"):
+        fs.plan(parse("--gpu", "--model", "7b", "--tier", "cpu", "--overlap",
+                      "--batch-size", "4", "--gpu-mem", "140"))
+    one_b = fs.plan(parse("--gpu", "--model", "1b", "--tier", "cpu", "--overlap",
+                          "--batch-size", "8", "--gpu-mem", "140"))
+    assert one_b["tokens_per_step"] == 16384 and one_b["spare_share"] is None
+    assert one_b["ram_tier_bytes"] == 24 * one_b["params"]
+
+
+def write_bench_io(path: Path, gbps: dict) -> Path:
+    path.write_text(json.dumps({"config": {}, "gbps": gbps}))
+    return path
+
+
+def test_nvme_roofline_from_a_bench_io_result(tmp_path):
+    disk = fs.read_disk_json(str(write_bench_io(tmp_path / "io.json", {
+        "tierlift uring": {"write": 2.0, "read": 4.0},
+        "tensor uring": {"write": 2.5, "read": 3.0}})))
+    assert disk["read_Bps"] == 4e9 and disk["write_Bps"] == 2.5e9  # the fastest row of each
+    assert (disk["read_row"], disk["write_row"]) == ("tierlift uring", "tensor uring")
+    r = fs.nvme_roofline({"nvme_read_bytes": 8e9, "nvme_write_bytes": 5e9}, 5.0, disk)
+    assert r["roofline_s"] == pytest.approx(8e9 / 4e9 + 5e9 / 2.5e9)  # 4 s
+    assert r["ratio"] == pytest.approx(1.25) and r["met"]
+    assert not fs.nvme_roofline({"nvme_read_bytes": 8e9, "nvme_write_bytes": 5e9}, 5.2,
+                                disk)["met"]
+    with pytest.raises(ValueError, match="no state bytes"):
+        fs.nvme_roofline({}, 1.0, disk)
+    for bad in ({"x": {"read": 1.0}}, {}):
+        with pytest.raises(SystemExit, match="no row"):
+            fs.read_disk_json(str(write_bench_io(tmp_path / "bad.json", bad)))
+    with pytest.raises(SystemExit, match="no bench_io.py result"):
+        fs.read_disk_json(str(tmp_path / "missing.json"))
+
+
+def case_in_process(cmd, timeout, label):
+    """finetune()'s case process, run here: the same argv through the same parser and
+    run_case, its RESULT line captured (a second torch process would take most of the test)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        of.run_case(parse(*cmd[2:]), cmd[cmd.index("--finetune-case") + 1])
+    return 0, out.getvalue(), [], []
+
+
+@needs_ext
+def test_finetune_check_sets_the_nvme_step_against_the_disk(tmp_path, monkeypatch, capsys):
+    """--finetune-check --tier nvme --disk-json: the tiny model's NVMe step, its state bytes
+    and the ratio to the roofline of a synthetic 1 GB/s disk, printed with the target. Without
+    clipping every chunk is read and written once (a clipped step redoes the overlap's chunks:
+    their I/O twice)."""
+    disk = write_bench_io(tmp_path / "io.json", {"tierlift threads": {"write": 1.0, "read": 1.0}})
+    monkeypatch.setattr(of, "_run_case_process", case_in_process)
+    assert of.finetune(parse("--finetune-check", "--tier", "nvme", "--contenders", "tierlift",
+                             "--disk-json", str(disk), "--dir", str(tmp_path),
+                             "--max-grad-norm", "0")) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines()
+                if ln.startswith("NVMe roofline:"))
+    m = re.match(r"NVMe roofline: ([0-9.e-]+) GB read \+ ([0-9.e-]+) GB written per step at "
+                 r"1\.00 / 1\.00 GB/s .* = ([0-9.e-]+) s; step ([0-9.e-]+) s = ([0-9.]+)x the "
+                 r"roofline \(target <= 1\.25x: (met|NOT met)\)", line)
+    assert m, line
+    read, written, roof, step, ratio = (float(x) for x in m.groups()[:5])
+    state = 12 * fs.config("tiny", 32).num_params() / 1e9  # fp32 master, m, v, each way
+    assert state <= read < 1.1 * state and state <= written < 1.1 * state, line
+    assert roof == pytest.approx(read + written, rel=1e-3)  # at 1 GB/s each way
+    assert ratio == pytest.approx(step / roof, rel=0.01)
