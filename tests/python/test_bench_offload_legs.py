@@ -62,3 +62,37 @@ def test_legs_table_on_a_tiny_model(tmp_path, monkeypatch, capsys):
         # the exposed parts split the training thread's time (less the loss and zero_grad)
         exposed = sum(v["exposed_s"] for v in legs.values())
         assert exposed <= run["iter_s"], (name, exposed, run["iter_s"])
+
+
+def test_legs_host_idle_prints_the_optimizer_work_ratio(tmp_path, monkeypatch, capsys):
+    """--legs-host-idle: each unit's compute is a stand-in the host sleeps through, forward and
+    backward take at least those sleeps, and the last lines give per tier the optimizer's CPU
+    work with the overlap over that without it, as the JSON's legs say."""
+    import re
+
+    import offload_legs
+
+    saved = {}
+    monkeypatch.setattr(offload_legs, "write_json",
+                        lambda name, payload: saved.update(payload, name=name))
+    layers = 2
+    args = argparse.Namespace(dir=str(tmp_path), repeats=1, legs_dim=32, legs_layers=layers,
+                              legs_batch=8, legs_chunk_bytes=4096, legs_host_idle=True)
+    assert offload_legs.bench_legs(args) == 0
+    out = capsys.readouterr().out
+    fwd_s, bwd_s = offload_legs.HOST_IDLE_S
+    assert f"a stand-in the host waits for ({fwd_s * 1e3:.0f}/{bwd_s * 1e3:.0f} ms" in out, out
+    assert saved["name"] == "bench_offload_legs-host-idle" and saved["host_idle"] is True
+    configs = saved["configs"]
+    for name, run in configs.items():
+        assert run["fwd_s"] >= layers * fwd_s and run["bwd_s"] >= layers * bwd_s, (name, run)
+    for tier in ("cpu", "nvme"):
+        m = re.search(rf"^{tier}: the optimizer's CPU work \(CPU Adam \+ optimizer other, every "
+                      r"thread\) ([0-9.]+) ms without the overlap, ([0-9.]+) ms with it: "
+                      r"([0-9.]+)x$", out, re.M)
+        assert m, out
+        without, with_, ratio = (float(x) for x in m.groups())
+        work = [sum(configs[name]["legs"][leg]["total_s"] for leg in ("adam", "other")) * 1e3
+                for name in (tier, f"{tier}+ovl")]
+        assert (without, with_) == pytest.approx(work, abs=0.051)
+        assert ratio == pytest.approx(work[1] / work[0], abs=0.006)
