@@ -18,8 +18,8 @@ the first in the table wins. A copy inside a cast inside tierlift's GEMM wrapper
 whose top names are printed, so a new kernel name shows up instead of being misfiled quietly.
 
 tierlift's GEMM wrapper (lowp/gemm.py's scaled_mm) runs inside a record_function range of its own
-name while profiling (labelled_gemm), so that its inverse scales and, off the FP8 tensor-core path
-(the CPU), its dequantize + fp32 matmul emulation are grouped with the GEMM.
+name (gemm.PROFILER_RANGE) whenever a profiler records, so that its inverse scales and, off the
+FP8 tensor-core path (the CPU), its dequantize + fp32 matmul emulation are grouped with the GEMM.
 
 Of the profiled steps (3 by default) the one of median length is reported: a step that ran, so
 its categories add up, and one slowed by a shared machine is left out. Per category: time, its
@@ -33,7 +33,6 @@ in its MB; a copy_ counts source and destination.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -42,8 +41,9 @@ from collections import defaultdict
 
 import torch
 
+from tierlift.lowp.gemm import PROFILER_RANGE as GEMM_RANGE
+
 STEP_RANGE = "tierlift_bench_step"
-GEMM_RANGE = "tierlift.lowp.scaled_mm"
 
 # The categories in print order; the last two are never matched by a rule.
 CATEGORIES = ("quantize", "gemm", "layout", "amax/scale", "other", "gaps")
@@ -63,9 +63,9 @@ SPLIT_RULES: tuple[tuple[str, str, str], ...] = (
     ("amax/scale", "op", r"^aten::(abs|amax|max|reciprocal|log2|exp2)$"),
     # tierlift's quantize ops and torchao's hp -> fp8 cast
     ("quantize", "op", r"^tierlift::fp[48]_quantize|^_ToFloat8ConstrFunc$"),
-    # GEMM ops, and tierlift's GEMM wrapper (labelled_gemm)
+    # GEMM ops, and tierlift's GEMM wrapper (its profiler range)
     ("gemm", "op", r"^aten::(_scaled_mm|_scaled_grouped_mm|mm|addmm|bmm|matmul|linear)$"
-                   r"|^tierlift\.lowp\.scaled_mm$"),
+                   rf"|^{re.escape(GEMM_RANGE)}$"),
     # layout copies: .contiguous(), clones, materialized transposes / permutes
     ("layout", "op", r"^aten::(contiguous|clone|transpose_copy|t_copy|permute_copy)$"),
 )
@@ -242,47 +242,27 @@ def _split_device(events, host, steps, parent, accs: dict) -> None:
             acc.bytes[cat] += _arg_bytes(op)
 
 
-@contextlib.contextmanager
-def labelled_gemm():
-    """While profiling: tierlift's GEMM wrapper, as lowp/linear.py calls it, inside a
-    record_function range named GEMM_RANGE."""
-    from tierlift.lowp import linear
-
-    original = linear.scaled_mm
-
-    def scaled_mm(*args, **kwargs):
-        with torch.profiler.record_function(GEMM_RANGE):
-            return original(*args, **kwargs)
-
-    linear.scaled_mm = scaled_mm
-    try:
-        yield
-    finally:
-        linear.scaled_mm = original
-
-
 def profile_split(step, device: str, steps: int = 3) -> dict:
     """split_trace of `steps` calls of step() (after one unprofiled warm-up)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    with labelled_gemm():
-        step()
-        sync()
-        with profile(activities=activities, record_shapes=True) as prof:
-            for _ in range(steps):
-                with record_function(STEP_RANGE):
-                    step()
-                    sync()
-        fd, path = tempfile.mkstemp(suffix=".json", prefix="lowp_split_")
-        os.close(fd)
-        try:
-            prof.export_chrome_trace(path)
-            with open(path) as f:
-                trace = json.load(f)
-        finally:
-            os.unlink(path)
+    step()
+    sync()
+    with profile(activities=activities, record_shapes=True) as prof:
+        for _ in range(steps):
+            with record_function(STEP_RANGE):
+                step()
+                sync()
+    fd, path = tempfile.mkstemp(suffix=".json", prefix="lowp_split_")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    finally:
+        os.unlink(path)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     out = split_trace(events, device)
     if device == "cuda" and not any(e.get("cat") in _DEVICE_CATS for e in events):

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import tierlift
 
@@ -54,6 +55,40 @@ def test_split_on_a_tiny_cpu_run_adds_up(tmp_path, monkeypatch, capsys):
     assert "fell through to 'other'" in printed and "fp8-rowwise:" in printed
     for cat in lowp_split.CATEGORIES:
         assert cat in printed
+
+
+@needs_ext
+def test_the_gemm_opens_its_profiler_range_only_under_a_profiler(monkeypatch):
+    """lowp/gemm.py's scaled_mm opens the range the split groups by itself (nothing patched):
+    one fwd+bwd of Float8Linear under torch.profiler holds one range per GEMM (y, grad_x,
+    grad_w), each around the CPU emulation's matmul. With no profiler running it opens none: a
+    range costs microseconds even then."""
+    from torch.profiler import profile
+
+    from tierlift.lowp import Float8Linear, gemm
+
+    torch.manual_seed(0)
+    mod = Float8Linear.from_linear(torch.nn.Linear(32, 32, bias=False), "fp8-rowwise")
+    x = torch.randn(16, 32, requires_grad=True)
+    opened = []
+    real = torch.profiler.record_function
+
+    def counted(name, *args):
+        opened.append(name)
+        return real(name, *args)
+
+    monkeypatch.setattr(torch.profiler, "record_function", counted)
+    mod(x).sum().backward()
+    assert opened == []
+    with profile() as prof:
+        mod(x).sum().backward()
+    assert opened == [gemm.PROFILER_RANGE] * 3
+    ranges = [e for e in prof.events() if e.name == gemm.PROFILER_RANGE]
+    assert len(ranges) == 3
+    for r in ranges:
+        assert [c.name for c in r.cpu_children].count("aten::mm") == 1, r.cpu_children
+    assert lowp_split.GEMM_RANGE == gemm.PROFILER_RANGE
+    assert lowp_split.classify("aten::copy_", ["aten::copy_", gemm.PROFILER_RANGE]) == "gemm"
 
 
 @pytest.mark.parametrize("name, around, expected", [
