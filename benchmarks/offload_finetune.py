@@ -463,7 +463,8 @@ def finetune(args) -> int:
     if args.disk_json:  # read before any case runs: a missing or malformed file is an error
         if info["tier"] != "nvme":
             raise SystemExit("--disk-json is for the NVMe tier (--tier nvme)")
-        disk = read_disk_json(args.disk_json)
+        if not args.plan_only:  # the sizing alone needs no disk result (gpu_check's dry run)
+            disk = read_disk_json(args.disk_json)
     print(f"plan: {json.dumps(info)}")
     if args.plan_only:
         return 0

@@ -6,8 +6,9 @@
 #                                 state in host RAM, tierlift vs torch's AdamW-on-CPU recipe vs
 #                                 DeepSpeed ZeRO-3 offload_optimizer=cpu; then the NVMe tier, the
 #                                 kernel rows, the checkpoint (builds first if needed)
-#   bash scripts/gpu_check.sh 3   the largest model that holds its state in RAM (7B): tierlift vs
-#                                 DeepSpeed (run right after stage 2, on the warm machine)
+#   bash scripts/gpu_check.sh 3   7B with its state in RAM: tierlift overlapped in one generation
+#                                 plus spare chunks (--cpu-budget) vs DeepSpeed (run right after
+#                                 stage 2, on the warm machine)
 #   bash scripts/gpu_check.sh 1   unpack .devdeps, build for sm_90, every `-m gpu` test,
 #                                 example smoke runs (a few steps each)
 #   GPU_CHECK_DRY=1 bash scripts/gpu_check.sh 1|2|3
@@ -221,37 +222,54 @@ if [[ $STAGE == 1 ]]; then
 fi
 
 # --- stage 2: the headline first, then the NVMe tier, the kernel rows, the checkpoint --------
-# Estimates (H200, 16 cores; ~8 s of process start per case, each case in its own process):
+# Batch: 8 x 2048 = 16,384 tokens per step for the 1.1B (batch 1 gave ~0.03 s of GPU compute
+# against a ~1 s host step: nothing for the overlap to hide behind). Memory per contender
+# (finetune_sizing.py): GPU 4 B/param of bf16 params + grads (4.4 GB; DeepSpeed's partition and
+# buckets counted the same) + activations 39.6 GB by activation_bytes() (which errs high: the
+# H200 run peaked at 6.99 GB for batch 1, 4.4 of it params and grads) = 44 GB of 141: 3x room.
+# RAM, each case in its own process: tierlift 24 B/param (two generations, 26.5 GB; 48 GiB pinned
+# as torch's host allocator rounds each block), torch's recipe 18 B (20 GB), DeepSpeed 16 B.
+# No clipping for any contender (--max-grad-norm 0): the random-token model's gradient norm is
+# above 1 (~9 at 512 tokens on a 2-layer cut of it, CPU), and above the threshold every chunk the
+# overlap stepped is redone (docs/offload.md) and, on NVMe, read and written twice; the torch
+# row records the norm.
+# Estimates (H200, 16 cores; ~8 s of process start per case; GPU compute ~1.2e14 FLOP a step,
+# ~0.3 s at 400 TFLOPS, not measured; warmup 1 + 3 steps):
 #   build            ~60 s when the machine is fresh (62 s on the H200 run); DeepSpeed's CPU
 #                    Adam builds beside it (~45 s), so ~60 s for both
-#   offload 1B ram   ~110 s: 1.1B Llama, seq 2048, warmup 1 + 3 steps per case, state in RAM:
-#                    tierlift (params on the GPU, overlap; 26 GB pinned) ~25 s; torch's AdamW on
-#                    CPU 4 x 1.09 s + ~12 s set-up ~20 s; DeepSpeed ZeRO-3 (init, 18 GB of state,
-#                    steps ~1.5 s) ~40 s; tierlift ZeRO-3 with params in RAM ~25 s. Cap 190 s,
-#                    75 s per case; each step's time is logged as it finishes.
+#   offload 1B ram   ~150 s: tierlift (params on the GPU, overlap) ~30 s (pinning 48 GiB, steps
+#                    ~1 s); torch's AdamW on CPU 4 x (1.09 + 0.3) s + ~12 s set-up ~25 s;
+#                    DeepSpeed ZeRO-3 (init, 18 GB of state, steps ~1.8 s) ~45 s; tierlift ZeRO-3
+#                    with params in RAM ~30 s. Cap 200 s, 75 s per case.
 #   disk             ~15 s: 1 GiB written and read through the engine (the NVMe row's roofline)
-#   offload 1B nvme  ~55 s: 12 B/param of state read and written per step (13 GB each way): at
-#                    ~2.5 GB/s ~10 s a step, warmup 1 + 2 steps and ~15 s set-up. Cap 100 s.
+#   offload 1B nvme  ~60 s: 12 B/param of state read and written per step (13 GB each way): at
+#                    ~2.5 GB/s ~10 s a step, warmup 1 + 2 steps and ~15 s set-up; the step over
+#                    (bytes read + written) / the disk part's bandwidth, target <= 1.25x (no disk
+#                    JSON, e.g. that part failed: refused). Cap 100 s.
 #   optim ~30 s, lowp ~35 s (~20 s measured; the profiler split and torchao added since),
 #   gather ~40 s, checkpoint ~85 s (as measured on the H100/H200 runs)
-# Total ~430 s on a fresh machine: the budget (345 s) cuts gather and skips the checkpoint
-# (rerun them with GPU_CHECK_SKIP="deepspeed build|offload 1B ram|disk|offload 1B nvme"); on a
-# warm machine (built) gather fits too.
-FT=("$PY" benchmarks/bench_offload.py --gpu --seq-len 2048 --dir "$SCRATCH")
+# Total ~475 s on a fresh machine: the budget (345 s) cuts lowp and skips gather and the
+# checkpoint (rerun them with GPU_CHECK_SKIP="deepspeed build|offload 1B ram|disk|offload 1B
+# nvme"); on a warm machine (built) lowp and gather fit too.
+FT=("$PY" benchmarks/bench_offload.py --gpu --gpu-mem 140 --seq-len 2048 --max-grad-norm 0
+  --dir "$SCRATCH")
+DISK_JSON=benchmarks/results/bench_io-disk.json
 if [[ $STAGE == 2 || $STAGE == 3 ]]; then
   stamp=$SCRATCH-stamp && touch "$stamp"
 fi
 if [[ $STAGE == 2 ]]; then
   # targets: tierlift >= 2x torch's AdamW-on-CPU recipe, >= 1.5x DeepSpeed (TFLOPS, same run)
-  run "offload 1B ram" bench.log 190 "${FT[@]}" --model 1b --tier cpu --overlap \
+  run "offload 1B ram" bench.log 200 "${FT[@]}" --model 1b --tier cpu --overlap --batch-size 8 \
     --contenders "tierlift,torch-cpu$DS,tierlift-zero3" --steps 3 --warmup 1 --timeout 75 \
     --json-suffix 1b-ram
   # the machine disk's speed through the engine: the NVMe row's step against its state bytes
+  [[ $DRY == 1 ]] || rm -f "$DISK_JSON"  # an earlier run's file must not stand in for this disk
   run disk bench.log 30 $PY benchmarks/bench_io.py --dir "$SCRATCH" --size-mib 1024 --repeat 1 \
-    --out benchmarks/results/bench_io-disk.json
+    --out "$DISK_JSON"
   # target: step <= 1.25 x (state bytes read and written) / (disk bandwidth above)
-  run "offload 1B nvme" bench.log 100 "${FT[@]}" --model 1b --tier nvme --contenders tierlift \
-    --steps 2 --warmup 1 --timeout 90 --json-suffix 1b-nvme
+  run "offload 1B nvme" bench.log 100 "${FT[@]}" --model 1b --tier nvme --batch-size 8 \
+    --contenders tierlift --steps 2 --warmup 1 --timeout 90 --disk-json "$DISK_JSON" \
+    --json-suffix 1b-nvme
   run optim bench.log 50 $PY benchmarks/bench_optim.py --gpu-only --cuda-sizes 1e8,3e8,1e9
   # where one Float8Linear fwd+bwd spends its time (quantize, GEMM, layout copies, amax/scale:
   # profiler split) for each recipe, tierlift's and torchao's, beside bf16 nn.Linear; then the
@@ -265,18 +283,27 @@ if [[ $STAGE == 2 ]]; then
     --dir "$SCRATCH" --out benchmarks/results/bench_checkpoint-cuda.json
 fi
 
-# --- stage 3: the largest model whose optimizer state fits in host RAM ---------------------
-# 128 GiB RAM (137 GB): 7B (6.74B params) holds tierlift's fp32 master, m and v (12 B/param,
-# 81 GB; with the overlap's two generations 162 GB would not fit, so no --overlap) and
-# DeepSpeed's 16 B/param (108 GB, 79% of RAM: the tightest fit; an out-of-memory kill is its
-# row's result). torch's recipe needs 18 B/param (121 GB): left out. The NVMe tier does not
-# hold 7B either (24 B/param = 162 GB > the 64 GiB disk). GPU: ~42 GB (bf16 params and grads,
-# activations at seq 2048). Estimates: tierlift ~75 s (pinning 81 GB ~30 s, steps ~3 s: CPU
-# Adam over 190 GB of state traffic), DeepSpeed ~110 s; warmup 1 + 2 steps, 160 s per case.
+# --- stage 3: 7B (6.74B params), optimizer state in host RAM, overlapped ---------------------
+# RAM (128 GiB): the overlap's two generations (24 B/param, 162 GB) do not fit, so tierlift runs
+# with --cpu-budget 92: one generation (12 B/param, 80.9 GB) plus spare chunk blocks in the rest
+# (~21% of the chunks, stepped ahead during backward; the others step() steps in place). torch's
+# host allocator rounds each pinned block up to a power of two: the three state kinds (27 GB each
+# plus their spare blocks, 30.7 GiB) pin 32 GiB each, 96 GiB + ~1 GiB of staging; the process and
+# CUDA context ~5 GiB, ~25 GiB left for the page cache and the system. A budget of 96.3 GiB or
+# more would take a kind past 32 GiB and pin 64 GiB each: the plan refuses it. DeepSpeed (its own
+# process, after tierlift's exits) keeps 16 B/param pinned (108 GB, the tightest fit: an
+# out-of-memory kill is its row's result); torch's recipe needs 18 B/param (121 GB): left out.
+# The NVMe tier does not hold 7B either (24 B/param > the 64 GiB disk).
+# GPU: batch 4 x 2048 = 8,192 tokens per step: 4 B/param (27 GB) + activations 61.7 GB by
+# activation_bytes() = 88.6 GB of 141. GPU compute ~3.6e14 FLOP a step (~0.9 s at 400 TFLOPS).
+# Estimates (warmup 1 + 3 steps): tierlift ~80 s (pinning and zeroing 97 GiB ~40 s, steps ~3 s:
+# CPU Adam over 190 GB of state traffic, a fifth of it during backward), DeepSpeed ~120 s (init,
+# 108 GB of state, steps ~5 s); 160 s per case, 330 s for the part.
 # Run it right after stage 2 (the machine keeps the build and DeepSpeed's op while warm).
 if [[ $STAGE == 3 ]]; then
-  run "offload 7B ram" bench.log 330 "${FT[@]}" --model 7b --tier cpu --contenders "tierlift$DS" \
-    --steps 2 --warmup 1 --timeout 160 --json-suffix 7b-ram
+  run "offload 7B ram" bench.log 330 "${FT[@]}" --model 7b --tier cpu --overlap --cpu-budget 92 \
+    --batch-size 4 --contenders "tierlift$DS" --steps 3 --warmup 1 --timeout 160 \
+    --json-suffix 7b-ram
 fi
 
 if [[ $STAGE == 2 || $STAGE == 3 ]]; then

@@ -4,7 +4,9 @@ GPU_CHECK_DRY=1, writes them one per line), so that a device call cannot fail on
 In one process (torch is imported once): each Python script runs with --help appended, so
 argparse checks every value before it (choices, types) and exits without doing any work; then
 every --flag of the command must appear in that help (a misspelt flag would otherwise be
-swallowed by --help). torchrun's own options go through its parser; pytest's paths must exist.
+swallowed by --help). A fine-tune (bench_offload.py --gpu) also runs with --plan-only: its
+sizing (model, batch, --cpu-budget against the GPU's and host's memory) must pass. torchrun's
+own options go through its parser; pytest's paths must exist.
 
 With --wheels DIR (stages 2 and 3: .devdeps/deepspeed), DeepSpeed's carried wheels must resolve
 offline for the GPU machine's Python (3.12, x86_64 Linux): every requirement of the DeepSpeed
@@ -38,12 +40,11 @@ TARGET = ["--implementation", "cp", "--python-version", "3.12", "--abi", "cp312"
 THERE_ALREADY = {"torch", "numpy"}  # installed on the GPU machine, never carried
 
 
-def check_script(script: str, args: list[str]) -> str | None:
-    if not os.path.isfile(script):
-        return f"{script}: no such file"
+def run_script(script: str, args: list[str]) -> tuple[object, str]:
+    """(exit code, output) of `python3 script args` run in this process."""
     out = io.StringIO()
     saved_argv, saved_path = sys.argv, list(sys.path)
-    sys.argv = [script, *args, "--help"]
+    sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python3 script.py` does
     code = None
     try:
@@ -53,14 +54,28 @@ def check_script(script: str, args: list[str]) -> str | None:
         code = exc.code
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
+    return code, out.getvalue()
+
+
+def check_script(script: str, args: list[str]) -> str | None:
+    if not os.path.isfile(script):
+        return f"{script}: no such file"
+    code, text = run_script(script, [*args, "--help"])
     if code not in (0, None):
-        return f"{script} {shlex.join(args)}: exit {code}: {out.getvalue().strip()[-300:]}"
-    text = out.getvalue()
+        return f"{script} {shlex.join(args)}: exit {code}: {text.strip()[-300:]}"
     if "usage:" not in text:
         return f"{script}: --help printed no usage (did it run instead?)"
     missing = [a.split("=", 1)[0] for a in args
                if a.startswith("--") and a.split("=", 1)[0] not in text]
-    return f"{script}: unknown flags {missing}" if missing else None
+    if missing:
+        return f"{script}: unknown flags {missing}"
+    if os.path.basename(script) == "bench_offload.py" and "--gpu" in args:
+        # the fine-tune's sizing needs no GPU: a model, batch or budget that does not fit (or a
+        # --cpu-budget below one generation) is refused here, not on the device
+        code, text = run_script(script, [*args, "--plan-only"])
+        if code not in (0, None) or "plan:" not in text:
+            return f"{script} {shlex.join(args)} --plan-only: exit {code}: {text.strip()[-300:]}"
+    return None
 
 
 def check_pytest(args: list[str]) -> str | None:
