@@ -208,6 +208,26 @@ def test_offloaded_parameters_budget_is_literally_the_runtimes(spare, state_dtyp
     tierlift.zero.close(model)
 
 
+def test_offloaded_parameters_without_room_for_the_overlap_step_in_place():
+    """offload_params plans overlap=False unless asked; asked, a budget below one generation
+    with a master of every shard plans the in-place tier (m and v only) and says why."""
+    inp = PlanInput(params=4e9, gpu_mem=80 * G, cpu_mem=128 * G, offload_params="cpu",
+                    device_params=0)
+    assert make_plan(inp, BW).overlap is False
+    asked = make_plan(dataclasses.replace(inp, overlap=True), BW)
+    room = int(0.8 * 128 * G) - 32 * 10**9  # beside the fp32 shards and their gradients
+    host = asked.host
+    assert asked.overlap is True and type(host.spare) is int and type(asked.cpu_budget) is int
+    assert host.spare == (room - host.chunks * host.block_bytes) // host.block_bytes
+    assert 0 < host.spare < host.chunks and asked.cpu_budget <= room
+    assert "fp32 master" in asked.tiers["cpu"] and asked.tiers["cpu"]["staging pool"] == 0
+    short = make_plan(dataclasses.replace(inp, overlap=True, cpu_budget=40 * 10**9), BW)
+    assert short.overlap is False and short.host is None
+    assert "overlap=True would need one generation of the optimizer state (44.7 GiB)" in \
+        short.note
+    assert "fp32 master" not in short.tiers["cpu"]
+
+
 def test_cli_prints_the_overlapped_host_tier(capsys):
     base = ["plan", "--params", "8e9", "--gpu-mem", "80G", "--cpu-mem", "128G", "--probe-mib",
             "4"]

@@ -61,6 +61,11 @@ def _refused(capsys, *argv, probe="4") -> str:
      "--inter-node-gbps must be a finite number > 0, got inf"),
     (["--max-params", "--gpu-mem", "1e300", "--cpu-mem", "1e300"],
      "these budgets hold more than 2**53"),
+    # 96e9 bytes of state fit, not with the overlapped tier's 384 MiB of staging beside them
+    (["--params", "8e9", "--cpu-mem", "128G", "--cpu-budget", "96.1e9"],
+     "offload='cpu' with overlap=True needs one generation of the optimizer state (89.4 GiB) "
+     "and the staging of device gradients and weights (383.9 MiB) in host memory, which has "
+     "89.5 GiB for it (96100000000 bytes; short by 297.4 MiB); give --nvme PATH"),
 ])
 def test_cli_refuses_inputs_it_cannot_plan(argv, message, capsys):
     assert message in _refused(capsys, *argv)
@@ -71,6 +76,10 @@ def test_plan_input_and_max_params_refuse_what_they_cannot_count():
         PlanInput(params=1e308, gpu_mem=G, cpu_mem=G)
     with pytest.raises(ValueError, match="cpu_budget .* is more than cpu_mem"):
         PlanInput(params=1e9, gpu_mem=G, cpu_mem=G, cpu_budget=2 * G)
+    with pytest.raises(ValueError, match="chunk_bytes must be a positive multiple of 4096"):
+        PlanInput(params=1e9, gpu_mem=G, cpu_mem=G, chunk_bytes=5000)
+    with pytest.raises(ValueError, match="overlap must be True, False or None"):
+        PlanInput(params=1e9, gpu_mem=G, cpu_mem=G, overlap="yes")
     # Not "the largest model that fits is 2**53": the budgets hold more than it can count.
     with pytest.raises(ValueError, match="hold more than 2"):
         max_params(PlanInput(params=1, gpu_mem=10**300, cpu_mem=10**300), BW)

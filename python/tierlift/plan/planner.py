@@ -49,9 +49,9 @@ ties these numbers to a sharded model's tensors and files):
                    generations (a failed step restores the shards from it: 12 B or 7.02 B,
                    twice on the drive), and none in one generation, which cannot undo a step
                    anyway: every fp32 shard is its own master there (a device shard is copied
-                   down, stepped and copied back). offload="cpu" with overlap=True
-                   (overlap=True given) streams too: a master of every shard in the overlapped
-                   host tier above; staging of grad and copy only for device shards.
+                   down, stepped and copied back). Asked for overlap=True, offload="cpu"
+                   streams too: the overlapped host tier above, with a master of every shard;
+                   grad and copy staging only for device shards.
   pipeline pool    6 slots x one chunk of master, m, v (576 MiB fp32, 336.75 MiB compact).
   GPU              the working set, the gathered bf16 units: per unit of U parameters (world
                    1), backward holds its bf16 weights (2U), the previous unit's prefetch (2U),
@@ -279,19 +279,24 @@ def working_set_bytes(inp: PlanInput) -> float:
     return 12 * inp.unit_share * int(inp.params)
 
 
-def host_tier(inp: PlanInput, n: int, device: bool, room: int) -> HostTier | None:
-    """The overlapped host tier of `n` parameters (one group, whole 1024s) in `room` bytes
-    (tierlift.offload.host_budget, as runner.Offloader sizes it); `device`: the parameters are
-    on the GPU (staging of their gradients and weights). None: `room` holds less than one
-    generation and that staging."""
+def _host_layout(inp: PlanInput, n: int, device: bool) -> tuple[int, int, int, int, int]:
+    """(chunk elements, chunks, bytes of one chunk of every kind, staging with two generations,
+    staging with one) of the overlapped host tier of `n` parameters (one group, whole 1024s);
+    `device`: the parameters are on the GPU (their gradients and weights are staged)."""
     kinds = state_kinds(False, inp.state_dtype)
     reserved = -(-n // ALIGN_ELEMS) * ALIGN_ELEMS
     elems = host_chunk_elems(inp.chunk_bytes, reserved)
-    chunks = -(-reserved // elems)
-    block = chunk_bytes(kinds, elems, aligned=False)
     stage = dict.fromkeys(("grad", "copy"), torch.float32) if device else {}
-    staging_two = _SLOTS * chunk_bytes({**kinds, **stage}, elems)
-    staging_one = _SLOTS * chunk_bytes(stage, elems)
+    return (elems, -(-reserved // elems), chunk_bytes(kinds, elems, aligned=False),
+            _SLOTS * chunk_bytes({**kinds, **stage}, elems), _SLOTS * chunk_bytes(stage, elems))
+
+
+def host_tier(inp: PlanInput, n: int, device: bool, room: int) -> HostTier | None:
+    """The overlapped host tier of `n` parameters in `room` bytes (tierlift.offload.host_budget,
+    as runner.Offloader sizes it; `device` as in _host_layout). None: `room` holds less than
+    one generation and the staging of device gradients and weights."""
+    elems, chunks, block, staging_two, staging_one = _host_layout(inp, n, device)
+    room = int(room)  # whole bytes (shard bytes per parameter are floats): a budget to give
     spare = spare_chunks([block], [chunks], room, staging_two, staging_one)
     if spare is None:
         return HostTier(chunk_elems=elems, chunks=chunks, block_bytes=block,
@@ -554,12 +559,8 @@ def _state(inp: PlanInput, n: int, masters: int) -> dict[str, float]:
 
 def _host_tier_short(inp: PlanInput, n: int, device: bool, room: int) -> str:
     """What an overlapped host tier whose one generation and staging exceed `room` needs."""
-    kinds = state_kinds(False, inp.state_dtype)
-    reserved = -(-n // ALIGN_ELEMS) * ALIGN_ELEMS
-    elems = host_chunk_elems(inp.chunk_bytes, reserved)
-    one = -(-reserved // elems) * chunk_bytes(kinds, elems, aligned=False)
-    stage = _SLOTS * chunk_bytes(dict.fromkeys(("grad", "copy"), torch.float32), elems) \
-        if device else 0
+    _, chunks, block, _, stage = _host_layout(inp, n, device)
+    one = one_generation_bytes([block], [chunks])
     return (f"one generation of the optimizer state ({_fmt(one)}) and the staging of device "
             f"gradients and weights ({_fmt(stage)}) in host memory, which has {_fmt(room)} for "
             f"it ({int(room)} bytes; short by {_fmt(one + stage - room)})")
