@@ -9,8 +9,12 @@ against DeepSpeed ZeRO-3 with CPU optimizer offload.
     python benchmarks/bench_offload.py --gpu --plan-only            # the sizing, anywhere
     python benchmarks/bench_offload.py --gpu --model 1b --tier nvme --overlap \
         --offload-params cpu --peer torch-cpu --steps 10            # ZeRO-3 vs torch AdamW on CPU
-    python benchmarks/bench_offload.py --gpu --model 1b --tier cpu --overlap \
+    python benchmarks/bench_offload.py --gpu --model 1b --tier cpu --overlap --batch-size 8 \
         --contenders tierlift,torch-cpu,deepspeed                   # side by side, state in RAM
+    python benchmarks/bench_offload.py --gpu --gpu-mem 140 --model 7b --tier cpu --overlap \
+        --cpu-budget 92 --batch-size 4                              # one generation + spare
+    python benchmarks/bench_offload.py --gpu --model 1b --tier nvme --batch-size 8 \
+        --disk-json benchmarks/results/bench_io-disk.json           # step vs disk roofline
     python benchmarks/bench_offload.py --deepspeed-check            # DeepSpeed config + CPU Adam
     python benchmarks/bench_offload.py --finetune-check             # the --gpu code, CPU, tiny
     python benchmarks/bench_offload.py --layouts                    # RAM vs hybrid vs NVMe

@@ -229,10 +229,10 @@ fi
 # H200 run peaked at 6.99 GB for batch 1, 4.4 of it params and grads) = 44 GB of 141: 3x room.
 # RAM, each case in its own process: tierlift 24 B/param (two generations, 26.5 GB; 48 GiB pinned
 # as torch's host allocator rounds each block), torch's recipe 18 B (20 GB), DeepSpeed 16 B.
-# No clipping for any contender (--max-grad-norm 0): the random-token model's gradient norm is
-# above 1 (~9 at 512 tokens on a 2-layer cut of it, CPU), and above the threshold every chunk the
-# overlap stepped is redone (docs/offload.md) and, on NVMe, read and written twice; the torch
-# row records the norm.
+# No clipping for any contender (--max-grad-norm 0): above the threshold every chunk the overlap
+# stepped is redone (docs/offload.md) and, on NVMe, read and written twice, and a randomly
+# initialized model on random tokens sits above 1.0 (the tiny one of --finetune-check: 1.87);
+# the torch row records the 1.1B's norm.
 # Estimates (H200, 16 cores; ~8 s of process start per case; GPU compute ~1.2e14 FLOP a step,
 # ~0.3 s at 400 TFLOPS, not measured; warmup 1 + 3 steps):
 #   build            ~60 s when the machine is fresh (62 s on the H200 run); DeepSpeed's CPU
