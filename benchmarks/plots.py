@@ -289,14 +289,33 @@ def plot_checkpoint(data: dict, path) -> Path:
 
 
 def plot_lowp(data: dict, path) -> Path:
-    """CPU: reference time / C++ time per scaling; GPU: quantize GB/s against the copy bandwidth
-    and, when present, Float8Linear speedup over bf16 vs size."""
+    """One panel per section the run wrote (bench_lowp.py --parts): quantize (CPU: reference
+    time / C++ time per scaling; GPU: GB/s against the copy bandwidth), linear (Float8Linear
+    speedup over bf16 vs size), split (each contender's step by category). A section the run
+    left out is named under the figure; a JSON with none of them is refused."""
+    sections = [k for k in ("quantize", "linear", "split") if data.get(k)]
+    missing = [k for k in ("quantize", "linear", "split") if k not in sections]
+    if not sections:
+        raise ValueError("bench_lowp JSON has none of the sections quantize, linear, split: "
+                         "nothing to plot")
     plt = pyplot()
-    q = data["quantize"]
-    panels = 2 if data.get("linear") else 1
-    fig, axes = plt.subplots(1, panels, figsize=(SIZE[0] * (1 + 0.5 * (panels - 1)), SIZE[1]),
-                             squeeze=False)
-    ax = axes[0][0]
+    fig, axes = plt.subplots(1, len(sections), squeeze=False,
+                             figsize=(SIZE[0] * (1 + 0.5 * (len(sections) - 1)), SIZE[1]))
+    for ax, section in zip(axes[0], sections):
+        if section == "quantize":
+            _lowp_quantize(ax, data["quantize"])
+        elif section == "linear":
+            _lowp_linear(ax, data["linear"])
+        else:
+            _lowp_split(ax, data["split"])
+    fig.suptitle(f"{data.get('gpu') or data.get('machine', '')} ({data.get('device', '')})",
+                 fontsize=9)
+    if missing:
+        fig.text(0.01, 0.01, f"not in this run: {', '.join(missing)}", fontsize=7)
+    return _save(fig, path)
+
+
+def _lowp_quantize(ax, q: list) -> None:
     labels = [f"{r['scaling']}{' dual' if r['dual'] else ''}"
               + (f"\n{r['shape'][0]}x{r['shape'][1]}" if "shape" in r else "") for r in q]
     if "gbs" in q[0]:
@@ -312,22 +331,40 @@ def plot_lowp(data: dict, path) -> Path:
     ax.set_xticks(range(len(q)), labels, fontsize=6, rotation=60)
     ax.set_title("FP8 quantize", fontsize=9)
     ax.grid(axis="y", alpha=0.3)
-    if panels == 2:
-        ax = axes[0][1]
-        lin = data["linear"]
-        for key in [k for k in lin[0] if k.endswith("_speedup")]:
-            ax.plot([r["size"] for r in lin], [r[key] for r in lin], marker="o",
-                    label=key[: -len("_speedup")])
-        ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="bf16")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("M = N = K")
-        ax.set_ylabel("speedup over bf16 (fwd+bwd)")
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
-        ax.set_title("Float8Linear", fontsize=9)
-    fig.suptitle(f"{data.get('gpu') or data.get('machine', '')} ({data.get('device', '')})",
-                 fontsize=9)
-    return _save(fig, path)
+
+
+def _lowp_linear(ax, lin: list) -> None:
+    for key in [k for k in lin[0] if k.endswith("_speedup")]:
+        ax.plot([r["size"] for r in lin], [r[key] for r in lin], marker="o",
+                label=key[: -len("_speedup")])
+    ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="bf16")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("M = N = K")
+    ax.set_ylabel("speedup over bf16 (fwd+bwd)")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    ax.set_title("Float8Linear", fontsize=9)
+
+
+def _lowp_split(ax, split: dict) -> None:
+    """Stacked bars: each contender's profiled step, ms per category (a failed one named)."""
+    rows = {n: r for n, r in split["contenders"].items() if "categories" in r}
+    failed = [n for n, r in split["contenders"].items() if "categories" not in r]
+    names = list(rows)
+    cats = list(next(iter(rows.values()))["categories"]) if rows else []
+    left = [0.0] * len(names)
+    for cat in cats:
+        ms = [rows[n]["categories"][cat]["ms"] for n in names]
+        ax.barh(range(len(names)), ms, left=left, label=cat)
+        left = [a + b for a, b in zip(left, ms)]
+    ax.set_yticks(range(len(names)), names, fontsize=6)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms in the profiled fwd+bwd")
+    if cats:
+        ax.legend(fontsize=6)
+    ax.grid(axis="x", alpha=0.3)
+    title = f"where a step goes, M=N=K={split.get('size')}"
+    ax.set_title(title + (f"\nfailed: {', '.join(failed)}" if failed else ""), fontsize=9)
 
 
 def plot_json(plot, json_path, png_path) -> Path:

@@ -5,6 +5,7 @@ of the shape torch.profiler writes with CUDA activity, links kernels to their la
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -27,12 +28,15 @@ needs_ext = pytest.mark.skipif(not tierlift._extension.available(),
 def test_split_on_a_tiny_cpu_run_adds_up(tmp_path, monkeypatch, capsys):
     import bench_lowp
 
-    out = tmp_path / "lowp.json"
+    out, png = tmp_path / "lowp.json", tmp_path / "lowp.png"
+    plot = importlib.util.find_spec("matplotlib") is not None  # --plot draws the split alone
     monkeypatch.setattr(sys, "argv", ["bench_lowp.py", "--device", "cpu", "--sizes", "64",
                                       "--parts", "split", "--split-steps", "2", "--repeat", "1",
-                                      "--json", str(out)])
+                                      "--json", str(out)] + (["--plot", str(png)] if plot else []))
     bench_lowp.main()
     printed = capsys.readouterr().out
+    if plot:
+        assert f"wrote {png}" in printed and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     split = json.loads(out.read_text())["split"]
     assert split["size"] == 64 and split["device"] == "cpu"
     rows = split["contenders"]

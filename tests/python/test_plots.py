@@ -89,6 +89,40 @@ def test_plots_of_gpu_shaped_json(tmp_path):
         assert_png(plot(data, tmp_path / f"{plot.__name__}-{id(data)}.png"))
 
 
+def test_plot_lowp_draws_the_sections_a_run_wrote(tmp_path, monkeypatch):
+    """A bench_lowp run with --parts that skipped quantize (and linear, CPU): the split is drawn
+    and the figure names what the run left out; a JSON with no section is refused."""
+    needs_matplotlib()
+    cats = ("quantize", "gemm", "layout", "amax/scale", "other", "gaps")
+    split = {"size": 64, "device": "cpu", "steps": 2, "contenders": {
+        name: {"step_ms": 6.0, "timed_ms": 5.0, "categories": {
+            c: {"ms": 1.0, "pct": 100 / 6, "calls": 1, "arg_mb": 0.1, "names": []} for c in cats}}
+        for name in ("bf16 nn.Linear", "fp8-rowwise")}}
+    split["contenders"]["torchao-rowwise"] = {"error": "ImportError: no torchao"}
+    notes = []
+    real_save = plots._save
+
+    def save(fig, path):
+        notes.extend(t.get_text() for t in fig.texts)
+        notes.extend(ax.get_title() for ax in fig.axes)
+        return real_save(fig, path)
+
+    monkeypatch.setattr(plots, "_save", save)
+    data = {"machine": "x86_64", "device": "cpu", "threads": 2, "split": split}
+    assert_png(plots.plot_lowp(data, tmp_path / "split.png"))
+    assert "not in this run: quantize, linear" in notes
+    assert "where a step goes, M=N=K=64\nfailed: torchao-rowwise" in notes
+    notes.clear()
+    data["quantize"] = [{"shape": [64, 64], "scaling": "row", "dual": False, "cpp_ms": 1.0,
+                         "ref_ms": 5.0, "speedup": 5.0}]
+    assert_png(plots.plot_lowp(data, tmp_path / "both.png"))
+    assert "not in this run: linear" in notes and "FP8 quantize" in notes
+    with pytest.raises(ValueError, match="none of the sections quantize, linear, split"):
+        plots.plot_lowp({"machine": "x86_64", "device": "cpu", "quantize": []},
+                        tmp_path / "none.png")
+    assert not (tmp_path / "none.png").exists()
+
+
 def test_bench_io_plot_from_a_tiny_run(tmp_path):
     needs_matplotlib()
     out = run(BENCH / "bench_io.py", "--dir", tmp_path, "--size-mib", 8, "--buffer-mib", 4,
