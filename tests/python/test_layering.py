@@ -29,7 +29,8 @@ LAYERS = [
     ["optim", "zero"],  # the front ends: optimizers, ZeRO sharding
     ["offload", "activations", "gnn", "lowp"],  # optimizer state / saved activation tiers;
     # GNN features; FP8/FP4 layers
-    ["_shards", "io", "ops"],  # ZeRO shard registry (for offload); NVMe I/O; op wrappers
+    ["_shards", "io", "ops", "_pinned"],  # ZeRO shard registry (for offload); NVMe I/O; op
+    # wrappers; host memory pinned at its exact size
     ["_torch_patch"],  # wrapping a private torch method
     ["reference"],  # pure-torch kernels
     ["_extension", "_plotting", "_peak_rss"],  # loads tierlift._C; imports matplotlib when a

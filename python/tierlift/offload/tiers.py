@@ -1,7 +1,7 @@
 """Where one param group's flat state kinds (master, exp_avg, exp_avg_sq, max_exp_avg_sq) live.
 
-MemoryTier: resident flat tensors, one per kind in the kind's dtype (pinned when CUDA is
-available); a chunk "read" is a view. With two generations (overlap) a step reads generation g of
+MemoryTier: resident flat tensors, one per kind in the kind's dtype (pinned at their size when
+CUDA is available); a chunk "read" is a view. With two generations (overlap) a step reads generation g of
 a chunk and writes g + 1 where they lie (`direct`: the kernel steps out of place, no slot copy).
 NvmeTier: files per kind; with two generations a step reads chunk k from generation g[k] and
 writes the updated chunk to 1 - g[k]; g[k] flips only after every write of the step reached the
@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from tierlift import _extension
+from tierlift._pinned import pinned_zeros
 from tierlift.io import ChecksumError, IoEngine
 from tierlift.offload.layout import kind_bytes, kind_elems
 
@@ -322,9 +323,15 @@ class MemoryTier(_Holdable):
         self.pending: dict[int, int] = {}
         self._spare_lock = threading.Lock()
         self._init_holds()
-        self.flat = {(k, g): torch.zeros((n_chunks + spare) * kind_elems(k, chunk_elems),
-                                         dtype=self.dtypes[k], pin_memory=pin)
-                     for k in kinds for g in range(generations)}
+        self._registrations: list = []  # page-locked at their size (_pinned.py), not rounded up
+
+        def flat(k: str) -> torch.Tensor:
+            n = (n_chunks + spare) * kind_elems(k, chunk_elems)
+            if pin:
+                return pinned_zeros(n, self.dtypes[k], self._registrations)
+            return torch.zeros(n, dtype=self.dtypes[k])
+
+        self.flat = {(k, g): flat(k) for k in kinds for g in range(generations)}
 
     @property
     def resident_bytes(self) -> int:

@@ -1,0 +1,27 @@
+"""Long-lived host buffers page-locked at exactly their size.
+
+torch's pinned allocator (`pin_memory=True`) rounds every block up to a power of two for its
+cache: 27 GB of one optimizer state kind would pin 32 GiB, and the two generations of a 1.1B
+model's state (26.5 GB) 48 GiB. The optimizer state tiers are therefore ordinary tensors
+registered with CUDA (cudaHostRegister, the extension's HostRegistration), as the ZeRO parameter
+arena is. Registered memory is pinned memory to torch (`is_pinned()`), so its copies run
+asynchronously like those of torch's own pinned blocks."""
+
+from __future__ import annotations
+
+import torch
+
+from tierlift import _extension
+
+
+def pinned_zeros(numel: int, dtype: torch.dtype, registrations: list) -> torch.Tensor:
+    """A zeroed host tensor of `numel` elements, page-locked at its size. The registration goes
+    into `registrations`, which must live as long as the tensor's memory is used for copies;
+    dropping it (or close()) unpins the memory, which stays the tensor's."""
+    t = torch.zeros(numel, dtype=dtype)
+    if t.numel():
+        registrations.append(_extension._C.HostRegistration(t, read_only=False))
+    return t
+
+
+__all__ = ["pinned_zeros"]
