@@ -12,15 +12,14 @@ Per parameter (n) and per token of a step (activation_bytes):
   tierlift, NVMe tier    24 n on the disk (two generations), --nvme-budget in RAM
   torch-cpu              fp32 masters, their grads, m, v (16 n) + bf16 grad staging (2 n): 18 n
   DeepSpeed              fp32 master, m, v + an fp32 grad partition in pinned RAM: 16 n
-torch's caching host allocator rounds every pinned block up to a power of two, and the RAM tier
-pins one block per state kind and generation: its pinned bytes are counted as allocated
-(pinned_tier_bytes), e.g. 7B: 27 GB per kind pins 32 GiB.
+The RAM tier pins its state at its size (tierlift._pinned: cudaHostRegister; torch's pinned
+allocator would round each block up to a power of two) plus its staging slots, which come from
+torch's allocator (already powers of two): pinned_tier_bytes.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 
 from llama_model import LlamaConfig
@@ -35,7 +34,7 @@ LADDER = {
 }
 GiB = 1 << 30
 FIT = 0.85  # share of each memory a plan may fill: the process, CUDA context, page cache
-STAGING = 1 * GiB  # the RAM tier's pinned slots (6 x grad and weight chunks of 32 MiB), rounded up
+STAGING = 384 << 20  # the RAM tier's pinned slots: 6 x (fp32 grad + weight staging, 32 MiB each)
 NVME_TARGET = 1.25  # the NVMe step within this of (state bytes read + written) / disk bandwidth
 
 
@@ -51,10 +50,6 @@ def activation_bytes(cfg: LlamaConfig, tokens: int) -> int:
     return tokens * cfg.n_layer * (34 * cfg.dim + 8 * cfg.ffn_dim) + tokens * cfg.vocab_size * 8
 
 
-def pow2(nbytes: float) -> int:
-    return 1 << max(0, math.ceil(math.log2(max(1.0, nbytes))))
-
-
 def ram_tier_bytes(n: int, overlap: bool, cpu_budget: float | None) -> int:
     """Host bytes of tierlift's RAM tier (cpu_budget in bytes; see the module docstring)."""
     if not overlap:
@@ -63,11 +58,9 @@ def ram_tier_bytes(n: int, overlap: bool, cpu_budget: float | None) -> int:
 
 
 def pinned_tier_bytes(n: int, host: int) -> int:
-    """What the RAM tier pins: three fp32 kinds (master, m, v), each one block per generation,
-    each rounded up to a power of two, plus its staging slots."""
-    if host >= 24 * n:
-        return 6 * pow2(4 * n) + STAGING
-    return 3 * pow2(max(host, 12 * n) / 3) + STAGING
+    """What the RAM tier pins: its state (three fp32 kinds, one block per kind and generation,
+    each at its size) plus its staging slots."""
+    return max(host, 12 * n) + STAGING
 
 
 def check_cpu_budget(args, n: int, tier: str) -> None:
@@ -133,8 +126,7 @@ def plan(args) -> dict:
                 f"--model {args.model} at batch {args.batch_size} x {args.seq_len} does not fit: "
                 f"GPU {need['gpu_bytes'] / GiB:.1f} of {gpu / GiB:.1f} GiB (--gpu-mem x {FIT}), "
                 f"RAM tier {need['ram_tier_pinned_bytes'] / GiB:.1f} GiB pinned of "
-                f"{ram / GiB:.1f} (--cpu-mem x {FIT}; torch rounds each pinned block up to a "
-                f"power of two), NVMe {need['nvme_disk_bytes'] / GiB:.1f} of {disk / GiB:.1f}")
+                f"{ram / GiB:.1f} (--cpu-mem x {FIT}), NVMe {need['nvme_disk_bytes'] / GiB:.1f} of {disk / GiB:.1f}")
         return best
     best = None
     for name in LADDER:

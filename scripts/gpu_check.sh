@@ -227,8 +227,8 @@ fi
 # (finetune_sizing.py): GPU 4 B/param of bf16 params + grads (4.4 GB; DeepSpeed's partition and
 # buckets counted the same) + activations 39.6 GB by activation_bytes() (which errs high: the
 # H200 run peaked at 6.99 GB for batch 1, 4.4 of it params and grads) = 44 GB of 141: 3x room.
-# RAM, each case in its own process: tierlift 24 B/param (two generations, 26.5 GB; 48 GiB pinned
-# as torch's host allocator rounds each block), torch's recipe 18 B (20 GB), DeepSpeed 16 B.
+# RAM, each case in its own process: tierlift 24 B/param (two generations, 26.5 GB, pinned at
+# its size), torch's recipe 18 B (20 GB), DeepSpeed 16 B.
 # No clipping for any contender (--max-grad-norm 0): above the threshold every chunk the overlap
 # stepped is redone (docs/offload.md) and, on NVMe, read and written twice, and a randomly
 # initialized model on random tokens sits above 1.0 (the tiny one of --finetune-check: 1.87);
@@ -237,7 +237,7 @@ fi
 # ~0.3 s at 400 TFLOPS, not measured; warmup 1 + 3 steps):
 #   build            ~60 s when the machine is fresh (62 s on the H200 run); DeepSpeed's CPU
 #                    Adam builds beside it (~45 s), so ~60 s for both
-#   offload 1B ram   ~150 s: tierlift (params on the GPU, overlap) ~30 s (pinning 48 GiB, steps
+#   offload 1B ram   ~150 s: tierlift (params on the GPU, overlap) ~30 s (pinning 26.5 GB, steps
 #                    ~1 s); torch's AdamW on CPU 4 x (1.09 + 0.3) s + ~12 s set-up ~25 s;
 #                    DeepSpeed ZeRO-3 (init, 18 GB of state, steps ~1.8 s) ~45 s; tierlift ZeRO-3
 #                    with params in RAM ~30 s. Cap 200 s, 75 s per case.
@@ -285,23 +285,22 @@ fi
 
 # --- stage 3: 7B (6.74B params), optimizer state in host RAM, overlapped ---------------------
 # RAM (128 GiB): the overlap's two generations (24 B/param, 162 GB) do not fit, so tierlift runs
-# with --cpu-budget 92: one generation (12 B/param, 80.9 GB) plus spare chunk blocks in the rest
-# (~21% of the chunks, stepped ahead during backward; the others step() steps in place). torch's
-# host allocator rounds each pinned block up to a power of two: the three state kinds (27 GB each
-# plus their spare blocks, 30.7 GiB) pin 32 GiB each, 96 GiB + ~1 GiB of staging; the process and
-# CUDA context ~5 GiB, ~25 GiB left for the page cache and the system. A budget of 96.3 GiB or
-# more would take a kind past 32 GiB and pin 64 GiB each: the plan refuses it. DeepSpeed (its own
+# with --cpu-budget 100: one generation (12 B/param, 80.9 GB = 75.3 GiB) plus spare chunk blocks
+# in the rest (~32% of the chunks, stepped ahead during backward; the others step() steps in
+# place), pinned at their size (tierlift._pinned), + 0.4 GiB of staging slots; the process and
+# CUDA context ~5 GiB, ~22 GiB left for the page cache and the system. The plan refuses a budget
+# past 85% of --cpu-mem (108.8 GiB). DeepSpeed (its own
 # process, after tierlift's exits) keeps 16 B/param pinned (108 GB, the tightest fit: an
 # out-of-memory kill is its row's result); torch's recipe needs 18 B/param (121 GB): left out.
 # The NVMe tier does not hold 7B either (24 B/param > the 64 GiB disk).
 # GPU: batch 4 x 2048 = 8,192 tokens per step: 4 B/param (27 GB) + activations 61.7 GB by
 # activation_bytes() = 88.6 GB of 141. GPU compute ~3.6e14 FLOP a step (~0.9 s at 400 TFLOPS).
-# Estimates (warmup 1 + 3 steps): tierlift ~80 s (pinning and zeroing 97 GiB ~40 s, steps ~3 s:
-# CPU Adam over 190 GB of state traffic, a fifth of it during backward), DeepSpeed ~120 s (init,
+# Estimates (warmup 1 + 3 steps): tierlift ~80 s (pinning and zeroing 100 GiB ~40 s, steps ~3 s:
+# CPU Adam over 190 GB of state traffic, a third of it during backward), DeepSpeed ~120 s (init,
 # 108 GB of state, steps ~5 s); 160 s per case, 330 s for the part.
 # Run it right after stage 2 (the machine keeps the build and DeepSpeed's op while warm).
 if [[ $STAGE == 3 ]]; then
-  run "offload 7B ram" bench.log 330 "${FT[@]}" --model 7b --tier cpu --overlap --cpu-budget 92 \
+  run "offload 7B ram" bench.log 330 "${FT[@]}" --model 7b --tier cpu --overlap --cpu-budget 100 \
     --batch-size 4 --contenders "tierlift$DS" --steps 3 --warmup 1 --timeout 160 \
     --json-suffix 7b-ram
 fi
