@@ -126,7 +126,8 @@ def plan(args) -> dict:
                 f"--model {args.model} at batch {args.batch_size} x {args.seq_len} does not fit: "
                 f"GPU {need['gpu_bytes'] / GiB:.1f} of {gpu / GiB:.1f} GiB (--gpu-mem x {FIT}), "
                 f"RAM tier {need['ram_tier_pinned_bytes'] / GiB:.1f} GiB pinned of "
-                f"{ram / GiB:.1f} (--cpu-mem x {FIT}), NVMe {need['nvme_disk_bytes'] / GiB:.1f} of {disk / GiB:.1f}")
+                f"{ram / GiB:.1f} (--cpu-mem x {FIT}), "
+                f"NVMe {need['nvme_disk_bytes'] / GiB:.1f} of {disk / GiB:.1f}")
         return best
     best = None
     for name in LADDER:
