@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from tierlift._shards import all_ranks_agree, is_shard, shard_owner
 from tierlift.io import ChecksumError, EngineConfig, IoEngine
-from tierlift.offload import d2h, gradients, h2d, legs, masters, scaler_scan
+from tierlift.offload import d2h, gradients, h2d, host_budget, legs, masters, scaler_scan
 from tierlift.offload.checks import (
     check_group,
     check_lists,
@@ -283,16 +283,11 @@ class Offloader(StateIO, ChunkStep):
         per_chunk = [chunk_bytes({kd: dt[kd] for kd in k}, self.chunk_elems, aligned=False)
                      for k, dt in zip(self._tier_kinds, self._dtypes)]
         counts = [len(lay.chunks) for lay in self.layouts]
-        one = sum(c * n for c, n in zip(per_chunk, counts))
-        if 2 * one + staging(slot_kinds) <= budget:
-            return None
-        room = budget - one - staging([k for k in ("grad", "copy") if k in dts])
-        spare = []
-        for c, n in zip(per_chunk, counts):
-            got = max(0, min(n, room // c)) if c else 0
-            spare.append(got)
-            room -= got * c
-        if room >= 0 and sum(counts) and not any(spare):
+        staging_one = staging([k for k in ("grad", "copy") if k in dts])
+        spare = host_budget.spare_chunks(per_chunk, counts, budget, staging(slot_kinds),
+                                         staging_one)
+        fits = budget >= host_budget.one_generation_bytes(per_chunk, counts) + staging_one
+        if spare is not None and fits and sum(counts) and not any(spare):
             warnings.warn(
                 f"tierlift offload: cpu_budget={budget} holds the optimizer state but no spare "
                 f"chunk beside it ({min(c for c in per_chunk if c)} bytes each), so "
