@@ -1,8 +1,8 @@
 """bench_offload.py --gpu's sizing and its CPU checks (benchmarks/finetune_sizing.py,
 offload_finetune.py): the RAM tier under a --cpu-budget below two generations runs the
 overlap's spare path, a budget below one generation is refused before any case starts, the
-plan counts pinned memory as torch's allocator rounds it, and the NVMe step is set against the
-disk bandwidth of a bench_io.py result."""
+plan counts the pinned state at its size, the NVMe step is set against the disk bandwidth of a
+bench_io.py result, and a tierlift step against its longest leg."""
 
 from __future__ import annotations
 
@@ -163,3 +163,13 @@ def test_finetune_check_sets_the_nvme_step_against_the_disk(tmp_path, monkeypatc
     assert state <= read < 1.1 * state and state <= written < 1.1 * state, line
     assert roof == pytest.approx(read + written, rel=1e-3)  # at 1 GB/s each way
     assert ratio == pytest.approx(step / roof, rel=0.01)
+
+
+def test_step_against_its_longest_leg():
+    legs = {"adam": {"total_s": 0.40}, "d2h": {"total_s": 0.10}, "h2d": {"total_s": 0.05},
+            "other": {"total_s": 0.9}}  # not a leg that can hide the others: left out
+    got = of.leg_bound({"step_s": 0.44, "legs": legs, "compute_s": 0.30})
+    assert got["leg"] == "adam" and got["met"] and abs(got["ratio"] - 1.1) < 1e-9
+    got = of.leg_bound({"step_s": 0.75, "legs": legs, "compute_s": 0.5})
+    assert got["leg"] == "forward+backward" and not got["met"] and got["ratio"] == 1.5
+    assert of.leg_bound({"step_s": 1.0, "legs": {}}) is None
