@@ -101,8 +101,8 @@ else
   note "note: no .devdeps/*.deb carried: building without io_uring"
 fi
 # pytest-timeout (a per-test limit) and expecttest (torch.testing's optimizer configurations
-# import it), from the wheels carried in .devdeps.
-if [[ $DRY != 1 && $STAGE == 1 ]] && ls .devdeps/*.whl >/dev/null 2>&1; then
+# import it), from the wheels carried in .devdeps, for the GPU tests of stages 1 and 2.
+if [[ $DRY != 1 && $STAGE != 3 ]] && ls .devdeps/*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --upgrade --no-index --no-deps --target "$SCRATCH-site" .devdeps/*.whl
 fi
 [[ -d $SCRATCH-site ]] && export PYTHONPATH=$PYTHONPATH:$SCRATCH-site
@@ -237,6 +237,7 @@ fi
 # ~0.3 s at 400 TFLOPS, not measured; warmup 1 + 3 steps):
 #   build            ~60 s when the machine is fresh (62 s on the H200 run); DeepSpeed's CPU
 #                    Adam builds beside it (~45 s), so ~60 s for both
+#   offload exact    ~25 s: the offloaded step's GPU tests (bit-exact against plain AdamW)
 #   offload 1B ram   ~150 s: tierlift (params on the GPU, overlap) ~30 s (pinning 26.5 GB, steps
 #                    ~1 s); torch's AdamW on CPU 4 x (1.09 + 0.3) s + ~12 s set-up ~25 s;
 #                    DeepSpeed ZeRO-3 (init, 18 GB of state, steps ~1.8 s) ~45 s; tierlift ZeRO-3
@@ -248,9 +249,11 @@ fi
 #                    JSON, e.g. that part failed: refused). Cap 100 s.
 #   optim ~30 s, lowp ~35 s (~20 s measured; the profiler split and torchao added since),
 #   gather ~40 s, checkpoint ~85 s (as measured on the H100/H200 runs)
-# Total ~475 s on a fresh machine: the budget (345 s) cuts lowp and skips gather and the
+# Total ~500 s on a fresh machine: the budget (345 s) cuts lowp and skips gather and the
 # checkpoint (rerun them with GPU_CHECK_SKIP="deepspeed build|offload 1B ram|disk|offload 1B
 # nvme"); on a warm machine (built) lowp and gather fit too.
+OFFLOAD_GPU_TESTS="tests/python/test_offload.py tests/python/test_offload_h2d.py
+  tests/python/test_offload_d2h.py tests/python/test_offload_watch.py tests/python/test_pinned.py"
 FT=("$PY" benchmarks/bench_offload.py --gpu --gpu-mem 140 --seq-len 2048 --max-grad-norm 0
   --dir "$SCRATCH")
 DISK_JSON=benchmarks/results/bench_io-disk.json
@@ -258,6 +261,12 @@ if [[ $STAGE == 2 || $STAGE == 3 ]]; then
   stamp=$SCRATCH-stamp && touch "$stamp"
 fi
 if [[ $STAGE == 2 ]]; then
+  # First the offloaded step's exactness on this GPU (the paths the headline takes: device
+  # gradients and weights, their copies on streams, fingerprints on the device, state pinned at
+  # its size), so its numbers are of a step known to train as plain AdamW does. ~25 s.
+  # shellcheck disable=SC2086  # OFFLOAD_GPU_TESTS: several pytest arguments
+  run "offload exact" pytest.log 60 $PY -m pytest -q -x -m gpu -p no:cacheprovider \
+    "${TIMEOUT_FLAG[@]}" $OFFLOAD_GPU_TESTS
   # targets: tierlift >= 2x torch's AdamW-on-CPU recipe, >= 1.5x DeepSpeed (TFLOPS, same run)
   run "offload 1B ram" bench.log 200 "${FT[@]}" --model 1b --tier cpu --overlap --batch-size 8 \
     --contenders "tierlift,torch-cpu$DS,tierlift-zero3" --steps 3 --warmup 1 --timeout 75 \
