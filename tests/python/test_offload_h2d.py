@@ -274,6 +274,7 @@ def test_gpu_overlapped_steps_match_blocking_uploads(tmp_path, tier, monkeypatch
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.Tanh(),
                                     torch.nn.Linear(1024, 256)).cuda().to(torch.bfloat16)
+        first[:] = [p.detach().cpu() for p in model.parameters()]  # the same in both runs
         kw = (_nvme(tmp_path / str(blocking), 64 << 20) if tier == "nvme"
               else dict(offload="cpu"))
         opt = tierlift.optim.AdamW(model.parameters(), lr=1e-3, overlap=True,
@@ -294,10 +295,11 @@ def test_gpu_overlapped_steps_match_blocking_uploads(tmp_path, tier, monkeypatch
         monkeypatch.setattr(h2d.Uploader, "upload", upload)
         return [p.detach().cpu() for p in model.parameters()], legs
 
+    first = []
     (tmp_path / "True").mkdir()
     (tmp_path / "False").mkdir()
     ref, _ = run(blocking=True)
     got, legs = run(blocking=False)
-    for a, b in zip(ref, got):
-        assert torch.equal(a, b)
+    for a, b, w in zip(ref, got, first):
+        assert torch.equal(a, b) and not torch.equal(a, w)
     assert legs[-1]["total_s"] > 0  # issuing the uploads, and the waits before a slot's reuse
