@@ -19,6 +19,8 @@
 
 #ifdef TIERLIFT_WITH_CUDA
 #include <cuda_runtime_api.h>
+
+#include "cuda/fingerprint.cuh"
 #endif
 
 namespace py = pybind11;
@@ -81,6 +83,33 @@ std::vector<uint64_t> fingerprints(const std::vector<at::Tensor>& tensors, int64
   py::gil_scoped_release nogil;
   return fingerprint64_many(ranges, static_cast<int>(threads));
 }
+
+#ifdef TIERLIFT_WITH_CUDA
+// fingerprints of device memory on the device: table is int64 [count, 2] (data pointer, bytes)
+// on the device where those bytes are, out int64 [count] there (the uint64 values' bits). Only
+// queues the kernel on `stream` (the caller reads `out` back, in stream order).
+void fingerprints_device(const at::Tensor& table, const at::Tensor& out, int64_t stream) {
+  static_assert(sizeof(cuda::FingerprintRange) == 2 * sizeof(int64_t), "table rows are 2 int64");
+  TORCH_CHECK_VALUE(table.is_cuda() && out.is_cuda() && table.device() == out.device(),
+                    "fingerprints_device: table and out must be on one CUDA device");
+  TL_CHECK_DTYPE(table, at::kLong);
+  TL_CHECK_DTYPE(out, at::kLong);
+  TL_CHECK_CONTIGUOUS(table);
+  TL_CHECK_CONTIGUOUS(out);
+  TORCH_CHECK_VALUE(
+      table.dim() == 2 && table.size(1) == 2 && out.dim() == 1 && out.size(0) == table.size(0),
+      "fingerprints_device: table must be [count, 2] and out [count], got ", table.sizes(), " and ",
+      out.sizes());
+  int current = -1;
+  TORCH_CHECK(cudaGetDevice(&current) == cudaSuccess && current == table.device().index(),
+              "fingerprints_device: the current CUDA device (", current, ") is not the tensors' (",
+              table.device().index(), ")");
+  const cudaError_t err = cuda::fingerprint_ranges(
+      static_cast<const cuda::FingerprintRange*>(table.data_ptr()), table.size(0),
+      static_cast<uint64_t*>(out.data_ptr()), reinterpret_cast<cudaStream_t>(stream));
+  TORCH_CHECK(err == cudaSuccess, "fingerprints_device: ", cudaGetErrorString(err));
+}
+#endif
 
 // The exponent field of a float dtype: all of its bits set is an Inf or a NaN.
 std::pair<int, uint32_t> float_exponent(const at::Tensor& t) {
@@ -310,6 +339,13 @@ void bind_io(py::module_& m) {
   io.def("fingerprints", &fingerprints, py::arg("tensors"), py::arg("threads") = 1,
          "64-bit content fingerprint of each contiguous CPU tensor's bytes, for in-memory "
          "comparisons only (never stored): up to `threads` threads of the kernel pool.");
+#ifdef TIERLIFT_WITH_CUDA
+  io.def("fingerprints_device", &fingerprints_device, py::arg("table"), py::arg("out"),
+         py::arg("stream"),
+         "Queues, on CUDA stream `stream` (its handle), the fingerprints (as fingerprints gives "
+         "for the same bytes) of the device ranges in table (int64 [count, 2]: data pointer, "
+         "bytes) into out (int64 [count], the values' bits), both on that device.");
+#endif
   io.def("fingerprints_finite", &fingerprints_finite, py::arg("tensors"), py::arg("threads") = 1,
          "(fingerprints, finite) of float32/bfloat16/float16 CPU tensors in one pass: each "
          "tensor's fingerprint (as fingerprints gives) and whether all its values are finite.");

@@ -26,8 +26,10 @@
 #include "core/optim/adam.h"
 #include "core/optim/adam_compact.h"
 #include "core/util/dtype.h"
+#include "core/util/fingerprint.h"
 #include "cuda/adam.cuh"
 #include "cuda/adam_compact.cuh"
+#include "cuda/fingerprint.cuh"
 #include "cuda/fp4_quant.cuh"
 #include "cuda/fp8_quant.cuh"
 #include "cuda/gather.cuh"
@@ -389,6 +391,26 @@ TEST_F(KernelRaces, GatherBadIndicesInEveryBlock) {
   EXPECT_EQ(bad_pair[0] % 2, 1u) << "not a bad position";
   EXPECT_EQ(bad_pair[1], static_cast<unsigned long long>(index[bad_pair[0]]))
       << "bad_pair = {" << bad_pair[0] << ", " << bad_pair[1] << "} is not one pair";
+}
+
+// Fingerprints of 40 ranges on 5 blocks of 8 warps: each warp's shuffles (a lane's neighbour
+// word, the sum over the 4 parts, the 8 lanes into lane 0) while other warps of its block and
+// other blocks run on other threads. Every value against core.
+TEST_F(KernelRaces, FingerprintShufflesInEveryWarp) {
+  kernels("fingerprint_kernel");
+  std::vector<unsigned char> bytes(40 * 3000);
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<unsigned char>(i * 131 + 7);
+  std::vector<cuda::FingerprintRange> ranges;
+  for (size_t i = 0; i < 40; ++i)
+    ranges.push_back({bytes.data() + i * 3000 + i % 8, 2000 + i * 20});
+  std::vector<uint64_t> got(ranges.size(), 0);
+  ASSERT_EQ(cuda::fingerprint_ranges(ranges.data(), static_cast<int64_t>(ranges.size()), got.data(),
+                                     nullptr),
+            cudaSuccess)
+      << cudasim::last_error_message();
+  for (size_t i = 0; i < ranges.size(); ++i) {
+    EXPECT_EQ(got[i], fingerprint64(ranges[i].data, ranges[i].bytes)) << "range " << i;
+  }
 }
 
 }  // namespace

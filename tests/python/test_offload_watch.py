@@ -62,7 +62,36 @@ def test_refuses_what_it_cannot_read():
 
 
 @pytest.mark.gpu
-def test_device_tensors_go_through_the_scratch_buffer():
+def test_device_tensors_are_fingerprinted_on_the_device_as_the_host_does():
+    g = torch.Generator().manual_seed(11)
+    raw = torch.randint(0, 256, (40_000,), dtype=torch.uint8, generator=g)
+    dev = raw.cuda()
+    # Lengths around a word, a stripe and a 1 KiB block, at every start modulo 8 (the kernel's
+    # unaligned path), the 4-block loop and the blocks after it, bf16/fp32 views, an empty one.
+    cuts = [(a, a + n) for a in range(8) for n in (0, 1, 9, 64, 65, 1023, 1024, 5000, 9 * 1024 + 7)]
+
+    def pieces(t):
+        return [t[a:b] for a, b in cuts] + [t[:8192].view(torch.bfloat16),
+                                            t[:4096].view(torch.float32)]
+
+    host, device = pieces(raw), pieces(dev)
+    want = fingerprints(host)
+    assert fingerprints(device) == want
+    # Host and device tensors in one list, and a non-contiguous device tensor (its bytes in order).
+    mixed = [device[0], host[1], device[2]]
+    assert fingerprints(mixed) == [want[0], want[1], want[2]]
+    m = torch.randn(64, 48, device="cuda")
+    assert fingerprints([m.t()]) == fingerprints([m.t().contiguous().cpu()])
+    # In stream order: a write queued just before is seen.
+    t = torch.randn(1 << 20, device="cuda")
+    before = fingerprints([t])[0]
+    t[-1:].add_(1.0)
+    assert fingerprints([t]) == fingerprints([t.cpu()]) != [before]
+
+
+@pytest.mark.gpu
+def test_device_tensors_go_through_the_scratch_buffer_without_the_kernel(monkeypatch):
+    monkeypatch.delattr(tierlift._extension._C.io, "fingerprints_device")
     t = torch.randn(1000, device="cuda")
     scratch = torch.empty(4000, dtype=torch.uint8)
     assert fingerprints([t, t[:10]], scratch) == fingerprints([t.cpu(), t[:10].cpu()])

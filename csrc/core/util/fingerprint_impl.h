@@ -1,4 +1,5 @@
-// The fingerprint's constants and its one loop, shared by the scalar, AVX2 and AVX-512 files.
+// The fingerprint's one loop, shared by the scalar, AVX2 and AVX-512 files (its constants and
+// keys: fingerprint_keys.h, shared with the CUDA kernel).
 // Each path supplies a Lanes type holding the eight 64-bit accumulators with three operations:
 //   stripe(p, key):   for lane i with word d[i] of the 64 bytes at p and x = d[i] ^ key[i],
 //                     acc[i] += lo32(x) * hi32(x) + d[i ^ 1]
@@ -13,67 +14,12 @@
 #include <type_traits>
 
 #include "core/util/fingerprint.h"
+#include "core/util/fingerprint_keys.h"
 
 namespace tierlift {
 // Anonymous: each ISA file gets its own copies, compiled for its own target; a shared inline
 // copy could be the AVX-512 one, run on a CPU without it.
 namespace {
-
-constexpr int kLanes = 8;
-constexpr size_t kStripe = 64;
-constexpr int kStripesPerBlock = 16;  // the lanes are scrambled after every 1 KiB
-constexpr int kShift = 29;
-constexpr uint64_t kMul = 0x9E3779B1u;  // odd, 32 bits: SIMD multiplies it with mul_epu32
-
-// Key material: a Weyl sequence through a xor-shift-multiply mixer, computed at compile time.
-constexpr uint64_t mix(uint64_t z) {
-  z ^= z >> 32;
-  z *= 0xD6E8FEB86659FD93ull;
-  z ^= z >> 29;
-  z *= 0xA0761D6478BD642Full;
-  z ^= z >> 32;
-  return z;
-}
-constexpr uint64_t key_at(int i) {
-  return mix(0x243F6A8885A308D3ull + (i + 1) * 0x9E3779B97F4A7C15ull);
-}
-
-struct Keys {
-  alignas(64) uint64_t stripe[kStripesPerBlock][kLanes];
-  alignas(64) uint64_t scramble[kLanes];
-  uint64_t init[kLanes];
-  uint64_t out[kLanes];
-};
-
-constexpr Keys make_keys() {
-  Keys k{};
-  int at = 0;
-  for (int s = 0; s < kStripesPerBlock; ++s) {
-    for (int i = 0; i < kLanes; ++i) k.stripe[s][i] = key_at(at++);
-  }
-  for (int i = 0; i < kLanes; ++i) k.scramble[i] = key_at(at++);
-  for (int i = 0; i < kLanes; ++i) k.init[i] = key_at(at++);
-  for (int i = 0; i < kLanes; ++i) k.out[i] = key_at(at++);
-  return k;
-}
-
-constexpr Keys kKeys = make_keys();
-
-// 64x64->128 multiply folded to 64 bits (high half xor low half).
-uint64_t fold_mul(uint64_t a, uint64_t b) {
-  const unsigned __int128 r = static_cast<unsigned __int128>(a) * b;
-  return static_cast<uint64_t>(r) ^ static_cast<uint64_t>(r >> 64);
-}
-
-// The eight lanes and the length into one value: chained folded multiplies (lane order
-// matters), then a final avalanche so every input bit reaches every output bit.
-uint64_t finish(const uint64_t acc[kLanes], size_t n) {
-  uint64_t h = static_cast<uint64_t>(n) * 0x9E3779B97F4A7C15ull ^ kKeys.out[0];
-  for (int j = 0; j < kLanes; j += 2) {
-    h = fold_mul(h ^ acc[j] ^ kKeys.out[j], acc[j + 1] ^ kKeys.out[j + 1]);
-  }
-  return mix(h ^ static_cast<uint64_t>(n));
-}
 
 // What a pass does with the bytes besides hashing them (nothing, here): stripe(p, at) sees
 // the 64 bytes at offset `at`; tail(p, at, len) the last `len` < 64 bytes, at p in a 64-byte
@@ -116,7 +62,7 @@ uint64_t run(const void* data, size_t n, Visit&& visit = Visit{}) {
   }
   alignas(64) uint64_t lanes[kLanes];
   acc.store(lanes);
-  return finish(lanes, n);
+  return finish(lanes, n, kKeys.out);
 }
 
 // Copies every stripe to dst while it is hashed: the source is read once.
