@@ -9,6 +9,8 @@ asynchronously like those of torch's own pinned blocks."""
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from tierlift import _extension
@@ -17,10 +19,20 @@ from tierlift import _extension
 def pinned_zeros(numel: int, dtype: torch.dtype, registrations: list) -> torch.Tensor:
     """A zeroed host tensor of `numel` elements, page-locked at its size. The registration goes
     into `registrations`, which must live as long as the tensor's memory is used for copies;
-    dropping it (or close()) unpins the memory, which stays the tensor's."""
+    dropping it (or close()) unpins the memory, which stays the tensor's. Where CUDA refuses
+    the registration, the tensor comes from torch's pinned allocator instead (warned: it pins
+    more than it holds)."""
     t = torch.zeros(numel, dtype=dtype)
-    if t.numel():
+    if not t.numel():
+        return t
+    try:
         registrations.append(_extension._C.HostRegistration(t, read_only=False))
+    except (RuntimeError, ValueError) as e:
+        warnings.warn(f"tierlift: pinning {t.nbytes} bytes at their size failed ({e}); using "
+                      "torch's pinned allocator, which rounds the block up to a power of two",
+                      RuntimeWarning, stacklevel=3)
+        del t
+        return torch.zeros(numel, dtype=dtype, pin_memory=True)
     return t
 
 

@@ -43,3 +43,15 @@ def test_the_offload_tiers_state_is_pinned_at_its_size():
     assert len(tier._registrations) == 6
     assert all(t.is_pinned() and t.numel() == 5 * (3 << 18) for t in tier.flat.values())
     assert tier.resident_bytes == 6 * 5 * (3 << 18) * 4
+
+
+@pytest.mark.gpu
+def test_a_refused_registration_falls_back_to_torchs_pinned_memory(monkeypatch):
+    def refuse(tensor, read_only=False):
+        raise ValueError("cudaHostRegister of 64 bytes failed (out of memory)")
+
+    monkeypatch.setattr(tierlift._extension._C, "HostRegistration", refuse)
+    regs = []
+    with pytest.warns(RuntimeWarning, match="rounds the block up"):
+        t = pinned_zeros(16, torch.float32, regs)
+    assert t.is_pinned() and t.numel() == 16 and not t.any() and regs == []
