@@ -206,18 +206,23 @@ def test_synchronize_before_each_chunk_fails_the_check(device, monkeypatch):
     assert worker_lag(device) >= LONG_S * 0.9, device.adam
 
 
+def sleep_cycles(seconds: float) -> int:
+    """The torch.cuda._sleep argument that keeps this GPU's stream busy for about `seconds`."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    end.synchronize()
+    return int(10_000_000 * seconds / (start.elapsed_time(end) / 1e3))
+
+
 @pytest.mark.gpu
 def test_gpu_worker_does_not_wait_for_a_kernel_queued_after_the_gradient(monkeypatch):
     """On a GPU: the last layer's gradients are followed by a ~1 s torch.cuda._sleep on the
     backward stream; the worker's first CPU Adam (that layer's chunk) must start well before
     the sleep ends, and the weights must equal the same optimizer's without the overlap."""
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(100_000_000)
-    end.record()
-    end.synchronize()
-    cycles = int(100_000_000 / (start.elapsed_time(end) / 1e3))  # about 1 s of sleep
+    cycles = sleep_cycles(1.0)
 
     class Sleep(torch.autograd.Function):
         queued_at = None

@@ -19,6 +19,7 @@ import threading
 import pytest
 import torch
 from test_offload import _nvme
+from test_offload_d2h import sleep_cycles
 
 import tierlift
 from tierlift.offload import d2h, h2d, masters, overlap
@@ -255,13 +256,7 @@ def test_gpu_overlapped_steps_match_blocking_uploads(tmp_path, tier, monkeypatch
     kernel queued on the stream at the start of each step() keeps the uploads queued behind
     it while the host rounds the next chunks into the slots: a missing wait before a slot is
     rewritten would send the new bytes."""
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(10_000_000)
-    end.record()
-    end.synchronize()
-    cycles = int(10_000_000 * 0.05 / (start.elapsed_time(end) / 1e3))
+    cycles = sleep_cycles(0.05)
 
     def run(blocking: bool):
         upload = h2d.Uploader.upload
