@@ -46,8 +46,12 @@ std::vector<uint64_t> on_device(const std::vector<cuda::FingerprintRange>& range
 // Every CPU path this machine runs gives the same value (fingerprint.h's promise).
 uint64_t on_cpu(const unsigned char* p, size_t n) {
   const uint64_t want = fingerprint64_scalar(p, n);
-  if (cpu_simd_level() >= SimdLevel::kAvx2) EXPECT_EQ(fingerprint64_avx2(p, n), want);
-  if (cpu_simd_level() >= SimdLevel::kAvx512) EXPECT_EQ(fingerprint64_avx512(p, n), want);
+  if (cpu_simd_level() >= SimdLevel::kAvx2) {
+    EXPECT_EQ(fingerprint64_avx2(p, n), want);
+  }
+  if (cpu_simd_level() >= SimdLevel::kAvx512) {
+    EXPECT_EQ(fingerprint64_avx512(p, n), want);
+  }
   return want;
 }
 
