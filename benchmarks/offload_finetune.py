@@ -64,6 +64,7 @@ from finetune_sizing import (
 from llama_model import Llama, LlamaConfig, rope_tables
 from offload_legs import print_leg_table
 from plots import plot_json, plot_offload_finetune
+from tierlift._pinned import registered_bytes
 
 BENCH = Path(__file__).resolve().with_name("bench_offload.py")  # runs each case in its process
 
@@ -270,9 +271,11 @@ def run_case(args, which: str) -> None:
     out["tokens_per_s"] = out["tokens_per_step"] / out["step_s"]
     if device.type == "cuda":
         out["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
-        # as torch's caching host allocator holds it: each block rounded up to a power of two
+        # as torch's caching host allocator holds it (each block rounded up to a power of two),
+        # plus what tierlift page-locked at its size beside it (tierlift._pinned)
         host = getattr(torch.cuda, "host_memory_stats", dict)()
-        out["peak_pinned_bytes"] = host.get("allocated_bytes.peak")
+        out["peak_pinned_bytes"] = (host.get("allocated_bytes.peak", 0)
+                                    + registered_bytes())
     gc.collect()
     print("RESULT " + json.dumps(out), flush=True)
 

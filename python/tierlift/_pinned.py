@@ -15,6 +15,22 @@ import torch
 
 from tierlift import _extension
 
+_registered = 0  # bytes this process has registered so far (what torch's host stats miss)
+
+
+def register(t: torch.Tensor, registrations: list) -> None:
+    """Page-locks `t`'s memory (CUDA's cudaHostRegister) until the registration appended to
+    `registrations` is closed or dropped; raises where CUDA refuses."""
+    global _registered
+    registrations.append(_extension._C.HostRegistration(t, read_only=False))
+    _registered += t.nbytes
+
+
+def registered_bytes() -> int:
+    """The bytes register() has page-locked in this process, in all (torch's
+    host_memory_stats() counts only its own allocator's blocks)."""
+    return _registered
+
 
 def pinned_zeros(numel: int, dtype: torch.dtype, registrations: list) -> torch.Tensor:
     """A zeroed host tensor of `numel` elements, page-locked at its size. The registration goes
@@ -26,7 +42,7 @@ def pinned_zeros(numel: int, dtype: torch.dtype, registrations: list) -> torch.T
     if not t.numel():
         return t
     try:
-        registrations.append(_extension._C.HostRegistration(t, read_only=False))
+        register(t, registrations)
     except (RuntimeError, ValueError) as e:
         warnings.warn(f"tierlift: pinning {t.nbytes} bytes at their size failed ({e}); using "
                       "torch's pinned allocator, which rounds the block up to a power of two",
@@ -36,4 +52,4 @@ def pinned_zeros(numel: int, dtype: torch.dtype, registrations: list) -> torch.T
     return t
 
 
-__all__ = ["pinned_zeros"]
+__all__ = ["pinned_zeros", "register", "registered_bytes"]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import tierlift
-from tierlift._pinned import pinned_zeros
+from tierlift._pinned import pinned_zeros, registered_bytes
 from tierlift.offload.tiers import MemoryTier
 
 pytestmark = pytest.mark.skipif(not tierlift._extension.available(),
@@ -22,8 +22,10 @@ def test_without_pinning_the_state_is_plain_zeroed_memory():
 def test_pinned_at_its_size_and_copied_asynchronously():
     regs = []
     n = (5 << 20) + 3  # 20 MiB + 12 B: torch's pinned allocator would take 32 MiB
+    counted = registered_bytes()
     t = pinned_zeros(n, torch.float32, regs)
     assert t.is_pinned() and t.numel() == n and not t.any() and len(regs) == 1
+    assert registered_bytes() == counted + 4 * n  # what the benchmarks add to torch's stats
     before = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
     t.fill_(2.0)
     d = t.to("cuda", non_blocking=True)

@@ -1,8 +1,9 @@
 """Where one param group's flat state kinds (master, exp_avg, exp_avg_sq, max_exp_avg_sq) live.
 
 MemoryTier: resident flat tensors, one per kind in the kind's dtype (pinned at their size when
-CUDA is available); a chunk "read" is a view. With two generations (overlap) a step reads generation g of
-a chunk and writes g + 1 where they lie (`direct`: the kernel steps out of place, no slot copy).
+CUDA is available); a chunk "read" is a view. With two generations (overlap) a step reads
+generation g of a chunk and writes g + 1 where they lie (`direct`: the kernel steps out of
+place, no slot copy).
 NvmeTier: files per kind; with two generations a step reads chunk k from generation g[k] and
 writes the updated chunk to 1 - g[k]; g[k] flips only after every write of the step reached the
 device, so a failed step leaves the committed generation untouched. With one generation (half

@@ -30,6 +30,7 @@ import contextlib
 
 import torch
 
+from tierlift._pinned import register
 from tierlift.offload.legs import ModelLegs
 
 
@@ -56,10 +57,7 @@ class ParamOffload:
                 arena = torch.empty(total, dtype=dt)
                 self.arenas[dt], self._next[dt] = arena, 0
                 if self.pin and arena.numel():
-                    from tierlift import _extension
-
-                    self._registrations.append(
-                        _extension._C.HostRegistration(arena, read_only=False))
+                    register(arena, self._registrations)
             self.arena = self.arenas[torch.float32]
         self.stream = torch.cuda.Stream(device=device) if self.cuda else None
         # Host time and (on CUDA) device time of the copies; the ZeroState puts its own here.
