@@ -215,6 +215,27 @@ MUTANTS = [
         mutated="const float p = __shfl_down_sync(kFull, v[k], h / kPer);",
         description="FP4 Hadamard: cross-lane butterfly partner by shfl_down instead of xor",
     ),
+    Mutant(
+        name="fingerprint_part_sum",
+        file="fingerprint.cu",
+        original="  return part + __shfl_xor_sync(kFull, part, 16);",
+        mutated="  return part;",
+        description="fingerprint: a lane's block sum misses the stripes of two of the four parts",
+    ),
+    Mutant(
+        name="fingerprint_neighbour",
+        file="fingerprint.cu",
+        original="__shfl_xor_sync(kFull, d, 1);",
+        mutated="__shfl_xor_sync(kFull, d, 2);",
+        description="fingerprint: a stripe word adds the wrong neighbouring lane's word",
+    ),
+    Mutant(
+        name="fingerprint_tail_stripe",
+        file="fingerprint.cu",
+        original="const bool used = static_cast<uint64_t>(s) < stripes;",
+        mutated="const bool used = static_cast<uint64_t>(s) + 1 < stripes;",
+        description="fingerprint: the last (partial) stripe of a range is left out",
+    ),
 ]
 
 # The tests each mutated file's plain, warp and ASan runs use (CI runs the whole suite in those
@@ -230,6 +251,7 @@ SUITES = {
     "fp8_quant.cu": "*Fp8*",
     "fp8_quant_tiles.cu": "*Fp8*",
     "fp4_quant.cu": "*Fp4*",
+    "fingerprint.cu": "*Fingerprint*",
 }
 
 # CI's modes (scripts/test.sh), each with its build: name -> (build, environment).
