@@ -28,14 +28,23 @@ class ChunkStep:
 
     def _step_chunk(self, gi, group, params, grads, steps, chunk, bufs, stats,
                     publish: bool = True, scale=None, used_grads: dict | None = None,
-                    sources: dict | None = None, ready: list | None = None) -> None:
+                    sources: dict | None = None, ready: list | None = None,
+                    staged: dict | None = None) -> None:
         """Steps the segments of `chunk` with a gradient: state in `bufs` (a slot, or the
         tier's own memory), read from `sources` instead where given ({kind: chunk tensor}: out
         of place, the kernel reads generation g there and writes g + 1 into `bufs`). Device
         gradients (and device weights that are their own master) are copied into the slot
         after `ready` (d2h.Copier), and only those copies are waited for. New device weights
-        are rounded into the slot's copy buffer and uploaded without a wait (h2d.Uploader)."""
+        are rounded into the slot's copy buffer and uploaded without a wait (h2d.Uploader).
+        `staged` (a speculative step, publish=False): where the device staging covers the
+        chunk, its new device weights are rounded into the copy buffer all the same and
+        uploaded into the shadow on the side stream (device_staging.py); `staged` receives
+        {(ci, pi): fingerprint} of the bytes uploaded."""
         t = time.perf_counter()
+        shadow = self._device_staging
+        stage = (not publish and staged is not None and shadow is not None
+                 and shadow.covers(gi, chunk, grads, params))
+        to_shadow = []  # (shadow segment, host staging)
         d2h_pairs = []  # (host staging, device tensor)
         buckets: dict = defaultdict(lambda: defaultdict(list))
         h2d = []
@@ -58,9 +67,9 @@ class ChunkStep:
                 # In its own dtype: the bytes validate() fingerprints on the device are these
                 # (an fp32 copy of a bf16 gradient never matched, so no chunk was kept), and a
                 # bf16 gradient moves half the bytes.
-                staged = self._staging(g, s, bufs, "grad")
-                d2h_pairs.append((staged, g))
-                g = staged
+                host_grad = self._staging(g, s, bufs, "grad")
+                d2h_pairs.append((host_grad, g))
+                g = host_grad
             used.append(((chunk.ci, s.pi), g))
             stored = self._uses_master(p)
             if stored or p.device.type != "cpu":
@@ -77,7 +86,11 @@ class ChunkStep:
                     staging = self._staging(p, s, bufs)
                     b["copies"].append(staging)
                     h2d.append((pflat, staging))
-                if publish and stored:
+                elif stage:  # covers(): every segment here is staged, so no bucket is mixed
+                    staging = self._staging(p, s, bufs)
+                    b["copies"].append(staging)
+                    to_shadow.append((shadow.segment(gi, chunk.ci, s, p), staging))
+                if (publish and stored) or stage:
                     written.append(((chunk.ci, s.pi), b["copies"][-1]))
             else:
                 b["params"].append(pflat)
@@ -101,7 +114,7 @@ class ChunkStep:
             t = time.perf_counter()
             used_grads.update(zip([k for k, _ in used], fingerprints([g for _, g in used])))
             stats["grad_fingerprint_s"] += time.perf_counter() - t
-        if h2d:  # the kernel rewrites the staging: the last upload from it must be done
+        if h2d or to_shadow:  # the kernel rewrites the staging: its last upload must be done
             t = time.perf_counter()
             with self.clock.span("h2d"):
                 self._uploads.reserve(bufs["copy"])
@@ -116,10 +129,18 @@ class ChunkStep:
             with self.clock.span("h2d"):
                 self._uploads.upload(h2d, bufs["copy"])
             stats["h2d_s"] += time.perf_counter() - t2
+        if to_shadow:  # during backward, on the side stream; published in step()
+            t2 = time.perf_counter()
+            with self.clock.span("h2d"):
+                shadow.upload(gi, to_shadow, bufs["copy"], self._uploads)
+            stats["h2d_s"] += time.perf_counter() - t2
         if written:  # of the host staging, which the upload only reads
             t = time.perf_counter()
-            self._watch.record(gi, dict(zip([k for k, _ in written],
-                                            fingerprints([w for _, w in written]))))
+            seen = dict(zip([k for k, _ in written], fingerprints([w for _, w in written])))
+            if stage:  # its parameters are written only if step() keeps it (overlap.publish)
+                staged.update(seen)
+            else:
+                self._watch.record(gi, seen)
             stats["param_check_s"] += time.perf_counter() - t
 
     def _wait_copies(self, pairs: list, ready: list | None) -> None:

@@ -39,7 +39,14 @@ class OffloadConfig:
     before it, without invalidating the overlap when
     no scaling is needed. `skip_nonfinite`: a step whose gradients hold inf/NaN is skipped
     (warned; weights, state and step counts unchanged) instead of stepped as torch steps it,
-    NaN into the weights; under a GradScaler such a step is always skipped, as torch does."""
+    NaN into the weights; under a GradScaler such a step is always skipped, as torch does.
+    `device_staging` (overlap=True, CUDA parameters): the chunks stepped during backward also
+    upload their new weights, on a side stream, into a device shadow of the weights (2 B/param
+    of device memory for bf16), and step() publishes them by a device-to-device copy instead of
+    rounding and uploading them after backward (tierlift.offload.device_staging). None: on for
+    each param group with CUDA parameters on one device where at least twice the shadow's
+    bytes are free; True: on, refused at construction where a shadow cannot be made or does
+    not fit; False: off."""
 
     offload: str = "none"
     nvme_path: str | os.PathLike | None = None
@@ -53,10 +60,17 @@ class OffloadConfig:
     nvme_generations: int = 2
     durable: bool | Literal["fresh"] = False
     skip_nonfinite: bool = False
+    device_staging: bool | None = None
 
     def __post_init__(self):
         if not isinstance(self.skip_nonfinite, bool):
             raise TypeError(f"skip_nonfinite must be a bool, got {self.skip_nonfinite!r}")
+        if self.device_staging is not None and not isinstance(self.device_staging, bool):
+            raise TypeError(f"device_staging must be None, True or False, got "
+                            f"{self.device_staging!r}")
+        if self.device_staging is True and not self.overlap:
+            raise ValueError("device_staging=True needs overlap=True (it stages the weights of "
+                             "the chunks stepped during backward)")
         if self.offload not in _KINDS:
             raise ValueError(f"offload must be one of {_KINDS}, got {self.offload!r}")
         if self.offload in ("nvme", "hybrid"):

@@ -5,7 +5,9 @@ gradient) of a chunk is ready, the chunk goes to one worker thread, which reads 
 the fused SIMD Adam (the GIL is released inside the op and inside I/O waits) and writes the
 new master, m and v to the uncommitted generation. The parameters themselves are not touched (a
 second backward for gradient accumulation may still read them); step() copies the new master
-weights into them ("publish") and commits.
+weights into them ("publish") and commits. With device staging (device_staging.py) the worker
+also uploads a chunk's new device weights into a device shadow during backward, and publish()
+copies a kept chunk's weights from there, device to device.
 
 Exactness by speculate-and-validate: each speculative chunk records what it used: a 64-bit
 content fingerprint (watch.fingerprints) of the bytes of every gradient segment it read (taken
@@ -109,6 +111,7 @@ class Record:
     params: dict = field(default_factory=dict)  # (ci, pi) -> fingerprint of the parameter
     landing: list = field(default_factory=list)  # events of gradient copies still in flight
     ready: list = field(default_factory=list)  # events of device gradients' production (d2h)
+    staged: dict = field(default_factory=dict)  # (ci, pi) -> fingerprint of weights in the shadow
 
 
 def landing_event(p: torch.Tensor):
@@ -316,6 +319,33 @@ def _publish_chunk(off, chunk, params, grads: dict, masters_: torch.Tensor, k: i
     return written
 
 
+def _shadowed(off, gi: int, chunk, rec: Record, params: list, grads: dict) -> bool:
+    """Whether kept `chunk`'s new weights are all in the device shadow (device_staging.py):
+    every segment with a gradient a device one, uploaded by the step that is kept."""
+    staging = off._device_staging
+    return (staging is not None and staging.covers(gi, chunk, grads, params)
+            and all((chunk.ci, s.pi) in rec.staged for s in chunk.segments if s.pi in grads))
+
+
+def _publish_shadowed(off, gi: int, part: list, params: list, grads: dict, stats,
+                      published: list) -> None:
+    """Publishes the kept chunks `part` from the device shadow: D2D copies on the current
+    stream (no master is read, nothing is rounded); the parameter watch gets the fingerprints
+    the worker took of the bytes it uploaded."""
+    published.extend(c for c, _ in part)
+    pairs, seen = [], {}
+    for chunk, rec in part:
+        for s in chunk.segments:
+            if s.pi in grads:
+                p = params[s.pi]
+                pairs.append((p.detach().view(-1)[s.plo:s.phi],
+                              off._device_staging.segment(gi, chunk.ci, s, p)))
+                seen[(chunk.ci, s.pi)] = rec.staged[(chunk.ci, s.pi)]
+    _h2d(off, stats, off._device_staging.copy_out, gi, pairs)
+    off._watch.record(gi, seen)
+    stats["device_staged_chunks"] += len(part)
+
+
 def _h2d(off, stats, call, *args) -> None:
     """`call(*args)` counted as H2D time (issuing uploads, or waiting for one)."""
     t = time.perf_counter()
@@ -335,8 +365,13 @@ def publish(off, gi: int, kept: list, grads: dict, stats, published: list) -> li
         return []
     t = time.perf_counter()
     params, tier = off.opt.param_groups[gi]["params"], off.tiers[gi]
+    from_shadow = {c.ci for c, rec in kept if _shadowed(off, gi, c, rec, params, grads)}
+    if from_shadow:
+        _publish_shadowed(off, gi, [(c, r) for c, r in kept if c.ci in from_shadow], params,
+                          grads, stats, published)
+        kept = [(c, r) for c, r in kept if c.ci not in from_shadow]
     late = []
-    batch = len(kept) if hasattr(tier, "peek") else off.n_slots
+    batch = max(1, len(kept)) if hasattr(tier, "peek") else off.n_slots
     for at in range(0, len(kept), batch):
         part = kept[at:at + batch]
         masters_ = _masters(off, gi, part)
@@ -463,7 +498,7 @@ class Overlap:
                                              speculative=True)
                 self.off.run(gi, grads, rec.steps, chunks, self._stats, done, publish=False,
                              scale=scale, used_grads=rec.grads, group=rec.group,
-                             ready=rec.ready)
+                             ready=rec.ready, staged=rec.staged)
         except BaseException as err:  # noqa: BLE001 - re-raised by finish()
             self._error = err
         finally:
@@ -500,6 +535,8 @@ class Overlap:
         """The committed state is about to be replaced (a load between backward and step()):
         the chunks stepped ahead started from the old one, so step() steps them again."""
         self.wait()
+        # Uploads into the device shadow may still be in flight: they free nothing and read
+        # the slots under the uploader's guard, and the chunks they stage are not published.
         self._spec.clear()
         for tier in self.off.tiers:
             tier.release_spare()

@@ -46,6 +46,7 @@ from tierlift.offload.checks import (
 )
 from tierlift.offload.chunk_step import ChunkStep
 from tierlift.offload.config import OffloadConfig
+from tierlift.offload.device_staging import DeviceStaging
 from tierlift.offload.durable import DurableState, claim_dir, durable_dir, read_manifest
 from tierlift.offload.layout import (
     ALIGN_ELEMS,
@@ -107,6 +108,7 @@ class Offloader(StateIO, ChunkStep):
         self._cuda = any(d2h.on_device(p) for p in params)
         self._copier = d2h.Copier()  # D2H of device gradients, on a copy stream
         self._uploads = h2d.Uploader()  # H2D of new weights from the slots, not waited for
+        self._device_staging = None  # the overlap's device shadow of new weights, set below
         self._pin = torch.cuda.is_available()
         self.state_dtype = getattr(optimizer, "_state_dtype", "fp32")
         self._dtypes = [state_kinds(g["amsgrad"], self.state_dtype)
@@ -175,6 +177,7 @@ class Offloader(StateIO, ChunkStep):
         self.layouts = [build_layout(list(g["params"]), chunk_elems,
                                      [reserves(p) for p in g["params"]])
                         for g in optimizer.param_groups]
+        self._device_staging = DeviceStaging.build(self)  # refuses before any state is made
         self._slot_kinds = list(slot_dtypes)
         self.overlap = None  # Overlap, set last
         self._broken = None  # why step() refuses: an in-place rewrite failed half way
@@ -317,6 +320,8 @@ class Offloader(StateIO, ChunkStep):
             self.overlap.close(join)
             self.overlap = None
         self._uploads.drain()  # they read the slots, whose memory goes with the engine
+        if self._device_staging is not None:  # after the uploads into it
+            self._device_staging.close()
         if self._engine is not None and not self._engine.closed:
             self._slots = []
             if self._durable is not None:  # the files stay, to be reopened
@@ -655,7 +660,8 @@ class Offloader(StateIO, ChunkStep):
 
     def run(self, gi, grads, steps, chunks, stats, done: list, publish: bool = True,
             started: dict | None = None, scale=None, used_grads: dict | None = None,
-            group: dict | None = None, ready: list | None = None) -> None:
+            group: dict | None = None, ready: list | None = None,
+            staged: dict | None = None) -> None:
         """With S pipeline slots: reads chunks k+1 .. k+S-2 ahead while stepping chunk k while
         chunk k-1 is written to the other generation; returns once every write finished.
         Chunks whose parameters were updated are appended to `done` (also when this raises).
@@ -664,12 +670,13 @@ class Offloader(StateIO, ChunkStep):
         `used_grads`: receives {(ci, pi): fingerprint} of the gradients each chunk read.
         `group`: the hyperparameters to step with (default: the param group's own).
         `ready`: events of the device gradients' production (the overlap's hook recorded them);
-        None: the copies wait for what the current stream has queued (d2h.Copier)."""
+        None: the copies wait for what the current stream has queued (d2h.Copier).
+        `staged`: the overlap's, staging new device weights (ChunkStep._step_chunk)."""
         params, tier = self.opt.param_groups[gi]["params"], self.tiers[gi]
         group = self.opt.param_groups[gi] if group is None else group
         if chunks and not started and all(tier.direct(c.ci) for c in chunks):
             self._run_direct(gi, group, grads, steps, chunks, stats, done, publish, scale,
-                             used_grads, ready)
+                             used_grads, ready, staged)
             return
         n_slots = self.n_slots
         reads: dict[int, list] = dict(started or {})
@@ -715,7 +722,7 @@ class Offloader(StateIO, ChunkStep):
                 stats["nvme_read_bytes"] += nbytes
                 done.append(chunk)
                 self._step_chunk(gi, group, params, grads, steps, chunk, bufs, stats, publish,
-                                 scale=scale, used_grads=used_grads, ready=ready)
+                                 scale=scale, used_grads=used_grads, ready=ready, staged=staged)
                 if journaled and not tier.two_gen(chunk.ci):
                     writes[i] = [self._durable.stage(tier, gi, chunk.ci, i % n_slots, bufs)]
                     stats["journal_write_bytes"] += nbytes
@@ -735,7 +742,7 @@ class Offloader(StateIO, ChunkStep):
             track.close()
 
     def _run_direct(self, gi, group, grads, steps, chunks, stats, done: list, publish: bool,
-                    scale, used_grads, ready) -> None:
+                    scale, used_grads, ready, staged=None) -> None:
         """run() for two generations in host memory: the kernel reads each chunk's generation g
         and writes generation g + 1 where they lie, with no slot in between (a slot gives only
         the staging of device gradients and weights). Segments without a gradient are carried
@@ -759,7 +766,8 @@ class Offloader(StateIO, ChunkStep):
                 stats["carry_s"] += time.perf_counter() - t
             done.append(chunk)
             self._step_chunk(gi, group, params, grads, steps, chunk, bufs, stats, publish,
-                             scale=scale, used_grads=used_grads, sources=src, ready=ready)
+                             scale=scale, used_grads=used_grads, sources=src, ready=ready,
+                             staged=staged)
             stats["direct_chunks"] += 1
 
     def _restore(self, gi: int, chunks) -> None:

@@ -11,10 +11,10 @@ optimizer and ours in both directions. Differences, all deliberate:
     about 3 bytes per parameter instead of 8 (docs/optim.md). Loading an fp32-state checkpoint
     quantizes it and an fp32-state optimizer dequantizes a compact one;
   * offload="cpu"|"nvme"|"hybrid" (with nvme_path, cpu_budget, overlap, nvme_generations,
-    chunk_bytes, durable, skip_nonfinite) moves the state out of the parameter's memory;
-    tierlift.offload does that work (docs/offload.md). Its state is laid out by position in the
-    params lists at construction: a parameter listed twice (torch warns and updates it twice)
-    and a list changed afterwards are refused;
+    chunk_bytes, durable, skip_nonfinite, device_staging) moves the state out of the
+    parameter's memory; tierlift.offload does that work (docs/offload.md). Its state is laid
+    out by position in the params lists at construction: a parameter listed twice (torch warns
+    and updates it twice) and a list changed afterwards are refused;
   * hyperparameter types are checked (optim/hyper.py): torch raises on lr="0.001" only by
     accident of a comparison, float() would take it;
   * foreach/fused/capturable are accepted for compatibility and ignored (ours is always fused),
@@ -180,6 +180,7 @@ class Adam(Optimizer):
         state_dtype="fp32",
         durable=False,
         skip_nonfinite=False,
+        device_staging=None,
     ):
         check_types(lr, betas, eps, weight_decay)
         check_flags(amsgrad=amsgrad, foreach=foreach, maximize=maximize, capturable=capturable,
@@ -211,7 +212,8 @@ class Adam(Optimizer):
         self._offload = None
         extras = (nvme_path, cpu_budget, max_grad_norm)
         if offload != "none" or overlap or nvme_generations != 2 or chunk_bytes != 32 << 20 \
-                or durable or skip_nonfinite is not False or any(x is not None for x in extras):
+                or durable or skip_nonfinite is not False or device_staging is not None \
+                or any(x is not None for x in extras):
             config = OffloadConfig(
                 offload=offload,
                 nvme_path=nvme_path,
@@ -222,6 +224,7 @@ class Adam(Optimizer):
                 chunk_bytes=chunk_bytes,
                 durable=durable,
                 skip_nonfinite=skip_nonfinite,
+                device_staging=device_staging,
             )
             if config.offload != "none":
                 self._offload = Offloader(self, config)
@@ -621,6 +624,7 @@ class AdamW(Adam):
         state_dtype="fp32",
         durable=False,
         skip_nonfinite=False,
+        device_staging=None,
     ):
         super().__init__(
             params,
@@ -645,6 +649,7 @@ class AdamW(Adam):
             chunk_bytes=chunk_bytes,
             durable=durable,
             skip_nonfinite=skip_nonfinite,
+            device_staging=device_staging,
         )
 
     def __setstate__(self, state):
