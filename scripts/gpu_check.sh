@@ -253,7 +253,8 @@ fi
 # checkpoint (rerun them with GPU_CHECK_SKIP="deepspeed build|offload 1B ram|disk|offload 1B
 # nvme"); on a warm machine (built) lowp and gather fit too.
 OFFLOAD_GPU_TESTS="tests/python/test_offload.py tests/python/test_offload_h2d.py
-  tests/python/test_offload_d2h.py tests/python/test_offload_watch.py tests/python/test_pinned.py"
+  tests/python/test_offload_d2h.py tests/python/test_offload_watch.py tests/python/test_pinned.py
+  tests/python/test_offload_device_staging.py"
 FT=("$PY" benchmarks/bench_offload.py --gpu --gpu-mem 140 --seq-len 2048 --max-grad-norm 0
   --dir "$SCRATCH")
 DISK_JSON=benchmarks/results/bench_io-disk.json
@@ -263,7 +264,8 @@ fi
 if [[ $STAGE == 2 ]]; then
   # First the offloaded step's exactness on this GPU (the paths the headline takes: device
   # gradients and weights, their copies on streams, fingerprints on the device, state pinned at
-  # its size), so its numbers are of a step known to train as plain AdamW does. ~25 s.
+  # its size, new weights staged on the device during backward), so its numbers are of a step
+  # known to train as plain AdamW does. ~25 s.
   # shellcheck disable=SC2086  # OFFLOAD_GPU_TESTS: several pytest arguments
   run "offload exact" pytest.log 60 $PY -m pytest -q -x -m gpu -p no:cacheprovider \
     "${TIMEOUT_FLAG[@]}" $OFFLOAD_GPU_TESTS
