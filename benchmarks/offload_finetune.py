@@ -441,7 +441,8 @@ def case_note(res: dict) -> str:
         parts.append(f"last step: {st.get('overlap_kept_chunks', 0):.0f} chunks stepped during "
                      f"backward and kept, {st.get('overlap_redone_chunks', 0):.0f} redone, "
                      f"{st.get('overlap_no_room_chunks', 0):.0f} left to step() for want of a "
-                     f"block, {st.get('ram_chunks', 0):.0f} stepped in place")
+                     f"block, {st.get('ram_chunks', 0):.0f} stepped in place, "
+                     f"{st.get('device_staged_chunks', 0):.0f} published from device staging")
     if "grad_norm" in st:
         parts.append(f"grad norm {st['grad_norm']:.3g}")
     return f"{res['case']}: " + "; ".join(parts) if parts else ""
