@@ -20,7 +20,8 @@ import os
 import pytest
 import torch
 from test_offload import _nvme
-from test_offload_h2d import _model, device  # noqa: F401 - `device`: the stand-in fixture
+# `device`: the stand-in device fixture, used by name
+from test_offload_h2d import _model, device, gpu_bf16_model, gpu_steps  # noqa: F401
 
 import tierlift
 from tierlift.offload import device_staging, h2d
@@ -355,22 +356,9 @@ def test_gpu_staged_weights_match_host_publish_and_no_offload(tmp_path, tier):
     published from the shadow."""
 
     def run(**kw):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.Tanh(),
-                                    torch.nn.Linear(1024, 256)).cuda().to(torch.bfloat16)
+        model = gpu_bf16_model()
         opt = tierlift.optim.AdamW(model.parameters(), lr=1e-3, chunk_bytes=1 << 16, **kw)
-        g = torch.Generator().manual_seed(1)
-        stats = []
-        try:
-            for _ in range(STEPS):
-                opt.zero_grad(set_to_none=True)
-                model(torch.randn(64, 256, generator=g).cuda().to(torch.bfloat16)
-                      ).square().mean().backward()
-                opt.step()
-                stats.append(opt.last_step_stats)
-            torch.cuda.synchronize()
-        finally:
-            opt.close()
+        stats = gpu_steps(model, opt)
         return [p.detach().cpu() for p in model.parameters()], stats
 
     def tier_kw(name):

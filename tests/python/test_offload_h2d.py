@@ -248,6 +248,32 @@ def test_uploader_waits_only_for_the_buffer_rewritten(monkeypatch):
     assert torch.equal(dst, a[:4]) and plain._pending[a.data_ptr()] == []
 
 
+def gpu_bf16_model() -> torch.nn.Module:
+    """The GPU tests' small bf16 model, the same weights every call."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.Tanh(),
+                               torch.nn.Linear(1024, 256)).cuda().to(torch.bfloat16)
+
+
+def gpu_steps(model, opt, before_step=lambda: None) -> list[dict]:
+    """STEPS steps of `opt` on the same random batches every call, then close(); each step's
+    last_step_stats."""
+    g = torch.Generator().manual_seed(1)
+    stats = []
+    try:
+        for _ in range(STEPS):
+            opt.zero_grad(set_to_none=True)
+            model(torch.randn(64, 256, generator=g).cuda().to(torch.bfloat16)
+                  ).square().mean().backward()
+            before_step()
+            opt.step()
+            stats.append(opt.last_step_stats)
+        torch.cuda.synchronize()
+    finally:
+        opt.close()
+    return stats
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tier", ["cpu", "nvme"])
 def test_gpu_overlapped_steps_match_blocking_uploads(tmp_path, tier, monkeypatch):
@@ -266,29 +292,15 @@ def test_gpu_overlapped_steps_match_blocking_uploads(tmp_path, tier, monkeypatch
             torch.cuda.synchronize()
 
         monkeypatch.setattr(h2d.Uploader, "upload", waited if blocking else upload)
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.Tanh(),
-                                    torch.nn.Linear(1024, 256)).cuda().to(torch.bfloat16)
+        model = gpu_bf16_model()
         first[:] = [p.detach().cpu() for p in model.parameters()]  # the same in both runs
         kw = (_nvme(tmp_path / str(blocking), 64 << 20) if tier == "nvme"
               else dict(offload="cpu"))
         opt = tierlift.optim.AdamW(model.parameters(), lr=1e-3, overlap=True,
                                    chunk_bytes=1 << 16, **kw)
-        g = torch.Generator().manual_seed(1)
-        legs = []
-        try:
-            for _ in range(STEPS):
-                opt.zero_grad(set_to_none=True)
-                model(torch.randn(64, 256, generator=g).cuda().to(torch.bfloat16)
-                      ).square().mean().backward()
-                torch.cuda._sleep(cycles)
-                opt.step()
-                legs.append(opt.last_step_stats["legs"]["h2d"])
-            torch.cuda.synchronize()
-        finally:
-            opt.close()
+        stats = gpu_steps(model, opt, before_step=lambda: torch.cuda._sleep(cycles))
         monkeypatch.setattr(h2d.Uploader, "upload", upload)
-        return [p.detach().cpu() for p in model.parameters()], legs
+        return [p.detach().cpu() for p in model.parameters()], [s["legs"]["h2d"] for s in stats]
 
     first = []
     (tmp_path / "True").mkdir()
