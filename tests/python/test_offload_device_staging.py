@@ -20,8 +20,7 @@ import os
 import pytest
 import torch
 from test_offload import _nvme
-# `device`: the stand-in device fixture, used by name
-from test_offload_h2d import _model, device, gpu_bf16_model, gpu_steps  # noqa: F401
+from test_offload_h2d import _model, device, gpu_bf16_model, gpu_steps  # noqa: F401 (fixture)
 
 import tierlift
 from tierlift.offload import device_staging, h2d
