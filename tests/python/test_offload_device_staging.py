@@ -122,11 +122,11 @@ def streams(device, monkeypatch):  # noqa: F811 - the fixture imported above
             st.copied.setdefault(st.copying, []).append(event)
         return event
 
-    real = device_staging.DeviceStaging.__init__
+    real = device_staging.DeviceStaging._allocate
 
-    def init(self, shadows):
-        real(self, shadows)
-        st.shadows = [s.buffer for s in shadows if s is not None]
+    def allocate(self):
+        real(self)
+        st.shadows = [s.buffer for s in self.shadows if s is not None]
 
     monkeypatch.setattr(h2d, "upload_events", logged)
     monkeypatch.setattr(device_staging, "stageable", lambda p: True)
@@ -136,7 +136,7 @@ def streams(device, monkeypatch):  # noqa: F811 - the fixture imported above
     monkeypatch.setattr(device_staging, "on_stream", on_stream)
     monkeypatch.setattr(device_staging, "copy_on", st.d2d)
     monkeypatch.setattr(device_staging, "record_event", record_event)
-    monkeypatch.setattr(device_staging.DeviceStaging, "__init__", init)
+    monkeypatch.setattr(device_staging.DeviceStaging, "_allocate", allocate)
     st.device = device
     return st
 
@@ -220,8 +220,10 @@ def test_staged_weights_are_bit_identical(streams, tmp_path, mode):
     shadow_uploads = [on for what, on in streams.log if what == "shadow upload"]
     assert shadow_uploads and set(shadow_uploads) == {"side"}
     assert {on for what, on in streams.log if what in ("param upload", "d2d")} <= {"current"}
-    # every chunk kept was published from the shadow (all parameters are device ones)
-    assert published == sum(s.get("overlap_kept_chunks", 0) for s in stats)
+    # device_staging=None decides after the first step; from the second, every chunk kept
+    # was published from the shadow (all parameters are device ones)
+    assert stats[0].get("device_staged_chunks", 0) == 0
+    assert published == sum(s.get("overlap_kept_chunks", 0) for s in stats[1:])
     if staged:
         assert published > 0
         assert stats[-1]["legs"]["h2d"]["total_s"] > 0
@@ -281,7 +283,7 @@ def test_two_param_groups_have_a_shadow_each(streams, tmp_path):
     assert streams.violations == [] and streams.device.violations == []
     assert len(streams.shadows) == 2
     assert sum(s.get("device_staged_chunks", 0) for s in stats) == sum(
-        s.get("overlap_kept_chunks", 0) for s in stats) > 0
+        s.get("overlap_kept_chunks", 0) for s in stats[1:]) > 0  # None: from the second step
 
 
 def test_without_the_side_streams_wait_a_rewritten_shadow_is_caught(streams, monkeypatch,
@@ -324,6 +326,26 @@ def test_false_and_no_room_publish_from_the_host(streams, tmp_path):
     got, stats = _fit(_kw("cpu", tmp_path, device_staging=True))
     assert all(torch.equal(a, b) for a, b in zip(ref, got))
     assert sum(s.get("device_staged_chunks", 0) for s in stats) > 0
+
+
+def test_none_decides_with_the_memory_left_after_the_first_step(streams, tmp_path):
+    """The free memory that counts is the one after the first step's forward and backward
+    (when torch's allocator holds their peak), not the one at construction."""
+    ref, _ = _fit({})
+
+    def free_now(amount):
+        def set_free(model, opt):
+            streams.free = amount
+        return set_free
+
+    streams.free = 1024  # at construction: no room
+    got, stats = _fit(_kw("cpu", tmp_path), between=free_now(1 << 30))
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    assert sum(s.get("device_staged_chunks", 0) for s in stats) > 0
+    streams.free = 1 << 30  # at construction: room; after the first backward: none
+    got, stats = _fit(_kw("cpu", tmp_path), between=free_now(1024))
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    assert sum(s.get("device_staged_chunks", 0) for s in stats) == 0
 
 
 def test_true_without_room_is_refused_before_anything_changes(streams, tmp_path):

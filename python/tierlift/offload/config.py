@@ -43,10 +43,12 @@ class OffloadConfig:
     `device_staging` (overlap=True, CUDA parameters): the chunks stepped during backward also
     upload their new weights, on a side stream, into a device shadow of the weights (2 B/param
     of device memory for bf16), and step() publishes them by a device-to-device copy instead of
-    rounding and uploading them after backward (tierlift.offload.device_staging). None: on for
-    each param group with CUDA parameters on one device where at least twice the shadow's
-    bytes are free; True: on, refused at construction where a shadow cannot be made or does
-    not fit; False: off."""
+    rounding and uploading them after backward (tierlift.offload.device_staging). None: on
+    from the second step, for each param group with CUDA parameters on one device, where the
+    device still has twice the shadow's bytes free after the first step (its forward and
+    backward included), so a model that fits without it is never pushed out of memory; True:
+    on from the start, refused at construction where a shadow cannot be made or does not fit;
+    False: off."""
 
     offload: str = "none"
     nvme_path: str | os.PathLike | None = None

@@ -11,9 +11,10 @@ device-to-device copy shadow -> parameter on the current stream; a chunk stepped
 inputs changed) or stepped in step() is published from the host as before.
 
 The shadow costs one copy of the device weights (2 B/param for a bf16 model).
-OffloadConfig.device_staging: None turns it on for a group with CUDA parameters on one device
-where torch.cuda.mem_get_info() shows at least twice the shadows' bytes free; True turns it on
-where the shadows fit and refuses at construction otherwise; False keeps it off.
+OffloadConfig.device_staging: None turns it on, after the first step(), for a group with CUDA
+parameters on one device where torch.cuda.mem_get_info() still shows twice the shadows' bytes
+free (what that step's forward and backward left over); True turns it on from the start where
+the shadows fit and refuses at construction otherwise; False keeps it off.
 
 `stageable`, `free_bytes`, `side_stream`, `current_stream`, `on_stream`, `copy_on` and
 `record_event` are the seams the CPU tests replace with stand-ins
@@ -110,15 +111,42 @@ def _plan(off, gi: int) -> Shadow | str | None:
 class DeviceStaging:
     """The shadows of an Offloader's param groups and a side stream per device."""
 
-    def __init__(self, shadows: list):
+    def __init__(self, shadows: list, allocate: bool = True):
         self.shadows = shadows  # per group: Shadow or None
         self._sides: dict = {}
-        for shadow in shadows:
+        # device_staging=None decides after the first step() (settle): only then does the
+        # device's free memory say what the model's forward and backward leave over.
+        self.pending = not allocate
+        if allocate:
+            self._allocate()
+
+    def _allocate(self) -> None:
+        for shadow in self.shadows:
             if shadow is not None:
                 shadow.buffer = torch.empty(shadow.nbytes, dtype=torch.uint8,
                                             device=shadow.device)
                 if shadow.device not in self._sides:
                     self._sides[shadow.device] = side_stream(shadow.device)
+
+    def _need(self) -> dict:
+        need: dict = {}
+        for shadow in self.shadows:
+            if shadow is not None:
+                need[shadow.device] = need.get(shadow.device, 0) + shadow.nbytes
+        return need
+
+    def settle(self) -> None:
+        """device_staging=None, once, after the first step(): the shadows are made where every
+        device still has twice their bytes free beside what torch's allocator kept from that
+        step's peak (its forward's activations included); else none is, and the weights are
+        published from the host. A model that fit without them is never pushed out of memory."""
+        if not self.pending:
+            return
+        self.pending = False
+        if all(free_bytes(device) >= 2 * n for device, n in self._need().items()):
+            self._allocate()
+        else:
+            self.shadows = [None] * len(self.shadows)
 
     @classmethod
     def build(cls, off) -> DeviceStaging | None:
@@ -137,26 +165,25 @@ class DeviceStaging:
                 raise ValueError("device_staging=True needs CUDA parameters (it stages their "
                                  "new weights in device memory); none of the optimizer's are")
             return None
-        need: dict = {}
-        for shadow in shadows:
-            if shadow is not None:
-                need[shadow.device] = need.get(shadow.device, 0) + shadow.nbytes
-        for device, nbytes in need.items():
+        staging = cls(shadows, allocate=False)
+        if mode is None:
+            return staging  # decided by settle(), after the first step
+        for device, nbytes in staging._need().items():
             free = free_bytes(device)
-            if mode is True and free < nbytes:
+            if free < nbytes:
                 raise ValueError(
                     f"device_staging=True needs {nbytes} bytes of device memory on {device} for "
                     f"the shadow of the new weights, {free} are free; free memory or use "
                     "device_staging=False (the weights are then uploaded in step())")
-            if mode is None and free < 2 * nbytes:
-                return None  # leave the room to the model: publish from the host
-        return cls(shadows)
+        staging.pending = False
+        staging._allocate()
+        return staging
 
     def covers(self, gi: int, chunk, grads: dict, params: list) -> bool:
         """Whether every segment of `chunk` with a gradient is a device segment of the shadow,
         still of the device and dtype it was laid out for."""
         shadow = self.shadows[gi]
-        if shadow is None:
+        if shadow is None or shadow.buffer is None:
             return False
         segs = [s for s in chunk.segments if s.pi in grads]
         return bool(segs) and all(

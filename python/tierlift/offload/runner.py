@@ -360,6 +360,8 @@ class Offloader(StateIO, ChunkStep):
                 self._step(grad_scale, found_inf)
             self.last_step_stats["legs"] = legs.summarize(self.clock, training,
                                                           self._model_legs())
+            if self._device_staging is not None:  # None decides after the first step
+                self._device_staging.settle()
         finally:
             self.clock.reset()
 
