@@ -59,6 +59,10 @@ def train(model, opt, steps=5, clip_every=0, edit_at=None):
         opt.zero_grad(set_to_none=True)
         model(x).float().square().mean().backward()
         if clip_every and i % clip_every == 0:
+            # After the worker's steps (a chunk it stepped from the clipped gradients would be
+            # kept, by timing): every chunk stepped ahead is then redone.
+            if getattr(opt, "_offload", None) is not None and opt._offload.overlap is not None:
+                opt._offload.overlap.wait()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-4)  # scales: chunks redone
         if edit_at == i:
             with torch.no_grad():
