@@ -153,6 +153,22 @@ def test_a_later_bad_source_is_refused_before_params_from_is_read(compact):
         assert_same(keep, dst, ["p", "m", "v", "x"])
 
 
+@pytest.mark.parametrize("compact", [False, True], ids=["fp32", "compact"])
+def test_short_param_copies_are_refused_like_the_compiled_ops(compact):
+    """One param_copies tensor missing: refused before any change, by the reference as by the
+    compiled ops (it used to step the others and leave the last param's copy unwritten)."""
+    kernel, ref = compact_ops(compact)
+    src = state(compact, False, torch.float32)
+    for fn in [ref] + ([kernel] if tierlift._extension.available() else []):
+        dst = garbage(src)
+        dst["c"] = dst["c"][:-1]
+        keep = clone(dst)
+        with pytest.raises((ValueError, RuntimeError), match="param_copies must be empty or one "
+                                                             "per param"):
+            run(fn, dst, compact, False)
+        assert_same(keep, dst, ["p", "m", "v", "x", "c"])
+
+
 @needs_ext
 @pytest.mark.parametrize("compact", [False, True], ids=["fp32", "compact"])
 def test_opcheck_out_of_place(compact):

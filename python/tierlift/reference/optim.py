@@ -125,6 +125,9 @@ def read_sources(op, params, param_copies, refresh_from_copies, params_from, sta
                          "combined with params_from")
     if refresh_from_copies and not param_copies:
         raise ValueError(f"{op}: refresh_from_copies=True needs param_copies (one per param)")
+    if param_copies and len(param_copies) != len(params):  # as the compiled ops refuse it
+        raise ValueError(f"{op}: param_copies must be empty or one per param, got "
+                         f"{len(param_copies)} for {len(params)}")
     pairs = [("params_from", params, params_from), *state_sources]
     for name, state, sources in pairs:
         if sources is not None and len(sources) != len(state):
