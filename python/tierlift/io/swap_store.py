@@ -23,6 +23,7 @@ import torch
 
 from tierlift import _extension
 from tierlift.io.engine import EngineConfig, IoEngine, _check_tensor
+from tierlift.io.fsync import fsync_path
 
 _MAGIC = b"TLSWAP01"
 _PREFIX = struct.Struct("<8sII")
@@ -86,11 +87,7 @@ class _PendingPut:
         engine = self._state.engine
         try:
             self._handle.wait()
-            fd = os.open(self.tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_path(self.tmp)
             os.replace(self.tmp, self.final)
         except BaseException:
             _unlink_quietly(self.tmp)
@@ -98,11 +95,7 @@ class _PendingPut:
         finally:
             if not engine.closed:
                 engine.forget(self.tmp)
-        dfd = os.open(os.path.dirname(self.final), os.O_RDONLY)
-        try:
-            os.fsync(dfd)  # the rename itself is durable
-        finally:
-            os.close(dfd)
+        fsync_path(os.path.dirname(self.final))  # the rename itself is durable
 
 
 class PutHandle:
