@@ -10,10 +10,10 @@ by side (tierlift, tierlift-zero3, torch-cpu, deepspeed), each in its own proces
 (each step's time as it finishes) is passed on at once, and prints tierlift's TFLOPS over each
 peer's with its target. The JSON is rewritten after each case.
 
-DeepSpeed: --deepspeed-check imports it, checks the ZeRO-3 config against DeepSpeed's own config
-classes (every top-level key known, every setting read back as meant) and builds its CPU Adam op
-(JIT; the build's time is printed), without a GPU, so the timed case neither fails on a config
-typo nor spends its time building. On a machine without CUDA DeepSpeed falls back to its CPU
+DeepSpeed: --deepspeed-check imports it, checks the ZeRO-3 and ZeRO-2 configs against DeepSpeed's
+own config classes (every top-level key known, every setting read back as meant) and builds its CPU
+Adam op (JIT; the build's time is printed), without a GPU, so the timed case neither fails on a
+config typo nor spends its time building. On a machine without CUDA DeepSpeed falls back to its CPU
 accelerator, and --finetune-check runs the DeepSpeed case there too (gloo).
 
 Sizing (finetune_sizing.py, per parameter): tierlift keeps bf16 params + bf16 grads on the GPU
@@ -211,14 +211,14 @@ def run_torch_cpu(args, info: dict, device) -> dict:
             "grad_norm": norms[-1]}
 
 
-def deepspeed_config(args, device) -> dict:
+def deepspeed_config(args, device, stage: int = 3) -> dict:
     return {
         "train_micro_batch_size_per_gpu": args.batch_size,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": float(getattr(args, "max_grad_norm", 1.0)),  # 0.0: none
         "bf16": {"enabled": device.type == "cuda"},
         "zero_optimization": {
-            "stage": 3,
+            "stage": stage,
             "offload_optimizer": {"device": "cpu", "pin_memory": device.type == "cuda"},
             "offload_param": {"device": "none"},
             "overlap_comm": True,
@@ -230,18 +230,21 @@ def deepspeed_config(args, device) -> dict:
     }
 
 
-def run_deepspeed(args, info: dict, device) -> dict:
+def run_deepspeed(args, info: dict, device, stage: int = 3) -> dict:
+    """DeepSpeed with its CPU Adam on the optimizer state in pinned RAM: ZeRO-3 as the peer the
+    comparison names, or ZeRO-2 (stage=2), ZeRO-Offload's own recipe, which on one GPU skips
+    ZeRO-3's parameter gathering."""
     import deepspeed
 
     for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517"}.items():
         os.environ.setdefault(k, v)
-    check_deepspeed_config(args)  # before any work: a misread setting is an error
+    check_deepspeed_config(args, stage)  # before any work: a misread setting is an error
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
     model = build_model(info["model"], args.seq_len, device)
     n = sum(p.numel() for p in model.parameters())
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=deepspeed_config(args, device))
+                                      config=deepspeed_config(args, device, stage))
     gen = torch.Generator().manual_seed(0)
 
     def step():
@@ -252,8 +255,8 @@ def run_deepspeed(args, info: dict, device) -> dict:
         engine.step()
 
     t = _time_steps(step, args.steps, args.warmup, device)
-    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)  # the one ZeRO-3 wraps
-    return {"case": "deepspeed zero3 offload_optimizer=cpu", "params": n, "step_s": t,
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)  # the one ZeRO wraps
+    return {"case": f"deepspeed zero{stage} offload_optimizer=cpu", "params": n, "step_s": t,
             "optimizer": f"{type(engine.optimizer).__name__}({type(inner).__name__})",
             "deepspeed": deepspeed.__version__}
 
@@ -262,7 +265,8 @@ def run_case(args, which: str) -> None:
     """One case in this process; prints RESULT <json>."""
     device = torch.device("cuda" if args.gpu else "cpu")
     info = json.loads(args.info)
-    run = {"tierlift": run_tierlift, "deepspeed": run_deepspeed, "torch-cpu": run_torch_cpu}
+    run = {"tierlift": run_tierlift, "deepspeed": run_deepspeed, "torch-cpu": run_torch_cpu,
+           "deepspeed-zero2": lambda a, i, d: run_deepspeed(a, i, d, stage=2)}
     out = run[which](args, info, device)
     cfg = config(info["model"], args.seq_len)
     out["tflops"] = flops_per_step(cfg, out["params"], args.batch_size,
@@ -288,8 +292,9 @@ CONTENDERS = {
     "tierlift-zero3": "tierlift ZeRO-3 with the fp32 parameter shards in pinned RAM too",
     "torch-cpu": "torch.optim.AdamW on CPU, fp32 masters in pinned RAM",
     "deepspeed": "DeepSpeed ZeRO-3, offload_optimizer=cpu (DeepSpeedCPUAdam), bf16",
+    "deepspeed-zero2": "DeepSpeed ZeRO-2, offload_optimizer=cpu (ZeRO-Offload's recipe), bf16",
 }
-TARGETS = {"torch-cpu": 2.0, "deepspeed": 1.5}
+TARGETS = {"torch-cpu": 2.0, "deepspeed": 1.5, "deepspeed-zero2": 1.5}
 
 
 def contenders(args) -> list[str]:
@@ -358,18 +363,18 @@ def _run_case_process(cmd: list[str], timeout: float, label: str):
 STEP_LINE = re.compile(r"(?:warmup|step) \d+: ([0-9.]+) s ")
 
 
-def check_deepspeed_config(args) -> dict:
-    """The ZeRO-3 config run_deepspeed gives DeepSpeed, parsed by DeepSpeed's own config class,
-    and each setting read back. Its sections (zero_optimization, bf16) refuse unknown keys, but a
-    misspelt top-level key is silently ignored (and may even match the default, as
-    gradient_clipping's 1.0 does), so every top-level key must be one DeepSpeed names in its
-    constants. The GPU's config (bf16, pinned) is checked; parsing needs no GPU."""
+def check_deepspeed_config(args, stage: int = 3) -> dict:
+    """The ZeRO config (stage 3 or 2) run_deepspeed gives DeepSpeed, parsed by DeepSpeed's own
+    config class, and each setting read back. Its sections (zero_optimization, bf16) refuse
+    unknown keys, but a misspelt top-level key is silently ignored (and may even match the
+    default, as gradient_clipping's 1.0 does), so every top-level key must be one DeepSpeed names
+    in its constants. The GPU's config (bf16, pinned) is checked; parsing needs no GPU."""
     import deepspeed.runtime.constants as ds_constants
     from deepspeed.runtime.config import DeepSpeedConfig
     from deepspeed.runtime.zero.config import ZERO_OPTIMIZATION
     from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 
-    want = deepspeed_config(args, torch.device("cuda"))
+    want = deepspeed_config(args, torch.device("cuda"), stage)
     known = {v for k, v in vars(ds_constants).items() if k.isupper() and isinstance(v, str)}
     unknown = sorted(set(want) - known - {ZERO_OPTIMIZATION})
     if unknown:
@@ -393,7 +398,7 @@ def check_deepspeed_config(args) -> dict:
     expect = {
         "train_micro_batch_size_per_gpu": args.batch_size, "gradient_accumulation_steps": 1,
         "gradient_clipping": float(getattr(args, "max_grad_norm", 1.0)), "bf16": True,
-        "zero stage": 3,
+        "zero stage": stage,
         "offload_optimizer": OffloadDeviceEnum.cpu, "offload_optimizer pin_memory": True,
         "offload_param": None, "optimizer": opt["type"].lower(), "optimizer params": opt["params"],
     }
@@ -406,9 +411,10 @@ def check_deepspeed_config(args) -> dict:
 
 
 def deepspeed_check(args) -> int:
-    """--deepspeed-check: DeepSpeed imports, reads the ZeRO-3 config as meant, and its CPU Adam
-    op builds (JIT, with ninja and the host compiler; the build's time is printed). Needs no GPU:
-    run before the timed cases so that the DeepSpeed case does not spend them building."""
+    """--deepspeed-check: DeepSpeed imports, reads the ZeRO-3 and -2 configs as meant, and its
+    CPU Adam op builds (JIT, with ninja and the host compiler; the build's time is printed).
+    Needs no GPU: run before the timed cases so that the DeepSpeed case does not spend them
+    building."""
     t0 = time.perf_counter()
     import deepspeed
     from deepspeed.ops.op_builder import CPUAdamBuilder
@@ -416,8 +422,9 @@ def deepspeed_check(args) -> int:
     print(f"deepspeed {deepspeed.__version__} imported in {time.perf_counter() - t0:.1f} s "
           f"(torch {torch.__version__}, accelerator "
           f"{deepspeed.accelerator.get_accelerator()._name})", flush=True)
-    check_deepspeed_config(args)
-    print("ZeRO-3 config: every setting read back as meant", flush=True)
+    for stage in (3, 2):
+        check_deepspeed_config(args, stage)
+        print(f"ZeRO-{stage} config: every setting read back as meant", flush=True)
     t0 = time.perf_counter()
     CPUAdamBuilder().load()
     print(f"DeepSpeedCPUAdam op (cpu_adam) built or loaded in {time.perf_counter() - t0:.1f} s "
@@ -524,6 +531,7 @@ def finetune(args) -> int:
         if not args.plan_only:  # the sizing alone needs no disk result (gpu_check's dry run)
             disk = read_disk_json(args.disk_json)
     print(f"plan: {json.dumps(info)}")
+    contenders(args)  # an unknown name is refused here, by --plan-only too (gpu_check's dry run)
     if args.plan_only:
         return 0
     rows, results, roofline = [], [], None
@@ -537,7 +545,7 @@ def finetune(args) -> int:
             "args": {k: v for k, v in vars(args).items() if k != "info"}, "results": results})
 
     for which in contenders(args):
-        if which == "deepspeed" and (args.no_deepspeed or not info["deepspeed_fits"]):
+        if which.startswith("deepspeed") and (args.no_deepspeed or not info["deepspeed_fits"]):
             continue
         if which == "torch-cpu" and not info.get("torch_cpu_fits", True):
             print("torch-cpu: left out, its 18 B/param do not fit --cpu-mem", flush=True)
@@ -651,11 +659,12 @@ def add_finetune_args(ap: argparse.ArgumentParser) -> None:
                    help="write results/bench_offload_finetune-S-<machine>.json, so that several "
                         "runs in one session keep their own file")
     g.add_argument("--deepspeed-check", action="store_true",
-                   help="import DeepSpeed, check the ZeRO-3 config against its schema, build its "
-                        "CPU Adam op (timed) and stop; no GPU needed")
+                   help="import DeepSpeed, check the ZeRO-3/-2 configs against its schema, build "
+                        "its CPU Adam op (timed) and stop; no GPU needed")
     g.add_argument("--offload-params", choices=["none", "cpu"], default="none",
                    help="tierlift case as ZeRO-3 with the fp32 parameter shards in pinned RAM")
     g.add_argument("--timeout", type=int, default=3600, help="seconds per case")
-    g.add_argument("--finetune-case", choices=["tierlift", "deepspeed", "torch-cpu"],
+    g.add_argument("--finetune-case", choices=["tierlift", "deepspeed", "deepspeed-zero2",
+                                              "torch-cpu"],
                    help=argparse.SUPPRESS)
     g.add_argument("--info", help=argparse.SUPPRESS)

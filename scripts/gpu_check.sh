@@ -171,6 +171,7 @@ elif [[ $STAGE == 1 ]] || ! built; then
 fi
 DS=  # ",deepspeed" when DeepSpeed installed and its CPU Adam built
 if [[ -n $DS_PID ]] && wait "$DS_PID"; then DS=,deepspeed; fi
+[[ $DRY == 1 ]] && DS=,deepspeed  # the dry run checks the DeepSpeed contenders' names too
 
 # torchao (stage 2's lowp part) from the wheel carried in .devdeps/torchao, into a site dir of its
 # own at PYTHONPATH's end, unless this Python has a torchao. Dry run: the wheel must install on
@@ -238,10 +239,11 @@ fi
 #   build            ~60 s when the machine is fresh (62 s on the H200 run); DeepSpeed's CPU
 #                    Adam builds beside it (~45 s), so ~60 s for both
 #   offload exact    ~25 s: the offloaded step's GPU tests (bit-exact against plain AdamW)
-#   offload 1B ram   ~150 s: tierlift (params on the GPU, overlap) ~30 s (pinning 26.5 GB, steps
+#   offload 1B ram   ~185 s: tierlift (params on the GPU, overlap) ~30 s (pinning 26.5 GB, steps
 #                    ~1 s); torch's AdamW on CPU 4 x (1.09 + 0.3) s + ~12 s set-up ~25 s;
-#                    DeepSpeed ZeRO-3 (init, 18 GB of state, steps ~1.8 s) ~45 s; tierlift ZeRO-3
-#                    with params in RAM ~30 s. Cap 200 s, 75 s per case.
+#                    DeepSpeed ZeRO-3 (init, 18 GB of state, steps ~1.8 s) ~45 s; DeepSpeed
+#                    ZeRO-2 (ZeRO-Offload's own recipe: no parameter gathering on one GPU) ~35 s;
+#                    tierlift ZeRO-3 with params in RAM ~30 s. Cap 240 s, 75 s per case.
 #   disk             ~15 s: 1 GiB written and read through the engine (the NVMe row's roofline)
 #   offload 1B nvme  ~60 s: 12 B/param of state read and written per step (13 GB each way): at
 #                    ~2.5 GB/s ~10 s a step, warmup 1 + 2 steps and ~15 s set-up; the step over
@@ -249,7 +251,7 @@ fi
 #                    JSON, e.g. that part failed: refused). Cap 100 s.
 #   optim ~30 s, lowp ~35 s (~20 s measured; the profiler split and torchao added since),
 #   gather ~40 s, checkpoint ~85 s (as measured on the H100/H200 runs)
-# Total ~500 s on a fresh machine: the budget (345 s) cuts lowp and skips gather and the
+# Total ~535 s on a fresh machine: the budget (345 s) cuts lowp and skips gather and the
 # checkpoint (rerun them with GPU_CHECK_SKIP="deepspeed build|offload 1B ram|disk|offload 1B
 # nvme"); on a warm machine (built) lowp and gather fit too.
 OFFLOAD_GPU_TESTS="tests/python/test_offload.py tests/python/test_offload_h2d.py
@@ -270,8 +272,9 @@ if [[ $STAGE == 2 ]]; then
   run "offload exact" pytest.log 60 $PY -m pytest -q -x -m gpu -p no:cacheprovider \
     "${TIMEOUT_FLAG[@]}" $OFFLOAD_GPU_TESTS
   # targets: tierlift >= 2x torch's AdamW-on-CPU recipe, >= 1.5x DeepSpeed (TFLOPS, same run)
-  run "offload 1B ram" bench.log 200 "${FT[@]}" --model 1b --tier cpu --overlap --batch-size 8 \
-    --contenders "tierlift,torch-cpu$DS,tierlift-zero3" --steps 3 --warmup 1 --timeout 75 \
+  run "offload 1B ram" bench.log 240 "${FT[@]}" --model 1b --tier cpu --overlap --batch-size 8 \
+    --contenders "tierlift,torch-cpu$DS${DS:+,deepspeed-zero2},tierlift-zero3" --steps 3 \
+    --warmup 1 --timeout 75 \
     --json-suffix 1b-ram
   # the machine disk's speed through the engine: the NVMe row's step against its state bytes
   [[ $DRY == 1 ]] || rm -f "$DISK_JSON"  # an earlier run's file must not stand in for this disk
