@@ -10,6 +10,7 @@ import pytest
 
 import tierlift
 from tierlift.__main__ import main
+from tierlift.offload.host_budget import host_chunk_elems
 from tierlift.plan import Bandwidths, PlanInput, make_plan, max_params, parse_bytes
 from tierlift.plan.planner import (
     POOL_BYTES,
@@ -113,7 +114,10 @@ def test_compact_state_bytes_come_from_the_offload_layout():
     assert make_plan(box, BW).offload == "hybrid"  # 156 GB of fp32 state: RAM and drive
     compact = make_plan(dataclasses.replace(box, state_dtype="bf16", overlap=False), BW)
     assert compact.offload == "cpu" and "state_dtype='bf16'" in compact.note
-    assert sum(compact.tiers["cpu"].values()) == pytest.approx(13e9 * 7.015625)
+    # In place, beside the state: 6 slots x fp32 grad and copy staging of the device weights.
+    staging = 6 * 8 * host_chunk_elems(32 << 20, 13 * 10**9)
+    assert compact.tiers["cpu"]["staging pool"] == staging
+    assert sum(compact.tiers["cpu"].values()) == pytest.approx(13e9 * 7.015625 + staging)
     # Overlapped (the default): one generation of it and spare chunks fill the host memory.
     spare = make_plan(dataclasses.replace(box, state_dtype="bf16"), BW)
     assert spare.host.spare > 0 and spare.cpu_budget <= int(0.8 * 128 * G)

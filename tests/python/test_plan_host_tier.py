@@ -16,7 +16,7 @@ from torch import nn
 
 import tierlift
 from tierlift.__main__ import main
-from tierlift.plan import Bandwidths, PlanInput, make_plan
+from tierlift.plan import Bandwidths, PlanInput, make_plan, max_params
 from tierlift.plan.planner import render
 
 pytestmark = pytest.mark.skipif(not tierlift._extension.available(),
@@ -89,7 +89,9 @@ def test_twice_gives_two_generations():
 def test_no_overlap_is_in_place():
     plan = make_plan(dataclasses.replace(BOX, overlap=False), BW)
     assert plan.offload == "cpu" and plan.overlap is False and plan.host is None
-    assert sum(plan.tiers["cpu"].values()) == 12 * 8e9
+    # The state stepped in place, and the slots that stage the device gradients and weights.
+    assert plan.tiers["cpu"]["staging pool"] == STAGING
+    assert sum(plan.tiers["cpu"].values()) == 12 * 8e9 + STAGING
     assert plan.pipelined_s == plan.serial_s and plan.overlap_fraction == 0.0
     assert "(overlap=False: every chunk is stepped in step(), after backward)" in \
         render(plan, BW)
@@ -112,6 +114,37 @@ def test_no_room_for_a_spare_chunk_plans_no_overlap_and_short_budgets_are_refuse
         make_plan(short, BW)
     # With a drive, the state that does not fit goes there (offload="hybrid"), as before.
     assert make_plan(dataclasses.replace(short, nvme="/x"), BW).offload == "hybrid"
+
+
+def test_no_overlap_counts_the_staging_in_its_fit():
+    """A budget that holds the state but not its staging is not planned in place: refused
+    without a drive (by exactly what is missing), the rest to NVMe with one; and the largest
+    model planned in place leaves room for the staging."""
+    state = 12 * 8 * 10**9
+    fits = make_plan(dataclasses.replace(BOX, overlap=False, cpu_budget=state + STAGING), BW)
+    assert fits.offload == "cpu" and sum(fits.tiers["cpu"].values()) == state + STAGING
+    short = dataclasses.replace(BOX, overlap=False, cpu_budget=state + STAGING - 1)
+    with pytest.raises(ValueError, match=r"the optimizer state \(89\.4 GiB\) and the staging of "
+                                         r"device gradients and weights \(383\.9 MiB\) do not "
+                                         r"fit in .*short by 1\.0 B\); give --nvme"):
+        make_plan(short, BW)
+    assert make_plan(dataclasses.replace(short, nvme="/x"), BW).offload == "hybrid"
+    room = int(0.8 * 128 * G)
+    n, plan = max_params(dataclasses.replace(BOX, overlap=False), BW)
+    assert plan.offload == "cpu" and 12 * n + plan.tiers["cpu"]["staging pool"] <= room
+    assert n == pytest.approx((room - STAGING) / 12, rel=1e-3)
+    # Overlapped, the largest model is at least one spare chunk smaller: never larger.
+    assert max_params(BOX, BW)[0] <= n
+
+
+def test_offloaded_parameters_in_place_stage_device_shards_only():
+    inp = PlanInput(params=4e9, gpu_mem=80 * G, cpu_mem=128 * G, offload_params="cpu",
+                    device_params=10**9)
+    elems = 8386560  # 4e9 in 477 even chunks of at most 32 MiB of fp32
+    plan = make_plan(inp, BW)
+    assert plan.overlap is False and plan.tiers["cpu"]["staging pool"] == 6 * 8 * elems
+    none = make_plan(dataclasses.replace(inp, device_params=0), BW)
+    assert none.overlap is False and "staging pool" not in none.tiers["cpu"]
 
 
 def _model() -> nn.Module:
@@ -244,3 +277,53 @@ def test_cli_prints_the_overlapped_host_tier(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["overlap"] is False and out["host_tier"] is None
     assert out["pipelined_s"] == out["serial_s"]
+
+
+def _device_model(device: str) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(256, 256, bias=False) for _ in range(6)]).to(
+        device=device, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("device", [
+    "taken-for-device",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                  reason="needs CUDA")),
+])
+def test_in_place_plan_is_what_the_runtime_allocates(device, monkeypatch):
+    """offload="cpu", overlap=False on bf16 weights on the GPU: the plan's state and staging
+    are the optimizer's tier and slots, and the budget the plan takes as enough is the one the
+    optimizer accepts (a byte less: both refuse). Without CUDA, CPU weights are taken for
+    device ones while the optimizer is built (d2h.on_device, which decides the staging), and
+    nothing is stepped."""
+    if device != "cuda":
+        from tierlift.offload import d2h
+
+        monkeypatch.setattr(d2h, "on_device", lambda t: True)
+    model = _device_model("cuda" if device == "cuda" else "cpu")
+    n = sum(p.numel() for p in model.parameters())
+    inp = PlanInput(params=n, gpu_mem=3 << 20, cpu_mem=1 << 30, chunk_bytes=CHUNK_BYTES,
+                    overlap=False)
+    plan = make_plan(inp, BW)
+    cpu = plan.tiers["cpu"]
+    assert plan.offload == "cpu" and plan.overlap is False
+    assert cpu["staging pool"] == 6 * 8 * 16384 > 0
+
+    def build(budget):
+        return tierlift.optim.AdamW(model.parameters(), lr=1e-3, offload="cpu",
+                                    chunk_bytes=CHUNK_BYTES, cpu_budget=budget)._offload
+
+    off = build(None)
+    assert off._cuda and off.chunk_elems == 16384
+    slots = sum(t.nbytes for slot in off._slots for t in slot.values())
+    assert off.pool_bytes == slots == cpu["staging pool"]
+    assert sum(t.resident_bytes for t in off.tiers) == sum(
+        v for k, v in cpu.items() if k != "staging pool")
+    off.close()
+    total = int(sum(cpu.values()))  # whole bytes: the state is counted per parameter
+    assert make_plan(dataclasses.replace(inp, cpu_budget=total), BW).offload == "cpu"
+    build(total).close()
+    with pytest.raises(ValueError, match=r"do not fit in .* \(short by 1\.0 B\)"):
+        make_plan(dataclasses.replace(inp, cpu_budget=total - 1), BW)
+    with pytest.raises(ValueError, match="smaller than the optimizer state"):
+        build(total - 1)

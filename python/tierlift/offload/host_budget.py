@@ -10,11 +10,15 @@ taken (slots x one chunk of grad and copy; none for host parameters). A block is
 every state kind of the group's tier, unaligned: tiers.MemoryTier keeps each kind in one flat
 tensor. The overlap steps ahead, during backward, as many chunks as there are spare blocks;
 step() steps the others in place after backward.
+
+Without overlap the state is one generation stepped in place, and the slots stage only the
+gradients and new weights of device parameters (slots x one chunk of fp32 grad and copy; none
+for host parameters): staging_bytes counts every pool of slots, here and in the runtime.
 """
 
 from __future__ import annotations
 
-from tierlift.offload.layout import ALIGN_ELEMS, even_chunk_elems
+from tierlift.offload.layout import ALIGN_ELEMS, chunk_bytes, even_chunk_elems
 
 
 def host_chunk_elems(chunk_bytes: int, largest: int) -> int:
@@ -22,6 +26,12 @@ def host_chunk_elems(chunk_bytes: int, largest: int) -> int:
     group's reserved elements (layout.reserved_elems), cut evenly (layout.even_chunk_elems)."""
     elems = max(ALIGN_ELEMS, min(chunk_bytes // 4, largest))
     return even_chunk_elems(largest, elems)
+
+
+def staging_bytes(slots: int, kinds, dtypes: dict, chunk_elems: int) -> int:
+    """The pinned staging slots of offload="cpu": `slots` x one chunk of `chunk_elems` of each
+    of `kinds` (in `dtypes`, {kind: dtype}), each kind 4 KiB aligned as the slots allocate it."""
+    return slots * chunk_bytes({k: dtypes[k] for k in kinds}, chunk_elems)
 
 
 def spare_chunks(per_chunk: list[int], counts: list[int], budget: int | None,
@@ -49,4 +59,4 @@ def one_generation_bytes(per_chunk: list[int], counts: list[int]) -> int:
     return sum(c * n for c, n in zip(per_chunk, counts))
 
 
-__all__ = ["host_chunk_elems", "one_generation_bytes", "spare_chunks"]
+__all__ = ["host_chunk_elems", "one_generation_bytes", "spare_chunks", "staging_bytes"]

@@ -207,7 +207,7 @@ class Offloader(StateIO, ChunkStep):
                                            pin_memory=self._pin) for k in slot_kinds}
                            for _ in range(slots)]
             resident = sum(t.resident_bytes for t in self.tiers)
-            staging = slots * chunk_bytes({k: slot_dtypes[k] for k in slot_kinds}, chunk_elems)
+            staging = host_budget.staging_bytes(slots, slot_kinds, slot_dtypes, chunk_elems)
             self.pool_bytes = staging
             if config.cpu_budget is not None and resident + staging > config.cpu_budget:
                 raise ValueError(

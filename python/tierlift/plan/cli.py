@@ -61,7 +61,8 @@ def add_parser(sub) -> None:
                    help="with the state in host memory: plan AdamW(offload='cpu', overlap=True), "
                         "stepping chunks during backward (two generations, or one and the "
                         "spare chunks the budget holds: the plan sizes cpu_budget), or "
-                        "--no-overlap (12 B/param in place, stepped in step()); default: "
+                        "--no-overlap (12 B/param in place, stepped in step(), and the staging "
+                        "of device gradients and weights); default: "
                         "overlap, except with --offload-params")
     p.add_argument("--probe-mib", type=int, default=256, help="size of the bandwidth probes")
     n = p.add_argument_group("several nodes (ZeRO-3, flat or hierarchy='node')")

@@ -29,7 +29,10 @@ nothing during backward). Less than one generation and that staging: the state g
 or the plan is refused. Legs: with a fraction f of the chunks stepped during backward,
 pipelined_s = f x max(legs) (the overlapped chunks' legs run beside each other) + (1 - f) x
 sum(legs) (the rest, serial in step() after backward); f = 1 with two generations (the max,
-as before), 0 with overlap=False (the sum). overlap=None (the default) plans overlap=True for
+as before), 0 with overlap=False (the sum). Without overlap the state is stepped in place,
+one generation, and the runtime still stages device gradients and weights through its slots
+(6 x grad and copy): the plan counts that pool in host memory and in its fit.
+overlap=None (the default) plans overlap=True for
 the bf16-on-GPU layout and overlap=False with offload_params, where a host shard is its own
 master.
 
@@ -44,7 +47,8 @@ ties these numbers to a sharded model's tensors and files):
                    whole from backward until zero_grad(), beside its parameter shard (the
                    gradients file on the drive with "nvme").
   optimizer state  offload="cpu" (overlap=False) steps the host shards in place: m + v only
-                   (8 B, or 3.02 B compact), plus a master of the device shards. Streamed
+                   (8 B, or 3.02 B compact), plus a master of the device shards and,
+                   with device shards, the slots staging their gradients and weights. Streamed
                    (offload="hybrid"/"nvme") it keeps a master of every shard in two
                    generations (a failed step restores the shards from it: 12 B or 7.02 B,
                    twice on the drive), and none in one generation, which cannot undo a step
@@ -75,7 +79,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tierlift.offload.host_budget import host_chunk_elems, one_generation_bytes, spare_chunks
+from tierlift.offload.host_budget import (
+    host_chunk_elems,
+    one_generation_bytes,
+    spare_chunks,
+    staging_bytes,
+)
 from tierlift.offload.layout import ALIGN_ELEMS, chunk_bytes, state_kinds
 from tierlift.plan.measure import Bandwidths
 
@@ -287,8 +296,16 @@ def _host_layout(inp: PlanInput, n: int, device: bool) -> tuple[int, int, int, i
     reserved = -(-n // ALIGN_ELEMS) * ALIGN_ELEMS
     elems = host_chunk_elems(inp.chunk_bytes, reserved)
     stage = dict.fromkeys(("grad", "copy"), torch.float32) if device else {}
-    return (elems, -(-reserved // elems), chunk_bytes(kinds, elems, aligned=False),
-            _SLOTS * chunk_bytes({**kinds, **stage}, elems), _SLOTS * chunk_bytes(stage, elems))
+    slot = {**kinds, **stage}
+    two, one = (staging_bytes(_SLOTS, k, slot, elems) for k in (slot, stage))
+    return elems, -(-reserved // elems), chunk_bytes(kinds, elems, aligned=False), two, one
+
+
+def in_place_staging_bytes(inp: PlanInput, n: int, device: bool) -> int:
+    """The pinned staging of offload="cpu" without overlap (the state stepped in place): the
+    slots x one chunk of fp32 grad and copy for device parameters, none for host ones
+    (tierlift.offload.host_budget; the chunk as the overlapped host tier cuts it)."""
+    return _host_layout(inp, n, device)[4]
 
 
 def host_tier(inp: PlanInput, n: int, device: bool, room: int) -> HostTier | None:
@@ -365,10 +382,13 @@ def make_plan(inp: PlanInput, bw: Bandwidths) -> Plan:
             plan = _host_tier_plan(inp, host, legs, {}, "optimizer state in pinned host memory")
             plan.tiers = {"gpu": model, **plan.tiers}
             return plan
-    if sum(state.values()) <= cpu_room and (host is not None or inp.overlap is False):
+    # In place, the runtime still stages the device gradients and weights through its slots.
+    staging = in_place_staging_bytes(inp, n, device=True)
+    in_place = {**state, "staging pool": staging}
+    if sum(in_place.values()) <= cpu_room and (host is not None or inp.overlap is False):
         why = ("" if host is None else ": one generation and the staging leave no room for a "
                "spare chunk, so overlap=True would step nothing during backward")
-        return Plan(offload="cpu", tiers={"gpu": model, "cpu": state}, legs_s=legs,
+        return Plan(offload="cpu", tiers={"gpu": model, "cpu": in_place}, legs_s=legs,
                     note=f"optimizer state in pinned host memory (offload='cpu', overlap=False"
                          f"{why})" + _dtype_note(inp), overlap=False, overlap_fraction=0.0)
     if inp.nvme is None or bw.disk_read_bps is None:
@@ -377,9 +397,10 @@ def make_plan(inp: PlanInput, bw: Bandwidths) -> Plan:
                              f"{_host_tier_short(inp, n, True, cpu_room)}; give --nvme PATH "
                              "for the NVMe tier")
         raise ValueError(
-            f"the optimizer state ({_fmt(sum(state.values()))}) does not fit in "
-            f"{_fmt(cpu_room)} of host memory (short by {_fmt(sum(state.values()) - cpu_room)}); "
-            "give --nvme PATH for the NVMe tier")
+            f"the optimizer state ({_fmt(sum(state.values()))}) and the staging of device "
+            f"gradients and weights ({_fmt(staging)}) do not fit in {_fmt(cpu_room)} of host "
+            f"memory (short by {_fmt(sum(in_place.values()) - cpu_room)}); give --nvme PATH "
+            "for the NVMe tier")
     return _on_nvme(inp, bw, n, model, state, cpu_room, legs)
 
 
@@ -507,8 +528,11 @@ def _params_offloaded(inp: PlanInput, bw: Bandwidths) -> Plan:
                                                    if shards.get("nvme") else {})}
         plan.device_params = on_dev
         return plan
-    if sum(state.values()) <= opt_room:
-        tiers = {"gpu": gpu, "cpu": {**shards.get("cpu", {}), **state}}
+    # In place, device shards' gradients and weights are staged through the slots.
+    staging = in_place_staging_bytes(inp, n, device=on_dev > 0)
+    in_place = {**state, **({"staging pool": staging} if staging else {})}
+    if sum(in_place.values()) <= opt_room:
+        tiers = {"gpu": gpu, "cpu": {**shards.get("cpu", {}), **in_place}}
         if shards.get("nvme"):
             tiers["nvme"] = shards["nvme"]
         why = ""
@@ -522,10 +546,11 @@ def _params_offloaded(inp: PlanInput, bw: Bandwidths) -> Plan:
                          f"overlap=False: host shards are their own master{why})"
                          + _dtype_note(inp), overlap=False, overlap_fraction=0.0)
     if inp.nvme is None or bw.disk_read_bps is None:
+        staged = f" and the staging of device shards ({_fmt(staging)})" if staging else ""
         raise ValueError(
-            f"the optimizer state ({_fmt(sum(state.values()))}) does not fit in "
+            f"the optimizer state ({_fmt(sum(state.values()))}){staged} does not fit in "
             f"{_fmt(opt_room)} of host memory beside the fp32 parameter and gradient shards "
-            f"(short by {_fmt(sum(state.values()) - opt_room)}); give --nvme PATH for the "
+            f"(short by {_fmt(sum(in_place.values()) - opt_room)}); give --nvme PATH for the "
             "NVMe tier")
     pool = inp.pool_bytes if inp.pool_bytes != POOL_BYTES else streamed_pool_bytes(
         inp.state_dtype)
