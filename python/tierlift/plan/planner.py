@@ -11,7 +11,11 @@ The NVMe part takes twice its bytes when the drive has room (a step reads one ge
 writes the other, so any failed step is undone), else once (nvme_generations=1: rewritten in
 place; docs/offload.md); the plan refuses a drive without room for one generation.
 The expected optimizer time per step is the sum of its legs (no overlap) and their maximum
-(the pipelined bound that overlap=True aims at).
+(the pipelined bound that overlap=True aims at). offload="hybrid" steps only its NVMe chunks
+(two generations) during backward; its chunks in host memory are one generation, stepped in
+place in step() after it, without I/O (tiers.HybridTier): with f the NVMe share, the maximum
+of f x the D2H, Adam and H2D legs and the NVMe reads and writes, plus (1 - f) x the sum of
+those three; f = 0 (the sum) with nvme_generations=1, which steps nothing during backward.
 
 The overlapped host tier (offload="cpu", overlap=True; PlanInput.overlap, `--overlap`), as the
 runtime keeps it (tierlift.offload.host_budget, the rule runner.Offloader follows): the state
@@ -216,25 +220,35 @@ class Plan:
     overlap: bool | None = None  # offload="cpu": whether the plan steps during backward
     cpu_budget: int | None = None  # the optimizer's cpu_budget to give (None: none needed)
     host: HostTier | None = None  # the overlapped host tier
-    # The share of the legs run during backward (pipelined); None: the NVMe tiers' bound, the
-    # maximum of the legs.
+    # The share of the chunks stepped during backward (pipelined); None: the NVMe tiers'
+    # bound, the maximum of the legs.
     overlap_fraction: float | None = None
+    # Legs that only those chunks have (a hybrid's NVMe reads and writes: its chunks in host
+    # memory do no I/O), whole where those chunks are stepped; the others scale with the share.
+    own_legs: tuple[str, ...] = ()
 
     @property
     def serial_s(self) -> float:
         return sum(self.legs_s.values())
 
+    def _fraction(self) -> float:
+        return 1.0 if self.overlap_fraction is None else self.overlap_fraction
+
     @property
     def during_backward_s(self) -> float:
         """The overlapped chunks' legs, pipelined beside each other during backward."""
-        f = 1.0 if self.overlap_fraction is None else self.overlap_fraction
-        return f * max(self.legs_s.values(), default=0.0)
+        f = self._fraction()
+        if f == 0:
+            return 0.0
+        return max((s if leg in self.own_legs else f * s for leg, s in self.legs_s.items()),
+                   default=0.0)
 
     @property
     def after_backward_s(self) -> float:
         """The other chunks' legs, one after another in step() after backward."""
-        f = 1.0 if self.overlap_fraction is None else self.overlap_fraction
-        return (1 - f) * self.serial_s
+        f = self._fraction()
+        return sum((s if f == 0 else 0.0) if leg in self.own_legs else (1 - f) * s
+                   for leg, s in self.legs_s.items())
 
     @property
     def pipelined_s(self) -> float:
@@ -446,8 +460,12 @@ def _on_nvme(inp, bw, n, model, state, cpu_room, legs, shards=None, beside="",
         offload = "nvme"
         note = f"optimizer state on NVMe under {inp.nvme} (nvme_generations={gens})"
     note += _dtype_note(inp)
-    return Plan(offload=offload, tiers=tiers, legs_s=legs, note=note, generations=gens,
+    plan = Plan(offload=offload, tiers=tiers, legs_s=legs, note=note, generations=gens,
                 cpu_budget=int(cpu_room) if offload == "hybrid" else None)
+    if ram:  # only two-generation NVMe chunks are stepped during backward (tiers.speculates)
+        plan.overlap_fraction = disk / total if gens == 2 else 0.0
+        plan.own_legs = ("nvme read", "nvme write")
+    return plan
 
 
 def _params_offloaded(inp: PlanInput, bw: Bandwidths) -> Plan:
@@ -658,6 +676,16 @@ def _step_line(plan: Plan) -> str:
                 f"backward ({plan.during_backward_s:.3f} s), the other "
                 f"{host.chunks - host.spare} serial in step() after it "
                 f"({plan.after_backward_s:.3f} s)")
+    if plan.offload == "hybrid" and plan.overlap_fraction == 0:
+        return (f"{serial}, {plan.pipelined_s:.3f} s pipelined (nvme_generations=1: nothing is "
+                "stepped during backward; every chunk is rewritten in place in step())")
+    if plan.offload == "hybrid":
+        f = plan.overlap_fraction
+        return (f"{serial}, {plan.pipelined_s:.3f} s with overlap=True: the NVMe part ({f:.0%} "
+                f"of the state, two generations) pipelined during backward "
+                f"({plan.during_backward_s:.3f} s), the part in host memory ({1 - f:.0%}, one "
+                f"generation) stepped in place in step() after it ({plan.after_backward_s:.3f} "
+                "s)")
     how = ("overlap=True" if plan.generations != 1 else
            "within step(): chunks kept in one generation cannot overlap backward")
     return f"{serial}, {plan.pipelined_s:.3f} s pipelined ({how})"
