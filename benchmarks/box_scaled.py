@@ -163,7 +163,8 @@ def main(argv=None) -> int:
         free = shutil.disk_usage(drive).free
         inp = PlanInput(params=BOX["params"] / s, gpu_mem=gpu, cpu_mem=cpu, nvme=drive,
                         nvme_free=free, pool_bytes=POOL_BYTES * chunk // CHUNK_BYTES,
-                        state_dtype=sd, overlap=False)  # the runs below step in place
+                        chunk_bytes=chunk, state_dtype=sd,
+                        overlap=False)  # the runs below step in place
         bw = measure(drive, args.probe_mib << 20)
         limit, _ = max_params(inp, bw)
         gpu_bound = 4 * limit >= 0.999 * gpu * (1 - inp.gpu_reserve)  # bf16 weights + grads
