@@ -425,3 +425,34 @@ def test_cli_offload_params(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["max_params"] > 20e9 and out["device_params"] > 0
     assert out["nvme_generations"] == 1 and out["grad_dtype"] == "bf16"
+
+
+def test_device_shards_give_the_whole_group_a_master_kind(monkeypatch):
+    """With some shards on the device the tiers hold a master kind over all of the group's
+    chunks: 4 B for every shard, as the plan counts it (not only for the device shards). No GPU
+    here: the first block's shards are taken for device ones where the Offloader asks."""
+    torch = pytest.importorskip("torch")
+    from tierlift.offload.runner import Offloader
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512, bias=False) for _ in range(4)])
+    n = sum(p.numel() for p in model.parameters())
+    mp = tierlift.zero.MixedPrecision(param_dtype=torch.bfloat16)
+    model = tierlift.zero.shard(model, stage=3, offload_params="cpu", mixed_precision=mp,
+                                device_params=512 * 512)
+    try:
+        device = {id(u.shard) for u in model._tierlift_zero.units if u.offload is None}
+        assert len(device) == 1
+        real = Offloader._uses_master
+        monkeypatch.setattr(Offloader, "_uses_master",
+                            lambda self, p: id(p) in device or real(self, p))
+        opt = tierlift.optim.AdamW(model.parameters(), lr=1e-3, offload="cpu",
+                                   state_dtype="bf16")
+        got = {k: sum(t.flat[(k, 0)].nbytes for t in opt._offload.tiers) for k in ("master",)}
+        plan = make_plan(dataclasses.replace(BOX, params=n, state_dtype="bf16",
+                                             offload_params="cpu", device_params=512 * 512,
+                                             overlap=False), BW)
+        assert plan.device_params == 512 * 512
+        assert got["master"] == plan.tiers["cpu"]["fp32 master"] == 4 * n
+    finally:
+        tierlift.zero.close(model)

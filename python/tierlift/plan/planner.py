@@ -51,8 +51,9 @@ ties these numbers to a sharded model's tensors and files):
                    whole from backward until zero_grad(), beside its parameter shard (the
                    gradients file on the drive with "nvme").
   optimizer state  offload="cpu" (overlap=False) steps the host shards in place: m + v only
-                   (8 B, or 3.02 B compact), plus a master of the device shards and,
-                   with device shards, the slots staging their gradients and weights. Streamed
+                   (8 B, or 3.02 B compact); with device shards, a master kind for the
+                   whole group (4 B for every shard: the tiers lay each kind out over all of
+                   the group's chunks) and the slots staging their gradients and weights. Streamed
                    (offload="hybrid"/"nvme") it keeps a master of every shard in two
                    generations (a failed step restores the shards from it: 12 B or 7.02 B,
                    twice on the drive), and none in one generation, which cannot undo a step
@@ -535,7 +536,9 @@ def _params_offloaded(inp: PlanInput, bw: Bandwidths) -> Plan:
            **{k: v for k, v in shards.pop("gpu").items() if v}}
     label = (f"parameters offloaded (offload_params={where!r}, device_params={on_dev}: "
              f"{on_dev / n:.0%} of the shards stay on the GPU")
-    state = _state(inp, n, masters=on_dev)
+    # The tiers hold a kind for the whole param group: once a device shard needs a master,
+    # every shard's chunk has room for one (offload.runner: _tier_kinds).
+    state = _state(inp, n, masters=n if on_dev else 0)
     # overlap=True streams the host tier: a master of every shard; device shards staged.
     host = host_tier(inp, n, device=on_dev > 0, room=opt_room) if inp.overlap else None
     if host is not None and host.spare != 0:
