@@ -115,25 +115,16 @@ class ChunkStep:
             used_grads.update(zip([k for k, _ in used], fingerprints([g for _, g in used])))
             stats["grad_fingerprint_s"] += time.perf_counter() - t
         if h2d or to_shadow:  # the kernel rewrites the staging: its last upload must be done
-            t = time.perf_counter()
-            with self.clock.span("h2d"):
-                self._uploads.reserve(bufs["copy"])
-            stats["h2d_s"] += time.perf_counter() - t
+            self._h2d(stats, self._uploads.reserve, bufs["copy"])
         t1 = time.perf_counter()
         amp = {} if scale is None else {"grad_scale": scale}
         with self.clock.span("adam"):
             self._adam(group, buckets, amp, amsgrad)
         stats["cpu_step_s"] += time.perf_counter() - t1
         if h2d:  # in flight while the next chunk is stepped (h2d.Uploader)
-            t2 = time.perf_counter()
-            with self.clock.span("h2d"):
-                self._uploads.upload(h2d, bufs["copy"])
-            stats["h2d_s"] += time.perf_counter() - t2
+            self._h2d(stats, self._uploads.upload, h2d, bufs["copy"])
         if to_shadow:  # during backward, on the side stream; published in step()
-            t2 = time.perf_counter()
-            with self.clock.span("h2d"):
-                shadow.upload(gi, to_shadow, bufs["copy"], self._uploads)
-            stats["h2d_s"] += time.perf_counter() - t2
+            self._h2d(stats, shadow.upload, gi, to_shadow, bufs["copy"], self._uploads)
         if written:  # of the host staging, which the upload only reads
             t = time.perf_counter()
             seen = dict(zip([k for k, _ in written], fingerprints([w for _, w in written])))
@@ -142,6 +133,13 @@ class ChunkStep:
             else:
                 self._watch.record(gi, seen)
             stats["param_check_s"] += time.perf_counter() - t
+
+    def _h2d(self, stats, call, *args) -> None:
+        """`call(*args)` counted as H2D time (issuing uploads, or waiting for one)."""
+        t = time.perf_counter()
+        with self.clock.span("h2d"):
+            call(*args)
+        stats["h2d_s"] += time.perf_counter() - t
 
     def _wait_copies(self, pairs: list, ready: list | None) -> None:
         """Copies a chunk's device tensors into its host staging and waits for those copies

@@ -310,12 +310,12 @@ def _publish_chunk(off, chunk, params, grads: dict, masters_: torch.Tensor, k: i
             continue
         if staging is None:
             staging = off._slots[k % off.n_slots]
-            _h2d(off, stats, off._uploads.reserve, staging["copy"])
+            off._h2d(stats, off._uploads.reserve, staging["copy"])
         # rounded on the host, so the bytes the parameter gets are known here
         written[(chunk.ci, s.pi)] = off._staging(p, s, staging).copy_(src)
         uploads.append((dst, written[(chunk.ci, s.pi)]))
     if uploads:
-        _h2d(off, stats, off._uploads.upload, uploads, staging["copy"])
+        off._h2d(stats, off._uploads.upload, uploads, staging["copy"])
     return written
 
 
@@ -341,17 +341,9 @@ def _publish_shadowed(off, gi: int, part: list, params: list, grads: dict, stats
                 pairs.append((p.detach().view(-1)[s.plo:s.phi],
                               off._device_staging.segment(gi, chunk.ci, s, p)))
                 seen[(chunk.ci, s.pi)] = rec.staged[(chunk.ci, s.pi)]
-    _h2d(off, stats, off._device_staging.copy_out, gi, pairs)
+    off._h2d(stats, off._device_staging.copy_out, gi, pairs)
     off._watch.record(gi, seen)
     stats["device_staged_chunks"] += len(part)
-
-
-def _h2d(off, stats, call, *args) -> None:
-    """`call(*args)` counted as H2D time (issuing uploads, or waiting for one)."""
-    t = time.perf_counter()
-    with off.clock.span("h2d"):
-        call(*args)
-    stats["h2d_s"] += time.perf_counter() - t
 
 
 def publish(off, gi: int, kept: list, grads: dict, stats, published: list) -> list:

@@ -281,7 +281,7 @@ class Offloader(StateIO, ChunkStep):
         dts = self._slot_dtypes
 
         def staging(kinds) -> int:
-            return slots * chunk_bytes({k: dts[k] for k in kinds}, self.chunk_elems)
+            return host_budget.staging_bytes(slots, kinds, dts, self.chunk_elems)
 
         per_chunk = [chunk_bytes({kd: dt[kd] for kd in k}, self.chunk_elems, aligned=False)
                      for k, dt in zip(self._tier_kinds, self._dtypes)]
