@@ -9,7 +9,7 @@ import torch
 
 import tierlift
 from tierlift.io import ChecksumError
-from tierlift.offload import OffloadConfig, Offloader, runner
+from tierlift.offload import OffloadConfig, Offloader, sizing
 from tierlift.offload.layout import ALIGN_ELEMS, build_layout, even_chunk_elems
 from tierlift.optim import AdamW
 
@@ -33,7 +33,7 @@ def _grads(params, i):
 @pytest.fixture(autouse=True)
 def _small_slots(monkeypatch):
     # These states are tiny: let every slot count be used with chunks of a few KiB.
-    monkeypatch.setattr(runner, "MIN_SLOT_CHUNK_BYTES", 4096)
+    monkeypatch.setattr(sizing, "MIN_SLOT_CHUNK_BYTES", 4096)
 
 
 def _nvme_opt(params, tmp_path, **cfg):
@@ -148,7 +148,7 @@ def test_block_bytes_sets_the_engine_request_size(tmp_path):
 
 
 def test_small_budgets_get_fewer_slots_down_to_three(tmp_path, monkeypatch):
-    monkeypatch.setattr(runner, "MIN_SLOT_CHUNK_BYTES", 1 << 20)
+    monkeypatch.setattr(sizing, "MIN_SLOT_CHUNK_BYTES", 1 << 20)
     params = _params()
     opt = _nvme_opt(params, tmp_path, cpu_budget=5 * (3 << 20), pipeline_slots=8)
     assert opt._offload.n_slots == 5  # 1 MiB per kind (3 kinds) and slot

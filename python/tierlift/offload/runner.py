@@ -15,7 +15,7 @@ GradScaler found them or skip_nonfinite=True asked to skip such steps (nothing c
 Host memory with two generations (offload="cpu", overlap=True): no pipeline; the kernel reads a
 chunk's generation g and writes g + 1 where they lie (_run_direct), and the slots only stage
 device gradients and weights. Under a cpu_budget below two generations the host tier keeps one
-generation and spare blocks (_spare_chunks, tiers.MemoryTier): the overlap steps chunks ahead
+generation and spare blocks (sizing.spare_chunks, tiers.MemoryTier): the overlap steps chunks ahead
 into spare blocks, step() steps the others in place after the rest is published.
 
 A chunk's kernel step itself (staging, the SIMD Adam, publishing the weights): chunk_step.py.
@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from tierlift._shards import all_ranks_agree, is_shard, shard_owner
 from tierlift.io import ChecksumError, EngineConfig, IoEngine
-from tierlift.offload import d2h, gradients, h2d, host_budget, legs, masters, scaler_scan
+from tierlift.offload import d2h, gradients, h2d, legs, masters, scaler_scan, sizing
 from tierlift.offload.checks import (
     check_group,
     check_lists,
@@ -49,10 +49,8 @@ from tierlift.offload.config import OffloadConfig
 from tierlift.offload.device_staging import DeviceStaging
 from tierlift.offload.durable import DurableState, claim_dir, durable_dir, read_manifest
 from tierlift.offload.layout import (
-    ALIGN_ELEMS,
     build_layout,
     chunk_bytes,
-    even_chunk_elems,
     kind_slice,
     reserved_elems,
     reserves,
@@ -69,9 +67,6 @@ from tierlift.offload.tiers import (
     remove_stale_dirs,
 )
 from tierlift.offload.watch import ParamWatch
-
-_MIN_SLOTS = 3  # read ahead, step, write back
-MIN_SLOT_CHUNK_BYTES = 1 << 20  # the smallest chunk per kind worth an extra pipeline slot
 
 
 def _release(directory: str, fresh: bool) -> None:
@@ -140,39 +135,10 @@ class Offloader(StateIO, ChunkStep):
         elif config.durable:  # the gradient log's staging
             slot_dtypes.update(grad=torch.float32)
         self._slot_dtypes = slot_dtypes
-
-        def slot_bytes(n: int) -> int:
-            return chunk_bytes(slot_dtypes, n)
-
-        per_elem = chunk_bytes(slot_dtypes, ALIGN_ELEMS) / ALIGN_ELEMS
-        chunk_elems = config.chunk_bytes // 4
         # Frozen parameters get no state (layout.reserves), as torch creates none for them.
         largest = max((reserved_elems(g["params"]) for g in optimizer.param_groups), default=0)
-        chunk_elems = max(ALIGN_ELEMS, min(chunk_elems, largest))
-        slots = config.pipeline_slots
-        on_disk = config.offload in ("nvme", "hybrid")
-        if on_disk and config.cpu_budget is not None:
-            # More slots only while each still holds MIN_SLOT_CHUNK_BYTES per kind: a deeper
-            # read-ahead is not worth cutting the device's requests smaller than that.
-            afford = config.cpu_budget // slot_bytes(MIN_SLOT_CHUNK_BYTES // 4)
-            slots = max(_MIN_SLOTS, min(slots, afford))
-            fit = int(config.cpu_budget // (slots * per_elem)) // ALIGN_ELEMS * ALIGN_ELEMS
-            while fit >= ALIGN_ELEMS and slots * slot_bytes(fit) > config.cpu_budget:
-                fit -= ALIGN_ELEMS  # 4 KiB rounding of the small kinds
-            if fit < ALIGN_ELEMS:
-                raise ValueError(
-                    f"cpu_budget={config.cpu_budget} bytes is smaller than one chunk of "
-                    f"{slots} pipeline slots; the smallest budget that works is "
-                    f"{slots * slot_bytes(ALIGN_ELEMS)} bytes")
-            if config.offload == "nvme":
-                chunk_elems = min(chunk_elems, fit)
-            else:  # the pool takes at most a quarter of a hybrid's budget: RAM holds the rest
-                chunk_elems = min(chunk_elems, max(ALIGN_ELEMS, fit // 4 // ALIGN_ELEMS
-                                                   * ALIGN_ELEMS))
-        self.n_slots = slots
-        # As few chunks as this size gives, made equal: no nearly empty last chunk.
-        chunk_elems = even_chunk_elems(largest, chunk_elems)
-        self.chunk_elems = chunk_elems
+        slots, chunk_elems = sizing.slots_and_chunk(config, slot_dtypes, largest)
+        self.n_slots, self.chunk_elems = slots, chunk_elems
         self._in_file = [set() for _ in optimizer.param_groups]  # params whose master is stored
         self.layouts = [build_layout(list(g["params"]), chunk_elems,
                                      [reserves(p) for p in g["params"]])
@@ -187,35 +153,9 @@ class Offloader(StateIO, ChunkStep):
         self._durable = None  # DurableState with durable=True
         self.pool_bytes = 0
         if config.offload == "cpu":
-            slot_kinds = self._slot_kinds if self.streamed else ["grad", "copy"]
-            if not self.streamed and not self._cuda:
-                slot_kinds = []
-            spare = self._spare_chunks(slots, slot_kinds)
-            if spare is not None:  # the slots only stage device gradients and weights
-                slot_kinds = [k for k in ("grad", "copy") if k in slot_dtypes]
-            self.tiers = []
-            for gi, (k, lay, dt) in enumerate(zip(self._tier_kinds, self.layouts, self._dtypes)):
-                if spare is None:  # two generations when overlapped
-                    tier = MemoryTier(k, len(lay.chunks), chunk_elems, self._pin,
-                                      2 if self.streamed else 1, dtypes=dt)
-                else:
-                    tier = MemoryTier(k, len(lay.chunks), chunk_elems, self._pin, 1, dtypes=dt,
-                                      spare=spare[gi])
-                self.tiers.append(tier)
-            self._slots = [{k: torch.empty(chunk_bytes({k: slot_dtypes[k]}, chunk_elems)
-                                           // slot_dtypes[k].itemsize, dtype=slot_dtypes[k],
-                                           pin_memory=self._pin) for k in slot_kinds}
-                           for _ in range(slots)]
-            resident = sum(t.resident_bytes for t in self.tiers)
-            staging = host_budget.staging_bytes(slots, slot_kinds, slot_dtypes, chunk_elems)
-            self.pool_bytes = staging
-            if config.cpu_budget is not None and resident + staging > config.cpu_budget:
-                raise ValueError(
-                    f"cpu_budget={config.cpu_budget} bytes is smaller than the optimizer state "
-                    f"({resident + staging} bytes with staging); raise it or use "
-                    "offload='hybrid' or 'nvme'")
+            sizing.build_memory_tiers(self, slots)
         else:
-            pool = slots * slot_bytes(chunk_elems)
+            pool = slots * chunk_bytes(slot_dtypes, chunk_elems)
             nvme_path = os.fspath(config.nvme_path)
             remove_stale_dirs(nvme_path)
             fresh = True
@@ -269,35 +209,6 @@ class Offloader(StateIO, ChunkStep):
             scaler_scan.install()
 
     # ---- helpers -------------------------------------------------------------------------
-    def _spare_chunks(self, slots: int, slot_kinds: list) -> list[int] | None:
-        """offload="cpu" with overlap keeps two generations of the state, unless `cpu_budget`
-        is smaller than that (and the full staging): then one generation plus, per group, as
-        many spare chunk blocks as the rest of the budget holds (tiers.MemoryTier), in group
-        order; the overlap steps ahead as many chunks as there are spare blocks and step()
-        the rest. None: two generations (or no overlap)."""
-        budget = self.config.cpu_budget
-        if not self.streamed or budget is None:
-            return None
-        dts = self._slot_dtypes
-
-        def staging(kinds) -> int:
-            return host_budget.staging_bytes(slots, kinds, dts, self.chunk_elems)
-
-        per_chunk = [chunk_bytes({kd: dt[kd] for kd in k}, self.chunk_elems, aligned=False)
-                     for k, dt in zip(self._tier_kinds, self._dtypes)]
-        counts = [len(lay.chunks) for lay in self.layouts]
-        staging_one = staging([k for k in ("grad", "copy") if k in dts])
-        spare = host_budget.spare_chunks(per_chunk, counts, budget, staging(slot_kinds),
-                                         staging_one)
-        fits = budget >= host_budget.one_generation_bytes(per_chunk, counts) + staging_one
-        if spare is not None and fits and sum(counts) and not any(spare):
-            warnings.warn(
-                f"tierlift offload: cpu_budget={budget} holds the optimizer state but no spare "
-                f"chunk beside it ({min(c for c in per_chunk if c)} bytes each), so "
-                "overlap=True steps nothing during backward; every chunk is stepped in step()",
-                RuntimeWarning, stacklevel=4)
-        return spare
-
     def check_lists(self) -> None:
         """Refuses params lists changed since construction (checks.check_lists)."""
         check_lists(self.opt.param_groups, self._built)
