@@ -11,9 +11,20 @@ copy bandwidth measured in the same run, and Float8Linear forward+backward again
 for M=N=K 2048..16384 (and torchao's float8 recipes when torchao is installed). Both devices:
 the split of one forward+backward of every contender at one size (--split-size; lowp_split.py):
 quantize kernels, GEMMs, layout copies, amax/scale, other, gaps, in ms and % of the step, from
-torch.profiler (GPU kernels on a GPU; CPU ops on a CPU, where the GEMMs are emulated). Ratios are
-what to compare; absolute CPU times on a shared VM are noise. The JSON is rewritten after every
-row (a run cut short keeps its rows).
+torch.profiler (GPU kernels on a GPU; CPU ops on a CPU, where the GEMMs are emulated), and the
+passes over memory each step makes (tierlift.lowp.passes: quantize / layout / cast / other passes,
+GEMMs, bytes the non-GEMM passes move and their time at the copy bandwidth measured in the same
+run, a floor the split's quantize + layout + amax time can be read against). Ratios are what to
+compare; absolute CPU times on a shared VM are noise. The JSON is rewritten after every row (a
+run cut short keeps its rows).
+
+Steps (STEPS): "train" is one layer's work in a training step: backward of a fixed contiguous
+grad_output, gradients set to None first (AccumulateGrad takes them over, nothing is added).
+"sum" is the step the earlier GPU numbers were measured with: y.sum().backward() with gradients
+accumulating, which adds the sum, a copy of its expanded grad_output (or cuBLAS's own copy of
+it) and two gradient additions over layer-sized tensors to every contender, bf16 included. The
+linear part times both side by side (`<name>_speedup`: train, `<name>_sum_speedup`: sum);
+--step picks the split's.
 """
 
 from __future__ import annotations
@@ -25,10 +36,11 @@ import platform
 import torch
 
 from common import RESULTS, median_time
-from lowp_split import print_split, profile_split
+from lowp_split import print_passes, print_split, profile_split
 from plots import plot_json, plot_lowp
 from tierlift import ops
 from tierlift.lowp import RECIPES, Float8Linear
+from tierlift.lowp.passes import count_passes
 from tierlift.reference import lowp as ref
 
 SCALINGS = ("tensor", "row", "1x128", "128x128")
@@ -127,31 +139,70 @@ def contenders(size: int, device: str) -> tuple[torch.Tensor, dict]:
     return x, mods
 
 
-def step_fn(mod, x):
-    """One forward + backward, as timed and split (gradients accumulate; same for all)."""
+STEPS = ("train", "sum")
+PHASE = {"forward": "fwd", "backward": "bwd"}
+
+
+def step_fn(mod, x, kind: str = "train"):
+    """One forward + backward of `kind` (STEPS, module docstring), the same for every contender.
+    train: the backward of a fixed contiguous grad_output (drawn here, once), gradients reset to
+    None first; sum: y.sum().backward(), gradients accumulating."""
+    if kind == "sum":
+        def step():
+            mod(x).sum().backward()
+        return step
+    if kind != "train":
+        raise ValueError(f"step kind must be one of {STEPS}, got {kind!r}")
+    params = [p for p in mod.parameters() if p.requires_grad]
+    with torch.no_grad():
+        grad_out = torch.randn_like(mod(x))
+
     def step():
-        mod(x).sum().backward()
+        x.grad = None
+        for p in params:
+            p.grad = None
+        mod(x).backward(grad_out)
     return step
 
 
+def step_passes(step, size: int) -> dict:
+    """The passes one call of step() makes over tensors of >= size * size elements."""
+    step()  # warm: a first call may allocate or compile what later ones reuse
+    with count_passes(size * size) as count:
+        step()
+    return dict(**count.summary(), emulated_gemms=count.emulated_gemms(),
+                ops=[f"{PHASE[p.phase]} {p.kind} {p.op} {list(p.shapes)}" for p in count.passes])
+
+
 def bench_gpu_linear(args, rows: list, save) -> list[dict]:
+    """Per size, every contender's speedup over bf16 nn.Linear with each step kind, the kinds
+    interleaved per contender (so a drifting GPU clock hits both alike)."""
     for size in args.sizes:
         x, mods = contenders(size, "cuda")
-        t_bf16 = timeit(step_fn(mods.pop("bf16 nn.Linear"), x), "cuda", args.repeat)
-        row = dict(size=size, bf16_ms=t_bf16 * 1e3)
+        base = mods.pop("bf16 nn.Linear")
+        row = dict(size=size)
+        t_bf16 = {}
+        for kind in STEPS:
+            t_bf16[kind] = timeit(step_fn(base, x, kind), "cuda", args.repeat)
+            row["bf16_ms" if kind == "train" else "bf16_sum_ms"] = t_bf16[kind] * 1e3
         for name, mod in mods.items():
             key = name.replace("-", "_") if name.startswith("torchao") else name
             if isinstance(mod, str):
                 row[f"{key}_error"] = mod
                 continue
-            row[f"{key}_speedup"] = t_bf16 / timeit(step_fn(mod, x), "cuda", args.repeat)
+            for kind in STEPS:
+                t = timeit(step_fn(mod, x, kind), "cuda", args.repeat)
+                row[f"{key}_speedup" if kind == "train" else f"{key}_sum_speedup"] = (
+                    t_bf16[kind] / t)
         rows.append(row)
         save()
-        del x, mods
+        del x, mods, base
     keys = [k for k in rows[0] if k.endswith("speedup")]
-    print(f"{'M=N=K':>6} {'bf16 ms':>8} " + " ".join(f"{k[:-8]:>18}" for k in keys))
+    print("speedup over bf16 nn.Linear, fwd+bwd; <name>: train step, <name>_sum: sum step")
+    print(f"{'M=N=K':>6} {'bf16 ms':>8} {'sum ms':>8} " + " ".join(f"{k[:-8]:>22}" for k in keys))
     for r in rows:
-        print(f"{r['size']:>6} {r['bf16_ms']:8.2f} " + " ".join(f"{r[k]:17.2f}x" for k in keys))
+        print(f"{r['size']:>6} {r['bf16_ms']:8.2f} {r['bf16_sum_ms']:8.2f} "
+              + " ".join(f"{r[k]:21.2f}x" for k in keys))
     return rows
 
 
@@ -159,19 +210,28 @@ def bench_split(args, result: dict, save) -> dict:
     """The split of one fwd+bwd per contender at args.split_size (lowp_split.py)."""
     size = args.split_size or (max(args.sizes) if args.device == "cuda" else min(args.sizes))
     split = result["split"] = dict(size=size, device=args.device, steps=args.split_steps,
-                                   contenders={})
+                                   step=args.step, contenders={}, passes={})
     x, mods = contenders(size, args.device)
+    # the copy bandwidth the pass bytes are read against: read + write of a bf16 size x size
+    t_copy = timeit(lambda: x.detach().clone(), args.device, args.repeat)
+    split["copy_gbs"] = 2 * x.numel() * x.element_size() / t_copy / 1e9
     for name, mod in mods.items():
         if isinstance(mod, str):
             split["contenders"][name] = dict(error=mod)
             continue
-        step = step_fn(mod, x)
+        step = step_fn(mod, x, args.step)
         try:
             row = profile_split(step, args.device, args.split_steps)
             row["timed_ms"] = timeit(step, args.device, args.repeat) * 1e3
         except Exception as exc:  # noqa: BLE001 (one contender failing leaves the others)
             row = dict(error=f"{type(exc).__name__}: {exc}")
         split["contenders"][name] = row
+        split["passes"][name] = {}
+        for kind in STEPS:
+            try:
+                split["passes"][name][kind] = step_passes(step_fn(mod, x, kind), size)
+            except Exception as exc:  # noqa: BLE001 (a count that fails is this row's result)
+                split["passes"][name][kind] = dict(error=f"{type(exc).__name__}: {exc}")
         save()
     rows = split["contenders"]
     bf16 = rows["bf16 nn.Linear"].get("timed_ms")
@@ -180,6 +240,7 @@ def bench_split(args, result: dict, save) -> dict:
             r["speedup_vs_bf16"] = bf16 / r["timed_ms"]
     save()
     print_split(split)
+    print_passes(split)
     return split
 
 
@@ -196,6 +257,8 @@ def main():
                    help="M=N=K of the split (default: the largest of --sizes on a GPU, the "
                         "smallest on a CPU)")
     p.add_argument("--split-steps", type=int, default=3, help="profiled steps per contender")
+    p.add_argument("--step", choices=STEPS, default="train",
+                   help="the step the split profiles (module docstring; passes: both)")
     p.add_argument("--json", default=None,
                    help="output path (default: benchmarks/results/bench_lowp-<device>.json)")
     p.add_argument("--plot", metavar="PATH",

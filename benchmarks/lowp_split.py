@@ -308,3 +308,35 @@ def print_split(split: dict) -> None:
         print(f"  {name}: {listed}")
         if r.get("note"):
             print(f"  {name}: NOTE {r['note']}")
+
+
+def print_passes(split: dict) -> None:
+    """Per contender and step kind: the passes over layer-sized tensors one fwd+bwd makes
+    (tierlift.lowp.passes), the bytes the non-GEMM ones move and that many bytes' time at the
+    copy bandwidth measured in the run: the floor of the split's quantize + layout + amax time."""
+    passes, gbs = split.get("passes") or {}, split.get("copy_gbs")
+    if not passes:
+        return
+    n = split["size"]
+    print(f"\npasses over tensors of >= {n}x{n} elements per fwd+bwd (tierlift.lowp.passes; "
+          f"quantizer reads as the CUDA kernels make them; copy {gbs:.0f} GB/s)")
+    name_w = max(len(k) for k in passes) + 7
+    cols = ("quantize", "layout", "cast", "other", "gemms", "emulated_gemms", "small_ops")
+    print(f"{'':<{name_w}}" + "".join(f"{c:>10}" for c in ("quantize", "layout", "cast",
+                                                             "other", "GEMMs", "emulated",
+                                                             "small ops"))
+          + f"{'non-GEMM MB':>13}{'at copy ms':>11}")
+    for name, kinds in passes.items():
+        for kind, r in kinds.items():
+            label = f"{name} {kind}"
+            if "error" in r:
+                print(f"{label:<{name_w}}  failed: {r['error']}")
+                continue
+            floor = r["bytes"] / (gbs * 1e9) * 1e3 if gbs else float("nan")
+            print(f"{label:<{name_w}}" + "".join(f"{r[c]:>10}" for c in cols)
+                  + f"{r['bytes'] / 1e6:13.1f}{floor:11.3f}")
+    print("the ops of each (fwd/bwd, kind, op, input shapes):")
+    for name, kinds in passes.items():
+        for kind, r in kinds.items():
+            if "error" not in r:
+                print(f"  {name} {kind}: " + "; ".join(r["ops"]))

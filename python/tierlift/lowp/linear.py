@@ -4,9 +4,13 @@ forward   y  = x @ W^T          x, W quantized to E4M3
 backward  gx = gy @ W           gy in E5M2, W's column-major copy (E4M3)
           gW = gy^T @ x         gy^T in E5M2, x's column-major copy (E4M3); or in high precision
 Each operand is scaled along its GEMM's reduction dimension (rowwise recipes) or per tensor.
-The forward quantizes x and W once each with the dual quantizer, which also emits the
-transposed copies the backward needs; those FP8 copies (not x itself) are what is saved for
-backward, so activation memory is half of bf16's.
+The forward quantizes x and W once each; the dual quantizer, which also emits the transposed
+copy from the same reads, runs only where a backward GEMM reads that copy (x^T: the FP8 weight
+gradient; W^T: the input gradient). The FP8 copies (not x itself) are what is saved for
+backward, so activation memory is half of bf16's. The backward quantizes grad_out once, dual
+only when both gradients are FP8 GEMMs, and skips the GEMM of a gradient nobody asked for.
+docs/lowp.md ("Passes over memory") lists what each recipe moves; tests/python/
+test_lowp_passes.py pins it.
 
 Under ZeRO-3 with fp8_all_gather=True (tierlift.zero.shard) the weight arrives already
 quantized: the layer's `gathered_weight_fn` returns a GatheredFloat8Weight (codes + scales,
@@ -49,9 +53,19 @@ class GatheredFloat8Weight:
                 self._transposed = (self.data.t().contiguous(), self.scale)
             else:  # per column of W: dequantize, requantize (a second rounding)
                 w = self.data.float() / self.scale
-                q, s = ops.fp8_quantize(w, "col", r.forward_dtype, r.pow2_scale)
-                self._transposed = (q.t().contiguous(), s.t().contiguous())
+                # W^T's rows are W's columns: the quantizer reads the transposed view and writes
+                # the [in, out] codes directly (no transposing copy of them afterwards)
+                self._transposed = ops.fp8_quantize(w.t(), "row", r.forward_dtype, r.pow2_scale)
         return self._transposed
+
+
+def _quantize(t: torch.Tensor, with_transposed: bool, scaling: str, fp8_dtype: torch.dtype,
+              pow2: bool) -> tuple[torch.Tensor | None, ...]:
+    """(q, s, qt, st); qt, st None unless asked for. The dual quantizer emits both from the
+    same reads; alone, q costs one read fewer on the GPU (row scaling) and no second write."""
+    if with_transposed:
+        return ops.fp8_quantize_dual(t, scaling, fp8_dtype, pow2)
+    return (*ops.fp8_quantize(t, scaling, fp8_dtype, pow2), None, None)
 
 
 class _Float8MatmulFn(torch.autograd.Function):
@@ -59,16 +73,18 @@ class _Float8MatmulFn(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, recipe: Float8Recipe,
                 gathered: GatheredFloat8Weight | None = None):
         sc, p2, f8 = recipe.scaling, recipe.pow2_scale, recipe.forward_dtype
-        xq, xs, xtq, xts = ops.fp8_quantize_dual(x, sc, f8, p2)
+        need_gx, need_gw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        fp8_wgrad = need_gw and not recipe.grad_weight_high_precision
+        xq, xs, xtq, xts = _quantize(x, fp8_wgrad, sc, f8, p2)  # x^T: the FP8 wgrad's operand
         if gathered is None:
-            wq, ws, wtq, wts = ops.fp8_quantize_dual(weight, sc, f8, p2)
+            wq, ws, wtq, wts = _quantize(weight, need_gx, sc, f8, p2)  # W^T: the dgrad's
         else:
             wq, ws = gathered.data, gathered.scale
-            wtq, wts = gathered.transposed() if ctx.needs_input_grad[0] else (None, None)
+            wtq, wts = gathered.transposed() if need_gx else (None, None)
         ctx.recipe = recipe
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         if recipe.grad_weight_high_precision:
-            ctx.save_for_backward(x, wtq, wts)
+            ctx.save_for_backward(x if need_gw else None, wtq, wts)
         else:
             ctx.save_for_backward(xtq, xts, wtq, wts)
         return scaled_mm(xq, xs, wq, ws, out_dtype=x.dtype)
@@ -76,16 +92,26 @@ class _Float8MatmulFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         r = ctx.recipe
+        need_gx, need_gw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         g = grad_out.contiguous()
+        grad_x = grad_w = None
         if r.grad_weight_high_precision:
             x, wtq, wts = ctx.saved_tensors
-            gq, gs = ops.fp8_quantize(g, r.scaling, r.grad_dtype, r.pow2_scale)
-            grad_w = (g.t().to(x.dtype) @ x).to(ctx.w_dtype)
+            if need_gw:
+                grad_w = (g.t().to(x.dtype) @ x).to(ctx.w_dtype)
+            gq = gs = None
+            if need_gx:
+                gq, gs, _, _ = _quantize(g, False, r.scaling, r.grad_dtype, r.pow2_scale)
         else:
             xtq, xts, wtq, wts = ctx.saved_tensors
-            gq, gs, gtq, gts = ops.fp8_quantize_dual(g, r.scaling, r.grad_dtype, r.pow2_scale)
-            grad_w = scaled_mm(gtq, gts, xtq, xts, out_dtype=ctx.w_dtype)
-        grad_x = scaled_mm(gq, gs, wtq, wts, out_dtype=ctx.x_dtype) if wtq is not None else None
+            if need_gx:  # g for the dgrad, and g^T from the same reads when the wgrad wants it
+                gq, gs, gtq, gts = _quantize(g, need_gw, r.scaling, r.grad_dtype, r.pow2_scale)
+            elif need_gw:  # g^T alone: quantizing the transposed view writes only its codes
+                gtq, gts, _, _ = _quantize(g.t(), False, r.scaling, r.grad_dtype, r.pow2_scale)
+            if need_gw:
+                grad_w = scaled_mm(gtq, gts, xtq, xts, out_dtype=ctx.w_dtype)
+        if need_gx:
+            grad_x = scaled_mm(gq, gs, wtq, wts, out_dtype=ctx.x_dtype)
         return grad_x, grad_w, None, None
 
 
