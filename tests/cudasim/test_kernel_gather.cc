@@ -7,7 +7,8 @@
 // bases misaligned so that every copy unit (16/8/4/2/1 bytes) is used, int32 and int64 indices,
 // repeated/sorted/unsorted indices, more rows than the grid has groups (the grid-stride loop), a
 // GPU cache table with cache slots, an empty index, and out-of-range indices in both reporting
-// modes. Mirrors tests/python/test_gnn.py's gpu tests, scaled down for the simulator.
+// modes; each for both kernels (grouped and warp per row) and processing orders (as given, sorted
+// by row, shuffled). Mirrors tests/python/test_gnn.py's gpu tests, scaled down for the simulator.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -61,6 +62,10 @@ int unit_for(const void* src, const void* dst) {
 
 enum class Report { kNone, kFirstBad, kBadPair, kBoth };
 
+// The processing order handed to the kernel: none, the rows' ascending order (what the op's
+// locality="sorted" passes), or a random permutation.
+enum class Order { kNone, kSorted, kShuffled };
+
 struct Case {
   int64_t num_rows = 0;
   int64_t row_bytes = 0;
@@ -73,11 +78,30 @@ struct Case {
   size_t cache_offset = 0;
   Report report = Report::kFirstBad;
   unsigned long long bad_pair_before[2] = {kNone, 0};
+  cuda::GatherKernel kernel = cuda::GatherKernel::kAuto;
+  Order order = Order::kNone;
 };
 
 struct Outcome {
   std::set<int> units;  // copy units the kernel used for the good rows
+  cuda::GatherPlan plan;
 };
+
+// Output positions in the order the kernel is to read them.
+std::vector<int64_t> processing_order(const Case& c) {
+  std::vector<int64_t> order(c.index.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
+  if (c.order == Order::kSorted) {  // as stored: int32 values wrap like the kernel reads them
+    auto value = [&](int64_t i) {
+      return c.int64_index ? c.index[i] : int64_t{static_cast<int32_t>(c.index[i])};
+    };
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t x, int64_t y) { return value(x) < value(y); });
+  } else if (c.order == Order::kShuffled) {
+    std::shuffle(order.begin(), order.end(), std::mt19937(77));
+  }
+  return order;
+}
 
 bool is_bad(const Case& c, int64_t v) { return v < 0 || v >= c.num_rows; }
 
@@ -103,6 +127,21 @@ Outcome check_case(const Case& c) {
   const std::vector<int32_t> cache_slot(c.cache_slot.begin(), c.cache_slot.end());
   const void* index = c.int64_index ? static_cast<const void*>(index64.data())
                                     : static_cast<const void*>(index32.data());
+  // What the kernel reads: the values in processing order, and that order (exactly sized too).
+  const bool ordered = c.order != Order::kNone;
+  const std::vector<int64_t> order = ordered ? processing_order(c) : std::vector<int64_t>();
+  std::vector<int64_t> read64(ordered && c.int64_index ? count : 0);
+  std::vector<int32_t> read32(ordered && !c.int64_index ? count : 0);
+  for (int64_t k = 0; ordered && k < count; ++k) {
+    if (c.int64_index) {
+      read64[k] = index64[order[k]];
+    } else {
+      read32[k] = index32[order[k]];
+    }
+  }
+  const void* kernel_index = !ordered        ? index
+                             : c.int64_index ? static_cast<const void*>(read64.data())
+                                             : static_cast<const void*>(read32.data());
 
   // Expected: core's gather from the table as the kernel sees it (cached rows replaced).
   std::vector<uint8_t> effective(table.data(), table.data() + c.num_rows * rb);
@@ -123,9 +162,11 @@ Outcome check_case(const Case& c) {
   a.table = table.data();
   a.num_rows = c.num_rows;
   a.row_bytes = rb;
-  a.index = index;
+  a.index = kernel_index;
   a.index_is_int64 = c.int64_index;
   a.count = count;
+  a.kernel = c.kernel;
+  if (ordered) a.order = order.data();
   if (cached) {
     a.cache_table = cache.data();
     a.cache_slot = cache_slot.data();
@@ -134,6 +175,7 @@ Outcome check_case(const Case& c) {
   a.out = got.data();
   if (c.report == Report::kFirstBad || c.report == Report::kBoth) a.first_bad = first_bad.data();
   if (c.report == Report::kBadPair || c.report == Report::kBoth) a.bad_pair = bad_pair.data();
+  result.plan = cuda::plan_gather(a);
   const cudaError_t err = cuda::gather_rows(a, nullptr);
   EXPECT_EQ(err, cudaSuccess) << cudaGetErrorString(err);
 
@@ -284,18 +326,31 @@ TEST(GatherKernel, MoreRowsThanTheGridLoopsOverThem) {
   int sms = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
   const int64_t max_blocks = int64_t{sms} * 16;  // gather.cu's grid cap
-  // One warp per row up to 512 bytes (8 rows per block), a whole block per row above 3.5 KiB.
-  const int64_t shapes[][2] = {{7, 8}, {4100, 1}};  // {row bytes, rows per block}
-  for (const auto& [rb, rows_per_block] : shapes) {
-    const int64_t n = 2 * max_blocks * rows_per_block + 5;
-    SCOPED_TRACE("row bytes " + std::to_string(rb) + ", rows " + std::to_string(n));
-    Case c;
-    c.num_rows = 300;
-    c.row_bytes = rb;
-    c.index = random_index(c.num_rows, n, 9);
-    c.table_offset = 2;
-    c.out_offset = 1;
-    check_case(c);
+  // Warp per row: one warp per row up to 512 bytes (8 rows per block), a whole block per row
+  // above 3.5 KiB. Grouped: 32 entries per warp, 256 per block, whatever the row size.
+  struct Shape {
+    int64_t row_bytes, per_block;
+    cuda::GatherKernel kernel;
+    size_t offset;
+  };
+  const Shape shapes[] = {{7, 8, cuda::GatherKernel::kWarpPerRow, 1},
+                          {4100, 1, cuda::GatherKernel::kAuto, 1},
+                          {7, 256, cuda::GatherKernel::kGrouped, 1},
+                          {64, 256, cuda::GatherKernel::kGrouped, 0}};
+  for (const Shape& shape : shapes) {
+    const int64_t n = 2 * max_blocks * shape.per_block + 5;
+    SCOPED_TRACE("row bytes " + std::to_string(shape.row_bytes) + ", rows " + std::to_string(n));
+    for (Order order : {Order::kNone, Order::kShuffled}) {
+      Case c;
+      c.num_rows = 300;
+      c.row_bytes = shape.row_bytes;
+      c.index = random_index(c.num_rows, n, 9);
+      c.table_offset = shape.offset;
+      c.out_offset = shape.offset;
+      c.kernel = shape.kernel;
+      c.order = order;
+      check_case(c);
+    }
   }
 }
 
@@ -460,6 +515,155 @@ INSTANTIATE_TEST_SUITE_P(IndexTypes, GatherKernelBadIndex, ::testing::Bool(),
                          [](const ::testing::TestParamInfo<bool>& info) {
                            return info.param ? "Int64" : "Int32";
                          });
+
+// ---- Kernels and processing orders ----
+
+struct Variant {
+  cuda::GatherKernel kernel;
+  Order order;
+  const char* name;
+};
+
+const Variant kVariants[] = {
+    {cuda::GatherKernel::kWarpPerRow, Order::kNone, "Warp"},
+    {cuda::GatherKernel::kWarpPerRow, Order::kSorted, "WarpSorted"},
+    {cuda::GatherKernel::kWarpPerRow, Order::kShuffled, "WarpShuffled"},
+    {cuda::GatherKernel::kGrouped, Order::kNone, "Grouped"},
+    {cuda::GatherKernel::kGrouped, Order::kSorted, "GroupedSorted"},
+    {cuda::GatherKernel::kGrouped, Order::kShuffled, "GroupedShuffled"},
+};
+
+using VariantParam = std::tuple<int, bool>;  // kVariants entry, int64 index
+
+class GatherKernelVariants : public ::testing::TestWithParam<VariantParam> {
+ protected:
+  const Variant& variant() const { return kVariants[std::get<0>(GetParam())]; }
+  bool int64_index() const { return std::get<1>(GetParam()); }
+  Case make_case(int64_t rows, int64_t row_bytes) const {
+    Case c;
+    c.num_rows = rows;
+    c.row_bytes = row_bytes;
+    c.int64_index = int64_index();
+    c.kernel = variant().kernel;
+    c.order = variant().order;
+    return c;
+  }
+};
+
+using PlanKey = std::tuple<bool, int, bool>;  // grouped, lanes, aligned
+
+// Rows of 0 B to 4 KiB + 4: every lane count of the grouped kernel, odd sizes, both sides of its
+// 512-byte limit; bases aligned (the batched 16-byte path) and misaligned (any unit). 70
+// entries: two whole warp rounds and a partial one. Then checks which shapes ran.
+TEST_P(GatherKernelVariants, MatchesCoreForEveryRowSize) {
+  std::set<PlanKey> plans;
+  for (int64_t rb : {0,   1,   3,   8,   12,  16,  24,  32,  48,   64,   100,
+                     128, 130, 192, 256, 500, 512, 513, 528, 1000, 2048, 4100}) {
+    for (auto [table_offset, out_offset] :
+         {std::pair<size_t, size_t>{0, 0}, {16, 32}, {8, 0}, {0, 4}, {3, 7}, {15, 1}}) {
+      SCOPED_TRACE("row bytes " + std::to_string(rb) + ", table offset " +
+                   std::to_string(table_offset) + ", out offset " + std::to_string(out_offset));
+      Case c = make_case(37, rb);
+      c.index = random_index(c.num_rows, 70, static_cast<uint32_t>(rb + 1));
+      c.index[2] = 0;
+      c.index[3] = c.num_rows - 1;
+      c.table_offset = table_offset;
+      c.out_offset = out_offset;
+      const Outcome o = check_case(c);
+      plans.insert({o.plan.grouped, o.plan.lanes, o.plan.aligned});
+      if (HasFailure()) return;
+    }
+  }
+  const bool grouped = variant().kernel == cuda::GatherKernel::kGrouped;
+  for (int lanes : {1, 2, 4, 8, 16, 32}) {  // every batched shape, and the unaligned ones
+    EXPECT_EQ(plans.count({true, lanes, true}), grouped ? 1u : 0u) << lanes << " lanes, aligned";
+  }
+  for (int lanes : {16, 32}) {
+    EXPECT_EQ(plans.count({true, lanes, false}), grouped ? 1u : 0u) << lanes << " lanes";
+  }
+  // Warp per row: 1 (grouped: none, rows up to 512 bytes are its own), 2, 4 and 8 warps.
+  EXPECT_EQ(plans.count({false, 32, false}), grouped ? 0u : 1u) << "one warp per row";
+  for (int lanes : {64, 128, 256}) {
+    EXPECT_EQ(plans.count({false, lanes, false}), 1u) << lanes << " lanes per row, warp per row";
+  }
+}
+
+// first_bad (the smallest bad position, whatever the order), bad_pair and the skipped rows, as
+// for the default kernel, in every reporting mode.
+TEST_P(GatherKernelVariants, BadIndicesAreReportedByPosition) {
+  for (int64_t rb : {0, 24, 64, 1000}) {
+    for (Report report : {Report::kFirstBad, Report::kBadPair, Report::kBoth, Report::kNone}) {
+      SCOPED_TRACE("row bytes " + std::to_string(rb) + ", report " +
+                   std::to_string(static_cast<int>(report)));
+      Case c = make_case(50, rb);
+      c.report = report;
+      c.index = index_with_bad(c.num_rows, 200, int64_index());
+      check_case(c);
+      c.index = random_index(c.num_rows, 200, 4);  // only the last position bad, then the first
+      c.index[199] = c.num_rows;
+      check_case(c);
+      c.index[0] = -3;
+      check_case(c);
+      if (HasFailure()) return;
+    }
+  }
+  Case c = make_case(64, 64);  // an unreported pair is kept
+  c.index = index_with_bad(c.num_rows, 200, int64_index());
+  c.bad_pair_before[0] = 3;
+  c.bad_pair_before[1] = 77;
+  c.report = Report::kBoth;
+  check_case(c);
+}
+
+// Hot rows from the cache table, on aligned bases (the batched path reads the cache too) and
+// with the cache alone misaligned (then no batching).
+TEST_P(GatherKernelVariants, CachedRowsComeFromTheCacheTable) {
+  const int64_t rows = 200, cache_rows = 40;
+  for (int64_t rb : {3, 64, 130, 256, 512, 4100}) {
+    for (size_t cache_offset : {0, 8}) {
+      SCOPED_TRACE("row bytes " + std::to_string(rb) + ", cache offset " +
+                   std::to_string(cache_offset));
+      Case c = make_case(rows, rb);
+      c.cache_rows = cache_rows;
+      c.cache_slot.assign(rows, -1);
+      for (int64_t r = 0; r < rows; r += 5) c.cache_slot[r] = static_cast<int32_t>(r / 5);
+      c.cache_slot[1] = static_cast<int32_t>(cache_rows);  // ignored: >= cache_rows
+      c.cache_slot[3] = -7;                                // not cached
+      c.cache_slot[199] = static_cast<int32_t>(cache_rows - 1);
+      c.index = random_index(rows, 90, 3);
+      for (int64_t i = 0; i < 6; ++i) c.index[10 + i] = i;
+      c.index[16] = 199;
+      c.index[17] = 40;  // slot 8
+      c.cache_offset = cache_offset;
+      const Outcome o = check_case(c);
+      if (variant().kernel == cuda::GatherKernel::kGrouped && rb % 16 == 0 && rb <= 512) {
+        EXPECT_EQ(o.plan.aligned, cache_offset == 0);
+      }
+      if (HasFailure()) return;
+    }
+  }
+}
+
+std::string variant_name(const ::testing::TestParamInfo<VariantParam>& info) {
+  return std::string(kVariants[std::get<0>(info.param)].name) +
+         (std::get<1>(info.param) ? "_Int64" : "_Int32");
+}
+
+INSTANTIATE_TEST_SUITE_P(Kernels, GatherKernelVariants,
+                         ::testing::Combine(::testing::Range(0, 6), ::testing::Bool()),
+                         variant_name);
+
+// The default picks the grouped kernel up to 512-byte rows, warp per row above.
+TEST(GatherKernel, AutoIsGroupedUpTo512ByteRows) {
+  cuda::GatherArgs a;
+  for (int64_t rb : {0, 64, 512, 513}) {
+    a.row_bytes = rb;
+    EXPECT_EQ(cuda::plan_gather(a).grouped, rb <= 512) << rb;
+  }
+  a.row_bytes = 64;
+  a.kernel = cuda::GatherKernel::kWarpPerRow;
+  EXPECT_FALSE(cuda::plan_gather(a).grouped);
+}
 
 }  // namespace
 }  // namespace tierlift

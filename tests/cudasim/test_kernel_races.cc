@@ -393,6 +393,46 @@ TEST_F(KernelRaces, GatherBadIndicesInEveryBlock) {
       << "bad_pair = {" << bad_pair[0] << ", " << bad_pair[1] << "} is not one pair";
 }
 
+// The grouped gather on 9 blocks (256 entries each, 16-byte rows: 32 one-lane groups per warp)
+// with every other index out of range and a shuffled processing order: each lane checks the index
+// it loaded and reports a bad one through atomicMin and atomicCAS while the warp's shuffles hand
+// the good ones to their groups. Output bytes and first_bad against core; bad_pair one pair.
+TEST_F(KernelRaces, GatherGroupedShufflesAndBadIndicesInEveryBlock) {
+  kernels("gather_grouped_kernel");
+  constexpr int64_t kRows = 10, kRowBytes = 16, kCount = 8 * 256 + 37;
+  constexpr uint8_t kUnwritten = 0xa5;
+  std::vector<uint8_t> table(kRows * kRowBytes);
+  for (size_t i = 0; i < table.size(); ++i) table[i] = static_cast<uint8_t>(i * 7 + 3);
+  std::vector<int64_t> index(kCount), order(kCount), read(kCount);
+  for (int64_t i = 0; i < kCount; ++i) index[i] = i % 2 ? kRows + i : i % kRows;
+  for (int64_t k = 0; k < kCount; ++k) order[k] = (k * 389) % kCount;  // 389 is prime to kCount
+  for (int64_t k = 0; k < kCount; ++k) read[k] = index[order[k]];
+  std::vector<uint8_t> want(kCount * kRowBytes, kUnwritten), got(want.size(), kUnwritten);
+  const int64_t want_first = gather_rows({table.data(), kRows, kRowBytes},
+                                         {index.data(), IndexType::kInt64, kCount}, want.data());
+  std::vector<unsigned long long> first_bad(1, ~0ull), bad_pair{~0ull, 0};
+  cuda::GatherArgs a;
+  a.table = table.data();
+  a.num_rows = kRows;
+  a.row_bytes = kRowBytes;
+  a.index = read.data();
+  a.order = order.data();
+  a.count = kCount;
+  a.out = got.data();
+  a.first_bad = first_bad.data();
+  a.bad_pair = bad_pair.data();
+  a.kernel = cuda::GatherKernel::kGrouped;
+  ASSERT_TRUE(cuda::plan_gather(a).grouped);
+  ASSERT_EQ(cuda::gather_rows(a, nullptr), cudaSuccess) << cudasim::last_error_message();
+  EXPECT_EQ(differences(got, want), 0);
+  EXPECT_EQ(want_first, 1);
+  EXPECT_EQ(first_bad[0], static_cast<unsigned long long>(want_first));
+  ASSERT_LT(bad_pair[0], static_cast<unsigned long long>(kCount));
+  EXPECT_EQ(bad_pair[0] % 2, 1u) << "not a bad position";
+  EXPECT_EQ(bad_pair[1], static_cast<unsigned long long>(index[bad_pair[0]]))
+      << "bad_pair = {" << bad_pair[0] << ", " << bad_pair[1] << "} is not one pair";
+}
+
 // Fingerprints of 40 ranges on 5 blocks of 8 warps: each warp's shuffles (a lane's neighbour
 // word, the sum over the 4 parts, the 8 lanes into lane 0) while other warps of its block and
 // other blocks run on other threads. Every value against core.
