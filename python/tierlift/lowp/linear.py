@@ -71,9 +71,11 @@ def _quantize(t: torch.Tensor, with_transposed: bool, scaling: str, fp8_dtype: t
 class _Float8MatmulFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, recipe: Float8Recipe,
-                gathered: GatheredFloat8Weight | None = None):
+                gathered: GatheredFloat8Weight | None, grad_enabled: bool):
         sc, p2, f8 = recipe.scaling, recipe.pow2_scale, recipe.forward_dtype
-        need_gx, need_gw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # needs_input_grad follows requires_grad even under no_grad, where no backward follows
+        need_gx = grad_enabled and ctx.needs_input_grad[0]
+        need_gw = grad_enabled and ctx.needs_input_grad[1]
         fp8_wgrad = need_gw and not recipe.grad_weight_high_precision
         xq, xs, xtq, xts = _quantize(x, fp8_wgrad, sc, f8, p2)  # x^T: the FP8 wgrad's operand
         if gathered is None:
@@ -112,7 +114,7 @@ class _Float8MatmulFn(torch.autograd.Function):
                 grad_w = scaled_mm(gtq, gts, xtq, xts, out_dtype=ctx.w_dtype)
         if need_gx:
             grad_x = scaled_mm(gq, gs, wtq, wts, out_dtype=ctx.x_dtype)
-        return grad_x, grad_w, None, None
+        return grad_x, grad_w, None, None, None
 
 
 def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -136,7 +138,8 @@ def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if torch.is_autocast_enabled(x.device.type):  # run where autocast would run nn.Linear
         x = x.to(torch.get_autocast_dtype(x.device.type))
     lead = x.shape[:-1]
-    y = _Float8MatmulFn.apply(x.reshape(-1, x.shape[-1]), weight, recipe, gathered)
+    y = _Float8MatmulFn.apply(x.reshape(-1, x.shape[-1]), weight, recipe, gathered,
+                              torch.is_grad_enabled())
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.reshape(*lead, weight.shape[0])

@@ -38,7 +38,9 @@ KINDS = ("quantize", "layout", "cast", "other")  # the passes that are not GEMMs
 _GEMMS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_scaled_grouped_mm", "addmv", "mv"}
 _LAYOUT = {"clone", "copy_", "_to_copy", "t_copy", "transpose_copy", "permute_copy",
            "contiguous"}  # same-dtype copies; across dtypes they are casts
-_NO_DATA = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
+# allocations, and the view whose schema does not say it aliases (reshape's of a fresh copy)
+_NO_DATA = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
+            "_unsafe_view"}
 _WRITE_ONLY_SELF = {"copy_", "fill_", "zero_"}
 _FP8_QUANTIZERS = {"tierlift::fp8_quantize", "tierlift::fp8_quantize_dual"}
 ROW_REGISTER_LIMIT = 8192  # csrc/cuda/fp8_quant.cu: kRowRegs * kRowThreads
