@@ -3,6 +3,7 @@
     PYTHONPATH=python python benchmarks/bench_lowp.py                 # CPU: C++ op vs reference
     PYTHONPATH=python python benchmarks/bench_lowp.py --device cuda   # GPU: GB/s and GEMM speedup
     PYTHONPATH=python python benchmarks/bench_lowp.py --device cpu --sizes 256 --parts split
+    PYTHONPATH=python python benchmarks/bench_lowp.py --parts passes --sizes 8192   # no compute
 
 CPU: time of the compiled quantizer (csrc/core/lowp) against the pure-torch reference for the
 same inputs (timing only; correctness is the tests' job). GPU: quantize-kernel bandwidth
@@ -14,7 +15,9 @@ quantize kernels, GEMMs, layout copies, amax/scale, other, gaps, in ms and % of 
 torch.profiler (GPU kernels on a GPU; CPU ops on a CPU, where the GEMMs are emulated), and the
 passes over memory each step makes (tierlift.lowp.passes: quantize / layout / cast / other passes,
 GEMMs, bytes the non-GEMM passes move and their time at the copy bandwidth measured in the same
-run, a floor the split's quantize + layout + amax time can be read against). Ratios are what to
+run, a floor the split's quantize + layout + amax time can be read against). --parts passes
+counts them alone, on fake tensors (no memory, no compute: any size on any machine). Ratios are
+what to
 compare; absolute CPU times on a shared VM are noise. The JSON is rewritten after every row (a
 run cut short keeps its rows).
 
@@ -244,15 +247,40 @@ def bench_split(args, result: dict, save) -> dict:
     return split
 
 
+def bench_passes(args, result: dict, save) -> dict:
+    """The passes of every contender's steps per size, counted on fake tensors (FakeTensorMode:
+    the ops dispatch, no data exists, so 8192^3 costs nothing)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    out = result["passes"] = {}
+    for size in args.sizes:
+        block = out[str(size)] = dict(size=size, passes={})
+        with FakeTensorMode():
+            x, mods = contenders(size, "cpu")
+            for name, mod in mods.items():
+                if isinstance(mod, str):
+                    continue
+                block["passes"][name] = {}
+                for kind in STEPS:
+                    try:
+                        block["passes"][name][kind] = step_passes(step_fn(mod, x, kind), size)
+                    except Exception as exc:  # noqa: BLE001 (this row's result)
+                        block["passes"][name][kind] = dict(error=f"{type(exc).__name__}: {exc}")
+        save()
+        print_passes(block)
+    return out
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=("cpu", "cuda"),
                    default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--sizes", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
-    p.add_argument("--parts", nargs="+", choices=("quantize", "linear", "split"),
+    p.add_argument("--parts", nargs="+", choices=("quantize", "linear", "split", "passes"),
                    default=["quantize", "linear", "split"],
-                   help="what to run (linear: GPU only; on a CPU the split shows the step times)")
+                   help="what to run (linear: GPU only; on a CPU the split shows the step times; "
+                        "passes: counted on fake tensors, any device)")
     p.add_argument("--split-size", type=int, default=None,
                    help="M=N=K of the split (default: the largest of --sizes on a GPU, the "
                         "smallest on a CPU)")
@@ -279,6 +307,8 @@ def main():
         import torchao
 
         result["torchao"] = torchao.__version__
+    if "passes" in args.parts:
+        bench_passes(args, result, save)
     if args.device == "cuda":
         result["gpu"] = torch.cuda.get_device_name()
         if "split" in args.parts:  # first: where the Float8Linear step's time goes

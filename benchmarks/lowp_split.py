@@ -312,14 +312,16 @@ def print_split(split: dict) -> None:
 
 def print_passes(split: dict) -> None:
     """Per contender and step kind: the passes over layer-sized tensors one fwd+bwd makes
-    (tierlift.lowp.passes), the bytes the non-GEMM ones move and that many bytes' time at the
-    copy bandwidth measured in the run: the floor of the split's quantize + layout + amax time."""
+    (tierlift.lowp.passes), the bytes the non-GEMM ones move and, where the run measured the
+    copy bandwidth, that many bytes' time at it: the floor of the split's quantize + layout +
+    amax time."""
     passes, gbs = split.get("passes") or {}, split.get("copy_gbs")
     if not passes:
         return
     n = split["size"]
+    copy = f"copy {gbs:.0f} GB/s" if gbs else "no copy bandwidth measured"
     print(f"\npasses over tensors of >= {n}x{n} elements per fwd+bwd (tierlift.lowp.passes; "
-          f"quantizer reads as the CUDA kernels make them; copy {gbs:.0f} GB/s)")
+          f"quantizer reads as the CUDA kernels make them; {copy})")
     name_w = max(len(k) for k in passes) + 7
     cols = ("quantize", "layout", "cast", "other", "gemms", "emulated_gemms", "small_ops")
     print(f"{'':<{name_w}}" + "".join(f"{c:>10}" for c in ("quantize", "layout", "cast",
@@ -332,9 +334,9 @@ def print_passes(split: dict) -> None:
             if "error" in r:
                 print(f"{label:<{name_w}}  failed: {r['error']}")
                 continue
-            floor = r["bytes"] / (gbs * 1e9) * 1e3 if gbs else float("nan")
+            floor = f"{r['bytes'] / (gbs * 1e9) * 1e3:11.3f}" if gbs else f"{'-':>11}"
             print(f"{label:<{name_w}}" + "".join(f"{r[c]:>10}" for c in cols)
-                  + f"{r['bytes'] / 1e6:13.1f}{floor:11.3f}")
+                  + f"{r['bytes'] / 1e6:13.1f}{floor}")
     print("the ops of each (fwd/bwd, kind, op, input shapes):")
     for name, kinds in passes.items():
         for kind, r in kinds.items():

@@ -251,3 +251,25 @@ def test_bench_prints_the_passes_per_contender(tmp_path, monkeypatch, capsys):
     bf16 = passes["bf16 nn.Linear"]["train"]
     assert (bf16["passes"], bf16["gemms"], bf16["bytes"]) == (0, 3, 0)
     assert "non-GEMM MB" in printed
+
+
+@needs_ext
+def test_bench_counts_8192_on_fake_tensors(tmp_path, monkeypatch, capsys):
+    """docs/lowp.md's byte counts at M = N = K = 8192, from the count on fake tensors."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_lowp
+
+    out, n = tmp_path / "passes.json", 8192
+    monkeypatch.setattr(sys, "argv", ["bench_lowp.py", "--device", "cpu", "--parts", "passes",
+                                      "--sizes", str(n), "--json", str(out)])
+    bench_lowp.main()
+    got = json.loads(out.read_text())["passes"][str(n)]["passes"]
+    dual_tensor, dual_row, single_row = 6 * n * n + 8, 6 * n * n + 8 * n, 3 * n * n + 4 * n
+    assert got["fp8-tensorwise"]["train"]["bytes"] == 3 * dual_tensor == 1_207_959_576
+    assert got["fp8-rowwise"]["train"]["bytes"] == 3 * dual_row
+    assert got["fp8-rowwise-gw-hp"]["train"]["bytes"] == 2 * single_row + dual_row == 805_437_440
+    # the sum step: sum (read), two gradient additions (2 reads, 1 write), FP8's grad copy
+    sum_extra = 2 * n * n + 2 * 3 * 2 * n * n
+    assert got["bf16 nn.Linear"]["sum"]["bytes"] == sum_extra + 2  # + the 0-d sum's output
+    assert got["fp8-tensorwise"]["sum"]["bytes"] == 3 * dual_tensor + sum_extra + 2 + 2 * n * n + 2
+    assert "fp8-rowwise-gw-hp train" in capsys.readouterr().out

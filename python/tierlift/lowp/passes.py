@@ -124,8 +124,8 @@ class _PassMode(TorchDispatchMode):
         out = func(*args, **kwargs)
         name = func._schema.name
         short = name.split("::", 1)[1]
-        if func.is_view or short in _NO_DATA:
-            return out
+        if func.is_view or short in _NO_DATA or name.startswith("prim::"):
+            return out  # prim:: are metadata queries (a fake or subclass tensor's .device)
         if self.gemm_stack:
             self.gemm_stack[-1].append(name)
             return out
