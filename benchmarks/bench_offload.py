@@ -21,6 +21,7 @@ against DeepSpeed ZeRO-3 with CPU optimizer offload.
     python benchmarks/bench_offload.py --layouts --state-dtype both # each: compact vs fp32 state
     python benchmarks/bench_offload.py --layouts --durable          # + all-NVMe, durable=True
     python benchmarks/bench_offload.py --recipes --params 8e6       # overlap kept per recipe
+    python benchmarks/bench_offload.py --clipped --params 3.2e7     # clipped steps, overlapped
     python benchmarks/bench_offload.py --legs                       # ZeRO-3 step split by leg
 
 Step mode: fp32 CPU parameters. The NVMe case gets cpu_budget = a third of its state (fp32
@@ -63,6 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import tierlift  # noqa: E402, F401
 from common import machine, median_time, print_table, write_json  # noqa: E402
+from offload_clipped import bench_clipped  # noqa: E402
 from offload_finetune import add_finetune_args, finetune, run_case  # noqa: E402
 from offload_legs import bench_legs  # noqa: E402
 from offload_recipes import bench_recipes  # noqa: E402
@@ -593,6 +595,10 @@ def main(argv=None) -> int:
     ap.add_argument("--recipes", action="store_true",
                     help="overlap under training recipes (HF clip, GradScaler, max_grad_norm): "
                          "chunks kept and the content check's share of the step")
+    ap.add_argument("--clipped", action="store_true",
+                    help="overlap on clipped steps (max_grad_norm below the norm): step() "
+                         "leaving the worker's unstarted chunks vs waiting for them vs no "
+                         "overlap, timed in turn")
     ap.add_argument("--plot", metavar="PATH", help="also draw the results as a PNG here (needs "
                     "matplotlib): the step legs, or with --gpu the TFLOPS")
     ap.add_argument("--legs", action="store_true",
@@ -622,6 +628,8 @@ def main(argv=None) -> int:
         return finetune(args)
     if args.recipes:
         return bench_recipes(args)
+    if args.clipped:
+        return bench_clipped(args)
     if args.legs:
         return bench_legs(args)
     if args.layouts:

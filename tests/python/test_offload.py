@@ -350,8 +350,7 @@ def test_overlap_equals_the_plain_step(tmp_path, tier, clip, accumulate, inside,
 def _wait_for_overlap(opt) -> None:
     """Lets every chunk stepped during backward finish, so an edit after it is one the
     speculation cannot have seen (the cases above depend on the worker's timing)."""
-    for f in list(opt._offload.overlap._pending):
-        f.result()
+    opt._offload.overlap.wait()
 
 
 @pytest.mark.parametrize("tier", ["cpu", "nvme"])

@@ -108,8 +108,7 @@ def _fit(kw, edit, scaler=False, dtype=torch.float32):
         loss = model(torch.randn(8, 32, generator=g).to(dtype)).float().square().mean()
         (amp.scale(loss) if amp else loss).backward()
         if opt._offload is not None and opt._offload.overlap is not None:
-            for f in list(opt._offload.overlap._pending):  # every chunk stepped ahead
-                f.result()
+            opt._offload.overlap.wait()  # every chunk stepped ahead
         p = model[2].weight  # the middle of the largest parameter
         if i > 0 and edit:  # a gradient or a weight changed after the chunks were stepped
             _flip(p.grad if edit == "grad" else p, p.numel() // 2 + i)

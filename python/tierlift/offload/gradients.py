@@ -59,28 +59,53 @@ def all_finite(off, live: list[dict], spec: dict) -> tuple[bool, list[dict]]:
     return finite, known
 
 
-def clip(off, stats, scale: float | None) -> tuple[float | None, bool]:
-    """torch.nn.utils.clip_grad_norm_ over the optimizer's parameters, in their order; the
-    gradients are only touched when they are scaled (so speculative steps stay valid).
-    Under a GradScaler (`scale`) the result is that of unscale_ then clip_grad_norm_: with
-    a power-of-two scale (GradScaler's default) the norm of the scaled gradients times
-    1/scale is exact and so is (g * coef) * (1/scale), so the gradients stay scaled and the
-    kernel unscales them; any other scale is unscaled here first. Returns the scale the
-    kernel still applies and whether the gradients were changed."""
-    params = [p for g in off.opt.param_groups for p in g["params"] if p.grad is not None]
-    changed = False
-    if scale is not None and not power_of_two(scale):
-        torch._foreach_mul_([p.grad for p in params], inverse(scale))
-        scale, changed = None, True
+def norm_ahead(off, scale: float | None):
+    """The norm clip() computes, taken before step() waits for the overlap's worker, so that
+    a step known to be clipped does not wait for chunks it would step again. Only read: the
+    checks between here and clip() change no gradient, so clip(total=...) reuses it. None
+    where there is nothing to clip or clip() must first unscale (a scale not a power of two).
+    Every rank takes it under the same conditions (ZeRO: the same collective, earlier)."""
+    if off.config.max_grad_norm is None or (scale is not None and not power_of_two(scale)):
+        return None
+    return _total_norm(off, _with_grads(off), scale)
+
+
+def clips(off, total) -> bool:
+    """Whether clip() scales the gradients for this norm."""
+    return float(off.config.max_grad_norm) / (float(total) + 1e-6) < 1.0
+
+
+def _with_grads(off) -> list:
+    return [p for g in off.opt.param_groups for p in g["params"] if p.grad is not None]
+
+
+def _total_norm(off, params: list, scale: float | None):
     if off._zero:
         # ZeRO shards: the norm over all ranks, exactly as tierlift.zero.clip_grad_norm_.
         total = global_grad_norm(params)
     else:
         total = torch.nn.utils.get_total_norm([p.grad for p in params])
-    if scale is not None:
-        total = total * inverse(scale)
+    return total if scale is None else total * inverse(scale)
+
+
+def clip(off, stats, scale: float | None, total=None) -> tuple[float | None, bool]:
+    """torch.nn.utils.clip_grad_norm_ over the optimizer's parameters, in their order; the
+    gradients are only touched when they are scaled (so speculative steps stay valid).
+    Under a GradScaler (`scale`) the result is that of unscale_ then clip_grad_norm_: with
+    a power-of-two scale (GradScaler's default) the norm of the scaled gradients times
+    1/scale is exact and so is (g * coef) * (1/scale), so the gradients stay scaled and the
+    kernel unscales them; any other scale is unscaled here first. `total`: norm_ahead()'s,
+    of these same gradients. Returns the scale the kernel still applies and whether the
+    gradients were changed."""
+    params = _with_grads(off)
+    changed = False
+    if total is None:
+        if scale is not None and not power_of_two(scale):
+            torch._foreach_mul_([p.grad for p in params], inverse(scale))
+            scale, changed = None, True
+        total = _total_norm(off, params, scale)
     stats["grad_norm"] = float(total)
-    if float(off.config.max_grad_norm) / (float(total) + 1e-6) < 1.0:
+    if clips(off, total):
         torch.nn.utils.clip_grads_with_norm_(params, off.config.max_grad_norm, total)
         changed = True
     return scale, changed

@@ -426,6 +426,7 @@ class Overlap:
         self._spec = defaultdict(list)  # gi -> [(chunk, Record)]
         self._stats = defaultdict(float)
         self._error = None
+        self._abandoned = False  # abandon(): the chunks not yet stepped are not stepped ahead
         self._lists_checked = False  # by the first gradient hook of the next backward
 
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -464,10 +465,13 @@ class Overlap:
                                   if e is not None],
                          # the hook runs on the stream that produced the gradients
                          ready=d2h.ready_events([params[q].grad for q in pis]))
-            self._pending.append(self._pool.submit(self._work, gi, ready, rec))
+            self._pending.append((self._pool.submit(self._work, gi, ready, rec), len(ready)))
 
     def _work(self, gi: int, chunks, rec: Record) -> None:
         if self._error is not None:
+            return
+        if self._abandoned:
+            self._count_abandoned(len(chunks))
             return
         t = time.perf_counter()
         clock = self.off.clock
@@ -490,20 +494,44 @@ class Overlap:
                                              speculative=True)
                 self.off.run(gi, grads, rec.steps, chunks, self._stats, done, publish=False,
                              scale=scale, used_grads=rec.grads, group=rec.group,
-                             ready=rec.ready, staged=rec.staged)
+                             ready=rec.ready, staged=rec.staged, stop=self._stop)
         except BaseException as err:  # noqa: BLE001 - re-raised by finish()
             self._error = err
         finally:
             self._spec[gi].extend((c, rec) for c in done)
+            if self._abandoned and len(done) < len(chunks):
+                self._count_abandoned(len(chunks) - len(done))
             self._stats["overlapped_s"] += time.perf_counter() - t
+
+    def _stop(self) -> bool:
+        """Whether the worker leaves its remaining chunks to step() (read between chunks)."""
+        return self._abandoned
+
+    def _count_abandoned(self, n: int) -> None:
+        with self._lock:  # the worker and abandon() both count
+            self._stats["overlap_abandoned_chunks"] += n
+
+    def abandon(self) -> None:
+        """step() knows every chunk stepped ahead would be stepped again (the gradients are
+        about to be clipped, or the step skipped): chunks the worker has not started are left
+        to step(), so finish() waits at most for the one in progress."""
+        with self._lock:
+            self._abandoned = True
+            for f, n in self._pending:
+                if f.cancel():
+                    self._stats["overlap_abandoned_chunks"] += n
+
+    def _wait_pending(self) -> None:
+        with self.off.clock.span(WAIT):
+            for f, _ in self._pending:
+                if not f.cancelled():
+                    f.result()
 
     def finish(self, stats) -> dict:
         """Waits for the speculative chunks; returns {gi: [(chunk, Record)]} and starts the
         next step's bookkeeping. A worker failure is raised after its chunks are undone."""
         t = time.perf_counter()
-        with self.off.clock.span(WAIT):
-            for f in self._pending:
-                f.result()
+        self._wait_pending()
         self._pending = []
         stats["overlap_wait_s"] += time.perf_counter() - t
         for k, v in self._stats.items():
@@ -519,9 +547,7 @@ class Overlap:
     def wait(self) -> None:
         """Waits until the worker is idle: it steps chunks in the pipeline slots, which a
         state_dict() or a load between backward and step() also uses."""
-        with self.off.clock.span(WAIT):
-            for f in self._pending:
-                f.result()
+        self._wait_pending()
 
     def discard(self) -> None:
         """The committed state is about to be replaced (a load between backward and step()):

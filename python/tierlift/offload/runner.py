@@ -292,15 +292,35 @@ class Offloader(StateIO, ChunkStep):
         self.check_lists()
         t0 = time.perf_counter()
         stats = defaultdict(float)
-        spec = self.overlap.finish(stats) if self.overlap is not None else {}
+        spec, total = {}, None
+        if self.overlap is not None:
+            total = self._abandon_if_redone(grad_scale, found_inf)
+            spec = self.overlap.finish(stats)
         try:
-            self._step_from(spec, stats, t0, seen, grad_scale, found_inf)
+            self._step_from(spec, stats, t0, seen, grad_scale, found_inf, total)
         finally:  # spare blocks this step did not commit go back (tiers.MemoryTier)
             for tier in self.tiers:
                 tier.release_spare()
 
-    def _step_from(self, spec: dict, stats, t0: float, seen, grad_scale, found_inf) -> None:
-        """The step once the overlap's chunks stepped ahead (`spec`) are in."""
+    def _abandon_if_redone(self, grad_scale, found_inf):
+        """Before waiting for the overlap's worker: where this step will be skipped (the
+        scaler found inf/NaN) or its gradients clipped, every chunk stepped ahead would be
+        stepped again, so the worker leaves the chunks it has not started (a worker behind
+        backward would otherwise make step() wait for work it throws away). Returns the
+        clip's norm (gradients.norm_ahead) for _step_from to reuse, or None."""
+        scale = None if grad_scale is None else scale_value(grad_scale)
+        # taken whatever this rank's found_inf says: under ZeRO the norm is a collective
+        total = gradients.norm_ahead(self, scale)
+        skipped = (found_inf is not None
+                   and float(found_inf.detach().float().sum().item()) != 0.0)
+        if skipped or (total is not None and gradients.clips(self, total)):
+            self.overlap.abandon()
+        return total
+
+    def _step_from(self, spec: dict, stats, t0: float, seen, grad_scale, found_inf,
+                   total=None) -> None:
+        """The step once the overlap's chunks stepped ahead (`spec`) are in. `total`: the
+        clip's norm, taken before (_abandon_if_redone)."""
         scale = None if grad_scale is None else scale_value(grad_scale)
         live = gradients.collect(self)
         early = self._read_early(live, spec)
@@ -328,7 +348,7 @@ class Offloader(StateIO, ChunkStep):
                     if live[gi]:
                         check_group(self.opt, gi, group, self._kinds[gi])
                 if self.config.max_grad_norm is not None:
-                    scale, scaled = gradients.clip(self, stats, scale)
+                    scale, scaled = gradients.clip(self, stats, scale, total)
                     if scaled:  # a non-contiguous gradient was collected as a copy
                         live = gradients.collect(self)
                         known = []  # and every one may have changed
@@ -574,7 +594,7 @@ class Offloader(StateIO, ChunkStep):
     def run(self, gi, grads, steps, chunks, stats, done: list, publish: bool = True,
             started: dict | None = None, scale=None, used_grads: dict | None = None,
             group: dict | None = None, ready: list | None = None,
-            staged: dict | None = None) -> None:
+            staged: dict | None = None, stop=None) -> None:
         """With S pipeline slots: reads chunks k+1 .. k+S-2 ahead while stepping chunk k while
         chunk k-1 is written to the other generation; returns once every write finished.
         Chunks whose parameters were updated are appended to `done` (also when this raises).
@@ -584,12 +604,14 @@ class Offloader(StateIO, ChunkStep):
         `group`: the hyperparameters to step with (default: the param group's own).
         `ready`: events of the device gradients' production (the overlap's hook recorded them);
         None: the copies wait for what the current stream has queued (d2h.Copier).
-        `staged`: the overlap's, staging new device weights (ChunkStep._step_chunk)."""
+        `staged`: the overlap's, staging new device weights (ChunkStep._step_chunk).
+        `stop`: read before each chunk of host memory's direct run (the overlap's abandon:
+        the rest is left to step()); a pipelined run finishes what it read ahead."""
         params, tier = self.opt.param_groups[gi]["params"], self.tiers[gi]
         group = self.opt.param_groups[gi] if group is None else group
         if chunks and not started and all(tier.direct(c.ci) for c in chunks):
             self._run_direct(gi, group, grads, steps, chunks, stats, done, publish, scale,
-                             used_grads, ready, staged)
+                             used_grads, ready, staged, stop)
             return
         n_slots = self.n_slots
         reads: dict[int, list] = dict(started or {})
@@ -655,13 +677,15 @@ class Offloader(StateIO, ChunkStep):
             track.close()
 
     def _run_direct(self, gi, group, grads, steps, chunks, stats, done: list, publish: bool,
-                    scale, used_grads, ready, staged=None) -> None:
+                    scale, used_grads, ready, staged=None, stop=None) -> None:
         """run() for two generations in host memory: the kernel reads each chunk's generation g
         and writes generation g + 1 where they lie, with no slot in between (a slot gives only
         the staging of device gradients and weights). Segments without a gradient are carried
         over to g + 1 as they are, as a whole-chunk copy would have carried them."""
         params, tier = self.opt.param_groups[gi]["params"], self.tiers[gi]
         for i, chunk in enumerate(chunks):
+            if stop is not None and stop():
+                return
             ci = chunk.ci
             nxt = tier.next_gen(ci)
             tier._wait_unheld(ci, nxt)  # a save may still read the generation this overwrites

@@ -1,0 +1,154 @@
+"""A step that will be clipped or skipped does not wait for the overlap's worker to finish chunks
+it would only step again.
+
+With the optimizer's own max_grad_norm, a norm above it scales every gradient, so every chunk
+stepped during backward is redone. A worker that is behind backward (the CPU Adam slower than
+the device's backward, as on a large model) used to make step() wait for all its queued chunks
+first. step() now takes the clip's norm before waiting; where it clips (or a GradScaler found
+inf/NaN, so the step is skipped), the worker leaves the chunks it has not started.
+
+The worker is held at its first chunk until step() has decided, so the test does not depend on
+timing: without the abandon it would step every chunk (and hold until its wait times out).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import tierlift
+from tierlift.offload.overlap import Overlap
+from tierlift.offload.runner import Offloader
+from tierlift.optim import AdamW
+
+pytestmark = pytest.mark.skipif(not tierlift._extension.available(),
+                                reason="compiled extension not loaded")
+
+LAYERS, DIM = 6, 64
+HOLD_S = 5.0  # the longest the held worker waits for step() (only reached when it fails)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(DIM, DIM) for _ in range(LAYERS)])
+
+
+@pytest.fixture
+def held_worker(monkeypatch):
+    """Holds the worker's first speculative chunk of each backward until step() abandons the
+    rest (or HOLD_S passes); counts the chunks the worker stepped."""
+    state = {"abandoned": threading.Event(), "worker_chunks": 0, "held": False}
+    step_chunk, abandon = Offloader._step_chunk, Overlap.abandon
+
+    def held_step_chunk(self, *args, **kwargs):
+        if threading.current_thread().name.startswith("tierlift-offload"):
+            state["worker_chunks"] += 1
+            if not state["held"]:
+                state["held"] = True
+                state["abandoned"].wait(HOLD_S)
+        return step_chunk(self, *args, **kwargs)
+
+    def abandon_and_release(self):
+        abandon(self)
+        state["abandoned"].set()
+
+    monkeypatch.setattr(Offloader, "_step_chunk", held_step_chunk)
+    monkeypatch.setattr(Overlap, "abandon", abandon_and_release)
+    return state
+
+
+def _train(opt, model, steps: int, state=None, clip_torch: float | None = None,
+           scaler=None) -> list[dict]:
+    g = torch.Generator().manual_seed(1)
+    stats = []
+    for _ in range(steps):
+        if state is not None:
+            state.update(held=False, worker_chunks=0)
+            state["abandoned"].clear()
+        loss = model(torch.randn(16, DIM, generator=g)).square().mean()
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        if clip_torch is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_torch)
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        stats.append(dict(getattr(opt, "last_step_stats", {}),
+                          worker_chunks=None if state is None else state["worker_chunks"]))
+        opt.zero_grad(set_to_none=True)
+    return stats
+
+
+def _chunks(opt) -> int:
+    return sum(len(lay.chunks) for lay in opt._offload.layouts)
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+def test_clipped_step_leaves_unstarted_chunks_and_steps_exactly(held_worker, state_dtype):
+    ref_model, model = _model(), _model()
+    ref = AdamW(ref_model.parameters(), lr=1e-2, state_dtype=state_dtype)
+    _train(ref, ref_model, 3, clip_torch=1e-3)
+    opt = AdamW(model.parameters(), lr=1e-2, offload="cpu", overlap=True, max_grad_norm=1e-3,
+                chunk_bytes=DIM * DIM * 4, state_dtype=state_dtype)
+    stats = _train(opt, model, 3, state=held_worker)
+    n = _chunks(opt)
+    assert n >= LAYERS  # one chunk per weight at least: something to leave
+    for s in stats:
+        assert s["grad_norm"] > 1e-3  # every step clips
+        # at most the held chunk ran (none if the worker had not started when step()
+        # decided); the rest, queued or in its own submission, were left
+        assert s["worker_chunks"] <= 1
+        assert s["overlap_abandoned_chunks"] == n - s["worker_chunks"]
+        assert s.get("overlap_kept_chunks", 0) == 0
+    for a, b in zip(ref_model.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    opt.close()
+
+
+def test_unclipped_step_waits_and_keeps_its_chunks(held_worker):
+    ref_model, model = _model(), _model()
+    ref = AdamW(ref_model.parameters(), lr=1e-2)
+    _train(ref, ref_model, 2)
+    opt = AdamW(model.parameters(), lr=1e-2, offload="cpu", overlap=True, max_grad_norm=1e9,
+                chunk_bytes=DIM * DIM * 4)
+    # Nothing abandons, so release the hold at once: this case is about what is kept.
+    held_worker["abandoned"].set()
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        model(torch.randn(16, DIM, generator=g)).square().mean().backward()
+        opt.step()
+        s = opt.last_step_stats
+        assert s.get("overlap_abandoned_chunks", 0) == 0
+        assert s["overlap_kept_chunks"] > 0
+        opt.zero_grad(set_to_none=True)
+    for a, b in zip(ref_model.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    opt.close()
+
+
+def test_step_the_scaler_skips_leaves_unstarted_chunks(held_worker):
+    """GradScaler found inf: the step is skipped, nothing changes, the worker's queue is
+    dropped."""
+    model = _model()
+    opt = AdamW(model.parameters(), lr=1e-2, offload="cpu", overlap=True,
+                chunk_bytes=DIM * DIM * 4)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    held_worker["abandoned"].set()  # the first step holds nothing
+    _train(opt, model, 1, scaler=scaler)  # the first step: the overlap assumes a scale
+    before = [p.detach().clone() for p in model.parameters()]
+    held_worker.update(held=False, worker_chunks=0)
+    held_worker["abandoned"].clear()
+    loss = model(torch.randn(16, DIM)).square().mean()
+    scaler.scale(loss).backward()
+    next(model.parameters()).grad[0, 0] = float("inf")
+    scaler.step(opt)
+    s = opt.last_step_stats
+    assert s["skipped"] is True
+    assert held_worker["worker_chunks"] <= 1
+    for a, b in zip(before, model.parameters()):
+        assert torch.equal(a, b)
+    opt.close()
