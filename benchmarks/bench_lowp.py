@@ -33,6 +33,7 @@ linear part times both side by side (`<name>_speedup`: train, `<name>_sum_speedu
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 
@@ -120,13 +121,18 @@ def torchao_float8():
 
 def contenders(size: int, device: str) -> tuple[torch.Tensor, dict]:
     """x [size, size] and {name: module}: bf16 nn.Linear, Float8Linear with each recipe (sharing
-    its weight), and torchao's Float8Linear with each of its recipes where torchao is installed
-    (a conversion that fails is kept as its error message)."""
+    its weight), each also as "<recipe>/separate" (Float8Recipe.transposed_copy: the transposed
+    FP8 copies made after q instead of by the dual quantizer; same bits), and torchao's
+    Float8Linear with each of its recipes where torchao is installed (a conversion that fails is
+    kept as its error message)."""
     x = torch.randn(size, size, device=device, dtype=torch.bfloat16, requires_grad=True)
     base = torch.nn.Linear(size, size, bias=False, device=device, dtype=torch.bfloat16)
     mods = {"bf16 nn.Linear": base}
     for recipe in RECIPES:
         mods[recipe] = Float8Linear.from_linear(base, recipe)
+    for recipe, r in RECIPES.items():
+        separate = dataclasses.replace(r, transposed_copy="separate")
+        mods[f"{recipe}/separate"] = Float8Linear.from_linear(base, separate)
     ao = torchao_float8()
     if ao is not None:
         config, convert = ao
@@ -173,6 +179,9 @@ def step_passes(step, size: int) -> dict:
     step()  # warm: a first call may allocate or compile what later ones reuse
     with count_passes(size * size) as count:
         step()
+    if not any(p.phase == "backward" for p in count.passes):  # every contender's bwd has GEMMs
+        raise RuntimeError("the count saw no backward op: the dispatch mode did not reach "
+                           "autograd's backward thread, so these counts would be forward only")
     return dict(**count.summary(), emulated_gemms=count.emulated_gemms(),
                 ops=[f"{PHASE[p.phase]} {p.kind} {p.op} {list(p.shapes)}" for p in count.passes])
 

@@ -7,9 +7,11 @@ their distinct bytes, no guessing for ops it has no read model for)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -116,6 +118,31 @@ def test_skipped_gradients_leave_the_others_bit_identical(recipe):
     assert gw_frozen is None and gx_const is None
     for a, b in ((y, y_frozen), (y, y_const), (gx, gx_frozen), (gw, gw_const)):
         assert torch.equal(a, b)
+
+
+@needs_ext
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_separate_transposed_copies_give_the_same_bits_with_their_own_passes(recipe):
+    """Float8Recipe.transposed_copy="separate": q first, then q^T as the transposed codes
+    (tensorwise: one layout pass each) or the quantization of the transposed view (rowwise: a
+    second quantize), for the GPU to time against the dual quantizer. Same outputs, bit for bit."""
+    r = RECIPES[recipe]
+    separate = dataclasses.replace(r, transposed_copy="separate")
+    dual_count, y, gx, gw = step(r, seed=5)
+    count, y_sep, gx_sep, gw_sep = step(separate, seed=5)
+    for a, b in ((y, y_sep), (gx, gx_sep), (gw, gw_sep)):
+        assert torch.equal(a, b)
+    transposed = 1 if r.grad_weight_high_precision else 3  # W^T; and x^T, g^T for an FP8 wgrad
+    kinds = Counter(p.kind for p in count.passes)
+    dual_kinds = Counter(p.kind for p in dual_count.passes)
+    if r.scaling == "tensor":
+        assert kinds == dual_kinds + Counter(layout=transposed)
+        assert [p.op for p in count.passes if p.kind == "layout"] == ["aten::clone"] * transposed
+    else:
+        assert kinds == dual_kinds + Counter(quantize=transposed)
+    assert QD not in [p.op for p in count.passes]
+    with pytest.raises(ValueError, match="transposed_copy"):
+        dataclasses.replace(r, transposed_copy="fused")
 
 
 @needs_ext
@@ -268,6 +295,11 @@ def test_bench_counts_8192_on_fake_tensors(tmp_path, monkeypatch, capsys):
     assert got["fp8-tensorwise"]["train"]["bytes"] == 3 * dual_tensor == 1_207_959_576
     assert got["fp8-rowwise"]["train"]["bytes"] == 3 * dual_row
     assert got["fp8-rowwise-gw-hp"]["train"]["bytes"] == 2 * single_row + dual_row == 805_437_440
+    # separate: tensorwise q (2 reads, 1 write) + transposed codes (1 read, 1 write); rowwise
+    # the fused row kernel (1 read, 1 write) + the transposed view's (tiled: 2 reads, 1 write)
+    assert got["fp8-tensorwise/separate"]["train"]["bytes"] == 21 * n * n + 12 == 1_409_286_156
+    assert got["fp8-rowwise/separate"]["train"]["bytes"] == 24 * n * n + 24 * n == 1_610_809_344
+    assert got["fp8-rowwise-gw-hp/separate"]["train"]["bytes"] == 14 * n * n + 16 * n
     # the sum step: sum (read), two gradient additions (2 reads, 1 write), FP8's grad copy
     sum_extra = 2 * n * n + 2 * 3 * 2 * n * n
     assert got["bf16 nn.Linear"]["sum"]["bytes"] == sum_extra + 2  # + the 0-d sum's output

@@ -9,6 +9,7 @@ copy from the same reads, runs only where a backward GEMM reads that copy (x^T: 
 gradient; W^T: the input gradient). The FP8 copies (not x itself) are what is saved for
 backward, so activation memory is half of bf16's. The backward quantizes grad_out once, dual
 only when both gradients are FP8 GEMMs, and skips the GEMM of a gradient nobody asked for.
+Float8Recipe.transposed_copy="separate" makes the transposed copies after q instead (same bits).
 docs/lowp.md ("Passes over memory") lists what each recipe moves; tests/python/
 test_lowp_passes.py pins it.
 
@@ -60,26 +61,33 @@ class GatheredFloat8Weight:
 
 
 def _quantize(t: torch.Tensor, with_transposed: bool, scaling: str, fp8_dtype: torch.dtype,
-              pow2: bool) -> tuple[torch.Tensor | None, ...]:
+              pow2: bool, transposed_copy: str = "dual") -> tuple[torch.Tensor | None, ...]:
     """(q, s, qt, st); qt, st None unless asked for. The dual quantizer emits both from the
-    same reads; alone, q costs one read fewer on the GPU (row scaling) and no second write."""
-    if with_transposed:
+    same reads; alone, q costs one read fewer on the GPU (row scaling) and no second write.
+    transposed_copy="separate" (Float8Recipe) makes qt after q instead, with the same bits."""
+    if with_transposed and transposed_copy == "dual":
         return ops.fp8_quantize_dual(t, scaling, fp8_dtype, pow2)
-    return (*ops.fp8_quantize(t, scaling, fp8_dtype, pow2), None, None)
+    q, s = ops.fp8_quantize(t, scaling, fp8_dtype, pow2)
+    if not with_transposed:
+        return q, s, None, None
+    if scaling == "tensor":  # one scale: q^T is q's codes transposed
+        return q, s, q.t().contiguous(), s
+    return (q, s, *ops.fp8_quantize(t.t(), scaling, fp8_dtype, pow2))
 
 
 class _Float8MatmulFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, recipe: Float8Recipe,
                 gathered: GatheredFloat8Weight | None, grad_enabled: bool):
-        sc, p2, f8 = recipe.scaling, recipe.pow2_scale, recipe.forward_dtype
+        sc, p2, f8, tc = (recipe.scaling, recipe.pow2_scale, recipe.forward_dtype,
+                          recipe.transposed_copy)
         # needs_input_grad follows requires_grad even under no_grad, where no backward follows
         need_gx = grad_enabled and ctx.needs_input_grad[0]
         need_gw = grad_enabled and ctx.needs_input_grad[1]
         fp8_wgrad = need_gw and not recipe.grad_weight_high_precision
-        xq, xs, xtq, xts = _quantize(x, fp8_wgrad, sc, f8, p2)  # x^T: the FP8 wgrad's operand
+        xq, xs, xtq, xts = _quantize(x, fp8_wgrad, sc, f8, p2, tc)  # x^T: the FP8 wgrad's
         if gathered is None:
-            wq, ws, wtq, wts = _quantize(weight, need_gx, sc, f8, p2)  # W^T: the dgrad's
+            wq, ws, wtq, wts = _quantize(weight, need_gx, sc, f8, p2, tc)  # W^T: the dgrad's
         else:
             wq, ws = gathered.data, gathered.scale
             wtq, wts = gathered.transposed() if need_gx else (None, None)
@@ -107,7 +115,8 @@ class _Float8MatmulFn(torch.autograd.Function):
         else:
             xtq, xts, wtq, wts = ctx.saved_tensors
             if need_gx:  # g for the dgrad, and g^T from the same reads when the wgrad wants it
-                gq, gs, gtq, gts = _quantize(g, need_gw, r.scaling, r.grad_dtype, r.pow2_scale)
+                gq, gs, gtq, gts = _quantize(g, need_gw, r.scaling, r.grad_dtype, r.pow2_scale,
+                                             r.transposed_copy)
             elif need_gw:  # g^T alone: quantizing the transposed view writes only its codes
                 gtq, gts, _, _ = _quantize(g.t(), False, r.scaling, r.grad_dtype, r.pow2_scale)
             if need_gw:

@@ -5,6 +5,12 @@
                      scales (exact dequantization, as torchao's rowwise recipe)
   fp8-rowwise-gw-hp  rowwise, but grad_weight = grad_output^T @ x in high precision (the GEMM
                      whose error hurts most, torchao's rowwise_with_gw_hp)
+
+transposed_copy chooses how a transposed FP8 copy (the x^T, W^T, g^T a backward GEMM reads) is
+made, with the same bits either way: "dual" (default) emits it from the quantizer's own reads
+(fewest bytes: 2 reads, 2 one-byte writes per element); "separate" quantizes q alone, then
+transposes q's codes (tensorwise) or quantizes the input's transposed view (rowwise): more bytes,
+other kernels. Which is faster is a GPU measurement (benchmarks/bench_lowp.py times both).
 """
 
 from __future__ import annotations
@@ -22,10 +28,14 @@ class Float8Recipe:
     grad_weight_high_precision: bool
     forward_dtype: torch.dtype = torch.float8_e4m3fn
     grad_dtype: torch.dtype = torch.float8_e5m2
+    transposed_copy: str = "dual"  # "dual" or "separate" (module docstring)
 
     def __post_init__(self):
         if self.scaling not in ("tensor", "row"):
             raise ValueError(f"scaling must be 'tensor' or 'row', got {self.scaling!r}")
+        if self.transposed_copy not in ("dual", "separate"):
+            raise ValueError(f"transposed_copy must be 'dual' or 'separate', got "
+                             f"{self.transposed_copy!r}")
 
 
 RECIPES: dict[str, Float8Recipe] = {
