@@ -7,6 +7,11 @@
 // the host rows directly. Either way a bad index raises IndexError naming its position and value,
 // and is never dereferenced.
 //
+// locality="sorted": on CUDA the op sorts the index on the device (at::sort, stream-ordered) and
+// the kernel reads the rows in that order, writing each to its own position; "index" (the
+// default) reads them as given. kernel: "auto", "warp" or "grouped" (cuda/gather.cuh). Both are
+// validated on every backend; the CPU gather's result does not depend on them and ignores them.
+//
 // bad_index (optional, int64 [2], initialised to -1): the deferred check. The op then neither
 // raises nor, on CUDA, synchronises: the (position, value) of a bad index is stored there unless
 // slot 0 already holds one, and the caller raises later. On CUDA it lives on out's device (the
@@ -67,6 +72,17 @@ const at::Tensor& check_bad_index(const at::Tensor& bad) {
   return bad;
 }
 
+bool sorted_locality(const std::string& locality) {
+  TORCH_CHECK_VALUE(locality == "index" || locality == "sorted",
+                    "gather_rows: locality must be 'index' or 'sorted', got '", locality, "'");
+  return locality == "sorted";
+}
+
+void check_kernel_name(const std::string& kernel) {
+  TORCH_CHECK_VALUE(kernel == "auto" || kernel == "warp" || kernel == "grouped",
+                    "gather_rows: kernel must be 'auto', 'warp' or 'grouped', got '", kernel, "'");
+}
+
 GatherIndex core_index(const at::Tensor& index, const at::Tensor& contiguous) {
   return {contiguous.data_ptr(),
           index.scalar_type() == at::kInt ? IndexType::kInt32 : IndexType::kInt64,
@@ -76,7 +92,10 @@ GatherIndex core_index(const at::Tensor& index, const at::Tensor& contiguous) {
 void gather_rows_cpu(const at::Tensor& table, const at::Tensor& index,
                      const std::optional<at::Tensor>& cache_table,
                      const std::optional<at::Tensor>& cache_slots, const at::Tensor& out,
-                     const std::optional<at::Tensor>& bad_index) {
+                     const std::optional<at::Tensor>& bad_index, c10::string_view locality,
+                     c10::string_view kernel) {
+  sorted_locality(std::string(locality));  // checked; one CPU gather whatever the order
+  check_kernel_name(std::string(kernel));
   const int64_t row_bytes = check_gather_args(table, index, out);
   TL_CHECK_CPU(table);
   TL_CHECK_CPU(index);
@@ -113,7 +132,13 @@ void* mapped_or_throw(const void* host, const char* message) {
 void gather_rows_cuda(const at::Tensor& table, const at::Tensor& index,
                       const std::optional<at::Tensor>& cache_table,
                       const std::optional<at::Tensor>& cache_slots, const at::Tensor& out,
-                      const std::optional<at::Tensor>& bad_index) {
+                      const std::optional<at::Tensor>& bad_index, c10::string_view locality,
+                      c10::string_view kernel) {
+  const bool sorted = sorted_locality(std::string(locality));
+  check_kernel_name(std::string(kernel));
+  const cuda::GatherKernel shape = kernel == "warp"      ? cuda::GatherKernel::kWarpPerRow
+                                   : kernel == "grouped" ? cuda::GatherKernel::kGrouped
+                                                         : cuda::GatherKernel::kAuto;
   const int64_t row_bytes = check_gather_args(table, index, out);
   TORCH_CHECK_VALUE(out.is_cuda(), "gather_rows: out must be a CUDA tensor, got ", out.device());
   const at::Device device = out.device();
@@ -159,7 +184,14 @@ void gather_rows_cuda(const at::Tensor& table, const at::Tensor& index,
   const at::Tensor idx = index.contiguous();
   a.num_rows = table.size(0);
   a.row_bytes = row_bytes;
+  a.kernel = shape;
   a.index = idx.data_ptr();
+  at::Tensor sorted_index, order;  // live until the kernel is queued (stream-ordered frees)
+  if (sorted) {
+    std::tie(sorted_index, order) = at::sort(idx);
+    a.index = sorted_index.data_ptr();
+    a.order = order.data_ptr<int64_t>();
+  }
   a.index_is_int64 = index.scalar_type() == at::kLong;
   a.count = idx.numel();
   a.out = out.data_ptr();

@@ -51,10 +51,13 @@ TORCH_LIBRARY(tierlift, m) {
   // out[i] = table[index[i]]; on CUDA, table is pinned mapped host memory (or a CUDA tensor) and
   // rows whose cache_slots entry is >= 0 are read from cache_table instead. Bad index: IndexError,
   // or with bad_index (int64 [2], -1 = none yet) its (position, value) is stored there instead,
-  // and the CUDA op does not synchronise (the caller checks later).
+  // and the CUDA op does not synchronise (the caller checks later). locality: "index" reads rows
+  // in index order, "sorted" in ascending row order (each still lands at its own position).
+  // kernel: "auto" | "warp" | "grouped" (the CUDA kernel's shape). The CPU gather ignores both.
   m.def(
       "gather_rows(Tensor table, Tensor index, Tensor? cache_table, Tensor? cache_slots, "
-      "Tensor(a!) out, Tensor(b!)? bad_index=None) -> ()");
+      "Tensor(a!) out, Tensor(b!)? bad_index=None, str locality=\"index\", "
+      "str kernel=\"auto\") -> ()");
 
   // ---- lowp: FP8 quantizers (csrc/torch/lowp_ops.cpp) ----
   // x: 2-D fp32/bf16/fp16; scaling: tensor | row | col | 1x128 | 128x128; fp8_dtype:

@@ -204,7 +204,7 @@ if _HAS_ADVANCE_STEPS:
 
 
 def gather_rows(table, index, out, *, cache_table=None, cache_slots=None,
-                bad_index=None) -> None:
+                bad_index=None, locality="index", kernel="auto") -> None:
     """out[i] = table[index[i]] (rows of any size and dtype), bounds-checked.
 
     On CUDA (`out` on the GPU), `table` is a CPU tensor in pinned, mapped host memory that the
@@ -213,17 +213,35 @@ def gather_rows(table, index, out, *, cache_table=None, cache_slots=None,
     With `bad_index` (int64 [2] holding -1s, on out's device) the check is deferred: nothing
     raises and the CUDA op does not synchronise; the (position, value) of a bad index is stored
     there unless slot 0 already holds one, and that row of `out` is not written.
+    `locality="sorted"` has the CUDA kernel read rows in ascending row order (the index sorted
+    on the device; each row still lands at its own position); `kernel` ("auto", "warp",
+    "grouped") picks the CUDA kernel's shape. The CPU gather ignores both (same result).
     """
+    _check_gather_choices(locality, kernel)
     if _extension.available() and (out.device.type == "cpu" or _extension.has_cuda_kernels()):
-        torch.ops.tierlift.gather_rows(table, index, cache_table, cache_slots, out, bad_index)
+        torch.ops.tierlift.gather_rows(table, index, cache_table, cache_slots, out, bad_index,
+                                       locality, kernel)
     else:
         reference.gather_rows(table, index, cache_table, cache_slots, out, bad_index)
+
+
+GATHER_LOCALITIES = ("index", "sorted")
+GATHER_KERNELS = ("auto", "warp", "grouped")
+
+
+def _check_gather_choices(locality, kernel) -> None:
+    if locality not in GATHER_LOCALITIES:
+        raise ValueError(f"gather_rows: locality must be one of {GATHER_LOCALITIES}, "
+                         f"got {locality!r}")
+    if kernel not in GATHER_KERNELS:
+        raise ValueError(f"gather_rows: kernel must be one of {GATHER_KERNELS}, got {kernel!r}")
 
 
 if _extension.available():
 
     @torch.library.register_fake("tierlift::gather_rows")
-    def _gather_rows_fake(table, index, cache_table, cache_slots, out, bad_index=None):
+    def _gather_rows_fake(table, index, cache_table, cache_slots, out, bad_index=None,
+                          locality="index", kernel="auto"):
         return None
 
 

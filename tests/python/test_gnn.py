@@ -48,7 +48,7 @@ def test_cpu_gather_matches_index_select(dtype, row_elems, index_dtype):
 def test_sorted_gather(device):
     table = torch.randn(500, 7)
     idx = make_index(500, 1000, torch.int64)
-    with FeatureStore(table, device=device, sort=True) as store:
+    with FeatureStore(table, device=device, locality="sorted") as store:
         assert torch.equal(store.gather(idx).cpu(), table[idx])
         with pytest.raises(IndexError, match=r"index\[5\] = 500"):
             bad = idx.clone()

@@ -27,6 +27,7 @@ from tierlift import _extension, ops
 _PIN_MODES = ("inplace", "copy")
 _CACHE_POLICIES = ("degree", "frequency")
 _CHECKS = ("sync", "async")
+_LOCALITIES = ("index", "sorted")
 _FREQUENCY_WARMUP = 8  # gathers counted before a frequency-policy cache is filled
 
 
@@ -38,7 +39,8 @@ class FeatureStoreOptions:
     cache: float = 0.0
     cache_policy: str = "degree"
     device: str | torch.device = "cuda"
-    sort: bool = False
+    locality: str = "index"
+    sort: bool = False  # deprecated: locality="sorted"
     check: str = "sync"
 
     def __post_init__(self):
@@ -53,6 +55,12 @@ class FeatureStoreOptions:
         self.device = torch.device(self.device)
         if not isinstance(self.sort, bool):
             raise TypeError(f"sort must be a bool, got {type(self.sort).__name__}")
+        if self.locality not in _LOCALITIES:
+            raise ValueError(f"locality must be one of {_LOCALITIES}, got {self.locality!r}")
+        if self.sort:
+            warnings.warn("FeatureStore(sort=True) is deprecated; use locality='sorted'",
+                          DeprecationWarning, stacklevel=3)
+            self.locality = "sorted"
         if self.check not in _CHECKS:
             raise ValueError(f"check must be one of {_CHECKS}, got {self.check!r}")
         if self.device.type not in ("cpu", "cuda"):
@@ -113,8 +121,10 @@ class FeatureStore:
         degrees: per-row degree (or any hotness score), needed by cache_policy="degree".
         device: where gather results live; "cuda" falls back to "cpu" with a warning when this
             machine or build has no CUDA.
-        sort: gather rows in ascending row order (then scatter them back into place), so
-            neighbouring rows share host memory requests; helps small rows on large tables.
+        locality: "index" reads rows in the order of the index; "sorted" has the CUDA kernel
+            read them in ascending row order (the index is sorted on the GPU, each row still
+            lands at its own position), so neighbouring requests share host pages. The CPU
+            gather is the same either way. `sort=True` is the deprecated spelling of "sorted".
         check: bounds checking of a GPU index on a CUDA store. "sync" reads the kernel's flag
             back (one stream synchronisation per gather); "async" does not: a bad index is still
             never read (nor its output row written), and IndexError is raised by a later
@@ -124,10 +134,12 @@ class FeatureStore:
     """
 
     def __init__(self, features, *, pin="inplace", cache=0.0, cache_policy="degree",
-                 degrees=None, device="cuda", sort=False, check="sync", dtype=None, shape=None):
+                 degrees=None, device="cuda", locality="index", sort=False, check="sync",
+                 dtype=None, shape=None):
         _extension.require("extension")
         self.options = FeatureStoreOptions(pin=pin, cache=cache, cache_policy=cache_policy,
-                                           device=device, sort=sort, check=check)
+                                           device=device, locality=locality, sort=sort,
+                                           check=check)
         table, file_backed = _load_features(features, dtype, shape)
         self._check_table(table)
         self.device = self.options.device
@@ -275,17 +287,7 @@ class FeatureStore:
         kwargs = {"bad_index": self._bad} if deferred else {}
         if self._cache_table is not None:
             kwargs.update(cache_table=self._cache_table, cache_slots=self._cache_slots)
-        if not self.options.sort:
-            ops.gather_rows(self._table, index, out, **kwargs)
-            return
-        sorted_index, order = torch.sort(index)
-        rows = torch.empty_like(out)
-        try:
-            ops.gather_rows(self._table, sorted_index, rows, **kwargs)
-        except IndexError:
-            self._validate_host_index(index.cpu())  # name the position in the caller's index
-            raise
-        out.index_copy_(0, order, rows)
+        ops.gather_rows(self._table, index, out, locality=self.options.locality, **kwargs)
 
     def close(self) -> None:
         """Unregisters the host memory and frees the cache; later gathers raise. Idempotent."""
