@@ -8,9 +8,16 @@ CPU: tierlift's multithreaded C++ gather vs torch.index_select (both into a prea
 both with all cores) for rows of 64 B to 4 KiB, beside a contiguous copy_ of the same bytes
 (the bound: a gather moves those bytes plus random access). GPU (when present): tierlift's
 zero-copy gather from pinned host memory vs pinned host-to-device copy_ of the same number of
-bytes (the PCIe limit) and vs the plain-PyTorch path (CPU index_select + pin + copy). GB/s
-counts gathered bytes. Prints a table and writes benchmarks/results/bench_gather_<cpu|gpu>.json,
-rewritten after every row (a run cut short keeps the rows it measured).
+bytes (the PCIe limit) and vs the plain-PyTorch path (CPU index_select + pin + copy), and the
+kernel's variants side by side, timed in turn within each round: one warp per row ("warp", the
+kernel tierlift had), lanes sized to the row ("grouped"), each also reading the rows in
+ascending row order ("_sorted": the index sorted on the GPU, its time included; "sort" is that
+sort alone). Each gets GB/s, M rows/s and its fraction of the copy, to tell a per-row limit
+in the kernel's issue (grouped beats warp) from one per host page (sorted beats unsorted) and
+from one per PCIe request (neither helps). The table is registered once (pinned in place, as
+FeatureStore does) and viewed at each row size. GB/s counts gathered bytes. Prints a table and
+writes benchmarks/results/bench_gather_<cpu|gpu>.json, rewritten after every row (a run cut
+short keeps the rows it measured).
 """
 
 from __future__ import annotations
@@ -19,13 +26,16 @@ import argparse
 import json
 import os
 import platform
+import statistics
+import time
 from pathlib import Path
 
 import torch
 
 import tierlift
-from common import interleaved_medians, median_time
+from common import interleaved_medians
 from plots import plot_gather, plot_json
+from tierlift import ops
 from tierlift.gnn import FeatureStore
 
 ROW_BYTES = [64, 128, 256, 512, 1024, 2048, 4096]
@@ -53,27 +63,86 @@ def bench_cpu(row_bytes, table_bytes, out_bytes, repeats):
             "speedup": t_torch / t_ours, "fraction_of_copy": t_copy / t_ours}
 
 
-def bench_gpu(row_bytes, table_bytes, out_bytes, repeats):
-    rows = table_bytes // row_bytes
+# Kernel variants the GPU part times side by side: (kernel, locality).
+GPU_VARIANTS = {"warp": ("warp", "index"), "grouped": ("grouped", "index"),
+                "warp_sorted": ("warp", "sorted"), "grouped_sorted": ("grouped", "sorted")}
+
+
+def gpu_medians(fns: dict, repeats: int) -> dict:
+    """{name: median seconds of fns[name]()}, synchronised around each call, the contenders
+    timed in turn within each round (one warm-up call each first)."""
+    sync = torch.cuda.synchronize
+    for fn in fns.values():
+        fn()
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def bench_gpu(base, row_bytes, out_bytes, repeats):
+    """`base`: the registered fp32 table, viewed here as rows of `row_bytes`."""
+    table = base.view(-1, row_bytes // 4)
+    rows = table.shape[0]
     n = out_bytes // row_bytes
-    table = torch.randn(rows, row_bytes // 4)
     idx_cpu = torch.randint(0, rows, (n,))
     idx = idx_cpu.cuda()
-    sync = torch.cuda.synchronize
-    store = FeatureStore(table, pin="inplace")
+    store = FeatureStore(table)  # the memory is registered already: nothing pinned again
     out = torch.empty(n, row_bytes // 4, device="cuda")
-    t_ours = median_time(lambda: store.gather(idx, out=out), repeats=repeats, sync=sync)
+    outs = {name: torch.empty_like(out) for name in GPU_VARIANTS}
+    flag = torch.full((2,), -1, dtype=torch.long, device="cuda")  # deferred check: no sync
     src = torch.empty(n * row_bytes, dtype=torch.uint8).pin_memory()
     dst = torch.empty_like(src, device="cuda")
-    t_copy = median_time(lambda: dst.copy_(src, non_blocking=True), repeats=repeats, sync=sync)
-    t_cpu = median_time(lambda: table.index_select(0, idx_cpu).pin_memory().to("cuda"),
-                        repeats=repeats, sync=sync)
-    assert torch.equal(out.cpu(), table[idx_cpu])
+
+    def variant(name):
+        kernel, locality = GPU_VARIANTS[name]
+        return lambda: ops.gather_rows(table, idx, outs[name], bad_index=flag, kernel=kernel,
+                                       locality=locality)
+
+    fns = {"tierlift": lambda: store.gather(idx, out=out),  # as a user calls it
+           **{name: variant(name) for name in GPU_VARIANTS},
+           "sort": lambda: torch.sort(idx),
+           "copy": lambda: dst.copy_(src, non_blocking=True),
+           "cpu_path": lambda: table.index_select(0, idx_cpu).pin_memory().to("cuda")}
+    t = gpu_medians(fns, repeats)
+    want = table[idx_cpu]
+    assert torch.equal(out.cpu(), want)
+    for name in GPU_VARIANTS:
+        assert torch.equal(outs[name].cpu(), want), name
+    assert flag.tolist() == [-1, -1]
     store.close()
     gb = n * row_bytes / 1e9
-    return {"row_bytes": row_bytes, "rows_gathered": n, "tierlift_gbs": gb / t_ours,
-            "pinned_copy_gbs": gb / t_copy, "cpu_path_gbs": gb / t_cpu,
-            "fraction_of_copy": t_copy / t_ours, "speedup_vs_cpu_path": t_cpu / t_ours}
+    result = {"row_bytes": row_bytes, "rows_gathered": n, "tierlift_gbs": gb / t["tierlift"],
+              "pinned_copy_gbs": gb / t["copy"], "cpu_path_gbs": gb / t["cpu_path"],
+              "fraction_of_copy": t["copy"] / t["tierlift"],
+              "speedup_vs_cpu_path": t["cpu_path"] / t["tierlift"], "sort_ms": 1e3 * t["sort"]}
+    for name in ("tierlift", *GPU_VARIANTS):
+        result[f"{name}_mrows_s"] = n / t[name] / 1e6
+        if name != "tierlift":
+            result[f"{name}_gbs"] = gb / t[name]
+            result[f"{name}_of_copy"] = t["copy"] / t[name]
+    return result
+
+
+def print_gpu_table(results):
+    """One line per row size and contender: GB/s, M rows/s, fraction of the pinned copy."""
+    print("\nGPU zero-copy gather: default (FeatureStore.gather), kernel variants, pinned copy_ "
+          "and CPU index_select+pin+copy (sorted variants include the sort)")
+    print(f"{'row B':>6} | {'contender':>15} | {'GB/s':>7} | {'M rows/s':>8} | {'of copy':>7}")
+    for r in results:
+        n, gb = r["rows_gathered"], r["rows_gathered"] * r["row_bytes"] / 1e9
+        lines = [("tierlift", r["tierlift_gbs"]), *((v, r[f"{v}_gbs"]) for v in GPU_VARIANTS),
+                 ("pinned copy_", r["pinned_copy_gbs"]), ("cpu path", r["cpu_path_gbs"])]
+        for name, gbs in lines:
+            rows_s = n / (gb / gbs) / 1e6
+            print(f"{r['row_bytes']:>6} | {name:>15} | {gbs:>7.2f} | {rows_s:>8.1f} | "
+                  f"{gbs / r['pinned_copy_gbs']:>7.2f}")
+        print(f"{r['row_bytes']:>6} | {'sort alone':>15} | {r['sort_ms']:.3f} ms")
 
 
 def print_table(title, results):
@@ -112,7 +181,7 @@ def main():
         path = written[kind] = out_dir / f"bench_gather_{kind}.json"
         results = []
         for rb in ROW_BYTES:
-            results.append(bench(rb, tb, ob, args.repeats))
+            results.append(bench(rb, ob, args.repeats))
             print(f"  {kind} {rb} B rows: {results[-1]['tierlift_gbs']:.2f} GB/s", flush=True)
             path.write_text(json.dumps(
                 {"machine": machine, "args": vars(args), "results": results}, indent=2))
@@ -120,11 +189,16 @@ def main():
 
     if not args.gpu_only:
         print_table("CPU gather: tierlift vs torch.index_select and a contiguous copy_ of the same "
-                    "bytes (GB/s; speedup = vs index_select)", run("cpu", bench_cpu))
+                    "bytes (GB/s; speedup = vs index_select)",
+                    run("cpu", lambda rb, ob, reps: bench_cpu(rb, tb, ob, reps)))
     if torch.cuda.is_available() and not args.cpu_only:
         machine["gpu"] = torch.cuda.get_device_name()
-        print_table("GPU zero-copy gather vs pinned copy_ and CPU index_select+pin+copy",
-                    run("gpu", bench_gpu))
+        base = torch.randn(tb // 4)  # one table for every row size, registered once
+        registration = tierlift._extension._C.HostRegistration(base)
+        try:
+            print_gpu_table(run("gpu", lambda rb, ob, reps: bench_gpu(base, rb, ob, reps)))
+        finally:
+            registration.close()
     if args.plot:
         png = Path(args.plot)
         for kind, path in written.items():
