@@ -294,8 +294,13 @@ class Offloader(StateIO, ChunkStep):
         stats = defaultdict(float)
         spec, total = {}, None
         if self.overlap is not None:
-            total = self._abandon_if_redone(grad_scale, found_inf)
+            total, abandoned = self._abandon_if_redone(grad_scale, found_inf)
             spec = self.overlap.finish(stats)
+            if abandoned:  # stepped again whatever a check finds: not checked at all
+                # redone: every chunk taken on during backward, stepped ahead or left
+                stats["overlap_redone_chunks"] += (sum(len(v) for v in spec.values())
+                                                   + stats["overlap_abandoned_chunks"])
+                spec = {}
         try:
             self._step_from(spec, stats, t0, seen, grad_scale, found_inf, total)
         finally:  # spare blocks this step did not commit go back (tiers.MemoryTier)
@@ -306,16 +311,19 @@ class Offloader(StateIO, ChunkStep):
         """Before waiting for the overlap's worker: where this step will be skipped (the
         scaler found inf/NaN) or its gradients clipped, every chunk stepped ahead would be
         stepped again, so the worker leaves the chunks it has not started (a worker behind
-        backward would otherwise make step() wait for work it throws away). Returns the
-        clip's norm (gradients.norm_ahead) for _step_from to reuse, or None."""
+        backward would otherwise make step() wait for work it throws away), and step()
+        steps every chunk itself, with no fingerprint taken or compared. Returns the clip's
+        norm (gradients.norm_ahead) for _step_from to reuse, or None, and whether the worker
+        was told to stop."""
         scale = None if grad_scale is None else scale_value(grad_scale)
         # taken whatever this rank's found_inf says: under ZeRO the norm is a collective
         total = gradients.norm_ahead(self, scale)
         skipped = (found_inf is not None
                    and float(found_inf.detach().float().sum().item()) != 0.0)
-        if skipped or (total is not None and gradients.clips(self, total)):
+        abandon = skipped or (total is not None and gradients.clips(self, total))
+        if abandon:
             self.overlap.abandon()
-        return total
+        return total, abandon
 
     def _step_from(self, spec: dict, stats, t0: float, seen, grad_scale, found_inf,
                    total=None) -> None:
