@@ -8,10 +8,11 @@ Contenders, each its own model and optimizer, timed in turn within each round:
   wait      overlap=True with that switched off (step() waits for every chunk the worker
             queued during backward, then steps them all again): the behaviour before
   no-overlap  overlap=False
-The model is a stack of wide Linear layers on a small batch, so the CPU Adam of the chunks
-outlasts backward (as for a large model on a GPU, whose backward is short against the host's
-Adam): the worker is behind when step() starts. Each row gives the median step() and whole
-iteration (forward + backward + step) time and the chunks the worker left.
+The model stands in for a large one on a GPU: a stack of tables whose backward is a device's
+(the host sleeps BWD_S per table, then the table's gradient lands), so the worker has the cores
+during backward, as on a GPU machine, and backward is short against the CPU Adam of the chunks
+(each table 4M parameters): the worker is behind when step() starts. Each row gives the median
+step() and whole iteration (forward + backward + step) time and the chunks the worker left.
 """
 
 from __future__ import annotations
@@ -29,21 +30,45 @@ CONTENDERS = ("abandon", "wait", "no-overlap")
 MAX_NORM = 1e-8  # below any of these gradients' norms: every step clips
 
 
-def _model(params: float) -> torch.nn.Module:
-    width = 1024
-    layers = max(2, round(params / (width * width)))
-    torch.manual_seed(0)
-    return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+BWD_S = 0.001  # a table's backward on the device, the host waiting for it
+
+
+class _DeviceTable(torch.autograd.Function):
+    """A table's forward and backward as the host sees a device's: it waits, then the
+    gradient is there."""
+
+    @staticmethod
+    def forward(ctx, table, grad):
+        ctx.grad = grad
+        return table[0].sum()
+
+    @staticmethod
+    def backward(ctx, _):
+        time.sleep(BWD_S)
+        return ctx.grad, None
+
+
+class _Tables(torch.nn.Module):
+    def __init__(self, params: float):
+        super().__init__()
+        rows, width = 4096, 1024
+        n = max(2, round(params / (rows * width)))
+        torch.manual_seed(0)
+        self.tables = torch.nn.ParameterList(
+            torch.nn.Parameter(torch.randn(rows, width)) for _ in range(n))
+        self.grads = [torch.randn(rows, width) for _ in range(n)]
+
+    def forward(self) -> torch.Tensor:
+        return sum(_DeviceTable.apply(t, g) for t, g in zip(self.tables, self.grads))
 
 
 class _Case:
     def __init__(self, name: str, params: float):
         self.name = name
-        self.model = _model(params)
+        self.model = _Tables(params)
         self.opt = AdamW(self.model.parameters(), lr=1e-4, offload="cpu",
                          overlap=name != "no-overlap", max_grad_norm=MAX_NORM,
                          chunk_bytes=4 << 20)
-        self.x = torch.randn(4, 1024)
         self.steps, self.iters, self.left = [], [], []
 
     def run(self, record: bool) -> None:
@@ -52,7 +77,7 @@ class _Case:
             Overlap.abandon = lambda self: None  # noqa: E731 - step() waits for every chunk
         try:
             t0 = time.perf_counter()
-            self.model(self.x).square().mean().backward()
+            self.model().backward()
             t = time.perf_counter()
             self.opt.step()
             end = time.perf_counter()
