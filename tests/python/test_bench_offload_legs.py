@@ -96,3 +96,18 @@ def test_legs_host_idle_prints_the_optimizer_work_ratio(tmp_path, monkeypatch, c
                 for name in (tier, f"{tier}+ovl")]
         assert (without, with_) == pytest.approx(work, abs=0.051)
         assert ratio == pytest.approx(work[1] / work[0], abs=0.006)
+
+
+def test_clipped_table_on_a_small_model(monkeypatch, capsys):
+    """bench_offload.py --clipped: every contender clips every step (the bench asserts it),
+    the row for each is there, and the one that waits leaves no chunk."""
+    import offload_clipped
+
+    saved = {}
+    monkeypatch.setattr(offload_clipped, "write_json", lambda name, payload: saved.update(payload))
+    assert offload_clipped.bench_clipped(argparse.Namespace(params=8.4e6, repeats=1)) == 0
+    rows = {r["contender"]: r for r in saved["rows"]}
+    assert list(rows) == list(offload_clipped.CONTENDERS)
+    assert rows["wait"]["chunks_left"] == 0 and rows["no-overlap"]["chunks_left"] == 0
+    assert all(r["chunks"] >= 2 and r["step_ms"] > 0 for r in rows.values())
+    assert "Clipped steps, overlapped" in capsys.readouterr().out
