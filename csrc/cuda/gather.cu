@@ -152,7 +152,8 @@ __global__ void __launch_bounds__(kThreads)
 // (pass row) * groups + g from the lanes that loaded them, so the groups of a warp fill
 // consecutive output rows together. kAligned (host-checked): rows are whole 16-byte units on
 // 16-byte-aligned bases and lanes * 16 >= row_bytes, so a lane moves at most one unit per row
-// and issues the loads of a pass's rows before any store.
+// and issues the loads of a pass's rows before any store. Otherwise (16 or 32 lanes, for
+// copy_row's head and tail bytes) each group copies its rows one at a time, any unit.
 template <typename Idx, bool kAligned>
 __global__ void __launch_bounds__(kThreads)
     gather_grouped_kernel(GatherArgs a, const Idx* __restrict__ index, int lanes) {
