@@ -1,0 +1,72 @@
+"""What only a GPU shows in the offloaded step's master refresh (offload/masters.py): the
+master is in host memory and its parameter on the GPU, so comparing and refreshing them must
+not put tensors of two devices in one op (torch.where refuses that).
+
+On a CPU the parameter is a fake CUDA tensor (FakeTensorMode checks devices as CUDA does, no
+GPU needed); the GPU test edits device weights between backward and step() and compares the
+offloaded steps with offload="none" bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_offload_h2d import gpu_bf16_model, gpu_steps
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+import tierlift
+from tierlift.offload.masters import _same_bits, refresh_master
+
+pytestmark = pytest.mark.skipif(not tierlift._extension.available(),
+                                reason="compiled extension not loaded")
+
+
+def _fake_cuda(mode: FakeTensorMode, n: int, dtype: torch.dtype) -> torch.Tensor:
+    return FakeTensor(mode, torch.empty(n, dtype=dtype, device="meta"), torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_host_master_of_a_gpu_parameter_is_compared_and_refreshed_on_the_host(dtype):
+    mode = FakeTensorMode()
+    master = mode.from_tensor(torch.zeros(64))
+    p = _fake_cuda(mode, 64, dtype)
+    with mode:
+        assert _same_bits(master, p).device == master.device
+        refresh_master(master, p)  # raised a device mismatch before (torch.where)
+    assert master.device.type == "cpu"
+
+
+def test_the_fake_device_check_catches_a_mixed_device_op():
+    """Control: the stand-in refuses what torch refuses on a GPU."""
+    mode = FakeTensorMode()
+    master = mode.from_tensor(torch.zeros(8))
+    p = _fake_cuda(mode, 8, torch.bfloat16)
+    with mode, pytest.raises(RuntimeError, match="same device"):
+        torch.where(p.view(torch.int16) == 0, master, master)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overlap", [False, True])
+def test_gpu_weights_edited_before_step_refresh_their_host_masters(overlap):
+    """bf16 weights on the GPU halved between backward and step() of the second step: the
+    offloaded optimizer refreshes their host masters from them (on the host) and gives,
+    bit for bit, what offload="none" gives (its kernel refreshes the device masters)."""
+
+    def run(**kw):
+        model = gpu_bf16_model()
+        calls = []
+
+        def halve():
+            calls.append(1)
+            if len(calls) == 2:
+                with torch.no_grad():
+                    model[0].weight.mul_(0.5)
+
+        opt = tierlift.optim.AdamW(model.parameters(), lr=1e-3, chunk_bytes=1 << 16, **kw)
+        stats = gpu_steps(model, opt, before_step=halve)
+        return [p.detach().cpu() for p in model.parameters()], stats
+
+    ref, _ = run()
+    got, stats = run(offload="cpu", overlap=overlap)
+    for a, b in zip(ref, got):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    assert sum(s.get("masters_refreshed", 0) for s in stats) > 0
