@@ -6,9 +6,10 @@ On a CPU the device is the stand-in of test_offload_h2d.py (every tensor a devic
 upload's event in flight until waited for, holding the bytes it read), plus stand-in streams:
 each records what it waited for, and the log says on which stream each upload and D2D copy went.
 The checks: weights bit-identical to offload="none" in every mode; an upload into the shadow
-only after the side stream waited for the last step's D2D copies out of it; a D2D copy only
-after the current stream waited for the side stream; uploads into the shadow on the side stream,
-the parameters' own uploads and the D2D copies on the current one. Controls show each order
+only after the side stream waited for the last step's D2D copies out of it, and for the current
+stream since the shadows were allocated there; a D2D copy only after the current stream waited
+for the side stream; uploads into the shadow on the side stream, the parameters' own uploads
+and the D2D copies on the current one. Controls show each order
 check fails without the wait it guards. The GPU test at the end runs on a real device."""
 
 from __future__ import annotations
@@ -37,11 +38,15 @@ class Stream:
         self.streams, self.name = streams, name
         self.waited: set = set()  # ids of the events it waited for
         self.side_seen = -1  # current: side uploads it waited for (wait_stream), by count
+        self.allocations_seen = -1  # side: shadow allocations it waited for, by count
 
     def wait_event(self, event) -> None:
         self.waited.add(event.id)
 
     def wait_stream(self, other) -> None:
+        if other.name == "current":  # the side stream, after the shadows' allocation
+            self.allocations_seen = self.streams.allocations
+            return
         assert other.name == "side"
         self.side_seen = self.streams.side_uploads
 
@@ -68,6 +73,7 @@ class Streams:
         self.copied: dict = {}  # shadow -> events recorded after D2D copies out of it
         self.copying = None  # the shadow of the D2D copies just issued
         self.side_uploads = 0
+        self.allocations = 0  # of the shadows (on the current stream)
         self.violations: list = []
         self.shadows: list = []  # buffers of the optimizer's shadows
         self.free = 1 << 40
@@ -86,6 +92,9 @@ class Streams:
             side = self.active
             if any(e.id not in side.waited for e in self.copied.get(shadow, [])):
                 self.violations.append("shadow rewritten before the D2D copies out of it")
+            if side.allocations_seen != self.allocations:
+                self.violations.append("shadow written before the side stream waited for the "
+                                       "current one, whose block it was given")
             self.side_uploads += 1
         else:
             self.log.append(("param upload", self.active.name))
@@ -125,6 +134,7 @@ def streams(device, monkeypatch):  # noqa: F811 - the fixture imported above
     real = device_staging.DeviceStaging._allocate
 
     def allocate(self):
+        st.allocations += 1
         real(self)
         st.shadows = [s.buffer for s in self.shadows if s is not None]
 
@@ -300,6 +310,23 @@ def test_without_the_current_streams_wait_an_early_copy_is_caught(streams, monke
     monkeypatch.setattr(Stream, "wait_stream", lambda self, other: None)
     _fit(_kw("cpu", tmp_path))
     assert "D2D copy before the current stream waited for the side" in streams.violations
+
+
+def test_without_the_wait_after_allocation_a_shadow_write_is_caught(streams, monkeypatch,
+                                                                    tmp_path):
+    """Control: the side stream writing the shadows without first waiting for the current
+    stream (the allocator handed the shadows blocks its earlier kernels may still use)."""
+    wait_stream = Stream.wait_stream
+
+    def side_only(self, other):
+        if other.name == "side":
+            wait_stream(self, other)
+
+    monkeypatch.setattr(Stream, "wait_stream", side_only)
+    _fit(_kw("cpu", tmp_path))
+    assert streams.violations == ["shadow written before the side stream waited for the "
+                                  "current one, whose block it was given"] * len(
+        [1 for what, _ in streams.log if what == "shadow upload"])
 
 
 def test_a_staging_buffer_rewritten_under_a_shadow_upload_is_caught(streams, monkeypatch,

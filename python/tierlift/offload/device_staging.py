@@ -127,6 +127,10 @@ class DeviceStaging:
                                             device=shadow.device)
                 if shadow.device not in self._sides:
                     self._sides[shadow.device] = side_stream(shadow.device)
+        # torch's allocator gave each shadow a block of the current stream, whose kernels
+        # queued before may still use that memory; the side stream writes it first.
+        for device, side in self._sides.items():
+            side.wait_stream(current_stream(device))
 
     def _need(self) -> dict:
         need: dict = {}
