@@ -208,6 +208,9 @@ def test_synchronize_before_each_chunk_fails_the_check(device, monkeypatch):
 
 def sleep_cycles(seconds: float) -> int:
     """The torch.cuda._sleep argument that keeps this GPU's stream busy for about `seconds`."""
+    # Launched once first: the kernel's lazy module load would otherwise fall between the two
+    # events, the cycles would seem slower and the sleep come out shorter than asked.
+    torch.cuda._sleep(1)
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
