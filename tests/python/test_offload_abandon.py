@@ -152,3 +152,33 @@ def test_step_the_scaler_skips_leaves_unstarted_chunks(held_worker):
     for a, b in zip(before, model.parameters()):
         assert torch.equal(a, b)
     opt.close()
+
+
+def test_a_refused_gradient_changes_nothing_and_the_next_step_is_exact(held_worker):
+    """A sparse gradient: step() refuses it, now before the clip's norm is taken, changes
+    nothing, and once the gradient is dense again training goes on exactly."""
+    held_worker["abandoned"].set()
+    ref_model, model = _model(), _model()
+    ref = AdamW(ref_model.parameters(), lr=1e-2)
+    opt = AdamW(model.parameters(), lr=1e-2, offload="cpu", overlap=True, max_grad_norm=1e9,
+                chunk_bytes=DIM * DIM * 4)
+    x = torch.randn(16, DIM)
+    for m, o in ((ref_model, ref), (model, opt)):
+        m(x).square().mean().backward()
+        o.step()
+        o.zero_grad(set_to_none=True)
+    model(x).square().mean().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    dense = model[0].weight.grad
+    model[0].weight.grad = dense.to_sparse()
+    with pytest.raises(RuntimeError, match="sparse gradient"):
+        opt.step()
+    for a, b in zip(before, model.parameters()):
+        assert torch.equal(a, b)
+    model[0].weight.grad = dense
+    opt.step()
+    ref_model(x).square().mean().backward()
+    ref.step()
+    for a, b in zip(ref_model.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    opt.close()
