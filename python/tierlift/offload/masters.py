@@ -16,21 +16,19 @@ _INTS = {4: torch.int32, 2: torch.int16}
 
 
 def _same_bits(master: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """Per element, on master's device: whether `p` is `master` rounded to p's dtype, bit for
-    bit (NaN payloads and signed zeros included). An offloaded master is in host memory and
-    its parameter on the GPU: p comes down (half the bytes of the master going up), and the
-    master is rounded on the host, as the blocking upload this replaced rounded it too."""
+    """Per element, on p's device: whether `p` is `master` rounded to p's dtype, bit for bit
+    (NaN payloads and signed zeros included)."""
     ints = _INTS[p.element_size()]
-    return master.to(dtype=p.dtype).view(ints) == p.detach().to(master.device).view(ints)
+    return master.to(device=p.device, dtype=p.dtype).view(ints) == p.detach().view(ints)
 
 
 def refresh_master(master: torch.Tensor, p: torch.Tensor) -> None:
     """Sets each element of the fp32 `master` whose rounding is no longer the parameter's
     value from the parameter; the others keep their low bits (a bf16/fp16 parameter that only
     took optimizer steps, or a resume that loaded both). Branch-free: no host sync where the
-    master and the parameter share a device; a host master of a GPU parameter (offload) is
-    compared and refreshed on the host, never with tensors of two devices in one op."""
-    same = _same_bits(master, p)
+    master and the parameter share a device. A host master of a GPU parameter (offload) takes
+    the mask down to the host: torch.where refuses tensors of two devices."""
+    same = _same_bits(master, p).to(master.device)
     master.copy_(torch.where(same, master, p.detach().to(device=master.device,
                                                          dtype=master.dtype)))
 
