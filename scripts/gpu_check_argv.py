@@ -80,8 +80,13 @@ def check_script(script: str, args: list[str]) -> str | None:
 
 def check_pytest(args: list[str]) -> str | None:
     for a in args:
-        if not a.startswith("-") and ("/" in a or a.endswith(".py")) and not os.path.exists(a):
+        path = a.split("::")[0]  # a node id: file::test
+        if not a.startswith("-") and ("/" in a or ".py" in path) and not os.path.exists(path):
             return f"pytest: no such path {a}"
+        if "::" in a and not a.startswith("-"):
+            with open(path) as f:
+                if f"def {a.split('::')[-1]}(" not in f.read():
+                    return f"pytest: no test {a}"
     if any(a.startswith("--timeout") for a in args):
         try:
             import pytest_timeout  # noqa: F401

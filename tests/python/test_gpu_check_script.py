@@ -48,6 +48,9 @@ def test_checker_catches_typos(tmp_path):
         "python3 examples/train_gpt.py --lowp fp9",                # value not among the choices
         "python3 benchmarks/bench_nothing.py --x 1",               # no such script
         "python3 -m pytest -m gpu tests/python/test_nothing.py",   # no such test file
+        "python3 -m pytest -m gpu tests/python/test_optim.py::test_nothing",  # no such test
+        "python3 -m pytest -m gpu "
+        "tests/python/test_optim.py::test_cuda_kernel_matches_cpu_kernel",  # fine
         "python3 -m torch.distributed.run --standalone --nproc-per-node 1 "
         "examples/train_gpt.py --zero 3",                           # fine
     ]) + "\n")
@@ -55,11 +58,12 @@ def test_checker_catches_typos(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1
     out = proc.stdout
-    assert "6 commands checked, 4 problem(s)" in out, out
+    assert "8 commands checked, 5 problem(s)" in out, out
     assert "unknown flags ['--stepz']" in out
     assert "invalid choice: 'fp9'" in out
     assert "bench_nothing.py: no such file" in out
     assert "no such path tests/python/test_nothing.py" in out
+    assert "no test tests/python/test_optim.py::test_nothing" in out
 
 
 
