@@ -273,4 +273,10 @@ def offloader(optimizer):
     off = getattr(optimizer, "_offload", None) if optimizer is not None else None
     if off is not None:
         off.check_lists()
+        if off.config.device_fraction:  # streamed from the tiers, which lack the device part
+            raise ValueError(
+                "tierlift.checkpoint does not save or load an optimizer built with "
+                f"device_fraction={off.config.device_fraction} (its files are streamed from "
+                "the offloaded tiers, which do not hold the device part's state); save "
+                "optimizer.state_dict() with torch.save instead")
     return off

@@ -10,6 +10,15 @@ _KINDS = ("none", "cpu", "nvme", "hybrid")
 _ALIGN_ELEMS = 1024  # 4 KiB of fp32: the O_DIRECT alignment of every chunk
 
 
+def check_fraction(fraction) -> None:
+    """A device_fraction as OffloadConfig takes it: a number in [0, 1)."""
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+        raise TypeError(f"device_fraction must be a float in [0, 1), got {fraction!r}")
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"device_fraction must be in [0, 1) (the share of the parameters, by "
+                         f"elements, whose state stays beside them), got {fraction!r}")
+
+
 @dataclass(kw_only=True)
 class OffloadConfig:
     """offload: "none" (state next to the parameter), "cpu" (fp32 master, m, v in host memory,
@@ -48,7 +57,11 @@ class OffloadConfig:
     device still has twice the shadow's bytes free after the first step (its forward and
     backward included), so a model that fits without it is never pushed out of memory; True:
     on from the start, refused at construction where a shadow cannot be made or does not fit;
-    False: off."""
+    False: off. `device_fraction` (DeepSpeed ZeRO-Offload++'s "ratio"): the share of the
+    parameters, by elements, whose state is not offloaded but kept beside them and stepped by
+    the optimizer's own kernel after the offloaded part: whole parameters from the first of the
+    first param group on, whose gradients come last in backward (tierlift.offload.device_part;
+    docs/offload.md, "A device share of the state")."""
 
     offload: str = "none"
     nvme_path: str | os.PathLike | None = None
@@ -63,8 +76,16 @@ class OffloadConfig:
     durable: bool | Literal["fresh"] = False
     skip_nonfinite: bool = False
     device_staging: bool | None = None
+    device_fraction: float = 0.0
 
     def __post_init__(self):
+        check_fraction(self.device_fraction)
+        if self.device_fraction and self.offload == "none":
+            raise ValueError("device_fraction needs offload='cpu', 'nvme' or 'hybrid' (without "
+                             "offload all of the state stays beside the parameters)")
+        if self.device_fraction and self.durable:
+            raise ValueError("device_fraction cannot be combined with durable=True: a reopen "
+                             "finds only the state on NVMe, and the device part's would be lost")
         if not isinstance(self.skip_nonfinite, bool):
             raise TypeError(f"skip_nonfinite must be a bool, got {self.skip_nonfinite!r}")
         if self.device_staging is not None and not isinstance(self.device_staging, bool):

@@ -26,7 +26,6 @@ from __future__ import annotations
 import torch
 
 from tierlift.offload import d2h
-from tierlift.offload.layout import reserves
 
 _ALIGN = 256  # bytes between segments' starts: every dtype's view and a copy's best alignment
 
@@ -87,7 +86,8 @@ def _plan(off, gi: int) -> Shadow | str | None:
     """The shadow of group gi; None where it has no device parameter; a reason where it has
     some that cannot be staged."""
     params = off.opt.param_groups[gi]["params"]
-    device_params = [p for p in params if reserves(p) and d2h.on_device(p)]
+    device_params = [p for pi, p in enumerate(params)  # the tiers' (not the device part's)
+                     if off.layouts[gi].reserved[pi] and d2h.on_device(p)]
     if not device_params:
         return None
     if not all(stageable(p) for p in device_params):

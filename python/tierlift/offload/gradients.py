@@ -24,6 +24,8 @@ def collect(off) -> list[dict]:
                 continue
             name = off._name(gi, pi)
             if not off.layouts[gi].reserved[pi]:
+                if off.device_part.holds(gi, pi):  # stepped beside its parameter
+                    continue
                 raise RuntimeError(not_reserved(name, off.config.offload,
                                                 "has a gradient now"))
             if g.is_sparse:

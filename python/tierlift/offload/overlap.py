@@ -408,8 +408,8 @@ class Overlap:
         for gi, group in enumerate(offloader.opt.param_groups):
             for pi, p in enumerate(group["params"]):
                 self._where[p] = (gi, pi)
-                if not p.requires_grad:
-                    continue
+                if not p.requires_grad or offloader.device_part.holds(gi, pi):
+                    continue  # no state to step ahead (frozen, or kept on the device)
                 if is_shard(p):
                     self._handles.append(on_shard_grad_ready(p, hook))
                 else:

@@ -46,6 +46,7 @@ from tierlift.offload.checks import (
 )
 from tierlift.offload.chunk_step import ChunkStep
 from tierlift.offload.config import OffloadConfig
+from tierlift.offload.device_part import DevicePart
 from tierlift.offload.device_staging import DeviceStaging
 from tierlift.offload.durable import DurableState, claim_dir, durable_dir, read_manifest
 from tierlift.offload.layout import (
@@ -91,6 +92,11 @@ class Offloader(StateIO, ChunkStep):
         self._dir = None
         params = [p for g in optimizer.param_groups for p in g["params"]]
         self._zero = any(is_shard(p) for p in params)
+        # Parameters whose state stays beside them (device_part.py): no tier space, no chunks.
+        self.device_part = DevicePart(optimizer, config.device_fraction)
+        kept = [[reserves(p) and not self.device_part.holds(gi, pi)
+                 for pi, p in enumerate(g["params"])]
+                for gi, g in enumerate(optimizer.param_groups)]
         for gi, group in enumerate(optimizer.param_groups):
             for pi, p in enumerate(group["params"]):
                 if not p.is_contiguous():
@@ -120,9 +126,9 @@ class Offloader(StateIO, ChunkStep):
             not self.streamed or (config.offload in ("nvme", "hybrid")
                                   and config.nvme_generations == 1))
         # Per group: the kinds its tier holds (no master where every parameter is its own).
-        self._tier_kinds = [k if any(self._uses_master(p) for p in g["params"] if reserves(p))
-                            else k[1:]
-                            for g, k in zip(optimizer.param_groups, self._kinds)]
+        self._tier_kinds = [k if any(self._uses_master(p) for p, keep in zip(g["params"], ks)
+                                     if keep) else k[1:]
+                            for g, k, ks in zip(optimizer.param_groups, self._kinds, kept)]
         # A slot holds one chunk of every state kind (each 4 KiB aligned), plus fp32 grad and
         # copy staging for GPU params.
         slot_dtypes = dict(max(({k: d[k] for k in tk} for d, tk in
@@ -136,13 +142,13 @@ class Offloader(StateIO, ChunkStep):
             slot_dtypes.update(grad=torch.float32)
         self._slot_dtypes = slot_dtypes
         # Frozen parameters get no state (layout.reserves), as torch creates none for them.
-        largest = max((reserved_elems(g["params"]) for g in optimizer.param_groups), default=0)
+        largest = max((reserved_elems([p for p, keep in zip(g["params"], ks) if keep])
+                       for g, ks in zip(optimizer.param_groups, kept)), default=0)
         slots, chunk_elems = sizing.slots_and_chunk(config, slot_dtypes, largest)
         self.n_slots, self.chunk_elems = slots, chunk_elems
         self._in_file = [set() for _ in optimizer.param_groups]  # params whose master is stored
-        self.layouts = [build_layout(list(g["params"]), chunk_elems,
-                                     [reserves(p) for p in g["params"]])
-                        for g in optimizer.param_groups]
+        self.layouts = [build_layout(list(g["params"]), chunk_elems, ks)
+                        for g, ks in zip(optimizer.param_groups, kept)]
         self._device_staging = DeviceStaging.build(self)  # refuses before any state is made
         self._slot_kinds = list(slot_dtypes)
         self.overlap = None  # Overlap, set last
@@ -357,6 +363,7 @@ class Offloader(StateIO, ChunkStep):
                     finite = all_ranks_agree(self._params(), finite)
             elif self.config.skip_nonfinite:
                 finite, known = gradients.all_finite(self, live, spec)
+                finite = self.device_part.finite(finite, self._zero, self._params())
             else:  # stepped as torch steps it, NaN into the weights; the overlap still
                 # needs the fingerprints of the gradients its chunks were stepped with
                 finite, (_, known, _) = True, scan_grads(self, live, spec)
@@ -365,6 +372,7 @@ class Offloader(StateIO, ChunkStep):
                 for gi, group in enumerate(self.opt.param_groups):
                     if live[gi]:
                         check_group(self.opt, gi, group, self._kinds[gi])
+                self.device_part.check()
                 if self.config.max_grad_norm is not None:
                     scale, scaled = gradients.clip(self, stats, scale, total)
                     if scaled:  # a non-contiguous gradient was collected as a copy
@@ -385,7 +393,8 @@ class Offloader(StateIO, ChunkStep):
             reason = "non-finite gradient" if found_inf is None else "GradScaler found inf/NaN"
             self.last_step_stats = {"skipped": True, "reason": reason,
                                     "early_read_chunks": stats["early_read_chunks"],
-                                    "total_s": time.perf_counter() - t0}
+                                    "total_s": time.perf_counter() - t0,
+                                    **self.device_part.stats()}
             if found_inf is None:  # under a GradScaler a skipped step is its normal protocol
                 warnings.warn("tierlift offload: a gradient has NaN/Inf values; the step was "
                               "skipped and parameters and optimizer state are unchanged",
@@ -393,12 +402,21 @@ class Offloader(StateIO, ChunkStep):
             return
         self._scale_seen = scale
         scale_t = None if scale is None else torch.tensor([scale], dtype=torch.float32)
-        if self.streamed:
-            self._step_streamed(live, spec, stats, early, scale_t, known)
-        else:
-            for gi, group in enumerate(self.opt.param_groups):
-                if live[gi]:
-                    self._step_resident(gi, group, live[gi], stats, scale_t)
+        self.device_part.prepare()
+        try:
+            if self.streamed:
+                self._step_streamed(live, spec, stats, early, scale_t, known)
+            else:
+                for gi, group in enumerate(self.opt.param_groups):
+                    if live[gi]:
+                        self._step_resident(gi, group, live[gi], stats, scale_t)
+        except BaseException:
+            self.device_part.forget()
+            raise
+        t = time.perf_counter()
+        self.device_part.launch(scale_t)  # after the offloaded part committed
+        stats["device_part_s"] += time.perf_counter() - t
+        stats.update(self.device_part.stats())
         stats["total_s"] = time.perf_counter() - t0
         stats["skipped"] = False
         self.last_step_stats = dict(stats)

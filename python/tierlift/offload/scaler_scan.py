@@ -81,6 +81,7 @@ def scan(opt) -> bool | None:
     if not _usable(opt, grads):
         return None
     finite, known = scan_all_grads(off, gradients.collect(off))
+    finite = off.device_part.finite(finite, False, [])  # collect() leaves its gradients out
     off.scaler_scan = Scan(grads, known)
     return finite
 

@@ -28,8 +28,9 @@ class StateIO:
         out: dict = {}
         for gi, group in enumerate(self.opt.param_groups):
             params, layout, tier = group["params"], self.layouts[gi], self.tiers[gi]
-            for p in params:  # no segment holds a 0-element parameter's (empty) state
-                if p.numel() == 0 and "step" in self.opt.state.get(p, {}):
+            for pi, p in enumerate(params):  # no segment holds a 0-element one's empty state
+                if p.numel() == 0 and "step" in self.opt.state.get(p, {}) \
+                        and layout.reserved[pi]:  # not the device part's (device_part.py)
                     out[p] = {k: torch.empty(p.shape if k != SCALE_KIND else (0,),
                                              dtype=tier.dtypes[k])
                               for k in tier.kinds if k != "master" or self._needs_master_key(p)}

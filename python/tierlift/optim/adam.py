@@ -11,10 +11,11 @@ optimizer and ours in both directions. Differences, all deliberate:
     about 3 bytes per parameter instead of 8 (docs/optim.md). Loading an fp32-state checkpoint
     quantizes it and an fp32-state optimizer dequantizes a compact one;
   * offload="cpu"|"nvme"|"hybrid" (with nvme_path, cpu_budget, overlap, nvme_generations,
-    chunk_bytes, durable, skip_nonfinite, device_staging) moves the state out of the
-    parameter's memory; tierlift.offload does that work (docs/offload.md). Its state is laid
-    out by position in the params lists at construction: a parameter listed twice (torch warns
-    and updates it twice) and a list changed afterwards are refused;
+    chunk_bytes, durable, skip_nonfinite, device_staging, device_fraction) moves the state out
+    of the parameter's memory (device_fraction keeps a share of it there); tierlift.offload
+    does that work (docs/offload.md). Its state is laid out by position in the params lists
+    at construction: a parameter listed twice (torch warns and updates it twice) and a list
+    changed afterwards are refused;
   * hyperparameter types are checked (optim/hyper.py): torch raises on lr="0.001" only by
     accident of a comparison, float() would take it;
   * foreach/fused/capturable are accepted for compatibility and ignored (ours is always fused),
@@ -181,6 +182,7 @@ class Adam(Optimizer):
         durable=False,
         skip_nonfinite=False,
         device_staging=None,
+        device_fraction=0.0,
     ):
         check_types(lr, betas, eps, weight_decay)
         check_flags(amsgrad=amsgrad, foreach=foreach, maximize=maximize, capturable=capturable,
@@ -213,6 +215,7 @@ class Adam(Optimizer):
         extras = (nvme_path, cpu_budget, max_grad_norm)
         if offload != "none" or overlap or nvme_generations != 2 or chunk_bytes != 32 << 20 \
                 or durable or skip_nonfinite is not False or device_staging is not None \
+                or device_fraction != 0.0 \
                 or any(x is not None for x in extras):
             config = OffloadConfig(
                 offload=offload,
@@ -225,6 +228,7 @@ class Adam(Optimizer):
                 durable=durable,
                 skip_nonfinite=skip_nonfinite,
                 device_staging=device_staging,
+                device_fraction=device_fraction,
             )
             if config.offload != "none":
                 self._offload = Offloader(self, config)
@@ -266,6 +270,7 @@ class Adam(Optimizer):
         try:
             sd = super().state_dict()
             sd["state"] = {i: dict(s) for i, s in sd["state"].items()}  # detach from self.state
+            self._offload.device_part.snapshot(sd)
             return sd
         finally:
             for p, kinds in tiers.items():
@@ -310,6 +315,9 @@ class Adam(Optimizer):
         steps_only["state"] = {i: {"step": s["step"]} for i, s in state_dict["state"].items()
                                if "step" in s}
         super().load_state_dict(steps_only)
+        # the device part's state goes beside its parameters (offload/device_part.py)
+        self._offload.device_part.load(self._offload.device_part.take(loaded),
+                                       self._offload._kinds)
         self._offload.ingest(loaded, before_commit)
 
     def _adopt_loaded_state(self, state_dict) -> None:
@@ -625,6 +633,7 @@ class AdamW(Adam):
         durable=False,
         skip_nonfinite=False,
         device_staging=None,
+        device_fraction=0.0,
     ):
         super().__init__(
             params,
@@ -650,6 +659,7 @@ class AdamW(Adam):
             durable=durable,
             skip_nonfinite=skip_nonfinite,
             device_staging=device_staging,
+            device_fraction=device_fraction,
         )
 
     def __setstate__(self, state):
