@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+from test_gnn import make_index
 
 import tierlift
 from tierlift import ops
@@ -22,11 +23,6 @@ LOCALITIES = ["index", "sorted"]
 KERNELS = ["auto", "warp", "grouped"]
 
 
-def make_index(rows, n, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, rows, (n,), dtype=dtype, generator=g)
-    idx[1::7] = idx[0]  # duplicates
-    return idx
 
 
 @pytest.mark.parametrize("locality", LOCALITIES)
@@ -34,7 +30,7 @@ def make_index(rows, n, dtype, seed=0):
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 def test_cpu_op_gives_the_same_rows_for_every_choice(locality, kernel, index_dtype):
     table = torch.randn(301, 13)
-    idx = make_index(301, 999, index_dtype)
+    idx = make_index(301, 999, index_dtype, seed=0)
     out = torch.empty(999, 13)
     ops.gather_rows(table, idx, out, locality=locality, kernel=kernel)
     assert torch.equal(out, table.index_select(0, idx.long()))
@@ -42,7 +38,7 @@ def test_cpu_op_gives_the_same_rows_for_every_choice(locality, kernel, index_dty
 
 def test_cpu_store_sorted_locality_reports_the_callers_position():
     table = torch.randn(500, 7)
-    idx = make_index(500, 1000, torch.int64)
+    idx = make_index(500, 1000, torch.int64, seed=0)
     with FeatureStore(table, device="cpu", locality="sorted") as store:
         assert store.options.locality == "sorted"
         assert torch.equal(store.gather(idx), table[idx])

@@ -28,8 +28,9 @@ def make_table(rows, row_elems, dtype, offset=0):
     return base[offset:].view(rows, row_elems)
 
 
-def make_index(rows, n, dtype):
-    idx = torch.randint(0, rows, (n,), dtype=dtype)
+def make_index(rows, n, dtype, seed=None):
+    g = None if seed is None else torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, rows, (n,), dtype=dtype, generator=g)
     idx[1::7] = idx[0]  # duplicates
     return idx
 
