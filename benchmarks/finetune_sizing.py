@@ -6,6 +6,8 @@ tierlift call, so the sizing runs (and refuses) before any case starts.
 Per parameter (n) and per token of a step (activation_bytes):
   GPU, every contender   bf16 params + bf16 grads (4 n) + activations; DeepSpeed (one rank, params
                          on the GPU) keeps a bf16 partition and grad buckets: counted the same
+  GPU, tierlift          --device-fraction f: the device part's fp32 master, m, v, 12 f n (at
+                         most: it takes whole parameters); the host tier is still sized for all n
   tierlift, RAM tier     fp32 master, m, v: 12 n in one generation; --overlap without a budget:
                          two generations, 24 n; --overlap with --cpu-budget B below that: B
                          (one generation plus spare chunk blocks in the rest)
@@ -85,10 +87,12 @@ def needs(name: str, args) -> dict:
     cfg = config(name, args.seq_len)
     n = cfg.num_params()
     tokens = args.batch_size * args.seq_len
-    gpu = 4 * n + activation_bytes(cfg, tokens)
+    device_part = 12 * int(getattr(args, "device_fraction", 0.0) * n)  # tierlift's only
+    gpu = 4 * n + activation_bytes(cfg, tokens) + device_part
     budget = None if getattr(args, "cpu_budget", None) is None else args.cpu_budget * GiB
     host = ram_tier_bytes(n, args.overlap, budget)
     return {"params": n, "tokens_per_step": tokens, "gpu_bytes": gpu,
+            "device_part_gpu_bytes": device_part,
             "activation_bytes": activation_bytes(cfg, tokens), "ram_tier_bytes": host,
             "ram_tier_pinned_bytes": pinned_tier_bytes(n, host),
             "spare_share": max(0.0, min(1.0, (host - 12 * n - STAGING) / (12 * n)))

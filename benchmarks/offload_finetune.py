@@ -29,7 +29,9 @@ the causal mask is not discounted). --max-grad-norm applies to every contender a
 tierlift's overlap keeps its chunks only while the norm stays under it (docs/offload.md), so the
 tierlift rows report the gradient norm and the chunks kept and redone. With --tier nvme and
 --disk-json (the file benchmarks/bench_io.py --out wrote), the step is set against the disk's
-roofline for its state bytes (target within 1.25x).
+roofline for its state bytes (target within 1.25x). --device-fraction F passes tierlift's
+device_fraction (the first parameters' state stays on the GPU, 12 B/param counted in the sizing);
+the row's case and note say how many parameters it kept there.
 """
 
 from __future__ import annotations
@@ -127,6 +129,8 @@ def run_tierlift(args, info: dict, device) -> dict:
         kw.update(cpu_budget=int(args.cpu_budget * GiB))
     if args.chunk_bytes:
         kw.update(chunk_bytes=args.chunk_bytes)
+    if args.device_fraction:
+        kw.update(device_fraction=args.device_fraction)
     opt = tierlift.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), **kw)
     print(f"set up (model, shard, optimizer) in {time.perf_counter() - t_setup:.1f} s",
           file=sys.stderr, flush=True)
@@ -148,6 +152,8 @@ def run_tierlift(args, info: dict, device) -> dict:
     if zero3:
         case = (f"tierlift zero3 offload_params={args.offload_params} offload={info['tier']}"
                 + (" overlap" if kw["overlap"] else ""))
+    if args.device_fraction:
+        case += f" device_fraction={args.device_fraction:g}"
     # The RAM tier's spare chunk blocks (tiers.MemoryTier.spare: not in last_step_stats, read
     # from the optimizer's Offloader): 0 with two generations or without the overlap.
     tiers = opt._offload.tiers
@@ -157,6 +163,9 @@ def run_tierlift(args, info: dict, device) -> dict:
            "generations": max(getattr(tr, "generations", 0) for tr in tiers),
            "stats": {k: v for k, v in opt.last_step_stats.items() if isinstance(v, float)},
            "legs": opt.last_step_stats.get("legs", {}),  # the last step, split by leg
+           # the parameters whose state stayed on the device (device_fraction)
+           "device_part": {k: opt.last_step_stats.get(k, 0) for k in
+                           ("device_part_params", "device_part_elems")},
            "compute_s": compute.seconds()}  # its forward + backward on the device
     if zero3:
         tierlift.zero.close(model)
@@ -452,6 +461,12 @@ def case_note(res: dict) -> str:
                      f"{st.get('device_staged_chunks', 0):.0f} published from device staging")
     if "grad_norm" in st:
         parts.append(f"grad norm {st['grad_norm']:.3g}")
+    part = res.get("device_part") or {}
+    if part.get("device_part_params"):
+        parts.append(f"{part['device_part_params']} parameters "
+                     f"({part['device_part_elems'] / res['params']:.1%} of the elements) kept "
+                     f"their state beside them (device_fraction), stepped in "
+                     f"{1e3 * st.get('device_part_s', 0.0):.1f} ms")
     return f"{res['case']}: " + "; ".join(parts) if parts else ""
 
 
@@ -560,6 +575,7 @@ def finetune(args) -> int:
         cmd += ["--overlap"] if args.overlap else []
         cmd += ["--cpu-budget", str(args.cpu_budget)] if args.cpu_budget is not None else []
         cmd += ["--chunk-bytes", str(args.chunk_bytes)] if args.chunk_bytes else []
+        cmd += ["--device-fraction", str(args.device_fraction)] if args.device_fraction else []
         cmd += ["--offload-params", offload_params]
         cmd += ["--gpu"] if args.gpu else []
         cmd += ["--dir", args.dir] if args.dir else []
@@ -633,6 +649,11 @@ def add_finetune_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu-budget", type=float, default=None, metavar="GIB",
                    help="cpu_budget (GiB) of the RAM tier (--tier cpu): with --overlap and below "
                         "two generations, one generation plus spare chunk blocks in the rest")
+    g.add_argument("--device-fraction", type=float, default=0.0, metavar="F",
+                   help="tierlift's device_fraction: the share of the parameters (by elements, "
+                        "the first ones) whose optimizer state stays on the GPU and is stepped "
+                        "there (DeepSpeed's offload_optimizer ratio); the sizing counts its "
+                        "12 B/param (bf16 params) on the GPU")
     g.add_argument("--chunk-bytes", type=int, default=None,
                    help="tierlift's AdamW chunk_bytes (default: the optimizer's, 32 MiB)")
     g.add_argument("--max-grad-norm", type=float, default=1.0,

@@ -306,6 +306,6 @@ def test_finetune_check_with_a_device_fraction():
     n = fs.config("tiny", 32).num_params()
     part = out["device_part"]
     assert 0 < part["device_part_elems"] <= 0.4 * n and part["device_part_params"] >= 1
-    assert "kept their state on the device" in of.case_note(out)
+    assert "kept their state beside them" in of.case_note(out)
     need = fs.needs("tiny", args)
     assert need["device_part_gpu_bytes"] == 12 * int(0.4 * n)

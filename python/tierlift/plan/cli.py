@@ -57,6 +57,9 @@ def add_parser(sub) -> None:
     p.add_argument("--device-params", default="auto",
                    help="with --offload-params: parameters whose shards stay on the GPU "
                         "(shard(device_params=N)); auto: as many as its room holds")
+    p.add_argument("--device-fraction", type=float, default=0.0,
+                   help="AdamW(device_fraction=F): the share of the parameters whose optimizer "
+                        "state stays on the GPU (12 B/param with fp32 state), counted there")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="with the state in host memory: plan AdamW(offload='cpu', overlap=True), "
                         "stepping chunks during backward (two generations, or one and the "
@@ -216,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
                     cpu_budget=cpu_budget, nvme_free=_nvme_free(args),
                     state_dtype=args.state_dtype, offload_params=args.offload_params,
                     grad_dtype=args.grad_dtype, device_params=_device_params(args.device_params),
-                    overlap=args.overlap)
+                    overlap=args.overlap, device_fraction=args.device_fraction)
     given = [x is not None for x in (args.nodes, args.gpus_per_node, args.inter_node_gbps)]
     if any(given) and not all(given):
         raise ValueError("--nodes, --gpus-per-node and --inter-node-gbps go together")

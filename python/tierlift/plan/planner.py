@@ -84,6 +84,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tierlift.offload.config import check_fraction
 from tierlift.offload.host_budget import (
     host_chunk_elems,
     one_generation_bytes,
@@ -147,8 +148,15 @@ class PlanInput:
     # for bf16 weights on the GPU, False with offload_params (see the module docstring).
     overlap: bool | None = None
     chunk_bytes: int = 32 << 20  # the optimizer's chunk_bytes (sizes the overlapped host tier)
+    # AdamW(device_fraction=...): the share of the parameters whose state stays on the GPU
+    # beside them (offload/device_part.py); the plan counts it there, at most this share.
+    device_fraction: float = 0.0
 
     def __post_init__(self):
+        check_fraction(self.device_fraction)
+        if self.device_fraction and self.offload_params != "none":
+            raise ValueError("device_fraction is planned with the bf16 weights on the GPU "
+                             "(offload_params='none')")
         if self.overlap not in (None, True, False):
             raise ValueError(f"overlap must be True, False or None, got {self.overlap!r}")
         if (isinstance(self.chunk_bytes, bool) or not isinstance(self.chunk_bytes, int)
@@ -374,6 +382,9 @@ def make_plan(inp: PlanInput, bw: Bandwidths) -> Plan:
     n = int(inp.params)
     model = {"bf16 params": 2 * n, "bf16 grads": 2 * n}
     state = {k: b * n for k, b in state_bytes_per_param(inp.state_dtype).items()}
+    if inp.device_fraction and sum(model.values()) + sum(state.values()) > inp.gpu_mem * (
+            1 - inp.gpu_reserve):
+        return _device_part_plan(inp, bw, n, model)
     gpu_room = inp.gpu_mem * (1 - inp.gpu_reserve)
     cpu_room = inp.cpu_budget if inp.cpu_budget is not None else int(inp.cpu_mem * 0.8)
     if sum(model.values()) > gpu_room:
@@ -417,6 +428,31 @@ def make_plan(inp: PlanInput, bw: Bandwidths) -> Plan:
             f"memory (short by {_fmt(sum(in_place.values()) - cpu_room)}); give --nvme PATH "
             "for the NVMe tier")
     return _on_nvme(inp, bw, n, model, state, cpu_room, legs)
+
+
+def _device_part_plan(inp: PlanInput, bw: Bandwidths, n: int, model: dict) -> Plan:
+    """AdamW(device_fraction=f): at most f of the parameters (whole ones, the first) keep
+    their state (fp32 master, m, v of bf16 weights: 12 B/param; compact: as many bytes as
+    state_dtype's) on the GPU; the rest is planned as offloaded state of n - f n parameters.
+    Both sides are bounds: the device part holds at most f n, the offloaded one at most n."""
+    dev = int(inp.device_fraction * n)
+    per = state_bytes_per_param(inp.state_dtype)
+    part = {f"device part {k}": b * dev for k, b in per.items()}
+    gpu_room = inp.gpu_mem * (1 - inp.gpu_reserve)
+    if sum(model.values()) + sum(part.values()) > gpu_room:
+        raise ValueError(
+            f"device_fraction={inp.device_fraction:g}: its state ({_fmt(sum(part.values()))}) "
+            f"beside the bf16 parameters and gradients ({_fmt(sum(model.values()))}) does not "
+            f"fit in {_fmt(gpu_room)} of GPU memory (short by "
+            f"{_fmt(sum(model.values()) + sum(part.values()) - gpu_room)}); lower it")
+    # the GPU room left to the rest: gpu_room less the device part
+    left = int(inp.gpu_mem - sum(part.values()) / (1 - inp.gpu_reserve))
+    rest = dataclasses.replace(inp, device_fraction=0.0, gpu_mem=left)
+    plan = make_plan(rest, bw)  # the offloaded part, as if the whole model were offloaded
+    plan.tiers["gpu"] = {**plan.tiers.get("gpu", {}), **part}
+    plan.note += (f"; device_fraction={inp.device_fraction:g}: the state of at most {dev} "
+                  f"parameters ({_fmt(sum(part.values()))}) stays on the GPU")
+    return plan
 
 
 def _on_nvme(inp, bw, n, model, state, cpu_room, legs, shards=None, beside="",
