@@ -309,3 +309,36 @@ def test_finetune_check_with_a_device_fraction():
     assert "kept their state beside them" in of.case_note(out)
     need = fs.needs("tiny", args)
     assert need["device_part_gpu_bytes"] == 12 * int(0.4 * n)
+
+
+@pytest.mark.parametrize("offload", ["nvme", "hybrid"])
+def test_nvme_tiers(tmp_path, offload):
+    ref, part = _model(), _model()
+    o_ref = _opt(ref, offload="none")
+    kw = dict(offload=offload, nvme_path=tmp_path, overlap=True, chunk_bytes=CHUNK,
+              max_grad_norm=1e-3, device_fraction=FRACTION)
+    if offload == "hybrid":
+        kw["cpu_budget"] = 1 << 20
+    o_part = AdamW(part.parameters(), lr=1e-2, **kw)
+    _train(ref, o_ref, 3, clip_torch=1e-3)
+    _train(part, o_part, 3)
+    _same_weights(ref, part)
+    _same_state(o_ref.state_dict(), o_part.state_dict())
+    o_part.close()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_zero_shards_single_process(stage):
+    """tierlift.zero shards in one process: the device part is a prefix of the shards, the
+    same bits as the all-offloaded optimizer over the same shards."""
+    out = []
+    for fraction in (None, FRACTION):
+        model = tierlift.zero.shard(_model(), stage=stage)
+        opt = _opt(model, fraction=fraction, overlap=True, clip=1e-3)
+        _train(model, opt, 3)
+        out.append((tierlift.zero.full_state_dict(model), opt))
+    (a, o_a), (b, o_b) = out
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert o_b.last_step_stats["device_part_params"] > 0
+    for m in (o_a, o_b):
+        m.close()
