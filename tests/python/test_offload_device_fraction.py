@@ -342,3 +342,18 @@ def test_zero_shards_single_process(stage):
     assert o_b.last_step_stats["device_part_params"] > 0
     for m in (o_a, o_b):
         m.close()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_compact_state(overlap):
+    """state_dtype='bf16': the device part keeps compact state too, the same bits."""
+    ref, part = _model(), _model()
+    o_ref = AdamW(ref.parameters(), lr=1e-2, state_dtype="bf16")
+    o_part = AdamW(part.parameters(), lr=1e-2, state_dtype="bf16", offload="cpu",
+                   overlap=overlap, chunk_bytes=CHUNK, device_fraction=FRACTION)
+    _train(ref, o_ref, 3)
+    _train(part, o_part, 3)
+    _same_weights(ref, part)
+    sd = o_part.state_dict()
+    _same_state(o_ref.state_dict(), sd)
+    assert sd["state"][0]["exp_avg"].dtype == torch.bfloat16
