@@ -359,78 +359,57 @@ TEST_F(KernelRaces, AdamCompactCodeBlocksAcrossBarriers) {
   }
 }
 
-// Gather with every other index out of range: 8 blocks of 8 one-warp groups, each group's lane 0
-// reporting its bad position through atomicMin (first_bad) and atomicCAS (bad_pair, whose winner
-// then writes the value). Output bytes and first_bad against core; bad_pair one consistent pair.
-TEST_F(KernelRaces, GatherBadIndicesInEveryBlock) {
-  kernels("gather_kernel");
-  constexpr int64_t kRows = 10, kRowBytes = 16, kCount = 64;
+// Gathers 16-byte rows with every other index out of range through `kernel`, in a shuffled
+// processing order if `shuffled`. Output bytes and first_bad against core; bad_pair one
+// consistent pair (its winner's atomicCAS, then its write of the value).
+void gather_every_other_bad(int64_t count, cuda::GatherKernel kernel, bool shuffled) {
+  constexpr int64_t kRows = 10, kRowBytes = 16;
   constexpr uint8_t kUnwritten = 0xa5;
   std::vector<uint8_t> table(kRows * kRowBytes);
   for (size_t i = 0; i < table.size(); ++i) table[i] = static_cast<uint8_t>(i * 7 + 3);
-  std::vector<int64_t> index(kCount);
-  for (int64_t i = 0; i < kCount; ++i) index[i] = i % 2 ? kRows + i : i % kRows;
-  std::vector<uint8_t> want(kCount * kRowBytes, kUnwritten), got(want.size(), kUnwritten);
+  std::vector<int64_t> index(count), order(count), read(count);
+  for (int64_t i = 0; i < count; ++i) index[i] = i % 2 ? kRows + i : i % kRows;
+  for (int64_t k = 0; k < count; ++k) order[k] = shuffled ? (k * 389) % count : k;
+  for (int64_t k = 0; k < count; ++k) read[k] = index[order[k]];
+  std::vector<uint8_t> want(count * kRowBytes, kUnwritten), got(want.size(), kUnwritten);
   const int64_t want_first = gather_rows({table.data(), kRows, kRowBytes},
-                                         {index.data(), IndexType::kInt64, kCount}, want.data());
-  std::vector<unsigned long long> first_bad(1, ~0ull), bad_pair{~0ull, 0};
-  cuda::GatherArgs a;
-  a.table = table.data();
-  a.num_rows = kRows;
-  a.row_bytes = kRowBytes;
-  a.index = index.data();
-  a.count = kCount;
-  a.out = got.data();
-  a.first_bad = first_bad.data();
-  a.bad_pair = bad_pair.data();
-  ASSERT_EQ(cuda::gather_rows(a, nullptr), cudaSuccess) << cudasim::last_error_message();
-  EXPECT_EQ(differences(got, want), 0);
-  EXPECT_EQ(want_first, 1);
-  EXPECT_EQ(first_bad[0], static_cast<unsigned long long>(want_first));
-  ASSERT_LT(bad_pair[0], static_cast<unsigned long long>(kCount));
-  EXPECT_EQ(bad_pair[0] % 2, 1u) << "not a bad position";
-  EXPECT_EQ(bad_pair[1], static_cast<unsigned long long>(index[bad_pair[0]]))
-      << "bad_pair = {" << bad_pair[0] << ", " << bad_pair[1] << "} is not one pair";
-}
-
-// The grouped gather on 9 blocks (256 entries each, 16-byte rows: 32 one-lane groups per warp)
-// with every other index out of range and a shuffled processing order: each lane checks the index
-// it loaded and reports a bad one through atomicMin and atomicCAS while the warp's shuffles hand
-// the good ones to their groups. Output bytes and first_bad against core; bad_pair one pair.
-TEST_F(KernelRaces, GatherGroupedShufflesAndBadIndicesInEveryBlock) {
-  kernels("gather_grouped_kernel");
-  constexpr int64_t kRows = 10, kRowBytes = 16, kCount = 8 * 256 + 37;
-  constexpr uint8_t kUnwritten = 0xa5;
-  std::vector<uint8_t> table(kRows * kRowBytes);
-  for (size_t i = 0; i < table.size(); ++i) table[i] = static_cast<uint8_t>(i * 7 + 3);
-  std::vector<int64_t> index(kCount), order(kCount), read(kCount);
-  for (int64_t i = 0; i < kCount; ++i) index[i] = i % 2 ? kRows + i : i % kRows;
-  for (int64_t k = 0; k < kCount; ++k) order[k] = (k * 389) % kCount;  // 389 is prime to kCount
-  for (int64_t k = 0; k < kCount; ++k) read[k] = index[order[k]];
-  std::vector<uint8_t> want(kCount * kRowBytes, kUnwritten), got(want.size(), kUnwritten);
-  const int64_t want_first = gather_rows({table.data(), kRows, kRowBytes},
-                                         {index.data(), IndexType::kInt64, kCount}, want.data());
+                                         {index.data(), IndexType::kInt64, count}, want.data());
   std::vector<unsigned long long> first_bad(1, ~0ull), bad_pair{~0ull, 0};
   cuda::GatherArgs a;
   a.table = table.data();
   a.num_rows = kRows;
   a.row_bytes = kRowBytes;
   a.index = read.data();
-  a.order = order.data();
-  a.count = kCount;
+  if (shuffled) a.order = order.data();
+  a.count = count;
   a.out = got.data();
   a.first_bad = first_bad.data();
   a.bad_pair = bad_pair.data();
-  a.kernel = cuda::GatherKernel::kGrouped;
-  ASSERT_TRUE(cuda::plan_gather(a).grouped);
+  a.kernel = kernel;
+  ASSERT_EQ(cuda::plan_gather(a).grouped, kernel == cuda::GatherKernel::kGrouped);
   ASSERT_EQ(cuda::gather_rows(a, nullptr), cudaSuccess) << cudasim::last_error_message();
   EXPECT_EQ(differences(got, want), 0);
   EXPECT_EQ(want_first, 1);
   EXPECT_EQ(first_bad[0], static_cast<unsigned long long>(want_first));
-  ASSERT_LT(bad_pair[0], static_cast<unsigned long long>(kCount));
+  ASSERT_LT(bad_pair[0], static_cast<unsigned long long>(count));
   EXPECT_EQ(bad_pair[0] % 2, 1u) << "not a bad position";
   EXPECT_EQ(bad_pair[1], static_cast<unsigned long long>(index[bad_pair[0]]))
       << "bad_pair = {" << bad_pair[0] << ", " << bad_pair[1] << "} is not one pair";
+}
+
+// The warp kernel on 8 blocks of 8 one-warp groups, each group's lane 0 reporting its bad
+// position through atomicMin (first_bad) and atomicCAS (bad_pair).
+TEST_F(KernelRaces, GatherBadIndicesInEveryBlock) {
+  kernels("gather_kernel");
+  gather_every_other_bad(64, cuda::GatherKernel::kWarpPerRow, false);
+}
+
+// The grouped gather on 9 blocks (256 entries each, 16-byte rows: 32 one-lane groups per warp)
+// in a shuffled processing order: each lane checks the index it loaded and reports a bad one
+// through atomicMin and atomicCAS while the warp's shuffles hand the good ones to their groups.
+TEST_F(KernelRaces, GatherGroupedShufflesAndBadIndicesInEveryBlock) {
+  kernels("gather_grouped_kernel");
+  gather_every_other_bad(8 * 256 + 37, cuda::GatherKernel::kGrouped, true);
 }
 
 // Fingerprints of 40 ranges on 5 blocks of 8 warps: each warp's shuffles (a lane's neighbour
