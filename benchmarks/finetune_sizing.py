@@ -179,3 +179,35 @@ def nvme_roofline(stats: dict, step_s: float, disk: dict) -> dict:
             "write_GBps": disk["write_Bps"] / 1e9, "roofline_s": roof, "step_s": step_s,
             "ratio": step_s / roof, "target": NVME_TARGET, "met": step_s / roof <= NVME_TARGET,
             "disk_json": disk["path"], "rows": [disk["read_row"], disk["write_row"]]}
+
+
+# With no earlier result (gpu_check's dry run, --plan-only), the sizing is checked at this
+# fraction: about the share of a 1.1B's CPU Adam that backward cannot hide on the H200 at batch
+# 8 by arithmetic (0.2 s of backward against ~0.4 s of Adam); a real run reads it (below).
+FRACTION_STANDIN = 0.5
+FRACTION_STEP = 0.05
+
+
+def device_fraction_from(path: str, plan_only: bool = False) -> tuple[float, str]:
+    """(device_fraction, why) from an earlier result of the same fine-tune: its tierlift row's
+    CPU Adam left exposed after backward, as a share of that Adam. Those are the chunks whose
+    gradients come last, the first parameters', which device_fraction keeps on the GPU; rounded
+    down to FRACTION_STEP, at most 0.9."""
+    if plan_only and not os.path.exists(path):
+        return FRACTION_STANDIN, f"{path} not there (sizing only): {FRACTION_STANDIN} stands in"
+    try:
+        with open(path) as f:
+            rows = json.load(f)["results"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"--device-fraction-from {path}: cannot read an earlier result: "
+                         f"{e}") from e
+    for r in rows:
+        case, adam = r.get("case", ""), (r.get("legs") or {}).get("adam") or {}
+        if (case.startswith("tierlift offload=") and "device_fraction" not in case
+                and adam.get("total_s", 0) > 0):
+            share = adam["exposed_s"] / adam["total_s"]
+            f = min(0.9, int(share / FRACTION_STEP + 1e-9) * FRACTION_STEP)
+            return round(f, 2), (f"{path}: {case}: {adam['exposed_s']:.3f} s of its "
+                                 f"{adam['total_s']:.3f} s of CPU Adam exposed ({share:.0%})")
+    raise SystemExit(f"--device-fraction-from {path}: no tierlift row (without device_fraction) "
+                     "with a CPU Adam leg")

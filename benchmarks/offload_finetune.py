@@ -59,6 +59,7 @@ from finetune_sizing import (
     GiB,
     check_cpu_budget,
     config,
+    device_fraction_from,
     nvme_roofline,
     plan,
     read_disk_json,
@@ -527,6 +528,13 @@ def _gb(x) -> str:
 def finetune(args) -> int:
     if args.deepspeed_check:
         return deepspeed_check(args)
+    if args.device_fraction_from:
+        args.device_fraction, why = device_fraction_from(args.device_fraction_from,
+                                                         args.plan_only)
+        print(f"device_fraction {args.device_fraction:g}: {why}", flush=True)
+        if args.device_fraction == 0 and not args.plan_only:
+            print("nothing of the CPU Adam was left exposed: no case to run", flush=True)
+            return 0
     if args.gpu and not args.plan_only and not torch.cuda.is_available():
         raise SystemExit("--gpu needs a CUDA GPU and none is available; --gpu --plan-only "
                          "prints the sizing, --finetune-check runs the same code on CPU")
@@ -654,6 +662,10 @@ def add_finetune_args(ap: argparse.ArgumentParser) -> None:
                         "the first ones) whose optimizer state stays on the GPU and is stepped "
                         "there (DeepSpeed's offload_optimizer ratio); the sizing counts its "
                         "12 B/param (bf16 params) on the GPU")
+    g.add_argument("--device-fraction-from", metavar="JSON",
+                   help="--device-fraction from an earlier result of this fine-tune (a "
+                        "--json-suffix file with a tierlift row): the share of its CPU Adam left "
+                        "exposed after backward (finetune_sizing.device_fraction_from)")
     g.add_argument("--chunk-bytes", type=int, default=None,
                    help="tierlift's AdamW chunk_bytes (default: the optimizer's, 32 MiB)")
     g.add_argument("--max-grad-norm", type=float, default=1.0,

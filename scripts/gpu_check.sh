@@ -244,6 +244,8 @@ fi
 #                    DeepSpeed ZeRO-3 (init, 18 GB of state, steps ~1.8 s) ~45 s; DeepSpeed
 #                    ZeRO-2 (ZeRO-Offload's own recipe: no parameter gathering on one GPU) ~35 s;
 #                    tierlift ZeRO-3 with params in RAM ~30 s. Cap 240 s, 75 s per case.
+#   offload 1B ram split ~30 s: tierlift with device_fraction from the row above (skipped when
+#                    none of its CPU Adam was exposed). Cap 60 s.
 #   disk             ~15 s: 1 GiB written and read through the engine (the NVMe row's roofline)
 #   offload 1B nvme  ~60 s: 12 B/param of state read and written per step (13 GB each way): at
 #                    ~2.5 GB/s ~10 s a step, warmup 1 + 2 steps and ~15 s set-up; the step over
@@ -251,7 +253,7 @@ fi
 #                    JSON, e.g. that part failed: refused). Cap 100 s.
 #   optim ~30 s, lowp ~35 s (~20 s measured; the profiler split and torchao added since),
 #   gather ~40 s, checkpoint ~85 s (as measured on the H100/H200 runs)
-# Total ~535 s on a fresh machine: the budget (345 s) cuts lowp and skips gather and the
+# Total ~565 s on a fresh machine: the budget (345 s) cuts lowp and skips gather and the
 # checkpoint (rerun them with GPU_CHECK_SKIP="deepspeed build|offload 1B ram|disk|offload 1B
 # nvme"); on a warm machine (built) lowp and gather fit too.
 # The fused CUDA AdamW's own check last: the device staging test and test_gpu_paths_review
@@ -276,10 +278,17 @@ if [[ $STAGE == 2 ]]; then
   run "offload exact" pytest.log 60 $PY -m pytest -q --maxfail=5 -m gpu -p no:cacheprovider \
     "${TIMEOUT_FLAG[@]}" $OFFLOAD_GPU_TESTS
   # targets: tierlift >= 2x torch's AdamW-on-CPU recipe, >= 1.5x DeepSpeed (TFLOPS, same run)
+  RAM_JSON=benchmarks/results/bench_offload_finetune-1b-ram-gpu-$GPU.json
+  [[ $DRY == 1 ]] || rm -f "$RAM_JSON"  # the split below must read this run's tierlift row
   run "offload 1B ram" bench.log 240 "${FT[@]}" --model 1b --tier cpu --overlap --batch-size 8 \
     --contenders "tierlift,torch-cpu$DS${DS:+,deepspeed-zero2},tierlift-zero3" --steps 3 \
     --warmup 1 --timeout 75 \
     --json-suffix 1b-ram
+  # tierlift again with the state of the chunks its CPU Adam stepped after backward kept on the
+  # GPU (device_fraction: that row's exposed share of its Adam), so Adam hides behind backward
+  run "offload 1B ram split" bench.log 60 "${FT[@]}" --model 1b --tier cpu --overlap \
+    --batch-size 8 --contenders tierlift --steps 3 --warmup 1 --timeout 55 \
+    --device-fraction-from "$RAM_JSON" --json-suffix 1b-ram-split
   # the machine disk's speed through the engine: the NVMe row's step against its state bytes
   [[ $DRY == 1 ]] || rm -f "$DISK_JSON"  # an earlier run's file must not stand in for this disk
   run disk bench.log 30 $PY benchmarks/bench_io.py --dir "$SCRATCH" --size-mib 1024 --repeat 1 \

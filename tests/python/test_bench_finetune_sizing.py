@@ -173,3 +173,36 @@ def test_step_against_its_longest_leg():
     got = of.leg_bound({"step_s": 0.75, "legs": legs, "compute_s": 0.5})
     assert got["leg"] == "forward+backward" and not got["met"] and got["ratio"] == 1.5
     assert of.leg_bound({"step_s": 1.0, "legs": {}}) is None
+
+
+def test_device_fraction_from_an_earlier_result(tmp_path):
+    """The tierlift row's exposed share of its CPU Adam, rounded down to 0.05, at most 0.9;
+    rows with device_fraction, other contenders and rows without the leg are passed over."""
+    def result(*rows):
+        path = tmp_path / "r.json"
+        path.write_text(json.dumps({"results": list(rows)}))
+        return str(path)
+
+    adam = lambda exposed, total: {"legs": {"adam": {"exposed_s": exposed, "total_s": total}}}  # noqa: E731
+    path = result({"case": "torch-cpu", **adam(1.0, 1.0)},
+                  {"case": "tierlift offload=cpu overlap device_fraction=0.3", **adam(0.1, 1.0)},
+                  {"case": "tierlift offload=cpu overlap", **adam(0.449, 0.5)})
+    f, why = fs.device_fraction_from(path)
+    assert f == 0.85 and "90%" in why  # 0.898 -> 0.85
+    assert fs.device_fraction_from(result({"case": "tierlift offload=cpu", **adam(1, 1)}))[0] == 0.9
+    assert fs.device_fraction_from(result({"case": "tierlift offload=cpu", **adam(0, 1)}))[0] == 0
+    with pytest.raises(SystemExit, match="no tierlift row"):
+        fs.device_fraction_from(result({"case": "tierlift offload=cpu"}))
+    with pytest.raises(SystemExit, match="cannot read"):
+        fs.device_fraction_from(str(tmp_path / "missing.json"))
+    # the sizing alone (gpu_check's dry run) goes on with the stand-in
+    assert fs.device_fraction_from(str(tmp_path / "missing.json"), plan_only=True)[0] == \
+        fs.FRACTION_STANDIN
+
+
+def test_device_fraction_from_reaches_the_plan(tmp_path, capsys):
+    args = parse("--gpu", "--plan-only", "--model", "1b", "--tier", "cpu", "--overlap",
+                 "--gpu-mem", "140", "--device-fraction-from", str(tmp_path / "none.json"))
+    assert of.finetune(args) == 0
+    out = capsys.readouterr().out
+    assert f"device_fraction {fs.FRACTION_STANDIN:g}:" in out and args.device_fraction == 0.5
