@@ -70,3 +70,33 @@ def test_gpu_weights_edited_before_step_refresh_their_host_masters(overlap):
     for a, b in zip(ref, got):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
     assert sum(s.get("masters_refreshed", 0) for s in stats) > 0
+
+
+@pytest.mark.gpu
+def test_training_on_a_stream_of_its_own_steps_exactly():
+    """Forward, backward and step() under a side stream, with a ~50 ms kernel queued ahead of
+    backward there: the overlap's worker (on its thread's own current stream) waits for the
+    streams that produced the gradients before its device work, and the weights are bit for
+    bit offload="none"'s."""
+
+    def run(**kw):
+        model = gpu_bf16_model()
+        opt = tierlift.optim.AdamW(model.parameters(), lr=1e-3, chunk_bytes=1 << 16, **kw)
+        side = torch.cuda.Stream()
+        g = torch.Generator().manual_seed(1)
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                opt.zero_grad(set_to_none=True)
+                x = torch.randn(64, 256, generator=g).cuda().to(torch.bfloat16)
+                loss = model(x).square().mean()
+                torch.cuda._sleep(50_000_000)  # the gradients come late on this stream
+                loss.backward()
+                opt.step()
+        torch.cuda.synchronize()
+        opt.close()
+        return [p.detach().cpu() for p in model.parameters()]
+
+    ref = run()
+    got = run(offload="cpu", overlap=True)
+    for a, b in zip(ref, got):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))

@@ -387,6 +387,18 @@ def publish(off, gi: int, kept: list, grads: dict, stats, published: list) -> li
     return late
 
 
+def _after_production(rec: Record) -> None:
+    """The worker's own device work (a copy of a strided gradient, fingerprints of device
+    weights) goes on its thread's current stream; that stream waits for the streams that
+    produced the gradients (`rec.ready`), which training may have run on streams of its own."""
+    if not rec.ready or not torch.cuda.is_available():
+        return
+    for device in {g.device for g in rec.tensors.values() if g.is_cuda}:
+        stream = torch.cuda.current_stream(device)
+        for event in rec.ready:
+            stream.wait_event(event)
+
+
 class Overlap:
     def __init__(self, offloader):
         self.off = offloader
@@ -482,6 +494,7 @@ class Overlap:
                     with clock.span("d2h"):
                         for event in rec.landing:
                             event.synchronize()
+                _after_production(rec)
                 grads = {pi: g.contiguous().view(-1) for pi, g in rec.tensors.items()}
                 scale = (None if rec.scale is None
                          else torch.tensor([rec.scale], dtype=torch.float32))
