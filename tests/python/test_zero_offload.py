@@ -104,21 +104,26 @@ def offload_kw(tier: str, model, tmp) -> dict:
                 overlap=True)
 
 
-def run_plain(stage, clip, world=1, rank=0, accum=1, **shard_kw):
+def run_plain(stage, clip, world=1, rank=0, accum=1, device_fraction=0.0, **shard_kw):
     model = tierlift.zero.shard(make_net(), stage=stage, **shard_kw)
     opt = tierlift.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
     fit(model, opt, world=world, rank=rank, clip=clip, accum=accum)
     return tierlift.zero.full_state_dict(model)
 
 
-def run_offload(stage, tier, clip, tmp, world=1, rank=0, accum=1, **shard_kw):
+def run_offload(stage, tier, clip, tmp, world=1, rank=0, accum=1, device_fraction=0.0,
+                **shard_kw):
     model = tierlift.zero.shard(make_net(), stage=stage, **shard_kw)
     kw = offload_kw(tier, model, tmp)
+    if device_fraction:  # each rank keeps the state of its first shards beside them
+        kw["device_fraction"] = device_fraction
     opt = tierlift.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, max_grad_norm=clip,
                                **kw)
     kept, redone = fit(model, opt, world=world, rank=rank, accum=accum)
     sd = tierlift.zero.full_state_dict(model)
-    return sd, kept, redone, dict(model._tierlift_zero.stats)
+    stats = dict(model._tierlift_zero.stats,
+                 device_part_params=opt.last_step_stats.get("device_part_params", 0))
+    return sd, kept, redone, stats
 
 
 def run_torch(clip, accum=1):
@@ -339,6 +344,7 @@ CONFIGS = [  # (stage, tier, clip, shard kwargs)
     (2, "cpu", CLIP, {}), (2, "nvme", None, {}),
     (3, "cpu", None, {}), (3, "nvme", CLIP, {}),
     (3, "nvme", None, {"offload_params": "cpu"}),
+    (3, "cpu", CLIP, {"device_fraction": 0.4}),
 ]
 
 SCRIPT = textwrap.dedent("""
@@ -346,9 +352,10 @@ SCRIPT = textwrap.dedent("""
     out = {{}}
     for i, (stage, tier, clip, kw) in enumerate(CONFIGS):
         tmp = tempfile.mkdtemp(dir={tmp!r})
-        sd, kept, redone, _ = run_offload(stage, tier, clip, tmp, world=world, rank=rank, **kw)
+        sd, kept, redone, st = run_offload(stage, tier, clip, tmp, world=world, rank=rank, **kw)
         ref = run_plain(stage, clip, world=world, rank=rank, **kw)
-        out[i] = dict(sd=sd, ref=ref, kept=kept, redone=redone)
+        out[i] = dict(sd=sd, ref=ref, kept=kept, redone=redone,
+                      device_part=st["device_part_params"])
 """)
 
 
@@ -372,6 +379,7 @@ def test_torchrun_two_ranks(tmp_path):
             assert r["kept"] > 0 and r["redone"] == 0, i
         else:
             assert r["redone"] > 0, i
+        assert (r["device_part"] > 0) == bool(CONFIGS[i][3].get("device_fraction")), i
 
 
 def test_only_live_shards_are_shards():
