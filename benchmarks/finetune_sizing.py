@@ -211,3 +211,17 @@ def device_fraction_from(path: str, plan_only: bool = False) -> tuple[float, str
                                  f"{adam['total_s']:.3f} s of CPU Adam exposed ({share:.0%})")
     raise SystemExit(f"--device-fraction-from {path}: no tierlift row (without device_fraction) "
                      "with a CPU Adam leg")
+
+
+def fit_device_fraction(args) -> str | None:
+    """Lowers args.device_fraction (by FRACTION_STEP) until --model's GPU bytes fit --gpu-mem;
+    says so, or None if it fitted as it was."""
+    if args.model is None or not args.device_fraction:
+        return None
+    was, gpu = args.device_fraction, args.gpu_mem * GiB * FIT
+    while args.device_fraction > 0 and needs(args.model, args)["gpu_bytes"] > gpu:
+        args.device_fraction = round(max(0.0, args.device_fraction - FRACTION_STEP), 2)
+    if args.device_fraction == was:
+        return None
+    return (f"device_fraction {was:g} -> {args.device_fraction:g}: the device part's state "
+            f"(12 B/param) must fit --gpu-mem {args.gpu_mem:g} GiB beside the rest")

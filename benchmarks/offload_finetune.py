@@ -60,6 +60,7 @@ from finetune_sizing import (
     check_cpu_budget,
     config,
     device_fraction_from,
+    fit_device_fraction,
     nvme_roofline,
     plan,
     read_disk_json,
@@ -532,6 +533,9 @@ def finetune(args) -> int:
         args.device_fraction, why = device_fraction_from(args.device_fraction_from,
                                                          args.plan_only)
         print(f"device_fraction {args.device_fraction:g}: {why}", flush=True)
+        lowered = fit_device_fraction(args)
+        if lowered:
+            print(lowered, flush=True)
         if args.device_fraction == 0 and not args.plan_only:
             print("nothing of the CPU Adam was left exposed: no case to run", flush=True)
             return 0

@@ -254,8 +254,8 @@ fi
 #   optim ~30 s, lowp ~35 s (~20 s measured; the profiler split and torchao added since),
 #   gather ~40 s, checkpoint ~85 s (as measured on the H100/H200 runs)
 # Total ~565 s on a fresh machine: the budget (345 s) cuts lowp and skips gather and the
-# checkpoint (rerun them with GPU_CHECK_SKIP="deepspeed build|offload 1B ram|disk|offload 1B
-# nvme"); on a warm machine (built) lowp and gather fit too.
+# checkpoint (rerun them with GPU_CHECK_SKIP="deepspeed build|offload 1B ram|offload 1B ram
+# split|disk|offload 1B nvme"); on a warm machine (built) lowp and gather fit too.
 # The fused CUDA AdamW's own check last: the device staging test and test_gpu_paths_review
 # compare with offload="none" (that kernel, reworked since its last GPU run) after comparing
 # with the host kernel, so a kernel regression shows there without hiding the offload results.
@@ -327,9 +327,16 @@ fi
 # 108 GB of state, steps ~5 s); 160 s per case, 330 s for the part.
 # Run it right after stage 2 (the machine keeps the build and DeepSpeed's op while warm).
 if [[ $STAGE == 3 ]]; then
+  RAM7_JSON=benchmarks/results/bench_offload_finetune-7b-ram-gpu-$GPU.json
+  [[ $DRY == 1 ]] || rm -f "$RAM7_JSON"  # the split below must read this run's tierlift row
   run "offload 7B ram" bench.log 330 "${FT[@]}" --model 7b --tier cpu --overlap --cpu-budget 100 \
     --batch-size 4 --contenders "tierlift$DS" --steps 3 --warmup 1 --timeout 160 \
     --json-suffix 7b-ram
+  # as stage 2's split, with what is left of the budget (~145 s if the estimate holds); the
+  # fraction read is lowered to what fits the GPU beside 89 GB (at most ~0.45 here)
+  run "offload 7B ram split" bench.log 100 "${FT[@]}" --model 7b --tier cpu --overlap \
+    --cpu-budget 100 --batch-size 4 --contenders tierlift --steps 3 --warmup 1 --timeout 95 \
+    --device-fraction-from "$RAM7_JSON" --json-suffix 7b-ram-split
 fi
 
 if [[ $STAGE == 2 || $STAGE == 3 ]]; then

@@ -206,3 +206,21 @@ def test_device_fraction_from_reaches_the_plan(tmp_path, capsys):
     assert of.finetune(args) == 0
     out = capsys.readouterr().out
     assert f"device_fraction {fs.FRACTION_STANDIN:g}:" in out and args.device_fraction == 0.5
+
+
+def test_a_device_fraction_from_a_result_is_lowered_to_fit_the_gpu(tmp_path, capsys):
+    """7B at batch 4 leaves ~50 GB of 140 GiB: a read fraction of 0.9 (68 GB) comes down to
+    what fits, and the plan then passes."""
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"results": [{"case": "tierlift offload=cpu overlap", "legs": {
+        "adam": {"exposed_s": 1.0, "total_s": 1.0}}}]}))
+    args = parse("--gpu", "--plan-only", "--model", "7b", "--tier", "cpu", "--overlap",
+                 "--cpu-budget", "100", "--batch-size", "4", "--gpu-mem", "140",
+                 "--device-fraction-from", str(path))
+    assert of.finetune(args) == 0
+    out = capsys.readouterr().out
+    assert "device_fraction 0.9 ->" in out and 0 < args.device_fraction < 0.9
+    gpu = fs.needs("7b", args)["gpu_bytes"]
+    assert gpu <= 140 * fs.GiB * fs.FIT
+    args.device_fraction = round(args.device_fraction + fs.FRACTION_STEP, 2)
+    assert fs.needs("7b", args)["gpu_bytes"] > 140 * fs.GiB * fs.FIT  # the largest that fits
