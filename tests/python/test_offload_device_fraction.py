@@ -208,20 +208,6 @@ def test_refused_without_offload_and_with_durable(tmp_path):
               device_fraction=FRACTION)
 
 
-def test_checkpoint_refused(tmp_path):
-    from tierlift import checkpoint
-
-    model = _model()
-    opt = _opt(model, fraction=FRACTION)
-    _train(model, opt, 1)
-    weights = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(ValueError, match="device_fraction"):
-        checkpoint.save(tmp_path / "ck", model, opt)
-    assert not (tmp_path / "ck").exists() or not any((tmp_path / "ck").iterdir())
-    for p, q in zip(model.parameters(), weights):
-        assert torch.equal(p, q)
-
-
 def test_zero_fraction_and_small_fraction_keep_everything_offloaded():
     """0.0, and a fraction below the first parameter's share, hold no parameter."""
     for fraction in (0.0, 0.01):

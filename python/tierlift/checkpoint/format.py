@@ -267,16 +267,11 @@ def full_state_dict(path: str, *, verify: bool = True) -> dict[str, torch.Tensor
 
 
 def offloader(optimizer):
-    """The offloaded state of `optimizer` (tierlift.optim with offload=...), or None. Its layout
+    """The offloaded state of `optimizer` (tierlift.optim with offload=...), or None; a device
+    part (device_fraction) is saved and loaded with it (stream.py, restore.py). Its layout
     is found by position in the param groups' lists, so lists changed since the optimizer was
     built are refused here, before a save reads or a load writes anything."""
     off = getattr(optimizer, "_offload", None) if optimizer is not None else None
     if off is not None:
         off.check_lists()
-        if off.config.device_fraction:  # streamed from the tiers, which lack the device part
-            raise ValueError(
-                "tierlift.checkpoint does not save or load an optimizer built with "
-                f"device_fraction={off.config.device_fraction} (its files are streamed from "
-                "the offloaded tiers, which do not hold the device part's state); save "
-                "optimizer.state_dict() with torch.save instead")
     return off

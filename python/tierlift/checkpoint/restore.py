@@ -94,8 +94,12 @@ def check_plan(off, plan: list[GroupPlan], source: str) -> None:
                 f"{ {k: str(d) for k, d in tier.dtypes.items()} } (another state_dtype); load "
                 "its state dict (tierlift.checkpoint.optimizer_state_dict) with "
                 "load_state_dict, which converts")
+        device_kinds = set()
         for pi, src in gp.params.items():
-            if pi < len(params) and not off.layouts[gi].reserved[pi]:
+            held = pi < len(params) and off.device_part.holds(gi, pi)
+            if held:
+                device_kinds.update(_device_kinds(off, gi, pi))
+            if pi < len(params) and not off.layouts[gi].reserved[pi] and not held:
                 raise ValueError(not_reserved(off._name(gi, pi), off.config.offload,
                                               f"has state in the checkpoint {source}"))
             if pi >= len(params) or params[pi].numel() != src.numel:
@@ -104,6 +108,45 @@ def check_plan(off, plan: list[GroupPlan], source: str) -> None:
                 raise ValueError(f"offloaded optimizer state {source} does not match the "
                                  f"optimizer: param_groups[{gi}]['params'][{pi}] holds "
                                  f"{src.numel} elements in the checkpoint, {got} here")
+        if device_kinds and gp.kinds is not None:  # the device part's kinds (master too)
+            missing = sorted(device_kinds - set(gp.kinds))
+            if missing:
+                raise ValueError(f"offloaded optimizer state {source} has no {missing} for "
+                                 f"param group {gi} (its device part needs them)")
+            want = {k: off._dtypes[gi][k] for k in device_kinds}
+            saved = {k: (gp.dtypes or {}).get(k, torch.float32) for k in device_kinds}
+            if saved != want:
+                raise ValueError(f"offloaded optimizer state {source} holds param group {gi}'s "
+                                 f"device part as { {k: str(d) for k, d in saved.items()} }, "
+                                 f"the optimizer as { {k: str(d) for k, d in want.items()} }")
+
+
+def _device_kinds(off, gi: int, pi: int) -> list[str]:
+    """The kinds a device-part parameter keeps in optimizer.state: no master for an fp32 one
+    (the parameter is its own, loaded with the model)."""
+    p = off.opt.param_groups[gi]["params"][pi]
+    return [k for k in off._kinds[gi] if k != "master" or p.dtype != torch.float32]
+
+
+def _read_device_part(off, plan: list[GroupPlan], files: _Files) -> dict:
+    """{param: its new state} for the device-part parameters in `plan`, read from the files
+    into fresh tensors on each parameter's device; the optimizer is not changed yet."""
+    out = {}
+    for gi, gp in enumerate(plan):
+        params = off.opt.param_groups[gi]["params"]
+        for pi, src in gp.params.items():
+            if not off.device_part.holds(gi, pi):
+                continue
+            p = params[pi]
+            state = {"step": torch.tensor(src.step, dtype=torch.float32)}
+            for k in _device_kinds(off, gi, pi):
+                dtype = off._dtypes[gi][k]
+                t = torch.empty(kind_elems(k, p.numel()), dtype=dtype)
+                _fill(files, k, dtype, src, 0, p.numel(), stream._np(t))
+                t = t if k == SCALE_KIND else t.view(p.shape)
+                state[k] = t.to(p.device).contiguous()  # one at a time: host memory stays small
+            out[p] = state
+    return out
 
 
 class _Files:
@@ -154,6 +197,7 @@ def load_plan(off, plan: list[GroupPlan], source: str, before_commit=None) -> No
     off.quiet(replacing=True)
     files = _Files()
     try:
+        device = _read_device_part(off, plan, files)  # before the first change
         with filling(off._engine, before_commit) as (journal, flips):
             for gi, gp in enumerate(plan):
                 layout, tier = off.layouts[gi], off.tiers[gi]
@@ -174,8 +218,11 @@ def load_plan(off, plan: list[GroupPlan], source: str, before_commit=None) -> No
                             flips.append((tier, chunk.ci))
     finally:
         files.close()
+    off.device_part.replace(device)
     for gi, (gp, group) in enumerate(zip(plan, off.opt.param_groups, strict=True)):
         for pi, p in enumerate(group["params"]):
+            if off.device_part.holds(gi, pi):
+                continue  # replace() above
             if pi in gp.params:
                 off.opt.state[p]["step"] = torch.tensor(gp.params[pi].step, dtype=torch.float32)
                 off._in_file[gi].add(pi)

@@ -179,6 +179,24 @@ def _held(tier) -> bool:
     return not (isinstance(tier, MemoryTier) and tier.generations == 1)
 
 
+def device_state(off, gi: int, pi: int, kinds: list[str], types: dict) -> dict:
+    """{kind: tensor} of device-part parameter `pi` of group `gi` as the kind files hold it:
+    "master" is the parameter itself where it is fp32 (its own master)."""
+    p = off.opt.param_groups[gi]["params"][pi]
+    state = off.opt.state[p]
+    out = {}
+    for k in kinds:
+        t = p.detach() if k == "master" and p.dtype == torch.float32 else state.get(k)
+        if not isinstance(t, torch.Tensor) or t.dtype != types[k] or \
+                t.numel() != kind_elems(k, p.numel()):
+            got = "missing" if not isinstance(t, torch.Tensor) else \
+                f"{t.dtype} with {t.numel()} elements"
+            raise RuntimeError(f"the device part's {k!r} of {off._name(gi, pi)} is {got}, "
+                               f"{types[k]} with {kind_elems(k, p.numel())} elements expected")
+        out[k] = t
+    return out
+
+
 def stage_offloaded(off, directory: str, names: dict, packer, helds: list, files: list):
     """Stages the committed state of Offloader `off` for a save into `directory` (created):
     in-place host tiers are copied by `packer` now; two-generation tiers are held, and a
@@ -209,7 +227,18 @@ def stage_offloaded(off, directory: str, names: dict, packer, helds: list, files
                            types[k].itemsize * pos[k]) for k in kinds}
         files.extend(outs.values())
         outs_all.update({kind_file(gi, k, types[k]): f for k, f in outs.items()})
-        live = set(stepped)
+        # The device part's state (device_part.py) is copied now, as in-place tiers are: later
+        # steps change it in place. Its parameters come first in the group (choose()), so in
+        # each kind file its bytes precede the tiers', as the writer's in-order hashing needs.
+        device = [pi for pi in stepped if off.device_part.holds(gi, pi)]
+        if device and device[-1] > min((pi for pi in stepped if pi not in device),
+                                        default=device[-1]):
+            raise RuntimeError(f"param group {gi}: the device part is not a prefix of the "
+                               "stepped parameters; its state cannot be written in order")
+        for pi in device:
+            for k, src in device_state(off, gi, pi, kinds, types).items():
+                packer.add(outs[k], src, dense[k][pi] * types[k].itemsize)
+        live = set(stepped) - set(device)
         chunks = [(c.ci, [s for s in c.segments if s.pi in live]) for c in layout.chunks]
         chunks = [(ci, segs) for ci, segs in chunks if segs]
         # Parameters that are their own master (no "master" in the tier) are copied now.

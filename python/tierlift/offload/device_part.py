@@ -174,3 +174,16 @@ class DevicePart:
             step = self.opt.state[p].get("step")
             if isinstance(step, torch.Tensor):
                 self.opt.state[p]["step"] = step.clone()
+
+    def replace(self, loaded: dict) -> None:
+        """A checkpoint load committed: each device parameter's state becomes its entry in
+        `loaded` ({param: state}, ready on its device), or none (it starts fresh, as in
+        torch, where the checkpoint has none)."""
+        for gi, group in enumerate(self.opt.param_groups):
+            for pi in self.pis[gi]:
+                p = group["params"][pi]
+                if p in loaded:
+                    self.opt.state[p] = loaded[p]
+                else:
+                    self.opt.state.pop(p, None)
+
