@@ -287,11 +287,6 @@ def refusals(out: str) -> dict:
         opt = tierlift.optim.AdamW(model.parameters(), offload="cpu", max_grad_norm=1.0)
         trainer(model, optimizers=(opt, None), args={"max_grad_norm": CLIP})
 
-    def trainer_saving_a_device_fraction():
-        model = tierlift.zero.shard(build("llama"), stage=2)
-        opt = tierlift.optim.AdamW(model.parameters(), offload="cpu", device_fraction=0.3)
-        trainer(model, optimizers=(opt, None))
-
     def resume(step: int, files: list[str]):
         # One directory per case: ranks run the cases without waiting for each other.
         ckpt = os.path.join(out, "refused", f"checkpoint-{step}")
@@ -306,7 +301,6 @@ def refusals(out: str) -> dict:
         "unsharded_optimizer": _raises(trainer_with_unsharded_optimizer),
         "sharded_twice": _raises(trainer_sharded_twice),
         "two_norms": _raises(trainer_two_clipping_norms),
-        "device_fraction_saved": _raises(trainer_saving_a_device_fraction),
         "unsharded_checkpoint": _raises(lambda: resume(8, ["optimizer.pt"])),
         "interrupted_save": _raises(lambda: resume(9, ["tierlift.tmp/rank00000.pt"])),
         "bad_optimizer_key": _raises(lambda: tierlift.hf.ZeroConfig(

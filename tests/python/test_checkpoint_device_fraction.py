@@ -320,3 +320,34 @@ def test_two_ranks_under_torchrun_and_resharded_to_one(tmp_path):
         tierlift.checkpoint.load(os.path.join(root, "compact"), model3, opt3)
     after = tierlift.zero.full_state_dict(model3)
     assert all(torch.equal(before[k], after[k]) for k in before) and not opt3.state
+
+
+def test_hf_trainer_saves_and_resumes_a_device_part(tmp_path):
+    """tierlift.hf.Trainer no longer refuses such an optimizer: resumed from checkpoint-1, it
+    ends with the uninterrupted run's weights bit for bit (step 2 needs step 1's moments)."""
+    pytest.importorskip("transformers", reason="needs transformers")
+    pytest.importorskip("accelerate", reason="needs accelerate")
+    import hf_worker as W
+
+    import tierlift.hf
+    from tierlift.hf.trainer import unwrap_optimizer
+
+    def trainer(out: str):
+        W.quiet()
+        torch.set_num_threads(1)
+        zero = tierlift.hf.ZeroConfig(stage=3, optimizer_kwargs={"offload": "cpu",
+                                                                 "device_fraction": 0.3})
+        return tierlift.hf.Trainer(
+            model=W.build("llama"), train_dataset=W.Data(), zero=zero,
+            args=W.training_args(out, batch=2, max_steps=2, save_steps=1,
+                                 gradient_accumulation_steps=1))
+
+    out = str(tmp_path / "run")
+    first = trainer(out)
+    first.train()
+    inner = unwrap_optimizer(first.optimizer)
+    assert inner.last_step_stats["device_part_params"] > 0
+    again = trainer(out)
+    again.train(resume_from_checkpoint=os.path.join(out, "checkpoint-1"))
+    for (name, a), b in zip(first.model.named_parameters(), again.model.parameters()):
+        assert torch.equal(a, b), name

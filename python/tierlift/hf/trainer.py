@@ -143,14 +143,6 @@ class Trainer(transformers.Trainer):
             raise ValueError("the optimizer holds parameters that are not the sharded model's: "
                              "build it after tierlift.zero.shard(model, ...), from "
                              "model.parameters()")
-        off = getattr(inner, "_offload", None)
-        if off is not None and off.config.device_fraction and self.args.save_strategy != "no":
-            # its checkpoints go through tierlift.checkpoint, which refuses this optimizer: say
-            # so now, not at the first save after hours of training
-            raise ValueError(
-                f"an optimizer with device_fraction={off.config.device_fraction} cannot be "
-                "saved in this Trainer's sharded checkpoints (tierlift.checkpoint does not hold "
-                "the device part's state yet): use device_fraction=0, or save_strategy='no'")
         own = own_clipping(inner)
         if own is not None and self.args.max_grad_norm not in (0, own):
             raise ValueError(f"TrainingArguments.max_grad_norm={self.args.max_grad_norm} and the "
