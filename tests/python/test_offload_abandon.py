@@ -103,7 +103,7 @@ def test_clipped_step_leaves_unstarted_chunks_and_steps_exactly(held_worker, sta
         # decided); the rest, queued or in its own submission, were left
         assert s["worker_chunks"] <= 1
         assert s["overlap_abandoned_chunks"] == n - s["worker_chunks"]
-        assert s.get("overlap_kept_chunks", 0) == 0
+        assert s["overlap_kept_chunks"] == 0
     for a, b in zip(ref_model.parameters(), model.parameters()):
         assert torch.equal(a, b)
     opt.close()

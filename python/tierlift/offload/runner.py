@@ -315,6 +315,7 @@ class Offloader(StateIO, ChunkStep):
                 # redone: every chunk taken on during backward, stepped ahead or left
                 stats["overlap_redone_chunks"] += (sum(len(v) for v in spec.values())
                                                    + stats["overlap_abandoned_chunks"])
+                stats["overlap_kept_chunks"] += 0  # the same keys as a step that checked
                 spec = {}
         try:
             self._step_from(spec, stats, t0, seen, grad_scale, found_inf, total)
