@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from tierlift.checkpoint import stream
+from tierlift.offload.device_part import kept_kinds
 from tierlift.offload.journal import filling
 from tierlift.offload.layout import SCALE_KIND, kind_elems, kind_slice, not_reserved
 
@@ -122,10 +123,7 @@ def check_plan(off, plan: list[GroupPlan], source: str) -> None:
 
 
 def _device_kinds(off, gi: int, pi: int) -> list[str]:
-    """The kinds a device-part parameter keeps in optimizer.state: no master for an fp32 one
-    (the parameter is its own, loaded with the model)."""
-    p = off.opt.param_groups[gi]["params"][pi]
-    return [k for k in off._kinds[gi] if k != "master" or p.dtype != torch.float32]
+    return kept_kinds(off.opt.param_groups[gi]["params"][pi], off._kinds[gi])
 
 
 def _read_device_part(off, plan: list[GroupPlan], files: _Files) -> dict:

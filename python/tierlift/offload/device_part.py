@@ -44,6 +44,12 @@ def choose(groups: list[dict], fraction: float) -> list[set[int]]:
     return chosen
 
 
+def kept_kinds(p: torch.Tensor, kinds: list[str]) -> list[str]:
+    """The kinds of its group's `kinds` that a device-part parameter keeps in
+    optimizer.state: no master for an fp32 one (the parameter is its own)."""
+    return [k for k in kinds if k != "master" or p.dtype != torch.float32]
+
+
 class DevicePart:
     """The parameters of an Offloader whose state stays beside them (choose())."""
 
@@ -157,9 +163,9 @@ class DevicePart:
         for gi, group in enumerate(self.opt.param_groups):
             for pi in sorted(self.pis[gi]):
                 p = group["params"][pi]
+                keep = kept_kinds(p, kinds[gi])
                 for k, v in loaded.get(p, {}).items():
-                    if k not in kinds[gi] or not isinstance(v, torch.Tensor) or (
-                            k == "master" and p.dtype == torch.float32):
+                    if k not in keep or not isinstance(v, torch.Tensor):
                         continue
                     want = kind_elems(k, p.numel())
                     if v.numel() != want:

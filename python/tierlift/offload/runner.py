@@ -298,56 +298,55 @@ class Offloader(StateIO, ChunkStep):
         self.check_lists()
         t0 = time.perf_counter()
         stats = defaultdict(float)
-        spec, total = {}, None
-        if self.overlap is not None:
-            try:
-                total, abandoned = self._abandon_if_redone(grad_scale, found_inf)
-            except BaseException:
-                # refused before anything changed: the chunks stepped ahead go unused
-                self.overlap.abandon()
-                with contextlib.suppress(BaseException):  # the refusal is the error to see
-                    self.overlap.finish(stats)
-                for tier in self.tiers:
-                    tier.release_spare()
-                raise
-            spec = self.overlap.finish(stats)
-            if abandoned:  # stepped again whatever a check finds: not checked at all
-                # redone: every chunk taken on during backward, stepped ahead or left
-                stats["overlap_redone_chunks"] += (sum(len(v) for v in spec.values())
-                                                   + stats["overlap_abandoned_chunks"])
-                stats["overlap_kept_chunks"] += 0  # the same keys as a step that checked
-                spec = {}
+        spec, total, live = {}, None, None
         try:
-            self._step_from(spec, stats, t0, seen, grad_scale, found_inf, total)
+            if self.overlap is not None:
+                spec, total, live = self._take_overlap(stats, grad_scale, found_inf)
+            self._step_from(spec, stats, t0, seen, grad_scale, found_inf, total, live)
         finally:  # spare blocks this step did not commit go back (tiers.MemoryTier)
             for tier in self.tiers:
                 tier.release_spare()
 
-    def _abandon_if_redone(self, grad_scale, found_inf):
-        """Before waiting for the overlap's worker: where this step will be skipped (the
-        scaler found inf/NaN) or its gradients clipped, every chunk stepped ahead would be
-        stepped again, so the worker leaves the chunks it has not started (a worker behind
-        backward would otherwise make step() wait for work it throws away), and step()
-        steps every chunk itself, with no fingerprint taken or compared. Returns the clip's
-        norm (gradients.norm_ahead) for _step_from to reuse, or None, and whether the worker
-        was told to stop."""
-        gradients.collect(self)  # refuses a gradient step() cannot use, before its norm
-        scale = None if grad_scale is None else scale_value(grad_scale)
-        # taken whatever this rank's found_inf says: under ZeRO the norm is a collective
-        total = gradients.norm_ahead(self, scale)
-        skipped = (found_inf is not None
-                   and float(found_inf.detach().float().sum().item()) != 0.0)
-        abandon = skipped or (total is not None and gradients.clips(self, total))
-        if abandon:
+    def _take_overlap(self, stats, grad_scale, found_inf) -> tuple[dict, object, list]:
+        """Waits for the overlap's worker; returns the chunks it stepped ahead (`spec`, as
+        finish() gives them), the clip's norm (gradients.norm_ahead, or None) and the collected
+        gradients. Before the wait: where this step will be skipped (the scaler found inf/NaN)
+        or its gradients clipped, every chunk stepped ahead would be stepped again, so the
+        worker leaves the chunks it has not started (a worker behind backward would otherwise
+        make step() wait for work it throws away), and step() steps every chunk itself, with
+        no fingerprint taken or compared (an empty `spec`)."""
+        try:
+            live = gradients.collect(self)  # refuses a gradient step() cannot use, first
+            scale = None if grad_scale is None else scale_value(grad_scale)
+            # taken whatever this rank's found_inf says: under ZeRO the norm is a collective
+            total = gradients.norm_ahead(self, scale)
+            skipped = (found_inf is not None
+                       and float(found_inf.detach().float().sum().item()) != 0.0)
+            abandoned = skipped or (total is not None and gradients.clips(self, total))
+        except BaseException:
+            # refused before anything changed: the chunks stepped ahead go unused
             self.overlap.abandon()
-        return total, abandon
+            with contextlib.suppress(BaseException):  # the refusal is the error to see
+                self.overlap.finish(stats)
+            raise
+        if abandoned:
+            self.overlap.abandon()
+        spec = self.overlap.finish(stats)
+        if abandoned:  # stepped again whatever a check finds: not checked at all
+            # redone: every chunk taken on during backward, stepped ahead or left
+            stats["overlap_redone_chunks"] += (sum(len(v) for v in spec.values())
+                                               + stats["overlap_abandoned_chunks"])
+            stats["overlap_kept_chunks"] += 0  # the same keys as a step that checked
+            spec = {}
+        return spec, total, live
 
     def _step_from(self, spec: dict, stats, t0: float, seen, grad_scale, found_inf,
-                   total=None) -> None:
+                   total=None, live: list | None = None) -> None:
         """The step once the overlap's chunks stepped ahead (`spec`) are in. `total`: the
-        clip's norm, taken before (_abandon_if_redone)."""
+        clip's norm and `live`: the collected gradients, where _take_overlap took them."""
         scale = None if grad_scale is None else scale_value(grad_scale)
-        live = gradients.collect(self)
+        if live is None:
+            live = gradients.collect(self)
         early = self._read_early(live, spec)
         stats["early_read_chunks"] = len(early.get("reads", {}))
         ahead = None  # under a GradScaler: the overlap's gradient fingerprints, taken meanwhile
