@@ -349,6 +349,12 @@ if [[ $STAGE == 3 ]]; then
   run "offload 7B ram split" bench.log 100 "${FT[@]}" --model 7b --tier cpu --overlap \
     --cpu-budget 100 --batch-size 4 --contenders tierlift --steps 3 --warmup 1 --timeout 95 \
     --device-fraction-from "$RAM7_JSON" --json-suffix 7b-ram-split
+  # the 1.1B again with clipping at 1.0 (the Hugging Face Trainer's default): every step of a
+  # random model clips, so the overlap's speculative chunks are left and Adam runs after
+  # backward for both; the fairer DeepSpeed recipe beside it
+  run "offload 1B ram clipped" bench.log 90 "${FT[@]}" --model 1b --tier cpu --overlap \
+    --batch-size 8 --contenders "tierlift${DS:+,deepspeed-zero2}" --steps 3 --warmup 1 \
+    --timeout 40 --max-grad-norm 1.0 --json-suffix 1b-ram-clipped
   # background save vs DCP async_save of GPU-resident 1B state, the blocking save last
   run checkpoint bench.log 110 $PY benchmarks/bench_checkpoint.py --device cuda --params 1e9 \
     --ranks 1 --configs ram --contenders background dcp-async sync --repeat 1 --warmup 1 \
