@@ -272,6 +272,12 @@ DISK_JSON=benchmarks/results/bench_io-disk.json
 if [[ $STAGE == 2 || $STAGE == 3 ]]; then
   stamp=$SCRATCH-stamp && touch "$stamp"
 fi
+# fresh_row PART JSON: a split row reads the tierlift row PART writes, so an older JSON goes
+# before PART runs; where PART is skipped (a rerun of a stage's tail) the JSON stays: copy the
+# earlier call's $OUT/results/<name>.json to benchmarks/results/ here, and it travels along.
+fresh_row() {
+  [[ $DRY == 1 || "|${GPU_CHECK_SKIP:-}|" == *"|$1|"* ]] || rm -f "$2"
+}
 if [[ $STAGE == 2 ]]; then
   # First the offloaded step's exactness on this GPU (the paths the headline takes: device
   # gradients and weights, their copies on streams, fingerprints on the device, state pinned at
@@ -282,7 +288,7 @@ if [[ $STAGE == 2 ]]; then
     "${TIMEOUT_FLAG[@]}" $OFFLOAD_GPU_TESTS
   # targets: tierlift >= 2x torch's AdamW-on-CPU recipe, >= 1.5x DeepSpeed (TFLOPS, same run)
   RAM_JSON=benchmarks/results/bench_offload_finetune-1b-ram-gpu-$GPU.json
-  [[ $DRY == 1 ]] || rm -f "$RAM_JSON"  # the split below must read this run's tierlift row
+  fresh_row "offload 1B ram" "$RAM_JSON"
   run "offload 1B ram" bench.log 240 "${FT[@]}" --model 1b --tier cpu --overlap --batch-size 8 \
     --contenders "tierlift,torch-cpu$DS${DS:+,deepspeed-zero2},tierlift-zero3" --steps 3 \
     --warmup 1 --timeout 75 \
@@ -323,7 +329,7 @@ fi
 # Run it right after stage 2 (the machine keeps the build and DeepSpeed's op while warm).
 if [[ $STAGE == 3 ]]; then
   RAM7_JSON=benchmarks/results/bench_offload_finetune-7b-ram-gpu-$GPU.json
-  [[ $DRY == 1 ]] || rm -f "$RAM7_JSON"  # the split below must read this run's tierlift row
+  fresh_row "offload 7B ram" "$RAM7_JSON"
   run "offload 7B ram" bench.log 170 "${FT[@]}" --model 7b --tier cpu --overlap --cpu-budget 100 \
     --batch-size 4 --contenders tierlift --steps 3 --warmup 1 --timeout 160 \
     --json-suffix 7b-ram
