@@ -12,6 +12,7 @@ import io
 import json
 import re
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -168,11 +169,40 @@ def test_finetune_check_sets_the_nvme_step_against_the_disk(tmp_path, monkeypatc
 def test_step_against_its_longest_leg():
     legs = {"adam": {"total_s": 0.40}, "d2h": {"total_s": 0.10}, "h2d": {"total_s": 0.05},
             "other": {"total_s": 0.9}}  # not a leg that can hide the others: left out
-    got = of.leg_bound({"step_s": 0.44, "legs": legs, "compute_s": 0.30})
+    got = of.leg_bound({"step_s": 0.5, "last_step_s": 0.44, "legs": legs, "compute_s": 0.30})
     assert got["leg"] == "adam" and got["met"] and abs(got["ratio"] - 1.1) < 1e-9
-    got = of.leg_bound({"step_s": 0.75, "legs": legs, "compute_s": 0.5})
+    got = of.leg_bound({"step_s": 0.5, "last_step_s": 0.75, "legs": legs, "compute_s": 0.5})
     assert got["leg"] == "forward+backward" and not got["met"] and got["ratio"] == 1.5
-    assert of.leg_bound({"step_s": 1.0, "legs": {}}) is None
+    assert got["step_s"] == 0.75
+    assert of.leg_bound({"step_s": 1.0, "last_step_s": 1.0, "legs": {}}) is None
+    # the legs are the last step's: without its own time there is no bound (the mean of the
+    # steps set against them gave a step shorter than its own forward + backward)
+    assert of.leg_bound({"step_s": 1.0, "legs": legs, "compute_s": 1.2}) is None
+
+
+def test_time_steps_keeps_each_timed_step():
+    """The last timed step's own time, which leg_bound sets against that step's legs, differs
+    from the mean when the steps differ."""
+    pauses = iter([0.0, 0.0, 0.05])  # warmup, then a short and a long timed step
+    each: list[float] = []
+    mean = of._time_steps(lambda: time.sleep(next(pauses)), 2, 1, torch.device("cpu"), each)
+    assert len(each) == 2 and each[-1] >= 0.05 > each[0]
+    assert mean < each[-1]
+
+
+@needs_ext
+def test_tierlift_row_bounds_its_last_step_by_that_steps_legs():
+    """run_tierlift's row: the last step's own time beside its legs, and every leg of a step
+    inside that step (the ratio is at least 1); the page-locked bytes read while the
+    optimizer held them."""
+    args = parse("--finetune-check", "--tier", "cpu", "--overlap", "--max-grad-norm", "0",
+                 "--chunk-bytes", "16384", "--steps", "2", "--warmup", "1", "--seq-len", "32",
+                 "--batch-size", "2")
+    out = of.run_tierlift(args, {"model": "tiny", "tier": "cpu"}, torch.device("cpu"))
+    bound = of.leg_bound(out)
+    assert bound is not None and bound["step_s"] == out["last_step_s"]
+    assert bound["ratio"] >= 1.0, (bound, out["step_s"])
+    assert out["registered_pinned_bytes"] >= 0
 
 
 def test_device_fraction_from_an_earlier_result(tmp_path):
