@@ -4,6 +4,8 @@ all-offloaded one (clipping, GradScaler, skipped steps, bf16, param groups, stat
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -14,6 +16,7 @@ from tierlift.optim import AdamW
 pytestmark = pytest.mark.skipif(not tierlift._extension.available(),
                                 reason="compiled extension not loaded")
 
+CUDA = pytest.param("cuda", marks=pytest.mark.gpu)  # the same test on a GPU ("offload exact")
 LAYERS, DIM = 6, 64
 FRACTION = 0.4  # of 6 x (64*64 + 64) elements: the first two layers (w0, b0, w1, b1)
 CHUNK = 4096 * 4  # several chunks, so the overlap steps chunks during backward
@@ -110,14 +113,17 @@ def test_device_part_gets_no_tier_space_and_no_hooks():
     assert opt.state[first]["exp_avg"].device == first.device  # beside the parameter
 
 
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("skip", [False, True])
-def test_grad_scaler(skip):
-    ref, part = _model(), _model()
+def test_grad_scaler(skip, device):
+    """On a GPU the scaler's inf check is torch's own (scaler_scan takes host gradients only)
+    and its found_inf a device tensor."""
+    ref, part = _model(device=device), _model(device=device)
     o_ref = _opt(ref, offload="none")
     o_part = _opt(part, fraction=FRACTION, overlap=True)
     inf_at = (2,) if skip else ()
     for m, o in ((ref, o_ref), (part, o_part)):
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        scaler = torch.amp.GradScaler(device, init_scale=2.0**10)
         _train(m, o, 4, scaler=scaler, inf_at=inf_at)
     _same_weights(ref, part)
     _same_state(o_ref.state_dict(), o_part.state_dict())
@@ -154,21 +160,26 @@ def test_bf16_and_two_groups(overlap):
     assert sd["state"][0]["master"].dtype == torch.float32  # a bf16 parameter's master
 
 
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("direction", ["into_part", "out_of_part"])
-def test_state_dict_round_trip_mid_training(direction):
+def test_state_dict_round_trip_mid_training(direction, device):
     """A state dict of one optimizer loads into the other (device part or all offloaded, or
-    the plain one) and training goes on bit-identically."""
+    the plain one) and training goes on bit-identically; a device part's state (host copies
+    in the state dict) goes back beside its parameters."""
     fractions = (None, FRACTION) if direction == "into_part" else (FRACTION, None)
-    src_model = _model()
+    src_model = _model(device=device)
     src = _opt(src_model, fraction=fractions[0], overlap=True)
     _train(src_model, src, 2)
     sd = src.state_dict()
-    dst_model = _model()
+    dst_model = _model(device=device)
     dst_model.load_state_dict(src_model.state_dict())
     dst = _opt(dst_model, fraction=fractions[1], overlap=True)
     dst.load_state_dict(sd)
     _same_state(sd, dst.state_dict())
-    plain_model = _model()
+    if fractions[1] is not None:
+        first = next(dst_model.parameters())
+        assert dst.state[first]["exp_avg"].device == first.device
+    plain_model = _model(device=device)
     plain_model.load_state_dict(src_model.state_dict())
     plain = _opt(plain_model, offload="none")
     plain.load_state_dict(sd)
@@ -232,6 +243,62 @@ def test_cuda_device_part(overlap):
     _same_state(o_ref.state_dict(), o_part.state_dict())
     first = next(part.parameters())
     assert o_part.state[first]["exp_avg"].is_cuda
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_clipped_bf16_steps(device, overlap):
+    """Every step clipped (the norm is over the device part's gradients and the offloaded
+    ones, on one device; the overlap's chunks are all redone): the same bits as torch's
+    clip_grad_norm_ then the plain step."""
+    ref, part = _model(torch.bfloat16, device), _model(torch.bfloat16, device)
+    o_ref = _opt(ref, offload="none")
+    o_part = _opt(part, fraction=FRACTION, overlap=overlap, clip=1e-3)
+    _train(ref, o_ref, 3, clip_torch=1e-3)
+    _train(part, o_part, 3)
+    _same_weights(ref, part)
+    _same_state(o_ref.state_dict(), o_part.state_dict())
+    stats = o_part.last_step_stats
+    assert stats["grad_norm"] > 1e-3 and stats["device_part_params"] == 4
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_background_checkpoint_of_the_device_part(tmp_path, device):
+    """tierlift.checkpoint.save(blocking=False) of a device part on its device: its state is
+    copied before save() returns (on a GPU: copies queued behind a long kernel, the state then
+    changed on another stream), loads beside the parameters of a fresh optimizer, and that
+    one steps from it."""
+    model = _model(torch.bfloat16, device)
+    opt = _opt(model, fraction=FRACTION, overlap=True)
+    _train(model, opt, 2)
+    at_save = opt.state_dict()
+    weights = [p.detach().cpu().clone() for p in model.parameters()]
+    first = next(model.parameters())
+    side = None
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda._sleep(1 << 30)  # the current stream busy for about half a second
+        side = torch.cuda.Stream()
+    ck = str(tmp_path / "ck")
+    handle = tierlift.checkpoint.save(ck, model, opt, blocking=False)
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        for k in ("exp_avg", "exp_avg_sq", "master"):
+            opt.state[first][k].add_(1.0)  # waits for nothing on the current stream
+    if side is not None:
+        torch.cuda.synchronize()
+    handle.wait()
+    model2 = _model(torch.bfloat16, device)
+    opt2 = _opt(model2, fraction=FRACTION, overlap=True)
+    tierlift.checkpoint.load(ck, model2, opt2)
+    _same_state(at_save, opt2.state_dict())
+    for p, w in zip(model2.parameters(), weights):
+        assert torch.equal(p.detach().cpu(), w)
+    first2 = next(model2.parameters())
+    assert opt2.state[first2]["exp_avg"].device == first2.device
+    _train(model2, opt2, 1)
+    assert int(opt2.state_dict()["state"][0]["step"]) == 3
+    for o in (opt, opt2):
+        o.close()
 
 
 def test_state_dict_is_a_snapshot():
