@@ -479,7 +479,9 @@ def case_note(res: dict) -> str:
         parts.append(f"{part['device_part_params']} parameters "
                      f"({part['device_part_elems'] / res['params']:.1%} of the elements) kept "
                      f"their state beside them (device_fraction), stepped in "
-                     f"{1e3 * st.get('device_part_s', 0.0):.1f} ms")
+                     f"{1e3 * st.get('device_part_s', 0.0):.1f} ms on the host"
+                     + (f", {1e3 * st['device_part_gpu_s']:.1f} ms on the GPU"
+                        if st.get("device_part_gpu_s") is not None else ""))
     return f"{res['case']}: " + "; ".join(parts) if parts else ""
 
 
@@ -607,18 +609,27 @@ def finetune(args) -> int:
         cmd += ["--dir", args.dir] if args.dir else []
         rc, stdout, tail, steps = _run_case_process(cmd, args.timeout, which)
         lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
-        if rc is None or rc != 0 or not lines:
-            why = f"timed out after {args.timeout} s" if rc is None else f"failed (exit {rc})"
+        why = (f"timed out after {args.timeout} s" if rc is None else
+               f"failed (exit {rc})" if rc != 0 else "exited without a result")
+        if not lines:
             timed = steps[args.warmup:]
             got = (f"; {len(timed)} timed step(s) done, {sum(timed) / len(timed):.3f} s/step"
                    if timed else "")
             print(f"{which}: {why}{got}; its last lines:", *tail[-6:], sep="\n  ", flush=True)
+            # step_times: every step line, warmup first; timed_step_times: those after it
             results.append({"contender": which, "case": which, "error": why,
-                            "step_times": steps, "stderr_tail": tail[-40:]})
+                            "step_times": steps, "timed_step_times": timed,
+                            "stderr_tail": tail[-40:]})
             save()
             continue
         res = {"contender": which, **json.loads(lines[-1][len("RESULT "):]),
                "step_times": steps}
+        if rc != 0:
+            # measured and printed, then cut off or failed on the way out (tearing down 100 GiB
+            # of pinned state takes a while): the result stands, with what happened after it
+            res["after_result"] = why
+            print(f"{which}: {why} after printing its result; the result stands. Its last "
+                  "lines:", *tail[-6:], sep="\n  ", flush=True)
         results.append(res)
         if disk is not None and which.startswith("tierlift"):
             res["nvme_roofline"] = roofline = nvme_roofline(res["stats"], res["step_s"], disk)

@@ -166,6 +166,27 @@ def test_finetune_check_sets_the_nvme_step_against_the_disk(tmp_path, monkeypatc
     assert ratio == pytest.approx(step / roof, rel=0.01)
 
 
+@pytest.mark.parametrize("rc", [None, -11])
+def test_a_result_printed_before_the_cut_off_stands(rc, monkeypatch, capsys):
+    """A case that printed its RESULT and was then killed at its --timeout (or crashed on its
+    way out) keeps its row, with what happened after it; one without a RESULT is an error row
+    with the steps it timed."""
+    row = {"case": "torch AdamW on CPU (fp32 master, pinned)", "params": 100, "step_s": 0.5,
+           "tflops": 1.0, "tokens_per_step": 64, "tokens_per_s": 128.0, "grad_norm": 1.0}
+    cases = {"torch-cpu": (rc, "RESULT " + json.dumps(row) + "\n", ["teardown"], [0.9, 0.5]),
+             "tierlift": (None, "", ["step 1: 0.40 s"], [1.0, 0.4])}
+    monkeypatch.setattr(of, "_run_case_process", lambda cmd, t, which: cases[which])
+    rows = []
+    monkeypatch.setattr(of, "print_table", lambda r, *a, **k: rows.extend(r))
+    assert of.finetune(parse("--finetune-check", "--contenders", "tierlift,torch-cpu",
+                             "--timeout", "5")) == 0  # one contender measured
+    out = capsys.readouterr().out
+    why = "timed out after 5 s" if rc is None else "failed (exit -11)"
+    assert f"torch-cpu: {why} after printing its result; the result stands" in out
+    assert [r["case"] for r in rows] == [row["case"]]
+    assert "tierlift: timed out after 5 s; 1 timed step(s) done, 0.400 s/step" in out
+
+
 def test_step_against_its_longest_leg():
     legs = {"adam": {"total_s": 0.40}, "d2h": {"total_s": 0.10}, "h2d": {"total_s": 0.05},
             "other": {"total_s": 0.9}}  # not a leg that can hide the others: left out
