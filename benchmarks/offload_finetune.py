@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gc
 import json
 import os
 import re
@@ -302,7 +301,6 @@ def run_case(args, which: str) -> None:
         host = getattr(torch.cuda, "host_memory_stats", dict)()
         out["peak_pinned_bytes"] = (host.get("allocated_bytes.peak", 0)
                                     + out.get("registered_pinned_bytes", registered_bytes()))
-    gc.collect()
     print("RESULT " + json.dumps(out), flush=True)
 
 
