@@ -21,6 +21,8 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include <string>
+
 #include "checks.h"
 #include "core/gather/gather.h"
 
@@ -209,31 +211,38 @@ void gather_rows_cuda(const at::Tensor& table, const at::Tensor& index,
 }
 #endif
 
-// Owns a cudaHostRegister of a tensor's memory; the Python FeatureStore keeps the tensor alive.
+// Owns a cudaHostRegister of a tensor's memory; the caller keeps the tensor alive. Its errors
+// name `owner` (the caller: a FeatureStore, the optimizer's pinned state, ...) and end with
+// `remedy` when the caller has one, so they read right wherever they surface.
 class HostRegistration {
  public:
-  HostRegistration(const at::Tensor& tensor, bool read_only) {
+  HostRegistration(const at::Tensor& tensor, bool read_only, const std::string& owner,
+                   const std::string& remedy) {
 #ifdef TIERLIFT_WITH_CUDA
     TL_CHECK_CPU(tensor);
     TL_CHECK_CONTIGUOUS(tensor);
-    TORCH_CHECK_VALUE(tensor.nbytes() > 0, "HostRegistration: tensor is empty");
+    TORCH_CHECK_VALUE(tensor.nbytes() > 0, owner, ": tensor is empty");
+    const std::string then = remedy.empty() ? "" : "; " + remedy;
     ptr_ = tensor.data_ptr();
     const cudaError_t err = cuda::host_register(ptr_, tensor.nbytes(), read_only);
     if (err != cudaSuccess) {
       cudaGetLastError();
       ptr_ = nullptr;
-      TORCH_CHECK_VALUE(err != cudaErrorHostMemoryAlreadyRegistered,
-                        "features: this memory is already registered with CUDA (pinned by "
-                        "another FeatureStore or cudaHostRegister); use pin='copy'");
-      TORCH_CHECK_VALUE(false, "features: cudaHostRegister of ", tensor.nbytes(), " bytes failed (",
+      TORCH_CHECK_VALUE(err != cudaErrorHostMemoryAlreadyRegistered, owner,
+                        ": this memory is already registered with CUDA (by another "
+                        "HostRegistration or a cudaHostRegister call)",
+                        then);
+      TORCH_CHECK_VALUE(false, owner, ": cudaHostRegister of ", tensor.nbytes(), " bytes failed (",
                         cudaGetErrorString(err),
-                        "); the tensor may be too large to lock in RAM (ulimit -l) or live in "
-                        "memory CUDA cannot pin; use pin='copy'");
+                        "); the memory may be too large to lock in RAM (ulimit -l) or of a kind "
+                        "CUDA cannot pin",
+                        then);
     }
 #else
     (void)tensor;
     (void)read_only;
-    TORCH_CHECK(false, "HostRegistration: tierlift was built without CUDA kernels");
+    (void)remedy;
+    TORCH_CHECK(false, owner, ": tierlift was built without CUDA kernels");
 #endif
   }
   ~HostRegistration() { close(); }
@@ -257,9 +266,11 @@ class HostRegistration {
 void bind_gather(pybind11::module_& m) {
   pybind11::class_<HostRegistration>(
       m, "HostRegistration",
-      "cudaHostRegister(tensor memory, mapped) until close(); keep the tensor alive meanwhile.")
-      .def(pybind11::init<const at::Tensor&, bool>(), pybind11::arg("tensor"),
-           pybind11::arg("read_only") = false)
+      "cudaHostRegister(tensor memory, mapped) until close(); keep the tensor alive meanwhile. "
+      "Errors name `owner` and end with `remedy` (what the caller offers instead).")
+      .def(pybind11::init<const at::Tensor&, bool, const std::string&, const std::string&>(),
+           pybind11::arg("tensor"), pybind11::arg("read_only") = false,
+           pybind11::arg("owner") = "HostRegistration", pybind11::arg("remedy") = "")
       .def("close", &HostRegistration::close)
       .def_property_readonly("active", &HostRegistration::active);
 }

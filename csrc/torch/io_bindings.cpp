@@ -184,31 +184,47 @@ std::vector<std::optional<std::vector<uint64_t>>> copy_checked(
 }
 
 // An engine whose pool is page-locked with cudaHostRegister when `pin` is set and CUDA works, so
-// H2D/D2H copies from pool tensors are asynchronous. The deleter closes the engine (no I/O in
-// flight) and unpins the arena before it is freed.
+// H2D/D2H copies from pool tensors are asynchronous. A refused registration leaves the pool
+// pageable (correct, slower); `error` keeps CUDA's reason for the Python engine to report. The
+// deleter closes the engine (no I/O in flight) and unpins the arena before it is freed.
 struct PinState {
   bool pinned = false;
+  std::string error;  // why pinning was refused; empty when pinned or not asked for
 };
 
-std::shared_ptr<Engine> make_engine(const io::EngineOptions& o, bool pin,
-                                    const std::shared_ptr<PinState>& state) {
-  auto* e = new Engine(o);
-#ifdef TIERLIFT_WITH_CUDA
-  if (pin) {
-    state->pinned = cudaHostRegister(e->pool().arena(), e->pool().budget(),
-                                     cudaHostRegisterDefault) == cudaSuccess;
-    if (!state->pinned) cudaGetLastError();  // clear the sticky error; the pool stays pageable
-  }
-#else
-  (void)pin;
-#endif
-  return std::shared_ptr<Engine>(e, [state](Engine* p) {
+struct UnpinAndDelete {
+  std::shared_ptr<PinState> state;
+  void operator()(Engine* p) const {
     p->close();
 #ifdef TIERLIFT_WITH_CUDA
     if (state->pinned) cudaHostUnregister(p->pool().arena());
 #endif
     delete p;
-  });
+  }
+};
+
+std::shared_ptr<Engine> make_engine(const io::EngineOptions& o, bool pin) {
+  auto state = std::make_shared<PinState>();
+  auto* e = new Engine(o);
+#ifdef TIERLIFT_WITH_CUDA
+  if (pin) {
+    const cudaError_t err =
+        cudaHostRegister(e->pool().arena(), e->pool().budget(), cudaHostRegisterDefault);
+    state->pinned = err == cudaSuccess;
+    if (!state->pinned) {
+      cudaGetLastError();  // clear the sticky error; the pool stays pageable
+      state->error = std::string("cudaHostRegister of ") + std::to_string(e->pool().budget()) +
+                     " bytes failed: " + cudaGetErrorString(err);
+    }
+  }
+#else
+  if (pin) state->error = "tierlift was built without CUDA kernels";
+#endif
+  return std::shared_ptr<Engine>(e, UnpinAndDelete{state});
+}
+
+const PinState& pin_state(const std::shared_ptr<Engine>& e) {
+  return *std::get_deleter<UnpinAndDelete>(e)->state;
 }
 
 }  // namespace
@@ -252,7 +268,7 @@ void bind_io(py::module_& m) {
              o.direct = direct;
              o.sqpoll = sqpoll;
              o.copy_threads = copy_threads;
-             auto e = make_engine(o, pin, std::make_shared<PinState>());
+             auto e = make_engine(o, pin);
              emit_warnings(*e);
              return e;
            }),
@@ -298,6 +314,12 @@ void bind_io(py::module_& m) {
       .def_property_readonly("fixed_files", &Engine::fixed_files)
       .def_property_readonly("pool_budget", [](Engine& e) { return e.pool().budget(); })
       .def_property_readonly("pool_in_use", [](Engine& e) { return e.pool().in_use(); })
+      .def_property_readonly(
+          "pool_pinned", [](const std::shared_ptr<Engine>& e) { return pin_state(e).pinned; },
+          "Whether the pool is page-locked (asked for with pin=True and granted by CUDA).")
+      .def_property_readonly(
+          "pin_error", [](const std::shared_ptr<Engine>& e) { return pin_state(e).error; },
+          "Why pin=True left the pool pageable; empty when it is pinned or was not asked for.")
       .def_property_readonly("path_bytes",
                              [](Engine& e) {
                                const auto& b = e.path_bytes();

@@ -49,8 +49,8 @@ def test_the_offload_tiers_state_is_pinned_at_its_size():
 
 @pytest.mark.gpu
 def test_a_refused_registration_falls_back_to_torchs_pinned_memory(monkeypatch):
-    def refuse(tensor, read_only=False):
-        raise ValueError("cudaHostRegister of 64 bytes failed (out of memory)")
+    def refuse(tensor, read_only=False, owner="HostRegistration", remedy=""):
+        raise ValueError(f"{owner}: cudaHostRegister of 64 bytes failed (out of memory)")
 
     monkeypatch.setattr(tierlift._extension._C, "HostRegistration", refuse)
     regs = []

@@ -189,7 +189,8 @@ class FeatureStore:
             return table
         if self.options.pin == "copy":
             return table.pin_memory()
-        self._registration = _extension._C.HostRegistration(table, read_only=file_backed)
+        self._registration = _extension._C.HostRegistration(
+            table, read_only=file_backed, owner="features", remedy="use pin='copy'")
         return table
 
     def _check_degrees(self, degrees) -> torch.Tensor:
