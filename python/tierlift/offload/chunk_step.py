@@ -72,7 +72,7 @@ class ChunkStep:
                 g = host_grad
             used.append(((chunk.ci, s.pi), g))
             stored = self._uses_master(p)
-            if stored or p.device.type != "cpu":
+            if stored or d2h.on_device(p):
                 master = bufs["master"][s.clo:s.chi]
                 if not stored:  # fp32 device weights are their own master: step a copy
                     d2h_pairs.append((master, pflat))

@@ -229,16 +229,20 @@ class Offloader(StateIO, ChunkStep):
         """Whether the tiers store a master of `p` (else p is its own)."""
         if p.dtype != torch.float32 or not self._own_masters:
             return True
-        return p.device.type != "cpu" and not self.streamed
+        return d2h.on_device(p) and not self.streamed
 
     def close(self, join: bool = True) -> None:
-        """`join`: wait for the overlap's worker thread to exit (see __del__)."""
+        """`join`: wait for the overlap's worker thread to exit (see __del__). Idempotent."""
         if self.overlap is not None:
             self.overlap.close(join)
             self.overlap = None
         self._uploads.drain()  # they read the slots, whose memory goes with the engine
         if self._device_staging is not None:  # after the uploads into it
             self._device_staging.close()
+        # No copy reads the host tiers any more: their page-locked memory goes back to the OS
+        # now, not when the optimizer is collected (the state stays readable, pageable).
+        for tier in getattr(self, "tiers", []):
+            tier.unpin()
         if self._engine is not None and not self._engine.closed:
             self._slots = []
             if self._durable is not None:  # the files stay, to be reopened

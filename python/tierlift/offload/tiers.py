@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from tierlift import _extension
-from tierlift._pinned import pinned_zeros
+from tierlift._pinned import pinned_zeros, release
 from tierlift.io import ChecksumError, IoEngine
 from tierlift.offload.layout import kind_bytes, kind_elems
 
@@ -338,6 +338,10 @@ class MemoryTier(_Holdable):
     def resident_bytes(self) -> int:
         return sum(t.nbytes for t in self.flat.values())
 
+    def unpin(self) -> None:
+        """Unpins the state's memory now (the optimizer's close()); it stays readable."""
+        release(self._registrations)
+
     def viewable(self, ci: int) -> bool:
         """Whether view(ci) gives the committed chunk itself (host memory)."""
         return True
@@ -505,6 +509,9 @@ class NvmeTier(_Holdable):
         return (len(self.gen) - self.first) * self.generations * sum(
             self.kind_chunk_bytes.values())
 
+    def unpin(self) -> None:
+        pass  # nothing of its own is pinned: its slots are the engine's pool
+
     def viewable(self, ci: int) -> bool:
         return False
 
@@ -623,6 +630,9 @@ class HybridTier(_Holdable):
     @property
     def resident_bytes(self) -> int:
         return self.ram.resident_bytes
+
+    def unpin(self) -> None:
+        self.ram.unpin()
 
     @property
     def disk_bytes(self) -> int:

@@ -407,8 +407,9 @@ class Adam(Optimizer):
         return state
 
     def close(self) -> None:
-        """Releases offloaded state now (NVMe files, pinned pool, worker thread) instead of at
-        garbage collection; the optimizer cannot step afterwards. A no-op without offload."""
+        """Releases offloaded state now (NVMe files, the io engine's pool, the page-locking of
+        the host tier, the worker thread) instead of at garbage collection; the optimizer
+        cannot step afterwards. A no-op without offload."""
         if getattr(self, "_offload", None) is not None:
             self._offload.close()
             self._closed = True
