@@ -180,3 +180,59 @@ def test_own_master_device_weights_go_through_a_slot(monkeypatch, tmp_path, tier
             assert Copies.within(copies.down, p)
         torch.testing.assert_close(p, r, rtol=0, atol=1e-6)
 
+
+# ---- a refused pin of the io engine's pool -------------------------------------------------------
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="the refusal injected is CUDA's on a machine without a GPU")
+def test_a_refused_pool_pin_is_warned_once_and_queryable(monkeypatch, tmp_path):
+    """CUDA without a usable GPU refuses cudaHostRegister: the engine's pool stays pageable,
+    which is correct, and says so (the cause, and what it costs) instead of running slower
+    silently."""
+    from tierlift.io import EngineConfig, IoEngine
+
+    config = EngineConfig(backend="threads", queue_depth=4, block_size=4096, pool_bytes=1 << 20)
+    with IoEngine(config) as plain:  # no GPU, nothing asked: nothing to say
+        assert plain.pool_pinned is False and plain.pool_pin_error == ""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.warns(RuntimeWarning) as seen:
+        engine = IoEngine(config)
+    with engine:
+        assert len(seen) == 1
+        message = str(seen[0].message)
+        assert "1048576-byte staging pool" in message and "pageable" in message
+        assert engine.pool_pin_error in message and "cudaHostRegister" in engine.pool_pin_error
+        assert "block the host" in message  # what it costs
+        assert engine.pool_pinned is False
+        buf = engine.pool_tensor(4096)
+        buf.fill_(7)  # still a working pool
+        engine.write(buf, tmp_path / "f").wait()
+        back = torch.zeros(4096, dtype=torch.uint8)
+        engine.read(back, tmp_path / "f").wait()
+        assert torch.equal(back, buf)
+
+
+def test_registration_errors_name_their_caller(monkeypatch):
+    """HostRegistration's errors speak for whoever registered (FeatureStore's advice is its
+    own), here with the refusal of a machine without a GPU, or the extension's own refusal
+    where it was built without CUDA kernels."""
+    t = torch.zeros(256)
+    with pytest.raises((RuntimeError, ValueError)) as plain:
+        tierlift._extension._C.HostRegistration(t)
+    if torch.cuda.is_available():
+        pytest.skip("CUDA registers the memory here")
+    assert str(plain.value).startswith("HostRegistration: ")
+    assert "features" not in str(plain.value) and "pin='copy'" not in str(plain.value)
+    with pytest.raises((RuntimeError, ValueError), match=r"^features: .*use pin='copy'$"):
+        tierlift._extension._C.HostRegistration(t, owner="features", remedy="use pin='copy'")
+    regs = []
+    monkeypatch.setattr(torch, "zeros", _pinned_fallback(torch.zeros))
+    with pytest.warns(RuntimeWarning, match=r"tierlift\._pinned\.pinned_zeros: ") as seen:
+        got = _pinned.pinned_zeros(256, torch.float32, regs)
+    assert "features" not in str(seen[0].message) and regs == [] and got.numel() == 256
+
+
+def _pinned_fallback(zeros):
+    """torch.zeros whose pin_memory=True (pinned_zeros' fallback) needs no GPU."""
+    def wrapped(*args, pin_memory=False, **kwargs):
+        return zeros(*args, **kwargs)
+    return wrapped

@@ -17,6 +17,7 @@ copy.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -107,18 +108,29 @@ class IoHandle:
 
 
 class IoEngine:
-    """Asynchronous tensor <-> file engine. Use as a context manager or call close()."""
+    """Asynchronous tensor <-> file engine. Use as a context manager or call close().
+
+    `pool_pinned`: whether the pool is page-locked (pin_pool with a GPU, granted by CUDA);
+    `pool_pin_error`: CUDA's reason where it refused (else "")."""
 
     def __init__(self, config: EngineConfig | None = None):
         _extension.require("extension")
         self.config = config if config is not None else EngineConfig()
         c = self.config
+        # page-lock the pool so H2D/D2H copies from pool tensors are asynchronous
+        pin = c.pin_pool and torch.cuda.is_available()
         self._engine = _extension._C.io.Engine(
             backend=c.backend, queue_depth=c.queue_depth, block_size=c.block_size,
             pool_bytes=c.pool_bytes, direct=c.direct, sqpoll=c.sqpoll,
-            copy_threads=c.copy_threads,
-            # page-lock the pool so H2D/D2H copies from pool tensors are asynchronous
-            pin=c.pin_pool and torch.cuda.is_available())
+            copy_threads=c.copy_threads, pin=pin)
+        self.pool_pinned = bool(self._engine.pool_pinned)
+        self.pool_pin_error = self._engine.pin_error
+        if pin and not self.pool_pinned:  # still correct, but slower: say so, once
+            warnings.warn(
+                f"tierlift IoEngine: page-locking its {c.pool_bytes}-byte staging pool failed "
+                f"({self.pool_pin_error}); the pool stays pageable, so copies between its "
+                "tensors and the GPU block the host (CUDA stages them through a pinned buffer "
+                "of its own) instead of running asynchronously", RuntimeWarning, stacklevel=2)
 
     @property
     def backend(self) -> str:
