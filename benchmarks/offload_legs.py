@@ -14,6 +14,9 @@ two warm-up rounds, then --repeats; medians. The legs are last_step_stats["legs"
                       and backward); on CUDA plus the device's copy time (events)
   D2H grads           the gradient copies to host memory, and the waits for them on any thread
   CPU Adam            the kernel, on whichever thread ran it, and again per thread
+  device adam         the device part's own step (device_fraction; none here): its launch on
+                      the host, plus on CUDA its kernels' time (events, read once done), which
+                      runs after step() returns, before the next forward
   NVMe read, write    the engine's busy time (each request from its issue until first seen
                       done), its bytes; exposed: the waits for it on the training thread and
                       the worker's waits that step() waited for
@@ -53,9 +56,11 @@ LEG_LABELS = [  # (label, last_step_stats["legs"] key)
     ("forward (host waits for compute)", "forward"),
     ("backward (host waits for compute)", "backward"),
     ("H2D params", "h2d"), ("D2H grads", "d2h"), ("CPU Adam", "adam"),
-    ("NVMe read", "nvme_read"), ("NVMe write", "nvme_write"),
+    ("device adam", "device_adam"), ("NVMe read", "nvme_read"), ("NVMe write", "nvme_write"),
     ("optimizer other", "other"),
 ]
+
+DEVICE_LEGS = ("forward", "backward", "h2d", "d2h", "device_adam")  # those with CUDA events
 
 
 HOST_IDLE_S = (0.01, 0.03)  # --legs-host-idle: a block's forward and backward on the "device"
@@ -171,7 +176,9 @@ def leg_rows(by_case: dict[str, dict]) -> tuple[list[dict], list[str]]:
             r[f"{case} ms"] = f"{legs[key]['bytes'] / 1e6:.1f}" if key in legs else "-"
         rows.append(r)
     if any(v.get("device_s") is not None for legs in by_case.values() for v in legs.values()):
-        for label, key in LEG_LABELS[:4]:
+        for label, key in LEG_LABELS:
+            if key not in DEVICE_LEGS:
+                continue
             r = {"leg": f"{label}: device ms"}
             for case, legs in by_case.items():
                 d = legs.get(key, {}).get("device_s")

@@ -1,9 +1,13 @@
 """The offloaded optimizer's GPU-only branches, reached on a CPU through their stand-ins:
-close() unpins the host tier's page-locked memory (tierlift._pinned), a refused pin of the io
-engine's pool is reported, and fp32 device weights that are their own master are stepped
-through a slot wherever d2h.on_device says they are on a device."""
+close() unpins the host tier's page-locked memory (tierlift._pinned); fp32 device weights that
+are their own master are stepped through a slot wherever d2h.on_device says they are on a
+device; the device part (device_fraction) is its own leg, with its kernels' device time read
+from events once done, never waited for; a refused pin of the io engine's pool is reported;
+HostRegistration's errors name their caller. The tests marked gpu run the same on a device."""
 
 from __future__ import annotations
+
+import gc
 
 import pytest
 import torch
@@ -11,7 +15,8 @@ from torch import nn
 
 import tierlift
 from tierlift import _pinned
-from tierlift.offload import d2h, h2d
+from tierlift.offload import d2h, h2d, legs
+from tierlift.offload.device_part import DevicePart
 from tierlift.optim import AdamW
 
 pytestmark = pytest.mark.skipif(not tierlift._extension.available(),
@@ -66,13 +71,15 @@ def _model() -> nn.Module:
 def _train(model, opt, steps: int = 2) -> None:
     g = torch.Generator().manual_seed(1)
     for _ in range(steps):
-        model(torch.randn(4, 32, generator=g)).square().mean().backward()
+        x = torch.randn(4, 32, generator=g).to(next(model.parameters()).device)
+        model(x).square().mean().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
 
 # ---- close() unpins the host tier ------------------------------------------------------------
 def test_close_unpins_the_host_tier_and_still_refuses_to_step(page_locks):
+    gc.collect()  # no earlier test's registration goes away while this one counts
     baseline, counted = page_locks.locked, _pinned.registered_bytes()
     model = _model()
     opt = AdamW(model.parameters(), lr=1e-2, offload="cpu", chunk_bytes=4096)
@@ -110,6 +117,7 @@ def test_hybrid_close_unpins_its_ram_part(page_locks, tmp_path):
 
 
 def test_a_dropped_registration_stops_counting(page_locks):
+    gc.collect()
     counted, regs = _pinned.registered_bytes(), []
     t = _pinned.pinned_zeros(1000, torch.float32, regs)
     assert _pinned.registered_bytes() == counted + t.nbytes
@@ -181,6 +189,109 @@ def test_own_master_device_weights_go_through_a_slot(monkeypatch, tmp_path, tier
         torch.testing.assert_close(p, r, rtol=0, atol=1e-6)
 
 
+# ---- the device part's own leg -----------------------------------------------------------------
+class Events:
+    """Stand-in CUDA timing events: recorded at a stand-in device clock (ms), done only once
+    the test says the device got there; nothing may wait for one."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.clock_ms = 0.0
+        self.done_until = -1.0
+        self.recorded: list = []
+        events = self
+
+        class Event:
+            def __init__(self) -> None:
+                self.at = events.clock_ms
+
+            def query(self) -> bool:
+                return self.at <= events.done_until
+
+            def elapsed_time(self, end) -> float:
+                assert self.query() and end.query(), "read before it was done"
+                return end.at - self.at
+
+            def synchronize(self) -> None:
+                raise AssertionError("the step must not wait for the device part")
+
+        def record_events(devices):
+            got = [Event() for _ in devices]
+            events.recorded.extend(got)
+            return got
+
+        monkeypatch.setattr(legs, "record_events", record_events)
+        monkeypatch.setattr(torch.cuda, "synchronize", self.no_wait)
+
+    @staticmethod
+    def no_wait(*args, **kwargs):
+        raise AssertionError("the step must not synchronize")
+
+    def run(self, ms: float) -> None:
+        """The device part's kernels take `ms` on the device: the clock moves past them."""
+        self.clock_ms += ms
+
+
+def test_the_device_part_is_its_own_leg_with_its_gpu_time(monkeypatch):
+    Copies(monkeypatch)  # every tensor a device tensor: the device part launches "on CUDA"
+    events = Events(monkeypatch)
+    launch = DevicePart.launch
+
+    def timed_launch(self, scale):  # its kernels take 7 ms on the stand-in device
+        launch(self, scale)
+        events.run(7.0)
+
+    monkeypatch.setattr(DevicePart, "launch", timed_launch)
+    model = _model()
+    opt = AdamW(model.parameters(), lr=1e-2, offload="cpu", overlap=True, chunk_bytes=4096,
+                device_fraction=0.8)
+    try:
+        assert opt._offload.device_part.params > 0
+        _train(model, opt, steps=1)
+        first = opt.last_step_stats
+        assert len(events.recorded) == 2  # one start and one end event, one device
+        leg = first["legs"]["device_adam"]
+        # Queued, not done: unknown, not 0 (and not waited for).
+        assert first["device_part_gpu_s"] is None and leg["device_s"] is None
+        assert list(leg["threads"]) == ["training"] and 0 < leg["total_s"] <= first[
+            "device_part_s"]
+        host = leg["total_s"]
+        events.done_until = events.clock_ms  # the device got through the kernels
+        again = opt.last_step_stats  # read without a wait, now that the events are done
+        assert again is first and first["device_part_gpu_s"] == pytest.approx(7e-3)
+        assert leg["device_s"] == pytest.approx(7e-3)
+        assert leg["total_s"] == pytest.approx(host + 7e-3)
+
+        # At the next step, the one before is filled in even if nobody read its stats.
+        _train(model, opt, steps=1)
+        second = opt._offload._last_stats
+        events.done_until = events.clock_ms
+        _train(model, opt, steps=1)
+        assert second["device_part_gpu_s"] == pytest.approx(7e-3)
+        assert second["legs"]["device_adam"]["device_s"] == pytest.approx(7e-3)
+        assert opt._offload._last_stats["device_part_gpu_s"] is None
+    finally:
+        opt.close()
+
+
+def test_a_host_device_part_has_no_gpu_time(monkeypatch):
+    """CPU parameters: the device part's leg is its host time alone, no events."""
+    def no_events(devices):
+        raise AssertionError("no CUDA events for host parameters")
+
+    monkeypatch.setattr(legs, "record_events", no_events)
+    model = _model()
+    opt = AdamW(model.parameters(), lr=1e-2, offload="cpu", chunk_bytes=4096,
+                device_fraction=0.8)
+    try:
+        _train(model, opt, steps=1)
+        stats = opt.last_step_stats
+    finally:
+        opt.close()
+    leg = stats["legs"]["device_adam"]
+    assert "device_part_gpu_s" not in stats and leg["device_s"] is None
+    assert 0 < leg["total_s"] <= stats["device_part_s"]
+
+
 # ---- a refused pin of the io engine's pool -------------------------------------------------------
 @pytest.mark.skipif(torch.cuda.is_available(),
                     reason="the refusal injected is CUDA's on a machine without a GPU")
@@ -236,3 +347,49 @@ def _pinned_fallback(zeros):
     def wrapped(*args, pin_memory=False, **kwargs):
         return zeros(*args, **kwargs)
     return wrapped
+
+
+# ---- the same on a GPU -------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_on_a_gpu_close_unpins_the_host_tier():
+    gc.collect()  # no earlier test's registration goes away while this one counts
+    counted = _pinned.registered_bytes()
+    model = _model().cuda()
+    opt = AdamW(model.parameters(), lr=1e-2, offload="cpu", chunk_bytes=4096)
+    _train(model, opt)
+    flat = list(opt._offload.tiers[0].flat.values())
+    assert all(t.is_pinned() for t in flat)
+    assert _pinned.registered_bytes() == counted + sum(t.nbytes for t in flat)
+    opt.close()
+    assert not any(t.is_pinned() for t in flat) and _pinned.registered_bytes() == counted
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_pool_is_pinned_without_a_warning():
+    import warnings
+
+    from tierlift.io import EngineConfig, IoEngine
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine = IoEngine(EngineConfig(backend="threads", queue_depth=4, block_size=4096,
+                                       pool_bytes=1 << 20))
+    with engine:
+        assert engine.pool_pinned and engine.pool_pin_error == ""
+        assert engine.pool_tensor(4096).is_pinned()
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_device_part_reports_its_kernels_time():
+    model = _model().cuda()
+    opt = AdamW(model.parameters(), lr=1e-2, offload="cpu", overlap=True, chunk_bytes=4096,
+                device_fraction=0.8)
+    try:
+        _train(model, opt)
+        torch.cuda.synchronize()  # the test's wait, not the step's
+        stats = opt.last_step_stats
+    finally:
+        opt.close()
+    leg = stats["legs"]["device_adam"]
+    assert stats["device_part_gpu_s"] > 0 and leg["device_s"] == stats["device_part_gpu_s"]
+    assert leg["total_s"] >= leg["device_s"] + leg["exposed_s"] - 1e-9

@@ -3,8 +3,10 @@ waited for: last_step_stats["legs"] of tierlift.optim.Adam/AdamW with offload.
 
 Legs: "forward" and "backward" (the device's compute as the host sees it), "h2d" (parameter
 copies to the device), "d2h" (gradient copies to host memory), "adam" (the CPU Adam kernel),
-"nvme_read" and "nvme_write" (the optimizer state's I/O), "other" (the optimizer's other work:
-checks, fingerprints, masters, publish). Each is
+"device_adam" (the device part's own step, OffloadConfig.device_fraction: its launch on the
+host, and on CUDA its kernels' device time, which runs after step() returns, before the next
+forward), "nvme_read" and "nvme_write" (the optimizer state's I/O), "other" (the optimizer's
+other work: checks, fingerprints, masters, publish). Each is
 
   total_s    how long the leg took on whatever did it: the host threads' time in it; for a copy
              whose tensors are on CUDA, the host's part plus the device's time (CUDA events)
@@ -23,6 +25,10 @@ them less the copies it made or waited for there, and a wait for a copy beyond t
 device time (the wait also waits for the compute queued before it) counts to backward. On a CPU
 the device legs are the host's own copies (no CUDA events).
 
+"device_adam"'s device time is not known when step() returns (its kernels are only queued):
+DeviceTime fills it in (device_s, and into total_s) once its events are done, when the stats
+are read or at the next step, whichever finds them done first; until then device_s is None.
+
 Nothing here synchronizes: spans are perf_counter pairs, CUDA events are read once query() says
 they are done (at step() they are: backward waits for the gradient copies).
 """
@@ -36,7 +42,8 @@ from contextlib import contextmanager
 
 import torch
 
-LEGS = ("forward", "backward", "h2d", "d2h", "adam", "nvme_read", "nvme_write", "other")
+LEGS = ("forward", "backward", "h2d", "d2h", "adam", "device_adam", "nvme_read", "nvme_write",
+        "other")
 TRAINING = "training"
 WAIT = "wait"  # a Clock span: step()'s thread blocked on the overlap's worker
 _MAX_EVENTS = 512  # CUDA event pairs kept unread before the done ones are folded in
@@ -219,6 +226,65 @@ class ModelLegs:
         self._events = events
         self._timed = {leg for leg, _, _ in events}
         return out
+
+
+def record_events(devices) -> list:
+    """One timing event per CUDA device in `devices`, recorded on its current stream (the seam
+    the CPU tests replace with stand-in events)."""
+    events = []
+    for device in devices:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(device))
+        events.append(event)
+    return events
+
+
+class DeviceTime:
+    """The device time of work queued on some devices' current streams between start() and
+    stop(), handed to a callback once its events are done: poll() reads the ones that are
+    (query()), never waiting. Several devices' times add up."""
+
+    MAX_PENDING = 16  # never done: the oldest are given up (their time stays unknown)
+
+    def __init__(self, devices) -> None:
+        self.devices = list(devices)
+        self._pending: list = []  # (start events, end events, callback)
+
+    def __bool__(self) -> bool:
+        return bool(self.devices)
+
+    def start(self) -> list:
+        return record_events(self.devices) if self.devices else []
+
+    def stop(self, starts: list, then) -> None:
+        """Ends the span started by start(); `then(seconds)` runs in a later poll()."""
+        if not starts:
+            return
+        self._pending.append((starts, record_events(self.devices), then))
+        del self._pending[:-self.MAX_PENDING]
+
+    def poll(self) -> None:
+        keep = []
+        for starts, ends, then in self._pending:
+            if all(e.query() for e in (*starts, *ends)):
+                then(sum(s.elapsed_time(e) for s, e in zip(starts, ends)) / 1e3)
+            else:
+                keep.append((starts, ends, then))
+        self._pending = keep
+
+
+def device_part_done(stats: dict):
+    """The DeviceTime callback of one step's device part: its GPU time into that step's
+    `stats` ("device_part_gpu_s") and its "device_adam" leg (device_s, and into total_s)."""
+
+    def then(seconds: float) -> None:
+        stats["device_part_gpu_s"] = seconds
+        leg = stats.get("legs", {}).get("device_adam")
+        if leg is not None:
+            leg["device_s"] = seconds
+            leg["total_s"] += seconds
+
+    return then
 
 
 def _overlap(t0: float, t1: float, windows: list) -> float:

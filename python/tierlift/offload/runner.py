@@ -86,7 +86,7 @@ class Offloader(StateIO, ChunkStep):
         self._built = listed(optimizer.param_groups)
         self.opt = optimizer
         self.config = config
-        self.last_step_stats: dict = {}
+        self._last_stats: dict = {}
         self.clock = legs.Clock()  # this step's spans, on every thread (last_step_stats["legs"])
         self._engine = None
         self._dir = None
@@ -94,6 +94,11 @@ class Offloader(StateIO, ChunkStep):
         self._zero = any(is_shard(p) for p in params)
         # Parameters whose state stays beside them (device_part.py): no tier space, no chunks.
         self.device_part = DevicePart(optimizer, config.device_fraction)
+        # Its kernels' device time: CUDA events around the launch, read once done.
+        self._device_time = legs.DeviceTime(sorted(
+            {p.device for gi, g in enumerate(optimizer.param_groups)
+             for pi, p in enumerate(g["params"])
+             if self.device_part.holds(gi, pi) and d2h.on_device(p)}, key=str))
         kept = [[reserves(p) and not self.device_part.holds(gi, pi)
                  for pi, p in enumerate(g["params"])]
                 for gi, g in enumerate(optimizer.param_groups)]
@@ -231,6 +236,17 @@ class Offloader(StateIO, ChunkStep):
             return True
         return d2h.on_device(p) and not self.streamed
 
+    @property
+    def last_step_stats(self) -> dict:
+        """The last step's stats; the device part's GPU time lands in them once it is known
+        (legs.DeviceTime: read here if its events are done, never waited for)."""
+        self._device_time.poll()
+        return self._last_stats
+
+    @last_step_stats.setter
+    def last_step_stats(self, stats: dict) -> None:
+        self._last_stats = stats
+
     def close(self, join: bool = True) -> None:
         """`join`: wait for the overlap's worker thread to exit (see __del__). Idempotent."""
         if self.overlap is not None:
@@ -276,11 +292,13 @@ class Offloader(StateIO, ChunkStep):
         last_step_stats["legs"]: the step (from the forward of its sharded models on) split by
         leg, each with the part the training thread waited for (offload.legs)."""
         training = threading.current_thread().name
+        self._device_time.poll()  # the last step's device part, if it is done by now
         try:
             with self.clock.span("other"):
                 self._step(grad_scale, found_inf)
-            self.last_step_stats["legs"] = legs.summarize(self.clock, training,
-                                                          self._model_legs())
+            # not through the property: a device time read now would miss the legs
+            self._last_stats["legs"] = legs.summarize(self.clock, training,
+                                                      self._model_legs())
             if self._device_staging is not None:  # None decides after the first step
                 self._device_staging.settle()
         finally:
@@ -418,12 +436,18 @@ class Offloader(StateIO, ChunkStep):
             self.device_part.forget()
             raise
         t = time.perf_counter()
-        self.device_part.launch(scale_t)  # after the offloaded part committed
+        with self.clock.span("device_adam"):  # its host part; its kernels run after step()
+            started = self._device_time.start()
+            self.device_part.launch(scale_t)  # after the offloaded part committed
         stats["device_part_s"] += time.perf_counter() - t
         stats.update(self.device_part.stats())
+        if started:  # until its events are done
+            stats["device_part_gpu_s"] = None
         stats["total_s"] = time.perf_counter() - t0
         stats["skipped"] = False
         self.last_step_stats = dict(stats)
+        # Nothing is queued between the launch and this end event.
+        self._device_time.stop(started, legs.device_part_done(self._last_stats))
 
     def _read_early(self, live: list[dict], spec: dict) -> dict:
         """Starts reading the first chunks of the first group with gradients before the
