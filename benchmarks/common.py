@@ -1,12 +1,16 @@
-"""Shared helpers for benchmarks/: timing, machine description, table printing, JSON output."""
+"""Shared helpers for benchmarks/: timing, machine description, table printing, JSON output,
+and keeping a run going past a contender that fails (failure, run_section)."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import platform
 import statistics
+import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -93,6 +97,49 @@ def write_json(name: str, payload: dict) -> Path:
         else "cpu"
     )
     path = RESULTS / f"{name}-{tag}.json"
-    path.write_text(json.dumps({"machine": machine(), **payload}, indent=2))
+    dump_json(path, {"machine": machine(), **payload}, indent=2)
     print(f"\nwrote {path}")
     return path
+
+
+def dump_json(path, payload, indent: int = 1) -> None:
+    """Write payload to path through a temporary file and a rename: a run killed mid-write (a
+    time cap's SIGTERM) leaves the previous complete file, never a truncated one."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(payload, f, indent=indent)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+ERROR_CHARS = 2000  # of an error kept in a JSON row (torch's scaled-GEMM refusals run long)
+
+
+def failure(what: str, exc: BaseException) -> str:
+    """'<type>: <message>' of exc, for the row of `what` that it ended; printed with its
+    traceback, and the GPU's cached memory is released so the next contender starts clean."""
+    message = f"{type(exc).__name__}: {exc}"[:ERROR_CHARS]
+    print(f"  {what}: FAILED: {message.splitlines()[0] if message else ''}", flush=True)
+    traceback.print_exc()
+    gc.collect()
+    if torch.cuda.is_available():
+        try:
+            torch.cuda.empty_cache()
+        except Exception:  # noqa: BLE001 (a broken context: the next row reports it)
+            pass
+    return message
+
+
+def run_section(result: dict, name: str, save, fn):
+    """fn() as one section of a run; an exception is recorded as result[f"{name}_error"] and
+    saved, and None returned, so the sections after it still run."""
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 (whatever ends a section is its result)
+        result[f"{name}_error"] = failure(f"section {name}", exc)
+        save()
+        return None

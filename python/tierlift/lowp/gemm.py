@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections import Counter
 
 import torch
 
@@ -29,6 +30,15 @@ def _use_scaled_mm(a_q: torch.Tensor, b_q: torch.Tensor) -> bool:
 
 
 _warned: set[str] = set()
+# GEMMs torch._scaled_mm refused and the emulation ran instead, counted per kind: same numbers,
+# not the same time, so a benchmark reads these to say which of its rows were emulated.
+_fallbacks: Counter[str] = Counter()
+
+
+def scaled_mm_fallbacks() -> dict[str, int]:
+    """{kind: calls} of the GEMMs torch._scaled_mm refused since import (each then emulated);
+    kind: "<a dtype>-<b dtype>-<out dtype>-<tensorwise|rowwise>: <torch's first error line>"."""
+    return dict(_fallbacks)
 
 # The profiler range every scaled_mm call runs in while a profiler records, so that its inverse
 # scales and (off the FP8 tensor cores) its dequantize + fp32 matmul are grouped as the GEMM
@@ -56,8 +66,13 @@ def _scaled_mm(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: tor
         sb = inv_b.t() if rowwise else inv_b.reshape(())
         try:
             return torch._scaled_mm(a_q, b_q.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
-        except RuntimeError as exc:  # e.g. a cuBLAS without rowwise E5M2 or fp32 output
-            key = f"{a_q.dtype}-{b_q.dtype}-{out_dtype}-{rowwise}"
+        # A refusal (e.g. a cuBLAS without rowwise E5M2): TORCH_CHECK raises RuntimeError
+        # (NotImplementedError is one), TORCH_CHECK_VALUE ValueError (the rowwise output dtype
+        # and E5M2 x E5M2 checks). A TypeError (a changed signature) is a bug: it propagates.
+        except (RuntimeError, ValueError) as exc:
+            first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            key = f"{a_q.dtype}-{b_q.dtype}-{out_dtype}-{'rowwise' if rowwise else 'tensorwise'}"
+            _fallbacks[f"{key}: {first_line}"] += 1
             if key not in _warned:
                 _warned.add(key)
                 warnings.warn(f"tierlift.lowp: torch._scaled_mm rejected this GEMM ({exc}); "
