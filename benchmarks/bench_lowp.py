@@ -19,7 +19,10 @@ run, a floor the split's quantize + layout + amax time can be read against). --p
 counts them alone, on fake tensors (no memory, no compute: any size on any machine). Ratios are
 what to
 compare; absolute CPU times on a shared VM are noise. The JSON is rewritten after every row (a
-run cut short keeps its rows).
+run cut short keeps its rows). A contender, step kind or quantizer that fails keeps its error in
+its row (`error`, `<name>_error`) and the run goes on; a section that fails keeps
+`<section>_error`. A GEMM torch._scaled_mm refused runs emulated (same numbers, not the same
+time): the rows it ran in name it (`emulated_gemms`, `<name>_emulated_gemms`).
 
 Steps (STEPS): "train" is one layer's work in a training step: backward of a fixed contiguous
 grad_output, gradients set to None first (AccumulateGrad takes them over, nothing is added).
@@ -34,16 +37,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
+import importlib.util
 import platform
 
 import torch
 
-from common import RESULTS, median_time
+from common import RESULTS, dump_json, failure, median_time, run_section
 from lowp_split import print_passes, print_split, profile_split
 from plots import plot_json, plot_lowp
 from tierlift import ops
 from tierlift.lowp import RECIPES, Float8Linear
+from tierlift.lowp.gemm import scaled_mm_fallbacks
 from tierlift.lowp.passes import count_passes
 from tierlift.reference import lowp as ref
 
@@ -78,32 +82,39 @@ def bench_cpu(args) -> list[dict]:
 FP4_RULES = ("floor", "rceil", "nv")  # MXFP4 (E8M0 scale per 32) and NVFP4 (E4M3 per 16)
 
 
-def bench_gpu_quantize(args, rows: list, save) -> list[dict]:
-    n = 8192
-    x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    t_copy = timeit(lambda: x.clone(), "cuda", args.repeat)
+def bench_gpu_quantize(args, rows: list, save, device: str = "cuda", n: int = 8192) -> list[dict]:
+    """Each quantizer's GB/s against the copy bandwidth, a row each, saved as it comes (device
+    and n: a test runs this on the CPU)."""
+    x = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    t_copy = timeit(lambda: x.clone(), device, args.repeat)
     copy_gbs = 2 * x.numel() * 2 / t_copy / 1e9
+
+    def measure(scaling: str, dual: bool, fn, moved: float) -> None:
+        row = dict(scaling=scaling, dual=dual)
+        try:
+            gbs = moved / timeit(fn, device, args.repeat) / 1e9
+            row.update(gbs=gbs, copy_gbs=copy_gbs, of_copy=gbs / copy_gbs)
+        except Exception as exc:  # noqa: BLE001 (this quantizer's result; the others go on)
+            row["error"] = failure(f"quantize {scaling}{' dual' if dual else ''}", exc)
+        rows.append(row)
+        save()
+
     for scaling in (*SCALINGS, "col"):
         for dual in (False, True):
             op = ops.fp8_quantize_dual if dual else ops.fp8_quantize
-            t = timeit(lambda: op(x, scaling), "cuda", args.repeat)  # noqa: B023
-            moved = x.numel() * (2 + (2 if dual else 1))  # bf16 in, 1 or 2 fp8 copies out
-            gbs = moved / t / 1e9
-            rows.append(dict(scaling=scaling, dual=dual, gbs=gbs, copy_gbs=copy_gbs,
-                             of_copy=gbs / copy_gbs))
-            save()
+            # bf16 in, 1 or 2 fp8 copies out
+            measure(scaling, dual, lambda: op(x, scaling),  # noqa: B023
+                    x.numel() * (2 + (2 if dual else 1)))
     for rule in FP4_RULES:
-        t = timeit(lambda: ops.fp4_quantize(x, rule), "cuda", args.repeat)  # noqa: B023
         # bf16 in, two E2M1 codes per byte out, one scale byte per 32 (MX) or 16 (NV) values
-        moved = x.numel() * (2 + 0.5 + (1 / 16 if rule == "nv" else 1 / 32))
-        gbs = moved / t / 1e9
-        rows.append(dict(scaling=f"fp4-{rule}", dual=False, gbs=gbs, copy_gbs=copy_gbs,
-                         of_copy=gbs / copy_gbs))
-        save()
+        measure(f"fp4-{rule}", False, lambda: ops.fp4_quantize(x, rule),  # noqa: B023
+                x.numel() * (2 + 0.5 + (1 / 16 if rule == "nv" else 1 / 32)))
     print(f"D2D copy: {copy_gbs:.0f} GB/s  ({n}x{n} bf16)")
     print(f"{'scaling':>8} {'dual':>5} {'GB/s':>8} {'of copy':>8}")
     for r in rows:
-        print(f"{r['scaling']:>8} {str(r['dual']):>5} {r['gbs']:8.0f} {r['of_copy']:8.0%}")
+        cells = (f"{r['gbs']:8.0f} {r['of_copy']:8.0%}" if "error" not in r
+                 else f"  failed: {r['error'].splitlines()[0]}")
+        print(f"{r['scaling']:>8} {str(r['dual']):>5} {cells}")
     return rows
 
 
@@ -111,11 +122,15 @@ TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 
 def torchao_float8():
-    """(Float8LinearConfig, convert_to_float8_training), or None where torchao is not installed."""
+    """(Float8LinearConfig, convert_to_float8_training); None where torchao is not installed; the
+    error as a string where it is but its float8 API does not import (e.g. a torch API it needs
+    is missing): that is then every torchao contender's result."""
+    if importlib.util.find_spec("torchao") is None:
+        return None
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    except ImportError:
-        return None
+    except Exception as exc:  # noqa: BLE001 (an import that fails is the contenders' result)
+        return f"torchao.float8 did not import: {type(exc).__name__}: {exc}"
     return Float8LinearConfig, convert_to_float8_training
 
 
@@ -134,7 +149,9 @@ def contenders(size: int, device: str) -> tuple[torch.Tensor, dict]:
         separate = dataclasses.replace(r, transposed_copy="separate")
         mods[f"{recipe}/separate"] = Float8Linear.from_linear(base, separate)
     ao = torchao_float8()
-    if ao is not None:
+    if isinstance(ao, str):
+        mods.update({f"torchao-{recipe}": ao for recipe in TORCHAO_RECIPES})
+    elif ao is not None:
         config, convert = ao
         for recipe in TORCHAO_RECIPES:
             wrapped = torch.nn.Sequential(
@@ -186,36 +203,67 @@ def step_passes(step, size: int) -> dict:
                 ops=[f"{PHASE[p.phase]} {p.kind} {p.op} {list(p.shapes)}" for p in count.passes])
 
 
-def bench_gpu_linear(args, rows: list, save) -> list[dict]:
+def new_fallbacks(before: dict[str, int]) -> dict[str, int]:
+    """The GEMMs torch._scaled_mm refused (then emulated) since `before` (scaled_mm_fallbacks())."""
+    now = scaled_mm_fallbacks()
+    return {k: n - before.get(k, 0) for k, n in now.items() if n > before.get(k, 0)}
+
+
+def bench_gpu_linear(args, rows: list, save, device: str = "cuda") -> list[dict]:
     """Per size, every contender's speedup over bf16 nn.Linear with each step kind, the kinds
-    interleaved per contender (so a drifting GPU clock hits both alike)."""
+    interleaved per contender (so a drifting GPU clock hits both alike). A step kind that fails
+    keeps `<name>_error` (train) or `<name>_sum_error` in the row; a size whose bf16 baseline
+    fails keeps `error`. (device: a test runs this on the CPU.)"""
     for size in args.sizes:
-        x, mods = contenders(size, "cuda")
-        base = mods.pop("bf16 nn.Linear")
         row = dict(size=size)
-        t_bf16 = {}
-        for kind in STEPS:
-            t_bf16[kind] = timeit(step_fn(base, x, kind), "cuda", args.repeat)
-            row["bf16_ms" if kind == "train" else "bf16_sum_ms"] = t_bf16[kind] * 1e3
+        rows.append(row)  # saved as it fills: a run cut off keeps the contenders measured
+        try:
+            x, mods = contenders(size, device)
+            base = mods.pop("bf16 nn.Linear")
+            t_bf16 = {}
+            for kind in STEPS:
+                t_bf16[kind] = timeit(step_fn(base, x, kind), device, args.repeat)
+                row["bf16_ms" if kind == "train" else "bf16_sum_ms"] = t_bf16[kind] * 1e3
+        except Exception as exc:  # noqa: BLE001 (no baseline: nothing to compare at this size)
+            row["error"] = failure(f"linear {size}: contenders / bf16 baseline", exc)
+            save()
+            continue
         for name, mod in mods.items():
             key = name.replace("-", "_") if name.startswith("torchao") else name
             if isinstance(mod, str):
                 row[f"{key}_error"] = mod
                 continue
+            before = scaled_mm_fallbacks()
             for kind in STEPS:
-                t = timeit(step_fn(mod, x, kind), "cuda", args.repeat)
-                row[f"{key}_speedup" if kind == "train" else f"{key}_sum_speedup"] = (
-                    t_bf16[kind] / t)
-        rows.append(row)
-        save()
+                suffix = "" if kind == "train" else "_sum"
+                try:
+                    t = timeit(step_fn(mod, x, kind), device, args.repeat)
+                    row[f"{key}{suffix}_speedup"] = t_bf16[kind] / t
+                except Exception as exc:  # noqa: BLE001 (this step's result; the rest go on)
+                    row[f"{key}{suffix}_error"] = failure(f"linear {size} {name} {kind}", exc)
+            emulated = new_fallbacks(before)
+            if emulated:
+                row[f"{key}_emulated_gemms"] = emulated
+            save()
         del x, mods, base
-    keys = [k for k in rows[0] if k.endswith("speedup")]
+    print_linear(rows)
+    return rows
+
+
+def print_linear(rows: list[dict]) -> None:
+    keys = list(dict.fromkeys(k for r in rows for k in r if k.endswith("speedup")))
     print("speedup over bf16 nn.Linear, fwd+bwd; <name>: train step, <name>_sum: sum step")
     print(f"{'M=N=K':>6} {'bf16 ms':>8} {'sum ms':>8} " + " ".join(f"{k[:-8]:>22}" for k in keys))
     for r in rows:
+        if "error" in r:
+            print(f"{r['size']:>6}  failed: {r['error'].splitlines()[0]}")
+            continue
         print(f"{r['size']:>6} {r['bf16_ms']:8.2f} {r['bf16_sum_ms']:8.2f} "
-              + " ".join(f"{r[k]:21.2f}x" for k in keys))
-    return rows
+              + " ".join(f"{r[k]:21.2f}x" if k in r else f"{'failed':>22}" for k in keys))
+    for r in rows:
+        for k, v in r.items():
+            if k.endswith("_error") or k.endswith("_emulated_gemms"):
+                print(f"  {r['size']} {k}: {v.splitlines()[0] if isinstance(v, str) else v}")
 
 
 def bench_split(args, result: dict, save) -> dict:
@@ -230,20 +278,25 @@ def bench_split(args, result: dict, save) -> dict:
     for name, mod in mods.items():
         if isinstance(mod, str):
             split["contenders"][name] = dict(error=mod)
+            save()
             continue
-        step = step_fn(mod, x, args.step)
-        try:
+        before = scaled_mm_fallbacks()
+        try:  # step_fn runs a forward already (the train step's grad_output)
+            step = step_fn(mod, x, args.step)
             row = profile_split(step, args.device, args.split_steps)
             row["timed_ms"] = timeit(step, args.device, args.repeat) * 1e3
         except Exception as exc:  # noqa: BLE001 (one contender failing leaves the others)
-            row = dict(error=f"{type(exc).__name__}: {exc}")
+            row = dict(error=failure(f"split {name}", exc))
+        emulated = new_fallbacks(before)
+        if emulated:
+            row["emulated_gemms"] = emulated
         split["contenders"][name] = row
         split["passes"][name] = {}
         for kind in STEPS:
             try:
                 split["passes"][name][kind] = step_passes(step_fn(mod, x, kind), size)
             except Exception as exc:  # noqa: BLE001 (a count that fails is this row's result)
-                split["passes"][name][kind] = dict(error=f"{type(exc).__name__}: {exc}")
+                split["passes"][name][kind] = dict(error=failure(f"passes {name} {kind}", exc))
         save()
     rows = split["contenders"]
     bf16 = rows["bf16 nn.Linear"].get("timed_ms")
@@ -274,7 +327,8 @@ def bench_passes(args, result: dict, save) -> dict:
                     try:
                         block["passes"][name][kind] = step_passes(step_fn(mod, x, kind), size)
                     except Exception as exc:  # noqa: BLE001 (this row's result)
-                        block["passes"][name][kind] = dict(error=f"{type(exc).__name__}: {exc}")
+                        block["passes"][name][kind] = dict(
+                            error=failure(f"passes {size} {name} {kind}", exc))
         save()
         print_passes(block)
     return out
@@ -308,30 +362,38 @@ def main():
         args.json = str(RESULTS / f"bench_lowp-{args.device}.json")
 
     def save():
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        dump_json(args.json, result)
 
     ao = torchao_float8()
-    if ao is not None:
+    if isinstance(ao, str):
+        result["torchao_error"] = ao
+        print(f"torchao: {ao}")
+    elif ao is not None:
         import torchao
 
         result["torchao"] = torchao.__version__
+    # Each section on its own: one that fails keeps <section>_error and the next still runs.
     if "passes" in args.parts:
-        bench_passes(args, result, save)
+        run_section(result, "passes", save, lambda: bench_passes(args, result, save))
     if args.device == "cuda":
         result["gpu"] = torch.cuda.get_device_name()
         if "split" in args.parts:  # first: where the Float8Linear step's time goes
-            bench_split(args, result, save)
+            run_section(result, "split", save, lambda: bench_split(args, result, save))
         if "quantize" in args.parts:
-            bench_gpu_quantize(args, result.setdefault("quantize", []), save)
+            run_section(result, "quantize", save, lambda: bench_gpu_quantize(
+                args, result.setdefault("quantize", []), save))
         if "linear" in args.parts:
-            bench_gpu_linear(args, result.setdefault("linear", []), save)
+            run_section(result, "linear", save, lambda: bench_gpu_linear(
+                args, result.setdefault("linear", []), save))
     else:
         result["threads"] = torch.get_num_threads()
         if "quantize" in args.parts:
-            result["quantize"] = bench_cpu(args)
+            def cpu_quantize():
+                result["quantize"] = bench_cpu(args)
+
+            run_section(result, "quantize", save, cpu_quantize)
         if "split" in args.parts:
-            bench_split(args, result, save)
+            run_section(result, "split", save, lambda: bench_split(args, result, save))
     save()
     print(f"wrote {args.json}")
     if args.plot:  # draws the sections this run wrote
