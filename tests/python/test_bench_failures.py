@@ -197,3 +197,58 @@ def test_a_torchao_that_does_not_import_is_each_torchao_rows_error(monkeypatch):
     assert ao.startswith("torchao.float8 did not import: ImportError: cannot import name")
     _, mods = bench_lowp.contenders(32, "cpu")
     assert {mods[f"torchao-{r}"] for r in bench_lowp.TORCHAO_RECIPES} == {ao}
+
+
+@needs_ext
+def test_gather_variant_that_fails_or_gathers_wrong_rows_is_left_out(monkeypatch, capsys):
+    """bench_gather's GPU row on the CPU: 'grouped' raises, 'warp_sorted' writes a wrong row; the
+    others are timed, and neither gets numbers."""
+    import bench_gather
+
+    real = bench_gather.ops.gather_rows
+
+    def gather_rows(table, index, out, *, kernel="auto", locality="index", **kw):
+        if kernel == "grouped" and locality == "index":
+            raise RuntimeError("CUDA error: too many resources requested for launch")
+        real(table, index, out, kernel=kernel, locality=locality, **kw)
+        if kernel == "warp" and locality == "sorted":
+            out[3] += 1
+
+    monkeypatch.setattr(bench_gather.ops, "gather_rows", gather_rows)
+    row = bench_gather.bench_gpu(torch.randn(64 << 10), 256, 64 << 10, 2, device="cpu")
+    assert row["grouped_error"] == ("RuntimeError: CUDA error: too many resources requested for "
+                                    "launch")
+    assert row["warp_sorted_error"] == "wrong rows: the output differs from table[index]"
+    for name in ("grouped", "warp_sorted"):
+        assert f"{name}_gbs" not in row and f"{name}_mrows_s" not in row
+    for name in ("warp", "grouped_sorted"):
+        assert row[f"{name}_gbs"] > 0 and row[f"{name}_of_copy"] > 0
+    assert row["tierlift_gbs"] > 0 and row["pinned_copy_gbs"] > 0 and row["sort_ms"] > 0
+    assert row["fraction_of_copy"] == pytest.approx(row["tierlift_gbs"] / row["pinned_copy_gbs"])
+    bench_gather.print_gpu_table([row, {"row_bytes": 512, "error": "OutOfMemoryError: ..."}])
+    printed = capsys.readouterr().out
+    assert "grouped | failed: RuntimeError: CUDA error" in printed
+    assert "512 | failed: OutOfMemoryError" in printed
+
+
+@needs_ext
+def test_gather_row_size_that_fails_keeps_its_error_and_the_json(monkeypatch, tmp_path):
+    import bench_gather
+
+    real = bench_gather.bench_cpu
+
+    def bench_cpu(row_bytes, *args):
+        if row_bytes == 256:
+            raise MemoryError("out of memory")
+        return real(row_bytes, *args)
+
+    monkeypatch.setattr(bench_gather, "bench_cpu", bench_cpu)
+    monkeypatch.setattr(bench_gather, "ROW_BYTES", [128, 256, 512])
+    monkeypatch.setattr(sys, "argv", ["bench_gather.py", "--cpu-only", "--table-mib", "1",
+                                      "--out-mib", "1", "--repeats", "1",
+                                      "--out-dir", str(tmp_path)])
+    bench_gather.main()
+    rows = json.loads((tmp_path / "bench_gather_cpu.json").read_text())["results"]
+    assert [r["row_bytes"] for r in rows] == [128, 256, 512]
+    assert rows[1] == {"row_bytes": 256, "error": "MemoryError: out of memory"}
+    assert rows[0]["tierlift_gbs"] > 0 and rows[2]["tierlift_gbs"] > 0
