@@ -28,7 +28,9 @@ fp32 and bf16 (bf16: ours keeps fp32 masters; torch steps fp32 masters and copie
 bf16 weights with one _foreach_copy_), median step time per parameter, contenders interleaved.
 Run it with OMP_NUM_THREADS=1 TIERLIFT_NUM_THREADS=1 to time the host work alone (thread-pool
 wake-ups on a few shared cores otherwise dominate).
-The JSON is rewritten after every row, so a run cut short keeps what it measured.
+The JSON is rewritten after every row, so a run cut short keeps what it measured; a CUDA
+contender that fails keeps "<name> error" in its row and the others are still timed.
+--gpu-only skips what only the CPU rows use (DeepSpeed's import, torch's CPU bandwidths).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tierlift  # noqa: E402
 from common import (  # noqa: E402
+    failure,
     interleaved_medians,
     machine,
     median_time,
@@ -126,7 +129,7 @@ def make_contender(name: str, case: str, n: int):
     return step
 
 
-def cuda_contender(name: str, shapes, dtype):
+def cuda_contender(name: str, shapes, dtype, device: str = "cuda"):
     """The step function of one CUDA contender over `shapes`, gradients set:
       tierlift           tierlift AdamW on `dtype` params (bf16: fp32 master + bf16 weight,
                          30 B/param a step: 28 of the step, 2 to check the weight for edits);
@@ -136,7 +139,7 @@ def cuda_contender(name: str, shapes, dtype):
                          params, then torch._foreach_copy_ of the masters into the bf16 weights
                          (28 + 6 = 34 B/param; its fp32 gradients are given, not converted)."""
     mixed = name == "torch-fused-mixed"
-    ps = [torch.nn.Parameter(torch.randn(s, device="cuda", dtype=torch.float32 if mixed else dtype))
+    ps = [torch.nn.Parameter(torch.randn(s, device=device, dtype=torch.float32 if mixed else dtype))
           for s in shapes]
     for p in ps:
         p.grad = torch.randn_like(p) * 1e-3
@@ -145,7 +148,7 @@ def cuda_contender(name: str, shapes, dtype):
     opt = torch.optim.AdamW(ps, fused=True, **HYPER)
     if not mixed:
         return opt.step
-    weights = [torch.empty(s, device="cuda", dtype=dtype) for s in shapes]
+    weights = [torch.empty(s, device=device, dtype=dtype) for s in shapes]
     masters = [p.detach() for p in ps]
 
     def step():
@@ -155,34 +158,42 @@ def cuda_contender(name: str, shapes, dtype):
     return step
 
 
-def cuda_rows(sizes, repeats: int, rows: list, save) -> list[dict]:
+def cuda_rows(sizes, repeats: int, rows: list, save, device: str = "cuda") -> list[dict]:
     """On a GPU: the fused multi-tensor CUDA step vs torch's fused CUDA AdamW (fp32 and bf16
     params; bf16 also against torch's fp32-master recipe, cuda_contender), over a GPT-like list of
-    tensors (many sizes, not one flat buffer). Appends to rows, calling save() after each."""
-    sync = torch.cuda.synchronize
+    tensors (many sizes, not one flat buffer). Appends to rows, calling save() after each. A
+    contender that fails keeps "<name> error" in the row (no ratio; tierlift's: no Mparam/s and
+    no ratios) and the others are still timed. (device: a test runs this on the CPU.)"""
+    sync = torch.cuda.synchronize if device == "cuda" else None
     for n in sizes:
         shapes = [(n // 64,)] * 48 + [(1024,)] * 16
         for dtype in (torch.float32, torch.bfloat16):
-            times = {}
+            times, errors = {}, {}
             names = ("tierlift", "torch-fused") + (
                 ("torch-fused-mixed",) if dtype != torch.float32 else ())
             for name in names:
-                step = cuda_contender(name, shapes, dtype)
-                times[name] = median_time(step, repeats=repeats, warmup=2, sync=sync)
+                step = None
+                try:
+                    step = cuda_contender(name, shapes, dtype, device)
+                    times[name] = median_time(step, repeats=repeats, warmup=2, sync=sync)
+                except Exception as exc:  # noqa: BLE001 (this contender's result)
+                    errors[name] = failure(f"{device} {str(dtype)[6:]} n={n:.0e} {name}", exc)
                 del step
                 gc.collect()
-                torch.cuda.empty_cache()
+                if device == "cuda":
+                    torch.cuda.empty_cache()
             numel = sum(s[0] for s in shapes)
-            row = {
-                "case": f"cuda-{str(dtype)[6:]}",
-                "params": f"{numel:.0e}",
-                "tierlift Mparam/s": numel / times["tierlift"] / 1e6,
-            }
-            for name in names[1:]:
-                row[f"vs {name}"] = times[name] / times["tierlift"]
+            row = {"case": f"{device}-{str(dtype)[6:]}", "params": f"{numel:.0e}"}
+            if "tierlift" in times:
+                row["tierlift Mparam/s"] = numel / times["tierlift"] / 1e6
+                for name in names[1:]:
+                    if name in times:
+                        row[f"vs {name}"] = times[name] / times["tierlift"]
+            row.update({f"{name} error": message for name, message in errors.items()})
             rows.append(row)
-            print(f"  cuda {str(dtype)[6:]} n={numel:.0e}: "
-                  + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in times.items()), flush=True)
+            print(f"  {device} {str(dtype)[6:]} n={numel:.0e}: "
+                  + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in times.items())
+                  + "".join(f", {k} FAILED" for k in errors), flush=True)
             save()
     return rows
 
@@ -290,17 +301,17 @@ def main() -> None:
                     "\"vs X\" = X's time / tierlift's time; >1 = faster)")
         write_json("bench_optim_tiny", {"rows": rows})
         return
-    DS_ADAM, DS_ERROR = deepspeed_adam()
+    # --gpu-only: DeepSpeed's import (seconds on a GPU machine) and the CPU bandwidths serve
+    # only the CPU rows, and the part runs under a time cap
+    DS_ADAM, DS_ERROR = (None, "not imported (--gpu-only)") if args.gpu_only else deepspeed_adam()
     contenders = ["bound", "tierlift", "torch-foreach", "torch-fused"] + (
         ["deepspeed"] if DS_ADAM else [])
-    bws = torch_bandwidth()
+    bws = {} if args.gpu_only else torch_bandwidth()
     info = tierlift.build_info()
     print(f"machine: {machine()}")
-    print(
-        f"tierlift SIMD path: {info.get('active_simd')}, threads: {info.get('cpu_threads')}; "
-        f"torch copy_ {bws['copy'] / 1e9:.1f} GB/s, in-place add_ "
-        f"{bws['inplace_add'] / 1e9:.1f} GB/s"
-    )
+    print(f"tierlift SIMD path: {info.get('active_simd')}, threads: {info.get('cpu_threads')}"
+          + (f"; torch copy_ {bws['copy'] / 1e9:.1f} GB/s, in-place add_ "
+             f"{bws['inplace_add'] / 1e9:.1f} GB/s" if bws else ""))
     if DS_ERROR:
         print(f"DeepSpeedCPUAdam: not available ({DS_ERROR})")
     rows, compact = [], []
@@ -370,6 +381,10 @@ def main() -> None:
     if rows:
         print_table(rows, columns,
                     "AdamW step (\"vs X\" = X's time / tierlift's time; >1 = faster)")
+        for r in rows:
+            for key, message in r.items():
+                if key.endswith(" error"):
+                    print(f"  {r['case']} {r['params']} {key}: {message.splitlines()[0]}")
     if compact:
         print_table(compact, list(compact[0]),
                     "Compact state vs fp32 state (ratios: compact / fp32; state excludes the "

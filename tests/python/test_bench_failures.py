@@ -252,3 +252,36 @@ def test_gather_row_size_that_fails_keeps_its_error_and_the_json(monkeypatch, tm
     assert [r["row_bytes"] for r in rows] == [128, 256, 512]
     assert rows[1] == {"row_bytes": 256, "error": "MemoryError: out of memory"}
     assert rows[0]["tierlift_gbs"] > 0 and rows[2]["tierlift_gbs"] > 0
+
+
+@needs_ext
+def test_optim_cuda_rows_keep_the_contenders_that_run(monkeypatch, tmp_path):
+    """bench_optim's CUDA rows on the CPU: torch's fused-mixed recipe raises at every size, and
+    tierlift itself at the second size's bf16 row (which then has no Mparam/s and no ratios)."""
+    import bench_optim
+
+    real = bench_optim.cuda_contender
+    sizes = [64 * 256, 64 * 512]
+
+    def cuda_contender(name, shapes, dtype, device):
+        if name == "torch-fused-mixed":
+            raise AttributeError("module 'torch' has no attribute '_foreach_copy_'")
+        if name == "tierlift" and dtype == torch.bfloat16 and shapes[0][0] == sizes[1] // 64:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return real(name, shapes, dtype, device)
+
+    monkeypatch.setattr(bench_optim, "cuda_contender", cuda_contender)
+    rows = []
+    save = Saver({"rows": rows}, tmp_path / "optim.json")
+    bench_optim.cuda_rows(sizes, 1, rows, save, device="cpu")
+    assert [r["case"] for r in rows] == ["cpu-float32", "cpu-bfloat16"] * 2
+    assert len(save.snapshots) == 4 and save.snapshots[-1]["rows"] == rows
+    for r in rows[:3]:
+        assert r["tierlift Mparam/s"] > 0 and r["vs torch-fused"] > 0
+    assert rows[1]["torch-fused-mixed error"].startswith("AttributeError: module 'torch'")
+    assert "vs torch-fused-mixed" not in rows[1]
+    last = rows[3]
+    assert last["tierlift error"] == ("RuntimeError: CUDA error: an illegal memory access was "
+                                      "encountered")
+    assert "tierlift Mparam/s" not in last and not any(k.startswith("vs ") for k in last)
+    assert "torch-fused error" not in last  # it ran; only the ratio to tierlift is missing
