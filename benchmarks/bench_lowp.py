@@ -39,6 +39,7 @@ import argparse
 import dataclasses
 import importlib.util
 import platform
+import time
 
 import torch
 
@@ -214,6 +215,7 @@ def bench_gpu_linear(args, rows: list, save, device: str = "cuda") -> list[dict]
     interleaved per contender (so a drifting GPU clock hits both alike). A step kind that fails
     keeps `<name>_error` (train) or `<name>_sum_error` in the row; a size whose bf16 baseline
     fails keeps `error`. (device: a test runs this on the CPU.)"""
+    t0 = time.perf_counter()  # progress lines: where a run cut off by a time cap spent it
     for size in args.sizes:
         row = dict(size=size)
         rows.append(row)  # saved as it fills: a run cut off keeps the contenders measured
@@ -245,6 +247,9 @@ def bench_gpu_linear(args, rows: list, save, device: str = "cuda") -> list[dict]
             if emulated:
                 row[f"{key}_emulated_gemms"] = emulated
             save()
+            print(f"  linear {size} {name}: " + ", ".join(
+                f"{k} {row[f'{key}{k}_speedup']:.2f}x" for k in ("", "_sum")
+                if f"{key}{k}_speedup" in row), f"({time.perf_counter() - t0:.1f} s)", flush=True)
         del x, mods, base
     print_linear(rows)
     return rows
@@ -271,6 +276,7 @@ def bench_split(args, result: dict, save) -> dict:
     size = args.split_size or (max(args.sizes) if args.device == "cuda" else min(args.sizes))
     split = result["split"] = dict(size=size, device=args.device, steps=args.split_steps,
                                    step=args.step, contenders={}, passes={})
+    t0 = time.perf_counter()  # progress lines: where a run cut off by a time cap spent it
     x, mods = contenders(size, args.device)
     # the copy bandwidth the pass bytes are read against: read + write of a bf16 size x size
     t_copy = timeit(lambda: x.detach().clone(), args.device, args.repeat)
@@ -298,6 +304,9 @@ def bench_split(args, result: dict, save) -> dict:
             except Exception as exc:  # noqa: BLE001 (a count that fails is this row's result)
                 split["passes"][name][kind] = dict(error=failure(f"passes {name} {kind}", exc))
         save()
+        print(f"  split {name}: " + (f"{row['timed_ms']:.3f} ms" if "timed_ms" in row
+                                     else "failed") + f" ({time.perf_counter() - t0:.1f} s)",
+              flush=True)
     rows = split["contenders"]
     bf16 = rows["bf16 nn.Linear"].get("timed_ms")
     for r in rows.values():
