@@ -44,6 +44,13 @@ def _title(ax, text: str, data: dict) -> None:
 # ---- bench_optim -------------------------------------------------------------------------------
 
 
+def _points(rows: list, x: str, y: str) -> tuple[list, list]:
+    """(xs, ys) of the rows that measured y: a row or contender that failed on the GPU machine
+    carries an error key instead of its number, and is left out of the plot, not a KeyError."""
+    pts = [(r[x], r[y]) for r in rows if r.get(y) is not None and r.get(x) is not None]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
 def plot_optim(data: dict, path) -> Path:
     """Mparam/s vs parameter count per case: tierlift, each peer (from its "vs X" time ratio) and
     the measured memory-bandwidth bound (from "% of bound") as a dashed line."""
@@ -55,6 +62,8 @@ def plot_optim(data: dict, path) -> Path:
         rows = [r for r in data["rows"] if r["case"] == case]
         series: dict[str, list[tuple[float, float]]] = {}
         for r in rows:
+            if r.get("tierlift Mparam/s") is None:  # failed on that machine (bench_optim)
+                continue
             n, ours = float(r["params"]), r["tierlift Mparam/s"]
             if r.get("% of bound"):
                 series.setdefault("bound", []).append((n, ours * 100 / r["% of bound"]))
@@ -116,16 +125,16 @@ def plot_gather(data: dict, path) -> Path:
     plt = pyplot()
     rows = data["results"]
     fig, ax = plt.subplots(figsize=SIZE)
-    xs = [r["row_bytes"] for r in rows]
-    for key in [k for k in rows[0] if k.endswith("_gbs")]:
+    keys = dict.fromkeys(k for r in rows for k in r if k.endswith("_gbs"))
+    for key in keys:
         style = dict(color="black", linestyle="--") if key in _GATHER_BOUNDS else {"marker": "o"}
-        ax.plot(xs, [r[key] for r in rows], label=_GATHER_LABELS.get(key, key), **style)
+        ax.plot(*_points(rows, "row_bytes", key), label=_GATHER_LABELS.get(key, key), **style)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("row size, bytes")
     ax.set_ylabel("GB/s gathered")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    where = "GPU zero-copy" if "pinned_copy_gbs" in rows[0] else "CPU"
+    where = "GPU zero-copy" if "pinned_copy_gbs" in keys else "CPU"
     _title(ax, f"{where} gather of random rows", data)
     return _save(fig, path)
 
@@ -316,6 +325,7 @@ def plot_lowp(data: dict, path) -> Path:
 
 
 def _lowp_quantize(ax, q: list) -> None:
+    q = [r for r in q if r.get("gbs", r.get("speedup")) is not None]  # failed rows left out
     labels = [f"{r['scaling']}{' dual' if r['dual'] else ''}"
               + (f"\n{r['shape'][0]}x{r['shape'][1]}" if "shape" in r else "") for r in q]
     if "gbs" in q[0]:
@@ -334,9 +344,8 @@ def _lowp_quantize(ax, q: list) -> None:
 
 
 def _lowp_linear(ax, lin: list) -> None:
-    for key in [k for k in lin[0] if k.endswith("_speedup")]:
-        ax.plot([r["size"] for r in lin], [r[key] for r in lin], marker="o",
-                label=key[: -len("_speedup")])
+    for key in dict.fromkeys(k for r in lin for k in r if k.endswith("_speedup")):
+        ax.plot(*_points(lin, "size", key), marker="o", label=key[: -len("_speedup")])
     ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="bf16")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("M = N = K")

@@ -83,6 +83,16 @@ def test_plots_of_gpu_shaped_json(tmp_path):
     finetune = {"machine": {"gpu": "H100"}, "plan": {"model": "8b"}, "results": [
         {"case": "tierlift", "step_s": 2.0, "tflops": 300.0},
         {"case": "deepspeed", "error": "timed out"}]}
+    # rows and contenders that failed there carry an error instead of their number (the benches
+    # record it and go on): left out of the plot
+    gather["results"].append({"row_bytes": 8192, "rows_gathered": 1, "pinned_copy_gbs": 25.0,
+                              "tierlift_error": "RuntimeError: boom"})
+    gather["results"].insert(0, {"row_bytes": 32, "error": "RuntimeError: boom"})
+    lowp_gpu["quantize"].append({"scaling": "tensor", "dual": True, "error": "boom"})
+    lowp_gpu["linear"].append({"size": 8192, "bf16_ms": 1.0, "fp8-rowwise_error": "boom",
+                               "fp8-tensorwise_speedup": 1.5})
+    optim_cuda["rows"].append({"case": "cuda-float32", "params": "1e+09",
+                               "tierlift error": "boom"})
     for plot, data in ((plots.plot_gather, gather), (plots.plot_lowp, lowp_gpu),
                        (plots.plot_lowp, lowp_cpu), (plots.plot_optim, optim_cuda),
                        (plots.plot_offload, finetune)):
