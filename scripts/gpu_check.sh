@@ -264,7 +264,7 @@ fi
 OFFLOAD_GPU_TESTS="tests/python/test_offload.py tests/python/test_offload_h2d.py
   tests/python/test_offload_d2h.py tests/python/test_offload_watch.py tests/python/test_pinned.py
   tests/python/test_offload_device_staging.py tests/python/test_gpu_paths_review.py
-  tests/python/test_offload_device_fraction.py
+  tests/python/test_offload_device_fraction.py tests/python/test_offload_leftovers.py
   tests/python/test_optim.py::test_cuda_kernel_matches_cpu_kernel"
 FT=("$PY" benchmarks/bench_offload.py --gpu --gpu-mem 140 --seq-len 2048 --max-grad-norm 0
   --dir "$SCRATCH")
