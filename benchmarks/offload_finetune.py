@@ -267,8 +267,11 @@ def run_deepspeed(args, info: dict, device, stage: int = 3) -> dict:
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=deepspeed_config(args, device, stage))
     gen = torch.Generator().manual_seed(0)
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)  # the one ZeRO wraps
+    stepped = _watch_stepped_grads(inner)
 
     def step():
+        stepped.clear()  # only the last step's gradients are read (after the timed steps)
         x = torch.randint(model.cfg.vocab_size, (args.batch_size, args.seq_len + 1),
                           generator=gen).to(device)
         loss = engine(x[:, :-1], x[:, 1:])
@@ -276,10 +279,36 @@ def run_deepspeed(args, info: dict, device, stage: int = 3) -> dict:
         engine.step()
 
     t = _time_steps(step, args.steps, args.warmup, device)
-    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)  # the one ZeRO wraps
+    norm = engine.get_global_grad_norm()  # DeepSpeed's, before clipping; None when not clipping
     return {"case": f"deepspeed zero{stage} offload_optimizer=cpu", "params": n, "step_s": t,
             "optimizer": f"{type(engine.optimizer).__name__}({type(inner).__name__})",
-            "deepspeed": deepspeed.__version__}
+            "deepspeed": deepspeed.__version__,
+            **({} if norm is None else {"grad_norm": float(norm)}),
+            # the norm of the gradients the CPU Adam stepped with in the last step: at most
+            # --max-grad-norm when DeepSpeed clipped, its grad_norm when it did not
+            "stepped_grad_norm": _norm(stepped),
+            "gradient_clipping": float(engine.gradient_clipping())}
+
+
+def _watch_stepped_grads(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The gradients opt.step() is called with, as it is called (ZeRO clips its flat fp32
+    gradient partitions in place just before): kept by reference, without a copy or a norm, so
+    the timed step does no extra work; read after the last step, which leaves them in place."""
+    seen: list[torch.Tensor] = []
+    step = opt.step
+
+    def watched(*a, **kw):
+        seen.extend(p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None)
+        return step(*a, **kw)
+
+    opt.step = watched
+    return seen
+
+
+def _norm(grads: list[torch.Tensor]) -> float | None:
+    if not grads:
+        return None
+    return float(torch.stack([g.detach().float().norm() for g in grads]).norm())
 
 
 def run_case(args, which: str) -> None:
@@ -472,6 +501,9 @@ def case_note(res: dict) -> str:
                      f"{st.get('device_staged_chunks', 0):.0f} published from device staging")
     if "grad_norm" in st:
         parts.append(f"grad norm {st['grad_norm']:.3g}")
+    if res.get("stepped_grad_norm") is not None:  # DeepSpeed's: what its CPU Adam was given
+        parts.append(f"stepped with norm {res['stepped_grad_norm']:.4g} (gradient_clipping "
+                     f"{res['gradient_clipping']:g})")
     part = res.get("device_part") or {}
     if part.get("device_part_params"):
         parts.append(f"{part['device_part_params']} parameters "
