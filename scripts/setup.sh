@@ -29,6 +29,9 @@ $PY -m pip install -q --disable-pip-version-check "${TIERLIFT_TORCH:-torch==2.15
   numpy tqdm pytest expecttest ninja setuptools wheel ruff torch-geometric transformers accelerate \
   peft safetensors matplotlib trl
 
+# DeepSpeed, the offload benchmark's peer, into build/deepspeed-site for its CPU test only.
+bash scripts/setup_deepspeed.sh
+
 echo "== build tierlift (pip install --no-build-isolation -e .)"
 MAX_JOBS=${MAX_JOBS:-$(nproc)} $PY -m pip install -q --disable-pip-version-check \
   --no-build-isolation --no-deps -e .
