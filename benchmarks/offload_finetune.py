@@ -6,15 +6,18 @@ tierlift offload against DeepSpeed ZeRO-3 with CPU optimizer offload (--plan-onl
 compute) with the fp32 parameter shards in pinned RAM as well; --peer torch-cpu measures the plain
 way to offload instead of DeepSpeed: fp32 master weights and torch.optim.AdamW state in pinned
 RAM, gradients copied down and weights copied back up every step. --contenders runs several side
-by side (tierlift, tierlift-zero3, torch-cpu, deepspeed), each in its own process whose output
-(each step's time as it finishes) is passed on at once, and prints tierlift's TFLOPS over each
-peer's with its target. The JSON is rewritten after each case.
+by side (tierlift, tierlift-zero3, torch-cpu, deepspeed, deepspeed-zero2, deepspeed-nvme), each in
+its own process whose output (each step's time as it finishes) is passed on at once, and prints
+tierlift's TFLOPS over each peer's with its target. With --dir, each case gets a folder of its own
+there, deleted when its process ends (however it ends), so one case's NVMe files never share the
+disk with the next's. The JSON is rewritten after each case.
 
-DeepSpeed: --deepspeed-check imports it, checks the ZeRO-3 and ZeRO-2 configs against DeepSpeed's
-own config classes (every top-level key known, every setting read back as meant) and builds its CPU
-Adam op (JIT; the build's time is printed), without a GPU, so the timed case neither fails on a
-config typo nor spends its time building. On a machine without CUDA DeepSpeed falls back to its CPU
-accelerator, and --finetune-check runs the DeepSpeed case there too (gloo).
+DeepSpeed (offload_deepspeed.py): --deepspeed-check imports it, checks the ZeRO-3, ZeRO-2 and
+ZeRO-3 NVMe configs against DeepSpeed's own config classes (every top-level and aio key known,
+every setting read back as meant) and builds its CPU Adam and async_io ops (JIT; each build's time
+is printed), without a GPU, so the timed case neither fails on a config typo nor spends its time
+building. On a machine without CUDA DeepSpeed falls back to its CPU accelerator, and
+--finetune-check runs the DeepSpeed cases there too (gloo; deepspeed-nvme needs libaio-dev).
 
 Sizing (finetune_sizing.py, per parameter): tierlift keeps bf16 params + bf16 grads on the GPU
 (4 B) and the fp32 master, m, v in pinned RAM (12 B with offload="cpu"; with --overlap two
@@ -39,8 +42,8 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -65,6 +68,15 @@ from finetune_sizing import (
     read_disk_json,
 )
 from llama_model import Llama, LlamaConfig, rope_tables
+from offload_deepspeed import (  # noqa: F401 (check_deepspeed_config, deepspeed_config: tests)
+    DEEPSPEED,
+    check_deepspeed_config,
+    check_nvme_fits,
+    deepspeed_check,
+    deepspeed_config,
+    deepspeed_nvme_note,
+    run_deepspeed,
+)
 from offload_legs import print_leg_table
 from plots import plot_json, plot_offload_finetune
 from tierlift._pinned import registered_bytes
@@ -232,92 +244,14 @@ def run_torch_cpu(args, info: dict, device) -> dict:
             "grad_norm": norms[-1]}
 
 
-def deepspeed_config(args, device, stage: int = 3) -> dict:
-    return {
-        "train_micro_batch_size_per_gpu": args.batch_size,
-        "gradient_accumulation_steps": 1,
-        "gradient_clipping": float(getattr(args, "max_grad_norm", 1.0)),  # 0.0: none
-        "bf16": {"enabled": device.type == "cuda"},
-        "zero_optimization": {
-            "stage": stage,
-            "offload_optimizer": {"device": "cpu", "pin_memory": device.type == "cuda"},
-            "offload_param": {"device": "none"},
-            "overlap_comm": True,
-            "contiguous_gradients": True,
-        },
-        "optimizer": {"type": "AdamW",
-                      "params": {"lr": 1e-5, "betas": [0.9, 0.95], "weight_decay": 0.0}},
-        "wall_clock_breakdown": False,
-    }
-
-
-def run_deepspeed(args, info: dict, device, stage: int = 3) -> dict:
-    """DeepSpeed with its CPU Adam on the optimizer state in pinned RAM: ZeRO-3 as the peer the
-    comparison names, or ZeRO-2 (stage=2), ZeRO-Offload's own recipe, which on one GPU skips
-    ZeRO-3's parameter gathering."""
-    import deepspeed
-
-    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
-                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517"}.items():
-        os.environ.setdefault(k, v)
-    check_deepspeed_config(args, stage)  # before any work: a misread setting is an error
-    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
-    model = build_model(info["model"], args.seq_len, device)
-    n = sum(p.numel() for p in model.parameters())
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=deepspeed_config(args, device, stage))
-    gen = torch.Generator().manual_seed(0)
-    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)  # the one ZeRO wraps
-    stepped = _watch_stepped_grads(inner)
-
-    def step():
-        stepped.clear()  # only the last step's gradients are read (after the timed steps)
-        x = torch.randint(model.cfg.vocab_size, (args.batch_size, args.seq_len + 1),
-                          generator=gen).to(device)
-        loss = engine(x[:, :-1], x[:, 1:])
-        engine.backward(loss)
-        engine.step()
-
-    t = _time_steps(step, args.steps, args.warmup, device)
-    norm = engine.get_global_grad_norm()  # DeepSpeed's, before clipping; None when not clipping
-    return {"case": f"deepspeed zero{stage} offload_optimizer=cpu", "params": n, "step_s": t,
-            "optimizer": f"{type(engine.optimizer).__name__}({type(inner).__name__})",
-            "deepspeed": deepspeed.__version__,
-            **({} if norm is None else {"grad_norm": float(norm)}),
-            # the norm of the gradients the CPU Adam stepped with in the last step: at most
-            # --max-grad-norm when DeepSpeed clipped, its grad_norm when it did not
-            "stepped_grad_norm": _norm(stepped),
-            "gradient_clipping": float(engine.gradient_clipping())}
-
-
-def _watch_stepped_grads(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The gradients opt.step() is called with, as it is called (ZeRO clips its flat fp32
-    gradient partitions in place just before): kept by reference, without a copy or a norm, so
-    the timed step does no extra work; read after the last step, which leaves them in place."""
-    seen: list[torch.Tensor] = []
-    step = opt.step
-
-    def watched(*a, **kw):
-        seen.extend(p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None)
-        return step(*a, **kw)
-
-    opt.step = watched
-    return seen
-
-
-def _norm(grads: list[torch.Tensor]) -> float | None:
-    if not grads:
-        return None
-    return float(torch.stack([g.detach().float().norm() for g in grads]).norm())
-
-
 def run_case(args, which: str) -> None:
     """One case in this process; prints RESULT <json>."""
     device = torch.device("cuda" if args.gpu else "cpu")
     info = json.loads(args.info)
-    run = {"tierlift": run_tierlift, "deepspeed": run_deepspeed, "torch-cpu": run_torch_cpu,
-           "deepspeed-zero2": lambda a, i, d: run_deepspeed(a, i, d, stage=2)}
-    out = run[which](args, info, device)
+    if which in DEEPSPEED:
+        out = run_deepspeed(args, info, device, which)
+    else:
+        out = {"tierlift": run_tierlift, "torch-cpu": run_torch_cpu}[which](args, info, device)
     cfg = config(info["model"], args.seq_len)
     out["tflops"] = flops_per_step(cfg, out["params"], args.batch_size,
                                    args.seq_len) / out["step_s"] / 1e12
@@ -342,6 +276,8 @@ CONTENDERS = {
     "torch-cpu": "torch.optim.AdamW on CPU, fp32 masters in pinned RAM",
     "deepspeed": "DeepSpeed ZeRO-3, offload_optimizer=cpu (DeepSpeedCPUAdam), bf16",
     "deepspeed-zero2": "DeepSpeed ZeRO-2, offload_optimizer=cpu (ZeRO-Offload's recipe), bf16",
+    "deepspeed-nvme": "DeepSpeed ZeRO-3, offload_optimizer=nvme under --dir (ZeRO-Infinity's "
+                      "optimizer side: libaio, its documented aio settings), bf16",
 }
 TARGETS = {"torch-cpu": 2.0, "deepspeed": 1.5, "deepspeed-zero2": 1.5}
 
@@ -410,75 +346,6 @@ def _run_case_process(cmd: list[str], timeout: float, label: str):
 
 
 STEP_LINE = re.compile(r"(?:warmup|step) \d+: ([0-9.]+) s ")
-
-
-def check_deepspeed_config(args, stage: int = 3) -> dict:
-    """The ZeRO config (stage 3 or 2) run_deepspeed gives DeepSpeed, parsed by DeepSpeed's own
-    config class, and each setting read back. Its sections (zero_optimization, bf16) refuse
-    unknown keys, but a misspelt top-level key is silently ignored (and may even match the
-    default, as gradient_clipping's 1.0 does), so every top-level key must be one DeepSpeed names
-    in its constants. The GPU's config (bf16, pinned) is checked; parsing needs no GPU."""
-    import deepspeed.runtime.constants as ds_constants
-    from deepspeed.runtime.config import DeepSpeedConfig
-    from deepspeed.runtime.zero.config import ZERO_OPTIMIZATION
-    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
-
-    want = deepspeed_config(args, torch.device("cuda"), stage)
-    known = {v for k, v in vars(ds_constants).items() if k.isupper() and isinstance(v, str)}
-    unknown = sorted(set(want) - known - {ZERO_OPTIMIZATION})
-    if unknown:
-        raise SystemExit(f"DeepSpeed knows no top-level config key {unknown} (it would ignore it)")
-    cfg = DeepSpeedConfig(json.loads(json.dumps(want)))
-    zero, opt = cfg.zero_config, want["optimizer"]
-    got = {
-        "train_micro_batch_size_per_gpu": cfg.train_micro_batch_size_per_gpu,
-        "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
-        "gradient_clipping": cfg.gradient_clipping,
-        "bf16": cfg.bfloat16_config.enabled if hasattr(cfg, "bfloat16_config")
-        else cfg.bfloat16_enabled,
-        "zero stage": zero.stage,
-        "offload_optimizer": zero.offload_optimizer.device if zero.offload_optimizer else None,
-        "offload_optimizer pin_memory": zero.offload_optimizer.pin_memory
-        if zero.offload_optimizer else None,
-        "offload_param": zero.offload_param.device if zero.offload_param else None,
-        "optimizer": cfg.optimizer_name,
-        "optimizer params": cfg.optimizer_params,
-    }
-    expect = {
-        "train_micro_batch_size_per_gpu": args.batch_size, "gradient_accumulation_steps": 1,
-        "gradient_clipping": float(getattr(args, "max_grad_norm", 1.0)), "bf16": True,
-        "zero stage": stage,
-        "offload_optimizer": OffloadDeviceEnum.cpu, "offload_optimizer pin_memory": True,
-        "offload_param": None, "optimizer": opt["type"].lower(), "optimizer params": opt["params"],
-    }
-    if expect["offload_param"] is None and got["offload_param"] == OffloadDeviceEnum.none:
-        got["offload_param"] = None
-    wrong = {k: (got[k], v) for k, v in expect.items() if got[k] != v}
-    if wrong:
-        raise SystemExit(f"DeepSpeed reads the config otherwise than meant (got, meant): {wrong}")
-    return got
-
-
-def deepspeed_check(args) -> int:
-    """--deepspeed-check: DeepSpeed imports, reads the ZeRO-3 and -2 configs as meant, and its
-    CPU Adam op builds (JIT, with ninja and the host compiler; the build's time is printed).
-    Needs no GPU: run before the timed cases so that the DeepSpeed case does not spend them
-    building."""
-    t0 = time.perf_counter()
-    import deepspeed
-    from deepspeed.ops.op_builder import CPUAdamBuilder
-
-    print(f"deepspeed {deepspeed.__version__} imported in {time.perf_counter() - t0:.1f} s "
-          f"(torch {torch.__version__}, accelerator "
-          f"{deepspeed.accelerator.get_accelerator()._name})", flush=True)
-    for stage in (3, 2):
-        check_deepspeed_config(args, stage)
-        print(f"ZeRO-{stage} config: every setting read back as meant", flush=True)
-    t0 = time.perf_counter()
-    CPUAdamBuilder().load()
-    print(f"DeepSpeedCPUAdam op (cpu_adam) built or loaded in {time.perf_counter() - t0:.1f} s "
-          f"(cache: {os.environ.get('TORCH_EXTENSIONS_DIR', 'the default')})", flush=True)
-    return 0
 
 
 def case_note(res: dict) -> str:
@@ -603,8 +470,11 @@ def finetune(args) -> int:
             raise SystemExit("--disk-json is for the NVMe tier (--tier nvme)")
         if not args.plan_only:  # the sizing alone needs no disk result (gpu_check's dry run)
             disk = read_disk_json(args.disk_json)
+    # an unknown name is refused here, by --plan-only too (gpu_check's dry run), as is a
+    # deepspeed-nvme whose swap files would not fit
+    if "deepspeed-nvme" in contenders(args) and not args.no_deepspeed:
+        info.update(check_nvme_fits(args, info))
     print(f"plan: {json.dumps(info)}")
-    contenders(args)  # an unknown name is refused here, by --plan-only too (gpu_check's dry run)
     if args.plan_only:
         return 0
     rows, results, roofline = [], [], None
@@ -618,7 +488,9 @@ def finetune(args) -> int:
             "args": {k: v for k, v in vars(args).items() if k != "info"}, "results": results})
 
     for which in contenders(args):
-        if which.startswith("deepspeed") and (args.no_deepspeed or not info["deepspeed_fits"]):
+        # deepspeed_fits: its state in RAM (16 B/param); deepspeed-nvme's was checked above
+        if which.startswith("deepspeed") and (args.no_deepspeed or (
+                which != "deepspeed-nvme" and not info["deepspeed_fits"])):
             continue
         if which == "torch-cpu" and not info.get("torch_cpu_fits", True):
             print("torch-cpu: left out, its 18 B/param do not fit --cpu-mem", flush=True)
@@ -636,8 +508,14 @@ def finetune(args) -> int:
         cmd += ["--device-fraction", str(args.device_fraction)] if args.device_fraction else []
         cmd += ["--offload-params", offload_params]
         cmd += ["--gpu"] if args.gpu else []
-        cmd += ["--dir", args.dir] if args.dir else []
-        rc, stdout, tail, steps = _run_case_process(cmd, args.timeout, which)
+        # the case's files (NVMe state) in a folder of its own, gone before the next case starts
+        # even when this one was killed at its --timeout
+        case_dir = tempfile.mkdtemp(prefix=f"finetune-{which}-", dir=args.dir)
+        cmd += ["--dir", case_dir]
+        try:
+            rc, stdout, tail, steps = _run_case_process(cmd, args.timeout, which)
+        finally:
+            shutil.rmtree(case_dir, ignore_errors=True)
         lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
         why = (f"timed out after {args.timeout} s" if rc is None else
                f"failed (exit {rc})" if rc != 0 else "exited without a result")
@@ -663,12 +541,16 @@ def finetune(args) -> int:
         results.append(res)
         if disk is not None and which.startswith("tierlift"):
             res["nvme_roofline"] = roofline = nvme_roofline(res["stats"], res["step_s"], disk)
+        elif disk is not None and which == "deepspeed-nvme":  # its bytes, the same disk
+            res["nvme_roofline"] = nvme_roofline(res["stats"], res["step_s"], disk)
         bound = res["leg_bound"] = leg_bound(res) if which.startswith("tierlift") else None
         save()
         print(f"{res['case']}: {res['step_s']:.3f} s/step, {res['tokens_per_s']:.0f} tokens/s, "
               f"{res['tflops']:.2f} TFLOPS", flush=True)
         if case_note(res):
             print(case_note(res), flush=True)
+        if which == "deepspeed-nvme":
+            print(deepspeed_nvme_note(res), flush=True)
         rows.append({"case": res["case"], "step_s": f"{res['step_s']:.3f}",
                      "tokens/step": str(res["tokens_per_step"]),
                      "tokens/s": f"{res['tokens_per_s']:.0f}", "TFLOPS": f"{res['tflops']:.2f}",
@@ -751,12 +633,18 @@ def add_finetune_args(ap: argparse.ArgumentParser) -> None:
                    help="write results/bench_offload_finetune-S-<machine>.json, so that several "
                         "runs in one session keep their own file")
     g.add_argument("--deepspeed-check", action="store_true",
-                   help="import DeepSpeed, check the ZeRO-3/-2 configs against its schema, build "
-                        "its CPU Adam op (timed) and stop; no GPU needed")
+                   help="import DeepSpeed, check the ZeRO-3/-2/-3 NVMe configs against its "
+                        "schema, build its CPU Adam and async_io ops (timed) and stop; no GPU "
+                        "needed")
     g.add_argument("--offload-params", choices=["none", "cpu"], default="none",
                    help="tierlift case as ZeRO-3 with the fp32 parameter shards in pinned RAM")
     g.add_argument("--timeout", type=int, default=3600, help="seconds per case")
-    g.add_argument("--finetune-case", choices=["tierlift", "deepspeed", "deepspeed-zero2",
-                                              "torch-cpu"],
+    g.add_argument("--aio-ok", metavar="PATH",
+                   help="with --deepspeed-check: write PATH once DeepSpeed's async_io op built "
+                        "and moved bytes under --dir (deepspeed-nvme can run)")
+    g.add_argument("--aio-timeout", type=float, default=None, metavar="S",
+                   help="with --deepspeed-check: give up the async_io build after S seconds "
+                        "(the CPU Adam contenders still pass)")
+    g.add_argument("--finetune-case", choices=["tierlift", "torch-cpu", *DEEPSPEED],
                    help=argparse.SUPPRESS)
     g.add_argument("--info", help=argparse.SUPPRESS)
