@@ -5,8 +5,9 @@
 #   bash scripts/gpu_check.sh 2   the headline first: fine-tuning a 1.1B Llama with the optimizer
 #                                 state in host RAM, tierlift vs torch's AdamW-on-CPU recipe vs
 #                                 DeepSpeed ZeRO-3 and ZeRO-2 offload_optimizer=cpu, tierlift with
-#                                 part of the state on the GPU; then the NVMe tier (builds first
-#                                 if needed)
+#                                 part of the state on the GPU; then the NVMe tier, tierlift vs
+#                                 DeepSpeed ZeRO-3 offload_optimizer=nvme (builds first if
+#                                 needed)
 #   bash scripts/gpu_check.sh 3   7B with its state in RAM (tierlift overlapped in one generation
 #                                 plus spare chunks, --cpu-budget), the kernel rows (AdamW, FP8/FP4,
 #                                 gather), then DeepSpeed at 7B, the 7B split, the checkpoint (run
@@ -26,10 +27,12 @@
 # args; GPU_CHECK_SKIP="name|name" skips parts by their summary name (parts measured earlier).
 #
 # Here, once per checkout (.devdeps is ignored by git; the GPU machine has no network): the
-# build's liburing headers, the per-test time limit, and DeepSpeed with the dependencies torch's
-# environment lacks, as wheels for the GPU machine's Python 3.12 (6 MB in all; the DeepSpeed
-# wheel is built here without ops, DS_BUILD_OPS=0: its CPU Adam builds there, in stage 2):
-#   mkdir -p .devdeps/deepspeed && (cd .devdeps && apt-get download liburing2 liburing-dev &&
+# build's liburing headers, libaio's (DeepSpeed's async_io op, for its NVMe contender), the
+# per-test time limit, and DeepSpeed with the dependencies torch's environment lacks, as wheels
+# for the GPU machine's Python 3.12 (6 MB in all; the DeepSpeed wheel is built here without ops,
+# DS_BUILD_OPS=0: its CPU Adam and async_io build there, in stage 2):
+#   mkdir -p .devdeps/deepspeed && (cd .devdeps &&
+#     apt-get download liburing2 liburing-dev libaio1 libaio-dev &&
 #     python3 -m pip download --no-deps --only-binary=:all: pytest-timeout expecttest) &&
 #   DS_BUILD_OPS=0 python3 -m pip wheel --no-deps -w .devdeps/deepspeed deepspeed==0.19.8 &&
 #   python3 -m pip download -d .devdeps/deepspeed --only-binary=:all: --implementation cp \
@@ -140,12 +143,24 @@ print(*(u.unquote(u.urlparse(i["download_info"]["url"]).path)
 }
 # Then DeepSpeed's CPU Adam op builds (JIT: ninja and the host compiler, ~45 s on 16 cores: two
 # translation units took 111 s of CPU on the 2-core development VM) in the background while
-# tierlift builds, bounded; its time is in deepspeed.log. The config is checked against
-# DeepSpeed's schema in the same call. The DeepSpeed contender runs only if both worked.
+# tierlift builds, bounded; beside it, in a process of its own, its async_io op (libaio from the
+# carried debs, CPATH / LIBRARY_PATH above; its pin_memory op first, then 12 translation units
+# at -O0: 462 s of CPU on the 2-core VM, ~30-40 s estimated on 16 cores), given up after 120 s
+# so the part ends within its cap; then 8 MiB through it under $SCRATCH. Each build's time is in
+# deepspeed.log. The configs are checked against DeepSpeed's schema in the same call. The
+# DeepSpeed contenders run only if all that worked but the async_io op; deepspeed-nvme only if
+# that worked too (--aio-ok). Its CUDA build links -lcuda: where the driver brought only
+# libcuda.so.1 (a container), the toolkit's stub of that soname is last on the link path.
 DS_PID=
+DS_AIO_OK=$SCRATCH-ds-aio-ok  # beside $SCRATCH: each part's end empties $SCRATCH
 if [[ $STAGE != 1 ]] && { [[ $DRY == 1 ]] || ds_install; }; then
   rm -f "$TORCH_EXTENSIONS_DIR"/*/lock  # a build cut off leaves its lock: the next would wait
-  run "deepspeed build" deepspeed.log 150 $PY benchmarks/bench_offload.py --deepspeed-check &
+  nvcc=$(command -v nvcc || echo "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc")
+  stubs=$(dirname "$(dirname "$nvcc")")/lib64/stubs
+  DS_ENV=()
+  [[ -d $stubs ]] && DS_ENV=(env "LIBRARY_PATH=${LIBRARY_PATH:+$LIBRARY_PATH:}$stubs")
+  run "deepspeed build" deepspeed.log 150 "${DS_ENV[@]}" $PY benchmarks/bench_offload.py \
+    --deepspeed-check --aio-timeout 120 --aio-ok "$DS_AIO_OK" --dir "$SCRATCH" &
   DS_PID=$!
 fi
 
@@ -174,7 +189,17 @@ elif [[ $STAGE == 1 ]] || ! built; then
 fi
 DS=  # ",deepspeed" when DeepSpeed installed and its CPU Adam built
 if [[ -n $DS_PID ]] && wait "$DS_PID"; then DS=,deepspeed; fi
-[[ $DRY == 1 ]] && DS=,deepspeed  # the dry run checks the DeepSpeed contenders' names too
+DS_NVME=  # ",deepspeed-nvme" when its async_io op built as well and moved bytes
+if [[ -n $DS && -f $DS_AIO_OK ]]; then
+  DS_NVME=,deepspeed-nvme
+elif [[ -n $DS_PID && $STAGE == 2 && $DRY != 1 ]]; then
+  note "deepspeed async_io: not built (see deepspeed.log): deepspeed-nvme left out"
+fi
+if [[ $DRY == 1 ]]; then  # the dry run checks the DeepSpeed contenders' names too
+  DS=,deepspeed DS_NVME=,deepspeed-nvme
+  ls .devdeps/libaio-dev_*.deb >/dev/null 2>&1 ||
+    note "dry run: warning: no libaio debs in .devdeps (see the top): deepspeed-nvme left out"
+fi
 
 # torchao (stage 2's lowp part) from the wheel carried in .devdeps/torchao, into a site dir of its
 # own at PYTHONPATH's end, unless this Python has a torchao. Dry run: the wheel must install on
@@ -253,11 +278,20 @@ fi
 #   offload 1B nvme  ~60 s: 12 B/param of state read and written per step (13 GB each way): at
 #                    ~2.5 GB/s ~10 s a step, warmup 1 + 2 steps and ~15 s set-up; the step over
 #                    (bytes read + written) / the disk part's bandwidth, target <= 1.25x (no disk
-#                    JSON, e.g. that part failed: refused). Cap 100 s.
-# Total ~305 s to the split row on a fresh machine; the NVMe row (~75 s) fits only if the
-# estimates are high (else: GPU_CHECK_SKIP="deepspeed build|offload exact|offload 1B ram|offload
-# 1B ram split" with what device time is left). The kernel rows are in stage 3, after the 7B row:
-# two calls of 345 s and the machine's start fit 15 minutes, three do not.
+#                    JSON, e.g. that part failed: refused). Then DeepSpeed ZeRO-3 with its state
+#                    on NVMe (deepspeed-nvme, ZeRO-Infinity's optimizer side, its documented aio
+#                    settings), where its async_io op built: its swap files hold fp32 master, m,
+#                    v and gradient, 16 B/param (17.7 GB; tierlift's two generations, 26.5 GB,
+#                    are deleted before it starts, each case in its own folder), all read and
+#                    written each step (35 GB: ~14 s a step at 2.5 GB/s) through 17 GB of pinned
+#                    swap buffers (4 x the 1e9-parameter sub-group); its bytes are counted at its
+#                    aio handle and set against the same roofline. ~90 s (set-up ~30 s: writing
+#                    its initial state). Cap 200 s, 95 s per case.
+# Total ~305 s to the split row on a fresh machine; the NVMe rows (~165 s with DeepSpeed's) fit
+# only in a call of their own (GPU_CHECK_SKIP="offload exact|offload 1B ram|offload 1B ram split"
+# with what device time is left: keep "deepspeed build", which builds the async_io op
+# deepspeed-nvme needs beside tierlift's build, or finds it built). The kernel rows are in stage
+# 3, after the 7B row: two calls of 345 s and the machine's start fit 15 minutes, three do not.
 # The fused CUDA AdamW's own check last: the device staging test and test_gpu_paths_review
 # compare with offload="none" (that kernel, reworked since its last GPU run) after comparing
 # with the host kernel, so a kernel regression shows there without hiding the offload results.
@@ -298,13 +332,15 @@ if [[ $STAGE == 2 ]]; then
   run "offload 1B ram split" bench.log 60 "${FT[@]}" --model 1b --tier cpu --overlap \
     --batch-size 8 --contenders tierlift --steps 3 --warmup 1 --timeout 55 \
     --device-fraction-from "$RAM_JSON" --json-suffix 1b-ram-split
-  # the machine disk's speed through the engine: the NVMe row's step against its state bytes
+  # the machine disk's speed through the engine (and DeepSpeed's aio handle where its op built):
+  # the NVMe rows' steps against their state bytes
   [[ $DRY == 1 ]] || rm -f "$DISK_JSON"  # an earlier run's file must not stand in for this disk
   run disk bench.log 30 $PY benchmarks/bench_io.py --dir "$SCRATCH" --size-mib 1024 --repeat 1 \
-    --out "$DISK_JSON"
-  # target: step <= 1.25 x (state bytes read and written) / (disk bandwidth above)
-  run "offload 1B nvme" bench.log 100 "${FT[@]}" --model 1b --tier nvme --batch-size 8 \
-    --contenders tierlift --steps 2 --warmup 1 --timeout 90 --disk-json "$DISK_JSON" \
+    --out "$DISK_JSON" --deepspeed-aio-ok "$DS_AIO_OK"
+  # target: step <= 1.25 x (state bytes read and written) / (disk bandwidth above), tierlift's;
+  # DeepSpeed's row is set against the same roofline for its own bytes
+  run "offload 1B nvme" bench.log 200 "${FT[@]}" --model 1b --tier nvme --batch-size 8 \
+    --contenders "tierlift$DS_NVME" --steps 2 --warmup 1 --timeout 95 --disk-json "$DISK_JSON" \
     --json-suffix 1b-nvme
 fi
 

@@ -9,8 +9,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# libaio-dev: DeepSpeed's async_io op (its NVMe contender in tests/python/test_bench_deepspeed.py)
 APT_PACKAGES=(build-essential cmake ninja-build ccache clang-format liburing-dev libgtest-dev
-  libbenchmark-dev fio)
+  libbenchmark-dev fio libaio-dev)
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
   dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
