@@ -1,17 +1,23 @@
-"""DeepSpeed's contenders of the offload fine-tune (benchmarks/offload_finetune.py: ZeRO-3 and
-ZeRO-2 with offload_optimizer=cpu) run here on the CPU, as the GPU machine runs them, so a change
-that breaks them is found in CI and not with the GPU's minutes: --deepspeed-check (the configs read
-back by DeepSpeed, its CPU Adam built) and --finetune-check with every DeepSpeed contender, with
-clipping off and at 1.0, each DeepSpeed row with its step time and, clipped, the gradients its
-CPU Adam stepped with at the clipping norm.
+"""DeepSpeed's contenders of the offload fine-tune (benchmarks/offload_deepspeed.py: ZeRO-3 and
+ZeRO-2 with offload_optimizer=cpu, ZeRO-3 with offload_optimizer=nvme) run here on the CPU, as the
+GPU machine runs them, so a change that breaks them is found in CI and not with the GPU's minutes:
+--deepspeed-check (the configs read back by DeepSpeed, its CPU Adam and async_io ops built, bytes
+moved through the latter) and --finetune-check with every DeepSpeed contender, with clipping off
+and at 1.0, each DeepSpeed row with its step time and, clipped, the gradients its CPU Adam stepped
+with at the clipping norm; deepspeed-nvme's row with the bytes it read and wrote, which are its
+swap files' (each read and written once a step), against a disk roofline; an aio key DeepSpeed
+would ignore and a "NVMe" step that swapped nothing are refused; bench_io.py's DeepSpeed row
+measures, or says why not.
 
 DeepSpeed comes from build/deepspeed-site (scripts/setup_deepspeed.sh, run by scripts/setup.sh),
 on PYTHONPATH in the subprocesses only. Its ops (cpu_adam, the CPU accelerator's shm comm) are
 JIT-built into build/torch-extensions through ccache, so a fresh clone pays their compiles once
 per ccache: on the 2-core VM this file took 134 s with an empty ccache and 46 s with a warm one
 (rm -rf build/torch-extensions; CCACHE_DIR=<empty dir, then the same again> python3 -m pytest
-tests/python/test_bench_deepspeed.py). Without that site the tests skip, naming the setup; where
-the setup ran and could not install DeepSpeed (CI without PyPI), they fail with its reason.
+tests/python/test_bench_deepspeed.py) before the async_io op (libaio-dev; 12 translation units
+and its pin_memory op: 462 s of CPU with an empty ccache) and the NVMe tests were added.
+Without that site the tests skip, naming the setup; where the setup ran and could not install
+DeepSpeed (CI without PyPI), they fail with its reason.
 """
 
 from __future__ import annotations
@@ -102,16 +108,36 @@ def test_site_shadows_nothing_this_python_has(ds_env):
 
 
 @pytest.mark.slow
-def test_deepspeed_check_reads_configs_and_builds_cpu_adam(ds_env):
-    out = _run(["--deepspeed-check"], ds_env, timeout=900)
+def test_deepspeed_check_reads_configs_and_builds_its_ops(ds_env, tmp_path):
+    ok = tmp_path / "aio-ok"
+    ok.write_text("an earlier run's\n")  # removed first: it must not stand for this run
+    out = _run(["--deepspeed-check", "--aio-ok", str(ok), "--dir", str(tmp_path)], ds_env,
+               timeout=1500)
     assert "deepspeed 0.19.8 imported" in out and "accelerator cpu" in out, out
-    for stage in (3, 2):
-        assert f"ZeRO-{stage} config: every setting read back as meant" in out, out
+    for config in ("ZeRO-3", "ZeRO-2", "ZeRO-3 NVMe"):
+        assert f"{config} config: every setting read back as meant" in out, out
     assert re.search(r"DeepSpeedCPUAdam op \(cpu_adam\) built or loaded in [0-9.]+ s", out), out
-    assert (EXTENSIONS / "cpu_adam").is_dir()
-    if ds_env.get("CXX") == str(CCACHE_CXX):  # a fresh clone's build is cheap with ccache's
-        ninja = (EXTENSIONS / "cpu_adam" / "build.ninja").read_text()
-        assert f"cxx = {CCACHE_CXX}\n" in ninja, ninja
+    assert re.search(r"DeepSpeed async_io op built or loaded in [0-9.]+ s; 8 MiB written and "
+                     r"read back through it in ", out), out
+    assert ok.read_text() == "0.19.8\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["aio-ok"]  # the round trip's file is gone
+    for op in ("cpu_adam", "async_io"):
+        assert (EXTENSIONS / op).is_dir()
+        if ds_env.get("CXX") == str(CCACHE_CXX):  # a fresh clone's build is cheap with ccache's
+            ninja = (EXTENSIONS / op / "build.ninja").read_text()
+            assert f"cxx = {CCACHE_CXX}\n" in ninja, ninja
+
+
+@pytest.mark.slow
+def test_deepspeed_check_without_libaio_passes_for_the_others(ds_env, tmp_path):
+    """Where libaio cannot be compiled against (a C compiler that fails stands in for a missing
+    libaio-dev: DeepSpeed probes it by compiling a call to io_submit), the async_io op is not
+    built, says why, and --aio-ok is not written; the check passes for the CPU Adam contenders."""
+    ok = tmp_path / "aio-ok"
+    out = _run(["--deepspeed-check", "--aio-ok", str(ok)], {**ds_env, "CC": "/bin/false"},
+               timeout=900)
+    assert "DeepSpeed async_io op NOT built: libaio's header and library are not found" in out
+    assert "DeepSpeedCPUAdam op (cpu_adam) built or loaded" in out and not ok.exists()
 
 
 def _rows(out: str) -> dict[str, dict]:
@@ -160,3 +186,111 @@ def test_ccache_masquerade_is_what_torch_accepts():
     from torch.utils.cpp_extension import check_compiler_ok_for_platform
 
     assert check_compiler_ok_for_platform(str(CCACHE_CXX))
+
+
+def _bench_env(env: dict[str, str]) -> dict[str, str]:
+    """The benchmarks' imports (llama_model) for code run beside them, as bench_offload.py
+    finds them."""
+    return {**env, "PYTHONPATH": os.pathsep.join([str(ROOT / "examples"), env["PYTHONPATH"]])}
+
+
+def _python(code: str, env: dict[str, str], timeout: float = 300) -> str:
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT / "benchmarks",
+                          env=_bench_env(env), timeout=timeout, capture_output=True, text=True)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    return out
+
+
+def test_an_aio_key_deepspeed_would_ignore_is_refused(ds_env):
+    """DeepSpeed's docs name the aio thread count thread_count; 0.19.8 reads intra_op_parallelism
+    and ignores any other key of its aio section, so the check refuses one it does not know."""
+    out = _python(
+        "import argparse, offload_deepspeed as ods\n"
+        "args = argparse.Namespace(batch_size=2, max_grad_norm=0.0)\n"
+        "got = ods.check_deepspeed_config(args, 3, nvme=True)\n"
+        "print('READ', got['aio queue_depth'], got['aio intra_op_parallelism'],\n"
+        "      got['buffer_count'])\n"
+        "ods.AIO['thread_count'] = ods.AIO.pop('intra_op_parallelism')\n"
+        "try:\n"
+        "    ods.check_deepspeed_config(args, 3, nvme=True)\n"
+        "except SystemExit as e:\n"
+        "    print('REFUSED', e)\n", ds_env)
+    assert "READ 8 1 4" in out, out
+    assert "REFUSED DeepSpeed knows no config key ['aio.thread_count'] (it would ignore it)" in out
+
+
+@pytest.mark.slow
+def test_finetune_check_deepspeed_nvme(ds_env, tmp_path):
+    """deepspeed-nvme beside tierlift's NVMe tier: its last step read and wrote exactly its swap
+    files (fp32 master, m, v and the gradient pieces of 4 KiB and more: the check's lowered least
+    swap size), 12 to 16 B/param each way, through the aio settings meant, and the step against
+    the roofline of a synthetic 1 GB/s disk for those bytes."""
+    disk = tmp_path / "io.json"
+    disk.write_text(json.dumps({"gbps": {"fio": {"read": 1.0, "write": 1.0}}}))
+    out = _run(["--finetune-check", "--tier", "nvme", "--contenders", "tierlift,deepspeed-nvme",
+                "--max-grad-norm", "0", "--disk-json", str(disk), "--dir", str(tmp_path),
+                "--timeout", "600"], ds_env, timeout=900)
+    case = "deepspeed zero3 offload_optimizer=nvme (check: least swap size lowered)"
+    assert _rows(out).get(case, {}).get("step_s", 0) > 0, out[-6000:]
+    m = re.search(re.escape(case) + r": last step read ([0-9.e+-]+) GB and wrote ([0-9.e+-]+) GB "
+                  r"through DeepSpeed's aio handle \(counted there; DeepSpeed reports none\), "
+                  r"([0-9.e+-]+) GB of swap files, ([0-9.e+-]+) GB of pinned swap buffers, aio "
+                  r"block_size 1048576, queue_depth 8, intra_op_parallelism 1, single_submit "
+                  r"False, overlap_events True; roofline ([0-9.e+-]+) s, step ([0-9.e+-]+) s = "
+                  r"([0-9.]+)x$", out, re.M)
+    assert m, out[-6000:]
+    read, written, files, buffers, roof, step, ratio = (float(x) for x in m.groups())
+    n = 131392  # the tiny model's parameters
+    assert read == written == files, m.group(0)  # every swap file read and written once a step
+    assert 12 * n <= read * 1e9 <= 16 * n * 1.01, m.group(0)
+    assert buffers * 1e9 >= 4 * 4 * n
+    assert roof == pytest.approx(read + written, rel=2e-3)  # 1 GB/s each way
+    assert ratio == pytest.approx(step / roof, rel=0.01)
+    assert list(tmp_path.iterdir()) == [disk]  # each case's folder removed after it
+
+
+@pytest.mark.slow
+def test_deepspeed_nvme_that_swaps_nothing_is_refused(ds_env, tmp_path):
+    """At DeepSpeed's own least swap size (1 MiB) the tiny model's 0.5 MB of state stays in RAM:
+    the case would time a step that never touched the disk, so it fails instead of reporting."""
+    info = json.dumps({"model": "tiny", "tier": "nvme"})
+    proc = subprocess.run(
+        [sys.executable, "-c",
+         "import sys, offload_deepspeed as ods\n"
+         "ods.CHECK_MIN_SWAP_BYTES = 1 << 20\n"
+         "sys.argv = ['bench_offload.py'] + sys.argv[1:]\n"
+         "import runpy; runpy.run_path('bench_offload.py', run_name='__main__')\n",
+         "--finetune-case", "deepspeed-nvme", "--info", info, "--seq-len", "32",
+         "--batch-size", "2", "--steps", "1", "--warmup", "0", "--max-grad-norm", "0",
+         "--dir", str(tmp_path)],
+        cwd=ROOT / "benchmarks", env=_bench_env(ds_env), timeout=600, capture_output=True,
+        text=True)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "RESULT" not in proc.stdout, out[-6000:]
+    assert "deepspeed-nvme: its last step read 0 and wrote 0 bytes through the aio handle: not " \
+           "an NVMe step" in out, out[-6000:]
+    assert list(tmp_path.iterdir()) == []  # its swap folder removed on the way out
+
+
+def test_bench_io_deepspeed_row_measures_or_says_why(ds_env, tmp_path):
+    """bench_io.py's DeepSpeed aio row: an error (not a crash) where the op cannot load (a C
+    compiler that fails stands in for a missing libaio-dev) or where --deepspeed-check wrote no
+    --aio-ok file; otherwise GB/s both ways, the bytes read back equal to those written."""
+    out = _python(
+        "import os, sys\n"
+        "sys.path.insert(0, '.')\n"
+        "import bench_io\n"
+        f"path, ok = {str(tmp_path / 'f.bin')!r}, {str(tmp_path / 'ok')!r}\n"
+        "os.environ['CC'] = '/bin/false'\n"
+        "print('NOLIB', bench_io.bench_deepspeed(path, 4 << 20, 1 << 20, 8, 1))\n"
+        "del os.environ['CC']\n"
+        "print('NOSTAMP', bench_io.bench_deepspeed(path, 4 << 20, 1 << 20, 8, 1, ok))\n"
+        "open(ok, 'w').close()\n"
+        "row = bench_io.bench_deepspeed(path, 4 << 20, 1 << 20, 8, 2, ok)\n"
+        "print('ROW', row['write'] > 0, row['read'] > 0, row['aio']['queue_depth'])\n",
+        ds_env)
+    assert re.search(r"NOLIB \{'error': 'RuntimeError: Unable to JIT load the async_io op",
+                     out), out
+    assert re.search(r"NOSTAMP \{'error': .not measured: no ", out), out
+    assert "ROW True True 8" in out, out

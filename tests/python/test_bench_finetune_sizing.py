@@ -2,7 +2,10 @@
 offload_finetune.py): the RAM tier under a --cpu-budget below two generations runs the
 overlap's spare path, a budget below one generation is refused before any case starts, the
 plan counts the pinned state at its size, the NVMe step is set against the disk bandwidth of a
-bench_io.py result, and a tierlift step against its longest leg."""
+bench_io.py result, and a tierlift step against its longest leg; deepspeed-nvme's disk and pinned
+bytes are checked before any case starts, its bytes counted at DeepSpeed's aio handle, and each
+case's files removed before the next starts (offload_deepspeed.py; DeepSpeed itself runs in
+test_bench_deepspeed.py)."""
 
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import tierlift
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "examples")]
 import finetune_sizing as fs  # noqa: E402
+import offload_deepspeed as ods  # noqa: E402
 import offload_finetune as of  # noqa: E402
 
 del sys.path[:2]
@@ -275,3 +279,71 @@ def test_a_device_fraction_from_a_result_is_lowered_to_fit_the_gpu(tmp_path, cap
     assert gpu <= 140 * fs.GiB * fs.FIT
     args.device_fraction = round(args.device_fraction + fs.FRACTION_STEP, 2)
     assert fs.needs("7b", args)["gpu_bytes"] > 140 * fs.GiB * fs.FIT  # the largest that fits
+
+
+def test_deepspeed_nvme_needs_and_refusals(monkeypatch, capsys):
+    """deepspeed-nvme at 1.1B: fp32 master, m, v and gradient on the disk (16 B/param, 17.7 GB,
+    below tierlift's 24 B), 4 pinned swap buffers of the largest sub-group (1e9 parameters plus
+    at most the largest one, the 65.5M embedding); in the plan line, and refused before any case
+    where --disk or --cpu-mem cannot hold them."""
+    n = fs.config("1b", 2048).num_params()
+    need = ods.deepspeed_nvme_needs("1b", 2048)
+    assert need["deepspeed_nvme_disk_bytes"] == 16 * n
+    assert need["deepspeed_nvme_pinned_bytes"] == 4 * 4 * (10**9 + 32000 * 2048)
+    monkeypatch.setattr(of, "_run_case_process", no_case)
+    ft = ("--gpu", "--plan-only", "--model", "1b", "--tier", "cpu", "--batch-size", "8",
+          "--gpu-mem", "140", "--contenders", "tierlift,deepspeed-nvme")
+    assert of.finetune(parse(*ft)) == 0
+    plan_line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("plan:"))
+    assert json.loads(plan_line[len("plan: "):])["deepspeed_nvme_disk_bytes"] == 16 * n
+    with pytest.raises(SystemExit, match=r"deepspeed-nvme: 16\.5 GiB of swap files"):
+        of.finetune(parse(*ft, "--disk", "19"))  # 19 x 0.85 = 16.2 GiB
+    with pytest.raises(SystemExit, match="deepspeed-nvme: .* pinned swap buffers"):
+        of.finetune(parse(*ft, "--cpu-mem", "18"))
+    assert of.finetune(parse(*ft, "--disk", "19", "--no-deepspeed")) == 0  # not run: not sized
+
+
+def test_counting_handle_counts_what_is_asked_of_the_disk():
+    """DeepSpeed reports no byte counts: each read and write through its aio handle is counted
+    at the tensor's size (DeepSpeed's aligned swap buffer), the rest passes through."""
+    calls = []
+
+    class Handle:
+        def async_pread(self, buf, path, offset=0):
+            calls.append(("r", path, offset))
+            return 0
+
+        def async_pwrite(self, buf, path, offset=0):
+            calls.append(("w", path, offset))
+            return 0
+
+        def wait(self):
+            return len(calls)
+
+    h = ods.CountingHandle(Handle())
+    assert h.async_pread(torch.empty(256), "a") == 0
+    assert h.async_pwrite(torch.empty(3, 256, dtype=torch.bfloat16), "b", 4096) == 0
+    assert h.async_pwrite(torch.empty(10, dtype=torch.uint8), "c") == 0
+    assert (h.read_bytes, h.write_bytes) == (1024, 3 * 256 * 2 + 10)
+    assert h.wait() == 3 and calls[1] == ("w", "b", 4096)
+
+
+def test_each_case_runs_in_a_folder_of_its_own_removed_after_it(tmp_path, monkeypatch):
+    """Under --dir each case gets its own folder, gone before the next case starts, also when
+    the case was killed at its --timeout with its files in place (tierlift's NVMe state and
+    DeepSpeed's swap files must not share the disk)."""
+    seen = []
+
+    def case(cmd, timeout, which):
+        folder = Path(cmd[cmd.index("--dir") + 1])
+        assert folder.parent == tmp_path and folder.is_dir()
+        assert not any(tmp_path.glob("finetune-tierlift-*")) or which == "tierlift"
+        (folder / "state.bin").write_bytes(b"x" * 4096)
+        seen.append(folder)
+        return None, "", ["killed"], []  # cut off at its timeout
+
+    monkeypatch.setattr(of, "_run_case_process", case)
+    assert of.finetune(parse("--finetune-check", "--tier", "cpu", "--dir", str(tmp_path),
+                             "--contenders", "tierlift,torch-cpu", "--timeout", "1")) == 1
+    assert len(seen) == 2 and seen[0] != seen[1]
+    assert not any(p.exists() for p in seen) and list(tmp_path.iterdir()) == []
