@@ -159,18 +159,19 @@ def test_deepspeed_config_reads_back_as_meant():
     import argparse
 
     of = finetune_module()
+    ods = sys.modules["offload_deepspeed"]  # where the DeepSpeed parts live
     got = of.check_deepspeed_config(argparse.Namespace(batch_size=1))
     assert got["zero stage"] == 3 and got["bf16"] is True
-    original = of.deepspeed_config
+    original = ods.deepspeed_config
 
-    def misspelt(args, device):
-        cfg = original(args, device)
+    def misspelt(*args):
+        cfg = original(*args)
         cfg["gradient_cliping"] = cfg.pop("gradient_clipping")
         return cfg
 
-    of.deepspeed_config = misspelt
+    ods.deepspeed_config = misspelt
     try:
         with pytest.raises(SystemExit, match="gradient_cliping"):
             of.check_deepspeed_config(argparse.Namespace(batch_size=1))
     finally:
-        of.deepspeed_config = original
+        ods.deepspeed_config = original
