@@ -57,7 +57,8 @@ class ParamOffload:
                 arena = torch.empty(total, dtype=dt)
                 self.arenas[dt], self._next[dt] = arena, 0
                 if self.pin and arena.numel():
-                    register(arena, self._registrations)
+                    register(arena, self._registrations,
+                             owner="tierlift.zero.shard(offload_params=\"cpu\")")
             self.arena = self.arenas[torch.float32]
         self.stream = torch.cuda.Stream(device=device) if self.cuda else None
         # Host time and (on CUDA) device time of the copies; the ZeroState puts its own here.
