@@ -221,6 +221,8 @@ def run_deepspeed(args, info: dict, device, which: str = "deepspeed") -> dict:
                "gradient_clipping": float(engine.gradient_clipping())}
         if io is not None:
             swapper = engine.optimizer.optimizer_swapper
+            locked = sum(b.numel() * b.element_size()
+                         for b in swapper.swap_buffer_manager.all_buffers)
             rd, wr = io_steps[-1]
             if rd <= 0 or wr <= 0:
                 raise SystemExit(f"deepspeed-nvme: its last step read {rd} and wrote {wr} bytes "
@@ -228,9 +230,10 @@ def run_deepspeed(args, info: dict, device, which: str = "deepspeed") -> dict:
             out.update(
                 # the last step's, as tierlift's last_step_stats (the roofline reads these keys)
                 stats={"nvme_read_bytes": float(rd), "nvme_write_bytes": float(wr)},
-                nvme_io_steps=io_steps, nvme_disk_bytes=_dir_bytes(nvme),
-                swap_buffer_bytes=sum(b.numel() * b.element_size()
-                                      for b in swapper.swap_buffer_manager.all_buffers),
+                nvme_io_steps=io_steps, nvme_disk_bytes=_dir_bytes(nvme), swap_buffer_bytes=locked,
+                # mlock'ed by DeepSpeed outside torch's allocator: run_case adds these to the
+                # torch-pinned peak for the row's pinned GB, as it adds tierlift's registered ones
+                registered_pinned_bytes=locked,
                 aio={k: getattr(io, f"get_{k}")() for k in AIO})
         return out
     finally:
