@@ -402,15 +402,21 @@ def deepspeed_check(args) -> int:
     aio_ok = getattr(args, "aio_ok", None)
     if aio_ok and os.path.exists(aio_ok):
         os.unlink(aio_ok)  # an earlier run's must not stand for this one
+    limit = getattr(args, "aio_timeout", None)
     t_aio = time.perf_counter()
-    aio = subprocess.Popen([sys.executable, "-c", AIO_BUILD], stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
+    # --aio-timeout 0: its build is left for later (gpu_check builds it just before the NVMe
+    # row, not beside tierlift's own build, whose cores it would take)
+    aio = None if limit == 0 else subprocess.Popen(
+        [sys.executable, "-c", AIO_BUILD], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
     try:
         t0 = time.perf_counter()
         CPUAdamBuilder().load()
         print(f"DeepSpeedCPUAdam op (cpu_adam) built or loaded in {time.perf_counter() - t0:.1f} "
               f"s (cache: {os.environ.get('TORCH_EXTENSIONS_DIR', 'the default')})", flush=True)
-        limit = getattr(args, "aio_timeout", None)
+        if aio is None:
+            print("DeepSpeed async_io op not built here (--aio-timeout 0)", flush=True)
+            return 0
         left = None if limit is None else max(1.0, limit - (time.perf_counter() - t_aio))
         out, err = aio.communicate(timeout=left)
     except subprocess.TimeoutExpired:
@@ -420,7 +426,7 @@ def deepspeed_check(args) -> int:
               "left out", flush=True)
         return 0
     finally:
-        if aio.poll() is None:  # the CPU Adam failed: its error is the check's
+        if aio is not None and aio.poll() is None:  # the CPU Adam failed: its error is the check's
             aio.kill()
             aio.communicate()
     if aio.returncode != 0:

@@ -644,7 +644,7 @@ def add_finetune_args(ap: argparse.ArgumentParser) -> None:
                         "and moved bytes under --dir (deepspeed-nvme can run)")
     g.add_argument("--aio-timeout", type=float, default=None, metavar="S",
                    help="with --deepspeed-check: give up the async_io build after S seconds "
-                        "(the CPU Adam contenders still pass)")
+                        "(the CPU Adam contenders still pass); 0: do not build it")
     g.add_argument("--finetune-case", choices=["tierlift", "torch-cpu", *DEEPSPEED],
                    help=argparse.SUPPRESS)
     g.add_argument("--info", help=argparse.SUPPRESS)

@@ -143,14 +143,14 @@ print(*(u.unquote(u.urlparse(i["download_info"]["url"]).path)
 }
 # Then DeepSpeed's CPU Adam op builds (JIT: ninja and the host compiler, ~45 s on 16 cores: two
 # translation units took 111 s of CPU on the 2-core development VM) in the background while
-# tierlift builds, bounded; beside it, in a process of its own, its async_io op (libaio from the
-# carried debs, CPATH / LIBRARY_PATH above; its pin_memory op first, then 12 translation units
-# at -O0: 462 s of CPU on the 2-core VM, ~30-40 s estimated on 16 cores), given up after 120 s
-# so the part ends within its cap; then 8 MiB through it under $SCRATCH. Each build's time is in
-# deepspeed.log. The configs are checked against DeepSpeed's schema in the same call. The
-# DeepSpeed contenders run only if all that worked but the async_io op; deepspeed-nvme only if
-# that worked too (--aio-ok). Its CUDA build links -lcuda: where the driver brought only
-# libcuda.so.1 (a container), the toolkit's stub of that soname is last on the link path.
+# tierlift builds, bounded; its time is in deepspeed.log. The configs are checked against
+# DeepSpeed's schema in the same call. The DeepSpeed contenders run only if both worked. Its
+# async_io op (deepspeed-nvme's alone; libaio from the carried debs, CPATH / LIBRARY_PATH above;
+# its pin_memory op, then 12 translation units at -O0: 462 s of CPU on the 2-core VM, ~30-40 s
+# estimated on 16 cores) builds later, in stage 2 just before that row (ds_aio_build), so it
+# takes no cores from tierlift's build and no time from the rows before it. Its CUDA build
+# links -lcuda: where the driver brought only libcuda.so.1 (a container), the toolkit's stub of
+# that soname is last on the link path.
 DS_PID=
 DS_AIO_OK=$SCRATCH-ds-aio-ok  # beside $SCRATCH: each part's end empties $SCRATCH
 if [[ $STAGE != 1 ]] && { [[ $DRY == 1 ]] || ds_install; }; then
@@ -159,10 +159,19 @@ if [[ $STAGE != 1 ]] && { [[ $DRY == 1 ]] || ds_install; }; then
   stubs=$(dirname "$(dirname "$nvcc")")/lib64/stubs
   DS_ENV=()
   [[ -d $stubs ]] && DS_ENV=(env "LIBRARY_PATH=${LIBRARY_PATH:+$LIBRARY_PATH:}$stubs")
+  # the CPU Adam only here: async_io builds just before the NVMe row (ds_aio_build), not beside
+  # tierlift's build, whose cores it would take, and never for a stage without that row
   run "deepspeed build" deepspeed.log 150 "${DS_ENV[@]}" $PY benchmarks/bench_offload.py \
-    --deepspeed-check --aio-timeout 120 --aio-ok "$DS_AIO_OK" --dir "$SCRATCH" &
+    --deepspeed-check --aio-timeout 0 &
   DS_PID=$!
 fi
+# ds_aio_build: DeepSpeed's async_io op (libaio from the carried debs), then 8 MiB through it
+# under $SCRATCH, bounded; writes $DS_AIO_OK where that worked (deepspeed-nvme can run). The CPU
+# Adam is cached by then. A part of its own, so its time and failure show in summary.txt.
+ds_aio_build() {
+  run "deepspeed aio build" deepspeed.log 75 "${DS_ENV[@]}" $PY benchmarks/bench_offload.py \
+    --deepspeed-check --aio-timeout 60 --aio-ok "$DS_AIO_OK" --dir "$SCRATCH"
+}
 
 built() {
   $PY -c "import sys, tierlift; sys.exit(not tierlift._extension.has_cuda_kernels())" 2>/dev/null
@@ -189,14 +198,8 @@ elif [[ $STAGE == 1 ]] || ! built; then
 fi
 DS=  # ",deepspeed" when DeepSpeed installed and its CPU Adam built
 if [[ -n $DS_PID ]] && wait "$DS_PID"; then DS=,deepspeed; fi
-DS_NVME=  # ",deepspeed-nvme" when its async_io op built as well and moved bytes
-if [[ -n $DS && -f $DS_AIO_OK ]]; then
-  DS_NVME=,deepspeed-nvme
-elif [[ -n $DS_PID && $STAGE == 2 && $DRY != 1 ]]; then
-  note "deepspeed async_io: not built (see deepspeed.log): deepspeed-nvme left out"
-fi
 if [[ $DRY == 1 ]]; then  # the dry run checks the DeepSpeed contenders' names too
-  DS=,deepspeed DS_NVME=,deepspeed-nvme
+  DS=,deepspeed
   ls .devdeps/libaio-dev_*.deb >/dev/null 2>&1 ||
     note "dry run: warning: no libaio debs in .devdeps (see the top): deepspeed-nvme left out"
 fi
@@ -285,12 +288,13 @@ fi
 #                    are deleted before it starts, each case in its own folder), all read and
 #                    written each step (35 GB: ~14 s a step at 2.5 GB/s) through 17 GB of pinned
 #                    swap buffers (4 x the 1e9-parameter sub-group); its bytes are counted at its
-#                    aio handle and set against the same roofline. ~90 s (set-up ~30 s: writing
-#                    its initial state). Cap 200 s, 95 s per case.
+#                    aio handle and set against the same roofline. Its op builds first (~40 s,
+#                    cap 75 s), then ~90 s (set-up ~30 s: writing its initial state). Each row
+#                    its own part (cap 100 s), tierlift's first.
 # Total ~305 s to the split row on a fresh machine; the NVMe rows (~165 s with DeepSpeed's) fit
 # only in a call of their own (GPU_CHECK_SKIP="offload exact|offload 1B ram|offload 1B ram split"
-# with what device time is left: keep "deepspeed build", which builds the async_io op
-# deepspeed-nvme needs beside tierlift's build, or finds it built). The kernel rows are in stage
+# with what device time is left: keep "deepspeed build", which the DeepSpeed rows need, or
+# finds its op built). The kernel rows are in stage
 # 3, after the 7B row: two calls of 345 s and the machine's start fit 15 minutes, three do not.
 # The fused CUDA AdamW's own check last: the device staging test and test_gpu_paths_review
 # compare with offload="none" (that kernel, reworked since its last GPU run) after comparing
@@ -332,16 +336,24 @@ if [[ $STAGE == 2 ]]; then
   run "offload 1B ram split" bench.log 60 "${FT[@]}" --model 1b --tier cpu --overlap \
     --batch-size 8 --contenders tierlift --steps 3 --warmup 1 --timeout 55 \
     --device-fraction-from "$RAM_JSON" --json-suffix 1b-ram-split
-  # the machine disk's speed through the engine (and DeepSpeed's aio handle where its op built):
-  # the NVMe rows' steps against their state bytes
+  # the machine disk's speed through the engine: the NVMe rows' steps against their state bytes
   [[ $DRY == 1 ]] || rm -f "$DISK_JSON"  # an earlier run's file must not stand in for this disk
   run disk bench.log 30 $PY benchmarks/bench_io.py --dir "$SCRATCH" --size-mib 1024 --repeat 1 \
     --out "$DISK_JSON" --deepspeed-aio-ok "$DS_AIO_OK"
-  # target: step <= 1.25 x (state bytes read and written) / (disk bandwidth above), tierlift's;
-  # DeepSpeed's row is set against the same roofline for its own bytes
-  run "offload 1B nvme" bench.log 200 "${FT[@]}" --model 1b --tier nvme --batch-size 8 \
-    --contenders "tierlift$DS_NVME" --steps 2 --warmup 1 --timeout 95 --disk-json "$DISK_JSON" \
+  # target: step <= 1.25 x (state bytes read and written) / (disk bandwidth above)
+  run "offload 1B nvme" bench.log 100 "${FT[@]}" --model 1b --tier nvme --batch-size 8 \
+    --contenders tierlift --steps 2 --warmup 1 --timeout 95 --disk-json "$DISK_JSON" \
     --json-suffix 1b-nvme
+  # DeepSpeed ZeRO-Infinity's optimizer side as the NVMe row's peer, after tierlift's row: its
+  # async_io op builds now (not beside tierlift's build), then its row against the same roofline
+  if [[ -n $DS ]] && rm -f "$DS_AIO_OK" && ds_aio_build &&
+    { [[ $DRY == 1 ]] || [[ -f $DS_AIO_OK ]]; }; then
+    run "offload 1B nvme deepspeed" bench.log 100 "${FT[@]}" --model 1b --tier nvme \
+      --batch-size 8 --contenders deepspeed-nvme --steps 2 --warmup 1 --timeout 95 \
+      --disk-json "$DISK_JSON" --json-suffix 1b-nvme-deepspeed
+  elif [[ -n $DS ]]; then
+    note "deepspeed async_io: not built (see deepspeed.log): deepspeed-nvme left out"
+  fi
 fi
 
 # --- stage 3: 7B (6.74B params), optimizer state in host RAM, overlapped ---------------------

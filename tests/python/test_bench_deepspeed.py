@@ -140,6 +140,17 @@ def test_deepspeed_check_without_libaio_passes_for_the_others(ds_env, tmp_path):
     assert "DeepSpeedCPUAdam op (cpu_adam) built or loaded" in out and not ok.exists()
 
 
+def test_deepspeed_check_can_leave_the_async_io_build_for_later(ds_env, tmp_path):
+    """--aio-timeout 0 (gpu_check's build beside tierlift's): the CPU Adam builds, async_io does
+    not, and an --aio-ok file left by an earlier run is removed, not taken for this one."""
+    ok = tmp_path / "aio-ok"
+    ok.write_text("stale\n")
+    out = _run(["--deepspeed-check", "--aio-timeout", "0", "--aio-ok", str(ok)], ds_env,
+               timeout=900)
+    assert "DeepSpeed async_io op not built here (--aio-timeout 0)" in out
+    assert "DeepSpeedCPUAdam op (cpu_adam) built or loaded" in out and not ok.exists()
+
+
 def _rows(out: str) -> dict[str, dict]:
     """The printed result of each case (the check writes no JSON): its step time and note."""
     rows = {}
