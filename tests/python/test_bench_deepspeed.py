@@ -71,6 +71,11 @@ def ds_env() -> dict[str, str]:
         # Through ccache on every supported torch: the newer ones would prepend ccache on their
         # own (TORCH_NO_COMPILER_WRAPPER turns that off), the older ones only honour CXX.
         env.update(CXX=str(CCACHE_CXX), TORCH_NO_COMPILER_WRAPPER="1")
+        # Paths under the checkout hashed relative to it, the working directory not at all: a
+        # fresh clone elsewhere (CI's) hits what an earlier checkout compiled (DeepSpeed's
+        # async_io op alone is ~460 s of CPU cold on 2 cores).
+        env.setdefault("CCACHE_BASEDIR", str(ROOT))
+        env.setdefault("CCACHE_NOHASHDIR", "1")
     env["MASTER_PORT"] = str(_free_port())  # gloo's store: not the benchmark's fixed default
     return env
 
