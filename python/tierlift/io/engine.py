@@ -123,7 +123,7 @@ class IoEngine:
             backend=c.backend, queue_depth=c.queue_depth, block_size=c.block_size,
             pool_bytes=c.pool_bytes, direct=c.direct, sqpoll=c.sqpoll,
             copy_threads=c.copy_threads, pin=pin)
-        self.pool_pinned = bool(self._engine.pool_pinned)
+        self.pool_pinned = self._engine.pool_pinned
         self.pool_pin_error = self._engine.pin_error
         if pin and not self.pool_pinned:  # still correct, but slower: say so, once
             warnings.warn(

@@ -250,9 +250,6 @@ class DeviceTime:
         self.devices = list(devices)
         self._pending: list = []  # (start events, end events, callback)
 
-    def __bool__(self) -> bool:
-        return bool(self.devices)
-
     def start(self) -> list:
         return record_events(self.devices) if self.devices else []
 
