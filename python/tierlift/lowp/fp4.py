@@ -22,6 +22,7 @@ from torch import nn
 
 from tierlift import ops
 from tierlift.lowp.fp4_recipe import FP4Recipe, get_fp4_recipe
+from tierlift.lowp.gemm import as_dtype
 from tierlift.reference.lowp_fp4 import fp4_dequantize, hadamard
 
 
@@ -75,7 +76,7 @@ class _FP4MatmulFn(torch.autograd.Function):
         ctx.recipe = r
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         ctx.save_for_backward(x, weight, wq if r.weight_2d else None, mx, mw)
-        return y.to(x.dtype)
+        return as_dtype(y, x.dtype)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):

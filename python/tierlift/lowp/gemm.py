@@ -81,4 +81,11 @@ def _scaled_mm(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: tor
     with torch.autocast(device_type=a_q.device.type, enabled=False):  # fp32 means fp32
         a = a_q.float() * inv_a
         b = b_q.float() * inv_b
-        return torch.mm(a, b.t()).to(out_dtype)
+        return as_dtype(torch.mm(a, b.t()), out_dtype)
+
+
+def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in dtype, cast only where it differs. An autograd.Function's forward returns this, not
+    a no-op .to(): torch 2.11's torch.compile gives such an output's backward zeros for its
+    gradient (fixed in later torch), which trains silently wrong."""
+    return t if t.dtype == dtype else t.to(dtype)
