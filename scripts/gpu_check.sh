@@ -26,7 +26,10 @@
 # with the GPU, and after stage 1 the built extension (stripped). GPU_CHECK_TESTS adds pytest
 # args; GPU_CHECK_SKIP="name|name" skips parts by their summary name (parts measured earlier).
 #
-# Here, once per checkout (.devdeps is ignored by git; the GPU machine has no network): the
+# Here, before the device calls: bash scripts/prebuild_gpu.sh (tierlift's extension for the GPU
+# machine's Python and torch, into .devdeps/prebuilt, used there only where its manifest matches
+# the tree: a minute of the GPU machine saved). Once per checkout (.devdeps is ignored by git;
+# the GPU machine has no network): the
 # build's liburing headers, libaio's (DeepSpeed's async_io op, for its NVMe contender), the
 # per-test time limit, and DeepSpeed with the dependencies torch's environment lacks, as wheels
 # for the GPU machine's Python 3.12 (6 MB in all; the DeepSpeed wheel is built here without ops,
@@ -84,7 +87,7 @@ run() {
     124 | 137) note "$name: TIMED OUT after ${cap} s (see $(basename "$log"))" ;;
     *) note "$name: FAILED rc=$rc ($((SECONDS - t0)) s, see $(basename "$log"))"; tail -15 "$log" ;;
   esac
-  rm -rf "${SCRATCH:?}"/*  # leftovers of a part cut off must not fill the disk
+  rm -rf "${RUN_SCRATCH:-${SCRATCH:?}}"/*  # leftovers of a part cut off must not fill the disk
   return $rc
 }
 
@@ -141,51 +144,115 @@ print(*(u.unquote(u.urlparse(i["download_info"]["url"]).path)
     >>"$OUT/deepspeed.log" 2>&1 || { note "deepspeed: install FAILED (see deepspeed.log)"; return 1; }
   note "deepspeed: installed $(for w in $need; do basename "$w" | cut -d- -f1-2; done | xargs)"
 }
-# Then DeepSpeed's CPU Adam op builds (JIT: ninja and the host compiler, ~45 s on 16 cores: two
-# translation units took 111 s of CPU on the 2-core development VM) in the background while
-# tierlift builds, bounded; its time is in deepspeed.log. The configs are checked against
-# DeepSpeed's schema in the same call. The DeepSpeed contenders run only if both worked. Its
-# async_io op (deepspeed-nvme's alone; libaio from the carried debs, CPATH / LIBRARY_PATH above;
-# its pin_memory op, then 12 translation units at -O0: 462 s of CPU on the 2-core VM, ~30-40 s
-# estimated on 16 cores) builds later, in stage 2 just before that row (ds_aio_build), so it
-# takes no cores from tierlift's build and no time from the rows before it. Its CUDA build
-# links -lcuda: where the driver brought only libcuda.so.1 (a container), the toolkit's stub of
-# that soname is last on the link path.
+# DeepSpeed's ops build here, by its own JIT, for this machine's CPU (its CPU Adam compiles with
+# -march=native and picks its SIMD width from the CPU it builds on: one built elsewhere would not
+# be the DeepSpeed its users run). Its CPU Adam (ninja and the host compiler, ~45 s on 16 cores:
+# two translation units took 111 s of CPU on the 2-core development VM) and its async_io op
+# (deepspeed-nvme's alone; libaio from the carried debs, CPATH / LIBRARY_PATH above; its
+# pin_memory op, then 12 translation units at -O0: 462 s of CPU on the 2-core VM, ~30-40 s
+# estimated on 16 cores) build in the background, bounded, their times in deepspeed.log, while
+# the parts that need neither run; the configs are checked against DeepSpeed's schema in the same
+# call, and the DeepSpeed contenders run only if all that worked. Where tierlift builds here too,
+# only the CPU Adam builds beside it, and async_io later, right before the NVMe row
+# (ds_aio_build), so it takes no cores from tierlift's build. Its CUDA build links -lcuda: where
+# the driver brought only libcuda.so.1 (a container), the toolkit's stub of that soname is last
+# on the link path.
 DS_PID=
+DS_STATE=none  # none | started | ready | failed
 DS_AIO_OK=$SCRATCH-ds-aio-ok  # beside $SCRATCH: each part's end empties $SCRATCH
-if [[ $STAGE != 1 ]] && { [[ $DRY == 1 ]] || ds_install; }; then
+DS_ENV=()
+ds_check_start() {  # ds_check_start AIO_SECONDS: 0 leaves async_io to ds_aio_build
+  [[ $STAGE != 1 && $DS_STATE == none ]] || return 0
+  if [[ $DRY != 1 ]] && ! ds_install; then DS_STATE=failed; return 0; fi
   rm -f "$TORCH_EXTENSIONS_DIR"/*/lock  # a build cut off leaves its lock: the next would wait
+  local nvcc stubs
   nvcc=$(command -v nvcc || echo "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc")
   stubs=$(dirname "$(dirname "$nvcc")")/lib64/stubs
-  DS_ENV=()
   [[ -d $stubs ]] && DS_ENV=(env "LIBRARY_PATH=${LIBRARY_PATH:+$LIBRARY_PATH:}$stubs")
-  # the CPU Adam only here: async_io builds just before the NVMe row (ds_aio_build), not beside
-  # tierlift's build, whose cores it would take, and never for a stage without that row
-  run "deepspeed build" deepspeed.log 150 "${DS_ENV[@]}" $PY benchmarks/bench_offload.py \
-    --deepspeed-check --aio-timeout 0 &
+  # its own scratch folder: each foreground part's end empties $SCRATCH, and this one's its own
+  mkdir -p "$SCRATCH-ds"
+  RUN_SCRATCH=$SCRATCH-ds run "deepspeed build" deepspeed.log $(($1 + 150)) "${DS_ENV[@]}" $PY \
+    benchmarks/bench_offload.py --deepspeed-check --aio-timeout "$1" --aio-ok "$DS_AIO_OK" \
+    --dir "$SCRATCH-ds" &
   DS_PID=$!
-fi
+  DS_STATE=started
+}
+ds_wait() {  # sets DS (",deepspeed") once DeepSpeed is installed and its CPU Adam built
+  if [[ $DS_STATE == started ]]; then
+    if wait "$DS_PID"; then DS_STATE=ready; else DS_STATE=failed; fi
+  fi
+  DS=
+  [[ $DS_STATE == ready || $DRY == 1 ]] && DS=,deepspeed
+  return 0
+}
 # ds_aio_build: DeepSpeed's async_io op (libaio from the carried debs), then 8 MiB through it
 # under $SCRATCH, bounded; writes $DS_AIO_OK where that worked (deepspeed-nvme can run). The CPU
 # Adam is cached by then. A part of its own, so its time and failure show in summary.txt.
 ds_aio_build() {
+  [[ -f $DS_AIO_OK ]] && return 0  # built beside the parts before
   run "deepspeed aio build" deepspeed.log 75 "${DS_ENV[@]}" $PY benchmarks/bench_offload.py \
     --deepspeed-check --aio-timeout 60 --aio-ok "$DS_AIO_OK" --dir "$SCRATCH"
 }
 
+# tierlift's extension: kept from an earlier call on this (warm) machine, else the build made
+# ahead on the development machine (scripts/prebuild_gpu.sh, carried in .devdeps/prebuilt),
+# else built here (~60 s, the first minute of a fresh machine). Each counts only where its
+# manifest (scripts/gpu_prebuilt.py) matches this tree's sources, this Python and this torch, so
+# a stale binary is never tested or measured as this tree's; $BUILT_STAMP holds the manifest of
+# what python/tierlift holds now.
+PREBUILT=${GPU_CHECK_PREBUILT:-.devdeps/prebuilt}
+BUILT_STAMP=build/gpu-check-built
 built() {
-  $PY -c "import sys, tierlift; sys.exit(not tierlift._extension.has_cuda_kernels())" 2>/dev/null
+  $PY -c "import sys, tierlift; sys.exit(not tierlift._extension.has_cuda_kernels())" \
+    2>/dev/null && $PY scripts/gpu_prebuilt.py check "$BUILT_STAMP" >/dev/null
+}
+use_prebuilt() {
+  local why so=("$PREBUILT"/_C.*.so)
+  [[ -f ${so[0]} ]] || { note "build: nothing prebuilt in $PREBUILT (scripts/prebuild_gpu.sh)"
+    return 1; }
+  if [[ $DRY == 1 ]]; then  # this machine is not the GPU's: its sources alone
+    if why=$($PY scripts/gpu_prebuilt.py check --sources-only "$PREBUILT"); then
+      note "dry run: the prebuilt extension's sources are this tree's ($why)"
+    else
+      note "dry run: warning: the prebuilt extension will not be used ($why): rerun" \
+        "scripts/prebuild_gpu.sh, or the GPU machine builds (~60 s)"
+    fi
+    return 0
+  fi
+  why=$($PY scripts/gpu_prebuilt.py check "$PREBUILT") || {
+    note "build: the prebuilt extension does not fit ($why)"; return 1; }
+  mkdir -p "$BUILT_STAMP" && cp "$PREBUILT/manifest.json" "$BUILT_STAMP/" &&
+    cp "${so[0]}" python/tierlift/ && built && {
+    note "build: the prebuilt extension ($why)"; return 0; }
+  note "build: the prebuilt extension does not load here (see build.log)"
+  $PY -c "import tierlift._C" >>"$OUT/build.log" 2>&1
+  rm -f "python/tierlift/$(basename "${so[0]}")" "$BUILT_STAMP/manifest.json"
+  return 1
 }
 # build_ext --inplace: the objects stay in build/, so a rerun on a warm machine recompiles nothing.
 BUILD=(env TIERLIFT_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 "$PY" setup.py build_ext --inplace)
+NEED_BUILD=1
 if [[ $DRY == 1 ]]; then
   if ! [[ -f setup.py ]] || ! $PY -c "import setuptools"; then note "dry: no setuptools"; fi
-elif [[ $STAGE == 1 ]] || ! built; then
+  use_prebuilt
+elif [[ $STAGE != 1 ]] && { built || use_prebuilt; }; then
+  NEED_BUILD=0
+fi
+# DeepSpeed's check: beside tierlift's build (its CPU Adam only), or with nothing to wait for, in
+# stage 2 its async_io op too; stage 3 (no NVMe row) starts it before the kernel rows, which
+# leave the CPU cores to it, not before the 7B row, whose CPU Adam needs them all.
+if ((NEED_BUILD)); then
+  ds_check_start 0
+elif [[ $STAGE == 2 ]]; then
+  ds_check_start 75
+fi
+if ((NEED_BUILD)) && [[ $DRY != 1 ]]; then
   run build build.log 200 "${BUILD[@]}" || {
     [[ -n $DS_PID ]] && wait "$DS_PID"
     cat "$OUT/summary.txt"
     exit 1
   }
+  $PY scripts/gpu_prebuilt.py record "$BUILT_STAMP"
   $PY -m tierlift info | tee -a "$OUT/summary.txt"
   built || { note "BUILD has no CUDA kernels"; exit 1; }
   # A compiler that links libstdc++ into the extension: setup.py keeps that copy's symbols local.
@@ -196,10 +263,8 @@ elif [[ $STAGE == 1 ]] || ! built; then
     for so in python/tierlift/_C.*.so; do strip -g -o "$OUT/$(basename "$so")" "$so"; done
   fi
 fi
-DS=  # ",deepspeed" when DeepSpeed installed and its CPU Adam built
-if [[ -n $DS_PID ]] && wait "$DS_PID"; then DS=,deepspeed; fi
 if [[ $DRY == 1 ]]; then  # the dry run checks the DeepSpeed contenders' names too
-  DS=,deepspeed
+  ds_wait
   ls .devdeps/libaio-dev_*.deb >/dev/null 2>&1 ||
     note "dry run: warning: no libaio debs in .devdeps (see the top): deepspeed-nvme left out"
 fi
@@ -267,8 +332,10 @@ fi
 # the torch row records the 1.1B's norm.
 # Estimates (H200, 16 cores; ~8 s of process start per case; GPU compute ~1.2e14 FLOP a step,
 # ~0.3 s at 400 TFLOPS, not measured; warmup 1 + 3 steps):
-#   build            ~60 s when the machine is fresh (62 s on the H200 run); DeepSpeed's CPU
-#                    Adam builds beside it (~45 s), so ~60 s for both
+#   build            ~5 s with the prebuilt extension (scripts/prebuild_gpu.sh: loading it and
+#                    checking its manifest), else ~60 s when the machine is fresh (62 s on the
+#                    H200 run). DeepSpeed's CPU Adam and async_io (~45 s) build in the
+#                    background during offload exact (~30 s): the DeepSpeed rows wait ~15 s
 #   offload exact    ~30 s: the offloaded step's GPU tests (bit-exact against plain AdamW); cap 80 s
 #   offload 1B ram   ~185 s: tierlift (params on the GPU, overlap) ~30 s (pinning 26.5 GB, steps
 #                    ~1 s); torch's AdamW on CPU 4 x (1.09 + 0.3) s + ~12 s set-up ~25 s;
@@ -291,8 +358,9 @@ fi
 #                    aio handle and set against the same roofline. Its op builds first (~40 s,
 #                    cap 75 s), then ~90 s (set-up ~30 s: writing its initial state). Each row
 #                    its own part (cap 100 s), tierlift's first.
-# Total ~305 s to the split row on a fresh machine; the NVMe rows (~165 s with DeepSpeed's) fit
-# only in a call of their own (GPU_CHECK_SKIP="offload exact|offload 1B ram|offload 1B ram split"
+# Total ~265 s to the split row on a fresh machine with the prebuilt extension (~305 s without);
+# then disk and tierlift's NVMe row may fit; DeepSpeed's NVMe row (~90 s) fits only in a call of
+# its own (GPU_CHECK_SKIP="offload exact|offload 1B ram|offload 1B ram split"
 # with what device time is left: keep "deepspeed build", which the DeepSpeed rows need, or
 # finds its op built). The kernel rows are in stage
 # 3, after the 7B row: two calls of 345 s and the machine's start fit 15 minutes, three do not.
@@ -324,6 +392,7 @@ if [[ $STAGE == 2 ]]; then
   # shellcheck disable=SC2086  # OFFLOAD_GPU_TESTS: several pytest arguments
   run "offload exact" pytest.log 80 $PY -m pytest -q --maxfail=5 -m gpu -p no:cacheprovider \
     "${TIMEOUT_FLAG[@]}" $OFFLOAD_GPU_TESTS
+  ds_wait  # DeepSpeed's ops built beside the tests above
   # targets: tierlift >= 2x torch's AdamW-on-CPU recipe, >= 1.5x DeepSpeed (TFLOPS, same run)
   RAM_JSON=benchmarks/results/bench_offload_finetune-1b-ram-gpu-$GPU.json
   fresh_row "offload 1B ram" "$RAM_JSON"
@@ -346,7 +415,7 @@ if [[ $STAGE == 2 ]]; then
     --json-suffix 1b-nvme
   # DeepSpeed ZeRO-Infinity's optimizer side as the NVMe row's peer, after tierlift's row: its
   # async_io op builds now (not beside tierlift's build), then its row against the same roofline
-  if [[ -n $DS ]] && rm -f "$DS_AIO_OK" && ds_aio_build &&
+  if [[ -n $DS ]] && ds_aio_build &&
     { [[ $DRY == 1 ]] || [[ -f $DS_AIO_OK ]]; }; then
     run "offload 1B nvme deepspeed" bench.log 100 "${FT[@]}" --model 1b --tier nvme \
       --batch-size 8 --contenders deepspeed-nvme --steps 2 --warmup 1 --timeout 95 \
@@ -381,6 +450,7 @@ if [[ $STAGE == 3 ]]; then
   run "offload 7B ram" bench.log 170 "${FT[@]}" --model 7b --tier cpu --overlap --cpu-budget 100 \
     --batch-size 4 --contenders tierlift --steps 3 --warmup 1 --timeout 160 \
     --json-suffix 7b-ram
+  ds_check_start 0  # DeepSpeed's CPU Adam (cached on a warm machine) beside the kernel rows
   # the kernel rows, each against its target (docs/gpu.md): the fused CUDA AdamW vs torch's
   run optim bench.log 50 $PY benchmarks/bench_optim.py --gpu-only --cuda-sizes 1e8,3e8,1e9
   # where one Float8Linear fwd+bwd spends its time (quantize, GEMM, layout copies, amax/scale:
@@ -391,6 +461,7 @@ if [[ $STAGE == 3 ]]; then
   run gather bench.log 60 $PY benchmarks/bench_gather.py --gpu-only --table-mib 1024
   # DeepSpeed at 7B in its own part, after what the issue's "done when" needs: 108 GB pinned is
   # the tightest fit in 128 GiB (an out-of-memory kill is its row's result)
+  ds_wait
   if [[ -n $DS ]]; then
     run "offload 7B ram deepspeed" bench.log 160 "${FT[@]}" --model 7b --tier cpu --overlap \
       --cpu-budget 100 --batch-size 4 --contenders deepspeed --steps 3 --warmup 1 --timeout 150 \

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Builds tierlift's extension here, ahead, for the GPU machine (Python 3.12, torch 2.11.0 with
+# CUDA 13.0, sm_90, io_uring), so that scripts/gpu_check.sh does not spend that machine's first
+# minute building it. The result goes to .devdeps/prebuilt (carried with .devdeps): the stripped
+# extension and a manifest of the sources, Python and torch it was built from
+# (scripts/gpu_prebuilt.py); gpu_check.sh uses it only where all three match there, else builds
+# from source as before. Rerun after any change under csrc/ or to setup.py (the dry run of
+# gpu_check.sh warns when it is stale).
+#
+#   bash scripts/prebuild_gpu.sh        ~2 min with a warm ccache, ~15 min cold on 2 cores
+#
+# Needs a Python 3.12 (PY312, else python3.12 on PATH, else pyenv's), nvcc 13.x (torch's CUDA
+# major must match) and liburing-dev; torch 2.11.0 and its CUDA wheels go into a virtual
+# environment of their own under build/ (~5 GB, once). DeepSpeed's ops are not built here: its
+# CPU Adam compiles for the CPU it builds on (-march=native, its SIMD width), so it builds on the
+# GPU machine, as its users' does.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+TORCH_VERSION=${TORCH_VERSION:-2.11.0}  # the GPU machine's (../shared/GPU.md)
+ENV=build/gpu-prebuild-env
+WORK=build/gpu-prebuild
+OUT_DIR=.devdeps/prebuilt
+
+pyenv_312=("$(pyenv root 2>/dev/null || echo ~/.pyenv)"/versions/3.12.*/bin/python3)
+py312=${PY312:-$(command -v python3.12 || echo "${pyenv_312[-1]}")}
+[[ -x $py312 ]] || { echo "prebuild_gpu: no Python 3.12 (set PY312)" >&2; exit 1; }
+[[ -x $ENV/bin/python ]] || "$py312" -m venv "$ENV"
+if ! "$ENV/bin/python" -c "import torch, sys
+sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
+  echo "prebuild_gpu: installing torch $TORCH_VERSION into $ENV (once)"
+  "$ENV/bin/pip" install -q "torch==$TORCH_VERSION" numpy ninja setuptools wheel
+fi
+cuda=$("$ENV/bin/python" -c "import torch; print(torch.version.cuda)")
+nvcc_version=$(nvcc --version | sed -n 's/.*release \([0-9.]*\),.*/\1/p')
+[[ ${cuda%%.*} == "${nvcc_version%%.*}" ]] || {
+  echo "prebuild_gpu: torch's CUDA $cuda and nvcc $nvcc_version differ in major" >&2; exit 1; }
+
+t0=$SECONDS
+# out of place: the tree's own build (this machine's Python) stays as it is
+env PATH="$PWD/$ENV/bin:$PATH" TIERLIFT_CUDA=1 TIERLIFT_URING=1 TORCH_CUDA_ARCH_LIST=9.0 \
+  MAX_JOBS="${MAX_JOBS:-$(nproc)}" "$ENV/bin/python" setup.py -q build_ext \
+  --build-temp "$WORK/temp" --build-lib "$WORK/lib"
+so=$(ls "$WORK"/lib/tierlift/_C.cpython-312-*.so)
+rm -rf "$OUT_DIR" && mkdir -p "$OUT_DIR"
+strip -g -o "$OUT_DIR/$(basename "$so")" "$so"
+"$ENV/bin/python" scripts/gpu_prebuilt.py record "$OUT_DIR"
+# It must load beside that torch (no GPU needed) and hold the CUDA kernels.
+"$ENV/bin/python" - "$OUT_DIR" <<'EOF'
+import os, shutil, sys, tempfile
+import torch  # noqa: F401  (the extension links against it)
+tmp = tempfile.mkdtemp()
+shutil.copytree("python/tierlift", os.path.join(tmp, "tierlift"),
+                ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+for f in os.listdir(sys.argv[1]):
+    if f.endswith(".so"):
+        shutil.copy(os.path.join(sys.argv[1], f), os.path.join(tmp, "tierlift"))
+sys.path.insert(0, tmp)
+import tierlift._C  # noqa: F401  (raises with the loader's reason)
+import tierlift
+assert tierlift._extension.has_cuda_kernels(), "the prebuilt extension has no CUDA kernels"
+assert tierlift._extension.has_uring(), "the prebuilt extension has no io_uring engine"
+print("prebuild_gpu: it loads under torch", torch.__version__)
+shutil.rmtree(tmp)
+EOF
+echo "prebuild_gpu: $OUT_DIR in $((SECONDS - t0)) s:"
+ls -l "$OUT_DIR"
+cat "$OUT_DIR/manifest.json"
