@@ -235,7 +235,10 @@ NEED_BUILD=1
 if [[ $DRY == 1 ]]; then
   if ! [[ -f setup.py ]] || ! $PY -c "import setuptools"; then note "dry: no setuptools"; fi
   use_prebuilt
-elif [[ $STAGE != 1 ]] && { built || use_prebuilt; }; then
+elif [[ $STAGE != 1 ]] && built; then
+  NEED_BUILD=0
+  note "build: kept from an earlier call on this machine (its manifest matches this tree)"
+elif [[ $STAGE != 1 ]] && use_prebuilt; then
   NEED_BUILD=0
 fi
 # DeepSpeed's check: beside tierlift's build (its CPU Adam only), or with nothing to wait for, in
@@ -252,9 +255,11 @@ if ((NEED_BUILD)) && [[ $DRY != 1 ]]; then
     cat "$OUT/summary.txt"
     exit 1
   }
-  $PY scripts/gpu_prebuilt.py record "$BUILT_STAMP"
+  # what python/tierlift now holds is this tree's (not where GPU_CHECK_SKIP left out the build)
+  [[ "|${GPU_CHECK_SKIP:-}|" == *"|build|"* ]] || $PY scripts/gpu_prebuilt.py record "$BUILT_STAMP"
   $PY -m tierlift info | tee -a "$OUT/summary.txt"
-  built || { note "BUILD has no CUDA kernels"; exit 1; }
+  built || { note "BUILD: the extension does not load, has no CUDA kernels, or is not this" \
+    "tree's (see build.log)"; exit 1; }
   # A compiler that links libstdc++ into the extension: setup.py keeps that copy's symbols local.
   for so in python/tierlift/_C.*.so; do
     ldd "$so" | grep -q 'libstdc++' || note "note: $(basename "$so") has libstdc++ linked in"
