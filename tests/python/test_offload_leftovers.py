@@ -393,3 +393,37 @@ def test_on_a_gpu_the_device_part_reports_its_kernels_time():
     leg = stats["legs"]["device_adam"]
     assert stats["device_part_gpu_s"] > 0 and leg["device_s"] == stats["device_part_gpu_s"]
     assert leg["total_s"] >= leg["device_s"] + leg["exposed_s"] - 1e-9
+
+
+# skip_nonfinite's check (offload/checks.py): one host copy per device, not per gradient, and a
+# sum that overflows while every element is finite is not taken for inf.
+def test_every_finite_confirms_an_overflowing_sum_element_by_element():
+    from tierlift.offload.checks import all_true, every_finite, sums_finite
+
+    big = torch.full((100_000,), 1.0, dtype=torch.float16)  # finite; its fp16 sum is inf
+    assert not sums_finite([big])
+    assert every_finite([big, torch.ones(3)])
+    for bad in (float("inf"), float("nan")):
+        g = big.clone()
+        g[77] = bad
+        assert not every_finite([torch.ones(3), g])
+    assert all_true([]) and all_true([torch.tensor(True), torch.tensor([True])])
+    assert not all_true([torch.tensor(True), torch.tensor(False)])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_every_finite_reads_gpu_gradients_back_once():
+    from tierlift.offload import checks
+
+    grads = [torch.ones(1000, device="cuda", dtype=torch.bfloat16) for _ in range(50)]
+    copies = []
+    real = torch.Tensor.cpu
+    try:
+        torch.Tensor.cpu = lambda t, *a, **k: copies.append(t.device) or real(t, *a, **k)
+        assert checks.every_finite(grads)
+    finally:
+        torch.Tensor.cpu = real
+    assert copies == []  # bool() of the stacked flags: one read, no per-gradient .cpu()
+    grads[17][3] = float("nan")
+    assert not checks.every_finite(grads)

@@ -97,10 +97,24 @@ def sums_finite(grads: list[torch.Tensor]) -> bool:
     if host and not all(crc_pool().map(_sum_finite_np, host) if len(host) > 1
                         else map(_sum_finite_np, host)):
         return False
-    if other:
-        sums = [g.sum() for g in other]
-        return bool(torch.stack([s.float().cpu() for s in sums]).isfinite().all())
-    return True
+    return all_true([g.sum().isfinite() for g in other])
+
+
+def all_true(flags: list[torch.Tensor]) -> bool:
+    """Whether every one-element bool tensor holds True, read with one copy to the host per
+    device (a GPU's flags are stacked there): a copy per flag waits for the GPU each time."""
+    per_device: dict[torch.device, list[torch.Tensor]] = {}
+    for f in flags:
+        per_device.setdefault(f.device, []).append(f.reshape(()))
+    return all(bool(torch.stack(fs).all()) for fs in per_device.values())
+
+
+def every_finite(grads: list[torch.Tensor]) -> bool:
+    """Whether every element of every gradient is finite: sums_finite, and where a sum is not
+    finite (finite values can overflow it, e.g. fp16), each gradient's aminmax confirms it
+    (propagates NaN, shows +-Inf, no gradient-sized mask; several times slower than a sum)."""
+    return sums_finite(grads) or all_true(
+        [torch.stack(torch.aminmax(g)).isfinite().all() for g in grads])
 
 
 def scale_value(grad_scale: torch.Tensor) -> float:

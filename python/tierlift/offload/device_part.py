@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from tierlift._shards import all_ranks_agree
-from tierlift.offload.checks import sums_finite
+from tierlift.offload.checks import every_finite
 from tierlift.offload.layout import SCALE_KIND, kind_elems, reserves
 
 
@@ -90,9 +90,7 @@ class DevicePart:
         part's verdict `finite`); under ZeRO every rank agrees again."""
         if finite and self:
             grads = [g for g in self.grads() if g.numel()]
-            if grads and not sums_finite(grads):
-                flags = [torch.stack(torch.aminmax(g)).isfinite().all() for g in grads]
-                finite = bool(torch.stack([f.cpu() for f in flags]).all())
+            finite = not grads or every_finite(grads)
         if zero and self.on:
             finite = all_ranks_agree(everyone, finite)
         return finite

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from tierlift._shards import all_ranks_agree, global_grad_norm
-from tierlift.offload.checks import inverse, power_of_two, sums_finite
+from tierlift.offload.checks import every_finite, inverse, power_of_two
 from tierlift.offload.layout import not_reserved
 from tierlift.offload.overlap import scan_grads
 from tierlift.offload.state_io import _LOW_PRECISION
@@ -45,16 +45,13 @@ def collect(off) -> list[dict]:
 def all_finite(off, live: list[dict], spec: dict) -> tuple[bool, list[dict]]:
     """Host gradients of groups with chunks stepped ahead: checked element by element in
     the pass that takes the overlap's fingerprints (overlap.scan_grads), returned per group.
-    Others: a sum is finite iff every element is, unless finite values overflow it; so one
-    vectorised sum per gradient decides, and only a non-finite sum is confirmed with
-    aminmax (propagates NaN, shows +-Inf, no gradient-sized mask; several times slower)."""
+    Others: checks.every_finite (a sum per gradient, aminmax only to confirm a sum that is
+    not finite)."""
     finite, known, covered = scan_grads(off, live, spec)
     grads = [g for gi, got in enumerate(live) for pi, g in got.items()
              if g.numel() and (gi, pi) not in covered]
     if finite and grads:
-        if not sums_finite(grads):
-            flags = [torch.stack(torch.aminmax(g)).isfinite().all() for g in grads]
-            finite = bool(torch.stack([f.cpu() for f in flags]).all())
+        finite = every_finite(grads)
     if off._zero:
         # ZeRO shards: a non-finite value on any rank skips the step on every rank.
         finite = all_ranks_agree(off._params(), finite)
