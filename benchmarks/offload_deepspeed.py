@@ -1,6 +1,8 @@
 """DeepSpeed's contenders of the offload fine-tune (offload_finetune.py): ZeRO-3 and ZeRO-2 with
 the optimizer state in pinned RAM (offload_optimizer cpu), and ZeRO-Infinity's optimizer side,
-ZeRO-3 with the state on NVMe (deepspeed-nvme); params on the GPU for all three.
+ZeRO-3 with the state on NVMe (deepspeed-nvme); params on the GPU for all of them. DeepSpeed's two
+newer offload modes, SuperOffload (deepspeed-super) and ZeRO-Offload++'s partial offload
+(deepspeed-ratio), are set up in deepspeed_modes.py and run here.
 
 deepspeed-nvme: fp32 master, m and v live in swap files under --dir, and so do the fp32 gradient
 partitions of at least 1 MiB (DeepSpeed's least swap size; smaller ones stay in RAM). Each step
@@ -36,10 +38,13 @@ import time
 
 import torch
 
+import deepspeed_modes as modes
 from finetune_sizing import FIT, GiB, config
 
-# contender: (ZeRO stage, where its optimizer state lives)
-DEEPSPEED = {"deepspeed": (3, "cpu"), "deepspeed-zero2": (2, "cpu"), "deepspeed-nvme": (3, "nvme")}
+# contender: (ZeRO stage, where its optimizer state lives, offload mode: deepspeed_modes.py)
+DEEPSPEED = {"deepspeed": (3, "cpu", None), "deepspeed-zero2": (2, "cpu", None),
+             "deepspeed-nvme": (3, "nvme", None), "deepspeed-super": (3, "cpu", "super"),
+             "deepspeed-ratio": (3, "cpu", "ratio")}
 
 # DeepSpeed's documented ZeRO-Infinity settings (the module docstring)
 NVME_BUFFER_COUNT = 4
@@ -81,9 +86,12 @@ def check_nvme_fits(args, info: dict) -> dict:
     return need
 
 
-def deepspeed_config(args, device, stage: int = 3, nvme_path: str | None = None) -> dict:
+def deepspeed_config(args, device, stage: int = 3, nvme_path: str | None = None,
+                     mode: dict | None = None) -> dict:
+    """The config run_deepspeed gives DeepSpeed; `mode` (deepspeed_modes.mode_plan) adds the
+    offload mode's offload_optimizer and zero_optimization keys."""
     pin = device.type == "cuda"
-    offload = {"device": "cpu", "pin_memory": pin}
+    offload = {"device": "cpu", "pin_memory": pin, **(mode["offload"] if mode else {})}
     if nvme_path is not None:
         offload = {"device": "nvme", "nvme_path": nvme_path, "pin_memory": pin,
                    "buffer_count": NVME_BUFFER_COUNT, "fast_init": False}
@@ -106,6 +114,8 @@ def deepspeed_config(args, device, stage: int = 3, nvme_path: str | None = None)
     if nvme_path is not None:
         cfg["zero_optimization"]["sub_group_size"] = NVME_SUB_GROUP
         cfg["aio"] = dict(AIO)
+    if mode:
+        cfg["zero_optimization"].update(mode["zero"])
     return cfg
 
 
@@ -174,12 +184,17 @@ def run_deepspeed(args, info: dict, device, which: str = "deepspeed") -> dict:
 
     from offload_finetune import _time_steps, build_model
 
-    stage, tier = DEEPSPEED[which]
+    stage, tier, _ = DEEPSPEED[which]
+    modes.check_accelerator(which)
+    mode = modes.mode_plan(which, args, info["model"])
     for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517"}.items():
         os.environ.setdefault(k, v)
-    check_deepspeed_config(args, stage, nvme=tier == "nvme")  # before any work
+    check_deepspeed_config(args, stage, tier == "nvme", mode)  # before any work
+    if mode and mode["mode"] == "super":
+        modes.check_shm(mode, config(info["model"], args.seq_len).num_params())
     nvme = tempfile.mkdtemp(prefix="deepspeed-nvme-", dir=args.dir) if tier == "nvme" else None
+    engine = None
     try:
         check = tier == "nvme" and info["model"] == "tiny"
         if check:
@@ -188,11 +203,18 @@ def run_deepspeed(args, info: dict, device, which: str = "deepspeed") -> dict:
         model = build_model(info["model"], args.seq_len, device)
         n = sum(p.numel() for p in model.parameters())
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                          config=deepspeed_config(args, device, stage, nvme))
+                                          config=deepspeed_config(args, device, stage, nvme, mode))
         io = _count_swapper_io(engine) if nvme is not None else None
+        split = modes.check_split(engine, mode) if mode and mode["ratio_plan"] else None
         gen = torch.Generator().manual_seed(0)
         inner = getattr(engine.optimizer, "optimizer", engine.optimizer)  # the one ZeRO wraps
-        stepped = _watch_stepped_grads(inner)
+        stepped: list[torch.Tensor] = []
+        # the CPU Adam's, and ratio's GPU part's (torch AdamW, DeepSpeed's backup_optimizer)
+        for opt in (inner, getattr(engine.optimizer, "backup_optimizer", None)):
+            if opt is not None:
+                _watch_stepped_grads(opt, stepped)
+        if mode and mode["mode"] == "super":  # its CPU Adam steps in its worker process
+            modes.watch_super(engine, stepped)
         io_steps: list[tuple[int, int]] = []  # (read, written) per step, warmup first
 
         def step():
@@ -210,6 +232,8 @@ def run_deepspeed(args, info: dict, device, which: str = "deepspeed") -> dict:
         t = _time_steps(step, args.steps, args.warmup, device)
         norm = engine.get_global_grad_norm()  # DeepSpeed's, before clipping; None unclipped
         case = f"deepspeed zero{stage} offload_optimizer={tier}"
+        if mode:
+            case += " " + modes.case_name(mode)
         out = {"case": case + (" (check: least swap size lowered)" if check else ""),
                "params": n, "step_s": t,
                "optimizer": f"{type(engine.optimizer).__name__}({type(inner).__name__})",
@@ -219,6 +243,12 @@ def run_deepspeed(args, info: dict, device, which: str = "deepspeed") -> dict:
                # --max-grad-norm when DeepSpeed clipped, its grad_norm when it did not
                "stepped_grad_norm": _norm(stepped),
                "gradient_clipping": float(engine.gradient_clipping())}
+        if mode:
+            out.update(offload_mode=mode, split=split)
+            if mode["mode"] == "super":
+                out["stepped_grad_norm_source"] = (
+                    "stepped_grad_norm: the fp32 gradient partitions handed to SuperOffload's "
+                    "worker process (read here, in the shared memory it copies them from)")
         if io is not None:
             swapper = engine.optimizer.optimizer_swapper
             locked = sum(b.numel() * b.element_size()
@@ -237,6 +267,7 @@ def run_deepspeed(args, info: dict, device, which: str = "deepspeed") -> dict:
                 aio={k: getattr(io, f"get_{k}")() for k in AIO})
         return out
     finally:
+        modes.close_super(engine)
         if nvme is not None:
             shutil.rmtree(nvme, ignore_errors=True)
 
@@ -256,11 +287,11 @@ def deepspeed_nvme_note(res: dict) -> str:
     return note
 
 
-def _watch_stepped_grads(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+def _watch_stepped_grads(opt: torch.optim.Optimizer, seen: list) -> list[torch.Tensor]:
     """The gradients opt.step() is called with, as it is called (ZeRO clips its flat fp32
-    gradient partitions in place just before): kept by reference, without a copy or a norm, so
-    the timed step does no extra work; read after the last step, which leaves them in place."""
-    seen: list[torch.Tensor] = []
+    gradient partitions in place just before), added to `seen`: kept by reference, without a
+    copy or a norm, so the timed step does no extra work; read after the last step, which
+    leaves them in place."""
     step = opt.step
 
     def watched(*a, **kw):
@@ -274,12 +305,16 @@ def _watch_stepped_grads(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
 def _norm(grads: list[torch.Tensor]) -> float | None:
     if not grads:
         return None
-    return float(torch.stack([g.detach().float().norm() for g in grads]).norm())
+    # the CPU Adam's on the host, ratio's GPU part's on the device
+    return float(torch.stack([g.detach().float().norm().cpu() for g in grads]).norm())
 
 
-def check_deepspeed_config(args, stage: int = 3, nvme: bool = False) -> dict:
-    """The ZeRO config (stage 3 or 2, state in RAM or on NVMe) run_deepspeed gives DeepSpeed,
-    parsed by DeepSpeed's own config class, and each setting read back. Its sections
+def check_deepspeed_config(args, stage: int = 3, nvme: bool = False,
+                           mode: dict | None = None) -> dict:
+    """The ZeRO config (stage 3 or 2, state in RAM or on NVMe, with an offload mode's keys:
+    deepspeed_modes.mode_plan) run_deepspeed gives DeepSpeed, parsed by DeepSpeed's own config
+    class, and each setting read back (those of the mode too, and for every contender that
+    super_offload is off and ratio 1 unless the mode sets them). Its sections
     (zero_optimization, bf16) refuse unknown keys, but a misspelt top-level key is silently
     ignored (and may even match the default, as gradient_clipping's 1.0 does), so every top-level
     key must be one DeepSpeed names in its constants; so must each key of the aio section, which
@@ -293,7 +328,8 @@ def check_deepspeed_config(args, stage: int = 3, nvme: bool = False) -> dict:
     from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 
     path = "/deepspeed-nvme-check" if nvme else None  # parsed, never created
-    want = deepspeed_config(args, torch.device("cuda"), stage, path)
+    # positional, and the mode only where there is one (a test wraps this function)
+    want = deepspeed_config(args, torch.device("cuda"), stage, path, *([mode] if mode else []))
     known = {v for k, v in vars(ds_constants).items() if k.isupper() and isinstance(v, str)}
     unknown = sorted(set(want) - known - {ZERO_OPTIMIZATION, AIO_KEY})
     unknown += sorted(f"aio.{k}" for k in set(want.get("aio", {})) - set(AIO_DEFAULT_DICT))
@@ -313,6 +349,8 @@ def check_deepspeed_config(args, stage: int = 3, nvme: bool = False) -> dict:
         "offload_param": zero.offload_param.device if zero.offload_param else None,
         "optimizer": cfg.optimizer_name,
         "optimizer params": cfg.optimizer_params,
+        "super_offload": off.super_offload if off else None,
+        "ratio": off.ratio if off else None,
     }
     expect = {
         "train_micro_batch_size_per_gpu": args.batch_size, "gradient_accumulation_steps": 1,
@@ -321,7 +359,13 @@ def check_deepspeed_config(args, stage: int = 3, nvme: bool = False) -> dict:
         "offload_optimizer": OffloadDeviceEnum.nvme if nvme else OffloadDeviceEnum.cpu,
         "offload_optimizer pin_memory": True,
         "offload_param": None, "optimizer": opt["type"].lower(), "optimizer params": opt["params"],
+        "super_offload": False, "ratio": 1.0,
     }
+    if mode:  # every key the mode sets, where DeepSpeed put it
+        got.update({k: getattr(off, k) for k in mode["offload"]})
+        got.update({f"zero {k}": getattr(zero, k) for k in mode["zero"]})
+        expect.update(mode["offload"])
+        expect.update({f"zero {k}": v for k, v in mode["zero"].items()})
     if nvme:
         got.update({"nvme_path": str(off.nvme_path), "buffer_count": off.buffer_count,
                     "fast_init": off.fast_init, "pipeline": off.pipeline_read or off.pipeline_write,
@@ -381,7 +425,7 @@ print(f"{time.perf_counter() - t0:.1f}")
 
 
 def deepspeed_check(args) -> int:
-    """--deepspeed-check: DeepSpeed imports, reads its three configs as meant, and its CPU Adam
+    """--deepspeed-check: DeepSpeed imports, reads its five configs as meant, and its CPU Adam
     and async_io ops build (JIT, ninja and the host compiler; async_io needs libaio; both at
     once, each build's time printed); the async_io op then moves bytes under --dir. Needs no
     GPU: run before the timed cases so that they do not spend them building. The async_io op is
@@ -399,6 +443,13 @@ def deepspeed_check(args) -> int:
         check_deepspeed_config(args, stage, nvme)
         print(f"ZeRO-{stage}{' NVMe' if nvme else ''} config: every setting read back as meant",
               flush=True)
+    for which in ("deepspeed-super", "deepspeed-ratio"):  # their model: --model or 1b
+        mode = modes.mode_plan(which, args)
+        got = check_deepspeed_config(args, 3, False, mode)
+        print(f"ZeRO-3 {which} config: every setting read back as meant ("
+              + ", ".join(f"{k} {got[k]}" for k in dict.fromkeys((*mode["offload"], "ratio")))
+              + ", "
+              + ", ".join(f"{k} {got[k]}" for k in got if k.startswith("zero ")) + ")", flush=True)
     aio_ok = getattr(args, "aio_ok", None)
     if aio_ok and os.path.exists(aio_ok):
         os.unlink(aio_ok)  # an earlier run's must not stand for this one

@@ -6,18 +6,21 @@ tierlift offload against DeepSpeed ZeRO-3 with CPU optimizer offload (--plan-onl
 compute) with the fp32 parameter shards in pinned RAM as well; --peer torch-cpu measures the plain
 way to offload instead of DeepSpeed: fp32 master weights and torch.optim.AdamW state in pinned
 RAM, gradients copied down and weights copied back up every step. --contenders runs several side
-by side (tierlift, tierlift-zero3, torch-cpu, deepspeed, deepspeed-zero2, deepspeed-nvme), each in
-its own process whose output (each step's time as it finishes) is passed on at once, and prints
-tierlift's TFLOPS over each peer's with its target. With --dir, each case gets a folder of its own
-there, deleted when its process ends (however it ends), so one case's NVMe files never share the
-disk with the next's. The JSON is rewritten after each case.
+by side (tierlift, tierlift-zero3, torch-cpu, deepspeed, deepspeed-zero2, deepspeed-nvme,
+deepspeed-super, deepspeed-ratio), each in its own process whose output (each step's time as it
+finishes) is passed on at once, and prints tierlift's TFLOPS over each peer's with its target.
+With --dir, each case gets a folder of its own there, deleted when its process ends (however it
+ends), so one case's NVMe files never share the disk with the next's. The JSON is rewritten after
+each case.
 
-DeepSpeed (offload_deepspeed.py): --deepspeed-check imports it, checks the ZeRO-3, ZeRO-2 and
-ZeRO-3 NVMe configs against DeepSpeed's own config classes (every top-level and aio key known,
+DeepSpeed (offload_deepspeed.py; SuperOffload and the partial offload's ratio: deepspeed_modes.py):
+--deepspeed-check imports it, checks the ZeRO-3, ZeRO-2, ZeRO-3 NVMe, SuperOffload and ratio
+configs against DeepSpeed's own config classes (every top-level and aio key known,
 every setting read back as meant) and builds its CPU Adam and async_io ops (JIT; each build's time
 is printed), without a GPU, so the timed case neither fails on a config typo nor spends its time
 building. On a machine without CUDA DeepSpeed falls back to its CPU accelerator, and
---finetune-check runs the DeepSpeed cases there too (gloo; deepspeed-nvme needs libaio-dev).
+--finetune-check runs the DeepSpeed cases there too (gloo; deepspeed-nvme needs libaio-dev;
+deepspeed-super, CUDA only, is refused there with the reason in its row).
 
 Sizing (finetune_sizing.py, per parameter): tierlift keeps bf16 params + bf16 grads on the GPU
 (4 B) and the fp32 master, m, v in pinned RAM (12 B with offload="cpu"; with --overlap two
@@ -34,7 +37,9 @@ tierlift rows report the gradient norm and the chunks kept and redone. With --ti
 --disk-json (the file benchmarks/bench_io.py --out wrote), the step is set against the disk's
 roofline for its state bytes (target within 1.25x). --device-fraction F passes tierlift's
 device_fraction (the first parameters' state stays on the GPU, 12 B/param counted in the sizing);
-the row's case and note say how many parameters it kept there.
+the row's case and note say how many parameters it kept there; deepspeed-ratio (which needs it)
+keeps the same parameters' state on the GPU through DeepSpeed's offload_optimizer ratio, and so
+does deepspeed-super when it is given (deepspeed_modes.py).
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ import torch
 
 import tierlift
 from common import machine, print_table, write_json
+from deepspeed_modes import mode_note, refusal
 from finetune_sizing import (
     LADDER,
     NVME_TARGET,
@@ -278,6 +284,12 @@ CONTENDERS = {
     "deepspeed-zero2": "DeepSpeed ZeRO-2, offload_optimizer=cpu (ZeRO-Offload's recipe), bf16",
     "deepspeed-nvme": "DeepSpeed ZeRO-3, offload_optimizer=nvme under --dir (ZeRO-Infinity's "
                       "optimizer side: libaio, its documented aio settings), bf16",
+    "deepspeed-super": "DeepSpeed ZeRO-3 SuperOffload (offload_optimizer super_offload: its CPU "
+                       "Adam in a worker process, overlapped with backward; CUDA only), bf16; "
+                       "with --device-fraction also its ratio",
+    "deepspeed-ratio": "DeepSpeed ZeRO-3, offload_optimizer=cpu with ratio < 1 (ZeRO-Offload++: "
+                       "the first sub-groups' state on the GPU, the share --device-fraction keeps "
+                       "for tierlift), bf16",
 }
 TARGETS = {"torch-cpu": 2.0, "deepspeed": 1.5, "deepspeed-zero2": 1.5}
 
@@ -289,6 +301,10 @@ def contenders(args) -> list[str]:
     unknown = [c for c in names if c not in CONTENDERS]
     if unknown or not names:
         raise SystemExit(f"--contenders: unknown {unknown}; choose from {', '.join(CONTENDERS)}")
+    if "deepspeed-ratio" in names and not args.device_fraction:
+        raise SystemExit("--contenders deepspeed-ratio needs --device-fraction (or "
+                         "--device-fraction-from): its ratio keeps on the GPU the share of the "
+                         "parameters tierlift's device_fraction keeps")
     return names
 
 
@@ -495,6 +511,12 @@ def finetune(args) -> int:
         if which == "torch-cpu" and not info.get("torch_cpu_fits", True):
             print("torch-cpu: left out, its 18 B/param do not fit --cpu-mem", flush=True)
             continue
+        why = refusal(which, args)
+        if why:  # its row says why, the other contenders run
+            print(f"{which}: refused: {why}", flush=True)
+            results.append({"contender": which, "case": which, "error": why})
+            save()
+            continue
         case = "tierlift" if which.startswith("tierlift") else which
         offload_params = "cpu" if which == "tierlift-zero3" else args.offload_params
         cmd = [sys.executable, str(BENCH), "--finetune-case", case,
@@ -551,6 +573,8 @@ def finetune(args) -> int:
             print(case_note(res), flush=True)
         if which == "deepspeed-nvme":
             print(deepspeed_nvme_note(res), flush=True)
+        if res.get("offload_mode"):
+            print(mode_note(res), flush=True)
         rows.append({"case": res["case"], "step_s": f"{res['step_s']:.3f}",
                      "tokens/step": str(res["tokens_per_step"]),
                      "tokens/s": f"{res['tokens_per_s']:.0f}", "TFLOPS": f"{res['tflops']:.2f}",
