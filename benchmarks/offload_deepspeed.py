@@ -449,7 +449,7 @@ def deepspeed_check(args) -> int:
         print(f"ZeRO-3 {which} config: every setting read back as meant ("
               + ", ".join(f"{k} {got[k]}" for k in dict.fromkeys((*mode["offload"], "ratio")))
               + ", "
-              + ", ".join(f"{k} {got[k]}" for k in got if k.startswith("zero ")) + ")", flush=True)
+              + ", ".join(f"zero {k} {got['zero ' + k]}" for k in mode["zero"]) + ")", flush=True)
     aio_ok = getattr(args, "aio_ok", None)
     if aio_ok and os.path.exists(aio_ok):
         os.unlink(aio_ok)  # an earlier run's must not stand for this one

@@ -1,13 +1,18 @@
 """DeepSpeed's contenders of the offload fine-tune (benchmarks/offload_deepspeed.py: ZeRO-3 and
-ZeRO-2 with offload_optimizer=cpu, ZeRO-3 with offload_optimizer=nvme) run here on the CPU, as the
-GPU machine runs them, so a change that breaks them is found in CI and not with the GPU's minutes:
+ZeRO-2 with offload_optimizer=cpu, ZeRO-3 with offload_optimizer=nvme; deepspeed_modes.py:
+SuperOffload and the partial offload's ratio) run here on the CPU, as the GPU machine runs them,
+so a change that breaks them is found in CI and not with the GPU's minutes:
 --deepspeed-check (the configs read back by DeepSpeed, its CPU Adam and async_io ops built, bytes
 moved through the latter) and --finetune-check with every DeepSpeed contender, with clipping off
 and at 1.0, each DeepSpeed row with its step time and, clipped, the gradients its CPU Adam stepped
 with at the clipping norm; deepspeed-nvme's row with the bytes it read and wrote, which are its
 swap files' (each read and written once a step), against a disk roofline; an aio key DeepSpeed
 would ignore and a "NVMe" step that swapped nothing are refused; bench_io.py's DeepSpeed row
-measures, or says why not.
+measures, or says why not. SuperOffload (CUDA only) is refused with its reason in its row while
+the others in the same command run; the ratio contender runs on DeepSpeed's CPU accelerator (its
+sub-groups and config, every sub-group stepping on the CPU there), its mapping of tierlift's
+device_fraction is checked against DeepSpeed's own sub-grouping, and without a device fraction
+it is refused before anything runs.
 
 DeepSpeed comes from build/deepspeed-site (scripts/setup_deepspeed.sh, run by scripts/setup.sh),
 on PYTHONPATH in the subprocesses only. Its ops (cpu_adam, the CPU accelerator's shm comm) are
@@ -119,7 +124,8 @@ def test_deepspeed_check_reads_configs_and_builds_its_ops(ds_env, tmp_path):
     out = _run(["--deepspeed-check", "--aio-ok", str(ok), "--dir", str(tmp_path)], ds_env,
                timeout=1500)
     assert "deepspeed 0.19.8 imported" in out and "accelerator cpu" in out, out
-    for config in ("ZeRO-3", "ZeRO-2", "ZeRO-3 NVMe"):
+    for config in ("ZeRO-3", "ZeRO-2", "ZeRO-3 NVMe", "ZeRO-3 deepspeed-super",
+                   "ZeRO-3 deepspeed-ratio"):
         assert f"{config} config: every setting read back as meant" in out, out
     assert re.search(r"DeepSpeedCPUAdam op \(cpu_adam\) built or loaded in [0-9.]+ s", out), out
     assert re.search(r"DeepSpeed async_io op built or loaded in [0-9.]+ s; 8 MiB written and "
@@ -153,6 +159,12 @@ def test_deepspeed_check_can_leave_the_async_io_build_for_later(ds_env, tmp_path
     out = _run(["--deepspeed-check", "--aio-timeout", "0", "--aio-ok", str(ok)], ds_env,
                timeout=900)
     assert "DeepSpeed async_io op not built here (--aio-timeout 0)" in out
+    # the new modes' keys, each read back from DeepSpeed's parsed config (1b's stand-in split)
+    assert ("ZeRO-3 deepspeed-super config: every setting read back as meant (super_offload "
+            "True, cpuadam_cores_perc 0.8, ratio 1.0, zero sub_group_size 400000000, zero "
+            "reduce_bucket_size 400000000, zero overlap_comm False)") in out, out
+    assert ("ZeRO-3 deepspeed-ratio config: every setting read back as meant (ratio 0.710825, "
+            "zero sub_group_size 319311872)") in out, out
     assert "DeepSpeedCPUAdam op (cpu_adam) built or loaded" in out and not ok.exists()
 
 
@@ -169,21 +181,42 @@ def _rows(out: str) -> dict[str, dict]:
     return rows
 
 
+RATIO_CASE = "deepspeed zero3 offload_optimizer=cpu ratio=0.625 (device_fraction 0.3)"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("max_grad_norm", [0.0, 1.0])
 def test_finetune_check_deepspeed_contenders(ds_env, max_grad_norm):
+    """The DeepSpeed contenders in one command: SuperOffload (CUDA only) refused in its row
+    before its process starts, the others measured after it; clipped, ratio too, beside
+    tierlift's split (once: its step is ZeRO-3's, ~15 s of this VM)."""
+    ratio = bool(max_grad_norm)
     out = _run(["--finetune-check", "--tier", "cpu", "--overlap", "--contenders",
-                "tierlift,deepspeed,deepspeed-zero2", "--max-grad-norm", str(max_grad_norm),
-                "--timeout", "600"], ds_env, timeout=1500)
-    errors = re.findall(r"^(?:tierlift|deepspeed|deepspeed-zero2): (?:timed out|failed|exited "
-                        r"without).*$", out, re.M)
+                "tierlift,deepspeed-super,deepspeed,deepspeed-zero2"
+                + (",deepspeed-ratio" if ratio else ""),
+                *(["--device-fraction", "0.3"] if ratio else []),
+                "--max-grad-norm", str(max_grad_norm), "--timeout", "600"], ds_env, timeout=1500)
+    errors = re.findall(r"^(?:tierlift|deepspeed|deepspeed-zero2|deepspeed-ratio): (?:timed "
+                        r"out|failed|exited without).*$", out, re.M)
     assert not errors, f"{errors}\n{out[-6000:]}"
+    assert re.search(r"^deepspeed-super: refused: SuperOffload runs on CUDA GPUs only \(DeepSpeed "
+                     r"0\.19\.8 asserts it: .*\); this run has no --gpu$", out, re.M), out
+    assert "[deepspeed-super]" not in out  # no process started for it
     rows = _rows(out)
-    assert rows.get("tierlift offload=cpu overlap", {}).get("step_s", 0) > 0, out
-    for stage in (3, 2):
-        row = rows.get(f"deepspeed zero{stage} offload_optimizer=cpu")
+    tierlift = "tierlift offload=cpu overlap" + (" device_fraction=0.3" if ratio else "")
+    assert rows.get(tierlift, {}).get("step_s", 0) > 0, out
+    # the same 7 parameters' state kept off the offload by both (on the CPU accelerator
+    # DeepSpeed's "device" is the CPU: the split is configured and read back, not exercised)
+    split = ("tierlift's device_fraction 0.3 keeps the first 7 parameters (28800 elements, "
+             "21.9%); DeepSpeed's ratio 0.625 keeps the first 1 of its 4 sub-groups "
+             "(sub_group_size 28800), the same elements; DeepSpeed's sub-groups read back: 4, 0 "
+             "elements' state off the CPU (DeepSpeed's CPU accelerator")
+    assert not ratio or split in out, out
+    for case in ("deepspeed zero3 offload_optimizer=cpu", "deepspeed zero2 offload_optimizer=cpu",
+                 *([RATIO_CASE] if ratio else [])):
+        row = rows.get(case)
         assert row and row.get("step_s", 0) > 0 and "stepped_grad_norm" in row, \
-            f"no DeepSpeed ZeRO-{stage} row with a step time and its norms:\n{out[-6000:]}"
+            f"no {case} row with a step time and its norms:\n{out[-6000:]}"
         assert row["gradient_clipping"] == max_grad_norm
         if max_grad_norm:
             # the tiny model's norm is above 1.0, so clipping has work to do
@@ -192,6 +225,16 @@ def test_finetune_check_deepspeed_contenders(ds_env, max_grad_norm):
         else:  # unclipped: the CPU Adam got DeepSpeed's own norm (printed to 3 digits)
             assert row["stepped_grad_norm"] == pytest.approx(row["grad_norm"], rel=6e-3), row
     print(json.dumps(rows, indent=1))
+
+
+def test_deepspeed_ratio_without_a_device_fraction_is_refused_before_anything_runs(ds_env):
+    proc = subprocess.run([sys.executable, str(BENCH), "--finetune-check", "--tier", "cpu",
+                           "--contenders", "tierlift,deepspeed-ratio"], cwd=ROOT, env=ds_env,
+                          timeout=300, capture_output=True, text=True)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert "--contenders deepspeed-ratio needs --device-fraction (or --device-fraction-from)" in out
+    assert "plan:" not in out and "[tierlift]" not in out, out  # nothing ran
 
 
 def test_ccache_masquerade_is_what_torch_accepts():
@@ -234,6 +277,35 @@ def test_an_aio_key_deepspeed_would_ignore_is_refused(ds_env):
         "    print('REFUSED', e)\n", ds_env)
     assert "READ 8 1 4" in out, out
     assert "REFUSED DeepSpeed knows no config key ['aio.thread_count'] (it would ignore it)" in out
+
+
+def test_ratio_keeps_what_device_fraction_keeps(ds_env):
+    """deepspeed-ratio's plan against DeepSpeed's own code: its ZeRO-3 optimizer's sub-grouping
+    (_create_fp16_sub_groups, run on the 1.1B model's parameter sizes) and stage3's
+    `i >= int((1 - ratio) * count)` for the sub-groups left on the CPU; the sub-groups kept on
+    the device hold exactly the parameters tierlift's device_fraction keeps."""
+    out = _python(
+        "import types, deepspeed_modes as m\n"
+        "from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as S3\n"
+        "from tierlift.offload.device_part import choose\n"
+        "params = m._params('1b', 2048)\n"
+        "class P:\n"
+        "    def __init__(self, n): self.n = n\n"
+        "    def partition_numel(self): return self.n\n"
+        "for base in (m.DEFAULT_SUB_GROUP, m.SUPER_ZERO['sub_group_size']):\n"
+        "    for f in (0.1, 0.3, 0.45, 0.9):\n"
+        "        plan = m.ratio_plan('1b', 2048, f, base)\n"
+        "        me = types.SimpleNamespace(sub_group_size=plan['sub_group_size'])\n"
+        "        groups = S3._create_fp16_sub_groups(me, [P(p.numel()) for p in params])\n"
+        "        count = len(groups)\n"
+        "        gpu = [i for i in range(count) if not i >= int((1 - plan['ratio']) * count)]\n"
+        "        elems = sum(q.n for i in gpu for q in groups[i])\n"
+        "        kept = sum(params[i].numel() for i in choose([{'params': params}], f)[0])\n"
+        "        assert gpu == list(range(plan['device_sub_groups'])), (plan, gpu)\n"
+        "        assert elems == kept == plan['device_elems'] and count == plan['sub_groups']\n"
+        "        print('OK', base, f, round(plan['ratio'], 4), plan['sub_group_size'], count)\n",
+        ds_env)
+    assert out.count("OK ") == 8, out
 
 
 @pytest.mark.slow
