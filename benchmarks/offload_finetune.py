@@ -291,7 +291,8 @@ CONTENDERS = {
                        "the first sub-groups' state on the GPU, the share --device-fraction keeps "
                        "for tierlift), bf16",
 }
-TARGETS = {"torch-cpu": 2.0, "deepspeed": 1.5, "deepspeed-zero2": 1.5}
+TARGETS = {"torch-cpu": 2.0, "deepspeed": 1.5, "deepspeed-zero2": 1.5, "deepspeed-super": 1.5,
+           "deepspeed-ratio": 1.5}
 
 
 def contenders(args) -> list[str]:

@@ -100,6 +100,9 @@ else
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader \
     | tee -a "$OUT/summary.txt"
   GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr ' ' '_')
+  # SuperOffload moves 8 B/param through /dev/shm (a small one would end its row with SIGBUS)
+  note "host: $(nproc) cores, $(free -g | awk '/^Mem:/ {print $2}') GiB RAM," \
+    "/dev/shm $(df -h /dev/shm | awk 'NR == 2 {print $2 " (" $4 " free)"}')"
 fi
 DEVDEPS=$SCRATCH-devdeps
 if ls .devdeps/*.deb >/dev/null 2>&1; then
@@ -342,11 +345,14 @@ fi
 #                    H200 run). DeepSpeed's CPU Adam and async_io (~45 s) build in the
 #                    background during offload exact (~30 s): the DeepSpeed rows wait ~15 s
 #   offload exact    ~30 s: the offloaded step's GPU tests (bit-exact against plain AdamW); cap 80 s
-#   offload 1B ram   ~185 s: tierlift (params on the GPU, overlap) ~30 s (pinning 26.5 GB, steps
-#                    ~1 s); torch's AdamW on CPU 4 x (1.09 + 0.3) s + ~12 s set-up ~25 s;
-#                    DeepSpeed ZeRO-3 (init, 18 GB of state, steps ~1.8 s) ~45 s; DeepSpeed
-#                    ZeRO-2 (ZeRO-Offload's own recipe: no parameter gathering on one GPU) ~35 s;
-#                    tierlift ZeRO-3 with params in RAM ~30 s. Cap 240 s, 75 s per case.
+#   offload 1B ram   ~230 s: tierlift (params on the GPU, overlap) ~30 s (pinning 26.5 GB, steps
+#                    ~1 s); DeepSpeed SuperOffload (ZeRO-3; its speculative CPU Adam in a worker
+#                    process, overlapped with backward: DeepSpeed's own answer to the same
+#                    problem; 8 B/param through /dev/shm) ~50 s; DeepSpeed ZeRO-2 (ZeRO-Offload's
+#                    own recipe: no parameter gathering on one GPU) ~35 s; torch's AdamW on CPU
+#                    4 x (1.09 + 0.3) s + ~12 s set-up ~25 s; DeepSpeed ZeRO-3 (init, 18 GB of
+#                    state, steps ~1.8 s) ~45 s; tierlift ZeRO-3 with params in RAM ~30 s. Most
+#                    telling first: a cap cuts the last. Cap 290 s, 75 s per case.
 #   offload 1B ram split ~30 s: tierlift with device_fraction from the row above (skipped when
 #                    none of its CPU Adam was exposed). Cap 60 s.
 #   disk             ~15 s: 1 GiB written and read through the engine (the NVMe row's roofline)
@@ -363,12 +369,13 @@ fi
 #                    aio handle and set against the same roofline. Its op builds first (~40 s,
 #                    cap 75 s), then ~90 s (set-up ~30 s: writing its initial state). Each row
 #                    its own part (cap 100 s), tierlift's first.
-# Total ~265 s to the split row on a fresh machine with the prebuilt extension (~305 s without);
-# then disk and tierlift's NVMe row may fit; DeepSpeed's NVMe row (~90 s) fits only in a call of
-# its own (GPU_CHECK_SKIP="offload exact|offload 1B ram|offload 1B ram split"
-# with what device time is left: keep "deepspeed build", which the DeepSpeed rows need, or
-# finds its op built). The kernel rows are in stage
-# 3, after the 7B row: two calls of 345 s and the machine's start fit 15 minutes, three do not.
+#   offload 1B ram split deepspeed ~100 s: the split row's peers with the same share of the state
+#                    on the GPU, ZeRO-Offload++ (ratio) and SuperOffload with that ratio
+# Total ~310 s to the split row on a fresh machine with the prebuilt extension (~355 s without);
+# the NVMe rows and the split's DeepSpeed peers fit only in a call of their own
+# (GPU_CHECK_SKIP="offload exact|offload 1B ram|offload 1B ram split", with what device time is
+# left; it still runs "deepspeed build", which the DeepSpeed rows need, or finds its ops built).
+# The kernel rows are in stage 3, after the 7B row: two calls of 345 s and the machine's start fit 15 minutes, three do not.
 # The fused CUDA AdamW's own check last: the device staging test and test_gpu_paths_review
 # compare with offload="none" (that kernel, reworked since its last GPU run) after comparing
 # with the host kernel, so a kernel regression shows there without hiding the offload results.
@@ -401,8 +408,9 @@ if [[ $STAGE == 2 ]]; then
   # targets: tierlift >= 2x torch's AdamW-on-CPU recipe, >= 1.5x DeepSpeed (TFLOPS, same run)
   RAM_JSON=benchmarks/results/bench_offload_finetune-1b-ram-gpu-$GPU.json
   fresh_row "offload 1B ram" "$RAM_JSON"
-  run "offload 1B ram" bench.log 240 "${FT[@]}" --model 1b --tier cpu --overlap --batch-size 8 \
-    --contenders "tierlift,torch-cpu$DS${DS:+,deepspeed-zero2},tierlift-zero3" --steps 3 \
+  run "offload 1B ram" bench.log 290 "${FT[@]}" --model 1b --tier cpu --overlap --batch-size 8 \
+    --contenders "tierlift${DS:+,deepspeed-super,deepspeed-zero2},torch-cpu$DS,tierlift-zero3" \
+    --steps 3 \
     --warmup 1 --timeout 75 \
     --json-suffix 1b-ram
   # tierlift again with the state of the chunks its CPU Adam stepped after backward kept on the
@@ -418,6 +426,14 @@ if [[ $STAGE == 2 ]]; then
   run "offload 1B nvme" bench.log 100 "${FT[@]}" --model 1b --tier nvme --batch-size 8 \
     --contenders tierlift --steps 2 --warmup 1 --timeout 95 --disk-json "$DISK_JSON" \
     --json-suffix 1b-nvme
+  # the split row's DeepSpeed peers, with the same share of the state on the GPU: ZeRO-Offload++
+  # (deepspeed-ratio: its ratio and sub-groups set so that it keeps the same first parameters
+  # there) and SuperOffload with that ratio (its examples' pairing); after tierlift's NVMe row
+  if [[ -n $DS ]]; then
+    run "offload 1B ram split deepspeed" bench.log 130 "${FT[@]}" --model 1b --tier cpu \
+      --overlap --batch-size 8 --contenders deepspeed-ratio,deepspeed-super --steps 3 --warmup 1 \
+      --timeout 65 --device-fraction-from "$RAM_JSON" --json-suffix 1b-ram-split-deepspeed
+  fi
   # DeepSpeed ZeRO-Infinity's optimizer side as the NVMe row's peer, after tierlift's row: its
   # async_io op builds now (not beside tierlift's build), then its row against the same roofline
   if [[ -n $DS ]] && ds_aio_build &&
@@ -482,9 +498,9 @@ if [[ $STAGE == 3 ]]; then
   # the 1.1B again with clipping at 1.0 (the Hugging Face Trainer's default): every step of a
   # random model clips, so the overlap's speculative chunks are left and Adam runs after
   # backward for both; the fairer DeepSpeed recipe beside it
-  run "offload 1B ram clipped" bench.log 90 "${FT[@]}" --model 1b --tier cpu --overlap \
-    --batch-size 8 --contenders "tierlift${DS:+,deepspeed-zero2}" --steps 3 --warmup 1 \
-    --timeout 40 --max-grad-norm 1.0 --json-suffix 1b-ram-clipped
+  run "offload 1B ram clipped" bench.log 150 "${FT[@]}" --model 1b --tier cpu --overlap \
+    --batch-size 8 --contenders "tierlift${DS:+,deepspeed-zero2,deepspeed-super}" --steps 3 \
+    --warmup 1 --timeout 65 --max-grad-norm 1.0 --json-suffix 1b-ram-clipped
   # background save vs DCP async_save of GPU-resident 1B state, the blocking save last
   run checkpoint bench.log 110 $PY benchmarks/bench_checkpoint.py --device cuda --params 1e9 \
     --ranks 1 --configs ram --contenders background dcp-async sync --repeat 1 --warmup 1 \
