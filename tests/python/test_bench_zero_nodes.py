@@ -107,13 +107,20 @@ EXPECTED = {
 
 
 def _rules_worker(rank, port, out):
-    from bench_zero import CollectiveCounter
+    from bench_zero import _RULES, CollectiveCounter
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=3)
     sub = dist.new_group([0, 2])
     counter = CollectiveCounter(NODES)
-    originals = (dist.all_reduce, dist.distributed_c10d.all_gather_single)
+
+    # Every function the counter wraps, in both modules; absent ones (all_gather_single is
+    # newer than torch 2.11) as None, so the check below also sees none was left behind.
+    def installed():
+        return [getattr(mod, name, None) for mod in (dist, dist.distributed_c10d)
+                for name in _RULES]
+
+    originals = installed()
     ops = {
         "all_reduce": lambda: dist.all_reduce(torch.ones(10)),
         "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(torch.empty(12),
@@ -138,7 +145,7 @@ def _rules_worker(rank, port, out):
         with counter:
             op()
         sent[name] = (counter.sent["intra_node"], counter.sent["inter_node"], dict(counter.calls))
-    assert (dist.all_reduce, dist.distributed_c10d.all_gather_single) == originals  # restored
+    assert installed() == originals  # restored
     results: list = [None] * 3
     dist.all_gather_object(results, sent)
     if rank == 0:
