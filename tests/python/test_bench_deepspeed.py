@@ -38,11 +38,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 SITE = ROOT / "build" / "deepspeed-site"
 FAILED = ROOT / "build" / "deepspeed-site.failed"
-EXTENSIONS = ROOT / "build" / "torch-extensions"
+# one folder per Python and torch: another's builds there would be loaded (and its locks cleared)
+EXTENSIONS = (ROOT / "build" / "torch-extensions"
+              / f"py{sys.version_info[0]}{sys.version_info[1]}-torch{torch.__version__}")
 BENCH = ROOT / "benchmarks" / "bench_offload.py"
 CCACHE_CXX = Path("/usr/lib/ccache/c++")  # Debian's ccache masquerade: torch accepts it as g++
 
