@@ -64,3 +64,6 @@ bash scripts/tsan_races.sh ./build/tsan/tierlift_cudasim_tests
 
 stage "pytest"
 $PY -m pytest -q -ra --durations=25 tests/python "$@"
+
+stage "pytest under the GPU machine's Python 3.12 and torch 2.11 (a subset; its build is carried)"
+bash scripts/test_torch211.sh
