@@ -9,9 +9,9 @@
 #
 #   bash scripts/prebuild_gpu.sh        ~2 min with a warm ccache, ~15 min cold on 2 cores
 #
-# Needs a Python 3.12 (PY312, else python3.12 on PATH, else pyenv's), nvcc 13.x (torch's CUDA
-# major must match) and liburing-dev; torch 2.11.0 and its CUDA wheels go into a virtual
-# environment of their own under build/ (~5 GB, once). DeepSpeed's ops are not built here: its
+# Needs a Python 3.12 (PY312, else pyenv's, else python3.12 on PATH; exit 3 without one), nvcc
+# 13.x (torch's CUDA major must match) and liburing-dev; torch 2.11.0 and its CUDA wheels go into
+# a virtual environment of their own under build/ (~5 GB, once). DeepSpeed's ops are not built here: its
 # CPU Adam compiles for the CPU it builds on (-march=native, its SIMD width), so it builds on the
 # GPU machine, as its users' does.
 set -euo pipefail
@@ -21,9 +21,16 @@ ENV=build/gpu-prebuild-env
 WORK=build/gpu-prebuild
 OUT_DIR=.devdeps/prebuilt
 
-pyenv_312=("$(pyenv root 2>/dev/null || echo ~/.pyenv)"/versions/3.12.*/bin/python3)
-py312=${PY312:-$(command -v python3.12 || echo "${pyenv_312[-1]}")}
-[[ -x $py312 ]] || { echo "prebuild_gpu: no Python 3.12 (set PY312)" >&2; exit 1; }
+# The first Python 3.12 that runs (a pyenv shim named python3.12 may exist and refuse to).
+py312=
+for c in ${PY312:-} "$(pyenv root 2>/dev/null || echo ~/.pyenv)"/versions/3.12.*/bin/python3 \
+  python3.12; do
+  if "$c" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; then
+    py312=$c
+    break
+  fi
+done
+[[ -n $py312 ]] || { echo "prebuild_gpu: no Python 3.12 here (set PY312)" >&2; exit 3; }
 [[ -x $ENV/bin/python ]] || "$py312" -m venv "$ENV"
 if ! "$ENV/bin/python" -c "import torch, sys
 sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then

@@ -10,12 +10,13 @@
 #   bash scripts/test_torch211.sh [pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-pyenv_312=("$(pyenv root 2>/dev/null || echo ~/.pyenv)"/versions/3.12.*/bin/python3)
-if [[ -z ${PY312:-} ]] && ! command -v python3.12 >/dev/null && ! [[ -x ${pyenv_312[-1]} ]]; then
-  echo "test_torch211: SKIPPED: no Python 3.12 here (python3.12, pyenv, or PY312)"
+rc=0
+bash scripts/prebuild_gpu.sh || rc=$?
+if ((rc == 3)); then
+  echo "test_torch211: SKIPPED: no Python 3.12 here (pyenv's, python3.12, or PY312)"
   exit 0
 fi
-bash scripts/prebuild_gpu.sh
+((rc == 0)) || exit "$rc"
 ENV=build/gpu-prebuild-env
 "$ENV/bin/python" -m pip install -q --disable-pip-version-check pytest pytest-timeout expecttest \
   "torch==$("$ENV/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')"
