@@ -205,9 +205,10 @@ ds_aio_build() {
 # what python/tierlift holds now.
 PREBUILT=${GPU_CHECK_PREBUILT:-.devdeps/prebuilt}
 BUILT_STAMP=build/gpu-check-built
-built() {
-  $PY -c "import sys, tierlift; sys.exit(not tierlift._extension.has_cuda_kernels())" \
-    2>/dev/null && $PY scripts/gpu_prebuilt.py check "$BUILT_STAMP" >/dev/null
+built() {  # one process: each imports torch
+  $PY -c "import sys; sys.path.insert(0, 'scripts'); import gpu_prebuilt, tierlift
+sys.exit(not (tierlift._extension.has_cuda_kernels() and gpu_prebuilt.check('$BUILT_STAMP')[0]))" \
+    2>/dev/null
 }
 use_prebuilt() {
   local why so=("$PREBUILT"/_C.*.so)

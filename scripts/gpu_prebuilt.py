@@ -58,9 +58,10 @@ def manifest(root: str = ROOT) -> dict:
 
 
 def mismatch(recorded: dict, current: dict) -> list:
-    """The keys whose values differ, as 'key: built for X, here Y'."""
-    return [f"{k}: built for {recorded.get(k)}, here {v}" for k, v in current.items()
-            if recorded.get(k) != v]
+    """What differs: the sources, or 'key: built for X, here Y'."""
+    return ["the sources changed since it was built" if k == "sources" else
+            f"{k}: built for {recorded.get(k)}, here {v}"
+            for k, v in current.items() if recorded.get(k) != v]
 
 
 def check(folder: str, root: str = ROOT, sources_only: bool = False) -> tuple:
@@ -75,9 +76,6 @@ def check(folder: str, root: str = ROOT, sources_only: bool = False) -> tuple:
     current = {"sources": source_digest(root)} if sources_only else manifest(root)
     wrong = mismatch(recorded, current)
     if wrong:
-        if "sources" in (w.split(":")[0] for w in wrong):
-            wrong = ["the sources changed since it was built"] + [
-                w for w in wrong if not w.startswith("sources:")]
         return False, "; ".join(wrong)
     return True, (f"sources {current['sources'][:12]}, {recorded.get('python')}, torch "
                   f"{recorded.get('torch')}, CUDA {recorded.get('cuda')}")

@@ -51,24 +51,18 @@ so=$(ls "$WORK"/lib/tierlift/_C.cpython-312-*.so)
 rm -rf "$OUT_DIR" && mkdir -p "$OUT_DIR"
 strip -g -o "$OUT_DIR/$(basename "$so")" "$so"
 "$ENV/bin/python" scripts/gpu_prebuilt.py record "$OUT_DIR"
-# It must load beside that torch (no GPU needed) and hold the CUDA kernels.
-"$ENV/bin/python" - "$OUT_DIR" <<'EOF'
-import os, shutil, sys, tempfile
-import torch  # noqa: F401  (the extension links against it)
-tmp = tempfile.mkdtemp()
-shutil.copytree("python/tierlift", os.path.join(tmp, "tierlift"),
-                ignore=shutil.ignore_patterns("*.so", "__pycache__"))
-for f in os.listdir(sys.argv[1]):
-    if f.endswith(".so"):
-        shutil.copy(os.path.join(sys.argv[1], f), os.path.join(tmp, "tierlift"))
-sys.path.insert(0, tmp)
-import tierlift._C  # noqa: F401  (raises with the loader's reason)
+# The package with the carried extension beside it (scripts/test_torch211.sh tests it too): it
+# must load beside that torch (no GPU needed) and hold the CUDA kernels and the io_uring engine.
+PKG=$WORK/python
+rm -rf "$PKG" && mkdir -p "$PKG" && cp -r python/tierlift "$PKG/"
+find "$PKG" \( -name '*.so' -o -name __pycache__ \) -prune -exec rm -rf {} +
+cp "$OUT_DIR"/_C.*.so "$PKG/tierlift/"
+PYTHONPATH=$PWD/$PKG "$ENV/bin/python" -c '
+import torch, tierlift._C  # the loader says why where it does not load
 import tierlift
 assert tierlift._extension.has_cuda_kernels(), "the prebuilt extension has no CUDA kernels"
 assert tierlift._extension.has_uring(), "the prebuilt extension has no io_uring engine"
-print("prebuild_gpu: it loads under torch", torch.__version__)
-shutil.rmtree(tmp)
-EOF
+print("prebuild_gpu: it loads under torch", torch.__version__)'
 echo "prebuild_gpu: $OUT_DIR in $((SECONDS - t0)) s:"
 ls -l "$OUT_DIR"
 cat "$OUT_DIR/manifest.json"

@@ -20,13 +20,9 @@ fi
 ENV=build/gpu-prebuild-env
 "$ENV/bin/python" -m pip install -q --disable-pip-version-check pytest pytest-timeout expecttest \
   "torch==$("$ENV/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')"
-# a copy of the package with the 3.12 extension beside it: the tree's python/ keeps its own
-PKG=build/torch211-python
-rm -rf "$PKG" && mkdir -p "$PKG"
-cp -r python/tierlift "$PKG/"
-find "$PKG" -name '*.so' -delete
-cp .devdeps/prebuilt/_C.cpython-312-*.so "$PKG/tierlift/"
-PYTHONPATH=$PWD/$PKG nice "$ENV/bin/python" -m pytest -q -ra -p no:cacheprovider --timeout 600 \
+# the copy of the package prebuild_gpu.sh loaded the carried extension in: the tree's python/
+# keeps its own
+PYTHONPATH=$PWD/build/gpu-prebuild/python nice "$ENV/bin/python" -m pytest -q -ra -p no:cacheprovider --timeout 600 \
   tests/python/test_lowp_linear.py tests/python/test_lowp_scaled_mm.py \
   tests/python/test_lowp_fp4.py tests/python/test_optim_conformance.py \
   tests/python/test_offload.py tests/python/test_zero.py "$@"
