@@ -24,7 +24,6 @@ A chunk's kernel step itself (staging, the SIMD Adam, publishing the weights): c
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import threading
 import time
@@ -32,11 +31,10 @@ import warnings
 from collections import defaultdict
 
 import torch
-import torch.distributed as dist
 
 from tierlift._shards import all_ranks_agree, is_shard, shard_owner
-from tierlift.io import ChecksumError, EngineConfig, IoEngine
-from tierlift.offload import d2h, gradients, h2d, legs, masters, scaler_scan, sizing
+from tierlift.io import ChecksumError
+from tierlift.offload import d2h, file_tiers, gradients, h2d, legs, masters, scaler_scan, sizing
 from tierlift.offload.checks import (
     check_group,
     check_lists,
@@ -48,7 +46,6 @@ from tierlift.offload.chunk_step import ChunkStep
 from tierlift.offload.config import OffloadConfig
 from tierlift.offload.device_part import DevicePart
 from tierlift.offload.device_staging import DeviceStaging
-from tierlift.offload.durable import DurableState, claim_dir, durable_dir, read_manifest
 from tierlift.offload.layout import (
     build_layout,
     chunk_bytes,
@@ -59,25 +56,8 @@ from tierlift.offload.layout import (
 )
 from tierlift.offload.overlap import Overlap, publish, scan_grads, validate
 from tierlift.offload.state_io import StateIO
-from tierlift.offload.tiers import (
-    HybridTier,
-    MemoryTier,
-    NvmeTier,
-    drain,
-    make_state_dir,
-    remove_stale_dirs,
-)
+from tierlift.offload.tiers import drain
 from tierlift.offload.watch import ParamWatch
-
-
-def _release(directory: str, fresh: bool) -> None:
-    """A durable state folder this process failed to open: a new one is removed, an existing
-    one is given back as it was."""
-    if fresh:
-        shutil.rmtree(directory, ignore_errors=True)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(directory, "owner.json"))
 
 
 class Offloader(StateIO, ChunkStep):
@@ -166,54 +146,7 @@ class Offloader(StateIO, ChunkStep):
         if config.offload == "cpu":
             sizing.build_memory_tiers(self, slots)
         else:
-            pool = slots * chunk_bytes(slot_dtypes, chunk_elems)
-            nvme_path = os.fspath(config.nvme_path)
-            remove_stale_dirs(nvme_path)
-            fresh = True
-            if config.durable:
-                if self._zero and dist.is_initialized() and dist.get_world_size() > 1:
-                    raise ValueError("durable=True is for one process: ZeRO shards on several "
-                                     "ranks would have to agree which step to reopen at")
-                self._dir = durable_dir(nvme_path)
-                fresh = claim_dir(self._dir, start_fresh=config.durable == "fresh")
-            else:
-                self._dir = make_state_dir(nvme_path)
-            try:
-                self._engine = IoEngine(EngineConfig(
-                    queue_depth=config.queue_depth, pool_bytes=pool,
-                    block_size=min(config.block_bytes, chunk_elems * 4)))
-                self.pool_bytes = pool
-                self._slots = [{k: self._engine.pool_tensor(chunk_bytes({k: d}, chunk_elems))
-                                .view(d) for k, d in slot_dtypes.items()} for _ in range(slots)]
-                if not fresh:  # before any file is opened: the state must be this one's
-                    read_manifest(self, self._dir)
-                ram = (config.cpu_budget - pool) if config.offload == "hybrid" else 0
-                self.tiers = []
-                for gi, (k, lay, dt) in enumerate(zip(self._tier_kinds, self.layouts,
-                                                      self._dtypes)):
-                    n = len(lay.chunks)
-                    in_ram = chunk_bytes({kd: dt[kd] for kd in k}, chunk_elems, aligned=False)
-                    n_ram = min(n, max(0, ram) // in_ram)
-                    ram -= n_ram * in_ram
-                    nvme = NvmeTier(self._engine, self._dir, gi, k, n, chunk_elems,
-                                    [lay.used_elems(c.ci) for c in lay.chunks],
-                                    first=n_ram, generations=config.nvme_generations, dtypes=dt,
-                                    reopen=not fresh)
-                    self.tiers.append(nvme if config.offload == "nvme" else HybridTier(
-                        MemoryTier(k, n_ram, chunk_elems, self._pin, 1, dtypes=dt), nvme))
-                if config.durable:
-                    self._durable = DurableState(self, self._dir, fresh)
-            except BaseException:
-                self._slots = []
-                if self._durable is not None:
-                    self._durable.close()
-                if self._engine is not None:
-                    self._engine.close()
-                if config.durable:
-                    _release(self._dir, fresh)
-                else:
-                    shutil.rmtree(self._dir, ignore_errors=True)
-                raise
+            file_tiers.build(self, slots)
         self.overlap = None
         if config.overlap:
             self.overlap = Overlap(self)
