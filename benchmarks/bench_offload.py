@@ -585,9 +585,6 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--layouts", action="store_true",
                     help="step time of all-RAM, hybrid and all-NVMe state at one size")
-    ap.add_argument("--state-dtype", choices=["fp32", "bf16", "both"], default="fp32",
-                    help="--layouts: AdamW state_dtype of every layout, or both in the same "
-                         "rounds (with a compact-over-fp32 column)")
     ap.add_argument("--durable", action="store_true",
                     help="--layouts: also run the all-NVMe layouts with durable=True in the "
                          "same rounds (vs_plain: their step over the same layout's without; "
@@ -617,8 +614,11 @@ def main(argv=None) -> int:
                          "GPU (the overlap's worker gets the cores, as on a GPU machine)")
     add_finetune_args(ap)
     args = ap.parse_args(argv)
-    if args.state_dtype != "fp32" and not args.layouts:
-        ap.error("--state-dtype is a --layouts option")
+    finetuning = args.gpu or args.finetune_check or args.finetune_case
+    if args.state_dtype == "both" and not args.layouts:
+        ap.error("--state-dtype both is a --layouts option")
+    if args.state_dtype != "fp32" and not (args.layouts or finetuning):
+        ap.error("--state-dtype is a --layouts or fine-tuning (--gpu, --finetune-check) option")
     if args.durable and not args.layouts:
         ap.error("--durable is a --layouts option")
     if args.finetune_case:

@@ -8,10 +8,12 @@ Per parameter (n) and per token of a step (activation_bytes):
                          on the GPU) keeps a bf16 partition and grad buckets: counted the same
   GPU, tierlift          --device-fraction f: the device part's fp32 master, m, v, 12 f n (at
                          most: it takes whole parameters); the host tier is still sized for all n
-  tierlift, RAM tier     fp32 master, m, v: 12 n in one generation; --overlap without a budget:
-                         two generations, 24 n; --overlap with --cpu-budget B below that: B
+  tierlift, RAM tier     fp32 master, m, v: 12 n in one generation (s = 12); with
+                         --state-dtype bf16 (compact state: fp32 master, bf16 m, 8-bit v codes
+                         and a scale per 256) s = 7.02; --overlap without a budget: two
+                         generations, 2 s n; --overlap with --cpu-budget B below that: B
                          (one generation plus spare chunk blocks in the rest)
-  tierlift, NVMe tier    24 n on the disk (two generations), --nvme-budget in RAM
+  tierlift, NVMe tier    2 s n on the disk (two generations), --nvme-budget in RAM
   torch-cpu              fp32 masters, their grads, m, v (16 n) + bf16 grad staging (2 n): 18 n
   DeepSpeed              fp32 master, m, v + an fp32 grad partition in pinned RAM: 16 n
 The RAM tier pins its state at its size (tierlift._pinned: cudaHostRegister; torch's pinned
@@ -38,6 +40,14 @@ GiB = 1 << 30
 FIT = 0.85  # share of each memory a plan may fill: the process, CUDA context, page cache
 STAGING = 384 << 20  # the RAM tier's pinned slots: 6 x (fp32 grad + weight staging, 32 MiB each)
 NVME_TARGET = 1.25  # the NVMe step within this of (state bytes read + written) / disk bandwidth
+# tierlift's host state per parameter and generation, by --state-dtype (offload.layout.state_kinds:
+# fp32 master, m, v; or fp32 master, bf16 m, uint8 v code and an fp32 scale per 256 values)
+STATE_BYTES = {"fp32": 12.0, "bf16": 4 + 2 + 1 + 4 / 256}
+
+
+def state_bytes(args) -> float:
+    """tierlift's host state bytes per parameter and generation under args' --state-dtype."""
+    return STATE_BYTES[getattr(args, "state_dtype", None) or "fp32"]
 
 
 def config(name: str, seq_len: int) -> LlamaConfig:
@@ -52,33 +62,38 @@ def activation_bytes(cfg: LlamaConfig, tokens: int) -> int:
     return tokens * cfg.n_layer * (34 * cfg.dim + 8 * cfg.ffn_dim) + tokens * cfg.vocab_size * 8
 
 
-def ram_tier_bytes(n: int, overlap: bool, cpu_budget: float | None) -> int:
-    """Host bytes of tierlift's RAM tier (cpu_budget in bytes; see the module docstring)."""
+def ram_tier_bytes(n: int, overlap: bool, cpu_budget: float | None, per: float = 12.0) -> int:
+    """Host bytes of tierlift's RAM tier (cpu_budget in bytes, `per` its state bytes per
+    parameter and generation; see the module docstring)."""
+    one = int(per * n)
     if not overlap:
-        return 12 * n
-    return 24 * n if cpu_budget is None else min(int(cpu_budget), 24 * n)
+        return one
+    return 2 * one if cpu_budget is None else min(int(cpu_budget), 2 * one)
 
 
-def pinned_tier_bytes(n: int, host: int) -> int:
-    """What the RAM tier pins: its state (three fp32 kinds, one block per kind and generation,
-    each at its size) plus its staging slots."""
-    return max(host, 12 * n) + STAGING
+def pinned_tier_bytes(n: int, host: int, per: float = 12.0) -> int:
+    """What the RAM tier pins: its state (one block per kind and generation, each at its size)
+    plus its staging slots."""
+    return max(host, int(per * n)) + STAGING
 
 
 def check_cpu_budget(args, n: int, tier: str) -> None:
-    """--cpu-budget is the RAM tier's; below one generation of the state (12 B/param) the tier
-    cannot hold it. Refused here, before any case starts (the optimizer refuses the rest
-    exactly: a budget that holds the state but not its staging slots)."""
+    """--cpu-budget is the RAM tier's; below one generation of the state (12 B/param, 7.02 with
+    --state-dtype bf16) the tier cannot hold it. Refused here, before any case starts (the
+    optimizer refuses the rest exactly: a budget that holds the state but not its staging
+    slots)."""
     budget = getattr(args, "cpu_budget", None)
     if budget is None:
         return
     if tier != "cpu":
         raise SystemExit(f"--cpu-budget is the RAM tier's (--tier cpu); the {tier} tier's host "
                          "memory is --nvme-budget")
-    if budget * GiB < 12 * n:
+    per = state_bytes(args)
+    if budget * GiB < per * n:
+        what = "fp32 master, m, v" if per == 12 else "compact state"
         raise SystemExit(
             f"--cpu-budget {budget:g} GiB is below one generation of the optimizer state: "
-            f"12 B/param x {n / 1e9:.2f}B params = {12 * n / GiB:.1f} GiB (fp32 master, m, v); "
+            f"{per:.4g} B/param x {n / 1e9:.2f}B params = {per * n / GiB:.1f} GiB ({what}); "
             "the RAM tier cannot hold it. Raise it, or use --tier nvme")
 
 
@@ -90,14 +105,15 @@ def needs(name: str, args) -> dict:
     device_part = 12 * int(getattr(args, "device_fraction", 0.0) * n)  # tierlift's only
     gpu = 4 * n + activation_bytes(cfg, tokens) + device_part
     budget = None if getattr(args, "cpu_budget", None) is None else args.cpu_budget * GiB
-    host = ram_tier_bytes(n, args.overlap, budget)
+    per = state_bytes(args)
+    host = ram_tier_bytes(n, args.overlap, budget, per)
     return {"params": n, "tokens_per_step": tokens, "gpu_bytes": gpu,
             "device_part_gpu_bytes": device_part,
-            "activation_bytes": activation_bytes(cfg, tokens), "ram_tier_bytes": host,
-            "ram_tier_pinned_bytes": pinned_tier_bytes(n, host),
-            "spare_share": max(0.0, min(1.0, (host - 12 * n - STAGING) / (12 * n)))
-            if args.overlap and budget is not None and host < 24 * n else None,
-            "nvme_disk_bytes": 24 * n, "torch_cpu_host_bytes": 18 * n,
+            "activation_bytes": activation_bytes(cfg, tokens), "state_bytes_per_param": per,
+            "ram_tier_bytes": host, "ram_tier_pinned_bytes": pinned_tier_bytes(n, host, per),
+            "spare_share": max(0.0, min(1.0, (host - per * n - STAGING) / (per * n)))
+            if args.overlap and budget is not None and host < 2 * per * n else None,
+            "nvme_disk_bytes": int(2 * per * n), "torch_cpu_host_bytes": 18 * n,
             "deepspeed_host_bytes": 16 * n}
 
 
@@ -204,7 +220,7 @@ def device_fraction_from(path: str, plan_only: bool = False) -> tuple[float, str
     for r in rows:
         case, adam = r.get("case", ""), (r.get("legs") or {}).get("adam") or {}
         if (case.startswith("tierlift offload=") and "device_fraction" not in case
-                and adam.get("total_s", 0) > 0):
+                and "state_dtype" not in case and adam.get("total_s", 0) > 0):
             share = adam["exposed_s"] / adam["total_s"]
             f = min(0.9, int(share / FRACTION_STEP + 1e-9) * FRACTION_STEP)
             return round(f, 2), (f"{path}: {case}: {adam['exposed_s']:.3f} s of its "

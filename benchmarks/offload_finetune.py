@@ -155,6 +155,8 @@ def run_tierlift(args, info: dict, device) -> dict:
         kw.update(chunk_bytes=args.chunk_bytes)
     if args.device_fraction:
         kw.update(device_fraction=args.device_fraction)
+    if args.state_dtype != "fp32":
+        kw.update(state_dtype=args.state_dtype)
     opt = tierlift.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), **kw)
     print(f"set up (model, shard, optimizer) in {time.perf_counter() - t_setup:.1f} s",
           file=sys.stderr, flush=True)
@@ -179,10 +181,13 @@ def run_tierlift(args, info: dict, device) -> dict:
                 + (" overlap" if kw["overlap"] else ""))
     if args.device_fraction:
         case += f" device_fraction={args.device_fraction:g}"
+    if args.state_dtype != "fp32":
+        case += f" state_dtype={args.state_dtype}"
     # The RAM tier's spare chunk blocks (tiers.MemoryTier.spare: not in last_step_stats, read
     # from the optimizer's Offloader): 0 with two generations or without the overlap.
     tiers = opt._offload.tiers
     out = {"case": case, "params": n, "step_s": t, "cpu_budget": kw.get("cpu_budget"),
+           "state_dtype": args.state_dtype,
            # the step whose legs and compute_s these are (leg_bound): not the mean
            "last_step_s": each[-1],
            # page-locked now, while the optimizer holds it (registered_bytes() counts only
@@ -459,6 +464,10 @@ def _gb(x) -> str:
 def finetune(args) -> int:
     if args.deepspeed_check:
         return deepspeed_check(args)
+    if args.state_dtype == "bf16" and (args.device_fraction or args.device_fraction_from):
+        # the sizing counts the device part at fp32 state's 12 B/param: not measured together
+        raise SystemExit("--state-dtype bf16 with --device-fraction is not a measured "
+                         "combination here: run them as separate rows")
     if args.device_fraction_from:
         args.device_fraction, why = device_fraction_from(args.device_fraction_from,
                                                          args.plan_only)
@@ -529,6 +538,7 @@ def finetune(args) -> int:
         cmd += ["--cpu-budget", str(args.cpu_budget)] if args.cpu_budget is not None else []
         cmd += ["--chunk-bytes", str(args.chunk_bytes)] if args.chunk_bytes else []
         cmd += ["--device-fraction", str(args.device_fraction)] if args.device_fraction else []
+        cmd += ["--state-dtype", args.state_dtype]
         cmd += ["--offload-params", offload_params]
         cmd += ["--gpu"] if args.gpu else []
         # the case's files (NVMe state) in a folder of its own, gone before the next case starts
@@ -632,6 +642,12 @@ def add_finetune_args(ap: argparse.ArgumentParser) -> None:
                    help="--device-fraction from an earlier result of this fine-tune (a "
                         "--json-suffix file with a tierlift row): the share of its CPU Adam left "
                         "exposed after backward (finetune_sizing.device_fraction_from)")
+    g.add_argument("--state-dtype", choices=["fp32", "bf16", "both"], default="fp32",
+                   help="tierlift's AdamW state_dtype (its rows only): bf16 is the compact "
+                        "state, 7.02 B/param with the fp32 master instead of 12, so two "
+                        "generations fit where fp32's do not (docs/optim.md, 'Compact state'); "
+                        "--layouts: every layout's, or both in the same rounds (with a "
+                        "compact-over-fp32 column)")
     g.add_argument("--chunk-bytes", type=int, default=None,
                    help="tierlift's AdamW chunk_bytes (default: the optimizer's, 32 MiB)")
     g.add_argument("--max-grad-norm", type=float, default=1.0,

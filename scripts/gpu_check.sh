@@ -10,7 +10,8 @@
 #                                 needed)
 #   bash scripts/gpu_check.sh 3   7B with its state in RAM (tierlift overlapped in one generation
 #                                 plus spare chunks, --cpu-budget), the kernel rows (AdamW, FP8/FP4,
-#                                 gather), then DeepSpeed at 7B, the 7B split, the checkpoint (run
+#                                 gather), then DeepSpeed at 7B, tierlift's compact state at 7B
+#                                 (two generations fit), the 7B split, the checkpoint (run
 #                                 right after stage 2: the machine is given back ~30 s after a
 #                                 call, and a fresh one builds again)
 #   bash scripts/gpu_check.sh 1   unpack .devdeps, build for sm_90, every `-m gpu` test,
@@ -464,7 +465,7 @@ fi
 # optim ~30 s, lowp ~35 s, gather ~40 s (as measured on the H100/H200 runs, plus the profiler
 # split, torchao and the gather variants added since): ~185 s for what the issue's "done when"
 # needs. DeepSpeed at 7B (~120 s: init, 108 GB of state, steps ~5 s) gets what is left (~160 s),
-# the 7B split and the checkpoint (~85 s) only what remains after it.
+# tierlift's compact state at 7B, the 7B split and the checkpoint only what remains after it.
 # Run it right after stage 2 (the machine keeps the build and DeepSpeed's op while warm).
 if [[ $STAGE == 3 ]]; then
   RAM7_JSON=benchmarks/results/bench_offload_finetune-7b-ram-gpu-$GPU.json
@@ -491,6 +492,12 @@ if [[ $STAGE == 3 ]]; then
   else
     note "offload 7B ram deepspeed: left out (DeepSpeed not installed or its CPU Adam not built)"
   fi
+  # tierlift's compact state (--state-dtype bf16: fp32 master, bf16 m, 8-bit v; 7.02 B/param):
+  # its two generations (88.1 GiB pinned) fit where fp32's do not, so every chunk is stepped
+  # during backward; ~35 s of pinning and zeroing, then ~1.5 s steps by arithmetic
+  run "offload 7B ram compact" bench.log 100 "${FT[@]}" --model 7b --tier cpu --overlap \
+    --state-dtype bf16 --batch-size 4 --contenders tierlift --steps 3 --warmup 1 --timeout 95 \
+    --json-suffix 7b-ram-compact
   # as stage 2's split; the fraction read is lowered to what fits the GPU beside 89 GB (at most
   # ~0.45 here)
   run "offload 7B ram split" bench.log 100 "${FT[@]}" --model 7b --tier cpu --overlap \

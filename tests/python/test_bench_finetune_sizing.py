@@ -69,6 +69,36 @@ def test_overlap_under_a_budget_below_two_generations_steps_spare_chunks_ahead()
     assert f"{st['overlap_kept_chunks']:.0f} chunks stepped during backward and kept" in note
 
 
+@needs_ext
+def test_compact_state_holds_two_generations_where_fp32_holds_one():
+    """--state-dtype bf16 (tierlift's compact state, 7.02 B/param): the budget under which the
+    test above holds one fp32 generation and spare blocks holds two compact ones, so every
+    chunk is stepped during backward and kept; the sizing counts it at the layout's bytes."""
+    from tierlift.offload.layout import chunk_bytes, state_kinds
+
+    per = chunk_bytes(state_kinds(False, "bf16"), 1 << 20, aligned=False) / (1 << 20)
+    assert fs.STATE_BYTES == {"fp32": 12, "bf16": per}
+    args = parse("--finetune-check", "--tier", "cpu", "--overlap", "--cpu-budget", "0.0023",
+                 "--chunk-bytes", "16384", "--max-grad-norm", "0", "--steps", "2",
+                 "--warmup", "1", "--seq-len", "32", "--batch-size", "2", "--state-dtype", "bf16")
+    n = fs.config("tiny", 32).num_params()
+    assert 2 * per * n < args.cpu_budget * fs.GiB < 24 * n  # two compact generations, one fp32
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = of.run_tierlift(args, {"model": "tiny", "tier": "cpu"}, torch.device("cpu"))
+    assert out["generations"] == 2 and out["spare_chunks"] == 0, out
+    assert out["state_dtype"] == "bf16" and out["case"].endswith("state_dtype=bf16")
+    st = out["stats"]
+    assert st["overlap_kept_chunks"] == out["chunks"] and st["overlap_redone_chunks"] == 0, st
+    assert st.get("overlap_no_room_chunks", 0) == 0, st
+    # 7B: two compact generations (88.1 GiB pinned) fit 128 GiB, where fp32's 24 B/param do not
+    got = fs.plan(parse("--gpu", "--model", "7b", "--tier", "cpu", "--overlap",
+                        "--state-dtype", "bf16", "--batch-size", "4", "--gpu-mem", "140"))
+    n7 = got["params"]
+    assert got["ram_tier_bytes"] == 2 * int(per * n7) and got["spare_share"] is None
+    assert got["ram_tier_pinned_bytes"] == 2 * int(per * n7) + fs.STAGING
+
+
 def no_case(*_a, **_k):
     raise AssertionError("a case started")
 
@@ -80,6 +110,10 @@ def no_case(*_a, **_k):
     (("--gpu", "--plan-only", "--model", "7b", "--tier", "cpu", "--overlap", "--cpu-budget",
       "70", "--batch-size", "4", "--gpu-mem", "140"), "below one generation"),
     (("--finetune-check", "--tier", "cpu", "--disk-json", "x.json"), "NVMe tier"),
+    (("--finetune-check", "--tier", "cpu", "--overlap", "--state-dtype", "bf16",
+      "--device-fraction", "0.3"), "not a measured combination"),
+    (("--finetune-check", "--tier", "cpu", "--overlap", "--state-dtype", "bf16",
+      "--cpu-budget", "0.0008"), r"7\.016 B/param .* \(compact state\)"),
 ])
 def test_refused_before_any_case_starts(argv, match, monkeypatch):
     monkeypatch.setattr(of, "_run_case_process", no_case)
