@@ -74,6 +74,26 @@ def _find_header(name: str):
     return None
 
 
+def _use_ccache() -> None:
+    """Compiles through ccache so that a fresh clone elsewhere (CI's) hits what an earlier
+    checkout compiled: paths under the checkout hashed relative to it, and the working directory
+    (the clone's build folder, hashed because Python's flags carry -g) not at all. Newer torch
+    prepends ccache to both compilers itself; older ones (2.11, the GPU machine's) only read
+    CXX and PYTORCH_NVCC."""
+    from torch.utils import cpp_extension
+
+    os.environ.setdefault("CCACHE_BASEDIR", ROOT)
+    os.environ.setdefault("CCACHE_NOHASHDIR", "1")
+    if hasattr(cpp_extension, "_wrap_compiler"):
+        return
+    masquerade = "/usr/lib/ccache/c++"  # Debian's: torch's compiler checks take it for g++
+    if "CXX" not in os.environ and os.path.exists(masquerade):
+        os.environ["CXX"] = masquerade
+    if "PYTORCH_NVCC" not in os.environ and cpp_extension.CUDA_HOME:
+        nvcc = os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc")
+        os.environ["PYTORCH_NVCC"] = f"ccache {nvcc}"
+
+
 def _sources(pattern: str):
     return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern),
                                                                recursive=True))
@@ -84,7 +104,7 @@ def build_extension(opts: BuildOptions):
 
     os.environ["TORCH_CUDA_ARCH_LIST"] = opts.cuda_arch_list
     if opts.ccache:
-        os.environ.setdefault("CCACHE_BASEDIR", ROOT)  # cache hits across checkouts
+        _use_ccache()
     else:
         os.environ["TORCH_NO_COMPILER_WRAPPER"] = "1"
 
