@@ -210,6 +210,8 @@ def _kw(tier: str, tmp_path, **extra) -> dict:
         kw.update(_nvme(tmp_path, 1 << 20))
     elif tier == "spare":  # one generation and a few spare chunks (tiers.MemoryTier)
         kw.update(offload="cpu", cpu_budget=400_000)
+    elif tier == "compact":
+        kw.update(offload="cpu", state_dtype="bf16")
     else:
         kw.update(offload="cpu")
     return kw
@@ -223,13 +225,14 @@ MODES = {  # name: (tier, between backward and step(), between step() and forwar
     "load-before-step": ("cpu", _reload, None, False),
     "spare-blocks": ("spare", None, None, True),
     "nvme": ("nvme", None, None, True),
+    "compact-state": ("compact", None, None, True),
 }
 
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_staged_weights_are_bit_identical(streams, tmp_path, mode):
     tier, between, after, staged = MODES[mode]
-    ref, _ = _fit({}, between, after)
+    ref, _ = _fit({"state_dtype": "bf16"} if tier == "compact" else {}, between, after)
     got, stats = _fit(_kw(tier, tmp_path), between, after)
     for a, b in zip(ref, got):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
@@ -407,14 +410,16 @@ def test_true_without_cuda_parameters_is_refused():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tier", ["cpu", "nvme"])
-def test_gpu_staged_weights_match_host_publish_and_no_offload(tmp_path, tier):
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+def test_gpu_staged_weights_match_host_publish_and_no_offload(tmp_path, tier, state_dtype):
     """On a GPU, bf16 weights: 3 overlapped steps with device staging equal, bit for bit, the
     same steps with device_staging=False and with offload="none"; the chunks kept were
-    published from the shadow."""
+    published from the shadow. Compact state too (the 7B compact fine-tune's path)."""
 
     def run(**kw):
         model = gpu_bf16_model()
-        opt = tierlift.optim.AdamW(model.parameters(), lr=1e-3, chunk_bytes=1 << 16, **kw)
+        opt = tierlift.optim.AdamW(model.parameters(), lr=1e-3, chunk_bytes=1 << 16,
+                                   state_dtype=state_dtype, **kw)
         stats = gpu_steps(model, opt)
         return [p.detach().cpu() for p in model.parameters()], stats
 
