@@ -1,0 +1,399 @@
+"""Markdown tables of a GPU run's results, for docs/gpu.md.
+
+    python scripts/gpu_report.py OUT_DIR [--out FILE]
+
+OUT_DIR is what `scripts/gpu_check.sh 2|3` leaves: summary.txt, the logs (each part's command on
+a line "===== <part> (limit <N>s): <command>") and results/*.json. The parts first, then a table
+per result JSON followed by the command that wrote it, each row with a target marked met or not
+met. Numbers are the JSON's, rounded; failed rows show their error; a JSON of no known kind is
+listed as not summarized. JSON and text only (no torch): it runs anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def benchmark_constant(file: str, name: str):
+    """A module-level constant read from a benchmark's source (importing it would import torch
+    and tierlift), so that the benchmark stays the one place its target is set."""
+    for node in ast.parse((BENCHMARKS / file).read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name
+                                                for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise SystemExit(f"benchmarks/{file} no longer defines {name}: update gpu_report.TARGETS")
+
+
+TARGETS = {
+    # tierlift's fine-tune TFLOPS over each peer's, in the same run (offload_finetune.TARGETS)
+    "finetune_vs_peer": benchmark_constant("offload_finetune.py", "TARGETS"),
+    # a tierlift step at most this x its longest leg: the other legs hidden behind it
+    "leg_bound": benchmark_constant("offload_finetune.py", "LEG_TARGET"),
+    # the NVMe step at most this x (state bytes read + written) / the disk's bandwidth
+    "nvme_roofline": benchmark_constant("finetune_sizing.py", "NVME_TARGET"),
+    # fused CUDA AdamW, torch's step time over tierlift's, every size; bf16 params (tierlift keeps
+    # an fp32 master) against torch's fused on fp32 masters copied into bf16, the same work
+    "adamw": {"cuda-float32": ("vs torch-fused", 1.0),
+              "cuda-bfloat16": ("vs torch-fused-mixed", 1.3)},
+    # quantize GB/s over the D2D copy's: one read and one write (rowwise, 1x128); an amax pass
+    # or a transposed write more (tensorwise, 128x128, columnwise, every dual); FP4 (NVFP4
+    # reads its input twice: its tensor scale needs the global amax first)
+    "quantize_of_copy": {"row": 0.85, "1x128": 0.85, "tensor": 0.60, "128x128": 0.60,
+                         "col": 0.60, "dual": 0.60, "fp4-floor": 0.70, "fp4-rceil": 0.70,
+                         "fp4-nv": 0.50},
+    # Float8Linear forward + backward (train step): bf16 nn.Linear's time over its own
+    "linear_speedup": {"fp8-tensorwise": 1.35, "fp8-rowwise": 1.2},
+    # zero-copy gather GB/s over a pinned copy_ of the same bytes, for rows of 256 B and up
+    "gather_of_copy": 0.80, "gather_min_row_bytes": 256,
+}
+NONE = "—"
+
+
+def num(x, sig: int = 3) -> str:
+    """x to `sig` significant digits, never in exponent notation; whole numbers in full."""
+    if not isinstance(x, float) or not math.isfinite(x):
+        return NONE if x is None or (isinstance(x, float) and math.isnan(x)) else str(x)
+    r = x if abs(x) >= 10 ** (sig - 1) else float(f"{x:.{sig}g}")  # 0.99999997: 1.00
+    return f"{r:.{max(0, sig - 1 - math.floor(math.log10(abs(r))))}f}" if r else "0"
+
+
+times = lambda x: NONE if x is None else num(x) + "x"
+pct = lambda x: NONE if x is None else f"{100 * x:.0f}%"
+gb = lambda nbytes: NONE if nbytes is None else num(nbytes / 1e9)
+at_least = lambda goal: f">= {goal}x" if goal else ""
+
+
+def verdict(value, target, at_most: bool = False) -> str:  # "" where there is no target
+    if target is None or value is None:
+        return "" if target is None else "no result"
+    return "met" if (value <= target if at_most else value >= target) else "not met"
+
+
+def first_line(message, limit: int = 200) -> str:
+    text = (str(message).strip().splitlines() or ["(no message)"])[0]
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+is_error_key = lambda key: key == "error" or key.endswith(("_error", " error"))
+
+
+def table(header: list[str], rows: list[list]) -> list[str]:
+    cell = lambda c: str(c).replace("|", "\\|").replace("\n", " ")
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(cell(c) for c in row) + " |" for row in rows), ""]
+
+
+def errors_of(row: dict) -> list[str]:  # `error`, `<name>_error`, `<name> error`
+    return [f"{k}: {first_line(v)}" for k, v in row.items() if is_error_key(k)]
+
+
+def plain_table(rows: list[dict]) -> list[str]:  # every key a column, the errors in a note
+    keys = [k for k in dict.fromkeys(k for r in rows for k in r) if not is_error_key(k)]
+    return table(keys + ["note"], [[num(r.get(k)) for k in keys] + ["; ".join(errors_of(r))]
+                                   for r in rows]) if rows else []
+
+
+contender = lambda row: row.get("contender") or row.get("case", "?")  # older JSONs: case only
+
+
+def finetune_note(r: dict) -> str:
+    """What went wrong around the row, and what its case did beyond its numbers
+    (offload_finetune.case_note, shorter)."""
+    st, part = r.get("stats") or {}, r.get("device_part") or {}
+    timed, norm = r.get("timed_step_times"), r.get("grad_norm", st.get("grad_norm"))
+    notes = errors_of(r) + [
+        timed and f"{len(timed)} timed step(s) done: {', '.join(num(t) for t in timed)} s",
+        r.get("after_result") and f"{r['after_result']} after its result (the result stands)",
+        f"one generation + {r['spare_chunks']} spare blocks for {r['chunks']} chunks"
+        if r.get("spare_chunks") else
+        r.get("chunks") and f"{r.get('generations')} generation(s) of {r['chunks']} chunks",
+        st.get("overlap_no_room_chunks") and
+        f"{st['overlap_no_room_chunks']:.0f} chunks left to step() for want of a block",
+        norm is not None and f"grad norm {num(norm)}",
+        part.get("device_part_params") and
+        f"{part['device_part_params']} parameters' state on the GPU "
+        f"({part['device_part_elems'] / r['params']:.1%} of the elements)"]
+    return "; ".join(n for n in notes if n)
+
+
+def finetune_section(data: dict) -> list[str]:
+    args, plan, results = data.get("args", {}), data.get("plan", {}), data.get("results", [])
+    clip, n, leg_goal = args.get("max_grad_norm"), plan.get("params", 0), TARGETS["leg_bound"]
+    size = f"{num(n / 1e9)}B" if n >= 1e9 else f"{num(n / 1e6)}M"
+    out = [f"{plan.get('model', '?')} ({size} params), state on {plan.get('tier', '?')}, batch "
+           f"{args.get('batch_size', '?')} x {args.get('seq_len', '?')} tokens, warmup "
+           f"{args.get('warmup', '?')} + {args.get('steps', '?')} steps, clipping "
+           + ("not recorded" if clip is None else f"at {clip:g}" if clip else "off")
+           + (f", cpu_budget {args['cpu_budget']:g} GiB" if args.get("cpu_budget") else "")
+           + (f", state_dtype {args['state_dtype']}"
+              if args.get("state_dtype", "fp32") != "fp32" else "") + "."]
+    rows = []
+    for r in results:
+        bound, st = r.get("leg_bound"), r.get("stats") or {}
+        ratio = bound and bound["ratio"]
+        rows.append([
+            r.get("case", contender(r)), num(r["step_s"]) if "step_s" in r else "failed",
+            num(r.get("tokens_per_step")), num(r.get("tokens_per_s")), num(r.get("tflops")),
+            gb(r.get("peak_gpu_bytes")), gb(r.get("peak_pinned_bytes")),
+            f"{st['overlap_kept_chunks']:.0f} / {st.get('overlap_redone_chunks', 0):.0f}"
+            if "overlap_kept_chunks" in st else "",
+            f"{times(ratio)} ({bound['leg']})" if bound else "",
+            f"<= {leg_goal}x" if bound else "",
+            verdict(ratio, leg_goal, at_most=True) if bound else "", finetune_note(r)])
+    ok = [r for r in results if "tflops" in r]
+    for a in (r for r in ok if contender(r).startswith("tierlift")):
+        for b in (r for r in ok if not contender(r).startswith("tierlift")):
+            goal, ratio = TARGETS["finetune_vs_peer"].get(contender(b)), a["tflops"] / b["tflops"]
+            rows.append([f"{contender(a)} / {contender(b)} (TFLOPS)", "", "", "", times(ratio),
+                         "", "", "", "", at_least(goal), verdict(ratio, goal), ""])
+    out += ["", *table(["case", "s/step", "tokens/step", "tokens/s", "TFLOPS", "peak GPU GB",
+                        "peak pinned GB", "chunks kept / redone", "last step / longest leg",
+                        "target", "met", "note"], rows)]
+    roofs = [(r.get("case", "?"), r["nvme_roofline"]) for r in results if r.get("nvme_roofline")]
+    roofs = roofs or ([("tierlift", data["nvme_roofline"])] if data.get("nvme_roofline") else [])
+    if roofs:
+        goal = TARGETS["nvme_roofline"]
+        out += ["NVMe roofline (bytes read / read GB/s + bytes written / write GB/s):", ""]
+        out += table(["case", "GB read", "GB written", "read GB/s", "write GB/s", "roofline s",
+                      "step s", "step / roofline", "target", "met"],
+                     [[case, gb(r["read_bytes"]), gb(r["write_bytes"]), num(r["read_GBps"]),
+                       num(r["write_GBps"]), num(r["roofline_s"]), num(r["step_s"]),
+                       times(r["ratio"]), f"<= {goal}x", verdict(r["ratio"], goal, at_most=True)]
+                      for case, r in roofs])
+    for r in ok:
+        legs = [[k, num(v.get("total_s")), num(v.get("exposed_s"))]
+                for k, v in (r.get("legs") or {}).items() if v.get("total_s") or v.get("exposed_s")]
+        if legs:
+            out += [f"{r['case']}: the last step ({num(r.get('last_step_s'))} s) by leg (exposed: "
+                    "the training thread waited for it; legs at 0 left out):", ""]
+            out += table(["leg", "total s", "exposed s"], legs)
+    return out
+
+
+def optim_section(data: dict) -> list[str]:
+    rows, body = data.get("rows", []), []
+    keys = [k for k in dict.fromkeys(k for r in rows for k in r)
+            if not is_error_key(k) and k not in ("case", "params")]
+    for r in rows:
+        key, goal = TARGETS["adamw"].get(r.get("case"), (None, None))
+        body.append([r.get("case"), r.get("params")]
+                    + [times(r.get(k)) if k.startswith("vs ") else num(r.get(k)) for k in keys]
+                    + [f"{key} >= {goal}x" if goal else "", verdict(r.get(key), goal),
+                       "; ".join(errors_of(r))])
+    out = ["\"vs X\": X's step time over tierlift's (> 1: tierlift faster); bf16 is judged "
+           "against torch-fused-mixed, which does tierlift's work (fp32 master).", ""]
+    out += table(["case", "params", *keys, "target", "met", "note"], body)
+    return out + plain_table(data.get("compact_rows") or [])  # CPU runs only
+
+
+QUANTIZERS = {"tensor": "FP8 tensorwise", "row": "FP8 rowwise", "1x128": "FP8 1x128",
+              "128x128": "FP8 128x128", "col": "FP8 columnwise", "fp4-floor": "MXFP4 (floor)",
+              "fp4-rceil": "MXFP4 (rceil)", "fp4-nv": "NVFP4"}
+LINEAR_KEY = re.compile(r"^(.+?)(_sum)?_(speedup|error|emulated_gemms)$")
+
+
+def split_table(split: dict) -> list[str]:
+    cons = split.get("contenders", {})
+    cats = list(dict.fromkeys(c for r in cons.values() for c in r.get("categories", {})))
+    cell = lambda c: f"{num(c['ms'])} ({c['pct']:.0f}%)"
+    return [f"Where one forward + backward spends its time (profiler, M=N=K={split.get('size')}, "
+            f"{split.get('step', '?')} step; ms and % of the profiled step):", "",
+            *table(["contender", "step ms", *cats, "timed ms", "vs bf16", "note"], [
+                [name, num(r.get("step_ms"))]
+                + [cell(r["categories"][c]) if c in r.get("categories", {}) else NONE
+                   for c in cats]
+                + [num(r.get("timed_ms")), times(r.get("speedup_vs_bf16")), "; ".join(
+                    errors_of(r) + ([f"emulated GEMMs {r['emulated_gemms']}"]
+                                    if r.get("emulated_gemms") else []))]
+                for name, r in cons.items()])]
+
+
+def quantize_table(quant: list[dict]) -> list[str]:
+    body = []
+    for r in quant:
+        kind = "dual" if r.get("dual") else r.get("scaling")
+        label = QUANTIZERS.get(r.get("scaling"), r.get("scaling")) + (
+            " + transposed (dual)" if r.get("dual") else "")
+        goal = TARGETS["quantize_of_copy"].get(kind)
+        body.append([label, num(r.get("gbs")), pct(r.get("of_copy")),
+                     f">= {pct(goal)}" if goal else "", verdict(r.get("of_copy"), goal),
+                     "; ".join(errors_of(r))])
+    copy = next((r["copy_gbs"] for r in quant if "copy_gbs" in r), None)
+    return [f"Quantize kernels, bytes read + written per second (D2D copy {num(copy)} GB/s):",
+            "", *table(["quantizer", "GB/s", "of copy", "target", "met", "note"], body)]
+
+
+def linear_table(linear: list[dict]) -> list[str]:
+    body = []
+    for r in linear:
+        if "error" in r:  # the bf16 baseline failed: nothing measured at this size
+            body.append([r.get("size"), NONE, NONE, NONE, NONE, "", "", first_line(r["error"])])
+            continue
+        for name in dict.fromkeys(m.group(1) for k in r if (m := LINEAR_KEY.match(k))):
+            got = r.get(f"{name}_speedup")  # "<recipe>/separate": the recipe's target too
+            goal = TARGETS["linear_speedup"].get(name.split("/")[0])
+            notes = errors_of({k: v for k, v in r.items() if k.startswith(f"{name}_")})
+            if r.get(f"{name}_emulated_gemms"):
+                notes.append(f"emulated GEMMs {r[f'{name}_emulated_gemms']} (not FP8 speed)")
+            body.append([r["size"], num(r.get("bf16_ms")), name, times(got),
+                         times(r.get(f"{name}_sum_speedup")), at_least(goal), verdict(got, goal),
+                         "; ".join(notes)])
+    return ["Float8Linear forward + backward: bf16 nn.Linear's time over its own (train: fixed "
+            "grad_output; sum: y.sum().backward(); a JSON without bf16_sum_ms predates the two "
+            "and timed the sum step):", "",
+            *table(["M=N=K", "bf16 ms", "contender", "speedup", "sum-step speedup", "target",
+                    "met", "note"], body)]
+
+
+def lowp_section(data: dict) -> list[str]:
+    out = errors_of(data) + ([f"torchao {data['torchao']}"] if data.get("torchao") else [])
+    out += [""] if out else []
+    out += split_table(data["split"]) if data.get("split") else []
+    quant = data.get("quantize") or []  # on a CPU: the C++ op's time against the reference's
+    out += (plain_table if data.get("device") == "cpu" else quantize_table)(quant) if quant else []
+    return out + (linear_table(data["linear"]) if data.get("linear") else [])
+
+
+def gather_section(data: dict) -> list[str]:
+    if data.get("error"):
+        return [f"The GPU part did not start: {first_line(data['error'])}", ""]
+    goal, least = TARGETS["gather_of_copy"], TARGETS["gather_min_row_bytes"]
+    results, body = data.get("results", []), []
+    for r in results:
+        aimed = r.get("row_bytes", 0) >= least
+        body.append([r.get("row_bytes"), num(r.get("tierlift_gbs")),
+                     num(r.get("tierlift_mrows_s")), num(r.get("pinned_copy_gbs")),
+                     pct(r.get("fraction_of_copy")), times(r.get("speedup_vs_cpu_path")),
+                     f">= {pct(goal)}" if aimed else "",
+                     verdict(r.get("fraction_of_copy"), goal if aimed else None),
+                     "; ".join(errors_of(r))])
+    out = ["Zero-copy gather from pinned host memory (the default kernel, as FeatureStore.gather) "
+           "against a pinned copy_ of the same bytes:", "",
+           *table(["row B", "GB/s", "M rows/s", "pinned copy GB/s", "of copy",
+                   "vs CPU index_select + copy", "target", "met", "note"], body)]
+    variants = list(dict.fromkeys(k[: -len("_of_copy")] for r in results for k in r
+                                  if k.endswith("_of_copy") and k != "fraction_of_copy"))
+    if variants:
+        out += ["Kernel variants, GB/s (of copy); the sorted ones include the sort:", "",
+                *table(["row B", *variants, "sort ms"], [
+                    [r.get("row_bytes")]
+                    + [f"{num(r.get(f'{v}_gbs'))} ({pct(r.get(f'{v}_of_copy'))})"
+                       for v in variants] + [num(r.get("sort_ms"))] for r in results])]
+    return out
+
+
+def checkpoint_section(data: dict) -> list[str]:
+    model, device = data.get("model", {}), data.get("device", {})
+    return [f"{num(model.get('params', 0) / 1e6)}M parameters + 2 AdamW moments"
+            + (f", on {device.get('name', device.get('type'))}" if device else "")
+            + "; stall: the save call blocks the caller; total: until durable. No target.", "",
+            *plain_table(data.get("rows", []))]
+
+
+KINDS = [  # (title, result name pattern, section), tried in order
+    ("Fine-tune", r"bench_offload_finetune(-|$)", finetune_section),
+    ("Fused CUDA AdamW", r"bench_optim-", optim_section),
+    ("FP8/FP4 quantize and Float8Linear", r"bench_lowp-", lowp_section),
+    ("Zero-copy gather", r"bench_gather_gpu(-|$)", gather_section),
+    ("Checkpoint save", r"bench_checkpoint(-|$)", checkpoint_section)]
+PART_LINE = re.compile(r"^(?P<part>.+?): (?P<status>ok|TIMED OUT|FAILED(?: rc=-?\d+)?|skipped|"
+                       r"SKIPPED)\b(?P<rest>.*)$")
+COMMAND_LINE = re.compile(r"^===== (?P<part>.+?) \(limit (?P<limit>\d+)s\): (?P<command>.+)$")
+kind_of = lambda stem: next((i for i, k in enumerate(KINDS) if re.match(k[1], stem)), len(KINDS))
+
+
+def parts_section(summary: Path) -> list[str]:
+    text = summary.read_text(errors="replace") if summary.is_file() else ""
+    rows, other = [], [] if text else ["- (no summary.txt)"]
+    for line in filter(None, map(str.strip, text.splitlines())):
+        m = PART_LINE.match(line)
+        if not m:
+            other.append(f"- {line}")
+            continue
+        secs = re.search(r"(?:\(|after )(\d+) s\b", m["rest"])
+        rows.append([m["part"], f"{m['status']} {m['rest'].strip()}".strip(),
+                     secs.group(1) if secs else NONE])
+    out = ["### Parts (summary.txt)", "", *table(["part", "status", "seconds"], rows)]
+    return out + (["Other lines of summary.txt:", "", *other, ""] if other else [])
+
+
+# a result's name less the machine tag that write_json and gpu_check.sh add
+base_stem = lambda stem: re.sub(r"-cpu$", "", re.sub(r"-gpu-.*$", "", stem))
+
+
+def written_stems(command: str) -> set[str]:  # the results (base_stem) a logged command writes
+    argv = command.split()  # gpu_check.sh logs "$*": the words, unquoted
+    script = next((Path(a).name for a in argv if a.endswith(".py")), "")
+    opt = lambda flag, default=None: argv[argv.index(flag) + 1] if flag in argv[:-1] else default
+    suffix, device = opt("--json-suffix"), opt("--device", "cpu")
+    stems = {  # each benchmark's own naming of its JSON
+        "bench_offload.py": ["bench_offload_finetune" + (f"-{suffix}" if suffix else "")]
+        if "--gpu" in argv or "--finetune-check" in argv else [],
+        "bench_optim.py": ["bench_optim_tiny" if "--tiny" in argv else "bench_optim"],
+        "bench_lowp.py": [Path(opt("--json", f"bench_lowp-{device}")).stem],
+        "bench_gather.py": ["bench_gather_gpu", "bench_gather_cpu"],
+        "bench_checkpoint.py": [Path(opt("--out", f"bench_checkpoint-{device}")).stem],
+        "bench_io.py": [Path(opt("--out", "bench_io")).stem],
+    }.get(script, [])
+    return {base_stem(s) for s in stems}
+
+
+def result_section(path: Path, commands) -> list[str]:
+    if kind_of(path.stem) == len(KINDS):
+        return [f"not summarized: {path.name}", ""]
+    kind = KINDS[kind_of(path.stem)]
+    try:
+        data = json.loads(path.read_text())
+        body = kind[2](data)
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
+        return [f"not summarized: {path.name} ({type(exc).__name__}: {first_line(exc)})", ""]
+    m = data.get("machine") if isinstance(data.get("machine"), dict) else {}
+    where = (f"GPU: {m.get('gpu') or data.get('gpu') or 'none recorded'}; CPU: "
+             f"{m.get('cpu') or data.get('machine') or '?'}"
+             + (f" ({m['cores']} cores)" if m.get("cores") else "")
+             + f"; torch {m.get('torch') or data.get('torch') or '?'}.")
+    # the last logged command that writes it; first one from a log named with its GPU (logs
+    # of several machines side by side)
+    gpu = re.search(r"-gpu-(.+)$", path.stem)
+    hits = [c for c in commands if base_stem(path.stem) in written_stems(c[2])]
+    found = ([c for c in hits if gpu and gpu.group(1) in c[0]] or hits or [None])[-1]
+    return [f"### {kind[0]}: `{path.name}`", "", where, "", *body,
+            f"Command (part `{found[1]}`, {found[0]}): `{found[2]}`" if found else
+            "Command: not found in OUT_DIR's logs.", ""]
+
+
+def report(out_dir: Path) -> str:
+    lines = [f"## GPU run: `{out_dir.name}`", "",
+             f"From `python scripts/gpu_report.py {out_dir.name}`: the JSONs' numbers, rounded; "
+             "the targets are the benchmarks' and scripts/gpu_report.py's TARGETS.", "",
+             *parts_section(out_dir / "summary.txt")]
+    files = sorted((out_dir / "results").glob("*.json"), key=lambda p: (kind_of(p.stem), p.name))
+    commands = [(log.name, m["part"], m["command"].strip())  # (log, part, command)
+                for log in sorted(out_dir.glob("*.log"))
+                for m in map(COMMAND_LINE.match, log.read_text(errors="replace").splitlines()) if m]
+    for path in files:
+        lines += result_section(path, commands)
+    return "\n".join(lines + ([] if files else ["No results/*.json in OUT_DIR."])).rstrip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out_dir", type=Path, help="what scripts/gpu_check.sh left ($OUT)")
+    ap.add_argument("--out", type=Path, help="write the markdown here instead of printing it")
+    args = ap.parse_args(argv)
+    if not args.out_dir.is_dir():
+        ap.error(f"{args.out_dir} is not a folder")
+    (args.out.write_text if args.out else sys.stdout.write)(report(args.out_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
