@@ -39,6 +39,7 @@ import argparse
 import dataclasses
 import importlib.util
 import platform
+import sys
 import time
 
 import torch
@@ -365,7 +366,8 @@ def main():
                    help="also draw the results as a PNG here (needs matplotlib)")
     args = p.parse_args()
     result = dict(machine=platform.processor() or platform.machine(), torch=torch.__version__,
-                  device=args.device)
+                  device=args.device, argv=sys.argv,
+                  gpu=torch.cuda.get_device_name() if args.device == "cuda" else None)
     if args.json is None:
         RESULTS.mkdir(parents=True, exist_ok=True)
         args.json = str(RESULTS / f"bench_lowp-{args.device}.json")

@@ -183,7 +183,8 @@ def cuda_rows(sizes, repeats: int, rows: list, save, device: str = "cuda") -> li
                 if device == "cuda":
                     torch.cuda.empty_cache()
             numel = sum(s[0] for s in shapes)
-            row = {"case": f"{device}-{str(dtype)[6:]}", "params": f"{numel:.0e}"}
+            row = {"case": f"{device}-{str(dtype)[6:]}", "params": f"{numel:.0e}", "numel": numel,
+                   "step_ms": {name: t * 1e3 for name, t in times.items()}}  # medians
             if "tierlift" in times:
                 row["tierlift Mparam/s"] = numel / times["tierlift"] / 1e6
                 for name in names[1:]:

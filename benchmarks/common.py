@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 import traceback
@@ -97,7 +98,8 @@ def write_json(name: str, payload: dict) -> Path:
         else "cpu"
     )
     path = RESULTS / f"{name}-{tag}.json"
-    dump_json(path, {"machine": machine(), **payload}, indent=2)
+    # the command line too: a table quoted from the file names the command that made it
+    dump_json(path, {"machine": machine(), "argv": sys.argv, **payload}, indent=2)
     print(f"\nwrote {path}")
     return path
 

@@ -181,13 +181,14 @@ def finetune_section(data: dict) -> list[str]:
 def optim_section(data: dict) -> list[str]:
     rows, body = data.get("rows", []), []
     keys = [k for k in dict.fromkeys(k for r in rows for k in r)
-            if not is_error_key(k) and k not in ("case", "params")]
+            if not is_error_key(k) and k not in ("case", "params", "numel", "step_ms")]
     for r in rows:
         key, goal = TARGETS["adamw"].get(r.get("case"), (None, None))
         body.append([r.get("case"), r.get("params")]
                     + [times(r.get(k)) if k.startswith("vs ") else num(r.get(k)) for k in keys]
                     + [f"{key} >= {goal}x" if goal else "", verdict(r.get(key), goal),
-                       "; ".join(errors_of(r))])
+                       "; ".join(errors_of(r) + [f"{k} {num(v)} ms"  # median step times
+                                                 for k, v in (r.get("step_ms") or {}).items()])])
     out = ["\"vs X\": X's step time over tierlift's (> 1: tierlift faster); bf16 is judged "
            "against torch-fused-mixed, which does tierlift's work (fp32 master).", ""]
     out += table(["case", "params", *keys, "target", "met", "note"], body)
