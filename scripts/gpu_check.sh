@@ -531,7 +531,16 @@ if [[ $DRY == 1 ]]; then
   rc=${PIPESTATUS[0]}
   [[ -n ${AO_DRY_PROBLEM:-} ]] && rc=1  # the carried torchao wheel does not fit Python 3.12
   rm -f "$OUT/dry_commands.txt"
+  if [[ $STAGE != 1 ]] && ! $PY scripts/gpu_report.py "$OUT" >/dev/null; then
+    note "dry run: scripts/gpu_report.py failed on this stage's summary"
+    rc=1
+  fi
   exit "$rc"
+fi
+if [[ $STAGE == 2 || $STAGE == 3 ]]; then
+  # the tables for docs/gpu.md, each row against its target (JSON and text only: ~0.1 s)
+  $PY scripts/gpu_report.py "$OUT" --out "$OUT/report.md" >/dev/null 2>>"$OUT/summary.txt" ||
+    note "gpu_report: failed (its error above); the JSONs are under results/"
 fi
 cat "$OUT/summary.txt"
 ! grep -q "FAILED\|TIMED OUT" "$OUT/summary.txt"
