@@ -386,6 +386,10 @@ OFFLOAD_GPU_TESTS="tests/python/test_offload.py tests/python/test_offload_h2d.py
   tests/python/test_offload_device_staging.py tests/python/test_gpu_paths_review.py
   tests/python/test_offload_device_fraction.py tests/python/test_offload_leftovers.py
   tests/python/test_optim.py::test_cuda_kernel_matches_cpu_kernel"
+# the FP8/FP4 quantizers, Float8Linear's GEMMs and the gather variants on the GPU against their
+# CPU references (the fused AdamW's own check is in OFFLOAD_GPU_TESTS)
+KERNEL_GPU_TESTS="tests/python/test_lowp_quant.py tests/python/test_lowp_fp4.py
+  tests/python/test_lowp_linear.py tests/python/test_gather_variants.py"
 FT=("$PY" benchmarks/bench_offload.py --gpu --gpu-mem 140 --seq-len 2048 --max-grad-norm 0
   --dir "$SCRATCH")
 DISK_JSON=benchmarks/results/bench_io-disk.json
@@ -461,10 +465,11 @@ fi
 # GPU: batch 4 x 2048 = 8,192 tokens per step: 4 B/param (27 GB) + activations 61.7 GB by
 # activation_bytes() = 88.6 GB of 141. GPU compute ~3.6e14 FLOP a step (~0.9 s at 400 TFLOPS).
 # Estimates (warmup 1 + 3 steps): tierlift ~80 s (pinning and zeroing 100 GiB ~40 s, steps ~3 s:
-# CPU Adam over 190 GB of state traffic, a third of it during backward); then the kernel rows,
+# CPU Adam over 190 GB of state traffic, a third of it during backward); the kernels' GPU tests
+# (~30 s: bit for bit against their CPU references before their speed); then the kernel rows,
 # optim ~30 s, lowp ~35 s, gather ~40 s (as measured on the H100/H200 runs, plus the profiler
-# split, torchao and the gather variants added since): ~185 s for what the issue's "done when"
-# needs. DeepSpeed at 7B (~120 s: init, 108 GB of state, steps ~5 s) gets what is left (~160 s),
+# split, torchao and the gather variants added since): ~215 s for what the issue's "done when"
+# needs. DeepSpeed at 7B (~120 s: init, 108 GB of state, steps ~5 s) gets what is left (~130 s),
 # tierlift's compact state at 7B, the 7B split and the checkpoint only what remains after it.
 # Run it right after stage 2 (the machine keeps the build and DeepSpeed's op while warm).
 if [[ $STAGE == 3 ]]; then
@@ -474,6 +479,11 @@ if [[ $STAGE == 3 ]]; then
     --batch-size 4 --contenders tierlift --steps 3 --warmup 1 --timeout 160 \
     --json-suffix 7b-ram
   ds_check_start 0  # DeepSpeed's CPU Adam (cached on a warm machine) beside the kernel rows
+  # the reworked kernels bit for bit against their CPU references first (not run on a GPU
+  # since their rework): a speed measured for a kernel that is wrong would be worse than none
+  # shellcheck disable=SC2086  # KERNEL_GPU_TESTS: several pytest arguments
+  run "kernels exact" pytest.log 45 $PY -m pytest -q --maxfail=5 -m gpu -p no:cacheprovider \
+    "${TIMEOUT_FLAG[@]}" $KERNEL_GPU_TESTS
   # the kernel rows, each against its target (docs/gpu.md): the fused CUDA AdamW vs torch's
   run optim bench.log 50 $PY benchmarks/bench_optim.py --gpu-only --cuda-sizes 1e8,3e8,1e9
   # where one Float8Linear fwd+bwd spends its time (quantize, GEMM, layout copies, amax/scale:
