@@ -121,6 +121,13 @@ fi
 [[ -d $SCRATCH-site ]] && export PYTHONPATH=$PYTHONPATH:$SCRATCH-site
 TIMEOUT_FLAG=()
 if $PY -c "import pytest_timeout" 2>/dev/null; then TIMEOUT_FLAG=(--timeout=60); fi
+# gpu_tests NAME CAP ARGS...: the GPU tests among ARGS as one part (five failures stop it)
+gpu_tests() {
+  local name=$1 cap=$2
+  shift 2
+  run "$name" pytest.log "$cap" $PY -m pytest -q --maxfail=5 -m gpu -p no:cacheprovider \
+    "${TIMEOUT_FLAG[@]}" "$@"
+}
 
 # DeepSpeed (stages 2 and 3) from the wheels carried in .devdeps/deepspeed: pip resolves them,
 # offline, against what this Python already has, and only what is missing goes into a site dir
@@ -314,9 +321,8 @@ if [[ $STAGE == 1 ]]; then
   # 471 tests; a module that fails to import does not stop the others, five failures do;
   # --durations names the slow ones for the next run.
   # shellcheck disable=SC2086  # GPU_CHECK_TESTS: several pytest arguments
-  run "pytest -m gpu" pytest.log 150 $PY -m pytest -q --maxfail=5 \
-    --continue-on-collection-errors -ra -m gpu -p no:cacheprovider \
-    "${TIMEOUT_FLAG[@]}" --durations=15 tests/python ${GPU_CHECK_TESTS:-}
+  gpu_tests "pytest -m gpu" 150 --continue-on-collection-errors -ra --durations=15 tests/python \
+    ${GPU_CHECK_TESTS:-}
   GPT=(examples/train_gpt.py --device cuda --dtype bf16 --steps 8 --compare-steps 0 --data-mb 1)
   run "gpt --zero 3" examples.log 45 $PY -m torch.distributed.run --standalone --nproc-per-node 1 \
     "${GPT[@]}" --zero 3
@@ -408,8 +414,7 @@ if [[ $STAGE == 2 ]]; then
   # its size, new weights staged on the device during backward), so its numbers are of a step
   # known to train as plain AdamW does. ~25 s.
   # shellcheck disable=SC2086  # OFFLOAD_GPU_TESTS: several pytest arguments
-  run "offload exact" pytest.log 80 $PY -m pytest -q --maxfail=5 -m gpu -p no:cacheprovider \
-    "${TIMEOUT_FLAG[@]}" $OFFLOAD_GPU_TESTS
+  gpu_tests "offload exact" 80 $OFFLOAD_GPU_TESTS
   ds_wait  # DeepSpeed's ops built beside the tests above
   # targets: tierlift >= 2x torch's AdamW-on-CPU recipe, >= 1.5x DeepSpeed (TFLOPS, same run)
   RAM_JSON=benchmarks/results/bench_offload_finetune-1b-ram-gpu-$GPU.json
@@ -482,8 +487,7 @@ if [[ $STAGE == 3 ]]; then
   # the reworked kernels bit for bit against their CPU references first (not run on a GPU
   # since their rework): a speed measured for a kernel that is wrong would be worse than none
   # shellcheck disable=SC2086  # KERNEL_GPU_TESTS: several pytest arguments
-  run "kernels exact" pytest.log 45 $PY -m pytest -q --maxfail=5 -m gpu -p no:cacheprovider \
-    "${TIMEOUT_FLAG[@]}" $KERNEL_GPU_TESTS
+  gpu_tests "kernels exact" 45 $KERNEL_GPU_TESTS
   # the kernel rows, each against its target (docs/gpu.md): the fused CUDA AdamW vs torch's
   run optim bench.log 50 $PY benchmarks/bench_optim.py --gpu-only --cuda-sizes 1e8,3e8,1e9
   # where one Float8Linear fwd+bwd spends its time (quantize, GEMM, layout copies, amax/scale:
