@@ -15,6 +15,8 @@ Per parameter (n) and per token of a step (activation_bytes):
                          (one generation plus spare chunk blocks in the rest)
   tierlift, NVMe tier    2 s n on the disk (two generations), --nvme-budget in RAM
   torch-cpu              fp32 masters, their grads, m, v (16 n) + bf16 grad staging (2 n): 18 n
+  torch-gpu (no offload) on the GPU: bf16 params + grads (4 n), fp32 masters, their grads, m, v
+                         (16 n) + activations: 20 n + activations (measured only where it fits)
   DeepSpeed              fp32 master, m, v + an fp32 grad partition in pinned RAM: 16 n
 The RAM tier pins its state at its size (tierlift._pinned: cudaHostRegister; torch's pinned
 allocator would round each block up to a power of two) plus its staging slots, which come from
@@ -114,6 +116,7 @@ def needs(name: str, args) -> dict:
             "spare_share": max(0.0, min(1.0, (host - per * n - STAGING) / (per * n)))
             if args.overlap and budget is not None and host < 2 * per * n else None,
             "nvme_disk_bytes": int(2 * per * n), "torch_cpu_host_bytes": 18 * n,
+            "torch_gpu_bytes": 20 * n + activation_bytes(cfg, tokens),
             "deepspeed_host_bytes": 16 * n}
 
 
@@ -134,7 +137,8 @@ def plan(args) -> dict:
             return None
         return {"model": name, "tier": tier,
                 "deepspeed_fits": need["deepspeed_host_bytes"] <= ram,
-                "torch_cpu_fits": need["torch_cpu_host_bytes"] <= ram, **need}
+                "torch_cpu_fits": need["torch_cpu_host_bytes"] <= ram,
+                "torch_gpu_fits": need["torch_gpu_bytes"] <= gpu, **need}
 
     if args.model is not None:
         check_cpu_budget(args, config(args.model, args.seq_len).num_params(),

@@ -5,8 +5,11 @@ tierlift offload against DeepSpeed ZeRO-3 with CPU optimizer offload (--plan-onl
 --offload-params cpu runs the tierlift case as ZeRO-3 (tierlift.zero.shard, one process, bf16
 compute) with the fp32 parameter shards in pinned RAM as well; --peer torch-cpu measures the plain
 way to offload instead of DeepSpeed: fp32 master weights and torch.optim.AdamW state in pinned
-RAM, gradients copied down and weights copied back up every step. --contenders runs several side
-by side (tierlift, tierlift-zero3, torch-cpu, deepspeed, deepspeed-zero2, deepspeed-nvme,
+RAM, gradients copied down and weights copied back up every step; torch-gpu is the ceiling, the
+same recipe with nothing offloaded (masters and state on the GPU), where it fits, and each
+tierlift row's forward + backward is set against its own (compute_vs_ceiling: what the offload's
+host work costs the device's compute). --contenders runs several side by side (tierlift,
+tierlift-zero3, torch-cpu, torch-gpu, deepspeed, deepspeed-zero2, deepspeed-nvme,
 deepspeed-super, deepspeed-ratio), each in its own process whose output (each step's time as it
 finishes) is passed on at once, and prints tierlift's TFLOPS over each peer's with its target.
 With --dir, each case gets a folder of its own there, deleted when its process ends (however it
@@ -62,6 +65,7 @@ import tierlift
 from common import machine, print_table, write_json
 from deepspeed_modes import mode_note, refusal
 from finetune_sizing import (
+    FIT,
     LADDER,
     NVME_TARGET,
     GiB,
@@ -209,16 +213,21 @@ def run_tierlift(args, info: dict, device) -> dict:
     return out
 
 
-def run_torch_cpu(args, info: dict, device) -> dict:
-    """The plain way to offload: the model in bf16 on the GPU, fp32 master weights and
-    torch.optim.AdamW's state in pinned RAM; each step copies the gradients down, clips, steps
-    on the CPU and copies the weights back up."""
+def run_torch(args, info: dict, device, offload: bool) -> dict:
+    """torch's own recipes with the model in bf16 on the device and fp32 master weights for
+    torch.optim.AdamW (fused): with `offload`, the plain way to offload (masters and state in
+    pinned RAM; each step copies the gradients down, clips, steps on the CPU and copies the
+    weights back up); without, the ceiling where it fits (masters and state beside the model,
+    no copy across the bus: what the offloading contenders give up for their memory)."""
     model = build_model(info["model"], args.seq_len, device)
     params = [p for p in model.parameters() if p.requires_grad]
     n = sum(p.numel() for p in params)
-    pin = device.type == "cuda"
-    masters = [torch.empty(p.shape, pin_memory=pin).copy_(p.detach()) for p in params]
-    low = [torch.empty(p.shape, dtype=p.dtype, pin_memory=pin) for p in params]
+    pin = offload and device.type == "cuda"
+    home = torch.device("cpu") if offload else device
+    masters = [torch.empty(p.shape, device=home, pin_memory=pin).copy_(p.detach())
+               for p in params]
+    low = [torch.empty(p.shape, dtype=p.dtype, pin_memory=pin) for p in params] if offload \
+        else []  # without offload the gradients stay where they are
     for m in masters:
         m.grad = torch.empty_like(m)
     try:
@@ -227,20 +236,26 @@ def run_torch_cpu(args, info: dict, device) -> dict:
     except (RuntimeError, TypeError):  # a torch without the fused CPU AdamW
         opt = torch.optim.AdamW(masters, lr=1e-5, betas=(0.9, 0.95), weight_decay=0.0)
     gen = torch.Generator().manual_seed(0)
-
+    compute = ComputeTimer(device)
     norms: list[float] = []  # each step's norm before clipping
 
     def step():
         x = torch.randint(model.cfg.vocab_size, (args.batch_size, args.seq_len + 1),
                           generator=gen).to(device)
-        model(x[:, :-1], x[:, 1:]).backward()
-        for p, g in zip(params, low):
-            g.copy_(p.grad, non_blocking=True)
-            p.grad = None
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        for m, g in zip(masters, low):
-            m.grad.copy_(g)
+        with compute:
+            model(x[:, :-1], x[:, 1:]).backward()
+        if offload:
+            for p, g in zip(params, low):
+                g.copy_(p.grad, non_blocking=True)
+                p.grad = None
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            for m, g in zip(masters, low):
+                m.grad.copy_(g)
+        else:
+            for p, m in zip(params, masters):
+                m.grad.copy_(p.grad)
+                p.grad = None
         if args.max_grad_norm:
             norms.append(float(torch.nn.utils.clip_grad_norm_(masters, args.max_grad_norm)))
         opt.step()
@@ -248,11 +263,15 @@ def run_torch_cpu(args, info: dict, device) -> dict:
             for p, m in zip(params, masters):
                 p.copy_(m, non_blocking=True)
 
-    t = _time_steps(step, args.steps, args.warmup, device)
+    each: list[float] = []
+    t = _time_steps(step, args.steps, args.warmup, device, each)
     if not norms:  # unclipped: the last step's norm, outside the timed steps
         norms.append(float(torch.nn.utils.get_total_norm([m.grad for m in masters])))
-    return {"case": "torch AdamW on CPU (fp32 master, pinned)", "params": n, "step_s": t,
-            "grad_norm": norms[-1]}
+    case = ("torch AdamW on CPU (fp32 master, pinned)" if offload else
+            f"torch AdamW on the {'GPU' if device.type == 'cuda' else 'CPU'} (fp32 master, "
+            "no offload)")
+    return {"case": case, "params": n, "step_s": t, "last_step_s": each[-1],
+            "grad_norm": norms[-1], "compute_s": compute.seconds()}
 
 
 def run_case(args, which: str) -> None:
@@ -262,7 +281,8 @@ def run_case(args, which: str) -> None:
     if which in DEEPSPEED:
         out = run_deepspeed(args, info, device, which)
     else:
-        out = {"tierlift": run_tierlift, "torch-cpu": run_torch_cpu}[which](args, info, device)
+        out = run_tierlift(args, info, device) if which == "tierlift" else \
+            run_torch(args, info, device, offload=which == "torch-cpu")
     cfg = config(info["model"], args.seq_len)
     out["tflops"] = flops_per_step(cfg, out["params"], args.batch_size,
                                    args.seq_len) / out["step_s"] / 1e12
@@ -285,6 +305,8 @@ CONTENDERS = {
                 "default)",
     "tierlift-zero3": "tierlift ZeRO-3 with the fp32 parameter shards in pinned RAM too",
     "torch-cpu": "torch.optim.AdamW on CPU, fp32 masters in pinned RAM",
+    "torch-gpu": "torch.optim.AdamW (fused) on the GPU, fp32 masters beside the model: no "
+                 "offload, the ceiling where it fits",
     "deepspeed": "DeepSpeed ZeRO-3, offload_optimizer=cpu (DeepSpeedCPUAdam), bf16",
     "deepspeed-zero2": "DeepSpeed ZeRO-2, offload_optimizer=cpu (ZeRO-Offload's recipe), bf16",
     "deepspeed-nvme": "DeepSpeed ZeRO-3, offload_optimizer=nvme under --dir (ZeRO-Infinity's "
@@ -320,7 +342,8 @@ def ratio_rows(ok: list[dict]) -> list[dict]:
     peers = [r for r in ok if not r["contender"].startswith("tierlift")]
     return [{"case": f"{a['contender']} / {b['contender']}",
              "TFLOPS": f"{a['tflops'] / b['tflops']:.2f}x",
-             "target": f">= {TARGETS[b['contender']]}x" if b["contender"] in TARGETS else ""}
+             "target": f">= {TARGETS[b['contender']]}x" if b["contender"] in TARGETS else
+             "none: the ceiling, nothing offloaded" if b["contender"] == "torch-gpu" else ""}
             for a in mine for b in peers]
 
 
@@ -457,6 +480,22 @@ def leg_bound(res: dict) -> dict | None:
             "met": ratio <= LEG_TARGET}
 
 
+def compare_compute(ok: list[dict]) -> str:
+    """Each tierlift row's forward + backward against the ceiling's (torch-gpu: the same model
+    and batch, nothing offloaded): what the offload's host work (its threads, copies, hooks)
+    costs the device's own compute, as `compute_vs_ceiling` in the row. "" without both."""
+    ceiling = next((r for r in ok if r["contender"] == "torch-gpu" and r.get("compute_s")), None)
+    lines = []
+    for r in ok:
+        if ceiling is None or not r["contender"].startswith("tierlift") or not r.get("compute_s"):
+            continue
+        r["compute_vs_ceiling"] = r["compute_s"] / ceiling["compute_s"]
+        lines.append(f"{r['case']}: forward+backward {1e3 * r['compute_s']:.0f} ms, "
+                     f"{r['compute_vs_ceiling']:.2f}x the ceiling's "
+                     f"({1e3 * ceiling['compute_s']:.0f} ms, nothing offloaded)")
+    return "\n".join(lines)
+
+
 def _gb(x) -> str:
     return "" if x is None else f"{x / 1e9:.1f}"
 
@@ -486,6 +525,7 @@ def finetune(args) -> int:
         args.steps, args.warmup = 2, 1
         info = {"model": "tiny", "params": config("tiny", 32).num_params(),
                 "tier": args.tier or "nvme", "deepspeed_fits": True, "torch_cpu_fits": True,
+                "torch_gpu_fits": True,
                 "tokens_per_step": args.batch_size * args.seq_len}
         check_cpu_budget(args, info["params"], info["tier"])
     else:
@@ -520,6 +560,13 @@ def finetune(args) -> int:
             continue
         if which == "torch-cpu" and not info.get("torch_cpu_fits", True):
             print("torch-cpu: left out, its 18 B/param do not fit --cpu-mem", flush=True)
+            continue
+        if which == "torch-gpu" and not info.get("torch_gpu_fits", True):
+            why = ("does not fit: 20 B/param (bf16 params and grads, fp32 masters, their grads, "
+                   "m, v) + activations, "
+                   f"{info['torch_gpu_bytes'] / GiB:.0f} GiB of --gpu-mem x {FIT}")
+            print(f"torch-gpu: left out, it {why}", flush=True)
+            results.append({"contender": which, "case": which, "error": why})
             continue
         why = refusal(which, args)
         if why:  # its row says why, the other contenders run
@@ -596,6 +643,9 @@ def finetune(args) -> int:
                      f"<= {LEG_TARGET}x"})
     ok = [r for r in results if "tflops" in r]
     rows += ratio_rows(ok)
+    ceiling_note = compare_compute(ok)
+    if ceiling_note:
+        print(ceiling_note, flush=True)
     if rows:
         print_table(rows, ["case", "step_s", "tokens/step", "tokens/s", "TFLOPS", "GPU GB",
                            "pinned GB", "target"],
@@ -686,6 +736,6 @@ def add_finetune_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--aio-timeout", type=float, default=None, metavar="S",
                    help="with --deepspeed-check: give up the async_io build after S seconds "
                         "(the CPU Adam contenders still pass); 0: do not build it")
-    g.add_argument("--finetune-case", choices=["tierlift", "torch-cpu", *DEEPSPEED],
+    g.add_argument("--finetune-case", choices=["tierlift", "torch-cpu", "torch-gpu", *DEEPSPEED],
                    help=argparse.SUPPRESS)
     g.add_argument("--info", help=argparse.SUPPRESS)

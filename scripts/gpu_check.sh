@@ -420,7 +420,7 @@ if [[ $STAGE == 2 ]]; then
   RAM_JSON=benchmarks/results/bench_offload_finetune-1b-ram-gpu-$GPU.json
   fresh_row "offload 1B ram" "$RAM_JSON"
   run "offload 1B ram" bench.log 290 "${FT[@]}" --model 1b --tier cpu --overlap --batch-size 8 \
-    --contenders "tierlift${DS:+,deepspeed-super,deepspeed-zero2},torch-cpu$DS,tierlift-zero3" \
+    --contenders "tierlift${DS:+,deepspeed-super,deepspeed-zero2},torch-cpu,torch-gpu$DS,tierlift-zero3" \
     --steps 3 \
     --warmup 1 --timeout 75 \
     --json-suffix 1b-ram

@@ -381,3 +381,52 @@ def test_each_case_runs_in_a_folder_of_its_own_removed_after_it(tmp_path, monkey
                              "--contenders", "tierlift,torch-cpu", "--timeout", "1")) == 1
     assert len(seen) == 2 and seen[0] != seen[1]
     assert not any(p.exists() for p in seen) and list(tmp_path.iterdir()) == []
+
+
+def test_the_ceiling_is_measured_only_where_it_fits():
+    """torch-gpu (nothing offloaded) needs 20 B/param on the GPU beside the activations: the
+    1.1B at batch 8 fits the H200's 140 GiB, the 7B at batch 4 does not, and its row says why
+    without running a case."""
+    one = fs.plan(parse("--gpu", "--model", "1b", "--tier", "cpu", "--overlap",
+                        "--batch-size", "8", "--gpu-mem", "140"))
+    act = fs.activation_bytes(fs.config("1b", 2048), 8 * 2048)
+    assert one["torch_gpu_fits"] and one["torch_gpu_bytes"] == 20 * one["params"] + act
+    seven = fs.plan(parse("--gpu", "--model", "7b", "--tier", "cpu", "--overlap",
+                          "--cpu-budget", "100", "--batch-size", "4", "--gpu-mem", "140"))
+    assert not seven["torch_gpu_fits"]
+
+
+def test_tierlift_compute_is_set_against_the_ceiling(monkeypatch, capsys):
+    """Each tierlift row's forward + backward over torch-gpu's (compute_vs_ceiling), and the
+    ceiling's TFLOPS ratio labelled as having no target; a ceiling that does not fit is a row
+    with its reason and no case run."""
+    def row(case, step, compute):
+        return {"case": case, "params": 100, "step_s": step, "last_step_s": step,
+                "tflops": 1.0 / step, "tokens_per_step": 64, "tokens_per_s": 64 / step,
+                "compute_s": compute}
+    cases = {"tierlift": row("tierlift offload=cpu overlap", 0.5, 0.33),
+             "torch-gpu": row("torch AdamW on the GPU (fp32 master, no offload)", 0.31, 0.30)}
+    ran = []
+
+    def fake(cmd, timeout, which):
+        ran.append(which)
+        return 0, "RESULT " + json.dumps(cases[which]) + "\n", [], [0.5]
+    monkeypatch.setattr(of, "_run_case_process", fake)
+    rows = []
+    monkeypatch.setattr(of, "print_table", lambda r, *a, **k: rows.extend(r))
+    assert of.finetune(parse("--finetune-check", "--contenders", "tierlift,torch-gpu")) == 0
+    out = capsys.readouterr().out
+    assert "forward+backward 330 ms, 1.10x the ceiling's (300 ms, nothing offloaded)" in out
+    ratio = next(r for r in rows if r["case"] == "tierlift / torch-gpu")
+    assert ratio["TFLOPS"] == "0.62x" and ratio["target"].startswith("none: the ceiling")
+    # where it does not fit (the 7B), no case runs and its row says why
+    ran.clear()
+    saved = []
+    monkeypatch.setattr(of, "write_json", lambda name, data: saved.append(data))
+    assert of.finetune(parse("--model", "7b", "--tier", "cpu", "--overlap", "--cpu-budget",
+                             "100", "--batch-size", "4", "--gpu-mem", "140",
+                             "--contenders", "torch-gpu")) == 1
+    assert ran == [] and "torch-gpu: left out, it does not fit: 20 B/param" in \
+        capsys.readouterr().out
+    assert saved[-1]["results"] == [{"contender": "torch-gpu", "case": "torch-gpu",
+                                     "error": saved[-1]["results"][0]["error"]}]
