@@ -30,6 +30,7 @@ from gpu_report_markdown import (  # noqa: E402
     first_line,
     gb,
     num,
+    pct,
     plain_table,
     table,
     times,
@@ -75,6 +76,11 @@ def finetune_note(r: dict) -> str:
         st.get("overlap_no_room_chunks") and
         f"{st['overlap_no_room_chunks']:.0f} chunks left to step() for want of a block",
         norm is not None and f"grad norm {num(norm)}",
+        r.get("overlap_threads") is not None and
+        f"CPU Adam on {r['overlap_threads']} threads during backward",
+        # what the offload's host work costs the device's own compute (offload_finetune)
+        r.get("compute_vs_ceiling") is not None and
+        f"forward+backward {r['compute_vs_ceiling']:.2f}x the ceiling's",
         part.get("device_part_params") and
         f"{part['device_part_params']} parameters' state on the GPU "
         f"({part['device_part_elems'] / r['params']:.1%} of the elements)"]
@@ -97,7 +103,8 @@ def finetune_section(data: dict) -> list[str]:
         bound, st = r.get("leg_bound"), r.get("stats") or {}
         ratio = bound and bound["ratio"]
         rows.append([
-            r.get("case", contender(r)), num(r["step_s"]) if "step_s" in r else "failed",
+            r.get("case", contender(r)), num(r["step_s"]) if "step_s" in r else
+            "left out" if str(r.get("error")).startswith("does not fit") else "failed",
             num(r.get("tokens_per_step")), num(r.get("tokens_per_s")), num(r.get("tflops")),
             gb(r.get("peak_gpu_bytes")), gb(r.get("peak_pinned_bytes")),
             f"{st['overlap_kept_chunks']:.0f} / {st.get('overlap_redone_chunks', 0):.0f}"
@@ -110,7 +117,9 @@ def finetune_section(data: dict) -> list[str]:
         for b in (r for r in ok if not contender(r).startswith("tierlift")):
             goal, ratio = TARGETS["finetune_vs_peer"].get(contender(b)), a["tflops"] / b["tflops"]
             rows.append([f"{contender(a)} / {contender(b)} (TFLOPS)", "", "", "", times(ratio),
-                         "", "", "", "", at_least(goal), verdict(ratio, goal), ""])
+                         "", "", "", "", "none: the ceiling, nothing offloaded"
+                         if contender(b) == CEILING else at_least(goal), verdict(ratio, goal),
+                         ""])
     out += ["", *table(["case", "s/step", "tokens/step", "tokens/s", "TFLOPS", "peak GPU GB",
                         "peak pinned GB", "chunks kept / redone", "last step / longest leg",
                         "target", "met", "note"], rows)]
@@ -135,6 +144,39 @@ def finetune_section(data: dict) -> list[str]:
     return out
 
 
+def disk_section(data: dict) -> list[str]:
+    """benchmarks/bench_io.py --out: each contender's sequential read and write (the median of
+    its rounds), its ratio to fio's and the path its bytes took; the rows it could not measure
+    (DeepSpeed's aio where its op is not built) with their error."""
+    cfg, gbps, moved = data.get("config", {}), data.get("gbps", {}), data.get("path_bytes", {})
+    vs_fio = data.get("ratio_to_fio") or {}
+    # the NVMe fine-tune's roofline divides by these two (finetune_sizing.read_disk_json)
+    fastest = {rw: max(((r[rw], name) for name, r in gbps.items()
+                        if isinstance(r.get(rw), (int, float)) and r[rw] > 0), default=(0, None))[1]
+               for rw in ("read", "write")}
+
+    def path(name: str) -> str:  # the share of its bytes each path took: direct, staged, buffered
+        total = sum((moved.get(name) or {}).values())
+        return ", ".join(f"{k} {pct(v / total)}" for k, v in moved[name].items() if v) \
+            if total else NONE
+
+    rows = [[name, num(r.get("read")), num(r.get("write")),
+             times(vs_fio.get(name, {}).get("read")), times(vs_fio.get(name, {}).get("write")),
+             path(name), "; ".join(errors_of(r) + [f"the fastest {rw}, the NVMe roofline's"
+                                                   for rw in ("read", "write")
+                                                   if fastest[rw] == name])]
+            for name, r in gbps.items()]
+    rows += [[name, NONE, NONE, NONE, NONE, NONE, f"error: {first_line(why)}"]
+             for name, why in (data.get("errors") or {}).items()]
+    kernel = (data.get("machine") or {}).get("kernel")
+    out = [f"Sequential O_DIRECT read and write of a {cfg.get('size_mib', '?')} MiB file in "
+           f"{cfg.get('dir', '?')}, block {cfg.get('block_kib', '?')} KiB, queue depth "
+           f"{cfg.get('queue_depth', '?')}, median of {cfg.get('repeat', '?')} round(s)"
+           + (f", Linux {kernel}" if kernel else "") + "; vs fio: GB/s over fio's. No target.", ""]
+    return out + (table(["contender", "read GB/s", "write GB/s", "read vs fio", "write vs fio",
+                         "path (bytes)", "note"], rows) if rows else ["No contender measured.", ""])
+
+
 def checkpoint_section(data: dict) -> list[str]:
     model, device = data.get("model", {}), data.get("device", {})
     return [f"{num(model.get('params', 0) / 1e6)}M parameters + 2 AdamW moments"
@@ -145,6 +187,7 @@ def checkpoint_section(data: dict) -> list[str]:
 
 KINDS = [  # (title, result name pattern, section), tried in order
     ("Fine-tune", r"bench_offload_finetune(-|$)", finetune_section),
+    ("Disk read and write", r"bench_io(-|$)", disk_section),
     ("Fused CUDA AdamW", r"bench_optim-", optim_section),
     ("FP8/FP4 quantize and Float8Linear", r"bench_lowp-", lowp_section),
     ("Zero-copy gather", r"bench_gather_gpu(-|$)", gather_section),
@@ -202,8 +245,9 @@ def result_section(path: Path, commands) -> list[str]:
         return [f"not summarized: {path.name} ({type(exc).__name__}: {first_line(exc)})", ""]
     m = data.get("machine") if isinstance(data.get("machine"), dict) else {}
     where = (f"GPU: {m.get('gpu') or data.get('gpu') or 'none recorded'}; CPU: "
-             f"{m.get('cpu') or data.get('machine') or '?'}"
-             + (f" ({m['cores']} cores)" if m.get("cores") else "")
+             f"{m.get('cpu') or (not m and data.get('machine')) or '?'}"  # older: a string
+             + (f" ({m.get('cores') or m['cpus']} cores)" if m.get("cores") or m.get("cpus")
+                else "")
              + f"; torch {m.get('torch') or data.get('torch') or '?'}.")
     # the last logged command that writes it; first one from a log named with its GPU (logs
     # of several machines side by side)

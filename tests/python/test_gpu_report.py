@@ -1,12 +1,14 @@
 """scripts/gpu_report.py on an OUT_DIR laid out as scripts/gpu_check.sh leaves it: the committed
 GPU results (H200, H100) with their gpu_check logs, plus results of the current schemas from this
 CPU machine (tests/python/data/gpu_report: `bench_offload.py --finetune-check --tier cpu
---overlap --contenders tierlift,torch-cpu --max-grad-norm 0`, the same with `--tier nvme
---contenders tierlift --disk-json` of a 1 GB/s disk, written by running finetune() with the
-check flag cleared once its plan was made, as --finetune-check itself writes no JSON; and
-`bench_lowp.py --device cpu --sizes 256 --parts split`, its pass counts and kernel names cut).
-The numbers must land in their rows, targets be judged by them, each table be followed by its
-command, failed rows show their error and an unknown JSON be listed as not summarized."""
+--overlap --contenders tierlift,torch-cpu,torch-gpu --max-grad-norm 0`, the same with `--tier
+nvme --contenders tierlift --disk-json` of a 1 GB/s disk, written by running finetune() with the
+check flag cleared once its plan was made, as --finetune-check itself writes no JSON;
+`bench_lowp.py --device cpu --sizes 256 --parts split`, its pass counts and kernel names cut; and
+`bench_io.py --dir /tmp/bio --size-mib 64 --repeat 1 --out .../bench_io-disk.json`, without
+DeepSpeed). The numbers must land in their rows, targets be judged by them, each table be
+followed by its command, failed rows show their error and an unknown JSON be listed as not
+summarized."""
 
 from __future__ import annotations
 
@@ -40,14 +42,16 @@ offload 1B ram: FAILED rc=1 (12 s, see bench.log)
 """
 # the commands that wrote the CPU results, as gpu_check.sh logs a part's command
 BENCH_LOG = """===== offload check ram (limit 60s): python benchmarks/bench_offload.py \
---finetune-check --tier cpu --overlap --contenders tierlift,torch-cpu --max-grad-norm 0 \
---json-suffix check-ram
+--finetune-check --tier cpu --overlap --contenders tierlift,torch-cpu,torch-gpu \
+--max-grad-norm 0 --json-suffix check-ram
 step 0: 0.11 s (0 s in)
 ===== offload check nvme (limit 60s): python benchmarks/bench_offload.py --finetune-check \
 --tier nvme --contenders tierlift --max-grad-norm 0 --disk-json /tmp/io.json --dir /tmp/nvme \
 --json-suffix check-nvme
 ===== lowp split (limit 60s): python benchmarks/bench_lowp.py --device cpu --sizes 256 --parts \
 split --json /tmp/bench_lowp-split.json
+===== disk (limit 30s): python benchmarks/bench_io.py --dir /tmp/bio --size-mib 64 --repeat 1 \
+--out tests/python/data/gpu_report/bench_io-disk.json
 """
 
 
@@ -67,6 +71,9 @@ def out_dir(tmp_path_factory) -> Path:
     # refused before it ran, a result that stands though its process was then killed
     ram = json.loads((DATA / "bench_offload_finetune-check-ram-cpu.json").read_text())
     ram["results"][0]["after_result"] = "timed out after 75 s"
+    ram["results"][0]["overlap_threads"] = 14  # a newer JSON: CPU Adam's threads in backward
+    ram["results"][2] = {"contender": "torch-gpu", "case": "torch-gpu",
+                         "error": "does not fit: 20 B/param + activations, 112 GiB of --gpu-mem"}
     ram["results"] += [
         {"contender": "deepspeed-super", "case": "deepspeed-super",
          "error": "timed out after 75 s", "step_times": [9.1, 1.52, 1.48],
@@ -74,7 +81,11 @@ def out_dir(tmp_path_factory) -> Path:
         {"contender": "deepspeed-zero2", "case": "deepspeed-zero2",
          "error": "/dev/shm holds 8.0 GB, SuperOffload moves 8.8 GB through it"}]
     (out / "results" / "bench_offload_finetune-failures-cpu.json").write_text(json.dumps(ram))
-    (out / "results" / "bench_io-disk-gpu-NVIDIA_H200.json").write_text('{"gbps": {}}')
+    # the disk as gpu_check.sh names it, where DeepSpeed's aio op was not built
+    disk = json.loads((DATA / "bench_io-disk.json").read_text())
+    disk["errors"]["deepspeed aio"] = "not measured: no /tmp/ds_aio_ok (its op did not build)"
+    (out / "results" / "bench_io-disk-gpu-NVIDIA_H200.json").write_text(json.dumps(disk))
+    (out / "results" / "bench_zero-gpu-NVIDIA_H200.json").write_text('{"rows": []}')
     (out / "results" / "bench_optim-gpu-BROKEN.json").write_text('{"rows": [')
     return out
 
@@ -130,16 +141,24 @@ def test_finetune_rows_targets_and_legs(report):
     text = section(report, "bench_offload_finetune-check-ram-cpu.json")
     res = json.loads((DATA / "bench_offload_finetune-check-ram-cpu.json").read_text())["results"]
     mine = row(text, "tierlift offload=cpu overlap")
-    assert mine[1:5] == ["0.0410", "64", "1561", "0.00131"]  # s/step, tokens, tokens/s, TFLOPS
-    assert mine[7:11] == ["1 / 0", "1.03x (forward+backward)", "<= 1.15x", "met"]
+    assert mine[1:5] == ["0.0864", "64", "741", "0.000621"]  # s/step, tokens, tokens/s, TFLOPS
+    assert mine[7:11] == ["1 / 0", "1.07x (forward+backward)", "<= 1.15x", "met"]
     assert res[0]["leg_bound"]["leg"] == "forward+backward"
-    assert round(res[0]["leg_bound"]["ratio"], 2) == 1.03
+    assert round(res[0]["leg_bound"]["ratio"], 2) == 1.07
     assert row(text, "torch AdamW on CPU (fp32 master, pinned)")[-1] == "grad norm 1.87"
     ratio = res[0]["tflops"] / res[1]["tflops"]
     got = dict(zip(row(text, "case"), row(text, "tierlift / torch-cpu (TFLOPS)")))
     assert (got["TFLOPS"], got["target"], got["met"]) == (f"{ratio:.2f}x", ">= 2.0x", "met")
-    assert row(text, "adam") == ["adam", "0.000254", "0"]  # the last step's legs
-    assert row(text, "other") == ["other", "0.00159", "0.000951"]
+    # the ceiling: the same model with nothing offloaded, its ratio without a target
+    assert res[2]["contender"] == "torch-gpu"
+    assert row(text, "torch AdamW on the CPU (fp32 master, no offload)")[1:3] == ["0.134", "64"]
+    got = dict(zip(row(text, "case"), row(text, "tierlift / torch-gpu (TFLOPS)")))
+    assert (got["TFLOPS"], got["target"], got["met"]) == (
+        f"{res[0]['tflops'] / res[2]['tflops']:.2f}x", "none: the ceiling, nothing offloaded", "")
+    assert round(res[0]["compute_vs_ceiling"], 2) == 0.97
+    assert mine[-1] == "2 generation(s) of 1 chunks; forward+backward 0.97x the ceiling's"
+    assert row(text, "adam") == ["adam", "0.000250", "0"]  # the last step's legs
+    assert row(text, "other") == ["other", "0.00164", "0.00102"]
     assert text.rstrip().endswith("--max-grad-norm 0 --json-suffix check-ram`")
     nvme = section(report, "bench_offload_finetune-check-nvme-cpu.json")
     assert row(nvme, "tierlift offload=nvme overlap", "0.0756")[8:11] == [
@@ -157,9 +176,13 @@ def test_finetune_failures_show_as_such(report):
         "error: timed out after 75 s; 2 timed step(s) done: 1.52, 1.48 s")
     assert row(text, "deepspeed-zero2")[-1] == (
         "error: /dev/shm holds 8.0 GB, SuperOffload moves 8.8 GB through it")
-    assert "timed out after 75 s after its result (the result stands)" in row(
-        text, "tierlift offload=cpu overlap")[-1]
+    assert row(text, "tierlift offload=cpu overlap")[-1] == (
+        "timed out after 75 s after its result (the result stands); 2 generation(s) of 1 chunks; "
+        "CPU Adam on 14 threads during backward; forward+backward 0.97x the ceiling's")
+    assert row(text, "torch-gpu")[1::10] == [
+        "left out", "error: does not fit: 20 B/param + activations, 112 GiB of --gpu-mem"]
     assert "tierlift / deepspeed-super" not in text  # no ratio without a result
+    assert "tierlift / torch-gpu" not in text
     assert "Command: not found in OUT_DIR's logs." in text
     h200 = section(report, "bench_offload_finetune-gpu-NVIDIA_H200.json")
     assert row(h200, "tierlift")[1:2] + row(h200, "tierlift")[-1:] == [
@@ -200,8 +223,27 @@ def test_gather_and_checkpoint_rows(report):
     assert "--out benchmarks/results/bench_checkpoint.json`" in text
 
 
+def test_disk_rows_and_errors(report):
+    text = section(report, "bench_io-disk.json")
+    gbps = json.loads((DATA / "bench_io-disk.json").read_text())["gbps"]
+    assert "64 MiB file in /tmp/bio, block 1024 KiB, queue depth 32, median of 1 round(s)" in text
+    assert row(text, "fio")[1:6] == ["1.53", "1.34", "1.00x", "1.00x", "—"]
+    assert row(text, "tierlift uring")[1:6] == ["2.12", "3.05", "1.39x", "2.27x", "direct 100%"]
+    assert row(text, "tensor threads")[1:6] == ["2.31", "0.740", "1.51x", "0.551x", "staged 100%"]
+    # the NVMe roofline's bandwidths: the fastest read and the fastest write, whichever rows
+    assert max(gbps, key=lambda k: gbps[k]["read"]) == "tensor threads"
+    assert row(text, "tensor threads")[-1] == "the fastest read, the NVMe roofline's"
+    assert row(text, "tierlift threads")[-1] == "the fastest write, the NVMe roofline's"
+    assert "deepspeed aio" not in text  # not installed where the fixture was made
+    assert "--out tests/python/data/gpu_report/bench_io-disk.json`" in text
+    h200 = section(report, "bench_io-disk-gpu-NVIDIA_H200.json")
+    assert row(h200, "deepspeed aio") == ["deepspeed aio", "—", "—", "—", "—", "—", (
+        "error: not measured: no /tmp/ds_aio_ok (its op did not build)")]
+    assert "GPU: none recorded; CPU: ? (2 cores); torch ?." in h200  # bench_io's machine
+
+
 def test_unknown_and_broken_json_are_listed_not_summarized(report):
-    assert "not summarized: bench_io-disk-gpu-NVIDIA_H200.json\n" in report
+    assert "not summarized: bench_zero-gpu-NVIDIA_H200.json\n" in report
     assert "not summarized: bench_optim-gpu-BROKEN.json (JSONDecodeError: " in report
 
 
