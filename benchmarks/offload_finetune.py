@@ -161,6 +161,8 @@ def run_tierlift(args, info: dict, device) -> dict:
         kw.update(device_fraction=args.device_fraction)
     if args.state_dtype != "fp32":
         kw.update(state_dtype=args.state_dtype)
+    if args.overlap_threads:
+        kw.update(overlap_threads=args.overlap_threads)
     opt = tierlift.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), **kw)
     print(f"set up (model, shard, optimizer) in {time.perf_counter() - t_setup:.1f} s",
           file=sys.stderr, flush=True)
@@ -187,6 +189,8 @@ def run_tierlift(args, info: dict, device) -> dict:
         case += f" device_fraction={args.device_fraction:g}"
     if args.state_dtype != "fp32":
         case += f" state_dtype={args.state_dtype}"
+    if args.overlap_threads:
+        case += f" overlap_threads={args.overlap_threads}"
     # The RAM tier's spare chunk blocks (tiers.MemoryTier.spare: not in last_step_stats, read
     # from the optimizer's Offloader): 0 with two generations or without the overlap.
     tiers = opt._offload.tiers
@@ -205,7 +209,9 @@ def run_tierlift(args, info: dict, device) -> dict:
            # the parameters whose state stayed on the device (device_fraction)
            "device_part": {k: opt.last_step_stats.get(k, 0) for k in
                            ("device_part_params", "device_part_elems")},
-           "compute_s": compute.seconds()}  # its forward + backward on the device
+           "compute_s": compute.seconds(),  # its forward + backward on the device
+           # the CPU Adam's threads while training ran (OffloadConfig.overlap_threads)
+           "overlap_threads": getattr(opt._offload.overlap, "threads", None)}
     if zero3:
         tierlift.zero.close(model)
     if nvme is not None:
@@ -586,6 +592,7 @@ def finetune(args) -> int:
         cmd += ["--chunk-bytes", str(args.chunk_bytes)] if args.chunk_bytes else []
         cmd += ["--device-fraction", str(args.device_fraction)] if args.device_fraction else []
         cmd += ["--state-dtype", args.state_dtype]
+        cmd += ["--overlap-threads", str(args.overlap_threads)] if args.overlap_threads else []
         cmd += ["--offload-params", offload_params]
         cmd += ["--gpu"] if args.gpu else []
         # the case's files (NVMe state) in a folder of its own, gone before the next case starts
@@ -698,6 +705,10 @@ def add_finetune_args(ap: argparse.ArgumentParser) -> None:
                         "generations fit where fp32's do not (docs/optim.md, 'Compact state'); "
                         "--layouts: every layout's, or both in the same rounds (with a "
                         "compact-over-fp32 column)")
+    g.add_argument("--overlap-threads", type=int, default=None, metavar="N",
+                   help="tierlift's AdamW overlap_threads: the CPU threads its chunks stepped "
+                        "during backward use (default: the optimizer's, all but an eighth of "
+                        "them when training runs on CUDA)")
     g.add_argument("--chunk-bytes", type=int, default=None,
                    help="tierlift's AdamW chunk_bytes (default: the optimizer's, 32 MiB)")
     g.add_argument("--max-grad-norm", type=float, default=1.0,

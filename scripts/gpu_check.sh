@@ -353,12 +353,14 @@ fi
 #                    H200 run). DeepSpeed's CPU Adam and async_io (~45 s) build in the
 #                    background during offload exact (~30 s): the DeepSpeed rows wait ~15 s
 #   offload exact    ~30 s: the offloaded step's GPU tests (bit-exact against plain AdamW); cap 80 s
-#   offload 1B ram   ~230 s: tierlift (params on the GPU, overlap) ~30 s (pinning 26.5 GB, steps
+#   offload 1B ram   ~250 s: tierlift (params on the GPU, overlap) ~30 s (pinning 26.5 GB, steps
 #                    ~1 s); DeepSpeed SuperOffload (ZeRO-3; its speculative CPU Adam in a worker
 #                    process, overlapped with backward: DeepSpeed's own answer to the same
 #                    problem; 8 B/param through /dev/shm) ~50 s; DeepSpeed ZeRO-2 (ZeRO-Offload's
 #                    own recipe: no parameter gathering on one GPU) ~35 s; torch's AdamW on CPU
-#                    4 x (1.09 + 0.3) s + ~12 s set-up ~25 s; DeepSpeed ZeRO-3 (init, 18 GB of
+#                    4 x (1.09 + 0.3) s + ~12 s set-up ~25 s; the ceiling (torch-gpu: nothing
+#                    offloaded, fp32 masters and state on the GPU, 62 GB; tierlift's forward +
+#                    backward against its own) ~20 s; DeepSpeed ZeRO-3 (init, 18 GB of
 #                    state, steps ~1.8 s) ~45 s; tierlift ZeRO-3 with params in RAM ~30 s. Most
 #                    telling first: a cap cuts the last. Cap 290 s, 75 s per case.
 #   offload 1B ram split ~30 s: tierlift with device_fraction from the row above (skipped when
@@ -379,7 +381,7 @@ fi
 #                    its own part (cap 100 s), tierlift's first.
 #   offload 1B ram split deepspeed ~100 s: the split row's peers with the same share of the state
 #                    on the GPU, ZeRO-Offload++ (ratio) and SuperOffload with that ratio
-# Total ~310 s to the split row on a fresh machine with the prebuilt extension (~355 s without);
+# Total ~330 s to the split row on a fresh machine with the prebuilt extension (~375 s without);
 # the NVMe rows and the split's DeepSpeed peers fit only in a call of their own
 # (GPU_CHECK_SKIP="offload exact|offload 1B ram|offload 1B ram split", with what device time is
 # left; it still runs "deepspeed build", which the DeepSpeed rows need, or finds its ops built).
@@ -523,6 +525,12 @@ if [[ $STAGE == 3 ]]; then
   run "offload 1B ram clipped" bench.log 150 "${FT[@]}" --model 1b --tier cpu --overlap \
     --batch-size 8 --contenders "tierlift${DS:+,deepspeed-zero2,deepspeed-super}" --steps 3 \
     --warmup 1 --timeout 65 --max-grad-norm 1.0 --json-suffix 1b-ram-clipped
+  # stage 2's tierlift row again with its CPU Adam on every thread while backward runs (by
+  # default it leaves an eighth of them to the thread that launches the GPU's kernels): its
+  # forward+backward and step against stage 2's row say what that share buys
+  run "offload 1B ram all threads" bench.log 60 "${FT[@]}" --model 1b --tier cpu --overlap \
+    --batch-size 8 --contenders tierlift --steps 3 --warmup 1 --timeout 55 \
+    --overlap-threads "$(nproc)" --json-suffix 1b-ram-all-threads
   # background save vs DCP async_save of GPU-resident 1B state, the blocking save last
   run checkpoint bench.log 110 $PY benchmarks/bench_checkpoint.py --device cuda --params 1e9 \
     --ranks 1 --configs ram --contenders background dcp-async sync --repeat 1 --warmup 1 \

@@ -32,6 +32,12 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "num_threads", [] { return tierlift::ThreadPool::global().num_threads(); },
       "Threads in tierlift's CPU pool (TIERLIFT_NUM_THREADS).");
+  m.def(
+      "set_thread_limit", [](int limit) { tierlift::ThreadPool::set_thread_limit(limit); },
+      "Caps the pool threads the calling thread's CPU kernels use (0: all of them).");
+  m.def(
+      "thread_limit", [] { return tierlift::ThreadPool::thread_limit(); },
+      "The calling thread's cap set by set_thread_limit (0: none).");
   tierlift::bind_gather(m);
   tierlift::bind_io(m);
 }

@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <stdexcept>
+#include <thread>
 #include <vector>
 
 #include "core/util/thread_pool.h"
@@ -38,6 +39,37 @@ TEST(ThreadPool, RethrowsWorkerException) {
   std::atomic<int64_t> sum{0};
   pool.parallel_for(100, 1, [&](int64_t b, int64_t e) { sum += e - b; });
   EXPECT_EQ(sum.load(), 100);
+}
+
+// A capped thread's calls run on at most its cap of threads (ranges, not just workers: a
+// range per thread), cover every index, and leave other threads' calls uncapped.
+TEST(ThreadPool, ThreadLimitCapsTheCallingThreadOnly) {
+  ThreadPool pool(4);
+  auto ranges = [&](int64_t n) {
+    std::atomic<int> count{0};
+    std::atomic<int64_t> sum{0};
+    pool.parallel_for(n, 1, [&](int64_t b, int64_t e) {
+      count++;
+      sum += e - b;
+    });
+    EXPECT_EQ(sum.load(), n);
+    return count.load();
+  };
+  EXPECT_EQ(ranges(1000), 4);
+  ThreadPool::set_thread_limit(2);
+  EXPECT_EQ(ThreadPool::thread_limit(), 2);
+  EXPECT_EQ(ranges(1000), 2);
+  int other = 0;
+  std::thread([&] { other = ranges(1000); }).join();
+  EXPECT_EQ(other, 4);
+  ThreadPool::set_thread_limit(9);  // above the pool's size: all of it
+  EXPECT_EQ(ranges(1000), 4);
+  ThreadPool::set_thread_limit(-3);  // negative: no cap
+  EXPECT_EQ(ThreadPool::thread_limit(), 0);
+  ThreadPool::set_thread_limit(1);  // one thread: inline on the caller
+  EXPECT_EQ(ranges(1000), 1);
+  ThreadPool::set_thread_limit(0);
+  EXPECT_EQ(ranges(1000), 4);
 }
 
 TEST(ThreadPool, NestedCallRunsInline) {

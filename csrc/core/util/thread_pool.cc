@@ -9,7 +9,12 @@ namespace tierlift {
 
 namespace {
 thread_local bool tls_in_pool = false;
-}
+thread_local int tls_limit = 0;
+}  // namespace
+
+void ThreadPool::set_thread_limit(int limit) { tls_limit = std::max(0, limit); }
+
+int ThreadPool::thread_limit() { return tls_limit; }
 
 ThreadPool::ThreadPool(int num_threads) : owner_pid_(getpid()) {
   const int extra = std::max(0, num_threads - 1);
@@ -65,7 +70,8 @@ void ThreadPool::parallel_for(int64_t n, int64_t grain,
   if (n <= 0) return;
   grain = std::max<int64_t>(grain, 1);
   const int64_t max_parts = (n + grain - 1) / grain;
-  const int parts = static_cast<int>(std::min<int64_t>(num_threads(), max_parts));
+  const int threads = tls_limit > 0 ? std::min(tls_limit, num_threads()) : num_threads();
+  const int parts = static_cast<int>(std::min<int64_t>(threads, max_parts));
   if (parts <= 1 || tls_in_pool || getpid() != owner_pid_) {
     fn(0, n);
     return;

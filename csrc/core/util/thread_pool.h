@@ -32,6 +32,12 @@ class ThreadPool {
   // The process-wide pool: TIERLIFT_NUM_THREADS threads, else one per hardware thread.
   static ThreadPool& global();
 
+  // The calling thread's cap on how many threads its parallel_for calls use (0: no cap).
+  // A thread that steps optimizer chunks while a GPU's backward runs leaves cores to the
+  // thread that launches the GPU's kernels, as DeepSpeed's SuperOffload does by affinity.
+  static void set_thread_limit(int limit);
+  static int thread_limit();
+
  private:
   void worker_loop(int index);
 

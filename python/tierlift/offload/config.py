@@ -61,7 +61,12 @@ class OffloadConfig:
     parameters, by elements, whose state is not offloaded but kept beside them and stepped by
     the optimizer's own kernel after the offloaded part: whole parameters from the first of the
     first param group on, whose gradients come last in backward (tierlift.offload.device_part;
-    docs/offload.md, "A device share of the state")."""
+    docs/offload.md, "A device share of the state"). `overlap_threads` (overlap=True): how
+    many of tierlift's CPU threads (TIERLIFT_NUM_THREADS) the chunks stepped ahead use while
+    training runs, from the first gradient of a backward until step() waits for them (then
+    all of them): None leaves an eighth of them (at least one) to the thread that launches
+    a GPU's kernels where the model trains on CUDA (as DeepSpeed's SuperOffload keeps a share
+    of the cores from its CPU Adam), and takes all of them on a CPU; an int caps them there."""
 
     offload: str = "none"
     nvme_path: str | os.PathLike | None = None
@@ -77,9 +82,20 @@ class OffloadConfig:
     skip_nonfinite: bool = False
     device_staging: bool | None = None
     device_fraction: float = 0.0
+    overlap_threads: int | None = None
 
     def __post_init__(self):
         check_fraction(self.device_fraction)
+        if self.overlap_threads is not None:
+            if isinstance(self.overlap_threads, bool) or not isinstance(self.overlap_threads,
+                                                                        int):
+                raise TypeError(f"overlap_threads must be None or an int, got "
+                                f"{self.overlap_threads!r}")
+            if self.overlap_threads < 1:
+                raise ValueError(f"overlap_threads must be >= 1, got {self.overlap_threads}")
+            if not self.overlap:
+                raise ValueError("overlap_threads needs overlap=True (it caps the threads of "
+                                 "the chunks stepped during backward)")
         if self.device_fraction and self.offload == "none":
             raise ValueError("device_fraction needs offload='cpu', 'nvme' or 'hybrid' (without "
                              "offload all of the state stays beside the parameters)")

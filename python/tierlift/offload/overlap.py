@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tierlift._shards import is_shard, on_shard_grad_ready, shard_owner
-from tierlift.offload import d2h, masters
+from tierlift.offload import d2h, masters, worker_threads
 from tierlift.offload.checks import check_group
 from tierlift.offload.legs import WAIT
 from tierlift.offload.tiers import drain
@@ -405,6 +405,10 @@ class Overlap:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierlift-offload")
         self._pending = []
+        # the worker's threads while training runs (worker_threads.py); all once step() waits
+        self.threads = worker_threads.cap(offloader.config.overlap_threads,
+                                          offloader.opt.param_groups)
+        self._training = False
         self._reset()
         self._where = {}
         self._handles = []
@@ -442,6 +446,7 @@ class Overlap:
         self._lists_checked = False  # by the first gradient hook of the next backward
 
     def _on_grad(self, p: torch.Tensor) -> None:
+        self._training = True  # until step() (or a state_dict()) waits for the worker
         if not self._lists_checked:
             # The earliest point that sees a changed params list, before anything is stepped
             # by position in it.
@@ -489,6 +494,7 @@ class Overlap:
         clock = self.off.clock
         done = []
         try:
+            self._cap_threads()
             with clock.span("other"), torch.no_grad():
                 if rec.landing:  # gradient copies handed over in flight: wait here, not there
                     with clock.span("d2h"):
@@ -511,14 +517,22 @@ class Overlap:
         except BaseException as err:  # noqa: BLE001 - re-raised by finish()
             self._error = err
         finally:
+            worker_threads.apply(0)  # the worker thread's other work (fingerprint_ahead): all
             self._spec[gi].extend((c, rec) for c in done)
             if self._abandoned and len(done) < len(chunks):
                 self._count_abandoned(len(chunks) - len(done))
             self._stats["overlapped_s"] += time.perf_counter() - t
 
     def _stop(self) -> bool:
-        """Whether the worker leaves its remaining chunks to step() (read between chunks)."""
+        """Whether the worker leaves its remaining chunks to step() (read between chunks);
+        the next chunk's threads follow whether training still runs."""
+        self._cap_threads()
         return self._abandoned
+
+    def _cap_threads(self) -> None:
+        """On the worker thread: `threads` of the pool while training runs, all of it once
+        step() waits (worker_threads.py)."""
+        worker_threads.apply(self.threads if self._training else 0)
 
     def _count_abandoned(self, n: int) -> None:
         with self._lock:  # the worker and abandon() both count
@@ -528,6 +542,7 @@ class Overlap:
         """step() knows every chunk stepped ahead would be stepped again (the gradients are
         about to be clipped, or the step skipped): chunks the worker has not started are left
         to step(), so finish() waits at most for the one in progress."""
+        self._training = False
         with self._lock:
             self._abandoned = True
             for f, n in self._pending:
@@ -535,6 +550,7 @@ class Overlap:
                     self._stats["overlap_abandoned_chunks"] += n
 
     def _wait_pending(self) -> None:
+        self._training = False  # the training thread waits: the worker may take every thread
         with self.off.clock.span(WAIT):
             for f, _ in self._pending:
                 if not f.cancelled():
@@ -547,6 +563,7 @@ class Overlap:
         self._wait_pending()
         self._pending = []
         stats["overlap_wait_s"] += time.perf_counter() - t
+        stats["overlap_threads"] = float(self.threads)  # while training ran
         for k, v in self._stats.items():
             stats[k] += v
         spec, err = dict(self._spec), self._error

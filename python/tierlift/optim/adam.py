@@ -11,11 +11,11 @@ optimizer and ours in both directions. Differences, all deliberate:
     about 3 bytes per parameter instead of 8 (docs/optim.md). Loading an fp32-state checkpoint
     quantizes it and an fp32-state optimizer dequantizes a compact one;
   * offload="cpu"|"nvme"|"hybrid" (with nvme_path, cpu_budget, overlap, nvme_generations,
-    chunk_bytes, durable, skip_nonfinite, device_staging, device_fraction) moves the state out
-    of the parameter's memory (device_fraction keeps a share of it there); tierlift.offload
-    does that work (docs/offload.md). Its state is laid out by position in the params lists
-    at construction: a parameter listed twice (torch warns and updates it twice) and a list
-    changed afterwards are refused;
+    chunk_bytes, durable, skip_nonfinite, device_staging, device_fraction, overlap_threads)
+    moves the state out of the parameter's memory (device_fraction keeps a share of it there);
+    tierlift.offload does that work (docs/offload.md). Its state is laid out by position in
+    the params lists at construction: a parameter listed twice (torch warns and updates it
+    twice) and a list changed afterwards are refused;
   * hyperparameter types are checked (optim/hyper.py): torch raises on lr="0.001" only by
     accident of a comparison, float() would take it;
   * foreach/fused/capturable are accepted for compatibility and ignored (ours is always fused),
@@ -183,6 +183,7 @@ class Adam(Optimizer):
         skip_nonfinite=False,
         device_staging=None,
         device_fraction=0.0,
+        overlap_threads=None,
     ):
         check_types(lr, betas, eps, weight_decay)
         check_flags(amsgrad=amsgrad, foreach=foreach, maximize=maximize, capturable=capturable,
@@ -215,7 +216,7 @@ class Adam(Optimizer):
         extras = (nvme_path, cpu_budget, max_grad_norm)
         if offload != "none" or overlap or nvme_generations != 2 or chunk_bytes != 32 << 20 \
                 or durable or skip_nonfinite is not False or device_staging is not None \
-                or device_fraction != 0.0 \
+                or device_fraction != 0.0 or overlap_threads is not None \
                 or any(x is not None for x in extras):
             config = OffloadConfig(
                 offload=offload,
@@ -229,6 +230,7 @@ class Adam(Optimizer):
                 skip_nonfinite=skip_nonfinite,
                 device_staging=device_staging,
                 device_fraction=device_fraction,
+                overlap_threads=overlap_threads,
             )
             if config.offload != "none":
                 self._offload = Offloader(self, config)
@@ -635,6 +637,7 @@ class AdamW(Adam):
         skip_nonfinite=False,
         device_staging=None,
         device_fraction=0.0,
+        overlap_threads=None,
     ):
         super().__init__(
             params,
@@ -661,6 +664,7 @@ class AdamW(Adam):
             skip_nonfinite=skip_nonfinite,
             device_staging=device_staging,
             device_fraction=device_fraction,
+            overlap_threads=overlap_threads,
         )
 
     def __setstate__(self, state):
