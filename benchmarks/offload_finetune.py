@@ -32,8 +32,8 @@ blocks, stepped ahead during backward) or on NVMe (24 B: two generations); torch
 and DeepSpeed ZeRO-3 (one rank, params on the GPU) 16 B in RAM. The largest model of the ladder
 that both hold within 85% of each memory is measured (or --model, checked the same way), each
 case in its own process (pinned memory of one must not count against the other). Every row
-reports tokens per step (--batch-size x --seq-len), tokens/s, TFLOPS and peak GPU and pinned
-memory. FLOPs per token: 6 N + 12 L d T (matmuls forward and backward plus attention scores;
+reports tokens per step (--batch-size x --seq-len), tokens/s, TFLOPS and peak GPU, pinned and
+host memory (peak_host_bytes: the case's peak RSS plus its worker processes'). FLOPs per token: 6 N + 12 L d T (matmuls forward and backward plus attention scores;
 the causal mask is not discounted). --max-grad-norm applies to every contender alike (0: none):
 tierlift's overlap keeps its chunks only while the norm stays under it (docs/offload.md), so the
 tierlift rows report the gradient norm and the chunks kept and redone. With --tier nvme and
@@ -62,7 +62,7 @@ from pathlib import Path
 import torch
 
 import tierlift
-from common import machine, print_table, write_json
+from common import machine, peak_host_bytes, print_table, write_json
 from deepspeed_modes import mode_note, refusal
 from finetune_sizing import (
     FIT,
@@ -294,6 +294,7 @@ def run_case(args, which: str) -> None:
                                    args.seq_len) / out["step_s"] / 1e12
     out["tokens_per_step"] = args.batch_size * args.seq_len
     out["tokens_per_s"] = out["tokens_per_step"] / out["step_s"]
+    out["peak_host_bytes"] = peak_host_bytes()  # RSS, its worker processes' included
     if device.type == "cuda":
         out["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
         # as torch's caching host allocator holds it (each block rounded up to a power of two),
@@ -645,6 +646,7 @@ def finetune(args) -> int:
                      "tokens/s": f"{res['tokens_per_s']:.0f}", "TFLOPS": f"{res['tflops']:.2f}",
                      "GPU GB": _gb(res.get("peak_gpu_bytes")),
                      "pinned GB": _gb(res.get("peak_pinned_bytes")),
+                     "host GB": _gb(res.get("peak_host_bytes")),
                      "target": "" if bound is None else
                      f"last step {bound['ratio']:.2f}x its longest leg ({bound['leg']}), "
                      f"<= {LEG_TARGET}x"})
@@ -655,7 +657,7 @@ def finetune(args) -> int:
         print(ceiling_note, flush=True)
     if rows:
         print_table(rows, ["case", "step_s", "tokens/step", "tokens/s", "TFLOPS", "GPU GB",
-                           "pinned GB", "target"],
+                           "pinned GB", "host GB", "target"],
                     title=f"fine-tuning {info['model']} ({info['params'] / 1e9:.2f}B params), "
                           f"batch {args.batch_size} x {args.seq_len} = "
                           f"{args.batch_size * args.seq_len} tokens per step, clipping "

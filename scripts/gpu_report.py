@@ -107,6 +107,7 @@ def finetune_section(data: dict) -> list[str]:
             "left out" if str(r.get("error")).startswith("does not fit") else "failed",
             num(r.get("tokens_per_step")), num(r.get("tokens_per_s")), num(r.get("tflops")),
             gb(r.get("peak_gpu_bytes")), gb(r.get("peak_pinned_bytes")),
+            gb(r.get("peak_host_bytes")),
             f"{st['overlap_kept_chunks']:.0f} / {st.get('overlap_redone_chunks', 0):.0f}"
             if "overlap_kept_chunks" in st else "",
             f"{times(ratio)} ({bound['leg']})" if bound else "",
@@ -117,11 +118,11 @@ def finetune_section(data: dict) -> list[str]:
         for b in (r for r in ok if not contender(r).startswith("tierlift")):
             goal, ratio = TARGETS["finetune_vs_peer"].get(contender(b)), a["tflops"] / b["tflops"]
             rows.append([f"{contender(a)} / {contender(b)} (TFLOPS)", "", "", "", times(ratio),
-                         "", "", "", "", "none: the ceiling, nothing offloaded"
+                         "", "", "", "", "", "none: the ceiling, nothing offloaded"
                          if contender(b) == CEILING else at_least(goal), verdict(ratio, goal),
                          ""])
     out += ["", *table(["case", "s/step", "tokens/step", "tokens/s", "TFLOPS", "peak GPU GB",
-                        "peak pinned GB", "chunks kept / redone", "last step / longest leg",
+                        "peak pinned GB", "peak host GB", "chunks kept / redone", "last step / longest leg",
                         "target", "met", "note"], rows)]
     roofs = [(r.get("case", "?"), r["nvme_roofline"]) for r in results if r.get("nvme_roofline")]
     roofs = roofs or ([("tierlift", data["nvme_roofline"])] if data.get("nvme_roofline") else [])

@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import io
 import json
+import os
 import re
 import sys
 import time
@@ -26,6 +27,7 @@ import tierlift
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "examples")]
+import common  # noqa: E402
 import finetune_sizing as fs  # noqa: E402
 import offload_deepspeed as ods  # noqa: E402
 import offload_finetune as of  # noqa: E402
@@ -430,3 +432,20 @@ def test_tierlift_compute_is_set_against_the_ceiling(monkeypatch, capsys):
         capsys.readouterr().out
     assert saved[-1]["results"] == [{"contender": "torch-gpu", "case": "torch-gpu",
                                      "error": saved[-1]["results"][0]["error"]}]
+
+
+def test_peak_host_memory_counts_the_case_and_its_worker_processes():
+    """A row's peak_host_bytes: the case process's peak RSS plus its live children's (a
+    contender's CPU Adam worker process holds its state there, as DeepSpeed SuperOffload's)."""
+    import subprocess
+    child = subprocess.Popen([sys.executable, "-c", "b = bytearray(256 << 20); "
+                              "import sys; print('ready', flush=True); sys.stdin.read()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        own = common._status_bytes("self", "VmHWM:")
+        assert child.pid in common._descendants(os.getpid())
+        assert common.peak_host_bytes() >= own + (256 << 20)
+    finally:
+        child.communicate("")
+    assert common._status_bytes(child.pid, "VmHWM:") == 0  # gone: counts nothing

@@ -72,6 +72,7 @@ def out_dir(tmp_path_factory) -> Path:
     ram = json.loads((DATA / "bench_offload_finetune-check-ram-cpu.json").read_text())
     ram["results"][0]["after_result"] = "timed out after 75 s"
     ram["results"][0]["overlap_threads"] = 14  # a newer JSON: CPU Adam's threads in backward
+    ram["results"][0]["peak_host_bytes"] = 31.46e9  # and its peak RSS, workers included
     ram["results"][2] = {"contender": "torch-gpu", "case": "torch-gpu",
                          "error": "does not fit: 20 B/param + activations, 112 GiB of --gpu-mem"}
     ram["results"] += [
@@ -142,7 +143,7 @@ def test_finetune_rows_targets_and_legs(report):
     res = json.loads((DATA / "bench_offload_finetune-check-ram-cpu.json").read_text())["results"]
     mine = row(text, "tierlift offload=cpu overlap")
     assert mine[1:5] == ["0.0864", "64", "741", "0.000621"]  # s/step, tokens, tokens/s, TFLOPS
-    assert mine[7:11] == ["1 / 0", "1.07x (forward+backward)", "<= 1.15x", "met"]
+    assert mine[8:12] == ["1 / 0", "1.07x (forward+backward)", "<= 1.15x", "met"]
     assert res[0]["leg_bound"]["leg"] == "forward+backward"
     assert round(res[0]["leg_bound"]["ratio"], 2) == 1.07
     assert row(text, "torch AdamW on CPU (fp32 master, pinned)")[-1] == "grad norm 1.87"
@@ -161,7 +162,7 @@ def test_finetune_rows_targets_and_legs(report):
     assert row(text, "other") == ["other", "0.00164", "0.00102"]
     assert text.rstrip().endswith("--max-grad-norm 0 --json-suffix check-ram`")
     nvme = section(report, "bench_offload_finetune-check-nvme-cpu.json")
-    assert row(nvme, "tierlift offload=nvme overlap", "0.0756")[8:11] == [
+    assert row(nvme, "tierlift offload=nvme overlap", "0.0756")[9:12] == [
         "2.29x (forward+backward)", "<= 1.15x", "not met"]
     assert row(nvme, "tierlift offload=nvme overlap", "0.00163")[1:] == [
         "0.00163", "0.00163", "1.00", "1.00", "0.00327", "0.0756", "23.1x", "<= 1.25x",
@@ -179,7 +180,8 @@ def test_finetune_failures_show_as_such(report):
     assert row(text, "tierlift offload=cpu overlap")[-1] == (
         "timed out after 75 s after its result (the result stands); 2 generation(s) of 1 chunks; "
         "CPU Adam on 14 threads during backward; forward+backward 0.97x the ceiling's")
-    assert row(text, "torch-gpu")[1::10] == [
+    assert row(text, "tierlift offload=cpu overlap")[7] == "31.5"  # peak host GB
+    assert row(text, "torch-gpu")[1::11] == [
         "left out", "error: does not fit: 20 B/param + activations, 112 GiB of --gpu-mem"]
     assert "tierlift / deepspeed-super" not in text  # no ratio without a result
     assert "tierlift / torch-gpu" not in text
