@@ -33,8 +33,9 @@ and DeepSpeed ZeRO-3 (one rank, params on the GPU) 16 B in RAM. The largest mode
 that both hold within 85% of each memory is measured (or --model, checked the same way), each
 case in its own process (pinned memory of one must not count against the other). Every row
 reports tokens per step (--batch-size x --seq-len), tokens/s, TFLOPS and peak GPU, pinned and
-host memory (peak_host_bytes: the case's peak RSS plus its worker processes'). FLOPs per token: 6 N + 12 L d T (matmuls forward and backward plus attention scores;
-the causal mask is not discounted). --max-grad-norm applies to every contender alike (0: none):
+host memory (peak_host_bytes: the case's peak RSS plus its worker processes'). FLOPs per
+token: 6 N + 12 L d T (matmuls forward and backward plus attention scores; the causal mask is
+not discounted). --max-grad-norm applies to every contender alike (0: none):
 tierlift's overlap keeps its chunks only while the norm stays under it (docs/offload.md), so the
 tierlift rows report the gradient norm and the chunks kept and redone. With --tier nvme and
 --disk-json (the file benchmarks/bench_io.py --out wrote), the step is set against the disk's
