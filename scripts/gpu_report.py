@@ -122,8 +122,8 @@ def finetune_section(data: dict) -> list[str]:
                          if contender(b) == CEILING else at_least(goal), verdict(ratio, goal),
                          ""])
     out += ["", *table(["case", "s/step", "tokens/step", "tokens/s", "TFLOPS", "peak GPU GB",
-                        "peak pinned GB", "peak host GB", "chunks kept / redone", "last step / longest leg",
-                        "target", "met", "note"], rows)]
+                        "peak pinned GB", "peak host GB", "chunks kept / redone",
+                        "last step / longest leg", "target", "met", "note"], rows)]
     roofs = [(r.get("case", "?"), r["nvme_roofline"]) for r in results if r.get("nvme_roofline")]
     roofs = roofs or ([("tierlift", data["nvme_roofline"])] if data.get("nvme_roofline") else [])
     if roofs:
