@@ -393,6 +393,7 @@ OFFLOAD_GPU_TESTS="tests/python/test_offload.py tests/python/test_offload_h2d.py
   tests/python/test_offload_d2h.py tests/python/test_offload_watch.py tests/python/test_pinned.py
   tests/python/test_offload_device_staging.py tests/python/test_gpu_paths_review.py
   tests/python/test_offload_device_fraction.py tests/python/test_offload_leftovers.py
+  tests/python/test_offload_abandon.py tests/python/test_offload_worker_threads.py
   tests/python/test_optim.py::test_cuda_kernel_matches_cpu_kernel"
 # the FP8/FP4 quantizers, Float8Linear's GEMMs and the gather variants on the GPU against their
 # CPU references (the fused AdamW's own check is in OFFLOAD_GPU_TESTS)

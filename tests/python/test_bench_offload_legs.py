@@ -100,7 +100,7 @@ def test_legs_host_idle_prints_the_optimizer_work_ratio(tmp_path, monkeypatch, c
 
 def test_clipped_table_on_a_small_model(monkeypatch, capsys):
     """bench_offload.py --clipped: every contender clips every step (the bench asserts it),
-    the row for each is there, and the one that waits leaves no chunk."""
+    the row for each is there, and those that wait leave no chunk."""
     import offload_clipped
 
     saved = {}
@@ -109,5 +109,8 @@ def test_clipped_table_on_a_small_model(monkeypatch, capsys):
     rows = {r["contender"]: r for r in saved["rows"]}
     assert list(rows) == list(offload_clipped.CONTENDERS)
     assert rows["wait"]["chunks_left"] == 0 and rows["no-overlap"]["chunks_left"] == 0
+    assert rows["torch-clip"]["chunks_left"] == 0  # a clip before step(): nothing to leave
+    # the optimizer's own clip scales inside step(): nothing stepped ahead is kept
+    assert rows["abandon"]["chunks_kept"] == 0 and rows["wait"]["chunks_kept"] == 0
     assert all(r["chunks"] >= 2 and r["step_ms"] > 0 for r in rows.values())
     assert "Clipped steps, overlapped" in capsys.readouterr().out

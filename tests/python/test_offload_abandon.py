@@ -7,8 +7,13 @@ the device's backward, as on a large model) used to make step() wait for all its
 first. step() now takes the clip's norm before waiting; where it clips (or a GradScaler found
 inf/NaN, so the step is skipped), the worker leaves the chunks it has not started.
 
-The worker is held at its first chunk until step() has decided, so the test does not depend on
-timing: without the abandon it would step every chunk (and hold until its wait times out).
+The user's own torch.nn.utils.clip_grad_norm_ between backward and step() is another case:
+the chunks the worker starts after it read the clipped gradients, so step() waits for them and
+keeps them; only those stepped before it are stepped again.
+
+The worker is held at its first chunk (or its second submission) until step() has decided (or
+the clip is done), so the tests do not depend on timing: without the abandon it would step
+every chunk (and hold until its wait times out).
 """
 
 from __future__ import annotations
@@ -61,14 +66,14 @@ def held_worker(monkeypatch):
 
 
 def _train(opt, model, steps: int, state=None, clip_torch: float | None = None,
-           scaler=None) -> list[dict]:
+           scaler=None, device: str = "cpu") -> list[dict]:
     g = torch.Generator().manual_seed(1)
     stats = []
     for _ in range(steps):
         if state is not None:
             state.update(held=False, worker_chunks=0)
             state["abandoned"].clear()
-        loss = model(torch.randn(16, DIM, generator=g)).square().mean()
+        loss = model(torch.randn(16, DIM, generator=g).to(device)).square().mean()
         (scaler.scale(loss) if scaler is not None else loss).backward()
         if clip_torch is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip_torch)
@@ -179,6 +184,86 @@ def test_a_refused_gradient_changes_nothing_and_the_next_step_is_exact(held_work
     opt.step()
     ref_model(x).square().mean().backward()
     ref.step()
+    for a, b in zip(ref_model.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    opt.close()
+
+
+@pytest.fixture
+def held_second_submission(monkeypatch):
+    """Holds the worker's second submission of each backward until the test releases it
+    (`release`), after the first has finished."""
+    state = {"release": threading.Event(), "first_done": threading.Event(), "calls": 0}
+    work = Overlap._work
+
+    def held_work(self, *args, **kwargs):
+        state["calls"] += 1
+        if state["calls"] == 2:
+            state["release"].wait(HOLD_S)
+        try:
+            return work(self, *args, **kwargs)
+        finally:
+            if state["calls"] == 1:
+                state["first_done"].set()
+
+    monkeypatch.setattr(Overlap, "_work", held_work)
+    return state
+
+
+@pytest.mark.parametrize("device, state_dtype", [
+    ("cpu", "fp32"), ("cpu", "bf16"),
+    pytest.param("cuda", "fp32", marks=pytest.mark.gpu),
+    pytest.param("cuda", "bf16", marks=pytest.mark.gpu)])
+def test_torch_clip_after_backward_keeps_the_chunks_started_after_it(held_second_submission,
+                                                                     device, state_dtype):
+    """torch.nn.utils.clip_grad_norm_ (the Hugging Face Trainer's, with a tierlift optimizer
+    passed in) scales every gradient between backward and step(): the chunks the worker stepped
+    before it are stepped again, and those it starts after it read the clipped gradients, so
+    step() waits for them and keeps them (leaving them would only move that work into step()).
+    On a GPU the gradients are fingerprinted there; the reference is the same offload without
+    the overlap."""
+    ref_model, model = _model().to(device), _model().to(device)
+    ref = AdamW(ref_model.parameters(), lr=1e-2, state_dtype=state_dtype, offload="cpu",
+                chunk_bytes=DIM * DIM * 4)
+    _train(ref, ref_model, 2, clip_torch=1e-3, device=device)
+    opt = AdamW(model.parameters(), lr=1e-2, offload="cpu", overlap=True,
+                chunk_bytes=DIM * DIM * 4, state_dtype=state_dtype)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        held = held_second_submission
+        held.update(calls=0)
+        held["release"].clear()
+        held["first_done"].clear()
+        model(torch.randn(16, DIM, generator=g).to(device)).square().mean().backward()
+        assert held["first_done"].wait(HOLD_S)
+        assert torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3) > 1e-3  # it scales
+        held["release"].set()
+        opt.step()
+        s = opt.last_step_stats
+        assert s["overlap_redone_chunks"] >= 1  # the first submission read the gradients before
+        assert s["overlap_kept_chunks"] >= 1  # the held one read them clipped
+        assert s["overlap_kept_chunks"] + s["overlap_redone_chunks"] == _chunks(opt)
+        assert s.get("overlap_abandoned_chunks", 0) == 0
+        opt.zero_grad(set_to_none=True)
+    for a, b in zip(ref_model.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    opt.close()
+    ref.close()
+
+
+def test_torch_clip_below_its_threshold_keeps_the_chunks():
+    """Under the threshold clip_grad_norm_ scales by exactly 1.0: no bit changes, the probe
+    finds nothing, the worker's chunks are kept."""
+    ref_model, model = _model(), _model()
+    ref = AdamW(ref_model.parameters(), lr=1e-2)
+    _train(ref, ref_model, 2, clip_torch=1e9)
+    opt = AdamW(model.parameters(), lr=1e-2, offload="cpu", overlap=True,
+                chunk_bytes=DIM * DIM * 4)
+    stats = _train(opt, model, 2, clip_torch=1e9)
+    for s in stats:
+        assert s.get("overlap_rewritten_gradients", 0.0) == 0.0
+        assert s.get("overlap_abandoned_chunks", 0) == 0
+        assert s["overlap_kept_chunks"] > 0
     for a, b in zip(ref_model.parameters(), model.parameters()):
         assert torch.equal(a, b)
     opt.close()

@@ -32,10 +32,10 @@ def _model() -> nn.Module:
     return nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
 
 
-def _train(opt, model, steps: int) -> None:
+def _train(opt, model, steps: int, device: str = "cpu") -> None:
     g = torch.Generator().manual_seed(1)
     for _ in range(steps):
-        model(torch.randn(8, 64, generator=g)).square().mean().backward()
+        model(torch.randn(8, 64, generator=g).to(device)).square().mean().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -109,3 +109,22 @@ def test_a_capped_worker_steps_bit_for_bit_as_the_in_memory_optimizer(state_dtyp
         assert torch.equal(a, b)
     assert opt.last_step_stats["overlap_kept_chunks"] > 0  # stepped by the capped worker
     opt.close()
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_default_leaves_an_eighth_and_steps_exactly():
+    """CUDA parameters: the worker's default cap is all but an eighth of the pool, and the
+    weights are those of the same offload without the overlap."""
+    ref_model, model = _model().cuda(), _model().cuda()
+    ref = AdamW(ref_model.parameters(), lr=1e-2, offload="cpu", chunk_bytes=16 << 10)
+    opt = AdamW(model.parameters(), lr=1e-2, offload="cpu", overlap=True, chunk_bytes=16 << 10)
+    pool = worker_threads.pool_size()
+    want = max(1, pool - max(1, pool // 8))
+    assert opt._offload.overlap.threads == want
+    _train(ref, ref_model, 3, "cuda")
+    _train(opt, model, 3, "cuda")
+    for a, b in zip(ref_model.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    assert opt.last_step_stats["overlap_threads"] == float(want)
+    opt.close()
+    ref.close()
