@@ -154,3 +154,68 @@ def test_gradscaler_fingerprints_taken_beside_the_norm(clip, keeps):
     for a, b in zip(ref, got):
         assert torch.equal(a, b)
     assert (kept > 10 and redone == 0) if keeps else (kept == 0 and redone > 10)
+
+
+def _two_group_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(4)])
+
+
+def _groups(model, lr=1e-2):
+    layers = list(model)
+    return [{"params": [p for m in layers[:2] for p in m.parameters()], "lr": lr},
+            {"params": [p for m in layers[2:] for p in m.parameters()], "lr": lr / 2}]
+
+
+def _backward(model, seed):
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(seed))
+    model(x).square().mean().backward()
+
+
+def test_each_group_is_checked_once_per_step_not_per_gradient(monkeypatch):
+    """The optimizer's group checks run on the thread that launches backward: once per group
+    at its first gradient, not at each of the 16 hooks."""
+    from tierlift.offload import overlap
+    calls = []
+    real = overlap.check_group
+    monkeypatch.setattr(overlap, "check_group",
+                        lambda opt, gi, *a: calls.append(gi) or real(opt, gi, *a))
+    ref_model, model = _two_group_model(), _two_group_model()
+    ref = AdamW(_groups(ref_model))
+    opt = AdamW(_groups(model), offload="cpu", overlap=True, chunk_bytes=4096)
+    for seed in range(3):
+        for m, o in ((ref_model, ref), (model, opt)):
+            _backward(m, seed)
+            o.step()
+            o.zero_grad(set_to_none=True)
+        assert sorted(calls) == [0, 1], calls
+        calls.clear()
+    assert opt.last_step_stats["overlap_kept_chunks"] > 0
+    for a, b in zip(ref_model.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    opt.close()
+
+
+def test_a_group_refused_at_its_first_gradient_is_left_to_step():
+    """A group whose settings step() would refuse when backward starts is not stepped ahead;
+    put right before step(), step() steps it itself, exactly."""
+    ref_model, model = _two_group_model(), _two_group_model()
+    ref = AdamW(_groups(ref_model))
+    opt = AdamW(_groups(model), offload="cpu", overlap=True, chunk_bytes=4096)
+    for m, o in ((ref_model, ref), (model, opt)):
+        _backward(m, 0)
+        o.step()
+        o.zero_grad(set_to_none=True)
+    opt.param_groups[1]["lr"] = -1.0  # refused by the optimizer's checks
+    _backward(model, 1)
+    opt.param_groups[1]["lr"] = ref.param_groups[1]["lr"]
+    opt.step()
+    st = opt.last_step_stats
+    assert st["overlap_kept_chunks"] > 0  # group 0's
+    chunks = [len(lay.chunks) for lay in opt._offload.layouts]
+    assert st["overlap_kept_chunks"] + st.get("overlap_redone_chunks", 0) <= chunks[0]
+    _backward(ref_model, 1)
+    ref.step()
+    for a, b in zip(ref_model.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    opt.close()

@@ -444,6 +444,7 @@ class Overlap:
         self._error = None
         self._abandoned = False  # abandon(): the chunks not yet stepped are not stepped ahead
         self._lists_checked = False  # by the first gradient hook of the next backward
+        self._group_ok = {}  # gi -> whether step() would take the group (its first hook's check)
 
     def _on_grad(self, p: torch.Tensor) -> None:
         self._training = True  # until step() (or a state_dict()) waits for the worker
@@ -455,10 +456,10 @@ class Overlap:
         gi, pi = self._where[p]
         group = self.off.opt.param_groups[gi]
         params = group["params"]
-        try:  # a group step() refuses (amsgrad switched, a bad lr) is not stepped ahead
-            check_group(self.off.opt, gi, group, self.off._kinds[gi])
-        except (ValueError, TypeError):
-            return
+        if gi not in self._group_ok:
+            self._group_ok[gi] = self._group_takes(gi, group)
+        if not self._group_ok[gi]:
+            return  # a group step() refuses (amsgrad switched, a bad lr) is not stepped ahead
         with self._lock:
             self._ready[gi].add(pi)
             ready = []
@@ -483,6 +484,16 @@ class Overlap:
                          # the hook runs on the stream that produced the gradients
                          ready=d2h.ready_events([params[q].grad for q in pis]))
             self._pending.append((self._pool.submit(self._work, gi, ready, rec), len(ready)))
+
+    def _group_takes(self, gi: int, group: dict) -> bool:
+        """The optimizer's checks of the group, once per step at its first gradient (not at
+        every hook: they are Python on the thread that launches backward's kernels). A group
+        changed after that is still checked by step(), and its chunks' settings compared."""
+        try:
+            check_group(self.off.opt, gi, group, self.off._kinds[gi])
+        except (ValueError, TypeError):
+            return False
+        return True
 
     def _work(self, gi: int, chunks, rec: Record) -> None:
         if self._error is not None:
