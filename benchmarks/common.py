@@ -48,47 +48,6 @@ def mem_available_bytes() -> int:
     return 0
 
 
-def _status_bytes(pid, key: str) -> int:
-    """A byte count of /proc/PID/status (e.g. "VmHWM:"); 0 for a process that is gone."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith(key):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return 0
-
-
-def _descendants(pid: int) -> list[int]:
-    """The live processes under `pid` (by their parent ids in /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        out += kids
-        todo += kids
-    return out
-
-
-def peak_host_bytes() -> int:
-    """The peak resident memory (VmHWM) of this process plus that of its live child processes
-    (a contender's own workers, e.g. DeepSpeed SuperOffload's CPU Adam process), in bytes: what
-    a case held of the host's RAM at most, pinned or not. Pages two processes share (/dev/shm)
-    count in each; 0 where /proc has no such field."""
-    return _status_bytes("self", "VmHWM:") + sum(
-        _status_bytes(pid, "VmHWM:") for pid in _descendants(os.getpid()))
-
-
 def median_time(fn, *, repeats: int = 5, warmup: int = 1, sync=None) -> float:
     """Median wall time of fn() in seconds over `repeats` runs after `warmup` runs."""
     for _ in range(warmup):

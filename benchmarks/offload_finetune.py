@@ -63,7 +63,7 @@ from pathlib import Path
 import torch
 
 import tierlift
-from common import machine, peak_host_bytes, print_table, write_json
+from common import machine, print_table, write_json
 from deepspeed_modes import mode_note, refusal
 from finetune_sizing import (
     FIT,
@@ -90,6 +90,7 @@ from offload_deepspeed import (  # noqa: F401 (check_deepspeed_config, deepspeed
 )
 from offload_legs import print_leg_table
 from plots import plot_json, plot_offload_finetune
+from tierlift._peak_rss import peak_with_children
 from tierlift._pinned import registered_bytes
 
 BENCH = Path(__file__).resolve().with_name("bench_offload.py")  # runs each case in its process
@@ -295,7 +296,7 @@ def run_case(args, which: str) -> None:
                                    args.seq_len) / out["step_s"] / 1e12
     out["tokens_per_step"] = args.batch_size * args.seq_len
     out["tokens_per_s"] = out["tokens_per_step"] / out["step_s"]
-    out["peak_host_bytes"] = peak_host_bytes()  # RSS, its worker processes' included
+    out["peak_host_bytes"] = peak_with_children()  # RSS, its worker processes' included
     if device.type == "cuda":
         out["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
         # as torch's caching host allocator holds it (each block rounded up to a power of two),
@@ -326,6 +327,8 @@ CONTENDERS = {
                        "the first sub-groups' state on the GPU, the share --device-fraction keeps "
                        "for tierlift), bf16",
 }
+CEILING = "torch-gpu"  # nothing offloaded: tierlift's ratio to it has no target
+CEILING_TARGET = "none: the ceiling, nothing offloaded"
 TARGETS = {"torch-cpu": 2.0, "deepspeed": 1.5, "deepspeed-zero2": 1.5, "deepspeed-super": 1.5,
            "deepspeed-ratio": 1.5}
 
@@ -351,7 +354,7 @@ def ratio_rows(ok: list[dict]) -> list[dict]:
     return [{"case": f"{a['contender']} / {b['contender']}",
              "TFLOPS": f"{a['tflops'] / b['tflops']:.2f}x",
              "target": f">= {TARGETS[b['contender']]}x" if b["contender"] in TARGETS else
-             "none: the ceiling, nothing offloaded" if b["contender"] == "torch-gpu" else ""}
+             CEILING_TARGET if b["contender"] == CEILING else ""}
             for a in mine for b in peers]
 
 
@@ -492,7 +495,7 @@ def compare_compute(ok: list[dict]) -> str:
     """Each tierlift row's forward + backward against the ceiling's (torch-gpu: the same model
     and batch, nothing offloaded): what the offload's host work (its threads, copies, hooks)
     costs the device's own compute, as `compute_vs_ceiling` in the row. "" without both."""
-    ceiling = next((r for r in ok if r["contender"] == "torch-gpu" and r.get("compute_s")), None)
+    ceiling = next((r for r in ok if r["contender"] == CEILING and r.get("compute_s")), None)
     lines = []
     for r in ok:
         if ceiling is None or not r["contender"].startswith("tierlift") or not r.get("compute_s"):
@@ -569,7 +572,7 @@ def finetune(args) -> int:
         if which == "torch-cpu" and not info.get("torch_cpu_fits", True):
             print("torch-cpu: left out, its 18 B/param do not fit --cpu-mem", flush=True)
             continue
-        if which == "torch-gpu" and not info.get("torch_gpu_fits", True):
+        if which == CEILING and not info.get("torch_gpu_fits", True):
             why = ("does not fit: 20 B/param (bf16 params and grads, fp32 masters, their grads, "
                    "m, v) + activations, "
                    f"{info['torch_gpu_bytes'] / GiB:.0f} GiB of --gpu-mem x {FIT}")

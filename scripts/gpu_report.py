@@ -58,7 +58,9 @@ TARGETS = {
     # the NVMe step at most this x (state bytes read + written) / the disk's bandwidth
     "nvme_roofline": benchmark_constant("finetune_sizing.py", "NVME_TARGET"),
 }  # the GPU kernels' targets: gpu_report_kernels.TARGETS
-CEILING = "torch-gpu"  # the fine-tune with nothing offloaded: the ceiling, no target
+# the fine-tune with nothing offloaded, and what its ratio row says instead of a target
+CEILING = benchmark_constant("offload_finetune.py", "CEILING")
+CEILING_TARGET = benchmark_constant("offload_finetune.py", "CEILING_TARGET")
 contender = lambda row: row.get("contender") or row.get("case", "?")  # older JSONs: case only
 
 
@@ -118,7 +120,7 @@ def finetune_section(data: dict) -> list[str]:
         for b in (r for r in ok if not contender(r).startswith("tierlift")):
             goal, ratio = TARGETS["finetune_vs_peer"].get(contender(b)), a["tflops"] / b["tflops"]
             rows.append([f"{contender(a)} / {contender(b)} (TFLOPS)", "", "", "", times(ratio),
-                         "", "", "", "", "", "none: the ceiling, nothing offloaded"
+                         "", "", "", "", "", CEILING_TARGET
                          if contender(b) == CEILING else at_least(goal), verdict(ratio, goal),
                          ""])
     out += ["", *table(["case", "s/step", "tokens/step", "tokens/s", "TFLOPS", "peak GPU GB",

@@ -24,10 +24,10 @@ import pytest
 import torch
 
 import tierlift
+from tierlift import _peak_rss
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "examples")]
-import common  # noqa: E402
 import finetune_sizing as fs  # noqa: E402
 import offload_deepspeed as ods  # noqa: E402
 import offload_finetune as of  # noqa: E402
@@ -443,9 +443,9 @@ def test_peak_host_memory_counts_the_case_and_its_worker_processes():
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "ready"
-        own = common._status_bytes("self", "VmHWM:")
-        assert child.pid in common._descendants(os.getpid())
-        assert common.peak_host_bytes() >= own + (256 << 20)
+        own = _peak_rss.status("VmHWM:")
+        assert child.pid in _peak_rss.descendants(os.getpid())
+        assert _peak_rss.peak_with_children() >= own + (256 << 20)
     finally:
         child.communicate("")
-    assert common._status_bytes(child.pid, "VmHWM:") == 0  # gone: counts nothing
+    assert child.pid not in _peak_rss.descendants(os.getpid())  # gone: counts nothing
