@@ -27,27 +27,13 @@
 # with the GPU, and after stage 1 the built extension (stripped). GPU_CHECK_TESTS adds pytest
 # args; GPU_CHECK_SKIP="name|name" skips parts by their summary name (parts measured earlier).
 #
-# Here, before the device calls: bash scripts/prebuild_gpu.sh (tierlift's extension for the GPU
-# machine's Python and torch, into .devdeps/prebuilt, used there only where its manifest matches
-# the tree: a minute of the GPU machine saved). Once per checkout (.devdeps is ignored by git;
-# the GPU machine has no network): the
-# build's liburing headers, libaio's (DeepSpeed's async_io op, for its NVMe contender), the
-# per-test time limit, and DeepSpeed with the dependencies torch's environment lacks, as wheels
-# for the GPU machine's Python 3.12 (6 MB in all; the DeepSpeed wheel is built here without ops,
-# DS_BUILD_OPS=0: its CPU Adam and async_io build there, in stage 2):
-#   mkdir -p .devdeps/deepspeed && (cd .devdeps &&
-#     apt-get download liburing2 liburing-dev libaio1 libaio-dev &&
-#     python3 -m pip download --no-deps --only-binary=:all: pytest-timeout expecttest) &&
-#   DS_BUILD_OPS=0 python3 -m pip wheel --no-deps -w .devdeps/deepspeed deepspeed==0.19.8 &&
-#   python3 -m pip download -d .devdeps/deepspeed --only-binary=:all: --implementation cp \
-#     --python-version 3.12 --abi cp312 --abi abi3 --abi none --platform manylinux_2_28_x86_64 \
-#     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any \
-#     einops hjson msgpack ninja psutil py-cpuinfo pydantic tqdm packaging
-# (numpy, DeepSpeed's last dependency besides torch, is on the GPU machine with torch-geometric.)
-# torchao's Float8Linear beside tierlift's (stage 2, lowp): 0.17.0, the release built for torch
-# 2.11; its pure-Python wheel (1.2 MB), as float8 training uses none of torchao's compiled kernels:
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
-#     --implementation py --abi none --platform any -d .devdeps/torchao torchao==0.17.0
+# Here, before the device calls: bash scripts/fetch_devdeps.sh (once per checkout: .devdeps is
+# ignored by git and the GPU machine has no network; 8 s on the development VM), then bash
+# scripts/prebuild_gpu.sh (tierlift's extension for the GPU machine's Python and torch, into
+# .devdeps/prebuilt, used there only where its manifest matches the tree: a minute of the GPU
+# machine saved). fetch_devdeps.sh's top lists what is carried: the liburing and libaio debs,
+# the pytest-timeout and expecttest wheels, DeepSpeed built without ops plus the dependencies
+# torch's environment there lacks, for Python 3.12, and torchao's pure-Python wheel.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 STAGE=${1:-}
@@ -139,7 +125,7 @@ export PYTHONPATH=$PYTHONPATH:$DS_SITE PATH=$PATH:$DS_SITE/bin
 ds_install() {
   local need
   if ! ls .devdeps/deepspeed/deepspeed-*.whl >/dev/null 2>&1; then
-    note "deepspeed: no wheels in .devdeps/deepspeed (see the script's top): left out"
+    note "deepspeed: no wheels in .devdeps/deepspeed (scripts/fetch_devdeps.sh): left out"
     return 1
   fi
   need=$($PY -m pip install --dry-run -q --no-index --find-links .devdeps/deepspeed --report - \
@@ -283,7 +269,7 @@ fi
 if [[ $DRY == 1 ]]; then  # the dry run checks the DeepSpeed contenders' names too
   ds_wait
   ls .devdeps/libaio-dev_*.deb >/dev/null 2>&1 ||
-    note "dry run: warning: no libaio debs in .devdeps (see the top): deepspeed-nvme left out"
+    note "dry run: warning: no libaio debs in .devdeps (scripts/fetch_devdeps.sh): deepspeed-nvme left out"
 fi
 
 # torchao (stage 2's lowp part) from the wheel carried in .devdeps/torchao, into a site dir of its
@@ -297,7 +283,7 @@ ao_install() {
     note "torchao: $($PY -c 'import torchao; print(torchao.__version__)') (this machine's)"
     return 0
   fi
-  [[ -f $whl ]] || { note "torchao: no wheel in .devdeps/torchao (see the script's top): left out"
+  [[ -f $whl ]] || { note "torchao: no wheel in .devdeps/torchao (scripts/fetch_devdeps.sh): left out"
     return 1; }
   if [[ $DRY == 1 ]]; then
     if $PY -m pip install --dry-run -q --no-index --no-deps --only-binary=:all: \
