@@ -371,9 +371,23 @@ class Adam(Optimizer):
             for key in ("exp_avg", "exp_avg_sq", "exp_avg_sq_scale"):
                 state[key] = state[key].contiguous()
 
+    def __getstate__(self) -> dict:
+        """What pickle and copy.deepcopy take (torch's keys, and the state format, which a copy
+        must not read as fp32). An offloaded optimizer is refused: its moments and masters live
+        in its tiers, so a copy would silently restart Adam from zero moments."""
+        if getattr(self, "_offload", None) is not None:
+            raise TypeError(
+                f"an offloaded {type(self).__name__} cannot be pickled or copied (copy.deepcopy, "
+                "torch.save(optimizer)): its state lives in host memory tiers or files that a "
+                "copy would not hold, and the copy would restart from zero moments. Save "
+                "optimizer.state_dict() (or use tierlift.checkpoint.save) and load it into a "
+                "new optimizer")
+        return {**super().__getstate__(), "_state_dtype": self._state_dtype}
+
     def __setstate__(self, state):
         super().__setstate__(state)
         self.__dict__.setdefault("_state_dtype", "fp32")
+        self.__dict__.setdefault("_offload", None)  # an unpickled copy holds its state itself
         for group in self.param_groups:
             group.setdefault("decoupled_weight_decay", False)
             group.setdefault("maximize", False)
