@@ -103,6 +103,8 @@ def check_plan(off, plan: list[GroupPlan], source: str) -> None:
             if pi < len(params) and not off.layouts[gi].reserved[pi] and not held:
                 raise ValueError(not_reserved(off._name(gi, pi), off.config.offload,
                                               f"has state in the checkpoint {source}"))
+            if pi < len(params) and off.layouts[gi].reserved[pi]:
+                off.check_param(gi, pi, params[pi])  # filled by its laid-out numel
             if pi >= len(params) or params[pi].numel() != src.numel:
                 got = (f"shape {tuple(params[pi].shape)}" if pi < len(params)
                        else "no such parameter")

@@ -203,6 +203,10 @@ def stage_offloaded(off, directory: str, names: dict, packer, helds: list, files
     writer.Held for each group is appended to `helds` (the writer reads them after the pieces).
     The kind files are appended to `files`. Returns finish(digests), which writes state.json
     once the writer knows every file's SHA-256. `names` ({param: name}) are recorded."""
+    for gi, group in enumerate(off.opt.param_groups):  # read by their laid-out numels
+        for pi, p in enumerate(group["params"]):
+            if off.layouts[gi].reserved[pi] and "step" in off.opt.state.get(p, {}):
+                off.check_param(gi, pi, p)
     os.makedirs(directory, exist_ok=True)
     groups, outs_all = [], {}
     for gi, group in enumerate(off.opt.param_groups):

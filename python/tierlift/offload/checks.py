@@ -45,6 +45,37 @@ def check_params(groups: list[dict]) -> None:
                     "listing, cannot reproduce; list it once")
 
 
+def formats(groups: list[dict]) -> list[list]:
+    """Each parameter's (dtype, device) when the state was laid out, beside its numel in the
+    layout: what check_unchanged compares."""
+    return [[(p.dtype, p.device) for p in g["params"]] for g in groups]
+
+
+def check_unchanged(name: str, p: torch.Tensor, numel: int, dtype, device) -> None:
+    """Refuses a parameter whose data was replaced since the state was laid out (`p.data =
+    x`: model.to(dtype or memory_format=...), an embedding grown in place): the tiers hold
+    `numel` elements for it, stream it as flat memory and keep or skip its master by its
+    dtype, so a step would leave the rest of a grown parameter untrained, or fail half way."""
+    if (p.numel() == numel and p.dtype == dtype and p.device == device
+            and p.is_contiguous()):
+        return
+    what = []
+    if p.numel() != numel:
+        what.append(f"{numel} elements, now {p.numel()}")
+    if p.dtype != dtype:
+        what.append(f"dtype {dtype}, now {p.dtype}")
+    if p.device != device:
+        what.append(f"on {device}, now on {p.device}")
+    if not p.is_contiguous():
+        what.append(f"now non-contiguous (stride {p.stride()})")
+    raise RuntimeError(
+        f"{name} is not the tensor the offloaded state was laid out for ({'; '.join(what)}): "
+        "its data was replaced after the optimizer was built, and offloaded state is laid out "
+        "once, for each parameter as it was then. Make the change before building the "
+        "optimizer (save its state_dict() first and load it into the new one), or undo it. "
+        "Nothing was changed")
+
+
 def listed(groups: list[dict]) -> list[list]:
     """The params lists as the offloaded state was laid out for them."""
     return [list(g["params"]) for g in groups]

@@ -28,6 +28,7 @@ def collect(off) -> list[dict]:
                     continue
                 raise RuntimeError(not_reserved(name, off.config.offload,
                                                 "has a gradient now"))
+            off.check_param(gi, pi, p)
             if g.is_sparse:
                 raise RuntimeError(f"{name} has a sparse gradient; tierlift's Adam needs "
                                    "dense gradients")

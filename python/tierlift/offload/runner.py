@@ -39,6 +39,8 @@ from tierlift.offload.checks import (
     check_group,
     check_lists,
     check_params,
+    check_unchanged,
+    formats,
     listed,
     scale_value,
 )
@@ -64,6 +66,7 @@ class Offloader(StateIO, ChunkStep):
     def __init__(self, optimizer, config: OffloadConfig):
         check_params(optimizer.param_groups)
         self._built = listed(optimizer.param_groups)
+        self._formats = formats(optimizer.param_groups)
         self.opt = optimizer
         self.config = config
         self._last_stats: dict = {}
@@ -159,6 +162,12 @@ class Offloader(StateIO, ChunkStep):
 
     def _name(self, gi: int, pi: int) -> str:
         return f"param_groups[{gi}]['params'][{pi}]"
+
+    def check_param(self, gi: int, pi: int, p: torch.Tensor) -> None:
+        """Refuses a reserved parameter whose data changed since construction
+        (checks.check_unchanged)."""
+        check_unchanged(self._name(gi, pi), p, self.layouts[gi].numels[pi],
+                        *self._formats[gi][pi])
 
     def _what(self, gi: int, chunk):
         return lambda: ", ".join(self._name(gi, s.pi) for s in chunk.segments)

@@ -29,6 +29,8 @@ class StateIO:
         for gi, group in enumerate(self.opt.param_groups):
             params, layout, tier = group["params"], self.layouts[gi], self.tiers[gi]
             for pi, p in enumerate(params):  # no segment holds a 0-element one's empty state
+                if layout.reserved[pi] and "step" in self.opt.state.get(p, {}):
+                    self.check_param(gi, pi, p)  # its state is read by the laid-out numel
                 if p.numel() == 0 and "step" in self.opt.state.get(p, {}) \
                         and layout.reserved[pi]:  # not the device part's (device_part.py)
                     out[p] = {k: torch.empty(p.shape if k != SCALE_KIND else (0,),
@@ -90,6 +92,8 @@ class StateIO:
                 if p in loaded and not self.layouts[gi].reserved[pi]:
                     raise ValueError(not_reserved(self._name(gi, pi), self.config.offload,
                                                   "has state in the state dict being loaded"))
+                if p in loaded:
+                    self.check_param(gi, pi, p)
                 for k, v in loaded.get(p, {}).items():
                     want = kind_elems(k, p.numel())
                     if isinstance(v, torch.Tensor) and k in self.tiers[gi].kinds and \
