@@ -40,6 +40,7 @@ import torch
 
 import deepspeed_modes as modes
 from finetune_sizing import FIT, GiB, config
+from tierlift._peak_rss import peak_with_children
 
 # contender: (ZeRO stage, where its optimizer state lives, offload mode: deepspeed_modes.py)
 DEEPSPEED = {"deepspeed": (3, "cpu", None), "deepspeed-zero2": (2, "cpu", None),
@@ -265,6 +266,9 @@ def run_deepspeed(args, info: dict, device, which: str = "deepspeed") -> dict:
                 # torch-pinned peak for the row's pinned GB, as it adds tierlift's registered ones
                 registered_pinned_bytes=locked,
                 aio={k: getattr(io, f"get_{k}")() for k in AIO})
+        # read while SuperOffload's worker process lives: close_super (below) ends it, and
+        # run_case's own reading, after this returns, would count none of its memory
+        out["peak_host_bytes"] = peak_with_children()
         return out
     finally:
         modes.close_super(engine)

@@ -296,7 +296,8 @@ def run_case(args, which: str) -> None:
                                    args.seq_len) / out["step_s"] / 1e12
     out["tokens_per_step"] = args.batch_size * args.seq_len
     out["tokens_per_s"] = out["tokens_per_step"] / out["step_s"]
-    out["peak_host_bytes"] = peak_with_children()  # RSS, its worker processes' included
+    # RSS, its worker processes' included (run_deepspeed reads it before it ends its worker)
+    out.setdefault("peak_host_bytes", peak_with_children())
     if device.type == "cuda":
         out["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
         # as torch's caching host allocator holds it (each block rounded up to a power of two),

@@ -449,3 +449,75 @@ def test_peak_host_memory_counts_the_case_and_its_worker_processes():
     finally:
         child.communicate("")
     assert child.pid not in _peak_rss.descendants(os.getpid())  # gone: counts nothing
+
+
+class _Worker:
+    """Stands in for SuperOffload's CPU Adam worker process (a child holding 256 MiB), which
+    DeepSpeed's engine.optimizer.superoffload_cpu_optimizer.close() ends."""
+
+    def __init__(self):
+        import subprocess
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", "b = bytearray(256 << 20); import sys; "
+             "print('ready', flush=True); sys.stdin.read()"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout.readline().strip() == "ready"
+
+    def close(self):
+        self.proc.communicate("")
+
+
+def test_deepspeed_row_counts_its_worker_process_before_the_case_ends_it(monkeypatch, capsys):
+    """run_deepspeed closes SuperOffload's worker process on its way out (close_super): the
+    row's peak_host_bytes is read before that, so the worker's memory counts (read after it,
+    in run_case, a GPU run's deepspeed-super row left its CPU Adam's state out). DeepSpeed's
+    engine is a stand-in here: the order is what is checked."""
+    import types
+
+    class Engine:
+        def __init__(self, model):
+            self.model = model
+            inner = torch.optim.SGD(model.parameters(), lr=1e-3)
+            self.optimizer = types.SimpleNamespace(optimizer=inner,
+                                                   superoffload_cpu_optimizer=_Worker())
+
+        def __call__(self, x, y):
+            return self.model(x, y)
+
+        def backward(self, loss):
+            loss.backward()
+
+        def step(self):
+            self.optimizer.optimizer.step()
+            self.optimizer.optimizer.zero_grad(set_to_none=True)
+
+        def get_global_grad_norm(self):
+            return None
+
+        def gradient_clipping(self):
+            return 0.0
+
+    engines = []
+
+    def initialize(model, model_parameters, config):
+        engines.append(Engine(model))
+        return engines[-1], None, None, None
+
+    fake = types.ModuleType("deepspeed")
+    fake.__version__, fake.init_distributed, fake.initialize = "stand-in", lambda **kw: None, \
+        initialize
+    monkeypatch.setitem(sys.modules, "deepspeed", fake)
+    monkeypatch.setattr(ods.modes, "check_accelerator", lambda which: None)
+    monkeypatch.setattr(ods, "check_deepspeed_config", lambda *a, **k: {})
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": "29517"}.items():  # run_deepspeed's, gone after the test
+        monkeypatch.setenv(k, v)
+    args = parse("--finetune-check", "--max-grad-norm", "0", "--steps", "1", "--warmup", "0",
+                 "--seq-len", "32", "--batch-size", "2",
+                 "--info", json.dumps({"model": "tiny", "tier": "cpu"}))
+    own = _peak_rss.status("VmHWM:")
+    of.run_case(args, "deepspeed")
+    res = json.loads(next(ln for ln in capsys.readouterr().out.splitlines()
+                          if ln.startswith("RESULT "))[len("RESULT "):])
+    assert engines[0].optimizer.superoffload_cpu_optimizer.proc.poll() is not None  # closed
+    assert res["peak_host_bytes"] >= own + (256 << 20), res["peak_host_bytes"] - own
