@@ -225,6 +225,9 @@ class Offloader(StateIO, ChunkStep):
 
     # ---- step ----------------------------------------------------------------------------
     @torch.no_grad()
+    # Run eagerly under torch.compile(optimizer.step): inductor's graphs of this host code
+    # stepped wrongly without an error (weights 25% off torch's after 6 steps, offload="cpu").
+    @torch.compiler.disable
     def step(self, grad_scale: torch.Tensor | None = None,
              found_inf: torch.Tensor | None = None) -> None:
         """One step. `grad_scale` / `found_inf`: torch's AMP protocol (GradScaler.step passes
