@@ -2,9 +2,10 @@
 (OffloadConfig.overlap_threads; tierlift.offload.worker_threads) and on all of them once step()
 waits for it; the threads change no result.
 
-The worker is held at its first chunk until step() waits for it, so what each chunk ran on does
-not depend on timing: the first started while training ran, every later one after step()
-began waiting."""
+The worker is held at its first chunk until step() waits for it, and step() waits for that
+chunk to start first (a tiny backward ends before the worker's first chunk: it then read that
+training had ended), so what each chunk ran on does not depend on timing: the first started
+while training ran, every later one after step() began waiting."""
 
 from __future__ import annotations
 
@@ -67,18 +68,22 @@ def test_cpu_parameters_do_not_train_on_cuda():
 
 
 def test_worker_is_capped_while_training_runs_and_not_once_step_waits(monkeypatch):
-    seen = []  # (chunk index on the worker, thread limit while it ran)
-    waiting = threading.Event()
+    seen = []  # the thread limit each of the worker's chunks ran under
+    started, waiting = threading.Event(), threading.Event()
     step_chunk, wait_pending = Offloader._step_chunk, Overlap._wait_pending
 
     def held_step_chunk(self, *args, **kwargs):
         if threading.current_thread().name.startswith("tierlift-offload"):
             seen.append(tierlift._extension._C.thread_limit())
             if len(seen) == 1:
+                started.set()
                 assert waiting.wait(HOLD_S), "step() never waited for the worker"
         return step_chunk(self, *args, **kwargs)
 
     def signalled_wait(self):
+        assert started.wait(HOLD_S), "the worker stepped no chunk during backward"
+        # what _wait_pending() does first, before the worker goes on: its next chunk reads it
+        self._training = False
         waiting.set()
         return wait_pending(self)
 
