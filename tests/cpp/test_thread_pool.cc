@@ -1,4 +1,5 @@
 #include <gtest/gtest.h>
+#include <sched.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -70,6 +71,23 @@ TEST(ThreadPool, ThreadLimitCapsTheCallingThreadOnly) {
   EXPECT_EQ(ranges(1000), 1);
   ThreadPool::set_thread_limit(0);
   EXPECT_EQ(ranges(1000), 4);
+}
+
+// The pool's default size follows the affinity mask (a container's cpuset, taskset), not the
+// machine's CPU count: a thread pinned to one CPU counts one.
+TEST(ThreadPool, UsableCpusFollowsTheAffinityMask) {
+  cpu_set_t all;
+  ASSERT_EQ(sched_getaffinity(0, sizeof(all), &all), 0);
+  EXPECT_EQ(ThreadPool::usable_cpus(), CPU_COUNT(&all));
+  int first = 0;
+  while (!CPU_ISSET(first, &all)) ++first;
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  CPU_SET(first, &one);
+  ASSERT_EQ(sched_setaffinity(0, sizeof(one), &one), 0);
+  EXPECT_EQ(ThreadPool::usable_cpus(), 1);
+  ASSERT_EQ(sched_setaffinity(0, sizeof(all), &all), 0);
+  EXPECT_EQ(ThreadPool::usable_cpus(), CPU_COUNT(&all));
 }
 
 TEST(ThreadPool, NestedCallRunsInline) {

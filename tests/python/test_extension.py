@@ -37,3 +37,21 @@ def test_import_without_compiled_extension_falls_back_to_reference():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-2000:]
+
+
+def test_thread_pool_takes_the_cpus_the_process_may_run_on():
+    """Started on one CPU of the affinity mask (taskset, a container's cpuset), the pool has one
+    thread, not one per CPU of the machine, unless TIERLIFT_NUM_THREADS says otherwise."""
+    import os
+
+    cpu = min(os.sched_getaffinity(0))
+    code = (f"import os; os.sched_setaffinity(0, {{{cpu}}}); import tierlift; "
+            "print(tierlift.build_info()['cpu_threads'])")
+    env = {k: v for k, v in os.environ.items() if k != "TIERLIFT_NUM_THREADS"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == "1"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env={**env, "TIERLIFT_NUM_THREADS": "3"})
+    assert out.returncode == 0 and out.stdout.split()[-1] == "3", out.stderr[-2000:]

@@ -7,6 +7,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "core/util/thread_pool.h"
+
 namespace tierlift::io {
 
 struct Copier::Job {
@@ -40,8 +42,7 @@ int Copier::default_threads() {
     const int n = std::atoi(env);
     if (n >= 1 && n <= 256) return n;
   }
-  const int hw = static_cast<int>(std::thread::hardware_concurrency());
-  return std::clamp(hw, 2, 4);
+  return std::clamp(ThreadPool::usable_cpus(), 2, 4);
 }
 
 void Copier::copy(void* dst, const void* src, size_t n, std::function<void()> done) {

@@ -1,5 +1,6 @@
 #include "core/util/thread_pool.h"
 
+#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -111,10 +112,22 @@ ThreadPool& ThreadPool::global() {
   static ThreadPool pool([] {
     const char* env = std::getenv("TIERLIFT_NUM_THREADS");
     int n = env ? std::atoi(env) : 0;
-    if (n <= 0) n = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    if (n <= 0) n = usable_cpus();
     return n;
   }());
   return pool;
+}
+
+int ThreadPool::usable_cpus() {
+#ifdef __linux__
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    const int n = CPU_COUNT(&set);
+    if (n > 0) return n;
+  }
+#endif
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 }
 
 }  // namespace tierlift

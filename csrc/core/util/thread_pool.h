@@ -29,8 +29,14 @@ class ThreadPool {
   // (except the last). Blocks until all ranges are done. Exceptions from fn are rethrown here.
   void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
 
-  // The process-wide pool: TIERLIFT_NUM_THREADS threads, else one per hardware thread.
+  // The process-wide pool: TIERLIFT_NUM_THREADS threads, else one per CPU this process may
+  // run on (usable_cpus()).
   static ThreadPool& global();
+
+  // The CPUs the calling thread may run on (its affinity mask: taskset, a container's cpuset,
+  // numactl), else the hardware threads where the mask cannot be read. hardware_concurrency()
+  // counts every CPU of the machine: a process allowed 16 of 64 would run 64 threads on 16.
+  static int usable_cpus();
 
   // The calling thread's cap on how many threads its parallel_for calls use (0: no cap).
   // A thread that steps optimizer chunks while a GPU's backward runs leaves cores to the

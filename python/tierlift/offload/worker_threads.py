@@ -34,7 +34,8 @@ def trains_on_cuda(groups: list[dict]) -> bool:
 
 
 def pool_size() -> int:
-    """Threads in tierlift's CPU pool (TIERLIFT_NUM_THREADS, else one per hardware thread)."""
+    """Threads in tierlift's CPU pool (TIERLIFT_NUM_THREADS, else one per CPU of the affinity
+    mask)."""
     return _extension._C.num_threads()
 
 
