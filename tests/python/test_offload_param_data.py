@@ -9,6 +9,8 @@ goes on as torch's."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -127,3 +129,31 @@ def test_replaced_param_data_is_refused_by_load_state_dict(tmp_path, mode):
             opt.load_state_dict(sd)
     finally:
         close(opt)
+
+
+@pytest.mark.parametrize("mode", ["none", "c_none", "cpu", "nvme2", "c_hybrid_ov"])
+def test_state_of_another_shape_is_refused_by_load_state_dict(tmp_path, mode):
+    """Moments with the parameter's element count but another shape (a transposed weight,
+    another model's config) were loaded and stepped as if their elements lined up; torch's
+    AdamW fails at its next step. Refused at the load, which changes nothing."""
+    ref = _model()
+    ref_opt = torch_opt(ref.parameters())
+    model = _model()
+    opt = tl_opt(mode, model.parameters(), tmp_path)
+    with num_threads(1):
+        try:
+            _fit(ref, ref_opt, [0, 1, 2])
+            _fit(model, opt, [0, 1])
+            before = snapshot(model, opt)
+            for i, shape in ((0, (16, ROWS)), (1, (16, 4))):  # (ROWS, 16), (4, 16)
+                sd = copy.deepcopy(opt.state_dict())  # torch's holds the live state's dicts
+                sd["state"][i]["exp_avg"] = sd["state"][i]["exp_avg"].reshape(shape)
+                with pytest.raises(ValueError, match=f"'exp_avg' of parameter {i} has shape "
+                                   f"\\({shape[0]}, {shape[1]}\\) but the parameter has shape"):
+                    opt.load_state_dict(sd)
+                assert_same_snapshot(before, snapshot(model, opt), "refused load")
+            if not mode.startswith("c_"):  # compact state is compared with itself elsewhere
+                _fit(model, opt, [2])
+                assert_matches_torch(model, ref)
+        finally:
+            close(opt)

@@ -62,6 +62,18 @@ _DTYPES = frozenset((torch.float32, *_LOW_PRECISION))  # of params and of gradie
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_sq_scale", "max_exp_avg_sq", "master")
 
 
+def _check_state_shapes(p: torch.Tensor, saved: dict, index) -> None:
+    """A loaded moment or master must have its parameter's shape, as torch's state does: one
+    of the same size but another shape (a transposed weight, another model's config) would
+    otherwise be stepped as if its elements lined up."""
+    for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master"):
+        v = saved.get(k)
+        if isinstance(v, torch.Tensor) and v.shape != p.shape:
+            raise ValueError(f"the loaded state {k!r} of parameter {index} has shape "
+                             f"{tuple(v.shape)} but the parameter has shape {tuple(p.shape)}: "
+                             "a state dict saved for another model or parameter order")
+
+
 def _check_grad_scale(grad_scale) -> None:
     """GradScaler's scale as the kernels take it: a 1-element float32 tensor."""
     if not isinstance(grad_scale, torch.Tensor) or grad_scale.dtype != torch.float32:
@@ -310,6 +322,8 @@ class Adam(Optimizer):
         params = [p for g in self.param_groups for p in g["params"]]
         loaded = {p: {k: v for k, v in state_dict["state"][i].items() if k != "step"}
                   for i, p in zip(ids, params) if i in state_dict["state"]}
+        for i, p in zip(ids, params):
+            _check_state_shapes(p, state_dict["state"].get(i, {}), i)
         for p, state in loaded.items():
             if isinstance(state.get("exp_avg"), torch.Tensor):
                 self._to_state_format(p, state)
@@ -331,6 +345,7 @@ class Adam(Optimizer):
         params = [p for g in self.param_groups for p in g["params"]]
         for i, p in zip(ids, params):
             saved = state_dict["state"].get(i, {})
+            _check_state_shapes(p, saved, i)
             state = self.state[p]
             for k in _STATE_KEYS:
                 if k in saved and isinstance(saved[k], torch.Tensor):
