@@ -419,6 +419,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     every rank. A collective: every rank must call it."""
     state = _state(model)
     state.named_call("tierlift.zero.full_state_dict")
+    state.check_copies()
     flat = {}
     for unit in state.units:
         flat.update(unit.split(unit.gather_fp32()))

@@ -181,6 +181,24 @@ class ZeroState:
                       if u.module is self.root and u.full_bytes == 0)
         return self.stats["resident_bytes"] + unit.gather_bytes + reserve <= budget
 
+    def check_copies(self) -> None:
+        """Refuses weights edited in place through a module attribute where that attribute is
+        a compute-dtype copy (stages 1/2 with MixedPrecision.param_dtype): the masters would
+        not see it, and the next gather would undo it."""
+        for unit in self.units:
+            if unit.edited_copy():
+                names = ", ".join(e.names[0] for e in unit.entries[:3])
+                more = ", ..." if len(unit.entries) > 3 else ""
+                raise RuntimeError(
+                    f"a weight of unit {unit.name!r} ({names}{more}) "
+                    f"was changed in place through its module attribute since the last forward. "
+                    f"At stage {self.config.stage} with MixedPrecision(param_dtype="
+                    f"{unit.compute_dtype}) that attribute is a gathered {unit.compute_dtype} "
+                    "copy, not the fp32 master weights: the optimizer would step the unchanged "
+                    "masters and the next gather would undo the change. Edit the weights inside "
+                    "tierlift.zero.gathered(module, modifier_rank=0), or the shards "
+                    "(model.parameters()), or load them with load_full_state_dict")
+
     # ---- forward ----
     def _root_pre_forward(self, module, args):
         if self.gathered_blocks:
@@ -188,6 +206,7 @@ class ZeroState:
                                "sharded weights, not the block's, and take the block's weights "
                                "off the modules; run it after the block")
         frozen.check_requires_grad(self)
+        self.check_copies()
         if self.callback_queued and not _in_backward():
             # A backward raised before its end-of-backward callback ran: start clean.
             self.reductions.clear()
@@ -442,6 +461,7 @@ class ZeroState:
         if not any(id(p) in self._shard_ids for g in optimizer.param_groups for p in g["params"]):
             return
         frozen.check_requires_grad(self)
+        self.check_copies()
         if getattr(optimizer, "takes_low_precision_grads", False):
             return
         for g in optimizer.param_groups:

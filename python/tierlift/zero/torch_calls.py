@@ -14,6 +14,11 @@ slice instead of the model:
   side and the other side is left empty. An optimizer built with an empty group whose settings
   differ from those of a group holding shards (shards that shard(param_group_fn=...) did not
   split) is refused when it is constructed, naming the way to split them.
+- optimizer.zero_grad() and model.zero_grad() after backwards inside no_sync() would clear only
+  the shard gradients: the local sums no_sync() keeps in each unit's full gradient would reach
+  the next synced backward. Under DDP they live in param.grad, which zero_grad clears; so the
+  wrapped zero_grad drops them for every shard it clears (a shard's `p.grad = None` by hand is
+  not seen).
 """
 
 from __future__ import annotations
@@ -81,8 +86,36 @@ def _checking(original):
     return __init__
 
 
+def _drop_local_sums(params) -> None:
+    """Drops what no_sync() summed locally for the units of the shards in `params`."""
+    for p in params:
+        owner = shard_owner(p)
+        if owner is not None:
+            unit = owner[0].units[owner[1]]
+            if not unit.frozen:
+                unit.full.grad = None
+
+
+def _optimizer_zero_grad(original):
+    def zero_grad(self, set_to_none=True):
+        original(self, set_to_none)
+        _drop_local_sums(p for g in self.param_groups for p in g["params"])
+
+    return zero_grad
+
+
+def _module_zero_grad(original):
+    def zero_grad(self, set_to_none=True):
+        original(self, set_to_none)
+        _drop_local_sums(self.parameters())
+
+    return zero_grad
+
+
 def install() -> None:
     """Idempotent (tierlift/_torch_patch.py)."""
     wrap_method(torch.nn.utils.clip_grad, "_get_total_norm", _NORM_PARAMS, _global_norm)
     wrap_method(torch.nn.utils, "get_total_norm", _NORM_PARAMS, _global_norm)
     wrap_method(torch.optim.Optimizer, "__init__", ["self", "params", "defaults"], _checking)
+    wrap_method(torch.optim.Optimizer, "zero_grad", ["self", "set_to_none"], _optimizer_zero_grad)
+    wrap_method(torch.nn.Module, "zero_grad", ["self", "set_to_none"], _module_zero_grad)

@@ -132,6 +132,10 @@ class FlatUnit:
         self.full_grad = None  # stage 1: the averaged full gradient of the last backward
         self.fp8_gather = None  # an Fp8Gather (zero/fp8_gather.py) with fp8_all_gather=True
         self.shard_version = self.shard._version
+        # Stages 1/2 in another compute dtype: `full` is a copy, not the masters; an in-place
+        # edit through a module attribute shows in its version (gathers write through .data).
+        self.copied = keep_full and not self.aliased
+        self.full_version = self.full._version
         self._freed = None     # the FreedWeight stand-ins, made at the first free()
         self.install_views()
 
@@ -182,6 +186,7 @@ class FlatUnit:
                     self.gather_event = self.offload.after()
         self.pending = (work, src)
         self.gathered, self.stale, self.shard_version = True, False, self.shard._version
+        self.full_version = self.full._version
         self.install_views()  # in place of the freed stand-ins
         if not async_op:
             self.wait_gather()
@@ -207,6 +212,11 @@ class FlatUnit:
     def _gather_stream(self):
         """Where the all-gather is issued: the copy stream of a parameter offload with CUDA."""
         return contextlib.nullcontext() if self.offload is None else self.offload.stream_context()
+
+    def edited_copy(self) -> bool:
+        """Whether a module attribute of a stage 1/2 unit gathered in another dtype than its
+        masters was changed in place since the gather: the change is in the copy only."""
+        return self.copied and self.full._version != self.full_version
 
     # ---- module attributes ----
     def install_views(self) -> None:
