@@ -1,6 +1,8 @@
 // The one place where every tierlift op's schema is declared. Backend files add only their
 // implementations (TORCH_LIBRARY_IMPL(tierlift, CPU/CUDA, m)); fake kernels live in
-// python/tierlift/ops.py. Keep each op family in its own block.
+// python/tierlift/ops.py. Keep each op family in its own block. One exception: the optimizer's
+// step under torch.compile, tierlift::adam_group_step_, is made of the optim ops below and is
+// defined with them in python/tierlift/ops.py.
 #include <torch/library.h>
 
 TORCH_LIBRARY(tierlift, m) {
@@ -42,7 +44,9 @@ TORCH_LIBRARY(tierlift, m) {
       "Tensor[]? exp_avg_sq_scales_from=None) -> ()");
   // Adds 1 to each optimizer step count (a 1-element tensor, fp32 as torch keeps it) in place
   // and returns the new counts as integers: one call for a whole param group instead of one
-  // dispatcher call per parameter (csrc/torch/step_ops.cpp).
+  // dispatcher call per parameter (csrc/torch/step_ops.cpp). Eager only: torch.compile cannot
+  // functionalize integers returned by an op that mutates (a compiled step uses
+  // adam_group_step_, which keeps the counts inside).
   m.def("advance_steps_(Tensor(a!)[] steps) -> int[]");
 
   // ---- io ----

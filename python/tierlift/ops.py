@@ -149,11 +149,72 @@ _HAS_ADVANCE_STEPS = _extension.available() and hasattr(torch.ops.tierlift, "adv
 
 def advance_steps_(steps) -> list[int]:
     """Adds 1 to each optimizer step count in `steps` (1-element tensors, fp32 on the CPU as
-    torch keeps them) in place, in one call, and returns the new counts as ints."""
+    torch keeps them) in place, in one call, and returns the new counts as ints. Under
+    torch.compile it runs outside the graph (the counts are data the caller branches on; a
+    traced op could not return them): a compiled optimizer steps through adam_group_step_."""
     steps = list(steps)
+    if torch.compiler.is_compiling():
+        return _advance_steps_eagerly(steps)
     if _HAS_ADVANCE_STEPS:
         return torch.ops.tierlift.advance_steps_(steps)
     return reference.advance_steps_(steps)
+
+
+@torch.compiler.disable
+def _advance_steps_eagerly(steps) -> list[int]:
+    if _HAS_ADVANCE_STEPS:
+        return torch.ops.tierlift.advance_steps_(steps)
+    return reference.advance_steps_(steps)
+
+
+def adam_group_step_(steps, params, grads, exp_avgs, exp_avg_sqs, extra_states, param_copies, *,
+                     lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize,
+                     compact, grad_scale=None, refresh_from_copies=False) -> None:
+    """A param group's whole step in one op that torch.compile can trace: advances the step
+    counts `steps` (as advance_steps_) and runs adam_step_ (adam_compact_step_ if `compact`)
+    once per count over the params at that count. `extra_states` is max_exp_avg_sqs (amsgrad),
+    exp_avg_sq_scales (compact) or empty; the rest as in adam_step_. The counts never leave
+    the op, so a compiled step needs no graph break and no recompilation as they grow."""
+    torch.ops.tierlift.adam_group_step_(
+        list(steps), list(params), list(grads), list(exp_avgs), list(exp_avg_sqs),
+        list(extra_states), list(param_copies), float(lr), float(beta1), float(beta2),
+        float(eps), float(weight_decay), bool(decoupled), bool(amsgrad), bool(maximize),
+        bool(compact), grad_scale, bool(refresh_from_copies))
+
+
+# Python-defined (it calls the ops above): every list it updates is declared mutated, and it
+# returns nothing, so functionalization (auto_functionalize) takes it.
+@torch.library.custom_op(
+    "tierlift::adam_group_step_",
+    mutates_args=("steps", "params", "exp_avgs", "exp_avg_sqs", "extra_states", "param_copies"),
+    schema="(Tensor(a!)[] steps, Tensor(b!)[] params, Tensor[] grads, Tensor(c!)[] exp_avgs, "
+           "Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] extra_states, Tensor(f!)[] param_copies, "
+           "float lr, float beta1, float beta2, float eps, float weight_decay, bool decoupled, "
+           "bool amsgrad, bool maximize, bool compact, Tensor? grad_scale, "
+           "bool refresh_from_copies) -> ()")
+def _adam_group_step(steps, params, grads, exp_avgs, exp_avg_sqs, extra_states, param_copies,
+                     lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize, compact,
+                     grad_scale, refresh_from_copies) -> None:
+    counts = advance_steps_(steps)
+    buckets: dict = {}  # count -> positions; params that skipped steps keep their own count
+    for i, count in enumerate(counts):
+        buckets.setdefault(count, []).append(i)
+    hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                 decoupled=decoupled, maximize=maximize, grad_scale=grad_scale,
+                 refresh_from_copies=refresh_from_copies)
+    lists = (params, grads, exp_avgs, exp_avg_sqs, extra_states, param_copies)
+    for step, index in buckets.items():
+        taken = lists if len(buckets) == 1 else [[t[i] for i in index] if t else t
+                                                 for t in lists]
+        if compact:
+            adam_compact_step_(*taken, step=step, **hyper)
+        else:
+            adam_step_(*taken, step=step, amsgrad=amsgrad, **hyper)
+
+
+@_adam_group_step.register_fake
+def _adam_group_step_fake(*args) -> None:
+    return None
 
 
 def _finite(name: str, value) -> float:
@@ -195,9 +256,13 @@ if _HAS_ADVANCE_STEPS:
 
     @torch.library.register_fake("tierlift::advance_steps_")
     def _advance_steps_fake(steps):
-        """The counts depend on the data: one unbacked integer each."""
-        ctx = torch.library.get_ctx()
-        return [ctx.new_dynamic_size() for _ in steps]
+        """Refuses: functionalization takes no integers from an op that mutates its inputs,
+        and these integers are data (an unbacked integer for an int[] is no fake either)."""
+        raise RuntimeError(
+            "tierlift::advance_steps_ cannot be traced: it updates its tensors in place and "
+            "returns their values as integers, which torch.compile cannot functionalize; "
+            "tierlift.ops.advance_steps_ runs it outside the graph, and "
+            "tierlift::adam_group_step_ keeps the counts inside one op")
 
 
 # ---- gather ----

@@ -49,11 +49,23 @@ def test_advance_steps_refuses_before_any_change(bad, impl):
 
 @needs_op
 def test_advance_steps_opcheck():
-    # Schema (the mutation is declared) and autograd registration; the fake kernel's counts are
-    # unbacked integers, which opcheck's fake-tensor comparison does not take.
+    # Schema (the mutation is declared) and autograd registration only: the op cannot be traced
+    # (next test); a compiled step uses adam_group_step_ (test_optim_compile.py).
     torch.library.opcheck(torch.ops.tierlift.advance_steps_.default,
                           ([torch.tensor(1.0), torch.tensor(5.0)],),
                           test_utils=("test_schema", "test_autograd_registration"))
+
+
+@needs_op
+def test_advance_steps_refuses_tracing_clearly():
+    # torch.compile cannot functionalize integers returned by an op that mutates its inputs;
+    # traced, the op once failed the compile with torch's unrelated "alias annotations" error.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        steps = [torch.empty(())]  # not a constant the mode would run the real op on
+        with pytest.raises(RuntimeError, match="advance_steps_ cannot be traced"):
+            torch.ops.tierlift.advance_steps_(steps)
 
 
 def test_counts_follow_torch_with_skipped_params():

@@ -34,6 +34,7 @@ import os
 import sys
 import warnings
 from collections import defaultdict
+from itertools import repeat
 
 import torch
 from torch.optim import Optimizer
@@ -562,7 +563,11 @@ class Adam(Optimizer):
         # refresh_master's separate torch passes (about 20x the step's time on a CPU).
         fused = ops.runs_kernel(params[0])
         states = [self._init_state(p, amsgrad, refresh=not fused) for p in params]
-        steps = _advance_steps(states)
+        # Traced by torch.compile, the counts stay in one op (adam_group_step_): read here they
+        # would be data the graph branches on.
+        counted = fused and torch.compiler.is_compiling() and all(
+            isinstance(state["step"], torch.Tensor) for state in states)
+        steps = repeat(None) if counted else _advance_steps(states)
         # step count -> lists for one fused call; params that skipped steps keep their count.
         buckets: dict = {}
         write_back = []  # (non-contiguous param, the contiguous tensor the kernel updated)
@@ -582,6 +587,8 @@ class Adam(Optimizer):
             b["params"].append(master if master is not None else weight)
             b["copies"].append(weight if master is not None else None)
             b["grads"].append(p.grad.contiguous())
+            if counted:
+                b["steps"].append(state["step"])
             b["exp_avgs"].append(state["exp_avg"])
             b["exp_avg_sqs"].append(state["exp_avg_sq"])
             if "exp_avg_sq_scale" in state:
@@ -598,14 +605,20 @@ class Adam(Optimizer):
                 b["copies"] = [c if c is not None else p for c, p in zip(b["copies"], b["params"])]
             else:
                 b["copies"] = []
-            self._launch(group, step, b, scale, fused)
+            if counted:
+                self._launch_counted(group, b, scale)
+            else:
+                self._launch(group, step, b, scale, fused)
         for p, weight in write_back:
             p.copy_(weight)
 
     def _step_planned(self, group: dict, plan, grads: list, grad_scale) -> None:
         """_step_group by the group's plan (adam_plan): the same calls with the same lists."""
-        counts = ops.advance_steps_(plan.steps)
         scale = None if grad_scale is None else grad_scale.detach().to(plan.device)
+        if torch.compiler.is_compiling():
+            self._launch_counted(group, dict(plan.take(grads), steps=plan.steps), scale)
+            return
+        counts = ops.advance_steps_(plan.steps)
         if counts.count(counts[0]) == len(counts):
             self._launch(group, counts[0], plan.take(grads), scale, True)
             return
@@ -615,17 +628,30 @@ class Adam(Optimizer):
         for step, index in buckets.items():
             self._launch(group, step, plan.take(grads, index), scale, True)
 
-    def _launch(self, group: dict, step: int, b: dict, grad_scale, fused: bool) -> None:
-        """One fused call over the lists in `b` (copies: [] or one per param), all at `step`;
-        `grad_scale` on the params' device or None."""
+    def _hyper(self, group: dict, b: dict, grad_scale, fused: bool) -> dict:
+        """The Adam ops' keyword arguments for `group` but the step count."""
         amp = {} if grad_scale is None else {"grad_scale": grad_scale}
         if b["copies"] and fused:
             # A copy that is its own master (an fp32 param) reads back its own value.
             amp["refresh_from_copies"] = True
         beta1, beta2 = group["betas"]
-        hyper = dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                     weight_decay=group["weight_decay"], step=step,
-                     decoupled=self._decoupled(group), maximize=group["maximize"], **amp)
+        return dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                    weight_decay=group["weight_decay"], decoupled=self._decoupled(group),
+                    maximize=group["maximize"], **amp)
+
+    def _launch_counted(self, group: dict, b: dict, grad_scale) -> None:
+        """_launch for a step traced by torch.compile: the lists in `b` with their step count
+        tensors (b["steps"]), advanced and read inside the one op (compiled kernels only)."""
+        compact = self._state_dtype == "bf16"
+        extra = b["scales"] if compact else b["max_exp_avg_sqs"]
+        ops.adam_group_step_(b["steps"], b["params"], b["grads"], b["exp_avgs"],
+                             b["exp_avg_sqs"], extra, b["copies"], amsgrad=group["amsgrad"],
+                             compact=compact, **self._hyper(group, b, grad_scale, True))
+
+    def _launch(self, group: dict, step: int, b: dict, grad_scale, fused: bool) -> None:
+        """One fused call over the lists in `b` (copies: [] or one per param), all at `step`;
+        `grad_scale` on the params' device or None."""
+        hyper = dict(self._hyper(group, b, grad_scale, fused), step=step)
         if self._state_dtype == "bf16":
             ops.adam_compact_step_(b["params"], b["grads"], b["exp_avgs"], b["exp_avg_sqs"],
                                    b["scales"], b["copies"], **hyper)
