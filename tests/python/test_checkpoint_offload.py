@@ -147,6 +147,47 @@ def test_mismatched_optimizer_is_refused(tmp_path):
     o.close()
 
 
+
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_state_for_another_parameter_order_is_refused(tmp_path, offload):
+    """An optimizer built over the same model's parameters in another order: the streamed state
+    of a (64, 32) weight went into the (32, 64) one (same element count) and training went on
+    with moments out of line. The saved shapes refuse it; nothing changes."""
+    def net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(32, 64, bias=False),
+                                   torch.nn.Linear(64, 32, bias=False))
+
+    def opt_over(params):
+        kw = dict(nvme_path=str(tmp_path)) if offload == "nvme" else {}
+        return tierlift.optim.AdamW(params, **OPT, offload=offload, chunk_bytes=4096, **kw)
+
+    model = net()
+    opt = opt_over(list(model.parameters()))
+    for _ in range(2):
+        model(torch.randn(8, 32)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    ck = str(tmp_path / "ck")
+    tierlift.checkpoint.save(ck, model, opt)
+    m = net()
+    o = opt_over(list(m.parameters())[::-1])
+    m(torch.randn(8, 32)).square().mean().backward()
+    o.step()
+    before = ({k: v.clone() for k, v in m.state_dict().items()},
+              {i: {k: v.clone() for k, v in s.items()} for i, s in o.state_dict()["state"].items()})
+    try:
+        with pytest.raises(ValueError, match=r"\['params'\]\[0\] has shape \(64, 32\) in "
+                           r"the checkpoint, \(32, 64\) here"):
+            tierlift.checkpoint.load(ck, m, o)
+        _assert_same(before[0], m.state_dict())
+        after = o.state_dict()["state"]
+        for i, st in before[1].items():
+            _assert_same(st, after[i])
+    finally:
+        opt.close()
+        o.close()
+
 # ---- peak RSS: saves and the load stream through their budgets ----------------------------
 _RSS = r"""
 n, budget, root = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]

@@ -40,6 +40,7 @@ class ParamSource:
     numel: int  # the parameter's numel in the checkpoint (a ZeRO shard's: padded)
     runs: list[tuple[int, int, str, int, int]]  # (lo, hi, dir, saved group, first element)
     scale_runs: list[tuple[int, int, str, int, int]] | None = None  # the same, in scales
+    shape: tuple | None = None  # the parameter's shape when saved (a same-world-size load)
 
 
 @dataclass(kw_only=True)
@@ -62,7 +63,8 @@ def plan_from_state(directory: str, meta: dict) -> list[GroupPlan]:
         scales = None
         if "scale_offset" in e:
             scales = [(0, kind_elems(SCALE_KIND, e["numel"]), directory, gi, e["scale_offset"])]
-        return ParamSource(step=e["step"], numel=e["numel"], scale_runs=scales,
+        shape = tuple(e["shape"]) if "shape" in e else None
+        return ParamSource(step=e["step"], numel=e["numel"], scale_runs=scales, shape=shape,
                            runs=[(0, e["numel"], directory, gi, e["offset"])])
 
     return [GroupPlan(kinds=list(g["kinds"]), dtypes=stream.dtypes(g),
@@ -111,6 +113,12 @@ def check_plan(off, plan: list[GroupPlan], source: str) -> None:
                 raise ValueError(f"offloaded optimizer state {source} does not match the "
                                  f"optimizer: param_groups[{gi}]['params'][{pi}] holds "
                                  f"{src.numel} elements in the checkpoint, {got} here")
+            # as many elements in another shape: another parameter order (a transposed weight)
+            if src.shape is not None and src.shape != tuple(params[pi].shape):
+                raise ValueError(f"offloaded optimizer state {source} does not match the "
+                                 f"optimizer: param_groups[{gi}]['params'][{pi}] has shape "
+                                 f"{src.shape} in the checkpoint, {tuple(params[pi].shape)} "
+                                 "here (another model or parameter order)")
         if device_kinds and gp.kinds is not None:  # the device part's kinds (master too)
             missing = sorted(device_kinds - set(gp.kinds))
             if missing:
