@@ -4,6 +4,8 @@ the whole batch, computed in the rank itself):
 - zero_grad() after backwards inside no_sync() (an accumulation window cut short at the end of
   an epoch, a skipped micro-batch) discards what they summed, as DDP does: the local sums live
   in each unit's full gradient, which torch's zero_grad does not see;
+- a unit that only the micro-batches inside no_sync() used (a branch the last one skips) has
+  its local sum reduced by the synced backward, as DDP reduces what no_sync() left in .grad;
 - a weight edited in place through its module attribute (`model.fc.weight.mul_(0.5)`) is exact
   at stages 1/2 in fp32 (the attribute holds the masters), and refused at stages 1/2 with
   MixedPrecision(param_dtype=bf16), where it is a compute copy the next gather would undo: at
@@ -11,9 +13,12 @@ the whole batch, computed in the rank itself):
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 from zero_model import batches, make_model, spawn_ranks
 
 import tierlift
@@ -125,8 +130,48 @@ def _edit_cases(rank: int, world: int) -> dict:
     return out
 
 
+class Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1)
+
+    def forward(self, x, use_b: bool):
+        h = torch.tanh(self.a(x))
+        if use_b:
+            h = h + torch.tanh(self.b(h))
+        return self.c(h)
+
+
+def _branch_train(model, opt, xs, world, rank, zero: bool):
+    for step in range(STEPS):
+        opt.zero_grad()
+        for k, use_b in enumerate((True, False)):  # the last (synced) micro-batch skips b
+            x = xs[2 * step + k]
+            x = x.chunk(world)[rank] if zero else x
+            with model.no_sync() if zero and k == 0 else contextlib.nullcontext():
+                (model(x, use_b).pow(2).mean() / 2).backward()
+        opt.step()
+
+
+def _branch_cases(rank: int, world: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(8, 8, generator=g) for _ in range(2 * STEPS)]
+    torch.manual_seed(0)
+    ref = Branchy()
+    _branch_train(ref, torch.optim.AdamW(ref.parameters(), **OPT), xs, 1, 0, False)
+    out = {}
+    for stage in (1, 2, 3):
+        torch.manual_seed(0)
+        model = tierlift.zero.shard(Branchy(), stage=stage, units=["a", "b", "c"])
+        _branch_train(model, torch.optim.AdamW(model.parameters(), **OPT), xs, world, rank, True)
+        out[f"branch/s{stage}"] = _max_rel(tierlift.zero.full_state_dict(model),
+                                           ref.state_dict())
+    return out
+
+
 def _cases(rank: int, world: int, tmp: str) -> dict:
-    return {**_zero_grad_cases(rank, world), **_edit_cases(rank, world)}
+    return {**_zero_grad_cases(rank, world), **_edit_cases(rank, world),
+            **_branch_cases(rank, world)}
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +184,12 @@ def ranks(tmp_path_factory):
 def test_zero_grad_discards_no_sync_sums(ranks, stage, how):
     for out in ranks:
         assert out[f"zero_grad/s{stage}/{how}"] < 1e-5
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_unit_used_only_inside_no_sync_is_reduced(ranks, stage):
+    for out in ranks:
+        assert out[f"branch/s{stage}"] < 1e-5
 
 
 @pytest.mark.parametrize("stage", [1, 2])

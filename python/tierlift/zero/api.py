@@ -380,6 +380,7 @@ def no_sync(model: nn.Module):
     state = _state(model)
     prev = state.syncing
     state.syncing = False
+    state.local_sums = True  # the next synced backward also reduces units only summed here
     try:
         yield
     finally:

@@ -67,6 +67,7 @@ class ZeroState:
         self.order: list[FlatUnit] = []  # forward order, recorded on the first forward
         self.order_done = False
         self.syncing = True              # False inside no_sync()
+        self.local_sums = False          # no_sync() entered since the last synced backward
         self.callback_queued = False
         self.reductions: list = []       # (unit, work, buffer) in flight this backward
         self.landing: list = []          # (unit, host grad, event): D2H in flight (offload)
@@ -311,6 +312,10 @@ class ZeroState:
             return  # accumulate locally: full.grad keeps summing until a synced backward
         grad = full.grad
         full.grad = None
+        self._reduce(unit, grad)
+
+    def _reduce(self, unit: FlatUnit, grad: torch.Tensor) -> None:
+        """Launches the reduction of a unit's full gradient (async) and lands what is done."""
         rdt = self.config.reduce_dtype or grad.dtype
         buf = grad.to(rdt)
         if rdt == torch.float16:
@@ -445,6 +450,8 @@ class ZeroState:
 
     def _finish_backward(self) -> None:
         self._drain(wait=True)
+        if self.syncing and self.local_sums:
+            self._reduce_local_sums()
         self.hooked.clear()
         self.callback_queued = False
         if self.config.stage == 3:
@@ -452,6 +459,25 @@ class ZeroState:
                 self._free(unit)
         frozen.reset(self)
         self.legs.end("backward")
+
+    def _reduce_local_sums(self) -> None:
+        """Units that summed gradients inside no_sync() but got none in this synced backward
+        (a branch only earlier micro-batches took) are reduced now, as DDP reduces what
+        no_sync() left in param.grad. Which ones is agreed over every rank first: a rank may
+        have summed where another did not (it sends zeros)."""
+        self.local_sums = False
+        units = [u for u in self.units if not u.frozen]
+        mask = torch.tensor([float(u.full.grad is not None) for u in units],
+                            device=units[0].device)
+        comm = self.world_comm
+        comm.wait(comm.all_reduce(mask, op=torch.distributed.ReduceOp.MAX))
+        for unit, left in zip(units, mask.tolist(), strict=True):
+            if left:
+                grad = unit.full.grad
+                unit.full.grad = None
+                self._reduce(unit, grad if grad is not None else torch.zeros(
+                    unit.padded, dtype=unit.compute_dtype, device=unit.device))
+        self._drain(wait=True)
 
     # ---- optimizer ----
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
