@@ -254,6 +254,36 @@ def test_kill_during_the_background_write_leaves_the_previous_checkpoint(tmp_pat
     assert tierlift.checkpoint.load(ck, *_fresh(tmp_path, "nvme", False)) == {"step": 9}
 
 
+@pytest.mark.parametrize("zero", [False, True], ids=["plain", "zero3"])
+@pytest.mark.parametrize("tier", ["ram", "nvme"])
+def test_a_load_of_the_path_being_saved_waits_for_the_save(tmp_path, monkeypatch, tier, zero):
+    """load() (and full_state_dict()) of the path this process's background save is writing
+    returned the checkpoint before it, without a word; they wait for the save to commit."""
+    model, opt = _fresh(tmp_path, tier, zero)
+    ck, ref = str(tmp_path / "ck"), str(tmp_path / "ref")
+    _train(model, opt, DATA[:2], zero)
+    tierlift.checkpoint.save(ck, model, opt, extra={"step": 2})
+    _train(model, opt, DATA[2:4], zero)
+    tierlift.checkpoint.save(ref, model, opt, extra={"step": 4})
+    gate = threading.Event()
+    write = ckpt_writer.Writer._write
+    monkeypatch.setattr(ckpt_writer.Writer, "_write",
+                        lambda writer, piece: (gate.wait(60), write(writer, piece))[1])
+    h = tierlift.checkpoint.save(ck + "/", model, opt, blocking=False, extra={"step": 4})
+    threading.Timer(0.3, gate.set).start()
+    try:
+        _assert_same(tierlift.checkpoint.full_state_dict(ck),
+                     tierlift.checkpoint.full_state_dict(ref))
+        assert h.done()
+        got, extra = _state(ck, tmp_path, tier, zero)
+        assert extra == {"step": 4}
+        _assert_same(got, _state(ref, tmp_path, tier, zero)[0])
+    finally:
+        gate.set()
+        h.wait()
+        opt.close() if hasattr(opt, "close") else None
+
+
 def test_a_path_another_live_save_is_writing_is_refused(tmp_path):
     model, opt = _fresh(tmp_path, "ram", False)
     ck = tmp_path / "ck"

@@ -80,6 +80,15 @@ def before_save() -> None:
         prev.wait()
 
 
+def before_load(path) -> None:
+    """A read of the path this process's background save is writing waits for that save (and
+    raises its error): until it commits, the checkpoint there is still the one before it, which
+    the read would have returned without a word."""
+    if _pending is not None and (os.path.realpath(os.fsdecode(os.fspath(path)))
+                                 == os.path.realpath(_pending.path)):
+        before_save()
+
+
 def close() -> None:
     """Waits for the save in flight (raising its error) and frees the staging memory kept
     between saves and the writer's engine."""

@@ -263,6 +263,9 @@ def full_state_dict(path: str, *, verify: bool = True) -> dict[str, torch.Tensor
     """The plain (unsharded) model state dict stored in a checkpoint, without torch.distributed
     (all of it in memory: iter_state_dict() gives it one tensor at a time). A checkpoint
     without manifest.json is refused unless `verify` is False (read_metadata)."""
+    from tierlift.checkpoint import background  # imports this module
+
+    background.before_load(path)
     return dict(iter_state_dict(resolve_dir(path), verify))
 
 

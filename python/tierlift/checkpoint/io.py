@@ -238,6 +238,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
     refused: verify=False loads one written by a tierlift from before manifests, with a
     warning. Either way the hyperparameters and step counts it holds are checked as the
     optimizer's constructor checks them (validate.py) before anything changes."""
+    background.before_load(path)  # this process's background save of `path` lands first
     if getattr(model, _ATTR, None) is None:
         return replicated.load(os.fspath(path), model, optimizer, verify=verify)
     state = _state(model)

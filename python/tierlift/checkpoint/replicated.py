@@ -121,6 +121,7 @@ def optimizer_state_dict(path: str, *, verify: bool = True) -> dict:
     ({"state": {index: {...}}, "param_groups": [...]}): loads into torch.optim.AdamW, or into
     tierlift's optimizers with any offload. A checkpoint without manifest.json is refused
     unless `verify` is False (format.read_metadata)."""
+    background.before_load(path)
     path = fmt.resolve_dir(os.fspath(path))
     meta = fmt.read_metadata(path, verify)
     if meta.get("layout") != "replicated":
