@@ -125,7 +125,9 @@ class OffloadConfig:
             if not os.access(path, os.W_OK | os.X_OK):
                 raise PermissionError(f"nvme_path {path!r} is not writable")
         elif self.offload == "none" and (self.overlap or self.max_grad_norm is not None):
-            raise ValueError("overlap=True and max_grad_norm need offload='cpu' or 'nvme'")
+            raise ValueError("overlap=True and max_grad_norm need offload='cpu', 'nvme' or "
+                             "'hybrid' (without offload, clip with torch.nn.utils."
+                             "clip_grad_norm_ before step())")
         elif self.offload == "none" and self.skip_nonfinite is True:
             raise ValueError("skip_nonfinite=True needs offload='cpu', 'nvme' or 'hybrid' "
                              "(without offload a step with inf/NaN gradients is stepped, as "
