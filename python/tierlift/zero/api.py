@@ -132,7 +132,7 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
           fp8_all_gather: bool = False, nvme_path: str | None = None,
           param_group_fn=None, hierarchy: str | None = None, mesh=None,
           grad_comm: str | None = None, device_params: int = 0, device=None,
-          weights=None) -> nn.Module:
+          weights=None, broadcast_buffers: bool = True) -> nn.Module:
     """Shard `model` in place over `process_group` (default: the world) with ZeRO `stage`.
 
     Afterwards model.parameters() yields one fp32 shard parameter per unit, so any optimizer
@@ -177,6 +177,12 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
     safetensors files (this rank's byte ranges only at stage 3), else the deferred_init()
     recording is replayed (bit-identical to eager construction after the same seed). Nothing
     is left on meta: a model shard() cannot fill is refused. See zero/materialize.py.
+
+    Module buffers (BatchNorm's running statistics) are not sharded. As DDP's default,
+    broadcast_buffers=True broadcasts rank 0's buffers over the model's ranks before a forward
+    that follows one with grad enabled outside no_sync() (and before the first), and
+    full_state_dict() too, so every rank holds the same model; False keeps them per rank. See
+    zero/buffers.py.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -188,7 +194,7 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
                          min_unit_numel=min_unit_numel, offload_params=offload_params,
                          gpu_budget=gpu_budget, fp8_all_gather=fp8_all_gather,
                          nvme_path=nvme_path, hierarchy=hierarchy, grad_comm=grad_comm,
-                         device_params=device_params)
+                         device_params=device_params, broadcast_buffers=broadcast_buffers)
     if fp8_all_gather and not any(isinstance(m, Float8Linear) for m in model.modules()):
         raise ValueError("fp8_all_gather=True but the model has no Float8Linear layer to gather "
                          "in FP8: call tierlift.lowp.convert(model, recipe=...) before shard()")
@@ -417,10 +423,12 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The unsharded model's state_dict (fp32 master weights, original names and order), on
-    every rank. A collective: every rank must call it."""
+    every rank. A collective: every rank must call it. With broadcast_buffers (the default)
+    rank 0's buffers are broadcast into every rank's model first, as its next forward would."""
     state = _state(model)
     state.named_call("tierlift.zero.full_state_dict")
     state.check_copies()
+    state.buffers.sync(model)
     flat = {}
     for unit in state.units:
         flat.update(unit.split(unit.gather_fp32()))

@@ -99,6 +99,14 @@ class Comm:
             return _Done()
         return self._run(dist.all_to_all_single, out, inp, async_op=async_op) or _Done()
 
+    def broadcast(self, t: torch.Tensor, src: int = 0, async_op: bool = False):
+        """Group rank `src`'s `t` into every rank's."""
+        if self.rank == src:
+            self._count(t.numel() * t.element_size())
+        if self.world == 1:
+            return _Done()
+        return self._run(dist.broadcast, t, group_src=src, async_op=async_op) or _Done()
+
     def wait(self, work) -> None:
         try:
             work.wait()

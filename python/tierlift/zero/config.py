@@ -54,7 +54,8 @@ class ShardConfig:
     offload_params: "none", "cpu" (stage 3: fp32 shards in host memory, pinned with CUDA) or
     "nvme" (stage 3: fp32 shards in a mapped file under `nvme_path`). gpu_budget: bytes of
     gathered unit weights allowed on the device at once (stage 3, with reshard_after_forward),
-    or None for no cap.
+    or None for no cap. broadcast_buffers: rank 0's module buffers broadcast before forward, as
+    DDP's (zero/buffers.py).
     """
 
     stage: int
@@ -69,6 +70,7 @@ class ShardConfig:
     hierarchy: str | None = None
     grad_comm: str | None = None
     device_params: int = 0
+    broadcast_buffers: bool = True
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
@@ -82,6 +84,9 @@ class ShardConfig:
         if not isinstance(self.reshard_after_forward, bool):
             raise TypeError("reshard_after_forward must be a bool, got "
                             f"{type(self.reshard_after_forward).__name__}")
+        if not isinstance(self.broadcast_buffers, bool):
+            raise TypeError("broadcast_buffers must be a bool, got "
+                            f"{type(self.broadcast_buffers).__name__}")
         if not isinstance(self.fp8_all_gather, bool):
             raise TypeError("fp8_all_gather must be a bool, got "
                             f"{type(self.fp8_all_gather).__name__}")

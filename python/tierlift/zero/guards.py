@@ -78,6 +78,7 @@ def install(model: nn.Module, state) -> None:
             # transformers resizes the embedding in place, then swaps the LM head, which the
             # module-swap guard refuses half-way: refuse the call itself, before any change.
             object.__setattr__(m, "resize_token_embeddings", _refuse_resize)
+    _refuse_deepcopy_of(model, state)
     if not _HOOK:
         _HOOK.append(nn.modules.module.register_module_module_registration_hook(_on_register))
 
@@ -87,6 +88,31 @@ def _refuse_resize(*args, **kwargs):
                        "embedding and LM head are sharded with their current shapes. Resize "
                        "before tierlift.zero.shard(model) (with tierlift.hf.Trainer: before "
                        "handing it the model); nothing was changed")
+
+
+def _refuse_deepcopy_of(model: nn.Module, state) -> None:
+    """copy.deepcopy of the model, or of a submodule holding sharded weights, raises one clear
+    error (torch's own would be about non-leaf tensors, or NotGatheredError at stage 3)."""
+    owners = {id(m) for m in state.owner_modules}
+    holders = {""}
+    for name, m in model.named_modules(remove_duplicate=False):
+        if id(m) in owners:
+            parts = name.split(".")
+            holders.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    for name, m in model.named_modules(remove_duplicate=False):
+        if name in holders:
+            object.__setattr__(m, "__deepcopy__", _refuse_deepcopy)
+
+
+def _refuse_deepcopy(memo):
+    raise RuntimeError(
+        "copy.deepcopy of a model sharded by tierlift.zero.shard (as torch.optim.swa_utils."
+        "AveragedModel or an EMA copy makes): its parameters are this rank's flat shards and "
+        "its module attributes gathered views, so the copy would not be the model. For an "
+        "EMA or a twin for evaluation, build a fresh unsharded model and load "
+        "tierlift.zero.full_state_dict(model) into it (a collective: call it on every rank), "
+        "or keep an EMA of the shards themselves (e = p.detach().clone() for each p in "
+        "model.parameters(), e.lerp_(p.detach(), 1 - decay) after each optimizer step)")
 
 
 def states_in(module: nn.Module) -> list:

@@ -38,6 +38,7 @@ from torch.utils.hooks import RemovableHandle
 from tierlift._shards import register_shard
 from tierlift.offload.legs import ModelLegs
 from tierlift.zero import frozen, grad_scaler, torch_calls
+from tierlift.zero.buffers import BufferSync
 from tierlift.zero.comm import work_done
 from tierlift.zero.config import ShardConfig
 from tierlift.zero.replicas import ReplicaLegs
@@ -67,6 +68,7 @@ class ZeroState:
         self.order: list[FlatUnit] = []  # forward order, recorded on the first forward
         self.order_done = False
         self.syncing = True              # False inside no_sync()
+        self.buffers = BufferSync(topology.world, config.broadcast_buffers)
         self.local_sums = False          # no_sync() entered since the last synced backward
         self.callback_queued = False
         self.reductions: list = []       # (unit, work, buffer) in flight this backward
@@ -220,9 +222,12 @@ class ZeroState:
             self.heartbeat.beat()
         if not _in_backward():
             self.legs.begin("forward")
+            self.buffers.before_forward(module)
 
     def _root_post_forward(self, module, args, output):
         self.order_done = True
+        if not _in_backward():
+            self.buffers.after_forward(self.syncing)
         self.legs.end("forward")
         return output
 
