@@ -17,21 +17,13 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from zero_model import batches, make_model, spawn_ranks, train
+from zero_model import batches, make_model, raised, spawn_ranks, train
 
 import tierlift
 
 BATCH = 8
 OPT = dict(lr=3e-3, weight_decay=0.1)
 READ_ONLY = {"s1": (1, {}), "s3": (3, {}), "s3-offload": (3, {"offload_params": "cpu"})}
-
-
-def _raises(fn, exc=Exception) -> str:
-    try:
-        fn()
-    except exc as e:
-        return f"{type(e).__name__}: {e}"
-    return "<no error>"
 
 
 # ---- read-only gathered(): an edit on one rank ----
@@ -70,11 +62,11 @@ def _read_only(rank, out):
         before = tierlift.zero.full_state_dict(model)
         with torch.no_grad():
             logits = model(seq)
-        out[f"ro_{name}_data"] = _raises(lambda m=model: _data_edit_on_rank1(m, rank))
-        out[f"ro_{name}_inplace"] = _raises(lambda m=model: _inplace_edit_on_rank0(m, rank))
-        out[f"ro_{name}_raised"] = _raises(lambda m=model: _raise_on_rank0(m, rank))
+        out[f"ro_{name}_data"] = raised(lambda m=model: _data_edit_on_rank1(m, rank))
+        out[f"ro_{name}_inplace"] = raised(lambda m=model: _inplace_edit_on_rank0(m, rank))
+        out[f"ro_{name}_raised"] = raised(lambda m=model: _raise_on_rank0(m, rank))
         for who in (0, 1):  # the modifier rank, another rank
-            out[f"rw_{name}_raised{who}"] = _raises(
+            out[f"rw_{name}_raised{who}"] = raised(
                 lambda m=model, w=who: _raise_in_writable(m, rank, w))
         after = tierlift.zero.full_state_dict(model)
         with torch.no_grad():
@@ -157,23 +149,23 @@ def _fsdp_outer(rank, out):
     for case, outer in {"after": after_shard, "before": before_shard, "inner": inner}.items():
         marks = [_marks(m) for m in outer.modules()]
         for api, fn in apis.items():
-            out[f"outer_{case}_{api}"] = [_raises(lambda o=outer, f=fn: f(o)) for _ in range(2)]
+            out[f"outer_{case}_{api}"] = [raised(lambda o=outer, f=fn: f(o)) for _ in range(2)]
         out[f"outer_{case}_unchanged"] = marks == [_marks(m) for m in outer.modules()]
         with torch.no_grad():
             out[f"outer_{case}_forward"] = torch.equal(outer(seq), fresh(seq))
     # Composable replicate() on the sharded model is refused at once; on an outer module torch
     # looks at no submodule until the first forward, which raises before DDP's broadcast.
     marks = [_marks(m) for m in inner.modules()]
-    out["replicate_inner"] = [_raises(lambda: replicate(inner)) for _ in range(2)]
+    out["replicate_inner"] = [raised(lambda: replicate(inner)) for _ in range(2)]
     out["replicate_inner_unchanged"] = [_marks(m) for m in inner.modules()] == marks
     outer = nn.Sequential(inner)
-    out["replicate_outer"] = _raises(lambda: replicate(outer))
-    out["replicate_outer_forward"] = _raises(lambda: outer(seq))
+    out["replicate_outer"] = raised(lambda: replicate(outer))
+    out["replicate_outer_forward"] = raised(lambda: outer(seq))
     with torch.no_grad():
         out["replicate_inner_forward"] = torch.equal(inner(seq), fresh(seq))
     # The outer module takes fully_shard once the sharded model is out of it.
     plain = nn.Sequential(nn.Linear(4, 4))
-    out["outer_plain"] = _raises(lambda: fully_shard(plain))
+    out["outer_plain"] = raised(lambda: fully_shard(plain))
 
 
 def _cases(rank, world, tmp):

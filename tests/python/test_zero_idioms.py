@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from zero_model import batches, make_model, spawn_ranks
+from zero_model import batches, make_model, raised, spawn_ranks
 
 import tierlift
 
@@ -30,14 +30,6 @@ BF16 = tierlift.zero.MixedPrecision(param_dtype=torch.bfloat16)
 
 def _loss(model, x):
     return F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
-
-
-def _raises(fn) -> str:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001  (the message is what the test checks)
-        return f"{type(e).__name__}: {e}"
-    return "<no error>"
 
 
 def _max_rel(sd: dict, ref: dict) -> float:
@@ -121,7 +113,7 @@ def _edit_cases(rank: int, world: int) -> dict:
             calls = {"forward": lambda m=model: _loss(m, data[1].chunk(world)[rank]),
                      "step": opt.step,
                      "full_state_dict": lambda m=model: tierlift.zero.full_state_dict(m)}
-            out[f"edit/bf16/s{stage}/{then}"] = _raises(calls[then])
+            out[f"edit/bf16/s{stage}/{then}"] = raised(calls[then])
             # Nothing changed: the shards (masters) and buffers are those of before the edit.
             after = model.state_dict()
             out[f"edit/bf16/s{stage}/{then}/unchanged"] = (

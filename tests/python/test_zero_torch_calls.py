@@ -15,21 +15,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.nn.utils import clip_grad_norm_  # bound before tierlift wraps anything
-from zero_model import batches, make_model, spawn_ranks
+from zero_model import batches, make_model, raised, spawn_ranks
 
 import tierlift
 
 BATCH, STEPS, CLIP = 8, 3, 0.05  # every step's norm is above CLIP: each step is clipped
 OPT = dict(lr=3e-3, weight_decay=0.1)
 MODES = {"s2": (2, None), "s3": (3, None), "s3-cpu-offload": (3, "cpu")}
-
-
-def _raises(fn) -> str:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001  (the message is what the test checks)
-        return f"{type(e).__name__}: {e}"
-    return "<no error>"
 
 
 def _train(model, opt, data, world: int, rank: int) -> list[float]:
@@ -71,7 +63,7 @@ def _clip_cases(rank: int, world: int) -> dict:
     out["inf_norm"] = float(torch.nn.utils.get_total_norm(grads, float("inf")))
     if rank == 0:
         grads[0][0] = float("nan")  # on one rank only
-    out["nonfinite"] = _raises(lambda: clip_grad_norm_(model.parameters(), 1.0,
+    out["nonfinite"] = raised(lambda: clip_grad_norm_(model.parameters(), 1.0,
                                                        error_if_nonfinite=True))
     return out
 
@@ -88,18 +80,18 @@ def _group_cases() -> dict:
     makers = {"torch": torch.optim.AdamW, "tierlift": tierlift.optim.AdamW,
               "tierlift-cpu-offload": lambda g, **kw: tierlift.optim.AdamW(g, offload="cpu", **kw)}
     for kind, make in makers.items():
-        out[f"groups/nanogpt/{kind}"] = _raises(lambda make=make: make(nanogpt, lr=1e-3))
-        out[f"groups/hf/{kind}"] = _raises(lambda make=make: make(hf, lr=1e-3))
+        out[f"groups/nanogpt/{kind}"] = raised(lambda make=make: make(nanogpt, lr=1e-3))
+        out[f"groups/hf/{kind}"] = raised(lambda make=make: make(hf, lr=1e-3))
     # Kept: a split by unit (layer-wise learning rates) and an empty group with equal settings.
     by_unit = [{"params": [p for n, p in named if n.startswith("blocks.0.")], "lr": 1e-4},
                {"params": [p for n, p in named if not n.startswith("blocks.0.")]}]
-    out["groups/by_unit"] = _raises(lambda: torch.optim.AdamW(by_unit, lr=1e-3))
+    out["groups/by_unit"] = raised(lambda: torch.optim.AdamW(by_unit, lr=1e-3))
     same = [{"params": [], "weight_decay": 0.1}, {"params": [p for _, p in named]}]
-    out["groups/same"] = _raises(lambda: torch.optim.AdamW(same, lr=1e-3, weight_decay=0.1))
+    out["groups/same"] = raised(lambda: torch.optim.AdamW(same, lr=1e-3, weight_decay=0.1))
     # param_group_fn: the same nanoGPT split, made on the model's own shapes, is accepted.
     grouped = tierlift.zero.shard(make_model(), stage=3,
                                   param_group_fn=lambda n, p: "d" if p.dim() >= 2 else "n")
-    out["groups/param_group_fn"] = _raises(lambda: torch.optim.AdamW(tierlift.zero.param_groups(
+    out["groups/param_group_fn"] = raised(lambda: torch.optim.AdamW(tierlift.zero.param_groups(
         grouped, {"d": {"weight_decay": 0.1}, "n": {"weight_decay": 0.0}}), lr=1e-3))
     return out
 
@@ -110,7 +102,7 @@ def _hook_cases(rank: int, world: int) -> dict:
         model = make_model()
         before = {n: p for n, p in model.named_parameters()}
         getattr(model.blocks[1].fc.weight, kind)(lambda x: None)
-        out[f"hooks/{kind}"] = _raises(lambda model=model: tierlift.zero.shard(model, stage=2))
+        out[f"hooks/{kind}"] = raised(lambda model=model: tierlift.zero.shard(model, stage=2))
         out[f"hooks/{kind}/unchanged"] = (
             not hasattr(model, "_tierlift_zero")
             and all(p is before[n] for n, p in model.named_parameters())
@@ -139,7 +131,7 @@ def _freeze_cases(rank: int, world: int) -> dict:
         for p in model.blocks[0].parameters():
             p.requires_grad_(False)
         before = tierlift.zero.full_state_dict(model)
-        out[f"freeze/s{stage}"] = _raises(lambda m=model, o=opt: _train(
+        out[f"freeze/s{stage}"] = raised(lambda m=model, o=opt: _train(
             m, o, batches(1, BATCH, seed=2), world, rank))
         for p in model.blocks[0].parameters():
             p.requires_grad_(True)
@@ -151,7 +143,7 @@ def _freeze_cases(rank: int, world: int) -> dict:
 def _same_init_cases(rank: int) -> dict:
     model = make_model(seed=rank)  # a script that seeds each rank before building the model
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    msg = _raises(lambda: tierlift.zero.shard(model, stage=3))
+    msg = raised(lambda: tierlift.zero.shard(model, stage=3))
     unchanged = not hasattr(model, "_tierlift_zero") and all(
         torch.equal(p, before[n]) for n, p in model.named_parameters())
     return {"same_init": msg, "same_init/unchanged": unchanged}

@@ -111,6 +111,16 @@ def train(model, opt, data, *, accum: int, clip: float | None, world: int = 1, r
     return losses
 
 
+def raised(fn, exc=Exception) -> str:
+    """`fn()`'s error as "Type: message" (what the rank cases send back and the tests read),
+    or "<no error>"."""
+    try:
+        fn()
+    except exc as e:
+        return f"{type(e).__name__}: {e}"
+    return "<no error>"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
