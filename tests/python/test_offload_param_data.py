@@ -9,6 +9,7 @@ goes on as torch's."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -55,6 +56,23 @@ def _loss(model, i: int):
     return F.mse_loss(model(idx).float(), torch.randn(8, 4, generator=g))
 
 
+@contextlib.contextmanager
+def _trained(tmp_path, mode: str, ref_steps: list):
+    """(torch's model trained on `ref_steps`, tierlift's trained on steps 0 and 1 with `mode`,
+    its optimizer, their snapshot), one thread, the optimizer closed at the end."""
+    ref = _model()
+    ref_opt = torch_opt(ref.parameters())
+    model = _model()
+    opt = tl_opt(mode, model.parameters(), tmp_path)
+    with num_threads(1):
+        try:
+            _fit(ref, ref_opt, ref_steps)
+            _fit(model, opt, [0, 1])
+            yield ref, model, opt, snapshot(model, opt)
+        finally:
+            close(opt)
+
+
 def _grow(model) -> None:  # new token rows, as a resize done in place would add
     w = model[0].weight
     w.data = torch.cat([w.data, torch.randn(20, 16)])
@@ -84,34 +102,24 @@ CHANGES = {"grow": (_grow, "1600 elements, now 1920"),
 @pytest.mark.parametrize("mode", OFFLOADED)
 def test_replaced_param_data_is_refused_before_anything_changes(tmp_path, mode, change):
     edit, what = CHANGES[change]
-    ref = _model()
-    ref_opt = torch_opt(ref.parameters())
-    model = _model()
-    opt = tl_opt(mode, model.parameters(), tmp_path)
-    with num_threads(1):
-        try:
-            _fit(ref, ref_opt, [0, 1, 3])
-            _fit(model, opt, [0, 1])
-            before = snapshot(model, opt)
-            data = [p.data for p in model.parameters()]
-            edit(model)
-            msg = f"is not the tensor the offloaded state was laid out for \\({what}"
-            # With overlap the gradient hooks may step chunks ahead; step() refuses them all.
-            with pytest.raises(RuntimeError, match=msg):
-                _loss(model, 2).backward()
-                opt.step()
-            with pytest.raises(RuntimeError, match=msg):
-                opt.state_dict()
-            with pytest.raises(RuntimeError, match=msg):
-                tierlift.checkpoint.save(str(tmp_path / "ckpt"), model, opt)
-            opt.zero_grad()
-            for p, d in zip(model.parameters(), data):  # undone
-                p.data = d
-            assert_same_snapshot(before, snapshot(model, opt), "refused step")
-            _fit(model, opt, [3])
-            assert_matches_torch(model, ref)
-        finally:
-            close(opt)
+    with _trained(tmp_path, mode, [0, 1, 3]) as (ref, model, opt, before):
+        data = [p.data for p in model.parameters()]
+        edit(model)
+        msg = f"is not the tensor the offloaded state was laid out for \\({what}"
+        # With overlap the gradient hooks may step chunks ahead; step() refuses them all.
+        with pytest.raises(RuntimeError, match=msg):
+            _loss(model, 2).backward()
+            opt.step()
+        with pytest.raises(RuntimeError, match=msg):
+            opt.state_dict()
+        with pytest.raises(RuntimeError, match=msg):
+            tierlift.checkpoint.save(str(tmp_path / "ckpt"), model, opt)
+        opt.zero_grad()
+        for p, d in zip(model.parameters(), data):  # undone
+            p.data = d
+        assert_same_snapshot(before, snapshot(model, opt), "refused step")
+        _fit(model, opt, [3])
+        assert_matches_torch(model, ref)
 
 
 @pytest.mark.parametrize("mode", ["cpu", "nvme2"])
@@ -136,24 +144,14 @@ def test_state_of_another_shape_is_refused_by_load_state_dict(tmp_path, mode):
     """Moments with the parameter's element count but another shape (a transposed weight,
     another model's config) were loaded and stepped as if their elements lined up; torch's
     AdamW fails at its next step. Refused at the load, which changes nothing."""
-    ref = _model()
-    ref_opt = torch_opt(ref.parameters())
-    model = _model()
-    opt = tl_opt(mode, model.parameters(), tmp_path)
-    with num_threads(1):
-        try:
-            _fit(ref, ref_opt, [0, 1, 2])
-            _fit(model, opt, [0, 1])
-            before = snapshot(model, opt)
-            for i, shape in ((0, (16, ROWS)), (1, (16, 4))):  # (ROWS, 16), (4, 16)
-                sd = copy.deepcopy(opt.state_dict())  # torch's holds the live state's dicts
-                sd["state"][i]["exp_avg"] = sd["state"][i]["exp_avg"].reshape(shape)
-                with pytest.raises(ValueError, match=f"'exp_avg' of parameter {i} has shape "
-                                   f"\\({shape[0]}, {shape[1]}\\) but the parameter has shape"):
-                    opt.load_state_dict(sd)
-                assert_same_snapshot(before, snapshot(model, opt), "refused load")
-            if not mode.startswith("c_"):  # compact state is compared with itself elsewhere
-                _fit(model, opt, [2])
-                assert_matches_torch(model, ref)
-        finally:
-            close(opt)
+    with _trained(tmp_path, mode, [0, 1, 2]) as (ref, model, opt, before):
+        for i, shape in ((0, (16, ROWS)), (1, (16, 4))):  # (ROWS, 16), (4, 16)
+            sd = copy.deepcopy(opt.state_dict())  # torch's holds the live state's dicts
+            sd["state"][i]["exp_avg"] = sd["state"][i]["exp_avg"].reshape(shape)
+            with pytest.raises(ValueError, match=f"'exp_avg' of parameter {i} has shape "
+                               f"\\({shape[0]}, {shape[1]}\\) but the parameter has shape"):
+                opt.load_state_dict(sd)
+            assert_same_snapshot(before, snapshot(model, opt), "refused load")
+        if not mode.startswith("c_"):  # compact state is compared with itself elsewhere
+            _fit(model, opt, [2])
+            assert_matches_torch(model, ref)
