@@ -192,3 +192,18 @@ def test_deepcopy_refused_with_the_fix(stage):
 def test_broadcast_buffers_checked():
     with pytest.raises(TypeError, match="broadcast_buffers must be a bool"):
         tierlift.zero.shard(_model(), stage=2, broadcast_buffers=1)
+
+
+def test_one_rank_sends_nothing(monkeypatch):
+    """A model sharded over this process alone has no other rank to sync: no packing, no
+    broadcast at its forwards (tierlift's single-GPU ZeRO-3 with parameters in RAM)."""
+    from tierlift.zero import buffers
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("broadcast with one rank")
+
+    monkeypatch.setattr(buffers, "broadcast_", refuse)
+    model = tierlift.zero.shard(_model(), stage=3)
+    for _ in range(2):
+        model(torch.randn(4, 8)).sum().backward()
+    tierlift.zero.full_state_dict(model)

@@ -39,8 +39,9 @@ class BufferSync:
         self.pending = torch.is_grad_enabled() and synced
 
     def sync(self, root: nn.Module) -> None:
-        """Rank 0's buffers onto every rank (a collective; nothing sent without buffers)."""
-        if self.enabled:
+        """Rank 0's buffers onto every rank (a collective; nothing sent without buffers, nor
+        where the model's ranks are this one alone)."""
+        if self.enabled and self.comm.world > 1:
             broadcast_(self.comm, [b for b in root.buffers() if b.numel() and not b.is_meta])
 
 
