@@ -97,15 +97,50 @@ class ActivationFile:
             self.fd = -1
 
 
+def _overlaps(t: torch.Tensor) -> bool:
+    """Whether some elements share memory (an expand's stride 0): copied element by element,
+    such a tensor could not be restored in its own strides, and it would take more bytes than
+    it holds. Conservative: an unusual layout that may not overlap counts as overlapping."""
+    span = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz > 1):
+        if stride < span:
+            return True
+        span += stride * (size - 1)
+    return False
+
+
+def _check_version(t: torch.Tensor, version: int) -> None:
+    """Autograd's own check, which it skips for tensors that saved_tensors_hooks packed: a
+    saved tensor modified in place after it was saved would give a wrong gradient."""
+    if t._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: [{t.type()} {list(t.shape)}] is at version {t._version}; "
+            f"expected version {version} instead (tierlift.activations, like autograd, refuses "
+            "a saved tensor changed after it was saved)")
+
+
+class _Kept:
+    """A saved tensor left in place, with its version at save time."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor, version):
+        self.tensor, self.version = tensor, version
+
+
 class Saved:
     """What autograd holds instead of a saved tensor."""
 
     __slots__ = ("session", "index", "group", "tier", "layout", "host", "offset", "reading",
-                 "dev", "event", "uses", "__weakref__")
+                 "dev", "event", "uses", "source", "version", "__weakref__")
 
     def __init__(self, session, index, group, tier, layout):
         self.session, self.index, self.group, self.tier = session, index, group, tier
         self.layout = layout
+        # The tensor while the caller keeps it (weak: holding it would defeat the offload), to
+        # refuse it at unpack if it was modified in place since it was saved, as autograd does.
+        self.source = self.version = None
         self.uses = 1  # packs that returned it: its bytes stay fetched until as many unpacks
         self.host = self.reading = self.dev = self.event = None
         self.offset = -1
@@ -192,6 +227,14 @@ class Session:
     def pack(self, t: torch.Tensor, group=None, tier: str = "auto"):
         if self.failed is not None:
             raise ActivationsDiscardedError(f"this forward was abandoned: {self.failed}")
+        packed = self._pack(t, group, tier)
+        if packed is t:
+            return _Kept(t, t._version)
+        if packed.source is None:
+            packed.source, packed.version = weakref.ref(t), t._version
+        return packed
+
+    def _pack(self, t: torch.Tensor, group, tier: str):
         if tier == "keep" or not self._offloadable(t):
             return t
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
@@ -236,8 +279,8 @@ class Session:
             self.stats["skipped_params"] += 1
             return False
         if (t.layout != torch.strided or t.device.type not in ("cpu", "cuda")
-                or type(t) is not torch.Tensor or t.is_conj() or t.is_neg()):
-            return False  # sparse, meta, subclasses (FP8 tensors, fakes): left to themselves
+                or type(t) is not torch.Tensor or t.is_conj() or t.is_neg() or _overlaps(t)):
+            return False  # sparse, meta, subclasses (FP8 tensors, fakes), expands: left alone
         nbytes = t.numel() * t.element_size()
         if nbytes == 0 or nbytes < self.config.min_bytes:
             self.stats["skipped_small"] += 1
@@ -526,8 +569,12 @@ class Session:
         self._releases[:] = keep
 
     def unpack(self, item) -> torch.Tensor:
-        if not isinstance(item, Saved):
-            return item  # left in place at pack time
+        if isinstance(item, _Kept):  # left in place at pack time
+            _check_version(item.tensor, item.version)
+            return item.tensor
+        source = item.source()
+        if source is not None:
+            _check_version(source, item.version)
         if self.failed is not None:
             raise ActivationsDiscardedError(
                 "backward reached activations of a forward that failed and was abandoned "
