@@ -1,4 +1,4 @@
-"""convert(model, recipe): swap nn.Linear layers for Float8Linear where FP8 can pay off."""
+"""convert(model, recipe): nn.Linear layers become Float8Linear / FP4Linear where it can pay off."""
 
 from __future__ import annotations
 
@@ -21,11 +21,15 @@ class ConversionReport:
     recipe: str
     converted: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)  # module name -> reason
+    # layers an earlier convert made low precision (module name -> class and recipe): unchanged
+    already_converted: dict[str, str] = field(default_factory=dict)
 
     def __str__(self) -> str:
         lines = [f"tierlift.lowp.convert({self.recipe}): {len(self.converted)} converted, "
                  f"{len(self.skipped)} kept in high precision"]
         lines += [f"  kept {name}: {why}" for name, why in self.skipped.items()]
+        lines += [f"  already converted {name}: {what}, left as it is"
+                  for name, what in self.already_converted.items()]
         return "\n".join(lines)
 
 
@@ -55,8 +59,9 @@ def _resolve(recipe):
 def convert(model: nn.Module, recipe: str | Float8Recipe | FP4Recipe = "fp8-rowwise",
             module_filter_fn: Callable[[nn.Module, str], bool] | None = None, *,
             min_features: int = 1024) -> ConversionReport:
-    """Replace, in place, each nn.Linear of `model` by a Float8Linear (FP8 recipes) or an
-    FP4Linear ("mxfp4-quartet", "nvfp4", "mxfp4-rtn") sharing its parameters.
+    """Turn, in place, each nn.Linear of `model` into a Float8Linear (FP8 recipes) or an
+    FP4Linear ("mxfp4-quartet", "nvfp4", "mxfp4-rtn"): the same module object, so its
+    parameters, buffers, hooks, training flag and every path to it stay as they were.
 
     Layers whose dimensions are not multiples of 16 (FP8) or 32 (FP4) always stay in high
     precision. Otherwise `module_filter_fn(module, fqn) -> bool`, when given, decides; without it
@@ -77,16 +82,33 @@ def convert(model: nn.Module, recipe: str | Float8Recipe | FP4Recipe = "fp8-roww
     if type(model) is nn.Linear:
         raise ValueError("model is itself an nn.Linear: convert replaces child modules in place; "
                          "use Float8Linear.from_linear(model) instead")
-    for name, mod in list(model.named_modules()):
-        if type(mod) is not nn.Linear:
+    chosen = []  # decided for every layer before any changes (module_filter_fn may raise)
+    for name, mod in model.named_modules():  # a module at several paths comes once
+        if isinstance(mod, (Float8Linear, FP4Linear)):
+            report.already_converted[name] = f"{type(mod).__name__} ({mod.recipe.name})"
+            continue
+        if not isinstance(mod, nn.Linear):
+            continue
+        if type(mod) is not nn.Linear:  # MultiheadAttention reads out_proj.weight, not its forward
+            report.skipped[name] = f"a subclass of nn.Linear ({type(mod).__name__})"
             continue
         why = _skip_reason(name, mod, module_filter_fn, min_features, multiple)
         if why is not None:
             report.skipped[name] = why
-            continue
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, layer_cls.from_linear(mod, r))
-        report.converted.append(name)
+        else:
+            chosen.append(name)
+    for name in chosen:
+        _swap_class(model.get_submodule(name), layer_cls, r)
+    report.converted = chosen
     log.info("%s", report)
     return report
+
+
+def _swap_class(mod: nn.Linear, layer_cls: type, recipe) -> None:
+    """Make `mod` itself the low-precision layer, as torch's parametrize does: a new module
+    would drop its hooks (weight_norm's too), buffers and attributes set on it, its training flag
+    and every other path or reference to it, all silently."""
+    mod.__class__ = layer_cls
+    mod.recipe = recipe
+    if layer_cls is Float8Linear:
+        mod.gathered_weight_fn = None

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from tierlift import ops
 from tierlift.lowp.fp4_recipe import FP4Recipe, get_fp4_recipe
@@ -79,6 +80,7 @@ class _FP4MatmulFn(torch.autograd.Function):
         return as_dtype(y, x.dtype)
 
     @staticmethod
+    @once_differentiable  # its GEMMs are not differentiable: a second derivative is refused
     def backward(ctx, grad_out: torch.Tensor):
         r = ctx.recipe
         x, weight, wq, mx, mw = ctx.saved_tensors
@@ -138,6 +140,7 @@ class FP4Linear(nn.Linear):
         new = cls(mod.in_features, mod.out_features, bias=False, recipe=recipe, device="meta")
         new.weight = mod.weight
         new.bias = mod.bias
+        new.train(mod.training)
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

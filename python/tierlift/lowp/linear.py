@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from tierlift import ops
 from tierlift.lowp.gemm import scaled_mm
@@ -100,6 +101,7 @@ class _Float8MatmulFn(torch.autograd.Function):
         return scaled_mm(xq, xs, wq, ws, out_dtype=x.dtype)
 
     @staticmethod
+    @once_differentiable  # its GEMMs are not differentiable: a second derivative is refused
     def backward(ctx, grad_out: torch.Tensor):
         r = ctx.recipe
         need_gx, need_gw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -171,6 +173,7 @@ class Float8Linear(nn.Linear):
         new = cls(mod.in_features, mod.out_features, bias=False, recipe=recipe, device="meta")
         new.weight = mod.weight
         new.bias = mod.bias
+        new.train(mod.training)
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

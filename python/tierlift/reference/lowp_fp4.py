@@ -244,7 +244,7 @@ def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
                         device=codes.device)
     byte = torch.arange(256, device=codes.device)
     lut = torch.stack((vals[byte & 15], vals[byte >> 4]), dim=-1)  # [256, 2]
-    return lut[codes.long()].reshape(codes.shape[0], -1)
+    return lut[codes.long()].reshape(codes.shape[0], 2 * codes.shape[1])  # -1: ambiguous at 0 rows
 
 
 def fp4_dequantize(codes: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor,
