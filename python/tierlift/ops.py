@@ -283,11 +283,32 @@ def gather_rows(table, index, out, *, cache_table=None, cache_slots=None,
     "grouped") picks the CUDA kernel's shape. The CPU gather ignores both (same result).
     """
     _check_gather_choices(locality, kernel)
+    for name, src in (("table", table), ("index", index)):
+        if isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor) \
+                and _overlap(out, src):
+            raise ValueError(f"gather_rows: out shares memory with {name}, so rows would be "
+                             f"read after being overwritten; gather into a separate tensor")
     if _extension.available() and (out.device.type == "cpu" or _extension.has_cuda_kernels()):
         torch.ops.tierlift.gather_rows(table, index, cache_table, cache_slots, out, bad_index,
                                        locality, kernel)
     else:
         reference.gather_rows(table, index, cache_table, cache_slots, out, bad_index)
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two strided tensors' byte spans in one storage intersect (conservative). By
+    storage, not data_ptr, which fake tensors (torch.compile) do not have."""
+    if a.numel() == 0 or b.numel() == 0 \
+            or a.untyped_storage()._cdata != b.untyped_storage()._cdata:
+        return False
+
+    def span(t):
+        start = t.storage_offset() * t.element_size()
+        return start, start + t.element_size() * (1 + sum((n - 1) * st for n, st in
+                                                          zip(t.shape, t.stride())))
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
 
 
 GATHER_LOCALITIES = ("index", "sorted")

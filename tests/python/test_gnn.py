@@ -195,6 +195,26 @@ def test_empty_index_gives_empty_rows():
     assert out.shape == (0, 3, 2)
 
 
+def test_out_sharing_memory_with_table_or_index_is_refused_before_writing():
+    table = torch.arange(40).view(10, 4)
+    before = table.clone()
+    store = FeatureStore(table, device="cpu")
+    with pytest.raises(ValueError, match="out shares memory with table"):
+        store.gather(torch.tensor([1, 0]), out=table[:2])  # row 0 overwritten, then read
+    with pytest.raises(ValueError, match="out shares memory with index"):
+        idx = torch.tensor([3, 2, 1, 0, 5, 6, 7, 8])
+        ops.gather_rows(table, idx, idx.view(2, 4))
+    assert torch.equal(table, before)
+    out = torch.empty(20, 4, dtype=table.dtype)
+    ops.gather_rows(out[:10], torch.tensor([1, 0]), out[10:12])  # one storage, apart: fine
+    assert torch.equal(out[10:12], out[:10][[1, 0]])
+
+
+def test_features_that_require_grad_are_refused():
+    with pytest.raises(ValueError, match="require grad"):  # rows would carry no gradient
+        FeatureStore(torch.nn.Parameter(torch.randn(10, 4)), device="cpu")
+
+
 def test_use_after_close():
     store = FeatureStore(torch.randn(10, 4), device="cpu")
     store.close()
@@ -266,6 +286,11 @@ def test_pyg_feature_store_interface():
     assert torch.equal(fs["paper", "x", idx], table[idx])
     attr = pyg.data.TensorAttr(group_name="paper", attr_name="x", index=idx)
     assert torch.equal(fs.multi_get_tensor([attr])[0], table[idx])
+    mask = [i % 3 == 0 for i in range(30)]  # a list of bools is a mask, as for table[...]
+    attr = pyg.data.TensorAttr(group_name="paper", attr_name="x", index=mask)
+    assert torch.equal(fs.get_tensor(attr), table[torch.tensor(mask)])
+    with pytest.raises(TypeError, match="int32 or int64"):  # torch refuses float indices too
+        fs.get_tensor(pyg.data.TensorAttr(group_name="paper", attr_name="x", index=[1.5]))
     assert fs.get_tensor_size(group_name="paper", attr_name="x") == (30, 5)
     assert len(fs.get_all_tensor_attrs()) == 1
     assert fs.remove_tensor(group_name="paper", attr_name="x", index=None)

@@ -52,7 +52,12 @@ class PyGFeatureStore(_PyGFeatureStore):
         elif isinstance(index, slice):
             index = torch.arange(store.num_rows)[index]
         elif not isinstance(index, torch.Tensor):
-            index = torch.as_tensor(index, dtype=torch.long)
+            index = torch.as_tensor(index)  # its own dtype: gather refuses floats
+        if index.dtype == torch.bool:  # a mask, as tensor[mask] reads it
+            if index.shape != (store.num_rows,):
+                raise IndexError(f"PyGFeatureStore: a boolean index must have shape "
+                                 f"({store.num_rows},), one per row, got {tuple(index.shape)}")
+            index = index.nonzero().flatten()
         return store.gather(index)
 
     def _remove_tensor(self, attr: TensorAttr) -> bool:

@@ -183,6 +183,9 @@ class FeatureStore:
             raise ValueError("features must have at least one dimension (rows along dim 0)")
         if not table.is_contiguous():
             raise ValueError("features must be contiguous (call .contiguous(), which copies)")
+        if table.requires_grad:  # the gathered rows would carry no gradient back to it
+            raise ValueError("features require grad, but FeatureStore.gather is not "
+                             "differentiable; pass features.detach() for a constant table")
 
     def _pin(self, table: torch.Tensor, file_backed: bool) -> torch.Tensor:
         if table.numel() == 0 or table.is_pinned():
