@@ -98,6 +98,17 @@ def test_from_npy_and_raw_file(tmp_path):
         FeatureStore(tmp_path / "missing.npy", device="cpu")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float16])
+def test_raw_file_of_a_dtype_numpy_lacks(tmp_path, dtype):
+    table = torch.randn(40, 12).to(dtype)
+    table.view(torch.uint8).numpy().tofile(tmp_path / "x.bin")
+    idx = torch.tensor([39, 0, 5])
+    with FeatureStore(tmp_path / "x.bin", device="cpu", dtype=dtype, shape=(40, 12)) as s:
+        assert torch.equal(s.gather(idx).view(torch.uint8), table[idx].view(torch.uint8))
+    with pytest.raises(ValueError, match="shape must hold ints >= 0"):
+        FeatureStore(tmp_path / "x.bin", device="cpu", dtype=dtype, shape=(-40, 12))
+
+
 def test_file_shorter_than_its_shape(tmp_path):
     """Named with the file, its size and the size needed (mmap only said "mmap length is
     greater than file size")."""

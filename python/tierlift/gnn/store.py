@@ -89,15 +89,24 @@ def _load_features(features, dtype, shape) -> tuple[torch.Tensor, bool]:
     else:
         if dtype is None or shape is None:
             raise ValueError("features: a raw file needs dtype= and shape= (an .npy file does not)")
-        np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"features: dtype must be a torch.dtype, got {dtype!r}")
+        probe = torch.empty(0, dtype=dtype)
+        try:
+            np_dtype = probe.numpy().dtype
+        except TypeError:  # no numpy twin (bfloat16, float8): mapped as unsigned of its width
+            np_dtype = np.dtype(f"u{probe.element_size()}")
         _check_size(path, 0, shape, np_dtype)
         array = np.memmap(path, dtype=np_dtype, mode="c", shape=tuple(shape))
+        return torch.from_numpy(array).view(dtype), True
     return torch.from_numpy(array), True
 
 
 def _check_size(path: Path, start: int, shape, np_dtype) -> None:
     """A file shorter than its shape: named with both sizes (mmap would only say "mmap length
     is greater than file size")."""
+    if any(isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0 for n in shape):
+        raise ValueError(f"features: shape must hold ints >= 0, got {tuple(shape)}")
     need = start + int(np.prod(shape, dtype=np.int64)) * np.dtype(np_dtype).itemsize
     size = path.stat().st_size
     if size < need:
