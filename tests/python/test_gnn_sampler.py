@@ -140,6 +140,10 @@ def test_bad_arguments(graph):
         NeighborSampler(graph, [5]).sample_from_nodes(
             pyg.sampler.NodeSamplerInput(input_id=None, node=torch.tensor([1]),
                                          time=torch.tensor([0])))
+    for seeds in (torch.tensor([1.7]), torch.tensor([True])):  # not cast to rows 1
+        with pytest.raises(ValueError, match="integer tensor"):
+            NeighborSampler(graph, [5]).sample_from_nodes(
+                pyg.sampler.NodeSamplerInput(input_id=None, node=seeds))
 
 
 def test_duplicate_seeds_keep_their_places(graph):

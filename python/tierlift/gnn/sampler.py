@@ -125,7 +125,7 @@ class NeighborSampler(BaseSampler):
         if index.time is not None:
             raise ValueError("input_time: tierlift.gnn.NeighborSampler does not sample "
                              "temporally; leave input_time unset")
-        seeds = index.node.cpu().long()
+        seeds = index.node.cpu()  # sample() checks the dtype (a cast would truncate 1.7 to 1)
         node, row, col, edge, nodes_per_hop, edges_per_hop = self.sample(seeds)
         return SamplerOutput(node=node, row=row, col=col, edge=edge, batch=None,
                              num_sampled_nodes=nodes_per_hop, num_sampled_edges=edges_per_hop,
@@ -140,7 +140,8 @@ class NeighborSampler(BaseSampler):
     def sample(self, seeds: torch.Tensor):
         """Samples around `seeds` (1-D int tensor of node ids). Returns (node, row, col, edge,
         num_sampled_nodes, num_sampled_edges) in PyG's SamplerOutput conventions."""
-        if seeds.dim() != 1 or seeds.dtype.is_floating_point:
+        if seeds.dim() != 1 or seeds.dtype.is_floating_point or seeds.dtype.is_complex \
+                or seeds.dtype == torch.bool:
             raise ValueError(f"seeds must be a 1-D integer tensor, got {seeds.dtype} "
                              f"{tuple(seeds.shape)}")
         seeds = seeds.long()
