@@ -13,12 +13,10 @@ at the next save, or at close(); a process killed at any point leaves it loadabl
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import shutil
 import socket
-import sys
 import threading
 import time
 import uuid
@@ -26,7 +24,7 @@ import uuid
 import torch
 
 from tierlift.checkpoint import format as fmt
-from tierlift.checkpoint import manifest, stream, targets, write_errors
+from tierlift.checkpoint import in_flight, manifest, stream, targets, write_errors
 from tierlift.checkpoint.agree import comm_device
 from tierlift.checkpoint.staging import MIN_PIECE, Packer, Staging, free_cached, piece_bytes
 from tierlift.checkpoint.writer import TensorFile, Writer, close_engine
@@ -35,7 +33,6 @@ from tierlift.offload.tiers import _owner_alive, _pid_namespace, _start_time
 BLOCKING_BUDGET = 256 << 20  # a blocking save's staging, when no budget is given
 OWNER = targets.OWNER
 
-_pending: SaveHandle | None = None
 _side_groups: dict[tuple, object] = {}
 
 
@@ -72,41 +69,14 @@ class SaveHandle:
         return f"SaveHandle({self.path!r}, {state})"
 
 
-def before_save() -> None:
-    """A new save waits for the one before, and raises its error if it failed."""
-    global _pending
-    prev, _pending = _pending, None
-    if prev is not None:
-        prev.wait()
-
-
-def before_load(path) -> None:
-    """A read of the path this process's background save is writing waits for that save (and
-    raises its error): until it commits, the checkpoint there is still the one before it, which
-    the read would have returned without a word."""
-    if _pending is not None and (os.path.realpath(os.fsdecode(os.fspath(path)))
-                                 == os.path.realpath(_pending.path)):
-        before_save()
-
-
 def close() -> None:
     """Waits for the save in flight (raising its error) and frees the staging memory kept
     between saves and the writer's engine."""
     try:
-        before_save()
+        in_flight.before_save()
     finally:
         free_cached()
         close_engine()
-
-
-@atexit.register
-def _at_exit() -> None:
-    if _pending is not None and not _pending._reported:
-        try:
-            _pending.wait()
-        except BaseException as e:  # noqa: BLE001 - nothing can raise at exit
-            print(f"tierlift.checkpoint: the background save to {_pending.path} failed: {e!r}; "
-                  "the previous checkpoint there is intact", file=sys.stderr)
 
 
 def estimate_bytes(model, optimizer, off) -> int:
@@ -445,7 +415,6 @@ class Job:
     def start(self, vote: Vote, publish) -> SaveHandle:
         """The snapshot is complete: the writer goes on alone; then every rank votes and
         `publish()` (rank 0's metadata and rename) runs. Blocking: waits, votes here."""
-        global _pending
         if self.snapshot_error is None:
             try:
                 self.packer.flush()
@@ -467,7 +436,7 @@ class Job:
         handle._thread = threading.Thread(target=self._finish, args=(vote, publish),
                                           name="tierlift-checkpoint-commit", daemon=True)
         handle._thread.start()
-        _pending = handle
+        in_flight.started(handle)
         if self.snapshot_error is not None:  # raised here; the vote goes on in the thread
             handle._reported = True
             raise self.snapshot_error

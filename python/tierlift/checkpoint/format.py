@@ -27,7 +27,7 @@ from collections.abc import Iterator
 
 import torch
 
-from tierlift.checkpoint import manifest, validate
+from tierlift.checkpoint import in_flight, manifest, validate
 
 FORMAT = "tierlift-zero-checkpoint"
 VERSION = 1
@@ -263,9 +263,7 @@ def full_state_dict(path: str, *, verify: bool = True) -> dict[str, torch.Tensor
     """The plain (unsharded) model state dict stored in a checkpoint, without torch.distributed
     (all of it in memory: iter_state_dict() gives it one tensor at a time). A checkpoint
     without manifest.json is refused unless `verify` is False (read_metadata)."""
-    from tierlift.checkpoint import background  # imports this module
-
-    background.before_load(path)
+    in_flight.before_load(path)
     return dict(iter_state_dict(resolve_dir(path), verify))
 
 

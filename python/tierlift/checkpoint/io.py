@@ -12,7 +12,16 @@ import os
 
 import torch
 
-from tierlift.checkpoint import agree, background, replicated, reshard, restore, stream, validate
+from tierlift.checkpoint import (
+    agree,
+    background,
+    in_flight,
+    replicated,
+    reshard,
+    restore,
+    stream,
+    validate,
+)
 from tierlift.checkpoint import format as fmt
 from tierlift.offload.journal import Journal
 from tierlift.zero.api import _ATTR, _SHARD_NAME, _state
@@ -64,7 +73,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
     if getattr(model, _ATTR, None) is None:
         return replicated.save(path, model, optimizer, extra, blocking=blocking,
                                staging_budget=staging_budget)
-    background.before_save()
+    in_flight.before_save()
     state = _state(model)
     state.named_call("tierlift.checkpoint.save")  # every rank must call it (zero/heartbeat.py)
     # Files are named by the rank within the shard group; with hierarchical sharding only the
@@ -238,7 +247,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
     refused: verify=False loads one written by a tierlift from before manifests, with a
     warning. Either way the hyperparameters and step counts it holds are checked as the
     optimizer's constructor checks them (validate.py) before anything changes."""
-    background.before_load(path)  # this process's background save of `path` lands first
+    in_flight.before_load(path)  # this process's background save of `path` lands first
     if getattr(model, _ATTR, None) is None:
         return replicated.load(os.fspath(path), model, optimizer, verify=verify)
     state = _state(model)

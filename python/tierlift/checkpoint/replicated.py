@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from tierlift.checkpoint import agree, background, restore, stream, validate
+from tierlift.checkpoint import agree, background, in_flight, restore, stream, validate
 from tierlift.checkpoint import format as fmt
 from tierlift.offload.journal import Journal
 from tierlift.offload.layout import kind_elems
@@ -46,7 +46,7 @@ def _comm(model) -> Comm | None:
 def save(path: str, model: torch.nn.Module, optimizer, extra: dict | None, *,
          blocking: bool = True, staging_budget: int | None = None):
     """Rank 0 snapshots and writes; every rank of the default group votes on the commit."""
-    background.before_save()
+    in_flight.before_save()
     rank, _ = _dist()
     comm = Comm(None)
     off = fmt.offloader(optimizer)
@@ -101,7 +101,7 @@ def save_state_dict(path: str, state_dict: dict[str, torch.Tensor],
     """A checkpoint of a plain model state dict without an optimizer (one brought in from
     another format), in save()'s format: load() puts it into a model that is not sharded.
     `path` must be new or an empty directory: an existing checkpoint is not replaced."""
-    background.before_save()
+    in_flight.before_save()
     path = fmt.dir_path(path)
     job = background.Job(path, blocking=True, staging_budget=None, replace=False,
                          estimate=lambda: sum(t.numel() * t.element_size()
@@ -121,7 +121,7 @@ def optimizer_state_dict(path: str, *, verify: bool = True) -> dict:
     ({"state": {index: {...}}, "param_groups": [...]}): loads into torch.optim.AdamW, or into
     tierlift's optimizers with any offload. A checkpoint without manifest.json is refused
     unless `verify` is False (format.read_metadata)."""
-    background.before_load(path)
+    in_flight.before_load(path)
     path = fmt.resolve_dir(os.fspath(path))
     meta = fmt.read_metadata(path, verify)
     if meta.get("layout") != "replicated":
