@@ -153,18 +153,25 @@ def advance_steps_(steps) -> list[int]:
     torch.compile it runs outside the graph (the counts are data the caller branches on; a
     traced op could not return them): a compiled optimizer steps through adam_group_step_."""
     steps = list(steps)
-    if torch.compiler.is_compiling():
-        return _advance_steps_eagerly(steps)
+    return (_advance_outside_graph if torch.compiler.is_compiling() else _advance)(steps)
+
+
+def _advance(steps: list) -> list[int]:
     if _HAS_ADVANCE_STEPS:
         return torch.ops.tierlift.advance_steps_(steps)
     return reference.advance_steps_(steps)
 
 
-@torch.compiler.disable
-def _advance_steps_eagerly(steps) -> list[int]:
-    if _HAS_ADVANCE_STEPS:
-        return torch.ops.tierlift.advance_steps_(steps)
-    return reference.advance_steps_(steps)
+_advance_outside_graph = torch.compiler.disable(_advance)
+
+
+def by_count(counts: list[int]) -> dict[int, list[int]]:
+    """The positions of each step count, in order of first appearance: one fused call per
+    count (parameters that skipped steps keep counts of their own)."""
+    positions: dict[int, list[int]] = {}
+    for i, count in enumerate(counts):
+        positions.setdefault(count, []).append(i)
+    return positions
 
 
 def adam_group_step_(steps, params, grads, exp_avgs, exp_avg_sqs, extra_states, param_copies, *,
@@ -195,10 +202,7 @@ def adam_group_step_(steps, params, grads, exp_avgs, exp_avg_sqs, extra_states, 
 def _adam_group_step(steps, params, grads, exp_avgs, exp_avg_sqs, extra_states, param_copies,
                      lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize, compact,
                      grad_scale, refresh_from_copies) -> None:
-    counts = advance_steps_(steps)
-    buckets: dict = {}  # count -> positions; params that skipped steps keep their own count
-    for i, count in enumerate(counts):
-        buckets.setdefault(count, []).append(i)
+    buckets = by_count(advance_steps_(steps))
     hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                  decoupled=decoupled, maximize=maximize, grad_scale=grad_scale,
                  refresh_from_copies=refresh_from_copies)

@@ -622,10 +622,7 @@ class Adam(Optimizer):
         if counts.count(counts[0]) == len(counts):
             self._launch(group, counts[0], plan.take(grads), scale, True)
             return
-        buckets: dict = {}  # step count -> positions; params that skipped steps keep theirs
-        for i, count in enumerate(counts):
-            buckets.setdefault(count, []).append(i)
-        for step, index in buckets.items():
+        for step, index in ops.by_count(counts).items():
             self._launch(group, step, plan.take(grads, index), scale, True)
 
     def _hyper(self, group: dict, b: dict, grad_scale, fused: bool) -> dict:
