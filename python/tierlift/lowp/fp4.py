@@ -24,6 +24,7 @@ from torch.autograd.function import once_differentiable
 from tierlift import ops
 from tierlift.lowp.fp4_recipe import FP4Recipe, get_fp4_recipe
 from tierlift.lowp.gemm import as_dtype
+from tierlift.lowp.linear import linear_input
 from tierlift.reference.lowp_fp4 import fp4_dequantize, hadamard
 
 
@@ -114,8 +115,7 @@ def fp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if weight.shape[1] % 32 or weight.shape[0] % 32:
         raise ValueError(f"weight must have in/out features that are multiples of 32 for FP4, "
                          f"got shape {tuple(weight.shape)}")
-    if torch.is_autocast_enabled(x.device.type):
-        x = x.to(torch.get_autocast_dtype(x.device.type))
+    x = linear_input(x, weight, bias)
     lead = x.shape[:-1]
     y = _FP4MatmulFn.apply(x.reshape(-1, x.shape[-1]), weight, recipe)
     if bias is not None:

@@ -128,6 +128,35 @@ class _Float8MatmulFn(torch.autograd.Function):
         return grad_x, grad_w, None, None, None
 
 
+_DTYPE_NAMES = {torch.float32: "Float", torch.float64: "Double", torch.float16: "Half",
+                torch.bfloat16: "BFloat16"}  # c10's names, as F.linear's errors spell them
+
+
+def linear_input(x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    """x in the dtype nn.Linear would multiply it in: autocast's where autocast is on (which
+    casts fp32/bf16/fp16 operands, never fp64), else its own. Operands whose dtypes would then
+    differ are refused with F.linear's error: low precision layers would otherwise run the
+    GEMM anyway (weight and input are quantized separately) and return the input's dtype."""
+    def effective(t: torch.Tensor) -> torch.dtype:
+        if autocast and t.is_floating_point() and t.dtype != torch.float64:
+            return torch.get_autocast_dtype(x.device.type)
+        return t.dtype
+
+    autocast = torch.is_autocast_enabled(x.device.type)
+    xd, wd = effective(x), effective(weight)
+    pairs = [("mat1 and mat2", xd, wd)]
+    if bias is not None:
+        pairs.append(("self and mat2", effective(bias), wd))
+    for what, a, b in pairs:
+        if a != b:
+            raise RuntimeError(
+                f"{what} must have the same dtype, but got {_DTYPE_NAMES.get(a, a)} and "
+                f"{_DTYPE_NAMES.get(b, b)} (as nn.Linear refuses them: cast the input to the "
+                f"layer's dtype, or run under torch.autocast)")
+    return x.to(xd) if xd != x.dtype else x
+
+
 def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   recipe: str | Float8Recipe = "fp8-rowwise",
                   gathered: GatheredFloat8Weight | None = None) -> torch.Tensor:
@@ -146,8 +175,7 @@ def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"x must have {weight.shape[1]} features in its last dimension, got "
                          f"shape {tuple(x.shape)}")
-    if torch.is_autocast_enabled(x.device.type):  # run where autocast would run nn.Linear
-        x = x.to(torch.get_autocast_dtype(x.device.type))
+    x = linear_input(x, weight, bias)
     lead = x.shape[:-1]
     y = _Float8MatmulFn.apply(x.reshape(-1, x.shape[-1]), weight, recipe, gathered,
                               torch.is_grad_enabled())
