@@ -1,12 +1,13 @@
 """Float8Linear / FP4Linear take the dtypes nn.Linear takes: outside autocast an input whose
 dtype differs from the layer's is refused with nn.Linear's error (it used to run and return the
-input's dtype); under autocast the output has nn.Linear's dtype and its values."""
+input's dtype); under autocast the output has nn.Linear's dtype and its values. convert() also
+converts a model that is itself an nn.Linear, in place."""
 
 import pytest
 import torch
 from torch import nn
 
-from tierlift.lowp import Float8Linear, FP4Linear
+from tierlift.lowp import Float8Linear, FP4Linear, convert
 
 LAYERS = [(Float8Linear, "fp8-rowwise"), (Float8Linear, "fp8-tensorwise"),
           (FP4Linear, "mxfp4-rtn"), (FP4Linear, "nvfp4")]
@@ -74,3 +75,26 @@ def test_autocast_refuses_an_fp64_input_as_nn_linear_does(cls, recipe):
     x = torch.randn(4, 64, dtype=torch.float64)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert _error(ref, x) in _error(low, x)
+
+
+@pytest.mark.parametrize("recipe", ["fp8-rowwise", "mxfp4-rtn"])
+def test_convert_converts_a_model_that_is_itself_a_linear(recipe):
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64)
+    expected = nn.Sequential(nn.Linear(64, 64))
+    expected[0].load_state_dict(model.state_dict())
+    report = convert(model, recipe, min_features=0)
+    assert report.converted == [""] and isinstance(model, (Float8Linear, FP4Linear))
+    convert(expected, recipe, min_features=0)
+    x = torch.randn(8, 64)
+    torch.manual_seed(1)
+    y = model(x)
+    torch.manual_seed(1)
+    torch.testing.assert_close(y, expected(x), rtol=0, atol=0)
+    again = convert(model, recipe, min_features=0)
+    assert again.converted == [] and list(again.already_converted) == [""]
+    assert "(the model itself)" in str(again)
+    small = nn.Linear(8, 8)
+    report = convert(small, recipe)
+    assert type(small) is nn.Linear and list(report.skipped) == [""]
+    assert "kept (the model itself):" in str(report)

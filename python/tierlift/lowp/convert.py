@@ -27,10 +27,14 @@ class ConversionReport:
     def __str__(self) -> str:
         lines = [f"tierlift.lowp.convert({self.recipe}): {len(self.converted)} converted, "
                  f"{len(self.skipped)} kept in high precision"]
-        lines += [f"  kept {name}: {why}" for name, why in self.skipped.items()]
-        lines += [f"  already converted {name}: {what}, left as it is"
+        lines += [f"  kept {_shown(name)}: {why}" for name, why in self.skipped.items()]
+        lines += [f"  already converted {_shown(name)}: {what}, left as it is"
                   for name, what in self.already_converted.items()]
         return "\n".join(lines)
+
+
+def _shown(name: str) -> str:
+    return name or "(the model itself)"  # "" is the root's name, as in named_modules()
 
 
 def _skip_reason(name: str, mod: nn.Linear, module_filter_fn, min_features: int,
@@ -66,7 +70,8 @@ def convert(model: nn.Module, recipe: str | Float8Recipe | FP4Recipe = "fp8-roww
     Layers whose dimensions are not multiples of 16 (FP8) or 32 (FP4) always stay in high
     precision. Otherwise `module_filter_fn(module, fqn) -> bool`, when given, decides; without it
     layers with min(in_features, out_features) < min_features stay (too small to gain). Returns,
-    and logs, which layers were converted and why the others were kept.
+    and logs, which layers were converted and why the others were kept. `model` may itself be
+    an nn.Linear: it is converted in place too, reported under the name "" (its fqn).
     """
     r, layer_cls, multiple = _resolve(recipe)
     if not isinstance(model, nn.Module):
@@ -79,9 +84,6 @@ def convert(model: nn.Module, recipe: str | Float8Recipe | FP4Recipe = "fp8-roww
         raise ValueError("model is already sharded by tierlift.zero.shard: call "
                          "tierlift.lowp.convert(model, ...) before shard()")
     report = ConversionReport(recipe=r.name)
-    if type(model) is nn.Linear:
-        raise ValueError("model is itself an nn.Linear: convert replaces child modules in place; "
-                         "use Float8Linear.from_linear(model) instead")
     chosen = []  # decided for every layer before any changes (module_filter_fn may raise)
     for name, mod in model.named_modules():  # a module at several paths comes once
         if isinstance(mod, (Float8Linear, FP4Linear)):
