@@ -36,9 +36,9 @@ reports tokens per step (--batch-size x --seq-len), tokens/s, TFLOPS and peak GP
 host memory (peak_host_bytes: the case's peak RSS plus its worker processes'). FLOPs per
 token: 6 N + 12 L d T (matmuls forward and backward plus attention scores; the causal mask is
 not discounted). --max-grad-norm applies to every contender alike (0: none):
-tierlift's overlap keeps its chunks only while the norm stays under it (docs/offload.md), so the
-tierlift rows report the gradient norm and the chunks kept and redone. With --tier nvme and
---disk-json (the file benchmarks/bench_io.py --out wrote), the step is set against the disk's
+tierlift's overlap keeps its chunks only while the norm stays under it (docs/offload-overlap.md),
+so the tierlift rows report the gradient norm and the chunks kept and redone. With --tier nvme
+and --disk-json (the file benchmarks/bench_io.py --out wrote), the step is set against the disk's
 roofline for its state bytes (target within 1.25x). --device-fraction F passes tierlift's
 device_fraction (the first parameters' state stays on the GPU, 12 B/param counted in the sizing);
 the row's case and note say how many parameters it kept there; deepspeed-ratio (which needs it)

@@ -329,7 +329,7 @@ fi
 # RAM, each case in its own process: tierlift 24 B/param (two generations, 26.5 GB, pinned at
 # its size), torch's recipe 18 B (20 GB), DeepSpeed 16 B.
 # No clipping for any contender (--max-grad-norm 0): above the threshold every chunk the overlap
-# stepped is redone (docs/offload.md) and, on NVMe, read and written twice, and a randomly
+# stepped is redone (docs/offload-overlap.md) and, on NVMe, read and written twice, and a randomly
 # initialized model on random tokens sits above 1.0 (the tiny one of --finetune-check: 1.87);
 # the torch row records the 1.1B's norm.
 # Estimates (H200, 16 cores; ~8 s of process start per case; GPU compute ~1.2e14 FLOP a step,

@@ -61,7 +61,7 @@ class OffloadConfig:
     parameters, by elements, whose state is not offloaded but kept beside them and stepped by
     the optimizer's own kernel after the offloaded part: whole parameters from the first of the
     first param group on, whose gradients come last in backward (tierlift.offload.device_part;
-    docs/offload.md, "A device share of the state"). `overlap_threads` (overlap=True): how
+    docs/offload-device-fraction.md). `overlap_threads` (overlap=True): how
     many of tierlift's CPU threads (TIERLIFT_NUM_THREADS) the chunks stepped ahead use while
     training runs, from the first gradient of a backward until step() waits for them (then
     all of them): None leaves an eighth of them (at least one) to the thread that launches
