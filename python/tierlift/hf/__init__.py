@@ -20,7 +20,7 @@
     model, opt, loader = accelerator.prepare(model, opt, loader)
 
 Needs transformers (Trainer) and accelerate: pip install transformers accelerate.
-See docs/zero.md, "Hugging Face".
+See docs/zero-hugging-face.md.
 """
 
 try:
