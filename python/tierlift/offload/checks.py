@@ -9,7 +9,7 @@ import operator
 import numpy as np
 import torch
 
-from tierlift.offload.layout import state_kinds
+from tierlift.offload.layout import SCALE_KIND, state_kinds
 from tierlift.offload.tiers import crc_pool
 
 
@@ -20,6 +20,33 @@ def check_group(opt, gi: int, group: dict, kinds: list[str]) -> None:
     if list(state_kinds(group["amsgrad"], opt._state_dtype)) != kinds:
         raise ValueError(f"param_groups[{gi}]['amsgrad'] changed after the optimizer was "
                          "created; offloaded state cannot change kinds")
+
+
+# The keys torch's Adam keeps in optimizer.state[p] that the tiers hold instead.
+TIER_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", SCALE_KIND, "master")
+
+
+def check_state_keys(opt, layouts: list) -> None:
+    """Refuses a moment or master written into optimizer.state[p] of a parameter whose state
+    the tiers hold (optimizer.state keeps only its "step" there): the step would use the
+    tiers' value and state_dict() would replace the written one with it, both silently, where
+    torch's AdamW steps from what was written."""
+    for gi, group in enumerate(opt.param_groups):
+        reserved = layouts[gi].reserved
+        for pi, p in enumerate(group["params"]):
+            state = opt.state.get(p)
+            if not state or not reserved[pi]:
+                continue
+            keys = [k for k in TIER_KEYS if k in state]
+            if keys:
+                raise RuntimeError(
+                    f"optimizer.state[p] of param_groups[{gi}]['params'][{pi}] has "
+                    f"{', '.join(map(repr, keys))}, written there after the optimizer was built: "
+                    "an offloaded optimizer keeps moments and master weights in its tiers and "
+                    "only 'step' in optimizer.state, so the value written would be ignored. "
+                    "To change the state, edit optimizer.state_dict() and load it with "
+                    "load_state_dict(); to go on without the change, delete those keys. "
+                    "Nothing was changed")
 
 
 def check_params(groups: list[dict]) -> None:

@@ -39,6 +39,7 @@ from tierlift.offload.checks import (
     check_group,
     check_lists,
     check_params,
+    check_state_keys,
     check_unchanged,
     formats,
     listed,
@@ -160,6 +161,11 @@ class Offloader(StateIO, ChunkStep):
         """Refuses params lists changed since construction (checks.check_lists)."""
         check_lists(self.opt.param_groups, self._built)
 
+    def check_state(self) -> None:
+        """Refuses moments or masters written into optimizer.state, which the tiers hold
+        (checks.check_state_keys): before a step or a state_dict() reads the tiers instead."""
+        check_state_keys(self.opt, self.layouts)
+
     def _name(self, gi: int, pi: int) -> str:
         return f"param_groups[{gi}]['params'][{pi}]"
 
@@ -263,6 +269,7 @@ class Offloader(StateIO, ChunkStep):
         if self._broken is not None:
             raise RuntimeError(self._broken)
         self.check_lists()
+        self.check_state()
         t0 = time.perf_counter()
         stats = defaultdict(float)
         spec, total, live = {}, None, None

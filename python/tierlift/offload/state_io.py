@@ -25,6 +25,7 @@ class StateIO:
         """{param: {kind: CPU tensor}} for every parameter that has taken a step, in the
         in-memory optimizer's state format (fp32, or compact: bf16 m, uint8 v codes, scales)."""
         self.check_lists()
+        self.check_state()  # else state_dict() would put the tiers' value over a written one
         out: dict = {}
         for gi, group in enumerate(self.opt.param_groups):
             params, layout, tier = group["params"], self.layouts[gi], self.tiers[gi]

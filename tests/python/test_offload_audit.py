@@ -1,0 +1,100 @@
+"""What a user of torch.optim.AdamW does to optimizer.state, done to tierlift's offloaded AdamW:
+torch's result, or a clear refusal before anything changes.
+
+- a moment written into optimizer.state[p] (the tiers hold it: refused at step() and at
+  state_dict(), which would have used or returned the tiers' value; deleting the key goes on);
+- optimizer.state[p] cleared or its "step" reset (honored: the moments restart from zero, or
+  the bias correction restarts, as in torch)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conformance_util import (
+    assert_matches_torch,
+    assert_same_snapshot,
+    assert_state_matches_torch,
+    batch,
+    build_model,
+    close,
+    num_threads,
+    snapshot,
+    tl_opt,
+    torch_opt,
+    train,
+    twin,
+)
+
+import tierlift
+
+pytestmark = pytest.mark.skipif(
+    not tierlift._extension.available(), reason="compiled extension not loaded"
+)
+
+MODES = ["cpu", "cpu_ov", "nvme1", "nvme2_ov", "hybrid_ov"]
+
+
+def _backward(model, step: int) -> None:
+    x, y = batch(0, step)
+    F.mse_loss(model(x), y).backward()
+
+
+@pytest.mark.parametrize("key", ["exp_avg", "exp_avg_sq"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_moment_written_into_state_is_refused_and_nothing_changes(tmp_path, mode, key):
+    model = build_model()
+    ref = twin(model)
+    opt = tl_opt(mode, model.parameters(), tmp_path)
+    ref_opt = torch_opt(ref.parameters())
+    p = list(model.parameters())[2]
+    with num_threads(1):
+        train(model, opt, steps=2)
+        train(ref, ref_opt, steps=2)
+        _backward(model, 2)
+        _backward(ref, 2)
+        before = snapshot(model, opt)
+        opt.state[p][key] = torch.zeros_like(p)  # torch's AdamW would step from these zeros
+        with pytest.raises(
+            RuntimeError,
+            match=rf"param_groups\[0\]\['params'\]\[2\] has "
+            rf"'{key}'.*load_state_dict.*Nothing was changed",
+        ):
+            opt.step()
+        with pytest.raises(RuntimeError, match=f"has '{key}'"):
+            opt.state_dict()
+        assert key in opt.state[p], "the refusal leaves what the user wrote"
+        del opt.state[p][key]
+        assert_same_snapshot(snapshot(model, opt), before, "after the refused step")
+        opt.step()  # the same gradients: training goes on as if nothing was written
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        train(model, opt, steps=1, start=3)
+        train(ref, ref_opt, steps=1, start=3)
+    assert_matches_torch(model, ref)
+    assert_state_matches_torch(opt, ref_opt)
+    close(opt)
+
+
+def _reset(i, model, opt) -> None:
+    ps = list(model.parameters())
+    if i == 1:
+        opt.state[ps[2]].clear()  # its moments restart from zero
+        del opt.state[ps[4]]
+    if i == 2:
+        opt.state[ps[0]]["step"] = torch.tensor(0.0)  # its bias correction restarts
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cleared_state_and_reset_step_count_are_honored(tmp_path, mode):
+    model = build_model()
+    ref = twin(model)
+    opt = tl_opt(mode, model.parameters(), tmp_path)
+    ref_opt = torch_opt(ref.parameters())
+    with num_threads(1):
+        train(model, opt, steps=4, after_step=_reset)
+        train(ref, ref_opt, steps=4, after_step=_reset)
+    assert_matches_torch(model, ref)
+    assert_state_matches_torch(opt, ref_opt)
+    close(opt)
