@@ -6,6 +6,7 @@ every rank forwarding until all are done.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -156,11 +157,37 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def _save_pretrained(cls, model, args: tuple, kwargs: dict):
+    """cls.save_pretrained on a sharded model: its own state_dict() holds flat shards, which
+    save_pretrained would write as they are (from_pretrained then initializes every weight
+    afresh; a peft model writes an empty adapter file). Without state_dict=, the full one is
+    gathered (a collective) and rank 0 writes it; a state_dict of shards is refused."""
+    sig = inspect.signature(cls.save_pretrained)
+    bound = sig.bind(model, *args, **kwargs)
+    if "state_dict" in sig.parameters:
+        slot = bound.arguments
+    else:  # peft.PeftModel takes it through **kwargs
+        var = next(n for n, p in sig.parameters.items() if p.kind is p.VAR_KEYWORD)
+        slot = bound.arguments.setdefault(var, {})
+    state_dict = slot.get("state_dict")
+    if state_dict is None:
+        _state(model).named_call(f"{cls.__name__}.save_pretrained")
+        slot["state_dict"] = gathered_state_dict(model)
+        if _state(model).world_comm.rank != 0 and "is_main_process" in sig.parameters:
+            bound.arguments["is_main_process"] = False  # it holds nothing to write
+    elif any(k.endswith(_SHARD_NAME) for k in state_dict):
+        raise ValueError("save_pretrained(state_dict=...) was given the sharded model's own "
+                         "state_dict (flat shards, not weights): leave state_dict out (the full "
+                         "weights are gathered) or pass tierlift.hf.gathered_state_dict(model)")
+    return cls.save_pretrained(*bound.args, **bound.kwargs)
+
+
 def install(model) -> None:
-    """Gives a sharded model's instance a num_parameters() that counts the full model and a
-    generate() that runs with synced_gpus=True across ranks (each rank keeps forwarding, with
-    its finished sequences, until every rank is done: a sharded forward is a collective, so a
-    rank that stopped early would leave the others waiting). Idempotent."""
+    """Gives a sharded model's instance a num_parameters() that counts the full model, a
+    save_pretrained() that writes the full weights (gathered; rank 0 writes) rather than the
+    flat shards, and a generate() that runs with synced_gpus=True across ranks (each rank keeps
+    forwarding, with its finished sequences, until every rank is done: a sharded forward is a
+    collective, so a rank that stopped early would leave the others waiting). Idempotent."""
     model = _inner(model)
     if getattr(model, "_tierlift_hf_installed", False):
         return
@@ -179,6 +206,12 @@ def install(model) -> None:
             return count_parameters(ref(), only_trainable, exclude_embeddings)
 
         model.num_parameters = num_parameters
+    if hasattr(cls, "save_pretrained"):
+        def save_pretrained(*args, **kwargs):
+            return _save_pretrained(cls, ref(), args, kwargs)
+
+        save_pretrained.__doc__ = cls.save_pretrained.__doc__
+        model.save_pretrained = save_pretrained
     if hasattr(cls, "get_nb_trainable_parameters"):  # peft.PeftModel
         def get_nb_trainable_parameters():
             return (count_parameters(ref(), only_trainable=True), count_parameters(ref()))
