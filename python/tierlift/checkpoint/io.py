@@ -16,6 +16,7 @@ from tierlift.checkpoint import (
     agree,
     background,
     in_flight,
+    order,
     replicated,
     reshard,
     restore,
@@ -75,6 +76,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
                                staging_budget=staging_budget)
     in_flight.before_save()
     state = _state(model)
+    _refuse_foreign_params(state, optimizer)
     state.named_call("tierlift.checkpoint.save")  # every rank must call it (zero/heartbeat.py)
     # Files are named by the rank within the shard group; with hierarchical sharding only the
     # first replica of each shard writes it, and every rank of the model votes.
@@ -91,6 +93,23 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
         job.snapshot_failed(e)
     vote = background.training_vote(everyone) if blocking else background.side_vote(everyone)
     return job.start(vote, lambda: job.publish(meta) if everyone.rank == 0 else None)
+
+
+def _refuse_foreign_params(state, optimizer) -> None:
+    """A sharded checkpoint holds the optimizer state of the model's shards only: the state of
+    any other optimizer parameter would be dropped, and a load would resume it from scratch."""
+    if optimizer is None:
+        return
+    shards = {id(u.shard) for u in state.units}
+    for gi, g in enumerate(optimizer.param_groups):
+        for pi, p in enumerate(g["params"]):
+            if id(p) not in shards:
+                raise ValueError(
+                    f"optimizer param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}) is "
+                    "not a shard of the sharded model, and a sharded checkpoint holds the "
+                    "optimizer state of the model's shards only; nothing was saved. Register "
+                    "it in the model before tierlift.zero.shard(), or give it its own optimizer "
+                    "and save that one with torch.save")
 
 
 def _stage_shard(job, state, model, optimizer, off) -> None:
@@ -129,7 +148,39 @@ def _metadata(state, comm, off, optimizer, extra) -> dict:
                                 "offset": e.offset, "numel": e.numel}
                                for e in u.entries]} for u in state.units],
         "param_groups": [] if optimizer is None else fmt.param_groups_json(optimizer),
+        "param_names": [] if optimizer is None else _shard_names(state, optimizer),
     }
+
+
+def _shard_names(state, optimizer) -> list[list]:
+    """Per param group, each shard's name: the first parameter its unit holds (order.py)."""
+    return order.param_names(None, optimizer, {id(u.shard): u.entries[0].names[0]
+                                               for u in state.units if u.entries})
+
+
+def _plan_by_unit(plan: list, smeta: dict, aligned, optimizer) -> list:
+    """A same-world-size streamed load's plan (saved groups and positions) for this optimizer:
+    each saved unit's state ("unit3" in state.json) to the group and position its shard has
+    here, whatever order the optimizer lists the shards in."""
+    where = {p: (gi, pi) for gi, g in enumerate(optimizer.param_groups)
+             for pi, p in enumerate(g["params"])}
+    out = [restore.GroupPlan() for _ in optimizer.param_groups]
+    for sg, group in enumerate(smeta["groups"]):
+        for e in group["params"]:
+            i = int(e["name"][len("unit"):])
+            unit = aligned[i] if i < len(aligned) else None
+            if unit is None or unit.shard not in where:
+                raise ValueError(f"the checkpoint holds optimizer state for unit {i}, which "
+                                 "has no shard in this optimizer")
+            gi, pi = where[unit.shard]
+            gp = out[gi]
+            if gp.kinds is not None and (gp.kinds, gp.dtypes) != (plan[sg].kinds,
+                                                                  plan[sg].dtypes):
+                raise ValueError(f"param group {gi} holds shards whose state was saved in "
+                                 "param groups with other state kinds or dtypes")
+            gp.kinds, gp.dtypes = plan[sg].kinds, plan[sg].dtypes
+            gp.params[pi] = plan[sg].params[e["index"]]
+    return out
 
 
 def _check_layout(meta: dict, units) -> None:
@@ -265,9 +316,14 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
             len(meta["param_groups"]) != len(optimizer.param_groups):
         raise ValueError(f"checkpoint has {len(meta['param_groups'])} optimizer param "
                          f"groups, the optimizer {len(optimizer.param_groups)}")
+    saved_groups = []
     if optimizer is not None:
-        validate.fits(meta["param_groups"], optimizer.param_groups,
-                      os.path.join(path, fmt.METADATA))
+        # Per-shard state goes to each unit's shard whatever the order; the groups'
+        # hyperparameters go to the group holding the same shards (order.py).
+        mapping = order.match(meta.get("param_names"), _shard_names(state, optimizer),
+                              f"checkpoint {path}")
+        saved_groups = order.saved_groups(meta, mapping)
+        validate.fits(saved_groups, optimizer.param_groups, os.path.join(path, fmt.METADATA))
     own = model.state_dict()
     taken = {n for u in from_extras for e in u.entries for n in e.names}
     extras = {k[len("extra."):]: v for k, v in shards[0].items()
@@ -280,7 +336,9 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
     if streamed and off is not None:  # streamed into the tiers, chunk by chunk
         if meta["world_size"] == comm.world:  # the same shards: this rank's files
             source = os.path.join(path, optim_dir(comm.rank))
-            plan = restore.plan_from_state(source, stream.verify(source))
+            smeta = stream.verify(source)
+            plan = _plan_by_unit(restore.plan_from_state(source, smeta), smeta, aligned,
+                                 optimizer)
         else:  # each new shard from the byte ranges of the saved shards it overlaps
             for r in range(meta["world_size"]):
                 stream.verify(os.path.join(path, optim_dir(r)))
@@ -333,8 +391,8 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
         raise
     finally:
         journal.close()
-    if optimizer is not None and meta["param_groups"]:
-        for group, saved in zip(optimizer.param_groups, meta["param_groups"], strict=True):
+    if saved_groups:
+        for group, saved in zip(optimizer.param_groups, saved_groups, strict=True):
             for k, v in saved.items():
                 group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
     return meta.get("extra", {})

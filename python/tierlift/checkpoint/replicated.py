@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from tierlift.checkpoint import agree, background, in_flight, restore, stream, validate
+from tierlift.checkpoint import agree, background, in_flight, order, restore, stream, validate
 from tierlift.checkpoint import format as fmt
 from tierlift.offload.journal import Journal
 from tierlift.offload.layout import kind_elems
@@ -67,11 +67,12 @@ def save(path: str, model: torch.nn.Module, optimizer, extra: dict | None, *,
 def _stage(job, model, optimizer, off, extra) -> dict:
     """Rank 0's snapshot: model (and optimizer) tensors into the job; returns the metadata."""
     tensors = {f"model.{k}": v for k, v in model.state_dict().items()}
-    names = {p: n for n, p in model.named_parameters(remove_duplicate=False)}
     kind, scalars = None, {}
     if off is not None:
         kind = "offloaded"
-        job.offloaded(off, OPTIM_DIR, names)
+        first = {i: a[0] for i, a in order.aliases(model).items()}
+        job.offloaded(off, OPTIM_DIR, {p: first.get(id(p)) for g in optimizer.param_groups
+                                       for p in g["params"]})
     elif optimizer is not None:
         kind = "tensors"
         for i, st in optimizer.state_dict()["state"].items():
@@ -85,8 +86,7 @@ def _stage(job, model, optimizer, off, extra) -> dict:
         "key_order": list(model.state_dict().keys()),
         "optimizer_state": kind, "optimizer_scalars": scalars,
         "param_groups": [] if optimizer is None else fmt.param_groups_json(optimizer),
-        "param_names": [] if optimizer is None else [
-            [names.get(p) for p in g["params"]] for g in optimizer.param_groups],
+        "param_names": [] if optimizer is None else order.param_names(model, optimizer),
         "extra": json.loads(json.dumps(extra or {})),  # as it is now; checked JSON-able
     }
 
@@ -153,14 +153,34 @@ def optimizer_state_dict(path: str, *, verify: bool = True) -> dict:
     return {"state": state, "param_groups": groups}
 
 
-def _set_hyper(optimizer, meta: dict) -> None:
-    if len(meta["param_groups"]) != len(optimizer.param_groups):
-        raise ValueError(f"checkpoint has {len(meta['param_groups'])} optimizer param groups, "
-                         f"the optimizer {len(optimizer.param_groups)}")
-    for gi, (group, names) in enumerate(zip(optimizer.param_groups, meta["param_names"])):
-        if len(names) != len(group["params"]):
-            raise ValueError(f"checkpoint's optimizer param group {gi} has {len(names)} "
-                             f"parameters, the optimizer's {len(group['params'])}")
+def _mapping(model, optimizer, meta: dict, path: str) -> order.Mapping:
+    """How this optimizer's parameters map to the saved ones, by name (order.py)."""
+    return order.match(meta["param_names"], order.param_names(model, optimizer),
+                       f"checkpoint {path}", alias=order.alias_map(model))
+
+
+def _remap_state_dict(opt_sd: dict, mapping: order.Mapping, saved_groups: list[dict]) -> dict:
+    """`opt_sd` (the saved order) in this optimizer's order."""
+    sizes = [len(g["params"]) for g in opt_sd["param_groups"]]
+    state, groups, base = {}, [], 0
+    for i, si in enumerate(mapping.flat(sizes)):
+        if si in opt_sd["state"]:
+            state[i] = opt_sd["state"][si]
+    for hyper, ps in zip(saved_groups, mapping.params, strict=True):
+        groups.append({**hyper, "params": list(range(base, base + len(ps)))})
+        base += len(ps)
+    return {"state": state, "param_groups": groups}
+
+
+def _model_keys(own: dict, saved: dict) -> dict:
+    """`saved` with its keys renamed to the model's where they differ only by torch.compile's
+    or DDP's wrapper prefixes, one to one; else as it is (check_fits names the difference)."""
+    if set(own) == set(saved):
+        return saved
+    renamed = order.by_wrappers(list(saved), list(own))
+    if renamed is None or set(renamed.values()) != set(own):
+        return saved
+    return {renamed[k]: v for k, v in saved.items()}
 
 
 def _check_state(optimizer, opt_sd: dict, path: str) -> None:
@@ -186,25 +206,29 @@ def load(path: str, model: torch.nn.Module, optimizer, *, verify: bool = True) -
     # Everything is checked before anything changes.
     tensors = fmt.load_tensors(path, 0)
     saved = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+    saved = _model_keys(model.state_dict(), saved)
     fmt.check_fits(model.state_dict(), saved, complete=True)
     off = fmt.offloader(optimizer)
     opt_sd, plan = None, None
     optim = os.path.join(path, OPTIM_DIR)
+    saved_groups = []
     if optimizer is not None and meta["optimizer_state"] is not None:
-        _set_hyper(optimizer, meta)
-        validate.fits(meta["param_groups"], optimizer.param_groups,
-                      os.path.join(path, fmt.METADATA))
+        mapping = _mapping(model, optimizer, meta, path)
+        saved_groups = order.saved_groups(meta, mapping)
+        validate.fits(saved_groups, optimizer.param_groups, os.path.join(path, fmt.METADATA))
         if meta["optimizer_state"] == "offloaded":
             smeta = stream.verify(optim)
-            if off is None or not restore.same_state_format(off, smeta):
+            mine = {"groups": [smeta["groups"][sg] for sg in mapping.groups]}
+            if off is None or not restore.same_state_format(off, mine):
                 # through a state dict, which the optimizer converts (fp32 <-> compact state)
                 opt_sd = optimizer_state_dict(path, verify=verify)
             else:
-                plan = restore.plan_from_state(optim, smeta)
+                plan = order.remap_plan(restore.plan_from_state(optim, smeta), mapping)
                 restore.check_plan(off, plan, optim)
         else:
             opt_sd = optimizer_state_dict(path, verify=verify)
         if opt_sd is not None:
+            opt_sd = _remap_state_dict(opt_sd, mapping, saved_groups)
             _check_state(optimizer, opt_sd, path)
     # Prepared, agreed on by every DDP rank, committed (agree.py): the model in place behind
     # an undo journal, first (an offloading optimizer takes a parameter as its master where a
@@ -222,7 +246,8 @@ def load(path: str, model: torch.nn.Module, optimizer, *, verify: bool = True) -
             # through optimizer.state_dict(): an offloading one would read its state back)
             opt_sd["param_groups"] = [
                 {**{k: v for k, v in g.items() if k != "params"}, **saved_g}
-                for g, saved_g in zip(optimizer.param_groups, opt_sd["param_groups"])]
+                for g, saved_g in zip(optimizer.param_groups, opt_sd["param_groups"],
+                                      strict=True)]
             agree.load_optimizer_state(optimizer, opt_sd, before_commit=agreement.check)
         agreement.check()  # a no-op if the optimizer already agreed
     except BaseException as e:
@@ -232,7 +257,7 @@ def load(path: str, model: torch.nn.Module, optimizer, *, verify: bool = True) -
     finally:
         journal.close()
     if optimizer is not None and meta["optimizer_state"] is not None:
-        for group, hyper in zip(optimizer.param_groups, meta["param_groups"]):
+        for group, hyper in zip(optimizer.param_groups, saved_groups, strict=True):
             for k, v in hyper.items():
                 group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
     return meta.get("extra", {})
