@@ -227,6 +227,9 @@ class Session:
     def pack(self, t: torch.Tensor, group=None, tier: str = "auto"):
         if self.failed is not None:
             raise ActivationsDiscardedError(f"this forward was abandoned: {self.failed}")
+        # A save after a backward inside the context (the next micro-batch's forward, or a
+        # reentrant checkpoint's recomputation): its write must land before anything reads it.
+        self.finished = False
         packed = self._pack(t, group, tier)
         if packed is t:
             return _Kept(t, t._version)
