@@ -134,3 +134,29 @@ def test_save_pretrained_of_the_shards_state_dict_is_refused(tmp_path):
     with pytest.raises(ValueError, match="sharded model's own state_dict"):
         model.save_pretrained(tmp_path / "saved", state_dict=model.state_dict())
     assert not os.path.exists(tmp_path / "saved")
+
+
+def _save_on_two_ranks(rank: int, world: int, tmp: str) -> dict:
+    """Every rank calls save_pretrained, as accelerate scripts do: with its default arguments,
+    and with is_main_process=accelerator.is_main_process."""
+    torch.set_num_threads(1)
+    model = tierlift.zero.shard(_llama(), stage=3)
+    tierlift.hf.install(model)
+    full = tierlift.hf.gathered_state_dict(model)
+    model.save_pretrained(os.path.join(tmp, "default"))
+    model.save_pretrained(os.path.join(tmp, "main_only"), is_main_process=rank == 0)
+    return {"full": full}
+
+
+@pytest.mark.slow  # two spawned ranks importing transformers
+def test_save_pretrained_on_every_rank_writes_rank0s_gathered_weights(tmp_path):
+    from safetensors.torch import load_file
+    from zero_model import spawn_ranks
+
+    full = spawn_ranks(_save_on_two_ranks, str(tmp_path))[0]["full"]
+    assert sorted(full) == sorted(_llama().state_dict())
+    for name in ("default", "main_only"):
+        saved = load_file(os.path.join(tmp_path, name, "model.safetensors"))
+        assert sorted(saved) == sorted(full), name
+        for k, v in full.items():
+            torch.testing.assert_close(saved[k], v, rtol=0, atol=0, msg=k)
