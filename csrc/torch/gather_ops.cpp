@@ -22,6 +22,7 @@
 #include <torch/library.h>
 
 #include <string>
+#include <utility>
 
 #include "checks.h"
 #include "core/gather/gather.h"
@@ -55,6 +56,46 @@ int64_t check_gather_args(const at::Tensor& table, const at::Tensor& index, cons
   TL_CHECK_CONTIGUOUS(out);
   const int64_t rows = table.size(0);
   return rows == 0 ? 0 : static_cast<int64_t>(table.nbytes()) / rows;
+}
+
+// Whether two tensors' byte spans intersect (conservative for strided views), by address:
+// two storages over one buffer (from_blob, from_numpy twice) alias as well as one shared.
+bool shares_memory(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0 || a.device() != b.device()) return false;
+  auto span = [](const at::Tensor& t) {
+    int64_t last = 0;
+    for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+    const auto start = reinterpret_cast<uintptr_t>(t.data_ptr());
+    return std::make_pair(start, start + static_cast<uintptr_t>((last + 1) * t.element_size()));
+  };
+  const auto [a0, a1] = span(a);
+  const auto [b0, b1] = span(b);
+  return a0 < b1 && b0 < a1;
+}
+
+// The op writes out (and bad_index): neither may share memory with what it reads, or rows would
+// be read after being overwritten. Checked on every backend before anything is written.
+void check_no_overlap(const at::Tensor& table, const at::Tensor& index,
+                      const std::optional<at::Tensor>& cache_table,
+                      const std::optional<at::Tensor>& cache_slots, const at::Tensor& out,
+                      const std::optional<at::Tensor>& bad_index) {
+  const std::pair<const char*, const at::Tensor*> read[] = {
+      {"table", &table},
+      {"index", &index},
+      {"cache_table", cache_table.has_value() ? &*cache_table : nullptr},
+      {"cache_slots", cache_slots.has_value() ? &*cache_slots : nullptr}};
+  for (const auto& [name, t] : read) {
+    if (t == nullptr) continue;
+    TORCH_CHECK_VALUE(!shares_memory(out, *t), "gather_rows: out shares memory with ", name,
+                      ", so rows would be read after being overwritten; gather into a separate "
+                      "tensor");
+    TORCH_CHECK_VALUE(!bad_index.has_value() || !shares_memory(*bad_index, *t),
+                      "gather_rows: bad_index shares memory with ", name,
+                      "; pass a separate int64 tensor of two -1s");
+  }
+  TORCH_CHECK_VALUE(!bad_index.has_value() || !shares_memory(*bad_index, out),
+                    "gather_rows: bad_index shares memory with out; pass a separate int64 tensor "
+                    "of two -1s");
 }
 
 [[noreturn]] void throw_bad_index(int64_t pos, int64_t value, int64_t rows) {
@@ -104,6 +145,7 @@ void gather_rows_cpu(const at::Tensor& table, const at::Tensor& index,
   TL_CHECK_CPU(out);
   TORCH_CHECK_VALUE(!cache_table.has_value() && !cache_slots.has_value(),
                     "gather_rows: cache_table/cache_slots are only used by the CUDA gather");
+  check_no_overlap(table, index, cache_table, cache_slots, out, bad_index);
   const at::Tensor idx = index.contiguous();
   const GatherIndex gi = core_index(index, idx);
   if (bad_index.has_value()) TL_CHECK_CPU(check_bad_index(*bad_index));
@@ -182,6 +224,7 @@ void gather_rows_cuda(const at::Tensor& table, const at::Tensor& index,
     a.cache_slot = cs.data_ptr<int32_t>();
     a.cache_rows = ct.size(0);
   }
+  check_no_overlap(table, index, cache_table, cache_slots, out, bad_index);
   if (index.numel() == 0) return;  // zero-byte rows still go: their indices are checked
   const at::Tensor idx = index.contiguous();
   a.num_rows = table.size(0);
