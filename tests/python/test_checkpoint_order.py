@@ -329,3 +329,23 @@ def test_sharded_save_refuses_a_param_outside_the_model(tmp_path):
     ):
         tierlift.checkpoint.save(str(ck), model, opt)
     assert not os.path.exists(ck) and not os.path.exists(str(ck) + ".tmp")
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["plain", "zero3"])
+def test_weights_only_checkpoint_refuses_a_stepped_optimizer(tmp_path, sharded):
+    """save(path, model) without the optimizer, then load(path, model, opt) after steps: the
+    weights went back while the moments and step counts stayed, silently mixed."""
+    model = _net()
+    if sharded:
+        model = tierlift.zero.shard(model, stage=3, min_unit_numel=1)
+    opt = tierlift.optim.AdamW(model.parameters(), lr=0.05)
+    ck = str(tmp_path / "ck")
+    tierlift.checkpoint.save(ck, model)
+    _train(model, opt, X[:2])
+    before = _snapshot(model, opt)
+    with pytest.raises(ValueError, match="holds no optimizer state .* holds state for"):
+        tierlift.checkpoint.load(ck, model, opt)
+    _assert_unchanged(before, model, opt)
+    fresh = tierlift.optim.AdamW(model.parameters(), lr=0.05)
+    tierlift.checkpoint.load(ck, model, fresh)  # a new optimizer: nothing to mix
+    tierlift.checkpoint.load(ck, model)

@@ -323,6 +323,8 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
         mapping = order.match(meta.get("param_names"), _shard_names(state, optimizer),
                               f"checkpoint {path}")
         saved_groups = order.saved_groups(meta, mapping)
+        if not meta["param_groups"]:
+            order.refuse_stale_state(optimizer, path)
         validate.fits(saved_groups, optimizer.param_groups, os.path.join(path, fmt.METADATA))
     own = model.state_dict()
     taken = {n for u in from_extras for e in u.entries for n in e.names}

@@ -222,3 +222,16 @@ def saved_groups(meta: dict, mapping: Mapping) -> list[dict]:
         {k: v for k, v in meta["param_groups"][sg].items() if k != "param_names"}
         for sg in mapping.groups
     ]
+
+
+def refuse_stale_state(optimizer, path: str) -> None:
+    """A checkpoint saved without an optimizer, loaded with one that has stepped: its moments
+    and step counts would stay, beside weights from another step. Raises before any change."""
+    stepped = sum(1 for s in optimizer.state.values() if s)
+    if stepped:
+        raise ValueError(
+            f"checkpoint {path} holds no optimizer state (saved without an optimizer), but the "
+            f"optimizer passed to load() holds state for {stepped} parameters, which would be "
+            "kept beside the loaded weights; nothing was loaded. Load into a new optimizer, or "
+            "pass optimizer=None to load the weights alone"
+        )

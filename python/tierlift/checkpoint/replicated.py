@@ -230,6 +230,8 @@ def load(path: str, model: torch.nn.Module, optimizer, *, verify: bool = True) -
         if opt_sd is not None:
             opt_sd = _remap_state_dict(opt_sd, mapping, saved_groups)
             _check_state(optimizer, opt_sd, path)
+    elif optimizer is not None:
+        order.refuse_stale_state(optimizer, path)
     # Prepared, agreed on by every DDP rank, committed (agree.py): the model in place behind
     # an undo journal, first (an offloading optimizer takes a parameter as its master where a
     # state dict has none); the optimizer's state uncommitted until the agreement.
