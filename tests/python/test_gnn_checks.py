@@ -1,11 +1,13 @@
 """What tierlift.gnn refuses before it could give wrong rows: the raw gather op's out= sharing
-memory with what it reads (the Python wrapper checked it, the op did not)."""
+memory with what it reads (the Python wrapper checked it, the op did not) and a raw feature file
+longer than the shape and dtype given."""
 
 import numpy as np
 import pytest
 import torch
 
 import tierlift
+from tierlift.gnn import FeatureStore
 
 pytestmark = pytest.mark.skipif(not tierlift._extension.available(),
                                 reason="compiled extension not loaded")
@@ -51,3 +53,22 @@ def test_raw_op_gathers_between_disjoint_parts_of_one_buffer():
     raw_gather(table, torch.tensor([7, 2]), out)
     assert torch.equal(out, torch.arange(40).view(10, 4)[[7, 2]])
     raw_gather(table, torch.empty(0, dtype=torch.long), buf[:0])  # empty: nothing to overlap
+
+
+@pytest.mark.parametrize(("dtype", "name"), [(torch.float32, "float32"),
+                                             (torch.bfloat16, "bfloat16")])
+def test_raw_file_longer_than_its_shape_is_refused(tmp_path, dtype, name):
+    table = torch.randn(40, 12).to(dtype)
+    table.view(torch.uint8).numpy().tofile(tmp_path / "x.bin")
+    size = table.numel() * table.element_size()
+    need = 39 * 12 * table.element_size()
+    with pytest.raises(ValueError, match=rf"x.bin' has {size} bytes but shape \(39, 12\) of "
+                                         rf"{name} needs {need}: a raw file must hold exactly"):
+        FeatureStore(tmp_path / "x.bin", device="cpu", dtype=dtype, shape=(39, 12))
+    with pytest.raises(ValueError, match="must hold exactly"):  # right size in rows, wrong dtype
+        FeatureStore(tmp_path / "x.bin", device="cpu", dtype=torch.int8, shape=(40, 12))
+    with pytest.raises(ValueError, match="a truncated file"):  # shorter: refused as before
+        FeatureStore(tmp_path / "x.bin", device="cpu", dtype=dtype, shape=(41, 12))
+    with FeatureStore(tmp_path / "x.bin", device="cpu", dtype=dtype, shape=(40, 12)) as s:
+        idx = torch.tensor([39, 0])
+        assert torch.equal(s.gather(idx).view(torch.uint8), table[idx].view(torch.uint8))

@@ -96,24 +96,30 @@ def _load_features(features, dtype, shape) -> tuple[torch.Tensor, bool]:
             np_dtype = probe.numpy().dtype
         except TypeError:  # no numpy twin (bfloat16, float8): mapped as unsigned of its width
             np_dtype = np.dtype(f"u{probe.element_size()}")
-        _check_size(path, 0, shape, np_dtype)
+        _check_size(path, 0, shape, np_dtype, exact=str(dtype).removeprefix("torch."))
         array = np.memmap(path, dtype=np_dtype, mode="c", shape=tuple(shape))
         return torch.from_numpy(array).view(dtype), True
     return torch.from_numpy(array), True
 
 
-def _check_size(path: Path, start: int, shape, np_dtype) -> None:
+def _check_size(path: Path, start: int, shape, np_dtype, exact: str | None = None) -> None:
     """A file shorter than its shape: named with both sizes (mmap would only say "mmap length
-    is greater than file size")."""
+    is greater than file size"). With `exact` (a raw file's dtype, as the user named it) a
+    longer file is refused too: a raw file holds the table and nothing else, so spare bytes
+    mean the shape or dtype given is not the file's (the rows would be silently misread)."""
     if any(isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0 for n in shape):
         raise ValueError(f"features: shape must hold ints >= 0, got {tuple(shape)}")
     need = start + int(np.prod(shape, dtype=np.int64)) * np.dtype(np_dtype).itemsize
     size = path.stat().st_size
     if size < need:
         raise ValueError(f"features: {str(path)!r} has {size} bytes but shape {tuple(shape)} of "
-                         f"{np.dtype(np_dtype).name} needs {need}"
+                         f"{exact or np.dtype(np_dtype).name} needs {need}"
                          + (f" ({start} of them the .npy header)" if start else "")
                          + " (a truncated file, or the wrong shape or dtype?)")
+    if exact is not None and size > need:
+        raise ValueError(f"features: {str(path)!r} has {size} bytes but shape {tuple(shape)} of "
+                         f"{exact} needs {need}: a raw file must hold exactly the table (the wrong "
+                         "shape or dtype?)")
 
 
 class FeatureStore:
