@@ -1,6 +1,7 @@
 """What tierlift.gnn refuses before it could give wrong rows: the raw gather op's out= sharing
-memory with what it reads (the Python wrapper checked it, the op did not) and a raw feature file
-longer than the shape and dtype given."""
+memory with what it reads (the Python wrapper checked it, the op did not), a raw feature file
+longer than the shape and dtype given, and a features tensor edited in place after its
+FeatureStore was built (a CUDA store's cached rows would stay old while the others change)."""
 
 import numpy as np
 import pytest
@@ -72,3 +73,54 @@ def test_raw_file_longer_than_its_shape_is_refused(tmp_path, dtype, name):
     with FeatureStore(tmp_path / "x.bin", device="cpu", dtype=dtype, shape=(40, 12)) as s:
         idx = torch.tensor([39, 0])
         assert torch.equal(s.gather(idx).view(torch.uint8), table[idx].view(torch.uint8))
+
+
+def test_features_edited_in_place_after_the_store_are_refused():
+    table = torch.randn(50, 8)
+    store = FeatureStore(table, device="cpu")
+    idx = torch.tensor([3, 7])
+    assert torch.equal(store.gather(idx), table[idx])
+    out = torch.zeros(2, 8)
+    table[7] += 1  # a CUDA store would give the new row 7 but an old cached row 3
+    with pytest.raises(RuntimeError, match="modified in place after the store was built"):
+        store.gather(idx, out=out)
+    assert not out.any()  # refused before writing
+    store.close()
+    with FeatureStore(table, device="cpu") as fresh:  # a new store takes the edited rows
+        assert torch.equal(fresh.gather(idx), table[idx])
+
+
+def test_an_edit_through_a_view_or_the_base_is_refused():
+    base = torch.randn(60, 8)
+    store = FeatureStore(base[:50], device="cpu")  # the store's tensor is a view of base
+    base[55].zero_()  # views share the base's version counter: refused as well (conservative)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        store.gather(torch.tensor([0]))
+    table = torch.randn(50, 8)
+    store = FeatureStore(table, device="cpu")
+    table.view(-1)[:8].mul_(2)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        store.gather(torch.tensor([0]))
+
+
+def test_out_of_place_use_of_the_features_is_not_an_edit():
+    table = torch.randn(50, 8)
+    store = FeatureStore(table, device="cpu")
+    _ = table * 2, table.clone().add_(1), table[:3].float()
+    idx = torch.tensor([1, 49])
+    assert torch.equal(store.gather(idx), table[idx])
+    with torch.inference_mode():  # inference tensors have no version counter: not watched
+        frozen = torch.randn(50, 8)
+    assert torch.equal(FeatureStore(frozen, device="cpu").gather(idx), frozen[idx])
+
+
+@pytest.mark.gpu
+def test_cuda_store_with_a_cache_refuses_an_edited_table():
+    table = torch.randn(100, 8)
+    store = FeatureStore(table, cache=0.5, degrees=torch.arange(100.0))
+    idx = torch.tensor([99, 0])  # row 99 cached, row 0 read from host memory
+    assert torch.equal(store.gather(idx).cpu(), table[idx])
+    table.add_(1)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        store.gather(idx)
+    store.close()

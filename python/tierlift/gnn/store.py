@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -178,6 +179,12 @@ class FeatureStore:
             self._bad = torch.full((2,), -1, dtype=torch.long, device=self.device)
             self._bad_host = torch.full((2,), -1, dtype=torch.long).pin_memory()
         self._table = table
+        # The caller's tensor and its version: an in-place edit of it after this point would
+        # reach a CUDA store's table but not its cached copies (nor a pin="copy" copy), so
+        # gathers would mix old and new rows. gather refuses it, on every device.
+        self._watched = None
+        if isinstance(features, torch.Tensor) and not features.is_inference():
+            self._watched = (weakref.ref(features), features._version)
         self.num_rows = table.shape[0]
         self.row_shape = tuple(table.shape[1:])
         self.dtype = table.dtype
@@ -341,6 +348,14 @@ class FeatureStore:
     def _check_usable(self) -> None:
         if self._closed:
             raise RuntimeError("FeatureStore is closed; create a new one")
+        watched = self._watched[0]() if self._watched is not None else None
+        if watched is not None and watched._version != self._watched[1]:
+            raise RuntimeError(
+                "FeatureStore: its features tensor (or a view of it) was modified in place after "
+                "the store was built; a CUDA store's cached rows (and a pin='copy' copy) still "
+                "hold the old values, so gathers would mix old and new rows. Refused on every "
+                "device: build a new FeatureStore from the edited tensor (close() this one "
+                "first), or edit a clone")
         if self.device.type == "cuda" and os.getpid() != self._pid:
             raise RuntimeError("FeatureStore(device='cuda') cannot gather in a forked process "
                                "(CUDA does not survive fork()); gather in the main process "
