@@ -258,7 +258,14 @@ class Adam(Optimizer):
         self.__dict__.pop("_plans", None)
         gi = len(self.param_groups)
         params = param_group["params"]
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        elif not isinstance(params, set):  # torch refuses a set
+            # As torch does: a generator (model.parameters()) is read once, here, and its
+            # list is what the group keeps; passed on as it was, the group would be empty.
+            params = param_group["params"] = list(params)
+        else:
+            params = list(params)
         for pi, p in enumerate(params):
             name = f"param_groups[{gi}]['params'][{pi}]"
             if isinstance(p, torch.Tensor) and p.is_complex():
