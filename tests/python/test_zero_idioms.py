@@ -58,11 +58,7 @@ def _train(model, opt, data, world, rank, zero: bool, edit=None, leftover=None,
             with torch.no_grad():
                 edit(model)
         _loss(model, x.chunk(world)[rank] if zero else x).backward()
-        if not zero:  # ZeRO gives unused parameters zero gradients
-            for p in model.parameters():
-                if p.requires_grad and p.grad is None:
-                    p.grad = torch.zeros_like(p)
-        opt.step()
+        opt.step()  # unused parameters (Block.unused) keep .grad None: not stepped, as torch
 
 
 def _halve(model):

@@ -37,7 +37,7 @@ from torch.utils.hooks import RemovableHandle
 
 from tierlift._shards import register_shard
 from tierlift.offload.legs import ModelLegs
-from tierlift.zero import frozen, grad_scaler, torch_calls
+from tierlift.zero import frozen, grad_scaler, torch_calls, unused
 from tierlift.zero.buffers import BufferSync
 from tierlift.zero.comm import work_done
 from tierlift.zero.config import ShardConfig
@@ -94,6 +94,14 @@ class ZeroState:
         self.handles: list = []
         self.gathered_blocks = 0         # tierlift.zero.gathered() blocks open on this model
         self._shard_ids = {id(u.shard) for u in units}
+        self.unit_of = {id(u.shard): u for u in units}
+        for u in units:  # which parameters got gradients (unused.py)
+            u.seen = [False] * len(u.entries) if unused.tracked(u) else None
+            u.has_grad, u.used_for, u.before, u.stepped_by = None, None, None, None
+            u.lag, u.stepped = [0] * len(u.entries), [False] * len(u.entries)
+        self.agreement = (unused.Agreement(self) if any(u.seen is not None for u in units)
+                          else None)
+        self.step_todo: dict = {}  # id(optimizer) -> what unused.after_step puts back
         for i, u in enumerate(units):
             register_shard(u.shard, self, i)
         self._install()
@@ -241,6 +249,7 @@ class ZeroState:
             # after it are done, and the backward hooks prefetch the ones before it.
             self._prefetch(unit, +1)
         unit.install_views()
+        unused.watch(unit)
 
     def _post_forward(self, unit: FlatUnit, module, args, output):
         if self.config.stage != 3 or _in_backward():
@@ -306,6 +315,7 @@ class ZeroState:
             # submodule; with grad enabled, so its gradient reaches `full`.
             with torch.enable_grad():
                 unit.install_views()
+                unused.watch(unit)
         return None
 
     def _on_grad(self, unit: FlatUnit, full: torch.Tensor) -> None:
@@ -313,6 +323,7 @@ class ZeroState:
         self.hooked.add(id(unit))
         if self.config.stage == 3:
             self._free(unit)
+        unused.local_grad(unit, full.grad)
         if not self.syncing:
             return  # accumulate locally: full.grad keeps summing until a synced backward
         grad = full.grad
@@ -321,6 +332,8 @@ class ZeroState:
 
     def _reduce(self, unit: FlatUnit, grad: torch.Tensor) -> None:
         """Launches the reduction of a unit's full gradient (async) and lands what is done."""
+        if self.agreement is not None:
+            self.agreement.on_reduce(unit)
         rdt = self.config.reduce_dtype or grad.dtype
         buf = grad.to(rdt)
         if rdt == torch.float16:
@@ -457,6 +470,8 @@ class ZeroState:
         self._drain(wait=True)
         if self.syncing and self.local_sums:
             self._reduce_local_sums()
+        if self.syncing and self.agreement is not None:
+            self.agreement.launch()
         self.hooked.clear()
         self.callback_queued = False
         if self.config.stage == 3:
@@ -493,6 +508,7 @@ class ZeroState:
             return
         frozen.check_requires_grad(self)
         self.check_copies()
+        self.step_todo[id(optimizer)] = unused.before_step(self, optimizer)
         if getattr(optimizer, "takes_low_precision_grads", False):
             return
         for g in optimizer.param_groups:
@@ -507,6 +523,7 @@ class ZeroState:
     def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
         ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
         if ids & self._shard_ids:
+            unused.after_step(optimizer, self.step_todo.pop(id(optimizer), []))
             now = self.topology.sent()
             self.stats["last_step_sent"] = {k: now[k] - self._sent_at_step[k] for k in now}
             self._sent_at_step = now

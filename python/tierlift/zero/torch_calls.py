@@ -28,6 +28,7 @@ import torch
 from tierlift._shards import combined_norm, grad_owners, shard_owner, split_by_owner
 from tierlift._torch_patch import wrap_method
 from tierlift.offload.overlap import group_settings, same_hyper
+from tierlift.zero import unused
 
 _NORM_PARAMS = ["tensors", "norm_type", "error_if_nonfinite", "foreach"]
 
@@ -94,6 +95,7 @@ def _drop_local_sums(params) -> None:
             unit = owner[0].units[owner[1]]
             if not unit.frozen:
                 unit.full.grad = None
+                unused.reset(unit)
 
 
 def _optimizer_zero_grad(original):

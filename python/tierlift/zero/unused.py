@@ -1,0 +1,279 @@
+"""Parameters that got no gradient while others of their unit did: stepped as torch steps them.
+
+Under torch a parameter no backward reached since zero_grad (a branch not taken, a head unused
+this step) keeps .grad None and Adam/AdamW skip it: no weight decay, no moment update, no step
+count. A unit's flat gradient has zeros there instead, which the optimizer would step. So:
+
+- each forward hooks the views a unit's parameters are read through (a hook fires when a
+  gradient reaches the view); an entry whose hook did not fire but whose local gradient is
+  nonzero (reached some other way) counts as used too;
+- a synced backward (the gradient's owner is the union over the ranks, as DDP's
+  find_unused_parameters) ORs the entries' flags over every rank: one small all-reduce, issued
+  asynchronously at the end of backward and waited for at the next optimizer step, only for
+  models with a unit of several parameters;
+- around an Adam/AdamW step (torch's or tierlift's) of a shard that holds entries without
+  gradient, their ranges of the shard and of the moments are put back as they were (zeros when
+  the step created the state), and entries whose own step count lags the shard's (skipped by an
+  earlier step) get their update recomputed with their own count's bias correction, so each
+  parameter follows torch's per-parameter AdamW exactly. Other optimizers, tierlift's compact
+  or offloaded state (whose layout cannot be restored per range) are refused before the step.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+
+
+def tracked(unit) -> bool:
+    """Units whose flat gradient may mix used and unused parameters."""
+    return not unit.frozen and len(unit.entries) > 1
+
+
+def _mark(seen: list, i: int, grad):
+    seen[i] = True
+
+
+def watch(unit) -> None:
+    """Hooks the views just installed on the unit's modules (while grad is enabled)."""
+    if unit.seen is None or not torch.is_grad_enabled():
+        return
+    seen = unit.seen
+    for i, e in enumerate(unit.entries):
+        mod, attr = e.owners[0]
+        view = getattr(mod(), attr, None)
+        if isinstance(view, torch.Tensor) and view.requires_grad and view.grad_fn is not None:
+            view.register_hook(functools.partial(_mark, seen, i))
+
+
+def local_grad(unit, grad: torch.Tensor) -> None:
+    """Before the unit's (local) gradient is reduced or summed on: an entry that got a gradient
+    some way the hooks did not see counts as used, so nothing with a gradient is ever masked."""
+    seen = unit.seen
+    if seen is None or all(seen):
+        return
+    for i, e in enumerate(unit.entries):
+        if not seen[i] and bool(grad[e.offset : e.offset + e.numel].any()):
+            seen[i] = True
+
+
+def reset(unit) -> None:
+    """The local sums were dropped (zero_grad after no_sync())."""
+    if unit.seen is not None:
+        unit.seen[:] = [False] * len(unit.seen)
+
+
+class Agreement:
+    """The per-entry "got a gradient" flags of the units reduced in a synced backward, ORed over
+    every rank; then, per unit, which entries the current shard.grad covers."""
+
+    def __init__(self, state) -> None:
+        self.state = state
+        self.units = [u for u in state.units if u.seen is not None]
+        self.reduced: list = []  # units reduced in this backward, each with its fresh flag
+        self.pending = None  # (work, flags tensor, [(unit, fresh)])
+
+    def on_reduce(self, unit) -> None:
+        """The unit's gradient is sent now: its local flags go with this backward."""
+        if unit.seen is None:
+            return
+        self.settle()  # the previous backward's flags first
+        fresh = (
+            unit.shard.grad is None
+            or unit.used_for is None
+            or unit.used_for() is not unit.shard.grad
+        )
+        if fresh:
+            unit.before = None
+        if unit.before is None and not all(unit.seen) and self.state.listeners[id(unit.shard)]:
+            # The offloaded optimizer's overlap steps the shard as soon as its gradient lands,
+            # before the step's hooks: the weights as they were, to put skipped entries back.
+            unit.before = unit.shard.detach().clone()
+        self.reduced.append((unit, list(unit.seen), fresh))
+        reset(unit)
+
+    def launch(self) -> None:
+        """End of a synced backward: one all-reduce (MAX) of every reduced unit's flags."""
+        self.settle()
+        if not self.reduced:
+            return
+        entries = self.reduced
+        self.reduced = []
+        flags = torch.tensor(
+            [float(f) for _, seen, _ in entries for f in seen], device=entries[0][0].device
+        )
+        comm = self.state.world_comm
+        work = comm.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, async_op=True)
+        self.pending = (work, flags, entries)
+
+    def settle(self) -> None:
+        """Waits for the flags in flight and records, per unit, the entries its gradient has."""
+        if self.pending is None:
+            return
+        work, flags, entries = self.pending
+        self.pending = None
+        self.state.world_comm.wait(work)
+        values = flags.tolist()
+        k = 0
+        for unit, seen, fresh in entries:
+            got = [v > 0 for v in values[k : k + len(seen)]]
+            k += len(seen)
+            if not fresh and unit.has_grad is not None:
+                got = [a or b for a, b in zip(got, unit.has_grad, strict=True)]
+            grad = unit.shard.grad
+            unit.has_grad = None if all(got) else got
+            unit.used_for = None if grad is None else weakref.ref(grad)
+
+
+def _names(unit, got) -> str:
+    names = [e.names[0] for e, g in zip(unit.entries, got, strict=True) if not g]
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+
+
+def _slice(unit) -> tuple[int, int]:
+    lo = unit.comm.rank * unit.shard_numel
+    return lo, lo + unit.shard_numel
+
+
+def _local(unit, e) -> tuple[int, int] | None:
+    """Entry e's range within this rank's shard, or None."""
+    lo, hi = _slice(unit)
+    a, b = max(e.offset, lo), min(e.offset + e.numel, hi)
+    return (a - lo, b - lo) if a < b else None
+
+
+def _mode(optimizer) -> str:
+    """ "adam": Adam/AdamW (torch's, tierlift's) with fp32 state in optimizer.state: moments put
+    back and lagging counts corrected; "opaque": tierlift's compact or offloaded state, out of
+    reach: only the parameter is put back; "generic": any other optimizer: the parameter and
+    every state tensor of its shape are put back."""
+    from tierlift.optim import Adam
+
+    if not isinstance(optimizer, (torch.optim.Adam, Adam)):
+        return "generic"
+    if (
+        getattr(optimizer, "_state_dtype", "fp32") != "fp32"
+        or getattr(optimizer, "_offload", None) is not None
+    ):
+        return "opaque"
+    return "adam"
+
+
+def _refuse(unit, optimizer, names: str, why: str):
+    return RuntimeError(
+        f"parameters {names} of unit {unit.name!r} {why}; torch steps each parameter on its "
+        f"own, but they share the unit's flat shard, which {type(optimizer).__name__} steps as "
+        "a whole, and this optimizer's state cannot be kept exact for part of it. Make those "
+        "modules units of their own (shard(units=[...]) or param_group_fn), or use "
+        "torch.optim.AdamW / tierlift.optim.AdamW with fp32 state and no offload, which step "
+        "them exactly"
+    )
+
+
+def before_step(state, optimizer) -> list:
+    """Checks and snapshots for the shards of `optimizer` whose gradient leaves entries out or
+    whose entries' own step counts lag; refuses (nothing changed yet) what cannot be stepped
+    exactly. Returns what after_step takes."""
+    if state.agreement is None:
+        return []
+    state.agreement.settle()
+    todo = []
+    mode = _mode(optimizer)
+    offloaded = getattr(optimizer, "_offload", None) is not None  # its state is elsewhere
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            unit = state.unit_of.get(id(p))
+            if unit is None or p.grad is None:
+                continue
+            st = optimizer.state.get(p, {})
+            n = len(unit.entries)
+            if (
+                unit.stepped_by is None
+                or unit.stepped_by() is not optimizer
+                or (not st and not offloaded)
+            ):
+                # Another optimizer, or fresh state: every parameter's count starts at zero.
+                unit.lag, unit.stepped = [0] * n, [False] * n
+                unit.stepped_by = weakref.ref(optimizer)
+            got = unit.has_grad
+            if got is not None and (unit.used_for is None or unit.used_for() is not p.grad):
+                got = None  # a gradient set by hand: every entry has it
+            if got is None and not any(unit.lag):
+                unit.stepped = [True] * n
+                continue
+            got = got if got is not None else [True] * n
+            lagging = [g and lag > 0 for g, lag in zip(got, unit.lag, strict=True)]
+            counts = "step" in st or mode != "generic"
+            if mode != "adam" and counts and any(lagging):
+                raise _refuse(
+                    unit,
+                    optimizer,
+                    _names(unit, [not x for x in lagging]),
+                    "got no gradient in an earlier step and one now, so their own "
+                    "step counts lag the shard's",
+                )
+            if mode == "opaque":
+                decays = not group.get("decoupled_weight_decay") and group["weight_decay"]
+                moved = [not g and (s or decays) for g, s in zip(got, unit.stepped, strict=True)]
+                if any(moved):
+                    raise _refuse(
+                        unit,
+                        optimizer,
+                        _names(unit, [not x for x in moved]),
+                        "got no gradient now, and their moments would change",
+                    )
+            before, unit.before = unit.before, None
+            snap = {
+                "param": p.detach().clone() if before is None else before,
+                "step": float(st["step"]) if "step" in st else None,
+            }
+            if mode != "opaque":
+                for k, v in st.items():
+                    if isinstance(v, torch.Tensor) and v.shape == p.shape:
+                        snap[k] = v.detach().clone()
+            todo.append((unit, p, group, got, snap, mode, bool(st)))
+    return todo
+
+
+@torch.no_grad()
+def after_step(optimizer, todo: list) -> None:
+    """Puts the skipped entries' ranges back and recomputes lagging entries' updates."""
+    for unit, p, group, got, snap, mode, had_state in todo:
+        st = optimizer.state.get(p, {})
+        if had_state and "step" in st and float(st["step"]) == snap["step"]:
+            continue  # not stepped (GradScaler found inf): nothing changed
+        tensors = (
+            {}
+            if mode == "opaque"
+            else {k: v for k, v in st.items() if isinstance(v, torch.Tensor) and v.shape == p.shape}
+        )
+        t = int(float(st["step"])) if "step" in st else 0
+        for i, e in enumerate(unit.entries):
+            unit.lag[i] += not got[i]
+            unit.stepped[i] = unit.stepped[i] or got[i]
+            r = _local(unit, e)
+            if r is None:
+                continue
+            a, b = r
+            if not got[i]:
+                p.data[a:b] = snap["param"][a:b]
+                for k, v in tensors.items():
+                    v[a:b] = snap[k][a:b] if k in snap else 0
+            elif mode == "adam" and unit.lag[i]:
+                p.data[a:b] = _adam_update(snap["param"][a:b], st, group, a, b, t - unit.lag[i])
+
+
+def _adam_update(x: torch.Tensor, st: dict, group: dict, a: int, b: int, own: int):
+    """The Adam/AdamW update of parameter range x (before the step) from the stepped moments,
+    with bias correction for this parameter's own step count (torch's single-tensor formula)."""
+    lr = float(group["lr"])
+    beta1, beta2 = (float(v) for v in group["betas"])
+    v = st["max_exp_avg_sq" if group.get("amsgrad") else "exp_avg_sq"][a:b]
+    bc1, bc2 = 1 - beta1**own, 1 - beta2**own
+    denom = (v.sqrt() / bc2**0.5).add_(float(group["eps"]))
+    x = x.clone()
+    if group.get("decoupled_weight_decay"):
+        x.mul_(1 - lr * float(group["weight_decay"]))
+    return x.addcdiv_(st["exp_avg"][a:b], denom, value=-lr / bc1)
