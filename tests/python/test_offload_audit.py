@@ -98,3 +98,44 @@ def test_cleared_state_and_reset_step_count_are_honored(tmp_path, mode):
     assert_matches_torch(model, ref)
     assert_state_matches_torch(opt, ref_opt)
     close(opt)
+
+
+def _inf_at(steps):
+    return lambda i, loss: loss * float("inf") if i in steps else loss
+
+
+def _no_empty_entries(opt) -> None:
+    """Every entry of optimizer.state and of its state_dict() holds a step count (torch's
+    fused AdamW makes step-0 entries on a skipped step, its others none at all)."""
+    assert all("step" in s for s in opt.state.values()), "an empty optimizer.state entry"
+    assert all("step" in s for s in opt.state_dict()["state"].values())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_skipped_first_steps_leave_no_empty_state_entries(tmp_path, mode):
+    """GradScaler skips the first steps of fp16 training (its scale starts too high). The
+    overlap's worker, stepping ahead, read optimizer.state (a defaultdict) by indexing and so
+    left an empty entry for every parameter: in state_dict() too, and added from another
+    thread (a concurrent `for p in optimizer.state` could see the dict change size)."""
+    model = build_model()
+    ref = twin(model)
+    opt = tl_opt(mode, model.parameters(), tmp_path)
+    ref_opt = torch_opt(ref.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    with num_threads(1):
+        train(model, opt, steps=2, scaler=scaler, loss_hook=_inf_at({0, 1}))
+        train(ref, ref_opt, steps=2, scaler=ref_scaler, loss_hook=_inf_at({0, 1}))
+        _no_empty_entries(opt)
+        _backward(model, 2)
+        if opt._offload.overlap is not None:
+            opt._offload.overlap.wait()  # every chunk stepped ahead
+        _no_empty_entries(opt)
+        opt.step()
+        opt.zero_grad()
+        _backward(ref, 2)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert_matches_torch(model, ref)
+    assert_state_matches_torch(opt, ref_opt)
+    close(opt)

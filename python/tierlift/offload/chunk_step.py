@@ -56,7 +56,8 @@ class ChunkStep:
                 continue
             p = params[s.pi]
             pflat = p.detach().view(-1)[s.plo:s.phi]
-            fresh = "step" not in self.opt.state[p]
+            # .get: a read on the overlap's worker must not add entries to the defaultdict
+            fresh = "step" not in self.opt.state.get(p, ())
             if fresh:
                 for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", SCALE_KIND):
                     if k in bufs:

@@ -60,7 +60,7 @@ def prepare(off, gi: int, grads: dict, chunks, stats, rewritten: set | None = No
     if speculative:
         for c, s in segs:
             known = off._watch.known(gi, (c.ci, s.pi))
-            if known is not None and "step" in off.opt.state[params[s.pi]]:
+            if known is not None and "step" in off.opt.state.get(params[s.pi], ()):
                 seen[(c.ci, s.pi)] = known
         segs = [(c, s) for c, s in segs if (c.ci, s.pi) not in seen]
     found = [params[s.pi].detach().view(-1)[s.plo:s.phi] for _, s in segs]
@@ -72,7 +72,7 @@ def prepare(off, gi: int, grads: dict, chunks, stats, rewritten: set | None = No
     seen.update({(c.ci, s.pi): v for (c, s), v in zip(segs, found)})
     todo: dict = {}  # ci -> (chunk, [(segment, first step)])
     for c, s in segs:
-        fresh = "step" not in off.opt.state[params[s.pi]]
+        fresh = "step" not in off.opt.state.get(params[s.pi], ())
         if fresh or off._watch.known(gi, (c.ci, s.pi)) != seen[(c.ci, s.pi)]:
             todo.setdefault(c.ci, (c, []))[1].append((s, fresh))
     stats["param_check_s"] += time.perf_counter() - t

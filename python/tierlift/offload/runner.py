@@ -413,7 +413,7 @@ class Offloader(StateIO, ChunkStep):
         if gi is None:
             return {}
         params = self.opt.param_groups[gi]["params"]
-        if any("step" not in self.opt.state[params[pi]] for pi in live[gi]):
+        if any("step" not in self.opt.state.get(params[pi], ()) for pi in live[gi]):
             return {}
         tier = self.tiers[gi]
         chunks = [c for c in self._chunks(gi, live[gi], set()) if tier.two_gen(c.ci)]
@@ -433,7 +433,7 @@ class Offloader(StateIO, ChunkStep):
         params = self.opt.param_groups[gi]["params"]
         out = {}
         for pi in pis:
-            st = self.opt.state[params[pi]]
+            st = self.opt.state.get(params[pi], {})  # no entry added: torch adds none
             out[pi] = int(st["step"].item()) + 1 if "step" in st else 1
         return out
 
@@ -523,7 +523,8 @@ class Offloader(StateIO, ChunkStep):
                     self._undo(done, keep)
                     self._raise(err)
             self._step_in_place(live, in_place, stats, scale)
-        before = {gi: {pi: self.opt.state[self.opt.param_groups[gi]["params"][pi]].get("step")
+        state = self.opt.state
+        before = {gi: {pi: state.get(self.opt.param_groups[gi]["params"][pi], {}).get("step")
                        for pi in grads} for gi, grads in enumerate(live)}
         for gi, grads in enumerate(live):
             tier = self.tiers[gi]
@@ -548,8 +549,10 @@ class Offloader(StateIO, ChunkStep):
                         self.tiers[gi].flip(chunk.ci)  # back to the committed generation
                     params = self.opt.param_groups[gi]["params"]
                     for pi, step in before[gi].items():
-                        if step is None:
+                        if step is None:  # its first step: no entry, as before it
                             self.opt.state[params[pi]].pop("step", None)
+                            if not self.opt.state[params[pi]]:
+                                del self.opt.state[params[pi]]
                         else:
                             self.opt.state[params[pi]]["step"] = step
                 self._durable.seq -= 1
