@@ -103,13 +103,14 @@ def _refuse_foreign_params(state, optimizer) -> None:
     shards = {id(u.shard) for u in state.units}
     for gi, g in enumerate(optimizer.param_groups):
         for pi, p in enumerate(g["params"]):
-            if id(p) not in shards:
+            # a frozen parameter stages 1/2 keep replicated never has state (its value is saved)
+            if id(p) not in shards and optimizer.state.get(p):
                 raise ValueError(
                     f"optimizer param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}) is "
-                    "not a shard of the sharded model, and a sharded checkpoint holds the "
-                    "optimizer state of the model's shards only; nothing was saved. Register "
-                    "it in the model before tierlift.zero.shard(), or give it its own optimizer "
-                    "and save that one with torch.save")
+                    "not a shard of the sharded model but has optimizer state, and a sharded "
+                    "checkpoint holds the optimizer state of the model's shards only; nothing "
+                    "was saved. Register it in the model before tierlift.zero.shard(), or give "
+                    "it its own optimizer and save that one with torch.save")
 
 
 def _stage_shard(job, state, model, optimizer, off) -> None:
@@ -153,9 +154,11 @@ def _metadata(state, comm, off, optimizer, extra) -> dict:
 
 
 def _shard_names(state, optimizer) -> list[list]:
-    """Per param group, each shard's name: the first parameter its unit holds (order.py)."""
-    return order.param_names(None, optimizer, {id(u.shard): u.entries[0].names[0]
-                                               for u in state.units if u.entries})
+    """Per param group, each shard's name: the first parameter its unit holds (order.py); a
+    frozen parameter that stages 1/2 keep replicated has its own."""
+    names = {id(p): n for n, p in getattr(state, "replicated", [])}
+    names.update({id(u.shard): u.entries[0].names[0] for u in state.units if u.entries})
+    return order.param_names(None, optimizer, names)
 
 
 def _plan_by_unit(plan: list, smeta: dict, aligned, optimizer) -> list:
