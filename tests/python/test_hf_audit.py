@@ -4,7 +4,7 @@ user does after Trainer.train() on a sharded model gives what it gives on the st
 save_pretrained on the trained model (also through accelerator.unwrap_model, and peft's on a
 LoRA model) writes the trained weights, full, for from_pretrained: not the flat shards, which
 from_pretrained would have dropped for freshly initialized weights (and peft for an empty
-adapter file).
+adapter file); the same for a model tierlift.hf.from_pretrained loaded into shards.
 """
 
 from __future__ import annotations
@@ -160,3 +160,28 @@ def test_save_pretrained_on_every_rank_writes_rank0s_gathered_weights(tmp_path):
         assert sorted(saved) == sorted(full), name
         for k, v in full.items():
             torch.testing.assert_close(saved[k], v, rtol=0, atol=0, msg=k)
+
+
+def test_from_pretrained_model_saves_its_full_weights(tmp_path):
+    """A model tierlift.hf.from_pretrained loaded into shards, trained in a plain loop (no
+    Trainer, no Accelerator) and saved with save_pretrained: from_pretrained reads it back as
+    the same loop leaves the unsharded model."""
+    _llama().save_pretrained(tmp_path / "src")
+    ids = torch.arange(2 * SEQ).remainder(VOCAB).view(2, SEQ)
+    models = [
+        transformers.LlamaForCausalLM.from_pretrained(tmp_path / "src"),
+        tierlift.hf.from_pretrained(tmp_path / "src", zero=tierlift.hf.ZeroConfig(stage=3)),
+    ]
+    for model in models:
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+        for _ in range(2):
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    models[1].save_pretrained(tmp_path / "saved")
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "saved").state_dict()
+    want = models[0].state_dict()
+    assert sorted(loaded) == sorted(want)
+    for k, v in want.items():
+        torch.testing.assert_close(loaded[k], v, rtol=1e-5, atol=1e-6, msg=k)

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from tierlift.hf.config import ZeroConfig
+from tierlift.hf.model import install
 
 # from_pretrained options: used to find the files, or with nothing to do for a sharded load.
 _HUB = ("cache_dir", "force_download", "local_files_only", "token", "revision", "proxies")
@@ -181,6 +182,9 @@ def from_pretrained(name_or_path, zero: ZeroConfig | None = None, *, model_class
     zero.shard(model, param_group_fn=decay_split(model), device=device, weights=folder,
                **head_in_root(model, zero))
     setattr(model, _MARK, zero)
+    # save_pretrained writes the gathered weights (not the flat shards), generate() is synced
+    # across ranks, as for the models tierlift.hf.Trainer and Accelerator.prepare shard.
+    install(model)
     if generation_config is not None:
         model.generation_config = generation_config
     elif model.can_generate() and os.path.isfile(os.path.join(folder,
