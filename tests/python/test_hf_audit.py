@@ -5,6 +5,8 @@ save_pretrained on the trained model (also through accelerator.unwrap_model, and
 LoRA model) writes the trained weights, full, for from_pretrained: not the flat shards, which
 from_pretrained would have dropped for freshly initialized weights (and peft for an empty
 adapter file); the same for a model tierlift.hf.from_pretrained loaded into shards.
+accelerator.clip_grad_norm_ given a submodule's parameters, which sharding moved into its
+unit's flat shard, is refused rather than clipping nothing.
 """
 
 from __future__ import annotations
@@ -185,3 +187,30 @@ def test_from_pretrained_model_saves_its_full_weights(tmp_path):
     assert sorted(loaded) == sorted(want)
     for k, v in want.items():
         torch.testing.assert_close(loaded[k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+@pytest.fixture
+def _fresh_accelerate():
+    import accelerate
+
+    accelerate.state.AcceleratorState._reset_state(True)
+    yield
+    accelerate.state.AcceleratorState._reset_state(True)
+
+
+def test_clip_of_a_submodule_inside_a_unit_is_refused(_fresh_accelerate):
+    """accelerator.clip_grad_norm_(model.<submodule>.parameters(), ...) clips that submodule's
+    gradients on the stock model; after shard() the submodule (inside a layer's unit) has no
+    parameters of its own, and the call would clip nothing and return 0."""
+    model = tierlift.zero.shard(_llama(), stage=3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    accelerator = tierlift.hf.Accelerator(cpu=True)
+    model, opt = accelerator.prepare(model, opt)
+    ids = torch.arange(SEQ).view(1, SEQ)
+    accelerator.backward(model(input_ids=ids, labels=ids).loss)
+    grads = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="clip_grad_norm_ was given no parameters"):
+        accelerator.clip_grad_norm_(model.model.layers[0].self_attn.parameters(), 0.1)
+    for p, g in zip(model.parameters(), grads, strict=True):
+        assert torch.equal(p.grad, g)
+    assert float(accelerator.clip_grad_norm_(model.parameters(), 0.1)) > 0.1

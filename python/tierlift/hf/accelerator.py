@@ -133,6 +133,14 @@ class Accelerator(accelerate.Accelerator):
         optimizer that clips itself (max_grad_norm=...), the norm is returned and the
         optimizer does the scaling in step(), so the overlap's early steps stay valid."""
         params = list(parameters)
+        if not params and any(zmodel.is_sharded(m) for m in self._models):
+            # A submodule's parameters live in its unit's flat shard after shard(): its
+            # .parameters(), or a filter by the original names, is empty, and would clip nothing.
+            raise ValueError("clip_grad_norm_ was given no parameters, next to a model sharded by "
+                             "tierlift.zero.shard, whose parameters are one flat shard per unit "
+                             "(submodules inside a unit have none, names are the shards'): pass "
+                             "model.parameters(), or shard with units= making the submodule a "
+                             "unit of its own")
         if not any(zmodel.shard_owner(p) is not None for p in params):
             return super().clip_grad_norm_(params, max_norm, norm_type)
         self.unscale_gradients()
