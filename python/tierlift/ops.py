@@ -174,19 +174,52 @@ def by_count(counts: list[int]) -> dict[int, list[int]]:
     return positions
 
 
+def check_grad_scale_value(scale: float) -> None:
+    """The kernels multiply by float32(1 / scale): it must be a finite, nonzero factor."""
+    inv = torch.tensor(1.0 / scale if scale != 0 else math.inf, dtype=torch.float32).item()
+    if not (0.0 < scale < math.inf and math.isfinite(inv)):
+        raise ValueError(f"grad_scale (GradScaler's scale) must be finite and > 0, got {scale}")
+
+
+def amp_skips(grad_scale, found_inf) -> bool:
+    """GradScaler's verdict on this step, read with one host sync: True if it found inf/NaN
+    gradients (the step is skipped: weights, state and step counts stay as they are). Otherwise
+    checks its scale before anything changes (a CUDA kernel could not refuse it)."""
+    if isinstance(found_inf, torch.Tensor) and found_inf.numel() != 1:
+        raise ValueError(f"found_inf must be a 1-element tensor, got {found_inf.numel()} "
+                         "elements")
+    values = [found_inf] if grad_scale is None else [found_inf, grad_scale]
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    device = tensors[0].device if tensors else torch.device("cpu")
+    read = torch.cat([torch.as_tensor(v).detach().reshape(1).to(device, torch.float64)
+                      for v in values]).tolist()
+    if read[0] != 0.0:
+        return True
+    if grad_scale is not None:
+        check_grad_scale_value(read[1])
+    return False
+
+
 def adam_group_step_(steps, params, grads, exp_avgs, exp_avg_sqs, extra_states, param_copies, *,
                      lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize,
-                     compact, grad_scale=None, refresh_from_copies=False) -> None:
+                     compact, grad_scale=None, refresh_from_copies=False, found_inf=None) -> None:
     """A param group's whole step in one op that torch.compile can trace: advances the step
     counts `steps` (as advance_steps_) and runs adam_step_ (adam_compact_step_ if `compact`)
     once per count over the params at that count. `extra_states` is max_exp_avg_sqs (amsgrad),
     exp_avg_sq_scales (compact) or empty; the rest as in adam_step_. The counts never leave
-    the op, so a compiled step needs no graph break and no recompilation as they grow."""
+    the op, so a compiled step needs no graph break and no recompilation as they grow.
+
+    `lr` is a float or a 1-element tensor read when the op runs (a scheduler that updates a
+    tensor lr in place changes a compiled step's lr without a recompile; adam_lr_values checks
+    its value first). `found_inf` (GradScaler's, with `grad_scale`): nonzero skips the whole
+    step, counts included; otherwise the scale's value is checked before anything changes."""
+    lr_tensor = lr if isinstance(lr, torch.Tensor) else None
     torch.ops.tierlift.adam_group_step_(
         list(steps), list(params), list(grads), list(exp_avgs), list(exp_avg_sqs),
-        list(extra_states), list(param_copies), float(lr), float(beta1), float(beta2),
-        float(eps), float(weight_decay), bool(decoupled), bool(amsgrad), bool(maximize),
-        bool(compact), grad_scale, bool(refresh_from_copies))
+        list(extra_states), list(param_copies), 0.0 if lr_tensor is not None else float(lr),
+        float(beta1), float(beta2), float(eps), float(weight_decay), bool(decoupled),
+        bool(amsgrad), bool(maximize), bool(compact), grad_scale, bool(refresh_from_copies),
+        lr_tensor, found_inf)
 
 
 # Python-defined (it calls the ops above): every list it updates is declared mutated, and it
@@ -198,10 +231,18 @@ def adam_group_step_(steps, params, grads, exp_avgs, exp_avg_sqs, extra_states, 
            "Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] extra_states, Tensor(f!)[] param_copies, "
            "float lr, float beta1, float beta2, float eps, float weight_decay, bool decoupled, "
            "bool amsgrad, bool maximize, bool compact, Tensor? grad_scale, "
-           "bool refresh_from_copies) -> ()")
+           "bool refresh_from_copies, Tensor? lr_tensor=None, Tensor? found_inf=None) -> ()")
 def _adam_group_step(steps, params, grads, exp_avgs, exp_avg_sqs, extra_states, param_copies,
                      lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize, compact,
-                     grad_scale, refresh_from_copies) -> None:
+                     grad_scale, refresh_from_copies, lr_tensor=None, found_inf=None) -> None:
+    # GradScaler's verdict and scale as the eager step reads them, before any change.
+    if found_inf is not None:
+        if amp_skips(grad_scale, found_inf):
+            return
+    elif grad_scale is not None and grad_scale.device.type == "cpu":
+        check_grad_scale_value(float(grad_scale))
+    if lr_tensor is not None:
+        lr = float(lr_tensor)
     buckets = by_count(advance_steps_(steps))
     hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                  decoupled=decoupled, maximize=maximize, grad_scale=grad_scale,
@@ -219,6 +260,23 @@ def _adam_group_step(steps, params, grads, exp_avgs, exp_avg_sqs, extra_states, 
 @_adam_group_step.register_fake
 def _adam_group_step_fake(*args) -> None:
     return None
+
+
+@torch.library.custom_op("tierlift::adam_lr_values", mutates_args=())
+def adam_lr_values(lrs: list[torch.Tensor]) -> torch.Tensor:
+    """The values of the tensor lrs of a compiled step's groups, checked (check_adam_hyper's
+    rule) and returned as float64 on the CPU: every group's op reads its lr from this output, so
+    the check runs before any group changes, and a bad lr in one group leaves all as they were."""
+    values = [_finite("lr", lr) for lr in lrs]
+    for v in values:
+        if v < 0:
+            raise ValueError(f"lr must be >= 0, got {v}")
+    return torch.tensor(values, dtype=torch.float64)
+
+
+@adam_lr_values.register_fake
+def _adam_lr_values_fake(lrs):
+    return torch.empty(len(lrs), dtype=torch.float64)
 
 
 def _finite(name: str, value) -> float:

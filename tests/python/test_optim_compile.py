@@ -1,7 +1,9 @@
-"""torch.compile(optimizer.step), torch's "compiling the optimizer" recipe, with tierlift's AdamW
-without offload: the compiled step gives the eager step's weights and state bit for bit, and
-torch.optim.AdamW's within the usual tolerance, in each kind of step (fp32, bf16 params with
-fp32 masters, compact state, amsgrad, maximize, GradScaler's grad_scale and found_inf).
+"""torch.compile(optimizer.step, fullgraph=True), torch's "compiling the optimizer" recipe, with
+tierlift's AdamW without offload: the step is one graph (no graph break: GradScaler's verdict
+and scale are read by the op when it runs, and the eager step's plan is not traced), and it
+gives the eager step's weights and state bit for bit, and torch.optim.AdamW's within the usual
+tolerance, in each kind of step (fp32, bf16 params with fp32 masters, compact state, amsgrad,
+maximize, GradScaler's grad_scale and found_inf). Schedulers: test_optim_compile_lr.py.
 
 The step counts are advanced and read inside one op (tierlift::adam_group_step_): traced, the
 one that returns them as integers (advance_steps_) failed functionalization, and counts read on
@@ -83,7 +85,8 @@ def test_compiled_step_matches_eager_and_torch(case):
         eager, compiled = _model(dtype), _model(dtype)
         eager_opt = AdamW(eager.parameters(), lr=1e-2, **kw)
         opt = AdamW(compiled.parameters(), lr=1e-2, **kw)
-        opt.step = torch.compile(opt.step)  # an instance attribute: GradScaler.step calls it
+        # an instance attribute: GradScaler.step calls it
+        opt.step = torch.compile(opt.step, fullgraph=True)
         want_counts = _train(eager, eager_opt, _scaler(init_scale), skip=skip)
         got_counts = _train(compiled, opt, _scaler(init_scale), skip=skip,
                             last_steps_no_recompile=case == "fp32")
@@ -111,7 +114,8 @@ def test_compiled_step_matches_eager_and_torch(case):
 
 
 @pytest.mark.parametrize("compact", [False, True], ids=["fp32_amsgrad", "compact"])
-def test_group_step_opcheck(compact):
+@pytest.mark.parametrize("tensors", [False, True], ids=["floats", "tensor_lr_found_inf"])
+def test_group_step_opcheck(compact, tensors):
     # Two step counts in one call; in the fp32 case, an fp32 param is its own copy beside bf16
     # copies (a mixed group), as the optimizer passes it.
     torch.manual_seed(0)
@@ -131,4 +135,11 @@ def test_group_step_opcheck(compact):
         copies = [params[0].to(torch.bfloat16), params[1], params[2].to(torch.bfloat16)]
     args = (steps, params, grads, m, v, extra, copies, 1e-2, 0.9, 0.999, 1e-8, 0.01, True,
             not compact, False, compact, torch.tensor([8.0]), True)
+    if tensors:  # a tensor lr (a scheduler's) and GradScaler's found_inf, both read in the op
+        args = (*args, torch.tensor(2e-2, dtype=torch.float64), torch.tensor([0.0]))
     torch.library.opcheck(torch.ops.tierlift.adam_group_step_.default, args)
+
+
+def test_lr_values_opcheck():
+    lrs = [torch.tensor(1e-2), torch.tensor([3e-4], dtype=torch.float64)]
+    torch.library.opcheck(torch.ops.tierlift.adam_lr_values.default, (lrs,))

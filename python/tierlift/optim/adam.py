@@ -29,7 +29,6 @@ optimizer and ours in both directions. Differences, all deliberate:
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import warnings
@@ -45,6 +44,7 @@ from tierlift.offload.masters import refresh_master
 from tierlift.optim.adam_plan import build_plan, plan_grads
 from tierlift.optim.hyper import (
     check_flags,
+    check_group_lr,
     check_group_types,
     check_state_dtype,
     check_torch_config,
@@ -85,30 +85,14 @@ def _check_grad_scale(grad_scale) -> None:
                          "elements")
 
 
-def _check_scale_value(scale: float) -> None:
-    """The kernels multiply by float32(1 / scale): it must be a finite, nonzero factor."""
-    inv = torch.tensor(1.0 / scale if scale != 0 else math.inf, dtype=torch.float32).item()
-    if not (0.0 < scale < math.inf and math.isfinite(inv)):
-        raise ValueError(f"grad_scale (GradScaler's scale) must be finite and > 0, got {scale}")
-
-
-def _amp_skips(grad_scale, found_inf) -> bool:
-    """GradScaler's verdict on this step, read with one host sync: True if it found inf/NaN
-    gradients (the step is skipped: weights, state and step counts stay as they are). Otherwise
-    checks its scale before anything changes (a CUDA kernel could not refuse it)."""
-    if isinstance(found_inf, torch.Tensor) and found_inf.numel() != 1:
-        raise ValueError(f"found_inf must be a 1-element tensor, got {found_inf.numel()} "
-                         "elements")
-    values = [found_inf] if grad_scale is None else [found_inf, grad_scale]
-    tensors = [v for v in values if isinstance(v, torch.Tensor)]
-    device = tensors[0].device if tensors else torch.device("cpu")
-    read = torch.cat([torch.as_tensor(v).detach().reshape(1).to(device, torch.float64)
-                      for v in values]).tolist()
-    if read[0] != 0.0:
-        return True
-    if grad_scale is not None:
-        _check_scale_value(read[1])
-    return False
+def _traced_lrs(groups: list) -> dict:
+    """A compiled step's tensor lrs by group index, as checked views of one op's output
+    (ops.adam_lr_values): every group's op reads its lr from it, so it runs first."""
+    index = [gi for gi, group in enumerate(groups) if isinstance(group["lr"], torch.Tensor)]
+    if not index:
+        return {}
+    values = ops.adam_lr_values([groups[gi]["lr"].detach() for gi in index])
+    return {gi: values[i] for i, gi in enumerate(index)}
 
 
 def _caller_stacklevel() -> int:
@@ -472,28 +456,40 @@ class Adam(Optimizer):
                 return loss
             if grad_scale is not None:
                 _check_grad_scale(grad_scale)
-            if found_inf is not None:
-                if _amp_skips(grad_scale, found_inf):
+            # Traced by torch.compile, what is read from tensors (GradScaler's verdict and
+            # scale, a tensor lr) is read by the ops when they run, before they change anything:
+            # read here it would split the graph (and bake a scheduler's lr into it).
+            tracing = torch.compiler.is_compiling()
+            if tracing:
+                if found_inf is not None and found_inf.numel() != 1:
+                    raise ValueError(f"found_inf must be a 1-element tensor, got "
+                                     f"{found_inf.numel()} elements")
+            elif found_inf is not None:
+                if ops.amp_skips(grad_scale, found_inf):
                     return loss
             elif grad_scale is not None and grad_scale.device.type == "cpu":
-                _check_scale_value(float(grad_scale))
+                ops.check_grad_scale_value(float(grad_scale))
             # Every check before any change: a bad group leaves every parameter and count as
             # it was. A group whose plan still holds (adam_plan) skips the per-parameter work.
-            plans = self.__dict__.setdefault("_plans", {})
+            # Traced, the general path runs at trace time only and dynamo's guards do the
+            # plan's checks: no plan is read or made (one more recompile, and graph breaks).
+            plans = {} if tracing else self.__dict__.setdefault("_plans", {})
             ready = []
             for gi, group in enumerate(self.param_groups):
-                grads = plan_grads(plans.get(gi), self.state, group)
+                grads = None if tracing else plan_grads(plans.get(gi), self.state, group)
                 if grads is None:
                     self._check_group(gi, group)
                 else:
                     self._check_hyper(gi, group)
                 ready.append(grads)
+            lrs = _traced_lrs(self.param_groups) if tracing else {}
             for gi, (group, grads) in enumerate(zip(self.param_groups, ready)):
                 if grads is not None:
                     self._step_planned(group, plans[gi], grads, grad_scale)
                     continue
-                self._step_group(group, grad_scale)
-                plans[gi] = build_plan(self.state, group, self._state_dtype)
+                self._step_group(group, grad_scale, found_inf, lrs.get(gi))
+                if not tracing:
+                    plans[gi] = build_plan(self.state, group, self._state_dtype)
         except BaseException:
             # GradScaler deletes its attributes only after a step that returned; left behind,
             # its next step() would multiply its scale into this stale one.
@@ -535,7 +531,14 @@ class Adam(Optimizer):
 
     def _check_hyper(self, gi: int, group: dict) -> None:
         check_group_types(gi, group)
-        ops.check_adam_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        check_group_lr(group)
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor) and torch.compiler.is_compiling():
+            # Its value is checked when the step runs (ops.adam_lr_values), before any change.
+            if lr.numel() != 1:
+                raise ValueError(f"Tensor lr must be 1-element, got {lr.numel()} elements")
+            lr = 0.0
+        ops.check_adam_hyper(lr, group["betas"], group["eps"], group["weight_decay"])
         if self._state_dtype == "bf16" and group["amsgrad"]:
             raise ValueError(
                 f"param_groups[{gi}] has amsgrad=True, which is not supported with "
@@ -555,9 +558,12 @@ class Adam(Optimizer):
                 _refuse_param(f"param_groups[{gi}]['params'][{pi}]", p, device)
             device = p_device
 
-    def _step_group(self, group: dict, grad_scale: torch.Tensor | None = None) -> None:
+    def _step_group(self, group: dict, grad_scale: torch.Tensor | None = None, found_inf=None,
+                    lr=None) -> None:
         """One fused call per step count; `grad_scale` is GradScaler's scale when the gradients
-        are still scaled (the kernel unscales them as it reads them). What is the same for the
+        are still scaled (the kernel unscales them as it reads them). Traced (a compiled step),
+        `found_inf` is GradScaler's verdict and `lr` the group's checked tensor lr, both read
+        by the op when it runs (adam_group_step_). What is the same for the
         whole group (the device, whether a compiled kernel runs, the step counts' increment) is
         done once for it, not per parameter."""
         amsgrad = group["amsgrad"]
@@ -613,7 +619,7 @@ class Adam(Optimizer):
             else:
                 b["copies"] = []
             if counted:
-                self._launch_counted(group, b, scale)
+                self._launch_counted(group, b, scale, found_inf, lr)
             else:
                 self._launch(group, step, b, scale, fused)
         for p, weight in write_back:
@@ -622,9 +628,6 @@ class Adam(Optimizer):
     def _step_planned(self, group: dict, plan, grads: list, grad_scale) -> None:
         """_step_group by the group's plan (adam_plan): the same calls with the same lists."""
         scale = None if grad_scale is None else grad_scale.detach().to(plan.device)
-        if torch.compiler.is_compiling():
-            self._launch_counted(group, dict(plan.take(grads), steps=plan.steps), scale)
-            return
         counts = ops.advance_steps_(plan.steps)
         if counts.count(counts[0]) == len(counts):
             self._launch(group, counts[0], plan.take(grads), scale, True)
@@ -632,25 +635,28 @@ class Adam(Optimizer):
         for step, index in ops.by_count(counts).items():
             self._launch(group, step, plan.take(grads, index), scale, True)
 
-    def _hyper(self, group: dict, b: dict, grad_scale, fused: bool) -> dict:
-        """The Adam ops' keyword arguments for `group` but the step count."""
+    def _hyper(self, group: dict, b: dict, grad_scale, fused: bool, lr=None) -> dict:
+        """The Adam ops' keyword arguments for `group` but the step count; `lr` (a tensor for
+        adam_group_step_) instead of the group's if given."""
         amp = {} if grad_scale is None else {"grad_scale": grad_scale}
         if b["copies"] and fused:
             # A copy that is its own master (an fp32 param) reads back its own value.
             amp["refresh_from_copies"] = True
         beta1, beta2 = group["betas"]
-        return dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+        lr = float(group["lr"]) if lr is None else lr
+        return dict(lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
                     weight_decay=group["weight_decay"], decoupled=self._decoupled(group),
                     maximize=group["maximize"], **amp)
 
-    def _launch_counted(self, group: dict, b: dict, grad_scale) -> None:
+    def _launch_counted(self, group: dict, b: dict, grad_scale, found_inf, lr) -> None:
         """_launch for a step traced by torch.compile: the lists in `b` with their step count
         tensors (b["steps"]), advanced and read inside the one op (compiled kernels only)."""
         compact = self._state_dtype == "bf16"
         extra = b["scales"] if compact else b["max_exp_avg_sqs"]
         ops.adam_group_step_(b["steps"], b["params"], b["grads"], b["exp_avgs"],
                              b["exp_avg_sqs"], extra, b["copies"], amsgrad=group["amsgrad"],
-                             compact=compact, **self._hyper(group, b, grad_scale, True))
+                             compact=compact, found_inf=found_inf,
+                             **self._hyper(group, b, grad_scale, True, lr))
 
     def _launch(self, group: dict, step: int, b: dict, grad_scale, fused: bool) -> None:
         """One fused call over the lists in `b` (copies: [] or one per param), all at `step`;

@@ -95,3 +95,12 @@ def check_torch_config(lr, betas, foreach, capturable, fused, differentiable) ->
         raise RuntimeError("`fused` does not support `differentiable`")
     if fused and foreach:
         raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+
+
+def check_group_lr(group: dict) -> None:
+    """torch's step-time rule for a tensor lr put into a group after construction (its
+    constructor refuses the same in check_torch_config): not with foreach=True unless
+    capturable=True."""
+    if isinstance(group["lr"], torch.Tensor) and group.get("foreach") \
+            and not group.get("capturable"):
+        raise RuntimeError("lr as a Tensor is not supported for capturable=False and foreach=True")
