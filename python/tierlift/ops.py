@@ -209,10 +209,10 @@ def adam_group_step_(steps, params, grads, exp_avgs, exp_avg_sqs, extra_states, 
     exp_avg_sq_scales (compact) or empty; the rest as in adam_step_. The counts never leave
     the op, so a compiled step needs no graph break and no recompilation as they grow.
 
-    `lr` is a float or a 1-element tensor read when the op runs (a scheduler that updates a
-    tensor lr in place changes a compiled step's lr without a recompile; adam_lr_values checks
-    its value first). `found_inf` (GradScaler's, with `grad_scale`): nonzero skips the whole
-    step, counts included; otherwise the scale's value is checked before anything changes."""
+    `lr` is a float or a 1-element tensor read (and checked) when the op runs: a scheduler that
+    updates a tensor lr in place changes a compiled step's lr without a recompile. `found_inf`
+    (GradScaler's, with `grad_scale`): nonzero skips the whole step, counts included; otherwise
+    the scale's value is checked before anything changes."""
     lr_tensor = lr if isinstance(lr, torch.Tensor) else None
     torch.ops.tierlift.adam_group_step_(
         list(steps), list(params), list(grads), list(exp_avgs), list(exp_avg_sqs),
@@ -242,7 +242,7 @@ def _adam_group_step(steps, params, grads, exp_avgs, exp_avg_sqs, extra_states, 
     elif grad_scale is not None and grad_scale.device.type == "cpu":
         check_grad_scale_value(float(grad_scale))
     if lr_tensor is not None:
-        lr = float(lr_tensor)
+        lr = _lr_value(lr_tensor)
     buckets = by_count(advance_steps_(steps))
     hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                  decoupled=decoupled, maximize=maximize, grad_scale=grad_scale,
@@ -267,11 +267,15 @@ def adam_lr_values(lrs: list[torch.Tensor]) -> torch.Tensor:
     """The values of the tensor lrs of a compiled step's groups, checked (check_adam_hyper's
     rule) and returned as float64 on the CPU: every group's op reads its lr from this output, so
     the check runs before any group changes, and a bad lr in one group leaves all as they were."""
-    values = [_finite("lr", lr) for lr in lrs]
-    for v in values:
-        if v < 0:
-            raise ValueError(f"lr must be >= 0, got {v}")
-    return torch.tensor(values, dtype=torch.float64)
+    return torch.tensor([_lr_value(lr) for lr in lrs], dtype=torch.float64)
+
+
+def _lr_value(lr: torch.Tensor) -> float:
+    """A tensor lr's value, checked as check_adam_hyper checks it."""
+    v = _finite("lr", lr)
+    if v < 0:
+        raise ValueError(f"lr must be >= 0, got {v}")
+    return v
 
 
 @adam_lr_values.register_fake

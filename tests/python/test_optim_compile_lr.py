@@ -120,28 +120,32 @@ def _state(opt, model):
     return [t.clone() for p in model.parameters() for t in (p, *opt.state[p].values())]
 
 
-def test_bad_tensor_lr_refused_before_any_group_changes():
-    """The tensor lrs' values are checked by one op whose output every group's op reads: a
-    negative or NaN lr in the second group leaves the first group's weights, moments and
-    counts as they were, as the eager step does."""
+@pytest.mark.parametrize("groups", [1, 2])
+def test_bad_tensor_lr_refused_before_any_group_changes(groups):
+    """A group's op checks its tensor lr before it changes anything; with several groups one op
+    checks them all first, and every group's op reads its lr from that op's output: a negative
+    or NaN lr in the last group leaves the first group's weights, moments and counts as they
+    were too, as the eager step does."""
     torch._dynamo.reset()
     model = _model()
-    opt = AdamW([{"params": list(model[i].parameters()), "lr": torch.tensor(1e-2)}
-                 for i in (0, 2)])
+    layers = [list(model[i].parameters()) for i in (0, 2)]
+    if groups == 1:
+        layers = [layers[0] + layers[1]]
+    opt = AdamW([{"params": ps, "lr": torch.tensor(1e-2)} for ps in layers])
     step = torch.compile(opt.step, backend="aot_eager", fullgraph=True)
     for i in range(2):
         opt.zero_grad()
         _backward(model, i)
         step()
     for bad, match in ((-1e-3, "lr must be >= 0"), (float("nan"), "lr must be finite")):
-        opt.param_groups[1]["lr"].fill_(bad)
+        opt.param_groups[-1]["lr"].fill_(bad)
         before = _state(opt, model)
         with pytest.raises(ValueError, match=match):
             step()
         after = _state(opt, model)
         assert len(after) == 16  # 4 params: weight, step, exp_avg, exp_avg_sq
         assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
-    opt.param_groups[1]["lr"].fill_(1e-2)
+    opt.param_groups[-1]["lr"].fill_(1e-2)
     step()  # and steps again once the lr is good
     assert all(float(s["step"]) == 3 for s in opt.state.values())
 

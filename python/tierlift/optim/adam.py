@@ -86,11 +86,12 @@ def _check_grad_scale(grad_scale) -> None:
 
 
 def _traced_lrs(groups: list) -> dict:
-    """A compiled step's tensor lrs by group index, as checked views of one op's output
-    (ops.adam_lr_values): every group's op reads its lr from it, so it runs first."""
+    """A compiled step's tensor lrs by group index. Each group's op checks its lr before it
+    changes anything; with several groups, all are checked first by one op
+    (ops.adam_lr_values) whose output every group's op reads, so that it runs first."""
     index = [gi for gi, group in enumerate(groups) if isinstance(group["lr"], torch.Tensor)]
-    if not index:
-        return {}
+    if len(groups) == 1 or not index:
+        return {gi: groups[gi]["lr"].detach() for gi in index}
     values = ops.adam_lr_values([groups[gi]["lr"].detach() for gi in index])
     return {gi: values[i] for i, gi in enumerate(index)}
 
