@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import tierlift
-from tierlift.activations import offload
+from tierlift.activations import offload, offload_blocks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from gpt_model import GPT, GPTConfig  # noqa: E402
@@ -107,3 +108,102 @@ def test_reentrant_checkpoint_with_backward_inside_the_context(tmp_path):
     ref = accumulate(contextlib.nullcontext, forward, micro=1)
     assert got[0] == ref[0]
     assert_same(got[1], ref[1])
+
+
+def run_threads(*fns, timeout=30):
+    """Runs each fn in its own thread; re-raises the first error."""
+    errors = []
+
+    def guarded(fn):
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=guarded, args=(fn,)) for fn in fns]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), "a thread hangs"
+    if errors:
+        raise errors[0]
+
+
+def grads(model, i):
+    return torch.autograd.grad(model(*batch(i)), list(model.parameters()))
+
+
+def test_one_offload_context_in_two_threads_at_once(tmp_path):
+    """torch's saved-tensor hooks are per thread: so is the context's session. Both threads'
+    forwards are inside the context at the same time (it raised 'already in use' before)."""
+    tl = offload(cpu_budget=0, nvme_path=tmp_path, min_bytes=SMALL)
+    model = make_model()
+    ref = {i: grads(model, i) for i in (0, 1)}
+    both_inside = threading.Barrier(2, timeout=20)
+    got = {}
+
+    def step(i):
+        with tl:
+            both_inside.wait()
+            loss = model(*batch(i))
+            both_inside.wait()
+        got[i] = torch.autograd.grad(loss, list(model.parameters()))
+
+    run_threads(lambda: step(0), lambda: step(1))
+    for i in (0, 1):
+        assert_same(got[i], ref[i])
+    assert tl.last_stats["nvme_bytes"] > 0
+
+
+def test_a_background_forward_that_fails_leaves_the_training_forward_alone(tmp_path):
+    """offload_blocks' forward in progress is per thread. A background thread's no_grad forward
+    of the same model (an evaluation worker) that raises while the training forward is between
+    two blocks discarded the training forward's activations before."""
+    model = make_model(layers=3)
+    ref = grads(model, 0)
+    handle = offload_blocks(model, "nvme", cpu_budget=0, nvme_path=tmp_path, min_bytes=SMALL)
+    worker_in, trainer_in = threading.Event(), threading.Event()
+    trainer = []
+
+    def pause(block, args):
+        if threading.current_thread() is trainer[0] and block is model.blocks[1]:
+            trainer_in.set()  # between blocks 0 and 1: the worker fails now
+            assert worker_done.wait(20)
+        elif threading.current_thread() is not trainer[0] and block is model.blocks[0]:
+            worker_in.set()  # the worker's forward has started; the trainer's starts now
+            assert trainer_in.wait(20)
+            raise ValueError("the worker's forward fails")
+
+    worker_done = threading.Event()
+    hooks = [b.register_forward_pre_hook(pause) for b in model.blocks[:2]]
+
+    def worker():
+        with torch.no_grad(), pytest.raises(ValueError, match="worker's forward fails"):
+            model(*batch(1))
+        worker_done.set()
+
+    got = []
+
+    def train():
+        trainer.append(threading.current_thread())
+        assert worker_in.wait(20)
+        got.append(grads(model, 0))
+
+    run_threads(train, worker)
+    for h in hooks:
+        h.remove()
+    assert_same(got[0], ref)
+    assert handle.last_stats["nvme_bytes"] > 0
+
+
+def test_the_same_context_nested_in_one_thread_is_refused_and_the_outer_one_goes_on(tmp_path):
+    tl = offload(cpu_budget=0, nvme_path=tmp_path, min_bytes=SMALL)
+    model = make_model()
+    ref = grads(model, 0)
+    with tl:
+        with pytest.raises(RuntimeError, match="already in use in this thread"), tl:
+            pass
+        loss = model(*batch(0))
+    assert_same(torch.autograd.grad(loss, list(model.parameters())), ref)
+    assert tl.last_stats["nvme_bytes"] > 0

@@ -16,6 +16,7 @@ graph, and with it the spill file, alive for as long as the caller keeps the exc
 from __future__ import annotations
 
 import sys
+import threading
 import types
 import weakref
 from collections.abc import Sequence
@@ -72,11 +73,10 @@ class BlockOffload:
         self.blocks = blocks
         self.policy = policy
         self._offload = tiers
-        self._session = None
+        # The forward in progress is per thread: a second thread's forward of the same model
+        # (a background worker) opens sessions of its own instead of saving into this one's.
+        self._local = threading.local()
         self._originals = []
-        # Per model call in progress: (the exception being handled when it started, weak
-        # references to the sessions it opened).
-        self._calls: list[tuple[BaseException | None, list]] = []
         self._hooks = [] if model is None else self._watch_forward(model)
         for i, (name, block) in enumerate(blocks):
             if "forward" in block.__dict__:
@@ -87,17 +87,33 @@ class BlockOffload:
             block.forward = types.MethodType(self._wrap(i, name), block)
 
     @property
+    def _session(self):
+        return getattr(self._local, "session", None)
+
+    @_session.setter
+    def _session(self, session) -> None:
+        self._local.session = session
+
+    @property
+    def _calls(self) -> list[tuple[BaseException | None, list]]:
+        """Per model call in progress in this thread: (the exception being handled when it
+        started, weak references to the sessions it opened)."""
+        calls = getattr(self._local, "calls", None)
+        if calls is None:
+            calls = self._local.calls = []
+        return calls
+
+    @property
     def last_stats(self) -> dict:
         return self._offload.last_stats
 
     def _watch_forward(self, model: nn.Module) -> list:
         # Closures, not bound methods: a deepcopy of the model must not copy this handle.
-        calls = self._calls
-
         def started(module, args):
-            calls.append((sys.exc_info()[1], []))
+            self._calls.append((sys.exc_info()[1], []))
 
         def ended(module, args, output):
+            calls = self._calls
             if not calls:
                 return
             outer, opened = calls.pop()

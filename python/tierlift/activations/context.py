@@ -8,6 +8,7 @@ torch.autograd.graph.save_on_cpu, that moves saved activations to pinned RAM and
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 
 import torch
@@ -24,8 +25,13 @@ class Engines:
     def __init__(self, config: OffloadConfig):
         self._config = config
         self._engine = None
+        self._lock = threading.Lock()  # forwards in two threads: one engine, not two
 
     def get(self):
+        with self._lock:
+            return self._get()
+
+    def _get(self):
         if self._engine is None:
             from tierlift.io import EngineConfig, IoEngine
 
@@ -38,9 +44,10 @@ class Engines:
         return self._engine
 
     def close(self) -> None:
-        if self._engine is not None:
-            self._engine.close()
-            self._engine = None
+        with self._lock:
+            if self._engine is not None:
+                self._engine.close()
+                self._engine = None
 
 
 def parameter_pointers(params: nn.Module | Iterable[torch.Tensor] | None) -> frozenset[int]:
@@ -70,7 +77,9 @@ class offload:  # noqa: N801 - used like torch.autograd.graph.save_on_cpu
         self._engines = Engines(self.config)
         self._param_ptrs = parameter_pointers(params)
         self._host_pool = HostPool(self.config.cpu_budget)
-        self._active: tuple[Session, object] | None = None
+        # Per thread, as torch's saved-tensor hooks are: a forward in a background thread
+        # gets a session of its own instead of ending the main thread's.
+        self._local = threading.local()
         self.last_stats: dict = {}
 
     def session(self) -> Session:
@@ -80,18 +89,18 @@ class offload:  # noqa: N801 - used like torch.autograd.graph.save_on_cpu
         return s
 
     def __enter__(self) -> offload:
-        if self._active is not None:
-            raise RuntimeError("this tierlift.activations.offload is already in use (not "
-                               "re-entrant); make one per nesting level")
+        if getattr(self._local, "active", None) is not None:
+            raise RuntimeError("this tierlift.activations.offload is already in use in this "
+                               "thread (not re-entrant); make one per nesting level")
         session = self.session()
         hooks = torch.autograd.graph.saved_tensors_hooks(session.pack, session.unpack)
         hooks.__enter__()
-        self._active = (session, hooks)
+        self._local.active = (session, hooks)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        session, hooks = self._active
-        self._active = None
+        session, hooks = self._local.active
+        self._local.active = None
         hooks.__exit__(exc_type, exc, tb)
         if exc is not None:
             session.abandon(exc)

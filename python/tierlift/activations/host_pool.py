@@ -11,6 +11,7 @@ after the copies that read a buffer.
 
 from __future__ import annotations
 
+import threading
 import weakref
 
 import torch
@@ -26,14 +27,18 @@ class HostPool:
         self.cached = 0
         self._free: dict[int, list[torch.Tensor]] = {}
         self._alone: int | None = None  # the use count of a buffer nothing else refers to
+        # Forwards in two threads; buffers come back from any thread, also from a collection
+        # inside get() (hence re-entrant).
+        self._lock = threading.RLock()
 
     def get(self, nbytes: int, owner) -> torch.Tensor:
         """A buffer of `nbytes`, handed back to the pool when `owner` is collected."""
-        free = self._free.get(nbytes)
-        if free:
-            buf = free.pop()
-            self.cached -= nbytes
-        else:
+        with self._lock:
+            free = self._free.get(nbytes)
+            buf = free.pop() if free else None
+            if buf is not None:
+                self.cached -= nbytes
+        if buf is None:
             buf = torch.empty(nbytes, dtype=torch.uint8)
             if self._alone is None:
                 self._alone = _users(buf)
@@ -42,11 +47,13 @@ class HostPool:
 
     def _put(self, buf: torch.Tensor) -> None:
         n = buf.numel()
-        if _users(buf) != self._alone or self.cached + n > self.limit:
-            return  # a view is alive (or the pool is full): let it go
-        self._free.setdefault(n, []).append(buf)
-        self.cached += n
+        with self._lock:
+            if _users(buf) != self._alone or self.cached + n > self.limit:
+                return  # a view is alive (or the pool is full): let it go
+            self._free.setdefault(n, []).append(buf)
+            self.cached += n
 
     def clear(self) -> None:
-        self._free.clear()
-        self.cached = 0
+        with self._lock:
+            self._free.clear()
+            self.cached = 0
