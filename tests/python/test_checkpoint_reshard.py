@@ -313,7 +313,9 @@ def test_a_state_dict_checkpoint_that_does_not_fit_the_optimizer_changes_nothing
     ck = str(tmp_path / "ck")
     tierlift.checkpoint.save(ck, model, opt)
     m = make_model(seed=6)
-    o = tierlift.optim.AdamW(list(m.parameters())[::-1], **OPT, offload="cpu")  # other order
+    # a parameter outside the model (matched by position, unnamed) where tok.weight was
+    ps, outside = list(m.parameters()), torch.nn.Parameter(torch.zeros(3))
+    o = tierlift.optim.AdamW([ps[0], outside, *ps[2:]], **OPT, offload="cpu")
     _train(m, o, DATA[2:3], False)
     before = _snapshot(m, o, False)
     with pytest.raises(ValueError, match="does not match the optimizer: the state 'exp_avg'"):
