@@ -3,6 +3,8 @@ memory with what it reads (the Python wrapper checked it, the op did not), a raw
 longer than the shape and dtype given, and a features tensor edited in place after its
 FeatureStore was built (a CUDA store's cached rows would stay old while the others change)."""
 
+import pickle
+
 import numpy as np
 import pytest
 import torch
@@ -124,3 +126,16 @@ def test_cuda_store_with_a_cache_refuses_an_edited_table():
     with pytest.raises(RuntimeError, match="modified in place"):
         store.gather(idx)
     store.close()
+
+
+def test_a_cpu_store_still_pickles_and_its_copy_is_watched_on_its_own():
+    table = torch.zeros(20, 4)
+    table[3] = 1  # edited before the store: its version is not 0
+    store = FeatureStore(table, device="cpu")
+    copy = pickle.loads(pickle.dumps(store))  # what a spawned DataLoader worker receives
+    idx = torch.tensor([3, 0])
+    assert torch.equal(copy.gather(idx), table[idx])
+    copy._table[0] = 5  # the copy's own table, edited in place
+    with pytest.raises(RuntimeError, match="modified in place"):
+        copy.gather(idx)
+    assert torch.equal(store.gather(idx), table[idx])  # the original is untouched

@@ -181,10 +181,12 @@ class FeatureStore:
         self._table = table
         # The caller's tensor and its version: an in-place edit of it after this point would
         # reach a CUDA store's table but not its cached copies (nor a pin="copy" copy), so
-        # gathers would mix old and new rows. gather refuses it, on every device.
+        # gathers would mix old and new rows. gather refuses it, on every device. Held weakly
+        # only when the store keeps a copy (a CPU store, which holds the tensor, stays picklable).
         self._watched = None
         if isinstance(features, torch.Tensor) and not features.is_inference():
-            self._watched = (weakref.ref(features), features._version)
+            held = features if features is table else weakref.ref(features)
+            self._watched = (held, features._version)
         self.num_rows = table.shape[0]
         self.row_shape = tuple(table.shape[1:])
         self.dtype = table.dtype
@@ -336,6 +338,12 @@ class FeatureStore:
         if not getattr(self, "_closed", True):
             self.close()
 
+    def __setstate__(self, state):
+        """Unpickled (a spawned worker's copy): its tensor is new, with a version of its own."""
+        self.__dict__.update(state)
+        if self._watched is not None and isinstance(self._watched[0], torch.Tensor):
+            self._watched = (self._watched[0], self._watched[0]._version)
+
     def __len__(self) -> int:
         return self.num_rows
 
@@ -348,7 +356,9 @@ class FeatureStore:
     def _check_usable(self) -> None:
         if self._closed:
             raise RuntimeError("FeatureStore is closed; create a new one")
-        watched = self._watched[0]() if self._watched is not None else None
+        watched = self._watched[0] if self._watched is not None else None
+        if isinstance(watched, weakref.ref):
+            watched = watched()
         if watched is not None and watched._version != self._watched[1]:
             raise RuntimeError(
                 "FeatureStore: its features tensor (or a view of it) was modified in place after "
