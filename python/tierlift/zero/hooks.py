@@ -195,14 +195,33 @@ class ZeroState:
     def check_copies(self) -> None:
         """Refuses weights edited in place through a module attribute where that attribute is
         a compute-dtype copy (stages 1/2 with MixedPrecision.param_dtype): the masters would
-        not see it, and the next gather would undo it."""
+        not see it, and the next gather would undo it. Also refuses a module attribute given
+        other data (`.data = ...`, any stage: the next forward puts the views back), and has the
+        next forward gather again where the shards were written through `.data`."""
+        for unit in self.units:
+            moved = unit.moved_attrs()
+            if moved:
+                raise RuntimeError(
+                    f"{', '.join(moved[:3])} of unit {unit.name!r} was given other data through "
+                    "its module attribute (`.data = ...` or another tensor) since the last "
+                    "forward. That attribute is a view of the unit's gathered weights, put back "
+                    "at every forward, so the change would be undone and the fp32 master "
+                    "weights never see it. Set the weights through the shards instead "
+                    "(model.parameters(): p.data = ..., p.data.copy_(...), as an EMA over "
+                    "model.parameters() does), or load them with model.load_state_dict / "
+                    "tierlift.zero.load_full_state_dict, or edit them inside "
+                    "tierlift.zero.gathered(model, modifier_rank=0); to go on, set the "
+                    "attribute's .data back to what it was")
+            if unit.take_data_edits():
+                unit.stale = True
         for unit in self.units:
             if unit.edited_copy():
                 names = ", ".join(e.names[0] for e in unit.entries[:3])
                 more = ", ..." if len(unit.entries) > 3 else ""
                 raise RuntimeError(
                     f"a weight of unit {unit.name!r} ({names}{more}) "
-                    f"was changed in place through its module attribute since the last forward. "
+                    "was changed in place through its module attribute (or its .data) since the "
+                    "last forward. "
                     f"At stage {self.config.stage} with MixedPrecision(param_dtype="
                     f"{unit.compute_dtype}) that attribute is a gathered {unit.compute_dtype} "
                     "copy, not the fp32 master weights: the optimizer would step the unchanged "

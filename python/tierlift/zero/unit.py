@@ -47,6 +47,62 @@ class ParamEntry:
     numel: int
 
 
+class ShardParameter(nn.Parameter):
+    """A unit's shard (the fp32 master slice the optimizer steps). Writes through `.data`
+    (`p.data.copy_(ema)`, `p.data = ema`, torch.nn.utils.vector_to_parameters) bump no version
+    counter, so stages 1/2 would keep forwarding the weights gathered before them: `.data` hands
+    out a tensor whose version the unit checks at the next forward, step or full_state_dict, and
+    a new tensor set through it is recorded, so the next forward gathers again."""
+
+    @property
+    def data(self) -> torch.Tensor:
+        d = nn.Parameter.data.__get__(self)
+        unit = _UNITS.get(id(self))
+        if unit is not None and unit() is not None:
+            unit().data_handles.append((d, d._version))
+        return d
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        ref = _UNITS.get(id(self))
+        unit = ref() if ref is not None else None
+        if unit is not None:
+            unit.check_new_data(self, value)
+            # The same storage again (module.to() to where it is already): nothing moved.
+            moved = value.data_ptr() != self.data_ptr() or value.stride() != self.stride()
+        nn.Parameter.data.__set__(self, value)
+        if unit is not None and moved:
+            unit.data_replaced()
+
+
+_UNITS: dict[int, weakref.ref] = {}  # id(shard) -> its FlatUnit
+
+
+class WatchedView(torch.Tensor):
+    """A module attribute of a stage 1/2 unit gathered in another dtype than its masters: a
+    plain view (every operation returns plain tensors) whose `.data` is handed out as with
+    ShardParameter, so an edit through it (`module.weight.data.copy_(x)`, which bumps no
+    version counter of `full`) is refused like any other edit of the compute copy."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @property
+    def data(self) -> torch.Tensor:
+        d = torch.Tensor.data.__get__(self)
+        ref = _VIEWS.get(id(self))
+        unit = ref() if ref is not None else None
+        if unit is not None:
+            unit.attr_handles.append((d, d._version))
+        return d
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        torch.Tensor.data.__set__(self, value)  # refused at the next check (moved_attrs)
+
+
+_VIEWS: dict[int, weakref.ref] = {}  # id(WatchedView) -> its FlatUnit, while installed
+
+
 def source_key(names: list[str], state_dict, prefix: str = "") -> str | None:
     """The key of `state_dict` a parameter known by `names` (its tied aliases, in model order)
     loads from, or None: torch's load_state_dict copies each alias in turn into the one tensor,
@@ -104,8 +160,8 @@ class FlatUnit:
                 raise ValueError("a FlatUnit built from its shard alone needs stage 3")
             piece = source(lo, self.shard_numel)
             piece = piece.to(shard_dtype)
-            self.shard = nn.Parameter(piece.to(device) if offload is None
-                                      else offload.host_shard(piece), requires_grad=not frozen)
+            self.shard = ShardParameter(piece.to(device) if offload is None
+                                        else offload.host_shard(piece), requires_grad=not frozen)
             del piece
             # Not gathered: shard() frees it at once (stage 3) and the first forward gathers.
             self.full = torch.empty(self.padded, dtype=compute_dtype, device=device)
@@ -114,11 +170,12 @@ class FlatUnit:
             ops.flatten_pack_(full32, [p.detach().to(shard_dtype) for p, _, _ in params])
         if source is None and self.aliased:
             self.full = full32
-            self.shard = nn.Parameter(full32[lo:lo + self.shard_numel], requires_grad=not frozen)
+            self.shard = ShardParameter(full32[lo:lo + self.shard_numel],
+                                        requires_grad=not frozen)
         elif source is None:
             piece = full32[lo:lo + self.shard_numel]
-            self.shard = nn.Parameter(piece.clone() if offload is None
-                                      else offload.host_shard(piece), requires_grad=not frozen)
+            self.shard = ShardParameter(piece.clone() if offload is None
+                                        else offload.host_shard(piece), requires_grad=not frozen)
             self.full = torch.empty(self.padded, dtype=compute_dtype, device=device)
             self.full.copy_(full32)
         self.full.requires_grad_(not frozen)
@@ -136,6 +193,13 @@ class FlatUnit:
         # edit through a module attribute shows in its version (gathers write through .data).
         self.copied = keep_full and not self.aliased
         self.full_version = self.full._version
+        self.keep_full = keep_full
+        self.data_handles: list = []  # (tensor, version): the shard's `.data` handed out
+        self.attr_ptrs: list = []     # per entry: the data_ptr its module attributes have
+        self.attr_handles: list = []  # (tensor, version): `.data` of the attributes handed out
+        self._watched: list[int] = []  # ids of the WatchedViews installed
+        _UNITS[id(self.shard)] = weakref.ref(self)
+        weakref.finalize(self.shard, _UNITS.pop, id(self.shard), None)
         self._freed = None     # the FreedWeight stand-ins, made at the first free()
         self.install_views()
 
@@ -216,13 +280,75 @@ class FlatUnit:
     def edited_copy(self) -> bool:
         """Whether a module attribute of a stage 1/2 unit gathered in another dtype than its
         masters was changed in place since the gather: the change is in the copy only."""
-        return self.copied and self.full._version != self.full_version
+        if not self.copied:
+            return False
+        edited = self.full._version != self.full_version or any(
+            d._version != v for d, v in self.attr_handles)
+        if not edited:
+            self.attr_handles.clear()
+        return edited
+
+    # ---- the shard's .data ----
+    def check_new_data(self, shard: torch.Tensor, value) -> None:
+        """Refuses (before it is set) new data the unit's layout cannot take."""
+        if not isinstance(value, torch.Tensor) or value.shape != shard.shape or \
+                value.dtype != shard.dtype or value.device != shard.device:
+            got = (f"{tuple(value.shape)} {value.dtype} on {value.device}"
+                   if isinstance(value, torch.Tensor) else type(value).__name__)
+            raise ValueError(f"the shard of unit {self.name!r} is {tuple(shard.shape)} "
+                             f"{shard.dtype} on {shard.device}; `.data =` got {got}. Copy into "
+                             "it instead (p.data.copy_(x)), or load full weights with "
+                             "load_full_state_dict")
+        if self.offload is not None:
+            raise ValueError(f"the shard of unit {self.name!r} lives in offloaded memory "
+                             "(offload_params): `.data =` would move it out; copy into it "
+                             "instead (p.data.copy_(x))")
+
+    def data_replaced(self) -> None:
+        """The shard now has storage of its own: no longer the slice of `full` it was. `full`
+        moves to new storage too: the old one may be held as a backup (`saved = p.data` before
+        an EMA swap-in), which the next gather must not overwrite."""
+        if self.aliased:
+            self.full.data = torch.empty_like(self.full)
+            self.aliased, self.copied = False, self.keep_full
+            self.full_version = self.full._version
+        self.stale = True
+
+    def take_data_edits(self) -> bool:
+        """Whether a tensor handed out by shard.data was changed in place since the last call."""
+        edited = any(d._version != v for d, v in self.data_handles)
+        self.data_handles.clear()
+        return edited
+
+    def moved_attrs(self) -> list[str]:
+        """Names of weights whose module attribute was given other data (`.data = ...`) or set
+        to another tensor since the views (or stand-ins) were installed."""
+        out = []
+        for e, ptr in zip(self.entries, self.attr_ptrs, strict=True):
+            for mod, attr in e.owners:
+                now = getattr(mod(), attr, None)
+                if not isinstance(now, torch.Tensor) or now.data_ptr() != ptr:
+                    out.append(e.names[0])
+                    break
+        return out
+
+    def _unwatch(self) -> None:
+        for i in self._watched:
+            _VIEWS.pop(i, None)
+        self._watched.clear()
 
     # ---- module attributes ----
     def install_views(self) -> None:
         """Point every owner attribute at its slice of `full` (fresh views: new autograd edges)."""
+        self.attr_ptrs = []
+        self._unwatch()
         for e in self.entries:
             view = self.full[e.offset:e.offset + e.numel].view(e.shape)
+            if self.copied:
+                view = view.as_subclass(WatchedView)
+                _VIEWS[id(view)] = weakref.ref(self)
+                self._watched.append(id(view))
+            self.attr_ptrs.append(view.data_ptr())
             for mod, attr in e.owners:
                 setattr(mod(), attr, view)
 
@@ -231,7 +357,10 @@ class FlatUnit:
         when used (a view of the freed buffer would read freed memory: freed.py)."""
         if self._freed is None:
             self._freed = freed_weights(self.entries, self.compute_dtype, self.device)
+        self.attr_ptrs = []
+        self._unwatch()
         for e, stand_in in zip(self.entries, self._freed, strict=True):
+            self.attr_ptrs.append(stand_in.data_ptr())
             for mod, attr in e.owners:
                 setattr(mod(), attr, stand_in)
 
