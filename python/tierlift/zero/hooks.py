@@ -245,8 +245,8 @@ class ZeroState:
             self._landed()
             self.hooked.clear()
             self.callback_queued = False
-        if self.heartbeat is not None:
-            self.heartbeat.beat()
+        if self.heartbeat is not None and not _in_backward():  # recomputations are no forward
+            self.heartbeat.beat(no_grad=self.config.stage == 3 and not torch.is_grad_enabled())
         if not _in_backward():
             self.legs.begin("forward")
             self.buffers.before_forward(module)
@@ -321,6 +321,8 @@ class ZeroState:
     # ---- backward ----
     def _queue_callback(self) -> None:
         if not self.callback_queued:
+            if self.config.stage == 3 and self.heartbeat is not None:
+                self.heartbeat.check_same_forward()
             self.callback_queued = True
             self.legs.begin("backward")
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
