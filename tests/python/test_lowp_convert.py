@@ -2,6 +2,8 @@
 training flag, every path to a layer); FP8/FP4 layers refuse a second derivative and take an
 empty batch as nn.Linear does."""
 
+import io
+
 import pytest
 import torch
 from torch import nn
@@ -106,3 +108,25 @@ def test_empty_batch_matches_linear(recipe):
     y.sum().backward()
     assert y.shape == (0, 3, 64) and x.grad.shape == x.shape
     assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+
+
+@pytest.mark.parametrize("recipe", ["fp8-rowwise", "nvfp4"])
+def test_state_dict_moves_between_plain_and_converted_models(recipe):
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32))
+    low = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32))
+    convert(low, recipe, min_features=0)
+    low.load_state_dict(plain.state_dict())  # a plain checkpoint into a converted model
+    back = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32))
+    back.load_state_dict(low.state_dict())  # and out again: the same keys and tensors
+    x = torch.randn(8, 64)
+    assert torch.equal(back(x), plain(x))
+    buf = io.BytesIO()
+    torch.save(low, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert type(loaded[0]) is _layer_cls(recipe) and loaded[0].recipe == low[0].recipe
+    torch.manual_seed(1)
+    y = low(x)
+    torch.manual_seed(1)
+    assert torch.equal(loaded(x), y)
