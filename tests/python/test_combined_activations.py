@@ -207,3 +207,25 @@ def test_the_same_context_nested_in_one_thread_is_refused_and_the_outer_one_goes
         loss = model(*batch(0))
     assert_same(torch.autograd.grad(loss, list(model.parameters())), ref)
     assert tl.last_stats["nvme_bytes"] > 0
+
+
+def test_fp4_layers_in_a_compiled_model_inside_the_context(tmp_path):
+    """FP4Linear's autograd.Function breaks dynamo's graph, so it runs eagerly inside the
+    compiled function, and autograd calls the context's hooks from there: dynamo compiled their
+    frames, and its trace of them failed ('NoneType' object has no attribute 'is_leaf')."""
+
+    def make():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(32, 32))
+        tierlift.lowp.convert(m, recipe="nvfp4", min_features=0)
+        return torch.compile(m, backend="aot_eager")
+
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
+    ref = make()
+    ref_grads = torch.autograd.grad(ref(x).square().sum(), list(ref.parameters()))
+    model = make()
+    tl = offload(cpu_budget=0, nvme_path=tmp_path, min_bytes=0)
+    with tl:
+        loss = model(x).square().sum()
+    assert_same(torch.autograd.grad(loss, list(model.parameters())), ref_grads)
+    assert tl.last_stats["nvme_bytes"] > 0

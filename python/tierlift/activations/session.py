@@ -224,6 +224,10 @@ class Session:
                       "read_wait_s": 0.0, "reads_ahead": 0, "reads_on_demand": 0}
 
     # ---- forward ----
+    # Autograd calls the hooks from C++; inside a torch.compile'd function's eager parts (a
+    # graph break, a custom autograd.Function) dynamo would compile their frames, and their
+    # host-side state (buffers, files, weak references) cannot be traced.
+    @torch.compiler.disable
     def pack(self, t: torch.Tensor, group=None, tier: str = "auto"):
         if self.failed is not None:
             raise ActivationsDiscardedError(f"this forward was abandoned: {self.failed}")
@@ -571,6 +575,7 @@ class Session:
                 keep.append((event, buf, device))
         self._releases[:] = keep
 
+    @torch.compiler.disable
     def unpack(self, item) -> torch.Tensor:
         if isinstance(item, _Kept):  # left in place at pack time
             _check_version(item.tensor, item.version)
