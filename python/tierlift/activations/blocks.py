@@ -64,6 +64,63 @@ def _first_grad_tensor(out):
     return None
 
 
+class _Replay:
+    """A recompute-tier block's forward for torch's checkpoint, which calls it twice: in forward,
+    and again in backward to recompute what it saves. The second call must compute what the
+    first did and change nothing: buffers the forward updated (BatchNorm's running statistics,
+    spectral norm's power-iteration vectors) are set back to their values before the forward
+    while it runs, and to their current values after it. A buffer the forward left alone but
+    something else changed before the recomputation is refused: its forward value is gone."""
+
+    def __init__(self, name: str, block: nn.Module, forward):
+        self.name, self.block, self.forward = name, block, forward
+        self.buffers = list(dict.fromkeys(block.buffers()))  # a shared buffer once
+        self.first: list[torch.Tensor | None] | None = None  # None until the forward ran
+        self.versions: list[int] = []  # after the forward
+
+    def __call__(self, *args, **kwargs):
+        if self.first is None:
+            return self._forward(args, kwargs)
+        return self._recompute(args, kwargs)
+
+    def _forward(self, args, kwargs):
+        bufs = self.buffers
+        before = [b._version for b in bufs]
+        values = [b.detach().clone() for b in bufs]
+        out = self.forward(*args, **kwargs)
+        self.versions = [b._version for b in bufs]
+        # Some kernels update a buffer without its version counter (BatchNorm's running
+        # statistics on the CPU): the values tell. Constant buffers are not kept.
+        changed = [v != w or not torch.equal(x, b)
+                   for v, w, x, b in zip(before, self.versions, values, bufs, strict=True)]
+        self.first = [x if c else None for x, c in zip(values, changed, strict=True)]
+        return out
+
+    def _recompute(self, args, kwargs):
+        kept = [(b, x) for b, x in zip(self.buffers, self.first, strict=True) if x is not None]
+        for b, x, version in zip(self.buffers, self.first, self.versions, strict=True):
+            if x is None and b._version != version:
+                name = next((n for n, y in self.block.named_buffers() if y is b), "?")
+                raise RuntimeError(
+                    f"buffer {name!r} of block {self.name!r} (policy 'recompute') was modified "
+                    "in place after the block's forward and before backward recomputed it, so "
+                    "the recomputation would not compute what the forward did; modify it after "
+                    "backward, or give the block another tier")
+        now = [(b, b.detach().clone()) for b, _ in kept]
+        self._load(kept)
+        try:
+            return self.forward(*args, **kwargs)
+        finally:
+            self._load(now)
+
+    @staticmethod
+    def _load(pairs) -> None:
+        with torch.no_grad():
+            for b, value in pairs:
+                with torch.autograd._unsafe_preserve_version_counter(b):
+                    b.copy_(value)
+
+
 class BlockOffload:
     """Returned by offload_blocks: last_stats, remove() (puts the blocks' forwards back),
     trim() (frees idle RAM-tier buffers), close() (remove, then close the io engine)."""
@@ -149,7 +206,8 @@ class BlockOffload:
             try:
                 with hooks:
                     if tier == "recompute":
-                        out = torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False,
+                        out = torch.utils.checkpoint.checkpoint(_Replay(name, block, forward),
+                                                                *args, use_reentrant=False,
                                                                 **kwargs)
                     else:
                         out = forward(*args, **kwargs)
