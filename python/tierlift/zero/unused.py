@@ -172,6 +172,7 @@ def _refuse(unit, optimizer, names: str, why: str):
     )
 
 
+@torch.compiler.disable  # collectives and bookkeeping: never traced into a compiled step
 def before_step(state, optimizer) -> list:
     """Checks and snapshots for the shards of `optimizer` whose gradient leaves entries out or
     whose entries' own step counts lag; refuses (nothing changed yet) what cannot be stepped
@@ -237,6 +238,7 @@ def before_step(state, optimizer) -> list:
     return todo
 
 
+@torch.compiler.disable
 @torch.no_grad()
 def after_step(optimizer, todo: list) -> None:
     """Puts the skipped entries' ranges back and recomputes lagging entries' updates."""
