@@ -239,10 +239,11 @@ class NormBlock(torch.nn.Module):
         super().__init__()
         self.fc = torch.nn.utils.parametrizations.spectral_norm(torch.nn.Linear(16, 16))
         self.bn = torch.nn.BatchNorm1d(16)
+        self.drop = torch.nn.Dropout(0.2)
         self.register_buffer("shift", torch.full((16,), 0.1))  # constant
 
     def forward(self, x):
-        return x + torch.tanh(self.bn(self.fc(x)) + self.shift)
+        return x + self.drop(torch.tanh(self.bn(self.fc(x)) + self.shift))
 
 
 class NormNet(torch.nn.Module):
@@ -297,3 +298,27 @@ def test_recompute_tier_refuses_a_constant_buffer_changed_before_backward():
         RuntimeError, match=r"buffer 'shift' of block 'blocks.0'.*modified in place"
     ):
         loss.backward()
+
+
+def evaluate_between_forward_and_backward(policy):
+    model = NormNet()
+    if policy is not None:
+        offload_blocks(model, policy, cpu_budget=1 << 20, min_bytes=0)
+    g = torch.Generator().manual_seed(1)
+    torch.manual_seed(2)
+    loss = model(torch.randn(8, 16, generator=g))
+    model.eval()  # an evaluation in the middle of the step, and no train() before backward
+    with torch.no_grad():
+        model(torch.randn(8, 16, generator=g))
+    loss.backward()
+    assert not any(m.training for m in model.modules())  # left as the user set them
+    return [p.grad for p in model.parameters()], model.state_dict()
+
+
+def test_recompute_tier_recomputes_in_the_mode_of_the_forward():
+    """Before: torch's checkpoint recomputed in eval mode (BatchNorm on running statistics,
+    no dropout) and raised its CheckpointError; torch without recomputation is exact here."""
+    ref_grads, ref_state = evaluate_between_forward_and_backward(None)
+    grads, state = evaluate_between_forward_and_backward("recompute")
+    assert_same(grads, ref_grads)
+    assert all(torch.equal(state[k], ref_state[k]) for k in ref_state)

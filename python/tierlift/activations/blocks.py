@@ -67,16 +67,19 @@ def _first_grad_tensor(out):
 class _Replay:
     """A recompute-tier block's forward for torch's checkpoint, which calls it twice: in forward,
     and again in backward to recompute what it saves. The second call must compute what the
-    first did and change nothing: buffers the forward updated (BatchNorm's running statistics,
-    spectral norm's power-iteration vectors) are set back to their values before the forward
-    while it runs, and to their current values after it. A buffer the forward left alone but
-    something else changed before the recomputation is refused: its forward value is gone."""
+    first did and change nothing: the modules' training flags (an evaluation between forward
+    and backward leaves the model in eval mode) and the buffers the forward updated
+    (BatchNorm's running statistics, spectral norm's power-iteration vectors) are set back to
+    what they were at the forward while it runs, and to their current values after it. A buffer
+    the forward left alone but something else changed before the recomputation is refused: its
+    forward value is gone."""
 
     def __init__(self, name: str, block: nn.Module, forward):
         self.name, self.block, self.forward = name, block, forward
         self.buffers = list(dict.fromkeys(block.buffers()))  # a shared buffer once
         self.first: list[torch.Tensor | None] | None = None  # None until the forward ran
         self.versions: list[int] = []  # after the forward
+        self.modes = [(m, m.training) for m in block.modules()]
 
     def __call__(self, *args, **kwargs):
         if self.first is None:
@@ -107,11 +110,16 @@ class _Replay:
                     "the recomputation would not compute what the forward did; modify it after "
                     "backward, or give the block another tier")
         now = [(b, b.detach().clone()) for b, _ in kept]
+        modes = [(m, m.training) for m, _ in self.modes]
         self._load(kept)
+        for m, training in self.modes:
+            m.training = training
         try:
             return self.forward(*args, **kwargs)
         finally:
             self._load(now)
+            for m, training in modes:
+                m.training = training
 
     @staticmethod
     def _load(pairs) -> None:
