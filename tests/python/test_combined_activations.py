@@ -1,6 +1,8 @@
 """tierlift.activations combined with the rest of an ordinary training script, each compared
-bit for bit with the same script in plain PyTorch: gradient accumulation and torch's
-checkpoint with backward inside the offload context, ..."""
+bit for bit with the same script in plain PyTorch: micro-batches and torch's reentrant
+checkpoint with backward inside the offload context; one context in two threads and a
+background thread's forward of the same model; FP4 layers in a compiled model; the recompute
+tier with BatchNorm, spectral norm, dropout and an evaluation between forward and backward."""
 
 from __future__ import annotations
 
