@@ -70,10 +70,13 @@ class Agreement:
     every rank; then, per unit, which entries the current shard.grad covers."""
 
     def __init__(self, state) -> None:
-        self.state = state
-        self.units = [u for u in state.units if u.seen is not None]
+        self._state = weakref.ref(state)  # the state owns this, never the reverse (no cycle)
         self.reduced: list = []  # units reduced in this backward, each with its fresh flag
         self.pending = None  # (work, flags tensor, [(unit, fresh)])
+
+    @property
+    def state(self):
+        return self._state()
 
     def on_reduce(self, unit) -> None:
         """The unit's gradient is sent now: its local flags go with this backward."""
