@@ -44,6 +44,7 @@ class Heartbeat:
         self.settle_s = settle_s
         self.count = 0
         self.nograd = 0  # the last forward without grad (stage 3), by count
+        self.nograd_first = 0  # the first of the run of no-grad forwards it ends
         self.ranks = (list(range(comm.world)) if comm.group is None
                       else dist.get_process_group_ranks(comm.group))
         self.me = self.ranks[comm.rank]
@@ -57,7 +58,7 @@ class Heartbeat:
                 self.ns = f"{_PREFIX}m{store.add(f'{_PREFIX}models/{self.me}', 1)}/"
                 # Present from the start, so check_same_forward reads them in one round trip.
                 store.set(f"{self.ns}beat/{self.me}", "0")
-                store.set(f"{self.ns}nograd/{self.me}", "0")
+                store.set(f"{self.ns}nograd/{self.me}", "0:0")
             except RuntimeError:
                 pass
         for c in (comm, *also):
@@ -77,6 +78,9 @@ class Heartbeat:
         that check_same_forward can tell a forward some ranks ran and others did not."""
         self.count += 1
         if no_grad:
+            # The run of consecutive no-grad forwards this one belongs to, first:last.
+            if self.nograd != self.count - 1:
+                self.nograd_first = self.count
             self.nograd = self.count
         store = self.store
         if store is None:
@@ -84,7 +88,7 @@ class Heartbeat:
         try:
             store.set(f"{self.ns}beat/{self.me}", str(self.count))
             if no_grad:
-                store.set(f"{self.ns}nograd/{self.me}", str(self.count))
+                store.set(f"{self.ns}nograd/{self.me}", f"{self.nograd_first}:{self.nograd}")
             skipped = store.check([f"{self.ns}call/{self.calls}"])
         except RuntimeError:
             return  # a dead store host surfaces, named, at the next collective
@@ -99,49 +103,46 @@ class Heartbeat:
                         f"rank must call, but rank {self.me} went on to forward step "
                         f"{self.count} without it: {_every_rank(name)}")
 
-    def check_same_forward(self) -> None:
-        """At the start of a stage-3 backward: every rank's latest forward must be this one, of
-        the same kind (with grad or not). A forward run on some ranks only (an eval under
+    def check_same_forward(self, peers) -> None:
+        """At the start of a stage-3 backward: every rank of `peers` (the comm whose gathers
+        couple the ranks' forwards: the shard group) ran its forward of this rank's latest count
+        with grad or without as this rank did. A forward run on some ranks only (an eval under
         torch.no_grad() on rank 0) would pair its weight gathers with another rank's backward
         gathers: gloo aborts the process on the size mismatch, or worse, the sizes match.
         Raises RankFailureError, naming the ranks, before this rank's first backward
-        collective. A rank still behind (no collective in its forward's rest) is waited for."""
+        collective. Only the kind of that one forward is compared: a peer may legitimately be a
+        forward ahead (after a backward without collectives: no_sync() with
+        reshard_after_forward=False) or behind (a forward without gathers)."""
         store = self.store
         if store is None:
             return
-        others = [r for r in self.ranks if r != self.me]
+        ranks = (list(range(peers.world)) if peers.group is None
+                 else dist.get_process_group_ranks(peers.group))
+        others = [r for r in ranks if r != self.me]
+        if not others:
+            return
         keys = [f"{self.ns}{k}/{r}" for r in others for k in ("beat", "nograd")]
-        mine = self.nograd == self.count
-        limit = dist.default_pg_timeout.total_seconds()
-        deadline, pause = time.monotonic() + limit, 0.001
-        while True:
-            try:
-                read = [int(v) for v in store.multi_get(keys)]
-                diverged = store.check([f"{self.ns}diverged"])
-            except (RuntimeError, AttributeError, ValueError):
-                return  # only makes errors clearer; a dead store surfaces at a collective
-            behind = False
-            for i, r in enumerate(others):
-                beat, nograd = read[2 * i], read[2 * i + 1]
-                if beat < self.count and not diverged:
-                    behind = True
-                elif beat != self.count or (nograd == beat) != mine:
-                    self._diverged(store, r, beat, nograd == beat)
-            if not behind or time.monotonic() > deadline:
-                return
-            time.sleep(pause)
-            pause = min(pause * 2, 0.05)
+        try:
+            read = [v.decode() for v in store.multi_get(keys)]
+        except (RuntimeError, AttributeError, ValueError):
+            return  # only makes errors clearer; a dead store surfaces at a collective
+        mine = self.nograd_first <= self.count <= self.nograd
+        for i, r in enumerate(others):
+            beat = int(read[2 * i])
+            first, _, last = read[2 * i + 1].partition(":")
+            theirs = int(first) <= self.count <= int(last or first)
+            # A peer behind (a forward without gathers: units still gathered) tells nothing.
+            if beat >= self.count and theirs != mine:
+                self._diverged(store, r, theirs)
 
-    def _diverged(self, store, r: int, beat: int, no_grad: bool) -> None:
-        if beat < self.count:  # another rank found it first
-            raise RankFailureError(store.get(f"{self.ns}diverged").decode())
-        msg = (f"tierlift.zero: rank {self.me} is starting the backward of its forward "
-               f"{self.count}, but rank {r}'s latest forward is its forward {beat} "
-               f"({'without' if no_grad else 'with'} grad): a forward (an eval under "
-               "torch.no_grad(), say) ran on some ranks only. At stage 3 every forward gathers "
-               "the weights with collectives, so every rank must run the same forwards in the "
-               "same order: run the eval on every rank (each on its own part of the data), or "
-               "use tierlift.zero.full_state_dict for a rank-0-only model")
+    def _diverged(self, store, r: int, no_grad: bool) -> None:
+        msg = (f"tierlift.zero: rank {self.me} is starting a backward after its forward "
+               f"{self.count} ({'with' if no_grad else 'without'} grad), but rank {r} ran its "
+               f"forward {self.count} {'without' if no_grad else 'with'} grad: a forward (an "
+               "eval under torch.no_grad(), say) ran on some ranks only. At stage 3 every "
+               "forward gathers the weights with collectives, so every rank must run the same "
+               "forwards in the same order: run the eval on every rank (each on its own part "
+               "of the data), or use tierlift.zero.full_state_dict for a rank-0-only model")
         try:  # the other ranks' checks and failed collectives name it too
             store.set(f"{self.ns}diverged", msg)
         except RuntimeError:

@@ -322,7 +322,7 @@ class ZeroState:
     def _queue_callback(self) -> None:
         if not self.callback_queued:
             if self.config.stage == 3 and self.heartbeat is not None:
-                self.heartbeat.check_same_forward()
+                self.heartbeat.check_same_forward(self.comm)
             self.callback_queued = True
             self.legs.begin("backward")
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
