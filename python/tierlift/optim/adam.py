@@ -41,6 +41,7 @@ from torch.optim import Optimizer
 from tierlift import ops
 from tierlift.offload import OffloadConfig, Offloader
 from tierlift.offload.masters import refresh_master
+from tierlift.optim import state_hooks
 from tierlift.optim.adam_plan import build_plan, plan_grads
 from tierlift.optim.hyper import (
     check_flags,
@@ -232,6 +233,7 @@ class Adam(Optimizer):
             )
             if config.offload != "none":
                 self._offload = Offloader(self, config)
+                self.state = state_hooks.tier_states(self.state)
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's add_param_group, refusing at once the parameters step() could not update."""
@@ -271,6 +273,13 @@ class Adam(Optimizer):
     def state_dict(self):
         if self._offload is None:
             return super().state_dict()
+        # torch's hooks around the whole read: its post-hooks see the moments from the tiers.
+        state_hooks.state_dict_pre_hooks(self)
+        with state_hooks.torch_hooks_off(self):
+            sd = self._offloaded_state_dict()
+        return state_hooks.state_dict_post_hooks(self, sd)
+
+    def _offloaded_state_dict(self) -> dict:
         tiers = self._offload.materialize()
         for p, kinds in tiers.items():
             self.state[p].update(kinds)
@@ -292,14 +301,18 @@ class Adam(Optimizer):
     def _load_state_dict(self, state_dict, before_commit=None) -> None:
         """load_state_dict; `before_commit`, if given, is called once everything is in place
         and before it becomes visible: if it raises, all is put back (tierlift.checkpoint's
-        multi-rank agreement)."""
+        multi-rank agreement). torch's load pre-hooks run first and what they return is loaded
+        (the moments too); its post-hooks once the whole state is in place."""
+        state_dict = state_hooks.load_pre_hooks(self, state_dict)
         old = {"state": self.state, "param_groups": self.param_groups}  # torch replaces both
         self.__dict__.pop("_plans", None)  # stale anyway; frees the old state sooner
         try:
-            self._replace_state(state_dict, before_commit)
+            with state_hooks.torch_hooks_off(self):
+                self._replace_state(state_dict, before_commit)
         except BaseException:
             self.__dict__.update(old)
             raise
+        state_hooks.load_post_hooks(self)
 
     def _replace_state(self, state_dict, before_commit) -> None:
         if self._offload is None:
@@ -324,6 +337,7 @@ class Adam(Optimizer):
         steps_only["state"] = {i: {"step": s["step"]} for i, s in state_dict["state"].items()
                                if "step" in s}
         super().load_state_dict(steps_only)
+        self.state = state_hooks.tier_states(self.state)
         # the device part's state goes beside its parameters (offload/device_part.py)
         self._offload.device_part.load(self._offload.device_part.take(loaded),
                                        self._offload._kinds)

@@ -1,0 +1,92 @@
+"""torch.optim.Optimizer's state-dict hooks, run by tierlift's Adam where torch's own
+state_dict()/load_state_dict() would run them at the wrong moment for an offloaded state, and
+optimizer.state's entries under offload (their moments live in the offload tiers).
+
+torch runs load pre-hooks on the dict it is given and uses what they return; its post-hooks
+after the state is in place. Our load reads the dict again after torch's (the moments in their
+own dtype, the offloaded state into its tiers), so the hooks run here, once, around all of it,
+and torch's own run of them is suppressed. state_dict() likewise under offload: the post-hooks
+see the returned dict with the moments read back from the tiers."""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict, defaultdict
+
+_HOOKS = ("_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+          "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
+# The keys the offload tiers hold instead of optimizer.state[p] (offload/checks.py TIER_KEYS).
+_TIER_KEYS = frozenset(("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "exp_avg_sq_scale", "master"))
+
+
+@contextlib.contextmanager
+def torch_hooks_off(opt):
+    """torch's state_dict()/load_state_dict() called inside run none of the optimizer's
+    state-dict hooks (the caller runs them)."""
+    saved = {name: opt.__dict__.get(name) for name in _HOOKS}
+    for name in _HOOKS:
+        opt.__dict__[name] = OrderedDict()
+    try:
+        yield
+    finally:
+        for name, hooks in saved.items():
+            if hooks is None:
+                opt.__dict__.pop(name, None)
+            else:
+                opt.__dict__[name] = hooks
+
+
+def _hooks(opt, name: str):
+    return list(getattr(opt, name, {}).values())
+
+
+def load_pre_hooks(opt, state_dict: dict) -> dict:
+    """The dict to load: torch's shallow copy of `state_dict`, passed through each load pre-hook
+    (one that returns a dict replaces it)."""
+    state_dict = state_dict.copy()
+    for hook in _hooks(opt, "_optimizer_load_state_dict_pre_hooks"):
+        result = hook(opt, state_dict)
+        if result is not None:
+            state_dict = result
+    return state_dict
+
+
+def load_post_hooks(opt) -> None:
+    for hook in _hooks(opt, "_optimizer_load_state_dict_post_hooks"):
+        hook(opt)
+
+
+def state_dict_pre_hooks(opt) -> None:
+    for hook in _hooks(opt, "_optimizer_state_dict_pre_hooks"):
+        hook(opt)
+
+
+def state_dict_post_hooks(opt, state_dict: dict) -> dict:
+    for hook in _hooks(opt, "_optimizer_state_dict_post_hooks"):
+        result = hook(opt, state_dict)
+        if result is not None:
+            state_dict = result
+    return state_dict
+
+
+class TierState(dict):
+    """optimizer.state[p] of an offloaded optimizer: a plain dict of what it holds ("step"),
+    whose missing moment or master says where it is instead of a bare KeyError."""
+
+    def __missing__(self, key):
+        if key in _TIER_KEYS:
+            raise KeyError(
+                f"{key!r}: an offloaded optimizer keeps its moments and master weights in the "
+                "offload tiers, not in optimizer.state[p] (which holds only 'step'); read them "
+                "from optimizer.state_dict()['state'] (a parameter that has not stepped yet has "
+                "none)")
+        raise KeyError(key)
+
+
+def tier_states(state) -> defaultdict:
+    """`state` (optimizer.state) with TierState entries, the same mapping otherwise; entries
+    already TierState are kept as they are (a reference a user holds stays live)."""
+    out = defaultdict(TierState)
+    for k, v in state.items():
+        out[k] = v if isinstance(v, TierState) or not isinstance(v, dict) else TierState(v)
+    return out
