@@ -45,10 +45,6 @@ def _fit(model, opt, *, world, rank, zero, unscale, poke_rank):
         local = seq.chunk(world)[rank]
         loss = F.cross_entropy(model(local[:, :-1]).flatten(0, 1), local[:, 1:].flatten())
         scaler.scale(loss).backward()
-        if not zero:  # ZeRO gives unused parameters zero gradients
-            for p in model.parameters():
-                if p.requires_grad and p.grad is None:
-                    p.grad = torch.zeros_like(p)
         if i == 1 and rank == poke_rank:
             g = next(p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None)
             g.view(-1)[0] = float("inf")

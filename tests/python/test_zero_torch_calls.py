@@ -31,10 +31,6 @@ def _train(model, opt, data, world: int, rank: int) -> list[float]:
         local = seq.chunk(world)[rank]
         loss = F.cross_entropy(model(local[:, :-1]).flatten(0, 1), local[:, 1:].flatten())
         loss.backward()
-        if world == 1:  # ZeRO gives unused parameters zero gradients
-            for p in model.parameters():
-                if p.requires_grad and p.grad is None:
-                    p.grad = torch.zeros_like(p)
         norms.append(float(clip_grad_norm_(model.parameters(), CLIP)))
         opt.step()
     return norms

@@ -29,7 +29,7 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(DIM)
         self.fc = nn.Linear(DIM, 4 * DIM)
         self.out = nn.Linear(4 * DIM, DIM)
-        self.unused = nn.Linear(DIM, 3)  # never called: gets a zero gradient under ZeRO
+        self.unused = nn.Linear(DIM, 3)  # never called: no gradient, not stepped (as torch)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
@@ -103,9 +103,6 @@ def train(model, opt, data, *, accum: int, clip: float | None, world: int = 1, r
         else:
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            for p in model.parameters():  # ZeRO gives unused parameters zero gradients
-                if p.requires_grad and p.grad is None:
-                    p.grad = torch.zeros_like(p)
         opt.step()
         losses.append(total.item())
     return losses

@@ -152,9 +152,7 @@ def _mode(optimizer) -> str:
     back and lagging counts corrected; "opaque": tierlift's compact or offloaded state, out of
     reach: only the parameter is put back; "generic": any other optimizer: the parameter and
     every state tensor of its shape are put back."""
-    from tierlift.optim import Adam
-
-    if not isinstance(optimizer, (torch.optim.Adam, Adam)):
+    if not isinstance(optimizer, torch.optim.Adam) and not _is_tierlift_adam(optimizer):
         return "generic"
     if (
         getattr(optimizer, "_state_dtype", "fp32") != "fp32"
@@ -162,6 +160,14 @@ def _mode(optimizer) -> str:
     ):
         return "opaque"
     return "adam"
+
+
+def _is_tierlift_adam(optimizer) -> bool:
+    """tierlift.optim.Adam or a subclass, without importing tierlift.optim (a sibling layer)."""
+    return any(
+        c.__name__ == "Adam" and c.__module__.startswith("tierlift.optim")
+        for c in type(optimizer).__mro__
+    )
 
 
 def _refuse(unit, optimizer, names: str, why: str):
