@@ -64,6 +64,14 @@ def _first_grad_tensor(out):
     return None
 
 
+def _compared(buffer: torch.Tensor) -> bool:
+    """Whether a buffer's values are compared after the forward to keep only those it changed.
+    On the CPU a cheap read; on a GPU torch.equal waits for the device, once per buffer of
+    every recompute block at every forward, so its copy (already made) is kept instead: exact
+    too, for the memory of the block's buffers until its backward."""
+    return buffer.device.type == "cpu"
+
+
 class _Replay:
     """A recompute-tier block's forward for torch's checkpoint, which calls it twice: in forward,
     and again in backward to recompute what it saves. The second call must compute what the
@@ -72,7 +80,7 @@ class _Replay:
     (BatchNorm's running statistics, spectral norm's power-iteration vectors) are set back to
     what they were at the forward while it runs, and to their current values after it. A buffer
     the forward left alone but something else changed before the recomputation is refused: its
-    forward value is gone."""
+    forward value is gone (on the CPU; a GPU block keeps every buffer's, see _compared)."""
 
     def __init__(self, name: str, block: nn.Module, forward):
         self.name, self.block, self.forward = name, block, forward
@@ -93,8 +101,9 @@ class _Replay:
         out = self.forward(*args, **kwargs)
         self.versions = [b._version for b in bufs]
         # Some kernels update a buffer without its version counter (BatchNorm's running
-        # statistics on the CPU): the values tell. Constant buffers are not kept.
-        changed = [v != w or not torch.equal(x, b)
+        # statistics: native_batch_norm and cudnn_batch_norm): the values tell. Constant
+        # buffers are not kept.
+        changed = [v != w or not _compared(b) or not torch.equal(x, b)
                    for v, w, x, b in zip(before, self.versions, values, bufs, strict=True)]
         self.first = [x if c else None for x, c in zip(values, changed, strict=True)]
         return out
