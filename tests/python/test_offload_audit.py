@@ -8,6 +8,8 @@ torch's result, or a clear refusal before anything changes.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -138,4 +140,26 @@ def test_skipped_first_steps_leave_no_empty_state_entries(tmp_path, mode):
         ref_opt.zero_grad()
     assert_matches_torch(model, ref)
     assert_state_matches_torch(opt, ref_opt)
+    close(opt)
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "background"])
+def test_a_moment_written_into_state_is_refused_by_checkpoint_save_and_load(tmp_path, blocking):
+    """A checkpoint streams the tiers: it would leave the written moment out (and a load would
+    leave it behind over the loaded state). Refused before any file is written or read."""
+    model = build_model()
+    opt = tl_opt("cpu", model.parameters(), tmp_path)
+    p = list(model.parameters())[2]
+    with num_threads(1):
+        train(model, opt, steps=2)
+        tierlift.checkpoint.save(tmp_path / "good", model, opt)
+        before = snapshot(model, opt)
+        opt.state[p]["exp_avg"] = torch.zeros_like(p)
+        with pytest.raises(RuntimeError, match=r"has 'exp_avg'.*Nothing was changed"):
+            tierlift.checkpoint.save(tmp_path / "ck", model, opt, blocking=blocking).wait()
+        assert not any(n.startswith("ck") for n in os.listdir(tmp_path))
+        with pytest.raises(RuntimeError, match="has 'exp_avg'"):
+            tierlift.checkpoint.load(tmp_path / "good", model, opt)
+        del opt.state[p]["exp_avg"]
+        assert_same_snapshot(snapshot(model, opt), before, "after the refused save and load")
     close(opt)

@@ -271,8 +271,11 @@ def offloader(optimizer):
     """The offloaded state of `optimizer` (tierlift.optim with offload=...), or None; a device
     part (device_fraction) is saved and loaded with it (stream.py, restore.py). Its layout
     is found by position in the param groups' lists, so lists changed since the optimizer was
-    built are refused here, before a save reads or a load writes anything."""
+    built are refused here, before a save reads or a load writes anything; so is a moment or
+    master written into optimizer.state[p] (check_state), which a save would leave out and a
+    load would leave behind over the loaded state."""
     off = getattr(optimizer, "_offload", None) if optimizer is not None else None
     if off is not None:
         off.check_lists()
+        off.check_state()
     return off
