@@ -57,3 +57,32 @@ def test_recompute_tier_on_gpu_recomputes_with_a_constant_buffers_forward_value(
         assert torch.equal(g, r)
     for k in ref_state:
         assert torch.equal(state[k], ref_state[k]), k
+
+
+@pytest.mark.gpu
+def test_gpu_recompute_tier_forward_makes_no_host_sync_and_matches_torch():
+    """On the GPU: the recompute tier's forward of BatchNorm/spectral-norm blocks (buffers
+    changed without their version counter, and a constant one) reads nothing back from the
+    device, and two steps match torch without the tier bit for bit."""
+    def run(policy):
+        torch.manual_seed(0)
+        model = NormNet().cuda()
+        if policy is not None:
+            offload_blocks(model, policy, cpu_budget=0, min_bytes=0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator(device="cuda").manual_seed(1)
+        for _ in range(2):
+            opt.zero_grad()
+            x = torch.randn(8, 16, device="cuda", generator=g)
+            torch.cuda.set_sync_debug_mode("error" if policy else "default")
+            try:
+                loss = model(x)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            loss.backward()
+            opt.step()
+        return model.state_dict()
+
+    ref, got = run(None), run("recompute")
+    for k in ref:
+        assert torch.equal(got[k], ref[k]), k
