@@ -143,3 +143,59 @@ def test_group_step_opcheck(compact, tensors):
 def test_lr_values_opcheck():
     lrs = [torch.tensor(1e-2), torch.tensor([3e-4], dtype=torch.float64)]
     torch.library.opcheck(torch.ops.tierlift.adam_lr_values.default, (lrs,))
+
+
+def _refused_then_retried(compiled: bool):
+    """A GradScaler step whose tensor lr is refused when the step runs, the lr fixed, then
+    scaler.step again (and once more if that is refused); the weights after."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    opt = AdamW(model.parameters(), lr=torch.tensor(1e-2))
+    if compiled:
+        opt.step = torch.compile(opt.step, fullgraph=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(model(torch.ones(2, 8)).sum()).backward()
+    before = _flat(model).clone()
+    opt.param_groups[0]["lr"].fill_(-1.0)
+    with pytest.raises(ValueError, match="lr must be >= 0"):
+        scaler.step(opt)
+    assert torch.equal(_flat(model), before)
+    opt.param_groups[0]["lr"].fill_(1e-2)
+    refused = False
+    try:
+        scaler.step(opt)
+    except RuntimeError as e:  # the compiled step's stale grad_scale, cleared by the refusal
+        assert "stale one" in str(e) and "call scaler.step(optimizer) again" in str(e)
+        assert torch.equal(_flat(model), before)
+        refused = True
+        scaler.step(opt)
+    return _flat(model), refused
+
+
+def test_compiled_step_that_raised_leaves_no_stale_grad_scale():
+    """Eager, the step clears GradScaler's grad_scale and found_inf when it raises; compiled, its
+    `except` does not run when an op in the graph refuses, and GradScaler's retry multiplied
+    its scale into the stale one (1024**2: the gradients unscaled 1024 times too much). The
+    retry is refused with both cleared, and the next one is the eager step's, bit for bit."""
+    torch._dynamo.reset()
+    with num_threads(1):
+        want, eager_refused = _refused_then_retried(False)
+        got, refused = _refused_then_retried(True)
+    assert not eager_refused and refused
+    assert torch.equal(got, want), float((got - want).abs().max())
+
+
+def test_grad_scale_attributes_as_plain_ones():
+    opt = AdamW(nn.Linear(2, 2).parameters())
+    assert not hasattr(opt, "grad_scale") and getattr(opt, "found_inf", None) is None
+    opt.grad_scale, opt.found_inf = torch.tensor(2.0), torch.zeros(())
+    assert float(opt.grad_scale) == 2.0
+    opt.step()  # no gradients: changes nothing, takes the pair
+    opt.grad_scale = torch.tensor(4.0)  # the next step's, set by hand: not stale
+    del opt.grad_scale, opt.found_inf
+    with pytest.raises(AttributeError):
+        del opt.grad_scale
+    opt.grad_scale, opt.found_inf = torch.tensor(2.0), torch.zeros(())
+    with pytest.raises(RuntimeError, match="no step"):  # a pair no step took
+        opt.grad_scale = torch.tensor(4.0)
+    assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")

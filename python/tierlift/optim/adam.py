@@ -41,7 +41,7 @@ from torch.optim import Optimizer
 from tierlift import ops
 from tierlift.offload import OffloadConfig, Offloader
 from tierlift.offload.masters import refresh_master
-from tierlift.optim import state_hooks
+from tierlift.optim import amp, state_hooks
 from tierlift.optim.adam_plan import build_plan, plan_grads
 from tierlift.optim.hyper import (
     check_flags,
@@ -154,6 +154,9 @@ class Adam(Optimizer):
     # `found_inf` on the optimizer instead of unscaling, and step() unscales in the kernel or
     # skips the step (docs/optim.md, "AMP GradScaler").
     _step_supports_amp_scaling = True
+    # Set and deleted by GradScaler around each step(); a stale pair is refused (optim/amp.py).
+    grad_scale = amp.grad_scale
+    found_inf = amp.found_inf
 
     def __init__(
         self,
@@ -462,8 +465,8 @@ class Adam(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         # Set by GradScaler.step() for this call only (see _step_supports_amp_scaling).
-        grad_scale = getattr(self, "grad_scale", None)
-        found_inf = getattr(self, "found_inf", None)
+        grad_scale = self.__dict__.get("grad_scale")
+        found_inf = self.__dict__.get("found_inf")
         self._last_found_inf = found_inf
         try:
             if getattr(self, "_offload", None) is not None:
