@@ -33,10 +33,6 @@ TIERS = {  # host memory with one generation, with two (overlap), NVMe in severa
 def _fresh(tmp, tier, zero, **extra):
     model = make_model(seed=5)
     if zero:
-        # Never used: the tiers' master of a parameter put back after a step keeps its weight
-        # decay until the next step refreshes it, so saved masters would differ by tier.
-        for block in model.blocks:
-            block.unused.requires_grad_(False)
         model = tierlift.zero.shard(model, stage=3)
     return model, tierlift.optim.AdamW(model.parameters(), **OPT, **{**TIERS[tier](tmp), **extra})
 

@@ -114,3 +114,68 @@ def prepare(off, gi: int, grads: dict, chunks, stats, rewritten: set | None = No
     if marked:
         off._durable.write_manifest()
     return seen
+
+
+def from_param(off, p: torch.Tensor, ranges: list[tuple[int, int]]) -> None:
+    """Sets the master of the element ranges [(a, b)] of p.view(-1) from `p`, bit for bit
+    (widened), on the committed generation, and records p's bytes as what the optimizer last
+    wrote (a parameter on the device is forgotten instead: the next step compares it, with no
+    host sync now). For ranges a caller put back after a step (zero/unused.py: entries of a
+    flat shard that got no gradient and were never stepped, whose master is their value): the
+    step's weight decay moved their master, and refresh_master's rounding rule would keep low
+    bits of it for a low-precision parameter; state_dict(), checkpoints (in memory, streamed,
+    in the background) and the next step then all start from the value torch would keep."""
+    where = [(gi, pi) for gi, g in enumerate(off.opt.param_groups)
+             for pi, q in enumerate(g["params"]) if q is p]
+    if not where or not ranges:
+        return
+    gi, pi = where[0]
+    flat = p.detach().view(-1)
+    if off.device_part.holds(gi, pi):  # its master, if any, is in optimizer.state
+        master = off.opt.state.get(p, {}).get("master")
+        if master is not None:
+            for a, b in ranges:
+                master.view(-1)[a:b].copy_(flat[a:b])
+        return
+    tier, layout = off.tiers[gi], off.layouts[gi]
+    if not layout.reserved[pi] or "master" not in tier.kinds or not off._uses_master(p):
+        return
+    todo: dict = {}  # ci -> (chunk, segment, [(chunk lo, chunk hi, param lo, param hi)])
+    for chunk in layout.chunks:
+        for s in chunk.segments:
+            if s.pi != pi:
+                continue
+            for a, b in ranges:
+                lo, hi = max(a, s.plo), min(b, s.phi)
+                if lo < hi:
+                    todo.setdefault(chunk.ci, (chunk, s, []))[2].append(
+                        (s.clo + lo - s.plo, s.clo + hi - s.plo, lo, hi))
+    if not todo:
+        return
+    off.quiet()  # the overlap's worker uses the slots
+    on_device = d2h.on_device(p)
+    if off._durable is not None:  # a reopen must not check these masters against old CRCs
+        off._durable.write_manifest(unverified={(gi, ci) for ci in todo})
+    for ci, (chunk, _, parts) in todo.items():
+        gen = tier.gen[ci]
+        if tier.viewable(ci):
+            tier._wait_unheld(ci, gen)  # a background save may be reading it
+            buf = tier.view("master", ci, off.chunk_elems)
+        else:
+            buf = off._slots[-1]["master"]
+            tier.read("master", ci, buf).wait()
+            tier.verify("master", ci, buf, off._what(gi, chunk))
+        for clo, chi, lo, hi in parts:
+            buf[clo:chi].copy_(flat[lo:hi])  # from the device: a small synchronous copy
+        if not tier.viewable(ci):
+            tier.write("master", ci, buf, gen).wait()
+            if off._engine is not None:
+                off._engine.sync()
+    keys = [(ci, pi) for ci in todo]
+    if on_device:
+        off._watch.forget(gi, keys)
+    else:
+        segs = [flat[s.plo:s.phi] for _, s, _ in todo.values()]
+        off._watch.record(gi, dict(zip(keys, fingerprints(segs), strict=True)))
+    if off._durable is not None:
+        off._durable.write_manifest()

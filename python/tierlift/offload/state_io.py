@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from tierlift.offload import masters
 from tierlift.offload.journal import filling
 from tierlift.offload.layout import SCALE_KIND, kind_elems, kind_slice, not_reserved
 from tierlift.offload.tiers import drain
@@ -55,6 +56,11 @@ class StateIO:
                             src = p.detach().view(-1)[s.plo:s.phi]
                         t.view(-1)[kind_slice(k, s.plo, s.phi)].copy_(src)
         return out
+
+    def masters_from_param(self, p: torch.Tensor, ranges: list[tuple[int, int]]) -> None:
+        """The master of ranges of p.view(-1) that a caller put back after a step set from p
+        (masters.from_param): what state_dict(), checkpoints and the next step read."""
+        masters.from_param(self, p, ranges)
 
     def _needs_master_key(self, p) -> bool:
         return p.dtype in _LOW_PRECISION

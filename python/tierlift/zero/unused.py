@@ -15,8 +15,10 @@ count. A unit's flat gradient has zeros there instead, which the optimizer would
   gradient, their ranges of the shard and of the moments are put back as they were (zeros when
   the step created the state), and entries whose own step count lags the shard's (skipped by an
   earlier step) get their update recomputed with their own count's bias correction, so each
-  parameter follows torch's per-parameter AdamW exactly. Other optimizers, tierlift's compact
-  or offloaded state (whose layout cannot be restored per range) are refused before the step.
+  parameter follows torch's per-parameter AdamW exactly (an offloaded optimizer's own master
+  of an entry put back is set from it, so state_dict() and checkpoints saved between steps hold
+  what the next step starts from). Other optimizers, tierlift's compact or offloaded state
+  (whose layout cannot be restored per range) are refused before the step.
 """
 
 from __future__ import annotations
@@ -150,8 +152,8 @@ def _local(unit, e) -> tuple[int, int] | None:
 def _mode(optimizer) -> str:
     """ "adam": Adam/AdamW (torch's, tierlift's) with fp32 state in optimizer.state: moments put
     back and lagging counts corrected; "opaque": tierlift's compact or offloaded state, out of
-    reach: only the parameter is put back; "generic": any other optimizer: the parameter and
-    every state tensor of its shape are put back."""
+    reach: only the parameter and its masters are put back; "generic": any other optimizer:
+    the parameter and every state tensor of its shape are put back."""
     if not isinstance(optimizer, torch.optim.Adam) and not _is_tierlift_adam(optimizer):
         return "generic"
     if (
@@ -239,10 +241,12 @@ def before_step(state, optimizer) -> list:
                 "param": p.detach().clone() if before is None else before,
                 "step": float(st["step"]) if "step" in st else None,
             }
-            if mode != "opaque":
-                for k, v in st.items():
-                    if isinstance(v, torch.Tensor) and v.shape == p.shape:
-                        snap[k] = v.detach().clone()
+            for k, v in st.items():
+                # opaque: only a master kept beside the parameter (compact state, an offloaded
+                # optimizer's device part); the tiers' masters are set from p after the step
+                if isinstance(v, torch.Tensor) and v.shape == p.shape and (
+                        mode != "opaque" or k == "master"):
+                    snap[k] = v.detach().clone()
             todo.append((unit, p, group, got, snap, mode, bool(st)))
     return todo
 
@@ -255,11 +259,14 @@ def after_step(optimizer, todo: list) -> None:
         st = optimizer.state.get(p, {})
         if had_state and "step" in st and float(st["step"]) == snap["step"]:
             continue  # not stepped (GradScaler found inf): nothing changed
-        tensors = (
-            {}
-            if mode == "opaque"
-            else {k: v for k, v in st.items() if isinstance(v, torch.Tensor) and v.shape == p.shape}
-        )
+        tensors = {
+            k: v
+            for k, v in st.items()
+            if isinstance(v, torch.Tensor)
+            and v.shape == p.shape
+            and (mode != "opaque" or k in snap)
+        }
+        put_back = []
         t = int(float(st["step"])) if "step" in st else 0
         for i, e in enumerate(unit.entries):
             unit.lag[i] += not got[i]
@@ -270,10 +277,16 @@ def after_step(optimizer, todo: list) -> None:
             a, b = r
             if not got[i]:
                 p.data[a:b] = snap["param"][a:b]
+                put_back.append((a, b))
                 for k, v in tensors.items():
                     v[a:b] = snap[k][a:b] if k in snap else 0
             elif mode == "adam" and unit.lag[i]:
                 p.data[a:b] = _adam_update(snap["param"][a:b], st, group, a, b, t - unit.lag[i])
+        offload = getattr(optimizer, "_offload", None)
+        if put_back and offload is not None:
+            # The tiers' own master of those entries took the step's weight decay. They were
+            # never stepped (else refused before the step), so their master is their value.
+            offload.masters_from_param(p, put_back)
 
 
 def _adam_update(x: torch.Tensor, st: dict, group: dict, a: int, b: int, own: int):
