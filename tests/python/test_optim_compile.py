@@ -199,3 +199,28 @@ def test_grad_scale_attributes_as_plain_ones():
     with pytest.raises(RuntimeError, match="no step"):  # a pair no step took
         opt.grad_scale = torch.tensor(4.0)
     assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
+
+
+def test_tensor_betas_refused_by_a_fullgraph_compiled_step():
+    """Tensor betas (torch takes them) would be read as data at trace time; refused by name
+    before anything changes. Without fullgraph the refusal breaks the graph and the step runs
+    eagerly: the eager step's result, bit for bit."""
+    torch._dynamo.reset()
+    results = []
+    with num_threads(1):
+        for how in ("fullgraph", "graph_break", "eager"):
+            torch.manual_seed(0)
+            model = nn.Linear(4, 4)
+            opt = AdamW(model.parameters(), betas=(torch.tensor(0.9), torch.tensor(0.99)))
+            model(torch.ones(2, 4)).sum().backward()
+            before = _flat(model).clone()
+            step = opt.step if how == "eager" else torch.compile(
+                opt.step, fullgraph=how == "fullgraph")
+            if how == "fullgraph":
+                with pytest.raises(Exception, match=r"(?s)\['betas'\] are Tensors.*pass floats"):
+                    step()
+                assert torch.equal(_flat(model), before) and len(opt.state) == 0
+                continue
+            step()
+            results.append(_flat(model))
+    assert torch.equal(results[0], results[1]) and not torch.equal(results[1], before)

@@ -556,6 +556,14 @@ class Adam(Optimizer):
             if lr.numel() != 1:
                 raise ValueError(f"Tensor lr must be 1-element, got {lr.numel()} elements")
             lr = 0.0
+        if torch.compiler.is_compiling() and any(isinstance(b, torch.Tensor)
+                                                 for b in group["betas"]):
+            # Traced, their values would be data the graph branches on (the checks, the op's
+            # float arguments); read at trace time, they would be baked into the graph.
+            raise ValueError(
+                f"param_groups[{gi}]['betas'] are Tensors, which a compiled step "
+                "(torch.compile(optimizer.step)) does not take; pass floats, e.g. "
+                "betas=(0.9, 0.999), or step without torch.compile")
         ops.check_adam_hyper(lr, group["betas"], group["eps"], group["weight_decay"])
         if self._state_dtype == "bf16" and group["amsgrad"]:
             raise ValueError(
