@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from tierlift.zero.deferred import changed_after, forget, recording_of, replay
+from tierlift.zero.unit import source_key
 from tierlift.zero.weight_files import WeightFiles
 
 
@@ -137,7 +138,9 @@ class Materializer:
         return next(t.device for t, names, _, _ in self.params.values() if name in names)
 
     def _file_name(self, names: list[str], shape, *, required: bool) -> str | None:
-        found = next((n for n in names if self.files is not None and n in self.files), None)
+        # Of tied names the files hold, the last in model order, as torch's load_state_dict
+        # (and load_full_state_dict: unit.source_key) leaves it.
+        found = None if self.files is None else source_key(names, self.files)
         if found is None:
             if required:
                 raise KeyError(f"weights={self.files.path!r} has no tensor {names[0]!r} (a "
@@ -145,9 +148,10 @@ class Materializer:
                                "model before shard(): after accelerate.init_empty_weights(), "
                                "call model.tie_weights())")
             return None
-        if tuple(self.files.shape(found)) != tuple(shape):
-            raise ValueError(f"weights: {found!r} has shape {tuple(self.files.shape(found))}, "
-                             f"the model expects {tuple(shape)}")
+        for name in names:  # every tied name the files hold must fit, not only the one read
+            if name in self.files and tuple(self.files.shape(name)) != tuple(shape):
+                raise ValueError(f"weights: {name!r} has shape {tuple(self.files.shape(name))}, "
+                                 f"the model expects {tuple(shape)}")
         return found
 
     def _source(self, kind: str, entry: list) -> str:
