@@ -73,6 +73,8 @@ PLANS = {
     "late": [[N, N]] + [[U, U]] * (STEPS - 1),  # l1.extra: first from the second step on
     "gap": [[U, U], [N, N], [U, U], [U, U]],  # l1.extra: state kept over a skipped step
     "one_rank": [[U, N]] * STEPS,  # l1.extra: only rank 0 uses it
+    # l2.extra: only rank 0 uses it, which got every gradient (it sends ones, reads nothing)
+    "all_on_one": [[(True, True), U]] * STEPS,
 }
 OPTIMIZERS = {
     "torch": (torch.optim.AdamW, torch.optim.AdamW, OPT),
@@ -147,7 +149,26 @@ def _cases(rank: int, world: int, tmp: str) -> dict:
     out["compiled_step"] = _max_rel(tierlift.zero.full_state_dict(model), ref.state_dict())
     for name in ("offload", "compact"):
         out[f"refused/{name}"], out[f"refused/{name}/unchanged"] = _refused(name, rank, world)
+    out["syncs"] = _syncs(rank, world)
     return out
+
+
+def _syncs(rank: int, world: int) -> list:
+    """What unused.py calls in each step (test_zero_unused_syncs.Calls): two with every
+    parameter used on every rank, then two of the "all_on_one" plan."""
+    from test_zero_unused_syncs import Calls
+
+    plan = [[(True, True)] * world] * 2 + PLANS["all_on_one"][:2]
+    model = tierlift.zero.shard(_make(), stage=2, units=["l1", "l2", "head"])
+    opt = torch.optim.AdamW(model.parameters(), **OPT)
+    counts = []
+    with pytest.MonkeyPatch.context() as mp:
+        calls = Calls(mp)
+        for x, uses in zip(_data(len(plan)), plan, strict=True):
+            with calls:
+                _train(model, opt, [x], [uses], world, rank)
+            counts.append(dict(calls.counts))
+    return counts
 
 
 @pytest.fixture(scope="module")
@@ -170,6 +191,19 @@ def test_state_out_of_reach_refused_before_step(ranks, name):
         assert msg.startswith("RuntimeError:") and "l1.extra.weight" in msg, msg
         assert "units=[" in msg and "moments would change" in msg, msg
         assert out[f"refused/{name}/unchanged"]
+
+
+def test_no_device_reads_where_every_local_parameter_got_a_gradient(ranks):
+    from test_zero_unused_syncs import METADATA, READS
+
+    for rank, out in enumerate(ranks):
+        for step, counts in enumerate(out["syncs"]):
+            work = {k: n for k, n in counts.items() if k not in METADATA}
+            if step < 2 or rank == 0:  # every flag set here: ones made on the device, no read
+                assert work == {"ones": 1}, (rank, step, counts)
+            else:  # l2.extra unseen: its gradient checked, the agreed flags read (one each)
+                assert sum(n for k, n in work.items() if k in READS) == 2, (rank, step, counts)
+                assert work["tolist"] == 2 and "ones" not in work, (rank, step, counts)
 
 
 def test_compiled_step_steps_as_torch(ranks):

@@ -10,7 +10,11 @@ count. A unit's flat gradient has zeros there instead, which the optimizer would
 - a synced backward (the gradient's owner is the union over the ranks, as DDP's
   find_unused_parameters) ORs the entries' flags over every rank: one small all-reduce, issued
   asynchronously at the end of backward and waited for at the next optimizer step, only for
-  models with a unit of several parameters;
+  models with a unit of several parameters and more than one rank;
+- none of this reads the device in a step where every parameter got a gradient (no host sync:
+  the flags are Python lists, a rank whose flags are all set sends ones made on the device and
+  needs no answer, since a MAX with all ones is all ones); a step with a parameter without
+  gradient reads one small tensor per unit that has one, and the flags and step counts once;
 - around an Adam/AdamW step (torch's or tierlift's) of a shard that holds entries without
   gradient, their ranges of the shard and of the moments are put back as they were (zeros when
   the step created the state), and entries whose own step count lags the shard's (skipped by an
@@ -56,8 +60,11 @@ def local_grad(unit, grad: torch.Tensor) -> None:
     seen = unit.seen
     if seen is None or all(seen):
         return
-    for i, e in enumerate(unit.entries):
-        if not seen[i] and bool(grad[e.offset : e.offset + e.numel].any()):
+    unseen = [i for i, s in enumerate(seen) if not s]
+    es = [unit.entries[i] for i in unseen]
+    hit = torch.stack([grad[e.offset : e.offset + e.numel].any() for e in es]).tolist()  # 1 sync
+    for i, h in zip(unseen, hit, strict=True):
+        if h:
             seen[i] = True
 
 
@@ -74,7 +81,9 @@ class Agreement:
     def __init__(self, state) -> None:
         self._state = weakref.ref(state)  # the state owns this, never the reverse (no cycle)
         self.reduced: list = []  # units reduced in this backward, each with its fresh flag
-        self.pending = None  # (work, flags tensor, [(unit, fresh)])
+        # (work or None, flags tensor or None, its values if known without reading it,
+        #  [(unit, seen, fresh)])
+        self.pending = None
 
     @property
     def state(self):
@@ -106,21 +115,32 @@ class Agreement:
             return
         entries = self.reduced
         self.reduced = []
-        flags = torch.tensor(
-            [float(f) for _, seen, _ in entries for f in seen], device=entries[0][0].device
-        )
+        local = [f for _, seen, _ in entries for f in seen]
         comm = self.state.world_comm
+        if comm.world == 1:  # the local flags are the answer: no device work
+            self.pending = (None, None, local, entries)
+            return
+        # Every rank sends the same size in the same order; only how the tensor is made differs.
+        dev = entries[0][0].device
+        if all(local):
+            # MAX with all ones is all ones whatever the others send: nothing to read back.
+            flags, values = torch.ones(len(local), device=dev), local
+        else:
+            host = torch.tensor([float(f) for f in local], pin_memory=dev.type == "cuda")
+            flags, values = host.to(dev, non_blocking=True), None
         work = comm.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, async_op=True)
-        self.pending = (work, flags, entries)
+        self.pending = (work, flags, values, entries)
 
     def settle(self) -> None:
         """Waits for the flags in flight and records, per unit, the entries its gradient has."""
         if self.pending is None:
             return
-        work, flags, entries = self.pending
+        work, flags, values, entries = self.pending
         self.pending = None
-        self.state.world_comm.wait(work)
-        values = flags.tolist()
+        if work is not None:
+            self.state.world_comm.wait(work)  # completes the collective even if not read
+        if values is None:
+            values = flags.tolist()  # a sync only when this rank has an entry without gradient
         k = 0
         for unit, seen, fresh in entries:
             got = [v > 0 for v in values[k : k + len(seen)]]
@@ -239,7 +259,7 @@ def before_step(state, optimizer) -> list:
             before, unit.before = unit.before, None
             snap = {
                 "param": p.detach().clone() if before is None else before,
-                "step": float(st["step"]) if "step" in st else None,
+                "step": _step_now(st) if "step" in st else None,
             }
             for k, v in st.items():
                 # opaque: only a master kept beside the parameter (compact state, an offloaded
@@ -255,9 +275,17 @@ def before_step(state, optimizer) -> list:
 @torch.no_grad()
 def after_step(optimizer, todo: list) -> None:
     """Puts the skipped entries' ranges back and recomputes lagging entries' updates."""
-    for unit, p, group, got, snap, mode, had_state in todo:
-        st = optimizer.state.get(p, {})
-        if had_state and "step" in st and float(st["step"]) == snap["step"]:
+    # Every shard's step count before and after the step, read in one go (a device count,
+    # as fused or capturable AdamW keeps, would cost a sync per read).
+    sts = [optimizer.state.get(item[1], {}) for item in todo]
+    steps = _floats(
+        [v for (*_, snap, _, _), st in zip(todo, sts, strict=True)
+         for v in (snap["step"], st.get("step"))]
+    )
+    for j, (unit, p, group, got, snap, mode, had_state) in enumerate(todo):
+        st = sts[j]
+        was, now = steps[2 * j], steps[2 * j + 1]
+        if had_state and now is not None and now == was:
             continue  # not stepped (GradScaler found inf): nothing changed
         tensors = {
             k: v
@@ -267,7 +295,7 @@ def after_step(optimizer, todo: list) -> None:
             and (mode != "opaque" or k in snap)
         }
         put_back = []
-        t = int(float(st["step"])) if "step" in st else 0
+        t = int(now) if now is not None else 0
         for i, e in enumerate(unit.entries):
             unit.lag[i] += not got[i]
             unit.stepped[i] = unit.stepped[i] or got[i]
@@ -287,6 +315,29 @@ def after_step(optimizer, todo: list) -> None:
             # The tiers' own master of those entries took the step's weight decay. They were
             # never stepped (else refused before the step), so their master is their value.
             offload.masters_from_param(p, put_back)
+
+
+def _step_now(st: dict):
+    """The step count as it is now: a float, or a copy of a device count (read after the step,
+    with the new one)."""
+    step = st["step"]
+    if isinstance(step, torch.Tensor):
+        return float(step) if step.device.type == "cpu" else step.detach().clone()
+    return float(step)
+
+
+def _floats(values: list) -> list:
+    """Numbers and 0-dim tensors (None kept) as floats, one read per device and dtype."""
+    out = [None if v is None or isinstance(v, torch.Tensor) else float(v) for v in values]
+    groups: dict = {}
+    for i, v in enumerate(values):
+        if isinstance(v, torch.Tensor):
+            groups.setdefault((v.device, v.dtype), []).append(i)
+    for idx in groups.values():
+        read = torch.stack([values[i].detach().reshape(()) for i in idx]).tolist()
+        for i, x in zip(idx, read, strict=True):
+            out[i] = float(x)
+    return out
 
 
 def _adam_update(x: torch.Tensor, st: dict, group: dict, a: int, b: int, own: int):
