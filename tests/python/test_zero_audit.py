@@ -1,5 +1,6 @@
 """Less-travelled tierlift.zero paths against plain torch on the same data, on 2 gloo ranks
-(one spawn runs every case): weights= files that hold both names of a tied weight."""
+(one spawn runs every case): weights= files that hold both names of a tied weight, or lack a
+persistent buffer."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from zero_model import TinyGPT, make_model, spawn_ranks
+from torch import nn
+from zero_model import TinyGPT, make_model, raised, spawn_ranks
 
 import tierlift
 
@@ -37,8 +39,47 @@ def _tied_file(rank: int, tmp: str) -> dict:
     return out
 
 
+class _BN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 8)
+        self.bn = nn.BatchNorm1d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.a(x))
+
+
+def _missing_buffer(rank: int, tmp: str) -> dict:
+    """Files without BatchNorm's running_mean: torch's strict load refuses the missing key;
+    shard() kept the constructed zeros. Refused before anything changes, with a deferred_init()
+    model (whose recording would make the zeros) and an init_empty_weights() one (real
+    buffers)."""
+    path = os.path.join(tmp, "bn.safetensors")
+    if rank == 0:
+        torch.manual_seed(0)
+        m = _BN()
+        m(torch.randn(16, 6))  # running statistics that differ from the constructed ones
+        save_file({k: v for k, v in m.state_dict().items() if k != "bn.running_mean"}, path)
+    dist.barrier()
+    out = {"torch": raised(lambda: _BN().load_state_dict(load_file(path)))}
+    from accelerate import init_empty_weights
+
+    for how, ctx in (("deferred", tierlift.zero.deferred_init), ("empty", init_empty_weights)):
+        with ctx():
+            model = _BN()
+        before = {n: (t.device, t.shape) for n, t in [*model.named_parameters(),
+                                                         *model.named_buffers()]}
+        out[how] = raised(lambda m=model: tierlift.zero.shard(m, stage=3, device="cpu",
+                                                              weights=path))
+        out[how + "-unchanged"] = before == {
+            n: (t.device, t.shape) for n, t in [*model.named_parameters(),
+                                                 *model.named_buffers()]} and not hasattr(
+            model, "_tierlift_zero")
+    return out
+
+
 def _cases(rank: int, world: int, tmp: str) -> dict:
-    return {"tied_file": _tied_file(rank, tmp)}
+    return {"tied_file": _tied_file(rank, tmp), "missing_buffer": _missing_buffer(rank, tmp)}
 
 
 @pytest.fixture(scope="module")
@@ -49,3 +90,13 @@ def ranks(tmp_path_factory):
 def test_weights_tied_names_last_wins(ranks):
     for res in ranks:
         assert res["tied_file"] == {3: [], 1: []}
+
+
+def test_weights_missing_persistent_buffer_refused(ranks):
+    for res in ranks:
+        r = res["missing_buffer"]
+        assert "Missing key(s)" in r["torch"] and "bn.running_mean" in r["torch"]
+        for how in ("deferred", "empty"):
+            assert r[how].startswith("KeyError") and "'bn.running_mean'" in r[how], r[how]
+            assert "persistent buffer" in r[how]
+            assert r[how + "-unchanged"]

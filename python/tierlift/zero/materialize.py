@@ -161,9 +161,16 @@ class Materializer:
         if self.files is not None and kind == "param":
             self._file_name(names, t.shape, required=True)
             return "file"
-        if self.files is not None and persistent and \
-                self._file_name(names, t.shape, required=False) is not None:
-            return "file"
+        if self.files is not None and persistent:
+            if self._file_name(names, t.shape, required=False) is not None:
+                return "file"
+            # torch's strict load_state_dict refuses a missing key: keeping the constructed
+            # value (BatchNorm's running_mean of zeros) would be a silently different model.
+            raise KeyError(f"weights={self.files.path!r} has no tensor {names[0]!r}, a "
+                           "persistent buffer of the model (in its state_dict()); its "
+                           "constructed value would be kept in place of the saved one. Save "
+                           "the files from model.state_dict(), or, if the constructed value is "
+                           "meant, register the buffer with persistent=False")
         if not t.is_meta:
             return "move"
         if self.rec is not None:
