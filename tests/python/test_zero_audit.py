@@ -1,6 +1,6 @@
 """Less-travelled tierlift.zero paths against plain torch on the same data, on 2 gloo ranks
 (one spawn runs every case): weights= files that hold both names of a tied weight, or lack a
-persistent buffer."""
+persistent buffer, or hold tensors the model's loader skips."""
 
 from __future__ import annotations
 
@@ -78,8 +78,39 @@ def _missing_buffer(rank: int, tmp: str) -> dict:
     return out
 
 
+class _OldMasks(_BN):
+    """A model whose files may hold tensors its loader skips, as Hugging Face's GPT-2 lists
+    the attn.bias masks older checkpoints saved."""
+
+    _keys_to_ignore_on_load_unexpected = [r"\.attn\.bias$"]
+
+
+def _ignored_names(rank: int, tmp: str) -> dict:
+    """Files holding a tensor named in the model's _keys_to_ignore_on_load_unexpected load (as
+    from_pretrained skips it); any other extra tensor is still refused."""
+    path, other = os.path.join(tmp, "masks.safetensors"), os.path.join(tmp, "other.safetensors")
+    if rank == 0:
+        torch.manual_seed(0)
+        sd = dict(_OldMasks().state_dict())
+        save_file({**sd, "h.0.attn.bias": torch.ones(4, 4)}, path)
+        save_file({**sd, "h.0.mlp.bias": torch.ones(4)}, other)
+    dist.barrier()
+    ref = _OldMasks()
+    ref.load_state_dict({k: v for k, v in load_file(path).items() if "attn" not in k})
+    with tierlift.zero.deferred_init():
+        model = _OldMasks()
+    model = tierlift.zero.shard(model, stage=3, device="cpu", weights=path)
+    sd = tierlift.zero.full_state_dict(model)
+    with tierlift.zero.deferred_init():
+        refused = _OldMasks()
+    return {"same": all(torch.equal(v, sd[k]) for k, v in ref.state_dict().items()),
+            "other": raised(lambda: tierlift.zero.shard(refused, stage=3, device="cpu",
+                                                        weights=other))}
+
+
 def _cases(rank: int, world: int, tmp: str) -> dict:
-    return {"tied_file": _tied_file(rank, tmp), "missing_buffer": _missing_buffer(rank, tmp)}
+    return {"tied_file": _tied_file(rank, tmp), "missing_buffer": _missing_buffer(rank, tmp),
+            "ignored": _ignored_names(rank, tmp)}
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +131,9 @@ def test_weights_missing_persistent_buffer_refused(ranks):
             assert r[how].startswith("KeyError") and "'bn.running_mean'" in r[how], r[how]
             assert "persistent buffer" in r[how]
             assert r[how + "-unchanged"]
+
+
+def test_weights_skip_what_the_models_loader_ignores(ranks):
+    for res in ranks:
+        assert res["ignored"]["same"]
+        assert "h.0.mlp.bias" in res["ignored"]["other"], res["ignored"]["other"]

@@ -21,6 +21,8 @@ on every rank anyway, so they materialize it whole.
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
@@ -120,7 +122,11 @@ class Materializer:
                 if self.sharded(entry[0]):
                     self._file_name(entry[1], entry[0].shape, required=True)
             known = set(model.state_dict().keys())
-            extra = [n for n in self.files.names() if n not in known]
+            # Hugging Face models list file tensors their loader skips (GPT-2's old attn.bias
+            # masks, still in the hub's files): from_pretrained ignores them, so do we.
+            ignored = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()
+            extra = [n for n in self.files.names() if n not in known
+                     and not any(re.search(pat, n) for pat in ignored)]
             if extra:
                 raise ValueError(f"weights={self.files.path!r} holds tensors the model does not "
                                  f"have: {extra[:5]}{' ...' if len(extra) > 5 else ''}")
