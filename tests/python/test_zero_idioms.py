@@ -14,6 +14,7 @@ the whole batch, computed in the rank itself):
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import pytest
 import torch
@@ -195,3 +196,21 @@ def test_bf16_attribute_edit_refused_before_anything_changes(ranks, stage, then)
         assert "blocks.0.fc.weight" in msg or "'blocks.0'" in msg, msg
         assert "gathered(" in msg, msg
         assert out[f"edit/bf16/s{stage}/{then}/unchanged"]
+
+
+def test_unit_used_only_inside_no_sync_is_reduced_in_one_process(monkeypatch):
+    """One rank: the leftover sums are reduced from what this rank holds, with no read back of
+    a device value (a host sync per accumulated step on a GPU)."""
+    from tierlift.zero import hooks
+
+    reads, real = [], torch.Tensor.tolist
+
+    def counted(t):
+        if sys._getframe(1).f_code.co_filename == hooks.__file__:
+            reads.append(t.shape)
+        return real(t)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counted)
+    out = _branch_cases(0, 1)
+    assert all(v < 1e-5 for v in out.values()), out
+    assert reads == []

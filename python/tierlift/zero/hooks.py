@@ -508,11 +508,17 @@ class ZeroState:
         have summed where another did not (it sends zeros)."""
         self.local_sums = False
         units = [u for u in self.units if not u.frozen]
-        mask = torch.tensor([float(u.full.grad is not None) for u in units],
-                            device=units[0].device)
+        left_here = [float(u.full.grad is not None) for u in units]
         comm = self.world_comm
-        comm.wait(comm.all_reduce(mask, op=torch.distributed.ReduceOp.MAX))
-        for unit, left in zip(units, mask.tolist(), strict=True):
+        if comm.world == 1:  # nothing to agree on: no device round trip (a host sync on a GPU)
+            agreed = left_here
+        else:
+            mask = torch.tensor(left_here)
+            if units[0].device.type == "cuda":
+                mask = mask.pin_memory().to(units[0].device, non_blocking=True)
+            comm.wait(comm.all_reduce(mask, op=torch.distributed.ReduceOp.MAX))
+            agreed = mask.tolist()
+        for unit, left in zip(units, agreed, strict=True):
             if left:
                 grad = unit.full.grad
                 unit.full.grad = None
