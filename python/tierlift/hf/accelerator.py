@@ -28,6 +28,7 @@ import torch
 import tierlift.checkpoint
 from tierlift.hf import model as zmodel
 from tierlift.zero.api import no_sync as zero_no_sync
+from tierlift.zero.torch_calls import check_subset
 
 # accelerate's own class, also once tierlift.hf.launch has put this one in its place.
 _BASE = accelerate.Accelerator
@@ -143,6 +144,10 @@ class Accelerator(accelerate.Accelerator):
                              "unit of its own")
         if not any(zmodel.shard_owner(p) is not None for p in params):
             return super().clip_grad_norm_(params, max_norm, norm_type)
+        # A submodule's shards lacking its parameters kept in an enclosing unit: refused
+        # before unscaling changes any gradient.
+        check_subset((o for o in map(zmodel.shard_owner, params) if o is not None),
+                     "clip_grad_norm_", grads=True)
         self.unscale_gradients()
         scale = True
         ids = {id(p) for p in params}

@@ -19,9 +19,17 @@ slice instead of the model:
   the next synced backward. Under DDP they live in param.grad, which zero_grad clears; so the
   wrapped zero_grad drops them for every shard it clears (a shard's `p.grad = None` by hand is
   not seen).
+- A submodule's .parameters() yields the shards of the units inside it only: its parameters kept
+  in an enclosing unit (a Llama's model.model.norm.weight, in the root unit) are missing. Such a
+  subset given to clip_grad_norm_ / get_total_norm / clip_grad_value_ / clip_grads_with_norm_
+  (all through clip_grad's _get_total_norm or _group_tensors_by_device_and_dtype) or as an
+  optimizer param group is refused before any gradient changes, naming what is missing. A
+  subset that loses nothing (whole units: model.blocks[0] when the block is a unit) is exact.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -31,6 +39,78 @@ from tierlift.offload.overlap import group_settings, same_hyper
 from tierlift.zero import unused
 
 _NORM_PARAMS = ["tensors", "norm_type", "error_if_nonfinite", "foreach"]
+_GROUP_PARAMS = ["tensorlistlist", "with_indices"]
+# owner -> {(units given, units that count): [(module name, [lost parameter names])]}. Keyed by
+# unit indices, not tensor ids: gradients are new tensors (often at reused ids) every step.
+_SUBSETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _lossy_modules(owner, given: frozenset, pool: frozenset) -> list[tuple]:
+    """The submodules whose .parameters() yields exactly the shards `given` (among the units
+    `pool` that count) while some of their own parameters, in a unit of `pool` outside them
+    (an enclosing unit's shard), would be left out: [(module name, [those parameters], name of
+    a submodule yielding the same shards that lacks nothing, or None)]."""
+    root = owner.root
+    if root is None:
+        return []
+    out, lossless = [], []
+    for name, module in root.named_modules():
+        if not name:
+            continue
+        inside = set()
+        for p in module.parameters():
+            found = shard_owner(p)
+            if found is not None and found[0] is owner:
+                inside.add(found[1])
+        if not inside or frozenset(inside & pool) != given:
+            continue
+        prefix = name + "."
+        lost = [e.names[0] for i, u in enumerate(owner.units)
+                if i in pool and i not in inside and not u.frozen
+                for e in u.entries if any(n.startswith(prefix) for n in e.names)]
+        (out if lost else lossless).append((name, lost))
+    # The same shards as a submodule that lacks nothing: refused too (which one the caller
+    # meant cannot be told apart), saying so.
+    twin = lossless[0][0] if lossless else None
+    return [(name, lost, twin) for name, lost in out]
+
+
+def check_subset(found, call: str, *, grads: bool, settle=None) -> None:
+    """Refuses (before any change) shards `found` ((owner, unit index) pairs) that are what a
+    submodule's .parameters() yields after shard() but lack some of its parameters (see the
+    module doc). grads=True: only units holding a gradient count. settle(owner, name, lost),
+    when given, returns the lost names it accepts (an optimizer group with the same settings
+    holds them)."""
+    by_owner: dict = {}
+    for owner, index in found:
+        by_owner.setdefault(owner, set()).add(index)
+    for owner, indices in by_owner.items():
+        pool = frozenset(i for i, u in enumerate(owner.units)
+                         if (u.shard.grad is not None if grads else not u.frozen))
+        given = frozenset(indices) & pool
+        if not given or given == pool:
+            continue  # the whole model (the every-step case): nothing is left out
+        cache = _SUBSETS.setdefault(owner, {})
+        key = (given, pool)
+        if key not in cache:
+            cache[key] = _lossy_modules(owner, given, pool)
+        for name, lost, twin in cache[key]:
+            if settle is not None:
+                ok = settle(owner, name, lost)
+                lost = [n for n in lost if n not in ok]
+            if lost:
+                shown = ", ".join(lost[:4]) + (f" and {len(lost) - 4} more" if len(lost) > 4
+                                               else "")
+                raise ValueError(
+                    f"{call} was given the parameters of {name!r} ({name}.parameters()) of a "
+                    "model sharded by tierlift.zero.shard: after shard() they are the flat "
+                    "shards of the units inside it only, and these of its parameters live in "
+                    f"an enclosing unit's shard, so they would be left out: {shown}. "
+                    "Pass model.parameters() (the whole model), or shard with units=[...] so "
+                    f"that every parameter of {name!r} is in a unit inside it (a unit of its "
+                    f"own: units=[..., {name!r}] or its submodules)"
+                    + (f". (These are also the shards of {twin}.parameters(), which lacks "
+                       "nothing; the two cannot be told apart.)" if twin else ""))
 
 
 def _global_norm(original):
@@ -39,6 +119,8 @@ def _global_norm(original):
         owners = grad_owners() if tensors else {}
         if not any(id(t) in owners for t in tensors):
             return original(tensors, norm_type, error_if_nonfinite, foreach)
+        check_subset((owners[id(t)] for t in tensors if id(t) in owners),
+                     "clip_grad_norm_ / get_total_norm", grads=True)
         shards, local = split_by_owner((t, owners.get(id(t))) for t in tensors)
         total = combined_norm(shards, local, float(norm_type),
                               lambda ts, nt: original(ts, nt, False, foreach))
@@ -53,6 +135,40 @@ def _global_norm(original):
     return get_total_norm
 
 
+def _checked_grouping(original):
+    # clip_grad_value_ and clip_grads_with_norm_ group the gradients here before changing them.
+    def _group_tensors_by_device_and_dtype(tensorlistlist, with_indices=False):
+        if tensorlistlist and tensorlistlist[0]:
+            owners = grad_owners()
+            check_subset((owners[id(t)] for t in tensorlistlist[0] if id(t) in owners),
+                         "clip_grad_value_ / clip_grads_with_norm_", grads=True)
+        return original(tensorlistlist, with_indices)
+
+    return _group_tensors_by_device_and_dtype
+
+
+def _groups_lossy(param_groups: list[dict]) -> None:
+    """A param group that is a submodule's .parameters() lacking some of its parameters (see
+    the module doc) is refused, unless a group with the same settings holds what it lacks."""
+    where = {}  # id(shard) -> group index
+    for i, group in enumerate(param_groups):
+        for p in group["params"]:
+            where[id(p)] = i
+    for i, group in enumerate(param_groups):
+        found = [o for o in map(shard_owner, group["params"]) if o is not None]
+
+        def settle(owner, name, lost, i=i):
+            ok = set()
+            for u in owner.units:
+                j = where.get(id(u.shard))
+                if j is not None and same_hyper(group_settings(param_groups[j]),
+                                                group_settings(param_groups[i])):
+                    ok.update(e.names[0] for e in u.entries)
+            return ok
+
+        check_subset(found, f"optimizer param group {i}", grads=False, settle=settle)
+
+
 def check_groups(param_groups: list[dict]) -> None:
     """Refuses param groups that split ungrouped shards by name or shape (see above)."""
     holding = []
@@ -62,6 +178,7 @@ def check_groups(param_groups: list[dict]) -> None:
             if owner is not None and owner[0].units[owner[1]].group is None:
                 holding.append(i)
                 break
+    _groups_lossy(param_groups)
     if not holding:
         return
     for i, group in enumerate(param_groups):
@@ -118,6 +235,8 @@ def install() -> None:
     """Idempotent (tierlift/_torch_patch.py)."""
     wrap_method(torch.nn.utils.clip_grad, "_get_total_norm", _NORM_PARAMS, _global_norm)
     wrap_method(torch.nn.utils, "get_total_norm", _NORM_PARAMS, _global_norm)
+    wrap_method(torch.nn.utils.clip_grad, "_group_tensors_by_device_and_dtype", _GROUP_PARAMS,
+                _checked_grouping)
     wrap_method(torch.optim.Optimizer, "__init__", ["self", "params", "defaults"], _checking)
     wrap_method(torch.optim.Optimizer, "zero_grad", ["self", "set_to_none"], _optimizer_zero_grad)
     wrap_method(torch.nn.Module, "zero_grad", ["self", "set_to_none"], _module_zero_grad)
