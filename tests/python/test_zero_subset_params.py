@@ -67,8 +67,9 @@ def _grads(model):
     lambda ps: torch.nn.utils.clip_grad_value_(ps, 1e-6),
     lambda ps: torch.nn.utils.clip_grads_with_norm_(ps, 1e-3, torch.tensor(1.0)),
     lambda ps: tierlift.hf.Accelerator(cpu=True).clip_grad_norm_(ps, 1e-3),
+    lambda ps: tierlift.hf.clip_grad_norm_(ps, 1e9),
 ], ids=["clip_norm", "clip_norm_inactive", "get_total_norm", "clip_value",
-        "clip_with_norm", "accelerator"])
+        "clip_with_norm", "accelerator", "hf_inactive"])
 def test_lossy_subset_refused_nothing_changed(call):
     ref, model = _pair(LOSSY_UNITS)
     # torch's norm of blocks.0 differs from the norm of the fc shard it yields after shard()

@@ -19,6 +19,7 @@ from tierlift._shards import global_grad_norm, shard_owner
 from tierlift.zero import num_parameters
 from tierlift.zero.api import _SHARD_NAME, load_full_state_dict, state_key_order
 from tierlift.zero.hooks import _ATTR, _state
+from tierlift.zero.torch_calls import check_subset
 
 _SAFE_WEIGHTS = "model.safetensors"
 _SAFE_INDEX = "model.safetensors.index.json"
@@ -137,6 +138,10 @@ def clip_grad_norm_(params, max_norm: float, norm_type: float = 2.0, *,
     max_norm, norm_type = float(max_norm), float(norm_type)
     if math.isnan(max_norm) or max_norm < 0:
         raise ValueError(f"max_norm must be >= 0 (or inf), got {max_norm}")
+    # A submodule's shards lacking parameters kept in an enclosing unit: refused, not a norm
+    # of fewer parameters than torch's (also where nothing would be scaled).
+    check_subset((o for o in map(shard_owner, params) if o is not None), "clip_grad_norm_",
+                 grads=True)
     total = global_grad_norm(params, norm_type)
     if scale and math.isfinite(max_norm) and params:
         coef = max_norm / (float(total) + 1e-6)
