@@ -25,6 +25,7 @@ from tierlift.checkpoint import (
 )
 from tierlift.checkpoint import format as fmt
 from tierlift.offload.journal import Journal
+from tierlift.zero import unused
 from tierlift.zero.api import _ATTR, _SHARD_NAME, _state
 from tierlift.zero.guards import _slice
 
@@ -124,7 +125,7 @@ def _stage_shard(job, state, model, optimizer, off) -> None:
     for i, unit in enumerate(state.units):
         tensors[f"unit{i}.param"] = unit.shard
         for key, value in opt_state.get(unit.shard, {}).items():
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, torch.Tensor) and key != unused.KEY:  # in the metadata
                 tensors[f"unit{i}.{key}"] = value
     if comm.rank == 0:
         for key, value in model.state_dict().items():
@@ -147,10 +148,39 @@ def _metadata(state, comm, off, optimizer, extra) -> dict:
                    "shard_numel": u.shard_numel,
                    "entries": [{"names": e.names, "shape": list(e.shape),
                                 "offset": e.offset, "numel": e.numel}
-                               for e in u.entries]} for u in state.units],
+                               for e in u.entries], **_counts(u, optimizer)}
+                  for u in state.units],
         "param_groups": [] if optimizer is None else fmt.param_groups_json(optimizer),
         "param_names": [] if optimizer is None else _shard_names(state, optimizer),
+        "param_step_counts": True,  # a unit without "lag": every parameter took every step
     }
+
+
+def _counts(unit, optimizer) -> dict:
+    """{"lag": ...}: the unit's per-parameter step counts where they differ from its shard's
+    (zero/unused.py), world-size independent; {} where every parameter took every step."""
+    if optimizer is None or not unused.tracked(unit):
+        return {}
+    if unit.stepped_by is None or unit.stepped_by() is not optimizer:  # none stepped by it
+        return {"lag": {"lag": [0] * len(unit.entries), "stepped": [False] * len(unit.entries)}}
+    rec = unused.record(unit)
+    return {} if rec is None else {"lag": rec}
+
+
+def _loaded_counts(meta: dict, aligned, path: str) -> dict:
+    """{unit: its step counts} for every unit whose counts may differ; a unit saved without
+    them took every step with its shard, and one of a checkpoint from before they were saved
+    is given the shard's count, as a load did before. Checked before anything changes."""
+    out = {}
+    every = bool(meta.get("param_step_counts"))
+    for unit, saved in zip(aligned, meta["units"], strict=True):
+        if unit is None or not unused.tracked(unit):
+            continue
+        n = len(unit.entries)
+        rec = saved.get("lag", {"lag": [0] * n, "stepped": [every] * n})
+        unused.check_record(unit, rec, os.path.join(path, fmt.METADATA))
+        out[unit] = rec
+    return out
 
 
 def _shard_names(state, optimizer) -> list[list]:
@@ -353,6 +383,10 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
         for r in range(meta["world_size"]):
             stream.verify(os.path.join(path, optim_dir(r)))
         _add_streamed(path, meta, shards)
+    counts = _loaded_counts(meta, aligned, path) if optimizer is not None else {}
+    if optimizer is not None:  # its load_state_dict takes the counts off the state it loads
+        unused.hook_state_dict(state, optimizer)
+    prior = unused.counts_of(counts)
     loaded_state: dict = {}
     if optimizer is not None and plan is None:
         for i, (unit, saved) in enumerate(zip(aligned, meta["units"], strict=True)):
@@ -365,6 +399,8 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
                     st[key] = (_take(shards, unit, saved, f"unit{i}.{key}", comm.rank)
                                if value.dim() > 0
                                else value.clone().to(unit.device if key != "step" else "cpu"))
+                if unit in counts:  # checked and taken off by load_state_dict (unused.py)
+                    st[unused.KEY] = counts[unit]
     # Everything below is prepared, then agreed on by every rank, then committed: params and
     # extras are copied in place behind an undo journal; the optimizer fills its uncommitted
     # generation (or journals in-place fills) and calls the agreement right before it commits.
@@ -393,9 +429,12 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
     except BaseException as e:
         agreement.fail(e)  # the collective every rank reaches, whatever failed where
         journal.undo()
+        unused.restore_counts(prior)  # load_state_dict may have taken them already
         raise
     finally:
         journal.close()
+    for unit, rec in counts.items():  # committed: each parameter steps on from its own count
+        unused.adopt(unit, optimizer, rec)
     if saved_groups:
         for group, saved in zip(optimizer.param_groups, saved_groups, strict=True):
             for k, v in saved.items():
