@@ -25,6 +25,13 @@ class _Done:
         return True
 
 
+def flags_on(values, device: torch.device) -> torch.Tensor:
+    """0/1 float flags on `device` for a collective, copied from pinned host memory without
+    blocking the host (a blocking copy is a host sync on a GPU)."""
+    host = torch.tensor([float(v) for v in values], pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
+
+
 def work_done(work) -> bool:
     """Whether a collective's work has completed, without waiting (works without
     is_completed() are treated as done)."""

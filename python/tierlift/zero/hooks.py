@@ -39,7 +39,7 @@ from tierlift._shards import register_shard
 from tierlift.offload.legs import ModelLegs
 from tierlift.zero import frozen, grad_scaler, torch_calls, unused
 from tierlift.zero.buffers import BufferSync
-from tierlift.zero.comm import work_done
+from tierlift.zero.comm import flags_on, work_done
 from tierlift.zero.config import ShardConfig
 from tierlift.zero.replicas import ReplicaLegs
 from tierlift.zero.topology import Topology
@@ -513,9 +513,7 @@ class ZeroState:
         if comm.world == 1:  # nothing to agree on: no device round trip (a host sync on a GPU)
             agreed = left_here
         else:
-            mask = torch.tensor(left_here)
-            if units[0].device.type == "cuda":
-                mask = mask.pin_memory().to(units[0].device, non_blocking=True)
+            mask = flags_on(left_here, units[0].device)
             comm.wait(comm.all_reduce(mask, op=torch.distributed.ReduceOp.MAX))
             agreed = mask.tolist()
         for unit, left in zip(units, agreed, strict=True):

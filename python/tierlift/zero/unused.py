@@ -34,6 +34,7 @@ import torch
 
 from tierlift._shards import shard_owner
 from tierlift._torch_patch import wrap_method
+from tierlift.zero.comm import flags_on
 
 
 def tracked(unit) -> bool:
@@ -130,8 +131,7 @@ class Agreement:
             # MAX with all ones is all ones whatever the others send: nothing to read back.
             flags, values = torch.ones(len(local), device=dev), local
         else:
-            host = torch.tensor([float(f) for f in local], pin_memory=dev.type == "cuda")
-            flags, values = host.to(dev, non_blocking=True), None
+            flags, values = flags_on(local, dev), None
         work = comm.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, async_op=True)
         self.pending = (work, flags, values, entries)
 
