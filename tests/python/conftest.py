@@ -34,6 +34,15 @@ def _seed():
 
 
 @pytest.fixture
+def one_thread():
+    """Tiny models: torch's intra-op threads only contend on a shared CI machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
 def dcp_dir(tmp_path):
     """tmp_path/dcp: dcp_source.model()'s state dict saved by torch.distributed.checkpoint."""
     import dcp_source

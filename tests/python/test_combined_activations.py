@@ -21,19 +21,10 @@ from tierlift.activations import offload, offload_blocks
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from gpt_model import GPT, GPTConfig  # noqa: E402
 
-pytestmark = pytest.mark.skipif(
-    not tierlift._extension.available(), reason="compiled extension not loaded"
-)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: torch's intra-op threads only contend on a shared CI machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
+pytestmark = [
+    pytest.mark.skipif(not tierlift._extension.available(), reason="compiled extension not loaded"),
+    pytest.mark.usefixtures("one_thread"),
+]
 
 SMALL = 256  # min_bytes: every activation of the tiny model is offloaded
 

@@ -22,6 +22,8 @@ pytest.importorskip("accelerate")
 import tierlift  # noqa: E402
 import tierlift.hf  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 VOCAB, SEQ = 64, 16
 
 
@@ -89,14 +91,6 @@ def _train(model, out, zero=None, **extra):
         trainer = tierlift.hf.Trainer(model=model, args=args, train_dataset=_Data(), zero=zero)
     trainer.train()
     return trainer
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

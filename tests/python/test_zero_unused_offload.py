@@ -18,6 +18,8 @@ import tierlift
 from tierlift.checkpoint.format import load_tensors
 from tierlift.zero.hooks import _state
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 OPT = dict(lr=3e-3, weight_decay=0.1)
 DATA = batches(4, 4, seed=3)
 MODES = {
@@ -25,14 +27,6 @@ MODES = {
     "cpu-overlap": lambda d: dict(offload="cpu", overlap=True),
     "nvme-overlap": lambda d: dict(offload="nvme", nvme_path=d, overlap=True, cpu_budget=400_000),
 }
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _fresh(tmp, mode, stage=3, dtype=torch.float32, lr=OPT["lr"], full=None):

@@ -18,6 +18,8 @@ from zero_model import batches, make_model
 import tierlift
 from tierlift.zero import unused
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 # What reads a tensor's value on the host: a device sync for a GPU tensor.
 READS = frozenset({"tolist", "item", "__bool__", "__float__", "__int__", "__index__"})
 # Tensor methods counted besides (device work when called from unused.py).
@@ -115,14 +117,6 @@ def _counted(monkeypatch, build, stage: int, steps: int = 3):
     rel = max(float((sd[k] - want[k]).abs().max() / want[k].abs().max().clamp(min=1e-6))
               for k in want if want[k].is_floating_point())
     return per_step, rel
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
