@@ -13,10 +13,10 @@ from __future__ import annotations
 import contextlib
 from collections import OrderedDict, defaultdict
 
+from tierlift.offload.checks import TIER_KEYS
+
 _HOOKS = ("_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
           "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
-# The keys the offload tiers hold instead of optimizer.state[p] (offload/checks.py TIER_KEYS).
-_TIER_KEYS = frozenset(("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "exp_avg_sq_scale", "master"))
 
 
 @contextlib.contextmanager
@@ -74,7 +74,7 @@ class TierState(dict):
     whose missing moment or master says where it is instead of a bare KeyError."""
 
     def __missing__(self, key):
-        if key in _TIER_KEYS:
+        if key in TIER_KEYS:  # held by the offload tiers instead
             raise KeyError(
                 f"{key!r}: an offloaded optimizer keeps its moments and master weights in the "
                 "offload tiers, not in optimizer.state[p] (which holds only 'step'); read them "
