@@ -291,6 +291,30 @@ def _align(meta: dict, units, shards: list[dict]):
     return aligned, from_extras, replicated
 
 
+def _model_names(meta: dict, shards: list[dict], state, model) -> tuple[dict, list[dict]]:
+    """`meta` and `shards` with the saved names renamed to the model's where they differ only
+    by wrapper segments (torch.compile's `_orig_mod.`, DDP's `module.`: a model sharded or
+    saved through either, loaded into one without it, or the reverse), one to one; else as
+    they are (_check_layout and check_fits name the difference)."""
+    extra = "extra."
+    saved = [n for u in meta["units"] for e in u["entries"] for n in e["names"]]
+    saved += [k[len(extra):] for k in shards[0] if k.startswith(extra)]
+    own = [n for u in state.units for e in u.entries for n in e.names]
+    own += [k for k in model.state_dict() if not k.endswith(_SHARD_NAME)]
+    if set(saved) <= set(own):
+        return meta, shards
+    to = order.by_wrappers(list(dict.fromkeys(saved)), list(dict.fromkeys(own)))
+    if to is None:
+        return meta, shards
+    units = [{**u, "entries": [{**e, "names": [to[n] for n in e["names"]]}
+                               for e in u["entries"]]} for u in meta["units"]]
+    names = [[to.get(n, n) if n is not None else None for n in g]
+             for g in meta.get("param_names") or []]
+    first = [{(extra + to[k[len(extra):]] if k.startswith(extra) else k): v
+              for k, v in shards[0].items()}]
+    return {**meta, "units": units, "param_names": names}, first + shards[1:]
+
+
 def optim_dir(rank: int) -> str:
     return f"rank{rank:05d}.optim"
 
@@ -343,6 +367,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
         raise ValueError(f"{path} holds an unsharded model's checkpoint; load it before "
                          "tierlift.zero.shard(), or into a model that is not sharded")
     shards = [fmt.load_tensors(path, r) for r in range(meta["world_size"])]  # mapped
+    meta, shards = _model_names(meta, shards, state, model)
     aligned, from_extras, unsharded = _align(meta, state.units, shards)
     # Every check before the first change: a checkpoint that does not fit leaves all as it was.
     if optimizer is not None and meta["param_groups"] and \
