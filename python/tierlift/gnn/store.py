@@ -401,6 +401,10 @@ class FeatureStore:
                              f"{self.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
         if not out.is_contiguous():
             raise ValueError("out must be contiguous")
+        if out.requires_grad:  # autograd would keep out's old history over the new rows
+            raise ValueError("out requires grad, but gather writes it in place without autograd: "
+                             "its gradient would flow to whatever out was computed from. Pass an "
+                             "out that does not require grad, or none (gather allocates one)")
         return out
 
     def _count(self, index: torch.Tensor) -> None:
