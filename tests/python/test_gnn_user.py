@@ -32,3 +32,19 @@ def test_out_that_requires_grad_is_refused_before_writing():
     plain = torch.zeros(2, 4)
     assert store.gather(index, out=plain) is plain and torch.equal(plain, x[index])
 
+
+def test_features_made_trainable_after_the_store_are_refused():
+    # Frozen embeddings served by a store, then unfrozen for fine-tuning: plain indexing
+    # trains them; the store's gather has no backward, so it must not run silently.
+    emb = torch.nn.Embedding(12, 3)
+    emb.weight.requires_grad_(False)
+    store = FeatureStore(emb.weight, device="cpu")
+    index = torch.tensor([3, 3, 5])
+    assert torch.equal(store.gather(index), emb.weight[index])
+    emb.weight.requires_grad_(True)
+    emb.weight[index].sum().backward()
+    assert emb.weight.grad[3].eq(2).all()  # what plain indexing gives
+    with pytest.raises(RuntimeError, match="requires grad now"):
+        store.gather(index)
+    emb.weight.requires_grad_(False)  # frozen again: the same rows, no error
+    assert torch.equal(store.gather(index), emb.weight[index])

@@ -359,6 +359,13 @@ class FeatureStore:
         watched = self._watched[0] if self._watched is not None else None
         if isinstance(watched, weakref.ref):
             watched = watched()
+        if watched is not None and watched.requires_grad:  # learnable rows that would not learn
+            raise RuntimeError(
+                "FeatureStore: its features tensor requires grad now (requires_grad_() after the "
+                "store was built), but gather is not differentiable: the gathered rows would "
+                "carry no gradient back and the features would never train. Gather with plain "
+                "indexing (features[index]) to train them, or build the store from "
+                "features.detach() for a constant table")
         if watched is not None and watched._version != self._watched[1]:
             raise RuntimeError(
                 "FeatureStore: its features tensor (or a view of it) was modified in place after "
