@@ -21,6 +21,7 @@ from tierlift.checkpoint import (
     reshard,
     restore,
     stream,
+    unnamed,
     validate,
 )
 from tierlift.checkpoint import format as fmt
@@ -378,8 +379,11 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
     if optimizer is not None:
         # Per-shard state goes to each unit's shard whatever the order; the groups'
         # hyperparameters go to the group holding the same shards (order.py).
-        mapping = order.match(meta.get("param_names"), _shard_names(state, optimizer),
-                              f"checkpoint {path}")
+        if meta["param_groups"] and not meta.get("param_names"):  # saved before names
+            mapping = unnamed.mapping(meta, aligned, optimizer, path, optim_dir)
+        else:
+            mapping = order.match(meta.get("param_names"), _shard_names(state, optimizer),
+                                  f"checkpoint {path}")
         saved_groups = order.saved_groups(meta, mapping)
         if not meta["param_groups"]:
             order.refuse_stale_state(optimizer, path)
