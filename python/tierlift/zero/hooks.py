@@ -505,9 +505,16 @@ class ZeroState:
         """Units that summed gradients inside no_sync() but got none in this synced backward
         (a branch only earlier micro-batches took) are reduced now, as DDP reduces what
         no_sync() left in param.grad. Which ones is agreed over every rank first: a rank may
-        have summed where another did not (it sends zeros)."""
+        have summed where another did not (it sends zeros).
+
+        Only units this backward did not reduce can be left: where it reduced every one there
+        is nothing to agree on, so no collective and no read back (a host sync on a GPU). Every
+        rank reduced the same units (their reductions are collectives, matched in order), so
+        every rank takes that early return together."""
         self.local_sums = False
-        units = [u for u in self.units if not u.frozen]
+        units = [u for u in self.units if not u.frozen and id(u) not in self.hooked]
+        if not units:
+            return
         left_here = [float(u.full.grad is not None) for u in units]
         comm = self.world_comm
         if comm.world == 1:  # nothing to agree on: no device round trip (a host sync on a GPU)
