@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tierlift
-from tierlift.gnn import FeatureStore
+from tierlift.gnn import FeatureStore, to_csr
 
 pytestmark = pytest.mark.skipif(not tierlift._extension.available(),
                                 reason="compiled extension not loaded")
@@ -48,3 +48,17 @@ def test_features_made_trainable_after_the_store_are_refused():
         store.gather(index)
     emb.weight.requires_grad_(False)  # frozen again: the same rows, no error
     assert torch.equal(store.gather(index), emb.weight[index])
+
+
+def test_to_csr_of_an_int32_edge_index():
+    # DGL's default id type is int32; the sort key src * num_nodes + dst overflowed it
+    # (about every neighbour list was wrong at 70,000 nodes), with no error.
+    n = 70_000
+    gen = torch.Generator().manual_seed(0)
+    ei = torch.randint(0, n, (2, 2000), generator=gen)
+    want_ptr, want_col = to_csr(ei, n)
+    src = torch.repeat_interleave(torch.arange(n), want_ptr.diff())
+    assert sorted(zip(src.tolist(), want_col.tolist())) == sorted(zip(*ei.tolist()))
+    rowptr, col = to_csr(ei.int(), n)
+    assert col.dtype == torch.int32
+    assert torch.equal(rowptr, want_ptr) and torch.equal(col.long(), want_col)

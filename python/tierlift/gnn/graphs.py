@@ -49,9 +49,9 @@ def rmat_graph(scale: int, edge_factor: int = 16, *, a: float = 0.57, b: float =
 
 def to_csr(edge_index: torch.Tensor, num_nodes: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(rowptr, col) of the graph, rows = sources (edges sorted by source)."""
-    src, dst = edge_index
+    src, dst = edge_index.long()  # the sort key src * num_nodes + dst overflows int32
     order = torch.argsort(src * num_nodes + dst)
-    col = dst[order]
+    col = edge_index[1][order]  # in the dtype given
     rowptr = torch.zeros(num_nodes + 1, dtype=torch.long)
     rowptr[1:] = torch.cumsum(torch.bincount(src, minlength=num_nodes), 0)
     return rowptr, col
