@@ -434,7 +434,7 @@ class Offloader(StateIO, ChunkStep):
         out = {}
         for pi in pis:
             st = self.opt.state.get(params[pi], {})  # no entry added: torch adds none
-            out[pi] = int(st["step"].item()) + 1 if "step" in st else 1
+            out[pi] = int(st["step"]) + 1 if "step" in st else 1  # a tensor, or a number
         return out
 
     def _commit_steps(self, gi: int, steps: dict) -> None:

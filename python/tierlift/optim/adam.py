@@ -417,6 +417,12 @@ class Adam(Optimizer):
             group.setdefault("decoupled_weight_decay", False)
             group.setdefault("maximize", False)
             group.setdefault("amsgrad", False)
+        # As torch's Adam: a step count saved as a number (torch before 1.12, converters) is
+        # kept as a float32 tensor, which every step path and torch's optimizers expect.
+        for st in self.state.values():
+            step = st.get("step") if isinstance(st, dict) else None
+            if step is not None and not isinstance(step, torch.Tensor):
+                st["step"] = torch.tensor(float(step), dtype=torch.float32)
 
     def _init_state(self, p: torch.Tensor, amsgrad: bool, refresh: bool = True) -> dict:
         """p's state, created on its first step. A bf16/fp16 p gets an fp32 master from its
