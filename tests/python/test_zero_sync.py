@@ -37,8 +37,9 @@ def _to_host(args, kwargs) -> bool:
 
 
 class HostReads:
-    """Counts, by "file:line name", the reads (READS, torch.equal, .to("cpu")) that tierlift's
-    own code makes, in every thread (the backward's hooks included), while entered."""
+    """Counts, by "file:line function() name [device type]", the reads (READS, torch.equal,
+    .to("cpu")) that tierlift's own code makes, in every thread (the backward's hooks included),
+    while entered."""
 
     def __init__(self, monkeypatch) -> None:
         self.counts: collections.Counter = collections.Counter()
@@ -56,7 +57,9 @@ class HostReads:
                 if code.co_filename.startswith(PACKAGE) and (
                         when is None or when(args[1:], kwargs)):
                     where = os.path.relpath(code.co_filename, PACKAGE)
-                    self.counts[f"{where}:{sys._getframe(1).f_lineno} {name}"] += 1
+                    dev = args[0].device.type if isinstance(args[0], torch.Tensor) else "?"
+                    at = f"{where}:{sys._getframe(1).f_lineno} {code.co_name}()"
+                    self.counts[f"{at} {name} [{dev}]"] += 1
             return fn(*args, **kwargs)
 
         return counted
@@ -69,8 +72,9 @@ class HostReads:
     def __exit__(self, *exc) -> None:
         self.on = False
 
-    def total(self) -> int:
-        return sum(self.counts.values())
+    def reads_on(self, device_type: str) -> int:
+        """Reads of tensors on `device_type`."""
+        return sum(n for k, n in self.counts.items() if k.endswith(f"[{device_type}]"))
 
 
 class Branchy(nn.Module):
@@ -166,4 +170,5 @@ def test_unit_left_by_synced_backward_agreed_exactly(ranks, plan, stage):
         for counts in per_step:
             # The leftover sums' agreement, one read per optimizer step, and nothing else.
             assert sum(counts.values()) == 1, counts
-            assert all(k.startswith("zero/hooks.py") and k.endswith(" tolist") for k in counts)
+            assert all(k.startswith("zero/hooks.py") and k.endswith(" tolist [cpu]")
+                       for k in counts), counts
