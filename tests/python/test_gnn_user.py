@@ -62,3 +62,19 @@ def test_to_csr_of_an_int32_edge_index():
     rowptr, col = to_csr(ei.int(), n)
     assert col.dtype == torch.int32
     assert torch.equal(rowptr, want_ptr) and torch.equal(col.long(), want_col)
+
+
+@pytest.mark.gpu
+def test_cuda_store_gathers_the_rows_of_a_pinned_index_refilled_after_the_call():
+    # A pinned index buffer refilled for the next batch right after gather returns (as with
+    # torch indexing, which copies the index before returning): the store's non-blocking copy
+    # must not read the new values.
+    x = torch.randn(1000, 16)
+    store = FeatureStore(x)
+    index = torch.arange(100).pin_memory()
+    torch.cuda._sleep(200_000_000)  # the stream is busy: a queued copy has not run yet
+    out = store.gather(index)
+    index.fill_(999)
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), x[:100])
+    store.close()

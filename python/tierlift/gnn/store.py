@@ -278,11 +278,14 @@ class FeatureStore:
             return out
         host_checked = index.device.type == "cpu"
         if host_checked:
-            self._validate_host_index(index)  # then the GPU need not report back
+            # A private pinned copy, so the copy to the GPU need not synchronise: the caller's
+            # index (a pinned one too) may be refilled as soon as gather returns, before the
+            # non-blocking copy has run. Checked here; then the GPU need not report back.
+            index = torch.empty(index.shape, dtype=index.dtype, pin_memory=True).copy_(index)
+            self._validate_host_index(index)
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            if host_checked:  # pinned staging, so the copy does not synchronise either
-                staged = index if index.is_pinned() else index.pin_memory()
-                index = staged.to(self.device, non_blocking=True)
+            if host_checked:
+                index = index.to(self.device, non_blocking=True)
             if self._counts is not None:
                 self._count(index)
             deferred = host_checked or self.options.check == "async"
