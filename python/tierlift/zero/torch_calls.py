@@ -25,6 +25,9 @@ slice instead of the model:
   (all through clip_grad's _get_total_norm or _group_tensors_by_device_and_dtype) or as an
   optimizer param group is refused before any gradient changes, naming what is missing. A
   subset that loses nothing (whole units: model.blocks[0] when the block is a unit) is exact.
+- optimizer.state_dict() holds this rank's slice of the state only: it records whose slice,
+  and load_state_dict refuses another rank's (a file saved on rank 0 only, loaded everywhere);
+  see optim_record.py.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import torch
 from tierlift._shards import combined_norm, grad_owners, shard_owner, split_by_owner
 from tierlift._torch_patch import wrap_method
 from tierlift.offload.overlap import group_settings, same_hyper
-from tierlift.zero import unused
+from tierlift.zero import optim_record, unused
 
 _NORM_PARAMS = ["tensors", "norm_type", "error_if_nonfinite", "foreach"]
 _GROUP_PARAMS = ["tensorlistlist", "with_indices"]
@@ -200,6 +203,7 @@ def _checking(original):
     def __init__(self, params, defaults):
         original(self, params, defaults)
         check_groups(self.param_groups)
+        optim_record.hook(self)
 
     return __init__
 
