@@ -78,3 +78,22 @@ def test_cuda_store_gathers_the_rows_of_a_pinned_index_refilled_after_the_call()
     torch.cuda.synchronize()
     assert torch.equal(out.cpu(), x[:100])
     store.close()
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
+def test_quantized_features_and_conjugate_out_are_refused_clearly():
+    # A quantized table used to pass the constructor and fail at gather in the dispatcher; an
+    # out with the conjugate bit aborted the whole process inside torch's fallback.
+    x = torch.randn(10, 4)
+    q = torch.quantize_per_tensor(x, 0.05, 3, torch.quint8)
+    with pytest.raises(ValueError, match="quantized"):
+        FeatureStore(q, device="cpu")
+    assert torch.equal(FeatureStore(q.int_repr(), device="cpu").gather(torch.tensor([2])),
+                       q.int_repr()[[2]])
+    z = torch.randn(10, 3, dtype=torch.complex64)
+    store = FeatureStore(z, device="cpu")
+    buf = torch.zeros(2, 3, dtype=torch.complex64)
+    with pytest.raises(ValueError, match="conjugate or negative view"):
+        store.gather(torch.tensor([1, 2]), out=buf.conj())
+    assert not buf.any()
+    assert torch.equal(store.gather(torch.tensor([1, 2]), out=buf), z[[1, 2]])

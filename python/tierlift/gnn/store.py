@@ -203,6 +203,10 @@ class FeatureStore:
             raise ValueError(f"features must be a CPU tensor (host memory), got {table.device}")
         if table.layout != torch.strided:
             raise ValueError(f"features must be a dense tensor, got {table.layout}")
+        if table.is_quantized:  # its scale and zero point would not reach the gathered rows
+            raise ValueError("features: quantized tensors (torch.quantize_per_*) are not "
+                             "supported; store q.int_repr() and apply q's scale and zero point "
+                             "to the gathered rows")
         if table.dim() < 1:
             raise ValueError("features must have at least one dimension (rows along dim 0)")
         if not table.is_contiguous():
@@ -411,6 +415,9 @@ class FeatureStore:
                              f"{self.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
         if not out.is_contiguous():
             raise ValueError("out must be contiguous")
+        if out.is_conj() or out.is_neg():  # torch's fallback for such views aborts the process
+            raise ValueError("out is a conjugate or negative view (.conj(), ._neg_view()); pass "
+                             "a plain tensor (out.resolve_conj().resolve_neg() copies)")
         if out.requires_grad:  # autograd would keep out's old history over the new rows
             raise ValueError("out requires grad, but gather writes it in place without autograd: "
                              "its gradient would flow to whatever out was computed from. Pass an "
