@@ -5,6 +5,10 @@ with a clear error before anything changes.
 - step counts saved as numbers (torch before 1.12, converted checkpoints): torch's Adam makes
   them float32 tensors on load; the offloaded step once failed on them with AttributeError,
   after the load had replaced the state; one set by hand in optimizer.state failed the same way;
+- a state dict saved with another amsgrad than the offloaded optimizer's state kinds were laid
+  out for (or amsgrad=True into compact state): the load replaced the step counts, dropped
+  max_exp_avg_sq (or left it zero) and set the group's amsgrad, and every step() then refused
+  the group; now the load refuses, before anything changes.
 """
 
 from __future__ import annotations
@@ -14,11 +18,15 @@ import copy
 import pytest
 import torch
 from conformance_util import (
+    COMPACT_MODES,
     MODES,
+    OFFLOADED,
     assert_matches_torch,
+    assert_same_snapshot,
     assert_state_matches_torch,
     build_model,
     close,
+    snapshot,
     tl_opt,
     torch_opt,
     train,
@@ -74,6 +82,48 @@ def test_step_count_set_to_a_number_restarts_bias_correction(mode, tmp_path, one
             train(m, o, steps=2)
             o.state[m[2].weight]["step"] = count
             train(m, o, steps=2, start=2)
+        assert_matches_torch(model, ref)
+        assert_state_matches_torch(opt, ref_opt)
+    finally:
+        close(opt)
+
+
+# (mode, amsgrad of the saved dict): compact state has no amsgrad of its own to differ from
+AMSGRAD_CASES = [(m, saved) for m in OFFLOADED for saved in (True, False)] + [
+    ("c_none", True), ("c_cpu_ov", True)]
+
+
+@pytest.mark.parametrize(("mode", "saved_amsgrad"), AMSGRAD_CASES)
+def test_load_with_other_amsgrad_refused_before_anything_changes(mode, saved_amsgrad, tmp_path,
+                                                                 one_thread):
+    amsgrad = not saved_amsgrad and mode not in COMPACT_MODES
+    _, sd_opt = _torch_checkpoint(amsgrad=saved_amsgrad)
+    model = build_model()
+    opt = tl_opt(mode, model.parameters(), tmp_path, amsgrad=amsgrad)
+    try:
+        train(model, opt, steps=2)
+        before = snapshot(model, opt)
+        with pytest.raises(ValueError, match=r"amsgrad=True in param_groups\[0\]"
+                           if saved_amsgrad else r"amsgrad=False in param_groups\[0\]"):
+            opt.load_state_dict(sd_opt)
+        assert_same_snapshot(snapshot(model, opt), before, "refused load")
+        train(model, opt, steps=1, start=2)  # still steps
+    finally:
+        close(opt)
+
+
+@pytest.mark.parametrize("mode", ["cpu", "nvme2_ov"])
+def test_load_with_the_same_amsgrad_resumes_as_torch(mode, tmp_path, one_thread):
+    ref = build_model()
+    ref_opt = torch_opt(ref.parameters(), amsgrad=True)
+    train(ref, ref_opt, steps=5)
+    sd_model, sd_opt = _torch_checkpoint(amsgrad=True)
+    model = build_model(seed=5)
+    model.load_state_dict(sd_model)
+    opt = tl_opt(mode, model.parameters(), tmp_path, amsgrad=True)
+    try:
+        opt.load_state_dict(sd_opt)
+        train(model, opt, steps=2, start=3)
         assert_matches_torch(model, ref)
         assert_state_matches_torch(opt, ref_opt)
     finally:

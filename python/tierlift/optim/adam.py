@@ -47,6 +47,7 @@ from tierlift.optim.hyper import (
     check_flags,
     check_group_lr,
     check_group_types,
+    check_loaded_amsgrad,
     check_state_dtype,
     check_torch_config,
     check_types,
@@ -318,6 +319,9 @@ class Adam(Optimizer):
         state_hooks.load_post_hooks(self)
 
     def _replace_state(self, state_dict, before_commit) -> None:
+        laid_out = None if self._offload is None else [
+            "max_exp_avg_sq" in kinds for kinds in self._offload._kinds]
+        check_loaded_amsgrad(state_dict["param_groups"], self._state_dtype, laid_out)
         if self._offload is None:
             super().load_state_dict(state_dict)
             self._adopt_loaded_state(state_dict)

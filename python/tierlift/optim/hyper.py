@@ -104,3 +104,23 @@ def check_group_lr(group: dict) -> None:
     if isinstance(group["lr"], torch.Tensor) and group.get("foreach") \
             and not group.get("capturable"):
         raise RuntimeError("lr as a Tensor is not supported for capturable=False and foreach=True")
+
+
+def check_loaded_amsgrad(saved_groups: list, state_dtype: str, laid_out: list | None) -> None:
+    """Before a load changes anything: a saved group's amsgrad that this optimizer's state cannot
+    follow. Loaded, the group would be refused by every step() after the load had replaced the
+    step counts and moments, its max_exp_avg_sq dropped (or zeroed). `laid_out`: each group's
+    amsgrad when an offloaded optimizer laid its state kinds out; None without offload."""
+    for gi, saved in enumerate(saved_groups):
+        amsgrad = bool(saved.get("amsgrad", False))
+        if amsgrad and state_dtype == "bf16":
+            raise ValueError(
+                f"the state dict being loaded has amsgrad=True in param_groups[{gi}], which "
+                "state_dtype='bf16' does not support; load it into an optimizer built with "
+                "state_dtype='fp32'. Nothing was changed")
+        if laid_out is not None and gi < len(laid_out) and amsgrad != laid_out[gi]:
+            raise ValueError(
+                f"the state dict being loaded has amsgrad={amsgrad} in param_groups[{gi}], but "
+                f"this offloaded optimizer was built with amsgrad={laid_out[gi]} there: its "
+                "state kinds (max_exp_avg_sq or not) are laid out at construction. Build the "
+                f"optimizer with amsgrad={amsgrad} to load this state dict. Nothing was changed")
