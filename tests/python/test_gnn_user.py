@@ -2,6 +2,8 @@
 (`features[index]`), which is the reference: where tierlift cannot give the same result it
 refuses, before anything is written."""
 
+import multiprocessing
+
 import pytest
 import torch
 
@@ -97,3 +99,32 @@ def test_quantized_features_and_conjugate_out_are_refused_clearly():
         store.gather(torch.tensor([1, 2]), out=buf.conj())
     assert not buf.any()
     assert torch.equal(store.gather(torch.tensor([1, 2]), out=buf), z[[1, 2]])
+
+
+@pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="no fork")
+def test_set_epoch_reaches_persistent_loader_workers():
+    # Persistent workers hold their own copy of the sampler: set_epoch(1) in the main process
+    # did not reach them, so epoch 1 silently repeated epoch 0's neighbourhoods.
+    pyg = pytest.importorskip("torch_geometric")
+    from torch_geometric.loader import NodeLoader
+
+    from tierlift.gnn import NeighborSampler, rmat_graph
+
+    n = 1 << 8
+    data = pyg.data.Data(x=torch.randn(n, 4), edge_index=rmat_graph(8, 8, seed=1), num_nodes=n)
+
+    def epochs(num_workers, **kwargs):
+        sampler = NeighborSampler(data, [4, 2], seed=3)
+        loader = NodeLoader(data, node_sampler=sampler, input_nodes=torch.arange(n),
+                            batch_size=128, num_workers=num_workers, **kwargs)
+        out = []
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            out.append([batch.n_id for batch in loader])
+        return out
+
+    want = epochs(0)
+    got = epochs(2, persistent_workers=True, multiprocessing_context="fork")
+    assert not all(torch.equal(a, b) for a, b in zip(*want))  # the epochs differ
+    for w, g in zip(want, got):
+        assert len(w) == len(g) and all(torch.equal(a, b) for a, b in zip(w, g))

@@ -79,7 +79,9 @@ class NeighborSampler(BaseSampler):
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
         self.seed = seed
-        self.epoch = 0
+        # In shared memory, so set_epoch reaches DataLoader workers that already exist
+        # (persistent_workers=True), forked or spawned, and not only those started afterwards.
+        self._epoch = torch.zeros((), dtype=torch.long).share_memory_()
         if isinstance(graph, tuple) and len(graph) == 2 and isinstance(graph[1], GraphStore):
             graph = graph[1]
         perm = None
@@ -114,10 +116,14 @@ class NeighborSampler(BaseSampler):
         """CSC position -> edge id in the graph as given (PyG maps `e_id` through it)."""
         return self._perm
 
+    @property
+    def epoch(self) -> int:
+        return int(self._epoch)
+
     def set_epoch(self, epoch: int) -> None:
         """Mix `epoch` into the randomness (call before iterating a loader, as with
-        DistributedSampler; workers created afterwards see it)."""
-        self.epoch = int(epoch)
+        DistributedSampler; the loader's workers see it, persistent ones too)."""
+        self._epoch.fill_(int(epoch))
 
     # ---- PyG BaseSampler ----
 
