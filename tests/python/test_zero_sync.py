@@ -4,9 +4,10 @@ device catches up. Counted on CPU, where those calls are the same, at the call s
 tierlift's own files (torch's are checked on a GPU by test_zero_sync_step.py).
 
 Here, 2 gloo ranks accumulating under no_sync(): where the synced backward reduces every unit
-the leftover check reads nothing back (it used to read one small tensor per optimizer step);
-where a unit was used only inside no_sync() (or by no micro-batch) its agreement reads once,
-and training matches one process over every rank's micro-batches."""
+the leftover check reads nothing back (it used to read one small tensor per optimizer step),
+nor where every rank summed the units the synced backward left (a branch only the micro-batches
+inside no_sync() took); where some rank summed none of them it reads once. Training matches one
+process over every rank's micro-batches."""
 
 from __future__ import annotations
 
@@ -82,18 +83,22 @@ class Branchy(nn.Module):
         super().__init__()
         self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1)
 
-    def forward(self, x, use_b: bool):
+    def forward(self, x, use_b):
+        """use_b: True, False, or "drop" (b runs, its output is dropped: no gradient)."""
         h = torch.tanh(self.a(x))
-        if use_b:
+        if use_b is True:
             h = h + torch.tanh(self.b(h))
+        elif use_b == "drop":
+            self.b(h)
         return self.c(h)
 
 
-# Per plan, whether micro-batch 0 (inside no_sync()) and 1 (synced) use b, by rank (the same
-# on every rank: ranks must use the same units, whose gathers are collectives).
+# Per plan, whether micro-batch 0 (inside no_sync()) and 1 (synced) use b, by rank (every rank
+# runs the same units, whose gathers are collectives; "drop": b gets no gradient all the same).
 PLANS = {
     "every_unit": lambda rank: (True, True),
     "b_in_no_sync": lambda rank: (True, False),
+    "b_in_no_sync_on_rank0": lambda rank: (True if rank == 0 else "drop", False),
     "b_nowhere": lambda rank: (False, False),
 }
 
@@ -113,7 +118,8 @@ def _reference(plan: str, world: int) -> dict:
         opt.zero_grad()
         for rank in range(world):
             for x, use_b in zip(data[step * world + rank], PLANS[plan](rank), strict=True):
-                (model(x, use_b).pow(2).mean() / 2 / world).backward()
+                b = use_b is True  # a dropped output adds nothing
+                (model(x, b).pow(2).mean() / 2 / world).backward()
         opt.step()
     return model.state_dict()
 
@@ -161,12 +167,32 @@ def test_no_sync_accumulation_reads_nothing_back_when_every_unit_reduced(ranks, 
         assert per_step == [{}] * (STEPS - 1), (rank, per_step)
 
 
-@pytest.mark.parametrize("plan", ["b_in_no_sync", "b_nowhere"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_unit_left_by_synced_backward_agreed_exactly(ranks, plan, stage):
+def test_unit_only_summed_in_no_sync_agreed_without_read(ranks, stage):
+    # Every rank summed b: the agreement (a MAX of ones) needs no answer.
     for rank, out in enumerate(ranks):
-        per_step, rel = out[f"{plan}/s{stage}"]
-        assert rel < 1e-5, (rank, plan, rel)
+        per_step, rel = out[f"b_in_no_sync/s{stage}"]
+        assert rel < 1e-5, (rank, rel)
+        assert per_step == [{}] * (STEPS - 1), (rank, per_step)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_unit_summed_on_one_rank_reduced_there_read_on_the_other(ranks, stage):
+    # Rank 0 summed b: sends ones, reads nothing. Rank 1 did not: reads the agreement, then
+    # the per-parameter flags of b (unused.py: none of b's parameters got a gradient there).
+    (per0, rel0), (per1, rel1) = (out[f"b_in_no_sync_on_rank0/s{stage}"] for out in ranks)
+    assert rel0 < 1e-5 and rel1 < 1e-5, (rel0, rel1)
+    assert per0 == [{}] * (STEPS - 1), per0
+    for counts in per1:
+        assert sorted(k.split(":")[0] for k in counts) == ["zero/hooks.py", "zero/unused.py"]
+        assert all(n == 1 and k.endswith(" tolist [cpu]") for k, n in counts.items()), counts
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_unit_summed_nowhere_agreed_with_one_read_and_not_stepped(ranks, stage):
+    for rank, out in enumerate(ranks):
+        per_step, rel = out[f"b_nowhere/s{stage}"]
+        assert rel < 1e-5, (rank, rel)  # b keeps no gradient: no weight decay, as torch
         for counts in per_step:
             # The leftover sums' agreement, one read per optimizer step, and nothing else.
             assert sum(counts.values()) == 1, counts

@@ -519,10 +519,15 @@ class ZeroState:
         comm = self.world_comm
         if comm.world == 1:  # nothing to agree on: no device round trip (a host sync on a GPU)
             agreed = left_here
+        elif all(left_here):
+            # MAX with all ones is all ones whatever the others send: sent, not read back.
+            mask = torch.ones(len(units), device=units[0].device)
+            comm.wait(comm.all_reduce(mask, op=torch.distributed.ReduceOp.MAX))
+            agreed = left_here
         else:
             mask = flags_on(left_here, units[0].device)
             comm.wait(comm.all_reduce(mask, op=torch.distributed.ReduceOp.MAX))
-            agreed = mask.tolist()
+            agreed = mask.tolist()  # read only where some unit left has no sum here
         for unit, left in zip(units, agreed, strict=True):
             if left:
                 grad = unit.full.grad
