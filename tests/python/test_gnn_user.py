@@ -3,6 +3,7 @@
 refuses, before anything is written."""
 
 import multiprocessing
+import pickle
 
 import pytest
 import torch
@@ -128,3 +129,22 @@ def test_set_epoch_reaches_persistent_loader_workers():
     assert not all(torch.equal(a, b) for a, b in zip(*want))  # the epochs differ
     for w, g in zip(want, got):
         assert len(w) == len(g) and all(torch.equal(a, b) for a, b in zip(w, g))
+
+
+@pytest.mark.gpu
+def test_a_pickled_cuda_store_refuses_to_gather_and_the_original_keeps_its_rows():
+    # Spawned DataLoader workers receive the store pickled by ForkingPickler, which used to move
+    # the table into shared memory under the original store (or fail on its registration).
+    from multiprocessing.reduction import ForkingPickler
+
+    x = torch.randn(300, 8)
+    index = torch.tensor([5, 299, 0])
+    for pin in ("inplace", "copy"):
+        store = FeatureStore(x.clone(), pin=pin, cache=0.1, degrees=torch.arange(300))
+        copy = pickle.loads(ForkingPickler.dumps(store))
+        with pytest.raises(RuntimeError, match="pickled into another process"):
+            copy.gather(index)
+        assert copy.shape == store.shape and copy.dtype == store.dtype
+        assert not store._table.is_shared() and store._table.is_pinned()
+        assert torch.equal(store.gather(index).cpu(), x[index])
+        store.close()

@@ -171,6 +171,7 @@ class FeatureStore:
         self._cache_table = self._cache_slots = self._counts = self._bad = self._bad_host = None
         self._gathers = 0
         self._closed = False
+        self._pickled_cuda = False  # a copy of a CUDA store in another process: cannot gather
         if self.device.type == "cuda":
             table = self._pin(table, file_backed)
             # Deferred bounds check: the kernel stores (position, value) of a bad index in
@@ -345,6 +346,19 @@ class FeatureStore:
         if not getattr(self, "_closed", True):
             self.close()
 
+    def __getstate__(self):
+        """A CPU store pickles whole. A CUDA store's copy (for a spawned DataLoader worker, say)
+        carries no rows: its registered memory and GPU cache cannot cross processes, and
+        pickling the table for a worker would move it into shared, unpinned memory under this
+        process's store. The copy keeps shape and dtype, and refuses to gather."""
+        state = self.__dict__.copy()
+        if self.device.type == "cuda" and not self._closed:
+            for key in ("_registration", "_table", "_cache_table", "_cache_slots", "_counts",
+                        "_bad", "_bad_host", "_watched"):
+                state[key] = None
+            state["_pickled_cuda"] = True
+        return state
+
     def __setstate__(self, state):
         """Unpickled (a spawned worker's copy): its tensor is new, with a version of its own."""
         self.__dict__.update(state)
@@ -363,6 +377,11 @@ class FeatureStore:
     def _check_usable(self) -> None:
         if self._closed:
             raise RuntimeError("FeatureStore is closed; create a new one")
+        if self._pickled_cuda:
+            raise RuntimeError("FeatureStore(device='cuda') was pickled into another process "
+                               "(a spawned DataLoader worker?), which gets no rows: gather in "
+                               "the process that built it (PyG loaders: "
+                               "filter_per_worker=False), or give workers a device='cpu' store")
         watched = self._watched[0] if self._watched is not None else None
         if isinstance(watched, weakref.ref):
             watched = watched()
