@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
 
 @dataclass(frozen=True, kw_only=True)
 class Float8Recipe:
@@ -33,6 +35,12 @@ class Float8Recipe:
     def __post_init__(self):
         if self.scaling not in ("tensor", "row"):
             raise ValueError(f"scaling must be 'tensor' or 'row', got {self.scaling!r}")
+        for what in ("forward_dtype", "grad_dtype"):
+            # checked here, not at the first forward: convert() would already have swapped the
+            # layers of the model in place by then
+            if getattr(self, what) not in FP8_DTYPES:
+                raise ValueError(f"{what} must be one of {FP8_DTYPES} (what the quantizers and "
+                                 f"torch._scaled_mm take), got {getattr(self, what)}")
         if self.transposed_copy not in ("dual", "separate"):
             raise ValueError(f"transposed_copy must be 'dual' or 'separate', got "
                              f"{self.transposed_copy!r}")
