@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from tierlift.lowp import FP4_RECIPES, RECIPES, Float8Recipe, convert
+from tierlift.lowp import FP4_RECIPES, RECIPES, Float8Recipe, FP4Recipe, convert
 
 ALL_RECIPES = sorted(RECIPES) + sorted(FP4_RECIPES)
 
@@ -149,3 +149,13 @@ def test_a_recipe_dtype_the_quantizers_lack_is_refused_when_made(field, dtype):
     with pytest.raises(ValueError, match=field):
         Float8Recipe(name="custom", scaling="row", pow2_scale=True,
                      grad_weight_high_precision=False, **{field: dtype})
+
+
+def test_a_dgrad_hadamard_the_2d_weight_path_would_ignore_is_refused():
+    # With weight_2d the dgrad reuses the forward's 16x16-block W, so dgrad_hadamard was dropped
+    # without a word: gradients bit-identical to nvfp4's although a rotation was asked for.
+    kw = {f: getattr(FP4_RECIPES["nvfp4"], f) for f in FP4Recipe.__dataclass_fields__}
+    kw.update(name="nvfp4-dgrad-h16", dgrad_hadamard=16)
+    with pytest.raises(ValueError, match="dgrad_hadamard=16 with weight_2d"):
+        FP4Recipe(**kw)
+

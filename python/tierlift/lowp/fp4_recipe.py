@@ -47,6 +47,11 @@ class FP4Recipe:
                              "blocks' rotation back on the gradients)")
         if self.weight_2d and self.forward_rule != "nv":
             raise ValueError("weight_2d needs forward_rule='nv'")
+        if self.weight_2d and self.dgrad_hadamard:
+            # the dgrad reuses the forward's 16x16-block W: there is no W^T quantization to rotate
+            raise ValueError(f"dgrad_hadamard={self.dgrad_hadamard} with weight_2d=True: the dgrad "
+                             f"reuses the forward's 16x16-block weight, so no rotation would be "
+                             f"applied; set dgrad_hadamard=0, or weight_2d=False to rotate it")
 
 
 FP4_RECIPES: dict[str, FP4Recipe] = {
