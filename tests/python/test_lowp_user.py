@@ -159,3 +159,12 @@ def test_a_dgrad_hadamard_the_2d_weight_path_would_ignore_is_refused():
     with pytest.raises(ValueError, match="dgrad_hadamard=16 with weight_2d"):
         FP4Recipe(**kw)
 
+
+def test_min_features_with_a_module_filter_is_refused_before_any_change():
+    # The filter alone decides: min_features was ignored, so layers below it were converted.
+    model = _mlp()
+    with pytest.raises(ValueError, match="both module_filter_fn and min_features=2048"):
+        convert(model, "fp8-rowwise", lambda mod, fqn: True, min_features=2048)
+    assert all(type(m) is nn.Linear for m in model if isinstance(m, nn.Linear))
+    assert convert(model, "fp8-rowwise").converted == []  # the default size rule
+    assert convert(model, "fp8-rowwise", lambda mod, fqn: fqn == "0").converted == ["0"]

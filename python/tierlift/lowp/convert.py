@@ -14,6 +14,8 @@ from tierlift.lowp.linear import Float8Linear
 from tierlift.lowp.recipe import RECIPES, Float8Recipe, get_recipe
 
 log = logging.getLogger("tierlift.lowp")
+# Below this min(in_features, out_features) quantizing costs more than the FP8 GEMM saves.
+DEFAULT_MIN_FEATURES = 1024
 
 
 @dataclass(kw_only=True)
@@ -62,20 +64,28 @@ def _resolve(recipe):
 
 def convert(model: nn.Module, recipe: str | Float8Recipe | FP4Recipe = "fp8-rowwise",
             module_filter_fn: Callable[[nn.Module, str], bool] | None = None, *,
-            min_features: int = 1024) -> ConversionReport:
+            min_features: int | None = None) -> ConversionReport:
     """Turn, in place, each nn.Linear of `model` into a Float8Linear (FP8 recipes) or an
     FP4Linear ("mxfp4-quartet", "nvfp4", "mxfp4-rtn"): the same module object, so its
     parameters, buffers, hooks, training flag and every path to it stay as they were.
 
     Layers whose dimensions are not multiples of 16 (FP8) or 32 (FP4) always stay in high
     precision. Otherwise `module_filter_fn(module, fqn) -> bool`, when given, decides; without it
-    layers with min(in_features, out_features) < min_features stay (too small to gain). Returns,
+    layers with min(in_features, out_features) < min_features (default 1024) stay (too small to
+    gain). Giving both is refused: the filter alone would decide, ignoring min_features. Returns,
     and logs, which layers were converted and why the others were kept. `model` may itself be
     an nn.Linear: it is converted in place too, reported under the name "" (its fqn).
     """
     r, layer_cls, multiple = _resolve(recipe)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if module_filter_fn is not None and min_features is not None:
+        raise ValueError(f"convert() got both module_filter_fn and min_features={min_features}: "
+                         f"module_filter_fn decides alone, min_features would be ignored; put the "
+                         f"size rule in the filter (min(mod.in_features, mod.out_features) >= "
+                         f"{min_features}) or pass only min_features")
+    if min_features is None:
+        min_features = DEFAULT_MIN_FEATURES
     if min_features < 0:
         raise ValueError(f"min_features must be >= 0, got {min_features}")
     if hasattr(model, "_tierlift_zero"):
