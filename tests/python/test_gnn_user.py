@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tierlift
-from tierlift.gnn import FeatureStore, to_csr
+from tierlift.gnn import FeatureStore, rmat_graph, to_csr
 
 pytestmark = pytest.mark.skipif(not tierlift._extension.available(),
                                 reason="compiled extension not loaded")
@@ -109,7 +109,7 @@ def test_set_epoch_reaches_persistent_loader_workers():
     pyg = pytest.importorskip("torch_geometric")
     from torch_geometric.loader import NodeLoader
 
-    from tierlift.gnn import NeighborSampler, rmat_graph
+    from tierlift.gnn import NeighborSampler
 
     n = 1 << 8
     data = pyg.data.Data(x=torch.randn(n, 4), edge_index=rmat_graph(8, 8, seed=1), num_nodes=n)
@@ -148,3 +148,10 @@ def test_a_pickled_cuda_store_refuses_to_gather_and_the_original_keeps_its_rows(
         assert not store._table.is_shared() and store._table.is_pinned()
         assert torch.equal(store.gather(index).cpu(), x[index])
         store.close()
+
+
+def test_rmat_scale_whose_edge_keys_overflow_is_refused():
+    # The dedup key src * 2**scale + dst overflows int64 from scale 32 on (wrong edges); the
+    # refusal comes before any allocation.
+    with pytest.raises(ValueError, match=r"scale must be an int in \[1, 31\]"):
+        rmat_graph(32, 1)

@@ -18,8 +18,8 @@ def rmat_graph(scale: int, edge_factor: int = 16, *, a: float = 0.57, b: float =
     """Edge index (2, E) of an R-MAT graph with 2**scale vertices and ~edge_factor * 2**scale
     edges (Graph500 defaults a=0.57, b=c=0.19, d=0.05). Duplicates are removed; undirected graphs
     hold both directions of every edge."""
-    if not isinstance(scale, int) or not 1 <= scale <= 40:
-        raise ValueError(f"scale must be an int in [1, 40], got {scale!r}")
+    if not isinstance(scale, int) or not 1 <= scale <= 31:  # the edge key src * n + dst: int64
+        raise ValueError(f"scale must be an int in [1, 31], got {scale!r}")
     if not isinstance(edge_factor, int) or edge_factor < 1:
         raise ValueError(f"edge_factor must be a positive int, got {edge_factor!r}")
     d = 1.0 - a - b - c
