@@ -73,10 +73,6 @@ class HostReads:
     def __exit__(self, *exc) -> None:
         self.on = False
 
-    def reads_on(self, device_type: str) -> int:
-        """Reads of tensors on `device_type`."""
-        return sum(n for k, n in self.counts.items() if k.endswith(f"[{device_type}]"))
-
 
 class Branchy(nn.Module):
     def __init__(self) -> None:

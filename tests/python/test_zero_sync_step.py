@@ -1,12 +1,14 @@
 """A whole ZeRO training step at one rank (forward, backward, clip_grad_norm_, optimizer.step,
-zero_grad), stages 1-3, with and without a parameter that gets no gradient, after a warm-up step
-that makes the optimizer's state; the weights match torch's AdamW on the unsharded model.
+zero_grad), stages 1-3, with and without a parameter that gets no gradient, over one
+micro-batch (tierlift.zero.clip_grad_norm_) or two, the first inside no_sync() (torch's clip),
+after a warm-up step that makes the optimizer's state; norms and weights match torch's AdamW on
+the unsharded model.
 
 On a GPU (`gpu` marker) the step runs under torch.cuda.set_sync_debug_mode: "error", so any host
 sync raises, where torch's own step on the unsharded model makes none; otherwise "warn", and
 the ZeRO step may sync only where torch's does plus the reads tierlift's code makes of CUDA
-tensors, counted by test_zero_sync.HostReads. On CPU the same body counts those reads (a read
-of a CPU tensor is no sync, so it counts every read): none with every parameter used; with one
+tensors, counted by test_zero_sync.HostReads. On CPU the same body counts those reads (each
+would be a sync were the tensor on a GPU): none with every parameter used; with one
 unused per block, only unused.py's check of the unseen entries' local gradient (one read per
 unit holding one, per backward) and the optimizer's step counts, which torch's AdamW keeps on
 the CPU (no sync on a GPU either).
@@ -131,9 +133,5 @@ def test_zero_step_host_syncs(monkeypatch, device, accum, unused, stage):
                 and (" _step_now() " in k or " _floats() " in k) for k in counts_read
             ), step_counts
         if device == "cuda":  # every sync beyond torch's own is a counted read
-            assert step_syncs <= torch_syncs + reads_on_cuda(step_counts), (step_syncs,
-                                                                            torch_syncs)
-
-
-def reads_on_cuda(counts: dict) -> int:
-    return sum(n for k, n in counts.items() if k.endswith("[cuda]"))
+            cuda_reads = sum(n for k, n in step_counts.items() if k.endswith("[cuda]"))
+            assert step_syncs <= torch_syncs + cuda_reads, (step_syncs, torch_syncs, step_counts)
