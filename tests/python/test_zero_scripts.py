@@ -133,6 +133,22 @@ def _cases(rank, world, tmp) -> dict:
                                                 ref.state_dict())
 
     ref_sd = ref.state_dict()
+    # Freezing a layer mid-training (a norm inside a block, the final norm in the root unit):
+    # refused at the call, nothing changed; training goes on as the reference's.
+    for stage in (1, 3):
+        model = tierlift.zero.shard(make_model(), stage=stage)
+        opt = _adamw(model.parameters())
+        _train(model, opt, data[:2], world, rank)
+        before = tierlift.zero.full_state_dict(model)
+        grads = [p.requires_grad for p in model.parameters()]
+        for name in ("ln_f", "blocks.0.ln1"):
+            out[f"freeze{stage}_{name}"] = raised(
+                lambda m=model, n=name: m.get_submodule(n).requires_grad_(False))
+        out[f"freeze{stage}_grads"] = grads == [p.requires_grad for p in model.parameters()]
+        out[f"freeze{stage}_kept"] = _max_rel(tierlift.zero.full_state_dict(model), before)
+        _train(model, opt, data[2:], world, rank)
+        out[f"freeze{stage}_rel"] = _max_rel(tierlift.zero.full_state_dict(model), ref_sd)
+
     # An eval forward under no_grad between steps (stage 3 gathers and frees for it).
     model = tierlift.zero.shard(make_model(), stage=3)
 
@@ -191,6 +207,23 @@ def test_ema_of_shards_as_an_ema_model(ranks, stage):
         assert out[f"ema{stage}_loss"] < 1e-5
         assert out[f"ema{stage}_rel"] < 1e-5
         assert out[f"ema{stage}_model_rel"] < 1e-5  # the swap put the trained weights back
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_freezing_a_layer_inside_a_unit_is_refused(ranks, stage):
+    """`model.ln_f.requires_grad_(False)` after shard(): ln_f.parameters() yields no shard, so
+    torch's call changed nothing and ln_f went on training (91% relative off a model that froze
+    it). Refused at the call, before anything changes."""
+    for out in ranks:
+        for name in ("ln_f", "blocks.0.ln1"):
+            err = out[f"freeze{stage}_{name}"]
+            assert err.startswith(f"RuntimeError: {name}.requires_grad_(False) on a model "
+                                  f"sharded by tierlift.zero.shard would freeze {name}.weight, "
+                                  f"{name}.bias"), err
+            assert "Nothing was changed" in err
+        assert out[f"freeze{stage}_grads"]
+        assert out[f"freeze{stage}_kept"] == 0.0
+        assert out[f"freeze{stage}_rel"] < 1e-5
 
 
 def test_eval_compile_and_apply_as_torch(ranks):

@@ -28,6 +28,9 @@ slice instead of the model:
 - optimizer.state_dict() holds this rank's slice of the state only: it records whose slice,
   and load_state_dict refuses another rank's (a file saved on rank 0 only, loaded everywhere);
   see optim_record.py.
+- module.requires_grad_() after shard() on a module inside a unit (a block's LayerNorm, the
+  final norm in the root unit) would change nothing (its .parameters() yields no shard) and the
+  weights would go on training: refused, as any change of requires_grad after shard() is.
 """
 
 from __future__ import annotations
@@ -235,6 +238,57 @@ def _module_zero_grad(original):
     return zero_grad
 
 
+def _changed_by(state, module, requires_grad: bool) -> list[str]:
+    """Names of the sharded model's weights under `module` (its own attributes or its
+    submodules') whose requires_grad `module.requires_grad_(requires_grad)` would change."""
+    inside = {id(m) for m in module.modules()}
+    out = []
+    for unit in state.units:
+        if unit.frozen == (not requires_grad):
+            continue
+        for e in unit.entries:
+            if any(id(mod()) in inside for mod, _ in e.owners if mod() is not None):
+                out.append(e.names[0])
+    if requires_grad:
+        own = {id(p) for p in module.parameters()}
+        out += [name for name, p in state.replicated if id(p) in own]
+    return out
+
+
+def _module_requires_grad(original):
+    # After shard() a module's weights are views of its unit's buffer, and .parameters() of a
+    # module inside a unit (a LayerNorm of a block, the final norm in the root unit) yields no
+    # shard: torch's requires_grad_ would change nothing there and training would go on
+    # updating the weights it was meant to freeze. requires_grad is fixed at shard() (the
+    # next forward or step refuses a changed shard): refused here, before anything changes.
+    def requires_grad_(self, requires_grad=True):
+        from tierlift.zero import guards  # guards imports this module (through hooks)
+
+        for state in guards.states_in(self):
+            names = _changed_by(state, self, bool(requires_grad))
+            if names:
+                root = state.root
+                where = next((n for n, m in root.named_modules() if m is self), None) \
+                    if root is not None else None
+                what = (f"{where or 'model'}.requires_grad_({bool(requires_grad)})"
+                        if where is not None else
+                        f"requires_grad_({bool(requires_grad)}) on a module holding the model")
+                shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more"
+                                                if len(names) > 4 else "")
+                raise RuntimeError(
+                    f"{what} on a model sharded by tierlift.zero.shard would "
+                    f"{'freeze' if not requires_grad else 'unfreeze'} {shown}: requires_grad "
+                    "is fixed when shard() packs the weights into flat shards (a module "
+                    "inside a unit holds no parameter of its own any more, so torch's "
+                    "requires_grad_ would leave them training). Freeze or unfreeze before "
+                    "tierlift.zero.shard(model), then build the optimizer; to change it during "
+                    "training, save tierlift.zero.full_state_dict(model), build and shard a new "
+                    "model from it with the new requires_grad. Nothing was changed")
+        return original(self, requires_grad)
+
+    return requires_grad_
+
+
 def install() -> None:
     """Idempotent (tierlift/_torch_patch.py)."""
     wrap_method(torch.nn.utils.clip_grad, "_get_total_norm", _NORM_PARAMS, _global_norm)
@@ -244,3 +298,5 @@ def install() -> None:
     wrap_method(torch.optim.Optimizer, "__init__", ["self", "params", "defaults"], _checking)
     wrap_method(torch.optim.Optimizer, "zero_grad", ["self", "set_to_none"], _optimizer_zero_grad)
     wrap_method(torch.nn.Module, "zero_grad", ["self", "set_to_none"], _module_zero_grad)
+    wrap_method(torch.nn.Module, "requires_grad_", ["self", "requires_grad"],
+                _module_requires_grad)
