@@ -155,3 +155,16 @@ def test_rmat_scale_whose_edge_keys_overflow_is_refused():
     # refusal comes before any allocation.
     with pytest.raises(ValueError, match=r"scale must be an int in \[1, 31\]"):
         rmat_graph(32, 1)
+
+
+def test_assigning_the_sampler_epoch_still_works():
+    pytest.importorskip("torch_geometric")
+    from tierlift.gnn import NeighborSampler
+
+    ei = rmat_graph(6, 4, seed=2)
+    a, b = NeighborSampler(ei, [3], seed=1), NeighborSampler(ei, [3], seed=1)
+    a.epoch = 5  # the attribute spelling, as before the epoch moved to shared memory
+    b.set_epoch(5)
+    seeds = torch.arange(0, 64, 5)
+    assert a.epoch == b.epoch == 5
+    assert all(torch.equal(p, q) for p, q in zip(a.sample(seeds)[:4], b.sample(seeds)[:4]))

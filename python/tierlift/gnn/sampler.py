@@ -120,6 +120,10 @@ class NeighborSampler(BaseSampler):
     def epoch(self) -> int:
         return int(self._epoch)
 
+    @epoch.setter
+    def epoch(self, epoch: int) -> None:
+        self.set_epoch(epoch)
+
     def set_epoch(self, epoch: int) -> None:
         """Mix `epoch` into the randomness (call before iterating a loader, as with
         DistributedSampler; the loader's workers see it, persistent ones too)."""
