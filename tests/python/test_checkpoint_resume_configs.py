@@ -151,3 +151,32 @@ def test_unnamed_checkpoint_into_groups_in_another_order(tmp_path, one_thread, k
     ref, got = _full(model), _full(model2)
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], rtol=0, atol=0, msg=k)
+
+
+class WithScale(Net):
+    """Net with a buffer added since the save (a layer without parameters)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.full((4,), 2.0))
+
+    def forward(self, x):
+        return super().forward(x) * self.scale
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_buffer_only_in_the_model_is_refused(tmp_path, one_thread, stage):
+    """A model that gained a buffer since the save kept its initial value beside the loaded
+    weights (the unsharded load refuses it, as torch's strict load_state_dict does)."""
+    model = tierlift.zero.shard(Net(), stage=stage, min_unit_numel=1)
+    opt = tierlift.optim.AdamW(model.parameters(), lr=0.05)
+    _train(model, opt, X[:2])
+    ck = str(tmp_path / "ck")
+    tierlift.checkpoint.save(ck, model, opt)
+    model2 = tierlift.zero.shard(WithScale(), stage=stage, min_unit_numel=1)
+    opt2 = tierlift.optim.AdamW(model2.parameters(), lr=0.05)
+    before = _snapshot(model2, opt2)
+    with pytest.raises(ValueError, match="'scale' exists only in the model"):
+        tierlift.checkpoint.load(ck, model2, opt2)
+    _assert_same(before, _snapshot(model2, opt2))
+

@@ -240,6 +240,16 @@ def _check_layout(meta: dict, units) -> None:
                              f"{m['numel']} elements in the checkpoint, {u.numel} in the model")
 
 
+def _refuse_missing(own: dict, extras: dict) -> None:
+    """A buffer (or replicated parameter) of the model that the checkpoint lacks would keep
+    its initial value beside loaded weights: refused, as a model that is not sharded refuses
+    it (a unit's parameters are checked by _check_layout)."""
+    missing = [k for k in own if not k.endswith(_SHARD_NAME) and k not in extras]
+    if missing:
+        raise ValueError(f"checkpoint does not match the model: {missing[0]!r} exists only in "
+                         "the model")
+
+
 def _align(meta: dict, units, shards: list[dict]):
     """Pairs the model's units with the saved ones. Stage 3 shards frozen parameters, stages
     1/2 keep them replicated (saved as extras), so a checkpoint may hold them either way:
@@ -394,6 +404,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
               if k.startswith("extra.") and k[len("extra."):] not in taken}
     extras.update(unsharded)
     fmt.check_fits(own, extras, complete=False)
+    _refuse_missing(own, extras)
     off = fmt.offloader(optimizer)
     streamed = optimizer is not None and meta.get("optimizer_state") == "offloaded"
     plan, source = None, path
