@@ -180,3 +180,33 @@ def test_a_buffer_only_in_the_model_is_refused(tmp_path, one_thread, stage):
         tierlift.checkpoint.load(ck, model2, opt2)
     _assert_same(before, _snapshot(model2, opt2))
 
+
+class FrozenB(Net):
+    def __init__(self):
+        super().__init__()
+        self.b.weight.requires_grad_(False)
+
+
+@pytest.mark.parametrize(("saved", "loaded"), [(Net, FrozenB), (FrozenB, Net)])
+def test_a_parameter_frozen_since_the_save_is_refused_with_its_name(tmp_path, one_thread,
+                                                                   saved, loaded):
+    """requires_grad changed since the save moves the parameter between units: refused
+    naming it (before: 'tensor #2 is b.weight ... but b.bias'), nothing changed, and the
+    weights alone load the way the message says."""
+    model = tierlift.zero.shard(saved(), stage=3, min_unit_numel=1)
+    opt = tierlift.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    _train(model, opt, X[:2])
+    ck = str(tmp_path / "ck")
+    tierlift.checkpoint.save(ck, model, opt)
+    model2 = tierlift.zero.shard(loaded(), stage=1, min_unit_numel=1)
+    opt2 = tierlift.optim.AdamW([p for p in model2.parameters() if p.requires_grad], lr=0.05)
+    before = _snapshot(model2, opt2)
+    how = "frozen .* in the model but was trained" if saved is Net else \
+        "trained in the model but was frozen"
+    with pytest.raises(ValueError, match=f"'b.weight' is {how} when saved; .*load_full_state_dict"):
+        tierlift.checkpoint.load(ck, model2, opt2)
+    _assert_same(before, _snapshot(model2, opt2))
+    tierlift.zero.load_full_state_dict(model2, tierlift.checkpoint.full_state_dict(ck))
+    ref, got = _full(model), _full(model2)
+    for k in ref:
+        assert torch.equal(got[k], ref[k]), k

@@ -240,6 +240,34 @@ def _check_layout(meta: dict, units) -> None:
                              f"{m['numel']} elements in the checkpoint, {u.numel} in the model")
 
 
+def _refuse_frozen_changes(meta: dict, shards: list[dict], state, path: str) -> None:
+    """A parameter trained when saved and frozen here (requires_grad=False), or the reverse:
+    the units hold trainable and frozen parameters apart, so the layouts differ. Said plainly,
+    with the way to take the weights alone, before _check_layout reports a mismatch."""
+    def names(units, frozen: bool) -> set:
+        return {n for u in units if bool(u["frozen"] if isinstance(u, dict) else u.frozen)
+                == frozen for e in (u["entries"] if isinstance(u, dict) else u.entries)
+                for n in (e["names"] if isinstance(e, dict) else e.names)}
+
+    saved_frozen = names(meta["units"], True) | {k[len("extra."):] for k in shards[0]
+                                                 if k.startswith("extra.")}
+    own_frozen = names(state.units, True) | {n for n, _ in state.replicated}
+    now_frozen = sorted(names(meta["units"], False) & own_frozen)
+    now_trained = sorted(names(state.units, False) & saved_frozen)
+    if not now_frozen and not now_trained:
+        return
+    what = (f"{now_frozen[0]!r} is frozen (requires_grad=False) in the model but was trained "
+            "when saved" if now_frozen else
+            f"{now_trained[0]!r} is trained in the model but was frozen when saved")
+    more = len(now_frozen) + len(now_trained) - 1
+    raise ValueError(
+        f"checkpoint does not match the model: {what}{f' ({more} more)' if more else ''}; a "
+        "sharded checkpoint holds trainable and frozen parameters in separate units, so it "
+        "loads into a model that freezes the same ones. To start from its weights with other "
+        "parameters frozen, load them alone: tierlift.zero.load_full_state_dict(model, "
+        f"tierlift.checkpoint.full_state_dict({path!r})) (the optimizer starts fresh)")
+
+
 def _refuse_missing(own: dict, extras: dict) -> None:
     """A buffer (or replicated parameter) of the model that the checkpoint lacks would keep
     its initial value beside loaded weights: refused, as a model that is not sharded refuses
@@ -379,6 +407,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
                          "tierlift.zero.shard(), or into a model that is not sharded")
     shards = [fmt.load_tensors(path, r) for r in range(meta["world_size"])]  # mapped
     meta, shards = _model_names(meta, shards, state, model)
+    _refuse_frozen_changes(meta, shards, state, path)
     aligned, from_extras, unsharded = _align(meta, state.units, shards)
     # Every check before the first change: a checkpoint that does not fit leaves all as it was.
     if optimizer is not None and meta["param_groups"] and \
