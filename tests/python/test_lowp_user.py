@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from tierlift.lowp import FP4_RECIPES, RECIPES, Float8Recipe, FP4Recipe, convert
+from tierlift.lowp import FP4_RECIPES, RECIPES, Float8Recipe, FP4Recipe, convert, fp4
 
 ALL_RECIPES = sorted(RECIPES) + sorted(FP4_RECIPES)
 
@@ -168,3 +168,15 @@ def test_min_features_with_a_module_filter_is_refused_before_any_change():
     assert all(type(m) is nn.Linear for m in model if isinstance(m, nn.Linear))
     assert convert(model, "fp8-rowwise").converted == []  # the default size rule
     assert convert(model, "fp8-rowwise", lambda mod, fqn: fqn == "0").converted == ["0"]
+
+
+def test_fp4_draws_come_from_the_cpu_generator_whatever_the_default_device():
+    # Under torch.set_default_device("cuda") the signs and SR seeds came from the CUDA generator
+    # (a device sync per draw, and state torch.get_rng_state() does not save); "meta" shows it
+    # on any machine: the draw failed there.
+    torch.manual_seed(5)
+    want = [fp4._draw(62), fp4._draw(32)]
+    torch.manual_seed(5)
+    with torch.device("meta"):
+        got = [fp4._draw(62), fp4._draw(32)]
+    assert got == want

@@ -36,7 +36,9 @@ def rotate(t: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _draw(bits: int) -> int:
-    return int(torch.randint(0, 1 << bits, (), dtype=torch.int64).item())
+    # The CPU generator whatever torch.set_default_device says: a CUDA draw would sync the device
+    # on .item() and come from a generator torch.get_rng_state() does not save.
+    return int(torch.randint(0, 1 << bits, (), dtype=torch.int64, device="cpu").item())
 
 
 def _pad_cols(t: torch.Tensor, multiple: int) -> torch.Tensor:
