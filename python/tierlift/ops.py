@@ -349,6 +349,15 @@ def gather_rows(table, index, out, *, cache_table=None, cache_slots=None,
     "grouped") picks the CUDA kernel's shape. The CPU gather ignores both (same result).
     """
     _check_gather_choices(locality, kernel)
+    if isinstance(out, torch.Tensor):
+        # The op writes out's memory without autograd or the lazy conj/neg bit: torch refuses
+        # the first for its own out= ops, and a conj/neg view would abort inside the dispatcher.
+        if out.requires_grad:
+            raise ValueError("gather_rows: out requires grad, and gather_rows is not "
+                             "differentiable; gather into a tensor that does not require grad")
+        if out.is_conj() or out.is_neg():
+            raise ValueError("gather_rows: out is a conjugate or negative view; gather into a "
+                             "plain tensor (call .resolve_conj()/.resolve_neg() on a copy)")
     for name, src in (("table", table), ("index", index)):
         if isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor) \
                 and _overlap(out, src):

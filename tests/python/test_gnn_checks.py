@@ -58,6 +58,22 @@ def test_raw_op_gathers_between_disjoint_parts_of_one_buffer():
     raw_gather(table, torch.empty(0, dtype=torch.long), buf[:0])  # empty: nothing to overlap
 
 
+def test_gather_rows_refuses_an_out_that_requires_grad_or_is_a_conj_view():
+    from tierlift import ops
+    table = torch.arange(8.0).view(4, 2)
+    w = torch.ones(1, 2, requires_grad=True)
+    out = w * 2  # torch's own out= ops refuse this; writing it would leave a wrong w.grad
+    with pytest.raises(ValueError, match="out requires grad"):
+        ops.gather_rows(table, torch.tensor([1]), out)
+    assert torch.equal(out.detach(), torch.full((1, 2), 2.0))
+    cplx = torch.zeros(1, 2, dtype=torch.complex64)
+    with pytest.raises(ValueError, match="conjugate or negative view"):
+        ops.gather_rows(torch.ones(4, 2, dtype=torch.complex64), torch.tensor([1]), cplx.conj())
+    with pytest.raises(ValueError, match="conjugate or negative view"):
+        ops.gather_rows(table, torch.tensor([0]), cplx.conj().imag)  # a negative float view
+    assert torch.equal(cplx, torch.zeros(1, 2, dtype=torch.complex64))
+
+
 @pytest.mark.parametrize(("dtype", "name"), [(torch.float32, "float32"),
                                              (torch.bfloat16, "bfloat16")])
 def test_raw_file_longer_than_its_shape_is_refused(tmp_path, dtype, name):
