@@ -144,6 +144,9 @@ def _cases(rank, world, tmp) -> dict:
         for name in ("ln_f", "blocks.0.ln1"):
             out[f"freeze{stage}_{name}"] = raised(
                 lambda m=model, n=name: m.get_submodule(n).requires_grad_(False))
+        # The weight's own flag (stage 3: a stand-in outside forward; 1/2: a view, not a leaf).
+        out[f"freeze{stage}_attr"] = raised(
+            lambda m=model: setattr(m.ln_f.weight, "requires_grad", False))
         out[f"freeze{stage}_grads"] = grads == [p.requires_grad for p in model.parameters()]
         out[f"freeze{stage}_kept"] = _max_rel(tierlift.zero.full_state_dict(model), before)
         _train(model, opt, data[2:], world, rank)
@@ -213,7 +216,8 @@ def test_ema_of_shards_as_an_ema_model(ranks, stage):
 def test_freezing_a_layer_inside_a_unit_is_refused(ranks, stage):
     """`model.ln_f.requires_grad_(False)` after shard(): ln_f.parameters() yields no shard, so
     torch's call changed nothing and ln_f went on training (91% relative off a model that froze
-    it). Refused at the call, before anything changes."""
+    it). Refused at the call, before anything changes; so is setting the flag of a stage-3
+    weight outside forward (a stand-in: the same silent no-op)."""
     for out in ranks:
         for name in ("ln_f", "blocks.0.ln1"):
             err = out[f"freeze{stage}_{name}"]
@@ -221,6 +225,10 @@ def test_freezing_a_layer_inside_a_unit_is_refused(ranks, stage):
                                   f"sharded by tierlift.zero.shard would freeze {name}.weight, "
                                   f"{name}.bias"), err
             assert "Nothing was changed" in err
+        err = out[f"freeze{stage}_attr"]
+        assert err.startswith("RuntimeError: " + (
+            "setting requires_grad=False on 'ln_f.weight', a weight of a model sharded by "
+            "tierlift.zero (stage 3)" if stage == 3 else "you can only change requires_grad")), err
         assert out[f"freeze{stage}_grads"]
         assert out[f"freeze{stage}_kept"] == 0.0
         assert out[f"freeze{stage}_rel"] < 1e-5

@@ -45,6 +45,19 @@ class FreedWeight(torch.Tensor):
             "tierlift.zero.gathered(model, modifier_rank=...):` on every rank, or take a copy "
             "with tierlift.zero.full_state_dict(model)")
 
+    # Setting requires_grad on a stand-in (`model.ln_f.weight.requires_grad = False` to freeze
+    # a layer) would change nothing the unit reads: the weight would go on training.
+    @property
+    def requires_grad(self) -> bool:
+        return torch._C.TensorBase.requires_grad.__get__(self)
+
+    @requires_grad.setter
+    def requires_grad(self, value: bool) -> None:
+        _refuse_requires_grad(self, value)
+
+    def requires_grad_(self, requires_grad: bool = True):
+        _refuse_requires_grad(self, requires_grad)
+
     def __repr__(self, *, tensor_contents=None) -> str:
         return (f"FreedWeight({self._tierlift_name!r}, shape={tuple(self.shape)}, "
                 f"dtype={self.dtype}, not gathered)")
@@ -53,6 +66,15 @@ class FreedWeight(torch.Tensor):
         raise NotGatheredError(f"{self._tierlift_name!r} is a stage-3 weight that is not "
                                "gathered; save the model with tierlift.checkpoint.save or "
                                "tierlift.zero.full_state_dict, not by pickling the module")
+
+
+def _refuse_requires_grad(stand_in: FreedWeight, value) -> None:
+    raise RuntimeError(
+        f"setting requires_grad={bool(value)} on {stand_in._tierlift_name!r}, a weight of a "
+        "model sharded by tierlift.zero (stage 3): outside forward its module attribute is a "
+        "stand-in, and requires_grad is fixed when shard() packs the weights into flat "
+        "shards, so the weight would go on as before. Freeze or unfreeze before "
+        "tierlift.zero.shard(model), then build the optimizer; nothing was changed")
 
 
 def freed_weights(entries, dtype: torch.dtype, device: torch.device) -> list[FreedWeight]:
