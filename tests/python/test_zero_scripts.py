@@ -8,7 +8,9 @@ rank itself:
   anything is loaded; each rank's own file resumes exactly.
 - an EMA of the shards (timm ModelEmaV3's `torch._foreach_lerp_` over model.parameters()),
   swapped in for evaluation; an eval forward under torch.no_grad() between steps at stage 3;
-  torch.compile(model); model.apply(init_fn) after shard() at stages 1/2: the same numbers."""
+  model.apply(init_fn) after shard() at stages 1/2: the same numbers.
+- freezing a layer after shard() (`model.ln_f.requires_grad_(False)`, or its weight's flag at
+  stage 3) changed nothing and the layer went on training: refused at the call."""
 
 from __future__ import annotations
 
@@ -163,12 +165,6 @@ def _cases(rank, world, tmp) -> dict:
     _train(model, _adamw(model.parameters()), data, world, rank, evaluate)
     out["eval_rel"] = _max_rel(tierlift.zero.full_state_dict(model), ref_sd)
 
-    # torch.compile of the sharded model (nanoGPT compiles after building the optimizer).
-    model = tierlift.zero.shard(make_model(), stage=3)
-    opt = _adamw(model.parameters())
-    _train(torch.compile(model, backend="eager"), opt, data, world, rank)
-    out["compile_rel"] = _max_rel(tierlift.zero.full_state_dict(model), ref_sd)
-
     # model.apply(init_fn) after shard() at stages 1/2 (the attributes hold the fp32 masters).
     torch.manual_seed(3)
     init_ref = make_model()
@@ -234,9 +230,8 @@ def test_freezing_a_layer_inside_a_unit_is_refused(ranks, stage):
         assert out[f"freeze{stage}_rel"] < 1e-5
 
 
-def test_eval_compile_and_apply_as_torch(ranks):
+def test_eval_and_apply_as_torch(ranks):
     for out in ranks:
         assert out["eval_rel"] < 1e-5
-        assert out["compile_rel"] < 1e-5
         assert out["apply1_rel"] < 1e-5
         assert out["apply2_rel"] < 1e-5
