@@ -285,9 +285,10 @@ class Session:
         if is_parameter(t, self._param_ptrs):
             self.stats["skipped_params"] += 1
             return False
-        if (t.layout != torch.strided or t.device.type not in ("cpu", "cuda")
+        # Nested tensors of the strided layout are plain Tensors with no sizes or strides.
+        if (t.layout != torch.strided or t.device.type not in ("cpu", "cuda") or t.is_nested
                 or type(t) is not torch.Tensor or t.is_conj() or t.is_neg() or _overlaps(t)):
-            return False  # sparse, meta, subclasses (FP8 tensors, fakes), expands: left alone
+            return False  # sparse, nested, meta, subclasses (FP8, fakes), expands: left alone
         nbytes = t.numel() * t.element_size()
         if nbytes == 0 or nbytes < self.config.min_bytes:
             self.stats["skipped_small"] += 1
