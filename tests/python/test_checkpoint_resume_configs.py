@@ -210,3 +210,27 @@ def test_a_parameter_frozen_since_the_save_is_refused_with_its_name(tmp_path, on
     ref, got = _full(model), _full(model2)
     for k in ref:
         assert torch.equal(got[k], ref[k]), k
+
+
+def test_compact_state_resumes_exactly(tmp_path, one_thread):
+    """state_dtype='bf16' without offload: its exp_avg_sq_scale (one per 256 elements) was
+    sliced as if it held one value per element and its uint8 codes cast to float, so the load
+    failed with a bare RuntimeError."""
+    def fresh():
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(40, 40), nn.Tanh(), nn.Linear(40, 40))
+        model = tierlift.zero.shard(net, stage=3, min_unit_numel=1)
+        return model, tierlift.optim.AdamW(model.parameters(), lr=0.01, state_dtype="bf16")
+
+    xs = [torch.randn(3, 40, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    model, opt = fresh()
+    _train(model, opt, xs[:2])
+    ck = str(tmp_path / "ck")
+    tierlift.checkpoint.save(ck, model, opt)
+    _train(model, opt, xs[2:])
+    model2, opt2 = fresh()
+    tierlift.checkpoint.load(ck, model2, opt2)
+    _train(model2, opt2, xs[2:])
+    ref, got = _full(model), _full(model2)
+    for k in ref:
+        assert torch.equal(got[k], ref[k]), k

@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 import torch
-from zero_model import batches, make_model, spawn_ranks, train
+from zero_model import batches, make_model, raised, spawn_ranks, train
 
 import tierlift
 
@@ -48,7 +48,28 @@ def _cases(rank: int, world: int, tmp: str) -> dict:
                                  rank=rank, zero=True)
     out["full_from_1"] = tierlift.zero.full_state_dict(model)
     opt.close()
+    # compact state saved on 1 rank: its scales cannot be split at 2 ranks' shard bounds
+    model = tierlift.zero.shard(make_model(seed=5), stage=3)
+    opt = tierlift.optim.AdamW(model.parameters(), lr=1e-2, state_dtype="bf16")
+    train(model, opt, DATA[:1], accum=1, clip=None, world=world, rank=rank, zero=True)
+    before = _state(model, opt)
+    out["compact"] = raised(lambda: tierlift.checkpoint.load(os.path.join(tmp, "ck1c"), model,
+                                                             opt), ValueError)
+    out["compact_unchanged"] = _same(before, _state(model, opt))
     return out
+
+
+def _state(model, opt) -> tuple:
+    return ({k: v.clone() for k, v in tierlift.zero.full_state_dict(model).items()},
+            {i: {k: torch.as_tensor(v).clone() for k, v in s.items()}
+             for i, s in opt.state_dict()["state"].items()})
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    return a[0].keys() == b[0].keys() and a[1].keys() == b[1].keys() and all(
+        torch.equal(a[0][k], b[0][k]) for k in a[0]) and all(
+        a[1][i].keys() == b[1][i].keys() and all(torch.equal(a[1][i][k], b[1][i][k])
+                                                 for k in a[1][i]) for i in a[1])
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +80,10 @@ def on_two(tmp_path_factory):
     train(model, opt, DATA[:2], accum=1, clip=None, zero=True)
     tierlift.checkpoint.save(os.path.join(tmp, "ck1"), model, opt)
     ref1 = train(model, opt, DATA[2:], accum=1, clip=None, zero=True)
+    compact = tierlift.zero.shard(make_model(seed=5), stage=3)
+    opt = tierlift.optim.AdamW(compact.parameters(), lr=1e-2, state_dtype="bf16")
+    train(compact, opt, DATA[:1], accum=1, clip=None, zero=True)
+    tierlift.checkpoint.save(os.path.join(tmp, "ck1c"), compact, opt)
     ranks = spawn_ranks(_cases, tmp)
     return tmp, ranks[0], (ref1, tierlift.zero.full_state_dict(model))
 
@@ -75,6 +100,15 @@ def test_one_rank_to_two_resumes_as_the_uninterrupted_run(on_two):
     _, r0, (losses, full) = on_two
     torch.testing.assert_close(r0["losses_from_1"], losses, **TOL)
     _assert_close(r0["full_from_1"], full)
+
+
+def test_compact_state_on_another_world_size_is_refused(on_two):
+    """state_dtype='bf16' keeps one exp_avg_sq scale per 256 elements of each rank's shard:
+    on another world size the blocks would straddle the new bounds."""
+    _, r0, _ = on_two
+    assert "compact optimizer state (state_dtype='bf16'" in r0["compact"], r0["compact"]
+    assert "saved on 1 ranks, which cannot be resharded exactly for 2" in r0["compact"]
+    assert r0["compact_unchanged"]
 
 
 @pytest.mark.parametrize(("stage", "keys", "offload", "named"), [

@@ -373,11 +373,26 @@ def _take(shards: list[dict], unit, saved: dict, key: str, rank: int) -> torch.T
     """This rank's new shard of the unit's flat tensor `key` (zeros past the unit's end)."""
     lo = rank * unit.shard_numel
     hi = min(lo + unit.shard_numel, unit.numel)
+    # state keeps its saved dtype: compact state's uint8 codes cast to float were refused
     out = torch.zeros(unit.shard_numel, dtype=unit.shard.dtype if key.endswith(".param")
-                      else torch.float32)
+                      else shards[0][key].dtype)
     if hi > lo:
         out[:hi - lo] = fmt.unit_slice(shards, key, saved["shard_numel"], lo, hi)
     return out.to(unit.device)
+
+
+def _whole(shards: list[dict], unit, saved: dict, key: str, comm, path: str) -> torch.Tensor:
+    """A state tensor that is not one value per element of the shard (compact state's
+    exp_avg_sq_scale: one per 256 elements of each rank's shard) as this rank saved it; its
+    blocks cannot be split at other shard bounds, so another world size is refused."""
+    if len(shards) != comm.world or saved["shard_numel"] != unit.shard_numel:
+        raise ValueError(
+            f"checkpoint {path} holds compact optimizer state (state_dtype='bf16': "
+            f"{key.split('.', 1)[1]!r} has one value per 256 elements of each rank's shard) "
+            f"saved on {len(shards)} ranks, which cannot be resharded exactly for "
+            f"{comm.world}; nothing was loaded. Load it on {len(shards)} ranks, or save it "
+            "from an optimizer with state_dtype='fp32'")
+    return shards[comm.rank][key].clone().to(unit.device)
 
 
 @torch.no_grad()
@@ -465,9 +480,12 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
                 st = loaded_state[unit.shard] = {}
                 for key in sorted(keys):
                     value = shards[0][f"unit{i}.{key}"]
-                    st[key] = (_take(shards, unit, saved, f"unit{i}.{key}", comm.rank)
-                               if value.dim() > 0
-                               else value.clone().to(unit.device if key != "step" else "cpu"))
+                    if value.dim() == 0:
+                        st[key] = value.clone().to(unit.device if key != "step" else "cpu")
+                    elif value.numel() != saved["shard_numel"]:  # not one value per element
+                        st[key] = _whole(shards, unit, saved, f"unit{i}.{key}", comm, path)
+                    else:
+                        st[key] = _take(shards, unit, saved, f"unit{i}.{key}", comm.rank)
                 if unit in counts:  # checked and taken off by load_state_dict (unused.py)
                     st[unused.KEY] = counts[unit]
     # Everything below is prepared, then agreed on by every rank, then committed: params and
