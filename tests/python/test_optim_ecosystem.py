@@ -9,16 +9,23 @@ with a clear error before anything changes.
   out for (or amsgrad=True into compact state): the load replaced the step counts, dropped
   max_exp_avg_sq (or left it zero) and set the group's amsgrad, and every step() then refused
   the group; now the load refuses, before anything changes.
+Regression checks of paths that were right: a run moved either way between torch's AdamW and
+tierlift's through torch.distributed.checkpoint.state_dict's get_state_dict/set_state_dict
+(set_state_dict first steps a fresh optimizer at lr 0 to create its state), with named
+parameters (param_names) and a scheduler that cycles betas (CyclicLR) or cuts the lr
+(ReduceLROnPlateau), its state saved and loaded beside the optimizer's.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
 from conformance_util import (
     COMPACT_MODES,
+    LR,
     MODES,
     OFFLOADED,
     assert_matches_torch,
@@ -31,6 +38,8 @@ from conformance_util import (
     torch_opt,
     train,
 )
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.optim import lr_scheduler
 
 import tierlift
 
@@ -128,3 +137,60 @@ def test_load_with_the_same_amsgrad_resumes_as_torch(mode, tmp_path, one_thread)
         assert_state_matches_torch(opt, ref_opt)
     finally:
         close(opt)
+
+
+SCHEDULERS = {
+    "cyclic_betas": functools.partial(lr_scheduler.CyclicLR, base_lr=LR / 10, max_lr=LR,
+                                      step_size_up=2, cycle_momentum=True, base_momentum=0.8,
+                                      max_momentum=0.95),
+    "plateau": functools.partial(lr_scheduler.ReduceLROnPlateau, patience=0, factor=0.5),
+}
+
+
+def _train_scheduled(model, opt, sched, steps: int, start: int = 0) -> None:
+    for i in range(start, start + steps):
+        train(model, opt, steps=1, start=i)
+        if isinstance(sched, lr_scheduler.ReduceLROnPlateau):
+            sched.step(1.0)  # no improvement: halves the lr from the second step on
+        else:
+            sched.step()
+
+
+@pytest.mark.parametrize("sched_name", list(SCHEDULERS))
+@pytest.mark.parametrize("to_torch", [True, False], ids=["to_torch", "from_torch"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_run_moved_through_dcp_state_dict_helpers(mode, to_torch, sched_name, tmp_path,
+                                                  one_thread):
+    make = SCHEDULERS[sched_name]
+    ref = build_model()
+    ref_opt = torch_opt(ref.named_parameters())
+    _train_scheduled(ref, ref_opt, make(ref_opt), steps=5)
+
+    def build(model, ours: bool):
+        params = model.named_parameters()
+        return tl_opt(mode, params, tmp_path) if ours else torch_opt(params)
+
+    opened = []
+    try:
+        model = build_model()
+        opt = build(model, ours=to_torch)
+        opened.append(opt)
+        sched = make(opt)
+        _train_scheduled(model, opt, sched, steps=3)
+        sd_model, sd_opt = copy.deepcopy(get_state_dict(model, opt))
+        sd_sched = copy.deepcopy(sched.state_dict())
+        close(opt)
+        model = build_model(seed=5)
+        opt = build(model, ours=not to_torch)
+        opened.append(opt)
+        sched = make(opt)
+        set_state_dict(model, opt, model_state_dict=sd_model, optim_state_dict=sd_opt)
+        sched.load_state_dict(sd_sched)
+        _train_scheduled(model, opt, sched, steps=2, start=3)
+        assert_matches_torch(model, ref)
+        assert_state_matches_torch(opt, ref_opt)
+        assert opt.param_groups[0]["betas"] == ref_opt.param_groups[0]["betas"]
+        assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
+    finally:
+        for o in opened:
+            close(o)
