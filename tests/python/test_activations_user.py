@@ -40,3 +40,56 @@ def test_nested_tensors_are_left_in_place_with_exact_gradients(tmp_path, tier):
     want = nested_softmax(contextlib.nullcontext())
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
     assert ctx.last_stats["tensors"] > 0  # the dense tensors of the same forward still moved
+
+
+class GradInSavedMemory(torch.autograd.Function):
+    """A memory-saving backward: builds the gradient in its saved input's memory (exact only
+    while nothing else needs that tensor, which autograd's version check enforces)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, g):
+        x, = ctx.saved_tensors
+        return x.mul_(2).mul_(g)
+
+
+def edits_saved_in_backward(ctx, form):
+    torch.manual_seed(0)
+    a = torch.randn(32, 32, requires_grad=True)
+    with ctx:
+        h = a * 3
+        if form == "retain":
+            loss = GradInSavedMemory.apply(h).sum()
+        else:  # sin saves h too; the custom backward, which runs first, edits it
+            s = h.sin().sum()
+            loss = GradInSavedMemory.apply(h).sum() + s
+        del h
+    if form == "retain":
+        loss.backward(retain_graph=True)
+    loss.backward()
+    return a.grad
+
+
+@pytest.mark.parametrize("form", ["retain", "shared"])
+@pytest.mark.parametrize("tier", TIERS)
+def test_a_saved_tensor_edited_by_a_backward_is_refused_when_needed_again(tmp_path, tier, form):
+    # Without offload autograd refuses; with it, the edited bytes came back (the second
+    # gradient 100% off in the RAM tier), or the refusal must be just as clear.
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        edits_saved_in_backward(contextlib.nullcontext(), form)
+    ctx = TIERS[tier](tmp_path)
+    if tier == "nvme" and form == "retain":  # read back afresh from the file: exact
+        torch.manual_seed(0)
+        a = torch.randn(32, 32, requires_grad=True)
+        want = 36 * a.detach()  # two backwards of sum((3a)^2): 2 * 18a
+        assert torch.allclose(edits_saved_in_backward(ctx, form), want)
+        return
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        edits_saved_in_backward(ctx, form)
+    # The same context runs the next step exactly.
+    assert all(torch.equal(g, w) for g, w in zip(
+        nested_softmax(ctx), nested_softmax(contextlib.nullcontext()), strict=True))

@@ -133,7 +133,7 @@ class Saved:
     """What autograd holds instead of a saved tensor."""
 
     __slots__ = ("session", "index", "group", "tier", "layout", "host", "offset", "reading",
-                 "dev", "event", "uses", "source", "version", "__weakref__")
+                 "dev", "event", "uses", "source", "version", "lent", "__weakref__")
 
     def __init__(self, session, index, group, tier, layout):
         self.session, self.index, self.group, self.tier = session, index, group, tier
@@ -144,6 +144,9 @@ class Saved:
         self.uses = 1  # packs that returned it: its bytes stay fetched until as many unpacks
         self.host = self.reading = self.dev = self.event = None
         self.offset = -1
+        # (weak buffer, its version) that the last unpack returned a view of: a backward that
+        # edits the tensor it was given in place must not hand the edit to the next unpack.
+        self.lent = None
 
 
 class _Write:
@@ -600,6 +603,15 @@ class Session:
             self.abandon(e)
             raise
         n = item.layout.nbytes
+        buf = item.dev if item.dev is not None else item.host
+        if item.lent is not None and item.lent[0]() is buf and buf._version != item.lent[1]:
+            lay = item.layout
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: a backward modified the saved tensor [{lay.dtype} "
+                f"{list(lay.shape)}] it was given, and this backward (retain_graph=True, or "
+                "another op that saved the same tensor) needs it again (tierlift.activations, "
+                "like autograd, refuses it; clone it in that backward before modifying it)")
         item.uses -= 1
         last = item.uses <= 0  # no other unpack of this forward's saves will need the bytes
         if item.tier == "ram" and item.dev is None:  # CPU: the bytes are where they are
@@ -616,5 +628,6 @@ class Session:
             if last:
                 item.host = None
                 self.read_window -= n
+        item.lent = (weakref.ref(buf), buf._version)
         self.prefetch()
         return out
