@@ -234,3 +234,44 @@ def test_compact_state_resumes_exactly(tmp_path, one_thread):
     ref, got = _full(model), _full(model2)
     for k in ref:
         assert torch.equal(got[k], ref[k]), k
+
+
+class LateB(Net):
+    """Layer b joins the forward later (as an expert first routed to, or a head unfrozen)."""
+
+    use_b = False
+
+    def forward(self, x):
+        y = torch.tanh(self.a(x))
+        return self.b(y) if self.use_b else y
+
+
+@pytest.mark.parametrize("saved_after", [0, 2])
+@pytest.mark.parametrize("kind", ["none", "torch"])
+def test_rolling_back_clears_state_the_checkpoint_lacks(tmp_path, one_thread, kind,
+                                                        saved_after):
+    """Loading an earlier checkpoint into the optimizer that trained on (a rollback after a
+    loss spike): a unit with no state in the checkpoint kept its later moments and step count
+    (b 2% off after 2 steps), and a checkpoint saved before any step kept all of them."""
+    def fresh():
+        net = LateB()
+        model = tierlift.zero.shard(net, stage=3, min_unit_numel=1)
+        opt = (torch.optim.AdamW if kind == "torch" else tierlift.optim.AdamW)(
+            model.parameters(), lr=0.05)
+        return net, model, opt
+
+    net, model, opt = fresh()
+    _train(model, opt, X[:saved_after])  # b is not used: it has no state
+    ck = str(tmp_path / "ck")
+    tierlift.checkpoint.save(ck, model, opt)
+    net.use_b = True
+    _train(model, opt, X[2:])
+    tierlift.checkpoint.load(ck, model, opt)
+    _train(model, opt, X[:2])
+    net2, model2, opt2 = fresh()
+    net2.use_b = True
+    tierlift.checkpoint.load(ck, model2, opt2)
+    _train(model2, opt2, X[:2])
+    ref, got = _full(model2), _full(model)
+    for k in ref:
+        assert torch.equal(got[k], ref[k]), k

@@ -43,8 +43,9 @@ def _per_param_state(optimizer) -> dict:
 
 
 def _load_per_param_state(optimizer, loaded: dict, before_commit=None) -> None:
-    """Replace the state of the parameters in `loaded` ({param: state}) through
-    load_state_dict, so an offloading optimizer puts it back into its tiers. `before_commit`
+    """Replace the optimizer's state with `loaded` ({param: state}; a parameter without an
+    entry starts fresh, as torch's load_state_dict leaves it) through load_state_dict, so an
+    offloading optimizer puts it back into its tiers. `before_commit`
     is called before the new state becomes final; if it raises, the old state is put back."""
     sd = optimizer.state_dict()
     ids = [i for g in sd["param_groups"] for i in g["params"]]
@@ -52,6 +53,8 @@ def _load_per_param_state(optimizer, loaded: dict, before_commit=None) -> None:
     for p, i in zip(params, ids, strict=True):
         if p in loaded:
             sd["state"][i] = loaded[p]
+        else:  # no state in the checkpoint: starts fresh, as in torch (stale moments stayed)
+            sd["state"].pop(i, None)
     agree.load_optimizer_state(optimizer, sd, before_commit)
 
 
@@ -510,7 +513,8 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
             own[name].copy_(value)
         if plan is not None:
             restore.load_plan(off, plan, source, before_commit=agreement.check)
-        elif loaded_state:  # after the params: an offloader takes a param as its master
+        elif optimizer is not None and meta["param_groups"]:  # saved with an optimizer
+            # after the params: an offloader takes a param as its master
             _load_per_param_state(optimizer, loaded_state, before_commit=agreement.check)
         agreement.check()  # a no-op if the optimizer already agreed
     except BaseException as e:
