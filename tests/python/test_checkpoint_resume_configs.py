@@ -275,3 +275,21 @@ def test_rolling_back_clears_state_the_checkpoint_lacks(tmp_path, one_thread, ki
     ref, got = _full(model2), _full(model)
     for k in ref:
         assert torch.equal(got[k], ref[k]), k
+
+
+def test_a_deleted_checksum_file_is_named(tmp_path, one_thread):
+    """A checkpoint without manifest.json (an older tierlift's) whose rank00000.sha256 was
+    deleted: the error was a bare '[Errno 2] No such file or directory'."""
+    model = tierlift.zero.shard(Net(), stage=3, min_unit_numel=1)
+    opt = tierlift.optim.AdamW(model.parameters(), lr=0.05)
+    _train(model, opt, X[:1])
+    ck = str(tmp_path / "ck")
+    tierlift.checkpoint.save(ck, model, opt)
+    os.unlink(os.path.join(ck, "manifest.json"))
+    os.unlink(os.path.join(ck, "rank00000.sha256"))
+    before = _snapshot(model, opt)
+    with pytest.raises(FileNotFoundError, match=r"lacks rank00000.sha256 \(the SHA-256 of "
+                       r"rank00000.pt\), so that file cannot be checked"):
+        with pytest.warns(UserWarning, match="no manifest.json"):
+            tierlift.checkpoint.load(ck, model, opt, verify=False)
+    _assert_same(before, _snapshot(model, opt))

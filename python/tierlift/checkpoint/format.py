@@ -194,7 +194,11 @@ def load_tensors(path: str, rank: int) -> dict[str, torch.Tensor]:
     if not os.path.isfile(file):
         raise FileNotFoundError(f"checkpoint {path} lacks {rank_file(rank)} (rank {rank}'s "
                                 "shard)")
-    with open(os.path.join(path, checksum_file(rank))) as f:
+    digest = os.path.join(path, checksum_file(rank))
+    if not os.path.isfile(digest):
+        raise FileNotFoundError(f"checkpoint {path} lacks {checksum_file(rank)} (the SHA-256 "
+                                f"of {rank_file(rank)}), so that file cannot be checked")
+    with open(digest) as f:
         expected = f.read().strip()
     if sha256(file) != expected:
         raise ValueError(f"{file} is corrupt or truncated: its SHA-256 does not match "
