@@ -9,6 +9,8 @@ rank itself:
 - an EMA of the shards (timm ModelEmaV3's `torch._foreach_lerp_` over model.parameters()),
   swapped in for evaluation; an eval forward under torch.no_grad() between steps at stage 3;
   model.apply(init_fn) after shard() at stages 1/2: the same numbers.
+- an optimizer built before shard() (where nanoGPT builds it, before its DDP wrap) holds the
+  replaced parameters and stepped nothing: refused at step() and when built.
 - freezing a layer after shard() (`model.ln_f.requires_grad_(False)`, or its weight's flag at
   stage 3) changed nothing and the layer went on training: refused at the call."""
 
@@ -135,6 +137,19 @@ def _cases(rank, world, tmp) -> dict:
                                                 ref.state_dict())
 
     ref_sd = ref.state_dict()
+    # nanoGPT builds the optimizer (configure_optimizers) before wrapping the model in DDP;
+    # shard() in DDP's place left it holding the replaced parameters: it stepped nothing.
+    for stage in (2, 3):
+        base = make_model()
+        params = [p for p in base.parameters() if p.requires_grad]
+        opt = _adamw(params)
+        model = tierlift.zero.shard(base, stage=stage)
+        before = tierlift.zero.full_state_dict(model)
+        _loss(model, data[0].chunk(world)[rank]).backward()
+        out[f"early{stage}_step"] = raised(opt.step)
+        out[f"early{stage}_kept"] = _max_rel(tierlift.zero.full_state_dict(model), before)
+        out[f"early{stage}_init"] = raised(lambda ps=params: _adamw(ps))
+
     # Freezing a layer mid-training (a norm inside a block, the final norm in the root unit):
     # refused at the call, nothing changed; training goes on as the reference's.
     for stage in (1, 3):
@@ -206,6 +221,20 @@ def test_ema_of_shards_as_an_ema_model(ranks, stage):
         assert out[f"ema{stage}_loss"] < 1e-5
         assert out[f"ema{stage}_rel"] < 1e-5
         assert out[f"ema{stage}_model_rel"] < 1e-5  # the swap put the trained weights back
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_optimizer_built_before_shard_is_refused(ranks, stage):
+    """An optimizer given the model's parameters before shard() stepped nothing (the model did
+    not train: loss 14.8 after four steps against 8.7): refused at step() and when built."""
+    for out in ranks:
+        err = out[f"early{stage}_step"]
+        assert err.startswith("RuntimeError: AdamW.step() on parameters that "
+                              "tierlift.zero.shard() replaced (tok.weight, "), err
+        assert "Build the optimizer after shard()" in err
+        assert out[f"early{stage}_kept"] == 0.0
+        assert out[f"early{stage}_init"].startswith("RuntimeError: AdamW.__init__() on "
+                                                    "parameters that tierlift.zero.shard()")
 
 
 @pytest.mark.parametrize("stage", [1, 3])

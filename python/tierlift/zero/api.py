@@ -23,7 +23,7 @@ from tierlift._shards import (  # noqa: F401  (re-exported: tierlift.zero's API)
     sharded_norm,
 )
 from tierlift.lowp.linear import Float8Linear
-from tierlift.zero import guards, materialize
+from tierlift.zero import guards, materialize, replaced
 from tierlift.zero.config import MixedPrecision, ShardConfig
 from tierlift.zero.fp8_gather import enable_fp8_all_gather
 from tierlift.zero.frozen import Frozen
@@ -307,6 +307,8 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
                       replicated=replicated)
     object.__setattr__(model, _ATTR, state)
     guards.install(model, state)  # DDP, module swaps, foreign shards in load_state_dict
+    # An optimizer built before shard() would step these, which no longer get gradients.
+    replaced.record((info[i][0], info[i][1][0]) for i in order)
     model_ref = weakref.ref(model)  # no reference cycle: the model is freed as soon as unused
     model.no_sync = lambda: no_sync(model_ref())
     return model

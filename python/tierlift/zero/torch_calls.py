@@ -42,7 +42,7 @@ import torch
 from tierlift._shards import combined_norm, grad_owners, shard_owner, split_by_owner
 from tierlift._torch_patch import wrap_method
 from tierlift.offload.overlap import group_settings, same_hyper
-from tierlift.zero import optim_record, unused
+from tierlift.zero import optim_record, replaced, unused
 
 _NORM_PARAMS = ["tensors", "norm_type", "error_if_nonfinite", "foreach"]
 _GROUP_PARAMS = ["tensorlistlist", "with_indices"]
@@ -206,6 +206,7 @@ def _checking(original):
     def __init__(self, params, defaults):
         original(self, params, defaults)
         check_groups(self.param_groups)
+        replaced.check(self, "__init__()")
         optim_record.hook(self)
 
     return __init__
