@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import weakref
 
+import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 _REPLACED: dict[int, tuple[weakref.ref, str]] = {}  # id(parameter) -> (it, its name)
@@ -52,6 +53,7 @@ def check(optimizer, when: str) -> None:
             "for weight-decay groups); nothing was changed")
 
 
+@torch.compiler.disable  # bookkeeping: never traced into a compiled step
 def _before_step(optimizer, args, kwargs) -> None:
     key = (_GENERATION[0], sum(len(g["params"]) for g in optimizer.param_groups))
     if _CHECKED.get(optimizer) == key:
