@@ -293,3 +293,54 @@ def test_a_deleted_checksum_file_is_named(tmp_path, one_thread):
         with pytest.warns(UserWarning, match="no manifest.json"):
             tierlift.checkpoint.load(ck, model, opt, verify=False)
     _assert_same(before, _snapshot(model, opt))
+
+
+def _scheduled(flip: bool, sharded: bool):
+    keys = ["no_decay", "decay"] if flip else ["decay", "no_decay"]
+    if sharded:
+        model, opt = _grouped(keys, "none", None)
+    else:
+        model = Net()
+        groups = {"decay": [model.a.weight, model.b.weight],
+                  "no_decay": [model.a.bias, model.b.bias]}
+        opt = tierlift.optim.AdamW([{"params": groups[k], **GROUP_OPTS[k]} for k in keys])
+    return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+
+
+def _train_scheduled(model, opt, sched, xs) -> None:
+    for x in xs:
+        model(x).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["plain", "zero3"])
+def test_groups_reordered_under_a_scheduler_are_refused(tmp_path, one_thread, sharded):
+    """The groups' hyperparameters follow them by name, but the scheduler's base_lrs (saved
+    in `extra`) are by position: each group followed the other's schedule, 10% off in the
+    weights after 2 steps. Refused, nothing changed; in the saved order it resumes exactly."""
+    model, opt, sched = _scheduled(False, sharded)
+    _train_scheduled(model, opt, sched, X[:2])
+    ck = str(tmp_path / "ck")
+    tierlift.checkpoint.save(ck, model, opt, extra={"sched": sched.state_dict()})
+    _train_scheduled(model, opt, sched, X[2:])
+    model2, opt2, sched2 = _scheduled(True, sharded)
+    _train_scheduled(model2, opt2, sched2, X[:1])
+    snap = _snapshot if sharded else (lambda m, o: (
+        {k: v.clone() for k, v in m.state_dict().items()},
+        [{k: v for k, v in g.items() if k != "params"} for g in o.param_groups],
+        {i: {k: v.clone() for k, v in s.items()} for i, s in o.state_dict()["state"].items()}))
+    before = snap(model2, opt2)
+    with pytest.raises(ValueError, match=r"its group 0 was saved group 1\), and the saved "
+                       r"groups were driven by an LR scheduler \(initial_lr 0.07 and 0.02\)"):
+        tierlift.checkpoint.load(ck, model2, opt2)
+    _assert_same(before, snap(model2, opt2))
+    model2, opt2, sched2 = _scheduled(False, sharded)
+    extra = tierlift.checkpoint.load(ck, model2, opt2)
+    sched2.load_state_dict(extra["sched"])
+    _train_scheduled(model2, opt2, sched2, X[2:])
+    ref, got = (_full(model), _full(model2)) if sharded else (model.state_dict(),
+                                                               model2.state_dict())
+    for k in ref:
+        assert torch.equal(got[k], ref[k]), k

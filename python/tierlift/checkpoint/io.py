@@ -441,7 +441,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
         else:
             mapping = order.match(meta.get("param_names"), _shard_names(state, optimizer),
                                   f"checkpoint {path}")
-        saved_groups = order.saved_groups(meta, mapping)
+        saved_groups = order.saved_groups(meta, mapping, f"checkpoint {path}")
         if not meta["param_groups"]:
             order.refuse_stale_state(optimizer, path)
         validate.fits(saved_groups, optimizer.param_groups, os.path.join(path, fmt.METADATA))

@@ -213,15 +213,37 @@ def remap_plan(plan: list, mapping: Mapping) -> list:
     return out
 
 
-def saved_groups(meta: dict, mapping: Mapping) -> list[dict]:
+def saved_groups(meta: dict, mapping: Mapping, where: str = "checkpoint") -> list[dict]:
     """The saved groups' hyperparameters in this optimizer's group order, without the names
-    torch keeps in a group (this optimizer's own stay: the saved order's would be wrong)."""
+    torch keeps in a group (this optimizer's own stay: the saved order's would be wrong).
+    Raises a ValueError where the groups were reordered under an LR scheduler (below)."""
     if not meta.get("param_groups"):
         return []
+    _refuse_scheduled_reorder(meta["param_groups"], mapping, where)
     return [
         {k: v for k, v in meta["param_groups"][sg].items() if k != "param_names"}
         for sg in mapping.groups
     ]
+
+
+def _refuse_scheduled_reorder(saved: list[dict], mapping: Mapping, where: str) -> None:
+    """Groups listed in another order than when saved get their own hyperparameters here, but
+    an LR scheduler's state_dict keeps its per-group lists (base_lrs) by position: after
+    scheduler.load_state_dict each group would follow another group's schedule. A scheduler
+    marks every group it drives with `initial_lr`; refused where those differ between a group
+    and the position it moved to."""
+    for gi, sg in enumerate(mapping.groups):
+        if sg == gi or "initial_lr" not in saved[sg] or "initial_lr" not in saved[gi]:
+            continue
+        if saved[sg]["initial_lr"] != saved[gi]["initial_lr"]:
+            raise ValueError(
+                f"{where}: this optimizer lists its param groups in another order than when "
+                f"saved (its group {gi} was saved group {sg}), and the saved groups were driven "
+                f"by an LR scheduler (initial_lr {saved[sg]['initial_lr']} and "
+                f"{saved[gi]['initial_lr']}), whose state_dict keeps per-group values (base_lrs) "
+                "by position: after scheduler.load_state_dict each group would follow another "
+                "group's schedule. Nothing was loaded; build the param groups in the order they "
+                "were saved with")
 
 
 def refuse_stale_state(optimizer, path: str) -> None:

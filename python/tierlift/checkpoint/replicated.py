@@ -214,7 +214,7 @@ def load(path: str, model: torch.nn.Module, optimizer, *, verify: bool = True) -
     saved_groups = []
     if optimizer is not None and meta["optimizer_state"] is not None:
         mapping = _mapping(model, optimizer, meta, path)
-        saved_groups = order.saved_groups(meta, mapping)
+        saved_groups = order.saved_groups(meta, mapping, f"checkpoint {path}")
         validate.fits(saved_groups, optimizer.param_groups, os.path.join(path, fmt.METADATA))
         if meta["optimizer_state"] == "offloaded":
             smeta = stream.verify(optim)
