@@ -10,7 +10,9 @@ import pytest
 import torch
 
 import tierlift
+import tierlift.activations.session as session_module
 from tierlift.activations import offload
+from tierlift.activations.device import CpuCopier
 
 pytestmark = pytest.mark.skipif(not tierlift._extension.available(),
                                 reason="compiled extension not loaded")
@@ -93,3 +95,66 @@ def test_a_saved_tensor_edited_by_a_backward_is_refused_when_needed_again(tmp_pa
     # The same context runs the next step exactly.
     assert all(torch.equal(g, w) for g, w in zip(
         nested_softmax(ctx), nested_softmax(contextlib.nullcontext()), strict=True))
+
+
+class SideStreamCopier(CpuCopier):
+    """The GPU's D2H side stream, on the CPU: a copy to host runs later (when the next one is
+    queued, or when waited for), reading the tensor as it is then, as a copy on a side stream
+    reads memory the compute stream may have changed since."""
+
+    def __init__(self):
+        self.queued = []
+
+    def to_host(self, t, host):
+        self.flush()
+        event = [t, host]
+        self.queued.append(event)
+        return event
+
+    def flush(self, upto=None):
+        while self.queued:
+            event = self.queued.pop(0)
+            t, host = event
+            host[:t.numel() * t.element_size()].copy_(t.contiguous().view(-1).view(torch.uint8))
+            event.clear()
+            if event is upto:
+                return
+
+    def done(self, event):
+        return event is None or not event
+
+    def wait(self, event):
+        if event:
+            self.flush(event)
+
+
+def edited_while_copied(ctx, edit, copier=None):
+    torch.manual_seed(0)
+    w = torch.randn(16, 16, requires_grad=True)
+    with ctx:
+        h = torch.randn(8, 16) @ w
+        loss = (h * h).sum()  # saves h; its copy is queued
+        if edit:
+            h.add_(1)
+        del h  # only the copy can tell now
+        loss = loss + torch.tanh(torch.randn(8, 16) @ w).sum()  # the stream moves on
+    if copier is not None:
+        copier.flush()  # the device synchronized before backward
+    loss.backward()
+    return w.grad
+
+
+def test_a_gpu_tensor_modified_while_copied_to_host_and_dropped_is_refused(monkeypatch):
+    # Plain autograd refuses the edit; before the check the RAM tier's copy held it and the
+    # gradient was silently wrong.
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        edited_while_copied(contextlib.nullcontext(), edit=True)
+    copier = SideStreamCopier()
+    monkeypatch.setattr(session_module, "copier_for", lambda device: copier)
+    ctx = offload(cpu_budget=1 << 30, min_bytes=0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        edited_while_copied(ctx, edit=True, copier=copier)
+    # Not edited: exact, with the copies seen done at backward or waited for there.
+    want = edited_while_copied(contextlib.nullcontext(), edit=False)
+    assert torch.equal(edited_while_copied(ctx, edit=False, copier=copier), want)
+    assert torch.equal(edited_while_copied(ctx, edit=False), want)

@@ -133,7 +133,8 @@ class Saved:
     """What autograd holds instead of a saved tensor."""
 
     __slots__ = ("session", "index", "group", "tier", "layout", "host", "offset", "reading",
-                 "dev", "event", "uses", "source", "version", "lent", "__weakref__")
+                 "dev", "event", "uses", "source", "version", "lent", "copying", "stale",
+                 "__weakref__")
 
     def __init__(self, session, index, group, tier, layout):
         self.session, self.index, self.group, self.tier = session, index, group, tier
@@ -147,14 +148,18 @@ class Saved:
         # (weak buffer, its version) that the last unpack returned a view of: a backward that
         # edits the tensor it was given in place must not hand the edit to the next unpack.
         self.lent = None
+        # A GPU tensor's copy to host runs on a side stream: `copying` until it is seen done,
+        # `stale` if the tensor was modified in place before that (the copy may hold the edit).
+        self.copying = self.stale = False
 
 
 class _Write:
-    __slots__ = ("item", "src", "event", "handle", "version", "nbytes")
+    __slots__ = ("item", "src", "event", "handle", "version", "nbytes", "source")
 
-    def __init__(self, item, src, event, version, nbytes):
+    def __init__(self, item, src, event, version, nbytes, source):
         self.item, self.src, self.event, self.version = item, src, event, version
         self.nbytes = nbytes
+        self.source = source  # the saved tensor (or a view of it), held until it is copied
         self.handle = None
 
 
@@ -207,6 +212,10 @@ class Session:
         self._kept_storages: set[int] = set()  # storages kept on the device (data_ptr)
         self._spilled: dict[int, tuple[int, int]] = {}  # index -> its bytes in the file
         self._writes: deque[_Write] = deque()
+        # RAM-tier D2H copies in flight, in stream order: (item, tensor, its version at save,
+        # event). The tensor is held until its copy is seen done: modified in place before
+        # that, the copy may hold the edit, and a dropped tensor could no longer tell.
+        self._copying: deque = deque()
         # (event, host buffer, device) of copies in flight between a pool buffer and the GPU.
         # A buffer goes back to the engine's pool only after its copy, also when the session
         # dies first.
@@ -321,6 +330,9 @@ class Session:
         else:
             item.host = torch.empty(n, dtype=torch.uint8, pin_memory=copier.pin)
         item.event = copier.to_host(t, item.host)
+        if item.event is not None:
+            item.copying = True
+            self._copying.append((item, t, t._version, item.event))
         self.ram_bytes += n
         self.stats["ram_bytes"] += n
 
@@ -339,13 +351,13 @@ class Session:
         if t.device.type == "cpu":
             # The engine writes from the tensor itself; it is held (write-behind) until written.
             src = flat_bytes(t)
-            w = _Write(item, src, None, t._version, n)
+            w = _Write(item, src, None, t._version, n, src)
             w.handle = self._start_write(src, item.offset, n)
         else:
             src = self._engines.get().pool_tensor(n, block=False)
             if src is None:
                 src = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-            w = _Write(item, src[:n], self._copier(t.device).to_host(t, src), None, n)
+            w = _Write(item, src[:n], self._copier(t.device).to_host(t, src), t._version, n, t)
             self._releases.append((w.event, src, t.device))  # waited for if the session dies
         self._writes.append(w)
         self.write_window += n
@@ -377,6 +389,8 @@ class Session:
             if not block and not copier.done(w.event):
                 return False
             copier.wait(w.event)
+            self._check_written(w)
+            w.source = None  # copied: the tensor may go
             w.handle = self._start_write(w.src, w.item.offset, w.nbytes)
         if not block and not w.handle.done():
             return False
@@ -388,17 +402,38 @@ class Session:
         finally:
             self.stats["write_wait_s"] += time.perf_counter() - t0
             self._file.done(w.handle)
-        if w.version is not None and w.src._version != w.version:
-            raise RuntimeError("a saved tensor was modified in place while it was being written "
-                               "to NVMe; its gradient would be wrong")
+        self._check_written(w)
+        w.source = None
         self.write_window -= w.nbytes
         return True
+
+    @staticmethod
+    def _check_written(w: _Write) -> None:
+        if w.source is not None and w.source._version != w.version:
+            raise RuntimeError("a saved tensor was modified in place while it was being written "
+                               "to NVMe; its gradient would be wrong")
+
+    def _check_copies(self, until: Saved | None = None) -> None:
+        """Lets go of the tensors whose copies to host are done (waiting for those up to
+        `until`), marking those modified in place since they were saved."""
+        while self._copying:
+            item, t, version, event = self._copying[0]
+            copier = self._copier(t.device)
+            if until is not None and until.copying:
+                copier.wait(event)
+            elif not copier.done(event):
+                return
+            self._copying.popleft()
+            item.copying = False
+            if t._version != version:
+                item.stale = True
 
     def _pump(self, block: bool) -> None:
         """Finishes the writes that are done (all of them with block=True), in any order."""
         for w in list(self._writes):
             if self._finish_write(w, block):
                 self._writes.remove(w)
+        self._check_copies()
         self._release(block=False)
 
     def finish(self) -> None:
@@ -463,6 +498,7 @@ class Session:
         if self._finalizer is not None:
             self._finalizer()  # waits for I/O in flight (its buffers are still held), closes
         self._writes.clear()
+        self._copying.clear()
         self._reading.clear()
         self._dedupe.clear()
         self._kept_storages.clear()
@@ -593,6 +629,14 @@ class Session:
                 f"({type(self.failed).__name__}: {self.failed}); run the forward again")
         if not self.finished:
             self.finish()  # backward inside the forward's context: writes must be done first
+        self._check_copies(until=item)
+        if item.stale:
+            lay = item.layout
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: [{lay.dtype} {list(lay.shape)}] was modified after it was "
+                "saved, while its copy to host memory was in flight (tierlift.activations, like "
+                "autograd, refuses a saved tensor changed after it was saved)")
         self._watch_backward()
         if self._needs_fetch(item):
             self._fetch(item)
