@@ -236,7 +236,9 @@ def test_state_dict_roundtrip_and_conversions():
         st = compact.state_dict()["state"][p_id]
         codes, scales = ref.quantize_exp_avg_sq(saved["exp_avg_sq"])
         assert torch.equal(st["exp_avg"], saved["exp_avg"].to(torch.bfloat16))
-        assert torch.equal(st["exp_avg_sq"], codes) and torch.equal(st["exp_avg_sq_scale"], scales)
+        assert "exp_avg_sq" not in st  # the codes' state-dict key is not torch's
+        assert torch.equal(st["exp_avg_sq_codes"], codes)
+        assert torch.equal(st["exp_avg_sq_scale"], scales)
     train(twin, compact, 3)
     # compact -> compact: exact.
     sd = copy.deepcopy(compact.state_dict())
@@ -254,7 +256,7 @@ def test_state_dict_roundtrip_and_conversions():
         got = fp32.state_dict()["state"][p_id]
         assert "exp_avg_sq_scale" not in got
         assert torch.equal(got["exp_avg"], st["exp_avg"].float())
-        v = ref.dequantize_exp_avg_sq(st["exp_avg_sq"], st["exp_avg_sq_scale"])
+        v = ref.dequantize_exp_avg_sq(st["exp_avg_sq_codes"], st["exp_avg_sq_scale"])
         assert torch.equal(got["exp_avg_sq"], v)
     back = torch.optim.AdamW(copy.deepcopy(twin).parameters(), lr=1e-2)
     back.load_state_dict(copy.deepcopy(fp32.state_dict()))

@@ -9,7 +9,8 @@ optimizer and ours in both directions. Differences, all deliberate:
   * state_dtype="bf16" keeps compact moments instead (as 8-bit Adam does): exp_avg in bf16,
     exp_avg_sq as uint8 codes with one fp32 scale per 256 elements ("exp_avg_sq_scale");
     about 3 bytes per parameter instead of 8 (docs/optim.md). Loading an fp32-state checkpoint
-    quantizes it and an fp32-state optimizer dequantizes a compact one;
+    quantizes it and an fp32-state optimizer dequantizes a compact one. Its state_dict() has
+    the codes under "exp_avg_sq_codes", so torch's optimizers raise instead of stepping on them;
   * offload="cpu"|"nvme"|"hybrid" (with nvme_path, cpu_budget, overlap, nvme_generations,
     chunk_bytes, durable, skip_nonfinite, device_staging, device_fraction, overlap_threads)
     moves the state out of the parameter's memory (device_fraction keeps a share of it there);
@@ -51,6 +52,8 @@ from tierlift.optim.hyper import (
     check_state_dtype,
     check_torch_config,
     check_types,
+    loaded_codes,
+    saved_codes,
 )
 from tierlift.reference.optim_compact import (
     dequantize_exp_avg_sq,
@@ -275,13 +278,12 @@ class Adam(Optimizer):
         return self._offload.last_step_stats if self._offload is not None else {}
 
     def state_dict(self):
-        if self._offload is None:
-            return super().state_dict()
-        # torch's hooks around the whole read: its post-hooks see the moments from the tiers.
+        # torch's hooks around the whole read: its post-hooks see the moments from the tiers,
+        # and compact codes under their state-dict key (hyper.saved_codes), as returned.
         state_hooks.state_dict_pre_hooks(self)
         with state_hooks.torch_hooks_off(self):
-            sd = self._offloaded_state_dict()
-        return state_hooks.state_dict_post_hooks(self, sd)
+            sd = super().state_dict() if self._offload is None else self._offloaded_state_dict()
+        return state_hooks.state_dict_post_hooks(self, saved_codes(sd))
 
     def _offloaded_state_dict(self) -> dict:
         tiers = self._offload.materialize()
@@ -307,7 +309,7 @@ class Adam(Optimizer):
         and before it becomes visible: if it raises, all is put back (tierlift.checkpoint's
         multi-rank agreement). torch's load pre-hooks run first and what they return is loaded
         (the moments too); its post-hooks once the whole state is in place."""
-        state_dict = state_hooks.load_pre_hooks(self, state_dict)
+        state_dict = loaded_codes(state_hooks.load_pre_hooks(self, state_dict))
         old = {"state": self.state, "param_groups": self.param_groups}  # torch replaces both
         self.__dict__.pop("_plans", None)  # stale anyway; frees the old state sooner
         try:

@@ -3,7 +3,8 @@
 torch's Adam compares them with numbers, so a string lr raises there; ours reads them through
 float(), which would take "0.001" and train with it. Checked at construction (argument names)
 and again at each step (the param group's keys, which a user or a scheduler may set), before
-anything changes. Value checks are ops.check_adam_hyper's."""
+anything changes. Value checks are ops.check_adam_hyper's. Also the checks of a loaded state
+dict's groups and compact state keys (saved_codes, loaded_codes)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,11 @@ import numbers
 import torch
 
 _STATE_DTYPES = ("fp32", "bf16")
+# A state dict's key for compact state's uint8 exp_avg_sq codes (optimizer.state keeps them as
+# "exp_avg_sq"). Not torch's key: torch.optim.AdamW would cast the codes (1..255) to float and
+# step on them as second moments; without an "exp_avg_sq" its step raises KeyError instead.
+CODES_KEY = "exp_avg_sq_codes"
+SCALE_KEY = "exp_avg_sq_scale"
 # Flags the step reads (a truthy string would silently switch them on); foreach, capturable,
 # fused and differentiable are read once, at construction.
 STEP_FLAGS = ("amsgrad", "maximize", "decoupled_weight_decay")
@@ -124,3 +130,53 @@ def check_loaded_amsgrad(saved_groups: list, state_dtype: str, laid_out: list | 
                 f"this offloaded optimizer was built with amsgrad={laid_out[gi]} there: its "
                 "state kinds (max_exp_avg_sq or not) are laid out at construction. Build the "
                 f"optimizer with amsgrad={amsgrad} to load this state dict. Nothing was changed")
+
+
+def saved_codes(state_dict: dict) -> dict:
+    """`state_dict` with each compact state's codes under CODES_KEY; the given dict and its
+    per-parameter dicts (torch's share optimizer.state's) are left alone."""
+    if not any(SCALE_KEY in s for s in state_dict["state"].values()):
+        return state_dict
+    state = {i: {(CODES_KEY if k == "exp_avg_sq" else k): v for k, v in s.items()}
+             if SCALE_KEY in s else s for i, s in state_dict["state"].items()}
+    return {**state_dict, "state": state}
+
+
+def loaded_codes(state_dict: dict) -> dict:
+    """`state_dict` with compact codes under "exp_avg_sq", as optimizer.state holds them: saved
+    under CODES_KEY, or under "exp_avg_sq" (as tierlift saved them before CODES_KEY). Checked
+    before a load changes anything: codes that are not uint8 beside their scales would be read
+    as moments (torch.optim's load casts them to the parameter's dtype)."""
+    states = state_dict.get("state")
+    if not isinstance(states, dict):
+        return state_dict  # torch's load raises on it
+    out = {}
+    for i, s in states.items():
+        if not isinstance(s, dict):
+            out[i] = s
+            continue
+        codes = s.get(CODES_KEY, s.get("exp_avg_sq"))
+        is_codes = isinstance(codes, torch.Tensor) and codes.dtype == torch.uint8
+        if CODES_KEY in s and "exp_avg_sq" in s:
+            raise ValueError(
+                f"the state of parameter {i} in the state dict being loaded has both "
+                f"'exp_avg_sq' and {CODES_KEY!r}: remove one. Nothing was changed")
+        if CODES_KEY in s and not (is_codes and SCALE_KEY in s):
+            what = (f"{codes.dtype} codes" if isinstance(codes, torch.Tensor)
+                    else type(codes).__name__)
+            raise ValueError(
+                f"the compact state of parameter {i} in the state dict being loaded has "
+                f"{what} under {CODES_KEY!r}" + ("" if SCALE_KEY in s else f" and no {SCALE_KEY!r}")
+                + "; expected uint8 codes beside their float32 scales, as "
+                "tierlift.optim.AdamW(state_dtype='bf16').state_dict() saves them. A compact "
+                "state dict loaded into torch.optim (which casts the codes to float) cannot be "
+                "restored from its state_dict(); load the original. Nothing was changed")
+        if is_codes and SCALE_KEY not in s:
+            raise ValueError(
+                f"the state of parameter {i} in the state dict being loaded has uint8 "
+                f"'exp_avg_sq' without {SCALE_KEY!r}: compact codes cannot be read without "
+                "their scales. Nothing was changed")
+        if CODES_KEY in s:
+            s = {("exp_avg_sq" if k == CODES_KEY else k): v for k, v in s.items()}
+        out[i] = s
+    return {**state_dict, "state": out}
