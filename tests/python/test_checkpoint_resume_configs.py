@@ -344,3 +344,29 @@ def test_groups_reordered_under_a_scheduler_are_refused(tmp_path, one_thread, sh
                                                                model2.state_dict())
     for k in ref:
         assert torch.equal(got[k], ref[k]), k
+
+
+def test_unnamed_checkpoint_with_values_changed_on_purpose_loads(tmp_path, one_thread):
+    """Groups in the saved order, built with weight decay 0 everywhere: both look like saved
+    group 1, which is no evidence of another order, so it loads by position (the saved
+    values win, as they always do) and resumes exactly."""
+    def fresh(decay):
+        model = tierlift.zero.shard(Net(), stage=3, min_unit_numel=1,
+                                    param_group_fn=lambda n, p: "w" if p.dim() > 1 else "b")
+        opts = {"w": {"weight_decay": decay, "lr": 0.02}, "b": {"weight_decay": 0.0, "lr": 0.02}}
+        return model, tierlift.optim.AdamW(tierlift.zero.param_groups(model, opts))
+
+    model, opt = fresh(0.5)
+    _train(model, opt, X[:2])
+    ck = str(tmp_path / "ck")
+    tierlift.checkpoint.save(ck, model, opt)
+    _train(model, opt, X[2:])
+    _without_names(ck)
+    model2, opt2 = fresh(0.0)
+    with pytest.warns(UserWarning, match="no manifest.json"):
+        tierlift.checkpoint.load(ck, model2, opt2, verify=False)
+    assert [g["weight_decay"] for g in opt2.param_groups] == [0.5, 0.0]
+    _train(model2, opt2, X[2:])
+    ref, got = _full(model), _full(model2)
+    for k in ref:
+        assert torch.equal(got[k], ref[k]), k

@@ -8,8 +8,9 @@ order gives each group the other's.
   here takes the saved group its stepped shards were in. Shards from two saved groups in one
   group here are refused.
 - Otherwise (and for groups here without a stepped shard) by position, refused where this
-  optimizer's own hyperparameters show another order: a group whose values, on the keys the
-  saved groups differ in, equal another saved group's and not its own position's.
+  optimizer's own hyperparameters show another order: on the keys the saved groups differ
+  in, each group's values equal exactly one saved group's, one to one, and not always the
+  one at its position.
 """
 
 from __future__ import annotations
@@ -70,16 +71,25 @@ def mapping(meta: dict, aligned, optimizer, path: str, optim_dir) -> Mapping:
     groups = [g if g is not None else left.pop(0) for g in groups]
     differ = sorted({k for g in saved for k in g if k not in _NOT_HYPER
                      and len({repr(s.get(k)) for s in saved}) > 1})
+    # Evidence of another order: each group here looks like exactly one saved group, no two
+    # alike, and not always the one at its position (values changed on purpose show no such
+    # one-to-one likeness, and stay by position).
+    like = {}
     for gi, group in enumerate(optimizer.param_groups):
         if certain[gi] or not differ:
             continue
         mine = {k: jsonable(group.get(k)) for k in differ}
-        like = [sg for sg, s in enumerate(saved) if all(s.get(k) == mine[k] for k in differ)]
-        if like and groups[gi] not in like:
+        like[gi] = [sg for sg, s in enumerate(saved) if all(s.get(k) == mine[k] for k in differ)]
+    seen = [v[0] for v in like.values() if len(v) == 1]
+    if like and len(seen) == len(like) and len(set(seen)) == len(seen):
+        moved = [gi for gi, v in like.items() if v[0] != groups[gi]]
+        if moved:
+            gi, sg = moved[0], like[moved[0]][0]
+            mine = {k: jsonable(optimizer.param_groups[gi].get(k)) for k in differ}
             raise ValueError(
                 f"{where}, so its param groups can only be matched by position, and this "
                 f"optimizer's param group {gi} ({_shown(mine, differ)}) looks like saved group "
-                f"{like[0]} ({_shown(saved[like[0]], differ)}), not saved group {groups[gi]} "
+                f"{sg} ({_shown(saved[sg], differ)}), not saved group {groups[gi]} "
                 f"({_shown(saved[groups[gi]], differ)}): its groups are listed in another "
                 "order than when saved. Nothing was loaded; build the param groups in the "
                 "order they were saved with")
