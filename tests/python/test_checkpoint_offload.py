@@ -319,6 +319,23 @@ def test_amsgrad_mismatch_and_layout_mismatch_are_refused(tmp_path):
         tierlift.checkpoint.load(zck, make_model(seed=5))
 
 
+def test_amsgrad_state_into_an_optimizer_without_amsgrad_is_refused(tmp_path):
+    m = make_model(seed=5)
+    o = tierlift.optim.AdamW(m.parameters(), amsgrad=True, offload="cpu")
+    _train(m, o, DATA[:1])
+    ck = str(tmp_path / "ck")
+    tierlift.checkpoint.save(ck, m, o)
+    o.close()
+    m2 = make_model(seed=5)
+    o2 = tierlift.optim.AdamW(m2.parameters(), offload="cpu")
+    before = _weights(m2)
+    with pytest.raises(ValueError, match="saved with amsgrad=True .* build it with amsgrad=True"):
+        tierlift.checkpoint.load(ck, m2, o2)
+    _assert_same(_weights(m2), before)
+    assert not o2.state_dict()["state"]
+    o2.close()
+
+
 def test_zero_offloaded_state_loads_into_a_zero_run_without_offload(tmp_path):
     model, opt = _fresh(tmp_path, 3, zero=True)
     _train(model, opt, DATA[:3], zero=True)

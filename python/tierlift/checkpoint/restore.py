@@ -85,6 +85,13 @@ def check_plan(off, plan: list[GroupPlan], source: str) -> None:
                    if "max_exp_avg_sq" in missing else "")
             raise ValueError(f"offloaded optimizer state {source} has no {missing} for "
                              f"param group {gi}{why}")
+        if gp.kinds is not None and "max_exp_avg_sq" in gp.kinds \
+                and "max_exp_avg_sq" not in off.tiers[gi].kinds:
+            # the tiers are laid out once: the saved maxima would be dropped, then every step
+            # refused as "amsgrad changed"
+            raise ValueError(f"offloaded optimizer state {source} was saved with amsgrad=True "
+                             f"for param group {gi}, the optimizer has amsgrad=False; build it "
+                             "with amsgrad=True")
         tier = off.tiers[gi]
         if SCALE_KIND in tier.kinds and any(s.scale_runs is None for s in gp.params.values()):
             raise ValueError(f"offloaded optimizer state {source}: loading compact state "
