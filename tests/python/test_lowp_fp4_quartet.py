@@ -78,7 +78,7 @@ def test_backward_hadamard_signs_are_fresh_every_step(monkeypatch):
     monkeypatch.setattr(fp4.ops, "fp4_quantize", spy)
     torch.manual_seed(1)
     layer = FP4Linear(64, 64, recipe="mxfp4-quartet")
-    x = torch.randn(64, 64)
+    x = torch.randn(64, 64, requires_grad=True)  # both gradients asked for: 4 quantizations
     steps = []
     for _ in range(3):
         calls.clear()
@@ -124,3 +124,37 @@ def test_backward_rotation_matches_the_quantizer_bitwise(rule, signs):
         assert torch.equal(got, want)
     if not signs:
         assert torch.equal(fp4.rotate(x, 32), rotated)
+
+
+@needs_ext
+@pytest.mark.parametrize("recipe", ["mxfp4-quartet", "nvfp4"])
+def test_a_gradient_nobody_asked_for_is_not_computed(monkeypatch, recipe):
+    # A frozen weight (LoRA's base) or the first layer's input: that GEMM's two quantizations
+    # are skipped, and the gradient that is asked for gets the draws it would get with both.
+    calls = []
+    real = ops.fp4_quantize
+    monkeypatch.setattr(fp4.ops, "fp4_quantize", lambda *a: calls.append(1) or real(*a))
+    x0 = torch.randn(64, 64)
+
+    def run(x_grad: bool, w_grad: bool):
+        torch.manual_seed(3)
+        layer = FP4Linear(64, 64, recipe=recipe)
+        layer.weight.requires_grad_(w_grad)
+        x = x0.clone().requires_grad_(x_grad)
+        calls.clear()
+        layer(x).square().sum().backward()
+        return x.grad, layer.weight.grad, len(calls), layer
+
+    gx_both, gw_both, n_both, layer = run(True, True)
+    bias = layer.bias.detach()
+    exact = torch.func.grad(lambda w: nn.functional.linear(x0, w, bias).square().sum())(
+        layer.weight.detach())
+    gx, gw, n_gx_only, _ = run(True, False)
+    assert gw is None and n_gx_only < n_both
+    assert torch.equal(gx, gx_both)  # dgrad comes first: the same draws
+    gx, gw, n_gw_only, _ = run(False, True)
+    assert gx is None and n_gw_only < n_both
+    assert n_gx_only + n_gw_only == n_both + 2  # the forward's two quantizations in both
+    # other stochastic-rounding draws than with both: as close to the exact gradient
+    err, err_both = ((g - exact).norm() / exact.norm() for g in (gw, gw_both))
+    assert err < 1.5 * err_both

@@ -87,24 +87,31 @@ class _FP4MatmulFn(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         r = ctx.recipe
         x, weight, wq, mx, mw = ctx.saved_tensors
+        # A gradient nobody asked for (a frozen weight, the first layer's input) is not computed:
+        # its quantizations and GEMM would be half the backward, and its draws wasted.
+        need_gx, need_gw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         g = grad_out.float()
+        gx = gw = None
         with torch.autocast(device_type=g.device.type, enabled=False):
             rot = r.forward_hadamard
-            xr = rotate(x, rot) if rot else x.float()
-            wr = rotate(weight, rot) if rot else weight.float()
-            if r.weight_2d:  # the 16x16-block quantization of W serves W^T as well
-                gq, _ = qdq(_pad_cols(g, 16), r.backward_rule, 0, 0, r.stochastic_grad)
-                gx = gq[:, :g.shape[1]] @ wq
-            else:
-                gx = _gemm_operand_pair(g, wr.t().contiguous(), r, r.dgrad_hadamard, True)
-            gw = _gemm_operand_pair(g.t().contiguous(), xr.t().contiguous(), r,
-                                    r.wgrad_hadamard, True)
-            if mx is not None:
-                gx = gx * mx
-                gw = gw * mw
-            if rot:
-                gx, gw = rotate(gx, rot), rotate(gw, rot)
-        return gx.to(ctx.x_dtype), gw.to(ctx.w_dtype), None
+            if need_gx:
+                if r.weight_2d:  # the 16x16-block quantization of W serves W^T as well
+                    gq, _ = qdq(_pad_cols(g, 16), r.backward_rule, 0, 0, r.stochastic_grad)
+                    gx = gq[:, :g.shape[1]] @ wq
+                else:
+                    wr = rotate(weight, rot) if rot else weight.float()
+                    gx = _gemm_operand_pair(g, wr.t().contiguous(), r, r.dgrad_hadamard, True)
+                if mx is not None:
+                    gx = gx * mx
+                gx = (rotate(gx, rot) if rot else gx).to(ctx.x_dtype)
+            if need_gw:
+                xr = rotate(x, rot) if rot else x.float()
+                gw = _gemm_operand_pair(g.t().contiguous(), xr.t().contiguous(), r,
+                                        r.wgrad_hadamard, True)
+                if mw is not None:
+                    gw = gw * mw
+                gw = (rotate(gw, rot) if rot else gw).to(ctx.w_dtype)
+        return gx, gw, None
 
 
 def fp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
