@@ -372,15 +372,20 @@ fi
 # (GPU_CHECK_SKIP="offload exact|offload 1B ram|offload 1B ram split", with what device time is
 # left; it still runs "deepspeed build", which the DeepSpeed rows need, or finds its ops built).
 # The kernel rows are in stage 3, after the 7B row: two calls of 345 s and the machine's start fit 15 minutes, three do not.
-# The fused CUDA AdamW's own check last: the device staging test and test_gpu_paths_review
-# compare with offload="none" (that kernel, reworked since its last GPU run) after comparing
-# with the host kernel, so a kernel regression shows there without hiding the offload results.
+# The fused CUDA AdamW's own check after the offload tests: the device staging test and
+# test_gpu_paths_review compare with offload="none" (that kernel, reworked since its last GPU
+# run) after comparing with the host kernel, so a kernel regression shows there without hiding
+# the offload results. Then the other GPU paths changed since the last GPU run (a ZeRO step
+# under set_sync_debug_mode("error"), the recompute tier's kept buffers, the gather's checks; a
+# few seconds, in this pytest run to save a start).
 OFFLOAD_GPU_TESTS="tests/python/test_offload.py tests/python/test_offload_h2d.py
   tests/python/test_offload_d2h.py tests/python/test_offload_watch.py tests/python/test_pinned.py
   tests/python/test_offload_device_staging.py tests/python/test_gpu_paths_review.py
   tests/python/test_offload_device_fraction.py tests/python/test_offload_leftovers.py
   tests/python/test_offload_abandon.py tests/python/test_offload_worker_threads.py
-  tests/python/test_optim.py::test_cuda_kernel_matches_cpu_kernel"
+  tests/python/test_optim.py::test_cuda_kernel_matches_cpu_kernel
+  tests/python/test_zero_sync_step.py tests/python/test_zero.py::test_cuda_world1_matches_plain_training
+  tests/python/test_gpu_paths_round.py tests/python/test_gnn_checks.py tests/python/test_gnn_user.py"
 # the FP8/FP4 quantizers, Float8Linear's GEMMs and the gather variants on the GPU against their
 # CPU references (the fused AdamW's own check is in OFFLOAD_GPU_TESTS)
 KERNEL_GPU_TESTS="tests/python/test_lowp_quant.py tests/python/test_lowp_fp4.py
