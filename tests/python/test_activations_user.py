@@ -5,13 +5,16 @@ gradients."""
 from __future__ import annotations
 
 import contextlib
+import copy
+import gc
+import os
 
 import pytest
 import torch
 
 import tierlift
 import tierlift.activations.session as session_module
-from tierlift.activations import offload
+from tierlift.activations import BudgetError, offload, offload_blocks
 from tierlift.activations.device import CpuCopier
 
 pytestmark = pytest.mark.skipif(not tierlift._extension.available(),
@@ -158,3 +161,54 @@ def test_a_gpu_tensor_modified_while_copied_to_host_and_dropped_is_refused(monke
     want = edited_while_copied(contextlib.nullcontext(), edit=False)
     assert torch.equal(edited_while_copied(ctx, edit=False, copier=copier), want)
     assert torch.equal(edited_while_copied(ctx, edit=False), want)
+
+
+def spill_fds(directory) -> int:
+    """This process's descriptors of files under `directory` (the spill file has no name)."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith(str(directory))
+    return n
+
+
+class SkipsLast(torch.nn.Module):
+    """Runs its blocks but the last (layer drop, early exit) or all of them in reverse."""
+
+    def __init__(self, order):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+            for _ in range(3))
+        self.order = order
+
+    def forward(self, x):
+        blocks = list(self.blocks)
+        for b in blocks[:-1] if self.order == "skip-last" else blocks[::-1]:
+            x = x + b(x)
+        return x.pow(2).mean()
+
+
+@pytest.mark.parametrize("order", ["skip-last", "reverse"])
+def test_a_forward_that_does_not_end_on_the_last_block_ends_with_the_model(tmp_path, order):
+    torch.manual_seed(0)
+    model = SkipsLast(order)
+    ref = copy.deepcopy(model)
+    x = torch.randn(8, 32)
+    handle = offload_blocks(model, "nvme", cpu_budget=0, nvme_path=tmp_path, min_bytes=0)
+    loss = model(x)
+    del loss  # a step given up before backward (a NaN loss, an evaluation with grad)
+    gc.collect()
+    assert spill_fds(tmp_path) == 0  # was: the whole forward's file, until the next forward
+    loss = model(x)
+    loss.backward()
+    ref(x).backward()
+    assert all(torch.equal(p.grad, q.grad) if q.grad is not None else p.grad is None
+               for p, q in zip(model.parameters(), ref.parameters(), strict=True))
+    assert spill_fds(tmp_path) == 0
+    handle.close()
+    # A budget too small is an error of this forward, as with the last block run.
+    model = copy.deepcopy(ref)
+    offload_blocks(model, "ram", cpu_budget=1000, min_bytes=0)
+    with pytest.raises(BudgetError, match="cpu_budget=1000"):
+        model(x)

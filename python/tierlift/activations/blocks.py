@@ -193,6 +193,15 @@ class BlockOffload:
             outer, opened = calls.pop()
             exc = sys.exc_info()[1]  # with always_call, set only while the forward's error is
             if exc is None or exc is outer:  # handled (or an outer one, for a normal return)
+                # The forward is over even if its last block did not run (skipped, as layer
+                # drop does, or blocks called in another order): its writes are waited for
+                # here, an error surfaces here, and backward (or none) can free the file.
+                for ref in opened:
+                    session = ref()
+                    if session is not None and not session.finished and session.failed is None:
+                        if self._session is session:
+                            self._session = None
+                        session.finish()
                 return
             for ref in opened:
                 session = ref()
