@@ -94,6 +94,31 @@ def test_export_hf_single_file_tied(tmp_path):
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
 
 
+def test_export_hf_of_a_compiled_model_has_the_model_names(tmp_path):
+    model = llama(tie=False)
+    ckpt, config = tmp_path / "ckpt", tmp_path / "config.json"
+    tierlift.checkpoint.save(ckpt, torch.compile(model))  # saved as _orig_mod.<name>
+    model.config.to_json_file(config)
+    out = tmp_path / "hf"
+    assert main(["export", str(ckpt), str(out), "--format", "hf", "--config", str(config)]) == 0
+    assert_same(model, str(out))
+
+
+def test_export_hf_refuses_names_that_meet_without_wrappers(tmp_path, capsys):
+    class Both(nn.Module):  # 'weight' and 'module.weight' are one name without DDP's prefix
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(2))
+            self.module = nn.Linear(2, 2, bias=False)
+
+    ckpt, out = tmp_path / "ckpt", tmp_path / "hf"
+    tierlift.checkpoint.save(ckpt, Both())
+    with pytest.raises(SystemExit):
+        main(["export", str(ckpt), str(out), "--format", "hf"])
+    assert "'module.weight' and 'weight' both name 'weight'" in capsys.readouterr().err
+    assert not os.path.exists(out) and not os.path.exists(str(out) + ".tmp")
+
+
 def small():
     return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4))
 

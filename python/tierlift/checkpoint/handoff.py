@@ -8,6 +8,8 @@ a shard is written as soon as it is full, so about one shard is in memory, not t
 state dict name is written as its own tensor: a tied alias (lm_head.weight of a model with
 tie_word_embeddings) is stored once more rather than dropped as save_pretrained does, so the
 files load into a model whether or not it ties them; from_pretrained re-ties them either way.
+Names are the module's own: torch.compile's `_orig_mod.` and DDP's leading `module.` are left
+out (two names that would then meet are refused).
 
 import_dcp(): the model weights of a torch.distributed.checkpoint directory as a tierlift
 checkpoint (replicated.save_state_dict: the same format, SHA-256 and atomic publish as save()).
@@ -27,6 +29,7 @@ import torch
 
 from tierlift.checkpoint import dcp_reader, outputs, replicated, targets
 from tierlift.checkpoint import format as fmt
+from tierlift.checkpoint.order import strip_wrappers
 from tierlift.io.fsync import fsync_path
 
 INDEX = "model.safetensors.index.json"
@@ -94,7 +97,16 @@ def export_hf(checkpoint: str, out_dir: str, *, max_shard_size: str | int = "5GB
             shard.clear()
             storages.clear()
 
-        for name, t in fmt.iter_state_dict(checkpoint, verify):
+        given: dict[str, str] = {}  # name in the files -> name saved
+        for saved, t in fmt.iter_state_dict(checkpoint, verify):
+            # a model saved through torch.compile or DDP: from_pretrained looks for the
+            # module's own names, so its wrappers' segments are left out
+            name = strip_wrappers(saved)
+            if name in given:
+                raise ValueError(f"checkpoint {checkpoint}: '{saved}' and '{given[name]}' both "
+                                 f"name '{name}' without their torch.compile/DDP wrapper "
+                                 "segments; export --format file keeps the saved names")
+            given[name] = saved
             nbytes = t.numel() * t.element_size()
             if shard and size + nbytes > limit:
                 flush()
