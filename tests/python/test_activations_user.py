@@ -212,3 +212,64 @@ def test_a_forward_that_does_not_end_on_the_last_block_ends_with_the_model(tmp_p
     offload_blocks(model, "ram", cpu_budget=1000, min_bytes=0)
     with pytest.raises(BudgetError, match="cpu_budget=1000"):
         model(x)
+
+
+ALL_TIERS = dict(TIERS, mix=lambda tmp: offload(cpu_budget=20000, nvme_path=tmp, min_bytes=0))
+
+
+def gradient_penalty(ctx, inside):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64),
+                                torch.nn.GELU(), torch.nn.Linear(64, 1))
+    x = torch.randn(32, 16, requires_grad=True)
+    mask = torch.rand(32, 64) > 0.5  # a bool saved tensor
+    idx = torch.randint(0, 32, (40,))  # an int64 saved tensor
+
+    def penalty(out):
+        g, = torch.autograd.grad(out.pow(3).sum(), x, create_graph=True)
+        return 10 * (g.norm(2, dim=1) - 1).pow(2).mean()
+
+    with ctx:
+        h = model[:2](x).masked_fill(mask, 0.0)
+        out = model[2:](h).index_select(0, idx)
+        loss = out.mean() + (penalty(out) if inside else 0)
+    if not inside:
+        loss = loss + penalty(out)
+    loss.backward()
+    return [loss.detach(), x.grad] + [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("inside", [False, True])
+@pytest.mark.parametrize("tier", ALL_TIERS)
+def test_double_backward_with_masks_and_indices_is_exact(tmp_path, tier, inside):
+    got = gradient_penalty(ALL_TIERS[tier](tmp_path), inside)
+    want = gradient_penalty(contextlib.nullcontext(), inside)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_hf_gradient_checkpointing_inside_the_context_and_offload_blocks(tmp_path, reentrant):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2,
+                                     n_positions=16, resid_pdrop=0.2, attn_pdrop=0.2)
+    base = transformers.GPT2LMHeadModel(config)
+    base.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    ids = torch.randint(0, 64, (2, 16))
+
+    def step(model, ctx=None):
+        torch.manual_seed(1)  # dropout, replayed by the checkpoints
+        with ctx or contextlib.nullcontext():
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return [loss.detach()] + [p.grad for p in model.parameters()]
+
+    want = step(copy.deepcopy(base))
+    got = step(copy.deepcopy(base), offload(cpu_budget=0, nvme_path=tmp_path, min_bytes=0))
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    model = copy.deepcopy(base)
+    offload_blocks(model, ["nvme", "recompute"], cpu_budget=0, nvme_path=tmp_path, min_bytes=0)
+    got = step(model)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert spill_fds(tmp_path) == 0
