@@ -1,6 +1,8 @@
-"""tierlift.activations as users of torch's own saved-tensor tools use it: what autograd
-accepts without offload (nested tensors, ...) runs inside the context too, with the same
-gradients."""
+"""tierlift.activations as users of torch.utils.checkpoint, save_on_cpu and Hugging Face gradient
+checkpointing use it, against plain autograd: what autograd accepts (nested tensors, double
+backward, masks and indices, HF checkpointing, a forward that skips its last block) gives the same
+gradients, and what autograd refuses (a saved tensor changed after it was saved, by the caller,
+by a backward, or while a GPU copy of it was in flight) is refused too."""
 
 from __future__ import annotations
 
