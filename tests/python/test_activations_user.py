@@ -16,7 +16,7 @@ import torch
 
 import tierlift
 import tierlift.activations.session as session_module
-from tierlift.activations import BudgetError, offload, offload_blocks
+from tierlift.activations import ActivationsDiscardedError, BudgetError, offload, offload_blocks
 from tierlift.activations.device import CpuCopier
 
 pytestmark = pytest.mark.skipif(not tierlift._extension.available(),
@@ -275,3 +275,19 @@ def test_hf_gradient_checkpointing_inside_the_context_and_offload_blocks(tmp_pat
     got = step(model)
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
     assert spill_fds(tmp_path) == 0
+
+
+def test_backward_after_close_names_the_close(tmp_path):
+    ctx = offload(cpu_budget=0, nvme_path=tmp_path, min_bytes=0)
+    w = torch.randn(16, 16, requires_grad=True)
+    with ctx:
+        loss = torch.tanh(torch.randn(8, 16) @ w).exp().sum()
+    ctx.close()
+    with pytest.raises(ActivationsDiscardedError, match="after their offload was closed"):
+        loss.backward()
+    assert w.grad is None
+    assert spill_fds(tmp_path) == 0
+    with ctx:  # the next forward opens a new engine
+        loss = torch.tanh(torch.randn(8, 16) @ w).exp().sum()
+    loss.backward()
+    assert w.grad is not None

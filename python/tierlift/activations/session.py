@@ -574,6 +574,11 @@ class Session:
             item.dev, item.event = copier.to_device(item.host, item.layout)
             return
         engine = self._file.engine
+        if engine.closed:
+            raise ActivationsDiscardedError(
+                "backward reached activations on NVMe after their offload was closed (close() "
+                "ends the io engine that reads them back); close it after backward, or run the "
+                "forward again")
         buf = engine.pool_tensor(n, block=False)  # aligned: read in place with O_DIRECT
         if buf is None:
             buf = torch.empty(n, dtype=torch.uint8, pin_memory=copier.pin)
