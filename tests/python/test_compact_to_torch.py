@@ -203,3 +203,57 @@ def test_replicated_checkpoint_keeps_loading_and_refuses_torch(tmp_path, monkeyp
     plain.load_state_dict(tierlift.checkpoint.optimizer_state_dict(str(tmp_path / "new")))
     with pytest.raises(KeyError, match="exp_avg_sq"):
         _train(plain_model, plain, steps=1)
+
+
+@pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flattened"])
+def test_distributed_checkpoint_state_dict_round_trip(flatten):
+    """torch.distributed.checkpoint's get_state_dict/set_state_dict: flattened, it rebuilds the
+    state from optimizer.state's keys, so those are the state dict's (the codes' key in both).
+    Into torch's AdamW the state loads and its step raises."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_state_dict,
+        set_state_dict,
+    )
+
+    options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+    model, opt = _trained()
+    _, osd = get_state_dict(model, opt, options=options)
+    twin = copy.deepcopy(model)
+    twin_opt = _compact(twin)
+    set_state_dict(twin, twin_opt, model_state_dict=model.state_dict(),
+                   optim_state_dict=copy.deepcopy(osd), options=options)
+    _assert_same_state(twin_opt.state_dict(), opt.state_dict())
+    _train(model, opt, start=STEPS)
+    _train(twin, twin_opt, start=STEPS)
+    for a, b in zip(_weights(twin), _weights(model)):
+        assert torch.equal(a, b)
+    plain_model = copy.deepcopy(model)
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    set_state_dict(plain_model, plain, model_state_dict=model.state_dict(),
+                   optim_state_dict=copy.deepcopy(osd), options=options)
+    before = _weights(plain_model)
+    with pytest.raises((KeyError, AttributeError)):  # no "exp_avg_sq" / DCP's {} in its place
+        _train(plain_model, plain, steps=1)
+    if not flatten:  # flattened, torch's step decays a weight before it reaches the {}
+        for a, b in zip(_weights(plain_model), before):
+            assert torch.equal(a, b)
+
+
+def test_optimizer_pickled_with_codes_under_exp_avg_sq_steps_on():
+    """An optimizer pickled (torch.save(optimizer)) before the codes had their own key."""
+    model, opt = _trained()
+    ref = copy.deepcopy(model)
+    ref_opt = _compact(ref)
+    ref_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    pickled = copy.deepcopy(opt.__getstate__())
+    for st in pickled["state"].values():
+        st["exp_avg_sq"] = st.pop("exp_avg_sq_codes")
+    old = AdamW.__new__(AdamW)
+    old.__setstate__(pickled)
+    old.param_groups[0]["params"] = list(model.parameters())  # the pickled ones are copies
+    old.state = {p: st for p, st in zip(model.parameters(), pickled["state"].values())}
+    _train(model, old, start=STEPS)
+    _train(ref, ref_opt, start=STEPS)
+    for a, b in zip(_weights(ref), _weights(model)):
+        assert torch.equal(a, b)

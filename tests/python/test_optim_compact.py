@@ -183,7 +183,8 @@ def test_state_layout_and_bytes_per_param():
     opt.step()
     st = opt.state[p]
     assert st["exp_avg"].dtype == torch.bfloat16 and st["exp_avg"].shape == p.shape
-    assert st["exp_avg_sq"].dtype == torch.uint8 and st["exp_avg_sq"].shape == p.shape
+    assert "exp_avg_sq" not in st  # torch's key: its optimizers would read the codes as moments
+    assert st["exp_avg_sq_codes"].dtype == torch.uint8 and st["exp_avg_sq_codes"].shape == p.shape
     assert st["exp_avg_sq_scale"].dtype == torch.float32
     assert st["exp_avg_sq_scale"].numel() == 12  # ceil(3000 / 256)
     state_bytes = sum(t.numel() * t.element_size() for k, t in st.items() if k != "step")
@@ -296,7 +297,7 @@ def test_cuda_params_with_compact_state():
         p.grad, q.grad = g.cuda(), g
         ours.step()
         cpu.step()
-    for key in ("master", "exp_avg", "exp_avg_sq", "exp_avg_sq_scale"):
+    for key in ("master", "exp_avg", "exp_avg_sq_codes", "exp_avg_sq_scale"):
         assert torch.equal(ours.state[p][key].cpu(), cpu.state[q][key]), key
 
 

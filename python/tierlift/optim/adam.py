@@ -9,8 +9,9 @@ optimizer and ours in both directions. Differences, all deliberate:
   * state_dtype="bf16" keeps compact moments instead (as 8-bit Adam does): exp_avg in bf16,
     exp_avg_sq as uint8 codes with one fp32 scale per 256 elements ("exp_avg_sq_scale");
     about 3 bytes per parameter instead of 8 (docs/optim.md). Loading an fp32-state checkpoint
-    quantizes it and an fp32-state optimizer dequantizes a compact one. Its state_dict() has
-    the codes under "exp_avg_sq_codes", so torch's optimizers raise instead of stepping on them;
+    quantizes it and an fp32-state optimizer dequantizes a compact one. Its state (and
+    state_dict) has the codes under "exp_avg_sq_codes", not "exp_avg_sq": torch's optimizers
+    raise instead of stepping on them;
   * offload="cpu"|"nvme"|"hybrid" (with nvme_path, cpu_budget, overlap, nvme_generations,
     chunk_bytes, durable, skip_nonfinite, device_staging, device_fraction, overlap_threads)
     moves the state out of the parameter's memory (device_fraction keeps a share of it there);
@@ -45,6 +46,8 @@ from tierlift.offload.masters import refresh_master
 from tierlift.optim import amp, state_hooks
 from tierlift.optim.adam_plan import build_plan, plan_grads
 from tierlift.optim.hyper import (
+    CODES_KEY,
+    SCALE_KEY,
     check_flags,
     check_group_lr,
     check_group_types,
@@ -65,14 +68,14 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 _DTYPES = frozenset((torch.float32, *_LOW_PRECISION))  # of params and of gradients
 # State tensors taken from a loaded state dict as they are (torch would cast them to the
 # parameter's dtype), then brought to this optimizer's state format.
-_STATE_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_sq_scale", "max_exp_avg_sq", "master")
+_STATE_KEYS = ("exp_avg", "exp_avg_sq", CODES_KEY, SCALE_KEY, "max_exp_avg_sq", "master")
 
 
 def _check_state_shapes(p: torch.Tensor, saved: dict, index) -> None:
     """A loaded moment or master must have its parameter's shape, as torch's state does: one
     of the same size but another shape (a transposed weight, another model's config) would
     otherwise be stepped as if its elements lined up."""
-    for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master"):
+    for k in ("exp_avg", "exp_avg_sq", CODES_KEY, "max_exp_avg_sq", "master"):
         v = saved.get(k)
         if isinstance(v, torch.Tensor) and v.shape != p.shape:
             raise ValueError(f"the loaded state {k!r} of parameter {index} has shape "
@@ -279,7 +282,7 @@ class Adam(Optimizer):
 
     def state_dict(self):
         # torch's hooks around the whole read: its post-hooks see the moments from the tiers,
-        # and compact codes under their state-dict key (hyper.saved_codes), as returned.
+        # compact codes under CODES_KEY (the tiers name them "exp_avg_sq"), as returned.
         state_hooks.state_dict_pre_hooks(self)
         with state_hooks.torch_hooks_off(self):
             sd = super().state_dict() if self._offload is None else self._offloaded_state_dict()
@@ -342,6 +345,8 @@ class Adam(Optimizer):
         for p, state in loaded.items():
             if isinstance(state.get("exp_avg"), torch.Tensor):
                 self._to_state_format(p, state)
+            if CODES_KEY in state:  # the tiers' name for the codes
+                state["exp_avg_sq"] = state.pop(CODES_KEY)
         steps_only = dict(state_dict)
         steps_only["state"] = {i: {"step": s["step"]} for i, s in state_dict["state"].items()
                                if "step" in s}
@@ -376,13 +381,13 @@ class Adam(Optimizer):
         if compact:
             if state["exp_avg"].dtype != torch.bfloat16:
                 state["exp_avg"] = state["exp_avg"].float().to(torch.bfloat16)
-            if "exp_avg_sq_scale" not in state:
-                codes, scales = quantize_exp_avg_sq(state["exp_avg_sq"].float())
-                state["exp_avg_sq"], state["exp_avg_sq_scale"] = codes, scales
+            if SCALE_KEY not in state:
+                codes, scales = quantize_exp_avg_sq(state.pop("exp_avg_sq").float())
+                state[CODES_KEY], state[SCALE_KEY] = codes, scales
             state.pop("max_exp_avg_sq", None)
-        elif "exp_avg_sq_scale" in state:
-            state["exp_avg_sq"] = dequantize_exp_avg_sq(
-                state["exp_avg_sq"], state.pop("exp_avg_sq_scale"))
+        elif SCALE_KEY in state:
+            state["exp_avg_sq"] = dequantize_exp_avg_sq(state.pop(CODES_KEY),
+                                                        state.pop(SCALE_KEY))
         fp32_keys = ("master",) if compact else ("exp_avg", "exp_avg_sq", "max_exp_avg_sq",
                                                  "master")
         for key in fp32_keys:
@@ -391,15 +396,15 @@ class Adam(Optimizer):
             ):
                 state[key] = state[key].to(torch.float32).contiguous()
         if compact:
-            m, codes, scales = state["exp_avg"], state["exp_avg_sq"], state["exp_avg_sq_scale"]
+            m, codes, scales = state["exp_avg"], state[CODES_KEY], state[SCALE_KEY]
             if (codes.dtype != torch.uint8 or codes.shape != p.shape or m.shape != p.shape
                     or scales.dtype != torch.float32 or scales.numel() != scale_count(p.numel())):
                 raise ValueError(
                     f"compact state of a parameter of shape {tuple(p.shape)} has exp_avg "
-                    f"{tuple(m.shape)}, exp_avg_sq {codes.dtype} {tuple(codes.shape)} and "
+                    f"{tuple(m.shape)}, {CODES_KEY} {codes.dtype} {tuple(codes.shape)} and "
                     f"exp_avg_sq_scale {scales.dtype} [{scales.numel()}]; expected uint8 codes "
                     f"of the parameter's shape and float32 [{scale_count(p.numel())}] scales")
-            for key in ("exp_avg", "exp_avg_sq", "exp_avg_sq_scale"):
+            for key in ("exp_avg", CODES_KEY, SCALE_KEY):
                 state[key] = state[key].contiguous()
 
     def __getstate__(self) -> dict:
@@ -426,6 +431,8 @@ class Adam(Optimizer):
         # As torch's Adam: a step count saved as a number (torch before 1.12, converters) is
         # kept as a float32 tensor, which every step path and torch's optimizers expect.
         for st in self.state.values():
+            if isinstance(st, dict) and SCALE_KEY in st and "exp_avg_sq" in st:
+                st[CODES_KEY] = st.pop("exp_avg_sq")  # compact codes pickled before CODES_KEY
             step = st.get("step") if isinstance(st, dict) else None
             if step is not None and not isinstance(step, torch.Tensor):
                 st["step"] = torch.tensor(float(step), dtype=torch.float32)
@@ -443,8 +450,8 @@ class Adam(Optimizer):
                 p, dtype=torch.bfloat16 if compact else torch.float32,
                 memory_format=torch.contiguous_format)
             if compact:
-                state["exp_avg_sq"] = torch.zeros_like(state["exp_avg"], dtype=torch.uint8)
-                state["exp_avg_sq_scale"] = torch.zeros(
+                state[CODES_KEY] = torch.zeros_like(state["exp_avg"], dtype=torch.uint8)
+                state[SCALE_KEY] = torch.zeros(
                     scale_count(p.numel()), dtype=torch.float32, device=p.device)
             else:
                 state["exp_avg_sq"] = torch.zeros_like(state["exp_avg"])
@@ -608,6 +615,7 @@ class Adam(Optimizer):
         params = [p for p in group["params"] if p.grad is not None]
         if not params:
             return
+        v_key = CODES_KEY if self._state_dtype == "bf16" else "exp_avg_sq"
         # _check_group put the group's parameters on one device: one answer for all of them.
         # The compiled ops refresh masters from their parameters themselves (the CUDA kernel
         # with one 2-byte read per element, the CPU op in one C++ pass) instead of
@@ -641,9 +649,9 @@ class Adam(Optimizer):
             if counted:
                 b["steps"].append(state["step"])
             b["exp_avgs"].append(state["exp_avg"])
-            b["exp_avg_sqs"].append(state["exp_avg_sq"])
-            if "exp_avg_sq_scale" in state:
-                b["scales"].append(state["exp_avg_sq_scale"])
+            b["exp_avg_sqs"].append(state[v_key])
+            if SCALE_KEY in state:
+                b["scales"].append(state[SCALE_KEY])
             if amsgrad:
                 b["max_exp_avg_sqs"].append(state["max_exp_avg_sq"])
         if write_back:

@@ -18,6 +18,7 @@ from itertools import repeat
 import torch
 
 from tierlift import ops
+from tierlift.optim.hyper import CODES_KEY
 
 _DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16))
 _dtype = operator.attrgetter("dtype")
@@ -68,7 +69,7 @@ def build_plan(state, group: dict, state_dtype: str) -> GroupPlan | None:
         # path does).
         "copies": list(active) if with_copies else [],
         "exp_avgs": [sd["exp_avg"] for sd in sds],
-        "exp_avg_sqs": [sd["exp_avg_sq"] for sd in sds],
+        "exp_avg_sqs": [sd[CODES_KEY if state_dtype == "bf16" else "exp_avg_sq"] for sd in sds],
         "scales": [sd["exp_avg_sq_scale"] for sd in sds] if state_dtype == "bf16" else [],
         "max_exp_avg_sqs": [sd["max_exp_avg_sq"] for sd in sds] if plan.amsgrad else [],
     }

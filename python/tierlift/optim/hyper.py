@@ -13,9 +13,9 @@ import numbers
 import torch
 
 _STATE_DTYPES = ("fp32", "bf16")
-# A state dict's key for compact state's uint8 exp_avg_sq codes (optimizer.state keeps them as
-# "exp_avg_sq"). Not torch's key: torch.optim.AdamW would cast the codes (1..255) to float and
-# step on them as second moments; without an "exp_avg_sq" its step raises KeyError instead.
+# Compact state's key for the uint8 exp_avg_sq codes, in optimizer.state and its state dict (the
+# offload tiers name them "exp_avg_sq"). Not torch's key: torch.optim.AdamW would cast the codes
+# (1..255) to float and step on them as second moments; without "exp_avg_sq" it raises instead.
 CODES_KEY = "exp_avg_sq_codes"
 SCALE_KEY = "exp_avg_sq_scale"
 # Flags the step reads (a truthy string would silently switch them on); foreach, capturable,
@@ -133,9 +133,10 @@ def check_loaded_amsgrad(saved_groups: list, state_dtype: str, laid_out: list | 
 
 
 def saved_codes(state_dict: dict) -> dict:
-    """`state_dict` with each compact state's codes under CODES_KEY; the given dict and its
-    per-parameter dicts (torch's share optimizer.state's) are left alone."""
-    if not any(SCALE_KEY in s for s in state_dict["state"].values()):
+    """`state_dict` with each compact state's codes under CODES_KEY (an offloaded optimizer's
+    read back from the tiers has them under "exp_avg_sq"); the given dict and its per-parameter
+    dicts (torch's share optimizer.state's) are left alone."""
+    if not any(SCALE_KEY in s and "exp_avg_sq" in s for s in state_dict["state"].values()):
         return state_dict
     state = {i: {(CODES_KEY if k == "exp_avg_sq" else k): v for k, v in s.items()}
              if SCALE_KEY in s else s for i, s in state_dict["state"].items()}
@@ -143,10 +144,10 @@ def saved_codes(state_dict: dict) -> dict:
 
 
 def loaded_codes(state_dict: dict) -> dict:
-    """`state_dict` with compact codes under "exp_avg_sq", as optimizer.state holds them: saved
-    under CODES_KEY, or under "exp_avg_sq" (as tierlift saved them before CODES_KEY). Checked
-    before a load changes anything: codes that are not uint8 beside their scales would be read
-    as moments (torch.optim's load casts them to the parameter's dtype)."""
+    """`state_dict` with compact codes under CODES_KEY: saved there, or under "exp_avg_sq" (as
+    tierlift saved them before CODES_KEY). Checked before a load changes anything: codes that
+    are not uint8 beside their scales would be read as moments (torch.optim's load casts them
+    to the parameter's dtype)."""
     states = state_dict.get("state")
     if not isinstance(states, dict):
         return state_dict  # torch's load raises on it
@@ -176,7 +177,7 @@ def loaded_codes(state_dict: dict) -> dict:
                 f"the state of parameter {i} in the state dict being loaded has uint8 "
                 f"'exp_avg_sq' without {SCALE_KEY!r}: compact codes cannot be read without "
                 "their scales. Nothing was changed")
-        if CODES_KEY in s:
-            s = {("exp_avg_sq" if k == CODES_KEY else k): v for k, v in s.items()}
+        if is_codes and CODES_KEY not in s:
+            s = {(CODES_KEY if k == "exp_avg_sq" else k): v for k, v in s.items()}
         out[i] = s
     return {**state_dict, "state": out}
