@@ -257,3 +257,38 @@ def test_optimizer_pickled_with_codes_under_exp_avg_sq_steps_on():
     _train(ref, ref_opt, start=STEPS)
     for a, b in zip(_weights(ref), _weights(model)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+def test_offloaded_flattened_distributed_checkpoint_load_refused(state_dtype):
+    """Flattened, set_state_dict rebuilds each state from optimizer.state's keys, which hold
+    only "step" under offload: loaded, the moments restarted from zero at the saved step (8e-2
+    relative off in the weights three steps later). Refused before any change; unflattened, the
+    same state loads exactly."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_state_dict,
+        set_state_dict,
+    )
+
+    model = _model()
+    opt = AdamW(model.parameters(), lr=1e-2, state_dtype=state_dtype, offload="cpu")
+    _train(model, opt)
+    twin = copy.deepcopy(model)
+    twin_opt = AdamW(twin.parameters(), lr=1e-2, state_dtype=state_dtype, offload="cpu")
+    _train(twin, twin_opt, steps=1)
+    before = copy.deepcopy(twin_opt.state_dict())
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    _, osd = get_state_dict(model, opt, options=flat)
+    with pytest.raises(ValueError, match="step count but no 'exp_avg'.*Nothing was changed"):
+        set_state_dict(twin, twin_opt, model_state_dict=model.state_dict(),
+                       optim_state_dict=osd, options=flat)
+    _assert_same_state(twin_opt.state_dict(), before)
+    nested = StateDictOptions(flatten_optimizer_state_dict=False)
+    _, osd = get_state_dict(model, opt, options=nested)
+    set_state_dict(twin, twin_opt, model_state_dict=model.state_dict(),
+                   optim_state_dict=copy.deepcopy(osd), options=nested)
+    _train(model, opt, start=STEPS)
+    _train(twin, twin_opt, start=STEPS)
+    for a, b in zip(_weights(twin), _weights(model)):
+        assert torch.equal(a, b)

@@ -52,6 +52,7 @@ from tierlift.optim.hyper import (
     check_group_lr,
     check_group_types,
     check_loaded_amsgrad,
+    check_loaded_moments,
     check_state_dtype,
     check_torch_config,
     check_types,
@@ -327,6 +328,7 @@ class Adam(Optimizer):
         laid_out = None if self._offload is None else [
             "max_exp_avg_sq" in kinds for kinds in self._offload._kinds]
         check_loaded_amsgrad(state_dict["param_groups"], self._state_dtype, laid_out)
+        check_loaded_moments(state_dict["state"])
         if self._offload is None:
             super().load_state_dict(state_dict)
             self._adopt_loaded_state(state_dict)

@@ -181,3 +181,18 @@ def loaded_codes(state_dict: dict) -> dict:
             s = {(CODES_KEY if k == "exp_avg_sq" else k): v for k, v in s.items()}
         out[i] = s
     return {**state_dict, "state": out}
+
+
+def check_loaded_moments(states: dict) -> None:
+    """Before a load changes anything: a parameter's state with a step count but no moments
+    would restart Adam from zero moments (offloaded) or from step 0 (in memory) without a word;
+    torch's Adam raises at its step instead."""
+    for i, s in states.items():
+        if isinstance(s, dict) and "step" in s and not isinstance(s.get("exp_avg"), torch.Tensor):
+            raise ValueError(
+                f"the state of parameter {i} in the state dict being loaded has a step count but "
+                f"no 'exp_avg' tensor (keys: {sorted(map(str, s))}), so its moments would restart "
+                "from zero. torch.distributed.checkpoint's set_state_dict with "
+                "flatten_optimizer_state_dict=True rebuilds the state from optimizer.state's "
+                "keys, which hold only 'step' under offload: load the unflattened state dict "
+                "(flatten_optimizer_state_dict=False). Nothing was changed")
