@@ -155,10 +155,11 @@ def _cases(rank: int, world: int, tmp: str) -> dict:
 
 def _syncs(rank: int, world: int) -> list:
     """What unused.py calls in each step (test_zero_unused_syncs.Calls): two with every
-    parameter used on every rank, then two of the "all_on_one" plan."""
+    parameter used on every rank, two of the "all_on_one" plan, then two where no rank uses
+    either `extra` (two units hold a parameter without gradient)."""
     from test_zero_unused_syncs import Calls
 
-    plan = [[(True, True)] * world] * 2 + PLANS["all_on_one"][:2]
+    plan = [[(True, True)] * world] * 2 + PLANS["all_on_one"][:2] + [[N] * world] * 2
     model = tierlift.zero.shard(_make(), stage=2, units=["l1", "l2", "head"])
     opt = torch.optim.AdamW(model.parameters(), **OPT)
     counts = []
@@ -199,11 +200,14 @@ def test_no_device_reads_where_every_local_parameter_got_a_gradient(ranks):
     for rank, out in enumerate(ranks):
         for step, counts in enumerate(out["syncs"]):
             work = {k: n for k, n in counts.items() if k not in METADATA}
-            if step < 2 or rank == 0:  # every flag set here: ones made on the device, no read
-                assert work == {"ones": 1}, (rank, step, counts)
-            else:  # l2.extra unseen: its gradient checked, the agreed flags read (one each)
+            if step >= 4:  # both units' flags read at once, then every step count at once
+                assert work["tolist"] == 2 and "__float__" not in work, (rank, step, counts)
                 assert sum(n for k, n in work.items() if k in READS) == 2, (rank, step, counts)
-                assert work["tolist"] == 2 and "ones" not in work, (rank, step, counts)
+            elif step < 2 or rank == 0:  # every flag set here: ones made on the device, no read
+                assert work == {"ones": 1}, (rank, step, counts)
+            else:  # l2.extra unseen: its gradient checked on the device, the agreed flags read
+                assert sum(n for k, n in work.items() if k in READS) == 1, (rank, step, counts)
+                assert work["tolist"] == 1 and "ones" not in work, (rank, step, counts)
 
 
 def test_compiled_step_steps_as_torch(ranks):

@@ -2,12 +2,14 @@
 model with a unit of several parameters, so on a GPU each value it reads back (tolist, item,
 bool, float of a tensor) stalls the step. Counted here on CPU, where those calls are the same:
 with every parameter used a step makes no torch call from unused.py at all (one process; two
-ranks in test_zero_unused.py), and with a parameter never called (zero_model's `unused`) the
-reads stay a few per unit while the weights still match torch's AdamW."""
+ranks in test_zero_unused.py), and with a parameter never called (zero_model's `unused`) a
+step reads twice however many units hold one (the flags, the step counts) while the weights
+still match torch's AdamW."""
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import sys
 
 import pytest
@@ -133,12 +135,12 @@ def test_unused_parameter_few_reads_and_exact(monkeypatch, stage):
     assert rel < 1e-5
     units = len(make_model().blocks)  # one unit per block holds a never-called `unused`
     for counts in per_step:
-        # Both of its parameters (weight, bias) checked in the backward, in one read a unit.
+        # Both of its parameters (weight, bias) checked in the backward, kept on the device.
         assert counts["any"] == 2 * units and counts["stack"] == units + 1, dict(counts)
-        # Reads: that one per unit, the step count before the step per unit (a CPU count as
-        # torch's AdamW keeps: no sync), then every unit's count after the step at once.
-        assert counts["tolist"] == units + 1 and counts["__float__"] == units, dict(counts)
-        assert _reads(counts) == 2 * units + 1, dict(counts)
+        # Reads: the flags once, every unit's together, when the step settles them; then every
+        # unit's step count before and after the step at once (CPU counts as torch's AdamW
+        # keeps: no sync on a GPU either).
+        assert counts["tolist"] == 2 and _reads(counts) == 2, dict(counts)
 
 
 def test_step_counts_read_once_per_device_and_dtype(monkeypatch):
@@ -148,3 +150,46 @@ def test_step_counts_read_once_per_device_and_dtype(monkeypatch):
     assert got == [3.0, 2.0, None, 4.0, 5.0]
     assert all(type(v) is float for v in got if v is not None)
     assert calls.counts["tolist"] == 2 and _reads(calls.counts) == 2, dict(calls.counts)
+
+
+class _Pair(torch.nn.Module):
+    """One unit: `used` called, `extra` never (no gradient, not stepped)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.extra = torch.nn.Linear(6, 6), torch.nn.Linear(6, 2)
+
+    def forward(self, x):
+        return torch.tanh(self.used(x))
+
+
+def _pairs(n: int):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[_Pair() for _ in range(n)])
+
+
+@pytest.mark.parametrize("blind", [False, True], ids=["hooks", "hooks_blind"])
+@pytest.mark.parametrize("units", [1, 3, 8])
+def test_reads_per_step_do_not_grow_with_units(monkeypatch, units, blind):
+    """The reads a step makes are the same with 1, 3 or 8 units holding a parameter without
+    gradient. hooks_blind: no gradient hook fires (watch() a no-op), so which entries got a
+    gradient comes from local_grad's device checks alone, still exact."""
+    if blind:
+        monkeypatch.setattr(unused, "watch", lambda unit: None)
+    ref = _pairs(units)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **OPT)
+    model = tierlift.zero.shard(_pairs(units), stage=2, units=[str(i) for i in range(units)])
+    opt = torch.optim.AdamW(model.parameters(), **OPT)
+    calls = Calls(monkeypatch)
+    for i in range(3):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(i))
+        for m, o in ((ref, ref_opt), (model, opt)):
+            with calls if m is model and i else contextlib.nullcontext():
+                o.zero_grad()
+                m(x).sum().backward()
+                o.step()
+        if i:  # the flags once, the step counts once
+            assert calls.counts["tolist"] == 2 and _reads(calls.counts) == 2, dict(calls.counts)
+    sd = tierlift.zero.full_state_dict(model)
+    for k, want in ref.state_dict().items():
+        torch.testing.assert_close(sd[k], want, rtol=1e-6, atol=1e-7, msg=k)

@@ -14,7 +14,8 @@ count. A unit's flat gradient has zeros there instead, which the optimizer would
 - none of this reads the device in a step where every parameter got a gradient (no host sync:
   the flags are Python lists, a rank whose flags are all set sends ones made on the device and
   needs no answer, since a MAX with all ones is all ones); a step with a parameter without
-  gradient reads one small tensor per unit that has one, and the flags and step counts once;
+  gradient reads the flags once, every unit's together (the check of an unseen entry's local
+  gradient stays on the device until then), and the shards' step counts once;
 - around an Adam/AdamW step (torch's or tierlift's) of a shard that holds entries without
   gradient, their ranges of the shard and of the moments are put back as they were (zeros when
   the step created the state), and entries whose own step count lags the shard's (skipped by an
@@ -75,22 +76,25 @@ def watch(unit) -> None:
 
 def local_grad(unit, grad: torch.Tensor) -> None:
     """Before the unit's (local) gradient is reduced or summed on: an entry that got a gradient
-    some way the hooks did not see counts as used, so nothing with a gradient is ever masked."""
+    some way the hooks did not see counts as used, so nothing with a gradient is ever masked.
+    Which did stays on the device (unit.grad_hit, ORed over the backwards of a no_sync()
+    accumulation) and goes into the flags the step reads once for every unit: a read here, in
+    the middle of backward, would stall a GPU's queue once per unit."""
     seen = unit.seen
     if seen is None or all(seen):
         return
-    unseen = [i for i, s in enumerate(seen) if not s]
-    es = [unit.entries[i] for i in unseen]
-    hit = torch.stack([grad[e.offset : e.offset + e.numel].any() for e in es]).tolist()  # 1 sync
-    for i, h in zip(unseen, hit, strict=True):
-        if h:
-            seen[i] = True
+    no = grad.new_zeros((), dtype=torch.bool)
+    hit = torch.stack([no if s else grad[e.offset : e.offset + e.numel].any()
+                       for s, e in zip(seen, unit.entries, strict=True)])
+    was = getattr(unit, "grad_hit", None)
+    unit.grad_hit = hit if was is None else was.logical_or_(hit)
 
 
 def reset(unit) -> None:
     """The local sums were dropped (zero_grad after no_sync())."""
     if unit.seen is not None:
         unit.seen[:] = [False] * len(unit.seen)
+        unit.grad_hit = None
 
 
 class Agreement:
@@ -102,7 +106,7 @@ class Agreement:
         install()  # units that may lag: their optimizers' state dicts carry the counts
         self.reduced: list = []  # units reduced in this backward, each with its fresh flag
         # (work or None, flags tensor or None, its values if known without reading it,
-        #  [(unit, seen, fresh)])
+        #  [(unit, seen, fresh, grad_hit)])
         self.pending = None
 
     @property
@@ -125,30 +129,39 @@ class Agreement:
             # The offloaded optimizer's overlap steps the shard as soon as its gradient lands,
             # before the step's hooks: the weights as they were, to put skipped entries back.
             unit.before = unit.shard.detach().clone()
-        self.reduced.append((unit, list(unit.seen), fresh))
+        self.reduced.append((unit, list(unit.seen), fresh, getattr(unit, "grad_hit", None)))
         reset(unit)
 
     def launch(self) -> None:
-        """End of a synced backward: one all-reduce (MAX) of every reduced unit's flags."""
+        """End of a synced backward: one all-reduce (MAX) of every reduced unit's flags; the
+        gradient checks of local_grad ORed in on the device, so the flags are the one read."""
         self.settle()
         if not self.reduced:
             return
         entries = self.reduced
         self.reduced = []
-        local = [f for _, seen, _ in entries for f in seen]
+        local = [f for _, seen, _, _ in entries for f in seen]
         comm = self.state.world_comm
-        if comm.world == 1:  # the local flags are the answer: no device work
-            self.pending = (None, None, local, entries)
-            return
-        # Every rank sends the same size in the same order; only how the tensor is made differs.
         dev = entries[0][0].device
         if all(local):
-            # MAX with all ones is all ones whatever the others send: nothing to read back.
-            flags, values = torch.ones(len(local), device=dev), local
-        else:
-            flags, values = flags_on(local, dev), None
-        work = comm.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, async_op=True)
-        self.pending = (work, flags, values, entries)
+            if comm.world == 1:  # the local flags are the answer: no device work
+                self.pending = (None, None, local, entries)
+                return
+            # Every rank sends the same size in the same order; only how the tensor is made
+            # differs. MAX with all ones is all ones whatever the others send: nothing to read.
+            flags = torch.ones(len(local), device=dev)
+            work = comm.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, async_op=True)
+            self.pending = (work, flags, local, entries)
+            return
+        flags, k = flags_on(local, dev), 0
+        for _, seen, _, hit in entries:
+            if hit is not None:
+                flags[k : k + len(seen)].masked_fill_(hit, 1.0)
+            k += len(seen)
+        work = None
+        if comm.world > 1:
+            work = comm.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, async_op=True)
+        self.pending = (work, flags, None, entries)
 
     def settle(self) -> None:
         """Waits for the flags in flight and records, per unit, the entries its gradient has."""
@@ -161,7 +174,7 @@ class Agreement:
         if values is None:
             values = flags.tolist()  # a sync only when this rank has an entry without gradient
         k = 0
-        for unit, seen, fresh in entries:
+        for unit, seen, fresh, _ in entries:
             got = [v > 0 for v in values[k : k + len(seen)]]
             k += len(seen)
             if not fresh and unit.has_grad is not None:
@@ -338,11 +351,11 @@ def after_step(optimizer, todo: list) -> None:
 
 
 def _step_now(st: dict):
-    """The step count as it is now: a float, or a copy of a device count (read after the step,
-    with the new one)."""
+    """The step count as it is now: a float, or a copy of a tensor count (read after the step,
+    with the new one and every other shard's, in one go)."""
     step = st["step"]
     if isinstance(step, torch.Tensor):
-        return float(step) if step.device.type == "cpu" else step.detach().clone()
+        return step.detach().clone()
     return float(step)
 
 
