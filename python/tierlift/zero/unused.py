@@ -177,8 +177,9 @@ class Agreement:
         for unit, seen, fresh, _ in entries:
             got = [v > 0 for v in values[k : k + len(seen)]]
             k += len(seen)
-            if not fresh and unit.has_grad is not None:
-                got = [a or b for a, b in zip(got, unit.has_grad, strict=True)]
+            if not fresh:  # summed onto the last settled gradient (no zero_grad since)
+                had = unit.has_grad or [True] * len(seen)  # None: every entry had one
+                got = [a or b for a, b in zip(got, had, strict=True)]
             grad = unit.shard.grad
             unit.has_grad = None if all(got) else got
             unit.used_for = None if grad is None else weakref.ref(grad)
