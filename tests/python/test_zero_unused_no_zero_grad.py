@@ -1,9 +1,12 @@
-"""Gradients summed over optimizer steps (zero_grad only now and then): a parameter that got a
-gradient before the last step keeps it, so torch steps it again even where the backward since
-gave it none; so does zero_grad(set_to_none=False), which leaves it a zero gradient. The
-unit's flags for such a parameter must stay set (zero/unused.py settle())."""
+"""Backwards summed onto a gradient the unit's flags were already settled for: a second backward
+of a gradient accumulation (no no_sync()), a step without zero_grad since the last, or
+zero_grad(set_to_none=False), which leaves a zero gradient. A parameter the earlier backward
+reached keeps its gradient, so torch steps it even where the later backward gave it none; the
+unit's flags for it must stay set (zero/unused.py settle())."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -55,4 +58,28 @@ def test_zero_grad_keeping_zeros_steps_as_torch(stage, optim):
     run(ref, optim(ref.parameters(), **kw))
     model = tierlift.zero.shard(_make(), stage=stage, units=["l1", "l2", "head"])
     run(model, optim(model.parameters(), **kw))
+    assert _max_rel(tierlift.zero.full_state_dict(model), ref.state_dict()) < 1e-6
+
+
+@pytest.mark.parametrize("no_sync", [False, True], ids=["synced", "no_sync"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_accumulated_backwards_step_what_any_of_them_reached(stage, no_sync):
+    """Two backwards per step (gradient accumulation, the first inside no_sync() or not): a
+    parameter only the first reached has a gradient, which torch steps."""
+    groups = [[(True, True), (False, False)], [(False, True), (True, False)]]
+
+    def run(model, opt, zero: bool) -> None:
+        g = torch.Generator().manual_seed(1)
+        for group in groups:
+            opt.zero_grad()
+            for k, use in enumerate(group):
+                first = zero and no_sync and k == 0
+                with model.no_sync() if first else contextlib.nullcontext():
+                    model(torch.randn(8, 8, generator=g), use).pow(2).mean().backward()
+            opt.step()
+
+    ref = _make()
+    run(ref, torch.optim.AdamW(ref.parameters(), **OPT), False)
+    model = tierlift.zero.shard(_make(), stage=stage, units=["l1", "l2", "head"])
+    run(model, torch.optim.AdamW(model.parameters(), **OPT), True)
     assert _max_rel(tierlift.zero.full_state_dict(model), ref.state_dict()) < 1e-6
