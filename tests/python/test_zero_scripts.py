@@ -11,6 +11,8 @@ rank itself:
   model.apply(init_fn) after shard() at stages 1/2: the same numbers.
 - an optimizer built before shard() (where nanoGPT builds it, before its DDP wrap) holds the
   replaced parameters and stepped nothing: refused at step() and when built.
+- a weight constraint (row renorm) applied after each step inside gathered(modifier_rank=0):
+  hung at stages 1/2 (the block's exit re-gathered on some ranks only); now as torch.
 - freezing a layer after shard() (`model.ln_f.requires_grad_(False)`, or its weight's flag at
   stage 3) changed nothing and the layer went on training: refused at the call."""
 
@@ -64,6 +66,12 @@ def _init(module):  # nanoGPT's _init_weights
         torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
         if module.bias is not None:
             torch.nn.init.zeros_(module.bias)
+
+
+def _renorm(model):  # rows of every Linear weight to norm <= 0.5 (reads whole rows)
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            m.weight.div_(m.weight.norm(dim=1, keepdim=True).clamp(min=0.5) * 2)
 
 
 def _state_of(opt) -> dict:
@@ -149,6 +157,20 @@ def _cases(rank, world, tmp) -> dict:
         out[f"early{stage}_step"] = raised(opt.step)
         out[f"early{stage}_kept"] = _max_rel(tierlift.zero.full_state_dict(model), before)
         out[f"early{stage}_init"] = raised(lambda ps=params: _adamw(ps))
+
+    # A max-norm constraint after each step, inside gathered(modifier_rank=0) (the module
+    # attributes of stages 1/2 lag after a step): the block's exit re-gathered only the ranks
+    # whose slice held a parameter without a gradient, so the next forward's gathers hung.
+    renorm_ref = _reference(data, after=_renorm).state_dict()
+    for stage in (1, 2, 3):
+        model = tierlift.zero.shard(make_model(), stage=stage)
+
+        def renorm_gathered(m):
+            with tierlift.zero.gathered(m, modifier_rank=0):
+                _renorm(m)
+
+        _train(model, _adamw(model.parameters()), data, world, rank, renorm_gathered)
+        out[f"renorm{stage}_rel"] = _max_rel(tierlift.zero.full_state_dict(model), renorm_ref)
 
     # Freezing a layer mid-training (a norm inside a block, the final norm in the root unit):
     # refused at the call, nothing changed; training goes on as the reference's.
@@ -257,6 +279,12 @@ def test_freezing_a_layer_inside_a_unit_is_refused(ranks, stage):
         assert out[f"freeze{stage}_grads"]
         assert out[f"freeze{stage}_kept"] == 0.0
         assert out[f"freeze{stage}_rel"] < 1e-5
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_weight_constraint_inside_gathered_after_each_step(ranks, stage):
+    for out in ranks:
+        assert out[f"renorm{stage}_rel"] < 1e-5
 
 
 def test_eval_and_apply_as_torch(ranks):

@@ -127,7 +127,12 @@ class _Held:
         unit = self.unit
         if unit.gathered or unit.pending is not None:
             if collective:
-                state._gather(unit)  # current again (a no-op unless the shard changed)
+                # Gathered again on every rank (the held units are the same everywhere): whether
+                # a unit needs it can differ by rank (the put-back of parameters without a
+                # gradient after a step writes only the ranks whose slice holds them, through
+                # .data), and a gather on some ranks only would pair with another collective.
+                unit.stale = True
+                state._gather(unit)
             else:
                 unit.wait_gather()
             unit.install_views()

@@ -250,6 +250,9 @@ class FlatUnit:
                     self.gather_event = self.offload.after()
         self.pending = (work, src)
         self.gathered, self.stale, self.shard_version = True, False, self.shard._version
+        # What was written through the shard's .data so far is gathered now; later writes
+        # through the same tensors still show.
+        self.data_handles = [(d, d._version) for d, _ in self.data_handles]
         self.full_version = self.full._version
         self.install_views()  # in place of the freed stand-ins
         if not async_op:
