@@ -128,16 +128,42 @@ def combined_norm(owners: list[tuple], local: list, norm_type: float,
     return torch.stack([t ** norm_type for t in totals]).sum() ** (1.0 / norm_type)
 
 
-def all_ranks_agree(params, flag: bool) -> bool:
-    """`flag` and-ed over every rank of the process groups of the shards among `params` (a
-    collective over those groups; `flag` itself when there are none)."""
+def owners_of(params) -> list:
+    """The live sharded models (their states) whose shards are among `params`, each once."""
     seen = {}
     for p in params:
         owner = shard_owner(p)
         if owner is not None:
             seen.setdefault(id(owner[0]), owner[0])
-    for owner in seen.values():
-        t = torch.tensor(0.0 if flag else 1.0, device=owner.units[0].device)
+    return list(seen.values())
+
+
+def any_rank_found(owners: list, flags: list[torch.Tensor]) -> torch.Tensor | None:
+    """The MAX of the 0/1 tensors `flags` over this rank and every rank of the models of
+    `owners` (replicas included), as a float32 tensor on the first owner's device (where its
+    collectives run), left there: nothing is read back, so on a GPU no host sync (the caller's
+    own read of the result makes the only one). None where every owner has a single rank:
+    nothing to agree on."""
+    comms = [o.world_comm for o in owners if o.world_comm.world > 1]
+    if not comms:
+        return None
+    device = owners[0].units[0].device
+    if flags:
+        found = torch.stack([f.to(device=device, dtype=torch.float32).reshape(()) for f in flags])
+        found = found.amax()
+    else:  # no gradient on this rank: it still takes part in every rank's collective
+        found = torch.zeros((), dtype=torch.float32, device=device)
+    for comm in comms:
+        comm.wait(comm.all_reduce(found, op=torch.distributed.ReduceOp.MAX))
+    return found
+
+
+def all_ranks_agree(params, flag: bool) -> bool:
+    """`flag` and-ed over every rank of the process groups of the shards among `params` (a
+    collective over those groups; `flag` itself when there are none)."""
+    for owner in owners_of(params):
+        # torch.full, not torch.tensor: no copy from pageable host memory
+        t = torch.full((), 0.0 if flag else 1.0, device=owner.units[0].device)
         # Over every rank, replicas included: they must step (or skip) together.
         owner.world_comm.wait(owner.world_comm.all_reduce(t, op=torch.distributed.ReduceOp.MAX))
         flag = flag and not bool(t.item())

@@ -7,36 +7,32 @@ reduction sums gradients scaled differently (or a collective waits forever). tor
 ShardedGradScaler does the same agreement for FSDP; here it comes without changing the user's
 scaler: GradScaler's `_unscale_grads_` (which both `unscale_` and `step`'s own check call) is
 wrapped, and for an optimizer over tierlift shards its found-inf flags are or-ed over every rank
-(one small all-reduce per check). Other optimizers are not touched.
+(one small all-reduce per check, on the device: nothing is read back, so torch's own read
+of the flags in step() stays the only host sync). Other optimizers are not touched.
 """
 
 from __future__ import annotations
 
 import torch
 
-from tierlift._shards import all_ranks_agree, is_shard
+from tierlift._shards import any_rank_found, owners_of
 from tierlift._torch_patch import wrap_method
-
-
-def _shard_params(optimizer) -> list:
-    params = [p for g in getattr(optimizer, "param_groups", []) for p in g["params"]]
-    return params if any(is_shard(p) for p in params) else []
 
 
 def _agreeing(original):
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
         per_device = original(self, optimizer, inv_scale, found_inf, allow_fp16)
-        params = _shard_params(optimizer)
-        if not params:
+        owners = owners_of(p for g in getattr(optimizer, "param_groups", []) for p in g["params"])
+        if not owners:
             return per_device
-        local = all(float(t) == 0.0 for t in per_device.values())
-        if all_ranks_agree(params, local) or not local:
+        # Or-ed on the device: torch's step then reads the flags once, as without sharding.
+        agreed = any_rank_found(owners, list(per_device.values()))
+        if agreed is None:  # one rank: nothing to agree on
             return per_device
-        # another rank found one: this rank skips and backs off too
+        if not per_device:  # no gradient here at all: this rank follows the others' verdict
+            per_device[found_inf.device] = found_inf
         for t in per_device.values():
-            t.fill_(1.0)
-        if not per_device:  # no gradient here at all
-            per_device[found_inf.device] = found_inf.fill_(1.0)
+            t.copy_(agreed)
         return per_device
 
     return _unscale_grads_
