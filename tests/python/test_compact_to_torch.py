@@ -152,6 +152,13 @@ def _codes_without_scales(sd):
         del st["exp_avg_sq_scale"]
 
 
+def _scales_without_codes(sd):
+    """As set_state_dict(flatten_optimizer_state_dict=True) rebuilds a key it did not find."""
+    for st in sd["state"].values():
+        del st["exp_avg_sq_codes"]
+        st["exp_avg_sq"] = {}
+
+
 def _old_codes_without_scales(sd):
     for st in sd["state"].values():
         st["exp_avg_sq"] = st.pop("exp_avg_sq_codes")
@@ -164,8 +171,9 @@ def _old_codes_without_scales(sd):
     (_both_keys, "both 'exp_avg_sq' and 'exp_avg_sq_codes'"),
     (_through_torch, "torch.float32 codes under 'exp_avg_sq_codes'.*load the original"),
     (_codes_without_scales, "and no 'exp_avg_sq_scale'"),
+    (_scales_without_codes, "'exp_avg_sq_scale' but no codes"),
     (_old_codes_without_scales, "uint8 'exp_avg_sq' without 'exp_avg_sq_scale'"),
-], ids=["both_keys", "through_torch", "no_scales", "old_key_no_scales"])
+], ids=["both_keys", "through_torch", "no_scales", "no_codes", "old_key_no_scales"])
 def test_unreadable_codes_refused_before_any_change(state_dtype, offload, edit, match):
     model, opt = _trained()
     bad = copy.deepcopy(opt.state_dict())

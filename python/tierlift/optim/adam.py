@@ -345,10 +345,10 @@ class Adam(Optimizer):
         for i, p in zip(ids, params):
             _check_state_shapes(p, state_dict["state"].get(i, {}), i)
         for p, state in loaded.items():
+            if CODES_KEY in state:  # as the tiers (and the device part) name the codes
+                state["exp_avg_sq"] = state.pop(CODES_KEY)
             if isinstance(state.get("exp_avg"), torch.Tensor):
                 self._to_state_format(p, state)
-            if CODES_KEY in state:  # the tiers' name for the codes
-                state["exp_avg_sq"] = state.pop(CODES_KEY)
         steps_only = dict(state_dict)
         steps_only["state"] = {i: {"step": s["step"]} for i, s in state_dict["state"].items()
                                if "step" in s}
@@ -376,20 +376,25 @@ class Adam(Optimizer):
             if "exp_avg" in state:
                 self._to_state_format(p, state)
 
+    @property
+    def _codes_key(self) -> str:
+        """Compact state's key for its codes: CODES_KEY, the state dict's; under offload, the
+        device part (offload/device_part.py) holds them as the tiers name them."""
+        return CODES_KEY if getattr(self, "_offload", None) is None else "exp_avg_sq"
+
     def _to_state_format(self, p: torch.Tensor, state: dict) -> None:
         """Brings moments in either format (fp32, or compact: bf16 m, uint8 v codes + scales) to
         this optimizer's: quantizes fp32 moments into compact state, dequantizes the reverse."""
-        compact = self._state_dtype == "bf16"
+        compact, ck = self._state_dtype == "bf16", self._codes_key
         if compact:
             if state["exp_avg"].dtype != torch.bfloat16:
                 state["exp_avg"] = state["exp_avg"].float().to(torch.bfloat16)
             if SCALE_KEY not in state:
                 codes, scales = quantize_exp_avg_sq(state.pop("exp_avg_sq").float())
-                state[CODES_KEY], state[SCALE_KEY] = codes, scales
+                state[ck], state[SCALE_KEY] = codes, scales
             state.pop("max_exp_avg_sq", None)
         elif SCALE_KEY in state:
-            state["exp_avg_sq"] = dequantize_exp_avg_sq(state.pop(CODES_KEY),
-                                                        state.pop(SCALE_KEY))
+            state["exp_avg_sq"] = dequantize_exp_avg_sq(state.pop(ck), state.pop(SCALE_KEY))
         fp32_keys = ("master",) if compact else ("exp_avg", "exp_avg_sq", "max_exp_avg_sq",
                                                  "master")
         for key in fp32_keys:
@@ -398,15 +403,15 @@ class Adam(Optimizer):
             ):
                 state[key] = state[key].to(torch.float32).contiguous()
         if compact:
-            m, codes, scales = state["exp_avg"], state[CODES_KEY], state[SCALE_KEY]
+            m, codes, scales = state["exp_avg"], state[ck], state[SCALE_KEY]
             if (codes.dtype != torch.uint8 or codes.shape != p.shape or m.shape != p.shape
                     or scales.dtype != torch.float32 or scales.numel() != scale_count(p.numel())):
                 raise ValueError(
                     f"compact state of a parameter of shape {tuple(p.shape)} has exp_avg "
-                    f"{tuple(m.shape)}, {CODES_KEY} {codes.dtype} {tuple(codes.shape)} and "
+                    f"{tuple(m.shape)}, {ck} {codes.dtype} {tuple(codes.shape)} and "
                     f"exp_avg_sq_scale {scales.dtype} [{scales.numel()}]; expected uint8 codes "
                     f"of the parameter's shape and float32 [{scale_count(p.numel())}] scales")
-            for key in ("exp_avg", CODES_KEY, SCALE_KEY):
+            for key in ("exp_avg", ck, SCALE_KEY):
                 state[key] = state[key].contiguous()
 
     def __getstate__(self) -> dict:
@@ -452,7 +457,7 @@ class Adam(Optimizer):
                 p, dtype=torch.bfloat16 if compact else torch.float32,
                 memory_format=torch.contiguous_format)
             if compact:
-                state[CODES_KEY] = torch.zeros_like(state["exp_avg"], dtype=torch.uint8)
+                state[self._codes_key] = torch.zeros_like(state["exp_avg"], dtype=torch.uint8)
                 state[SCALE_KEY] = torch.zeros(
                     scale_count(p.numel()), dtype=torch.float32, device=p.device)
             else:
@@ -617,7 +622,7 @@ class Adam(Optimizer):
         params = [p for p in group["params"] if p.grad is not None]
         if not params:
             return
-        v_key = CODES_KEY if self._state_dtype == "bf16" else "exp_avg_sq"
+        v_key = self._codes_key if self._state_dtype == "bf16" else "exp_avg_sq"
         # _check_group put the group's parameters on one device: one answer for all of them.
         # The compiled ops refresh masters from their parameters themselves (the CUDA kernel
         # with one 2-byte read per element, the CPU op in one C++ pass) instead of

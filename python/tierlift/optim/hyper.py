@@ -172,6 +172,11 @@ def loaded_codes(state_dict: dict) -> dict:
                 "tierlift.optim.AdamW(state_dtype='bf16').state_dict() saves them. A compact "
                 "state dict loaded into torch.optim (which casts the codes to float) cannot be "
                 "restored from its state_dict(); load the original. Nothing was changed")
+        if SCALE_KEY in s and not isinstance(codes, torch.Tensor):
+            raise ValueError(
+                f"the compact state of parameter {i} in the state dict being loaded has "
+                f"{SCALE_KEY!r} but no codes ({CODES_KEY!r}): its second moments cannot be "
+                "read. Nothing was changed")
         if is_codes and SCALE_KEY not in s:
             raise ValueError(
                 f"the state of parameter {i} in the state dict being loaded has uint8 "
