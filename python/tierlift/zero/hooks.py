@@ -564,9 +564,25 @@ class ZeroState:
             now = self.topology.sent()
             self.stats["last_step_sent"] = {k: now[k] - self._sent_at_step[k] for k in now}
             self._sent_at_step = now
-            for unit in self.units:
-                if id(unit.shard) in ids and not unit.frozen:
-                    unit.stale = True
+            stepped = [u for u in self.units if id(u.shard) in ids and not u.frozen]
+            for unit in stepped:
+                unit.stale = True
+            if self.config.stage != 3 and not self.gathered_blocks:
+                self._refresh(stepped)
+
+    def _refresh(self, units: list[FlatUnit]) -> None:
+        """Stages 1/2: gathers the units a step changed now, so that module attributes hold
+        the stepped weights right after step() (an edit, a read for logging or an eval between
+        step and forward), as DeepSpeed's ZeRO-1/2 step ends with its all-gather. The bytes the
+        next forward would have gathered, moved earlier. Every rank steps the same units
+        (unused.after_step's put-backs, on some ranks only, run before and are taken in), so
+        the collectives pair; all issued before the first wait."""
+        for unit in units:
+            unit.wait_gather()  # a prefetch still in flight gathered the weights before the step
+        for unit in units:
+            self._gather(unit, async_op=True)
+        for unit in units:
+            unit.wait_gather()
 
 
 def _state(model) -> ZeroState:
