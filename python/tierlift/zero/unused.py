@@ -156,7 +156,7 @@ class Agreement:
         flags, k = flags_on(local, dev), 0
         for _, seen, _, hit in entries:
             if hit is not None:
-                flags[k : k + len(seen)].masked_fill_(hit, 1.0)
+                flags[k : k + len(seen)].masked_fill_(hit.to(dev), 1.0)
             k += len(seen)
         work = None
         if comm.world > 1:
