@@ -602,8 +602,14 @@ def _bind(ref, method: str, unit_index: int | None = None):
 
     Hooks hold only a weak reference and an index: a hook on `full` that held its unit would
     form a cycle (unit -> full -> hook -> unit) that only the garbage collector frees, at some
-    arbitrary later time (after destroy_process_group(), gloo aborts the process)."""
+    arbitrary later time (after destroy_process_group(), gloo aborts the process).
 
+    Never traced by dynamo: under torch.compile(model) the hooks run eagerly at a graph break.
+    Traced, each unit's hook (its own unit_index) was a recompilation of the same code, past
+    dynamo's recompile limit on any model of more than 8 units, for nothing: they gather,
+    reduce and set module attributes, which a graph cannot hold."""
+
+    @torch.compiler.disable(reason="tierlift.zero hooks: collectives and bookkeeping")
     def hook(*args):
         state = ref()
         if state is None:
