@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import sys
 import weakref
@@ -79,8 +80,55 @@ def install(model: nn.Module, state) -> None:
             # module-swap guard refuses half-way: refuse the call itself, before any change.
             object.__setattr__(m, "resize_token_embeddings", _refuse_resize)
     _refuse_deepcopy_of(model, state)
+    if state.heartbeat is not None and state.config.stage in (1, 2):
+        _check_same_units(state)
     if not _HOOK:
         _HOOK.append(nn.modules.module.register_module_module_registration_hook(_on_register))
+
+
+def _check_same_units(state) -> None:
+    """Stages 1/2 on several ranks: the units each rank ran since its last backward began are
+    compared over the ranks when the next synced backward reaches its first unit, before that
+    unit's gradient is accumulated and reduced (a hook on the unit's gathered leaf runs before
+    the reduction's post-accumulate hook), see Heartbeat.check_same_units. And a forward
+    without grad that needs no collective (weights current, no buffers to broadcast: a
+    rank-0-only eval) is not counted as a forward, so a later named collective (full_state_dict,
+    a checkpoint) does not take it for a rank that went on without the call."""
+    ref = weakref.ref(state)
+    heartbeat = state.heartbeat
+    heartbeat.unit_names = [u.name for u in state.units]
+    used: list[int] = []  # units run with grad since the last backward began, first-call order
+    graph = [None]  # the autograd graph task last seen, so that one backward checks once
+
+    def ran(index, module, args):
+        if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1 \
+                and index not in used:
+            used.append(index)
+
+    def first_grad(grad):
+        task = torch._C._current_graph_task_id()
+        st = ref()
+        if st is None or task == graph[0]:
+            return
+        graph[0] = task
+        mine = list(used)
+        used.clear()
+        if st.syncing:
+            st.heartbeat.check_same_units(mine)
+
+    def quiet() -> bool:
+        st = ref()
+        if st is None or torch.is_grad_enabled() or any(u.needs_gather() for u in st.units):
+            return False
+        sync = st.buffers  # a buffer broadcast ahead (buffers.py sends nothing without any)
+        return not (sync.enabled and sync.pending and sync.comm.world > 1 and st.root is not None
+                    and any(b.numel() and not b.is_meta for b in st.root.buffers()))
+
+    heartbeat.quiet = quiet
+    for i, u in enumerate(state.units):
+        if not u.frozen:
+            state.handles.append(u.module.register_forward_pre_hook(functools.partial(ran, i)))
+            state.handles.append(u.full.register_hook(first_grad))
 
 
 def _refuse_resize(*args, **kwargs):

@@ -49,6 +49,11 @@ class Heartbeat:
                       else dist.get_process_group_ranks(comm.group))
         self.me = self.ranks[comm.rank]
         self.calls = 0  # named collective calls this rank has entered
+        self.backs = 0  # synced backwards checked by check_same_units (stages 1/2)
+        self.unit_names: list[str] = []  # for check_same_units' message
+        # callable() -> True when the forward starting runs no collective (a stage-1/2 eval
+        # with current weights): not counted, so an eval on rank 0 only is no skipped call
+        self.quiet = None
         self.ns = _PREFIX
         store = self.store
         if store is not None:
@@ -59,6 +64,7 @@ class Heartbeat:
                 # Present from the start, so check_same_forward reads them in one round trip.
                 store.set(f"{self.ns}beat/{self.me}", "0")
                 store.set(f"{self.ns}nograd/{self.me}", "0:0")
+                store.set(f"{self.ns}units/{self.me}", "0:")
             except RuntimeError:
                 pass
         for c in (comm, *also):
@@ -76,6 +82,8 @@ class Heartbeat:
     def beat(self, no_grad: bool = False) -> None:
         """A forward starts; `no_grad`: a stage-3 forward without grad (an eval), recorded so
         that check_same_forward can tell a forward some ranks ran and others did not."""
+        if self.quiet is not None and self.quiet():
+            return
         self.count += 1
         if no_grad:
             # The run of consecutive no-grad forwards this one belongs to, first:last.
@@ -134,6 +142,59 @@ class Heartbeat:
             # A peer behind (a forward without gathers: units still gathered) tells nothing.
             if beat >= self.count and theirs != mine:
                 self._diverged(store, r, theirs)
+
+    def check_same_units(self, used: list[int]) -> None:
+        """At the start of a synced backward at stages 1/2, before its first reduction: every
+        rank ran the same units (indices, in first-call order) in the forwards since its last
+        backward began. Each unit's gradient is reduced with a collective that pairs with the
+        other ranks' reductions in call order, so a unit some ranks skipped (an MoE expert no
+        token was routed to, a branch taken on one rank) would pair one unit's gradient with
+        another's: gloo aborts the process on a size mismatch, units of the same size mix
+        silently. Raises RankFailureError naming the units and ranks. Costs one store write
+        and one read per backward. The ranks still behind (not yet at this backward) tell
+        nothing; they compare with this one when they get there, and this rank's first
+        collective then fails naming it (explain)."""
+        self.backs += 1
+        store = self.store
+        others = [r for r in self.ranks if r != self.me]
+        if store is None or not others:
+            return
+        mine = ",".join(map(str, used))
+        try:
+            store.set(f"{self.ns}units/{self.me}", f"{self.backs}:{mine}")
+            read = [v.decode() for v in store.multi_get([f"{self.ns}units/{r}" for r in others])]
+        except (RuntimeError, AttributeError, ValueError):
+            return  # only makes errors clearer; a dead store surfaces at a collective
+        for r, value in zip(others, read):
+            at, _, theirs = value.partition(":")
+            if int(at) == self.backs and theirs != mine:
+                self._units_differ(store, r, used, [int(i) for i in theirs.split(",") if i])
+
+    def _units_differ(self, store, r: int, mine: list[int], theirs: list[int]) -> None:
+        def name(i):
+            return repr(self.unit_names[i]) if i < len(self.unit_names) else f"#{i}"
+
+        def listed(units):
+            return "[" + ", ".join(name(i) for i in units) + "]"
+
+        only = {self.me: [i for i in mine if i not in theirs],
+                r: [i for i in theirs if i not in mine]}
+        which = "; ".join(f"{', '.join(name(i) for i in units)} ran on rank {rank} only"
+                          for rank, units in only.items() if units) or "the same units in " \
+            "another order"
+        msg = (f"tierlift.zero: before synced backward {self.backs}, rank {self.me} ran units "
+               f"{listed(mine)} and rank {r} ran {listed(theirs)} ({which}). "
+               "At stages 1/2 each unit's gradient is reduced with a collective matched across "
+               "ranks in call order, so every rank must run the same units in the same order "
+               "before every synced backward: call every MoE expert on every rank (one that no "
+               "token was routed to on an empty batch: its gradient is zeros, which DDP would "
+               "sum in too), and take a branch on every rank or on none")
+        try:  # the other ranks' failed collectives name it, without waiting for this one
+            store.set(f"{self.ns}diverged", msg)
+            store.set(f"{self.ns}failed/{self.me}", str(self.count))
+        except RuntimeError:
+            pass
+        raise RankFailureError(msg)
 
     def _diverged(self, store, r: int, no_grad: bool) -> None:
         msg = (f"tierlift.zero: rank {self.me} is starting a backward after its forward "
