@@ -53,8 +53,12 @@ def check(optimizer, when: str) -> None:
             "for weight-decay groups); nothing was changed")
 
 
-@torch.compiler.disable  # bookkeeping: never traced into a compiled step
 def _before_step(optimizer, args, kwargs) -> None:
+    # Every optimizer's step runs this once shard() was called in the process. Inside a
+    # compiled step it returns at once (constant under dynamo): a compiler.disable'd hook would
+    # be a graph break, which fullgraph=True refuses. Eager steps and __init__ still check.
+    if torch.compiler.is_compiling():
+        return
     key = (_GENERATION[0], sum(len(g["params"]) for g in optimizer.param_groups))
     if _CHECKED.get(optimizer) == key:
         return
