@@ -150,7 +150,11 @@ def optimizer_state_dict(path: str, *, verify: bool = True) -> dict:
         g["params"] = list(range(base, base + len(names)))
         base += len(names)
         groups.append(g)
-    return {"state": state, "param_groups": groups}
+    from tierlift.optim.hyper import loaded_codes
+
+    # compact codes under their own key, as state_dict() gives them (the offloaded tiers' files
+    # and older checkpoints name them exp_avg_sq): torch.optim then refuses to step on them
+    return loaded_codes({"state": state, "param_groups": groups})
 
 
 def _mapping(model, optimizer, meta: dict, path: str) -> order.Mapping:
