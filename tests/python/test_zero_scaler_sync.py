@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_zero_sync import HostReads
-from zero_model import batches, make_model, spawn_ranks
+from zero_model import batches, make_model, raised, spawn_ranks
 
 import tierlift
 
@@ -84,10 +84,27 @@ def _cases(rank, world, tmp):
     mp = pytest.MonkeyPatch()
     reads = HostReads(mp)
     try:
-        return {name: _sharded(world, rank, reads, stage, unscale)
-                for name, (stage, unscale) in CASES.items()}
+        out = {name: _sharded(world, rank, reads, stage, unscale)
+               for name, (stage, unscale) in CASES.items()}
     finally:
         mp.undo()
+    out["no_grads_here"] = raised(lambda: _no_grads_on_rank1(rank))
+    return out
+
+
+def _no_grads_on_rank1(rank):
+    """Rank 1 holds no gradient at the step (cleared): it takes the other ranks' verdict, where
+    GradScaler alone asserts "No inf checks were recorded" on that rank only."""
+    model = tierlift.zero.shard(_all_used(make_model()), stage=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    scaler = torch.amp.GradScaler("cpu")
+    seq = batches(1, BATCH)[0]
+    loss = F.cross_entropy(model(seq[:, :-1]).flatten(0, 1), seq[:, 1:].flatten())
+    scaler.scale(loss).backward()
+    if rank == 1:
+        opt.zero_grad(set_to_none=True)
+    scaler.step(opt)
+    scaler.update()
 
 
 @pytest.fixture(scope="module")
@@ -101,3 +118,8 @@ def test_two_ranks_no_reads_and_skip_agreed(ranks, name):
     ref_scales, ref = _reference(unscale=CASES[name][1])
     for r in range(2):
         _check(*ranks[r][name], ref_scales, ref)
+
+
+def test_rank_without_gradients_follows_the_others(ranks):
+    for out in ranks:
+        assert out["no_grads_here"] == "<no error>", out["no_grads_here"]
