@@ -179,8 +179,14 @@ def gathered(params_or_module, modifier_rank: int | None = None):
         raise
     try:
         _finish(targets, held, modifier_rank)
-    finally:
-        _close(targets, held, collective=True)
+    except BaseException:
+        # Refused on every rank (the exit's flags are agreed), and a rank that raised inside
+        # the block closes without collectives: none here either, or they would pair with
+        # that rank's next ones. Nothing was written back; stale units gather at the next
+        # forward, on every rank.
+        _close(targets, held, collective=False)
+        raise
+    _close(targets, held, collective=True)
 
 
 def _close(targets, held, collective: bool) -> None:
