@@ -576,12 +576,17 @@ class ZeroState:
         step and forward), as DeepSpeed's ZeRO-1/2 step ends with its all-gather. The bytes the
         next forward would have gathered, moved earlier. Every rank steps the same units
         (unused.after_step's put-backs, on some ranks only, run before and are taken in), so
-        the collectives pair; all issued before the first wait."""
+        the collectives pair. Two in flight at a time, as the forward's prefetch: each holds a
+        copy of its shard as the source until it is waited for."""
         for unit in units:
             unit.wait_gather()  # a prefetch still in flight gathered the weights before the step
+        flying: list[FlatUnit] = []
         for unit in units:
             self._gather(unit, async_op=True)
-        for unit in units:
+            flying.append(unit)
+            if len(flying) > 1:
+                flying.pop(0).wait_gather()
+        for unit in flying:
             unit.wait_gather()
 
 
