@@ -132,9 +132,10 @@ class ZeroState:
             self.handles.append(frozen.install(self, module, indices))
         grad_scaler.install()  # GradScaler's inf check agreed over the ranks
         torch_calls.install()  # torch's clip_grad_norm_ global, param groups checked
-        before = _bind(ref, "_before_optimizer_step")
+        before = _bind(ref, "_before_optimizer_step", traced=True)
         before.leaves_grads = True  # only checks: GradScaler's check stays valid (scaler_scan)
-        opt_hooks = [register_optimizer_step_post_hook(_bind(ref, "_after_optimizer_step")),
+        after = _bind(ref, "_after_optimizer_step", traced=True)
+        opt_hooks = [register_optimizer_step_post_hook(after),
                      register_optimizer_step_pre_hook(before)]
         if self.config.grad_dtype != torch.float32:
             for unit in self.units:
@@ -602,19 +603,21 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def _bind(ref, method: str, unit_index: int | None = None):
+def _bind(ref, method: str, unit_index: int | None = None, traced: bool = False):
     """A hook that calls ref().method([unit,] *args) and does nothing once the state is gone.
 
     Hooks hold only a weak reference and an index: a hook on `full` that held its unit would
     form a cycle (unit -> full -> hook -> unit) that only the garbage collector frees, at some
     arbitrary later time (after destroy_process_group(), gloo aborts the process).
 
-    Never traced by dynamo: under torch.compile(model) the hooks run eagerly at a graph break.
-    Traced, each unit's hook (its own unit_index) was a recompilation of the same code, past
-    dynamo's recompile limit on any model of more than 8 units, for nothing: they gather,
-    reduce and set module attributes, which a graph cannot hold."""
+    Not traced by dynamo unless `traced`: under torch.compile(model) the module and gradient
+    hooks run eagerly at a graph break. Traced, each unit's hook (its own unit_index) was a
+    recompilation of the same code, past dynamo's recompile limit on any model of more than 8
+    units, for nothing: they gather, reduce and set module attributes, which a graph cannot
+    hold. The global optimizer-step hooks stay `traced`: they run in every optimizer's step,
+    and for one without shards they only look at its parameters, which a fullgraph-compiled
+    step must be able to trace."""
 
-    @torch.compiler.disable(reason="tierlift.zero hooks: collectives and bookkeeping")
     def hook(*args):
         state = ref()
         if state is None:
@@ -623,4 +626,6 @@ def _bind(ref, method: str, unit_index: int | None = None):
             return getattr(state, method)(*args)
         return getattr(state, method)(state.units[unit_index], *args)
 
-    return hook
+    if traced:
+        return hook
+    return torch.compiler.disable(hook, reason="tierlift.zero hooks: collectives, bookkeeping")
