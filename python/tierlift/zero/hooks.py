@@ -571,6 +571,7 @@ class ZeroState:
             if self.config.stage != 3 and not self.gathered_blocks:
                 self._refresh(stepped)
 
+    @torch.compiler.disable  # collectives: never traced into a compiled step
     def _refresh(self, units: list[FlatUnit]) -> None:
         """Stages 1/2: gathers the units a step changed now, so that module attributes hold
         the stepped weights right after step() (an edit, a read for logging or an eval between
