@@ -64,7 +64,6 @@ class Heartbeat:
                 # Present from the start, so check_same_forward reads them in one round trip.
                 store.set(f"{self.ns}beat/{self.me}", "0")
                 store.set(f"{self.ns}nograd/{self.me}", "0:0")
-                store.set(f"{self.ns}units/{self.me}", "0:")
             except RuntimeError:
                 pass
         for c in (comm, *also):
@@ -150,24 +149,29 @@ class Heartbeat:
         other ranks' reductions in call order, so a unit some ranks skipped (an MoE expert no
         token was routed to, a branch taken on one rank) would pair one unit's gradient with
         another's: gloo aborts the process on a size mismatch, units of the same size mix
-        silently. Raises RankFailureError naming the units and ranks. Costs one store write
-        and one read per backward. The ranks still behind (not yet at this backward) tell
-        nothing; they compare with this one when they get there, and this rank's first
-        collective then fails naming it (explain)."""
+        silently. Raises RankFailureError naming the units and ranks on every rank, before any
+        of them communicates (training can go on). Each rank writes its units under this
+        backward's key and reads the others' (the read waits for ranks still in their forward,
+        as their first reduction would), then drops its key of the backward before: three
+        store round trips per synced backward."""
         self.backs += 1
         store = self.store
         others = [r for r in self.ranks if r != self.me]
         if store is None or not others:
             return
         mine = ",".join(map(str, used))
+        key = f"{self.ns}units/{self.backs}/"
         try:
-            store.set(f"{self.ns}units/{self.me}", f"{self.backs}:{mine}")
-            read = [v.decode() for v in store.multi_get([f"{self.ns}units/{r}" for r in others])]
-        except (RuntimeError, AttributeError, ValueError):
-            return  # only makes errors clearer; a dead store surfaces at a collective
-        for r, value in zip(others, read):
-            at, _, theirs = value.partition(":")
-            if int(at) == self.backs and theirs != mine:
+            store.set(f"{key}{self.me}", mine)
+            read = [v.decode() for v in store.multi_get([f"{key}{r}" for r in others])]
+            if self.backs > 1:  # every rank read it before the reductions of that backward
+                store.delete_key(f"{self.ns}units/{self.backs - 1}/{self.me}")
+        except (AttributeError, ValueError):
+            return  # a store without these calls: only makes errors clearer
+        except RuntimeError as exc:  # a rank that never came (or the store's host died)
+            raise self.explain(exc) from exc
+        for r, theirs in zip(others, read):
+            if theirs != mine:
                 self._units_differ(store, r, used, [int(i) for i in theirs.split(",") if i])
 
     def _units_differ(self, store, r: int, mine: list[int], theirs: list[int]) -> None:
@@ -189,11 +193,6 @@ class Heartbeat:
                "before every synced backward: call every MoE expert on every rank (one that no "
                "token was routed to on an empty batch: its gradient is zeros, which DDP would "
                "sum in too), and take a branch on every rank or on none")
-        try:  # the other ranks' failed collectives name it, without waiting for this one
-            store.set(f"{self.ns}diverged", msg)
-            store.set(f"{self.ns}failed/{self.me}", str(self.count))
-        except RuntimeError:
-            pass
         raise RankFailureError(msg)
 
     def _diverged(self, store, r: int, no_grad: bool) -> None:
