@@ -64,3 +64,6 @@ def _before_step(optimizer, args, kwargs) -> None:
         return
     check(optimizer, "step()")
     _CHECKED[optimizer] = key
+
+
+_before_step.leaves_grads = True  # only checks: GradScaler's early check stays valid (scaler_scan)
