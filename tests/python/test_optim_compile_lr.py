@@ -163,3 +163,27 @@ def test_tensor_lr_with_foreach_set_after_construction_refused_as_torch():
                            "capturable=False and foreach=True"):
             opt.step()
         assert torch.equal(_flat(model), before)
+
+
+def test_fullgraph_step_after_shard_in_the_process():
+    # shard() installs a global step pre-hook (an optimizer built before shard() is refused);
+    # it must not be a graph break in any optimizer's fullgraph-compiled step afterwards.
+    stale = nn.Linear(4, 4)
+    before = torch.optim.AdamW(stale.parameters())
+    tierlift.zero.shard(stale, stage=1)
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    ref = nn.Linear(8, 4)
+    ref.load_state_dict(model.state_dict())
+    opt, ref_opt = AdamW(model.parameters(), lr=1e-2), AdamW(ref.parameters(), lr=1e-2)
+    step = torch.compile(opt.step, fullgraph=True, backend="eager")
+    for _ in range(2):
+        x = torch.randn(3, 8)
+        for m in (model, ref):
+            m(x).square().sum().backward()
+        step()
+        ref_opt.step()
+    assert torch.equal(model.weight, ref.weight)
+    stale(torch.randn(2, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match="parameters that tierlift.zero.shard.. replaced"):
+        before.step()  # still checked in eager
