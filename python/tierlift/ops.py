@@ -287,7 +287,10 @@ def _finite(name: str, value) -> float:
     if isinstance(value, torch.Tensor) and value.numel() != 1:
         raise ValueError(f"Tensor {name} must be 1-element, got {value.numel()} elements")
     v = float(value.item() if isinstance(value, torch.Tensor) else value)
-    if not math.isfinite(v):
+    # a comparison, not math.isfinite: under torch.compile a float lr that changed between
+    # steps is symbolic, which dynamo can guard on but not pass to math.isfinite (NaN and
+    # infinities fail it alike)
+    if not abs(v) < math.inf:
         raise ValueError(f"{name} must be finite, got {v}")
     return v
 

@@ -187,3 +187,21 @@ def test_fullgraph_step_after_shard_in_the_process():
     stale(torch.randn(2, 4)).sum().backward()
     with pytest.raises(RuntimeError, match="parameters that tierlift.zero.shard.. replaced"):
         before.step()  # still checked in eager
+
+
+def test_fullgraph_step_follows_a_changing_float_lr():
+    # dynamo makes a float that changed between calls symbolic: the lr check must stay
+    # traceable (math.isfinite of it was an "op returned non-Tensor" error at the 2nd value)
+    torch.manual_seed(0)
+    model, ref = nn.Linear(4, 4), nn.Linear(4, 4)
+    ref.load_state_dict(model.state_dict())
+    opt, ref_opt = AdamW(model.parameters(), lr=1e-2), AdamW(ref.parameters(), lr=1e-2)
+    step = torch.compile(opt.step, fullgraph=True, backend="eager")
+    for i in range(4):
+        x = torch.randn(2, 4)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(x).sum().backward()
+            o.param_groups[0]["lr"] = 1e-2 / (i + 1)
+        step()
+        ref_opt.step()
+    assert torch.equal(model.weight, ref.weight) and torch.equal(model.bias, ref.bias)
