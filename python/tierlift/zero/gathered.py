@@ -30,7 +30,7 @@ from tierlift import _extension
 from tierlift._shards import shard_owner
 from tierlift.offload.watch import fingerprints
 from tierlift.zero.freed import FreedWeight
-from tierlift.zero.guards import live_states, states_in
+from tierlift.zero.members import live_states, states_in
 
 
 def _resolve(obj) -> list[tuple]:

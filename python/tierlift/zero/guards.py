@@ -33,13 +33,12 @@ import torch
 from torch import nn
 
 from tierlift._shards import is_shard
+from tierlift.zero import members
 from tierlift.zero.hooks import _ATTR
 from tierlift.zero.unit import source_key
 
 _META_KEY = "tierlift_zero"  # in a module's state_dict _metadata: its shards' record
 _MODEL_KEY = "tierlift_zero_model"  # the whole sharded model's
-_MEMBERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> weak ZeroState
-_STATES: weakref.WeakSet = weakref.WeakSet()  # every live ZeroState
 _HOOK = []  # the global module-registration hook's handle, installed once
 
 _DDP_FIX = ("do not wrap it: tierlift.zero already averages the gradients across ranks. With "
@@ -50,9 +49,7 @@ _DDP_FIX = ("do not wrap it: tierlift.zero already averages the gradients across
 def install(model: nn.Module, state) -> None:
     """Called by shard() once the model is sharded: the guards for `model`."""
     ref = weakref.ref(state)
-    for m in model.modules():
-        _MEMBERS[m] = ref
-    _STATES.add(state)
+    members.add(model, state)
     state.owner_modules = weakref.WeakSet(
         mod() for u in state.units for e in u.entries for mod, _ in e.owners)
     for u in state.units:
@@ -163,25 +160,10 @@ def _refuse_deepcopy(memo):
         "model.parameters(), e.lerp_(p.detach(), 1 - decay) after each optimizer step)")
 
 
-def states_in(module: nn.Module) -> list:
-    """The ZeroStates of the sharded models `module` is part of or holds, in a fixed order."""
-    out = []
-    for m in module.modules():
-        ref = _MEMBERS.get(m)
-        state = ref() if ref is not None else None
-        if state is not None and all(state is not s for s in out):
-            out.append(state)
-    return out
-
-
-def live_states() -> list:
-    return list(_STATES)
-
-
 # ---- module registration: DDP, replaced and added submodules ----
 def _holds_shards(module: nn.Module) -> bool:
     return (any(is_shard(p) for p in module.parameters())
-            or any(m in _MEMBERS for m in module.modules()))
+            or any(m in members.MEMBERS for m in module.modules()))
 
 
 def _on_register(parent, name, child):
@@ -192,7 +174,7 @@ def _on_register(parent, name, child):
                 "would broadcast rank 0's shards over every other rank's shards (each rank "
                 f"holds a different slice) and reduce the gradients twice; {_DDP_FIX}")
         return None
-    ref = _MEMBERS.get(parent)
+    ref = members.MEMBERS.get(parent)
     state = ref() if ref is not None else None
     if state is None:
         return None

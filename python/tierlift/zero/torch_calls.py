@@ -42,7 +42,7 @@ import torch
 from tierlift._shards import combined_norm, grad_owners, shard_owner, split_by_owner
 from tierlift._torch_patch import wrap_method
 from tierlift.offload.overlap import group_settings, same_hyper
-from tierlift.zero import optim_record, replaced, unused
+from tierlift.zero import members, optim_record, replaced, unused
 
 _NORM_PARAMS = ["tensors", "norm_type", "error_if_nonfinite", "foreach"]
 _GROUP_PARAMS = ["tensorlistlist", "with_indices"]
@@ -263,9 +263,7 @@ def _module_requires_grad(original):
     # updating the weights it was meant to freeze. requires_grad is fixed at shard() (the
     # next forward or step refuses a changed shard): refused here, before anything changes.
     def requires_grad_(self, requires_grad=True):
-        from tierlift.zero import guards  # guards imports this module (through hooks)
-
-        for state in guards.states_in(self):
+        for state in members.states_in(self):
             names = _changed_by(state, self, bool(requires_grad))
             if names:
                 root = state.root
