@@ -31,7 +31,7 @@ LAYERS = [
     # GNN features; FP8/FP4 layers
     ["_shards", "io", "ops", "_pinned"],  # ZeRO shard registry (for offload); NVMe I/O; op
     # wrappers; host memory pinned at its exact size
-    ["_torch_patch"],  # wrapping a private torch method
+    ["_torch_patch", "_text"],  # wrapping a private torch method; wording of error messages
     ["reference"],  # pure-torch kernels
     ["_extension", "_plotting", "_peak_rss"],  # loads tierlift._C; imports matplotlib when a
     # plot is drawn; peak host memory of a piece of work (tests and benchmarks)

@@ -51,6 +51,7 @@ from collections import defaultdict
 
 import torch
 
+from tierlift._text import first_names
 from tierlift.io import ChecksumError
 from tierlift.io.fsync import fsync_path
 from tierlift.offload.layout import IO_ALIGN, kind_bytes
@@ -110,8 +111,7 @@ def claim_dir(path: str, start_fresh: bool = False) -> bool:
     if fresh and not start_fresh and not os.path.exists(creating):
         left = _state_files(path)
         if left:  # refused before anything in the folder changes
-            shown = ", ".join(left[:4]) + (f" and {len(left) - 4} more" if len(left) > 4
-                                          else "")
+            shown = first_names(left)
             raise ValueError(
                 f"the durable optimizer state folder {path!r} holds state files ({shown}) but "
                 "no manifest.json, which says which step they hold: it cannot be reopened, and "

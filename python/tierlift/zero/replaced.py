@@ -16,6 +16,8 @@ import weakref
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from tierlift._text import first_names
+
 _REPLACED: dict[int, tuple[weakref.ref, str]] = {}  # id(parameter) -> (it, its name)
 _GENERATION = [0]  # bumped by every shard(): optimizers checked before are checked again
 _CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> (gen, n)
@@ -43,7 +45,7 @@ def check(optimizer, when: str) -> None:
             if entry is not None and entry[0]() is p:
                 names.append(entry[1])
     if names:
-        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        shown = first_names(names)
         raise RuntimeError(
             f"{type(optimizer).__name__}.{when} on parameters that tierlift.zero.shard() "
             f"replaced ({shown}): the optimizer was given the model's parameters "

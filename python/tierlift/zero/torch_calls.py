@@ -40,6 +40,7 @@ import weakref
 import torch
 
 from tierlift._shards import combined_norm, grad_owners, shard_owner, split_by_owner
+from tierlift._text import first_names
 from tierlift._torch_patch import wrap_method
 from tierlift.offload.overlap import group_settings, same_hyper
 from tierlift.zero import members, optim_record, replaced, unused
@@ -105,8 +106,7 @@ def check_subset(found, call: str, *, grads: bool, settle=None) -> None:
                 ok = settle(owner, name, lost)
                 lost = [n for n in lost if n not in ok]
             if lost:
-                shown = ", ".join(lost[:4]) + (f" and {len(lost) - 4} more" if len(lost) > 4
-                                               else "")
+                shown = first_names(lost)
                 raise ValueError(
                     f"{call} was given the parameters of {name!r} ({name}.parameters()) of a "
                     "model sharded by tierlift.zero.shard: after shard() they are the flat "
@@ -272,8 +272,7 @@ def _module_requires_grad(original):
                 what = (f"{where or 'model'}.requires_grad_({bool(requires_grad)})"
                         if where is not None else
                         f"requires_grad_({bool(requires_grad)}) on a module holding the model")
-                shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more"
-                                                if len(names) > 4 else "")
+                shown = first_names(names)
                 raise RuntimeError(
                     f"{what} on a model sharded by tierlift.zero.shard would "
                     f"{'freeze' if not requires_grad else 'unfreeze'} {shown}: requires_grad "
