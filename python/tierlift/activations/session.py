@@ -212,9 +212,11 @@ class Session:
         self._kept_storages: set[int] = set()  # storages kept on the device (data_ptr)
         self._spilled: dict[int, tuple[int, int]] = {}  # index -> its bytes in the file
         self._writes: deque[_Write] = deque()
-        # RAM-tier D2H copies in flight, in stream order: (item, tensor, its version at save,
-        # event). The tensor is held until its copy is seen done: modified in place before
-        # that, the copy may hold the edit, and a dropped tensor could no longer tell.
+        # RAM-tier D2H copies in flight, in stream order: (weak item, tensor, its version at
+        # save, event). The tensor is held until its copy is seen done: modified in place before
+        # that, the copy may hold the edit, and a dropped tensor could no longer tell. The item
+        # weakly: it holds this session, and a graph dropped before backward must free both
+        # (and the spill file) at once, not at the garbage collector's next full pass.
         self._copying: deque = deque()
         # (event, host buffer, device) of copies in flight between a pool buffer and the GPU.
         # A buffer goes back to the engine's pool only after its copy, also when the session
@@ -332,7 +334,7 @@ class Session:
         item.event = copier.to_host(t, item.host)
         if item.event is not None:
             item.copying = True
-            self._copying.append((item, t, t._version, item.event))
+            self._copying.append((weakref.ref(item), t, t._version, item.event))
         self.ram_bytes += n
         self.stats["ram_bytes"] += n
 
@@ -417,16 +419,18 @@ class Session:
         """Lets go of the tensors whose copies to host are done (waiting for those up to
         `until`), marking those modified in place since they were saved."""
         while self._copying:
-            item, t, version, event = self._copying[0]
+            ref, t, version, event = self._copying[0]
             copier = self._copier(t.device)
             if until is not None and until.copying:
                 copier.wait(event)
             elif not copier.done(event):
                 return
             self._copying.popleft()
-            item.copying = False
-            if t._version != version:
-                item.stale = True
+            item = ref()
+            if item is not None:  # else its graph is gone: nothing will read the copy
+                item.copying = False
+                if t._version != version:
+                    item.stale = True
 
     def _pump(self, block: bool) -> None:
         """Finishes the writes that are done (all of them with block=True), in any order."""

@@ -1,0 +1,156 @@
+"""What runs only on the GPU in the activations' RAM tier, run here with a stand-in for the side
+stream (a copy to host that runs later): a forward's copies still in flight when its graph is
+dropped before backward (a step given up on a NaN loss, an evaluation with grad) must not keep
+the forward's state alive. On the CPU nothing is in flight and everything goes with the graph;
+on a GPU the last copies of a forward are in flight when it ends, and the tensors they read
+were held with their saved-tensor records, which hold the forward's session: a cycle that only
+the garbage collector's next full pass freed, with the spill file, its descriptors, the pinned
+buffers and those GPU tensors. The `gpu` tests check the same on the device, and the in-place
+edit raced by a side-stream copy, on real streams."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import weakref
+
+import pytest
+import torch
+from test_activations_user import SideStreamCopier, spill_fds
+
+import tierlift
+import tierlift.activations.session as session_module
+from tierlift.activations import offload
+from tierlift.activations.device import CpuCopier, CudaCopier
+
+pytestmark = pytest.mark.skipif(not tierlift._extension.available(),
+                                reason="compiled extension not loaded")
+
+
+@contextlib.contextmanager
+def no_gc():
+    """Only reference counts free anything inside."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def watched_sessions(ctx: offload) -> list:
+    """Weak references to the sessions `ctx` opens from now on."""
+    refs = []
+    make = ctx.session
+
+    def session():
+        s = make()
+        refs.append(weakref.ref(s))
+        return s
+
+    ctx.session = session
+    return refs
+
+
+def test_a_forward_dropped_with_copies_in_flight_frees_its_session_and_spill_at_once(
+        monkeypatch, tmp_path):
+    copier = SideStreamCopier()
+    monkeypatch.setattr(session_module, "copier_for", lambda device: copier)
+    torch.manual_seed(0)
+    w = torch.randn(64, 64, requires_grad=True)
+    # The first saved tensor fits the RAM tier (its copy stays queued: the saves after it go
+    # to NVMe, which a CPU tensor reaches without the copier); the rest spill.
+    ctx = offload(cpu_budget=64 * 64 * 4, nvme_path=tmp_path, min_bytes=0)
+    sessions = watched_sessions(ctx)
+    with no_gc():
+        with ctx:
+            a = torch.tanh(torch.randn(64, 64) @ w)
+            loss = (torch.tanh(a @ w) ** 2).sum()
+        del a
+        stats = dict(ctx.last_stats)
+        assert copier.queued and stats["ram_bytes"] > 0 and stats["nvme_bytes"] > 0, stats
+        assert spill_fds(tmp_path) == 3  # the file and the engine's two descriptors of it
+        del loss
+        assert sessions[0]() is None, "the session outlived its graph"
+        assert spill_fds(tmp_path) == 0, "the spill file outlived its graph"
+    # The same context still trains exactly.
+    copier.flush()
+    want = torch.autograd.grad((torch.tanh(torch.tanh(torch.ones(64, 64) @ w) @ w) ** 2).sum(),
+                               w)[0]
+    with ctx:
+        loss = (torch.tanh(torch.tanh(torch.ones(64, 64) @ w) @ w) ** 2).sum()
+    copier.flush()
+    assert torch.equal(torch.autograd.grad(loss, w)[0], want)
+    ctx.close()
+
+
+# ---- on the GPU --------------------------------------------------------------------------------
+
+SPIN = 20_000_000  # GPU cycles (~10 ms) the side stream spends before each copy to host
+
+
+class SlowSideStream(CudaCopier):
+    """The real side-stream copier, whose stream is busy before each copy: the compute stream
+    runs on meanwhile, as it does whenever the copies fall behind."""
+
+    def to_host(self, t, host):
+        with torch.cuda.stream(self.d2h):
+            torch.cuda._sleep(SPIN)
+        return super().to_host(t, host)
+
+
+@pytest.fixture
+def slow_side_stream(monkeypatch):
+    monkeypatch.setattr(session_module, "copier_for",
+                        lambda d: SlowSideStream(d) if d.type == "cuda" else CpuCopier())
+
+
+def _edited_on_gpu(ctx, edit: bool):
+    torch.manual_seed(0)
+    w = torch.randn(256, 256, device="cuda", requires_grad=True)
+    x = torch.randn(128, 256, device="cuda")
+    with ctx:
+        h = x @ w
+        loss = (h * h).sum()  # saves h; its copy waits behind the side stream's spin
+        if edit:
+            h.add_(1)  # on the compute stream, before the copy has read h
+        del h  # only the copy can tell now
+        loss = loss + torch.tanh(x @ w).sum()
+    loss.backward()
+    return w.grad
+
+
+@pytest.mark.gpu
+def test_gpu_tensor_edited_while_its_copy_to_host_waits_is_refused(slow_side_stream):
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _edited_on_gpu(contextlib.nullcontext(), edit=True)  # plain autograd refuses it
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _edited_on_gpu(offload(cpu_budget=1 << 30, min_bytes=0), edit=True)
+    want = _edited_on_gpu(contextlib.nullcontext(), edit=False)
+    assert torch.equal(_edited_on_gpu(offload(cpu_budget=1 << 30, min_bytes=0), edit=False),
+                       want)
+
+
+@pytest.mark.gpu
+def test_gpu_forward_dropped_before_backward_frees_its_device_memory_at_once(slow_side_stream):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.GELU(),
+                                torch.nn.Linear(2048, 512)).cuda()
+    x = torch.randn(256, 512, device="cuda")
+    model(x).pow(2).mean().backward()  # cuBLAS workspaces and gradients exist before `base`
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    ctx = offload(cpu_budget=1 << 30, min_bytes=0)
+    sessions = watched_sessions(ctx)
+    with no_gc():
+        with ctx:
+            loss = model(x).pow(2).mean()
+        assert ctx.last_stats["ram_bytes"] >= 256 * 2048 * 4
+        del loss
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # frees blocks whose side-stream copies are done (stats)
+        held = torch.cuda.memory_allocated() - base
+        assert sessions[0]() is None, "the session outlived its graph"
+        assert held < 256 * 512 * 4, held  # less than the smallest saved activation
