@@ -106,7 +106,7 @@ def slow_side_stream(monkeypatch):
                         lambda d: SlowSideStream(d) if d.type == "cuda" else CpuCopier())
 
 
-def _edited_on_gpu(ctx, edit: bool):
+def _edited_on_gpu(ctx, edit: bool, settle: bool):
     torch.manual_seed(0)
     w = torch.randn(256, 256, device="cuda", requires_grad=True)
     x = torch.randn(128, 256, device="cuda")
@@ -115,21 +115,24 @@ def _edited_on_gpu(ctx, edit: bool):
         loss = (h * h).sum()  # saves h; its copy waits behind the side stream's spin
         if edit:
             h.add_(1)  # on the compute stream, before the copy has read h
-        del h  # only the copy can tell now
+        del h
+        if settle:  # the copy has run (holding the edit); the next save sees it done and
+            torch.cuda.synchronize()  # lets h go: only the version taken then can tell
         loss = loss + torch.tanh(x @ w).sum()
     loss.backward()
     return w.grad
 
 
 @pytest.mark.gpu
-def test_gpu_tensor_edited_while_its_copy_to_host_waits_is_refused(slow_side_stream):
+@pytest.mark.parametrize("settle", [False, True], ids=["copy_pending", "copy_seen_done"])
+def test_gpu_tensor_edited_while_its_copy_to_host_waits_is_refused(slow_side_stream, settle):
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        _edited_on_gpu(contextlib.nullcontext(), edit=True)  # plain autograd refuses it
+        _edited_on_gpu(contextlib.nullcontext(), True, settle)  # plain autograd refuses it
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        _edited_on_gpu(offload(cpu_budget=1 << 30, min_bytes=0), edit=True)
-    want = _edited_on_gpu(contextlib.nullcontext(), edit=False)
-    assert torch.equal(_edited_on_gpu(offload(cpu_budget=1 << 30, min_bytes=0), edit=False),
-                       want)
+        _edited_on_gpu(offload(cpu_budget=1 << 30, min_bytes=0), True, settle)
+    want = _edited_on_gpu(contextlib.nullcontext(), False, settle)
+    got = _edited_on_gpu(offload(cpu_budget=1 << 30, min_bytes=0), False, settle)
+    assert torch.equal(got, want)
 
 
 @pytest.mark.gpu
