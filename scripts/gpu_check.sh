@@ -385,7 +385,8 @@ OFFLOAD_GPU_TESTS="tests/python/test_offload.py tests/python/test_offload_h2d.py
   tests/python/test_offload_abandon.py tests/python/test_offload_worker_threads.py
   tests/python/test_optim.py::test_cuda_kernel_matches_cpu_kernel
   tests/python/test_zero_sync_step.py tests/python/test_zero.py::test_cuda_world1_matches_plain_training
-  tests/python/test_gpu_paths_round.py tests/python/test_gnn_checks.py tests/python/test_gnn_user.py"
+  tests/python/test_gpu_paths_round.py tests/python/test_gpu_paths_next.py
+  tests/python/test_gnn_checks.py tests/python/test_gnn_user.py"
 # the FP8/FP4 quantizers, Float8Linear's GEMMs and the gather variants on the GPU against their
 # CPU references (the fused AdamW's own check is in OFFLOAD_GPU_TESTS)
 KERNEL_GPU_TESTS="tests/python/test_lowp_quant.py tests/python/test_lowp_fp4.py
