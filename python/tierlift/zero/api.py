@@ -189,6 +189,7 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
     if hasattr(model, _ATTR):
         raise ValueError("model is already sharded by tierlift.zero.shard")
     check_param_group_fn(param_group_fn)
+    _refuse_sparse_grads(model)
     config = ShardConfig(stage=stage, mixed_precision=mixed_precision, prefetch=prefetch,
                          reshard_after_forward=reshard_after_forward,
                          min_unit_numel=min_unit_numel, offload_params=offload_params,
@@ -312,6 +313,21 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
     model_ref = weakref.ref(model)  # no reference cycle: the model is freed as soon as unused
     model.no_sync = lambda: no_sync(model_ref())
     return model
+
+
+def _refuse_sparse_grads(model: nn.Module) -> None:
+    """An embedding with sparse=True gives its weight a sparse gradient, which the unit's dense
+    flat gradient cannot take (torch fails in backward, reshaping it): refused up front."""
+    for name, m in model.named_modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and \
+                isinstance(m.weight, torch.Tensor) and m.weight.requires_grad:
+            raise ValueError(
+                f"{type(m).__name__} {name or '<root>'!r} was built with sparse=True (sparse "
+                "gradients): tierlift.zero.shard packs each unit's gradients into one dense "
+                "flat buffer, reduced and stepped as dense shards, which a sparse gradient "
+                "cannot go into. Build it with sparse=False (set module.sparse = False), and "
+                "use a dense optimizer (torch.optim.SparseAdam takes only sparse gradients); "
+                "nothing was changed")
 
 
 def _refuse_hooks(p: torch.Tensor, name: str) -> None:

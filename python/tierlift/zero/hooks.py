@@ -37,7 +37,7 @@ from torch.utils.hooks import RemovableHandle
 
 from tierlift._shards import register_shard
 from tierlift.offload.legs import ModelLegs
-from tierlift.zero import frozen, grad_scaler, torch_calls, unused
+from tierlift.zero import frozen, grad_scaler, rewrites, torch_calls, unused
 from tierlift.zero.buffers import BufferSync
 from tierlift.zero.comm import flags_on, work_done
 from tierlift.zero.config import ShardConfig
@@ -46,6 +46,16 @@ from tierlift.zero.topology import Topology
 from tierlift.zero.unit import FlatUnit
 
 _ATTR = "_tierlift_zero"  # the model attribute that holds its ZeroState
+# The global optimizer-step hooks of models that are gone, removed at the next shard() or
+# forward: a model freed by the garbage collector while an optimizer's step() runs its hooks
+# must not change torch's hook dict under that iteration ("OrderedDict mutated during
+# iteration"). Until then they do nothing (their weak reference is dead).
+_DEAD_STEP_HOOKS: list = []
+
+
+def _remove_dead_step_hooks() -> None:
+    while _DEAD_STEP_HOOKS:
+        _DEAD_STEP_HOOKS.pop().remove()
 
 
 class ZeroState:
@@ -93,6 +103,9 @@ class ZeroState:
         self.hooked: set[int] = set()    # ids of units that got gradients this backward
         self.handles: list = []
         self.gathered_blocks = 0         # tierlift.zero.gathered() blocks open on this model
+        self.forwarding = 0              # root forwards running (their units were checked)
+        self.shard_slots = rewrites.shard_slots(units)  # where each module holds its shard
+        self.post_hooks: dict[int, list] = {}  # id(module) -> [hook count seen, our hook ids]
         self._shard_ids = {id(u.shard) for u in units}
         self.unit_of = {id(u.shard): u for u in units}
         for u in units:  # which parameters got gradients (unused.py)
@@ -112,14 +125,24 @@ class ZeroState:
 
     # ---- setup ----
     def _install(self) -> None:
+        _remove_dead_step_hooks()
         ref = weakref.ref(self)
-        # Registered first, so it runs before the root unit's own pre-hook.
-        self.handles.append(self.root.register_forward_pre_hook(_bind(ref, "_root_pre_forward")))
-        self.handles.append(self.root.register_forward_hook(_bind(ref, "_root_post_forward")))
-        for i, unit in enumerate(self.units):
+        # Pre-hooks first, before the user's (weight_norm's and pruning's recompute the weight
+        # from the sharded ones, which must be gathered), the root's before the root unit's:
+        # each is prepended, so the last registered runs first.
+        for i, unit in reversed(list(enumerate(self.units))):
             self.handles.append(unit.module.register_forward_pre_hook(
-                _bind(ref, "_pre_forward", i)))
-            self.handles.append(unit.module.register_forward_hook(
+                _bind(ref, "_pre_forward", i), prepend=True))
+        self.handles.append(self.root.register_forward_pre_hook(
+            _bind(ref, "_root_pre_forward"), prepend=True))
+        # Post-hooks last, after the user's (which may read the weights a stage-3 unit frees
+        # here): kept last also past hooks registered after shard() (_keep_post_hooks_last).
+        self._post_hook(self.root, self.root.register_forward_hook(
+            _bind(ref, "_root_post_forward")))
+        self._post_hook(self.root, self.root.register_forward_hook(
+            _bind(ref, "_root_forward_ended"), always_call=True))  # also when it raised
+        for i, unit in enumerate(self.units):
+            self._post_hook(unit.module, unit.module.register_forward_hook(
                 _bind(ref, "_post_forward", i)))
             if not unit.frozen:
                 self.handles.append(unit.full.register_post_accumulate_grad_hook(
@@ -132,6 +155,7 @@ class ZeroState:
             self.handles.append(frozen.install(self, module, indices))
         grad_scaler.install()  # GradScaler's inf check agreed over the ranks
         torch_calls.install()  # torch's clip_grad_norm_ global, param groups checked
+        rewrites.install()  # model.to(dtype), pruning, weight norm refused before any change
         before = _bind(ref, "_before_optimizer_step", traced=True)
         before.leaves_grads = True  # only checks: GradScaler's check stays valid (scaler_scan)
         after = _bind(ref, "_after_optimizer_step", traced=True)
@@ -143,7 +167,26 @@ class ZeroState:
                     unit.shard.grad_dtype = self.config.grad_dtype
         for h in opt_hooks:
             self.handles.append(h)
-            weakref.finalize(self, h.remove)  # the global hooks go with the model
+            weakref.finalize(self, _DEAD_STEP_HOOKS.append, h)  # the global hooks go too
+
+    def _post_hook(self, module, handle) -> None:
+        self.handles.append(handle)
+        mine = self.post_hooks.setdefault(id(module), [len(module._forward_hooks), []])
+        mine[0] = len(module._forward_hooks)
+        mine[1].append(handle.id)
+
+    def _keep_post_hooks_last(self, module) -> None:
+        """Moves this model's forward hooks on `module` after any registered since (in the
+        order they were registered), so that those read the weights before a stage-3 unit
+        frees them. A length check per forward; the order changes only when the hooks did."""
+        mine = self.post_hooks.get(id(module))
+        hooks = module._forward_hooks
+        if mine is None or mine[0] == len(hooks):
+            return
+        for hook_id in mine[1]:
+            if hook_id in hooks:
+                hooks.move_to_end(hook_id)
+        mine[0] = len(hooks)
 
     def remove(self) -> None:
         for h in self.handles:
@@ -202,17 +245,7 @@ class ZeroState:
         for unit in self.units:
             moved = unit.moved_attrs()
             if moved:
-                raise RuntimeError(
-                    f"{', '.join(moved[:3])} of unit {unit.name!r} was given other data through "
-                    "its module attribute (`.data = ...` or another tensor) since the last "
-                    "forward. That attribute is a view of the unit's gathered weights, put back "
-                    "at every forward, so the change would be undone and the fp32 master "
-                    "weights never see it. Set the weights through the shards instead "
-                    "(model.parameters(): p.data = ..., p.data.copy_(...), as an EMA over "
-                    "model.parameters() does), or load them with model.load_state_dict / "
-                    "tierlift.zero.load_full_state_dict, or edit them inside "
-                    "tierlift.zero.gathered(model, modifier_rank=0); to go on, set the "
-                    "attribute's .data back to what it was")
+                rewrites.refuse_moved(unit, moved)
             if unit.take_data_edits():
                 unit.stale = True
         for unit in self.units:
@@ -232,6 +265,12 @@ class ZeroState:
 
     # ---- forward ----
     def _root_pre_forward(self, module, args):
+        self.forwarding += 1  # _root_forward_ended takes it back, also when this raises
+        if _DEAD_STEP_HOOKS:
+            _remove_dead_step_hooks()
+        # First, before any gather or collective: a module whose shard was swapped out
+        # (functional_call) would compute with weights the call did not give.
+        rewrites.check_shards_in_place(self.units, self.shard_slots)
         if self.gathered_blocks:
             raise RuntimeError("forward inside tierlift.zero.gathered(): it would run on the "
                                "sharded weights, not the block's, and take the block's weights "
@@ -251,6 +290,10 @@ class ZeroState:
         if not _in_backward():
             self.legs.begin("forward")
             self.buffers.before_forward(module)
+        self._keep_post_hooks_last(module)
+
+    def _root_forward_ended(self, module, args, output):
+        self.forwarding -= 1
 
     def _root_post_forward(self, module, args, output):
         self.order_done = True
@@ -260,6 +303,15 @@ class ZeroState:
         return output
 
     def _pre_forward(self, unit: FlatUnit, module, args):
+        if not self.forwarding:
+            # The module called on its own (or recomputed in backward): the root's checks did
+            # not run for this call.
+            index = self.units.index(unit)
+            rewrites.check_shards_in_place([unit], [self.shard_slots[index]])
+            moved = unit.moved_attrs()
+            if moved:
+                rewrites.refuse_moved(unit, moved)
+        self._keep_post_hooks_last(module)
         if not self.order_done and unit not in self.order:
             self.order.append(unit)
         unit.full_grad = None
