@@ -5,14 +5,18 @@ the forward's state alive. On the CPU nothing is in flight and everything goes w
 on a GPU the last copies of a forward are in flight when it ends, and the tensors they read
 were held with their saved-tensor records, which hold the forward's session: a cycle that only
 the garbage collector's next full pass freed, with the spill file, its descriptors, the pinned
-buffers and those GPU tensors. The `gpu` tests check the same on the device, and the in-place
-edit raced by a side-stream copy, on real streams."""
+buffers and those GPU tensors. Backward's NVMe read-ahead queue (GPU only) is the same: a
+backward that stops above tensors it read ahead leaves their reads in flight. The `gpu` tests
+check the RAM tier on the device, and the in-place edit raced by a side-stream copy, on real
+streams."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import weakref
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,7 +25,7 @@ from test_activations_user import SideStreamCopier, spill_fds
 import tierlift
 import tierlift.activations.session as session_module
 from tierlift.activations import offload
-from tierlift.activations.device import CpuCopier, CudaCopier
+from tierlift.activations.device import CpuCopier, CudaCopier, Layout
 
 pytestmark = pytest.mark.skipif(not tierlift._extension.available(),
                                 reason="compiled extension not loaded")
@@ -81,6 +85,67 @@ def test_a_forward_dropped_with_copies_in_flight_frees_its_session_and_spill_at_
     with ctx:
         loss = (torch.tanh(torch.tanh(torch.ones(64, 64) @ w) @ w) ** 2).sum()
     copier.flush()
+    assert torch.equal(torch.autograd.grad(loss, w)[0], want)
+    ctx.close()
+
+
+class LandsWhenWaited:
+    """An NVMe read still in flight: done only once waited for, as a read that has not
+    landed when backward stops."""
+
+    def __init__(self, handle):
+        self.handle, self.waited = handle, False
+
+    def done(self):
+        return self.waited
+
+    def wait(self):
+        self.waited = True
+        return self.handle.wait()
+
+
+def on_gpu(t):
+    """Every saved tensor's layout says cuda, so its NVMe reads take the GPU's read-ahead
+    queue (read, then H2D by the copier stand-in) while the bytes stay on the CPU."""
+    return dataclasses.replace(Layout.of(t), device=torch.device("cuda"))
+
+
+def test_a_backward_that_stops_with_reads_ahead_in_flight_frees_its_session_and_spill_at_once(
+        monkeypatch, tmp_path):
+    # grad() of part of the graph (or backward(inputs=...)) stops above the first layers, whose
+    # saved tensors were read ahead: on a GPU their reads wait in a queue that held the records,
+    # which hold the session, until the garbage collector's next full pass.
+    monkeypatch.setattr(session_module, "copier_for", lambda device: CpuCopier())
+    monkeypatch.setattr(session_module, "Layout", SimpleNamespace(of=on_gpu))
+    torch.manual_seed(0)
+    w = torch.randn(64, 64, requires_grad=True)
+    x = torch.randn(64, 64)
+    ctx = offload(cpu_budget=0, nvme_path=tmp_path, min_bytes=0)
+    engine = ctx._engines.get()
+    read = engine.read
+    monkeypatch.setattr(engine, "read", lambda *a: LandsWhenWaited(read(*a)))
+    sessions = watched_sessions(ctx)
+    a = torch.tanh(x @ w)
+    want, = torch.autograd.grad((torch.tanh(a @ w) ** 2).sum(), a)
+    with no_gc():
+        with ctx:
+            a = torch.tanh(x @ w)
+            loss = (torch.tanh(a @ w) ** 2).sum()
+        assert ctx.last_stats["nvme_bytes"] > 0 and spill_fds(tmp_path) == 3
+        got, = torch.autograd.grad(loss, a)
+        assert torch.equal(got, want)
+        assert ctx.last_stats["reads_ahead"] > 0, ctx.last_stats
+        session = sessions[0]()
+        assert session is not None and session._reading, "no read ahead left in flight"
+        del session
+        del loss, a
+        assert sessions[0]() is None, "the session outlived its graph"
+        assert spill_fds(tmp_path) == 0, "the spill file outlived its graph"
+    # The same context still trains exactly, its reads landing on their own.
+    monkeypatch.setattr(engine, "read", read)
+    want = torch.autograd.grad((torch.tanh(torch.tanh(x @ w) @ w) ** 2).sum(), w)[0]
+    with ctx:
+        loss = (torch.tanh(torch.tanh(x @ w) @ w) ** 2).sum()
     assert torch.equal(torch.autograd.grad(loss, w)[0], want)
     ctx.close()
 

@@ -205,7 +205,11 @@ class Session:
         self.group_top: dict = {}  # group -> index of its last saved tensor
         self.group_bytes: dict = {}  # group -> bytes it offloaded or tried to
         self._copiers: dict = {}
-        self._reading: deque[Saved] = deque()  # NVMe reads in flight, oldest first
+        # GPU NVMe reads in flight, oldest first: (weak item, its read). The item weakly, as in
+        # _copying: a backward that stops before reading it (backward(inputs=...), grad() of
+        # part of the graph) must free the session and file with the graph, not at the next
+        # full gc pass; the read (which holds its buffer) until it lands.
+        self._reading: deque = deque()
         self._file: ActivationFile | None = None
         self._finalizer = None
         self._dedupe: dict = {}
@@ -553,7 +557,14 @@ class Session:
         """On a GPU: starts the H2D copy of every NVMe read that has arrived, so the copy too
         runs ahead of the unpack that needs it."""
         while self._reading:
-            item = self._reading[0]
+            ref, read = self._reading[0]
+            item = ref()
+            if item is None:  # its graph is gone: nothing will read it
+                if not read.done():
+                    break
+                self._reading.popleft()
+                self._file.done(read)  # its buffer goes back to the pool
+                continue
             if item.reading is not None and not item.reading.done():
                 break
             self._reading.popleft()
@@ -593,7 +604,7 @@ class Session:
         self._file.handles.append(item.reading)
         item.host = buf
         if item.layout.device.type == "cuda":
-            self._reading.append(item)
+            self._reading.append((weakref.ref(item), item.reading))
 
     def _arrive(self, item: Saved) -> None:
         """Waits for an NVMe read; on a GPU, starts its H2D copy."""
