@@ -140,20 +140,23 @@ def owners_of(params) -> list:
 
 def any_rank_found(owners: list, flags: list[torch.Tensor]) -> torch.Tensor | None:
     """The MAX of the 0/1 tensors `flags` over this rank and every rank of the models of
-    `owners` (replicas included), as a float32 tensor on the first owner's device (where its
-    collectives run), left there: nothing is read back, so on a GPU no host sync (the caller's
-    own read of the result makes the only one). None where every owner has a single rank:
-    nothing to agree on."""
-    comms = [o.world_comm for o in owners if o.world_comm.world > 1]
-    if not comms:
+    `owners` (replicas included), as a float32 tensor left on the device of the last model that
+    has more than one rank: nothing is read back, so on a GPU no host sync (the caller's own
+    read of the result makes the only one). Each model's collective runs on that model's device,
+    where its process group's backend takes tensors (one optimizer may hold models on two GPUs,
+    or on the CPU and a GPU: the flag moves between them, a host sync only when it moves between
+    the host and a GPU). None where every owner has a single rank: nothing to agree on."""
+    reductions = [(o.world_comm, o.units[0].device) for o in owners if o.world_comm.world > 1]
+    if not reductions:
         return None
-    device = owners[0].units[0].device
+    device = reductions[0][1]
     if flags:
         found = torch.stack([f.to(device=device, dtype=torch.float32).reshape(()) for f in flags])
         found = found.amax()
     else:  # no gradient on this rank: it still takes part in every rank's collective
         found = torch.zeros((), dtype=torch.float32, device=device)
-    for comm in comms:
+    for comm, device in reductions:
+        found = found.to(device)  # the same tensor where the device does not change
         comm.wait(comm.all_reduce(found, op=torch.distributed.ReduceOp.MAX))
     return found
 

@@ -24,6 +24,7 @@ from test_activations_user import SideStreamCopier, spill_fds
 
 import tierlift
 import tierlift.activations.session as session_module
+from tierlift._shards import any_rank_found
 from tierlift.activations import offload
 from tierlift.activations.device import CpuCopier, CudaCopier, Layout
 
@@ -222,3 +223,70 @@ def test_gpu_forward_dropped_before_backward_frees_its_device_memory_at_once(slo
         held = torch.cuda.memory_allocated() - base
         assert sessions[0]() is None, "the session outlived its graph"
         assert held < 256 * 512 * 4, held  # less than the smallest saved activation
+
+
+# ---- GradScaler's found-inf agreed over models on different devices ---------------------------
+
+
+class TwoRankGroup:
+    """A model's process group of two ranks, the other rank's found-inf flag given: the MAX
+    all-reduce, on the device the backend takes (a meta tensor keeps no value: recorded only)."""
+
+    world = 2
+
+    def __init__(self, device: str, peer: float = 0.0):
+        self.device, self.peer, self.seen = torch.device(device), peer, []
+
+    def all_reduce(self, t, op):
+        assert op == torch.distributed.ReduceOp.MAX
+        self.seen.append(t.device)
+        assert t.device == self.device, f"a {t.device} tensor for a group on {self.device}"
+        if t.device.type != "meta":
+            t.copy_(torch.maximum(t, torch.tensor(self.peer, device=t.device)))
+        return None
+
+    def wait(self, work):
+        pass
+
+
+def sharded_model_on(device: str, group) -> SimpleNamespace:
+    """What any_rank_found reads of a sharded model's state: its units' device and its group."""
+    return SimpleNamespace(units=[SimpleNamespace(device=torch.device(device))], world_comm=group)
+
+
+def test_found_inf_is_agreed_on_each_models_own_device():
+    one_rank = SimpleNamespace(world=1)
+    # A single-rank model first (nothing to agree on, on a device no group here takes): the
+    # flag goes to the first model that reduces, and the other rank's inf reaches this one.
+    first = TwoRankGroup("cpu", peer=1.0)
+    found = any_rank_found([sharded_model_on("meta", one_rank), sharded_model_on("cpu", first)],
+                           [torch.zeros(())])
+    assert first.seen == [torch.device("cpu")] and found.item() == 1.0
+    # Two models in two groups on two devices: each collective gets its own device's tensor
+    # (before, the second got the first model's: NCCL refuses a CPU tensor).
+    on_cpu, on_meta = TwoRankGroup("cpu", peer=0.0), TwoRankGroup("meta")
+    found = any_rank_found([sharded_model_on("cpu", on_cpu), sharded_model_on("meta", on_meta)],
+                           [torch.ones(())])
+    assert on_cpu.seen == [torch.device("cpu")] and on_meta.seen == [torch.device("meta")]
+    assert found.device.type == "meta"
+    # Two groups on one device: the flag is or-ed through both, exactly.
+    for mine, peers, want in ((0.0, (0.0, 0.0), 0.0), (1.0, (0.0, 0.0), 1.0),
+                              (0.0, (0.0, 1.0), 1.0), (0.0, (1.0, 0.0), 1.0)):
+        groups = [TwoRankGroup("cpu", peer) for peer in peers]
+        found = any_rank_found([sharded_model_on("cpu", g) for g in groups],
+                               [torch.tensor(mine)])
+        assert found.item() == want and found.dtype == torch.float32
+    assert any_rank_found([sharded_model_on("cpu", one_rank)], [torch.ones(())]) is None
+    # No gradient on this rank: it still takes part, and follows the other rank.
+    assert any_rank_found([sharded_model_on("cpu", TwoRankGroup("cpu", 1.0))], []).item() == 1.0
+
+
+@pytest.mark.gpu
+def test_gpu_found_inf_is_agreed_over_models_on_the_cpu_and_the_gpu():
+    for devices in (("cpu", "cuda"), ("cuda", "cpu")):
+        for peers, want in (((0.0, 0.0), 0.0), ((0.0, 1.0), 1.0), ((1.0, 0.0), 1.0)):
+            groups = [TwoRankGroup(d, p) for d, p in zip(devices, peers)]
+            found = any_rank_found([sharded_model_on(d, g) for d, g in zip(devices, groups)],
+                                   [torch.zeros((), device="cuda"), torch.zeros(())])
+            assert [g.seen for g in groups] == [[torch.device(d)] for d in devices]
+            assert found.item() == want, (devices, peers)
