@@ -28,6 +28,7 @@ from collections.abc import Iterator
 import torch
 
 from tierlift.checkpoint import in_flight, manifest, validate
+from tierlift.io.fsync import fsync_path
 
 FORMAT = "tierlift-zero-checkpoint"
 VERSION = 1
@@ -87,8 +88,11 @@ write_json = manifest.write_json
 
 def replace_dir(tmp: str, path: str) -> None:
     """Makes the complete directory `tmp` the new `path` by two renames. A process killed in
-    between leaves either `path` or `path`.old complete, and resolve_dir() finds it."""
+    between leaves either `path` or `path`.old complete, and resolve_dir() finds it. The new
+    folders' entries and the renames are flushed to the drive before the old checkpoint is
+    removed: after a power loss too, one of the two is there whole."""
     old = path + ".old"
+    sync_tree(tmp)  # its files' data are flushed already (writer, write_json, checksums)
     if _empty(path) and os.path.isdir(old):
         os.rmdir(path)  # `path`.old is the checkpoint (resolve_dir): kept, as below
     if os.path.exists(path):
@@ -97,7 +101,15 @@ def replace_dir(tmp: str, path: str) -> None:
     # With only `path`.old there (a replace killed between its renames), it goes only once the
     # new `path` is in place: some complete checkpoint is there at every moment.
     os.rename(tmp, path)
+    fsync_path(os.path.dirname(os.path.abspath(path)))
     remove_dir(old)
+
+
+def sync_tree(directory: str) -> None:
+    """Flushes the entries of `directory` and of every folder in it (which files it holds,
+    under which names) to the drive."""
+    for root, _, _ in os.walk(directory, topdown=False):
+        fsync_path(root)
 
 
 def remove_dir(directory: str) -> None:

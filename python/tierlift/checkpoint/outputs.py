@@ -25,6 +25,7 @@ import socket
 import uuid
 
 from tierlift.checkpoint import targets, write_errors
+from tierlift.io.fsync import fsync_path
 from tierlift.offload.tiers import _owner_alive, _pid_namespace, _start_time
 
 _TAG = re.compile(r"([0-9a-f]{8})-(\d+)-(\d+|x)-[0-9a-f]{8}")
@@ -103,7 +104,10 @@ def write_new(out: str, write, *, directory: bool = False) -> None:
         inner = tmp if directory else os.path.join(tmp, os.path.basename(out))
         write(inner)
         targets.check_new_output(out, directory=directory)  # nothing appeared meanwhile
+        # The writers flush their files; the entries and the rename are flushed here, so an
+        # output reported written is still there after a power loss.
         if directory:
+            fsync_path(tmp)
             if os.path.isdir(out):
                 os.rmdir(out)  # empty, checked above
             os.rename(tmp, out)
@@ -118,3 +122,4 @@ def write_new(out: str, write, *, directory: bool = False) -> None:
         if better is not None:
             raise better from e
         raise
+    fsync_path(os.path.dirname(os.path.abspath(out)))  # the rename (out is complete by now)

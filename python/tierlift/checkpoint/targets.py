@@ -30,6 +30,7 @@ OWNER = ".owner.json"  # written first into `path`.tmp by a save (background.cla
 # The names a save gives its files (for a checkpoint without a readable manifest.json).
 _OURS = re.compile(r"metadata\.json|manifest\.json|\.owner\.json|rank\d{5}\.(pt|sha256)|"
                    r"(rank\d{5}\.optim|optim)/(state\.json|g\d+\.\w+\.(f32|bf16|u8))")
+_OUR_DIRS = re.compile(r"rank\d{5}\.optim|optim")
 
 
 def _format_of(file: str) -> str | None:
@@ -67,6 +68,10 @@ def foreign_files(path: str) -> list[str]:
     paths (an empty folder with a trailing /): anything its manifest.json does not list, or,
     without a readable manifest, anything not named as a save names its files."""
     listed = _listed(path)
+    # Folders a save makes: an empty one is what a removal (format.remove_dir) killed after
+    # emptying it and before its rmdir leaves, not something of the user's.
+    ours_dirs = {f.rsplit("/", 1)[0] for f in listed if "/" in f} if listed is not None \
+        else None
     out = []
     for root, dirs, names in os.walk(path):
         rel_root = os.path.relpath(root, path).replace(os.sep, "/")
@@ -77,7 +82,9 @@ def foreign_files(path: str) -> list[str]:
                     rel in listed if listed is not None else _OURS.fullmatch(rel)):
                 continue
             out.append(rel)
-        if not names and not dirs and rel_root != ".":
+        if not names and not dirs and rel_root != "." and not (
+                rel_root in ours_dirs if ours_dirs is not None
+                else _OUR_DIRS.fullmatch(rel_root)):
             out.append(rel_root + "/")
     return sorted(out)
 

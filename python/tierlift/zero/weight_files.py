@@ -18,6 +18,8 @@ import struct
 
 import torch
 
+from tierlift._text import first_names
+
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
            "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
            "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
@@ -28,9 +30,18 @@ class WeightFiles:
     def __init__(self, path) -> None:
         path = os.fspath(path)
         self.path = path
+        weight_map = None
         if os.path.isdir(path):
             index = os.path.join(path, "model.safetensors.index.json")
             single = os.path.join(path, "model.safetensors")
+            if os.path.exists(index) and os.path.exists(single):
+                # transformers reads model.safetensors first, this reader the index: of two
+                # exports into one folder, each would take another's weights without a word
+                raise ValueError(
+                    f"weights={path!r} holds both model.safetensors and "
+                    "model.safetensors.index.json, which may be of different exports "
+                    "(transformers' from_pretrained reads model.safetensors first); remove the "
+                    "stale one")
             if os.path.exists(index):
                 with open(index) as f:
                     weight_map = json.load(f).get("weight_map")
@@ -51,7 +62,13 @@ class WeightFiles:
         self.entries: dict[str, tuple[str, int, torch.dtype, tuple]] = {}
         for p in paths:
             for name, (start, dtype, shape) in _header(p).items():
+                if name in self.entries:
+                    raise ValueError(f"weights={path!r}: tensor {name!r} is in both "
+                                     f"{self.entries[name][0]} and {p} (shards of different "
+                                     "exports?); nothing was read")
                 self.entries[name] = (p, start, dtype, shape)
+        if weight_map is not None:
+            _check_index(path, weight_map, self.entries)
 
     def __contains__(self, name: str) -> bool:
         return name in self.entries
@@ -101,6 +118,24 @@ class WeightFiles:
                 if got <= 0:
                     raise OSError(f"{path}: short read of {name!r} (file truncated?)")
                 done += got
+
+
+def _check_index(path: str, weight_map: dict, entries: dict) -> None:
+    """The files of a sharded folder hold what its index says, each tensor where the index puts
+    it: shards and an index of different exports (a folder written twice, with other shard
+    sizes or another model) are refused, not mixed."""
+    for name, (file, *_) in entries.items():
+        named = weight_map.get(name)
+        if named is None or os.path.normpath(os.path.join(path, named)) != os.path.normpath(file):
+            where = "does not list it" if named is None else f"puts it in {named}"
+            raise ValueError(f"weights={path!r}: {os.path.basename(file)} holds tensor "
+                             f"{name!r} but model.safetensors.index.json {where}: the shards "
+                             "and the index are of different exports; nothing was read")
+    missing = [name for name in weight_map if name not in entries]
+    if missing:
+        raise ValueError(f"weights={path!r}: model.safetensors.index.json lists "
+                         f"{first_names(missing)}, which the shards do not hold: the shards and "
+                         "the index are of different exports; nothing was read")
 
 
 def _header(path: str) -> dict[str, tuple[int, torch.dtype, tuple]]:
