@@ -1,18 +1,21 @@
-"""What runs only on the GPU in the activations' RAM tier, run here with a stand-in for the side
-stream (a copy to host that runs later): a forward's copies still in flight when its graph is
-dropped before backward (a step given up on a NaN loss, an evaluation with grad) must not keep
-the forward's state alive. On the CPU nothing is in flight and everything goes with the graph;
-on a GPU the last copies of a forward are in flight when it ends, and the tensors they read
-were held with their saved-tensor records, which hold the forward's session: a cycle that only
-the garbage collector's next full pass freed, with the spill file, its descriptors, the pinned
-buffers and those GPU tensors. Backward's NVMe read-ahead queue (GPU only) is the same: a
-backward that stops above tensors it read ahead leaves their reads in flight. The `gpu` tests
-check the RAM tier on the device, and the in-place edit raced by a side-stream copy, on real
-streams."""
+"""Paths that run only on a GPU, checked here on the CPU through stand-ins (and on the device
+by the `gpu` tests):
+
+- activations: a forward's RAM-tier copies still in flight when its graph is dropped before
+  backward (a step given up on a NaN loss, an evaluation with grad), and backward's NVMe
+  read-ahead queue when a backward stops above tensors it read ahead (backward(inputs=...),
+  grad() of part of the graph). Both held saved-tensor records, which hold the forward's
+  session: a cycle that only the garbage collector's next full pass freed, with the spill file,
+  its descriptors, the pinned buffers and the GPU tensors. On the CPU nothing is in flight.
+  The `gpu` tests also check an in-place edit raced by a side-stream copy, on real streams.
+- GradScaler over tierlift.zero: the found-inf agreement of one optimizer over models on two
+  devices runs each model's collective on that model's device.
+- copy.deepcopy of a CUDA FeatureStore: an independent store, not a pickled (rowless) one."""
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import gc
 import weakref
@@ -27,6 +30,7 @@ import tierlift.activations.session as session_module
 from tierlift._shards import any_rank_found
 from tierlift.activations import offload
 from tierlift.activations.device import CpuCopier, CudaCopier, Layout
+from tierlift.gnn import FeatureStore
 
 pytestmark = pytest.mark.skipif(not tierlift._extension.available(),
                                 reason="compiled extension not loaded")
@@ -290,3 +294,83 @@ def test_gpu_found_inf_is_agreed_over_models_on_the_cpu_and_the_gpu():
                                    [torch.zeros((), device="cuda"), torch.zeros(())])
             assert [g.seen for g in groups] == [[torch.device(d)] for d in devices]
             assert found.item() == want, (devices, peers)
+
+
+# ---- copy.deepcopy of a FeatureStore ----------------------------------------------------------
+# A CUDA store's deepcopy went through pickling, which leaves a CUDA copy rowless (for another
+# process): the copy then refused to gather, saying it "was pickled into another process".
+
+
+def test_deepcopy_of_a_store_does_not_pickle_and_copies_the_rows(monkeypatch):
+    def pickled(self):
+        raise AssertionError("deepcopy went through pickling")
+
+    x = torch.randn(30, 4)
+    index = torch.tensor([29, 0, 7])
+    store = FeatureStore(x, device="cpu")
+    with monkeypatch.context() as m:
+        m.setattr(FeatureStore, "__getstate__", pickled)
+        twin = copy.deepcopy(store)
+    assert torch.equal(twin.gather(index), x[index])
+    assert twin._table.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+    twin._table.add_(1)  # the copy's own rows, edited in place: the copy refuses, as built
+    with pytest.raises(RuntimeError, match="modified in place"):
+        twin.gather(index)
+    assert torch.equal(store.gather(index), x[index])
+    # Deep-copied with its features, it holds the copied features, as the original held them.
+    got = copy.deepcopy({"x": x, "store": store})
+    assert got["store"]._table is got["x"]
+    assert torch.equal(got["store"].gather(index), x[index])
+    got["x"][0] = 5
+    with pytest.raises(RuntimeError, match="modified in place"):
+        got["store"].gather(index)
+    # A store that refuses to gather is refused before anything is copied.
+    x.add_(1)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        copy.deepcopy(store)
+    store.close()
+    assert copy.deepcopy(store).closed
+
+
+def test_shallow_copy_of_a_cuda_store_is_refused_and_of_a_cpu_store_shares_its_rows():
+    x = torch.randn(10, 3)
+    store = FeatureStore(x, device="cpu")
+    twin = copy.copy(store)
+    assert twin._table is x and torch.equal(twin.gather(torch.tensor([4])), x[4:5])
+    x.add_(1)  # the copy watches the same features, at the same version
+    with pytest.raises(RuntimeError, match="modified in place"):
+        twin.gather(torch.tensor([4]))
+    store.device = torch.device("cuda")  # stands in for an open CUDA store
+    with pytest.raises(TypeError, match=r"copy\.copy of a FeatureStore\(device='cuda'\)"):
+        copy.copy(store)
+    store.device = torch.device("cpu")
+    store.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pin", ["inplace", "copy"])
+@pytest.mark.parametrize("cache", ["none", "degree", "frequency"])
+def test_gpu_deepcopy_of_a_cuda_store_gathers_the_same_rows_on_its_own(pin, cache):
+    torch.manual_seed(0)
+    x = torch.randn(300, 8)
+    kw = {"none": {}, "degree": dict(cache=0.1, degrees=torch.arange(300)),
+          "frequency": dict(cache=0.1, cache_policy="frequency")}[cache]
+    store = FeatureStore(x.clone(), pin=pin, **kw)
+    index = torch.randint(0, 300, (64,))
+    for _ in range(5):  # part of the frequency policy's warm-up: the copy finishes it alone
+        store.gather(index)
+    twin = copy.deepcopy(store)
+    assert twin._table.data_ptr() != store._table.data_ptr()
+    assert torch.equal(twin.cached_rows(), store.cached_rows())
+    for _ in range(5):
+        assert torch.equal(twin.gather(index).cpu(), x[index])
+        assert torch.equal(twin.gather(index.cuda()).cpu(), x[index])
+    if cache == "frequency":  # the copy finished the warm-up alone
+        assert store.cached_rows().numel() == 0 and twin.cached_rows().numel() == twin.cache_rows
+    else:
+        assert torch.equal(twin.cached_rows(), store.cached_rows())
+    store.close()  # the copy keeps its own registered or pinned rows and cache
+    assert torch.equal(twin.gather(index).cpu(), x[index])
+    with pytest.raises(TypeError, match="copy.copy"):
+        copy.copy(twin)
+    twin.close()

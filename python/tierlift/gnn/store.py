@@ -14,6 +14,7 @@ filter_per_worker=False) or use multiprocessing start method "spawn".
 
 from __future__ import annotations
 
+import copy
 import os
 import warnings
 import weakref
@@ -174,11 +175,7 @@ class FeatureStore:
         self._pickled_cuda = False  # a copy of a CUDA store in another process: cannot gather
         if self.device.type == "cuda":
             table = self._pin(table, file_backed)
-            # Deferred bounds check: the kernel stores (position, value) of a bad index in
-            # _bad (device memory); async gathers then copy it, non-blocking, into the pinned
-            # _bad_host, which the host can read without any CUDA call.
-            self._bad = torch.full((2,), -1, dtype=torch.long, device=self.device)
-            self._bad_host = torch.full((2,), -1, dtype=torch.long).pin_memory()
+            self._new_bad_index_flags()
         self._table = table
         # The caller's tensor and its version: an in-place edit of it after this point would
         # reach a CUDA store's table but not its cached copies (nor a pin="copy" copy), so
@@ -215,6 +212,13 @@ class FeatureStore:
         if table.requires_grad:  # the gathered rows would carry no gradient back to it
             raise ValueError("features require grad, but FeatureStore.gather is not "
                              "differentiable; pass features.detach() for a constant table")
+
+    def _new_bad_index_flags(self) -> None:
+        # Deferred bounds check: the kernel stores (position, value) of a bad index in _bad
+        # (device memory); async gathers then copy it, non-blocking, into the pinned _bad_host,
+        # which the host can read without any CUDA call.
+        self._bad = torch.full((2,), -1, dtype=torch.long, device=self.device)
+        self._bad_host = torch.full((2,), -1, dtype=torch.long).pin_memory()
 
     def _pin(self, table: torch.Tensor, file_backed: bool) -> torch.Tensor:
         if table.numel() == 0 or table.is_pinned():
@@ -345,6 +349,63 @@ class FeatureStore:
     def __del__(self):
         if not getattr(self, "_closed", True):
             self.close()
+
+    def __copy__(self):
+        """A shallow copy shares the table. A CUDA store's would also share its registered
+        memory and GPU cache, which close() on either would take from the other: refused."""
+        if self.device.type == "cuda" and not self._closed and not self._pickled_cuda:
+            raise TypeError("copy.copy of a FeatureStore(device='cuda') is not supported: the "
+                            "copy would share the original's page-locked rows and GPU cache, "
+                            "and closing either would take them from the other; use the store "
+                            "itself, or copy.deepcopy for an independent store")
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
+
+    def __deepcopy__(self, memo):
+        """An independent store with the same rows, as deepcopy of a model or a PyG Data that
+        holds it expects: the table copied (with the features when they are in the same
+        deepcopy, as for any tensor), a CUDA store's copy pinned as pin= says, its GPU cache and
+        access counts copied as they are. A store that would refuse to gather (its features
+        edited in place since it was built, in a forked child) is refused before anything is
+        copied. Closed, or carrying no rows (pickled into this process): copied as it is."""
+        if self._closed or self._pickled_cuda:
+            new = object.__new__(type(self))
+            memo[id(self)] = new
+            new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+            return new
+        self._check_usable()
+        cuda = self.device.type == "cuda"
+        if cuda:  # gathers on other streams count rows and fill the cache: let them finish
+            torch.cuda.synchronize(self.device)
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        held = {"_table", "_watched", "_registration", "_cache_table", "_cache_slots",
+                "_counts", "_bad", "_bad_host"}
+        new.__dict__.update(copy.deepcopy(
+            {k: v for k, v in self.__dict__.items() if k not in held}, memo))
+        new._pid = os.getpid()
+        new._registration = new._bad = new._bad_host = None
+        table = memo.get(id(self._table))  # the features, copied already with their holder
+        if table is None:
+            if cuda and self._table.is_pinned():  # a pinned copy, not a second one to pin it
+                table = torch.empty_like(self._table, pin_memory=True).copy_(self._table)
+                memo[id(self._table)] = table
+            else:
+                table = copy.deepcopy(self._table, memo)
+        new._table = new._pin(table, file_backed=False) if cuda else table
+        new._watched = self._watched
+        if self._watched is not None and isinstance(self._watched[0], torch.Tensor):
+            # It held its table, the features themselves: the copy holds its own (as built).
+            new._watched = ((table, table._version) if table is new._table
+                            else (weakref.ref(table), table._version))
+        for key in ("_cache_table", "_cache_slots", "_counts"):
+            value = getattr(self, key)
+            setattr(new, key, None if value is None else value.clone())
+        if cuda:
+            new._new_bad_index_flags()  # a bad index the original saw is the original's to raise
+            torch.cuda.synchronize(self.device)  # copied before a gather on any stream reads it
+        return new
 
     def __getstate__(self):
         """A CPU store pickles whole. A CUDA store's copy (for a spawned DataLoader worker, say)
