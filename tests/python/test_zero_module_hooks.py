@@ -326,11 +326,21 @@ def test_dtype_or_device_change_is_refused_before_any_module_converts(stage, cal
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_conversions_that_change_nothing_still_work(stage):
+@pytest.mark.parametrize("swap", [False, True], ids=["set-data", "swap-tensors"])
+def test_conversions_that_change_nothing_still_work(stage, swap):
+    """With swap_module_params_on_conversion torch swapped each parameter, which fails on a
+    shard (`_apply(): Couldn't swap Linear._zero_flat_shard`) even for a no-op .float()."""
     want = _train(_bn_mlp(), _batches(), sharded=False)
     model = _shard(_bn_mlp(), stage)
-    model.float().to(torch.float32).cpu().to("cpu")
-    model[1].float()
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(swap)
+    try:
+        model.float().to(torch.float32).cpu().to("cpu")
+        model[1].float()
+        assert torch.__future__.get_swap_module_params_on_conversion() is swap
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
+    assert all(type(p).__name__ == "ShardParameter" for p in model.parameters())
     _assert_same(_train(model, _batches(), sharded=True), want)
 
 

@@ -144,11 +144,13 @@ def _sharded_names(module: nn.Module):
 _CONVERTING = threading.local()  # nesting of Module._apply: only the outermost call checks
 
 
-def _check_conversion(module: nn.Module, fn) -> None:
+def _check_conversion(module: nn.Module, fn) -> bool:
+    """Raises when `fn` would change the dtype or device of a sharded weight under `module`;
+    else whether `module` is part of a sharded model."""
     ref = members.MEMBERS.get(module)
     state = ref() if ref is not None else None
     if state is None:
-        return
+        return False
     inside = {id(m) for m in module.modules()}
     for unit in state.units:
         if id(unit.module) not in inside and not any(
@@ -159,7 +161,7 @@ def _check_conversion(module: nn.Module, fn) -> None:
             with torch.no_grad():
                 probe = fn(torch.empty(0, dtype=dtype, device=device))
         except Exception:  # noqa: BLE001 (not a conversion of tensors: torch's own call decides)
-            return
+            return True
         if isinstance(probe, torch.Tensor) and (probe.dtype, probe.device) != (dtype, device):
             raise RuntimeError(
                 f"converting a model sharded by tierlift.zero.shard (model.to(...), .half(), "
@@ -170,18 +172,26 @@ def _check_conversion(module: nn.Module, fn) -> None:
                 "tierlift.zero.shard(model, mixed_precision=tierlift.zero.MixedPrecision("
                 "param_dtype=...)); otherwise cast or move the model before shard() (shard(..., "
                 "device=...) for a model built on meta). Nothing was changed")
+    return True
 
 
 def _checked_apply(original):
     def _apply(self, fn, recurse=True):
         depth = getattr(_CONVERTING, "depth", 0)
-        if not depth:
-            _check_conversion(self, fn)
+        swap = torch.__future__.get_swap_module_params_on_conversion()
+        # The shards are left as they are (a no-op for them) through `.data =`: swapping them
+        # would fail (torch cannot swap a tensor that has weak references) after torch swapped
+        # the modules before.
+        keep = not depth and _check_conversion(self, fn) and swap
         _CONVERTING.depth = depth + 1
         try:
+            if keep:
+                torch.__future__.set_swap_module_params_on_conversion(False)
             return original(self, fn, recurse)
         finally:
             _CONVERTING.depth = depth
+            if keep:
+                torch.__future__.set_swap_module_params_on_conversion(True)
 
     return _apply
 
