@@ -11,6 +11,7 @@ from torch import nn
 
 MEMBERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> weak ZeroState
 STATES: weakref.WeakSet = weakref.WeakSet()  # every live ZeroState
+GENERATION = [0]  # bumped by every add(): what is cached over the live states is out of date
 
 
 def add(model: nn.Module, state) -> None:
@@ -18,6 +19,7 @@ def add(model: nn.Module, state) -> None:
     for m in model.modules():
         MEMBERS[m] = ref
     STATES.add(state)
+    GENERATION[0] += 1
 
 
 def states_in(module: nn.Module) -> list:

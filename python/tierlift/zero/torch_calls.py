@@ -28,6 +28,9 @@ slice instead of the model:
 - optimizer.state_dict() holds this rank's slice of the state only: it records whose slice,
   and load_state_dict refuses another rank's (a file saved on rank 0 only, loaded everywhere);
   see optim_record.py.
+- torch.distributed calls on the shards or their gradients (a broadcast of the initial weights,
+  the tutorial's average_gradients, model averaging) would mix the ranks' different slices:
+  refused before anything is sent, see collectives.py.
 - module.requires_grad_() after shard() on a module inside a unit (a block's LayerNorm, the
   final norm in the root unit) would change nothing (its .parameters() yields no shard) and the
   weights would go on training: refused, as any change of requires_grad after shard() is.
@@ -43,7 +46,7 @@ from tierlift._shards import combined_norm, grad_owners, shard_owner, split_by_o
 from tierlift._text import first_names
 from tierlift._torch_patch import wrap_method
 from tierlift.offload.overlap import group_settings, same_hyper
-from tierlift.zero import members, optim_record, replaced, unused
+from tierlift.zero import collectives, members, optim_record, replaced, unused
 
 _NORM_PARAMS = ["tensors", "norm_type", "error_if_nonfinite", "foreach"]
 _GROUP_PARAMS = ["tensorlistlist", "with_indices"]
@@ -214,6 +217,7 @@ def _checking(original):
 
 def _drop_local_sums(params) -> None:
     """Drops what no_sync() summed locally for the units of the shards in `params`."""
+    collectives.forget()  # the next gradients are other tensors
     for p in params:
         owner = shard_owner(p)
         if owner is not None:
@@ -298,3 +302,4 @@ def install() -> None:
     wrap_method(torch.nn.Module, "zero_grad", ["self", "set_to_none"], _module_zero_grad)
     wrap_method(torch.nn.Module, "requires_grad_", ["self", "requires_grad"],
                 _module_requires_grad)
+    collectives.install()  # c10d calls on shards or their gradients refused

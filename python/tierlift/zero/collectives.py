@@ -1,0 +1,333 @@
+"""Hand-written c10d calls on the parameters or gradients of a sharded model: refused before
+anything is sent.
+
+After tierlift.zero.shard() model.parameters() yields one flat shard per unit, and each rank of
+the model's process group holds a different slice of the same size. Scripts written for an
+unsharded model (PyTorch's "Writing Distributed Applications" tutorial, Horovod-style code,
+research repos) move parameters and gradients with c10d calls themselves; on shards every such
+line mixes slices, silently:
+
+- `dist.broadcast(p.data, 0)` "so every rank starts from rank 0's weights" copies rank 0's
+  slice over every other rank's slice (as torch.distributed._broadcast_coalesced, under DDP's
+  _sync_module_states, would);
+- `dist.all_reduce(p.data); p.data /= world` (model averaging, local SGD) averages different
+  slices;
+- the tutorial's average_gradients, `dist.all_reduce(p.grad.data); p.grad.data /= world`
+  after backward, sums different slices (gradients tierlift has already averaged).
+
+torch.distributed's functions are wrapped (once, at the first shard()): a tensor that is a
+shard, its gradient, or a view of their storage, given in a role where the call reduces it or
+writes into it, is refused when the call's group holds another rank of the shard's own group.
+Ranks of other groups hold the same slice of their own copy (a model sharded over a subgroup,
+one copy per group), so a call over one rank of each group (local SGD across the groups) is
+what it says and goes through. Every rank makes the same call with its own shard and refuses on
+its own, before the collective is issued: no rank is left waiting, nothing changed. Roles that
+only hand out this rank's slice (all_gather's and gather's input, send, all_to_all's inputs,
+scatter's source list) go through: they send what they say (the slices, not the weights).
+
+tierlift's own collectives call torch's functions themselves (comm.py: `unchecked`). Covered:
+calls looked up on the module when made (`import torch.distributed as dist; dist.all_reduce`);
+a function imported by name before the first shard() (`from torch.distributed import
+all_reduce`), torch.distributed.distributed_c10d's names, the functional collectives and
+objects (broadcast_object_list: the pickled state dict a load then refuses, guards.py) are not.
+Nor are copies: parameters_to_vector(model.parameters()), or a flattened bucket of gradients,
+all-reduced, hold no storage of a shard. Under torch.compile the check is skipped (dynamo traces
+torch's own collective).
+
+Cost: with no sharded model alive, one set test per call; with one, a storage-address lookup per
+tensor given (a table of the shards' and gradients' storages, refreshed when a tensor shaped as
+a shard, or a view, is not found in it: gradients are new tensors every step).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from tierlift._torch_patch import wrap_method
+from tierlift.zero import members
+
+# name: (torch's parameter names, the arguments to check and how: "one" tensor, a "list", a
+# "lists" of lists, "ops" of batch_isend_irecv; the process group argument; the peer
+# arguments of a point-to-point receive)
+_CHECKED = {
+    "broadcast": (["tensor", "src", "group", "async_op", "group_src"],
+                  {"tensor": "one"}, "group", None),
+    "all_reduce": (["tensor", "op", "group", "async_op"], {"tensor": "one"}, "group", None),
+    "reduce": (["tensor", "dst", "op", "group", "async_op", "group_dst"],
+               {"tensor": "one"}, "group", None),
+    "all_gather": (["tensor_list", "tensor", "group", "async_op"],
+                   {"tensor_list": "list"}, "group", None),
+    "all_gather_into_tensor": (["output_tensor", "input_tensor", "group", "async_op"],
+                               {"output_tensor": "one"}, "group", None),
+    "_all_gather_base": (["output_tensor", "input_tensor", "group", "async_op"],
+                         {"output_tensor": "one"}, "group", None),
+    "reduce_scatter": (["output", "input_list", "op", "group", "async_op"],
+                       {"output": "one", "input_list": "list"}, "group", None),
+    "reduce_scatter_tensor": (["output", "input", "op", "group", "async_op"],
+                              {"output": "one", "input": "one"}, "group", None),
+    "_reduce_scatter_base": (["output", "input", "op", "group", "async_op"],
+                             {"output": "one", "input": "one"}, "group", None),
+    "scatter": (["tensor", "scatter_list", "src", "group", "async_op", "group_src"],
+                {"tensor": "one"}, "group", None),
+    "gather": (["tensor", "gather_list", "dst", "group", "async_op", "group_dst"],
+               {"gather_list": "list"}, "group", None),
+    "all_to_all": (["output_tensor_list", "input_tensor_list", "group", "async_op"],
+                   {"output_tensor_list": "list"}, "group", None),
+    "all_to_all_single": (["output", "input", "output_split_sizes", "input_split_sizes",
+                           "group", "async_op"], {"output": "one"}, "group", None),
+    "all_reduce_coalesced": (["tensors", "op", "group", "async_op"],
+                             {"tensors": "list"}, "group", None),
+    "all_gather_coalesced": (["output_tensor_lists", "input_tensor_list", "group", "async_op"],
+                             {"output_tensor_lists": "lists"}, "group", None),
+    "recv": (["tensor", "src", "group", "tag", "group_src"], {"tensor": "one"}, "group",
+             ("src", "group_src")),
+    "irecv": (["tensor", "src", "group", "tag", "group_src"], {"tensor": "one"}, "group",
+              ("src", "group_src")),
+    "batch_isend_irecv": (["p2p_op_list"], {"p2p_op_list": "ops"}, None, None),
+}
+# Calls that put another rank's data over the tensor (the others sum or gather into it).
+_OVERWRITES = {"broadcast", "scatter", "recv", "irecv", "batch_isend_irecv",
+               "_broadcast_coalesced"}
+
+
+def _address(t: torch.Tensor) -> int | None:
+    storage = t.untyped_storage()
+    return storage.data_ptr() if storage.nbytes() else None
+
+
+class _Table:
+    """Which shard or shard gradient a tensor shares its storage with: a table of their storage
+    addresses (the shards' are stable; gradients are new tensors every step, so an entry is
+    checked against the shard before it counts), rebuilt when a model is sharded and after a
+    zero_grad, and the units of each size: a tensor of a shard's size, or a view of one (or of
+    a unit's whole flat buffer, which a stage-1 gradient is a slice of), not in the table (a
+    gradient newer than the table, or set by hand) is compared with those units' shards and
+    gradients directly."""
+
+    def __init__(self):
+        self.where: dict[int, tuple] = {}  # address -> (weak state, unit index, kind)
+        self.by_numel: dict[int, list] = {}  # shard or padded numel -> [(weak state, index)]
+        self.generation = -1
+
+    def rebuild(self) -> None:
+        self.where, self.by_numel = {}, {}
+        self.generation = members.GENERATION[0]
+        for state in members.live_states():
+            ref = weakref.ref(state)
+            for i, u in enumerate(state.units):
+                for n in {u.shard_numel, u.padded}:
+                    self.by_numel.setdefault(n, []).append((ref, i))
+                for kind, t in (("weights", u.shard), ("gradient", u.shard.grad)):
+                    ptr = None if t is None else _address(t)
+                    if ptr is not None:
+                        self.where.setdefault(ptr, (ref, i, kind))
+
+    def find(self, t: torch.Tensor):
+        """(state, unit index, "weights" or "gradient") when `t` shares the storage of a
+        shard or its gradient, else None."""
+        if self.generation != members.GENERATION[0]:
+            self.rebuild()
+        ptr = _address(t)
+        if ptr is None:
+            return None
+        hit = self._lookup(ptr)
+        whole = t if t._base is None else t._base
+        if hit is None and whole.dim() == 1 and whole.numel() in self.by_numel:
+            hit = _among(self.by_numel[whole.numel()], ptr)
+        return hit
+
+    def _lookup(self, ptr: int):
+        entry = self.where.get(ptr)
+        if entry is None:
+            return None
+        hit = _among([entry[:2]], ptr)
+        if hit is None:  # a dropped model or gradient: its storage may be another tensor's now
+            self.rebuild()
+            entry = self.where.get(ptr)
+            hit = None if entry is None else _among([entry[:2]], ptr)
+        return hit
+
+
+def _among(units: list, ptr: int):
+    for ref, i in units:
+        state = ref()
+        if state is None:
+            continue
+        shard = state.units[i].shard
+        if _address(shard) == ptr:
+            return state, i, "weights"
+        grad = shard.grad
+        if grad is not None and _address(grad) == ptr:
+            return state, i, "gradient"
+    return None
+
+
+_TABLE = _Table()
+
+
+def forget() -> None:
+    """The gradients may be other tensors from here on (zero_grad): the table is rebuilt at the
+    next check."""
+    _TABLE.generation = -1
+
+
+def _ranks(group) -> list[int]:
+    import torch.distributed as dist
+
+    return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+
+
+def _peer(group, src, group_src) -> int | None:
+    import torch.distributed as dist
+
+    if src is not None:
+        return src
+    if group_src is not None:
+        return dist.get_global_rank(group if group is not None else dist.group.WORLD, group_src)
+    return None
+
+
+def _mixes(state, group, peer, p2p: bool) -> bool:
+    """Whether the call's ranks include another rank of the shard's own group (a different
+    slice); `peer` for a receive (None: any source)."""
+    import torch.distributed as dist
+
+    own = set(_ranks(state.comm.group)) if state.comm.initialized else set()
+    me = dist.get_rank()
+    own.discard(me)
+    if not own:
+        return False
+    if p2p:
+        return peer is None or peer in own
+    return bool(own & set(_ranks(group)))
+
+
+def _tensors(kind: str, value):
+    if value is None:
+        return []
+    if kind == "one":
+        return [value]
+    if kind == "list":
+        return list(value)
+    if kind == "lists":
+        return [t for inner in value for t in inner]
+    return []
+
+
+def _refuse(name: str, arg: str, state, index: int, what: str) -> None:
+    unit = state.units[index]
+    root = state.root
+    shard_name = next((n for n, p in root.named_parameters() if p is unit.shard), None) \
+        if root is not None else None
+    shown = f"{shard_name!r}, " if shard_name else ""
+    head = (f"torch.distributed.{name} was given ({arg}) the {what} of {shown}unit "
+            f"{unit.name!r} of a model sharded by tierlift.zero.shard: each rank of the model's "
+            f"process group holds a different slice of it ({unit.shard_numel} of the unit's "
+            f"{unit.numel} elements), so this call would ")
+    if what == "gradient":
+        raise RuntimeError(
+            head + "sum or copy different slices. The gradients are already averaged over the "
+            "model's ranks by tierlift.zero during backward (each rank's shard gradient is the "
+            "average of its slice, as DDP's): drop the hand-written averaging (an "
+            "average_gradients(model) after backward) and step. Nothing was sent or changed")
+    if name in _OVERWRITES:
+        raise RuntimeError(
+            head + "copy another rank's slice over this rank's. Every rank already starts from "
+            "the same weights: shard() compares a fingerprint of every parameter over the ranks "
+            "and refuses weights that differ; to start from rank 0's, broadcast before "
+            "tierlift.zero.shard(model) (or load the same state dict on every rank). Nothing "
+            "was sent or changed")
+    raise RuntimeError(
+        head + "write other slices (or their sum) into this rank's. The ranks of the model's "
+        "process group train one model together: there is nothing to average between them. "
+        "For the full weights use tierlift.zero.full_state_dict(model) (every rank) or `with "
+        "tierlift.zero.gathered(model): ...`; to average the copies of several groups (each "
+        "sharding its own copy), run the call over a group holding one rank of each: those hold "
+        "the same slice. Nothing was sent or changed")
+
+
+def _check(name: str, params: list[str], checked: dict, group_arg, peers, args, kwargs) -> None:
+    def arg(n):
+        i = params.index(n)
+        return args[i] if i < len(args) else kwargs.get(n)
+
+    for n, kind in checked.items():
+        if kind == "ops":
+            import torch.distributed as dist
+
+            irecv = getattr(dist.irecv, "__wrapped__", dist.irecv)
+            for op in arg(n) or []:
+                fn = getattr(op.op, "__wrapped__", op.op)
+                if fn is not irecv:
+                    continue
+                hit = _TABLE.find(op.tensor)
+                if hit is not None and _mixes(hit[0], op.group, op.peer, p2p=True):
+                    _refuse(name, "P2POp(irecv, tensor)", *hit)
+            continue
+        for t in _tensors(kind, arg(n)):
+            if not isinstance(t, torch.Tensor):
+                continue
+            hit = _TABLE.find(t)
+            if hit is None:
+                continue
+            group = arg(group_arg) if group_arg else None
+            peer = _peer(group, arg(peers[0]), arg(peers[1])) if peers else None
+            if _mixes(hit[0], group, peer, p2p=peers is not None):
+                _refuse(name, n, *hit)
+
+
+def _checking(name: str, params: list[str], checked: dict, group_arg, peers):
+    def wrap(original):
+        def collective(*args, **kwargs):
+            # .data: a WeakSet's own truth test is a Python-level __len__
+            if members.STATES.data and not torch.compiler.is_compiling():
+                _check(name, params, checked, group_arg, peers, args, kwargs)
+            return original(*args, **kwargs)
+
+        return collective
+
+    return wrap
+
+
+def _broadcast_coalesced(original):
+    # A builtin (no signature): (process_group, tensors, buffer_size, src), positional.
+    def _broadcast_coalesced(*args, **kwargs):
+        if members.STATES.data and not torch.compiler.is_compiling():
+            group = args[0] if args else kwargs.get("process_group")
+            tensors = args[1] if len(args) > 1 else kwargs.get("tensors", ())
+            for t in tensors:
+                hit = _TABLE.find(t) if isinstance(t, torch.Tensor) else None
+                if hit is not None and _mixes(hit[0], group, None, p2p=False):
+                    _refuse("_broadcast_coalesced", "tensors", *hit)
+        return original(*args, **kwargs)
+
+    return _broadcast_coalesced
+
+
+def _p2p_op_check(original):
+    # P2POp(dist.irecv, ...) checks that op is torch's isend or irecv: the wrapped irecv is.
+    def _check_op(op):
+        return original(op.__wrapped__ if getattr(op, "_tierlift_wrapped", False) else op)
+
+    return _check_op
+
+
+def install() -> None:
+    """Idempotent (tierlift/_torch_patch.py)."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return
+    c10d = dist.distributed_c10d
+    wrap_method(c10d, "_check_op", ["op"], _p2p_op_check)
+    for name, (params, checked, group_arg, peers) in _CHECKED.items():
+        wrap_method(dist, name, params, _checking(name, params, checked, group_arg, peers))
+    original = getattr(dist, "_broadcast_coalesced", None)
+    if original is not None and not getattr(original, "_tierlift_wrapped", False):
+        import functools
+
+        wrapper = functools.wraps(original)(_broadcast_coalesced(original))
+        wrapper._tierlift_wrapped = True
+        dist._broadcast_coalesced = wrapper
