@@ -38,6 +38,7 @@ chunk written twice.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -70,6 +71,7 @@ FORMAT = 1
 _MAGIC = 0x7D1F1A57
 _REC = struct.Struct("<IQIIII5I")  # magic, seq, gi, ci, slot, n_kinds, CRC per kind (<= 5)
 _REC_BYTES = 64
+_CLAIM_WAIT_S = 30.0  # a claim takes milliseconds; one held longer is a stuck process's
 
 
 def durable_dir(nvme_path: str) -> str:
@@ -90,7 +92,41 @@ def claim_dir(path: str, start_fresh: bool = False) -> bool:
     state to reopen. A folder whose owner is alive (or on another host, where that cannot be
     told) is refused, and so is one with state files but no manifest (only the manifest says
     which step they hold: they are never taken for a new state and zeroed). `start_fresh`
-    (durable="fresh"): whatever state the folder holds is discarded and a new one started."""
+    (durable="fresh"): whatever state the folder holds is discarded and a new one started.
+    Claims of one folder run one at a time (_claim_lock): of two optimizers started together on
+    it, the second finds the first's owner.json and is refused."""
+    os.makedirs(path, exist_ok=True)
+    with _claim_lock(path):
+        return _claim(path, start_fresh)
+
+
+@contextlib.contextmanager
+def _claim_lock(path: str):
+    """An exclusive flock of folder `path` for one claim (released when it ends, or when the
+    process dies): without it, two optimizers started at once both read "no owner" and both
+    took the folder, writing each other's state files."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        deadline = time.monotonic() + _CLAIM_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"the durable optimizer state {path!r} is being claimed by another "
+                        f"optimizer (for more than {_CLAIM_WAIT_S:.0f} s); one optimizer at a "
+                        "time may own it (give this one another nvme_path)") from None
+                time.sleep(0.01)
+            except OSError:  # a file system without flock: claims as before, unserialized
+                break
+        yield
+    finally:
+        os.close(fd)
+
+
+def _claim(path: str, start_fresh: bool) -> bool:
     owner_file = os.path.join(path, "owner.json")
     if os.path.exists(owner_file):
         try:
@@ -117,7 +153,6 @@ def claim_dir(path: str, start_fresh: bool = False) -> bool:
                 "no manifest.json, which says which step they hold: it cannot be reopened, and "
                 "it is not overwritten. Put its manifest.json back to reopen it, or pass "
                 "durable='fresh' to discard these files and start a new state")
-    os.makedirs(path, exist_ok=True)
     _write_json(owner_file, _owner())
     if not fresh:
         return False

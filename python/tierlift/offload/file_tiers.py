@@ -32,9 +32,16 @@ def build(off, slots: int) -> None:
     remove_stale_dirs(nvme_path)
     fresh = True
     if config.durable:
-        if off._zero and dist.is_initialized() and dist.get_world_size() > 1:
-            raise ValueError("durable=True is for one process: ZeRO shards on several "
-                             "ranks would have to agree which step to reopen at")
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # Each rank's folder commits on its own: ranks killed a moment apart reopen at
+            # different steps, DDP replicas then train apart and ZeRO shards mix steps.
+            raise ValueError(
+                f"durable=True is for one process, and this one is rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}: each rank's state folder commits its steps on its "
+                "own, so ranks killed a moment apart would reopen at different steps (DDP "
+                "replicas training apart, ZeRO shards of different steps) without an error. "
+                "Resume several ranks from tierlift.checkpoint.save(), which every rank "
+                "commits together")
         off._dir = durable_dir(nvme_path)
         fresh = claim_dir(off._dir, start_fresh=config.durable == "fresh")
     else:
