@@ -302,6 +302,8 @@ CONVERSIONS = {
     "double": lambda m: m.double(),
     "to(meta)": lambda m: m.to("meta"),
     "submodule.half": lambda m: m[0].half(),  # its weights are in the root unit
+    "to_empty": lambda m: m.to_empty(device="cpu"),  # uninitialised weights
+    "share_memory": lambda m: m.share_memory(),  # moved the shards: refused at the next forward
 }
 
 
@@ -317,7 +319,8 @@ def test_dtype_or_device_change_is_refused_before_any_module_converts(stage, cal
     previous = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(swap)
     try:
-        with pytest.raises(RuntimeError, match="MixedPrecision.*Nothing was changed"):
+        fix = "meta device" if call in ("to_empty", "share_memory") else "MixedPrecision"
+        with pytest.raises(RuntimeError, match=f"{fix}.*Nothing was changed"):
             CONVERSIONS[call](model)
     finally:
         torch.__future__.set_swap_module_params_on_conversion(previous)

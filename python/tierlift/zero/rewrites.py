@@ -145,8 +145,8 @@ _CONVERTING = threading.local()  # nesting of Module._apply: only the outermost 
 
 
 def _check_conversion(module: nn.Module, fn) -> bool:
-    """Raises when `fn` would change the dtype or device of a sharded weight under `module`;
-    else whether `module` is part of a sharded model."""
+    """Raises when `fn` would change the dtype or device of a sharded weight under `module`, or
+    give it new storage; else whether `module` is part of a sharded model."""
     ref = members.MEMBERS.get(module)
     state = ref() if ref is not None else None
     if state is None:
@@ -157,12 +157,26 @@ def _check_conversion(module: nn.Module, fn) -> bool:
                 id(mod()) in inside for e in unit.entries for mod, _ in e.owners):
             continue
         dtype, device = unit.shard.dtype, unit.device
+        given = torch.empty(1, dtype=dtype, device=device)
+        where = given.data_ptr()
         try:
             with torch.no_grad():
-                probe = fn(torch.empty(0, dtype=dtype, device=device))
+                probe = fn(given)
         except Exception:  # noqa: BLE001 (not a conversion of tensors: torch's own call decides)
             return True
-        if isinstance(probe, torch.Tensor) and (probe.dtype, probe.device) != (dtype, device):
+        if not isinstance(probe, torch.Tensor):
+            continue
+        if (probe.dtype, probe.device) == (dtype, device) and (
+                probe is not given or probe.data_ptr() != where):
+            raise RuntimeError(
+                f"model.to_empty() or model.share_memory() (a module conversion that gives "
+                f"tensors new storage) on a model sharded by tierlift.zero.shard would move the "
+                f"weights of unit {unit.name!r} away from the buffer its module attributes "
+                "view (to_empty: to uninitialised memory). Build a model on the meta device "
+                "and let shard() fill it (shard(model, device=..., weights=...)), load "
+                "weights with tierlift.zero.load_full_state_dict; a sharded model is not "
+                "shared between processes. Nothing was changed")
+        if (probe.dtype, probe.device) != (dtype, device):
             raise RuntimeError(
                 f"converting a model sharded by tierlift.zero.shard (model.to(...), .half(), "
                 f".bfloat16(), .double(), .float(), .cuda(), .cpu()) would turn the weights of "
