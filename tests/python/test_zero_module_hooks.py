@@ -302,6 +302,7 @@ CONVERSIONS = {
     "double": lambda m: m.double(),
     "to(meta)": lambda m: m.to("meta"),
     "submodule.half": lambda m: m[0].half(),  # its weights are in the root unit
+    "wrapper.half": lambda m: nn.ModuleList([m]).half(),  # a module holding the model
     "to_empty": lambda m: m.to_empty(device="cpu"),  # uninitialised weights
     "share_memory": lambda m: m.share_memory(),  # moved the shards: refused at the next forward
 }

@@ -14,9 +14,10 @@ weight attributes are plain views of the unit's gathered weights, put back at ev
   A tensor given as an nn.Parameter is registered in `_parameters`; the refusal moves it back
   out, so the call's own restore leaves the module as it was (else torch would put the view
   back into `_parameters`, where no later forward can set it).
-- model.to(dtype) / .half() / .double() / .cuda(): torch converts child modules one by one, so
-  a refusal at the first shard would come after earlier children's buffers were converted.
-  The conversion is tried on an empty tensor of each sharded weight's dtype and device first.
+- model.to(dtype) / .half() / .double() / .cuda(), to_empty(), share_memory(): torch converts
+  child modules one by one, so a refusal at the first shard would come after earlier
+  children's buffers were converted. The conversion is tried first on a one-element tensor of
+  each sharded weight's dtype and device: refused where it changes either or gives new storage.
 - torch.nn.utils.prune, torch.nn.utils.weight_norm and torch.nn.utils.parametrize on a sharded
   weight register a parameter of their own from the module attribute (torch raises TypeError
   or KeyError, or removes a pruning hook before failing): refused by name. Re-pruning a weight
@@ -98,7 +99,7 @@ def refuse_moved(unit, moved: list[str]) -> None:
             f"needs full weights: {_UNSHARDED_COPY}. To set weights, write the shards "
             "(model.parameters(): p.data.copy_(...)), load them with model.load_state_dict / "
             "tierlift.zero.load_full_state_dict, or edit them inside "
-            "tierlift.zero.gathered(model, modifier_rank=0). Nothing was run")
+            "tierlift.zero.gathered(model, modifier_rank=0). Nothing was changed")
     raise RuntimeError(
         f"{shown} of unit {unit.name!r} was given other data through "
         "its module attribute (`.data = ...`) since the last "
@@ -129,15 +130,14 @@ def _take_back_registered(unit) -> bool:
 
 
 # ---- where a module's sharded weights are ----
-def _sharded_names(module: nn.Module):
-    """(the ZeroState, {attribute names of `module` that are sharded weights}), or (None, ())."""
+def _sharded_names(module: nn.Module) -> set[str]:
+    """The attribute names of `module` that are sharded weights (none outside a sharded model)."""
     ref = members.MEMBERS.get(module)
     state = ref() if ref is not None else None
     if state is None:
-        return None, ()
-    names = {attr for u in state.units for e in u.entries for mod, attr in e.owners
-             if mod() is module}
-    return state, names
+        return set()
+    return {attr for u in state.units for e in u.entries for mod, attr in e.owners
+            if mod() is module}
 
 
 # ---- dtype and device conversion ----
@@ -146,13 +146,12 @@ _CONVERTING = threading.local()  # nesting of Module._apply: only the outermost 
 
 def _check_conversion(module: nn.Module, fn) -> bool:
     """Raises when `fn` would change the dtype or device of a sharded weight under `module`, or
-    give it new storage; else whether `module` is part of a sharded model."""
-    ref = members.MEMBERS.get(module)
-    state = ref() if ref is not None else None
-    if state is None:
+    give it new storage; else whether `module` is part of a sharded model or holds one."""
+    states = members.states_in(module)
+    if not states:
         return False
     inside = {id(m) for m in module.modules()}
-    for unit in state.units:
+    for unit in (u for state in states for u in state.units):
         if id(unit.module) not in inside and not any(
                 id(mod()) in inside for e in unit.entries for mod, _ in e.owners):
             continue
@@ -221,7 +220,7 @@ def _refuse_reparametrization(what: str, module: nn.Module, name: str, fix: str)
 def _checked_prune(original):
     @functools.wraps(original)
     def apply(cls, module, name, *args, **kwargs):
-        state, names = _sharded_names(module)
+        names = _sharded_names(module)
         if name in names:
             _refuse_reparametrization(f"torch.nn.utils.prune ({cls.__name__})", module, name,
                                       f"Prune {_BEFORE_SHARD}")
@@ -238,7 +237,7 @@ def _checked_prune(original):
 
 def _checked_prune_remove(original):
     def remove(self, module):
-        _, names = _sharded_names(module)
+        names = _sharded_names(module)
         if self._tensor_name + "_orig" in names:
             _refuse_reparametrization(
                 "torch.nn.utils.prune.remove", module, self._tensor_name,
@@ -252,7 +251,7 @@ def _checked_prune_remove(original):
 def _checked_weight_norm(original):
     @functools.wraps(original)
     def apply(module, name, dim):
-        _, names = _sharded_names(module)
+        names = _sharded_names(module)
         if name in names:
             _refuse_reparametrization("torch.nn.utils.weight_norm", module, name,
                                       f"Apply it {_BEFORE_SHARD}")
@@ -263,7 +262,7 @@ def _checked_weight_norm(original):
 
 def _checked_weight_norm_remove(original):
     def remove(self, module):
-        _, names = _sharded_names(module)
+        names = _sharded_names(module)
         if self.name + "_g" in names:
             _refuse_reparametrization("torch.nn.utils.remove_weight_norm", module, self.name,
                                       f"Remove it {_BEFORE_SHARD}")
@@ -274,7 +273,7 @@ def _checked_weight_norm_remove(original):
 
 def _checked_parametrization(original):
     def register_parametrization(module, tensor_name, parametrization, *, unsafe=False):
-        _, names = _sharded_names(module)
+        names = _sharded_names(module)
         if tensor_name in names:
             _refuse_reparametrization("torch.nn.utils.parametrize.register_parametrization",
                                       module, tensor_name, f"Register it {_BEFORE_SHARD}")
@@ -287,8 +286,7 @@ def _checked_parametrization_removal(original):
     def remove_parametrizations(module, tensor_name, leave_parametrized=True):
         holder = getattr(module, "parametrizations", None)
         if isinstance(holder, nn.ModuleDict) and tensor_name in holder:
-            _, names = _sharded_names(holder[tensor_name])
-            if names:
+            if _sharded_names(holder[tensor_name]):
                 _refuse_reparametrization(
                     "torch.nn.utils.parametrize.remove_parametrizations", module, tensor_name,
                     f"Remove it {_BEFORE_SHARD}")
