@@ -248,6 +248,13 @@ def _c10d_stage(stage: int, rank: int, world: int) -> dict:
     return out
 
 
+def _offload_case() -> list:
+    """Shards offloaded to host memory share one arena's storage: each refusal names its own."""
+    model = tierlift.zero.shard(Net(), stage=3, units=["a", "b", "c"], offload_params="cpu")
+    return [(name, _refused(model, lambda p=p: dist.broadcast(p.data[1:], 0)))
+            for name, p in model.named_parameters()]
+
+
 def _shared_cases(rank: int, world: int) -> dict:
     out = {}
     for name, (make, units) in SHARED.items():
@@ -263,6 +270,7 @@ def _cases(rank, world, tmp):
     out = {"ddp": _ddp(Net, _xs(world, rank), opt=_sgd)}
     for stage in STAGES:
         out[stage] = _c10d_stage(stage, rank, world)
+    out["offload"] = _offload_case()
     out["shared"] = _shared_cases(rank, world)
     out["groups"] = _groups_cases(rank)
     dist.barrier()  # no rank leaves (taking the store down) before the others are done
@@ -306,6 +314,13 @@ def test_c10d_calls_on_shards_refused_before_anything_changes(ranks, stage):
             assert same, (rank, name)
         assert "starts from the same weights" in out[stage]["broadcast(p.data)"][0]
         assert "full_state_dict" in out[stage]["model_averaging"][0]
+
+
+def test_offloaded_shards_refused_each_by_name(ranks):
+    for out in ranks:
+        assert len(out["offload"]) == 4
+        for name, (msg, same) in out["offload"]:
+            assert f"the weights of {name!r}" in msg and same, (name, msg)
 
 
 @pytest.mark.parametrize("stage", STAGES)
