@@ -5,6 +5,8 @@ forward   pre-hook of unit i: wait for / issue its all-gather, prefetch the next
           recorded forward order (with param_group_fn, a module's other groups first), point
           the module's attributes at fresh views of `full`;
           post-hook (stage 3): free `full`, hook the outputs so that backward regathers.
+          The pre-hooks run before the module's other pre-hooks (weight_norm and pruning
+          compute the weight from sharded ones), the post-hooks after its other forward hooks.
 backward  output-gradient hook (stage 3): all-gather unit i again, prefetch the unit before it;
           post-accumulate-grad hook on `full`: launch the (async) reduce-scatter (stage 2/3) or
           all-reduce (stage 1) of the unit's gradient, free `full` (stage 3), then finish, in
@@ -293,7 +295,8 @@ class ZeroState:
         self._keep_post_hooks_last(module)
 
     def _root_forward_ended(self, module, args, output):
-        self.forwarding -= 1
+        # Not below 0: a global pre-hook that raised before the root's pre-hook ran.
+        self.forwarding = max(self.forwarding - 1, 0)
 
     def _root_post_forward(self, module, args, output):
         self.order_done = True
