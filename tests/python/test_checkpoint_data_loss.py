@@ -1,7 +1,8 @@
 """What a user keeps when things go wrong: a "latest" checkpoint saved over and over to one
 folder survives a kill at any file operation of the next save (and the save after works); a
 background save in flight when the training loop raises still lands; a refused load leaves
-model and optimizer exactly as they were; directories and renames reach the drive before the
+model and optimizer exactly as they were; a state a failed in-place load left mixed is not
+read out nor saved over the last checkpoint; directories and renames reach the drive before the
 old checkpoint goes; a weights folder holding two exports is refused, not mixed.
 """
 
@@ -37,10 +38,10 @@ def _model():
     return nn.Sequential(nn.Linear(40, 30), nn.Linear(30, 5))
 
 
-def _fresh(nvme: str, gens: int = 2):
+def _fresh(nvme: str, gens: int = 2, **kw):
     model = _model()
     return model, AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, offload="nvme",
-                        nvme_path=nvme, cpu_budget=1 << 20, nvme_generations=gens)
+                        nvme_path=nvme, cpu_budget=1 << 20, nvme_generations=gens, **kw)
 
 
 def _step(model, opt, seed: int) -> None:
@@ -253,6 +254,113 @@ def test_a_refused_load_leaves_model_and_optimizer_as_they_were(tmp_path, damage
     assert _same(_snapshot(model, opt), _snapshot(twin, twin_opt))
     opt.close()
     twin_opt.close()
+
+
+# ---- a failed in-place load is neither read out nor saved --------------------------------
+
+def _break_by_a_failed_load(monkeypatch, opt, state_dict, torn: bool = False) -> None:
+    """Loads `state_dict` into `opt` (one NVMe generation), failing at its third write (`torn`:
+    after writing half of it, as a drive that fills up mid-write): some chunks are rewritten in
+    place, the rest are not, and step() refuses from here on."""
+    writes, write = [0], IoEngine.write
+
+    def failing(self, tensor, path, offset=0):
+        writes[0] += 1
+        if writes[0] == 3:
+            if torn:
+                write(self, tensor[:tensor.numel() // 2], path, offset).wait()
+            raise OSError(28, "injected full drive")
+        return write(self, tensor, path, offset)
+
+    monkeypatch.setattr(IoEngine, "write", failing)
+    with pytest.raises(OSError, match="injected"):
+        opt.load_state_dict(state_dict)
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError, match="load a checkpoint before stepping"):
+        opt.step()
+
+
+def test_a_state_left_mixed_by_a_failed_load_is_not_saved_over_the_last_checkpoint(
+        tmp_path, monkeypatch):
+    """state_dict() and a checkpoint save read such a state as if it were one: measured, 85%
+    of the moments from the state being loaded, the rest and every step count from the old one,
+    saved over the last good checkpoint, which then loaded without a word."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    model, opt = _fresh(str(tmp_path / "a"), gens=1, chunk_bytes=4096)  # two chunks
+    other, other_opt = _fresh(str(tmp_path / "b"))
+    for step in (1, 2):
+        _step(model, opt, step)
+        _step(other, other_opt, 10 + step)
+    _step(other, other_opt, 13)
+    ck = str(tmp_path / "ck")
+    tierlift.checkpoint.save(ck, model, opt, extra={"step": 2})
+    good = _snapshot(model, opt)
+    _break_by_a_failed_load(monkeypatch, opt, other_opt.state_dict())
+    with pytest.raises(RuntimeError, match="cannot be read out"):
+        opt.state_dict()
+    with pytest.raises(RuntimeError, match="cannot be read out"):
+        tierlift.checkpoint.save(ck, model, opt, extra={"step": "mixed"})
+    # the last checkpoint is intact, and loading it is the way on
+    assert tierlift.checkpoint.load(ck, model, opt) == {"step": 2}
+    assert _same(_snapshot(model, opt), good)
+    twin, twin_opt = _fresh(str(tmp_path / "b"))
+    tierlift.checkpoint.load(ck, twin, twin_opt)
+    _step(model, opt, 3)
+    _step(twin, twin_opt, 3)
+    assert _same(_snapshot(model, opt), _snapshot(twin, twin_opt))
+    for o in (opt, other_opt, twin_opt):
+        o.close()
+
+
+def test_a_sharded_load_of_state_saved_in_ram_mends_such_a_state(tmp_path, monkeypatch):
+    """That load starts from the optimizer's state_dict() (for its groups): it must not read
+    the mixed tiers it is about to replace."""
+    def sharded(offload):
+        model = tierlift.zero.shard(_model(), stage=3)
+        kw = dict(offload="nvme", nvme_path=str(tmp_path), cpu_budget=1 << 20,
+                  nvme_generations=1, chunk_bytes=4096) if offload else {}
+        return model, AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, **kw)
+
+    in_ram, in_ram_opt = sharded(False)
+    _step(in_ram, in_ram_opt, 1)
+    ck = str(tmp_path / "ck")
+    tierlift.checkpoint.save(ck, in_ram, in_ram_opt)  # its state saved as tensors
+    model, opt = sharded(True)
+    _step(model, opt, 2)
+    _break_by_a_failed_load(monkeypatch, opt, in_ram_opt.state_dict())
+    tierlift.checkpoint.load(ck, model, opt)
+    _step(model, opt, 3)
+    _step(in_ram, in_ram_opt, 3)
+    assert _same(_snapshot(model, opt), _snapshot(in_ram, in_ram_opt))
+    opt.close()
+
+
+@pytest.mark.parametrize("how", ["load_state_dict", "checkpoint"])
+def test_a_chunk_torn_by_a_failed_load_does_not_block_the_load_that_mends_it(tmp_path,
+                                                                           monkeypatch, how):
+    """The mending load read each chunk and checked it against the CRC it had before the failed
+    load, so a torn chunk made every later load fail ("file is corrupt"): the optimizer could
+    neither step nor be loaded again."""
+    model, opt = _fresh(str(tmp_path), gens=1, chunk_bytes=4096)
+    twin, twin_opt = _fresh(str(tmp_path))
+    other, other_opt = _fresh(str(tmp_path))
+    for step in (1, 2):
+        _step(model, opt, step)
+        _step(twin, twin_opt, step)
+        _step(other, other_opt, 10 + step)
+    ck = str(tmp_path / "ck")
+    tierlift.checkpoint.save(ck, twin, twin_opt)
+    _break_by_a_failed_load(monkeypatch, opt, other_opt.state_dict(), torn=True)
+    if how == "checkpoint":
+        tierlift.checkpoint.load(ck, model, opt)
+    else:
+        opt.load_state_dict(twin_opt.state_dict())
+    _step(model, opt, 3)
+    _step(twin, twin_opt, 3)
+    assert _same(_snapshot(model, opt), _snapshot(twin, twin_opt))
+    for o in (opt, twin_opt, other_opt):
+        o.close()
 
 
 # ---- what reaches the drive before the old checkpoint goes --------------------------------

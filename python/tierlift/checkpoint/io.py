@@ -47,7 +47,8 @@ def _load_per_param_state(optimizer, loaded: dict, before_commit=None) -> None:
     entry starts fresh, as torch's load_state_dict leaves it) through load_state_dict, so an
     offloading optimizer puts it back into its tiers. `before_commit`
     is called before the new state becomes final; if it raises, the old state is put back."""
-    sd = optimizer.state_dict()
+    sd = _groups_only(optimizer) if getattr(optimizer, "_offload", None) is not None else \
+        optimizer.state_dict()
     ids = [i for g in sd["param_groups"] for i in g["params"]]
     params = [p for g in optimizer.param_groups for p in g["params"]]
     for p, i in zip(params, ids, strict=True):
@@ -56,6 +57,18 @@ def _load_per_param_state(optimizer, loaded: dict, before_commit=None) -> None:
         else:  # no state in the checkpoint: starts fresh, as in torch (stale moments stayed)
             sd["state"].pop(i, None)
     agree.load_optimizer_state(optimizer, sd, before_commit)
+
+
+def _groups_only(optimizer) -> dict:
+    """An offloading optimizer's state_dict() without its state, numbered as torch numbers it:
+    every entry is replaced or dropped by the load anyway, and reading the tiers would refuse
+    a state that a failed in-place rewrite left mixed, which this load is there to replace."""
+    groups, n = [], 0
+    for g in optimizer.param_groups:
+        groups.append({**{k: v for k, v in g.items() if k != "params"},
+                       "params": list(range(n, n + len(g["params"])))})
+        n += len(g["params"])
+    return {"state": {}, "param_groups": groups}
 
 
 def save(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,

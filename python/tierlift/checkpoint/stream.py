@@ -202,7 +202,9 @@ def stage_offloaded(off, directory: str, names: dict, packer, helds: list, files
     in-place host tiers are copied by `packer` now; two-generation tiers are held, and a
     writer.Held for each group is appended to `helds` (the writer reads them after the pieces).
     The kind files are appended to `files`. Returns finish(digests), which writes state.json
-    once the writer knows every file's SHA-256. `names` ({param: name}) are recorded."""
+    once the writer knows every file's SHA-256. `names` ({param: name}) are recorded. A state
+    that step() refuses (a failed in-place rewrite) is refused here too (check_readable)."""
+    off.check_readable()
     for gi, group in enumerate(off.opt.param_groups):  # read by their laid-out numels
         for pi, p in enumerate(group["params"]):
             if off.layouts[gi].reserved[pi] and "step" in off.opt.state.get(p, {}):

@@ -25,6 +25,7 @@ class StateIO:
     def materialize(self) -> dict:
         """{param: {kind: CPU tensor}} for every parameter that has taken a step, in the
         in-memory optimizer's state format (fp32, or compact: bf16 m, uint8 v codes, scales)."""
+        self.check_readable()
         self.check_lists()
         self.check_state()  # else state_dict() would put the tiers' value over a written one
         out: dict = {}
@@ -56,6 +57,14 @@ class StateIO:
                             src = p.detach().view(-1)[s.plo:s.phi]
                         t.view(-1)[kind_slice(k, s.plo, s.phi)].copy_(src)
         return out
+
+    def check_readable(self) -> None:
+        """Refuses to read the state out (state_dict(), a checkpoint save) while step() refuses
+        to step: an in-place rewrite that failed half way left it part one state, part another,
+        which a reader would take as one (a checkpoint of it loads without a word)."""
+        if self._broken is not None:
+            raise RuntimeError(f"the optimizer state cannot be read out: {self._broken}; until "
+                               "then it is partly one state and partly another")
 
     def masters_from_param(self, p: torch.Tensor, ranges: list[tuple[int, int]]) -> None:
         """The master of ranges of p.view(-1) that a caller put back after a step set from p
