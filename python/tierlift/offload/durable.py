@@ -513,6 +513,13 @@ class DurableState:
             off._in_file[gi] = set(g["in_file"])
         intent = _read_json(self._intent_path) if self.one_gen else None
         if m["filling"]:
+            # The interrupted load rewrote one-generation chunks in place, whole or in part:
+            # their committed CRCs no longer describe them (the load that mends the state read
+            # and checked them, and refused every chunk it had rewritten as corrupt). A load
+            # that fails in the process drops them too; the mending load rewrites what it loads.
+            for tier in off.tiers:
+                for key in [key for key in tier.crc if not tier.two_gen(key[1])]:
+                    del tier.crc[key]
             off._broken = (f"a checkpoint load into the durable optimizer state {self.dir!r} "
                            "was interrupted; load a checkpoint before stepping")
             return
