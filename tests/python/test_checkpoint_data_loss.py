@@ -282,7 +282,7 @@ def _break_by_a_failed_load(monkeypatch, opt, state_dict, torn: bool = False) ->
 
 def test_a_state_left_mixed_by_a_failed_load_is_not_saved_over_the_last_checkpoint(
         tmp_path, monkeypatch):
-    """state_dict() and a checkpoint save read such a state as if it were one: measured, 85%
+    """state_dict() and a checkpoint save read such a state as if it were one: measured, 73-85%
     of the moments from the state being loaded, the rest and every step count from the old one,
     saved over the last good checkpoint, which then loaded without a word."""
     (tmp_path / "a").mkdir()
