@@ -9,13 +9,16 @@ against plain torch or refused before anything runs or changes:
   pruning, a user's hook) see the gathered weights at every stage, and forward hooks
   registered after shard() read them before a stage-3 unit frees them.
 - pruning, weight_norm and parametrizations applied to a sharded weight after shard(), and
-  model.to(dtype) / .half() / .double() / .to(device): refused before any module changes.
+  model.to(dtype) / .half() / .double() / .to(device): refused before any module changes;
+  model.to(torch.device("cpu", 0)) (Accelerate's multi-process CPU device) changes nothing, so
+  Accelerate's prepare() reaches its DDP wrap, which is refused (2 gloo ranks).
 - nn.Embedding / nn.EmbeddingBag with sparse=True: refused by shard(), model untouched.
 """
 
 from __future__ import annotations
 
 import gc
+import os
 import warnings
 
 import pytest
@@ -25,6 +28,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.nn.utils import parametrizations, parametrize, stateless
 from torch.optim.optimizer import register_optimizer_step_post_hook
+from zero_model import raised, spawn_ranks
 
 import tierlift
 
@@ -305,7 +309,12 @@ CONVERSIONS = {
     "wrapper.half": lambda m: nn.ModuleList([m]).half(),  # a module holding the model
     "to_empty": lambda m: m.to_empty(device="cpu"),  # uninitialised weights
     "share_memory": lambda m: m.share_memory(),  # moved the shards: refused at the next forward
+    "copy": lambda m: m._apply(torch.clone),  # same dtype and device, new tensors
 }
+# What each storage-changing conversion's refusal says happened.
+NEW_STORAGE = {"to_empty": "model.to_empty() (uninitialised memory), or a copy",
+               "share_memory": "in place: model.share_memory()",
+               "copy": "model.to_empty() (uninitialised memory), or a copy"}
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -320,9 +329,10 @@ def test_dtype_or_device_change_is_refused_before_any_module_converts(stage, cal
     previous = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(swap)
     try:
-        fix = "meta device" if call in ("to_empty", "share_memory") else "MixedPrecision"
-        with pytest.raises(RuntimeError, match=f"{fix}.*Nothing was changed"):
+        fix = "meta device" if call in NEW_STORAGE else "MixedPrecision"
+        with pytest.raises(RuntimeError, match=f"{fix}.*Nothing was changed") as info:
             CONVERSIONS[call](model)
+        assert NEW_STORAGE.get(call, "would turn the weights") in str(info.value)
     finally:
         torch.__future__.set_swap_module_params_on_conversion(previous)
     assert {b.dtype for b in model.buffers() if b.is_floating_point()} == {torch.float32}
@@ -338,14 +348,76 @@ def test_conversions_that_change_nothing_still_work(stage, swap):
     model = _shard(_bn_mlp(), stage)
     previous = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(swap)
+    tensors = [(t, t.data_ptr()) for t in (*model.parameters(), *model.buffers())]
     try:
         model.float().to(torch.float32).cpu().to("cpu")
         model[1].float()
+        # Accelerate's device on a multi-process CPU run: torch copies a CPU tensor sent there,
+        # which was refused as to_empty()/share_memory()
+        model.to(torch.device("cpu", 0)).to("cpu:0", torch.float32).to(device="cpu:1")
+        nn.ModuleList([model]).to(torch.device("cpu", 0))
         assert torch.__future__.get_swap_module_params_on_conversion() is swap
     finally:
         torch.__future__.set_swap_module_params_on_conversion(previous)
     assert all(type(p).__name__ == "ShardParameter" for p in model.parameters())
+    # nothing was copied: the shards and buffers are the same tensors on the same storage
+    now = [*model.parameters(), *model.buffers()]
+    assert len(now) == len(tensors)
+    assert all(t is u and t.data_ptr() == ptr for u, (t, ptr) in zip(now, tensors))
     _assert_same(_train(model, _batches(), sharded=True), want)
+
+
+def test_unsharded_model_to_an_indexed_cpu_device_is_torchs_copy():
+    """Only a sharded model's .to() leaves an indexed CPU device's copy out."""
+    model = _mlp()
+    weight = model[0].weight
+    where = weight.data_ptr()
+    model.to(torch.device("cpu", 0))
+    assert model[0].weight is weight and weight.data_ptr() != where
+
+
+@pytest.mark.parametrize("device", ["cpu:0", "cpu"])
+def test_conversions_of_a_model_built_on_an_indexed_device_still_work(tmp_path, device):
+    """shard(meta model, device="cpu:0") places the units on cpu:0, where torch's tensors
+    report `cpu`: every conversion, even .float(), was refused as a device change (the same
+    for device="cuda", whose tensors report cuda:0)."""
+    from safetensors.torch import save_file
+
+    want = _train(_mlp(), _batches(), sharded=False)
+    save_file(_mlp().state_dict(), str(tmp_path / "model.safetensors"))
+    with torch.device("meta"):
+        model = _mlp()
+    model = tierlift.zero.shard(model, stage=3, units=[model[0], model[2]], device=device,
+                                weights=str(tmp_path))
+    model.float().cpu().to("cpu").to(torch.device("cpu", 0))
+    with pytest.raises(RuntimeError, match="MixedPrecision.*Nothing was changed"):
+        model.half()
+    _assert_same(_train(model, _batches(), sharded=True), want)
+
+
+def _accelerate_prepare(rank: int, world: int, tmp: str) -> dict:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
+    from accelerate import Accelerator
+
+    model = _shard(_bn_mlp(), 3)
+    accelerator = Accelerator(cpu=True)  # on a CPU-only machine, as `accelerate launch --cpu`
+    out = {"device": str(accelerator.device), "prepare": raised(lambda: accelerator.prepare(model))}
+    out["trained"] = _train(model, _batches(), sharded=True)  # every rank the same batches
+    return out
+
+
+def test_accelerate_multi_process_prepare_reaches_the_ddp_refusal(tmp_path):
+    """Accelerate's multi-process prepare() moves the model to torch.device("cpu", 0), which was
+    refused as to_empty()/share_memory(); now its DDP wrap is refused, naming DDP, and the model
+    trains as torch after (2 gloo ranks, each the same batches)."""
+    pytest.importorskip("accelerate", reason="needs accelerate (scripts/setup.sh installs it)")
+    want = _train(_bn_mlp(), _batches(), sharded=False)
+    for out in spawn_ranks(_accelerate_prepare, str(tmp_path)):
+        assert out["device"] == "cpu:0"
+        assert out["prepare"].startswith("RuntimeError: DistributedDataParallel was given a "
+                                         "model sharded by tierlift.zero.shard"), out["prepare"]
+        _assert_same(out["trained"], want)
 
 
 # ---- sparse gradients --------------------------------------------------------------------------

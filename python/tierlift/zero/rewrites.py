@@ -18,6 +18,9 @@ weight attributes are plain views of the unit's gathered weights, put back at ev
   child modules one by one, so a refusal at the first shard would come after earlier
   children's buffers were converted. The conversion is tried first on a one-element tensor of
   each sharded weight's dtype and device: refused where it changes either or gives new storage.
+  model.to(torch.device("cpu", i)) (Accelerate's device on a multi-process CPU run) is
+  model.to("cpu"): torch copies a CPU tensor sent to an indexed CPU device, though every index
+  is the same memory, and that copy would be refused as new storage.
 - torch.nn.utils.prune, torch.nn.utils.weight_norm and torch.nn.utils.parametrize on a sharded
   weight register a parameter of their own from the module attribute (torch raises TypeError
   or KeyError, or removes a pruning hook before failing): refused by name. Re-pruning a weight
@@ -155,9 +158,9 @@ def _check_conversion(module: nn.Module, fn) -> bool:
         if id(unit.module) not in inside and not any(
                 id(mod()) in inside for e in unit.entries for mod, _ in e.owners):
             continue
-        dtype, device = unit.shard.dtype, unit.device
-        given = torch.empty(1, dtype=dtype, device=device)
-        where = given.data_ptr()
+        # The device as a tensor there reports it (cuda:0 for a unit placed on "cuda").
+        given = torch.empty(1, dtype=unit.shard.dtype, device=unit.device)
+        dtype, device, where = given.dtype, given.device, given.data_ptr()
         try:
             with torch.no_grad():
                 probe = fn(given)
@@ -167,11 +170,13 @@ def _check_conversion(module: nn.Module, fn) -> bool:
             continue
         if (probe.dtype, probe.device) == (dtype, device) and (
                 probe is not given or probe.data_ptr() != where):
+            what = ("moves tensors to new storage in place: model.share_memory()"
+                    if probe is given else "returns new tensors of the same dtype and device: "
+                    "model.to_empty() (uninitialised memory), or a copy")
             raise RuntimeError(
-                f"model.to_empty() or model.share_memory() (a module conversion that gives "
-                f"tensors new storage) on a model sharded by tierlift.zero.shard would move the "
-                f"weights of unit {unit.name!r} away from the buffer its module attributes "
-                "view (to_empty: to uninitialised memory). Build a model on the meta device "
+                f"a module conversion that {what}, on a model sharded by tierlift.zero.shard, "
+                f"would move the weights of unit {unit.name!r} ({dtype} on {device}) away from "
+                "the buffer its module attributes view. Build a model on the meta device "
                 "and let shard() fill it (shard(model, device=..., weights=...)), load "
                 "weights with tierlift.zero.load_full_state_dict; a sharded model is not "
                 "shared between processes. Nothing was changed")
@@ -186,6 +191,21 @@ def _check_conversion(module: nn.Module, fn) -> bool:
                 "param_dtype=...)); otherwise cast or move the model before shard() (shard(..., "
                 "device=...) for a model built on meta). Nothing was changed")
     return True
+
+
+def _checked_to(original):
+    def to(self, *args, **kwargs):
+        # Only on a sharded model (or one holding it): elsewhere torch's copy is kept.
+        if members.states_in(self):
+            device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+            if device is not None and device.type == "cpu" and device.index is not None:
+                args, kwargs = (), {"device": torch.device("cpu"), "dtype": dtype,
+                                    "non_blocking": non_blocking}
+                if memory_format is not None:
+                    kwargs["memory_format"] = memory_format
+        return original(self, *args, **kwargs)
+
+    return to
 
 
 def _checked_apply(original):
@@ -308,6 +328,7 @@ def _wrap_class_attr(cls, name: str, kind, wrap) -> None:
 def install() -> None:
     """Idempotent (tierlift/_torch_patch.py)."""
     wrap_method(nn.Module, "_apply", ["self", "fn", "recurse"], _checked_apply)
+    wrap_method(nn.Module, "to", ["self", "args", "kwargs"], _checked_to)
     _wrap_class_attr(prune.BasePruningMethod, "apply", classmethod, _checked_prune)
     wrap_method(prune.BasePruningMethod, "remove", ["self", "module"], _checked_prune_remove)
     _wrap_class_attr(WeightNorm, "apply", staticmethod, _checked_weight_norm)
