@@ -20,8 +20,11 @@ backward  output-gradient hook (stage 3): all-gather unit i again, prefetch the 
           steps the unit as soon as its copy lands, without this thread coming back to poll;
           end-of-backward callback: wait for and finish the remaining reductions and copies,
           free anything still gathered.
-optimizer a global step post-hook marks the units whose shards it stepped as stale, so stage
-          1/2 re-gather the updated weights before the next forward.
+optimizer a global step pre-hook checks what a step over shards needs (edited module weights,
+          parameters without a gradient), a post-hook puts back what those should not have
+          had changed and marks the stepped units stale (stages 1/2 gather them again at
+          once); inside a compiled step both run eagerly at a graph break, and a fullgraph
+          compiled step over shards is refused while it is traced, before anything ran.
 """
 
 from __future__ import annotations
@@ -593,12 +596,25 @@ class ZeroState:
         self._drain(wait=True)
 
     # ---- optimizer ----
+    # The global step hooks are traced inside a compiled step (torch.compile(opt.step)): an
+    # optimizer without shards only has its parameters looked at, so its fullgraph step stays
+    # one graph. Over shards the hooks' work runs eagerly behind one graph break
+    # (_step_checks_eagerly), which fullgraph=True refuses at trace time, before anything ran.
+    def _steps_shards(self, optimizer) -> bool:
+        return any(id(p) in self._shard_ids for g in optimizer.param_groups for p in g["params"])
+
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+        if self._steps_shards(optimizer):
+            _step_checks_eagerly[self.config.stage == 3](self, optimizer)
+
+    def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
+        if self._steps_shards(optimizer):
+            _step_ended_eagerly(self, optimizer)
+
+    def check_before_step(self, optimizer) -> None:
         """Refuses a step when requires_grad changed since shard() (frozen.py). Gradient shards
         in a dtype other than their parameter's (MixedPrecision.grad_dtype) reach only an
         optimizer that takes them; torch's would fail deep in its kernels."""
-        if not any(id(p) in self._shard_ids for g in optimizer.param_groups for p in g["params"]):
-            return
         frozen.check_requires_grad(self)
         self.check_copies()
         self.step_todo[id(optimizer)] = unused.before_step(self, optimizer)
@@ -613,18 +629,19 @@ class ZeroState:
                         "use tierlift.optim.Adam/AdamW, which take them, or "
                         "grad_dtype=torch.float32")
 
-    def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
+    def step_ended(self, optimizer) -> None:
+        """Puts back what the step changed of parameters without a gradient (unused.py), marks
+        the stepped units stale and, at stages 1/2, gathers them again (_refresh)."""
         ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        if ids & self._shard_ids:
-            unused.after_step(optimizer, self.step_todo.pop(id(optimizer), []))
-            now = self.topology.sent()
-            self.stats["last_step_sent"] = {k: now[k] - self._sent_at_step[k] for k in now}
-            self._sent_at_step = now
-            stepped = [u for u in self.units if id(u.shard) in ids and not u.frozen]
-            for unit in stepped:
-                unit.stale = True
-            if self.config.stage != 3 and not self.gathered_blocks:
-                self._refresh(stepped)
+        unused.after_step(optimizer, self.step_todo.pop(id(optimizer), []))
+        now = self.topology.sent()
+        self.stats["last_step_sent"] = {k: now[k] - self._sent_at_step[k] for k in now}
+        self._sent_at_step = now
+        stepped = [u for u in self.units if id(u.shard) in ids and not u.frozen]
+        for unit in stepped:
+            unit.stale = True
+        if self.config.stage != 3 and not self.gathered_blocks:
+            self._refresh(stepped)
 
     @torch.compiler.disable  # collectives: never traced into a compiled step
     def _refresh(self, units: list[FlatUnit]) -> None:
@@ -645,6 +662,37 @@ class ZeroState:
                 flying.pop(0).wait_gather()
         for unit in flying:
             unit.wait_gather()
+
+
+_FULLGRAPH = ("compile the step without fullgraph=True (torch.compile(optimizer.step)): the "
+              "optimizer's own math is still compiled, and these hooks run eagerly at one graph "
+              "break around it. Nothing was changed")
+_CHECKS = ("tierlift's checks before it (module weights edited or re-pointed since the last "
+           "forward: data pointers and version counters; parameters that got no gradient: "
+           "agreed over the ranks and put back after the step) cannot be traced")
+
+
+def _eagerly(fn, reason: str):
+    """`fn` run eagerly inside a compiled step: a graph break, and under fullgraph=True the
+    error that names `reason`, raised while tracing, before anything ran."""
+    return torch.compiler.disable(fn, reason=reason)
+
+
+# Indexed by `stage == 3`: fullgraph=True names what stops that stage's step being one graph.
+_step_checks_eagerly = (
+    _eagerly(
+        ZeroState.check_before_step,
+        "optimizer.step() over the shards of a model sharded by tierlift.zero at stage 1 or 2 "
+        "cannot be one graph (fullgraph=True): the step ends with all-gathers (collectives) "
+        "of the stepped shards into the module weights, and " + _CHECKS + "; " + _FULLGRAPH),
+    _eagerly(
+        ZeroState.check_before_step,
+        "optimizer.step() over the shards of a model sharded by tierlift.zero (stage 3) "
+        "cannot be one graph (fullgraph=True): " + _CHECKS + "; " + _FULLGRAPH),
+)
+_step_ended_eagerly = _eagerly(ZeroState.step_ended, "tierlift.zero's bookkeeping after a step "
+                               "over shards: put-backs of parameters without a gradient, "
+                               "all-gathers at stages 1/2")
 
 
 def _state(model) -> ZeroState:
@@ -672,7 +720,8 @@ def _bind(ref, method: str, unit_index: int | None = None, traced: bool = False)
     units, for nothing: they gather, reduce and set module attributes, which a graph cannot
     hold. The global optimizer-step hooks stay `traced`: they run in every optimizer's step,
     and for one without shards they only look at its parameters, which a fullgraph-compiled
-    step must be able to trace."""
+    step must be able to trace; over shards they call the eager work at once (one graph break,
+    or fullgraph=True's error naming why)."""
 
     def hook(*args):
         state = ref()
