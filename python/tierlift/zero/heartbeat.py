@@ -20,12 +20,29 @@ if it was already inside a collective, when that fails because the caller gave u
 
 from __future__ import annotations
 
+import hashlib
 import time
 from datetime import timedelta
 
 import torch.distributed as dist
 
 _PREFIX = "tierlift_zero/"
+
+
+def _group_key(ranks: list[int]) -> str:
+    """The same short name on every rank of a group, for its ranks: runs of consecutive ranks
+    ("0-3", "0,2"), or a digest where that runs long (a strided group of thousands)."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    name = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    if len(name) <= 48:
+        return name
+    digest = hashlib.sha256(",".join(map(str, ranks)).encode()).hexdigest()[:24]
+    return f"{len(ranks)}r{digest}"
 
 
 def _every_rank(name: str) -> str:
@@ -57,10 +74,15 @@ class Heartbeat:
         self.ns = _PREFIX
         store = self.store
         if store is not None:
-            # Keys of their own per sharded model: the n-th model of every rank (shard() is
-            # collective, so every rank makes them in the same order) counts on its own.
+            # Keys of their own per sharded model, under its ranks (every rank of the model;
+            # hierarchy=/mesh=: the world, its shard groups' peers among them): another
+            # group's models (two data-parallel groups, each sharding its copy) never read
+            # them. Within the ranks, the n-th model each rank makes over them (shard() is
+            # collective over them, so every rank makes those in the same order) counts on
+            # its own.
+            group = f"{_PREFIX}g{_group_key(self.ranks)}/"
             try:
-                self.ns = f"{_PREFIX}m{store.add(f'{_PREFIX}models/{self.me}', 1)}/"
+                self.ns = f"{group}m{store.add(f'{group}models/{self.me}', 1)}/"
                 # Present from the start, so check_same_forward reads them in one round trip.
                 store.set(f"{self.ns}beat/{self.me}", "0")
                 store.set(f"{self.ns}nograd/{self.me}", "0:0")
