@@ -513,14 +513,14 @@ class Offloader(StateIO, ChunkStep):
                     self._sync(stats)
         except BaseException as err:
             drain(early.get("reads", {}))
-            self._undo(done, keep)
+            self._undo(done, keep, live)
             self._raise(err)
         if any(in_place.values()):
             if self._durable is not None:
                 try:
                     self._durable.log_grads(live, in_place, stats)
                 except BaseException as err:  # nothing was rewritten in place yet
-                    self._undo(done, keep)
+                    self._undo(done, keep, live)
                     self._raise(err)
             self._step_in_place(live, in_place, stats, scale)
         state = self.opt.state
@@ -556,14 +556,15 @@ class Offloader(StateIO, ChunkStep):
                         else:
                             self.opt.state[params[pi]]["step"] = step
                 self._durable.seq -= 1
-                self._undo(done, keep)
+                self._undo(done, keep, live)
                 self._raise(err)
             stats["manifest_s"] += time.perf_counter() - t
 
-    def _undo(self, done: dict, keep: dict) -> None:
-        """A step that failed before it committed: parameters back to the committed masters."""
+    def _undo(self, done: dict, keep: dict, live: list[dict]) -> None:
+        """A step that failed before it committed: the parameters it stepped back to the
+        committed masters."""
         for gi in done:
-            self._restore(gi, done[gi] + keep.get(gi, []))
+            self._restore(gi, done[gi] + keep.get(gi, []), live[gi])
 
     def _sync(self, stats) -> None:
         t = time.perf_counter()
@@ -726,8 +727,11 @@ class Offloader(StateIO, ChunkStep):
                              staged=staged)
             stats["direct_chunks"] += 1
 
-    def _restore(self, gi: int, chunks) -> None:
-        """Puts the parameters of `chunks` back to the committed master weights."""
+    def _restore(self, gi: int, chunks, grads: dict) -> None:
+        """Puts the parameters of `chunks` that the failed step updated (`grads`) back to the
+        committed master weights. The others it never wrote, and their committed master can be
+        older than their value: changed outside the optimizer since their last step, or left by
+        a load that had no state for them (they start fresh, as in torch)."""
         params, tier = self.opt.param_groups[gi]["params"], self.tiers[gi]
         if not chunks or "master" not in tier.kinds:
             return
@@ -738,7 +742,7 @@ class Offloader(StateIO, ChunkStep):
                 buf = self._slots[0]["master"]
                 tier.read("master", chunk.ci, buf).wait()
             for s in chunk.segments:
-                if s.pi in self._in_file[gi]:
+                if s.pi in grads and s.pi in self._in_file[gi]:
                     params[s.pi].detach().view(-1)[s.plo:s.phi].copy_(buf[s.clo:s.chi])
             self._watch.forget(gi, [(chunk.ci, s.pi) for s in chunk.segments])
 

@@ -126,7 +126,13 @@ class StateIO:
                     if segs:
                         self._ingest_chunk(gi, chunk, segs, loaded, journal, flips)
         for gi, group in enumerate(self.opt.param_groups):
-            self._in_file[gi].update(pi for pi, p in enumerate(group["params"]) if p in loaded)
+            # One without loaded state starts fresh, as in torch: the master the tiers still
+            # hold is no longer its own (a durable reopen would put it into the parameter).
+            for pi, p in enumerate(group["params"]):
+                if p in loaded:
+                    self._in_file[gi].add(pi)
+                else:
+                    self._in_file[gi].discard(pi)
         self.fill_done()
 
     def _ingest_chunk(self, gi, chunk, segs, loaded, journal, flips) -> None:
