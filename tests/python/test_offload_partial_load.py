@@ -282,3 +282,22 @@ def _checkpoint_run(mode: str, into: str, tmp_path) -> tuple:
 def test_checkpoint_without_state_for_some_parameters(mode, into, tmp_path):
     (tmp_path / "new").mkdir()
     _assert_same(_checkpoint_run(mode, into, tmp_path), _checkpoint_run("none", into, tmp_path))
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+def test_state_dict_after_a_partial_load_lists_what_torchs_lists(state_dtype):
+    # The in-memory optimizer once kept an empty entry for each parameter the loaded dict had
+    # no state for, so its state_dict() listed `i: {}` where torch's lists nothing.
+    def listed(make):
+        a, b = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2))
+        opt = make([a, b])
+        a.grad, b.grad = torch.ones(3), torch.ones(2)
+        opt.step()
+        sd = opt.state_dict()
+        del sd["state"][1]
+        fresh = make([a, b])
+        fresh.load_state_dict(sd)
+        return sorted(fresh.state_dict()["state"])
+
+    ours = listed(lambda ps: tierlift.optim.AdamW(ps, state_dtype=state_dtype, **HYPER))
+    assert ours == listed(lambda ps: torch.optim.AdamW(ps, **HYPER)) == [0]

@@ -369,6 +369,8 @@ class Adam(Optimizer):
         for i, p in zip(ids, params):
             saved = state_dict["state"].get(i, {})
             _check_state_shapes(p, saved, i)
+            if i not in state_dict["state"]:
+                continue  # no entry, as torch's state after the load (self.state is a defaultdict)
             state = self.state[p]
             for k in _STATE_KEYS:
                 if k in saved and isinstance(saved[k], torch.Tensor):
