@@ -38,6 +38,8 @@ slice instead of the model:
 
 from __future__ import annotations
 
+import functools
+import inspect
 import weakref
 
 import torch
@@ -53,6 +55,9 @@ _GROUP_PARAMS = ["tensorlistlist", "with_indices"]
 # owner -> {(units given, units that count): [(module name, [lost parameter names])]}. Keyed by
 # unit indices, not tensor ids: gradients are new tensors (often at reused ids) every step.
 _SUBSETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# ids of the optimizers inside Optimizer.__init__: their add_param_group calls are checked all
+# together once every group is in.
+_BUILDING: set[int] = set()
 
 
 def _lossy_modules(owner, given: frozenset, pool: frozenset) -> list[tuple]:
@@ -203,16 +208,113 @@ def check_groups(param_groups: list[dict]) -> None:
                     "shard on one side. Split them with shard(model, ..., param_group_fn=fn) "
                     "(fn(name, param) sees the model's own names and shapes) and build the "
                     "groups with tierlift.zero.param_groups(model, {key: settings})")
+    _check_kinds(param_groups)
+
+
+def _weight_decay(group: dict):
+    value = group.get("weight_decay")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return repr(value)  # None (an optimizer without weight decay) or something odd
+
+
+def _kinds(unit) -> tuple[list[str], list[str]]:
+    """(names of the unit's matrices, names of its biases, norm weights and scalars)."""
+    return ([e.names[0] for e in unit.entries if len(e.shape) >= 2],
+            [e.names[0] for e in unit.entries if len(e.shape) <= 1])
+
+
+def _check_kinds(param_groups: list[dict]) -> None:
+    """Refuses groups that give one model's ungrouped shards different weight_decay when one of
+    those shards packs matrices with biases / norm weights: the rule that split them (module
+    type, name, shape) saw the unit's module and a 1-D `_zero_flat_shard`, not its parameters,
+    so the mixed unit's parameters all got one setting where torch gives them two. A split by
+    unit with different weight decay (a head without decay) is refused too: the groups alone
+    cannot tell it from those. Equal weight_decay (learning rates per unit) is exact. Shards
+    split by shard(param_group_fn=...) are trusted: the user split each unit consciously."""
+    by_model: dict = {}  # owner -> {unit index: group index}
+    for i, group in enumerate(param_groups):
+        for p in group["params"]:
+            found = shard_owner(p)
+            if found is None:
+                continue
+            owner, index = found
+            unit = owner.units[index]
+            if unit.group is None and not unit.frozen:  # a frozen shard is never stepped
+                by_model.setdefault(owner, {})[index] = i
+    for owner, where in by_model.items():
+        decays = {}  # weight_decay -> first group index giving it
+        for i in sorted(set(where.values())):
+            decays.setdefault(_weight_decay(param_groups[i]), i)
+        if len(decays) < 2:
+            continue
+        for index in sorted(where):
+            unit = owner.units[index]
+            matrices, flat = _kinds(unit)
+            if not (matrices and flat):
+                continue
+            i = where[index]
+            mine = _weight_decay(param_groups[i])
+            other = next(w for w in decays if w != mine)
+            raise ValueError(
+                f"optimizer param group {i} (weight_decay={mine}) holds the ZeRO shard of unit "
+                f"{unit.name!r} while group {decays[other]} gives other shards of the same "
+                f"model weight_decay={other}: after tierlift.zero.shard() a unit's parameters "
+                f"are one flat 1-D shard, and this one packs matrices ({first_names(matrices)}) "
+                f"with biases / norm weights ({first_names(flat)}), so a split by module type, "
+                "parameter name or shape (detectron2's get_default_optimizer_params, mmengine's "
+                "norm_decay_mult / bias_decay_mult, 'bias' or 'norm' in the name, p.dim() < 2) "
+                "gave them all one weight decay. Split them with shard(model, ..., "
+                "param_group_fn=fn) (fn(name, param) sees the model's own names and shapes; to "
+                "keep the groups a framework builds, build them on the model before shard() and "
+                "let fn return the index of the group holding each parameter) and build the "
+                "groups with tierlift.zero.param_groups(model, {key: settings}) "
+                "(docs/zero-optimizer-groups.md). Nothing was changed")
 
 
 def _checking(original):
     def __init__(self, params, defaults):
-        original(self, params, defaults)
+        _BUILDING.add(id(self))
+        try:
+            original(self, params, defaults)
+        finally:
+            _BUILDING.discard(id(self))
         check_groups(self.param_groups)
         replaced.check(self, "__init__()")
         optim_record.hook(self)
 
     return __init__
+
+
+def _checked_add(original):
+    # A group added after construction (a head or a second model added later): the groups it
+    # would make are checked for mixed units before torch changes anything.
+    def add_param_group(self, param_group):
+        if id(self) not in _BUILDING and isinstance(param_group, dict) \
+                and "params" in param_group:
+            params = param_group["params"]
+            if not isinstance(params, (torch.Tensor, set)):
+                params = param_group["params"] = list(params)  # torch lists it the same way
+                tensors = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in params]
+                _check_kinds([*self.param_groups,
+                              {**self.defaults, **param_group, "params": tensors}])
+        return original(self, param_group)
+
+    return add_param_group
+
+
+def _install_add_check() -> None:
+    # step_counts.py wraps add_param_group through wrap_method, which keeps one tierlift wrapper
+    # per method; this one goes around whichever is there, under its own mark (functools.wraps
+    # carries the marks of the wrapper it wraps, and the next wrapper carries this one's).
+    current = torch.optim.Optimizer.add_param_group
+    if getattr(current, "_tierlift_checks_groups", False) or \
+            list(inspect.signature(current).parameters) != ["self", "param_group"]:
+        return
+    wrapper = functools.wraps(current)(_checked_add(current))
+    wrapper._tierlift_checks_groups = True
+    torch.optim.Optimizer.add_param_group = wrapper
 
 
 def _drop_local_sums(params) -> None:
@@ -298,6 +400,7 @@ def install() -> None:
     wrap_method(torch.nn.utils.clip_grad, "_group_tensors_by_device_and_dtype", _GROUP_PARAMS,
                 _checked_grouping)
     wrap_method(torch.optim.Optimizer, "__init__", ["self", "params", "defaults"], _checking)
+    _install_add_check()
     wrap_method(torch.optim.Optimizer, "zero_grad", ["self", "set_to_none"], _optimizer_zero_grad)
     wrap_method(torch.nn.Module, "zero_grad", ["self", "set_to_none"], _module_zero_grad)
     wrap_method(torch.nn.Module, "requires_grad_", ["self", "requires_grad"],
