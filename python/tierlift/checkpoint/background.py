@@ -25,7 +25,7 @@ import torch
 
 from tierlift.checkpoint import format as fmt
 from tierlift.checkpoint import in_flight, manifest, stream, targets, write_errors
-from tierlift.checkpoint.agree import comm_device
+from tierlift.checkpoint.agree import comm_device, describe, exchange_reasons, explain
 from tierlift.checkpoint.staging import MIN_PIECE, Packer, Staging, free_cached, piece_bytes
 from tierlift.checkpoint.writer import TensorFile, Writer, close_engine
 from tierlift.offload.tiers import _owner_alive, _pid_namespace, _start_time
@@ -261,18 +261,29 @@ def publish(tmp: str, path: str, meta: dict, token: str | None = None,
 
 
 class Vote:
-    """`ok` from every rank, summed: the ranks that failed (the same list on every rank)."""
+    """`ok` from every rank, summed: the ranks that failed (the same list on every rank); where
+    some did, `reasons` holds their errors ({rank: "Type: message"}), for the others' error."""
 
     def __init__(self, rank: int, world: int, reduce):
         self.rank, self.world, self.reduce = rank, world, reduce
+        self.reasons: dict[int, str] = {}
 
-    def __call__(self, ok: bool) -> list[int]:
+    def __call__(self, ok: bool, error: BaseException | None = None) -> list[int]:
         if self.world == 1:
             return [] if ok else [0]
         t = torch.zeros(self.world)
         t[self.rank] = 0.0 if ok else 1.0
         t = self.reduce(t)
-        return [r for r, v in enumerate(t.tolist()) if v]
+        failed = [r for r, v in enumerate(t.tolist()) if v]
+        if failed:  # every rank knows: all take part in the second exchange
+            self.reasons = exchange_reasons(self.rank, self.world, self.reduce,
+                                            None if ok else describe(error))
+        return failed
+
+    def others(self, failed: list[int]) -> str:
+        """The failed ranks other than this one, with their errors."""
+        rest = [r for r in failed if r != self.rank]
+        return explain(rest, self.reasons) if rest else ""
 
 
 def training_vote(comm) -> Vote:
@@ -296,6 +307,20 @@ def side_vote(comm) -> Vote:
         return t
 
     return Vote(comm.rank, comm.world, reduce)
+
+
+def refuse(vote: Vote, error: BaseException) -> None:
+    """This rank's own checks refused the save before its Job could claim `path`.tmp: it votes
+    with the others' claim (Job.claim), so that they raise too instead of waiting, then
+    raises `error`."""
+    try:
+        failed = vote(False, error)
+    except Exception as e:  # noqa: BLE001 - a peer is gone too; this rank's error goes on
+        error.add_note(f"(and the ranks could not agree on the failure: {e})")
+    else:
+        if vote.others(failed):
+            error.add_note(f"(it was refused on {vote.others(failed)} too)")
+    raise error
 
 
 class Job:
@@ -341,9 +366,10 @@ class Job:
                 self.token = claim(self.tmp, self.path, self.replace)
         except BaseException as e:  # noqa: BLE001 - every rank learns of it below
             error = self._explain(e) or e
-        if vote(error is None):
-            error = error or RuntimeError(f"saving {self.path}: rank 0 could not make "
-                                          f"{self.tmp!r}")
+        failed = vote(error is None, error)
+        if failed:
+            error = error or RuntimeError(f"saving {self.path} was refused on "
+                                          f"{vote.others(failed)}; nothing was saved")
             self.abandon(error)
             raise error
 
@@ -453,21 +479,24 @@ class Job:
                         finish(self.writer.digests)
                 except BaseException as e:  # noqa: BLE001 - voted on below
                     error = e
-            failed = vote(error is None)
+            if error is not None:  # explained before the vote: the others' error quotes it
+                error = self._explain(error) or error
+            failed = vote(error is None, error)
             if not failed:
                 error = None
                 try:
                     publish()
                 except BaseException as e:  # noqa: BLE001 - voted on below
-                    error = e
-                failed = vote(error is None)
+                    error = self._explain(e) or e
+                failed = vote(error is None, error)
             if failed:
                 if vote.rank == 0 and self.token is not None and owns(self.tmp, self.token):
                     shutil.rmtree(self.tmp, ignore_errors=True)  # never another save's
-                if error is not None:
-                    error = self._explain(error) or error
                 if error is None:
-                    error = RuntimeError(f"saving {self.path} failed on rank(s) {failed}")
+                    error = RuntimeError(f"saving {self.path} failed on "
+                                         f"{vote.others(failed)}; nothing was saved")
+                elif vote.others(failed):
+                    error.add_note(f"(it failed on {vote.others(failed)} too)")
                 if error is not self.snapshot_error:
                     error.add_note(f"the checkpoint at {self.path!r} (if any) is as it was "
                                    "before this save")

@@ -92,16 +92,19 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
     if getattr(model, _ATTR, None) is None:
         return replicated.save(path, model, optimizer, extra, blocking=blocking,
                                staging_budget=staging_budget)
-    in_flight.before_save()
     state = _state(model)
-    _refuse_foreign_params(state, optimizer)
     state.named_call("tierlift.checkpoint.save")  # every rank must call it (zero/heartbeat.py)
     # Files are named by the rank within the shard group; with hierarchical sharding only the
     # first replica of each shard writes it, and every rank of the model votes.
     comm, everyone = state.comm, state.world_comm
-    off = fmt.offloader(optimizer)
-    job = background.Job(path, blocking=blocking, staging_budget=staging_budget, off=off,
-                         estimate=lambda: background.estimate_bytes(model, optimizer, off))
+    try:  # a rank refusing here still votes, with the others' claim: none waits for it
+        in_flight.before_save()
+        _refuse_foreign_params(state, optimizer)
+        off = fmt.offloader(optimizer)
+        job = background.Job(path, blocking=blocking, staging_budget=staging_budget, off=off,
+                             estimate=lambda: background.estimate_bytes(model, optimizer, off))
+    except BaseException as e:
+        background.refuse(background.training_vote(everyone), e)
     job.claim(everyone.rank, background.training_vote(everyone))
     try:
         if state.topology.primary:
@@ -431,83 +434,91 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
     state = _state(model)
     state.named_call("tierlift.checkpoint.load")
     comm = state.comm
-    path = fmt.resolve_dir(os.fspath(path))
-    meta = fmt.read_metadata(path, verify)
-    if meta.get("layout", "sharded") != "sharded":
-        raise ValueError(f"{path} holds an unsharded model's checkpoint; load it before "
-                         "tierlift.zero.shard(), or into a model that is not sharded")
-    shards = [fmt.load_tensors(path, r) for r in range(meta["world_size"])]  # mapped
-    meta, shards = _model_names(meta, shards, state, model)
-    _refuse_frozen_changes(meta, shards, state, path)
-    aligned, from_extras, unsharded = _align(meta, state.units, shards)
-    # Every check before the first change: a checkpoint that does not fit leaves all as it was.
-    if optimizer is not None and meta["param_groups"] and \
-            len(meta["param_groups"]) != len(optimizer.param_groups):
-        raise ValueError(f"checkpoint has {len(meta['param_groups'])} optimizer param "
-                         f"groups, the optimizer {len(optimizer.param_groups)}")
-    saved_groups = []
-    if optimizer is not None:
-        # Per-shard state goes to each unit's shard whatever the order; the groups'
-        # hyperparameters go to the group holding the same shards (order.py).
-        if meta["param_groups"] and not meta.get("param_names"):  # saved before names
-            mapping = unnamed.mapping(meta, aligned, optimizer, path, optim_dir)
-        else:
-            mapping = order.match(meta.get("param_names"), _shard_names(state, optimizer),
-                                  f"checkpoint {path}")
-        saved_groups = order.saved_groups(meta, mapping, f"checkpoint {path}")
-        if not meta["param_groups"]:
-            order.refuse_stale_state(optimizer, path)
-        validate.fits(saved_groups, optimizer.param_groups, os.path.join(path, fmt.METADATA))
-    own = model.state_dict()
-    taken = {n for u in from_extras for e in u.entries for n in e.names}
-    extras = {k[len("extra."):]: v for k, v in shards[0].items()
-              if k.startswith("extra.") and k[len("extra."):] not in taken}
-    extras.update(unsharded)
-    fmt.check_fits(own, extras, complete=False)
-    _refuse_missing(own, extras)
-    off = fmt.offloader(optimizer)
-    streamed = optimizer is not None and meta.get("optimizer_state") == "offloaded"
-    plan, source = None, path
-    if streamed and off is not None:  # streamed into the tiers, chunk by chunk
-        if meta["world_size"] == comm.world:  # the same shards: this rank's files
-            source = os.path.join(path, optim_dir(comm.rank))
-            smeta = stream.verify(source)
-            plan = _plan_by_unit(restore.plan_from_state(source, smeta), smeta, aligned,
-                                 optimizer)
-        else:  # each new shard from the byte ranges of the saved shards it overlaps
+    # Each rank checks the checkpoint on its own (its folder, its files, its model may differ);
+    # one that refuses still reaches the agreement, so no rank waits there for it (agree.py).
+    agreement = agree.Agreement(state.world_comm, os.fspath(path))
+    try:
+        path = fmt.resolve_dir(os.fspath(path))
+        agreement.path = path
+        meta = fmt.read_metadata(path, verify)
+        agreement.fingerprint = agree.fingerprint(path)
+        if meta.get("layout", "sharded") != "sharded":
+            raise ValueError(f"{path} holds an unsharded model's checkpoint; load it before "
+                             "tierlift.zero.shard(), or into a model that is not sharded")
+        shards = [fmt.load_tensors(path, r) for r in range(meta["world_size"])]  # mapped
+        meta, shards = _model_names(meta, shards, state, model)
+        _refuse_frozen_changes(meta, shards, state, path)
+        aligned, from_extras, unsharded = _align(meta, state.units, shards)
+        # Every check before the first change: a checkpoint that does not fit leaves all as it was.
+        if optimizer is not None and meta["param_groups"] and \
+                len(meta["param_groups"]) != len(optimizer.param_groups):
+            raise ValueError(f"checkpoint has {len(meta['param_groups'])} optimizer param "
+                             f"groups, the optimizer {len(optimizer.param_groups)}")
+        saved_groups = []
+        if optimizer is not None:
+            # Per-shard state goes to each unit's shard whatever the order; the groups'
+            # hyperparameters go to the group holding the same shards (order.py).
+            if meta["param_groups"] and not meta.get("param_names"):  # saved before names
+                mapping = unnamed.mapping(meta, aligned, optimizer, path, optim_dir)
+            else:
+                mapping = order.match(meta.get("param_names"), _shard_names(state, optimizer),
+                                      f"checkpoint {path}")
+            saved_groups = order.saved_groups(meta, mapping, f"checkpoint {path}")
+            if not meta["param_groups"]:
+                order.refuse_stale_state(optimizer, path)
+            validate.fits(saved_groups, optimizer.param_groups, os.path.join(path, fmt.METADATA))
+        own = model.state_dict()
+        taken = {n for u in from_extras for e in u.entries for n in e.names}
+        extras = {k[len("extra."):]: v for k, v in shards[0].items()
+                  if k.startswith("extra.") and k[len("extra."):] not in taken}
+        extras.update(unsharded)
+        fmt.check_fits(own, extras, complete=False)
+        _refuse_missing(own, extras)
+        off = fmt.offloader(optimizer)
+        streamed = optimizer is not None and meta.get("optimizer_state") == "offloaded"
+        plan, source = None, path
+        if streamed and off is not None:  # streamed into the tiers, chunk by chunk
+            if meta["world_size"] == comm.world:  # the same shards: this rank's files
+                source = os.path.join(path, optim_dir(comm.rank))
+                smeta = stream.verify(source)
+                plan = _plan_by_unit(restore.plan_from_state(source, smeta), smeta, aligned,
+                                     optimizer)
+            else:  # each new shard from the byte ranges of the saved shards it overlaps
+                for r in range(meta["world_size"]):
+                    stream.verify(os.path.join(path, optim_dir(r)))
+                plan = reshard.plan(path, meta, aligned, comm.rank, off, optim_dir)
+            restore.check_plan(off, plan, source)
+        elif streamed:  # into an optimizer that holds its state in RAM anyway
             for r in range(meta["world_size"]):
                 stream.verify(os.path.join(path, optim_dir(r)))
-            plan = reshard.plan(path, meta, aligned, comm.rank, off, optim_dir)
-        restore.check_plan(off, plan, source)
-    elif streamed:  # into an optimizer that holds its state in RAM anyway
-        for r in range(meta["world_size"]):
-            stream.verify(os.path.join(path, optim_dir(r)))
-        _add_streamed(path, meta, shards)
-    counts = _loaded_counts(meta, aligned, path) if optimizer is not None else {}
-    if optimizer is not None:  # its load_state_dict takes the counts off the state it loads
-        unused.hook_state_dict(state, optimizer)
-    prior = unused.counts_of(counts)
-    loaded_state: dict = {}
-    if optimizer is not None and plan is None:
-        for i, (unit, saved) in enumerate(zip(aligned, meta["units"], strict=True)):
-            keys = {k.split(".", 1)[1] for k in shards[0] if k.startswith(f"unit{i}.")}
-            keys.discard("param")
-            if keys and unit is not None:
-                st = loaded_state[unit.shard] = {}
-                for key in sorted(keys):
-                    value = shards[0][f"unit{i}.{key}"]
-                    if value.dim() == 0:
-                        st[key] = value.clone().to(unit.device if key != "step" else "cpu")
-                    elif value.numel() != saved["shard_numel"]:  # not one value per element
-                        st[key] = _whole(shards, unit, saved, f"unit{i}.{key}", comm, path)
-                    else:
-                        st[key] = _take(shards, unit, saved, f"unit{i}.{key}", comm.rank)
-                if unit in counts:  # checked and taken off by load_state_dict (unused.py)
-                    st[unused.KEY] = counts[unit]
+            _add_streamed(path, meta, shards)
+        counts = _loaded_counts(meta, aligned, path) if optimizer is not None else {}
+        if optimizer is not None:  # its load_state_dict takes the counts off the state it loads
+            unused.hook_state_dict(state, optimizer)
+        prior = unused.counts_of(counts)
+        loaded_state: dict = {}
+        if optimizer is not None and plan is None:
+            for i, (unit, saved) in enumerate(zip(aligned, meta["units"], strict=True)):
+                keys = {k.split(".", 1)[1] for k in shards[0] if k.startswith(f"unit{i}.")}
+                keys.discard("param")
+                if keys and unit is not None:
+                    st = loaded_state[unit.shard] = {}
+                    for key in sorted(keys):
+                        value = shards[0][f"unit{i}.{key}"]
+                        if value.dim() == 0:
+                            st[key] = value.clone().to(unit.device if key != "step" else "cpu")
+                        elif value.numel() != saved["shard_numel"]:  # not one value per element
+                            st[key] = _whole(shards, unit, saved, f"unit{i}.{key}", comm, path)
+                        else:
+                            st[key] = _take(shards, unit, saved, f"unit{i}.{key}", comm.rank)
+                    if unit in counts:  # checked and taken off by load_state_dict (unused.py)
+                        st[unused.KEY] = counts[unit]
+    except BaseException as e:
+        agreement.fail(e)
+        raise
     # Everything below is prepared, then agreed on by every rank, then committed: params and
     # extras are copied in place behind an undo journal; the optimizer fills its uncommitted
     # generation (or journals in-place fills) and calls the agreement right before it commits.
-    agreement = agree.Agreement(state.world_comm, path)
     journal = Journal()
     try:
         for i, (unit, saved) in enumerate(zip(aligned, meta["units"], strict=True)):

@@ -46,13 +46,16 @@ def _comm(model) -> Comm | None:
 def save(path: str, model: torch.nn.Module, optimizer, extra: dict | None, *,
          blocking: bool = True, staging_budget: int | None = None):
     """Rank 0 snapshots and writes; every rank of the default group votes on the commit."""
-    in_flight.before_save()
     rank, _ = _dist()
     comm = Comm(None)
-    off = fmt.offloader(optimizer)
-    job = background.Job(path, blocking=blocking, staging_budget=staging_budget,
-                         off=off if rank == 0 else None,
-                         estimate=lambda: background.estimate_bytes(model, optimizer, off))
+    try:  # a rank refusing here still votes, with the others' claim: none waits for it
+        in_flight.before_save()
+        off = fmt.offloader(optimizer)
+        job = background.Job(path, blocking=blocking, staging_budget=staging_budget,
+                             off=off if rank == 0 else None,
+                             estimate=lambda: background.estimate_bytes(model, optimizer, off))
+    except BaseException as e:
+        background.refuse(background.training_vote(comm), e)
     job.claim(rank, background.training_vote(comm))
     fields = None
     try:
@@ -202,44 +205,52 @@ def _check_state(optimizer, opt_sd: dict, path: str) -> None:
 
 @torch.no_grad()
 def load(path: str, model: torch.nn.Module, optimizer, *, verify: bool = True) -> dict:
-    path = fmt.resolve_dir(path)
-    meta = fmt.read_metadata(path, verify)
-    if meta.get("layout") != "replicated":
-        raise ValueError(f"{path} holds a sharded (tierlift.zero) checkpoint: load it into a "
-                         "model after tierlift.zero.shard()")
-    # Everything is checked before anything changes.
-    tensors = fmt.load_tensors(path, 0)
-    saved = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
-    saved = _model_keys(model.state_dict(), saved)
-    fmt.check_fits(model.state_dict(), saved, complete=True)
-    off = fmt.offloader(optimizer)
-    opt_sd, plan = None, None
-    optim = os.path.join(path, OPTIM_DIR)
-    saved_groups = []
-    if optimizer is not None and meta["optimizer_state"] is not None:
-        mapping = _mapping(model, optimizer, meta, path)
-        saved_groups = order.saved_groups(meta, mapping, f"checkpoint {path}")
-        validate.fits(saved_groups, optimizer.param_groups, os.path.join(path, fmt.METADATA))
-        if meta["optimizer_state"] == "offloaded":
-            smeta = stream.verify(optim)
-            mine = {"groups": [smeta["groups"][sg] for sg in mapping.groups]}
-            if off is None or not restore.same_state_format(off, mine):
-                # through a state dict, which the optimizer converts (fp32 <-> compact state)
-                opt_sd = optimizer_state_dict(path, verify=verify)
+    # Each DDP rank checks the checkpoint on its own; one that refuses still reaches the
+    # agreement, so no rank waits there for it (agree.py).
+    agreement = agree.Agreement(_comm(model), path)
+    try:
+        path = fmt.resolve_dir(path)
+        agreement.path = path
+        meta = fmt.read_metadata(path, verify)
+        agreement.fingerprint = agree.fingerprint(path)
+        if meta.get("layout") != "replicated":
+            raise ValueError(f"{path} holds a sharded (tierlift.zero) checkpoint: load it into a "
+                             "model after tierlift.zero.shard()")
+        # Everything is checked before anything changes.
+        tensors = fmt.load_tensors(path, 0)
+        saved = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+        saved = _model_keys(model.state_dict(), saved)
+        fmt.check_fits(model.state_dict(), saved, complete=True)
+        off = fmt.offloader(optimizer)
+        opt_sd, plan = None, None
+        optim = os.path.join(path, OPTIM_DIR)
+        saved_groups = []
+        if optimizer is not None and meta["optimizer_state"] is not None:
+            mapping = _mapping(model, optimizer, meta, path)
+            saved_groups = order.saved_groups(meta, mapping, f"checkpoint {path}")
+            validate.fits(saved_groups, optimizer.param_groups, os.path.join(path, fmt.METADATA))
+            if meta["optimizer_state"] == "offloaded":
+                smeta = stream.verify(optim)
+                mine = {"groups": [smeta["groups"][sg] for sg in mapping.groups]}
+                if off is None or not restore.same_state_format(off, mine):
+                    # through a state dict, which the optimizer converts (fp32 <-> compact state)
+                    opt_sd = optimizer_state_dict(path, verify=verify)
+                else:
+                    plan = order.remap_plan(restore.plan_from_state(optim, smeta), mapping)
+                    restore.check_plan(off, plan, optim)
             else:
-                plan = order.remap_plan(restore.plan_from_state(optim, smeta), mapping)
-                restore.check_plan(off, plan, optim)
-        else:
-            opt_sd = optimizer_state_dict(path, verify=verify)
-        if opt_sd is not None:
-            opt_sd = _remap_state_dict(opt_sd, mapping, saved_groups)
-            _check_state(optimizer, opt_sd, path)
-    elif optimizer is not None:
-        order.refuse_stale_state(optimizer, path)
+                opt_sd = optimizer_state_dict(path, verify=verify)
+            if opt_sd is not None:
+                opt_sd = _remap_state_dict(opt_sd, mapping, saved_groups)
+                _check_state(optimizer, opt_sd, path)
+        elif optimizer is not None:
+            order.refuse_stale_state(optimizer, path)
+    except BaseException as e:
+        agreement.fail(e)
+        raise
     # Prepared, agreed on by every DDP rank, committed (agree.py): the model in place behind
     # an undo journal, first (an offloading optimizer takes a parameter as its master where a
     # state dict has none); the optimizer's state uncommitted until the agreement.
-    agreement = agree.Agreement(_comm(model), path)
     journal = Journal()
     try:
         for value in model.state_dict().values():
