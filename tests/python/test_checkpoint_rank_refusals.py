@@ -1,10 +1,11 @@
 """A checkpoint load or save that ONE rank refuses (its own folder missing, another checkpoint
 than the others', a file corrupt on its copy only, its model or optimizer not matching, its
-drive full) ends with every rank raising within seconds: the failing rank its own error, the
-others one naming it and its error; no rank waits in a collective for it. Nothing changes on any
-rank (a step afterwards matches a twin that never tried), and a correct load and save work
-afterwards. One spawn of 2 gloo ranks with a 20 s process-group timeout, so that a rank left
-waiting fails the test instead of hanging it."""
+drive full, in a blocking or a background save) ends with every rank raising within seconds:
+the failing rank its own error, the others one naming it and its error; no rank waits in a
+collective for it. Nothing changes on any rank (a step afterwards matches a twin that never
+tried), and a correct load and save work afterwards; a DDP model's replicated checkpoint too.
+One spawn of 2 gloo ranks with a 20 s process-group timeout, so that a rank left waiting fails
+the test instead of hanging it."""
 
 from __future__ import annotations
 
@@ -125,9 +126,13 @@ def _cases(rank: int, world: int, tmp: str) -> dict:
         model.logit_scale = scale
     out["wrong_model"]["unchanged"] = _equal(before, _local(model, opt))  # its own buffer back
 
-    def save_case(name: str, optimizer=None) -> None:
-        error, seconds = _timed(lambda: tierlift.checkpoint.save(
-            ck_b, model, optimizer if optimizer is not None else opt, extra={"step": -1}))
+    def save_case(name: str, optimizer=None, blocking: bool = True) -> None:
+        def save():
+            h = tierlift.checkpoint.save(ck_b, model, optimizer if optimizer is not None
+                                         else opt, extra={"step": -1}, blocking=blocking)
+            h.wait()  # a background save's votes run on a gloo group of their own
+
+        error, seconds = _timed(save)
         torch.distributed.barrier()  # rank 0 removes `ck_b`.tmp after the vote
         out[name] = {"error": error, "seconds": seconds,
                      "unchanged": _equal(before, _local(model, opt)),
@@ -144,6 +149,7 @@ def _cases(rank: int, world: int, tmp: str) -> dict:
         Writer._submit = drive_full
     try:
         save_case("drive_full")
+        save_case("drive_full_background", blocking=False)
     finally:
         Writer._submit = real_submit
     # rank 1's optimizer holds state for a parameter that is not one of the model's shards
@@ -165,7 +171,34 @@ def _cases(rank: int, world: int, tmp: str) -> dict:
     out["load_ck_c"] = raised(lambda: tierlift.checkpoint.load(ck_c, model, opt))
     opt.close()
     twin_opt.close()
+    out.update(_ddp_cases(rank, tmp))
     return out
+
+
+def _ddp_cases(rank: int, tmp: str) -> dict:
+    """A DDP model (replicated checkpoint, rank 0 writes): rank 1 given a folder of its own."""
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    ck = os.path.join(tmp, "ck_ddp")
+    tierlift.checkpoint.save(ck, model, opt)
+    before = {"model": {k: v.clone() for k, v in model.state_dict().items()},
+              "optim": {i: {k: torch.as_tensor(v).clone() for k, v in st.items()}
+                        for i, st in opt.state_dict()["state"].items()},
+              "groups": [{k: v for k, v in g.items() if k != "params"}
+                         for g in opt.param_groups]}
+    error, seconds = _timed(lambda: tierlift.checkpoint.load(
+        ck if rank == 0 else os.path.join(tmp, "ck_ddp_rank1"), model, opt))
+    after = {"model": dict(model.state_dict()),
+             "optim": {i: {k: torch.as_tensor(v) for k, v in st.items()}
+                       for i, st in opt.state_dict()["state"].items()},
+             "groups": [{k: v for k, v in g.items() if k != "params"}
+                        for g in opt.param_groups]}
+    return {"ddp_own_folder": {"error": error, "seconds": seconds,
+                               "unchanged": _equal(before, after)},
+            "ddp_load_after": raised(lambda: tierlift.checkpoint.load(ck, model, opt))}
 
 
 def _spawned(rank: int, world: int, port: int, tmp: str) -> None:
@@ -197,6 +230,7 @@ def _both_fast_and_unchanged(ranks, case: str) -> None:
     ("corrupt_copy", "corrupt or truncated"),
     ("wrong_optimizer", "param groups"),
     ("wrong_model", "logit_scale"),
+    ("ddp_own_folder", "FileNotFoundError"),
 ])
 def test_a_load_refused_on_one_rank_raises_on_every_rank_and_changes_nothing(
         ranks, case, own_error):
@@ -214,6 +248,7 @@ def test_ranks_that_read_different_checkpoints_all_refuse(ranks):
 
 @pytest.mark.parametrize("case, own_error", [
     ("drive_full", "no space left"),
+    ("drive_full_background", "no space left"),
     ("foreign_param", "not a shard of the sharded model"),
 ])
 def test_a_save_refused_on_one_rank_raises_on_every_rank_and_keeps_the_checkpoint(
@@ -232,3 +267,4 @@ def test_after_the_refusals_training_matches_a_twin_and_checkpoints_work(ranks):
         assert ranks[r]["loaded_is_ck_b"], r
         assert ranks[r]["save_after"] == "<no error>", ranks[r]["save_after"]
         assert ranks[r]["load_ck_c"] == "<no error>", ranks[r]["load_ck_c"]
+        assert ranks[r]["ddp_load_after"] == "<no error>", ranks[r]["ddp_load_after"]

@@ -1,9 +1,11 @@
-"""Agreeing across ranks before a checkpoint load commits: each rank prepares its part (params
-in place behind an undo journal, optimizer state in its uncommitted generation or journaled),
-then ONE collective, a per-rank failure vector summed over the ranks, decides: every rank
-commits, or every rank rolls back and raises (the failing rank its own error, the others one
-naming it). A rank that dies outright makes the collective fail on the survivors (the ZeRO
-heartbeat names it, the process group timeout bounds a hang): they roll back too."""
+"""Agreeing across ranks before a checkpoint load commits: each rank checks and prepares its
+part (params in place behind an undo journal, optimizer state in its uncommitted generation or
+journaled), then ONE collective, a per-rank failure flag and digest of what it read, summed over
+the ranks, decides: every rank commits, or every rank rolls back and raises (the failing rank
+its own error, the others one naming it and quoting its error, sent by a second exchange on
+that path only). A rank whose checks refuse the checkpoint takes part too, so none waits for it.
+A rank that dies outright makes the collective fail on the survivors (the ZeRO heartbeat names
+it, the process group timeout bounds a hang): they roll back too."""
 
 from __future__ import annotations
 

@@ -428,7 +428,6 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
     refused: verify=False loads one written by a tierlift from before manifests, with a
     warning. Either way the hyperparameters and step counts it holds are checked as the
     optimizer's constructor checks them (validate.py) before anything changes."""
-    in_flight.before_load(path)  # this process's background save of `path` lands first
     if getattr(model, _ATTR, None) is None:
         return replicated.load(os.fspath(path), model, optimizer, verify=verify)
     state = _state(model)
@@ -438,6 +437,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
     # one that refuses still reaches the agreement, so no rank waits there for it (agree.py).
     agreement = agree.Agreement(state.world_comm, os.fspath(path))
     try:
+        in_flight.before_load(path)  # this process's background save of `path` lands first
         path = fmt.resolve_dir(os.fspath(path))
         agreement.path = path
         meta = fmt.read_metadata(path, verify)

@@ -209,6 +209,7 @@ def load(path: str, model: torch.nn.Module, optimizer, *, verify: bool = True) -
     # agreement, so no rank waits there for it (agree.py).
     agreement = agree.Agreement(_comm(model), path)
     try:
+        in_flight.before_load(path)  # this process's background save of `path` lands first
         path = fmt.resolve_dir(path)
         agreement.path = path
         meta = fmt.read_metadata(path, verify)
