@@ -126,9 +126,9 @@ def _cases(rank: int, world: int, tmp: str) -> dict:
         model.logit_scale = scale
     out["wrong_model"]["unchanged"] = _equal(before, _local(model, opt))  # its own buffer back
 
-    def save_case(name: str, optimizer=None, blocking: bool = True) -> None:
+    def save_case(name: str, optimizer=None, blocking: bool = True, path=ck_b) -> None:
         def save():
-            h = tierlift.checkpoint.save(ck_b, model, optimizer if optimizer is not None
+            h = tierlift.checkpoint.save(path, model, optimizer if optimizer is not None
                                          else opt, extra={"step": -1}, blocking=blocking)
             h.wait()  # a background save's votes run on a gloo group of their own
 
@@ -158,6 +158,12 @@ def _cases(rank: int, world: int, tmp: str) -> dict:
         other_opt = torch.optim.AdamW(list(model.parameters()) + [foreign])
         other_opt.state[foreign] = {"step": torch.tensor(1.0)}
     save_case("foreign_param", optimizer=other_opt if rank == 1 else None)
+    # rank 1 given a path of its own, whose temporary folder happens to be there: rank 0 would
+    # publish ck_b without rank 1's shard, over the good one
+    own = os.path.join(tmp, "ck_rank1_save")
+    if rank == 1:
+        os.makedirs(own + ".tmp")
+    save_case("own_save_path", path=ck_b if rank == 0 else own)
 
     # nothing changed: a step matches the twin's
     for m, o in ((model, opt), (twin, twin_opt)):
@@ -258,6 +264,14 @@ def test_a_save_refused_on_one_rank_raises_on_every_rank_and_keeps_the_checkpoin
     assert own_error in ranks[0][case]["error"], ranks[0][case]["error"]
     for r in range(2):
         assert ranks[r][case]["files_kept"] and ranks[r][case]["no_tmp"], (r, ranks[r][case])
+
+
+def test_ranks_given_different_save_paths_all_refuse_and_keep_the_checkpoint(ranks):
+    for r in range(2):
+        got = ranks[r]["own_save_path"]
+        assert "the ranks were given different paths" in got["error"], got
+        assert got["seconds"] < FAST_S and got["unchanged"], got
+        assert got["files_kept"] and got["no_tmp"], got
 
 
 def test_after_the_refusals_training_matches_a_twin_and_checkpoints_work(ranks):

@@ -13,6 +13,7 @@ at the next save, or at close(); a process killed at any point leaves it loadabl
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -267,17 +268,28 @@ class Vote:
     def __init__(self, rank: int, world: int, reduce):
         self.rank, self.world, self.reduce = rank, world, reduce
         self.reasons: dict[int, str] = {}
+        self.groups: list[list[int]] = [list(range(world))]  # ranks by `same` (see __call__)
 
-    def __call__(self, ok: bool, error: BaseException | None = None) -> list[int]:
+    def __call__(self, ok: bool, error: BaseException | None = None,
+                 same: bytes = b"") -> list[int]:
+        """`same`: bytes every rank should hold alike (every rank passes as many), sent in the
+        same collective; where they differ, `groups` lists the ranks that hold each."""
         if self.world == 1:
             return [] if ok else [0]
-        t = torch.zeros(self.world)
-        t[self.rank] = 0.0 if ok else 1.0
+        t = torch.zeros(self.world, 1 + len(same), dtype=torch.uint8)
+        t[self.rank, 0] = 0 if ok else 1
+        if same:
+            t[self.rank, 1:] = torch.frombuffer(bytearray(same), dtype=torch.uint8)
         t = self.reduce(t)
-        failed = [r for r, v in enumerate(t.tolist()) if v]
+        failed = [r for r in range(self.world) if int(t[r, 0])]
         if failed:  # every rank knows: all take part in the second exchange
             self.reasons = exchange_reasons(self.rank, self.world, self.reduce,
                                             None if ok else describe(error))
+        elif same:
+            held: dict[bytes, list[int]] = {}
+            for r in range(self.world):
+                held.setdefault(bytes(t[r, 1:].tolist()), []).append(r)
+            self.groups = sorted(held.values())
         return failed
 
     def others(self, failed: list[int]) -> str:
@@ -309,12 +321,17 @@ def side_vote(comm) -> Vote:
     return Vote(comm.rank, comm.world, reduce)
 
 
-def refuse(vote: Vote, error: BaseException) -> None:
-    """This rank's own checks refused the save before its Job could claim `path`.tmp: it votes
-    with the others' claim (Job.claim), so that they raise too instead of waiting, then
-    raises `error`."""
+def path_digest(path: str) -> bytes:
+    """What the ranks of one save compare: the absolute path each was given."""
+    return hashlib.sha256(os.path.abspath(path).encode(errors="replace")).digest()[:16]
+
+
+def refuse(vote: Vote, error: BaseException, path: str) -> None:
+    """This rank's own checks refused the save of `path` before its Job could claim
+    `path`.tmp: it votes with the others' claim (Job.claim), so that they raise too instead
+    of waiting, then raises `error`."""
     try:
-        failed = vote(False, error)
+        failed = vote(False, error, path_digest(path))
     except Exception as e:  # noqa: BLE001 - a peer is gone too; this rank's error goes on
         error.add_note(f"(and the ranks could not agree on the failure: {e})")
     else:
@@ -366,8 +383,14 @@ class Job:
                 self.token = claim(self.tmp, self.path, self.replace)
         except BaseException as e:  # noqa: BLE001 - every rank learns of it below
             error = self._explain(e) or e
-        failed = vote(error is None, error)
-        if failed:
+        failed = vote(error is None, error, path_digest(self.path))
+        if not failed and len(vote.groups) > 1:  # rank 0 would publish a checkpoint without
+            # the others' files, over the last good one
+            error = RuntimeError(
+                f"saving {self.path}: the ranks were given different paths (ranks grouped by "
+                f"path: {vote.groups}; rank {rank} has {os.path.abspath(self.path)!r}); "
+                "nothing was saved. Give every rank the same checkpoint path")
+        if failed or error is not None:
             error = error or RuntimeError(f"saving {self.path} was refused on "
                                           f"{vote.others(failed)}; nothing was saved")
             self.abandon(error)

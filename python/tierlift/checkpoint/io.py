@@ -104,7 +104,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
         job = background.Job(path, blocking=blocking, staging_budget=staging_budget, off=off,
                              estimate=lambda: background.estimate_bytes(model, optimizer, off))
     except BaseException as e:
-        background.refuse(background.training_vote(everyone), e)
+        background.refuse(background.training_vote(everyone), e, path)
     job.claim(everyone.rank, background.training_vote(everyone))
     try:
         if state.topology.primary:

@@ -55,7 +55,7 @@ def save(path: str, model: torch.nn.Module, optimizer, extra: dict | None, *,
                              off=off if rank == 0 else None,
                              estimate=lambda: background.estimate_bytes(model, optimizer, off))
     except BaseException as e:
-        background.refuse(background.training_vote(comm), e)
+        background.refuse(background.training_vote(comm), e, path)
     job.claim(rank, background.training_vote(comm))
     fields = None
     try:
