@@ -8,12 +8,19 @@ import functools
 import inspect
 
 
-def wrap_method(cls, name: str, params: list[str], wrap) -> None:
-    """Replaces cls.name by wrap(original) (functools.wraps: `__wrapped__` is the original)."""
+def wrap_method(cls, name: str, params: list[str] | None, wrap) -> None:
+    """Replaces cls.name by wrap(original) (functools.wraps: `__wrapped__` is the original).
+
+    Several wrappers may stack on one method, each once: a wrapper carries the names of the
+    `wrap`s below it and its own (functools.wraps copies them up). params=None skips the
+    signature check, for a builtin, whose signature cannot be read."""
     original = getattr(cls, name, None)
-    if original is None or getattr(original, "_tierlift_wrapped", False) or \
-            list(inspect.signature(original).parameters) != params:
+    mark = f"{wrap.__module__}.{wrap.__qualname__}"
+    if original is None or mark in getattr(original, "_tierlift_wraps", ()):
+        return
+    if params is not None and list(inspect.signature(original).parameters) != params:
         return
     wrapper = functools.wraps(original)(wrap(original))
     wrapper._tierlift_wrapped = True
+    wrapper._tierlift_wraps = (*getattr(original, "_tierlift_wraps", ()), mark)
     setattr(cls, name, wrapper)

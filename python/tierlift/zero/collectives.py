@@ -342,10 +342,4 @@ def install() -> None:
     wrap_method(c10d, "_check_op", ["op"], _p2p_op_check)
     for name, (params, checked, group_arg, peers) in _CHECKED.items():
         wrap_method(dist, name, params, _checking(name, params, checked, group_arg, peers))
-    original = getattr(dist, "_broadcast_coalesced", None)
-    if original is not None and not getattr(original, "_tierlift_wrapped", False):
-        import functools
-
-        wrapper = functools.wraps(original)(_broadcast_coalesced(original))
-        wrapper._tierlift_wrapped = True
-        dist._broadcast_coalesced = wrapper
+    wrap_method(dist, "_broadcast_coalesced", None, _broadcast_coalesced)  # a builtin

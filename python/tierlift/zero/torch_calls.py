@@ -38,8 +38,6 @@ slice instead of the model:
 
 from __future__ import annotations
 
-import functools
-import inspect
 import weakref
 
 import torch
@@ -304,19 +302,6 @@ def _checked_add(original):
     return add_param_group
 
 
-def _install_add_check() -> None:
-    # step_counts.py wraps add_param_group through wrap_method, which keeps one tierlift wrapper
-    # per method; this one goes around whichever is there, under its own mark (functools.wraps
-    # carries the marks of the wrapper it wraps, and the next wrapper carries this one's).
-    current = torch.optim.Optimizer.add_param_group
-    if getattr(current, "_tierlift_checks_groups", False) or \
-            list(inspect.signature(current).parameters) != ["self", "param_group"]:
-        return
-    wrapper = functools.wraps(current)(_checked_add(current))
-    wrapper._tierlift_checks_groups = True
-    torch.optim.Optimizer.add_param_group = wrapper
-
-
 def _drop_local_sums(params) -> None:
     """Drops what no_sync() summed locally for the units of the shards in `params`."""
     collectives.forget()  # the next gradients are other tensors
@@ -400,7 +385,7 @@ def install() -> None:
     wrap_method(torch.nn.utils.clip_grad, "_group_tensors_by_device_and_dtype", _GROUP_PARAMS,
                 _checked_grouping)
     wrap_method(torch.optim.Optimizer, "__init__", ["self", "params", "defaults"], _checking)
-    _install_add_check()
+    wrap_method(torch.optim.Optimizer, "add_param_group", ["self", "param_group"], _checked_add)
     wrap_method(torch.optim.Optimizer, "zero_grad", ["self", "set_to_none"], _optimizer_zero_grad)
     wrap_method(torch.nn.Module, "zero_grad", ["self", "set_to_none"], _module_zero_grad)
     wrap_method(torch.nn.Module, "requires_grad_", ["self", "requires_grad"],
