@@ -57,8 +57,8 @@ def _batches(n: int = STEPS):
     return [torch.randn(5, 8, generator=g) for _ in range(n)]
 
 
-def _train(model: nn.Module, data, sharded: bool):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+def _train(model: nn.Module, data, sharded: bool, make_opt=None):
+    opt = (make_opt or (lambda ps: torch.optim.AdamW(ps, lr=1e-2)))(model.parameters())
     losses = []
     for x in data:
         loss = model(x).square().mean()
@@ -435,16 +435,7 @@ def test_sparse_embedding_is_refused_by_shard_leaving_the_model_untouched(stage,
     data = [torch.randint(0, 10, (3, 2), generator=g) for _ in range(STEPS)]
 
     def run(model, sharded):
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        losses = []
-        for x in data:
-            loss = model(x).square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        sd = tierlift.zero.full_state_dict(model) if sharded else model.state_dict()
-        return losses, {k: v.detach().clone() for k, v in sd.items()}
+        return _train(model, data, sharded, lambda ps: torch.optim.SGD(ps, lr=0.1))
 
     want = run(_embedding_model(cls, sparse=True), sharded=False)  # sparse SGD in plain torch
     model = _embedding_model(cls, sparse=True)
