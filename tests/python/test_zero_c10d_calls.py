@@ -300,18 +300,14 @@ def _close(got: dict, want: dict) -> None:
 @pytest.mark.parametrize("stage", STAGES)
 def test_c10d_calls_on_shards_refused_before_anything_changes(ranks, stage):
     for rank, out in enumerate(ranks):
-        for name in GRAD_CALLS:
-            msg, same = out[stage][name]
-            assert msg.startswith("RuntimeError: torch.distributed.") and "gradient" in msg, \
-                (rank, name, msg)
-            assert "already averaged" in msg and "Nothing was sent or changed" in msg, msg
-            assert same, (rank, name)
-        for name in WEIGHT_CALLS:
-            msg, same = out[stage][name]
-            assert msg.startswith("RuntimeError: torch.distributed.") and "weights" in msg, \
-                (rank, name, msg)
-            assert "different slice" in msg and "Nothing was sent or changed" in msg, msg
-            assert same, (rank, name)
+        for names, what, why in ((GRAD_CALLS, "gradient", "already averaged"),
+                                 (WEIGHT_CALLS, "weights", "different slice")):
+            for name in names:
+                msg, same = out[stage][name]
+                assert msg.startswith("RuntimeError: torch.distributed.") and what in msg, \
+                    (rank, name, msg)
+                assert why in msg and "Nothing was sent or changed" in msg, msg
+                assert same, (rank, name)
         assert "starts from the same weights" in out[stage]["broadcast(p.data)"][0]
         assert "full_state_dict" in out[stage]["model_averaging"][0]
 
