@@ -71,7 +71,12 @@ class FeatureStoreOptions:
 
 def _load_features(features, dtype, shape) -> tuple[torch.Tensor, bool]:
     """Returns (tensor, file_backed). Files are memory-mapped copy-on-write, never read whole."""
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"features: dtype must be a torch.dtype, got {dtype!r}")
     if isinstance(features, torch.Tensor):
+        # Ignored, they would leave the user believing rows come back as dtype= or shape= says.
+        _check_given(features.dtype, tuple(features.shape), dtype, shape, "a tensor",
+                     "use features.view(dtype) or features.view(shape)")
         return features, False
     if not isinstance(features, (str, os.PathLike)):
         raise TypeError("features must be a torch.Tensor or a path to an .npy or raw file, got "
@@ -84,24 +89,57 @@ def _load_features(features, dtype, shape) -> tuple[torch.Tensor, bool]:
             fmt = np.lib.format
             read = (fmt.read_array_header_1_0 if fmt.read_magic(f) == (1, 0)
                     else fmt.read_array_header_2_0)
-            shape_, _, np_dtype = read(f)
+            shape_, fortran_order, np_dtype = read(f)
             start = f.tell()
         _check_size(path, start, shape_, np_dtype)
         array = np.load(path, mmap_mode="c")
-    else:
-        if dtype is None or shape is None:
-            raise ValueError("features: a raw file needs dtype= and shape= (an .npy file does not)")
-        if not isinstance(dtype, torch.dtype):
-            raise TypeError(f"features: dtype must be a torch.dtype, got {dtype!r}")
-        probe = torch.empty(0, dtype=dtype)
-        try:
-            np_dtype = probe.numpy().dtype
-        except TypeError:  # no numpy twin (bfloat16, float8): mapped as unsigned of its width
-            np_dtype = np.dtype(f"u{probe.element_size()}")
-        _check_size(path, 0, shape, np_dtype, exact=str(dtype).removeprefix("torch."))
-        array = np.memmap(path, dtype=np_dtype, mode="c", shape=tuple(shape))
-        return torch.from_numpy(array).view(dtype), True
-    return torch.from_numpy(array), True
+        table = torch.from_numpy(array)
+        if fortran_order and not table.is_contiguous():
+            raise ValueError(f"features: {str(path)!r} is stored in Fortran (column-major) order, "
+                             "so its rows are not contiguous in the file; save it in C order "
+                             "(np.save(path, np.ascontiguousarray(a)))")
+        if dtype is not None and dtype != table.dtype and np_dtype.kind == "u" \
+                and _numpy_twin(dtype) is None \
+                and torch.empty(0, dtype=dtype).element_size() == np_dtype.itemsize:
+            table = table.view(dtype)  # bfloat16/float8 bits saved as unsigned, as raw files
+        _check_given(table.dtype, tuple(shape_), dtype, shape, "an .npy file (its header says)",
+                     "a dtype numpy lacks (bfloat16, float8) can be read from an .npy of "
+                     "unsigned ints of its width")
+        return table, True
+    if dtype is None or shape is None:
+        raise ValueError("features: a raw file needs dtype= and shape= (an .npy file does not)")
+    np_dtype = _numpy_twin(dtype)
+    if np_dtype is None:  # no numpy twin (bfloat16, float8): mapped as unsigned of its width
+        np_dtype = np.dtype(f"u{torch.empty(0, dtype=dtype).element_size()}")
+    _check_size(path, 0, shape, np_dtype, exact=str(dtype).removeprefix("torch."))
+    array = np.memmap(path, dtype=np_dtype, mode="c", shape=tuple(shape))
+    return torch.from_numpy(array).view(dtype), True
+
+
+def _numpy_twin(dtype: torch.dtype) -> np.dtype | None:
+    try:
+        return torch.empty(0, dtype=dtype).numpy().dtype
+    except TypeError:
+        return None
+
+
+def _check_given(actual_dtype, actual_shape, dtype, shape, source: str, hint: str) -> None:
+    """dtype= and shape= describe a raw file; elsewhere they may only repeat what the features
+    say, as a check."""
+    if dtype is not None and dtype != actual_dtype:
+        raise ValueError(f"features: dtype={dtype} but {source} holds {actual_dtype}; dtype= "
+                         f"and shape= describe a raw file and are not a conversion ({hint})")
+    if shape is not None and tuple(shape) != actual_shape:
+        raise ValueError(f"features: shape={tuple(shape)} but {source} has shape "
+                         f"{actual_shape}; dtype= and shape= describe a raw file and are not a "
+                         f"reshape")
+
+
+def _memory_state(tensor: torch.Tensor) -> tuple:
+    """What gather compares to tell whether the features changed since the store was built:
+    their version counter (in-place edits), and the memory, shape and dtype they view (which
+    features.data = ... replaces without counting a version)."""
+    return tensor._version, tensor.data_ptr(), tuple(tensor.shape), tensor.dtype
 
 
 def _check_size(path: Path, start: int, shape, np_dtype, exact: str | None = None) -> None:
@@ -147,7 +185,9 @@ class FeatureStore:
             never read (nor its output row written), and IndexError is raised by a later
             `gather` that finds the flag set, or by `synchronize()`. A CPU index is checked on
             the host and then gathered without any synchronisation, whatever `check` says.
-        dtype, shape: element type and shape of a raw (non-.npy) feature file.
+        dtype, shape: element type and shape of a raw (non-.npy) feature file. For an .npy file
+            or a tensor they may only repeat what it holds (a ValueError otherwise), except that
+            an .npy of unsigned ints reads as a dtype of their width numpy lacks (bfloat16).
     """
 
     def __init__(self, features, *, pin="inplace", cache=0.0, cache_policy="degree",
@@ -177,14 +217,15 @@ class FeatureStore:
             table = self._pin(table, file_backed)
             self._new_bad_index_flags()
         self._table = table
-        # The caller's tensor and its version: an in-place edit of it after this point would
-        # reach a CUDA store's table but not its cached copies (nor a pin="copy" copy), so
-        # gathers would mix old and new rows. gather refuses it, on every device. Held weakly
-        # only when the store keeps a copy (a CPU store, which holds the tensor, stays picklable).
+        # The caller's tensor, its version and its memory: an in-place edit of it after this
+        # point, or new memory put under it (features.data = ...), would reach a CUDA store's
+        # table but not its cached copies (nor a pin="copy" copy), so gathers would mix old and
+        # new rows. gather refuses both, on every device. Held weakly only when the store keeps
+        # a copy (a CPU store, which holds the tensor, stays picklable).
         self._watched = None
         if isinstance(features, torch.Tensor) and not features.is_inference():
             held = features if features is table else weakref.ref(features)
-            self._watched = (held, features._version)
+            self._watched = (held, *_memory_state(features))
         self.num_rows = table.shape[0]
         self.row_shape = tuple(table.shape[1:])
         self.dtype = table.dtype
@@ -397,8 +438,8 @@ class FeatureStore:
         new._watched = self._watched
         if self._watched is not None and isinstance(self._watched[0], torch.Tensor):
             # It held its table, the features themselves: the copy holds its own (as built).
-            new._watched = ((table, table._version) if table is new._table
-                            else (weakref.ref(table), table._version))
+            new._watched = ((table if table is new._table else weakref.ref(table)),
+                            *_memory_state(table))
         for key in ("_cache_table", "_cache_slots", "_counts"):
             value = getattr(self, key)
             setattr(new, key, None if value is None else value.clone())
@@ -424,7 +465,7 @@ class FeatureStore:
         """Unpickled (a spawned worker's copy): its tensor is new, with a version of its own."""
         self.__dict__.update(state)
         if self._watched is not None and isinstance(self._watched[0], torch.Tensor):
-            self._watched = (self._watched[0], self._watched[0]._version)
+            self._watched = (self._watched[0], *_memory_state(self._watched[0]))
 
     def __len__(self) -> int:
         return self.num_rows
@@ -453,6 +494,13 @@ class FeatureStore:
                 "carry no gradient back and the features would never train. Gather with plain "
                 "indexing (features[index]) to train them, or build the store from "
                 "features.detach() for a constant table")
+        if watched is not None and _memory_state(watched)[1:] != self._watched[2:]:
+            raise RuntimeError(
+                "FeatureStore: its features tensor holds other memory (or another shape or "
+                "dtype) than when the store was built (features.data = ..., or a module's "
+                ".to()/.half() converting it), which the store does not read (a CUDA store's "
+                "cache and a pin='copy' copy keep the old rows). Refused on every device: build "
+                "a new FeatureStore from the tensor as it is now (close() this one first)")
         if watched is not None and watched._version != self._watched[1]:
             raise RuntimeError(
                 "FeatureStore: its features tensor (or a view of it) was modified in place after "

@@ -1,0 +1,94 @@
+"""tierlift.gnn under everyday GNN-script idioms, against plain indexing (`x[index]`): where the
+store cannot give the same rows it refuses, before anything changes. Arguments that would be
+ignored (dtype=/shape= beside a tensor or an .npy file), features given new memory after the
+store was built (`x.data = ...`, a module's `.half()`), PyG's update/remove of a tensor, and
+graphs whose node ids fall outside the graph."""
+
+import numpy as np
+import pytest
+import torch
+
+import tierlift
+from tierlift.gnn import FeatureStore
+
+pytestmark = pytest.mark.skipif(not tierlift._extension.available(),
+                                reason="compiled extension not loaded")
+
+
+def test_dtype_or_shape_that_disagree_with_a_tensor_or_npy_are_refused(tmp_path):
+    # They describe a raw file; beside a tensor or an .npy they were ignored, so a table saved
+    # as float32 came back float32 where the script asked for float16 (and went on as such).
+    x = torch.randn(20, 6)
+    with pytest.raises(ValueError, match=r"dtype=torch.float16 but a tensor holds torch.float32"):
+        FeatureStore(x, device="cpu", dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"shape=\(40, 3\) but a tensor has shape \(20, 6\)"):
+        FeatureStore(x, device="cpu", shape=(40, 3))
+    np.save(tmp_path / "x.npy", x.numpy())
+    with pytest.raises(ValueError, match=r"float16 but an .npy file .*holds torch.float32"):
+        FeatureStore(tmp_path / "x.npy", device="cpu", dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"shape=\(20, 3\) but an .npy file"):
+        FeatureStore(tmp_path / "x.npy", device="cpu", shape=(20, 3))
+    with pytest.raises(TypeError, match="dtype must be a torch.dtype"):
+        FeatureStore(tmp_path / "x.npy", device="cpu", dtype="float32")
+    index = torch.tensor([19, 0, 7])
+    # Repeating what the features hold is a check that passes.
+    with FeatureStore(tmp_path / "x.npy", device="cpu", dtype=torch.float32,
+                      shape=(20, 6)) as store:
+        assert torch.equal(store.gather(index), x[index])
+    # bfloat16 bits saved as uint16 (numpy has no bfloat16) read as bfloat16, as raw files are.
+    bf = x.to(torch.bfloat16)
+    np.save(tmp_path / "bf.npy", bf.view(torch.uint16).numpy())
+    with FeatureStore(tmp_path / "bf.npy", device="cpu", dtype=torch.bfloat16) as store:
+        assert store.dtype == torch.bfloat16 and torch.equal(store.gather(index), bf[index])
+    with pytest.raises(ValueError, match="dtype=torch.float16 but an .npy file"):
+        FeatureStore(tmp_path / "bf.npy", device="cpu", dtype=torch.float16)  # has a twin
+
+
+def test_a_fortran_order_npy_is_refused_naming_the_file(tmp_path):
+    # Its rows are not contiguous in the file; the message told the user to call .contiguous()
+    # on a tensor they never had.
+    a = np.asfortranarray(np.arange(60, dtype=np.float32).reshape(20, 3))
+    np.save(tmp_path / "f.npy", a)
+    with pytest.raises(ValueError, match=r"f.npy' is stored in Fortran \(column-major\) order"):
+        FeatureStore(tmp_path / "f.npy", device="cpu")
+    np.save(tmp_path / "c.npy", np.ascontiguousarray(a))
+    with FeatureStore(tmp_path / "c.npy", device="cpu") as store:
+        assert torch.equal(store.gather(torch.tensor([4, 1])), torch.from_numpy(a[[4, 1]]))
+
+
+def test_features_given_new_memory_after_the_store_are_refused():
+    # `x.data = ...` puts new memory under the tensor without counting a version: a CUDA
+    # store's cache (and a pin="copy" copy) kept the old rows while the rest followed x, or all
+    # stayed old. Refused on every device, as an in-place edit is.
+    x = torch.randn(20, 6)
+    store = FeatureStore(x, device="cpu")
+    index = torch.tensor([3, 3, 19])
+    assert torch.equal(store.gather(index), x[index])
+    x.data = x.data * 2
+    assert x._version == 0  # no in-place edit counted
+    out = torch.zeros(3, 6)
+    with pytest.raises(RuntimeError, match="holds other memory"):
+        store.gather(index, out=out)
+    assert not out.any()  # refused before writing
+    with FeatureStore(x, device="cpu") as fresh:  # a new store reads the tensor as it is now
+        assert torch.equal(fresh.gather(index), x[index])
+    # A frozen embedding served by a store, then the model converted (`.half()` replaces the
+    # weight's memory the same way): refused with the same message, not an op error.
+    emb = torch.nn.Embedding(12, 4).requires_grad_(False)
+    store = FeatureStore(emb.weight, device="cpu")
+    emb.half()
+    with pytest.raises(RuntimeError, match="holds other memory"):
+        store.gather(torch.tensor([1]))
+
+
+def test_a_store_and_its_copies_still_gather_when_the_features_keep_their_memory():
+    import copy
+    import pickle
+
+    x = torch.randn(20, 6)
+    store = FeatureStore(x, device="cpu")
+    index = torch.tensor([0, 19, 4])
+    for twin in (pickle.loads(pickle.dumps(store)), copy.deepcopy(store), copy.copy(store)):
+        assert torch.equal(twin.gather(index), x[index])
+    _ = x.view(6, 20), x.t(), x.contiguous()  # views and no-op calls do not move its memory
+    assert torch.equal(store.gather(index), x[index])
