@@ -75,6 +75,9 @@ def convert(model: nn.Module, recipe: str | Float8Recipe | FP4Recipe = "fp8-roww
     gain). Giving both is refused: the filter alone would decide, ignoring min_features. Returns,
     and logs, which layers were converted and why the others were kept. `model` may itself be
     an nn.Linear: it is converted in place too, reported under the name "" (its fqn).
+    The converted linear1/linear2 of an nn.TransformerEncoderLayer get a no-op forward pre-hook
+    so that its eval fast path, which would bypass them, stays off (and an nn.TransformerEncoder
+    holding them stops making nested tensors).
     """
     r, layer_cls, multiple = _resolve(recipe)
     if not isinstance(model, nn.Module):
@@ -111,9 +114,35 @@ def convert(model: nn.Module, recipe: str | Float8Recipe | FP4Recipe = "fp8-roww
             chosen.append(name)
     for name in chosen:
         _swap_class(model.get_submodule(name), layer_cls, r)
+    _keep_encoder_layers_off_their_fused_path(model)
     report.converted = chosen
     log.info("%s", report)
     return report
+
+
+def _runs_its_own_forward(module: nn.Module, args) -> None:
+    """A forward pre-hook that changes nothing: its presence is what turns the fused path off."""
+
+
+def _keep_encoder_layers_off_their_fused_path(model: nn.Module) -> None:
+    """nn.TransformerEncoderLayer's inference fast path (eval, no grad) hands linear1/linear2's
+    weights to one fused kernel and never calls their forward: a low precision layer there would
+    silently run in high precision in eval only. That path is off while any module of the layer
+    has a hook, so each such low precision layer gets a no-op pre-hook (once); the layer then
+    takes its regular path, which calls them. nn.TransformerEncoder skips nested tensors too:
+    they would reach those layers, which take dense inputs only."""
+    low = (Float8Linear, FP4Linear)
+    for mod in model.modules():
+        if not isinstance(mod, nn.TransformerEncoderLayer):
+            continue
+        for lin in (getattr(mod, "linear1", None), getattr(mod, "linear2", None)):
+            hooked = lin is not None and _runs_its_own_forward in lin._forward_pre_hooks.values()
+            if isinstance(lin, low) and not hooked:
+                lin.register_forward_pre_hook(_runs_its_own_forward)
+    for mod in model.modules():
+        if isinstance(mod, nn.TransformerEncoder) and getattr(mod, "use_nested_tensor", False):
+            if any(isinstance(m, low) for m in mod.modules()):
+                mod.use_nested_tensor = False
 
 
 def _swap_class(mod: nn.Linear, layer_cls: type, recipe) -> None:

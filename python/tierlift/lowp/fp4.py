@@ -24,7 +24,7 @@ from torch.autograd.function import once_differentiable
 from tierlift import ops
 from tierlift.lowp.fp4_recipe import FP4Recipe, get_fp4_recipe
 from tierlift.lowp.gemm import as_dtype
-from tierlift.lowp.linear import linear_input
+from tierlift.lowp.linear import linear_input, refuse_nested
 from tierlift.reference.lowp_fp4 import fp4_dequantize, hadamard
 
 
@@ -118,6 +118,7 @@ def fp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                recipe: str | FP4Recipe = "mxfp4-quartet") -> torch.Tensor:
     """Functional form: F.linear(x, weight, bias) with FP4 GEMMs (x: [..., in_features])."""
     recipe = get_fp4_recipe(recipe)
+    refuse_nested(x)
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"x must have {weight.shape[1]} features in its last dimension, got "
                          f"shape {tuple(x.shape)}")

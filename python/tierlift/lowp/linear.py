@@ -132,6 +132,16 @@ _DTYPE_NAMES = {torch.float32: "Float", torch.float64: "Double", torch.float16: 
                 torch.bfloat16: "BFloat16"}  # c10's names, as F.linear's errors spell them
 
 
+def refuse_nested(x: torch.Tensor) -> None:
+    """The quantizers and GEMMs take one dense [tokens, features] matrix; a nested tensor
+    failed deep inside with torch's internal "NestedTensorImpl doesn't support sizes"."""
+    if x.is_nested:
+        raise TypeError("low precision layers take dense inputs, not nested tensors (an "
+                        "nn.TransformerEncoder makes them in eval from a padding mask unless built "
+                        "with enable_nested_tensor=False, or converted by tierlift.lowp.convert "
+                        "together with its layers)")
+
+
 def linear_input(x: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None) -> torch.Tensor:
     """x in the dtype nn.Linear would multiply it in: autocast's where autocast is on (which
@@ -172,6 +182,7 @@ def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         if tuple(gathered.data.shape) != tuple(weight.shape):
             raise ValueError(f"gathered has shape {tuple(gathered.data.shape)}, weight has "
                              f"{tuple(weight.shape)}")
+    refuse_nested(x)
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"x must have {weight.shape[1]} features in its last dimension, got "
                          f"shape {tuple(x.shape)}")
