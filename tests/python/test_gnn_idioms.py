@@ -92,3 +92,47 @@ def test_a_store_and_its_copies_still_gather_when_the_features_keep_their_memory
         assert torch.equal(twin.gather(index), x[index])
     _ = x.view(6, 20), x.t(), x.contiguous()  # views and no-op calls do not move its memory
     assert torch.equal(store.gather(index), x[index])
+
+
+def test_pyg_update_tensor_keeps_the_old_rows_when_the_new_ones_are_refused():
+    # PyG's default update_tensor removes first, then puts: rows given with an index (which a
+    # store cannot take), or a tensor the store refuses, raised with the old rows already gone.
+    pyg = pytest.importorskip("torch_geometric")
+    from tierlift.gnn import PyGFeatureStore
+
+    x = torch.randn(10, 4)
+    fs = PyGFeatureStore(device="cpu")
+    fs[None, "x", None] = x
+    with pytest.raises(ValueError, match="put whole tensors only"):
+        fs.update_tensor(torch.randn(2, 4), group_name=None, attr_name="x",
+                         index=torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="features must be contiguous"):
+        fs.update_tensor(torch.randn(4, 10).t(), group_name=None, attr_name="x", index=None)
+    assert torch.equal(fs[None, "x", None], x)  # still served, unchanged
+    # Removing "rows" removed the whole tensor and said it had succeeded.
+    with pytest.raises(ValueError, match="remove whole tensors only"):
+        fs.remove_tensor(group_name=None, attr_name="x", index=torch.tensor([1]))
+    assert torch.equal(fs[None, "x", None], x)
+    y = torch.randn(10, 4)
+    assert fs.update_tensor(y, group_name=None, attr_name="x", index=None)
+    assert torch.equal(fs[None, "x", None], y)
+    attr = pyg.data.TensorAttr(group_name=None, attr_name="x", index=None)
+    assert fs.remove_tensor(attr) and fs.get_all_tensor_attrs() == []
+    fs.close()
+
+
+def test_pyg_a_store_under_two_keys_stays_open_while_one_still_serves_it():
+    pytest.importorskip("torch_geometric")
+    from tierlift.gnn import PyGFeatureStore
+
+    x = torch.randn(10, 4)
+    store = FeatureStore(x, device="cpu")
+    fs = PyGFeatureStore(device="cpu")
+    fs["paper", "x", None] = store
+    fs["author", "x", None] = store
+    fs["author", "x", None] = torch.randn(10, 4)  # replaced under one key only
+    index = torch.tensor([9, 2])
+    assert not store.closed and torch.equal(fs["paper", "x", index], x[index])
+    del fs["paper", "x"]  # its last key: closed, as before
+    assert store.closed
+    fs.close()

@@ -32,15 +32,26 @@ class PyGFeatureStore(_PyGFeatureStore):
         return (attr.group_name, attr.attr_name)
 
     def _put_tensor(self, tensor, attr: TensorAttr) -> bool:
-        if attr.is_set("index") and attr.index is not None:
-            raise ValueError("PyGFeatureStore: put whole tensors only (index must be None)")
+        _whole_tensors_only(attr, "put")
         store = tensor if isinstance(tensor, FeatureStore) else FeatureStore(
             tensor, **self._store_kwargs)
-        old = self._stores.pop(self._key(attr), None)
-        if old is not None and old is not store:
-            old.close()
+        self._drop(self._key(attr), keep=store)
         self._stores[self._key(attr)] = store
         return True
+
+    def update_tensor(self, tensor, *args, **kwargs) -> bool:
+        """Replaces a whole tensor. PyG's default removes the old one first, so a new tensor
+        that is refused (or rows given with an index, which a store cannot take) lost the old
+        rows; here the new store is built first and the old one dropped only then."""
+        return self.put_tensor(tensor, *args, **kwargs)
+
+    def _drop(self, key: tuple, keep: FeatureStore | None = None) -> FeatureStore | None:
+        """Removes `key`; closes its store unless it is `keep` or another key still serves it."""
+        old = self._stores.pop(key, None)
+        if old is not None and old is not keep \
+                and not any(store is old for store in self._stores.values()):
+            old.close()
+        return old
 
     def _get_tensor(self, attr: TensorAttr):
         store = self._stores.get(self._key(attr))
@@ -61,11 +72,8 @@ class PyGFeatureStore(_PyGFeatureStore):
         return store.gather(index)
 
     def _remove_tensor(self, attr: TensorAttr) -> bool:
-        store = self._stores.pop(self._key(attr), None)
-        if store is None:
-            return False
-        store.close()
-        return True
+        _whole_tensors_only(attr, "remove")
+        return self._drop(self._key(attr)) is not None
 
     def _get_tensor_size(self, attr: TensorAttr):
         store = self._stores.get(self._key(attr))
@@ -78,3 +86,11 @@ class PyGFeatureStore(_PyGFeatureStore):
         for store in self._stores.values():
             store.close()
         self._stores.clear()
+
+
+def _whole_tensors_only(attr: TensorAttr, action: str) -> None:
+    # Rows cannot be put into or taken out of a FeatureStore, and acting on the whole tensor
+    # instead of the rows asked for would silently drop the others.
+    if attr.is_set("index") and attr.index is not None:
+        raise ValueError(f"PyGFeatureStore: {action} whole tensors only (index must be None); "
+                         "to change rows, put a whole new tensor")
