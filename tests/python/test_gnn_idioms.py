@@ -136,3 +136,27 @@ def test_pyg_a_store_under_two_keys_stays_open_while_one_still_serves_it():
     del fs["paper", "x"]  # its last key: closed, as before
     assert store.closed
     fs.close()
+
+
+def test_sampler_refuses_a_graph_whose_node_ids_fall_outside_it():
+    # An edge_index tensor was checked, a Data or GraphStore was not: a source -1 was sampled
+    # as node -1, which x[node] reads as the last row.
+    pyg = pytest.importorskip("torch_geometric")
+    from torch_geometric.testing import MyGraphStore
+
+    from tierlift.gnn import NeighborSampler
+
+    x = torch.arange(4.0).view(4, 1)
+    for edge_index, bad in (([[-1, 2, 3], [0, 0, 1]], "an edge source is node -1"),
+                            ([[7, 2, 3], [0, 0, 1]], "an edge source is node 7"),
+                            ([[1, 2, 3], [0, 5, 1]], "an edge destination is node 5")):
+        data = pyg.data.Data(x=x, edge_index=torch.tensor(edge_index), num_nodes=4)
+        with pytest.raises(ValueError, match=rf"{bad}, outside \[0, 4\)"):
+            NeighborSampler(data, [5], seed=0)
+    gs = MyGraphStore()
+    gs.put_edge_index(torch.tensor([[1, 9], [0, 1]]), edge_type=None, layout="coo", size=(4, 4))
+    with pytest.raises(ValueError, match=r"an edge source is node 9, outside \[0, 4\)"):
+        NeighborSampler(gs, [5], seed=0)
+    good = pyg.data.Data(x=x, edge_index=torch.tensor([[1, 2, 3], [0, 0, 1]]), num_nodes=4)
+    node = NeighborSampler(good, [5], seed=0).sample(torch.tensor([0, 1]))[0]
+    assert sorted(node.tolist()) == [0, 1, 2, 3]

@@ -32,6 +32,8 @@ _KEYS_UP_TO = 8  # degrees up to this x fanout rank all their edges; above, draw
 def _csc_from_edge_index(edge_index: torch.Tensor, num_nodes: int):
     """(colptr, row, perm): edges sorted by destination, perm maps CSC position -> edge id."""
     src, dst = edge_index[0].long(), edge_index[1].long()
+    _check_node_ids(src, num_nodes, "an edge source")
+    _check_node_ids(dst, num_nodes, "an edge destination")
     perm = torch.argsort(dst, stable=True)
     colptr = torch.zeros(num_nodes + 1, dtype=torch.long)
     colptr[1:] = torch.cumsum(torch.bincount(dst, minlength=num_nodes), 0)
@@ -47,7 +49,17 @@ def _csc_from_graph_store(graph_store: GraphStore):
     if isinstance(row, dict):  # keyed by edge type
         key = attrs[0].edge_type
         row, colptr, perm = row[key], colptr[key], perm.get(key)
+    _check_node_ids(row, colptr.numel() - 1, "an edge source")
     return colptr.long(), row.long(), perm
+
+
+def _check_node_ids(ids: torch.Tensor, num_nodes: int, what: str) -> None:
+    """A negative id would be sampled as a node that plain indexing reads from the end of x, and
+    an id past num_nodes as one no feature row has: refused once, when the sampler is built."""
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_nodes):
+        bad = ids[(ids < 0) | (ids >= num_nodes)][0]
+        raise ValueError(f"graph: {what} is node {int(bad)}, outside [0, {num_nodes}) (the "
+                         f"graph's num_nodes); node ids must be in that range")
 
 
 def _check_fanouts(num_neighbors) -> list[int]:
