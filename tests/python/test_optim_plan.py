@@ -97,6 +97,10 @@ def replace_params(w, i):
 
 def toggle_amsgrad(w, i):
     w.opt.param_groups[0]["amsgrad"] = i >= 3
+    if i == 3:  # a bare switch is refused (torch raises KeyError): the maximum starts from zeros
+        for p in w.params:
+            st = w.opt.state[p]
+            st["max_exp_avg_sq"] = torch.zeros_like(st["exp_avg_sq"])
 
 
 def transposed_grad(w, i):
@@ -112,10 +116,9 @@ def data_strided(w, i):
         p.data = view.copy_(p.data)
 
 
-# Edits after which torch's AdamW does something else by design: it keeps no max_exp_avg_sq for
-# a group switched to amsgrad (a KeyError), and its fp32 weights are not the masters ours makes
-# afresh from bf16 weights when the state is reset.
-NO_TORCH = {"toggle_amsgrad": (torch.float32, torch.bfloat16), "reset_state": (torch.bfloat16,)}
+# Edits after which torch's AdamW does something else by design: its fp32 weights are not the
+# masters ours makes afresh from bf16 weights when the state is reset.
+NO_TORCH = {"reset_state": (torch.bfloat16,)}
 EDITS = [set_lr, scheduler, add_group, load_state, grad_none, requires_grad,
          replace_state_tensor, reset_state, replace_params, toggle_amsgrad, transposed_grad,
          data_strided]

@@ -78,13 +78,16 @@ def formats(groups: list[dict]) -> list[list]:
     return [[(p.dtype, p.device) for p in g["params"]] for g in groups]
 
 
-def check_unchanged(name: str, p: torch.Tensor, numel: int, dtype, device) -> None:
+def check_unchanged(name: str, p: torch.Tensor, numel: int, dtype, device, *,
+                    strided: bool = False) -> None:
     """Refuses a parameter whose data was replaced since the state was laid out (`p.data =
     x`: model.to(dtype or memory_format=...), an embedding grown in place): the tiers hold
     `numel` elements for it, stream it as flat memory and keep or skip its master by its
-    dtype, so a step would leave the rest of a grown parameter untrained, or fail half way."""
+    dtype, so a step would leave the rest of a grown parameter untrained, or fail half way.
+    `strided`: it was laid out non-contiguous, so any layout is stepped (offload/strided.py);
+    one laid out contiguous may be its own master, read as flat memory, and must stay so."""
     if (p.numel() == numel and p.dtype == dtype and p.device == device
-            and p.is_contiguous()):
+            and (strided or p.is_contiguous())):
         return
     what = []
     if p.numel() != numel:
@@ -93,7 +96,7 @@ def check_unchanged(name: str, p: torch.Tensor, numel: int, dtype, device) -> No
         what.append(f"dtype {dtype}, now {p.dtype}")
     if p.device != device:
         what.append(f"on {device}, now on {p.device}")
-    if not p.is_contiguous():
+    if not (strided or p.is_contiguous()):
         what.append(f"now non-contiguous (stride {p.stride()})")
     raise RuntimeError(
         f"{name} is not the tensor the offloaded state was laid out for ({'; '.join(what)}): "

@@ -59,6 +59,7 @@ from tierlift.offload.layout import (
 )
 from tierlift.offload.overlap import Overlap, publish, scan_grads, validate
 from tierlift.offload.state_io import StateIO
+from tierlift.offload.strided import check_strided, contiguous_data, laid_out_strided
 from tierlift.offload.tiers import drain
 from tierlift.offload.watch import ParamWatch
 
@@ -86,15 +87,9 @@ class Offloader(StateIO, ChunkStep):
         kept = [[reserves(p) and not self.device_part.holds(gi, pi)
                  for pi, p in enumerate(g["params"])]
                 for gi, g in enumerate(optimizer.param_groups)]
-        for gi, group in enumerate(optimizer.param_groups):
-            for pi, p in enumerate(group["params"]):
-                if not p.is_contiguous():
-                    # The tiers stream every parameter as flat memory (p.view(-1) slices).
-                    raise ValueError(
-                        f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}, stride "
-                        f"{p.stride()}) must be contiguous for offload: make the parameter "
-                        "contiguous before building the optimizer, or use offload='none', "
-                        "which steps it through a contiguous copy")
+        check_strided(optimizer.param_groups, config)
+        # stepped through a contiguous copy, their masters in the tiers (strided.py)
+        self._strided = laid_out_strided(optimizer.param_groups)
         self._cuda = any(d2h.on_device(p) for p in params)
         self._copier = d2h.Copier()  # D2H of device gradients, on a copy stream
         self._uploads = h2d.Uploader()  # H2D of new weights from the slots, not waited for
@@ -173,14 +168,18 @@ class Offloader(StateIO, ChunkStep):
         """Refuses a reserved parameter whose data changed since construction
         (checks.check_unchanged)."""
         check_unchanged(self._name(gi, pi), p, self.layouts[gi].numels[pi],
-                        *self._formats[gi][pi])
+                        *self._formats[gi][pi], strided=id(p) in self._strided)
+
+    def contiguous_data(self, write_back: bool = True):
+        """Strided parameters as contiguous copies within (strided.contiguous_data)."""
+        return contiguous_data(self.opt.param_groups, self._strided, write_back)
 
     def _what(self, gi: int, chunk):
         return lambda: ", ".join(self._name(gi, s.pi) for s in chunk.segments)
 
     def _uses_master(self, p: torch.Tensor) -> bool:
         """Whether the tiers store a master of `p` (else p is its own)."""
-        if p.dtype != torch.float32 or not self._own_masters:
+        if p.dtype != torch.float32 or not self._own_masters or id(p) in self._strided:
             return True
         return d2h.on_device(p) and not self.streamed
 
@@ -245,7 +244,7 @@ class Offloader(StateIO, ChunkStep):
         training = threading.current_thread().name
         self._device_time.poll()  # the last step's device part, if it is done by now
         try:
-            with self.clock.span("other"):
+            with self.clock.span("other"), self.contiguous_data():
                 self._step(grad_scale, found_inf)
             # not through the property: a device time read now would miss the legs
             self._last_stats["legs"] = legs.summarize(self.clock, training,

@@ -118,7 +118,9 @@ class StateIO:
                                          f"{v.numel()} elements, {want} expected (the "
                                          f"parameter has {p.numel()})")
         self.quiet(replacing=True)
-        with filling(self._engine, before_commit) as (journal, flips):
+        # a strided parameter's master is read from it in logical order (strided.py)
+        with self.contiguous_data(write_back=False), \
+                filling(self._engine, before_commit) as (journal, flips):
             for gi, group in enumerate(self.opt.param_groups):
                 params, layout = group["params"], self.layouts[gi]
                 for chunk in layout.chunks:

@@ -26,7 +26,8 @@ optimizer and ours in both directions. Differences, all deliberate:
   * GradScaler's protocol of torch's fused Adam (_step_supports_amp_scaling): the kernel
     unscales the gradients, or the step is skipped (docs/optim.md, "AMP GradScaler");
   * a non-contiguous parameter (a transposed or strided view) is stepped through a contiguous
-    copy that is written back (slower; warned about once); offload refuses such parameters.
+    copy that is written back (slower; warned about once); offload does the same
+    (offload/strided.py), but refuses such parameters with overlap=True or durable=True.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from tierlift.optim.adam_plan import build_plan, plan_grads
 from tierlift.optim.hyper import (
     CODES_KEY,
     SCALE_KEY,
+    check_amsgrad_state,
     check_flags,
     check_group_lr,
     check_group_types,
@@ -600,6 +602,7 @@ class Adam(Optimizer):
 
     def _check_group(self, gi: int, group: dict) -> None:
         self._check_hyper(gi, group)
+        check_amsgrad_state(gi, group, self.state)
         device = None
         for pi, p in enumerate(group["params"]):
             grad = p.grad

@@ -132,6 +132,24 @@ def check_loaded_amsgrad(saved_groups: list, state_dtype: str, laid_out: list | 
                 f"optimizer with amsgrad={amsgrad} to load this state dict. Nothing was changed")
 
 
+def check_amsgrad_state(gi: int, group: dict, state) -> None:
+    """Before a step changes anything: a group switched to amsgrad after its parameters stepped.
+    Their state has no max_exp_avg_sq, where torch's AdamW raises KeyError; starting one from
+    zeros (or from the current exp_avg_sq) would be a choice torch does not make."""
+    if not group["amsgrad"]:
+        return
+    for pi, p in enumerate(group["params"]):
+        st = state.get(p) if p.grad is not None else None
+        if st and "exp_avg" in st and "max_exp_avg_sq" not in st:
+            raise ValueError(
+                f"param_groups[{gi}] has amsgrad=True, but param_groups[{gi}]['params'][{pi}] "
+                "has stepped without it: its state has no 'max_exp_avg_sq' (torch's AdamW "
+                "raises KeyError). To switch to AMSGrad from here, set each such parameter's "
+                "optimizer.state[p]['max_exp_avg_sq'] to the maximum to start from (e.g. "
+                "torch.zeros_like(p, dtype=torch.float32)), or build the optimizer with "
+                "amsgrad=True. Nothing was changed")
+
+
 def saved_codes(state_dict: dict) -> dict:
     """`state_dict` with each compact state's codes under CODES_KEY (an offloaded optimizer's
     read back from the tiers has them under "exp_avg_sq"); the given dict and its per-parameter

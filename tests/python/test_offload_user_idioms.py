@@ -1,0 +1,229 @@
+"""What users commonly do with an optimizer, done with an offloaded one: a model converted with
+model.to(memory_format=torch.channels_last) (or a transposed weight) before the optimizer is
+built, stepped, saved and loaded as torch's AdamW does it, its layout kept; amsgrad switched on
+after steps (torch raises), refused before anything changes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conformance_util import (
+    CHUNK,
+    HYBRID_BUDGET,
+    assert_bitwise,
+    assert_matches_torch,
+    assert_same_snapshot,
+    close,
+    snapshot,
+)
+from torch import nn
+
+import tierlift
+from tierlift.optim import AdamW
+
+pytestmark = pytest.mark.skipif(not tierlift._extension.available(),
+                                reason="compiled extension not loaded")
+
+HYPER = dict(lr=1e-2, weight_decay=0.1)
+# No overlap, no durable: those are refused with strided parameters (test below).
+STRIDED_MODES = {
+    "cpu": dict(offload="cpu"),
+    "nvme1": dict(offload="nvme", nvme_generations=1),
+    "nvme2": dict(offload="nvme"),
+    "hybrid": dict(offload="hybrid", cpu_budget=HYBRID_BUDGET),
+}
+
+
+class Net(nn.Module):
+    """Two convolutions (channels_last after _strided) and a linear layer whose weight is a
+    transposed view: every kind of strided parameter a model brings."""
+
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv1 = nn.Conv2d(3, 16, 3)
+        self.conv2 = nn.Conv2d(16, 32, 3)
+        self.head = nn.Linear(32, 10)
+        self.to(dtype)
+
+    def forward(self, x):
+        x = F.relu(self.conv1(x))
+        x = F.relu(self.conv2(x)).mean((2, 3))
+        return self.head(x)
+
+
+def _strided(model: Net) -> Net:
+    model.to(memory_format=torch.channels_last)
+    w = model.head.weight
+    w.data = w.data.t().contiguous().t()  # the same values, column-major
+    return model
+
+
+def _net(strided: bool, dtype=torch.float32) -> Net:
+    return _strided(Net(dtype)) if strided else Net(dtype)
+
+
+def _fit(model, opt, steps) -> None:
+    dtype = next(model.parameters()).dtype
+    for i in steps:
+        g = torch.Generator().manual_seed(i)
+        x = torch.randn(4, 3, 10, 10, generator=g).to(dtype)
+        y = torch.randn(4, 10, generator=g).to(dtype)
+        F.mse_loss(model(x.to(memory_format=torch.channels_last)).float(), y.float()).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _opt(mode, model, tmp_path, sub="a", **kw):
+    kw = {**HYPER, **STRIDED_MODES[mode], **kw, "chunk_bytes": CHUNK}
+    if kw["offload"] in ("nvme", "hybrid"):
+        path = tmp_path / sub
+        path.mkdir(exist_ok=True)
+        kw["nvme_path"] = str(path)
+    return AdamW(model.parameters(), **kw)
+
+
+def _layouts(model) -> list:
+    return [p.stride() for p in model.parameters()]
+
+
+def _assert_strided(model) -> None:
+    assert model.conv1.weight.is_contiguous(memory_format=torch.channels_last)
+    assert model.conv2.weight.is_contiguous(memory_format=torch.channels_last)
+    assert not model.conv2.weight.is_contiguous()
+    assert model.head.weight.stride() == (1, 10)
+
+
+@pytest.mark.parametrize("mode", list(STRIDED_MODES))
+def test_strided_params_step_save_and_load_as_torch(tmp_path, mode):
+    """Weights and moments as torch's AdamW after 3 steps, the layout kept; a state dict and a
+    checkpoint saved then, loaded into a new strided model and optimizer, continue as torch."""
+    ref = _net(True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), fused=True, **HYPER)
+    _fit(ref, ref_opt, range(3))
+    model = _net(True)
+    layouts = _layouts(model)
+    opt = _opt(mode, model, tmp_path)
+    try:
+        _fit(model, opt, range(3))
+        assert _layouts(model) == layouts
+        _assert_strided(model)
+        assert_matches_torch(model, ref)
+        sd, rsd = opt.state_dict(), ref_opt.state_dict()
+        for i, rst in rsd["state"].items():
+            assert float(sd["state"][i]["step"]) == float(rst["step"])
+            for k in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(sd["state"][i][k], rst[k], rtol=1e-5, atol=1e-9)
+        ck = str(tmp_path / "ckpt")
+        tierlift.checkpoint.save(ck, model, opt)
+        _fit(ref, ref_opt, range(3, 5))
+        for how in ("state_dict", "checkpoint"):
+            again = _net(True)
+            again_opt = _opt(mode, again, tmp_path, sub=how)
+            try:
+                if how == "state_dict":
+                    again.load_state_dict(model.state_dict())
+                    again_opt.load_state_dict(sd)
+                else:
+                    tierlift.checkpoint.load(ck, again, again_opt)
+                _assert_strided(again)
+                _fit(again, again_opt, range(3, 5))
+                assert _layouts(again) == layouts
+                assert_matches_torch(again, ref, what=how)
+            finally:
+                close(again_opt)
+    finally:
+        close(opt)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["cpu", "nvme2"])
+def test_strided_params_step_as_contiguous_ones(tmp_path, mode, dtype):
+    """Bit for bit as the same model with contiguous parameters (bf16: its fp32 masters too)."""
+    got, want = _net(True, dtype), _net(False, dtype)
+    opts = [_opt(mode, got, tmp_path, "s"), _opt(mode, want, tmp_path, "c")]
+    try:
+        # the same gradients (a convolution's backward rounds differently in each layout)
+        for i in range(3):
+            g = torch.Generator().manual_seed(i)
+            for a, b in zip(got.parameters(), want.parameters()):
+                grad = torch.randn(b.shape, generator=g).to(dtype)
+                a.grad, b.grad = torch.empty_like(a).copy_(grad), grad  # each in its layout
+            for o in opts:
+                o.step()
+        _assert_strided(got)
+        assert_bitwise(got, want)
+        (_, sa), (_, sb) = snapshot(got, opts[0]), snapshot(want, opts[1])
+        for i, st in sb["state"].items():
+            for k, v in st.items():
+                assert torch.equal(sa["state"][i][k], v), (i, k)
+    finally:
+        for o in opts:
+            close(o)
+
+
+def test_strided_param_changed_to_another_layout_steps_as_torch(tmp_path):
+    """A parameter laid out strided may take another layout later (its state is held in logical
+    order); torch's AdamW steps it the same. The reference is torch's single-tensor AdamW: its
+    fused one, whose moments keep the old layout, is 14% off it after 2 more steps."""
+    ref, model = _net(True), _net(True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **HYPER)
+    opt = _opt("nvme2", model, tmp_path)
+    try:
+        for m, o in ((ref, ref_opt), (model, opt)):
+            _fit(m, o, range(2))
+            m.to(memory_format=torch.contiguous_format)
+            _fit(m, o, range(2, 4))
+        assert model.conv2.weight.is_contiguous()
+        assert_matches_torch(model, ref)
+    finally:
+        close(opt)
+
+
+@pytest.mark.parametrize("kw", [dict(offload="cpu", overlap=True),
+                                dict(offload="nvme", durable=True)])
+def test_strided_params_refused_with_overlap_or_durable(tmp_path, kw):
+    model = _net(True)
+    if kw["offload"] == "nvme":
+        kw = {**kw, "nvme_path": str(tmp_path)}
+    with pytest.raises(ValueError, match="is not contiguous: (overlap|durable)=True steps"):
+        AdamW(model.parameters(), **kw)
+
+
+def test_parameter_sharing_memory_is_refused(tmp_path):
+    """An expanded parameter: torch's in-place update fails on it too; refused at build."""
+    p = nn.Parameter(torch.zeros(4, 1).expand(4, 3))
+    with pytest.raises(ValueError, match="share memory"):
+        AdamW([p], offload="cpu")
+
+
+@pytest.mark.parametrize("mode", ["none", "cpu", "nvme2"])
+def test_amsgrad_switched_on_after_steps_is_refused_before_any_change(tmp_path, mode):
+    """torch's AdamW raises KeyError ('max_exp_avg_sq'); ours says why, changing nothing. Without
+    offload, a maximum put into the state as the message asks steps as torch steps it."""
+    ref, model = Net(), Net()
+    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **HYPER)
+    kw = {} if mode == "none" else {"chunk_bytes": CHUNK, **STRIDED_MODES[mode]}
+    if mode == "nvme2":
+        kw["nvme_path"] = str(tmp_path)
+    opt = AdamW(model.parameters(), **HYPER, **kw)
+    try:
+        for m, o in ((ref, ref_opt), (model, opt)):
+            _fit(m, o, range(2))
+            o.param_groups[0]["amsgrad"] = True
+        with pytest.raises(KeyError, match="max_exp_avg_sq"):
+            _fit(ref, ref_opt, [2])
+        before = snapshot(model, opt)
+        with pytest.raises(ValueError, match="amsgrad"):
+            _fit(model, opt, [2])
+        assert_same_snapshot(snapshot(model, opt), before, "refused step")
+        if mode != "none":
+            return  # the state kinds of an offloaded optimizer are laid out at construction
+        for m, o in ((ref, ref_opt), (model, opt)):
+            for p in m.parameters():
+                o.state[p]["max_exp_avg_sq"] = torch.zeros_like(p)
+            _fit(m, o, range(2, 4))
+        assert_matches_torch(model, ref)
+    finally:
+        close(opt)
