@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from tierlift.lowp import FP4_RECIPES, RECIPES, convert, float8_linear, fp4_linear
+from tierlift.lowp import FP4_RECIPES, RECIPES, Float8Linear, convert, float8_linear, fp4_linear
 
 ALL_RECIPES = sorted(RECIPES) + sorted(FP4_RECIPES)
 # No random draws in their forward and backward: results repeat without reseeding.
@@ -83,6 +83,27 @@ def test_a_nested_input_is_refused_by_name(recipe):
     x = torch.nested.nested_tensor([torch.randn(3, 64), torch.randn(5, 64)])
     with pytest.raises(TypeError, match="not nested tensors"):
         lin(x)
+
+
+class FusedLossHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(64, 64)
+        self.loss = nn.LinearCrossEntropyLoss(64, 128)  # holds the head as an nn.Linear
+
+    def forward(self, x, target):
+        return self.loss(torch.tanh(self.body(x)), target)
+
+
+@pytest.mark.skipif(not hasattr(nn, "LinearCrossEntropyLoss"), reason="torch without it")
+def test_a_linear_whose_parent_reads_only_its_weight_is_kept_and_says_why(one_thread):
+    # F.linear_cross_entropy takes loss.linear's weight, never its forward: it was reported
+    # converted (even when a filter asked for it) and ran in high precision.
+    model = FusedLossHead()
+    report = convert(model, "fp8-rowwise", lambda mod, fqn: True)
+    assert report.converted == ["body"] and isinstance(model.body, Float8Linear)
+    assert "F.linear_cross_entropy" in report.skipped["loss.linear"]
+    assert type(model.loss.linear) is nn.Linear
 
 
 def _mlp():

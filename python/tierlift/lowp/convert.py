@@ -75,7 +75,9 @@ def convert(model: nn.Module, recipe: str | Float8Recipe | FP4Recipe = "fp8-roww
     gain). Giving both is refused: the filter alone would decide, ignoring min_features. Returns,
     and logs, which layers were converted and why the others were kept. `model` may itself be
     an nn.Linear: it is converted in place too, reported under the name "" (its fqn).
-    The converted linear1/linear2 of an nn.TransformerEncoderLayer get a no-op forward pre-hook
+    An nn.Linear whose parent never calls it (nn.LinearCrossEntropyLoss hands its weight to a
+    fused op) stays, with the reason in the report. The converted linear1/linear2 of an
+    nn.TransformerEncoderLayer get a no-op forward pre-hook
     so that its eval fast path, which would bypass them, stays off (and an nn.TransformerEncoder
     holding them stops making nested tensors).
     """
@@ -98,6 +100,7 @@ def convert(model: nn.Module, recipe: str | Float8Recipe | FP4Recipe = "fp8-roww
                          "tierlift.lowp.convert(model, ...) before shard()")
     report = ConversionReport(recipe=r.name)
     chosen = []  # decided for every layer before any changes (module_filter_fn may raise)
+    bypassed = _bypassed_linears(model)
     for name, mod in model.named_modules():  # a module at several paths comes once
         if isinstance(mod, (Float8Linear, FP4Linear)):
             report.already_converted[name] = f"{type(mod).__name__} ({mod.recipe.name})"
@@ -106,6 +109,9 @@ def convert(model: nn.Module, recipe: str | Float8Recipe | FP4Recipe = "fp8-roww
             continue
         if type(mod) is not nn.Linear:  # MultiheadAttention reads out_proj.weight, not its forward
             report.skipped[name] = f"a subclass of nn.Linear ({type(mod).__name__})"
+            continue
+        if id(mod) in bypassed:
+            report.skipped[name] = bypassed[id(mod)]
             continue
         why = _skip_reason(name, mod, module_filter_fn, min_features, multiple)
         if why is not None:
@@ -118,6 +124,20 @@ def convert(model: nn.Module, recipe: str | Float8Recipe | FP4Recipe = "fp8-roww
     report.converted = chosen
     log.info("%s", report)
     return report
+
+
+def _bypassed_linears(model: nn.Module) -> dict[int, str]:
+    """id -> why, for the nn.Linear children whose parent never calls their forward but hands
+    their weight to a fused op: a low precision class there would be ignored, the layer reported
+    converted while it runs in high precision."""
+    found = {}
+    fused_loss = getattr(nn, "LinearCrossEntropyLoss", None)  # newer torch only
+    if fused_loss is not None:
+        for mod in model.modules():
+            if isinstance(mod, fused_loss) and isinstance(getattr(mod, "linear", None), nn.Linear):
+                found[id(mod.linear)] = ("nn.LinearCrossEntropyLoss hands its weight to "
+                                         "F.linear_cross_entropy, never calling its forward")
+    return found
 
 
 def _runs_its_own_forward(module: nn.Module, args) -> None:
