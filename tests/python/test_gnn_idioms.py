@@ -160,3 +160,25 @@ def test_sampler_refuses_a_graph_whose_node_ids_fall_outside_it():
     good = pyg.data.Data(x=x, edge_index=torch.tensor([[1, 2, 3], [0, 0, 1]]), num_nodes=4)
     node = NeighborSampler(good, [5], seed=0).sample(torch.tensor([0, 1]))[0]
     assert sorted(node.tolist()) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("features", ["labels", "bfloat16", "int8", "bool"])
+def test_everyday_index_and_feature_forms_match_plain_indexing(features):
+    gen = torch.Generator().manual_seed(0)
+    x = {"labels": torch.randint(0, 7, (40,), generator=gen),  # 1-D: one value per node
+         "bfloat16": torch.randn(40, 5, generator=gen).to(torch.bfloat16),
+         "int8": torch.randint(-128, 127, (40, 3), generator=gen, dtype=torch.int8),
+         "bool": torch.rand(40, 2, generator=gen) > 0.5}[features]
+    store = FeatureStore(x, device="cpu")
+    ids = torch.randperm(40, generator=gen)
+    for index in (ids[::3],  # strided
+                  torch.tensor(5).expand(4),  # expanded: one id, stride 0
+                  ids[:9].int(),  # int32, as DGL and pyg-lib give
+                  torch.cat([ids[:4], ids[:4]]),  # duplicates
+                  torch.empty(0, dtype=torch.long)):
+        got = store.gather(index)
+        assert got.dtype == x.dtype and torch.equal(got, x[index.long()])
+    with pytest.raises(IndexError, match=r"index\[1\] = -1"):  # x[-1] wraps; refused here
+        store.gather(torch.tensor([0, -1]))
+    with pytest.raises(TypeError, match="int32 or int64"):  # a mask: use mask.nonzero()
+        store.gather(torch.ones(40, dtype=torch.bool))
