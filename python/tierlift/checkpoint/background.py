@@ -13,7 +13,6 @@ at the next save, or at close(); a process killed at any point leaves it loadabl
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -269,6 +268,7 @@ class Vote:
         self.rank, self.world, self.reduce = rank, world, reduce
         self.reasons: dict[int, str] = {}
         self.groups: list[list[int]] = [list(range(world))]  # ranks by `same` (see __call__)
+        self.held: list[bytes] = []  # each rank's `same`, by rank (see __call__)
 
     def __call__(self, ok: bool, error: BaseException | None = None,
                  same: bytes = b"") -> list[int]:
@@ -286,9 +286,10 @@ class Vote:
             self.reasons = exchange_reasons(self.rank, self.world, self.reduce,
                                             None if ok else describe(error))
         elif same:
+            self.held = [bytes(t[r, 1:].tolist()) for r in range(self.world)]
             held: dict[bytes, list[int]] = {}
-            for r in range(self.world):
-                held.setdefault(bytes(t[r, 1:].tolist()), []).append(r)
+            for r, b in enumerate(self.held):
+                held.setdefault(b, []).append(r)
             self.groups = sorted(held.values())
         return failed
 
@@ -321,9 +322,23 @@ def side_vote(comm) -> Vote:
     return Vote(comm.rank, comm.world, reduce)
 
 
-def path_digest(path: str) -> bytes:
-    """What the ranks of one save compare: the absolute path each was given."""
-    return hashlib.sha256(os.path.abspath(path).encode(errors="replace")).digest()[:16]
+_WRITES_NOTHING = b"\xff" * 16  # a rank that writes no file of the save: any folder will do
+_SEES_NO_CLAIM = b"\x00" * 16
+
+
+def claim_seen(tmp: str, writes: bool) -> bytes:
+    """What this rank sees of rank 0's claim: the token in `tmp`'s owner file. The ranks that
+    write files must all see rank 0's: the same folder, however each one's path names it (a
+    symbolic link, a relative path, a bind mount, a shared file system mounted elsewhere on
+    another node); a folder of its own (even under the same name, on a node's local drive)
+    holds no such claim."""
+    if not writes:
+        return _WRITES_NOTHING
+    try:
+        with open(os.path.join(tmp, OWNER)) as f:
+            return bytes.fromhex(json.load(f)["token"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return _SEES_NO_CLAIM
 
 
 def refuse(vote: Vote, error: BaseException, path: str) -> None:
@@ -331,7 +346,7 @@ def refuse(vote: Vote, error: BaseException, path: str) -> None:
     `path`.tmp: it votes with the others' claim (Job.claim), so that they raise too instead
     of waiting, then raises `error`."""
     try:
-        failed = vote(False, error, path_digest(path))
+        failed = vote(False, error)
     except Exception as e:  # noqa: BLE001 - a peer is gone too; this rank's error goes on
         error.add_note(f"(and the ranks could not agree on the failure: {e})")
     else:
@@ -350,7 +365,11 @@ class Job:
         whether `path` may be an existing checkpoint (else it must be new, or an empty
         directory). `estimate()`: the bytes this rank writes, for a full drive's error before
         the files are known."""
-        self.path, self.tmp, self.blocking = path, path + ".tmp", blocking
+        self.path, self.blocking = path, blocking
+        # Files go where `path` named at the save, even if the process changes its working
+        # directory while a background save writes (`path` stays for the messages).
+        self.where = os.path.abspath(path)
+        self.tmp = self.where + ".tmp"
         self.replace, self.estimate = replace, estimate
         need = stream.held_chunk_bytes(off) if off is not None else 0
         cap = getattr(getattr(off, "config", None), "cpu_budget", None) or BLOCKING_BUDGET
@@ -374,22 +393,28 @@ class Job:
         if blocking or staging_budget is not None:
             self.writer.go.set()  # writes while the training thread fills the next piece
 
-    def claim(self, rank: int, vote: Vote) -> None:
+    def claim(self, rank: int, vote: Vote, writes: bool = True) -> None:
         """Rank 0 claims `path`.tmp (claim()); every rank learns whether it could, and all
-        raise if not (on the training thread, inside save(), where every rank is)."""
+        raise if not (on the training thread, inside save(), where every rank is). Then every
+        rank that `writes` files must see that claim in its own `path`.tmp (claim_seen): else
+        rank 0 would publish a checkpoint without its files, over the last good one."""
         error = None
         try:
             if rank == 0:
-                self.token = claim(self.tmp, self.path, self.replace)
+                self.token = claim(self.tmp, self.where, self.replace)
         except BaseException as e:  # noqa: BLE001 - every rank learns of it below
             error = self._explain(e) or e
-        failed = vote(error is None, error, path_digest(self.path))
-        if not failed and len(vote.groups) > 1:  # rank 0 would publish a checkpoint without
-            # the others' files, over the last good one
-            error = RuntimeError(
-                f"saving {self.path}: the ranks were given different paths (ranks grouped by "
-                f"path: {vote.groups}; rank {rank} has {os.path.abspath(self.path)!r}); "
-                "nothing was saved. Give every rank the same checkpoint path")
+        failed = vote(error is None, error)
+        if not failed and vote.world > 1:
+            vote(True, None, claim_seen(self.tmp, writes or rank == 0))
+            elsewhere = [r for r, seen in enumerate(vote.held)
+                         if seen not in (vote.held[0], _WRITES_NOTHING)]
+            if elsewhere:
+                error = RuntimeError(
+                    f"saving {self.path}: the ranks were given different paths: rank(s) "
+                    f"{elsewhere} do not see the save rank 0 started in its temporary folder "
+                    f"(rank {rank} has {self.tmp!r}); nothing was saved. "
+                    "Give every rank the same checkpoint folder")
         if failed or error is not None:
             error = error or RuntimeError(f"saving {self.path} was refused on "
                                           f"{vote.others(failed)}; nothing was saved")
@@ -398,7 +423,7 @@ class Job:
 
     def publish(self, meta: dict) -> None:
         """Rank 0 (the claimer): metadata.json, manifest.json, `tmp` becomes `path`."""
-        publish(self.tmp, self.path, meta, token=self.token, replace=self.replace)
+        publish(self.tmp, self.where, meta, token=self.token, replace=self.replace)
 
     def _explain(self, error: BaseException) -> OSError | None:
         """A failed write's error naming the path and the cause (else None): a full drive's

@@ -27,7 +27,7 @@ import shutil
 
 import torch
 
-from tierlift.checkpoint import dcp_reader, outputs, replicated, targets
+from tierlift.checkpoint import dcp_reader, in_flight, outputs, replicated, targets
 from tierlift.checkpoint import format as fmt
 from tierlift.checkpoint.order import strip_wrappers
 from tierlift.io.fsync import fsync_path
@@ -74,6 +74,7 @@ def export_hf(checkpoint: str, out_dir: str, *, max_shard_size: str | int = "5GB
         raise ImportError("--format hf needs the safetensors package (pip install "
                           "safetensors)") from e
     limit = parse_size(max_shard_size)
+    in_flight.before_load(checkpoint)  # this process's background save of it lands first
     checkpoint = fmt.resolve_dir(os.fspath(checkpoint))
     fmt.read_metadata(checkpoint, verify)  # a clear error before anything is written
     out_dir = os.fspath(out_dir).rstrip(os.sep) or os.sep

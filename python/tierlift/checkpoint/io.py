@@ -105,7 +105,8 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
                              estimate=lambda: background.estimate_bytes(model, optimizer, off))
     except BaseException as e:
         background.refuse(background.training_vote(everyone), e, path)
-    job.claim(everyone.rank, background.training_vote(everyone))
+    job.claim(everyone.rank, background.training_vote(everyone),
+              writes=state.topology.primary)
     try:
         if state.topology.primary:
             _stage_shard(job, state, model, optimizer, off)

@@ -56,7 +56,7 @@ def save(path: str, model: torch.nn.Module, optimizer, extra: dict | None, *,
                              estimate=lambda: background.estimate_bytes(model, optimizer, off))
     except BaseException as e:
         background.refuse(background.training_vote(comm), e, path)
-    job.claim(rank, background.training_vote(comm))
+    job.claim(rank, background.training_vote(comm), writes=rank == 0)  # rank 0 alone
     fields = None
     try:
         if rank == 0:

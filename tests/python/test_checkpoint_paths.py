@@ -1,0 +1,251 @@
+"""One checkpoint folder however its path names it: a read of the folder this process's
+background save is writing (export_hf, the CLI's exports, full_state_dict,
+optimizer_state_dict) waits for that save and gets the new checkpoint, exactly, or the save's
+error, when the folder is reached through a symbolic link, a relative path, `a/../a`, a
+trailing slash or a bind mount; a read of another folder does not wait. A background save of a
+relative path writes where the path named at the save, even after a chdir. Ranks that reach
+one folder by different paths save into it; ranks given different folders are refused
+(one spawn of 2 gloo ranks)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import threading
+
+import pytest
+import torch
+from zero_model import make_model, raised, spawn_ranks
+
+import tierlift
+from tierlift.checkpoint import handoff
+from tierlift.checkpoint import writer as ckpt_writer
+from tierlift.checkpoint.__main__ import main as cli
+
+
+def _trained(seed: int):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _step(model, opt)
+    return model, opt
+
+
+def _step(model, opt):
+    model(torch.randn(4, 6)).square().sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _copy(sd: dict) -> dict:
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
+
+
+def _same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def _same_optim(a: dict, b: dict) -> None:
+    assert json.loads(json.dumps(a["param_groups"])) == json.loads(json.dumps(b["param_groups"]))
+    assert a["state"].keys() == b["state"].keys()
+    for i in a["state"]:
+        _same({k: torch.as_tensor(v) for k, v in a["state"][i].items()},
+              {k: torch.as_tensor(v) for k, v in b["state"][i].items()})
+
+
+@pytest.fixture
+def gated(monkeypatch):
+    """Holds every background write until the returned event is set."""
+    gate = threading.Event()
+    write = ckpt_writer.Writer._write
+    monkeypatch.setattr(ckpt_writer.Writer, "_write",
+                        lambda writer, piece: (gate.wait(60), write(writer, piece))[1])
+    yield gate
+    gate.set()
+
+
+def _in_flight(ck: str, gate, open_after: float | None = 0.3):
+    """A checkpoint at `ck`, then a background save of a later state to it, held by `gate`
+    (opened `open_after` s later): returns (handle, model state dict, optimizer state dict)
+    of it."""
+    model, opt = _trained(0)
+    gate.set()
+    tierlift.checkpoint.save(ck, model, opt)  # the previous checkpoint, a step before
+    gate.clear()
+    _step(model, opt)
+    weights, optim = _copy(model.state_dict()), opt.state_dict()
+    optim = {"state": {i: _copy(st) for i, st in optim["state"].items()},
+             "param_groups": optim["param_groups"]}
+    h = tierlift.checkpoint.save(ck, model, opt, blocking=False)
+    _step(model, opt)  # training goes on: the save holds the state at save()
+    if open_after is not None:
+        threading.Timer(open_after, gate.set).start()
+    return h, weights, optim
+
+
+def _hf(out: str) -> dict:
+    from safetensors.torch import load_file
+    return load_file(os.path.join(out, "model.safetensors"))
+
+
+READERS = {
+    "export_hf": lambda ck, out: (handoff.export_hf(ck, out), _hf(out))[1],
+    "cli_export_hf": lambda ck, out: (cli(["export", ck, out, "--format", "hf"]), _hf(out))[1],
+    "full_state_dict": lambda ck, out: tierlift.checkpoint.full_state_dict(ck),
+}
+
+
+@pytest.mark.parametrize("reader", list(READERS))
+def test_a_read_of_the_folder_being_saved_gets_the_new_checkpoint(tmp_path, gated, reader):
+    """export_hf (and the CLI's --format hf) read the checkpoint before the one in flight,
+    without a word; they wait for it, as full_state_dict does."""
+    ck = str(tmp_path / "ck")
+    h, weights, _ = _in_flight(ck, gated)
+    got = READERS[reader](ck, str(tmp_path / "out"))
+    assert h.done()
+    _same(got, weights)
+
+
+def test_the_cli_exports_of_the_folder_being_saved_get_the_new_checkpoint(tmp_path, gated):
+    ck = str(tmp_path / "ck")
+    h, weights, optim = _in_flight(ck, gated)
+    assert cli(["export", ck, str(tmp_path / "model.pt")]) == 0
+    assert h.done()
+    _same(torch.load(tmp_path / "model.pt"), weights)
+    assert cli(["export-optimizer", ck, str(tmp_path / "optim.pt")]) == 0
+    _same_optim(torch.load(tmp_path / "optim.pt"), optim)
+    _same_optim(tierlift.checkpoint.optimizer_state_dict(ck), optim)
+
+
+def test_export_hf_raises_the_failed_save_and_writes_nothing(tmp_path, gated, monkeypatch):
+    def drive_full(self, buf, runs):
+        raise OSError(errno.ENOSPC, "injected: no space left on device")
+
+    ck, out = str(tmp_path / "ck"), str(tmp_path / "hf")
+    model, opt = _trained(0)
+    gated.set()
+    tierlift.checkpoint.save(ck, model, opt)  # written before the drive "fills"
+    _step(model, opt)
+    monkeypatch.setattr(ckpt_writer.Writer, "_submit", drive_full)
+    tierlift.checkpoint.save(ck, model, opt, blocking=False)
+    with pytest.raises(OSError, match="no space left"):
+        handoff.export_hf(ck, out)
+    assert not os.path.exists(out)
+
+
+def _bind(src: str, dst: str) -> bool:
+    os.makedirs(dst)
+    return subprocess.run(["mount", "--bind", src, dst], capture_output=True).returncode == 0
+
+
+@pytest.mark.parametrize("alias", ["symlink", "relative", "dotdot", "trailing_slash", "bind"])
+def test_an_alias_of_the_folder_being_saved_waits_for_the_save(tmp_path, gated, monkeypatch,
+                                                                alias):
+    real = tmp_path / "real"
+    real.mkdir()
+    h, weights, optim = _in_flight(str(real / "ck"), gated)
+    bound = str(tmp_path / "bound")
+    if alias == "bind" and not _bind(str(real), bound):
+        gated.set()
+        h.wait()
+        pytest.skip("mount --bind is not permitted here")
+    try:
+        if alias == "symlink":
+            os.symlink(real, tmp_path / "link")
+            path = str(tmp_path / "link" / "ck")
+        elif alias == "relative":
+            monkeypatch.chdir(real)
+            path = "ck"
+        elif alias == "dotdot":
+            path = str(real / ".." / "real" / "ck")
+        elif alias == "trailing_slash":
+            path = str(real / "ck") + "/"
+        else:
+            path = os.path.join(bound, "ck")
+        _same(tierlift.checkpoint.full_state_dict(path), weights)
+        assert h.done()
+        _same_optim(tierlift.checkpoint.optimizer_state_dict(path), optim)
+    finally:
+        if alias == "bind":
+            subprocess.run(["umount", bound], check=True)
+
+
+def test_a_read_of_another_folder_does_not_wait(tmp_path, gated):
+    other_model, other_opt = _trained(7)
+    gated.set()
+    for other in ("ck2", "sub/ck"):  # a sibling; one of the same name elsewhere
+        tierlift.checkpoint.save(str(tmp_path / other), other_model, other_opt)
+    h, weights, _ = _in_flight(str(tmp_path / "ck"), gated, open_after=None)
+    try:
+        for other in ("ck2", "sub/ck"):
+            _same(tierlift.checkpoint.full_state_dict(str(tmp_path / other)),
+                  other_model.state_dict())
+        assert not h.done()
+    finally:
+        gated.set()
+    h.wait()
+    _same(tierlift.checkpoint.full_state_dict(str(tmp_path / "ck")), weights)
+
+
+def test_a_relative_background_save_lands_where_it_named_after_a_chdir(tmp_path, gated,
+                                                                      monkeypatch):
+    """Before, the writer opened its files relative to the new working directory: the save
+    failed, and a read of its folder by its absolute path did not wait for it."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    h, weights, _ = _in_flight("ck", gated, open_after=None)
+    monkeypatch.chdir(tmp_path / "b")
+    gated.set()
+    _same(tierlift.checkpoint.full_state_dict(str(tmp_path / "a" / "ck")), weights)
+    assert h.done()
+    h.wait()
+    assert os.listdir(tmp_path / "b") == []
+
+
+def _ranks(rank: int, world: int, tmp: str) -> dict:
+    """A sharded model saved by ranks that reach one folder by different paths (a symbolic
+    link, a relative path), then by ranks given folders of their own."""
+    out = {}
+    model = tierlift.zero.shard(make_model(seed=5), stage=3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    real = os.path.join(tmp, "real")
+    if rank == 0:
+        os.makedirs(real)
+        os.symlink(real, os.path.join(tmp, "link"))
+    torch.distributed.barrier()
+    os.chdir(tmp)
+    given = {0: os.path.join(real, "ck"), 1: os.path.join("link", "ck")}[rank]
+    out["alias"] = raised(lambda: tierlift.checkpoint.save(given, model, opt,
+                                                           extra={"step": 1}))
+    try:
+        tierlift.checkpoint.save(given, model, opt, extra={"step": 2}, blocking=False).wait()
+        out["alias_background"] = "<no error>"
+    except Exception:  # noqa: BLE001 - the test reads it
+        import traceback
+        out["alias_background"] = traceback.format_exc()
+    out["full"] = tierlift.zero.full_state_dict(model)
+    # each rank a folder of its own, of the same name (node-local drives)
+    own = os.path.join(tmp, f"node{rank}")
+    os.makedirs(own)
+    os.chdir(own)
+    out["own"] = raised(lambda: tierlift.checkpoint.save("ck", model, opt, extra={"step": 3}))
+    out["own_tmp_left"] = os.path.exists(os.path.join(own, "ck.tmp"))
+    torch.distributed.barrier()
+    return out
+
+
+def test_ranks_reaching_one_folder_by_different_paths_save_into_it(tmp_path):
+    got = spawn_ranks(_ranks, str(tmp_path))
+    for r in range(2):
+        assert got[r]["alias"] == "<no error>", got[r]["alias"]
+        assert got[r]["alias_background"] == "<no error>", got[r]["alias_background"]
+        assert "the ranks were given different paths" in got[r]["own"], got[r]["own"]
+        assert not got[r]["own_tmp_left"]
+    _same(tierlift.checkpoint.full_state_dict(str(tmp_path / "real" / "ck")), got[0]["full"])
+    for r in range(2):
+        assert not os.path.exists(tmp_path / f"node{r}" / "ck")
