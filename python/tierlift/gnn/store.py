@@ -165,6 +165,14 @@ def _check_size(path: Path, start: int, shape, np_dtype, exact: str | None = Non
 class FeatureStore:
     """Host-resident feature rows gathered into GPU (or CPU) tensors.
 
+    The features must not change once the store is built: rows are read from their memory at
+    each gather, except a CUDA store's cached rows and pin="copy" copy, taken at build. Changes
+    torch can see (in-place ops, which count a version; new memory under the tensor, as
+    `features.data = ...` or a module's `.half()` give) make gather raise, on every device.
+    Changes it cannot see (through numpy or a rewritten file, `features.data.mul_()`, inference
+    tensors, torch's fused=True optimizers) would mix old and new rows on such a CUDA store:
+    build a new store after editing the features.
+
     Args:
         features: CPU tensor (contiguous, at least 1-D, rows along dim 0) or path to an .npy
             file or a raw file (then give dtype= and shape=); files are memory-mapped.
