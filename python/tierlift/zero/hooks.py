@@ -42,7 +42,15 @@ from torch.utils.hooks import RemovableHandle
 
 from tierlift._shards import register_shard
 from tierlift.offload.legs import ModelLegs
-from tierlift.zero import frozen, grad_scaler, rewrites, torch_calls, unused
+from tierlift.zero import (
+    averaged,
+    frozen,
+    grad_scaler,
+    pre_hook_order,
+    rewrites,
+    torch_calls,
+    unused,
+)
 from tierlift.zero.buffers import BufferSync
 from tierlift.zero.comm import flags_on, work_done
 from tierlift.zero.config import ShardConfig
@@ -111,6 +119,8 @@ class ZeroState:
         self.forwarding = 0              # root forwards running (their units were checked)
         self.shard_slots = rewrites.shard_slots(units)  # where each module holds its shard
         self.post_hooks: dict[int, list] = {}  # id(module) -> [hook count seen, our hook ids]
+        self.pre_hooks: dict[int, list] = {}  # id(module) -> our pre-hooks (pre_hook_order.py)
+        self.ran_early: set = set()  # (id(module), key): run by the global pre-hook this call
         self._shard_ids = {id(u.shard) for u in units}
         self.unit_of = {id(u.shard): u for u in units}
         for u in units:  # which parameters got gradients (unused.py)
@@ -135,11 +145,15 @@ class ZeroState:
         # Pre-hooks first, before the user's (weight_norm's and pruning's recompute the weight
         # from the sharded ones, which must be gathered), the root's before the root unit's:
         # each is prepended, so the last registered runs first.
+        # Kept first also past pre-hooks registered after shard() with prepend=True, and run
+        # before global module pre-hooks (pre_hook_order.py).
+        pre_hook_order.install()
         for i, unit in reversed(list(enumerate(self.units))):
-            self.handles.append(unit.module.register_forward_pre_hook(
-                _bind(ref, "_pre_forward", i), prepend=True))
-        self.handles.append(self.root.register_forward_pre_hook(
-            _bind(ref, "_root_pre_forward"), prepend=True))
+            self.handles.append(pre_hook_order.register_first(
+                self, unit.module, i, _bind(ref, "_pre_forward", i)))
+        self.handles.append(pre_hook_order.register_first(
+            self, self.root, None, _bind(ref, "_root_pre_forward")))
+        pre_hook_order.ensure_global_first(needed=True)
         # Post-hooks last, after the user's (which may read the weights a stage-3 unit frees
         # here): kept last also past hooks registered after shard() (_keep_post_hooks_last).
         self._post_hook(self.root, self.root.register_forward_hook(
@@ -161,6 +175,7 @@ class ZeroState:
         grad_scaler.install()  # GradScaler's inf check agreed over the ranks
         torch_calls.install()  # torch's clip_grad_norm_ global, param groups checked
         rewrites.install()  # model.to(dtype), pruning, weight norm refused before any change
+        averaged.install()  # an AveragedModel built before shard() averages the full weights
         before = _bind(ref, "_before_optimizer_step", traced=True)
         before.leaves_grads = True  # only checks: GradScaler's check stays valid (scaler_scan)
         after = _bind(ref, "_after_optimizer_step", traced=True)
@@ -270,6 +285,9 @@ class ZeroState:
 
     # ---- forward ----
     def _root_pre_forward(self, module, args):
+        if self.ran_early and pre_hook_order.ran_early(self, module, None):
+            return
+        pre_hook_order.ensure_global_first()
         self.forwarding += 1  # _root_forward_ended takes it back, also when this raises
         if _DEAD_STEP_HOOKS:
             _remove_dead_step_hooks()
@@ -300,6 +318,7 @@ class ZeroState:
     def _root_forward_ended(self, module, args, output):
         # Not below 0: a global pre-hook that raised before the root's pre-hook ran.
         self.forwarding = max(self.forwarding - 1, 0)
+        self.ran_early.clear()  # left by a global pre-hook that raised after tierlift's
 
     def _root_post_forward(self, module, args, output):
         self.order_done = True
@@ -309,6 +328,8 @@ class ZeroState:
         return output
 
     def _pre_forward(self, unit: FlatUnit, module, args):
+        if self.ran_early and pre_hook_order.ran_early(self, module, self.units.index(unit)):
+            return
         if not self.forwarding:
             # The module called on its own (or recomputed in backward): the root's checks did
             # not run for this call.
