@@ -106,6 +106,16 @@ def test_a_linear_whose_parent_reads_only_its_weight_is_kept_and_says_why(one_th
     assert type(model.loss.linear) is nn.Linear
 
 
+def test_a_plain_linear_set_as_attention_out_proj_is_kept_and_says_why():
+    # MultiheadAttention hands out_proj.weight to F.multi_head_attention_forward; its own
+    # out_proj is a subclass (kept), a plain nn.Linear put there was reported converted.
+    attn = nn.MultiheadAttention(64, 4, batch_first=True)
+    attn.out_proj = nn.Linear(64, 64)
+    report = convert(attn, "fp8-rowwise", min_features=0)
+    assert report.converted == [] and type(attn.out_proj) is nn.Linear
+    assert "F.multi_head_attention_forward" in report.skipped["out_proj"]
+
+
 def _mlp():
     return nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 32))
 

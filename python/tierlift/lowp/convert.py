@@ -75,8 +75,9 @@ def convert(model: nn.Module, recipe: str | Float8Recipe | FP4Recipe = "fp8-roww
     gain). Giving both is refused: the filter alone would decide, ignoring min_features. Returns,
     and logs, which layers were converted and why the others were kept. `model` may itself be
     an nn.Linear: it is converted in place too, reported under the name "" (its fqn).
-    An nn.Linear whose parent never calls it (nn.LinearCrossEntropyLoss hands its weight to a
-    fused op) stays, with the reason in the report. The converted linear1/linear2 of an
+    An nn.Linear whose parent never calls it but hands its weight to a fused op
+    (nn.LinearCrossEntropyLoss's, a plain nn.Linear set as an nn.MultiheadAttention's out_proj)
+    stays, with the reason in the report. The converted linear1/linear2 of an
     nn.TransformerEncoderLayer get a no-op forward pre-hook
     so that its eval fast path, which would bypass them, stays off (and an nn.TransformerEncoder
     holding them stops making nested tensors).
@@ -130,13 +131,17 @@ def _bypassed_linears(model: nn.Module) -> dict[int, str]:
     """id -> why, for the nn.Linear children whose parent never calls their forward but hands
     their weight to a fused op: a low precision class there would be ignored, the layer reported
     converted while it runs in high precision."""
-    found = {}
+    readers = [(nn.MultiheadAttention, "out_proj", "F.multi_head_attention_forward")]
     fused_loss = getattr(nn, "LinearCrossEntropyLoss", None)  # newer torch only
     if fused_loss is not None:
-        for mod in model.modules():
-            if isinstance(mod, fused_loss) and isinstance(getattr(mod, "linear", None), nn.Linear):
-                found[id(mod.linear)] = ("nn.LinearCrossEntropyLoss hands its weight to "
-                                         "F.linear_cross_entropy, never calling its forward")
+        readers.append((fused_loss, "linear", "F.linear_cross_entropy"))
+    found = {}
+    for mod in model.modules():
+        for cls, attr, op in readers:
+            child = getattr(mod, attr, None) if isinstance(mod, cls) else None
+            if isinstance(child, nn.Linear):
+                found[id(child)] = (f"{type(mod).__name__}.{attr}: its parent hands the weight to "
+                                    f"{op}, never calling its forward")
     return found
 
 
