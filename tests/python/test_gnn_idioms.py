@@ -72,6 +72,14 @@ def test_features_given_new_memory_after_the_store_are_refused():
     assert not out.any()  # refused before writing
     with FeatureStore(x, device="cpu") as fresh:  # a new store reads the tensor as it is now
         assert torch.equal(fresh.gather(index), x[index])
+    # Swapped twice between gathers: the second new memory may sit where the first was freed.
+    for _ in range(3):
+        y = torch.randn(20, 6)
+        store = FeatureStore(y, device="cpu")
+        for _ in range(2):
+            y.data = y.data + 1
+        with pytest.raises(RuntimeError, match="holds other memory"):
+            store.gather(index)
     # A frozen embedding served by a store, then the model converted (`.half()` replaces the
     # weight's memory the same way): refused with the same message, not an op error.
     emb = torch.nn.Embedding(12, 4).requires_grad_(False)
@@ -88,10 +96,19 @@ def test_a_store_and_its_copies_still_gather_when_the_features_keep_their_memory
     x = torch.randn(20, 6)
     store = FeatureStore(x, device="cpu")
     index = torch.tensor([0, 19, 4])
-    for twin in (pickle.loads(pickle.dumps(store)), copy.deepcopy(store), copy.copy(store)):
+    from multiprocessing.reduction import ForkingPickler
+
+    # What a spawned DataLoader worker receives: ForkingPickler moves x's bytes into shared
+    # memory (the same storage, a new address), which is not new memory under x.
+    shared = pickle.loads(ForkingPickler.dumps(store))
+    assert x.is_shared()
+    for twin in (shared, pickle.loads(pickle.dumps(store)), copy.deepcopy(store),
+                 copy.copy(store), store):
         assert torch.equal(twin.gather(index), x[index])
     _ = x.view(6, 20), x.t(), x.contiguous()  # views and no-op calls do not move its memory
     assert torch.equal(store.gather(index), x[index])
+    store.close()
+    assert pickle.loads(pickle.dumps(store)).closed
 
 
 def test_pyg_update_tensor_keeps_the_old_rows_when_the_new_ones_are_refused():

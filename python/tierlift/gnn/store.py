@@ -135,11 +135,21 @@ def _check_given(actual_dtype, actual_shape, dtype, shape, source: str, hint: st
                          f"reshape")
 
 
-def _memory_state(tensor: torch.Tensor) -> tuple:
-    """What gather compares to tell whether the features changed since the store was built:
-    their version counter (in-place edits), and the memory, shape and dtype they view (which
-    features.data = ... replaces without counting a version)."""
-    return tensor._version, tensor.data_ptr(), tuple(tensor.shape), tensor.dtype
+def _watch(held, tensor: torch.Tensor) -> tuple:
+    """(held, then what gather compares to tell whether the features changed since the store
+    was built): their version counter (in-place edits), and the storage, offset, shape and
+    dtype they view, which features.data = ... replaces without counting a version. The storage
+    by identity, held weakly: share_memory_() (a spawned worker's pickling) moves its bytes
+    but keeps it, and a storage freed since can never compare equal."""
+    return (held, tensor._version, weakref.ref(tensor.untyped_storage()), *_layout(tensor))
+
+
+def _layout(tensor: torch.Tensor) -> tuple:
+    return tensor.storage_offset(), tuple(tensor.shape), tensor.dtype
+
+
+def _moved(tensor: torch.Tensor, watched: tuple) -> bool:
+    return tensor.untyped_storage() is not watched[2]() or _layout(tensor) != watched[3:]
 
 
 def _check_size(path: Path, start: int, shape, np_dtype, exact: str | None = None) -> None:
@@ -233,7 +243,7 @@ class FeatureStore:
         self._watched = None
         if isinstance(features, torch.Tensor) and not features.is_inference():
             held = features if features is table else weakref.ref(features)
-            self._watched = (held, *_memory_state(features))
+            self._watched = _watch(held, features)
         self.num_rows = table.shape[0]
         self.row_shape = tuple(table.shape[1:])
         self.dtype = table.dtype
@@ -387,7 +397,7 @@ class FeatureStore:
             self._registration.close()
         self._registration = None
         self._table = self._cache_table = self._cache_slots = self._counts = None
-        self._bad = self._bad_host = None
+        self._bad = self._bad_host = self._watched = None
 
     def __enter__(self):
         return self
@@ -446,8 +456,7 @@ class FeatureStore:
         new._watched = self._watched
         if self._watched is not None and isinstance(self._watched[0], torch.Tensor):
             # It held its table, the features themselves: the copy holds its own (as built).
-            new._watched = ((table if table is new._table else weakref.ref(table)),
-                            *_memory_state(table))
+            new._watched = _watch(table if table is new._table else weakref.ref(table), table)
         for key in ("_cache_table", "_cache_slots", "_counts"):
             value = getattr(self, key)
             setattr(new, key, None if value is None else value.clone())
@@ -467,13 +476,15 @@ class FeatureStore:
                         "_bad", "_bad_host", "_watched"):
                 state[key] = None
             state["_pickled_cuda"] = True
+        elif self._watched is not None:  # the held tensor; the rest is remade on unpickling
+            state["_watched"] = self._watched[:1]
         return state
 
     def __setstate__(self, state):
         """Unpickled (a spawned worker's copy): its tensor is new, with a version of its own."""
         self.__dict__.update(state)
         if self._watched is not None and isinstance(self._watched[0], torch.Tensor):
-            self._watched = (self._watched[0], *_memory_state(self._watched[0]))
+            self._watched = _watch(self._watched[0], self._watched[0])
 
     def __len__(self) -> int:
         return self.num_rows
@@ -502,7 +513,7 @@ class FeatureStore:
                 "carry no gradient back and the features would never train. Gather with plain "
                 "indexing (features[index]) to train them, or build the store from "
                 "features.detach() for a constant table")
-        if watched is not None and _memory_state(watched)[1:] != self._watched[2:]:
+        if watched is not None and _moved(watched, self._watched):
             raise RuntimeError(
                 "FeatureStore: its features tensor holds other memory (or another shape or "
                 "dtype) than when the store was built (features.data = ..., or a module's "
