@@ -9,7 +9,9 @@ whole batch (what DDP computes):
   pre-hooks and read what the plain model's hooks read.
 - torch.optim.swa_utils.AveragedModel (SWA, and EMA through get_ema_multi_avg_fn) built before
   shard(): update_parameters(model) zipped the copy with the flat shards (torch's shape error,
-  or a wrong average where a shard's length broadcast). It now averages the full weights.
+  or a wrong average where a shard's length broadcast). It now averages the full weights;
+  with BatchNorm and use_buffers=True, the rank's own buffers, as DDP (run on the same ranks
+  as the reference there), and update_bn on the sharded model gives DDP's statistics.
 - a shadow EMA of model.parameters() after shard() (diffusers' EMAModel: step, store, copy_to
   for an eval, restore): elementwise over the shards, exact as it was; proved here.
 """
@@ -19,7 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn, update_bn
 from zero_model import spawn_ranks
 
 import tierlift
@@ -169,17 +171,39 @@ def _shadow_ema(model: nn.Module, world: int = 1, rank: int = 0) -> dict:
     return out
 
 
+def _batchnorm_averaged(model_fn, world: int, rank: int) -> dict:
+    """With BatchNorm (each rank normalizes its own slice, so the reference is DDP, run on the
+    same ranks): an EMA AveragedModel with use_buffers=True built before shard() (`model_fn`
+    shards or wraps in DDP), then update_bn on the trained model itself and an eval."""
+    base = _mlp(nn.BatchNorm1d)
+    ema = AveragedModel(base, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+    model = model_fn(base)
+    _train(model, [x.chunk(world)[rank] for x in _batches(STEPS)],
+           lambda: ema.update_parameters(base))
+    out = {"ema": {k: v.clone() for k, v in ema.module.state_dict().items()}}
+    update_bn([x.chunk(world)[rank] for x in _batches(2, rows=8)], model)
+    out["stats"] = {k: v.clone() for k, v in base.named_buffers()}
+    model.eval()
+    with torch.no_grad():
+        out["eval"] = model(_batches(1)[0])
+    return out
+
+
 def _cases(rank: int, world: int, tmp: str) -> dict:
     out = {}
     for stage in STAGES:
         cases = {"reading": lambda st: _run_reading(_shard(_mlp(), st), world, rank),
                  "averaged": lambda st: _averaged_models(lambda m: _shard(m, st), world, rank),
-                 "shadow": lambda st: _shadow_ema(_shard(_mlp(), st), world, rank)}
+                 "shadow": lambda st: _shadow_ema(_shard(_mlp(), st), world, rank),
+                 "batchnorm": lambda st: _batchnorm_averaged(lambda m: _shard(m, st), world,
+                                                             rank)}
         for name, case in cases.items():
             try:
                 out[f"{name}/{stage}"] = case(stage)
             except Exception as e:  # noqa: BLE001 - sent back for the test to show
                 out[f"{name}/{stage}"] = f"{type(e).__name__}: {e}"
+    out["batchnorm/ddp"] = _batchnorm_averaged(
+        lambda m: nn.parallel.DistributedDataParallel(m), world, rank)
     return out
 
 
@@ -226,3 +250,14 @@ def test_shadow_ema_of_the_shards_swapped_in_and_back(ranks, stage):
         torch.testing.assert_close(got["shadow_eval"], want["shadow_eval"], rtol=1e-5,
                                    atol=1e-6)
         _assert_close_dicts(got["trained"], want["trained"], "trained after restore")
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_batchnorm_averaged_and_update_bn_as_ddp(ranks, stage):
+    for out in ranks:
+        got, want = out[f"batchnorm/{stage}"], out["batchnorm/ddp"]
+        assert not isinstance(got, str), got
+        _assert_close_dicts(got["ema"], want["ema"], "ema")
+        _assert_close_dicts(got["stats"], want["stats"], "update_bn")
+        torch.testing.assert_close(got["eval"], want["eval"], rtol=1e-5, atol=1e-6)
+    assert not torch.equal(ranks[0]["batchnorm/ddp"]["eval"], ranks[1]["batchnorm/ddp"]["eval"])
