@@ -78,9 +78,9 @@ def convert(model: nn.Module, recipe: str | Float8Recipe | FP4Recipe = "fp8-roww
     An nn.Linear whose parent never calls it but hands its weight to a fused op
     (nn.LinearCrossEntropyLoss's, a plain nn.Linear set as an nn.MultiheadAttention's out_proj)
     stays, with the reason in the report. The converted linear1/linear2 of an
-    nn.TransformerEncoderLayer get a no-op forward pre-hook
-    so that its eval fast path, which would bypass them, stays off (and an nn.TransformerEncoder
-    holding them stops making nested tensors).
+    nn.TransformerEncoderLayer get a no-op forward pre-hook so that its eval fast path, which
+    would bypass them, stays off (and an nn.TransformerEncoder holding them stops making nested
+    tensors).
     """
     r, layer_cls, multiple = _resolve(recipe)
     if not isinstance(model, nn.Module):
