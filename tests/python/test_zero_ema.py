@@ -261,3 +261,22 @@ def test_batchnorm_averaged_and_update_bn_as_ddp(ranks, stage):
         _assert_close_dicts(got["stats"], want["stats"], "update_bn")
         torch.testing.assert_close(got["eval"], want["eval"], rtol=1e-5, atol=1e-6)
     assert not torch.equal(ranks[0]["batchnorm/ddp"]["eval"], ranks[1]["batchnorm/ddp"]["eval"])
+
+
+def test_averaged_model_of_another_model_refused_before_averaging():
+    """One process: a copy whose names or shapes differ from the sharded model's is refused
+    with nothing averaged; a wrapper around the sharded model (torch.compile's) pairs by the
+    model's own names."""
+    want = {k: v.clone() for k, v in _mlp().state_dict().items()}
+    base = _mlp()
+    swa = AveragedModel(base)
+    other = AveragedModel(nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Tanh(),
+                                        nn.Linear(16, 5)))
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    model = _shard(base, stage=3)
+    with pytest.raises(ValueError, match=r"parameter '3.weight' \(5, 16\).*nothing was averaged"):
+        other.update_parameters(model)
+    _assert_close_dicts(other.state_dict(), before, "refused")
+    swa.update_parameters(torch.compile(model))  # only wrapped, never run
+    _assert_close_dicts(swa.module.state_dict(), want, "first average: a copy")
+    assert swa.n_averaged.item() == 1

@@ -53,6 +53,10 @@ def _full_weights(model: nn.Module) -> dict:
 
 
 def _paired(averaged: AveragedModel, model: nn.Module) -> _Unsharded:
+    states = members.states_in(model)
+    if len(states) == 1 and states[0].root is not None:
+        # Names as in the sharded model itself, also when `model` wraps it (torch.compile).
+        model = states[0].root
     full = _full_weights(model)
     own = dict(model.named_parameters())
     params = []
