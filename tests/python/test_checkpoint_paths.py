@@ -249,3 +249,27 @@ def test_ranks_reaching_one_folder_by_different_paths_save_into_it(tmp_path):
     _same(tierlift.checkpoint.full_state_dict(str(tmp_path / "real" / "ck")), got[0]["full"])
     for r in range(2):
         assert not os.path.exists(tmp_path / f"node{r}" / "ck")
+
+
+def _files(folder) -> dict:
+    return {n: (folder / n).read_bytes() for n in sorted(os.listdir(folder))}
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_a_checkpoint_named_like_a_saves_old_copy_is_neither_deleted_nor_read(tmp_path,
+                                                                               blocking):
+    """A checkpoint a user saved as run.old was taken for the copy a save of run moves aside:
+    a save of run deleted it, and a load of a missing run returned its weights."""
+    theirs, theirs_opt = _trained(3)
+    tierlift.checkpoint.save(str(tmp_path / "run.old"), theirs, theirs_opt)
+    before = _files(tmp_path / "run.old")
+    model, opt = _trained(4)
+    with pytest.raises(FileExistsError, match="saved under that name"):
+        tierlift.checkpoint.save(str(tmp_path / "run"), model, opt, blocking=blocking).wait()
+    assert sorted(os.listdir(tmp_path)) == ["run.old"]
+    assert _files(tmp_path / "run.old") == before
+    for read in (tierlift.checkpoint.full_state_dict, tierlift.checkpoint.optimizer_state_dict,
+                 lambda ck: tierlift.checkpoint.load(ck, model, opt)):
+        with pytest.raises(FileNotFoundError, match="does not exist"):
+            read(str(tmp_path / "run"))
+    _same(tierlift.checkpoint.full_state_dict(str(tmp_path / "run.old")), theirs.state_dict())

@@ -250,6 +250,9 @@ def publish(tmp: str, path: str, meta: dict, token: str | None = None,
                            "by another save (which judged this one dead); nothing was "
                            "published")
     targets.check_save_target(path, replace=replace)
+    # the name it is published as: a checkpoint a user names `x.old` is told from the copy of
+    # `x` a save moves aside there (format.saved_as_itself)
+    meta = {**meta, fmt.SAVED_AS: os.path.basename(path)}
     fmt.write_json(os.path.join(tmp, fmt.METADATA), meta)
     manifest.write(tmp)
     fmt.replace_dir(tmp, path)

@@ -33,6 +33,7 @@ from tierlift.io.fsync import fsync_path
 FORMAT = "tierlift-zero-checkpoint"
 VERSION = 1
 METADATA = "metadata.json"
+SAVED_AS = "saved_as"  # in metadata.json: the folder name a save published the checkpoint as
 
 
 def rank_file(rank: int) -> str:
@@ -157,11 +158,25 @@ def dir_path(path) -> str:
 
 def resolve_dir(path: str) -> str:
     """`path`, or `path`.old when a replace_dir() was killed between its two renames (`path`
-    is then absent, or an empty directory)."""
+    is then absent, or an empty directory) and `path`.old is not a checkpoint of its own."""
     path = dir_path(path)
-    if (not os.path.exists(path) or _empty(path)) and os.path.isdir(path + ".old"):
+    if (not os.path.exists(path) or _empty(path)) and os.path.isdir(path + ".old") and \
+            not saved_as_itself(path + ".old"):
         return path + ".old"
     return path
+
+
+def saved_as_itself(old: str) -> bool:
+    """Whether checkpoint folder `old` (a `path`.old) was saved under that very name: a
+    checkpoint of its own that its user named so, not the copy of `path` a save moved aside
+    (which a save of `path` deletes, and a load of `path` reads when `path` is gone).
+    Checkpoints from before SAVED_AS count as moved aside, as they always did."""
+    try:
+        with open(os.path.join(old, METADATA)) as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and meta.get(SAVED_AS) == os.path.basename(old)
 
 
 def check_fits(own: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], *,

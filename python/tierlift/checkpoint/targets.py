@@ -102,7 +102,8 @@ def _refuse_foreign(path: str) -> None:
 def lone_old(path: str) -> bool:
     """Whether `path`.old is the checkpoint at `path` (format.resolve_dir's rule): `path` is
     absent or an empty directory, and `path`.old is a tierlift checkpoint."""
-    return (not os.path.lexists(path) or _empty_dir(path)) and is_checkpoint(path + ".old")
+    return (not os.path.lexists(path) or _empty_dir(path)) and is_checkpoint(path + ".old") \
+        and not fmt.saved_as_itself(path + ".old")
 
 
 def _refuse_lone_old(path: str) -> None:
@@ -145,6 +146,11 @@ def check_save_target(path: str, *, replace: bool = True) -> None:
         if not is_checkpoint(old):
             raise FileExistsError(f"{old!r} exists and is {_what(old)}; a save uses that name "
                                   "on its way, so nothing was written (rename it, or save "
+                                  "elsewhere)")
+        if fmt.saved_as_itself(old):  # a save of `path` would delete it as its own leftover
+            raise FileExistsError(f"{old!r} is a checkpoint saved under that name, and a save "
+                                  f"of {path!r} uses that name on its way (it would delete "
+                                  "it), so nothing was written (rename one of them, or save "
                                   "elsewhere)")
         if not replace:
             _refuse_lone_old(path)
