@@ -3,8 +3,10 @@
 c10d calls on the shards or their gradients (the tutorial's broadcast of the initial weights and
 average_gradients, model averaging, DDP's _sync_module_states, a batch of P2P receives) would
 mix different slices silently: each is refused on every rank before anything is sent, nothing
-changes, and training goes on exactly as DDP's. Gathering a shard (all_gather of p) gives the
-slices and goes through. DDP and FSDP around a sharded model are refused. Weights tied across
+changes, and training goes on exactly as DDP's, whatever the path to torch's collective (a name
+imported before tierlift, distributed_c10d's, the group's own method, the functional
+collectives). Gathering a shard (all_gather of p, or the functional all_gather_single) gives
+the slices and goes through. DDP and FSDP around a sharded model are refused. Weights tied across
 units, a submodule reached from two parents, and one block applied three times (ALBERT) under
 activation checkpointing (reentrant or not) train as DDP at stages 1/2/3. On 4 ranks, two
 groups of 2 each shard their own copy (process_group=): each matches DDP over its group, their
@@ -18,14 +20,20 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import all_reduce as all_reduce_bound_early
+from torch.distributed import broadcast as broadcast_bound_early
 from torch.utils.checkpoint import checkpoint
 from zero_model import raised, spawn_ranks
 
 import tierlift
 
 STEPS, LR, STAGES = 3, 0.05, (1, 2, 3)
+# torch calls these before it issues any collective through a group, whatever the Python path
+PRE_HOOKS = hasattr(torch._C._distributed_c10d.ProcessGroup, "register_pre_hook")
 
 
 class Net(nn.Module):
@@ -155,12 +163,26 @@ def _grad_calls(params, world):
             dist.all_reduce(p.grad.data, op=dist.ReduceOp.SUM)
             p.grad.data /= world
 
+    def functional_average():  # a copy reduced: the input is what is checked
+        for p in params:
+            p.grad.copy_(funcol.all_reduce(p.grad, "avg", dist.group.WORLD))
+
+    group = dist.group.WORLD
     return {
         "average_gradients": average_gradients,
         "all_reduce(p.grad)": lambda: dist.all_reduce(params[0].grad),
         "all_reduce(p.grad[:3])": lambda: dist.all_reduce(params[0].grad[:3]),
         "reduce_scatter_tensor(p.grad)": lambda: dist.reduce_scatter_tensor(
             torch.empty(params[0].numel() // world), params[0].grad),
+        "funcol.all_reduce(p.grad)": functional_average,
+        "nn.functional.all_reduce(p.grad)": lambda: dist_nn.all_reduce(params[0].grad),
+        # the paths below the module's names: reached through the process group's pre-hook
+        "all_reduce bound before tierlift": lambda: all_reduce_bound_early(params[0].grad),
+        "distributed_c10d.all_reduce(p.grad)": lambda: dist.distributed_c10d.all_reduce(
+            params[1].grad),
+        "group.allreduce([p.grad])": lambda: group.allreduce([params[0].grad]).wait(),
+        "_c10d_functional.all_reduce_(p.grad)": lambda: torch.ops._c10d_functional.wait_tensor(
+            torch.ops._c10d_functional.all_reduce_(params[0].grad, "sum", group.group_name)),
     }
 
 
@@ -189,6 +211,11 @@ def _weight_calls(model, params, world, rank):
         "batch_isend_irecv": p2p_batch,
         "irecv(p.data)": lambda: dist.irecv(params[1].data, src=rank ^ 1).wait(),
         "recv(p.data)": lambda: dist.recv(params[1].data, src=rank ^ 1),
+        "funcol.broadcast(p)": lambda: params[0].data.copy_(
+            funcol.broadcast(params[0].detach(), 0, dist.group.WORLD)),
+        "nn.functional.broadcast(p)": lambda: dist_nn.broadcast(params[0], 0),
+        "broadcast bound before tierlift": lambda: broadcast_bound_early(params[0].data, 0),
+        "group.broadcast(p.data)": lambda: dist.group.WORLD.broadcast(params[1].data, 0).wait(),
         "DistributedDataParallel": lambda: nn.parallel.DistributedDataParallel(model),
         "fully_shard": lambda: torch.distributed.fsdp.fully_shard(model),
         "FullyShardedDataParallel": lambda: torch.distributed.fsdp.FullyShardedDataParallel(
@@ -240,6 +267,9 @@ def _c10d_stage(stage: int, rank: int, world: int) -> dict:
             dist.all_gather(got, params[0].data)
             unit = model._tierlift_zero.unit_of[id(params[0])]
             out["all_gather(p)"] = (torch.cat(got)[:unit.numel], unit.gather_fp32())
+            gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+            out["funcol.all_gather(p)"] = gather(
+                params[0].detach(), 0, dist.group.WORLD).wait()[:unit.numel]
             out["plain p2p"] = _plain_p2p(rank)
         t = loss.detach().clone()
         dist.all_reduce(t)
@@ -285,10 +315,16 @@ def ranks(tmp_path_factory):
 
 
 GRAD_CALLS = ["average_gradients", "all_reduce(p.grad)", "all_reduce(p.grad[:3])",
-              "reduce_scatter_tensor(p.grad)"]
+              "reduce_scatter_tensor(p.grad)", "funcol.all_reduce(p.grad)",
+              "nn.functional.all_reduce(p.grad)"]
 WEIGHT_CALLS = ["broadcast(p.data)", "broadcast(p)", "_sync_module_states", "model_averaging",
                 "reduce(p.data)", "all_gather into a shard", "batch_isend_irecv",
-                "irecv(p.data)", "recv(p.data)"]
+                "irecv(p.data)", "recv(p.data)", "funcol.broadcast(p)",
+                "nn.functional.broadcast(p)"]
+if PRE_HOOKS:
+    GRAD_CALLS += ["all_reduce bound before tierlift", "distributed_c10d.all_reduce(p.grad)",
+                   "group.allreduce([p.grad])", "_c10d_functional.all_reduce_(p.grad)"]
+    WEIGHT_CALLS += ["broadcast bound before tierlift", "group.broadcast(p.data)"]
 
 
 def _close(got: dict, want: dict) -> None:
@@ -347,6 +383,7 @@ def test_all_gather_of_a_shard_gives_the_slices_and_plain_p2p_works(ranks, stage
     for rank, out in enumerate(ranks):
         got, unit = out[stage]["all_gather(p)"]
         assert torch.equal(got, unit)
+        assert torch.equal(out[stage]["funcol.all_gather(p)"], unit)
         for got in out[stage]["plain p2p"]:
             assert torch.equal(got, torch.full((3,), float(rank ^ 1)))
 

@@ -15,35 +15,51 @@ line mixes slices, silently:
 - the tutorial's average_gradients, `dist.all_reduce(p.grad.data); p.grad.data /= world`
   after backward, sums different slices (gradients tierlift has already averaged).
 
-torch.distributed's functions are wrapped (once, at the first shard()): a tensor that is a
-shard, its gradient, or a view of their storage, given in a role where the call reduces it or
-writes into it, is refused when the call's group holds another rank of the shard's own group.
-Ranks of other groups hold the same slice of their own copy (a model sharded over a subgroup,
-one copy per group), so a call over one rank of each group (local SGD across the groups) is
-what it says and goes through. Every rank makes the same call with its own shard and refuses on
-its own, before the collective is issued: no rank is left waiting, nothing changed. Roles that
-only hand out this rank's slice (all_gather's and gather's input, send, all_to_all's inputs,
-scatter's source list) go through: they send what they say (the slices, not the weights).
+Every process group gets a pre-hook (ProcessGroup.register_pre_hook, at the first shard() and
+on each group made after it), which torch calls before it issues any collective through the
+group, whatever the call's Python path: `dist.all_reduce`, a name imported before tierlift
+(`from torch.distributed import all_reduce`), torch.distributed.distributed_c10d's names, the
+group's own methods (`group.allreduce([t])`) and the in-place functional ops
+(torch.ops._c10d_functional.all_reduce_). A tensor that is a shard, its gradient, or a view of
+their storage, given in a role where the call reduces it or writes into it, is refused when the
+call's group holds another rank of the shard's own group. Ranks of other groups hold the same
+slice of their own copy (a model sharded over a subgroup, one copy per group), so a call over
+one rank of each group (local SGD across the groups) is what it says and goes through. Every
+rank makes the same call with its own shard and refuses on its own, before the collective is
+issued: no rank is left waiting, nothing changed. Roles that only hand out this rank's slice
+(all_gather's and gather's input, send, all_to_all's inputs, scatter's source list) go through:
+they send what they say (the slices, not the weights).
 
-tierlift's own collectives call torch's functions themselves (comm.py: `unchecked`). Covered:
-calls looked up on the module when made (`import torch.distributed as dist; dist.all_reduce`);
-a function imported by name before the first shard() (`from torch.distributed import
-all_reduce`), torch.distributed.distributed_c10d's names, the functional collectives and
-objects (broadcast_object_list: the pickled state dict a load then refuses, guards.py) are not.
-Nor are copies: parameters_to_vector(model.parameters()), or a flattened bucket of gradients,
-all-reduced, hold no storage of a shard. Under torch.compile the check is skipped (dynamo traces
-torch's own collective).
+The out-of-place functional collectives (torch.distributed._functional_collectives.all_reduce,
+torch.distributed.nn.functional.all_reduce, ...) reduce a copy of their input, which the
+pre-hook cannot tell from any other tensor: their module functions are wrapped and check the
+input (covered when looked up on the module at the call; a name imported from them before the
+first shard() is not). batch_isend_irecv is wrapped too, so that a receive into a shard
+anywhere in the batch is refused before any of its sends goes, and
+torch.distributed._broadcast_coalesced (DDP's _sync_module_states), which broadcasts a
+flattened copy. tierlift's own collectives run with comm.OWN set and are not checked. Not
+seen: copies (parameters_to_vector(model.parameters()), a flattened bucket of gradients,
+all-reduced, hold no storage of a shard), objects (broadcast_object_list: the pickled state dict
+a load then refuses, guards.py), and a backend called directly (group._get_backend(device)).
+
+Where torch has no process-group pre-hooks (an older torch), torch.distributed's functions are
+wrapped instead (calls looked up as `dist.<name>` after the first shard()). Under torch.compile
+the wrappers' check is skipped (dynamo traces torch's own collective, rewritten into a
+functional one on a copy, which the pre-hook does not see either): a hand-written call inside
+a compiled function is not checked.
 
 A receive into a shard (recv, irecv, an irecv P2POp) is refused when the sender is another rank
 of the shard's group; the send itself goes through (this rank's slice, into whatever the peer
 gives), so where only the receiving side refuses, the sender's send waits for it (gloo's
 timeout): a weight sync by hand with send/recv is refused on the receivers.
 
-Cost (measured on this CPU): with no sharded model alive, ~0.1 us per call (one set test); with
-one, ~1.3 us (a storage-address lookup per tensor given, in a table of the shards' and their
-gradients' storages rebuilt when a model is sharded and after zero_grad). A 1-D tensor of a
-shard's size, or a view of one, not in the table (a gradient newer than it, or set by hand) is
-compared with that size's units directly (~0.7 us per unit).
+Cost (measured on this CPU, a 1-element all_reduce over a gloo group of one rank, ~11 us
+without the hook): before the first shard() nothing; after it, with no sharded model alive,
+~0.2 us per call (torch hands the hook its arguments); with a model of 64 units alive, ~1.4 us
+(a storage-address lookup per tensor given, in a table of the shards' and their gradients'
+storages rebuilt when a model is sharded and after zero_grad; the operation's name is read only
+for a shard). A 1-D tensor of a shard's size, or a view of one, not in the table (a gradient
+newer than it, or set by hand) is compared with that size's units directly (~0.7 us per unit).
 """
 
 from __future__ import annotations
@@ -53,11 +69,12 @@ import weakref
 import torch
 
 from tierlift._torch_patch import wrap_method
-from tierlift.zero import members
+from tierlift.zero import comm, members
 
 # name: (torch's parameter names, the arguments to check and how: "one" tensor, a "list", a
 # "lists" of lists, "ops" of batch_isend_irecv; the process group argument; the peer
-# arguments of a point-to-point receive)
+# arguments of a point-to-point receive). torch.distributed's functions, wrapped only where
+# torch has no process-group pre-hooks (_ISSUED covers them).
 _CHECKED = {
     "broadcast": (["tensor", "src", "group", "async_op", "group_src"],
                   {"tensor": "one"}, "group", None),
@@ -92,11 +109,73 @@ _CHECKED = {
              ("src", "group_src")),
     "irecv": (["tensor", "src", "group", "tag", "group_src"], {"tensor": "one"}, "group",
               ("src", "group_src")),
-    "batch_isend_irecv": (["p2p_op_list"], {"p2p_op_list": "ops"}, None, None),
+}
+# Wrapped in any case: the pre-hook sees a batch's operations one by one, its sends first.
+_BATCH = {"batch_isend_irecv": (["p2p_op_list"], {"p2p_op_list": "ops"}, None, None)}
+# The out-of-place functional collectives reduce or broadcast a copy of their input, which the
+# pre-hook cannot tell from any other tensor: the input is checked here. The others (gathers,
+# all-to-alls) hand out this rank's slice; their in-place forms reach the pre-hook.
+_FUNCOL = {
+    "all_reduce": (["self", "reduceOp", "group", "tag"], {"self": "one"}, "group", None),
+    "all_reduce_coalesced": (["self", "reduceOp", "group", "tag"], {"self": "list"}, "group",
+                             None),
+    "reduce_scatter_tensor": (["self", "reduceOp", "scatter_dim", "group", "tag"],
+                              {"self": "one"}, "group", None),
+    "reduce_scatter_tensor_autograd": (["self", "reduceOp", "scatter_dim", "group", "tag"],
+                                       {"self": "one"}, "group", None),
+    "reduce_scatter_tensor_coalesced": (["inputs", "reduceOp", "scatter_dim", "group", "tag"],
+                                        {"inputs": "list"}, "group", None),
+    "reduce_scatter_single": (["self", "reduceOp", "scatter_dim", "group", "tag"],
+                              {"self": "one"}, "group", None),
+    "reduce_scatter_single_autograd": (["self", "reduceOp", "scatter_dim", "group", "tag"],
+                                       {"self": "one"}, "group", None),
+    "reduce_scatter_single_coalesced": (["inputs", "reduceOp", "scatter_dim", "group", "tag"],
+                                        {"inputs": "list"}, "group", None),
+    "broadcast": (["self", "src", "group", "tag"], {"self": "one"}, "group", None),
+    # torch.distributed's calls as dynamo rewrites them: a copy_ into the output
+    "all_gather_tensor_inplace": (["output_tensor", "input_tensor", "group", "async_op", "tag",
+                                   "gather_dim"], {"output_tensor": "one"}, "group", None),
+    "all_gather_inplace": (["tensor_list", "tensor", "group", "async_op", "tag"],
+                           {"tensor_list": "list"}, "group", None),
+    "reduce_scatter_tensor_inplace": (["output", "input", "op", "group", "async_op",
+                                       "scatter_dim", "tag"], {"output": "one", "input": "one"},
+                                      "group", None),
+    "reduce_scatter_inplace": (["output", "input_list", "op", "group", "async_op", "tag"],
+                               {"output": "one", "input_list": "list"}, "group", None),
+    "all_to_all_inplace": (["output", "input", "output_split_sizes", "input_split_sizes",
+                            "group", "async_op", "tag"], {"output": "one"}, "group", None),
+}
+_NN_FUNCTIONAL = {  # torch.distributed.nn.functional: these clone the input first
+    "all_reduce": (["tensor", "op", "group"], {"tensor": "one"}, "group", None),
+    "reduce": (["tensor", "dst", "op", "group"], {"tensor": "one"}, "group", None),
+    "broadcast": (["tensor", "src", "group"], {"tensor": "one"}, "group", None),
+}
+# HookOpName: (torch.distributed's name, the role of the input tensors when the call reduces
+# them or writes into them, that of the output tensors). The other roles (send's, the inputs of
+# gathers, scatters and all-to-alls) hand out this rank's slice.
+_ISSUED = {
+    "ALLREDUCE": ("all_reduce", "tensor", None),
+    "ALLREDUCE_COALESCED": ("all_reduce_coalesced", "tensors", None),
+    "BROADCAST": ("broadcast", "tensor", None),
+    "REDUCE": ("reduce", "tensor", None),
+    "ALLGATHER": ("all_gather", None, "tensor_list"),
+    "ALLGATHER_BASE": ("all_gather_into_tensor", None, "output_tensor"),
+    "ALLGATHER_COALESCED": ("all_gather_coalesced", None, "output_tensor_lists"),
+    "ALLGATHER_INTO_TENSOR_COALESCED": ("all_gather_into_tensor", None, "output_tensor"),
+    "REDUCE_SCATTER": ("reduce_scatter", "input_list", "output"),
+    "REDUCE_SCATTER_BASE": ("reduce_scatter_tensor", "input", "output"),
+    "REDUCE_SCATTER_TENSOR_COALESCED": ("reduce_scatter_tensor", "input", "output"),
+    "SCATTER": ("scatter", None, "tensor"),
+    "GATHER": ("gather", None, "gather_list"),
+    "ALLTOALL": ("all_to_all", None, "output_tensor_list"),
+    "ALLTOALL_BASE": ("all_to_all_single", None, "output"),
+    "RECV": ("recv", None, "tensor"),
 }
 # Calls that put another rank's data over the tensor (the others sum or gather into it).
 _OVERWRITES = {"broadcast", "scatter", "recv", "irecv", "batch_isend_irecv",
-               "_broadcast_coalesced"}
+               "_broadcast_coalesced", "_functional_collectives.broadcast",
+               "nn.functional.broadcast"}
+_HOOK_ID = 0x74696572  # one id: registering again replaces the hook
 
 
 def _address(t: torch.Tensor) -> int | None:
@@ -197,6 +276,17 @@ def _ranks(group) -> list[int]:
     return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
 
 
+def _funcol_ranks(group, tag) -> list[int]:
+    """The ranks of a functional collective's group (a group, a list of ranks, a mesh...)."""
+    import torch.distributed as dist
+    from torch.distributed import _functional_collectives as funcol
+
+    if group is None:  # the in-place forms' default
+        return _ranks(None)
+    name = funcol._resolve_group_name(group, tag or "")
+    return dist.get_process_group_ranks(dist.distributed_c10d._resolve_process_group(name))
+
+
 def _peer(group, src, group_src) -> int | None:
     import torch.distributed as dist
 
@@ -207,9 +297,9 @@ def _peer(group, src, group_src) -> int | None:
     return None
 
 
-def _mixes(state, group, peer, p2p: bool) -> bool:
-    """Whether the call's ranks include another rank of the shard's own group (a different
-    slice); `peer` for a receive (None: any source)."""
+def _mixes(state, ranks, peer, p2p: bool) -> bool:
+    """Whether the call's ranks (`ranks()`) include another rank of the shard's own group (a
+    different slice); `peer` for a receive (None: any source)."""
     import torch.distributed as dist
 
     own = set(_ranks(state.comm.group)) if state.comm.initialized else set()
@@ -219,7 +309,7 @@ def _mixes(state, group, peer, p2p: bool) -> bool:
         return False
     if p2p:
         return peer is None or peer in own
-    return bool(own & set(_ranks(group)))
+    return bool(own & set(ranks()))
 
 
 def _tensors(kind: str, value):
@@ -266,7 +356,11 @@ def _refuse(name: str, arg: str, state, index: int, what: str) -> None:
         "the same slice. Nothing was sent or changed")
 
 
-def _check(name: str, params: list[str], checked: dict, group_arg, peers, args, kwargs) -> None:
+def _check(name: str, spec, group_ranks, args, kwargs) -> None:
+    """Refuses a call of `name` (spec: an entry of the tables above) on a shard;
+    group_ranks(arg) gives the ranks of its group from its arguments (`arg(name)`)."""
+    params, checked, group_arg, peers = spec
+
     def arg(n):
         i = params.index(n)
         return args[i] if i < len(args) else kwargs.get(n)
@@ -281,7 +375,7 @@ def _check(name: str, params: list[str], checked: dict, group_arg, peers, args, 
                 if fn is not irecv:
                     continue
                 hit = _TABLE.find(op.tensor)
-                if hit is not None and _mixes(hit[0], op.group, op.peer, p2p=True):
+                if hit is not None and _mixes(hit[0], None, op.peer, p2p=True):
                     _refuse(name, "P2POp(irecv, tensor)", *hit)
             continue
         for t in _tensors(kind, arg(n)):
@@ -290,23 +384,83 @@ def _check(name: str, params: list[str], checked: dict, group_arg, peers, args, 
             hit = _TABLE.find(t)
             if hit is None:
                 continue
-            group = arg(group_arg) if group_arg else None
-            peer = _peer(group, arg(peers[0]), arg(peers[1])) if peers else None
-            if _mixes(hit[0], group, peer, p2p=peers is not None):
+            peer = _peer(arg(group_arg), arg(peers[0]), arg(peers[1])) if peers else None
+            if _mixes(hit[0], lambda: group_ranks(arg), peer, p2p=peers is not None):
                 _refuse(name, n, *hit)
 
 
-def _checking(name: str, params: list[str], checked: dict, group_arg, peers):
+def _checking(name: str, spec, group_ranks):
     def wrap(original):
         def collective(*args, **kwargs):
             # .data: a WeakSet's own truth test is a Python-level __len__
             if members.STATES.data and not torch.compiler.is_compiling():
-                _check(name, params, checked, group_arg, peers, args, kwargs)
+                _check(name, spec, group_ranks, args, kwargs)
             return original(*args, **kwargs)
 
         return collective
 
     return wrap
+
+
+def _pre_hook(group_name: str):
+    """The check torch runs before it issues a collective through the group named
+    `group_name`: it holds the name, not the group, so the group can still be freed."""
+    ranks: list = []  # the group's global ranks, looked up at the first shard given
+
+    def group_ranks() -> list:
+        if not ranks:
+            import torch.distributed as dist
+
+            group = dist.distributed_c10d._resolve_process_group(group_name)
+            ranks.extend(dist.get_process_group_ranks(group))
+        return ranks
+
+    def pre_hook(issued) -> None:
+        if not members.STATES.data or comm.OWN.issuing:
+            return
+        # the tensors first, the operation only for a shard: its name costs more than a lookup
+        for t in issued.output_tensors:
+            hit = _TABLE.find(t)
+            if hit is not None:
+                _check_issued(issued, "output", hit, group_ranks)
+        for t in issued.input_tensors:
+            hit = _TABLE.find(t)
+            if hit is not None:
+                _check_issued(issued, "input", hit, group_ranks)
+
+    return pre_hook
+
+
+_ISSUED_BY_OP: dict = {}  # HookOpName -> _ISSUED's entry, filled by install()
+
+
+def _check_issued(issued, side: str, hit, group_ranks) -> None:
+    """Refuses the collective `issued` when it reduces or writes into the shard (or gradient)
+    `hit` it was given on `side` ("input" or "output") and its group mixes slices."""
+    roles = _ISSUED_BY_OP.get(issued.name)
+    if roles is None:
+        return
+    name, input_role, output_role = roles
+    role = input_role if side == "input" else output_role
+    if role is None:  # this rank's slice handed out
+        return
+    p2p = name == "recv"
+    peer = group_ranks()[issued.root] if p2p and issued.root >= 0 else None
+    if _mixes(hit[0], group_ranks, peer, p2p):
+        _refuse(name, role, *hit)
+
+
+def _hook(group) -> None:
+    group.register_pre_hook(_HOOK_ID, _pre_hook(group.group_name))
+
+
+def _hooking_new_groups(original):
+    # every group torch makes (new_group, split_group, a device mesh's) is registered here
+    def register(pg, *args, **kwargs):
+        original(pg, *args, **kwargs)
+        _hook(pg)
+
+    return register
 
 
 def _broadcast_coalesced(original):
@@ -317,7 +471,7 @@ def _broadcast_coalesced(original):
             tensors = args[1] if len(args) > 1 else kwargs.get("tensors", ())
             for t in tensors:
                 hit = _TABLE.find(t) if isinstance(t, torch.Tensor) else None
-                if hit is not None and _mixes(hit[0], group, None, p2p=False):
+                if hit is not None and _mixes(hit[0], lambda: _ranks(group), None, p2p=False):
                     _refuse("_broadcast_coalesced", "tensors", *hit)
         return original(*args, **kwargs)
 
@@ -332,14 +486,45 @@ def _p2p_op_check(original):
     return _check_op
 
 
+def _dist_ranks(spec):
+    group_arg = spec[2]
+    return lambda arg: _ranks(arg(group_arg) if group_arg else None)
+
+
+def _wrap_all(module, prefix: str, table: dict, group_ranks) -> None:
+    for name, spec in table.items():
+        wrap_method(module, name, spec[0], _checking(prefix + name, spec, group_ranks(spec)))
+
+
+_REGISTER_PARAMS = ["pg", "backend_name", "store", "group_name", "backend_config",
+                    "rank_mapping", "pg_tag", "user_tag", "add_to_default_tag"]
+
+
 def install() -> None:
-    """Idempotent (tierlift/_torch_patch.py)."""
+    """Idempotent (tierlift/_torch_patch.py); hooks the process groups made so far."""
     import torch.distributed as dist
 
     if not dist.is_available():
         return
+    from torch.distributed import _functional_collectives as funcol
+    from torch.distributed.nn import functional as nn_functional
+
     c10d = dist.distributed_c10d
-    wrap_method(c10d, "_check_op", ["op"], _p2p_op_check)
-    for name, (params, checked, group_arg, peers) in _CHECKED.items():
-        wrap_method(dist, name, params, _checking(name, params, checked, group_arg, peers))
+    _wrap_all(dist, "", _BATCH, _dist_ranks)
+    _wrap_all(funcol, "_functional_collectives.", _FUNCOL,
+              lambda spec: lambda arg: _funcol_ranks(arg("group"), arg("tag")))
+    _wrap_all(nn_functional, "nn.functional.", _NN_FUNCTIONAL, _dist_ranks)
     wrap_method(dist, "_broadcast_coalesced", None, _broadcast_coalesced)  # a builtin
+    hook_op = getattr(torch._C._distributed_c10d, "HookOpName", None)
+    if hook_op is None or not hasattr(c10d.ProcessGroup, "register_pre_hook"):
+        wrap_method(c10d, "_check_op", ["op"], _p2p_op_check)
+        _wrap_all(dist, "", _CHECKED, _dist_ranks)
+        return
+    _ISSUED_BY_OP.update({getattr(hook_op, k): v for k, v in _ISSUED.items()
+                          if hasattr(hook_op, k)})
+    wrap_method(c10d, "_register_pg_in_world", _REGISTER_PARAMS, _hooking_new_groups)
+    if not getattr(c10d._register_pg_in_world, "_tierlift_wrapped", False):
+        # groups made from here on would go unhooked: torch.distributed's names checked too
+        _wrap_all(dist, "", _CHECKED, _dist_ranks)
+    for group in list(c10d._world.pg_map):
+        _hook(group)

@@ -11,8 +11,20 @@ least."""
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.distributed as dist
+
+
+class _Own(threading.local):
+    """Set while this thread issues tierlift's own collectives: they move shards and their
+    slices on purpose, and the process groups' pre-hook (collectives.py) lets them through."""
+
+    issuing = False  # a class default: reading it raises nothing in a thread that never set it
+
+
+OWN = _Own()
 
 
 def unchecked(fn):
@@ -74,12 +86,15 @@ class Comm:
         self.sent["inter_node"] += per_peer * self.peers_inter
 
     def _run(self, fn, *args, **kwargs):
+        OWN.issuing = True
         try:
             return unchecked(fn)(*args, group=self.group, **kwargs)
         except RuntimeError as exc:
             if self.on_error is None:
                 raise
             raise self.on_error(exc) from exc
+        finally:
+            OWN.issuing = False
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
         self.all_gather_bytes += out.numel() * out.element_size()
