@@ -1,9 +1,14 @@
 """What users commonly do with an optimizer, done with an offloaded one: a model converted with
 model.to(memory_format=torch.channels_last) (or a transposed weight) before the optimizer is
 built, stepped, saved and loaded as torch's AdamW does it, its layout kept; amsgrad switched on
-after steps (torch raises), refused before anything changes."""
+after steps (torch raises), refused before anything changes; loops over optimizer.state[p]'s
+items that log the moments (read from the tiers, as torch's), reset them (refused before any
+change; clear() resets as torch's reset does) or move them to a device (frameworks: a no-op
+that keeps training as torch's)."""
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -75,8 +80,12 @@ def _fit(model, opt, steps) -> None:
         opt.zero_grad()
 
 
+MODES = {**STRIDED_MODES, "nvme2_ov": dict(offload="nvme", overlap=True),
+         "c_cpu": dict(offload="cpu", state_dtype="bf16")}
+
+
 def _opt(mode, model, tmp_path, sub="a", **kw):
-    kw = {**HYPER, **STRIDED_MODES[mode], **kw, "chunk_bytes": CHUNK}
+    kw = {**HYPER, **MODES[mode], **kw, "chunk_bytes": CHUNK}
     if kw["offload"] in ("nvme", "hybrid"):
         path = tmp_path / sub
         path.mkdir(exist_ok=True)
@@ -225,5 +234,145 @@ def test_amsgrad_switched_on_after_steps_is_refused_before_any_change(tmp_path, 
                 o.state[p]["max_exp_avg_sq"] = torch.zeros_like(p)
             _fit(m, o, range(2, 4))
         assert_matches_torch(model, ref)
+    finally:
+        close(opt)
+
+
+def _torch_twin(steps):
+    ref = Net()
+    ref_opt = torch.optim.AdamW(ref.parameters(), fused=True, **HYPER)
+    _fit(ref, ref_opt, steps)
+    return ref, ref_opt
+
+
+@pytest.mark.parametrize("mode", ["cpu", "nvme2", "nvme2_ov"])
+def test_state_items_yield_the_moments_as_torch(tmp_path, mode):
+    """items() and values() of optimizer.state[p] hold torch's keys, moments before "step", with
+    torch's values; read when used, so a value taken before a step reads the stepped moment, as
+    torch's live state tensor does. Keys, len() and `in` stay what the dict holds."""
+    ref, ref_opt = _torch_twin(range(2))
+    model = Net()
+    opt = _opt(mode, model, tmp_path)
+    try:
+        _fit(model, opt, range(2))
+        held = {}
+        for p, r in zip(model.parameters(), ref.parameters()):
+            items, rst = dict(opt.state[p].items()), ref_opt.state[r]
+            assert list(items) == ["exp_avg", "exp_avg_sq", "step"]
+            assert list(opt.state[p]) == ["step"] and "exp_avg" not in opt.state[p]
+            assert len(opt.state[p].values()) == 3
+            for k, v in items.items():
+                assert torch.is_tensor(v) and v.shape == rst[k].shape and v.dtype == rst[k].dtype
+                torch.testing.assert_close(v, rst[k], rtol=1e-5, atol=1e-9)
+                assert float(v.norm()) == pytest.approx(float(rst[k].norm()), rel=1e-5)
+            held[p] = items["exp_avg"]
+        _fit(model, opt, [2])
+        _fit(ref, ref_opt, [2])
+        for v, r in zip(held.values(), ref.parameters()):
+            torch.testing.assert_close(v * 1, ref_opt.state[r]["exp_avg"], rtol=1e-5, atol=1e-9)
+    finally:
+        close(opt)
+
+
+def test_compact_state_items_are_the_state_dict_s(tmp_path):
+    model = Net()
+    opt = _opt("c_cpu", model, tmp_path)
+    try:
+        _fit(model, opt, range(2))
+        sd = opt.state_dict()["state"]
+        for i, p in enumerate(model.parameters()):
+            items = dict(opt.state[p].items())
+            assert items.keys() == sd[i].keys() - {"master"}
+            for k, v in items.items():
+                assert torch.equal(v * 1 if v.dtype.is_floating_point else v.clone(), sd[i][k])
+    finally:
+        close(opt)
+
+
+def _reset_every_state_tensor(opt, params) -> None:
+    for p in params:
+        for _, v in opt.state[p].items():
+            if torch.is_tensor(v):
+                v.zero_()
+
+
+@pytest.mark.parametrize("mode", ["cpu", "nvme2_ov"])
+def test_reset_loop_over_items_is_refused_and_clear_resets_as_torch(tmp_path, mode):
+    """torch's reset of every state tensor (pruning, rewinding) met an offloaded optimizer's
+    "step" alone and left the moments: refused before any change. clear() is the reset."""
+    ref, ref_opt = _torch_twin(range(2))
+    model = Net()
+    opt = _opt(mode, model, tmp_path)
+    try:
+        _fit(model, opt, range(2))
+        before = snapshot(model, opt)
+        with pytest.raises(RuntimeError, match="cannot be changed in place.*Nothing was changed"):
+            _reset_every_state_tensor(opt, model.parameters())
+        for k in ("exp_avg", "exp_avg_sq"):
+            with pytest.raises(RuntimeError, match="cannot be changed in place"):
+                dict(opt.state[model.head.weight].items())[k].detach().mul_(0)
+        assert_same_snapshot(snapshot(model, opt), before, "refused reset")
+        _reset_every_state_tensor(ref_opt, ref.parameters())
+        for p in model.parameters():
+            opt.state[p].clear()
+        _fit(model, opt, range(2, 4))
+        _fit(ref, ref_opt, range(2, 4))
+        assert_matches_torch(model, ref)
+    finally:
+        close(opt)
+
+
+def _move_each_value(opt, device) -> None:  # Lightning's _optimizer_to_device
+    for state in opt.state.values():
+        for key, value in list(state.items()):
+            if isinstance(value, torch.Tensor):
+                state[key] = value.to(device=device)
+
+
+def _rebuild_as_dict(opt, device) -> None:  # a resume script's
+    for p in list(opt.state):
+        opt.state[p] = {k: v.to(device) if torch.is_tensor(v) else v
+                        for k, v in opt.state[p].items()}
+
+
+def _rebuild_as_its_type(opt, device) -> None:  # Lightning's apply_to_collection
+    for p in list(opt.state):
+        st = opt.state[p]
+        opt.state[p] = type(st)(OrderedDict((k, v.to(device) if torch.is_tensor(v) else v)
+                                            for k, v in st.items()))
+
+
+@pytest.mark.parametrize("move", [_move_each_value, _rebuild_as_dict, _rebuild_as_its_type])
+@pytest.mark.parametrize("mode", ["cpu", "nvme2_ov"])
+def test_frameworks_moving_the_state_train_on_as_torch(tmp_path, mode, move):
+    ref, ref_opt = _torch_twin(range(2))
+    model = Net()
+    opt = _opt(mode, model, tmp_path)
+    try:
+        _fit(model, opt, range(2))
+        move(opt, "cpu")
+        move(ref_opt, "cpu")
+        for p in model.parameters():
+            assert list(dict(opt.state[p].items())) == ["exp_avg", "exp_avg_sq", "step"]
+        _fit(model, opt, range(2, 4))
+        _fit(ref, ref_opt, range(2, 4))
+        assert_matches_torch(model, ref)
+        assert set(opt.state_dict()["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+    finally:
+        close(opt)
+
+
+def test_moment_of_another_parameter_put_into_the_state_is_refused(tmp_path):
+    model = Net()
+    opt = _opt("cpu", model, tmp_path)
+    try:
+        _fit(model, opt, range(2))
+        before = snapshot(model, opt)
+        a, b = model.conv1.bias, model.head.bias
+        dict.__setitem__(opt.state[b], "exp_avg", dict(opt.state[a].items())["exp_avg"])
+        with pytest.raises(RuntimeError, match="another parameter"):
+            _fit(model, opt, [2])
+        dict.__delitem__(opt.state[b], "exp_avg")
+        assert_same_snapshot(snapshot(model, opt), before, "refused step")
     finally:
         close(opt)

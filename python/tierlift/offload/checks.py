@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from tierlift.offload.layout import SCALE_KIND, state_kinds
+from tierlift.offload.tier_values import TierValue
 from tierlift.offload.tiers import crc_pool
 
 
@@ -26,16 +27,31 @@ def check_group(opt, gi: int, group: dict, kinds: list[str]) -> None:
 TIER_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", SCALE_KIND, "master")
 
 
-def check_state_keys(opt, layouts: list) -> None:
+def check_state_keys(opt, layouts: list, owner) -> None:
     """Refuses a moment or master written into optimizer.state[p] of a parameter whose state
     the tiers hold (optimizer.state keeps only its "step" there): the step would use the
     tiers' value and state_dict() would replace the written one with it, both silently, where
-    torch's AdamW steps from what was written."""
+    torch's AdamW steps from what was written. A TierValue of this very moment put back (a
+    framework moving the state, tier_values.py) is taken out instead: the tiers hold it."""
     for gi, group in enumerate(opt.param_groups):
         reserved = layouts[gi].reserved
         for pi, p in enumerate(group["params"]):
             state = opt.state.get(p)
-            if not state or not reserved[pi]:
+            if not state:
+                continue
+            for k, v in list(dict.items(state)):
+                if not isinstance(v, TierValue):
+                    continue
+                if not v.bound(owner, p, k):
+                    raise RuntimeError(
+                        f"optimizer.state[p][{k!r}] of param_groups[{gi}]['params'][{pi}] holds "
+                        "what an offloaded optimizer's state yielded for another parameter, "
+                        "moment or optimizer: moments live in the offload tiers and cannot be "
+                        "moved between parameters through optimizer.state. Edit "
+                        "optimizer.state_dict() and load it with load_state_dict() instead. "
+                        "Nothing was changed")
+                dict.__delitem__(state, k)
+            if not reserved[pi]:
                 continue
             keys = [k for k in TIER_KEYS if k in state]
             if keys:

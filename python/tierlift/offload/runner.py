@@ -159,7 +159,7 @@ class Offloader(StateIO, ChunkStep):
     def check_state(self) -> None:
         """Refuses moments or masters written into optimizer.state, which the tiers hold
         (checks.check_state_keys): before a step or a state_dict() reads the tiers instead."""
-        check_state_keys(self.opt, self.layouts)
+        check_state_keys(self.opt, self.layouts, self)
 
     def _name(self, gi: int, pi: int) -> str:
         return f"param_groups[{gi}]['params'][{pi}]"

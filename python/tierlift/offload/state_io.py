@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from tierlift.offload import masters
+from tierlift.offload import masters, tier_values
 from tierlift.offload.journal import filling
 from tierlift.offload.layout import SCALE_KIND, kind_elems, kind_slice, not_reserved
+from tierlift.offload.tier_values import CODES_KEY
 from tierlift.offload.tiers import drain
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -57,6 +58,58 @@ class StateIO:
                             src = p.detach().view(-1)[s.plo:s.phi]
                         t.view(-1)[kind_slice(k, s.plo, s.phi)].copy_(src)
         return out
+
+    def read_kind(self, p: torch.Tensor, kind: str) -> torch.Tensor:
+        """One kind of p's offloaded state as materialize() gives it (a CPU tensor): what a
+        TierValue in optimizer.state[p].items() reads when used (tier_values.py)."""
+        self.check_readable()
+        self.check_lists()
+        gi, pi = self._where(p)
+        self.check_param(gi, pi, p)
+        tier = self.tiers[gi]
+        shape = (kind_elems(kind, p.numel()),) if kind == SCALE_KIND else p.shape
+        out = torch.empty(shape, dtype=tier.dtypes[kind])
+        for chunk in self.layouts[gi].chunks:
+            for s in chunk.segments:
+                if s.pi == pi:
+                    src = self._chunk_bufs(gi, chunk)[kind][kind_slice(kind, s.clo, s.chi)]
+                    out.view(-1)[kind_slice(kind, s.plo, s.phi)].copy_(src)
+        return out
+
+    def tier_values(self, p: torch.Tensor) -> dict:
+        """{name: TierValue} of p's moments held by the tiers, by their optimizer.state names;
+        empty for a parameter without offloaded state or one that has not stepped."""
+        if "step" not in self.opt.state.get(p, ()) or self._broken is not None:
+            return {}
+        where = self._where(p, missing=None)
+        if where is None:
+            return {}
+        gi, pi = where
+        if not self.layouts[gi].reserved[pi]:  # frozen, or the device part's
+            return {}
+        tier = self.tiers[gi]
+        shape = p.shape
+        out = {}
+        for k in tier.kinds:
+            if k == "master":  # torch's AdamW has none; ours re-makes it for a cleared state
+                continue
+            name = CODES_KEY if k == "exp_avg_sq" and SCALE_KIND in tier.kinds else k
+            dims = (kind_elems(k, p.numel()),) if k == SCALE_KIND else shape
+            out[name] = tier_values.make(self, p, k, name, dims, tier.dtypes[k])
+        return out
+
+    def _where(self, p: torch.Tensor, missing=KeyError):
+        """(group, index) of parameter p in the params lists as built (check_lists keeps them)."""
+        index = self.__dict__.get("_index")
+        if index is None:
+            index = self._index = {id(q): (gi, pi) for gi, g in enumerate(self._built)
+                                   for pi, q in enumerate(g)}
+        where = index.get(id(p))
+        if where is not None and self._built[where[0]][where[1]] is p:
+            return where
+        if missing is None:
+            return None
+        raise KeyError("not a parameter of this optimizer")
 
     def check_readable(self) -> None:
         """Refuses to read the state out (state_dict(), a checkpoint save) while step() refuses

@@ -246,7 +246,7 @@ class Adam(Optimizer):
             )
             if config.offload != "none":
                 self._offload = Offloader(self, config)
-                self.state = state_hooks.tier_states(self.state)
+                self.state = state_hooks.tier_states(self.state, self._offload)
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's add_param_group, refusing at once the parameters step() could not update."""
@@ -355,7 +355,7 @@ class Adam(Optimizer):
         steps_only["state"] = {i: {"step": s["step"]} for i, s in state_dict["state"].items()
                                if "step" in s}
         super().load_state_dict(steps_only)
-        self.state = state_hooks.tier_states(self.state)
+        self.state = state_hooks.tier_states(self.state, self._offload)
         # the device part's state goes beside its parameters (offload/device_part.py)
         self._offload.device_part.load(self._offload.device_part.take(loaded),
                                        self._offload._kinds)

@@ -11,9 +11,13 @@ see the returned dict with the moments read back from the tiers."""
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections import OrderedDict, defaultdict
 
+import torch
+
 from tierlift.offload.checks import TIER_KEYS
+from tierlift.offload.tier_values import TierValue
 
 _HOOKS = ("_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
           "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
@@ -70,8 +74,39 @@ def state_dict_post_hooks(opt, state_dict: dict) -> dict:
 
 
 class TierState(dict):
-    """optimizer.state[p] of an offloaded optimizer: a plain dict of what it holds ("step"),
-    whose missing moment or master says where it is instead of a bare KeyError."""
+    """optimizer.state[p] of an offloaded optimizer: a dict of what it holds ("step"), whose
+    missing moment or master says where it is instead of a bare KeyError, and whose items() and
+    values() also yield the moments the tiers hold, read when used and never changed in place
+    (offload/tier_values.py), so that a loop over them neither reads nor resets the step count
+    alone. Iteration over the keys, len() and `in` see what the dict holds."""
+
+    _owner = None  # weakref to the Offloader
+    _param = None  # weakref to p
+
+    def bind(self, owner, p) -> TierState:
+        self._owner, self._param = weakref.ref(owner), weakref.ref(p)
+        return self
+
+    def _moments(self) -> dict:
+        owner = self._owner() if self._owner is not None else None
+        p = self._param() if self._param is not None else None
+        return {} if owner is None or p is None else owner.tier_values(p)
+
+    def items(self):
+        return [*self._moments().items(), *dict.items(self)]  # moments before the step
+
+    def values(self):
+        return [v for _, v in self.items()]
+
+    def __reduce__(self):  # copied or pickled: a plain dict, moments read (as torch's hold them)
+        return dict, (dict(self.items()),)
+
+    def __setitem__(self, key, value):
+        # a TierValue put back (a framework's loop moving the state): the tiers keep it
+        if isinstance(value, TierValue) and self._param is not None and \
+                value.bound(self._owner(), self._param(), key):
+            return
+        super().__setitem__(key, value)
 
     def __missing__(self, key):
         if key in TIER_KEYS:  # held by the offload tiers instead
@@ -83,10 +118,35 @@ class TierState(dict):
         raise KeyError(key)
 
 
-def tier_states(state) -> defaultdict:
-    """`state` (optimizer.state) with TierState entries, the same mapping otherwise; entries
-    already TierState are kept as they are (a reference a user holds stays live)."""
-    out = defaultdict(TierState)
+class TierStates(defaultdict):
+    """optimizer.state of an offloaded optimizer: TierState entries bound to their parameter
+    (a new one on first access, as defaultdict(dict) makes one, or one put in)."""
+
+    def __init__(self, owner, *args):
+        super().__init__(TierState, *args)
+        self.owner = weakref.ref(owner)
+
+    def __setitem__(self, key, value):
+        owner = self.owner()
+        if owner is not None and isinstance(key, torch.Tensor):
+            if type(value) is dict and any(isinstance(v, TierValue) for v in value.values()):
+                # rebuilt from this state's items (a framework moving it): the moments stay
+                # in the tiers, and the new entry yields them again
+                value = TierState({k: v for k, v in value.items()
+                                   if not (isinstance(v, TierValue) and v.bound(owner, key, k))})
+            if isinstance(value, TierState):
+                value.bind(owner, key)
+        super().__setitem__(key, value)
+
+    def __reduce__(self):  # a plain defaultdict when copied or pickled
+        return defaultdict, (dict, dict(self))
+
+
+def tier_states(state, owner) -> TierStates:
+    """`state` (optimizer.state) with TierState entries bound to Offloader `owner`, the same
+    mapping otherwise; entries already TierState are kept as they are (a reference a user holds
+    stays live)."""
+    out = TierStates(owner)
     for k, v in state.items():
         out[k] = v if isinstance(v, TierState) or not isinstance(v, dict) else TierState(v)
     return out
