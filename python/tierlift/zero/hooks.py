@@ -6,7 +6,8 @@ forward   pre-hook of unit i: wait for / issue its all-gather, prefetch the next
           the module's attributes at fresh views of `full`;
           post-hook (stage 3): free `full`, hook the outputs so that backward regathers.
           The pre-hooks run before the module's other pre-hooks (weight_norm and pruning
-          compute the weight from sharded ones), the post-hooks after its other forward hooks.
+          compute the weight from sharded ones), also those put first after shard() and global
+          ones (pre_hook_order.py); the post-hooks after its other forward hooks.
 backward  output-gradient hook (stage 3): all-gather unit i again, prefetch the unit before it;
           post-accumulate-grad hook on `full`: launch the (async) reduce-scatter (stage 2/3) or
           all-reduce (stage 1) of the unit's gradient, free `full` (stage 3), then finish, in
@@ -212,6 +213,7 @@ class ZeroState:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+        self.pre_hooks.clear()  # the global pre-hook runs none of them any more
 
     def named_call(self, name: str) -> None:
         """Entering collective `name` outside forward/backward: every rank must (heartbeat.py)."""
