@@ -265,6 +265,9 @@ def test_state_items_yield_the_moments_as_torch(tmp_path, mode):
                 assert torch.is_tensor(v) and v.shape == rst[k].shape and v.dtype == rst[k].dtype
                 torch.testing.assert_close(v, rst[k], rtol=1e-5, atol=1e-9)
                 assert float(v.norm()) == pytest.approx(float(rst[k].norm()), rel=1e-5)
+            torch.testing.assert_close(torch.stack([items["exp_avg"]])[0], rst["exp_avg"])
+            with pytest.raises(RuntimeError, match="cannot be changed in place"):
+                torch.mul(rst["exp_avg"], 0, out=items["exp_avg"])
             held[p] = items["exp_avg"]
         _fit(model, opt, [2])
         _fit(ref, ref_opt, [2])

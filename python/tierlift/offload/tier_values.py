@@ -37,7 +37,10 @@ class TierValue(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        this = next(a for a in args if isinstance(a, TierValue)) if args else None
+        written = _written(func, args, kwargs)
+        if written is not None:
+            raise RuntimeError(written.refusal())
+        this = next((a for a in args if isinstance(a, TierValue)), None)
         if this is not None:
             if func == torch.Tensor.device.__get__:
                 return torch.device("cpu")
@@ -45,8 +48,6 @@ class TierValue(torch.Tensor):
                 return False
             if func == torch.Tensor.is_cpu.__get__:
                 return True
-            if _writes(func, args, kwargs):
-                raise RuntimeError(this.refusal())
             name = getattr(func, "__name__", "")
             if func in _ALIASES and args[0] is this:
                 return this  # torch's would alias the state: in-place writes stay refused
@@ -109,18 +110,18 @@ def _read(x):
     return x.value() if isinstance(x, TierValue) else x
 
 
-def _writes(func, args, kwargs) -> bool:
-    """Whether `func` would change a TierValue among its arguments in place."""
+def _written(func, args, kwargs) -> TierValue | None:
+    """The TierValue `func` would change in place (its self, or an out= argument), if any."""
     name = getattr(func, "__name__", "")
-    if name == "__setitem__" or (name.startswith("__i") and name.endswith("__")
-                                 and name not in _NOT_INPLACE):
-        return isinstance(args[0], TierValue)
-    if name.endswith("_") and not name.endswith("__") and args and isinstance(args[0],
-                                                                              TierValue):
-        return True
+    first = args[0] if args and isinstance(args[0], TierValue) else None
+    if first is not None and (
+            name == "__setitem__" or (name.startswith("__i") and name.endswith("__")
+                                      and name not in _NOT_INPLACE)
+            or (name.endswith("_") and not name.endswith("__"))):
+        return first
     out = kwargs.get("out")
     outs = out if isinstance(out, (tuple, list)) else (out,)
-    return any(isinstance(o, TierValue) for o in outs)
+    return next((o for o in outs if isinstance(o, TierValue)), None)
 
 
 def _moves_only(this: TierValue, func, args, kwargs) -> bool:
