@@ -168,7 +168,12 @@ def _grad_calls(params, world):
             p.grad.copy_(funcol.all_reduce(p.grad, "avg", dist.group.WORLD))
 
     group = dist.group.WORLD
-    return {
+
+    def functional_op_in_place():
+        ops = torch.ops._c10d_functional
+        ops.wait_tensor(ops.all_reduce_(params[0].grad, "sum", group.group_name))
+
+    calls = {
         "average_gradients": average_gradients,
         "all_reduce(p.grad)": lambda: dist.all_reduce(params[0].grad),
         "all_reduce(p.grad[:3])": lambda: dist.all_reduce(params[0].grad[:3]),
@@ -176,14 +181,16 @@ def _grad_calls(params, world):
             torch.empty(params[0].numel() // world), params[0].grad),
         "funcol.all_reduce(p.grad)": functional_average,
         "nn.functional.all_reduce(p.grad)": lambda: dist_nn.all_reduce(params[0].grad),
-        # the paths below the module's names: reached through the process group's pre-hook
-        "all_reduce bound before tierlift": lambda: all_reduce_bound_early(params[0].grad),
-        "distributed_c10d.all_reduce(p.grad)": lambda: dist.distributed_c10d.all_reduce(
-            params[1].grad),
-        "group.allreduce([p.grad])": lambda: group.allreduce([params[0].grad]).wait(),
-        "_c10d_functional.all_reduce_(p.grad)": lambda: torch.ops._c10d_functional.wait_tensor(
-            torch.ops._c10d_functional.all_reduce_(params[0].grad, "sum", group.group_name)),
     }
+    if PRE_HOOKS:  # the paths below the module's names: reached through the group's pre-hook
+        calls.update({
+            "all_reduce bound before tierlift": lambda: all_reduce_bound_early(params[0].grad),
+            "distributed_c10d.all_reduce(p.grad)": lambda: dist.distributed_c10d.all_reduce(
+                params[1].grad),
+            "group.allreduce([p.grad])": lambda: group.allreduce([params[0].grad]).wait(),
+            "_c10d_functional.all_reduce_(p.grad)": functional_op_in_place,
+        })
+    return calls
 
 
 def _weight_calls(model, params, world, rank):
@@ -199,7 +206,7 @@ def _weight_calls(model, params, world, rank):
         for w in dist.batch_isend_irecv(ops):
             w.wait()
 
-    return {
+    calls = {
         "broadcast(p.data)": lambda: [dist.broadcast(p.data, src=0) for p in params],
         "broadcast(p)": lambda: dist.broadcast(params[0], 0),
         "_sync_module_states": lambda: torch.distributed.utils._sync_module_states(
@@ -214,13 +221,18 @@ def _weight_calls(model, params, world, rank):
         "funcol.broadcast(p)": lambda: params[0].data.copy_(
             funcol.broadcast(params[0].detach(), 0, dist.group.WORLD)),
         "nn.functional.broadcast(p)": lambda: dist_nn.broadcast(params[0], 0),
-        "broadcast bound before tierlift": lambda: broadcast_bound_early(params[0].data, 0),
-        "group.broadcast(p.data)": lambda: dist.group.WORLD.broadcast(params[1].data, 0).wait(),
         "DistributedDataParallel": lambda: nn.parallel.DistributedDataParallel(model),
         "fully_shard": lambda: torch.distributed.fsdp.fully_shard(model),
         "FullyShardedDataParallel": lambda: torch.distributed.fsdp.FullyShardedDataParallel(
             model),
     }
+    if PRE_HOOKS:
+        calls.update({
+            "broadcast bound before tierlift": lambda: broadcast_bound_early(params[0].data, 0),
+            "group.broadcast(p.data)": lambda: dist.group.WORLD.broadcast(params[1].data,
+                                                                          0).wait(),
+        })
+    return calls
 
 
 def _plain_p2p(rank: int) -> tuple:
