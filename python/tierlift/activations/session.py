@@ -190,7 +190,13 @@ class _BackwardWatch:
 def _dropped(session_ref, index: int, _ref) -> None:
     """Autograd let go of saved tensor `index` (its backward ran, or the graph was freed)."""
     session = session_ref()
-    if session is not None and session._spilled.pop(index, None) is not None:
+    if session is None:
+        return
+    fetched = session._fetched.pop(index, None)
+    if fetched is not None:  # read ahead but never consumed: its bytes leave the window
+        session._dead_reads[index] = fetched
+        session._retire_dead_reads()
+    if session._spilled.pop(index, None) is not None:
         session._trim_file()
 
 
@@ -215,6 +221,12 @@ class Session:
         self._dedupe: dict = {}
         self._kept_storages: set[int] = set()  # storages kept on the device (data_ptr)
         self._spilled: dict[int, tuple[int, int]] = {}  # index -> its bytes in the file
+        # index -> [bytes in read_window, its NVMe read while not waited for] of every saved
+        # tensor fetched and not yet consumed. One that dies unconsumed (backward stopped
+        # early, backward(inputs=...), a partial grad(), a freed graph) leaves the window as
+        # soon as its read is done (the read holds its buffer until then), not never.
+        self._fetched: dict[int, list] = {}
+        self._dead_reads: dict[int, list] = {}
         self._writes: deque[_Write] = deque()
         # RAM-tier D2H copies in flight, in stream order: (weak item, tensor, its version at
         # save, event). The tensor is held until its copy is seen done: modified in place before
@@ -386,6 +398,7 @@ class Session:
 
     def _make_room(self, n: int) -> None:
         """Waits for the oldest writes until `n` more bytes fit in the I/O window."""
+        self._retire_dead_reads()
         while self._writes and self.write_window + self.read_window + n > self.config.io_bytes:
             self._finish_write(self._writes.popleft(), block=True)
 
@@ -508,6 +521,8 @@ class Session:
         self._writes.clear()
         self._copying.clear()
         self._reading.clear()
+        self._fetched.clear()
+        self._dead_reads.clear()
         self._dedupe.clear()
         self._kept_storages.clear()
         self.write_window = self.read_window = 0
@@ -526,6 +541,7 @@ class Session:
         try:
             while self._cursor >= 0 and not self._wants(self._cursor):
                 self._cursor -= 1  # everything above the cursor is fetched or consumed
+            self._retire_dead_reads()
             j = self._cursor if top is None else min(top, self._cursor)
             room = self.config.io_bytes - self.write_window
             while j >= 0:
@@ -559,11 +575,8 @@ class Session:
         while self._reading:
             ref, read = self._reading[0]
             item = ref()
-            if item is None:  # its graph is gone: nothing will read it
-                if not read.done():
-                    break
+            if item is None:  # its graph is gone: _retire_dead_reads lets its read go
                 self._reading.popleft()
-                self._file.done(read)  # its buffer goes back to the pool
                 continue
             if item.reading is not None and not item.reading.done():
                 break
@@ -582,6 +595,7 @@ class Session:
     def _fetch(self, item: Saved) -> None:
         n = item.layout.nbytes
         self.read_window += n
+        fetched = self._fetched[item.index] = [n, None]
         copier = self._copier(item.layout.device)
         if item.tier == "ram":
             if item.event is not None:
@@ -602,9 +616,26 @@ class Session:
         except OSError as e:
             raise self._io_error(e, "reading back", n) from e
         self._file.handles.append(item.reading)
+        fetched[1] = item.reading
         item.host = buf
         if item.layout.device.type == "cuda":
             self._reading.append((weakref.ref(item), item.reading))
+
+    def _consumed(self, item: Saved) -> None:
+        if self._fetched.pop(item.index, None) is not None:
+            self.read_window -= item.layout.nbytes
+
+    def _retire_dead_reads(self) -> None:
+        """Reads of saved tensors that died unconsumed: done ones give back their buffer and
+        their bytes of the window."""
+        for index, (n, read) in list(self._dead_reads.items()):
+            if read is not None and not read.done():
+                continue
+            if self._dead_reads.pop(index, None) is None:
+                continue  # retired meanwhile (a collection that ran this again)
+            if read is not None and self._file is not None:
+                self._file.done(read)  # its buffer goes back to the pool
+            self.read_window -= n
 
     def _arrive(self, item: Saved) -> None:
         """Waits for an NVMe read; on a GPU, starts its H2D copy."""
@@ -619,6 +650,9 @@ class Session:
             self.stats["read_wait_s"] += time.perf_counter() - t0
             self._file.done(item.reading)
             item.reading = None
+            fetched = self._fetched.get(item.index)
+            if fetched is not None:
+                fetched[1] = None
         if item.layout.device.type == "cuda":
             item.dev, item.event = self._copier(item.layout.device).to_device(item.host,
                                                                                item.layout)
@@ -666,7 +700,6 @@ class Session:
         except BaseException as e:
             self.abandon(e)
             raise
-        n = item.layout.nbytes
         buf = item.dev if item.dev is not None else item.host
         if item.lent is not None and item.lent[0]() is buf and buf._version != item.lent[1]:
             lay = item.layout
@@ -686,12 +719,12 @@ class Session:
             out = restore(item.dev, item.layout)
             if last:
                 item.dev = None  # the RAM copy stays, for a second backward
-                self.read_window -= n
+                self._consumed(item)
         else:
             out = restore(item.host, item.layout)  # CPU NVMe read: the buffer goes to autograd
             if last:
                 item.host = None
-                self.read_window -= n
+                self._consumed(item)
         item.lent = (weakref.ref(buf), buf._version)
         self.prefetch()
         return out
