@@ -277,6 +277,8 @@ def test_averaged_model_of_another_model_refused_before_averaging():
     with pytest.raises(ValueError, match=r"parameter '3.weight' \(5, 16\).*nothing was averaged"):
         other.update_parameters(model)
     _assert_close_dicts(other.state_dict(), before, "refused")
+    with pytest.raises(RuntimeError, match=r"build the AveragedModel before shard\(\)"):
+        AveragedModel(model)  # after shard(): a copy of the shards, refused naming the way
     swa.update_parameters(torch.compile(model))  # only wrapped, never run
     _assert_close_dicts(swa.module.state_dict(), want, "first average: a copy")
     assert swa.n_averaged.item() == 1

@@ -156,8 +156,10 @@ def _refuse_deepcopy(memo):
         "its module attributes gathered views, so the copy would not be the model. For an "
         "EMA or a twin for evaluation, build a fresh unsharded model and load "
         "tierlift.zero.full_state_dict(model) into it (a collective: call it on every rank), "
-        "or keep an EMA of the shards themselves (e = p.detach().clone() for each p in "
-        "model.parameters(), e.lerp_(p.detach(), 1 - decay) after each optimizer step)")
+        "build the AveragedModel before shard() (its update_parameters(model) then averages "
+        "the full weights, on every rank), or keep an EMA of the shards themselves (e = "
+        "p.detach().clone() for each p in model.parameters(), e.lerp_(p.detach(), 1 - decay) "
+        "after each optimizer step)")
 
 
 # ---- module registration: DDP, replaced and added submodules ----
