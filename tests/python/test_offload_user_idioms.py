@@ -8,6 +8,7 @@ that keeps training as torch's)."""
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
 
 import pytest
@@ -269,6 +270,11 @@ def test_state_items_yield_the_moments_as_torch(tmp_path, mode):
             with pytest.raises(RuntimeError, match="cannot be changed in place"):
                 torch.mul(rst["exp_avg"], 0, out=items["exp_avg"])
             held[p] = items["exp_avg"]
+        # a copy of the state holds the moments, as a copy of torch's does
+        copied = list(copy.deepcopy(opt.state).values())
+        for st, r in zip(copied, ref.parameters()):
+            assert type(st) is dict and st.keys() == ref_opt.state[r].keys()
+            torch.testing.assert_close(st["exp_avg"], ref_opt.state[r]["exp_avg"])
         _fit(model, opt, [2])
         _fit(ref, ref_opt, [2])
         for v, r in zip(held.values(), ref.parameters()):

@@ -141,6 +141,11 @@ class TierStates(defaultdict):
     def __reduce__(self):  # a plain defaultdict when copied or pickled
         return defaultdict, (dict, dict(self))
 
+    def copy(self) -> defaultdict:  # defaultdict's would call TierStates(factory, self)
+        return defaultdict(dict, self)
+
+    __copy__ = copy
+
 
 def tier_states(state, owner) -> TierStates:
     """`state` (optimizer.state) with TierState entries bound to Offloader `owner`, the same
