@@ -128,18 +128,24 @@ def test_strided_params_step_save_and_load_as_torch(tmp_path, mode):
         ck = str(tmp_path / "ckpt")
         tierlift.checkpoint.save(ck, model, opt)
         _fit(ref, ref_opt, range(3, 5))
-        for how in ("state_dict", "checkpoint"):
-            again = _net(True)
-            again_opt = _opt(mode, again, tmp_path, sub=how)
+        # the state is held in logical order: a contiguous model and torch's AdamW load it too
+        for how in ("state_dict", "checkpoint", "contiguous", "torch"):
+            again = _net(how not in ("contiguous", "torch"))
+            if how == "torch":
+                again_opt = torch.optim.AdamW(again.parameters(), fused=True, **HYPER)
+            else:
+                again_opt = _opt(mode, again, tmp_path, sub=how)
             try:
-                if how == "state_dict":
+                if how in ("state_dict", "torch"):
                     again.load_state_dict(model.state_dict())
-                    again_opt.load_state_dict(sd)
+                    again_opt.load_state_dict(
+                        sd if how == "state_dict" else tierlift.checkpoint.optimizer_state_dict(ck))
                 else:
                     tierlift.checkpoint.load(ck, again, again_opt)
-                _assert_strided(again)
                 _fit(again, again_opt, range(3, 5))
-                assert _layouts(again) == layouts
+                if how in ("state_dict", "checkpoint"):
+                    _assert_strided(again)
+                    assert _layouts(again) == layouts
                 assert_matches_torch(again, ref, what=how)
             finally:
                 close(again_opt)
