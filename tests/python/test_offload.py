@@ -141,15 +141,13 @@ def test_bad_arguments(tmp_path):
         AdamW([torch.nn.Parameter(torch.randn(10_000))], offload="cpu", cpu_budget=1000)
 
 
-@pytest.mark.parametrize("tier", ["cpu", "nvme"])
-def test_noncontiguous_params_with_overlap_are_refused_by_name(tmp_path, tier):
-    # The overlap steps parameters as flat memory during backward; without it they are stepped
-    # through a contiguous copy (test_offload_user_idioms.py).
+def test_noncontiguous_params_with_durable_are_refused_by_name(tmp_path):
+    # A durable reopen writes parameters as flat memory; the other modes step them through a
+    # contiguous copy (test_offload_user_idioms.py).
     params = [torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(4, 6).t())]
-    kw = _nvme(tmp_path) if tier == "nvme" else dict(offload="cpu")
     with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\] \(shape \(6, 4\), "
-                       r"stride \(1, 6\)\) is not contiguous: overlap=True"):
-        AdamW(params, overlap=True, **kw)
+                       r"stride \(1, 6\)\) is not contiguous: durable=True"):
+        AdamW(params, durable=True, **_nvme(tmp_path))
     assert os.listdir(tmp_path) == [], "nothing is left on the drive"
 
 

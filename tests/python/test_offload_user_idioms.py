@@ -32,12 +32,14 @@ pytestmark = pytest.mark.skipif(not tierlift._extension.available(),
                                 reason="compiled extension not loaded")
 
 HYPER = dict(lr=1e-2, weight_decay=0.1)
-# No overlap, no durable: those are refused with strided parameters (test below).
+# Not durable: it refuses strided parameters (test_offload.py).
 STRIDED_MODES = {
     "cpu": dict(offload="cpu"),
+    "cpu_ov": dict(offload="cpu", overlap=True),
     "nvme1": dict(offload="nvme", nvme_generations=1),
     "nvme2": dict(offload="nvme"),
-    "hybrid": dict(offload="hybrid", cpu_budget=HYBRID_BUDGET),
+    "nvme2_ov": dict(offload="nvme", overlap=True),
+    "hybrid_ov": dict(offload="hybrid", overlap=True, cpu_budget=HYBRID_BUDGET),
 }
 
 
@@ -81,8 +83,7 @@ def _fit(model, opt, steps) -> None:
         opt.zero_grad()
 
 
-MODES = {**STRIDED_MODES, "nvme2_ov": dict(offload="nvme", overlap=True),
-         "c_cpu": dict(offload="cpu", state_dtype="bf16")}
+MODES = {**STRIDED_MODES, "c_cpu": dict(offload="cpu", state_dtype="bf16")}
 
 
 def _opt(mode, model, tmp_path, sub="a", **kw):
@@ -117,6 +118,8 @@ def test_strided_params_step_save_and_load_as_torch(tmp_path, mode):
     opt = _opt(mode, model, tmp_path)
     try:
         _fit(model, opt, range(3))
+        if opt._offload.config.overlap:  # chunks were stepped during backward, and kept
+            assert opt.last_step_stats["overlap_kept_chunks"] > 0
         assert _layouts(model) == layouts
         _assert_strided(model)
         assert_matches_torch(model, ref)
@@ -154,7 +157,7 @@ def test_strided_params_step_save_and_load_as_torch(tmp_path, mode):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("mode", ["cpu", "nvme2"])
+@pytest.mark.parametrize("mode", ["cpu", "nvme2_ov"])
 def test_strided_params_step_as_contiguous_ones(tmp_path, mode, dtype):
     """Bit for bit as the same model with contiguous parameters (bf16: its fp32 masters too)."""
     got, want = _net(True, dtype), _net(False, dtype)
@@ -197,14 +200,27 @@ def test_strided_param_changed_to_another_layout_steps_as_torch(tmp_path):
         close(opt)
 
 
-@pytest.mark.parametrize("kw", [dict(offload="cpu", overlap=True),
-                                dict(offload="nvme", durable=True)])
-def test_strided_params_refused_with_overlap_or_durable(tmp_path, kw):
-    model = _net(True)
-    if kw["offload"] == "nvme":
-        kw = {**kw, "nvme_path": str(tmp_path)}
-    with pytest.raises(ValueError, match="is not contiguous: (overlap|durable)=True steps"):
-        AdamW(model.parameters(), **kw)
+@pytest.mark.parametrize("mode", ["cpu_ov", "nvme2_ov"])
+def test_strided_param_edited_between_backward_and_step_steps_as_torch(tmp_path, mode):
+    """The chunks the overlap stepped from the weights before the edit are stepped again."""
+    ref, model = _net(True), _net(True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), fused=True, **HYPER)
+    opt = _opt(mode, model, tmp_path)
+    try:
+        for m, o in ((ref, ref_opt), (model, opt)):
+            _fit(m, o, range(2))
+            g = torch.Generator().manual_seed(2)
+            x = torch.randn(4, 3, 10, 10, generator=g).to(memory_format=torch.channels_last)
+            F.mse_loss(m(x), torch.randn(4, 10, generator=g)).backward()
+            with torch.no_grad():
+                m.conv2.weight.mul_(0.5)
+            o.step()
+            o.zero_grad()
+        assert opt.last_step_stats["overlap_redone_chunks"] > 0
+        _assert_strided(model)
+        assert_matches_torch(model, ref)
+    finally:
+        close(opt)
 
 
 def test_parameter_sharing_memory_is_refused(tmp_path):

@@ -55,7 +55,9 @@ class ChunkStep:
             if s.pi not in grads:
                 continue
             p = params[s.pi]
-            pflat = p.detach().view(-1)[s.plo:s.phi]
+            # a strided parameter is contiguous in step() (strided.py); the overlap's worker
+            # neither publishes nor reads it here (its master is in the tiers)
+            pflat = p.detach().view(-1)[s.plo:s.phi] if p.is_contiguous() else None
             # .get: a read on the overlap's worker must not add entries to the defaultdict
             fresh = "step" not in self.opt.state.get(p, ())
             if fresh:

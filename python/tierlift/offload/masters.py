@@ -10,6 +10,7 @@ import time
 import torch
 
 from tierlift.offload import d2h
+from tierlift.offload.strided import logical_flats
 from tierlift.offload.watch import fingerprints
 
 _INTS = {4: torch.int32, 2: torch.int16}
@@ -63,7 +64,8 @@ def prepare(off, gi: int, grads: dict, chunks, stats, rewritten: set | None = No
             if known is not None and "step" in off.opt.state.get(params[s.pi], ()):
                 seen[(c.ci, s.pi)] = known
         segs = [(c, s) for c, s in segs if (c.ci, s.pi) not in seen]
-    found = [params[s.pi].detach().view(-1)[s.plo:s.phi] for _, s in segs]
+    flat = logical_flats(params)
+    found = [flat(s.pi)[s.plo:s.phi] for _, s in segs]
     if any(d2h.on_device(t) for t in found):
         # Read through slot 0's copy buffer, on this thread's stream: the overlap's worker is
         # not on the stream the last uploads of the parameters (and from that buffer) went.
@@ -89,14 +91,14 @@ def prepare(off, gi: int, grads: dict, chunks, stats, rewritten: set | None = No
             tier.verify("master", chunk.ci, buf, off._what(gi, chunk))
         stale = [(s, fresh) for s, fresh in entries
                  if fresh or not bool(_same_bits(buf[s.clo:s.chi],
-                                                 params[s.pi].view(-1)[s.plo:s.phi]).all())]
+                                                 flat(s.pi)[s.plo:s.phi]).all())]
         if stale:
             if off._durable is not None and not marked:
                 # A reopen must not check these masters against CRCs about to change.
                 off._durable.write_manifest(unverified={(gi, ci) for ci in todo})
                 marked = True
             for s, fresh in stale:
-                p = params[s.pi].detach().view(-1)[s.plo:s.phi]
+                p = flat(s.pi)[s.plo:s.phi]
                 if fresh:
                     buf[s.clo:s.chi].copy_(p)
                 else:

@@ -5,7 +5,9 @@ read and write the parameter as flat memory. A strided parameter is therefore sw
 contiguous copy of its data while the offloader reads or writes it (a step, a load), and the
 result is copied back into its own memory, which keeps its layout (torch's AdamW keeps
 channels_last too). Its master weights are always kept in the tiers (never the parameter
-itself), so a checkpoint or a state dict never reads the parameter's memory as flat."""
+itself), so a checkpoint or a state dict never reads the parameter's memory as flat. The
+overlap's worker, stepping chunks during backward, only reads such a parameter (one copy in
+logical order per pass, logical_flats); its new weights are published inside step()."""
 
 from __future__ import annotations
 
@@ -24,8 +26,8 @@ def laid_out_strided(groups: list[dict]) -> set[int]:
 def check_strided(groups: list[dict], config) -> None:
     """At construction, before anything is laid out: a strided parameter whose memory can be
     written back (no two elements share memory: in-place updates of those fail in torch too), in
-    a mode that steps it through the swap (overlap=True steps chunks during backward and
-    durable=True reopens into the parameters, neither of which holds a contiguous copy)."""
+    a mode that steps it through the swap (durable=True reopens into the parameters, at
+    construction, without one)."""
     for gi, group in enumerate(groups):
         for pi, p in enumerate(group["params"]):
             if p.is_contiguous():
@@ -33,14 +35,29 @@ def check_strided(groups: list[dict], config) -> None:
             _check_writable(f"param_groups[{gi}]['params'][{pi}]", p)
             name = (f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}, stride "
                     f"{p.stride()})")
-            if config.overlap or config.durable:
-                what = "overlap=True" if config.overlap else "durable=True"
+            if config.durable:
                 raise ValueError(
-                    f"{name} is not contiguous: {what} steps parameters as flat memory, so it "
-                    "needs contiguous ones. Make the parameter contiguous before building the "
-                    f"optimizer (e.g. leave out model.to(memory_format=torch.channels_last)), or "
-                    f"drop {what}: offload='cpu', 'nvme' and 'hybrid' without it step "
+                    f"{name} is not contiguous: durable=True reopens the state into parameters "
+                    "as flat memory, so it needs contiguous ones. Make the parameter contiguous "
+                    "before building the optimizer (e.g. leave out model.to(memory_format="
+                    "torch.channels_last)), or drop durable=True: the other offload modes step "
                     "non-contiguous parameters")
+
+
+def logical_flats(params: list):
+    """flat(pi): params[pi] as one flat tensor in logical order, to read: a view where it is
+    contiguous, else a copy, made once per call of this (the overlap's worker reads parameters
+    during backward, while a strided one is not swapped)."""
+    cache: dict = {}
+
+    def flat(pi: int) -> torch.Tensor:
+        got = cache.get(pi)
+        if got is None:
+            p = params[pi].detach()
+            got = cache[pi] = p.view(-1) if p.is_contiguous() else p.reshape(-1)
+        return got
+
+    return flat
 
 
 def _check_writable(name: str, p: torch.Tensor) -> None:

@@ -27,7 +27,7 @@ optimizer and ours in both directions. Differences, all deliberate:
     unscales the gradients, or the step is skipped (docs/optim.md, "AMP GradScaler");
   * a non-contiguous parameter (a transposed or strided view) is stepped through a contiguous
     copy that is written back (slower; warned about once); offload does the same
-    (offload/strided.py), but refuses such parameters with overlap=True or durable=True.
+    (offload/strided.py), but refuses such parameters with durable=True.
 """
 
 from __future__ import annotations
