@@ -188,6 +188,9 @@ def _grad_calls(params, world):
             "distributed_c10d.all_reduce(p.grad)": lambda: dist.distributed_c10d.all_reduce(
                 params[1].grad),
             "group.allreduce([p.grad])": lambda: group.allreduce([params[0].grad]).wait(),
+            # a group made after the last shard(): hooked when torch registers it
+            "all_reduce over a group made after shard()": lambda: dist.all_reduce(
+                params[2].grad, group=dist.new_group(list(range(world)))),
             "_c10d_functional.all_reduce_(p.grad)": functional_op_in_place,
         })
     return calls
@@ -335,7 +338,8 @@ WEIGHT_CALLS = ["broadcast(p.data)", "broadcast(p)", "_sync_module_states", "mod
                 "nn.functional.broadcast(p)"]
 if PRE_HOOKS:
     GRAD_CALLS += ["all_reduce bound before tierlift", "distributed_c10d.all_reduce(p.grad)",
-                   "group.allreduce([p.grad])", "_c10d_functional.all_reduce_(p.grad)"]
+                   "group.allreduce([p.grad])", "all_reduce over a group made after shard()",
+                   "_c10d_functional.all_reduce_(p.grad)"]
     WEIGHT_CALLS += ["broadcast bound before tierlift", "group.broadcast(p.data)"]
 
 

@@ -496,6 +496,11 @@ def _wrap_all(module, prefix: str, table: dict, group_ranks) -> None:
         wrap_method(module, name, spec[0], _checking(prefix + name, spec, group_ranks(spec)))
 
 
+def _wrap_torch_names(dist) -> None:
+    wrap_method(dist.distributed_c10d, "_check_op", ["op"], _p2p_op_check)
+    _wrap_all(dist, "", _CHECKED, _dist_ranks)
+
+
 _REGISTER_PARAMS = ["pg", "backend_name", "store", "group_name", "backend_config",
                     "rank_mapping", "pg_tag", "user_tag", "add_to_default_tag"]
 
@@ -517,14 +522,13 @@ def install() -> None:
     wrap_method(dist, "_broadcast_coalesced", None, _broadcast_coalesced)  # a builtin
     hook_op = getattr(torch._C._distributed_c10d, "HookOpName", None)
     if hook_op is None or not hasattr(c10d.ProcessGroup, "register_pre_hook"):
-        wrap_method(c10d, "_check_op", ["op"], _p2p_op_check)
-        _wrap_all(dist, "", _CHECKED, _dist_ranks)
+        _wrap_torch_names(dist)
         return
     _ISSUED_BY_OP.update({getattr(hook_op, k): v for k, v in _ISSUED.items()
                           if hasattr(hook_op, k)})
     wrap_method(c10d, "_register_pg_in_world", _REGISTER_PARAMS, _hooking_new_groups)
     if not getattr(c10d._register_pg_in_world, "_tierlift_wrapped", False):
         # groups made from here on would go unhooked: torch.distributed's names checked too
-        _wrap_all(dist, "", _CHECKED, _dist_ranks)
+        _wrap_torch_names(dist)
     for group in list(c10d._world.pg_map):
         _hook(group)
