@@ -436,9 +436,13 @@ def _groups_cases(rank: int) -> dict:
         model(xs[0]).backward()
         out[stage, "grads"] = _refused(model, lambda m=model: [
             dist.all_reduce(p.grad, group=mine) for p in m.parameters()])
-        # local SGD between the groups: one rank of each holds the same slice
+        # local SGD between the groups: one rank of each holds the same slice (at stage 3
+        # through the functional collective, whose group is resolved from its argument)
         for p in model.parameters():
-            dist.all_reduce(p.data, group=peers)
+            if stage == 3:
+                p.data.copy_(funcol.all_reduce(p.detach(), "sum", peers))
+            else:
+                dist.all_reduce(p.data, group=peers)
             p.data /= 2
         out[stage, "averaged"] = tierlift.zero.full_state_dict(model)
     # ranks 2 and 3 built different weights: refused in that group only
