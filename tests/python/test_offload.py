@@ -141,16 +141,6 @@ def test_bad_arguments(tmp_path):
         AdamW([torch.nn.Parameter(torch.randn(10_000))], offload="cpu", cpu_budget=1000)
 
 
-def test_noncontiguous_params_with_durable_are_refused_by_name(tmp_path):
-    # A durable reopen writes parameters as flat memory; the other modes step them through a
-    # contiguous copy (test_offload_user_idioms.py).
-    params = [torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(4, 6).t())]
-    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\] \(shape \(6, 4\), "
-                       r"stride \(1, 6\)\) is not contiguous: durable=True"):
-        AdamW(params, durable=True, **_nvme(tmp_path))
-    assert os.listdir(tmp_path) == [], "nothing is left on the drive"
-
-
 @pytest.mark.parametrize("tier", ["cpu", "nvme"])
 def test_non_finite_gradient_skips_the_step(tmp_path, tier):
     """With skip_nonfinite=True; without it the step writes NaN, as torch's

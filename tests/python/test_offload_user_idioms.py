@@ -32,7 +32,6 @@ pytestmark = pytest.mark.skipif(not tierlift._extension.available(),
                                 reason="compiled extension not loaded")
 
 HYPER = dict(lr=1e-2, weight_decay=0.1)
-# Not durable: it refuses strided parameters (test_offload.py).
 STRIDED_MODES = {
     "cpu": dict(offload="cpu"),
     "cpu_ov": dict(offload="cpu", overlap=True),
@@ -40,6 +39,7 @@ STRIDED_MODES = {
     "nvme2": dict(offload="nvme"),
     "nvme2_ov": dict(offload="nvme", overlap=True),
     "hybrid_ov": dict(offload="hybrid", overlap=True, cpu_budget=HYBRID_BUDGET),
+    "durable1": dict(offload="nvme", durable=True, nvme_generations=1),
 }
 
 
@@ -200,6 +200,29 @@ def test_strided_param_changed_to_another_layout_steps_as_torch(tmp_path):
         close(opt)
 
 
+@pytest.mark.parametrize("gens", [1, 2])
+def test_strided_params_reopened_from_durable_state(tmp_path, gens):
+    """A durable reopen puts the committed weights into strided parameters, layout kept."""
+    ref, ref_opt = _torch_twin(range(5), strided=True)
+    model = _net(True)
+    kw = dict(durable=True, nvme_generations=gens)
+    opt = _opt("nvme2", model, tmp_path, **kw)
+    _fit(model, opt, range(3))
+    close(opt)
+    again = _net(True)
+    with torch.no_grad():
+        again.conv2.weight.zero_()
+    with pytest.warns(RuntimeWarning, match="reopen"):
+        again_opt = _opt("nvme2", again, tmp_path, **kw)
+    try:
+        assert_bitwise(again, model)
+        _assert_strided(again)
+        _fit(again, again_opt, range(3, 5))
+        assert_matches_torch(again, ref)
+    finally:
+        close(again_opt)
+
+
 @pytest.mark.parametrize("mode", ["cpu_ov", "nvme2_ov"])
 def test_strided_param_edited_between_backward_and_step_steps_as_torch(tmp_path, mode):
     """The chunks the overlap stepped from the weights before the edit are stepped again."""
@@ -261,8 +284,8 @@ def test_amsgrad_switched_on_after_steps_is_refused_before_any_change(tmp_path, 
         close(opt)
 
 
-def _torch_twin(steps):
-    ref = Net()
+def _torch_twin(steps, strided=False):
+    ref = _net(strided)
     ref_opt = torch.optim.AdamW(ref.parameters(), fused=True, **HYPER)
     _fit(ref, ref_opt, steps)
     return ref, ref_opt

@@ -87,7 +87,7 @@ class Offloader(StateIO, ChunkStep):
         kept = [[reserves(p) and not self.device_part.holds(gi, pi)
                  for pi, p in enumerate(g["params"])]
                 for gi, g in enumerate(optimizer.param_groups)]
-        check_strided(optimizer.param_groups, config)
+        check_strided(optimizer.param_groups)
         # stepped through a contiguous copy, their masters in the tiers (strided.py)
         self._strided = laid_out_strided(optimizer.param_groups)
         self._cuda = any(d2h.on_device(p) for p in params)
@@ -145,7 +145,8 @@ class Offloader(StateIO, ChunkStep):
         if config.offload == "cpu":
             sizing.build_memory_tiers(self, slots)
         else:
-            file_tiers.build(self, slots)
+            with self.contiguous_data():  # a durable reopen writes the parameters
+                file_tiers.build(self, slots)
         self.overlap = None
         if config.overlap:
             self.overlap = Overlap(self)

@@ -5,9 +5,10 @@ read and write the parameter as flat memory. A strided parameter is therefore sw
 contiguous copy of its data while the offloader reads or writes it (a step, a load), and the
 result is copied back into its own memory, which keeps its layout (torch's AdamW keeps
 channels_last too). Its master weights are always kept in the tiers (never the parameter
-itself), so a checkpoint or a state dict never reads the parameter's memory as flat. The
-overlap's worker, stepping chunks during backward, only reads such a parameter (one copy in
-logical order per pass, logical_flats); its new weights are published inside step()."""
+itself), so a checkpoint or a state dict never reads the parameter's memory as flat; a durable
+reopen writes it through the copy too. The overlap's worker, stepping chunks during backward,
+only reads such a parameter (one copy in logical order per pass, logical_flats); its new weights
+are published inside step()."""
 
 from __future__ import annotations
 
@@ -23,25 +24,13 @@ def laid_out_strided(groups: list[dict]) -> set[int]:
     return {id(p) for g in groups for p in g["params"] if not p.is_contiguous()}
 
 
-def check_strided(groups: list[dict], config) -> None:
-    """At construction, before anything is laid out: a strided parameter whose memory can be
-    written back (no two elements share memory: in-place updates of those fail in torch too), in
-    a mode that steps it through the swap (durable=True reopens into the parameters, at
-    construction, without one)."""
+def check_strided(groups: list[dict]) -> None:
+    """At construction, before anything is laid out: a strided parameter's memory can be written
+    back (no two elements share memory: in-place updates of those fail in torch too)."""
     for gi, group in enumerate(groups):
         for pi, p in enumerate(group["params"]):
-            if p.is_contiguous():
-                continue
-            _check_writable(f"param_groups[{gi}]['params'][{pi}]", p)
-            name = (f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}, stride "
-                    f"{p.stride()})")
-            if config.durable:
-                raise ValueError(
-                    f"{name} is not contiguous: durable=True reopens the state into parameters "
-                    "as flat memory, so it needs contiguous ones. Make the parameter contiguous "
-                    "before building the optimizer (e.g. leave out model.to(memory_format="
-                    "torch.channels_last)), or drop durable=True: the other offload modes step "
-                    "non-contiguous parameters")
+            if not p.is_contiguous():
+                _check_writable(f"param_groups[{gi}]['params'][{pi}]", p)
 
 
 def logical_flats(params: list):

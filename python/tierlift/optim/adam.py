@@ -26,8 +26,8 @@ optimizer and ours in both directions. Differences, all deliberate:
   * GradScaler's protocol of torch's fused Adam (_step_supports_amp_scaling): the kernel
     unscales the gradients, or the step is skipped (docs/optim.md, "AMP GradScaler");
   * a non-contiguous parameter (a transposed or strided view) is stepped through a contiguous
-    copy that is written back (slower; warned about once); offload does the same
-    (offload/strided.py), but refuses such parameters with durable=True.
+    copy that is written back (slower; warned about once); offload does the same, its state
+    held in the parameter's logical order (offload/strided.py).
 """
 
 from __future__ import annotations
