@@ -208,13 +208,53 @@ class Accelerator(accelerate.Accelerator):
         pairs = self._sharded_pairs()
         if not pairs:
             return super().save_state(output_dir, safe_serialization, **save_model_func_kwargs)
-        with self._without(pairs):
+        # The hooks' wrappers take the model list before _without hides the sharded ones.
+        with self._hooks_see_every_model(pairs), self._without(pairs):
             location = super().save_state(output_dir, safe_serialization,
                                           **save_model_func_kwargs)
         for i, m, opt in pairs:
             tierlift.checkpoint.save(checkpoint_dir(location, i), zmodel._inner(m),
                                      None if opt is None else unwrap_optimizer(opt))
         return location
+
+    @contextlib.contextmanager
+    def _hooks_see_every_model(self, pairs):
+        """register_save_state_pre_hook hooks (diffusers' scripts save each model with
+        save_pretrained there and pop its weights) get every prepared model and its state dict,
+        as with plain accelerate: the sharded ones too, with their full weights (gathered, a
+        collective; rank 0 holds them), although _without hides them from accelerate's own
+        saving. Without this a hook would silently save nothing for them. What the hooks leave
+        of a sharded model's weights is not written by accelerate: tierlift.checkpoint saves
+        the model."""
+        hooks = self._save_model_state_pre_hook
+        if not hooks:
+            yield
+            return
+        models = list(self._models)
+        full = {id(m): self.get_state_dict(m) for _, m, _ in pairs}
+        sharded = {id(sd) for sd in full.values()}
+        merged: list = []  # shared by every hook, so one hook's pops hold for the next
+        built = []
+
+        def wrap(hook):
+            def call(_models, weights, output_dir):
+                if not built:
+                    plain = iter(weights)
+                    merged.extend(full[id(m)] if id(m) in full else next(plain)
+                                  for m in models)
+                    built.append(True)
+                hook(list(models), merged, output_dir)
+                weights[:] = [w for w in merged if id(w) not in sharded]
+            return call
+
+        saved = dict(hooks)
+        for key, hook in saved.items():
+            hooks[key] = wrap(hook)
+        try:
+            yield
+        finally:
+            hooks.clear()
+            hooks.update(saved)
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None,
                    **load_model_func_kwargs):
