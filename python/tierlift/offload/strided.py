@@ -64,7 +64,7 @@ def contiguous_data(groups: list[dict], strided: set[int], write_back: bool = Tr
     its own memory takes the copy's values (`write_back`) and becomes p.data again. Refuses,
     before any change, one whose elements share memory (the copy back could not be done)."""
     todo = [(gi, pi, p) for gi, g in enumerate(groups) for pi, p in enumerate(g["params"])
-            if id(p) in strided and not p.is_contiguous()]
+            if id(p) in strided and not p.is_contiguous()] if strided else []
     for gi, pi, p in todo:
         _check_writable(f"param_groups[{gi}]['params'][{pi}]", p)
     swapped = []
