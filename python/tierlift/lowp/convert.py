@@ -10,7 +10,7 @@ from torch import nn
 
 from tierlift.lowp.fp4 import FP4Linear
 from tierlift.lowp.fp4_recipe import FP4_RECIPES, FP4Recipe, get_fp4_recipe
-from tierlift.lowp.linear import Float8Linear
+from tierlift.lowp.linear import Float8Linear, keep_off_fused_paths
 from tierlift.lowp.recipe import RECIPES, Float8Recipe, get_recipe
 
 log = logging.getLogger("tierlift.lowp")
@@ -77,10 +77,9 @@ def convert(model: nn.Module, recipe: str | Float8Recipe | FP4Recipe = "fp8-roww
     an nn.Linear: it is converted in place too, reported under the name "" (its fqn).
     An nn.Linear whose parent never calls it but hands its weight to a fused op
     (nn.LinearCrossEntropyLoss's, a plain nn.Linear set as an nn.MultiheadAttention's out_proj)
-    stays, with the reason in the report. The converted linear1/linear2 of an
-    nn.TransformerEncoderLayer get a no-op forward pre-hook so that its eval fast path, which
-    would bypass them, stays off (and an nn.TransformerEncoder holding them stops making nested
-    tensors).
+    stays, with the reason in the report. Each low precision layer has a no-op forward pre-hook
+    so that an nn.TransformerEncoderLayer's eval fast path, which would bypass its linear1 and
+    linear2, stays off (and an nn.TransformerEncoder holding them stops making nested tensors).
     """
     r, layer_cls, multiple = _resolve(recipe)
     if not isinstance(model, nn.Module):
@@ -145,25 +144,15 @@ def _bypassed_linears(model: nn.Module) -> dict[int, str]:
     return found
 
 
-def _runs_its_own_forward(module: nn.Module, args) -> None:
-    """A forward pre-hook that changes nothing: its presence is what turns the fused path off."""
-
-
 def _keep_encoder_layers_off_their_fused_path(model: nn.Module) -> None:
-    """nn.TransformerEncoderLayer's inference fast path (eval, no grad) hands linear1/linear2's
-    weights to one fused kernel and never calls their forward: a low precision layer there would
-    silently run in high precision in eval only. That path is off while any module of the layer
-    has a hook, so each such low precision layer gets a no-op pre-hook (once); the layer then
-    takes its regular path, which calls them. nn.TransformerEncoder skips nested tensors too:
+    """Each low precision layer carries a no-op pre-hook that keeps nn.TransformerEncoderLayer
+    off its eval fast path (which would bypass linear1/linear2); given here too to layers
+    converted by a tierlift without it (pickled). nn.TransformerEncoder skips nested tensors:
     they would reach those layers, which take dense inputs only."""
     low = (Float8Linear, FP4Linear)
     for mod in model.modules():
-        if not isinstance(mod, nn.TransformerEncoderLayer):
-            continue
-        for lin in (getattr(mod, "linear1", None), getattr(mod, "linear2", None)):
-            hooked = lin is not None and _runs_its_own_forward in lin._forward_pre_hooks.values()
-            if isinstance(lin, low) and not hooked:
-                lin.register_forward_pre_hook(_runs_its_own_forward)
+        if isinstance(mod, low):
+            keep_off_fused_paths(mod)
     for mod in model.modules():
         if isinstance(mod, nn.TransformerEncoder) and getattr(mod, "use_nested_tensor", False):
             if any(isinstance(m, low) for m in mod.modules()):
@@ -176,5 +165,6 @@ def _swap_class(mod: nn.Linear, layer_cls: type, recipe) -> None:
     and every other path or reference to it, all silently."""
     mod.__class__ = layer_cls
     mod.recipe = recipe
+    keep_off_fused_paths(mod)
     if layer_cls is Float8Linear:
         mod.gathered_weight_fn = None

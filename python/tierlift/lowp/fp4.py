@@ -24,7 +24,7 @@ from torch.autograd.function import once_differentiable
 from tierlift import ops
 from tierlift.lowp.fp4_recipe import FP4Recipe, get_fp4_recipe
 from tierlift.lowp.gemm import as_dtype
-from tierlift.lowp.linear import linear_input, refuse_nested
+from tierlift.lowp.linear import keep_off_fused_paths, linear_input, refuse_nested
 from tierlift.reference.lowp_fp4 import fp4_dequantize, hadamard
 
 
@@ -143,6 +143,7 @@ class FP4Linear(nn.Linear):
                              f"got {in_features}, {out_features}")
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.recipe = get_fp4_recipe(recipe)
+        keep_off_fused_paths(self)
 
     @classmethod
     def from_linear(cls, mod: nn.Linear, recipe: str | FP4Recipe = "mxfp4-quartet") -> FP4Linear:

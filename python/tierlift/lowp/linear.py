@@ -142,6 +142,20 @@ def refuse_nested(x: torch.Tensor) -> None:
                         "together with its layers)")
 
 
+def _runs_its_own_forward(module: nn.Module, args) -> None:
+    """A forward pre-hook that changes nothing: its presence is what turns torch's fused paths
+    off (nn.TransformerEncoderLayer's eval fast path hands linear1/linear2's weights to one fused
+    kernel and never calls their forward while no module of the layer has a hook)."""
+
+
+def keep_off_fused_paths(module: nn.Module) -> None:
+    """Gives a low precision layer its no-op pre-hook, once: built directly, by from_linear or
+    by convert, and wherever it is put, its forward runs (a fused path would silently run the
+    layer in high precision)."""
+    if _runs_its_own_forward not in module._forward_pre_hooks.values():
+        module.register_forward_pre_hook(_runs_its_own_forward)
+
+
 def linear_input(x: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None) -> torch.Tensor:
     """x in the dtype nn.Linear would multiply it in: autocast's where autocast is on (which
@@ -204,6 +218,7 @@ class Float8Linear(nn.Linear):
         self.recipe = get_recipe(recipe)
         # Set by tierlift.zero.shard(..., fp8_all_gather=True): the current FP8 copy or None.
         self.gathered_weight_fn: Callable[[], GatheredFloat8Weight | None] | None = None
+        keep_off_fused_paths(self)
 
     @classmethod
     def from_linear(cls, mod: nn.Linear, recipe: str | Float8Recipe = "fp8-rowwise"
