@@ -2,17 +2,22 @@
 that stops early (backward(inputs=...), a partial autograd.grad) leaves saved tensors read ahead
 and never consumed; their bytes leave the read-ahead window (and their buffers go back) when
 autograd lets go of them, so later steps read ahead as far as the first one did. Gradients equal
-plain autograd's bit for bit."""
+plain autograd's bit for bit. A graph dropped without a full backward (retain_graph=True,
+backward(inputs=...), none at all) is freed at once, with its spill file, as without offload.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import os
+import weakref
 
 import pytest
 import torch
 
 import tierlift
-from tierlift.activations import offload
+from tierlift.activations import BudgetError, offload
 
 pytestmark = pytest.mark.skipif(not tierlift._extension.available(),
                                 reason="compiled extension not loaded")
@@ -60,3 +65,75 @@ def test_reads_ahead_never_consumed_leave_the_window(tmp_path, how):
             assert session.read_window == 0
             assert session._file.handles == []
     assert reads[0] > 0 and reads == [reads[0]] * len(xs), reads  # was [6, 6, 4]
+
+
+def spill_fds(directory) -> int:
+    """This process's descriptors of files under `directory` (the spill file has no name)."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith(str(directory))
+    return n
+
+
+def drop_without_full_backward(w1, w2, x, how):
+    h = torch.tanh(x @ w1)  # x and tanh's output (64 KiB each) go to NVMe
+    y = torch.sigmoid(h @ w2)  # sigmoid saves its output: 8 KiB, under min_bytes: kept
+    loss = y.sum()
+    if how == "retain_graph":  # as a GAN step that backpropagates one loss twice, then drops it
+        loss.backward(retain_graph=True)
+    elif how == "inputs":
+        loss.backward(inputs=[w2])
+    return weakref.ref(y)
+
+
+@pytest.mark.parametrize("how", ["retain_graph", "inputs", "no_backward"])
+def test_a_graph_dropped_without_a_full_backward_is_freed(tmp_path, how):
+    # A kept saved output used to hold its own grad_fn (a cycle through C++ that no collector
+    # breaks): the graph, the session and its spill file lived until the process ended.
+    torch.manual_seed(0)
+    w1 = torch.randn(128, 128, requires_grad=True)
+    w2 = torch.randn(128, 16, requires_grad=True)
+    xs = [torch.randn(128, 128) for _ in range(3)]
+    want = [drop_without_full_backward(w1, w2, x, how) for x in xs]
+    assert all(r() is None for r in want)  # plain autograd frees each graph at once
+    grads = [w.grad for w in (w1, w2)]
+    w1.grad = w2.grad = None
+    tl = offload(cpu_budget=0, nvme_path=tmp_path, min_bytes=32 << 10)
+    for x in xs:
+        with tl:
+            alive = drop_without_full_backward(w1, w2, x, how)
+        assert alive() is None, "the graph outlived its last reference"
+        assert spill_fds(tmp_path) == 0
+    assert tl.last_stats["nvme_bytes"] == 2 * 128 * 128 * 4
+    for got, expected in zip((w1.grad, w2.grad), grads, strict=True):
+        assert (got is None and expected is None) or torch.equal(got, expected)
+
+
+def micro_batches(ctx, w, xs):
+    """Gradient accumulation with each micro-batch's backward inside the context."""
+    with ctx:
+        for x in xs:
+            torch.tanh(torch.tanh(x @ w) @ w).sum().backward()
+    return w.grad
+
+
+def test_micro_batches_in_one_context_share_the_cpu_budget(tmp_path):
+    # Each micro-batch's RAM goes back as its backward ends; the RAM tier used to count every
+    # micro-batch's bytes as held: a BudgetError naming 3x the bytes needed, or a spill to NVMe.
+    torch.manual_seed(0)
+    w = torch.randn(64, 64, requires_grad=True)
+    xs = [torch.randn(16, 64) for _ in range(3)]
+    want = micro_batches(contextlib.nullcontext(), w, xs).clone()
+    w.grad = None
+    with pytest.raises(BudgetError) as e:
+        micro_batches(offload(cpu_budget=1000, min_bytes=0), w, xs)
+    # What one micro-batch saves: x, tanh(x @ w) (saved twice: by tanh and by the matmul,
+    # counted once) and the output: was 3 micro-batches' worth, tanh(x @ w) in each twice.
+    one = e.value.smallest
+    assert one == 3 * 16 * 64 * 4
+    for ctx in (offload(cpu_budget=one, min_bytes=0),
+                offload(cpu_budget=one, nvme_path=tmp_path, min_bytes=0)):
+        w.grad = None
+        assert torch.equal(micro_batches(ctx, w, xs), want)
+        assert ctx.last_stats["ram_bytes"] == 3 * one and ctx.last_stats["nvme_bytes"] == 0

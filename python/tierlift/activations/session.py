@@ -13,6 +13,7 @@ keeps alive, would otherwise hold the file and its descriptors until `loss` is d
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import os
@@ -194,8 +195,10 @@ def _dropped(session_ref, index: int, _ref) -> None:
         return
     fetched = session._fetched.pop(index, None)
     if fetched is not None:  # read ahead but never consumed: its bytes leave the window
-        session._dead_reads[index] = fetched
-        session._retire_dead_reads()
+        session._retire_read(*fetched)
+    in_ram = session._in_ram.pop(index, None)
+    if in_ram is not None:  # its host buffer is given back: micro-batches in one context
+        session.ram_bytes -= in_ram  # share cpu_budget, not each add to it
     if session._spilled.pop(index, None) is not None:
         session._trim_file()
 
@@ -223,10 +226,10 @@ class Session:
         self._spilled: dict[int, tuple[int, int]] = {}  # index -> its bytes in the file
         # index -> [bytes in read_window, its NVMe read while not waited for] of every saved
         # tensor fetched and not yet consumed. One that dies unconsumed (backward stopped
-        # early, backward(inputs=...), a partial grad(), a freed graph) leaves the window as
-        # soon as its read is done (the read holds its buffer until then), not never.
+        # early, backward(inputs=...), a partial grad(), a freed graph) leaves the window, and
+        # its read (which holds its buffer) the file, when autograd lets go of it, not never.
         self._fetched: dict[int, list] = {}
-        self._dead_reads: dict[int, list] = {}
+        self._in_ram: dict[int, int] = {}  # index -> its bytes in the RAM tier
         self._writes: deque[_Write] = deque()
         # RAM-tier D2H copies in flight, in stream order: (weak item, tensor, its version at
         # save, event). The tensor is held until its copy is seen done: modified in place before
@@ -266,7 +269,11 @@ class Session:
         self.finished = False
         packed = self._pack(t, group, tier)
         if packed is t:
-            return _Kept(t, t._version)
+            # Detached (same memory and version counter): autograd hands the hook an op's
+            # output with its grad_fn, which holds this; the tensor itself would close a cycle
+            # no collector breaks (grad_fn is C++), and a graph dropped without a full backward
+            # (retain_graph=True, backward(inputs=...)) would never be freed, nor its spill file.
+            return _Kept(t.detach() if t.requires_grad else t, t._version)
         if packed.source is None:
             packed.source, packed.version = weakref.ref(t), t._version
         return packed
@@ -278,8 +285,17 @@ class Session:
                tuple(t.stride()), t.dtype, t._version)
         seen = self._dedupe.get(key)
         if seen is not None and seen[0]() is t:  # the same tensor saved again (alive: no reuse)
+            if seen[1] is None:
+                return t  # left in place, and counted, the first time
             seen[1].uses += 1
             return seen[1]
+        placed = self._place(t, group, tier)
+        # Also a tensor left in place: saved again, it must not count twice towards the
+        # bytes a BudgetError names.
+        self._dedupe[key] = (weakref.ref(t), None if placed is t else placed)
+        return placed
+
+    def _place(self, t: torch.Tensor, group, tier: str):
         layout = Layout.of(t)
         n = layout.nbytes
         self.group_bytes[group] = self.group_bytes.get(group, 0) + n
@@ -307,7 +323,6 @@ class Session:
         else:
             self.ram_missing += n
             return t
-        self._dedupe[key] = (weakref.ref(t), item)
         self._pump(block=False)
         return item
 
@@ -352,6 +367,7 @@ class Session:
             item.copying = True
             self._copying.append((weakref.ref(item), t, t._version, item.event))
         self.ram_bytes += n
+        self._in_ram[item.index] = n
         self.stats["ram_bytes"] += n
 
     def _file_for_write(self) -> ActivationFile:
@@ -398,7 +414,6 @@ class Session:
 
     def _make_room(self, n: int) -> None:
         """Waits for the oldest writes until `n` more bytes fit in the I/O window."""
-        self._retire_dead_reads()
         while self._writes and self.write_window + self.read_window + n > self.config.io_bytes:
             self._finish_write(self._writes.popleft(), block=True)
 
@@ -522,7 +537,6 @@ class Session:
         self._copying.clear()
         self._reading.clear()
         self._fetched.clear()
-        self._dead_reads.clear()
         self._dedupe.clear()
         self._kept_storages.clear()
         self.write_window = self.read_window = 0
@@ -541,7 +555,6 @@ class Session:
         try:
             while self._cursor >= 0 and not self._wants(self._cursor):
                 self._cursor -= 1  # everything above the cursor is fetched or consumed
-            self._retire_dead_reads()
             j = self._cursor if top is None else min(top, self._cursor)
             room = self.config.io_bytes - self.write_window
             while j >= 0:
@@ -575,7 +588,7 @@ class Session:
         while self._reading:
             ref, read = self._reading[0]
             item = ref()
-            if item is None:  # its graph is gone: _retire_dead_reads lets its read go
+            if item is None:  # its graph is gone: _dropped let its read go
                 self._reading.popleft()
                 continue
             if item.reading is not None and not item.reading.done():
@@ -625,17 +638,14 @@ class Session:
         if self._fetched.pop(item.index, None) is not None:
             self.read_window -= item.layout.nbytes
 
-    def _retire_dead_reads(self) -> None:
-        """Reads of saved tensors that died unconsumed: done ones give back their buffer and
-        their bytes of the window."""
-        for index, (n, read) in list(self._dead_reads.items()):
-            if read is not None and not read.done():
-                continue
-            if self._dead_reads.pop(index, None) is None:
-                continue  # retired meanwhile (a collection that ran this again)
-            if read is not None and self._file is not None:
-                self._file.done(read)  # its buffer goes back to the pool
-            self.read_window -= n
+    def _retire_read(self, n: int, read) -> None:
+        """A saved tensor read ahead died unconsumed: its read (a read-ahead, about to land) is
+        waited for, so its buffer goes back to the pool, and its bytes leave the window."""
+        if read is not None and self._file is not None and read in self._file.handles:
+            with contextlib.suppress(Exception):  # nothing will use what it read
+                read.wait()
+            self._file.done(read)
+        self.read_window -= n
 
     def _arrive(self, item: Saved) -> None:
         """Waits for an NVMe read; on a GPU, starts its H2D copy."""
@@ -673,6 +683,10 @@ class Session:
     def unpack(self, item) -> torch.Tensor:
         if isinstance(item, _Kept):  # left in place at pack time
             _check_version(item.tensor, item.version)
+            if self.failed is None and not self.finished:
+                # A backward inside the context (the micro-batch's forward is over): its
+                # budgets are checked now, even if what it reads first was left in place.
+                self.finish()
             return item.tensor
         source = item.source()
         if source is not None:
