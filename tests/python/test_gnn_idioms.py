@@ -199,3 +199,27 @@ def test_everyday_index_and_feature_forms_match_plain_indexing(features):
         store.gather(torch.tensor([0, -1]))
     with pytest.raises(TypeError, match="int32 or int64"):  # a mask: use mask.nonzero()
         store.gather(torch.ones(40, dtype=torch.bool))
+
+
+def test_sampler_takes_a_graph_store_put_without_size_whose_last_nodes_only_send():
+    # PyG sizes such a store's CSC by the largest destination: node 4 (out-edges only) was
+    # refused as outside the graph, though one hop of it samples as the edge_index does.
+    pytest.importorskip("torch_geometric")
+    from torch_geometric.testing import MyGraphStore
+
+    from tierlift.gnn import NeighborSampler
+
+    edge_index = torch.tensor([[4, 3, 0, 4, 1], [0, 0, 1, 2, 2]])
+    gs = MyGraphStore()
+    gs.put_edge_index(edge_index, edge_type=None, layout="coo")
+    from_store = NeighborSampler(gs, [2, 2], seed=3)
+    plain = NeighborSampler(edge_index, [2, 2], num_nodes=5, seed=3)
+    assert from_store.num_nodes == 5
+    seeds = torch.tensor([2, 0, 1])
+    got, want = from_store.sample(seeds), plain.sample(seeds)
+    assert got[4:] == want[4:] and all(torch.equal(g, w) for g, w in zip(got[:3], want[:3]))
+    assert torch.equal(from_store.edge_permutation[got[3]], plain.edge_permutation[want[3]])
+    gs = MyGraphStore()
+    gs.put_edge_index(torch.tensor([[-1, 3], [0, 1]]), edge_type=None, layout="coo")
+    with pytest.raises(ValueError, match="an edge source is node -1"):
+        NeighborSampler(gs, [2], seed=0)

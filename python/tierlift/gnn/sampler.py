@@ -49,6 +49,10 @@ def _csc_from_graph_store(graph_store: GraphStore):
     if isinstance(row, dict):  # keyed by edge type
         key = attrs[0].edge_type
         row, colptr, perm = row[key], colptr[key], perm.get(key)
+    if attrs[0].size is None and row.numel() and int(row.max()) >= colptr.numel() - 1:
+        # Put without size=, PyG sizes the CSC by the largest destination: sources past it
+        # (nodes with out-edges only) are nodes with no in-edges, not ids outside the graph.
+        colptr = torch.cat([colptr, colptr[-1:].expand(int(row.max()) + 2 - colptr.numel())])
     _check_node_ids(row, colptr.numel() - 1, "an edge source")
     return colptr.long(), row.long(), perm
 
