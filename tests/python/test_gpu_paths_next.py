@@ -10,7 +10,9 @@ by the `gpu` tests):
   The `gpu` tests also check an in-place edit raced by a side-stream copy, on real streams.
 - GradScaler over tierlift.zero: the found-inf agreement of one optimizer over models on two
   devices runs each model's collective on that model's device.
-- copy.deepcopy of a CUDA FeatureStore: an independent store, not a pickled (rowless) one."""
+- copy.deepcopy of a CUDA FeatureStore: an independent store, not a pickled (rowless) one.
+- offloaded AdamW over channels_last and transposed parameters on their device, as torch's
+  AdamW, layout kept, optimizer.state[p].items() reading torch's moments."""
 
 from __future__ import annotations
 
@@ -23,7 +25,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
+from conformance_util import CHUNK, assert_matches_torch
 from test_activations_user import SideStreamCopier, spill_fds
+from test_offload_user_idioms import HYPER, Net
 
 import tierlift
 import tierlift.activations.session as session_module
@@ -31,6 +36,7 @@ from tierlift._shards import any_rank_found
 from tierlift.activations import offload
 from tierlift.activations.device import CpuCopier, CudaCopier, Layout
 from tierlift.gnn import FeatureStore
+from tierlift.optim import AdamW
 
 pytestmark = pytest.mark.skipif(not tierlift._extension.available(),
                                 reason="compiled extension not loaded")
@@ -374,3 +380,67 @@ def test_gpu_deepcopy_of_a_cuda_store_gathers_the_same_rows_on_its_own(pin, cach
     with pytest.raises(TypeError, match="copy.copy"):
         copy.copy(twin)
     twin.close()
+
+
+# ---- offloaded AdamW over non-contiguous parameters on their device ---------------------------
+# A channels_last model and a transposed weight are stepped through a contiguous copy of each
+# (offload/strided.py): on a GPU that copy, its write back into the parameter's own memory and
+# the overlap worker's copy of a strided gradient run on the device. The same body runs on the
+# CPU here.
+
+CUDA = pytest.param("cuda", marks=pytest.mark.gpu)
+STRIDED_OFFLOAD = {"cpu": dict(offload="cpu"), "nvme_ov": dict(offload="nvme", overlap=True)}
+
+
+def strided_net(device: str) -> Net:
+    model = Net().to(device).to(memory_format=torch.channels_last)
+    w = model.head.weight
+    w.data = w.data.t().contiguous().t()  # the same values, column-major
+    return model
+
+
+def fit_on_device(model: Net, opt, steps) -> None:
+    device = next(model.parameters()).device
+    for i in steps:
+        g = torch.Generator().manual_seed(i)
+        x = torch.randn(4, 3, 10, 10, generator=g).to(device, memory_format=torch.channels_last)
+        y = torch.randn(4, 10, generator=g).to(device)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("mode", list(STRIDED_OFFLOAD))
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_offloaded_adamw_steps_strided_params_on_their_device_as_torch(tmp_path, device, mode):
+    ref, model = strided_net(device), strided_net(device)
+    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **HYPER)
+    layouts = [p.stride() for p in model.parameters()]
+    kw = dict(STRIDED_OFFLOAD[mode], chunk_bytes=CHUNK)
+    if kw["offload"] == "nvme":
+        kw["nvme_path"] = str(tmp_path)
+    opt = AdamW(model.parameters(), **HYPER, **kw)
+    try:
+        # TF32 would round the two models' weights (an ulp apart after a step) differently, and
+        # a nondeterministic cuDNN algorithm their gradients: only the optimizers may differ.
+        with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True,
+                                        allow_tf32=False):
+            for m, o in ((ref, ref_opt), (model, opt)):
+                fit_on_device(m, o, range(4))
+        if opt._offload.config.overlap:  # chunks were stepped during backward, and kept
+            assert opt.last_step_stats["overlap_kept_chunks"] > 0
+        assert [p.stride() for p in model.parameters()] == layouts
+        assert all(p.device.type == device for p in model.parameters())
+        assert model.conv2.weight.is_contiguous(memory_format=torch.channels_last)
+        assert not model.conv2.weight.is_contiguous() and model.head.weight.stride() == (1, 10)
+        assert_matches_torch(model, ref)
+        # The moments a logging loop reads from optimizer.state[p] of a device parameter.
+        for p, r in zip(model.parameters(), ref.parameters()):
+            items, rst = dict(opt.state[p].items()), ref_opt.state[r]
+            assert list(items) == ["exp_avg", "exp_avg_sq", "step"]
+            assert float(items["step"]) == float(rst["step"]) == 4
+            for k in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(items[k], rst[k].cpu(), rtol=1e-5, atol=1e-9)
+                assert float(items[k].norm()) == pytest.approx(float(rst[k].norm()), rel=1e-5)
+    finally:
+        opt.close()
