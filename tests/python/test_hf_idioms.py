@@ -2,8 +2,9 @@
 same script without tierlift: one spawn of 2 gloo ranks runs every case, one process gives
 the references.
 
-- accelerator.register_save_state_pre_hook: the hook (diffusers' scripts save each model there
-  and pop its weights) sees every prepared model, the sharded one too, with its full weights.
+- accelerator.register_save_state_pre_hook / register_load_state_pre_hook: the hooks
+  (diffusers' scripts save each model there, pop its weights, and load it back by position)
+  see every prepared model, the sharded one too (with its full weights when saving).
 - A frozen base with hand-written LoRA adapters, accelerator.accumulate over a prepared loader
   whose last accumulation is short, clip_grad_value_: the same weights as one process.
 - Trainer with activation (gradient) checkpointing and an epoch whose micro-batches are not a
@@ -72,7 +73,7 @@ def _fresh_accelerate() -> None:
 
 
 def _save_hook_case(rank: int, tmp: str) -> dict:
-    from safetensors.torch import save_file
+    from safetensors.torch import load_file, save_file
 
     import tierlift.hf
 
@@ -91,7 +92,14 @@ def _save_hook_case(rank: int, tmp: str) -> dict:
             save_file(weights[0], os.path.join(output_dir, "hooked.safetensors"))
         weights.pop(0)  # written here: accelerate leaves it out
 
+    def load_hook(models, input_dir):  # takes its model by position, as it saved it
+        model = models.pop(0)
+        loaded.append(tierlift.zero.is_shard(next(model.parameters())))
+        model.load_state_dict(load_file(os.path.join(input_dir, "hooked.safetensors")))
+
+    loaded = []
     accelerator.register_save_state_pre_hook(hook)
+    accelerator.register_load_state_pre_hook(load_hook)
     where = os.path.join(tmp, "state")
     accelerator.save_state(where)
     full = tierlift.hf.gathered_state_dict(model)
@@ -103,7 +111,8 @@ def _save_hook_case(rank: int, tmp: str) -> dict:
         accelerator.load_state(where)
     except Exception as e:  # noqa: BLE001 - every rank fails alike; the test names it
         return {"seen": seen, "load_error": repr(e)}
-    return {"seen": seen, "first_is_sharded": tierlift.zero.is_shard(next(model.parameters())),
+    return {"seen": seen, "loaded": loaded,
+            "first_is_sharded": tierlift.zero.is_shard(next(model.parameters())),
             "full": full, "head": head_weights,
             "head_restored": accelerator.unwrap_model(head).state_dict(),
             "restored": tierlift.hf.gathered_state_dict(model)}
@@ -157,13 +166,14 @@ def _same(a: dict, b: dict, atol: float) -> None:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=atol, msg=k)
 
 
-def test_save_state_hook_sees_the_sharded_model_and_its_full_weights(ranks):
+def test_state_hooks_see_the_sharded_model_and_its_full_weights(ranks):
     from safetensors.torch import load_file
 
     out, tmp = ranks
     case = out["save_hook"]
     assert case["seen"] == [2], case["seen"]
     assert "load_error" not in case, case["load_error"]
+    assert case["loaded"] == [True]
     assert case["first_is_sharded"]
     full = case["full"]
     assert sorted(full) == sorted(W.build("llama").state_dict())

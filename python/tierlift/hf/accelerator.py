@@ -209,7 +209,7 @@ class Accelerator(accelerate.Accelerator):
         if not pairs:
             return super().save_state(output_dir, safe_serialization, **save_model_func_kwargs)
         # The hooks' wrappers take the model list before _without hides the sharded ones.
-        with self._hooks_see_every_model(pairs), self._without(pairs):
+        with self._hooks_see_every_model(pairs, saving=True), self._without(pairs):
             location = super().save_state(output_dir, safe_serialization,
                                           **save_model_func_kwargs)
         for i, m, opt in pairs:
@@ -218,33 +218,40 @@ class Accelerator(accelerate.Accelerator):
         return location
 
     @contextlib.contextmanager
-    def _hooks_see_every_model(self, pairs):
-        """register_save_state_pre_hook hooks (diffusers' scripts save each model with
-        save_pretrained there and pop its weights) get every prepared model and its state dict,
-        as with plain accelerate: the sharded ones too, with their full weights (gathered, a
-        collective; rank 0 holds them), although _without hides them from accelerate's own
-        saving. Without this a hook would silently save nothing for them. What the hooks leave
-        of a sharded model's weights is not written by accelerate: tierlift.checkpoint saves
-        the model."""
-        hooks = self._save_model_state_pre_hook
+    def _hooks_see_every_model(self, pairs, *, saving: bool):
+        """register_save_state_pre_hook / register_load_state_pre_hook hooks (diffusers'
+        scripts save each model with save_pretrained there, pop its weights, and load it back
+        by position) get every prepared model, as with plain accelerate: the sharded ones too,
+        in their places, although _without hides them from accelerate's own saving and
+        loading. A save hook gets their full weights (gathered, a collective; rank 0 holds
+        them). Without this a save hook saved nothing for them, and a load hook taking a model
+        by position got the wrong one. What the hooks leave of the sharded models and their
+        weights accelerate does not see: tierlift.checkpoint saves and loads them."""
+        hooks = self._save_model_state_pre_hook if saving else self._load_model_state_pre_hook
         if not hooks:
             yield
             return
         models = list(self._models)
-        full = {id(m): self.get_state_dict(m) for _, m, _ in pairs}
-        sharded = {id(sd) for sd in full.values()}
+        sharded = {id(m): m for _, m, _ in pairs}
+        if saving:  # the state dict each save hook sees in the sharded model's place
+            sharded = {id(m): self.get_state_dict(m) for _, m, _ in pairs}
+        hidden = {id(v) for v in sharded.values()}
         merged: list = []  # shared by every hook, so one hook's pops hold for the next
         built = []
 
         def wrap(hook):
-            def call(_models, weights, output_dir):
+            def call(*args):  # save: (models, weights, output_dir); load: (models, input_dir)
+                seen = args[1] if saving else args[0]  # the list accelerate goes on with
                 if not built:
-                    plain = iter(weights)
-                    merged.extend(full[id(m)] if id(m) in full else next(plain)
+                    plain = iter(seen)
+                    merged.extend(sharded[id(m)] if id(m) in sharded else next(plain)
                                   for m in models)
                     built.append(True)
-                hook(list(models), merged, output_dir)
-                weights[:] = [w for w in merged if id(w) not in sharded]
+                if saving:
+                    hook(list(models), merged, args[2])
+                else:
+                    hook(merged, args[1])
+                seen[:] = [x for x in merged if id(x) not in hidden]
             return call
 
         saved = dict(hooks)
@@ -270,7 +277,7 @@ class Accelerator(accelerate.Accelerator):
                 raise FileNotFoundError(f"{where} has no {os.path.basename(d)} for sharded "
                                         f"model {i}: it was not saved by "
                                         "tierlift.hf.Accelerator.save_state")
-        with self._without(pairs):
+        with self._hooks_see_every_model(pairs, saving=False), self._without(pairs):
             out = super().load_state(where, load_kwargs, **load_model_func_kwargs)
         for i, m, opt in pairs:
             tierlift.checkpoint.load(checkpoint_dir(where, i), zmodel._inner(m),
