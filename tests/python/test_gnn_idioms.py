@@ -89,6 +89,22 @@ def test_features_given_new_memory_after_the_store_are_refused():
         store.gather(torch.tensor([1]))
 
 
+def test_features_whose_storage_shrank_after_the_store_are_refused():
+    # storage.resize_() keeps the storage's identity: the gather read past its end (rows of
+    # garbage; a segmentation fault at size 0).
+    index = torch.tensor([0, 19])
+    x = torch.randn(20, 6)
+    store = FeatureStore(x, device="cpu")
+    row_bytes = 6 * x.element_size()
+    x.untyped_storage().resize_(19 * row_bytes)
+    with pytest.raises(RuntimeError, match="resized smaller"):
+        store.gather(index)
+    grown = torch.randn(20, 6)
+    store = FeatureStore(grown, device="cpu")
+    grown.untyped_storage().resize_(30 * row_bytes)  # larger: the rows are still there
+    assert torch.equal(store.gather(index), grown[index])
+
+
 def test_a_store_and_its_copies_still_gather_when_the_features_keep_their_memory():
     import copy
     import pickle

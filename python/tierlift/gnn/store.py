@@ -149,7 +149,11 @@ def _layout(tensor: torch.Tensor) -> tuple:
 
 
 def _moved(tensor: torch.Tensor, watched: tuple) -> bool:
-    return tensor.untyped_storage() is not watched[2]() or _layout(tensor) != watched[3:]
+    storage = tensor.untyped_storage()
+    # A storage resized smaller in place (storage.resize_()) keeps its identity, but the
+    # gather kernels would read past its end (garbage rows; a segmentation fault at size 0).
+    short = storage.nbytes() < (tensor.storage_offset() + tensor.numel()) * tensor.element_size()
+    return storage is not watched[2]() or _layout(tensor) != watched[3:] or short
 
 
 def _check_size(path: Path, start: int, shape, np_dtype, exact: str | None = None) -> None:
@@ -516,8 +520,9 @@ class FeatureStore:
         if watched is not None and _moved(watched, self._watched):
             raise RuntimeError(
                 "FeatureStore: its features tensor holds other memory (or another shape or "
-                "dtype) than when the store was built (features.data = ..., or a module's "
-                ".to()/.half() converting it), which the store does not read (a CUDA store's "
+                "dtype, or a storage resized smaller) than when the store was built "
+                "(features.data = ..., or a module's .to()/.half() converting it), which the "
+                "store does not read (a CUDA store's "
                 "cache and a pin='copy' copy keep the old rows). Refused on every device: build "
                 "a new FeatureStore from the tensor as it is now (close() this one first)")
         if watched is not None and watched._version != self._watched[1]:
