@@ -273,3 +273,18 @@ def test_a_checkpoint_named_like_a_saves_old_copy_is_neither_deleted_nor_read(tm
         with pytest.raises(FileNotFoundError, match="does not exist"):
             read(str(tmp_path / "run"))
     _same(tierlift.checkpoint.full_state_dict(str(tmp_path / "run.old")), theirs.state_dict())
+
+
+def test_what_a_rank_sees_of_the_claim_has_one_length_whatever_its_folder_holds(tmp_path):
+    # Each rank's view goes into one collective of fixed width: a token of another length in
+    # an owner file not of a claim (a folder of that rank's own) made the ranks' sizes differ.
+    from tierlift.checkpoint import background
+
+    tmp = tmp_path / "ck.tmp"
+    tmp.mkdir()
+    seen = []
+    for token in ("ab" * 16, "abcd", "ab" * 40, "not hex", 7):
+        (tmp / background.OWNER).write_text(json.dumps({"token": token}))
+        seen.append(background.claim_seen(str(tmp), writes=True))
+    assert seen[0] == bytes.fromhex("ab" * 16)
+    assert all(s == seen[1] for s in seen[1:]) and len(seen[1]) == 16 and seen[1] != seen[0]

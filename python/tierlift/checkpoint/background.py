@@ -339,9 +339,12 @@ def claim_seen(tmp: str, writes: bool) -> bytes:
         return _WRITES_NOTHING
     try:
         with open(os.path.join(tmp, OWNER)) as f:
-            return bytes.fromhex(json.load(f)["token"])
+            seen = bytes.fromhex(json.load(f)["token"])
     except (OSError, ValueError, KeyError, TypeError):
         return _SEES_NO_CLAIM
+    # every rank must send as many bytes (one collective): an owner file not of a claim (left
+    # in a folder of a rank's own) may hold a token of another length
+    return seen if len(seen) == len(_SEES_NO_CLAIM) else _SEES_NO_CLAIM
 
 
 def refuse(vote: Vote, error: BaseException, path: str) -> None:
