@@ -223,6 +223,34 @@ def test_pre_hooks_put_first_on_two_ranks(ranks, stage):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=f"{kind} #{i}")
 
 
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_global_pre_hook_that_raised_then_removed_leaves_no_skipped_gather(stage):
+    """One process: a global pre-hook after tierlift's raised on a unit called on its own (its
+    pre-hook had run early, the module's own did not), then was removed: the next forward's
+    unit pre-hook skipped its gather and computed with weights from before a swap-in."""
+    plain = _mlp()
+    model = _mlp()
+    # prefetch=0: a unit prefetched by the call that raised stays gathered, with the weights
+    # from before the swap-in (not what this checks)
+    model = tierlift.zero.shard(model, stage=stage, units=[model[0], model[3]], prefetch=0)
+    x = _batches(1)[0]
+
+    def failing(module, args):
+        if module is model[0]:
+            raise LookupError("a hook that gives up")
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(failing)
+    with pytest.raises(LookupError), torch.no_grad():
+        model[0](x)
+    handle.remove()
+    with torch.no_grad():
+        for p in [*model.parameters(), *plain.parameters()]:
+            p.data = p.data * (1 + p.data)  # other weights swapped in (not a uniform shift,
+            # which the LayerNorm after the unit would cancel)
+        torch.testing.assert_close(model(x), plain(x), rtol=1e-5, atol=1e-6)
+
+
 def _assert_close_dicts(got: dict, want: dict, what: str) -> None:
     assert sorted(got) == sorted(want), what
     for k, v in want.items():

@@ -97,6 +97,10 @@ def ensure_global_first(needed: bool = False) -> None:
         if len(hooks) == 1 or not (needed or members.live_states()):
             handle.remove()
             _GLOBAL[0] = None
+            # A call a later global pre-hook aborted left its marks: with ours gone, no call
+            # renews them, and the module's own pre-hook would skip its gather.
+            for state in members.live_states():
+                state.ran_early.clear()
         elif next(iter(hooks)) != handle.id:
             hooks.move_to_end(handle.id, last=False)
         return
