@@ -12,7 +12,10 @@ by the `gpu` tests):
   devices runs each model's collective on that model's device.
 - copy.deepcopy of a CUDA FeatureStore: an independent store, not a pickled (rowless) one.
 - offloaded AdamW over channels_last and transposed parameters on their device, as torch's
-  AdamW, layout kept, optimizer.state[p].items() reading torch's moments."""
+  AdamW, layout kept, optimizer.state[p].items() reading torch's moments.
+- FeatureStore on each device: features given new memory refused, share_memory_() not a change
+  (a pin="inplace" CUDA store: the same rows or a refusal).
+- a converted nn.TransformerEncoderLayer in bf16 eval runs its FP8 linears, not the fused path."""
 
 from __future__ import annotations
 
@@ -28,7 +31,9 @@ import torch
 import torch.nn.functional as F
 from conformance_util import CHUNK, assert_matches_torch
 from test_activations_user import SideStreamCopier, spill_fds
+from test_lowp_idioms import _no_fast_path
 from test_offload_user_idioms import HYPER, Net
+from torch import nn
 
 import tierlift
 import tierlift.activations.session as session_module
@@ -36,6 +41,7 @@ from tierlift._shards import any_rank_found
 from tierlift.activations import offload
 from tierlift.activations.device import CpuCopier, CudaCopier, Layout
 from tierlift.gnn import FeatureStore
+from tierlift.lowp import Float8Linear, convert
 from tierlift.optim import AdamW
 
 pytestmark = pytest.mark.skipif(not tierlift._extension.available(),
@@ -427,8 +433,6 @@ def test_offloaded_adamw_steps_strided_params_on_their_device_as_torch(tmp_path,
                                         allow_tf32=False):
             for m, o in ((ref, ref_opt), (model, opt)):
                 fit_on_device(m, o, range(4))
-        if opt._offload.config.overlap:  # chunks were stepped during backward, and kept
-            assert opt.last_step_stats["overlap_kept_chunks"] > 0
         assert [p.stride() for p in model.parameters()] == layouts
         assert all(p.device.type == device for p in model.parameters())
         assert model.conv2.weight.is_contiguous(memory_format=torch.channels_last)
@@ -442,5 +446,143 @@ def test_offloaded_adamw_steps_strided_params_on_their_device_as_torch(tmp_path,
             for k in ("exp_avg", "exp_avg_sq"):
                 torch.testing.assert_close(items[k], rst[k].cpu(), rtol=1e-5, atol=1e-9)
                 assert float(items[k].norm()) == pytest.approx(float(rst[k].norm()), rel=1e-5)
+        if opt._offload.config.overlap:  # chunks were stepped during backward, and kept
+            stats = opt.last_step_stats
+            assert stats["overlap_kept_chunks"] > 0 and stats["overlap_redone_chunks"] == 0, stats
     finally:
         opt.close()
+
+
+# ---- features given new memory under a FeatureStore, on each device ---------------------------
+# A CUDA store's GPU cache and a pin="copy" copy keep the rows as built, so new memory put under
+# the features is refused on every device; moving them to shared memory (what a spawned
+# worker's pickling does) keeps their storage and values.
+
+STORES = [pytest.param("cpu", "inplace", id="cpu"),
+          pytest.param("cuda", "inplace", marks=pytest.mark.gpu, id="cuda-inplace"),
+          pytest.param("cuda", "copy", marks=pytest.mark.gpu, id="cuda-copy")]
+ROWS = torch.tensor([299, 0, 7, 7, 150])
+
+
+def store_over(x: torch.Tensor, device: str, pin: str) -> FeatureStore:
+    cached = {} if device == "cpu" else dict(cache=0.1, degrees=torch.arange(x.shape[0]))
+    return FeatureStore(x, device=device, pin=pin, **cached)
+
+
+def indices_on(device: str) -> list:
+    """The rows asked for by a CPU index and, on a CUDA store, by a GPU one."""
+    return [ROWS] + ([ROWS.to(device)] if device != "cpu" else [])
+
+
+@pytest.mark.parametrize("device,pin", STORES)
+def test_features_given_new_memory_are_refused_by_a_store_on_each_device(device, pin):
+    torch.manual_seed(0)
+    x = torch.randn(300, 8)
+    store = store_over(x, device, pin)
+    try:
+        for index in indices_on(device):
+            assert torch.equal(store.gather(index).cpu(), x[ROWS])
+        x.data = x.clone()  # the same values in new memory: no version counted
+        assert x._version == 0
+        out = torch.zeros(len(ROWS), 8, device=device)
+        for index in indices_on(device):
+            with pytest.raises(RuntimeError, match="holds other memory"):
+                store.gather(index, out=out)
+        assert not out.any()  # refused before writing
+    finally:
+        store.close()
+    with store_over(x, device, pin) as fresh:  # as the message says: closed, then built anew
+        for index in indices_on(device):
+            assert torch.equal(fresh.gather(index).cpu(), x[ROWS])
+
+
+@pytest.mark.parametrize("device,pin", STORES)
+def test_features_moved_to_shared_memory_gather_exactly_or_are_refused(device, pin):
+    torch.manual_seed(0)
+    x = torch.randn(300, 8)
+    store = store_over(x, device, pin)
+    try:
+        assert torch.equal(store.gather(ROWS).cpu(), x[ROWS])
+        x.share_memory_()
+        assert x.is_shared()
+        out = torch.zeros(len(ROWS), 8, device=device)
+        if device == "cpu" or pin == "copy":
+            # Not a change: the CPU store reads x where it is now, a pin="copy" store its copy.
+            for index in indices_on(device):
+                assert torch.equal(store.gather(index, out=out).cpu(), x[ROWS])
+            return
+        # pin="inplace": the memory registered with CUDA was x's, and share_memory_() moved
+        # x's bytes elsewhere. Rows read from there would be whatever that memory holds now:
+        # the same rows, or a refusal before anything is written.
+        for index in indices_on(device):
+            try:
+                got = store.gather(index, out=out)
+            except (RuntimeError, ValueError):
+                assert not out.any()
+            else:
+                assert torch.equal(got.cpu(), x[ROWS])
+    finally:
+        store.close()
+
+
+# ---- a converted nn.TransformerEncoderLayer in eval, bf16, on its device -----------------------
+# Its inference fast path hands linear1/linear2's weights to one fused kernel; a converted layer
+# carries a no-op pre-hook that keeps the layer on its regular path, where their forward runs.
+
+
+def fp8_tensor_cores_or_skip(device: str) -> None:
+    if device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("this GPU has no FP8 tensor cores")
+
+
+def counting_forward(monkeypatch, cls) -> list:
+    """The modules whose cls.forward runs from now on (a hook would itself turn the fast path
+    off)."""
+    calls, forward = [], cls.forward
+
+    def counted(self, *args, **kwargs):
+        calls.append(self)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "forward", counted)
+    return calls
+
+
+def regular_path(layer: nn.TransformerEncoderLayer, x: torch.Tensor) -> torch.Tensor:
+    """What the layer's regular path computes in eval (post-norm, no masks, dropout off), from
+    its submodules, the attention called as the layer calls it (so on the same kernels)."""
+    a = layer.self_attn(x, x, x, attn_mask=None, key_padding_mask=None, need_weights=False,
+                        is_causal=False)[0]
+    h = layer.norm1(x + a)
+    return layer.norm2(h + layer.linear2(layer.activation(layer.linear1(h))))
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_converted_encoder_layer_in_bf16_eval_runs_its_converted_linears(monkeypatch, device):
+    fp8_tensor_cores_or_skip(device)
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+    layer = layer.to(device, torch.bfloat16)
+    plain = copy.deepcopy(layer).eval()
+    assert convert(layer, "fp8-tensorwise", min_features=0).converted == ["linear1", "linear2"]
+    layer.eval()
+    x = torch.randn(2, 8, 64, device=device, dtype=torch.bfloat16)
+    converted_calls = counting_forward(monkeypatch, Float8Linear)
+    plain_calls = counting_forward(monkeypatch, nn.Linear)
+    with torch.no_grad():
+        y = layer(x)
+        assert converted_calls == [layer.linear1, layer.linear2]
+        # Bit for bit the regular path's output. (Beside the output with the fast path off, bf16
+        # roundings in the attention's own fused kernel move the tensorwise FP8 scale: 1.2% off
+        # on the CPU, the plain layer 1.7%, too close to tell the paths apart by value.)
+        assert torch.equal(y, regular_path(layer, x))
+        y_plain = plain(x)
+        assert plain_calls == []  # the plain layer takes the fast path: the test can tell
+        with _no_fast_path():
+            want = layer(x)
+            plain(x)
+        assert plain_calls == [plain.linear1, plain.linear2]
+    # The converted linears' FP8 error is what the fast path had dropped; beside the output
+    # with it off, only bf16 and FP8 roundings (1.2% of the largest output on the CPU).
+    assert (y_plain.float() - y.float()).abs().max() > 1e-2
+    assert float((y.float() - want.float()).abs().max() / want.float().abs().max()) < 0.05
