@@ -1,9 +1,9 @@
-"""tierlift.activations under everyday autograd idioms inside one offload context: a backward
-that stops early (backward(inputs=...), a partial autograd.grad) leaves saved tensors read ahead
-and never consumed; their bytes leave the read-ahead window (and their buffers go back) when
-autograd lets go of them, so later steps read ahead as far as the first one did. Gradients equal
-plain autograd's bit for bit. A graph dropped without a full backward (retain_graph=True,
-backward(inputs=...), none at all) is freed at once, with its spill file, as without offload.
+"""tierlift.activations under everyday autograd idioms, against plain autograd (gradients equal
+bit for bit): a backward that stops early (backward(inputs=...), a partial autograd.grad) leaves
+saved tensors read ahead and never consumed, whose bytes leave the read-ahead window (and buffers
+go back) when autograd lets go of them; a graph dropped without a full backward (retain_graph=True,
+backward(inputs=...), none at all) is freed at once, with its spill file; micro-batches
+backpropagated inside one context share cpu_budget and cost the same work each.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import tierlift
+import tierlift.activations.session as session_module
 from tierlift.activations import BudgetError, offload
 
 pytestmark = pytest.mark.skipif(not tierlift._extension.available(),
@@ -137,3 +138,30 @@ def test_micro_batches_in_one_context_share_the_cpu_budget(tmp_path):
         w.grad = None
         assert torch.equal(micro_batches(ctx, w, xs), want)
         assert ctx.last_stats["ram_bytes"] == 3 * one and ctx.last_stats["nvme_bytes"] == 0
+
+
+def test_micro_batches_in_one_context_do_not_rescan_the_earlier_ones(tmp_path, monkeypatch):
+    # The read-ahead walked every earlier micro-batch's saved tensors at each one's backward:
+    # work per step grew with the steps run in the context (14, 28, 42, ... checks).
+    checks = [0]
+    wants = session_module.Session._wants
+
+    def counted(self, j):
+        checks[0] += 1
+        return wants(self, j)
+
+    monkeypatch.setattr(session_module.Session, "_wants", counted)
+    torch.manual_seed(0)
+    ws = [torch.randn(64, 64, requires_grad=True) for _ in range(6)]
+    xs = [torch.randn(16, 64) for _ in range(8)]
+    want = []
+    for x in xs:
+        want.append(torch.autograd.grad(chain(ws, x), ws))
+    per_step = []
+    with offload(cpu_budget=0, nvme_path=tmp_path, min_bytes=0):
+        for x, expected in zip(xs, want, strict=True):
+            checks[0] = 0
+            got = torch.autograd.grad(chain(ws, x), ws)
+            per_step.append(checks[0])
+            assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+    assert per_step[-1] == per_step[1], per_step

@@ -245,6 +245,10 @@ class Session:
         self.write_window = 0
         self.read_window = 0
         self._cursor = -1  # highest index that may still need a read-ahead
+        # Lowest one: below it every saved tensor is consumed, dead or never read ahead, and
+        # stays so (new ones come on top), so micro-batches backpropagated in one context do
+        # not each scan all the earlier ones' indexes.
+        self._floor = 0
         self.kept_bytes = 0
         self.ram_bytes = 0
         self.ram_missing = 0  # bytes RAM could not take (counted, left in place)
@@ -553,11 +557,13 @@ class Session:
             return
         self._watch_backward()
         try:
-            while self._cursor >= 0 and not self._wants(self._cursor):
+            while self._floor <= self._cursor and not self._wants(self._floor):
+                self._floor += 1
+            while self._cursor >= self._floor and not self._wants(self._cursor):
                 self._cursor -= 1  # everything above the cursor is fetched or consumed
             j = self._cursor if top is None else min(top, self._cursor)
             room = self.config.io_bytes - self.write_window
-            while j >= 0:
+            while j >= self._floor:
                 if self._wants(j):
                     item = self.items[j]()
                     if self.read_window + item.layout.nbytes > room:
