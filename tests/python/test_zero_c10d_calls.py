@@ -482,3 +482,33 @@ def test_weight_check_stays_inside_the_group(ranks):
             assert msg == "<no error>", msg
         else:
             assert "differs between rank 0 and rank 1" in msg, (rank, msg)
+
+
+def test_table_read_by_another_thread_while_rebuilt_is_never_half_filled(monkeypatch):
+    """One process: a background save's vote checks its call on another thread; while one
+    thread rebuilt the table of shards, the other read it half-filled (no entries yet) and
+    took a shard for an ordinary tensor: a call on it would have gone through unchecked."""
+    import threading
+
+    from tierlift.zero import collectives, members
+
+    model = tierlift.zero.shard(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)), stage=3)
+    shard = next(model.parameters())
+    started, answered = threading.Event(), threading.Event()
+    live_states = members.live_states
+
+    def slow_first_rebuild():
+        if not started.is_set():
+            started.set()
+            answered.wait(timeout=10)  # the other thread reads in the middle of this rebuild
+        return live_states()
+
+    monkeypatch.setattr(members, "live_states", slow_first_rebuild)
+    collectives.forget()
+    rebuilding = threading.Thread(target=collectives._TABLE.find, args=(torch.zeros(1),))
+    rebuilding.start()
+    started.wait(timeout=10)
+    hit = collectives._TABLE.find(shard)
+    answered.set()
+    rebuilding.join()
+    assert hit is not None and hit[2] == "weights"

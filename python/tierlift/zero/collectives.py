@@ -64,6 +64,7 @@ newer than it, or set by hand) is compared with that size's units directly (~0.7
 
 from __future__ import annotations
 
+import itertools
 import weakref
 
 import torch
@@ -201,45 +202,52 @@ class _Table:
     the one the tensor overlaps is named."""
 
     def __init__(self):
-        self.where: dict[int, list] = {}  # storage address -> [(weak state, unit index)]
-        self.by_numel: dict[int, list] = {}  # shard or padded numel -> [(weak state, index)]
-        self.generation = -1
+        # (key, storage address -> [(weak state, unit index)], shard or padded numel -> the
+        # same): one tuple, replaced whole, so that a thread checking a call while another
+        # rebuilds it (a background save's vote) reads a finished table, never a half-filled one
+        self.snapshot: tuple = (None, {}, {})
+        self.forgets = 0  # bumped by forget(): the key's second half
 
-    def rebuild(self) -> None:
-        self.where, self.by_numel = {}, {}
-        self.generation = members.GENERATION[0]
+    def rebuild(self) -> tuple:
+        # the key read first: a shard() or zero_grad during the rebuild makes it stale again
+        key = (members.GENERATION[0], self.forgets)
+        where: dict[int, list] = {}
+        by_numel: dict[int, list] = {}
         for state in members.live_states():
             ref = weakref.ref(state)
             for i, u in enumerate(state.units):
                 for n in {u.shard_numel, u.padded}:
-                    self.by_numel.setdefault(n, []).append((ref, i))
+                    by_numel.setdefault(n, []).append((ref, i))
                 for t in (u.shard, u.shard.grad):
                     ptr = None if t is None else _address(t)
-                    if ptr is not None and (ref, i) not in self.where.get(ptr, ()):
-                        self.where.setdefault(ptr, []).append((ref, i))
+                    if ptr is not None and (ref, i) not in where.get(ptr, ()):
+                        where.setdefault(ptr, []).append((ref, i))
+        self.snapshot = (key, where, by_numel)
+        return self.snapshot
 
     def find(self, t: torch.Tensor):
         """(state, unit index, "weights" or "gradient") when `t` shares the storage of a
         shard or its gradient, else None."""
-        if self.generation != members.GENERATION[0]:
-            self.rebuild()
+        snapshot = self.snapshot
+        if snapshot[0] != (members.GENERATION[0], self.forgets):
+            snapshot = self.rebuild()
         ptr = _address(t)
         if ptr is None:
             return None
-        hit = self._lookup(ptr, t)
+        hit = self._lookup(snapshot[1], ptr, t)
         whole = t if t._base is None else t._base
-        if hit is None and whole.dim() == 1 and whole.numel() in self.by_numel:
-            hit = _among(self.by_numel[whole.numel()], ptr, t)
+        by_numel = snapshot[2]
+        if hit is None and whole.dim() == 1 and whole.numel() in by_numel:
+            hit = _among(by_numel[whole.numel()], ptr, t)
         return hit
 
-    def _lookup(self, ptr: int, t: torch.Tensor):
-        entries = self.where.get(ptr)
+    def _lookup(self, where: dict, ptr: int, t: torch.Tensor):
+        entries = where.get(ptr)
         if entries is None:
             return None
         hit = _among(entries, ptr, t)
         if hit is None:  # a dropped model or gradient: its storage may be another tensor's now
-            self.rebuild()
-            hit = _among(self.where.get(ptr, []), ptr, t)
+            hit = _among(self.rebuild()[1].get(ptr, []), ptr, t)
         return hit
 
 
@@ -262,12 +270,13 @@ def _among(units: list, ptr: int, t: torch.Tensor):
 
 
 _TABLE = _Table()
+_FORGETS = itertools.count(1)
 
 
 def forget() -> None:
     """The gradients may be other tensors from here on (zero_grad): the table is rebuilt at the
     next check."""
-    _TABLE.generation = -1
+    _TABLE.forgets = next(_FORGETS)  # atomic, unlike +=, where two threads forget at once
 
 
 def _ranks(group) -> list[int]:
@@ -412,7 +421,7 @@ def _pre_hook(group_name: str):
             import torch.distributed as dist
 
             group = dist.distributed_c10d._resolve_process_group(group_name)
-            ranks.extend(dist.get_process_group_ranks(group))
+            ranks[:] = dist.get_process_group_ranks(group)  # whole: two threads may ask
         return ranks
 
     def pre_hook(issued) -> None:
