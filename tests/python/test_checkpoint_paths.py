@@ -288,3 +288,19 @@ def test_what_a_rank_sees_of_the_claim_has_one_length_whatever_its_folder_holds(
         seen.append(background.claim_seen(str(tmp), writes=True))
     assert seen[0] == bytes.fromhex("ab" * 16)
     assert all(s == seen[1] for s in seen[1:]) and len(seen[1]) == 16 and seen[1] != seen[0]
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_a_path_going_up_from_a_symbolic_link_saves_where_the_os_reads_it(tmp_path, blocking,
+                                                                          monkeypatch):
+    # `link/../ck` is real/ck to the OS (and to load); the save folded it to ./ck, so a load
+    # of the same path found nothing (or an older checkpoint kept there).
+    (tmp_path / "real" / "dir").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "real" / "dir")
+    monkeypatch.chdir(tmp_path)
+    model, opt = _trained(6)
+    for given in ("link/../ck", str(tmp_path / "link" / ".." / "new" / "ck")):
+        tierlift.checkpoint.save(given, model, opt, blocking=blocking).wait()
+        _same(tierlift.checkpoint.full_state_dict(given), model.state_dict())
+    assert sorted(os.listdir(tmp_path)) == ["link", "real"]
+    assert sorted(os.listdir(tmp_path / "real")) == ["ck", "dir", "new"]

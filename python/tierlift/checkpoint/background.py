@@ -374,7 +374,7 @@ class Job:
         self.path, self.blocking = path, blocking
         # Files go where `path` named at the save, even if the process changes its working
         # directory while a background save writes (`path` stays for the messages).
-        self.where = os.path.abspath(path)
+        self.where = fmt.absolute(path)
         self.tmp = self.where + ".tmp"
         self.replace, self.estimate = replace, estimate
         need = stream.held_chunk_bytes(off) if off is not None else 0

@@ -102,7 +102,7 @@ def replace_dir(tmp: str, path: str) -> None:
     # With only `path`.old there (a replace killed between its renames), it goes only once the
     # new `path` is in place: some complete checkpoint is there at every moment.
     os.rename(tmp, path)
-    fsync_path(os.path.dirname(os.path.abspath(path)))
+    fsync_path(os.path.dirname(absolute(path)))
     remove_dir(old)
 
 
@@ -140,6 +140,13 @@ def _quietly(remove, path: str) -> None:
 
 def _empty(path: str) -> bool:
     return os.path.isdir(path) and not os.path.islink(path) and not os.listdir(path)
+
+
+def absolute(path: str) -> str:
+    """`path` made absolute as the OS reads it: joined to the working directory, not
+    normalized (os.path.abspath folds `link/..` to `.`, where the OS goes up from the folder
+    the link points to)."""
+    return os.path.join(os.getcwd(), path)
 
 
 def dir_path(path) -> str:

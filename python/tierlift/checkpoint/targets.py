@@ -203,7 +203,7 @@ def _not_a_folder(parent: str) -> tuple[int, str] | None:
 def make_parent(path: str) -> None:
     """Creates the missing parent directories of `path`; where one of them cannot be (a file,
     or a symbolic link to nothing, is in the way), an OSError says which and why."""
-    parent = os.path.dirname(os.path.abspath(path))
+    parent = os.path.dirname(fmt.absolute(path))
     try:
         os.makedirs(parent, exist_ok=True)
     except OSError:
