@@ -11,7 +11,8 @@ prepare_model (no DistributedDataParallel: ZeRO reduces the gradients itself, an
 constructor would broadcast rank 0's shards over the others'), no_sync (and so accumulate:
 tierlift.zero.no_sync), clip_grad_norm_ (the global norm over the ranks), get_state_dict (the
 full model, gathered unit by unit, on rank 0; save_model uses it), save_state / load_state
-(the sharded model and its optimizer through tierlift.checkpoint, the rest as accelerate does).
+(the sharded model and its optimizer through tierlift.checkpoint, the rest as accelerate does;
+their registered pre-hooks still see every model).
 The class adds no state of its own, which is what lets tierlift.hf.Trainer adopt the
 accelerator transformers.Trainer built (see Accelerator.adopt).
 """
