@@ -212,12 +212,18 @@ def ranks(tmp_path_factory):
     return spawn_ranks(_cases, str(tmp_path_factory.mktemp("zero_ema")))
 
 
+def _results(ranks, key: str):
+    """Each rank's result of the case `key` (a case that raised sent its error's text)."""
+    for out in ranks:
+        got = out[key]
+        assert not isinstance(got, str), got
+        yield got
+
+
 @pytest.mark.parametrize("stage", STAGES)
 def test_pre_hooks_put_first_on_two_ranks(ranks, stage):
     want = _run_reading(_mlp())
-    for out in ranks:
-        got = out[f"reading/{stage}"]
-        assert not isinstance(got, str), got
+    for got in _results(ranks, f"reading/{stage}"):
         assert [k for k, _ in got] == [k for k, _ in want]
         for i, ((kind, g), (_, w)) in enumerate(zip(got, want, strict=True)):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=f"{kind} #{i}")
@@ -260,9 +266,7 @@ def _assert_close_dicts(got: dict, want: dict, what: str) -> None:
 @pytest.mark.parametrize("stage", STAGES)
 def test_averaged_model_built_before_shard_averages_the_full_weights(ranks, stage):
     want = _averaged_models(lambda m: m)
-    for out in ranks:
-        got = out[f"averaged/{stage}"]
-        assert not isinstance(got, str), got
+    for got in _results(ranks, f"averaged/{stage}"):
         _assert_close_dicts(got["swa"], want["swa"], "swa")
         _assert_close_dicts(got["ema"], want["ema"], "ema")
         torch.testing.assert_close(got["swa_eval"], want["swa_eval"], rtol=1e-5, atol=1e-6)
@@ -271,9 +275,7 @@ def test_averaged_model_built_before_shard_averages_the_full_weights(ranks, stag
 @pytest.mark.parametrize("stage", STAGES)
 def test_shadow_ema_of_the_shards_swapped_in_and_back(ranks, stage):
     want = _shadow_ema(_mlp())
-    for out in ranks:
-        got = out[f"shadow/{stage}"]
-        assert not isinstance(got, str), got
+    for got in _results(ranks, f"shadow/{stage}"):
         _assert_close_dicts(got["shadow"], want["shadow"], "shadow")
         torch.testing.assert_close(got["shadow_eval"], want["shadow_eval"], rtol=1e-5,
                                    atol=1e-6)
