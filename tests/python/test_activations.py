@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import errno
+import gc
 import os
 import sys
 from pathlib import Path
@@ -417,6 +418,7 @@ def test_eio_in_forward_abandons_the_step_and_leaves_nothing(tmp_path, form):
                             min_bytes=SMALL)._offload
         context = contextlib.nullcontext
     fault = FailingWrites(tl, k=5)
+    gc.collect()  # earlier tests' garbage (engines in reference cycles) freed now, not mid-test
     fds = open_fds()  # with the engine's own (its ring, its threads)
     with pytest.raises(OSError, match="activation offload to nvme_path .* failed writing") as e:
         with context():

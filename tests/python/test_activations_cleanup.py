@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import os
 import sys
 from pathlib import Path
@@ -83,6 +84,7 @@ def test_forward_error_in_offload_blocks_takes_the_spill_at_once(tmp_path, where
     model = make_model()
     want = grads_of_one_step(copy.deepcopy(model), contextlib.nullcontext)
     context = setup("blocks", model, tmp_path)
+    gc.collect()  # earlier tests' garbage (engines in reference cycles) freed now, not mid-test
     fds = n_fds()
     x, y = batch(0)
     if where == "inside-block":  # in the wrapped forward of block 1 (block 0 has spilled)
@@ -108,6 +110,7 @@ def test_backward_error_takes_the_spill_at_once(tmp_path, form):
     model = make_model()
     want = grads_of_one_step(copy.deepcopy(model), contextlib.nullcontext)
     context = setup(form, model, tmp_path)
+    gc.collect()  # earlier tests' garbage (engines in reference cycles) freed now, not mid-test
     fds = n_fds()
 
     def fail(grad):
