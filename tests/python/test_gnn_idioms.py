@@ -239,3 +239,25 @@ def test_sampler_takes_a_graph_store_put_without_size_whose_last_nodes_only_send
     gs.put_edge_index(torch.tensor([[-1, 3], [0, 1]]), edge_type=None, layout="coo")
     with pytest.raises(ValueError, match="an edge source is node -1"):
         NeighborSampler(gs, [2], seed=0)
+
+
+class _Registered:
+    """Stands in for a CUDA store's host registration (no GPU here): what the check reads is
+    the address the store recorded when it registered its table."""
+
+    def close(self):
+        pass
+
+
+def test_features_moved_by_share_memory_are_refused_by_a_store_that_registered_them():
+    # A pin="inplace" CUDA store's kernels read the address it registered; share_memory_()
+    # keeps x's storage but moves its bytes, so the registration no longer covers x.
+    x = torch.randn(50, 4)
+    store = FeatureStore(x)
+    store._registration, store._registered_ptr = _Registered(), x.data_ptr()
+    index = torch.tensor([3, 1, 4])
+    assert torch.equal(store.gather(index), x[index])
+    x.share_memory_()
+    with pytest.raises(RuntimeError, match=r"bytes moved .*share_memory_\(\)"):
+        store.gather(index)
+    store.close()

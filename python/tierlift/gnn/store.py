@@ -230,7 +230,7 @@ class FeatureStore:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._pid = os.getpid()
-        self._registration = None
+        self._registration = self._registered_ptr = None
         self._cache_table = self._cache_slots = self._counts = self._bad = self._bad_host = None
         self._gathers = 0
         self._closed = False
@@ -290,6 +290,9 @@ class FeatureStore:
             return table.pin_memory()
         self._registration = _extension._C.HostRegistration(
             table, read_only=file_backed, owner="features", remedy="use pin='copy'")
+        # The kernels read the registered address: share_memory_() keeps the storage (the
+        # watch's identity check passes) but moves its bytes, unregistered, elsewhere.
+        self._registered_ptr = table.data_ptr()
         return table
 
     def _check_degrees(self, degrees) -> torch.Tensor:
@@ -525,6 +528,13 @@ class FeatureStore:
                 "store does not read (a CUDA store's "
                 "cache and a pin='copy' copy keep the old rows). Refused on every device: build "
                 "a new FeatureStore from the tensor as it is now (close() this one first)")
+        if self._registration is not None and self._table.data_ptr() != self._registered_ptr:
+            raise RuntimeError(
+                "FeatureStore(pin='inplace'): the features' bytes moved since the store "
+                "registered them with CUDA (x.share_memory_(), which pickling for a spawned "
+                "worker does, moves them to new shared memory), so the zero-copy gather would "
+                "read memory that is no longer the tensor's. Build a new FeatureStore after "
+                "share_memory_() (close() this one first), or use pin='copy'")
         if watched is not None and watched._version != self._watched[1]:
             raise RuntimeError(
                 "FeatureStore: its features tensor (or a view of it) was modified in place after "
