@@ -231,6 +231,13 @@ class ZeroState:
 
     # ---- gathered bytes ----
     def _gather(self, unit: FlatUnit, async_op: bool = False) -> None:
+        if unit.pending is not None and (unit.stale or
+                                         unit.shard._version != unit.shard_version):
+            # A prefetch issued before the shard changed (a step, a load, a `.data` write after
+            # a forward that stopped early or a module called on its own): it holds the old
+            # weights, which unit.gather would take as current. Waited for and gathered again,
+            # on the flags needs_gather reads for a unit already gathered.
+            unit.wait_gather()
         before = unit.full_bytes
         unit.gather(async_op=async_op)
         self._account(unit.full_bytes - before)
