@@ -27,6 +27,7 @@ import transformers
 
 import tierlift.checkpoint
 import tierlift.optim
+from tierlift.checkpoint import in_flight
 from tierlift.checkpoint.format import resolve_dir
 from tierlift.hf import model as zmodel
 from tierlift.hf.accelerator import Accelerator, own_clipping, unwrap_optimizer
@@ -45,8 +46,12 @@ _ADAMW = ("adamw_torch", "adamw_torch_fused")
 def _sharded_dir(checkpoint: str) -> str | None:
     """The tierlift checkpoint in Trainer checkpoint `checkpoint`: its tierlift/, or its
     tierlift.old where a save was killed while replacing it (the rule load() follows,
-    format.resolve_dir); None if neither is there."""
-    found = resolve_dir(os.path.join(checkpoint, TIERLIFT_DIR))
+    format.resolve_dir); None if neither is there. This process's background save of it lands
+    first, as load() waits for it: until it commits, what is there is the checkpoint before it
+    (or, in a fresh folder, nothing but its .tmp)."""
+    path = os.path.join(checkpoint, TIERLIFT_DIR)
+    in_flight.before_load(path)
+    found = resolve_dir(path)
     return found if os.path.isdir(found) else None
 
 
