@@ -34,4 +34,12 @@ def states_in(module: nn.Module) -> list:
 
 
 def live_states() -> list:
-    return list(STATES)
+    """Every live ZeroState. Copying a WeakSet raises "Set changed size during iteration" when
+    another thread adds to it (its shard()) or drops a collected state from it meanwhile: copied
+    again then, which only such a change in that short window repeats."""
+    while True:
+        try:
+            return list(STATES)
+        except RuntimeError as e:
+            if "changed size during iteration" not in str(e):
+                raise
