@@ -347,6 +347,11 @@ class ZeroState:
             moved = unit.moved_attrs()
             if moved:
                 rewrites.refuse_moved(unit, moved)
+            # Shards written through `.data` since the gather this unit still holds (kept at
+            # stages 1/2, left by a stage-3 forward that raised): gathered again, as the
+            # root's check_copies has a model call do.
+            if not _in_backward() and unit.take_data_edits():
+                unit.stale = True
         self._keep_post_hooks_last(module)
         if not self.order_done and unit not in self.order:
             self.order.append(unit)
