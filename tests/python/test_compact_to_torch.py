@@ -273,36 +273,54 @@ def test_optimizer_pickled_with_codes_under_exp_avg_sq_steps_on():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
-def test_offloaded_flattened_distributed_checkpoint_load_refused(state_dtype):
-    """Flattened, set_state_dict rebuilds each state from optimizer.state's keys, which hold
-    only "step" under offload: loaded, the moments restarted from zero at the saved step (8e-2
-    relative off in the weights three steps later). Refused before any change; unflattened, the
-    same state loads exactly."""
+def test_offloaded_flattened_distributed_checkpoint_loads_as_nested(state_dtype, param_dtype):
+    """Flattened, set_state_dict rebuilds each state from optimizer.state's keys: under offload
+    they are the state dict's (moments, and a bf16 parameter's master, read from the tiers), so
+    the flattened load steps on exactly as the nested one. Keys of "step" alone restarted the
+    moments from zero (8e-2 relative off in the weights three steps later); without the master
+    key a bf16 parameter's master was re-made from the rounded parameter (7e-3 off)."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_state_dict,
         set_state_dict,
     )
 
-    model = _model()
+    model = _model().to(param_dtype)
     opt = AdamW(model.parameters(), lr=1e-2, state_dtype=state_dtype, offload="cpu")
-    _train(model, opt)
-    twin = copy.deepcopy(model)
-    twin_opt = AdamW(twin.parameters(), lr=1e-2, state_dtype=state_dtype, offload="cpu")
-    _train(twin, twin_opt, steps=1)
-    before = copy.deepcopy(twin_opt.state_dict())
-    flat = StateDictOptions(flatten_optimizer_state_dict=True)
-    _, osd = get_state_dict(model, opt, options=flat)
-    with pytest.raises(ValueError, match="step count but no 'exp_avg'.*Nothing was changed"):
+    _train_in(model, opt)
+    loaded = []
+    for flatten in (True, False):
+        twin = copy.deepcopy(model)
+        twin_opt = AdamW(twin.parameters(), lr=1e-2, state_dtype=state_dtype, offload="cpu")
+        _train_in(twin, twin_opt, steps=1)
+        options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+        _, osd = get_state_dict(model, opt, options=options)
         set_state_dict(twin, twin_opt, model_state_dict=model.state_dict(),
-                       optim_state_dict=osd, options=flat)
-    _assert_same_state(twin_opt.state_dict(), before)
-    nested = StateDictOptions(flatten_optimizer_state_dict=False)
-    _, osd = get_state_dict(model, opt, options=nested)
-    set_state_dict(twin, twin_opt, model_state_dict=model.state_dict(),
-                   optim_state_dict=copy.deepcopy(osd), options=nested)
-    _train(model, opt, start=STEPS)
-    _train(twin, twin_opt, start=STEPS)
-    for a, b in zip(_weights(twin), _weights(model)):
-        assert torch.equal(a, b)
+                       optim_state_dict=copy.deepcopy(osd), options=options)
+        _assert_same_state(twin_opt.state_dict(), opt.state_dict())
+        loaded.append((twin, twin_opt))
+    # a state dict with step counts and no moments is still refused, not restarted from zero
+    steps_only = copy.deepcopy(opt.state_dict())
+    steps_only["state"] = {i: {"step": st["step"]} for i, st in steps_only["state"].items()}
+    before = copy.deepcopy(loaded[0][1].state_dict())
+    with pytest.raises(ValueError, match="step count but no 'exp_avg'.*Nothing was changed"):
+        loaded[0][1].load_state_dict(steps_only)
+    _assert_same_state(loaded[0][1].state_dict(), before)
+    _train_in(model, opt, start=STEPS)
+    for twin, twin_opt in loaded:
+        _train_in(twin, twin_opt, start=STEPS)
+        for a, b in zip(_weights(twin), _weights(model)):
+            assert torch.equal(a, b)
+
+
+def _train_in(model, opt, steps=STEPS, start=0) -> None:
+    """_train in the model's dtype."""
+    dtype = next(model.parameters()).dtype
+    for i in range(start, start + steps):
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x.to(dtype)).float(), y).backward()
+        opt.step()

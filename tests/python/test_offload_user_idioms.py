@@ -293,9 +293,9 @@ def _torch_twin(steps, strided=False):
 
 @pytest.mark.parametrize("mode", ["cpu", "nvme2", "nvme2_ov"])
 def test_state_items_yield_the_moments_as_torch(tmp_path, mode):
-    """items() and values() of optimizer.state[p] hold torch's keys, moments before "step", with
-    torch's values; read when used, so a value taken before a step reads the stepped moment, as
-    torch's live state tensor does. Keys, len() and `in` stay what the dict holds."""
+    """optimizer.state[p] as a mapping (keys, iteration, `in`, len(), get(), [name], items(),
+    values()) holds torch's keys, moments before "step", with torch's values; read when used, so
+    a value taken before a step reads the stepped moment, as torch's live state tensor does."""
     ref, ref_opt = _torch_twin(range(2))
     model = Net()
     opt = _opt(mode, model, tmp_path)
@@ -305,8 +305,14 @@ def test_state_items_yield_the_moments_as_torch(tmp_path, mode):
         for p, r in zip(model.parameters(), ref.parameters()):
             items, rst = dict(opt.state[p].items()), ref_opt.state[r]
             assert list(items) == ["exp_avg", "exp_avg_sq", "step"]
-            assert list(opt.state[p]) == ["step"] and "exp_avg" not in opt.state[p]
-            assert len(opt.state[p].values()) == 3
+            st = opt.state[p]
+            assert list(st) == list(st.keys()) == list(items) and len(st) == 3
+            assert "exp_avg" in st and "exp_avg_sq" in st and "max_exp_avg_sq" not in st
+            assert len(st.values()) == 3 and st.keys() == rst.keys()
+            for k in rst:  # by name, as monitoring code reads them
+                torch.testing.assert_close(st[k], rst[k], rtol=1e-5, atol=1e-9)
+                torch.testing.assert_close(st.get(k), rst[k], rtol=1e-5, atol=1e-9)
+            assert st.get("max_exp_avg_sq", 7) == 7
             for k, v in items.items():
                 assert torch.is_tensor(v) and v.shape == rst[k].shape and v.dtype == rst[k].dtype
                 torch.testing.assert_close(v, rst[k], rtol=1e-5, atol=1e-9)
@@ -350,10 +356,20 @@ def _reset_every_state_tensor(opt, params) -> None:
                 v.zero_()
 
 
+def _reset_every_state_tensor_by_key(opt, params) -> None:
+    for p in params:
+        for k in opt.state[p]:
+            if torch.is_tensor(opt.state[p][k]):
+                opt.state[p][k].zero_()
+
+
+@pytest.mark.parametrize("reset", [_reset_every_state_tensor, _reset_every_state_tensor_by_key],
+                         ids=["items", "keys"])
 @pytest.mark.parametrize("mode", ["cpu", "nvme2_ov"])
-def test_reset_loop_over_items_is_refused_and_clear_resets_as_torch(tmp_path, mode):
-    """torch's reset of every state tensor (pruning, rewinding) met an offloaded optimizer's
-    "step" alone and left the moments: refused before any change. clear() is the reset."""
+def test_reset_loop_is_refused_and_clear_resets_as_torch(tmp_path, mode, reset):
+    """torch's reset of every state tensor (pruning, rewinding), over the items or the keys, met
+    an offloaded optimizer's "step" alone and left the moments (Adam went on from them with a
+    restarted bias correction): refused before any change. clear() is the reset."""
     ref, ref_opt = _torch_twin(range(2))
     model = Net()
     opt = _opt(mode, model, tmp_path)
@@ -361,12 +377,20 @@ def test_reset_loop_over_items_is_refused_and_clear_resets_as_torch(tmp_path, mo
         _fit(model, opt, range(2))
         before = snapshot(model, opt)
         with pytest.raises(RuntimeError, match="cannot be changed in place.*Nothing was changed"):
-            _reset_every_state_tensor(opt, model.parameters())
+            reset(opt, model.parameters())
+        st = opt.state[model.head.weight]
         for k in ("exp_avg", "exp_avg_sq"):
             with pytest.raises(RuntimeError, match="cannot be changed in place"):
-                dict(opt.state[model.head.weight].items())[k].detach().mul_(0)
+                dict(st.items())[k].detach().mul_(0)
+            for remove, args in ((st.pop, (k,)), (st.pop, (k, None)), (st.__delitem__, (k,))):
+                with pytest.raises(RuntimeError, match=r"clear\(\).*Nothing was changed"):
+                    remove(*args)
+        with pytest.raises(RuntimeError, match="Nothing was changed"):
+            st.popitem()
         assert_same_snapshot(snapshot(model, opt), before, "refused reset")
-        _reset_every_state_tensor(ref_opt, ref.parameters())
+        assert torch.is_tensor(st.setdefault("exp_avg", None))  # held: nothing put in
+        assert list(st) == ["exp_avg", "exp_avg_sq", "step"]
+        reset(ref_opt, ref.parameters())
         for p in model.parameters():
             opt.state[p].clear()
         _fit(model, opt, range(2, 4))

@@ -2,7 +2,7 @@
 torch.optim.AdamW with the same hooks: a load pre-hook's returned (or edited) dict is what is
 loaded, moments included; load post-hooks run once the whole state is in place; state_dict()
 post-hooks see the moments (read back from the tiers) and may replace the returned dict.
-Also: optimizer.state[p]["exp_avg"] of an offloaded optimizer says where the moments are."""
+Also: optimizer.state[p]["exp_avg"] of an offloaded optimizer reads the moment from the tiers."""
 
 from __future__ import annotations
 
@@ -126,22 +126,32 @@ def test_failed_load_runs_no_post_hook(tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["cpu", "nvme2"])
-def test_offloaded_state_read_says_where_the_moments_are(tmp_path, mode):
+def test_offloaded_state_reads_moments_by_name_and_says_where_the_rest_is(tmp_path, mode):
+    """optimizer.state[p]["exp_avg"] reads the tiers' moment, as torch's state holds it; the
+    master weights (torch's AdamW has none) and a moment of a parameter that has not stepped
+    raise a KeyError that says where they are."""
     model = build_model()
+    ref = twin(model)
     opt = tl_opt(mode, model.parameters(), tmp_path)
-    p = next(iter(model.parameters()))
+    ref_opt = torch_opt(ref.parameters())
+    p, r = next(iter(model.parameters())), next(iter(ref.parameters()))
     with num_threads(1):
+        with pytest.raises(KeyError, match=r"offload tiers.*has none"):
+            opt.state[p]["exp_avg"]  # not stepped yet
+        assert opt.state[p].get("exp_avg") is None and "exp_avg" not in opt.state[p]
         train(model, opt, steps=1)
-        assert set(opt.state[p]) == {"step"}  # what the state holds is unchanged
+        train(ref, ref_opt, steps=1)
+        assert set(opt.state[p]) == set(ref_opt.state[r]) == {"step", "exp_avg", "exp_avg_sq"}
+        for k in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(opt.state[p][k], ref_opt.state[r][k], rtol=1e-5,
+                                       atol=1e-9)
         with pytest.raises(KeyError, match=r"offload tiers.*optimizer\.state_dict\(\)"):
-            opt.state[p]["exp_avg"]
-        with pytest.raises(KeyError, match="offload tiers"):
             opt.state[p]["master"]
         with pytest.raises(KeyError) as other:
             opt.state[p]["unknown"]
         assert "offload" not in str(other.value)
         opt.load_state_dict(opt.state_dict())  # still so after a load
-        with pytest.raises(KeyError, match="offload tiers"):
-            opt.state[p]["exp_avg_sq"]
-        assert opt.state[p].get("exp_avg") is None and "exp_avg" not in opt.state[p]
+        torch.testing.assert_close(opt.state[p]["exp_avg_sq"], ref_opt.state[r]["exp_avg_sq"],
+                                   rtol=1e-5, atol=1e-9)
+        assert "master" not in opt.state[p] and opt.state[p].get("master") is None
     close(opt)

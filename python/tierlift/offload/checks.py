@@ -53,7 +53,7 @@ def check_state_keys(opt, layouts: list, owner) -> None:
                 dict.__delitem__(state, k)
             if not reserved[pi]:
                 continue
-            keys = [k for k in TIER_KEYS if k in state]
+            keys = [k for k in TIER_KEYS if dict.__contains__(state, k)]  # written, not yielded
             if keys:
                 raise RuntimeError(
                     f"optimizer.state[p] of param_groups[{gi}]['params'][{pi}] has "

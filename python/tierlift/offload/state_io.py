@@ -77,8 +77,9 @@ class StateIO:
         return out
 
     def tier_values(self, p: torch.Tensor) -> dict:
-        """{name: TierValue} of p's moments held by the tiers, by their optimizer.state names;
-        empty for a parameter without offloaded state or one that has not stepped."""
+        """{name: TierValue} of p's moments (and a low-precision p's master) held by the tiers,
+        by their optimizer.state names; empty for a parameter without offloaded state or one
+        that has not stepped."""
         if "step" not in self.opt.state.get(p, ()) or self._broken is not None:
             return {}
         where = self._where(p, missing=None)
@@ -91,7 +92,10 @@ class StateIO:
         shape = p.shape
         out = {}
         for k in tier.kinds:
-            if k == "master":  # torch's AdamW has none; ours re-makes it for a cleared state
+            # an fp32 parameter's has no key (state_dict() has none); a low-precision one's is
+            # there, as in the in-memory optimizer's state (a flattened DCP load rebuilds the
+            # state from these keys, and would re-make the master from the rounded parameter)
+            if k == "master" and not self._needs_master_key(p):
                 continue
             name = CODES_KEY if k == "exp_avg_sq" and SCALE_KIND in tier.kinds else k
             dims = (kind_elems(k, p.numel()),) if k == SCALE_KIND else shape

@@ -1,19 +1,21 @@
-"""The moments of an offloaded optimizer as optimizer.state[p].items() and .values() yield them:
-read from the tiers when used, never changed through optimizer.state.
+"""The moments of an offloaded optimizer as optimizer.state[p] yields them (by name, keys, items()
+and values()): read from the tiers when used, never changed through optimizer.state.
 
 torch's AdamW keeps exp_avg and exp_avg_sq in optimizer.state[p]; ours keeps them in host
-memory or NVMe tiers and only "step" there. A loop over the items that logs moment norms would
-read nothing, and one that resets "every state tensor" (`for k, v in state.items(): if
+memory or NVMe tiers and only "step" there. A loop over the keys or items that logs moment norms
+would read nothing, and one that resets "every state tensor" (`for k, v in state.items(): if
 torch.is_tensor(v): v.zero_()`) would zero the step count alone while the moments stay: Adam
-would go on from the old moments with restarted bias corrections, silently. So the items hold a
+would go on from the old moments with restarted bias corrections, silently. So the state holds a
 TierValue for each moment, before "step": a tensor (shape, dtype and device as the moment's)
 that reads the tiers' value on each use, as the live state tensor of torch's AdamW would read,
 and refuses every in-place change before anything is changed (the reset loop meets a moment
 before the step count). Frameworks that move the state to a device (Lightning's
 _optimizer_to_device, a resume that calls .to(device) on each value and puts it back) get the
 TierValue itself back from .to(), and putting it back into the state is a no-op: the moments
-stay in their tiers. The master weights are not yielded (torch's AdamW has none), and neither
-is the state of a parameter that has not stepped."""
+stay in their tiers. A bfloat16/float16 parameter's fp32 master is yielded as well, as the
+in-memory optimizer's state holds it (torch.distributed.checkpoint's flattened load rebuilds
+the state from these keys); an fp32 parameter's is not (torch's AdamW has none), and neither is
+the state of a parameter that has not stepped."""
 
 from __future__ import annotations
 

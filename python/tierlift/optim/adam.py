@@ -297,7 +297,8 @@ class Adam(Optimizer):
             self.state[p].update(kinds)
         try:
             sd = super().state_dict()
-            sd["state"] = {i: dict(s) for i, s in sd["state"].items()}  # detach from self.state
+            # detach from self.state; what the dicts hold (not the moments they also yield)
+            sd["state"] = {i: dict(dict.items(s)) for i, s in sd["state"].items()}
             self._offload.device_part.snapshot(sd)
             return sd
         finally:

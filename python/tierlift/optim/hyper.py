@@ -217,5 +217,5 @@ def check_loaded_moments(states: dict) -> None:
                 f"no 'exp_avg' tensor (keys: {sorted(map(str, s))}), so its moments would restart "
                 "from zero. torch.distributed.checkpoint's set_state_dict with "
                 "flatten_optimizer_state_dict=True rebuilds the state from optimizer.state's "
-                "keys, which hold only 'step' under offload: load the unflattened state dict "
+                "keys, which need not be the saved state's: load the unflattened state dict "
                 "(flatten_optimizer_state_dict=False). Nothing was changed")

@@ -74,11 +74,13 @@ def state_dict_post_hooks(opt, state_dict: dict) -> dict:
 
 
 class TierState(dict):
-    """optimizer.state[p] of an offloaded optimizer: a dict of what it holds ("step"), whose
-    missing moment or master says where it is instead of a bare KeyError, and whose items() and
-    values() also yield the moments the tiers hold, read when used and never changed in place
-    (offload/tier_values.py), so that a loop over them neither reads nor resets the step count
-    alone. Iteration over the keys, len() and `in` see what the dict holds."""
+    """optimizer.state[p] of an offloaded optimizer: a dict that holds "step" and, as a mapping,
+    also the moments the tiers hold, before "step" and under torch's names, read when used and
+    never changed in place (offload/tier_values.py). Keys, iteration, `in`, len(), get(),
+    state[p][name], items() and values() all see them, so that a loop over the keys or the
+    items neither reads nor resets the step count alone, and code that reads a moment by name
+    reads the tiers' value as torch's AdamW would give it. What the dict itself holds is what
+    dict.__iter__, dict.__contains__ and dict.items() give (what tierlift's own code reads)."""
 
     _owner = None  # weakref to the Offloader
     _param = None  # weakref to p
@@ -88,15 +90,71 @@ class TierState(dict):
         return self
 
     def _moments(self) -> dict:
+        """{name: TierValue} of the moments the tiers hold and the dict does not."""
+        if not dict.__contains__(self, "step"):  # not stepped: no moments (and no recursion)
+            return {}
         owner = self._owner() if self._owner is not None else None
         p = self._param() if self._param is not None else None
-        return {} if owner is None or p is None else owner.tier_values(p)
+        if owner is None or p is None:
+            return {}
+        return {k: v for k, v in owner.tier_values(p).items() if not dict.__contains__(self, k)}
+
+    def _all(self) -> dict:
+        return {**self._moments(), **{k: v for k, v in dict.items(self)}}
+
+    def keys(self):
+        return self._all().keys()
 
     def items(self):
-        return [*self._moments().items(), *dict.items(self)]  # moments before the step
+        return list(self._all().items())  # moments before the step
 
     def values(self):
-        return [v for _, v in self.items()]
+        return list(self._all().values())
+
+    def __iter__(self):
+        return iter(list(self._all()))
+
+    def __len__(self):
+        return dict.__len__(self) + len(self._moments())
+
+    def __bool__(self):  # moments only beside a step count: no tiers read
+        return dict.__len__(self) > 0
+
+    def __contains__(self, key):
+        return dict.__contains__(self, key) or key in self._moments()
+
+    def get(self, key, default=None):
+        if dict.__contains__(self, key):
+            return dict.__getitem__(self, key)
+        return self._moments().get(key, default)
+
+    def setdefault(self, key, default=None):
+        if key in self:
+            return self[key]
+        self[key] = default
+        return default
+
+    def copy(self) -> dict:  # a plain dict, moments included, as a copy of torch's holds them
+        return dict(self.items())
+
+    def _refuse_removal(self, key) -> None:
+        value = self._moments().get(key)
+        if value is not None:
+            raise RuntimeError(value.refusal())
+
+    def __delitem__(self, key):
+        self._refuse_removal(key)
+        super().__delitem__(key)
+
+    def pop(self, key, *default):
+        self._refuse_removal(key)
+        return super().pop(key, *default)
+
+    def popitem(self):
+        moments = self._moments()
+        if moments:  # torch's would remove a moment (the last one in), ours only the step
+            raise RuntimeError(next(iter(moments.values())).refusal())
+        return super().popitem()
 
     def __reduce__(self):  # copied or pickled: a plain dict, moments read (as torch's hold them)
         return dict, (dict(self.items()),)
@@ -109,12 +167,16 @@ class TierState(dict):
         super().__setitem__(key, value)
 
     def __missing__(self, key):
-        if key in TIER_KEYS:  # held by the offload tiers instead
+        moment = self._moments().get(key)
+        if moment is not None:
+            return moment
+        if key in TIER_KEYS:  # held by the offload tiers instead, or none yet
             raise KeyError(
                 f"{key!r}: an offloaded optimizer keeps its moments and master weights in the "
-                "offload tiers, not in optimizer.state[p] (which holds only 'step'); read them "
-                "from optimizer.state_dict()['state'] (a parameter that has not stepped yet has "
-                "none)")
+                "offload tiers, not in optimizer.state[p]; its moments read by name are those "
+                "of a parameter that has stepped (this one has none, or this optimizer does "
+                "not keep that moment); the master weights are read from "
+                "optimizer.state_dict()['state']")
         raise KeyError(key)
 
 
