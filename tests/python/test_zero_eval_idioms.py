@@ -13,7 +13,9 @@ its loss, as DDP's do).
 - Uneven eval forwards (rank 0 one more, as DDP's join() covers): at stage 3 each forward
   gathers, so the next training step raises RankFailureError on every rank within seconds,
   nothing stepped; an extra forward balanced by a later one pairs identical gathers and is
-  exact. Stages 1/2 eval without collectives.
+  exact. Stages 1/2 eval without collectives. With two stage-3 models over the same ranks (a
+  policy and its reference), the extra forward of one would gather with the other's forward:
+  refused at its start, before any gather.
 - torch.autocast bf16 eval, bf16 eval through MixedPrecision (a bf16 copy of the weights,
   buffers kept fp32), and torch.compile(model) eval at stage 3 that sees the weights of the
   step taken after it was compiled.
@@ -193,8 +195,40 @@ def _uneven(stage: int, rank: int, world: int, balanced: bool) -> dict:
     return out
 
 
+def _two_models(rank: int, extra: bool) -> dict:
+    """Two stage-3 models over the same ranks (a policy and its reference model, a teacher,
+    an EMA copy) evaluated in turn; extra: rank 0 evaluates the first one batch more first.
+    Their gathers share the ranks' collectives: the extra forward would pair the first model's
+    weight gathers with the second's (same sizes), wrong logits on both ranks, no error."""
+    first = tierlift.zero.shard(make_model(0), stage=3)
+    second = tierlift.zero.shard(make_model(1), stage=3)
+    plain = make_model(0), make_model(1)
+    before = [p.detach().clone() for m in (first, second) for p in m.parameters()]
+    xs = [x[:, :-1] for x in batches(3, 2, seed=11)]
+    out = {"diffs": []}
+
+    def evaluate():
+        with torch.no_grad():
+            if extra and rank == 0:
+                first(xs[0])
+            for x in xs[1:]:
+                for model, ref in zip((second, first), plain[::-1], strict=True):
+                    out["diffs"].append((model(x) - ref(x)).abs().max().item())
+
+    start = time.monotonic()
+    out["error"] = raised(evaluate)
+    out["seconds"] = time.monotonic() - start
+    after = [p for m in (first, second) for p in m.parameters()]
+    out["kept"] = all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+    return out
+
+
 def _cases(rank, world, tmp):
-    out = {}
+    # The references on this rank (eval mode's statistics are this rank's).
+    out = {"plain_evals": _evals_between_steps(make_model(), 0, 1, False),
+           "plain_generate": _generate_between_steps(_llama(), 0, 1, False),
+           "plain_eval_mode": _eval_mode(_bn_model(), rank, world, False),
+           "plain_partial": _partial_batch(make_model(), rank, False)}
     for stage, reshard in VARIANTS:
         model = tierlift.zero.shard(make_model(), stage=stage, reshard_after_forward=reshard)
         torch._dynamo.reset()
@@ -210,15 +244,16 @@ def _cases(rank, world, tmp):
         out["uneven_balanced", stage] = _uneven(stage, rank, world, balanced=True)
     for stage in (1, 2):
         out["uneven", stage] = _uneven(stage, rank, world, balanced=False)
+    out["two_models"] = _two_models(rank, extra=False)
     # Last: the ranks' forwards stay out of step after it.
     out["uneven", 3] = _uneven(3, rank, world, balanced=False)
-    # The references on this rank (eval mode's statistics are this rank's).
-    torch._dynamo.reset()
-    out["plain_evals"] = _evals_between_steps(make_model(), 0, 1, False)
-    out["plain_generate"] = _generate_between_steps(_llama(), 0, 1, False)
-    out["plain_eval_mode"] = _eval_mode(_bn_model(), rank, world, False)
-    out["plain_partial"] = _partial_batch(make_model(), rank, False)
     return out
+
+
+def _two_models_uneven(rank, world, tmp):
+    # A spawn of its own: the rank that did not see the divergence itself waits in its
+    # gather until the other one leaves.
+    return _two_models(rank, extra=True)
 
 
 @pytest.fixture(scope="module")
@@ -313,3 +348,25 @@ def test_uneven_evals_stages_1_2_need_no_collective(ranks, stage):
         assert got["error"] == "<no error>", got["error"]
         _close(got["losses"], ref_losses)
 
+
+
+def test_two_models_evaluated_in_turn(ranks):
+    for out in ranks:
+        got = out["two_models"]
+        assert got["error"] == "<no error>", got["error"]
+        assert max(got["diffs"]) < 1e-5, got["diffs"]
+
+
+def test_uneven_evals_over_two_models_refused_before_any_gather(tmp_path):
+    """Rank 0's extra forward of the first model would gather with rank 1's forward of the
+    second: refused before any gather, no logits returned on either rank, nothing changed."""
+    seen = 0
+    for got in spawn_ranks(_two_models_uneven, str(tmp_path)):
+        # The rank that saw it raises at once; one whose check ran first waits in its gather
+        # until the other leaves.
+        assert got["error"].startswith("RankFailureError"), got["error"]
+        seen += "ran on some ranks only" in got["error"]
+        assert got["diffs"] == [], got["diffs"]
+        assert got["seconds"] < 15, got["seconds"]
+        assert got["kept"]
+    assert seen >= 1

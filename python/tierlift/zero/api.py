@@ -299,7 +299,8 @@ def shard(model: nn.Module, stage: int = 3, *, process_group=None,
     register_shards(units_out, _SHARD_NAME)
     if built is not None:
         materialize.check_no_meta(model)
-    heartbeat = Heartbeat(topology.world, topology.comms()) if topology.world.world > 1 else None
+    heartbeat = (Heartbeat(topology.world, topology.comms(), gathers=config.stage == 3)
+                 if topology.world.world > 1 else None)
     shard_ids = {id(u.shard) for u in units_out}
     replicated = [(n, p) for n, p in model.named_parameters()
                   if not p.requires_grad and id(p) not in shard_ids]

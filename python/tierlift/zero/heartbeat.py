@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+import weakref
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -49,15 +50,28 @@ def _every_rank(name: str) -> str:
     return f"call {name} on every rank (not under `if rank == 0:`)"
 
 
+# Per rank set (a group's key prefix): the heartbeats of the stage-3 models over those ranks
+# that live in this process (check_same_model).
+_GATHERING: dict[str, weakref.WeakSet] = {}
+
+
+def _model_name(ns: str) -> str:
+    """'#2' for the second model made over its ranks (its key prefix ends in m2/)."""
+    return "#" + ns.rstrip("/").rpartition("/m")[2]
+
+
 class RankFailureError(RuntimeError):
     """A collective failed because another rank died or stopped answering."""
 
 
 class Heartbeat:
-    def __init__(self, comm, also=(), settle_s: float = 2.0):
+    def __init__(self, comm, also=(), settle_s: float = 2.0, gathers: bool = False):
         """`comm`: every rank of the model; `also`: the other Comms whose failures it explains
-        (the shard group and replicate legs of hierarchical sharding)."""
+        (the shard group and replicate legs of hierarchical sharding); `gathers`: every forward
+        gathers weights (stage 3), see check_same_model."""
         self.comm = comm
+        self.gathers = gathers
+        self.group_ns = None  # the keys every model over these ranks shares
         self.settle_s = settle_s
         self.count = 0
         self.nograd = 0  # the last forward without grad (stage 3), by count
@@ -83,6 +97,9 @@ class Heartbeat:
             group = f"{_PREFIX}g{_group_key(self.ranks)}/"
             try:
                 self.ns = f"{group}m{store.add(f'{group}models/{self.me}', 1)}/"
+                self.group_ns = group
+                if gathers:
+                    _GATHERING.setdefault(group, weakref.WeakSet()).add(self)
                 # Present from the start, so check_same_forward reads them in one round trip.
                 store.set(f"{self.ns}beat/{self.me}", "0")
                 store.set(f"{self.ns}nograd/{self.me}", "0:0")
@@ -122,15 +139,68 @@ class Heartbeat:
         except RuntimeError:
             return  # a dead store host surfaces, named, at the next collective
         if skipped:
-            # Another rank entered a named call this rank has not: skipped if it came after
-            # an earlier forward than the one starting here.
-            for r, (name, at) in self._callers(store, self.calls).items():
-                if at < self.count:
-                    self.calls += 1  # not waited for again if the caller recovers
-                    raise RankFailureError(
-                        f"tierlift.zero: rank {r} called {name}, a collective that every "
-                        f"rank must call, but rank {self.me} went on to forward step "
-                        f"{self.count} without it: {_every_rank(name)}")
+            self._raise_skipped_call(store)
+        if self.gathers and len(_GATHERING.get(self.group_ns, ())) > 1:
+            self.check_same_model(store)
+
+    def _raise_skipped_call(self, store) -> None:
+        # Another rank entered a named call this rank has not: skipped if it came after an
+        # earlier forward than the one starting here.
+        for r, (name, at) in self._callers(store, self.calls).items():
+            if at < self.count:
+                self.calls += 1  # not waited for again if the caller recovers
+                raise RankFailureError(
+                    f"tierlift.zero: rank {r} called {name}, a collective that every rank "
+                    f"must call, but rank {self.me} went on to forward step {self.count} "
+                    f"without it: {_every_rank(name)}")
+
+    def check_same_model(self, store) -> None:
+        """At the start of a forward that gathers (stage 3) while another such model over these
+        ranks lives in this process (a policy and its reference model, a teacher, an EMA
+        copy): no rank started a forward of another model where this rank starts this one.
+        Their gathers share the ranks' collectives, matched in call order, so a forward run on
+        some ranks only (rank 0's extra eval batch) would gather one model's weights with
+        another's of the same sizes: wrong outputs on every rank, no error. A rank r that has
+        not started this model's forward yet but has started more forwards of another model X
+        than this rank did took X where this rank takes this one (its X forward's gathers could
+        not have completed without this rank). Each rank records its count before reading the
+        others', so of two ranks taking different models the later one sees it; it raises
+        RankFailureError before any gather, and the other's gathers, left unanswered, fail
+        naming it. One store round trip, without waiting."""
+        models = sorted((h for h in _GATHERING.get(self.group_ns, ()) if h.ns != self.ns),
+                        key=lambda h: h.ns)
+        others = [r for r in self.ranks if r != self.me]
+        keys = [f"{h.ns}beat/{r}" for r in others for h in (self, *models)]
+        try:
+            if not store.check(keys):  # a model some rank is still making: nothing to compare
+                return
+            read = [int(v) for v in store.multi_get(keys)]
+        except (RuntimeError, AttributeError, ValueError):
+            return  # only makes errors clearer; a dead store surfaces at a collective
+        width = 1 + len(models)
+        for i, r in enumerate(others):
+            theirs = read[i * width:(i + 1) * width]
+            if theirs[0] >= self.count:
+                continue  # r started this forward too
+            for h, count in zip(models, theirs[1:]):
+                if count > h.count:
+                    self._took_another_model(store, r, h, count)
+
+    def _took_another_model(self, store, r: int, other: Heartbeat, count: int) -> None:
+        msg = (f"tierlift.zero: rank {self.me} is starting forward {self.count} of sharded "
+               f"model {_model_name(self.ns)}, but rank {r} started forward {count} of model "
+               f"{_model_name(other.ns)} instead (this rank ran {other.count} of those): a "
+               "forward (an extra eval batch, say) ran on some ranks only. At stage 3 every "
+               "forward gathers the weights with collectives matched across ranks in call "
+               "order, so one model's weights would be gathered with another's: run the same "
+               "forwards on every rank, in the same order (pad the last eval batch, or give "
+               "every rank the same number of batches)")
+        try:  # the other rank's gathers, left unanswered, fail naming it
+            for h in (self, other):
+                store.set(f"{h.ns}diverged", msg)
+        except RuntimeError:
+            pass
+        raise RankFailureError(msg)
 
     def check_same_forward(self, peers) -> None:
         """At the start of a stage-3 backward: every rank of `peers` (the comm whose gathers
