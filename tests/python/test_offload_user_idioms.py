@@ -363,8 +363,17 @@ def _reset_every_state_tensor_by_key(opt, params) -> None:
                 opt.state[p][k].zero_()
 
 
-@pytest.mark.parametrize("reset", [_reset_every_state_tensor, _reset_every_state_tensor_by_key],
-                         ids=["items", "keys"])
+def _reset_every_state_tensor_by_assignment(opt, params) -> None:
+    for p in params:
+        st = opt.state[p]
+        for k in st:
+            if torch.is_tensor(st[k]):
+                st[k] = torch.zeros_like(st[k])  # the step count after the moments
+
+
+@pytest.mark.parametrize("reset", [_reset_every_state_tensor, _reset_every_state_tensor_by_key,
+                                   _reset_every_state_tensor_by_assignment],
+                         ids=["items", "keys", "assigned"])
 @pytest.mark.parametrize("mode", ["cpu", "nvme2_ov"])
 def test_reset_loop_is_refused_and_clear_resets_as_torch(tmp_path, mode, reset):
     """torch's reset of every state tensor (pruning, rewinding), over the items or the keys, met

@@ -70,8 +70,9 @@ class TierValue(torch.Tensor):
 
     def refusal(self) -> str:
         return (f"optimizer.state[p][{self._name!r}] of an offloaded optimizer cannot be "
-                "changed in place: its moments live in the offload tiers (host memory or "
-                "NVMe), and what optimizer.state[p] yields for them is read from there. To "
+                "changed in place or replaced: its moments live in the offload tiers (host "
+                "memory or NVMe), and what optimizer.state[p] yields for them is read from "
+                "there. To "
                 "start a parameter's state afresh, as torch's AdamW does for an empty state "
                 "(zero moments, step 0), clear it: optimizer.state[p].clear(); to change it "
                 "otherwise, edit optimizer.state_dict() and load it with load_state_dict(). "

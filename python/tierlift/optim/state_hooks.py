@@ -164,6 +164,11 @@ class TierState(dict):
         if isinstance(value, TierValue) and self._param is not None and \
                 value.bound(self._owner(), self._param(), key):
             return
+        # another value for a moment the tiers hold: torch's reset loop `state[k] =
+        # zeros_like(state[k])` would go on to zero the step count, which the next step's
+        # refusal of the written moment could not put back
+        if key != "step":
+            self._refuse_removal(key)
         super().__setitem__(key, value)
 
     def __missing__(self, key):
