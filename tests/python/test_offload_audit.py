@@ -58,7 +58,7 @@ def test_a_moment_written_into_state_is_refused_and_nothing_changes(tmp_path, mo
         before = snapshot(model, opt)
         with pytest.raises(RuntimeError, match="or replaced.*clear.*Nothing was changed"):
             opt.state[p][key] = torch.zeros_like(p)  # torch's AdamW would step from these zeros
-        opt.state[p].update({key: torch.zeros_like(p)})  # past that refusal: the step's
+        dict.update(opt.state[p], {key: torch.zeros_like(p)})  # past it: the step's refusal
         with pytest.raises(
             RuntimeError,
             match=rf"param_groups\[0\]\['params'\]\[2\] has "
@@ -156,7 +156,7 @@ def test_a_moment_written_into_state_is_refused_by_checkpoint_save_and_load(tmp_
         train(model, opt, steps=2)
         tierlift.checkpoint.save(tmp_path / "good", model, opt)
         before = snapshot(model, opt)
-        opt.state[p].update(exp_avg=torch.zeros_like(p))  # state[p]["exp_avg"] = x refuses
+        dict.update(opt.state[p], exp_avg=torch.zeros_like(p))  # past state[p]'s refusal
         with pytest.raises(RuntimeError, match=r"has 'exp_avg'.*Nothing was changed"):
             tierlift.checkpoint.save(tmp_path / "ck", model, opt, blocking=blocking).wait()
         assert not any(n.startswith("ck") for n in os.listdir(tmp_path))

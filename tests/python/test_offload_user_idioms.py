@@ -371,9 +371,16 @@ def _reset_every_state_tensor_by_assignment(opt, params) -> None:
                 st[k] = torch.zeros_like(st[k])  # the step count after the moments
 
 
+def _reset_every_state_tensor_by_update(opt, params) -> None:
+    for p in params:
+        st = opt.state[p]
+        st.update({k: torch.zeros_like(v) for k, v in st.items() if torch.is_tensor(v)})
+
+
 @pytest.mark.parametrize("reset", [_reset_every_state_tensor, _reset_every_state_tensor_by_key,
-                                   _reset_every_state_tensor_by_assignment],
-                         ids=["items", "keys", "assigned"])
+                                   _reset_every_state_tensor_by_assignment,
+                                   _reset_every_state_tensor_by_update],
+                         ids=["items", "keys", "assigned", "updated"])
 @pytest.mark.parametrize("mode", ["cpu", "nvme2_ov"])
 def test_reset_loop_is_refused_and_clear_resets_as_torch(tmp_path, mode, reset):
     """torch's reset of every state tensor (pruning, rewinding), over the items or the keys, met

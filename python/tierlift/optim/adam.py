@@ -294,7 +294,7 @@ class Adam(Optimizer):
     def _offloaded_state_dict(self) -> dict:
         tiers = self._offload.materialize()
         for p, kinds in tiers.items():
-            self.state[p].update(kinds)
+            dict.update(self.state[p], kinds)  # beside the moments it yields, for the copy
         try:
             sd = super().state_dict()
             # detach from self.state; what the dicts hold (not the moments they also yield)

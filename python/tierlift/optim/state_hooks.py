@@ -171,6 +171,17 @@ class TierState(dict):
             self._refuse_removal(key)
         super().__setitem__(key, value)
 
+    def update(self, *args, **kwargs):
+        # as __setitem__ for each, all refused before any is put in: torch's reset
+        # `state.update({k: zeros_like(v) ...})` would change the step count with them
+        new = dict(*args, **kwargs)
+        for key, value in new.items():
+            if key != "step" and not (isinstance(value, TierValue) and self._param is not None
+                                      and value.bound(self._owner(), self._param(), key)):
+                self._refuse_removal(key)
+        for key, value in new.items():
+            self[key] = value
+
     def __missing__(self, key):
         moment = self._moments().get(key)
         if moment is not None:
