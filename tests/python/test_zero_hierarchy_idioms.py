@@ -17,7 +17,7 @@ STEPS, BATCH, CLIP, VALUE, LR = 3, 8, 0.5, 0.01, 3e-3
 
 BODY = textwrap.dedent("""
     import contextlib
-    import tierlift, torch.nn.functional as F
+    import tierlift, tierlift.hf, torch.nn.functional as F
     from zero_model import batches, make_model
     data = batches({steps}, {batch})
     more = batches(1, {batch}, seed=7)
@@ -46,8 +46,12 @@ BODY = textwrap.dedent("""
         return dict(norms=norms, sd=sd, logits=logits, same=all(s == same[0] for s in same))
 
     out = {{}}
-    for kind in ("torch_clip", "tierlift_clip", "get_total_norm", "clip_value", "no_sync"):
+    for kind in ("torch_clip", "tierlift_clip", "hf_clip", "optimizer_clip", "get_total_norm",
+                 "clip_value", "no_sync"):
         model, opt = hier()
+        if kind == "optimizer_clip":  # the global norm inside an offloaded optimizer's step
+            opt = tierlift.optim.AdamW(model.parameters(), lr={lr}, offload="cpu",
+                                       max_grad_norm={clip})
         norms = []
         for seq in data:
             opt.zero_grad(set_to_none=True)
@@ -63,6 +67,8 @@ BODY = textwrap.dedent("""
                 norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), {clip}).item())
             elif kind == "tierlift_clip":
                 norms.append(tierlift.zero.clip_grad_norm_(model, {clip}).item())
+            elif kind == "hf_clip":
+                norms.append(tierlift.hf.clip_grad_norm_(model.parameters(), {clip}).item())
             elif kind == "get_total_norm":
                 grads = [p.grad for p in model.parameters() if p.grad is not None]
                 norms.append(torch.nn.utils.get_total_norm(grads).item())
@@ -85,6 +91,21 @@ BODY = textwrap.dedent("""
         scaler.step(opt)
         scaler.update()
     out["scaler"] = finish(model, every_rank(scaler.get_scale()))
+
+    # tierlift's LossScaler, the same inf: every rank skips.
+    model, opt = hier()
+    scaler = tierlift.zero.LossScaler(model, tierlift.zero.LossScalerConfig(init_scale=4.0))
+    stepped = []
+    for i, seq in enumerate(data):
+        opt.zero_grad(set_to_none=True)
+        loss = loss_of(model, seq)
+        if i == 1 and rank == 3:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        scaler.unscale_()
+        tierlift.zero.clip_grad_norm_(model, {clip})
+        stepped.append(bool(scaler.step(opt)))
+    out["loss_scaler"] = finish(model, every_rank(stepped))
 
     # Checkpoint after the 3 steps, one more step; resume on the same layout and on plain
     # ZeRO-3 over the same 4 ranks: the same step.
@@ -123,14 +144,15 @@ def _reference(kind: str):
     for i, seq in enumerate(batches(STEPS, BATCH)):
         opt.zero_grad(set_to_none=True)
         F.cross_entropy(model(seq[:, :-1]).flatten(0, 1), seq[:, 1:].flatten()).backward()
-        if kind in ("torch_clip", "tierlift_clip", "no_sync", "scaler"):
+        if kind in ("torch_clip", "tierlift_clip", "hf_clip", "no_sync", "scaler",
+                    "loss_scaler"):
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
         elif kind == "get_total_norm":
             grads = [p.grad for p in model.parameters() if p.grad is not None]
             norms.append(torch.nn.utils.get_total_norm(grads).item())
         elif kind == "clip_value":
             torch.nn.utils.clip_grad_value_(model.parameters(), VALUE)
-        if kind == "scaler" and i == 1:
+        if kind in ("scaler", "loss_scaler") and i == 1:
             continue  # the inf step is skipped
         opt.step()
     model.eval()
@@ -154,11 +176,13 @@ def _same_weights(got: dict, want: dict) -> None:
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
-@pytest.mark.parametrize("kind", ["torch_clip", "tierlift_clip", "get_total_norm",
-                                  "clip_value", "no_sync"])
+@pytest.mark.parametrize("kind", ["torch_clip", "tierlift_clip", "hf_clip", "optimizer_clip",
+                                  "get_total_norm", "clip_value", "no_sync"])
 def test_idiom_matches_one_process(run, kind):
     got = run[kind]
-    norms, sd, logits = _reference(kind)
+    norms, sd, logits = _reference("torch_clip" if kind == "optimizer_clip" else kind)
+    if kind == "optimizer_clip":
+        norms = []  # the optimizer returns none
     # The full model's norm: a replica counted twice would be sqrt(2) too large, a shard
     # missed smaller.
     torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(norms), rtol=1e-5,
@@ -172,6 +196,15 @@ def test_grad_scaler_inf_on_one_rank_skips_everywhere(run):
     got = run["scaler"]
     assert got["norms"] == [2.0] * 4  # every rank halved its scale once (4 -> 2)
     _, sd, logits = _reference("scaler")
+    _same_weights(got["sd"], sd)
+    torch.testing.assert_close(got["logits"], logits, rtol=1e-5, atol=1e-5)
+    assert got["same"]
+
+
+def test_loss_scaler_inf_on_one_rank_skips_everywhere(run):
+    got = run["loss_scaler"]
+    assert got["norms"] == [[True, False, True]] * 4  # what step() returned on every rank
+    _, sd, logits = _reference("loss_scaler")
     _same_weights(got["sd"], sd)
     torch.testing.assert_close(got["logits"], logits, rtol=1e-5, atol=1e-5)
     assert got["same"]
