@@ -16,6 +16,11 @@ from tierlift.offload.tiers import drain
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
+def _kind_shape(kind: str, p: torch.Tensor) -> tuple:
+    """The shape of p's state of one kind as a state dict holds it: p's, or the scales' count."""
+    return (kind_elems(kind, p.numel()),) if kind == SCALE_KIND else p.shape
+
+
 class StateIO:
     """Mixed into Offloader (runner.py), whose tiers, layouts and slots it reads."""
 
@@ -51,8 +56,7 @@ class StateIO:
                     kinds = [k for k in tier.kinds if k != "master" or self._needs_master_key(p)]
                     d = out.setdefault(p, {})
                     for k in kinds:
-                        shape = (kind_elems(k, p.numel()),) if k == SCALE_KIND else p.shape
-                        t = d.setdefault(k, torch.empty(shape, dtype=tier.dtypes[k]))
+                        t = d.setdefault(k, torch.empty(_kind_shape(k, p), dtype=tier.dtypes[k]))
                         src = bufs[k][kind_slice(k, s.clo, s.chi)]
                         if k == "master" and not self._uses_master(p):
                             src = p.detach().view(-1)[s.plo:s.phi]
@@ -67,8 +71,7 @@ class StateIO:
         gi, pi = self._where(p)
         self.check_param(gi, pi, p)
         tier = self.tiers[gi]
-        shape = (kind_elems(kind, p.numel()),) if kind == SCALE_KIND else p.shape
-        out = torch.empty(shape, dtype=tier.dtypes[kind])
+        out = torch.empty(_kind_shape(kind, p), dtype=tier.dtypes[kind])
         for chunk in self.layouts[gi].chunks:
             for s in chunk.segments:
                 if s.pi == pi:
@@ -89,7 +92,6 @@ class StateIO:
         if not self.layouts[gi].reserved[pi]:  # frozen, or the device part's
             return {}
         tier = self.tiers[gi]
-        shape = p.shape
         out = {}
         for k in tier.kinds:
             # an fp32 parameter's has no key (state_dict() has none); a low-precision one's is
@@ -98,8 +100,7 @@ class StateIO:
             if k == "master" and not self._needs_master_key(p):
                 continue
             name = CODES_KEY if k == "exp_avg_sq" and SCALE_KIND in tier.kinds else k
-            dims = (kind_elems(k, p.numel()),) if k == SCALE_KIND else shape
-            out[name] = tier_values.make(self, p, k, name, dims, tier.dtypes[k])
+            out[name] = tier_values.make(self, p, k, name, _kind_shape(k, p), tier.dtypes[k])
         return out
 
     def _where(self, p: torch.Tensor, missing=KeyError):

@@ -100,7 +100,7 @@ class TierState(dict):
         return {k: v for k, v in owner.tier_values(p).items() if not dict.__contains__(self, k)}
 
     def _all(self) -> dict:
-        return {**self._moments(), **{k: v for k, v in dict.items(self)}}
+        return {**self._moments(), **dict(dict.items(self))}
 
     def keys(self):
         return self._all().keys()
@@ -159,10 +159,14 @@ class TierState(dict):
     def __reduce__(self):  # copied or pickled: a plain dict, moments read (as torch's hold them)
         return dict, (dict(self.items()),)
 
+    def _put_back(self, key, value) -> bool:
+        """Whether `value` is this entry's own TierValue for `key` (a framework's loop moving
+        the state puts it back): the tiers keep it."""
+        return isinstance(value, TierValue) and self._param is not None and \
+            value.bound(self._owner(), self._param(), key)
+
     def __setitem__(self, key, value):
-        # a TierValue put back (a framework's loop moving the state): the tiers keep it
-        if isinstance(value, TierValue) and self._param is not None and \
-                value.bound(self._owner(), self._param(), key):
+        if self._put_back(key, value):
             return
         # another value for a moment the tiers hold: torch's reset loop `state[k] =
         # zeros_like(state[k])` would go on to zero the step count, which the next step's
@@ -176,8 +180,7 @@ class TierState(dict):
         # `state.update({k: zeros_like(v) ...})` would change the step count with them
         new = dict(*args, **kwargs)
         for key, value in new.items():
-            if key != "step" and not (isinstance(value, TierValue) and self._param is not None
-                                      and value.bound(self._owner(), self._param(), key)):
+            if key != "step" and not self._put_back(key, value):
                 self._refuse_removal(key)
         for key, value in new.items():
             self[key] = value
