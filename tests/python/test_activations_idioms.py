@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
 import weakref
 
 import pytest
 import torch
+from test_activations_cleanup import spill_fds
 
 import tierlift
 import tierlift.activations.session as session_module
@@ -66,15 +66,6 @@ def test_reads_ahead_never_consumed_leave_the_window(tmp_path, how):
             assert session.read_window == 0
             assert session._file.handles == []
     assert reads[0] > 0 and reads == [reads[0]] * len(xs), reads  # was [6, 6, 4]
-
-
-def spill_fds(directory) -> int:
-    """This process's descriptors of files under `directory` (the spill file has no name)."""
-    n = 0
-    for fd in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):
-            n += os.readlink(f"/proc/self/fd/{fd}").startswith(str(directory))
-    return n
 
 
 def drop_without_full_backward(w1, w2, x, how):
