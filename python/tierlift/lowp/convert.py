@@ -77,9 +77,11 @@ def convert(model: nn.Module, recipe: str | Float8Recipe | FP4Recipe = "fp8-roww
     an nn.Linear: it is converted in place too, reported under the name "" (its fqn).
     An nn.Linear whose parent never calls it but hands its weight to a fused op
     (nn.LinearCrossEntropyLoss's, a plain nn.Linear set as an nn.MultiheadAttention's out_proj)
-    stays, with the reason in the report. Each low precision layer has a no-op forward pre-hook
-    so that an nn.TransformerEncoderLayer's eval fast path, which would bypass its linear1 and
-    linear2, stays off (and an nn.TransformerEncoder holding them stops making nested tensors).
+    stays, with the reason in the report; so does one whose forward was replaced on the module
+    itself (accelerate's hooks), which would keep calling nn.Linear's. Each low precision layer
+    has a no-op forward pre-hook so that an nn.TransformerEncoderLayer's eval fast path, which
+    would bypass its linear1 and linear2, stays off (and an nn.TransformerEncoder holding them
+    stops making nested tensors).
     """
     r, layer_cls, multiple = _resolve(recipe)
     if not isinstance(model, nn.Module):
@@ -113,6 +115,9 @@ def convert(model: nn.Module, recipe: str | Float8Recipe | FP4Recipe = "fp8-roww
         if id(mod) in bypassed:
             report.skipped[name] = bypassed[id(mod)]
             continue
+        if "forward" in vars(mod):
+            report.skipped[name] = _INSTANCE_FORWARD
+            continue
         why = _skip_reason(name, mod, module_filter_fn, min_features, multiple)
         if why is not None:
             report.skipped[name] = why
@@ -124,6 +129,15 @@ def convert(model: nn.Module, recipe: str | Float8Recipe | FP4Recipe = "fp8-roww
     report.converted = chosen
     log.info("%s", report)
     return report
+
+
+# accelerate's add_hook_to_module (dispatch_model, device_map with offload) sets the instance's
+# forward to a wrapper around the bound nn.Linear.forward it saved: swapping the class would not
+# reach it, so the layer would be reported converted and still run in high precision.
+_INSTANCE_FORWARD = ("its forward is replaced on the module itself (an accelerate hook or another "
+                     "wrapper), which may keep calling the nn.Linear forward it saved: convert "
+                     "before adding such hooks (accelerate's dispatch_model, a device_map with "
+                     "offload)")
 
 
 def _bypassed_linears(model: nn.Module) -> dict[int, str]:
