@@ -488,10 +488,13 @@ class Overlap:
     def _group_takes(self, gi: int, group: dict) -> bool:
         """The optimizer's checks of the group, once per step at its first gradient (not at
         every hook: they are Python on the thread that launches backward's kernels). A group
-        changed after that is still checked by step(), and its chunks' settings compared."""
+        changed after that is still checked by step(), and its chunks' settings compared.
+        Whatever the checks raise is step()'s to raise: raised here, in a gradient hook, it
+        would stop backward half way, and a step() after the group is repaired would run on
+        the gradients accumulated so far."""
         try:
             check_group(self.off.opt, gi, group, self.off._kinds[gi])
-        except (ValueError, TypeError):
+        except Exception:  # noqa: BLE001 - step() raises it (torch's RuntimeError, a KeyError)
             return False
         return True
 
