@@ -1,5 +1,5 @@
 """What users do to models around tierlift.lowp.convert: hooks that replace a layer's forward
-(accelerate's), activation checkpointing as Hugging Face enables it (reentrant), and Linears
+(accelerate's), reentrant activation checkpointing, and Linears
 that share one weight. Each either runs exactly what a fresh conversion runs or is kept in high
 precision with the reason in the report."""
 
@@ -77,7 +77,7 @@ class Reentrant(nn.Module):
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_fp8_reentrant_checkpointing_matches_bit_for_bit(recipe, one_thread):
-    # Hugging Face's gradient_checkpointing_enable() defaults to use_reentrant=True: the first
+    # use_reentrant=True (transformers 4.x's default, still passed by many scripts): the first
     # forward runs under no_grad (x and W quantized without their transposed copies), the
     # recompute with them; the layers after it see the first forward's outputs, the gradients
     # flow through the recompute's, so the two must be the same bits.
