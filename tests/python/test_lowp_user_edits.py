@@ -1,7 +1,7 @@
 """What users do to models around tierlift.lowp.convert: hooks that replace a layer's forward
-(accelerate's), reentrant activation checkpointing, and Linears
-that share one weight. Each either runs exactly what a fresh conversion runs or is kept in high
-precision with the reason in the report."""
+(accelerate's), reentrant activation checkpointing, Linears that share one weight. Each either
+runs exactly what a fresh conversion runs or is kept in high precision with the reason in the
+report."""
 
 import copy
 import functools
