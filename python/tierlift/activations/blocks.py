@@ -15,9 +15,9 @@ graph, and with it the spill file, alive for as long as the caller keeps the exc
 
 from __future__ import annotations
 
+import copy
 import sys
 import threading
-import types
 import weakref
 from collections.abc import Sequence
 
@@ -138,13 +138,41 @@ class _Replay:
                     b.copy_(value)
 
 
+class _WrappedForward:
+    """A block's wrapped forward, set in its __dict__. It refers to the block weakly: a bound
+    method there refers back to the block, a cycle that keeps the block (its weights) and the
+    handle (its RAM buffers, io engine) alive after the caller drops the model and the handle,
+    until a gc pass. A deepcopy of the model (an EMA copy) binds the copy to its own block."""
+
+    __slots__ = ("run", "block")
+
+    def __init__(self, run, block: nn.Module):
+        self.run = run
+        self.block = weakref.ref(block)
+
+    def __call__(self, *args, **kwargs):
+        block = self.block()
+        if block is None:
+            raise RuntimeError("this wrapped forward's block no longer exists")
+        return self.run(block, *args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        block = self.block()
+        # Copying the block copies its __dict__, so the block's copy is in memo already.
+        twin = memo.get(id(block))
+        return _WrappedForward(self.run, twin if twin is not None else copy.deepcopy(block, memo))
+
+
 class BlockOffload:
     """Returned by offload_blocks: last_stats, remove() (puts the blocks' forwards back),
     trim() (frees idle RAM-tier buffers), close() (remove, then close the io engine)."""
 
     def __init__(self, blocks: list[tuple[str, nn.Module]], policy: Policy, tiers: offload,
                  model: nn.Module | None = None):
-        self.blocks = blocks
+        # Weakly: each block's wrapped forward holds this handle, and a handle holding the
+        # blocks back would make a cycle that keeps the weights, the RAM tier's buffers and the
+        # io engine alive after the caller drops the model and the handle, until a gc pass.
+        self._blocks = [(name, weakref.ref(block)) for name, block in blocks]
         self.policy = policy
         self._offload = tiers
         # The forward in progress is per thread: a second thread's forward of the same model
@@ -156,9 +184,13 @@ class BlockOffload:
             if "forward" in block.__dict__:
                 raise ValueError(f"block {name!r} already has a wrapped forward (is "
                                  "offload_blocks applied twice?)")
-            self._originals.append(block)
-            # Bound to the block: a deepcopy of the model binds the copy to its own block.
-            block.forward = types.MethodType(self._wrap(i, name), block)
+            self._originals.append(weakref.ref(block))
+            block.forward = _WrappedForward(self._wrap(i, name), block)
+
+    @property
+    def blocks(self) -> list[tuple[str, nn.Module]]:
+        """(name, block) of the offloaded blocks still alive, in forward order."""
+        return [(name, block) for name, ref in self._blocks if (block := ref()) is not None]
 
     @property
     def _session(self):
@@ -215,7 +247,7 @@ class BlockOffload:
 
     def _wrap(self, i: int, name: str):
         tier = self.policy[i]
-        last = len(self.blocks) - 1
+        last = len(self._blocks) - 1
 
         def run(block, *args, **kwargs):
             forward = type(block).forward.__get__(block)
@@ -256,8 +288,10 @@ class BlockOffload:
         return run
 
     def remove(self) -> None:
-        for block in self._originals:
-            block.__dict__.pop("forward", None)
+        for ref in self._originals:
+            block = ref()
+            if block is not None:
+                block.__dict__.pop("forward", None)
         self._originals = []
         for hook in self._hooks:
             hook.remove()

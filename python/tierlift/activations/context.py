@@ -16,6 +16,7 @@ from torch import nn
 
 from tierlift.activations.config import OffloadConfig
 from tierlift.activations.host_pool import HostPool
+from tierlift.activations.kept import KeptBudget
 from tierlift.activations.session import Session
 
 
@@ -77,6 +78,8 @@ class offload:  # noqa: N801 - used like torch.autograd.graph.save_on_cpu
         self._engines = Engines(self.config)
         self._param_ptrs = parameter_pointers(params)
         self._host_pool = HostPool(self.config.cpu_budget)
+        # One gpu_budget for all of this offload's forwards alive at once, not one each.
+        self._kept = KeptBudget(self.config.gpu_budget)
         # Per thread, as torch's saved-tensor hooks are: a forward in a background thread
         # gets a session of its own instead of ending the main thread's.
         self._local = threading.local()
@@ -84,7 +87,7 @@ class offload:  # noqa: N801 - used like torch.autograd.graph.save_on_cpu
 
     def session(self) -> Session:
         """A new forward's state (offload_blocks drives sessions itself)."""
-        s = Session(self.config, self._engines, self._param_ptrs, self._host_pool)
+        s = Session(self.config, self._engines, self._param_ptrs, self._host_pool, self._kept)
         self.last_stats = s.stats  # the same dict: backward's read waits land in it too
         return s
 

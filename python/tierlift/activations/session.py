@@ -28,6 +28,7 @@ from torch.autograd import Variable
 
 from tierlift.activations.config import ActivationsDiscardedError, BudgetError, OffloadConfig
 from tierlift.activations.device import Layout, copier_for, flat_bytes, restore
+from tierlift.activations.kept import KeptBudget
 
 _ALIGN = 4096
 
@@ -124,7 +125,7 @@ def _check_version(t: torch.Tensor, version: int) -> None:
 class _Kept:
     """A saved tensor left in place, with its version at save time."""
 
-    __slots__ = ("tensor", "version")
+    __slots__ = ("tensor", "version", "__weakref__")
 
     def __init__(self, tensor, version):
         self.tensor, self.version = tensor, version
@@ -205,8 +206,9 @@ def _dropped(session_ref, index: int, _ref) -> None:
 
 class Session:
     def __init__(self, config: OffloadConfig, engines, param_ptrs: frozenset[int] = frozenset(),
-                 host_pool=None):
+                 host_pool=None, kept: KeptBudget | None = None):
         self.config = config
+        self._kept = KeptBudget(config.gpu_budget) if kept is None else kept
         self._engines = engines
         self._host_pool = host_pool
         self._param_ptrs = param_ptrs
@@ -222,7 +224,6 @@ class Session:
         self._file: ActivationFile | None = None
         self._finalizer = None
         self._dedupe: dict = {}
-        self._kept_storages: set[int] = set()  # storages kept on the device (data_ptr)
         self._spilled: dict[int, tuple[int, int]] = {}  # index -> its bytes in the file
         # index -> [bytes in read_window, its NVMe read while not waited for] of every saved
         # tensor fetched and not yet consumed. One that dies unconsumed (backward stopped
@@ -249,7 +250,6 @@ class Session:
         # stays so (new ones come on top), so micro-batches backpropagated in one context do
         # not each scan all the earlier ones' indexes.
         self._floor = 0
-        self.kept_bytes = 0
         self.ram_bytes = 0
         self.ram_missing = 0  # bytes RAM could not take (counted, left in place)
         self.io_missing = 0  # largest tensor the NVMe window could not take
@@ -277,7 +277,9 @@ class Session:
             # output with its grad_fn, which holds this; the tensor itself would close a cycle
             # no collector breaks (grad_fn is C++), and a graph dropped without a full backward
             # (retain_graph=True, backward(inputs=...)) would never be freed, nor its spill file.
-            return _Kept(t.detach() if t.requires_grad else t, t._version)
+            kept = _Kept(t.detach() if t.requires_grad else t, t._version)
+            self._kept.hold(t, kept)  # a storage kept within gpu_budget goes back with it
+            return kept
         if packed.source is None:
             packed.source, packed.version = weakref.ref(t), t._version
         return packed
@@ -305,14 +307,10 @@ class Session:
         self.group_bytes[group] = self.group_bytes.get(group, 0) + n
         c = self.config
         if tier == "auto":
-            storage = t.untyped_storage()
-            if storage.data_ptr() in self._kept_storages:
-                return t  # held on the device already: keeping this view costs nothing more
-            # Keeping a view keeps its whole storage: q of a fused qkv output holds all three.
-            cost = storage.nbytes()
-            if self.kept_bytes + cost <= c.gpu_budget:
-                self._kept_storages.add(storage.data_ptr())
-                self.kept_bytes += cost
+            # Keeping a view keeps its whole storage: q of a fused qkv output holds all three
+            # (charged once, the other views then free).
+            cost = self._kept.charge(t)
+            if cost is not None:
                 self.stats["kept_bytes"] += cost
                 return t
         if tier in ("auto", "ram") and self.ram_bytes + n <= c.cpu_budget:
@@ -486,7 +484,6 @@ class Session:
             raise
         self.finished = True
         self._dedupe.clear()
-        self._kept_storages.clear()
         self._trim_file()
 
     def _trim_file(self) -> None:
@@ -542,7 +539,6 @@ class Session:
         self._reading.clear()
         self._fetched.clear()
         self._dedupe.clear()
-        self._kept_storages.clear()
         self.write_window = self.read_window = 0
         for ref in self.items:
             item = ref()
