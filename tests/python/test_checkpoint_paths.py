@@ -5,7 +5,9 @@ error, when the folder is reached through a symbolic link, a relative path, `a/.
 trailing slash or a bind mount; a read of another folder does not wait. A background save of a
 relative path writes where the path named at the save, even after a chdir. Ranks that reach
 one folder by different paths save into it; ranks given different folders are refused
-(one spawn of 2 gloo ranks)."""
+(one spawn of 2 gloo ranks). A `run.old` its user made (mv, cp -r) is neither deleted nor
+read as the copy a save moves aside; an export through `link/..` writes beside its output; a
+folder that cannot be renamed (a mount point) is refused, or stays whole."""
 
 from __future__ import annotations
 
@@ -304,3 +306,119 @@ def test_a_path_going_up_from_a_symbolic_link_saves_where_the_os_reads_it(tmp_pa
         _same(tierlift.checkpoint.full_state_dict(given), model.state_dict())
     assert sorted(os.listdir(tmp_path)) == ["link", "real"]
     assert sorted(os.listdir(tmp_path / "real")) == ["ck", "dir", "new"]
+
+
+@pytest.mark.parametrize("how", ["mv", "cp"])
+def test_a_backup_renamed_or_copied_to_old_is_neither_deleted_nor_read(tmp_path, how):
+    """`mv run run.old` or `cp -r run run.old` (a user's backup) looked like the copy a save
+    moves aside: the next save of run deleted it, and a load of a missing run read it."""
+    run = str(tmp_path / "run")
+    theirs, theirs_opt = _trained(7)
+    tierlift.checkpoint.save(run, theirs, theirs_opt)
+    if how == "mv":
+        os.rename(run, run + ".old")
+    else:
+        subprocess.run(["cp", "-r", run, run + ".old"], check=True)
+    before = _files(tmp_path / "run.old")
+    model, opt = _trained(8)
+    with pytest.raises(FileExistsError, match="renamed or copied there by hand"):
+        tierlift.checkpoint.save(run, model, opt)
+    assert _files(tmp_path / "run.old") == before
+    if how == "mv":
+        with pytest.raises(FileNotFoundError, match="does not exist"):
+            tierlift.checkpoint.load(run, model, opt)
+    # the backup loads under its own name, and saves there too
+    os.rename(run + ".old", str(tmp_path / "bak"))
+    _same(tierlift.checkpoint.full_state_dict(str(tmp_path / "bak")), theirs.state_dict())
+    tierlift.checkpoint.save(str(tmp_path / "bak"), model, opt)
+    _same(tierlift.checkpoint.full_state_dict(str(tmp_path / "bak")), model.state_dict())
+
+
+def test_a_save_killed_between_its_renames_is_still_found_and_replaced(tmp_path, monkeypatch):
+    from tierlift.checkpoint import format as fmt
+
+    run = str(tmp_path / "run")
+    model, opt = _trained(9)
+    tierlift.checkpoint.save(run, model, opt)
+    weights, optim = _copy(model.state_dict()), opt.state_dict()
+    optim = {"state": {i: _copy(st) for i, st in optim["state"].items()},
+             "param_groups": optim["param_groups"]}
+    real_rename = os.rename
+
+    def killed(src, dst):
+        if src.endswith("run.tmp"):
+            raise KeyboardInterrupt  # the process dies right after moving run aside
+        real_rename(src, dst)
+
+    _step(model, opt)
+    monkeypatch.setattr(fmt.os, "rename", killed)
+    with pytest.raises(KeyboardInterrupt):
+        tierlift.checkpoint.save(run, model, opt)
+    monkeypatch.undo()
+    assert not os.path.exists(run) and os.path.isdir(run + ".old")
+    _same(tierlift.checkpoint.full_state_dict(run), weights)
+    _same_optim(tierlift.checkpoint.optimizer_state_dict(run), optim)
+    tierlift.checkpoint.save(run, model, opt)
+    assert not os.path.exists(run + ".old")
+    _same(tierlift.checkpoint.full_state_dict(run), model.state_dict())
+
+
+def test_an_export_through_link_dotdot_writes_beside_its_output(tmp_path, monkeypatch):
+    # os.path.abspath folded `link/..` to the working directory: the temporary folder went
+    # there (another drive: the rename failed) and that folder, not the output's, was flushed.
+    from tierlift.checkpoint import outputs
+
+    (tmp_path / "real" / "dir").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "real" / "dir")
+    model, opt = _trained(10)
+    tierlift.checkpoint.save(str(tmp_path / "ck"), model, opt)
+    monkeypatch.chdir(tmp_path)
+    synced, made = [], []
+    real_mkdir = os.mkdir
+    monkeypatch.setattr(outputs, "fsync_path", lambda p: synced.append(p))
+    monkeypatch.setattr(outputs.os, "mkdir", lambda p, *a: (made.append(p), real_mkdir(p, *a)))
+    assert cli(["export", str(tmp_path / "ck"), "link/../out.pt"]) == 0
+    assert os.path.samefile(os.path.dirname(made[-1]), tmp_path / "real")
+    assert synced and os.path.samefile(synced[-1], tmp_path / "real")
+    assert sorted(os.listdir(tmp_path)) == ["ck", "link", "real"]
+    _same(torch.load(tmp_path / "real" / "out.pt", weights_only=True), model.state_dict())
+
+
+@pytest.mark.parametrize("fails", ["aside", "in_place"])
+def test_a_checkpoint_folder_that_cannot_be_renamed_stays_whole(tmp_path, monkeypatch, fails):
+    """A mount point (EBUSY) or a folder on another drive than its parent (EXDEV): a save
+    raises saying so, and the checkpoint stays at its name, exactly as it was."""
+    from tierlift.checkpoint import format as fmt
+
+    run = str(tmp_path / "run")
+    model, opt = _trained(11)
+    tierlift.checkpoint.save(run, model, opt)
+    weights, before = _copy(model.state_dict()), _files(tmp_path / "run")
+    real_rename = os.rename
+    code, src = (errno.EBUSY, run) if fails == "aside" else (errno.EXDEV, run + ".tmp")
+
+    def rename(a, b):
+        if a == src:
+            raise OSError(code, os.strerror(code), a, None, b)
+        real_rename(a, b)
+
+    _step(model, opt)
+    monkeypatch.setattr(fmt.os, "rename", rename)
+    with pytest.raises(OSError, match="is a mount point, or on another drive") as e:
+        tierlift.checkpoint.save(run, model, opt, blocking=False).wait()
+    assert e.value.errno == code
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == ["run"] and _files(tmp_path / "run") == before
+    _same(tierlift.checkpoint.full_state_dict(run), weights)
+
+
+def test_a_mount_point_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    from tierlift.checkpoint import targets
+
+    run = tmp_path / "run"
+    run.mkdir()
+    monkeypatch.setattr(targets.os.path, "ismount", lambda p: os.fspath(p) == str(run))
+    model, opt = _trained(12)
+    with pytest.raises(FileExistsError, match="is a mount point"):
+        tierlift.checkpoint.save(str(run), model, opt)
+    assert sorted(os.listdir(tmp_path)) == ["run"] and not os.listdir(run)

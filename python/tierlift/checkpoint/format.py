@@ -12,6 +12,8 @@ in replicated.py, an offloading optimizer's streamed state in stream.py):
                         naming it, never silently wrong weights
     manifest.json       written last: the size and SHA-256 of every other file (manifest.py),
                         so the JSON files are checked too
+    .moved_aside.json   only in `path`.old while a save replaces `path` (replace_dir): the
+                        name and inode it was moved aside as, which tell it from a user's copy
 
 Tensor files are read with torch.load(weights_only=True, mmap=True): no arbitrary unpickling,
 and a rank reads only the byte ranges its new shard overlaps.
@@ -19,6 +21,7 @@ and a rank reads only the byte ranges its new shard overlaps.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -34,6 +37,9 @@ FORMAT = "tierlift-zero-checkpoint"
 VERSION = 1
 METADATA = "metadata.json"
 SAVED_AS = "saved_as"  # in metadata.json: the folder name a save published the checkpoint as
+# Written into `path` right before a save renames it to `path`.old: that name and the folder's
+# inode, which a rename keeps and a copy does not (moved_aside).
+MOVED_ASIDE = ".moved_aside.json"
 
 
 def rank_file(rank: int) -> str:
@@ -96,14 +102,48 @@ def replace_dir(tmp: str, path: str) -> None:
     sync_tree(tmp)  # its files' data are flushed already (writer, write_json, checksums)
     if _empty(path) and os.path.isdir(old):
         os.rmdir(path)  # `path`.old is the checkpoint (resolve_dir): kept, as below
-    if os.path.exists(path):
-        remove_dir(old)  # a stale one: `path` is complete
-        os.rename(path, old)
+    moved = os.path.exists(path)
+    if moved:
+        remove_dir(old)  # a stale one: `path` is complete (targets.check_save_target)
+        move_aside(path, old)
     # With only `path`.old there (a replace killed between its renames), it goes only once the
     # new `path` is in place: some complete checkpoint is there at every moment.
-    os.rename(tmp, path)
+    try:
+        os.rename(tmp, path)
+    except OSError as e:
+        if moved:  # the previous checkpoint goes back to its name
+            try:
+                os.rename(old, path)
+                _quietly(os.unlink, os.path.join(path, MOVED_ASIDE))
+            except OSError:
+                pass  # left at `path`.old, which a load of `path` reads (resolve_dir)
+        raise _not_renamable(e, path, tmp) from e
     fsync_path(os.path.dirname(absolute(path)))
     remove_dir(old)
+
+
+def move_aside(path: str, old: str) -> None:
+    """Renames checkpoint folder `path` to `old`, marked first as a save's moved-aside copy
+    (moved_aside): a folder its user renamed or copied to `old` is told from it."""
+    write_json(os.path.join(path, MOVED_ASIDE),
+               {"as": os.path.basename(old), "inode": os.stat(path).st_ino})
+    try:
+        os.rename(path, old)
+    except OSError as e:
+        _quietly(os.unlink, os.path.join(path, MOVED_ASIDE))  # `path` stays as it was
+        raise _not_renamable(e, path, old) from e
+
+
+def _not_renamable(error: OSError, path: str, to: str) -> OSError:
+    """A failed rename of a save's replace, said plainly: a folder that is a mount point (or
+    on another drive than its sibling) cannot be renamed, and a save replaces by renames."""
+    if error.errno not in (errno.EBUSY, errno.EXDEV):
+        return error
+    return OSError(error.errno, f"cannot replace checkpoint {path!r}: renaming "
+                   f"{error.filename!r} to {error.filename2 or to!r} failed ({error.strerror}: "
+                   f"{path!r} is a mount point, or on another drive than its parent folder?); "
+                   "a save replaces the checkpoint folder by renames beside it, so save into a "
+                   f"folder inside it, e.g. {os.path.join(path, 'ckpt')!r}")
 
 
 def sync_tree(directory: str) -> None:
@@ -117,7 +157,8 @@ def remove_dir(directory: str) -> None:
     """Removes a checkpoint directory, its manifest.json and metadata.json last: until it is
     gone it still reads as a checkpoint (targets.is_checkpoint), never as a foreign folder
     another save would refuse."""
-    last = [os.path.join(directory, n) for n in (manifest.MANIFEST, METADATA)]
+    # the marker last: a removal killed before it leaves a folder still known as moved aside
+    last = [os.path.join(directory, n) for n in (manifest.MANIFEST, METADATA, MOVED_ASIDE)]
     for root, dirs, names in os.walk(directory, topdown=False):
         for name in names:
             file = os.path.join(root, name)
@@ -165,25 +206,35 @@ def dir_path(path) -> str:
 
 def resolve_dir(path: str) -> str:
     """`path`, or `path`.old when a replace_dir() was killed between its two renames (`path`
-    is then absent, or an empty directory) and `path`.old is not a checkpoint of its own."""
+    is then absent, or an empty directory) and `path`.old is the copy it moved aside."""
     path = dir_path(path)
     if (not os.path.exists(path) or _empty(path)) and os.path.isdir(path + ".old") and \
-            not saved_as_itself(path + ".old"):
+            moved_aside(path + ".old"):
         return path + ".old"
     return path
 
 
-def saved_as_itself(old: str) -> bool:
-    """Whether checkpoint folder `old` (a `path`.old) was saved under that very name: a
-    checkpoint of its own that its user named so, not the copy of `path` a save moved aside
-    (which a save of `path` deletes, and a load of `path` reads when `path` is gone).
+def moved_aside(old: str) -> bool:
+    """Whether folder `old` (a `path`.old) is the copy of `path` a save moved aside (which a
+    save of `path` deletes, and a load of `path` reads when `path` is gone): it holds the
+    marker move_aside() wrote, naming `old` and its own inode. A checkpoint saved as `old`,
+    or one its user renamed (`mv run run.old`) or copied (`cp -r run run.old`) there, is not.
     Checkpoints from before SAVED_AS count as moved aside, as they always did."""
+    try:
+        with open(os.path.join(old, MOVED_ASIDE)) as f:
+            mark = json.load(f)
+        return (isinstance(mark, dict) and mark.get("as") == os.path.basename(old)
+                and mark.get("inode") == os.stat(old).st_ino)
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError):
+        return False
     try:
         with open(os.path.join(old, METADATA)) as f:
             meta = json.load(f)
     except (OSError, ValueError):
         return False
-    return isinstance(meta, dict) and meta.get(SAVED_AS) == os.path.basename(old)
+    return isinstance(meta, dict) and SAVED_AS not in meta
 
 
 def check_fits(own: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], *,

@@ -24,6 +24,7 @@ import shutil
 import socket
 import uuid
 
+from tierlift.checkpoint import format as fmt
 from tierlift.checkpoint import targets, write_errors
 from tierlift.io.fsync import fsync_path
 from tierlift.offload.tiers import _owner_alive, _pid_namespace, _start_time
@@ -37,6 +38,12 @@ def _host_tag() -> str:
     return hashlib.sha256(who.encode()).hexdigest()[:8]
 
 
+def _parent(out: str) -> str:
+    """The folder `out` is written in, as the OS reads the path (format.absolute: `link/..` is
+    the folder above the link's target, where os.path.abspath would fold it away)."""
+    return os.path.dirname(fmt.absolute(out))
+
+
 def _prefix(out: str) -> str:
     return f".{os.path.basename(out)}.tmp-"
 
@@ -46,7 +53,7 @@ def temp_name(out: str) -> str:
     pid = os.getpid()
     start = _start_time(pid)
     marker = f"{_host_tag()}-{pid}-{'x' if start is None else start}-{uuid.uuid4().hex[:8]}"
-    return os.path.join(os.path.dirname(os.path.abspath(out)), _prefix(out) + marker)
+    return os.path.join(_parent(out), _prefix(out) + marker)
 
 
 def _zombie(pid: int) -> bool:
@@ -71,7 +78,7 @@ def _dead(name: str, tag: str) -> bool:
 
 def leftovers(out: str) -> list[str]:
     """The temporary directories of exports to `out` whose process is gone (sorted paths)."""
-    parent = os.path.dirname(os.path.abspath(out))
+    parent = _parent(out)
     prefix, tag = _prefix(out), _host_tag()
     try:
         names = os.listdir(parent)
@@ -122,4 +129,4 @@ def write_new(out: str, write, *, directory: bool = False) -> None:
         if better is not None:
             raise better from e
         raise
-    fsync_path(os.path.dirname(os.path.abspath(out)))  # the rename (out is complete by now)
+    fsync_path(_parent(out))  # the rename (out is complete by now)

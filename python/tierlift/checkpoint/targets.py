@@ -11,6 +11,9 @@ parent directories, as save() always has.
 A lone `path`.old (a save killed between its two renames) is the checkpoint at `path`
 (format.resolve_dir): every writer sees it so. A save replaces it (keeping it until the new
 one is in place); an import or an export to `path` is refused, as for an existing checkpoint.
+Only the copy a save moved aside counts (format.moved_aside): a `path`.old its user renamed or
+copied there is refused, never deleted nor read. A `path` that is a mount point is refused
+too: it cannot be renamed aside.
 """
 
 from __future__ import annotations
@@ -78,7 +81,7 @@ def foreign_files(path: str) -> list[str]:
         links = [d for d in dirs if os.path.islink(os.path.join(root, d))]  # not walked into
         for name in names + links:
             rel = name if rel_root == "." else f"{rel_root}/{name}"
-            if rel in (MANIFEST, OWNER) or (
+            if rel in (MANIFEST, OWNER, fmt.MOVED_ASIDE) or (
                     rel in listed if listed is not None else _OURS.fullmatch(rel)):
                 continue
             out.append(rel)
@@ -103,7 +106,7 @@ def lone_old(path: str) -> bool:
     """Whether `path`.old is the checkpoint at `path` (format.resolve_dir's rule): `path` is
     absent or an empty directory, and `path`.old is a tierlift checkpoint."""
     return (not os.path.lexists(path) or _empty_dir(path)) and is_checkpoint(path + ".old") \
-        and not fmt.saved_as_itself(path + ".old")
+        and fmt.moved_aside(path + ".old")
 
 
 def _refuse_lone_old(path: str) -> None:
@@ -119,6 +122,13 @@ def _empty_dir(path: str) -> bool:
     return os.path.isdir(path) and not os.path.islink(path) and not os.listdir(path)
 
 
+def _removal_left(old: str) -> bool:
+    """Whether `old` holds nothing but a save's moved-aside marker: what a removal of the copy
+    a save moved aside (format.remove_dir) leaves when it is killed right before its end."""
+    return os.path.isdir(old) and not os.path.islink(old) and \
+        os.listdir(old) == [fmt.MOVED_ASIDE] and fmt.moved_aside(old)
+
+
 def _what(path: str) -> str:
     if os.path.islink(path):
         return "a symbolic link"
@@ -132,6 +142,11 @@ def check_save_target(path: str, *, replace: bool = True) -> None:
     empty directory, or (with `replace`) a tierlift checkpoint holding only its own files;
     `path`.old likewise (without `replace`, not the checkpoint at `path`: lone_old), and
     `path`.tmp absent, empty or left by a save."""
+    if os.path.ismount(path):
+        raise FileExistsError(f"{path!r} is a mount point, which cannot be renamed, and a save "
+                              "replaces the checkpoint folder by renames beside it; nothing was "
+                              f"written (save into a folder inside it, e.g. "
+                              f"{os.path.join(path, 'ckpt')!r})")
     if os.path.lexists(path) and not _empty_dir(path):
         if not replace:
             raise FileExistsError(f"{path!r} exists and is not an empty directory; nothing "
@@ -142,16 +157,17 @@ def check_save_target(path: str, *, replace: bool = True) -> None:
                                   "elsewhere, or remove it first)")
         _refuse_foreign(path)
     old, tmp = path + ".old", path + ".tmp"
-    if os.path.lexists(old) and not _empty_dir(old):
+    if os.path.lexists(old) and not _empty_dir(old) and not _removal_left(old):
         if not is_checkpoint(old):
             raise FileExistsError(f"{old!r} exists and is {_what(old)}; a save uses that name "
                                   "on its way, so nothing was written (rename it, or save "
                                   "elsewhere)")
-        if fmt.saved_as_itself(old):  # a save of `path` would delete it as its own leftover
-            raise FileExistsError(f"{old!r} is a checkpoint saved under that name, and a save "
-                                  f"of {path!r} uses that name on its way (it would delete "
-                                  "it), so nothing was written (rename one of them, or save "
-                                  "elsewhere)")
+        if not fmt.moved_aside(old):  # a save of `path` would delete it as its own leftover
+            raise FileExistsError(f"{old!r} is a checkpoint that no save of {path!r} moved "
+                                  "aside (saved under that name, or renamed or copied there "
+                                  f"by hand), and a save of {path!r} uses that name on its way "
+                                  "(it would delete it), so nothing was written (rename it, "
+                                  "or save elsewhere)")
         if not replace:
             _refuse_lone_old(path)
         _refuse_foreign(old)
