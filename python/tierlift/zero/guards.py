@@ -13,9 +13,8 @@
   leave the unit pointing at the old module (resize_token_embeddings, which resizes the embedding
   in place before it swaps the head, is refused when called); adding a submodule
   with trainable parameters would train it with no gradient reduction. Both are refused.
-  peft's merge_and_unload / unload / merge_adapter / delete_adapter (and unmerge_adapter of a
-  merged adapter) on a model holding shards are refused when called: they would write merged
-  weights into one layer, or drop its adapter, before the first module swap is refused.
+  peft's calls that would do either, or change adapters in place, are refused when called,
+  before they change anything (peft_guards.py).
 - model.state_dict() records, in its `_metadata` (which torch.save keeps), the rank, world size
   and layout its `*_zero_flat_shard` entries belong to; model.load_state_dict loads shard entries
   only when that record says they are this rank's, and turns full (unsharded) entries into this
@@ -36,8 +35,7 @@ import torch
 from torch import nn
 
 from tierlift._shards import is_shard
-from tierlift._torch_patch import wrap_method
-from tierlift.zero import members
+from tierlift.zero import members, peft_guards
 from tierlift.zero.hooks import _ATTR
 from tierlift.zero.unit import source_key
 
@@ -81,7 +79,7 @@ def install(model: nn.Module, state) -> None:
             # module-swap guard refuses half-way: refuse the call itself, before any change.
             object.__setattr__(m, "resize_token_embeddings", _refuse_resize)
     _refuse_deepcopy_of(model, state)
-    _guard_peft()
+    peft_guards.install(model, state)
     if state.heartbeat is not None and state.config.stage in (1, 2):
         _check_same_units(state)
     if not _HOOK:
@@ -165,50 +163,6 @@ def _refuse_deepcopy(memo):
         "the full weights, on every rank), or keep an EMA of the shards themselves (e = "
         "p.detach().clone() for each p in model.parameters(), e.lerp_(p.detach(), 1 - decay) "
         "after each optimizer step)")
-
-
-# ---- peft: merging, unloading or deleting adapters ----
-_PEFT_CALLS = ("merge_and_unload", "unload", "_unload_and_optionally_merge", "merge_adapter",
-               "unmerge_adapter", "delete_adapter")
-
-
-def _guard_peft() -> None:
-    """peft's tuners (when peft is imported: its models exist only then) refuse, on a model
-    holding shards, the calls that would change adapters or base weights in place."""
-    tuners = sys.modules.get("peft.tuners.tuners_utils")
-    if tuners is None or not hasattr(tuners, "BaseTuner"):
-        return
-    classes, todo = [], [tuners.BaseTuner]
-    while todo:  # subclasses that define their own version of a call are wrapped too
-        cls = todo.pop()
-        classes.append(cls)
-        todo.extend(cls.__subclasses__())
-    peft_model = sys.modules.get("peft.peft_model")
-    if peft_model is not None and hasattr(peft_model, "PeftModel"):
-        classes.append(peft_model.PeftModel)  # its delete_adapter changes prompt encoders itself
-    for cls in classes:
-        for name in _PEFT_CALLS:
-            if name in cls.__dict__:
-                wrap_method(cls, name, None, _refusing_on_shards(name))
-
-
-def _refusing_on_shards(name: str):
-    def wrap(original):
-        def call(self, *args, **kwargs):
-            # unmerge_adapter with nothing merged changes nothing: let it through
-            if members.states_in(self) and (name != "unmerge_adapter" or any(
-                    getattr(m, "merged", False) is True for m in self.modules())):
-                raise RuntimeError(
-                    f"peft's {name} on a model sharded by tierlift.zero.shard: it would change "
-                    "adapters or base weights in place one layer at a time, which the shards "
-                    "do not follow (the model would be left partly changed). Merge or unload "
-                    "before tierlift.zero.shard(model), or on a full copy: load "
-                    "tierlift.zero.full_state_dict(model) (or tierlift.hf.gathered_state_dict"
-                    "(model); a collective: every rank calls it) into an unsharded peft model "
-                    "and merge there; nothing was changed")
-            return original(self, *args, **kwargs)
-        return call
-    return wrap
 
 
 # ---- module registration: DDP, replaced and added submodules ----
