@@ -10,12 +10,14 @@ steps, in every offload mode, against torch's AdamW on the same model and data:
 - one Parameter shared by two modules (weight tying);
 - OneCycleLR / CyclicLR (cycle_momentum: they rewrite betas) stepped per micro-batch under
   gradient accumulation, so the values change after the overlap stepped chunks;
-- a group that step() refuses (torch's step-time refusal of a tensor lr with foreach=True, a
-  key deleted): refused by step() as torch's is, not by the overlap's gradient hook, which
-  would stop backward half way;
+- a group torch's step() refuses (a tensor lr with foreach=True; a key deleted, as by a
+  group dict rebuilt by hand): refused by step() before anything changes, as torch's is. The
+  overlap's gradient hook raised them inside backward, which stopped half way (a step() after
+  the repair then ran on partial gradients); without "decoupled_weight_decay" AdamW stepped
+  as Adam, and without "maximize" the step failed half way (offload with one generation then
+  refused every later step);
 - a parameter frozen when the optimizer was built, unfrozen later, and amsgrad switched off:
-  refused before anything changes (the state is laid out at construction).
-Regression checks of exact paths, but the refusal by step()."""
+  refused before anything changes (the state is laid out at construction)."""
 
 from __future__ import annotations
 
@@ -180,23 +182,27 @@ def _tensor_lr_with_foreach(group: dict) -> None:
     group["foreach"] = True  # torch's step refuses a tensor lr then
 
 
-def _delete_eps(group: dict) -> None:
-    del group["eps"]
+def _deleting(key: str):
+    def breaks(group: dict) -> None:
+        del group[key]
+    return breaks
 
 
 BROKEN_GROUPS = {
     "tensor_lr_with_foreach": (_tensor_lr_with_foreach, RuntimeError, "lr as a Tensor"),
-    "deleted_key": (_delete_eps, KeyError, "eps"),
+    "no_eps": (_deleting("eps"), KeyError, "eps"),
+    "no_maximize": (_deleting("maximize"), KeyError, "maximize"),
+    "no_decoupled_weight_decay": (_deleting("decoupled_weight_decay"), KeyError,
+                                  "decoupled_weight_decay"),
 }
 
 
 @pytest.mark.parametrize("broken", list(BROKEN_GROUPS))
-@pytest.mark.parametrize("mode", ["cpu_ov", "nvme2_ov"])
-def test_group_step_refuses_is_refused_by_step_not_by_backward(mode, broken, tmp_path,
-                                                               one_thread):
-    """torch raises at step(), after a complete backward; the user repairs the group and steps
-    again. The overlap's first gradient hook checks the group too: it must leave the error to
-    step(), or backward stops half way and the repaired step runs on partial gradients."""
+@pytest.mark.parametrize("mode", ["none", "cpu", "nvme1", "cpu_ov", "nvme2_ov"])
+def test_group_torch_refuses_is_refused_before_any_change(mode, broken, tmp_path, one_thread):
+    """torch raises at step(), after a complete backward, with nothing changed; the user
+    repairs the group and steps again. The overlap's first gradient hook checks the group too:
+    it must leave the error to step()."""
     breaks, error, match = BROKEN_GROUPS[broken]
     ref = build_model()
     model = twin(ref)

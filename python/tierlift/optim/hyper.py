@@ -69,8 +69,13 @@ def check_group_types(gi: int, group: dict) -> None:
 
     check_types(group["lr"], group["betas"], group["eps"], group["weight_decay"], name)
     for k in STEP_FLAGS:
-        if k in group:
-            _check_bool(name(k), group[k])
+        if k not in group:
+            # torch's step raises KeyError on it; read with a default, a group rebuilt without
+            # "decoupled_weight_decay" would step AdamW as Adam, and a step that read
+            # "maximize" only in its kernel call failed half way
+            raise KeyError(f"{name(k)} is missing: torch's Adam reads it at every step (load "
+                           "a state dict, or add_param_group, to get the defaults)")
+        _check_bool(name(k), group[k])
 
 
 def check_state_dtype(state_dtype, amsgrad) -> None:
