@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from tierlift import _extension, ops
+from tierlift.gnn.file_table import file_region
 
 _PIN_MODES = ("inplace", "copy")
 _CACHE_POLICIES = ("degree", "frequency")
@@ -476,20 +477,37 @@ class FeatureStore:
         """A CPU store pickles whole. A CUDA store's copy (for a spawned DataLoader worker, say)
         carries no rows: its registered memory and GPU cache cannot cross processes, and
         pickling the table for a worker would move it into shared, unpinned memory under this
-        process's store. The copy keeps shape and dtype, and refuses to gather."""
+        process's store. The copy keeps shape and dtype, and refuses to gather.
+
+        A CPU store whose rows are a mapped file (built from a path, np.memmap, torch.from_file)
+        pickles the file's name and place, not its bytes, and its copy maps the same file again:
+        torch's pickling for a worker would copy the whole table into /dev/shm. The file must
+        then be reachable, unchanged, where the copy is unpickled."""
         state = self.__dict__.copy()
         if self.device.type == "cuda" and not self._closed:
             for key in ("_registration", "_table", "_cache_table", "_cache_slots", "_counts",
                         "_bad", "_bad_host", "_watched"):
                 state[key] = None
             state["_pickled_cuda"] = True
-        elif self._watched is not None:  # the held tensor; the rest is remade on unpickling
-            state["_watched"] = self._watched[:1]
+            return state
+        region = None if self._closed else file_region(self._table)
+        if region is not None:
+            state["_table"] = None
+            state["_file_region"] = region
+        if self._watched is not None:  # the held tensor; the rest is remade on unpickling
+            mapped = region is not None and self._watched[0] is self._table
+            state["_watched"] = ("table",) if mapped else self._watched[:1]
         return state
 
     def __setstate__(self, state):
         """Unpickled (a spawned worker's copy): its tensor is new, with a version of its own."""
+        state = dict(state)
+        region = state.pop("_file_region", None)
         self.__dict__.update(state)
+        if region is not None:
+            self._table = region.open(self.dtype, self.shape)
+            if self._watched is not None:
+                self._watched = (self._table,)
         if self._watched is not None and isinstance(self._watched[0], torch.Tensor):
             self._watched = _watch(self._watched[0], self._watched[0])
 

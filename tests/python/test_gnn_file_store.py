@@ -1,0 +1,129 @@
+"""A FeatureStore whose rows are a mapped file (built from a path, np.memmap, torch.from_file)
+pickles as a reference to its file: a spawned DataLoader worker maps the same file again
+instead of receiving the table copied into /dev/shm (torch's pickling for workers), and the
+main process's store keeps its mapping. Memory that is no longer the file's bytes (written
+copy-on-write pages) pickles by value; a file replaced since pickling is refused."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from multiprocessing.reduction import ForkingPickler
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing  # noqa: F401 - registers torch's reducers with ForkingPickler
+from torch.utils.data import DataLoader, Dataset
+
+import tierlift
+from tierlift.gnn import FeatureStore
+from tierlift.gnn.file_table import file_region
+
+pytestmark = pytest.mark.skipif(not tierlift._extension.available(),
+                                reason="compiled extension not loaded")
+
+ROWS, DIM = 16384, 8  # 512 KiB of float32
+INDEX = torch.tensor([0, 5, ROWS - 1, 5])
+
+
+def table_file(tmp_path):
+    a = np.arange(ROWS * DIM, dtype=np.float32).reshape(ROWS, DIM)
+    np.save(tmp_path / "x.npy", a)
+    a.tofile(tmp_path / "x.raw")
+    return a
+
+
+def mapped_file(t: torch.Tensor) -> str:
+    """The file (or pseudo-file: /dev/shm, [heap]) this process maps `t`'s memory from."""
+    ptr = t.data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= ptr < hi:
+                return fields[5].strip() if len(fields) > 5 else "[anonymous]"
+    return "?"
+
+
+class Rows(Dataset):
+    def __init__(self, stores):
+        self.stores = stores
+
+    def __len__(self):
+        return 1
+
+    def __getitem__(self, i):
+        return [(s.gather(INDEX), mapped_file(s._table)) for s in self.stores]
+
+
+def stores_of(tmp_path):
+    raw = torch.from_file(str(tmp_path / "x.raw"), shared=False, size=ROWS * DIM,
+                          dtype=torch.float32).view(ROWS, DIM)
+    memmap = torch.from_numpy(np.load(tmp_path / "x.npy", mmap_mode="r+"))
+    return [FeatureStore(tmp_path / "x.npy", device="cpu"),
+            FeatureStore(tmp_path / "x.raw", device="cpu", dtype=torch.float32,
+                         shape=(ROWS, DIM)),
+            FeatureStore(raw, device="cpu"), FeatureStore(memmap, device="cpu")]
+
+
+def test_a_spawned_worker_maps_the_file_again(tmp_path):
+    # Was: the worker's table was a copy in /dev/shm (and the main process's store was moved
+    # there too); torch.from_file tables failed to reach the worker ("Bad file descriptor").
+    a = table_file(tmp_path)
+    stores = stores_of(tmp_path)
+    files = [str(tmp_path / n) for n in ("x.npy", "x.raw", "x.raw", "x.npy")]
+    loader = DataLoader(Rows(stores), batch_size=None, num_workers=1,
+                        multiprocessing_context="spawn")
+    (got,) = list(loader)
+    want = torch.from_numpy(a)[INDEX]
+    for (rows, where), store, name in zip(got, stores, files, strict=True):
+        assert torch.equal(rows, want)
+        assert where == name  # the worker reads the file, not a copy
+        assert mapped_file(store._table) == name  # and the main process still maps it
+        assert torch.equal(store.gather(INDEX), want)
+
+
+def test_pickles_carry_the_file_not_the_rows(tmp_path):
+    a = table_file(tmp_path)
+    want = torch.from_numpy(a)[INDEX]
+    for store in stores_of(tmp_path):
+        for data in (pickle.dumps(store), bytes(ForkingPickler.dumps(store))):
+            assert len(data) < 4096  # the table is 512 KiB
+            twin = pickle.loads(data)
+            assert torch.equal(twin.gather(INDEX), want)
+            assert mapped_file(twin._table) == mapped_file(store._table)
+    # A tensor store keeps watching its copy's table for in-place edits.
+    twin = pickle.loads(pickle.dumps(stores_of(tmp_path)[2]))
+    twin._table.add_(1)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        twin.gather(INDEX)
+
+
+def test_written_copy_on_write_pages_pickle_by_value(tmp_path):
+    # Features edited in memory before the store was built (normalized in place, say) are not
+    # the file's rows: mapping the file again would give the worker the old rows.
+    a = table_file(tmp_path)
+    edited = torch.from_numpy(np.load(tmp_path / "x.npy", mmap_mode="c"))
+    edited[5] = -1.0
+    store = FeatureStore(edited, device="cpu")
+    assert file_region(store._table) is None
+    want = torch.from_numpy(a)[INDEX]
+    want[[1, 3]] = -1.0
+    twin = pickle.loads(pickle.dumps(store))
+    assert torch.equal(twin.gather(INDEX), want)
+    assert mapped_file(twin._table) != str(tmp_path / "x.npy")
+
+
+def test_a_file_replaced_or_gone_since_pickling_is_refused(tmp_path):
+    a = table_file(tmp_path)
+    data = pickle.dumps(FeatureStore(tmp_path / "x.npy", device="cpu"))
+    np.save(tmp_path / "x.npy", a + 1)  # same size; its modification time tells
+    st = os.stat(tmp_path / "x.npy")
+    os.utime(tmp_path / "x.npy", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    with pytest.raises(RuntimeError, match="replaced or rewritten since this store was pickled"):
+        pickle.loads(data)
+    data = pickle.dumps(FeatureStore(tmp_path / "x.npy", device="cpu"))
+    os.unlink(tmp_path / "x.npy")
+    with pytest.raises(FileNotFoundError, match="must be reachable where it is unpickled"):
+        pickle.loads(data)
