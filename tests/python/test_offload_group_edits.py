@@ -16,8 +16,9 @@ steps, in every offload mode, against torch's AdamW on the same model and data:
   the repair then ran on partial gradients); without "decoupled_weight_decay" AdamW stepped
   as Adam, and without "maximize" the step failed half way (offload with one generation then
   refused every later step);
-- a parameter frozen when the optimizer was built, unfrozen later, and amsgrad switched off:
-  refused before anything changes (the state is laid out at construction)."""
+- a parameter frozen when the optimizer was built and unfrozen later, amsgrad switched off, a
+  parameter moved to another group: refused before anything changes (the state is laid out
+  at construction)."""
 
 from __future__ import annotations
 
@@ -233,12 +234,20 @@ def test_group_torch_refuses_is_refused_before_any_change(mode, broken, tmp_path
         close(opt)
 
 
-def _unfreeze(model, opt) -> None:
-    model[2].requires_grad_(True)
+def _unfreeze(model, opt, undo: bool = False) -> None:
+    model[2].requires_grad_(undo is False)
 
 
-def _amsgrad_off(model, opt) -> None:
-    opt.param_groups[0]["amsgrad"] = False
+def _amsgrad_off(model, opt, undo: bool = False) -> None:
+    opt.param_groups[0]["amsgrad"] = undo
+
+
+def _move_to_second_group(model, opt, undo: bool = False) -> None:
+    first, second = (g["params"] for g in opt.param_groups)
+    if undo:
+        first.append(second.pop(0))
+    else:
+        second.insert(0, first.pop())
 
 
 LAYOUT_CHANGES = {
@@ -246,6 +255,9 @@ LAYOUT_CHANGES = {
     "unfrozen": (_unfreeze, dict(frozen=True), RuntimeError, "was frozen"),
     # torch steps on without max_exp_avg_sq; the tiers' state kinds are fixed
     "amsgrad_off": (_amsgrad_off, dict(amsgrad=True), ValueError, "amsgrad"),
+    # torch keeps a parameter's state wherever it is listed; the tiers lay it out by position
+    "moved_between_groups": (_move_to_second_group, dict(groups=True), RuntimeError,
+                             "is not the list the optimizer was built with"),
 }
 
 
@@ -258,19 +270,23 @@ def test_layout_change_after_steps_is_refused_before_anything_changes(mode, chan
     model = build_model()
     if kw.pop("frozen", False):
         model[2].requires_grad_(False)
-    opt = tl_opt(mode, model.parameters(), tmp_path, **kw)
+    params = list(model.parameters())
+    if kw.pop("groups", False):
+        params = [{"params": params[:3]}, {"params": params[3:], "lr": 5e-3}]
+    opt = tl_opt(mode, params, tmp_path, **kw)
     try:
         for i in range(2):
             x, y = batch(0, i)
             F.mse_loss(model(x), y).backward()
             opt.step()
             opt.zero_grad()
-        edit(model, opt)
         before = snapshot(model, opt)
+        edit(model, opt)
         x, y = batch(0, 2)
-        F.mse_loss(model(x), y).backward()
-        with pytest.raises(error, match=match):
+        with pytest.raises(error, match=match):  # with overlap, a moved one in backward
+            F.mse_loss(model(x), y).backward()
             opt.step()
+        edit(model, opt, undo=True)
         assert_same_snapshot(snapshot(model, opt), before, "refused step")
     finally:
         close(opt)
