@@ -422,3 +422,33 @@ def test_a_mount_point_is_refused_before_anything_is_written(tmp_path, monkeypat
     with pytest.raises(FileExistsError, match="is a mount point"):
         tierlift.checkpoint.save(str(run), model, opt)
     assert sorted(os.listdir(tmp_path)) == ["run"] and not os.listdir(run)
+
+
+@pytest.mark.parametrize("writes", ["save", "export"])
+def test_a_full_drive_through_link_dotdot_says_the_free_space_of_its_own_drive(tmp_path,
+                                                                             monkeypatch,
+                                                                             writes):
+    # The folder was folded to the working directory's: on another drive, the error quoted
+    # that drive's free bytes and inodes.
+    from tierlift.checkpoint import outputs, write_errors
+
+    (tmp_path / "real" / "dir").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "real" / "dir")
+    model, opt = _trained(13)
+    tierlift.checkpoint.save(str(tmp_path / "ck"), model, opt)
+    monkeypatch.chdir(tmp_path)
+    asked, statvfs = [], os.statvfs
+    monkeypatch.setattr(write_errors.os, "statvfs", lambda p: (asked.append(p), statvfs(p))[1])
+
+    def drive_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "injected")
+
+    with pytest.raises(OSError, match="no space left on the drive of 'link/..'|"
+                       f"no space left on the drive of '{tmp_path}/link/..'"):
+        if writes == "save":
+            monkeypatch.setattr(ckpt_writer.Writer, "_submit", drive_full)
+            tierlift.checkpoint.save("link/../new", model, opt)
+        else:
+            outputs.write_new("link/../out.pt",
+                              lambda where: (open(where, "wb").close(), drive_full()))
+    assert asked and all(os.path.samefile(p, tmp_path / "real") for p in asked)

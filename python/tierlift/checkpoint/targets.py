@@ -247,7 +247,7 @@ def no_space(error: BaseException, path: str, needed: int | None) -> OSError | N
         e = e.__cause__ or e.__context__
     else:
         return None
-    room = write_errors.no_room(code, os.path.dirname(os.path.abspath(path)))
+    room = write_errors.no_room(code, os.path.dirname(fmt.absolute(path)))  # `link/..` too
     need = f", and this save writes about {needed} bytes (on this rank)" \
         if needed is not None else ""
     where = getattr(e, "filename", None)

@@ -21,6 +21,8 @@ import os
 import re
 import resource
 
+from tierlift.checkpoint import format as fmt
+
 # Rust's io::Error as safetensors shows it: `I/O error: ... (os error 28) at path "..."`
 _OS_ERROR_TEXT = re.compile(r'\(os error (\d+)\)(?: at path "([^"]*)")?')
 _WRITES_ONLY = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
@@ -123,7 +125,8 @@ def explain(error: BaseException, dest: str, tmp: str | None, outcome: str) -> O
             return None
     elif e.errno not in _WRITES_ONLY:
         return None
-    text = cause(e.errno, os.path.dirname(os.path.abspath(dest)), tmp)
+    # the folder as the OS reads `dest` (`link/..` included): its drive's free space is said
+    text = cause(e.errno, os.path.dirname(fmt.absolute(dest)), tmp)
     if text is None:
         return None
     return OSError(e.errno, f"cannot write {dest!r}: {text}; {outcome}")
