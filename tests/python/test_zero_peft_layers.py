@@ -5,7 +5,9 @@ Refused before anything changes (the model then trains as the unsharded one does
 layer's own merge() / unmerge(), add_adapter, add_weighted_adapter, load_adapter (a new
 adapter, or into one the model has, which would load nothing), switches that would make a
 frozen adapter trainable or freeze the trained one in use, save_pretrained without the full
-weights (an empty adapter file), and on a model merged before shard() any switch that unmerges.
+weights (an empty adapter file), get_peft_model_state_dict / set_peft_model_state_dict on it
+(no adapter weight found or loaded), and on a model merged before shard() any switch that
+unmerges.
 Exact: evaluating the other adapter with inference_mode=True, disable_adapter() around a
 reference forward while training, disable/enable_adapter_layers, and save_pretrained given
 tierlift.zero.full_state_dict(model)."""
@@ -28,8 +30,6 @@ pytestmark = pytest.mark.skipif(not tierlift._extension.available(),
 
 STAGES = (1, 2, 3)
 WORLD = 2
-REFUSED = ("merge", "set_adapter", "set_requires_grad", "add_adapter", "add_weighted_adapter",
-           "load_adapter", "save_pretrained")
 
 
 def _config():
@@ -77,6 +77,9 @@ def _out(model, x):
 def _refused_calls(model, saved: str, empty: str) -> dict:
     """Each refused idiom: (its error, whether the model is as it was after it). saved: an
     adapter saved by an unsharded model; empty: where save_pretrained must write nothing."""
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+    from peft.utils import load_peft_weights
+
     calls = {
         "merge": lambda: [m.merge() for m in _layers(model)],
         "set_adapter": lambda: model.base_model.set_adapter(["default", "other"]),
@@ -91,6 +94,9 @@ def _refused_calls(model, saved: str, empty: str) -> dict:
         "load_adapter existing": lambda: model.load_adapter(saved, adapter_name="default",
                                                             is_trainable=True),
         "save_pretrained": lambda: model.save_pretrained(empty),
+        "get_peft_model_state_dict": lambda: get_peft_model_state_dict(model),
+        "set_peft_model_state_dict": lambda: set_peft_model_state_dict(
+            model, load_peft_weights(saved)),
     }
     before = _snapshot(model)
     out = {}
@@ -219,6 +225,8 @@ def test_refusals_say_what_to_do(results, stage):
     assert "would load nothing" in got["load_adapter existing"]
     assert "PeftModel.from_pretrained" in got["add_weighted_adapter"]
     assert "state_dict=full" in got["save_pretrained"]
+    assert "state_dict=tierlift.zero.full_state_dict(model)" in got["get_peft_model_state_dict"]
+    assert "would load nothing" in got["set_peft_model_state_dict"]
 
 
 @pytest.mark.parametrize("stage", STAGES)

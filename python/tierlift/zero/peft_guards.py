@@ -17,12 +17,15 @@ refused before they change anything (installed by guards.install when peft is im
   trains while it stays in use (the sharded model would go on training it), is refused; the
   others (evaluating another adapter with inference_mode=True, disable_adapter() around a
   reference forward) change no weight's trainability and are exact.
-- save_pretrained without state_dict: peft takes the adapter from model.state_dict(), which
-  holds flat shards, and would write an empty adapter file.
+- save_pretrained without state_dict, get_peft_model_state_dict(model): peft takes the adapter
+  from model.state_dict(), which holds flat shards, and would write (or return) no adapter
+  weights; set_peft_model_state_dict would load none (the tuner's hooks that map the keys,
+  private to peft, are wrapped where this peft has them).
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 import weakref
 
@@ -91,6 +94,15 @@ def _wrap_peft() -> None:
                    _enable_adapter_layers=_switching("_enable_adapter_layers", _enable_args),
                    disable_adapter=_checking_context, save_pretrained=_saving)
     _wrap(models, refused)
+    for cls in models:
+        for name, wrap in (("_get_adapter_state_dict", _collecting),
+                           ("_remap_adapter_state_dict_for_load", _mapping_for_load)):
+            found = cls.__dict__.get(name)
+            if isinstance(found, classmethod) and not getattr(found.__func__, "_tierlift_wrapped",
+                                                              False):
+                func = functools.wraps(found.__func__)(wrap(found.__func__))
+                func._tierlift_wrapped = True
+                setattr(cls, name, classmethod(func))
     if hasattr(tuners, "BaseTunerLayer"):
         _wrap(_subclasses(tuners.BaseTunerLayer), {
             "merge": _refusing("merge", _changes_why),
@@ -123,11 +135,15 @@ def _merged(module: nn.Module) -> bool:
     return any(getattr(m, "merged", False) is True for m in module.modules())
 
 
+def _states(module) -> list:
+    return members.states_in(module) if isinstance(module, nn.Module) else []
+
+
 def _refusing(name: str, why):
     def wrap(original):
         def call(self, *args, **kwargs):
             # unmerging with nothing merged changes nothing: let it through
-            if members.states_in(self) and (
+            if _states(self) and (
                     name not in ("unmerge_adapter", "unmerge") or _merged(self)):
                 raise RuntimeError(f"peft's {name} on a model sharded by tierlift.zero.shard: "
                                    f"{why(name)}; nothing was changed")
@@ -229,7 +245,7 @@ def _switching(name: str, plan, layer: bool = False):
     own call (a loop over model.modules()) on that layer."""
     def wrap(original):
         def call(self, *args, **kwargs):
-            states = members.states_in(self)
+            states = _states(self)
             if states:
                 layers = [self] if layer else _tuner_layers(self)
                 _check_switch(name, layers, states, lambda m: plan(m, args, kwargs))
@@ -242,7 +258,7 @@ def _checking_context(original):
     """disable_adapter(): entering disables every layer, leaving enables the active adapters
     again (setting them trainable): both are checked on entry, before the body runs."""
     def call(self, *args, **kwargs):
-        states = members.states_in(self)
+        states = _states(self)
         if states:
             layers = _tuner_layers(self)
             for enabled in (False, True):
@@ -252,14 +268,17 @@ def _checking_context(original):
     return call
 
 
-# ---- saving ----
+# ---- saving and loading adapter weights by name ----
+def _holds_shards(state_dict) -> bool:
+    return any(k.endswith("_zero_flat_shard") or (isinstance(v, torch.Tensor) and is_shard(v))
+               for k, v in state_dict.items())
+
+
 def _saving(original):
     def call(self, *args, **kwargs):
-        if members.states_in(self):
+        if _states(self):
             given = kwargs.get("state_dict")
-            if given is None or any(is_shard(v) or k.endswith("_zero_flat_shard")
-                                    for k, v in given.items()
-                                    if isinstance(v, torch.Tensor)):
+            if given is None or _holds_shards(given):
                 raise RuntimeError(
                     "peft's save_pretrained on a model sharded by tierlift.zero.shard: peft "
                     "takes the adapter weights from model.state_dict(), which holds flat "
@@ -269,4 +288,36 @@ def _saving(original):
                     "or call tierlift.hf.install(model) once, whose save_pretrained does both; "
                     "nothing was written")
         return original(self, *args, **kwargs)
+    return call
+
+
+def _collecting(original):
+    """get_peft_model_state_dict's selection of the adapter's entries."""
+    def call(cls, *args, **kwargs):
+        model = kwargs["model"] if "model" in kwargs else args[0]
+        given = kwargs["state_dict"] if "state_dict" in kwargs else args[3]
+        if _states(model) and _holds_shards(given):
+            raise RuntimeError(
+                "peft's get_peft_model_state_dict on a model sharded by tierlift.zero.shard: "
+                "model.state_dict() holds flat shards, so no adapter weight would be found. "
+                "Pass the full weights: get_peft_model_state_dict(model, state_dict="
+                "tierlift.zero.full_state_dict(model)) (a collective: every rank calls it); "
+                "nothing was changed")
+        return original(cls, *args, **kwargs)
+    return call
+
+
+def _mapping_for_load(original):
+    """set_peft_model_state_dict's mapping of saved keys to the model's."""
+    def call(cls, *args, **kwargs):
+        model = kwargs["model"] if "model" in kwargs else args[0]
+        if _states(model):
+            raise RuntimeError(
+                "peft's set_peft_model_state_dict on a model sharded by tierlift.zero.shard: "
+                "peft matches the saved keys against model.state_dict(), whose adapter "
+                "weights are inside flat shards, so it would load nothing. Load adapter "
+                "weights before tierlift.zero.shard(model) (PeftModel.from_pretrained(base, "
+                "path, is_trainable=True), or set_peft_model_state_dict on the unsharded "
+                "model); nothing was changed")
+        return original(cls, *args, **kwargs)
     return call
