@@ -165,7 +165,7 @@ def test_changed_params_list_is_refused_before_anything_changes(tmp_path, mode, 
         listed = list(group["params"])
         change(model, group)
         x, y = batch(0, 2)
-        # With overlap the first gradient hook sees it, during backward; otherwise step().
+        # step() refuses it (with overlap the first gradient hook only stops stepping ahead).
         with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\] is not the list "
                            r"the optimizer was built with.*build a new optimizer"):
             F.mse_loss(model(x), y).backward()
@@ -180,16 +180,32 @@ def test_changed_params_list_is_refused_before_anything_changes(tmp_path, mode, 
     close(opt)
 
 
+@pytest.mark.parametrize("change", [_append, _replace], ids=["append", "replace"])
 @pytest.mark.parametrize("mode", OVERLAP)
-def test_changed_params_list_is_refused_by_the_first_gradient_hook(tmp_path, mode):
+def test_changed_params_list_is_refused_by_step_after_a_whole_backward(tmp_path, mode, change):
+    """The overlap's first gradient hook sees the changed list and steps nothing ahead; the
+    refusal is step()'s, after backward ran whole: the list put back, step() is torch's."""
     model = _blocks()
+    ref = twin(model)
     opt = tl_opt(mode, model.parameters(), tmp_path)
+    ref_opt = torch_opt(ref.parameters())
     with num_threads(1):
         _fit(model, opt, 1)
-        _filter(model, opt.param_groups[0])
+        _fit(ref, ref_opt, 1)
+        group = opt.param_groups[0]
+        listed = list(group["params"])
+        change(model, group)
         x, y = batch(0, 1)
+        F.mse_loss(model(x), y).backward()  # a refusal raised here would stop backward
         with pytest.raises(RuntimeError, match="is not the list the optimizer was built with"):
-            F.mse_loss(model(x), y).backward()
+            opt.step()
+        group["params"] = listed
+        opt.step()
+        opt.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert_matches_torch(model, ref)
     close(opt)
 
 

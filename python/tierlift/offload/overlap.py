@@ -443,16 +443,23 @@ class Overlap:
         self._stats = defaultdict(float)
         self._error = None
         self._abandoned = False  # abandon(): the chunks not yet stepped are not stepped ahead
-        self._lists_checked = False  # by the first gradient hook of the next backward
+        self._lists_ok = None  # set by the first gradient hook of the next backward
         self._group_ok = {}  # gi -> whether step() would take the group (its first hook's check)
 
     def _on_grad(self, p: torch.Tensor) -> None:
         self._training = True  # until step() (or a state_dict()) waits for the worker
-        if not self._lists_checked:
+        if self._lists_ok is None:
             # The earliest point that sees a changed params list, before anything is stepped
-            # by position in it.
-            self.off.check_lists()
-            self._lists_checked = True
+            # by position in it. The refusal is step()'s: raised in a gradient hook it would
+            # stop backward half way, and a step() after the list is put back would run on
+            # the gradients accumulated so far.
+            try:
+                self.off.check_lists()
+                self._lists_ok = True
+            except RuntimeError:
+                self._lists_ok = False
+        if not self._lists_ok:
+            return  # nothing is stepped ahead: step() refuses, or steps it all once repaired
         gi, pi = self._where[p]
         group = self.off.opt.param_groups[gi]
         params = group["params"]
