@@ -7,7 +7,15 @@ get no gradient any more, so torch's step() skips them without a word and the mo
 trains (the loss stays where it started: 14.8 after four steps against 8.7). shard() records
 the parameters it replaced; an optimizer holding one is refused when it is built and at every
 step() (a global step pre-hook, checked once per optimizer, shard() call and group count),
-before anything changes."""
+before anything changes.
+
+The same check refuses a trainable parameter of a sharded model that shard() did not pack: one
+added after shard() (register_parameter, a module attribute set to an nn.Parameter, a frozen
+submodule added and unfrozen) or a frozen one added since and then unfrozen. It is an ordinary
+parameter, outside every unit, so each rank would step it with its own gradient, never averaged
+across the ranks: on 2 ranks a learnable scale added after shard() ended 0.03 and 0.05 away
+from the single-process run after three steps, and the ranks apart from each other. A frozen
+one the optimizer holds is watched at every step, so unfreezing it later is refused too."""
 
 from __future__ import annotations
 
@@ -17,10 +25,12 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tierlift._text import first_names
+from tierlift.zero import members
 
 _REPLACED: dict[int, tuple[weakref.ref, str]] = {}  # id(parameter) -> (it, its name)
 _GENERATION = [0]  # bumped by every shard(): optimizers checked before are checked again
-_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> (gen, n)
+# optimizer -> ((gen, n), [(weak frozen parameter, name)]): the unpacked frozen ones it holds
+_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _HOOK: list = []
 
 
@@ -34,10 +44,13 @@ def record(params) -> None:
         _HOOK.append(register_optimizer_step_pre_hook(_before_step))
 
 
-def check(optimizer, when: str) -> None:
-    """Raises when `optimizer` holds a parameter that shard() replaced."""
+def check(optimizer, when: str) -> list:
+    """Raises when `optimizer` holds a parameter that shard() replaced, or a trainable one of a
+    sharded model that shard() did not pack; returns the frozen unpacked ones it holds
+    [(weak parameter, name)], whose requires_grad every step checks again."""
+    watch = _check_unpacked(optimizer, when)
     if not _REPLACED:
-        return
+        return watch
     names = []
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -53,6 +66,39 @@ def check(optimizer, when: str) -> None:
             "more and it would step nothing (the model would not train). Build the optimizer "
             "after shard(), from model.parameters() (tierlift.zero.param_groups(model, ...) "
             "for weight-decay groups); nothing was changed")
+    return watch
+
+
+def _check_unpacked(optimizer, when: str) -> list:
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    states = members.live_states() if held else []
+    # Shards of every live model; frozen parameters shard() left replicated (stages 1/2) are
+    # checked by the model itself at the next forward and step (frozen.check_requires_grad).
+    known = {id(u.shard) for st in states for u in st.units}
+    known.update(id(p) for st in states for _, p in st.replicated)
+    names, watch = [], []
+    for st in states:
+        root = st.root
+        for name, p in root.named_parameters() if root is not None else ():
+            if id(p) in held and id(p) not in known:
+                if p.requires_grad:
+                    names.append(name)
+                else:
+                    watch.append((weakref.ref(p), name))
+    if names:
+        _refuse_unpacked(optimizer, when, names)
+    return watch
+
+
+def _refuse_unpacked(optimizer, when: str, names: list[str]) -> None:
+    raise RuntimeError(
+        f"{type(optimizer).__name__}.{when} on trainable parameters of a model sharded by "
+        f"tierlift.zero.shard that shard() did not pack ({first_names(names)}): added "
+        "after shard() (register_parameter, a module attribute set to an nn.Parameter, a "
+        "frozen submodule added and unfrozen) or unfrozen since. They are outside every "
+        "unit, so each rank would step them with its own gradient, never averaged across "
+        "the ranks, and the ranks' copies would drift apart. Add parameters and heads, and "
+        "set requires_grad, before tierlift.zero.shard(model); nothing was changed")
 
 
 def _before_step(optimizer, args, kwargs) -> None:
@@ -62,10 +108,13 @@ def _before_step(optimizer, args, kwargs) -> None:
     if torch.compiler.is_compiling():
         return
     key = (_GENERATION[0], sum(len(g["params"]) for g in optimizer.param_groups))
-    if _CHECKED.get(optimizer) == key:
+    seen = _CHECKED.get(optimizer)
+    if seen is not None and seen[0] == key:
+        unfrozen = [name for p, name in seen[1] if p() is not None and p().requires_grad]
+        if unfrozen:
+            _refuse_unpacked(optimizer, "step()", unfrozen)
         return
-    check(optimizer, "step()")
-    _CHECKED[optimizer] = key
+    _CHECKED[optimizer] = (key, check(optimizer, "step()"))
 
 
 _before_step.leaves_grads = True  # only checks: GradScaler's early check stays valid (scaler_scan)
