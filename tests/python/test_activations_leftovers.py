@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import tierlift
-from tierlift.activations import offload, offload_blocks
+from tierlift.activations import BudgetError, offload, offload_blocks
 
 pytestmark = pytest.mark.skipif(not tierlift._extension.available(),
                                 reason="compiled extension not loaded")
@@ -97,6 +97,54 @@ def test_gpu_budget_holds_for_forwards_alive_together(form):
     assert kept.used == 0
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad)
+
+
+@pytest.mark.parametrize("spill", [False, True])
+def test_cpu_budget_holds_for_forwards_alive_together(tmp_path, spill):
+    # Each forward of offload_blocks had a cpu_budget of its own: two forwards before their
+    # backwards held twice the budget in RAM (documented: at most cpu_budget + io_bytes).
+    torch.manual_seed(0)
+    model = Chain()
+    xs = [torch.randn(16, 64) for _ in range(2)]
+    ref = copy.deepcopy(model)
+    for x in xs:
+        ref(x).backward()
+    one = 2 * ONE  # what one forward keeps in RAM
+    handle = offload_blocks(model, "ram" if not spill else "auto", cpu_budget=one,
+                            nvme_path=tmp_path if spill else None, min_bytes=0)
+    pool = handle._offload._host_pool
+    first = model(xs[0])
+    assert pool.held == one
+    if spill:  # the second forward goes to NVMe
+        second = model(xs[1])
+        assert handle.last_stats["ram_bytes"] == 0 and handle.last_stats["nvme_bytes"] == one
+        second.backward()
+    else:
+        with pytest.raises(BudgetError, match=f"they take {2 * one} bytes \\({one} of them held "
+                           "by other forwards") as e:
+            model(xs[1])
+        assert e.value.smallest == 2 * one
+    first.backward()
+    assert pool.held == 0
+    if not spill:
+        model(xs[1]).backward()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_a_forward_that_failed_in_offload_blocks_is_freed():
+    # The abandoned session kept the exception, whose traceback held the forward's frames and
+    # so its graph, which held the session: a cycle through autograd no collector breaks (the
+    # failed forward's graph, buffers and share of cpu_budget stayed for good).
+    model = Chain()
+    saved = []  # block 1's input: saved for backward, so alive as long as the graph is
+    model.blocks[1].register_forward_pre_hook(lambda m, args: saved.append(weakref.ref(args[0])))
+    handle = offload_blocks(model, "ram", cpu_budget=ONE, min_bytes=0)
+    with pytest.raises(BudgetError):
+        model(torch.randn(16, 64))
+    gc.collect()
+    assert saved[0]() is None
+    assert handle._offload._host_pool.held == 0
 
 
 def open_fds() -> int:

@@ -7,6 +7,11 @@ view of it is alive (its storage has no other user), so a tensor autograd still 
 overwritten. At most `limit` bytes wait unused (cpu_budget: the tier may hold that much anyway).
 GPU tensors use pinned memory from torch's caching host allocator instead, which orders reuse
 after the copies that read a buffer.
+
+The pool also keeps cpu_budget's account, for GPU and CPU tensors alike: the bytes in the RAM
+tier over every forward of one offload alive at once (micro-batches in one context, forwards of
+separate contexts or of offload_blocks before their backwards), so together they hold at most
+cpu_budget, not cpu_budget each.
 """
 
 from __future__ import annotations
@@ -25,11 +30,24 @@ class HostPool:
     def __init__(self, limit: int):
         self.limit = limit
         self.cached = 0
+        self.held = 0  # bytes of saved tensors in the RAM tier, over every forward
         self._free: dict[int, list[torch.Tensor]] = {}
         self._alone: int | None = None  # the use count of a buffer nothing else refers to
         # Forwards in two threads; buffers come back from any thread, also from a collection
         # inside get() (hence re-entrant).
         self._lock = threading.RLock()
+
+    def reserve(self, nbytes: int) -> bool:
+        """Whether cpu_budget has room for `nbytes` more (then counted as held)."""
+        with self._lock:
+            if self.held + nbytes > self.limit:
+                return False
+            self.held += nbytes
+            return True
+
+    def unreserve(self, nbytes: int) -> None:
+        with self._lock:
+            self.held -= nbytes
 
     def get(self, nbytes: int, owner) -> torch.Tensor:
         """A buffer of `nbytes`, handed back to the pool when `owner` is collected."""

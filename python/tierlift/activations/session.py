@@ -28,6 +28,7 @@ from torch.autograd import Variable
 
 from tierlift.activations.config import ActivationsDiscardedError, BudgetError, OffloadConfig
 from tierlift.activations.device import Layout, copier_for, flat_bytes, restore
+from tierlift.activations.host_pool import HostPool
 from tierlift.activations.kept import KeptBudget
 
 _ALIGN = 4096
@@ -198,10 +199,31 @@ def _dropped(session_ref, index: int, _ref) -> None:
     if fetched is not None:  # read ahead but never consumed: its bytes leave the window
         session._retire_read(*fetched)
     in_ram = session._in_ram.pop(index, None)
-    if in_ram is not None:  # its host buffer is given back: micro-batches in one context
-        session.ram_bytes -= in_ram  # share cpu_budget, not each add to it
+    if in_ram is not None:  # its host buffer is given back: micro-batches share cpu_budget,
+        session.ram_bytes -= in_ram  # not each add to it
+        session._host_pool.unreserve(in_ram)
     if session._spilled.pop(index, None) is not None:
         session._trim_file()
+
+
+class _Failure:
+    """Why a forward was abandoned: the exception's type and message, not the exception, whose
+    traceback holds the forward's frames, whose tensors hold the graph, whose saved tensors hold
+    this session: a cycle through autograd's C++ nodes that no collector breaks, which kept a
+    failed offload_blocks forward's graph, buffers and share of cpu_budget for good."""
+
+    __slots__ = ("name", "message")
+
+    def __init__(self, exc: BaseException):
+        self.name, self.message = type(exc).__name__, str(exc)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _unreserve_all(host_pool, in_ram: dict) -> None:
+    host_pool.unreserve(sum(in_ram.values()))
+    in_ram.clear()
 
 
 class Session:
@@ -210,7 +232,7 @@ class Session:
         self.config = config
         self._kept = KeptBudget(config.gpu_budget) if kept is None else kept
         self._engines = engines
-        self._host_pool = host_pool
+        self._host_pool = HostPool(config.cpu_budget) if host_pool is None else host_pool
         self._param_ptrs = param_ptrs
         self.items: list[weakref.ref] = []
         self.group_top: dict = {}  # group -> index of its last saved tensor
@@ -231,6 +253,9 @@ class Session:
         # its read (which holds its buffer) the file, when autograd lets go of it, not never.
         self._fetched: dict[int, list] = {}
         self._in_ram: dict[int, int] = {}  # index -> its bytes in the RAM tier
+        # What this forward still holds of cpu_budget goes back also if the session dies with
+        # its saved tensors in one gc pass (their callbacks then find no session).
+        weakref.finalize(self, _unreserve_all, self._host_pool, self._in_ram)
         self._writes: deque[_Write] = deque()
         # RAM-tier D2H copies in flight, in stream order: (weak item, tensor, its version at
         # save, event). The tensor is held until its copy is seen done: modified in place before
@@ -253,7 +278,7 @@ class Session:
         self.ram_bytes = 0
         self.ram_missing = 0  # bytes RAM could not take (counted, left in place)
         self.io_missing = 0  # largest tensor the NVMe window could not take
-        self.failed: BaseException | None = None
+        self.failed: _Failure | None = None
         self.finished = False
         self._watched = False  # a _BackwardWatch waits on the running backward
         self.stats = {"tensors": 0, "kept_bytes": 0, "ram_bytes": 0, "nvme_bytes": 0,
@@ -313,9 +338,13 @@ class Session:
             if cost is not None:
                 self.stats["kept_bytes"] += cost
                 return t
-        if tier in ("auto", "ram") and self.ram_bytes + n <= c.cpu_budget:
+        if tier in ("auto", "ram") and self._host_pool.reserve(n):
             item = self._new(group, "ram", layout)
-            self._to_ram(item, t)
+            try:
+                self._to_ram(item, t)
+            except BaseException:
+                self._host_pool.unreserve(n)
+                raise
         elif tier in ("auto", "nvme") and c.nvme_path is not None:
             if n > c.io_bytes:
                 self.io_missing = max(self.io_missing, n)
@@ -360,7 +389,7 @@ class Session:
     def _to_ram(self, item: Saved, t: torch.Tensor) -> None:
         n = item.layout.nbytes
         copier = self._copier(t.device)
-        if self._host_pool is not None and not copier.pin:
+        if not copier.pin:
             item.host = self._host_pool.get(n, item)
         else:
             item.host = torch.empty(n, dtype=torch.uint8, pin_memory=copier.pin)
@@ -510,11 +539,15 @@ class Session:
             g, b = max(groups.items(), key=lambda kv: kv[1])
             per_block = f"; the largest block ({g}) saves {b} bytes"
         if self.ram_missing:
-            need = self.ram_bytes + self.ram_missing
+            # Forwards of this offload not yet backpropagated hold their part of the budget.
+            others = self._host_pool.held - self.ram_bytes
+            need = self._host_pool.held + self.ram_missing
+            held = (f" ({others} of them held by other forwards of this offload whose backward "
+                    "has not run)" if others > 0 else "")
             raise BudgetError(
                 f"cpu_budget={c.cpu_budget} bytes is too small for the activations this forward "
-                f"keeps in RAM: they take {need} bytes{per_block}. The smallest cpu_budget that "
-                f"works is {need}" + ("" if c.nvme_path else
+                f"keeps in RAM: they take {need} bytes{held}{per_block}. The smallest "
+                f"cpu_budget that works is {need}" + ("" if c.nvme_path else
                                       " (or give nvme_path to spill the rest to NVMe)"),
                 argument="cpu_budget", smallest=need)
         if self.io_missing:
@@ -528,7 +561,7 @@ class Session:
     def abandon(self, exc: BaseException) -> None:
         """After a failure: drop everything, close (and so delete) the file."""
         if self.failed is None:
-            self.failed = exc
+            self.failed = _Failure(exc)
         for w in self._writes:  # a pool buffer a D2H copy still fills must not be reused
             if w.handle is None:
                 self._copier(w.item.layout.device).wait(w.event)
@@ -696,7 +729,7 @@ class Session:
         if self.failed is not None:
             raise ActivationsDiscardedError(
                 "backward reached activations of a forward that failed and was abandoned "
-                f"({type(self.failed).__name__}: {self.failed}); run the forward again")
+                f"({self.failed.name}: {self.failed}); run the forward again")
         if not self.finished:
             self.finish()  # backward inside the forward's context: writes must be done first
         self._check_copies(until=item)
