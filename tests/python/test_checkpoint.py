@@ -15,6 +15,7 @@ from torch import nn
 from zero_model import DIM, batches, free_port, init_gloo, make_model, shutdown, train
 
 import tierlift
+from tierlift.checkpoint import format as fmt
 
 BATCH = 8
 OPT = dict(lr=3e-3, weight_decay=0.1)
@@ -139,7 +140,7 @@ def test_save_is_atomic(chain, tmp_path, monkeypatch):
     for key in before:
         assert torch.equal(before[key], after[key])
     # A save killed between its two renames leaves only dst.old, which load() falls back to.
-    os.rename(dst, dst + ".old")
+    fmt.move_aside(dst, dst + ".old")
     fresh, _ = _fresh(stage=3)
     tierlift.checkpoint.load(dst, fresh)
     assert torch.equal(tierlift.zero.full_state_dict(fresh)["tok.weight"], before["tok.weight"])

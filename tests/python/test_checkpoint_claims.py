@@ -22,6 +22,7 @@ from torch import nn
 
 import tierlift
 from tierlift.checkpoint import background
+from tierlift.checkpoint import format as fmt
 from tierlift.checkpoint.__main__ import main
 
 
@@ -45,7 +46,7 @@ def _lone_old(tmp_path, n=1):
     """ck.old as a replace killed between its renames leaves it: the only copy."""
     ck = tmp_path / "ck"
     tierlift.checkpoint.save(ck, _model(n), extra={"n": n})
-    os.rename(ck, f"{ck}.old")
+    fmt.move_aside(str(ck), f"{ck}.old")
     return ck, _files(f"{ck}.old")
 
 
@@ -123,7 +124,7 @@ def test_a_save_keeps_files_it_did_not_write(tmp_path, where, blocking):
     tierlift.checkpoint.save(ck, _model(1), extra={"n": 1})
     if where == "ck.old":  # a stale ck.old (ck is complete): a save would delete it
         tierlift.checkpoint.save(tmp_path / "x", _model(1))
-        os.rename(tmp_path / "x", f"{ck}.old")
+        fmt.move_aside(str(tmp_path / "x"), f"{ck}.old")
     target = tmp_path / where
     (target / "notes.txt").write_text("precious")
     (target / "sub").mkdir()

@@ -151,7 +151,8 @@ def test_an_emptied_optimizer_folder_in_the_old_checkpoint_is_not_a_users(tmp_pa
     _step(model, opt, 1)
     ck = tmp_path / "ck"
     tierlift.checkpoint.save(ck, model, opt, extra={"step": 1})
-    shutil.copytree(ck, f"{ck}.old")
+    shutil.copytree(ck, tmp_path / "copy")
+    fmt.move_aside(str(tmp_path / "copy"), f"{ck}.old")
     optim = Path(f"{ck}.old") / "rank00000.optim"
     for f in optim.iterdir():
         f.unlink()

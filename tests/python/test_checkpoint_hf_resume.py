@@ -17,6 +17,7 @@ pytest.importorskip("accelerate", reason="needs accelerate (scripts/setup.sh ins
 import hf_worker as W  # noqa: E402
 
 import tierlift.hf  # noqa: E402
+from tierlift.checkpoint import format as fmt  # noqa: E402
 
 
 def _trainer(out: str):
@@ -33,7 +34,7 @@ def test_resume_from_a_lone_tierlift_old(tmp_path):
     first = _trainer(out)
     first.train()
     ckpt = os.path.join(out, "checkpoint-1")
-    os.rename(os.path.join(ckpt, "tierlift"), os.path.join(ckpt, "tierlift.old"))
+    fmt.move_aside(os.path.join(ckpt, "tierlift"), os.path.join(ckpt, "tierlift.old"))
 
     again = _trainer(out)
     again.train(resume_from_checkpoint=ckpt)

@@ -20,6 +20,7 @@ from torch import nn
 
 import tierlift
 from tierlift.checkpoint import background
+from tierlift.checkpoint import format as fmt
 from tierlift.checkpoint import writer as ckpt_writer
 
 
@@ -376,15 +377,13 @@ def test_a_save_over_a_lone_old_keeps_it_until_the_new_one_is_in_place(tmp_path,
     model, opt = _trained()
     ck = tmp_path / "ck"
     tierlift.checkpoint.save(ck, model, opt, extra={"n": 1})
-    os.rename(ck, str(ck) + ".old")
+    fmt.move_aside(str(ck), str(ck) + ".old")
     real_rename = os.rename
     seen = []
 
     def rename(src, dst):
         seen.append(os.path.isdir(str(ck) + ".old"))  # still there at every rename
         real_rename(src, dst)
-
-    from tierlift.checkpoint import format as fmt
 
     monkeypatch.setattr(fmt.os, "rename", rename)
     tierlift.checkpoint.save(ck, model, opt, extra={"n": 2})

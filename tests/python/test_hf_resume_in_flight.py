@@ -81,7 +81,7 @@ def test_resume_waits_for_the_save_not_the_old_copy(tmp_path, slow_commit):
     trainer = _trained(out)
     ckpt = os.path.join(out, "checkpoint-1")
     # a save killed between its renames: the previous checkpoint is there as tierlift.old
-    os.rename(os.path.join(ckpt, "tierlift"), os.path.join(ckpt, "tierlift.old"))
+    fmt.move_aside(os.path.join(ckpt, "tierlift"), os.path.join(ckpt, "tierlift.old"))
     saving = _save_in_background(trainer, ckpt)
     trainer._load_from_checkpoint(ckpt)
     trainer._load_optimizer_and_scheduler(ckpt)
