@@ -76,15 +76,27 @@ def _check_unpacked(optimizer, when: str) -> list:
     # checked by the model itself at the next forward and step (frozen.check_requires_grad).
     known = {id(u.shard) for st in states for u in st.units}
     known.update(id(p) for st in states for _, p in st.replicated)
-    names, watch = [], []
+    names, watch, swapped = [], [], []
     for st in states:
         root = st.root
+        sharded = {n for u in st.units for e in u.entries for n in e.names}
         for name, p in root.named_parameters() if root is not None else ():
             if id(p) in held and id(p) not in known:
-                if p.requires_grad:
+                if name in sharded:
+                    swapped.append(name)
+                elif p.requires_grad:
                     names.append(name)
                 else:
                     watch.append((weakref.ref(p), name))
+    if swapped:
+        raise RuntimeError(
+            f"{type(optimizer).__name__}.{when} on {first_names(swapped)}, set to a new "
+            "nn.Parameter (module.weight = nn.Parameter(...)) on a model sharded by "
+            "tierlift.zero.shard: the model computes with its units' gathered weights, so the "
+            "new parameter would be ignored and the sharded weight trained on. Put the new "
+            "values into the sharded weight instead: copy them inside `with "
+            "tierlift.zero.gathered(model, modifier_rank=0):` (stage 3 too), or load them "
+            "with tierlift.zero.load_full_state_dict; nothing was changed")
     if names:
         _refuse_unpacked(optimizer, when, names)
     return watch
