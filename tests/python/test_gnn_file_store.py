@@ -6,6 +6,7 @@ copy-on-write pages) pickles by value; a file replaced since pickling is refused
 
 from __future__ import annotations
 
+import copy
 import os
 import pickle
 from multiprocessing.reduction import ForkingPickler
@@ -127,3 +128,20 @@ def test_a_file_replaced_or_gone_since_pickling_is_refused(tmp_path):
     os.unlink(tmp_path / "x.npy")
     with pytest.raises(FileNotFoundError, match="must be reachable where it is unpickled"):
         pickle.loads(data)
+
+
+def test_deepcopy_maps_the_file_again(tmp_path):
+    # Was: the whole table read into memory (a table larger than RAM: an OOM).
+    a = table_file(tmp_path)
+    want = torch.from_numpy(a)[INDEX]
+    for store in stores_of(tmp_path):
+        twin = copy.deepcopy(store)
+        assert twin._table.data_ptr() != store._table.data_ptr()
+        assert mapped_file(twin._table) == mapped_file(store._table)
+        assert torch.equal(twin.gather(INDEX), want)
+        twin._table[5] = -1.0  # copy-on-write: the original and its file keep their rows
+        assert torch.equal(store.gather(INDEX), want)
+    features = torch.from_numpy(np.load(tmp_path / "x.npy", mmap_mode="c"))
+    store = FeatureStore(features, device="cpu")
+    both = copy.deepcopy({"x": features, "store": store})  # copied with its features, as before
+    assert both["store"]._table is both["x"]

@@ -432,10 +432,11 @@ class FeatureStore:
     def __deepcopy__(self, memo):
         """An independent store with the same rows, as deepcopy of a model or a PyG Data that
         holds it expects: the table copied (with the features when they are in the same
-        deepcopy, as for any tensor), a CUDA store's copy pinned as pin= says, its GPU cache and
-        access counts copied as they are. A store that would refuse to gather (its features
-        edited in place since it was built, in a forked child) is refused before anything is
-        copied. Closed, or carrying no rows (pickled into this process): copied as it is."""
+        deepcopy, as for any tensor; a CPU store's file mapped again, as pickling does), a CUDA
+        store's copy pinned as pin= says, its GPU cache and access counts copied as they are.
+        A store that would refuse to gather (its features edited in place since it was built, in
+        a forked child) is refused before anything is copied. Closed, or carrying no rows
+        (pickled into this process): copied as it is."""
         if self._closed or self._pickled_cuda:
             new = object.__new__(type(self))
             memo[id(self)] = new
@@ -454,7 +455,11 @@ class FeatureStore:
         new._pid = os.getpid()
         new._registration = new._bad = new._bad_host = None
         table = memo.get(id(self._table))  # the features, copied already with their holder
-        if table is None:
+        region = None if table is not None or cuda else file_region(self._table)
+        if region is not None:  # its file mapped again, not read whole into memory
+            table = region.open(self.dtype, self.shape)
+            memo[id(self._table)] = table
+        elif table is None:
             if cuda and self._table.is_pinned():  # a pinned copy, not a second one to pin it
                 table = torch.empty_like(self._table, pin_memory=True).copy_(self._table)
                 memo[id(self._table)] = table
