@@ -66,6 +66,10 @@ class Comm:
         self.rank = dist.get_rank(process_group) if self.initialized else 0
         self.world = dist.get_world_size(process_group) if self.initialized else 1
         self.on_error = None  # callable(exc) -> exception to raise instead; set by heartbeat
+        # callable(comm) run before each collective is issued (heartbeat.py's agreement with the
+        # ranks' own c10d calls), and how many have been issued: compared over the ranks
+        self.before_issue = None
+        self.issued = 0
         self.all_gather_bytes = 0  # bytes received by all-gathers (own piece included)
         # The node of each rank of the group (None: all on one node).
         self.nodes = list(nodes) if nodes is not None else [0] * self.world
@@ -86,6 +90,9 @@ class Comm:
         self.sent["inter_node"] += per_peer * self.peers_inter
 
     def _run(self, fn, *args, **kwargs):
+        if self.before_issue is not None:
+            self.before_issue(self)  # may refuse: then nothing was sent
+        self.issued += 1
         OWN.issuing = True
         try:
             return unchecked(fn)(*args, group=self.group, **kwargs)

@@ -34,10 +34,21 @@ slice instead of the model:
 - module.requires_grad_() after shard() on a module inside a unit (a block's LayerNorm, the
   final norm in the root unit) would change nothing (its .parameters() yields no shard) and the
   weights would go on training: refused, as any change of requires_grad after shard() is.
+- Hugging Face model.generate() at stage 3 over several ranks: every forward gathers the
+  weights (a collective), so a rank whose sequences finish first and leaves the loop would
+  leave the others waiting in their next forward's gathers until the process group's timeout.
+  transformers keeps every rank forwarding until all are done with synced_gpus=True, which it
+  turns on by itself only for DeepSpeed ZeRO-3 and FSDP: GenerationMixin.generate (wrapped
+  once transformers is imported, at the next shard()) turns it on for a stage-3 sharded model,
+  also over an explicit False (Seq2SeqTrainer's), as tierlift.hf.install's generate does. The
+  tokens are the same; a model whose own generate() does not call GenerationMixin's is not
+  covered.
 """
 
 from __future__ import annotations
 
+import inspect
+import sys
 import weakref
 
 import torch
@@ -46,7 +57,7 @@ from tierlift._shards import combined_norm, grad_owners, shard_owner, split_by_o
 from tierlift._text import first_names
 from tierlift._torch_patch import wrap_method
 from tierlift.offload.overlap import group_settings, same_hyper
-from tierlift.zero import collectives, members, optim_record, replaced, unused
+from tierlift.zero import collectives, heartbeat, members, optim_record, replaced, unused
 
 _NORM_PARAMS = ["tensors", "norm_type", "error_if_nonfinite", "foreach"]
 _GROUP_PARAMS = ["tensorlistlist", "with_indices"]
@@ -378,8 +389,33 @@ def _module_requires_grad(original):
     return requires_grad_
 
 
+def _gathers_over_ranks(model) -> bool:
+    """Whether `model` holds a stage-3 sharded model over several ranks (its forwards gather)."""
+    return isinstance(model, torch.nn.Module) and any(
+        st.config.stage == 3 and st.world_comm.world > 1 for st in members.states_in(model))
+
+
+def _synced_generate(original):
+    sig = inspect.signature(original)
+
+    def generate(self, *args, **kwargs):
+        if members.STATES.data and _gathers_over_ranks(self):
+            if "synced_gpus" in sig.parameters:
+                bound = sig.bind_partial(self, *args, **kwargs)
+                bound.arguments["synced_gpus"] = True
+                args, kwargs = bound.args[1:], bound.kwargs
+            else:
+                kwargs["synced_gpus"] = True
+        return original(self, *args, **kwargs)
+
+    return generate
+
+
 def install() -> None:
     """Idempotent (tierlift/_torch_patch.py)."""
+    generation = sys.modules.get("transformers.generation.utils")  # never imported here
+    if generation is not None and hasattr(generation, "GenerationMixin"):
+        wrap_method(generation.GenerationMixin, "generate", None, _synced_generate)
     wrap_method(torch.nn.utils.clip_grad, "_get_total_norm", _NORM_PARAMS, _global_norm)
     wrap_method(torch.nn.utils, "get_total_norm", _NORM_PARAMS, _global_norm)
     wrap_method(torch.nn.utils.clip_grad, "_group_tensors_by_device_and_dtype", _GROUP_PARAMS,
@@ -391,3 +427,4 @@ def install() -> None:
     wrap_method(torch.nn.Module, "requires_grad_", ["self", "requires_grad"],
                 _module_requires_grad)
     collectives.install()  # c10d calls on shards or their gradients refused
+    heartbeat.install_user_calls()  # the ranks' own calls agreed on at stage 3
