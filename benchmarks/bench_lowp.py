@@ -84,18 +84,36 @@ def bench_cpu(args) -> list[dict]:
 FP4_RULES = ("floor", "rceil", "nv")  # MXFP4 (E8M0 scale per 32) and NVFP4 (E4M3 per 16)
 
 
+def output_bytes(out) -> int:
+    """Bytes of every tensor a quantizer returned: its codes (one layout or both), its scales
+    and a global scale. Anything else is refused, not counted as 0 (a GB/s too low, silently)."""
+    if isinstance(out, torch.Tensor):
+        return out.numel() * out.element_size()
+    if isinstance(out, (tuple, list)):
+        return sum(output_bytes(o) for o in out)
+    if out is None:
+        return 0
+    raise TypeError(f"cannot count the bytes of a quantizer output of type {type(out).__name__}")
+
+
 def bench_gpu_quantize(args, rows: list, save, device: str = "cuda", n: int = 8192) -> list[dict]:
     """Each quantizer's GB/s against the copy bandwidth, a row each, saved as it comes (device
-    and n: a test runs this on the CPU)."""
+    and n: a test runs this on the CPU). Bytes moved: the bf16 input read once plus every byte
+    it returned (codes, scales, global scale), counted from its output; the copy's read and
+    write counted alike. A second read of the input (an amax pass) is not counted: the
+    quantizers that need one have lower targets."""
     x = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     t_copy = timeit(lambda: x.clone(), device, args.repeat)
-    copy_gbs = 2 * x.numel() * 2 / t_copy / 1e9
+    copy_gbs = 2 * x.numel() * x.element_size() / t_copy / 1e9
+    read = x.numel() * x.element_size()
 
-    def measure(scaling: str, dual: bool, fn, moved: float) -> None:
+    def measure(scaling: str, dual: bool, fn) -> None:
         row = dict(scaling=scaling, dual=dual)
         try:
+            moved = read + output_bytes(fn())  # this call is also the warm-up
             gbs = moved / timeit(fn, device, args.repeat) / 1e9
-            row.update(gbs=gbs, copy_gbs=copy_gbs, of_copy=gbs / copy_gbs)
+            row.update(bytes_per_elem=moved / x.numel(), gbs=gbs, copy_gbs=copy_gbs,
+                       of_copy=gbs / copy_gbs)
         except Exception as exc:  # noqa: BLE001 (this quantizer's result; the others go on)
             row["error"] = failure(f"quantize {scaling}{' dual' if dual else ''}", exc)
         rows.append(row)
@@ -104,17 +122,14 @@ def bench_gpu_quantize(args, rows: list, save, device: str = "cuda", n: int = 81
     for scaling in (*SCALINGS, "col"):
         for dual in (False, True):
             op = ops.fp8_quantize_dual if dual else ops.fp8_quantize
-            # bf16 in, 1 or 2 fp8 copies out
-            measure(scaling, dual, lambda: op(x, scaling),  # noqa: B023
-                    x.numel() * (2 + (2 if dual else 1)))
+            measure(scaling, dual, lambda: op(x, scaling))  # noqa: B023
     for rule in FP4_RULES:
-        # bf16 in, two E2M1 codes per byte out, one scale byte per 32 (MX) or 16 (NV) values
-        measure(f"fp4-{rule}", False, lambda: ops.fp4_quantize(x, rule),  # noqa: B023
-                x.numel() * (2 + 0.5 + (1 / 16 if rule == "nv" else 1 / 32)))
+        measure(f"fp4-{rule}", False, lambda: ops.fp4_quantize(x, rule))  # noqa: B023
     print(f"D2D copy: {copy_gbs:.0f} GB/s  ({n}x{n} bf16)")
-    print(f"{'scaling':>8} {'dual':>5} {'GB/s':>8} {'of copy':>8}")
+    print(f"{'scaling':>8} {'dual':>5} {'B/elem':>8} {'GB/s':>8} {'of copy':>8}")
     for r in rows:
-        cells = (f"{r['gbs']:8.0f} {r['of_copy']:8.0%}" if "error" not in r
+        cells = (f"{r['bytes_per_elem']:8.4g} {r['gbs']:8.0f} {r['of_copy']:8.0%}"
+                 if "error" not in r
                  else f"  failed: {r['error'].splitlines()[0]}")
         print(f"{r['scaling']:>8} {str(r['dual']):>5} {cells}")
     return rows

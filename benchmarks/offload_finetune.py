@@ -34,8 +34,9 @@ that both hold within 85% of each memory is measured (or --model, checked the sa
 case in its own process (pinned memory of one must not count against the other). Every row
 reports tokens per step (--batch-size x --seq-len), tokens/s, TFLOPS and peak GPU, pinned and
 host memory (peak_host_bytes: the case's peak RSS plus its worker processes'). FLOPs per
-token: 6 N + 12 L d T (matmuls forward and backward plus attention scores; the causal mask is
-not discounted). --max-grad-norm applies to every contender alike (0: none):
+token: 6 N + 12 L d T, N the parameters a matmul multiplies (the input embedding and the norms
+left out: a lookup and elementwise scales), plus the attention scores and their weighted sum (the
+causal mask is not discounted). --max-grad-norm applies to every contender alike (0: none):
 tierlift's overlap keeps its chunks only while the norm stays under it (docs/offload-overlap.md),
 so the tierlift rows report the gradient norm and the chunks kept and redone. With --tier nvme
 and --disk-json (the file benchmarks/bench_io.py --out wrote), the step is set against the disk's
@@ -111,8 +112,18 @@ def build_model(name: str, seq_len: int, device: torch.device, dtype=None) -> Ll
     return model
 
 
+def matmul_params(cfg: LlamaConfig, n: int) -> int:
+    """Of the model's n parameters, those a matmul multiplies: the input embedding is a lookup
+    (its backward a scatter-add) and the RMSNorm weights an elementwise scale, so neither does
+    the 6 FLOPs per parameter and token (at 1.1B the embedding alone was 5.6% of the TFLOPS)."""
+    return n - cfg.vocab_size * cfg.dim - (2 * cfg.n_layer + 1) * cfg.dim
+
+
 def flops_per_step(cfg: LlamaConfig, n: int, batch: int, seq: int) -> float:
-    return (6 * n + 12 * cfg.n_layer * cfg.dim * seq) * batch * seq
+    """Matmul FLOPs of one forward + backward: 6 per matmul parameter and token, plus the
+    attention scores and their weighted sum, 12 L d T per token (the causal mask not
+    discounted)."""
+    return (6 * matmul_params(cfg, n) + 12 * cfg.n_layer * cfg.dim * seq) * batch * seq
 
 
 def _time_steps(step_fn, steps: int, warmup: int, device, each: list | None = None) -> float:

@@ -1,0 +1,98 @@
+"""The arithmetic behind the GPU run's numbers, pinned on the CPU: the fine-tune's FLOPs per step
+against torch's own FLOP counter over the model the benchmark builds, and the bytes each quantize
+kernel is credited with against what it returns (bf16 in once, codes and every scale out)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import tierlift
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "examples")]
+import bench_lowp  # noqa: E402
+import finetune_sizing as fs  # noqa: E402
+import offload_finetune as of  # noqa: E402
+
+del sys.path[:2]
+
+needs_ext = pytest.mark.skipif(not tierlift._extension.available(),
+                               reason="compiled extension not loaded")
+
+
+@pytest.mark.parametrize("seq", [32, 64])
+def test_finetune_flops_are_the_models_matmuls(seq):
+    """torch's FlopCounterMode over one forward + backward of the tiny Llama: its matmuls are
+    exactly 6 x the matmul parameters x tokens (the input embedding, a lookup, does none), and
+    its attention forward exactly a third of the formula's 12 L d T per token."""
+    cfg, batch = fs.config("tiny", seq), 2
+    model = of.build_model("tiny", seq, torch.device("cpu"))
+    n = sum(p.numel() for p in model.parameters())
+    x = torch.randint(cfg.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
+    with FlopCounterMode(display=False) as counter:
+        model(x[:, :-1], x[:, 1:]).backward()
+    counts = {str(k): v for k, v in counter.get_flop_counts()["Global"].items()}
+    tokens = batch * seq
+    attention = 12 * cfg.n_layer * cfg.dim * seq * tokens
+    assert of.flops_per_step(cfg, n, batch, seq) == counts["aten.mm"] + attention
+    attention_fwd = sum(v for k, v in counts.items() if "attention" in k and "backward" not in k)
+    assert 3 * attention_fwd == attention
+
+
+def test_finetune_flops_at_the_gpu_runs_sizes():
+    """By hand for the 1.1B and 7B rows: 6 x (params - vocab x dim - the norms) + 12 L d T per
+    token; counting the embedding table had put 5.6% (1.1B) and 1.8% (7B) on every TFLOPS."""
+    for name, batch, params, embedding in (("1b", 8, 1_104_218_112, 32000 * 2048),
+                                           ("7b", 4, 6_738_415_616, 32000 * 4096)):
+        cfg = fs.config(name, 2048)
+        assert cfg.num_params() == params
+        norms = (2 * cfg.n_layer + 1) * cfg.dim
+        want = (6 * (params - embedding - norms) + 12 * cfg.n_layer * cfg.dim * 2048) * batch * 2048
+        assert of.flops_per_step(cfg, params, batch, 2048) == want
+    assert of.flops_per_step(fs.config("1b", 2048), 1_104_218_112, 8, 2048) / 1e12 == \
+        pytest.approx(115.3, abs=0.05)
+
+
+# bytes per element of an n x n bf16 input (n = 256 here): 2 read, 1 per FP8 layout written, 4
+# per fp32 scale: per tensor, per row (n), per 1x128 block, per 128x128 tile, per column (n);
+# dual: both layouts, each with its scales. FP4: half a byte of codes, one scale byte per 32
+# (MX) or 16 (NV) values, 4 for the global scale.
+N = 256
+FP8_SCALES_PER_ELEM = {"tensor": 1 / N**2, "row": 1 / N, "1x128": 1 / 128,
+                       "128x128": 1 / 128**2, "col": 1 / N}
+
+
+def expected_bytes_per_elem(scaling: str, dual: bool) -> float:
+    if scaling.startswith("fp4-"):
+        return 2 + 0.5 + (1 / 16 if scaling == "fp4-nv" else 1 / 32) + 4 / N**2
+    return 2 + (2 if dual else 1) * (1 + 4 * FP8_SCALES_PER_ELEM[scaling])
+
+
+@needs_ext
+def test_quantize_bytes_count_codes_and_every_scale(monkeypatch):
+    """The GB/s of each quantizer divides these bytes; the 1x128 scales (3% of a layout's
+    bytes) used to be left out, which put 1.0% (1.6% dual) too few bytes in its GB/s."""
+    rows = []
+    bench_lowp.bench_gpu_quantize(SimpleNamespace(repeat=1), rows, lambda: None, device="cpu",
+                                  n=N)
+    got = {(r["scaling"], r["dual"]): r["bytes_per_elem"] for r in rows}
+    assert len(got) == 2 * 5 + 3
+    for (scaling, dual), per in got.items():
+        assert per == pytest.approx(expected_bytes_per_elem(scaling, dual), rel=1e-12), \
+            (scaling, dual)
+    assert got[("1x128", False)] == 3.03125 and got[("1x128", True)] == 4.0625
+    for r in rows:  # GB/s are those bytes over the time, the copy's read + write alike
+        assert r["of_copy"] == pytest.approx(r["gbs"] / r["copy_gbs"])
+
+
+def test_quantize_bytes_refuse_an_output_they_cannot_count():
+    with pytest.raises(TypeError, match="cannot count the bytes"):
+        bench_lowp.output_bytes((torch.empty(4), {"scale": torch.empty(1)}))
+    assert bench_lowp.output_bytes((torch.empty(4), None, [torch.empty(2, dtype=torch.uint8)])) \
+        == 18
