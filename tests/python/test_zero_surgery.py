@@ -23,6 +23,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+)
 from torch.utils.checkpoint import checkpoint
 from zero_model import raised, spawn_ranks
 
@@ -30,7 +34,6 @@ import tierlift
 
 STEPS, BATCH = 3, 8
 OPT = dict(lr=1e-2, weight_decay=0.1)
-UNITS = ["emb", "blocks.0", "blocks.1", "head"]
 
 
 class Block(nn.Module):
@@ -74,8 +77,16 @@ def _make() -> Net:
     return Net()
 
 
-def _shard(stage: int) -> Net:
-    return tierlift.zero.shard(_make(), stage=stage, units=UNITS)
+def _wrapped() -> Net:
+    """Blocks wrapped by torch's checkpoint_wrapper (apply_activation_checkpointing)."""
+    model = _make()
+    apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper,
+                                   check_fn=lambda m: isinstance(m, Block))
+    return model
+
+
+def _shard(stage: int, make=_make) -> Net:
+    return tierlift.zero.shard(make(), stage=stage)
 
 
 def _data():
@@ -125,10 +136,12 @@ def _cases(rank: int, world: int, tmp: str) -> dict:
     exact = {f"checkpoint_after_step/{k}": dict(between=_checkpointing(r))
              for k, r in (("reentrant", True), ("non_reentrant", False))}
     exact["frozen_added"] = dict(edit=_add_frozen)
+    exact["checkpoint_wrapper"] = {}
     for name, kw in exact.items():
-        ref = _train(_make(), **kw).state_dict()
+        make = _wrapped if name == "checkpoint_wrapper" else _make
+        ref = _train(make(), **kw).state_dict()
         for stage in (1, 2, 3):
-            model = _train(_shard(stage), world, rank, **kw)
+            model = _train(_shard(stage, make), world, rank, **kw)
             out[f"{name}/s{stage}"] = _max_abs(tierlift.zero.full_state_dict(model), ref)
     # A buffer registered after shard(), different on each rank: rank 0's wins.
     ref = _train(_make(), edit=lambda m: m.register_buffer("bscale", torch.full((8,), 0.7)))
@@ -161,8 +174,8 @@ def ranks(tmp_path_factory):
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("case", ["checkpoint_after_step/reentrant",
-                                  "checkpoint_after_step/non_reentrant", "frozen_added",
-                                  "buffer_added"])
+                                  "checkpoint_after_step/non_reentrant", "checkpoint_wrapper",
+                                  "frozen_added", "buffer_added"])
 def test_surgery_that_trains_exactly(ranks, case, stage):
     for out in ranks:
         assert out[f"{case}/s{stage}"] < 1e-6, out[f"{case}/s{stage}"]
@@ -243,3 +256,20 @@ def test_unfrozen_after_optimizer_built_refused_at_step(stage):
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     model.extra.requires_grad_(False)  # frozen again: steps as before
     opt.step()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_checkpoint_wrapped_full_state_dict_has_the_models_names(stage):
+    """torch's checkpoint_wrapper drops `_checkpoint_wrapped_module.` from its state_dict's
+    names; full_state_dict kept it, so neither the plain model nor the wrapped one loaded it
+    (missing keys) and load_full_state_dict refused their state dicts (KeyError)."""
+    model = _shard(stage, _wrapped)
+    want = _wrapped().state_dict()
+    got = tierlift.zero.full_state_dict(model)
+    assert list(got) == list(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    _make().load_state_dict(got)
+    edited = {k: v * 0.5 for k, v in _make().state_dict().items()}
+    tierlift.zero.load_full_state_dict(model, edited)
+    got = tierlift.zero.full_state_dict(model)
+    assert list(got) == list(want) and all(torch.equal(got[k], edited[k]) for k in want)

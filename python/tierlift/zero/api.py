@@ -450,7 +450,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     state.buffers.sync(model)
     flat = {}
     for unit in state.units:
-        flat.update(unit.split(unit.gather_fp32()))
+        flat.update((public_name(k), v) for k, v in unit.split(unit.gather_fp32()).items())
     out = {}
     for key, value in model.state_dict().items():
         if key.endswith(_SHARD_NAME):
@@ -464,6 +464,29 @@ def state_key_order(state: ZeroState, key: str):
     return state.key_order.get(key, len(state.key_order))
 
 
+# torch.distributed's checkpoint_wrapper (apply_activation_checkpointing) drops this from the
+# names its state_dict gives, as FSDP's clean_tensor_name does; the parameters' own names,
+# recorded at shard(), keep it.
+_WRAPPER_PREFIX = "_checkpoint_wrapped_module."
+
+
+def public_name(name: str) -> str:
+    """A parameter name as the model's state_dict() gives it."""
+    return name.replace(_WRAPPER_PREFIX, "")
+
+
+def _by_own_names(state: ZeroState, state_dict: dict) -> dict:
+    """`state_dict` with each sharded parameter given under its public name (full_state_dict's
+    of a checkpoint-wrapped model, a plain model's) added under its own names too."""
+    out = dict(state_dict)
+    for unit in state.units:
+        for e in unit.entries:
+            for name in e.names:
+                if name not in out and public_name(name) in state_dict:
+                    out[name] = state_dict[public_name(name)]
+    return out
+
+
 def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
     """Load an unsharded state dict (as full_state_dict returns) into a sharded model. Tied
     names given together load as torch loads them: the last in model order wins (the same rule
@@ -471,18 +494,22 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) 
     state = _state(model)
     state.named_call("tierlift.zero.load_full_state_dict")
     # Check everything before changing anything: a bad state dict leaves the model as it was.
+    given = state_dict
+    state_dict = _by_own_names(state, state_dict)
     sharded = set()
     for unit in state.units:
         for e in unit.entries:
             key = source_key(e.names, state_dict)
             if key is None:
-                raise KeyError(f"state_dict has no entry for parameter {e.names[0]!r}")
+                raise KeyError("state_dict has no entry for parameter "
+                               f"{public_name(e.names[0])!r}")
             t = state_dict[key]
             if tuple(t.shape) != tuple(e.shape):
                 raise ValueError(f"state_dict[{key!r}] has shape {tuple(t.shape)}, the "
                                  f"model expects {tuple(e.shape)}")
             sharded.update(e.names)
-    rest = {k: v for k, v in state_dict.items() if k not in sharded}
+            sharded.update(public_name(n) for n in e.names)
+    rest = {k: v for k, v in given.items() if k not in sharded}
     own = {k: v for k, v in model.state_dict().items() if not k.endswith(_SHARD_NAME)}
     for key, value in rest.items():
         if key not in own:
