@@ -22,7 +22,9 @@ printed for context. Ratios are what count on a shared machine; each time is the
 --repeats steps, the better of two rounds run in opposite contender orders.
 On a GPU: the fused CUDA step vs torch's fused CUDA AdamW at --cuda-sizes (fp32 and bf16 params;
 bf16 also vs torch-fused-mixed, torch's AdamW on fp32 masters copied into bf16 weights, which
-does the same work as ours: cuda_contender).
+does the same work as ours: cuda_contender), each contender's GB/s beside its time (its bytes
+per parameter, CUDA_BYTES_PER_PARAM, over its step); "params" is the number timed, 3/4 of each
+size asked for (48 tensors of n/64 and 16 of 1024).
 --tiny N,..: the host-side cost of one step, not its arithmetic: N parameters of 256 elements,
 fp32 and bf16 (bf16: ours keeps fp32 masters; torch steps fp32 masters and copies them into the
 bf16 weights with one _foreach_copy_), median step time per parameter, contenders interleaved.
@@ -56,6 +58,10 @@ from common import (  # noqa: E402
 from plots import plot_json, plot_optim  # noqa: E402
 
 BYTES_PER_PARAM = {"fp32": 28, "mixed": 28}  # loads + stores of one step, for the GB/s column
+# the same for each CUDA contender and parameter dtype (cuda_contender says which bytes)
+CUDA_BYTES_PER_PARAM = {("tierlift", "float32"): 28, ("tierlift", "bfloat16"): 30,
+                        ("torch-fused", "float32"): 28, ("torch-fused", "bfloat16"): 14,
+                        ("torch-fused-mixed", "bfloat16"): 34}
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
 
@@ -182,9 +188,11 @@ def cuda_rows(sizes, repeats: int, rows: list, save, device: str = "cuda") -> li
                 gc.collect()
                 if device == "cuda":
                     torch.cuda.empty_cache()
-            numel = sum(s[0] for s in shapes)
-            row = {"case": f"{device}-{str(dtype)[6:]}", "params": f"{numel:.0e}", "numel": numel,
+            numel = sum(s[0] for s in shapes)  # 3 digits: with one, 7.5e8 read as 8e8
+            row = {"case": f"{device}-{str(dtype)[6:]}", "params": f"{numel:.3g}", "numel": numel,
                    "step_ms": {name: t * 1e3 for name, t in times.items()}}  # medians
+            row.update({f"{name} GB/s": CUDA_BYTES_PER_PARAM[name, str(dtype)[6:]] * numel / t / 1e9
+                        for name, t in times.items()})
             if "tierlift" in times:
                 row["tierlift Mparam/s"] = numel / times["tierlift"] / 1e6
                 for name in names[1:]:

@@ -17,6 +17,7 @@ import tierlift
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "examples")]
 import bench_lowp  # noqa: E402
+import bench_optim  # noqa: E402
 import finetune_sizing as fs  # noqa: E402
 import offload_finetune as of  # noqa: E402
 
@@ -96,3 +97,43 @@ def test_quantize_bytes_refuse_an_output_they_cannot_count():
         bench_lowp.output_bytes((torch.empty(4), {"scale": torch.empty(1)}))
     assert bench_lowp.output_bytes((torch.empty(4), None, [torch.empty(2, dtype=torch.uint8)])) \
         == 18
+
+
+def adamw_bytes_per_param(step, numel: int) -> float:
+    """What one step of a bench_optim CUDA contender must read and write, from the tensors it
+    holds: each parameter, its gradient and its state (the step count aside) read, the
+    parameter and the state written; torch's mixed recipe also copies its fp32 masters into
+    the bf16 weights (read 4, write 2)."""
+    cells = [c.cell_contents for c in (step.__closure__ or ())]
+    opt = getattr(step, "__self__", None) or next(
+        c for c in cells if isinstance(c, torch.optim.Optimizer))
+    nbytes = lambda t: t.numel() * t.element_size()
+    total = 0
+    for group in opt.param_groups:
+        for p in group["params"]:
+            state = [t for k, t in opt.state[p].items() if k != "step"]
+            total += 2 * nbytes(p) + nbytes(p.grad) + 2 * sum(nbytes(t) for t in state)
+    copied = next((c for c in cells if isinstance(c, list) and c and c[0].dtype != torch.float32),
+                  [])
+    total += sum(3 * nbytes(w) for w in copied)  # fp32 read (2x the bf16) + bf16 written
+    return total / numel
+
+
+def test_adamw_gpu_rows_bytes_and_gbs():
+    """bench_optim's CUDA rows (run on the CPU): each contender's GB/s is its bytes per
+    parameter, counted here from the tensors its step touches, times the parameters over its
+    median step; the params label is the parameters timed (3/4 of the size asked for), to 3
+    digits: one digit had 7.5e8 read as 8e8 in docs/gpu.md's TB/s (6.7% over)."""
+    shapes, numel = [(64,)] * 48 + [(1024,)] * 16, 48 * 64 + 16 * 1024
+    for (name, dtype), per in bench_optim.CUDA_BYTES_PER_PARAM.items():
+        step = bench_optim.cuda_contender(name, shapes, getattr(torch, dtype), "cpu")
+        step()  # the state exists after a step
+        assert adamw_bytes_per_param(step, numel) == per, (name, dtype)
+    rows = []
+    bench_optim.cuda_rows([64 * 64], 1, rows, lambda: None, device="cpu")
+    assert [r["params"] for r in rows] == ["1.95e+04"] * 2 and rows[0]["numel"] == numel
+    for r in rows:
+        dtype = r["case"].split("-")[1]
+        for name, ms in r["step_ms"].items():
+            want = bench_optim.CUDA_BYTES_PER_PARAM[name, dtype] * numel / (ms / 1e3) / 1e9
+            assert r[f"{name} GB/s"] == pytest.approx(want, rel=1e-12)
