@@ -159,9 +159,17 @@ def _agree_on_call(group: str, k: int, group_ranks, op: str, async_op: bool) -> 
     try:
         entered = [(h, e) for hbs in list(_GATHERING.values()) for h in list(hbs)
                    if (e := h.enter_call(store, group, k, group_ranks, op)) is not None]
-        pause, deadline = 0.001, time.monotonic() + (0.0 if async_op else _AGREE_S)
+        # A call right after another agreed one, with no collective of the model between
+        # (metrics all-reduced one by one) reads once: a rank that goes on to a forward
+        # instead still sees it and refuses
+        wait = not async_op and any(h.agreed.get(group) != e[4] for h, e in entered)
+        pause, deadline = 0.0001, time.monotonic() + (_AGREE_S if wait else 0.0)
         while entered:
-            entered = [(h, e) for h, e in entered if h.check_call(store, e)]
+            left = [(h, e) for h, e in entered if h.check_call(store, e)]
+            for h, e in entered:
+                if all(h is not o for o, _ in left):
+                    h.agreed[group] = e[4]  # every rank entered it after the same counts
+            entered = left
             if not entered or time.monotonic() > deadline:
                 return
             time.sleep(pause)
@@ -236,6 +244,7 @@ class Heartbeat:
         self.user_records: dict[str, tuple[int, int, int, str, list[int]]] = {}
         self.precheck_due = False
         self.refused_for: set[tuple] = set()  # (rank, group, attempt) refused here once
+        self.agreed: dict[str, list[int]] = {}  # group -> counts at its last agreed call
         store = self.store
         if store is not None:
             # Keys of their own per sharded model, under its ranks (every rank of the model;
