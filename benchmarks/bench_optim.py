@@ -191,13 +191,13 @@ def cuda_rows(sizes, repeats: int, rows: list, save, device: str = "cuda") -> li
             numel = sum(s[0] for s in shapes)  # 3 digits: with one, 7.5e8 read as 8e8
             row = {"case": f"{device}-{str(dtype)[6:]}", "params": f"{numel:.3g}", "numel": numel,
                    "step_ms": {name: t * 1e3 for name, t in times.items()}}  # medians
-            row.update({f"{name} GB/s": CUDA_BYTES_PER_PARAM[name, str(dtype)[6:]] * numel / t / 1e9
-                        for name, t in times.items()})
             if "tierlift" in times:
                 row["tierlift Mparam/s"] = numel / times["tierlift"] / 1e6
                 for name in names[1:]:
                     if name in times:
                         row[f"vs {name}"] = times[name] / times["tierlift"]
+            row.update({f"{name} GB/s": CUDA_BYTES_PER_PARAM[name, str(dtype)[6:]] * numel / t / 1e9
+                        for name, t in times.items()})
             row.update({f"{name} error": message for name, message in errors.items()})
             rows.append(row)
             print(f"  {device} {str(dtype)[6:]} n={numel:.0e}: "
