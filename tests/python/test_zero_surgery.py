@@ -8,7 +8,11 @@ one process training the plain model with torch.optim.AdamW over the whole batch
   step after unfreezing, before anything changes (one process: the refusal is the same on any
   number of ranks). A frozen parameter added after shard() that stays frozen trains exactly.
 - activation checkpointing (torch.utils.checkpoint, reentrant or not) switched on after the
-  first step, as gradient_checkpointing_enable() mid-run does: exact.
+  first step, as gradient_checkpointing_enable() mid-run does: exact. Blocks wrapped by torch's
+  checkpoint_wrapper before shard() train exactly, and full_state_dict gives the names the
+  model's state_dict gives (the wrapper drops `_checkpoint_wrapped_module.`; full_state_dict
+  kept it, so neither the plain nor the wrapped model loaded it). Wrapping after shard() swaps
+  the blocks, which is refused (test_zero_guards).
 - a buffer registered after shard() with different values per rank: rank 0's is broadcast
   before the next forward, as DDP does; exact against one process using rank 0's.
 - an init function (model.apply, as post_init / _init_weights) at stage 3 reads and writes freed
