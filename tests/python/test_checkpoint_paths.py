@@ -452,3 +452,66 @@ def test_a_full_drive_through_link_dotdot_says_the_free_space_of_its_own_drive(t
             outputs.write_new("link/../out.pt",
                               lambda where: (open(where, "wb").close(), drive_full()))
     assert asked and all(os.path.samefile(p, tmp_path / "real") for p in asked)
+
+
+def test_a_backup_renamed_after_a_save_was_killed_before_moving_run_aside_is_kept(
+        tmp_path, monkeypatch):
+    """A save killed between marking run and renaming it aside left the mark in run, and a later
+    `mv run run.old` (a backup) read as the copy a save moves aside, which the next save of run
+    deleted."""
+    from tierlift.checkpoint import format as fmt
+
+    run = str(tmp_path / "run")
+    model, opt = _trained(13)
+    tierlift.checkpoint.save(run, model, opt)
+    weights = _copy(model.state_dict())
+    real_rename = os.rename
+
+    def killed(src, dst):
+        if src == run:
+            raise KeyboardInterrupt  # the process dies right before moving run aside
+        real_rename(src, dst)
+
+    _step(model, opt)
+    monkeypatch.setattr(fmt.os, "rename", killed)
+    with pytest.raises(KeyboardInterrupt):
+        tierlift.checkpoint.save(run, model, opt)
+    monkeypatch.undo()
+    marker = os.path.join(run, fmt.MOVED_ASIDE)
+    if os.path.exists(marker):  # the kill was a while ago
+        ago = os.stat(marker).st_mtime_ns - 2 * fmt.RENAMED_WITHIN_NS
+        os.utime(marker, ns=(ago, ago))
+    os.rename(run, run + ".old")  # then the user keeps run as a backup
+    before = _files(tmp_path / "run.old")
+    with pytest.raises(FileExistsError, match="renamed or copied there by hand"):
+        tierlift.checkpoint.save(run, model, opt)
+    assert _files(tmp_path / "run.old") == before
+    _same(tierlift.checkpoint.full_state_dict(run + ".old"), weights)
+
+
+def test_a_mark_that_cannot_be_written_puts_the_checkpoint_back(tmp_path, monkeypatch):
+    from tierlift.checkpoint import format as fmt
+
+    run = str(tmp_path / "run")
+    model, opt = _trained(14)
+    tierlift.checkpoint.save(run, model, opt)
+    weights, before = _copy(model.state_dict()), _files(tmp_path / "run")
+    real_write = fmt.write_json
+
+    def full(file, obj):
+        if file.endswith(fmt.MOVED_ASIDE):
+            with open(file, "w") as f:
+                f.write("{")  # part of it, then the drive is full
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), file)
+        real_write(file, obj)
+
+    _step(model, opt)
+    monkeypatch.setattr(fmt, "write_json", full)
+    with pytest.raises(OSError) as e:
+        tierlift.checkpoint.save(run, model, opt)
+    assert e.value.errno == errno.ENOSPC
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == ["run"] and _files(tmp_path / "run") == before
+    _same(tierlift.checkpoint.full_state_dict(run), weights)
+    tierlift.checkpoint.save(run, model, opt)
+    _same(tierlift.checkpoint.full_state_dict(run), model.state_dict())

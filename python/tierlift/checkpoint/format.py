@@ -40,6 +40,11 @@ SAVED_AS = "saved_as"  # in metadata.json: the folder name a save published the 
 # Written into `path` right before a save renames it to `path`.old: that name and the folder's
 # inode, which a rename keeps and a copy does not (moved_aside).
 MOVED_ASIDE = ".moved_aside.json"
+# How long after its marker a save's rename of `path` aside may come (the marker's flush to
+# the drive, then the rename): a whole folder renamed later than that was renamed by its user
+# (`mv run run.old` after a save was killed between marking run and renaming it), and a save
+# of run must not delete it as its own moved-aside copy.
+RENAMED_WITHIN_NS = 60 * 10**9
 
 
 def rank_file(rank: int) -> str:
@@ -125,12 +130,16 @@ def replace_dir(tmp: str, path: str) -> None:
 def move_aside(path: str, old: str) -> None:
     """Renames checkpoint folder `path` to `old`, marked first as a save's moved-aside copy
     (moved_aside): a folder its user renamed or copied to `old` is told from it."""
-    write_json(os.path.join(path, MOVED_ASIDE),
-               {"as": os.path.basename(old), "inode": os.stat(path).st_ino})
+    marker = os.path.join(path, MOVED_ASIDE)
+    try:
+        write_json(marker, {"as": os.path.basename(old), "inode": os.stat(path).st_ino})
+    except BaseException:
+        _quietly(os.unlink, marker)  # a full drive, say: `path` stays as it was
+        raise
     try:
         os.rename(path, old)
     except OSError as e:
-        _quietly(os.unlink, os.path.join(path, MOVED_ASIDE))  # `path` stays as it was
+        _quietly(os.unlink, marker)  # `path` stays as it was
         raise _not_renamable(e, path, old) from e
 
 
@@ -220,11 +229,19 @@ def moved_aside(old: str) -> bool:
     marker move_aside() wrote, naming `old` and its own inode. A checkpoint saved as `old`,
     or one its user renamed (`mv run run.old`) or copied (`cp -r run run.old`) there, is not.
     Checkpoints from before SAVED_AS count as moved aside, as they always did."""
+    marker = os.path.join(old, MOVED_ASIDE)
     try:
-        with open(os.path.join(old, MOVED_ASIDE)) as f:
+        with open(marker) as f:
             mark = json.load(f)
-        return (isinstance(mark, dict) and mark.get("as") == os.path.basename(old)
-                and mark.get("inode") == os.stat(old).st_ino)
+        st = os.stat(old)
+        if not (isinstance(mark, dict) and mark.get("as") == os.path.basename(old)
+                and mark.get("inode") == st.st_ino):
+            return False
+        # A rename sets the folder's ctime: one long after the marker is its user's
+        # (RENAMED_WITHIN_NS). A removal of the copy (remove_dir) sets it too, but then the
+        # folder is no longer whole.
+        return st.st_ctime_ns - os.stat(marker).st_mtime_ns <= RENAMED_WITHIN_NS or \
+            not _whole(old)
     except FileNotFoundError:
         pass
     except (OSError, ValueError):
@@ -235,6 +252,16 @@ def moved_aside(old: str) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(meta, dict) and SAVED_AS not in meta
+
+
+def _whole(folder: str) -> bool:
+    """Whether checkpoint `folder` still holds manifest.json and every file it lists."""
+    try:
+        with open(os.path.join(folder, manifest.MANIFEST)) as f:
+            files = json.load(f)["files"]
+        return all(os.path.isfile(os.path.join(folder, rel)) for rel in files)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def check_fits(own: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], *,
