@@ -4,6 +4,8 @@ kernel is credited with against what it returns (bf16 in once, codes and every s
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -137,3 +139,25 @@ def test_adamw_gpu_rows_bytes_and_gbs():
         for name, ms in r["step_ms"].items():
             want = bench_optim.CUDA_BYTES_PER_PARAM[name, dtype] * numel / (ms / 1e3) / 1e9
             assert r[f"{name} GB/s"] == pytest.approx(want, rel=1e-12)
+
+
+def test_finetune_row_tflops_divide_the_count_it_keeps(capsys):
+    """A case's row (run_case, here the no-offload recipe of the tiny model on the CPU): TFLOPS
+    and tokens/s are its count and tokens over its mean step, and the count is kept beside them
+    (gpu_report marks rows without it as the older count)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dir", default=None)
+    ap.add_argument("--plot", default=None)
+    of.add_finetune_args(ap)
+    args = ap.parse_args(["--finetune-case", "torch-gpu", "--info", json.dumps(
+        {"model": "tiny", "tier": "cpu"}), "--seq-len", "32", "--batch-size", "2", "--steps", "2",
+        "--warmup", "1", "--max-grad-norm", "0"])
+    of.run_case(args, "torch-gpu")
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("RESULT "))
+    row = json.loads(line[len("RESULT "):])
+    cfg = fs.config("tiny", 32)
+    assert row["params"] == cfg.num_params()
+    assert row["flops_per_step"] == of.flops_per_step(cfg, cfg.num_params(), 2, 32)
+    assert row["tflops"] == pytest.approx(row["flops_per_step"] / row["step_s"] / 1e12, rel=1e-12)
+    assert row["tokens_per_step"] == 64
+    assert row["tokens_per_s"] == pytest.approx(64 / row["step_s"], rel=1e-12)
