@@ -1,6 +1,8 @@
 """The arithmetic behind the GPU run's numbers, pinned on the CPU: the fine-tune's FLOPs per step
-against torch's own FLOP counter over the model the benchmark builds, and the bytes each quantize
-kernel is credited with against what it returns (bf16 in once, codes and every scale out)."""
+against torch's own FLOP counter over the model the benchmark builds, and its rows' TFLOPS and
+tokens/s; the bytes each quantize kernel is credited with against what it returns (bf16 in once,
+codes and every scale out); each AdamW GPU contender's bytes per parameter against the tensors
+its step touches, and its GB/s."""
 
 from __future__ import annotations
 
@@ -121,6 +123,7 @@ def adamw_bytes_per_param(step, numel: int) -> float:
     return total / numel
 
 
+@needs_ext
 def test_adamw_gpu_rows_bytes_and_gbs():
     """bench_optim's CUDA rows (run on the CPU): each contender's GB/s is its bytes per
     parameter, counted here from the tensors its step touches, times the parameters over its
