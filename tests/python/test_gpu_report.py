@@ -269,3 +269,14 @@ def test_command_line_prints_or_writes_the_same(out_dir, report, tmp_path):
 def test_a_target_the_benchmark_no_longer_defines_is_an_error():
     with pytest.raises(SystemExit, match="no longer defines NO_SUCH"):
         gpu_report.benchmark_constant("offload_finetune.py", "NO_SUCH")
+
+
+def test_a_linear_row_with_emulated_gemms_gets_no_verdict():
+    """Its GEMMs ran in the emulation (torch._scaled_mm refused them): not an FP8 speed, so
+    neither met nor not met."""
+    import gpu_report_kernels  # on sys.path once gpu_report is loaded
+    row_ = {"size": 256, "bf16_ms": 1.0, "fp8-tensorwise_speedup": 2.0,
+            "fp8-tensorwise_emulated_gemms": 3, "fp8-rowwise_speedup": 2.0}
+    text = "\n".join(gpu_report_kernels.linear_table([row_]))
+    assert row(text, "256", "1.00", "fp8-tensorwise")[5:7] == [">= 1.35x", ""]
+    assert row(text, "256", "1.00", "fp8-rowwise")[5:7] == [">= 1.2x", "met"]
