@@ -4,10 +4,10 @@ and 3 on 2 gloo ranks (one spawn), against the same script on one unsharded mode
 Refused before anything changes (the model then trains as the unsharded one does): a LoRA
 layer's own merge() / unmerge(), add_adapter, add_weighted_adapter, load_adapter (a new
 adapter, or into one the model has, which would load nothing), switches that would make a
-frozen adapter trainable or freeze the trained one in use, save_pretrained without the full
-weights (an empty adapter file), get_peft_model_state_dict / set_peft_model_state_dict on it
-(no adapter weight found or loaded), and on a model merged before shard() any switch that
-unmerges.
+frozen adapter trainable (also on leaving disable_adapter()) or freeze the trained one in use,
+save_pretrained without the full weights (an empty adapter file), get_peft_model_state_dict /
+set_peft_model_state_dict on it (no adapter weight found or loaded), and on a model merged
+before shard() any switch that unmerges.
 Exact: evaluating the other adapter with inference_mode=True, disable_adapter() around a
 reference forward while training, disable/enable_adapter_layers, and save_pretrained given
 tierlift.zero.full_state_dict(model)."""
@@ -162,6 +162,7 @@ def _stage(stage: int, rank: int, tmp: str, x) -> dict:
     out["saved_keys_same"] = sorted(written) == sorted(expect)
     out["saved_diff"] = max((written[k] - expect[k]).abs().max().item() for k in expect)
     out["merged"] = _merged_before_shard(stage, x)
+    out["frozen_active"] = _frozen_active(stage, x)
     return out
 
 
@@ -184,6 +185,29 @@ def _merged_before_shard(stage: int, x) -> dict:
               "set_adapter": raised(lambda: model.set_adapter("default"))}
     return {"errors": errors, "same": _snapshot(model) == before,
             "out_diff": (_out(model, x) - want).abs().max().item()}
+
+
+def _frozen_active(stage: int, x) -> dict:
+    """The active adapter frozen before shard() (another one trains): leaving disable_adapter()
+    or enable_adapter_layers() would set it trainable, so both are refused up front."""
+    model = _two_adapters()
+    model.set_requires_grad("default", False)
+    model.set_requires_grad("other", True)
+    want = _out(model, x)
+    model = tierlift.zero.shard(model, stage=stage)
+    model.base_model.disable_adapter_layers()  # freezes nothing in use: let through
+    disabled = _out(model, x)
+    before = _snapshot(model)
+
+    def reference_forward():
+        with model.disable_adapter():
+            model(input_ids=x)
+
+    errors = {"disable_adapter": raised(reference_forward),
+              "enable_adapter_layers": raised(model.base_model.enable_adapter_layers)}
+    return {"errors": errors, "same": _snapshot(model) == before,
+            "out_diff": (_out(model, x) - disabled).abs().max().item(),
+            "adapter_had_effect": (want - disabled).abs().max().item()}
 
 
 def _cases(rank, world, tmp):
@@ -252,4 +276,15 @@ def test_merged_model_refuses_switches(results, stage):
         assert error.startswith(f"RuntimeError: peft's {name} on a model sharded by "
                                 "tierlift.zero.shard"), (name, error)
     assert got["same"]
+    assert got["out_diff"] <= 1e-6
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_frozen_active_adapter_is_not_set_trainable(results, stage):
+    got = results[0][stage]["frozen_active"]
+    for name, error in got["errors"].items():
+        assert error.startswith(f"RuntimeError: peft's {name} on a model sharded by "
+                                "tierlift.zero.shard would make adapter 'default'"), error
+    assert got["same"]
+    assert got["adapter_had_effect"] > 1e-3
     assert got["out_diff"] <= 1e-6

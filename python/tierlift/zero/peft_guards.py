@@ -248,7 +248,11 @@ def _switching(name: str, plan, layer: bool = False):
             states = _states(self)
             if states:
                 layers = [self] if layer else _tuner_layers(self)
-                _check_switch(name, layers, states, lambda m: plan(m, args, kwargs))
+                shown = name  # the public call that runs the private one
+                if name == "_enable_adapter_layers":
+                    on = bool(_arg(args, kwargs, 0, "enabled", True))
+                    shown = "enable_adapter_layers" if on else "disable_adapter_layers"
+                _check_switch(shown, layers, states, lambda m: plan(m, args, kwargs))
             return original(self, *args, **kwargs)
         return call
     return wrap
