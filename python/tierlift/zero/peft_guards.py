@@ -158,6 +158,8 @@ def _arg(args, kwargs, i: int, name: str, default):
 
 
 def _names(value) -> list[str]:
+    if value is None:
+        return []  # peft raises its own error
     return [value] if isinstance(value, str) else list(value)
 
 
