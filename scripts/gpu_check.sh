@@ -463,7 +463,7 @@ fi
 # out-of-memory kill is its row's result); torch's recipe needs 18 B/param (121 GB): left out.
 # The NVMe tier does not hold 7B either (24 B/param > the 64 GiB disk).
 # GPU: batch 4 x 2048 = 8,192 tokens per step: 4 B/param (27 GB) + activations 61.7 GB by
-# activation_bytes() = 88.6 GB of 141. GPU compute ~3.6e14 FLOP a step (~0.9 s at 400 TFLOPS).
+# activation_bytes() = 88.6 GB of 141. GPU compute ~3.5e14 FLOP a step (~0.9 s at 400 TFLOPS).
 # Estimates (warmup 1 + 3 steps): tierlift ~80 s (pinning and zeroing 100 GiB ~40 s, steps ~3 s:
 # CPU Adam over 190 GB of state traffic, a third of it during backward); the kernels' GPU tests
 # (~30 s: bit for bit against their CPU references before their speed); then the kernel rows,
