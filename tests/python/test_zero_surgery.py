@@ -277,3 +277,13 @@ def test_checkpoint_wrapped_full_state_dict_has_the_models_names(stage):
     tierlift.zero.load_full_state_dict(model, edited)
     got = tierlift.zero.full_state_dict(model)
     assert list(got) == list(want) and all(torch.equal(got[k], edited[k]) for k in want)
+
+
+def test_checkpoint_wrapper_after_shard_is_refused_naming_the_ways_that_work():
+    model = _shard(2)
+    before = list(model.named_modules())
+    with pytest.raises(RuntimeError, match=r"cannot replace submodule .*before shard\(\) "
+                       r"\(apply_activation_checkpointing\).*gradient_checkpointing_enable"):
+        apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper,
+                                       check_fn=lambda m: isinstance(m, Block))
+    assert list(model.named_modules()) == before

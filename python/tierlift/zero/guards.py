@@ -47,6 +47,11 @@ _DDP_FIX = ("do not wrap it: tierlift.zero already averages the gradients across
             "Hugging Face use tierlift.hf.Trainer / tierlift.hf.Accelerator, which leave the "
             "model unwrapped")
 
+# A wrapper holding the old module (torch's checkpoint_wrapper) swaps the module as any swap does.
+_WRAP_FIX = ("; to checkpoint activations, wrap the blocks before shard() "
+             "(apply_activation_checkpointing) or switch checkpointing on with a flag "
+             "(model.gradient_checkpointing_enable()), which is exact after shard()")
+
 
 def install(model: nn.Module, state) -> None:
     """Called by shard() once the model is sharded: the guards for `model`."""
@@ -191,7 +196,8 @@ def _on_register(parent, name, child):
             f"cannot replace submodule {name!r} of a model sharded by tierlift.zero.shard: "
             "its weights are sharded, and the shards would keep pointing at the old module "
             "(resize_token_embeddings, adapters such as LoRA, or any module swap must happen "
-            "before tierlift.zero.shard(model))")
+            "before tierlift.zero.shard(model))"
+            + (_WRAP_FIX if child is not None and old in child.modules() else ""))
     if child is not None and any(p.requires_grad for p in child.parameters()):
         raise RuntimeError(
             f"cannot add submodule {name!r} with trainable parameters to a model sharded by "
