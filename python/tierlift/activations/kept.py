@@ -11,13 +11,12 @@ budget the previous one used, not what is left of it.
 from __future__ import annotations
 
 import threading
-import weakref
 
 import torch
 
 
-def storage_key(t: torch.Tensor) -> tuple[str, int]:
-    return str(t.device), t.untyped_storage().data_ptr()
+def storage_key(t: torch.Tensor) -> tuple[torch.device, int]:
+    return t.device, t.untyped_storage().data_ptr()  # not str(device): 0.3 us more per tensor
 
 
 class KeptBudget:
@@ -26,7 +25,7 @@ class KeptBudget:
         self.used = 0
         # storage key -> [bytes charged, saved tensors holding it]. A charged storage is alive
         # while it has holders, so its address cannot be reused by another storage meanwhile.
-        self._storages: dict[tuple[str, int], list[int]] = {}
+        self._storages: dict[tuple[torch.device, int], list[int]] = {}
         # Saved tensors are dropped from any thread, also by a collection inside charge().
         self._lock = threading.RLock()
 
@@ -44,17 +43,18 @@ class KeptBudget:
             self.used += cost
             return cost
 
-    def hold(self, t: torch.Tensor, holder) -> None:
-        """`holder` (what autograd keeps for `t`) holds `t`'s storage until it is dropped."""
+    def hold(self, t: torch.Tensor):
+        """Counts one more holder (what autograd keeps for `t`) of `t`'s storage, if it is
+        charged: returns the key to drop() when that holder goes, or None."""
         key = storage_key(t)
         with self._lock:
             entry = self._storages.get(key)
             if entry is None:
-                return
+                return None
             entry[1] += 1
-        weakref.finalize(holder, self._drop, key)
+        return key
 
-    def _drop(self, key) -> None:
+    def drop(self, key) -> None:
         with self._lock:
             entry = self._storages[key]
             entry[1] -= 1
