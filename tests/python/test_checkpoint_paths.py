@@ -334,27 +334,32 @@ def test_a_backup_renamed_or_copied_to_old_is_neither_deleted_nor_read(tmp_path,
     _same(tierlift.checkpoint.full_state_dict(str(tmp_path / "bak")), model.state_dict())
 
 
-def test_a_save_killed_between_its_renames_is_still_found_and_replaced(tmp_path, monkeypatch):
+def _save_killed_at_rename(monkeypatch, run: str, model, opt, src: str) -> None:
+    """A save of `run` by a process that dies as it is about to rename `src`."""
     from tierlift.checkpoint import format as fmt
 
+    real_rename = os.rename
+
+    def killed(a, b):
+        if a == src:
+            raise KeyboardInterrupt
+        real_rename(a, b)
+
+    monkeypatch.setattr(fmt.os, "rename", killed)
+    with pytest.raises(KeyboardInterrupt):
+        tierlift.checkpoint.save(run, model, opt)
+    monkeypatch.undo()
+
+
+def test_a_save_killed_between_its_renames_is_still_found_and_replaced(tmp_path, monkeypatch):
     run = str(tmp_path / "run")
     model, opt = _trained(9)
     tierlift.checkpoint.save(run, model, opt)
     weights, optim = _copy(model.state_dict()), opt.state_dict()
     optim = {"state": {i: _copy(st) for i, st in optim["state"].items()},
              "param_groups": optim["param_groups"]}
-    real_rename = os.rename
-
-    def killed(src, dst):
-        if src.endswith("run.tmp"):
-            raise KeyboardInterrupt  # the process dies right after moving run aside
-        real_rename(src, dst)
-
     _step(model, opt)
-    monkeypatch.setattr(fmt.os, "rename", killed)
-    with pytest.raises(KeyboardInterrupt):
-        tierlift.checkpoint.save(run, model, opt)
-    monkeypatch.undo()
+    _save_killed_at_rename(monkeypatch, run, model, opt, run + ".tmp")  # after moving run aside
     assert not os.path.exists(run) and os.path.isdir(run + ".old")
     _same(tierlift.checkpoint.full_state_dict(run), weights)
     _same_optim(tierlift.checkpoint.optimizer_state_dict(run), optim)
@@ -465,18 +470,8 @@ def test_a_backup_renamed_after_a_save_was_killed_before_moving_run_aside_is_kep
     model, opt = _trained(13)
     tierlift.checkpoint.save(run, model, opt)
     weights = _copy(model.state_dict())
-    real_rename = os.rename
-
-    def killed(src, dst):
-        if src == run:
-            raise KeyboardInterrupt  # the process dies right before moving run aside
-        real_rename(src, dst)
-
     _step(model, opt)
-    monkeypatch.setattr(fmt.os, "rename", killed)
-    with pytest.raises(KeyboardInterrupt):
-        tierlift.checkpoint.save(run, model, opt)
-    monkeypatch.undo()
+    _save_killed_at_rename(monkeypatch, run, model, opt, run)  # right before moving run aside
     marker = os.path.join(run, fmt.MOVED_ASIDE)
     if os.path.exists(marker):  # the kill was a while ago
         ago = os.stat(marker).st_mtime_ns - 2 * fmt.RENAMED_WITHIN_NS
