@@ -1,9 +1,10 @@
-"""A feature table whose memory is a mapped file (a FeatureStore built from a path, np.memmap,
-torch.from_file), found from the process's own mappings, so that a pickled store maps the same
-file again in the process that unpickles it (a spawned DataLoader worker) instead of carrying
-its bytes: torch's pickling for workers moves a table into shared memory (/dev/shm), a copy of
-the whole table, an OOM or a full /dev/shm for a table larger than RAM (and for torch.from_file
-tables it fails with "Bad file descriptor").
+"""Tensors whose memory is a mapped file (a FeatureStore's table built from a path, np.memmap,
+torch.from_file; a NeighborSampler's or PyGGraphStore's CSC arrays), found from the process's
+own mappings, so that a pickled holder maps the same file again in the process that unpickles it
+(a spawned DataLoader worker) instead of carrying its bytes: torch's pickling for workers moves a
+tensor into shared memory (/dev/shm), a copy of the whole table or graph, an OOM or a full
+/dev/shm for one larger than RAM (and for torch.from_file tensors it fails with "Bad file
+descriptor").
 
 Only memory that is still the file's bytes qualifies: a private (copy-on-write) mapping with
 pages written since it was mapped holds rows the file does not, so such a table is pickled by
@@ -27,20 +28,24 @@ class FileRegion:
     nbytes: int
     identity: tuple[int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns
 
-    def open(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        """The table mapped again (copy-on-write, as FeatureStore maps a path): no bytes read."""
+    def open(self, dtype: torch.dtype, shape: tuple[int, ...], *, owner: str = "FeatureStore",
+             what: str = "feature file", holder: str = "store") -> torch.Tensor:
+        """The tensor mapped again (copy-on-write, as FeatureStore maps a path): no bytes read.
+        owner/what/holder name the pickled object in the errors ("FeatureStore", "feature
+        file", "store")."""
         try:
             now = _identity(os.stat(self.path))
         except OSError as e:
             raise FileNotFoundError(
-                f"FeatureStore: the feature file {self.path!r} that this pickled store maps "
-                f"cannot be opened here ({e.strerror}); a file-backed store pickles as a "
+                f"{owner}: the {what} {self.path!r} that this pickled {holder} maps "
+                f"cannot be opened here ({e.strerror}); a file-backed {holder} pickles as a "
                 "reference to its file, which must be reachable where it is unpickled") from None
         if now != self.identity:
             raise RuntimeError(
-                f"FeatureStore: the feature file {self.path!r} was replaced or rewritten since "
-                "this store was pickled (its inode, size or modification time differ), so its "
-                "rows are not the original store's; build the store again from the file")
+                f"{owner}: the {what} {self.path!r} was replaced or rewritten since "
+                f"this {holder} was pickled (its inode, size or modification time differ), so "
+                f"its contents are not the original {holder}'s; build the {holder} again from "
+                "the file")
         array = np.memmap(self.path, dtype=np.uint8, mode="c", offset=self.offset,
                           shape=(self.nbytes,))
         return torch.from_numpy(array).view(dtype).view(shape)
@@ -114,3 +119,28 @@ def file_region(table: torch.Tensor) -> FileRegion | None:
     if offset + nbytes > st.st_size:
         return None
     return FileRegion(path, offset, nbytes, _identity(st))
+
+
+@dataclass(frozen=True)
+class FileTensor:
+    """What a file-backed tensor pickles as: its file's place, dtype and shape."""
+    region: FileRegion
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def by_file(value):
+    """For pickling: a FileTensor in place of a plain tensor that is its file's bytes, else
+    `value` itself (pickled by value: memory of its own, edited copy-on-write pages, a tensor
+    subclass, not a tensor)."""
+    if type(value) is not torch.Tensor:
+        return value
+    region = file_region(value)
+    return value if region is None else FileTensor(region, value.dtype, tuple(value.shape))
+
+
+def from_file(value, *, owner: str, what: str, holder: str):
+    """For unpickling: a FileTensor mapped again (refused if its file changed), else `value`."""
+    if not isinstance(value, FileTensor):
+        return value
+    return value.region.open(value.dtype, value.shape, owner=owner, what=what, holder=holder)

@@ -1,5 +1,6 @@
 """torch_geometric's FeatureStore interface over tierlift FeatureStores, so PyG's loaders
-(NeighborLoader with a (feature_store, graph_store) pair) fetch rows with tierlift's gather.
+(NeighborLoader with a (feature_store, graph_store) pair) fetch rows with tierlift's gather, and
+a GraphStore whose file-backed edge arrays reach spawned DataLoader workers as their files.
 
     fs = PyGFeatureStore()
     fs["paper", "x", None] = tierlift.gnn.FeatureStore(x, cache=0.1, degrees=deg)   # or a tensor
@@ -12,9 +13,10 @@ Importing this module needs torch_geometric.
 from __future__ import annotations
 
 import torch
+from torch_geometric.data import EdgeAttr, GraphStore, TensorAttr
 from torch_geometric.data import FeatureStore as _PyGFeatureStore
-from torch_geometric.data import TensorAttr
 
+from tierlift.gnn.file_table import by_file, from_file
 from tierlift.gnn.store import FeatureStore
 
 
@@ -86,6 +88,54 @@ class PyGFeatureStore(_PyGFeatureStore):
         for store in self._stores.values():
             store.close()
         self._stores.clear()
+
+
+class PyGGraphStore(GraphStore):
+    """A PyG GraphStore (edge indices kept as put) whose edge arrays that are a mapped file
+    (np.memmap, torch.from_file) pickle as a reference to the file. PyG's loaders pickle their
+    (feature_store, graph_store) into spawned workers, and by value torch's pickling copies the
+    graph into /dev/shm (an OOM for a graph larger than RAM; for torch.from_file arrays it fails
+    with 'Bad file descriptor'); here a worker maps the same file again, which must then be
+    reachable and unchanged.
+
+        gs = PyGGraphStore()
+        gs.put_edge_index((row, colptr), edge_type=None, layout="csc", size=(n, n))
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._edges: dict[tuple, tuple] = {}
+
+    @staticmethod
+    def _key(attr: EdgeAttr) -> tuple:
+        return (attr.edge_type, attr.layout.value, attr.is_sorted, attr.size)
+
+    def _put_edge_index(self, edge_index, edge_attr: EdgeAttr) -> bool:
+        self._edges[self._key(edge_attr)] = edge_index
+        return True
+
+    def _get_edge_index(self, edge_attr: EdgeAttr):
+        return self._edges.get(self._key(edge_attr))
+
+    def _remove_edge_index(self, edge_attr: EdgeAttr) -> bool:
+        return self._edges.pop(self._key(edge_attr), None) is not None
+
+    def get_all_edge_attrs(self) -> list[EdgeAttr]:
+        return [EdgeAttr(*key) for key in self._edges]
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_edges"] = {key: tuple(by_file(t) for t in pair)
+                           for key, pair in self._edges.items()}
+        return state
+
+    def __setstate__(self, state):
+        state = dict(state)
+        state["_edges"] = {
+            key: tuple(from_file(t, owner="PyGGraphStore", what="graph file",
+                                 holder="graph store") for t in pair)
+            for key, pair in state["_edges"].items()}
+        self.__dict__.update(state)
 
 
 def _whole_tensors_only(attr: TensorAttr, action: str) -> None:

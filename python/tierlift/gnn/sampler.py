@@ -25,6 +25,8 @@ import torch
 from torch_geometric.data import Data, GraphStore
 from torch_geometric.sampler import BaseSampler, NodeSamplerInput, SamplerOutput
 
+from tierlift.gnn.file_table import by_file, from_file
+
 _HASH_PRIME = (1 << 31) - 1
 _KEYS_UP_TO = 8  # degrees up to this x fanout rank all their edges; above, draw and redraw
 
@@ -126,6 +128,26 @@ class NeighborSampler(BaseSampler):
                             f"edge_index tensor, got {type(graph).__name__}")
         self.colptr, self.row, self._perm = colptr.cpu(), row.cpu(), perm
         self.num_nodes = self.colptr.numel() - 1
+
+    _GRAPH = ("colptr", "row", "_perm")
+
+    def __getstate__(self):
+        """CSC arrays that are a mapped file (a GraphStore holding np.memmap or torch.from_file
+        tensors) pickle as a reference to the file, which the copy (a spawned DataLoader
+        worker's) maps again: by value, torch's pickling for workers copies the graph into
+        /dev/shm (for torch.from_file arrays it fails). The file must be reachable and unchanged
+        where the copy is unpickled."""
+        state = self.__dict__.copy()
+        for key in self._GRAPH:
+            state[key] = by_file(state[key])
+        return state
+
+    def __setstate__(self, state):
+        state = dict(state)
+        for key in self._GRAPH:
+            state[key] = from_file(state[key], owner="NeighborSampler", what="graph file",
+                                   holder="sampler")
+        self.__dict__.update(state)
 
     @property
     def edge_permutation(self):
