@@ -113,6 +113,9 @@ def test_pickles_carry_the_graph_files_not_the_edges(tmp_path):
         row, colptr = edge_arrays(pickle.loads(data))
         assert mapped_file(row) == str(tmp_path / "row.raw")
         assert torch.equal(row, in_memory.row) and torch.equal(colptr, in_memory.colptr)
+    coo = PyGGraphStore()  # an edge index put as one (2, E) tensor stays one tensor
+    coo.put_edge_index(torch.tensor([[0, 1], [1, 0]]), edge_type=None, layout="coo", size=(2, 2))
+    assert torch.equal(edge_arrays(pickle.loads(pickle.dumps(coo))), edge_arrays(coo))
 
 
 def test_written_copy_on_write_pages_pickle_by_value(tmp_path):

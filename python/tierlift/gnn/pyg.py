@@ -125,17 +125,23 @@ class PyGGraphStore(GraphStore):
 
     def __getstate__(self):
         state = self.__dict__.copy()
-        state["_edges"] = {key: tuple(by_file(t) for t in pair)
-                           for key, pair in self._edges.items()}
+        state["_edges"] = {key: _each_array(by_file, edges) for key, edges in self._edges.items()}
         return state
 
     def __setstate__(self, state):
         state = dict(state)
-        state["_edges"] = {
-            key: tuple(from_file(t, owner="PyGGraphStore", what="graph file",
-                                 holder="graph store") for t in pair)
-            for key, pair in state["_edges"].items()}
+        state["_edges"] = {key: _each_array(_map_graph_file, edges)
+                           for key, edges in state["_edges"].items()}
         self.__dict__.update(state)
+
+
+def _each_array(fn, edges):
+    # An edge index is put as a (row, col) pair, or (PyG allows it) as one tensor.
+    return tuple(fn(t) for t in edges) if isinstance(edges, (tuple, list)) else fn(edges)
+
+
+def _map_graph_file(value):
+    return from_file(value, owner="PyGGraphStore", what="graph file", holder="graph store")
 
 
 def _whole_tensors_only(attr: TensorAttr, action: str) -> None:
