@@ -5,8 +5,8 @@ old hang fails fast too):
 - an eval loop where rank 0 has one batch more, then the user's `dist.all_reduce(loss)`: rank
   0's extra forward would gather weights against rank 1's all_reduce. With rank 1 inside its
   all_reduce first, both ranks raise RankFailureError naming the call and the forwards
-  before anything is sent, and can go on: an even eval and all_reduce afterwards gives the
-  plain model's sum.
+  before anything is sent, and the same model goes on: an even eval and all_reduce
+  afterwards gives the plain model's sum, and a training step its loss.
 - the same where rank 1 reaches its all_reduce only after rank 0's extra forward is waiting in
   its gather: rank 1 refuses at once; rank 0's gather fails once rank 1 leaves, naming it.
 - Hugging Face generate() without tierlift.hf.install, each rank generating another number of
@@ -16,7 +16,6 @@ old hang fails fast too):
 
 from __future__ import annotations
 
-import gc
 import os
 import time
 
@@ -24,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from zero_model import batches, free_port, init_gloo, make_model
+from zero_model import batches, free_port, init_gloo, make_model, train
 
 import tierlift
 
@@ -81,17 +80,21 @@ def _cases(rank: int, port: int, tmp: str) -> None:
     # its all_reduce before rank 0's extra forward starts).
     model = tierlift.zero.shard(make_model(), stage=3)
     out["uneven"] = _attempt(lambda: dist.all_reduce(_eval_sum(model, rank, True, 1.0)))
-    del model
-    gc.collect()  # its forwards stay uneven: a forward of another model would be refused
-    # Nothing was sent: a new model evaluated evenly sums as the plain model does (and an
-    # async all_reduce of the ranks' counts agrees too).
-    model = tierlift.zero.shard(make_model(), stage=3)
+    # Nothing was sent and the refused forward never ran: the same model evaluated evenly
+    # sums as the plain model does (an async all_reduce agrees too), and trains on.
     total = _eval_sum(model, rank, extra=False)
+    if rank == 1:
+        time.sleep(0.5)  # rank 0 reads rank 1's refused call first: not taken for entered
     dist.all_reduce(total)
     ones = torch.ones(1)
     dist.all_reduce(ones, async_op=True).wait()
-    out["even"] = (float(total), float(_eval_sum(make_model(), rank, extra=False)) * 2,
-                   float(ones))
+    plain = make_model()
+    out["even"] = (float(total), float(_eval_sum(plain, rank, extra=False)) * 2, float(ones))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    out["step"] = train(model, opt, batches(1, 4), accum=1, clip=None, world=2, rank=rank,
+                        zero=True)
+    out["plain_step"] = train(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2),
+                              batches(1, 4), accum=1, clip=None)
 
     # Rank 1 reaches its all_reduce after rank 0's extra forward waits in its gather. Last:
     # rank 1 leaves after refusing, and that ends rank 0's gather.
@@ -131,11 +134,12 @@ def test_uneven_eval_then_all_reduce_refused_on_both_ranks(ranks):
         assert seconds < TIMEOUT_S / 2, seconds
 
 
-def test_even_eval_after_a_refusal_is_exact(ranks):
+def test_same_model_goes_on_exactly_after_a_refusal(ranks):
     for out in ranks:
         total, expected, ones = out["even"]
         assert total == pytest.approx(expected, rel=1e-5, abs=1e-6)
         assert ones == 2.0
+        assert out["step"] == pytest.approx(out["plain_step"], rel=1e-5)
 
 
 def test_call_made_after_the_extra_gather_started_names_it(ranks):

@@ -105,14 +105,14 @@ def _counts(text: str) -> list[int]:
     return [int(v) for v in text.split(".")] if text else []
 
 
-def _parse_user(value: str) -> dict[str, tuple[int, int, int, str, list[int]]]:
+def _parse_user(value: str) -> dict[str, tuple[int, int, int, str, list[int], bool]]:
     """A rank's record of its own calls: {group: (call index, attempt, forward count, op,
-    counts)}."""
+    counts, refused)}."""
     out = {}
     for part in filter(None, value.split(";")):
         group, _, rest = part.partition("=")
-        k, attempt, c, op, counts = rest.split(",")
-        out[group] = (int(k), int(attempt), int(c), op, _counts(counts))
+        k, attempt, c, op, counts, refused = rest.split(",")
+        out[group] = (int(k), int(attempt), int(c), op, _counts(counts), refused == "x")
     return out
 
 
@@ -161,6 +161,7 @@ def _agree_on_call(group: str, k: int, group_ranks, op: str, async_op: bool) -> 
         store = dist.distributed_c10d._get_default_store()
     except (RuntimeError, AttributeError, ValueError):
         return
+    entered = []
     try:
         entered = [(h, e) for hbs in list(_GATHERING.values()) for h in list(hbs)
                    if (e := h.enter_call(store, group, k, group_ranks, op)) is not None]
@@ -169,17 +170,20 @@ def _agree_on_call(group: str, k: int, group_ranks, op: str, async_op: bool) -> 
         # instead still sees it and refuses
         wait = not async_op and any(h.agreed.get(group) != e[4] for h, e in entered)
         pause, deadline = 0.0001, time.monotonic() + (_AGREE_S if wait else 0.0)
-        while entered:
-            left = [(h, e) for h, e in entered if h.check_call(store, e)]
-            for h, e in entered:
-                if all(h is not o for o, _ in left):
+        left = entered
+        while left:
+            still = [(h, e) for h, e in left if h.check_call(store, e)]
+            for h, e in left:
+                if all(h is not o for o, _ in still):
                     h.agreed[group] = e[4]  # every rank entered it after the same counts
-            entered = left
-            if not entered or time.monotonic() > deadline:
+            left = still
+            if not left or time.monotonic() > deadline:
                 return
             time.sleep(pause)
             pause = min(pause * 2, 0.02)
     except RankFailureError:
+        for h, _ in entered:  # never issued: no other rank may take it for entered
+            h.refuse_call(store, group)
         raise
     except (RuntimeError, AttributeError, ValueError):
         return  # a store without these calls, or gone: only makes errors clearer
@@ -258,9 +262,10 @@ class Heartbeat:
         self.comm_ranks = [set(range(c.world)) if c.group is None
                            else set(dist.get_process_group_ranks(c.group)) for c in self.comms]
         self.thread = threading.get_ident()
-        self.user_records: dict[str, tuple[int, int, int, str, list[int]]] = {}
+        self.user_records: dict[str, tuple[int, int, int, str, list[int], bool]] = {}
         self.precheck_due = False
         self.refused_for: set[tuple] = set()  # (rank, group, attempt) refused here once
+        self.unbeat: tuple | None = None  # (nograd, nograd_first) before the latest beat
         self.agreed: dict[str, list[int]] = {}  # group -> counts at its last agreed call
         store = self.store
         if store is not None:
@@ -302,6 +307,9 @@ class Heartbeat:
         that check_same_forward can tell a forward some ranks ran and others did not."""
         if self.quiet is not None and self.quiet():
             return
+        # What the forward starting changes, kept until its first collective: a forward
+        # refused there never ran, and is taken back (before_own_call)
+        self.unbeat = (self.nograd, self.nograd_first)
         self.count += 1
         self.precheck_due = True
         if no_grad:
@@ -418,10 +426,21 @@ class Heartbeat:
         mine = self._issued()
         # Kept when refused: a rank about to gather still sees it (and refuses once per
         # attempt); this rank's next call on the group takes index k again.
-        self.user_records[group] = (k, _ATTEMPTS[group], self.count, op, mine)
+        self.user_records[group] = (k, _ATTEMPTS[group], self.count, op, mine, False)
         self.precheck_due = True
+        self.unbeat = None
         store.set(f"{self.ns}user/{self.me}", self._user_value())
         return group, k, op, peers, mine
+
+    def refuse_call(self, store, group: str) -> None:
+        """Marks this rank's latest call on `group` refused. Still read by a rank about to
+        gather (which refuses once for it: it went another way), never as a call entered."""
+        k, attempt, count, op, mine, _ = self.user_records[group]
+        self.user_records[group] = (k, attempt, count, op, mine, True)
+        try:
+            store.set(f"{self.ns}user/{self.me}", self._user_value())
+        except RuntimeError:
+            pass
 
     def check_call(self, store, entered: tuple) -> bool:
         """Reads the other ranks' records once: raises where one went another way; returns
@@ -432,7 +451,7 @@ class Heartbeat:
         pending = False
         for i, r in enumerate(peers):
             theirs = _parse_user(read[2 * i]).get(group)
-            if theirs is not None and theirs[0] >= k:
+            if theirs is not None and theirs[0] >= k and not theirs[5]:
                 if theirs[0] == k and any(
                         r in ranks and t != m for ranks, t, m in
                         zip(self.comm_ranks, theirs[4], mine, strict=False)):
@@ -448,8 +467,8 @@ class Heartbeat:
         return pending
 
     def _user_value(self) -> str:
-        return ";".join(f"{g}={k},{a},{c},{op},{'.'.join(map(str, n))}"
-                        for g, (k, a, c, op, n) in self.user_records.items())
+        return ";".join(f"{g}={k},{a},{c},{op},{'.'.join(map(str, n))},{'x' if x else ''}"
+                        for g, (k, a, c, op, n, x) in self.user_records.items())
 
     def before_own_call(self, comm) -> None:
         """Before the first of the model's collectives after a forward started or the rank
@@ -459,6 +478,7 @@ class Heartbeat:
         if not self.precheck_due or threading.get_ident() != self.thread:
             return
         self.precheck_due = False
+        unbeat, self.unbeat = self.unbeat, None
         store = self.store
         peers = _neighbours(self.me, set().union(*self.comm_ranks))
         if store is None or not peers:
@@ -473,7 +493,7 @@ class Heartbeat:
         except (RuntimeError, AttributeError, ValueError):
             return  # only makes errors clearer; a dead store surfaces at the collective
         for r, value in zip(peers, read, strict=True):
-            for group, (k, attempt, count, op, theirs) in _parse_user(value).items():
+            for group, (k, attempt, count, op, theirs, _) in _parse_user(value).items():
                 if group in _HOOKED and _USER_SEQ.get(group, 0) < k and \
                         (r, group, attempt) not in self.refused_for and \
                         self._ahead(r, mine, theirs, issuing):
@@ -483,7 +503,19 @@ class Heartbeat:
                     except RuntimeError:
                         pass
                     self.precheck_due = True
-                    self._went_on_without(store, r, op, count)
+                    starting = self.count
+                    if unbeat is not None:  # the forward starting never ran
+                        self.nograd, self.nograd_first = unbeat
+                        self.count -= 1
+                        self._publish_count(store)
+                    self._went_on_without(store, r, op, count, starting)
+
+    def _publish_count(self, store) -> None:
+        try:
+            store.set(f"{self.ns}beat/{self.me}", str(self.count))
+            store.set(f"{self.ns}nograd/{self.me}", f"{self.nograd_first}:{self.nograd}")
+        except RuntimeError:
+            pass
 
     def _uneven(self, store, msg: str) -> None:
         msg += (": a forward (an extra eval batch, say) ran on some ranks only before it. At "
@@ -510,11 +542,11 @@ class Heartbeat:
                      f"{_model_name(self.ns)}, and rank {r} after forward {count}, with "
                      "another number of the model's collectives before it")
 
-    def _went_on_without(self, store, r: int, op: str, count: int) -> None:
+    def _went_on_without(self, store, r: int, op: str, count: int, starting: int) -> None:
         self._uneven(store, f"tierlift.zero: rank {r} called {op} (a collective of its own) "
                      f"after forward {count} of sharded model {_model_name(self.ns)}, but "
                      f"rank {self.me} went on to the model's collectives (forward "
-                     f"{self.count}'s weight gathers) without calling it")
+                     f"{starting}'s weight gathers) without calling it")
 
     def check_same_forward(self, peers) -> None:
         """At the start of a stage-3 backward: every rank of `peers` (the comm whose gathers
