@@ -1,12 +1,13 @@
 """The one-runtime promise: one training script using every capability at once, on 2 gloo ranks,
 against the same script in plain PyTorch. A small Llama-shaped model with a tied embedding/LM
 head, its Linears converted to Float8Linear (fp8-tensorwise, fp8-rowwise), sharded with
-tierlift.zero (stage 3, stage 2), stepped by tierlift's offloaded AdamW (offload="cpu" and
-"nvme", both with overlap), saved activations tiered per block (recompute, NVMe, RAM),
-gradient clipping (the optimizer's max_grad_norm, torch's clip_grad_norm_ on the shards), a
-LambdaLR warmup, gradient accumulation over 2 micro-batches under no_sync(), and a background
-checkpoint at step 3. A fresh process group, model and optimizer resume from it (the model
-loaded before the optimizer is built, or both in one load) and run to step 6.
+tierlift.zero (stage 3 with the FP8 weight all-gather, stage 2), stepped by tierlift's
+offloaded AdamW (offload="cpu" and "nvme", both with overlap), saved activations tiered per
+block (recompute, NVMe, RAM), gradient clipping (the optimizer's max_grad_norm, torch's
+clip_grad_norm_ on the shards), a LambdaLR warmup, gradient accumulation over 2 micro-batches
+under no_sync(), and a background checkpoint at step 3. A fresh process group, model and
+optimizer resume from it (the model loaded before the optimizer is built, or both in one load)
+and run to step 6.
 
 The reference: the same FP8-converted model in one process, torch.optim.AdamW, no sharding, no
 activation tiering, no checkpoint break; each rank's half of a micro-batch is its own forward
@@ -34,14 +35,15 @@ pytestmark = pytest.mark.skipif(not tierlift._extension.available(),
 VOCAB, DIM, HEADS, LAYERS, SEQ = 64, 32, 2, 2, 16  # FP8 layers need multiples of 16
 STEPS, SAVE_AT, ACCUM, GLOBAL_BATCH = 6, 3, 2, 4
 LR, CLIP, WARMUP = 3e-3, 1.0, 5  # the warmup still runs when the checkpoint is taken
-# Each run: recipe, stage, optimizer offload, where clipping happens, activation tier per
-# block, and how the resume loads.
+# Each run: recipe, stage, FP8 weight all-gather, optimizer offload, where clipping happens,
+# activation tier per block, and how the resume loads.
 RUNS = {
-    "tensorwise-zero3-cpu": dict(recipe="fp8-tensorwise", stage=3, offload="cpu",
-                                 clip="optimizer", tiers=["recompute", "nvme"],
+    "tensorwise-zero3-cpu": dict(recipe="fp8-tensorwise", stage=3, fp8_all_gather=True,
+                                 offload="cpu", clip="optimizer", tiers=["recompute", "nvme"],
                                  resume="model_first"),
-    "rowwise-zero2-nvme": dict(recipe="fp8-rowwise", stage=2, offload="nvme",
-                               clip="torch", tiers=["nvme", "ram"], resume="together"),
+    "rowwise-zero2-nvme": dict(recipe="fp8-rowwise", stage=2, fp8_all_gather=False,
+                               offload="nvme", clip="torch", tiers=["nvme", "ram"],
+                               resume="together"),
 }
 
 
@@ -148,7 +150,7 @@ def reference(recipe: str, world: int = 2):
 
 def build(run: dict, tmp: str, tag: str):
     model = tierlift.zero.shard(fp8_model(run["recipe"]), stage=run["stage"],
-                                param_group_fn=decay_group)
+                                fp8_all_gather=run["fp8_all_gather"], param_group_fn=decay_group)
     tiers = tierlift.activations.offload_blocks(model, run["tiers"], cpu_budget=1 << 20,
                                                 nvme_path=tmp, min_bytes=0)
     offload = dict(offload=run["offload"], overlap=True,
