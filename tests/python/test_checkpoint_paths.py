@@ -510,3 +510,16 @@ def test_a_mark_that_cannot_be_written_puts_the_checkpoint_back(tmp_path, monkey
     _same(tierlift.checkpoint.full_state_dict(run), weights)
     tierlift.checkpoint.save(run, model, opt)
     _same(tierlift.checkpoint.full_state_dict(run), model.state_dict())
+
+
+def test_an_export_to_a_file_name_with_a_trailing_slash_is_refused_leaving_nothing(
+        tmp_path, monkeypatch, capsys):
+    # `out.pt/` made a folder out.pt (as the output's parent), then failed writing into it
+    # with an error naming a temporary path, and left the empty folder behind.
+    model, opt = _trained(15)
+    tierlift.checkpoint.save(str(tmp_path / "ck"), model, opt)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        cli(["export", "ck", "out.pt/"])
+    assert "'out.pt/' names a directory" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["ck"]

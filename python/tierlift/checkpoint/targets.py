@@ -182,7 +182,12 @@ def check_save_target(path: str, *, replace: bool = True) -> None:
 def check_new_output(out: str, *, directory: bool = False) -> None:
     """Raises FileExistsError unless `out` is absent (or, for a `directory` output, an empty
     directory), and is not the name of a checkpoint that lives at `out`.old (lone_old): an
-    export never writes over anything."""
+    export never writes over anything. A file output named with a trailing separator is
+    refused first: its parent would be made as `out` itself, left behind as an empty folder."""
+    if not directory and os.fspath(out).endswith(os.sep):
+        raise IsADirectoryError(errno.EISDIR, f"{out!r} names a directory, and this output is "
+                                f"a file; nothing was written (give the file's name, e.g. "
+                                f"{os.fspath(out).rstrip(os.sep)!r})")
     if not os.path.lexists(out) or directory and _empty_dir(out):
         _refuse_lone_old(os.fspath(out).rstrip(os.sep) or out)
         return
