@@ -14,7 +14,7 @@ from tierlift.gnn.graphs import rmat_graph, to_csr
 from tierlift.gnn.store import FeatureStore, FeatureStoreOptions
 
 __all__ = ["FeatureStore", "FeatureStoreOptions", "NeighborSampler", "PyGFeatureStore",
-           "rmat_graph", "to_csr"]
+           "PyGGraphStore", "rmat_graph", "to_csr"]
 
 
 def __getattr__(name):
@@ -22,6 +22,10 @@ def __getattr__(name):
         from tierlift.gnn.pyg import PyGFeatureStore
 
         return PyGFeatureStore
+    if name == "PyGGraphStore":  # the same: a GraphStore whose file-backed arrays pickle as files
+        from tierlift.gnn.pyg import PyGGraphStore
+
+        return PyGGraphStore
     if name == "NeighborSampler":
         from tierlift.gnn.sampler import NeighborSampler
 
