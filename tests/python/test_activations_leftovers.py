@@ -80,6 +80,33 @@ def test_a_tensor_kept_in_place_costs_no_finalizer_per_tensor():
     assert torch.equal(x.grad, want.grad)
 
 
+def test_a_sparse_tensor_or_a_subclass_saved_in_the_context_is_left_in_place():
+    # gpu_budget's account asked every saved tensor left in place for its storage: a sparse
+    # one raised NotImplementedError and a wrapper subclass RuntimeError, in the forward.
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    torch.manual_seed(0)
+    w = torch.randn(8, 4, requires_grad=True)
+    sparse = torch.randn(6, 8).relu().to_sparse().requires_grad_()
+    b = torch.randn(4, 4)
+    pair = TwoTensor(b, b.clone()).requires_grad_()
+
+    def loss(w, sparse, pair):
+        return torch.sparse.mm(sparse, w).sum() + (pair.sin() * 2).sum()
+
+    want = [t.detach().clone().requires_grad_() for t in (w, sparse)]
+    want.append(TwoTensor(b, b.clone()).requires_grad_())
+    loss(*want).backward()
+    tl = offload(cpu_budget=1 << 20, gpu_budget=1 << 20, min_bytes=0)
+    with tl:
+        out = loss(w, sparse, pair)
+    out.backward()
+    assert tl._kept.used == 0
+    assert torch.equal(w.grad, want[0].grad)
+    assert torch.equal(sparse.grad.to_dense(), want[1].grad.to_dense())
+    assert torch.equal(pair.grad.a, want[2].grad.a) and torch.equal(pair.grad.b, want[2].grad.b)
+
+
 class Chain(nn.Module):
     def __init__(self):
         super().__init__()

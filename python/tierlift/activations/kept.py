@@ -45,7 +45,11 @@ class KeptBudget:
 
     def hold(self, t: torch.Tensor):
         """Counts one more holder (what autograd keeps for `t`) of `t`'s storage, if it is
-        charged: returns the key to drop() when that holder goes, or None."""
+        charged: returns the key to drop() when that holder goes, or None. Only a plain strided
+        tensor can hold a charged storage: a sparse tensor or a subclass (FP8, a wrapper) has
+        none to ask for, and asking raises."""
+        if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_nested:
+            return None
         key = storage_key(t)
         with self._lock:
             entry = self._storages.get(key)
