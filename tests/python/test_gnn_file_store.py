@@ -134,7 +134,7 @@ def test_deepcopy_maps_the_file_again(tmp_path):
     # Was: the whole table read into memory (a table larger than RAM: an OOM).
     a = table_file(tmp_path)
     want = torch.from_numpy(a)[INDEX]
-    for store in stores_of(tmp_path):
+    for store in stores_of(tmp_path)[:3]:  # mapped copy-on-write
         twin = copy.deepcopy(store)
         assert twin._table.data_ptr() != store._table.data_ptr()
         assert mapped_file(twin._table) == mapped_file(store._table)
@@ -145,3 +145,15 @@ def test_deepcopy_maps_the_file_again(tmp_path):
     store = FeatureStore(features, device="cpu")
     both = copy.deepcopy({"x": features, "store": store})  # copied with its features, as before
     assert both["store"]._table is both["x"]
+
+
+def test_deepcopy_of_a_shared_mapping_is_independent_of_the_original(tmp_path):
+    # Mapped again, the copy of a store over np.memmap(mode="r+") changed with the original's
+    # features: an edit of them reaches the file, which the copy read its rows from.
+    a = table_file(tmp_path)
+    want = torch.from_numpy(a)[INDEX]
+    features = torch.from_numpy(np.load(tmp_path / "x.npy", mmap_mode="r+"))
+    twin = copy.deepcopy(FeatureStore(features, device="cpu"))
+    features[5] = -1.0
+    assert torch.equal(twin.gather(INDEX), want)
+    assert mapped_file(twin._table) != str(tmp_path / "x.npy")  # a copy in memory

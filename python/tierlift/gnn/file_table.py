@@ -87,9 +87,11 @@ def _mappings_over(start: int, end: int) -> list[_Mapping]:
     return found
 
 
-def file_region(table: torch.Tensor) -> FileRegion | None:
+def file_region(table: torch.Tensor, *, private_only: bool = False) -> FileRegion | None:
     """Where `table` (a contiguous CPU tensor) lies in a regular file, or None: not file memory,
-    a file deleted or replaced since it was mapped, or private pages written since."""
+    a file deleted or replaced since it was mapped, or private pages written since. With
+    `private_only`, also None for a shared mapping (np.memmap "r+", torch.from_file(shared=
+    True)): writes to `table` go to the file, so a mapping of it is no independent copy."""
     nbytes = table.numel() * table.element_size()
     if (table.device.type != "cpu" or nbytes == 0 or not table.is_contiguous()
             or not os.path.exists("/proc/self/smaps")):
@@ -109,6 +111,8 @@ def file_region(table: torch.Tensor) -> FileRegion | None:
             return None
     if any(m.private and m.anonymous_kb for m in maps):
         return None  # copy-on-write pages: rows the file does not hold
+    if private_only and not all(m.private for m in maps):
+        return None
     try:
         st = os.stat(path)
     except OSError:

@@ -432,7 +432,8 @@ class FeatureStore:
     def __deepcopy__(self, memo):
         """An independent store with the same rows, as deepcopy of a model or a PyG Data that
         holds it expects: the table copied (with the features when they are in the same
-        deepcopy, as for any tensor; a CPU store's file mapped again, as pickling does), a CUDA
+        deepcopy, as for any tensor; a CPU store's file, mapped copy-on-write, mapped again as
+        pickling does), a CUDA
         store's copy pinned as pin= says, its GPU cache and access counts copied as they are.
         A store that would refuse to gather (its features edited in place since it was built, in
         a forked child) is refused before anything is copied. Closed, or carrying no rows
@@ -455,8 +456,11 @@ class FeatureStore:
         new._pid = os.getpid()
         new._registration = new._bad = new._bad_host = None
         table = memo.get(id(self._table))  # the features, copied already with their holder
-        region = None if table is not None or cuda else file_region(self._table)
-        if region is not None:  # its file mapped again, not read whole into memory
+        # A private mapping is mapped again, not read whole into memory; a shared one is
+        # copied: edits of the original's features would reach the file, and so the copy.
+        region = None if table is not None or cuda else file_region(self._table,
+                                                                    private_only=True)
+        if region is not None:
             table = region.open(self.dtype, self.shape)
             memo[id(self._table)] = table
         elif table is None:
