@@ -118,16 +118,23 @@ class Chain(nn.Module):
         return x.sum()
 
 
-@pytest.mark.parametrize("form", ["context", "blocks"])
-def test_gpu_budget_holds_for_forwards_alive_together(form):
-    # Two forwards, then two backwards: each forward had a budget of its own, so the graphs
-    # held twice gpu_budget on the device.
+def _chain_and_reference():
+    """A Chain, two inputs, and a copy of the chain backpropagated through both without
+    offloading (its gradients are the reference)."""
     torch.manual_seed(0)
     model = Chain()
     xs = [torch.randn(16, 64) for _ in range(2)]
     ref = copy.deepcopy(model)
     for x in xs:
         ref(x).backward()
+    return model, ref, xs
+
+
+@pytest.mark.parametrize("form", ["context", "blocks"])
+def test_gpu_budget_holds_for_forwards_alive_together(form):
+    # Two forwards, then two backwards: each forward had a budget of its own, so the graphs
+    # held twice gpu_budget on the device.
+    model, ref, xs = _chain_and_reference()
     budget = 2 * ONE if form == "blocks" else 3 * ONE
     if form == "blocks":
         tl = offload_blocks(model, "auto", cpu_budget=1 << 20, gpu_budget=budget, min_bytes=0)
@@ -153,12 +160,7 @@ def test_gpu_budget_holds_for_forwards_alive_together(form):
 def test_cpu_budget_holds_for_forwards_alive_together(tmp_path, spill):
     # Each forward of offload_blocks had a cpu_budget of its own: two forwards before their
     # backwards held twice the budget in RAM (documented: at most cpu_budget + io_bytes).
-    torch.manual_seed(0)
-    model = Chain()
-    xs = [torch.randn(16, 64) for _ in range(2)]
-    ref = copy.deepcopy(model)
-    for x in xs:
-        ref(x).backward()
+    model, ref, xs = _chain_and_reference()
     one = 2 * ONE  # what one forward keeps in RAM
     handle = offload_blocks(model, "ram" if not spill else "auto", cpu_budget=one,
                             nvme_path=tmp_path if spill else None, min_bytes=0)
