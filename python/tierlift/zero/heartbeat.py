@@ -27,10 +27,12 @@ forward or backward, records on entry how many collectives the model has issued 
 forward start or such call records the same and reads theirs. A rank that issues more of the
 model's collectives before the call than its neighbour did is seen by one side or the other
 before anything is sent (each records before it reads): it raises RankFailureError naming the
-call and the forwards. The first such call after the model's collectives also waits (up to
-_AGREE_S, polling the store) for the neighbours to enter it, so that both raise; a rank not
-there by then is left to the collective, as before, and where the rank that saw it first had
-already issued its gather, that gather fails naming the call once the other rank leaves.
+call and the forwards (a forward refused at its first gather is not counted, and a refused
+call is never taken for entered: where both raised, the model goes on). The first such call
+after the model's collectives also waits (up to _AGREE_S, polling the store) for the
+neighbours to enter it, so that both raise; a rank not there by then is left to the
+collective, as before, and where the rank that saw it first had already issued its gather,
+that gather fails naming the call once the other rank leaves.
 Cost: per such call a store write (~1 us) and one read of the neighbours' records (~0.1 ms
 on a loaded 2-core host), plus the polling while a neighbour has not entered it yet; per
 forward the same write and read. Not checked: calls from other threads (a background save's
