@@ -471,3 +471,24 @@ def test_a_rank_lost_during_a_background_save_fails_it_on_the_others(tmp_path):
     assert (tmp_path / "rank0.ok").exists()
     meta = tierlift.checkpoint.format.read_metadata(str(tmp_path / "ck"))
     assert meta["extra"] == {"step": 1} and meta["world_size"] == 2
+
+
+def test_the_votes_group_is_made_again_after_the_process_group_is_destroyed(tmp_path):
+    """A background save's vote group cached by the ranks' tuple outlived
+    destroy_process_group(): a save in the next process group voted over the destroyed one
+    (its processes may hold other ranks there)."""
+    script = f"""
+import torch.distributed as dist
+from tierlift.checkpoint import background as bg
+for i in range(2):
+    dist.init_process_group("gloo", init_method="file://{tmp_path}/pg" + str(i), rank=0,
+                            world_size=1)
+    g = bg.side_group(dist.group.WORLD)
+    assert g in dist.distributed_c10d._world.pg_map, i
+    dist.barrier(group=g)
+    dist.destroy_process_group()
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]

@@ -102,6 +102,8 @@ def side_group(group) -> object:
     (a lost rank fails the vote as soon as it would fail training). Created on the training
     thread, inside save(), where every rank of the group calls it."""
     ranks = tuple(torch.distributed.get_process_group_ranks(group))
+    if ranks in _side_groups and not _live(_side_groups[ranks]):
+        del _side_groups[ranks]  # destroyed with its default group: the ranks may be others now
     if ranks not in _side_groups:
         kw = {}
         try:  # not public API: the default timeout where it is not there
@@ -111,6 +113,14 @@ def side_group(group) -> object:
         _side_groups[ranks] = torch.distributed.new_group(
             list(ranks), backend="gloo", use_local_synchronization=True, **kw)
     return _side_groups[ranks]
+
+
+def _live(group) -> bool:
+    """Whether `group` is still registered with c10d (destroy_process_group() drops it)."""
+    try:
+        return group in torch.distributed.distributed_c10d._world.pg_map
+    except (AttributeError, TypeError):  # not public API: where it is not there, trust it
+        return True
 
 
 def claim(tmp: str, path: str | None = None, replace: bool = True) -> str:
