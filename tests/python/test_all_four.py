@@ -299,7 +299,5 @@ def test_resume_in_a_fresh_group_is_the_straight_run(ranks, references, name):
         assert_close_weights(got["weights"], weights)
 
 
-@pytest.mark.xfail(strict=True, reason="a stage-3 model kept past destroy_process_group() "
-                   "makes each c10d call of the next group wait for that group's timeout")
 def test_a_model_of_a_destroyed_group_does_not_hold_up_the_next_group(ranks):
     assert max(r["stale_call_s"] for r in ranks) < 1.0

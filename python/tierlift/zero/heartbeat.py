@@ -166,7 +166,8 @@ def _agree_on_call(group: str, k: int, group_ranks, op: str, async_op: bool) -> 
     entered = []
     try:
         entered = [(h, e) for hbs in list(_GATHERING.values()) for h in list(hbs)
-                   if (e := h.enter_call(store, group, k, group_ranks, op)) is not None]
+                   if h.live() and
+                   (e := h.enter_call(store, group, k, group_ranks, op)) is not None]
         # A call right after another agreed one, with no collective of the model between
         # (metrics all-reduced one by one) reads once: a rank that goes on to a forward
         # instead still sees it and refuses
@@ -235,6 +236,24 @@ def install_user_calls() -> None:
             _hook_user_calls(group)
 
 
+def _default_group_ref():
+    """A weak reference to the default process group (a dead one when there is none), or
+    None where the group takes no weak reference. Never a strong one: a group kept past
+    destroy_process_group() holds its store, which aborts the process when destroyed late."""
+    try:
+        group = dist.distributed_c10d._get_default_group()
+    except (RuntimeError, ValueError, AttributeError):
+        return _dead_ref
+    try:
+        return weakref.ref(group)
+    except TypeError:
+        return None
+
+
+def _dead_ref():
+    return None
+
+
 class Heartbeat:
     def __init__(self, comm, also=(), settle_s: float = 2.0, gathers: bool = False):
         """`comm`: every rank of the model; `also`: the other Comms whose failures it explains
@@ -269,6 +288,7 @@ class Heartbeat:
         self.refused_for: set[tuple] = set()  # (rank, group, attempt) refused here once
         self.unbeat: tuple | None = None  # (nograd, nograd_first) before the latest beat
         self.agreed: dict[str, list[int]] = {}  # group -> counts at its last agreed call
+        self._group_ref = _default_group_ref()
         store = self.store
         if store is not None:
             # Keys of their own per sharded model, under its ranks (every rank of the model;
@@ -294,6 +314,19 @@ class Heartbeat:
             c.on_error = self.explain
             if gathers:
                 c.before_issue = self.before_own_call
+
+    def live(self) -> bool:
+        """Whether the process group this model was made in is still the default one. A
+        model kept past destroy_process_group() has its keys in the destroyed group's store
+        only: read from the next group's store they would block until its timeout."""
+        ref = self._group_ref
+        if ref is None:
+            return True  # a torch whose groups take no weakref: checked as before
+        try:
+            current = dist.distributed_c10d._get_default_group()
+        except (RuntimeError, ValueError, AttributeError):
+            return False
+        return ref() is current
 
     @property
     def store(self):
@@ -331,7 +364,7 @@ class Heartbeat:
             return  # a dead store host surfaces, named, at the next collective
         if skipped:
             self._raise_skipped_call(store)
-        if self.gathers and len(_GATHERING.get(self.group_ns, ())) > 1:
+        if self.gathers and sum(h.live() for h in _GATHERING.get(self.group_ns, ())) > 1:
             self.check_same_model(store)
 
     def _raise_skipped_call(self, store) -> None:
@@ -358,7 +391,8 @@ class Heartbeat:
         others', so of two ranks taking different models the later one sees it; it raises
         RankFailureError before any gather, and the other's gathers, left unanswered, fail
         naming it. One store round trip, without waiting."""
-        models = sorted((h for h in _GATHERING.get(self.group_ns, ()) if h.ns != self.ns),
+        models = sorted((h for h in _GATHERING.get(self.group_ns, ())
+                         if h.ns != self.ns and h.live()),
                         key=lambda h: h.ns)
         others = [r for r in self.ranks if r != self.me]
         keys = [f"{h.ns}beat/{r}" for r in others for h in (self, *models)]
