@@ -1,13 +1,16 @@
 """A graph whose CSC arrays are mapped files (np.memmap, torch.from_file), held by a
-NeighborSampler and a PyGGraphStore, pickles as a reference to its files: a spawned DataLoader
-worker maps the same files again instead of receiving the graph copied into /dev/shm (torch's
-pickling for workers), and the main process keeps its mappings. Written copy-on-write pages
-pickle by value; a file replaced or gone since pickling is refused. The sampler draws the same
-subgraphs in spawned workers as in the main process, and no two batches repeat a sample."""
+NeighborSampler and a PyGGraphStore, goes to a spawned process through multiprocessing's
+pickler as a reference to its files: a spawned DataLoader worker maps the same files again
+instead of receiving the graph copied into /dev/shm (torch's pickling for workers), and the main
+process keeps its mappings. Plain pickle and torch.save carry the edges, which outlive the
+files. Written copy-on-write pages go by value; a file replaced or gone since is refused. The
+sampler draws the same subgraphs in spawned workers as in the main process, and no two batches
+repeat a sample."""
 
 from __future__ import annotations
 
 import copy
+import io
 import os
 import pickle
 from multiprocessing.reduction import ForkingPickler
@@ -95,27 +98,50 @@ def test_loader_workers_map_the_graph_files_and_sample_as_the_main_process(tmp_p
     fs.close()
 
 
-def test_pickles_carry_the_graph_files_not_the_edges(tmp_path):
+def test_workers_get_the_graph_files_and_archives_get_the_edges(tmp_path):
+    # Was: pickle and torch.save carried the files' names too, so an archived sampler or graph
+    # store lost its edges with the files. Only a spawned process's arguments carry the names.
     in_memory = graph_files(tmp_path)
     gs = mapped_graph(tmp_path)
     sampler = NeighborSampler(gs, FANOUTS, seed=3)
-    for data in (pickle.dumps(sampler), bytes(ForkingPickler.dumps(sampler))):
-        assert len(data) < 4096  # the graph holds 64 KiB of edges
-        twin = pickle.loads(data)
-        assert mapped_file(twin.row) == str(tmp_path / "row.raw")
-        assert mapped_file(twin.colptr) == str(tmp_path / "colptr.npy")
-        assert same_sample(twin, in_memory)
-    twin = copy.deepcopy(sampler)  # maps the files again too, not reads them whole
+    data = bytes(ForkingPickler.dumps(sampler))
+    assert len(data) < 4096  # the graph holds 64 KiB of edges
+    twin = pickle.loads(data)
+    assert mapped_file(twin.row) == str(tmp_path / "row.raw")
+    assert mapped_file(twin.colptr) == str(tmp_path / "colptr.npy")
+    assert same_sample(twin, in_memory)
+    data = bytes(ForkingPickler.dumps(gs))
+    assert len(data) < 4096
+    row, colptr = edge_arrays(pickle.loads(data))
+    assert mapped_file(row) == str(tmp_path / "row.raw")
+    assert torch.equal(row, in_memory.row) and torch.equal(colptr, in_memory.colptr)
+    # deepcopy maps a private mapping again (not read whole) and copies a shared one (np.memmap
+    # "r+"): edits of the original's arrays would reach the file, and so a copy mapped from it.
+    twin = copy.deepcopy(sampler)
     assert twin.row.data_ptr() != sampler.row.data_ptr()
-    assert mapped_file(twin.row) == str(tmp_path / "row.raw") and same_sample(twin, in_memory)
-    for data in (pickle.dumps(gs), bytes(ForkingPickler.dumps(gs))):
-        assert len(data) < 4096
-        row, colptr = edge_arrays(pickle.loads(data))
-        assert mapped_file(row) == str(tmp_path / "row.raw")
+    assert mapped_file(twin.row) == str(tmp_path / "row.raw")
+    assert mapped_file(twin.colptr) != str(tmp_path / "colptr.npy") and same_sample(twin, in_memory)
+    assert copy.copy(sampler).row is sampler.row  # a shallow copy shares the edges
+    archives = []
+    for holder in (sampler, gs):
+        saved = io.BytesIO()
+        torch.save(holder, saved)
+        archives += [pickle.dumps(holder), saved.getvalue()]
+    os.unlink(tmp_path / "row.raw")
+    os.unlink(tmp_path / "colptr.npy")
+    for i, data in enumerate(archives):
+        assert len(data) > in_memory.row.numel() * 8
+        twin = torch.load(io.BytesIO(data), weights_only=False) if i % 2 else pickle.loads(data)
+        if i < 2:
+            assert same_sample(twin, in_memory)
+            row, colptr = twin.row, twin.colptr
+        else:
+            row, colptr = edge_arrays(twin)
         assert torch.equal(row, in_memory.row) and torch.equal(colptr, in_memory.colptr)
     coo = PyGGraphStore()  # an edge index put as one (2, E) tensor stays one tensor
     coo.put_edge_index(torch.tensor([[0, 1], [1, 0]]), edge_type=None, layout="coo", size=(2, 2))
-    assert torch.equal(edge_arrays(pickle.loads(pickle.dumps(coo))), edge_arrays(coo))
+    for dumps in (pickle.dumps, ForkingPickler.dumps):
+        assert torch.equal(edge_arrays(pickle.loads(dumps(coo))), edge_arrays(coo))
 
 
 def test_written_copy_on_write_pages_pickle_by_value(tmp_path):
@@ -127,26 +153,27 @@ def test_written_copy_on_write_pages_pickle_by_value(tmp_path):
     colptr[1:] = colptr[-1]  # node 0 takes every edge; the file still spreads them out
     sampler = NeighborSampler(gs, FANOUTS, seed=3)
     for holder in (sampler, gs):
-        twin = pickle.loads(pickle.dumps(holder))
+        twin = pickle.loads(bytes(ForkingPickler.dumps(holder)))
         twin_colptr = twin.colptr if holder is sampler else edge_arrays(twin)[1]
         assert torch.equal(twin_colptr, colptr)
         assert mapped_file(twin_colptr) != str(tmp_path / "colptr.npy")
-    assert same_sample(pickle.loads(pickle.dumps(sampler)), sampler)
+    assert same_sample(pickle.loads(bytes(ForkingPickler.dumps(sampler))), sampler)
 
 
 def test_a_graph_file_replaced_or_gone_since_pickling_is_refused(tmp_path):
     in_memory = graph_files(tmp_path)
     sampler = NeighborSampler(mapped_graph(tmp_path), FANOUTS, seed=3)
     gs = mapped_graph(tmp_path)
-    pickles = [(pickle.dumps(sampler), "sampler"), (pickle.dumps(gs), "graph store")]
+    pickles = [(ForkingPickler.dumps(sampler), "sampler"),
+               (ForkingPickler.dumps(gs), "graph store")]
     (in_memory.row.flip(0)).numpy().tofile(tmp_path / "row.raw")  # same size: the mtime tells
     st = os.stat(tmp_path / "row.raw")
     os.utime(tmp_path / "row.raw", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     for data, holder in pickles:
         with pytest.raises(RuntimeError, match=f"replaced or rewritten since this {holder} was"):
             pickle.loads(data)
-    pickles = [pickle.dumps(NeighborSampler(mapped_graph(tmp_path), FANOUTS)),
-               pickle.dumps(mapped_graph(tmp_path))]
+    pickles = [ForkingPickler.dumps(NeighborSampler(mapped_graph(tmp_path), FANOUTS)),
+               ForkingPickler.dumps(mapped_graph(tmp_path))]
     os.unlink(tmp_path / "row.raw")
     for data in pickles:
         with pytest.raises(FileNotFoundError, match="must be reachable where it is unpickled"):

@@ -1,12 +1,14 @@
 """A FeatureStore whose rows are a mapped file (built from a path, np.memmap, torch.from_file)
-pickles as a reference to its file: a spawned DataLoader worker maps the same file again
-instead of receiving the table copied into /dev/shm (torch's pickling for workers), and the
-main process's store keeps its mapping. Memory that is no longer the file's bytes (written
-copy-on-write pages) pickles by value; a file replaced since pickling is refused."""
+goes to a spawned process through multiprocessing's pickler as a reference to its file: a
+spawned DataLoader worker maps the same file again instead of receiving the table copied into
+/dev/shm (torch's pickling for workers), and the main process's store keeps its mapping. Plain
+pickle and torch.save carry the rows, which outlive the file. Memory that is no longer the
+file's bytes (written copy-on-write pages) goes by value; a file replaced since is refused."""
 
 from __future__ import annotations
 
 import copy
+import io
 import os
 import pickle
 from multiprocessing.reduction import ForkingPickler
@@ -85,20 +87,37 @@ def test_a_spawned_worker_maps_the_file_again(tmp_path):
         assert torch.equal(store.gather(INDEX), want)
 
 
-def test_pickles_carry_the_file_not_the_rows(tmp_path):
+def test_workers_get_the_file_and_archives_get_the_rows(tmp_path):
+    # Was: pickle and torch.save carried the file's name too, so an archived store (a dataset
+    # object, a model holding it) lost its rows with the file. Only a spawned process's
+    # arguments (multiprocessing's pickler) carry the name.
     a = table_file(tmp_path)
     want = torch.from_numpy(a)[INDEX]
+    archives = []
     for store in stores_of(tmp_path):
-        for data in (pickle.dumps(store), bytes(ForkingPickler.dumps(store))):
-            assert len(data) < 4096  # the table is 512 KiB
-            twin = pickle.loads(data)
-            assert torch.equal(twin.gather(INDEX), want)
-            assert mapped_file(twin._table) == mapped_file(store._table)
-    # A tensor store keeps watching its copy's table for in-place edits.
-    twin = pickle.loads(pickle.dumps(stores_of(tmp_path)[2]))
-    twin._table.add_(1)
-    with pytest.raises(RuntimeError, match="modified in place"):
-        twin.gather(INDEX)
+        data = bytes(ForkingPickler.dumps(store))
+        assert len(data) < 4096  # the table is 512 KiB
+        twin = pickle.loads(data)
+        assert torch.equal(twin.gather(INDEX), want)
+        assert mapped_file(twin._table) == mapped_file(store._table)
+        saved = io.BytesIO()
+        torch.save(store, saved)
+        archives += [(pickle.loads, pickle.dumps(store)),
+                     (lambda b: torch.load(io.BytesIO(b), weights_only=False), saved.getvalue())]
+        assert copy.copy(store)._table is store._table  # a shallow copy shares the rows
+    # A tensor store keeps watching its copy's table for in-place edits (one mapping for both).
+    for dumps in (pickle.dumps, ForkingPickler.dumps):
+        twin = pickle.loads(dumps(stores_of(tmp_path)[2]))
+        twin._table.add_(1)
+        with pytest.raises(RuntimeError, match="modified in place"):
+            twin.gather(INDEX)
+    os.unlink(tmp_path / "x.npy")
+    os.unlink(tmp_path / "x.raw")
+    for load, data in archives:
+        assert len(data) > a.nbytes
+        twin = load(data)
+        assert torch.equal(twin._table.view(torch.int32), torch.from_numpy(a).view(torch.int32))
+        assert torch.equal(twin.gather(INDEX), want)
 
 
 def test_written_copy_on_write_pages_pickle_by_value(tmp_path):
@@ -111,20 +130,20 @@ def test_written_copy_on_write_pages_pickle_by_value(tmp_path):
     assert file_region(store._table) is None
     want = torch.from_numpy(a)[INDEX]
     want[[1, 3]] = -1.0
-    twin = pickle.loads(pickle.dumps(store))
+    twin = pickle.loads(bytes(ForkingPickler.dumps(store)))
     assert torch.equal(twin.gather(INDEX), want)
     assert mapped_file(twin._table) != str(tmp_path / "x.npy")
 
 
 def test_a_file_replaced_or_gone_since_pickling_is_refused(tmp_path):
     a = table_file(tmp_path)
-    data = pickle.dumps(FeatureStore(tmp_path / "x.npy", device="cpu"))
+    data = bytes(ForkingPickler.dumps(FeatureStore(tmp_path / "x.npy", device="cpu")))
     np.save(tmp_path / "x.npy", a + 1)  # same size; its modification time tells
     st = os.stat(tmp_path / "x.npy")
     os.utime(tmp_path / "x.npy", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     with pytest.raises(RuntimeError, match="replaced or rewritten since this store was pickled"):
         pickle.loads(data)
-    data = pickle.dumps(FeatureStore(tmp_path / "x.npy", device="cpu"))
+    data = bytes(ForkingPickler.dumps(FeatureStore(tmp_path / "x.npy", device="cpu")))
     os.unlink(tmp_path / "x.npy")
     with pytest.raises(FileNotFoundError, match="must be reachable where it is unpickled"):
         pickle.loads(data)

@@ -1,21 +1,26 @@
 """Tensors whose memory is a mapped file (a FeatureStore's table built from a path, np.memmap,
 torch.from_file; a NeighborSampler's or PyGGraphStore's CSC arrays), found from the process's
-own mappings, so that a pickled holder maps the same file again in the process that unpickles it
-(a spawned DataLoader worker) instead of carrying its bytes: torch's pickling for workers moves a
-tensor into shared memory (/dev/shm), a copy of the whole table or graph, an OOM or a full
-/dev/shm for one larger than RAM (and for torch.from_file tensors it fails with "Bad file
-descriptor").
+own mappings, so that a holder sent to another process (a spawned DataLoader worker) maps the same
+file again there instead of carrying its bytes: torch's pickling for workers moves a tensor into
+shared memory (/dev/shm), a copy of the whole table or graph, an OOM or a full /dev/shm for one
+larger than RAM (and for torch.from_file tensors it fails with "Bad file descriptor").
+
+Only multiprocessing's pickler (ForkingPickler: a spawned process's arguments, its queues) takes
+that route. Plain pickle, torch.save and copy.copy carry the rows by value: an archived dataset
+or model must not lose its rows when the file is moved or deleted.
 
 Only memory that is still the file's bytes qualifies: a private (copy-on-write) mapping with
-pages written since it was mapped holds rows the file does not, so such a table is pickled by
+pages written since it was mapped holds rows the file does not, so such a table is sent by
 value, as before.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import stat
 from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
 import torch
@@ -134,17 +139,111 @@ class FileTensor:
 
 
 def by_file(value):
-    """For pickling: a FileTensor in place of a plain tensor that is its file's bytes, else
-    `value` itself (pickled by value: memory of its own, edited copy-on-write pages, a tensor
-    subclass, not a tensor)."""
+    """A FileTensor in place of a plain tensor that is its file's bytes, else `value` itself
+    (sent by value: memory of its own, edited copy-on-write pages, a tensor subclass, not a
+    tensor)."""
     if type(value) is not torch.Tensor:
         return value
     region = file_region(value)
     return value if region is None else FileTensor(region, value.dtype, tuple(value.shape))
 
 
+def mapped_again(value: torch.Tensor, **names) -> torch.Tensor | None:
+    """For deepcopy: a private (copy-on-write) mapping of a file mapped again, not read whole
+    into memory; None for anything else, which deepcopy copies. A shared mapping is copied too:
+    edits of the original reach its file, and so a copy mapped from it."""
+    region = file_region(value, private_only=True) if type(value) is torch.Tensor else None
+    return None if region is None else region.open(value.dtype, tuple(value.shape), **names)
+
+
+class FileBackedPickling:
+    """Base of the holders of tensors that may be mapped files. Sent to another process through
+    multiprocessing's ForkingPickler (spawned DataLoader workers, PyG's loaders, torch.
+    multiprocessing.spawn), those of `_file_state_keys` travel as references to their files,
+    which the other process maps again (refused there if a file is gone or changed). Everything
+    else (pickle, torch.save, copy.copy) uses the class's own __getstate__: rows by value.
+    deepcopy maps private mappings again and copies the rest.
+
+    Registered with ForkingPickler by exact type, so each subclass registers itself."""
+
+    _file_state_keys: tuple[str, ...] = ()  # state entries holding tensors (in tuples, dicts)
+    _file_names: dict[str, str]  # owner, what, holder: how the errors name the pickled object
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        ForkingPickler.register(cls, _reduce_for_another_process)
+
+    def __deepcopy__(self, memo):
+        cls = type(self)
+        new = cls.__new__(cls)
+        memo[id(self)] = new
+        state = _state_of(self)
+
+        def map_again(t):
+            if id(t) in memo or type(t) is not torch.Tensor:
+                return t  # copied already with another holder: deepcopy gives that copy
+            mapped = mapped_again(t, **self._file_names)
+            if mapped is None:
+                return t
+            memo[id(t)] = mapped
+            memo[id(mapped)] = mapped  # so that deepcopy of the state keeps it as it is
+            return mapped
+
+        for key in self._file_state_keys:
+            if key in state:
+                state[key] = _each_tensor(state[key], map_again)
+        _set_state(new, copy.deepcopy(state, memo))
+        return new
+
+
+def _each_tensor(value, fn, memo=None):
+    """`value` with fn applied to its leaves, through tuples, lists and dicts (their values);
+    a leaf met twice gives the same result (memo by id)."""
+    memo = {} if memo is None else memo
+    if type(value) in (tuple, list):
+        return type(value)(_each_tensor(v, fn, memo) for v in value)
+    if type(value) is dict:
+        return {k: _each_tensor(v, fn, memo) for k, v in value.items()}
+    if id(value) not in memo:
+        memo[id(value)] = (value, fn(value))  # holding value keeps its id from being reused
+    return memo[id(value)][1]
+
+
+def _state_of(holder) -> dict:
+    """A copy of what pickle carries for `holder` (object has no __getstate__ before 3.11)."""
+    getstate = getattr(holder, "__getstate__", None)
+    return dict(holder.__dict__ if getstate is None else getstate())
+
+
+def _set_state(holder, state) -> None:
+    setstate = getattr(holder, "__setstate__", None)
+    if setstate is None:
+        holder.__dict__.update(state)
+    else:
+        setstate(state)
+
+
+def _reduce_for_another_process(holder):
+    state = _state_of(holder)
+    memo: dict = {}  # a tensor met twice goes as one FileTensor, mapped once on the other side
+    for key in holder._file_state_keys:
+        if key in state:
+            state[key] = _each_tensor(state[key], by_file, memo)
+    return _rebuild_mapping_files, (type(holder), state)
+
+
+def _rebuild_mapping_files(cls, state):
+    holder = cls.__new__(cls)
+    memo: dict = {}
+    for key in cls._file_state_keys:
+        if key in state:
+            state[key] = _each_tensor(state[key], lambda v: from_file(v, **cls._file_names), memo)
+    _set_state(holder, state)
+    return holder
+
+
 def from_file(value, *, owner: str, what: str, holder: str):
-    """For unpickling: a FileTensor mapped again (refused if its file changed), else `value`."""
+    """A FileTensor mapped again (refused if its file changed), else `value`."""
     if not isinstance(value, FileTensor):
         return value
     return value.region.open(value.dtype, value.shape, owner=owner, what=what, holder=holder)

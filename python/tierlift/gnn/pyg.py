@@ -16,7 +16,7 @@ import torch
 from torch_geometric.data import EdgeAttr, GraphStore, TensorAttr
 from torch_geometric.data import FeatureStore as _PyGFeatureStore
 
-from tierlift.gnn.file_table import by_file, from_file
+from tierlift.gnn.file_table import FileBackedPickling
 from tierlift.gnn.store import FeatureStore
 
 
@@ -90,17 +90,22 @@ class PyGFeatureStore(_PyGFeatureStore):
         self._stores.clear()
 
 
-class PyGGraphStore(GraphStore):
+class PyGGraphStore(GraphStore, FileBackedPickling):
     """A PyG GraphStore (edge indices kept as put) whose edge arrays that are a mapped file
-    (np.memmap, torch.from_file) pickle as a reference to the file. PyG's loaders pickle their
-    (feature_store, graph_store) into spawned workers, and by value torch's pickling copies the
-    graph into /dev/shm (an OOM for a graph larger than RAM; for torch.from_file arrays it fails
-    with 'Bad file descriptor'); here a worker maps the same file again, which must then be
-    reachable and unchanged.
+    (np.memmap, torch.from_file) reach spawned DataLoader workers as a reference to the file.
+    PyG's loaders pickle their (feature_store, graph_store) into spawned workers, and by value
+    torch's pickling copies the graph into /dev/shm (an OOM for a graph larger than RAM; for
+    torch.from_file arrays it fails with 'Bad file descriptor'); here a worker maps the same
+    file again, which must then be reachable and unchanged. Plain pickle and torch.save carry
+    the edges by value.
 
         gs = PyGGraphStore()
         gs.put_edge_index((row, colptr), edge_type=None, layout="csc", size=(n, n))
     """
+
+    # An edge index is put as a (row, col) pair, or (PyG allows it) as one tensor.
+    _file_state_keys = ("_edges",)
+    _file_names = {"owner": "PyGGraphStore", "what": "graph file", "holder": "graph store"}
 
     def __init__(self):
         super().__init__()
@@ -122,27 +127,6 @@ class PyGGraphStore(GraphStore):
 
     def get_all_edge_attrs(self) -> list[EdgeAttr]:
         return [EdgeAttr(*key) for key in self._edges]
-
-    def __getstate__(self):
-        state = self.__dict__.copy()
-        state["_edges"] = {key: _each_array(by_file, edges) for key, edges in self._edges.items()}
-        return state
-
-    def __setstate__(self, state):
-        state = dict(state)
-        state["_edges"] = {key: _each_array(_map_graph_file, edges)
-                           for key, edges in state["_edges"].items()}
-        self.__dict__.update(state)
-
-
-def _each_array(fn, edges):
-    # An edge index is put as a (row, col) pair, or (PyG allows it) as one tensor.
-    return tuple(fn(t) for t in edges) if isinstance(edges, (tuple, list)) else fn(edges)
-
-
-def _map_graph_file(value):
-    return from_file(value, owner="PyGGraphStore", what="graph file", holder="graph store")
-
 
 def _whole_tensors_only(attr: TensorAttr, action: str) -> None:
     # Rows cannot be put into or taken out of a FeatureStore, and acting on the whole tensor

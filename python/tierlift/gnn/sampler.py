@@ -25,7 +25,7 @@ import torch
 from torch_geometric.data import Data, GraphStore
 from torch_geometric.sampler import BaseSampler, NodeSamplerInput, SamplerOutput
 
-from tierlift.gnn.file_table import by_file, from_file
+from tierlift.gnn.file_table import FileBackedPickling
 
 _HASH_PRIME = (1 << 31) - 1
 _KEYS_UP_TO = 8  # degrees up to this x fanout rank all their edges; above, draw and redraw
@@ -79,7 +79,7 @@ def _check_fanouts(num_neighbors) -> list[int]:
     return list(num_neighbors)
 
 
-class NeighborSampler(BaseSampler):
+class NeighborSampler(BaseSampler, FileBackedPickling):
     """Uniform neighbour sampling without replacement, one fanout per hop, seeded.
 
     Args:
@@ -129,25 +129,12 @@ class NeighborSampler(BaseSampler):
         self.colptr, self.row, self._perm = colptr.cpu(), row.cpu(), perm
         self.num_nodes = self.colptr.numel() - 1
 
-    _GRAPH = ("colptr", "row", "_perm")
-
-    def __getstate__(self):
-        """CSC arrays that are a mapped file (a GraphStore holding np.memmap or torch.from_file
-        tensors) pickle as a reference to the file, which the copy (a spawned DataLoader
-        worker's) maps again: by value, torch's pickling for workers copies the graph into
-        /dev/shm (for torch.from_file arrays it fails). The file must be reachable and unchanged
-        where the copy is unpickled."""
-        state = self.__dict__.copy()
-        for key in self._GRAPH:
-            state[key] = by_file(state[key])
-        return state
-
-    def __setstate__(self, state):
-        state = dict(state)
-        for key in self._GRAPH:
-            state[key] = from_file(state[key], owner="NeighborSampler", what="graph file",
-                                   holder="sampler")
-        self.__dict__.update(state)
+    # CSC arrays that are a mapped file (a GraphStore holding np.memmap or torch.from_file
+    # tensors) reach a spawned DataLoader worker as a reference to the file, which it maps
+    # again: by value, torch's pickling for workers copies the graph into /dev/shm (for
+    # torch.from_file arrays it fails). Plain pickle and torch.save carry the edges.
+    _file_state_keys = ("colptr", "row", "_perm")
+    _file_names = {"owner": "NeighborSampler", "what": "graph file", "holder": "sampler"}
 
     @property
     def edge_permutation(self):

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from tierlift import _extension, ops
-from tierlift.gnn.file_table import file_region
+from tierlift.gnn.file_table import FileBackedPickling, mapped_again
 
 _PIN_MODES = ("inplace", "copy")
 _CACHE_POLICIES = ("degree", "frequency")
@@ -177,7 +177,7 @@ def _check_size(path: Path, start: int, shape, np_dtype, exact: str | None = Non
                          "shape or dtype?)")
 
 
-class FeatureStore:
+class FeatureStore(FileBackedPickling):
     """Host-resident feature rows gathered into GPU (or CPU) tensors.
 
     The features must not change once the store is built: rows are read from their memory at
@@ -212,6 +212,11 @@ class FeatureStore:
             or a tensor they may only repeat what it holds (a ValueError otherwise), except that
             an .npy of unsigned ints reads as a dtype of their width numpy lacks (bfloat16).
     """
+
+    # Sent to a spawned worker, a table that is a mapped file goes as a reference to its file
+    # (the features watched for edits are that table: one mapping for both).
+    _file_state_keys = ("_table", "_watched")
+    _file_names = {"owner": "FeatureStore", "what": "feature file", "holder": "store"}
 
     def __init__(self, features, *, pin="inplace", cache=0.0, cache_policy="degree",
                  degrees=None, device="cuda", locality="index", sort=False, check="sync",
@@ -458,11 +463,10 @@ class FeatureStore:
         table = memo.get(id(self._table))  # the features, copied already with their holder
         # A private mapping is mapped again, not read whole into memory; a shared one is
         # copied: edits of the original's features would reach the file, and so the copy.
-        region = None if table is not None or cuda else file_region(self._table,
-                                                                    private_only=True)
-        if region is not None:
-            table = region.open(self.dtype, self.shape)
-            memo[id(self._table)] = table
+        mapped = None if table is not None or cuda else mapped_again(self._table,
+                                                                     **self._file_names)
+        if mapped is not None:
+            table = memo[id(self._table)] = mapped
         elif table is None:
             if cuda and self._table.is_pinned():  # a pinned copy, not a second one to pin it
                 table = torch.empty_like(self._table, pin_memory=True).copy_(self._table)
@@ -483,15 +487,15 @@ class FeatureStore:
         return new
 
     def __getstate__(self):
-        """A CPU store pickles whole. A CUDA store's copy (for a spawned DataLoader worker, say)
-        carries no rows: its registered memory and GPU cache cannot cross processes, and
-        pickling the table for a worker would move it into shared, unpinned memory under this
-        process's store. The copy keeps shape and dtype, and refuses to gather.
+        """A CPU store pickles whole (torch.save too): an archived store keeps its rows, even
+        one built from a file. Sent to a spawned process (a DataLoader worker) through
+        multiprocessing's pickler, a table that is a mapped file goes as a reference to that
+        file instead (FileBackedPickling), not as a copy in /dev/shm.
 
-        A CPU store whose rows are a mapped file (built from a path, np.memmap, torch.from_file)
-        pickles the file's name and place, not its bytes, and its copy maps the same file again:
-        torch's pickling for a worker would copy the whole table into /dev/shm. The file must
-        then be reachable, unchanged, where the copy is unpickled."""
+        A CUDA store's copy (for a spawned DataLoader worker, say) carries no rows: its
+        registered memory and GPU cache cannot cross processes, and pickling the table for a
+        worker would move it into shared, unpinned memory under this process's store. The copy
+        keeps shape and dtype, and refuses to gather."""
         state = self.__dict__.copy()
         if self.device.type == "cuda" and not self._closed:
             for key in ("_registration", "_table", "_cache_table", "_cache_slots", "_counts",
@@ -499,24 +503,13 @@ class FeatureStore:
                 state[key] = None
             state["_pickled_cuda"] = True
             return state
-        region = None if self._closed else file_region(self._table)
-        if region is not None:
-            state["_table"] = None
-            state["_file_region"] = region
         if self._watched is not None:  # the held tensor; the rest is remade on unpickling
-            mapped = region is not None and self._watched[0] is self._table
-            state["_watched"] = ("table",) if mapped else self._watched[:1]
+            state["_watched"] = self._watched[:1]
         return state
 
     def __setstate__(self, state):
         """Unpickled (a spawned worker's copy): its tensor is new, with a version of its own."""
-        state = dict(state)
-        region = state.pop("_file_region", None)
         self.__dict__.update(state)
-        if region is not None:
-            self._table = region.open(self.dtype, self.shape)
-            if self._watched is not None:
-                self._watched = (self._table,)
         if self._watched is not None and isinstance(self._watched[0], torch.Tensor):
             self._watched = _watch(self._watched[0], self._watched[0])
 
