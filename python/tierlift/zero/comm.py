@@ -57,6 +57,10 @@ def work_done(work) -> bool:
     return True if is_completed is None else bool(is_completed())
 
 
+class RankFailureError(RuntimeError):
+    """A collective failed because another rank died or stopped answering."""
+
+
 class Comm:
     def __init__(self, process_group=None, nodes: list | None = None):
         self.initialized = dist.is_available() and dist.is_initialized()

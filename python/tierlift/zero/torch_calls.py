@@ -57,7 +57,7 @@ from tierlift._shards import combined_norm, grad_owners, shard_owner, split_by_o
 from tierlift._text import first_names
 from tierlift._torch_patch import wrap_method
 from tierlift.offload.overlap import group_settings, same_hyper
-from tierlift.zero import collectives, heartbeat, members, optim_record, replaced, unused
+from tierlift.zero import collectives, members, optim_record, replaced, unused, user_calls
 
 _NORM_PARAMS = ["tensors", "norm_type", "error_if_nonfinite", "foreach"]
 _GROUP_PARAMS = ["tensorlistlist", "with_indices"]
@@ -427,4 +427,4 @@ def install() -> None:
     wrap_method(torch.nn.Module, "requires_grad_", ["self", "requires_grad"],
                 _module_requires_grad)
     collectives.install()  # c10d calls on shards or their gradients refused
-    heartbeat.install_user_calls()  # the ranks' own calls agreed on at stage 3
+    user_calls.install_user_calls()  # the ranks' own calls agreed on at stage 3
