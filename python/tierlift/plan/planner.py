@@ -151,9 +151,24 @@ class PlanInput:
     # AdamW(device_fraction=...): the share of the parameters whose state stays on the GPU
     # beside them (offload/device_part.py); the plan counts it there, at most this share.
     device_fraction: float = 0.0
+    # The parameter tensors' element counts ([p.numel() for p in model.parameters()]): the
+    # offload tiers lay each out from a 1024-element boundary, which a model of many small
+    # tensors pays for (None: `params` taken as one tensor, whole 1024s).
+    numels: tuple[int, ...] | None = None
 
     def __post_init__(self):
         check_fraction(self.device_fraction)
+        if self.numels is not None:
+            self.numels = tuple(self.numels)
+            if not all(type(k) is int and k >= 0 for k in self.numels):
+                raise ValueError("numels must be the parameter tensors' element counts, "
+                                 "integers >= 0")
+            if sum(self.numels) != self.params:
+                raise ValueError(f"numels add up to {sum(self.numels)} elements, not params "
+                                 f"({self.params:.17g})")
+            if self.offload_params != "none" or self.device_fraction:
+                raise ValueError("numels is planned with the bf16 weights on the GPU "
+                                 "(offload_params='none', device_fraction=0)")
         if self.device_fraction and self.offload_params != "none":
             raise ValueError("device_fraction is planned with the bf16 weights on the GPU "
                              "(offload_params='none')")
@@ -270,14 +285,19 @@ _COMPACT_NAMES = {**_KIND_NAMES, "exp_avg": "exp_avg (bf16)", "exp_avg_sq": "exp
                   "exp_avg_sq_scale": "exp_avg_sq scales"}
 
 
-def state_bytes_per_param(state_dtype: str = "fp32", master: bool = True) -> dict[str, float]:
+def state_bytes_per_param(state_dtype: str = "fp32", master: bool = True,
+                          chunk_elems: int | None = None) -> dict[str, float]:
     """Bytes per parameter of each optimizer state kind (fp32 master included unless `master`
     is False: offload="cpu" steps an fp32 host shard in place), as the offload tiers lay them
-    out in chunks of the default size (each kind of a chunk 4 KiB aligned)."""
+    out in chunks of the default size (each kind of a chunk 4 KiB aligned), or per element of
+    a host tier's chunks of `chunk_elems` (not aligned, as tiers.MemoryTier holds them)."""
     kinds = state_kinds(False, state_dtype)
     if not master:
         kinds.pop("master")
     names = _COMPACT_NAMES if state_dtype == "bf16" else _KIND_NAMES
+    if chunk_elems is not None:
+        return {names[k]: chunk_bytes({k: d}, chunk_elems, aligned=False) / chunk_elems
+                for k, d in kinds.items()}
     return {names[k]: chunk_bytes({k: d}, _CHUNK_ELEMS) / _CHUNK_ELEMS for k, d in kinds.items()}
 
 
@@ -311,12 +331,20 @@ def working_set_bytes(inp: PlanInput) -> float:
     return 12 * inp.unit_share * int(inp.params)
 
 
+def reserved_elems(inp: PlanInput, n: int) -> int:
+    """Elements the offload tiers reserve for `n` parameters: each tensor from a
+    1024-element boundary (inp.numels; without them, one tensor)."""
+    if inp.numels is None:
+        return -(-n // ALIGN_ELEMS) * ALIGN_ELEMS
+    return sum(-(-max(k, 1) // ALIGN_ELEMS) * ALIGN_ELEMS for k in inp.numels)
+
+
 def _host_layout(inp: PlanInput, n: int, device: bool) -> tuple[int, int, int, int, int]:
     """(chunk elements, chunks, bytes of one chunk of every kind, staging with two generations,
     staging with one) of the overlapped host tier of `n` parameters (one group, whole 1024s);
     `device`: the parameters are on the GPU (their gradients and weights are staged)."""
     kinds = state_kinds(False, inp.state_dtype)
-    reserved = -(-n // ALIGN_ELEMS) * ALIGN_ELEMS
+    reserved = reserved_elems(inp, n)
     elems = host_chunk_elems(inp.chunk_bytes, reserved)
     stage = dict.fromkeys(("grad", "copy"), torch.float32) if device else {}
     slot = {**kinds, **stage}
@@ -397,6 +425,10 @@ def make_plan(inp: PlanInput, bw: Bandwidths) -> Plan:
         return Plan(offload="none", tiers={"gpu": {**model, **state}},
                     legs_s={"gpu adam": (4 + sum(state.values()) / n) * n / (3e12)},
                     note="everything fits on the GPU" + _dtype_note(inp))
+    if inp.numels is not None:  # offloaded: the tiers' whole chunks of the padded tensors
+        elems, chunks = _host_layout(inp, n, device=True)[:2]
+        state = {k: b * elems * chunks for k, b in state_bytes_per_param(
+            inp.state_dtype, chunk_elems=elems).items()}
     pcie_h2d = bw.h2d_bps or _PCIE_ASSUMED
     pcie_d2h = bw.d2h_bps or _PCIE_ASSUMED
     legs = {"d2h grads": 2 * n / pcie_d2h, "cpu adam": n / bw.adam_elems_per_s,
@@ -655,6 +687,9 @@ def _dtype_note(inp: PlanInput) -> str:
 def max_params(inp: PlanInput, bw: Bandwidths) -> tuple[int, Plan]:
     """The largest parameter count (and its plan) that fits these budgets, by bisection:
     whatever fits a tier, a smaller model fits too."""
+    if inp.numels is not None:  # a larger model's tensors are not known
+        raise ValueError("max_params plans a parameter count; give numels=None")
+
     def fits(n: int) -> Plan | None:
         try:
             return make_plan(dataclasses.replace(inp, params=n), bw)

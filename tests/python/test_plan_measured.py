@@ -1,0 +1,117 @@
+"""The plan's bytes against what the runtime allocates for the same model: the offload tiers lay
+each parameter tensor out from a 1024-element boundary, so a model of many small tensors needs
+more state than its parameter count says; PlanInput(numels=...) plans that layout. The NVMe
+part of a hybrid plan is the bytes of its files on disk."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import tierlift
+from tierlift.plan import Bandwidths, PlanInput, make_plan, max_params
+
+pytestmark = pytest.mark.skipif(not tierlift._extension.available(),
+                                reason="compiled extension not loaded")
+
+BW = Bandwidths(memory_bps=10e9, adam_elems_per_s=1e9, disk_read_bps=2e9, disk_write_bps=1e9)
+CHUNK_BYTES = 64 << 10  # 16384 elements
+
+
+def _small_tensors() -> nn.Module:
+    """80 tensors of 1024 and 32 elements: the tiers reserve 1024 for each bias."""
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(32, 32) for _ in range(40)]).bfloat16()
+
+
+def _inp(model: nn.Module, **kw) -> PlanInput:
+    numels = [p.numel() for p in model.parameters()]
+    n = sum(numels)
+    # The bf16 weights and gradients fit the GPU, the state does not: it is offloaded.
+    return PlanInput(params=n, gpu_mem=int(6 * n / 0.7), cpu_mem=1 << 30,
+                     chunk_bytes=CHUNK_BYTES, numels=numels, **kw)
+
+
+def _state_bytes(plan) -> float:
+    return sum(v for k, v in plan.tiers["cpu"].items() if k != "staging pool")
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_many_small_tensors_are_planned_as_the_tiers_lay_them_out(overlap, state_dtype,
+                                                                  monkeypatch):
+    """42240 parameters in 80 tensors take 81920 elements of state (the plan from the count
+    alone said about half of that); with numels the plan is the tiers' bytes exactly, and its
+    in-place budget is the smallest the optimizer accepts. The CPU weights are taken for device
+    ones (d2h.on_device), so the runtime stages them as the plan counts."""
+    from tierlift.offload import d2h
+
+    monkeypatch.setattr(d2h, "on_device", lambda t: True)
+    model = _small_tensors()
+    inp = _inp(model, overlap=overlap, state_dtype=state_dtype)
+    plan = make_plan(inp, BW)
+    assert plan.offload == "cpu" and plan.overlap is overlap
+    count_only = make_plan(dataclasses.replace(inp, numels=None), BW)
+    assert _state_bytes(plan) > 1.25 * _state_bytes(count_only)
+
+    def build(budget=None):
+        return tierlift.optim.AdamW(model.parameters(), lr=1e-3, offload="cpu", overlap=overlap,
+                                    chunk_bytes=CHUNK_BYTES, state_dtype=state_dtype,
+                                    cpu_budget=budget)._offload
+
+    off = build()
+    assert sum(t.resident_bytes for t in off.tiers) == _state_bytes(plan)
+    assert off.pool_bytes == plan.tiers["cpu"]["staging pool"]
+    off.close()
+    if not overlap:
+        total = int(sum(plan.tiers["cpu"].values()))
+        build(total).close()
+        with pytest.raises(ValueError, match="smaller than the optimizer state"):
+            build(total - 1)
+        with pytest.raises(ValueError, match=r"short by 1\.0 B"):
+            make_plan(dataclasses.replace(inp, cpu_budget=total - 1), BW)
+
+
+@pytest.mark.parametrize("generations", [2, 1])
+def test_hybrid_nvme_bytes_are_the_files_on_disk(tmp_path, generations):
+    """offload="hybrid" with a budget of the pool and 96 whole chunks: the plan's NVMe bytes
+    (one or two generations) are the state files' allocated bytes after a step, its host
+    bytes the tier's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(512, 512, bias=False) for _ in range(8)]).bfloat16()
+    n = sum(p.numel() for p in model.parameters())
+    pool = 6 * 12 * 16384  # 6 slots x one chunk of master, m and v (no device staging)
+    budget = pool + 96 * 12 * 16384
+    inp = PlanInput(params=n, gpu_mem=16 << 20, cpu_mem=1 << 30, nvme=str(tmp_path),
+                    cpu_budget=budget, pool_bytes=pool, chunk_bytes=CHUNK_BYTES,
+                    nvme_free=None if generations == 2 else 12 * (n - 96 * 16384))
+    plan = make_plan(inp, BW)
+    assert plan.offload == "hybrid" and plan.generations == generations
+    opt = tierlift.optim.AdamW(model.parameters(), lr=1e-3, offload="hybrid",
+                               nvme_path=str(tmp_path), cpu_budget=budget,
+                               chunk_bytes=CHUNK_BYTES, nvme_generations=generations)
+    model(torch.randn(4, 512, dtype=torch.bfloat16)).float().square().mean().backward()
+    opt.step()
+    on_disk = sum(os.stat(os.path.join(r, f)).st_blocks * 512
+                  for r, _, fs in os.walk(tmp_path) for f in fs if f != "owner.json")
+    assert on_disk == sum(plan.tiers["nvme"].values()) == generations * 12 * (n - 96 * 16384)
+    off = opt._offload
+    assert off.tiers[0].resident_bytes == _state_bytes(plan)
+    assert off.pool_bytes == plan.tiers["cpu"]["staging pool"]
+    off.close()
+
+
+def test_numels_that_cannot_be_planned_are_refused():
+    base = dict(params=2048, gpu_mem=1 << 30, cpu_mem=1 << 30)
+    with pytest.raises(ValueError, match="numels add up to 2047"):
+        PlanInput(**base, numels=[1024, 1023])
+    with pytest.raises(ValueError, match="integers >= 0"):
+        PlanInput(**base, numels=[1024.0, 1024])
+    with pytest.raises(ValueError, match="offload_params='none'"):
+        PlanInput(**base, numels=[1024, 1024], offload_params="cpu")
+    with pytest.raises(ValueError, match="give numels=None"):
+        max_params(PlanInput(**base, numels=[1024, 1024]), BW)
