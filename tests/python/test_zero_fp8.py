@@ -309,5 +309,5 @@ def test_fp8_all_gather_with_param_offload_is_refused():
 
 def test_convert_after_shard_is_refused():
     model = tierlift.zero.shard(Net(), stage=3)
-    with pytest.raises(ValueError, match="before shard"):
+    with pytest.raises(ValueError, match=r"before shard\(\).*\"from_pretrained\": \"whole\""):
         tierlift.lowp.convert(model, recipe="fp8-rowwise", min_features=0)

@@ -99,7 +99,10 @@ def convert(model: nn.Module, recipe: str | Float8Recipe | FP4Recipe = "fp8-roww
         # shard() already replaced the Linear weights by views of its flat buffers and hooked
         # the modules it found; swapping modules now would bypass that.
         raise ValueError("model is already sharded by tierlift.zero.shard: call "
-                         "tierlift.lowp.convert(model, ...) before shard()")
+                         "tierlift.lowp.convert(model, ...) before shard() (under python -m "
+                         "tierlift.hf.launch, whose partitioned load returns the model "
+                         "sharded, set \"from_pretrained\": \"whole\" in its config so the "
+                         "script converts before the Trainer shards)")
     report = ConversionReport(recipe=r.name)
     chosen = []  # decided for every layer before any changes (module_filter_fn may raise)
     bypassed = _bypassed_linears(model)
