@@ -287,3 +287,28 @@ def test_checkpoint_wrapper_after_shard_is_refused_naming_the_ways_that_work():
         apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper,
                                        check_fn=lambda m: isinstance(m, Block))
     assert list(model.named_modules()) == before
+
+
+def test_one_optimizer_over_two_sharded_models_and_a_plain_one_trains_exactly():
+    """The check for unpacked parameters looks at every live sharded model: an optimizer over
+    a stage-3 model, a stage-2 one and a plain head (a policy, a value model, a probe) holds
+    only their shards and the head's own weights, and is not refused."""
+    def three():
+        torch.manual_seed(0)
+        return Net(), Net(), nn.Linear(3, 3)
+
+    def train(a, b, head):
+        opt = torch.optim.AdamW([*a.parameters(), *b.parameters(), *head.parameters()], **OPT)
+        for x, y in _data():
+            opt.zero_grad()
+            F.cross_entropy(head(a(x) + b(x)), y).backward()
+            opt.step()
+
+    ref = three()
+    train(*ref)
+    a, b, head = three()
+    a, b = tierlift.zero.shard(a, stage=3), tierlift.zero.shard(b, stage=2)
+    train(a, b, head)
+    for got, want in zip((tierlift.zero.full_state_dict(a), tierlift.zero.full_state_dict(b),
+                          head.state_dict()), (m.state_dict() for m in ref), strict=True):
+        assert _max_abs(got, want) < 1e-6
