@@ -60,3 +60,27 @@ def test_cli_prints_and_returns_the_rows():
     assert "across nodes per step (4 nodes x 8 GPUs, 400 Gb/s per node" in text
     bad = subprocess.run(cmd[:-2], env=env, capture_output=True, text=True)
     assert bad.returncode != 0 and "go together" in bad.stderr
+
+
+def test_reducing_every_micro_batch_multiplies_the_gradient_bytes(capsys):
+    """Without model.no_sync() each backward reduces its gradient: m times the gradient bytes
+    (tests/python/test_plan_measured.py counts them at the c10d calls)."""
+    import json
+
+    from tierlift.__main__ import main
+    from tierlift.plan.comm import render_comm
+
+    once = comm_plan(1e9, 4, 4, 100, micro_batches=4)
+    every = comm_plan(1e9, 4, 4, 100, micro_batches=4, reduce_every_micro_batch=True)
+    assert every[0].per_node_bytes == pytest.approx(once[0].per_node_bytes * (16 + 8) / (16 + 2))
+    assert every[1].per_node_bytes == pytest.approx(4 * once[1].per_node_bytes)
+    assert "reduced once (model.no_sync()" in render_comm(once, 4, 4, 100, 4)
+    assert "reduced after each" in render_comm(every, 4, 4, 100, 4, True)
+    with pytest.raises(ValueError, match="micro_batches must be >= 1"):
+        inter_node_bytes_per_rank(1e9, 2, 8, LAYOUTS[0], micro_batches=0)
+    argv = ["plan", "--params", "1e9", "--gpu-mem", "80G", "--cpu-mem", "64G", "--probe-mib",
+            "4", "--nodes", "4", "--gpus-per-node", "4", "--inter-node-gbps", "100",
+            "--micro-batches", "4", "--json"]
+    assert main([*argv, "--reduce-every-micro-batch"]) == 0
+    rows = json.loads(capsys.readouterr().out)["across_nodes"]
+    assert rows[0]["per_node_bytes"] == pytest.approx(every[0].per_node_bytes)

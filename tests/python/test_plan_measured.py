@@ -1,12 +1,15 @@
 """The plan's bytes against what the runtime allocates for the same model: the offload tiers lay
 each parameter tensor out from a 1024-element boundary, so a model of many small tensors needs
 more state than its parameter count says; PlanInput(numels=...) plans that layout. The NVMe
-part of a hybrid plan is the bytes of its files on disk."""
+part of a hybrid plan is the bytes of its files on disk. The bytes across nodes (plan --nodes)
+are those counted at the c10d calls of a step on two gloo ranks, each its own node."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import sys
 
 import pytest
 import torch
@@ -14,6 +17,7 @@ from torch import nn
 
 import tierlift
 from tierlift.plan import Bandwidths, PlanInput, make_plan, max_params
+from tierlift.plan.comm import LAYOUTS, inter_node_bytes_per_rank
 
 pytestmark = pytest.mark.skipif(not tierlift._extension.available(),
                                 reason="compiled extension not loaded")
@@ -115,3 +119,90 @@ def test_numels_that_cannot_be_planned_are_refused():
         PlanInput(**base, numels=[1024, 1024], offload_params="cpu")
     with pytest.raises(ValueError, match="give numels=None"):
         max_params(PlanInput(**base, numels=[1024, 1024]), BW)
+
+
+# tierlift.zero.shard's arguments for each of comm.py's layouts (FP8 gathers need lowp layers,
+# and the hierarchical rows send no weights across: int8 gradients alone are that row).
+_SHARD_KW = ({}, {"hierarchy": "node"}, {"hierarchy": "node", "grad_comm": "int8"})
+# Scalars beside the model's bytes: each synced backward's agreement on unused parameters
+# (48 bytes here), not in the plan.
+_SCALARS_PER_REDUCE = 64
+
+
+def _sent_to_peers(world: int, counts: dict):
+    """Patches the c10d collectives to add what this rank sends to the others to counts["sent"]
+    (a ring all-reduce sends 2 (W-1)/W of its tensor, as tierlift.zero's Comm counts it)."""
+    import torch.distributed as dist
+
+    def counting(fn, share):
+        def call(*args, **kwargs):
+            t = args[0] if fn.__name__ == "all_reduce" else args[1]
+            counts["sent"] += int(t.numel() * t.element_size() * share)
+            return fn(*args, **kwargs)
+        return call
+
+    shares = {"all_gather_into_tensor": world - 1, "reduce_scatter_tensor": (world - 1) / world,
+              "all_reduce": 2 * (world - 1) / world, "all_to_all_single": (world - 1) / world}
+    return [(dist, name, getattr(dist, name), counting(getattr(dist, name), share))
+            for name, share in shares.items()]
+
+
+def _comm_cases(rank, world, tmp):
+    os.environ["GROUP_RANK"] = str(rank)  # each rank its own node (topology.node_key)
+    out = {}
+    for li, kw in enumerate(_SHARD_KW):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+        out["params"] = sum(p.numel() for p in model.parameters())
+        model = tierlift.zero.shard(model, stage=3, **kw,
+                                    mixed_precision=tierlift.zero.MixedPrecision(
+                                        param_dtype=torch.bfloat16))
+        opt = tierlift.optim.AdamW(model.parameters(), lr=1e-3)
+        x = torch.randn(4, 64, dtype=torch.bfloat16)
+        for no_sync in (True, False):
+            counts = {"sent": 0}
+            patches = _sent_to_peers(world, counts)
+            for mod, name, _, patched in patches:
+                setattr(mod, name, patched)
+            try:
+                for i in range(2):
+                    quiet = model.no_sync() if no_sync and i == 0 else contextlib.nullcontext()
+                    with quiet:
+                        model(x).float().square().mean().backward()
+                opt.step()
+            finally:
+                for mod, name, orig, _ in patches:
+                    setattr(mod, name, orig)
+            opt.zero_grad(set_to_none=True)
+            out[li, no_sync] = counts["sent"]
+        tierlift.zero.close(model)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    sys.path.insert(0, os.path.dirname(__file__))
+    from zero_model import spawn_ranks
+
+    return spawn_ranks(_comm_cases, str(tmp_path_factory.mktemp("plan_comm")))
+
+
+@pytest.mark.parametrize("no_sync", [True, False], ids=["no_sync", "reduce-every-micro-batch"])
+@pytest.mark.parametrize("layout", range(len(LAYOUTS)), ids=[x.name for x in LAYOUTS])
+def test_bytes_across_nodes_are_the_c10d_bytes_of_a_step(two_nodes, layout, no_sync):
+    """Two micro-batches per step, the first under model.no_sync() or not: the planned bytes
+    this rank sends to the other node are what its c10d calls send, bar the step's scalars.
+    With int8 gradients each unit's shard (4160 values) is padded to a multiple of
+    2 nodes x 256 before it is quantized (comm.py's note): 4608 values of 6 units."""
+    for out in two_nodes:
+        n = out["params"]
+        predicted = inter_node_bytes_per_rank(n, 2, 1, LAYOUTS[layout], micro_batches=2,
+                                              reduce_every_micro_batch=not no_sync)
+        if layout == 2:
+            n_padded = 6 * 4608
+            assert n_padded - n < 6 * 2 * 256  # the bound comm.py states
+            predicted = inter_node_bytes_per_rank(n_padded, 2, 1, LAYOUTS[layout],
+                                                  micro_batches=2,
+                                                  reduce_every_micro_batch=not no_sync)
+        reduces = 1 if no_sync else 2
+        assert predicted <= out[layout, no_sync] <= predicted + reduces * _SCALARS_PER_REDUCE

@@ -74,7 +74,12 @@ def add_parser(sub) -> None:
     n.add_argument("--inter-node-gbps", type=float, default=None,
                    help="link bandwidth per node to the others, Gb/s each way (e.g. 400)")
     n.add_argument("--micro-batches", type=int, default=1,
-                   help="forward/backward passes per optimizer step (gradient accumulation)")
+                   help="forward/backward passes per optimizer step (gradient accumulation); "
+                        "the gradient is reduced once, after the last (the others under "
+                        "model.no_sync())")
+    n.add_argument("--reduce-every-micro-batch", action="store_true",
+                   help="with --micro-batches: every backward reduces its gradient (no "
+                        "model.no_sync()), micro-batches times the gradient bytes")
     a = p.add_argument_group("saved activations (tierlift.activations.Policy per block)")
     a.add_argument("--act-blocks", type=int, default=None, help="number of blocks")
     a.add_argument("--act-block-bytes", default=None, help="bytes one block saves, e.g. 2G")
@@ -258,7 +263,8 @@ def run(args: argparse.Namespace) -> int:
         plan = make_plan(inp, bw)
     policy = None if args.act_blocks is None else activation_policy(args, bw)
     comm = None if args.nodes is None else comm_plan(inp.params, args.nodes, args.gpus_per_node,
-                                                     args.inter_node_gbps, args.micro_batches)
+                                                     args.inter_node_gbps, args.micro_batches,
+                                                     args.reduce_every_micro_batch)
     if args.json:
         print(json.dumps({"params": int(inp.params), "max_params": largest,
                           "offload": plan.offload, "nvme_generations": plan.generations,
@@ -287,7 +293,8 @@ def run(args: argparse.Namespace) -> int:
             print("activations per block, first to last (tierlift.activations.Policy): "
                   + ", ".join(f"{t} x{n}" for t, n in counts.items()))
         if comm is not None:
-            print(render_comm(comm, args.nodes, args.gpus_per_node, args.inter_node_gbps))
+            print(render_comm(comm, args.nodes, args.gpus_per_node, args.inter_node_gbps,
+                              args.micro_batches, args.reduce_every_micro_batch))
     if args.plot:
         from tierlift.plan.plot import capacities, plot_plan
 
