@@ -51,6 +51,7 @@ msync    not needed: the file is scratch, deleted when the model goes away; chec
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import shutil
@@ -59,7 +60,10 @@ import warnings
 import weakref
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
 from tierlift.offload import tiers
 from tierlift.zero.param_nvme_reader import ShardReader, direct_io_error
@@ -91,8 +95,21 @@ def _check_dir(nvme_path) -> str:
     return path
 
 
-def _cleanup(fds: list[int], directory: str, hook, reader) -> None:
-    hook.remove()
+def _fill_holes(fd: int, nbytes: int) -> None:
+    """Writes zeros over a file that fallocate left sparse (a file system without it): a
+    write fault through the mapping on a hole of a full drive is a SIGBUS that kills the
+    process mid-step, a pwrite here is an OSError at shard()."""
+    if os.fstat(fd).st_blocks * 512 >= nbytes:
+        return
+    zeros = bytes(min(nbytes, 8 << 20))
+    done = 0
+    while done < nbytes:
+        done += os.pwrite(fd, zeros[:nbytes - done], done)
+
+
+def _cleanup(fds: list[int], directory: str, hooks, reader) -> None:
+    for hook in hooks:
+        hook.remove()
     if reader is not None:
         reader.close()
     for fd in fds:
@@ -144,6 +161,7 @@ class NvmeParamStore:
                 fds.append(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
                 try:
                     tiers._reserve(fds[-1], nbytes, path, 2 * nbytes)
+                    _fill_holes(fds[-1], nbytes)
                 except OSError as e:
                     raise OSError(e.errno, f"nvme_path={parent!r} has no room for the "
                                   f"parameter and gradient shards: {2 * nbytes} bytes are "
@@ -204,8 +222,14 @@ class NvmeParamStore:
             if store is not None:
                 store._after_step(optimizer)
 
-        hook = register_optimizer_step_post_hook(after_step)
-        self._finalizer = weakref.finalize(self, _cleanup, fds, self.directory, hook,
+        def before_step(optimizer, args, kwargs):
+            store = ref()
+            if store is not None:
+                store._before_step(optimizer)
+
+        hooks = (register_optimizer_step_pre_hook(before_step),
+                 register_optimizer_step_post_hook(after_step))
+        self._finalizer = weakref.finalize(self, _cleanup, fds, self.directory, hooks,
                                            self._reader)
 
     @staticmethod
@@ -225,6 +249,29 @@ class NvmeParamStore:
         RAM, so call it when training is over)."""
         self._finalizer()
         self._fd = -1
+
+    def check_files(self) -> None:
+        """Raises OSError (EIO) if either file is shorter than it was made: cut short under the
+        running job, its pages past the end are gone, and touching them through the mapping
+        would be a SIGBUS that kills the process. Called before every gather and step reads or
+        writes them (one fstat per file)."""
+        if self._fd < 0:
+            return
+        for fd, path, what in ((self._fd, self.path, "fp32 shards"),
+                               (self._gfd, self.grad_path, "fp32 gradient shards")):
+            size = os.fstat(fd).st_size
+            if size < self.nbytes:
+                raise OSError(errno.EIO, f"{path!r} (the {what} of offload_params='nvme') was "
+                              f"cut short under the running job: {size} of its {self.nbytes} "
+                              f"bytes are left and what was past them is lost; nothing more "
+                              f"is read from it or stepped: resume from a checkpoint")
+
+    def _before_step(self, optimizer) -> None:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and self._range(p) is not None:
+                    self.check_files()  # before the step writes anything through the mapping
+                    return
 
     # ---- shards ----
     def alloc(self, shard: torch.Tensor) -> torch.Tensor:
@@ -250,6 +297,7 @@ class NvmeParamStore:
         off = self._grad_at.get(shard.data_ptr())
         if off is None:
             return None
+        self.check_files()
         # A tensor of its own over the range, not a view of self._flat: its version counter
         # then counts writes to this gradient only (the overlapped optimizer checks it).
         view = torch.frombuffer(self._gmap, dtype=torch.float32, count=shard.numel(),
@@ -297,6 +345,8 @@ class NvmeParamStore:
         O_DIRECT (read ahead while the previous unit computed, if it was predicted), or the
         view itself where O_DIRECT is not available. Valid until the next fetch()."""
         r = self._range(shard)
+        if r is not None:
+            self.check_files()
         if r is None or self._reader is None:
             return shard
         return self._reader.fetch(*r).view(torch.float32).view(shard.shape)
