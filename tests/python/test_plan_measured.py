@@ -206,3 +206,30 @@ def test_bytes_across_nodes_are_the_c10d_bytes_of_a_step(two_nodes, layout, no_s
                                                   reduce_every_micro_batch=not no_sync)
         reduces = 1 if no_sync else 2
         assert predicted <= out[layout, no_sync] <= predicted + reduces * _SCALARS_PER_REDUCE
+
+
+def test_activations_in_host_memory_leave_the_state_the_rest(capsys):
+    """--act-cpu-budget is host memory the saved activations hold during forward and backward,
+    when the offloaded state is there too: the plan gives the state what is left of its 80%
+    of cpu_mem (before, 45 GiB of state and 40 GiB of activations were planned on a 64 GiB
+    host)."""
+    from tierlift.__main__ import main
+
+    G = 1 << 30
+    inp = PlanInput(params=4e9, gpu_mem=80 * G, cpu_mem=64 * G, overlap=False)
+    plan = make_plan(inp, BW)
+    assert plan.offload == "cpu" and sum(plan.tiers["cpu"].values()) > 40 * G
+    with pytest.raises(ValueError, match=r"less the activations' 40\.0 GiB"):
+        make_plan(dataclasses.replace(inp, act_cpu_budget=40 * G), BW)
+    small = make_plan(dataclasses.replace(inp, act_cpu_budget=2 * G), BW)
+    assert sum(small.tiers["cpu"].values()) + 2 * G <= int(0.8 * 64 * G)
+    # A budget given is the state's own: it and the activations' must fit cpu_mem together.
+    with pytest.raises(ValueError, match="more than cpu_mem"):
+        dataclasses.replace(inp, cpu_budget=30 * G, act_cpu_budget=40 * G)
+    argv = ["plan", "--params", "4e9", "--gpu-mem", "80G", "--cpu-mem", "64G", "--probe-mib",
+            "4", "--no-overlap", "--act-blocks", "40", "--act-block-bytes", "1G"]
+    assert main([*argv, "--act-cpu-budget", "2G"]) == 0
+    assert "ram x2" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main([*argv, "--act-cpu-budget", "40G"])
+    assert "do not fit in 11.2 GiB of host memory" in capsys.readouterr().err

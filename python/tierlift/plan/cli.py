@@ -220,11 +220,6 @@ def run(args: argparse.Namespace) -> int:
     if cpu_budget is not None and cpu_budget > cpu_mem:
         raise ValueError(f"--cpu-budget {args.cpu_budget} is more than --cpu-mem "
                          f"{args.cpu_mem}, the host memory it is a part of")
-    inp = PlanInput(params=params, gpu_mem=gpu_mem, cpu_mem=cpu_mem, nvme=args.nvme,
-                    cpu_budget=cpu_budget, nvme_free=_nvme_free(args),
-                    state_dtype=args.state_dtype, offload_params=args.offload_params,
-                    grad_dtype=args.grad_dtype, device_params=_device_params(args.device_params),
-                    overlap=args.overlap, device_fraction=args.device_fraction)
     given = [x is not None for x in (args.nodes, args.gpus_per_node, args.inter_node_gbps)]
     if any(given) and not all(given):
         raise ValueError("--nodes, --gpus-per-node and --inter-node-gbps go together")
@@ -245,6 +240,13 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--cpu-budget {args.cpu_budget} plus --act-cpu-budget "
                          f"{args.act_cpu_budget} is more than --cpu-mem {args.cpu_mem}, the host "
                          "memory both are a part of")
+    inp = PlanInput(params=params, gpu_mem=gpu_mem, cpu_mem=cpu_mem, nvme=args.nvme,
+                    cpu_budget=cpu_budget, nvme_free=_nvme_free(args),
+                    # the activations' RAM tier is host memory the state cannot take
+                    act_cpu_budget=act_cpu if args.act_blocks is not None else 0,
+                    state_dtype=args.state_dtype, offload_params=args.offload_params,
+                    grad_dtype=args.grad_dtype, device_params=_device_params(args.device_params),
+                    overlap=args.overlap, device_fraction=args.device_fraction)
     try:
         bw = measure(args.nvme, probe)
     except MemoryError as err:

@@ -155,6 +155,9 @@ class PlanInput:
     # offload tiers lay each out from a 1024-element boundary, which a model of many small
     # tensors pays for (None: `params` taken as one tensor, whole 1024s).
     numels: tuple[int, ...] | None = None
+    # Host memory the saved activations take (tierlift.activations' RAM tier, --act-cpu-budget):
+    # without a cpu_budget the state gets the rest of the 80% of cpu_mem the plan uses.
+    act_cpu_budget: int = 0
 
     def __post_init__(self):
         check_fraction(self.device_fraction)
@@ -202,6 +205,12 @@ class PlanInput:
         if self.cpu_budget is not None and self.cpu_budget > self.cpu_mem:
             raise ValueError(f"cpu_budget ({self.cpu_budget} bytes) is more than cpu_mem "
                              f"({self.cpu_mem} bytes), the host memory it is a part of")
+        if self.act_cpu_budget < 0:
+            raise ValueError(f"act_cpu_budget must be >= 0, got {self.act_cpu_budget}")
+        if self.act_cpu_budget > self.cpu_mem - (self.cpu_budget or 0):
+            raise ValueError(f"act_cpu_budget ({self.act_cpu_budget} bytes) and cpu_budget "
+                             f"({self.cpu_budget or 0} bytes) are more than cpu_mem "
+                             f"({self.cpu_mem} bytes), the host memory both are a part of")
         if not 0 <= self.gpu_reserve < 1:
             raise ValueError(f"gpu_reserve must be in [0, 1), got {self.gpu_reserve}")
 
@@ -331,6 +340,12 @@ def working_set_bytes(inp: PlanInput) -> float:
     return 12 * inp.unit_share * int(inp.params)
 
 
+def host_room(inp: PlanInput) -> int:
+    """The host memory the training state may take: 80% of cpu_mem (the rest for the system
+    and the data pipeline) less the saved activations' RAM tier."""
+    return max(0, int(inp.cpu_mem * 0.8) - inp.act_cpu_budget)
+
+
 def reserved_elems(inp: PlanInput, n: int) -> int:
     """Elements the offload tiers reserve for `n` parameters: each tensor from a
     1024-element boundary (inp.numels; without them, one tensor)."""
@@ -405,6 +420,17 @@ def _host_tier_plan(inp: PlanInput, host: HostTier, legs: dict, before: dict, wh
 
 
 def make_plan(inp: PlanInput, bw: Bandwidths) -> Plan:
+    try:
+        return _make_plan(inp, bw)
+    except ValueError as err:
+        why = (f"host memory for the state is 80% of cpu_mem less the activations' "
+               f"{_fmt(inp.act_cpu_budget)} (act_cpu_budget)")
+        if not inp.act_cpu_budget or inp.cpu_budget is not None or why in str(err):
+            raise
+        raise ValueError(f"{err}; {why}") from None
+
+
+def _make_plan(inp: PlanInput, bw: Bandwidths) -> Plan:
     if inp.offload_params != "none":
         return _params_offloaded(inp, bw)
     n = int(inp.params)
@@ -414,7 +440,7 @@ def make_plan(inp: PlanInput, bw: Bandwidths) -> Plan:
             1 - inp.gpu_reserve):
         return _device_part_plan(inp, bw, n, model)
     gpu_room = inp.gpu_mem * (1 - inp.gpu_reserve)
-    cpu_room = inp.cpu_budget if inp.cpu_budget is not None else int(inp.cpu_mem * 0.8)
+    cpu_room = inp.cpu_budget if inp.cpu_budget is not None else host_room(inp)
     if sum(model.values()) > gpu_room:
         raise ValueError(
             f"the bf16 parameters and gradients ({_fmt(sum(model.values()))}) do not fit in "
@@ -569,14 +595,14 @@ def _params_offloaded(inp: PlanInput, bw: Bandwidths) -> Plan:
     off = n - on_dev
     shards = {t: {k: b * (on_dev if t == "gpu" else off) for k, b in kinds.items()}
               for t, kinds in per.items()}
-    host_room = int(inp.cpu_mem * 0.8)
+    room = host_room(inp)
     on_host = sum(shards.get("cpu", {}).values())
-    if on_host > host_room:
+    if on_host > room:
         raise ValueError(
             f"the fp32 parameter and gradient shards ({_fmt(on_host)}) do not fit in "
-            f"{_fmt(host_room)} of host memory (short by {_fmt(on_host - host_room)}); use "
+            f"{_fmt(room)} of host memory (short by {_fmt(on_host - room)}); use "
             "offload_params='nvme'")
-    opt_room = host_room - on_host
+    opt_room = room - on_host
     if inp.cpu_budget is not None:
         opt_room = min(opt_room, inp.cpu_budget)
     on_disk = sum(shards.get("nvme", {}).values())
