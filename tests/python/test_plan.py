@@ -30,6 +30,10 @@ def test_parse_bytes():
     assert parse_bytes("80G", "--gpu-mem") == 80 * G
     assert parse_bytes("512MiB", "x") == 512 << 20
     assert parse_bytes("1e9", "x") == 10**9
+    # GB is 10**9 bytes, as the plan prints GB and GB/s; G and GiB 2**30.
+    assert parse_bytes("80GB", "x") == 80 * 10**9 and parse_bytes("80GiB", "x") == 80 * G
+    assert parse_bytes("1.5tb", "x") == 1.5e12 and parse_bytes("4KB", "x") == 4000
+    assert parse_bytes("100B", "x") == 100
     with pytest.raises(ValueError, match="--gpu-mem must be a size"):
         parse_bytes("lots", "--gpu-mem")
     with pytest.raises(ValueError, match="x must be > 0"):

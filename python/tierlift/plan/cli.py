@@ -35,7 +35,8 @@ def add_parser(sub) -> None:
     what.add_argument("--params", help="parameter count, e.g. 8e9")
     what.add_argument("--max-params", action="store_true",
                       help="the largest model that fits the budgets given, and its plan")
-    p.add_argument("--gpu-mem", required=True, help="GPU memory, e.g. 80G")
+    p.add_argument("--gpu-mem", required=True,
+                   help="GPU memory, e.g. 80G (sizes: G or GiB 2**30 bytes, GB 10**9, 1e9 bytes)")
     p.add_argument("--cpu-mem", required=True, help="host memory, e.g. 128G")
     p.add_argument("--nvme", default=None, help="directory on the NVMe drive")
     p.add_argument("--cpu-budget", default=None, help="host memory the optimizer may hold")

@@ -107,16 +107,20 @@ _SLOTS = 6  # the default pipeline_slots
 # holding at least 1/32 of the model).
 UNIT_SHARE = 1 / 32
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_SI_UNITS = {"K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}  # KB, MB, GB, TB
 # The largest parameter count planned: params is a float, exact as an integer up to 2**53,
 # and every byte count and time derived from it stays a finite float.
 MAX_PARAMS = 2**53
 
 
 def parse_bytes(text: str, what: str) -> int:
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([KMGT]?)(?:i?B)?\s*", str(text), re.I)
+    """80G, 80GiB: 80 x 2**30 bytes; 80GB: 80 x 10**9, as the plan prints GB (GB/s)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([KMGT]?)(i?B)?\s*", str(text), re.I)
     if not m:
         raise ValueError(f"{what} must be a size like 80G, 512M or 1e9, got {text!r}")
-    value = float(m.group(1)) * _UNITS[m.group(2).upper()]
+    unit = m.group(2).upper()
+    decimal = unit and (m.group(3) or "").upper() == "B"
+    value = float(m.group(1)) * (_SI_UNITS if decimal else _UNITS)[unit]
     if not math.isfinite(value):
         raise ValueError(f"{what} must be a finite size, got {text!r}")
     if value <= 0:
