@@ -250,21 +250,24 @@ class NvmeParamStore:
         self._finalizer()
         self._fd = -1
 
-    def check_files(self) -> None:
+    def check_files(self, reading_at: int | None = None) -> None:
         """Raises OSError (EIO) if either file is shorter than it was made: cut short under the
         running job, its pages past the end are gone, and touching them through the mapping
         would be a SIGBUS that kills the process. Called before every gather and step reads or
-        writes them (one fstat per file)."""
+        writes them (one fstat per file). `reading_at`: the offset a gather is about to read."""
         if self._fd < 0:
             return
         for fd, path, what in ((self._fd, self.path, "fp32 shards"),
                                (self._gfd, self.grad_path, "fp32 gradient shards")):
             size = os.fstat(fd).st_size
             if size < self.nbytes:
-                raise OSError(errno.EIO, f"{path!r} (the {what} of offload_params='nvme') was "
-                              f"cut short under the running job: {size} of its {self.nbytes} "
-                              f"bytes are left and what was past them is lost; nothing more "
-                              f"is read from it or stepped: resume from a checkpoint")
+                doing = "" if reading_at is None or fd != self._fd else \
+                    f"reading parameter shards from {path!r} at offset {reading_at} failed: "
+                raise OSError(errno.EIO, f"{doing}{path!r} (the {what} of "
+                              f"offload_params='nvme') was cut short under the running job: "
+                              f"{size} of its {self.nbytes} bytes are left and what was past "
+                              f"them is lost; nothing more is read from it or stepped: "
+                              f"resume from a checkpoint")
 
     def _before_step(self, optimizer) -> None:
         for group in optimizer.param_groups:
@@ -346,7 +349,7 @@ class NvmeParamStore:
         view itself where O_DIRECT is not available. Valid until the next fetch()."""
         r = self._range(shard)
         if r is not None:
-            self.check_files()
+            self.check_files(reading_at=r[0])
         if r is None or self._reader is None:
             return shard
         return self._reader.fetch(*r).view(torch.float32).view(shard.shape)
