@@ -113,6 +113,8 @@ def _train(model, opt, data, idiom, *, zero, world=1, rank=0, ema=None, scaler=N
 
 def _run(idiom, data, *, kind=None, folder=None, world=1, rank=0):
     model = make_model()
+    # use_buffers=True: with the default, torch's buffer copy zips the copy's buffers with
+    # none from a sharded model and raises
     ema = (AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
            if idiom == "ema" else None)
     zero = kind is not None
