@@ -312,3 +312,17 @@ def test_averaged_model_of_another_model_refused_before_averaging():
     swa.update_parameters(torch.compile(model))  # only wrapped, never run
     _assert_close_dicts(swa.module.state_dict(), want, "first average: a copy")
     assert swa.n_averaged.item() == 1
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_averaged_model_without_use_buffers_copies_the_buffers(stage):
+    """One process, BatchNorm, torch's default use_buffers=False: the buffers are copied as they
+    are after every average (torch zips them strictly; it raised on every sharded model)."""
+    def run(model_fn):
+        base = _mlp(nn.BatchNorm1d)
+        swa = AveragedModel(base)
+        model = model_fn(base)
+        _train(model, _batches(STEPS), lambda: swa.update_parameters(model))
+        return {k: v.clone() for k, v in swa.module.state_dict().items()}
+
+    _assert_close_dicts(run(lambda m: _shard(m, stage)), run(lambda m: m), "swa")

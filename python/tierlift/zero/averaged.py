@@ -70,15 +70,15 @@ def _paired(averaged: AveragedModel, model: nn.Module) -> _Unsharded:
                 "AveragedModel from this model before shard(), or from a fresh unsharded model "
                 "loaded with tierlift.zero.full_state_dict(model); nothing was averaged")
         params.append(value)
+    # Averaged with use_buffers=True, copied as they are without (torch zips them either way).
     buffers = []
-    if averaged.use_buffers:
-        mine = dict(model.named_buffers())
-        for name, b in averaged.module.named_buffers():
-            if name not in mine or mine[name].shape != b.shape:
-                raise ValueError(
-                    f"AveragedModel.update_parameters: the averaged copy's buffer {name!r} is "
-                    "not a buffer of the same shape in the sharded model; nothing was averaged")
-            buffers.append(mine[name])
+    mine = dict(model.named_buffers())
+    for name, b in averaged.module.named_buffers():
+        if name not in mine or mine[name].shape != b.shape:
+            raise ValueError(
+                f"AveragedModel.update_parameters: the averaged copy's buffer {name!r} is "
+                "not a buffer of the same shape in the sharded model; nothing was averaged")
+        buffers.append(mine[name])
     return _Unsharded(params, buffers)
 
 
