@@ -20,8 +20,8 @@ import torch.multiprocessing  # noqa: F401 - registers torch's reducers with For
 from torch.utils.data import DataLoader, Dataset
 
 import tierlift
-from tierlift.gnn import FeatureStore
-from tierlift.gnn.file_table import file_region
+from tierlift.gnn import FeatureStore, file_table
+from tierlift.gnn.file_table import by_file, file_region
 
 pytestmark = pytest.mark.skipif(not tierlift._extension.available(),
                                 reason="compiled extension not loaded")
@@ -176,3 +176,26 @@ def test_deepcopy_of_a_shared_mapping_is_independent_of_the_original(tmp_path):
     features[5] = -1.0
     assert torch.equal(twin.gather(INDEX), want)
     assert mapped_file(twin._table) != str(tmp_path / "x.npy")  # a copy in memory
+
+
+def test_written_pages_swapped_out_pickle_by_value(tmp_path, monkeypatch):
+    # An edited copy-on-write page that was swapped out counts under Swap, not Anonymous:
+    # read as unwritten, the worker mapped the file again and got the rows before the edit.
+    table_file(tmp_path)
+    edited = torch.from_numpy(np.load(tmp_path / "x.npy", mmap_mode="c"))
+    assert file_region(edited) is not None
+    start = edited.data_ptr()
+    smaps, inside = [], False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5 and ":" in head[3]:
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                inside = lo <= start < hi
+            elif inside and head[0] == "Swap:":
+                line = "Swap:                  8 kB\n"  # as the kernel shows a swapped edit
+            smaps.append(line)
+    (tmp_path / "smaps").write_text("".join(smaps))
+    monkeypatch.setattr(file_table, "_SMAPS", str(tmp_path / "smaps"))
+    assert file_region(edited) is None
+    assert by_file(edited) is edited

@@ -68,14 +68,17 @@ class _Mapping:
     offset: int
     inode: int
     path: str
-    anonymous_kb: int = 0
+    written_kb: int = 0  # copy-on-write pages: in memory (Anonymous) or swapped out (Swap)
+
+
+_SMAPS = "/proc/self/smaps"
 
 
 def _mappings_over(start: int, end: int) -> list[_Mapping]:
     """The mappings of this process that overlap [start, end), in address order."""
     found: list[_Mapping] = []
     current = None
-    with open("/proc/self/smaps") as f:
+    with open(_SMAPS) as f:
         for line in f:
             head = line.split(maxsplit=5)
             if "-" in head[0] and len(head) >= 5 and ":" in head[3]:  # a mapping's first line
@@ -87,8 +90,9 @@ def _mappings_over(start: int, end: int) -> list[_Mapping]:
                     current = _Mapping(lo, hi, head[1].endswith("p"), int(head[2], 16),
                                        int(head[4]), head[5].rstrip("\n") if len(head) > 5 else "")
                     found.append(current)
-            elif current is not None and head[0] == "Anonymous:":
-                current.anonymous_kb = int(head[1])
+            elif current is not None and head[0] in ("Anonymous:", "Swap:"):
+                # a written page swapped out leaves Anonymous for Swap: still not the file's
+                current.written_kb += int(head[1])
     return found
 
 
@@ -99,7 +103,7 @@ def file_region(table: torch.Tensor, *, private_only: bool = False) -> FileRegio
     True)): writes to `table` go to the file, so a mapping of it is no independent copy."""
     nbytes = table.numel() * table.element_size()
     if (table.device.type != "cpu" or nbytes == 0 or not table.is_contiguous()
-            or not os.path.exists("/proc/self/smaps")):
+            or not os.path.exists(_SMAPS)):
         return None
     start = table.data_ptr()
     end = start + nbytes
@@ -114,7 +118,7 @@ def file_region(table: torch.Tensor, *, private_only: bool = False) -> FileRegio
         if (cur.start != prev.end or cur.path != path or cur.inode != first.inode
                 or cur.offset - first.offset != cur.start - first.start):
             return None
-    if any(m.private and m.anonymous_kb for m in maps):
+    if any(m.private and m.written_kb for m in maps):
         return None  # copy-on-write pages: rows the file does not hold
     if private_only and not all(m.private for m in maps):
         return None
