@@ -249,6 +249,12 @@ UNDER_A_RUNNING_JOB = textwrap.dedent("""
         opt.zero_grad()
         refused(lambda: loss(m, data[1]), store.path)
         print("gather refused", direct)
+    # Cut short: full weights and checkpoints are refused too, not read through the mapping.
+    m, opt, store = start()
+    os.truncate(store.path, store.nbytes // 2)
+    refused(lambda: tierlift.zero.full_state_dict(m), store.path)
+    refused(lambda: tierlift.checkpoint.save(tempfile.mkdtemp() + "/ck", m, opt), store.path)
+    print("full weights refused")
     # Deleted: the mapping keeps the file; training goes on, the same as with it.
     got = []
     for delete in (False, True):
@@ -269,7 +275,7 @@ def test_nvme_files_cut_short_or_deleted_under_a_running_job():
     assert run.returncode == 0, run.stderr[-3000:]  # -7: SIGBUS
     assert run.stdout.split("\n")[:-1] == [
         "step refused path", "step refused grad_path", "gather refused True",
-        "gather refused False", "deleted goes on"]
+        "gather refused False", "full weights refused", "deleted goes on"]
 
 
 def test_full_drive_without_fallocate_is_refused_at_shard(tmp_path, monkeypatch):

@@ -144,6 +144,7 @@ def _stage_shard(job, state, model, optimizer, off) -> None:
     tensors: dict[str, torch.Tensor] = {}
     opt_state = {} if off is not None else _per_param_state(optimizer)
     for i, unit in enumerate(state.units):
+        unit.check_files()  # a shard file cut short: an error, not a SIGBUS as it is read
         tensors[f"unit{i}.param"] = unit.shard
         for key, value in opt_state.get(unit.shard, {}).items():
             if isinstance(value, torch.Tensor) and key != unused.KEY:  # in the metadata

@@ -368,9 +368,17 @@ class FlatUnit:
                 setattr(mod(), attr, stand_in)
 
     # ---- full weights (state dicts, checkpoints) ----
+    def check_files(self) -> None:
+        """With offload_params="nvme", an OSError if the shard's file was cut short under the
+        running job: reading it through the mapping would be a SIGBUS that kills the process."""
+        store = getattr(self.offload, "store", None)
+        if store is not None:
+            store.check_files()
+
     def gather_fp32(self) -> torch.Tensor:
         """The unpadded master weights of the whole unit, in the shard dtype: fp32 (a frozen
         unit: its parameters' dtype, or fp32 in a file). A collective: every rank calls."""
+        self.check_files()
         out = torch.empty(self.padded, dtype=self.shard.dtype, device=self.device)
         self.comm.wait(self.comm.all_gather(out, self.shard.detach().to(self.device)))
         return out[:self.numel]
@@ -388,6 +396,7 @@ class FlatUnit:
     def load_fp32(self, tensors: dict[str, torch.Tensor]) -> None:
         """Set the master shard from full per-parameter tensors (keyed by any alias name; of
         tied names given together, the last in model order, as torch loads them)."""
+        self.check_files()
         dtype = self.shard.dtype
         full = torch.empty(self.padded, dtype=dtype, device=self.device)
         srcs = []
