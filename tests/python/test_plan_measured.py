@@ -121,6 +121,18 @@ def test_numels_that_cannot_be_planned_are_refused():
         max_params(PlanInput(**base, numels=[1024, 1024]), BW)
 
 
+def test_numels_with_state_on_nvme_are_refused(tmp_path):
+    """The NVMe tier cuts its chunks otherwise than the host tier numels plans: a hybrid plan of
+    40 Linear(96, 96) from numels had put its files 2.1% under their bytes on disk (fp32) and
+    its host part 14% under the tier's (bf16). Refused; the count alone still plans it."""
+    model = nn.Sequential(*[nn.Linear(96, 96) for _ in range(40)])
+    inp = _inp(model, cpu_budget=(6 + 4) * 12 * 16384, pool_bytes=6 * 12 * 16384,
+               nvme=str(tmp_path), overlap=False)
+    with pytest.raises(ValueError, match="host tier's layout only"):
+        make_plan(inp, BW)
+    assert make_plan(dataclasses.replace(inp, numels=None), BW).offload == "hybrid"
+
+
 # tierlift.zero.shard's arguments for each of comm.py's layouts (FP8 gathers need lowp layers,
 # and the hierarchical rows send no weights across: int8 gradients alone are that row).
 _SHARD_KW = ({}, {"hierarchy": "node"}, {"hierarchy": "node", "grad_comm": "int8"})

@@ -489,6 +489,9 @@ def _make_plan(inp: PlanInput, bw: Bandwidths) -> Plan:
             f"gradients and weights ({_fmt(staging)}) do not fit in {_fmt(cpu_room)} of host "
             f"memory (short by {_fmt(sum(in_place.values()) - cpu_room)}); give --nvme PATH "
             "for the NVMe tier")
+    if inp.numels is not None:  # NVMe chunks are cut otherwise: its bytes would not be these
+        raise ValueError("numels plans the host tier's layout only (offload='cpu'); with state "
+                         "on NVMe give numels=None (params as one tensor: low for small ones)")
     return _on_nvme(inp, bw, n, model, state, cpu_room, legs)
 
 
