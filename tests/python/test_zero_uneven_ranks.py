@@ -16,6 +16,7 @@ old hang fails fast too):
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 
@@ -96,6 +97,18 @@ def _cases(rank: int, port: int, tmp: str) -> None:
     out["plain_step"] = train(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2),
                               batches(1, 4), accum=1, clip=None)
 
+    # A model the script dropped lives on rank 0 until a full collection, while rank 1
+    # collected its own: a user call waits for the models left, not _AGREE_S for that one.
+    gc.disable()
+    old = tierlift.zero.shard(make_model(), stage=3)
+    old.__dict__["_cycle"] = [old]  # freed by a full collection only
+    _eval_sum(old, rank, extra=False)
+    del old
+    if rank == 1:
+        gc.collect()
+    out["dropped"] = _attempt(lambda: dist.all_reduce(torch.ones(1)))
+    gc.enable()
+
     # Rank 1 reaches its all_reduce after rank 0's extra forward waits in its gather. Last:
     # rank 1 leaves after refusing, and that ends rank 0's gather.
     model = tierlift.zero.shard(make_model(), stage=3)
@@ -150,3 +163,9 @@ def test_call_made_after_the_extra_gather_started_names_it(ranks):
     assert gatherer[0].startswith("RankFailureError: "), gatherer
     assert "rank 1 called allreduce (a collective of its own)" in gatherer[0], gatherer
     assert gatherer[1] < TIMEOUT_S, gatherer
+
+
+def test_a_dropped_model_not_yet_collected_holds_up_no_call(ranks):
+    for out in ranks:
+        error, took = out["dropped"]
+        assert error == "<no error>" and took < 2.0, out["dropped"]

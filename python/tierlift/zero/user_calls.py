@@ -24,6 +24,7 @@ votes), point-to-point calls, and a torch without process-group pre-hooks.
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 import weakref
@@ -54,6 +55,9 @@ _ATTEMPTS: dict[str, int] = {}
 _HOOKED: set[str] = set()
 _USER_HOOK_ID = 0x74697573  # not collectives.py's id: both hooks run
 _AGREE_S = 5.0  # how long a call waits for the other ranks to enter it
+# After this long without the other ranks, a model this rank no longer reaches may be what they
+# wait for no more (they collected theirs): collect once, and wait only for the models left.
+_COLLECT_AFTER_S = 0.02
 # Calls between two ranks only (and group splits): not matched over the whole group.
 _UNMATCHED = {"SEND", "RECV", "SPLIT", "NEW_WINDOW", "UNKNOWN"}
 
@@ -127,8 +131,9 @@ def _agree_on_call(group: str, k: int, group_ranks, op: str, async_op: bool) -> 
         # (metrics all-reduced one by one) reads once: a rank that goes on to a forward
         # instead still sees it and refuses
         wait = not async_op and any(h.agreed.get(group) != e[4] for h, e in entered)
-        pause, deadline = 0.0001, time.monotonic() + (_AGREE_S if wait else 0.0)
-        left = entered
+        start = time.monotonic()
+        pause, deadline = 0.0001, start + (_AGREE_S if wait else 0.0)
+        left, collected = entered, False
         while left:
             still = [(h, e) for h, e in left if h.check_call(store, e)]
             for h, e in left:
@@ -137,6 +142,12 @@ def _agree_on_call(group: str, k: int, group_ranks, op: str, async_op: bool) -> 
             left = still
             if not left or time.monotonic() > deadline:
                 return
+            if not collected and time.monotonic() - start > _COLLECT_AFTER_S:
+                refs = [(weakref.ref(h), e) for h, e in left]
+                entered = left = still = h = None  # no strong reference across the collection
+                collected, left = True, _collected(refs)
+                entered = left  # the models collected took part in nothing: nothing to undo
+                continue
             time.sleep(pause)
             pause = min(pause * 2, 0.02)
     except RankFailureError:
@@ -145,6 +156,16 @@ def _agree_on_call(group: str, k: int, group_ranks, op: str, async_op: bool) -> 
         raise
     except (RuntimeError, AttributeError, ValueError):
         return  # a store without these calls, or gone: only makes errors clearer
+
+
+def _collected(refs: list) -> list:
+    """The heartbeats of `refs` (weak) that a garbage collection leaves: a model the script
+    dropped (a new one built in its place) lives on here until Python's next full collection,
+    while the other ranks, which collected theirs, never enter the call for it; each call
+    would wait _AGREE_S for it."""
+    gc.collect()
+    return [(h, e) for r, e in refs if (h := r()) is not None and h.live()
+            and any(h in hbs for hbs in list(GATHERING.values()))]
 
 
 def _neighbours(me: int, ranks) -> list[int]:
