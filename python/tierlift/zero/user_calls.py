@@ -57,7 +57,8 @@ _USER_HOOK_ID = 0x74697573  # not collectives.py's id: both hooks run
 _AGREE_S = 5.0  # how long a call waits for the other ranks to enter it
 # After this long without the other ranks, a model this rank no longer reaches may be what they
 # wait for no more (they collected theirs): collect once, and wait only for the models left.
-_COLLECT_AFTER_S = 0.02
+# Longer than ranks' usual skew, so a collection is rare: once per dropped model, not per call.
+_COLLECT_AFTER_S = 0.5
 # Calls between two ranks only (and group splits): not matched over the whole group.
 _UNMATCHED = {"SEND", "RECV", "SPLIT", "NEW_WINDOW", "UNKNOWN"}
 
