@@ -312,3 +312,13 @@ def test_one_optimizer_over_two_sharded_models_and_a_plain_one_trains_exactly():
     for got, want in zip((tierlift.zero.full_state_dict(a), tierlift.zero.full_state_dict(b),
                           head.state_dict()), (m.state_dict() for m in ref), strict=True):
         assert _max_abs(got, want) < 1e-6
+
+
+def test_a_weight_tied_to_a_module_outside_the_sharded_model_is_refused_naming_the_tie():
+    model = _make()
+    outside = nn.Linear(4, 8)
+    outside.weight = model.emb.weight  # tied before shard(): the tie cannot hold after it
+    model = tierlift.zero.shard(model, stage=2)
+    with pytest.raises(RuntimeError, match=r"replaced \(emb.weight\).*a module outside the "
+                       r"sharded model still holds them"):
+        torch.optim.AdamW([*model.parameters(), *outside.parameters()], **OPT)

@@ -65,7 +65,10 @@ def check(optimizer, when: str) -> list:
             "before shard(model) packed them into flat shards, so they get no gradient any "
             "more and it would step nothing (the model would not train). Build the optimizer "
             "after shard(), from model.parameters() (tierlift.zero.param_groups(model, ...) "
-            "for weight-decay groups); nothing was changed")
+            "for weight-decay groups). Or a module outside the sharded model still holds "
+            "them (a weight tied to a module that was not sharded) and the tie cannot hold: "
+            "shard the module that shares it as part of the model, or untie it before "
+            "shard(); nothing was changed")
     return watch
 
 
