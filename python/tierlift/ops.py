@@ -432,6 +432,15 @@ def fp8_quantize_dual(x: torch.Tensor, scaling: str, fp8_dtype: torch.dtype = to
     return reference.fp8_quantize_dual(x, scaling, fp8_dtype, bool(pow2_scale))
 
 
+def fp8_quantize_delayed(x: torch.Tensor, scale: torch.Tensor,
+                         fp8_dtype: torch.dtype = torch.float8_e4m3fn, dual: bool = False,
+                         pow2_scale: bool = False):
+    """(q, scale_used, qt or None, amax): tensorwise FP8 with a scale chosen ahead, in one pass
+    over x unless the scale would clip (then x's own scale). Rules:
+    tierlift.reference.lowp.fp8_quantize_delayed."""
+    return reference.fp8_quantize_delayed(x, scale, fp8_dtype, bool(dual), bool(pow2_scale))
+
+
 if _extension.available():
 
     def _fp8_fake(x, scaling, fp8_dtype, transpose):

@@ -117,6 +117,27 @@ def fp8_quantize_dual(x: torch.Tensor, scaling: str, fp8_dtype: torch.dtype = to
     return q, s, qt, st
 
 
+def fp8_quantize_delayed(x: torch.Tensor, scale: torch.Tensor,
+                         fp8_dtype: torch.dtype = torch.float8_e4m3fn, dual: bool = False,
+                         pow2_scale: bool = False):
+    """Tensorwise quantize with a scale chosen ahead (delayed scaling): one pass over x.
+
+    Returns (q, scale_used [1, 1], qt or None, amax [1]): amax is x's finite amax, for the next
+    scale. scale_used is `scale` (one finite, positive fp32 element) unless some finite |x| * scale
+    exceeds the format's max, in which case the just-in-time scale of x is used instead, so no
+    value is ever clipped by a stale scale (a second pass, only then). q = cast(x * scale_used),
+    qt = q's transpose (the same scale)."""
+    check_quantize_args(x, "tensor", fp8_dtype)
+    rows, cols = x.shape
+    amax = block_amax(x, "tensor").reshape(1)
+    given = scale.detach().float().reshape(1, 1).to(x.device)
+    clipped = (amax.reshape(1, 1) * given) > FP8_MAX[fp8_dtype]
+    used = torch.where(clipped, scale_from_amax(amax.reshape(1, 1), fp8_dtype, pow2_scale), given)
+    q = cast_to_fp8(x.float() * used, fp8_dtype).contiguous() if x.numel() else \
+        torch.empty(rows, cols, dtype=fp8_dtype, device=x.device)
+    return q, used, (q.t().contiguous() if dual else None), amax
+
+
 def fp8_dequantize(q: torch.Tensor, scales: torch.Tensor, scaling: str) -> torch.Tensor:
     """fp32 q / scale, element by element."""
     rows, cols = q.shape
