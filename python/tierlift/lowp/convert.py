@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from tierlift.lowp import delayed
 from tierlift.lowp.fp4 import FP4Linear
 from tierlift.lowp.fp4_recipe import FP4_RECIPES, FP4Recipe, get_fp4_recipe
 from tierlift.lowp.linear import Float8Linear, keep_off_fused_paths
@@ -185,3 +186,4 @@ def _swap_class(mod: nn.Linear, layer_cls: type, recipe) -> None:
     keep_off_fused_paths(mod)
     if layer_cls is Float8Linear:
         mod.gathered_weight_fn = None
+        delayed.attach(mod, recipe, mod.weight.device)

@@ -13,6 +13,10 @@ Float8Recipe.transposed_copy="separate" makes the transposed copies after q inst
 docs/lowp.md ("Passes over memory") lists what each recipe moves; tests/python/
 test_lowp_passes.py pins it.
 
+A delayed recipe (Float8Recipe.amax_history_len > 0) takes x's and grad_out's scales from amax
+histories kept by the layer (lowp/delayed.py); the functional float8_linear keeps no state, so
+there every scale is just in time, as fp8-tensorwise's.
+
 Under ZeRO-3 with fp8_all_gather=True (tierlift.zero.shard) the weight arrives already
 quantized: the layer's `gathered_weight_fn` returns a GatheredFloat8Weight (codes + scales,
 bit-identical to what the forward would compute from the gathered weight) while it is current,
@@ -33,6 +37,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from tierlift import ops
+from tierlift.lowp import delayed
 from tierlift.lowp.gemm import scaled_mm
 from tierlift.lowp.recipe import Float8Recipe, get_recipe
 
@@ -79,14 +84,21 @@ def _quantize(t: torch.Tensor, with_transposed: bool, scaling: str, fp8_dtype: t
 class _Float8MatmulFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, recipe: Float8Recipe,
-                gathered: GatheredFloat8Weight | None, grad_enabled: bool):
+                gathered: GatheredFloat8Weight | None, grad_enabled: bool,
+                layer: nn.Module | None):
         sc, p2, f8, tc = (recipe.scaling, recipe.pow2_scale, recipe.forward_dtype,
                           recipe.transposed_copy)
         # needs_input_grad follows requires_grad even under no_grad, where no backward follows
         need_gx = grad_enabled and ctx.needs_input_grad[0]
         need_gw = grad_enabled and ctx.needs_input_grad[1]
         fp8_wgrad = need_gw and not recipe.grad_weight_high_precision
-        xq, xs, xtq, xts = _quantize(x, fp8_wgrad, sc, f8, p2, tc)  # x^T: the FP8 wgrad's
+        ctx.layer = layer  # a delayed recipe's layer: its histories; else None
+        if layer is None:
+            xq, xs, xtq, xts = _quantize(x, fp8_wgrad, sc, f8, p2, tc)  # x^T: the FP8 wgrad's
+        else:
+            given, filled = delayed.given_scale(layer.fp8_amax_history_x, f8, p2)
+            xq, xs, xtq, xts, ctx.amax_x = delayed.quantize(x, given, filled, f8, p2, fp8_wgrad,
+                                                            tc)
         if gathered is None:
             wq, ws, wtq, wts = _quantize(weight, need_gx, sc, f8, p2, tc)  # W^T: the dgrad's
         else:
@@ -103,29 +115,46 @@ class _Float8MatmulFn(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # its GEMMs are not differentiable: a second derivative is refused
     def backward(ctx, grad_out: torch.Tensor):
-        r = ctx.recipe
+        r, layer = ctx.recipe, ctx.layer
         need_gx, need_gw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         g = grad_out.contiguous()
         grad_x = grad_w = None
+        amax_g = []  # a delayed layer's: g's amax, once g is quantized
+
+        def quantize_g(t, with_transposed, transposed_copy="dual"):
+            if layer is None:
+                return _quantize(t, with_transposed, r.scaling, r.grad_dtype, r.pow2_scale,
+                                 transposed_copy)
+            given, filled = delayed.given_scale(layer.fp8_amax_history_g, r.grad_dtype,
+                                                r.pow2_scale)
+            *out, amax = delayed.quantize(t, given, filled, r.grad_dtype, r.pow2_scale,
+                                          with_transposed, transposed_copy)
+            amax_g.append(amax)
+            return out
+
         if r.grad_weight_high_precision:
             x, wtq, wts = ctx.saved_tensors
             if need_gw:
                 grad_w = (g.t().to(x.dtype) @ x).to(ctx.w_dtype)
             gq = gs = None
             if need_gx:
-                gq, gs, _, _ = _quantize(g, False, r.scaling, r.grad_dtype, r.pow2_scale)
+                gq, gs, _, _ = quantize_g(g, False)
         else:
             xtq, xts, wtq, wts = ctx.saved_tensors
             if need_gx:  # g for the dgrad, and g^T from the same reads when the wgrad wants it
-                gq, gs, gtq, gts = _quantize(g, need_gw, r.scaling, r.grad_dtype, r.pow2_scale,
-                                             r.transposed_copy)
+                gq, gs, gtq, gts = quantize_g(g, need_gw, r.transposed_copy)
             elif need_gw:  # g^T alone: quantizing the transposed view writes only its codes
-                gtq, gts, _, _ = _quantize(g.t(), False, r.scaling, r.grad_dtype, r.pow2_scale)
+                gtq, gts, _, _ = quantize_g(g.t(), False)
             if need_gw:
                 grad_w = scaled_mm(gtq, gts, xtq, xts, out_dtype=ctx.w_dtype)
         if need_gx:
             grad_x = scaled_mm(gq, gs, wtq, wts, out_dtype=ctx.x_dtype)
-        return grad_x, grad_w, None, None, None
+        if layer is not None:  # the same order on every rank: g's amax, then x's
+            queue = delayed.pending(layer)
+            for amax in amax_g:
+                queue.push("g", amax, r.reduce_amax)
+            queue.push("x", ctx.amax_x, r.reduce_amax)
+        return grad_x, grad_w, None, None, None, None
 
 
 _DTYPE_NAMES = {torch.float32: "Float", torch.float64: "Double", torch.float16: "Half",
@@ -187,8 +216,12 @@ def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """Functional form: F.linear(x, weight, bias) with FP8 GEMMs (x: [..., in_features]).
 
     `gathered`: weight's FP8 copy made with this recipe (ZeRO-3 FP8 all-gather), used instead
-    of quantizing `weight`, which still receives the gradient."""
-    recipe = get_recipe(recipe)
+    of quantizing `weight`, which still receives the gradient. It keeps no state: a delayed
+    recipe's scales are just in time here (Float8Linear keeps the amax histories)."""
+    return _float8_linear(x, weight, bias, get_recipe(recipe), gathered, None)
+
+
+def _float8_linear(x, weight, bias, recipe: Float8Recipe, gathered, layer) -> torch.Tensor:
     if gathered is not None:
         if gathered.recipe != recipe:
             raise ValueError(f"gathered was quantized with recipe {gathered.recipe.name!r}, the "
@@ -203,7 +236,7 @@ def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     x = linear_input(x, weight, bias)
     lead = x.shape[:-1]
     y = _Float8MatmulFn.apply(x.reshape(-1, x.shape[-1]), weight, recipe, gathered,
-                              torch.is_grad_enabled())
+                              torch.is_grad_enabled(), layer)
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.reshape(*lead, weight.shape[0])
@@ -219,6 +252,7 @@ class Float8Linear(nn.Linear):
         # Set by tierlift.zero.shard(..., fp8_all_gather=True): the current FP8 copy or None.
         self.gathered_weight_fn: Callable[[], GatheredFloat8Weight | None] | None = None
         keep_off_fused_paths(self)
+        delayed.attach(self, self.recipe, self.weight.device)
 
     @classmethod
     def from_linear(cls, mod: nn.Linear, recipe: str | Float8Recipe = "fp8-rowwise"
@@ -228,12 +262,53 @@ class Float8Linear(nn.Linear):
         new.weight = mod.weight
         new.bias = mod.bias
         new.train(mod.training)
+        delayed.attach(new, new.recipe, mod.weight.device)  # not on meta
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fn = getattr(self, "gathered_weight_fn", None)  # absent in modules pickled before it
         gathered = fn() if fn is not None else None
-        return float8_linear(x, self.weight, self.bias, self.recipe, gathered)
+        if self.recipe.delayed:
+            return self._delayed_forward(x, gathered)
+        return _float8_linear(x, self.weight, self.bias, self.recipe, gathered, None)
+
+    # The histories' host-side queue is Python state torch.compile cannot trace: the layer runs
+    # eagerly there (a graph break; fullgraph=True refuses it), with the same numbers.
+    @torch.compiler.disable
+    def _delayed_forward(self, x: torch.Tensor, gathered) -> torch.Tensor:
+        delayed.flush_unless_recomputing(self)
+        return _float8_linear(x, self.weight, self.bias, self.recipe, gathered, self)
+
+    # State of a delayed recipe's layer: the queued amaxes enter the histories before anything
+    # reads or copies them, and a load without them (nn.Linear's state_dict) resets them.
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        queue = delayed.pending(self)
+        if queue is not None:
+            queue.flush(self)
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        queue = delayed.pending(self)
+        if queue is not None:
+            queue.drop()
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        if queue is not None:
+            delayed.load_or_reset(self, state_dict, prefix, missing_keys)
+
+    def _apply(self, fn, recurse=True):
+        before = dict(self._buffers)
+        out = super()._apply(fn, recurse)
+        if delayed.pending(self) is not None:
+            delayed.keep_fp32(self, before)
+        return out
+
+    def __getstate__(self):  # deepcopy and pickle: the queue (with its collectives) is written
+        queue = delayed.pending(self)
+        if queue is not None:
+            queue.flush(self)
+        return super().__getstate__()
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.name}"

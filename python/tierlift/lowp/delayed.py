@@ -1,0 +1,170 @@
+"""Delayed scaling for Float8Linear (Float8Recipe.amax_history_len > 0).
+
+A delayed layer keeps two fp32 buffers of amax_history_len entries, newest first
+(TransformerEngine's layout): `fp8_amax_history_x` (its input, E4M3) and `fp8_amax_history_g`
+(grad_output, E5M2). An entry never written holds -1 (no amax is negative); a history of -1
+only is "never filled". A step's scale is scale_from_amax(max(history)), computed with torch
+ops on the device, and the quantize (ops.fp8_quantize_delayed) reads x once, returning the amax
+that enters the history. The weight keeps its just-in-time scale: a weight loaded or edited
+mid-training, and ZeRO-3's FP8 all-gather (which quantizes it at gather time), keep their exact
+scale, and at training shapes its amax read is a small part of the step.
+
+Nothing about a history lives on the host but the amaxes not yet in it, so whatever writes the
+buffers (load_state_dict, tierlift.checkpoint and zero.load_full_state_dict copying into
+state_dict()'s tensors, ZeRO's buffer broadcast, activation offload restoring them for a
+recompute) leaves a consistent state, and no step reads a device value on the host.
+
+A never-filled history gives the quantizer the largest scale of the format's rule (FLT_MAX, or
+2^127 with power-of-two scales): any finite non-zero value whose own scale is smaller clips
+under it, so the quantizer takes x's own scale, i.e. exactly the just-in-time quantize
+(tests/python/test_lowp_delayed.py checks every amax around the threshold). An all-zero x has
+the same codes under any scale; its scale is then set to the just-in-time 1.
+
+When amaxes enter: x's at that forward's backward, g's once g is quantized there; both are
+queued and written at the layer's next forward that is not a recompute (one run inside a
+backward: torch.utils.checkpoint, reentrant or not, and tierlift's recompute tier), or at
+state_dict(). So a recompute sees the history its forward saw and is bit-identical to it;
+forwards without grad read the history and add nothing; several forwards before their
+backwards (gradient accumulation) all use the history as it was at the first of them, and
+their amaxes enter, in backward order, at the next forward. Under torch.distributed (world
+size > 1, reduce_amax) each amax is all-reduced (MAX, default group, async_op) when queued and
+waited for when written: every rank holds the same history, the one a single process would
+build from the whole global batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tierlift import ops
+from tierlift.lowp.recipe import Float8Recipe
+from tierlift.reference.lowp import F32_MAX, scale_from_amax
+
+NEVER_WRITTEN = -1.0
+HISTORIES = ("x", "g")
+
+
+def buffer_name(which: str) -> str:
+    return f"fp8_amax_history_{which}"
+
+
+def new_history(length: int, device) -> torch.Tensor:
+    return torch.full((length,), NEVER_WRITTEN, dtype=torch.float32, device=device)
+
+
+class PendingAmaxes:
+    """A layer's amaxes from finished backwards, not yet in their history (module docstring)."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[str, torch.Tensor, object]] = []  # (which, amax [1], Work)
+
+    def push(self, which: str, amax: torch.Tensor, reduce: bool) -> None:
+        amax = amax.detach().float().reshape(1).clone()  # reduced in place
+        work = None
+        if reduce and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # issued in backward order, the same on every rank; waited for at the next write
+            work = dist.all_reduce(amax, op=dist.ReduceOp.MAX, async_op=True)
+        self.items.append((which, amax, work))
+
+    def flush(self, layer: nn.Module) -> None:
+        """Writes the queued amaxes into the layer's histories, oldest first."""
+        if not self.items:
+            return
+        items, self.items = self.items, []
+        with torch.no_grad():
+            for which, amax, work in items:
+                if work is not None:
+                    work.wait()
+                h = getattr(layer, buffer_name(which))
+                h.copy_(torch.cat([amax.to(device=h.device, dtype=h.dtype), h[:-1]]))
+
+    def drop(self) -> None:
+        """Forgets the queue (a load replaces the histories); reductions in flight complete."""
+        for _, _, work in self.items:
+            if work is not None:
+                work.wait()
+        self.items = []
+
+
+def attach(layer: nn.Module, recipe: Float8Recipe, device) -> None:
+    """Gives a Float8Linear of a delayed recipe its never-filled histories (on `device`) and its
+    queue; a layer of another recipe gets nothing (its state_dict stays nn.Linear's)."""
+    if not recipe.delayed:
+        return
+    for which in HISTORIES:
+        layer.register_buffer(buffer_name(which), new_history(recipe.amax_history_len, device))
+    layer._fp8_pending = PendingAmaxes()
+
+
+def pending(layer: nn.Module) -> PendingAmaxes | None:
+    return layer.__dict__.get("_fp8_pending")
+
+
+def flush_unless_recomputing(layer: nn.Module) -> None:
+    """A forward's read of the histories: the queued amaxes enter first, except in a recompute
+    (a forward run inside a backward), which must see what its forward saw."""
+    queue = pending(layer)
+    if queue is not None and torch._C._current_autograd_node() is None:
+        queue.flush(layer)
+
+
+def _unfilled_scale(pow2: bool) -> float:
+    return 2.0**127 if pow2 else F32_MAX  # the largest scale the rule gives, rounded if pow2
+
+
+def given_scale(history: torch.Tensor, fp8_dtype: torch.dtype,
+                pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale [1, 1], filled [1, 1] bool) for the next quantize, on the history's device."""
+    hmax = history.detach().max().reshape(1, 1)
+    filled = hmax >= 0
+    unfilled = torch.full_like(hmax, _unfilled_scale(pow2))
+    return torch.where(filled, scale_from_amax(hmax, fp8_dtype, pow2), unfilled), filled
+
+
+def quantize(t: torch.Tensor, given: torch.Tensor, filled: torch.Tensor, fp8_dtype: torch.dtype,
+             pow2: bool, with_transposed: bool, transposed_copy: str):
+    """(q, s, qt, st, amax) as lowp.linear's _quantize gives (qt, st None unless asked for),
+    with the scale chosen ahead; amax: t's finite amax [1]."""
+    dual = with_transposed and transposed_copy == "dual"
+    q, used, qt, amax = ops.fp8_quantize_delayed(t, given.to(t.device), fp8_dtype, dual, pow2)
+    # never filled: the quantizer fell back to t's own scale unless t is all zero (codes 0
+    # under any scale), whose just-in-time scale is 1
+    s = torch.where(filled.to(used.device), used,
+                    scale_from_amax(amax.reshape(1, 1), fp8_dtype, pow2))
+    if not with_transposed:
+        return q, s, None, None, amax
+    if qt is None:  # transposed_copy="separate": q's codes transposed, the same scale
+        qt = q.t().contiguous()
+    return q, s, qt, s, amax
+
+
+def load_or_reset(layer: nn.Module, state_dict: dict, prefix: str,
+                  missing_keys: list[str]) -> None:
+    """After nn.Module's own load: a history the state_dict lacks (a plain nn.Linear or HF
+    checkpoint) is reset to never filled, not reported missing (nor kept from before the load,
+    nor read as zeros)."""
+    for which in HISTORIES:
+        key = prefix + buffer_name(which)
+        if key in state_dict:
+            continue
+        if key in missing_keys:
+            missing_keys.remove(key)
+        with torch.no_grad():
+            getattr(layer, buffer_name(which)).fill_(NEVER_WRITTEN)
+
+
+def keep_fp32(layer: nn.Module, before: dict[str, torch.Tensor]) -> None:
+    """After Module._apply (.to(), .half(), to_empty()): the histories stay fp32 with their
+    values (a cast to bf16 would round amaxes), on the new device; from meta (to_empty) they
+    start never filled."""
+    for which in HISTORIES:
+        name = buffer_name(which)
+        old, new = before.get(name), layer._buffers.get(name)
+        if old is None or new is None or (new.dtype == torch.float32 and not old.is_meta):
+            continue
+        if old.is_meta:
+            layer._buffers[name] = new_history(old.numel(), new.device)
+        else:
+            layer._buffers[name] = old.to(device=new.device, dtype=torch.float32)
