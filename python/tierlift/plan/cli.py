@@ -46,9 +46,16 @@ def add_parser(sub) -> None:
     p.add_argument("--state-dtype", choices=("fp32", "bf16"), default="fp32",
                    help="optimizer state: fp32 (12 B/param with the master) or bf16, the compact "
                         "state of tierlift.optim's state_dtype='bf16' (7.02 B/param)")
+    p.add_argument("--param-dtype", choices=("bf16", "fp16", "fp32"), default="bf16",
+                   help="the trained weights' dtype, their gradients' too: bf16 or fp16 (2 B "
+                        "each, an fp32 master in the state) or fp32 (4 B each, no mixed "
+                        "precision: its own master where the runtime keeps none); with "
+                        "--offload-params the gathered units' dtype "
+                        "(MixedPrecision(param_dtype=...))")
     p.add_argument("--offload-params", choices=("none", "cpu", "nvme"), default="none",
-                   help="tierlift.zero.shard(stage=3, offload_params=...): none keeps the bf16 "
-                        "weights and gradients on the GPU (4 B/param); cpu keeps the fp32 shards "
+                   help="tierlift.zero.shard(stage=3, offload_params=...): none keeps the "
+                        "weights and gradients on the GPU (4 B/param in bf16, 8 in fp32); cpu "
+                        "keeps the fp32 shards "
                         "and their gradients in host memory (8 B/param, 6 with --grad-dtype bf16), "
                         "nvme in files under --nvme; the GPU then holds the gathered units and "
                         "--device-params shards")
@@ -245,7 +252,8 @@ def run(args: argparse.Namespace) -> int:
                     cpu_budget=cpu_budget, nvme_free=_nvme_free(args),
                     # the activations' RAM tier is host memory the state cannot take
                     act_cpu_budget=act_cpu if args.act_blocks is not None else 0,
-                    state_dtype=args.state_dtype, offload_params=args.offload_params,
+                    state_dtype=args.state_dtype, param_dtype=args.param_dtype,
+                    offload_params=args.offload_params,
                     grad_dtype=args.grad_dtype, device_params=_device_params(args.device_params),
                     overlap=args.overlap, device_fraction=args.device_fraction)
     try:
@@ -271,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"params": int(inp.params), "max_params": largest,
                           "offload": plan.offload, "nvme_generations": plan.generations,
-                          "state_dtype": inp.state_dtype,
+                          "state_dtype": inp.state_dtype, "param_dtype": inp.param_dtype,
                           "offload_params": inp.offload_params,
                           "grad_dtype": inp.grad_dtype, "device_params": plan.device_params,
                           "tiers": plan.tiers, "legs_s": plan.legs_s,

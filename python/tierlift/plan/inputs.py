@@ -7,6 +7,8 @@ import math
 import re
 from dataclasses import dataclass
 
+import torch
+
 from tierlift.offload.config import check_fraction
 from tierlift.offload.layout import ALIGN_ELEMS
 
@@ -15,6 +17,9 @@ from tierlift.offload.layout import ALIGN_ELEMS
 POOL_BYTES = 6 * (32 << 20) * 5
 _STATE_DTYPES = ("fp32", "bf16")
 _OFFLOAD_PARAMS = ("none", "cpu", "nvme")
+# The weights' dtype as PlanInput takes it (a name or a torch dtype), and its bytes per value.
+PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+WEIGHT_BYTES = {name: dtype.itemsize for name, dtype in PARAM_DTYPES.items()}
 # The largest ZeRO unit's share of the parameters (default_units makes a unit of each child
 # holding at least 1/32 of the model).
 UNIT_SHARE = 1 / 32
@@ -51,6 +56,11 @@ class PlanInput:
     gpu_reserve: float = 0.3  # share of GPU memory kept for activations and workspace
     pool_bytes: int = POOL_BYTES  # the NVMe pipeline's pool (smaller with a smaller chunk_bytes)
     state_dtype: str = "fp32"  # "bf16": compact optimizer state (tierlift.optim state_dtype)
+    # The trained weights' dtype ("bf16", "fp16", "fp32" or the torch dtype; taken as its name):
+    # their gradients are in it too. An fp32 weight is its own master where the runtime keeps
+    # none. With offload_params: the gathered units' dtype (MixedPrecision(param_dtype=...);
+    # "fp32": no mixed precision), the shards being fp32 whatever it is.
+    param_dtype: str | torch.dtype = "bf16"
     # tierlift.zero.shard(stage=3, offload_params=...): where the fp32 parameter shards and
     # their gradients live ("none": bf16 weights and gradients on the GPU, as before).
     offload_params: str = "none"
@@ -76,6 +86,7 @@ class PlanInput:
     act_cpu_budget: int = 0
 
     def __post_init__(self):
+        self.param_dtype = _param_dtype_name(self.param_dtype)
         check_fraction(self.device_fraction)
         if self.numels is not None:
             self.numels = tuple(self.numels)
@@ -106,6 +117,13 @@ class PlanInput:
         if self.grad_dtype == "bf16" and self.offload_params == "nvme":
             raise ValueError("grad_dtype='bf16' cannot be combined with offload_params='nvme' "
                              "(its gradients' file holds fp32)")
+        if (self.param_dtype == "fp32" and self.grad_dtype == "bf16"
+                and self.offload_params != "none"):
+            # fp32 units reduce in fp32 and cast each shard's gradient: a working set not planned
+            raise ValueError("param_dtype='fp32' cannot be combined with grad_dtype='bf16' (the "
+                             "bf16 gradients of fp32 units are not planned); give grad_dtype="
+                             "'fp32', or param_dtype='bf16' for MixedPrecision(param_dtype="
+                             "torch.bfloat16)")
         if self.device_params is not None and self.device_params < 0:
             raise ValueError(f"device_params must be >= 0, got {self.device_params}")
         if not 0 < self.unit_share <= 1:
@@ -129,3 +147,13 @@ class PlanInput:
                              f"({self.cpu_mem} bytes), the host memory both are a part of")
         if not 0 <= self.gpu_reserve < 1:
             raise ValueError(f"gpu_reserve must be in [0, 1), got {self.gpu_reserve}")
+
+
+def _param_dtype_name(dtype) -> str:
+    """"bf16", "fp16" or "fp32" for a name or a torch dtype; anything else is refused."""
+    for name, torch_dtype in PARAM_DTYPES.items():
+        if dtype == name or dtype is torch_dtype:
+            return name
+    raise ValueError(f"param_dtype must be one of {tuple(PARAM_DTYPES)} or torch.bfloat16, "
+                     f"torch.float16, torch.float32 (the dtypes tierlift's Adam steps), got "
+                     f"{dtype!r}")

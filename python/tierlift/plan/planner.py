@@ -6,7 +6,13 @@ with compact state (state_dtype="bf16") m 2, v 1 and a 4-byte scale per 256 elem
 from the offload tiers' layout at the default chunk size (7.02 B/param of optimizer state
 instead of 12). The bf16 weights and gradients always stay on the GPU here: a model whose
 weights do not fit there needs tierlift.zero stage 3 (across GPUs, or offload_params="cpu" or
-"nvme"), which this planner does not place.
+"nvme"), which this planner does not place. Other weights (param_dtype): fp16 as bf16; fp32
+weights and gradients 4 B each, and such a weight is its own master (m and v only) where the
+runtime keeps none: with its state on the GPU (or in the device part) and streamed in one
+generation (then copied down to be stepped: a D2H leg of 4 B). Stepped in place on the host
+or in two generations a device weight keeps an fp32 master in the tiers whatever its dtype
+(tierlift.offload.runner.Offloader._uses_master). Gradients come down and new weights go up
+in param_dtype.
 The NVMe part takes twice its bytes when the drive has room (a step reads one generation and
 writes the other, so any failed step is undone), else once (nvme_generations=1: rewritten in
 place; docs/offload.md); the plan refuses a drive without room for one generation.
@@ -49,7 +55,14 @@ import dataclasses
 
 from tierlift.offload.host_budget import one_generation_bytes
 from tierlift.offload.layout import chunk_bytes, state_kinds
-from tierlift.plan.inputs import MAX_PARAMS, POOL_BYTES, UNIT_SHARE, PlanInput, parse_bytes
+from tierlift.plan.inputs import (
+    MAX_PARAMS,
+    POOL_BYTES,
+    UNIT_SHARE,
+    WEIGHT_BYTES,
+    PlanInput,
+    parse_bytes,
+)
 from tierlift.plan.measure import Bandwidths
 from tierlift.plan.report import _PCIE_ASSUMED, Plan, _fmt, render
 from tierlift.plan.state_bytes import (
@@ -61,11 +74,14 @@ from tierlift.plan.state_bytes import (
     host_room,
     host_tier,
     in_place_staging_bytes,
+    model_bytes,
+    own_master,
     param_bytes_per_param,
     reserved_elems,
     state_bytes_per_param,
     streamed_pool_bytes,
     working_set_bytes,
+    working_set_per_param,
 )
 
 # Importable from here as before the split.
@@ -119,22 +135,28 @@ def _make_plan(inp: PlanInput, bw: Bandwidths) -> Plan:
     if inp.offload_params != "none":
         return _params_offloaded(inp, bw)
     n = int(inp.params)
-    model = {"bf16 params": 2 * n, "bf16 grads": 2 * n}
+    model = model_bytes(inp, n)
+    dt = inp.param_dtype
+    # Offloaded, a device weight keeps an fp32 master in the tiers (in place and in two
+    # generations, whatever its dtype); beside it on the GPU an fp32 one is its own.
     state = {k: b * n for k, b in state_bytes_per_param(inp.state_dtype).items()}
-    if inp.device_fraction and sum(model.values()) + sum(state.values()) > inp.gpu_mem * (
+    resident = {k: b * n for k, b in state_bytes_per_param(
+        inp.state_dtype, master=not own_master(inp)).items()}
+    if inp.device_fraction and sum(model.values()) + sum(resident.values()) > inp.gpu_mem * (
             1 - inp.gpu_reserve):
         return _device_part_plan(inp, bw, n, model)
     gpu_room = inp.gpu_mem * (1 - inp.gpu_reserve)
     cpu_room = inp.cpu_budget if inp.cpu_budget is not None else host_room(inp)
     if sum(model.values()) > gpu_room:
         raise ValueError(
-            f"the bf16 parameters and gradients ({_fmt(sum(model.values()))}) do not fit in "
+            f"the {dt} parameters and gradients ({_fmt(sum(model.values()))}) do not fit in "
             f"{_fmt(gpu_room)} of GPU memory (short by {_fmt(sum(model.values()) - gpu_room)}); "
             "use more GPUs with tierlift.zero stage 3, or its parameter offload "
             "(offload_params='cpu' or 'nvme'), which this planner does not place")
-    if sum(model.values()) + sum(state.values()) <= gpu_room:
-        return Plan(offload="none", tiers={"gpu": {**model, **state}},
-                    legs_s={"gpu adam": (4 + sum(state.values()) / n) * n / (3e12)},
+    if sum(model.values()) + sum(resident.values()) <= gpu_room:
+        touched = 2 * WEIGHT_BYTES[dt] + sum(resident.values()) / n  # weight, grad, state
+        return Plan(offload="none", tiers={"gpu": {**model, **resident}},
+                    legs_s={"gpu adam": touched * n / (3e12)},
                     note="everything fits on the GPU" + _dtype_note(inp))
     if inp.numels is not None:  # offloaded: the tiers' whole chunks of the padded tensors
         elems, chunks = _host_layout(inp, n, device=True)[:2]
@@ -142,8 +164,9 @@ def _make_plan(inp: PlanInput, bw: Bandwidths) -> Plan:
             inp.state_dtype, chunk_elems=elems).items()}
     pcie_h2d = bw.h2d_bps or _PCIE_ASSUMED
     pcie_d2h = bw.d2h_bps or _PCIE_ASSUMED
-    legs = {"d2h grads": 2 * n / pcie_d2h, "cpu adam": n / bw.adam_elems_per_s,
-            "h2d params": 2 * n / pcie_h2d}
+    # Gradients come down and new weights go up in param_dtype (chunk_step stages both so).
+    legs = {"d2h grads": WEIGHT_BYTES[dt] * n / pcie_d2h, "cpu adam": n / bw.adam_elems_per_s,
+            "h2d params": WEIGHT_BYTES[dt] * n / pcie_h2d}
     host = None
     if inp.overlap is not False:
         host = host_tier(inp, n, device=True, room=cpu_room)
@@ -173,22 +196,37 @@ def _make_plan(inp: PlanInput, bw: Bandwidths) -> Plan:
     if inp.numels is not None:  # NVMe chunks are cut otherwise: its bytes would not be these
         raise ValueError("numels plans the host tier's layout only (offload='cpu'); with state "
                          "on NVMe give numels=None (params as one tensor: low for small ones)")
-    return _on_nvme(inp, bw, n, model, state, cpu_room, legs)
+    if not own_master(inp):
+        return _on_nvme(inp, bw, n, model, state, cpu_room, legs)
+    try:  # two generations keep a master, to put the weights back after a failed step
+        plan = _on_nvme(inp, bw, n, model, state, cpu_room, dict(legs))
+    except ValueError:
+        plan = None
+    if plan is None or plan.generations == 1:
+        # One generation cannot undo a step: an fp32 weight is its own master, copied down,
+        # stepped in a slot and copied back (Offloader._uses_master).
+        plan = _on_nvme(inp, bw, n, model, _state(inp, n, masters=0), cpu_room, legs,
+                        one_gen=True)
+        plan.legs_s["d2h device weights"] = 4 * n / pcie_d2h
+        plan.note += "; fp32 weights are their own master"
+    return plan
 
 
 def _device_part_plan(inp: PlanInput, bw: Bandwidths, n: int, model: dict) -> Plan:
     """AdamW(device_fraction=f): at most f of the parameters (whole ones, the first) keep
-    their state (fp32 master, m, v of bf16 weights: 12 B/param; compact: as many bytes as
-    state_dtype's) on the GPU; the rest is planned as offloaded state of n - f n parameters.
+    their state (fp32 master, m, v of bf16 or fp16 weights: 12 B/param; m and v only of fp32
+    ones, their own master; compact: as many bytes as state_dtype's) on the GPU; the rest is
+    planned as offloaded state of n - f n parameters.
     Both sides are bounds: the device part holds at most f n, the offloaded one at most n."""
     dev = int(inp.device_fraction * n)
-    per = state_bytes_per_param(inp.state_dtype)
+    per = state_bytes_per_param(inp.state_dtype, master=not own_master(inp))
     part = {f"device part {k}": b * dev for k, b in per.items()}
     gpu_room = inp.gpu_mem * (1 - inp.gpu_reserve)
     if sum(model.values()) + sum(part.values()) > gpu_room:
         raise ValueError(
             f"device_fraction={inp.device_fraction:g}: its state ({_fmt(sum(part.values()))}) "
-            f"beside the bf16 parameters and gradients ({_fmt(sum(model.values()))}) does not "
+            f"beside the {inp.param_dtype} parameters and gradients "
+            f"({_fmt(sum(model.values()))}) does not "
             f"fit in {_fmt(gpu_room)} of GPU memory (short by "
             f"{_fmt(sum(model.values()) + sum(part.values()) - gpu_room)}); lower it")
     # the GPU room left to the rest: gpu_room less the device part
@@ -266,7 +304,8 @@ def _params_offloaded(inp: PlanInput, bw: Bandwidths) -> Plan:
     gpu_room = inp.gpu_mem * (1 - inp.gpu_reserve)
     if work > gpu_room:
         raise ValueError(
-            f"the working set of gathered units ({_fmt(work)}: 12 B per parameter of the "
+            f"the working set of gathered units ({_fmt(work)}: "
+            f"{working_set_per_param(inp)} B per parameter of the "
             f"largest unit, {inp.unit_share:.3g} of the model) does not fit in {_fmt(gpu_room)} "
             f"of GPU memory (short by {_fmt(work - gpu_room)}); shard into smaller units")
     per_device = sum(per["gpu"].values())
@@ -305,10 +344,12 @@ def _params_offloaded(inp: PlanInput, bw: Bandwidths) -> Plan:
                 f"{_fmt(on_disk - inp.nvme_free)})")
     pcie_h2d = bw.h2d_bps or _PCIE_ASSUMED
     pcie_d2h = bw.d2h_bps or _PCIE_ASSUMED
-    # An offloaded unit is gathered twice a step (forward, and again in backward): 2 x 2 B of
-    # bf16 up; a device unit's new fp32 weights go up once (4 B). Every gradient comes down.
+    # An offloaded unit is gathered twice a step (forward, and again in backward), in
+    # param_dtype (converted on the host: ParamOffload.stage_in); a device unit's new fp32
+    # weights go up once (4 B). Every gradient comes down.
+    gathers = 2 * WEIGHT_BYTES[inp.param_dtype] * off + 4 * on_dev
     legs = {"d2h grads": _GRAD_BYTES[inp.grad_dtype] * n / pcie_d2h,
-            "cpu adam": n / bw.adam_elems_per_s, "h2d params": 4 * n / pcie_h2d}
+            "cpu adam": n / bw.adam_elems_per_s, "h2d params": gathers / pcie_h2d}
     if where == "nvme":
         # Two gathers read the fp32 shard (8 B), the step reads the gradient (4 B); the
         # backward writes the gradient and the step the shard (8 B).
@@ -395,7 +436,10 @@ def _host_tier_short(inp: PlanInput, n: int, device: bool, room: int) -> str:
 
 
 def _dtype_note(inp: PlanInput) -> str:
-    return "; compact state (state_dtype='bf16')" if inp.state_dtype == "bf16" else ""
+    note = "; compact state (state_dtype='bf16')" if inp.state_dtype == "bf16" else ""
+    if inp.param_dtype != "bf16":
+        note += f"; param_dtype={inp.param_dtype!r}"
+    return note
 
 
 def max_params(inp: PlanInput, bw: Bandwidths) -> tuple[int, Plan]:

@@ -31,7 +31,10 @@ ties these numbers to a sharded model's tensors and files):
                    leaves blocks smaller than 1/32 of the model in the root unit, gathered as a
                    whole, so deep models need units= or min_unit_numel). Beside it the device
                    units' shards and gradients (6 B with bf16 gradients). Activations and
-                   workspace are in gpu_reserve as before.
+                   workspace are in gpu_reserve as before. fp16 units hold the same bytes;
+                   fp32 units (param_dtype="fp32", no mixed precision) hold 4U each of
+                   weights, prefetch, gradient and reduce-scatter output, which is already
+                   the shards' fp32: 16 B x the largest unit.
 So with compact state and bf16 gradients an offloaded parameter costs 4 + 2 + 3.02 = 9.02 B
 of host memory and drive together (one generation), a device one 6 B of GPU memory and 3.02 B
 of host memory and drive."""
@@ -49,7 +52,7 @@ from tierlift.offload.host_budget import (
     staging_bytes,
 )
 from tierlift.offload.layout import ALIGN_ELEMS, chunk_bytes, state_kinds
-from tierlift.plan.inputs import PlanInput
+from tierlift.plan.inputs import WEIGHT_BYTES, PlanInput
 
 _CHUNK_ELEMS = (32 << 20) // 4  # the default chunk_bytes, in elements
 _GRAD_BYTES = {"fp32": 4.0, "bf16": 2.0}  # a gradient shard's bytes per parameter
@@ -132,8 +135,27 @@ def streamed_pool_bytes(state_dtype: str = "fp32") -> int:
 
 def working_set_bytes(inp: PlanInput) -> float:
     """GPU bytes of gathered units at the peak of a unit's backward (offload_params): 12 B per
-    parameter of the largest unit (see the module docstring)."""
-    return 12 * inp.unit_share * int(inp.params)
+    parameter of the largest unit, 16 B for fp32 units (see the module docstring)."""
+    return working_set_per_param(inp) * inp.unit_share * int(inp.params)
+
+
+def working_set_per_param(inp: PlanInput) -> int:
+    """Bytes per parameter of a gathered unit at the peak of its backward (offload_params)."""
+    return 16 if inp.param_dtype == "fp32" else 12
+
+
+def model_bytes(inp: PlanInput, n: int) -> dict[str, float]:
+    """The weights and their gradients on the GPU (offload_params="none"), in param_dtype."""
+    each = WEIGHT_BYTES[inp.param_dtype]
+    return {f"{inp.param_dtype} params": each * n, f"{inp.param_dtype} grads": each * n}
+
+
+def own_master(inp: PlanInput) -> bool:
+    """Whether a weight is its own master where the runtime keeps no second copy (an fp32 one,
+    Offloader._uses_master): on the GPU with its state, in the device part, and streamed in
+    one generation. A device weight stepped in place on the host, or in two generations,
+    keeps an fp32 master in the tiers whatever its dtype."""
+    return inp.param_dtype == "fp32"
 
 
 def host_room(inp: PlanInput) -> int:
