@@ -191,7 +191,8 @@ def test_fp32_on_the_gpu_takes_twice_the_bytes_and_fp32_units_a_larger_working_s
 
 def test_fp32_offloaded_units_go_up_twice_in_fp32():
     """One forward and backward of a sharded model with offload_params='cpu': the H2D bytes of
-    its gathers are the plan's (2 x 4 B per offloaded parameter in fp32, 2 x 2 B in bf16)."""
+    its gathers are the plan's (2 x 4 B per offloaded parameter in fp32, 2 x 2 B in bf16), and
+    its D2H bytes the fp32 gradient shards'."""
     for dtype, dt in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
         torch.manual_seed(0)
         model = nn.Sequential(*[nn.Linear(256, 256, bias=False) for _ in range(4)])
@@ -203,7 +204,9 @@ def test_fp32_offloaded_units_go_up_twice_in_fp32():
             plan = make_plan(PlanInput(params=n, gpu_mem=1 << 30, cpu_mem=1 << 30,
                                        offload_params="cpu", device_params=0,
                                        param_dtype=dt), BW)
-            assert model._tierlift_zero.stats["h2d_bytes"] == plan.legs_s["h2d params"]
+            stats = model._tierlift_zero.stats
+            assert stats["h2d_bytes"] == plan.legs_s["h2d params"] == 2 * dtype.itemsize * n
+            assert stats["d2h_bytes"] == plan.legs_s["d2h grads"] == 4 * n  # fp32 gradients
         finally:
             tierlift.zero.close(model)
 
