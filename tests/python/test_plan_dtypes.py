@@ -91,10 +91,15 @@ def _cases(n: int, numels: list[int], own: bool, nvme: str) -> dict:
     }
 
 
-@pytest.mark.parametrize("placement", ["gpu", "cpu", "cpu-overlap", "hybrid", "hybrid-1-gen"])
+# Compact state where its chunks are whole at these budgets (the hybrid ones are cut for 12 B).
+_PLACEMENTS = [(p, "fp32") for p in ("gpu", "cpu", "cpu-overlap", "hybrid", "hybrid-1-gen")] + [
+    (p, "bf16") for p in ("gpu", "cpu", "cpu-overlap")]
+
+
+@pytest.mark.parametrize("placement,state_dtype", _PLACEMENTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_planned_bytes_per_tier_are_what_the_runtime_holds(tmp_path, on_device, dtype,
-                                                           placement):
+                                                           placement, state_dtype):
     """Each tier's planned bytes are the runtime's after a step: weights and gradients (the
     GPU), the optimizer state there or in the tiers with their staging pool (host memory), the
     state files' allocated blocks (the drive); and the D2H and H2D legs are the bytes the step
@@ -106,8 +111,9 @@ def test_planned_bytes_per_tier_are_what_the_runtime_holds(tmp_path, on_device, 
     own = dtype is torch.float32
     plan_kw, opt_kw = _cases(n, numels, own, str(tmp_path))[placement]
     plan = make_plan(PlanInput(params=n, cpu_mem=1 << 30, chunk_bytes=CHUNK_BYTES,
-                               param_dtype=dtype, **plan_kw), BW)
-    opt = tierlift.optim.AdamW(model.parameters(), lr=1e-3, chunk_bytes=CHUNK_BYTES, **opt_kw)
+                               param_dtype=dtype, state_dtype=state_dtype, **plan_kw), BW)
+    opt = tierlift.optim.AdamW(model.parameters(), lr=1e-3, chunk_bytes=CHUNK_BYTES,
+                               state_dtype=state_dtype, **opt_kw)
     opt.step()
     got = {"gpu": sum(p.nbytes + p.grad.nbytes for p in model.parameters())}
     off = opt._offload
