@@ -15,6 +15,8 @@
 //    scaling of a contiguous input is one grid-stride reduction with one atomicMax per thread
 //    block. A tiny kernel turns amaxes into scales; pass 2 stages the tile in shared memory and
 //    writes q and q^T from it as 16-byte rows of codes, so both stores are coalesced.
+//  - Delayed tensor scaling (a scale chosen ahead, fp8_quantize_delayed): one pass that casts and
+//    reduces the amax together (fp8_quant_tiles.cu), a second only where the scale would clip.
 // Every element follows fp8.h's formulas with explicitly rounded intrinsics (__fmul_rn,
 // __fdiv_rn), so results are bit-identical to the C++ reference.
 #pragma once
@@ -46,6 +48,28 @@ struct Fp8QuantArgs {
 
 // Enqueues the quantization on `stream`; returns the first launch error.
 cudaError_t fp8_quantize(const Fp8QuantArgs& args, cudaStream_t stream);
+
+// Delayed scaling (core's fp8_quantize_delayed, fp8_quant_tiles.cu): tensor scaling with a scale
+// chosen ahead, read from device memory. One pass casts q (and q^T) with *scale and reduces x's
+// finite amax (one atomicMax per thread block); a one-thread kernel writes scale_used = *scale,
+// or x's own scale where fl(amax * *scale) > max or *scale is not finite and > 0 (it cannot be
+// refused without a host sync); a second cast, whose blocks return at once unless scale_used
+// differs from *scale, recasts only then. Never synchronizes with the host.
+struct Fp8DelayedArgs {
+  const void* x = nullptr;  // device pointer
+  DType dtype = DType::kFloat32;
+  int64_t rows = 0, cols = 0;
+  int64_t row_stride = 0, col_stride = 1;  // elements
+  Fp8Format fmt = Fp8Format::kE4M3;
+  bool pow2_scale = false;       // for x's own scale only
+  const float* scale = nullptr;  // [1], the scale chosen ahead
+  uint8_t* q = nullptr;          // [rows, cols] row-major
+  uint8_t* qt = nullptr;         // optional: [cols, rows] = q^T
+  float* scale_used = nullptr;   // [1]
+  float* amax = nullptr;         // [1]: x's finite amax
+};
+
+cudaError_t fp8_quantize_delayed(const Fp8DelayedArgs& args, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace tierlift

@@ -14,6 +14,11 @@
 // matrix, so along a dimension whose block is not 1 a tile lies in one block (and so do 2 tiles
 // down a column for 128-row blocks, 4 for whole columns). Results are bit-identical to fp8.h's
 // rules.
+// Delayed scaling (fp8_quantize_delayed) has its scale before it starts, so it skips pass 1: the
+// cast kernel (or, for a contiguous input without q^T, a flat grid-stride cast) reads the scale
+// from device memory and reduces the staged values' finite amax with one atomicMax per block; a
+// one-thread kernel decides the scale used, and a second launch of the same cast, whose blocks
+// return at once unless that scale changed, recasts only when the given scale would clip.
 #include <cstdint>
 
 #include "cuda/fp8_device.cuh"
@@ -62,14 +67,17 @@ Grid make_grid(int64_t br, int64_t bc, int64_t gc, float* out, bool transposed) 
 }
 
 // Stages x[r0.., c0..] (0 outside the matrix; |x| with kAbs, max-combined into what is there
-// with kMax) in `tile`. kW = 8: rows contiguous, 8 | cols, 8 | row stride, base 16-byte aligned;
-// each thread loads two 8-element vectors. kW = 1: any strides, 16 elements per thread, walking
-// along whichever of x's dimensions is contiguous.
+// with kMax) in `tile`, and returns the finite |x| max of the elements this thread loaded. kW = 8:
+// rows contiguous, 8 | cols, 8 | row stride, base 16-byte aligned; each thread loads two 8-element
+// vectors. kW = 1: any strides, 16 elements per thread, walking along whichever of x's dimensions
+// is contiguous.
 template <DType kT, int kW, bool kAbs, bool kMax>
-__device__ __forceinline__ void load_tile(float (*tile)[kTile + 1], const void* x, int64_t rows,
-                                          int64_t cols, int64_t rs, int64_t cs, int64_t r0,
-                                          int64_t c0, bool rows_fast) {
+__device__ __forceinline__ float load_tile(float (*tile)[kTile + 1], const void* x, int64_t rows,
+                                           int64_t cols, int64_t rs, int64_t cs, int64_t r0,
+                                           int64_t c0, bool rows_fast) {
+  float m = 0.f;
   auto put = [&](int r, int c, float v) {
+    m = fmaxf(m, finite_abs(v));
     if (kAbs) v = finite_abs(v);
     tile[r][c] = kMax ? fmaxf(tile[r][c], v) : v;
   };
@@ -107,6 +115,7 @@ __device__ __forceinline__ void load_tile(float (*tile)[kTile + 1], const void* 
       put(r, c, v[k]);
     }
   }
+  return m;
 }
 
 // Merges a staged |x| tile into grid g's amax (entries outside the matrix are 0).
@@ -281,15 +290,41 @@ __device__ __forceinline__ void store16(uint8_t* dst, const uint32_t (&w)[4], in
   }
 }
 
+// Delayed scaling's options for a cast kernel. amax: also reduce the staged values' finite |x|
+// max into *amax (one atomicMax per block). first_scale: this launch is the recast, and every
+// block returns at once unless the decided scale (the grid's) differs from *first_scale, the
+// scale the first cast used: equal scales give equal codes.
+struct DelayedPass {
+  float* amax = nullptr;
+  const float* first_scale = nullptr;
+};
+
+// Whether a delayed recast has nothing to do (the same answer for every thread).
+__device__ __forceinline__ bool recast_not_needed(const DelayedPass& d, const float* scale) {
+  return d.first_scale != nullptr && __float_as_uint(*scale) == __float_as_uint(*d.first_scale);
+}
+
+// One thread block's finite amax into *amax: warp maxima were written to warp_partial before a
+// __syncthreads; warp 0 combines them.
+__device__ __forceinline__ void merge_block_amax(const float* warp_partial, float* amax) {
+  if (threadIdx.x < 32) {
+    const float m = group_max(threadIdx.x < kWarps ? warp_partial[threadIdx.x] : 0.f);
+    if (threadIdx.x == 0) atomic_max_nonneg(amax, m);
+  }
+}
+
 // Pass 2: q[i, j] with grid g (q_width bytes per store); if qt, also qt[j, i] with the
-// transposed grid gt.
+// transposed grid gt. With d (delayed scaling, tensor grids read from device scales): the amax of
+// the staged tile, or the guarded recast.
 template <DType kT, int kW>
 __global__ void __launch_bounds__(kThreads)
     cast_tiles_kernel(const void* x, int64_t rows, int64_t cols, int64_t rs, int64_t cs,
                       bool rows_fast, Fp8Format fmt, Grid g, uint8_t* q, int q_width, Grid gt,
-                      uint8_t* qt, int qt_width) {
+                      uint8_t* qt, int qt_width, DelayedPass d) {
   __shared__ float tile[kTile][kTile + 1];
   __shared__ float sc[kTile], sct[kTile];
+  __shared__ float warp_partial[kWarps];
+  if (recast_not_needed(d, g.out)) return;
   const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kTile;
   const int64_t c0 = static_cast<int64_t>(blockIdx.y) * kTile;
   const int t = threadIdx.x;
@@ -298,8 +333,13 @@ __global__ void __launch_bounds__(kThreads)
   } else if (t < 2 * kTile && qt != nullptr) {
     stage_scales(sct, gt, r0, c0, rows, cols, t - kTile);
   }
-  load_tile<kT, kW, false, false>(tile, x, rows, cols, rs, cs, r0, c0, rows_fast);
+  const float m = load_tile<kT, kW, false, false>(tile, x, rows, cols, rs, cs, r0, c0, rows_fast);
+  if (d.amax != nullptr) {
+    const float wm = group_max(m);
+    if ((t & 31) == 0) warp_partial[t / 32] = wm;
+  }
   __syncthreads();
+  if (d.amax != nullptr) merge_block_amax(warp_partial, d.amax);
   const int line = t / 4, seg = t % 4 * 16;  // 4 threads per output row segment of 64 codes
   uint32_t w[4];
   if (r0 + line < rows && c0 + seg < cols) {  // row r0 + line of q, columns c0 + seg ..
@@ -318,6 +358,18 @@ int store_width(const void* p, int64_t n) {
     if (n % w == 0 && reinterpret_cast<uintptr_t>(p) % w == 0) return w;
   }
   return 1;
+}
+
+// Thread blocks of a grid-stride loop over n contiguous elements, 8 per thread and step: at
+// most 8 per SM (the grid's size only: any count gives the same result).
+unsigned flat_blocks(int64_t n) {
+  int dev = 0, sms = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms < 1) {
+    sms = 132;
+  }
+  const int64_t want = (n / 8 + kThreads - 1) / kThreads;
+  return static_cast<unsigned>(want < 8 * sms ? (want > 0 ? want : 1) : 8 * sms);
 }
 
 template <DType kT>
@@ -346,15 +398,8 @@ cudaError_t run_tiled(const Fp8QuantArgs& a, cudaStream_t stream) {
   const dim3 block(kThreads);
   if (a.scaling == Fp8Scaling::kTensor && a.col_stride == 1 && a.row_stride == a.cols &&
       xa % 16 == 0) {
-    int dev = 0, sms = 0;  // the grid's size only: any count gives the same result
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-        sms < 1) {
-      sms = 132;
-    }
-    const int64_t total = a.rows * a.cols, want = (total / 8 + kThreads - 1) / kThreads;
-    const unsigned blocks = static_cast<unsigned>(want < 8 * sms ? (want > 0 ? want : 1) : 8 * sms);
-    TIERLIFT_LAUNCH(blocks, block, 0, stream, amax_flat_kernel<kT>)
+    const int64_t total = a.rows * a.cols;
+    TIERLIFT_LAUNCH(flat_blocks(total), block, 0, stream, amax_flat_kernel<kT>)
     (a.x, total, a.scales, dual ? a.scales_t : nullptr);
   } else {
     // Tiles combine down a column where neither grid has a block per row and every block is
@@ -389,12 +434,122 @@ cudaError_t run_tiled(const Fp8QuantArgs& a, cudaStream_t stream) {
   const int qw = store_width(a.q, a.cols), qtw = a.qt ? store_width(a.qt, a.rows) : 1;
   if (vec) {
     TIERLIFT_LAUNCH(tiles, block, 0, stream, cast_tiles_kernel<kT, 8>)
-    (a.x, a.rows, a.cols, a.row_stride, a.col_stride, rows_fast, a.fmt, g, a.q, qw, gt, a.qt, qtw);
+    (a.x, a.rows, a.cols, a.row_stride, a.col_stride, rows_fast, a.fmt, g, a.q, qw, gt, a.qt, qtw,
+     DelayedPass{});
   } else {
     TIERLIFT_LAUNCH(tiles, block, 0, stream, cast_tiles_kernel<kT, 1>)
-    (a.x, a.rows, a.cols, a.row_stride, a.col_stride, rows_fast, a.fmt, g, a.q, qw, gt, a.qt, qtw);
+    (a.x, a.rows, a.cols, a.row_stride, a.col_stride, rows_fast, a.fmt, g, a.q, qw, gt, a.qt, qtw,
+     DelayedPass{});
   }
   return cudaGetLastError();
+}
+
+// Delayed scaling's cast of n contiguous elements (x 16-byte and q 8-byte aligned) with the
+// device scale *scale: a grid-stride loop with four 8-element vector loads in flight per thread
+// and one 8-byte store of codes per vector, the finite amax reduced on the way (options as in
+// cast_tiles_kernel). Each element is read once: the single pass the tiles' staging is not needed
+// for when there is no q^T.
+template <DType kT>
+__global__ void __launch_bounds__(kThreads)
+    cast_flat_kernel(const void* x, int64_t n, Fp8Format fmt, const float* scale, uint8_t* q,
+                     DelayedPass d) {
+  __shared__ float warp_partial[kWarps];
+  if (recast_not_needed(d, scale)) return;
+  constexpr int kUnroll = 4;
+  const float s = *scale;
+  const int64_t nv = n / 8, tid = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  float m = 0.f;
+  for (int64_t c = tid; c < nv; c += kUnroll * stride) {
+    float v[kUnroll][8];
+    TIERLIFT_UNROLL
+    for (int u = 0; u < kUnroll; ++u) {
+      for (int e = 0; e < 8; ++e) v[u][e] = 0.f;
+      if (c + u * stride < nv) fp8dev::load_vec<kT, 8>(x, (c + u * stride) * 8, v[u]);
+    }
+    TIERLIFT_UNROLL
+    for (int u = 0; u < kUnroll; ++u) {
+      for (int e = 0; e < 8; ++e) m = fmaxf(m, finite_abs(v[u][e]));
+      if (c + u * stride < nv) fp8dev::encode_store<8>(q, (c + u * stride) * 8, v[u], s, fmt);
+    }
+  }
+  for (int64_t k = nv * 8 + tid; k < n; k += stride) {
+    const float v = fp8dev::load<kT>(x, k);
+    m = fmaxf(m, finite_abs(v));
+    q[k] = static_cast<uint8_t>(encode(__fmul_rn(v, s), fmt));
+  }
+  if (d.amax == nullptr) return;  // the same for the whole block
+  m = group_max(m);
+  if ((threadIdx.x & 31) == 0) warp_partial[threadIdx.x / 32] = m;
+  __syncthreads();
+  merge_block_amax(warp_partial, d.amax);
+}
+
+// core's fp8_delayed_redo and fp8_scale: scale_used = *scale, or x's own scale where *scale is
+// not finite and > 0 or fl(amax * *scale) exceeds the format's max. One thread.
+__global__ void delayed_scale_kernel(const float* amax, const float* scale, Fp8Format fmt,
+                                     bool pow2, float* scale_used) {
+  const float a = *amax, s = *scale;
+  const float fmax = fmt == Fp8Format::kE4M3 ? kE4M3Max : kE5M2Max;
+  const bool redo = !(s > 0.f && s <= kF32Max) || __fmul_rn(a, s) > fmax;
+  *scale_used = redo ? scale_of(a, fmt, pow2) : s;
+}
+
+// One cast of delayed scaling with the device scale `scale` (the first, with d.amax, or the
+// guarded recast): the flat kernel for a contiguous input without q^T, the tiles otherwise.
+template <DType kT>
+cudaError_t delayed_cast(const Fp8DelayedArgs& a, const float* scale, DelayedPass d,
+                         cudaStream_t stream) {
+  const uintptr_t xa = reinterpret_cast<uintptr_t>(a.x);
+  const dim3 block(kThreads);
+  if (a.qt == nullptr && a.col_stride == 1 && a.row_stride == a.cols && xa % 16 == 0 &&
+      reinterpret_cast<uintptr_t>(a.q) % 8 == 0) {
+    const int64_t n = a.rows * a.cols;
+    TIERLIFT_LAUNCH(flat_blocks(n), block, 0, stream, cast_flat_kernel<kT>)
+    (a.x, n, a.fmt, scale, a.q, d);
+    return cudaGetLastError();
+  }
+  // Tensor scaling's grids: every element's scale is scale[0].
+  const Fp8Blocks b = fp8_blocks(Fp8Scaling::kTensor, a.rows, a.cols);
+  const Fp8Blocks bt = fp8_blocks(Fp8Scaling::kTensor, a.cols, a.rows);
+  float* s = const_cast<float*>(scale);  // the cast kernels only read their grids
+  const Grid g = make_grid(b.rows, b.cols, b.grid_cols, s, false);
+  const Grid gt = make_grid(bt.cols, bt.rows, bt.grid_cols, s, true);
+  const bool vec = a.col_stride == 1 && a.cols % 8 == 0 && a.row_stride % 8 == 0 && xa % 16 == 0;
+  const bool rows_fast = a.col_stride != 1 && a.row_stride == 1;
+  const int64_t row_tiles = (a.rows + kTile - 1) / kTile, col_tiles = (a.cols + kTile - 1) / kTile;
+  if (col_tiles > 65535) return cudaErrorInvalidConfiguration;  // > 4M columns
+  const dim3 tiles(static_cast<unsigned>(row_tiles), static_cast<unsigned>(col_tiles));
+  const int qw = store_width(a.q, a.cols), qtw = a.qt ? store_width(a.qt, a.rows) : 1;
+  if (vec) {
+    TIERLIFT_LAUNCH(tiles, block, 0, stream, cast_tiles_kernel<kT, 8>)
+    (a.x, a.rows, a.cols, a.row_stride, a.col_stride, rows_fast, a.fmt, g, a.q, qw, gt, a.qt, qtw,
+     d);
+  } else {
+    TIERLIFT_LAUNCH(tiles, block, 0, stream, cast_tiles_kernel<kT, 1>)
+    (a.x, a.rows, a.cols, a.row_stride, a.col_stride, rows_fast, a.fmt, g, a.q, qw, gt, a.qt, qtw,
+     d);
+  }
+  return cudaGetLastError();
+}
+
+template <DType kT>
+cudaError_t run_delayed(const Fp8DelayedArgs& a, cudaStream_t stream) {
+  const bool empty = a.rows * a.cols == 0;
+  if (cudaError_t e = cudaMemsetAsync(a.amax, 0, sizeof(float), stream); e != cudaSuccess) {
+    return e;
+  }
+  if (!empty) {
+    if (cudaError_t e = delayed_cast<kT>(a, a.scale, DelayedPass{a.amax, nullptr}, stream);
+        e != cudaSuccess) {
+      return e;
+    }
+  }
+  TIERLIFT_LAUNCH(1, 1, 0, stream, delayed_scale_kernel)
+  (a.amax, a.scale, a.fmt, a.pow2_scale, a.scale_used);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  if (empty) return cudaSuccess;
+  return delayed_cast<kT>(a, a.scale_used, DelayedPass{nullptr, a.scale}, stream);
 }
 
 }  // namespace
@@ -420,6 +575,17 @@ cudaError_t fp8_quantize_tiled(const Fp8QuantArgs& a, cudaStream_t stream) {
       return run_tiled<DType::kFloat16>(a, stream);
     default:
       return run_tiled<DType::kFloat32>(a, stream);
+  }
+}
+
+cudaError_t fp8_quantize_delayed(const Fp8DelayedArgs& a, cudaStream_t stream) {
+  switch (a.dtype) {
+    case DType::kBFloat16:
+      return run_delayed<DType::kBFloat16>(a, stream);
+    case DType::kFloat16:
+      return run_delayed<DType::kFloat16>(a, stream);
+    default:
+      return run_delayed<DType::kFloat32>(a, stream);
   }
 }
 

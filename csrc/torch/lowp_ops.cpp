@@ -1,11 +1,15 @@
 // CPU and CUDA implementations of the FP8 quantizer ops (schemas in schemas.cpp, lowp block):
 //   fp8_quantize(x, scaling, fp8_dtype, pow2_scale) -> (q, scales)
 //   fp8_quantize_dual(...) -> (q, scales, qt, scales_t)   qt = quantization of x^T
+//   fp8_quantize_delayed(x, scale, fp8_dtype, dual, pow2_scale) -> (q, scale_used, qt?, amax)
+//     tensor scaling with a scale chosen ahead: one pass over x unless the scale would clip
 // x is a 2-D fp32/bf16/fp16 tensor with any strides; q is float8_e4m3fn/float8_e5m2 row-major,
 // scales fp32 [ceil(rows/block_h), ceil(cols/block_w)]. CPU calls core/lowp, CUDA cuda/fp8_quant.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <cmath>
+#include <optional>
 #include <string>
 #include <tuple>
 
@@ -73,6 +77,47 @@ Prepared prepare(const at::Tensor& x, const std::string& scaling, at::ScalarType
 
 uint8_t* bytes(const at::Tensor& t) { return static_cast<uint8_t*>(t.data_ptr()); }
 
+// Delayed scaling's x is prepared as tensor scaling; its scale is a one-element fp32 tensor on
+// x's device (a device pointer on CUDA, so no host sync). Tensor scaling's scales [1, 1] receive
+// scale_used; amax [1] is the other output beside q and qt.
+struct PreparedDelayed {
+  Prepared p;
+  at::Tensor amax;
+};
+
+PreparedDelayed prepare_delayed(const at::Tensor& x, const at::Tensor& scale,
+                                at::ScalarType fp8_dtype, bool dual, c10::DeviceType backend) {
+  PreparedDelayed d{prepare(x, "tensor", fp8_dtype, false, backend), {}};
+  TL_CHECK_DENSE(scale);
+  TORCH_CHECK_VALUE(scale.numel() == 1, "scale must have one element, got shape ", scale.sizes());
+  TL_CHECK_DTYPE(scale, at::kFloat);
+  TORCH_CHECK_VALUE(scale.device() == x.device(), "scale must be on x's device ", x.device(),
+                    ", got ", scale.device());
+  if (dual) d.p.qt = at::empty({d.p.in.cols, d.p.in.rows}, x.options().dtype(fp8_dtype));
+  d.amax = at::empty({1}, x.options().dtype(at::kFloat));
+  return d;
+}
+
+std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, at::Tensor> delayed_outputs(
+    const PreparedDelayed& d) {
+  std::optional<at::Tensor> qt;
+  if (d.p.qt.defined()) qt = d.p.qt;
+  return {d.p.q, d.p.scales, qt, d.amax};
+}
+
+std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, at::Tensor> fp8_quantize_delayed_cpu(
+    const at::Tensor& x, const at::Tensor& scale, at::ScalarType fp8_dtype, bool dual,
+    bool pow2_scale) {
+  PreparedDelayed d = prepare_delayed(x, scale, fp8_dtype, dual, c10::DeviceType::CPU);
+  const float s = scale.item<float>();
+  TORCH_CHECK_VALUE(std::isfinite(s) && s > 0.f, "scale must be finite and > 0, got ", s);
+  const Fp8DelayedResult r = fp8_quantize_delayed(d.p.in, s, d.p.fmt, pow2_scale, bytes(d.p.q),
+                                                  dual ? bytes(d.p.qt) : nullptr);
+  d.p.scales.fill_(r.scale_used);
+  d.amax.fill_(r.amax);
+  return delayed_outputs(d);
+}
+
 std::tuple<at::Tensor, at::Tensor> fp8_quantize_cpu(const at::Tensor& x, c10::string_view scaling,
                                                     at::ScalarType fp8_dtype, bool pow2_scale) {
   Prepared p = prepare(x, std::string(scaling), fp8_dtype, false, c10::DeviceType::CPU);
@@ -128,6 +173,38 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fp8_quantize_dual_cud
   launch(x, p, pow2_scale);
   return {p.q, p.scales, p.qt, p.scales_t};
 }
+
+// The scale stays on the device: a scale that is not finite and > 0 cannot be refused without a
+// host sync, so the kernel treats it as one that would clip (x's own scale, see fp8_quant.cuh).
+std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, at::Tensor> fp8_quantize_delayed_cuda(
+    const at::Tensor& x, const at::Tensor& scale, at::ScalarType fp8_dtype, bool dual,
+    bool pow2_scale) {
+  PreparedDelayed d = prepare_delayed(x, scale, fp8_dtype, dual, c10::DeviceType::CUDA);
+  TORCH_CHECK_VALUE(x.size(1) <= 65535 * 64 || (!dual && x.is_contiguous()), "x has ", x.size(1),
+                    " columns; the CUDA quantizer takes at most ", 65535 * 64,
+                    " for a strided or dual input (quantize column chunks separately)");
+  c10::cuda::CUDAGuard guard(x.device());
+  cuda::Fp8DelayedArgs a;
+  a.x = d.p.in.data;
+  a.dtype = d.p.in.dtype;
+  a.rows = d.p.in.rows;
+  a.cols = d.p.in.cols;
+  a.row_stride = d.p.in.row_stride;
+  a.col_stride = d.p.in.col_stride;
+  a.fmt = d.p.fmt;
+  a.pow2_scale = pow2_scale;
+  const at::Tensor s = scale.contiguous();
+  a.scale = s.data_ptr<float>();
+  a.q = bytes(d.p.q);
+  if (d.p.qt.defined()) a.qt = bytes(d.p.qt);
+  a.scale_used = d.p.scales.data_ptr<float>();
+  a.amax = d.amax.data_ptr<float>();
+  const cudaError_t err =
+      cuda::fp8_quantize_delayed(a, at::cuda::getCurrentCUDAStream(x.device().index()));
+  TORCH_CHECK(err == cudaSuccess,
+              "fp8_quantize_delayed: CUDA launch failed: ", cudaGetErrorString(err));
+  return delayed_outputs(d);
+}
 #endif
 
 }  // namespace
@@ -135,12 +212,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fp8_quantize_dual_cud
 TORCH_LIBRARY_IMPL(tierlift, CPU, m) {
   m.impl("fp8_quantize", &fp8_quantize_cpu);
   m.impl("fp8_quantize_dual", &fp8_quantize_dual_cpu);
+  m.impl("fp8_quantize_delayed", &fp8_quantize_delayed_cpu);
 }
 
 #ifdef TIERLIFT_WITH_CUDA
 TORCH_LIBRARY_IMPL(tierlift, CUDA, m) {
   m.impl("fp8_quantize", &fp8_quantize_cuda);
   m.impl("fp8_quantize_dual", &fp8_quantize_dual_cuda);
+  m.impl("fp8_quantize_delayed", &fp8_quantize_delayed_cuda);
 }
 #endif
 

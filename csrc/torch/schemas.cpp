@@ -73,6 +73,13 @@ TORCH_LIBRARY(tierlift, m) {
   m.def(
       "fp8_quantize_dual(Tensor x, str scaling, ScalarType fp8_dtype, bool pow2_scale) "
       "-> (Tensor, Tensor, Tensor, Tensor)");
+  // Delayed scaling (tensor scaling with a scale chosen ahead, e.g. from an amax history):
+  // scale is a one-element fp32 tensor on x's device. Returns q = cast(x * scale_used),
+  // scale_used [1, 1] (scale, or x's own scale where scale would clip a finite value), q^T when
+  // dual (else None) and x's finite amax [1], for the next scale.
+  m.def(
+      "fp8_quantize_delayed(Tensor x, Tensor scale, ScalarType fp8_dtype, bool dual, "
+      "bool pow2_scale) -> (Tensor, Tensor, Tensor?, Tensor)");
   // FP4 (csrc/torch/lowp_fp4_ops.cpp): x 2-D fp32/bf16/fp16, optionally rotated by a Hadamard
   // transform (0/16/32 columns, `signs` a bit mask of negated inputs), quantized along rows to
   // E2M1 with RNE or Philox(seed, offset) stochastic rounding. scale_rule floor|rceil|quest:

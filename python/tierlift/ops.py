@@ -437,7 +437,11 @@ def fp8_quantize_delayed(x: torch.Tensor, scale: torch.Tensor,
                          pow2_scale: bool = False):
     """(q, scale_used, qt or None, amax): tensorwise FP8 with a scale chosen ahead, in one pass
     over x unless the scale would clip (then x's own scale). Rules:
-    tierlift.reference.lowp.fp8_quantize_delayed."""
+    tierlift.reference.lowp.fp8_quantize_delayed. The compiled op takes `scale` as a one-element
+    fp32 tensor on x's device; on CPU it must be finite and > 0."""
+    if _has_kernel(x):
+        return torch.ops.tierlift.fp8_quantize_delayed(x, scale, fp8_dtype, bool(dual),
+                                                       bool(pow2_scale))
     return reference.fp8_quantize_delayed(x, scale, fp8_dtype, bool(dual), bool(pow2_scale))
 
 
@@ -458,6 +462,16 @@ if _extension.available():
     @torch.library.register_fake("tierlift::fp8_quantize_dual")
     def _fp8_quantize_dual_fake(x, scaling, fp8_dtype, pow2_scale):
         return (*_fp8_fake(x, scaling, fp8_dtype, False), *_fp8_fake(x, scaling, fp8_dtype, True))
+
+    @torch.library.register_fake("tierlift::fp8_quantize_delayed")
+    def _fp8_quantize_delayed_fake(x, scale, fp8_dtype, dual, pow2_scale):
+        if scale.numel() != 1 or scale.dtype != torch.float32 or scale.device != x.device:
+            raise ValueError(f"scale must be a one-element float32 tensor on x's device "
+                             f"{x.device}, got {scale.dtype} {tuple(scale.shape)} on "
+                             f"{scale.device}")
+        q, scale_used = _fp8_fake(x, "tensor", fp8_dtype, False)
+        qt = _fp8_fake(x, "tensor", fp8_dtype, True)[0] if dual else None
+        return q, scale_used, qt, x.new_empty((1,), dtype=torch.float32)
 
 
 # ---- zero ----

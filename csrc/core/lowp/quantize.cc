@@ -51,6 +51,30 @@ void row_cast_t(const Fp8Input& x, int64_t i, int64_t bc, const float* scales, F
   }
 }
 
+// Row i of x cast with one scale, returning the row's finite amax merged into m: delayed
+// scaling's single pass.
+template <DType kT>
+float row_cast_amax_t(const Fp8Input& x, int64_t i, float s, Fp8Format fmt, uint8_t* q, float m) {
+  const int64_t base = i * x.row_stride, cs = x.col_stride;
+  for (int64_t j = 0; j < x.cols; ++j) {
+    const float v = load_at<kT>(x.data, base + j * cs);
+    m = std::max(m, finite_abs(v));
+    q[j] = fp8_encode(v * s, fmt);
+  }
+  return m;
+}
+
+float row_cast_amax(const Fp8Input& x, int64_t i, float s, Fp8Format fmt, uint8_t* q, float m) {
+  switch (x.dtype) {
+    case DType::kBFloat16:
+      return row_cast_amax_t<DType::kBFloat16>(x, i, s, fmt, q, m);
+    case DType::kFloat16:
+      return row_cast_amax_t<DType::kFloat16>(x, i, s, fmt, q, m);
+    default:
+      return row_cast_amax_t<DType::kFloat32>(x, i, s, fmt, q, m);
+  }
+}
+
 void row_amax(const Fp8Input& x, int64_t i, int64_t bc, float* amax) {
   switch (x.dtype) {
     case DType::kBFloat16:
@@ -124,6 +148,23 @@ void cast(const Fp8Input& x, const Fp8Blocks& b, Fp8Format fmt, const float* sca
   });
 }
 
+// qt = q^T for row-major codes, in 64x64 blocks so both sides stay in cache.
+void transpose_codes(const uint8_t* q, int64_t rows, int64_t cols, uint8_t* qt) {
+  constexpr int64_t kB = 64;
+  const int64_t grain = std::max<int64_t>(1, kGrainElems / std::max<int64_t>(kB * rows, 1));
+  ThreadPool::global().parallel_for(ceil_div(cols, kB), grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t jb = b0 * kB; jb < std::min(cols, b1 * kB); jb += kB) {
+      const int64_t je = std::min(cols, jb + kB);
+      for (int64_t ib = 0; ib < rows; ib += kB) {
+        const int64_t ie = std::min(rows, ib + kB);
+        for (int64_t j = jb; j < je; ++j) {
+          for (int64_t i = ib; i < ie; ++i) qt[j * rows + i] = q[i * cols + j];
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 Fp8Blocks fp8_blocks(Fp8Scaling scaling, int64_t rows, int64_t cols) {
@@ -177,6 +218,34 @@ void fp8_quantize_dual(const Fp8Input& x, Fp8Scaling scaling, Fp8Format fmt, boo
   t.row_stride = x.col_stride;
   t.col_stride = x.row_stride;
   fp8_quantize(t, scaling, fmt, pow2_scale, qt, scales_t);
+}
+
+Fp8DelayedResult fp8_quantize_delayed(const Fp8Input& x, float scale, Fp8Format fmt,
+                                      bool pow2_scale, uint8_t* q, uint8_t* qt) {
+  if (!(scale > 0.f && scale <= kF32Max)) {
+    throw std::invalid_argument("fp8_quantize_delayed: scale must be finite and > 0");
+  }
+  check(x, q, &scale);
+  if (x.rows * x.cols == 0) return {scale, 0.f};
+  // Pass 1: cast with the given scale and take the amax; tasks merge their maxima under a lock
+  // (max is exact and order-free, so the split does not change it).
+  float amax = 0.f;
+  std::mutex mu;
+  const int64_t grain = std::max<int64_t>(1, kGrainElems / x.cols);
+  ThreadPool::global().parallel_for(x.rows, grain, [&](int64_t r0, int64_t r1) {
+    float m = 0.f;
+    for (int64_t i = r0; i < r1; ++i) m = row_cast_amax(x, i, scale, fmt, q + i * x.cols, m);
+    std::lock_guard<std::mutex> lock(mu);
+    amax = std::max(amax, m);
+  });
+  float used = scale;
+  if (fp8_delayed_redo(amax, scale, fmt)) {
+    used = fp8_scale(amax, fmt, pow2_scale);
+    // Equal scales cast to equal codes: the second read is needed only when the scale changed.
+    if (used != scale) cast(x, fp8_blocks(Fp8Scaling::kTensor, x.rows, x.cols), fmt, &used, q);
+  }
+  if (qt != nullptr) transpose_codes(q, x.rows, x.cols, qt);
+  return {used, amax};
 }
 
 void fp8_dequantize(const uint8_t* q, int64_t rows, int64_t cols, Fp8Scaling scaling, Fp8Format fmt,

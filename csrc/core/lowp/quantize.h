@@ -11,6 +11,8 @@
 // The dual quantizer also emits the quantization of x^T ([cols, rows], row-major, i.e. x's
 // column-major copy) with the same kind of scaling: the operand layout the backward GEMMs need.
 // Work runs in three passes (amax, scale, cast) split across ThreadPool::global().
+// fp8_quantize_delayed (tensor scaling with a scale chosen ahead) casts and takes the amax in one
+// pass; it reads x a second time only when the given scale would clip.
 #pragma once
 
 #include <cstdint>
@@ -46,6 +48,26 @@ void fp8_quantize(const Fp8Input& x, Fp8Scaling scaling, Fp8Format fmt, bool pow
 // fp8_quantize(x) into (q, scales) and fp8_quantize(x^T) into (qt [cols, rows], scales_t).
 void fp8_quantize_dual(const Fp8Input& x, Fp8Scaling scaling, Fp8Format fmt, bool pow2_scale,
                        uint8_t* q, float* scales, uint8_t* qt, float* scales_t);
+
+// Delayed scaling, bit-exact with tierlift.reference.lowp.fp8_quantize_delayed: q =
+// encode(x * scale) and x's finite amax in one pass; if fl(amax * scale) > the format's max (the
+// stale scale would clip some finite value), scale_used = fp8_scale(amax, fmt, pow2_scale), x's
+// own scale, and q is cast again with it. qt (optional, [cols, rows]) = q^T. Throws
+// std::invalid_argument unless scale is finite and > 0.
+struct Fp8DelayedResult {
+  float scale_used;
+  float amax;
+};
+Fp8DelayedResult fp8_quantize_delayed(const Fp8Input& x, float scale, Fp8Format fmt,
+                                      bool pow2_scale, uint8_t* q, uint8_t* qt);
+
+// Whether delayed scaling with `scale` must fall back to x's own scale: the scale is not finite
+// and positive, or fl(amax * scale) exceeds the format's max. The CUDA kernel mirrors it.
+static inline bool fp8_delayed_redo(float amax, float scale, Fp8Format fmt) {
+  if (!(scale > 0.f && scale <= kF32Max)) return true;
+  const float product = amax * scale;  // rounded to fp32, as the reference's tensor product
+  return product > fp8_spec(fmt).max;
+}
 
 // out[i, j] = decode(q[i, j]) / scale of (i, j)'s block, fp32 row-major.
 void fp8_dequantize(const uint8_t* q, int64_t rows, int64_t cols, Fp8Scaling scaling, Fp8Format fmt,
