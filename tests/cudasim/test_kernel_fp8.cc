@@ -17,6 +17,7 @@
 // their size, so AddressSanitizer catches any access outside them.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <random>
@@ -519,6 +520,175 @@ TEST(Fp8Kernel, FusedKernelEdges) {
         ++k;
       }
     }
+  }
+}
+
+// ---- Delayed scaling: cuda::fp8_quantize_delayed against core's fp8_quantize_delayed ----
+
+// The scale to pass, relative to x's own tensorwise scale: half of it fits, 4x would clip (the
+// recast), 1x is x's own (a recast only where fl(amax * scale) rounds above max, to equal codes).
+const float kScaleFactors[] = {0.5f, 1.f, 4.f};
+
+struct DelayedCase {
+  int64_t rows, cols;
+  Fp8Format fmt;
+  bool pow2;
+  DType dtype;
+  Layout layout;
+  bool dual;
+
+  std::string describe() const {
+    return std::to_string(rows) + "x" + std::to_string(cols) +
+           (fmt == Fp8Format::kE4M3 ? " e4m3" : " e5m2") + (pow2 ? " pow2" : "") + " " +
+           cudasim_test::dtype_name(dtype) + " " + cudasim_test::layout_name(layout) +
+           (dual ? " dual" : "");
+  }
+};
+
+// x's own tensorwise scale (core).
+float own_scale(const Fp8Input& x, Fp8Format fmt) {
+  std::vector<uint8_t> q(static_cast<size_t>(x.rows * x.cols));
+  float s = 0.f;
+  fp8_quantize(x, Fp8Scaling::kTensor, fmt, false, q.data(), &s);
+  return s;
+}
+
+// Runs the kernel with `scale` on `values` and compares q (and q^T), scale_used and amax bit for
+// bit with core; a scale core refuses (not finite and > 0) must give what a clipping scale gives:
+// x's own tensorwise quantization. Outputs start as garbage so a missed store shows. Returns
+// whether the scale used differs from the one given (the recast ran).
+bool check_delayed(const DelayedCase& c, const std::vector<float>& values, float scale) {
+  SCOPED_TRACE(c.describe() + " scale=" + std::to_string(scale));
+  const StridedInput in(values, c.rows, c.cols, c.dtype, c.layout);
+  const Fp8Input& x = in.view();
+  const size_t n = static_cast<size_t>(c.rows * c.cols);
+  std::vector<uint8_t> want_q(n), want_qt(c.dual ? n : 0);
+  const bool valid = scale > 0.f && std::isfinite(scale);
+  if (!valid) {
+    EXPECT_THROW(fp8_quantize_delayed(x, scale, c.fmt, c.pow2, want_q.data(), nullptr),
+                 std::invalid_argument);
+  }
+  // For a bad scale, core with the largest finite scale: one that clips any nonzero x.
+  const Fp8DelayedResult want = fp8_quantize_delayed(
+      x, valid ? scale : kF32Max, c.fmt, c.pow2, want_q.data(), c.dual ? want_qt.data() : nullptr);
+  std::vector<uint8_t> q(n, 0xaa), qt(c.dual ? n : 0, 0xaa);
+  const std::vector<float> given = {scale};
+  std::vector<float> used = {kNaN}, amax = {1e30f};
+  cuda::Fp8DelayedArgs a;
+  a.x = x.data;
+  a.dtype = x.dtype;
+  a.rows = x.rows;
+  a.cols = x.cols;
+  a.row_stride = x.row_stride;
+  a.col_stride = x.col_stride;
+  a.fmt = c.fmt;
+  a.pow2_scale = c.pow2;
+  a.scale = given.data();
+  a.q = q.data();
+  if (c.dual) a.qt = qt.data();
+  a.scale_used = used.data();
+  a.amax = amax.data();
+  const uint64_t launches = cudasim::launch_count();
+  EXPECT_EQ(cuda::fp8_quantize_delayed(a, nullptr), cudaSuccess) << cudasim::last_error_message();
+  // The cast, the decision and the guarded recast, whatever the decision: no host sync.
+  EXPECT_EQ(cudasim::launch_count() - launches, n > 0 ? 3u : 1u);
+  EXPECT_TRUE(same_bits("scale_used", used, std::vector<float>{want.scale_used}, 1));
+  EXPECT_TRUE(same_bits("amax", amax, std::vector<float>{want.amax}, 1));
+  EXPECT_TRUE(same_bits("q", q, want_q, c.cols));
+  if (c.dual) {
+    EXPECT_TRUE(same_bits("qt", qt, want_qt, c.rows));
+  }
+  return f32_bits(used[0]) != f32_bits(scale);
+}
+
+// Every format x input dtype x pow2 x scale (fits, x's own, clips) on each path: the flat
+// single-pass kernel (contiguous, single output; odd widths take its element tail), the tiles
+// with vector loads (contiguous dual, rows padded by 8), with scalar loads (a transposed view, a
+// misaligned base), on shapes that are not multiples of 64 or 16.
+TEST(Fp8Delayed, EveryFormatDtypeScaleAndPath) {
+  const std::pair<Layout, bool> paths[] = {{Layout::kContiguous, false},
+                                           {Layout::kContiguous, true},
+                                           {Layout::kTransposed, false},
+                                           {Layout::kOffset1, true},
+                                           {Layout::kPadded8, true}};
+  int cases = 0, redos = 0;
+  uint32_t seed = 700;
+  for (Fp8Format fmt : kFormats) {
+    for (DType t : kInputDtypes) {
+      for (bool pow2 : {false, true}) {
+        for (const auto& [layout, dual] : paths) {
+          const DelayedCase c{seed % 2 ? 6 : 70, seed % 2 ? 37 : 136, fmt, pow2, t, layout, dual};
+          const std::vector<float> x = nasty(c.rows, c.cols, t, seed, seed % 3 == 0);
+          ++seed;
+          const StridedInput in(x, c.rows, c.cols, t, Layout::kContiguous);
+          const float own = own_scale(in.view(), fmt);
+          for (float f : kScaleFactors) {
+            const bool redo = check_delayed(c, x, own * f);
+            if (f != 1.f) {
+              EXPECT_EQ(redo, f > 1.f) << c.describe();
+            }
+            redos += redo;
+            ++cases;
+          }
+        }
+      }
+    }
+  }
+  RecordProperty("configurations", cases);
+  RecordProperty("recasts", redos);
+}
+
+// Tails: 1x1, partial tiles both ways, and a contiguous input long enough that the flat
+// kernel's grid-stride loop goes round with its 4-deep loads ragged and an n % 8 tail, the
+// largest value last.
+TEST(Fp8Delayed, ShapesWithTailsAndFlatLoops) {
+  uint32_t k = 0;
+  for (const Shape& sh : {Shape{1, 1}, Shape{5, 3}, Shape{33, 65}, Shape{130, 200}, Shape{251, 523},
+                          Shape{257, 520}}) {
+    std::vector<float> x = normal_values(sh.rows * sh.cols, 40 + k);
+    x.back() = 300.f;
+    for (bool dual : {false, true}) {
+      const DelayedCase c{
+          sh.rows, sh.cols, kFormats[k % 2], k % 3 == 0, kInputDtypes[k % 3], Layout::kContiguous,
+          dual};
+      const StridedInput in(x, sh.rows, sh.cols, c.dtype, Layout::kContiguous);
+      const float own = own_scale(in.view(), c.fmt);
+      EXPECT_FALSE(check_delayed(c, x, own * 0.5f));
+      EXPECT_TRUE(check_delayed(c, x, own * 4.f));
+      ++k;
+    }
+  }
+}
+
+// An all-zero, all-NaN or all-Inf x has nothing finite to clip: any valid scale is kept (amax 0);
+// NaN and Inf keep their codes. An empty x writes nothing, keeps the scale and has amax 0.
+TEST(Fp8Delayed, ZerosNonFiniteAndEmpty) {
+  for (Fp8Format fmt : kFormats) {
+    for (bool dual : {false, true}) {
+      for (float v : {0.f, kNaN, kInf, -kInf}) {
+        const std::vector<float> x(40 * 70, v);
+        for (Layout l : {Layout::kContiguous, Layout::kTransposed}) {
+          EXPECT_FALSE(check_delayed({40, 70, fmt, true, DType::kFloat32, l, dual}, x, 1e30f));
+        }
+      }
+      for (const Shape& sh : {Shape{0, 16}, Shape{16, 0}, Shape{0, 0}}) {
+        EXPECT_FALSE(check_delayed(
+            {sh.rows, sh.cols, fmt, false, DType::kBFloat16, Layout::kContiguous, dual}, {}, 3.f));
+      }
+    }
+  }
+}
+
+// A scale the CPU op would refuse (zero, negative, Inf, NaN) cannot be refused by the kernel
+// without a host sync: it is treated as one that clips, so q is x's own tensorwise quantization
+// and never cast with the bad scale. A tiny scale, valid, is used as given.
+TEST(Fp8Delayed, InvalidScaleGivesOwnScale) {
+  const std::vector<float> x = nasty(33, 65, DType::kFloat32, 9, false);
+  for (const auto& [layout, dual] :
+       {std::pair<Layout, bool>{Layout::kContiguous, false}, {Layout::kTransposed, true}}) {
+    const DelayedCase c{33, 65, Fp8Format::kE4M3, true, DType::kFloat32, layout, dual};
+    for (float bad : {0.f, -0.f, -2.f, kInf, -kInf, kNaN}) EXPECT_TRUE(check_delayed(c, x, bad));
+    EXPECT_FALSE(check_delayed(c, x, 1e-45f));
   }
 }
 

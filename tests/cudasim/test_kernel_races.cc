@@ -153,6 +153,55 @@ TEST_F(KernelRaces, Fp8FusedRowAndBlock1x128) {
   check_fp8(32, 256, Fp8Scaling::kBlock1x128, Layout::kContiguous, false, 1);
 }
 
+// fp8_quantize_delayed of a rising fp32 input against core, with a scale that fits (the cast's
+// blocks raise the amax) and one that clips (the guarded recast runs every block).
+void check_fp8_delayed(int64_t rows, int64_t cols, Layout layout, bool dual) {
+  const StridedInput in(rising(rows * cols, 13), rows, cols, DType::kFloat32, layout);
+  const Fp8Input& x = in.view();
+  const size_t n = static_cast<size_t>(rows * cols);
+  std::vector<uint8_t> want_q(n), want_qt(dual ? n : 0);
+  float own = 0.f;
+  fp8_quantize(x, Fp8Scaling::kTensor, Fp8Format::kE4M3, false, want_q.data(), &own);
+  for (float scale : {own / 2, own * 4}) {
+    SCOPED_TRACE(std::to_string(rows) + "x" + std::to_string(cols) + " " +
+                 cudasim_test::layout_name(layout) + (dual ? " dual" : "") +
+                 " scale=" + std::to_string(scale));
+    const Fp8DelayedResult want = fp8_quantize_delayed(
+        x, scale, Fp8Format::kE4M3, false, want_q.data(), dual ? want_qt.data() : nullptr);
+    std::vector<uint8_t> q(n, 0xaa), qt(dual ? n : 0, 0xaa);
+    const std::vector<float> given = {scale};
+    std::vector<float> used = {kNaN}, amax = {kNaN};
+    cuda::Fp8DelayedArgs a;
+    a.x = x.data;
+    a.dtype = x.dtype;
+    a.rows = rows;
+    a.cols = cols;
+    a.row_stride = x.row_stride;
+    a.col_stride = x.col_stride;
+    a.scale = given.data();
+    a.q = q.data();
+    if (dual) a.qt = qt.data();
+    a.scale_used = used.data();
+    a.amax = amax.data();
+    ASSERT_EQ(cuda::fp8_quantize_delayed(a, nullptr), cudaSuccess) << cudasim::last_error_message();
+    EXPECT_TRUE(same_bits("scale_used", used, std::vector<float>{want.scale_used}, 1));
+    EXPECT_TRUE(same_bits("amax", amax, std::vector<float>{want.amax}, 1));
+    EXPECT_TRUE(same_bits("q", q, want_q, cols));
+    if (dual) {
+      EXPECT_TRUE(same_bits("qt", qt, want_qt, rows));
+    }
+  }
+}
+
+// Delayed tensor scaling. Contiguous single output: the flat cast, 8 blocks raising the amax
+// after the barrier over their warp maxima. Dual: the tiled cast, 12 tiles raising it; then the
+// one-thread decision and the recast, whose blocks all read the decided scale.
+TEST_F(KernelRaces, Fp8DelayedFlatAndTiled) {
+  kernels("cast_flat_kernel cast_tiles_kernel delayed_scale_kernel");
+  check_fp8_delayed(64, 256, Layout::kContiguous, false);
+  check_fp8_delayed(130, 200, Layout::kContiguous, true);
+}
+
 // fp4_quantize of a rising fp32 input against core (codes, scales, tensor scale, clip mask).
 void check_fp4(int64_t rows, int64_t cols, fp4::ScaleRule rule, int hadamard, bool stochastic,
                bool block_2d) {
