@@ -101,16 +101,22 @@ def bench_gpu_quantize(args, rows: list, save, device: str = "cuda", n: int = 81
     and n: a test runs this on the CPU). Bytes moved: the bf16 input read once plus every byte
     it returned (codes, scales, global scale), counted from its output; the copy's read and
     write counted alike. A second read of the input (an amax pass) is not counted: the
-    quantizers that need one have lower targets."""
+    quantizers that need one have lower targets. The delayed-scaling rows ("tensor-delayed")
+    pass the scale an earlier quantization of x gave, as a recipe's amax history would: it fits
+    x, so the op reads x once; a scale that clipped would read x again (a recast, not counted),
+    so those rows check first that the scale was kept and fail otherwise."""
     x = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     t_copy = timeit(lambda: x.clone(), device, args.repeat)
     copy_gbs = 2 * x.numel() * x.element_size() / t_copy / 1e9
     read = x.numel() * x.element_size()
 
-    def measure(scaling: str, dual: bool, fn) -> None:
+    def measure(scaling: str, dual: bool, fn, check=None) -> None:
         row = dict(scaling=scaling, dual=dual)
         try:
-            moved = read + output_bytes(fn())  # this call is also the warm-up
+            out = fn()  # also the warm-up
+            if check is not None:
+                check(out)
+            moved = read + output_bytes(out)
             gbs = moved / timeit(fn, device, args.repeat) / 1e9
             row.update(bytes_per_elem=moved / x.numel(), gbs=gbs, copy_gbs=copy_gbs,
                        of_copy=gbs / copy_gbs)
@@ -123,15 +129,29 @@ def bench_gpu_quantize(args, rows: list, save, device: str = "cuda", n: int = 81
         for dual in (False, True):
             op = ops.fp8_quantize_dual if dual else ops.fp8_quantize
             measure(scaling, dual, lambda: op(x, scaling))  # noqa: B023
+    given = []  # the scale an earlier quantization of x gave (made inside a row's guard)
+
+    def delayed(dual: bool):
+        if not given:
+            given.append(ops.fp8_quantize(x, "tensor")[1].reshape(1))
+        return ops.fp8_quantize_delayed(x, given[0], dual=dual)
+
+    def kept_the_scale(out) -> None:
+        if not torch.equal(out[1].reshape(1), given[0]):
+            raise RuntimeError(f"the delayed quantize replaced scale {given[0].item()} by "
+                               f"{out[1].item()}: it read x twice, which this row would not count")
+
+    for dual in (False, True):
+        measure("tensor-delayed", dual, lambda: delayed(dual), kept_the_scale)  # noqa: B023
     for rule in FP4_RULES:
         measure(f"fp4-{rule}", False, lambda: ops.fp4_quantize(x, rule))  # noqa: B023
     print(f"D2D copy: {copy_gbs:.0f} GB/s  ({n}x{n} bf16)")
-    print(f"{'scaling':>8} {'dual':>5} {'B/elem':>8} {'GB/s':>8} {'of copy':>8}")
+    print(f"{'scaling':>14} {'dual':>5} {'B/elem':>8} {'GB/s':>8} {'of copy':>8}")
     for r in rows:
         cells = (f"{r['bytes_per_elem']:8.4g} {r['gbs']:8.0f} {r['of_copy']:8.0%}"
                  if "error" not in r
                  else f"  failed: {r['error'].splitlines()[0]}")
-        print(f"{r['scaling']:>8} {str(r['dual']):>5} {cells}")
+        print(f"{r['scaling']:>14} {str(r['dual']):>5} {cells}")
     return rows
 
 
