@@ -218,7 +218,9 @@ def test_checkpoint_recompute_is_bit_identical(reentrant):
 
     torch.manual_seed(3)
     batches = [[torch.randn(8, 32) * c] for c in (1.0, 0.5, 2.0)]
-    batches.append([torch.randn(8, 32), torch.randn(8, 32) * 0.3])
+    # the backward run first brings the largest amax yet: a recompute that took it in would
+    # scale by it, not by what its forward used
+    batches.append([torch.randn(8, 32) * 0.3, torch.randn(8, 32) * 5])
     for xs in batches:
         assert _same(_run(model, xs, order=[1, 0] if len(xs) == 2 else None),
                      _run(ckpt, xs, wrap, order=[1, 0] if len(xs) == 2 else None))
@@ -247,6 +249,10 @@ def test_tierlift_recompute_tier_is_bit_identical(tmp_path):
         for c in (1.0, 0.5, 2.0, 0.3):
             x = torch.randn(8, 32) * c
             assert _same(_run(model, [x]), _run(tiered, [x]))
+        # two micro-batches, the second's recompute after the first's backward (which brings
+        # the largest amax yet)
+        xs = [torch.randn(8, 32) * 5, torch.randn(8, 32) * 0.3]
+        assert _same(_run(model, xs), _run(tiered, xs))
     finally:
         handle.close()
 
@@ -304,7 +310,8 @@ def _train(model, opt, xs):
 
 def test_resume_is_exact():
     torch.manual_seed(7)
-    xs = [torch.randn(16, 32) * c for c in (1.0, 0.5, 0.8, 0.3, 1.5, 0.6)]
+    # the last step before the save has the largest amaxes: the scales after it depend on them
+    xs = [torch.randn(16, 32) * c for c in (0.5, 0.8, 1.5, 0.3, 1.0, 0.6)]
     model = _mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     whole = _train(model, opt, xs)
@@ -529,7 +536,9 @@ def _dist_cases(rank, world, tmp):
     dist.all_reduce = recording
     try:
         model, works = _data_parallel(rank, world, RECIPES[DELAYED], calls)
+        twin = copy.deepcopy(model)  # with reductions in flight
         out["reduced"] = _all_histories(model)
+        out["copied"] = _all_histories(twin)
         out["works_pending"] = len(works)
         local = dataclasses.replace(RECIPES[DELAYED], name="local", reduce_amax=False)
         model, _ = _data_parallel(rank, world, local, calls)
@@ -575,6 +584,7 @@ def test_the_amax_reduction_is_async_and_in_one_order(ranks):
         assert reductions == [("MAX", True, (1,))] * 12, out["calls"]
         assert out["calls"][:5] == [("MAX", True, (1,))] * 4 + ["step"]
         assert out["works_pending"] == 2  # the first layer's g and x, not waited for yet
+        assert all(torch.equal(out["copied"][k], v) for k, v in out["reduced"].items())
     assert ranks[0]["calls"] == ranks[1]["calls"]
 
 
