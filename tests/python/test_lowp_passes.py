@@ -185,6 +185,38 @@ def test_gathered_weight_makes_its_dgrad_operand_once_without_a_code_transpose(r
 
 
 @needs_ext
+def test_delayed_layer_reads_x_and_g_once_once_its_history_holds():
+    """fp8-tensorwise-delayed's Float8Linear: the quantizes of x and g take a scale chosen ahead,
+    one read each (two on the first step, whose never-filled history makes them take x's own
+    scale, and where a jump in range would clip); W stays just in time (dual, 2 reads)."""
+    from tierlift.lowp import Float8Linear
+    from tierlift.lowp.passes import DELAYED_QUANTIZER as DQ
+
+    torch.manual_seed(0)
+    layer = Float8Linear(K, N, bias=False, recipe="fp8-tensorwise-delayed", dtype=torch.bfloat16)
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    g = torch.randn(M, N, dtype=torch.bfloat16)
+    counts = []
+    for c in (1.0, 0.5, 4.0):  # never filled, from the history, a jump
+        xc, gc = (x * c).requires_grad_(), g * c
+        layer.weight.grad = None
+        with count_passes(BIG) as count:
+            layer(xc).backward(gc)
+        counts.append(count)
+    want = [("forward", DQ), ("forward", QD), ("forward", GEMM),
+            ("backward", DQ), ("backward", GEMM), ("backward", GEMM)]
+    w_dual = quantize_bytes(N, K, 2, 2, 2)
+
+    def delayed_dual(rows, cols, reads):  # q and q^T, the scale used and the amax
+        return quantize_bytes(rows, cols, reads, 2, 2)
+
+    for count, reads in zip(counts, (2, 1, 2), strict=True):
+        assert count.ops() == want
+        quantized = sum(p.read_bytes + p.write_bytes for p in count.passes if p.kind == "quantize")
+        assert quantized == delayed_dual(M, K, reads) + w_dual + delayed_dual(M, N, reads)
+
+
+@needs_ext
 def test_the_counter_catches_copies_casts_and_elementwise_passes_and_skips_views():
     x = torch.randn(64, 32, dtype=torch.bfloat16)
     with count_passes(64 * 32) as count:
@@ -295,6 +327,11 @@ def test_bench_counts_8192_on_fake_tensors(tmp_path, monkeypatch, capsys):
     assert got["fp8-tensorwise"]["train"]["bytes"] == 3 * dual_tensor == 1_207_959_576
     assert got["fp8-rowwise"]["train"]["bytes"] == 3 * dual_row
     assert got["fp8-rowwise-gw-hp"]["train"]["bytes"] == 2 * single_row + dual_row == 805_437_440
+    # delayed: x and g read once each (2 bytes), q and q^T written, scale and amax out; W as
+    # tensorwise (on fake tensors the history's scale is taken to hold: no second read)
+    delayed_dual = 4 * n * n + 8
+    assert got["fp8-tensorwise-delayed"]["train"]["bytes"] == 2 * delayed_dual + dual_tensor \
+        == 939_524_120
     # separate: tensorwise q (2 reads, 1 write) + transposed codes (1 read, 1 write); rowwise
     # the fused row kernel (1 read, 1 write) + the transposed view's (tiled: 2 reads, 1 write)
     assert got["fp8-tensorwise/separate"]["train"]["bytes"] == 21 * n * n + 12 == 1_409_286_156

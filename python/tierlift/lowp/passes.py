@@ -16,8 +16,7 @@ expanded input only its distinct elements; the destination of copy_/fill_/zero_ 
 arguments are written, not read) and its outputs written once. For the FP8 quantizers the
 input is read as many times as the CUDA kernels read it (`fp8_quantize_reads`, whatever device
 the count runs on): they are the ops whose reads the op's signature does not show. The quantize
-with a scale chosen ahead (delayed scaling, `ops.fp8_quantize_delayed`) is one pass whatever
-runs it (the compiled op, or the pure-torch reference where it is not built), reading its input
+with a scale chosen ahead (delayed scaling, `tierlift::fp8_quantize_delayed`) reads its input
 once, twice where the given scale would clip (`fp8_quantize_delayed_reads`). Other tierlift ops
 have no such model and are refused. GEMM bytes are operands read once and the
 output written once: the ideal, not what a tiled GEMM moves.
@@ -35,7 +34,6 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from tierlift import ops as tierlift_ops
 from tierlift.lowp import gemm
 
 KINDS = ("quantize", "layout", "cast", "other")  # the passes that are not GEMMs
@@ -135,7 +133,7 @@ class _PassMode(TorchDispatchMode):
     def __init__(self, count: PassCount):
         super().__init__()
         self.count = count
-        self.gemm_stack: list[list[str]] = []  # the ops run inside the open wrappers
+        self.gemm_stack: list[list[str]] = []  # the ops run inside the open GEMM wrappers
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -202,45 +200,18 @@ class _PassMode(TorchDispatchMode):
         return wrapped
 
 
-    def delayed_quantize(self, real):
-        """ops.fp8_quantize_delayed, recorded as one quantize pass whatever runs it."""
-        def wrapped(x, scale, fp8_dtype=torch.float8_e4m3fn, dual=False, pow2_scale=False):
-            inner: list[str] = []
-            self.gemm_stack.append(inner)
-            try:
-                out = real(x, scale, fp8_dtype, dual, pow2_scale)
-            finally:
-                self.gemm_stack.pop()
-            if self.gemm_stack:
-                self.gemm_stack[-1].append(DELAYED_QUANTIZER)
-            elif x.numel() >= self.count.min_numel:
-                reads = fp8_quantize_delayed_reads(x, scale, out[1])
-                self.count.passes.append(Pass(
-                    phase=_phase(), kind="quantize", op=DELAYED_QUANTIZER,
-                    shapes=((*x.shape,), (*scale.shape,)), read_bytes=reads * tensor_bytes(x),
-                    write_bytes=sum(tensor_bytes(t) for t in _tensors(out)),
-                    inner_ops=tuple(inner)))
-            else:
-                self.count.small_ops += 1
-            return out
-        return wrapped
-
-
 @contextlib.contextmanager
 def count_passes(min_numel: int) -> Iterator[PassCount]:
     """Record the passes over tensors of >= min_numel elements made inside the block (eager
-    mode; one thread's step at a time: tierlift's GEMM wrapper and ops.fp8_quantize_delayed are
-    swapped while it runs)."""
+    mode; one thread's step at a time: tierlift's GEMM wrapper is swapped while it runs)."""
     if min_numel < 1:
         raise ValueError(f"min_numel must be >= 1, got {min_numel}")
     count = PassCount(min_numel=min_numel)
     mode = _PassMode(count)
-    real, real_delayed = gemm._scaled_mm, tierlift_ops.fp8_quantize_delayed
+    real = gemm._scaled_mm
     gemm._scaled_mm = mode.gemm(real)
-    tierlift_ops.fp8_quantize_delayed = mode.delayed_quantize(real_delayed)
     try:
         with mode:
             yield count
     finally:
         gemm._scaled_mm = real
-        tierlift_ops.fp8_quantize_delayed = real_delayed
