@@ -239,3 +239,19 @@ def test_param_dtypes_that_cannot_be_planned_are_refused(capsys):
     with pytest.raises(SystemExit):
         main([*argv, "--param-dtype", "fp32", "--offload-params", "cpu", "--grad-dtype", "bf16"])
     assert "cannot be combined with grad_dtype='bf16'" in capsys.readouterr().err
+
+
+def test_bytes_across_nodes_follow_param_dtype(capsys):
+    """--nodes with --param-dtype fp32: flat ZeRO-3 and the hierarchy's gradient all-reduce
+    move fp32, twice bf16's bytes; the int8 codes are the same (test_plan_measured.py counts
+    both at the c10d calls)."""
+    argv = ["plan", "--params", "1e9", "--gpu-mem", "80G", "--cpu-mem", "64G", "--probe-mib", "4",
+            "--nodes", "2", "--gpus-per-node", "8", "--inter-node-gbps", "200", "--json"]
+    rows = {}
+    for dt in ("bf16", "fp32"):
+        assert main([*argv, "--param-dtype", dt]) == 0
+        rows[dt] = [r["per_node_bytes"] for r in json.loads(capsys.readouterr().out)[
+            "across_nodes"]]
+    assert rows["fp32"] == [2 * rows["bf16"][0], 2 * rows["bf16"][1], rows["bf16"][2]]
+    assert main([*argv[:-1], "--param-dtype", "fp32"]) == 0
+    assert "fp32 weights and gradients" in capsys.readouterr().out

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import os
 import sys
 
@@ -17,7 +18,7 @@ from torch import nn
 
 import tierlift
 from tierlift.plan import Bandwidths, PlanInput, make_plan, max_params
-from tierlift.plan.comm import LAYOUTS, inter_node_bytes_per_rank
+from tierlift.plan.comm import LAYOUTS, inter_node_bytes_per_rank, layouts
 
 pytestmark = pytest.mark.skipif(not tierlift._extension.available(),
                                 reason="compiled extension not loaded")
@@ -162,15 +163,15 @@ def _sent_to_peers(world: int, counts: dict):
 def _comm_cases(rank, world, tmp):
     os.environ["GROUP_RANK"] = str(rank)  # each rank its own node (topology.node_key)
     out = {}
-    for li, kw in enumerate(_SHARD_KW):
+    # bf16 units, and fp32 ones (no mixed precision: gathered and reduced in fp32)
+    for (li, kw), dt in itertools.product(enumerate(_SHARD_KW), ("bf16", "fp32")):
         torch.manual_seed(0)
         model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
         out["params"] = sum(p.numel() for p in model.parameters())
-        model = tierlift.zero.shard(model, stage=3, **kw,
-                                    mixed_precision=tierlift.zero.MixedPrecision(
-                                        param_dtype=torch.bfloat16))
+        mp = tierlift.zero.MixedPrecision(param_dtype=torch.bfloat16) if dt == "bf16" else None
+        model = tierlift.zero.shard(model, stage=3, **kw, mixed_precision=mp)
         opt = tierlift.optim.AdamW(model.parameters(), lr=1e-3)
-        x = torch.randn(4, 64, dtype=torch.bfloat16)
+        x = torch.randn(4, 64, dtype=torch.bfloat16 if dt == "bf16" else torch.float32)
         for no_sync in (True, False):
             counts = {"sent": 0}
             patches = _sent_to_peers(world, counts)
@@ -186,7 +187,7 @@ def _comm_cases(rank, world, tmp):
                 for mod, name, orig, _ in patches:
                     setattr(mod, name, orig)
             opt.zero_grad(set_to_none=True)
-            out[li, no_sync] = counts["sent"]
+            out[dt, li, no_sync] = counts["sent"]
         tierlift.zero.close(model)
     return out
 
@@ -199,25 +200,25 @@ def two_nodes(tmp_path_factory):
     return spawn_ranks(_comm_cases, str(tmp_path_factory.mktemp("plan_comm")))
 
 
+@pytest.mark.parametrize("dt", ["bf16", "fp32"])
 @pytest.mark.parametrize("no_sync", [True, False], ids=["no_sync", "reduce-every-micro-batch"])
 @pytest.mark.parametrize("layout", range(len(LAYOUTS)), ids=[x.name for x in LAYOUTS])
-def test_bytes_across_nodes_are_the_c10d_bytes_of_a_step(two_nodes, layout, no_sync):
+def test_bytes_across_nodes_are_the_c10d_bytes_of_a_step(two_nodes, layout, no_sync, dt):
     """Two micro-batches per step, the first under model.no_sync() or not: the planned bytes
-    this rank sends to the other node are what its c10d calls send, bar the step's scalars.
+    this rank sends to the other node are what its c10d calls send, bar the step's scalars,
+    for bf16 units and fp32 ones (param_dtype="fp32": twice the bytes, bar the int8 codes).
     With int8 gradients each unit's shard (4160 values) is padded to a multiple of
     2 nodes x 256 before it is quantized (comm.py's note): 4608 values of 6 units."""
     for out in two_nodes:
         n = out["params"]
-        predicted = inter_node_bytes_per_rank(n, 2, 1, LAYOUTS[layout], micro_batches=2,
-                                              reduce_every_micro_batch=not no_sync)
         if layout == 2:
             n_padded = 6 * 4608
             assert n_padded - n < 6 * 2 * 256  # the bound comm.py states
-            predicted = inter_node_bytes_per_rank(n_padded, 2, 1, LAYOUTS[layout],
-                                                  micro_batches=2,
-                                                  reduce_every_micro_batch=not no_sync)
+            n = n_padded
+        predicted = inter_node_bytes_per_rank(n, 2, 1, layouts(dt)[layout], micro_batches=2,
+                                              reduce_every_micro_batch=not no_sync)
         reduces = 1 if no_sync else 2
-        assert predicted <= out[layout, no_sync] <= predicted + reduces * _SCALARS_PER_REDUCE
+        assert predicted <= out[dt, layout, no_sync] <= predicted + reduces * _SCALARS_PER_REDUCE
 
 
 def test_activations_in_host_memory_leave_the_state_the_rest(capsys):

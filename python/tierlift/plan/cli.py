@@ -275,7 +275,8 @@ def run(args: argparse.Namespace) -> int:
     policy = None if args.act_blocks is None else activation_policy(args, bw)
     comm = None if args.nodes is None else comm_plan(inp.params, args.nodes, args.gpus_per_node,
                                                      args.inter_node_gbps, args.micro_batches,
-                                                     args.reduce_every_micro_batch)
+                                                     args.reduce_every_micro_batch,
+                                                     inp.param_dtype)
     if args.json:
         print(json.dumps({"params": int(inp.params), "max_params": largest,
                           "offload": plan.offload, "nvme_generations": plan.generations,
@@ -305,7 +306,8 @@ def run(args: argparse.Namespace) -> int:
                   + ", ".join(f"{t} x{n}" for t, n in counts.items()))
         if comm is not None:
             print(render_comm(comm, args.nodes, args.gpus_per_node, args.inter_node_gbps,
-                              args.micro_batches, args.reduce_every_micro_batch))
+                              args.micro_batches, args.reduce_every_micro_batch,
+                              inp.param_dtype))
     if args.plot:
         from tierlift.plan.plot import capacities, plot_plan
 
