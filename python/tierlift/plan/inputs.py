@@ -62,7 +62,7 @@ class PlanInput:
     # "fp32": no mixed precision), the shards being fp32 whatever it is.
     param_dtype: str | torch.dtype = "bf16"
     # tierlift.zero.shard(stage=3, offload_params=...): where the fp32 parameter shards and
-    # their gradients live ("none": bf16 weights and gradients on the GPU, as before).
+    # their gradients live ("none": the weights and gradients on the GPU, in param_dtype).
     offload_params: str = "none"
     unit_share: float = UNIT_SHARE  # the largest ZeRO unit's share (offload_params only)
     # offload_params only: the gradient shards' dtype (MixedPrecision(grad_dtype=...)), and
