@@ -154,6 +154,20 @@ def test_a_jump_in_range_clips_nothing():
     torch.testing.assert_close(got[0], x @ layer.weight.detach().t(), rtol=0.1, atol=50)
 
 
+def test_a_history_of_zeros_takes_the_tensors_own_scale():
+    # An all-zero (or empty) batch first: its amax 0 would give scale 1, which quantizes a
+    # later x of amax ~1e-3 onto E4M3's subnormals; such a history counts as never filled.
+    torch.manual_seed(18)
+    layer = Float8Linear(32, 32, bias=False, recipe=DELAYED)
+    tensorwise = copy.deepcopy(layer)
+    tensorwise.recipe = RECIPES["fp8-tensorwise"]
+    for x, g in ((torch.zeros(8, 32), torch.zeros(8, 32)), (torch.zeros(0, 32), torch.zeros(0, 32)),
+                 (torch.randn(8, 32) * 1e-3, torch.randn(8, 32) * 1e-3)):
+        got, want = layer_step(layer, x, g), layer_step(tensorwise, x, g)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert histories(layer)[0][:3].tolist()[1:] == [0.0, 0.0]
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_nan_or_inf_never_enters_a_history(bad):
     torch.manual_seed(2)

@@ -2,12 +2,14 @@
 
 A delayed layer keeps two fp32 buffers of amax_history_len entries, newest first
 (TransformerEngine's layout): `fp8_amax_history_x` (its input, E4M3) and `fp8_amax_history_g`
-(grad_output, E5M2). An entry never written holds -1 (no amax is negative); a history of -1
-only is "never filled". A step's scale is scale_from_amax(max(history)), computed with torch
-ops on the device, and the quantize (ops.fp8_quantize_delayed) reads x once, returning the amax
-that enters the history. The weight keeps its just-in-time scale: a weight loaded or edited
-mid-training, and ZeRO-3's FP8 all-gather (which quantizes it at gather time), keep their exact
-scale, and at training shapes its amax read is a small part of the step.
+(grad_output, E5M2). An entry never written holds -1 (no amax is negative); a history whose
+max is not above 0 is "never filled" (one that saw only all-zero tensors, an empty batch,
+counts as never filled: its scale 1 would quantize the next small tensor coarsely). A step's
+scale is scale_from_amax(max(history)), computed with torch ops on the device, and the quantize
+(ops.fp8_quantize_delayed) reads x once, returning the amax that enters the history. The
+weight keeps its just-in-time scale: a weight loaded or edited mid-training, and ZeRO-3's FP8
+all-gather (which quantizes it at gather time), keep their exact scale, and at training shapes
+its amax read is a small part of the step.
 
 Nothing about a history lives on the host but the amaxes not yet in it, so whatever writes the
 buffers (load_state_dict, tierlift.checkpoint and zero.load_full_state_dict copying into
@@ -118,7 +120,7 @@ def given_scale(history: torch.Tensor, fp8_dtype: torch.dtype,
                 pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale [1, 1], filled [1, 1] bool) for the next quantize, on the history's device."""
     hmax = history.detach().max().reshape(1, 1)
-    filled = hmax >= 0
+    filled = hmax > 0
     unfilled = torch.full_like(hmax, _unfilled_scale(pow2))
     return torch.where(filled, scale_from_amax(hmax, fp8_dtype, pow2), unfilled), filled
 
