@@ -17,10 +17,12 @@ state_dict()'s tensors, ZeRO's buffer broadcast, activation offload restoring th
 recompute) leaves a consistent state, and no step reads a device value on the host.
 
 A never-filled history gives the quantizer the largest scale of the format's rule (FLT_MAX, or
-2^127 with power-of-two scales): any finite non-zero value whose own scale is smaller clips
-under it, so the quantizer takes x's own scale, i.e. exactly the just-in-time quantize
-(tests/python/test_lowp_delayed.py checks every amax around the threshold). An all-zero x has
-the same codes under any scale; its scale is then set to the just-in-time 1.
+2^127 with power-of-two scales: the rule's scale for the smallest amax): any finite non-zero
+value whose own scale is smaller clips under it, so the quantizer takes x's own scale, i.e.
+exactly the just-in-time quantize (tests/python/test_lowp_delayed.py checks every amax around
+the threshold). A tensor without a finite non-zero value has the same codes under any scale; its
+scale is set to the just-in-time 1 (so a GEMM never multiplies its Inf codes by a tiny inverse
+scale a GPU may flush to zero).
 
 When amaxes enter: x's at that forward's backward, g's once g is quantized there; both are
 queued and written at the layer's next forward that is not a recompute (one run inside a
@@ -42,7 +44,7 @@ from torch import nn
 
 from tierlift import ops
 from tierlift.lowp.recipe import Float8Recipe
-from tierlift.reference.lowp import F32_MAX, scale_from_amax
+from tierlift.reference.lowp import scale_from_amax
 
 NEVER_WRITTEN = -1.0
 HISTORIES = ("x", "g")
@@ -112,29 +114,23 @@ def flush_unless_recomputing(layer: nn.Module) -> None:
         queue.flush(layer)
 
 
-def _unfilled_scale(pow2: bool) -> float:
-    return 2.0**127 if pow2 else F32_MAX  # the largest scale the rule gives, rounded if pow2
+_SMALLEST_AMAX = torch.finfo(torch.float32).smallest_normal * torch.finfo(torch.float32).eps
 
 
-def given_scale(history: torch.Tensor, fp8_dtype: torch.dtype,
-                pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale [1, 1], filled [1, 1] bool) for the next quantize, on the history's device."""
-    hmax = history.detach().max().reshape(1, 1)
-    filled = hmax > 0
-    unfilled = torch.full_like(hmax, _unfilled_scale(pow2))
-    return torch.where(filled, scale_from_amax(hmax, fp8_dtype, pow2), unfilled), filled
+def given_scale(history: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool) -> torch.Tensor:
+    """The scale [1, 1] for the next quantize, on the history's device: from the history's max,
+    or, never filled (max <= 0), the rule's scale for the smallest amax (module docstring)."""
+    hmax = history.detach().max().reshape(1, 1).clamp(min=_SMALLEST_AMAX)
+    return scale_from_amax(hmax, fp8_dtype, pow2)
 
 
-def quantize(t: torch.Tensor, given: torch.Tensor, filled: torch.Tensor, fp8_dtype: torch.dtype,
-             pow2: bool, with_transposed: bool, transposed_copy: str):
+def quantize(t: torch.Tensor, given: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool,
+             with_transposed: bool, transposed_copy: str):
     """(q, s, qt, st, amax) as lowp.linear's _quantize gives (qt, st None unless asked for),
     with the scale chosen ahead; amax: t's finite amax [1]."""
     dual = with_transposed and transposed_copy == "dual"
     q, used, qt, amax = ops.fp8_quantize_delayed(t, given.to(t.device), fp8_dtype, dual, pow2)
-    # never filled: the quantizer fell back to t's own scale unless t is all zero (codes 0
-    # under any scale), whose just-in-time scale is 1
-    s = torch.where(filled.to(used.device), used,
-                    scale_from_amax(amax.reshape(1, 1), fp8_dtype, pow2))
+    s = used.reshape(1, 1).masked_fill(amax.reshape(1, 1) == 0, 1.0)  # no finite non-zero value
     if not with_transposed:
         return q, s, None, None, amax
     if qt is None:  # transposed_copy="separate": q's codes transposed, the same scale

@@ -96,9 +96,8 @@ class _Float8MatmulFn(torch.autograd.Function):
         if layer is None:
             xq, xs, xtq, xts = _quantize(x, fp8_wgrad, sc, f8, p2, tc)  # x^T: the FP8 wgrad's
         else:
-            given, filled = delayed.given_scale(layer.fp8_amax_history_x, f8, p2)
-            xq, xs, xtq, xts, ctx.amax_x = delayed.quantize(x, given, filled, f8, p2, fp8_wgrad,
-                                                            tc)
+            given = delayed.given_scale(layer.fp8_amax_history_x, f8, p2)
+            xq, xs, xtq, xts, ctx.amax_x = delayed.quantize(x, given, f8, p2, fp8_wgrad, tc)
         if gathered is None:
             wq, ws, wtq, wts = _quantize(weight, need_gx, sc, f8, p2, tc)  # W^T: the dgrad's
         else:
@@ -125,10 +124,9 @@ class _Float8MatmulFn(torch.autograd.Function):
             if layer is None:
                 return _quantize(t, with_transposed, r.scaling, r.grad_dtype, r.pow2_scale,
                                  transposed_copy)
-            given, filled = delayed.given_scale(layer.fp8_amax_history_g, r.grad_dtype,
-                                                r.pow2_scale)
-            *out, amax = delayed.quantize(t, given, filled, r.grad_dtype, r.pow2_scale,
-                                          with_transposed, transposed_copy)
+            given = delayed.given_scale(layer.fp8_amax_history_g, r.grad_dtype, r.pow2_scale)
+            *out, amax = delayed.quantize(t, given, r.grad_dtype, r.pow2_scale, with_transposed,
+                                          transposed_copy)
             amax_g.append(amax)
             return out
 
