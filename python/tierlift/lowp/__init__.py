@@ -8,7 +8,9 @@ FP4: convert(model, recipe="mxfp4-quartet" | "nvfp4" | "mxfp4-rtn") swaps in
 FP4Linear (MXFP4/NVFP4 operands, Hadamard rotations, stochastic rounding; GEMMs emulated).
 
 Float8Linear runs its forward in E4M3 and its grad_output in E5M2; the quantizers are the
-tierlift.ops.fp8_quantize* ops (C++ on CPU, fused CUDA kernels on GPU). See docs/lowp.md.
+tierlift.ops.fp8_quantize* ops (C++ on CPU, fused CUDA kernels on GPU). "fp8-tensorwise-delayed"
+takes x's and grad_output's scales from amax histories the layer keeps (lowp/delayed.py), so
+each is read once. See docs/lowp.md.
 """
 
 from tierlift.lowp.convert import ConversionReport, convert
