@@ -359,6 +359,21 @@ def test_strict_load_of_a_plain_checkpoint_resets_the_histories():
         other.load_state_dict(model.state_dict())
 
 
+def test_reset_absent_for_loaders_that_copy_in_place():
+    # zero.load_full_state_dict copies the given entries into state_dict()'s tensors and leaves
+    # the others: a plain checkpoint would keep the histories of the weights it replaces
+    model = _mlp()
+    torch.manual_seed(19)
+    _run(model, [torch.randn(8, 32)])
+    plain_keys = [k for k in model.state_dict() if "amax_history" not in k]
+    kept = {k: v for k, v in _all_histories(model).items() if k.startswith("2.")}
+    assert delayed.reset_absent(model, plain_keys + list(kept)) == [
+        "0.fp8_amax_history_x", "0.fp8_amax_history_g"]
+    after = _all_histories(model)
+    assert all((after[f"0.fp8_amax_history_{w}"] == -1).all() for w in "xg")
+    assert all(torch.equal(after[k], v) for k, v in kept.items())
+
+
 def test_copies_casts_and_meta_keep_the_history():
     model = _mlp()
     torch.manual_seed(10)
