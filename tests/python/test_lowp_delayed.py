@@ -472,6 +472,13 @@ def test_a_custom_delayed_recipe_with_separate_copies_gives_the_same_bits():
         assert all(torch.equal(u, v) for u, v in zip(ga[0], gb[0], strict=True))
 
 
+def test_a_delayed_recipe_set_by_hand_is_refused():
+    layer = Float8Linear(16, 16, recipe="fp8-tensorwise")
+    layer.recipe = RECIPES[DELAYED]
+    with pytest.raises(RuntimeError, match="no amax histories"):
+        layer(torch.randn(4, 16))
+
+
 def test_a_custom_recipe_can_turn_reduction_off():
     r = Float8Recipe(name="local", scaling="tensor", pow2_scale=False,
                      grad_weight_high_precision=False, amax_history_len=4, reduce_amax=False)

@@ -274,6 +274,11 @@ class Float8Linear(nn.Linear):
     # eagerly there (a graph break; fullgraph=True refuses it), with the same numbers.
     @torch.compiler.disable
     def _delayed_forward(self, x: torch.Tensor, gathered) -> torch.Tensor:
+        if delayed.pending(self) is None:  # a delayed recipe set on the layer by hand
+            raise RuntimeError(f"this Float8Linear has no amax histories for recipe "
+                               f"{self.recipe.name!r}: build it with the recipe (Float8Linear("
+                               f"..., recipe=...), from_linear or tierlift.lowp.convert) instead "
+                               f"of setting .recipe")
         delayed.flush_unless_recomputing(self)
         return _float8_linear(x, self.weight, self.bias, self.recipe, gathered, self)
 
