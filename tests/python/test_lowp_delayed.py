@@ -584,6 +584,16 @@ def _dist_cases(rank, world, tmp):
         dist.all_reduce = real
     out["calls"] = calls
     out["zero3"] = {fp8: _zero3(tmp, rank, world, fp8) for fp8 in (False, True)}
+    # torch's DDP: its bucket all-reduces and buffer broadcasts share the default group with
+    # the amax reductions
+    ddp = nn.parallel.DistributedDataParallel(_mlp())
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    for xb in _global_batches(world):
+        opt.zero_grad()
+        ddp(xb.chunk(world)[rank]).square().mean().backward()
+        opt.step()
+    out["ddp"] = dict(_all_histories(ddp.module), **{n: p.detach().clone()
+                                                     for n, p in ddp.module.named_parameters()})
     return out
 
 
@@ -623,6 +633,12 @@ def test_the_amax_reduction_is_async_and_in_one_order(ranks):
         assert out["works_pending"] == 2  # the first layer's g and x, not waited for yet
         assert all(torch.equal(out["copied"][k], v) for k, v in out["reduced"].items())
     assert ranks[0]["calls"] == ranks[1]["calls"]
+
+
+def test_ddp_ranks_stay_identical(ranks):
+    a, b = ranks[0]["ddp"], ranks[1]["ddp"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert all((a[f"{i}.fp8_amax_history_{w}"] >= 0).sum() == 3 for i in (0, 2) for w in "xg")
 
 
 @pytest.mark.parametrize("fp8_all_gather", [False, True])
