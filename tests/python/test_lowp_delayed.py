@@ -261,9 +261,18 @@ def test_tierlift_recompute_tier_is_bit_identical(tmp_path):
     tiered = copy.deepcopy(model)
     handle = offload_blocks(tiered, "recompute", cpu_budget=0, min_bytes=0)
     try:
-        for c in (1.0, 0.5, 2.0, 0.3):
+        # each step's forward takes in the amaxes of the step before (the largest yet at 5.0;
+        # no state_dict() between steps, which would write them first): its recompute must see
+        # them too
+        for c in (0.3, 5.0, 1.0, 0.5):
             x = torch.randn(8, 32) * c
-            assert _same(_run(model, [x]), _run(tiered, [x]))
+            grads = []
+            for m in (model, tiered):
+                m.zero_grad()
+                m(x.clone().requires_grad_()).square().sum().backward()
+                grads.append([p.grad for p in m.parameters()])
+            assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+        assert _same(_run(model, [x]), _run(tiered, [x]))
         # two micro-batches, the second's recompute after the first's backward (which brings
         # the largest amax yet)
         xs = [torch.randn(8, 32) * 5, torch.randn(8, 32) * 0.3]

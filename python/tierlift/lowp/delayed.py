@@ -73,7 +73,10 @@ class PendingAmaxes:
         self.items.append((which, amax, work))
 
     def flush(self, layer: nn.Module) -> None:
-        """Writes the queued amaxes into the layer's histories, oldest first."""
+        """Puts the queued amaxes into the layer's histories, oldest first. Each history becomes
+        a new tensor rather than being written in place: tierlift's recompute tier restores, for
+        the recompute, the buffers a block's forward wrote in place to their values before it,
+        which here would be the history without the amaxes this forward took in."""
         if not self.items:
             return
         items, self.items = self.items, []
@@ -81,8 +84,10 @@ class PendingAmaxes:
             for which, amax, work in items:
                 if work is not None:
                     work.wait()
-                h = getattr(layer, buffer_name(which))
-                h.copy_(torch.cat([amax.to(device=h.device, dtype=h.dtype), h[:-1]]))
+                name = buffer_name(which)
+                h = layer._buffers[name]
+                layer._buffers[name] = torch.cat([amax.to(device=h.device, dtype=h.dtype),
+                                                  h[:-1]])
 
     def drop(self) -> None:
         """Forgets the queue (a load replaces the histories); reductions in flight complete."""
