@@ -64,6 +64,7 @@ newer than it, or set by hand) is compared with that size's units directly (~0.7
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import weakref
 
@@ -463,6 +464,27 @@ def _hook(group) -> None:
     group.register_pre_hook(_HOOK_ID, _pre_hook(group.group_name))
 
 
+_EXIT_UNHOOK_IDS: set[int] = set()
+
+
+def unhook_at_exit(hook_id: int) -> None:
+    """A group the script never destroyed is freed by torch's C++ group registry after Python
+    has gone, and freeing a Python pre-hook then crashes the process (SIGSEGV at exit, after
+    the work succeeded: torchrun reports the run failed): the hooks of `hook_id` are dropped
+    from every live group at exit first."""
+    if not _EXIT_UNHOOK_IDS:
+        atexit.register(_unhook_all)
+    _EXIT_UNHOOK_IDS.add(hook_id)
+
+
+def _unhook_all() -> None:
+    import torch.distributed as dist
+
+    for group in list(dist.distributed_c10d._world.pg_map):
+        for hook_id in _EXIT_UNHOOK_IDS:
+            group.unregister_pre_hook(hook_id)
+
+
 def _hooking_new_groups(original):
     # every group torch makes (new_group, split_group, a device mesh's) is registered here
     def register(pg, *args, **kwargs):
@@ -536,6 +558,7 @@ def install() -> None:
     _ISSUED_BY_OP.update({getattr(hook_op, k): v for k, v in _ISSUED.items()
                           if hasattr(hook_op, k)})
     wrap_method(c10d, "_register_pg_in_world", _REGISTER_PARAMS, _hooking_new_groups)
+    unhook_at_exit(_HOOK_ID)
     if not getattr(c10d._register_pg_in_world, "_tierlift_wrapped", False):
         # groups made from here on would go unhooked: torch.distributed's names checked too
         _wrap_torch_names(dist)

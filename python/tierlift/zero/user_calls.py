@@ -32,8 +32,8 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from tierlift.zero import collectives, members
 from tierlift.zero import comm as comm_mod
-from tierlift.zero import members
 from tierlift.zero.comm import RankFailureError
 
 # Per rank set (a group's key prefix): the heartbeats of the stage-3 models over those ranks
@@ -208,6 +208,7 @@ def install_user_calls() -> None:
     params = ["pg", "backend_name", "store", "group_name", "backend_config", "rank_mapping",
               "pg_tag", "user_tag", "add_to_default_tag"]
     wrap_method(c10d, "_register_pg_in_world", params, _hooking_new_groups)
+    collectives.unhook_at_exit(_USER_HOOK_ID)
     for group in list(c10d._world.pg_map):
         if group.group_name not in _HOOKED:
             _hook_user_calls(group)
