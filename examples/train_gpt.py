@@ -1,4 +1,4 @@
-"""Train a small GPT on the Python standard library's own source code (on every machine, no
+r"""Train a small GPT on the Python standard library's own source code (on every machine, no
 download) with tierlift's optimizer.
 
     python examples/train_gpt.py                          # CPU or GPU, 200 steps
