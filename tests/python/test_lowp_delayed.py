@@ -241,6 +241,43 @@ def test_checkpoint_recompute_is_bit_identical(reentrant):
                      _run(ckpt, xs, wrap, order=[1, 0] if len(xs) == 2 else None))
 
 
+def test_interleaved_micro_batches_recompute_bit_identically():
+    # 1F1B: a micro-batch's forward runs after another's backward queued its amaxes, before the
+    # recompute of a third that was run before them: nothing enters while a forward awaits
+    # its backward, so every recompute sees its forward's history
+    model = _mlp()
+    ckpt = copy.deepcopy(model)
+
+    def steps(m, wrap, xs):
+        m.zero_grad()
+        xs = [x.clone().requires_grad_() for x in xs]
+        y0, y1 = wrap(xs[0]), wrap(xs[1])
+        y0.square().sum().backward()
+        y2 = wrap(xs[2])
+        y1.square().sum().backward()
+        y2.square().sum().backward()
+        return [p.grad.clone() for p in m.parameters()]
+
+    torch.manual_seed(23)
+    for _ in range(3):
+        xs = [torch.randn(8, 32) * c for c in (5.0, 0.3, 1.0)]
+        plain = steps(model, model, xs)
+        recomputed = steps(ckpt, lambda x: checkpoint(ckpt, x, use_reentrant=False), xs)
+        assert all(torch.equal(a, b) for a, b in zip(plain, recomputed, strict=True))
+    assert _same(([], _all_histories(model)), ([], _all_histories(ckpt)))
+
+
+def test_a_forward_whose_graph_is_dropped_holds_nothing_back():
+    model = _mlp()
+    torch.manual_seed(24)
+    _run(model, [torch.randn(8, 32)])
+    model(torch.randn(8, 32))  # with grad, no backward: its graph is freed at once
+    x = torch.randn(8, 32) * 3
+    model(x).sum().backward()
+    model(torch.randn(8, 32)).sum().backward()  # takes x's amaxes in (this one's are queued)
+    assert model[0].fp8_amax_history_x[0] == ref.block_amax(x, "tensor").reshape(())
+
+
 def test_tierlift_recompute_tier_is_bit_identical(tmp_path):
     from tierlift.activations import offload_blocks
 
@@ -401,6 +438,11 @@ def test_copies_casts_and_meta_keep_the_history():
     assert all((v == -1).all() for v in _all_histories(meta).values())
     f8 = Float8Linear.from_linear(nn.Linear(32, 32), DELAYED)
     assert f8.fp8_amax_history_x.device.type == "cpu"
+    y = model(torch.randn(8, 32))  # awaiting its backward: a copy made now awaits nothing
+    twin = copy.deepcopy(model)
+    assert delayed.pending(model[0]).awaiting == 1 and delayed.pending(twin[0]).awaiting == 0
+    y.sum().backward()
+    assert delayed.pending(model[0]).awaiting == 0
 
 
 def test_safetensors_and_save_pretrained_round_trip(tmp_path):

@@ -25,12 +25,17 @@ scale is set to the just-in-time 1 (so a GEMM never multiplies its Inf codes by 
 scale a GPU may flush to zero).
 
 When amaxes enter: x's at that forward's backward, g's once g is quantized there; both are
-queued and written at the layer's next forward that is not a recompute (one run inside a
-backward: torch.utils.checkpoint, reentrant or not, and tierlift's recompute tier), or at
-state_dict(). So a recompute sees the history its forward saw and is bit-identical to it;
-forwards without grad read the history and add nothing; several forwards before their
-backwards (gradient accumulation) all use the history as it was at the first of them, and
-their amaxes enter, in backward order, at the next forward. Under torch.distributed (world
+queued and put into the histories at the layer's next forward that is not a recompute (one run
+inside a backward: torch.utils.checkpoint, reentrant or not, and tierlift's recompute tier) and
+that no earlier forward with grad of the layer still awaits its backward, or at state_dict().
+So a recompute sees the history its forward saw and is bit-identical to it, also when other
+micro-batches' forwards and backwards interleave (1F1B); forwards without grad read the
+history and add nothing; the forwards of a step's micro-batches all use the history as it was
+at the first of them, and their amaxes enter, in backward order, at the next step's first
+forward. (A forward with grad whose graph is kept alive without a backward holds the queue
+until the graph is freed. Reentrant checkpointing runs its first forward without grad, so it
+is not counted: interleaved with other micro-batches' backwards, as 1F1B does, its recompute
+could see amaxes its forward did not; use use_reentrant=False there.) Under torch.distributed (world
 size > 1, reduce_amax) each amax is all-reduced (MAX, default group, async_op) when queued and
 waited for when written: every rank holds the same history, the one a single process would
 build from the whole global batch.
@@ -63,6 +68,10 @@ class PendingAmaxes:
 
     def __init__(self) -> None:
         self.items: list[tuple[str, torch.Tensor, object]] = []  # (which, amax [1], Work)
+        self.awaiting = 0  # forwards with grad whose backward has not run (their graph lives)
+
+    def __getstate__(self):  # a copy awaits no backward: no autograd context holds it
+        return dict(self.__dict__, awaiting=0)
 
     def push(self, which: str, amax: torch.Tensor, reduce: bool) -> None:
         amax = amax.detach().float().reshape(1).clone()  # reduced in place
@@ -111,12 +120,34 @@ def pending(layer: nn.Module) -> PendingAmaxes | None:
     return layer.__dict__.get("_fp8_pending")
 
 
+def recomputing() -> bool:
+    """A forward run inside a backward: a recompute (activation checkpointing)."""
+    return torch._C._current_autograd_node() is not None
+
+
 def flush_unless_recomputing(layer: nn.Module) -> None:
-    """A forward's read of the histories: the queued amaxes enter first, except in a recompute
-    (a forward run inside a backward), which must see what its forward saw."""
+    """A forward's read of the histories: the queued amaxes enter first, except in a recompute,
+    which must see what its forward saw, and while a forward awaits its backward (whose
+    recompute must too)."""
     queue = pending(layer)
-    if queue is not None and torch._C._current_autograd_node() is None:
+    if queue is not None and queue.awaiting == 0 and not recomputing():
         queue.flush(layer)
+
+
+class AwaitingBackward:
+    """Held by the autograd context of a forward with grad: counted in its layer's queue until
+    its backward runs or its graph is freed without one."""
+
+    def __init__(self, queue: PendingAmaxes) -> None:
+        self.queue = queue
+        queue.awaiting += 1
+
+    def done(self) -> None:
+        if self.queue is not None:
+            self.queue.awaiting -= 1
+            self.queue = None
+
+    __del__ = done
 
 
 _SMALLEST_AMAX = torch.finfo(torch.float32).smallest_normal * torch.finfo(torch.float32).eps

@@ -98,6 +98,8 @@ class _Float8MatmulFn(torch.autograd.Function):
         else:
             given = delayed.given_scale(layer.fp8_amax_history_x, f8, p2)
             xq, xs, xtq, xts, ctx.amax_x = delayed.quantize(x, given, f8, p2, fp8_wgrad, tc)
+            if (need_gx or need_gw) and not delayed.recomputing():
+                ctx.awaiting = delayed.AwaitingBackward(delayed.pending(layer))
         if gathered is None:
             wq, ws, wtq, wts = _quantize(weight, need_gx, sc, f8, p2, tc)  # W^T: the dgrad's
         else:
@@ -152,6 +154,9 @@ class _Float8MatmulFn(torch.autograd.Function):
             for amax in amax_g:
                 queue.push("g", amax, r.reduce_amax)
             queue.push("x", ctx.amax_x, r.reduce_amax)
+            awaiting = getattr(ctx, "awaiting", None)
+            if awaiting is not None:
+                awaiting.done()
         return grad_x, grad_w, None, None, None, None
 
 
