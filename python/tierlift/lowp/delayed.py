@@ -30,15 +30,19 @@ inside a backward: torch.utils.checkpoint, reentrant or not, and tierlift's reco
 that no earlier forward with grad of the layer still awaits its backward, or at state_dict().
 So a recompute sees the history its forward saw and is bit-identical to it, also when other
 micro-batches' forwards and backwards interleave (1F1B); forwards without grad read the
-history and add nothing; the forwards of a step's micro-batches all use the history as it was
-at the first of them, and their amaxes enter, in backward order, at the next step's first
-forward. (A forward with grad whose graph is kept alive without a backward holds the queue
-until the graph is freed. Reentrant checkpointing runs its first forward without grad, so it
-is not counted: interleaved with other micro-batches' backwards, as 1F1B does, its recompute
-could see amaxes its forward did not; use use_reentrant=False there.) Under torch.distributed (world
-size > 1, reduce_amax) each amax is all-reduced (MAX, default group, async_op) when queued and
-waited for when written: every rank holds the same history, the one a single process would
-build from the whole global batch.
+history and add nothing. Gradient accumulation: with each micro-batch's forward right before
+its backward, each forward takes in the amaxes of the backwards before it; with all forwards
+first (or interleaved), they wait for the last backward and enter, in backward order, at the
+next forward. A forward with grad whose graph is kept alive without a backward holds the queue
+until the graph is freed. Reentrant checkpointing runs its first forward without grad, so it is
+not counted: interleaved with other micro-batches' backwards (1F1B) its recompute could see
+amaxes its forward did not; use use_reentrant=False there.
+
+Under torch.distributed (world size > 1, reduce_amax) each amax is all-reduced (MAX, default
+group, async_op) when queued and waited for when put into its history: every rank holds the
+same history, the one a single process would build from the whole global batch. Every rank must
+then run the same delayed layers' backwards in the same order (data parallelism; not experts
+routed per rank, which should use reduce_amax=False).
 """
 
 from __future__ import annotations
