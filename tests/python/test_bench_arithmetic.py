@@ -74,6 +74,8 @@ FP8_SCALES_PER_ELEM = {"tensor": 1 / N**2, "row": 1 / N, "1x128": 1 / 128,
 
 
 def expected_bytes_per_elem(scaling: str, dual: bool) -> float:
+    if scaling == "tensor-delayed":  # codes (one layout or both), scale_used and amax
+        return 2 + (2 if dual else 1) + 8 / N**2
     if scaling.startswith("fp4-"):
         return 2 + 0.5 + (1 / 16 if scaling == "fp4-nv" else 1 / 32) + 4 / N**2
     return 2 + (2 if dual else 1) * (1 + 4 * FP8_SCALES_PER_ELEM[scaling])
@@ -87,7 +89,7 @@ def test_quantize_bytes_count_codes_and_every_scale(monkeypatch):
     bench_lowp.bench_gpu_quantize(SimpleNamespace(repeat=1), rows, lambda: None, device="cpu",
                                   n=N)
     got = {(r["scaling"], r["dual"]): r["bytes_per_elem"] for r in rows}
-    assert len(got) == 2 * 5 + 3
+    assert len(got) == 2 * 5 + 2 + 3
     for (scaling, dual), per in got.items():
         assert per == pytest.approx(expected_bytes_per_elem(scaling, dual), rel=1e-12), \
             (scaling, dual)

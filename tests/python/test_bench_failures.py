@@ -140,7 +140,7 @@ def test_quantize_keeps_the_quantizers_that_work(bench_lowp, monkeypatch, tmp_pa
     save = Saver({"quantize": rows}, tmp_path / "lowp.json")
     bench_lowp.bench_gpu_quantize(SimpleNamespace(repeat=1), rows, save, device="cpu", n=256)
     by = {(r["scaling"], r["dual"]): r for r in rows}
-    assert len(rows) == 2 * 5 + 3 and len(save.snapshots) == len(rows)
+    assert len(rows) == 2 * 5 + 2 + 3 and len(save.snapshots) == len(rows)
     assert by[("row", True)] == {"scaling": "row", "dual": True, "error": "RuntimeError: CUDA "
                                  "error: an illegal memory access was encountered"}
     for key, r in by.items():
