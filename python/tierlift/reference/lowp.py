@@ -128,9 +128,17 @@ def fp8_quantize_delayed(x: torch.Tensor, scale: torch.Tensor,
     value is ever clipped by a stale scale (a second pass, only then). q = cast(x * scale_used),
     qt = q's transpose (the same scale)."""
     check_quantize_args(x, "tensor", fp8_dtype)
+    if not isinstance(scale, torch.Tensor) or scale.numel() != 1 or \
+            scale.dtype != torch.float32 or scale.device != x.device:
+        raise ValueError(f"scale must be a one-element float32 tensor on x's device {x.device}, "
+                         f"got {getattr(scale, 'dtype', type(scale))} "
+                         f"{tuple(getattr(scale, 'shape', ()))} on {getattr(scale, 'device', '-')}")
+    # as the CPU op (the CUDA kernel, which cannot check without a sync, takes x's own scale)
+    if not (torch.isfinite(scale).all() and (scale > 0).all()):
+        raise ValueError(f"scale must be finite and > 0, got {scale.item()}")
     rows, cols = x.shape
     amax = block_amax(x, "tensor").reshape(1)
-    given = scale.detach().float().reshape(1, 1).to(x.device)
+    given = scale.detach().reshape(1, 1)
     clipped = (amax.reshape(1, 1) * given) > FP8_MAX[fp8_dtype]
     used = torch.where(clipped, scale_from_amax(amax.reshape(1, 1), fp8_dtype, pow2_scale), given)
     q = cast_to_fp8(x.float() * used, fp8_dtype).contiguous() if x.numel() else \
