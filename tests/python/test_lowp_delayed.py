@@ -436,19 +436,31 @@ def test_strict_load_of_a_plain_checkpoint_resets_the_histories():
         other.load_state_dict(model.state_dict())
 
 
-def test_reset_absent_for_loaders_that_copy_in_place():
-    # zero.load_full_state_dict copies the given entries into state_dict()'s tensors and leaves
-    # the others: a plain checkpoint would keep the histories of the weights it replaces
-    model = _mlp()
+def test_zero_loads_of_plain_weights_start_the_histories_never_filled(tmp_path):
+    # load_full_state_dict copies the given entries into state_dict()'s tensors: a plain
+    # checkpoint kept the histories of the weights it replaced; shard(weights=) of files saved
+    # before the conversion refused the histories as missing persistent buffers
+    from safetensors.torch import save_file
+
     torch.manual_seed(19)
+    plain = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    path = str(tmp_path / "plain.safetensors")
+    save_file({k: v.clone() for k, v in plain.state_dict().items()}, path)
+    model = tierlift.zero.shard(_mlp(), stage=3, units=["0", "2"])
     _run(model, [torch.randn(8, 32)])
-    plain_keys = [k for k in model.state_dict() if "amax_history" not in k]
-    kept = {k: v for k, v in _all_histories(model).items() if k.startswith("2.")}
-    assert delayed.reset_absent(model, plain_keys + list(kept)) == [
-        "0.fp8_amax_history_x", "0.fp8_amax_history_g"]
-    after = _all_histories(model)
-    assert all((after[f"0.fp8_amax_history_{w}"] == -1).all() for w in "xg")
-    assert all(torch.equal(after[k], v) for k, v in kept.items())
+    _run(model, [torch.randn(8, 32)])  # the first step's amaxes entered at this forward
+    assert all((h >= 0).any() for h in _all_histories(model).values())
+    tierlift.zero.load_full_state_dict(model, plain.state_dict())
+    assert all((h == -1).all() for h in _all_histories(model).values())
+    for weights in (path, None):  # from the files, or replayed from the recording
+        with tierlift.zero.deferred_init():
+            torch.manual_seed(19)
+            deferred = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+        convert(deferred, DELAYED, min_features=0)
+        sharded = tierlift.zero.shard(deferred, stage=3, units=["0", "2"], device="cpu",
+                                      weights=weights)
+        assert all((h == -1).all() for h in _all_histories(sharded).values())
+        assert torch.equal(tierlift.zero.full_state_dict(sharded)["0.weight"], plain[0].weight)
 
 
 def test_copies_casts_and_meta_keep_the_history():

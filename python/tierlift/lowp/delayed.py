@@ -63,6 +63,11 @@ def buffer_name(which: str) -> str:
     return f"fp8_amax_history_{which}"
 
 
+def is_history_name(key: str) -> bool:
+    """Whether a state_dict key names a delayed layer's amax history."""
+    return any(key == buffer_name(w) or key.endswith("." + buffer_name(w)) for w in HISTORIES)
+
+
 def new_history(length: int, device) -> torch.Tensor:
     return torch.full((length,), NEVER_WRITTEN, dtype=torch.float32, device=device)
 
@@ -191,26 +196,6 @@ def load_or_reset(layer: nn.Module, state_dict: dict, prefix: str,
             missing_keys.remove(key)
         with torch.no_grad():
             getattr(layer, buffer_name(which)).fill_(NEVER_WRITTEN)
-
-
-def reset_absent(model: nn.Module, keys) -> list[str]:
-    """For loaders that copy into state_dict()'s tensors instead of calling load_state_dict
-    (zero.load_full_state_dict): the histories of `model` whose names (as state_dict() gives
-    them) are not in `keys` restart never filled, as load_state_dict leaves them. Returns them."""
-    keys, reset = set(keys), []
-    for name, layer in model.named_modules():
-        queue = pending(layer)
-        if queue is None:
-            continue
-        prefix = f"{name}." if name else ""
-        absent = [w for w in HISTORIES if prefix + buffer_name(w) not in keys]
-        if absent:
-            queue.drop()
-        for which in absent:
-            with torch.no_grad():
-                getattr(layer, buffer_name(which)).fill_(NEVER_WRITTEN)
-            reset.append(prefix + buffer_name(which))
-    return reset
 
 
 def keep_fp32(layer: nn.Module, before: dict[str, torch.Tensor]) -> None:

@@ -22,6 +22,7 @@ from tierlift._shards import (  # noqa: F401  (re-exported: tierlift.zero's API)
     on_shard_grad_ready,
     sharded_norm,
 )
+from tierlift.lowp import delayed
 from tierlift.lowp.linear import Float8Linear
 from tierlift.zero import guards, materialize, replaced
 from tierlift.zero.config import MixedPrecision, ShardConfig
@@ -524,3 +525,7 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) 
         for key, value in own.items():
             if key in rest:
                 value.copy_(rest[key])
+            elif delayed.is_history_name(key):
+                # a state dict without it (a plain nn.Linear's): never filled, as
+                # load_state_dict leaves it, not the history of the weights replaced
+                value.fill_(delayed.NEVER_WRITTEN)

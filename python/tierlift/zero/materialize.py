@@ -26,6 +26,7 @@ import re
 import torch
 from torch import nn
 
+from tierlift.lowp import delayed
 from tierlift.zero.deferred import changed_after, forget, recording_of, replay
 from tierlift.zero.unit import source_key
 from tierlift.zero.weight_files import WeightFiles
@@ -132,7 +133,8 @@ class Materializer:
                                  f"have: {extra[:5]}{' ...' if len(extra) > 5 else ''}")
         if self.rec is not None:
             for t, names, _, _ in [*self.params.values(), *self.buffers.values()]:
-                if t.is_meta and self.rec.key_of(t) is None:
+                if t.is_meta and self.rec.key_of(t) is None and \
+                        not delayed.is_history_name(names[0]):  # made never filled
                     raise ValueError(f"{names[0]!r} is on the meta device but was not made "
                                      "inside the deferred_init() block")
                 if t.is_meta and changed_after(self.rec, t):
@@ -161,8 +163,9 @@ class Materializer:
         return found
 
     def _source(self, kind: str, entry: list) -> str:
-        """Where a frozen parameter or a buffer comes from: "file", "move" (already real) or
-        "replay". A frozen parameter must be in the files when there are files."""
+        """Where a frozen parameter or a buffer comes from: "file", "move" (already real),
+        "replay" or "history" (a delayed FP8 layer's amax history, never filled). A frozen
+        parameter must be in the files when there are files."""
         t, names, _, persistent = entry
         if self.files is not None and kind == "param":
             self._file_name(names, t.shape, required=True)
@@ -170,6 +173,10 @@ class Materializer:
         if self.files is not None and persistent:
             if self._file_name(names, t.shape, required=False) is not None:
                 return "file"
+            if delayed.is_history_name(names[0]):
+                # weights saved before the model was converted: a delayed FP8 layer's amax
+                # history starts never filled, as load_state_dict leaves it
+                return "history"
             # torch's strict load_state_dict refuses a missing key: keeping the constructed
             # value (BatchNorm's running_mean of zeros) would be a silently different model.
             raise KeyError(f"weights={self.files.path!r} has no tensor {names[0]!r}, a "
@@ -179,6 +186,8 @@ class Materializer:
                            "meant, register the buffer with persistent=False")
         if not t.is_meta:
             return "move"
+        if delayed.is_history_name(names[0]):  # converted after deferred_init(): not recorded
+            return "history"
         if self.rec is not None:
             return "replay"
         raise ValueError(f"buffer {names[0]!r} is on the meta device and not in the weights: "
@@ -215,6 +224,8 @@ class Materializer:
                 v = v.view(t.shape)
             elif src == "move":
                 v = t.detach()
+            elif src == "history":
+                v = torch.full(t.shape, delayed.NEVER_WRITTEN, dtype=torch.float32)
             else:
                 v = replayed[id(t)]
             values[id(t)] = v.to(device=self.device, dtype=t.dtype)
