@@ -175,7 +175,9 @@ def test_torch_compile_matches_eager(recipe):
     y.sum().backward()
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    # a delayed layer's history queue is host state: it runs eagerly (a graph break)
+    delayed = recipe in RECIPES and RECIPES[recipe].delayed
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=not delayed)
     yc = compiled(x)
     yc.sum().backward()
     torch.testing.assert_close(yc, y, rtol=0, atol=0)
