@@ -200,8 +200,13 @@ def analyze_sass(instrs: list[tuple[int, str]]) -> dict:
     intdiv_total = intdiv_loop = 0
     fp64 = 0
     atomics = 0
+    indexed_const_in_loop = 0
     for addr, text in instrs:
         op = opcode(text)
+        # A kernel parameter (constant bank 0) read at a register offset: the constant cache
+        # serves one address at a time, so lanes with different indices take turns.
+        if op.startswith("LDC") and re.search(r"c\[0x0\]\[R\d+", text) and in_loop(addr):
+            indexed_const_in_loop += 1
         if op.startswith("LDG"):
             w = access_width(op)
             ldg[w] = ldg.get(w, 0) + 1
@@ -226,7 +231,7 @@ def analyze_sass(instrs: list[tuple[int, str]]) -> dict:
             fp64 += 1
     return {"ldg": ldg, "stg": stg, "generic_ldst": generic, "ldl": local["LDL"],
             "stl": local["STL"], "local_in_loop": local_in_loop, "intdiv": intdiv_total,
-            "intdiv_in_loop": intdiv_loop,
+            "intdiv_in_loop": intdiv_loop, "indexed_const_in_loop": indexed_const_in_loop,
             "fp64": fp64, "atomics": atomics, "instructions": len(instrs)}
 
 
@@ -310,8 +315,8 @@ def analyze_unit(nvcc: str, cuobjdump: str, source: str, arch: str, out_dir: str
 def markdown(rows: list[dict]) -> str:
     head = ("| file | kernel | regs | stack/spill st/ld B | smem B | threads | blocks/SM | occ. "
             "| LDG bits:count | STG bits:count | LD/ST generic | LDL/STL (in loop) "
-            "| int div (in loop) | fp64 |")
-    lines = [head, "|" + "---|" * 14]
+            "| int div (in loop) | LDC[R] in loop | fp64 |")
+    lines = [head, "|" + "---|" * 15]
     for r in rows:
         lines.append(
             f"| {os.path.basename(r['file'])} | `{r['kernel']}` | {r['regs']} | "
@@ -320,7 +325,8 @@ def markdown(rows: list[dict]) -> str:
             f"{format(r['occupancy'], '.0%') if r['threads'] else '?'} | "
             f"{widths(r['ldg'])} | {widths(r['stg'])} | {r['generic_ldst']} | "
             f"{r['ldl']}/{r['stl']} ({r['local_in_loop']}) | "
-            f"{r['intdiv']} ({r['intdiv_in_loop']}) | {r['fp64']} |")
+            f"{r['intdiv']} ({r['intdiv_in_loop']}) | {r['indexed_const_in_loop']} | "
+            f"{r['fp64']} |")
     return "\n".join(lines)
 
 
@@ -364,7 +370,9 @@ def main(argv: list[str] | None = None) -> int:
               f"threads, {SM_SMEM // 1024} KB shared) at the __launch_bounds__ block size. "
               "int div: I2F.RP sequences (32/64-bit integer division or modulo by a run-time "
               "value); in loop: inside a backward branch's span, or a call there to a routine "
-              "holding one.")
+              "holding one. LDC[R]: kernel-parameter reads at a register offset inside a loop, "
+              "serialized across the warp where lanes' offsets differ (harmless where the "
+              "offset is uniform, as a block's tensor slot is).")
     return 0
 
 

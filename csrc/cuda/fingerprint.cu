@@ -73,6 +73,13 @@ __global__ void __launch_bounds__(kThreads)
   const int li = lane % kLanes;    // the accumulator this thread adds to
   const int part = lane / kLanes;  // its stripes of a block: part, part + 4, part + 8, ...
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (kThreads / kWarp);
+  // This thread's keys, in registers: indexed by lane, a kernel parameter is read through the
+  // constant cache, which serves one address at a time (a warp's 32 distinct stripe keys took
+  // 32 turns per load, and ptxas reloaded them every 4 KiB).
+  uint64_t stripe_key[kPerPart];
+  TIERLIFT_UNROLL
+  for (int j = 0; j < kPerPart; ++j) stripe_key[j] = keys.stripe[part + kParts * j][li];
+  const uint64_t scramble_key = keys.scramble[li];
   // The loop is warp-uniform: all 32 threads of a warp take the same ranges.
   for (int64_t r = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / kWarp; r < count;
        r += warps) {
@@ -98,30 +105,31 @@ __global__ void __launch_bounds__(kThreads)
           uint64_t sum = 0;
           TIERLIFT_UNROLL
           for (int j = 0; j < kPerPart; ++j) {
-            sum += term(d[a][j], keys.stripe[part + kParts * j][li]);
+            sum += term(d[a][j], stripe_key[j]);
           }
-          acc = scramble(acc + lane_sum(sum), keys.scramble[li]);
+          acc = scramble(acc + lane_sum(sum), scramble_key);
         }
       }
     }
     for (; b < blocks; ++b) {  // the last blocks, or every block of an unaligned range
       uint64_t sum = 0;
+      TIERLIFT_UNROLL
       for (int j = 0; j < kPerPart; ++j) {
         const int s = part + kParts * j;
-        sum += term(word_at(p, b * kBlockBytes + s * kStripe + li * 8, n, aligned),
-                    keys.stripe[s][li]);
+        sum += term(word_at(p, b * kBlockBytes + s * kStripe + li * 8, n, aligned), stripe_key[j]);
       }
-      acc = scramble(acc + lane_sum(sum), keys.scramble[li]);
+      acc = scramble(acc + lane_sum(sum), scramble_key);
     }
     // The rest (< 1 KiB): whole stripes, then the last one padded with zeros; no scramble.
     const uint64_t base = blocks * kBlockBytes;
     const uint64_t stripes = (n - base + kStripe - 1) / kStripe;
     uint64_t sum = 0;
+    TIERLIFT_UNROLL
     for (int j = 0; j < kPerPart; ++j) {
       const int s = part + kParts * j;
       const bool used = static_cast<uint64_t>(s) < stripes;
       const uint64_t t =
-          term(used ? word_at(p, base + s * kStripe + li * 8, n, aligned) : 0, keys.stripe[s][li]);
+          term(used ? word_at(p, base + s * kStripe + li * 8, n, aligned) : 0, stripe_key[j]);
       if (used) sum += t;
     }
     acc += lane_sum(sum);
