@@ -27,10 +27,12 @@ scale a GPU may flush to zero).
 When amaxes enter: x's at that forward's backward, g's once g is quantized there; both are
 queued and put into the histories at the layer's next forward that is not a recompute (one run
 inside a backward: torch.utils.checkpoint, reentrant or not, and tierlift's recompute tier) and
-that no earlier forward with grad of the layer still awaits its backward, or at state_dict().
-So a recompute sees the history its forward saw and is bit-identical to it, also when other
-micro-batches' forwards and backwards interleave (1F1B); forwards without grad read the
-history and add nothing. Gradient accumulation: with each micro-batch's forward right before
+that no earlier forward with grad of the layer still awaits its backward, or at a save
+(state_dict(), deepcopy, pickle: the saved histories hold them), which changes no step: until
+that next forward, quantizes read the histories as they were before the save. So a recompute
+sees the history its forward saw and is bit-identical to it, also when other micro-batches'
+forwards and backwards interleave (1F1B); forwards without grad read the history and add
+nothing. A second backward of one forward (retain_graph) adds g's amax again, not x's. Gradient accumulation: with each micro-batch's forward right before
 its backward, each forward takes in the amaxes of the backwards before it; with all forwards
 first (or interleaved), they wait for the last backward and enter, in backward order, at the
 next forward. A forward with grad whose graph is kept alive without a backward holds the queue
@@ -75,12 +77,18 @@ def new_history(length: int, device) -> torch.Tensor:
 class PendingAmaxes:
     """A layer's amaxes from finished backwards, not yet in their history (module docstring)."""
 
+    # The histories as they were before a save (state_dict, deepcopy, pickle) wrote the queue
+    # into them: what a backward, recompute or forward runs on until the next forward that takes
+    # the queue in, so that a save changes no step's numbers. A class default: pickles made
+    # before it lack it.
+    seen: dict[str, torch.Tensor] | None = None
+
     def __init__(self) -> None:
         self.items: list[tuple[str, torch.Tensor, object]] = []  # (which, amax [1], Work)
         self.awaiting = 0  # forwards with grad whose backward has not run (their graph lives)
 
     def __getstate__(self):  # a copy awaits no backward: no autograd context holds it
-        return dict(self.__dict__, awaiting=0)
+        return dict(self.__dict__, awaiting=0, seen=None)
 
     def push(self, which: str, amax: torch.Tensor, reduce: bool) -> None:
         amax = amax.detach().float().reshape(1).clone()  # reduced in place
@@ -97,6 +105,8 @@ class PendingAmaxes:
         which here would be the history without the amaxes this forward took in."""
         if not self.items:
             return
+        if self.seen is None:
+            self.seen = {w: layer._buffers[buffer_name(w)] for w in HISTORIES}
         items, self.items = self.items, []
         with torch.no_grad():
             for which, amax, work in items:
@@ -107,12 +117,18 @@ class PendingAmaxes:
                 layer._buffers[name] = torch.cat([amax.to(device=h.device, dtype=h.dtype),
                                                   h[:-1]])
 
+    def take_in(self, layer: nn.Module) -> None:
+        """A forward's flush: the queue enters and every reader sees the histories from now on."""
+        self.flush(layer)
+        self.seen = None
+
     def drop(self) -> None:
         """Forgets the queue (a load replaces the histories); reductions in flight complete."""
         for _, _, work in self.items:
             if work is not None:
                 work.wait()
         self.items = []
+        self.seen = None
 
 
 def attach(layer: nn.Module, recipe: Float8Recipe, device) -> None:
@@ -140,7 +156,14 @@ def flush_unless_recomputing(layer: nn.Module) -> None:
     recompute must too)."""
     queue = pending(layer)
     if queue is not None and queue.awaiting == 0 and not recomputing():
-        queue.flush(layer)
+        queue.take_in(layer)
+
+
+def history(layer: nn.Module, which: str) -> torch.Tensor:
+    """The history a quantize of `which` reads: the one before a save's flush until the next
+    forward takes the queue in (PendingAmaxes.seen), else the layer's buffer."""
+    seen = pending(layer).seen
+    return seen[which] if seen is not None else layer._buffers[buffer_name(which)]
 
 
 class AwaitingBackward:
@@ -183,11 +206,20 @@ def quantize(t: torch.Tensor, given: torch.Tensor, fp8_dtype: torch.dtype, pow2:
     return q, s, qt, s, amax
 
 
+def describes(state_dict: dict, prefix: str, layer: nn.Module) -> bool:
+    """Whether a state_dict being loaded holds any entry of `layer` (at `prefix`)."""
+    own = (*layer._parameters, *layer._buffers)
+    if any(prefix + name in state_dict for name in own):
+        return True
+    # entries not named after the layer's own tensors (a parametrization's, extra state)
+    return any(key.startswith(prefix) for key in state_dict)
+
+
 def load_or_reset(layer: nn.Module, state_dict: dict, prefix: str,
                   missing_keys: list[str]) -> None:
     """After nn.Module's own load: a history the state_dict lacks (a plain nn.Linear or HF
     checkpoint) is reset to never filled, not reported missing (nor kept from before the load,
-    nor read as zeros)."""
+    nor read as zeros). A layer the state_dict has no entry of (strict=False) is left alone."""
     for which in HISTORIES:
         key = prefix + buffer_name(which)
         if key in state_dict:

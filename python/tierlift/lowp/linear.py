@@ -96,7 +96,7 @@ class _Float8MatmulFn(torch.autograd.Function):
         if layer is None:
             xq, xs, xtq, xts = _quantize(x, fp8_wgrad, sc, f8, p2, tc)  # x^T: the FP8 wgrad's
         else:
-            given = delayed.given_scale(layer.fp8_amax_history_x, f8, p2)
+            given = delayed.given_scale(delayed.history(layer, "x"), f8, p2)
             xq, xs, xtq, xts, ctx.amax_x = delayed.quantize(x, given, f8, p2, fp8_wgrad, tc)
             if (need_gx or need_gw) and not delayed.recomputing():
                 ctx.awaiting = delayed.AwaitingBackward(delayed.pending(layer))
@@ -126,7 +126,8 @@ class _Float8MatmulFn(torch.autograd.Function):
             if layer is None:
                 return _quantize(t, with_transposed, r.scaling, r.grad_dtype, r.pow2_scale,
                                  transposed_copy)
-            given = delayed.given_scale(layer.fp8_amax_history_g, r.grad_dtype, r.pow2_scale)
+            given = delayed.given_scale(delayed.history(layer, "g"), r.grad_dtype,
+                                       r.pow2_scale)
             *out, amax = delayed.quantize(t, given, r.grad_dtype, r.pow2_scale, with_transposed,
                                           transposed_copy)
             amax_g.append(amax)
@@ -153,7 +154,10 @@ class _Float8MatmulFn(torch.autograd.Function):
             queue = delayed.pending(layer)
             for amax in amax_g:
                 queue.push("g", amax, r.reduce_amax)
-            queue.push("x", ctx.amax_x, r.reduce_amax)
+            # x was quantized once: a second backward of the graph (retain_graph) adds only g's
+            amax_x, ctx.amax_x = ctx.amax_x, None
+            if amax_x is not None:
+                queue.push("x", amax_x, r.reduce_amax)
             awaiting = getattr(ctx, "awaiting", None)
             if awaiting is not None:
                 awaiting.done()
@@ -298,8 +302,12 @@ class Float8Linear(nn.Linear):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
         queue = delayed.pending(self)
-        if queue is not None:
+        # a dict without any of this layer's entries (strict=False: an adapter's, a partial
+        # one) leaves its histories and queue as it leaves its weights
+        if queue is not None and delayed.describes(state_dict, prefix, self):
             queue.drop()
+        else:
+            queue = None
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
         if queue is not None:

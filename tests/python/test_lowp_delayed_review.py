@@ -1,0 +1,104 @@
+"""Delayed scaling (fp8-tensorwise-delayed) under what training code does around a step: a save
+(state_dict, deepcopy, pickle) between the backwards of micro-batches whose forwards ran first
+changes no gradient and no history, with or without checkpointing; a strict=False load of a
+dict that names other layers leaves a layer's histories and queue alone; a second backward of
+one forward (retain_graph) adds x's amax once."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from tierlift.lowp import convert, delayed
+from tierlift.reference import lowp as ref
+
+DELAYED = "fp8-tensorwise-delayed"
+
+
+def _mlp():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    convert(model, DELAYED, min_features=0)
+    return model
+
+
+def _histories(model):
+    return {k: v.clone() for k, v in model.state_dict().items() if "amax_history" in k}
+
+
+def _step_with_interleaved_backwards(model, save, checkpointed):
+    """A filled history, then two micro-batches' forwards before their backwards (in reverse
+    order), with `save(model)` between the backwards. The backward run first brings the
+    largest amaxes yet: had they entered at the save, the other backward (and its recompute)
+    would scale by them."""
+    fwd = (lambda x: checkpoint(model, x, use_reentrant=False)) if checkpointed else model
+    gen = torch.Generator().manual_seed(1)
+    model(torch.randn(8, 16, generator=gen)).square().sum().backward()
+    model.zero_grad(set_to_none=True)
+    xs = [torch.randn(8, 16, generator=gen) * c for c in (1.0, 20.0)]
+    ys = [fwd(x.requires_grad_()) for x in xs]
+    ys[1].square().sum().backward()
+    saved = save(model)
+    ys[0].square().sum().backward()
+    return [p.grad.clone() for p in model.parameters()], _histories(model), saved
+
+
+def _saved_histories(model):
+    return _histories(model)
+
+
+def _pickled(model):
+    return _histories(pickle.loads(pickle.dumps(model)))
+
+
+def _deepcopied(model):
+    return _histories(copy.deepcopy(model))
+
+
+def test_a_save_between_backwards_changes_no_gradient_and_no_history():
+    for checkpointed in (False, True):
+        want_grads, want_hist, _ = _step_with_interleaved_backwards(
+            _mlp(), lambda m: None, checkpointed)
+        for save in (_saved_histories, _pickled, _deepcopied):
+            grads, hist, saved = _step_with_interleaved_backwards(_mlp(), save, checkpointed)
+            for a, b in zip(grads, want_grads, strict=True):
+                assert torch.equal(a, b), (save.__name__, checkpointed, (a - b).abs().max())
+            assert all(torch.equal(hist[k], v) for k, v in want_hist.items())
+            # the save holds the amaxes queued by then (the backward run first's, newest)
+            for k, v in saved.items():
+                assert v[0] > 0 and torch.equal(v[1:2], want_hist[k][2:3]), k
+
+
+def test_a_partial_load_leaves_the_histories_of_layers_it_does_not_name():
+    model = _mlp()
+    for c in (1.0, 3.0):
+        model(torch.randn(8, 16) * c).square().sum().backward()
+    x = torch.randn(8, 16) * 5
+    model(x).square().sum().backward()  # queued, not in the histories yet
+    queued = len(delayed.pending(model[0]).items)
+    head = model[2].weight.detach().clone()
+    result = model.load_state_dict({"2.weight": head}, strict=False)  # an adapter-style dict
+    assert "0.weight" in result.missing_keys
+    assert len(delayed.pending(model[0]).items) == queued
+    hist = _histories(model)
+    assert hist["0.fp8_amax_history_x"][0] == ref.block_amax(x, "tensor").reshape(())
+    assert (hist["0.fp8_amax_history_x"] > 0).sum() == 3
+    # a dict naming the layer without its histories (a plain nn.Linear's) restarts them
+    assert (hist["2.fp8_amax_history_x"] == delayed.NEVER_WRITTEN).all()
+    assert (hist["2.fp8_amax_history_g"] == delayed.NEVER_WRITTEN).all()
+
+
+def test_a_second_backward_of_one_forward_adds_x_once():
+    model = _mlp()
+    x = torch.randn(8, 16, requires_grad=True)
+    loss = model(x).square().sum()
+    loss.backward(retain_graph=True)
+    loss.backward()
+    hist = _histories(model)
+    for i in (0, 2):
+        assert (hist[f"{i}.fp8_amax_history_x"] > 0).sum() == 1  # one quantize of x
+        assert (hist[f"{i}.fp8_amax_history_g"] > 0).sum() == 2  # g quantized in each backward
