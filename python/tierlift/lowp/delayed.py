@@ -32,13 +32,14 @@ that no earlier forward with grad of the layer still awaits its backward, or at 
 that next forward, quantizes read the histories as they were before the save. So a recompute
 sees the history its forward saw and is bit-identical to it, also when other micro-batches'
 forwards and backwards interleave (1F1B); forwards without grad read the history and add
-nothing. A second backward of one forward (retain_graph) adds g's amax again, not x's. Gradient accumulation: with each micro-batch's forward right before
-its backward, each forward takes in the amaxes of the backwards before it; with all forwards
-first (or interleaved), they wait for the last backward and enter, in backward order, at the
-next forward. A forward with grad whose graph is kept alive without a backward holds the queue
-until the graph is freed. Reentrant checkpointing runs its first forward without grad, so it is
-not counted: interleaved with other micro-batches' backwards (1F1B) its recompute could see
-amaxes its forward did not; use use_reentrant=False there.
+nothing. A second backward of one forward (retain_graph) adds g's amax again, not x's. Gradient
+accumulation: with each micro-batch's forward right before its backward, each forward takes in
+the amaxes of the backwards before it; with all forwards first (or interleaved), they wait for
+the last backward and enter, in backward order, at the next forward. A forward with grad whose
+graph is kept alive without a backward holds the queue until the graph is freed. Reentrant
+checkpointing runs its first forward without grad, so it is not counted: interleaved with other
+micro-batches' backwards (1F1B) its recompute could see amaxes its forward did not; use
+use_reentrant=False there.
 
 Under torch.distributed (world size > 1, reduce_amax) each amax is all-reduced (MAX, default
 group, async_op) when queued and waited for when put into its history: every rank holds the
