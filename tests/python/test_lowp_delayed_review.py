@@ -102,3 +102,26 @@ def test_a_second_backward_of_one_forward_adds_x_once():
     for i in (0, 2):
         assert (hist[f"{i}.fp8_amax_history_x"] > 0).sum() == 1  # one quantize of x
         assert (hist[f"{i}.fp8_amax_history_g"] > 0).sum() == 2  # g quantized in each backward
+
+
+def test_an_evaluation_under_inference_mode_leaves_ordinary_histories():
+    # a training step, an evaluation under inference_mode (Lightning's, generate()'s), a step:
+    # the histories stay tensors DDP's and ZeRO's buffer broadcasts and loads can write in place
+    def run(evaluation):
+        model = _mlp()
+        gen = torch.Generator().manual_seed(2)
+        model(torch.randn(8, 16, generator=gen)).square().sum().backward()
+        with evaluation():
+            model(torch.randn(8, 16, generator=gen))
+        model(torch.randn(8, 16, generator=gen) * 3).square().sum().backward()
+        return model
+
+    model = run(torch.inference_mode)
+    buffers = tuple(model.buffers())
+    assert not any(b.is_inference() for b in buffers)
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buffers):
+        for b in buffers:  # what a broadcast from rank 0 does
+            b.copy_(b.clone())
+    want = _histories(run(torch.no_grad))
+    model.load_state_dict(model.state_dict())
+    assert all(torch.equal(v, want[k]) for k, v in _histories(model).items())

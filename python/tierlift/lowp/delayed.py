@@ -109,7 +109,9 @@ class PendingAmaxes:
         if self.seen is None:
             self.seen = {w: layer._buffers[buffer_name(w)] for w in HISTORIES}
         items, self.items = self.items, []
-        with torch.no_grad():
+        # a forward under torch.inference_mode (evaluation) would otherwise make them inference
+        # tensors, which refuse the in-place writes of loads and buffer broadcasts (DDP, ZeRO)
+        with torch.no_grad(), torch.inference_mode(False):
             for which, amax, work in items:
                 if work is not None:
                     work.wait()
