@@ -125,3 +125,72 @@ def test_an_evaluation_under_inference_mode_leaves_ordinary_histories():
     want = _histories(run(torch.no_grad))
     model.load_state_dict(model.state_dict())
     assert all(torch.equal(v, want[k]) for k, v in _histories(model).items())
+
+
+def _prefilled_mlp():
+    """Histories holding one amax above every one here: every rank (and one process) takes the
+    same scales from the first step on."""
+    model = _mlp()
+    sd = model.state_dict()
+    for k, v in sd.items():
+        if "amax_history" in k:
+            v.fill_(delayed.NEVER_WRITTEN)[0] = 100.0
+    model.load_state_dict(sd)
+    return model
+
+
+def _global_batches(world):
+    gen = torch.Generator().manual_seed(5)
+    return [torch.randn(8 * world, 16, generator=gen) * c for c in (1.0, 0.5, 2.0)]
+
+
+def _train_with_evaluations(model, rank, world):
+    """Steps with an evaluation under inference_mode after each (the buffer broadcast of the
+    second step after it wrote into the histories the evaluation made)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # the same weights: histories comparable
+    for xb in _global_batches(world):
+        opt.zero_grad()
+        model(xb.chunk(world)[rank]).square().sum().backward()  # a sum: each sample's g as alone
+        opt.step()
+        with torch.inference_mode():
+            model(xb.chunk(world)[rank])
+    return _histories(getattr(model, "module", model))
+
+
+def _dist_cases(rank, world, tmp):
+    import datetime
+
+    import torch.distributed as dist
+
+    import tierlift
+
+    out = {"ddp": _train_with_evaluations(nn.parallel.DistributedDataParallel(
+        _prefilled_mlp()), rank, world)}
+    for stage in (1, 2):
+        out[f"zero{stage}"] = _train_with_evaluations(
+            tierlift.zero.shard(_prefilled_mlp(), stage=stage), rank, world)
+    # the process group destroyed and made again with amax reductions queued
+    model = _prefilled_mlp()
+    batches = _global_batches(world)
+    for xb in batches[:2]:
+        model(xb.chunk(world)[rank]).square().sum().backward()
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/regroup", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    model(batches[2].chunk(world)[rank]).square().sum().backward()
+    out["regrouped"] = _histories(model)
+    return out
+
+
+def test_data_parallel_evaluations_stages_and_a_new_group_keep_one_history(tmp_path):
+    from zero_model import spawn_ranks
+
+    ranks = spawn_ranks(_dist_cases, str(tmp_path))
+    one = _prefilled_mlp()
+    for xb in _global_batches(2):
+        one(xb).square().sum().backward()
+    want = _histories(one)
+    for out in ranks:
+        for case in ("ddp", "zero1", "zero2", "regrouped"):
+            assert out[case].keys() == want.keys()
+            assert all(torch.equal(out[case][k], v) for k, v in want.items()), case
