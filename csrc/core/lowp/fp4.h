@@ -145,30 +145,27 @@ TL_HD float e2m1_decode(uint8_t code) {
   return (code & 8u) ? -mag : mag;
 }
 
-// Saturating round-to-nearest-even; NaN -> +0.
+// Saturating round-to-nearest-even; NaN -> +0, the sign kept otherwise (-0.1 -> 0x8). Per
+// binade of steps (0.5 below 2, 1 below 4, 2 above) it scales a by 1 / step, exactly, and
+// rounds with the magic add y = a * s + (2^23 + off): y's ulp is 1, so its low mantissa bits
+// hold off + rint(a * s), ties to even as off is even. a * s is exact, so an FMA (the device's
+// one instruction) and a separate multiply and add round alike; a huge a or Inf leaves bits above
+// 7, which the min saturates, and a subnormal a (flushed or not) rounds to 0 either way.
 TL_HD uint8_t e2m1_encode_rne(float v) {
   const uint32_t u = bits(v);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0;
-  const uint8_t sign = (u >> 28) & 8u;
+  const bool nan = (u & 0x7fffffffu) > 0x7f800000u;  // a select, not a branch, in the kernels
+  const uint32_t sign = (u >> 28) & 8u;
   const float a = from_bits(u & 0x7fffffffu);
-  uint8_t m;
-  if (a <= 0.25f)
-    m = 0;
-  else if (a < 0.75f)
-    m = 1;
-  else if (a <= 1.25f)
-    m = 2;
-  else if (a < 1.75f)
-    m = 3;
-  else if (a <= 2.5f)
-    m = 4;
-  else if (a < 3.5f)
-    m = 5;
-  else if (a <= 5.f)
-    m = 6;
-  else
-    m = 7;
-  return sign | m;
+  const float s = a < 2.f ? 2.f : (a < 4.f ? 1.f : 0.5f);
+  const uint32_t off = a < 2.f ? 0u : (a < 4.f ? 2u : 4u);
+  constexpr uint32_t kMagicBits = 0x4b000000u;  // 2^23
+#ifdef __CUDA_ARCH__
+  const float y = __fmaf_rn(a, s, __uint_as_float(kMagicBits + off));
+#else
+  const float y = a * s + from_bits(kMagicBits + off);
+#endif
+  const uint32_t q = bits(y) - kMagicBits;
+  return nan ? 0 : static_cast<uint8_t>(sign | (q < 7u ? q : 7u));
 }
 
 // Stochastic rounding with a uniform u in [0, 1) (see the header comment); NaN -> +0.
