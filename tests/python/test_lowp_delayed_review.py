@@ -2,18 +2,24 @@
 (state_dict, deepcopy, pickle) between the backwards of micro-batches whose forwards ran first
 changes no gradient and no history, with or without checkpointing; a strict=False load of a
 dict that names other layers leaves a layer's histories and queue alone; a second backward of
-one forward (retain_graph) adds x's amax once."""
+one forward (retain_graph) adds x's amax once; an evaluation under inference_mode leaves
+histories that loads and buffer broadcasts can write; a forward held without backward keeps the
+queue bounded and warns. Two gloo ranks (one spawn): DDP and ZeRO stages 1 and 2 with such
+evaluations, and a process group made again with reductions queued, hold one process's
+histories."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import pickle
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from tierlift.lowp import convert, delayed
+from tierlift.lowp import RECIPES, Float8Linear, convert, delayed
 from tierlift.reference import lowp as ref
 
 DELAYED = "fp8-tensorwise-delayed"
@@ -194,3 +200,24 @@ def test_data_parallel_evaluations_stages_and_a_new_group_keep_one_history(tmp_p
         for case in ("ddp", "zero1", "zero2", "regrouped"):
             assert out[case].keys() == want.keys()
             assert all(torch.equal(out[case][k], v) for k, v in want.items()), case
+
+
+def test_a_forward_held_without_backward_keeps_the_queue_bounded_and_warns():
+    # a notebook keeps the traceback of a failed step, and with it a forward's graph: the
+    # histories wait for it; the queue keeps only what a flush would write, and says why
+    short = dataclasses.replace(RECIPES[DELAYED], name="short", amax_history_len=2)
+    layer = Float8Linear(16, 16, recipe=short)
+    held = layer(torch.randn(8, 16, requires_grad=True))  # never backwarded
+    length = layer.recipe.amax_history_len
+    gen = torch.Generator().manual_seed(4)
+    amaxes = []
+    with pytest.warns(UserWarning, match="have not entered its histories"):
+        for i in range(delayed.HELD_WARNING * length // 2):
+            x = torch.randn(4, 16, generator=gen) * (1 + i % 7)
+            layer(x).square().sum().backward()
+            amaxes.append(ref.block_amax(x, "tensor").reshape(()))
+    assert len(delayed.pending(layer).items) == 2 * length
+    assert (layer.fp8_amax_history_x == delayed.NEVER_WRITTEN).all()  # still waiting
+    del held
+    layer(torch.randn(4, 16))
+    assert torch.equal(layer.fp8_amax_history_x, torch.stack(amaxes[::-1][:length]))

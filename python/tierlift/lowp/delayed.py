@@ -36,10 +36,11 @@ nothing. A second backward of one forward (retain_graph) adds g's amax again, no
 accumulation: with each micro-batch's forward right before its backward, each forward takes in
 the amaxes of the backwards before it; with all forwards first (or interleaved), they wait for
 the last backward and enter, in backward order, at the next forward. A forward with grad whose
-graph is kept alive without a backward holds the queue until the graph is freed. Reentrant
-checkpointing runs its first forward without grad, so it is not counted: interleaved with other
-micro-batches' backwards (1F1B) its recompute could see amaxes its forward did not; use
-use_reentrant=False there.
+graph is kept alive without a backward holds the queue until the graph is freed (the queue keeps
+each history's newest amax_history_len amaxes, all that a flush would write, and warns once it
+has held HELD_WARNING times as many). Reentrant checkpointing runs its first forward without
+grad, so it is not counted: interleaved with other micro-batches' backwards (1F1B) its recompute
+could see amaxes its forward did not; use use_reentrant=False there.
 
 Under torch.distributed (world size > 1, reduce_amax) each amax is all-reduced (MAX, default
 group, async_op) when queued and waited for when put into its history: every rank holds the
@@ -50,6 +51,8 @@ routed per rank, which should use reduce_amax=False).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -59,6 +62,9 @@ from tierlift.lowp.recipe import Float8Recipe
 from tierlift.reference.lowp import scale_from_amax
 
 NEVER_WRITTEN = -1.0
+# amaxes queued per history entry before a held queue is warned about (a 1F1B step's
+# micro-batches queue their amaxes for as long as the step lasts, far fewer)
+HELD_WARNING = 64
 HISTORIES = ("x", "g")
 
 
@@ -83,27 +89,45 @@ class PendingAmaxes:
     # the queue in, so that a save changes no step's numbers. A class default: pickles made
     # before it lack it.
     seen: dict[str, torch.Tensor] | None = None
+    held = 0
 
     def __init__(self) -> None:
         self.items: list[tuple[str, torch.Tensor, object]] = []  # (which, amax [1], Work)
         self.awaiting = 0  # forwards with grad whose backward has not run (their graph lives)
+        self.held = 0  # amaxes queued since the histories last took the queue in
 
     def __getstate__(self):  # a copy awaits no backward: no autograd context holds it
         return dict(self.__dict__, awaiting=0, seen=None)
 
-    def push(self, which: str, amax: torch.Tensor, reduce: bool) -> None:
+    def push(self, which: str, amax: torch.Tensor, reduce: bool, length: int) -> None:
+        """Queues an amax of history `which` (of `length` entries). Only its newest `length`
+        are kept: a flush of more writes the history from them alone, so a queue held by a
+        graph that lives on (an exception's traceback kept by a notebook) stays bounded."""
         amax = amax.detach().float().reshape(1).clone()  # reduced in place
         work = None
         if reduce and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             # issued in backward order, the same on every rank; waited for at the next write
             work = dist.all_reduce(amax, op=dist.ReduceOp.MAX, async_op=True)
         self.items.append((which, amax, work))
+        self.held += 1
+        same = [i for i, item in enumerate(self.items) if item[0] == which]
+        if len(same) > length:
+            _, _, oldest = self.items.pop(same[0])
+            if oldest is not None:
+                oldest.wait()
+        if self.held == HELD_WARNING * length:
+            warnings.warn(
+                f"{self.held} amaxes from a delayed FP8 layer's backwards have not entered its "
+                f"histories: a forward of it with grad still awaits its backward (its graph "
+                f"is kept alive, e.g. by an output or an exception's traceback held on to), so "
+                f"its scales come from the history before it; free that graph", stacklevel=2)
 
     def flush(self, layer: nn.Module) -> None:
         """Puts the queued amaxes into the layer's histories, oldest first. Each history becomes
         a new tensor rather than being written in place: tierlift's recompute tier restores, for
         the recompute, the buffers a block's forward wrote in place to their values before it,
         which here would be the history without the amaxes this forward took in."""
+        self.held = 0
         if not self.items:
             return
         if self.seen is None:
@@ -132,6 +156,7 @@ class PendingAmaxes:
                 work.wait()
         self.items = []
         self.seen = None
+        self.held = 0
 
 
 def attach(layer: nn.Module, recipe: Float8Recipe, device) -> None:

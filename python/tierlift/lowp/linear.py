@@ -151,13 +151,13 @@ class _Float8MatmulFn(torch.autograd.Function):
         if need_gx:
             grad_x = scaled_mm(gq, gs, wtq, wts, out_dtype=ctx.x_dtype)
         if layer is not None:  # the same order on every rank: g's amax, then x's
-            queue = delayed.pending(layer)
+            queue, length = delayed.pending(layer), r.amax_history_len
             for amax in amax_g:
-                queue.push("g", amax, r.reduce_amax)
+                queue.push("g", amax, r.reduce_amax, length)
             # x was quantized once: a second backward of the graph (retain_graph) adds only g's
             amax_x, ctx.amax_x = ctx.amax_x, None
             if amax_x is not None:
-                queue.push("x", amax_x, r.reduce_amax)
+                queue.push("x", amax_x, r.reduce_amax, length)
             awaiting = getattr(ctx, "awaiting", None)
             if awaiting is not None:
                 awaiting.done()
