@@ -12,19 +12,25 @@ constexpr int kThreads = 256;
 constexpr int kPer = 8;  // consecutive elements of a row per thread
 constexpr unsigned kFull = 0xffffffffu;
 
-// Where a thread's 8 elements live: flat index e0 = 8 * thread (row-major over [rows, cols]),
-// row i, column j0 (cols % 16 == 0, so the 8 never straddle a row). Lanes 2t and 2t + 1 share
-// an NVFP4 block, lanes 4t .. 4t + 3 an MXFP4 block.
+// Where a thread's 8 elements live: flat index e0 = 8 * t, t = kThreads * `block` + thread
+// (row-major over [rows, cols]), row i, column j0 (cols % 16 == 0, so the 8 never straddle a row).
+// Lanes 2t and 2t + 1 share an NVFP4 block, lanes 4t .. 4t + 3 an MXFP4 block. The row is
+// `per_row`.div(t) (threads per row; the launch checks t < 2^31), a division where it cannot be.
 struct Chunk {
   int64_t e0, i, j0;
   bool valid;  // false past the end: the lane still takes part in the shuffles with zeros
 };
 
-__device__ __forceinline__ Chunk chunk_of(const Fp4QuantArgs& a) {
+__device__ __forceinline__ Chunk chunk_of(const Fp4QuantArgs& a, Div31 per_row, unsigned block) {
   Chunk c;
-  c.e0 = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * kPer;
+  const int64_t t = static_cast<int64_t>(block) * kThreads + threadIdx.x;
+  c.e0 = t * kPer;
   c.valid = c.e0 < a.rows * a.cols;
-  c.i = c.valid ? c.e0 / a.cols : 0;
+  if (per_row.magic) {
+    c.i = c.valid ? per_row.div(static_cast<uint32_t>(t)) : 0;
+  } else {
+    c.i = c.valid ? c.e0 / a.cols : 0;
+  }
   c.j0 = c.e0 - c.i * a.cols;
   return c;
 }
@@ -139,9 +145,10 @@ __device__ __forceinline__ void encode_store(const Fp4QuantArgs& a, const Chunk&
 }
 
 template <DType kT, bool kVec>
-__global__ void __launch_bounds__(kThreads) mx_kernel(Fp4QuantArgs a, bool packed) {
+__global__ void __launch_bounds__(kThreads)
+    mx_kernel(Fp4QuantArgs a, bool packed, Div31 per_row) {
   constexpr int kLanes = 32 / kPer;
-  const Chunk c = chunk_of(a);
+  const Chunk c = chunk_of(a, per_row, blockIdx.x);
   if (__all_sync(kFull, !c.valid)) return;  // whole warps exit together
   float v[kPer], f[kPer];
   rotated<kT, kVec>(a, c, v);
@@ -185,10 +192,10 @@ __device__ __forceinline__ void atomic_max_nonneg(float* addr, float v) {
 // NVFP4 pass 1: per-1x16-block amax (+inf for a block holding a NaN/Inf) into the workspace,
 // and the tensor amax over finite elements: one atomicMax per thread block.
 template <DType kT, bool kVec>
-__global__ void __launch_bounds__(kThreads) nv_amax_kernel(Fp4QuantArgs a) {
+__global__ void __launch_bounds__(kThreads) nv_amax_kernel(Fp4QuantArgs a, Div31 per_row) {
   constexpr int kLanes = 16 / kPer;
   __shared__ float warp_max[kThreads / 32];
-  const Chunk c = chunk_of(a);
+  const Chunk c = chunk_of(a, per_row, blockIdx.x);
   float v[kPer];
   rotated<kT, kVec>(a, c, v);
   float m = 0.f;
@@ -213,11 +220,13 @@ __global__ void __launch_bounds__(kThreads) nv_amax_kernel(Fp4QuantArgs a) {
 }
 
 // NVFP4 pass 2: block scales (a 16x16 block's amax over its 16 rows of pass-1 amaxes, the two
-// lanes of a 1x16 block reading 8 rows each), then the encode.
+// lanes of a 1x16 block reading 8 rows each), then the encode. It walks the thread blocks in
+// reverse, so it starts on the input pass 1 read last, still in L2 (the bits are the same).
 template <DType kT, bool kVec>
-__global__ void __launch_bounds__(kThreads) nv_encode_kernel(Fp4QuantArgs a, bool packed) {
+__global__ void __launch_bounds__(kThreads)
+    nv_encode_kernel(Fp4QuantArgs a, bool packed, Div31 per_row) {
   constexpr int kLanes = 16 / kPer;
-  const Chunk c = chunk_of(a);
+  const Chunk c = chunk_of(a, per_row, gridDim.x - 1 - blockIdx.x);
   if (__all_sync(kFull, !c.valid)) return;  // whole warps exit together
   const int64_t total = a.rows * a.cols;
   float v[kPer];
@@ -251,17 +260,18 @@ __global__ void __launch_bounds__(kThreads) nv_encode_kernel(Fp4QuantArgs a, boo
 }
 
 template <DType kT, bool kVec>
-cudaError_t launch_rule(const Fp4QuantArgs& a, unsigned blocks, bool packed, cudaStream_t stream) {
+cudaError_t launch_rule(const Fp4QuantArgs& a, unsigned blocks, bool packed, Div31 per_row,
+                        cudaStream_t stream) {
   if (a.rule != fp4::ScaleRule::kNv) {
-    TIERLIFT_LAUNCH(blocks, kThreads, 0, stream, mx_kernel<kT, kVec>)(a, packed);
+    TIERLIFT_LAUNCH(blocks, kThreads, 0, stream, mx_kernel<kT, kVec>)(a, packed, per_row);
     return cudaGetLastError();
   }
   const int64_t total = a.rows * a.cols;
   cudaError_t err = cudaMemsetAsync(a.workspace + (total >> 4), 0, sizeof(float), stream);
   if (err != cudaSuccess) return err;
-  TIERLIFT_LAUNCH(blocks, kThreads, 0, stream, nv_amax_kernel<kT, kVec>)(a);
+  TIERLIFT_LAUNCH(blocks, kThreads, 0, stream, nv_amax_kernel<kT, kVec>)(a, per_row);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  TIERLIFT_LAUNCH(blocks, kThreads, 0, stream, nv_encode_kernel<kT, kVec>)(a, packed);
+  TIERLIFT_LAUNCH(blocks, kThreads, 0, stream, nv_encode_kernel<kT, kVec>)(a, packed, per_row);
   return cudaGetLastError();
 }
 
@@ -275,8 +285,11 @@ cudaError_t launch(const Fp4QuantArgs& a, cudaStream_t stream) {
       a.col_stride == 1 && a.row_stride % kPer == 0 && reinterpret_cast<uintptr_t>(a.x) % 16 == 0;
   const bool packed =
       reinterpret_cast<uintptr_t>(a.codes) % 4 == 0 && reinterpret_cast<uintptr_t>(a.mask) % 8 == 0;
-  return vec ? launch_rule<kT, true>(a, blocks, packed, stream)
-             : launch_rule<kT, false>(a, blocks, packed, stream);
+  // Every thread index, the tail block's included, below 2^31: rows by multiply and shift.
+  const bool small = int64_t{blocks} * kThreads <= (int64_t{1} << 31);
+  const Div31 per_row = small ? Div31::make(a.cols / kPer) : Div31{};
+  return vec ? launch_rule<kT, true>(a, blocks, packed, per_row, stream)
+             : launch_rule<kT, false>(a, blocks, packed, per_row, stream);
 }
 
 }  // namespace

@@ -15,6 +15,7 @@
 //  - MXFP4 (floor/rceil/quest): a scale block lies within a warp, so ONE kernel does everything.
 //  - NVFP4: the fp32 tensor scale needs the global amax first, so pass 1 writes per-1x16-block
 //    amaxes (after the rotation) and maxes the tensor amax (one atomic per thread block); pass 2
+//    walks the thread blocks in reverse (it starts on what pass 1 read last, still in L2),
 //    recomputes the rotation (cheaper than storing it), derives the E4M3 block scale (over 16
 //    rows for 16x16 blocks, the two lanes of a block reading 8 rows of pass 1's amaxes each) and
 //    encodes. A block holding a NaN/Inf (a warp vote) gets the NaN scale; pass 1 marks it with
@@ -47,6 +48,28 @@ struct Fp4QuantArgs {
   float* tensor_scale = nullptr;  // [1]: NVFP4 writes s_t; MXFP4 leaves it (the caller sets 1)
   uint8_t* mask = nullptr;        // optional [rows, cols]
   float* workspace = nullptr;     // NVFP4: rows * cols / 16 + 1 floats (pass-1 amaxes, tensor amax)
+};
+
+// t / d for t < 2^31 and d in [1, 2^31) by one multiply and a shift: with 2^l >= d and
+// m = floor(2^(31 + l) / d) + 1 (< 2^32), t * m / 2^(31 + l) = t / d + t * e / (d * 2^(31 + l)),
+// e = m * d - 2^(31 + l) in (0, d]: the excess is below 1 / d, too small to reach the next
+// integer (Granlund & Montgomery). The kernels find a thread's row so, not by a 64-bit division.
+struct Div31 {
+  uint32_t magic = 0;  // 0: not usable (the kernels then divide)
+  int shift = 0;
+
+  static Div31 make(int64_t d) {
+    Div31 r;
+    if (d < 1 || d >= (int64_t{1} << 31)) return r;
+    int l = 0;
+    while ((int64_t{1} << l) < d) ++l;
+    r.magic = static_cast<uint32_t>(((uint64_t{1} << (31 + l)) / static_cast<uint64_t>(d)) + 1);
+    r.shift = 31 + l;
+    return r;
+  }
+  __host__ __device__ __forceinline__ uint32_t div(uint32_t t) const {
+    return static_cast<uint32_t>((static_cast<uint64_t>(t) * magic) >> shift);
+  }
 };
 
 // Enqueues the quantization on `stream` (arguments already validated by core's fp4_validate);

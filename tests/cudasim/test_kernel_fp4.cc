@@ -434,6 +434,40 @@ TEST(Fp4Kernel, GpuTestShape) {
   RecordProperty("configurations", 3);
 }
 
+// The kernels' row of a thread, t / (threads per row) by multiply and shift, against the
+// division: every divisor up to 2^12 and each power of two +-1 up to 2^31 - 1, at the multiples
+// of d +-1 nearest 0 and 2^31 - 1, where the excess over t / d is largest.
+TEST(Fp4Kernel, RowDividerMatchesDivision) {
+  std::vector<int64_t> divisors;
+  for (int64_t d = 1; d <= 4096; ++d) divisors.push_back(d);
+  for (int l = 12; l <= 31; ++l) {
+    for (int64_t d : {(int64_t{1} << l) - 1, int64_t{1} << l, (int64_t{1} << l) + 1}) {
+      if (d < (int64_t{1} << 31)) divisors.push_back(d);
+    }
+  }
+  std::mt19937 rng(7);
+  for (int r = 0; r < 2000; ++r) divisors.push_back(1 + (rng() & 0x7fffffffu) % 0x7fffffff);
+  const int64_t kTop = (int64_t{1} << 31) - 1;
+  int64_t bad = 0;
+  for (int64_t d : divisors) {
+    const cuda::Div31 div = cuda::Div31::make(d);
+    ASSERT_NE(div.magic, 0u) << d;
+    std::vector<int64_t> ts = {0, 1, kTop, kTop - 1};
+    for (int64_t q : {int64_t{1}, int64_t{2}, int64_t{3}, kTop / d - 1, kTop / d}) {
+      for (int64_t e : {-1, 0, 1}) ts.push_back(q * d + e);
+    }
+    for (int64_t t : ts) {
+      if (t < 0 || t > kTop) continue;
+      if (div.div(static_cast<uint32_t>(t)) != static_cast<uint32_t>(t / d) && ++bad <= 5) {
+        ADD_FAILURE() << "t " << t << " / d " << d << ": " << div.div(static_cast<uint32_t>(t));
+      }
+    }
+  }
+  EXPECT_EQ(bad, 0);
+  EXPECT_EQ(cuda::Div31::make(int64_t{1} << 31).magic, 0u);  // the kernels divide instead
+  EXPECT_EQ(cuda::Div31::make(0).magic, 0u);
+}
+
 // Codes and clip mask at addresses too misaligned for the packed 4- and 8-byte stores: byte
 // stores, on both paths and with both loads.
 TEST(Fp4Kernel, MisalignedOutputsTakeByteStores) {
