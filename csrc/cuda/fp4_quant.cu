@@ -9,12 +9,15 @@ namespace cuda {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kPer = 8;  // consecutive elements of a row per thread
+// Consecutive elements of a row per thread: 16 (not 8) halves the per-thread work outside the
+// per-element code (index math, block scale, votes); an NVFP4 block is one lane's.
+constexpr int kPer = 16;
+constexpr int kHalf = kPer / 2;  // elements per 16-byte bf16/fp16 load
 constexpr unsigned kFull = 0xffffffffu;
 
-// Where a thread's 8 elements live: flat index e0 = 8 * t, t = kThreads * `block` + thread
-// (row-major over [rows, cols]), row i, column j0 (cols % 16 == 0, so the 8 never straddle a row).
-// Lanes 2t and 2t + 1 share an NVFP4 block, lanes 4t .. 4t + 3 an MXFP4 block. The row is
+// Where a thread's 16 elements live: flat index e0 = 16 * t, t = kThreads * `block` + thread
+// (row-major over [rows, cols]), row i, column j0 (cols % 16 == 0, so the 16 never straddle a
+// row). An NVFP4 block is one lane, lanes 2t and 2t + 1 share an MXFP4 block. The row is
 // `per_row`.div(t) (threads per row; the launch checks t < 2^31), a division where it cannot be.
 struct Chunk {
   int64_t e0, i, j0;
@@ -35,16 +38,20 @@ __device__ __forceinline__ Chunk chunk_of(const Fp4QuantArgs& a, Div31 per_row, 
   return c;
 }
 
-// The thread's 8 elements, rotated. kVec: one 16-byte (two for fp32) load, for row-contiguous
+// The thread's 16 elements, rotated. kVec: two 16-byte loads (four for fp32), for row-contiguous
 // inputs with 8 | row stride and a 16-byte aligned base; strided loads otherwise. The Hadamard
 // butterflies (a lane with bit h set takes a - b, the other a + b: fp4::hadamard_block's pairs
-// and order) run in registers for h < 8 and across lanes (xor h / 8) for h = 8, 16.
+// and order) run in registers for h < 16 and across lanes (xor 1) for h = 16.
 template <DType kT, bool kVec>
 __device__ __forceinline__ void rotated(const Fp4QuantArgs& a, const Chunk& c, float (&v)[kPer]) {
   for (int k = 0; k < kPer; ++k) v[k] = 0.f;
   if (c.valid) {
     if constexpr (kVec) {
-      lowp::load_vec<kT, kPer>(a.x, c.i * a.row_stride + c.j0, v);
+      const int64_t base = c.i * a.row_stride + c.j0;
+      float lo[kHalf], hi[kHalf];
+      lowp::load_vec<kT, kHalf>(a.x, base, lo);
+      lowp::load_vec<kT, kHalf>(a.x, base + kHalf, hi);
+      for (int k = 0; k < kHalf; ++k) v[k] = lo[k], v[k + kHalf] = hi[k];
     } else {
       const int64_t base = c.i * a.row_stride + c.j0 * a.col_stride;
       for (int k = 0; k < kPer; ++k) v[k] = lowp::load<kT>(a.x, base + k * a.col_stride);
@@ -73,7 +80,7 @@ __device__ __forceinline__ void rotated(const Fp4QuantArgs& a, const Chunk& c, f
   for (int k = 0; k < kPer; ++k) v[k] = __fmul_rn(v[k], s);
 }
 
-// Max over the kLanes lanes (2 or 4) sharing a block.
+// Max over the kLanes lanes (1 or 2) sharing a block.
 template <int kLanes>
 __device__ __forceinline__ float block_max(float m) {
   for (int h = kLanes / 2; h >= 1; h >>= 1) m = fmaxf(m, __shfl_xor_sync(kFull, m, h));
@@ -83,6 +90,7 @@ __device__ __forceinline__ float block_max(float m) {
 // Whether any of the kLanes lanes sharing a block holds a NaN/Inf.
 template <int kLanes>
 __device__ __forceinline__ bool block_any(bool p) {
+  if constexpr (kLanes == 1) return p;
   const int lane = threadIdx.x & 31;
   const uint32_t ballot = __ballot_sync(kFull, p);
   return ((ballot >> (lane & ~(kLanes - 1))) & ((1u << kLanes) - 1)) != 0;
@@ -95,15 +103,20 @@ __device__ __forceinline__ uint4 philox4(uint64_t seed, uint64_t n) {
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// fp4::philox_uniform(seed, offset, e0 + k) for k < 8: the 8 elements' stream positions share
-// 2 or 3 Philox counters, so each is computed once instead of once per element.
-__device__ __forceinline__ void uniforms8(const Fp4QuantArgs& a, int64_t e0, float (&u)[kPer]) {
+// fp4::philox_uniform(seed, offset, e0 + k) for k < 16: the 16 elements' stream positions share
+// 4 or 5 Philox counters, so each is computed once instead of once per element.
+__device__ __forceinline__ void uniforms(const Fp4QuantArgs& a, int64_t e0, float (&u)[kPer]) {
   const uint64_t n0 = a.offset + static_cast<uint64_t>(e0);  // wraps as philox_uniform's sum
   const int r = static_cast<int>(n0 & 3u);
   const uint64_t base = n0 - static_cast<uint64_t>(r);
-  const uint4 p0 = philox4(a.seed, base >> 2), p1 = philox4(a.seed, (base + 4) >> 2);
-  const uint4 p2 = r ? philox4(a.seed, (base + 8) >> 2) : make_uint4(0, 0, 0, 0);
-  const uint32_t w[12] = {p0.x, p0.y, p0.z, p0.w, p1.x, p1.y, p1.z, p1.w, p2.x, p2.y, p2.z, p2.w};
+  uint32_t w[kPer + 4];
+  TIERLIFT_UNROLL
+  for (int n = 0; n < kPer / 4; ++n) {
+    const uint4 p = philox4(a.seed, (base + 4 * n) >> 2);
+    w[4 * n] = p.x, w[4 * n + 1] = p.y, w[4 * n + 2] = p.z, w[4 * n + 3] = p.w;
+  }
+  const uint4 tail = r ? philox4(a.seed, (base + kPer) >> 2) : make_uint4(0, 0, 0, 0);
+  w[kPer] = tail.x, w[kPer + 1] = tail.y, w[kPer + 2] = tail.z, w[kPer + 3] = tail.w;
   TIERLIFT_UNROLL
   for (int k = 0; k < kPer; ++k) {  // word r + k, picked with constant indices (registers)
     const uint32_t x = r == 0 ? w[k] : r == 1 ? w[k + 1] : r == 2 ? w[k + 2] : w[k + 3];
@@ -111,34 +124,39 @@ __device__ __forceinline__ void uniforms8(const Fp4QuantArgs& a, int64_t e0, flo
   }
 }
 
-// Encodes v (RNE or Philox stochastic rounding), packs the 8 nibbles (first element low) into
-// one 4-byte store and the clip mask into one 8-byte store (`packed`: the outputs are aligned,
-// else byte stores).
+// Encodes v (RNE or Philox stochastic rounding), packs the 16 nibbles (first element low) into
+// one 8-byte store and the clip mask into one 16-byte store (`packed`: the outputs are aligned,
+// else byte stores). `nan_block`: the block has the NaN scale, so every v is NaN and every code 0;
+// otherwise no v is NaN (a finite rotated value times a finite multiplier), so the RNE encode
+// skips its per-element NaN test.
 __device__ __forceinline__ void encode_store(const Fp4QuantArgs& a, const Chunk& c, bool packed,
-                                             const float (&v)[kPer]) {
+                                             bool nan_block, const float (&v)[kPer]) {
   if (!c.valid) return;
   float u[kPer];
-  if (a.stochastic) uniforms8(a, c.e0, u);
-  uint32_t word = 0, mlo = 0, mhi = 0;
+  if (a.stochastic) uniforms(a, c.e0, u);
+  uint32_t code[2] = {0, 0}, mask[4] = {0, 0, 0, 0};
   TIERLIFT_UNROLL
   for (int k = 0; k < kPer; ++k) {
-    const uint32_t q = a.stochastic ? fp4::e2m1_encode_sr(v[k], u[k]) : fp4::e2m1_encode_rne(v[k]);
-    word |= q << (4 * k);
-    const uint32_t m = fabsf(v[k]) <= fp4::kMax ? 1u : 0u;
-    if (k < 4) {
-      mlo |= m << (8 * k);
-    } else {
-      mhi |= m << (8 * (k - 4));
-    }
+    const uint32_t q =
+        a.stochastic ? fp4::e2m1_encode_sr(v[k], u[k]) : fp4::e2m1_encode_rne_not_nan(v[k]);
+    code[k / 8] |= q << (4 * (k % 8));
+    mask[k / 4] |= (fabsf(v[k]) <= fp4::kMax ? 1u : 0u) << (8 * (k % 4));
   }
+  if (nan_block) code[0] = code[1] = 0;
   if (packed) {
-    reinterpret_cast<uint32_t*>(a.codes)[c.e0 / 8] = word;
-    if (a.mask) reinterpret_cast<uint2*>(a.mask)[c.e0 / 8] = make_uint2(mlo, mhi);
-  } else {
-    for (int b = 0; b < 4; ++b) a.codes[c.e0 / 2 + b] = static_cast<uint8_t>(word >> (8 * b));
+    reinterpret_cast<uint2*>(a.codes)[c.e0 / kPer] = make_uint2(code[0], code[1]);
     if (a.mask) {
+      reinterpret_cast<uint4*>(a.mask)[c.e0 / kPer] = make_uint4(mask[0], mask[1], mask[2], mask[3]);
+    }
+  } else {
+    TIERLIFT_UNROLL
+    for (int b = 0; b < kPer / 2; ++b) {
+      a.codes[c.e0 / 2 + b] = static_cast<uint8_t>(code[b / 4] >> (8 * (b % 4)));
+    }
+    if (a.mask) {
+      TIERLIFT_UNROLL
       for (int k = 0; k < kPer; ++k) {
-        a.mask[c.e0 + k] = static_cast<uint8_t>((k < 4 ? mlo : mhi) >> (8 * (k % 4)));
+        a.mask[c.e0 + k] = static_cast<uint8_t>(mask[k / 4] >> (8 * (k % 4)));
       }
     }
   }
@@ -167,7 +185,7 @@ __global__ void __launch_bounds__(kThreads)
       const float fs = __fmul_rn(f[k], fp4::pow2(-sh));
       s[k] = __fmul_rn(fs, fs);
     }
-    for (int h = 2; h >= 1; h >>= 1) {  // h = 16, 8 elements: across lanes
+    for (int h = kLanes / 2; h >= 1; h >>= 1) {  // h = 16 elements: across lanes
       for (int k = 0; k < kPer; ++k) s[k] = __fadd_rn(s[k], __shfl_xor_sync(kFull, s[k], h));
     }
     for (int h = kPer / 2; h >= 1; h >>= 1) {
@@ -182,7 +200,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   const float mult = bad ? fp4::nan_f32() : fp4::pow2(-ex);
   for (int k = 0; k < kPer; ++k) v[k] = __fmul_rn(v[k], mult);
-  encode_store(a, c, packed, v);
+  encode_store(a, c, packed, bad, v);
 }
 
 __device__ __forceinline__ void atomic_max_nonneg(float* addr, float v) {
@@ -219,13 +237,13 @@ __global__ void __launch_bounds__(kThreads) nv_amax_kernel(Fp4QuantArgs a, Div31
   }
 }
 
-// NVFP4 pass 2: block scales (a 16x16 block's amax over its 16 rows of pass-1 amaxes, the two
-// lanes of a 1x16 block reading 8 rows each), then the encode. It walks the thread blocks in
+// NVFP4 pass 2: block scales (a 16x16 block's amax over its 16 rows of pass-1 amaxes, read by
+// the lane of the block's row), then the encode. It walks the thread blocks in
 // reverse, so it starts on the input pass 1 read last, still in L2 (the bits are the same).
 template <DType kT, bool kVec>
 __global__ void __launch_bounds__(kThreads)
     nv_encode_kernel(Fp4QuantArgs a, bool packed, Div31 per_row) {
-  constexpr int kLanes = 16 / kPer;
+  static_assert(kPer == 16, "a lane holds its whole NVFP4 block");
   const Chunk c = chunk_of(a, per_row, gridDim.x - 1 - blockIdx.x);
   if (__all_sync(kFull, !c.valid)) return;  // whole warps exit together
   const int64_t total = a.rows * a.cols;
@@ -233,18 +251,16 @@ __global__ void __launch_bounds__(kThreads)
   rotated<kT, kVec>(a, c, v);
   const float st = fp4::nv_tensor_scale(a.workspace[total >> 4]);
   if (c.e0 == 0) *a.tensor_scale = st;
-  const int half = threadIdx.x & (kLanes - 1);
   float amax = 0.f;
   int64_t slot = 0;
   bool writer = false;
   const int64_t nb = a.cols >> 4, k = c.j0 >> 4;
   if (a.block_2d) {
     const int64_t i0 = c.i & ~int64_t{15};
-    const int64_t lo = i0 + 8 * half, hi = lo + 8 < a.rows ? lo + 8 : a.rows;
+    const int64_t hi = i0 + 16 < a.rows ? i0 + 16 : a.rows;
     if (c.valid) {
-      for (int64_t r = lo; r < hi; ++r) amax = fmaxf(amax, a.workspace[r * nb + k]);
+      for (int64_t r = i0; r < hi; ++r) amax = fmaxf(amax, a.workspace[r * nb + k]);
     }
-    amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, 1));
     slot = (c.i >> 4) * nb + k;
     writer = (c.i & 15) == 0;
   } else {
@@ -253,10 +269,10 @@ __global__ void __launch_bounds__(kThreads)
     writer = true;
   }
   const uint8_t code = fp4::nv_scale_code(amax, st);
-  if (c.valid && writer && half == 0) a.scales[slot] = code;
+  if (c.valid && writer) a.scales[slot] = code;
   const float mult = fp4::nv_multiplier(code, st);
   for (int n = 0; n < kPer; ++n) v[n] = __fmul_rn(v[n], mult);
-  encode_store(a, c, packed, v);
+  encode_store(a, c, packed, code == fp4::kE4M3Nan, v);
 }
 
 template <DType kT, bool kVec>
@@ -282,9 +298,9 @@ cudaError_t launch(const Fp4QuantArgs& a, cudaStream_t stream) {
   const int64_t threads = total / kPer;  // cols % 16 == 0
   const unsigned blocks = static_cast<unsigned>((threads + kThreads - 1) / kThreads);
   const bool vec =
-      a.col_stride == 1 && a.row_stride % kPer == 0 && reinterpret_cast<uintptr_t>(a.x) % 16 == 0;
-  const bool packed =
-      reinterpret_cast<uintptr_t>(a.codes) % 4 == 0 && reinterpret_cast<uintptr_t>(a.mask) % 8 == 0;
+      a.col_stride == 1 && a.row_stride % kHalf == 0 && reinterpret_cast<uintptr_t>(a.x) % 16 == 0;
+  const bool packed = reinterpret_cast<uintptr_t>(a.codes) % 8 == 0 &&
+                      reinterpret_cast<uintptr_t>(a.mask) % 16 == 0;
   // Every thread index, the tail block's included, below 2^31: rows by multiply and shift.
   const bool small = int64_t{blocks} * kThreads <= (int64_t{1} << 31);
   const Div31 per_row = small ? Div31::make(a.cols / kPer) : Div31{};

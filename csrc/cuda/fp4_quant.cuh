@@ -3,23 +3,26 @@
 // rounding) in one kernel, following core/lowp/fp4.h operation for operation so the codes, scales
 // and clip mask are bit-identical to the C++ reference for the same seed.
 //
-// Shape of the work: a thread owns 8 consecutive elements of a row (one 16-byte load of a
-// row-contiguous bf16/fp16 input, two for fp32; strided loads otherwise), so an NVFP4 block is 2
-// lanes and an MXFP4 block 4. The Hadamard butterflies run in registers for h = 1, 2, 4 and as
-// __shfl_xor_sync exchanges for h = 8, 16 (a lane with bit h set takes a - b, the other a + b: the
-// same pairs and order as fp4::hadamard_block); block amax is a max over registers then lanes,
-// QuEST's sum of squares the same halving tree as fp4::tree_sum_squares (its 16 and 8 steps
-// across lanes, the rest in registers). A thread packs its 8 nibbles into one 4-byte store and
-// its clip mask into one 8-byte store; stochastic rounding evaluates Philox once per counter (4
-// elements) rather than once per element.
+// Shape of the work: a thread owns 16 consecutive elements of a row (two 16-byte loads of a
+// row-contiguous bf16/fp16 input, four for fp32; strided loads otherwise), so an NVFP4 block is
+// one lane and an MXFP4 block 2 (16 rather than 8 halves the per-thread index math, block scale
+// and votes per element; 50% occupancy at ~58-64 registers keeps the bytes in flight of 8 at
+// 100%). A thread's row comes from a multiply and shift (Div31), not a 64-bit division. The
+// Hadamard butterflies run in registers for h = 1 .. 8 and as a __shfl_xor_sync exchange for
+// h = 16 (a lane with bit h set takes a - b, the other a + b: the same pairs and order as
+// fp4::hadamard_block); block amax is a max over registers then lanes, QuEST's sum of squares
+// the same halving tree as fp4::tree_sum_squares (its 16 step across lanes, the rest in
+// registers). A thread packs its 16 nibbles into one 8-byte store and its clip mask into one
+// 16-byte store; stochastic rounding evaluates Philox once per counter (4 elements) rather than
+// once per element.
 //  - MXFP4 (floor/rceil/quest): a scale block lies within a warp, so ONE kernel does everything.
 //  - NVFP4: the fp32 tensor scale needs the global amax first, so pass 1 writes per-1x16-block
 //    amaxes (after the rotation) and maxes the tensor amax (one atomic per thread block); pass 2
 //    walks the thread blocks in reverse (it starts on what pass 1 read last, still in L2),
 //    recomputes the rotation (cheaper than storing it), derives the E4M3 block scale (over 16
-//    rows for 16x16 blocks, the two lanes of a block reading 8 rows of pass 1's amaxes each) and
-//    encodes. A block holding a NaN/Inf (a warp vote) gets the NaN scale; pass 1 marks it with
-//    amax +inf, which max-reduces over 16x16 blocks as is.
+//    rows of pass 1's amaxes for 16x16 blocks) and encodes. A block holding a NaN/Inf (a warp
+//    vote for MXFP4) gets the NaN scale; pass 1 marks it with amax +inf, which max-reduces over
+//    16x16 blocks as is.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -468,7 +468,7 @@ TEST(Fp4Kernel, RowDividerMatchesDivision) {
   EXPECT_EQ(cuda::Div31::make(0).magic, 0u);
 }
 
-// Codes and clip mask at addresses too misaligned for the packed 4- and 8-byte stores: byte
+// Codes and clip mask at addresses too misaligned for the packed 8- and 16-byte stores: byte
 // stores, on both paths and with both loads.
 TEST(Fp4Kernel, MisalignedOutputsTakeByteStores) {
   int k = 0;

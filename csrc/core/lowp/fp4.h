@@ -145,15 +145,16 @@ TL_HD float e2m1_decode(uint8_t code) {
   return (code & 8u) ? -mag : mag;
 }
 
-// Saturating round-to-nearest-even; NaN -> +0, the sign kept otherwise (-0.1 -> 0x8). Per
+// Saturating round-to-nearest-even of a v that is not NaN, the sign kept (-0.1 -> 0x8). Per
 // binade of steps (0.5 below 2, 1 below 4, 2 above) it scales a by 1 / step, exactly, and
 // rounds with the magic add y = a * s + (2^23 + off): y's ulp is 1, so its low mantissa bits
 // hold off + rint(a * s), ties to even as off is even. a * s is exact, so an FMA (the device's
 // one instruction) and a separate multiply and add round alike; a huge a or Inf leaves bits above
-// 7, which the min saturates, and a subnormal a (flushed or not) rounds to 0 either way.
-TL_HD uint8_t e2m1_encode_rne(float v) {
+// 7, which the min saturates, and a subnormal a (flushed or not) rounds to 0 either way. The
+// kernels call it directly: a NaN there comes only with its whole block's NaN scale, whose codes
+// they zero at once.
+TL_HD uint8_t e2m1_encode_rne_not_nan(float v) {
   const uint32_t u = bits(v);
-  const bool nan = (u & 0x7fffffffu) > 0x7f800000u;  // a select, not a branch, in the kernels
   const uint32_t sign = (u >> 28) & 8u;
   const float a = from_bits(u & 0x7fffffffu);
   const float s = a < 2.f ? 2.f : (a < 4.f ? 1.f : 0.5f);
@@ -165,7 +166,13 @@ TL_HD uint8_t e2m1_encode_rne(float v) {
   const float y = a * s + from_bits(kMagicBits + off);
 #endif
   const uint32_t q = bits(y) - kMagicBits;
-  return nan ? 0 : static_cast<uint8_t>(sign | (q < 7u ? q : 7u));
+  return static_cast<uint8_t>(sign | (q < 7u ? q : 7u));
+}
+
+// Saturating round-to-nearest-even; NaN -> +0.
+TL_HD uint8_t e2m1_encode_rne(float v) {
+  const bool nan = (bits(v) & 0x7fffffffu) > 0x7f800000u;
+  return nan ? 0 : e2m1_encode_rne_not_nan(v);
 }
 
 // Stochastic rounding with a uniform u in [0, 1) (see the header comment); NaN -> +0.
