@@ -15,8 +15,9 @@
 //    scaling of a contiguous input is one grid-stride reduction with one atomicMax per thread
 //    block. A tiny kernel turns amaxes into scales; pass 2 stages the tile in shared memory and
 //    writes q and q^T from it as 16-byte rows of codes, so both stores are coalesced.
-//  - Delayed tensor scaling (a scale chosen ahead, fp8_quantize_delayed): one pass that casts and
-//    reduces the amax together (fp8_quant_tiles.cu), a second only where the scale would clip.
+//  - Delayed tensor scaling (a scale chosen ahead, fp8_quantize_delayed, or taken from an amax
+//    history on the device, fp8_quantize_from_history): one pass that casts and reduces the amax
+//    together (fp8_quant_tiles.cu), a second only where the scale would clip.
 // Every element follows fp8.h's formulas with explicitly rounded intrinsics (__fmul_rn,
 // __fdiv_rn), so results are bit-identical to the C++ reference.
 #pragma once
@@ -70,6 +71,21 @@ struct Fp8DelayedArgs {
 };
 
 cudaError_t fp8_quantize_delayed(const Fp8DelayedArgs& args, cudaStream_t stream);
+
+// Delayed scaling with the scale taken from an amax history (core's fp8_quantize_from_history):
+// a one-warp kernel writes the history's scale to `given` on the device, then the launches of
+// fp8_quantize_delayed run with it, the decision also writing `scale` (scale_used, or 1 where
+// amax is 0): four launches, two for an empty x, no host sync. A history holding +Inf gives
+// scale 0, which the decision treats as any bad scale (x's own).
+struct Fp8HistoryArgs {
+  Fp8DelayedArgs delayed;          // its scale is `given`; its scale_used a [1] device scratch
+  const float* history = nullptr;  // device, history_len >= 1 entries, history_stride apart
+  int64_t history_len = 0, history_stride = 1;
+  float* given = nullptr;  // [1] device scratch: the history's scale
+  float* scale = nullptr;  // [1]: scale_used, or 1 where amax == 0
+};
+
+cudaError_t fp8_quantize_from_history(const Fp8HistoryArgs& args, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace tierlift

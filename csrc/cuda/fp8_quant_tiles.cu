@@ -18,7 +18,9 @@
 // cast kernel (or, for a contiguous input without q^T, a flat grid-stride cast) reads the scale
 // from device memory and reduces the staged values' finite amax with one atomicMax per block; a
 // one-thread kernel decides the scale used, and a second launch of the same cast, whose blocks
-// return at once unless that scale changed, recasts only when the given scale would clip.
+// return at once unless that scale changed, recasts only when the given scale would clip. Taken
+// from an amax history (fp8_quantize_from_history), the scale is written first by a one-warp
+// kernel, and the decision also writes the scale returned.
 #include <cstdint>
 
 #include "cuda/fp8_device.cuh"
@@ -486,13 +488,33 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // core's fp8_delayed_redo and fp8_scale: scale_used = *scale, or x's own scale where *scale is
-// not finite and > 0 or fl(amax * *scale) exceeds the format's max. One thread.
+// not finite and > 0 or fl(amax * *scale) exceeds the format's max; with `masked`, also
+// *masked = scale_used, or 1 where amax is 0 (fp8_quantize_from_history's scale). One thread.
 __global__ void delayed_scale_kernel(const float* amax, const float* scale, Fp8Format fmt,
-                                     bool pow2, float* scale_used) {
+                                     bool pow2, float* scale_used, float* masked) {
   const float a = *amax, s = *scale;
   const float fmax = fmt == Fp8Format::kE4M3 ? kE4M3Max : kE5M2Max;
   const bool redo = !(s > 0.f && s <= kF32Max) || __fmul_rn(a, s) > fmax;
-  *scale_used = redo ? scale_of(a, fmt, pow2) : s;
+  const float used = redo ? scale_of(a, fmt, pow2) : s;
+  *scale_used = used;
+  if (masked != nullptr) *masked = a == 0.f ? 1.f : used;
+}
+
+// core's fp8_history_scale on one warp: the lanes stride over the history, then the warp
+// combines their maxima (at least kSmallestAmax) and whether any lane saw a NaN (torch's max
+// returns NaN then, whose scale is 1).
+__global__ void history_scale_kernel(const float* history, int64_t n, int64_t stride, Fp8Format fmt,
+                                     bool pow2, float* given) {
+  float m = kSmallestAmax;
+  bool nan = false;
+  for (int64_t i = threadIdx.x; i < n; i += 32) {
+    const float v = history[i * stride];
+    nan |= v != v;
+    m = fmaxf(m, v);
+  }
+  m = group_max(m);
+  nan = __any_sync(0xffffffffu, nan);
+  if (threadIdx.x == 0) *given = nan ? 1.f : scale_of(m, fmt, pow2);
 }
 
 // One cast of delayed scaling with the device scale `scale` (the first, with d.amax, or the
@@ -533,8 +555,9 @@ cudaError_t delayed_cast(const Fp8DelayedArgs& a, const float* scale, DelayedPas
   return cudaGetLastError();
 }
 
+// The cast, the decision (also writing `masked` where given) and the guarded recast.
 template <DType kT>
-cudaError_t run_delayed(const Fp8DelayedArgs& a, cudaStream_t stream) {
+cudaError_t run_delayed(const Fp8DelayedArgs& a, float* masked, cudaStream_t stream) {
   const bool empty = a.rows * a.cols == 0;
   if (cudaError_t e = cudaMemsetAsync(a.amax, 0, sizeof(float), stream); e != cudaSuccess) {
     return e;
@@ -546,10 +569,21 @@ cudaError_t run_delayed(const Fp8DelayedArgs& a, cudaStream_t stream) {
     }
   }
   TIERLIFT_LAUNCH(1, 1, 0, stream, delayed_scale_kernel)
-  (a.amax, a.scale, a.fmt, a.pow2_scale, a.scale_used);
+  (a.amax, a.scale, a.fmt, a.pow2_scale, a.scale_used, masked);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   if (empty) return cudaSuccess;
   return delayed_cast<kT>(a, a.scale_used, DelayedPass{nullptr, a.scale}, stream);
+}
+
+cudaError_t run_delayed_any(const Fp8DelayedArgs& a, float* masked, cudaStream_t stream) {
+  switch (a.dtype) {
+    case DType::kBFloat16:
+      return run_delayed<DType::kBFloat16>(a, masked, stream);
+    case DType::kFloat16:
+      return run_delayed<DType::kFloat16>(a, masked, stream);
+    default:
+      return run_delayed<DType::kFloat32>(a, masked, stream);
+  }
 }
 
 }  // namespace
@@ -579,14 +613,18 @@ cudaError_t fp8_quantize_tiled(const Fp8QuantArgs& a, cudaStream_t stream) {
 }
 
 cudaError_t fp8_quantize_delayed(const Fp8DelayedArgs& a, cudaStream_t stream) {
-  switch (a.dtype) {
-    case DType::kBFloat16:
-      return run_delayed<DType::kBFloat16>(a, stream);
-    case DType::kFloat16:
-      return run_delayed<DType::kFloat16>(a, stream);
-    default:
-      return run_delayed<DType::kFloat32>(a, stream);
-  }
+  return run_delayed_any(a, nullptr, stream);
+}
+
+cudaError_t fp8_quantize_from_history(const Fp8HistoryArgs& h, cudaStream_t stream) {
+  if (h.history_len < 1) return cudaErrorInvalidValue;
+  const Fp8DelayedArgs& a = h.delayed;
+  TIERLIFT_LAUNCH(1, 32, 0, stream, history_scale_kernel)
+  (h.history, h.history_len, h.history_stride, a.fmt, a.pow2_scale, h.given);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  Fp8DelayedArgs with_given = a;
+  with_given.scale = h.given;
+  return run_delayed_any(with_given, h.scale, stream);
 }
 
 }  // namespace cuda

@@ -3,6 +3,8 @@
 //   fp8_quantize_dual(...) -> (q, scales, qt, scales_t)   qt = quantization of x^T
 //   fp8_quantize_delayed(x, scale, fp8_dtype, dual, pow2_scale) -> (q, scale_used, qt?, amax)
 //     tensor scaling with a scale chosen ahead: one pass over x unless the scale would clip
+//   fp8_quantize_from_history(x, history, fp8_dtype, dual, pow2_scale) -> (q, scale, qt?, amax)
+//     the same with the scale an amax history gives, computed where x is
 // x is a 2-D fp32/bf16/fp16 tensor with any strides; q is float8_e4m3fn/float8_e5m2 row-major,
 // scales fp32 [ceil(rows/block_h), ceil(cols/block_w)]. CPU calls core/lowp, CUDA cuda/fp8_quant.
 #include <ATen/ATen.h>
@@ -77,7 +79,7 @@ Prepared prepare(const at::Tensor& x, const std::string& scaling, at::ScalarType
 
 uint8_t* bytes(const at::Tensor& t) { return static_cast<uint8_t*>(t.data_ptr()); }
 
-// Delayed scaling's x is prepared as tensor scaling; its scale is a one-element fp32 tensor on
+// Delayed scaling's x is prepared as tensor scaling; its scale (or history) is an fp32 tensor on
 // x's device (a device pointer on CUDA, so no host sync). Tensor scaling's scales [1, 1] receive
 // scale_used; amax [1] is the other output beside q and qt.
 struct PreparedDelayed {
@@ -85,17 +87,20 @@ struct PreparedDelayed {
   at::Tensor amax;
 };
 
-PreparedDelayed prepare_delayed(const at::Tensor& x, const at::Tensor& scale,
-                                at::ScalarType fp8_dtype, bool dual, c10::DeviceType backend) {
+PreparedDelayed prepare_delayed(const at::Tensor& x, at::ScalarType fp8_dtype, bool dual,
+                                c10::DeviceType backend) {
   PreparedDelayed d{prepare(x, "tensor", fp8_dtype, false, backend), {}};
+  if (dual) d.p.qt = at::empty({d.p.in.cols, d.p.in.rows}, x.options().dtype(fp8_dtype));
+  d.amax = at::empty({1}, x.options().dtype(at::kFloat));
+  return d;
+}
+
+void check_scale(const at::Tensor& x, const at::Tensor& scale) {
   TL_CHECK_DENSE(scale);
   TORCH_CHECK_VALUE(scale.numel() == 1, "scale must have one element, got shape ", scale.sizes());
   TL_CHECK_DTYPE(scale, at::kFloat);
   TORCH_CHECK_VALUE(scale.device() == x.device(), "scale must be on x's device ", x.device(),
                     ", got ", scale.device());
-  if (dual) d.p.qt = at::empty({d.p.in.cols, d.p.in.rows}, x.options().dtype(fp8_dtype));
-  d.amax = at::empty({1}, x.options().dtype(at::kFloat));
-  return d;
 }
 
 std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, at::Tensor> delayed_outputs(
@@ -105,10 +110,39 @@ std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, at::Tensor> delaye
   return {d.p.q, d.p.scales, qt, d.amax};
 }
 
+// An amax history: a 1-D fp32 tensor of at least one entry on x's device (any stride).
+void check_history(const at::Tensor& x, const at::Tensor& history) {
+  TL_CHECK_DENSE(history);
+  TORCH_CHECK_VALUE(history.dim() == 1 && history.numel() >= 1 &&
+                        history.scalar_type() == at::kFloat && history.device() == x.device(),
+                    "history must be a 1-D float32 tensor of at least one entry on x's device ",
+                    x.device(), ", got ", history.scalar_type(), " ", history.sizes(), " on ",
+                    history.device());
+}
+
+std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, at::Tensor>
+fp8_quantize_from_history_cpu(const at::Tensor& x, const at::Tensor& history,
+                              at::ScalarType fp8_dtype, bool dual, bool pow2_scale) {
+  PreparedDelayed d = prepare_delayed(x, fp8_dtype, dual, c10::DeviceType::CPU);
+  check_history(x, history);
+  Fp8DelayedResult r;
+  try {
+    r = fp8_quantize_from_history(d.p.in, history.data_ptr<float>(), history.numel(),
+                                  history.stride(0), d.p.fmt, pow2_scale, bytes(d.p.q),
+                                  dual ? bytes(d.p.qt) : nullptr);
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+  d.p.scales.fill_(r.scale_used);
+  d.amax.fill_(r.amax);
+  return delayed_outputs(d);
+}
+
 std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, at::Tensor> fp8_quantize_delayed_cpu(
     const at::Tensor& x, const at::Tensor& scale, at::ScalarType fp8_dtype, bool dual,
     bool pow2_scale) {
-  PreparedDelayed d = prepare_delayed(x, scale, fp8_dtype, dual, c10::DeviceType::CPU);
+  PreparedDelayed d = prepare_delayed(x, fp8_dtype, dual, c10::DeviceType::CPU);
+  check_scale(x, scale);
   const float s = scale.item<float>();
   TORCH_CHECK_VALUE(std::isfinite(s) && s > 0.f, "scale must be finite and > 0, got ", s);
   const Fp8DelayedResult r = fp8_quantize_delayed(d.p.in, s, d.p.fmt, pow2_scale, bytes(d.p.q),
@@ -174,16 +208,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fp8_quantize_dual_cud
   return {p.q, p.scales, p.qt, p.scales_t};
 }
 
-// The scale stays on the device: a scale that is not finite and > 0 cannot be refused without a
-// host sync, so the kernel treats it as one that would clip (x's own scale, see fp8_quant.cuh).
-std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, at::Tensor> fp8_quantize_delayed_cuda(
-    const at::Tensor& x, const at::Tensor& scale, at::ScalarType fp8_dtype, bool dual,
-    bool pow2_scale) {
-  PreparedDelayed d = prepare_delayed(x, scale, fp8_dtype, dual, c10::DeviceType::CUDA);
+// The kernels' arguments for x and its outputs q, q^T and amax (the scales are the caller's).
+cuda::Fp8DelayedArgs delayed_args(const at::Tensor& x, const PreparedDelayed& d, bool dual,
+                                  bool pow2_scale) {
   TORCH_CHECK_VALUE(x.size(1) <= 65535 * 64 || (!dual && x.is_contiguous()), "x has ", x.size(1),
                     " columns; the CUDA quantizer takes at most ", 65535 * 64,
                     " for a strided or dual input (quantize column chunks separately)");
-  c10::cuda::CUDAGuard guard(x.device());
   cuda::Fp8DelayedArgs a;
   a.x = d.p.in.data;
   a.dtype = d.p.in.dtype;
@@ -193,16 +223,51 @@ std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, at::Tensor> fp8_qu
   a.col_stride = d.p.in.col_stride;
   a.fmt = d.p.fmt;
   a.pow2_scale = pow2_scale;
-  const at::Tensor s = scale.contiguous();
-  a.scale = s.data_ptr<float>();
   a.q = bytes(d.p.q);
   if (d.p.qt.defined()) a.qt = bytes(d.p.qt);
-  a.scale_used = d.p.scales.data_ptr<float>();
   a.amax = d.amax.data_ptr<float>();
+  return a;
+}
+
+// The scale stays on the device: a scale that is not finite and > 0 cannot be refused without a
+// host sync, so the kernel treats it as one that would clip (x's own scale, see fp8_quant.cuh).
+std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, at::Tensor> fp8_quantize_delayed_cuda(
+    const at::Tensor& x, const at::Tensor& scale, at::ScalarType fp8_dtype, bool dual,
+    bool pow2_scale) {
+  PreparedDelayed d = prepare_delayed(x, fp8_dtype, dual, c10::DeviceType::CUDA);
+  check_scale(x, scale);
+  c10::cuda::CUDAGuard guard(x.device());
+  cuda::Fp8DelayedArgs a = delayed_args(x, d, dual, pow2_scale);
+  const at::Tensor s = scale.contiguous();
+  a.scale = s.data_ptr<float>();
+  a.scale_used = d.p.scales.data_ptr<float>();
   const cudaError_t err =
       cuda::fp8_quantize_delayed(a, at::cuda::getCurrentCUDAStream(x.device().index()));
   TORCH_CHECK(err == cudaSuccess,
               "fp8_quantize_delayed: CUDA launch failed: ", cudaGetErrorString(err));
+  return delayed_outputs(d);
+}
+
+// The history's scale and the scale the casts use stay in a device scratch: no host sync.
+std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, at::Tensor>
+fp8_quantize_from_history_cuda(const at::Tensor& x, const at::Tensor& history,
+                               at::ScalarType fp8_dtype, bool dual, bool pow2_scale) {
+  PreparedDelayed d = prepare_delayed(x, fp8_dtype, dual, c10::DeviceType::CUDA);
+  check_history(x, history);
+  const at::Tensor scratch = at::empty({2}, history.options());
+  c10::cuda::CUDAGuard guard(x.device());
+  cuda::Fp8HistoryArgs h;
+  h.delayed = delayed_args(x, d, dual, pow2_scale);
+  h.delayed.scale_used = scratch.data_ptr<float>() + 1;
+  h.history = history.data_ptr<float>();
+  h.history_len = history.numel();
+  h.history_stride = history.stride(0);
+  h.given = scratch.data_ptr<float>();
+  h.scale = d.p.scales.data_ptr<float>();
+  const cudaError_t err =
+      cuda::fp8_quantize_from_history(h, at::cuda::getCurrentCUDAStream(x.device().index()));
+  TORCH_CHECK(err == cudaSuccess,
+              "fp8_quantize_from_history: CUDA launch failed: ", cudaGetErrorString(err));
   return delayed_outputs(d);
 }
 #endif
@@ -213,6 +278,7 @@ TORCH_LIBRARY_IMPL(tierlift, CPU, m) {
   m.impl("fp8_quantize", &fp8_quantize_cpu);
   m.impl("fp8_quantize_dual", &fp8_quantize_dual_cpu);
   m.impl("fp8_quantize_delayed", &fp8_quantize_delayed_cpu);
+  m.impl("fp8_quantize_from_history", &fp8_quantize_from_history_cpu);
 }
 
 #ifdef TIERLIFT_WITH_CUDA
@@ -220,6 +286,7 @@ TORCH_LIBRARY_IMPL(tierlift, CUDA, m) {
   m.impl("fp8_quantize", &fp8_quantize_cuda);
   m.impl("fp8_quantize_dual", &fp8_quantize_dual_cuda);
   m.impl("fp8_quantize_delayed", &fp8_quantize_delayed_cuda);
+  m.impl("fp8_quantize_from_history", &fp8_quantize_from_history_cuda);
 }
 #endif
 

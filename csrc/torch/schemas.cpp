@@ -80,6 +80,12 @@ TORCH_LIBRARY(tierlift, m) {
   m.def(
       "fp8_quantize_delayed(Tensor x, Tensor scale, ScalarType fp8_dtype, bool dual, "
       "bool pow2_scale) -> (Tensor, Tensor, Tensor?, Tensor)");
+  // The same with the scale taken from an amax history (1-D fp32 on x's device, >= 1 entries):
+  // that of its max, at least the smallest fp32 subnormal, computed on the device (no sync).
+  // Returns (q, scale [1, 1], q^T or None, amax [1]); scale is 1 where amax is 0.
+  m.def(
+      "fp8_quantize_from_history(Tensor x, Tensor history, ScalarType fp8_dtype, bool dual, "
+      "bool pow2_scale) -> (Tensor, Tensor, Tensor?, Tensor)");
   // FP4 (csrc/torch/lowp_fp4_ops.cpp): x 2-D fp32/bf16/fp16, optionally rotated by a Hadamard
   // transform (0/16/32 columns, `signs` a bit mask of negated inputs), quantized along rows to
   // E2M1 with RNE or Philox(seed, offset) stochastic rounding. scale_rule floor|rceil|quest:

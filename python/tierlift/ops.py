@@ -445,6 +445,20 @@ def fp8_quantize_delayed(x: torch.Tensor, scale: torch.Tensor,
     return reference.fp8_quantize_delayed(x, scale, fp8_dtype, bool(dual), bool(pow2_scale))
 
 
+def fp8_quantize_from_history(x: torch.Tensor, history: torch.Tensor,
+                              fp8_dtype: torch.dtype = torch.float8_e4m3fn, dual: bool = False,
+                              pow2_scale: bool = False):
+    """(q, scale, qt or None, amax): fp8_quantize_delayed with the scale an amax history (1-D
+    fp32 on x's device) gives, computed where x is (on a GPU without a host sync); scale is 1
+    where x has no finite non-zero value. Rules:
+    tierlift.reference.lowp.fp8_quantize_from_history."""
+    if _has_kernel(x):
+        return torch.ops.tierlift.fp8_quantize_from_history(x, history, fp8_dtype, bool(dual),
+                                                            bool(pow2_scale))
+    return reference.fp8_quantize_from_history(x, history, fp8_dtype, bool(dual),
+                                               bool(pow2_scale))
+
+
 if _extension.available():
 
     def _fp8_fake(x, scaling, fp8_dtype, transpose):
@@ -472,6 +486,15 @@ if _extension.available():
         q, scale_used = _fp8_fake(x, "tensor", fp8_dtype, False)
         qt = _fp8_fake(x, "tensor", fp8_dtype, True)[0] if dual else None
         return q, scale_used, qt, x.new_empty((1,), dtype=torch.float32)
+
+    @torch.library.register_fake("tierlift::fp8_quantize_from_history")
+    def _fp8_quantize_from_history_fake(x, history, fp8_dtype, dual, pow2_scale):
+        from tierlift.reference.lowp import check_history
+
+        q, scale = _fp8_fake(x, "tensor", fp8_dtype, False)
+        check_history(x, history)
+        qt = _fp8_fake(x, "tensor", fp8_dtype, True)[0] if dual else None
+        return q, scale, qt, x.new_empty((1,), dtype=torch.float32)
 
 
 # ---- zero ----

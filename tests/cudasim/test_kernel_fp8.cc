@@ -12,6 +12,8 @@
 // (which must still get the safe scales), and values over ~30 binades with zeros, +-Inf, NaN, the
 // input type's largest value, blocks of 1e-13 and fp32 subnormals, whole tensors of 1e-20 and
 // 1e-30; one test feeds every FP8 code and every rounding midpoint through the device encoder.
+// Delayed scaling: cuda::fp8_quantize_delayed and cuda::fp8_quantize_from_history against core,
+// their launch counts pinned (no host sync).
 // Mirrors the gpu tests of tests/python/test_lowp_quant.py, scaled down for the simulator. Inputs
 // live in buffers of exactly the bytes they span (lowp_input.h), outputs in vectors of exactly
 // their size, so AddressSanitizer catches any access outside them.
@@ -553,10 +555,85 @@ float own_scale(const Fp8Input& x, Fp8Format fmt) {
   return s;
 }
 
+// The kernel's arguments for x (case c) with its outputs.
+cuda::Fp8DelayedArgs delayed_args(const DelayedCase& c, const Fp8Input& x, std::vector<uint8_t>& q,
+                                  std::vector<uint8_t>& qt, float* scale_used, float* amax) {
+  cuda::Fp8DelayedArgs a;
+  a.x = x.data;
+  a.dtype = x.dtype;
+  a.rows = x.rows;
+  a.cols = x.cols;
+  a.row_stride = x.row_stride;
+  a.col_stride = x.col_stride;
+  a.fmt = c.fmt;
+  a.pow2_scale = c.pow2;
+  a.q = q.data();
+  if (c.dual) a.qt = qt.data();
+  a.scale_used = scale_used;
+  a.amax = amax;
+  return a;
+}
+
+void expect_same(const DelayedCase& c, const std::vector<uint8_t>& q,
+                 const std::vector<uint8_t>& qt, float scale, float amax,
+                 const std::vector<uint8_t>& want_q, const std::vector<uint8_t>& want_qt,
+                 const Fp8DelayedResult& want) {
+  EXPECT_TRUE(
+      same_bits("scale", std::vector<float>{scale}, std::vector<float>{want.scale_used}, 1));
+  EXPECT_TRUE(same_bits("amax", std::vector<float>{amax}, std::vector<float>{want.amax}, 1));
+  EXPECT_TRUE(same_bits("q", q, want_q, c.cols));
+  if (c.dual) {
+    EXPECT_TRUE(same_bits("qt", qt, want_qt, c.rows));
+  }
+}
+
+// fp8_quantize_from_history's kernels with `history` (entries `stride` apart) against core's: q
+// (and q^T), the scale and amax bit for bit, in four launches (two for an empty x). A history
+// core refuses (one holding +Inf, whose scale is 0) must give what a clipping scale gives: x's own
+// tensorwise quantization. Outputs and scratch start as garbage.
+void check_history(const DelayedCase& c, const std::vector<float>& values,
+                   const std::vector<float>& history, int64_t stride = 1) {
+  SCOPED_TRACE(c.describe() + " history[0]=" + std::to_string(history[0]));
+  const StridedInput in(values, c.rows, c.cols, c.dtype, c.layout);
+  const Fp8Input& x = in.view();
+  const size_t n = static_cast<size_t>(c.rows * c.cols);
+  const int64_t len = (static_cast<int64_t>(history.size()) - 1) / stride + 1;
+  std::vector<uint8_t> want_q(n), want_qt(c.dual ? n : 0);
+  uint8_t* want_qt_or_null = c.dual ? want_qt.data() : nullptr;
+  Fp8DelayedResult want;
+  if (fp8_history_scale(history.data(), len, stride, c.fmt, c.pow2) > 0.f) {
+    want = fp8_quantize_from_history(x, history.data(), len, stride, c.fmt, c.pow2, want_q.data(),
+                                     want_qt_or_null);
+  } else {
+    EXPECT_THROW(fp8_quantize_from_history(x, history.data(), len, stride, c.fmt, c.pow2,
+                                           want_q.data(), nullptr),
+                 std::invalid_argument);
+    want = fp8_quantize_delayed(x, kF32Max, c.fmt, c.pow2, want_q.data(), want_qt_or_null);
+    if (want.amax == 0.f) want.scale_used = 1.f;
+  }
+  std::vector<uint8_t> q(n, 0xaa), qt(c.dual ? n : 0, 0xaa);
+  std::vector<float> given = {kNaN}, used = {kNaN}, scale = {kNaN}, amax = {1e30f};
+  cuda::Fp8HistoryArgs h;
+  h.delayed = delayed_args(c, x, q, qt, used.data(), amax.data());
+  h.history = history.data();
+  h.history_len = len;
+  h.history_stride = stride;
+  h.given = given.data();
+  h.scale = scale.data();
+  const uint64_t launches = cudasim::launch_count();
+  EXPECT_EQ(cuda::fp8_quantize_from_history(h, nullptr), cudaSuccess)
+      << cudasim::last_error_message();
+  // The history's scale, the cast, the decision and the guarded recast: no host sync.
+  EXPECT_EQ(cudasim::launch_count() - launches, n > 0 ? 4u : 2u);
+  expect_same(c, q, qt, scale[0], amax[0], want_q, want_qt, want);
+}
+
 // Runs the kernel with `scale` on `values` and compares q (and q^T), scale_used and amax bit for
 // bit with core; a scale core refuses (not finite and > 0) must give what a clipping scale gives:
 // x's own tensorwise quantization. Outputs start as garbage so a missed store shows. Returns
-// whether the scale used differs from the one given (the recast ran).
+// whether the scale used differs from the one given (the recast ran). Then the same case from a
+// history whose scale is about `scale` (fmax / scale: Inf, -Inf, a negative or NaN for the bad
+// ones, i.e. a refused, a never-filled and a NaN history).
 bool check_delayed(const DelayedCase& c, const std::vector<float>& values, float scale) {
   SCOPED_TRACE(c.describe() + " scale=" + std::to_string(scale));
   const StridedInput in(values, c.rows, c.cols, c.dtype, c.layout);
@@ -574,30 +651,14 @@ bool check_delayed(const DelayedCase& c, const std::vector<float>& values, float
   std::vector<uint8_t> q(n, 0xaa), qt(c.dual ? n : 0, 0xaa);
   const std::vector<float> given = {scale};
   std::vector<float> used = {kNaN}, amax = {1e30f};
-  cuda::Fp8DelayedArgs a;
-  a.x = x.data;
-  a.dtype = x.dtype;
-  a.rows = x.rows;
-  a.cols = x.cols;
-  a.row_stride = x.row_stride;
-  a.col_stride = x.col_stride;
-  a.fmt = c.fmt;
-  a.pow2_scale = c.pow2;
+  cuda::Fp8DelayedArgs a = delayed_args(c, x, q, qt, used.data(), amax.data());
   a.scale = given.data();
-  a.q = q.data();
-  if (c.dual) a.qt = qt.data();
-  a.scale_used = used.data();
-  a.amax = amax.data();
   const uint64_t launches = cudasim::launch_count();
   EXPECT_EQ(cuda::fp8_quantize_delayed(a, nullptr), cudaSuccess) << cudasim::last_error_message();
   // The cast, the decision and the guarded recast, whatever the decision: no host sync.
   EXPECT_EQ(cudasim::launch_count() - launches, n > 0 ? 3u : 1u);
-  EXPECT_TRUE(same_bits("scale_used", used, std::vector<float>{want.scale_used}, 1));
-  EXPECT_TRUE(same_bits("amax", amax, std::vector<float>{want.amax}, 1));
-  EXPECT_TRUE(same_bits("q", q, want_q, c.cols));
-  if (c.dual) {
-    EXPECT_TRUE(same_bits("qt", qt, want_qt, c.rows));
-  }
+  expect_same(c, q, qt, used[0], amax[0], want_q, want_qt, want);
+  check_history(c, values, {fp8_spec(c.fmt).max / scale, -1.f});
   return f32_bits(used[0]) != f32_bits(scale);
 }
 
@@ -689,6 +750,37 @@ TEST(Fp8Delayed, InvalidScaleGivesOwnScale) {
     const DelayedCase c{33, 65, Fp8Format::kE4M3, true, DType::kFloat32, layout, dual};
     for (float bad : {0.f, -0.f, -2.f, kInf, -kInf, kNaN}) EXPECT_TRUE(check_delayed(c, x, bad));
     EXPECT_FALSE(check_delayed(c, x, 1e-45f));
+  }
+}
+
+// Histories a layer holds or a load may bring: never filled (-1s), zeros, the smallest subnormal
+// and other tiny maxima, the largest float, one entry, NaN (scale 1), +Inf (refused by core, x's
+// own scale on the device), one longer than the warp (each lane takes several entries, the max
+// last) and a strided view (whose skipped entries would give another scale that fits); on a
+// nasty x (the flat kernel and the tiles), a moderate one (amax ~4: most histories' scales fit),
+// zeros and an empty x.
+TEST(Fp8History, NeverFilledTinyHugeNanInfLongAndStrided) {
+  std::vector<float> long_history(1000, 0.5f);
+  long_history.back() = 7.f;
+  const std::vector<std::vector<float>> histories = {
+      {-1.f, -1.f, -1.f, -1.f}, {0.f, -0.f},    {kSmallestAmax, -1.f},
+      {1e-40f, 1e-30f},         {kF32Max, 1.f}, {3.f},
+      {2.f, kNaN, 1.f},         {1.f, kInf},    long_history};
+  const std::vector<float> x = nasty(70, 136, DType::kFloat32, 11, false);
+  const std::vector<float> moderate = normal_values(70 * 136, 12);
+  const std::vector<float> zeros(40 * 70, 0.f);
+  for (Fp8Format fmt : kFormats) {
+    for (const auto& [layout, dual] :
+         {std::pair<Layout, bool>{Layout::kContiguous, false}, {Layout::kTransposed, true}}) {
+      const DelayedCase c{70, 136, fmt, dual, DType::kFloat32, layout, dual};
+      for (const std::vector<float>& h : histories) {
+        check_history(c, x, h);
+        check_history(c, moderate, h);
+        check_history({40, 70, fmt, false, DType::kBFloat16, layout, dual}, zeros, h);
+        check_history({0, 16, fmt, dual, DType::kFloat16, Layout::kContiguous, dual}, {}, h);
+      }
+      check_history(c, moderate, {8.f, 1e3f, 16.f, 1e3f, 4.f}, 2);
+    }
   }
 }
 

@@ -154,24 +154,33 @@ TEST_F(KernelRaces, Fp8FusedRowAndBlock1x128) {
 }
 
 // fp8_quantize_delayed of a rising fp32 input against core, with a scale that fits (the cast's
-// blocks raise the amax) and one that clips (the guarded recast runs every block).
-void check_fp8_delayed(int64_t rows, int64_t cols, Layout layout, bool dual) {
+// blocks raise the amax) and one that clips (the guarded recast runs every block); with a
+// history, fp8_quantize_from_history of that history instead.
+void check_fp8_delayed(int64_t rows, int64_t cols, Layout layout, bool dual,
+                       const std::vector<float>& history = {}) {
   const StridedInput in(rising(rows * cols, 13), rows, cols, DType::kFloat32, layout);
   const Fp8Input& x = in.view();
   const size_t n = static_cast<size_t>(rows * cols);
   std::vector<uint8_t> want_q(n), want_qt(dual ? n : 0);
+  uint8_t* want_qt_or_null = dual ? want_qt.data() : nullptr;
   float own = 0.f;
   fp8_quantize(x, Fp8Scaling::kTensor, Fp8Format::kE4M3, false, want_q.data(), &own);
-  for (float scale : {own / 2, own * 4}) {
+  const bool from_history = !history.empty();
+  for (float scale :
+       from_history ? std::vector<float>{0.f} : std::vector<float>{own / 2, own * 4}) {
     SCOPED_TRACE(std::to_string(rows) + "x" + std::to_string(cols) + " " +
                  cudasim_test::layout_name(layout) + (dual ? " dual" : "") +
-                 " scale=" + std::to_string(scale));
-    const Fp8DelayedResult want = fp8_quantize_delayed(
-        x, scale, Fp8Format::kE4M3, false, want_q.data(), dual ? want_qt.data() : nullptr);
+                 (from_history ? " history" : " scale=" + std::to_string(scale)));
+    const int64_t len = static_cast<int64_t>(history.size());
+    const Fp8DelayedResult want =
+        from_history ? fp8_quantize_from_history(x, history.data(), len, 1, Fp8Format::kE4M3, false,
+                                                 want_q.data(), want_qt_or_null)
+                     : fp8_quantize_delayed(x, scale, Fp8Format::kE4M3, false, want_q.data(),
+                                            want_qt_or_null);
     std::vector<uint8_t> q(n, 0xaa), qt(dual ? n : 0, 0xaa);
-    const std::vector<float> given = {scale};
-    std::vector<float> used = {kNaN}, amax = {kNaN};
-    cuda::Fp8DelayedArgs a;
+    std::vector<float> given = {scale}, used = {kNaN}, returned = {kNaN}, amax = {kNaN};
+    cuda::Fp8HistoryArgs h;
+    cuda::Fp8DelayedArgs& a = h.delayed;
     a.x = x.data;
     a.dtype = x.dtype;
     a.rows = rows;
@@ -183,8 +192,19 @@ void check_fp8_delayed(int64_t rows, int64_t cols, Layout layout, bool dual) {
     if (dual) a.qt = qt.data();
     a.scale_used = used.data();
     a.amax = amax.data();
-    ASSERT_EQ(cuda::fp8_quantize_delayed(a, nullptr), cudaSuccess) << cudasim::last_error_message();
-    EXPECT_TRUE(same_bits("scale_used", used, std::vector<float>{want.scale_used}, 1));
+    h.history = history.data();
+    h.history_len = len;
+    h.given = given.data();
+    h.scale = returned.data();
+    ASSERT_EQ(from_history ? cuda::fp8_quantize_from_history(h, nullptr)
+                           : cuda::fp8_quantize_delayed(a, nullptr),
+              cudaSuccess)
+        << cudasim::last_error_message();
+    if (from_history) {
+      EXPECT_NE(f32_bits(used[0]), f32_bits(given[0]));  // the history's scale clips: a recast
+    }
+    EXPECT_TRUE(
+        same_bits("scale", from_history ? returned : used, std::vector<float>{want.scale_used}, 1));
     EXPECT_TRUE(same_bits("amax", amax, std::vector<float>{want.amax}, 1));
     EXPECT_TRUE(same_bits("q", q, want_q, cols));
     if (dual) {
@@ -200,6 +220,17 @@ TEST_F(KernelRaces, Fp8DelayedFlatAndTiled) {
   kernels("cast_flat_kernel cast_tiles_kernel delayed_scale_kernel");
   check_fp8_delayed(64, 256, Layout::kContiguous, false);
   check_fp8_delayed(130, 200, Layout::kContiguous, true);
+}
+
+// fp8_quantize_from_history: the one-warp history kernel (each lane takes several of 100
+// entries, then a shuffle max and a vote over NaN) writes the scale the cast's blocks read; the
+// history's scale clips the rising input, so the recast's blocks run too.
+TEST_F(KernelRaces, Fp8FromHistory) {
+  kernels("history_scale_kernel cast_flat_kernel cast_tiles_kernel delayed_scale_kernel");
+  std::vector<float> history(100, 1e-3f);
+  history[57] = 0.01f;
+  check_fp8_delayed(130, 200, Layout::kContiguous, false, history);
+  check_fp8_delayed(130, 200, Layout::kContiguous, true, history);
 }
 
 // fp4_quantize of a rising fp32 input against core (codes, scales, tensor scale, clip mask).

@@ -1,6 +1,7 @@
 #include "core/lowp/quantize.h"
 
 #include <algorithm>
+#include <limits>
 #include <mutex>
 #include <stdexcept>
 #include <vector>
@@ -246,6 +247,36 @@ Fp8DelayedResult fp8_quantize_delayed(const Fp8Input& x, float scale, Fp8Format 
   }
   if (qt != nullptr) transpose_codes(q, x.rows, x.cols, qt);
   return {used, amax};
+}
+
+float fp8_history_scale(const float* history, int64_t n, int64_t stride, Fp8Format fmt,
+                        bool pow2_scale) {
+  if (n < 1 || history == nullptr) {
+    throw std::invalid_argument("fp8_history_scale: the history needs at least one entry");
+  }
+  // max(history) clamped below, as torch's max and clamp: a NaN anywhere is the result.
+  float m = kSmallestAmax;
+  bool nan = false;
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = history[i * stride];
+    nan |= v != v;
+    m = std::max(m, v);
+  }
+  return fp8_scale(nan ? std::numeric_limits<float>::quiet_NaN() : m, fmt, pow2_scale);
+}
+
+Fp8DelayedResult fp8_quantize_from_history(const Fp8Input& x, const float* history, int64_t n,
+                                           int64_t stride, Fp8Format fmt, bool pow2_scale,
+                                           uint8_t* q, uint8_t* qt) {
+  const float given = fp8_history_scale(history, n, stride, fmt, pow2_scale);
+  if (!(given > 0.f)) {
+    throw std::invalid_argument(
+        "fp8_quantize_from_history: history holds +Inf (its scale would be 0): an amax history "
+        "holds finite amaxes");
+  }
+  Fp8DelayedResult r = fp8_quantize_delayed(x, given, fmt, pow2_scale, q, qt);
+  if (r.amax == 0.f) r.scale_used = 1.f;  // no finite non-zero value: any scale gives its codes
+  return r;
 }
 
 void fp8_dequantize(const uint8_t* q, int64_t rows, int64_t cols, Fp8Scaling scaling, Fp8Format fmt,

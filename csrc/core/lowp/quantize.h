@@ -12,7 +12,8 @@
 // column-major copy) with the same kind of scaling: the operand layout the backward GEMMs need.
 // Work runs in three passes (amax, scale, cast) split across ThreadPool::global().
 // fp8_quantize_delayed (tensor scaling with a scale chosen ahead) casts and takes the amax in one
-// pass; it reads x a second time only when the given scale would clip.
+// pass; it reads x a second time only when the given scale would clip. fp8_quantize_from_history
+// chooses that scale from an amax history.
 #pragma once
 
 #include <cstdint>
@@ -60,6 +61,24 @@ struct Fp8DelayedResult {
 };
 Fp8DelayedResult fp8_quantize_delayed(const Fp8Input& x, float scale, Fp8Format fmt,
                                       bool pow2_scale, uint8_t* q, uint8_t* qt);
+
+// The amax a never-filled history (max <= 0, e.g. all -1) counts as: the smallest fp32
+// subnormal, whose scale is the format's largest (FLT_MAX, or 2^127 with power-of-two scales).
+constexpr float kSmallestAmax = 1.40129846432481707092e-45f;
+
+// The scale an amax history of n >= 1 entries (`stride` apart) gives: fp8_scale of its max, at
+// least kSmallestAmax; a NaN entry gives NaN's scale, 1, an Inf one 0 (which
+// fp8_quantize_delayed refuses). Bit-exact with tierlift.reference.lowp.history_scale.
+float fp8_history_scale(const float* history, int64_t n, int64_t stride, Fp8Format fmt,
+                        bool pow2_scale);
+
+// fp8_quantize_delayed with fp8_history_scale's scale, its scale_used set to 1 where x has no
+// finite non-zero value (amax 0). Bit-exact with
+// tierlift.reference.lowp.fp8_quantize_from_history. Throws std::invalid_argument for n < 1 or
+// a history holding +Inf.
+Fp8DelayedResult fp8_quantize_from_history(const Fp8Input& x, const float* history, int64_t n,
+                                           int64_t stride, Fp8Format fmt, bool pow2_scale,
+                                           uint8_t* q, uint8_t* qt);
 
 // Whether delayed scaling with `scale` must fall back to x's own scale: the scale is not finite
 // and positive, or fl(amax * scale) exceeds the format's max. The CUDA kernel mirrors it.

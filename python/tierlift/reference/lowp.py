@@ -146,6 +146,44 @@ def fp8_quantize_delayed(x: torch.Tensor, scale: torch.Tensor,
     return q, used, (q.t().contiguous() if dual else None), amax
 
 
+# The smallest fp32 subnormal: the amax a never-filled history (max <= 0) counts as.
+SMALLEST_AMAX = torch.finfo(torch.float32).smallest_normal * torch.finfo(torch.float32).eps
+
+
+def check_history(x: torch.Tensor, history: torch.Tensor) -> None:
+    """The history errors the compiled op and its fake kernel raise."""
+    if not isinstance(history, torch.Tensor) or history.dim() != 1 or history.numel() < 1 or \
+            history.dtype != torch.float32 or history.device != x.device:
+        raise ValueError(f"history must be a 1-D float32 tensor of at least one entry on x's "
+                         f"device {x.device}, got {getattr(history, 'dtype', type(history))} "
+                         f"{tuple(getattr(history, 'shape', ()))} on "
+                         f"{getattr(history, 'device', '-')}")
+
+
+def history_scale(history: torch.Tensor, fp8_dtype: torch.dtype, pow2_scale: bool) -> torch.Tensor:
+    """The scale [1, 1] an amax history gives: that of its max, at least SMALLEST_AMAX (so a
+    never-filled history gives the format's largest scale). A NaN entry gives 1, an Inf one 0."""
+    hmax = history.detach().max().reshape(1, 1).clamp(min=SMALLEST_AMAX)
+    return scale_from_amax(hmax, fp8_dtype, pow2_scale)
+
+
+def fp8_quantize_from_history(x: torch.Tensor, history: torch.Tensor,
+                              fp8_dtype: torch.dtype = torch.float8_e4m3fn, dual: bool = False,
+                              pow2_scale: bool = False):
+    """fp8_quantize_delayed with the scale an amax history gives (history_scale), the scale
+    returned set to 1 where x has no finite non-zero value (its codes are the same under any
+    scale, and a GEMM then never multiplies Inf codes by a tiny inverse scale). Returns (q, scale
+    [1, 1], qt or None, amax [1])."""
+    check_quantize_args(x, "tensor", fp8_dtype)
+    check_history(x, history)
+    given = history_scale(history, fp8_dtype, pow2_scale)
+    if not (given > 0).all():  # the composition's own refusal, said in the history's terms
+        raise ValueError("history holds +Inf (its scale would be 0): an amax history holds "
+                         "finite amaxes")
+    q, used, qt, amax = fp8_quantize_delayed(x, given, fp8_dtype, dual, pow2_scale)
+    return q, used.masked_fill(amax == 0, 1.0), qt, amax
+
+
 def fp8_dequantize(q: torch.Tensor, scales: torch.Tensor, scaling: str) -> torch.Tensor:
     """fp32 q / scale, element by element."""
     rows, cols = q.shape
