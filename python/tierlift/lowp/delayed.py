@@ -47,10 +47,26 @@ group, async_op) when queued and waited for when put into its history: every ran
 same history, the one a single process would build from the whole global batch. Every rank must
 then run the same delayed layers' backwards in the same order (data parallelism; not experts
 routed per rank, which should use reduce_amax=False).
+
+Pairing check: the k-th reductions of two ranks must be the same layer's same history, else
+amaxes of unrelated layers would mix. Each reduction is [amax, tag, -tag] (fp32, 12 bytes
+instead of 4), tag = 2 * the layer's number + (0 for x, 1 for g), the number counting the
+delayed layers this process built (Float8Linear, from_linear, convert), which is the same on
+every rank that runs the same model code. After the MAX, the pairing held iff tag == -(-tag)
+(every rank sent the same tag). CPU tensors are checked on the host at the wait (which has
+synchronized anyway): a mismatch raises RuntimeError before any of the layer's queued amaxes
+enters a history, and at every flush after (state_dict too) until a load replaces the
+histories. CUDA tensors are checked with torch._assert_async (no host sync): a mismatch is a
+device-side assert, which stops the process before any later kernel (the history write) runs.
+Ranks that built different delayed layers before this one (a delayed model built on one rank
+only) number them differently and are refused the same way; ranks that build different layers
+under the same numbers (pipeline stages each building only its own blocks) are not told apart:
+reduce_amax=False there.
 """
 
 from __future__ import annotations
 
+import itertools
 import warnings
 
 import torch
@@ -66,6 +82,10 @@ NEVER_WRITTEN = -1.0
 # micro-batches queue their amaxes for as long as the step lasts, far fewer)
 HELD_WARNING = 64
 HISTORIES = ("x", "g")
+# numbers of the delayed layers this process builds, in order: a layer's pairing tag; below
+# 2^23 so that the tags (up to 2 * number + 1) stay integers a float32 holds exactly
+_layer_numbers = itertools.count()
+_NUMBER_LIMIT = 2**23
 
 
 def buffer_name(which: str) -> str:
@@ -81,6 +101,15 @@ def new_history(length: int, device) -> torch.Tensor:
     return torch.full((length,), NEVER_WRITTEN, dtype=torch.float32, device=device)
 
 
+def tag_of(number: int, which: str) -> int:
+    return 2 * number + HISTORIES.index(which)
+
+
+def describe_tag(tag: int) -> str:
+    number, which = divmod(int(tag), 2)
+    return f"delayed layer #{number}'s {HISTORIES[which]}"
+
+
 class PendingAmaxes:
     """A layer's amaxes from finished backwards, not yet in their history (module docstring)."""
 
@@ -90,31 +119,48 @@ class PendingAmaxes:
     # before it lack it.
     seen: dict[str, torch.Tensor] | None = None
     held = 0
+    number = 0  # the layer's number in construction order (pairing tags); pickles before it: 0
+    refused: str | None = None  # a reduction paired with other layers': every flush raises this
+    _tags: dict | None = None  # (which, device) -> [tag, -tag], made once per device
 
-    def __init__(self) -> None:
-        self.items: list[tuple[str, torch.Tensor, object]] = []  # (which, amax [1], Work)
+    def __init__(self, number: int = 0) -> None:
+        # (which, amax [1] or, reduced, [amax, tag, -tag], its Work or None once waited for)
+        self.items: list[tuple[str, torch.Tensor, object]] = []
         self.awaiting = 0  # forwards with grad whose backward has not run (their graph lives)
         self.held = 0  # amaxes queued since the histories last took the queue in
+        self.number = number
 
     def __getstate__(self):  # a copy awaits no backward: no autograd context holds it
-        return dict(self.__dict__, awaiting=0, seen=None)
+        return dict(self.__dict__, awaiting=0, seen=None, _tags=None)
+
+    def tagged(self, which: str, amax: torch.Tensor) -> torch.Tensor:
+        """[amax, tag, -tag]: after the MAX over ranks, tag == -(-tag) iff all sent this tag."""
+        if self._tags is None:
+            self._tags = {}
+        key = (which, amax.device)
+        if key not in self._tags:  # made once: no host-to-device copy per reduction
+            tag = tag_of(self.number, which)
+            self._tags[key] = torch.tensor([tag, -tag], dtype=torch.float32, device=amax.device)
+        return torch.cat([amax, self._tags[key]])
 
     def push(self, which: str, amax: torch.Tensor, reduce: bool, length: int) -> None:
         """Queues an amax of history `which` (of `length` entries). Only its newest `length`
         are kept: a flush of more writes the history from them alone, so a queue held by a
         graph that lives on (an exception's traceback kept by a notebook) stays bounded."""
-        amax = amax.detach().float().reshape(1).clone()  # reduced in place
+        amax = amax.detach().float().reshape(1)
         work = None
         if reduce and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             # issued in backward order, the same on every rank; waited for at the next write
+            amax = self.tagged(which, amax)  # a new tensor, reduced in place
             work = dist.all_reduce(amax, op=dist.ReduceOp.MAX, async_op=True)
+        else:
+            amax = amax.clone()
         self.items.append((which, amax, work))
         self.held += 1
         same = [i for i, item in enumerate(self.items) if item[0] == which]
         if len(same) > length:
-            _, _, oldest = self.items.pop(same[0])
-            if oldest is not None:
-                oldest.wait()
+            oldest = self.items.pop(same[0])
+            self.check_pairing(*oldest)  # dropped, but a mispairing still refuses the layer
         if self.held == HELD_WARNING * length:
             warnings.warn(
                 f"{self.held} amaxes from a delayed FP8 layer's backwards have not entered its "
@@ -122,12 +168,35 @@ class PendingAmaxes:
                 f"is kept alive, e.g. by an output or an exception's traceback held on to), so "
                 f"its scales come from the history before it; free that graph", stacklevel=2)
 
+    def check_pairing(self, which: str, packed: torch.Tensor, work) -> None:
+        """Waits for a reduction and checks its tags (module docstring): on the host for CPU
+        tensors (a mismatch is kept in `refused`), with a device-side assert otherwise."""
+        if work is None:
+            return
+        work.wait()
+        if packed.device.type != "cpu":
+            torch._assert_async(packed[1] == -packed[2], _mispaired_message(
+                self.number, which, None))
+            return
+        if self.refused is None and packed[1].item() != -packed[2].item():
+            self.refused = _mispaired_message(self.number, which, packed)
+
     def flush(self, layer: nn.Module) -> None:
-        """Puts the queued amaxes into the layer's histories, oldest first. Each history becomes
-        a new tensor rather than being written in place: tierlift's recompute tier restores, for
-        the recompute, the buffers a block's forward wrote in place to their values before it,
-        which here would be the history without the amaxes this forward took in."""
+        """Puts the queued amaxes into the layer's histories, oldest first, once every
+        reduction among them is checked (a mispaired one raises, the histories unchanged).
+        Each history becomes a new tensor rather than being written in place: tierlift's
+        recompute tier restores, for the recompute, the buffers a block's forward wrote in
+        place to their values before it, which here would be the history without the amaxes
+        this forward took in."""
         self.held = 0
+        checked = []
+        for which, amax, work in self.items:
+            self.check_pairing(which, amax, work)
+            checked.append((which, amax, None))  # waited for: a refused queue waits no more
+        self.items = checked
+        if self.refused is not None:
+            raise RuntimeError(f"{layer.__class__.__name__}(in_features={layer.in_features}, "
+                               f"out_features={layer.out_features}): {self.refused}")
         if not self.items:
             return
         if self.seen is None:
@@ -136,12 +205,10 @@ class PendingAmaxes:
         # a forward under torch.inference_mode (evaluation) would otherwise make them inference
         # tensors, which refuse the in-place writes of loads and buffer broadcasts (DDP, ZeRO)
         with torch.no_grad(), torch.inference_mode(False):
-            for which, amax, work in items:
-                if work is not None:
-                    work.wait()
+            for which, amax, _ in items:
                 name = buffer_name(which)
                 h = layer._buffers[name]
-                layer._buffers[name] = torch.cat([amax.to(device=h.device, dtype=h.dtype),
+                layer._buffers[name] = torch.cat([amax[:1].to(device=h.device, dtype=h.dtype),
                                                   h[:-1]])
 
     def take_in(self, layer: nn.Module) -> None:
@@ -150,13 +217,37 @@ class PendingAmaxes:
         self.seen = None
 
     def drop(self) -> None:
-        """Forgets the queue (a load replaces the histories); reductions in flight complete."""
+        """Forgets the queue and a refusal (a load replaces the histories); reductions in
+        flight complete."""
         for _, _, work in self.items:
             if work is not None:
                 work.wait()
         self.items = []
         self.seen = None
         self.held = 0
+        self.refused = None
+
+
+def _mispaired_message(number: int, which: str, packed: torch.Tensor | None) -> str:
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    own = tag_of(number, which)
+    if packed is None:  # a device-side assert's: the reduced tags stay on the device
+        paired = "another layer's"
+    else:
+        low, high = -packed[2].item(), packed[1].item()
+        others = sorted({low, high} - {own})
+        paired = " and ".join(describe_tag(t) for t in others) + (
+            " (and possibly layers between)" if len(others) == 2 else "")
+    return (f"the delayed FP8 amax all-reduce paired unrelated layers: on rank {rank}, "
+            f"{describe_tag(own)} amax (layer numbers count the delayed layers each process "
+            f"built) was reduced with {paired} amax from another rank, so their MAX would mix "
+            f"the ranges of unrelated layers. Nothing entered this layer's histories. Every rank "
+            f"must run the same delayed layers' backwards in the same order (data "
+            f"parallelism); for experts routed per rank (MoE), pipeline stages or uneven "
+            f"inputs use Float8Recipe(..., reduce_amax=False); ranks that built different "
+            f"delayed layers (a delayed model built on one rank only) number them differently: "
+            f"build the same ones in the same order on every rank. Loading a state_dict or "
+            f"checkpoint into the model clears this")
 
 
 def attach(layer: nn.Module, recipe: Float8Recipe, device) -> None:
@@ -166,7 +257,7 @@ def attach(layer: nn.Module, recipe: Float8Recipe, device) -> None:
         return
     for which in HISTORIES:
         layer.register_buffer(buffer_name(which), new_history(recipe.amax_history_len, device))
-    layer._fp8_pending = PendingAmaxes()
+    layer._fp8_pending = PendingAmaxes(next(_layer_numbers) % _NUMBER_LIMIT)
 
 
 def pending(layer: nn.Module) -> PendingAmaxes | None:

@@ -10,7 +10,10 @@
                      scaling): one pass over x and g instead of two (lowp/delayed.py)
 
 amax_history_len > 0 makes a recipe delayed (tensor scaling only); reduce_amax (TransformerEngine's
-name) all-reduces each amax (MAX) over the default process group before it enters a history.
+name) all-reduces each amax (MAX) over the default process group before it enters a history:
+every rank must then run the same delayed layers' backwards in the same order, and a reduction
+that paired different layers' amaxes is refused (lowp/delayed.py); experts routed per rank take
+reduce_amax=False.
 
 transposed_copy chooses how a transposed FP8 copy (the x^T, W^T, g^T a backward GEMM reads) is
 made, with the same bits either way: "dual" (default) emits it from the quantizer's own reads
