@@ -140,7 +140,10 @@ __device__ __forceinline__ void encode_store(const Fp4QuantArgs& a, const Chunk&
     const uint32_t q =
         a.stochastic ? fp4::e2m1_encode_sr(v[k], u[k]) : fp4::e2m1_encode_rne_not_nan(v[k]);
     code[k / 8] |= q << (4 * (k % 8));
-    mask[k / 4] |= (fabsf(v[k]) <= fp4::kMax ? 1u : 0u) << (8 * (k % 4));
+    // Named, not inline in the shift: GCC 12 with -fsanitize=undefined (the ASan build of the
+    // simulator) drops the bits of `(cond ? 1u : 0u) << n` in this unrolled loop.
+    const uint32_t representable = fabsf(v[k]) <= fp4::kMax ? 1u : 0u;
+    mask[k / 4] |= representable << (8 * (k % 4));
   }
   if (nan_block) code[0] = code[1] = 0;
   if (packed) {
