@@ -1,8 +1,9 @@
 """Delayed scaling's amax all-reduce pairs each rank's k-th reduction with the others' k-th: when
 the ranks ran different delayed layers' backwards (experts routed per rank), the reduction would
 mix unrelated layers' amaxes. Each reduction carries its layer's tag; a mismatch is refused at
-the next forward (and save) with the histories unchanged, until a load. reduce_amax=False trains
-such routing. Two gloo ranks, one spawn."""
+the next forward (and save) with the histories unchanged, until a load, also when the queue had
+dropped that reduction unwritten. reduce_amax=False trains such routing. Two gloo ranks, one
+spawn."""
 
 from __future__ import annotations
 
@@ -41,6 +42,33 @@ def test_layers_are_numbered_in_construction_order_and_copies_keep_theirs():
     assert delayed.tag_of(nb, "g") == 2 * nb + 1
     assert delayed.describe_tag(2 * nb + 1) == f"delayed layer #{nb}'s g"
     assert delayed.pending(Float8Linear(16, 16, recipe=LOCAL)).number > nb
+
+
+class _Done:  # a finished reduction's Work
+    def wait(self):
+        return True
+
+
+def test_a_mispaired_reduction_dropped_from_a_full_queue_still_refuses():
+    # A held graph keeps the queue at the history's length: its oldest reduction is dropped
+    # unwritten, but it was paired with another layer's, so the layer is refused until a load.
+    short = dataclasses.replace(DELAYED, name="short", amax_history_len=1)
+    layer = Float8Linear(16, 16, recipe=short)
+    queue = delayed.pending(layer)
+    own = delayed.tag_of(queue.number, "x")
+    queue.items.append(("x", torch.tensor([2.0, own + 2.0, -own]), _Done()))  # reduced as MAX
+    queue.push("x", torch.tensor([1.0]), False, 1)
+    assert len(queue.items) == 1 and queue.refused is not None
+    before = _buffers(layer)
+    paired = f"reduced with delayed layer #{queue.number + 1}'s x"
+    for call in (lambda: layer(torch.randn(4, 16)), layer.state_dict,
+                 lambda: copy.deepcopy(layer)):
+        with pytest.raises(RuntimeError, match=paired):
+            call()
+    assert all(torch.equal(before[w], _buffers(layer)[w]) for w in delayed.HISTORIES)
+    layer.load_state_dict(Float8Linear(16, 16, recipe=short).state_dict())
+    layer(torch.randn(4, 16))
+    assert queue.refused is None
 
 
 def _routed(rank, world, recipe, steps):
