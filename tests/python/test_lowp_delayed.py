@@ -722,8 +722,8 @@ def test_the_amax_reduction_is_async_and_in_one_order(ranks):
     # read (here: state_dict). None with reduce_amax=False.
     for out in ranks:
         reductions = [c for c in out["calls"] if c != "step"]
-        assert reductions == [("MAX", True, (1,))] * 12, out["calls"]
-        assert out["calls"][:5] == [("MAX", True, (1,))] * 4 + ["step"]
+        assert reductions == [("MAX", True, (3,))] * 12, out["calls"]
+        assert out["calls"][:5] == [("MAX", True, (3,))] * 4 + ["step"]
         assert out["works_pending"] == 2  # the first layer's g and x, not waited for yet
         assert all(torch.equal(out["copied"][k], v) for k, v in out["reduced"].items())
     assert ranks[0]["calls"] == ranks[1]["calls"]
