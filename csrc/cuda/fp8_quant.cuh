@@ -73,9 +73,10 @@ struct Fp8DelayedArgs {
 cudaError_t fp8_quantize_delayed(const Fp8DelayedArgs& args, cudaStream_t stream);
 
 // Delayed scaling with the scale taken from an amax history (core's fp8_quantize_from_history):
-// a one-warp kernel writes the history's scale to `given` on the device, then the launches of
-// fp8_quantize_delayed run with it, the decision also writing `scale` (scale_used, or 1 where
-// amax is 0): four launches, two for an empty x, no host sync. A history holding +Inf gives
+// a one-warp kernel writes the history's scale to `given` on the device (and zeroes amax), then
+// the launches of fp8_quantize_delayed run with it, the decision also writing `scale`
+// (scale_used, or 1 where amax is 0): four launches and no memset, two for an empty x, no host
+// sync. A history holding +Inf gives
 // scale 0, which the decision treats as any bad scale (x's own).
 struct Fp8HistoryArgs {
   Fp8DelayedArgs delayed;          // its scale is `given`; its scale_used a [1] device scratch

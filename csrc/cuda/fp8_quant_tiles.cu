@@ -502,9 +502,10 @@ __global__ void delayed_scale_kernel(const float* amax, const float* scale, Fp8F
 
 // core's fp8_history_scale on one warp: the lanes stride over the history, then the warp
 // combines their maxima (at least kSmallestAmax) and whether any lane saw a NaN (torch's max
-// returns NaN then, whose scale is 1).
+// returns NaN then, whose scale is 1). Also zeroes the amax the cast reduces into (the memset
+// fp8_quantize_delayed needs).
 __global__ void history_scale_kernel(const float* history, int64_t n, int64_t stride, Fp8Format fmt,
-                                     bool pow2, float* given) {
+                                     bool pow2, float* given, float* amax) {
   float m = kSmallestAmax;
   bool nan = false;
   for (int64_t i = threadIdx.x; i < n; i += 32) {
@@ -514,7 +515,10 @@ __global__ void history_scale_kernel(const float* history, int64_t n, int64_t st
   }
   m = group_max(m);
   nan = __any_sync(0xffffffffu, nan);
-  if (threadIdx.x == 0) *given = nan ? 1.f : scale_of(m, fmt, pow2);
+  if (threadIdx.x == 0) {
+    *given = nan ? 1.f : scale_of(m, fmt, pow2);
+    *amax = 0.f;
+  }
 }
 
 // One cast of delayed scaling with the device scale `scale` (the first, with d.amax, or the
@@ -555,12 +559,16 @@ cudaError_t delayed_cast(const Fp8DelayedArgs& a, const float* scale, DelayedPas
   return cudaGetLastError();
 }
 
-// The cast, the decision (also writing `masked` where given) and the guarded recast.
+// The cast, the decision (also writing `masked` where given) and the guarded recast; *a.amax is
+// zeroed first unless an earlier launch did.
 template <DType kT>
-cudaError_t run_delayed(const Fp8DelayedArgs& a, float* masked, cudaStream_t stream) {
+cudaError_t run_delayed(const Fp8DelayedArgs& a, float* masked, bool amax_zeroed,
+                        cudaStream_t stream) {
   const bool empty = a.rows * a.cols == 0;
-  if (cudaError_t e = cudaMemsetAsync(a.amax, 0, sizeof(float), stream); e != cudaSuccess) {
-    return e;
+  if (!amax_zeroed) {
+    if (cudaError_t e = cudaMemsetAsync(a.amax, 0, sizeof(float), stream); e != cudaSuccess) {
+      return e;
+    }
   }
   if (!empty) {
     if (cudaError_t e = delayed_cast<kT>(a, a.scale, DelayedPass{a.amax, nullptr}, stream);
@@ -575,14 +583,15 @@ cudaError_t run_delayed(const Fp8DelayedArgs& a, float* masked, cudaStream_t str
   return delayed_cast<kT>(a, a.scale_used, DelayedPass{nullptr, a.scale}, stream);
 }
 
-cudaError_t run_delayed_any(const Fp8DelayedArgs& a, float* masked, cudaStream_t stream) {
+cudaError_t run_delayed_any(const Fp8DelayedArgs& a, float* masked, bool amax_zeroed,
+                            cudaStream_t stream) {
   switch (a.dtype) {
     case DType::kBFloat16:
-      return run_delayed<DType::kBFloat16>(a, masked, stream);
+      return run_delayed<DType::kBFloat16>(a, masked, amax_zeroed, stream);
     case DType::kFloat16:
-      return run_delayed<DType::kFloat16>(a, masked, stream);
+      return run_delayed<DType::kFloat16>(a, masked, amax_zeroed, stream);
     default:
-      return run_delayed<DType::kFloat32>(a, masked, stream);
+      return run_delayed<DType::kFloat32>(a, masked, amax_zeroed, stream);
   }
 }
 
@@ -613,18 +622,18 @@ cudaError_t fp8_quantize_tiled(const Fp8QuantArgs& a, cudaStream_t stream) {
 }
 
 cudaError_t fp8_quantize_delayed(const Fp8DelayedArgs& a, cudaStream_t stream) {
-  return run_delayed_any(a, nullptr, stream);
+  return run_delayed_any(a, nullptr, false, stream);
 }
 
 cudaError_t fp8_quantize_from_history(const Fp8HistoryArgs& h, cudaStream_t stream) {
   if (h.history_len < 1) return cudaErrorInvalidValue;
   const Fp8DelayedArgs& a = h.delayed;
   TIERLIFT_LAUNCH(1, 32, 0, stream, history_scale_kernel)
-  (h.history, h.history_len, h.history_stride, a.fmt, a.pow2_scale, h.given);
+  (h.history, h.history_len, h.history_stride, a.fmt, a.pow2_scale, h.given, a.amax);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   Fp8DelayedArgs with_given = a;
   with_given.scale = h.given;
-  return run_delayed_any(with_given, h.scale, stream);
+  return run_delayed_any(with_given, h.scale, true, stream);
 }
 
 }  // namespace cuda
