@@ -190,7 +190,7 @@ def test_delayed_layer_reads_x_and_g_once_once_its_history_holds():
     one read each (two on the first step, whose never-filled history makes them take x's own
     scale, and where a jump in range would clip); W stays just in time (dual, 2 reads)."""
     from tierlift.lowp import Float8Linear
-    from tierlift.lowp.passes import DELAYED_QUANTIZER as DQ
+    from tierlift.lowp.passes import HISTORY_QUANTIZER as DQ
 
     torch.manual_seed(0)
     layer = Float8Linear(K, N, bias=False, recipe="fp8-tensorwise-delayed", dtype=torch.bfloat16)

@@ -5,8 +5,8 @@ A delayed layer keeps two fp32 buffers of amax_history_len entries, newest first
 (grad_output, E5M2). An entry never written holds -1 (no amax is negative); a history whose
 max is not above 0 is "never filled" (one that saw only all-zero tensors, an empty batch,
 counts as never filled: its scale 1 would quantize the next small tensor coarsely). A step's
-scale is scale_from_amax(max(history)), computed with torch ops on the device, and the quantize
-(ops.fp8_quantize_delayed) reads x once, returning the amax that enters the history. The
+scale is scale_from_amax(max(history)), computed on the device inside the quantize
+(ops.fp8_quantize_from_history), which reads x once, returning the amax for the history. The
 weight keeps its just-in-time scale: a weight loaded or edited mid-training, and ZeRO-3's FP8
 all-gather (which quantizes it at gather time), keep their exact scale, and at training shapes
 its amax read is a small part of the step.
@@ -75,7 +75,7 @@ from torch import nn
 
 from tierlift import ops
 from tierlift.lowp.recipe import Float8Recipe
-from tierlift.reference.lowp import scale_from_amax
+from tierlift.reference.lowp import history_scale
 
 NEVER_WRITTEN = -1.0
 # amaxes queued per history entry before a held queue is warned about (a 1F1B step's
@@ -301,14 +301,10 @@ class AwaitingBackward:
     __del__ = done
 
 
-_SMALLEST_AMAX = torch.finfo(torch.float32).smallest_normal * torch.finfo(torch.float32).eps
-
-
 def given_scale(history: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool) -> torch.Tensor:
     """The scale [1, 1] for the next quantize, on the history's device: from the history's max,
     or, never filled (max <= 0), the rule's scale for the smallest amax (module docstring)."""
-    hmax = history.detach().max().reshape(1, 1).clamp(min=_SMALLEST_AMAX)
-    return scale_from_amax(hmax, fp8_dtype, pow2)
+    return history_scale(history, fp8_dtype, pow2)
 
 
 def quantize(t: torch.Tensor, given: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool,
@@ -318,6 +314,20 @@ def quantize(t: torch.Tensor, given: torch.Tensor, fp8_dtype: torch.dtype, pow2:
     dual = with_transposed and transposed_copy == "dual"
     q, used, qt, amax = ops.fp8_quantize_delayed(t, given.to(t.device), fp8_dtype, dual, pow2)
     s = used.reshape(1, 1).masked_fill(amax.reshape(1, 1) == 0, 1.0)  # no finite non-zero value
+    return _outputs(q, s, qt, amax, with_transposed)
+
+
+def quantize_from_history(t: torch.Tensor, history: torch.Tensor, fp8_dtype: torch.dtype,
+                          pow2: bool, with_transposed: bool, transposed_copy: str):
+    """quantize(t, given_scale(history), ...) in one op: the scale is taken from the history
+    where t is (on a GPU: four launches, no host sync)."""
+    dual = with_transposed and transposed_copy == "dual"
+    q, s, qt, amax = ops.fp8_quantize_from_history(t, history.detach().to(t.device), fp8_dtype,
+                                                   dual, pow2)
+    return _outputs(q, s, qt, amax, with_transposed)
+
+
+def _outputs(q, s, qt, amax, with_transposed: bool):
     if not with_transposed:
         return q, s, None, None, amax
     if qt is None:  # transposed_copy="separate": q's codes transposed, the same scale

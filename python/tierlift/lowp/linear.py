@@ -96,8 +96,8 @@ class _Float8MatmulFn(torch.autograd.Function):
         if layer is None:
             xq, xs, xtq, xts = _quantize(x, fp8_wgrad, sc, f8, p2, tc)  # x^T: the FP8 wgrad's
         else:
-            given = delayed.given_scale(delayed.history(layer, "x"), f8, p2)
-            xq, xs, xtq, xts, ctx.amax_x = delayed.quantize(x, given, f8, p2, fp8_wgrad, tc)
+            xq, xs, xtq, xts, ctx.amax_x = delayed.quantize_from_history(
+                x, delayed.history(layer, "x"), f8, p2, fp8_wgrad, tc)
             if (need_gx or need_gw) and not delayed.recomputing():
                 ctx.awaiting = delayed.AwaitingBackward(delayed.pending(layer))
         if gathered is None:
@@ -126,10 +126,9 @@ class _Float8MatmulFn(torch.autograd.Function):
             if layer is None:
                 return _quantize(t, with_transposed, r.scaling, r.grad_dtype, r.pow2_scale,
                                  transposed_copy)
-            given = delayed.given_scale(delayed.history(layer, "g"), r.grad_dtype,
-                                       r.pow2_scale)
-            *out, amax = delayed.quantize(t, given, r.grad_dtype, r.pow2_scale, with_transposed,
-                                          transposed_copy)
+            *out, amax = delayed.quantize_from_history(t, delayed.history(layer, "g"),
+                                                       r.grad_dtype, r.pow2_scale,
+                                                       with_transposed, transposed_copy)
             amax_g.append(amax)
             return out
 

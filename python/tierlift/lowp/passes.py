@@ -47,6 +47,7 @@ _NO_DATA = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_stri
 _WRITE_ONLY_SELF = {"copy_", "fill_", "zero_"}
 _FP8_QUANTIZERS = {"tierlift::fp8_quantize", "tierlift::fp8_quantize_dual"}
 DELAYED_QUANTIZER = "tierlift::fp8_quantize_delayed"
+HISTORY_QUANTIZER = "tierlift::fp8_quantize_from_history"  # the same kernels, scale from history
 ROW_REGISTER_LIMIT = 8192  # csrc/cuda/fp8_quant.cu: kRowRegs * kRowThreads
 
 
@@ -73,6 +74,22 @@ def fp8_quantize_delayed_reads(x: torch.Tensor, scale: torch.Tensor,
     if isinstance(scale_used, FakeTensor):
         return 1
     return 1 if torch.equal(scale_used.reshape(()), scale.float().reshape(())) else 2
+
+
+def fp8_quantize_from_history_reads(x: torch.Tensor, history: torch.Tensor,
+                                    fp8_dtype: torch.dtype, pow2_scale: bool,
+                                    scale: torch.Tensor, amax: torch.Tensor) -> int:
+    """fp8_quantize_delayed_reads for the op that takes the history: the given scale is the
+    history's (reference.lowp.history_scale); the scale it returns is 1 where x has no finite
+    non-zero value (amax 0), which is no recast."""
+    if x.numel() == 0:
+        return 0
+    if isinstance(scale, FakeTensor):
+        return 1
+    from tierlift.reference.lowp import history_scale
+
+    given = history_scale(history, fp8_dtype, pow2_scale)
+    return 1 if amax.item() == 0 or torch.equal(scale.reshape(()), given.reshape(())) else 2
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -157,8 +174,12 @@ class _PassMode(TorchDispatchMode):
         read = _tensors(args[1:]) if short in _WRITE_ONLY_SELF else _tensors(args)
         read += _tensors({k: v for k, v in kwargs.items() if k != "out"})
         shapes = tuple(tuple(t.shape) for t in ins)
-        if name == DELAYED_QUANTIZER:
-            reads = fp8_quantize_delayed_reads(args[0], args[1], outs[1])
+        if name in (DELAYED_QUANTIZER, HISTORY_QUANTIZER):
+            if name == DELAYED_QUANTIZER:
+                reads = fp8_quantize_delayed_reads(args[0], args[1], outs[1])
+            else:
+                reads = fp8_quantize_from_history_reads(args[0], args[1], args[2], args[4],
+                                                        outs[1], outs[-1])
             return Pass(phase=_phase(), kind="quantize", op=name, shapes=shapes,
                         read_bytes=reads * tensor_bytes(args[0]),
                         write_bytes=sum(tensor_bytes(t) for t in outs))
