@@ -149,7 +149,8 @@ __device__ __forceinline__ void encode_store(const Fp4QuantArgs& a, const Chunk&
   if (packed) {
     reinterpret_cast<uint2*>(a.codes)[c.e0 / kPer] = make_uint2(code[0], code[1]);
     if (a.mask) {
-      reinterpret_cast<uint4*>(a.mask)[c.e0 / kPer] = make_uint4(mask[0], mask[1], mask[2], mask[3]);
+      reinterpret_cast<uint4*>(a.mask)[c.e0 / kPer] =
+          make_uint4(mask[0], mask[1], mask[2], mask[3]);
     }
   } else {
     TIERLIFT_UNROLL
@@ -166,8 +167,7 @@ __device__ __forceinline__ void encode_store(const Fp4QuantArgs& a, const Chunk&
 }
 
 template <DType kT, bool kVec>
-__global__ void __launch_bounds__(kThreads)
-    mx_kernel(Fp4QuantArgs a, bool packed, Div31 per_row) {
+__global__ void __launch_bounds__(kThreads) mx_kernel(Fp4QuantArgs a, bool packed, Div31 per_row) {
   constexpr int kLanes = 32 / kPer;
   const Chunk c = chunk_of(a, per_row, blockIdx.x);
   if (__all_sync(kFull, !c.valid)) return;  // whole warps exit together

@@ -101,10 +101,13 @@ TEST(LowpFp4Codec, EncodeMatchesNearestGridValue) {
   // Every other magnitude, strided (the prime stride walks all low-bit residues).
   EXPECT_EQ(encode_mismatches(0, 0x7fffffffu, 4099), 0);
   // Each grid point and midpoint +- 4 ulp, the subnormal and overflow edges, the specials.
-  std::vector<float> edges = {0.f, std::numeric_limits<float>::denorm_min(),
+  std::vector<float> edges = {0.f,
+                              std::numeric_limits<float>::denorm_min(),
                               std::numeric_limits<float>::min(),
                               std::numeric_limits<float>::max(),
-                              std::numeric_limits<float>::infinity(), 16777216.f, 8388608.f};
+                              std::numeric_limits<float>::infinity(),
+                              16777216.f,
+                              8388608.f};
   for (int c = 0; c < 8; ++c) {
     edges.push_back(kGrid[c]);
     if (c < 7) edges.push_back(0.5f * (kGrid[c] + kGrid[c + 1]));
