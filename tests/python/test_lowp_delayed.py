@@ -98,7 +98,8 @@ def test_recipe_fields_and_refusals():
 def test_never_filled_quantize_is_the_just_in_time_quantize(dtype, pow2):
     # The never-filled scale (FLT_MAX, or 2^127) against every amax around where it stops
     # clipping, an all-zero and an all-NaN/Inf tensor: codes and scale are fp8_quantize's.
-    given = delayed.given_scale(delayed.new_history(4, "cpu"), dtype, pow2)
+    never_filled = delayed.new_history(4, "cpu")
+    given = ref.history_scale(never_filled, dtype, pow2)
     assert given.item() == (2.0**127 if pow2 else ref.F32_MAX)
     threshold = torch.tensor(ref.FP8_MAX[dtype] / ref.F32_MAX, dtype=torch.float32)
     bits = threshold.view(torch.int32).item()
@@ -107,7 +108,8 @@ def test_never_filled_quantize_is_the_just_in_time_quantize(dtype, pow2):
     cases = [base * a for a in amaxes] + [torch.zeros(2, 4), base * 3.5, base * 1e-30,
                                           torch.tensor([[float("nan"), 0.0], [float("inf"), 0.0]])]
     for x in cases:
-        q, s, qt, st, amax = delayed.quantize(x, given, dtype, pow2, True, "dual")
+        q, s, qt, st, amax = delayed.quantize_from_history(x, never_filled, dtype, pow2, True,
+                                                           "dual")
         want_q, want_s, want_qt, want_st = ref.fp8_quantize_dual(x, "tensor", dtype, pow2)
         assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
         assert torch.equal(qt.view(torch.uint8), want_qt.view(torch.uint8))

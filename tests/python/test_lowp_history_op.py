@@ -1,5 +1,5 @@
 """The FP8 quantize op that takes its scale from an amax history (fp8_quantize_from_history):
-bit for bit the composition delayed scaling ran as torch ops (lowp.delayed.given_scale, then
+bit for bit the composition delayed scaling ran as torch ops (reference.lowp.history_scale, then
 fp8_quantize_delayed, then the scale set to 1 where amax is 0) and tierlift.reference.lowp, on
 never-filled, zero, tiny, huge, partly filled and strided histories and on nasty, zero, non-finite,
 empty and strided inputs; its refusals (op, reference and fake kernel alike); opcheck and
@@ -11,7 +11,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import tierlift
 from tierlift import ops
-from tierlift.lowp import delayed
 from tierlift.reference import lowp as ref
 
 needs_ext = pytest.mark.skipif(not tierlift._extension.available(), reason="no compiled extension")
@@ -75,8 +74,9 @@ def assert_same(got, want):
 
 def composition(x, history, fp8_dtype, dual, pow2):
     """What delayed scaling computes with torch ops around fp8_quantize_delayed."""
-    given = delayed.given_scale(history, fp8_dtype, pow2)
-    q, s, qt, _, amax = delayed.quantize(x, given, fp8_dtype, pow2, dual, "dual")
+    given = ref.history_scale(history, fp8_dtype, pow2)
+    q, used, qt, amax = ops.fp8_quantize_delayed(x, given.to(x.device), fp8_dtype, dual, pow2)
+    s = used.reshape(1, 1).masked_fill(amax.reshape(1, 1) == 0, 1.0)  # no finite non-zero value
     return q, s, qt, amax
 
 

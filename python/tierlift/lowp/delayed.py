@@ -75,7 +75,6 @@ from torch import nn
 
 from tierlift import ops
 from tierlift.lowp.recipe import Float8Recipe
-from tierlift.reference.lowp import history_scale
 
 NEVER_WRITTEN = -1.0
 # amaxes queued per history entry before a held queue is warned about (a 1F1B step's
@@ -301,26 +300,11 @@ class AwaitingBackward:
     __del__ = done
 
 
-def given_scale(history: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool) -> torch.Tensor:
-    """The scale [1, 1] for the next quantize, on the history's device: from the history's max,
-    or, never filled (max <= 0), the rule's scale for the smallest amax (module docstring)."""
-    return history_scale(history, fp8_dtype, pow2)
-
-
-def quantize(t: torch.Tensor, given: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool,
-             with_transposed: bool, transposed_copy: str):
-    """(q, s, qt, st, amax) as lowp.linear's _quantize gives (qt, st None unless asked for),
-    with the scale chosen ahead; amax: t's finite amax [1]."""
-    dual = with_transposed and transposed_copy == "dual"
-    q, used, qt, amax = ops.fp8_quantize_delayed(t, given.to(t.device), fp8_dtype, dual, pow2)
-    s = used.reshape(1, 1).masked_fill(amax.reshape(1, 1) == 0, 1.0)  # no finite non-zero value
-    return _outputs(q, s, qt, amax, with_transposed)
-
-
 def quantize_from_history(t: torch.Tensor, history: torch.Tensor, fp8_dtype: torch.dtype,
                           pow2: bool, with_transposed: bool, transposed_copy: str):
-    """quantize(t, given_scale(history), ...) in one op: the scale is taken from the history
-    where t is (on a GPU: four launches, no host sync)."""
+    """(q, s, qt, st, amax) as lowp.linear's _quantize gives (qt, st None unless asked for),
+    with the scale the history gives, taken where t is (on a GPU: four launches, no host sync);
+    amax: t's finite amax [1]."""
     dual = with_transposed and transposed_copy == "dual"
     q, s, qt, amax = ops.fp8_quantize_from_history(t, history.detach().to(t.device), fp8_dtype,
                                                    dual, pow2)
