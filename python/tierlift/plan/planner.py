@@ -4,9 +4,10 @@ rest goes to NVMe (offload="hybrid"; "nvme" when host memory holds only the pipe
 Bytes per parameter (mixed precision): bf16 weight 2, bf16 gradient 2, fp32 master 4, m 4, v 4;
 with compact state (state_dtype="bf16") m 2, v 1 and a 4-byte scale per 256 elements, taken
 from the offload tiers' layout at the default chunk size (7.02 B/param of optimizer state
-instead of 12). The bf16 weights and gradients always stay on the GPU here: a model whose
-weights do not fit there needs tierlift.zero stage 3 (across GPUs, or offload_params="cpu" or
-"nvme"), which this planner does not place. Other weights (param_dtype): fp16 as bf16; fp32
+instead of 12). The bf16 weights and gradients stay on the GPU here (offload_params="none"): a
+model whose weights do not fit there needs tierlift.zero stage 3 across GPUs, or its parameter
+offload, which PlanInput(offload_params="cpu"|"nvme") plans (_params_offloaded, one rank).
+Other weights (param_dtype): fp16 as bf16; fp32
 weights and gradients 4 B each, and such a weight is its own master (m and v only) where the
 runtime keeps none: with its state on the GPU (or in the device part) and streamed in one
 generation (then copied down to be stepped: a D2H leg of 4 B). Stepped in place on the host
@@ -151,8 +152,8 @@ def _make_plan(inp: PlanInput, bw: Bandwidths) -> Plan:
         raise ValueError(
             f"the {dt} parameters and gradients ({_fmt(sum(model.values()))}) do not fit in "
             f"{_fmt(gpu_room)} of GPU memory (short by {_fmt(sum(model.values()) - gpu_room)}); "
-            "use more GPUs with tierlift.zero stage 3, or its parameter offload "
-            "(offload_params='cpu' or 'nvme'), which this planner does not place")
+            "plan tierlift.zero's parameter offload with offload_params='cpu' or 'nvme' "
+            "(--offload-params), or use more GPUs with tierlift.zero stage 3")
     if sum(model.values()) + sum(resident.values()) <= gpu_room:
         touched = 2 * WEIGHT_BYTES[dt] + sum(resident.values()) / n  # weight, grad, state
         return Plan(offload="none", tiers={"gpu": {**model, **resident}},

@@ -23,18 +23,29 @@ ties these numbers to a sharded model's tensors and files):
                    streams too: the overlapped host tier above, with a master of every shard;
                    grad and copy staging only for device shards.
   pipeline pool    6 slots x one chunk of master, m, v (576 MiB fp32, 336.75 MiB compact).
-  GPU              the working set, the gathered bf16 units: per unit of U parameters (world
-                   1), backward holds its bf16 weights (2U), the previous unit's prefetch (2U),
-                   the bf16 gradient (2U), the reduce-scatter output (2U) and its fp32 copy
-                   before the D2H (4U): 12 B x the largest unit, which is `unit_share` of the
-                   model (1/32: shard()'s default_units threshold; note that default_units
-                   leaves blocks smaller than 1/32 of the model in the root unit, gathered as a
-                   whole, so deep models need units= or min_unit_numel). Beside it the device
-                   units' shards and gradients (6 B with bf16 gradients). Activations and
-                   workspace are in gpu_reserve as before. fp16 units hold the same bytes;
-                   fp32 units (param_dtype="fp32", no mixed precision) hold 4U each of
-                   weights, prefetch, gradient and reduce-scatter output, which is already
-                   the shards' fp32: 16 B x the largest unit.
+  GPU              the working set, the gathered units at the peak of backward (program
+                   order, world 1; counted on CPU by tests/python/test_plan_gaps.py): with w
+                   the units' bytes per weight (2 bf16/fp16, 4 fp32) and U the largest unit's
+                   parameters, three gathered copies (the unit in backward, the next one
+                   prefetched and that prefetch's staged shard, held until it is waited for:
+                   3wU), and the unit's gradient as autograd builds it: each parameter's
+                   gradient (wP for a parameter of P elements) is scattered into a zeroed
+                   buffer of the whole unit and summed out of place into the others (three
+                   unit-size buffers at once: 3wU). So 6wU + wP with P < U for a unit of
+                   several parameters (13.0 B x U measured for Linear-GELU-Linear blocks in
+                   bf16), 5wU for a unit of one weight (no sum); the plan counts the bound,
+                   7w: 14 B per parameter of the largest unit in bf16/fp16, 28 B in fp32.
+                   The landing of a reduced gradient holds less (the prefetch and its staged
+                   shard, the gradient, the reduce-scatter output and its copy in grad_dtype
+                   when that differs: at most 12 B in bf16 with fp32 gradients, 18 B in
+                   fp32 with bf16 ones), so grad_dtype does not change it. The largest unit
+                   is `unit_share` of the model (1/32: shard()'s default_units threshold;
+                   note that default_units leaves blocks smaller than 1/32 of the model in
+                   the root unit, gathered as a whole, so deep models need units= or
+                   min_unit_numel). On a GPU a gradient copy still in flight to host memory
+                   keeps its device buffer (record_stream) past this program order: not
+                   counted. Beside it the device units' shards and gradients (6 B with bf16
+                   gradients). Activations and workspace are in gpu_reserve as before.
 So with compact state and bf16 gradients an offloaded parameter costs 4 + 2 + 3.02 = 9.02 B
 of host memory and drive together (one generation), a device one 6 B of GPU memory and 3.02 B
 of host memory and drive."""
@@ -134,14 +145,16 @@ def streamed_pool_bytes(state_dtype: str = "fp32") -> int:
 
 
 def working_set_bytes(inp: PlanInput) -> float:
-    """GPU bytes of gathered units at the peak of a unit's backward (offload_params): 12 B per
-    parameter of the largest unit, 16 B for fp32 units (see the module docstring)."""
+    """GPU bytes of gathered units at the peak of a unit's backward (offload_params): 14 B per
+    parameter of the largest unit, 28 B for fp32 units (see the module docstring)."""
     return working_set_per_param(inp) * inp.unit_share * int(inp.params)
 
 
 def working_set_per_param(inp: PlanInput) -> int:
-    """Bytes per parameter of a gathered unit at the peak of its backward (offload_params)."""
-    return 16 if inp.param_dtype == "fp32" else 12
+    """Bytes per parameter of the largest unit at the peak of its backward (offload_params):
+    three gathered copies and the bound of its gradient's build (three unit-size sums and
+    one parameter's gradient, at most the unit), 7 x the units' bytes per weight."""
+    return 7 * WEIGHT_BYTES[inp.param_dtype]
 
 
 def model_bytes(inp: PlanInput, n: int) -> dict[str, float]:

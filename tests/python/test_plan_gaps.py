@@ -1,0 +1,171 @@
+"""What the planner used to leave unmeasured or unplanned, now measured or refused.
+
+The ZeRO-3 working set (offload_params): the device bytes a sharded model holds at the peak of
+backward, counted on CPU as the runtime allocates them (every tensor an aten op makes, less the
+host tensors parameter offload stages through; world 1, program order), against the planner's
+bound. Before, the planner counted 12 B per parameter of the largest unit for bf16 units (16 for
+fp32 ones) from a list of buffers that missed the prefetch's staged shard and the unit-size
+buffers autograd sums a unit's gradient in: blocks of several parameters held 13.0 B (26.0 B).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+import tierlift
+from tierlift.plan import Bandwidths, PlanInput, make_plan
+
+pytestmark = pytest.mark.skipif(not tierlift._extension.available(),
+                                reason="compiled extension not loaded")
+
+BW = Bandwidths(memory_bps=10e9, adam_elems_per_s=1e9, disk_read_bps=2e9, disk_write_bps=1e9)
+G = 1 << 30
+D = 256
+# Storages below this are a one-row batch's activations, the biases' gradients and their
+# like (at most 2 D elements), left to gpu_reserve; every buffer the working set counts holds
+# at least D x D elements of 2 bytes or more.
+_SMALL = D * D
+
+
+class _DeviceBytes(TorchDispatchMode):
+    """The largest sum of live storages made by aten ops (and those registered with add()),
+    skipping what is made while `host` is set: the parameter offload's host staging."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, weakref.ref] = {}
+        self.host = 0
+        self.peak = 0
+
+    def add(self, t: torch.Tensor) -> None:
+        s = t.untyped_storage()
+        if id(s) not in self.live:
+            self.live[id(s)] = weakref.ref(s)
+            weakref.finalize(s, self.live.pop, id(s), None)
+
+    def now(self) -> int:
+        # sizes read at each op: a unit's storage is resized to 0 when it is freed
+        sizes = (r().nbytes() for r in list(self.live.values()) if r() is not None)
+        return sum(b for b in sizes if b >= _SMALL)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.host:
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self.add(t)
+        self.peak = max(self.peak, self.now())
+        return out
+
+
+def _backward_peak(model: nn.Module, x: torch.Tensor, monkeypatch) -> int:
+    """Device bytes at the peak of the second backward (the first records the unit order the
+    prefetch follows); the gathered units' buffers, made at shard(), are registered."""
+    from tierlift.zero.param_offload import ParamOffload
+
+    mode = _DeviceBytes()
+    stage_in, stage_out = ParamOffload.stage_in, ParamOffload.stage_out
+
+    def staged_in(self, *args, **kwargs):
+        mode.host += 1  # the host staging buffer is not device memory; what it fills is
+        try:
+            dst = stage_in(self, *args, **kwargs)
+        finally:
+            mode.host -= 1
+        mode.add(dst)
+        return dst
+
+    def staged_out(self, *args, **kwargs):
+        mode.host += 1  # the gradient shard's host copy
+        try:
+            return stage_out(self, *args, **kwargs)
+        finally:
+            mode.host -= 1
+
+    monkeypatch.setattr(ParamOffload, "stage_in", staged_in)
+    monkeypatch.setattr(ParamOffload, "stage_out", staged_out)
+    model(x).float().sum().backward()
+    model.zero_grad(set_to_none=True)
+    loss = model(x).float().sum()
+    with mode:
+        for unit in model._tierlift_zero.units:
+            mode.add(unit.full)
+        loss.backward()
+    return mode.peak
+
+
+def _one_weight_units() -> nn.Module:
+    return nn.Sequential(*[nn.Linear(D, D, bias=False) for _ in range(4)])
+
+
+def _blocks() -> nn.Module:
+    return nn.Sequential(*[nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D))
+                           for _ in range(4)])
+
+
+@pytest.mark.parametrize("param_dtype,grad_dtype", [
+    (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
+    (torch.float16, torch.bfloat16), (torch.float32, torch.float32)])
+def test_working_set_is_the_bound_of_the_backward_peak(param_dtype, grad_dtype, monkeypatch):
+    """Building a unit's gradient, units of one weight hold 5 w U (the unit, the prefetch and
+    its staged shard, the weight's gradient and the unit-size buffer it is scattered into),
+    blocks of several parameters 6 w U + w P (three unit-size buffers summing the gradient, P
+    the largest parameter). Landing it, 4 w U (the prefetch and its staged shard, the
+    gradient, the reduce-scatter output) and its copy in grad_dtype where that differs. The
+    plan counts 7 w U: the build with P = U, more than the landing whatever grad_dtype."""
+    w = param_dtype.itemsize
+    g = grad_dtype.itemsize if grad_dtype != param_dtype else 0
+    dt = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+    for build, built in ((_one_weight_units, lambda u, p: 5 * w * u),
+                         (_blocks, lambda u, p: 6 * w * u + w * p)):
+        torch.manual_seed(0)
+        model = build()
+        n = sum(p.numel() for p in model.parameters())
+        largest = max(p.numel() for p in model.parameters())
+        mp = tierlift.zero.MixedPrecision(param_dtype=param_dtype, grad_dtype=grad_dtype)
+        model = tierlift.zero.shard(model, stage=3, offload_params="cpu", mixed_precision=mp,
+                                    device_params=0)
+        try:
+            unit = max(u.padded for u in model._tierlift_zero.units)
+            peak = _backward_peak(model, torch.randn(1, D, dtype=param_dtype), monkeypatch)
+        finally:
+            tierlift.zero.close(model)
+        assert peak == max(built(unit, largest), (4 * w + g) * unit), build.__name__
+        plan = make_plan(PlanInput(params=n, gpu_mem=G, cpu_mem=G, offload_params="cpu",
+                                   device_params=0, unit_share=unit / n,
+                                   param_dtype=dt[param_dtype],
+                                   grad_dtype=dt[grad_dtype]), BW)
+        planned = plan.tiers["gpu"]["gathered units (working set)"]
+        assert planned == pytest.approx(7 * w * unit, rel=1e-12)
+        assert planned >= peak
+
+
+def test_working_set_does_not_depend_on_the_gradients_dtype():
+    """bf16 gradient shards halve the host bytes and the D2H leg, not the working set: the
+    peak is the gradient's build in the units' dtype, before it is reduced."""
+    inp = PlanInput(params=4e9, gpu_mem=80 * G, cpu_mem=128 * G, offload_params="cpu",
+                    device_params=0)
+    fp32, bf16 = (make_plan(dataclasses.replace(inp, grad_dtype=g), BW) for g in ("fp32", "bf16"))
+    assert fp32.tiers["gpu"] == bf16.tiers["gpu"] == {
+        "gathered units (working set)": pytest.approx(14 * 4e9 / 32)}
+    assert bf16.tiers["cpu"]["bf16 grad shards"] == fp32.tiers["cpu"]["fp32 grad shards"] / 2
+
+
+def test_weights_beyond_the_gpu_are_pointed_to_the_parameter_offload_the_planner_plans():
+    """The refusal of bf16 weights and gradients the GPU cannot hold names offload_params,
+    which make_plan places (it used to say the planner did not), and that input plans."""
+    inp = PlanInput(params=20e9, gpu_mem=80 * G, cpu_mem=512 * G)
+    with pytest.raises(ValueError, match=r"\(74\.5 GiB\) do not fit in 56\.0 GiB of GPU memory "
+                                         r".*plan tierlift\.zero's parameter offload with "
+                                         r"offload_params='cpu' or 'nvme'") as refused:
+        make_plan(inp, BW)
+    assert "does not place" not in str(refused.value)
+    plan = make_plan(dataclasses.replace(inp, offload_params="cpu"), BW)
+    assert plan.offload == "cpu" and "offload_params='cpu'" in plan.note
