@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import tierlift
-from tierlift.plan import Bandwidths, PlanInput, make_plan
+from tierlift.plan import Bandwidths, PlanInput, make_plan, max_params
 
 pytestmark = pytest.mark.skipif(not tierlift._extension.available(),
                                 reason="compiled extension not loaded")
@@ -169,3 +169,90 @@ def test_weights_beyond_the_gpu_are_pointed_to_the_parameter_offload_the_planner
     assert "does not place" not in str(refused.value)
     plan = make_plan(dataclasses.replace(inp, offload_params="cpu"), BW)
     assert plan.offload == "cpu" and "offload_params='cpu'" in plan.note
+
+
+# ---- runtime options the plan counts or refuses ---------------------------------------------
+CHUNK_BYTES = 64 << 10
+
+
+@pytest.fixture
+def staged_on_device(monkeypatch):
+    """CPU weights taken for CUDA ones that device staging can shadow (its seams: the stand-in
+    streams of test_offload_device_staging.py need only wait and synchronize here)."""
+    from tierlift.offload import d2h, device_staging
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+        def synchronize(self):
+            pass
+
+    monkeypatch.setattr(d2h, "on_device", lambda t: True)
+    monkeypatch.setattr(device_staging, "stageable", lambda p: True)
+    monkeypatch.setattr(device_staging, "free_bytes", lambda device: 1 << 40)
+    monkeypatch.setattr(device_staging, "side_stream", lambda device: Stream())
+    monkeypatch.setattr(device_staging, "current_stream", lambda device: Stream())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_device_staging_shadow_is_what_the_runtime_allocates(staged_on_device, dtype):
+    """AdamW(offload="cpu", overlap=True, device_staging=True): the plan's GPU shadow is the
+    runtime's (each of the 80 tensors from a 256-byte boundary: 2.18 B/param here), and its
+    host tier and staging pool are those of the plan without it; a GPU without room for the
+    shadow beside the weights is refused, as the runtime refuses it at construction."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(40)]).to(dtype)
+    numels = [p.numel() for p in model.parameters()]
+    n = sum(numels)
+    dt = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    inp = PlanInput(params=n, gpu_mem=int(7 * n / 0.7), cpu_mem=G, chunk_bytes=CHUNK_BYTES,
+                    numels=numels, param_dtype=dt, overlap=True, device_staging=True)
+    plan = make_plan(inp, BW)
+    without = make_plan(dataclasses.replace(inp, device_staging=False), BW)
+    opt = tierlift.optim.AdamW(model.parameters(), lr=1e-3, offload="cpu", overlap=True,
+                               chunk_bytes=CHUNK_BYTES, device_staging=True)
+    off = opt._offload
+    try:
+        shadows = [s.buffer.nbytes for s in off._device_staging.shadows if s is not None]
+        assert plan.tiers["gpu"]["device staging shadow"] == sum(shadows) == 40 * (2048 + 256)
+        assert plan.tiers["cpu"] == without.tiers["cpu"]
+        assert sum(t.resident_bytes for t in off.tiers) + off.pool_bytes == \
+            sum(plan.tiers["cpu"].values())
+    finally:
+        off.close()
+    with pytest.raises(ValueError, match=r"device_staging=True: its shadow of the new weights "
+                                         r"\(90\.0 KiB\) .* does not fit"):
+        make_plan(dataclasses.replace(inp, gpu_mem=int(6 * n / 0.7)), BW)
+    assert make_plan(dataclasses.replace(inp, gpu_mem=int(6 * n / 0.7), device_staging=False),
+                     BW).offload == "cpu"
+
+
+def test_options_whose_bytes_are_not_planned_are_refused_by_name():
+    """durable=True (a gradient log, a journal, a master of fp32 weights in one generation),
+    non-contiguous weights (a master of each, stepped through a copy) and device_staging=None
+    (decided from the GPU's free memory after the first step) would be planned low: refused,
+    as is device_staging=True where the plan has no overlapped host tier to stage for."""
+    base = dict(params=8e9, gpu_mem=80 * G, cpu_mem=128 * G)
+    refusals = [
+        (dict(durable=True), r"durable=True is not planned: .*gradient log"),
+        (dict(contiguous=False), r"non-contiguous weights \(contiguous=False.*not planned"),
+        (dict(device_staging=None), r"device_staging=None is not planned"),
+        (dict(device_staging=1), r"device_staging must be True, False or None"),
+        (dict(device_staging=True, param_dtype="fp32"), r"device_staging=True is planned for "
+                                                        r"bf16 or fp16 weights"),
+        (dict(device_staging=True, offload_params="cpu"), r"offload_params='none'"),
+        (dict(device_staging=True, overlap=False), r"with overlap=True"),
+    ]
+    for kw, message in refusals:
+        with pytest.raises(ValueError, match=message):
+            PlanInput(**base, **kw)
+    # the plan itself without an overlapped host tier: all on the GPU, or on NVMe
+    with pytest.raises(ValueError, match=r"this plan is offload='none'"):
+        make_plan(PlanInput(params=1e9, gpu_mem=80 * G, cpu_mem=128 * G, device_staging=True),
+                  BW)
+    with pytest.raises(ValueError, match=r"this plan is offload='hybrid'"):
+        make_plan(PlanInput(params=13e9, gpu_mem=80 * G, cpu_mem=128 * G, nvme="/x",
+                            device_staging=True), BW)
+    with pytest.raises(ValueError, match="max_params plans device_staging=False"):
+        max_params(PlanInput(**base, device_staging=True), BW)

@@ -84,9 +84,17 @@ class PlanInput:
     # Host memory the saved activations take (tierlift.activations' RAM tier, --act-cpu-budget):
     # without a cpu_budget the state gets the rest of the 80% of cpu_mem the plan uses.
     act_cpu_budget: int = 0
+    # AdamW(device_staging=...) with overlap=True: True plans the device shadow of the new
+    # weights on the GPU (offload="cpu"); None, the runtime's default, is decided from the GPU's
+    # free memory after the first step, so it is refused, as are the layouts not planned:
+    # AdamW(durable=True) and non-contiguous weights (contiguous=False).
+    device_staging: bool | None = False
+    durable: bool = False
+    contiguous: bool = True
 
     def __post_init__(self):
         self.param_dtype = _param_dtype_name(self.param_dtype)
+        _refuse_unplanned(self)
         check_fraction(self.device_fraction)
         if self.numels is not None:
             self.numels = tuple(self.numels)
@@ -157,3 +165,31 @@ def _param_dtype_name(dtype) -> str:
     raise ValueError(f"param_dtype must be one of {tuple(PARAM_DTYPES)} or torch.bfloat16, "
                      f"torch.float16, torch.float32 (the dtypes tierlift's Adam steps), got "
                      f"{dtype!r}")
+
+
+def _refuse_unplanned(inp: PlanInput) -> None:
+    """Runtime options whose bytes the planner does not count, refused by name."""
+    if inp.durable is not False:
+        raise ValueError(
+            f"durable={inp.durable!r} is not planned: its state folder adds a gradient log (the "
+            "gradients' bytes per parameter), a journal of one chunk of every kind per pipeline "
+            "slot, records and manifests, and keeps a master of fp32 weights in one generation; "
+            "plan durable=False and add those")
+    if inp.contiguous is not True:
+        raise ValueError(
+            "non-contiguous weights (contiguous=False: channels_last, transposed) are not "
+            "planned: the offloader keeps an fp32 master of each in its tiers, an fp32 one too, "
+            "and steps it through a contiguous copy; plan the model with contiguous weights")
+    if inp.device_staging is None:
+        raise ValueError(
+            "device_staging=None is not planned: the runtime turns the device shadow of "
+            "overlap=True's new weights on after the first step where the GPU's free memory "
+            "holds twice it; plan device_staging=True (the shadow counted on the GPU) or False")
+    if type(inp.device_staging) is not bool:
+        raise ValueError(f"device_staging must be True, False or None, got "
+                         f"{inp.device_staging!r}")
+    if inp.device_staging and (inp.offload_params != "none" or inp.device_fraction
+                               or inp.param_dtype == "fp32" or inp.overlap is False):
+        # fp32 weights streamed are their own master, which the runtime does not stage
+        raise ValueError("device_staging=True is planned for bf16 or fp16 weights on the GPU "
+                         "(offload_params='none', device_fraction=0) with overlap=True")

@@ -45,7 +45,9 @@ one generation, and the runtime still stages device gradients and weights throug
 (6 x grad and copy): the plan counts that pool in host memory and in its fit.
 overlap=None (the default) plans overlap=True for
 the bf16-on-GPU layout and overlap=False with offload_params, where a host shard is its own
-master.
+master. device_staging=True adds the overlap's device shadow of the new weights to the GPU
+(state_bytes.shadow_bytes); device_staging=None, durable=True and non-contiguous weights are
+refused (inputs.py): their bytes are not counted.
 
 Bytes per parameter, the offload tiers' layout and the host tier's sizing: state_bytes.py
 (the parameters as PlanInput takes them: inputs.py; the printed plan: report.py)."""
@@ -79,12 +81,14 @@ from tierlift.plan.state_bytes import (
     own_master,
     param_bytes_per_param,
     reserved_elems,
+    shadow_bytes,
     state_bytes_per_param,
     streamed_pool_bytes,
     working_set_bytes,
     working_set_per_param,
 )
 
+_SHADOW = "device staging shadow"  # the GPU tier's kind with device_staging=True
 # Importable from here as before the split.
 __all__ = ["MAX_PARAMS", "POOL_BYTES", "UNIT_SHARE", "HostTier", "Plan", "PlanInput",
            "host_room", "host_tier", "in_place_staging_bytes", "make_plan", "max_params",
@@ -123,13 +127,18 @@ def _host_tier_plan(inp: PlanInput, host: HostTier, legs: dict, before: dict, wh
 
 def make_plan(inp: PlanInput, bw: Bandwidths) -> Plan:
     try:
-        return _make_plan(inp, bw)
+        plan = _make_plan(inp, bw)
     except ValueError as err:
         why = (f"host memory for the state is 80% of cpu_mem less the activations' "
                f"{_fmt(inp.act_cpu_budget)} (act_cpu_budget)")
         if not inp.act_cpu_budget or inp.cpu_budget is not None or why in str(err):
             raise
         raise ValueError(f"{err}; {why}") from None
+    if inp.device_staging and _SHADOW not in plan.tiers.get("gpu", {}):
+        raise ValueError(f"device_staging=True is planned with the optimizer state in host "
+                         f"memory and overlap=True; this plan is offload={plan.offload!r}, "
+                         f"overlap={plan.overlap}: give device_staging=False")
+    return plan
 
 
 def _make_plan(inp: PlanInput, bw: Bandwidths) -> Plan:
@@ -174,6 +183,8 @@ def _make_plan(inp: PlanInput, bw: Bandwidths) -> Plan:
         if host is not None and host.spare != 0:
             plan = _host_tier_plan(inp, host, legs, {}, "optimizer state in pinned host memory")
             plan.tiers = {"gpu": model, **plan.tiers}
+            if inp.device_staging:
+                _add_shadow(inp, plan, n, gpu_room)
             return plan
     # In place, the runtime still stages the device gradients and weights through its slots.
     staging = in_place_staging_bytes(inp, n, device=True)
@@ -211,6 +222,21 @@ def _make_plan(inp: PlanInput, bw: Bandwidths) -> Plan:
         plan.legs_s["d2h device weights"] = 4 * n / pcie_d2h
         plan.note += "; fp32 weights are their own master"
     return plan
+
+
+def _add_shadow(inp: PlanInput, plan: Plan, n: int, gpu_room: float) -> None:
+    """AdamW(device_staging=True): the device shadow of the new weights beside them, refused
+    where the GPU's room does not hold it (the runtime refuses it at construction there)."""
+    shadow = shadow_bytes(inp, n)
+    gpu = plan.tiers["gpu"]
+    if sum(gpu.values()) + shadow > gpu_room:
+        raise ValueError(
+            f"device_staging=True: its shadow of the new weights ({_fmt(shadow)}) beside the "
+            f"{inp.param_dtype} parameters and gradients ({_fmt(sum(gpu.values()))}) does not "
+            f"fit in {_fmt(gpu_room)} of GPU memory (short by "
+            f"{_fmt(sum(gpu.values()) + shadow - gpu_room)}); give device_staging=False")
+    gpu[_SHADOW] = shadow
+    plan.note += "; device_staging=True: the new weights are staged on the GPU during backward"
 
 
 def _device_part_plan(inp: PlanInput, bw: Bandwidths, n: int, model: dict) -> Plan:
@@ -448,6 +474,9 @@ def max_params(inp: PlanInput, bw: Bandwidths) -> tuple[int, Plan]:
     whatever fits a tier, a smaller model fits too."""
     if inp.numels is not None:  # a larger model's tensors are not known
         raise ValueError("max_params plans a parameter count; give numels=None")
+    if inp.device_staging:  # small models fit on the GPU, with no shadow to plan
+        raise ValueError("max_params plans device_staging=False; plan device_staging=True for "
+                         "a parameter count")
 
     def fits(n: int) -> Plan | None:
         try:

@@ -56,6 +56,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tierlift.offload.device_staging import _ALIGN as _SHADOW_ALIGN
 from tierlift.offload.host_budget import (
     host_chunk_elems,
     one_generation_bytes,
@@ -155,6 +156,14 @@ def working_set_per_param(inp: PlanInput) -> int:
     three gathered copies and the bound of its gradient's build (three unit-size sums and
     one parameter's gradient, at most the unit), 7 x the units' bytes per weight."""
     return 7 * WEIGHT_BYTES[inp.param_dtype]
+
+
+def shadow_bytes(inp: PlanInput, n: int) -> int:
+    """The device shadow of the new weights (AdamW(device_staging=True), overlap=True): every
+    parameter in param_dtype, each from a 256-byte boundary (offload.device_staging; numels,
+    or `n` as one tensor)."""
+    each = WEIGHT_BYTES[inp.param_dtype]
+    return sum(-(-k * each // _SHADOW_ALIGN) * _SHADOW_ALIGN for k in (inp.numels or (n,)))
 
 
 def model_bytes(inp: PlanInput, n: int) -> dict[str, float]:
