@@ -1,10 +1,12 @@
 // Multi-tensor fused Adam/AdamW with compact state on the GPU, torch-free: m in bf16, v as 8-bit
 // codes with one fp32 scale (the block max) per 256 elements (core/optim/adam_compact.h has the
 // format and its error bound). Packs tensors into launches as cuda/adam.cuh does
-// (cuda/multi_tensor.cuh); each CUDA block walks its chunk one 256-element code block at a time,
-// one element per thread, and reduces the block's new max with warp shuffles and shared memory
-// before encoding. Arithmetic matches the CPU kernel operation for operation, with explicitly
-// rounded intrinsics.
+// (cuda/multi_tensor.cuh). One warp steps one 256-element code block, 8 consecutive elements per
+// lane with 16-byte loads and stores (8-byte for the codes) where the tensor's arrays are aligned
+// for them, and reduces the block's new max with warp shuffles and a vote before encoding: no
+// shared memory and no barrier, so 8 code blocks per CUDA block proceed independently and each lane
+// keeps ~100 bytes of loads in flight (cuda/adam_compact.cu). Arithmetic matches the CPU kernel
+// operation for operation, with explicitly rounded intrinsics.
 #pragma once
 
 #include <cuda_runtime.h>

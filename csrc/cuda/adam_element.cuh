@@ -75,6 +75,28 @@ __device__ __forceinline__ void store(void* p, int64_t i, float x) {
   static_cast<Storage<kT>*>(p)[i] = from_f32<kT>(x);
 }
 
+// kN consecutive elements of an array in one aligned access (ld/st.global.v4, .v2, or one 8- or
+// 16-byte access): the vector paths' loads and stores.
+template <typename T, int kN>
+struct alignas(sizeof(T) * kN) Elements {
+  T x[kN];
+};
+
+// Group j of kN elements from p, which is aligned to sizeof(Elements<T, kN>).
+template <int kN, typename T>
+__device__ __forceinline__ Elements<T, kN> load_elements(const T* p, int j) {
+  return reinterpret_cast<const Elements<T, kN>*>(p)[j];
+}
+template <int kN, typename T>
+__device__ __forceinline__ void store_elements(T* p, int j, const Elements<T, kN>& e) {
+  reinterpret_cast<Elements<T, kN>*>(p)[j] = e;
+}
+
+// Whether p is a multiple of `bytes` (a power of two).
+__device__ __forceinline__ bool aligned_to(const void* p, uintptr_t bytes) {
+  return (reinterpret_cast<uintptr_t>(p) & (bytes - 1)) == 0;
+}
+
 // core's grad_unscale_factor on the device: GradScaler's scale (read from device memory, so no
 // host sync) as the fp32 factor unscale_ multiplies by, 1 / scale in double rounded to fp32.
 // Double division is correctly rounded in CUDA whatever the float precision flags.

@@ -379,12 +379,13 @@ TEST_F(KernelRaces, AdamMultiTensorChunksAndPacks) {
   }
 }
 
-// The compact Adam step: 3 blocks, the first looping over 6 code blocks, so each block's warp
-// maxima are written, read across a barrier and rewritten for the next code block 5 times.
-// Two steps (the second decodes the first's v codes), against core's scalar step.
-TEST_F(KernelRaces, AdamCompactCodeBlocksAcrossBarriers) {
+// The compact Adam step: 3 blocks, the first with 10 code blocks, so its 8 warps each reduce a
+// code block's max with shuffles and a vote, read its old scale on every lane before lane 0
+// overwrites it, and warps 0 and 1 loop to a second code block (warp 1's partial, on the scalar
+// layout). Two steps (the second decodes the first's v codes), against core's scalar step.
+TEST_F(KernelRaces, AdamCompactCodeBlocksAcrossWarps) {
   kernels("adam_compact_kernel");
-  const int64_t sizes[] = {5 * kCompactBlock + 17, kCompactBlock, 100};
+  const int64_t sizes[] = {9 * kCompactBlock + 17, kCompactBlock, 100};
   constexpr int kCount = 3;
   struct State {
     std::vector<float> param, grad, scales;
