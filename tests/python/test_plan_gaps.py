@@ -256,3 +256,38 @@ def test_options_whose_bytes_are_not_planned_are_refused_by_name():
                             device_staging=True), BW)
     with pytest.raises(ValueError, match="max_params plans device_staging=False"):
         max_params(PlanInput(**base, device_staging=True), BW)
+
+
+@pytest.mark.parametrize("budget_mib,slots", [(32, {"fp32": 6, "bf16": 6}),
+                                              (20, {"fp32": 4, "bf16": 5})])
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+def test_hybrid_pool_is_the_slots_of_the_state_kinds(tmp_path, staged_on_device, state_dtype,
+                                                     budget_mib, slots):
+    """offload="hybrid" with weights on the GPU: the pipeline's pool is a chunk of every state
+    kind and the fp32 grad and copy staging per slot, 6 slots or as many of 1 MiB per kind
+    as the budget holds (at least 3; 20 MiB holds 4 of fp32 state, 5 compact), as the
+    runtime allocates it (compact state: 15.25 B per
+    slot element here; the plan took fp32 state's 20 B and 6 slots for any state and budget:
+    960 MiB instead of 720.75 MiB at the default chunk), so the host memory the plan leaves
+    the state is the runtime's budget less pool."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(512, 512, bias=False) for _ in range(24)]).bfloat16()
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    n = sum(p.numel() for p in model.parameters())
+    budget = budget_mib << 20
+    inp = PlanInput(params=n, gpu_mem=int(10 * n / 0.7), cpu_mem=G, nvme=str(tmp_path),
+                    cpu_budget=budget, chunk_bytes=CHUNK_BYTES, state_dtype=state_dtype)
+    plan = make_plan(inp, BW)
+    assert plan.offload == "hybrid" and plan.cpu_budget == budget
+    opt = tierlift.optim.AdamW(model.parameters(), lr=1e-3, offload="hybrid",
+                               nvme_path=str(tmp_path), cpu_budget=budget,
+                               chunk_bytes=CHUNK_BYTES, state_dtype=state_dtype)
+    off = opt._offload
+    try:
+        assert off.chunk_elems == CHUNK_BYTES // 4
+        per_elem = 20 if state_dtype == "fp32" else 15.25
+        assert plan.tiers["cpu"]["staging pool"] == off.pool_bytes == \
+            slots[state_dtype] * per_elem * CHUNK_BYTES // 4
+    finally:
+        off.close()

@@ -74,6 +74,7 @@ from tierlift.plan.state_bytes import (
     _KIND_NAMES,
     HostTier,
     _host_layout,
+    device_pool_bytes,
     host_room,
     host_tier,
     in_place_staging_bytes,
@@ -208,6 +209,8 @@ def _make_plan(inp: PlanInput, bw: Bandwidths) -> Plan:
     if inp.numels is not None:  # NVMe chunks are cut otherwise: its bytes would not be these
         raise ValueError("numels plans the host tier's layout only (offload='cpu'); with state "
                          "on NVMe give numels=None (params as one tensor: low for small ones)")
+    if inp.pool_bytes == POOL_BYTES:  # not given: the slots of this state's kinds
+        inp = dataclasses.replace(inp, pool_bytes=device_pool_bytes(inp, cpu_room))
     if not own_master(inp):
         return _on_nvme(inp, bw, n, model, state, cpu_room, legs)
     try:  # two generations keep a master, to put the weights back after a failed step

@@ -64,6 +64,7 @@ from tierlift.offload.host_budget import (
     staging_bytes,
 )
 from tierlift.offload.layout import ALIGN_ELEMS, chunk_bytes, state_kinds
+from tierlift.offload.sizing import MIN_SLOT_CHUNK_BYTES, MIN_SLOTS
 from tierlift.plan.inputs import WEIGHT_BYTES, PlanInput
 
 _CHUNK_ELEMS = (32 << 20) // 4  # the default chunk_bytes, in elements
@@ -137,6 +138,18 @@ def param_bytes_per_param(offload_params: str, grad_dtype: str = "fp32"
         return {"nvme": {"fp32 param shards (file)": 4.0, "fp32 grad shards (file)": 4.0},
                 "gpu": on_gpu}
     raise ValueError(f"offload_params must be 'cpu' or 'nvme' here, got {offload_params!r}")
+
+
+def device_pool_bytes(inp: PlanInput, budget: int) -> int:
+    """The NVMe pipeline's pool for weights on the GPU under `budget` (the cpu_budget given):
+    one chunk of `chunk_bytes` of every state kind, master included (a slot steps an fp32
+    weight that is its own master too), and fp32 grad and copy staging per slot; the default 6
+    slots, fewer (at least 3) where the budget holds fewer of 1 MiB per kind (offload.sizing).
+    POOL_BYTES with fp32 state; 720.75 MiB, not 960, with compact state."""
+    slot = {**state_kinds(False, inp.state_dtype), "grad": torch.float32, "copy": torch.float32}
+    afford = int(budget) // chunk_bytes(slot, MIN_SLOT_CHUNK_BYTES // 4)
+    slots = max(MIN_SLOTS, min(_SLOTS, afford))
+    return slots * chunk_bytes(slot, inp.chunk_bytes // 4)
 
 
 def streamed_pool_bytes(state_dtype: str = "fp32") -> int:
