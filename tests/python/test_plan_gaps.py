@@ -1,4 +1,5 @@
-"""What the planner used to leave unmeasured or unplanned, now measured or refused.
+"""The planner's numbers where it used to derive them or leave them unplanned, against the
+runtime's bytes, and the options it refuses.
 
 The ZeRO-3 working set (offload_params): the device bytes a sharded model holds at the peak of
 backward, counted on CPU as the runtime allocates them (every tensor an aten op makes, less the
@@ -6,7 +7,8 @@ host tensors parameter offload stages through; world 1, program order), against 
 bound. Before, the planner counted 12 B per parameter of the largest unit for bf16 units (16 for
 fp32 ones) from a list of buffers that missed the prefetch's staged shard and the unit-size
 buffers autograd sums a unit's gradient in: blocks of several parameters held 13.0 B (26.0 B).
-"""
+Then the device shadow of AdamW(device_staging=True), the options whose bytes are not planned
+(refused by name), and the hybrid tier's pipeline pool."""
 
 from __future__ import annotations
 
