@@ -114,7 +114,8 @@ def _blocks() -> nn.Module:
 
 @pytest.mark.parametrize("param_dtype,grad_dtype", [
     (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
-    (torch.float16, torch.bfloat16), (torch.float32, torch.float32)])
+    (torch.float16, torch.bfloat16), (torch.float32, torch.float32),
+    (torch.float32, torch.bfloat16)])
 def test_working_set_is_the_bound_of_the_backward_peak(param_dtype, grad_dtype, monkeypatch):
     """Building a unit's gradient, units of one weight hold 5 w U (the unit, the prefetch and
     its staged shard, the weight's gradient and the unit-size buffer it is scattered into),

@@ -127,13 +127,6 @@ class PlanInput:
         if self.grad_dtype == "bf16" and self.offload_params == "nvme":
             raise ValueError("grad_dtype='bf16' cannot be combined with offload_params='nvme' "
                              "(its gradients' file holds fp32)")
-        if (self.param_dtype == "fp32" and self.grad_dtype == "bf16"
-                and self.offload_params != "none"):
-            # fp32 units reduce in fp32 and cast each shard's gradient: a working set not planned
-            raise ValueError("param_dtype='fp32' cannot be combined with grad_dtype='bf16' (the "
-                             "bf16 gradients of fp32 units are not planned); give grad_dtype="
-                             "'fp32', or param_dtype='bf16' for MixedPrecision(param_dtype="
-                             "torch.bfloat16)")
         if self.device_params is not None and self.device_params < 0:
             raise ValueError(f"device_params must be >= 0, got {self.device_params}")
         if not 0 < self.unit_share <= 1:
