@@ -13,6 +13,7 @@ Then the device shadow of AdamW(device_staging=True), the options whose bytes ar
 from __future__ import annotations
 
 import dataclasses
+import os
 import weakref
 
 import pytest
@@ -292,5 +293,42 @@ def test_hybrid_pool_is_the_slots_of_the_state_kinds(tmp_path, staged_on_device,
         per_elem = 20 if state_dtype == "fp32" else 15.25
         assert plan.tiers["cpu"]["staging pool"] == off.pool_bytes == \
             slots[state_dtype] * per_elem * CHUNK_BYTES // 4
+    finally:
+        off.close()
+
+
+def _allocated(directory) -> int:
+    return sum(os.stat(os.path.join(r, f)).st_blocks * 512 for r, _, fs in os.walk(directory)
+               for f in fs if f != "owner.json")
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+def test_nvme_plan_is_the_runtimes_pool_and_files_under_its_budget(tmp_path, staged_on_device,
+                                                                   state_dtype):
+    """Host memory for under 1% of the state: offload="nvme" under the plan's cpu_budget (the
+    plan named none, and the runtime's default pool is 6 slots of 32 MiB chunks: 960 MiB where
+    the plan said the budget). Its pool (3 slots of the chunks the budget holds: 2048 elements
+    of fp32 state, 1024 of compact state, whose small kinds take 4 KiB each) and files (every
+    chunk of every kind 4 KiB aligned: 16 B/param of compact state at this chunk, not the 7.02
+    of 32 MiB chunks) are the runtime's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(512, 512, bias=False) for _ in range(8)]).bfloat16()
+    n = sum(p.numel() for p in model.parameters())
+    budget = 128 << 10
+    plan = make_plan(PlanInput(params=n, gpu_mem=int(10 * n / 0.7), cpu_mem=G,
+                               nvme=str(tmp_path), cpu_budget=budget, state_dtype=state_dtype),
+                     BW)
+    assert plan.offload == "nvme" and plan.cpu_budget == budget and plan.generations == 2
+    assert f"cpu_budget={budget}" in plan.note
+    opt = tierlift.optim.AdamW(model.parameters(), lr=1e-3, offload="nvme",
+                               nvme_path=str(tmp_path), cpu_budget=budget,
+                               state_dtype=state_dtype)
+    off = opt._offload
+    try:  # the files are reserved (fallocate) when the optimizer is built
+        elems, slot, per_param = (2048, 20, 12) if state_dtype == "fp32" else (1024, 24, 16)
+        assert off.chunk_elems == elems
+        assert plan.tiers["cpu"] == {"staging pool": off.pool_bytes} == {
+            "staging pool": 3 * slot * elems}
+        assert sum(plan.tiers["nvme"].values()) == _allocated(tmp_path) == 2 * per_param * n
     finally:
         off.close()

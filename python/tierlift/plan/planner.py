@@ -79,6 +79,7 @@ from tierlift.plan.state_bytes import (
     host_tier,
     in_place_staging_bytes,
     model_bytes,
+    nvme_layout,
     own_master,
     param_bytes_per_param,
     reserved_elems,
@@ -270,20 +271,25 @@ def _device_part_plan(inp: PlanInput, bw: Bandwidths, n: int, model: dict) -> Pl
 
 
 def _on_nvme(inp, bw, n, model, state, cpu_room, legs, shards=None, beside="",
-             one_gen: bool = False) -> Plan:
-    """offload="hybrid": the pipeline's pool, as many whole chunks of state in host memory as
-    the rest of the budget holds, the remainder on NVMe, in two generations when the drive has
-    room for them and in one (rewritten in place) when it has room only for that. `shards`:
+             one_gen: bool = False, device: bool = True) -> Plan:
+    """offload="hybrid": the pipeline's pool, as much state in host memory as the rest of the
+    budget holds (by bytes; the runtime keeps whole chunks there), the remainder on NVMe, in
+    two generations when the drive has room for them and in one (rewritten in place) when it
+    has room only for that. Where host memory would hold under 1% of it: offload="nvme" under
+    the same cpu_budget, its pool and files as the runtime's sizing lays them out. `shards`:
     {tier: {kind: bytes}} of offloaded parameter shards, listed first in their tiers;
-    inp.nvme_free is then what the drive has beside them (`beside` says so in a refusal)."""
+    inp.nvme_free is then what the drive has beside them (`beside` says so in a refusal);
+    `device`: some weights are on the GPU (their slots stage gradients, weights, a master)."""
     shards = shards or {}
     total = sum(state.values())
     pool = min(inp.pool_bytes, cpu_room // 4)
     ram = max(0, min(total, cpu_room - pool))
-    if ram < total / 100:  # not worth a RAM part: the whole budget is the pipeline's pool
-        pool, ram = cpu_room, 0
-    disk = total - ram
-    share = {k: v * disk / total for k, v in state.items()}
+    if ram < total / 100:  # not worth a RAM part: all of the state on the drive
+        pool, share = nvme_layout(inp, n, int(cpu_room), state, device)
+        ram, disk = 0, sum(share.values())
+    else:
+        disk = total - ram
+        share = {k: v * disk / total for k, v in state.items()}
     gens = 1 if one_gen else 2
     if inp.nvme_free is not None and gens * disk > inp.nvme_free:
         gens = 1
@@ -309,10 +315,11 @@ def _on_nvme(inp, bw, n, model, state, cpu_room, legs, shards=None, beside="",
                 f"nvme_generations={gens})")
     else:
         offload = "nvme"
-        note = f"optimizer state on NVMe under {inp.nvme} (nvme_generations={gens})"
+        note = (f"optimizer state on NVMe under {inp.nvme} (offload='nvme', cpu_budget="
+                f"{int(cpu_room)}, nvme_generations={gens})")
     note += _dtype_note(inp)
     plan = Plan(offload=offload, tiers=tiers, legs_s=legs, note=note, generations=gens,
-                cpu_budget=int(cpu_room) if offload == "hybrid" else None)
+                cpu_budget=int(cpu_room))
     if ram:  # only two-generation NVMe chunks are stepped during backward (tiers.speculates)
         plan.overlap_fraction = disk / total if gens == 2 else 0.0
         plan.own_legs = ("nvme read", "nvme write")
@@ -434,12 +441,12 @@ def _params_offloaded(inp: PlanInput, bw: Bandwidths) -> Plan:
               if on_disk else "")
     try:  # two generations keep a master of every shard, to restore it after a failed step
         plan = _on_nvme(sub, bw, n, gpu, _state(inp, n, masters=n), opt_room, dict(legs),
-                        shards=shards, beside=beside)
+                        shards=shards, beside=beside, device=on_dev > 0)
     except ValueError:
         plan = None
     if plan is None or plan.generations == 1:  # one generation: every shard is its own master
         plan = _on_nvme(sub, bw, n, gpu, _state(inp, n, masters=0), opt_room, legs,
-                        shards=shards, beside=beside, one_gen=True)
+                        shards=shards, beside=beside, one_gen=True, device=on_dev > 0)
     own = "a master of every shard" if plan.generations == 2 else \
         "every fp32 shard its own master"
     if plan.generations == 1 and on_dev:  # a device shard is stepped through a host copy
