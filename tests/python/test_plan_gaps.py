@@ -92,15 +92,16 @@ def _backward_peak(model: nn.Module, x: torch.Tensor, monkeypatch) -> int:
         finally:
             mode.host -= 1
 
-    monkeypatch.setattr(ParamOffload, "stage_in", staged_in)
-    monkeypatch.setattr(ParamOffload, "stage_out", staged_out)
-    model(x).float().sum().backward()
-    model.zero_grad(set_to_none=True)
-    loss = model(x).float().sum()
-    with mode:
-        for unit in model._tierlift_zero.units:
-            mode.add(unit.full)
-        loss.backward()
+    with monkeypatch.context() as patched:  # undone before the next model's
+        patched.setattr(ParamOffload, "stage_in", staged_in)
+        patched.setattr(ParamOffload, "stage_out", staged_out)
+        model(x).float().sum().backward()
+        model.zero_grad(set_to_none=True)
+        loss = model(x).float().sum()
+        with mode:
+            for unit in model._tierlift_zero.units:
+                mode.add(unit.full)
+            loss.backward()
     return mode.peak
 
 
