@@ -46,18 +46,19 @@ class Mutant:
 
 MUTANTS = [
     Mutant(
-        name="adam_war",
+        name="adam_scale_clobbered",
         file="adam_compact.cu",
-        original="    __syncthreads();  // warp_max is rewritten by the next code block\n",
-        mutated="",
-        description="compact Adam: barrier before warp_max is rewritten removed (write after read)",
+        original="    const float old_max = scales[b0 / kCompactBlock];\n",
+        mutated="    const float old_max = scales[b0 / kCompactBlock];\n"
+        "    if (lane == 0) scales[b0 / kCompactBlock] = 0.f;\n",
+        description="compact Adam: lane 0 overwrites the old scale before the other lanes read it",
     ),
     Mutant(
-        name="adam_raw",
+        name="adam_vote_missing",
         file="adam_compact.cu",
-        original="    __syncthreads();  // every thread has also read the old scale by now\n",
+        original="    bad = __any_sync(0xffffffffu, bad);\n",
         mutated="",
-        description="compact Adam: barrier after the warp maxima are written removed",
+        description="compact Adam: the NaN/Inf flag stays per lane (not voted across the warp)",
     ),
     Mutant(
         name="adam_ties_up",
@@ -69,8 +70,8 @@ MUTANTS = [
     Mutant(
         name="adam_nan_only",
         file="adam_compact.cu",
-        original="int bad = !(__fsub_rn(v, v) == 0.f);",
-        mutated="int bad = v != v;",
+        original="bad |= !(__fsub_rn(e.v[k], e.v[k]) == 0.f);",
+        mutated="bad |= e.v[k] != e.v[k];",
         description="compact Adam: non-finite check narrowed to NaN (infinite v not flagged)",
     ),
     Mutant(
@@ -79,6 +80,27 @@ MUTANTS = [
         original="    for (int o = 16; o > 0; o >>= 1) {\n      const float other",
         mutated="    for (int o = 8; o > 0; o >>= 1) {\n      const float other",
         description="compact Adam: warp max over half warps only",
+    ),
+    Mutant(
+        name="adam_partial_block_vector",
+        file="adam_compact.cu",
+        original="const bool whole = vec && n - b0 >= kCompactBlock;",
+        mutated="const bool whole = vec;",
+        description="compact Adam: a partial last code block takes the vector path (past the end)",
+    ),
+    Mutant(
+        name="adam_lane_codes",
+        file="adam_compact.cu",
+        original="load_lane(codes, e0, e.code);",
+        mutated="load_lane(codes, e0 ^ 8, e.code);",
+        description="compact Adam: the vector path decodes the neighbouring lane's 8 v codes",
+    ),
+    Mutant(
+        name="adam_misaligned_codes",
+        file="adam_compact.cu",
+        original="aligned_to(t.exp_avg_sq, kLaneAccess<uint8_t>)",
+        mutated="true",
+        description="compact Adam: codes not 8-byte aligned still take the vector path (UBSan)",
     ),
     Mutant(
         name="bf16_inf_nan",

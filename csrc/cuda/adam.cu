@@ -30,21 +30,15 @@ static_assert(sizeof(Pack) + sizeof(AdamScalars) + sizeof(const float*) + sizeof
 
 // kVec elements of an array in one aligned access (ld/st.global.v4 or .v2).
 template <typename T>
-struct alignas(sizeof(T) * kVec) Vec {
-  T x[kVec];
-};
+using Vec = Elements<T, kVec>;
 
 template <typename T>
 __device__ __forceinline__ Vec<T> load_vec(const T* p, int j) {
-  return reinterpret_cast<const Vec<T>*>(p)[j];
+  return load_elements<kVec>(p, j);
 }
 template <typename T>
 __device__ __forceinline__ void store_vec(T* p, int j, const Vec<T>& v) {
-  reinterpret_cast<Vec<T>*>(p)[j] = v;
-}
-
-__device__ __forceinline__ uintptr_t misaligned(const void* p, uintptr_t bytes) {
-  return reinterpret_cast<uintptr_t>(p) & (bytes - 1);
+  store_elements<kVec>(p, j, v);
 }
 
 // Whether every array the kernel touches for t can be read and written as Vecs (a chunk starts a
@@ -52,13 +46,13 @@ __device__ __forceinline__ uintptr_t misaligned(const void* p, uintptr_t bytes) 
 template <DType kGrad, DType kCopy>
 __device__ __forceinline__ bool vec_aligned(const AdamTensorPtrs& t, bool amsgrad) {
   constexpr uintptr_t k32 = sizeof(Vec<float>);
-  uintptr_t bad = misaligned(t.param, k32) | misaligned(t.exp_avg, k32) |
-                  misaligned(t.exp_avg_sq, k32) | misaligned(t.grad, sizeof(Vec<Storage<kGrad>>));
-  if (amsgrad) bad |= misaligned(t.max_exp_avg_sq, k32);
+  bool ok = aligned_to(t.param, k32) && aligned_to(t.exp_avg, k32) &&
+            aligned_to(t.exp_avg_sq, k32) && aligned_to(t.grad, sizeof(Vec<Storage<kGrad>>));
+  if (amsgrad) ok = ok && aligned_to(t.max_exp_avg_sq, k32);
   if constexpr (kCopy != DType::kNone) {
-    bad |= misaligned(t.param_copy, sizeof(Vec<Storage<kCopy>>));
+    ok = ok && aligned_to(t.param_copy, sizeof(Vec<Storage<kCopy>>));
   }
-  return bad == 0;
+  return ok;
 }
 
 // p + offset, and null for null (an array the call does not have).
