@@ -61,7 +61,10 @@ BYTES_PER_PARAM = {"fp32": 28, "mixed": 28}  # loads + stores of one step, for t
 # the same for each CUDA contender and parameter dtype (cuda_contender says which bytes)
 CUDA_BYTES_PER_PARAM = {("tierlift", "float32"): 28, ("tierlift", "bfloat16"): 30,
                         ("torch-fused", "float32"): 28, ("torch-fused", "bfloat16"): 14,
-                        ("torch-fused-mixed", "bfloat16"): 34}
+                        ("torch-fused-mixed", "bfloat16"): 34,
+                        # fp32 weight and gradient, bf16 m, 8-bit v codes, one fp32 scale per
+                        # 256 elements (whole blocks: each tensor's last block is one too)
+                        ("tierlift-compact", "float32"): 18 + 8 / 256}
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
 
@@ -143,14 +146,17 @@ def cuda_contender(name: str, shapes, dtype, device: str = "cuda"):
                          no master, so not the same work);
       torch-fused-mixed  the same work as ours in the torch recipe: fused AdamW on fp32 master
                          params, then torch._foreach_copy_ of the masters into the bf16 weights
-                         (28 + 6 = 34 B/param; its fp32 gradients are given, not converted)."""
+                         (28 + 6 = 34 B/param; its fp32 gradients are given, not converted);
+      tierlift-compact   tierlift AdamW with state_dtype="bf16" on fp32 params (bf16 m, 8-bit v
+                         codes: ~18 B/param, its own row's GB/s; no ratio, other state)."""
     mixed = name == "torch-fused-mixed"
     ps = [torch.nn.Parameter(torch.randn(s, device=device, dtype=torch.float32 if mixed else dtype))
           for s in shapes]
     for p in ps:
         p.grad = torch.randn_like(p) * 1e-3
-    if name == "tierlift":
-        return tierlift.optim.AdamW(ps, **HYPER).step
+    if name.startswith("tierlift"):
+        state = "bf16" if name == "tierlift-compact" else "fp32"
+        return tierlift.optim.AdamW(ps, state_dtype=state, **HYPER).step
     opt = torch.optim.AdamW(ps, fused=True, **HYPER)
     if not mixed:
         return opt.step
@@ -176,7 +182,7 @@ def cuda_rows(sizes, repeats: int, rows: list, save, device: str = "cuda") -> li
         for dtype in (torch.float32, torch.bfloat16):
             times, errors = {}, {}
             names = ("tierlift", "torch-fused") + (
-                ("torch-fused-mixed",) if dtype != torch.float32 else ())
+                ("torch-fused-mixed",) if dtype != torch.float32 else ("tierlift-compact",))
             for name in names:
                 step = None
                 try:
@@ -194,7 +200,7 @@ def cuda_rows(sizes, repeats: int, rows: list, save, device: str = "cuda") -> li
             if "tierlift" in times:
                 row["tierlift Mparam/s"] = numel / times["tierlift"] / 1e6
                 for name in names[1:]:
-                    if name in times:
+                    if name in times and name.startswith("torch"):
                         row[f"vs {name}"] = times[name] / times["tierlift"]
             row.update({f"{name} GB/s": CUDA_BYTES_PER_PARAM[name, str(dtype)[6:]] * numel / t / 1e9
                         for name, t in times.items()})
@@ -245,8 +251,9 @@ def tiny_contender(name: str, count: int, dtype):
           for _ in range(count)]
     for p in ps:
         p.grad = torch.randn_like(p) * 1e-3
-    if name == "tierlift":
-        return tierlift.optim.AdamW(ps, **HYPER).step
+    if name.startswith("tierlift"):
+        state = "bf16" if name == "tierlift-compact" else "fp32"
+        return tierlift.optim.AdamW(ps, state_dtype=state, **HYPER).step
     opt = torch.optim.AdamW(ps, **{name[6:]: True}, **HYPER)
     if not mixed:
         return opt.step

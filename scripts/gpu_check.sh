@@ -390,7 +390,7 @@ OFFLOAD_GPU_TESTS="tests/python/test_offload.py tests/python/test_offload_h2d.py
 # the FP8/FP4 quantizers, Float8Linear's GEMMs and the gather variants on the GPU against their
 # CPU references (the fused AdamW's own check is in OFFLOAD_GPU_TESTS)
 KERNEL_GPU_TESTS="tests/python/test_lowp_quant.py tests/python/test_lowp_delayed_op.py
-  tests/python/test_lowp_history_op.py
+  tests/python/test_lowp_history_op.py tests/python/test_optim_compact.py
   tests/python/test_lowp_fp4.py tests/python/test_lowp_linear.py tests/python/test_gather_variants.py"
 FT=("$PY" benchmarks/bench_offload.py --gpu --gpu-mem 140 --seq-len 2048 --max-grad-norm 0
   --dir "$SCRATCH")

@@ -135,7 +135,10 @@ def test_adamw_gpu_rows_bytes_and_gbs():
     for (name, dtype), per in bench_optim.CUDA_BYTES_PER_PARAM.items():
         step = bench_optim.cuda_contender(name, shapes, getattr(torch, dtype), "cpu")
         step()  # the state exists after a step
-        assert adamw_bytes_per_param(step, numel) == per, (name, dtype)
+        # compact state's scales: one per 256 elements and per tensor's last block (here
+        # 64-element tensors hold one each: 0.05% over the whole-block count the bench uses)
+        exact = pytest.approx(per, rel=1e-3) if name == "tierlift-compact" else per
+        assert adamw_bytes_per_param(step, numel) == exact, (name, dtype)
     rows = []
     bench_optim.cuda_rows([64 * 64], 1, rows, lambda: None, device="cpu")
     assert [r["params"] for r in rows] == ["1.95e+04"] * 2 and rows[0]["numel"] == numel
