@@ -333,3 +333,42 @@ def test_nvme_plan_is_the_runtimes_pool_and_files_under_its_budget(tmp_path, sta
         assert sum(plan.tiers["nvme"].values()) == _allocated(tmp_path) == 2 * per_param * n
     finally:
         off.close()
+
+
+@pytest.mark.parametrize("generations", [2, 1])
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+def test_hybrid_plan_is_the_runtimes_whole_chunks_under_its_budget(tmp_path, staged_on_device,
+                                                                   state_dtype, generations):
+    """offload="hybrid" under a budget of no whole number of chunks: host memory holds the pool
+    and as many whole chunks as the rest holds, the drive the others (4 KiB aligned per kind),
+    and the overlap steps the drive's chunks during backward, as the runtime lays them out.
+    The plan took a quarter of this budget for the pool (the runtime's 6 slots of 64 KiB
+    chunks are a sixteenth) and split the rest by bytes: host memory 20% low, the drive 15%
+    high (52% with compact state), the overlapped share 0.67 for 0.58. At the default chunk
+    and a 32 GB host the split was within a chunk (the overlapped share 0.7242 for 0.7243)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(512, 512, bias=False) for _ in range(24)]).bfloat16()
+    n = sum(p.numel() for p in model.parameters())
+    budget = (32 << 20) + 12 * 16384 // 2  # half a chunk of fp32 state over 32 MiB
+    inp = PlanInput(params=n, gpu_mem=int(10 * n / 0.7), cpu_mem=G, nvme=str(tmp_path),
+                    cpu_budget=budget, chunk_bytes=CHUNK_BYTES, state_dtype=state_dtype)
+    plan = make_plan(inp, BW)
+    if generations == 1:  # a drive with room for one generation and a half
+        free = int(0.75 * sum(plan.tiers["nvme"].values()))
+        plan = make_plan(dataclasses.replace(inp, nvme_free=free), BW)
+    assert plan.offload == "hybrid" and plan.generations == generations
+    opt = tierlift.optim.AdamW(model.parameters(), lr=1e-3, offload="hybrid",
+                               nvme_path=str(tmp_path), cpu_budget=budget,
+                               chunk_bytes=CHUNK_BYTES, state_dtype=state_dtype,
+                               nvme_generations=generations)
+    off = opt._offload
+    try:
+        (tier,) = off.tiers
+        chunks = len(off.layouts[0].chunks)
+        assert 0 < tier.n_ram < chunks
+        assert sum(plan.tiers["cpu"].values()) == tier.resident_bytes + off.pool_bytes
+        assert plan.tiers["cpu"]["staging pool"] == off.pool_bytes
+        assert sum(plan.tiers["nvme"].values()) == _allocated(tmp_path)
+        assert plan.overlap_fraction == (1 - tier.n_ram / chunks if generations == 2 else 0)
+    finally:
+        off.close()

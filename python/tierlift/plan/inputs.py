@@ -54,8 +54,8 @@ class PlanInput:
     cpu_budget: int | None = None
     nvme_free: int | None = None  # bytes free under `nvme` (checked when the state goes there)
     gpu_reserve: float = 0.3  # share of GPU memory kept for activations and workspace
-    # The NVMe pipeline's pool; not given (POOL_BYTES), the runtime's slots of the state's
-    # kinds at chunk_bytes under the budget (state_bytes.device_pool_bytes).
+    # The NVMe pipeline's pool; not given (POOL_BYTES), the runtime's slots and chunks under
+    # the budget, and whole chunks in host memory (state_bytes.file_layout).
     pool_bytes: int = POOL_BYTES
     state_dtype: str = "fp32"  # "bf16": compact optimizer state (tierlift.optim state_dtype)
     # The trained weights' dtype ("bf16", "fp16", "fp32" or the torch dtype; taken as its name):

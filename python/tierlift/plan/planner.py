@@ -74,12 +74,11 @@ from tierlift.plan.state_bytes import (
     _KIND_NAMES,
     HostTier,
     _host_layout,
-    device_pool_bytes,
+    file_layout,
     host_room,
     host_tier,
     in_place_staging_bytes,
     model_bytes,
-    nvme_layout,
     own_master,
     param_bytes_per_param,
     reserved_elems,
@@ -210,19 +209,18 @@ def _make_plan(inp: PlanInput, bw: Bandwidths) -> Plan:
     if inp.numels is not None:  # NVMe chunks are cut otherwise: its bytes would not be these
         raise ValueError("numels plans the host tier's layout only (offload='cpu'); with state "
                          "on NVMe give numels=None (params as one tensor: low for small ones)")
-    if inp.pool_bytes == POOL_BYTES:  # not given: the slots of this state's kinds
-        inp = dataclasses.replace(inp, pool_bytes=device_pool_bytes(inp, cpu_room))
+    exact = inp.pool_bytes == POOL_BYTES  # not given: the runtime's slots and chunks
     if not own_master(inp):
-        return _on_nvme(inp, bw, n, model, state, cpu_room, legs)
+        return _on_nvme(inp, bw, n, model, state, cpu_room, legs, exact=exact)
     try:  # two generations keep a master, to put the weights back after a failed step
-        plan = _on_nvme(inp, bw, n, model, state, cpu_room, dict(legs))
+        plan = _on_nvme(inp, bw, n, model, state, cpu_room, dict(legs), exact=exact)
     except ValueError:
         plan = None
     if plan is None or plan.generations == 1:
         # One generation cannot undo a step: an fp32 weight is its own master, copied down,
         # stepped in a slot and copied back (Offloader._uses_master).
         plan = _on_nvme(inp, bw, n, model, _state(inp, n, masters=0), cpu_room, legs,
-                        one_gen=True)
+                        one_gen=True, exact=exact)
         plan.legs_s["d2h device weights"] = 4 * n / pcie_d2h
         plan.note += "; fp32 weights are their own master"
     return plan
@@ -271,25 +269,39 @@ def _device_part_plan(inp: PlanInput, bw: Bandwidths, n: int, model: dict) -> Pl
 
 
 def _on_nvme(inp, bw, n, model, state, cpu_room, legs, shards=None, beside="",
-             one_gen: bool = False, device: bool = True) -> Plan:
-    """offload="hybrid": the pipeline's pool, as much state in host memory as the rest of the
-    budget holds (by bytes; the runtime keeps whole chunks there), the remainder on NVMe, in
-    two generations when the drive has room for them and in one (rewritten in place) when it
-    has room only for that. Where host memory would hold under 1% of it: offload="nvme" under
-    the same cpu_budget, its pool and files as the runtime's sizing lays them out. `shards`:
+             one_gen: bool = False, device: bool = True, exact: bool = False) -> Plan:
+    """offload="hybrid": the pipeline's pool, as many whole chunks of state in host memory as
+    the rest of the budget holds, the others on NVMe (each kind 4 KiB aligned), in two
+    generations when the drive has room for them and in one (rewritten in place) when it has
+    room only for that; slots and chunks as offload.sizing cuts them under the budget (with
+    `exact`; else, a pool given, inp.pool_bytes and the state split by bytes). Where host
+    memory would hold under 1% of it: offload="nvme" under the same cpu_budget. `shards`:
     {tier: {kind: bytes}} of offloaded parameter shards, listed first in their tiers;
     inp.nvme_free is then what the drive has beside them (`beside` says so in a refusal);
     `device`: some weights are on the GPU (their slots stage gradients, weights, a master)."""
     shards = shards or {}
     total = sum(state.values())
-    pool = min(inp.pool_bytes, cpu_room // 4)
-    ram = max(0, min(total, cpu_room - pool))
+    budget = int(cpu_room)
+    in_ram = {}
+    if exact:  # the runtime's slots and chunks: whole chunks in host memory, the rest in files
+        pool, elems, chunks, kinds = file_layout(inp, n, budget, state, device, "hybrid")
+        block = {k: chunk_bytes(kd, elems, aligned=False) for k, kd in kinds.items()}
+        n_ram = min(chunks, max(0, budget - pool) // sum(block.values()))
+        in_ram = {k: n_ram * b for k, b in block.items()}
+        ram = sum(in_ram.values())
+        share = {k: (chunks - n_ram) * chunk_bytes(kd, elems) for k, kd in kinds.items()}
+        total = ram + sum(share.values())
+    else:
+        pool = min(inp.pool_bytes, cpu_room // 4)
+        ram = max(0, min(total, cpu_room - pool))
     if ram < total / 100:  # not worth a RAM part: all of the state on the drive
-        pool, share = nvme_layout(inp, n, int(cpu_room), state, device)
-        ram, disk = 0, sum(share.values())
+        pool, elems, chunks, kinds = file_layout(inp, n, budget, state, device, "nvme")
+        share = {k: chunks * chunk_bytes(kd, elems) for k, kd in kinds.items()}
+        ram, disk, in_ram = 0, sum(share.values()), {}
     else:
         disk = total - ram
-        share = {k: v * disk / total for k, v in state.items()}
+        if not exact:
+            share = {k: v * disk / total for k, v in state.items()}
     gens = 1 if one_gen else 2
     if inp.nvme_free is not None and gens * disk > inp.nvme_free:
         gens = 1
@@ -308,7 +320,7 @@ def _on_nvme(inp, bw, n, model, state, cpu_room, legs, shards=None, beside="",
              "nvme": {**shards.get("nvme", {}),
                       **{f"{k} ({label})": gens * v for k, v in share.items()}}}
     if ram:
-        tiers["cpu"].update({k: v - share[k] for k, v in state.items()})
+        tiers["cpu"].update(in_ram or {k: v - share[k] for k, v in state.items()})
         offload = "hybrid"
         note = (f"optimizer state {ram / total:.0%} in host memory, {disk / total:.0%} on NVMe "
                 f"under {inp.nvme} (offload='hybrid', cpu_budget={int(cpu_room)}, "
@@ -321,7 +333,8 @@ def _on_nvme(inp, bw, n, model, state, cpu_room, legs, shards=None, beside="",
     plan = Plan(offload=offload, tiers=tiers, legs_s=legs, note=note, generations=gens,
                 cpu_budget=int(cpu_room))
     if ram:  # only two-generation NVMe chunks are stepped during backward (tiers.speculates)
-        plan.overlap_fraction = disk / total if gens == 2 else 0.0
+        plan.overlap_fraction = 0.0 if gens == 1 else (
+            1 - n_ram / chunks if exact else disk / total)
         plan.own_legs = ("nvme read", "nvme write")
     return plan
 
@@ -433,20 +446,21 @@ def _params_offloaded(inp: PlanInput, bw: Bandwidths) -> Plan:
             f"{_fmt(opt_room)} of host memory beside the fp32 parameter and gradient shards "
             f"(short by {_fmt(sum(in_place.values()) - opt_room)}); give --nvme PATH for the "
             "NVMe tier")
-    pool = inp.pool_bytes if inp.pool_bytes != POOL_BYTES else streamed_pool_bytes(
-        inp.state_dtype)
+    exact = inp.pool_bytes == POOL_BYTES  # not given: the runtime's slots and chunks
+    pool = inp.pool_bytes if not exact else streamed_pool_bytes(inp.state_dtype)
     sub = dataclasses.replace(inp, pool_bytes=pool, nvme_free=None if inp.nvme_free is None
                               else inp.nvme_free - on_disk)
     beside = (f" beside the {_fmt(on_disk)} of fp32 parameter and gradient shards"
               if on_disk else "")
     try:  # two generations keep a master of every shard, to restore it after a failed step
         plan = _on_nvme(sub, bw, n, gpu, _state(inp, n, masters=n), opt_room, dict(legs),
-                        shards=shards, beside=beside, device=on_dev > 0)
+                        shards=shards, beside=beside, device=on_dev > 0, exact=exact)
     except ValueError:
         plan = None
     if plan is None or plan.generations == 1:  # one generation: every shard is its own master
         plan = _on_nvme(sub, bw, n, gpu, _state(inp, n, masters=0), opt_room, legs,
-                        shards=shards, beside=beside, one_gen=True, device=on_dev > 0)
+                        shards=shards, beside=beside, one_gen=True, device=on_dev > 0,
+                        exact=exact)
     own = "a master of every shard" if plan.generations == 2 else \
         "every fp32 shard its own master"
     if plan.generations == 1 and on_dev:  # a device shard is stepped through a host copy

@@ -65,7 +65,7 @@ from tierlift.offload.host_budget import (
     staging_bytes,
 )
 from tierlift.offload.layout import ALIGN_ELEMS, chunk_bytes, state_kinds
-from tierlift.offload.sizing import MIN_SLOT_CHUNK_BYTES, MIN_SLOTS, slots_and_chunk
+from tierlift.offload.sizing import slots_and_chunk
 from tierlift.plan.inputs import WEIGHT_BYTES, PlanInput
 
 _CHUNK_ELEMS = (32 << 20) // 4  # the default chunk_bytes, in elements
@@ -141,38 +141,24 @@ def param_bytes_per_param(offload_params: str, grad_dtype: str = "fp32"
     raise ValueError(f"offload_params must be 'cpu' or 'nvme' here, got {offload_params!r}")
 
 
-def device_pool_bytes(inp: PlanInput, budget: int) -> int:
-    """The NVMe pipeline's pool for weights on the GPU under `budget` (the cpu_budget given):
-    one chunk of `chunk_bytes` of every state kind, master included (a slot steps an fp32
-    weight that is its own master too), and fp32 grad and copy staging per slot; the default 6
-    slots, fewer (at least 3) where the budget holds fewer of 1 MiB per kind (offload.sizing).
-    POOL_BYTES with fp32 state; 720.75 MiB, not 960, with compact state."""
-    slot = {**state_kinds(False, inp.state_dtype), "grad": torch.float32, "copy": torch.float32}
-    afford = int(budget) // chunk_bytes(slot, MIN_SLOT_CHUNK_BYTES // 4)
-    slots = max(MIN_SLOTS, min(_SLOTS, afford))
-    return slots * chunk_bytes(slot, inp.chunk_bytes // 4)
-
-
-def nvme_layout(inp: PlanInput, n: int, budget: int, state: dict[str, float], device: bool
-                ) -> tuple[int, dict[str, int]]:
-    """offload="nvme" under cpu_budget=`budget`: (the pool, {state kind: bytes of one
-    generation's files}) as offload.sizing sizes the slots and chunks of `n` parameters (one
-    tensor, whole 1024s) and each kind's file holds every chunk 4 KiB aligned. `state`: the
-    kinds planned (names as state_bytes_per_param gives them); `device`: weights on the GPU,
-    whose slots also stage a master, gradients and weights."""
-    kinds = state_kinds(False, inp.state_dtype)
+def file_layout(inp: PlanInput, n: int, budget: int, state: dict[str, float], device: bool,
+                offload: str) -> tuple[int, int, int, dict]:
+    """offload="nvme" or "hybrid" under cpu_budget=`budget`, as offload.sizing cuts it: (the
+    pool, chunk elements, chunks, {state kind's name: its dtypes}) for `n` parameters (one
+    tensor, whole 1024s). `state`: the kinds planned (names as state_bytes_per_param gives
+    them); `device`: weights on the GPU, whose slots also stage a master, gradients and
+    weights."""
     names = _COMPACT_NAMES if inp.state_dtype == "bf16" else _KIND_NAMES
-    kinds = {k: d for k, d in kinds.items() if names[k] in state}
-    slot = dict(kinds)
+    kinds = {names[k]: {k: d} for k, d in state_kinds(False, inp.state_dtype).items()
+             if names[k] in state}
+    slot = {k: d for kd in kinds.values() for k, d in kd.items()}
     if device:
         slot = {"master": torch.float32, **slot, "grad": torch.float32, "copy": torch.float32}
     reserved = reserved_elems(inp, n)
-    config = SimpleNamespace(offload="nvme", cpu_budget=budget, chunk_bytes=inp.chunk_bytes,
+    config = SimpleNamespace(offload=offload, cpu_budget=budget, chunk_bytes=inp.chunk_bytes,
                              pipeline_slots=_SLOTS)
     slots, elems = slots_and_chunk(config, slot, reserved)
-    chunks = -(-reserved // elems)
-    return slots * chunk_bytes(slot, elems), {
-        names[k]: chunks * chunk_bytes({k: d}, elems) for k, d in kinds.items()}
+    return slots * chunk_bytes(slot, elems), elems, -(-reserved // elems), kinds
 
 
 def streamed_pool_bytes(state_dtype: str = "fp32") -> int:
