@@ -372,3 +372,44 @@ def test_hybrid_plan_is_the_runtimes_whole_chunks_under_its_budget(tmp_path, sta
         assert plan.overlap_fraction == (1 - tier.n_ram / chunks if generations == 2 else 0)
     finally:
         off.close()
+
+
+@pytest.mark.parametrize("generations", [2, 1])
+def test_offloaded_parameters_hybrid_plan_is_the_runtimes_layout(tmp_path, generations):
+    """shard(offload_params="cpu") with AdamW(offload="hybrid"): host shards only, so the slots
+    hold the state kinds alone (no master in one generation, where every shard is its own:
+    the plan counted one), and the tier, pool and files are the runtime's under the budget."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(512, 512, bias=False) for _ in range(16)])
+    n = sum(p.numel() for p in model.parameters())
+    mp = tierlift.zero.MixedPrecision(param_dtype=torch.bfloat16)
+    model = tierlift.zero.shard(model, stage=3, offload_params="cpu", mixed_precision=mp,
+                                device_params=0)
+    budget = 8 << 20
+    inp = PlanInput(params=n, gpu_mem=G, cpu_mem=G, nvme=str(tmp_path), cpu_budget=budget,
+                    chunk_bytes=CHUNK_BYTES, offload_params="cpu", device_params=0,
+                    state_dtype="bf16")
+    plan = make_plan(inp, BW)
+    if generations == 1:  # a drive with room for one generation and a half
+        plan = make_plan(dataclasses.replace(
+            inp, nvme_free=int(0.75 * sum(plan.tiers["nvme"].values()))), BW)
+    assert plan.offload == "hybrid" and plan.generations == generations
+    opt = tierlift.optim.AdamW(model.parameters(), lr=1e-3, offload="hybrid",
+                               nvme_path=str(tmp_path), cpu_budget=budget,
+                               chunk_bytes=CHUNK_BYTES, state_dtype="bf16",
+                               nvme_generations=generations)
+    off = opt._offload
+    try:
+        (tier,) = off.tiers
+        assert 0 < tier.n_ram < len(off.layouts[0].chunks)
+        shards = {"fp32 param shards": 4 * n, "fp32 grad shards": 4 * n}
+        assert plan.tiers["cpu"] == {**shards, "staging pool": off.pool_bytes,
+                                     **{k: v for k, v in plan.tiers["cpu"].items()
+                                        if k not in shards and k != "staging pool"}}
+        state = sum(v for k, v in plan.tiers["cpu"].items()
+                    if k not in shards and k != "staging pool")
+        assert state == tier.resident_bytes
+        assert sum(plan.tiers["nvme"].values()) == _allocated(tmp_path)
+    finally:
+        off.close()
+        tierlift.zero.close(model)
