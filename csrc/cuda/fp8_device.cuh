@@ -52,6 +52,77 @@ __device__ __forceinline__ uint32_t encode(float x, Fp8Format fmt) {
   return sign | (r & 0xffu);
 }
 
+// __byte_perm: byte n of the result is byte ((s >> 4n) & 7) of the eight bytes of a then b. The
+// simulator's host build has no such intrinsic: there, the same rule in C++.
+__device__ __forceinline__ uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t s) {
+#ifdef TIERLIFT_CUDASIM
+  const uint64_t ab = static_cast<uint64_t>(b) << 32 | a;
+  uint32_t r = 0;
+  for (int n = 0; n < 4; ++n)
+    r |= static_cast<uint32_t>(ab >> (8 * (s >> (4 * n) & 7u)) & 0xffu) << (8 * n);
+  return r;
+#else
+  return __byte_perm(a, b, s);
+#endif
+}
+
+// fp8.h fp8_encode for finite inputs, four codes packed at a time: the hot loops' encoder.
+// Bit-identical to encode() on finite x; a non-finite x sets `special`, and the caller then
+// encodes that group with encode(), so the fast path carries no per-element NaN / Inf branches.
+// Built on the host and passed by value, its constants stay in the kernel's parameter bank
+// rather than in registers.
+struct Fp8Encoder {
+  uint32_t max_bits;         // the format's largest finite value
+  uint32_t min_normal_bits;  // 2^(1 - bias)
+  uint32_t sub_magic_bits;   // 2^(23 - k), k = bias - 1 + mbits: subnormal units in the mantissa
+  uint32_t round_add;        // 2^(shift - 1) - 1 - ((127 - bias) << 23), modulo 2^32
+  int shift;                 // 23 - mbits
+  Fp8Format fmt;
+
+  static __host__ __device__ Fp8Encoder of(Fp8Format fmt) {
+    const int mbits = fmt == Fp8Format::kE4M3 ? 3 : 2;
+    const int bias = fmt == Fp8Format::kE4M3 ? 7 : 15;
+    auto pow2_bits = [](int e) { return static_cast<uint32_t>(e + 127) << 23; };
+    Fp8Encoder e;
+    e.max_bits = fmt == Fp8Format::kE4M3 ? 0x43e00000u : 0x47600000u;  // 448, 57344
+    e.min_normal_bits = pow2_bits(1 - bias);
+    e.sub_magic_bits = pow2_bits(23 - (bias - 1 + mbits));
+    e.shift = 23 - mbits;
+    e.round_add = ((1u << (e.shift - 1)) - 1u) - (static_cast<uint32_t>(127 - bias) << 23);
+    e.fmt = fmt;
+    return e;
+  }
+
+  // The code of finite x without its sign, in the low byte (bit 7 clear; higher bytes are not
+  // defined).
+  __device__ __forceinline__ uint32_t magnitude(float x, bool& special) const {
+    const float a = fabsf(x);
+    special |= !(a <= kF32Max);                           // NaN or Inf
+    const float c = fminf(a, __uint_as_float(max_bits));  // saturate
+    const uint32_t bits = __float_as_uint(c);
+    // Normal: round half to even at bit `shift`; the rebias is a multiple of 2^shift below
+    // `bits` (c >= min_normal), so subtracting it before the shift is exact. The result is at
+    // most the code of max, < 0x80.
+    const uint32_t normal = (bits + round_add + ((bits >> shift) & 1u)) >> shift;
+    // Subnormal or zero: encode()'s (c * 2^k + 2^23) - 2^23 scaled by 2^-k, which is exact, so
+    // the same rounding: c + 2^(23 - k) holds the units (<= 2^mbits) in its low mantissa bits.
+    const uint32_t sub = __float_as_uint(__fadd_rn(c, __uint_as_float(sub_magic_bits)));
+    return c < __uint_as_float(min_normal_bits) ? sub : normal;
+  }
+
+  // Codes of x[0..3], x[0] in the low byte: the low bytes of the magnitudes and the sign bits of
+  // the top bytes of x, gathered byte by byte.
+  __device__ __forceinline__ uint32_t pack4(const float (&x)[4], bool& special) const {
+    uint32_t m[4], u[4];
+    for (int b = 0; b < 4; ++b) m[b] = magnitude(x[b], special), u[b] = __float_as_uint(x[b]);
+    const uint32_t codes =
+        (m[0] & 0xffu) | ((m[1] & 0xffu) << 8) | ((m[2] & 0xffu) << 16) | (m[3] << 24);
+    const uint32_t tops = byte_perm(byte_perm(u[0], u[1], 0x73u), byte_perm(u[2], u[3], 0x73u),
+                                    0x5410u);  // byte 3 of each u
+    return codes | (tops & 0x80808080u);
+  }
+};
+
 // fp8.h fp8_scale.
 __device__ __forceinline__ float scale_of(float amax, Fp8Format fmt, bool pow2) {
   if (!(amax > 0.f)) return 1.f;

@@ -9,11 +9,14 @@
 //  2. cast. Each block stages x's tile in shared memory and its scales next to it; a thread
 //     encodes 16 consecutive codes of a row of q, and 16 of a row of x^T for qt read across
 //     the tile, so both outputs leave as coalesced 16-byte stores (8, 4 or 1 where the output
-//     widths are not multiples of 16).
-// Every tile is 64-aligned and every block dimension is 1, a multiple of 128 or the whole
-// matrix, so along a dimension whose block is not 1 a tile lies in one block (and so do 2 tiles
-// down a column for 128-row blocks, 4 for whole columns). Results are bit-identical to fp8.h's
-// rules.
+//     widths are not multiples of 16). The 16 codes take one scale from a register, or 16 read
+//     as four 16-byte shared loads where the blocks change along them; the encoder
+//     (fp8dev::Fp8Encoder) has no per-element branch, and a group holding NaN or Inf is encoded
+//     again exactly.
+// Every tile is 64-aligned and every block dimension is 1, 64 * 2^k or the whole matrix, so along
+// a dimension whose block is not 1 a tile lies in one block (and so do 2 tiles down a column for
+// 128-row blocks, 4 for whole columns), found by shifting the tile's index: no kernel divides.
+// Results are bit-identical to fp8.h's rules.
 // Delayed scaling (fp8_quantize_delayed) has its scale before it starts, so it skips pass 1: the
 // cast kernel (or, for a contiguous input without q^T, a flat grid-stride cast) reads the scale
 // from device memory and reduces the staged values' finite amax with one atomicMax per block; a
@@ -43,78 +46,119 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxSpan = 4;  // row tiles one amax block may combine
 
-// How a grid's blocks meet a tile: one block for the tile, one per row, one per column, or
-// one per element (degenerate shapes, e.g. column scaling of a single row).
-enum Kind : int { kOne, kPerRow, kPerCol, kPerElem };
+// How a grid's blocks meet a tile: one block for the tile, one per row, or one per column.
+enum Kind : int { kOne, kPerRow, kPerCol };
 
-// A grid of scaling blocks, described over x's rows and columns: br x bc elements of x per
-// block. `transposed` grids belong to x^T (the dual output): their scales are stored row-major
-// over x^T, so x[i, j]'s block is at (j / bc, i / br) in a grid gc wide.
+// A grid of scaling blocks, described over x's rows and columns. `transposed` grids belong to
+// x^T (the dual output): their scales are stored row-major over x^T, gc wide. A tile's block
+// coordinates are its tile indices shifted right by row_shift / col_shift (blocks of 64 * 2^k
+// rows or columns, or whole dimensions: shift 63), so no kernel divides.
 struct Grid {
-  int64_t br, bc, gc;
+  int64_t gc;
   float* out;  // amax, then scales
   bool transposed;
   int kind;
-  // x[i, j]'s slot, given the tile's block coordinates rb = r0 / br, cb = c0 / bc (used only
-  // where the block is not 1).
+  int row_shift, col_shift;
+  // The block coordinates of the tile at (r0, c0) (r0 and c0 multiples of 64).
+  __device__ __forceinline__ int64_t row_block(int64_t r0) const { return (r0 >> 6) >> row_shift; }
+  __device__ __forceinline__ int64_t col_block(int64_t c0) const { return (c0 >> 6) >> col_shift; }
+  // x[i, j]'s slot in the tile whose blocks are rb, cb: a row's own block for kPerRow, a
+  // column's for kPerCol.
   __device__ __forceinline__ int64_t slot(int64_t i, int64_t j, int64_t rb, int64_t cb) const {
-    const int64_t bi = br == 1 ? i : rb, bj = bc == 1 ? j : cb;
+    const int64_t bi = kind == kPerRow ? i : rb, bj = kind == kPerCol ? j : cb;
     return transposed ? bj * gc + bi : bi * gc + bj;
   }
 };
 
-Grid make_grid(int64_t br, int64_t bc, int64_t gc, float* out, bool transposed) {
-  const int kind = br == 1 ? (bc == 1 ? kPerElem : kPerRow) : (bc == 1 ? kPerCol : kOne);
-  return Grid{br, bc, gc, out, transposed, kind};
+// The tile-index shift of blocks b elements long along a dimension of n > 0: 0 for b = 1 (unused:
+// such a dimension is indexed per row or column), 63 for a whole dimension, k for b = 64 * 2^k;
+// -1 for any other size, which no scaling has (a tile would straddle two blocks).
+int tile_shift(int64_t b, int64_t n) {
+  if (b == 1) return 0;
+  if (b >= n) return 63;
+  for (int k = 0; k < 32; ++k) {
+    if (b == (int64_t{kTile} << k)) return k;
+  }
+  return -1;
+}
+
+// The grid of br x bc blocks over a rows x cols x; false where its blocks do not meet the tiles
+// as the kernels assume. A grid of single elements only exists for a single row or column, where
+// it is per column (rows == 1) or per row (cols == 1): the other coordinate is 0 in every tile.
+bool make_grid(int64_t br, int64_t bc, int64_t gc, float* out, bool transposed, int64_t rows,
+               int64_t cols, Grid* g) {
+  int kind = kOne;
+  if (br == 1 && bc == 1) {
+    if (rows != 1 && cols != 1) return false;
+    kind = rows == 1 ? kPerCol : kPerRow;
+  } else if (br == 1) {
+    kind = kPerRow;
+  } else if (bc == 1) {
+    kind = kPerCol;
+  }
+  *g = Grid{gc, out, transposed, kind, tile_shift(br, rows), tile_shift(bc, cols)};
+  return g->row_shift >= 0 && g->col_shift >= 0;
 }
 
 // Stages x[r0.., c0..] (0 outside the matrix; |x| with kAbs, max-combined into what is there
-// with kMax) in `tile`, and returns the finite |x| max of the elements this thread loaded. kW = 8:
+// with kMax) in `tile`, and returns the finite |x| max of the elements this thread loaded where
+// want_amax (0 otherwise: the reduction is skipped, not just unused). kW = 8:
 // rows contiguous, 8 | cols, 8 | row stride, base 16-byte aligned; each thread loads two 8-element
 // vectors. kW = 1: any strides, 16 elements per thread, walking along whichever of x's dimensions
 // is contiguous.
 template <DType kT, int kW, bool kAbs, bool kMax>
 __device__ __forceinline__ float load_tile(float (*tile)[kTile + 1], const void* x, int64_t rows,
                                            int64_t cols, int64_t rs, int64_t cs, int64_t r0,
-                                           int64_t c0, bool rows_fast) {
+                                           int64_t c0, bool rows_fast, bool want_amax) {
   float m = 0.f;
   auto put = [&](int r, int c, float v) {
-    m = fmaxf(m, finite_abs(v));
     if (kAbs) v = finite_abs(v);
-    tile[r][c] = kMax ? fmaxf(tile[r][c], v) : v;
+    // Volatile: what the previous tile of the span left is read back, not kept in registers
+    // (16 more per thread) across the loads.
+    tile[r][c] = kMax ? fmaxf(*static_cast<volatile float*>(&tile[r][c]), v) : v;
   };
   if constexpr (kW == 8) {
-    constexpr int kPer = kTile * kTile / 8 / kThreads;
+    // Thread t's vectors: row t / 8 + 32 k, columns (t % 8) * 8 ..
+    constexpr int kPer = kTile * kTile / 8 / kThreads, kRowsPer = kThreads / (kTile / 8);
+    const int r = threadIdx.x / (kTile / 8), c = threadIdx.x % (kTile / 8) * 8;
+    const int64_t first = (r0 + r) * rs + c0 + c, rows_left = rows - r0 - r;
+    const bool col_in = c0 + c < cols;
     float v[kPer][8];
     TIERLIFT_UNROLL
     for (int k = 0; k < kPer; ++k) {  // all loads first: several in flight per thread
-      const int idx = threadIdx.x + kThreads * k, r = idx / (kTile / 8), c = idx % (kTile / 8) * 8;
-      const int64_t i = r0 + r, j = c0 + c;
       for (int n = 0; n < 8; ++n) v[k][n] = 0.f;
-      if (i < rows && j < cols) fp8dev::load_vec<kT, 8>(x, i * rs + j, v[k]);
+      if (col_in && kRowsPer * k < rows_left) {
+        fp8dev::load_vec<kT, 8>(x, first + kRowsPer * k * rs, v[k]);
+      }
+    }
+    if (want_amax) {
+      for (int k = 0; k < kPer; ++k) {
+        for (int n = 0; n < 8; ++n) m = fmaxf(m, finite_abs(v[k][n]));
+      }
     }
     TIERLIFT_UNROLL
     for (int k = 0; k < kPer; ++k) {
-      const int idx = threadIdx.x + kThreads * k, r = idx / (kTile / 8), c = idx % (kTile / 8) * 8;
-      for (int n = 0; n < 8; ++n) put(r, c + n, v[k][n]);
+      for (int n = 0; n < 8; ++n) put(r + kRowsPer * k, c + n, v[k][n]);
     }
   } else {
-    constexpr int kPer = kTile * kTile / kThreads;
+    // Thread t's elements: 16 along the slow dimension, 4 apart, at t % 64 along the fast one.
+    constexpr int kPer = kTile * kTile / kThreads, kStep = kThreads / kTile;
+    const int fast = threadIdx.x % kTile, slow = threadIdx.x / kTile;
+    const int r = rows_fast ? fast : slow, c = rows_fast ? slow : fast;
+    const int64_t first = (r0 + r) * rs + (c0 + c) * cs, step = kStep * (rows_fast ? cs : rs);
+    const int64_t left = rows_fast ? cols - c0 - c : rows - r0 - r;  // along the slow dimension
+    const bool fast_in = rows_fast ? r0 + r < rows : c0 + c < cols;
     float v[kPer];
     TIERLIFT_UNROLL
     for (int k = 0; k < kPer; ++k) {
-      const int idx = threadIdx.x + kThreads * k;
-      const int r = rows_fast ? idx % kTile : idx / kTile,
-                c = rows_fast ? idx / kTile : idx % kTile;
-      const int64_t i = r0 + r, j = c0 + c;
-      v[k] = i < rows && j < cols ? fp8dev::load<kT>(x, i * rs + j * cs) : 0.f;
+      v[k] = fast_in && kStep * k < left ? fp8dev::load<kT>(x, first + k * step) : 0.f;
+    }
+    if (want_amax) {
+      for (int k = 0; k < kPer; ++k) m = fmaxf(m, finite_abs(v[k]));
     }
     TIERLIFT_UNROLL
     for (int k = 0; k < kPer; ++k) {
-      const int idx = threadIdx.x + kThreads * k;
-      const int r = rows_fast ? idx % kTile : idx / kTile,
-                c = rows_fast ? idx / kTile : idx % kTile;
-      put(r, c, v[k]);
+      put(rows_fast ? r : r + kStep * k, rows_fast ? c + kStep * k : c, v[k]);
     }
   }
   return m;
@@ -124,16 +168,9 @@ __device__ __forceinline__ float load_tile(float (*tile)[kTile + 1], const void*
 __device__ void merge_tile(const float (*tile)[kTile + 1], const Grid& g, int64_t r0, int64_t c0,
                            int64_t rows, int64_t cols, float* warp_partial) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
-  const int64_t rb = r0 / g.br, cb = c0 / g.bc;
+  const int64_t rb = g.row_block(r0), cb = g.col_block(c0);
   constexpr int kLines = kTile / kWarps;  // rows (columns) per warp
-  if (g.kind == kPerElem) {
-    for (int k = 0; k < kTile * kTile / kThreads; ++k) {
-      const int idx = threadIdx.x + kThreads * k, r = idx / kTile, c = idx % kTile;
-      if (r0 + r < rows && c0 + c < cols) {
-        atomic_max_nonneg(&g.out[g.slot(r0 + r, c0 + c, rb, cb)], tile[r][c]);
-      }
-    }
-  } else if (g.kind == kPerRow) {
+  if (g.kind == kPerRow) {
     for (int k = 0; k < kLines; ++k) {
       const int r = warp * kLines + k;
       const float m = group_max(fmaxf(tile[r][lane], tile[r][lane + 32]));
@@ -171,9 +208,10 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ float warp_partial[kWarps];
   const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kTile * span;
   const int64_t c0 = static_cast<int64_t>(blockIdx.y) * kTile;
-  load_tile<kT, kW, true, false>(tile, x, rows, cols, rs, cs, r0, c0, rows_fast);
+  load_tile<kT, kW, true, false>(tile, x, rows, cols, rs, cs, r0, c0, rows_fast, false);
   for (int s = 1; s < span; ++s) {  // each thread max-combines only the entries it wrote
-    load_tile<kT, kW, true, true>(tile, x, rows, cols, rs, cs, r0 + s * kTile, c0, rows_fast);
+    load_tile<kT, kW, true, true>(tile, x, rows, cols, rs, cs, r0 + s * kTile, c0, rows_fast,
+                                  false);
   }
   __syncthreads();
   merge_tile(tile, g0, r0, c0, rows, cols, warp_partial);
@@ -183,16 +221,14 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Tensor amax of n contiguous elements (base 16-byte aligned): a grid-stride loop with four
-// 8-element vector loads in flight per thread, one atomicMax per block into out0 (and out1).
-template <DType kT>
-__global__ void __launch_bounds__(kThreads)
-    amax_flat_kernel(const void* x, int64_t n, float* out0, float* out1) {
-  __shared__ float warp_partial[kWarps];
-  constexpr int kUnroll = 4;
+// The grid-stride loop of the flat kernels over n contiguous elements of x (base 16-byte
+// aligned): kUnroll 8-element vector loads in flight per thread and step, then vec(v, k, in) for
+// each (elements k..k+7; in: inside the tensor, else v is zeros), then one(value, k) for each of
+// the n % 8 tail elements.
+template <DType kT, int kUnroll, class Vec, class One>
+__device__ __forceinline__ void flat_loop(const void* x, int64_t n, Vec&& vec, One&& one) {
   const int64_t nv = n / 8, tid = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
-  float m = 0.f;
   for (int64_t c = tid; c < nv; c += kUnroll * stride) {
     float v[kUnroll][8];
     TIERLIFT_UNROLL
@@ -201,12 +237,24 @@ __global__ void __launch_bounds__(kThreads)
       if (c + u * stride < nv) fp8dev::load_vec<kT, 8>(x, (c + u * stride) * 8, v[u]);
     }
     TIERLIFT_UNROLL
-    for (int u = 0; u < kUnroll; ++u) {
-      for (int e = 0; e < 8; ++e) m = fmaxf(m, finite_abs(v[u][e]));
-    }
+    for (int u = 0; u < kUnroll; ++u) vec(v[u], (c + u * stride) * 8, c + u * stride < nv);
   }
-  for (int64_t k = nv * 8 + tid; k < n; k += stride)
-    m = fmaxf(m, finite_abs(fp8dev::load<kT>(x, k)));
+  for (int64_t k = nv * 8 + tid; k < n; k += stride) one(fp8dev::load<kT>(x, k), k);
+}
+
+// Tensor amax of n contiguous elements (base 16-byte aligned): the flat loop, one atomicMax per
+// block into out0 (and out1).
+template <DType kT>
+__global__ void __launch_bounds__(kThreads)
+    amax_flat_kernel(const void* x, int64_t n, float* out0, float* out1) {
+  __shared__ float warp_partial[kWarps];
+  float m = 0.f;
+  flat_loop<kT, 4>(
+      x, n,
+      [&](const float(&v)[8], int64_t, bool) {  // zeros outside: no test needed
+        for (int e = 0; e < 8; ++e) m = fmaxf(m, finite_abs(v[e]));
+      },
+      [&](float v, int64_t) { m = fmaxf(m, finite_abs(v)); });
   m = group_max(m);
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
   if (lane == 0) warp_partial[warp] = m;
@@ -225,46 +273,69 @@ __global__ void amax_to_scale_kernel(float* s, int64_t n, Fp8Format fmt, bool po
   if (i < n) s[i] = scale_of(s[i], fmt, pow2);
 }
 
-// Stages grid g's scales for the tile: sc[r] per row, sc[c] per column, sc[0] for the tile.
-// Called by threads 0..63.
+// Stages grid g's scales for the tile: sc[r] per row, sc[c] per column (0 outside the matrix),
+// the tile's one scale in every sc[t] otherwise. Called by threads 0..63.
 __device__ __forceinline__ void stage_scales(float* sc, const Grid& g, int64_t r0, int64_t c0,
                                              int64_t rows, int64_t cols, int t) {
-  const int64_t rb = r0 / g.br, cb = c0 / g.bc;
+  const int64_t rb = g.row_block(r0), cb = g.col_block(c0);
   if (g.kind == kPerRow) {
     sc[t] = r0 + t < rows ? g.out[g.slot(r0 + t, c0, rb, cb)] : 0.f;
   } else if (g.kind == kPerCol) {
     sc[t] = c0 + t < cols ? g.out[g.slot(r0, c0 + t, rb, cb)] : 0.f;
-  } else if (g.kind == kOne) {
+  } else {
     sc[t] = g.out[g.slot(r0, c0, rb, cb)];
   }
 }
 
-// Encodes 16 staged values at (r, c + n) of x (n < 16; `across`: at (r + n, c) instead) with
-// grid g's scales into four little-endian words.
-__device__ __forceinline__ void encode16(const float (*tile)[kTile + 1], const float* sc,
-                                         const Grid& g, int64_t rows, int64_t cols, int64_t r0,
-                                         int64_t c0, int r, int c, bool across, Fp8Format fmt,
-                                         uint32_t (&w)[4]) {
-  const int64_t rb = r0 / g.br, cb = c0 / g.bc;
+// Codes of 16 staged values, tile[line][seg + n] (kAcross: tile[seg + n][line]) for n < 16,
+// into four little-endian words. kPerCode: value n's scale is s[n] (16-byte aligned), else s[0]
+// for all. The fast encoder first; a group holding a non-finite product is encoded again with
+// encode(), which gives those their codes.
+template <bool kAcross, bool kPerCode>
+__device__ __forceinline__ void encode16_scaled(const float (*tile)[kTile + 1], const float* s,
+                                                int line, int seg, const fp8dev::Fp8Encoder& enc,
+                                                uint32_t (&w)[4]) {
+  auto value = [&](int n) { return kAcross ? tile[seg + n][line] : tile[line][seg + n]; };
+  const float one_scale = s[0];
+  bool special = false;
   TIERLIFT_UNROLL  // constant indices into w: registers, not local memory
       for (int k = 0; k < 4; ++k) {
-    uint32_t word = 0;
-    TIERLIFT_UNROLL
-    for (int b = 0; b < 4; ++b) {
-      const int n = 4 * k + b, rr = across ? r + n : r, cc = across ? c : c + n;
-      float s;
-      if (g.kind == kOne) {
-        s = sc[0];
-      } else if (g.kind == kPerRow) {
-        s = sc[rr];
-      } else if (g.kind == kPerCol) {
-        s = sc[cc];
-      } else {  // one block per element: only inside the matrix
-        s = r0 + rr < rows && c0 + cc < cols ? g.out[g.slot(r0 + rr, c0 + cc, rb, cb)] : 0.f;
-      }
-      word |= encode(__fmul_rn(tile[rr][cc], s), fmt) << (8 * b);
+    float sk[4] = {one_scale, one_scale, one_scale, one_scale};
+    if (kPerCode) {
+      const float4 s4 = reinterpret_cast<const float4*>(s)[k];
+      sk[0] = s4.x, sk[1] = s4.y, sk[2] = s4.z, sk[3] = s4.w;
     }
-    w[k] = word;
+    float xk[4];
+    for (int b = 0; b < 4; ++b) xk[b] = __fmul_rn(value(4 * k + b), sk[b]);
+    w[k] = enc.pack4(xk, special);
+  }
+  if (special) {  // rare: NaN or Inf in x, or a product that overflowed
+    // Volatile: read again here rather than keep the 16 values in registers for this path.
+    auto again = [](const float& f) { return *static_cast<const volatile float*>(&f); };
+    TIERLIFT_UNROLL
+    for (int k = 0; k < 4; ++k) {
+      uint32_t word = 0;
+      for (int b = 0; b < 4; ++b) {
+        const int n = 4 * k + b;
+        const float v = again(kAcross ? tile[seg + n][line] : tile[line][seg + n]);
+        word |= encode(__fmul_rn(v, kPerCode ? again(s[n]) : one_scale), enc.fmt) << (8 * b);
+      }
+      w[k] = word;
+    }
+  }
+}
+
+// Codes of 16 staged values (as encode16_scaled) with the tile's scales sc of a grid of `kind`:
+// one per code where the grid's blocks vary along the 16 (per column along a row of q, per row
+// along a row of q^T), else the line's or the tile's.
+template <bool kAcross>
+__device__ __forceinline__ void encode16(const float (*tile)[kTile + 1], const float* sc, int kind,
+                                         int line, int seg, const fp8dev::Fp8Encoder& enc,
+                                         uint32_t (&w)[4]) {
+  if (kind == (kAcross ? kPerRow : kPerCol)) {
+    encode16_scaled<kAcross, true>(tile, sc + seg, line, seg, enc, w);
+  } else {
+    encode16_scaled<kAcross, false>(tile, sc + (kind == kOne ? 0 : line), line, seg, enc, w);
   }
 }
 
@@ -321,10 +392,11 @@ __device__ __forceinline__ void merge_block_amax(const float* warp_partial, floa
 template <DType kT, int kW>
 __global__ void __launch_bounds__(kThreads)
     cast_tiles_kernel(const void* x, int64_t rows, int64_t cols, int64_t rs, int64_t cs,
-                      bool rows_fast, Fp8Format fmt, Grid g, uint8_t* q, int q_width, Grid gt,
-                      uint8_t* qt, int qt_width, DelayedPass d) {
+                      bool rows_fast, fp8dev::Fp8Encoder enc, Grid g, uint8_t* q, int q_width,
+                      Grid gt, uint8_t* qt, int qt_width, DelayedPass d) {
   __shared__ float tile[kTile][kTile + 1];
-  __shared__ float sc[kTile], sct[kTile];
+  __shared__ __align__(16) float sc[kTile];
+  __shared__ __align__(16) float sct[kTile];
   __shared__ float warp_partial[kWarps];
   if (recast_not_needed(d, g.out)) return;
   const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kTile;
@@ -335,21 +407,23 @@ __global__ void __launch_bounds__(kThreads)
   } else if (t < 2 * kTile && qt != nullptr) {
     stage_scales(sct, gt, r0, c0, rows, cols, t - kTile);
   }
-  const float m = load_tile<kT, kW, false, false>(tile, x, rows, cols, rs, cs, r0, c0, rows_fast);
-  if (d.amax != nullptr) {
+  const bool want_amax = d.amax != nullptr;
+  const float m =
+      load_tile<kT, kW, false, false>(tile, x, rows, cols, rs, cs, r0, c0, rows_fast, want_amax);
+  if (want_amax) {
     const float wm = group_max(m);
     if ((t & 31) == 0) warp_partial[t / 32] = wm;
   }
   __syncthreads();
-  if (d.amax != nullptr) merge_block_amax(warp_partial, d.amax);
+  if (want_amax) merge_block_amax(warp_partial, d.amax);
   const int line = t / 4, seg = t % 4 * 16;  // 4 threads per output row segment of 64 codes
   uint32_t w[4];
   if (r0 + line < rows && c0 + seg < cols) {  // row r0 + line of q, columns c0 + seg ..
-    encode16(tile, sc, g, rows, cols, r0, c0, line, seg, false, fmt, w);
+    encode16<false>(tile, sc, g.kind, line, seg, enc, w);
     store16(q + (r0 + line) * cols + c0 + seg, w, cols - c0 - seg, q_width);
   }
   if (qt != nullptr && c0 + line < cols && r0 + seg < rows) {  // row c0 + line of x^T
-    encode16(tile, sct, gt, rows, cols, r0, c0, seg, line, true, fmt, w);
+    encode16<true>(tile, sct, gt.kind, line, seg, enc, w);
     store16(qt + (c0 + line) * rows + r0 + seg, w, rows - r0 - seg, qt_width);
   }
 }
@@ -380,8 +454,11 @@ cudaError_t run_tiled(const Fp8QuantArgs& a, cudaStream_t stream) {
   // x^T's block (h, w) covers w rows and h columns of x.
   const Fp8Blocks b = fp8_blocks(a.scaling, a.rows, a.cols);
   const Fp8Blocks bt = fp8_blocks(a.scaling, a.cols, a.rows);
-  const Grid g = make_grid(b.rows, b.cols, b.grid_cols, a.scales, false);
-  const Grid gt = make_grid(bt.cols, bt.rows, bt.grid_cols, a.scales_t, true);
+  Grid g, gt;
+  if (!make_grid(b.rows, b.cols, b.grid_cols, a.scales, false, a.rows, a.cols, &g) ||
+      !make_grid(bt.cols, bt.rows, bt.grid_cols, a.scales_t, true, a.rows, a.cols, &gt)) {
+    return cudaErrorInvalidValue;  // before any launch: no scaling has such blocks
+  }
   const int64_t n = b.grid_rows * b.grid_cols, nt = bt.grid_rows * bt.grid_cols;
   if (cudaError_t e = cudaMemsetAsync(a.scales, 0, n * sizeof(float), stream); e != cudaSuccess) {
     return e;
@@ -407,8 +484,9 @@ cudaError_t run_tiled(const Fp8QuantArgs& a, cudaStream_t stream) {
     // Tiles combine down a column where neither grid has a block per row and every block is
     // whole columns or 128-row multiples (span * 64 divides the block height).
     int span = 1;
-    if (g.br != 1 && (!dual || gt.br != 1)) {
-      const int64_t h = dual && gt.br < g.br ? gt.br : g.br;
+    const int64_t br = b.rows, brt = bt.cols;  // block heights over x's rows
+    if (br != 1 && (!dual || brt != 1)) {
+      const int64_t h = dual && brt < br ? brt : br;
       span = h >= a.rows ? kMaxSpan : static_cast<int>(h / kTile < kMaxSpan ? h / kTile : kMaxSpan);
     }
     const dim3 grid(static_cast<unsigned>((row_tiles + span - 1) / span),
@@ -436,50 +514,70 @@ cudaError_t run_tiled(const Fp8QuantArgs& a, cudaStream_t stream) {
   const int qw = store_width(a.q, a.cols), qtw = a.qt ? store_width(a.qt, a.rows) : 1;
   if (vec) {
     TIERLIFT_LAUNCH(tiles, block, 0, stream, cast_tiles_kernel<kT, 8>)
-    (a.x, a.rows, a.cols, a.row_stride, a.col_stride, rows_fast, a.fmt, g, a.q, qw, gt, a.qt, qtw,
-     DelayedPass{});
+    (a.x, a.rows, a.cols, a.row_stride, a.col_stride, rows_fast, fp8dev::Fp8Encoder::of(a.fmt), g,
+     a.q, qw, gt, a.qt, qtw, DelayedPass{});
   } else {
     TIERLIFT_LAUNCH(tiles, block, 0, stream, cast_tiles_kernel<kT, 1>)
-    (a.x, a.rows, a.cols, a.row_stride, a.col_stride, rows_fast, a.fmt, g, a.q, qw, gt, a.qt, qtw,
-     DelayedPass{});
+    (a.x, a.rows, a.cols, a.row_stride, a.col_stride, rows_fast, fp8dev::Fp8Encoder::of(a.fmt), g,
+     a.q, qw, gt, a.qt, qtw, DelayedPass{});
   }
   return cudaGetLastError();
 }
 
 // Delayed scaling's cast of n contiguous elements (x 16-byte and q 8-byte aligned) with the
-// device scale *scale: a grid-stride loop with four 8-element vector loads in flight per thread
-// and one 8-byte store of codes per vector, the finite amax reduced on the way (options as in
-// cast_tiles_kernel). Each element is read once: the single pass the tiles' staging is not needed
-// for when there is no q^T.
+// device scale *scale: the flat loop, one 8-byte store of codes per vector, the finite amax
+// reduced on the way (options as in cast_tiles_kernel). Each element is read once: the single
+// pass the tiles' staging is not needed for when there is no q^T.
 template <DType kT>
 __global__ void __launch_bounds__(kThreads)
-    cast_flat_kernel(const void* x, int64_t n, Fp8Format fmt, const float* scale, uint8_t* q,
-                     DelayedPass d) {
+    cast_flat_kernel(const void* x, int64_t n, fp8dev::Fp8Encoder enc, const float* scale,
+                     uint8_t* q, DelayedPass d) {
   __shared__ float warp_partial[kWarps];
   if (recast_not_needed(d, scale)) return;
-  constexpr int kUnroll = 4;
   const float s = *scale;
-  const int64_t nv = n / 8, tid = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
   float m = 0.f;
-  for (int64_t c = tid; c < nv; c += kUnroll * stride) {
-    float v[kUnroll][8];
-    TIERLIFT_UNROLL
-    for (int u = 0; u < kUnroll; ++u) {
-      for (int e = 0; e < 8; ++e) v[u][e] = 0.f;
-      if (c + u * stride < nv) fp8dev::load_vec<kT, 8>(x, (c + u * stride) * 8, v[u]);
-    }
-    TIERLIFT_UNROLL
-    for (int u = 0; u < kUnroll; ++u) {
-      for (int e = 0; e < 8; ++e) m = fmaxf(m, finite_abs(v[u][e]));
-      if (c + u * stride < nv) fp8dev::encode_store<8>(q, (c + u * stride) * 8, v[u], s, fmt);
-    }
-  }
-  for (int64_t k = nv * 8 + tid; k < n; k += stride) {
-    const float v = fp8dev::load<kT>(x, k);
-    m = fmaxf(m, finite_abs(v));
-    q[k] = static_cast<uint8_t>(encode(__fmul_rn(v, s), fmt));
-  }
+  flat_loop<kT, 2>(  // two vectors in flight: the encoder's registers fit at 50% occupancy
+      x, n,
+      [&](const float(&v)[8], int64_t k, bool in) {
+        // |v| max without the non-finite test: a non-finite v makes its product non-finite, and
+        // such a vector is redone below.
+        float vm = 0.f;
+        bool special = false;
+        uint32_t w[2];
+        TIERLIFT_UNROLL
+        for (int h = 0; h < 2; ++h) {
+          float xh[4];
+          for (int b = 0; b < 4; ++b) {
+            xh[b] = __fmul_rn(v[4 * h + b], s);
+            vm = fmaxf(vm, fabsf(v[4 * h + b]));
+          }
+          w[h] = enc.pack4(xh, special);
+        }
+        if (!in) return;  // zeros: nothing to store or add
+        reinterpret_cast<uint2*>(q)[k / 8] = make_uint2(w[0], w[1]);
+        if (!special) {
+          m = fmaxf(m, vm);
+          return;
+        }
+        // Rare: NaN or Inf in x, or a product that overflowed. The vector is loaded again (after
+        // the store, which may alias it for all the compiler knows) rather than kept in registers
+        // for this path, encoded exactly and stored over the fast codes.
+        float again[8];
+        fp8dev::load_vec<kT, 8>(x, k, again);
+        TIERLIFT_UNROLL
+        for (int h = 0; h < 2; ++h) {
+          w[h] = 0;
+          for (int b = 0; b < 4; ++b) {
+            w[h] |= encode(__fmul_rn(again[4 * h + b], s), enc.fmt) << (8 * b);
+            m = fmaxf(m, finite_abs(again[4 * h + b]));
+          }
+        }
+        reinterpret_cast<uint2*>(q)[k / 8] = make_uint2(w[0], w[1]);
+      },
+      [&](float v, int64_t k) {
+        m = fmaxf(m, finite_abs(v));
+        q[k] = static_cast<uint8_t>(encode(__fmul_rn(v, s), enc.fmt));
+      });
   if (d.amax == nullptr) return;  // the same for the whole block
   m = group_max(m);
   if ((threadIdx.x & 31) == 0) warp_partial[threadIdx.x / 32] = m;
@@ -532,15 +630,18 @@ cudaError_t delayed_cast(const Fp8DelayedArgs& a, const float* scale, DelayedPas
       reinterpret_cast<uintptr_t>(a.q) % 8 == 0) {
     const int64_t n = a.rows * a.cols;
     TIERLIFT_LAUNCH(flat_blocks(n), block, 0, stream, cast_flat_kernel<kT>)
-    (a.x, n, a.fmt, scale, a.q, d);
+    (a.x, n, fp8dev::Fp8Encoder::of(a.fmt), scale, a.q, d);
     return cudaGetLastError();
   }
   // Tensor scaling's grids: every element's scale is scale[0].
   const Fp8Blocks b = fp8_blocks(Fp8Scaling::kTensor, a.rows, a.cols);
   const Fp8Blocks bt = fp8_blocks(Fp8Scaling::kTensor, a.cols, a.rows);
   float* s = const_cast<float*>(scale);  // the cast kernels only read their grids
-  const Grid g = make_grid(b.rows, b.cols, b.grid_cols, s, false);
-  const Grid gt = make_grid(bt.cols, bt.rows, bt.grid_cols, s, true);
+  Grid g, gt;
+  if (!make_grid(b.rows, b.cols, b.grid_cols, s, false, a.rows, a.cols, &g) ||
+      !make_grid(bt.cols, bt.rows, bt.grid_cols, s, true, a.rows, a.cols, &gt)) {
+    return cudaErrorInvalidValue;  // not reached: tensor blocks are whole dimensions
+  }
   const bool vec = a.col_stride == 1 && a.cols % 8 == 0 && a.row_stride % 8 == 0 && xa % 16 == 0;
   const bool rows_fast = a.col_stride != 1 && a.row_stride == 1;
   const int64_t row_tiles = (a.rows + kTile - 1) / kTile, col_tiles = (a.cols + kTile - 1) / kTile;
@@ -549,12 +650,12 @@ cudaError_t delayed_cast(const Fp8DelayedArgs& a, const float* scale, DelayedPas
   const int qw = store_width(a.q, a.cols), qtw = a.qt ? store_width(a.qt, a.rows) : 1;
   if (vec) {
     TIERLIFT_LAUNCH(tiles, block, 0, stream, cast_tiles_kernel<kT, 8>)
-    (a.x, a.rows, a.cols, a.row_stride, a.col_stride, rows_fast, a.fmt, g, a.q, qw, gt, a.qt, qtw,
-     d);
+    (a.x, a.rows, a.cols, a.row_stride, a.col_stride, rows_fast, fp8dev::Fp8Encoder::of(a.fmt), g,
+     a.q, qw, gt, a.qt, qtw, d);
   } else {
     TIERLIFT_LAUNCH(tiles, block, 0, stream, cast_tiles_kernel<kT, 1>)
-    (a.x, a.rows, a.cols, a.row_stride, a.col_stride, rows_fast, a.fmt, g, a.q, qw, gt, a.qt, qtw,
-     d);
+    (a.x, a.rows, a.cols, a.row_stride, a.col_stride, rows_fast, fp8dev::Fp8Encoder::of(a.fmt), g,
+     a.q, qw, gt, a.qt, qtw, d);
   }
   return cudaGetLastError();
 }

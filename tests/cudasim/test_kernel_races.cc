@@ -70,14 +70,23 @@ std::vector<float> rising(int64_t n, uint32_t seed) {
   return x;
 }
 
-// fp8_quantize of a rising fp32 input against core (codes and scales; x^T's too when dual);
-// `launches` kernel launches expected.
+// NaN, +Inf and -Inf in a few places of x: the FP8 casts encode their groups again exactly.
+std::vector<float> with_non_finite(std::vector<float> x) {
+  const float special[] = {kNaN, cudasim_test::kInf, -cudasim_test::kInf};
+  for (size_t k = 5; k < x.size(); k += 997) x[k] = special[k % 3];
+  return x;
+}
+
+// fp8_quantize of a rising fp32 input (with NaN and Inf where non_finite) against core (codes
+// and scales; x^T's too when dual); `launches` kernel launches expected.
 void check_fp8(int64_t rows, int64_t cols, Fp8Scaling scaling, Layout layout, bool dual,
-               uint64_t launches) {
+               uint64_t launches, bool non_finite = false) {
   SCOPED_TRACE(std::to_string(rows) + "x" + std::to_string(cols) + " scaling " +
                std::to_string(static_cast<int>(scaling)) + " " + cudasim_test::layout_name(layout) +
-               (dual ? " dual" : ""));
-  const StridedInput in(rising(rows * cols, 11), rows, cols, DType::kFloat32, layout);
+               (dual ? " dual" : "") + (non_finite ? " non-finite" : ""));
+  std::vector<float> values = rising(rows * cols, 11);
+  if (non_finite) values = with_non_finite(values);
+  const StridedInput in(values, rows, cols, DType::kFloat32, layout);
   const Fp8Input& x = in.view();
   const Fp8Blocks b = fp8_blocks(scaling, rows, cols);
   const Fp8Blocks bt = fp8_blocks(scaling, cols, rows);
@@ -136,7 +145,8 @@ TEST_F(KernelRaces, Fp8TensorAmaxFlatAndTiled) {
 // 128x128 blocks (2 tiles of a row of tiles raise each slot; x^T's grid merged after x's),
 // row and column amaxes of the dual output (one tile per block: the column tiles raise each
 // row's slot, the row tiles each column's), columns over 320 rows (2 blocks of 4 tiles raise
-// each column's slot) and one element per block (column scaling of a single row).
+// each column's slot) and one element per block (column scaling of a single row, reduced per
+// column).
 TEST_F(KernelRaces, Fp8BlockRowColumnAndElementAmaxTiles) {
   kernels("amax_tiles_kernel amax_to_scale_kernel cast_tiles_kernel");
   check_fp8(128, 256, Fp8Scaling::kBlock128x128, Layout::kContiguous, true, 4);
@@ -153,12 +163,14 @@ TEST_F(KernelRaces, Fp8FusedRowAndBlock1x128) {
   check_fp8(32, 256, Fp8Scaling::kBlock1x128, Layout::kContiguous, false, 1);
 }
 
-// fp8_quantize_delayed of a rising fp32 input against core, with a scale that fits (the cast's
-// blocks raise the amax) and one that clips (the guarded recast runs every block); with a
-// history, fp8_quantize_from_history of that history instead.
+// fp8_quantize_delayed of a rising fp32 input (with NaN and Inf where non_finite) against core,
+// with a scale that fits (the cast's blocks raise the amax) and one that clips (the guarded
+// recast runs every block); with a history, fp8_quantize_from_history of that history instead.
 void check_fp8_delayed(int64_t rows, int64_t cols, Layout layout, bool dual,
-                       const std::vector<float>& history = {}) {
-  const StridedInput in(rising(rows * cols, 13), rows, cols, DType::kFloat32, layout);
+                       const std::vector<float>& history = {}, bool non_finite = false) {
+  std::vector<float> values = rising(rows * cols, 13);
+  if (non_finite) values = with_non_finite(values);
+  const StridedInput in(values, rows, cols, DType::kFloat32, layout);
   const Fp8Input& x = in.view();
   const size_t n = static_cast<size_t>(rows * cols);
   std::vector<uint8_t> want_q(n), want_qt(dual ? n : 0);
@@ -220,6 +232,15 @@ TEST_F(KernelRaces, Fp8DelayedFlatAndTiled) {
   kernels("cast_flat_kernel cast_tiles_kernel delayed_scale_kernel");
   check_fp8_delayed(64, 256, Layout::kContiguous, false);
   check_fp8_delayed(130, 200, Layout::kContiguous, true);
+}
+
+// NaN and Inf in x: the tiled cast's groups holding them are encoded again from shared memory
+// (q and q^T), the flat cast's vectors loaded again and their codes stored a second time by the
+// same thread.
+TEST_F(KernelRaces, Fp8NonFiniteGroupsEncodedAgain) {
+  kernels("amax_tiles_kernel cast_tiles_kernel cast_flat_kernel");
+  check_fp8(130, 200, Fp8Scaling::kCol, Layout::kContiguous, true, 4, true);
+  check_fp8_delayed(64, 256, Layout::kContiguous, false, {}, true);
 }
 
 // fp8_quantize_from_history: the one-warp history kernel (each lane takes several of 100
