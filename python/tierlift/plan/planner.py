@@ -447,8 +447,7 @@ def _params_offloaded(inp: PlanInput, bw: Bandwidths) -> Plan:
             f"(short by {_fmt(sum(in_place.values()) - opt_room)}); give --nvme PATH for the "
             "NVMe tier")
     exact = inp.pool_bytes == POOL_BYTES  # not given: the runtime's slots and chunks
-    pool = inp.pool_bytes if not exact else streamed_pool_bytes(inp.state_dtype)
-    sub = dataclasses.replace(inp, pool_bytes=pool, nvme_free=None if inp.nvme_free is None
+    sub = dataclasses.replace(inp, nvme_free=None if inp.nvme_free is None
                               else inp.nvme_free - on_disk)
     beside = (f" beside the {_fmt(on_disk)} of fp32 parameter and gradient shards"
               if on_disk else "")

@@ -22,7 +22,9 @@ ties these numbers to a sharded model's tensors and files):
                    down, stepped and copied back). Asked for overlap=True, offload="cpu"
                    streams too: the overlapped host tier above, with a master of every shard;
                    grad and copy staging only for device shards.
-  pipeline pool    6 slots x one chunk of master, m, v (576 MiB fp32, 336.75 MiB compact).
+  pipeline pool    6 slots x one chunk of each kind the tiers hold (master, m, v: 576 MiB
+                   fp32, 336.75 MiB compact; no master in one generation), as
+                   offload.sizing cuts them under the budget (file_layout).
   GPU              the working set, the gathered units at the peak of backward (program
                    order, world 1; counted on CPU by tests/python/test_plan_gaps.py): with w
                    the units' bytes per weight (2 bf16/fp16, 4 fp32) and U the largest unit's
