@@ -239,7 +239,9 @@ __device__ __forceinline__ void flat_loop(const void* x, int64_t n, Vec&& vec, O
     TIERLIFT_UNROLL
     for (int u = 0; u < kUnroll; ++u) vec(v[u], (c + u * stride) * 8, c + u * stride < nv);
   }
-  for (int64_t k = nv * 8 + tid; k < n; k += stride) one(fp8dev::load<kT>(x, k), k);
+  // The n % 8 < 8 tail elements: thread j takes element nv * 8 + j (a grid has >= 256 threads),
+  // an `if` rather than a loop whose trip count the compiler would divide out.
+  if (const int64_t k = nv * 8 + tid; k < n) one(fp8dev::load<kT>(x, k), k);
 }
 
 // Tensor amax of n contiguous elements (base 16-byte aligned): the flat loop, one atomicMax per
