@@ -28,17 +28,20 @@
 #include "core/util/dtype.h"
 #include "cuda/adam_compact.cuh"
 #include "cudasim/launch.h"
+#include "tests/cudasim/canary_buffer.h"
 #include "tests/cudasim/dtypes.h"
 
 namespace tierlift {
 namespace {
 
+using cudasim_test::CanaryBuffer;
 using cudasim_test::dtype_name;
 using cudasim_test::kInputDtypes;
+using cudasim_test::round_to;
+using cudasim_test::widen;
 
 constexpr int64_t kChunk = int64_t{1} << 16;  // elements per CUDA block in adam_compact.cu
 constexpr int64_t kGuard = 32;                // canary elements around each tensor
-constexpr unsigned char kCanary = 0xa5;
 
 enum Array { kParam, kGrad, kM, kCodes, kScales, kCopy, kArrays };
 const char* const kArrayNames[kArrays] = {"param",  "grad", "exp_avg", "exp_avg_sq codes",
@@ -46,72 +49,6 @@ const char* const kArrayNames[kArrays] = {"param",  "grad", "exp_avg", "exp_avg_
 
 // The first element of each array, in elements past a 64-byte boundary.
 using Leads = std::array<int, kArrays>;
-
-uint32_t round_to(DType t, float x) {
-  if (t == DType::kBFloat16) return f32_to_bf16(x);
-  if (t == DType::kFloat16) return f32_to_f16(x);
-  return f32_bits(x);
-}
-float widen(DType t, uint32_t bits) {
-  if (t == DType::kBFloat16) return bf16_to_f32(static_cast<uint16_t>(bits));
-  if (t == DType::kFloat16) return f16_to_f32(static_cast<uint16_t>(bits));
-  return bits_f32(bits);
-}
-
-// One array of every tensor in one allocation (counts[k] elements of `elem` bytes for tensor
-// k), canaries everywhere else.
-class Buffer {
- public:
-  Buffer() = default;
-  Buffer(int elem, const std::vector<int64_t>& counts, int lead, bool packed) : elem_(elem) {
-    int64_t pos = kGuard;
-    for (size_t k = 0; k < counts.size(); ++k) {
-      // Each tensor on its own 64-byte boundary plus `lead`, or right after the last one.
-      const int64_t per64 = 64 / elem_;
-      if (!packed || k == 0) pos = (pos + kGuard + per64 - 1) / per64 * per64 + lead;
-      start_.push_back(pos);
-      counts_.push_back(counts[k]);
-      pos += counts[k];
-    }
-    const size_t elems = static_cast<size_t>(pos + kGuard);
-    bytes_.assign(elems * elem_ + 64, kCanary);
-    const auto addr = reinterpret_cast<uintptr_t>(bytes_.data());
-    base_ = bytes_.data() + (64 - addr % 64) % 64;
-    size_ = elems;
-  }
-
-  void* at(size_t k) { return base_ + start_[k] * elem_; }
-  uint32_t get(size_t k, int64_t i) const {
-    uint32_t u = 0;
-    std::memcpy(&u, base_ + (start_[k] + i) * elem_, elem_);
-    return u;
-  }
-  void set(size_t k, int64_t i, uint32_t u) {
-    std::memcpy(base_ + (start_[k] + i) * elem_, &u, elem_);
-  }
-  int64_t count(size_t k) const { return counts_[k]; }
-
-  // Bytes outside every tensor that are no longer canaries.
-  int64_t touched_canaries() const {
-    std::vector<bool> inside(size_, false);
-    for (size_t k = 0; k < start_.size(); ++k) {
-      for (int64_t i = 0; i < counts_[k]; ++i) inside[start_[k] + i] = true;
-    }
-    int64_t n = 0;
-    for (size_t e = 0; e < size_; ++e) {
-      if (inside[e]) continue;
-      for (int b = 0; b < elem_; ++b) n += base_[e * elem_ + b] != kCanary;
-    }
-    return n;
-  }
-
- private:
-  int elem_ = 4;
-  std::vector<unsigned char> bytes_;
-  unsigned char* base_ = nullptr;
-  size_t size_ = 0;
-  std::vector<int64_t> start_, counts_;
-};
 
 struct Config {
   DType grad_type = DType::kFloat32;
@@ -132,7 +69,8 @@ class Model {
                                 4, c.copy_type == DType::kFloat32 ? 4 : 2};
     for (int a = 0; a < kArrays; ++a) {
       if (a == kCopy && c.copy_type == DType::kNone) continue;
-      buf_[a] = Buffer(elems[a], a == kScales ? scale_counts : numels, leads[a], packed);
+      buf_[a] =
+          CanaryBuffer(elems[a], a == kScales ? scale_counts : numels, leads[a], packed, kGuard);
       has_[a] = true;
     }
     for (size_t k = 0; k < numels.size(); ++k) {
@@ -244,7 +182,7 @@ class Model {
  private:
   std::vector<int64_t> numels_;
   Config c_;
-  std::array<Buffer, kArrays> buf_;
+  std::array<CanaryBuffer, kArrays> buf_;
   std::array<bool, kArrays> has_{};
 };
 

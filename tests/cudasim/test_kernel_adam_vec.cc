@@ -20,17 +20,20 @@
 #include "core/util/dtype.h"
 #include "cuda/adam.cuh"
 #include "cudasim/launch.h"
+#include "tests/cudasim/canary_buffer.h"
 #include "tests/cudasim/dtypes.h"
 
 namespace tierlift {
 namespace {
 
+using cudasim_test::CanaryBuffer;
 using cudasim_test::dtype_name;
 using cudasim_test::kInputDtypes;
+using cudasim_test::round_to;
+using cudasim_test::widen;
 
 constexpr int64_t kChunk = int64_t{1} << 16;  // elements per block in adam.cu
 constexpr int64_t kGuard = 16;                // canary elements around each tensor
-constexpr unsigned char kCanary = 0xa5;
 
 enum Array { kParam, kGrad, kM, kV, kVmax, kCopy, kArrays };
 const char* const kArrayNames[kArrays] = {"param",      "grad",           "exp_avg",
@@ -38,69 +41,6 @@ const char* const kArrayNames[kArrays] = {"param",      "grad",           "exp_a
 
 // The first element of each array, in elements past a 64-byte boundary.
 using Leads = std::array<int, kArrays>;
-
-// x rounded to `t` (bf16/fp16 bits in the low 16 bits; fp32 bits), and back: core's conversions.
-uint32_t round_to(DType t, float x) {
-  if (t == DType::kBFloat16) return f32_to_bf16(x);
-  if (t == DType::kFloat16) return f32_to_f16(x);
-  return f32_bits(x);
-}
-float widen(DType t, uint32_t bits) {
-  if (t == DType::kBFloat16) return bf16_to_f32(static_cast<uint16_t>(bits));
-  if (t == DType::kFloat16) return f16_to_f32(static_cast<uint16_t>(bits));
-  return bits_f32(bits);
-}
-
-// One array of every tensor in one allocation, canaries everywhere else.
-class Buffer {
- public:
-  Buffer() = default;
-  Buffer(int elem, const std::vector<int64_t>& numels, int lead, bool packed) : elem_(elem) {
-    int64_t pos = kGuard;
-    for (size_t k = 0; k < numels.size(); ++k) {
-      // Each tensor on its own 64-byte boundary plus `lead`, or right after the last one.
-      if (!packed || k == 0) pos = (pos + kGuard + 15) / 16 * 16 + lead;
-      start_.push_back(pos);
-      pos += numels[k];
-    }
-    const size_t elems = static_cast<size_t>(pos + kGuard + 16);
-    bytes_.assign(elems * elem_ + 64, kCanary);
-    const auto addr = reinterpret_cast<uintptr_t>(bytes_.data());
-    base_ = bytes_.data() + (64 - addr % 64) % 64;
-    size_ = elems;
-  }
-
-  void* at(size_t k) { return base_ + start_[k] * elem_; }
-  uint32_t get(size_t k, int64_t i) const {
-    uint32_t u = 0;
-    std::memcpy(&u, base_ + (start_[k] + i) * elem_, elem_);
-    return u;
-  }
-  void set(size_t k, int64_t i, uint32_t u) {
-    std::memcpy(base_ + (start_[k] + i) * elem_, &u, elem_);
-  }
-
-  // Bytes outside every tensor that are no longer canaries.
-  int64_t touched_canaries(const std::vector<int64_t>& numels) const {
-    std::vector<bool> inside(size_, false);
-    for (size_t k = 0; k < numels.size(); ++k) {
-      for (int64_t i = 0; i < numels[k]; ++i) inside[start_[k] + i] = true;
-    }
-    int64_t n = 0;
-    for (size_t e = 0; e < size_; ++e) {
-      if (inside[e]) continue;
-      for (int b = 0; b < elem_; ++b) n += base_[e * elem_ + b] != kCanary;
-    }
-    return n;
-  }
-
- private:
-  int elem_ = 4;
-  std::vector<unsigned char> bytes_;
-  unsigned char* base_ = nullptr;
-  size_t size_ = 0;
-  std::vector<int64_t> start_;
-};
 
 struct Config {
   DType grad_type = DType::kFloat32;
@@ -118,7 +58,7 @@ class Model {
       if (a == kGrad && c.grad_type != DType::kFloat32) elem = 2;
       if (a == kCopy && c.copy_type != DType::kFloat32) elem = 2;
       if ((a == kVmax && !c.amsgrad) || (a == kCopy && c.copy_type == DType::kNone)) continue;
-      buf_[a] = Buffer(elem, numels, leads[a], packed);
+      buf_[a] = CanaryBuffer(elem, numels, leads[a], packed, kGuard);
       has_[a] = true;
     }
     for (size_t k = 0; k < numels.size(); ++k) {
@@ -214,7 +154,7 @@ class Model {
     for (int a = 0; a < kArrays; ++a) {
       if (!has_[a]) continue;
       const std::string at = where + ", " + kArrayNames[a];
-      EXPECT_EQ(buf_[a].touched_canaries(numels_), 0) << at << ": bytes outside the tensors";
+      EXPECT_EQ(buf_[a].touched_canaries(), 0) << at << ": bytes outside the tensors";
       for (size_t k = 0; k < numels_.size(); ++k) {
         int64_t differ = 0, first = -1;
         for (int64_t i = 0; i < numels_[k]; ++i) {
@@ -229,7 +169,7 @@ class Model {
  private:
   std::vector<int64_t> numels_;
   Config c_;
-  std::array<Buffer, kArrays> buf_;
+  std::array<CanaryBuffer, kArrays> buf_;
   std::array<bool, kArrays> has_{};
 };
 
