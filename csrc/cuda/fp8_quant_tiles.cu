@@ -8,11 +8,12 @@
 //     reduction instead: one atomicMax per thread block. A tiny kernel turns amaxes into scales.
 //  2. cast. Each block stages x's tile in shared memory and its scales next to it; a thread
 //     encodes 16 consecutive codes of a row of q, and 16 of a row of x^T for qt read across
-//     the tile, so both outputs leave as coalesced 16-byte stores (8, 4 or 1 where the output
-//     widths are not multiples of 16). The 16 codes take one scale from a register, or 16 read
-//     as four 16-byte shared loads where the blocks change along them; the encoder
-//     (fp8dev::Fp8Encoder) has no per-element branch, and a group holding NaN or Inf is encoded
-//     again exactly.
+//     the tile (or, where x^T's scale for the tile is x's: tensor, 128x128 and delayed scaling,
+//     q's codes read back down the columns), so both outputs leave as coalesced 16-byte stores
+//     (8, 4 or 1 where the output widths are not multiples of 16). The 16 codes take one scale from
+//     a register, or 16 read as four 16-byte shared loads where the blocks change along them; the
+//     encoder (fp8dev::Fp8Encoder) has no per-element branch, and a group holding NaN or Inf is
+//     encoded again exactly.
 // Every tile is 64-aligned and every block dimension is 1, 64 * 2^k or the whole matrix, so along
 // a dimension whose block is not 1 a tile lies in one block (and so do 2 tiles down a column for
 // 128-row blocks, 4 for whole columns), found by shifting the tile's index: no kernel divides.
@@ -121,14 +122,17 @@ __device__ __forceinline__ float load_tile(float (*tile)[kTile + 1], const void*
     // Thread t's vectors: row t / 8 + 32 k, columns (t % 8) * 8 ..
     constexpr int kPer = kTile * kTile / 8 / kThreads, kRowsPer = kThreads / (kTile / 8);
     const int r = threadIdx.x / (kTile / 8), c = threadIdx.x % (kTile / 8) * 8;
-    const int64_t first = (r0 + r) * rs + c0 + c, rows_left = rows - r0 - r;
+    const int64_t rows_left = rows - r0 - r;
     const bool col_in = c0 + c < cols;
+    // Byte addresses: an element index would be divided by 8 (with a sign fix) per load.
+    constexpr int kSize = kT == DType::kFloat32 ? 4 : 2;
+    const char* first = static_cast<const char*>(x) + ((r0 + r) * rs + c0 + c) * kSize;
     float v[kPer][8];
     TIERLIFT_UNROLL
     for (int k = 0; k < kPer; ++k) {  // all loads first: several in flight per thread
       for (int n = 0; n < 8; ++n) v[k][n] = 0.f;
       if (col_in && kRowsPer * k < rows_left) {
-        fp8dev::load_vec<kT, 8>(x, first + kRowsPer * k * rs, v[k]);
+        fp8dev::load_vec<kT, 8>(first + kRowsPer * k * rs * kSize, 0, v[k]);
       }
     }
     if (want_amax) {
@@ -388,9 +392,30 @@ __device__ __forceinline__ void merge_block_amax(const float* warp_partial, floa
   }
 }
 
+// Codes of a 64x64 tile as bytes, rows 68 bytes apart (word-aligned rows; the column reads of
+// the 4 segments of a line meet 2 to a bank).
+constexpr int kCodeRowWords = kTile / 4 + 1;
+
+// Codes tile[seg + n][line] for n < 16 read down a column of the staged codes, packed as encode16
+// packs them.
+__device__ __forceinline__ void gather16(const uint32_t (*codes)[kCodeRowWords], int line, int seg,
+                                         uint32_t (&w)[4]) {
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(codes);
+  TIERLIFT_UNROLL
+  for (int k = 0; k < 4; ++k) {
+    uint32_t word = 0;
+    for (int b = 0; b < 4; ++b) {
+      word |= static_cast<uint32_t>(bytes[(seg + 4 * k + b) * 4 * kCodeRowWords + line]) << (8 * b);
+    }
+    w[k] = word;
+  }
+}
+
 // Pass 2: q[i, j] with grid g (q_width bytes per store); if qt, also qt[j, i] with the
-// transposed grid gt. With d (delayed scaling, tensor grids read from device scales): the amax of
-// the staged tile, or the guarded recast.
+// transposed grid gt. Where both grids give the tile one and the same scale (tensor and 128x128
+// scaling, delayed scaling), qt's codes are q's: they are staged in shared memory and read back
+// down the columns instead of encoded twice. With d (delayed scaling, tensor grids read from
+// device scales): the amax of the staged tile, or the guarded recast.
 template <DType kT, int kW>
 __global__ void __launch_bounds__(kThreads)
     cast_tiles_kernel(const void* x, int64_t rows, int64_t cols, int64_t rs, int64_t cs,
@@ -399,6 +424,7 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ float tile[kTile][kTile + 1];
   __shared__ __align__(16) float sc[kTile];
   __shared__ __align__(16) float sct[kTile];
+  __shared__ uint32_t codes[kTile][kCodeRowWords];
   __shared__ float warp_partial[kWarps];
   if (recast_not_needed(d, g.out)) return;
   const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kTile;
@@ -419,13 +445,26 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
   if (want_amax) merge_block_amax(warp_partial, d.amax);
   const int line = t / 4, seg = t % 4 * 16;  // 4 threads per output row segment of 64 codes
+  // Equal scales give equal codes (the same for every thread: read after the barrier).
+  const bool qt_is_q_transposed = qt != nullptr && g.kind == kOne && gt.kind == kOne &&
+                                  __float_as_uint(sc[0]) == __float_as_uint(sct[0]);
   uint32_t w[4];
   if (r0 + line < rows && c0 + seg < cols) {  // row r0 + line of q, columns c0 + seg ..
     encode16<false>(tile, sc, g.kind, line, seg, enc, w);
     store16(q + (r0 + line) * cols + c0 + seg, w, cols - c0 - seg, q_width);
+    if (qt_is_q_transposed) {
+      for (int k = 0; k < 4; ++k) codes[line][seg / 4 + k] = w[k];
+    }
   }
-  if (qt != nullptr && c0 + line < cols && r0 + seg < rows) {  // row c0 + line of x^T
-    encode16<true>(tile, sct, gt.kind, line, seg, enc, w);
+  if (qt == nullptr) return;
+  // Every code qt stores below was staged: its q row and segment are inside the matrix.
+  if (qt_is_q_transposed) __syncthreads();
+  if (c0 + line < cols && r0 + seg < rows) {  // row c0 + line of x^T
+    if (qt_is_q_transposed) {
+      gather16(codes, line, seg, w);
+    } else {
+      encode16<true>(tile, sct, gt.kind, line, seg, enc, w);
+    }
     store16(qt + (c0 + line) * rows + r0 + seg, w, rows - r0 - seg, qt_width);
   }
 }
