@@ -1,6 +1,7 @@
 // Device building blocks of the FP8 quantize kernels (fp8_quant.cu, fp8_quant_tiles.cu): fp8.h's
 // encoder and scale rule written with explicitly rounded intrinsics (bit-identical to the C++
-// reference), packed stores of 4 or 8 codes, and the warp / non-negative float reductions.
+// reference), a branch-free encoder of finite values for the hot loops (Fp8Encoder), packed
+// stores of 4 or 8 codes, and the warp / non-negative float reductions.
 // Internal header.
 #pragma once
 
