@@ -127,14 +127,15 @@ __device__ __forceinline__ float load_tile(float (*tile)[kTile + 1], const void*
     // Byte addresses: an element index would be divided by 8 (with a sign fix) per load.
     constexpr int kSize = kT == DType::kFloat32 ? 4 : 2;
     const char* first = static_cast<const char*>(x) + ((r0 + r) * rs + c0 + c) * kSize;
-    float v[kPer][8];
+    fp8dev::Raw8<kT> raw[kPer];
     TIERLIFT_UNROLL
     for (int k = 0; k < kPer; ++k) {  // all loads first: several in flight per thread
-      for (int n = 0; n < 8; ++n) v[k][n] = 0.f;
-      if (col_in && kRowsPer * k < rows_left) {
-        fp8dev::load_vec<kT, 8>(first + kRowsPer * k * rs * kSize, 0, v[k]);
-      }
+      raw[k] = fp8dev::load_raw8<kT>(first + kRowsPer * k * rs * kSize,
+                                     col_in && kRowsPer * k < rows_left);
     }
+    float v[kPer][8];
+    TIERLIFT_UNROLL
+    for (int k = 0; k < kPer; ++k) fp8dev::widen8<kT>(raw[k], v[k]);
     if (want_amax) {
       for (int k = 0; k < kPer; ++k) {
         for (int n = 0; n < 8; ++n) m = fmaxf(m, finite_abs(v[k][n]));
@@ -233,15 +234,20 @@ template <DType kT, int kUnroll, class Vec, class One>
 __device__ __forceinline__ void flat_loop(const void* x, int64_t n, Vec&& vec, One&& one) {
   const int64_t nv = n / 8, tid = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  constexpr int kSize = kT == DType::kFloat32 ? 4 : 2;
   for (int64_t c = tid; c < nv; c += kUnroll * stride) {
-    float v[kUnroll][8];
+    fp8dev::Raw8<kT> raw[kUnroll];
     TIERLIFT_UNROLL
     for (int u = 0; u < kUnroll; ++u) {
-      for (int e = 0; e < 8; ++e) v[u][e] = 0.f;
-      if (c + u * stride < nv) fp8dev::load_vec<kT, 8>(x, (c + u * stride) * 8, v[u]);
+      raw[u] = fp8dev::load_raw8<kT>(static_cast<const char*>(x) + (c + u * stride) * 8 * kSize,
+                                     c + u * stride < nv);
     }
     TIERLIFT_UNROLL
-    for (int u = 0; u < kUnroll; ++u) vec(v[u], (c + u * stride) * 8, c + u * stride < nv);
+    for (int u = 0; u < kUnroll; ++u) {
+      float v[8];
+      fp8dev::widen8<kT>(raw[u], v);
+      vec(v, (c + u * stride) * 8, c + u * stride < nv);
+    }
   }
   // The n % 8 < 8 tail elements: thread j takes element nv * 8 + j (a grid has >= 256 threads),
   // an `if` rather than a loop whose trip count the compiler would divide out.
