@@ -226,12 +226,12 @@ def test_offload_params_bytes_per_tier():
     compact = state_bytes_per_param("bf16", master=False)
     assert sum(compact.values()) == pytest.approx(2 + 1 + 4 / 256) and "fp32 master" not in compact
     # 4B, compact state, shards in host memory: 4 + 4 B of fp32 shard and gradient, m and v
-    # beside them (offload="cpu": the fp32 shard is its own master); the GPU holds 14 B per
+    # beside them (offload="cpu": the fp32 shard is its own master); the GPU holds 12 B per
     # parameter of the largest unit (1/32 of the model; test_plan_gaps.py counts it).
     plan = make_plan(dataclasses.replace(BOX, params=4e9, state_dtype="bf16",
                                          offload_params="cpu"), BW)
     assert plan.offload == "cpu" and "nvme" not in plan.tiers
-    assert plan.tiers["gpu"] == {"gathered units (working set)": pytest.approx(14 * 4e9 / 32)}
+    assert plan.tiers["gpu"] == {"gathered units (working set)": pytest.approx(12 * 4e9 / 32)}
     assert plan.tiers["cpu"] == pytest.approx({
         "fp32 param shards": 16e9, "fp32 grad shards": 16e9, "exp_avg (bf16)": 8e9,
         "exp_avg_sq (8-bit)": 4e9, "exp_avg_sq scales": 4e9 / 64})
@@ -280,7 +280,7 @@ def test_device_params_fill_the_gpu_room_first():
                               grad_dtype="bf16", device_params=None)
     plan = make_plan(inp, BW)
     room = 0.7 * 80 * G
-    work = 14 * 20e9 / 32
+    work = 12 * 20e9 / 32
     on_dev = plan.device_params
     assert on_dev == int((room - work) // 6)
     gpu = plan.tiers["gpu"]

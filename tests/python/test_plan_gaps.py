@@ -6,7 +6,10 @@ backward, counted on CPU as the runtime allocates them (every tensor an aten op 
 host tensors parameter offload stages through; world 1, program order), against the planner's
 bound. Before, the planner counted 12 B per parameter of the largest unit for bf16 units (16 for
 fp32 ones) from a list of buffers that missed the prefetch's staged shard and the unit-size
-buffers autograd sums a unit's gradient in: blocks of several parameters held 13.0 B (26.0 B).
+buffers autograd summed a unit's gradient in (one per parameter, when the weights were sliced
+out of the unit one by one): blocks of several parameters held 13.0 B (26.0 B). The weights
+are now pieces of one split, whose gradient is one concatenation: 10 B (20 B) for blocks, 12 B
+(24 B) for a weight read twice, the bound the plan counts.
 Then the device shadow of AdamW(device_staging=True), the options whose bytes are not planned
 (refused by name), and the hybrid tier's pipeline pool."""
 
@@ -114,52 +117,72 @@ def _blocks() -> nn.Module:
                            for _ in range(4)])
 
 
+class _ReadTwice(nn.Module):
+    """A unit of one weight read twice (as a tied weight is)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D, bias=False)
+
+    def forward(self, x):
+        return self.lin(self.lin(x))
+
+
+def _weights_read_twice() -> nn.Module:
+    return nn.Sequential(*[_ReadTwice() for _ in range(4)])
+
+
 @pytest.mark.parametrize("param_dtype,grad_dtype", [
     (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
     (torch.float16, torch.bfloat16), (torch.float32, torch.float32),
     (torch.float32, torch.bfloat16)])
 def test_working_set_is_the_bound_of_the_backward_peak(param_dtype, grad_dtype, monkeypatch):
-    """Building a unit's gradient, units of one weight hold 5 w U (the unit, the prefetch and
-    its staged shard, the weight's gradient and the unit-size buffer it is scattered into),
-    blocks of several parameters 6 w U + w P (three unit-size buffers summing the gradient, P
-    the largest parameter). Landing it, 4 w U (the prefetch and its staged shard, the
-    gradient, the reduce-scatter output) and its copy in grad_dtype where that differs. The
-    plan counts 7 w U: the build with P = U, more than the landing whatever grad_dtype."""
+    """Building a unit's gradient, 3 w U for the unit, the prefetch and its staged shard, and
+    the gradient: units of one weight that fills them hold its gradient (w U: its view's
+    gradient is the unit's), blocks of several parameters their parameters' gradients and the
+    unit-size buffer those are concatenated into (w U + w W, W the weights' elements: the
+    biases' gradients are under what is counted), a weight read twice its two gradients and
+    their sum (3 w U). Landing it, 4 w U (the prefetch and its staged shard, the gradient, the
+    reduce-scatter output) and its copy in grad_dtype where that differs (g U). The plan counts
+    the bound, 6 w U, whatever grad_dtype."""
     w = param_dtype.itemsize
     g = grad_dtype.itemsize if grad_dtype != param_dtype else 0
     dt = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-    for build, built in ((_one_weight_units, lambda u, p: 5 * w * u),
-                         (_blocks, lambda u, p: 6 * w * u + w * p)):
+    for build, built in ((_one_weight_units, lambda u, weights: 4 * w * u),
+                         (_blocks, lambda u, weights: 4 * w * u + w * weights),
+                         (_weights_read_twice, lambda u, weights: 6 * w * u)):
         torch.manual_seed(0)
         model = build()
         n = sum(p.numel() for p in model.parameters())
-        largest = max(p.numel() for p in model.parameters())
         mp = tierlift.zero.MixedPrecision(param_dtype=param_dtype, grad_dtype=grad_dtype)
         model = tierlift.zero.shard(model, stage=3, offload_params="cpu", mixed_precision=mp,
                                     device_params=0)
         try:
-            unit = max(u.padded for u in model._tierlift_zero.units)
+            largest = max(model._tierlift_zero.units, key=lambda u: u.padded)
+            unit = largest.padded
+            weights = sum(e.numel for e in largest.entries if e.numel >= _SMALL)
             peak = _backward_peak(model, torch.randn(1, D, dtype=param_dtype), monkeypatch)
         finally:
             tierlift.zero.close(model)
-        assert peak == max(built(unit, largest), (4 * w + g) * unit), build.__name__
+        assert peak == max(built(unit, weights), (4 * w + g) * unit), build.__name__
         plan = make_plan(PlanInput(params=n, gpu_mem=G, cpu_mem=G, offload_params="cpu",
                                    device_params=0, unit_share=unit / n,
                                    param_dtype=dt[param_dtype],
                                    grad_dtype=dt[grad_dtype]), BW)
         planned = plan.tiers["gpu"]["gathered units (working set)"]
-        assert planned == pytest.approx(7 * w * unit, rel=1e-12)
+        assert planned == pytest.approx(6 * w * unit, rel=1e-12)
         assert planned >= peak
 
 
 def test_working_set_does_not_depend_on_the_gradients_dtype():
     """bf16 gradient shards halve the host bytes and the D2H leg, not the working set: the
-    peak is the gradient's build in the units' dtype, before it is reduced."""
+    bound is the gradient's build in the units' dtype; fp32 gradients' copy of the reduced
+    gradient lands under it."""
     inp = PlanInput(params=4e9, gpu_mem=80 * G, cpu_mem=128 * G, offload_params="cpu",
                     device_params=0)
     fp32, bf16 = (make_plan(dataclasses.replace(inp, grad_dtype=g), BW) for g in ("fp32", "bf16"))
     assert fp32.tiers["gpu"] == bf16.tiers["gpu"] == {
-        "gathered units (working set)": pytest.approx(14 * 4e9 / 32)}
+        "gathered units (working set)": pytest.approx(12 * 4e9 / 32)}
     assert bf16.tiers["cpu"]["bf16 grad shards"] == fp32.tiers["cpu"]["fp32 grad shards"] / 2
 
 

@@ -30,18 +30,23 @@ ties these numbers to a sharded model's tensors and files):
                    the units' bytes per weight (2 bf16/fp16, 4 fp32) and U the largest unit's
                    parameters, three gathered copies (the unit in backward, the next one
                    prefetched and that prefetch's staged shard, held until it is waited for:
-                   3wU), and the unit's gradient as autograd builds it: each parameter's
-                   gradient (wP for a parameter of P elements) is scattered into a zeroed
-                   buffer of the whole unit and summed out of place into the others (three
-                   unit-size buffers at once: 3wU). So 6wU + wP with P < U for a unit of
-                   several parameters (13.0 B x U measured for Linear-GELU-Linear blocks in
-                   bf16), 5wU for a unit of one weight (no sum); the plan counts the bound,
-                   7w: 14 B per parameter of the largest unit in bf16/fp16, 28 B in fp32.
-                   The landing of a reduced gradient holds less (the prefetch and its staged
-                   shard, the gradient, the reduce-scatter output and its copy in grad_dtype
-                   when that differs: at most 12 B in bf16 with fp32 gradients, 18 B in
-                   fp32 with bf16 ones), so grad_dtype does not change it. The largest unit
-                   is `unit_share` of the model (1/32: shard()'s default_units threshold;
+                   3wU), and the unit's gradient as autograd builds it: the parameters'
+                   gradients (wU together), held until the last one is made, and concatenated
+                   into one buffer of the unit (wU; zeros for the padding): 5wU for weights
+                   read once per backward (4.997wU measured for Linear-GELU-Linear blocks,
+                   whose biases' gradients are under what is counted; 4wU for a unit of one
+                   weight that fills it, whose view's gradient is the unit's). A weight read
+                   twice (tied weights, a module called twice) has its two gradients summed
+                   out of place, three copies of it at once: 4wU + 2wP for a weight of P
+                   elements, 6wU measured where it fills the unit. The landing of a reduced
+                   gradient holds 4wU + gU: the prefetch and its staged shard, the gradient,
+                   the reduce-scatter output, and its copy in grad_dtype where that differs
+                   from the units' dtype (g its bytes, at most 2w), so grad_dtype does not
+                   change the bound. The plan counts it, 6w: 12 B per parameter of the
+                   largest unit in bf16/fp16, 24 B in fp32 (it was 7w, when each parameter's
+                   gradient was scattered into a zeroed buffer of the whole unit and those
+                   were summed: 6wU + wP). The largest unit is `unit_share` of the model
+                   (1/32: shard()'s default_units threshold;
                    note that default_units leaves blocks smaller than 1/32 of the model in
                    the root unit, gathered as a whole, so deep models need units= or
                    min_unit_numel). On a GPU a gradient copy still in flight to host memory
@@ -170,16 +175,18 @@ def streamed_pool_bytes(state_dtype: str = "fp32") -> int:
 
 
 def working_set_bytes(inp: PlanInput) -> float:
-    """GPU bytes of gathered units at the peak of a unit's backward (offload_params): 14 B per
-    parameter of the largest unit, 28 B for fp32 units (see the module docstring)."""
+    """GPU bytes of gathered units at the peak of a unit's backward (offload_params): 12 B per
+    parameter of the largest unit, 24 B for fp32 units (see the module docstring)."""
     return working_set_per_param(inp) * inp.unit_share * int(inp.params)
 
 
 def working_set_per_param(inp: PlanInput) -> int:
     """Bytes per parameter of the largest unit at the peak of its backward (offload_params):
-    three gathered copies and the bound of its gradient's build (three unit-size sums and
-    one parameter's gradient, at most the unit), 7 x the units' bytes per weight."""
-    return 7 * WEIGHT_BYTES[inp.param_dtype]
+    three gathered copies and the bound of its gradient's build (its parameters' gradients and
+    the buffer of the unit they are concatenated into; a weight read twice, two more copies of
+    its gradient while they are summed: at most the unit), 6 x the units' bytes per weight.
+    The landing of the reduced gradient holds no more (4 x, and its copy in grad_dtype)."""
+    return 6 * WEIGHT_BYTES[inp.param_dtype]
 
 
 def shadow_bytes(inp: PlanInput, n: int) -> int:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch._C._autograd import CreationMeta, _get_creation_meta, _set_creation_meta
 
 from tierlift import ops
 from tierlift.zero.freed import freed_weights
@@ -101,6 +102,17 @@ class WatchedView(torch.Tensor):
 
 
 _VIEWS: dict[int, weakref.ref] = {}  # id(WatchedView) -> its FlatUnit, while installed
+
+
+def _as_single_view(view: torch.Tensor) -> None:
+    """Lets autograd treat a piece of one split as it treats a slice. After an in-place change
+    of `full` or of any piece under no_grad (nn.Embedding(max_norm=...) renormalizes its weight
+    in its forward; a weight edited between steps), torch refuses to use the output of a
+    multi-output view in grad mode; a view of the default kind instead rebuilds its backward
+    as an as_strided of `full` (the sliced view's cost for that view, the same values). In-place
+    changes in grad mode stay refused as for any view of a leaf that requires grad."""
+    if _get_creation_meta(view) == CreationMeta.MULTI_OUTPUT_NODE:
+        _set_creation_meta(view, CreationMeta.DEFAULT)
 
 
 def source_key(names: list[str], state_dict, prefix: str = "") -> str | None:
@@ -341,16 +353,40 @@ class FlatUnit:
         self._watched.clear()
 
     # ---- module attributes ----
+    def _split_sizes(self) -> tuple[list[int], list[int]]:
+        """The pieces one split of `full` cuts (every entry in offset order, and any gap or
+        the padding as pieces of their own) and the piece of each entry."""
+        sizes, index, at = [], [0] * len(self.entries), 0
+        for i in sorted(range(len(self.entries)), key=lambda i: self.entries[i].offset):
+            e = self.entries[i]
+            if e.offset > at:
+                sizes.append(e.offset - at)
+            index[i] = len(sizes)
+            sizes.append(e.numel)
+            at = e.offset + e.numel
+        if self.padded > at:
+            sizes.append(self.padded - at)
+        return sizes, index
+
     def install_views(self) -> None:
-        """Point every owner attribute at its slice of `full` (fresh views: new autograd edges)."""
+        """Point every owner attribute at its piece of `full` (fresh views: new autograd
+        edges). One split makes them all: its backward is one concatenation of the parameters'
+        gradients into a buffer of the unit (zeros where a parameter got none, and for the
+        padding). A view sliced per parameter had each backward zero a buffer of the whole unit
+        and scatter into it, and autograd summed those out of place: k memsets, copies and adds
+        of the unit for k parameters, three unit-size buffers at once at the peak."""
         self.attr_ptrs = []
         self._unwatch()
-        for e in self.entries:
-            view = self.full[e.offset:e.offset + e.numel].view(e.shape)
+        sizes, index = self._split_sizes()
+        # One parameter filling the unit: a plain view, whose backward copies nothing.
+        pieces = [self.full] if len(sizes) == 1 else torch.split(self.full, sizes)
+        for e, i in zip(self.entries, index, strict=True):
+            view = pieces[i].view(e.shape)
             if self.copied:
                 view = view.as_subclass(WatchedView)
                 _VIEWS[id(view)] = weakref.ref(self)
                 self._watched.append(id(view))
+            _as_single_view(view)
             self.attr_ptrs.append(view.data_ptr())
             for mod, attr in e.owners:
                 setattr(mod(), attr, view)
