@@ -119,9 +119,11 @@ __device__ __forceinline__ float load_tile(float (*tile)[kTile + 1], const void*
     tile[r][c] = kMax ? fmaxf(*static_cast<volatile float*>(&tile[r][c]), v) : v;
   };
   if constexpr (kW == 8) {
-    // Thread t's vectors: row t / 8 + 32 k, columns (t % 8) * 8 ..
+    // Thread t's vectors: rows r + 32 k, columns c ... A warp covers 8 rows of 32 columns: its
+    // shared stores (row stride 65) fall in 32 different banks, as 4 rows of 64 would not.
     constexpr int kPer = kTile * kTile / 8 / kThreads, kRowsPer = kThreads / (kTile / 8);
-    const int r = threadIdx.x / (kTile / 8), c = threadIdx.x % (kTile / 8) * 8;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int r = warp / 2 * 8 + lane / 4, c = warp % 2 * 32 + lane % 4 * 8;
     const int64_t rows_left = rows - r0 - r;
     const bool col_in = c0 + c < cols;
     // Byte addresses: an element index would be divided by 8 (with a sign fix) per load.
@@ -422,8 +424,10 @@ __device__ __forceinline__ void gather16(const uint32_t (*codes)[kCodeRowWords],
 // scaling, delayed scaling), qt's codes are q's: they are staged in shared memory and read back
 // down the columns instead of encoded twice. With d (delayed scaling, tensor grids read from
 // device scales): the amax of the staged tile, or the guarded recast.
+// 8 blocks per SM (32 registers) for the vector loads, 6 (40) for the element loads: what each
+// fits without spilling (nvcc would take 36 for fp32 vectors, a block fewer).
 template <DType kT, int kW>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kW == 8 ? 8 : 6)
     cast_tiles_kernel(const void* x, int64_t rows, int64_t cols, int64_t rs, int64_t cs,
                       bool rows_fast, fp8dev::Fp8Encoder enc, Grid g, uint8_t* q, int q_width,
                       Grid gt, uint8_t* qt, int qt_width, DelayedPass d) {
@@ -450,7 +454,10 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
   if (want_amax) merge_block_amax(warp_partial, d.amax);
-  const int line = t / 4, seg = t % 4 * 16;  // 4 threads per output row segment of 64 codes
+  // 4 threads per output row of 64 codes, 16 each. A warp takes 16 lines and 2 segments: the
+  // 16 codes' shared reads (row stride 65) then fall in 32 different banks, as 8 lines and 4
+  // segments would not.
+  const int line = t / 64 * 16 + t % 16, seg = t / 16 % 4 * 16;
   // Equal scales give equal codes (the same for every thread: read after the barrier).
   const bool qt_is_q_transposed = qt != nullptr && g.kind == kOne && gt.kind == kOne &&
                                   __float_as_uint(sc[0]) == __float_as_uint(sct[0]);
