@@ -158,6 +158,8 @@ def test_unit_gradient_is_torchs_bit_for_bit_with_padding():
         unit.install_views()
         model(x).backward()
         ref(x).backward()
+    # the pieces are views of `full` itself (rewrites.is_installed tells them by that)
+    assert all(getattr(m(), a)._base is unit.full for e in unit.entries for m, a in e.owners)
     grad = unit.full.grad
     assert torch.equal(_bits(grad[unit.numel:]), _bits(torch.zeros(unit.padded - unit.numel)))
     refs = dict(ref.named_parameters())
