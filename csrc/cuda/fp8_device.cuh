@@ -88,20 +88,6 @@ __device__ __forceinline__ void widen8(const Raw8<kT>& r, float (&v)[8]) {
   }
 }
 
-// __byte_perm: byte n of the result is byte ((s >> 4n) & 7) of the eight bytes of a then b. The
-// simulator's host build has no such intrinsic: there, the same rule in C++.
-__device__ __forceinline__ uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t s) {
-#ifdef TIERLIFT_CUDASIM
-  const uint64_t ab = static_cast<uint64_t>(b) << 32 | a;
-  uint32_t r = 0;
-  for (int n = 0; n < 4; ++n)
-    r |= static_cast<uint32_t>(ab >> (8 * (s >> (4 * n) & 7u)) & 0xffu) << (8 * n);
-  return r;
-#else
-  return __byte_perm(a, b, s);
-#endif
-}
-
 // fp8.h fp8_encode for finite inputs, four codes packed at a time: the hot loops' encoder.
 // Bit-identical to encode() on finite x; a non-finite x sets `special`, and the caller then
 // encodes that group with encode(), so the fast path carries no per-element NaN / Inf branches.
@@ -153,8 +139,9 @@ struct Fp8Encoder {
     for (int b = 0; b < 4; ++b) m[b] = magnitude(x[b], special), u[b] = __float_as_uint(x[b]);
     const uint32_t codes =
         (m[0] & 0xffu) | ((m[1] & 0xffu) << 8) | ((m[2] & 0xffu) << 16) | (m[3] << 24);
-    const uint32_t tops = byte_perm(byte_perm(u[0], u[1], 0x73u), byte_perm(u[2], u[3], 0x73u),
-                                    0x5410u);  // byte 3 of each u
+    const uint32_t tops =
+        __byte_perm(__byte_perm(u[0], u[1], 0x73u), __byte_perm(u[2], u[3], 0x73u),
+                    0x5410u);  // byte 3 of each u
     return codes | (tops & 0x80808080u);
   }
 };

@@ -38,6 +38,14 @@ inline double __dmul_rn(double a, double b) { return a * b; }
 inline int __popc(unsigned int x) { return __builtin_popcount(x); }
 inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
 inline int __clz(int x) { return x == 0 ? 32 : __builtin_clz(static_cast<unsigned>(x)); }
+// Byte n of the result is byte ((s >> 4n) & 7) of the eight bytes of a (0-3) then b (4-7).
+inline unsigned int __byte_perm(unsigned int a, unsigned int b, unsigned int s) {
+  const uint64_t ab = static_cast<uint64_t>(b) << 32 | a;
+  unsigned int r = 0;
+  for (int n = 0; n < 4; ++n)
+    r |= static_cast<unsigned int>(ab >> (8 * (s >> (4 * n) & 7u)) & 0xffu) << (8 * n);
+  return r;
+}
 inline int __ffs(int x) { return __builtin_ffs(x); }
 
 // The device's min/max overloads (integers of any width and sign, float, double).
