@@ -207,3 +207,44 @@ def test_weights_changed_in_place_under_no_grad_keep_working(stage):
             assert model.out.bias.sum().requires_grad
     finally:
         tierlift.zero.close(model)
+
+
+class _Signed(nn.Module):
+    """A weight and a gain whose gradient is 0.0 times what flows back: +0.0 or -0.0 by its
+    sign."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.gain = nn.Parameter(torch.ones(D))
+
+    def forward(self, x):
+        return self.lin(x) + self.gain * x.new_full((D,), -0.0)
+
+
+def _signed_model() -> nn.Module:
+    return nn.Sequential(_Signed(), nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(),
+                                                  nn.Linear(2 * D, D)), _Signed())
+
+
+def test_zero3_gradients_are_torchs_bit_for_bit():
+    """A ZeRO-3 model of several units (one rank): each shard's gradient is torch's
+    per-parameter gradients bit for bit, the signs of zeros included."""
+    torch.manual_seed(0)
+    ref = _signed_model()
+    model = _signed_model()
+    model.load_state_dict(ref.state_dict())
+    model = tierlift.zero.shard(model, stage=3, units=["0", "1", "2"])
+    try:
+        x = torch.randn(6, D)
+        model(x).square().sum().backward()
+        ref(x).square().sum().backward()
+        refs = dict(ref.named_parameters())
+        gain = refs["0.gain"].grad
+        assert not gain.any() and torch.signbit(gain).any() and not torch.signbit(gain).all()
+        for unit in model._tierlift_zero.units:
+            for e in unit.entries:
+                got = unit.shard.grad[e.offset:e.offset + e.numel]
+                assert torch.equal(_bits(got), _bits(refs[e.names[0]].grad)), e.names
+    finally:
+        tierlift.zero.close(model)
