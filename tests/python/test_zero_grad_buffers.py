@@ -4,9 +4,9 @@ parameter, and the gradient is plain torch's bit for bit.
 A unit's weights are views of its flat `full`. Sliced one by one, each view's backward zeroed a
 buffer of the whole unit, scattered its parameter's gradient into it, and autograd summed those
 out of place: a unit of k parameters made 2k - 1 unit-size buffers per backward (three alive at
-once at the peak: tests/python/test_plan_gaps.py measures it), and the zeros around each one turned a
--0.0 gradient into +0.0. The views now come from one split of `full`, whose backward is a single
-concatenation. Counted on CPU with a dispatch mode (world 1, no process group)."""
+once at the peak: tests/python/test_plan_gaps.py measures it), and the zeros around each one
+turned a -0.0 gradient into +0.0. The views now come from one split of `full`, whose backward is
+a single concatenation. Counted on CPU with a dispatch mode (world 1, no process group)."""
 
 from __future__ import annotations
 
