@@ -268,15 +268,15 @@ MUTANTS = [
     Mutant(
         name="fp4_nan_only",
         file="fp4_quant.cu",
-        original="m = fmaxf(m, f[k]);\n    nonfinite = nonfinite || fp4::nonfinite(v[k]);",
-        mutated="m = fmaxf(m, f[k]);\n    nonfinite = nonfinite || v[k] != v[k];",
+        original="const bool bad = block_bits >= kNonfiniteBits;  // the block holds a NaN/Inf",
+        mutated="const bool bad = block_bits > kNonfiniteBits;  // the block holds a NaN/Inf",
         description="MXFP4: a block holding an Inf (not NaN) is not marked",
     ),
     Mutant(
         name="fp4_group_max",
         file="fp4_quant.cu",
-        original="for (int h = kLanes / 2; h >= 1; h >>= 1) m = fmaxf",
-        mutated="for (int h = kLanes / 2; h > 1; h >>= 1) m = fmaxf",
+        original="for (int h = kLanes / 2; h >= 1; h >>= 1) m = max(",
+        mutated="for (int h = kLanes / 2; h > 1; h >>= 1) m = max(",
         description="FP4: block max skips the last shuffle step",
     ),
     Mutant(

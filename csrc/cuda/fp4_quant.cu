@@ -38,13 +38,28 @@ __device__ __forceinline__ Chunk chunk_of(const Fp4QuantArgs& a, Div31 per_row, 
   return c;
 }
 
+// The benchmark's path, compiled apart so it carries nothing it does not use (kLean): rows
+// contiguous and 16-byte aligned (element e0 is at offset e0: no row, column or stride math), no
+// Hadamard, round-to-nearest, no clip mask, aligned code stores.
+
 // The thread's 16 elements, rotated. kVec: two 16-byte loads (four for fp32), for row-contiguous
 // inputs with 8 | row stride and a 16-byte aligned base; strided loads otherwise. The Hadamard
 // butterflies (a lane with bit h set takes a - b, the other a + b: fp4::hadamard_block's pairs
 // and order) run in registers for h < 16 and across lanes (xor 1) for h = 16.
-template <DType kT, bool kVec>
+template <DType kT, bool kVec, bool kLean>
 __device__ __forceinline__ void rotated(const Fp4QuantArgs& a, const Chunk& c, float (&v)[kPer]) {
   for (int k = 0; k < kPer; ++k) v[k] = 0.f;
+  if constexpr (kLean) {
+    if (c.valid) {
+      constexpr uint64_t kBytes = kT == DType::kFloat32 ? 4 : 2;
+      const void* p = static_cast<const char*>(a.x) + static_cast<uint64_t>(c.e0) * kBytes;
+      float lo[kHalf], hi[kHalf];
+      lowp::load_vec<kT, kHalf>(p, 0, lo);
+      lowp::load_vec<kT, kHalf>(p, kHalf, hi);
+      for (int k = 0; k < kHalf; ++k) v[k] = lo[k], v[k + kHalf] = hi[k];
+    }
+    return;
+  }
   if (c.valid) {
     if constexpr (kVec) {
       const int64_t base = c.i * a.row_stride + c.j0;
@@ -80,20 +95,23 @@ __device__ __forceinline__ void rotated(const Fp4QuantArgs& a, const Chunk& c, f
   for (int k = 0; k < kPer; ++k) v[k] = __fmul_rn(v[k], s);
 }
 
-// Max over the kLanes lanes (1 or 2) sharing a block.
-template <int kLanes>
-__device__ __forceinline__ float block_max(float m) {
-  for (int h = kLanes / 2; h >= 1; h >>= 1) m = fmaxf(m, __shfl_xor_sync(kFull, m, h));
+// The largest |v| of the thread's elements as bits, two operations per element: non-negative
+// floats order like their bits, and a NaN or Inf has bits >= Inf's (kNonfiniteBits), so one
+// compare of the block's maximum tells whether the block holds one; without one, the maximum is
+// the finite amax itself.
+constexpr uint32_t kNonfiniteBits = 0x7f800000u;
+__device__ __forceinline__ uint32_t abs_max_bits(const float (&v)[kPer]) {
+  uint32_t m = 0;
+  TIERLIFT_UNROLL
+  for (int k = 0; k < kPer; ++k) m = max(m, fp4::bits(v[k]) & 0x7fffffffu);
   return m;
 }
 
-// Whether any of the kLanes lanes sharing a block holds a NaN/Inf.
+// Max over the kLanes lanes (1 or 2) sharing a block.
 template <int kLanes>
-__device__ __forceinline__ bool block_any(bool p) {
-  if constexpr (kLanes == 1) return p;
-  const int lane = threadIdx.x & 31;
-  const uint32_t ballot = __ballot_sync(kFull, p);
-  return ((ballot >> (lane & ~(kLanes - 1))) & ((1u << kLanes) - 1)) != 0;
+__device__ __forceinline__ uint32_t block_max(uint32_t m) {
+  for (int h = kLanes / 2; h >= 1; h >>= 1) m = max(m, __shfl_xor_sync(kFull, m, h));
+  return m;
 }
 
 // Philox4x32-10 of counter n, all four words.
@@ -129,9 +147,19 @@ __device__ __forceinline__ void uniforms(const Fp4QuantArgs& a, int64_t e0, floa
 // else byte stores). `nan_block`: the block has the NaN scale, so every v is NaN and every code 0;
 // otherwise no v is NaN (a finite rotated value times a finite multiplier), so the RNE encode
 // skips its per-element NaN test.
+template <bool kLean>
 __device__ __forceinline__ void encode_store(const Fp4QuantArgs& a, const Chunk& c, bool packed,
                                              bool nan_block, const float (&v)[kPer]) {
   if (!c.valid) return;
+  if constexpr (kLean) {
+    uint32_t code[2] = {0, 0};
+    TIERLIFT_UNROLL
+    for (int k = 0; k < kPer; ++k)
+      code[k / 8] |= fp4::e2m1_encode_rne_not_nan(v[k]) << (4 * (k % 8));
+    if (nan_block) code[0] = code[1] = 0;
+    reinterpret_cast<uint2*>(a.codes)[c.e0 / kPer] = make_uint2(code[0], code[1]);
+    return;
+  }
   float u[kPer];
   if (a.stochastic) uniforms(a, c.e0, u);
   uint32_t code[2] = {0, 0}, mask[4] = {0, 0, 0, 0};
@@ -166,26 +194,22 @@ __device__ __forceinline__ void encode_store(const Fp4QuantArgs& a, const Chunk&
   }
 }
 
-template <DType kT, bool kVec>
+template <DType kT, bool kVec, bool kLean>
 __global__ void __launch_bounds__(kThreads) mx_kernel(Fp4QuantArgs a, bool packed, Div31 per_row) {
   constexpr int kLanes = 32 / kPer;
   const Chunk c = chunk_of(a, per_row, blockIdx.x);
   if (__all_sync(kFull, !c.valid)) return;  // whole warps exit together
-  float v[kPer], f[kPer];
-  rotated<kT, kVec>(a, c, v);
-  float m = 0.f;
-  bool nonfinite = false;
-  for (int k = 0; k < kPer; ++k) {
-    f[k] = fp4::finite_abs(v[k]);
-    m = fmaxf(m, f[k]);
-    nonfinite = nonfinite || fp4::nonfinite(v[k]);
-  }
-  float stat = block_max<kLanes>(m);
+  float v[kPer];
+  rotated<kT, kVec, kLean>(a, c, v);
+  const uint32_t block_bits = block_max<kLanes>(abs_max_bits(v));
+  const bool bad = block_bits >= kNonfiniteBits;  // the block holds a NaN/Inf
+  // A bad block's statistic is never used (NaN scale, NaN multiplier).
+  float stat = bad ? 0.f : fp4::from_bits(block_bits);
   if (a.rule == fp4::ScaleRule::kQuest) {  // fp4::block_rms: the halving tree s[i] += s[i + h]
     const int sh = fp4::rms_shift(stat);
     float s[kPer];
     for (int k = 0; k < kPer; ++k) {
-      const float fs = __fmul_rn(f[k], fp4::pow2(-sh));
+      const float fs = __fmul_rn(fp4::finite_abs(v[k]), fp4::pow2(-sh));
       s[k] = __fmul_rn(fs, fs);
     }
     for (int h = kLanes / 2; h >= 1; h >>= 1) {  // h = 16 elements: across lanes
@@ -196,14 +220,13 @@ __global__ void __launch_bounds__(kThreads) mx_kernel(Fp4QuantArgs a, bool packe
     }
     stat = __fmul_rn(__fsqrt_rn(__fmul_rn(s[0], 1.f / 32)), fp4::pow2(sh));
   }
-  const bool bad = block_any<kLanes>(nonfinite);  // the block holds a NaN/Inf
   const int ex = fp4::mx_exponent(stat, a.rule);
   if (c.valid && (threadIdx.x & (kLanes - 1)) == 0) {
     a.scales[c.e0 >> 5] = bad ? fp4::kE8M0Nan : static_cast<uint8_t>(ex + 127);
   }
   const float mult = bad ? fp4::nan_f32() : fp4::pow2(-ex);
   for (int k = 0; k < kPer; ++k) v[k] = __fmul_rn(v[k], mult);
-  encode_store(a, c, packed, bad, v);
+  encode_store<kLean>(a, c, packed, bad, v);
 }
 
 __device__ __forceinline__ void atomic_max_nonneg(float* addr, float v) {
@@ -212,24 +235,22 @@ __device__ __forceinline__ void atomic_max_nonneg(float* addr, float v) {
 
 // NVFP4 pass 1: per-1x16-block amax (+inf for a block holding a NaN/Inf) into the workspace,
 // and the tensor amax over finite elements: one atomicMax per thread block.
-template <DType kT, bool kVec>
+template <DType kT, bool kVec, bool kLean>
 __global__ void __launch_bounds__(kThreads) nv_amax_kernel(Fp4QuantArgs a, Div31 per_row) {
-  constexpr int kLanes = 16 / kPer;
+  static_assert(kPer == 16, "a lane holds its whole NVFP4 block");
   __shared__ float warp_max[kThreads / 32];
   const Chunk c = chunk_of(a, per_row, blockIdx.x);
   float v[kPer];
-  rotated<kT, kVec>(a, c, v);
-  float m = 0.f;
-  bool nonfinite = false;
-  for (int k = 0; k < kPer; ++k) {
-    m = fmaxf(m, fp4::finite_abs(v[k]));
-    nonfinite = nonfinite || fp4::nonfinite(v[k]);
+  rotated<kT, kVec, kLean>(a, c, v);
+  const uint32_t block_bits = abs_max_bits(v);
+  const bool bad = block_bits >= kNonfiniteBits;
+  float m = fp4::from_bits(block_bits);
+  if (bad) {  // rare: the tensor amax still takes the block's finite elements
+    m = 0.f;
+    for (int k = 0; k < kPer; ++k) m = fmaxf(m, fp4::finite_abs(v[k]));
   }
-  m = block_max<kLanes>(m);
-  const bool bad = block_any<kLanes>(nonfinite);
-  if (c.valid && (threadIdx.x & (kLanes - 1)) == 0)
-    a.workspace[c.e0 >> 4] = bad ? fp4::inf_f32() : m;
-  for (int h = 16; h >= kLanes; h >>= 1) m = fmaxf(m, __shfl_xor_sync(kFull, m, h));
+  if (c.valid) a.workspace[c.e0 >> 4] = bad ? fp4::inf_f32() : m;
+  for (int h = 16; h >= 1; h >>= 1) m = fmaxf(m, __shfl_xor_sync(kFull, m, h));
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
   if (lane == 0) warp_max[warp] = m;
   __syncthreads();
@@ -243,7 +264,7 @@ __global__ void __launch_bounds__(kThreads) nv_amax_kernel(Fp4QuantArgs a, Div31
 // NVFP4 pass 2: block scales (a 16x16 block's amax over its 16 rows of pass-1 amaxes, read by
 // the lane of the block's row), then the encode. It walks the thread blocks in
 // reverse, so it starts on the input pass 1 read last, still in L2 (the bits are the same).
-template <DType kT, bool kVec>
+template <DType kT, bool kVec, bool kLean>
 __global__ void __launch_bounds__(kThreads)
     nv_encode_kernel(Fp4QuantArgs a, bool packed, Div31 per_row) {
   static_assert(kPer == 16, "a lane holds its whole NVFP4 block");
@@ -251,7 +272,7 @@ __global__ void __launch_bounds__(kThreads)
   if (__all_sync(kFull, !c.valid)) return;  // whole warps exit together
   const int64_t total = a.rows * a.cols;
   float v[kPer];
-  rotated<kT, kVec>(a, c, v);
+  rotated<kT, kVec, kLean>(a, c, v);
   const float st = fp4::nv_tensor_scale(a.workspace[total >> 4]);
   if (c.e0 == 0) *a.tensor_scale = st;
   float amax = 0.f;
@@ -267,30 +288,31 @@ __global__ void __launch_bounds__(kThreads)
     slot = (c.i >> 4) * nb + k;
     writer = (c.i & 15) == 0;
   } else {
-    if (c.valid) amax = a.workspace[c.i * nb + k];
-    slot = c.i * nb + k;
+    slot = kLean ? c.e0 >> 4 : c.i * nb + k;  // contiguous rows: the block's flat index
+    if (c.valid) amax = a.workspace[slot];
     writer = true;
   }
   const uint8_t code = fp4::nv_scale_code(amax, st);
   if (c.valid && writer) a.scales[slot] = code;
   const float mult = fp4::nv_multiplier(code, st);
   for (int n = 0; n < kPer; ++n) v[n] = __fmul_rn(v[n], mult);
-  encode_store(a, c, packed, code == fp4::kE4M3Nan, v);
+  encode_store<kLean>(a, c, packed, code == fp4::kE4M3Nan, v);
 }
 
-template <DType kT, bool kVec>
+template <DType kT, bool kVec, bool kLean>
 cudaError_t launch_rule(const Fp4QuantArgs& a, unsigned blocks, bool packed, Div31 per_row,
                         cudaStream_t stream) {
   if (a.rule != fp4::ScaleRule::kNv) {
-    TIERLIFT_LAUNCH(blocks, kThreads, 0, stream, mx_kernel<kT, kVec>)(a, packed, per_row);
+    TIERLIFT_LAUNCH(blocks, kThreads, 0, stream, mx_kernel<kT, kVec, kLean>)(a, packed, per_row);
     return cudaGetLastError();
   }
   const int64_t total = a.rows * a.cols;
   cudaError_t err = cudaMemsetAsync(a.workspace + (total >> 4), 0, sizeof(float), stream);
   if (err != cudaSuccess) return err;
-  TIERLIFT_LAUNCH(blocks, kThreads, 0, stream, nv_amax_kernel<kT, kVec>)(a, per_row);
+  TIERLIFT_LAUNCH(blocks, kThreads, 0, stream, nv_amax_kernel<kT, kVec, kLean>)(a, per_row);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  TIERLIFT_LAUNCH(blocks, kThreads, 0, stream, nv_encode_kernel<kT, kVec>)(a, packed, per_row);
+  TIERLIFT_LAUNCH(blocks, kThreads, 0, stream, nv_encode_kernel<kT, kVec, kLean>)
+  (a, packed, per_row);
   return cudaGetLastError();
 }
 
@@ -307,8 +329,11 @@ cudaError_t launch(const Fp4QuantArgs& a, cudaStream_t stream) {
   // Every thread index, the tail block's included, below 2^31: rows by multiply and shift.
   const bool small = int64_t{blocks} * kThreads <= (int64_t{1} << 31);
   const Div31 per_row = small ? Div31::make(a.cols / kPer) : Div31{};
-  return vec ? launch_rule<kT, true>(a, blocks, packed, per_row, stream)
-             : launch_rule<kT, false>(a, blocks, packed, per_row, stream);
+  const bool lean = vec && a.row_stride == a.cols && packed && a.hadamard == 0 && !a.stochastic &&
+                    a.mask == nullptr;
+  if (lean) return launch_rule<kT, true, true>(a, blocks, packed, per_row, stream);
+  return vec ? launch_rule<kT, true, false>(a, blocks, packed, per_row, stream)
+             : launch_rule<kT, false, false>(a, blocks, packed, per_row, stream);
 }
 
 }  // namespace
