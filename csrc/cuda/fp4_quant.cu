@@ -20,21 +20,27 @@ constexpr unsigned kFull = 0xffffffffu;
 // row). An NVFP4 block is one lane, lanes 2t and 2t + 1 share an MXFP4 block. The row is
 // `per_row`.div(t) (threads per row; the launch checks t < 2^31), a division where it cannot be.
 struct Chunk {
-  int64_t e0, i, j0;
+  int64_t e0, i = 0, j0 = 0;
   bool valid;  // false past the end: the lane still takes part in the shuffles with zeros
 };
 
-__device__ __forceinline__ Chunk chunk_of(const Fp4QuantArgs& a, Div31 per_row, unsigned block) {
-  Chunk c;
-  const int64_t t = static_cast<int64_t>(block) * kThreads + threadIdx.x;
-  c.e0 = t * kPer;
-  c.valid = c.e0 < a.rows * a.cols;
+__device__ __forceinline__ void locate_row(const Fp4QuantArgs& a, Div31 per_row, Chunk& c) {
   if (per_row.magic) {
-    c.i = c.valid ? per_row.div(static_cast<uint32_t>(t)) : 0;
+    c.i = c.valid ? per_row.div(static_cast<uint32_t>(c.e0 / kPer)) : 0;
   } else {
     c.i = c.valid ? c.e0 / a.cols : 0;
   }
   c.j0 = c.e0 - c.i * a.cols;
+}
+
+// kFlat: the row and column are left 0 (the lean path reads by flat index; NVFP4's 16x16 blocks
+// locate the row where they need it).
+template <bool kFlat>
+__device__ __forceinline__ Chunk chunk_of(const Fp4QuantArgs& a, Div31 per_row, unsigned block) {
+  Chunk c;
+  c.e0 = (static_cast<int64_t>(block) * kThreads + threadIdx.x) * kPer;
+  c.valid = c.e0 < a.rows * a.cols;
+  if constexpr (!kFlat) locate_row(a, per_row, c);
   return c;
 }
 
@@ -154,8 +160,11 @@ __device__ __forceinline__ void encode_store(const Fp4QuantArgs& a, const Chunk&
   if constexpr (kLean) {
     uint32_t code[2] = {0, 0};
     TIERLIFT_UNROLL
-    for (int k = 0; k < kPer; ++k)
-      code[k / 8] |= fp4::e2m1_encode_rne_not_nan(v[k]) << (4 * (k % 8));
+    for (int k = 0; k < kPer; ++k) {
+      const int at = 4 * (k % 8);
+      const uint32_t sign = (fp4::bits(v[k]) >> (28 - at)) & (8u << at);
+      code[k / 8] |= (fp4::e2m1_magnitude_rne(fabsf(v[k])) << at) | sign;
+    }
     if (nan_block) code[0] = code[1] = 0;
     reinterpret_cast<uint2*>(a.codes)[c.e0 / kPer] = make_uint2(code[0], code[1]);
     return;
@@ -197,7 +206,7 @@ __device__ __forceinline__ void encode_store(const Fp4QuantArgs& a, const Chunk&
 template <DType kT, bool kVec, bool kLean>
 __global__ void __launch_bounds__(kThreads) mx_kernel(Fp4QuantArgs a, bool packed, Div31 per_row) {
   constexpr int kLanes = 32 / kPer;
-  const Chunk c = chunk_of(a, per_row, blockIdx.x);
+  const Chunk c = chunk_of<kLean>(a, per_row, blockIdx.x);
   if (__all_sync(kFull, !c.valid)) return;  // whole warps exit together
   float v[kPer];
   rotated<kT, kVec, kLean>(a, c, v);
@@ -239,7 +248,7 @@ template <DType kT, bool kVec, bool kLean>
 __global__ void __launch_bounds__(kThreads) nv_amax_kernel(Fp4QuantArgs a, Div31 per_row) {
   static_assert(kPer == 16, "a lane holds its whole NVFP4 block");
   __shared__ float warp_max[kThreads / 32];
-  const Chunk c = chunk_of(a, per_row, blockIdx.x);
+  const Chunk c = chunk_of<kLean>(a, per_row, blockIdx.x);
   float v[kPer];
   rotated<kT, kVec, kLean>(a, c, v);
   const uint32_t block_bits = abs_max_bits(v);
@@ -268,7 +277,7 @@ template <DType kT, bool kVec, bool kLean>
 __global__ void __launch_bounds__(kThreads)
     nv_encode_kernel(Fp4QuantArgs a, bool packed, Div31 per_row) {
   static_assert(kPer == 16, "a lane holds its whole NVFP4 block");
-  const Chunk c = chunk_of(a, per_row, gridDim.x - 1 - blockIdx.x);
+  Chunk c = chunk_of<kLean>(a, per_row, gridDim.x - 1 - blockIdx.x);
   if (__all_sync(kFull, !c.valid)) return;  // whole warps exit together
   const int64_t total = a.rows * a.cols;
   float v[kPer];
@@ -278,9 +287,10 @@ __global__ void __launch_bounds__(kThreads)
   float amax = 0.f;
   int64_t slot = 0;
   bool writer = false;
-  const int64_t nb = a.cols >> 4, k = c.j0 >> 4;
+  const int64_t nb = a.cols >> 4;
   if (a.block_2d) {
-    const int64_t i0 = c.i & ~int64_t{15};
+    if constexpr (kLean) locate_row(a, per_row, c);
+    const int64_t k = c.j0 >> 4, i0 = c.i & ~int64_t{15};
     const int64_t hi = i0 + 16 < a.rows ? i0 + 16 : a.rows;
     if (c.valid) {
       for (int64_t r = i0; r < hi; ++r) amax = fmaxf(amax, a.workspace[r * nb + k]);
@@ -288,7 +298,7 @@ __global__ void __launch_bounds__(kThreads)
     slot = (c.i >> 4) * nb + k;
     writer = (c.i & 15) == 0;
   } else {
-    slot = kLean ? c.e0 >> 4 : c.i * nb + k;  // contiguous rows: the block's flat index
+    slot = kLean ? c.e0 >> 4 : c.i * nb + (c.j0 >> 4);  // contiguous rows: the flat index
     if (c.valid) amax = a.workspace[slot];
     writer = true;
   }

@@ -152,11 +152,9 @@ TL_HD float e2m1_decode(uint8_t code) {
 // one instruction) and a separate multiply and add round alike; a huge a or Inf leaves bits above
 // 7, which the min saturates, and a subnormal a (flushed or not) rounds to 0 either way. The
 // kernels call it directly: a NaN there comes only with its whole block's NaN scale, whose codes
-// they zero at once.
-TL_HD uint8_t e2m1_encode_rne_not_nan(float v) {
-  const uint32_t u = bits(v);
-  const uint32_t sign = (u >> 28) & 8u;
-  const float a = from_bits(u & 0x7fffffffu);
+// they zero at once; their lean path calls the magnitude part on |v| (a sign-bit operand on the
+// device's compares and FMA: no separate abs) and places the sign bits itself.
+TL_HD uint32_t e2m1_magnitude_rne(float a) {
   const float s = a < 2.f ? 2.f : (a < 4.f ? 1.f : 0.5f);
   const uint32_t off = a < 2.f ? 0u : (a < 4.f ? 2u : 4u);
   constexpr uint32_t kMagicBits = 0x4b000000u;  // 2^23
@@ -166,7 +164,12 @@ TL_HD uint8_t e2m1_encode_rne_not_nan(float v) {
   const float y = a * s + from_bits(kMagicBits + off);
 #endif
   const uint32_t q = bits(y) - kMagicBits;
-  return static_cast<uint8_t>(sign | (q < 7u ? q : 7u));
+  return q < 7u ? q : 7u;
+}
+TL_HD uint8_t e2m1_encode_rne_not_nan(float v) {
+  const uint32_t u = bits(v);
+  const uint32_t sign = (u >> 28) & 8u;
+  return static_cast<uint8_t>(sign | e2m1_magnitude_rne(from_bits(u & 0x7fffffffu)));
 }
 
 // Saturating round-to-nearest-even; NaN -> +0.
