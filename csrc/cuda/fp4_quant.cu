@@ -158,14 +158,24 @@ __device__ __forceinline__ void encode_store(const Fp4QuantArgs& a, const Chunk&
                                              bool nan_block, const float (&v)[kPer]) {
   if (!c.valid) return;
   if constexpr (kLean) {
-    uint32_t code[2] = {0, 0};
+    // Per 8-code word: v's top 4 bits (the sign, then exponent bits a final mask drops) shifted
+    // in last element first, one funnel shift each; the magnitudes paired into bytes (one
+    // shift-add per pair) and the 4 bytes gathered by 3 byte permutes.
+    uint32_t code[2];
     TIERLIFT_UNROLL
-    for (int k = 0; k < kPer; ++k) {
-      const int at = 4 * (k % 8);
-      const uint32_t sign = (fp4::bits(v[k]) >> (28 - at)) & (8u << at);
-      code[k / 8] |= (fp4::e2m1_magnitude_rne(fabsf(v[k])) << at) | sign;
+    for (int w = 0; w < 2; ++w) {
+      uint32_t top = 0, pair[4];
+      TIERLIFT_UNROLL
+      for (int k = 8 * w + 7; k >= 8 * w; --k) top = (top << 4) | (fp4::bits(v[k]) >> 28);
+      TIERLIFT_UNROLL
+      for (int j = 0; j < 4; ++j) {
+        pair[j] = (fp4::e2m1_magnitude_rne(v[8 * w + 2 * j + 1]) << 4) +
+                  fp4::e2m1_magnitude_rne(v[8 * w + 2 * j]);
+      }
+      const uint32_t mag = __byte_perm(__byte_perm(pair[0], pair[1], 0x0040),
+                                       __byte_perm(pair[2], pair[3], 0x0040), 0x5410);
+      code[w] = nan_block ? 0u : (top & 0x88888888u) | mag;
     }
-    if (nan_block) code[0] = code[1] = 0;
     reinterpret_cast<uint2*>(a.codes)[c.e0 / kPer] = make_uint2(code[0], code[1]);
     return;
   }

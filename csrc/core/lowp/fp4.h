@@ -146,30 +146,32 @@ TL_HD float e2m1_decode(uint8_t code) {
 }
 
 // Saturating round-to-nearest-even of a v that is not NaN, the sign kept (-0.1 -> 0x8). Per
-// binade of steps (0.5 below 2, 1 below 4, 2 above) it scales a by 1 / step, exactly, and
-// rounds with the magic add y = a * s + (2^23 + off): y's ulp is 1, so its low mantissa bits
-// hold off + rint(a * s), ties to even as off is even. a * s is exact, so an FMA (the device's
-// one instruction) and a separate multiply and add round alike; a huge a or Inf leaves bits above
-// 7, which the min saturates, and a subnormal a (flushed or not) rounds to 0 either way. The
-// kernels call it directly: a NaN there comes only with its whole block's NaN scale, whose codes
-// they zero at once; their lean path calls the magnitude part on |v| (a sign-bit operand on the
-// device's compares and FMA: no separate abs) and places the sign bits itself.
-TL_HD uint32_t e2m1_magnitude_rne(float a) {
-  const float s = a < 2.f ? 2.f : (a < 4.f ? 1.f : 0.5f);
-  const uint32_t off = a < 2.f ? 0u : (a < 4.f ? 2u : 4u);
+// binade of steps (0.5 below 2, 1 below 4, 2 above) it scales a = |v| by s = 1 / step, exactly,
+// and rounds with the magic add y = a * s + (2^23 + off): y's ulp is 1, so its low mantissa bits
+// hold off + rint(a * s), ties to even as off is even. s comes from v's exponent bits alone:
+// 2^(128 - E) for a biased exponent E (whose 8-bit complement is 255 - E), at most 2, and
+// off = 2 * (1 - log2 s): integer operations, no compares or selects. Above 4 no clamp is needed:
+// a >= 8 takes s <= 1/4, so a * s in [2, 4) and off >= 6 give q >= 8, which the min saturates
+// (Inf: s = 0, y NaN, q huge, 7 again). a * s is exact, so an FMA (the device's one
+// instruction) and a separate multiply and add round alike; a subnormal a (flushed or not)
+// rounds to 0 either way. The kernels call it directly: a NaN there comes only with its whole
+// block's NaN scale, whose codes they zero at once; their lean path calls the magnitude part (the
+// device takes |v| as an operand modifier of the FMA) and places the sign bits itself.
+TL_HD uint32_t e2m1_magnitude_rne(float v) {
+  const uint32_t exp_complement = ~bits(v) & 0x7f800000u;
+  const uint32_t s_bits = exp_complement < 0x40000000u ? exp_complement : 0x40000000u;
+  const uint32_t off = (0x40000000u - s_bits) >> 22;
   constexpr uint32_t kMagicBits = 0x4b000000u;  // 2^23
 #ifdef __CUDA_ARCH__
-  const float y = __fmaf_rn(a, s, __uint_as_float(kMagicBits + off));
+  const float y = __fmaf_rn(fabsf(v), __uint_as_float(s_bits), __uint_as_float(kMagicBits + off));
 #else
-  const float y = a * s + from_bits(kMagicBits + off);
+  const float y = std::fabs(v) * from_bits(s_bits) + from_bits(kMagicBits + off);
 #endif
   const uint32_t q = bits(y) - kMagicBits;
   return q < 7u ? q : 7u;
 }
 TL_HD uint8_t e2m1_encode_rne_not_nan(float v) {
-  const uint32_t u = bits(v);
-  const uint32_t sign = (u >> 28) & 8u;
-  return static_cast<uint8_t>(sign | e2m1_magnitude_rne(from_bits(u & 0x7fffffffu)));
+  return static_cast<uint8_t>(((bits(v) >> 28) & 8u) | e2m1_magnitude_rne(v));
 }
 
 // Saturating round-to-nearest-even; NaN -> +0.
