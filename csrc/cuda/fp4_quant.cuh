@@ -14,15 +14,19 @@
 // the same halving tree as fp4::tree_sum_squares (its 16 step across lanes, the rest in
 // registers). A thread packs its 16 nibbles into one 8-byte store and its clip mask into one
 // 16-byte store; stochastic rounding evaluates Philox once per counter (4 elements) rather than
-// once per element.
+// once per element. A block's NaN/Inf test is one compare of its largest |x| bits (they order as
+// |x| does, and a NaN or Inf has bits >= Inf's), not a test per element.
+//  - The common call (contiguous 16-byte aligned rows, no Hadamard, round-to-nearest, no clip
+//    mask, aligned codes) runs kernels compiled for it alone: flat-index loads (no row, column or
+//    stride math), and codes packed from the E2M1 magnitudes and v's sign bits in ~2 operations
+//    per element (~142 instructions per 8 elements for MXFP4, ~48 + ~164 for NVFP4's passes).
 //  - MXFP4 (floor/rceil/quest): a scale block lies within a warp, so ONE kernel does everything.
 //  - NVFP4: the fp32 tensor scale needs the global amax first, so pass 1 writes per-1x16-block
 //    amaxes (after the rotation) and maxes the tensor amax (one atomic per thread block); pass 2
 //    walks the thread blocks in reverse (it starts on what pass 1 read last, still in L2),
 //    recomputes the rotation (cheaper than storing it), derives the E4M3 block scale (over 16
-//    rows of pass 1's amaxes for 16x16 blocks) and encodes. A block holding a NaN/Inf (a warp
-//    vote for MXFP4) gets the NaN scale; pass 1 marks it with amax +inf, which max-reduces over
-//    16x16 blocks as is.
+//    rows of pass 1's amaxes for 16x16 blocks) and encodes. A block holding a NaN/Inf gets the
+//    NaN scale; pass 1 marks it with amax +inf, which max-reduces over 16x16 blocks as is.
 #pragma once
 
 #include <cuda_runtime.h>
