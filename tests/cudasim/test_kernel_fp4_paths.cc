@@ -120,7 +120,9 @@ std::vector<PathCase> lean_cases() {
 // with a large finite value beside the first (in the same 16-element block: the NVFP4 tensor
 // amax must take it, the Inf not; the largest of them, in row 95, is the tensor amax); then
 // finite rows: an all-zero row, a row of subnormals, large values, values whose MX exponent
-// clamps, and normal rows.
+// clamps, the largest values (QuEST's clip overflows: exponent 127), 1e30 beside 1e-30 (v
+// subnormal), every multiple of 1/4 up to 7.75 (each E2M1 tie) scaled by 2^0, 2^20, 2^-20,
+// 2^-133 (subnormal x) and 2^100, and normal rows.
 TEST(Fp4KernelLean, NonFiniteAtEveryPositionOfABlock) {
   const int64_t cols = 64;
   for (DType t : kInputDtypes) {
@@ -137,6 +139,11 @@ TEST(Fp4KernelLean, NonFiniteAtEveryPositionOfABlock) {
       x[97 * cols + j] = std::ldexp(1.f, -140) * static_cast<float>(j + 1);
       x[98 * cols + j] = j % 3 ? -900.f : 900.f;
       x[99 * cols + j] = 1e-38f * static_cast<float>(j % 5);
+      x[100 * cols + j] = j % 2 ? -cudasim_test::huge_of(t) : cudasim_test::huge_of(t);
+      x[101 * cols + j] = j % 2 ? 1e30f : -1e-30f;
+      const float tie = 0.25f * static_cast<float>(j % 32) * (j < 32 ? 1.f : -1.f);
+      int r = 102;
+      for (int e : {0, 20, -20, -133, 100}) x[r++ * cols + j] = std::ldexp(tie, e);
     }
     for (const PathCase& c : lean_cases()) {
       if (c.dtype == t) check(x, 110, cols, c);
