@@ -173,21 +173,6 @@ __device__ __forceinline__ void store_lean(const Fp4QuantArgs& a, const Chunk& c
   reinterpret_cast<uint2*>(a.codes)[c.e0 / kPer] = make_uint2(code[0], code[1]);
 }
 
-// fp4::e2m1_magnitude_rne(x * 2^-ex) without the multiply, for MXFP4 scales -126 <= ex <= 126
-// (`step_bound` = bits of 2^(1 - ex), a normal float there). The reference scales
-// |v| = |x| 2^-ex by s = min(2^(128 - E_v), 2) and adds 2^23 + off, off = 2 (1 - log2 s); here
-// s 2^-ex = min(2^(128 - E_x), 2^(1 - ex)) multiplies |x| (E_v = E_x - ex: a power-of-two
-// scaling moves only the exponent; where v or x is subnormal both sides take s = 2, and a
-// subnormal v rounds to 0 either way, the FMA's product being exact), with the same off and
-// magic. 2^(128 - E_x) is normal for every finite x; a NaN or Inf x (its block zeroed) gives s 0.
-__device__ __forceinline__ uint32_t mx_magnitude(float x, uint32_t step_bound) {
-  const uint32_t s_bits = min(~fp4::bits(x) & 0x7f800000u, step_bound);
-  const uint32_t off = (step_bound - s_bits) >> 22;
-  constexpr uint32_t kMagicBits = 0x4b000000u;  // 2^23
-  const float y = __fmaf_rn(fabsf(x), __uint_as_float(s_bits), __uint_as_float(kMagicBits + off));
-  return min(__float_as_uint(y) - kMagicBits, 7u);
-}
-
 // Encodes v (RNE or Philox stochastic rounding), packs the 16 nibbles (first element low) into
 // one 8-byte store and the clip mask into one 16-byte store (`packed`: the outputs are aligned,
 // else byte stores). `nan_block`: the block has the NaN scale, so every v is NaN and every code 0;
@@ -266,8 +251,8 @@ __global__ void __launch_bounds__(kThreads) mx_kernel(Fp4QuantArgs a, bool packe
     a.scales[c.e0 >> 5] = bad ? fp4::kE8M0Nan : static_cast<uint8_t>(ex + 127);
   }
   if (kLean && ex > -127 && ex < 127) {  // the multiplier folded into the encode
-    const uint32_t bound = static_cast<uint32_t>(128 - ex) << 23;
-    store_lean(a, c, bad, v, [bound](float x) { return mx_magnitude(x, bound); });
+    const uint32_t bound = fp4::mx_step_bound(ex);
+    store_lean(a, c, bad, v, [bound](float x) { return fp4::e2m1_magnitude_rne_scaled(x, bound); });
     return;
   }
   const float mult = bad ? fp4::nan_f32() : fp4::pow2(-ex);

@@ -188,5 +188,37 @@ TEST(Fp4KernelLean, EachConditionBrokenAloneStillMatches) {
   }
 }
 
+// The MXFP4 lean encode's magnitude of x * 2^-ex without the multiply against the reference's
+// magnitude of fl(x * 2^-ex): every finite bf16 value (every fp32 exponent, sign and top 7
+// mantissa bits) at every exponent it is used for, and every float within 8 ulps of each E2M1
+// grid point and midpoint in every binade, at the exponents that bring it near the grid.
+TEST(Fp4KernelLean, ScaledMagnitudeMatchesTheMultiplied) {
+  int64_t checked = 0, bad = 0;
+  auto check = [&](float x, int ex) {
+    const uint32_t want = fp4::e2m1_magnitude_rne(x * fp4::pow2(-ex));
+    const uint32_t got = fp4::e2m1_magnitude_rne_scaled(x, fp4::mx_step_bound(ex));
+    ++checked;
+    if (got != want && ++bad <= 5) {
+      ADD_FAILURE() << "x " << x << " ex " << ex << ": " << got << ", want " << want;
+    }
+  };
+  for (uint32_t h = 0; h < 65536; ++h) {
+    const float x = fp4::from_bits(h << 16);
+    if (!std::isfinite(x)) continue;
+    for (int ex = -126; ex <= 126; ++ex) check(x, ex);
+  }
+  const float grid[] = {0.25f, 0.5f, 0.75f, 1.f, 1.25f, 1.5f, 1.75f, 2.f,
+                        2.5f,  3.f,  3.5f,  4.f, 5.f,   6.f,  7.f,   8.f};
+  for (int ex = -126; ex <= 126; ++ex) {
+    for (float g : grid) {
+      const float x = std::ldexp(g, ex);
+      if (x == 0.f || !std::isfinite(x)) continue;
+      for (int d = -8; d <= 8; ++d) check(fp4::from_bits(fp4::bits(x) + d), ex);
+    }
+  }
+  EXPECT_EQ(bad, 0);
+  RecordProperty("checked", std::to_string(checked));
+}
+
 }  // namespace
 }  // namespace tierlift

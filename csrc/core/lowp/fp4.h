@@ -170,6 +170,31 @@ TL_HD uint32_t e2m1_magnitude_rne(float v) {
   const uint32_t q = bits(y) - kMagicBits;
   return q < 7u ? q : 7u;
 }
+
+// e2m1_magnitude_rne(x * 2^-ex) without the multiply (the MXFP4 kernel's lean encode), for
+// -126 <= ex <= 126 and step_bound = mx_step_bound(ex), the bits of 2^(1 - ex) (a normal float
+// there). The above scales |v| = |x| 2^-ex by s = min(2^(128 - E_v), 2) and adds 2^23 + off,
+// off = 2 (1 - log2 s); here s 2^-ex = min(2^(128 - E_x), 2^(1 - ex)) multiplies |x|
+// (E_v = E_x - ex: a power-of-two scaling moves only the exponent; where v or x is subnormal both
+// take s = 2, and a subnormal v rounds to 0 either way, the FMA's product being exact), with the
+// same off and magic. 2^(128 - E_x) is normal for every finite x; a NaN or Inf x gives s = 0 and
+// an undefined magnitude (its block is zeroed). tests/cudasim/test_kernel_fp4_paths.cc checks it
+// on every bf16 value at every exponent.
+TL_HD uint32_t mx_step_bound(int ex) { return static_cast<uint32_t>(128 - ex) << 23; }
+TL_HD uint32_t e2m1_magnitude_rne_scaled(float x, uint32_t step_bound) {
+  const uint32_t exp_complement = ~bits(x) & 0x7f800000u;
+  const uint32_t s_bits = exp_complement < step_bound ? exp_complement : step_bound;
+  const uint32_t off = (step_bound - s_bits) >> 22;
+  constexpr uint32_t kMagicBits = 0x4b000000u;  // 2^23
+#ifdef __CUDA_ARCH__
+  const float y = __fmaf_rn(fabsf(x), __uint_as_float(s_bits), __uint_as_float(kMagicBits + off));
+#else
+  const float y = std::fma(std::fabs(x), from_bits(s_bits), from_bits(kMagicBits + off));
+#endif
+  const uint32_t q = bits(y) - kMagicBits;
+  return q < 7u ? q : 7u;
+}
+
 TL_HD uint8_t e2m1_encode_rne_not_nan(float v) {
   return static_cast<uint8_t>(((bits(v) >> 28) & 8u) | e2m1_magnitude_rne(v));
 }
