@@ -18,8 +18,10 @@
 // |x| does, and a NaN or Inf has bits >= Inf's), not a test per element.
 //  - The common call (contiguous 16-byte aligned rows, no Hadamard, round-to-nearest, no clip
 //    mask, aligned codes) runs kernels compiled for it alone: flat-index loads (no row, column or
-//    stride math), and codes packed from the E2M1 magnitudes and v's sign bits in ~2 operations
-//    per element (~142 instructions per 8 elements for MXFP4, ~48 + ~164 for NVFP4's passes).
+//    stride math), codes packed from the E2M1 magnitudes and v's sign bits in ~2 operations per
+//    element, and for MXFP4 the power-of-two multiplier folded into the encode's step
+//    (fp4::e2m1_magnitude_rne_scaled): ~132 instructions per 8 elements for MXFP4, ~48 + ~164
+//    for NVFP4's two passes.
 //  - MXFP4 (floor/rceil/quest): a scale block lies within a warp, so ONE kernel does everything.
 //  - NVFP4: the fp32 tensor scale needs the global amax first, so pass 1 writes per-1x16-block
 //    amaxes (after the rotation) and maxes the tensor amax (one atomic per thread block); pass 2
