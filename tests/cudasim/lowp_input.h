@@ -41,6 +41,17 @@ inline std::vector<float> normal_values(int64_t n, uint32_t seed) {
 }
 
 // Largest finite value of the input type: the "huge" element of the test data.
+// Points a kernel's argument struct (cuda::Fp8QuantArgs, Fp8DelayedArgs, Fp4QuantArgs) at x.
+template <typename Args>
+void set_input(Args& a, const Fp8Input& x) {
+  a.x = x.data;
+  a.dtype = x.dtype;
+  a.rows = x.rows;
+  a.cols = x.cols;
+  a.row_stride = x.row_stride;
+  a.col_stride = x.col_stride;
+}
+
 inline float huge_of(DType t) { return t == DType::kFloat16 ? 65504.f : 3.0e38f; }
 
 // How the logical [rows, cols] matrix sits in memory.

@@ -165,12 +165,7 @@ void check(const Fp4Case& c, const std::vector<float>* values = nullptr,
   std::vector<float> ts(1, nv && n > 0 ? kNaN : ts0);
   std::vector<float> workspace(nv ? n / 16 + 1 : 0, kNaN);  // fp4_quant.cuh's size
   cuda::Fp4QuantArgs a;
-  a.x = x.data;
-  a.dtype = x.dtype;
-  a.rows = x.rows;
-  a.cols = x.cols;
-  a.row_stride = x.row_stride;
-  a.col_stride = x.col_stride;
+  cudasim_test::set_input(a, x);
   a.rule = c.rule;
   a.hadamard = c.hadamard;
   a.signs = c.signs;

@@ -77,12 +77,7 @@ void check(const std::vector<float>& x, int64_t rows, int64_t cols, const PathCa
   std::vector<float> ts(1, nv ? kNaN : 1.f);
   std::vector<float> workspace(nv ? n / 16 + 1 : 0, kNaN);
   cuda::Fp4QuantArgs a;
-  a.x = view.data;
-  a.dtype = view.dtype;
-  a.rows = rows;
-  a.cols = cols;
-  a.row_stride = view.row_stride;
-  a.col_stride = view.col_stride;
+  cudasim_test::set_input(a, view);
   a.rule = c.rule;
   a.hadamard = cfg.hadamard;
   a.signs = cfg.signs;

@@ -144,12 +144,7 @@ void check(const Fp8Case& c, const std::vector<float>& values,
   std::vector<uint8_t> q(n, 0xaa), qt(c.dual ? n : 0, 0xaa);
   std::vector<float> s(ns, kNaN), st(nst, kNaN);
   cuda::Fp8QuantArgs a;
-  a.x = x.data;
-  a.dtype = x.dtype;
-  a.rows = x.rows;
-  a.cols = x.cols;
-  a.row_stride = x.row_stride;
-  a.col_stride = x.col_stride;
+  cudasim_test::set_input(a, x);
   a.scaling = c.scaling;
   a.fmt = c.fmt;
   a.pow2_scale = c.pow2;
@@ -559,12 +554,7 @@ float own_scale(const Fp8Input& x, Fp8Format fmt) {
 cuda::Fp8DelayedArgs delayed_args(const DelayedCase& c, const Fp8Input& x, std::vector<uint8_t>& q,
                                   std::vector<uint8_t>& qt, float* scale_used, float* amax) {
   cuda::Fp8DelayedArgs a;
-  a.x = x.data;
-  a.dtype = x.dtype;
-  a.rows = x.rows;
-  a.cols = x.cols;
-  a.row_stride = x.row_stride;
-  a.col_stride = x.col_stride;
+  cudasim_test::set_input(a, x);
   a.fmt = c.fmt;
   a.pow2_scale = c.pow2;
   a.q = q.data();

@@ -118,12 +118,7 @@ void check(int64_t rows, int64_t cols, Fp8Scaling scaling, Fp8Format fmt, DType 
   std::vector<uint8_t> q(n, 0xaa), qt(dual ? n : 0, 0xaa);
   std::vector<float> s(ns, kNaN), st(nst, kNaN);
   cuda::Fp8QuantArgs a;
-  a.x = x.data;
-  a.dtype = x.dtype;
-  a.rows = x.rows;
-  a.cols = x.cols;
-  a.row_stride = x.row_stride;
-  a.col_stride = x.col_stride;
+  cudasim_test::set_input(a, x);
   a.scaling = scaling;
   a.fmt = fmt;
   a.q = q.data();
