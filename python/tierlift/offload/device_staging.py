@@ -27,7 +27,13 @@ import torch
 
 from tierlift.offload import d2h
 
-_ALIGN = 256  # bytes between segments' starts: every dtype's view and a copy's best alignment
+# bytes between segments' starts: every dtype's view and a copy's best alignment
+SEGMENT_ALIGN = 256
+
+
+def segment_bytes(nbytes: int) -> int:
+    """The shadow bytes a segment of `nbytes` takes, up to the next segment's start."""
+    return -(-nbytes // SEGMENT_ALIGN) * SEGMENT_ALIGN
 
 
 def stageable(p: torch.Tensor) -> bool:
@@ -104,7 +110,7 @@ def _plan(off, gi: int) -> Shadow | str | None:
             if d2h.on_device(p):
                 offsets[(chunk.ci, s.pi)] = at
                 dtypes[s.pi] = p.dtype
-                at += -(-(s.phi - s.plo) * p.element_size() // _ALIGN) * _ALIGN
+                at += segment_bytes((s.phi - s.plo) * p.element_size())
     return Shadow(next(iter(devices)), offsets, dtypes, at)
 
 

@@ -64,7 +64,7 @@ from types import SimpleNamespace
 
 import torch
 
-from tierlift.offload.device_staging import _ALIGN as _SHADOW_ALIGN
+from tierlift.offload.device_staging import segment_bytes
 from tierlift.offload.host_budget import (
     host_chunk_elems,
     one_generation_bytes,
@@ -194,7 +194,7 @@ def shadow_bytes(inp: PlanInput, n: int) -> int:
     parameter in param_dtype, each from a 256-byte boundary (offload.device_staging; numels,
     or `n` as one tensor)."""
     each = WEIGHT_BYTES[inp.param_dtype]
-    return sum(-(-k * each // _SHADOW_ALIGN) * _SHADOW_ALIGN for k in (inp.numels or (n,)))
+    return sum(segment_bytes(k * each) for k in (inp.numels or (n,)))
 
 
 def model_bytes(inp: PlanInput, n: int) -> dict[str, float]:

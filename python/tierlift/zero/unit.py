@@ -159,6 +159,9 @@ class FlatUnit:
         self.numel = offset
         world = comm.world
         self.padded = -(-offset // world) * world
+        # The pieces install_views' one split cuts: the entries (back to back), then the padding.
+        self.split_sizes = [e.numel for e in self.entries] + (
+            [self.padded - offset] if self.padded > offset else [])
         self.shard_numel = self.padded // world
         device = params[0][0].device if device is None else torch.device(device)
         self.device = device
@@ -353,21 +356,6 @@ class FlatUnit:
         self._watched.clear()
 
     # ---- module attributes ----
-    def _split_sizes(self) -> tuple[list[int], list[int]]:
-        """The pieces one split of `full` cuts (every entry in offset order, and any gap or
-        the padding as pieces of their own) and the piece of each entry."""
-        sizes, index, at = [], [0] * len(self.entries), 0
-        for i in sorted(range(len(self.entries)), key=lambda i: self.entries[i].offset):
-            e = self.entries[i]
-            if e.offset > at:
-                sizes.append(e.offset - at)
-            index[i] = len(sizes)
-            sizes.append(e.numel)
-            at = e.offset + e.numel
-        if self.padded > at:
-            sizes.append(self.padded - at)
-        return sizes, index
-
     def install_views(self) -> None:
         """Point every owner attribute at its piece of `full` (fresh views: new autograd
         edges). One split makes them all: its backward is one concatenation of the parameters'
@@ -377,11 +365,11 @@ class FlatUnit:
         of the unit for k parameters, three unit-size buffers at once at the peak."""
         self.attr_ptrs = []
         self._unwatch()
-        sizes, index = self._split_sizes()
         # One parameter filling the unit: a plain view, whose backward copies nothing.
-        pieces = [self.full] if len(sizes) == 1 else torch.split(self.full, sizes)
-        for e, i in zip(self.entries, index, strict=True):
-            view = pieces[i].view(e.shape)
+        pieces = ([self.full] if len(self.split_sizes) == 1
+                  else torch.split(self.full, self.split_sizes))
+        for e, piece in zip(self.entries, pieces):  # the padding's piece is left over
+            view = piece.view(e.shape)
             if self.copied:
                 view = view.as_subclass(WatchedView)
                 _VIEWS[id(view)] = weakref.ref(self)
