@@ -184,6 +184,23 @@ __device__ __forceinline__ float group_max(float v) {
   return v;
 }
 
+// n / d for n < 2^31 and 1 <= d < 2^31 as a multiply-high and a shift (Granlund and
+// Montgomery's round-up method); the constants are built on the host.
+struct FastDiv {
+  uint32_t magic, shift;
+
+  static __host__ FastDiv of(uint32_t d) {
+    FastDiv f{0, 0};
+    while ((uint64_t{1} << f.shift) < d) ++f.shift;
+    f.magic = static_cast<uint32_t>(((uint64_t{1} << 32) * ((uint64_t{1} << f.shift) - d)) / d + 1);
+    return f;
+  }
+  __host__ __device__ __forceinline__ uint32_t div(uint32_t n) const {
+    const uint32_t hi = static_cast<uint32_t>((static_cast<uint64_t>(n) * magic) >> 32);
+    return (hi + n) >> shift;
+  }
+};
+
 // Non-negative floats order like their bit patterns.
 __device__ __forceinline__ void atomic_max_nonneg(float* addr, float v) {
   atomicMax(reinterpret_cast<unsigned int*>(addr), __float_as_uint(v));

@@ -2,13 +2,18 @@
 // row-contiguous input with a single output (fp8_quant.cuh). Everything else goes to the tiled
 // path (fp8_quant_tiles.cu).
 //
-// Both fused kernels move kW = 8 (or 4) consecutive elements per thread and step where the view
-// allows: one 16-byte (8-byte) load and one 8-byte (4-byte) store of codes; element by element
-// otherwise (odd widths, a misaligned base or row stride).
-//  - 1x128: a block of 128 elements is 128 / kW lanes (16 lanes for kW = 8), held in registers:
-//    read once, reduced with shuffles, cast.
-//  - row: one 256-thread block per row. Rows up to 8192 elements stay in registers (32 per
-//    thread), so the input is read once; longer rows are read a second time for the cast.
+// Both fused kernels move kW = 8 (or 4) consecutive elements per load where the view allows:
+// 16-byte (8-byte) loads, and codes leave as 8-byte (4-byte) stores; element by element otherwise
+// (odd widths, a misaligned base or row stride). On the vector paths the codes come from the
+// branch-free encoder (fp8dev::Fp8Encoder), four at a time; a group holding NaN or Inf is
+// encoded again with the exact encoder. The amax is a plain max of |x| (NaN drops out of fmaxf);
+// only where it comes out infinite is it reduced again without the non-finite values.
+//  - 1x128: a block of 128 elements is 8 lanes of 16 elements (two or four loads in flight per
+//    lane), read once, reduced with three shuffles, cast. A lane finds its row by a multiply and
+//    shift (FastDiv), not a division; past 2^28 blocks, a fallback kernel divides in 64 bits.
+//  - row: one thread block per row, 32 to 256 threads: as few as hold the row in registers (32
+//    elements per thread, up to 8192), all its loads in flight, so the input is read once. Longer
+//    rows take 256 threads and read the row a second time for the cast, four loads in flight.
 #include <cstdint>
 
 #include "cuda/fp8_device.cuh"
@@ -20,21 +25,139 @@ namespace tierlift {
 namespace cuda {
 namespace {
 
+using fp8dev::encode;
 using fp8dev::encode_store;
+using fp8dev::FastDiv;
 using fp8dev::finite_abs;
+using fp8dev::Fp8Encoder;
 using fp8dev::group_max;
 using fp8dev::load_vec;
 using fp8dev::scale_of;
 
-constexpr int kRowThreads = 256;
-constexpr int kRowRegs = 32;  // elements per thread a row kernel keeps in registers
+constexpr int kRowThreads = 256;  // the most threads per row
+constexpr int kRowRegs = 32;      // elements per thread a row kernel keeps in registers
+constexpr int kBlockLanes = 8;    // lanes per 1x128 block on the vector path
+constexpr int kLaneElems = 128 / kBlockLanes;
 
-// 1x128 blocks, 128 / kW lanes each (32 lanes of 4 strided elements for kW = 1). narrow: the
-// block count fits 32-bit division (see narrow_index_limit).
+// kW consecutive elements at byte address p (aligned to kW elements, 16 bytes at most), widened
+// to fp32; zeros where !in.
 template <DType kT, int kW>
-__global__ void block1x128_kernel(const void* x, int64_t rows, int64_t cols, int64_t rs,
-                                  Fp8Format fmt, bool pow2, uint8_t* q, float* scales,
-                                  bool narrow) {
+__device__ __forceinline__ void load_or_zero(const char* p, bool in, float (&v)[kW]) {
+  if constexpr (kW == 8) {
+    fp8dev::widen8<kT>(fp8dev::load_raw8<kT>(p, in), v);
+  } else {
+    static_assert(kW == 4, "vector width 4 or 8");
+    if constexpr (kT == DType::kFloat32) {
+      float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (in) f = *reinterpret_cast<const float4*>(p);
+      v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+    } else {
+      uint2 raw = make_uint2(0u, 0u);
+      if (in) raw = *reinterpret_cast<const uint2*>(p);
+      v[0] = lowp::widen16<kT>(raw.x), v[1] = lowp::widen16<kT>(raw.x >> 16);
+      v[2] = lowp::widen16<kT>(raw.y), v[3] = lowp::widen16<kT>(raw.y >> 16);
+    }
+  }
+}
+
+// |v| max for the amax: fmaxf drops NaN, so only an infinite result needs finite_abs.
+template <int kN>
+__device__ __forceinline__ float abs_max(const float (&v)[kN], float m) {
+  for (int n = 0; n < kN; ++n) m = fmaxf(m, fabsf(v[n]));
+  return m;
+}
+
+template <int kN>
+__device__ __forceinline__ float finite_abs_max(const float (&v)[kN], float m) {
+  for (int n = 0; n < kN; ++n) m = fmaxf(m, finite_abs(v[n]));
+  return m;
+}
+
+// The kW codes of v * s packed (element 0 in the lowest byte) into kW / 4 words by the
+// branch-free encoder; a word holding a non-finite product is encoded again exactly.
+template <int kW>
+__device__ __forceinline__ void encode_codes(const float (&v)[kW], float s, const Fp8Encoder& enc,
+                                             uint32_t (&w)[kW / 4]) {
+  bool special = false;
+  TIERLIFT_UNROLL
+  for (int k = 0; k < kW / 4; ++k) {
+    const float xk[4] = {__fmul_rn(v[4 * k], s), __fmul_rn(v[4 * k + 1], s),
+                         __fmul_rn(v[4 * k + 2], s), __fmul_rn(v[4 * k + 3], s)};
+    w[k] = enc.pack4(xk, special);
+  }
+  if (special) {  // rare: NaN or Inf in x
+    TIERLIFT_UNROLL
+    for (int k = 0; k < kW / 4; ++k) {
+      uint32_t word = 0;
+      for (int b = 0; b < 4; ++b) word |= encode(__fmul_rn(v[4 * k + b], s), enc.fmt) << (8 * b);
+      w[k] = word;
+    }
+  }
+}
+
+// One kW-byte store of packed codes at byte address q (aligned to kW).
+template <int kW>
+__device__ __forceinline__ void store_codes(uint8_t* q, const uint32_t (&w)[kW / 4]) {
+  if constexpr (kW == 8) {
+    *reinterpret_cast<uint2*>(q) = make_uint2(w[0], w[1]);
+  } else {
+    *reinterpret_cast<uint32_t*>(q) = w[0];
+  }
+}
+
+// 1x128 blocks on the vector path (kW = 8 or 4: cols, row stride and bases aligned to kW): 8
+// lanes per block, lane `sub` holding elements kW * sub + 8 * kW * p of it for p < 16 / kW, so
+// each load of a block's 8 lanes covers 8 * kW consecutive elements. Launched with
+// rows * ceil(cols / 128) * 8 < 2^31 threads (the row found by `by_gc`).
+template <DType kT, int kW>
+__global__ void __launch_bounds__(256)
+    block1x128_kernel(const void* x, int64_t rows, int64_t cols, int64_t rs, FastDiv by_gc,
+                      uint32_t gc, Fp8Encoder enc, bool pow2, uint8_t* q, float* scales) {
+  constexpr int kParts = kLaneElems / kW;
+  constexpr int kSize = kT == DType::kFloat32 ? 4 : 2;
+  const uint32_t t = blockIdx.x * blockDim.x + threadIdx.x;
+  const uint32_t block = t / kBlockLanes;  // a shift
+  const int sub = threadIdx.x % kBlockLanes;
+  const uint32_t i = by_gc.div(block);
+  const bool live = i < rows;  // the grid's last warp may run past the last block
+  const int64_t j0 = static_cast<int64_t>(block - i * gc) * 128 + kW * sub;
+  const char* xp = static_cast<const char*>(x) + (i * rs + j0) * kSize;
+  float v[kParts][kW];
+  TIERLIFT_UNROLL
+  for (int p = 0; p < kParts; ++p) {  // all loads first: several in flight per lane
+    load_or_zero<kT, kW>(xp + 8 * kW * p * kSize, live && j0 + 8 * kW * p < cols, v[p]);
+  }
+  float m = 0.f;
+  TIERLIFT_UNROLL
+  for (int p = 0; p < kParts; ++p) m = abs_max(v[p], m);
+  m = group_max<kBlockLanes>(m);
+  if (__any_sync(0xffffffffu, m > kF32Max)) {  // rare: an Inf in one of the warp's blocks
+    m = 0.f;
+    TIERLIFT_UNROLL
+    for (int p = 0; p < kParts; ++p) m = finite_abs_max(v[p], m);
+    m = group_max<kBlockLanes>(m);
+  }
+  const float s = scale_of(m, enc.fmt, pow2);
+  if (!live) return;
+  uint8_t* qp = q + i * cols + j0;
+  TIERLIFT_UNROLL
+  for (int p = 0; p < kParts; ++p) {
+    if (j0 + 8 * kW * p < cols) {
+      uint32_t w[kW / 4];
+      encode_codes<kW>(v[p], s, enc, w);
+      store_codes<kW>(qp + 8 * kW * p, w);
+    }
+  }
+  if (sub == 0) scales[block] = s;
+}
+
+// 1x128 blocks element by element (any alignment), or with 64-bit indices (past 2^28 blocks:
+// narrow is false), kW as the vector path's: 128 / kW lanes per block (32 lanes of 4 strided
+// elements for kW = 1) and the exact encoder. narrow: the block count fits 32-bit division.
+template <DType kT, int kW>
+__global__ void block1x128_any_kernel(const void* x, int64_t rows, int64_t cols, int64_t rs,
+                                      Fp8Format fmt, bool pow2, uint8_t* q, float* scales,
+                                      bool narrow) {
   constexpr int kLanes = kW == 1 ? 32 : 128 / kW;
   const int64_t gc = (cols + 127) / 128;
   const int64_t nblocks = rows * gc;
@@ -64,8 +187,7 @@ __global__ void block1x128_kernel(const void* x, int64_t rows, int64_t cols, int
     s = scale_of(group_max<kLanes>(m), fmt, pow2);
     for (int k = 0; k < 4; ++k) {
       const int64_t j = jb + sub + 32 * k;
-      if (live && j < cols)
-        q[i * cols + j] = static_cast<uint8_t>(fp8dev::encode(__fmul_rn(v[k], s), fmt));
+      if (live && j < cols) q[i * cols + j] = static_cast<uint8_t>(encode(__fmul_rn(v[k], s), fmt));
     }
   } else {
     const int64_t j = jb + kW * sub;  // cols % kW == 0: the kW are all in or all out
@@ -81,61 +203,113 @@ __global__ void block1x128_kernel(const void* x, int64_t rows, int64_t cols, int
   if (live && sub == 0) scales[block] = s;
 }
 
+// The max of every thread's m over the thread block (blockDim.x a multiple of 32, at most 256),
+// returned to every thread; all must call it. `partial` holds 8 floats, and a second call needs
+// other ones (the first call's reads are not fenced off from its writes).
+__device__ __forceinline__ float block_max(float m, float* partial) {
+  m = group_max(m);
+  const int warps = blockDim.x / 32, lane = threadIdx.x % 32;
+  if (warps == 1) return m;
+  if (lane == 0) partial[threadIdx.x / 32] = m;
+  __syncthreads();
+  return group_max(lane < warps ? partial[lane] : 0.f);  // every warp reads all: no 2nd barrier
+}
+
+// kW consecutive elements at byte address p as load_or_zero (kW = 1: any address).
+template <DType kT, int kW>
+__device__ __forceinline__ void load_any(const char* p, bool in, float (&v)[kW]) {
+  if constexpr (kW == 1) {
+    v[0] = in ? fp8dev::load<kT>(p, 0) : 0.f;
+  } else {
+    load_or_zero<kT, kW>(p, in, v);
+  }
+}
+
+// Codes of v * s stored at byte address q: packed by the branch-free encoder for kW = 4, 8.
+template <int kW>
+__device__ __forceinline__ void cast_store(uint8_t* q, const float (&v)[kW], float s,
+                                           const Fp8Encoder& enc) {
+  if constexpr (kW == 1) {
+    *q = static_cast<uint8_t>(encode(__fmul_rn(v[0], s), enc.fmt));
+  } else {
+    uint32_t w[kW / 4];
+    encode_codes<kW>(v, s, enc, w);
+    store_codes<kW>(q, w);
+  }
+}
+
 // Row scaling: one thread block per row, kW consecutive elements per thread and step. kInRegs:
-// the row fits kRowRegs elements per thread and is read once.
+// the row fits kRowRegs elements per thread (launched with as few threads as that needs), is
+// loaded at once and read once. Otherwise 256 threads walk the row twice, kUnroll loads in
+// flight per thread: the amax, then the cast (the second read mostly hits L2).
 template <DType kT, int kW, bool kInRegs>
 __global__ void __launch_bounds__(kRowThreads)
-    row_kernel(const void* x, int64_t cols, int64_t rs, Fp8Format fmt, bool pow2, uint8_t* q,
+    row_kernel(const void* x, int64_t cols, int64_t rs, Fp8Encoder enc, bool pow2, uint8_t* q,
                float* scales) {
-  constexpr int kChunks = kInRegs ? kRowRegs / kW : 1;
-  constexpr int64_t kStep = static_cast<int64_t>(kW) * kRowThreads;
-  __shared__ float partial[kRowThreads / 32];
-  __shared__ float row_scale;
+  constexpr int kSize = kT == DType::kFloat32 ? 4 : 2;
+  constexpr int kUnroll = kInRegs ? kRowRegs / kW : 4;
+  __shared__ float partial[2][kRowThreads / 32];
   const int64_t i = blockIdx.x;
-  const int64_t j0 = static_cast<int64_t>(kW) * threadIdx.x;
-  const void* xi = static_cast<const char*>(x) + i * rs * (kT == DType::kFloat32 ? 4 : 2);
+  const char* xi = static_cast<const char*>(x) + i * rs * kSize;
   uint8_t* qi = q + i * cols;
-  float v[kChunks][kW];
-  float m = 0.f;
+  const int step = kW * blockDim.x, j0 = kW * threadIdx.x;
+  float m = 0.f, s;
   if constexpr (kInRegs) {
+    const int n = static_cast<int>(cols);  // <= 8192
+    float v[kUnroll][kW];
     TIERLIFT_UNROLL
-    for (int c = 0; c < kChunks; ++c) {
-      const int64_t j = j0 + c * kStep;
-      for (int n = 0; n < kW; ++n) v[c][n] = 0.f;
-      if (j < cols) load_vec<kT, kW>(xi, j, v[c]);
-      for (int n = 0; n < kW; ++n) m = fmaxf(m, finite_abs(v[c][n]));
+    for (int c = 0; c < kUnroll; ++c) {
+      const int j = j0 + c * step;
+      load_any<kT, kW>(xi + j * kSize, j < n, v[c]);
+    }
+    TIERLIFT_UNROLL
+    for (int c = 0; c < kUnroll; ++c) m = abs_max(v[c], m);
+    m = block_max(m, partial[0]);
+    if (m > kF32Max) {  // rare, and the same for the whole block: an Inf in the row
+      m = 0.f;
+      TIERLIFT_UNROLL
+      for (int c = 0; c < kUnroll; ++c) m = finite_abs_max(v[c], m);
+      m = block_max(m, partial[1]);
+    }
+    s = scale_of(m, enc.fmt, pow2);
+    TIERLIFT_UNROLL
+    for (int c = 0; c < kUnroll; ++c) {
+      const int j = j0 + c * step;
+      if (j < n) cast_store<kW>(qi + j, v[c], s, enc);
     }
   } else {
-    for (int64_t j = j0; j < cols; j += kStep) {
-      load_vec<kT, kW>(xi, j, v[0]);
-      for (int n = 0; n < kW; ++n) m = fmaxf(m, finite_abs(v[0][n]));
+    const int64_t big_step = static_cast<int64_t>(kUnroll) * step;
+    auto amax_pass = [&](bool finite_only) {
+      float mm = 0.f;
+      for (int64_t j = j0; j < cols; j += big_step) {
+        float v[kUnroll][kW];
+        TIERLIFT_UNROLL
+        for (int u = 0; u < kUnroll; ++u) {
+          load_any<kT, kW>(xi + (j + u * step) * kSize, j + u * step < cols, v[u]);
+        }
+        TIERLIFT_UNROLL
+        for (int u = 0; u < kUnroll; ++u) {
+          mm = finite_only ? finite_abs_max(v[u], mm) : abs_max(v[u], mm);
+        }
+      }
+      return mm;
+    };
+    m = block_max(amax_pass(false), partial[0]);
+    if (m > kF32Max) m = block_max(amax_pass(true), partial[1]);  // rare: an Inf in the row
+    s = scale_of(m, enc.fmt, pow2);
+    for (int64_t j = j0; j < cols; j += big_step) {
+      float v[kUnroll][kW];
+      TIERLIFT_UNROLL
+      for (int u = 0; u < kUnroll; ++u) {
+        load_any<kT, kW>(xi + (j + u * step) * kSize, j + u * step < cols, v[u]);
+      }
+      TIERLIFT_UNROLL
+      for (int u = 0; u < kUnroll; ++u) {
+        if (j + u * step < cols) cast_store<kW>(qi + j + u * step, v[u], s, enc);
+      }
     }
   }
-  m = group_max(m);
-  if ((threadIdx.x & 31) == 0) partial[threadIdx.x / 32] = m;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    m = threadIdx.x < kRowThreads / 32 ? partial[threadIdx.x] : 0.f;
-    m = group_max(m);
-    if (threadIdx.x == 0) {
-      row_scale = scale_of(m, fmt, pow2);
-      scales[i] = row_scale;
-    }
-  }
-  __syncthreads();
-  const float s = row_scale;
-  if constexpr (kInRegs) {
-    TIERLIFT_UNROLL
-    for (int c = 0; c < kChunks; ++c) {
-      const int64_t j = j0 + c * kStep;
-      if (j < cols) encode_store<kW>(qi, j, v[c], s, fmt);
-    }
-  } else {
-    for (int64_t j = j0; j < cols; j += kStep) {  // the second read mostly hits L2
-      load_vec<kT, kW>(xi, j, v[0]);
-      encode_store<kW>(qi, j, v[0], s, fmt);
-    }
-  }
+  if (threadIdx.x == 0) scales[i] = s;
 }
 
 // The widest kW in {8, 4} the view allows (cols, row stride and the bases aligned to it), else 1.
@@ -150,24 +324,40 @@ int fused_width(const Fp8QuantArgs& a, uintptr_t esize) {
   return 1;
 }
 
+// The vector kernel while its lanes (8 per block) fit 31-bit indices; the 128 / kW lanes per
+// block kernel otherwise (kW = 1, or a 64-bit fallback past 2^28 blocks).
 template <DType kT, int kW>
-void launch_1x128(const Fp8QuantArgs& a, int64_t nblocks, cudaStream_t stream) {
+void launch_1x128(const Fp8QuantArgs& a, int64_t gc, cudaStream_t stream) {
+  const int64_t nblocks = a.rows * gc;
+  if constexpr (kW != 1) {
+    const int64_t lanes = nblocks * kBlockLanes;
+    if (lanes <= narrow_index_limit() && lanes <= INT32_MAX) {
+      TIERLIFT_LAUNCH(static_cast<unsigned>((lanes + 255) / 256), 256, 0, stream,
+                      block1x128_kernel<kT, kW>)
+      (a.x, a.rows, a.cols, a.row_stride, FastDiv::of(static_cast<uint32_t>(gc)),
+       static_cast<uint32_t>(gc), Fp8Encoder::of(a.fmt), a.pow2_scale, a.q, a.scales);
+      return;
+    }
+  }
   constexpr int kLanes = kW == 1 ? 32 : 128 / kW;
   const unsigned blocks = static_cast<unsigned>((nblocks * kLanes + 255) / 256);
   const bool narrow = nblocks <= narrow_index_limit() && nblocks <= INT32_MAX;
-  TIERLIFT_LAUNCH(blocks, 256, 0, stream, block1x128_kernel<kT, kW>)
+  TIERLIFT_LAUNCH(blocks, 256, 0, stream, block1x128_any_kernel<kT, kW>)
   (a.x, a.rows, a.cols, a.row_stride, a.fmt, a.pow2_scale, a.q, a.scales, narrow);
 }
 
 template <DType kT, int kW>
 void launch_row(const Fp8QuantArgs& a, cudaStream_t stream) {
   const unsigned blocks = static_cast<unsigned>(a.rows);
+  const Fp8Encoder enc = Fp8Encoder::of(a.fmt);
   if (a.cols <= static_cast<int64_t>(kRowRegs) * kRowThreads) {
-    TIERLIFT_LAUNCH(blocks, kRowThreads, 0, stream, row_kernel<kT, kW, true>)
-    (a.x, a.cols, a.row_stride, a.fmt, a.pow2_scale, a.q, a.scales);
+    unsigned threads = 32;
+    while (threads * kRowRegs < a.cols) threads *= 2;
+    TIERLIFT_LAUNCH(blocks, threads, 0, stream, row_kernel<kT, kW, true>)
+    (a.x, a.cols, a.row_stride, enc, a.pow2_scale, a.q, a.scales);
   } else {
     TIERLIFT_LAUNCH(blocks, kRowThreads, 0, stream, row_kernel<kT, kW, false>)
-    (a.x, a.cols, a.row_stride, a.fmt, a.pow2_scale, a.q, a.scales);
+    (a.x, a.cols, a.row_stride, enc, a.pow2_scale, a.q, a.scales);
   }
 }
 
@@ -193,13 +383,12 @@ cudaError_t run(const Fp8QuantArgs& a, cudaStream_t stream) {
   }
   const int w = fused_width(a, kT == DType::kFloat32 ? 4 : 2);
   if (a.scaling == Fp8Scaling::kBlock1x128) {
-    const int64_t nblocks = a.rows * b.grid_cols;
     if (w == 8) {
-      launch_1x128<kT, 8>(a, nblocks, stream);
+      launch_1x128<kT, 8>(a, b.grid_cols, stream);
     } else if (w == 4) {
-      launch_1x128<kT, 4>(a, nblocks, stream);
+      launch_1x128<kT, 4>(a, b.grid_cols, stream);
     } else {
-      launch_1x128<kT, 1>(a, nblocks, stream);
+      launch_1x128<kT, 1>(a, b.grid_cols, stream);
     }
   } else if (w == 8) {
     launch_row<kT, 8>(a, stream);
