@@ -5,28 +5,31 @@ data only in their files. A file cut short, truncated and regrown (`truncate -s 
 N f`), rewritten (`cp x f`), overwritten in part (`dd conv=notrunc`) or replaced under the same
 name would otherwise be read back as zeros or someone else's bytes and trained on. check() is
 called before every gather and step reads a file, and raises OSError(EIO) naming the file, what
-it held and "resume from a checkpoint"; once a file is found changed, every later check raises.
+it held and "resume from a checkpoint"; once a file is found changed, every later check of it
+raises.
 
 Two checks, both a syscall or two:
 * stat(path): the name still points to the file this job made (st_dev, st_ino) and it is not
   shorter than the job made it. This alone catches a file cut short, removed or replaced.
 * fanotify (unprivileged since Linux 5.13, FAN_REPORT_FID): one process-wide group with a mark
   per watched file, asking for FAN_MODIFY, which every write(2), pwrite, io_uring write and
-  truncate raises, by anyone. An event reports the writer's pid (0 for another user's process
-  to an unprivileged listener), so this process's own writes, the tiers' pwrites and io_uring
-  writes, are told apart from all others and ignored; writes through this process's mappings
-  raise no event at all. A read of the group is one syscall and the kernel queues events as
-  the write happens, so a write by another process that returned before the check is seen.
+  truncate raises, by anyone. An event reports the writer's pid (to an unprivileged listener:
+  its own pid, or 0 for any other process), so this process's own writes, the tiers' pwrites
+  and io_uring writes (their kernel workers are threads of this process), are told apart from
+  all others and ignored; writes through this process's mappings raise no event at all. A
+  read of the group is one syscall and the kernel queues an event as the write happens, so a
+  write by another process that returned before the check is seen.
 Not inotify: it reports no pid, and the tiers' own pwrites raise the same IN_MODIFY as another
 process's. Not (st_ctime, st_mtime): the tiers' own writes through the mapping move them at
 page-fault time, from whatever thread writes. Not a sentinel word: it sees no overwrite of the
 data before it, and a copy of the file carries the same word.
 
 Not seen: another process writing through its own shared mapping of the file (no event), and
-writes from another machine to a network file system. Where fanotify is unavailable (an older
-kernel, a container whose seccomp profile refuses fanotify_init, a file system without file
-handles) the stat check still runs and a warning says once that a file truncated and regrown or
-overwritten in place is not detected.
+writes from another machine to a network file system. Refused though harmless: `touch -m`
+(setting only the mtime raises FAN_MODIFY). TIERLIFT_FILE_WATCH=0 turns fanotify off. Where
+fanotify is unavailable (an older kernel, a container whose seccomp profile refuses
+fanotify_init, a file system without file handles) the stat check still runs and a warning
+says once that a file truncated and regrown or overwritten in place is not detected.
 """
 
 from __future__ import annotations
@@ -124,6 +127,8 @@ class _Notifier:
 
     def drain(self) -> None:
         """Reads every queued event; tells each watch whose file another process wrote."""
+        if self.fd < 0:
+            return  # (the parent's group, in a forked child)
         me, found = os.getpid(), []
         with self.lock:
             while True:
@@ -176,20 +181,23 @@ def _notifier() -> _Notifier | None:
 
 def _forget_in_child() -> None:
     # The group's queue is the parent's: a child reading it would take the parent's events.
+    # Watches inherited from the parent keep their stat checks; new ones get a group of the
+    # child's own.
     global _NOTIFIER, _NOTIFIER_ERROR
     if _NOTIFIER is not None:
         os.close(_NOTIFIER.fd)
-    _NOTIFIER, _NOTIFIER_ERROR = None, "a forked child does not watch its parent's files"
+        _NOTIFIER.fd = -1
+    _NOTIFIER, _NOTIFIER_ERROR = None, None
 
 
 os.register_at_fork(after_in_child=_forget_in_child)
 
 
 class _File:
-    __slots__ = ("what", "size", "identity", "key")
+    __slots__ = ("what", "size", "identity", "key", "fd")
 
-    def __init__(self, what: str, size: int, identity: tuple, key):
-        self.what, self.size, self.identity, self.key = what, size, identity, key
+    def __init__(self, what: str, size: int, identity: tuple, key, fd: int | None):
+        self.what, self.size, self.identity, self.key, self.fd = what, size, identity, key, fd
 
 
 def _unmark_all(notifier: _Notifier | None, files: dict) -> None:
@@ -200,10 +208,12 @@ def _unmark_all(notifier: _Notifier | None, files: dict) -> None:
 
 
 class FileWatch:
-    """The files of one store. add(path, what, size) once the file is made (`what`: what it
-    holds, for the error); check() before reading or writing them; forget(path) before this
-    job removes a file itself; close() when done. `watching`: whether writes by other processes
-    are seen (fanotify), else only files cut short, removed or replaced."""
+    """The files of one store. add(path, what, size, fd) once the file is made (`what`: what
+    it holds, for the error; `fd`: a descriptor the job keeps it open and mapped by, which makes
+    a removed file harmless: nothing was lost); check() before reading or writing them;
+    forget(path) before this job removes a file itself; close() when done. `watching`: whether
+    writes by other processes are seen (fanotify), else only files cut short, removed or
+    replaced."""
 
     def __init__(self):
         self.files: dict[str, _File] = {}
@@ -216,7 +226,7 @@ class FileWatch:
         # Files kept after the job (a durable state) lose their marks when the watch goes.
         self._finalizer = weakref.finalize(self, _unmark_all, self._notifier, self.files)
 
-    def add(self, path: str, what: str, size: int) -> None:
+    def add(self, path: str, what: str, size: int, fd: int | None = None) -> None:
         st = os.stat(path)
         key = None
         if self.watching:
@@ -225,7 +235,7 @@ class FileWatch:
             except OSError as e:  # a file system without file handles or fanotify marks
                 self.watching = False
                 _warn_unwatched(f"{path!r} cannot be watched: {e}")
-        self.files[path] = _File(what, size, (st.st_dev, st.st_ino), key)
+        self.files[path] = _File(what, size, (st.st_dev, st.st_ino), key, fd)
 
     def forget(self, path: str) -> None:
         f = self.files.pop(path, None)
@@ -265,8 +275,10 @@ class FileWatch:
         try:
             st = os.stat(path)
         except FileNotFoundError:
-            return (f"{path!r} ({f.what}) was removed under the running job, so what it held "
-                    f"is no longer on the disk")
+            if f.fd is None:
+                return (f"{path!r} ({f.what}) was removed under the running job, so what it "
+                        f"held is no longer on the disk")
+            st = os.fstat(f.fd)  # removed, but open and mapped here: only its size matters
         if (st.st_dev, st.st_ino) != f.identity:
             return (f"{path!r} ({f.what}) was replaced under the running job: the name now "
                     f"points to another file, and what the job's file held is no longer there")
@@ -288,7 +300,7 @@ class FileWatch:
                     self.problems[path] = msg
         if self._notifier is not None and self.files:
             self._notifier.drain()
-        for path, msg in self.problems.items():
+        for path, msg in list(self.problems.items()):  # (another thread may add one)
             if path is None or path in targets:
                 head = (prefix(path) or "") if prefix is not None and path else ""
                 raise OSError(errno.EIO, f"{head}{msg}; nothing more is read from it or "
