@@ -264,8 +264,23 @@ __device__ __forceinline__ void atomic_max_nonneg(float* addr, float v) {
   atomicMax(reinterpret_cast<int*>(addr), __float_as_int(v));  // v >= 0 orders like its bits
 }
 
+// Pass 1's last thread block, warp 0 (every other block's max is in): s_t into the workspace
+// tail and the output, and s_t / sb for each of the 128 E4M3 codes (0 for code 0, NaN for the
+// NaN code), by the reference's own functions, so pass 2 reads what it would have computed.
+__device__ __forceinline__ void nv_finish_tensor_scale(const Fp4QuantArgs& a, float* tail,
+                                                       int lane) {
+  unsigned amax_bits = 0;
+  if (lane == 0) amax_bits = atomicOr(reinterpret_cast<unsigned*>(tail + kNvTailAmax), 0u);
+  const float st = fp4::nv_tensor_scale(__uint_as_float(__shfl_sync(kFull, amax_bits, 0)));
+  if (lane == 0) tail[kNvTailScale] = *a.tensor_scale = st;
+  for (int code = lane; code < 128; code += 32) {
+    tail[kNvTailMultipliers + code] = fp4::nv_multiplier(static_cast<uint8_t>(code), st);
+  }
+}
+
 // NVFP4 pass 1: per-1x16-block amax (+inf for a block holding a NaN/Inf) into the workspace,
-// and the tensor amax over finite elements: one atomicMax per thread block.
+// and the tensor amax over finite elements: one atomicMax per thread block, then the tensor
+// scale and the multipliers by the last block to finish.
 template <DType kT, bool kVec, bool kLean>
 __global__ void __launch_bounds__(kThreads) nv_amax_kernel(Fp4QuantArgs a, Div31 per_row) {
   static_assert(kPer == 16, "a lane holds its whole NVFP4 block");
@@ -288,7 +303,17 @@ __global__ void __launch_bounds__(kThreads) nv_amax_kernel(Fp4QuantArgs a, Div31
   if (warp == 0) {
     m = lane < kThreads / 32 ? warp_max[lane] : 0.f;
     for (int h = 16; h >= 1; h >>= 1) m = fmaxf(m, __shfl_xor_sync(kFull, m, h));
-    if (lane == 0) atomic_max_nonneg(a.workspace + (a.rows * a.cols >> 4), m);
+    float* tail = a.workspace + (a.rows * a.cols >> 4);
+    unsigned done = 0;
+    if (lane == 0) {
+      atomic_max_nonneg(tail + kNvTailAmax, m);
+      __threadfence();  // the max lands before the count that says this block is done
+      done = atomicAdd(reinterpret_cast<unsigned*>(tail + kNvTailDone), 1u);
+    }
+    if (__shfl_sync(kFull, done, 0) == gridDim.x - 1) {
+      __threadfence();  // and the last block reads the max only after every count
+      nv_finish_tensor_scale(a, tail, lane);
+    }
   }
 }
 
@@ -301,11 +326,10 @@ __global__ void __launch_bounds__(kThreads)
   static_assert(kPer == 16, "a lane holds its whole NVFP4 block");
   Chunk c = chunk_of<kLean>(a, per_row, gridDim.x - 1 - blockIdx.x);
   if (__all_sync(kFull, !c.valid)) return;  // whole warps exit together
-  const int64_t total = a.rows * a.cols;
+  const float* tail = a.workspace + (a.rows * a.cols >> 4);
   float v[kPer];
   rotated<kT, kVec, kLean>(a, c, v);
-  const float st = fp4::nv_tensor_scale(a.workspace[total >> 4]);
-  if (c.e0 == 0) *a.tensor_scale = st;
+  const float st = tail[kNvTailScale];
   float amax = 0.f;
   int64_t slot = 0;
   bool writer = false;
@@ -324,9 +348,9 @@ __global__ void __launch_bounds__(kThreads)
     if (c.valid) amax = a.workspace[slot];
     writer = true;
   }
-  const uint8_t code = fp4::nv_scale_code(amax, st);
+  const uint8_t code = fp4::nv_scale_code_nodiv(amax, st);
   if (c.valid && writer) a.scales[slot] = code;
-  const float mult = fp4::nv_multiplier(code, st);
+  const float mult = tail[kNvTailMultipliers + code];
   for (int n = 0; n < kPer; ++n) v[n] = __fmul_rn(v[n], mult);
   encode_store<kLean>(a, c, packed, code == fp4::kE4M3Nan, v);
 }
@@ -339,7 +363,8 @@ cudaError_t launch_rule(const Fp4QuantArgs& a, unsigned blocks, bool packed, Div
     return cudaGetLastError();
   }
   const int64_t total = a.rows * a.cols;
-  cudaError_t err = cudaMemsetAsync(a.workspace + (total >> 4), 0, sizeof(float), stream);
+  cudaError_t err =
+      cudaMemsetAsync(a.workspace + (total >> 4) + kNvTailAmax, 0, 2 * sizeof(float), stream);
   if (err != cudaSuccess) return err;
   TIERLIFT_LAUNCH(blocks, kThreads, 0, stream, nv_amax_kernel<kT, kVec, kLean>)(a, per_row);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;

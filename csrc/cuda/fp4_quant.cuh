@@ -24,11 +24,16 @@
 //    for NVFP4's two passes.
 //  - MXFP4 (floor/rceil/quest): a scale block lies within a warp, so ONE kernel does everything.
 //  - NVFP4: the fp32 tensor scale needs the global amax first, so pass 1 writes per-1x16-block
-//    amaxes (after the rotation) and maxes the tensor amax (one atomic per thread block); pass 2
-//    walks the thread blocks in reverse (it starts on what pass 1 read last, still in L2),
-//    recomputes the rotation (cheaper than storing it), derives the E4M3 block scale (over 16
-//    rows of pass 1's amaxes for 16x16 blocks) and encodes. A block holding a NaN/Inf gets the
-//    NaN scale; pass 1 marks it with amax +inf, which max-reduces over 16x16 blocks as is.
+//    amaxes (after the rotation) and maxes the tensor amax (one atomic per thread block); its
+//    last thread block to finish (a counter after a fence) derives s_t and the multiplier
+//    s_t / sb of all 128 E4M3 codes once. Pass 2 walks the thread blocks in reverse (it starts on
+//    what pass 1 read last, still in L2), recomputes the rotation (cheaper than storing it),
+//    derives the E4M3 block scale (over 16 rows of pass 1's amaxes for 16x16 blocks; amax / 6 by
+//    two fmas, fp4::div6_rn), looks its multiplier up and encodes: no division per block. A
+//    block holding a NaN/Inf gets the NaN scale; pass 1 marks it with amax +inf, which
+//    max-reduces over 16x16 blocks as is. Launches: a memset of the tail's two counters, pass 1,
+//    pass 2 (the workspace comes uninitialized from the caller, and a grid-wide max needs a known
+//    start: without the memset, pass 2 would have to reduce per-block maxima in every block).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -56,8 +61,19 @@ struct Fp4QuantArgs {
   uint8_t* scales = nullptr;      // E8M0 or E4M3 codes, fp4_scale_shape grid
   float* tensor_scale = nullptr;  // [1]: NVFP4 writes s_t; MXFP4 leaves it (the caller sets 1)
   uint8_t* mask = nullptr;        // optional [rows, cols]
-  float* workspace = nullptr;     // NVFP4: rows * cols / 16 + 1 floats (pass-1 amaxes, tensor amax)
+  float* workspace = nullptr;     // NVFP4: nv_workspace_floats(rows, cols) floats
 };
+
+// The NVFP4 workspace: pass 1's per-1x16-block amaxes (rows * cols / 16 floats), then a tail
+// written by pass 1 and read by pass 2: the tensor amax and the count of finished thread blocks
+// (zeroed by one memset before pass 1), the tensor scale s_t and s_t / sb for every E4M3 code
+// (written once by pass 1's last thread block, so pass 2 divides nowhere).
+constexpr int64_t kNvTailAmax = 0, kNvTailDone = 1, kNvTailScale = 2, kNvTailMultipliers = 4;
+constexpr int64_t kNvTailFloats = kNvTailMultipliers + 128;
+static_assert(kNvTailDone == kNvTailAmax + 1, "one memset zeroes both");
+inline int64_t nv_workspace_floats(int64_t rows, int64_t cols) {
+  return rows * cols / 16 + kNvTailFloats;
+}
 
 // t / d for t < 2^31 and d in [1, 2^31) by one multiply and a shift: with 2^l >= d and
 // m = floor(2^(31 + l) / d) + 1 (< 2^32), t * m / 2^(31 + l) = t / d + t * e / (d * 2^(31 + l)),

@@ -53,6 +53,10 @@ CUDASIM_INTEGER_ATOMICS(long long)
 CUDASIM_INTEGER_ATOMICS(unsigned long long)
 #undef CUDASIM_INTEGER_ATOMICS
 
+// A sequentially consistent fence across the OS threads that run blocks (ThreadSanitizer does
+// not model fences: kernels hand data between blocks of one launch through atomics).
+inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+
 inline float atomicAdd(float* a, float v) { return cudasim::atomic_float_update(a, v); }
 inline double atomicAdd(double* a, double v) { return cudasim::atomic_float_update(a, v); }
 inline float atomicExch(float* a, float v) {

@@ -126,7 +126,8 @@ Result fp4_quantize_cuda(const at::Tensor& x, c10::string_view scale_rule, int64
   a.tensor_scale = p.tensor_scale.data_ptr<float>();
   a.mask = want_mask ? bytes(p.mask) : nullptr;
   if (p.cfg.rule == fp4::ScaleRule::kNv) {
-    ws = at::empty({p.in.rows * p.in.cols / 16 + 1}, x.options().dtype(at::kFloat));
+    ws =
+        at::empty({cuda::nv_workspace_floats(p.in.rows, p.in.cols)}, x.options().dtype(at::kFloat));
     a.workspace = ws.data_ptr<float>();
   }
   const cudaError_t err = cuda::fp4_quantize(a, at::cuda::getCurrentCUDAStream(x.device().index()));

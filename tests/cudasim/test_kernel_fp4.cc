@@ -163,7 +163,7 @@ void check(const Fp4Case& c, const std::vector<float>* values = nullptr,
   std::vector<uint8_t> scales(ns, 0xaa);
   const float ts0 = nv ? fp4::nv_tensor_scale(0.f) : 1.f;
   std::vector<float> ts(1, nv && n > 0 ? kNaN : ts0);
-  std::vector<float> workspace(nv ? n / 16 + 1 : 0, kNaN);  // fp4_quant.cuh's size
+  std::vector<float> workspace(nv ? cuda::nv_workspace_floats(c.rows, c.cols) : 0, kNaN);
   cuda::Fp4QuantArgs a;
   cudasim_test::set_input(a, x);
   a.rule = c.rule;

@@ -75,7 +75,7 @@ void check(const std::vector<float>& x, int64_t rows, int64_t cols, const PathCa
 
   std::vector<uint8_t> codes(n / 2, 0xaa), scales(ns, 0xaa), mask(c.mask ? n : 0, 0xaa);
   std::vector<float> ts(1, nv ? kNaN : 1.f);
-  std::vector<float> workspace(nv ? n / 16 + 1 : 0, kNaN);
+  std::vector<float> workspace(nv ? cuda::nv_workspace_floats(rows, cols) : 0, kNaN);
   cuda::Fp4QuantArgs a;
   cudasim_test::set_input(a, view);
   a.rule = c.rule;

@@ -270,7 +270,8 @@ void check_fp4(int64_t rows, int64_t cols, fp4::ScaleRule rule, int hadamard, bo
   fp4_quantize(x, cfg, {want_codes.data(), want_scales.data(), want_ts.data(), want_mask.data()});
 
   std::vector<uint8_t> codes(n / 2, 0xaa), scales(ns, 0xaa), mask(n, 0xaa);
-  std::vector<float> ts(1, nv ? kNaN : 1.f), workspace(nv ? n / 16 + 1 : 0, kNaN);
+  std::vector<float> ts(1, nv ? kNaN : 1.f),
+      workspace(nv ? cuda::nv_workspace_floats(rows, cols) : 0, kNaN);
   cuda::Fp4QuantArgs a;
   cudasim_test::set_input(a, x);
   a.rule = rule;

@@ -122,6 +122,14 @@ TL_HD float div_rn(float a, float b) {
 #endif
 }
 
+TL_HD float fma_rn(float a, float b, float c) {
+#ifdef __CUDA_ARCH__
+  return __fmaf_rn(a, b, c);
+#else
+  return std::fma(a, b, c);
+#endif
+}
+
 // Exact 2^e for e in [-149, 127] (subnormals included).
 TL_HD float pow2(int e) {
   if (e >= -126) return from_bits(static_cast<uint32_t>(e + 127) << 23);
@@ -354,6 +362,24 @@ TL_HD float e4m3_decode_nonneg(uint8_t q) {
 TL_HD uint8_t nv_scale_code(float amax, float st) {
   if (bits(amax) == 0x7f800000u) return kE4M3Nan;
   const uint8_t code = e4m3_encode_nonneg(mul_rn(div_rn(amax, kMax), st));
+  return code == 0 && amax > 0.f ? 1 : code;
+}
+
+// div_rn(x, 6) for finite x >= 0 without a division: q = x * fp32(1/6) is within an ulp, its
+// remainder x - 6q is exact in one fma, and one more fma rounds q + r / 6 correctly. That holds
+// for every x >= 2^-125 (where x / 6 is normal); below, the quotient's subnormal rounding breaks
+// it, so those divide (tests/cudasim/test_kernel_nvfp4_passes.cc checks every float).
+constexpr float kSixth = 1.f / 6.f;
+TL_HD float div6_rn(float x) {
+  if (x < 0x1p-125f) return div_rn(x, kMax);
+  const float q = mul_rn(x, kSixth);
+  return fma_rn(fma_rn(-q, kMax, x), kSixth, q);
+}
+
+// nv_scale_code with amax / 6 by div6_rn (the same code for every input): what the kernel runs.
+TL_HD uint8_t nv_scale_code_nodiv(float amax, float st) {
+  if (bits(amax) == 0x7f800000u) return kE4M3Nan;
+  const uint8_t code = e4m3_encode_nonneg(mul_rn(div6_rn(amax), st));
   return code == 0 && amax > 0.f ? 1 : code;
 }
 
