@@ -8,9 +8,10 @@
 // branch-free encoder (fp8dev::Fp8Encoder), four at a time; a group holding NaN or Inf is
 // encoded again with the exact encoder. The amax is a plain max of |x| (NaN drops out of fmaxf);
 // only where it comes out infinite is it reduced again without the non-finite values.
-//  - 1x128: a block of 128 elements is 8 lanes of 16 elements (two or four loads in flight per
-//    lane), read once, reduced with three shuffles, cast. A lane finds its row by a multiply and
-//    shift (FastDiv), not a division; past 2^28 blocks, a fallback kernel divides in 64 bits.
+//  - 1x128: a block of 128 elements is 4 lanes of 32 elements (four 16-byte loads in flight per
+//    lane, eight for fp32), read once, reduced with two shuffles, cast. A lane finds its row by a
+//    multiply and shift (FastDiv), not a division; past 2^28 blocks, a fallback kernel divides in
+//    64 bits.
 //  - row: one thread block per row, 32 to 256 threads: as few as hold the row in registers (32
 //    elements per thread, up to 8192), all its loads in flight, so the input is read once. Longer
 //    rows take 256 threads and read the row a second time for the cast, four loads in flight.
@@ -36,7 +37,7 @@ using fp8dev::scale_of;
 
 constexpr int kRowThreads = 256;  // the most threads per row
 constexpr int kRowRegs = 32;      // elements per thread a row kernel keeps in registers
-constexpr int kBlockLanes = 8;    // lanes per 1x128 block on the vector path
+constexpr int kBlockLanes = 4;    // lanes per 1x128 block on the vector path
 constexpr int kLaneElems = 128 / kBlockLanes;
 
 // kW consecutive elements at byte address p (aligned to kW elements, 16 bytes at most), widened
@@ -105,15 +106,16 @@ __device__ __forceinline__ void store_codes(uint8_t* q, const uint32_t (&w)[kW /
   }
 }
 
-// 1x128 blocks on the vector path (kW = 8 or 4: cols, row stride and bases aligned to kW): 8
-// lanes per block, lane `sub` holding elements kW * sub + 8 * kW * p of it for p < 16 / kW, so
-// each load of a block's 8 lanes covers 8 * kW consecutive elements. Launched with
-// rows * ceil(cols / 128) * 8 < 2^31 threads (the row found by `by_gc`).
+// 1x128 blocks on the vector path (kW = 8 or 4: cols, row stride and bases aligned to kW): 4
+// lanes per block, lane `sub` holding elements kW * sub + 4 * kW * p of it for p < 32 / kW, so
+// each load of a block's 4 lanes covers 4 * kW consecutive elements, and a lane's 32 elements
+// pay for its index, shuffles and scale. Launched with rows * ceil(cols / 128) * 4 < 2^31
+// threads (the row found by `by_gc`).
 template <DType kT, int kW>
 __global__ void __launch_bounds__(256)
     block1x128_kernel(const void* x, int64_t rows, int64_t cols, int64_t rs, FastDiv by_gc,
                       uint32_t gc, Fp8Encoder enc, bool pow2, uint8_t* q, float* scales) {
-  constexpr int kParts = kLaneElems / kW;
+  constexpr int kParts = kLaneElems / kW, kPartStride = kBlockLanes * kW;
   constexpr int kSize = kT == DType::kFloat32 ? 4 : 2;
   const uint32_t t = blockIdx.x * blockDim.x + threadIdx.x;
   const uint32_t block = t / kBlockLanes;  // a shift
@@ -125,7 +127,7 @@ __global__ void __launch_bounds__(256)
   float v[kParts][kW];
   TIERLIFT_UNROLL
   for (int p = 0; p < kParts; ++p) {  // all loads first: several in flight per lane
-    load_or_zero<kT, kW>(xp + 8 * kW * p * kSize, live && j0 + 8 * kW * p < cols, v[p]);
+    load_or_zero<kT, kW>(xp + kPartStride * p * kSize, live && j0 + kPartStride * p < cols, v[p]);
   }
   float m = 0.f;
   TIERLIFT_UNROLL
@@ -142,10 +144,10 @@ __global__ void __launch_bounds__(256)
   uint8_t* qp = q + i * cols + j0;
   TIERLIFT_UNROLL
   for (int p = 0; p < kParts; ++p) {
-    if (j0 + 8 * kW * p < cols) {
+    if (j0 + kPartStride * p < cols) {
       uint32_t w[kW / 4];
       encode_codes<kW>(v[p], s, enc, w);
-      store_codes<kW>(qp + 8 * kW * p, w);
+      store_codes<kW>(qp + kPartStride * p, w);
     }
   }
   if (sub == 0) scales[block] = s;
@@ -225,12 +227,17 @@ __device__ __forceinline__ void load_any(const char* p, bool in, float (&v)[kW])
   }
 }
 
-// Codes of v * s stored at byte address q: packed by the branch-free encoder for kW = 4, 8.
+// Codes of v * s stored at byte address q, from the branch-free encoder (a non-finite product
+// encoded again exactly): kW = 4, 8 packed into one store.
 template <int kW>
 __device__ __forceinline__ void cast_store(uint8_t* q, const float (&v)[kW], float s,
                                            const Fp8Encoder& enc) {
   if constexpr (kW == 1) {
-    *q = static_cast<uint8_t>(encode(__fmul_rn(v[0], s), enc.fmt));
+    const float p = __fmul_rn(v[0], s);
+    bool special = false;
+    uint32_t code = (enc.magnitude(p, special) & 0xffu) | ((__float_as_uint(p) >> 24) & 0x80u);
+    if (special) code = encode(p, enc.fmt);
+    *q = static_cast<uint8_t>(code);
   } else {
     uint32_t w[kW / 4];
     encode_codes<kW>(v, s, enc, w);
