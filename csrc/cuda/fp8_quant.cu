@@ -12,9 +12,10 @@
 //    lane, eight for fp32), read once, reduced with two shuffles, cast. A lane finds its row by a
 //    multiply and shift (FastDiv), not a division; past 2^28 blocks, a fallback kernel divides in
 //    64 bits.
-//  - row: one thread block per row, 32 to 256 threads: as few as hold the row in registers (32
-//    elements per thread, up to 8192), all its loads in flight, so the input is read once. Longer
-//    rows take 256 threads and read the row a second time for the cast, four loads in flight.
+//  - row: one thread block per row, 32 to 512 threads: as few as hold the row in registers (32
+//    elements per thread, up to 16384: an FFN width of 14336 too), all its loads in flight, so the
+//    input is read once. Longer rows take 512 threads and read the row a second time for the
+//    cast, four loads in flight.
 #include <cstdint>
 
 #include "cuda/fp8_device.cuh"
@@ -35,7 +36,7 @@ using fp8dev::group_max;
 using fp8dev::load_vec;
 using fp8dev::scale_of;
 
-constexpr int kRowThreads = 256;  // the most threads per row
+constexpr int kRowThreads = 512;  // the most threads per row
 constexpr int kRowRegs = 32;      // elements per thread a row kernel keeps in registers
 constexpr int kBlockLanes = 4;    // lanes per 1x128 block on the vector path
 constexpr int kLaneElems = 128 / kBlockLanes;
@@ -205,8 +206,8 @@ __global__ void block1x128_any_kernel(const void* x, int64_t rows, int64_t cols,
   if (live && sub == 0) scales[block] = s;
 }
 
-// The max of every thread's m over the thread block (blockDim.x a multiple of 32, at most 256),
-// returned to every thread; all must call it. `partial` holds 8 floats, and a second call needs
+// The max of every thread's m over the thread block (blockDim.x a multiple of 32, at most 512),
+// returned to every thread; all must call it. `partial` holds 16 floats, and a second call needs
 // other ones (the first call's reads are not fenced off from its writes).
 __device__ __forceinline__ float block_max(float m, float* partial) {
   m = group_max(m);
@@ -247,7 +248,7 @@ __device__ __forceinline__ void cast_store(uint8_t* q, const float (&v)[kW], flo
 
 // Row scaling: one thread block per row, kW consecutive elements per thread and step. kInRegs:
 // the row fits kRowRegs elements per thread (launched with as few threads as that needs), is
-// loaded at once and read once. Otherwise 256 threads walk the row twice, kUnroll loads in
+// loaded at once and read once. Otherwise 512 threads walk the row twice, kUnroll loads in
 // flight per thread: the amax, then the cast (the second read mostly hits L2).
 template <DType kT, int kW, bool kInRegs>
 __global__ void __launch_bounds__(kRowThreads)
@@ -262,7 +263,7 @@ __global__ void __launch_bounds__(kRowThreads)
   const int step = kW * blockDim.x, j0 = kW * threadIdx.x;
   float m = 0.f, s;
   if constexpr (kInRegs) {
-    const int n = static_cast<int>(cols);  // <= 8192
+    const int n = static_cast<int>(cols);  // <= 16384
     float v[kUnroll][kW];
     TIERLIFT_UNROLL
     for (int c = 0; c < kUnroll; ++c) {

@@ -5,9 +5,9 @@
 // Shapes of work (the kernels move 8 elements per 16-byte load and 4-16 codes per store where the
 // view's alignment allows, element by element where it does not):
 //  - Row and 1x128 scaling of a row-contiguous input, single output: ONE fused kernel
-//    (fp8_quant.cu). A 1x128 block is 16 lanes holding its values in registers (read once); a
-//    row is one thread block that keeps rows of up to 8192 elements in registers, reduces the
-//    row's amax and casts it.
+//    (fp8_quant.cu). A 1x128 block is 4 lanes holding its values in registers (read once); a
+//    row is one thread block that keeps rows of up to 16384 elements in registers, reduces the
+//    row's amax and casts it. Both encode with the branch-free encoder (fp8_device.cuh).
 //  - Everything else (tensor scaling's global reduction, column and 128x128 blocks, strided
 //    views, the dual row+column-major output): two passes over 64x64 tiles (fp8_quant_tiles.cu).
 //    Pass 1 reduces each tile's slice of every scaling block in shared memory and merges it with

@@ -3,8 +3,8 @@
 //  - NaN / +-Inf at every position of a 128-element block and of a row (every group of four
 //    codes the branch-free encoder packs, every lane's share), where a warp's other blocks are
 //    clean, and rows or blocks with nothing finite or nothing but zeros;
-//  - rows of 1 to 20000 elements: each thread count of the row kernel (32 to 256 threads, 32
-//    elements each in registers), the 8192-element register limit and the two-pass path past it;
+//  - rows of 1 to 20000 elements: each thread count of the row kernel (32 to 512 threads, 32
+//    elements each in registers), the 16384-element register limit and the two-pass path past it;
 //  - 1x128 tails (cols not a multiple of 128) and grids whose last warp runs past the last block;
 //  - 8-, 4- and 1-element loads: aligned, 8-byte aligned (bf16/fp16), misaligned or padded rows;
 //  - the multiply-and-shift division that finds a lane's row, checked on the host.
@@ -131,7 +131,7 @@ TEST(Fp8RowKernels, NonFiniteAtEveryPositionOfABlock) {
 
 // The row kernel's in-register rows (one Inf or NaN at each of the 64 positions of a short row,
 // and at the first, middle and last position of rows at each thread count) and its two-pass
-// rows past 8192 elements, where the amax is reduced again without the Inf.
+// rows past 16384 elements, where the amax is reduced again without the Inf.
 TEST(Fp8RowKernels, NonFiniteAnywhereInARow) {
   {
     const int64_t rows = 64, cols = 64;
@@ -141,7 +141,7 @@ TEST(Fp8RowKernels, NonFiniteAnywhereInARow) {
       check(rotate(rows, cols, Fp8Scaling::kRow, Layout::kContiguous, k), x);
   }
   int k = 0;
-  for (int64_t cols : {1000, 2048, 4096, 8192, 8200, 20000}) {
+  for (int64_t cols : {1000, 2048, 4096, 8192, 14336, 16384, 16392, 20000}) {
     const int64_t rows = 4;
     std::vector<float> x = spread(rows * cols, 13);
     x[0] = kInf;                                                           // row 0: first element
@@ -155,13 +155,13 @@ TEST(Fp8RowKernels, NonFiniteAnywhereInARow) {
 }
 
 // Rows of 1 to 20000 elements: below, at and past each thread count's capacity (32 threads hold
-// 1024 elements, 256 threads 8192) and the two-pass path past it, with 8-, 4- and 1-element
+// 1024 elements, 512 threads 16384) and the two-pass path past it, with 8-, 4- and 1-element
 // loads; an all-zero row in each (its scale is the safe one).
 TEST(Fp8RowKernels, RowLengthsAcrossThreadCountsAndTheRegisterLimit) {
   int k = 0;
-  for (int64_t cols :
-       {1,    2,    3,    4,    5,    8,    12,   31,   32,   33,   100,  1016,  1024, 1032,
-        2040, 2048, 2056, 4088, 4096, 4104, 8184, 8192, 8193, 8196, 8200, 12000, 20000}) {
+  for (int64_t cols : {1,    2,    3,    4,     5,     8,     12,    31,    32,    33,
+                       100,  1016, 1024, 1032,  2040,  2048,  2056,  4088,  4096,  4104,
+                       8184, 8192, 8200, 14336, 16376, 16384, 16385, 16388, 16392, 20000}) {
     const int64_t rows = cols > 4096 ? 2 : 3;
     std::vector<float> x = spread(rows * cols, static_cast<uint32_t>(cols));
     for (int64_t j = 0; j < cols; ++j) x[(rows - 1) * cols + j] = 0.f;
