@@ -48,7 +48,7 @@ _WRITE_ONLY_SELF = {"copy_", "fill_", "zero_"}
 _FP8_QUANTIZERS = {"tierlift::fp8_quantize", "tierlift::fp8_quantize_dual"}
 DELAYED_QUANTIZER = "tierlift::fp8_quantize_delayed"
 HISTORY_QUANTIZER = "tierlift::fp8_quantize_from_history"  # the same kernels, scale from history
-ROW_REGISTER_LIMIT = 8192  # csrc/cuda/fp8_quant.cu: kRowRegs * kRowThreads
+ROW_REGISTER_LIMIT = 16384  # csrc/cuda/fp8_quant.cu: kRowRegs * kRowThreads
 
 
 def fp8_quantize_reads(x: torch.Tensor, scaling: str, dual: bool) -> int:
