@@ -150,12 +150,16 @@ TEST_F(KernelRaces, Fp8BlockRowColumnAndElementAmaxTiles) {
   check_fp8(1, 40, Fp8Scaling::kCol, Layout::kContiguous, false, 3);
 }
 
-// The fused kernels: row scaling (a 256-thread block per row, two barriers around the shared
-// partial maxima and row scale) and 1x128 blocks (shuffles over 16 lanes; 4 blocks).
+// The fused kernels: row scaling (a block of 1 to 16 warps per row meeting at a barrier over the
+// shared warp maxima, again over a second set when the row holds an Inf; rows in registers and
+// past them) and 1x128 blocks (shuffles over 4 lanes, or 32 for a misaligned input).
 TEST_F(KernelRaces, Fp8FusedRowAndBlock1x128) {
-  kernels("row_kernel block1x128_kernel");
+  kernels("row_kernel block1x128_kernel block1x128_any_kernel");
   check_fp8(3, 600, Fp8Scaling::kRow, Layout::kContiguous, false, 1);
+  check_fp8(3, 2100, Fp8Scaling::kRow, Layout::kContiguous, false, 1, true);
+  check_fp8(2, 16400, Fp8Scaling::kRow, Layout::kContiguous, false, 1, true);
   check_fp8(32, 256, Fp8Scaling::kBlock1x128, Layout::kContiguous, false, 1);
+  check_fp8(5, 300, Fp8Scaling::kBlock1x128, Layout::kOffset1, false, 1);
 }
 
 // fp8_quantize_delayed of a rising fp32 input (with NaN and Inf where non_finite) against core,
