@@ -118,7 +118,11 @@ class Agreement:
         if unit.seen is None:
             return
         self.settle()  # the previous backward's flags first
-        fresh = (
+        # Reduced twice in one backward (a reentrant torch.utils.checkpoint runs its own
+        # backward through the unit's views, apart from the outer one): the second gradient is
+        # summed onto the first, so its flags add to the first's, not replace them.
+        again = any(u is unit for u, *_ in self.reduced)
+        fresh = not again and (
             unit.shard.grad is None
             or unit.used_for is None
             or unit.used_for() is not unit.shard.grad
