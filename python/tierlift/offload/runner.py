@@ -318,6 +318,8 @@ class Offloader(StateIO, ChunkStep):
                    total=None, live: list | None = None) -> None:
         """The step once the overlap's chunks stepped ahead (`spec`) are in. `total`: the
         clip's norm and `live`: the collected gradients, where _take_overlap took them."""
+        for tier in self.tiers:  # a state file changed under the job: refused before any change
+            tier.check_files()
         scale = None if grad_scale is None else scale_value(grad_scale)
         if live is None:
             live = gradients.collect(self)

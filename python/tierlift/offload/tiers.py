@@ -8,7 +8,9 @@ NvmeTier: files per kind; with two generations a step reads chunk k from generat
 writes the updated chunk to 1 - g[k]; g[k] flips only after every write of the step reached the
 device, so a failed step leaves the committed generation untouched. With one generation (half
 the disk) a chunk is rewritten in place. Each committed chunk carries a CRC-32C per kind,
-verified on every read.
+verified on every read. Every read and write first checks that no file was cut short, removed,
+replaced or written by another process (io/file_watch.py), so a step refuses to start, with an
+OSError (EIO) naming the file, on state that is no longer the job's.
 HybridTier: the first chunks in host memory (one generation, stepped in place), the rest on
 NVMe, so one optimizer's state can use all of both.
 
@@ -35,6 +37,7 @@ import torch
 from tierlift import _extension
 from tierlift._pinned import pinned_zeros, release
 from tierlift.io import ChecksumError, IoEngine
+from tierlift.io.file_watch import FileWatch
 from tierlift.offload.layout import kind_bytes, kind_elems
 
 
@@ -258,6 +261,9 @@ class _Holdable:
         """Whether a step of chunk ci reads and writes the tier's own memory, with no slot in
         between (MemoryTier with two generations)."""
         return False
+
+    def check_files(self) -> None:
+        """OSError (EIO) if a file of the tier was changed under the job (none in RAM)."""
 
     def speculates(self, ci: int) -> bool:
         """Whether the overlap may step chunk ci ahead (it needs somewhere to write the new
@@ -492,17 +498,21 @@ class NvmeTier(_Holdable):
         self.crc: dict[tuple[str, int, int], int] = {}  # (kind, ci, gen) -> crc
         self.paths = {(k, g): os.path.join(directory, f"g{gi}.{k}.{g}") for k in kinds
                       for g in range(generations)}
+        # Every read and write first checks that no other process changed a file
+        # (io/file_watch.py): a step refuses to start on state that is no longer its own.
+        self.watch = FileWatch()
         total = self.disk_bytes
-        for (k, _), path in self.paths.items():
+        for (k, g), path in self.paths.items():
+            want = (n_chunks - first) * self.kind_chunk_bytes[k]
             if reopen:  # a durable state's files, kept as they are
-                want = (n_chunks - first) * self.kind_chunk_bytes[k]
                 if not os.path.exists(path) or os.path.getsize(path) < want:
                     raise ValueError(f"optimizer state file {path!r} is missing or shorter "
                                      "than its layout; the state cannot be reopened")
-                continue
-            with open(path, "wb") as f:
-                _reserve(f.fileno(), (n_chunks - first) * self.kind_chunk_bytes[k], path, total,
-                         generations)
+            else:
+                with open(path, "wb") as f:
+                    _reserve(f.fileno(), want, path, total, generations)
+            self.watch.add(path, f"the {k} of param group {gi}, generation {g}, of the "
+                           f"offloaded optimizer's state", want)
 
     @property
     def disk_bytes(self) -> int:
@@ -524,8 +534,14 @@ class NvmeTier(_Holdable):
         n = kind_bytes(kind, self.dtypes[kind], self.used[ci]) // buf.element_size()
         return buf if n >= buf.numel() else buf[:n]
 
+    def check_files(self) -> None:
+        self.watch.check()
+
     def read(self, kind: str, ci: int, buf: torch.Tensor, gen: int | None = None):
         g = self.gen[ci] if gen is None else gen
+        # Only this file: a failed step puts parameters back from the committed masters,
+        # unless the masters' file is the one changed.
+        self.watch.check(paths=[self.paths[(kind, g)]])
         return self.engine.read(self.part(kind, ci, buf), self.paths[(kind, g)],
                                 self._pos(kind, ci))
 
@@ -539,6 +555,7 @@ class NvmeTier(_Holdable):
 
     def write(self, kind: str, ci: int, buf: torch.Tensor, gen: int, crc: int | None = None):
         self._wait_unheld(ci, gen)
+        self.watch.check()  # every file: a step refuses to start on a changed one
         buf = self.part(kind, ci, buf)
         self.crc[(kind, ci, gen)] = crc32c(buf) if crc is None else crc
         return self.engine.write(buf, self.paths[(kind, gen)], self._pos(kind, ci))
@@ -547,7 +564,9 @@ class NvmeTier(_Holdable):
         """Starts reading every kind of chunk `ci` of the committed generation into `bufs`.
         Waiting on the returned handle waits for the reads and verifies their CRC-32C."""
         g = self.gen[ci]
-        handles = [self.read(k, ci, bufs[k], g) for k in self.kinds]
+        self.watch.check()  # every file: a step refuses to start on a changed one
+        handles = [self.engine.read(self.part(k, ci, bufs[k]), self.paths[(k, g)],
+                                    self._pos(k, ci)) for k in self.kinds]
         want = [self.crc.get((k, ci, g)) for k in self.kinds]
 
         def verify(got: list[int]) -> None:
@@ -564,6 +583,7 @@ class NvmeTier(_Holdable):
         the writes run (unless `crcs` gives them); the CRCs are recorded once the writes are
         done (run() waits for every returned handle before the step commits)."""
         self._wait_unheld(ci, gen)
+        self.watch.check()  # every file: a step refuses to start on a changed one
         # No stale CRC may describe this generation until the new one is known.
         for k in self.kinds:
             self.crc.pop((k, ci, gen), None)
@@ -582,6 +602,7 @@ class NvmeTier(_Holdable):
 
     def remove_files(self) -> None:
         self.wait_unheld_all()
+        self.watch.close()
         for path in self.paths.values():
             try:
                 self.engine.forget(path)
@@ -619,6 +640,9 @@ class HybridTier(_Holdable):
 
     def _of(self, ci: int):
         return self.ram if ci < self.n_ram else self.nvme
+
+    def check_files(self) -> None:
+        self.nvme.check_files()
 
     @property
     def held_wait_s(self) -> float:

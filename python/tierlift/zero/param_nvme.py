@@ -44,6 +44,10 @@ Steps    a write fault on a page not in the page cache reads it from the disk fi
          last gather before a step (learned per range) writes the bytes it read back with a
          buffered pwrite and keeps the range in the page cache, at most _WARM_CAP_UNITS
          ranges at a time.
+Changes  a file cut short, replaced under its name, or written by another process (truncated
+         and regrown, rewritten, overwritten in part) under the running job is refused before
+         the next gather, gradient hand-over or step touches it: an OSError (EIO) naming the
+         file (io/file_watch.py). A removed file is not: the mapping keeps it.
 msync    not needed: the file is scratch, deleted when the model goes away; checkpoints are
          written separately (tierlift.checkpoint), and within the run every access goes through
          the same page cache.
@@ -51,7 +55,6 @@ msync    not needed: the file is scratch, deleted when the model goes away; chec
 
 from __future__ import annotations
 
-import errno
 import mmap
 import os
 import shutil
@@ -65,6 +68,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
+from tierlift.io.file_watch import FileWatch
 from tierlift.offload import tiers
 from tierlift.zero.param_nvme_reader import ShardReader, direct_io_error
 
@@ -107,11 +111,12 @@ def _fill_holes(fd: int, nbytes: int) -> None:
         done += os.pwrite(fd, zeros[:nbytes - done], done)
 
 
-def _cleanup(fds: list[int], directory: str, hooks, reader) -> None:
+def _cleanup(fds: list[int], directory: str, hooks, reader, watch) -> None:
     for hook in hooks:
         hook.remove()
     if reader is not None:
         reader.close()
+    watch.close()
     for fd in fds:
         try:
             os.close(fd)
@@ -172,7 +177,17 @@ class NvmeParamStore:
                 maps.append(mmap.mmap(fds[-1], nbytes, flags=mmap.MAP_SHARED,
                                       prot=mmap.PROT_READ | mmap.PROT_WRITE))
             err = direct_io_error(self.path)  # None, or EINVAL: no O_DIRECT here
+            # Truncated and regrown, overwritten or replaced by another process: refused at
+            # the next gather or step (io/file_watch.py), not read back as the shards.
+            # A removed file is harmless: the mapping keeps it.
+            self._watch = FileWatch()
+            self._watch.add(self.path, "the fp32 shards of offload_params='nvme'", nbytes,
+                            fds[0])
+            self._watch.add(self.grad_path, "the fp32 gradient shards of offload_params='nvme'",
+                            nbytes, fds[1])
         except BaseException:
+            if hasattr(self, "_watch"):
+                self._watch.close()
             for fd in fds:
                 os.close(fd)
             shutil.rmtree(self.directory, ignore_errors=True)
@@ -230,7 +245,7 @@ class NvmeParamStore:
         hooks = (register_optimizer_step_pre_hook(before_step),
                  register_optimizer_step_post_hook(after_step))
         self._finalizer = weakref.finalize(self, _cleanup, fds, self.directory, hooks,
-                                           self._reader)
+                                           self._reader, self._watch)
 
     @staticmethod
     def layout(shard_numels: list[int]) -> tuple[list[int], int]:
@@ -251,23 +266,23 @@ class NvmeParamStore:
         self._fd = -1
 
     def check_files(self, reading_at: int | None = None) -> None:
-        """Raises OSError (EIO) if either file is shorter than it was made: cut short under the
-        running job, its pages past the end are gone, and touching them through the mapping
-        would be a SIGBUS that kills the process. Called before every gather and step reads or
-        writes them (one fstat per file). `reading_at`: the offset a gather is about to read."""
+        """Raises OSError (EIO) if either file was changed under the running job (FileWatch):
+        cut short (its pages past the end are gone, and touching them through the mapping
+        would be a SIGBUS that kills the process), replaced under its name, or written by
+        another process (truncated and regrown, rewritten, overwritten in part: zeros or
+        someone else's bytes where the shards were). A removed file is not refused: the
+        mapping keeps it, and training goes on exactly. Called before every gather and step
+        reads or writes them (a stat per file and one read of the event queue). `reading_at`:
+        the offset a gather is about to read."""
         if self._fd < 0:
             return
-        for fd, path, what in ((self._fd, self.path, "fp32 shards"),
-                               (self._gfd, self.grad_path, "fp32 gradient shards")):
-            size = os.fstat(fd).st_size
-            if size < self.nbytes:
-                doing = "" if reading_at is None or fd != self._fd else \
-                    f"reading parameter shards from {path!r} at offset {reading_at} failed: "
-                raise OSError(errno.EIO, f"{doing}{path!r} (the {what} of "
-                              f"offload_params='nvme') was cut short under the running job: "
-                              f"{size} of its {self.nbytes} bytes are left and what was past "
-                              f"them is lost; nothing more is read from it or stepped: "
-                              f"resume from a checkpoint")
+
+        def doing(path: str) -> str:
+            if reading_at is None or path != self.path:
+                return ""
+            return f"reading parameter shards from {path!r} at offset {reading_at} failed: "
+
+        self._watch.check(doing)
 
     def _before_step(self, optimizer) -> None:
         for group in optimizer.param_groups:
