@@ -652,6 +652,7 @@ class ZeroState:
         optimizer that takes them; torch's would fail deep in its kernels."""
         frozen.check_requires_grad(self)
         self.check_copies()
+        self.check_gathered_edits(optimizer)
         self.step_todo[id(optimizer)] = unused.before_step(self, optimizer)
         if getattr(optimizer, "takes_low_precision_grads", False):
             return
@@ -664,6 +665,23 @@ class ZeroState:
                         "use tierlift.optim.Adam/AdamW, which take them, or "
                         "grad_dtype=torch.float32")
 
+    def check_gathered_edits(self, optimizer) -> None:
+        """Stage 3: refuses a step of units whose gathered weights were changed in place and
+        freed since the last step (FlatUnit.free): the masters it would step miss the change."""
+        ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        edited = [u for u in self.units if u.edited_gathered and id(u.shard) in ids]
+        if not edited:
+            return
+        names = ", ".join(e.names[0] for u in edited for e in u.entries)
+        raise RuntimeError(
+            f"the gathered weights of unit {edited[0].name!r} ({names}) were changed in place "
+            "during forward or backward (nn.Embedding(max_norm=...) renormalizes the rows it "
+            "reads; so does any in-place edit under no_grad). At stage 3 they are a gathered "
+            "copy, freed after use: the fp32 master shards this step would update never got the "
+            "change, which torch's parameter keeps. Shard at stage 1 or 2 with fp32 weights "
+            "(the module attribute is then the masters), or make the change outside the model "
+            "(inside tierlift.zero.gathered(module, modifier_rank=0))")
+
     def step_ended(self, optimizer) -> None:
         """Puts back what the step changed of parameters without a gradient (unused.py), marks
         the stepped units stale and, at stages 1/2, gathers them again (_refresh)."""
@@ -675,6 +693,7 @@ class ZeroState:
         stepped = [u for u in self.units if id(u.shard) in ids and not u.frozen]
         for unit in stepped:
             unit.stale = True
+            unit.edited_gathered = False
         if self.config.stage != 3 and not self.gathered_blocks:
             self._refresh(stepped)
 

@@ -208,6 +208,8 @@ class FlatUnit:
         # edit through a module attribute shows in its version (gathers write through .data).
         self.copied = keep_full and not self.aliased
         self.full_version = self.full._version
+        # Stage 3: the gathered weights were changed in place before being freed (see free()).
+        self.edited_gathered = False
         self.keep_full = keep_full
         self.data_handles: list = []  # (tensor, version): the shard's `.data` handed out
         self.attr_ptrs: list = []     # per entry: the data_ptr its module attributes have
@@ -236,6 +238,11 @@ class FlatUnit:
         """Drop the gathered weights (stage 3); the shard stays."""
         self.wait_gather()
         if self.full.untyped_storage().nbytes() > 0:
+            # Changed in place since the gather (nn.Embedding(max_norm=...) renormalizes the
+            # rows it reads inside its forward): the change goes with this storage and never
+            # reaches the masters, while torch's parameter keeps it; the next step refuses.
+            if not self.frozen and self.full._version != self.full_version:
+                self.edited_gathered = True
             self.full.untyped_storage().resize_(0)
         if self.fp8_gather is not None:
             self.fp8_gather.release()  # its FP8 codes go with the weights
