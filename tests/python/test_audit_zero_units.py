@@ -7,7 +7,7 @@ torch.optim.AdamW on the same data), or refuse before anything changes.
 - torch.utils.checkpoint (reentrant or not) around part of a unit: a reentrant one runs its own
   backward, so the unit's gradient is reduced twice in one backward, and a parameter used only
   inside the checkpoint was taken for one without gradient (put back after every step: never
-  trained);
+  trained), and at stage 3 it freed the unit while the outer backward still read its weights;
 - nn.Embedding(max_norm=...), which renormalizes the rows it reads in place in its forward:
   torch keeps the renormalized rows in the parameter, so the optimizer steps them;
 - gradients of the shards edited between backward and step, accumulation under no_sync()."""
@@ -30,16 +30,19 @@ OPT = dict(lr=1e-2, weight_decay=0.1)
 
 
 class _Block(nn.Module):
-    def __init__(self, ckpt: str | None = None):
+    def __init__(self, ckpt: str | None = None, a_first: bool = False):
         super().__init__()
         self.a = nn.Linear(D, D)
         self.b = nn.Linear(D, D)
         self.ckpt = ckpt
+        self.a_first = a_first  # self.a also before the checkpoint: read again after it
 
     def _inner(self, x):
         return self.b(torch.tanh(self.a(x)))
 
     def forward(self, x):
+        if self.a_first:
+            x = self.a(x)
         if self.ckpt is None:
             y = self._inner(x)
         else:
@@ -48,10 +51,11 @@ class _Block(nn.Module):
 
 
 class _Model(nn.Module):
-    def __init__(self, ckpt: str | None = None, max_norm: float | None = None):
+    def __init__(self, ckpt: str | None = None, max_norm: float | None = None,
+                 a_first: bool = False):
         super().__init__()
         self.emb = nn.Embedding(VOCAB, D, max_norm=max_norm)
-        self.blocks = nn.ModuleList(_Block(ckpt) for _ in range(2))
+        self.blocks = nn.ModuleList(_Block(ckpt, a_first) for _ in range(2))
         self.head = nn.Linear(D, VOCAB)
 
     def forward(self, idx):
@@ -127,6 +131,15 @@ def _check(case: dict, stage: int, **train_kw):
 @pytest.mark.parametrize("ckpt", [None, "reentrant", "non_reentrant"])
 def test_module_used_twice_and_checkpointed_inside_a_unit(stage, ckpt):
     _check({"ckpt": ckpt}, stage)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("ckpt", ["reentrant", "non_reentrant"])
+def test_weights_read_again_after_a_checkpoint_inside_a_unit(stage, ckpt):
+    """The reentrant checkpoint's own backward gave the unit its gradient and freed the unit at
+    stage 3, while the outer backward still had to read a weight saved before the checkpoint
+    ("setStorage: ... out of bounds for storage of size 0")."""
+    _check({"ckpt": ckpt, "a_first": True}, stage)
 
 
 @pytest.mark.parametrize("stage", [1, 3])

@@ -95,6 +95,7 @@ class ZeroState:
         self.buffers = BufferSync(topology.world, config.broadcast_buffers)
         self.local_sums = False          # no_sync() entered since the last synced backward
         self.callback_queued = False
+        self.backward_task = -1  # the autograd graph task _finish_backward is queued on
         self.reductions: list = []       # (unit, work, buffer) in flight this backward
         self.landing: list = []          # (unit, host grad, event): D2H in flight (offload)
         self.in_flight: dict = {}        # id(shard) -> event: handed over before it landed
@@ -418,6 +419,7 @@ class ZeroState:
             if self.config.stage == 3 and self.heartbeat is not None:
                 self.heartbeat.check_same_forward(self.comm)
             self.callback_queued = True
+            self.backward_task = torch._C._current_graph_task_id()
             self.legs.begin("backward")
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
@@ -436,7 +438,10 @@ class ZeroState:
     def _on_grad(self, unit: FlatUnit, full: torch.Tensor) -> None:
         self._queue_callback()
         self.hooked.add(id(unit))
-        if self.config.stage == 3:
+        # A backward nested in this one (a reentrant torch.utils.checkpoint's, run through the
+        # views of the unit) gives the unit part of its gradient: the outer backward may still
+        # read its weights, saved for a use before the checkpoint; its end frees them.
+        if self.config.stage == 3 and torch._C._current_graph_task_id() == self.backward_task:
             self._free(unit)
         unused.local_grad(unit, full.grad)
         if not self.syncing:
