@@ -1,0 +1,166 @@
+"""Resume audit of the newer state kinds together: an FP8 delayed-scaling model (amax
+histories in its state_dict) trained by tierlift's AdamW with compact or fp32 state, offloaded
+to the CPU or NVMe tiers with or without a device share, saved mid-run and resumed into fresh
+objects configured otherwise. The losses and weights after the resume must equal the
+uninterrupted run's bit for bit; a state kind that cannot move exactly must be refused."""
+
+from __future__ import annotations
+
+import copy
+import io
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+import tierlift
+from tierlift.lowp import convert
+
+DELAYED = "fp8-tensorwise-delayed"
+GEN = torch.Generator().manual_seed(5)
+# the last batch before the save has the largest range: the scales after it depend on it
+XS = [torch.randn(8, 32, generator=GEN) * c for c in (0.5, 0.8, 1.5, 0.3, 1.0, 0.6)]
+SPLIT = 3
+_DIRS = itertools.count()
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    convert(model, DELAYED, min_features=0)
+    return model
+
+
+def _optimizer(model, tier: str, state_dtype: str, tmp_path):
+    """tier: none, cpu, nvme, hybrid, optionally `-df` (a device share of 0.4)."""
+    offload, _, share = tier.partition("-")
+    kwargs = dict(lr=1e-2, weight_decay=0.01, state_dtype=state_dtype, offload=offload)
+    if offload in ("nvme", "hybrid"):
+        path = tmp_path / f"nvme-{next(_DIRS)}"
+        path.mkdir(exist_ok=True)
+        kwargs["nvme_path"] = str(path)
+    if offload == "hybrid":
+        kwargs["cpu_budget"] = 96 << 10  # part RAM, part NVMe
+    if share:
+        kwargs.update(overlap=True, device_fraction=0.4)
+    return tierlift.optim.AdamW(model.parameters(), **kwargs)
+
+
+def _train(model, opt, xs) -> list[torch.Tensor]:
+    losses = []
+    for x in xs:
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach().clone())
+    return losses
+
+
+def _assert_same(model_a, model_b, losses_a, losses_b):
+    for i, (a, b) in enumerate(zip(losses_a, losses_b, strict=True)):
+        assert torch.equal(a, b), f"loss {i} after the resume off by {(a - b).abs().item()}"
+    sa, sb = model_a.state_dict(), model_b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), f"{k} off by {(sa[k] - sb[k]).abs().max().item()}"
+
+
+def _uninterrupted(tier, state_dtype, tmp_path):
+    model = _model()
+    opt = _optimizer(model, tier, state_dtype, tmp_path)
+    return model, _train(model, opt, XS)
+
+
+PAIRS = [  # (saved with, loaded into)
+    ("none", "cpu-df"), ("cpu-df", "nvme"), ("nvme-df", "none"), ("hybrid", "cpu"),
+    ("cpu", "nvme-df"),
+]
+
+
+@pytest.mark.parametrize("state_dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize(("saved", "loaded"), PAIRS)
+@pytest.mark.parametrize("optimizer_first", [False, True])
+def test_state_dicts_resume_in_another_tier_exactly(tmp_path, one_thread, state_dtype, saved,
+                                                    loaded, optimizer_first):
+    want_model, want = _uninterrupted(saved, state_dtype, tmp_path)
+    model = _model()
+    opt = _optimizer(model, saved, state_dtype, tmp_path)
+    _train(model, opt, XS[:SPLIT])
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, buf)
+    del model, opt
+    buf.seek(0)
+    saved_dicts = torch.load(buf, weights_only=True)
+    fresh = _model(seed=9)  # other weights, never-filled histories
+    opt2 = _optimizer(fresh, loaded, state_dtype, tmp_path)
+    if optimizer_first:
+        opt2.load_state_dict(saved_dicts["optim"])
+        fresh.load_state_dict(saved_dicts["model"], strict=True)
+    else:
+        fresh.load_state_dict(saved_dicts["model"], strict=True)
+        opt2.load_state_dict(saved_dicts["optim"])
+    got = _train(fresh, opt2, XS[SPLIT:])
+    _assert_same(want_model, fresh, want[SPLIT:], got)
+
+
+@pytest.mark.parametrize("state_dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize(("saved", "loaded"), [("cpu-df", "nvme"), ("nvme-df", "none"),
+                                               ("none", "hybrid")])
+@pytest.mark.parametrize("build_optimizer_after_model_load", [False, True])
+def test_background_checkpoint_mid_run_resumes_exactly(tmp_path, one_thread, state_dtype, saved,
+                                                       loaded, build_optimizer_after_model_load):
+    """tierlift.checkpoint.save(blocking=False) after step 3 while the run steps on; the run
+    itself must be unchanged by the save, and a fresh model and optimizer resume exactly."""
+    want_model, want = _uninterrupted(saved, state_dtype, tmp_path)
+    model = _model()
+    opt = _optimizer(model, saved, state_dtype, tmp_path)
+    _train(model, opt, XS[:SPLIT])
+    ck = str(tmp_path / "ck")
+    handle = tierlift.checkpoint.save(ck, model, opt, blocking=False, extra={"step": SPLIT},
+                                      staging_budget=64 << 10)
+    on = _train(model, opt, XS[SPLIT:])  # while the files are written
+    handle.wait()
+    _assert_same(want_model, model, want[SPLIT:], on)
+    fresh = _model(seed=9)
+    if build_optimizer_after_model_load:
+        tierlift.checkpoint.load(ck, fresh)
+        opt2 = _optimizer(fresh, loaded, state_dtype, tmp_path)
+        extra = tierlift.checkpoint.load(ck, fresh, opt2)
+    else:
+        opt2 = _optimizer(fresh, loaded, state_dtype, tmp_path)
+        extra = tierlift.checkpoint.load(ck, fresh, opt2)
+    assert extra == {"step": SPLIT}
+    got = _train(fresh, opt2, XS[SPLIT:])
+    _assert_same(want_model, fresh, want[SPLIT:], got)
+
+
+@pytest.mark.parametrize("loaded", ["none", "cpu-df", "nvme"])
+def test_compact_state_loads_into_fp32_state_as_its_exact_values(tmp_path, one_thread, loaded):
+    """Compact -> fp32 is exact (each code is an fp32 value): every target tier holds the same
+    dequantized moments and steps on to the same bits."""
+    from tierlift.reference.optim_compact import dequantize_exp_avg_sq
+
+    model = _model()
+    opt = _optimizer(model, "cpu-df", "bf16", tmp_path)
+    _train(model, opt, XS[:SPLIT])
+    sd = copy.deepcopy(opt.state_dict())
+    msd = copy.deepcopy(model.state_dict())
+
+    def resume(tier):
+        fresh = _model(seed=9)
+        fresh.load_state_dict(msd)
+        o = _optimizer(fresh, tier, "fp32", tmp_path)
+        o.load_state_dict(copy.deepcopy(sd))  # as torch's, it steps the loaded "step" on
+        return fresh, o
+
+    ref_model, ref_opt = resume("none")
+    got_model, got_opt = resume(loaded)
+    for i, s in sd["state"].items():
+        want_v = dequantize_exp_avg_sq(s["exp_avg_sq_codes"], s["exp_avg_sq_scale"])
+        got = got_opt.state_dict()["state"][i]
+        assert torch.equal(got["exp_avg"], s["exp_avg"].float())
+        assert torch.equal(got["exp_avg_sq"], want_v.reshape(got["exp_avg_sq"].shape))
+    _assert_same(ref_model, got_model, _train(ref_model, ref_opt, XS[SPLIT:]),
+                 _train(got_model, got_opt, XS[SPLIT:]))
