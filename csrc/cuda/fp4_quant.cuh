@@ -20,7 +20,7 @@
 //    mask, aligned codes) runs kernels compiled for it alone: flat-index loads (no row, column or
 //    stride math), codes packed from the E2M1 magnitudes and v's sign bits in ~2 operations per
 //    element, and for MXFP4 the power-of-two multiplier folded into the encode's step
-//    (fp4::e2m1_magnitude_rne_scaled): ~132 instructions per 8 elements for MXFP4, ~48 + ~164
+//    (fp4::e2m1_magnitude_rne_scaled): ~132 instructions per 8 elements for MXFP4, ~51 + ~143
 //    for NVFP4's two passes.
 //  - MXFP4 (floor/rceil/quest): a scale block lies within a warp, so ONE kernel does everything.
 //  - NVFP4: the fp32 tensor scale needs the global amax first, so pass 1 writes per-1x16-block
