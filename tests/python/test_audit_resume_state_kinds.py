@@ -25,9 +25,9 @@ SPLIT = 3
 _DIRS = itertools.count()
 
 
-def _model(seed: int = 0) -> nn.Module:
+def _model(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)).to(dtype)
     convert(model, DELAYED, min_features=0)
     return model
 
@@ -51,7 +51,7 @@ def _train(model, opt, xs) -> list[torch.Tensor]:
     losses = []
     for x in xs:
         opt.zero_grad()
-        loss = model(x).square().mean()
+        loss = model(x.to(model[0].weight.dtype)).float().square().mean()
         loss.backward()
         opt.step()
         losses.append(loss.detach().clone())
@@ -67,8 +67,8 @@ def _assert_same(model_a, model_b, losses_a, losses_b):
         assert torch.equal(sa[k], sb[k]), f"{k} off by {(sa[k] - sb[k]).abs().max().item()}"
 
 
-def _uninterrupted(tier, state_dtype, tmp_path):
-    model = _model()
+def _uninterrupted(tier, state_dtype, tmp_path, dtype=torch.float32):
+    model = _model(dtype=dtype)
     opt = _optimizer(model, tier, state_dtype, tmp_path)
     return model, _train(model, opt, XS)
 
@@ -82,10 +82,11 @@ PAIRS = [  # (saved with, loaded into)
 @pytest.mark.parametrize("state_dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize(("saved", "loaded"), PAIRS)
 @pytest.mark.parametrize("optimizer_first", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: fp32 masters too
 def test_state_dicts_resume_in_another_tier_exactly(tmp_path, one_thread, state_dtype, saved,
-                                                    loaded, optimizer_first):
-    want_model, want = _uninterrupted(saved, state_dtype, tmp_path)
-    model = _model()
+                                                    loaded, optimizer_first, dtype):
+    want_model, want = _uninterrupted(saved, state_dtype, tmp_path, dtype)
+    model = _model(dtype=dtype)
     opt = _optimizer(model, saved, state_dtype, tmp_path)
     _train(model, opt, XS[:SPLIT])
     buf = io.BytesIO()
@@ -93,7 +94,7 @@ def test_state_dicts_resume_in_another_tier_exactly(tmp_path, one_thread, state_
     del model, opt
     buf.seek(0)
     saved_dicts = torch.load(buf, weights_only=True)
-    fresh = _model(seed=9)  # other weights, never-filled histories
+    fresh = _model(seed=9, dtype=dtype)  # other weights, never-filled histories
     opt2 = _optimizer(fresh, loaded, state_dtype, tmp_path)
     if optimizer_first:
         opt2.load_state_dict(saved_dicts["optim"])
@@ -164,3 +165,20 @@ def test_compact_state_loads_into_fp32_state_as_its_exact_values(tmp_path, one_t
         assert torch.equal(got["exp_avg_sq"], want_v.reshape(got["exp_avg_sq"].shape))
     _assert_same(ref_model, got_model, _train(ref_model, ref_opt, XS[SPLIT:]),
                  _train(got_model, got_opt, XS[SPLIT:]))
+
+
+def test_a_delayed_state_dict_loads_into_a_plain_model_only_without_strict():
+    model = _model()
+    opt = tierlift.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, XS[:SPLIT])
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    buf.seek(0)
+    sd = torch.load(buf, weights_only=True)
+    plain = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    with pytest.raises(RuntimeError, match="fp8_amax_history_x"):
+        plain.load_state_dict(sd)
+    result = plain.load_state_dict(sd, strict=False)
+    assert sorted(result.unexpected_keys) == sorted(k for k in sd if "amax_history" in k)
+    for k, v in plain.state_dict().items():
+        assert torch.equal(v, model.state_dict()[k]), k
