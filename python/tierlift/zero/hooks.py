@@ -276,6 +276,7 @@ class ZeroState:
             moved = unit.moved_attrs()
             if moved:
                 rewrites.refuse_moved(unit, moved)
+            rewrites.refuse_hooked(unit)
             if unit.take_data_edits():
                 unit.stale = True
         for unit in self.units:

@@ -81,6 +81,27 @@ def is_installed(unit, value) -> bool:
     return isinstance(value, FreedWeight) or getattr(value, "_base", None) is unit.full
 
 
+def refuse_hooked(unit) -> None:
+    """Raises for a gradient hook registered on a module attribute of `unit` since its views
+    were installed (`model.emb.weight.register_hook(mask)`): the attribute is a view that the
+    next forward replaces by a fresh one, so the hook would never run again."""
+    from tierlift.zero.unused import is_watch_hook
+
+    for e in unit.entries:
+        for mod, attr in e.owners:
+            now = getattr(mod(), attr, None)
+            hooks = getattr(now, "_backward_hooks", None) if isinstance(now, torch.Tensor) \
+                else None
+            if hooks and not all(is_watch_hook(h) for h in hooks.values()):
+                raise RuntimeError(
+                    f"a gradient hook was registered on {e.names[0]!r} (its module attribute) "
+                    "after tierlift.zero.shard: that attribute is a view of the unit's gathered "
+                    "weights, replaced by a fresh one at every forward, so the hook would never "
+                    "run. Register it on the model's shards (model.parameters(): it runs once "
+                    "this rank's slice of the gradient has landed), or on the module "
+                    "(register_full_backward_hook). Nothing was changed")
+
+
 def refuse_moved(unit, moved: list[str]) -> None:
     """Raises for weights of `unit` whose module attribute was given other data or another
     tensor (unit.moved_attrs()), naming the likely cause."""

@@ -62,6 +62,12 @@ def _mark(seen: list, i: int, grad):
     seen[i] = True
 
 
+def is_watch_hook(hook) -> bool:
+    """Whether a tensor hook is one watch() registered (rewrites.refuse_hooked: not the
+    user's)."""
+    return isinstance(hook, functools.partial) and hook.func is _mark
+
+
 def watch(unit) -> None:
     """Hooks the views just installed on the unit's modules (while grad is enabled)."""
     if unit.seen is None or not torch.is_grad_enabled():
