@@ -33,8 +33,10 @@ def _model(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
 
 
 def _optimizer(model, tier: str, state_dtype: str, tmp_path):
-    """tier: none, cpu, nvme, hybrid, optionally `-df` (a device share of 0.4)."""
-    offload, _, share = tier.partition("-")
+    """tier: none, cpu, nvme, hybrid, then `-df` (a device share of 0.4) or `-g1` (one
+    generation of NVMe state: a step writes it in place)."""
+    offload, _, option = tier.partition("-")
+    share = option == "df"
     kwargs = dict(lr=1e-2, weight_decay=0.01, state_dtype=state_dtype, offload=offload)
     if offload in ("nvme", "hybrid"):
         path = tmp_path / f"nvme-{next(_DIRS)}"
@@ -44,6 +46,8 @@ def _optimizer(model, tier: str, state_dtype: str, tmp_path):
         kwargs["cpu_budget"] = 96 << 10  # part RAM, part NVMe
     if share:
         kwargs.update(overlap=True, device_fraction=0.4)
+    if option == "g1":
+        kwargs["nvme_generations"] = 1
     return tierlift.optim.AdamW(model.parameters(), **kwargs)
 
 
@@ -108,7 +112,8 @@ def test_state_dicts_resume_in_another_tier_exactly(tmp_path, one_thread, state_
 
 @pytest.mark.parametrize("state_dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize(("saved", "loaded"), [("cpu-df", "nvme"), ("nvme-df", "none"),
-                                               ("none", "hybrid")])
+                                               ("none", "hybrid"), ("nvme-g1", "cpu-df"),
+                                               ("hybrid", "nvme-g1"), ("cpu", "cpu-df")])
 @pytest.mark.parametrize("build_optimizer_after_model_load", [False, True])
 def test_background_checkpoint_mid_run_resumes_exactly(tmp_path, one_thread, state_dtype, saved,
                                                        loaded, build_optimizer_after_model_load):
