@@ -79,6 +79,14 @@ def check_plan(off, plan: list[GroupPlan], source: str) -> None:
                          f"the optimizer {len(off.opt.param_groups)}")
     for gi, (gp, group) in enumerate(zip(plan, off.opt.param_groups, strict=True)):
         params = group["params"]
+        if gp.kinds is not None and (SCALE_KIND in gp.kinds) != (SCALE_KIND in off.tiers[gi].kinds):
+            # the files are read into the tiers as they are: another format is not converted here
+            was, now = ("bf16", "fp32") if SCALE_KIND in gp.kinds else ("fp32", "bf16")
+            raise ValueError(
+                f"offloaded optimizer state {source} was saved with state_dtype={was!r}, the "
+                f"optimizer has state_dtype={now!r}; load it into an optimizer built with "
+                f"state_dtype={was!r}, then pass that optimizer's state_dict() to this one's "
+                "load_state_dict, which converts")
         missing = [k for k in off.tiers[gi].kinds if k not in (gp.kinds or [])]
         if gp.kinds is not None and missing:
             why = (" (saved with amsgrad=False, the optimizer has amsgrad=True)"
