@@ -187,3 +187,33 @@ def test_a_delayed_state_dict_loads_into_a_plain_model_only_without_strict():
     assert sorted(result.unexpected_keys) == sorted(k for k in sd if "amax_history" in k)
     for k, v in plain.state_dict().items():
         assert torch.equal(v, model.state_dict()[k]), k
+
+
+@pytest.mark.parametrize("state_dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize(("saved_on_nvme", "loaded_on_nvme"), [(True, False), (False, True)])
+def test_zero3_with_parameters_on_nvme_resumes_exactly(tmp_path, one_thread, state_dtype,
+                                                       saved_on_nvme, loaded_on_nvme):
+    """ZeRO-3 units (each parameter a piece of its unit's flat shard), the shards in RAM or on
+    the NVMe parameter tier, the optimizer state on the NVMe tier or beside a device share."""
+    def build(seed, on_nvme, tier):
+        kw = {}
+        if on_nvme:
+            path = tmp_path / f"params-{next(_DIRS)}"
+            path.mkdir()
+            kw = dict(offload_params="nvme", nvme_path=str(path))
+        model = tierlift.zero.shard(_model(seed), stage=3, min_unit_numel=1, **kw)
+        return model, _optimizer(model, tier, state_dtype, tmp_path)
+
+    model, opt = build(0, saved_on_nvme, "nvme")
+    _train(model, opt, XS[:SPLIT])
+    ck = str(tmp_path / "ck")
+    handle = tierlift.checkpoint.save(ck, model, opt, blocking=False, staging_budget=64 << 10)
+    want = _train(model, opt, XS[SPLIT:])
+    handle.wait()
+    fresh, opt2 = build(9, loaded_on_nvme, "cpu-df")
+    tierlift.checkpoint.load(ck, fresh, opt2)
+    got = _train(fresh, opt2, XS[SPLIT:])
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    full, again = tierlift.zero.full_state_dict(model), tierlift.zero.full_state_dict(fresh)
+    assert full.keys() == again.keys()
+    assert all(torch.equal(v, again[k]) for k, v in full.items())
