@@ -389,6 +389,9 @@ cudaError_t run(const Fp8QuantArgs& a, cudaStream_t stream) {
       (a.scaling != Fp8Scaling::kBlock1x128 && a.scaling != Fp8Scaling::kRow)) {
     return fp8_quantize_tiled(a, stream);
   }
+  // The row kernel's grid is one block per row: past 2^31 - 1 rows the unsigned block count
+  // would fail to launch or, past 2^32, wrap to a few rows and leave the rest unwritten.
+  if (a.scaling == Fp8Scaling::kRow && a.rows > INT32_MAX) return cudaErrorInvalidConfiguration;
   const int w = fused_width(a, kT == DType::kFloat32 ? 4 : 2);
   if (a.scaling == Fp8Scaling::kBlock1x128) {
     if (w == 8) {
