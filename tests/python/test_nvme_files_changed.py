@@ -8,9 +8,11 @@ steps trip nothing."""
 from __future__ import annotations
 
 import errno
+import gc
 import os
 import subprocess
 import sys
+import threading
 import warnings
 
 import pytest
@@ -221,3 +223,33 @@ def test_without_fanotify_a_warning_and_the_stat_checks(tmp_path, monkeypatch):
     with pytest.raises(OSError, match=f"{paths[2]}.*cut short.*: 4096 of its 8192 bytes"):
         watch.check(paths=[paths[2]])
     watch.close()
+
+
+def test_a_watch_collected_during_a_check_does_not_deadlock(tmp_path, monkeypatch):
+    """The garbage collector may run a dropped watch's finalizer (which unmarks its files)
+    inside another watch's check(), on the same thread."""
+    if not watched():
+        pytest.skip("fanotify is unavailable here")
+    paths = [str(tmp_path / n) for n in ("kept", "dropped")]
+    for p in paths:
+        with open(p, "wb") as f:
+            f.write(bytes(4096))
+    kept, dropped = FileWatch(), FileWatch()
+    kept.add(paths[0], "test data", 4096)
+    dropped.add(paths[1], "test data", 4096)
+    dropped.cycle = dropped  # collected only by the cycle collector
+    del dropped
+    real_read = os.read
+
+    def read_after_a_collection(fd, n):
+        gc.collect()
+        return real_read(fd, n)
+
+    monkeypatch.setattr(os, "read", read_after_a_collection)
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (kept.check(), done.set()), daemon=True)
+    worker.start()
+    worker.join(timeout=30)
+    monkeypatch.undo()
+    assert done.is_set(), "check() deadlocked in the collector's finalizer"
+    kept.close()

@@ -88,6 +88,9 @@ class _Notifier:
             err = ctypes.get_errno()
             raise OSError(err, f"fanotify_init: {os.strerror(err)}")
         self.fd = fd
+        # Serialises reads of the group. Not taken by mark() or unmark(): a watch's finalizer
+        # unmarks, and the garbage collector may run it inside drain() (a deadlock, seen).
+        # `files` is changed and read only by single dict operations, atomic under the GIL.
         self.lock = threading.Lock()
         self.files: dict[tuple, tuple] = {}  # file handle -> (weakref to its watch, path)
 
@@ -109,13 +112,11 @@ class _Notifier:
                                    os.fsencode(path)) != 0:
             err = ctypes.get_errno()
             raise OSError(err, f"fanotify_mark({path!r}): {os.strerror(err)}")
-        with self.lock:
-            self.files[key] = (weakref.ref(watch), path)
+        self.files[key] = (weakref.ref(watch), path)
         return key
 
     def unmark(self, key: tuple, path: str) -> None:
-        with self.lock:
-            self.files.pop(key, None)
+        self.files.pop(key, None)
         # By name, only while the name is still this file: a file removed or replaced under
         # the job loses its mark with its inode.
         try:
@@ -140,7 +141,7 @@ class _Notifier:
                 while at + _METADATA.size <= len(buf):
                     length, _, _, meta_len, mask, _, pid = _METADATA.unpack_from(buf, at)
                     if mask & _FAN_Q_OVERFLOW:
-                        found += [(ref, None, None) for ref, _ in self.files.values()]
+                        found += [(ref, None, None) for ref, _ in list(self.files.values())]
                     elif pid != me:
                         key = None
                         if meta_len + _FID_HEAD.size <= length:
@@ -152,7 +153,7 @@ class _Notifier:
                         hit = self.files.get(key)
                         # A handle not recognised: every watched file may be the one written.
                         found += [(hit[0], hit[1], pid)] if hit is not None else [
-                            (ref, "", pid) for ref, _ in self.files.values()]
+                            (ref, "", pid) for ref, _ in list(self.files.values())]
                     at += length
         for ref, path, pid in found:
             watch = ref()
