@@ -4,17 +4,21 @@
 // second reduction), NaN with -0.0, nothing but -0.0, subnormals alone or beside zeros, tiny
 // normals whose scale overflows, and the largest finite values; each for 8-, 4- and 1-element
 // loads, every input type, both formats, with and without power-of-two scales. And the row
-// kernel's grid: a row count past the grid's limit is refused, not wrapped to a few rows.
+// kernel's grid: a row count past the grid's limit is refused, not wrapped to a few rows. And the
+// 1x128 launcher's middle case: too many lanes for the vector kernel, blocks few enough for 32-bit
+// division.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/lowp/quantize.h"
 #include "core/util/dtype.h"
 #include "cuda/fp8_quant.cuh"
+#include "cuda/launch.cuh"
 #include "cudasim/launch.h"
 #include "tests/cudasim/lowp_input.h"
 
@@ -130,6 +134,28 @@ TEST(Fp8RowAmaxEdges, RowCountPastTheGridIsRefused) {
     EXPECT_EQ(q[0], 0xaa);
     (void)cudaGetLastError();  // clear the sticky error for the next test
   }
+}
+
+// Between 2^29 and 2^31 1x128 blocks, the vector kernel's lanes (4 per block) pass 2^31 but the
+// blocks still fit 32-bit division: the 128 / kW lanes per block kernel with its narrow index,
+// forced on small shapes by a limit between the block and lane counts.
+TEST(Fp8RowAmaxEdges, BlocksPastTheVectorKernelsLanesDivideNarrow) {
+  const int64_t saved = cuda::narrow_index_limit();
+  for (const auto& [rows, cols] : {std::pair<int64_t, int64_t>{7, 300}, {5, 1024}}) {
+    const int64_t nblocks = rows * ((cols + 127) / 128);
+    cuda::narrow_index_limit() = nblocks;  // lanes = 4 * nblocks past it, the blocks not
+    std::vector<float> x = cudasim_test::normal_values(rows * cols, 3);
+    x[cols + 5] = kNaN;
+    int k = 0;
+    for (DType t : kInputDtypes) {
+      for (Layout l : {Layout::kContiguous, Layout::kOffset4}) {
+        check(x, rows, cols, Fp8Scaling::kBlock1x128, k % 2 ? Fp8Format::kE5M2 : Fp8Format::kE4M3,
+              k % 3 == 0, t, l);
+        ++k;
+      }
+    }
+  }
+  cuda::narrow_index_limit() = saved;
 }
 
 }  // namespace
