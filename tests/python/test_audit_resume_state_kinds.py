@@ -217,3 +217,38 @@ def test_zero3_with_parameters_on_nvme_resumes_exactly(tmp_path, one_thread, sta
     full, again = tierlift.zero.full_state_dict(model), tierlift.zero.full_state_dict(fresh)
     assert full.keys() == again.keys()
     assert all(torch.equal(v, again[k]) for k, v in full.items())
+
+
+@pytest.mark.parametrize("state_dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("flatten", [False, True])
+@pytest.mark.parametrize(("saved", "loaded"), [("cpu-df", "nvme"), ("nvme", "none")])
+def test_torch_distributed_checkpoint_resumes_exactly(tmp_path, one_thread, state_dtype, flatten,
+                                                      saved, loaded):
+    """get_state_dict -> dcp.save, then dcp.load -> set_state_dict into fresh objects (one
+    process, no process group)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_state_dict,
+        set_state_dict,
+    )
+
+    want_model, want = _uninterrupted(saved, state_dtype, tmp_path)
+    options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+    model = _model()
+    opt = _optimizer(model, saved, state_dtype, tmp_path)
+    _train(model, opt, XS[:SPLIT])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP without a process group says so
+        msd, osd = get_state_dict(model, opt, options=options)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "dcp"))
+        fresh = _model(seed=9)
+        opt2 = _optimizer(fresh, loaded, state_dtype, tmp_path)
+        msd, osd = get_state_dict(fresh, opt2, options=options)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=str(tmp_path / "dcp"))
+        set_state_dict(fresh, opt2, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"], options=options)
+    _assert_same(want_model, fresh, want[SPLIT:], _train(fresh, opt2, XS[SPLIT:]))
