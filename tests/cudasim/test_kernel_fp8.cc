@@ -5,7 +5,8 @@
 // Covered: every scaling x both formats x pow2 on/off x fp32/bf16/fp16 inputs, on each of the
 // kernel's paths: the fused single-output row and 1x128 kernels (8 elements per load: cols % 8 ==
 // 0 and aligned rows; 4: cols % 4 == 0 or a base only 8-byte aligned; 1: odd cols, a misaligned
-// base, a row stride not a multiple of 4; rows past the 8192 elements kept in registers), the
+// base, a row stride not a multiple of 4; rows near 8192 elements; rows past the
+// 16384 kept in registers are in test_kernel_fp8_rows.cc), the
 // two-pass tiled path (tensor, column and 128x128 scaling, any strided input, e.g. a transposed
 // view; vector and scalar loads, 16/8/4/1-byte stores of q and q^T, amax spans of several tiles,
 // the flat tensor reduction) and the dual output. Shapes with tails (1x1 .. 300x24), empty inputs
@@ -497,8 +498,9 @@ TEST(Fp8Kernel, FlatTensorAmaxLoops) {
   }
 }
 
-// The fused kernels at their edges: rows longer than the 8192 elements a row kernel keeps in
-// registers (read twice), at 8, 4 and 1 elements per load; 1x128 block counts that leave half of
+// The fused kernels at their edges: rows around 8192 elements (all kept in registers since the
+// row kernel holds up to 16384; longer rows, read twice, are in test_kernel_fp8_rows.cc), at 8,
+// 4 and 1 elements per load; 1x128 block counts that leave half of
 // a warp without a block (16 lanes per block at 8 elements per load).
 TEST(Fp8Kernel, FusedKernelEdges) {
   uint32_t k = 0;
