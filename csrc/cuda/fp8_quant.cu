@@ -287,14 +287,18 @@ __global__ void __launch_bounds__(kRowThreads)
     }
   } else {
     const int64_t big_step = static_cast<int64_t>(kUnroll) * step;
+    // Both passes read kUnroll groups per trip, all loads issued before any use.
+    auto load_groups = [&](int64_t j, float(&v)[kUnroll][kW]) {
+      TIERLIFT_UNROLL
+      for (int u = 0; u < kUnroll; ++u) {
+        load_any<kT, kW>(xi + (j + u * step) * kSize, j + u * step < cols, v[u]);
+      }
+    };
     auto amax_pass = [&](bool finite_only) {
       float mm = 0.f;
       for (int64_t j = j0; j < cols; j += big_step) {
         float v[kUnroll][kW];
-        TIERLIFT_UNROLL
-        for (int u = 0; u < kUnroll; ++u) {
-          load_any<kT, kW>(xi + (j + u * step) * kSize, j + u * step < cols, v[u]);
-        }
+        load_groups(j, v);
         TIERLIFT_UNROLL
         for (int u = 0; u < kUnroll; ++u) {
           mm = finite_only ? finite_abs_max(v[u], mm) : abs_max(v[u], mm);
@@ -307,10 +311,7 @@ __global__ void __launch_bounds__(kRowThreads)
     s = scale_of(m, enc.fmt, pow2);
     for (int64_t j = j0; j < cols; j += big_step) {
       float v[kUnroll][kW];
-      TIERLIFT_UNROLL
-      for (int u = 0; u < kUnroll; ++u) {
-        load_any<kT, kW>(xi + (j + u * step) * kSize, j + u * step < cols, v[u]);
-      }
+      load_groups(j, v);
       TIERLIFT_UNROLL
       for (int u = 0; u < kUnroll; ++u) {
         if (j + u * step < cols) cast_store<kW>(qi + j + u * step, v[u], s, enc);
