@@ -73,7 +73,8 @@ __device__ __forceinline__ float step_element(const AdamScalars& s, float inv_gr
   v = mv.v;
   float v_used = mv.v;
   if (s.amsgrad) {
-    v_used = vmax < v_used ? v_used : vmax;
+    // NaN where either is, as torch.maximum and core's max_nan: a NaN v is kept, not dropped.
+    v_used = v_used != v_used ? v_used : (vmax < v_used ? v_used : vmax);
     vmax = v_used;
   }
   return updated_weight(s, w, mv.m, v_used);

@@ -38,7 +38,7 @@ __global__ void block_sum_kernel(const float* in, float* sums) {
   __shared__ float s[256];
   s[threadIdx.x] = in[blockIdx.x * 256 + threadIdx.x];
   __syncthreads();
-  for (int h = 128; h > 0; h >>= 1) {
+  for (unsigned h = 128; h > 0; h >>= 1) {
     if (threadIdx.x < h) s[threadIdx.x] += s[threadIdx.x + h];
     __syncthreads();
   }

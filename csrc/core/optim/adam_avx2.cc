@@ -48,6 +48,9 @@ struct Avx2Vec {
   static R fmadd(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }
   static R sqrt(R a) { return _mm256_sqrt_ps(a); }
   static R max(R a, R b) { return _mm256_max_ps(b, a); }  // a < b ? b : a, as ScalarVec
+  static R max_nan(R a, R b) {  // b where b is NaN, else max(a, b), as ScalarVec
+    return _mm256_blendv_ps(max(a, b), b, _mm256_cmp_ps(b, b, _CMP_UNORD_Q));
+  }
   static R neg(R a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.0f)); }
   using I = __m256i;
   static I load_u8(const uint8_t* p) {

@@ -2,6 +2,11 @@
 // target pragma compiles just this file for those instructions; cpu_features decides at run time
 // whether it may be called.
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
+// GCC 12's own _mm512_undefined_* (`__m512i __Y = __Y;`) trips -Wmaybe-uninitialized at every
+// inlined intrinsic: false warnings by the thousand that would bury real ones in the build log.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include <immintrin.h>
 
 #include "core/optim/adam_compact_impl.h"
@@ -46,6 +51,9 @@ struct Avx512Vec {
   static R fmadd(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
   static R sqrt(R a) { return _mm512_sqrt_ps(a); }
   static R max(R a, R b) { return _mm512_max_ps(b, a); }  // a < b ? b : a, as ScalarVec
+  static R max_nan(R a, R b) {  // b where b is NaN, else max(a, b), as ScalarVec
+    return _mm512_mask_mov_ps(max(a, b), _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q), b);
+  }
   static R neg(R a) {
     return _mm512_castsi512_ps(
         _mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32(static_cast<int>(0x80000000u))));

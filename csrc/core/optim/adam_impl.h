@@ -8,7 +8,7 @@
 //   p *= 1 - lr * wd                         (AdamW)
 //   m = lerp(m, g, 1 - beta1)                (fused multiply-add, like torch's vectorized lerp)
 //   v = v * beta2 + (1 - beta2) * g * g
-//   vmax = max(vmax, v)                      (amsgrad)
+//   vmax = max(vmax, v)                      (amsgrad; NaN where either is, as torch.maximum)
 //   p = p + (-step_size * m) / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 #pragma once
 
@@ -105,7 +105,7 @@ inline void update(const AdamScalars& s, const Consts<V>& c, const AdamTensor& t
   put<V, kStream>(t.exp_avg + i, m);
   put<V, kStream>(t.exp_avg_sq + i, v);
   if (s.amsgrad) {
-    v = V::max(V::load(t.max_exp_avg_sq_from + i), v);
+    v = V::max_nan(V::load(t.max_exp_avg_sq_from + i), v);
     put<V, kStream>(t.max_exp_avg_sq + i, v);
   }
   p = apply_update<V>(c, p, m, v);
@@ -217,6 +217,9 @@ struct ScalarVec {
   static R fmadd(R a, R b, R c) { return __builtin_fmaf(a, b, c); }
   static R sqrt(R a) { return __builtin_sqrtf(a); }
   static R max(R a, R b) { return a < b ? b : a; }
+  // max, but NaN where b is NaN too (max already keeps a NaN a), as torch.maximum: amsgrad's
+  // running max must not drop a NaN v.
+  static R max_nan(R a, R b) { return b != b ? b : max(a, b); }
   static R neg(R a) { return -a; }
   // 32-bit integer lanes, for the compact-state v code (adam_compact_impl.h).
   using I = int32_t;

@@ -2,6 +2,11 @@
 // pragma compiles just this file for AVX-512; cpu_features decides at run time whether it may
 // be called.
 #pragma GCC target("avx512f,avx2")
+// GCC 12's own _mm512_undefined_* (`__m512i __Y = __Y;`) trips -Wmaybe-uninitialized at every
+// inlined intrinsic: dozens of false warnings that would bury real ones in the build log.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include <immintrin.h>
 
 #include <type_traits>
