@@ -6,6 +6,8 @@ import os
 import stat
 from dataclasses import dataclass
 
+from tierlift._paths import absolute
+
 TIERS = ("keep", "ram", "nvme", "recompute")
 
 
@@ -45,7 +47,8 @@ class OffloadConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0 (bytes), got {value!r}")
         if self.nvme_path is not None:
-            self.nvme_path = os.fspath(self.nvme_path)
+            # each forward makes its spill file there, after any os.chdir
+            self.nvme_path = absolute(self.nvme_path)
             check_directory(self.nvme_path)
             if self.io_bytes < 4096:
                 raise ValueError(f"io_bytes must be >= 4096 with nvme_path, got {self.io_bytes}")

@@ -30,6 +30,7 @@ from collections.abc import Iterator
 
 import torch
 
+from tierlift._paths import absolute
 from tierlift.checkpoint import in_flight, manifest, validate
 from tierlift.io.fsync import fsync_path
 
@@ -190,13 +191,6 @@ def _quietly(remove, path: str) -> None:
 
 def _empty(path: str) -> bool:
     return os.path.isdir(path) and not os.path.islink(path) and not os.listdir(path)
-
-
-def absolute(path: str) -> str:
-    """`path` made absolute as the OS reads it: joined to the working directory, not
-    normalized (os.path.abspath folds `link/..` to `.`, where the OS goes up from the folder
-    the link points to)."""
-    return os.path.join(os.getcwd(), path)
 
 
 def dir_path(path) -> str:

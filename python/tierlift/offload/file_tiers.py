@@ -11,6 +11,7 @@ import shutil
 
 import torch.distributed as dist
 
+from tierlift._paths import absolute
 from tierlift.io import EngineConfig, IoEngine
 from tierlift.offload.durable import DurableState, claim_dir, durable_dir, read_manifest
 from tierlift.offload.layout import chunk_bytes
@@ -28,7 +29,7 @@ def build(off, slots: int) -> None:
     with durable=True)."""
     config, slot_dtypes, chunk_elems = off.config, off._slot_dtypes, off.chunk_elems
     pool = slots * chunk_bytes(slot_dtypes, chunk_elems)
-    nvme_path = os.fspath(config.nvme_path)
+    nvme_path = absolute(config.nvme_path)  # the files are reopened, watched, removed by path
     remove_stale_dirs(nvme_path)
     fresh = True
     if config.durable:

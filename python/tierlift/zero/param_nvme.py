@@ -68,6 +68,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
+from tierlift._paths import absolute
 from tierlift.io.file_watch import FileWatch
 from tierlift.offload import tiers
 from tierlift.zero.param_nvme_reader import ShardReader, direct_io_error
@@ -91,7 +92,7 @@ def _check_dir(nvme_path) -> str:
     if not isinstance(nvme_path, (str, os.PathLike)):
         raise TypeError(f"nvme_path must be a directory path (str or os.PathLike), got "
                         f"{type(nvme_path).__name__}")
-    path = os.fspath(nvme_path)
+    path = absolute(nvme_path)  # the shard files are read, watched and removed by path later
     if not os.path.isdir(path):
         raise ValueError(f"nvme_path={path!r} is not an existing directory")
     if not os.access(path, os.W_OK | os.X_OK):
