@@ -89,37 +89,45 @@ def check_params(groups: list[dict]) -> None:
 
 
 def formats(groups: list[dict]) -> list[list]:
-    """Each parameter's (dtype, device) when the state was laid out, beside its numel in the
-    layout: what check_unchanged compares."""
-    return [[(p.dtype, p.device) for p in g["params"]] for g in groups]
+    """Each parameter's (dtype, device, shape) when the state was laid out, beside its numel in
+    the layout: what check_unchanged compares."""
+    return [[(p.dtype, p.device, p.shape) for p in g["params"]] for g in groups]
 
 
-def check_unchanged(name: str, p: torch.Tensor, numel: int, dtype, device, *,
+def check_unchanged(name: str, p: torch.Tensor, numel: int, dtype, device, shape=None, *,
                     strided: bool = False) -> None:
     """Refuses a parameter whose data was replaced since the state was laid out (`p.data =
     x`: model.to(dtype or memory_format=...), an embedding grown in place): the tiers hold
     `numel` elements for it, stream it as flat memory and keep or skip its master by its
     dtype, so a step would leave the rest of a grown parameter untrained, or fail half way.
+    The tiers hold its state in its logical element order, so a new `shape` of the same numel
+    (a weight stored transposed: `p.data = p.data.t().contiguous()`) would pair each element
+    with another's moments; torch's step raises on it.
     `strided`: it was laid out non-contiguous, so any layout is stepped (offload/strided.py);
     one laid out contiguous may be its own master, read as flat memory, and must stay so."""
     if (p.numel() == numel and p.dtype == dtype and p.device == device
-            and (strided or p.is_contiguous())):
+            and (shape is None or p.shape == shape) and (strided or p.is_contiguous())):
         return
     what = []
     if p.numel() != numel:
         what.append(f"{numel} elements, now {p.numel()}")
+    elif shape is not None and p.shape != shape:
+        what.append(f"shape {tuple(shape)}, now {tuple(p.shape)}")
     if p.dtype != dtype:
         what.append(f"dtype {dtype}, now {p.dtype}")
     if p.device != device:
         what.append(f"on {device}, now on {p.device}")
     if not (strided or p.is_contiguous()):
         what.append(f"now non-contiguous (stride {p.stride()})")
+    # A state dict's moments have the old shape: the new optimizer refuses them unchanged.
+    reshaped = (" with its moments in that state dict changed the same way"
+                if p.numel() == numel and shape is not None and p.shape != shape else "")
     raise RuntimeError(
         f"{name} is not the tensor the offloaded state was laid out for ({'; '.join(what)}): "
         "its data was replaced after the optimizer was built, and offloaded state is laid out "
         "once, for each parameter as it was then. Make the change before building the "
-        "optimizer (save its state_dict() first and load it into the new one), or undo it. "
-        "Nothing was changed")
+        f"optimizer (save its state_dict() first and load it into the new one{reshaped}), or "
+        "undo it. Nothing was changed")
 
 
 def listed(groups: list[dict]) -> list[list]:

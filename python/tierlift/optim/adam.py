@@ -61,6 +61,7 @@ from tierlift.optim.hyper import (
     loaded_codes,
     saved_codes,
 )
+from tierlift.optim.state_shapes import check_loaded_shapes, check_state_follows
 from tierlift.reference.optim_compact import (
     dequantize_exp_avg_sq,
     quantize_exp_avg_sq,
@@ -72,18 +73,6 @@ _DTYPES = frozenset((torch.float32, *_LOW_PRECISION))  # of params and of gradie
 # State tensors taken from a loaded state dict as they are (torch would cast them to the
 # parameter's dtype), then brought to this optimizer's state format.
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", CODES_KEY, SCALE_KEY, "max_exp_avg_sq", "master")
-
-
-def _check_state_shapes(p: torch.Tensor, saved: dict, index) -> None:
-    """A loaded moment or master must have its parameter's shape, as torch's state does: one
-    of the same size but another shape (a transposed weight, another model's config) would
-    otherwise be stepped as if its elements lined up."""
-    for k in ("exp_avg", "exp_avg_sq", CODES_KEY, "max_exp_avg_sq", "master"):
-        v = saved.get(k)
-        if isinstance(v, torch.Tensor) and v.shape != p.shape:
-            raise ValueError(f"the loaded state {k!r} of parameter {index} has shape "
-                             f"{tuple(v.shape)} but the parameter has shape {tuple(p.shape)}: "
-                             "a state dict saved for another model or parameter order")
 
 
 def _check_grad_scale(grad_scale) -> None:
@@ -346,7 +335,7 @@ class Adam(Optimizer):
         loaded = {p: {k: v for k, v in state_dict["state"][i].items() if k != "step"}
                   for i, p in zip(ids, params) if i in state_dict["state"]}
         for i, p in zip(ids, params):
-            _check_state_shapes(p, state_dict["state"].get(i, {}), i)
+            check_loaded_shapes(p, state_dict["state"].get(i, {}), i)
         for p, state in loaded.items():
             if CODES_KEY in state:  # as the tiers (and the device part) name the codes
                 state["exp_avg_sq"] = state.pop(CODES_KEY)
@@ -371,7 +360,7 @@ class Adam(Optimizer):
         params = [p for g in self.param_groups for p in g["params"]]
         for i, p in zip(ids, params):
             saved = state_dict["state"].get(i, {})
-            _check_state_shapes(p, saved, i)
+            check_loaded_shapes(p, saved, i)
             if i not in state_dict["state"]:
                 continue  # no entry, as torch's state after the load (self.state is a defaultdict)
             state = self.state[p]
@@ -615,6 +604,9 @@ class Adam(Optimizer):
                     or (device is not None and p_device != device)):
                 _refuse_param(f"param_groups[{gi}]['params'][{pi}]", p, device)
             device = p_device
+            state = self.state.get(p)
+            if state:
+                check_state_follows(f"param_groups[{gi}]['params'][{pi}]", p, state)
 
     def _step_group(self, group: dict, grad_scale: torch.Tensor | None = None, found_inf=None,
                     lr=None) -> None:

@@ -24,6 +24,7 @@ _DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16))
 _dtype = operator.attrgetter("dtype")
 _layout = operator.attrgetter("layout")
 _device = operator.attrgetter("device")
+_shape = operator.attrgetter("shape")
 _grad = operator.attrgetter("grad")
 _contiguous = torch.Tensor.is_contiguous
 
@@ -32,8 +33,8 @@ class GroupPlan:
     """What one group's step passes to the kernel besides the gradients, for the parameters
     that had gradients when it was made (in the group's order)."""
 
-    __slots__ = ("group", "state", "active", "dtypes", "sds", "flat", "amsgrad", "device",
-                 "steps", "lists")
+    __slots__ = ("group", "state", "active", "dtypes", "shapes", "sds", "flat", "amsgrad",
+                 "device", "steps", "lists")
 
     def take(self, grads, index=None) -> dict:
         """The kernel's lists for this step (all the plan's parameters, or those at `index`)."""
@@ -59,6 +60,7 @@ def build_plan(state, group: dict, state_dtype: str) -> GroupPlan | None:
     plan = GroupPlan()
     plan.group, plan.state, plan.active, plan.sds = group, state, active, sds
     plan.dtypes = list(map(_dtype, active))
+    plan.shapes = list(map(_shape, active))
     plan.flat = [v for sd in sds for v in sd.values()]
     plan.amsgrad = group["amsgrad"]
     plan.device = active[0].device
@@ -93,10 +95,10 @@ def plan_grads(plan: GroupPlan | None, state, group: dict) -> list | None:
         return None
     if group["amsgrad"] != plan.amsgrad:
         return None
-    # `p.data = x` keeps the Parameter but may change its dtype, device or layout: the general
-    # path's checks must see that before any group changes.
-    if (list(map(_dtype, active)) != plan.dtypes or set(map(_device, active)) != {plan.device}
-            or not all(map(_contiguous, active))):
+    # `p.data = x` keeps the Parameter but may change its dtype, device, shape or layout: the
+    # general path's checks must see that before any group changes.
+    if (list(map(_dtype, active)) != plan.dtypes or list(map(_shape, active)) != plan.shapes
+            or set(map(_device, active)) != {plan.device} or not all(map(_contiguous, active))):
         return None
     # The state dicts, and every tensor in them, as when the plan was made.
     sds = list(map(state.__getitem__, active))
