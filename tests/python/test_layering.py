@@ -31,7 +31,8 @@ LAYERS = [
     # GNN features; FP8/FP4 layers
     ["_shards", "io", "ops", "_pinned"],  # ZeRO shard registry (for offload); NVMe I/O; op
     # wrappers; host memory pinned at its exact size
-    ["_torch_patch", "_text"],  # wrapping a private torch method; wording of error messages
+    ["_torch_patch", "_text", "_paths"],  # wrapping a private torch method; wording of error
+    # messages; a user's folder made absolute
     ["reference"],  # pure-torch kernels
     ["_extension", "_plotting", "_peak_rss"],  # loads tierlift._C; imports matplotlib when a
     # plot is drawn; peak host memory of a piece of work (tests and benchmarks)
