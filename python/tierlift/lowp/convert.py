@@ -7,11 +7,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from torch import nn
+from torch.nn.utils import parametrize
 
 from tierlift.lowp import delayed
 from tierlift.lowp.fp4 import FP4Linear
 from tierlift.lowp.fp4_recipe import FP4_RECIPES, FP4Recipe, get_fp4_recipe
-from tierlift.lowp.linear import Float8Linear, keep_off_fused_paths
+from tierlift.lowp.linear import QUANTIZED_DTYPES, Float8Linear, keep_off_fused_paths
 from tierlift.lowp.recipe import RECIPES, Float8Recipe, get_recipe
 
 log = logging.getLogger("tierlift.lowp")
@@ -42,8 +43,11 @@ def _shown(name: str) -> str:
 
 def _skip_reason(name: str, mod: nn.Linear, module_filter_fn, min_features: int,
                  multiple: int = 16) -> str | None:
+    kind = "FP8" if multiple == 16 else "FP4"
+    if mod.weight.dtype not in QUANTIZED_DTYPES:  # the layer could never run its forward
+        return (f"weight dtype {mod.weight.dtype}: the {kind} quantizers take float32, bfloat16 "
+                f"or float16")
     if mod.in_features % multiple or mod.out_features % multiple:
-        kind = "FP8" if multiple == 16 else "FP4"
         return (f"in_features={mod.in_features}, out_features={mod.out_features}: {kind} GEMMs "
                 f"need multiples of {multiple}")
     if module_filter_fn is not None:
@@ -70,10 +74,11 @@ def convert(model: nn.Module, recipe: str | Float8Recipe | FP4Recipe = "fp8-roww
     FP4Linear ("mxfp4-quartet", "nvfp4", "mxfp4-rtn"): the same module object, so its
     parameters, buffers, hooks, training flag and every path to it stay as they were.
 
-    Layers whose dimensions are not multiples of 16 (FP8) or 32 (FP4) always stay in high
-    precision. Otherwise `module_filter_fn(module, fqn) -> bool`, when given, decides; without it
-    layers with min(in_features, out_features) < min_features (default 1024) stay (too small to
-    gain). Giving both is refused: the filter alone would decide, ignoring min_features. Returns,
+    Layers whose dimensions are not multiples of 16 (FP8) or 32 (FP4), and float64 layers (the
+    quantizers take float32, bfloat16 and float16), always stay in high precision. Otherwise
+    `module_filter_fn(module, fqn) -> bool`, when given, decides; without it layers with
+    min(in_features, out_features) < min_features (default 1024) stay (too small to gain).
+    Giving both is refused: the filter alone would decide, ignoring min_features. Returns,
     and logs, which layers were converted and why the others were kept. `model` may itself be
     an nn.Linear: it is converted in place too, reported under the name "" (its fqn).
     An nn.Linear whose parent never calls it but hands its weight to a fused op
@@ -114,7 +119,8 @@ def convert(model: nn.Module, recipe: str | Float8Recipe | FP4Recipe = "fp8-roww
         if not isinstance(mod, nn.Linear):
             continue
         if type(mod) is not nn.Linear:  # MultiheadAttention reads out_proj.weight, not its forward
-            report.skipped[name] = f"a subclass of nn.Linear ({type(mod).__name__})"
+            report.skipped[name] = (_PARAMETRIZED if _parametrized_linear(mod) else
+                                    f"a subclass of nn.Linear ({type(mod).__name__})")
             continue
         if id(mod) in bypassed:
             report.skipped[name] = bypassed[id(mod)]
@@ -142,6 +148,17 @@ _INSTANCE_FORWARD = ("its forward is replaced on the module itself (an accelerat
                      "wrapper), which may keep calling the nn.Linear forward it saved: convert "
                      "before adding such hooks (accelerate's dispatch_model, a device_map with "
                      "offload)")
+
+
+# torch's parametrize swaps the class for a generated subclass, which convert cannot swap again
+# without dropping the parametrization; the other order keeps both
+_PARAMETRIZED = ("parametrized (torch.nn.utils.parametrize: parametrizations.weight_norm, "
+                 "spectral_norm, orthogonal, ...): convert before registering the "
+                 "parametrization, which a converted layer keeps and runs")
+
+
+def _parametrized_linear(mod: nn.Module) -> bool:
+    return parametrize.is_parametrized(mod) and type(mod).__bases__ == (nn.Linear,)
 
 
 def _bypassed_linears(model: nn.Module) -> dict[int, str]:

@@ -73,7 +73,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tierlift import ops
+from tierlift import _extension, ops
 from tierlift.lowp.recipe import Float8Recipe
 
 NEVER_WRITTEN = -1.0
@@ -117,6 +117,11 @@ class PendingAmaxes:
     # the queue in, so that a save changes no step's numbers. A class default: pickles made
     # before it lack it.
     seen: dict[str, torch.Tensor] | None = None
+    # The histories the layer's last forward that was not a recompute read: what a recompute
+    # reads (the forwards awaiting their backward all read them: none takes the queue in while
+    # one awaits), also where the module holds other tensors by then (torch.func.functional_call
+    # given the histories has put its own back before the backward runs).
+    forward_view: dict[str, torch.Tensor] | None = None
     held = 0
     number = 0  # the layer's number in construction order (pairing tags); pickles before it: 0
     refused: str | None = None  # a reduction paired with other layers': every flush raises this
@@ -130,7 +135,7 @@ class PendingAmaxes:
         self.number = number
 
     def __getstate__(self):  # a copy awaits no backward: no autograd context holds it
-        return dict(self.__dict__, awaiting=0, seen=None, _tags=None)
+        return dict(self.__dict__, awaiting=0, seen=None, forward_view=None, _tags=None)
 
     def tagged(self, which: str, amax: torch.Tensor) -> torch.Tensor:
         """[amax, tag, -tag]: after the MAX over ranks, tag == -(-tag) iff all sent this tag."""
@@ -273,8 +278,20 @@ def flush_unless_recomputing(layer: nn.Module) -> None:
     which must see what its forward saw, and while a forward awaits its backward (whose
     recompute must too)."""
     queue = pending(layer)
-    if queue is not None and queue.awaiting == 0 and not recomputing():
+    if queue is None or recomputing():
+        return
+    if queue.awaiting == 0:
         queue.take_in(layer)
+    queue.forward_view = {w: history(layer, w) for w in HISTORIES}
+
+
+def forward_history(layer: nn.Module, which: str) -> torch.Tensor:
+    """The history a forward's quantize of `which` reads: a recompute reads the one its forward
+    read (PendingAmaxes.forward_view), any other forward the current one."""
+    queue = pending(layer)
+    if recomputing() and queue.forward_view is not None:
+        return queue.forward_view[which]
+    return history(layer, which)
 
 
 def history(layer: nn.Module, which: str) -> torch.Tensor:
@@ -306,8 +323,12 @@ def quantize_from_history(t: torch.Tensor, history: torch.Tensor, fp8_dtype: tor
     with the scale the history gives, taken where t is (on a GPU: four launches, no host sync);
     amax: t's finite amax [1]."""
     dual = with_transposed and transposed_copy == "dual"
-    q, s, qt, amax = ops.fp8_quantize_from_history(t, history.detach().to(t.device), fp8_dtype,
-                                                   dual, pow2)
+    quantize = ops.fp8_quantize_from_history
+    if t.is_meta and _extension.available():
+        # the op's fake kernel gives the shapes; the pure-torch reference, which ops takes off
+        # CPU and CUDA, reads the history's max on the host, which meta tensors have not
+        quantize = torch.ops.tierlift.fp8_quantize_from_history
+    q, s, qt, amax = quantize(t, history.detach().to(t.device), fp8_dtype, dual, pow2)
     return _outputs(q, s, qt, amax, with_transposed)
 
 
@@ -332,15 +353,27 @@ def load_or_reset(layer: nn.Module, state_dict: dict, prefix: str,
                   missing_keys: list[str]) -> None:
     """After nn.Module's own load: a history the state_dict lacks (a plain nn.Linear or HF
     checkpoint) is reset to never filled, not reported missing (nor kept from before the load,
-    nor read as zeros). A layer the state_dict has no entry of (strict=False) is left alone."""
+    nor read as zeros), also on a layer built on meta (assign=True). A layer the state_dict has
+    no entry of (strict=False) is left alone. A history assign=True took from the dict in
+    another dtype (a checkpoint saved in bf16) is widened to fp32, as a load without assign
+    copies it: the quantizers read fp32 histories."""
     for which in HISTORIES:
         key = prefix + buffer_name(which)
+        history = layer._buffers[buffer_name(which)]
         if key in state_dict:
+            if history.dtype != torch.float32:
+                layer._buffers[buffer_name(which)] = history.float()
             continue
         if key in missing_keys:
             missing_keys.remove(key)
+        if history.is_meta:
+            # built on meta and loaded with assign=True: the weights arrived, nothing can be
+            # filled in place; the histories start never filled where the weight now is
+            layer._buffers[buffer_name(which)] = new_history(history.numel(),
+                                                             layer.weight.device)
+            continue
         with torch.no_grad():
-            getattr(layer, buffer_name(which)).fill_(NEVER_WRITTEN)
+            history.fill_(NEVER_WRITTEN)
 
 
 def keep_fp32(layer: nn.Module, before: dict[str, torch.Tensor]) -> None:

@@ -23,7 +23,7 @@ from torch.autograd.function import once_differentiable
 
 from tierlift import ops
 from tierlift.lowp.fp4_recipe import FP4Recipe, get_fp4_recipe
-from tierlift.lowp.gemm import as_dtype
+from tierlift.lowp.gemm import as_dtype, autocast_off
 from tierlift.lowp.linear import keep_off_fused_paths, linear_input, refuse_nested
 from tierlift.reference.lowp_fp4 import fp4_dequantize, hadamard
 
@@ -72,7 +72,7 @@ class _FP4MatmulFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, recipe: FP4Recipe):
         r = recipe
-        with torch.autocast(device_type=x.device.type, enabled=False):
+        with autocast_off(x.device.type):
             xq, mx = qdq(x, r.forward_rule, r.forward_hadamard, want_mask=r.clip_mask)
             wq, mw = qdq(weight, r.forward_rule, r.forward_hadamard, block_2d=r.weight_2d,
                          want_mask=r.clip_mask)
@@ -92,7 +92,7 @@ class _FP4MatmulFn(torch.autograd.Function):
         need_gx, need_gw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         g = grad_out.float()
         gx = gw = None
-        with torch.autocast(device_type=g.device.type, enabled=False):
+        with autocast_off(g.device.type):
             rot = r.forward_hadamard
             if need_gx:
                 if r.weight_2d:  # the 16x16-block quantization of W serves W^T as well

@@ -9,6 +9,7 @@ with the inverse scale, then an fp32 matmul.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from collections import Counter
@@ -78,10 +79,24 @@ def _scaled_mm(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: tor
                 warnings.warn(f"tierlift.lowp: torch._scaled_mm rejected this GEMM ({exc}); "
                               "using the dequantize + matmul emulation for it", RuntimeWarning,
                               stacklevel=3)
-    with torch.autocast(device_type=a_q.device.type, enabled=False):  # fp32 means fp32
+    with autocast_off(a_q.device.type):  # fp32 means fp32
         a = a_q.float() * inv_a
         b = b_q.float() * inv_b
         return as_dtype(torch.mm(a, b.t()), out_dtype)
+
+
+def has_autocast(device_type: str) -> bool:
+    """Whether torch.autocast takes this device: meta has none (a model moved to meta for shape
+    or FLOP counting runs its layers there). A string test, not torch.amp.is_autocast_available,
+    which torch 2.11's torch.compile cannot trace."""
+    return device_type != "meta"
+
+
+def autocast_off(device_type: str):
+    """A region where autocast is off (none on a device without autocast)."""
+    if not has_autocast(device_type):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device_type, enabled=False)
 
 
 def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -38,7 +38,7 @@ from torch.autograd.function import once_differentiable
 
 from tierlift import ops
 from tierlift.lowp import delayed
-from tierlift.lowp.gemm import scaled_mm
+from tierlift.lowp.gemm import has_autocast, scaled_mm
 from tierlift.lowp.recipe import Float8Recipe, get_recipe
 
 
@@ -97,9 +97,12 @@ class _Float8MatmulFn(torch.autograd.Function):
             xq, xs, xtq, xts = _quantize(x, fp8_wgrad, sc, f8, p2, tc)  # x^T: the FP8 wgrad's
         else:
             xq, xs, xtq, xts, ctx.amax_x = delayed.quantize_from_history(
-                x, delayed.history(layer, "x"), f8, p2, fp8_wgrad, tc)
+                x, delayed.forward_history(layer, "x"), f8, p2, fp8_wgrad, tc)
             if (need_gx or need_gw) and not delayed.recomputing():
                 ctx.awaiting = delayed.AwaitingBackward(delayed.pending(layer))
+            # g's history as this forward saw it: the backward may run where the layer holds
+            # other tensors (a functional_call given the histories has put its own back by then)
+            ctx.g_history = delayed.forward_history(layer, "g")
         if gathered is None:
             wq, ws, wtq, wts = _quantize(weight, need_gx, sc, f8, p2, tc)  # W^T: the dgrad's
         else:
@@ -126,7 +129,7 @@ class _Float8MatmulFn(torch.autograd.Function):
             if layer is None:
                 return _quantize(t, with_transposed, r.scaling, r.grad_dtype, r.pow2_scale,
                                  transposed_copy)
-            *out, amax = delayed.quantize_from_history(t, delayed.history(layer, "g"),
+            *out, amax = delayed.quantize_from_history(t, ctx.g_history,
                                                        r.grad_dtype, r.pow2_scale,
                                                        with_transposed, transposed_copy)
             amax_g.append(amax)
@@ -163,6 +166,7 @@ class _Float8MatmulFn(torch.autograd.Function):
         return grad_x, grad_w, None, None, None, None
 
 
+QUANTIZED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the quantizers' inputs
 _DTYPE_NAMES = {torch.float32: "Float", torch.float64: "Double", torch.float16: "Half",
                 torch.bfloat16: "BFloat16"}  # c10's names, as F.linear's errors spell them
 
@@ -202,7 +206,8 @@ def linear_input(x: torch.Tensor, weight: torch.Tensor,
             return torch.get_autocast_dtype(x.device.type)
         return t.dtype
 
-    autocast = torch.is_autocast_enabled(x.device.type)
+    # meta has no autocast (torch.is_autocast_enabled refuses it): nn.Linear runs there
+    autocast = has_autocast(x.device.type) and torch.is_autocast_enabled(x.device.type)
     xd, wd = effective(x), effective(weight)
     pairs = [("mat1 and mat2", xd, wd)]
     if bias is not None:
@@ -213,6 +218,11 @@ def linear_input(x: torch.Tensor, weight: torch.Tensor,
                 f"{what} must have the same dtype, but got {_DTYPE_NAMES.get(a, a)} and "
                 f"{_DTYPE_NAMES.get(b, b)} (as nn.Linear refuses them: cast the input to the "
                 f"layer's dtype, or run under torch.autocast)")
+    if xd not in QUANTIZED_DTYPES:  # before a delayed layer's history would be read
+        raise TypeError(f"low precision layers take float32, bfloat16 or float16 inputs and "
+                        f"weights (what their quantizers read), got {_DTYPE_NAMES.get(xd, xd)}: "
+                        f"cast the model back (model.float()) or keep this layer in high "
+                        f"precision (tierlift.lowp.convert's module_filter_fn) before casting it")
     return x.to(xd) if xd != x.dtype else x
 
 
