@@ -39,7 +39,7 @@ class FileRegion:
         owner/what/holder name the pickled object in the errors ("FeatureStore", "feature
         file", "store")."""
         try:
-            now = _identity(os.stat(self.path))
+            now = file_identity(os.stat(self.path))
         except OSError as e:
             raise FileNotFoundError(
                 f"{owner}: the {what} {self.path!r} that this pickled {holder} maps "
@@ -56,7 +56,8 @@ class FileRegion:
         return torch.from_numpy(array).view(dtype).view(shape)
 
 
-def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+def file_identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What tells a file rewritten in place (same inode, new size or modification time)."""
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
@@ -131,7 +132,7 @@ def file_region(table: torch.Tensor, *, private_only: bool = False) -> FileRegio
     offset = first.offset + (start - first.start)
     if offset + nbytes > st.st_size:
         return None
-    return FileRegion(path, offset, nbytes, _identity(st))
+    return FileRegion(path, offset, nbytes, file_identity(st))
 
 
 @dataclass(frozen=True)
@@ -239,10 +240,15 @@ def _reduce_for_another_process(holder):
 def _rebuild_mapping_files(cls, state):
     holder = cls.__new__(cls)
     memo: dict = {}
+    regions = {key: state[key].region for key in cls._file_state_keys
+               if isinstance(state.get(key), FileTensor)}
     for key in cls._file_state_keys:
         if key in state:
             state[key] = _each_tensor(state[key], lambda v: from_file(v, **cls._file_names), memo)
     _set_state(holder, state)
+    hook = getattr(holder, "_mapped_again", None)
+    if hook is not None:  # which of its tensors are files again here, and which files
+        hook(regions)
     return holder
 
 

@@ -12,6 +12,7 @@ Importing this module needs torch_geometric.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch_geometric.data import EdgeAttr, GraphStore, TensorAttr
 from torch_geometric.data import FeatureStore as _PyGFeatureStore
@@ -35,6 +36,8 @@ class PyGFeatureStore(_PyGFeatureStore):
 
     def _put_tensor(self, tensor, attr: TensorAttr) -> bool:
         _whole_tensors_only(attr, "put")
+        if isinstance(tensor, np.ndarray):  # PyG's stores take arrays too; no copy
+            tensor = torch.from_numpy(tensor)
         store = tensor if isinstance(tensor, FeatureStore) else FeatureStore(
             tensor, **self._store_kwargs)
         self._drop(self._key(attr), keep=store)
@@ -71,6 +74,8 @@ class PyGFeatureStore(_PyGFeatureStore):
                 raise IndexError(f"PyGFeatureStore: a boolean index must have shape "
                                  f"({store.num_rows},), one per row, got {tuple(index.shape)}")
             index = index.nonzero().flatten()
+        if index.dim() == 0:  # an int (PyG's index may be one): one row, as x[i] gives
+            return store.gather(index.reshape(1))[0]
         return store.gather(index)
 
     def _remove_tensor(self, attr: TensorAttr) -> bool:

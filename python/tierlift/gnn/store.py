@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from tierlift import _extension, ops
-from tierlift.gnn.file_table import FileBackedPickling, mapped_again
+from tierlift.gnn.file_table import FileBackedPickling, file_identity, mapped_again
 
 _PIN_MODES = ("inplace", "copy")
 _CACHE_POLICIES = ("degree", "frequency")
@@ -70,21 +70,24 @@ class FeatureStoreOptions:
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device}")
 
 
-def _load_features(features, dtype, shape) -> tuple[torch.Tensor, bool]:
-    """Returns (tensor, file_backed). Files are memory-mapped copy-on-write, never read whole."""
+def _load_features(features, dtype, shape) -> tuple[torch.Tensor, tuple | None]:
+    """Returns (tensor, file): file is (path, identity) of a file it maps, else None. Files are
+    memory-mapped copy-on-write, never read whole."""
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"features: dtype must be a torch.dtype, got {dtype!r}")
     if isinstance(features, torch.Tensor):
         # Ignored, they would leave the user believing rows come back as dtype= or shape= says.
         _check_given(features.dtype, tuple(features.shape), dtype, shape, "a tensor",
                      "use features.view(dtype) or features.view(shape)")
-        return features, False
+        return features, None
     if not isinstance(features, (str, os.PathLike)):
         raise TypeError("features must be a torch.Tensor or a path to an .npy or raw file, got "
                         f"{type(features).__name__}")
     path = Path(features)
     if not path.is_file():
         raise FileNotFoundError(f"features: no such file {str(path)!r}")
+    # Taken before mapping: a rewrite from here on is refused at gather (_check_file).
+    file = (str(path.resolve()), file_identity(path.stat()))
     if path.suffix == ".npy":
         with open(path, "rb") as f:  # the header says what the mapping will need
             fmt = np.lib.format
@@ -106,7 +109,7 @@ def _load_features(features, dtype, shape) -> tuple[torch.Tensor, bool]:
         _check_given(table.dtype, tuple(shape_), dtype, shape, "an .npy file (its header says)",
                      "a dtype numpy lacks (bfloat16, float8) can be read from an .npy of "
                      "unsigned ints of its width")
-        return table, True
+        return table, file
     if dtype is None or shape is None:
         raise ValueError("features: a raw file needs dtype= and shape= (an .npy file does not)")
     np_dtype = _numpy_twin(dtype)
@@ -114,7 +117,7 @@ def _load_features(features, dtype, shape) -> tuple[torch.Tensor, bool]:
         np_dtype = np.dtype(f"u{torch.empty(0, dtype=dtype).element_size()}")
     _check_size(path, 0, shape, np_dtype, exact=str(dtype).removeprefix("torch."))
     array = np.memmap(path, dtype=np_dtype, mode="c", shape=tuple(shape))
-    return torch.from_numpy(array).view(dtype), True
+    return torch.from_numpy(array).view(dtype), file
 
 
 def _numpy_twin(dtype: torch.dtype) -> np.dtype | None:
@@ -225,7 +228,8 @@ class FeatureStore(FileBackedPickling):
         self.options = FeatureStoreOptions(pin=pin, cache=cache, cache_policy=cache_policy,
                                            device=device, locality=locality, sort=sort,
                                            check=check)
-        table, file_backed = _load_features(features, dtype, shape)
+        table, self._file = _load_features(features, dtype, shape)
+        file_backed = self._file is not None
         self._check_table(table)
         self.device = self.options.device
         if self.device.type == "cuda" and not (torch.cuda.is_available()
@@ -474,6 +478,7 @@ class FeatureStore(FileBackedPickling):
             else:
                 table = copy.deepcopy(self._table, memo)
         new._table = new._pin(table, file_backed=False) if cuda else table
+        new._file = self._file if mapped is not None else None  # mapped again: watched again
         new._watched = self._watched
         if self._watched is not None and isinstance(self._watched[0], torch.Tensor):
             # It held its table, the features themselves: the copy holds its own (as built).
@@ -497,6 +502,11 @@ class FeatureStore(FileBackedPickling):
         worker would move it into shared, unpinned memory under this process's store. The copy
         keeps shape and dtype, and refuses to gather."""
         state = self.__dict__.copy()
+        if not self._closed and not self._pickled_cuda:
+            self._check_file()  # the rows, by value or as the file, would not be the store's
+        # Rows by value are the copy's own. Sent as its file, the table is watched again where
+        # it is mapped (_mapped_again).
+        state["_file"] = None
         if self.device.type == "cuda" and not self._closed:
             for key in ("_registration", "_table", "_cache_table", "_cache_slots", "_counts",
                         "_bad", "_bad_host", "_watched"):
@@ -509,6 +519,7 @@ class FeatureStore(FileBackedPickling):
 
     def __setstate__(self, state):
         """Unpickled (a spawned worker's copy): its tensor is new, with a version of its own."""
+        self.__dict__.setdefault("_file", None)  # pickled before stores watched their file
         self.__dict__.update(state)
         if self._watched is not None and isinstance(self._watched[0], torch.Tensor):
             self._watched = _watch(self._watched[0], self._watched[0])
@@ -562,21 +573,56 @@ class FeatureStore(FileBackedPickling):
                 "hold the old values, so gathers would mix old and new rows. Refused on every "
                 "device: build a new FeatureStore from the edited tensor (close() this one "
                 "first), or edit a clone")
+        self._check_file()
         if self.device.type == "cuda" and os.getpid() != self._pid:
             raise RuntimeError("FeatureStore(device='cuda') cannot gather in a forked process "
                                "(CUDA does not survive fork()); gather in the main process "
                                "(PyG loaders: filter_per_worker=False), use the 'spawn' start "
                                "method, or a device='cpu' store in workers")
 
+    def _check_file(self) -> None:
+        """A store built from a path maps its file: a rewrite in place (np.save to the same path)
+        puts other bytes under the rows not yet read (a shorter file: zeros, or SIGBUS past
+        its end; another shape: rows of another table), while rows already copied (a CUDA
+        store's cache, pages written copy-on-write) keep the old ones. One stat per gather. A
+        file replaced at its path (os.replace, a new inode) is not seen by the mapping, which
+        keeps the old file's bytes: not refused."""
+        if self._file is None:
+            return
+        path, identity = self._file
+        try:
+            st = os.stat(path)
+        except OSError:  # deleted: the mapping keeps the file's bytes
+            return
+        if (st.st_dev, st.st_ino) == identity[:2] and file_identity(st) != identity:
+            raise RuntimeError(
+                f"FeatureStore: its feature file {path!r} was rewritten in place since the store "
+                "mapped it (its size or modification time changed), so the rows it would read "
+                "are no longer the ones it was built from. Refused on every device: build a new "
+                "FeatureStore from the file (close() this one first); to change the features "
+                "under a running store, write a new file and os.replace() it onto the path")
+
+    def _mapped_again(self, regions: dict) -> None:
+        """Unpickled in another process (a spawned worker) with its table mapped from its file
+        again: watch that file there too; a table that came by value has no file to watch."""
+        region = regions.get("_table")
+        self._file = None if region is None else (region.path, region.identity)
+
     def _check_index(self, index) -> torch.Tensor:
         if not isinstance(index, torch.Tensor):
             raise TypeError(f"index must be a torch.Tensor, got {type(index).__name__}")
         if index.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"index must be int32 or int64, got {index.dtype}")
+            hint = ""
+            if index.dtype in (torch.bool, torch.uint8):  # x[index] reads these as a mask
+                hint = (" (a mask? gather takes row ids: pass mask.nonzero().flatten(); "
+                        "PyGFeatureStore takes a boolean mask as is)")
+            raise TypeError(f"index must be int32 or int64, got {index.dtype}{hint}")
         if index.dim() != 1:
             raise ValueError(f"index must be 1-D, got shape {tuple(index.shape)}")
         if index.device.type != "cpu" and index.device != self.device:
-            raise ValueError(f"index must be on the CPU or {self.device}, got {index.device}")
+            where = "the CPU" + ("" if self.device.type == "cpu" else f" or {self.device}")
+            raise ValueError(f"index must be on {where} (this store's device is "
+                             f"{self.device}), got {index.device}")
         return index
 
     def _validate_host_index(self, index: torch.Tensor) -> None:
