@@ -86,9 +86,11 @@ def _model_class(cls, config):
 def decay_split(model):
     """param_group_fn giving the Trainer's weight-decay groups: "decay" for the names
     transformers.Trainer.get_decay_parameter_names returns, "no_decay" for the rest."""
-    from transformers import Trainer
+    # the stock method (it reads nothing from self), not the one under transformers.Trainer:
+    # under tierlift.hf.launch that is tierlift's, which names shards of a sharded model
+    from tierlift.hf.stock import StockTrainer
 
-    return decay_keys(Trainer.get_decay_parameter_names(None, model))  # reads nothing from self
+    return decay_keys(StockTrainer.get_decay_parameter_names(None, model))
 
 
 def decay_keys(decay_names):

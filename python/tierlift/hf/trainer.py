@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 
 import torch
-import transformers
 
 import tierlift.checkpoint
 import tierlift.optim
@@ -34,6 +33,7 @@ from tierlift.hf.accelerator import Accelerator, own_clipping, unwrap_optimizer
 from tierlift.hf.config import ZeroConfig
 from tierlift.hf.param_count import full_param_count
 from tierlift.hf.pretrained import DECAY, NO_DECAY, decay_keys, head_in_root, zero_of
+from tierlift.hf.stock import StockTrainer
 from tierlift.zero.groups import param_groups, shard_groups
 from tierlift.zero.materialize import first_meta
 
@@ -41,6 +41,9 @@ TIERLIFT_DIR = "tierlift"  # checkpoint-N/tierlift: the sharded model and optimi
 _SCHEDULER = "scheduler.pt"
 _OPTIMIZER = "optimizer.pt"
 _ADAMW = ("adamw_torch", "adamw_torch_fused")
+_NO_SPLIT = ("the model was sharded without the Trainer's weight-decay split (decay on matrices, "
+             "none on norms and biases): pass an optimizer built on its shards, or "
+             "zero=ZeroConfig(...) with the unsharded model, or weight_decay=0")
 
 
 def _sharded_dir(checkpoint: str) -> str | None:
@@ -68,7 +71,7 @@ def _refuse_other_sharding(args) -> None:
                              f"drop {field}")
 
 
-class Trainer(transformers.Trainer):
+class Trainer(StockTrainer):
     """transformers.Trainer for models sharded by tierlift.zero.shard (see the module doc).
 
     zero: a tierlift.hf.ZeroConfig to shard an unsharded model with, or None when the model is
@@ -154,6 +157,21 @@ class Trainer(transformers.Trainer):
                              f"optimizer's own max_grad_norm={own} differ: set max_grad_norm="
                              f"{own} (or 0: the optimizer clips, the Trainer logs the norm)")
 
+    def get_decay_parameter_names(self, model) -> list[str]:
+        """On a sharded model: the names of the shards that hold the decayed parameters (shard()
+        split each unit by the stock rule), so that a create_optimizer override grouping
+        model.named_parameters() by these names gets the Trainer's split; the stock names of
+        the unsharded parameters would match no shard."""
+        if not zmodel.is_sharded(model):
+            return super().get_decay_parameter_names(model)
+        groups = shard_groups(model)
+        if not set(groups) <= {DECAY, NO_DECAY}:
+            if self.args.weight_decay == 0:
+                return [n for n, _ in model.named_parameters()]
+            raise ValueError(_NO_SPLIT)
+        decay = {id(p) for p in groups.get(DECAY, [])}
+        return [n for n, p in model.named_parameters() if id(p) in decay]
+
     def create_optimizer(self, model=None):
         if self.optimizer is not None or not zmodel.is_sharded(self.model):
             return super().create_optimizer(model)
@@ -165,10 +183,7 @@ class Trainer(transformers.Trainer):
         elif args.weight_decay == 0:
             params = [{"params": [p for ps in groups.values() for p in ps]}]
         else:
-            raise ValueError("the model was sharded without the Trainer's weight-decay split "
-                             "(decay on matrices, none on norms and biases): pass an optimizer "
-                             "built on its shards, or zero=ZeroConfig(...) with the unsharded "
-                             "model, or weight_decay=0")
+            raise ValueError(_NO_SPLIT)
         if self.optimizer_cls_and_kwargs is not None:
             cls, kwargs = self.optimizer_cls_and_kwargs
             self.optimizer = cls(params, **kwargs)
