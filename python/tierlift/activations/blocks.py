@@ -249,6 +249,10 @@ class BlockOffload:
         tier = self.policy[i]
         last = len(self._blocks) - 1
 
+        # Not traced when the block (or the model) is compiled: dynamo rebuilt `forward`
+        # after the hooks' graph break as `block.forward`, this wrapper, and recursed until
+        # RecursionError. The block's own forward below is still compiled.
+        @torch.compiler.disable(recursive=False)
         def run(block, *args, **kwargs):
             forward = type(block).forward.__get__(block)
             if not torch.is_grad_enabled():

@@ -49,8 +49,9 @@ class HostPool:
         with self._lock:
             self.held -= nbytes
 
-    def get(self, nbytes: int, owner) -> torch.Tensor:
-        """A buffer of `nbytes`, handed back to the pool when `owner` is collected."""
+    def get(self, nbytes: int, owner) -> tuple[torch.Tensor, weakref.finalize]:
+        """A buffer of `nbytes`, handed back to the pool when `owner` is collected or when the
+        returned finalizer is called (whichever comes first)."""
         with self._lock:
             free = self._free.get(nbytes)
             buf = free.pop() if free else None
@@ -60,8 +61,7 @@ class HostPool:
             buf = torch.empty(nbytes, dtype=torch.uint8)
             if self._alone is None:
                 self._alone = _users(buf)
-        weakref.finalize(owner, self._put, buf)
-        return buf
+        return buf, weakref.finalize(owner, self._put, buf)
 
     def _put(self, buf: torch.Tensor) -> None:
         n = buf.numel()

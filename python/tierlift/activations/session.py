@@ -146,7 +146,7 @@ class Saved:
 
     __slots__ = ("session", "index", "group", "tier", "layout", "host", "offset", "reading",
                  "dev", "event", "uses", "source", "version", "lent", "copying", "stale",
-                 "__weakref__")
+                 "pooled", "__weakref__")
 
     def __init__(self, session, index, group, tier, layout):
         self.session, self.index, self.group, self.tier = session, index, group, tier
@@ -156,6 +156,7 @@ class Saved:
         self.source = self.version = None
         self.uses = 1  # packs that returned it: its bytes stay fetched until as many unpacks
         self.host = self.reading = self.dev = self.event = None
+        self.pooled = None  # hands a RAM-tier CPU buffer back to the pool (HostPool.get)
         self.offset = -1
         # (weak buffer, its version) that the last unpack returned a view of: a backward that
         # edits the tensor it was given in place must not hand the edit to the next unpack.
@@ -398,7 +399,7 @@ class Session:
         n = item.layout.nbytes
         copier = self._copier(t.device)
         if not copier.pin:
-            item.host = self._host_pool.get(n, item)
+            item.host, item.pooled = self._host_pool.get(n, item)
         else:
             item.host = torch.empty(n, dtype=torch.uint8, pin_memory=copier.pin)
         item.event = copier.to_host(t, item.host)
@@ -585,6 +586,13 @@ class Session:
             item = ref()
             if item is not None:
                 item.host = item.dev = item.reading = item.event = None
+                if item.pooled is not None:
+                    item.pooled()  # the buffer, not the graph: that waits for the caller
+        # The RAM tier's bytes go back now, not when the graph dies: a caller that keeps the
+        # exception (an `except ... as e` that retries inside it, a notebook's last traceback)
+        # keeps the graph, and a retry would find cpu_budget still held by a dead forward.
+        _unreserve_all(self._host_pool, self._in_ram)
+        self.ram_bytes = 0
 
     # ---- backward ----
     def prefetch(self, top: int | None = None) -> None:
