@@ -43,6 +43,19 @@ def test_parse_bytes():
         PlanInput(params=float("inf"), gpu_mem=G, cpu_mem=G)
 
 
+def test_a_memory_size_without_its_unit_is_refused():
+    # "--gpu-mem 80" meant 80 GiB: planning for 80 bytes would print a plan for no GPU at all.
+    with pytest.raises(ValueError, match=r"--gpu-mem 80 would be 80 bytes: give its unit, e.g. "
+                                         r"80G"):
+        parse_bytes("80", "--gpu-mem", capacity=True)
+    with pytest.raises(ValueError, match="would be 1048575 bytes"):
+        parse_bytes(str((1 << 20) - 1), "x", capacity=True)
+    assert parse_bytes(str(1 << 20), "x", capacity=True) == 1 << 20
+    assert parse_bytes("1e9", "x", capacity=True) == 10**9
+    assert parse_bytes("100B", "x", capacity=True) == 100  # bytes said outright
+    assert parse_bytes("80", "x") == 80  # not a memory's size: a bare count stays bytes
+
+
 def test_placement_by_size():
     assert make_plan(PlanInput(params=1e9, gpu_mem=80 * G, cpu_mem=128 * G), BW).offload == "none"
     cpu = make_plan(PlanInput(params=8e9, gpu_mem=80 * G, cpu_mem=128 * G, overlap=False), BW)
@@ -201,6 +214,10 @@ def test_cli_plans_activation_tiers_per_block(tmp_path, capsys):
     (["--params", "8e9", "--gpu-mem", "1e999"], "--gpu-mem must be a finite size"),
     (["--params", "8e9", "--nvme", "/does/not/exist"], "--nvme '/does/not/exist' is not"),
     (["--params", "8e9", "--cpu-mem", "lots"], "--cpu-mem must be a size"),
+    (["--params", "8e9", "--gpu-mem", "80"], "--gpu-mem 80 would be 80 bytes: give its unit"),
+    (["--params", "8e9", "--cpu-mem", "128", "--cpu-budget", "96"], "--cpu-mem 128 would be"),
+    (["--params", "1e8", "--act-blocks", "4", "--act-block-bytes", "1G", "--act-gpu-budget", "8"],
+     "--act-gpu-budget 8 would be 8 bytes"),
     (["--params", "8e9", "--act-blocks", "4"], "--act-blocks and --act-block-bytes go together"),
     (["--params", "8e9", "--offload-params", "cpu", "--device-params", "some"],
      "--device-params must be auto or a count like 4e9"),

@@ -177,7 +177,7 @@ def _nvme_free(args: argparse.Namespace) -> int | None:
     if args.nvme_free is not None:
         if args.nvme is None:
             raise ValueError("--nvme-free needs --nvme (the directory whose bandwidth is measured)")
-        return parse_bytes(args.nvme_free, "--nvme-free")
+        return parse_bytes(args.nvme_free, "--nvme-free", capacity=True)
     return None if args.nvme is None else shutil.disk_usage(args.nvme).free
 
 
@@ -200,7 +200,7 @@ def _host_json(host) -> dict | None:
 
 
 def _size_or_zero(text: str, what: str) -> int:
-    return 0 if text.strip() == "0" else parse_bytes(text, what)
+    return 0 if text.strip() == "0" else parse_bytes(text, what, capacity=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -221,10 +221,10 @@ def run(args: argparse.Namespace) -> int:
     _check_probe(args, probe)
     if args.plot:
         _check_plot(args.plot)
-    gpu_mem = parse_bytes(args.gpu_mem, "--gpu-mem")
-    cpu_mem = parse_bytes(args.cpu_mem, "--cpu-mem")
-    cpu_budget = None if args.cpu_budget is None else parse_bytes(args.cpu_budget,
-                                                                  "--cpu-budget")
+    gpu_mem = parse_bytes(args.gpu_mem, "--gpu-mem", capacity=True)
+    cpu_mem = parse_bytes(args.cpu_mem, "--cpu-mem", capacity=True)
+    cpu_budget = None if args.cpu_budget is None else parse_bytes(
+        args.cpu_budget, "--cpu-budget", capacity=True)
     if cpu_budget is not None and cpu_budget > cpu_mem:
         raise ValueError(f"--cpu-budget {args.cpu_budget} is more than --cpu-mem "
                          f"{args.cpu_mem}, the host memory it is a part of")

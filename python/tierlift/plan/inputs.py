@@ -30,8 +30,14 @@ _SI_UNITS = {"K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}  # KB, MB, GB, TB
 MAX_PARAMS = 2**53
 
 
-def parse_bytes(text: str, what: str) -> int:
-    """80G, 80GiB: 80 x 2**30 bytes; 80GB: 80 x 10**9, as the plan prints GB (GB/s)."""
+# A memory's size given as a bare number below this is taken for a unit left out ("--gpu-mem 80"
+# meant 80G, not 80 bytes) and refused rather than planned for.
+MIN_BARE_CAPACITY = 1 << 20
+
+
+def parse_bytes(text: str, what: str, *, capacity: bool = False) -> int:
+    """80G, 80GiB: 80 x 2**30 bytes; 80GB: 80 x 10**9, as the plan prints GB (GB/s).
+    capacity: `what` is a memory's size, so a bare number under MIN_BARE_CAPACITY is refused."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([KMGT]?)(i?B)?\s*", str(text), re.I)
     if not m:
         raise ValueError(f"{what} must be a size like 80G, 512M or 1e9, got {text!r}")
@@ -42,6 +48,10 @@ def parse_bytes(text: str, what: str) -> int:
         raise ValueError(f"{what} must be a finite size, got {text!r}")
     if value <= 0:
         raise ValueError(f"{what} must be > 0, got {text!r}")
+    if capacity and not unit and not m.group(3) and value < MIN_BARE_CAPACITY:
+        raise ValueError(f"{what} {text.strip()} would be {int(value)} bytes: give its unit, "
+                         f"e.g. {m.group(1)}G for {m.group(1)} GiB ({m.group(1)}B if bytes are "
+                         f"meant)")
     return int(value)
 
 
