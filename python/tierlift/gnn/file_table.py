@@ -12,6 +12,11 @@ or model must not lose its rows when the file is moved or deleted.
 Only memory that is still the file's bytes qualifies: a private (copy-on-write) mapping with
 pages written since it was mapped holds rows the file does not, so such a table is sent by
 value, as before.
+
+A table mapped from its file by tierlift (a FeatureStore built from a path, or mapped again in
+another process or by deepcopy) watches that file (WatchedFile, io/file_watch.py's FileWatch):
+the mapping shows whatever is written to the file, so a rewrite in place is refused before the
+table is read again.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
 import torch
+
+from tierlift.io.file_watch import FileWatch, file_identity
 
 
 @dataclass(frozen=True)
@@ -56,9 +63,38 @@ class FileRegion:
         return torch.from_numpy(array).view(dtype).view(shape)
 
 
-def file_identity(st: os.stat_result) -> tuple[int, int, int, int]:
-    """What tells a file rewritten in place (same inode, new size or modification time)."""
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+class WatchedFile:
+    """The file a table maps, watched from `identity` (its file_identity when it was mapped):
+    problem() says, before each read of the table, whether the file was rewritten in place since
+    then: by anyone, seen by its size or modification time; by another process, any bytes at
+    any time, seen by the process's fanotify group (where it is available). Replaced under its
+    name or removed, the file is still what the mapping reads: not a problem. `what` and
+    `holder` name the file and what maps it in the message ("feature file", "store")."""
+
+    def __init__(self, path: str, identity: tuple, *, what: str, holder: str):
+        self.path, self.identity = path, tuple(identity)
+        self._names = {"what": what, "holder": holder}
+        self._start()
+
+    def _start(self) -> None:
+        self._pid = os.getpid()
+        self._watch = FileWatch()
+        self._watch.add(self.path, self._names["what"], self.identity[2],
+                        mapped_by=f"the {self._names['holder']}", identity=self.identity)
+
+    def problem(self) -> str | None:
+        """What changed (a message naming the file), or None; once found, always found."""
+        if self._pid != os.getpid() and self._watch.problem is None:
+            # A forked child (a DataLoader worker) does not read its parent's fanotify group:
+            # it watches with a group of its own, from the same identity (so a rewrite since
+            # the mapping is still seen by stat).
+            self._start()
+        found = self._watch.find()
+        return None if found is None else found[1]
+
+    def again(self) -> WatchedFile:
+        """A watch of its own for another mapping of the same file (a deepcopy's)."""
+        return WatchedFile(self.path, self.identity, **self._names)
 
 
 @dataclass

@@ -25,13 +25,14 @@ import numpy as np
 import torch
 
 from tierlift import _extension, ops
-from tierlift.gnn.file_table import FileBackedPickling, file_identity, mapped_again
+from tierlift.gnn.file_table import FileBackedPickling, WatchedFile, file_identity, mapped_again
 
 _PIN_MODES = ("inplace", "copy")
 _CACHE_POLICIES = ("degree", "frequency")
 _CHECKS = ("sync", "async")
 _LOCALITIES = ("index", "sorted")
 _FREQUENCY_WARMUP = 8  # gathers counted before a frequency-policy cache is filled
+_FILE_NAMES = {"what": "feature file", "holder": "store"}
 
 
 @dataclass(kw_only=True)
@@ -70,8 +71,8 @@ class FeatureStoreOptions:
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device}")
 
 
-def _load_features(features, dtype, shape) -> tuple[torch.Tensor, tuple | None]:
-    """Returns (tensor, file): file is (path, identity) of a file it maps, else None. Files are
+def _load_features(features, dtype, shape) -> tuple[torch.Tensor, WatchedFile | None]:
+    """Returns (tensor, file): file is the watch of a file it maps, else None. Files are
     memory-mapped copy-on-write, never read whole."""
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"features: dtype must be a torch.dtype, got {dtype!r}")
@@ -86,8 +87,8 @@ def _load_features(features, dtype, shape) -> tuple[torch.Tensor, tuple | None]:
     path = Path(features)
     if not path.is_file():
         raise FileNotFoundError(f"features: no such file {str(path)!r}")
-    # Taken before mapping: a rewrite from here on is refused at gather (_check_file).
-    file = (str(path.resolve()), file_identity(path.stat()))
+    # Watched before mapping: a rewrite from here on is refused at gather (_check_file).
+    file = WatchedFile(str(path.resolve()), file_identity(path.stat()), **_FILE_NAMES)
     if path.suffix == ".npy":
         with open(path, "rb") as f:  # the header says what the mapping will need
             fmt = np.lib.format
@@ -219,7 +220,7 @@ class FeatureStore(FileBackedPickling):
     # Sent to a spawned worker, a table that is a mapped file goes as a reference to its file
     # (the features watched for edits are that table: one mapping for both).
     _file_state_keys = ("_table", "_watched")
-    _file_names = {"owner": "FeatureStore", "what": "feature file", "holder": "store"}
+    _file_names = {"owner": "FeatureStore", **_FILE_NAMES}
 
     def __init__(self, features, *, pin="inplace", cache=0.0, cache_policy="degree",
                  degrees=None, device="cuda", locality="index", sort=False, check="sync",
@@ -415,6 +416,7 @@ class FeatureStore(FileBackedPickling):
         self._registration = None
         self._table = self._cache_table = self._cache_slots = self._counts = None
         self._bad = self._bad_host = self._watched = None
+        self._file = None  # (its watch's mark goes with the last store that shares it)
 
     def __enter__(self):
         return self
@@ -459,7 +461,7 @@ class FeatureStore(FileBackedPickling):
         new = object.__new__(type(self))
         memo[id(self)] = new
         held = {"_table", "_watched", "_registration", "_cache_table", "_cache_slots",
-                "_counts", "_bad", "_bad_host"}
+                "_counts", "_bad", "_bad_host", "_file"}
         new.__dict__.update(copy.deepcopy(
             {k: v for k, v in self.__dict__.items() if k not in held}, memo))
         new._pid = os.getpid()
@@ -478,7 +480,9 @@ class FeatureStore(FileBackedPickling):
             else:
                 table = copy.deepcopy(self._table, memo)
         new._table = new._pin(table, file_backed=False) if cuda else table
-        new._file = self._file if mapped is not None else None  # mapped again: watched again
+        # Mapped again: watched again, from when the original mapped it.
+        new._file = self._file.again() if mapped is not None and self._file is not None \
+            else None
         new._watched = self._watched
         if self._watched is not None and isinstance(self._watched[0], torch.Tensor):
             # It held its table, the features themselves: the copy holds its own (as built).
@@ -581,32 +585,28 @@ class FeatureStore(FileBackedPickling):
                                "method, or a device='cpu' store in workers")
 
     def _check_file(self) -> None:
-        """A store built from a path maps its file: a rewrite in place (np.save to the same path)
-        puts other bytes under the rows not yet read (a shorter file: zeros, or SIGBUS past
-        its end; another shape: rows of another table), while rows already copied (a CUDA
-        store's cache, pages written copy-on-write) keep the old ones. One stat per gather. A
-        file replaced at its path (os.replace, a new inode) is not seen by the mapping, which
-        keeps the old file's bytes: not refused."""
-        if self._file is None:
-            return
-        path, identity = self._file
-        try:
-            st = os.stat(path)
-        except OSError:  # deleted: the mapping keeps the file's bytes
-            return
-        if (st.st_dev, st.st_ino) == identity[:2] and file_identity(st) != identity:
+        """A store built from a path maps its file: a rewrite in place (np.save to the same path,
+        or another process writing some bytes of it) puts other bytes under the rows not yet
+        read (a shorter file: zeros, or SIGBUS past its end; another shape: rows of another
+        table), while rows already copied (a CUDA store's cache, pages written copy-on-write)
+        keep the old ones. The file's WatchedFile tells: a stat and a read of the process's
+        fanotify queue per gather. A file replaced at its path (os.replace, a new inode) or
+        removed is not seen by the mapping, which keeps the old file's bytes: not refused."""
+        problem = None if self._file is None else self._file.problem()
+        if problem is not None:
             raise RuntimeError(
-                f"FeatureStore: its feature file {path!r} was rewritten in place since the store "
-                "mapped it (its size or modification time changed), so the rows it would read "
-                "are no longer the ones it was built from. Refused on every device: build a new "
-                "FeatureStore from the file (close() this one first); to change the features "
-                "under a running store, write a new file and os.replace() it onto the path")
+                f"FeatureStore: {problem}. Refused on every device: build a new FeatureStore "
+                "from the file (close() this one first); to change the features under a "
+                "running store, write a new file and os.replace() it onto the path")
 
     def _mapped_again(self, regions: dict) -> None:
         """Unpickled in another process (a spawned worker) with its table mapped from its file
-        again: watch that file there too; a table that came by value has no file to watch."""
+        again: watch that file there too, from when the original was pickled (the mapping
+        checked that the file was unchanged then); a table that came by value has no file to
+        watch."""
         region = regions.get("_table")
-        self._file = None if region is None else (region.path, region.identity)
+        self._file = None if region is None else WatchedFile(region.path, region.identity,
+                                                             **_FILE_NAMES)
 
     def _check_index(self, index) -> torch.Tensor:
         if not isinstance(index, torch.Tensor):

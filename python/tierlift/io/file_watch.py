@@ -24,6 +24,11 @@ process's. Not (st_ctime, st_mtime): the tiers' own writes through the mapping m
 page-fault time, from whatever thread writes. Not a sentinel word: it sees no overwrite of the
 data before it, and a copy of the file carries the same word.
 
+A file the job only reads through its own mapping of it (a GNN feature file: add(...,
+mapped_by=...)) is checked the other way round by stat: a name that now points to another file,
+or to none, is harmless (the mapping keeps the file it mapped), while a change of its size or
+modification time, by this process too, is refused (a rewrite in place, which the mapping shows).
+
 Not seen: another process writing through its own shared mapping of the file (no event), and
 writes from another machine to a network file system. Refused though harmless: `touch -m`
 (setting only the mtime raises FAN_MODIFY). TIERLIFT_FILE_WATCH=0 turns fanotify off. Where
@@ -60,10 +65,12 @@ def _warn_unwatched(reason: str) -> None:
     if _warned:
         return
     _warned = True
-    warnings.warn(f"tierlift: the NVMe tiers' files are not watched for writes by other "
-                  f"processes ({reason}); a file cut short, removed or replaced under the "
-                  f"running job is still refused, but one truncated and regrown, or overwritten "
-                  f"in place, by another process is not detected", RuntimeWarning, stacklevel=4)
+    warnings.warn(f"tierlift: the files a job keeps its state in or reads (the NVMe tiers' "
+                  f"files, GNN feature files) are not watched for writes by other processes "
+                  f"({reason}); a file cut short, removed or replaced under the running job (a "
+                  f"feature file: rewritten with a new size or modification time) is still "
+                  f"refused, but one truncated and regrown, or overwritten in place, by another "
+                  f"process is not detected", RuntimeWarning, stacklevel=4)
 
 
 class _Handle(ctypes.Structure):
@@ -90,9 +97,15 @@ class _Notifier:
         self.fd = fd
         # Serialises reads of the group. Not taken by mark() or unmark(): a watch's finalizer
         # unmarks, and the garbage collector may run it inside drain() (a deadlock, seen).
-        # `files` is changed and read only by single dict operations, atomic under the GIL.
+        # `files` is read only by single dict operations, atomic under the GIL, and its values
+        # are tuples, replaced whole.
         self.lock = threading.Lock()
-        self.files: dict[tuple, tuple] = {}  # file handle -> (weakref to its watch, path)
+        # Serialises mark() and unmark(). Reentrant: the collector may run a finalizer (an
+        # unmark) inside either, on the same thread.
+        self.marks = threading.RLock()
+        # file handle -> ((weakref to a watch, path), ...): every watch of that file (several
+        # GNN stores may map one file)
+        self.files: dict[tuple, tuple] = {}
 
     def handle(self, path: str) -> tuple:
         h, mount = _Handle(), ctypes.c_int()
@@ -106,25 +119,39 @@ class _Notifier:
                 break
         raise OSError(err, f"name_to_handle_at({path!r}): {os.strerror(err)}")
 
-    def mark(self, path: str, watch: FileWatch) -> tuple:
-        key = self.handle(path)
-        if self.libc.fanotify_mark(self.fd, _FAN_MARK_ADD, _FAN_MODIFY, _AT_FDCWD,
-                                   os.fsencode(path)) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"fanotify_mark({path!r}): {os.strerror(err)}")
-        self.files[key] = (weakref.ref(watch), path)
-        return key
+    def mark(self, path: str, ref: weakref.ref) -> tuple:
+        """Marks `path` for the watch `ref` refers to; returns the file's handle."""
+        with self.marks:
+            key = self.handle(path)
+            # Recorded before the kernel mark is added: an unmark of the same file run by the
+            # collector in between then sees this watch and leaves the mark in place.
+            self.files[key] = (*self.files.get(key, ()), (ref, path))
+            if self.libc.fanotify_mark(self.fd, _FAN_MARK_ADD, _FAN_MODIFY, _AT_FDCWD,
+                                       os.fsencode(path)) != 0:
+                err = ctypes.get_errno()
+                self.unmark(key, path, ref)
+                raise OSError(err, f"fanotify_mark({path!r}): {os.strerror(err)}")
+            return key
 
-    def unmark(self, key: tuple, path: str) -> None:
-        self.files.pop(key, None)
-        # By name, only while the name is still this file: a file removed or replaced under
-        # the job loses its mark with its inode.
-        try:
-            if self.handle(path) == key:
-                self.libc.fanotify_mark(self.fd, _FAN_MARK_REMOVE, _FAN_MODIFY, _AT_FDCWD,
-                                        os.fsencode(path))
-        except OSError:
-            pass
+    def unmark(self, key: tuple, path: str, ref: weakref.ref) -> None:
+        """The watch `ref` stops watching the file; its mark goes with the last live watch."""
+        if self.fd < 0:
+            return  # (the parent's group, in a forked child: nothing to unmark, and its lock
+            # may have been held by another of the parent's threads at the fork)
+        with self.marks:
+            left = tuple(e for e in self.files.get(key, ()) if e[0] is not ref and e[0]())
+            if left:
+                self.files[key] = left
+                return
+            self.files.pop(key, None)
+            # By name, only while the name is still this file: a file removed or replaced
+            # under the job loses its mark with its inode.
+            try:
+                if self.handle(path) == key:
+                    self.libc.fanotify_mark(self.fd, _FAN_MARK_REMOVE, _FAN_MODIFY, _AT_FDCWD,
+                                            os.fsencode(path))
+            except OSError:
+                pass
 
     def drain(self) -> None:
         """Reads every queued event; tells each watch whose file another process wrote."""
@@ -141,7 +168,8 @@ class _Notifier:
                 while at + _METADATA.size <= len(buf):
                     length, _, _, meta_len, mask, _, pid = _METADATA.unpack_from(buf, at)
                     if mask & _FAN_Q_OVERFLOW:
-                        found += [(ref, None, None) for ref, _ in list(self.files.values())]
+                        found += [(ref, None, None) for watches in list(self.files.values())
+                                  for ref, _ in watches]
                     elif pid != me:
                         key = None
                         if meta_len + _FID_HEAD.size <= length:
@@ -152,8 +180,9 @@ class _Notifier:
                                 key = (htype, bytes(buf[start:start + nbytes]))
                         hit = self.files.get(key)
                         # A handle not recognised: every watched file may be the one written.
-                        found += [(hit[0], hit[1], pid)] if hit is not None else [
-                            (ref, "", pid) for ref, _ in list(self.files.values())]
+                        found += [(ref, path, pid) for ref, path in hit] if hit else [
+                            (ref, "", pid) for watches in list(self.files.values())
+                            for ref, _ in watches]
                     at += length
         for ref, path, pid in found:
             watch = ref()
@@ -194,27 +223,36 @@ def _forget_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_in_child)
 
 
+def file_identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    """Which file (st_dev, st_ino), and its size and modification time, which a rewrite in place
+    changes (a rewrite of the same size within the file system's timestamp granularity, or with
+    the time set back, keeps them: the fanotify watch sees that one)."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
 class _File:
-    __slots__ = ("what", "size", "identity", "key", "fd")
+    __slots__ = ("what", "size", "identity", "key", "fd", "mapped_by")
 
-    def __init__(self, what: str, size: int, identity: tuple, key, fd: int | None):
+    def __init__(self, what: str, size: int, identity: tuple, key, fd: int | None,
+                 mapped_by: str | None = None):
         self.what, self.size, self.identity, self.key, self.fd = what, size, identity, key, fd
+        self.mapped_by = mapped_by
 
 
-def _unmark_all(notifier: _Notifier | None, files: dict) -> None:
+def _unmark_all(notifier: _Notifier | None, files: dict, ref: weakref.ref) -> None:
     while files:
         path, f = files.popitem()
         if notifier is not None and f.key is not None:
-            notifier.unmark(f.key, path)
+            notifier.unmark(f.key, path, ref)
 
 
 class FileWatch:
     """The files of one store. add(path, what, size, fd) once the file is made (`what`: what
     it holds, for the error; `fd`: a descriptor the job keeps it open and mapped by, which makes
-    a removed file harmless: nothing was lost); check() before reading or writing them;
-    forget(path) before this job removes a file itself; close() when done. `watching`: whether
-    writes by other processes are seen (fanotify), else only files cut short, removed or
-    replaced."""
+    a removed file harmless: nothing was lost); check() before reading or writing them (or
+    find(), which says what check() would raise); forget(path) before this job removes a file
+    itself; close() when done. `watching`: whether writes by other processes are seen
+    (fanotify), else only files cut short, removed or replaced."""
 
     def __init__(self):
         self.files: dict[str, _File] = {}
@@ -225,23 +263,35 @@ class FileWatch:
         if not self.watching:
             _warn_unwatched(_NOTIFIER_ERROR or "")
         # Files kept after the job (a durable state) lose their marks when the watch goes.
-        self._finalizer = weakref.finalize(self, _unmark_all, self._notifier, self.files)
+        self._ref = weakref.ref(self)
+        self._finalizer = weakref.finalize(self, _unmark_all, self._notifier, self.files,
+                                           self._ref)
 
-    def add(self, path: str, what: str, size: int, fd: int | None = None) -> None:
+    def add(self, path: str, what: str, size: int, fd: int | None = None, *,
+            mapped_by: str | None = None, identity: tuple | None = None) -> None:
+        """`mapped_by` (who maps it: "the store"): a file the job only reads through its own
+        mapping, checked by stat for a rewrite in place (see the module's docstring).
+        `identity`: its file_identity when it was mapped (default: now), so that a rewrite
+        between the mapping and this call is refused too."""
         st = os.stat(path)
+        identity = file_identity(st) if identity is None else tuple(identity)
+        if mapped_by is None:
+            identity = identity[:2]
         key = None
-        if self.watching:
+        # (a mapped file replaced under its name before this call: nothing to mark, the name is
+        # another file's)
+        if self.watching and identity[:2] == (st.st_dev, st.st_ino):
             try:
-                key = self._notifier.mark(path, self)
+                key = self._notifier.mark(path, self._ref)
             except OSError as e:  # a file system without file handles or fanotify marks
                 self.watching = False
                 _warn_unwatched(f"{path!r} cannot be watched: {e}")
-        self.files[path] = _File(what, size, (st.st_dev, st.st_ino), key, fd)
+        self.files[path] = _File(what, size, identity, key, fd, mapped_by)
 
     def forget(self, path: str) -> None:
         f = self.files.pop(path, None)
         if f is not None and f.key is not None:
-            self._notifier.unmark(f.key, path)
+            self._notifier.unmark(f.key, path, self._ref)
 
     def close(self) -> None:
         self._finalizer()
@@ -273,6 +323,16 @@ class FileWatch:
                 f"job: truncated, rewritten or overwritten in part, so what it held is lost"))
 
     def _stat_problem(self, path: str, f: _File) -> str | None:
+        if f.mapped_by is not None:
+            try:
+                st = os.stat(path)
+            except OSError:  # removed: the mapping keeps the file
+                return None
+            if (st.st_dev, st.st_ino) != f.identity[:2] or file_identity(st) == f.identity:
+                return None  # (replaced: the mapping keeps the file it mapped)
+            return (f"{path!r} ({f.what}) was rewritten in place since {f.mapped_by} mapped it "
+                    f"(its size or modification time changed), so what the mapping shows is no "
+                    f"longer what it held")
         try:
             st = os.stat(path)
         except FileNotFoundError:
@@ -288,11 +348,10 @@ class FileWatch:
                     f"of its {f.size} bytes are left and what was past them is lost")
         return None
 
-    def check(self, prefix=None, paths=None) -> None:
-        """Raises OSError(EIO) if a file was changed by another process, cut short, removed or
-        replaced, now or at an earlier check. `prefix(path)`: text to put before the message
-        (what was being done with that file), or None. `paths`: only these files (default:
-        all): a file found changed once refuses every later check that includes it."""
+    def find(self, paths=None) -> tuple[str | None, str] | None:
+        """The first change of a file found, now or at an earlier check: (its path, or None
+        where which file is not known; the message), else None. `paths`: only these files
+        (default: all)."""
         targets = list(self.files) if paths is None else [p for p in paths if p in self.files]
         for path in targets:  # first: a file cut short or replaced says so precisely
             if path not in self.problems:
@@ -303,6 +362,17 @@ class FileWatch:
             self._notifier.drain()
         for path, msg in list(self.problems.items()):  # (another thread may add one)
             if path is None or path in targets:
-                head = (prefix(path) or "") if prefix is not None and path else ""
-                raise OSError(errno.EIO, f"{head}{msg}; nothing more is read from it or "
-                                         f"stepped: resume from a checkpoint")
+                return path, msg
+        return None
+
+    def check(self, prefix=None, paths=None) -> None:
+        """Raises OSError(EIO) if a file was changed by another process, cut short, removed or
+        replaced, now or at an earlier check. `prefix(path)`: text to put before the message
+        (what was being done with that file), or None. `paths`: only these files (default:
+        all): a file found changed once refuses every later check that includes it."""
+        found = self.find(paths)
+        if found is not None:
+            path, msg = found
+            head = (prefix(path) or "") if prefix is not None and path else ""
+            raise OSError(errno.EIO, f"{head}{msg}; nothing more is read from it or "
+                                     f"stepped: resume from a checkpoint")
