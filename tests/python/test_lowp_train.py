@@ -57,7 +57,7 @@ def markov_batches(steps, seed=0):
     return batches
 
 
-def train(recipe):
+def train(recipe, steps: int = STEPS):
     torch.manual_seed(0)
     model = TinyGPT()
     if recipe is not None:
@@ -65,7 +65,7 @@ def train(recipe):
         assert len(report.converted) == 4 * LAYERS and list(report.skipped) == ["head"]
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     losses = []
-    for x, y in markov_batches(STEPS):
+    for x, y in markov_batches(STEPS)[:steps]:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits = model(x)
         loss = nn.functional.cross_entropy(logits.float().view(-1, VOCAB), y.reshape(-1))
