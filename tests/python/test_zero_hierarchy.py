@@ -37,6 +37,35 @@ TRAIN = textwrap.dedent("""
             tierlift.checkpoint.save({ckpt!r}, model, opt)
 """)
 
+# Run in TRAIN's job (one torchrun start for both): 100 steps of a learnable task on 2x2 ranks,
+# fp32 and quantized cross-node gradients.
+CONVERGE_STEPS = 100
+CONVERGE = textwrap.dedent("""
+    from zero_model import VOCAB, SEQ
+
+    def pattern_batches(steps, batch):
+        # Learnable sequences: each token follows from the previous one, one in five is noise.
+        g = torch.Generator().manual_seed(3)
+        out = []
+        for _ in range(steps):
+            x = torch.empty(batch, SEQ + 1, dtype=torch.long)
+            x[:, 0] = torch.randint(0, VOCAB, (batch,), generator=g)
+            for t in range(SEQ):
+                x[:, t + 1] = (7 * x[:, t] + 3) % VOCAB
+            noise = torch.rand(batch, SEQ + 1, generator=g) < 0.2
+            x[noise] = torch.randint(0, VOCAB, (int(noise.sum()),), generator=g)
+            out.append(x)
+        return out
+
+    data = pattern_batches({steps}, 8)
+    out["converge"] = {{}}
+    for mode in (None, "int8", "fp8"):
+        model = tierlift.zero.shard(make_model(), stage=3, hierarchy="node", grad_comm=mode)
+        opt = tierlift.optim.AdamW(model.parameters(), lr=3e-3)
+        out["converge"][str(mode)] = torch.tensor(train(model, opt, data, accum=1, clip=1.0,
+                                                        world=world, rank=rank, zero=True))
+""")
+
 LOAD = textwrap.dedent("""
     import tierlift
     from zero_model import batches, make_model, train
@@ -70,7 +99,8 @@ def two_by_two(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("hier")
     ckpt = root / "ckpt"
-    out = run_torchrun(TRAIN, root, timeout=300, nnodes=2, nproc=2, ckpt=str(ckpt))
+    out = run_torchrun(TRAIN + CONVERGE, root, timeout=400, nnodes=2, nproc=2, ckpt=str(ckpt),
+                       steps=CONVERGE_STEPS)
     return out, ckpt
 
 
@@ -266,41 +296,15 @@ def test_composes_with_offload_and_fp8_gather(tmp_path):
     assert out["fp8-hier-int8-inter"] < out["fp8-plain-inter"] / 4
 
 
-CONVERGE = textwrap.dedent("""
-    import tierlift
-    from zero_model import VOCAB, SEQ, make_model, train
-
-    def pattern_batches(steps, batch):
-        # Learnable sequences: each token follows from the previous one, one in five is noise.
-        g = torch.Generator().manual_seed(3)
-        out = []
-        for _ in range(steps):
-            x = torch.empty(batch, SEQ + 1, dtype=torch.long)
-            x[:, 0] = torch.randint(0, VOCAB, (batch,), generator=g)
-            for t in range(SEQ):
-                x[:, t + 1] = (7 * x[:, t] + 3) % VOCAB
-            noise = torch.rand(batch, SEQ + 1, generator=g) < 0.2
-            x[noise] = torch.randint(0, VOCAB, (int(noise.sum()),), generator=g)
-            out.append(x)
-        return out
-
-    data = pattern_batches({steps}, 8)
-    out = {{}}
-    for mode in (None, "int8", "fp8"):
-        model = tierlift.zero.shard(make_model(), stage=3, hierarchy="node", grad_comm=mode)
-        opt = tierlift.optim.AdamW(model.parameters(), lr=3e-3)
-        out[str(mode)] = torch.tensor(train(model, opt, data, accum=1, clip=1.0, world=world,
-                                            rank=rank, zero=True))
-""")
-
-
-def test_quantized_gradients_train_within_one_percent(tmp_path):
-    """200 steps of a small GPT on 2x2 ranks: the final loss (mean of the last 20 steps) with
-    int8 or fp8 cross-node gradients is within 1% of the fp32-gradient run's."""
-    from zero_model import run_torchrun
-
-    out = run_torchrun(CONVERGE, tmp_path, timeout=600, nnodes=2, nproc=2, steps=200)
+def test_quantized_gradients_train_within_one_percent(two_by_two):
+    """100 steps of a small GPT on 2x2 ranks: the final loss (mean of the last 20 steps) with
+    int8 or fp8 cross-node gradients is within 1% of the fp32-gradient run's. (At 100 steps the
+    loss is a fifth of its start; the gap there is 0.08% / 0.04%, and a quantizer broken by hand
+    is further off than at 200 steps: codes rounded to 9 levels 4.9% (200 steps: 1.3%), the other
+    node's gradients dropped 8.8% (2.9%).)"""
+    out = two_by_two[0]["converge"]
     base = out["None"]
+    assert len(base) == CONVERGE_STEPS
     assert base[-20:].mean() < 0.6 * base[:5].mean()  # it did learn
     for mode in ("int8", "fp8"):
         gap = abs(out[mode][-20:].mean() / base[-20:].mean() - 1).item()
