@@ -16,7 +16,8 @@ value, as before.
 A table mapped from its file by tierlift (a FeatureStore built from a path, or mapped again in
 another process or by deepcopy) watches that file (WatchedFile, io/file_watch.py's FileWatch):
 the mapping shows whatever is written to the file, so a rewrite in place is refused before the
-table is read again.
+table is read again. So do a holder's tensors that the user mapped (MappedFiles: a FeatureStore
+built from such a tensor, a NeighborSampler's or PyGGraphStore's edge arrays).
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ class FileRegion:
     path: str
     offset: int
     nbytes: int
-    identity: tuple[int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns
+    # st_dev, st_ino, st_size, st_mtime_ns (None: not compared, in a watch's; see file_region)
+    identity: tuple[int, int, int, int | None]
 
     def open(self, dtype: torch.dtype, shape: tuple[int, ...], *, owner: str = "FeatureStore",
              what: str = "feature file", holder: str = "store") -> torch.Tensor:
@@ -61,6 +63,10 @@ class FileRegion:
         array = np.memmap(self.path, dtype=np.uint8, mode="c", offset=self.offset,
                           shape=(self.nbytes,))
         return torch.from_numpy(array).view(dtype).view(shape)
+
+    def watch(self, *, what: str, holder: str) -> WatchedFile:
+        """A watch of the file from `identity` on (a rewrite since is refused)."""
+        return WatchedFile(self.path, self.identity, what=what, holder=holder)
 
 
 class WatchedFile:
@@ -102,6 +108,7 @@ class _Mapping:
     start: int
     end: int
     private: bool
+    writable: bool
     offset: int
     inode: int
     path: str
@@ -109,13 +116,17 @@ class _Mapping:
 
 
 _SMAPS = "/proc/self/smaps"
+_MAPS = "/proc/self/maps"
 
 
-def _mappings_over(start: int, end: int) -> list[_Mapping]:
-    """The mappings of this process that overlap [start, end), in address order."""
+def _mappings_over(start: int, end: int, source: str | None = None) -> list[_Mapping]:
+    """The mappings of this process that overlap [start, end), in address order. From
+    /proc/self/maps (`source`=_MAPS) without their written pages: the kernel writes it without
+    walking page tables, which smaps does for every mapping up to `start` (tens of milliseconds
+    in a process with torch and CUDA's libraries mapped)."""
     found: list[_Mapping] = []
     current = None
-    with open(_SMAPS) as f:
+    with open(_SMAPS if source is None else source) as f:
         for line in f:
             head = line.split(maxsplit=5)
             if "-" in head[0] and len(head) >= 5 and ":" in head[3]:  # a mapping's first line
@@ -124,7 +135,8 @@ def _mappings_over(start: int, end: int) -> list[_Mapping]:
                     break
                 current = None
                 if hi > start and lo < end:
-                    current = _Mapping(lo, hi, head[1].endswith("p"), int(head[2], 16),
+                    current = _Mapping(lo, hi, head[1].endswith("p"), head[1][1] == "w",
+                                       int(head[2], 16),
                                        int(head[4]), head[5].rstrip("\n") if len(head) > 5 else "")
                     found.append(current)
             elif current is not None and head[0] in ("Anonymous:", "Swap:"):
@@ -133,18 +145,64 @@ def _mappings_over(start: int, end: int) -> list[_Mapping]:
     return found
 
 
-def file_region(table: torch.Tensor, *, private_only: bool = False) -> FileRegion | None:
+_PAGEMAP = "/proc/self/pagemap"
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096  # (Linux only)
+_PRESENT, _SWAPPED, _FILE_PAGE = 1 << 63, 1 << 62, 1 << 61  # a pagemap entry's flags
+_PAGEMAP_CHUNK = 1 << 13  # pages read at a time (64 KiB of entries)
+
+
+def _all_written(start: int, end: int) -> bool:
+    """Whether every page of [start, end) is this process's own memory (a private mapping's
+    page written copy-on-write: in memory and not the file's, or swapped out), so that no byte
+    of it shows its file any more. Read from /proc/self/pagemap a chunk at a time, up to the
+    first page that still shows the file (not faulted in yet, or the file's page in the page
+    cache): usually in the first chunk. Not known (no pagemap): False."""
+    page, last = start // _PAGE, (end - 1) // _PAGE
+    try:
+        fd = os.open(_PAGEMAP, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        while page <= last:
+            count = min(last + 1 - page, _PAGEMAP_CHUNK)
+            data = os.pread(fd, 8 * count, 8 * page)
+            if len(data) != 8 * count:
+                return False
+            entry = np.frombuffer(data, dtype=np.uint64)
+            own = ((entry & np.uint64(_SWAPPED)) != 0) | (
+                ((entry & np.uint64(_PRESENT)) != 0) & ((entry & np.uint64(_FILE_PAGE)) == 0))
+            if not own.all():
+                return False
+            page += count
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return True
+
+
+def file_region(table: torch.Tensor, *, private_only: bool = False,
+                watch: bool = False) -> FileRegion | None:
     """Where `table` (a contiguous CPU tensor) lies in a regular file, or None: not file memory,
     a file deleted or replaced since it was mapped, or private pages written since. With
     `private_only`, also None for a shared mapping (np.memmap "r+", torch.from_file(shared=
-    True)): writes to `table` go to the file, so a mapping of it is no independent copy."""
+    True)): writes to `table` go to the file, so a mapping of it is no independent copy.
+
+    With `watch`, where a rewrite of the file in place would change what `table` reads: also a
+    private mapping with pages written since (its pages not written still show the file), unless
+    every page of `table` was (from /proc/self/pagemap; smaps is not read); and for a writable
+    shared mapping the identity's modification time is None: this process's own writes through
+    the mapping (edits of the tensor, which the file system may stamp) move it, so only the size
+    tells a rewrite there (io/file_watch.py)."""
     nbytes = table.numel() * table.element_size()
     if (table.device.type != "cpu" or nbytes == 0 or not table.is_contiguous()
             or not os.path.exists(_SMAPS)):
         return None
     start = table.data_ptr()
     end = start + nbytes
-    maps = _mappings_over(start, end)
+    maps = _mappings_over(start, end, _MAPS)
+    if not watch and any(m.private for m in maps) and maps[0].path.startswith("/"):
+        maps = _mappings_over(start, end)  # with their pages written copy-on-write
     if not maps or maps[0].start > start or maps[-1].end < end:
         return None
     first = maps[0]
@@ -155,7 +213,9 @@ def file_region(table: torch.Tensor, *, private_only: bool = False) -> FileRegio
         if (cur.start != prev.end or cur.path != path or cur.inode != first.inode
                 or cur.offset - first.offset != cur.start - first.start):
             return None
-    if any(m.private and m.written_kb for m in maps):
+    if watch and _all_written(start, end):
+        return None  # no page of it shows the file any more
+    if not watch and any(m.private and m.written_kb for m in maps):
         return None  # copy-on-write pages: rows the file does not hold
     if private_only and not all(m.private for m in maps):
         return None
@@ -168,7 +228,35 @@ def file_region(table: torch.Tensor, *, private_only: bool = False) -> FileRegio
     offset = first.offset + (start - first.start)
     if offset + nbytes > st.st_size:
         return None
-    return FileRegion(path, offset, nbytes, file_identity(st))
+    identity = file_identity(st)
+    if watch and any(m.writable and not m.private for m in maps):
+        identity = (*identity[:3], None)
+    return FileRegion(path, offset, nbytes, identity)
+
+
+class MappedFiles:
+    """The files that a holder's tensors, as the user gave them, are mappings of (np.memmap,
+    np.load(mmap_mode=...), torch.from_file, or tierlift's own mapping of a file), each watched
+    from now on (a WatchedFile): problem() before each read of the tensors says whether one was
+    rewritten in place since, which changes what they read. Found once, here, from the
+    process's mappings; tensors in memory of their own map no file, and then problem() makes no
+    system call at all. `what` and `holder` name the file and its holder in the messages
+    ("graph file", "sampler")."""
+
+    def __init__(self, tensors, *, what: str, holder: str):
+        self.files: dict[tuple, WatchedFile] = {}  # (st_dev, st_ino) -> its watch
+        for t in tensors:
+            region = file_region(t, watch=True) if isinstance(t, torch.Tensor) else None
+            if region is not None and region.identity[:2] not in self.files:
+                self.files[region.identity[:2]] = region.watch(what=what, holder=holder)
+
+    def problem(self) -> str | None:
+        """The first change found (a message naming the file), or None; once found, always."""
+        for file in self.files.values():
+            problem = file.problem()
+            if problem is not None:
+                return problem
+        return None
 
 
 @dataclass(frozen=True)

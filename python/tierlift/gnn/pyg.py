@@ -17,7 +17,7 @@ import torch
 from torch_geometric.data import EdgeAttr, GraphStore, TensorAttr
 from torch_geometric.data import FeatureStore as _PyGFeatureStore
 
-from tierlift.gnn.file_table import FileBackedPickling
+from tierlift.gnn.file_table import FileBackedPickling, MappedFiles
 from tierlift.gnn.store import FeatureStore
 
 
@@ -102,7 +102,9 @@ class PyGGraphStore(GraphStore, FileBackedPickling):
     torch's pickling copies the graph into /dev/shm (an OOM for a graph larger than RAM; for
     torch.from_file arrays it fails with 'Bad file descriptor'); here a worker maps the same
     file again, which must then be reachable and unchanged. Plain pickle and torch.save carry
-    the edges by value.
+    the edges by value. Edge arrays that are a mapping of a file are watched for a rewrite of
+    the file in place (another process writing some of its bytes), which is refused when they
+    are read next (get_edge_index, csc(), PyG's loaders) or pickled.
 
         gs = PyGGraphStore()
         gs.put_edge_index((row, colptr), edge_type=None, layout="csc", size=(n, n))
@@ -115,20 +117,58 @@ class PyGGraphStore(GraphStore, FileBackedPickling):
     def __init__(self):
         super().__init__()
         self._edges: dict[tuple, tuple] = {}
+        self._files: dict[tuple, MappedFiles] = {}  # the files each edge index maps
 
     @staticmethod
     def _key(attr: EdgeAttr) -> tuple:
         return (attr.edge_type, attr.layout.value, attr.is_sorted, attr.size)
 
+    @staticmethod
+    def _watch_files(edge_index) -> MappedFiles:
+        arrays = edge_index if isinstance(edge_index, (tuple, list)) else (edge_index,)
+        return MappedFiles(arrays, what="graph file", holder="graph store")
+
+    def _check_files(self, key: tuple | None = None) -> None:
+        """A rewrite in place of a file that an edge index maps (another process writing some
+        bytes of it) changes the edges read from then on, silently. Before each read: a stat
+        and a read of the process's fanotify queue per file; nothing for arrays in memory.
+        `key`: that edge index only (default: all)."""
+        for files in self._files.values() if key is None else (self._files.get(key),):
+            problem = None if files is None else files.problem()
+            if problem is not None:
+                raise RuntimeError(
+                    f"PyGGraphStore: {problem}. Refused: put the edge index again, mapped from "
+                    "its file as it is now (and build the loaders and samplers that use it "
+                    "again); to change the graph under a running job, write new files and "
+                    "os.replace() them onto the paths")
+
     def _put_edge_index(self, edge_index, edge_attr: EdgeAttr) -> bool:
-        self._edges[self._key(edge_attr)] = edge_index
+        key = self._key(edge_attr)
+        files = self._watch_files(edge_index)
+        self._edges[key], self._files[key] = edge_index, files
         return True
 
     def _get_edge_index(self, edge_attr: EdgeAttr):
-        return self._edges.get(self._key(edge_attr))
+        key = self._key(edge_attr)
+        self._check_files(key)
+        return self._edges.get(key)
 
     def _remove_edge_index(self, edge_attr: EdgeAttr) -> bool:
+        self._files.pop(self._key(edge_attr), None)
         return self._edges.pop(self._key(edge_attr), None) is not None
+
+    def __getstate__(self):
+        """Refused if a graph file was rewritten under the store: the copy's edges, by value or
+        as the file, would not be the store's. The watches stay here: a copy watches the files
+        its own arrays map (a spawned worker's, mapped again from the files)."""
+        self._check_files()
+        state = self.__dict__.copy()
+        state.pop("_files", None)
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._files = {key: self._watch_files(edges) for key, edges in self._edges.items()}
 
     def get_all_edge_attrs(self) -> list[EdgeAttr]:
         return [EdgeAttr(*key) for key in self._edges]

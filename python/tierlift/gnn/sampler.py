@@ -25,7 +25,7 @@ import torch
 from torch_geometric.data import Data, GraphStore
 from torch_geometric.sampler import BaseSampler, NodeSamplerInput, SamplerOutput
 
-from tierlift.gnn.file_table import FileBackedPickling
+from tierlift.gnn.file_table import FileBackedPickling, MappedFiles
 
 _HASH_PRIME = (1 << 31) - 1
 _KEYS_UP_TO = 8  # degrees up to this x fanout rank all their edges; above, draw and redraw
@@ -128,6 +128,7 @@ class NeighborSampler(BaseSampler, FileBackedPickling):
                             f"edge_index tensor, got {type(graph).__name__}")
         self.colptr, self.row, self._perm = colptr.cpu(), row.cpu(), perm
         self.num_nodes = self.colptr.numel() - 1
+        self._files = self._watch_files()
 
     # CSC arrays that are a mapped file (a GraphStore holding np.memmap or torch.from_file
     # tensors) reach a spawned DataLoader worker as a reference to the file, which it maps
@@ -136,9 +137,44 @@ class NeighborSampler(BaseSampler, FileBackedPickling):
     _file_state_keys = ("colptr", "row", "_perm")
     _file_names = {"owner": "NeighborSampler", "what": "graph file", "holder": "sampler"}
 
+    def _watch_files(self) -> MappedFiles:
+        """The files the CSC arrays are mappings of (a GraphStore's np.memmap or torch.from_file
+        arrays, kept as they are: no copy), watched from here on; none for arrays in memory."""
+        return MappedFiles((self.colptr, self.row, self._perm), what="graph file",
+                           holder="sampler")
+
+    def _check_files(self) -> None:
+        """A rewrite in place of a file the CSC arrays map (another process writing some bytes
+        of it, np.save to its path) changes the neighbourhoods sampled from then on, silently,
+        and can put node ids past those checked when the sampler was built. Before each sample:
+        a stat and a read of the process's fanotify queue per file; nothing for arrays in
+        memory. A file replaced at its path (os.replace) or removed is not seen by the mapping,
+        which keeps the old file's bytes: not refused."""
+        problem = self._files.problem()
+        if problem is not None:
+            raise RuntimeError(
+                f"NeighborSampler: {problem}. Refused: build a new NeighborSampler from the "
+                "graph as its files hold it now; to change the graph under a running sampler, "
+                "write new files and os.replace() them onto the paths")
+
+    def __getstate__(self):
+        """Refused if a graph file was rewritten under the sampler: the copy's edges, by value
+        or as the file, would not be the sampler's. The watches stay here: a copy watches the
+        files its own arrays map (a spawned worker's, mapped again from the files)."""
+        self._check_files()
+        state = self.__dict__.copy()
+        state.pop("_files", None)
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._files = self._watch_files()
+
     @property
     def edge_permutation(self):
         """CSC position -> edge id in the graph as given (PyG maps `e_id` through it)."""
+        if self._perm is not None:
+            self._check_files()
         return self._perm
 
     @property
@@ -174,7 +210,9 @@ class NeighborSampler(BaseSampler, FileBackedPickling):
 
     def sample(self, seeds: torch.Tensor):
         """Samples around `seeds` (1-D int tensor of node ids). Returns (node, row, col, edge,
-        num_sampled_nodes, num_sampled_edges) in PyG's SamplerOutput conventions."""
+        num_sampled_nodes, num_sampled_edges) in PyG's SamplerOutput conventions. Refused
+        (RuntimeError) once a file the graph's arrays map was rewritten in place."""
+        self._check_files()
         if seeds.dim() != 1 or seeds.dtype.is_floating_point or seeds.dtype.is_complex \
                 or seeds.dtype == torch.bool:
             raise ValueError(f"seeds must be a 1-D integer tensor, got {seeds.dtype} "

@@ -25,7 +25,13 @@ import numpy as np
 import torch
 
 from tierlift import _extension, ops
-from tierlift.gnn.file_table import FileBackedPickling, WatchedFile, file_identity, mapped_again
+from tierlift.gnn.file_table import (
+    FileBackedPickling,
+    WatchedFile,
+    file_identity,
+    file_region,
+    mapped_again,
+)
 
 _PIN_MODES = ("inplace", "copy")
 _CACHE_POLICIES = ("degree", "frequency")
@@ -188,9 +194,12 @@ class FeatureStore(FileBackedPickling):
     each gather, except a CUDA store's cached rows and pin="copy" copy, taken at build. Changes
     torch can see (in-place ops, which count a version; new memory under the tensor, as
     `features.data = ...` or a module's `.half()` give) make gather raise, on every device.
-    Changes it cannot see (through numpy or a rewritten file, `features.data.mul_()`, inference
-    tensors, torch's fused=True optimizers) would mix old and new rows on such a CUDA store:
-    build a new store after editing the features.
+    Changes it cannot see (through numpy, `features.data.mul_()`, inference tensors, torch's
+    fused=True optimizers) would mix old and new rows on such a CUDA store: build a new store
+    after editing the features. Features that are a file's mapping (a path, np.memmap,
+    np.load(mmap_mode=...), torch.from_file) are watched: a rewrite of the file in place is
+    refused at the next gather (this process's own writes through a writable shared mapping are
+    edits of the features, as above).
 
     Args:
         features: CPU tensor (contiguous, at least 1-D, rows along dim 0) or path to an .npy
@@ -250,6 +259,13 @@ class FeatureStore(FileBackedPickling):
             table = self._pin(table, file_backed)
             self._new_bad_index_flags()
         self._table = table
+        if self._file is None:
+            # The user's mapping of a file (np.memmap, np.load(mmap_mode=...), torch.from_file)
+            # shows a rewrite of the file as a path's does: watched the same way, where the store
+            # reads it (not under a pin="copy" copy). Found once, from the process's mappings: a
+            # table in memory of its own has no watch, and its gathers make no system call more.
+            region = file_region(table, watch=True)
+            self._file = None if region is None else region.watch(**_FILE_NAMES)
         # The caller's tensor, its version and its memory: an in-place edit of it after this
         # point, or new memory put under it (features.data = ...), would reach a CUDA store's
         # table but not its cached copies (nor a pin="copy" copy), so gathers would mix old and
@@ -585,7 +601,8 @@ class FeatureStore(FileBackedPickling):
                                "method, or a device='cpu' store in workers")
 
     def _check_file(self) -> None:
-        """A store built from a path maps its file: a rewrite in place (np.save to the same path,
+        """A store built from a path maps its file (one built from a tensor may be the user's
+        mapping of one): a rewrite in place (np.save to the same path,
         or another process writing some bytes of it) puts other bytes under the rows not yet
         read (a shorter file: zeros, or SIGBUS past its end; another shape: rows of another
         table), while rows already copied (a CUDA store's cache, pages written copy-on-write)

@@ -27,7 +27,9 @@ data before it, and a copy of the file carries the same word.
 A file the job only reads through its own mapping of it (a GNN feature file: add(...,
 mapped_by=...)) is checked the other way round by stat: a name that now points to another file,
 or to none, is harmless (the mapping keeps the file it mapped), while a change of its size or
-modification time, by this process too, is refused (a rewrite in place, which the mapping shows).
+modification time, by this process too, is refused (a rewrite in place, which the mapping shows);
+only its size where this process may write through a shared mapping of it (a user's np.memmap
+"r+": those writes are edits, which move the modification time too).
 
 Not seen: another process writing through its own shared mapping of the file (no event), and
 writes from another machine to a network file system. Refused though harmless: `touch -m`
@@ -121,6 +123,10 @@ class _Notifier:
 
     def mark(self, path: str, ref: weakref.ref) -> tuple:
         """Marks `path` for the watch `ref` refers to; returns the file's handle."""
+        # Events already queued (the file written while other watches marked it) are theirs:
+        # handed out before this watch is recorded, they would refuse the new one for a write
+        # made before it was taken. (Outside `marks`: drain() may run a finalizer's unmark.)
+        self.drain()
         with self.marks:
             key = self.handle(path)
             # Recorded before the kernel mark is added: an unmark of the same file run by the
@@ -272,7 +278,8 @@ class FileWatch:
         """`mapped_by` (who maps it: "the store"): a file the job only reads through its own
         mapping, checked by stat for a rewrite in place (see the module's docstring).
         `identity`: its file_identity when it was mapped (default: now), so that a rewrite
-        between the mapping and this call is refused too."""
+        between the mapping and this call is refused too; a modification time of None is not
+        compared (a file this process may write through a shared mapping of its own)."""
         st = os.stat(path)
         identity = file_identity(st) if identity is None else tuple(identity)
         if mapped_by is None:
@@ -328,7 +335,9 @@ class FileWatch:
                 st = os.stat(path)
             except OSError:  # removed: the mapping keeps the file
                 return None
-            if (st.st_dev, st.st_ino) != f.identity[:2] or file_identity(st) == f.identity:
+            now = file_identity(st)
+            if now[:2] != f.identity[:2] or all(
+                    then is None or then == n for n, then in zip(now, f.identity, strict=True)):
                 return None  # (replaced: the mapping keeps the file it mapped)
             return (f"{path!r} ({f.what}) was rewritten in place since {f.mapped_by} mapped it "
                     f"(its size or modification time changed), so what the mapping shows is no "
