@@ -35,6 +35,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -108,6 +109,77 @@ def _run(args: list[str], env: dict[str, str], timeout: float) -> str:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{args} exited {proc.returncode}:\n{out[-6000:]}"
     return out
+
+
+def _contenders_args(max_grad_norm: float) -> list[str]:
+    ratio = bool(max_grad_norm)
+    return ["--finetune-check", "--tier", "cpu", "--overlap", "--contenders",
+            "tierlift,deepspeed-super,deepspeed,deepspeed-zero2"
+            + (",deepspeed-ratio" if ratio else ""),
+            *(["--device-fraction", "0.3"] if ratio else []),
+            "--max-grad-norm", str(max_grad_norm), "--timeout", "600"]
+
+
+def _nvme_args(folder: Path) -> list[str]:
+    disk = folder / "io.json"
+    disk.write_text(json.dumps({"gbps": {"fio": {"read": 1.0, "write": 1.0}}}))
+    return ["--finetune-check", "--tier", "nvme", "--contenders", "tierlift,deepspeed-nvme",
+            "--max-grad-norm", "0", "--disk-json", str(disk), "--dir", str(folder),
+            "--timeout", "600"]
+
+
+class _Started:
+    """One bench_offload.py command started in the background, its output in a file."""
+
+    def __init__(self, args: list[str], env: dict[str, str], timeout: float, log: Path):
+        self.args, self.timeout, self.log = args, timeout, log
+        with open(log, "w") as f:
+            self.proc = subprocess.Popen([sys.executable, str(BENCH), *args], cwd=ROOT, env=env,
+                                         stdout=f, stderr=subprocess.STDOUT)
+        self.deadline = time.monotonic() + timeout
+
+    def output(self) -> str:
+        """_run's answer: waits for the command (within its timeout from its start) and fails
+        the test unless it exited 0."""
+        try:
+            self.proc.wait(timeout=max(0.0, self.deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise subprocess.TimeoutExpired(self.args, self.timeout) from None
+        out = self.log.read_text(errors="replace")
+        assert self.proc.returncode == 0, \
+            f"{self.args} exited {self.proc.returncode}:\n{out[-6000:]}"
+        return out
+
+
+@pytest.fixture(scope="module")
+def finetune_checks(ds_env, tmp_path_factory, request):
+    """The finetune-check commands of the three tests below, started together when the first of
+    them runs: each runs its cases one after another and keeps about one core busy (imports,
+    DeepSpeed's set-up: 24 s of CPU in 25 s for the unclipped one), so on the 2-core CI machine
+    they overlap (91 s one after another, 72 s together, on the VM beside another test run).
+    Each command is the one its test ran alone, with a MASTER_PORT of its own; each test waits
+    for its own and checks it alone. Only the selected tests' commands start."""
+    selected = {(item.originalname, getattr(getattr(item, "callspec", None), "params", {})
+                 .get("max_grad_norm")) for item in request.session.items
+                if item.module is request.module}
+    started: dict[object, _Started] = {}
+    logs = tmp_path_factory.mktemp("finetune-logs")
+    for norm in (0.0, 1.0):
+        if ("test_finetune_check_deepspeed_contenders", norm) in selected:
+            started[norm] = _Started(_contenders_args(norm), {**ds_env, "MASTER_PORT": str(
+                _free_port())}, 1500, logs / f"contenders-{norm}.log")
+    if ("test_finetune_check_deepspeed_nvme", None) in selected:
+        folder = tmp_path_factory.mktemp("nvme")
+        started["nvme"] = _Started(_nvme_args(folder), {**ds_env, "MASTER_PORT": str(
+            _free_port())}, 900, logs / "nvme.log")
+        started["nvme"].folder = folder
+    yield started
+    for s in started.values():
+        if s.proc.poll() is None:
+            s.proc.kill()
+            s.proc.wait()
 
 
 def test_need_refuses_what_would_shadow_this_python():
@@ -203,16 +275,12 @@ RATIO_CASE = "deepspeed zero3 offload_optimizer=cpu ratio=0.625 (device_fraction
 
 @pytest.mark.slow
 @pytest.mark.parametrize("max_grad_norm", [0.0, 1.0])
-def test_finetune_check_deepspeed_contenders(ds_env, max_grad_norm):
+def test_finetune_check_deepspeed_contenders(finetune_checks, max_grad_norm):
     """The DeepSpeed contenders in one command: SuperOffload (CUDA only) refused in its row
     before its process starts, the others measured after it; clipped, ratio too, beside
     tierlift's split (once: its step is ZeRO-3's, ~15 s of this VM)."""
     ratio = bool(max_grad_norm)
-    out = _run(["--finetune-check", "--tier", "cpu", "--overlap", "--contenders",
-                "tierlift,deepspeed-super,deepspeed,deepspeed-zero2"
-                + (",deepspeed-ratio" if ratio else ""),
-                *(["--device-fraction", "0.3"] if ratio else []),
-                "--max-grad-norm", str(max_grad_norm), "--timeout", "600"], ds_env, timeout=1500)
+    out = finetune_checks[max_grad_norm].output()
     errors = re.findall(r"^(?:tierlift|deepspeed|deepspeed-zero2|deepspeed-ratio): (?:timed "
                         r"out|failed|exited without).*$", out, re.M)
     assert not errors, f"{errors}\n{out[-6000:]}"
@@ -326,16 +394,13 @@ def test_ratio_keeps_what_device_fraction_keeps(ds_env):
 
 
 @pytest.mark.slow
-def test_finetune_check_deepspeed_nvme(ds_env, tmp_path):
+def test_finetune_check_deepspeed_nvme(finetune_checks):
     """deepspeed-nvme beside tierlift's NVMe tier: its last step read and wrote exactly its swap
     files (fp32 master, m, v and the gradient pieces of 4 KiB and more: the check's lowered least
     swap size), 12 to 16 B/param each way, through the aio settings meant, and the step against
     the roofline of a synthetic 1 GB/s disk for those bytes."""
-    disk = tmp_path / "io.json"
-    disk.write_text(json.dumps({"gbps": {"fio": {"read": 1.0, "write": 1.0}}}))
-    out = _run(["--finetune-check", "--tier", "nvme", "--contenders", "tierlift,deepspeed-nvme",
-                "--max-grad-norm", "0", "--disk-json", str(disk), "--dir", str(tmp_path),
-                "--timeout", "600"], ds_env, timeout=900)
+    started = finetune_checks["nvme"]
+    out = started.output()
     case = "deepspeed zero3 offload_optimizer=nvme (check: least swap size lowered)"
     assert _rows(out).get(case, {}).get("step_s", 0) > 0, out[-6000:]
     m = re.search(re.escape(case) + r": last step read ([0-9.e+-]+) GB and wrote ([0-9.e+-]+) GB "
@@ -352,7 +417,8 @@ def test_finetune_check_deepspeed_nvme(ds_env, tmp_path):
     assert buffers * 1e9 >= 4 * 4 * n
     assert roof == pytest.approx(read + written, rel=2e-3)  # 1 GB/s each way
     assert ratio == pytest.approx(step / roof, rel=0.01)
-    assert list(tmp_path.iterdir()) == [disk]  # each case's folder removed after it
+    # each case's folder removed after it
+    assert list(started.folder.iterdir()) == [started.folder / "io.json"]
 
 
 @pytest.mark.slow
