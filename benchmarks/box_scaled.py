@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import resource
@@ -129,13 +130,26 @@ def train(case: dict) -> dict:
                       if isinstance(v, (int, float))}}
 
 
-def run_child(case: dict) -> dict:
+def run_child(case: dict, reuse: str | None = None) -> dict:
+    """One run in a process of its own. With `reuse` (a folder), a run of the same case (all but
+    its weights path) kept there by an earlier invocation is taken instead, and a new one kept."""
+    kept = None
+    if reuse is not None:
+        same = json.dumps({k: v for k, v in case.items() if k != "weights"}, sort_keys=True)
+        kept = Path(reuse) / hashlib.sha256(same.encode()).hexdigest()[:16]
+        if kept.with_suffix(".json").exists():
+            shutil.copyfile(kept.with_suffix(".pt"), case["weights"])
+            return json.loads(kept.with_suffix(".json").read_text())
     out = subprocess.run([sys.executable, __file__, "--child", json.dumps(case)],
                          capture_output=True, text=True, timeout=3600,
                          env={**os.environ, "PYTHONPATH": str(ROOT / "python")})
     if out.returncode != 0:
         raise SystemExit(f"{case['opt']!r} run failed:\n{out.stdout}\n{out.stderr}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    if kept is not None:
+        shutil.copyfile(case["weights"], kept.with_suffix(".pt"))
+        kept.with_suffix(".json").write_text(json.dumps(got))  # last: it marks the run kept
+    return got
 
 
 def main(argv=None) -> int:
@@ -147,6 +161,10 @@ def main(argv=None) -> int:
     ap.add_argument("--state-dtype", choices=["fp32", "bf16"], default="fp32",
                     help="optimizer state of the planned and in-memory tierlift runs")
     ap.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/)")
+    ap.add_argument("--reuse-runs", default=None, metavar="DIR",
+                    help="keep each run in DIR and take one of the same case (model, steps, "
+                         "optimizer) from an earlier invocation instead of running it again: "
+                         "the torch AdamW and SGD runs do not depend on --state-dtype")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -189,7 +207,7 @@ def main(argv=None) -> int:
         res, weights = {}, {}
         for i, (name, opt) in enumerate(runs.items()):
             path = os.path.join(tmp, f"{i}.pt")
-            res[name] = run_child({**common, "opt": opt, "weights": path})
+            res[name] = run_child({**common, "opt": opt, "weights": path}, args.reuse_runs)
             weights[name] = torch.load(path)
     got, mem, ref, sgd = res.values()
     a, b, c = weights[planned], weights[in_memory], weights["torch AdamW"]

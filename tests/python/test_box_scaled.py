@@ -17,13 +17,22 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.fixture(scope="module")
+def shared_runs(tmp_path_factory):
+    """The torch AdamW and SGD runs (2 of each case's 4 processes) are the same for both state
+    dtypes: the second case takes the first's (box_scaled.py --reuse-runs; its planned and
+    in-memory tierlift runs are its own)."""
+    return tmp_path_factory.mktemp("box-runs")
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting the scaled drive needs root")
 @pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
-def test_the_scaled_13b_model_trains_within_the_scaled_box(tmp_path, state_dtype):
+def test_the_scaled_13b_model_trains_within_the_scaled_box(tmp_path, state_dtype, shared_runs):
     out = tmp_path / "box.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "box_scaled.py"),
                            "--scale", "1024", "--steps", "2", "--probe-mib", "4",
-                           "--state-dtype", state_dtype, "--out", str(out)],
+                           "--state-dtype", state_dtype, "--out", str(out),
+                           "--reuse-runs", str(shared_runs)],
                           capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, PYTHONPATH=str(ROOT / "python")))
     if "could not mount" in proc.stderr:
