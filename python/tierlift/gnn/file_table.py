@@ -259,6 +259,24 @@ class MappedFiles:
         return None
 
 
+class WatchesItsFiles:
+    """Mixin of a holder whose tensors may be mapped files, watched in `self._files` (made by
+    its `_watch_files()`, checked by its `_check_files()`): pickling is refused once a file was
+    rewritten under it (the copy's tensors, by value or as the file, would not be the holder's).
+    The watches stay here: a copy watches the files its own tensors map (a spawned worker's,
+    mapped again from the files)."""
+
+    def __getstate__(self):
+        self._check_files()
+        state = self.__dict__.copy()
+        state.pop("_files", None)
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._files = self._watch_files()
+
+
 @dataclass(frozen=True)
 class FileTensor:
     """What a file-backed tensor pickles as: its file's place, dtype and shape."""

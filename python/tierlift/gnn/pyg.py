@@ -17,7 +17,7 @@ import torch
 from torch_geometric.data import EdgeAttr, GraphStore, TensorAttr
 from torch_geometric.data import FeatureStore as _PyGFeatureStore
 
-from tierlift.gnn.file_table import FileBackedPickling, MappedFiles
+from tierlift.gnn.file_table import FileBackedPickling, MappedFiles, WatchesItsFiles
 from tierlift.gnn.store import FeatureStore
 
 
@@ -95,7 +95,7 @@ class PyGFeatureStore(_PyGFeatureStore):
         self._stores.clear()
 
 
-class PyGGraphStore(GraphStore, FileBackedPickling):
+class PyGGraphStore(WatchesItsFiles, GraphStore, FileBackedPickling):
     """A PyG GraphStore (edge indices kept as put) whose edge arrays that are a mapped file
     (np.memmap, torch.from_file) reach spawned DataLoader workers as a reference to the file.
     PyG's loaders pickle their (feature_store, graph_store) into spawned workers, and by value
@@ -124,9 +124,12 @@ class PyGGraphStore(GraphStore, FileBackedPickling):
         return (attr.edge_type, attr.layout.value, attr.is_sorted, attr.size)
 
     @staticmethod
-    def _watch_files(edge_index) -> MappedFiles:
+    def _watch_edges(edge_index) -> MappedFiles:
         arrays = edge_index if isinstance(edge_index, (tuple, list)) else (edge_index,)
         return MappedFiles(arrays, what="graph file", holder="graph store")
+
+    def _watch_files(self) -> dict[tuple, MappedFiles]:
+        return {key: self._watch_edges(edges) for key, edges in self._edges.items()}
 
     def _check_files(self, key: tuple | None = None) -> None:
         """A rewrite in place of a file that an edge index maps (another process writing some
@@ -144,7 +147,7 @@ class PyGGraphStore(GraphStore, FileBackedPickling):
 
     def _put_edge_index(self, edge_index, edge_attr: EdgeAttr) -> bool:
         key = self._key(edge_attr)
-        files = self._watch_files(edge_index)
+        files = self._watch_edges(edge_index)
         self._edges[key], self._files[key] = edge_index, files
         return True
 
@@ -156,19 +159,6 @@ class PyGGraphStore(GraphStore, FileBackedPickling):
     def _remove_edge_index(self, edge_attr: EdgeAttr) -> bool:
         self._files.pop(self._key(edge_attr), None)
         return self._edges.pop(self._key(edge_attr), None) is not None
-
-    def __getstate__(self):
-        """Refused if a graph file was rewritten under the store: the copy's edges, by value or
-        as the file, would not be the store's. The watches stay here: a copy watches the files
-        its own arrays map (a spawned worker's, mapped again from the files)."""
-        self._check_files()
-        state = self.__dict__.copy()
-        state.pop("_files", None)
-        return state
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        self._files = {key: self._watch_files(edges) for key, edges in self._edges.items()}
 
     def get_all_edge_attrs(self) -> list[EdgeAttr]:
         return [EdgeAttr(*key) for key in self._edges]

@@ -25,7 +25,7 @@ import torch
 from torch_geometric.data import Data, GraphStore
 from torch_geometric.sampler import BaseSampler, NodeSamplerInput, SamplerOutput
 
-from tierlift.gnn.file_table import FileBackedPickling, MappedFiles
+from tierlift.gnn.file_table import FileBackedPickling, MappedFiles, WatchesItsFiles
 
 _HASH_PRIME = (1 << 31) - 1
 _KEYS_UP_TO = 8  # degrees up to this x fanout rank all their edges; above, draw and redraw
@@ -79,7 +79,7 @@ def _check_fanouts(num_neighbors) -> list[int]:
     return list(num_neighbors)
 
 
-class NeighborSampler(BaseSampler, FileBackedPickling):
+class NeighborSampler(WatchesItsFiles, BaseSampler, FileBackedPickling):
     """Uniform neighbour sampling without replacement, one fanout per hop, seeded.
 
     Args:
@@ -156,19 +156,6 @@ class NeighborSampler(BaseSampler, FileBackedPickling):
                 f"NeighborSampler: {problem}. Refused: build a new NeighborSampler from the "
                 "graph as its files hold it now; to change the graph under a running sampler, "
                 "write new files and os.replace() them onto the paths")
-
-    def __getstate__(self):
-        """Refused if a graph file was rewritten under the sampler: the copy's edges, by value
-        or as the file, would not be the sampler's. The watches stay here: a copy watches the
-        files its own arrays map (a spawned worker's, mapped again from the files)."""
-        self._check_files()
-        state = self.__dict__.copy()
-        state.pop("_files", None)
-        return state
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        self._files = self._watch_files()
 
     @property
     def edge_permutation(self):
